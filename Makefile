@@ -1,0 +1,42 @@
+# The two front-door commands: `make demo` and `make test`. Each does all set-up on a fresh
+# Debian machine as root: system packages, .venv, CRIU 4.x in .cache/criu, the C libraries.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := .cache/stamps
+
+.PHONY: demo test build setup system criu bench clean
+demo: build criu
+	$(PY) -m cuinterpose.agent.demo
+
+test: build criu
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+bench: build
+	$(PY) bench/phases.py
+
+# Rebuilds the C libraries incrementally (editable install; Python sources are used in place).
+build: setup
+	$(PY) -m pip install --quiet --no-build-isolation --no-deps --editable .
+
+setup: $(STAMP)/venv
+
+system: $(STAMP)/system
+$(STAMP)/system: scripts/bootstrap-debian.sh
+	bash scripts/bootstrap-debian.sh
+	@mkdir -p $(STAMP) && touch $@
+
+$(STAMP)/venv: pyproject.toml $(STAMP)/system
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet scikit-build-core==1.1.2 nvidia-cuda-runtime==13.1.80
+	$(PY) -m pip install --quiet --no-build-isolation --editable '.[test]'
+	@mkdir -p $(STAMP) && touch $@
+
+criu: $(STAMP)/criu
+$(STAMP)/criu: scripts/install-criu.sh $(STAMP)/system
+	bash scripts/install-criu.sh
+	@mkdir -p $(STAMP) && touch $@
+
+clean:
+	rm -rf build $(VENV) .cache

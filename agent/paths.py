@@ -1,0 +1,59 @@
+"""Where the installed cuinterpose artifacts live.
+
+The C libraries are built by scikit-build-core into the package directory
+``cuinterpose/lib`` (shim) and ``cuinterpose/lib/fakecuda`` (fakecuda's ``libcuda.so.1``).
+``CUINTERPOSE_LIB_DIR`` overrides the search (a directory holding ``libcuinterpose.so``).
+Every function raises ``FileNotFoundError`` naming what was looked for and where.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+
+import cuinterpose
+
+SHIM_NAME = "libcuinterpose.so"
+FAKECUDA_NAME = "libcuda.so.1"
+
+
+def lib_dir() -> pathlib.Path:
+    """Directory holding ``libcuinterpose.so`` (and ``fakecuda/libcuda.so.1``)."""
+    override = os.environ.get("CUINTERPOSE_LIB_DIR")
+    candidates = [pathlib.Path(override)] if override else []
+    candidates += [pathlib.Path(p) / "lib" for p in cuinterpose.__path__]
+    for cand in candidates:
+        if (cand / SHIM_NAME).is_file():
+            return cand.resolve()
+    raise FileNotFoundError(
+        f"{SHIM_NAME} not found in {', '.join(str(c) for c in candidates)}; "
+        "build it with `make build` (pip install -e .)")
+
+
+def shim_path() -> pathlib.Path:
+    """Absolute path of the LD_PRELOAD shim, ``libcuinterpose.so``."""
+    return lib_dir() / SHIM_NAME
+
+
+def fakecuda_dir() -> pathlib.Path:
+    """Directory to put on ``LD_LIBRARY_PATH`` to load fakecuda as ``libcuda.so.1``."""
+    d = lib_dir() / "fakecuda"
+    if not (d / FAKECUDA_NAME).is_file():
+        raise FileNotFoundError(f"fakecuda {FAKECUDA_NAME} not found in {d}; run `make build`")
+    return d
+
+
+def include_dir() -> pathlib.Path:
+    """Directory holding ``cuinterpose/protocol.h`` (installed copy, or the source tree's)."""
+    for p in cuinterpose.__path__:
+        inc = pathlib.Path(p) / "include"
+        if (inc / "cuinterpose" / "protocol.h").is_file():
+            return inc.resolve()
+    src = pathlib.Path(__file__).resolve().parent.parent / "interposer" / "include"
+    if (src / "cuinterpose" / "protocol.h").is_file():
+        return src
+    raise FileNotFoundError("cuinterpose/protocol.h not found")
+
+
+def control_dir() -> pathlib.Path:
+    """The shim's control directory: ``$CUINTERPOSE_CONTROL_DIR`` or ``/tmp/cuinterpose``."""
+    return pathlib.Path(os.environ.get("CUINTERPOSE_CONTROL_DIR", "/tmp/cuinterpose"))

@@ -1,0 +1,88 @@
+"""Shared fixtures. Each area keeps its own fixtures in tests/<area>/conftest.py.
+
+- ``cuda_include``: the pinned wheel's CUDA include directory (cuda.h).
+- ``build_c``: compile a C program against cuda.h and protocol.h into a cached build dir,
+  optionally with ASan/UBSan (``sanitize=True``); returns the executable path.
+- ``fake_env``: an environment dict that runs a child on fakecuda with a private control
+  directory and call log: LD_LIBRARY_PATH=<fakecuda dir>, FAKECUDA_LOG, CUINTERPOSE_CONTROL_DIR.
+  Add ``LD_PRELOAD=shim_path`` for the shim.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+from cuda_include_dir import cuda_include_dir  # noqa: E402
+
+from cuinterpose.agent import paths  # noqa: E402
+
+C_BUILD = REPO / "build" / "tests"
+SANITIZE_FLAGS = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all",
+                  "-fno-omit-frame-pointer"]
+
+
+@pytest.fixture(scope="session")
+def cuda_include() -> pathlib.Path:
+    return cuda_include_dir()
+
+
+@pytest.fixture(scope="session")
+def shim_path() -> pathlib.Path:
+    return paths.shim_path()
+
+
+@pytest.fixture(scope="session")
+def fakecuda_dir() -> pathlib.Path:
+    return paths.fakecuda_dir()
+
+
+def compile_c(sources, out_name, *, cuda_include, sanitize=False, extra=(), libs=("-ldl", "-lpthread")):
+    """Compile ``sources`` (paths) into build/tests/<out_name>[-asan]; rebuild when inputs change."""
+    sources = [pathlib.Path(s) for s in sources]
+    flags = ["-std=gnu11", "-O1", "-g", "-Wall", "-Wextra", "-Wno-unused-parameter",
+             f"-I{cuda_include}", f"-I{REPO / 'interposer' / 'include'}", *extra]
+    if sanitize:
+        flags += SANITIZE_FLAGS
+        out_name += "-asan"
+    key = hashlib.sha256()
+    for s in sources:
+        key.update(s.read_bytes())
+    key.update(" ".join(flags + list(libs)).encode())
+    C_BUILD.mkdir(parents=True, exist_ok=True)
+    exe = C_BUILD / out_name
+    stamp = C_BUILD / (out_name + ".sha256")
+    if exe.exists() and stamp.exists() and stamp.read_text() == key.hexdigest():
+        return exe
+    cmd = ["cc", *flags, "-o", str(exe), *map(str, sources), *libs]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"compile failed: {' '.join(cmd)}\n{res.stderr}")
+    stamp.write_text(key.hexdigest())
+    return exe
+
+
+@pytest.fixture(scope="session")
+def build_c(cuda_include):
+    def _build(sources, out_name, **kw):
+        return compile_c(sources, out_name, cuda_include=cuda_include, **kw)
+    return _build
+
+
+@pytest.fixture
+def fake_env(tmp_path, fakecuda_dir):
+    ctl = tmp_path / "ctl"
+    ctl.mkdir()
+    env = dict(os.environ)
+    env.pop("LD_PRELOAD", None)
+    env["LD_LIBRARY_PATH"] = str(fakecuda_dir)
+    env["FAKECUDA_LOG"] = str(tmp_path / "fakecuda.log")
+    env["CUINTERPOSE_CONTROL_DIR"] = str(ctl)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
