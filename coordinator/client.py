@@ -1,0 +1,235 @@
+"""Client side of the shim control socket: one request per connection (protocol.h).
+
+``ShimClient(socket_path, timeout_s).request(op, txn_id=..., expected_phase=...)`` connects,
+sends one ``cui_request``, reads the ``cui_reply``, its records and message with exact reads,
+and returns a :class:`Response`. A FETCH_FD reply's SCM_RIGHTS descriptor is returned in
+``Response.fd`` (the caller owns it; ``Response.close()`` or ``with`` closes it).
+
+``timeout_s`` bounds the whole request (connect + send + every read), not each syscall.
+
+The client never retries: a mutating op whose reply is lost cannot tell whether the
+mutation happened (protocol.h, "Request rules"). It does not interpret ``status`` either;
+refusals and failures come back as a normal :class:`Response` for the caller to judge.
+
+Errors (all subclass :class:`ShimClientError`, each names the socket and the pid):
+- :class:`ShimConnectError`: the socket is missing or refuses the connection.
+- :class:`ShimTimeout`: no complete reply within ``timeout_s``.
+- :class:`ShimProtocolError`: short read (peer closed early), bad magic/version, a reply for
+  another op or txn, an unexpected record size, too many bytes, or a stray descriptor.
+"""
+from __future__ import annotations
+
+import array
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+
+from .protocol import (CUI_PROTO_MAGIC, CUI_PROTO_VERSION, RECORD_SIZE, REPLY_SIZE, Op,
+                       ProtocolError, Record, Reply, Request, Status, alloc_id_bytes,
+                       pid_from_socket_path)
+
+__all__ = ["ShimClient", "Response", "ShimClientError", "ShimConnectError", "ShimTimeout",
+           "ShimProtocolError", "MAX_REPLY_BYTES"]
+
+#: Upper bound on records + message in one reply (32 MiB), a guard against garbage lengths.
+MAX_REPLY_BYTES = 32 << 20
+
+
+def _op_name(op) -> str:
+    try:
+        return Op(op).name
+    except ValueError:
+        return f"op {int(op)}"
+
+
+def _status_name(status) -> str:
+    try:
+        return Status(status).name
+    except ValueError:
+        return str(int(status))
+
+
+class ShimClientError(Exception):
+    """A request that got no usable reply. ``socket_path``, ``pid`` (may be None), ``op``."""
+
+    def __init__(self, message: str, *, socket_path: str, pid: int | None, op=None):
+        super().__init__(message)
+        self.socket_path = socket_path
+        self.pid = pid
+        self.op = op
+
+
+class ShimConnectError(ShimClientError):
+    """The control socket does not exist or refused the connection."""
+
+
+class ShimTimeout(ShimClientError):
+    """The shim did not answer completely within the request's timeout."""
+
+
+class ShimProtocolError(ShimClientError):
+    """The reply does not follow protocol.h (short read, bad header, stray FD, ...)."""
+
+
+@dataclass
+class Response:
+    """One shim reply: header, records, UTF-8 message, and the FETCH_FD descriptor (or None)."""
+    reply: Reply
+    records: list[Record] = field(default_factory=list)
+    message: str = ""
+    fd: int | None = None
+
+    @property
+    def status(self):
+        return self.reply.status
+
+    @property
+    def ok(self) -> bool:
+        return self.reply.status == Status.OK
+
+    def close(self) -> None:
+        """Close the received descriptor, if any (idempotent)."""
+        if self.fd is not None:
+            fd, self.fd = self.fd, None
+            os.close(fd)
+
+    def __enter__(self) -> "Response":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class ShimClient:
+    """Talks to one shim's control socket.
+
+    ``socket_path``: ``<control dir>/cuinterpose-<pid>.sock``. ``timeout_s``: seconds for a whole
+    request. ``pid``: for error messages; defaults to the pid in the socket name.
+    """
+
+    def __init__(self, socket_path: str | os.PathLike, timeout_s: float = 10.0, *,
+                 pid: int | None = None, sender_pid: int | None = None):
+        self.socket_path = os.fspath(socket_path)
+        self.timeout_s = float(timeout_s)
+        self.pid = pid if pid is not None else pid_from_socket_path(self.socket_path)
+        self.sender_pid = sender_pid if sender_pid is not None else os.getpid()
+
+    def __repr__(self) -> str:
+        return f"ShimClient({self.socket_path!r}, timeout_s={self.timeout_s})"
+
+    def _who(self) -> str:
+        who = f"pid {self.pid}" if self.pid is not None else "shim"
+        return f"{who} (socket {self.socket_path})"
+
+    def request(self, op: int, *, txn_id: int, expected_phase: int, alloc_id: bytes = b"",
+                timeout_s: float | None = None) -> Response:
+        """Send one request and return the shim's :class:`Response`.
+
+        ``op``: :class:`Op`; ``txn_id``: uint64; ``expected_phase``: :class:`Phase`;
+        ``alloc_id``: up to 16 bytes (FETCH_FD); ``timeout_s`` overrides the client default.
+        Raises :class:`ShimConnectError`, :class:`ShimTimeout`, :class:`ShimProtocolError`.
+        """
+        timeout = self.timeout_s if timeout_s is None else float(timeout_s)
+        deadline = time.monotonic() + timeout
+        op_name = _op_name(op)
+        req = Request(op=op, txn_id=txn_id, expected_phase=expected_phase,
+                      sender_pid=self.sender_pid, alloc_id=alloc_id_bytes(alloc_id or None))
+        fds: list[int] = []
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            try:
+                sock.settimeout(max(timeout, 1e-3))
+                sock.connect(self.socket_path)
+            except socket.timeout:
+                raise ShimTimeout(f"{op_name}: {self._who()}: connect timed out after "
+                                  f"{timeout:g} s", socket_path=self.socket_path, pid=self.pid,
+                                  op=op) from None
+            except OSError as exc:
+                raise ShimConnectError(f"{op_name}: cannot connect to {self._who()}: "
+                                       f"{exc.strerror or exc}", socket_path=self.socket_path,
+                                       pid=self.pid, op=op) from None
+            try:
+                self._set_deadline(sock, deadline)
+                sock.sendall(req.pack())
+                head = self._read_exact(sock, REPLY_SIZE, deadline, fds, "reply header", op)
+                try:
+                    reply = Reply.unpack(head)
+                except ProtocolError as exc:
+                    raise self._proto(op, f"bad reply header: {exc}") from None
+                self._check_header(reply, op, txn_id)
+                body_len = reply.record_count * reply.record_size + reply.message_len
+                if body_len > MAX_REPLY_BYTES:
+                    raise self._proto(op, f"reply announces {body_len} bytes of records and "
+                                          f"message, more than {MAX_REPLY_BYTES}")
+                raw = self._read_exact(sock, reply.record_count * reply.record_size, deadline,
+                                       fds, f"{reply.record_count} records", op)
+                msg = self._read_exact(sock, reply.message_len, deadline, fds, "message", op)
+            except socket.timeout:
+                raise ShimTimeout(f"{op_name}: {self._who()} did not reply within {timeout:g} s",
+                                  socket_path=self.socket_path, pid=self.pid, op=op) from None
+            except OSError as exc:
+                raise ShimProtocolError(f"{op_name}: {self._who()}: connection failed: "
+                                        f"{exc.strerror or exc}", socket_path=self.socket_path,
+                                        pid=self.pid, op=op) from None
+            try:
+                records = Record.unpack_many(raw, reply.record_count)
+            except ProtocolError as exc:
+                raise self._proto(op, f"bad record: {exc}") from None
+            if len(fds) > 1 or (fds and (op != Op.FETCH_FD or reply.status != Status.OK)):
+                raise self._proto(op, f"unexpected {len(fds)} descriptor(s) with status "
+                                      f"{_status_name(reply.status)} reply")
+            fd = fds.pop() if fds else None
+            return Response(reply=reply, records=records,
+                            message=msg.decode("utf-8", errors="replace"), fd=fd)
+        finally:
+            for fd in fds:
+                os.close(fd)
+            sock.close()
+
+    # --- helpers ------------------------------------------------------------------------
+    def _proto(self, op, what: str) -> ShimProtocolError:
+        op_name = _op_name(op)
+        return ShimProtocolError(f"{op_name}: {self._who()}: {what}",
+                                 socket_path=self.socket_path, pid=self.pid, op=op)
+
+    def _check_header(self, reply: Reply, op, txn_id) -> None:
+        if reply.magic != CUI_PROTO_MAGIC:
+            raise self._proto(op, f"reply magic {reply.magic:#x} != {CUI_PROTO_MAGIC:#x}")
+        if reply.version != CUI_PROTO_VERSION:
+            raise self._proto(op, f"reply version {reply.version} != {CUI_PROTO_VERSION}")
+        if reply.status == Status.BAD_REQUEST:
+            return  # the shim may not have parsed op/txn; let the caller see the status
+        if int(reply.op) != int(op) or reply.txn_id != txn_id:
+            raise self._proto(op, f"reply is for op {int(reply.op)} txn {reply.txn_id}, "
+                                  f"sent op {int(op)} txn {txn_id}")
+        if reply.record_count and reply.record_size != RECORD_SIZE:
+            raise self._proto(op, f"record_size {reply.record_size} != {RECORD_SIZE}")
+
+    @staticmethod
+    def _set_deadline(sock: socket.socket, deadline: float) -> None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise socket.timeout("deadline passed")
+        sock.settimeout(left)
+
+    def _read_exact(self, sock: socket.socket, n: int, deadline: float, fds: list[int],
+                    what: str, op) -> bytes:
+        """Read exactly ``n`` bytes, collecting SCM_RIGHTS descriptors into ``fds``."""
+        buf = bytearray()
+        fd_size = array.array("i").itemsize
+        while len(buf) < n:
+            self._set_deadline(sock, deadline)
+            data, ancdata, flags, _ = sock.recvmsg(n - len(buf), socket.CMSG_SPACE(4 * fd_size))
+            for level, ctype, cdata in ancdata:
+                if level == socket.SOL_SOCKET and ctype == socket.SCM_RIGHTS:
+                    got = array.array("i")
+                    got.frombytes(cdata[:len(cdata) - len(cdata) % fd_size])
+                    fds.extend(got)
+            if flags & socket.MSG_CTRUNC:
+                raise self._proto(op, "ancillary data truncated (too many descriptors)")
+            if not data:
+                raise self._proto(op, f"short read: connection closed after {len(buf)} of {n} "
+                                      f"bytes of {what}")
+            buf += data
+        return bytes(buf)

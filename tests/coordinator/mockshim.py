@@ -1,0 +1,252 @@
+"""An in-process mock shim: the protocol.h control socket over a real Unix socket.
+
+A test double for coordinator logic only (phase state machine, txn/phase refusals,
+records, failures, hangs); it carries no bytes. Every received request and sent reply is
+appended to a shared :class:`EventLog` with a global sequence number, so tests can prove
+ordering (the barrier) across mocks.
+"""
+from __future__ import annotations
+
+import array
+import dataclasses
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+from cuinterpose.coordinator.protocol import (CUI_PROTO_MAGIC, CUI_PROTO_VERSION, MUTATING_OPS,
+                                              REQUEST_SIZE, Op, Phase, ProtocolError, Record,
+                                              RecordFlag, RecordKind, Reply, Request, Role,
+                                              Status, cui_checksum64, socket_path)
+
+# op -> (phase it needs, phase after)
+TRANSITIONS = {
+    Op.SAVE_ALLOCATIONS: (Phase.ACTIVE, Phase.SAVED),
+    Op.PREPARE_UNICAST: (Phase.SAVED, Phase.PREPARED),
+    Op.LOAD_ALLOCATIONS: (Phase.PREPARED, Phase.LOADED),
+    Op.RESTORE_UNICAST: (Phase.LOADED, Phase.ACTIVE),
+}
+
+
+@dataclass
+class Event:
+    seq: int
+    what: str          # "recv" | "reply"
+    pid: int
+    op: int
+    txn_id: int
+    expected_phase: int
+    status: int = -1
+
+
+class EventLog:
+    """Thread-safe, globally ordered log shared by several mocks."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.events: list[Event] = []
+
+    def add(self, what, pid, req: Request, status=-1) -> None:
+        with self._lock:
+            self.events.append(Event(len(self.events), what, pid, int(req.op), req.txn_id,
+                                     int(req.expected_phase), int(status)))
+
+    def of(self, what=None, pid=None, op=None) -> list[Event]:
+        with self._lock:
+            return [e for e in self.events if (what is None or e.what == what)
+                    and (pid is None or e.pid == pid) and (op is None or e.op == int(op))]
+
+
+@dataclass
+class MockShim:
+    """Serves ``<control_dir>/cuinterpose-<pid>.sock``.
+
+    Knobs (all optional): ``refuse`` op -> (Status, message) answered without changing
+    anything; ``fail`` op -> (cuda_result, message): status FAILED, phase FAILED; ``hang``:
+    ops never answered (connection held until :meth:`stop`); ``delay_s`` op -> seconds before
+    replying; ``after`` op -> callable(mock) run on success (to mutate records);
+    ``bytes_per_op``/``elapsed_ns``/``copy_ns`` reported on success; ``raw`` op -> callable
+    (conn, request) that writes whatever it likes instead of a normal reply; ``gate`` op ->
+    threading.Barrier shared by several mocks: each waits there before answering, so the op
+    only succeeds if every mock received it concurrently (else FAILED "gate broken").
+    """
+    pid: int
+    control_dir: str
+    records: list[Record] = field(default_factory=list)
+    log: EventLog = field(default_factory=EventLog)
+    phase: Phase = Phase.ACTIVE
+    refuse: dict = field(default_factory=dict)
+    fail: dict = field(default_factory=dict)
+    hang: set = field(default_factory=set)
+    delay_s: dict = field(default_factory=dict)
+    after: dict = field(default_factory=dict)
+    raw: dict = field(default_factory=dict)
+    gate: dict = field(default_factory=dict)
+    inspect_checks_phase: bool = True
+    bytes_per_op: dict = field(default_factory=dict)
+    elapsed_ns: int = 1000
+    copy_ns: int = 400
+    last_txn: int = 0
+    txns_seen: list = field(default_factory=list)
+
+    def __post_init__(self):
+        self.path = socket_path(self.control_dir, self.pid)
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.bind(self.path)
+        self._sock.listen(16)
+        self._sock.settimeout(0.05)
+        self._threads: list[threading.Thread] = []
+        self._conns: list[socket.socket] = []
+        t = threading.Thread(target=self._serve, name=f"mockshim-{self.pid}", daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    # --- lifecycle ----------------------------------------------------------------------
+    def stop(self) -> None:
+        self._stop.set()
+        for c in list(self._conns):
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for t in self._threads:
+            t.join(timeout=5)
+        self._sock.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            self._conns.append(conn)
+            t = threading.Thread(target=self._handle, args=(conn,), daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    # --- one request --------------------------------------------------------------------
+    def _handle(self, conn: socket.socket) -> None:
+        try:
+            data = b""
+            while len(data) < REQUEST_SIZE:
+                chunk = conn.recv(REQUEST_SIZE - len(data))
+                if not chunk:
+                    return
+                data += chunk
+            req = Request.unpack(data)
+            self.log.add("recv", self.pid, req)
+            if req.op in self.raw:
+                self.raw[req.op](conn, req)
+                return
+            if req.op in self.hang:
+                self._stop.wait()
+                return
+            delay = self.delay_s.get(req.op)
+            if delay:
+                time.sleep(delay)
+            gate = self.gate.get(req.op)
+            broken = False
+            if gate is not None:
+                try:
+                    gate.wait(timeout=5)
+                except threading.BrokenBarrierError:
+                    broken = True
+            if broken:
+                reply, records, message, fd = (
+                    self._reply(req, Status.FAILED), [], "gate broken: requests were not "
+                    "concurrent", None)
+            else:
+                reply, records, message, fd = self._answer(req)
+            reply.record_count = len(records)
+            body_msg = message.encode()
+            reply.message_len = len(body_msg)
+            self.log.add("reply", self.pid, req, reply.status)
+            head = reply.pack()
+            anc = []
+            if fd is not None:
+                anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]).tobytes())]
+            conn.sendmsg([head], anc)
+            if fd is not None:
+                os.close(fd)
+            conn.sendall(b"".join(r.pack() for r in records) + body_msg)
+        except (OSError, ProtocolError):
+            pass
+        finally:
+            conn.close()
+
+    def _reply(self, req, status=Status.OK, **kw) -> Reply:
+        return Reply(op=req.op, txn_id=req.txn_id, status=status, phase=self.phase,
+                     pid=self.pid, **kw)
+
+    def _answer(self, req: Request):
+        with self._lock:
+            if req.magic != CUI_PROTO_MAGIC or req.version != CUI_PROTO_VERSION:
+                return self._reply(req, Status.BAD_REQUEST), [], "bad magic or version", None
+            op = req.op
+            if op == Op.FETCH_FD:
+                rfd, wfd = os.pipe()
+                os.write(wfd, bytes(req.alloc_id))
+                os.close(wfd)
+                return self._reply(req), [], "", rfd
+            if self.phase == Phase.FAILED:
+                return self._reply(req, Status.REFUSED_PHASE), [], "shim is FAILED", None
+            if req.expected_phase != self.phase and (op != Op.INSPECT
+                                                      or self.inspect_checks_phase):
+                return (self._reply(req, Status.REFUSED_PHASE), [],
+                        f"expected phase {int(req.expected_phase)}, shim is in "
+                        f"{Phase(self.phase).name}", None)
+            if op in MUTATING_OPS:
+                if req.txn_id <= self.last_txn:
+                    return (self._reply(req, Status.REFUSED_DUPLICATE), [],
+                            f"txn {req.txn_id} not newer than {self.last_txn}", None)
+            if op in self.refuse:
+                status, msg = self.refuse[op]
+                return self._reply(req, status), [], msg, None
+            if op == Op.INSPECT:
+                return self._reply(req), [dataclasses.replace(r) for r in self.records], "", None
+            if op not in TRANSITIONS:
+                return self._reply(req, Status.BAD_REQUEST), [], f"op {int(op)} unsupported", None
+            need, after = TRANSITIONS[op]
+            if self.phase != need:
+                return self._reply(req, Status.REFUSED_PHASE), [], "wrong phase", None
+            self.last_txn = req.txn_id
+            self.txns_seen.append(req.txn_id)
+            if op in self.fail:
+                cuda_result, msg = self.fail[op]
+                self.phase = Phase.FAILED
+                return (self._reply(req, Status.FAILED, cuda_result=cuda_result,
+                                    elapsed_ns=self.elapsed_ns), [], msg, None)
+            changed = self._mutate(op)
+            self.phase = after
+            if op in self.after:
+                self.after[op](self)
+            nbytes = self.bytes_per_op.get(op, 0)
+            return (self._reply(req, bytes=nbytes, elapsed_ns=self.elapsed_ns,
+                                copy_ns=self.copy_ns if nbytes else 0,
+                                records_changed=changed), [], "", None)
+
+    def _mutate(self, op) -> int:
+        """Model the visible record changes: CARRIED + checksum on creators after SAVE."""
+        changed = 0
+        for i, r in enumerate(self.records):
+            if r.kind != RecordKind.ALLOCATION or r.role != Role.CREATOR:
+                continue
+            if op == Op.SAVE_ALLOCATIONS:
+                self.records[i] = dataclasses.replace(
+                    r, flags=r.flags | RecordFlag.CARRIED, carrier_bytes=r.size,
+                    carrier_checksum=cui_checksum64(r.alloc_id * 4))
+                changed += 1
+            elif op == Op.LOAD_ALLOCATIONS:
+                self.records[i] = dataclasses.replace(
+                    r, flags=r.flags & ~RecordFlag.CARRIED, carrier_bytes=0, carrier_checksum=0)
+                changed += 1
+        return changed

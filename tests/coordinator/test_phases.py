@@ -1,0 +1,400 @@
+"""Coordinator phases against mock shims over real Unix sockets."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cuinterpose.coordinator import phases as ph
+from cuinterpose.coordinator.phases import (Capture, Coordinator, Participant, PhaseError,
+                                            TopologyError, next_txn_id)
+from cuinterpose.coordinator.protocol import (Op, Phase, RecordFlag, RecordKind, Role, Status,
+                                              cui_checksum64)
+
+from .helpers import A, BASE, MiB, group, group_records
+
+CAPTURE_OPS = ["INSPECT", "SAVE_ALLOCATIONS", "PREPARE_UNICAST", "INSPECT"]
+RESTORE_OPS = ["INSPECT", "LOAD_ALLOCATIONS", "RESTORE_UNICAST", "INSPECT"]
+
+
+@pytest.fixture
+def ctl(tmp_path):
+    d = tmp_path / "ctl"
+    d.mkdir()
+    return d
+
+
+def _phase_order(g):
+    """Ops in the order first received, with each phase's txn id."""
+    out = []
+    for e in g.log.of("recv"):
+        if not out or out[-1][1] != e.txn_id:
+            out.append((Op(e.op).name, e.txn_id))
+    return out
+
+
+def _assert_barrier(g):
+    """No participant received phase N+1 before every participant replied to phase N."""
+    recv, reply = g.log.of("recv"), g.log.of("reply")
+    txns = []
+    for e in recv:
+        if e.txn_id not in txns:
+            txns.append(e.txn_id)
+    for a, b in zip(txns, txns[1:]):
+        replies_a = [e.seq for e in reply if e.txn_id == a]
+        recv_b = [e.seq for e in recv if e.txn_id == b]
+        assert len(replies_a) == len(g.mocks)
+        assert max(replies_a) < min(recv_b)
+
+
+def test_capture_runs_phases_in_order_with_a_barrier(ctl):
+    with group(ctl) as g:
+        g.gate(Op.SAVE_ALLOCATIONS, Op.PREPARE_UNICAST)  # succeeds only if sent concurrently
+        g.mocks[4119].delay_s[Op.SAVE_ALLOCATIONS] = 0.2   # a slow participant
+        cap = Coordinator(g.participants, timeout_s=5).capture()
+        assert [name for name, _ in _phase_order(g)] == CAPTURE_OPS
+        _assert_barrier(g)
+        assert all(m.phase == Phase.PREPARED for m in g.mocks.values())
+        # every participant got every phase, one txn per phase
+        for pid in g.mocks:
+            assert [name for _, name in g.ops_received(pid)] == CAPTURE_OPS
+        assert [p.phase for p in cap.phases] == CAPTURE_OPS
+        save = cap.phase("SAVE_ALLOCATIONS")
+        assert {pid: r.bytes for pid, r in save.participants.items()} == \
+            {4119: 2 * MiB, 4121: 4 * MiB, 4123: 6 * MiB}
+        assert save.bytes == 12 * MiB
+        assert {r.elapsed_ns for r in save.participants.values()} == {1000}
+        assert {r.copy_ns for r in save.participants.values()} == {400}
+        assert {pid: r.records_changed for pid, r in save.participants.items()} == \
+            {4119: 1, 4121: 1, 4123: 0}
+        assert save.wall_ns > 0 and all(r.wall_ns > 0 for r in save.participants.values())
+
+
+def test_capture_records_and_carriers(ctl):
+    with group(ctl) as g:
+        cap = Coordinator(g.participants).capture()
+    want = group_records()
+    assert sorted(cap.records) == [4119, 4121, 4123]
+    creator_a = next(r for r in cap.records[4119]
+                     if r.kind == RecordKind.ALLOCATION and r.alloc_id == A)
+    assert creator_a.flags == RecordFlag.SHARED | RecordFlag.EXPORTED | RecordFlag.CARRIED
+    assert creator_a.carrier_bytes == 2 * MiB
+    assert creator_a.carrier_checksum == cui_checksum64(A * 4)
+    # everything except the carrier fields is what the first INSPECT returned
+    assert [r.replace(flags=r.flags & ~RecordFlag.CARRIED, carrier_bytes=0, carrier_checksum=0)
+            for r in cap.records[4119]] == want[4119]
+    assert cap.records[4123] == want[4123]
+    assert cap.carriers == [
+        {"pid": 4119, "alloc_id": A.hex(), "bytes": 2 * MiB,
+         "checksum": f"{cui_checksum64(A * 4):016x}"},
+        {"pid": 4121, "alloc_id": want[4121][1].alloc_id_hex, "bytes": 4 * MiB,
+         "checksum": f"{cui_checksum64(want[4121][1].alloc_id * 4):016x}"}]
+    assert cap.carrier_bytes == 6 * MiB
+
+
+def test_capture_json_round_trip_and_restore_in_a_new_coordinator(ctl):
+    with group(ctl) as g:
+        cap = Coordinator(g.participants).capture()
+        d = json.loads(json.dumps(cap.to_dict()))
+        assert d["format"] == 1 and d["protocol_version"] == 1
+        assert [p["pid"] for p in d["participants"]] == [4119, 4121, 4123]
+        assert d["participants"][0]["records"][1]["alloc_id"] == A.hex()
+        assert d["carrier_bytes"] == 6 * MiB
+        back = Capture.from_dict(d)
+        assert back.records == cap.records
+        assert back.carriers == cap.carriers and back.last_txn_id == cap.last_txn_id
+        assert [p.to_dict() for p in back.phases] == [p.to_dict() for p in cap.phases]
+
+        res = Coordinator(g.participants).restore(back)
+        assert [p.phase for p in res.phases] == RESTORE_OPS
+        assert all(m.phase == Phase.ACTIVE for m in g.mocks.values())
+        assert res.phase("LOAD_ALLOCATIONS").bytes == 12 * MiB
+        assert res.carrier_bytes == 12 * MiB
+        _assert_barrier(g)
+        # txn ids strictly increasing over the whole run, one per phase, never reused
+        order = _phase_order(g)
+        assert [n for n, _ in order] == CAPTURE_OPS + RESTORE_OPS
+        txns = [t for _, t in order]
+        assert txns == sorted(set(txns))
+        for m in g.mocks.values():
+            assert m.txns_seen == sorted(set(m.txns_seen)) and len(m.txns_seen) == 4
+
+
+def test_restore_txn_ids_stay_above_the_capture(ctl):
+    with group(ctl) as g:
+        cap = Coordinator(g.participants).capture()
+        future = next_txn_id() + 10**15           # a capture taken "later" by another clock
+        for m in g.mocks.values():
+            m.last_txn = future
+        cap.last_txn_id = future
+        Coordinator(g.participants).restore(Capture.from_dict(cap.to_dict()))
+        assert all(m.phase == Phase.ACTIVE for m in g.mocks.values())
+        assert all(m.txns_seen[-1] > future for m in g.mocks.values())
+
+
+def test_next_txn_id_strictly_increasing():
+    ids = [next_txn_id() for _ in range(1000)]
+    assert ids == sorted(set(ids))
+    assert next_txn_id(floor=2**63) == 2**63 + 1
+
+
+def test_on_event_per_reply_and_per_phase(ctl):
+    events = []
+    with group(ctl) as g:
+        Coordinator(g.participants, on_event=events.append).capture()
+    assert len(events) == 4 * 4
+    for i, name in enumerate(CAPTURE_OPS):
+        chunk = events[4 * i:4 * i + 4]
+        assert [e.kind for e in chunk] == ["reply", "reply", "reply", "phase"]
+        assert {e.phase for e in chunk} == {name}
+        assert sorted(e.pid for e in chunk[:3]) == [4119, 4121, 4123]
+        assert [e.done for e in chunk] == [1, 2, 3, 3] and {e.total for e in chunk} == {3}
+        assert all(e.ok for e in chunk)
+        assert chunk[3].phase_result.phase == name
+    save_phase = events[7]
+    assert save_phase.bytes == 12 * MiB
+
+
+def test_on_event_exception_does_not_break_the_barrier(ctl):
+    def boom(event):
+        raise RuntimeError("display broke")
+    with group(ctl) as g:
+        Coordinator(g.participants, on_event=boom).capture()
+        assert all(m.phase == Phase.PREPARED for m in g.mocks.values())
+
+
+def test_refusal_at_inspect_changes_nothing(ctl):
+    with group(ctl) as g:
+        g.mocks[4121].refuse[Op.INSPECT] = (Status.REFUSED_STATE,
+                                            "allocation 77 was created with FABRIC handles")
+        with pytest.raises(PhaseError) as ei:
+            Coordinator(g.participants).capture()
+        e = ei.value
+        assert str(e) == ("INSPECT: pid 4121 refused (REFUSED_STATE): allocation 77 was created "
+                          "with FABRIC handles; nothing was changed")
+        assert (e.phase, e.pid, e.status, e.changed) == ("INSPECT", 4121, Status.REFUSED_STATE,
+                                                         False)
+        assert {name for _, name in g.ops_received()} == {"INSPECT"}
+        assert all(m.phase == Phase.ACTIVE for m in g.mocks.values())
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_participant_in_wrong_phase_refused_before_mutation(ctl, strict):
+    """Whether the shim refuses INSPECT with a wrong expected_phase (strict) or answers it
+    with its phase, the coordinator stops before any mutation."""
+    with group(ctl, inspect_checks_phase=strict) as g:
+        g.mocks[4123].phase = Phase.SAVED
+        with pytest.raises(PhaseError) as ei:
+            Coordinator(g.participants).capture()
+        if strict:
+            assert str(ei.value) == ("INSPECT: pid 4123 refused (REFUSED_PHASE): expected phase "
+                                     "0, shim is in SAVED; nothing was changed")
+        else:
+            assert str(ei.value) == ("INSPECT: pid 4123 is in phase SAVED, expected ACTIVE; "
+                                     "nothing was changed")
+        assert ei.value.pid == 4123 and not ei.value.changed
+        assert {name for _, name in g.ops_received()} == {"INSPECT"}
+
+
+def test_all_refuse_mutating_phase_changes_nothing(ctl):
+    with group(ctl) as g:
+        coord = Coordinator(g.participants)
+        for m in g.mocks.values():
+            m.last_txn = next_txn_id() + 10**15   # every shim has seen a newer txn
+        with pytest.raises(PhaseError) as ei:
+            coord.save_allocations()
+        assert ei.value.status == Status.REFUSED_DUPLICATE
+        assert ei.value.changed is False
+        assert str(ei.value).startswith("SAVE_ALLOCATIONS: pid 4119 refused (REFUSED_DUPLICATE)")
+        assert str(ei.value).endswith("; nothing was changed (and 2 more: pids 4121, 4123)")
+        assert all(m.phase == Phase.ACTIVE for m in g.mocks.values())
+
+
+def test_validation_error_stops_before_mutation(ctl):
+    recs = group_records()
+    recs[4123][0] = recs[4123][0].replace(flags=recs[4123][0].flags | RecordFlag.RAW_IMPORT)
+    with group(ctl, records=recs) as g:
+        with pytest.raises(TopologyError) as ei:
+            Coordinator(g.participants).capture()
+        assert ei.value.pid == 4123 and ei.value.alloc_id == A.hex()
+        assert str(ei.value).startswith(f"pid 4123 holds a live raw import of allocation "
+                                        f"{A.hex()}")
+        assert {name for _, name in g.ops_received()} == {"INSPECT"}
+        assert all(m.phase == Phase.ACTIVE for m in g.mocks.values())
+
+
+def test_validate_without_records_inspects(ctl):
+    with group(ctl) as g:
+        recs = Coordinator(g.participants).validate()
+        assert recs == group_records()
+        assert [name for _, name in g.ops_received()] == ["INSPECT"] * 3
+
+
+def test_failure_in_save_stops_the_group(ctl):
+    with group(ctl) as g:
+        g.mocks[4121].fail[Op.SAVE_ALLOCATIONS] = (2, "could not copy allocation b7e2… to its "
+                                                      "host carrier")
+        with pytest.raises(PhaseError) as ei:
+            Coordinator(g.participants).capture()
+        e = ei.value
+        assert str(e) == ("SAVE_ALLOCATIONS: pid 4121 could not copy allocation b7e2… to its "
+                          "host carrier: CUDA_ERROR_OUT_OF_MEMORY")
+        assert (e.phase, e.pid, e.status, e.cuda_result, e.changed) == \
+            ("SAVE_ALLOCATIONS", 4121, Status.FAILED, 2, True)
+        assert [f.pid for f in e.failures] == [4121]
+        assert [name for _, name in g.ops_received()] == ["INSPECT"] * 3 + \
+            ["SAVE_ALLOCATIONS"] * 3
+        assert g.mocks[4121].phase == Phase.FAILED and g.mocks[4119].phase == Phase.SAVED
+        assert e.capture is not None and sorted(e.capture.records) == [4119, 4121, 4123]
+        assert [p.phase for p in e.capture.phases] == ["INSPECT", "SAVE_ALLOCATIONS"]
+
+
+def test_failure_in_restore_unicast_names_phase_pid_and_message(ctl):
+    with group(ctl) as g:
+        cap = Coordinator(g.participants).capture()
+        g.mocks[4121].fail[Op.RESTORE_UNICAST] = (
+            1, f"could not import allocation {A.hex()} from creator pid 4119")
+        with pytest.raises(PhaseError) as ei:
+            Coordinator(g.participants).restore(cap)
+        assert str(ei.value) == (f"RESTORE_UNICAST: pid 4121 could not import allocation "
+                                 f"{A.hex()} from creator pid 4119: CUDA_ERROR_INVALID_VALUE")
+        assert ei.value.message == f"could not import allocation {A.hex()} from creator pid 4119"
+        ops = [name for _, name in g.ops_received()]
+        assert ops[-3:] == ["RESTORE_UNICAST"] * 3          # stopped: no final INSPECT
+        assert ops.count("RESTORE_UNICAST") == 3            # never retried
+
+
+def test_participant_that_never_answers_times_out(ctl):
+    with group(ctl) as g:
+        g.mocks[4123].hang.add(Op.PREPARE_UNICAST)
+        with pytest.raises(PhaseError) as ei:
+            Coordinator(g.participants, timeout_s=0.3).capture()
+        e = ei.value
+        path = g.mocks[4123].path
+        assert str(e) == (f"PREPARE_UNICAST: pid 4123 (socket {path}) did not reply within "
+                          "0.3 s")
+        assert (e.phase, e.pid, e.status, e.changed) == ("PREPARE_UNICAST", 4123, None, True)
+        assert [name for _, name in g.ops_received()][-3:] == ["PREPARE_UNICAST"] * 3
+
+
+def test_carrier_ops_use_the_carrier_timeout(ctl):
+    with group(ctl) as g:
+        g.mocks[4119].delay_s[Op.SAVE_ALLOCATIONS] = 0.5
+        # 0.2 s would be too short for the SAVE copy; the carrier timeout applies instead
+        Coordinator(g.participants, timeout_s=0.2, carrier_timeout_s=5).save_allocations()
+    with group(ctl) as g:
+        g.mocks[4119].hang.add(Op.SAVE_ALLOCATIONS)
+        with pytest.raises(PhaseError, match=r"^SAVE_ALLOCATIONS: pid 4119 \(socket .*\) did "
+                                             r"not reply within 0.3 s$"):
+            Coordinator(g.participants, timeout_s=5, carrier_timeout_s=0.3).capture()
+
+
+def test_missing_socket_names_pid(ctl):
+    with group(ctl) as g:
+        parts = g.participants + [Participant.from_pid(4200, str(ctl))]
+        with pytest.raises(PhaseError) as ei:
+            Coordinator(parts).inspect()
+        assert str(ei.value) == (f"INSPECT: cannot connect to pid 4200 (socket "
+                                 f"{ctl}/cuinterpose-4200.sock): No such file or directory; "
+                                 "nothing was changed")
+
+
+def test_restore_detects_changed_va(ctl):
+    def move(mock):
+        i = next(i for i, r in enumerate(mock.records)
+                 if r.kind == RecordKind.MAPPING and r.alloc_id == A)
+        mock.records[i] = mock.records[i].replace(va=BASE + 0x40000000)
+    with group(ctl) as g:
+        cap = Coordinator(g.participants).capture()
+        g.mocks[4121].after[Op.RESTORE_UNICAST] = move
+        with pytest.raises(TopologyError) as ei:
+            Coordinator(g.participants).restore(cap)
+        assert str(ei.value) == (f"INSPECT after restore: pid 4121 mapping of allocation "
+                                 f"{A.hex()} at va {BASE + 4 * MiB:#x}: va differs (captured "
+                                 f"{BASE + 4 * MiB:#x}, restored {BASE + 0x40000000:#x})")
+        assert ei.value.pid == 4121 and ei.value.phase == "INSPECT"
+
+
+def test_restore_refuses_bad_carrier_checksum_before_load(ctl):
+    with group(ctl) as g:
+        cap = Coordinator(g.participants).capture()
+        m = g.mocks[4119]
+        i = next(i for i, r in enumerate(m.records)
+                 if r.kind == RecordKind.ALLOCATION and r.role == Role.CREATOR)
+        m.records[i] = m.records[i].replace(carrier_checksum=1)
+        with pytest.raises(PhaseError) as ei:
+            Coordinator(g.participants).restore(cap)
+        want = f"{cui_checksum64(A * 4):016x}"
+        assert str(ei.value) == (f"INSPECT: pid 4119 allocation {A.hex()} carrier checksum "
+                                 f"0000000000000001 ({2 * MiB} bytes) differs from the captured "
+                                 f"{want} ({2 * MiB} bytes); restore refused, nothing was "
+                                 "changed")
+        assert "LOAD_ALLOCATIONS" not in {name for _, name in g.ops_received()}
+
+
+def test_restore_refuses_shim_not_prepared(ctl):
+    with group(ctl) as g:
+        cap = Coordinator(g.participants).capture()
+        g.mocks[4121].phase = Phase.ACTIVE
+        g.mocks[4121].inspect_checks_phase = False
+        with pytest.raises(PhaseError, match="^INSPECT: pid 4121 is in phase ACTIVE, expected "
+                                             "PREPARED; nothing was changed$"):
+            Coordinator(g.participants).restore(cap)
+
+
+def test_restore_needs_the_captured_participants(ctl):
+    with group(ctl) as g:
+        cap = Coordinator(g.participants).capture()
+        with pytest.raises(ValueError, match=r"participants \[4119, 4121\] differ from the "
+                                             r"captured \[4119, 4121, 4123\]"):
+            Coordinator(g.participants[:2]).restore(cap)
+
+
+def test_capture_refuses_uncarried_creator(ctl):
+    with group(ctl) as g:
+        for m in g.mocks.values():
+            m._mutate = lambda op: 0    # a shim that "forgot" to carry the bytes
+        with pytest.raises(PhaseError) as ei:
+            Coordinator(g.participants).capture()
+        assert str(ei.value) == (f"SAVE_ALLOCATIONS: pid 4119 allocation {A.hex()} is not held "
+                                 "in a host carrier after PREPARE_UNICAST")
+        assert ei.value.capture is not None
+
+
+def test_constructor_rejects_duplicates():
+    with pytest.raises(ValueError, match="duplicate participant pids"):
+        Coordinator([Participant(1, "/a"), Participant(1, "/b")])
+    with pytest.raises(ValueError, match="at least one participant"):
+        Coordinator([])
+
+
+def test_capture_from_dict_rejects_other_format():
+    with pytest.raises(ValueError, match="capture format 2 is not supported"):
+        Capture.from_dict({"format": 2})
+    with pytest.raises(ValueError, match="protocol version 9"):
+        Capture.from_dict({"format": 1, "protocol_version": 9})
+
+
+def test_phase_error_is_a_coordinator_error():
+    assert issubclass(ph.PhaseError, ph.CoordinatorError)
+
+
+@pytest.mark.parametrize("status,cuda,message,text", [
+    # the shim's own style: used as is
+    (Status.FAILED, 1, "RESTORE_UNICAST: pid 4121 could not import allocation 9f3c from creator "
+     "pid 4119: CUDA_ERROR_INVALID_VALUE", "RESTORE_UNICAST: pid 4121 could not import "
+     "allocation 9f3c from creator pid 4119: CUDA_ERROR_INVALID_VALUE"),
+    (Status.FAILED, 2, "RESTORE_UNICAST: pid 4121 allocation 9f3c: cuMemMap failed",
+     "RESTORE_UNICAST: pid 4121 allocation 9f3c: cuMemMap failed: CUDA_ERROR_OUT_OF_MEMORY"),
+    (Status.REFUSED_PHASE, 0, "RESTORE_UNICAST: pid 4121 is FAILED; no request is accepted",
+     "RESTORE_UNICAST: pid 4121 is FAILED; no request is accepted (refused: REFUSED_PHASE)"),
+    (Status.BAD_REQUEST, 0, "busy: pid 4121 is still running another control request",
+     "RESTORE_UNICAST: pid 4121 refused (BAD_REQUEST): busy: pid 4121 is still running "
+     "another control request"),
+    (Status.BAD_REQUEST, 0, "pid 4121: bad request magic", "RESTORE_UNICAST: pid 4121: bad "
+     "request magic (refused: BAD_REQUEST)"),
+    (Status.FAILED, 0, "", "RESTORE_UNICAST: pid 4121 failed (FAILED)"),
+])
+def test_failure_text(status, cuda, message, text):
+    r = ph.ParticipantResult(pid=4121, status=status, cuda_result=cuda, message=message)
+    assert ph._failure_text("RESTORE_UNICAST", r) == text
