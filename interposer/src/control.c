@@ -1,0 +1,347 @@
+/*
+ * The control endpoint (docs/shim.md "Threads"; protocol.h "Transport").
+ *
+ * Started once, after the first successful real cuInit (never from a constructor or a symbol
+ * lookup): $CUINTERPOSE_CONTROL_DIR/cuinterpose-<pid>.sock, mode 0600, directory created 0700
+ * when missing. Two threads, all signals blocked in both:
+ *   cui-accept  accepts connections, reads the 64-byte request, serves CUI_OP_FETCH_FD inline
+ *               from the export cache (cache mutex only: it answers while a phase op of this
+ *               process waits on a peer), and hands every other op to the worker. When the
+ *               worker is busy it replies CUI_BAD_REQUEST "busy" before anything is mutated.
+ *   cui-control the control worker: runs one op at a time (phases.c) and replies.
+ * Every FD is CLOEXEC. Socket I/O has a 10 s timeout per call.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/time.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "cui.h"
+
+#define CUI_IO_TIMEOUT_S 10
+
+static pthread_once_t g_once = PTHREAD_ONCE_INIT;
+static int g_listen = -1;
+
+static pthread_mutex_t g_job_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t g_job_cond = PTHREAD_COND_INITIALIZER;
+static struct {
+  int pending, busy;
+  int conn;
+  struct cui_request req;
+} g_job;
+
+static void set_timeouts(int fd) {
+  struct timeval tv = {CUI_IO_TIMEOUT_S, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+}
+
+static int read_full(int fd, void *buf, size_t n) {
+  char *p = buf;
+  while (n) {
+    ssize_t k = recv(fd, p, n, 0);
+    if (k < 0 && errno == EINTR) continue;
+    if (k <= 0) return -1;
+    p += k;
+    n -= (size_t)k;
+  }
+  return 0;
+}
+
+static int write_full(int fd, const void *buf, size_t n) {
+  const char *p = buf;
+  while (n) {
+    ssize_t k = send(fd, p, n, MSG_NOSIGNAL);
+    if (k < 0 && errno == EINTR) continue;
+    if (k <= 0) return -1;
+    p += k;
+    n -= (size_t)k;
+  }
+  return 0;
+}
+
+/* Sends reply header (+ `pass_fd` as SCM_RIGHTS when >= 0), records, message. */
+static int send_reply(int conn, const struct cui_request *req, const struct cui_op_result *res, uint64_t elapsed_ns,
+                      int pass_fd) {
+  struct cui_reply rep;
+  memset(&rep, 0, sizeof rep);
+  size_t mlen = strlen(res->message);
+  rep.magic = CUI_PROTO_MAGIC;
+  rep.version = CUI_PROTO_VERSION;
+  rep.op = req->op;
+  rep.txn_id = req->txn_id;
+  rep.status = res->status;
+  rep.phase = __atomic_load_n(&cui_st.phase, __ATOMIC_ACQUIRE);
+  rep.pid = (uint32_t)getpid();
+  rep.record_count = res->record_count;
+  rep.record_size = sizeof(struct cui_record);
+  rep.message_len = (uint32_t)mlen;
+  rep.bytes = res->bytes;
+  rep.elapsed_ns = elapsed_ns;
+  rep.copy_ns = res->copy_ns;
+  rep.cuda_result = res->cuda_result;
+  rep.records_changed = res->records_changed;
+
+  struct iovec iov = {&rep, sizeof rep};
+  union {
+    char buf[CMSG_SPACE(sizeof(int))];
+    struct cmsghdr align;
+  } cm;
+  struct msghdr mh;
+  memset(&mh, 0, sizeof mh);
+  mh.msg_iov = &iov;
+  mh.msg_iovlen = 1;
+  if (pass_fd >= 0) {
+    memset(&cm, 0, sizeof cm);
+    mh.msg_control = cm.buf;
+    mh.msg_controllen = sizeof cm.buf;
+    struct cmsghdr *c = CMSG_FIRSTHDR(&mh);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(c), &pass_fd, sizeof(int));
+  }
+  ssize_t k;
+  do k = sendmsg(conn, &mh, MSG_NOSIGNAL);
+  while (k < 0 && errno == EINTR);
+  if (k < 0) return -1;
+  if ((size_t)k < sizeof rep && write_full(conn, (char *)&rep + k, sizeof rep - (size_t)k) != 0) return -1;
+  if (res->record_count && write_full(conn, res->records, (size_t)res->record_count * sizeof(struct cui_record)) != 0)
+    return -1;
+  if (mlen && write_full(conn, res->message, mlen) != 0) return -1;
+  return 0;
+}
+
+static void serve_fetch_fd(int conn, const struct cui_request *req) {
+  struct cui_op_result res;
+  memset(&res, 0, sizeof res);
+  int fd = cui_cache_dup(req->alloc_id);
+  if (fd < 0) {
+    char hex[33];
+    cui_hex_id(req->alloc_id, hex);
+    res.status = CUI_NOT_FOUND;
+    snprintf(res.message, sizeof res.message,
+             "FETCH_FD: pid %u has no exported allocation %s (requested by pid %u)", (unsigned)getpid(), hex,
+             (unsigned)req->sender_pid);
+  }
+  send_reply(conn, req, &res, 0, fd);
+  if (fd >= 0) close(fd);
+}
+
+static void *accept_main(void *arg) {
+  for (;;) {
+    int c = accept4(g_listen, NULL, NULL, SOCK_CLOEXEC);
+    if (c < 0) {
+      if (errno == EINTR || errno == ECONNABORTED || errno == EMFILE || errno == ENFILE || errno == ENOBUFS ||
+          errno == ENOMEM) {
+        if (errno == EMFILE || errno == ENFILE) usleep(10000);
+        continue;
+      }
+      cui_warn("control socket accept failed: %s; endpoint stopped", strerror(errno));
+      return NULL;
+    }
+    set_timeouts(c);
+    struct cui_request req;
+    if (read_full(c, &req, sizeof req) != 0) {
+      close(c);
+      continue;
+    }
+    struct cui_op_result res;
+    memset(&res, 0, sizeof res);
+    if (req.magic != CUI_PROTO_MAGIC || req.version != CUI_PROTO_VERSION) {
+      res.status = CUI_BAD_REQUEST;
+      snprintf(res.message, sizeof res.message, "pid %u: bad request magic %08x or version %u (want %08x, %u)",
+               (unsigned)getpid(), req.magic, req.version, CUI_PROTO_MAGIC, CUI_PROTO_VERSION);
+      send_reply(c, &req, &res, 0, -1);
+      close(c);
+      continue;
+    }
+    if (req.op == CUI_OP_FETCH_FD) {
+      serve_fetch_fd(c, &req);
+      close(c);
+      continue;
+    }
+    pthread_mutex_lock(&g_job_lock);
+    if (g_job.pending || g_job.busy) {
+      pthread_mutex_unlock(&g_job_lock);
+      res.status = CUI_BAD_REQUEST;
+      snprintf(res.message, sizeof res.message, "busy: pid %u is still running another control request",
+               (unsigned)getpid());
+      send_reply(c, &req, &res, 0, -1);
+      close(c);
+      continue;
+    }
+    g_job.pending = 1;
+    g_job.conn = c;
+    g_job.req = req;
+    pthread_cond_signal(&g_job_cond);
+    pthread_mutex_unlock(&g_job_lock);
+  }
+  return NULL;
+}
+
+static void *worker_main(void *arg) {
+  for (;;) {
+    pthread_mutex_lock(&g_job_lock);
+    while (!g_job.pending) pthread_cond_wait(&g_job_cond, &g_job_lock);
+    int c = g_job.conn;
+    struct cui_request req = g_job.req;
+    g_job.pending = 0;
+    g_job.busy = 1;
+    pthread_mutex_unlock(&g_job_lock);
+
+    struct cui_op_result res;
+    memset(&res, 0, sizeof res);
+    uint64_t t0 = cui_now_ns();
+    cui_run_op(&req, &res);
+    uint64_t elapsed = cui_now_ns() - t0;
+    /* Not busy from here: a client that got this reply may send the next op at once. It is
+     * queued in the single slot and runs after the deferred work below. */
+    pthread_mutex_lock(&g_job_lock);
+    g_job.busy = 0;
+    pthread_mutex_unlock(&g_job_lock);
+    send_reply(c, &req, &res, elapsed, -1);
+    free(res.records);
+    close(c);
+    cui_after_reply();
+  }
+  return NULL;
+}
+
+static void start_endpoint(void) {
+  cui_st.pid = (uint32_t)getpid();
+  const char *dir = cui_control_dir();
+  if (mkdir(dir, 0700) != 0 && errno != EEXIST) {
+    cui_warn("cannot create control directory %s: %s; no control endpoint", dir, strerror(errno));
+    return;
+  }
+  struct sockaddr_un sa;
+  memset(&sa, 0, sizeof sa);
+  sa.sun_family = AF_UNIX;
+  if (cui_socket_path(cui_st.pid, sa.sun_path, sizeof sa.sun_path) != 0) {
+    cui_warn("control socket path in %s is too long; no control endpoint", dir);
+    return;
+  }
+  int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (s < 0) {
+    cui_warn("socket: %s; no control endpoint", strerror(errno));
+    return;
+  }
+  unlink(sa.sun_path);   /* a stale socket of an earlier process with this pid */
+  if (bind(s, (struct sockaddr *)&sa, sizeof sa) != 0 || chmod(sa.sun_path, 0600) != 0 || listen(s, 64) != 0) {
+    cui_warn("cannot serve %s: %s; no control endpoint", sa.sun_path, strerror(errno));
+    close(s);
+    unlink(sa.sun_path);
+    return;
+  }
+  g_listen = s;
+
+  sigset_t all, old;
+  sigfillset(&all);
+  pthread_sigmask(SIG_SETMASK, &all, &old);
+  pthread_attr_t at;
+  pthread_attr_init(&at);
+  pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+  pthread_t t1, t2;
+  int e1 = pthread_create(&t2, &at, worker_main, NULL);
+  int e2 = e1 ? e1 : pthread_create(&t1, &at, accept_main, NULL);
+  pthread_attr_destroy(&at);
+  pthread_sigmask(SIG_SETMASK, &old, NULL);
+  if (e1 || e2) {
+    cui_warn("cannot start control threads: %s; no control endpoint", strerror(e1 ? e1 : e2));
+    close(s);
+    unlink(sa.sun_path);
+    g_listen = -1;
+    return;   /* a started worker just idles */
+  }
+  pthread_setname_np(t2, "cui-control");
+  pthread_setname_np(t1, "cui-accept");
+}
+
+void cui_control_start(void) { pthread_once(&g_once, start_endpoint); }
+
+/* At exit, remove our socket so short-lived CUDA processes leave no stale paths behind. A
+ * forked child (another pid) leaves its parent's socket alone. */
+__attribute__((destructor)) static void remove_socket(void) {
+  char path[108];
+  if (g_listen >= 0 && cui_st.pid == (uint32_t)getpid() && cui_socket_path(cui_st.pid, path, sizeof path) == 0)
+    unlink(path);
+}
+
+int cui_fetch_fd(uint32_t creator_pid, const uint8_t id[16], char *why, size_t cap) {
+  struct sockaddr_un sa;
+  memset(&sa, 0, sizeof sa);
+  sa.sun_family = AF_UNIX;
+  if (cui_socket_path(creator_pid, sa.sun_path, sizeof sa.sun_path) != 0) {
+    snprintf(why, cap, "control socket path too long");
+    return -1;
+  }
+  int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (s < 0) {
+    snprintf(why, cap, "socket: %s", strerror(errno));
+    return -1;
+  }
+  set_timeouts(s);
+  if (connect(s, (struct sockaddr *)&sa, sizeof sa) != 0) {
+    snprintf(why, cap, "cannot connect to %s: %s", sa.sun_path, strerror(errno));
+    close(s);
+    return -1;
+  }
+  struct cui_request req;
+  memset(&req, 0, sizeof req);
+  req.magic = CUI_PROTO_MAGIC;
+  req.version = CUI_PROTO_VERSION;
+  req.op = CUI_OP_FETCH_FD;
+  req.sender_pid = (uint32_t)getpid();
+  memcpy(req.alloc_id, id, 16);
+  if (write_full(s, &req, sizeof req) != 0) {
+    snprintf(why, cap, "send to %s: %s", sa.sun_path, strerror(errno));
+    close(s);
+    return -1;
+  }
+  struct cui_reply rep;
+  union {
+    char buf[CMSG_SPACE(sizeof(int))];
+    struct cmsghdr align;
+  } cm;
+  struct iovec iov = {&rep, sizeof rep};
+  struct msghdr mh;
+  memset(&mh, 0, sizeof mh);
+  mh.msg_iov = &iov;
+  mh.msg_iovlen = 1;
+  mh.msg_control = cm.buf;
+  mh.msg_controllen = sizeof cm.buf;
+  ssize_t k;
+  do k = recvmsg(s, &mh, MSG_CMSG_CLOEXEC);
+  while (k < 0 && errno == EINTR);
+  int fd = -1;
+  if (k > 0)
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c))
+      if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) memcpy(&fd, CMSG_DATA(c), sizeof(int));
+  if (k <= 0 || ((size_t)k < sizeof rep && read_full(s, (char *)&rep + k, sizeof rep - (size_t)k) != 0)) {
+    snprintf(why, cap, "no reply from %s: %s", sa.sun_path, k == 0 ? "connection closed" : strerror(errno));
+    if (fd >= 0) close(fd);
+    close(s);
+    return -1;
+  }
+  if (rep.status != CUI_OK || fd < 0) {
+    char msg[256] = "";
+    size_t n = rep.message_len < sizeof msg - 1 ? rep.message_len : sizeof msg - 1;
+    if (n && read_full(s, msg, n) == 0) msg[n] = 0;
+    snprintf(why, cap, "creator replied status %d: %s", rep.status, msg);
+    if (fd >= 0) close(fd);
+    close(s);
+    return -1;
+  }
+  close(s);
+  return fd;
+}

@@ -1,0 +1,170 @@
+/*
+ * libcuinterpose internal interface (not installed). See docs/shim.md.
+ *
+ * Files:
+ *   resolve.c  the name->wrapper table, real driver/runtime functions, the dlsym override,
+ *              cuGetProcAddress[_v2] and cudaGetDriverEntryPoint* wrappers.
+ *   vmm.c      the object model (virtual allocation handles, mappings, reservations, export
+ *              cache, tickets) and the tracked VMM wrappers.
+ *   phases.c   INSPECT and the unicast phase ops (SAVE_ALLOCATIONS ... RESTORE_UNICAST).
+ *   control.c  the control endpoint: socket, accept thread (FETCH_FD), control worker thread,
+ *              and the FETCH_FD client used by importers.
+ *   util.c     error names, random allocation ids, messages, clocks.
+ *   checksum.c cui_checksum64 (protocol.h).
+ * Everything here has hidden visibility; only the hooked names are exported
+ * (libcuinterpose.map).
+ */
+#ifndef CUI_INTERNAL_H
+#define CUI_INTERNAL_H
+
+#include <cuda.h>
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "cuinterpose/protocol.h"
+
+#define CUI_EXPORT __attribute__((visibility("default")))
+#define CUI_HIDDEN __attribute__((visibility("hidden")))
+
+/* ---------- resolve.c ---------- */
+
+/* Rows of the one name->wrapper table. A row is one ELF name; `base` is the name a
+ * cuGetProcAddress caller asks for. Rows without a wrapper are real-only (the shim calls
+ * them, never hands them out). */
+enum cui_row {
+  CUI_ROW_cuInit,
+  CUI_ROW_cuMemCreate,
+  CUI_ROW_cuMemRelease,
+  CUI_ROW_cuMemRetainAllocationHandle,
+  CUI_ROW_cuMemMap,
+  CUI_ROW_cuMemUnmap,
+  CUI_ROW_cuMemSetAccess,
+  CUI_ROW_cuMemExportToShareableHandle,
+  CUI_ROW_cuMemImportFromShareableHandle,
+  CUI_ROW_cuMemGetAllocationPropertiesFromHandle,
+  CUI_ROW_cuMemAddressReserve,
+  CUI_ROW_cuMemAddressFree,
+  CUI_ROW_cuGetProcAddress,          /* legacy 4-argument ABI (PFN _v11030) */
+  CUI_ROW_cuGetProcAddress_v2,       /* 5-argument ABI (PFN _v12000) */
+  CUI_ROW_cudaGetDriverEntryPoint,
+  CUI_ROW_cudaGetDriverEntryPoint_ptsz,
+  CUI_ROW_cudaGetDriverEntryPointByVersion,
+  CUI_ROW_cudaGetDriverEntryPointByVersion_ptsz,
+  /* real-only rows */
+  CUI_ROW_cuGetErrorName,
+  CUI_ROW_cuMemcpyDtoH_v2,
+  CUI_ROW_cuMemcpyHtoD_v2,
+  CUI_ROW_cuCtxGetCurrent,
+  CUI_ROW_cuCtxSetCurrent,
+  CUI_ROW_cuDeviceGet,
+  CUI_ROW_cuDevicePrimaryCtxRetain,
+  CUI_ROW_cuMemHostRegister_v2,
+  CUI_ROW_cuMemHostUnregister,
+  CUI_ROW_COUNT
+};
+
+/* The real function of a row (libcuda.so.1 for driver rows, libcudart for runtime rows),
+ * or NULL when that library does not define it. Never returns one of the shim's wrappers. */
+CUI_HIDDEN void *cui_real(enum cui_row row);
+
+/* ---------- util.c ---------- */
+
+CUI_HIDDEN const char *cui_cu_error_name(CUresult r);   /* "CUDA_ERROR_INVALID_VALUE" */
+CUI_HIDDEN void cui_random_id(uint8_t id[16]);
+CUI_HIDDEN void cui_hex_id(const uint8_t id[16], char out[33]);
+CUI_HIDDEN uint64_t cui_now_ns(void);                   /* CLOCK_MONOTONIC, ns */
+CUI_HIDDEN void cui_warn(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+/* The control directory ($CUINTERPOSE_CONTROL_DIR or CUI_DEFAULT_CONTROL_DIR) and the socket
+ * path of `pid` in it. Returns -1 when the path does not fit sockaddr_un.sun_path. */
+CUI_HIDDEN const char *cui_control_dir(void);
+CUI_HIDDEN int cui_socket_path(uint32_t pid, char *out, size_t cap);
+
+/* ---------- checksum.c ---------- */
+
+CUI_HIDDEN uint64_t cui_checksum64(const void *data, size_t length);
+
+/* ---------- vmm.c : object model ---------- */
+
+#define CUI_VHANDLE_TAG      0xC01EULL
+#define CUI_VHANDLE_SHIFT    48
+#define CUI_IS_VHANDLE(h)    (((uint64_t)(h) >> CUI_VHANDLE_SHIFT) == CUI_VHANDLE_TAG)
+
+struct cui_alloc {
+  int live;                        /* slot in use (handle refs or mappings remain) */
+  uint64_t vhandle;                /* the virtual handle the app sees; never reused */
+  uint8_t id[16];                  /* creator-assigned allocation id */
+  uint32_t creator_pid;
+  uint16_t role;                   /* enum cui_role */
+  uint32_t flags;                  /* CUI_REC_* */
+  CUmemAllocationProp prop;
+  uint64_t size;                   /* bytes (0 for a raw import: unknown) */
+  CUmemGenericAllocationHandle real;
+  int has_real;                    /* one driver reference held for all virtual refs */
+  uint32_t vrefs;                  /* live virtual handle references */
+  uint32_t nmaps;                  /* mapping records referring to this allocation */
+  uint64_t carrier_off, carrier_bytes, checksum;
+};
+
+struct cui_mapping {
+  uint64_t va, size, offset;
+  uint32_t alloc;                  /* index into state.allocs */
+  int mapped;                      /* 0 between PREPARE_UNICAST and its rebuild */
+  uint32_t access_count;
+  struct cui_access access[CUI_MAX_ACCESS];
+};
+
+struct cui_reservation { uint64_t va, size, align; };
+
+struct cui_state {
+  pthread_mutex_t lock;            /* guards everything below; never held across a peer wait */
+  uint32_t pid;
+  uint32_t phase;                  /* enum cui_phase */
+  int op_running;                  /* a phase op owns the state: app calls get NOT_READY */
+  uint32_t inflight;               /* tracked app calls running with the lock dropped */
+  uint64_t last_txn;
+  struct cui_alloc *allocs; size_t nallocs, cap_allocs;
+  struct cui_mapping *maps; size_t nmaps, cap_maps;
+  struct cui_reservation *resv; size_t nresv, cap_resv;
+  unsigned char *arena; size_t arena_size;   /* host carrier arena (creators, SAVED..LOADED) */
+  int arena_release_pending;
+};
+
+CUI_HIDDEN extern struct cui_state cui_st;
+
+/* Export cache: real driver export FDs by allocation id, under its own mutex so FETCH_FD is
+ * answered while the state is busy. cui_cache_dup returns a new FD (CLOEXEC) or -1. */
+CUI_HIDDEN int cui_cache_put(const uint8_t id[16], int fd);   /* takes ownership; 0 or -1 */
+CUI_HIDDEN int cui_cache_dup(const uint8_t id[16]);
+CUI_HIDDEN int cui_cache_has(const uint8_t id[16]);
+CUI_HIDDEN void cui_cache_close(const uint8_t id[16]);
+CUI_HIDDEN unsigned cui_cache_close_all(void);
+
+CUI_HIDDEN struct cui_alloc *cui_alloc_by_vhandle(uint64_t vh);     /* live, or NULL */
+CUI_HIDDEN void cui_maybe_destroy(struct cui_alloc *a);             /* lock held */
+
+/* ---------- phases.c ---------- */
+
+struct cui_op_result {
+  int32_t status;                  /* enum cui_status */
+  uint64_t bytes, copy_ns;
+  int32_t cuda_result;
+  uint32_t records_changed;
+  char message[512];
+  struct cui_record *records;      /* malloc'd, INSPECT only */
+  uint32_t record_count;
+};
+
+/* Runs one request on the control worker. Fills `res`; the caller sends the reply. */
+CUI_HIDDEN void cui_run_op(const struct cui_request *req, struct cui_op_result *res);
+/* Work deferred until after the reply was sent (carrier arena release). */
+CUI_HIDDEN void cui_after_reply(void);
+
+/* ---------- control.c ---------- */
+
+CUI_HIDDEN void cui_control_start(void);    /* once, after the first successful real cuInit */
+/* Asks the creator's control socket for the real export FD of `id`. Returns the FD (CLOEXEC)
+ * or -1 with a reason in `why`. Never touches the state lock. */
+CUI_HIDDEN int cui_fetch_fd(uint32_t creator_pid, const uint8_t id[16], char *why, size_t cap);
+
+#endif

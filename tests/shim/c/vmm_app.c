@@ -1,0 +1,174 @@
+/*
+ * A scripted VMM application for the shim tests, linked against libcuda.so.1 (fakecuda) so
+ * its calls bind by ELF name (and reach the shim when LD_PRELOADed). Reads one command per
+ * line on stdin and answers one line on stdout:
+ *   "ok [values...]"  or  "err <CUresult> <name>".
+ * Numbers may be given in decimal or 0x-hex; handles, VAs and sizes are printed as 0x-hex.
+ *
+ *   init [dev]                     cuInit(0); primary context of dev (default 0) current
+ *   create <size> <htypes> [dev]   cuMemCreate PINNED on device dev  -> ok <handle>
+ *   create_sentinel <size> <htypes>  same, handle pre-set to 0x99   -> ok|err <handle-after>
+ *   release <h>
+ *   retain <va>                    cuMemRetainAllocationHandle       -> ok <handle>
+ *   reserve <size> [addr]          cuMemAddressReserve               -> ok <va>
+ *   free <va> <size>               cuMemAddressFree
+ *   map <va> <size> <off> <h>
+ *   unmap <va> <size>
+ *   access <va> <size> <dev> <flags>[,<dev> <flags>...]   one cuMemSetAccess call (DEVICE locations)
+ *   export <h>                     POSIX fd                          -> ok <fd>
+ *   import <path>                  open(path), import, close         -> ok <handle>
+ *   props <h>                      -> ok <type> <handle_types> <loc_type> <loc_id>
+ *   fill <va> <n> <seed>           cuMemcpyHtoD of pattern(seed)
+ *   check <va> <n> <seed>          cuMemcpyDtoH and compare          -> ok | err -1 mismatch@<i>
+ *   ticket <fd>                    -> ok <seals> <hex of the first 64 bytes>
+ *   pid                            -> ok <pid>
+ */
+#define _GNU_SOURCE
+#include <cuda.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+static unsigned long long num(const char *s) { return strtoull(s, NULL, 0); }
+
+static void pattern(unsigned char *p, size_t n, unsigned seed) {
+  unsigned x = seed * 2654435761u + 1;
+  for (size_t i = 0; i < n; i++) {
+    x = x * 1103515245u + 12345u;
+    p[i] = (unsigned char)(x >> 16);
+  }
+}
+
+static int report(CUresult r) {
+  if (r == CUDA_SUCCESS) return 0;
+  const char *name = "?";
+  cuGetErrorName(r, &name);
+  printf("err %d %s\n", (int)r, name ? name : "?");
+  return 1;
+}
+
+int main(void) {
+  setvbuf(stdout, NULL, _IOLBF, 0);
+  char line[4096];
+  while (fgets(line, sizeof line, stdin)) {
+    char *argv[128];
+    int argc = 0;
+    for (char *t = strtok(line, " \t\r\n"); t && argc < 128; t = strtok(NULL, " \t\r\n")) argv[argc++] = t;
+    if (argc == 0) continue;
+    const char *c = argv[0];
+    CUresult r;
+    if (!strcmp(c, "quit")) {
+      printf("ok\n");
+      return 0;
+    } else if (!strcmp(c, "pid")) {
+      printf("ok %d\n", (int)getpid());
+    } else if (!strcmp(c, "init")) {
+      int dev = argc > 1 ? (int)num(argv[1]) : 0;
+      CUdevice d;
+      CUcontext ctx;
+      if (report(cuInit(0)) || report(cuDeviceGet(&d, dev)) || report(cuDevicePrimaryCtxRetain(&ctx, d)) ||
+          report(cuCtxSetCurrent(ctx)))
+        continue;
+      printf("ok\n");
+    } else if (!strcmp(c, "create") || !strcmp(c, "create_sentinel")) {
+      CUmemAllocationProp p;
+      memset(&p, 0, sizeof p);
+      p.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+      p.requestedHandleTypes = (CUmemAllocationHandleType)num(argv[2]);
+      p.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+      p.location.id = argc > 3 ? (int)num(argv[3]) : 0;
+      CUmemGenericAllocationHandle h = 0x99;
+      r = cuMemCreate(&h, num(argv[1]), &p, 0);
+      if (!strcmp(c, "create_sentinel")) {
+        printf("%s %d 0x%llx\n", r ? "err" : "ok", (int)r, (unsigned long long)h);
+        continue;
+      }
+      if (report(r)) continue;
+      printf("ok 0x%llx\n", (unsigned long long)h);
+    } else if (!strcmp(c, "release")) {
+      if (report(cuMemRelease(num(argv[1])))) continue;
+      printf("ok\n");
+    } else if (!strcmp(c, "retain")) {
+      CUmemGenericAllocationHandle h;
+      if (report(cuMemRetainAllocationHandle(&h, (void *)(uintptr_t)num(argv[1])))) continue;
+      printf("ok 0x%llx\n", (unsigned long long)h);
+    } else if (!strcmp(c, "reserve")) {
+      CUdeviceptr va = 0;
+      if (report(cuMemAddressReserve(&va, num(argv[1]), 0, argc > 2 ? num(argv[2]) : 0, 0))) continue;
+      printf("ok 0x%llx\n", (unsigned long long)va);
+    } else if (!strcmp(c, "free")) {
+      if (report(cuMemAddressFree(num(argv[1]), num(argv[2])))) continue;
+      printf("ok\n");
+    } else if (!strcmp(c, "map")) {
+      if (report(cuMemMap(num(argv[1]), num(argv[2]), num(argv[3]), num(argv[4]), 0))) continue;
+      printf("ok\n");
+    } else if (!strcmp(c, "unmap")) {
+      if (report(cuMemUnmap(num(argv[1]), num(argv[2])))) continue;
+      printf("ok\n");
+    } else if (!strcmp(c, "access")) {
+      CUmemAccessDesc d[40];
+      size_t n = 0;
+      for (int i = 3; i + 1 < argc && n < 40; i += 2, n++) {
+        memset(&d[n], 0, sizeof d[n]);
+        d[n].location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+        d[n].location.id = (int)num(argv[i]);
+        d[n].flags = (CUmemAccess_flags)num(argv[i + 1]);
+      }
+      if (report(cuMemSetAccess(num(argv[1]), num(argv[2]), d, n))) continue;
+      printf("ok\n");
+    } else if (!strcmp(c, "export")) {
+      int fd = -1;
+      if (report(cuMemExportToShareableHandle(&fd, num(argv[1]), CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0)))
+        continue;
+      printf("ok %d\n", fd);
+    } else if (!strcmp(c, "import")) {
+      int fd = open(argv[1], O_RDONLY | O_CLOEXEC);
+      if (fd < 0) {
+        printf("err -1 open\n");
+        continue;
+      }
+      CUmemGenericAllocationHandle h;
+      r = cuMemImportFromShareableHandle(&h, (void *)(uintptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+      close(fd);
+      if (report(r)) continue;
+      printf("ok 0x%llx\n", (unsigned long long)h);
+    } else if (!strcmp(c, "props")) {
+      CUmemAllocationProp p;
+      memset(&p, 0, sizeof p);
+      if (report(cuMemGetAllocationPropertiesFromHandle(&p, num(argv[1])))) continue;
+      printf("ok %d %d %d %d\n", (int)p.type, (int)p.requestedHandleTypes, (int)p.location.type, p.location.id);
+    } else if (!strcmp(c, "fill") || !strcmp(c, "check")) {
+      size_t n = num(argv[2]);
+      unsigned char *want = malloc(n), *got = malloc(n);
+      pattern(want, n, (unsigned)num(argv[3]));
+      if (!strcmp(c, "fill")) {
+        r = cuMemcpyHtoD(num(argv[1]), want, n);
+        if (!report(r)) printf("ok\n");
+      } else {
+        r = cuMemcpyDtoH(got, num(argv[1]), n);
+        if (!report(r)) {
+          size_t i = 0;
+          while (i < n && got[i] == want[i]) i++;
+          if (i == n) printf("ok\n");
+          else printf("err -1 mismatch@%zu\n", i);
+        }
+      }
+      free(want);
+      free(got);
+    } else if (!strcmp(c, "ticket")) {
+      int fd = (int)num(argv[1]);
+      unsigned char b[64];
+      int seals = fcntl(fd, F_GET_SEALS);
+      ssize_t k = pread(fd, b, sizeof b, 0);
+      off_t end = lseek(fd, 0, SEEK_END);
+      printf("ok %d %lld ", seals, (long long)end);
+      for (ssize_t i = 0; i < k; i++) printf("%02x", b[i]);
+      printf("\n");
+    } else {
+      printf("err -1 unknown-command\n");
+    }
+  }
+  return 0;
+}
