@@ -1,0 +1,270 @@
+"""Process census: which processes under the operator's root pids take part in a checkpoint.
+
+Detection is fail-closed and uses only evidence the workload cannot fake by editing its
+environment:
+
+- the tree is every process whose ``/proc/PID/stat`` parent chain reaches a root;
+- a process *maps the shim* when ``/proc/PID/maps`` has a file mapping whose device and inode
+  equal the installed shim's (``paths.shim_path()``); a mapping named ``libcuinterpose.so``
+  with another device/inode is refused (a different build would not speak our protocol);
+- a *participant* maps the shim and has a control socket
+  ``<control_dir>/cuinterpose-<pid>.sock`` (the shim creates it after ``cuInit``);
+- a *CUDA process* is one for which ``cuCheckpointProcessGetState`` succeeds.
+
+Refused (``CensusError``, nothing touched): a root that does not exist, a CUDA process without
+the shim or without its control socket, a participant the driver does not know, a CUDA process
+not RUNNING, a foreign shim build, and a tree without any participant.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import pathlib
+import stat as stat_mod
+from typing import Callable, Iterable, Optional
+
+from . import paths
+from .errors import CensusError, NativeError
+
+SOCKET_PREFIX = "cuinterpose-"
+
+
+@dataclasses.dataclass(frozen=True)
+class ShimFile:
+    """The installed shim: absolute ``path``, ``sha256`` (hex), ``dev``/``inode``, ``size`` (bytes)."""
+
+    path: str
+    sha256: str
+    dev: int
+    inode: int
+    size: int
+
+    @classmethod
+    def of(cls, path: os.PathLike | str) -> "ShimFile":
+        """Stat and hash ``path``; raises ``CensusError`` when it cannot be read."""
+        p = pathlib.Path(path).resolve()
+        try:
+            st = os.stat(p)
+            return cls(path=str(p), sha256=sha256_file(p), dev=st.st_dev, inode=st.st_ino,
+                       size=st.st_size)
+        except OSError as e:
+            raise CensusError("census", f"cannot read shim {p}: {e.strerror}") from None
+
+    def to_dict(self) -> dict:
+        return {"path": self.path, "sha256": self.sha256, "size": self.size}
+
+
+def sha256_file(path: os.PathLike | str) -> str:
+    """SHA-256 (hex) of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@dataclasses.dataclass
+class Process:
+    """One process of the tree. ``shim`` is "installed", "foreign" (path of another build in
+    ``foreign_shim``) or None; ``socket_path`` is set when the control socket exists;
+    ``cuda_state`` is the ``cuCheckpointProcessGetState`` name or None (``cuda_error`` then says
+    why)."""
+
+    pid: int
+    ppid: int
+    comm: str
+    shim: Optional[str] = None
+    foreign_shim: Optional[str] = None
+    socket_path: Optional[str] = None
+    cuda_state: Optional[str] = None
+    cuda_error: Optional[str] = None
+
+    @property
+    def is_participant(self) -> bool:
+        return self.shim == "installed" and self.socket_path is not None
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.cuda_state is not None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class Census:
+    """Result: ``roots`` (pids), every ``process`` of the trees (roots first, then breadth-first),
+    the ``shim`` and ``control_dir``. ``participants`` are in pid order."""
+
+    roots: list[int]
+    processes: list[Process]
+    shim: ShimFile
+    control_dir: str
+
+    @property
+    def participants(self) -> list[Process]:
+        return sorted((p for p in self.processes if p.is_participant), key=lambda p: p.pid)
+
+    @property
+    def cuda_pids(self) -> list[int]:
+        return sorted(p.pid for p in self.processes if p.is_cuda)
+
+    def to_dict(self) -> dict:
+        return {"roots": self.roots, "control_dir": self.control_dir, "shim": self.shim.to_dict(),
+                "processes": [p.to_dict() for p in self.processes]}
+
+
+def read_stat(pid: int) -> tuple[int, str]:
+    """(ppid, comm) of ``pid`` from ``/proc/PID/stat``; raises ``FileNotFoundError`` if gone."""
+    ppid, comm, _ = read_stat_state(pid)
+    return ppid, comm
+
+
+def read_stat_state(pid: int) -> tuple[int, str, str]:
+    """(ppid, comm, state letter) of ``pid``; raises ``FileNotFoundError`` if gone."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        data = f.read().decode(errors="replace")
+    lp, rp = data.index("("), data.rindex(")")
+    comm = data[lp + 1:rp]
+    fields = data[rp + 2:].split()
+    return int(fields[1]), comm, fields[0]
+
+
+def walk_tree(roots: Iterable[int]) -> list[tuple[int, int, str]]:
+    """Every process under ``roots`` as (pid, ppid, comm): the roots first, then their
+    descendants breadth-first. Raises ``CensusError`` for a root that does not exist."""
+    roots = list(dict.fromkeys(int(r) for r in roots))
+    children: dict[int, list[tuple[int, str]]] = {}
+    info: dict[int, tuple[int, str]] = {}
+    zombies = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            ppid, comm, state = read_stat_state(int(entry))
+        except (FileNotFoundError, ProcessLookupError, ValueError):
+            continue
+        if state in "ZX":
+            zombies.add(int(entry))
+            continue
+        info[int(entry)] = (ppid, comm)
+        children.setdefault(ppid, []).append((int(entry), comm))
+    out, seen = [], set()
+    for r in roots:
+        if r in zombies:
+            raise CensusError("census", "has exited (zombie); nothing to checkpoint", pid=r)
+        if r not in info:
+            raise CensusError("census", "no such process (root)", pid=r)
+    queue = [(r, info[r][0], info[r][1]) for r in roots]
+    while queue:
+        pid, ppid, comm = queue.pop(0)
+        if pid in seen:
+            continue
+        seen.add(pid)
+        out.append((pid, ppid, comm))
+        queue.extend((c, pid, cc) for c, cc in sorted(children.get(pid, [])))
+    return out
+
+
+def shim_mapping(pid: int, shim: ShimFile) -> tuple[Optional[str], Optional[str]]:
+    """Look for the shim in ``/proc/PID/maps``. Returns ("installed", path) when a mapping has the
+    shim's dev/inode, ("foreign", path) when a mapping named like the shim has another dev/inode,
+    (None, None) otherwise (also when the process vanished)."""
+    foreign = None
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                if len(parts) < 6 or parts[4] == "0":
+                    continue
+                major, minor = (int(x, 16) for x in parts[3].split(":"))
+                path = parts[5].strip()
+                if os.makedev(major, minor) == shim.dev and int(parts[4]) == shim.inode:
+                    return "installed", path
+                if os.path.basename(path.replace(" (deleted)", "")) == paths.SHIM_NAME:
+                    foreign = path
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None, None
+    return ("foreign", foreign) if foreign else (None, None)
+
+
+def socket_path(control_dir: os.PathLike | str, pid: int) -> pathlib.Path:
+    """``<control_dir>/cuinterpose-<pid>.sock``."""
+    return pathlib.Path(control_dir) / f"{SOCKET_PREFIX}{pid}.sock"
+
+
+def _is_socket(p: pathlib.Path) -> bool:
+    try:
+        return stat_mod.S_ISSOCK(os.stat(p).st_mode)
+    except OSError:
+        return False
+
+
+def take_census(roots: Iterable[int], *, control_dir: os.PathLike | str | None = None,
+                shim_path: os.PathLike | str | None = None,
+                get_state: Optional[Callable[[int], str]] = None) -> Census:
+    """Walk the trees under ``roots`` and classify every process (see the module docstring).
+
+    ``get_state(pid) -> state name`` raises ``NativeError`` for a non-CUDA process; it defaults to
+    :func:`cuinterpose.agent.native.get_state` (the driver must be loaded). Raises ``CensusError``
+    naming the pid for every refusal."""
+    if get_state is None:
+        from . import native
+        get_state = native.get_state
+    control_dir = str(pathlib.Path(control_dir or paths.control_dir()).resolve())
+    shim = ShimFile.of(shim_path or paths.shim_path())
+    procs = []
+    for pid, ppid, comm in walk_tree(roots):
+        if pid == os.getpid():
+            continue
+        p = Process(pid=pid, ppid=ppid, comm=comm)
+        p.shim, path = shim_mapping(pid, shim)
+        if p.shim == "foreign":
+            p.foreign_shim = path
+        sock = socket_path(control_dir, pid)
+        if _is_socket(sock):
+            p.socket_path = str(sock)
+        try:
+            p.cuda_state = get_state(pid)
+        except NativeError as e:
+            p.cuda_error = e.result
+        procs.append(p)
+    census = Census(roots=list(dict.fromkeys(int(r) for r in roots)), processes=procs, shim=shim,
+                    control_dir=control_dir)
+    check(census)
+    return census
+
+
+def check(census: Census) -> None:
+    """Apply the refusal rules to a classified census; raises ``CensusError`` naming the pid."""
+    for p in census.processes:
+        what = f"({p.comm})"
+        if p.shim == "foreign":
+            if p.foreign_shim.endswith(" (deleted)"):
+                raise CensusError("census", f"{what} maps {p.foreign_shim}: the shim was replaced "
+                                  "on disk after this process started (rebuilt or reinstalled), so "
+                                  f"the installed {census.shim.path} (sha256 {census.shim.sha256}) "
+                                  "is not what it runs", pid=p.pid)
+            raise CensusError("census", f"{what} maps another shim build {p.foreign_shim}, "
+                              f"not the installed {census.shim.path} (sha256 {census.shim.sha256})",
+                              pid=p.pid)
+        if p.is_cuda and p.shim is None:
+            raise CensusError("census", f"{what} is a CUDA process (state {p.cuda_state}) without "
+                              f"the shim {census.shim.path} mapped; its shared memory cannot be "
+                              "checkpointed (start it with LD_PRELOAD=<shim>)", pid=p.pid)
+        if p.is_cuda and p.socket_path is None:
+            raise CensusError("census", f"{what} is a CUDA process with the shim mapped but no "
+                              f"control socket {socket_path(census.control_dir, p.pid)} "
+                              "(wrong --control-dir?)", pid=p.pid)
+        if p.is_participant and not p.is_cuda:
+            raise CensusError("census", f"{what} has a control socket {p.socket_path} but the "
+                              f"driver does not know it: cuCheckpointProcessGetState: "
+                              f"{p.cuda_error}", pid=p.pid)
+        if p.is_cuda and p.cuda_state != "RUNNING":
+            raise CensusError("census", f"{what} is {p.cuda_state}, not RUNNING (another "
+                              "checkpoint in progress?)", pid=p.pid)
+    if not census.participants:
+        raise CensusError("census", f"no cuinterpose participant under root pid(s) "
+                          f"{', '.join(map(str, census.roots))} (no process maps "
+                          f"{census.shim.path} and has a socket in {census.control_dir})")

@@ -1,0 +1,81 @@
+"""``cuinterpose-agent doctor``: is this node ready to checkpoint and restore?
+
+Each check is ``{"name", "ok" (bool), "detail" (str)}``: CRIU version and ``criu check``, the
+driver's checkpoint API through cuda.bindings (and its version), the shim's path and SHA-256,
+fakecuda's path (when selected), and whether the control directory is writable.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import tempfile
+
+
+def _check(name, fn) -> dict:
+    try:
+        detail = fn()
+        return {"name": name, "ok": True, "detail": detail}
+    except Exception as e:
+        return {"name": name, "ok": False, "detail": str(e)}
+
+
+def run_checks(*, driver=None, control_dir=None) -> list[dict]:
+    """Run every check; never raises."""
+    from . import native, paths
+    from .census import ShimFile
+
+    def criu_version():
+        from . import criu
+        return f"criu {criu.version()} ({' '.join(criu.criu_command())})"
+
+    def criu_check():
+        from . import criu
+        ok, out = criu.check()
+        last = out.strip().splitlines()[-1] if out.strip() else ""
+        if not ok:
+            raise RuntimeError(out.strip())
+        return last or "Looks good."
+
+    def drv():
+        try:
+            info = native.load(driver)
+        except Exception as e:
+            if native.driver_kind(driver) == "real":
+                raise RuntimeError(f"{e} (no NVIDIA driver on this machine? --driver fake uses "
+                                   "fakecuda)") from None
+            raise
+        from cuda.bindings import driver as d
+        for fn in ("cuCheckpointProcessGetState", "cuCheckpointProcessLock",
+                   "cuCheckpointProcessCheckpoint", "cuCheckpointProcessRestore",
+                   "cuCheckpointProcessUnlock"):
+            if not hasattr(d, fn):
+                raise RuntimeError(f"cuda.bindings lacks {fn}")
+        # GetState of ourselves: the API must answer (an error code is fine, a missing entry
+        # point raises); our own process is not a checkpoint target.
+        try:
+            native.get_state(os.getpid())
+        except Exception:
+            pass
+        return f"{info.kind} driver {info.version} at {info.library}; cuCheckpointProcess* reachable"
+
+    def shim():
+        s = ShimFile.of(paths.shim_path())
+        return f"{s.path} sha256 {s.sha256}"
+
+    def ctl():
+        d = pathlib.Path(control_dir or paths.control_dir())
+        d.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=d, prefix=".doctor-"):
+            pass
+        return f"{d} writable"
+
+    return [_check("criu version", criu_version), _check("criu check", criu_check),
+            _check("driver", drv), _check("shim", shim), _check("control dir", ctl)]
+
+
+def render(checks: list[dict]) -> None:
+    from rich.console import Console
+    c = Console()
+    for ch in checks:
+        mark = "[green]ok[/]  " if ch["ok"] else "[red]FAIL[/]"
+        c.print(f"{mark} {ch['name']}: {ch['detail']}")

@@ -1,0 +1,99 @@
+"""Errors raised by the node agent.
+
+Every error names the phase it happened in, the process (pid) when one is to blame, and the
+reason, so that an operator can act on the message alone:
+``"native checkpoint: pid 4121 cuCheckpointProcessCheckpoint: CUDA_ERROR_ILLEGAL_STATE"``.
+
+``outcome`` says what the failure left behind (see docs/agent.md):
+
+- ``"refused"``: nothing was torn down; the workload keeps running untouched.
+- ``"rolled_back"``: teardown had started; the agent rebuilt everything and the workload
+  continues with its memory intact (``.resume`` with ``restored=false`` was written).
+- ``"rollback_failed"``: teardown had started and rebuilding failed too; the workload is
+  parked or broken and needs an operator.
+- ``"snapshot_incomplete"``: the CRIU dump completed (the tree is gone) but the manifest could
+  not be written; the directory is not a snapshot.
+- ``"restore_failed"``: a restore failed after CRIU restored the tree; the restored tree was
+  killed, the snapshot directory is untouched and can be restored again.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+
+class AgentError(Exception):
+    """Base class: ``phase`` (str), ``pid`` (int or None), ``reason`` (str), ``outcome`` (str)."""
+
+    outcome = "refused"
+
+    def __init__(self, phase: str, reason: str, pid: Optional[int] = None,
+                 outcome: Optional[str] = None):
+        self.phase = phase
+        self.pid = pid
+        self.reason = reason
+        if outcome is not None:
+            self.outcome = outcome
+        who = f"pid {pid} " if pid is not None else ""
+        super().__init__(f"{phase}: {who}{reason}")
+
+    def to_dict(self) -> dict:
+        return {"phase": self.phase, "pid": self.pid, "reason": self.reason,
+                "outcome": self.outcome, "message": str(self)}
+
+
+class CensusError(AgentError):
+    """The process census refused the tree (nothing was touched)."""
+
+
+class QuiesceRefused(AgentError):
+    """The workload did not answer the quiesce request in time (nothing was torn down)."""
+
+
+class NativeError(AgentError):
+    """A ``cuCheckpointProcess*`` call failed. ``action`` is the driver function's short name
+    (``lock``, ``checkpoint``, ``restore``, ``unlock``, ``get_state``), ``result`` the CUresult
+    name (``CUDA_ERROR_...``) or its integer as text when outside the enum."""
+
+    def __init__(self, action: str, pid: Optional[int], result: str, phase: str = "native"):
+        self.action = action
+        self.result = result
+        fn = "cuCheckpointProcess" + {"get_state": "GetState"}.get(action, action.capitalize())
+        hint = NATIVE_HINTS.get((action, result), "")
+        super().__init__(phase, f"{fn}: {result}" + (f" ({hint})" if hint else ""), pid=pid)
+
+
+NATIVE_HINTS = {
+    ("checkpoint", "CUDA_ERROR_NOT_SUPPORTED"):
+        "the process holds sharing the driver cannot checkpoint: an exported FD still open "
+        "outside the shim's knowledge, or a multicast object",
+    ("lock", "CUDA_ERROR_NOT_READY"):
+        "work was still in flight when the lock timed out: the workload is not quiescent",
+    ("get_state", "CUDA_ERROR_INVALID_VALUE"): "not a CUDA process, or it has exited",
+}
+
+
+class SnapshotError(AgentError):
+    """A snapshot directory is missing, malformed, or incompatible (it is left untouched)."""
+
+
+class CheckpointFailed(AgentError):
+    """A checkpoint failed after teardown started. ``cause`` is the original error;
+    ``outcome`` says whether the rollback succeeded."""
+
+    def __init__(self, cause: BaseException, outcome: str, rollback_error: Optional[str] = None):
+        self.cause = cause
+        self.rollback_error = rollback_error
+        phase = getattr(cause, "phase", "checkpoint")
+        pid = getattr(cause, "pid", None)
+        reason = getattr(cause, "reason", None) or str(cause)
+        if outcome == "rolled_back":
+            reason += " (rolled back: the workload continues with its memory intact)"
+        elif rollback_error:
+            reason += f"; rollback failed too: {rollback_error}"
+        super().__init__(phase, reason, pid=pid, outcome=outcome)
+
+
+class RestoreFailed(AgentError):
+    """A restore failed after CRIU restored the tree (the restored tree was killed)."""
+
+    outcome = "restore_failed"

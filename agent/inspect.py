@@ -1,0 +1,69 @@
+"""``cuinterpose-agent inspect --pid PID``: INSPECT one process through its control socket.
+
+Read-only: INSPECT is accepted in every shim phase except FAILED and changes nothing.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+
+from . import census as census_mod
+from . import paths
+from .errors import AgentError
+
+
+def inspect_pid(pid: int, *, control_dir=None, timeout_s: float = 10.0) -> dict:
+    """INSPECT ``pid``; returns ``{"pid", "socket_path", "phase" (name), "records" [Record dicts],
+    "roles" {"private","creator","importer": n}, "message"}``. Raises ``AgentError`` (phase
+    "INSPECT") naming the pid when the socket is missing, the shim does not answer, or refuses."""
+    from cuinterpose.coordinator.client import ShimClient, ShimClientError
+    from cuinterpose.coordinator.protocol import Op, Phase, Status
+    from .manifest import role_counts
+    sock = census_mod.socket_path(pathlib.Path(control_dir or paths.control_dir()), pid)
+    if not os.path.exists(sock):
+        raise AgentError("INSPECT", f"has no control socket {sock} (not started under the shim, "
+                         "no cuInit yet, or another --control-dir)", pid=pid)
+    client = ShimClient(sock, timeout_s, pid=pid)
+    try:
+        resp = client.request(Op.INSPECT, txn_id=0, expected_phase=Phase.ACTIVE)
+        if resp.reply.status == Status.REFUSED_PHASE:
+            # INSPECT must name the shim's current phase; the refusal told us which it is
+            resp = client.request(Op.INSPECT, txn_id=0, expected_phase=resp.reply.phase)
+    except ShimClientError as e:
+        raise AgentError("INSPECT", str(e), pid=pid) from None
+    if resp.reply.status != Status.OK:
+        raise AgentError("INSPECT", f"shim answered {Status(resp.reply.status).name}: "
+                         f"{resp.message}", pid=pid)
+    try:
+        phase = Phase(resp.reply.phase).name
+    except ValueError:
+        phase = str(int(resp.reply.phase))
+    return {"pid": pid, "socket_path": str(sock), "phase": phase,
+            "records": [r.to_dict() for r in resp.records],
+            "roles": role_counts(resp.records), "message": resp.message}
+
+
+def render_table(res: dict) -> None:
+    """Print an INSPECT result as a rich table on stdout (one row per record)."""
+    from rich.console import Console
+    from rich.table import Table
+    from .report import fmt_bytes
+    short = {"ALLOCATION": "alloc", "MAPPING": "map", "RESERVATION": "resv"}
+    t = Table(title=f"pid {res['pid']}  phase {res['phase']}  ({res['socket_path']})",
+              title_justify="left")
+    for col in ("kind", "role", "allocation", "creator", "va", "size", "flags", "access"):
+        t.add_column(col, justify="right" if col == "size" else "left", no_wrap=True)
+    for r in res["records"]:
+        acc = ",".join(f"{a.get('location_id')}:{a.get('flags')}" for a in r.get("access", []))
+        is_resv = r["kind"] == "RESERVATION"
+        t.add_row(short.get(str(r["kind"]), str(r["kind"])), "" if is_resv else str(r["role"]).lower(),
+                  "" if is_resv else str(r["alloc_id"])[:8] + "…",
+                  str(r["creator_pid"] or ""), f"{r['va']:#x}" if r["va"] else "",
+                  fmt_bytes(r["size"]), f"{r['flags']:#x}", acc)
+    c = Console()
+    if not c.is_terminal:
+        c = Console(width=120)
+    c.print(t)
+    roles = res["roles"]
+    c.print(f"allocations: {roles['private']} private, {roles['creator']} creator, "
+            f"{roles['importer']} importer")

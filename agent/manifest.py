@@ -1,0 +1,208 @@
+"""Snapshot directory and manifest (docs/snapshot-format.md).
+
+A snapshot is one directory::
+
+    DIR/
+      criu/<root-pid>/...      CRIU images, one directory per process tree
+      manifest.json            written last: a directory without it is not a snapshot
+
+The manifest is JSON for now (DESIGN §4 asks for protobuf readable as JSON; the protobuf schema
+arrives with the gRPC service and will keep these field names). It is written atomically:
+``manifest.json.tmp``, fsync, rename, fsync of the directory.
+
+:func:`load` refuses (``SnapshotError``) a missing manifest, bad JSON, an unknown format or
+version, and missing fields; :func:`check_shim` refuses a shim whose SHA-256 differs;
+:func:`verify_images` refuses a CRIU image whose SHA-256 or size differs. None of them writes
+anything: a refused snapshot is left exactly as it was.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import pathlib
+from typing import Any
+
+from .errors import SnapshotError
+
+FORMAT = "cuinterpose-snapshot"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+CRIU_DIR = "criu"
+
+REQUIRED = ("format", "format_version", "snapshot_id", "created_at", "shim", "driver", "criu",
+            "roots", "control_dir", "participants", "capture", "carriers", "phases", "quiesce")
+
+
+def utc_now() -> str:
+    """ISO 8601 UTC timestamp with microseconds, e.g. ``2026-11-30T07:40:00.123456Z``."""
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def criu_dir(snapshot: os.PathLike | str, root: int) -> pathlib.Path:
+    """Where the CRIU images of the tree rooted at ``root`` go: ``DIR/criu/<root>``."""
+    return pathlib.Path(snapshot) / CRIU_DIR / str(root)
+
+
+def _sha256(path: pathlib.Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def image_files(snapshot: os.PathLike | str) -> dict[str, dict]:
+    """{relative path under DIR: {"sha256": hex, "bytes": size}} for every file under ``criu/``."""
+    base = pathlib.Path(snapshot)
+    out = {}
+    for p in sorted((base / CRIU_DIR).rglob("*")):
+        if p.is_file() and not p.is_symlink():
+            out[str(p.relative_to(base))] = {"sha256": _sha256(p), "bytes": p.stat().st_size}
+    return out
+
+
+def write(snapshot: os.PathLike | str, manifest: dict) -> pathlib.Path:
+    """Write ``manifest`` (must contain every :data:`REQUIRED` key) atomically as
+    ``DIR/manifest.json``; returns its path. Raises ``SnapshotError`` on a missing key and
+    ``OSError`` on I/O failure (then no ``manifest.json`` exists)."""
+    missing = [k for k in REQUIRED if k not in manifest]
+    if missing:
+        raise SnapshotError("manifest", f"manifest lacks {', '.join(missing)}")
+    base = pathlib.Path(snapshot)
+    final = base / MANIFEST_NAME
+    tmp = base / (MANIFEST_NAME + ".tmp")
+    data = json.dumps(manifest, indent=2, sort_keys=True).encode() + b"\n"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, final)
+    dfd = os.open(base, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    return final
+
+
+def load(snapshot: os.PathLike | str) -> dict:
+    """Read and validate ``DIR/manifest.json``; returns the manifest dict. Raises
+    ``SnapshotError`` (phase "manifest") naming the path and what is wrong."""
+    base = pathlib.Path(snapshot)
+    path = base / MANIFEST_NAME
+    if not base.is_dir():
+        raise SnapshotError("manifest", f"{base} is not a directory")
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise SnapshotError("manifest", f"{base} is not a snapshot: no {MANIFEST_NAME} "
+                            "(an interrupted checkpoint leaves the directory without it)") from None
+    try:
+        m = json.loads(raw)
+    except ValueError as e:
+        raise SnapshotError("manifest", f"{path} is not valid JSON: {e}") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise SnapshotError("manifest", f"{path}: format is {m.get('format') if isinstance(m, dict) else None!r}, "
+                            f"expected {FORMAT!r}")
+    if m.get("format_version") != FORMAT_VERSION:
+        raise SnapshotError("manifest", f"{path}: format_version {m.get('format_version')!r} is not "
+                            f"supported (this agent reads version {FORMAT_VERSION})")
+    missing = [k for k in REQUIRED if k not in m]
+    if missing:
+        raise SnapshotError("manifest", f"{path}: missing field(s) {', '.join(missing)}")
+    return m
+
+
+def check_shim(m: dict, installed_path: str, installed_sha256: str) -> None:
+    """Refuse a snapshot taken with another shim build: ``SnapshotError`` naming both hashes and
+    the installed path."""
+    want = m["shim"].get("sha256")
+    if want != installed_sha256:
+        raise SnapshotError("restore", f"snapshot was taken with shim sha256 {want} "
+                            f"({m['shim'].get('path')}), but the installed shim {installed_path} "
+                            f"has sha256 {installed_sha256}; restore refused, snapshot untouched")
+
+
+def verify_images(snapshot: os.PathLike | str, m: dict) -> int:
+    """Check every CRIU image listed in the manifest (SHA-256 and size) and that no listed file is
+    missing; returns the total image bytes. Raises ``SnapshotError`` naming the file."""
+    base = pathlib.Path(snapshot)
+    total = 0
+    for rel, meta in sorted(m["criu"].get("files", {}).items()):
+        p = base / rel
+        if not p.is_file():
+            raise SnapshotError("restore", f"CRIU image {p} listed in the manifest is missing")
+        size = p.stat().st_size
+        if size != meta["bytes"] or _sha256(p) != meta["sha256"]:
+            raise SnapshotError("restore", f"CRIU image {p} has a bad checksum (sha256/size differ "
+                                "from the manifest); restore refused, snapshot untouched")
+        total += size
+    return total
+
+
+def carriers_from_capture(capture: Any) -> list[dict]:
+    """Per-carrier checksums from a Capture dict: one entry per creator allocation whose bytes
+    are held in a host carrier: ``{"pid", "alloc_id" (hex), "bytes", "checksum" (hex, cui_checksum64)}``."""
+    out = []
+    if not isinstance(capture, dict):
+        return out
+    for pid, records in _records_by_pid(capture):
+        for r in records:
+            if not isinstance(r, dict):
+                continue
+            kind = str(r.get("kind", "")).upper()
+            role = str(r.get("role", "")).upper()
+            if kind not in ("1", "ALLOCATION", "CUI_RECORD_ALLOCATION") or role not in ("1", "CREATOR", "CUI_ROLE_CREATOR"):
+                continue
+            nbytes = r.get("carrier_bytes", 0)
+            if not nbytes:
+                continue
+            cs = r.get("carrier_checksum", 0)
+            alloc = r.get("alloc_id", "")
+            out.append({"pid": pid, "alloc_id": alloc.hex() if isinstance(alloc, (bytes, bytearray)) else alloc,
+                        "bytes": int(nbytes), "checksum": cs if isinstance(cs, str) else f"{int(cs):016x}"})
+    return out
+
+
+def _records_by_pid(capture: dict):
+    """Yield (pid, [record dict]) from a Capture dict, tolerating the shapes
+    ``{"participants": [{"pid", "records"}]}``, ``{"records": {pid: [...]}}`` and
+    ``{"records": [{"pid", ...}]}``."""
+    parts = capture.get("participants")
+    if isinstance(parts, list):
+        for p in parts:
+            if isinstance(p, dict) and isinstance(p.get("records"), list):
+                yield int(p.get("pid", 0)), p["records"]
+        return
+    recs = capture.get("records")
+    if isinstance(recs, dict):
+        for pid, rs in recs.items():
+            yield int(pid), rs if isinstance(rs, list) else []
+    elif isinstance(recs, list):
+        by = {}
+        for r in recs:
+            by.setdefault(int(r.get("pid", 0)), []).append(r)
+        yield from by.items()
+
+
+def role_counts(records: list) -> dict:
+    """{"private": n, "creator": n, "importer": n} over allocation records (dicts or objects)."""
+    counts = {"private": 0, "creator": 0, "importer": 0}
+    names = {0: "private", 1: "creator", 2: "importer"}
+    for r in records:
+        get = r.get if isinstance(r, dict) else (lambda k, d=None, r=r: getattr(r, k, d))
+        kind = get("kind")
+        if str(kind).upper() not in ("1", "ALLOCATION", "CUI_RECORD_ALLOCATION") and getattr(kind, "value", None) != 1:
+            continue
+        role = get("role")
+        role = getattr(role, "value", role)
+        key = names.get(role) if isinstance(role, int) else str(role).lower().replace("cui_role_", "")
+        if key in counts:
+            counts[key] += 1
+    return counts

@@ -1,0 +1,273 @@
+"""Native CUDA checkpoint (``cuCheckpointProcess*``) through ``cuda.bindings.driver``.
+
+The agent is an *external controller*: it calls ``cuInit(0)`` in its own process, then acts on
+other processes by pid. Which ``libcuda.so.1`` the bindings use is decided by :func:`load`:
+
+- ``"real"`` (default): whatever ``libcuda.so.1`` the dynamic loader finds.
+- ``"fake"`` (``CUINTERPOSE_DRIVER=fake`` or ``--driver fake``): fakecuda, preloaded with
+  ``ctypes.CDLL(path, RTLD_GLOBAL)`` *before* the bindings' first call. Changing
+  ``LD_LIBRARY_PATH`` after process start would not work: the loader reads it once. The
+  bindings then ``dlopen("libcuda.so.1")``, which returns the already-loaded object with that
+  soname; :func:`load` verifies this in ``/proc/self/maps`` and refuses otherwise.
+
+Ordering (DESIGN §3 step 5): :func:`lock_all` locks **every** process before
+:func:`checkpoint_all` checkpoints any (locking one rank while its peers still spin can
+deadlock). Restore is :func:`restore_all` then :func:`unlock_all`. :func:`rollback_all` brings
+each process back to RUNNING from whatever state a failed checkpoint left it in.
+
+Every failure raises :class:`~cuinterpose.agent.errors.NativeError` naming the pid, the driver
+function and the CUresult name.
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import os
+import pathlib
+import time
+from typing import Iterable, Optional
+
+from . import paths
+from .errors import AgentError, NativeError
+
+DRIVER_ENV = "CUINTERPOSE_DRIVER"
+DRIVER_KINDS = ("real", "fake")
+
+
+@dataclasses.dataclass(frozen=True)
+class DriverInfo:
+    """The driver the agent talks to: ``kind`` ("real"|"fake"), ``version`` (``cuDriverGetVersion``,
+    e.g. 13000), ``library`` (absolute path of the mapped ``libcuda.so.1``)."""
+
+    kind: str
+    version: int
+    library: str
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+_info: Optional[DriverInfo] = None
+_driver = None
+
+
+def driver_kind(kind: Optional[str] = None) -> str:
+    """Resolve the driver kind: ``kind`` if given, else ``$CUINTERPOSE_DRIVER``, else "real".
+    Raises ``AgentError`` for an unknown kind."""
+    k = (kind or os.environ.get(DRIVER_ENV) or "real").strip().lower()
+    if k not in DRIVER_KINDS:
+        raise AgentError("driver", f"unknown driver kind {k!r} (expected one of {DRIVER_KINDS})")
+    return k
+
+
+def _mapped_libcuda() -> list[tuple[str, int, int]]:
+    """(path, dev, inode) of every file named libcuda.so* mapped into this process."""
+    seen = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            if len(parts) < 6:
+                continue
+            path = parts[5].strip()
+            if not os.path.basename(path).startswith("libcuda.so"):
+                continue
+            major, minor = (int(x, 16) for x in parts[3].split(":"))
+            entry = (path, os.makedev(major, minor), int(parts[4]))
+            if entry not in seen:
+                seen.append(entry)
+    return seen
+
+
+def result_name(err) -> str:
+    """CUresult name (``"CUDA_SUCCESS"``, ``"CUDA_ERROR_NOT_READY"``) or the integer as text."""
+    name = getattr(err, "name", None)
+    return name if name else str(int(err))
+
+
+def load(kind: Optional[str] = None) -> DriverInfo:
+    """Load the driver once per process and ``cuInit(0)`` it; later calls return the same
+    :class:`DriverInfo` (asking for a different kind afterwards raises ``AgentError``).
+
+    Raises ``AgentError`` (phase "driver") when the library cannot be loaded, the bindings resolve
+    to a different ``libcuda.so.1`` than requested, or ``cuInit`` fails."""
+    global _info, _driver
+    k = driver_kind(kind)
+    if _info is not None:
+        if _info.kind != k:
+            raise AgentError("driver", f"driver already loaded as {_info.kind!r} "
+                             f"({_info.library}); cannot switch to {k!r} in one process")
+        return _info
+    fake_lib = None
+    if k == "fake":
+        fake_lib = paths.fakecuda_dir() / paths.FAKECUDA_NAME
+        if any(p for p, _, _ in _mapped_libcuda() if os.path.realpath(p) != str(fake_lib.resolve())):
+            raise AgentError("driver", "another libcuda.so.1 is already loaded in this process; "
+                             f"cannot switch to fakecuda {fake_lib}")
+        try:
+            ctypes.CDLL(str(fake_lib), mode=os.RTLD_NOW | os.RTLD_GLOBAL)
+        except OSError as e:
+            raise AgentError("driver", f"cannot load fakecuda {fake_lib}: {e}") from None
+    try:
+        from cuda.bindings import driver
+    except ImportError as e:  # pragma: no cover - dependency missing
+        raise AgentError("driver", f"cuda.bindings is not importable: {e}") from None
+    try:
+        (err,) = driver.cuInit(0)
+    except RuntimeError as e:  # the bindings could not dlopen libcuda.so.1
+        raise AgentError("driver", f"cuda.bindings could not load libcuda.so.1: {e}") from None
+    except KeyError as e:
+        raise AgentError("driver", f"cuInit returned a CUresult outside the enum: {e}") from None
+    mapped = _mapped_libcuda()
+    if fake_lib is not None:
+        want = os.stat(fake_lib)
+        others = [p for p, dev, ino in mapped if (dev, ino) != (want.st_dev, want.st_ino)]
+        if others or not mapped:
+            raise AgentError("driver", f"cuda.bindings resolved libcuda.so.1 to {others or 'nothing'}, "
+                             f"not fakecuda {fake_lib}")
+        library = str(fake_lib.resolve())
+    else:
+        library = mapped[0][0] if mapped else "libcuda.so.1"
+        fake_dir = None
+        try:
+            fake_dir = paths.fakecuda_dir().resolve()
+        except FileNotFoundError:
+            pass
+        if fake_dir is not None and any(pathlib.Path(p).resolve().parent == fake_dir for p, _, _ in mapped):
+            raise AgentError("driver", f"real driver requested but fakecuda {library} is loaded "
+                             f"(LD_LIBRARY_PATH?); pass --driver fake or fix the environment")
+    if int(err) != 0:
+        raise AgentError("driver", f"cuInit(0) on {library}: {result_name(err)}")
+    err, version = driver.cuDriverGetVersion()
+    if int(err) != 0:
+        raise AgentError("driver", f"cuDriverGetVersion on {library}: {result_name(err)}")
+    _driver = driver
+    _info = DriverInfo(kind=k, version=int(version), library=library)
+    return _info
+
+
+def info() -> DriverInfo:
+    """The loaded driver (loads the default kind if none is loaded yet)."""
+    return _info if _info is not None else load()
+
+
+def _call(action: str, pid: int, *args):
+    drv = _driver if _driver is not None else (load() and _driver)
+    fn = getattr(drv, "cuCheckpointProcess" + {"get_state": "GetState"}.get(action, action.capitalize()))
+    try:
+        res = fn(pid, *args)
+    except KeyError as e:  # CUresult outside the enum
+        raise NativeError(action, pid, f"CUresult {e} (outside the enum)") from None
+    err = res[0]
+    if int(err) != 0:
+        raise NativeError(action, pid, result_name(err))
+    return res[1] if len(res) > 1 else None
+
+
+def get_state(pid: int) -> str:
+    """``cuCheckpointProcessGetState(pid)`` as a name: "RUNNING", "LOCKED", "CHECKPOINTED",
+    "FAILED" (``CU_PROCESS_STATE_`` stripped). Raises ``NativeError`` (e.g. for a process that
+    never initialised CUDA)."""
+    st = _call("get_state", pid)
+    name = getattr(st, "name", None) or str(int(st))
+    return name.replace("CU_PROCESS_STATE_", "")
+
+
+def lock(pid: int, timeout_ms: int) -> None:
+    """RUNNING -> LOCKED; ``timeout_ms`` = 0 waits forever. NOT_READY on timeout (stays RUNNING)."""
+    args = _driver.CUcheckpointLockArgs()
+    args.timeoutMs = int(timeout_ms)
+    _call("lock", pid, args)
+
+
+def checkpoint(pid: int) -> None:
+    """LOCKED -> CHECKPOINTED (device memory moves to driver-owned host memory)."""
+    _call("checkpoint", pid, None)
+
+
+def restore(pid: int) -> None:
+    """CHECKPOINTED -> LOCKED (mappings come back at their original VAs)."""
+    _call("restore", pid, None)
+
+
+def unlock(pid: int) -> None:
+    """LOCKED -> RUNNING."""
+    _call("unlock", pid, None)
+
+
+def _each(action, pids: Iterable[int], fn, phase: str) -> dict[int, int]:
+    """Apply ``fn`` to every pid in order; returns {pid: elapsed_ns}. Re-raises the first
+    NativeError with ``phase`` set."""
+    out = {}
+    for pid in pids:
+        t0 = time.monotonic_ns()
+        try:
+            fn(pid)
+        except NativeError as e:
+            e.phase = phase
+            e.args = (f"{phase}: pid {pid} {e.reason}",)
+            raise
+        out[pid] = time.monotonic_ns() - t0
+    return out
+
+
+def lock_all(pids: Iterable[int], timeout_ms: int) -> dict[int, int]:
+    """Lock every pid (in order) with ``timeout_ms`` each; returns {pid: elapsed_ns}.
+    If one fails, the ones already locked are unlocked again (best effort) and the
+    ``NativeError`` for the failing pid is raised (phase "native lock")."""
+    pids = list(pids)
+    locked = []
+    try:
+        out = {}
+        for pid in pids:
+            out.update(_each("lock", [pid], lambda p: lock(p, timeout_ms), "native lock"))
+            locked.append(pid)
+        return out
+    except NativeError:
+        for pid in reversed(locked):
+            try:
+                unlock(pid)
+            except NativeError:
+                pass
+        raise
+
+
+def checkpoint_all(pids: Iterable[int]) -> dict[int, int]:
+    """Checkpoint every pid (all must be LOCKED); returns {pid: elapsed_ns}. Raises the first
+    ``NativeError`` (phase "native checkpoint"); use :func:`rollback_all` to undo."""
+    return _each("checkpoint", pids, checkpoint, "native checkpoint")
+
+
+def restore_all(pids: Iterable[int]) -> dict[int, int]:
+    """Native-restore every pid (CHECKPOINTED -> LOCKED); returns {pid: elapsed_ns}."""
+    return _each("restore", pids, restore, "native restore")
+
+
+def unlock_all(pids: Iterable[int]) -> dict[int, int]:
+    """Unlock every pid (LOCKED -> RUNNING); returns {pid: elapsed_ns}."""
+    return _each("unlock", pids, unlock, "native unlock")
+
+
+def rollback_all(pids: Iterable[int]) -> dict[int, str]:
+    """Bring every pid back to RUNNING from a failed checkpoint: CHECKPOINTED -> restore ->
+    LOCKED -> unlock. Returns {pid: state it was found in}. Tries every pid, then raises the
+    first ``NativeError`` (phase "rollback native") if any step failed."""
+    found: dict[int, str] = {}
+    first: Optional[NativeError] = None
+    for pid in pids:
+        try:
+            st = get_state(pid)
+            found[pid] = st
+            if st == "CHECKPOINTED":
+                restore(pid)
+                st = "LOCKED"
+            if st == "LOCKED":
+                unlock(pid)
+            elif st != "RUNNING":
+                raise NativeError("get_state", pid, f"process is {st}, cannot bring it back to RUNNING")
+        except NativeError as e:
+            e.phase = "rollback native"
+            e.args = (f"rollback native: pid {pid} {e.reason}",)
+            first = first or e
+    if first is not None:
+        raise first
+    return found

@@ -1,0 +1,190 @@
+"""``cuinterpose-agent restore``: the restore ordering, one step per phase.
+
+Order (DESIGN §3, prior-art §5)::
+
+    manifest (read + validate: format, shim SHA-256, CRIU image checksums, pids free)
+    -> remove stale control sockets (and a stale ``.resume``) for the manifest's pids
+    -> CRIU restore (each tree; pids are kept) -> native restore, then unlock (each CUDA pid)
+    -> coordinator restore (LOAD_ALLOCATIONS, RESTORE_UNICAST, INSPECT equal to the capture)
+    -> ``.resume`` with ``restored=true``
+
+Every check before CRIU restore only reads: a refused snapshot is left untouched. A failure
+after CRIU restore kills the restored trees (their pids would block a retry) and raises
+``RestoreFailed``; the snapshot directory is never modified, so the restore can be retried.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+from typing import Optional
+
+from . import census as census_mod
+from . import manifest as manifest_mod
+from . import native, paths, quiesce
+from .checkpoint import as_agent_error, strip_preload_env
+from .errors import AgentError, RestoreFailed, SnapshotError
+from .report import Reporter
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            data = f.read()
+        return data[data.rindex(")") + 2] not in "ZX"
+    except (FileNotFoundError, ProcessLookupError, ValueError):
+        return False
+
+
+class Restore:
+    """State of one restore run; :meth:`run` drives the phases and returns a result dict."""
+
+    def __init__(self, images_dir, *, driver: Optional[str] = None, phase_timeout_s: float = 60.0,
+                 reporter: Optional[Reporter] = None, shim_path=None):
+        self.images_dir = pathlib.Path(images_dir).resolve()
+        self.driver_kind = driver
+        self.phase_timeout_s = float(phase_timeout_s)
+        self.r = reporter or Reporter()
+        self.shim_path = shim_path
+        self.m: Optional[dict] = None
+        self.restored_roots: list[int] = []
+
+    def read_manifest(self):
+        with self.r.phase("manifest") as ph:
+            m = manifest_mod.load(self.images_dir)
+            shim = census_mod.ShimFile.of(self.shim_path or paths.shim_path())
+            manifest_mod.check_shim(m, shim.path, shim.sha256)
+            orig = m["shim"]["path"]
+            if orig != shim.path:
+                try:
+                    same = census_mod.sha256_file(orig) == shim.sha256
+                except OSError:
+                    same = False
+                if not same:
+                    raise SnapshotError("restore", f"the snapshot's processes map the shim at {orig}, "
+                                        f"which is missing or differs from the installed {shim.path}; "
+                                        "CRIU reopens mapped files by path")
+            want = m["driver"]["kind"]
+            kind = native.driver_kind(self.driver_kind or os.environ.get(native.DRIVER_ENV) or want)
+            if kind != want:
+                raise SnapshotError("restore", f"snapshot was taken on the {want} driver, "
+                                    f"restore asked for {kind}")
+            self.driver_kind = kind
+            ph.bytes = manifest_mod.verify_images(self.images_dir, m)
+            for p in sorted({*m["roots"], *(q["pid"] for q in m["participants"]),
+                             *(q["pid"] for q in m.get("processes", []))}):
+                if _pid_alive(p):
+                    comm = census_mod.read_stat(p)[1]
+                    raise SnapshotError("restore", f"({comm}) is running with a pid the snapshot "
+                                        "needs (CRIU restores the original pids); restore refused, "
+                                        "snapshot untouched", pid=p)
+            ph.detail = f"{m['snapshot_id']} taken {m['created_at']}"
+            self.m = m
+
+    def load_driver(self):
+        with self.r.phase("driver") as ph:
+            self.driver = native.load(self.driver_kind)
+            ph.detail = f"{self.driver.kind} {self.driver.version}"
+
+    def remove_stale(self):
+        with self.r.phase("stale sockets") as ph:
+            # CRIU re-binds the sockets at their paths: the directory must exist (a new node)
+            pathlib.Path(self.m["control_dir"]).mkdir(mode=0o700, parents=True, exist_ok=True)
+            removed = []
+            for p in self.m["participants"]:
+                sp = pathlib.Path(p["socket_path"])
+                if sp.exists() or sp.is_symlink():
+                    sp.unlink()
+                    removed.append(str(sp))
+            for root in self.m["roots"]:
+                quiesce.file_path(self.m["control_dir"], root, "resume").unlink(missing_ok=True)
+            ph.detail = f"removed {len(removed)}"
+
+    def criu_restore(self):
+        from . import criu
+        strip_preload_env()
+        for root in self.m["roots"]:
+            with self.r.phase("criu restore") as ph:
+                d = manifest_mod.criu_dir(self.images_dir, root)
+                try:
+                    pid = criu.restore(d)
+                except Exception as e:
+                    raise AgentError("criu restore", f"tree {root} from {d}: {e}", pid=root) from e
+                self.restored_roots.append(root)
+                if int(pid) != int(root):
+                    raise AgentError("criu restore", f"tree {root} came back as pid {pid}", pid=root)
+                ph.detail = f"tree {root}"
+
+    def native_restore(self):
+        pids = self.m["cuda_pids"]
+        with self.r.phase("native restore") as ph:
+            for pid in pids:
+                st = native.get_state(pid)
+                if st != "CHECKPOINTED":
+                    raise AgentError("native restore", f"is {st} after CRIU restore, "
+                                     "expected CHECKPOINTED", pid=pid)
+            native.restore_all(pids)
+            ph.detail = f"pids {', '.join(map(str, pids))}"
+        with self.r.phase("native unlock") as ph:
+            native.unlock_all(pids)
+            ph.detail = f"pids {', '.join(map(str, pids))}"
+
+    def restore_shared(self):
+        from cuinterpose.coordinator import phases
+        parts = [phases.Participant(p["pid"], p["socket_path"]) for p in self.m["participants"]]
+        coord = phases.Coordinator(parts, timeout_s=self.phase_timeout_s,
+                                   on_event=self.r.coordinator_event)
+        try:
+            capture = phases.Capture.from_dict(self.m["capture"])
+            self.restore_result = coord.restore(capture)
+        except Exception as e:
+            raise as_agent_error(e, "restore shared") from e
+
+    def resume(self):
+        with self.r.phase("resume"):
+            quiesce.resume(self.m["control_dir"], self.m["roots"], self.m["quiesce"]["id"],
+                           restored=True)
+
+    def kill_restored(self):
+        """SIGKILL every process of the restored trees (leaves first is unnecessary: KILL)."""
+        try:
+            procs = census_mod.walk_tree([r for r in self.restored_roots if _pid_alive(r)])
+        except AgentError:
+            procs = []
+        for pid, _, _ in procs:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def run(self) -> dict:
+        """Returns {"snapshot_id", "roots", "cuda_pids", "phases"}. Raises ``SnapshotError`` /
+        ``AgentError`` (refused, nothing changed) or ``RestoreFailed`` (restored trees killed)."""
+        try:
+            self.read_manifest()
+        except AgentError:
+            raise
+        except (KeyError, TypeError, ValueError, OSError) as e:
+            raise SnapshotError("manifest", f"{self.images_dir}: malformed or unreadable "
+                                f"snapshot ({type(e).__name__}: {e}); restore refused, "
+                                "snapshot untouched") from e
+        self.load_driver()
+        self.remove_stale()
+        try:
+            self.criu_restore()
+            self.native_restore()
+            self.restore_shared()
+            self.resume()
+        except BaseException as e:
+            self.kill_restored()
+            if isinstance(e, AgentError):
+                raise RestoreFailed(e.phase, e.reason + "; the restored tree was killed, the "
+                                    "snapshot is untouched", pid=e.pid) from e
+            raise RestoreFailed("restore", f"{e}; the restored tree was killed") from e
+        return {"snapshot_id": self.m["snapshot_id"], "roots": self.m["roots"],
+                "cuda_pids": self.m["cuda_pids"], "phases": self.r.to_list()}
+
+
+def restore(images_dir, **kw) -> dict:
+    """Convenience: ``Restore(images_dir, **kw).run()``."""
+    return Restore(images_dir, **kw).run()

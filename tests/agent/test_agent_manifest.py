@@ -1,0 +1,177 @@
+"""Manifest: atomic write, and refusals that leave the snapshot directory untouched."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+
+import pytest
+
+from cuinterpose.agent import manifest
+from cuinterpose.agent.errors import SnapshotError
+from cuinterpose.agent.restore import Restore
+
+
+def tree_digest(d: pathlib.Path) -> dict:
+    """{relative path: (sha256, mode, mtime_ns)} for every file and dir under ``d``."""
+    out = {}
+    for p in sorted(d.rglob("*")):
+        st = p.lstat()
+        h = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+        out[str(p.relative_to(d))] = (h, st.st_mode, st.st_mtime_ns)
+    return out
+
+
+def sample(snapshot: pathlib.Path, shim_sha: str = "ab" * 32, shim_path: str = "/x/libcuinterpose.so") -> dict:
+    img = manifest.criu_dir(snapshot, 100)
+    img.mkdir(parents=True)
+    (img / "core-100.img").write_bytes(b"core" * 100)
+    (img / "pages-1.img").write_bytes(bytes(range(256)) * 16)
+    return {
+        "format": manifest.FORMAT, "format_version": manifest.FORMAT_VERSION,
+        "snapshot_id": "s1", "created_at": manifest.utc_now(),
+        "shim": {"path": shim_path, "sha256": shim_sha, "size": 1},
+        "driver": {"kind": "fake", "version": 13000, "library": "/x/libcuda.so.1"},
+        "criu": {"version": "4.1", "trees": {"100": "criu/100"},
+                 "files": manifest.image_files(snapshot)},
+        "roots": [100], "control_dir": "/tmp/ctl", "cuda_pids": [101],
+        "participants": [{"pid": 101, "socket_path": "/tmp/ctl/cuinterpose-101.sock"}],
+        "capture": {}, "carriers": [], "phases": [], "quiesce": {"id": "q"},
+        "totals": {"carrier_bytes": 0, "image_bytes": 0},
+    }
+
+
+def test_write_is_atomic_and_round_trips(tmp_path):
+    m = sample(tmp_path)
+    path = manifest.write(tmp_path, m)
+    assert path == tmp_path / "manifest.json"
+    assert not (tmp_path / "manifest.json.tmp").exists()
+    assert manifest.load(tmp_path) == json.loads(json.dumps(m))
+    assert m["criu"]["files"] == {
+        "criu/100/core-100.img": {"sha256": hashlib.sha256(b"core" * 100).hexdigest(), "bytes": 400},
+        "criu/100/pages-1.img": {"sha256": hashlib.sha256(bytes(range(256)) * 16).hexdigest(),
+                                 "bytes": 4096}}
+    assert manifest.verify_images(tmp_path, m) == 4496
+
+
+def test_interrupted_write_leaves_no_manifest(tmp_path, monkeypatch):
+    m = sample(tmp_path)
+
+    def boom(*a):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(os, "rename", boom)
+    with pytest.raises(OSError):
+        manifest.write(tmp_path, m)
+    assert not (tmp_path / "manifest.json").exists()
+    with pytest.raises(SnapshotError, match="not a snapshot: no manifest.json"):
+        manifest.load(tmp_path)
+
+
+def test_write_refuses_missing_fields(tmp_path):
+    m = sample(tmp_path)
+    del m["capture"]
+    with pytest.raises(SnapshotError, match="manifest lacks capture"):
+        manifest.write(tmp_path, m)
+    assert not (tmp_path / "manifest.json").exists()
+
+
+@pytest.mark.parametrize("mutate,msg", [
+    (lambda m: m.update(format="other"), "format is 'other'"),
+    (lambda m: m.update(format_version=2), "format_version 2 is not supported"),
+    (lambda m: m.pop("participants"), "missing field(s) participants"),
+])
+def test_load_refuses_bad_manifest(tmp_path, mutate, msg):
+    m = sample(tmp_path)
+    mutate(m)
+    (tmp_path / "manifest.json").write_text(json.dumps(m))
+    before = tree_digest(tmp_path)
+    with pytest.raises(SnapshotError) as ei:
+        manifest.load(tmp_path)
+    assert msg in str(ei.value)
+    assert tree_digest(tmp_path) == before
+
+
+def test_load_refuses_bad_json(tmp_path):
+    (tmp_path / "manifest.json").write_text("{not json")
+    with pytest.raises(SnapshotError, match="is not valid JSON"):
+        manifest.load(tmp_path)
+
+
+@pytest.fixture
+def installed_shim(tmp_path):
+    p = tmp_path / "installed" / "libcuinterpose.so"
+    p.parent.mkdir()
+    p.write_bytes(b"shim v2")
+    return p
+
+
+def test_restore_refuses_other_shim_hash_and_leaves_snapshot_untouched(tmp_path, installed_shim):
+    snap = tmp_path / "snap"
+    snap.mkdir()
+    m = sample(snap, shim_sha="0" * 64, shim_path=str(installed_shim))
+    manifest.write(snap, m)
+    before = tree_digest(snap)
+    with pytest.raises(SnapshotError) as ei:
+        Restore(snap, shim_path=installed_shim).read_manifest()
+    want = hashlib.sha256(b"shim v2").hexdigest()
+    msg = str(ei.value)
+    assert "0" * 64 in msg and want in msg and str(installed_shim) in msg
+    assert tree_digest(snap) == before
+
+
+def test_restore_refuses_bad_image_checksum_and_leaves_snapshot_untouched(tmp_path, installed_shim):
+    snap = tmp_path / "snap"
+    snap.mkdir()
+    sha = hashlib.sha256(b"shim v2").hexdigest()
+    m = sample(snap, shim_sha=sha, shim_path=str(installed_shim))
+    manifest.write(snap, m)
+    img = manifest.criu_dir(snap, 100) / "pages-1.img"
+    data = bytearray(img.read_bytes())
+    data[7] ^= 0xFF
+    img.write_bytes(bytes(data))
+    before = tree_digest(snap)
+    with pytest.raises(SnapshotError) as ei:
+        Restore(snap, shim_path=installed_shim, driver="fake").read_manifest()
+    assert str(img) in str(ei.value) and "bad checksum" in str(ei.value)
+    assert tree_digest(snap) == before
+
+
+def test_restore_refuses_format_version_and_leaves_snapshot_untouched(tmp_path, installed_shim):
+    snap = tmp_path / "snap"
+    snap.mkdir()
+    m = sample(snap, shim_sha=hashlib.sha256(b"shim v2").hexdigest(), shim_path=str(installed_shim))
+    m["format_version"] = 99
+    (snap / "manifest.json").write_text(json.dumps(m))
+    before = tree_digest(snap)
+    with pytest.raises(SnapshotError, match="format_version 99"):
+        Restore(snap, shim_path=installed_shim).read_manifest()
+    assert tree_digest(snap) == before
+
+
+def test_restore_refuses_pid_in_use(tmp_path, installed_shim):
+    snap = tmp_path / "snap"
+    snap.mkdir()
+    m = sample(snap, shim_sha=hashlib.sha256(b"shim v2").hexdigest(), shim_path=str(installed_shim))
+    m["roots"] = [os.getpid()]
+    manifest.write(snap, m)
+    before = tree_digest(snap)
+    with pytest.raises(SnapshotError) as ei:
+        Restore(snap, shim_path=installed_shim, driver="fake").read_manifest()
+    assert ei.value.pid == os.getpid() and "CRIU restores the original pids" in ei.value.reason
+    assert tree_digest(snap) == before
+
+
+def test_carriers_and_roles_from_capture():
+    cap = {"participants": [
+        {"pid": 11, "records": [
+            {"kind": "ALLOCATION", "role": "CREATOR", "alloc_id": "aa" * 16, "carrier_bytes": 4096,
+             "carrier_checksum": 0x1234},
+            {"kind": "MAPPING", "role": "CREATOR", "alloc_id": "aa" * 16, "carrier_bytes": 0},
+            {"kind": "ALLOCATION", "role": "PRIVATE", "alloc_id": "bb" * 16, "carrier_bytes": 0}]},
+        {"pid": 12, "records": [
+            {"kind": "ALLOCATION", "role": "IMPORTER", "alloc_id": "aa" * 16, "carrier_bytes": 0}]}]}
+    assert manifest.carriers_from_capture(cap) == [
+        {"pid": 11, "alloc_id": "aa" * 16, "bytes": 4096, "checksum": "0000000000001234"}]
+    assert manifest.role_counts(cap["participants"][0]["records"]) == {
+        "private": 1, "creator": 1, "importer": 0}

@@ -1,0 +1,89 @@
+"""End-to-end fixtures: CRIU availability, a child subreaper, afdwin runs that are always cleaned up.
+
+E2E tests need a working CRIU (``agent.criu``); without one they skip with CRIU's own reason.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from cuinterpose.agent import demo
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="session")
+def criu_ok():
+    from cuinterpose.agent import criu
+    ok, out = criu.check()
+    if not ok:
+        reason = f"CRIU is not usable on this machine (`make criu`): {out.strip()}"
+        print(reason)
+        pytest.skip(reason)
+    return criu.version()
+
+
+@pytest.fixture
+def subreaper():
+    """This process adopts orphans (the CRIU-restored tree) while the test runs."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(demo.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    yield
+    libc.prctl(demo.PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+    demo.reap_zombies()
+
+
+@pytest.fixture
+def afdwin(tmp_path, criu_ok, subreaper):
+    """afdwin(steps=..., step_delay_ms=...) -> started demo.Afdwin; killed at teardown."""
+    runs = []
+
+    def _start(**kw):
+        a = demo.Afdwin(tmp_path / f"run{len(runs)}", **kw).start()
+        runs.append(a)
+        return a
+    yield _start
+    for a in runs:
+        if demo.pid_alive(a.pid):
+            for pid in _tree(a.pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        a.kill()
+
+
+def _tree(root):
+    from cuinterpose.agent.census import walk_tree
+    try:
+        return [p for p, _, _ in walk_tree([root])]
+    except Exception:
+        return []
+
+
+@pytest.fixture
+def rogue(tmp_path, subreaper):
+    """rogue(control_dir) -> (Popen, log path): tests/e2e/rogue_export.py under the shim on
+    fakecuda, holding an exported FD the shim does not know about. Killed at teardown."""
+    procs = []
+
+    def _start(ctl):
+        log = tmp_path / f"rogue{len(procs)}.log"
+        env = demo.workload_env(ctl)
+        env["ROGUE_LIFETIME_S"] = "120"
+        with open(log, "wb") as out, open(str(log) + ".err", "wb") as err:
+            p = subprocess.Popen([sys.executable, os.path.join(HERE, "rogue_export.py")],
+                                 stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env,
+                                 start_new_session=True)
+        procs.append(p)
+        return p, log
+    yield _start
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()

@@ -1,0 +1,165 @@
+"""afdwin on fakecuda under the shim: checkpointed mid-stream, killed by the CRIU dump, restored,
+finished; plus the refused and rolled-back checkpoints. Uses the real agent CLI (subprocess)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from cuinterpose.agent import demo, manifest, paths
+from cuinterpose.agent.census import sha256_file
+
+STEPS = 300
+
+
+def windows(evs):
+    return {e["rank"]: e for e in evs if demo.kind(e) == "window" and not e.get("after_restore")}
+
+
+def assert_exact_pairs(evs, steps, ranks=2, attention=1):
+    """Every (sender, receiver) pair got seqs exactly 1..steps, nothing torn."""
+    done = [e for e in evs if demo.kind(e) == "done"]
+    assert sorted(e["rank"] for e in done) == list(range(ranks))
+    pairs = {(p["src"], p["dst"]): p for e in done for p in e["pairs"]}
+    ffn = range(attention, ranks)
+    assert sorted(pairs) == sorted([(a, f) for a in range(attention) for f in ffn]
+                                   + [(f, a) for a in range(attention) for f in ffn])
+    for p in pairs.values():
+        assert (p["count"], p["distinct"], p["first"], p["last"]) == (steps, steps, 1, steps), p
+        assert (p["gaps"], p["duplicates"], p["torn"], p["lost"], p["out_of_order"]) == (0, 0, 0, 0, 0), p
+    s = [e for e in evs if demo.kind(e) == "summary"][-1]
+    n = attention * (ranks - attention) * steps
+    assert (s["ok"], s["messages"], s["replies"], s["lost"], s["duplicated"], s["torn"]) == \
+        (True, n, n, 0, 0, 0), s
+    assert s["window_checks_failed"] == 0
+    return s
+
+
+@pytest.mark.parametrize("ranks,attention", [(2, 1), (4, 2)], ids=["1A1F", "2A2F"])
+def test_checkpoint_kill_restore_finish(afdwin, tmp_path, ranks, attention):
+    ffn = ranks - attention
+    a = afdwin(steps=STEPS, step_delay_ms=5, ranks=ranks, attention=attention)
+    a.wait_for(lambda ev: demo.received(ev) >= 30 * attention * ffn, 120, "messages")
+    snap = tmp_path / "snap"
+    rc, cp = demo.run_agent("checkpoint", "--pid", str(a.pid), "--images-dir", str(snap),
+                            "--driver", "fake", "--control-dir", str(a.ctl))
+    assert rc == 0 and cp["ok"], cp
+    assert a.wait_dumped() == -signal.SIGKILL
+    evs = a.events()
+    cut = demo.cut_seqs(evs)
+    assert sorted(cut) == [(a_, f) for a_ in range(attention) for f in range(attention, ranks)]
+    assert all(0 < seq < STEPS for seq in cut.values()), cut  # mid-stream
+    before = windows(evs)
+    rank_pids = sorted(w["pid"] for w in before.values())
+
+    m = json.loads((snap / "manifest.json").read_text())
+    assert m["format"] == manifest.FORMAT and m["format_version"] == manifest.FORMAT_VERSION
+    assert m["roots"] == [a.pid] and m["cuda_pids"] == rank_pids
+    assert [p["pid"] for p in m["participants"]] == rank_pids
+    assert [p["socket_path"] for p in m["participants"]] == [
+        str(a.ctl / f"cuinterpose-{pid}.sock") for pid in rank_pids]
+    # every rank creates its own window and imports every peer's
+    assert [p["roles"] for p in m["participants"]] == \
+        [{"private": 0, "creator": 1, "importer": ranks - 1}] * ranks
+    assert m["shim"]["sha256"] == sha256_file(paths.shim_path())
+    assert m["driver"]["kind"] == "fake"
+    stride = before[0]["stride"]
+    assert sorted((c["pid"], c["bytes"]) for c in m["carriers"]) == [(p, stride) for p in rank_pids]
+    assert m["totals"]["carrier_bytes"] == ranks * stride
+    parked = m["quiesce"]["ready"][str(a.pid)]["ranks"]
+    assert sorted(r["pid"] for r in parked) == rank_pids
+    assert {(int(src), r["rank"]): seq for r in parked if r["role"] == "ffn"
+            for src, seq in r["last_seq"].items()} == cut
+    assert {p["name"] for p in m["phases"]} >= {"census", "quiesce", "SAVE_ALLOCATIONS",
+                                                "PREPARE_UNICAST", "native lock",
+                                                "native checkpoint", "criu dump"}
+    assert [p["bytes"] for p in m["phases"] if p["name"] == "SAVE_ALLOCATIONS"] == [ranks * stride]
+    manifest.verify_images(snap, m)
+
+    rc, rs = demo.run_agent("restore", "--images-dir", str(snap), "--driver", "fake")
+    assert rc == 0 and rs["ok"], rs
+    assert rs["roots"] == [a.pid] and rs["cuda_pids"] == rank_pids
+    assert [p["bytes"] for p in rs["phases"] if p["name"] == "LOAD_ALLOCATIONS"] == [ranks * stride]
+    assert a.wait_restored_exit(300) in (0, None)
+    evs = a.events()
+    s = assert_exact_pairs(evs, STEPS, ranks, attention)
+    assert (s["restores_seen"], s["quiesces"], s["va_tables_identical"]) == (1, 1, True)
+    after = {e["rank"]: e for e in evs if demo.kind(e) == "window" and e.get("after_restore")}
+    keys = ("pid", "base_va", "peer_va", "stride", "total_bytes")
+    assert {r: tuple(str(w[k]) for k in keys) for r, w in after.items()} == \
+           {r: tuple(str(w[k]) for k in keys) for r, w in before.items()}
+    resumed = [e for e in evs if demo.kind(e) == "resumed"]
+    assert [(e["restored"], e["cancelled"]) for e in resumed] == [(True, False)]
+    assert demo.check_run(evs, STEPS, attention=attention, ffn=ffn) == []
+    # the snapshot is left as it was: a second restore would be possible
+    manifest.verify_images(snap, m)
+
+
+def test_refused_when_workload_does_not_answer(afdwin, tmp_path):
+    a = afdwin(steps=STEPS, step_delay_ms=5)
+    a.wait_for(lambda ev: demo.received(ev) >= 20, 120, "20 messages")
+    snap = tmp_path / "snap"
+    os.kill(a.pid, signal.SIGSTOP)  # the launcher (which answers quiesce) hangs
+    try:
+        rc, cp = demo.run_agent("checkpoint", "--pid", str(a.pid), "--images-dir", str(snap),
+                                "--driver", "fake", "--control-dir", str(a.ctl),
+                                "--quiesce-timeout-ms", "300")
+    finally:
+        os.kill(a.pid, signal.SIGCONT)
+    assert rc == 3 and not cp["ok"]
+    err = cp["error"]
+    assert (err["phase"], err["pid"], err["outcome"]) == ("quiesce", a.pid, "refused")
+    assert f"quiesce-{a.pid}.ready" in err["reason"] and "within 300 ms" in err["reason"]
+    assert [p["name"] for p in cp["phases"]] == ["driver", "census", "quiesce"]
+    assert not (a.ctl / f"quiesce-{a.pid}.request").exists()
+    assert json.loads((a.ctl / f"quiesce-{a.pid}.resume").read_text())["cancelled"] is True
+    assert not (snap / "manifest.json").exists() and not (snap / "criu").exists()
+    assert a.proc.wait(timeout=300) == 0
+    evs = a.events()
+    s = assert_exact_pairs(evs, STEPS)
+    assert (s["restores_seen"], s["quiesces"]) == (0, 0)
+
+
+def test_native_checkpoint_failure_rolls_back(afdwin, rogue, tmp_path):
+    """A participant holds an exported FD outside the shim's knowledge: native checkpoint fails,
+    the agent rolls everything back and afdwin finishes with every message intact."""
+    a = afdwin(steps=STEPS, step_delay_ms=5)
+    a.wait_for(lambda ev: len(windows(ev)) == 2 and demo.received(ev) >= 20, 120, "20 messages")
+    rp, rlog = rogue(a.ctl)
+    deadline = time.monotonic() + 60
+    while '"exported"' not in rlog.read_text() or not (a.ctl / f"cuinterpose-{rp.pid}.sock").exists():
+        assert rp.poll() is None and time.monotonic() < deadline, rlog.read_text()
+        time.sleep(0.05)
+    snap = tmp_path / "snap"
+    rc, cp = demo.run_agent("checkpoint", "--pid", str(a.pid), "--pid", str(rp.pid),
+                            "--images-dir", str(snap), "--driver", "fake",
+                            "--control-dir", str(a.ctl))
+    assert rc == 4 and not cp["ok"], cp
+    err = cp["error"]
+    assert (err["phase"], err["pid"], err["outcome"]) == ("native checkpoint", rp.pid, "rolled_back")
+    assert "cuCheckpointProcessCheckpoint: CUDA_ERROR_NOT_SUPPORTED" in err["reason"]
+    assert "exported FD still open" in err["reason"]
+    names = [p["name"] for p in cp["phases"]]
+    assert names[names.index("native checkpoint"):] == [
+        "native checkpoint", "rollback native", "INSPECT", "INSPECT", "LOAD_ALLOCATIONS",
+        "RESTORE_UNICAST", "INSPECT"]
+    assert [p["status"] for p in cp["phases"]].count("failed") == 1
+    rank_pids = sorted(w["pid"] for w in windows(a.events()).values())
+    rb = next(p for p in cp["phases"] if p["name"] == "rollback native")["detail"]
+    # every rank checkpointed before the rogue (lower pid) came back from CHECKPOINTED
+    want_state = {pid: "CHECKPOINTED" if pid < rp.pid else "LOCKED" for pid in rank_pids}
+    want_state[rp.pid] = "LOCKED"
+    assert rb == ", ".join(f"{p}:{s}" for p, s in sorted(want_state.items()))
+    assert not (snap / "manifest.json").exists() and not (snap / "criu").exists()
+    assert rp.wait(timeout=60) == 0
+    assert [json.loads(l) for l in rlog.read_text().splitlines()][1:] == [
+        {"event": "resumed", "restored": False, "cancelled": False}, {"event": "done", "ok": True}]
+    assert a.proc.wait(timeout=300) == 0
+    evs = a.events()
+    s = assert_exact_pairs(evs, STEPS)
+    assert (s["restores_seen"], s["quiesces"]) == (0, 1)
+    resumed = [e for e in evs if demo.kind(e) == "resumed"]
+    assert [(e["restored"], e["cancelled"]) for e in resumed] == [(False, False)]
