@@ -1,0 +1,93 @@
+"""Run configuration and geometry profiles (afd-window.md §6).
+
+Profiles (per-rank sizes; F = number of FFN ranks):
+
+- ``ci``: 4 experts per FFN rank, token_cap 16, hidden 64, 2-byte items, topk 2, shared experts
+  (shared_cap = ceil(token_cap / F)); slots of a few KiB.
+- ``gpu``: DeepSeek-V2-Lite-like 1A1F sizes: 64 experts in total (64 / F per rank), token_cap 512,
+  hidden 2048, 2-byte items (bf16-sized), topk 6, shared experts; ~4 MiB slots.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from .layout import SlotLayout, WindowLayout
+
+PROFILES = {
+    "ci": dict(total_experts=None, experts_per_rank=4, token_cap=16, hidden_size=64,
+               payload_itemsize=2, topk=2, shared=True),
+    "gpu": dict(total_experts=64, experts_per_rank=None, token_cap=512, hidden_size=2048,
+                payload_itemsize=2, topk=6, shared=True),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Everything a rank needs to build its window and run the protocol.
+
+    world: number of ranks (N); attention: attention ranks (world ranks 0..attention-1), the
+    rest are FFN ranks; steps: dispatch steps per attention rank (S); ring_depth: D;
+    step_delay_ms: minimum gap between two steps issued by one attention rank; seed: payload seed.
+    Raises ``ValueError`` for an unknown profile or a world without both roles.
+    """
+
+    world: int = 2
+    attention: int = 1
+    steps: int = 100
+    ring_depth: int = 2
+    profile: str = "ci"
+    step_delay_ms: float = 0.0
+    seed: int = 0
+    # test-only knobs (set per rank with the launcher's hidden --test-override RANK:FIELD=N)
+    corrupt_step: int = 0      # attention: write step N with magic 0 (expect torn, exit 1)
+    no_fence: int = 0          # 1: skip the fence barrier; an FFN rank also zeroes its window
+                               # only after the first dispatch landed (the race §3 prevents)
+
+    def __post_init__(self):
+        if self.profile not in PROFILES:
+            raise ValueError(f"unknown profile {self.profile!r}; choose from {sorted(PROFILES)}")
+        if not (1 <= self.attention < self.world):
+            raise ValueError(f"need 1 <= attention < ranks, got attention={self.attention} "
+                             f"ranks={self.world}")
+        if self.steps < 0:
+            raise ValueError(f"steps must be >= 0, got {self.steps}")
+        if self.ring_depth < 1:
+            raise ValueError(f"ring_depth must be >= 1, got {self.ring_depth}")
+
+    @property
+    def ffn(self) -> int:
+        return self.world - self.attention
+
+    def role(self, rank: int) -> str:
+        """"attention" or "ffn" for a world rank."""
+        return "attention" if rank < self.attention else "ffn"
+
+    def role_rank(self, rank: int) -> int:
+        """Index within the rank's role (attention role rank, or FFN role rank)."""
+        return rank if rank < self.attention else rank - self.attention
+
+    @property
+    def experts_per_rank(self) -> int:
+        p = PROFILES[self.profile]
+        if p["experts_per_rank"] is not None:
+            return p["experts_per_rank"]
+        return -(-p["total_experts"] // self.ffn)
+
+    @property
+    def topk(self) -> int:
+        return min(PROFILES[self.profile]["topk"], self.experts_per_rank * self.ffn)
+
+    def window_layout(self) -> WindowLayout:
+        """The window every rank of this run allocates (num_regions = max(attention, ffn))."""
+        p = PROFILES[self.profile]
+        token_cap = p["token_cap"]
+        shared_cap = -(-token_cap // self.ffn) if p["shared"] else 0
+        slot = SlotLayout(experts_per_rank=self.experts_per_rank,
+                          partial_cap=token_cap * self.topk, token_cap=token_cap,
+                          shared_cap=shared_cap, hidden_size=p["hidden_size"],
+                          payload_itemsize=p["payload_itemsize"])
+        return WindowLayout(slot=slot, num_regions=max(self.attention, self.ffn),
+                            ring_depth=self.ring_depth)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)

@@ -1,0 +1,495 @@
+"""The afdwin launcher: process-tree root, rendezvous, quiesce contract, sole stdout writer.
+
+``python -m cuinterpose.workloads.afdwin --ranks N --attention A --steps S --ring-depth D
+[--profile ci|gpu] [--step-delay-ms MS] [--seed N] [--host-memory auto|pinned|pageable]
+[--stall-timeout-s T]``
+
+The launcher never touches CUDA. It spawns the N rank processes (``subprocess``; they inherit
+only stdio, with stdout pointed at stderr), serves a Unix socket in a private temp directory
+(removed once every rank connected), validates geometry, relays export FDs (SCM_RIGHTS), runs
+barriers, forwards rank events, and watches ``$CUINTERPOSE_CONTROL_DIR/quiesce-<pid>.request``
+(docs/workload-contract.md). Exit status: 0 when every invariant held, 1 otherwise, 2 for bad
+arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+from .config import PROFILES, Config
+from .layout import GEOMETRY_FIELDS, GeometryMismatch, check_geometry
+from .wire import Channel, ChannelClosed
+
+CONTROL_POLL_S = 0.05
+WINDOW_KEYS = ("rank", "role", "base_va", "peer_va", "stride", "slot_bytes", "total_bytes",
+               "regions", "rings", "handle_type")
+
+
+def control_dir() -> str:
+    return os.environ.get("CUINTERPOSE_CONTROL_DIR", "/tmp/cuinterpose")
+
+
+def write_atomic(path: str, obj: dict) -> None:
+    """Write JSON to ``path.tmp``, fsync, rename onto ``path``."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, path)
+
+
+def read_json(path: str) -> dict | None:
+    """The JSON object in ``path``; None when absent or not (yet) valid."""
+    try:
+        with open(path) as f:
+            obj = json.load(f)
+        return obj if isinstance(obj, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+class RunFailed(Exception):
+    """A fatal launcher-level failure; the message is the error event's text."""
+
+    def __init__(self, stage: str, message: str, **extra):
+        self.stage, self.extra = stage, extra
+        super().__init__(message)
+
+
+class Launcher:
+    def __init__(self, cfg: Config, overrides: dict[int, dict], host_memory: str,
+                 stall_timeout_s: float):
+        self.cfg = cfg
+        self.overrides = overrides
+        self.host_memory = host_memory
+        self.stall_timeout_s = stall_timeout_s
+        self.pid = os.getpid()
+        self.t_wall = time.time()       # "t" of events: wall seconds (monotonic jumps at restore)
+        self.procs: list[subprocess.Popen] = []
+        self.chans: dict[int, Channel] = {}
+        self.rank_pid: dict[int, int] = {}
+        self.geometry: dict[int, list[int]] = {}
+        self.exports: dict[int, int] = {}
+        self.barriers: dict[str, set[int]] = {}
+        self.windows: dict[int, dict] = {}
+        self.windows_after: list[dict] = []
+        self.done: dict[int, dict] = {}
+        self.errors: list[str] = []
+        self.phase = "setup"
+        self.q: dict | None = None
+        self.quiesces = 0
+        self.restores_seen = 0
+        self.last_change = time.monotonic()
+        self.counters: dict[int, tuple] = {}
+        self.exited: set[int] = set()
+        cdir = control_dir()
+        self.req_path = os.path.join(cdir, f"quiesce-{self.pid}.request")
+        self.ready_path = os.path.join(cdir, f"quiesce-{self.pid}.ready")
+        self.resume_path = os.path.join(cdir, f"quiesce-{self.pid}.resume")
+
+    # ---- output ---------------------------------------------------------------------------
+    def emit(self, ev: dict) -> None:
+        ev = dict(ev)
+        ev.setdefault("t", round(time.time() - self.t_wall, 6))
+        sys.stdout.write(json.dumps(ev, separators=(",", ":")) + "\n")
+        sys.stdout.flush()
+
+    def rank_cfg(self, rank: int) -> Config:
+        return dataclasses.replace(self.cfg, **self.overrides.get(rank, {}))
+
+    # ---- startup --------------------------------------------------------------------------
+    def spawn(self) -> None:
+        N = self.cfg.world
+        tmp = tempfile.mkdtemp(prefix="afdwin-")
+        path = os.path.join(tmp, "rendezvous.sock")
+        lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            lsock.bind(path)
+            lsock.listen(N)
+            for i in range(N):
+                cmd = [sys.executable, "-m", "cuinterpose.workloads.afdwin.rank",
+                       "--connect", path, "--rank", str(i)]
+                self.procs.append(subprocess.Popen(cmd, stdout=sys.stderr.fileno(),
+                                                   close_fds=True))
+            deadline = time.monotonic() + 120
+            pending: list[Channel] = []
+            while len(self.chans) < N:
+                if time.monotonic() > deadline:
+                    raise RunFailed("spawn", "ranks did not connect within 120 s")
+                for i, p in enumerate(self.procs):
+                    if p.poll() is not None:
+                        raise RunFailed("spawn", f"rank {i} exited with {p.returncode} "
+                                                 f"before connecting")
+                r, _, _ = select.select([lsock] + pending, [], [], 0.1)
+                for s in r:
+                    if s is lsock:
+                        conn, _ = lsock.accept()
+                        pending.append(Channel(conn))
+                        continue
+                    got = s.recv(timeout=0)
+                    if got is None:
+                        continue
+                    msg, _ = got
+                    if msg.get("type") != "hello":
+                        raise RunFailed("spawn", f"first message was {msg.get('type')!r}")
+                    pending.remove(s)
+                    self.chans[int(msg["rank"])] = s
+                    self.rank_pid[int(msg["rank"])] = int(msg["pid"])
+        finally:
+            lsock.close()
+            shutil.rmtree(tmp, ignore_errors=True)
+        for i, ch in self.chans.items():
+            ch.send({"type": "config", "config": self.rank_cfg(i).to_json(),
+                     "host_memory": self.host_memory})
+
+    # ---- message handling -----------------------------------------------------------------
+    def broadcast(self, msg: dict, ranks=None) -> None:
+        for i in (self.chans if ranks is None else ranks):
+            if i not in self.exited:
+                try:
+                    self.chans[i].send(msg)
+                except OSError:
+                    pass
+
+    def on_message(self, rank: int, msg: dict, fds: list[int]) -> None:
+        t = msg["type"]
+        N = self.cfg.world
+        if t == "event":
+            self.on_event(rank, msg["event"])
+        elif t == "geometry":
+            self.geometry[rank] = msg["values"]
+            if len(self.geometry) == N:
+                try:
+                    check_geometry([self.geometry[i] for i in range(N)])
+                except GeometryMismatch as e:
+                    for i in range(N):
+                        self.chans[i].send({"type": "fail", "field": e.field,
+                                            "values": e.values, "message": e.message_for(i)})
+                    raise RunFailed("geometry", str(e), field=e.field, values=e.values,
+                                    fields=list(GEOMETRY_FIELDS))
+                self.broadcast({"type": "geometry_ok"})
+        elif t == "export":
+            self.exports[rank] = fds[0]
+            if len(self.exports) == N:
+                for i in range(N):
+                    peers = [(i + k) % N for k in range(1, N)]
+                    self.chans[i].send({"type": "peers", "ranks": peers},
+                                       [self.exports[p] for p in peers])
+                for fd in self.exports.values():
+                    os.close(fd)
+                self.exports = {}
+        elif t == "barrier":
+            got = self.barriers.setdefault(msg["name"], set())
+            got.add(rank)
+            if len(got) == N:
+                del self.barriers[msg["name"]]
+                self.broadcast({"type": "barrier", "name": msg["name"]})
+        elif t == "error":
+            raise RunFailed("rank", f"rank {rank}: {msg['message']}", rank=rank)
+        elif t in ("stopped", "parked", "resumed"):
+            self.on_quiesce_reply(rank, msg)
+        else:
+            raise RunFailed("protocol", f"rank {rank} sent unknown message {t!r}")
+        for fd in fds[1:] if t == "export" else fds:
+            os.close(fd)
+
+    def on_event(self, rank: int, ev: dict) -> None:
+        kind = ev.get("event")
+        if kind == "window":
+            if ev.get("after_restore"):
+                self.windows_after.append(ev)
+            else:
+                self.windows[rank] = ev
+                if len(self.windows) == self.cfg.world and self.phase == "setup":
+                    self.phase = "running"
+                    self.last_change = time.monotonic()
+        elif kind == "progress":
+            c = (ev.get("sent"), ev.get("received"), ev.get("replied"))
+            if self.counters.get(rank) != c:
+                self.counters[rank] = c
+                self.last_change = time.monotonic()
+        elif kind == "done":
+            self.done[rank] = ev
+            self.last_change = time.monotonic()
+        self.emit(ev)
+
+    # ---- quiesce contract -----------------------------------------------------------------
+    def poll_control(self) -> None:
+        if self.q is None:
+            if self.phase != "running":
+                return
+            req = read_json(self.req_path)
+            if req is None or "id" not in req:
+                return
+            stale = read_json(self.resume_path)
+            if stale is not None and stale.get("id") != str(req["id"]):
+                os.unlink(self.resume_path)               # left over from an older request
+            self.quiesces += 1
+            self.q = {"id": str(req["id"]), "stage": "stopping", "t0": time.monotonic(),
+                      "acks": {}, "issued": {}, "parked": {}, "resumed": {}}
+            self.emit({"event": "quiesce_requested", "id": self.q["id"],
+                       "timeout_ms": req.get("timeout_ms")})
+            self.broadcast({"type": "quiesce", "id": self.q["id"]}, self.attn_ranks())
+        elif self.q["stage"] == "parked" or self.q["stage"] == "ready":
+            res = read_json(self.resume_path)
+            if res is None or res.get("id", self.q["id"]) != self.q["id"]:
+                return
+            self.last_change = time.monotonic()   # CLOCK_MONOTONIC may jump across a restore
+            restored = bool(res.get("restored", False))
+            cancelled = bool(res.get("cancelled", False))
+            for p in (self.req_path, self.ready_path, self.resume_path):
+                try:
+                    os.unlink(p)
+                except FileNotFoundError:
+                    pass
+            self.q.update(stage="resuming", restored=restored, cancelled=cancelled,
+                          resume_id=res.get("id"))
+            if restored:
+                self.restores_seen += 1
+            self.broadcast({"type": "resume", "id": self.q["id"], "restored": restored})
+
+    def attn_ranks(self) -> list[int]:
+        return list(range(self.cfg.attention))
+
+    def ffn_ranks(self) -> list[int]:
+        return list(range(self.cfg.attention, self.cfg.world))
+
+    def on_quiesce_reply(self, rank: int, msg: dict) -> None:
+        q = self.q
+        if q is None or msg.get("id") != q["id"]:
+            raise RunFailed("quiesce", f"rank {rank} sent {msg['type']} for id {msg.get('id')!r}"
+                                       f" outside quiesce {q and q['id']!r}")
+        t = msg["type"]
+        if t == "stopped":
+            q["issued"][rank] = int(msg["issued"])
+            if len(q["issued"]) == self.cfg.attention:
+                q["stage"] = "draining"
+                self.broadcast({"type": "drain", "id": q["id"],
+                                "targets": {str(a): s for a, s in q["issued"].items()}},
+                               self.ffn_ranks())
+        elif t == "parked":
+            q["parked"][rank] = {k: msg[k] for k in ("rank", "pid", "role", "last_seq")}
+            ffn_parked = all(f in q["parked"] for f in self.ffn_ranks())
+            if ffn_parked and q["stage"] == "draining":
+                q["stage"] = "parking"
+                self.broadcast({"type": "park", "id": q["id"]}, self.attn_ranks())
+            if len(q["parked"]) == self.cfg.world:
+                ranks = [q["parked"][i] for i in range(self.cfg.world)]
+                ready = {"id": q["id"], "ranks": ranks, "workload": "afdwin",
+                         "launcher_pid": self.pid}
+                q["stage"] = "parked"
+                res = read_json(self.resume_path)
+                if res is None or res.get("id", q["id"]) != q["id"]:   # not cancelled meanwhile
+                    write_atomic(self.ready_path, ready)
+                    q["stage"] = "ready"
+                self.emit({"event": "quiesced", "id": q["id"], "ranks": ranks,
+                           "quiesce_ms": round((time.monotonic() - q["t0"]) * 1e3, 3)})
+        elif t == "resumed":
+            q["resumed"][rank] = msg.get("window_checks")
+            if len(q["resumed"]) == self.cfg.world:
+                self.broadcast({"type": "continue", "id": q["id"]})
+                self.emit({"event": "resumed", "id": q["id"], "restored": q["restored"],
+                           "cancelled": q["cancelled"],
+                           "window_checks": {str(k): v for k, v in sorted(q["resumed"].items())}})
+                self.q = None
+                self.last_change = time.monotonic()
+
+    # ---- main loop ------------------------------------------------------------------------
+    def loop(self) -> None:
+        N = self.cfg.world
+        while True:
+            if len(self.done) == N and self.q is None:
+                return
+            live = [ch for i, ch in self.chans.items() if i not in self.exited]
+            r, _, _ = select.select(live, [], [], CONTROL_POLL_S)
+            for ch in r:
+                rank = next(i for i, c in self.chans.items() if c is ch)
+                try:
+                    msgs = ch.pump()
+                except ChannelClosed:
+                    self.exited.add(rank)
+                    try:
+                        code = self.procs[rank].wait(timeout=5)
+                    except subprocess.TimeoutExpired:
+                        code = None
+                    raise RunFailed("rank", f"rank {rank} (pid {self.rank_pid.get(rank)}) exited "
+                                            f"with status {code} before finishing", rank=rank)
+                for msg, fds in msgs:
+                    self.on_message(rank, msg, fds)
+            # every iteration (<= CONTROL_POLL_S apart): no deadline that a clock jump could strand
+            self.poll_control()
+            now = time.monotonic()
+            parked = self.q is not None and self.q["stage"] in ("parked", "ready")
+            if not parked and now - self.last_change > self.stall_timeout_s:
+                stage = "setup" if self.phase == "setup" else \
+                    f"quiesce {self.q['stage']}" if self.q else "running"
+                raise RunFailed("stall", f"no progress for {self.stall_timeout_s:g} s ({stage})")
+
+    def finish(self) -> int:
+        self.broadcast({"type": "exit"})
+        codes = []
+        for p in self.procs:
+            try:
+                codes.append(p.wait(timeout=60))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                codes.append(p.wait())
+        return self.summary(codes)
+
+    def summary(self, codes: list[int | None]) -> int:
+        S, A, F = self.cfg.steps, self.cfg.attention, self.cfg.ffn
+        messages = replies = lost = dup = torn = ooo = wfail = 0
+        problems = list(self.errors)
+        for rank, ev in sorted(self.done.items()):
+            for p in ev["pairs"]:
+                if ev["role"] == "ffn":
+                    messages += p["count"]
+                else:
+                    replies += p["count"]
+                lost += p["lost"]
+                dup += p["duplicates"]
+                torn += p["torn"]
+                ooo += p["out_of_order"]
+                exact = (p["count"] == S and p["distinct"] == S and p["lost"] == 0
+                         and p["duplicates"] == 0 and p["torn"] == 0 and p["out_of_order"] == 0
+                         and (S == 0 or (p["first"] == 1 and p["last"] == S)))
+                if not exact:
+                    problems.append(f"pair {p['src']}->{p['dst']} not exactly 1..{S}: {p}")
+            wfail += ev["window_checks"]["failed"]
+            if not ev["ok"]:
+                problems.append(f"rank {rank} not ok: {ev.get('errors')}")
+            if ev["role"] == "ffn" and ev.get("shutdown_from") != list(range(A)):
+                problems.append(f"rank {rank} saw shutdown from {ev.get('shutdown_from')}")
+        if len(self.done) != self.cfg.world:
+            problems.append(f"only ranks {sorted(self.done)} finished")
+        va_same = True
+        for ev in self.windows_after:
+            before = self.windows.get(ev["rank"], {})
+            if any(before.get(k) != ev.get(k) for k in WINDOW_KEYS):
+                va_same = False
+                problems.append(f"rank {ev['rank']} window changed across restore")
+        for i, c in enumerate(codes):
+            if c != 0:
+                problems.append(f"rank {i} exit status {c}")
+        ok = not problems
+        self.emit({"event": "summary", "ok": ok, "messages": messages, "replies": replies,
+                   "expected_messages": A * F * S, "lost": lost, "duplicated": dup, "torn": torn,
+                   "out_of_order": ooo, "ranks": self.cfg.world, "restores_seen": self.restores_seen,
+                   "quiesces": self.quiesces, "window_checks_failed": wfail,
+                   "va_tables_identical": va_same, "exit_codes": codes, "problems": problems[:20]})
+        return 0 if ok else 1
+
+    def collect_reports(self, wait_s: float = 5.0) -> None:
+        """Ask every live rank for its evidence so far (``done`` events with ``partial``)."""
+        self.done.clear()
+        self.broadcast({"type": "report"})
+        deadline = time.monotonic() + wait_s
+        while len(self.done) < len(self.chans) - len(self.exited) and \
+                time.monotonic() < deadline:
+            live = [ch for i, ch in self.chans.items() if i not in self.exited]
+            r, _, _ = select.select(live, [], [], 0.1)
+            for ch in r:
+                rank = next(i for i, c in self.chans.items() if c is ch)
+                try:
+                    for msg, fds in ch.pump():
+                        if msg["type"] == "event":
+                            self.on_event(rank, msg["event"])
+                        for fd in fds:
+                            os.close(fd)
+                except ChannelClosed:
+                    self.exited.add(rank)
+
+    def kill_all(self) -> list[int | None]:
+        self.broadcast({"type": "abort", "message": "launcher aborts the run"})
+        codes = []
+        for p in self.procs:
+            try:
+                codes.append(p.wait(timeout=5))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                codes.append(p.wait())
+        return codes
+
+    def run(self) -> int:
+        self.emit({"event": "start", "pid": self.pid, "ranks": self.cfg.world,
+                   "attention": self.cfg.attention, "ffn": self.cfg.ffn,
+                   "steps": self.cfg.steps, "ring_depth": self.cfg.ring_depth,
+                   "profile": self.cfg.profile, "seed": self.cfg.seed,
+                   "control_dir": control_dir(), "request_path": self.req_path})
+        try:
+            self.spawn()
+            self.loop()
+        except RunFailed as e:
+            self.errors.append(str(e))
+            self.emit({"event": "error", "stage": e.stage, "message": str(e), **e.extra})
+            if e.stage in ("stall", "quiesce"):
+                self.collect_reports()
+            return self.summary(self.kill_all())
+        except BaseException:
+            self.kill_all()
+            raise
+        return self.finish()
+
+
+def parse_override(text: str) -> tuple[int, str, int]:
+    """``RANK:FIELD=VALUE`` (a Config int field) -> (rank, field, value)."""
+    try:
+        rank, rest = text.split(":", 1)
+        field, value = rest.split("=", 1)
+        return int(rank), field, int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected RANK:FIELD=VALUE, got {text!r}") from None
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m cuinterpose.workloads.afdwin",
+                                 description="afdwin: AFD symmetric-window reference workload")
+    ap.add_argument("--ranks", type=int, default=2, help="number of rank processes (N)")
+    ap.add_argument("--attention", type=int, default=1, help="attention ranks (world ranks first)")
+    ap.add_argument("--steps", type=int, default=100, help="steps per attention rank (S)")
+    ap.add_argument("--ring-depth", type=int, default=2, help="ring depth (D)")
+    ap.add_argument("--profile", choices=sorted(PROFILES), default="ci")
+    ap.add_argument("--step-delay-ms", type=float, default=0.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--host-memory", choices=("auto", "pinned", "pageable"), default="auto",
+                    help="host staging: cuMemAllocHost (pinned) or pageable; auto = pinned when "
+                         "the driver provides it")
+    ap.add_argument("--stall-timeout-s", type=float, default=60.0,
+                    help="fail when no rank makes progress for this long (not while parked)")
+    ap.add_argument("--test-override", action="append", default=[], type=parse_override,
+                    help=argparse.SUPPRESS)      # RANK:FIELD=VALUE, tests only
+    args = ap.parse_args(argv)
+    try:
+        cfg = Config(world=args.ranks, attention=args.attention, steps=args.steps,
+                     ring_depth=args.ring_depth, profile=args.profile,
+                     step_delay_ms=args.step_delay_ms, seed=args.seed)
+        cfg.window_layout()
+        overrides: dict[int, dict] = {}
+        fields = {f.name for f in dataclasses.fields(Config)}
+        for rank, field, value in args.test_override:
+            if field not in fields or not (0 <= rank < cfg.world):
+                raise ValueError(f"bad --test-override {rank}:{field}")
+            overrides.setdefault(rank, {})[field] = value
+    except ValueError as e:
+        ap.error(str(e))
+    launcher = Launcher(cfg, overrides, args.host_memory, args.stall_timeout_s)
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return launcher.run()
+    except KeyboardInterrupt:
+        return 130
