@@ -4,27 +4,30 @@ Order (DESIGN §3, prior-art §9 lesson 8)::
 
     census -> quiesce (request/ready) -> capture (coordinator: INSPECT, validate,
     SAVE_ALLOCATIONS, PREPARE_UNICAST) -> native lock (every pid) -> native checkpoint (each pid)
-    -> CRIU dump (kills the tree) -> manifest (written last)
+    -> CRIU dump of each tree with --leave-stopped (images written, tree left stopped)
+    -> manifest (written last) -> SIGKILL every dumped tree (--leave-running: resume it)
 
-What a failure leaves behind:
+A refused or failed checkpoint leaves the workload running with its memory intact:
 
 - census, quiesce, INSPECT/validate: *refused*; nothing was torn down (``.resume`` cancelled
   is written once the request was sent); the workload keeps running.
-- after teardown started, before the dump completed: *rolled back*: native processes are
-  brought back to RUNNING (restore first if checkpointed), the coordinator's restore phases
-  rebuild the shared memory from the host carriers, the topology is compared with the capture,
-  and ``.resume`` with ``restored=false`` lets the workload continue with its memory intact.
-- after the dump (the tree is gone) the manifest is written; if that fails, the directory is
-  left without a manifest (not a snapshot) and the error says so.
+- from SAVE_ALLOCATIONS until the manifest is on disk: *rolled back*. No tree has been killed
+  yet (CRIU leaves a dumped tree stopped; a failed dump resumes its tree), so the agent
+  SIGCONTs the stopped trees, brings every CUDA process back to RUNNING (native restore where
+  CHECKPOINTED, then unlock), runs the coordinator's rollback (SAVED shims CANCEL_CAPTURE,
+  PREPARED ones LOAD_ALLOCATIONS + RESTORE_UNICAST, INSPECT equal to the capture), and writes
+  ``.resume`` with ``restored=false``. The CRIU images are removed.
+- only once the manifest is written are the dumped trees killed.
 
-``--leave-running`` dumps with CRIU's leave-running and then rebuilds exactly like a rollback:
-the snapshot is written and the workload continues.
+``--leave-running``: the same dump, manifest, then the rebuild above instead of the kill: the
+snapshot is written and the workload continues.
 """
 from __future__ import annotations
 
 import os
 import pathlib
 import shutil
+import signal
 from typing import Iterable, Optional
 
 from . import census as census_mod
@@ -109,6 +112,10 @@ class Checkpoint:
         self.manifest: Optional[dict] = None
         self.started_at = manifest_mod.utc_now()
         self.torn_down = False
+        #: roots whose tree CRIU dumped and left stopped (SIGSTOP), in dump order
+        self.stopped_roots: list[int] = []
+        #: root -> pids of its tree, read right before its dump (the tree is frozen from then on)
+        self.tree_pids: dict[int, list[int]] = {}
 
     # -- phases ---------------------------------------------------------------------------
     def load_driver(self):
@@ -186,18 +193,48 @@ class Checkpoint:
             ph.detail = f"pids {', '.join(map(str, self.census.cuda_pids))}"
 
     def criu_dump(self):
+        """Dump every tree with ``--leave-stopped``: CRIU writes the images and leaves the
+        tree stopped (SIGSTOP) instead of killing it, so a later failure (another tree's
+        dump, the manifest) can still resume it. A failed dump resumes its own tree (CRIU's
+        default on a dump error). Native CUDA state stays CHECKPOINTED either way."""
         from . import criu
         strip_preload_env()
         for root in self.roots:
             with self.r.phase("criu dump") as ph:
                 d = manifest_mod.criu_dir(self.images_dir, root)
                 d.mkdir(parents=True, exist_ok=True)
+                self.tree_pids[root] = _tree_pids(root)
                 try:
-                    criu.dump(root, d, leave_running=self.leave_running)
+                    criu.dump(root, d, extra_args=("--leave-stopped",))
                 except Exception as e:
                     raise AgentError("criu dump", f"tree {root}: {e}", pid=root) from e
+                self.stopped_roots.append(root)
                 ph.bytes = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
-                ph.detail = f"tree {root}" + (" (left running)" if self.leave_running else " (killed)")
+                ph.detail = f"tree {root} (left stopped)"
+
+    def signal_trees(self, roots, sig, phase: str):
+        """Send ``sig`` to every process of each dumped tree in ``roots`` (the pids recorded
+        before its dump, plus whatever is under the root now). A process that is gone is
+        skipped. Returns {root: pids signalled}."""
+        out = {}
+        with self.r.phase(phase) as ph:
+            for root in roots:
+                pids = list(dict.fromkeys(self.tree_pids.get(root, []) + _tree_pids(root)))
+                done = []
+                for pid in pids:
+                    try:
+                        _kill(pid, sig)
+                        done.append(pid)
+                    except ProcessLookupError:
+                        pass
+                out[root] = done
+            ph.detail = "; ".join(f"tree {r}: {len(p)} processes" for r, p in out.items())
+        return out
+
+    def kill_dumped(self):
+        """The snapshot is complete: SIGKILL every dumped tree (what CRIU would have done)."""
+        self.signal_trees(self.stopped_roots, signal.SIGKILL, "kill dumped")
+        self.stopped_roots = []
 
     def write_manifest(self):
         m = self.build_manifest()
@@ -208,41 +245,31 @@ class Checkpoint:
 
     # -- rollback ---------------------------------------------------------------------------
     def rebuild(self, restored: bool = False):
-        """Undo the teardown in a live tree: native back to RUNNING (restore first where
-        checkpointed), then the coordinator's restore phases from the host carriers (topology
-        equality included), then ``.resume``. Shims still ACTIVE everywhere (the failure came
-        before any teardown) need no restore phases. Raises on failure (no ``.resume``: the
-        workload stays parked rather than run on torn-down memory)."""
+        """Undo the teardown in a live workload: SIGCONT the trees CRIU left stopped, native
+        back to RUNNING (restore first where CHECKPOINTED), the coordinator's rollback (every
+        shim back to ACTIVE whatever phase it reached, topology equal to the capture), then
+        ``.resume``. Raises on failure (no ``.resume``: the workload stays parked rather than
+        run on torn-down memory)."""
+        if self.stopped_roots:
+            # first: a stopped process cannot answer the driver's checkpoint calls
+            self.signal_trees(self.stopped_roots, signal.SIGCONT, "resume trees")
+            self.stopped_roots = []
         with self.r.phase("rollback native") as ph:
             found = native.rollback_all(self.census.cuda_pids)
             ph.detail = ", ".join(f"{p}:{s}" for p, s in found.items())
-        state = self.shim_phases()
-        if state == "PREPARED":
-            if self.capture is None:
-                raise AgentError("rollback", "no capture to restore the shims from")
-            self.coordinator.restore(self.capture)
-        elif state != "ACTIVE":
-            raise AgentError("rollback", state)
+        if self.capture is None:
+            raise AgentError("rollback", "no capture to roll the shims back to (the capture "
+                             "failed before its first INSPECT completed)")
+        try:
+            self.coordinator.rollback(self.capture)
+        except Exception as e:
+            raise as_agent_error(e, "rollback") from e
         quiesce.resume(self.control_dir, self.roots, self.qid, restored=restored)
-
-    def shim_phases(self) -> str:
-        """"PREPARED" when every shim is PREPARED, "ACTIVE" when every shim is ACTIVE (teardown
-        never started), else a description of the mix (INSPECT needs the expected phase)."""
-        from cuinterpose.coordinator.protocol import Phase
-        errors = []
-        for ph in (Phase.PREPARED, Phase.ACTIVE):
-            try:
-                self.coordinator.inspect(expected_phase=ph, check_phase=True)
-                return ph.name
-            except Exception as e:
-                errors.append(str(e))
-        return "shims are in mixed phases, cannot rebuild: " + " / ".join(errors)
 
     # -- driver ---------------------------------------------------------------------------
     def run(self) -> dict:
         """Run every phase; returns the manifest. Raises ``AgentError`` (refused, nothing torn
-        down) or ``CheckpointFailed`` (``outcome`` rolled_back / rollback_failed /
-        snapshot_incomplete)."""
+        down) or ``CheckpointFailed`` (``outcome`` rolled_back / rollback_failed)."""
         self.images_dir = prepare_dir(self.images_dir)
         try:
             self.load_driver()
@@ -261,6 +288,12 @@ class Checkpoint:
             self.native_lock()
             self.native_checkpoint()
             self.criu_dump()
+            try:
+                self.write_manifest()
+            except AgentError:
+                raise
+            except BaseException as e:
+                raise AgentError("manifest", f"{self.images_dir}: {type(e).__name__}: {e}") from e
         except BaseException as e:
             if not self.torn_down:
                 quiesce.cancel(self.control_dir, self.roots, self.qid)
@@ -272,21 +305,25 @@ class Checkpoint:
                 self.r.note(f"rollback failed: {rb}")
                 raise CheckpointFailed(e, "rollback_failed", rollback_error=str(rb)) from e
             raise CheckpointFailed(e, "rolled_back") from e
+        # the snapshot is on disk: only now may the dumped trees go
         if self.leave_running:
             try:
                 self.rebuild(restored=False)
             except BaseException as rb:
                 raise CheckpointFailed(rb, "rollback_failed", rollback_error=str(rb)) from rb
-        try:
-            self.write_manifest()
-        except BaseException as e:
-            raise CheckpointFailed(AgentError("manifest", f"{self.images_dir}: {e}"),
-                                   "snapshot_incomplete") from e
+        else:
+            self.kill_dumped()
         return self.manifest
 
     def _cleanup_images(self):
         d = pathlib.Path(self.images_dir) / manifest_mod.CRIU_DIR
         shutil.rmtree(d, ignore_errors=True)
+        tmp = pathlib.Path(self.images_dir) / (manifest_mod.MANIFEST_NAME + ".tmp")
+        try:
+            if tmp.is_file():
+                tmp.unlink()
+        except OSError:
+            pass
 
     def _as_agent_error(self, e: BaseException, phase: str) -> AgentError:
         return as_agent_error(e, phase)
@@ -333,6 +370,18 @@ class Checkpoint:
                        "image_bytes": sum(f["bytes"] for f in
                                           manifest_mod.image_files(self.images_dir).values())},
         }
+
+
+def _kill(pid: int, sig: int) -> None:
+    os.kill(pid, sig)
+
+
+def _tree_pids(root: int) -> list[int]:
+    """Pids of the tree under ``root`` (root first); [] when the root is gone."""
+    try:
+        return [p for p, _, _ in census_mod.walk_tree([root])]
+    except AgentError:
+        return []
 
 
 def as_agent_error(e: BaseException, phase: str) -> AgentError:

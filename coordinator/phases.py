@@ -3,6 +3,9 @@
 Capture:  INSPECT -> validate -> SAVE_ALLOCATIONS -> PREPARE_UNICAST -> INSPECT (carriers)
 Restore:  INSPECT (all PREPARED, carriers intact) -> LOAD_ALLOCATIONS -> RESTORE_UNICAST
           -> INSPECT (must equal the capture, see topology.COMPARE_IGNORED)
+Rollback: INSPECT (each shim's phase) -> CANCEL_CAPTURE on SAVED + LOAD_ALLOCATIONS on
+          PREPARED (one barrier phase) -> RESTORE_UNICAST on the formerly PREPARED/LOADED
+          -> INSPECT (all ACTIVE, must equal the capture)
 
 Each phase goes to every participant concurrently (one thread per participant); the next
 phase starts only after every participant replied (the barrier). One transaction id per phase,
@@ -13,7 +16,9 @@ Failure semantics (see docs/coordinator.md):
 - a refusal or a validation error before the first mutating phase: :class:`PhaseError` /
   :class:`~cuinterpose.coordinator.topology.TopologyError`, nothing changed anywhere;
 - any failure in a mutating phase (status, timeout, lost reply): :class:`PhaseError` naming the
-  phase, the pid and the shim's message; the run stops there and no op is retried.
+  phase, the pid and the shim's message; the run stops there and no op is retried;
+- :meth:`Coordinator.rollback` brings every shim of a failed capture back to ACTIVE, or raises
+  :class:`PhaseError` naming the pid it cannot bring back (a FAILED shim: fail-stop).
 """
 from __future__ import annotations
 
@@ -32,7 +37,8 @@ from .protocol import (CARRIER_OPS, CUI_PROTO_VERSION, MUTATING_OPS, Op, Phase, 
                        RecordFlag, RecordKind, Role, Status, cuda_result_name, socket_path)
 from .topology import TopologyError
 
-__all__ = ["Participant", "Coordinator", "Capture", "RestoreResult", "PhaseResult",
+__all__ = ["Participant", "Coordinator", "Capture", "RestoreResult", "RollbackResult",
+           "PhaseResult",
            "ParticipantResult", "PhaseEvent", "PhaseError", "TopologyError", "CoordinatorError",
            "next_txn_id", "CAPTURE_FORMAT"]
 
@@ -237,6 +243,8 @@ class PhaseError(CoordinatorError):
         self.changed = changed
         self.result = result
         self.capture: Capture | None = None
+        #: pid -> records of the participants that answered (INSPECT), when raised by a phase
+        self.records: dict[int, list[Record]] | None = None
 
 
 def _failure_text(phase: str, r: ParticipantResult) -> str:
@@ -347,6 +355,20 @@ class RestoreResult:
         return {"phases": [p.to_dict() for p in self.phases],
                 "records": {str(pid): [r.to_dict() for r in rs]
                             for pid, rs in sorted(self.records.items())}}
+
+
+@dataclass
+class RollbackResult:
+    """What rollback() did: ``found`` (pid -> the shim phase name found by the first INSPECT),
+    ``phases`` run (the INSPECTs included) and the final INSPECT ``records`` (every shim
+    ACTIVE, equal to the capture modulo topology.COMPARE_IGNORED)."""
+    found: dict[int, str]
+    phases: list[PhaseResult]
+    records: dict[int, list[Record]]
+
+    def to_dict(self) -> dict:
+        return {"found": {str(p): ph for p, ph in sorted(self.found.items())},
+                "phases": [p.to_dict() for p in self.phases]}
 
 
 # --- the coordinator -------------------------------------------------------------------------
@@ -492,6 +514,139 @@ class Coordinator:
         topology.compare(capture.records, after)
         return RestoreResult(phases=self.phases[start:], records=after)
 
+    def rollback(self, capture_or_records: "Capture | Mapping[int, Iterable[Record]]"
+                 ) -> RollbackResult:
+        """Bring every participant of a failed or abandoned capture back to ACTIVE.
+
+        ``capture_or_records``: the :class:`Capture` (also the partial one on
+        ``PhaseError.capture``) or pid -> the records of the capture's first INSPECT.
+
+        1. INSPECT every participant (read-only) to learn its phase. A FAILED participant, one
+           that does not answer, or one in a phase rollback does not handle raises
+           :class:`PhaseError` naming the pid before anything is sent (fail-stop, no retries).
+        2. Only if some shim already tore its shared memory down (PREPARED/LOADED) while a SAVED
+           peer still maps an allocation that such a shim created: that SAVED peer first runs
+           PREPARE_UNICAST too (else it would keep mapping the old allocation while its
+           creator rebuilds a new one: the sharing would silently split). An ACTIVE peer in
+           that position cannot be fixed: PhaseError, nothing sent.
+        3. One barrier phase: CANCEL_CAPTURE on the SAVED, LOAD_ALLOCATIONS on the PREPARED
+           (concurrently).
+        4. One barrier phase: RESTORE_UNICAST on the formerly PREPARED (and LOADED).
+        5. INSPECT: every shim ACTIVE, records equal to ``capture_or_records`` (modulo
+           topology.COMPARE_IGNORED), else TopologyError.
+
+        A phase with nobody to ask is skipped (all ACTIVE: only the two INSPECTs run).
+        Raises PhaseError from any failing phase (``changed`` True; stop there, no retry).
+        """
+        if isinstance(capture_or_records, Capture):
+            records = capture_or_records.records
+            self.txn_floor = max(self.txn_floor, capture_or_records.last_txn_id)
+        else:
+            records = {int(p): list(rs) for p, rs in capture_or_records.items()}
+        missing = [pid for pid in self.pids if pid not in records]
+        if missing:
+            raise ValueError(f"rollback: no captured records for participant pid {missing[0]}")
+        start = len(self.phases)
+        found, now = self._rollback_inspect()
+        found_first = {pid: _name(Phase, ph) for pid, ph in found.items()}
+
+        # step 2: SAVED importers of an allocation whose creator already tore it down
+        torn = {Phase.PREPARED, Phase.LOADED}
+        forward: list[int] = []
+        changed = True
+        while changed:
+            changed = False
+            for pid in self.pids:
+                if found[pid] in torn:
+                    continue
+                # a mapping or a held handle of the creator's old allocation
+                stale = sorted((r for r in now[pid] if int(r.role) == Role.IMPORTER
+                                and int(r.kind) in (RecordKind.MAPPING, RecordKind.ALLOCATION)
+                                and found.get(int(r.creator_pid)) in torn),
+                               key=lambda r: int(r.kind) != RecordKind.MAPPING)
+                if not stale:
+                    continue
+                stale = stale[0]
+                if found[pid] != Phase.SAVED:
+                    where = (f"maps allocation {stale.alloc_id_hex} at va {stale.va:#x}"
+                             if int(stale.kind) == RecordKind.MAPPING else
+                             f"holds allocation {stale.alloc_id_hex}")
+                    raise PhaseError(
+                        f"rollback: pid {pid} is {found[pid].name} and still {where}, whose "
+                        f"creator pid "
+                        f"{stale.creator_pid} is {found[int(stale.creator_pid)].name} (already "
+                        "torn down): rebuilding the creator would split the sharing; nothing "
+                        "was sent", phase="rollback", pid=pid, status=None, cuda_result=0,
+                        message="stale importer", failures=[], changed=True)
+                forward.append(pid)
+                found[pid] = Phase.PREPARED
+                changed = True
+        if forward:
+            self._run_plan({pid: (Op.PREPARE_UNICAST, Phase.SAVED) for pid in forward},
+                           changed_before=True)
+        original = dict(found)
+
+        plan = {}
+        for pid in self.pids:
+            if original[pid] == Phase.SAVED:
+                plan[pid] = (Op.CANCEL_CAPTURE, Phase.SAVED)
+            elif original[pid] == Phase.PREPARED:
+                plan[pid] = (Op.LOAD_ALLOCATIONS, Phase.PREPARED)
+        if plan:
+            self._run_plan(plan, changed_before=True)
+        plan = {pid: (Op.RESTORE_UNICAST, Phase.LOADED) for pid in self.pids
+                if original[pid] in torn}
+        if plan:
+            self._run_plan(plan, changed_before=True)
+        after = self._inspect(Phase.ACTIVE, True, changed_before=True)
+        topology.compare(records, after)
+        return RollbackResult(found=found_first, phases=self.phases[start:], records=after)
+
+    def _rollback_inspect(self) -> tuple[dict[int, Phase], dict[int, list[Record]]]:
+        """INSPECT every participant; returns (pid -> Phase, pid -> records). Raises PhaseError
+        naming the first participant that is FAILED, silent, or in an unknown phase."""
+        try:
+            res, records = self._run(Op.INSPECT, Phase.ACTIVE, changed_before=True)
+            results = dict(res.participants)
+        except PhaseError as e:
+            results, records = dict(e.result.participants), dict(e.records or {})
+            # a shim that checks INSPECT's expected phase: ask again with the phase it reported
+            again = {r.pid: (Op.INSPECT, Phase(r.phase)) for r in e.failures
+                     if r.error is None and r.status == Status.REFUSED_PHASE
+                     and r.phase in Phase._value2member_map_ and r.phase != Phase.FAILED}
+            if again:
+                try:
+                    res2, rec2 = self._run_plan(again, changed_before=True)
+                    results.update(res2.participants)
+                    records.update(rec2)
+                except PhaseError as e2:
+                    results.update(e2.result.participants)
+        found: dict[int, Phase] = {}
+        for pid in self.pids:
+            r = results[pid]
+            if r.error is not None:
+                raise self._rollback_refusal(pid, r, f"did not answer INSPECT ({r.error}); its "
+                                             "phase is unknown")
+            if r.phase == Phase.FAILED:
+                why = f": {r.message.strip()}" if r.message.strip() else ""
+                raise self._rollback_refusal(pid, r, f"is FAILED (a destructive op failed "
+                                             f"part-way){why}; it cannot be brought back to "
+                                             "ACTIVE")
+            if not r.ok or r.phase not in (Phase.ACTIVE, Phase.SAVED, Phase.PREPARED,
+                                           Phase.LOADED):
+                raise self._rollback_refusal(pid, r, f"answered INSPECT with status "
+                                             f"{_name(Status, r.status)} in phase "
+                                             f"{_name(Phase, r.phase)}")
+            found[pid] = Phase(r.phase)
+        return found, records
+
+    @staticmethod
+    def _rollback_refusal(pid: int, r: ParticipantResult, why: str) -> PhaseError:
+        return PhaseError(f"rollback: pid {pid} {why}; nothing was rolled back (fail-stop)",
+                          phase="rollback", pid=pid, status=r.status,
+                          cuda_result=r.cuda_result, message=r.message or (r.error or ""),
+                          failures=[r], changed=True)
+
     # --- helpers --------------------------------------------------------------------------------
     @staticmethod
     def _merge_carriers(records: dict[int, list[Record]],
@@ -572,44 +727,62 @@ class Coordinator:
     def _run(self, op: Op, expected_phase: Phase, *, changed_before: bool
              ) -> tuple[PhaseResult, dict[int, list[Record]]]:
         """Send ``op`` to every participant at once; wait for all (the barrier)."""
+        return self._run_plan({p.pid: (op, expected_phase) for p in self.participants},
+                              changed_before=changed_before)
+
+    def _run_plan(self, plan: Mapping[int, tuple[Op, Phase]], *, changed_before: bool
+                  ) -> tuple[PhaseResult, dict[int, list[Record]]]:
+        """One barrier phase: ``plan`` maps pid -> (op, expected phase) for the participants
+        to ask (all concurrently, one txn id); wait for all. The PhaseResult is named after
+        the op, or "OP1+OP2" when the plan mixes ops (in participant order)."""
+        pids = [p.pid for p in self.participants if p.pid in plan]
+        ops = list(dict.fromkeys(plan[pid][0] for pid in pids))
+        name = "+".join(o.name for o in ops)
+        expected = plan[pids[0]][1]
         txn = next_txn_id(max(self.txn_floor, self.last_txn_id))
         self.last_txn_id = txn
-        timeout = self.carrier_timeout_s if op in CARRIER_OPS else self.timeout_s
-        total = len(self.participants)
-        res = PhaseResult(phase=op.name, txn_id=txn, expected_phase=expected_phase, wall_ns=0)
+        total = len(pids)
+        res = PhaseResult(phase=name, txn_id=txn, expected_phase=expected, wall_ns=0)
         records: dict[int, list[Record]] = {}
         t0 = time.monotonic_ns()
         with ThreadPoolExecutor(max_workers=total,
-                                thread_name_prefix=f"cui-{op.name.lower()}") as pool:
-            futs = [pool.submit(self._one, p.pid, op, txn, expected_phase, timeout)
-                    for p in self.participants]
+                                thread_name_prefix=f"cui-{name.lower()[:40]}") as pool:
+            futs = []
+            for pid in pids:
+                op, exp = plan[pid]
+                timeout = self.carrier_timeout_s if op in CARRIER_OPS else self.timeout_s
+                futs.append(pool.submit(self._one, pid, op, txn, exp, timeout))
             for fut in as_completed(futs):
                 r, recs = fut.result()
                 res.participants[r.pid] = r
                 records[r.pid] = recs
-                self._emit(PhaseEvent("reply", op.name, txn, len(res.participants), total,
+                self._emit(PhaseEvent("reply", name, txn, len(res.participants), total,
                                       pid=r.pid, result=r, ok=r.ok))
         res.wall_ns = time.monotonic_ns() - t0
-        res.participants = {p.pid: res.participants[p.pid] for p in self.participants}
-        records = {p.pid: records[p.pid] for p in self.participants}
+        res.participants = {pid: res.participants[pid] for pid in pids}
+        records = {pid: records[pid] for pid in pids}
         self.phases.append(res)
         failures = [r for r in res.participants.values() if not r.ok]
-        self._emit(PhaseEvent("phase", op.name, txn, total, total, phase_result=res,
+        self._emit(PhaseEvent("phase", name, txn, total, total, phase_result=res,
                               ok=not failures))
         if failures:
             first = failures[0]
             refusal_only = all(f.error is None and f.status in Status._value2member_map_
                                and Status(f.status).is_refusal for f in failures)
-            changed = changed_before or (op in MUTATING_OPS and
+            mutating = any(plan[pid][0] in MUTATING_OPS for pid in pids)
+            changed = changed_before or (mutating and
                                          not (refusal_only and len(failures) == total))
-            text = _failure_text(op.name, first)
+            first_op = plan[first.pid][0].name
+            text = _failure_text(first_op, first)
             if not changed:
                 text += "; nothing was changed"
             if len(failures) > 1:
                 text += f" (and {len(failures) - 1} more: pids " + \
                         ", ".join(str(f.pid) for f in failures[1:]) + ")"
-            raise PhaseError(text, phase=op.name, pid=first.pid, status=first.status,
+            err = PhaseError(text, phase=first_op, pid=first.pid, status=first.status,
                              cuda_result=first.cuda_result,
                              message=first.message or (first.error or ""), failures=failures,
                              changed=changed, result=res)
+            err.records = records
+            raise err
         return res, records

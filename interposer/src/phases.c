@@ -60,6 +60,7 @@ static const char *op_name(uint16_t op) {
     case CUI_OP_RESTORE_MULTICAST_IMPORTERS: return "RESTORE_MULTICAST_IMPORTERS";
     case CUI_OP_RESTORE_MULTICAST_DEVICES: return "RESTORE_MULTICAST_DEVICES";
     case CUI_OP_RESTORE_MULTICAST_BINDINGS: return "RESTORE_MULTICAST_BINDINGS";
+    case CUI_OP_CANCEL_CAPTURE: return "CANCEL_CAPTURE";
     case CUI_OP_FETCH_FD: return "FETCH_FD";
   }
   return "UNKNOWN";
@@ -271,8 +272,30 @@ static CUresult remap(struct cui_alloc *a, CUmemGenericAllocationHandle h, uint3
   return CUDA_SUCCESS;
 }
 
+/* Forget the host carrier: unmap the arena, clear CUI_REC_CARRIED and the carrier fields of
+ * every allocation. Returns how many allocations were carried. Only host memory is touched. */
+static uint32_t drop_carriers(void) {
+  uint32_t n = 0;
+  for (size_t i = 0; i < cui_st.nallocs; i++) {
+    struct cui_alloc *a = &cui_st.allocs[i];
+    if (a->flags & CUI_REC_CARRIED) n++;
+    a->flags &= ~CUI_REC_CARRIED;
+    a->carrier_bytes = 0;
+    a->checksum = 0;
+    a->carrier_off = 0;
+  }
+  if (cui_st.arena) munmap(cui_st.arena, cui_st.arena_size);
+  cui_st.arena = NULL;
+  cui_st.arena_size = 0;
+  cui_st.arena_release_pending = 0;
+  return n;
+}
+
 /* ---------- SAVE_ALLOCATIONS: ACTIVE -> SAVED ---------- */
 
+/* Only copies (device -> host carrier) through temporary staging mappings: the app's handles,
+ * mappings and bytes are never touched. So a failure part-way is not destructive: the carrier
+ * is dropped and the shim stays ACTIVE (cui_run_op), the reply says CUI_FAILED. */
 static int SAVE_ALLOCATIONS(struct cui_op_result *res) {
   size_t total = 0;
   for (size_t i = 0; i < cui_st.nallocs; i++)
@@ -328,7 +351,25 @@ static int SAVE_ALLOCATIONS(struct cui_op_result *res) {
     res->records_changed++;
   }
   if (registered) REAL(cuMemHostUnregister, fn_hostunreg)(cui_st.arena);
+  if (rc != 0) {
+    drop_carriers();
+    res->bytes = 0;
+    res->records_changed = 0;
+    if (res->status == CUI_FAILED) {
+      size_t len = strlen(res->message);
+      snprintf(res->message + len, sizeof res->message - len,
+               "; the carrier was freed and pid %u stays ACTIVE (nothing was torn down)", (unsigned)getpid());
+    }
+  }
   return rc;
+}
+
+/* ---------- CANCEL_CAPTURE: SAVED -> ACTIVE ---------- */
+
+/* SAVED differs from ACTIVE only by the host carrier (SAVE_ALLOCATIONS only copied): drop it. */
+static int CANCEL_CAPTURE(struct cui_op_result *res) {
+  res->records_changed = drop_carriers();
+  return 0;
 }
 
 /* ---------- PREPARE_UNICAST: SAVED -> PREPARED ---------- */
@@ -487,6 +528,7 @@ static uint32_t next_phase(uint16_t op) {
     case CUI_OP_PREPARE_UNICAST: return CUI_PHASE_PREPARED;
     case CUI_OP_LOAD_ALLOCATIONS: return CUI_PHASE_LOADED;
     case CUI_OP_RESTORE_UNICAST: return CUI_PHASE_ACTIVE;
+    case CUI_OP_CANCEL_CAPTURE: return CUI_PHASE_ACTIVE;
   }
   return CUI_PHASE_FAILED;
 }
@@ -497,6 +539,7 @@ static uint32_t source_phase(uint16_t op) {
     case CUI_OP_PREPARE_UNICAST: return CUI_PHASE_SAVED;
     case CUI_OP_LOAD_ALLOCATIONS: return CUI_PHASE_PREPARED;
     case CUI_OP_RESTORE_UNICAST: return CUI_PHASE_LOADED;
+    case CUI_OP_CANCEL_CAPTURE: return CUI_PHASE_SAVED;
   }
   return CUI_PHASE_FAILED;
 }
@@ -554,6 +597,7 @@ void cui_run_op(const struct cui_request *req, struct cui_op_result *res) {
     case CUI_OP_PREPARE_UNICAST:
     case CUI_OP_LOAD_ALLOCATIONS:
     case CUI_OP_RESTORE_UNICAST:
+    case CUI_OP_CANCEL_CAPTURE:
       break;
     default:
       res->status = CUI_BAD_REQUEST;
@@ -580,6 +624,7 @@ void cui_run_op(const struct cui_request *req, struct cui_op_result *res) {
     case CUI_OP_SAVE_ALLOCATIONS: rc = SAVE_ALLOCATIONS(res); break;
     case CUI_OP_PREPARE_UNICAST: rc = PREPARE_UNICAST(res); break;
     case CUI_OP_LOAD_ALLOCATIONS: rc = LOAD_ALLOCATIONS(res); break;
+    case CUI_OP_CANCEL_CAPTURE: rc = CANCEL_CAPTURE(res); break;
     default: rc = RESTORE_UNICAST(res); break;
   }
 
@@ -589,7 +634,8 @@ void cui_run_op(const struct cui_request *req, struct cui_op_result *res) {
     cui_st.phase = next_phase(req->op);
   } else if (res->status == CUI_FAILED) {
     cui_st.last_txn = req->txn_id;
-    cui_st.phase = CUI_PHASE_FAILED;
+    /* SAVE_ALLOCATIONS only copied and dropped its carrier on failure: still ACTIVE. */
+    cui_st.phase = req->op == CUI_OP_SAVE_ALLOCATIONS ? CUI_PHASE_ACTIVE : CUI_PHASE_FAILED;
   }
   cui_st.op_running = 0;
   pthread_mutex_unlock(&cui_st.lock);

@@ -3,6 +3,7 @@ recording fakes (the real ones are exercised end to end in tests/e2e)."""
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import types
 
@@ -27,6 +28,8 @@ class World:
         self.fail = fail or {}
         self.state = {p: "RUNNING" for p in PIDS}
         self.coord_phase = "ACTIVE"
+        self.capture_obj = None
+        self.stopped = set()
 
     def maybe_fail(self, key, pid=None):
         if self.fail.get(key) == pid:
@@ -81,11 +84,21 @@ def world(tmp_path, monkeypatch):
         def capture(self):
             w.coord_phase = "PREPARED"
             w.log.append(("coord", "capture", None))
-            return Capture()
+            w.capture_obj = Capture()
+            return w.capture_obj
 
         def restore(self, capture):
             assert isinstance(capture, Capture)
             w.log.append(("coord", "restore", None))
+            w.coord_phase = "ACTIVE"
+
+        def rollback(self, capture):
+            assert capture is w.capture_obj, capture
+            w.log.append(("coord", "rollback", None))
+            if w.coord_phase == "FAILED":
+                raise FakePhaseError("rollback: pid 201 is FAILED (a destructive op failed part-way); "
+                                     "it cannot be brought back to ACTIVE; nothing was rolled back "
+                                     "(fail-stop)", "rollback", 201, changed=True)
             w.coord_phase = "ACTIVE"
 
     fake_phases = types.SimpleNamespace(
@@ -93,14 +106,24 @@ def world(tmp_path, monkeypatch):
         Coordinator=Coordinator)
     monkeypatch.setattr(cp_mod, "_coordinator_module", lambda: fake_phases)
 
-    def dump(root, d, leave_running=False):
+    def dump(root, d, leave_running=False, extra_args=()):
+        assert (leave_running, tuple(extra_args)) == (False, ("--leave-stopped",))
         w.log.append(("criu", "dump", root))
         if w.fail.get("dump") == root:
             raise RuntimeError("criu dump failed: (00.1) Error (criu/sk-unix.c): external socket")
         (d / "core.img").write_bytes(b"x")
+        w.stopped.add(root)
     fake_criu = types.SimpleNamespace(dump=dump, version=lambda: "4.1")
     monkeypatch.setitem(sys.modules, "cuinterpose.agent.criu", fake_criu)
     monkeypatch.setattr(agent_pkg, "criu", fake_criu, raising=False)
+
+    # signals go to the recorded fake trees, never to real processes
+    def kill(pid, sig):
+        w.log.append(("signal", signal.Signals(sig).name, pid))
+        if sig == signal.SIGCONT:
+            w.stopped.discard(pid)
+    monkeypatch.setattr(cp_mod, "_kill", kill)
+    monkeypatch.setattr(cp_mod, "_tree_pids", lambda root: [root])
     return w
 
 
@@ -128,7 +151,7 @@ def test_order_lock_every_process_then_checkpoint_each(world, tmp_path, monkeypa
         ("coord", "capture", None),
         ("native", "lock", 201), ("native", "lock", 202),
         ("native", "checkpoint", 201), ("native", "checkpoint", 202),
-        ("criu", "dump", ROOT)]
+        ("criu", "dump", ROOT), ("signal", "SIGKILL", ROOT)]    # killed only after the manifest
     on_disk = json.loads((tmp_path / "snap" / "manifest.json").read_text())
     assert on_disk["cuda_pids"] == PIDS and on_disk["roots"] == [ROOT]
     assert on_disk["criu"]["files"]["criu/200/core.img"]["bytes"] == 1
@@ -151,13 +174,13 @@ def test_quiesce_timeout_refuses_without_teardown(world, tmp_path):
 @pytest.mark.parametrize("fail,tail", [
     ({"checkpoint": 202}, [("native", "checkpoint", 201), ("native", "checkpoint", 202),
                            ("native", "restore", 201), ("native", "unlock", 201),
-                           ("native", "unlock", 202), ("coord", "inspect", 3),
-                           ("coord", "restore", None)]),
+                           ("native", "unlock", 202), ("coord", "rollback", None)]),
+    # a failed dump: CRIU resumed the tree itself, so no SIGCONT is needed
     ({"dump": ROOT}, [("native", "checkpoint", 201), ("native", "checkpoint", 202),
                       ("criu", "dump", ROOT),
                       ("native", "restore", 201), ("native", "unlock", 201),
                       ("native", "restore", 202), ("native", "unlock", 202),
-                      ("coord", "inspect", 3), ("coord", "restore", None)]),
+                      ("coord", "rollback", None)]),
 ])
 def test_failure_after_teardown_rolls_back(world, tmp_path, monkeypatch, fail, tail):
     world.fail = fail
@@ -184,9 +207,8 @@ def test_lock_failure_unlocks_the_locked_and_rolls_back(world, tmp_path, monkeyp
     with pytest.raises(CheckpointFailed) as ei:
         cp_mod.Checkpoint([ROOT], tmp_path / "snap", control_dir=world.ctl).run()
     assert ei.value.outcome == "rolled_back" and ei.value.pid == 202
-    assert world.log[-5:] == [("native", "lock", 201), ("native", "lock", 202),
-                              ("native", "unlock", 201), ("coord", "inspect", 3),
-                              ("coord", "restore", None)]
+    assert world.log[-4:] == [("native", "lock", 201), ("native", "lock", 202),
+                              ("native", "unlock", 201), ("coord", "rollback", None)]
     assert world.state == {201: "RUNNING", 202: "RUNNING"}
 
 
@@ -231,25 +253,20 @@ def test_failed_rollback_leaves_the_workload_parked(world, tmp_path, monkeypatch
     def capture(self):
         world.log.append(("coord", "capture", None))
         world.coord_phase = "FAILED"
+        world.capture_obj = object()
         raise FakePhaseError("PREPARE_UNICAST: pid 201 cuMemUnmap failed: CUDA_ERROR_INVALID_VALUE",
-                             "PREPARE_UNICAST", 201, changed=True)
+                             "PREPARE_UNICAST", 201, changed=True, capture=world.capture_obj)
     coord_cls = cp_mod._coordinator_module().Coordinator
     monkeypatch.setattr(coord_cls, "capture", capture)
-    orig_inspect = coord_cls.inspect
-
-    def inspect(self, expected_phase=0, check_phase=False):
-        world.log.append(("coord", "inspect", int(expected_phase)))
-        raise RuntimeError(f"INSPECT: pid 201 is in phase FAILED")
-    monkeypatch.setattr(coord_cls, "inspect", inspect)
     with pytest.raises(CheckpointFailed) as ei:
         cp_mod.Checkpoint([ROOT], tmp_path / "snap", control_dir=world.ctl).run()
     e = ei.value
     assert (e.phase, e.pid, e.outcome) == ("PREPARE_UNICAST", 201, "rollback_failed")
     assert "cuMemUnmap failed: CUDA_ERROR_INVALID_VALUE" in str(e)
-    assert "rollback failed too" in str(e) and "mixed phases" in str(e)
+    assert "rollback failed too: rollback: pid 201 is FAILED" in str(e)
+    assert world.log[-1] == ("coord", "rollback", None)
     assert not (world.ctl / f"quiesce-{ROOT}.resume").exists()
     assert world.state == {201: "RUNNING", 202: "RUNNING"}
-    del orig_inspect
 
 
 def test_participant_not_parked_is_refused(world, tmp_path, monkeypatch):
@@ -266,3 +283,125 @@ def test_participant_not_parked_is_refused(world, tmp_path, monkeypatch):
     assert "lists only pids [201] as parked" in e.reason
     assert world.log == [("coord", "init", tuple(PIDS))]
     assert resume_of(world)["cancelled"] is True
+
+
+ROOT2 = 300
+
+
+def test_second_tree_dump_failure_resumes_the_first_and_rolls_back(world, tmp_path, monkeypatch):
+    """Two roots: tree 200 is dumped (CRIU leaves it stopped), tree 300's dump fails (CRIU
+    resumes it). Nothing was killed: tree 200 gets SIGCONT *before* the native rollback (a
+    stopped process cannot answer the driver), then the shims roll back, both roots resume."""
+    world.fail = {"dump": ROOT2}
+    monkeypatch.setattr(quiesce, "request", answer_quiesce(world))
+    with pytest.raises(CheckpointFailed) as ei:
+        cp_mod.Checkpoint([ROOT, ROOT2], tmp_path / "snap", control_dir=world.ctl).run()
+    e = ei.value
+    assert (e.phase, e.pid, e.outcome) == ("criu dump", ROOT2, "rolled_back")
+    assert str(e).startswith("criu dump: pid 300 tree 300: criu dump failed: ")
+    assert world.log[world.log.index(("criu", "dump", ROOT)):] == [
+        ("criu", "dump", ROOT), ("criu", "dump", ROOT2),
+        ("signal", "SIGCONT", ROOT),
+        ("native", "restore", 201), ("native", "unlock", 201),
+        ("native", "restore", 202), ("native", "unlock", 202),
+        ("coord", "rollback", None)]
+    assert not any(x == ("signal", "SIGKILL", ROOT) for x in world.log)
+    assert world.stopped == set() and world.state == {201: "RUNNING", 202: "RUNNING"}
+    for root in (ROOT, ROOT2):
+        r = json.loads((world.ctl / f"quiesce-{root}.resume").read_text())
+        assert (r["restored"], r["cancelled"]) == (False, False)
+    assert not (tmp_path / "snap" / "manifest.json").exists()
+    assert not (tmp_path / "snap" / "criu").exists()
+
+
+def test_manifest_write_failure_rolls_back_instead_of_losing_the_workload(world, tmp_path, monkeypatch):
+    monkeypatch.setattr(quiesce, "request", answer_quiesce(world))
+
+    def write(snapshot, manifest):
+        world.log.append(("manifest", "write", None))
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(cp_mod.manifest_mod, "write", write)
+    with pytest.raises(CheckpointFailed) as ei:
+        cp_mod.Checkpoint([ROOT, ROOT2], tmp_path / "snap", control_dir=world.ctl).run()
+    e = ei.value
+    assert (e.phase, e.pid, e.outcome) == ("manifest", None, "rolled_back")
+    assert f"{tmp_path / 'snap'}: OSError: [Errno 28] No space left on device" in str(e)
+    assert world.log[world.log.index(("criu", "dump", ROOT)):] == [
+        ("criu", "dump", ROOT), ("criu", "dump", ROOT2), ("manifest", "write", None),
+        ("signal", "SIGCONT", ROOT), ("signal", "SIGCONT", ROOT2),
+        ("native", "restore", 201), ("native", "unlock", 201),
+        ("native", "restore", 202), ("native", "unlock", 202),
+        ("coord", "rollback", None)]
+    assert "SIGKILL" not in [x[1] for x in world.log]
+    assert world.stopped == set() and world.state == {201: "RUNNING", 202: "RUNNING"}
+    assert resume_of(world)["restored"] is False
+    assert not (tmp_path / "snap" / "criu").exists()
+
+
+def test_leave_running_resumes_after_the_manifest(world, tmp_path, monkeypatch):
+    monkeypatch.setattr(quiesce, "request", answer_quiesce(world))
+    cp_mod.Checkpoint([ROOT], tmp_path / "snap", control_dir=world.ctl, leave_running=True).run()
+    assert (tmp_path / "snap" / "manifest.json").exists()
+    assert world.log[world.log.index(("criu", "dump", ROOT)):] == [
+        ("criu", "dump", ROOT), ("signal", "SIGCONT", ROOT),
+        ("native", "restore", 201), ("native", "unlock", 201),
+        ("native", "restore", 202), ("native", "unlock", 202),
+        ("coord", "rollback", None)]
+    assert resume_of(world)["restored"] is False
+    assert (tmp_path / "snap" / "criu" / str(ROOT) / "core.img").exists()
+
+
+def _mockshim_module():
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parent.parent / "coordinator" / "mockshim.py"
+    spec = importlib.util.spec_from_file_location("cuinterpose_test_mockshim", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_mixed_phase_capture_failure_rolls_back_to_active(world, tmp_path, monkeypatch):
+    """The real coordinator against mock shims: 201 creates A, 202 imports it. SAVE fails on
+    202 (it stays ACTIVE: SAVE only copies) while 201 is SAVED; the agent's rollback cancels
+    201's capture, checks the topology, and the workload resumes; nothing native was touched."""
+    from cuinterpose.coordinator import phases as real_phases
+    from cuinterpose.coordinator.protocol import Op, Phase, Record, RecordFlag, RecordKind, Role
+    ms = _mockshim_module()
+    monkeypatch.setattr(cp_mod, "_coordinator_module", lambda: real_phases)
+    monkeypatch.setattr(quiesce, "request", answer_quiesce(world))
+    aid = bytes(range(16))
+    shared = RecordFlag.SHARED
+    recs = {
+        201: [Record(kind=RecordKind.ALLOCATION, role=Role.CREATOR, flags=shared | RecordFlag.EXPORTED,
+                     alloc_id=aid, creator_pid=201, handle_refs=1, size=2 << 20, prop_type=1,
+                     prop_location_type=1, prop_handle_types=1),
+              Record(kind=RecordKind.MAPPING, role=Role.CREATOR, flags=shared, alloc_id=aid,
+                     creator_pid=201, size=2 << 20, va=0x7f0000000000)],
+        202: [Record(kind=RecordKind.ALLOCATION, role=Role.IMPORTER, flags=shared, alloc_id=aid,
+                     creator_pid=201, handle_refs=1, size=2 << 20, prop_type=1,
+                     prop_location_type=1, prop_handle_types=1),
+              Record(kind=RecordKind.MAPPING, role=Role.IMPORTER, flags=shared, alloc_id=aid,
+                     creator_pid=201, size=2 << 20, va=0x7f0000400000)]}
+    log = ms.EventLog()
+    mocks = {pid: ms.MockShim(pid, str(world.ctl), records=list(rs), log=log,
+                              inspect_checks_phase=False) for pid, rs in recs.items()}
+    mocks[202].fail[Op.SAVE_ALLOCATIONS] = (2, "SAVE_ALLOCATIONS: pid 202 allocation 0001: "
+                                               "cuMemcpyDtoH_v2 failed: CUDA_ERROR_OUT_OF_MEMORY")
+    try:
+        with pytest.raises(CheckpointFailed) as ei:
+            cp_mod.Checkpoint([ROOT], tmp_path / "snap", control_dir=world.ctl).run()
+    finally:
+        for m in mocks.values():
+            m.stop()
+    e = ei.value
+    assert (e.phase, e.pid, e.outcome) == ("SAVE_ALLOCATIONS", 202, "rolled_back")
+    assert "cuMemcpyDtoH_v2 failed: CUDA_ERROR_OUT_OF_MEMORY" in str(e)
+    assert {pid: m.phase for pid, m in mocks.items()} == {201: Phase.ACTIVE, 202: Phase.ACTIVE}
+    assert [Op(x.op).name for x in log.of("recv", pid=201)] == [
+        "INSPECT", "SAVE_ALLOCATIONS", "INSPECT", "CANCEL_CAPTURE", "INSPECT"]
+    assert [Op(x.op).name for x in log.of("recv", pid=202)] == [
+        "INSPECT", "SAVE_ALLOCATIONS", "INSPECT", "INSPECT"]
+    assert [x for x in world.log if x[0] in ("native", "criu", "signal")] == []
+    assert resume_of(world)["restored"] is False

@@ -26,7 +26,10 @@ TRANSITIONS = {
     Op.PREPARE_UNICAST: (Phase.SAVED, Phase.PREPARED),
     Op.LOAD_ALLOCATIONS: (Phase.PREPARED, Phase.LOADED),
     Op.RESTORE_UNICAST: (Phase.LOADED, Phase.ACTIVE),
+    Op.CANCEL_CAPTURE: (Phase.SAVED, Phase.ACTIVE),
 }
+#: Ops whose failure leaves the phase as it was (protocol.h: SAVE_ALLOCATIONS only copies).
+NON_DESTRUCTIVE_FAILURE = frozenset({Op.SAVE_ALLOCATIONS})
 
 
 @dataclass
@@ -63,7 +66,8 @@ class MockShim:
     """Serves ``<control_dir>/cuinterpose-<pid>.sock``.
 
     Knobs (all optional): ``refuse`` op -> (Status, message) answered without changing
-    anything; ``fail`` op -> (cuda_result, message): status FAILED, phase FAILED; ``hang``:
+    anything; ``fail`` op -> (cuda_result, message): status FAILED, phase FAILED (for
+    SAVE_ALLOCATIONS the phase stays ACTIVE, as in the shim); ``hang``:
     ops never answered (connection held until :meth:`stop`); ``delay_s`` op -> seconds before
     replying; ``after`` op -> callable(mock) run on success (to mutate records);
     ``bytes_per_op``/``elapsed_ns``/``copy_ns`` reported on success; ``raw`` op -> callable
@@ -222,7 +226,8 @@ class MockShim:
             self.txns_seen.append(req.txn_id)
             if op in self.fail:
                 cuda_result, msg = self.fail[op]
-                self.phase = Phase.FAILED
+                if op not in NON_DESTRUCTIVE_FAILURE:
+                    self.phase = Phase.FAILED
                 return (self._reply(req, Status.FAILED, cuda_result=cuda_result,
                                     elapsed_ns=self.elapsed_ns), [], msg, None)
             changed = self._mutate(op)
@@ -245,7 +250,7 @@ class MockShim:
                     r, flags=r.flags | RecordFlag.CARRIED, carrier_bytes=r.size,
                     carrier_checksum=cui_checksum64(r.alloc_id * 4))
                 changed += 1
-            elif op == Op.LOAD_ALLOCATIONS:
+            elif op in (Op.LOAD_ALLOCATIONS, Op.CANCEL_CAPTURE):
                 self.records[i] = dataclasses.replace(
                     r, flags=r.flags & ~RecordFlag.CARRIED, carrier_bytes=0, carrier_checksum=0)
                 changed += 1

@@ -244,7 +244,8 @@ def test_failure_in_save_stops_the_group(ctl):
         assert [f.pid for f in e.failures] == [4121]
         assert [name for _, name in g.ops_received()] == ["INSPECT"] * 3 + \
             ["SAVE_ALLOCATIONS"] * 3
-        assert g.mocks[4121].phase == Phase.FAILED and g.mocks[4119].phase == Phase.SAVED
+        # SAVE_ALLOCATIONS only copies: the failing shim stays ACTIVE, the others are SAVED
+        assert g.mocks[4121].phase == Phase.ACTIVE and g.mocks[4119].phase == Phase.SAVED
         assert e.capture is not None and sorted(e.capture.records) == [4119, 4121, 4123]
         assert [p.phase for p in e.capture.phases] == ["INSPECT", "SAVE_ALLOCATIONS"]
 

@@ -108,3 +108,43 @@ def test_capture_and_restore_two_processes(pair, pair_env):
     cap2 = Coordinator(parts, timeout_s=30).capture()
     Coordinator(parts, timeout_s=30).restore(cap2)
     assert pair.sums() == after
+
+
+def test_rollback_mixed_phases_on_real_shims(pair, pair_env):
+    """The creator is SAVED (its mappings untouched), the importer already PREPARED (its
+    mappings gone): rollback cancels the one and rebuilds the other, concurrently, and the
+    memory is shared again with the same bytes and VAs. Then a whole capture is rolled back."""
+    from cuinterpose.coordinator.client import ShimClient
+    from cuinterpose.coordinator.protocol import Op, Phase, Status
+    ctl = pair_env["CUINTERPOSE_CONTROL_DIR"]
+    parts = [Participant(pid, socket_path(ctl, pid)) for pid in pair.pids]
+    wait_sockets([p.socket_path for p in parts])
+    cpid, ipid = pair.pids
+    before = pair.sums()
+    coord = Coordinator(parts, timeout_s=30)
+    records = coord.validate(coord.inspect(check_phase=True))
+    coord.save_allocations()
+    r = ShimClient(socket_path(ctl, ipid), 30).request(
+        Op.PREPARE_UNICAST, txn_id=coord.last_txn_id + 1, expected_phase=Phase.SAVED)
+    assert (r.reply.status, r.reply.phase, r.reply.records_changed) == (Status.OK, Phase.PREPARED, 2 * K)
+    coord.last_txn_id += 1
+
+    res = coord.rollback(records)
+    assert res.found == {cpid: "SAVED", ipid: "PREPARED"}
+    assert [(p.phase, sorted(p.participants)) for p in res.phases] == [
+        ("INSPECT", sorted(pair.pids)), ("CANCEL_CAPTURE+LOAD_ALLOCATIONS", sorted(pair.pids)),
+        ("RESTORE_UNICAST", [ipid]), ("INSPECT", sorted(pair.pids))]
+    mixed = res.phases[1].participants
+    assert (mixed[cpid].records_changed, mixed[ipid].records_changed) == (K, 0)
+    assert pair.sums() == before
+    pair.importer.cmd("fill 9")                      # still one memory: the creator sees it
+    after = pair.sums()
+    assert after[0] == after[1] != before[0]
+
+    cap = coord.capture()                            # everyone PREPARED
+    res = coord.rollback(cap)
+    assert [p.phase for p in res.phases] == ["INSPECT", "LOAD_ALLOCATIONS", "RESTORE_UNICAST",
+                                             "INSPECT"]
+    assert pair.sums() == after
+    pair.creator.cmd("fill 10")
+    assert pair.sums()[0] == pair.sums()[1] != after[0]

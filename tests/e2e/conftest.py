@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -87,3 +88,42 @@ def rogue(tmp_path, subreaper):
         if p.poll() is None:
             p.kill()
         p.wait()
+
+
+@pytest.fixture
+def ext_socket(subreaper):
+    """ext_socket(control_dir) -> (Popen, log path, accepted connection): tests/e2e/ext_socket.py
+    under the shim on fakecuda, holding a Unix socket connected to a listener in this (test)
+    process, i.e. outside its tree. Killed at teardown."""
+    import shutil
+    import socket
+    import tempfile
+    procs, socks = [], []
+    d = tempfile.mkdtemp(prefix="cui-ext-")
+
+    def _start(ctl):
+        path = os.path.join(d, f"l{len(procs)}.sock")
+        lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        lsock.bind(path)
+        lsock.listen(1)
+        socks.append(lsock)
+        log = pathlib.Path(d) / f"ext{len(procs)}.log"
+        env = demo.workload_env(ctl)
+        env["EXT_SOCKET"] = path
+        with open(log, "wb") as out, open(str(log) + ".err", "wb") as err:
+            p = subprocess.Popen([sys.executable, os.path.join(HERE, "ext_socket.py")],
+                                 stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env,
+                                 start_new_session=True)
+        procs.append(p)
+        lsock.settimeout(60)
+        conn, _ = lsock.accept()
+        socks.append(conn)
+        return p, log, conn
+    yield _start
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+    for s in socks:
+        s.close()
+    shutil.rmtree(d, ignore_errors=True)

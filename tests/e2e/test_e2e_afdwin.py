@@ -144,7 +144,7 @@ def test_native_checkpoint_failure_rolls_back(afdwin, rogue, tmp_path):
     assert "exported FD still open" in err["reason"]
     names = [p["name"] for p in cp["phases"]]
     assert names[names.index("native checkpoint"):] == [
-        "native checkpoint", "rollback native", "INSPECT", "INSPECT", "LOAD_ALLOCATIONS",
+        "native checkpoint", "rollback native", "INSPECT", "LOAD_ALLOCATIONS",
         "RESTORE_UNICAST", "INSPECT"]
     assert [p["status"] for p in cp["phases"]].count("failed") == 1
     rank_pids = sorted(w["pid"] for w in windows(a.events()).values())
@@ -163,3 +163,83 @@ def test_native_checkpoint_failure_rolls_back(afdwin, rogue, tmp_path):
     assert (s["restores_seen"], s["quiesces"]) == (0, 1)
     resumed = [e for e in evs if demo.kind(e) == "resumed"]
     assert [(e["restored"], e["cancelled"]) for e in resumed] == [(False, False)]
+
+
+def _wait_ext_ready(p, log):
+    deadline = time.monotonic() + 60
+    while '"ready"' not in log.read_text():
+        assert p.poll() is None and time.monotonic() < deadline, \
+            log.read_text() + open(str(log) + ".err").read()
+        time.sleep(0.05)
+    return json.loads(log.read_text().splitlines()[0])
+
+
+def test_second_tree_dump_failure_keeps_both_trees_running(afdwin, ext_socket, tmp_path):
+    """Two roots: afdwin is dumped first (CRIU leaves it stopped, not killed), then the second
+    tree's dump fails (it holds a Unix socket connected outside its tree). The agent resumes
+    afdwin, brings the native state back, rolls the shims back, and both trees finish with
+    their memory intact: afdwin with every message exactly once."""
+    a = afdwin(steps=STEPS, step_delay_ms=5)
+    a.wait_for(lambda ev: len(windows(ev)) == 2 and demo.received(ev) >= 20, 120, "20 messages")
+    xp, xlog, conn = ext_socket(a.ctl)
+    _wait_ext_ready(xp, xlog)
+    snap = tmp_path / "snap"
+    rc, cp = demo.run_agent("checkpoint", "--pid", str(a.pid), "--pid", str(xp.pid),
+                            "--images-dir", str(snap), "--driver", "fake",
+                            "--control-dir", str(a.ctl))
+    assert rc == 4 and not cp["ok"], cp
+    err = cp["error"]
+    assert (err["phase"], err["pid"], err["outcome"]) == ("criu dump", xp.pid, "rolled_back")
+    assert err["reason"].startswith(f"tree {xp.pid}: criu dump failed for images dir "
+                                    f"{snap / 'criu' / str(xp.pid)}")
+    assert err["reason"].endswith("(rolled back: the workload continues with its memory intact)")
+    names = [p["name"] for p in cp["phases"]]
+    assert names[names.index("native checkpoint"):] == [
+        "native checkpoint", "criu dump", "criu dump", "resume trees", "rollback native",
+        "INSPECT", "LOAD_ALLOCATIONS", "RESTORE_UNICAST", "INSPECT"]
+    dumps = [p for p in cp["phases"] if p["name"] == "criu dump"]
+    assert [(p["status"], p["detail"]) for p in dumps] == [
+        ("ok", f"tree {a.pid} (left stopped)"), ("failed", dumps[1]["detail"])]
+    rank_pids = sorted(w["pid"] for w in windows(a.events()).values())
+    rb = next(p for p in cp["phases"] if p["name"] == "rollback native")["detail"]
+    assert rb == ", ".join(f"{p}:CHECKPOINTED" for p in sorted(rank_pids + [xp.pid]))
+    assert not (snap / "manifest.json").exists() and not (snap / "criu").exists()
+
+    assert xp.wait(timeout=60) == 0
+    assert [json.loads(l) for l in xlog.read_text().splitlines()][1:] == [
+        {"event": "resumed", "restored": False, "cancelled": False},
+        {"event": "done", "ok": True, "intact": True}]
+    assert conn.recv(64) == b"still here\n"
+    assert a.proc.wait(timeout=300) == 0          # not killed: it ran to the end
+    evs = a.events()
+    s = assert_exact_pairs(evs, STEPS)
+    assert (s["restores_seen"], s["quiesces"]) == (0, 1)
+    resumed = [e for e in evs if demo.kind(e) == "resumed"]
+    assert [(e["restored"], e["cancelled"]) for e in resumed] == [(False, False)]
+    assert demo.check_run(evs, STEPS, attention=1, ffn=1, expect_restore=False) == []
+
+
+def test_manifest_write_failure_rolls_back_after_the_dump(afdwin, tmp_path):
+    """The dump succeeds (tree left stopped) but the manifest cannot be written (its temp path
+    is a directory): the tree is resumed and rebuilt instead of being lost."""
+    a = afdwin(steps=STEPS, step_delay_ms=5)
+    a.wait_for(lambda ev: len(windows(ev)) == 2 and demo.received(ev) >= 20, 120, "20 messages")
+    snap = tmp_path / "snap"
+    (snap / "manifest.json.tmp").mkdir(parents=True)
+    rc, cp = demo.run_agent("checkpoint", "--pid", str(a.pid), "--images-dir", str(snap),
+                            "--driver", "fake", "--control-dir", str(a.ctl))
+    assert rc == 4 and not cp["ok"], cp
+    err = cp["error"]
+    assert (err["phase"], err["pid"], err["outcome"]) == ("manifest", None, "rolled_back")
+    assert err["reason"].startswith(f"{snap}: IsADirectoryError: [Errno 21] Is a directory: ")
+    names = [p["name"] for p in cp["phases"]]
+    assert names[names.index("criu dump"):] == [
+        "criu dump", "manifest", "resume trees", "rollback native", "INSPECT",
+        "LOAD_ALLOCATIONS", "RESTORE_UNICAST", "INSPECT"]
+    assert not (snap / "manifest.json").exists() and not (snap / "criu").exists()
+    assert a.proc.wait(timeout=300) == 0
+    evs = a.events()
+    s = assert_exact_pairs(evs, STEPS)
+    assert (s["restores_seen"], s["quiesces"]) == (0, 1)
+    assert [(e["restored"], e["cancelled"]) for e in evs if demo.kind(e) == "resumed"] == \
+        [(False, False)]

@@ -19,10 +19,16 @@
  *   ACTIVE --SAVE_ALLOCATIONS--> SAVED --PREPARE_UNICAST--> PREPARED
  *     (native checkpoint, CRIU dump/restore, native restore happen here)
  *   PREPARED --LOAD_ALLOCATIONS--> LOADED --RESTORE_UNICAST--> ACTIVE
+ *   SAVED --CANCEL_CAPTURE--> ACTIVE   (abandon a capture before anything was torn down)
  *   INSPECT is read-only and accepted in every phase except FAILED.
  *   Multicast ops (PREPARE_MULTICAST, RESTORE_MULTICAST_*) are reserved codes; they will be
  *   inserted before SAVE_ALLOCATIONS and after RESTORE_UNICAST.
- *   A destructive op that fails part-way moves the shim to FAILED; nothing is rolled back.
+ *   SAVE_ALLOCATIONS and CANCEL_CAPTURE only copy or free host memory: a SAVE_ALLOCATIONS that
+ *   fails part-way frees its carrier and leaves the shim ACTIVE (status CUI_FAILED, reply phase
+ *   ACTIVE, the txn counts as accepted). A destructive op (PREPARE_UNICAST, LOAD_ALLOCATIONS,
+ *   RESTORE_UNICAST) that fails part-way moves the shim to FAILED; nothing is rolled back.
+ *   Rolling a partial capture back: SAVED -> CANCEL_CAPTURE; PREPARED -> LOAD_ALLOCATIONS ->
+ *   RESTORE_UNICAST. A FAILED shim cannot be brought back.
  *
  * Request rules
  *   - expected_phase must equal the shim's current phase, else CUI_REFUSED_PHASE.
@@ -44,7 +50,9 @@
 enum cui_op {
   CUI_OP_INSPECT = 1,                      /* read-only: return every record */
   CUI_OP_PREPARE_MULTICAST = 2,            /* reserved (multicast teardown) */
-  CUI_OP_SAVE_ALLOCATIONS = 3,             /* ACTIVE -> SAVED: shared creator bytes -> host carrier */
+  CUI_OP_SAVE_ALLOCATIONS = 3,             /* ACTIVE -> SAVED: shared creator bytes -> host carrier;
+                                              on failure the carrier is freed and the shim stays
+                                              ACTIVE (status CUI_FAILED, phase ACTIVE) */
   CUI_OP_PREPARE_UNICAST = 4,              /* SAVED -> PREPARED: unmap shared mappings, release driver
                                               handles, close cached export FDs */
   CUI_OP_LOAD_ALLOCATIONS = 5,             /* PREPARED -> LOADED: creators re-create at the original VA,
@@ -54,6 +62,9 @@ enum cui_op {
   CUI_OP_RESTORE_MULTICAST_IMPORTERS = 8,  /* reserved */
   CUI_OP_RESTORE_MULTICAST_DEVICES = 9,    /* reserved */
   CUI_OP_RESTORE_MULTICAST_BINDINGS = 10,  /* reserved */
+  CUI_OP_CANCEL_CAPTURE = 11,              /* SAVED -> ACTIVE: free the host carrier arena, clear
+                                              CUI_REC_CARRIED and the carrier fields; nothing else
+                                              changes (mappings and handles were never touched) */
   CUI_OP_FETCH_FD = 32                     /* peer: send the real export FD of alloc_id (SCM_RIGHTS) */
 };
 
@@ -72,7 +83,9 @@ enum cui_status {
   CUI_REFUSED_DUPLICATE = 2,  /* txn_id not newer than the last accepted one; nothing changed */
   CUI_REFUSED_STATE = 3,      /* state cannot be captured (raw import, untracked sharing, ...);
                                  nothing changed; message names the object */
-  CUI_FAILED = 4,             /* a driver call failed mid-op; phase is now FAILED */
+  CUI_FAILED = 4,             /* a driver call failed mid-op; phase is now FAILED, except for
+                                 SAVE_ALLOCATIONS, which only copies: its failure frees the
+                                 carrier and the phase stays ACTIVE (see reply.phase) */
   CUI_BAD_REQUEST = 5,        /* bad magic, version, op or size; nothing changed */
   CUI_NOT_FOUND = 6           /* FETCH_FD: no such allocation, or not exported by this process */
 };
