@@ -149,7 +149,8 @@ class Afdwin:
             time.sleep(0.05)
 
     def wait_dumped(self, timeout_s: float = 30) -> int:
-        """After a CRIU dump killed the tree: reap our child (the root); returns its wait status."""
+        """After the agent killed the dumped tree (once the snapshot was written): reap our child
+        (the root); returns its wait status."""
         self.proc.wait(timeout=timeout_s)
         reap_zombies()
         return self.proc.returncode
@@ -285,9 +286,10 @@ def fmt_phases(phases: list[dict]) -> str:
 
 
 GROUPS = {"INSPECT": "shim", "SAVE_ALLOCATIONS": "shim", "PREPARE_UNICAST": "shim",
-          "LOAD_ALLOCATIONS": "shim", "RESTORE_UNICAST": "shim",
+          "LOAD_ALLOCATIONS": "shim", "RESTORE_UNICAST": "shim", "CANCEL_CAPTURE": "shim",
           "native lock": "native", "native checkpoint": "native", "native restore": "native",
           "native unlock": "native", "criu dump": "criu", "criu restore": "criu",
+          "kill dumped": "criu", "resume trees": "criu",
           "quiesce": "quiesce"}
 
 
@@ -350,7 +352,8 @@ def main(argv=None) -> int:
         if not cut or not 0 < before_cut < args.steps:
             return fail(f"the cut is not mid-stream: last seqs before the dump {cut}")
         print(f"demo: checkpoint done in {fmt_phases(cp['phases'])}")
-        print(f"demo: tree killed by the dump (root exit status {status}); "
+        print(f"demo: tree dumped, then killed once the snapshot was written (root exit status "
+              f"{status}); "
               f"{before_cut} messages received before the cut")
         rc, rs = run_agent("restore", "--images-dir", str(snap), "--driver", "fake")
         if rc != 0 or not rs.get("ok"):

@@ -11,8 +11,8 @@ reason, so that an operator can act on the message alone:
   continues with its memory intact (``.resume`` with ``restored=false`` was written).
 - ``"rollback_failed"``: teardown had started and rebuilding failed too; the workload is
   parked or broken and needs an operator.
-- ``"snapshot_incomplete"``: the CRIU dump completed (the tree is gone) but the manifest could
-  not be written; the directory is not a snapshot.
+- ``"snapshot_incomplete"``: kept for callers; ``checkpoint`` no longer produces it: the dumped
+  trees stay stopped until the manifest is on disk, so a manifest failure is rolled back.
 - ``"restore_failed"``: a restore failed after CRIU restored the tree; the restored tree was
   killed, the snapshot directory is untouched and can be restored again.
 """
