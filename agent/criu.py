@@ -1,0 +1,445 @@
+"""Running CRIU: dump a process tree to an images directory, restore it detached.
+
+Which CRIU (``criu_command``), in order:
+
+1. ``$CUINTERPOSE_CRIU`` (an executable), if set: used when its ``criu check`` passes, else
+   an error (an explicit choice never falls back silently);
+2. the system ``criu`` on ``PATH``, if its ``criu check`` passes;
+3. ``<repo>/.cache/criu/bin/criu`` (``$CUINTERPOSE_CRIU_CACHE/bin/criu``), the CRIU 4.x that
+   ``scripts/install-criu.sh`` (``make criu``) unpacks from Debian trixie and runs through
+   its own ld.so; used when its ``criu check`` passes.
+
+The choice is made once per process (``reset()`` forgets it). CRIU always runs with
+``LD_PRELOAD``, ``LD_LIBRARY_PATH``, ``LD_AUDIT`` and ``CRIU_CONFIG_FILE`` removed from its
+environment, ``--no-default-config`` (no ``/etc/criu/default.conf``) and ``--libdir`` set to
+an empty directory (no CRIU plugins: the agent drives the native CUDA checkpoint itself, so a
+CRIU CUDA plugin must not lock or checkpoint the tasks a second time).
+
+Dump options (besides images, work dir, log, ``-v4``): none for the process model, see
+``DUMP_OPTS``; restore adds ``--restore-detached --pidfile`` and ``--manage-cgroups=ignore``,
+see ``RESTORE_OPTS``. docs/criu.md explains every option and the known limits.
+
+Every failure raises ``CriuError``; its message names the command, its exit status, the images
+directory and the last lines of the CRIU log.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import select
+import shlex
+import shutil
+import struct
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+__all__ = ["CriuError", "criu_command", "version", "check", "dump", "restore",
+           "image_pids", "wait_pids_free", "wait_exit", "reset", "DUMP_OPTS", "RESTORE_OPTS"]
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+ENV_CRIU = "CUINTERPOSE_CRIU"
+ENV_CACHE = "CUINTERPOSE_CRIU_CACHE"
+# Removed from CRIU's environment: a preload (e.g. the shim) would be injected into CRIU
+# itself; a library path would mix the caller's libraries into CRIU's; CRIU_CONFIG_FILE
+# would add options we did not choose.
+STRIPPED_ENV = ("LD_PRELOAD", "LD_LIBRARY_PATH", "LD_AUDIT", "CRIU_CONFIG_FILE")
+
+LOG_LEVEL = "-v4"           # full debug log in the log file; CRIU prints nothing to stdout
+LOG_TAIL_LINES = 25
+# What `dump` adds for our process model. Deliberately empty: a setsid launcher with no tty
+# needs no --shell-job; Unix sockets whose peers are all inside the tree need no
+# --ext-unix-sk; memfds, PROT_NONE/NORESERVE reservations, shared and private anonymous
+# memory, threads and open regular files are handled by default. See docs/criu.md.
+DUMP_OPTS: tuple[str, ...] = ()
+# What `restore` adds (besides --restore-detached and --pidfile):
+#   --manage-cgroups=ignore  the restored tasks stay in the cgroup of the process running
+#                            CRIU (the agent, or wherever it runs CRIU) instead of CRIU
+#                            recreating/moving into the dump-time cgroup paths.
+RESTORE_OPTS: tuple[str, ...] = ("--manage-cgroups=ignore",)
+
+_lock = threading.Lock()
+_chosen: tuple[list[str], str] | None = None   # (argv prefix, `criu check` output)
+_no_plugins_dir: Path | None = None
+
+
+class CriuError(RuntimeError):
+    """A CRIU command failed or could not be run.
+
+    Attributes: ``cmd`` (argv, or None when CRIU was not run), ``returncode`` (or None),
+    ``images_dir``, ``log_path`` (or None) and ``log_tail`` (last lines of the CRIU log).
+    """
+
+    def __init__(self, message: str, *, cmd: Sequence[str] | None = None,
+                 returncode: int | None = None, images_dir: Path | None = None,
+                 log_path: Path | None = None, log_tail: str = ""):
+        self.cmd = list(cmd) if cmd is not None else None
+        self.returncode = returncode
+        self.images_dir = images_dir
+        self.log_path = log_path
+        self.log_tail = log_tail
+        parts = [message]
+        if images_dir is not None and str(images_dir) not in message:
+            parts.append(f"images dir: {images_dir}")
+        if cmd is not None:
+            parts.append(f"command: {shlex.join(str(c) for c in cmd)}")
+        if returncode is not None:
+            parts.append(f"exit code: {returncode}")
+        if log_path is not None:
+            parts.append(f"log: {log_path}")
+        if log_tail:
+            parts.append("log tail:\n" + log_tail)
+        super().__init__("\n".join(parts))
+
+
+# --------------------------------------------------------------------------- choosing CRIU
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in STRIPPED_ENV}
+    env["LC_ALL"] = "C"
+    return env
+
+
+def cache_dir() -> Path:
+    """The folder scripts/install-criu.sh installs into (``$CUINTERPOSE_CRIU_CACHE``)."""
+    return Path(os.environ.get(ENV_CACHE) or REPO / ".cache" / "criu")
+
+
+def _run_check(prefix: list[str]) -> tuple[bool, str]:
+    try:
+        res = subprocess.run([*prefix, "check", "--no-default-config"], env=_env(),
+                             stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                             timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return False, f"{shlex.join(prefix)}: {e}"
+    out = (res.stdout + res.stderr).strip()
+    return res.returncode == 0 and "Looks good" in out, out
+
+
+def _candidates() -> list[tuple[str, list[str] | None]]:
+    explicit = os.environ.get(ENV_CRIU)
+    if explicit:
+        return [(f"${ENV_CRIU}={explicit}", [explicit])]
+    system = shutil.which("criu", path=_env().get("PATH", os.defpath))
+    wrapper = cache_dir() / "bin" / "criu"
+    return [("system criu", [system] if system else None),
+            (f"cached criu {wrapper}", [str(wrapper)] if os.access(wrapper, os.X_OK) else None)]
+
+
+def _choose() -> tuple[list[str], str]:
+    global _chosen
+    with _lock:
+        if _chosen is not None:
+            return _chosen
+        reasons = []
+        for name, prefix in _candidates():
+            if prefix is None:
+                reasons.append(f"{name}: not found")
+                continue
+            ok, out = _run_check(prefix)
+            if ok:
+                _chosen = (prefix, out)
+                return _chosen
+            tail = "\n    ".join(out.splitlines()[-5:])
+            reasons.append(f"{name}: `criu check` failed:\n    {tail}")
+        raise CriuError("no working CRIU; install one with `make criu` "
+                        "(bash scripts/install-criu.sh):\n" + "\n".join(reasons))
+
+
+def reset() -> None:
+    """Forget the CRIU chosen by ``criu_command`` (e.g. after installing one)."""
+    global _chosen
+    with _lock:
+        _chosen = None
+
+
+def criu_command() -> list[str]:
+    """The argv prefix that runs a working CRIU (see the module docstring for the order).
+
+    Raises ``CriuError`` listing every candidate and why it was rejected when none passes
+    ``criu check``.
+    """
+    return list(_choose()[0])
+
+
+def version() -> str:
+    """CRIU's version, e.g. ``"4.1.1"``. Raises ``CriuError`` (no CRIU, or unparsable)."""
+    cmd = [*criu_command(), "--version"]
+    res = subprocess.run(cmd, env=_env(), stdin=subprocess.DEVNULL, capture_output=True,
+                         text=True)
+    for line in (res.stdout + res.stderr).splitlines():
+        if line.startswith("Version:"):
+            return line.split(":", 1)[1].strip()
+    raise CriuError("cannot read the CRIU version", cmd=cmd, returncode=res.returncode,
+                    log_tail=(res.stdout + res.stderr).strip())
+
+
+def check() -> tuple[bool, str]:
+    """``(ok, output)`` of ``criu check`` for the CRIU ``criu_command`` picks.
+
+    Never raises: without a working CRIU it returns ``(False, <why each candidate failed>)``.
+    """
+    try:
+        prefix, _ = _choose()
+    except CriuError as e:
+        return False, str(e)
+    return _run_check(prefix)
+
+
+# --------------------------------------------------------------------------- running CRIU
+
+def _plugins_dir() -> Path:
+    """An empty directory for ``--libdir``, so that no CRIU plugin is loaded."""
+    global _no_plugins_dir
+    if _no_plugins_dir is None or not _no_plugins_dir.is_dir():
+        d = cache_dir() / "plugins"
+        if not (d.is_dir() and not any(d.iterdir())):
+            d = Path(tempfile.mkdtemp(prefix="cuinterpose-criu-noplugins-"))
+        _no_plugins_dir = d
+    return _no_plugins_dir
+
+
+def _log_tail(path: Path, n: int = LOG_TAIL_LINES) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError as e:
+        return f"(no log: {e})"
+    # (CRIU logs failing to raise its own RLIMIT_NOFILE as an Error, and carries on.)
+    errors = [ln for ln in lines if "Error" in ln and "RLIMIT_NOFILE for self" not in ln]
+    tail = lines[-n:]
+    # CRIU's first error is often the cause and may scroll out of the tail; keep it.
+    extra = [ln for ln in errors[:5] if ln not in tail]
+    return "\n".join((["..."] + extra + ["..."] if extra else []) + tail)
+
+
+def _run(action: str, args: list[str], *, images_dir: Path, log_path: Path) -> None:
+    cmd = [*criu_command(), action, *args]
+    try:
+        res = subprocess.run(cmd, env=_env(), stdin=subprocess.DEVNULL,
+                             capture_output=True, text=True)
+    except OSError as e:
+        raise CriuError(f"criu {action} could not start: {e}", cmd=cmd,
+                        images_dir=images_dir) from e
+    if res.returncode != 0:
+        tail = _log_tail(log_path)
+        out = (res.stdout + res.stderr).strip()
+        if out:
+            tail = out + "\n" + tail
+        raise CriuError(f"criu {action} failed for images dir {images_dir}", cmd=cmd,
+                        returncode=res.returncode, images_dir=images_dir, log_path=log_path,
+                        log_tail=tail)
+
+
+def _common(images_dir: Path, work_dir: Path, log_name: str) -> list[str]:
+    return ["--images-dir", str(images_dir), "--work-dir", str(work_dir),
+            "--log-file", log_name, LOG_LEVEL, "--no-default-config",
+            "--libdir", str(_plugins_dir())]
+
+
+def dump(root_pid: int, images_dir: Path, *, leave_running: bool = False,
+         log_name: str = "dump.log", extra_args: Iterable[str] = ()) -> None:
+    """Dump the process tree rooted at ``root_pid`` into ``images_dir`` (created if missing).
+
+    The tree must be quiescent for CRIU: it is frozen (ptrace) for the dump and, unless
+    ``leave_running``, **killed by CRIU** once the images are written (SIGKILL). The caller
+    must then reap any of those processes that are its children (``Popen.wait()``), and the
+    PIDs must be free again before ``restore`` (``wait_pids_free``).
+    The log is ``images_dir/log_name``. Unix sockets connected to a process outside the tree,
+    a tty, TCP connections and file locks make the dump fail (see docs/criu.md).
+
+    Raises ``CriuError`` when ``root_pid`` does not exist, ``images_dir`` already holds
+    images (``*.img``; images of two dumps must not mix), or CRIU fails (message: command,
+    exit code, log tail).
+    """
+    images_dir = Path(images_dir).absolute()
+    if root_pid <= 1 or not os.path.exists(f"/proc/{root_pid}"):
+        raise CriuError(f"cannot dump: no process {root_pid}", images_dir=images_dir)
+    images_dir.mkdir(parents=True, exist_ok=True)
+    if any(images_dir.glob("*.img")):
+        raise CriuError(f"cannot dump into {images_dir}: it already holds CRIU images",
+                        images_dir=images_dir)
+    args = ["--tree", str(root_pid), *_common(images_dir, images_dir, log_name), *DUMP_OPTS]
+    if leave_running:
+        args.append("--leave-running")
+    args += list(extra_args)
+    _run("dump", args, images_dir=images_dir, log_path=images_dir / log_name)
+
+
+def restore(images_dir: Path, *, log_name: str = "restore.log",
+            extra_args: Iterable[str] = (), work_dir: Path | None = None,
+            pid_wait_s: float = 15.0) -> int:
+    """Restore the tree dumped in ``images_dir``, detached; returns the restored root's PID.
+
+    The tree comes back with its original PIDs/TIDs, so they must be free: zombies of the
+    dumped tree are waited for up to ``pid_wait_s`` seconds (an init that reaps lazily).
+    The restored root is **not a child of the caller**: CRIU forks it and exits, so it is
+    re-parented to the caller's nearest child subreaper, else to init. Wait for it with
+    ``wait_exit(pid)`` (a pidfd), not ``waitpid``.
+    Listening Unix sockets are re-bound at their paths: stale socket files must be deleted
+    before restore (bind fails on an existing path). Abstract names must be free.
+    ``images_dir`` is only read: CRIU's log (``log_name``), pidfile and stats go to
+    ``work_dir`` (default: a new ``cuinterpose-criu-restore-*`` temporary directory, kept
+    for inspection).
+
+    Raises ``CriuError`` naming ``images_dir`` when it is missing, holds no images, its
+    ``pstree.img`` is unreadable, a PID it needs is taken, or CRIU fails (message: command,
+    exit code, log tail); ``images_dir`` is left untouched in every case.
+    """
+    images_dir = Path(images_dir).absolute()
+    if not images_dir.is_dir():
+        raise CriuError(f"cannot restore: images dir {images_dir} does not exist",
+                        images_dir=images_dir)
+    missing = [n for n in ("inventory.img", "pstree.img") if not (images_dir / n).is_file()]
+    if missing:
+        raise CriuError(f"cannot restore: images dir {images_dir} lacks {', '.join(missing)}"
+                        " (not a CRIU dump, or an incomplete one)", images_dir=images_dir)
+    pids = image_pids(images_dir)
+    busy = wait_pids_free(pids, pid_wait_s)
+    if busy:
+        desc = ", ".join(f"{p} ({_describe_pid(p)})" for p in busy)
+        raise CriuError(f"cannot restore images dir {images_dir}: PIDs still in use: {desc}",
+                        images_dir=images_dir)
+    if work_dir is None:
+        work_dir = Path(tempfile.mkdtemp(prefix="cuinterpose-criu-restore-"))
+    else:
+        work_dir = Path(work_dir).absolute()
+        work_dir.mkdir(parents=True, exist_ok=True)
+    if work_dir.resolve() == images_dir.resolve():
+        raise CriuError("restore work_dir must differ from the images dir (kept read-only)",
+                        images_dir=images_dir)
+    pidfile = work_dir / "restore.pid"
+    pidfile.unlink(missing_ok=True)
+    args = [*_common(images_dir, work_dir, log_name), "--restore-detached",
+            "--pidfile", str(pidfile), *RESTORE_OPTS, *extra_args]
+    _run("restore", args, images_dir=images_dir, log_path=work_dir / log_name)
+    try:
+        return int(pidfile.read_text().strip())
+    except (OSError, ValueError) as e:
+        raise CriuError(f"criu restore of {images_dir} succeeded but left no pid in {pidfile}:"
+                        f" {e}", images_dir=images_dir, log_path=work_dir / log_name,
+                        log_tail=_log_tail(work_dir / log_name)) from e
+
+
+# --------------------------------------------------------------------------- images, PIDs
+
+_IMG_MAGICS = (0x54564319, 0x55105940)     # CRIU "common" and "service" image magics
+_PSTREE_MAGIC = 0x50273030
+
+
+def _varint(buf: bytes, i: int) -> tuple[int, int]:
+    shift = val = 0
+    while True:
+        if i >= len(buf):
+            raise ValueError("truncated varint")
+        b = buf[i]
+        i += 1
+        val |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return val, i
+        shift += 7
+        if shift > 63:
+            raise ValueError("varint too long")
+
+
+def image_pids(images_dir: Path) -> list[int]:
+    """Every PID and TID the dump in ``images_dir`` restores (from ``pstree.img``).
+
+    Raises ``CriuError`` naming ``images_dir`` when ``pstree.img`` is missing or corrupt.
+    """
+    images_dir = Path(images_dir)
+    path = images_dir / "pstree.img"
+    try:
+        data = path.read_bytes()
+        if len(data) < 8:
+            raise ValueError("shorter than its header")
+        m1, m2 = struct.unpack_from("<II", data, 0)
+        if m1 not in _IMG_MAGICS or m2 != _PSTREE_MAGIC:
+            raise ValueError(f"bad magic {m1:#x} {m2:#x}")
+        pids: list[int] = []
+        off = 8
+        while off < len(data):
+            if off + 4 > len(data):
+                raise ValueError("truncated entry size")
+            (size,) = struct.unpack_from("<I", data, off)
+            off += 4
+            entry = data[off:off + size]
+            if len(entry) != size:
+                raise ValueError("truncated entry")
+            off += size
+            i, pid, threads = 0, None, []
+            while i < len(entry):
+                key, i = _varint(entry, i)
+                field, wire = key >> 3, key & 7
+                if wire == 0:
+                    val, i = _varint(entry, i)
+                    if field == 1:
+                        pid = val
+                    elif field == 5:
+                        threads.append(val)
+                elif wire == 2:
+                    ln, i = _varint(entry, i)
+                    chunk, i = entry[i:i + ln], i + ln
+                    if field == 5:                       # packed repeated threads
+                        j = 0
+                        while j < len(chunk):
+                            val, j = _varint(chunk, j)
+                            threads.append(val)
+                else:
+                    raise ValueError(f"unexpected wire type {wire}")
+            if not pid:
+                raise ValueError("entry without a pid")
+            pids += [pid] + [t for t in threads if t != pid]
+        if not pids:
+            raise ValueError("no processes")
+        return pids
+    except (OSError, ValueError, struct.error) as e:
+        raise CriuError(f"images dir {images_dir}: unreadable pstree.img ({e})",
+                        images_dir=images_dir) from e
+
+
+def _describe_pid(pid: int) -> str:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return "gone"
+    fields = dict(ln.split(":", 1) for ln in status.splitlines() if ":" in ln)
+    return (f"{fields.get('Name', '?').strip()}, state {fields.get('State', '?').strip()},"
+            f" parent {fields.get('PPid', '?').strip()}")
+
+
+def wait_pids_free(pids: Iterable[int], timeout: float) -> list[int]:
+    """Wait until no process or thread uses any of ``pids``; returns those still in use.
+
+    A killed tree's processes stay as zombies until their parent (or init, or a subreaper)
+    reaps them, and CRIU needs the exact PIDs back.
+    """
+    pids = list(pids)
+    deadline = time.monotonic() + timeout
+    while True:
+        busy = [p for p in pids if os.path.exists(f"/proc/{p}")]
+        if not busy or time.monotonic() >= deadline:
+            return busy
+        time.sleep(0.05)
+
+
+def wait_exit(pid: int, timeout: float | None = None) -> bool:
+    """Wait until process ``pid`` (not necessarily a child) has exited; True if it has.
+
+    Uses a pidfd, so it works for a restored tree that is not the caller's child. The exit
+    status is not available this way (only the parent, or a subreaper, can collect it).
+    """
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        ready, _, _ = select.select([fd], [], [], timeout)
+        return bool(ready)
+    finally:
+        os.close(fd)

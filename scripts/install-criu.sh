@@ -1,0 +1,259 @@
+#!/usr/bin/env bash
+# Installs a working CRIU 4.x for cuinterpose. Idempotent; see docs/criu.md.
+#
+# 1. If the system `criu` passes `criu check`, use it and stop.
+# 2. If <repo>/.cache/criu/bin/criu already reports 4.x and passes `criu check`, stop.
+# 3. Otherwise fetch CRIU 4.x and its runtime libraries (libc6 >= 2.38 included) from the
+#    next Debian suite (trixie) with `apt-get download`, using a private apt state directory
+#    built from this machine's Debian sources with only the suite changed, unpack them with
+#    `dpkg -x` into <repo>/.cache/criu/root, and write the wrapper <repo>/.cache/criu/bin/criu
+#    that runs the real binary through that folder's own ld.so with --library-path.
+#    Nothing is installed into the system; the system's apt configuration is not changed.
+#
+# Environment:
+#   CRIU_SUITE=trixie        suite to fetch from
+#   CRIU_FORCE_CACHE=1       install the cached copy even when the system criu works
+#   CUINTERPOSE_CRIU_CACHE   install folder (default: <repo>/.cache/criu)
+# Exit status: 0 when a working CRIU is available, 1 otherwise (with the reason on stderr).
+set -euo pipefail
+
+REPO=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd -P)
+CACHE=${CUINTERPOSE_CRIU_CACHE:-$REPO/.cache/criu}
+SUITE=${CRIU_SUITE:-trixie}
+WRAPPER=$CACHE/bin/criu
+MIN_MAJOR=4
+
+say() { echo "install-criu: $*" >&2; }
+die() { say "error: $*"; exit 1; }
+
+# CRIU must never run with an inherited preload or library path.
+unset LD_PRELOAD LD_LIBRARY_PATH LD_AUDIT CRIU_CONFIG_FILE
+
+# criu_major ARGV... -> prints the major version, fails if `criu --version` does not run.
+criu_major() {
+  local out
+  out=$("$@" --version 2>&1) || return 1
+  [[ $out =~ Version:\ *([0-9]+)\. ]] || return 1
+  echo "${BASH_REMATCH[1]}"
+}
+
+# criu_check ARGV... -> 0 when `criu check` says "Looks good"; the output is kept in CHECK_OUT.
+CHECK_OUT=
+criu_check() {
+  CHECK_OUT=$("$@" check --no-default-config 2>&1) && grep -q "Looks good" <<<"$CHECK_OUT"
+}
+
+# Build the temporary sources from the machine's Debian sources (deb822 *.sources and
+# one-line sources.list / *.list), changing only the suite: <codename>[-x] -> <suite>[-x].
+# Every other field/option (URIs, components, Signed-By, Check-Valid-Until, ...) is kept.
+# Kept entries: deb (not deb-src), enabled, a <codename>* suite, and Debian's own archive
+# (Signed-By naming a debian-archive keyring, or no Signed-By and a .../debian or
+# .../debian-security URI); third-party repositories are dropped.
+# CRIU_APT_SOURCES=<file.sources> replaces all of this with a file of your own.
+# CRIU_APT_ETC (default /etc/apt) is where the machine's sources are read from.
+write_sources() {  # OUT_SOURCES OUT_LIST
+  local codename
+  codename=$(. /etc/os-release && echo "${VERSION_CODENAME:-}")
+  [ -n "$codename" ] || die "/etc/os-release has no VERSION_CODENAME"
+  : > "$2"
+  if [ -n "${CRIU_APT_SOURCES:-}" ]; then
+    cp -- "$CRIU_APT_SOURCES" "$1"
+    return
+  fi
+  python3 - "$codename" "$SUITE" "$1" "$2" "${CRIU_APT_ETC:-/etc/apt}" <<'PY' || die "cannot derive $SUITE sources"
+import glob, re, sys
+codename, suite, out822, out_list, etc = sys.argv[1:]
+
+def map_suite(s):
+    if s == codename or s.startswith(codename + "-"):
+        return suite + s[len(codename):]
+    return None
+
+def is_debian(uris, signed_by):
+    if signed_by:
+        return "debian-archive" in signed_by
+    return any(re.search(r"/debian(-security)?/?$", u) for u in uris.split())
+
+stanzas = []
+for path in sorted(glob.glob(f"{etc}/sources.list.d/*.sources")):
+    for block in re.split(r"\n[ \t]*\n", open(path).read()):
+        fields = []                              # [key, value-with-continuations]
+        for line in block.splitlines():
+            if line.startswith("#"):
+                continue
+            if line[:1] in (" ", "\t") and fields:
+                fields[-1][1] += "\n" + line
+            elif ":" in line:
+                k, _, v = line.partition(":")
+                fields.append([k.strip(), v.strip()])
+        get = {k.lower(): v for k, v in fields}
+        if not fields or get.get("enabled", "yes").strip().lower() == "no":
+            continue
+        if "deb" not in get.get("types", "").split():
+            continue
+        suites = [m for m in map(map_suite, get.get("suites", "").split()) if m]
+        if not suites or not is_debian(get.get("uris", ""), get.get("signed-by", "")):
+            continue
+        for f in fields:
+            if f[0].lower() == "types":
+                f[1] = "deb"
+            elif f[0].lower() == "suites":
+                f[1] = " ".join(suites)
+        stanzas.append("".join(f"{k}: {v}\n" for k, v in fields))
+
+one_line = []
+for path in [f"{etc}/sources.list"] + sorted(glob.glob(f"{etc}/sources.list.d/*.list")):
+    try:
+        text = open(path).read()
+    except FileNotFoundError:
+        continue
+    for line in text.splitlines():
+        m = re.match(r"\s*deb\s+(\[[^\]]*\]\s+)?(\S+)\s+(\S+)(\s+.*)?$", line.split("#", 1)[0])
+        if not m:
+            continue
+        opts, uri, s = m.group(1) or "", m.group(2), map_suite(m.group(3))
+        sb = re.search(r"signed-by=(\S+?)\]?(\s|$)", opts)
+        if s and is_debian(uri, sb.group(1) if sb else ""):
+            one_line.append(f"deb {opts}{uri} {s}{m.group(4) or ''}\n")
+
+if not stanzas and not one_line:
+    sys.exit(f"no Debian '{codename}' entries in {etc}/sources.list(.d) to derive {suite} from;"
+             " set CRIU_APT_SOURCES")
+open(out822, "w").write("\n".join(stanzas))
+open(out_list, "w").write("".join(one_line))
+PY
+}
+
+if [ "${1:-}" = --print-sources ]; then      # debugging aid: show the derived sources, exit
+  tmp=$(mktemp -d); write_sources "$tmp/s.sources" "$tmp/s.list"
+  cat "$tmp/s.sources"; echo "# one-line:"; cat "$tmp/s.list"; rm -rf "$tmp"; exit 0
+fi
+
+# --- 1. system criu ----------------------------------------------------------------------
+if [ "${CRIU_FORCE_CACHE:-0}" != 1 ] && command -v criu >/dev/null 2>&1; then
+  if criu_check criu; then
+    say "system criu works ($(command -v criu), $(criu --version 2>&1 | head -1)); nothing to install"
+    exit 0
+  fi
+  say "system criu fails 'criu check' (kept as is, not used):"
+  sed 's/^/    /' <<<"$CHECK_OUT" | tail -5 >&2
+fi
+
+# --- 2. already installed ----------------------------------------------------------------
+if [ -x "$WRAPPER" ] && major=$(criu_major "$WRAPPER") && [ "$major" -ge "$MIN_MAJOR" ] \
+   && criu_check "$WRAPPER"; then
+  say "$WRAPPER works ($("$WRAPPER" --version | head -1)); nothing to do"
+  exit 0
+fi
+
+# --- 3. fetch from $SUITE ----------------------------------------------------------------
+# One installer at a time (several `make test` may run at once); re-check under the lock.
+mkdir -p "$CACHE"
+exec 9>"$CACHE/.install.lock"
+flock 9
+if [ -x "$WRAPPER" ] && major=$(criu_major "$WRAPPER") && [ "$major" -ge "$MIN_MAJOR" ] \
+   && criu_check "$WRAPPER"; then
+  say "$WRAPPER works ($("$WRAPPER" --version | head -1)); nothing to do"
+  exit 0
+fi
+for cmd in apt-get apt-cache dpkg dpkg-deb python3 flock; do
+  command -v "$cmd" >/dev/null 2>&1 || die "$cmd not found (this installer needs a Debian system)"
+done
+ARCH=$(dpkg --print-architecture)
+case $ARCH in
+  amd64) TRIPLET=x86_64-linux-gnu ;;
+  arm64) TRIPLET=aarch64-linux-gnu ;;
+  *) die "unsupported architecture $ARCH" ;;
+esac
+
+APT=$CACHE/apt
+mkdir -p "$APT/etc/sources.list.d" "$APT/etc/preferences.d" "$APT/lists/partial" \
+         "$APT/cache/archives/partial" "$APT/state"
+: > "$APT/status"
+rm -f "$APT/etc/sources.list.d/"*
+
+write_sources "$APT/etc/sources.list.d/$SUITE.sources" "$APT/etc/sources.list"
+
+APT_OPTS=(
+  -o "Dir::Etc::SourceList=$APT/etc/sources.list"
+  -o "Dir::Etc::SourceParts=$APT/etc/sources.list.d"
+  -o "Dir::Etc::Preferences=$APT/etc/preferences"
+  -o "Dir::Etc::PreferencesParts=$APT/etc/preferences.d"
+  -o "Dir::State=$APT/state"
+  -o "Dir::State::Lists=$APT/lists"
+  -o "Dir::State::status=$APT/status"
+  -o "Dir::Cache=$APT/cache"
+  -o "APT::Default-Release="
+  -o "Acquire::Languages=none"
+  -o "APT::Sandbox::User=root"
+  -q
+)
+say "fetching the $SUITE package lists into $APT (private apt state; system apt untouched)"
+if ! upd=$(apt-get "${APT_OPTS[@]}" update 2>&1); then
+  # A missing <suite>-updates/-security on some mirror is not fatal if criu is found.
+  say "warning: apt-get update for $SUITE reported errors (sources in $APT/etc):"
+  grep -E '^(E|W):' <<<"$upd" | sed 's/^/    /' >&2 || true
+fi
+
+CANDIDATE=$(apt-cache "${APT_OPTS[@]}" policy criu | awk '/Candidate:/ {print $2}')
+[[ $CANDIDATE =~ ^([0-9]+:)?([0-9]+)\. ]] \
+  || die "no criu package in $SUITE (candidate: '${CANDIDATE:-none}'; sources in $APT/etc)"
+[ "${BASH_REMATCH[2]}" -ge "$MIN_MAJOR" ] || die "$SUITE has criu $CANDIDATE, need >= $MIN_MAJOR"
+
+# The runtime closure of criu (Depends/Pre-Depends, recursively): every library it loads,
+# libc6 included, comes from $SUITE so that nothing is resolved against the system's libc.
+mapfile -t PKGS < <(apt-cache "${APT_OPTS[@]}" depends --recurse --no-recommends --no-suggests \
+    --no-conflicts --no-breaks --no-replaces --no-enhances criu | grep -E '^[a-z0-9]' | sort -u)
+[[ " ${PKGS[*]} " == *" libc6 "* ]] || die "dependency closure of criu lacks libc6: ${PKGS[*]}"
+say "criu $CANDIDATE + ${#PKGS[@]} packages: ${PKGS[*]}"
+
+STAGE=$CACHE/.stage.$$
+trap 'rm -rf "$STAGE"' EXIT
+rm -rf "$CACHE"/.stage.*
+mkdir -p "$STAGE/debs" "$STAGE/root"
+(cd "$STAGE/debs" && apt-get "${APT_OPTS[@]}" download "${PKGS[@]}" >/dev/null) \
+  || die "apt-get download failed"
+for deb in "$STAGE"/debs/*.deb; do
+  dpkg -x "$deb" "$STAGE/root"
+done
+LIB=$STAGE/root/usr/lib/$TRIPLET
+shopt -s nullglob
+ldsos=("$LIB"/ld-linux*.so.*)
+[ ${#ldsos[@]} -gt 0 ] || die "no ld.so in the unpacked libc6 ($LIB)"
+LDSO=${ldsos[0]##*/}
+[ -x "$STAGE/root/usr/sbin/criu" ] || die "criu binary missing from the unpacked package"
+# Plugin directory passed with --libdir by agent/criu.py: empty on purpose (no plugins).
+mkdir -p "$STAGE/plugins"
+(cd "$STAGE/debs" && ls *.deb) > "$STAGE/PACKAGES"
+
+mkdir -p "$STAGE/bin"
+cat > "$STAGE/bin/criu" <<EOF
+#!/bin/sh
+# Generated by scripts/install-criu.sh: runs Debian $SUITE's CRIU $CANDIDATE through the
+# ld.so and libraries unpacked in $CACHE/root, never the system's libc.
+# The caller's preload, library path and CRIU config file are dropped (this shell was already
+# loaded with them; CRIU is not), and the locale is C (no system locale data needed).
+# Nothing else runs here: no helper processes, only exec.
+unset LD_PRELOAD LD_LIBRARY_PATH LD_AUDIT CRIU_CONFIG_FILE
+LC_ALL=C; export LC_ALL
+exec "$CACHE/root/usr/lib/$TRIPLET/$LDSO" --inhibit-cache \\
+  --library-path "$CACHE/root/usr/lib/$TRIPLET" --argv0 criu "$CACHE/root/usr/sbin/criu" "\$@"
+EOF
+chmod 0755 "$STAGE/bin/criu"
+
+# Swap the new install in (the .debs are dropped; PACKAGES lists them). The wrapper holds
+# absolute paths: if the repo moves, step 2 sees it broken and this reinstalls.
+rm -rf "$CACHE/root" "$CACHE/bin" "$CACHE/plugins"
+mv "$STAGE/root" "$CACHE/root"
+mv "$STAGE/plugins" "$CACHE/plugins"
+mv "$STAGE/PACKAGES" "$CACHE/PACKAGES"
+mv "$STAGE/bin" "$CACHE/bin"
+
+major=$(criu_major "$WRAPPER") || die "$WRAPPER --version does not run: $("$WRAPPER" --version 2>&1 | tail -3)"
+[ "$major" -ge "$MIN_MAJOR" ] || die "$WRAPPER is version $major, need >= $MIN_MAJOR"
+if ! criu_check "$WRAPPER"; then
+  say "installed $WRAPPER ($("$WRAPPER" --version | head -1)) but 'criu check' fails:"
+  sed 's/^/    /' <<<"$CHECK_OUT" >&2
+  exit 1
+fi
+say "installed $WRAPPER: $("$WRAPPER" --version | head -1); criu check: $(tail -1 <<<"$CHECK_OUT")"
