@@ -170,7 +170,8 @@ def walk_tree(roots: Iterable[int]) -> list[tuple[int, int, str]]:
 def shim_mapping(pid: int, shim: ShimFile) -> tuple[Optional[str], Optional[str]]:
     """Look for the shim in ``/proc/PID/maps``. Returns ("installed", path) when a mapping has the
     shim's dev/inode, ("foreign", path) when a mapping named like the shim has another dev/inode,
-    (None, None) otherwise (also when the process vanished)."""
+    (None, None) otherwise (also when the process vanished). Raises ``CensusError`` when the
+    maps cannot be read (another user's process)."""
     foreign = None
     try:
         with open(f"/proc/{pid}/maps") as f:
@@ -184,8 +185,12 @@ def shim_mapping(pid: int, shim: ShimFile) -> tuple[Optional[str], Optional[str]
                     return "installed", path
                 if os.path.basename(path.replace(" (deleted)", "")) == paths.SHIM_NAME:
                     foreign = path
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
+    except (FileNotFoundError, ProcessLookupError):
         return None, None
+    except PermissionError as e:
+        # not "no shim": a process we may not inspect must not be classified at all
+        raise CensusError("census", f"cannot read /proc/{pid}/maps ({e.strerror}): run the agent "
+                          "as root or as the workload's user", pid=pid) from None
     return ("foreign", foreign) if foreign else (None, None)
 
 
@@ -214,6 +219,7 @@ def take_census(roots: Iterable[int], *, control_dir: os.PathLike | str | None =
         get_state = native.get_state
     control_dir = str(pathlib.Path(control_dir or paths.control_dir()).resolve())
     shim = ShimFile.of(shim_path or paths.shim_path())
+    check_roots(roots)
     procs = []
     for pid, ppid, comm in walk_tree(roots):
         if pid == os.getpid():
@@ -236,6 +242,69 @@ def take_census(roots: Iterable[int], *, control_dir: os.PathLike | str | None =
     return census
 
 
+def ancestors(pid: int) -> list[int]:
+    """Parent chain of ``pid`` (parent first, up to but excluding pid 1 and 0); [] if gone."""
+    out, seen = [], {pid}
+    try:
+        ppid = read_stat(pid)[0]
+        while ppid > 1 and ppid not in seen:
+            out.append(ppid)
+            seen.add(ppid)
+            ppid = read_stat(ppid)[0]
+    except (FileNotFoundError, ProcessLookupError, ValueError):
+        pass
+    return out
+
+
+def check_roots(roots: Iterable[int]) -> None:
+    """Refuse (``CensusError``) a root that lies inside the tree of another root: it would be
+    quiesced and dumped twice. (A root that does not exist is refused by :func:`walk_tree`.)"""
+    roots = list(dict.fromkeys(int(r) for r in roots))
+    for r in roots:
+        for a in ancestors(r):
+            if a in roots:
+                try:
+                    comm = read_stat(r)[1]
+                except (FileNotFoundError, ProcessLookupError, ValueError):
+                    comm = "?"
+                raise CensusError("census", f"({comm}) is inside the tree of --pid {a}; pass only "
+                                  "the root of each tree (its whole tree is checkpointed with it)",
+                                  pid=r)
+
+
+def job_root_hint(pid: int, shim: ShimFile) -> Optional[str]:
+    """A hint for a root that did not answer the quiesce request: when its parent maps the
+    installed shim too, ``pid`` is most likely one rank of a job whose root is the parent
+    (the process that watches for the request). None otherwise."""
+    try:
+        ppid, _ = read_stat(pid)
+        pcomm = read_stat(ppid)[1]
+    except (FileNotFoundError, ProcessLookupError, ValueError):
+        return None
+    try:
+        if ppid <= 1 or shim_mapping(ppid, shim)[0] != "installed":
+            return None
+    except CensusError:
+        return None
+    return (f"pid {pid} looks like a rank, not the root of its job: its parent pid {ppid} "
+            f"({pcomm}) runs under the shim too; pass --pid {ppid}")
+
+
+def process_control_dir(pid: int) -> Optional[str]:
+    """The control dir ``pid``'s shim uses: ``CUINTERPOSE_CONTROL_DIR`` from its initial
+    environment (``/proc/PID/environ``), else the default; None when unreadable."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read().split(b"\0")
+    except OSError:
+        return None
+    for item in env:
+        if item.startswith(b"CUINTERPOSE_CONTROL_DIR="):
+            val = item.split(b"=", 1)[1].decode(errors="replace")
+            return str(pathlib.Path(val).resolve()) if val else None
+    return str(pathlib.Path("/tmp/cuinterpose").resolve())
+
+
 def check(census: Census) -> None:
     """Apply the refusal rules to a classified census; raises ``CensusError`` naming the pid."""
     for p in census.processes:
@@ -254,9 +323,15 @@ def check(census: Census) -> None:
                               f"the shim {census.shim.path} mapped; its shared memory cannot be "
                               "checkpointed (start it with LD_PRELOAD=<shim>)", pid=p.pid)
         if p.is_cuda and p.socket_path is None:
+            theirs = process_control_dir(p.pid)
+            if theirs and theirs != census.control_dir and _is_socket(socket_path(theirs, p.pid)):
+                why = (f": its shim uses the control dir {theirs} (CUINTERPOSE_CONTROL_DIR in its "
+                       f"environment); pass --control-dir {theirs}")
+            else:
+                why = " (wrong --control-dir? or no cuInit yet)"
             raise CensusError("census", f"{what} is a CUDA process with the shim mapped but no "
-                              f"control socket {socket_path(census.control_dir, p.pid)} "
-                              "(wrong --control-dir?)", pid=p.pid)
+                              f"control socket {socket_path(census.control_dir, p.pid)}{why}",
+                              pid=p.pid)
         if p.is_participant and not p.is_cuda:
             raise CensusError("census", f"{what} has a control socket {p.socket_path} but the "
                               f"driver does not know it: cuCheckpointProcessGetState: "

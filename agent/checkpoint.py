@@ -28,12 +28,13 @@ import os
 import pathlib
 import shutil
 import signal
+import tempfile
 from typing import Iterable, Optional
 
 from . import census as census_mod
 from . import manifest as manifest_mod
-from . import native, paths, quiesce
-from .errors import AgentError, CheckpointFailed, SnapshotError
+from . import interrupt, native, paths, quiesce
+from .errors import AgentError, CheckpointFailed, QuiesceRefused, SnapshotError
 from .report import Reporter
 
 
@@ -70,19 +71,58 @@ def shim_version() -> dict:
     return {"package": pkg, "protocol": proto}
 
 
-def prepare_dir(images_dir: os.PathLike | str) -> pathlib.Path:
-    """Create the snapshot directory. Refuses (``SnapshotError``) a directory that already holds a
-    snapshot (a ``manifest.json``) or CRIU images; an empty or missing directory is fine."""
-    d = pathlib.Path(images_dir).resolve()
-    if (d / manifest_mod.MANIFEST_NAME).exists():
-        raise SnapshotError("checkpoint", f"{d} already holds a snapshot ({manifest_mod.MANIFEST_NAME}); "
-                            "choose a new --images-dir")
-    crit = d / manifest_mod.CRIU_DIR
-    if crit.exists() and any(crit.iterdir()):
-        raise SnapshotError("checkpoint", f"{crit} is not empty (left by an interrupted checkpoint?); "
-                            "remove it or choose a new --images-dir")
-    d.mkdir(parents=True, exist_ok=True)
-    return d
+def prepare_dir(images_dir: os.PathLike | str) -> tuple[pathlib.Path, list[pathlib.Path]]:
+    """Create the snapshot directory; returns (its absolute path, the directories this call
+    created, outermost first, so that a refused checkpoint can remove them again).
+
+    Only a missing or an empty, writable directory is accepted. Refused (``SnapshotError``,
+    phase "images dir", before anything is asked of the workload): a directory that already
+    holds a snapshot (``manifest.json``) or anything else (a checkpoint never writes among
+    other files, and a rollback removes ``criu/``), a path that is not a directory, one that
+    cannot be created or written."""
+    d = pathlib.Path(os.path.abspath(images_dir))
+    if d.exists() or d.is_symlink():
+        if not d.is_dir():
+            raise SnapshotError("images dir", f"{d} is not a directory")
+        if (d / manifest_mod.MANIFEST_NAME).exists():
+            raise SnapshotError("images dir", f"{d} already holds a snapshot "
+                                f"({manifest_mod.MANIFEST_NAME}); choose a new --images-dir")
+        try:
+            names = sorted(p.name for p in d.iterdir())
+        except OSError as e:
+            raise SnapshotError("images dir", f"{d} cannot be read: {e.strerror}") from None
+        if names:
+            shown = ", ".join(names[:5]) + (f", … ({len(names)} entries)" if len(names) > 5 else "")
+            raise SnapshotError("images dir", f"{d} is not empty ({shown}); a checkpoint writes "
+                                "only into a new or empty directory: choose a new --images-dir")
+        created = []
+    else:
+        created = []
+        p = d
+        while not (p.exists() or p.is_symlink()) and p != p.parent:
+            created.insert(0, p)
+            p = p.parent
+        try:
+            d.mkdir(parents=True)
+        except OSError as e:
+            _remove_empty(created)
+            raise SnapshotError("images dir", f"{d} cannot be created: "
+                                f"{e.strerror or e}") from None
+    try:
+        tempfile.TemporaryFile(dir=d).close()
+    except OSError as e:
+        _remove_empty(created)
+        raise SnapshotError("images dir", f"{d} is not writable: {e.strerror or e}") from None
+    return d, created
+
+
+def _remove_empty(dirs: list[pathlib.Path]) -> None:
+    """rmdir ``dirs`` innermost first, stopping at the first that is not empty."""
+    for p in reversed(dirs):
+        try:
+            p.rmdir()
+        except OSError:
+            return
 
 
 class Checkpoint:
@@ -91,7 +131,8 @@ class Checkpoint:
 
     def __init__(self, roots: Iterable[int], images_dir, *, control_dir=None,
                  quiesce_timeout_ms: int = 10_000, lock_timeout_ms: int = 10_000,
-                 phase_timeout_s: float = 60.0, driver: Optional[str] = None,
+                 phase_timeout_s: float = 60.0, carrier_timeout_s: float = 3600.0,
+                 driver: Optional[str] = None,
                  leave_running: bool = False, reporter: Optional[Reporter] = None,
                  shim_path=None):
         self.roots = list(dict.fromkeys(int(r) for r in roots))
@@ -100,6 +141,7 @@ class Checkpoint:
         self.quiesce_timeout_ms = int(quiesce_timeout_ms)
         self.lock_timeout_ms = int(lock_timeout_ms)
         self.phase_timeout_s = float(phase_timeout_s)
+        self.carrier_timeout_s = float(carrier_timeout_s)
         self.driver_kind = driver
         self.leave_running = leave_running
         self.r = reporter or Reporter()
@@ -116,6 +158,9 @@ class Checkpoint:
         self.stopped_roots: list[int] = []
         #: root -> pids of its tree, read right before its dump (the tree is frozen from then on)
         self.tree_pids: dict[int, list[int]] = {}
+        #: directories prepare_dir created (removed again when the checkpoint does not succeed)
+        self.created_dirs: list[pathlib.Path] = []
+        self.guard = interrupt.Guard("checkpoint")
 
     # -- phases ---------------------------------------------------------------------------
     def load_driver(self):
@@ -135,21 +180,25 @@ class Checkpoint:
         ph = _coordinator_module()
         parts = [ph.Participant(p.pid, p.socket_path) for p in self.census.participants]
         self.coordinator = ph.Coordinator(parts, timeout_s=self.phase_timeout_s,
+                                          carrier_timeout_s=self.carrier_timeout_s,
                                           on_event=self.r.coordinator_event)
 
     def quiesce(self):
         with self.r.phase("quiesce") as ph:
             self.qid = quiesce.new_id()
             quiesce.request(self.control_dir, self.roots, self.qid, self.quiesce_timeout_ms)
-            self.ready = quiesce.wait_ready(self.control_dir, self.roots, self.qid,
-                                            self.quiesce_timeout_ms)
+            try:
+                self.ready = quiesce.wait_ready(self.control_dir, self.roots, self.qid,
+                                                self.quiesce_timeout_ms, stop=self.guard.pending)
+            except QuiesceRefused as e:
+                hint = (census_mod.job_root_hint(e.pid, self.census.shim)
+                        if e.pid is not None else None)
+                if hint:
+                    raise QuiesceRefused("quiesce", f"{e.reason}; {hint}", pid=e.pid) from e
+                raise
             ranks = sum(len(v.get("ranks", [])) for v in self.ready.values())
             ph.detail = f"{ranks} ranks parked"
-        try:
-            self.check_parked()
-        except AgentError:
-            quiesce.cancel(self.control_dir, self.roots, self.qid)
-            raise
+        self.check_parked()
 
     def check_parked(self):
         """Every participant must be among the ranks the workload reported parked (when it lists
@@ -175,10 +224,14 @@ class Checkpoint:
             self.capture = self.coordinator.capture()
         except Exception as e:
             changed = getattr(e, "changed", None)
-            if changed is False or type(e).__name__ == "TopologyError":
+            partial = getattr(e, "capture", None)
+            # the coordinator attaches the partial capture to whatever left capture() once a
+            # mutating phase may have gone out; without it (and not changed) nothing was sent
+            if (changed is False or type(e).__name__ == "TopologyError"
+                    or (partial is None and changed is not True)):
                 raise self._as_agent_error(e, "INSPECT") from e
             self.torn_down = True
-            self.capture = getattr(e, "capture", None)
+            self.capture = partial
             raise self._as_agent_error(e, "capture") from e
         self.torn_down = True
 
@@ -205,12 +258,14 @@ class Checkpoint:
                 d.mkdir(parents=True, exist_ok=True)
                 self.tree_pids[root] = _tree_pids(root)
                 try:
-                    criu.dump(root, d, extra_args=("--leave-stopped",))
+                    with interrupt.shielded():
+                        criu.dump(root, d, extra_args=("--leave-stopped",))
                 except Exception as e:
                     raise AgentError("criu dump", f"tree {root}: {e}", pid=root) from e
                 self.stopped_roots.append(root)
                 ph.bytes = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
                 ph.detail = f"tree {root} (left stopped)"
+            self.guard.check("criu dump")   # between trees, never inside CRIU
 
     def signal_trees(self, roots, sig, phase: str):
         """Send ``sig`` to every process of each dumped tree in ``roots`` (the pids recorded
@@ -269,24 +324,51 @@ class Checkpoint:
     # -- driver ---------------------------------------------------------------------------
     def run(self) -> dict:
         """Run every phase; returns the manifest. Raises ``AgentError`` (refused, nothing torn
-        down) or ``CheckpointFailed`` (``outcome`` rolled_back / rollback_failed)."""
-        self.images_dir = prepare_dir(self.images_dir)
+        down) or ``CheckpointFailed`` (``outcome`` rolled_back / rollback_failed).
+
+        SIGINT/SIGTERM/SIGHUP are deferred to the next phase boundary (``interrupt.Guard``)
+        and then handled like a failure there: cancelled before teardown, rolled back after;
+        once the manifest is written the checkpoint simply finishes."""
+        self.images_dir, self.created_dirs = prepare_dir(self.images_dir)
+        with self.guard:
+            try:
+                return self._run()
+            except BaseException:
+                if self.manifest is None:
+                    _remove_empty(self.created_dirs)
+                raise
+
+    def _refused_if_interrupted(self, phase: str) -> None:
+        sig = self.guard.pending()
+        if sig:
+            raise interrupt.Interrupted(phase, sig, f"interrupted by {sig} after {phase}; "
+                                        "checkpoint cancelled, nothing was torn down, the "
+                                        "workload keeps running")
+
+    def _run(self) -> dict:
         try:
             self.load_driver()
+            self._refused_if_interrupted("driver")
             self.take_census()
+            self._refused_if_interrupted("census")
             self.make_coordinator()
             self.quiesce()
-        except AgentError:
-            raise
-        except Exception as e:  # nothing was torn down yet: a refusal
-            if self.qid is not None:
+            self._refused_if_interrupted("quiesce")
+        except BaseException as e:  # nothing was torn down yet: a refusal
+            # wait_ready cancels its own refusals; everything after the request is cancelled here
+            if self.qid is not None and not isinstance(e, QuiesceRefused):
                 quiesce.cancel(self.control_dir, self.roots, self.qid)
+            if isinstance(e, AgentError) or not isinstance(e, Exception):
+                raise
             phase = self.r.phases[-1].name if self.r.phases else "checkpoint"
             raise AgentError(phase, f"{type(e).__name__}: {e}") from e
         try:
             self.capture_shared()
+            self.guard.check("capture")
             self.native_lock()
+            self.guard.check("native lock")
             self.native_checkpoint()
+            self.guard.check("native checkpoint")
             self.criu_dump()
             try:
                 self.write_manifest()
@@ -313,6 +395,7 @@ class Checkpoint:
                 raise CheckpointFailed(rb, "rollback_failed", rollback_error=str(rb)) from rb
         else:
             self.kill_dumped()
+            quiesce.clear(self.control_dir, self.roots)
         return self.manifest
 
     def _cleanup_images(self):

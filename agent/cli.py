@@ -38,12 +38,15 @@ def _emit_json(obj: dict) -> None:
     click.echo(json.dumps(obj, indent=2, sort_keys=True, default=str))
 
 
-def _fail(e: AgentError, as_json: bool, extra: dict | None = None):
+def _fail(e: AgentError, as_json: bool, extra: dict | None = None, command: str = "checkpoint"):
     if as_json:
         _emit_json({"ok": False, "error": e.to_dict(), **(extra or {})})
     else:
         click.echo(f"error: {e}", err=True)
-        hint = {"refused": "nothing was torn down; the workload keeps running",
+        refused = {"checkpoint": "nothing was torn down; the workload keeps running",
+                   "restore": "nothing was changed; the snapshot is untouched",
+                   "inspect": "nothing was changed (INSPECT is read-only)"}[command]
+        hint = {"refused": refused,
                 "rolled_back": "the workload was rebuilt and keeps running with its memory intact",
                 "rollback_failed": "the workload could NOT be rebuilt; it needs an operator",
                 "snapshot_incomplete": "the tree was dumped but the directory is not a snapshot",
@@ -67,6 +70,8 @@ def _set_env(driver, control_dir):
         os.environ["CUINTERPOSE_CONTROL_DIR"] = str(control_dir)
 
 
+POSITIVE = click.FloatRange(min=0, min_open=True)
+
 driver_opt = click.option("--driver", type=click.Choice(["real", "fake"]), default=None,
                           help="libcuda.so.1 to use: real (default) or fakecuda "
                                "(also $CUINTERPOSE_DRIVER).")
@@ -76,7 +81,32 @@ control_opt = click.option("--control-dir", type=click.Path(file_okay=False), de
 json_opt = click.option("--json", "as_json", is_flag=True, help="machine-readable output only.")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Group(click.Group):
+    """With ``--json`` anywhere on the command line, a usage error is one JSON object on stdout
+    too (exit 2): ``{"ok": false, "error": {"phase": "usage", "pid": null, "reason",
+    "outcome": "usage", "message"}}``."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        argv = list(sys.argv[1:] if args is None else args)
+        if "--json" not in argv or not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        try:
+            rv = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.ClickException as e:
+            reason = e.format_message()
+            _emit_json({"ok": False, "error": {"phase": "usage", "pid": None, "reason": reason,
+                                               "outcome": "usage",
+                                               "message": f"usage: {reason}"}})
+            sys.exit(e.exit_code)
+        except click.exceptions.Abort:
+            _emit_json({"ok": False, "error": {"phase": "usage", "pid": None,
+                                               "reason": "aborted", "outcome": "usage",
+                                               "message": "usage: aborted"}})
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 def main():
     """cuinterpose node agent: checkpoint and restore multi-process CUDA jobs."""
     _drop_shim_from_self()
@@ -100,20 +130,23 @@ def shim_path_cmd():
 @click.option("--quiesce-timeout-ms", type=click.IntRange(1), default=10_000, show_default=True)
 @click.option("--lock-timeout-ms", type=click.IntRange(0), default=10_000, show_default=True,
               help="cuCheckpointProcessLock timeout per process (0 = none).")
-@click.option("--phase-timeout-s", type=float, default=60.0, show_default=True,
-              help="coordinator deadline per phase.")
+@click.option("--phase-timeout-s", type=POSITIVE, default=60.0, show_default=True,
+              help="deadline of each coordinator request (INSPECT, PREPARE_UNICAST, ...).")
+@click.option("--carrier-timeout-s", type=POSITIVE, default=3600.0, show_default=True,
+              help="deadline of SAVE_ALLOCATIONS (copying shared bytes to host carriers).")
 @click.option("--leave-running", is_flag=True, help="keep the workload running after the dump.")
 @driver_opt
 @control_opt
 @json_opt
 def checkpoint(pids, images_dir, quiesce_timeout_ms, lock_timeout_ms, phase_timeout_s,
-               leave_running, driver, control_dir, as_json):
+               carrier_timeout_s, leave_running, driver, control_dir, as_json):
     """Checkpoint the process tree(s) rooted at --pid into --images-dir."""
     from .checkpoint import Checkpoint
     _set_env(driver, control_dir)
     rep, sink = _reporter(f"checkpoint {' '.join(map(str, pids))} -> {images_dir}", as_json)
     cp = Checkpoint(pids, images_dir, control_dir=control_dir, quiesce_timeout_ms=quiesce_timeout_ms,
                     lock_timeout_ms=lock_timeout_ms, phase_timeout_s=phase_timeout_s,
+                    carrier_timeout_s=carrier_timeout_s,
                     driver=driver, leave_running=leave_running, reporter=rep)
     try:
         if sink:
@@ -137,15 +170,19 @@ def checkpoint(pids, images_dir, quiesce_timeout_ms, lock_timeout_ms, phase_time
 
 @main.command()
 @click.option("--images-dir", type=click.Path(file_okay=False), required=True)
-@click.option("--phase-timeout-s", type=float, default=60.0, show_default=True)
+@click.option("--phase-timeout-s", type=POSITIVE, default=60.0, show_default=True,
+              help="deadline of each coordinator request (INSPECT, RESTORE_UNICAST, ...).")
+@click.option("--carrier-timeout-s", type=POSITIVE, default=3600.0, show_default=True,
+              help="deadline of LOAD_ALLOCATIONS (copying the carried bytes back).")
 @driver_opt
 @json_opt
-def restore(images_dir, phase_timeout_s, driver, as_json):
+def restore(images_dir, phase_timeout_s, carrier_timeout_s, driver, as_json):
     """Restore the snapshot in --images-dir and let the workload continue."""
     from .restore import Restore
     _set_env(driver, None)
     rep, sink = _reporter(f"restore {images_dir}", as_json)
-    rs = Restore(images_dir, driver=driver, phase_timeout_s=phase_timeout_s, reporter=rep)
+    rs = Restore(images_dir, driver=driver, phase_timeout_s=phase_timeout_s,
+                 carrier_timeout_s=carrier_timeout_s, reporter=rep)
     try:
         if sink:
             with sink:
@@ -153,11 +190,11 @@ def restore(images_dir, phase_timeout_s, driver, as_json):
         else:
             res = rs.run()
     except AgentError as e:
-        _fail(e, as_json, {"phases": rep.to_list()})
+        _fail(e, as_json, {"phases": rep.to_list()}, command="restore")
     except Exception as e:
         phase = rep.phases[-1].name if rep.phases else "restore"
         _fail(AgentError(phase, f"unexpected {type(e).__name__}: {e}", outcome="restore_failed"),
-              as_json, {"phases": rep.to_list()})
+              as_json, {"phases": rep.to_list()}, command="restore")
     if as_json:
         _emit_json({"ok": True, **res})
     else:
@@ -166,7 +203,7 @@ def restore(images_dir, phase_timeout_s, driver, as_json):
 
 @main.command()
 @click.option("--pid", type=int, required=True)
-@click.option("--phase-timeout-s", type=float, default=10.0, show_default=True)
+@click.option("--phase-timeout-s", type=POSITIVE, default=10.0, show_default=True)
 @control_opt
 @json_opt
 def inspect(pid, phase_timeout_s, control_dir, as_json):
@@ -176,7 +213,7 @@ def inspect(pid, phase_timeout_s, control_dir, as_json):
     try:
         res = inspect_pid(pid, control_dir=control_dir, timeout_s=phase_timeout_s)
     except AgentError as e:
-        _fail(e, as_json)
+        _fail(e, as_json, command="inspect")
     if as_json:
         _emit_json({"ok": True, **res})
     else:

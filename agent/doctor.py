@@ -75,7 +75,9 @@ def run_checks(*, driver=None, control_dir=None) -> list[dict]:
 
 def render(checks: list[dict]) -> None:
     from rich.console import Console
+    from rich.markup import escape
     c = Console()
     for ch in checks:
         mark = "[green]ok[/]  " if ch["ok"] else "[red]FAIL[/]"
-        c.print(f"{mark} {ch['name']}: {ch['detail']}")
+        # soft_wrap: never break a path or a hash across lines (logs, grep, non-tty)
+        c.print(f"{mark} {escape(ch['name'])}: {escape(str(ch['detail']))}", soft_wrap=True)

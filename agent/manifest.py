@@ -116,7 +116,52 @@ def load(snapshot: os.PathLike | str) -> dict:
     missing = [k for k in REQUIRED if k not in m]
     if missing:
         raise SnapshotError("manifest", f"{path}: missing field(s) {', '.join(missing)}")
+    problem = _shape_problem(m)
+    if problem:
+        raise SnapshotError("manifest", f"{path}: {problem}; restore refused, snapshot untouched")
     return m
+
+
+def _is_pid(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def _shape_problem(m: dict):
+    """What is wrong with the types of the fields restore relies on (None if nothing), so that a
+    corrupted manifest is refused by field name instead of failing somewhere later."""
+    def obj(v, *keys, kind=str):
+        return isinstance(v, dict) and all(isinstance(v.get(k), kind) for k in keys)
+    if not obj(m["shim"], "path", "sha256"):
+        return "field shim must be an object with path and sha256 (strings)"
+    if not obj(m["driver"], "kind"):
+        return "field driver must be an object with kind (string)"
+    if not (isinstance(m["roots"], list) and m["roots"] and all(map(_is_pid, m["roots"]))):
+        return "field roots must be a non-empty list of pids"
+    if not isinstance(m["control_dir"], str):
+        return "field control_dir must be a string"
+    if not (isinstance(m["participants"], list) and all(
+            isinstance(p, dict) and _is_pid(p.get("pid")) and isinstance(p.get("socket_path"), str)
+            for p in m["participants"])):
+        return "field participants must be a list of objects with pid (int) and socket_path (string)"
+    if "processes" in m and not (isinstance(m["processes"], list) and all(
+            isinstance(p, dict) and _is_pid(p.get("pid")) for p in m["processes"])):
+        return "field processes must be a list of objects with pid (int)"
+    if not (isinstance(m.get("cuda_pids", []), list) and all(map(_is_pid, m.get("cuda_pids", [])))):
+        return "field cuda_pids must be a list of pids"
+    if not obj(m["quiesce"], "id"):
+        return "field quiesce must be an object with id (string)"
+    if not isinstance(m["capture"], dict):
+        return "field capture must be an object"
+    files = m["criu"].get("files") if isinstance(m["criu"], dict) else None
+    if not (isinstance(files, dict) and all(
+            isinstance(k, str) and isinstance(v, dict) and isinstance(v.get("sha256"), str)
+            and _is_pid(v.get("bytes") + 1 if isinstance(v.get("bytes"), int) else None)
+            for k, v in files.items())):
+        return "field criu.files must map each image path to {sha256 (string), bytes (int)}"
+    for r in m["roots"]:
+        if not any(k.startswith(f"{CRIU_DIR}/{r}/") for k in files):
+            return f"field criu.files lists no CRIU image of tree {r}"
+    return None
 
 
 def check_shim(m: dict, installed_path: str, installed_sha256: str) -> None:
@@ -124,7 +169,7 @@ def check_shim(m: dict, installed_path: str, installed_sha256: str) -> None:
     the installed path."""
     want = m["shim"].get("sha256")
     if want != installed_sha256:
-        raise SnapshotError("restore", f"snapshot was taken with shim sha256 {want} "
+        raise SnapshotError("manifest", f"snapshot was taken with shim sha256 {want} "
                             f"({m['shim'].get('path')}), but the installed shim {installed_path} "
                             f"has sha256 {installed_sha256}; restore refused, snapshot untouched")
 
@@ -137,10 +182,10 @@ def verify_images(snapshot: os.PathLike | str, m: dict) -> int:
     for rel, meta in sorted(m["criu"].get("files", {}).items()):
         p = base / rel
         if not p.is_file():
-            raise SnapshotError("restore", f"CRIU image {p} listed in the manifest is missing")
+            raise SnapshotError("manifest", f"CRIU image {p} listed in the manifest is missing")
         size = p.stat().st_size
         if size != meta["bytes"] or _sha256(p) != meta["sha256"]:
-            raise SnapshotError("restore", f"CRIU image {p} has a bad checksum (sha256/size differ "
+            raise SnapshotError("manifest", f"CRIU image {p} has a bad checksum (sha256/size differ "
                                 "from the manifest); restore refused, snapshot untouched")
         total += size
     return total

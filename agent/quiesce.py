@@ -14,7 +14,7 @@ import os
 import pathlib
 import time
 import uuid
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 from .errors import QuiesceRefused
 
@@ -40,13 +40,73 @@ def new_id() -> str:
     return uuid.uuid4().hex
 
 
+def pending_request(control_dir, root: int) -> Optional[str]:
+    """The id of a ``.request`` of ``root`` that is still pending (no ``.resume`` answers it
+    yet), else None. An unreadable request counts as pending (id "?")."""
+    try:
+        req = json.loads(file_path(control_dir, root, "request").read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return "?"
+    rid = str(req.get("id")) if isinstance(req, dict) else "?"
+    try:
+        res = json.loads(file_path(control_dir, root, "resume").read_text())
+    except (OSError, ValueError):
+        res = None
+    if isinstance(res, dict) and str(res.get("id")) == rid:
+        return None     # answered: the workload just has not removed its files yet
+    return rid
+
+
 def request(control_dir, roots: Iterable[int], qid: str, timeout_ms: int) -> None:
     """Write ``.request`` for every root (a stale ``.ready``/``.resume`` of the root is removed
-    first so an old answer cannot be mistaken for this one)."""
+    first so an old answer cannot be mistaken for this one).
+
+    One checkpoint at a time: a ``.request`` that no ``.resume`` answers yet (another agent's,
+    or one left by an agent that died) is never overwritten: ``QuiesceRefused`` naming it, and
+    nothing is written. The request is created with ``link`` (fails if it exists), so two
+    agents cannot both win."""
+    roots = list(roots)
     for r in roots:
-        for kind in ("ready", "resume"):
+        rid = pending_request(control_dir, r)
+        if rid is not None:
+            raise _busy(control_dir, r, rid)
+    written = []
+    try:
+        for r in roots:
+            for kind in ("ready", "resume", "request"):   # a request here was answered
+                file_path(control_dir, r, kind).unlink(missing_ok=True)
+            path = file_path(control_dir, r, "request")
+            tmp = path.with_name(f"{path.name}.{qid}.tmp")
+            write_atomic(tmp, {"id": qid, "timeout_ms": int(timeout_ms)})
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                raise _busy(control_dir, r, pending_request(control_dir, r) or "?") from None
+            finally:
+                tmp.unlink(missing_ok=True)
+            written.append(r)
+    except BaseException:
+        for r in written:
+            file_path(control_dir, r, "request").unlink(missing_ok=True)
+        raise
+
+
+def _busy(control_dir, root: int, rid: str) -> QuiesceRefused:
+    return QuiesceRefused(
+        "quiesce", f"{file_path(control_dir, root, 'request')} already exists (id {rid}): another "
+        "checkpoint of this tree is in progress, or an agent died during one (the workload may "
+        f"then be parked until {file_path(control_dir, root, 'resume')} carries that id); "
+        "checkpoint refused, nothing was changed", pid=root)
+
+
+def clear(control_dir, roots: Iterable[int]) -> None:
+    """Remove ``.request`` and ``.ready`` of trees that are gone (killed after their dump): a
+    later process reusing the root pid must not take them for a request."""
+    for r in roots:
+        for kind in ("request", "ready"):
             file_path(control_dir, r, kind).unlink(missing_ok=True)
-        write_atomic(file_path(control_dir, r, "request"), {"id": qid, "timeout_ms": int(timeout_ms)})
 
 
 def read_ready(control_dir, root: int, qid: str) -> Optional[dict]:
@@ -58,10 +118,12 @@ def read_ready(control_dir, root: int, qid: str) -> Optional[dict]:
     return data if isinstance(data, dict) and data.get("id") == qid else None
 
 
-def wait_ready(control_dir, roots: Iterable[int], qid: str, timeout_ms: int) -> dict[int, dict]:
+def wait_ready(control_dir, roots: Iterable[int], qid: str, timeout_ms: int,
+               stop: Optional[Callable[[], Optional[str]]] = None) -> dict[int, dict]:
     """Wait until every root answered ``qid``; returns {root: ready payload}. On timeout
     (``timeout_ms``) cancels every root (see :func:`cancel`) and raises ``QuiesceRefused``
-    naming the roots that did not answer."""
+    naming the roots that did not answer. ``stop()`` is polled too: when it returns a signal
+    name the wait is abandoned the same way (cancel, ``QuiesceRefused``)."""
     roots = list(roots)
     deadline = time.monotonic() + timeout_ms / 1000.0
     ready: dict[int, dict] = {}
@@ -73,6 +135,11 @@ def wait_ready(control_dir, roots: Iterable[int], qid: str, timeout_ms: int) -> 
                     ready[r] = got
         if len(ready) == len(roots):
             return ready
+        sig = stop() if stop is not None else None
+        if sig:
+            cancel(control_dir, roots, qid)
+            raise QuiesceRefused("quiesce", f"interrupted by {sig}; checkpoint cancelled, nothing "
+                                 "was torn down, the workload keeps running")
         if time.monotonic() >= deadline:
             break
         time.sleep(POLL_S)

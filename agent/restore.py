@@ -21,7 +21,7 @@ from typing import Optional
 
 from . import census as census_mod
 from . import manifest as manifest_mod
-from . import native, paths, quiesce
+from . import interrupt, native, paths, quiesce
 from .checkpoint import as_agent_error, strip_preload_env
 from .errors import AgentError, RestoreFailed, SnapshotError
 from .report import Reporter
@@ -40,14 +40,17 @@ class Restore:
     """State of one restore run; :meth:`run` drives the phases and returns a result dict."""
 
     def __init__(self, images_dir, *, driver: Optional[str] = None, phase_timeout_s: float = 60.0,
+                 carrier_timeout_s: float = 3600.0,
                  reporter: Optional[Reporter] = None, shim_path=None):
         self.images_dir = pathlib.Path(images_dir).resolve()
         self.driver_kind = driver
         self.phase_timeout_s = float(phase_timeout_s)
+        self.carrier_timeout_s = float(carrier_timeout_s)
         self.r = reporter or Reporter()
         self.shim_path = shim_path
         self.m: Optional[dict] = None
         self.restored_roots: list[int] = []
+        self.guard = interrupt.Guard("restore")
 
     def read_manifest(self):
         with self.r.phase("manifest") as ph:
@@ -61,13 +64,13 @@ class Restore:
                 except OSError:
                     same = False
                 if not same:
-                    raise SnapshotError("restore", f"the snapshot's processes map the shim at {orig}, "
+                    raise SnapshotError("manifest", f"the snapshot's processes map the shim at {orig}, "
                                         f"which is missing or differs from the installed {shim.path}; "
                                         "CRIU reopens mapped files by path")
             want = m["driver"]["kind"]
             kind = native.driver_kind(self.driver_kind or os.environ.get(native.DRIVER_ENV) or want)
             if kind != want:
-                raise SnapshotError("restore", f"snapshot was taken on the {want} driver, "
+                raise SnapshotError("manifest", f"snapshot was taken on the {want} driver, "
                                     f"restore asked for {kind}")
             self.driver_kind = kind
             ph.bytes = manifest_mod.verify_images(self.images_dir, m)
@@ -75,7 +78,7 @@ class Restore:
                              *(q["pid"] for q in m.get("processes", []))}):
                 if _pid_alive(p):
                     comm = census_mod.read_stat(p)[1]
-                    raise SnapshotError("restore", f"({comm}) is running with a pid the snapshot "
+                    raise SnapshotError("manifest", f"({comm}) is running with a pid the snapshot "
                                         "needs (CRIU restores the original pids); restore refused, "
                                         "snapshot untouched", pid=p)
             ph.detail = f"{m['snapshot_id']} taken {m['created_at']}"
@@ -107,7 +110,8 @@ class Restore:
             with self.r.phase("criu restore") as ph:
                 d = manifest_mod.criu_dir(self.images_dir, root)
                 try:
-                    pid = criu.restore(d)
+                    with interrupt.shielded():
+                        pid = criu.restore(d)
                 except Exception as e:
                     raise AgentError("criu restore", f"tree {root} from {d}: {e}", pid=root) from e
                 self.restored_roots.append(root)
@@ -133,6 +137,7 @@ class Restore:
         from cuinterpose.coordinator import phases
         parts = [phases.Participant(p["pid"], p["socket_path"]) for p in self.m["participants"]]
         coord = phases.Coordinator(parts, timeout_s=self.phase_timeout_s,
+                                   carrier_timeout_s=self.carrier_timeout_s,
                                    on_event=self.r.coordinator_event)
         try:
             capture = phases.Capture.from_dict(self.m["capture"])
@@ -159,21 +164,40 @@ class Restore:
 
     def run(self) -> dict:
         """Returns {"snapshot_id", "roots", "cuda_pids", "phases"}. Raises ``SnapshotError`` /
-        ``AgentError`` (refused, nothing changed) or ``RestoreFailed`` (restored trees killed)."""
+        ``AgentError`` (refused, nothing changed) or ``RestoreFailed`` (restored trees killed).
+
+        SIGINT/SIGTERM/SIGHUP are deferred to the next phase boundary (``interrupt.Guard``):
+        before CRIU restore the restore is cancelled (refused); after it the restored trees
+        are killed (``RestoreFailed``); the snapshot is never touched."""
+        with self.guard:
+            return self._run()
+
+    def _refused_if_interrupted(self, phase: str) -> None:
+        sig = self.guard.pending()
+        if sig:
+            raise SnapshotError(phase, f"interrupted by {sig} after {phase}; restore cancelled, "
+                                "nothing was changed, the snapshot is untouched")
+
+    def _run(self) -> dict:
         try:
             self.read_manifest()
         except AgentError:
             raise
-        except (KeyError, TypeError, ValueError, OSError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError, OSError) as e:
             raise SnapshotError("manifest", f"{self.images_dir}: malformed or unreadable "
                                 f"snapshot ({type(e).__name__}: {e}); restore refused, "
                                 "snapshot untouched") from e
+        self._refused_if_interrupted("manifest")
         self.load_driver()
+        self._refused_if_interrupted("driver")
         self.remove_stale()
         try:
             self.criu_restore()
+            self.guard.check("criu restore")
             self.native_restore()
+            self.guard.check("native restore")
             self.restore_shared()
+            self.guard.check("restore shared")
             self.resume()
         except BaseException as e:
             self.kill_restored()

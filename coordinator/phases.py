@@ -470,7 +470,9 @@ class Coordinator:
 
         Returns the :class:`Capture`. Raises PhaseError/TopologyError with ``changed`` False
         (nothing changed) up to validation; PhaseError (``capture`` attribute: the partial
-        Capture) from the mutating phases on, or if a creator's bytes were not carried.
+        Capture) from the mutating phases on, or if a creator's bytes were not carried. Any
+        other exception raised after validation (a KeyboardInterrupt, a bug) carries the same
+        ``capture`` attribute: SAVE_ALLOCATIONS may have gone out, so roll back with it.
         """
         start = len(self.phases)
         records = self.validate(self.inspect(check_phase=True))
@@ -480,10 +482,15 @@ class Coordinator:
             self.prepare_unicast()
             after = self._inspect(Phase.PREPARED, True, changed_before=True)
             cap.records = self._merge_carriers(records, after)
-        except PhaseError as e:
+        except BaseException as e:
+            # whatever stopped the capture here (a PhaseError, a bug, Ctrl-C), SAVE_ALLOCATIONS
+            # may have gone out: hand the caller the partial capture so it can roll back
             cap.phases = self.phases[start:]
             cap.last_txn_id = self.last_txn_id
-            e.capture = cap
+            try:
+                e.capture = cap
+            except AttributeError:
+                pass
             raise
         cap.phases = self.phases[start:]
         cap.carriers = topology.carriers(cap.records)

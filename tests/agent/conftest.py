@@ -23,7 +23,8 @@ if spec.get("sock"):
     s.bind(os.path.join(spec["sock"], "cuinterpose-%d.sock" % os.getpid()))
     s.listen(1)
     keep.append(s)
-kids = [subprocess.Popen([sys.executable, __file__, json.dumps(c)], stdout=subprocess.PIPE, text=True)
+kids = [subprocess.Popen([sys.executable, __file__, json.dumps(c)], stdout=subprocess.PIPE, text=True,
+                         env=dict(os.environ, **c.get("env", {})))
         for c in spec.get("children", [])]
 infos = [json.loads(k.stdout.readline()) for k in kids]
 print(json.dumps({"pid": os.getpid(), "name": spec.get("name"), "children": infos}), flush=True)
@@ -34,14 +35,16 @@ time.sleep(600)
 @pytest.fixture
 def spawn_tree(tmp_path):
     """spawn_tree(spec) -> {name: pid}. ``spec`` = {"name", "map": file to mmap, "sock": control
-    dir to bind cuinterpose-<pid>.sock in, "children": [spec, ...]}. Killed at teardown."""
+    dir to bind cuinterpose-<pid>.sock in, "env": extra environment, "children": [spec, ...]}.
+    Killed at teardown."""
     prog = tmp_path / "child.py"
     prog.write_text(CHILD)
     procs = []
 
     def _spawn(spec):
         p = subprocess.Popen([sys.executable, str(prog), json.dumps(spec)], stdout=subprocess.PIPE,
-                             text=True, start_new_session=True)
+                             text=True, start_new_session=True,
+                             env=dict(os.environ, **spec.get("env", {})))
         procs.append(p)
         info = json.loads(p.stdout.readline())
         names = {}

@@ -130,3 +130,64 @@ def test_shim_replaced_on_disk_is_refused(spawn_tree, shim, ctl):
                            get_state=states({n["a"]: "RUNNING"}))
     assert ei.value.pid == n["a"]
     assert f"{shim} (deleted)" in ei.value.reason and "replaced on disk" in ei.value.reason
+
+
+def test_a_root_inside_another_roots_tree_is_refused(spawn_tree, shim, ctl):
+    """--pid ROOT --pid RANK: the rank would be quiesced (and dumped) twice."""
+    n = spawn_tree({"name": "root", "map": str(shim), "children": [
+        {"name": "a", "map": str(shim), "sock": str(ctl)}]})
+    with pytest.raises(CensusError) as ei:
+        census.take_census([n["root"], n["a"]], control_dir=ctl, shim_path=shim,
+                           get_state=states({n["a"]: "RUNNING"}))
+    e = ei.value
+    assert (e.phase, e.pid) == ("census", n["a"])
+    assert e.reason == (f"(python) is inside the tree of --pid {n['root']}; pass only the root of "
+                        "each tree (its whole tree is checkpointed with it)")
+
+
+def test_job_root_hint_names_the_parent_that_runs_under_the_shim(spawn_tree, shim, ctl):
+    n = spawn_tree({"name": "root", "map": str(shim), "children": [
+        {"name": "a", "map": str(shim), "sock": str(ctl)}, {"name": "b", "map": str(shim)}],
+    })
+    s = census.ShimFile.of(shim)
+    assert census.job_root_hint(n["a"], s) == (
+        f"pid {n['a']} looks like a rank, not the root of its job: its parent pid {n['root']} "
+        f"(python) runs under the shim too; pass --pid {n['root']}")
+    assert census.job_root_hint(n["root"], s) is None     # parent: pytest, no shim
+
+
+def test_a_process_whose_maps_cannot_be_read_is_refused_by_name(spawn_tree, shim, ctl, monkeypatch):
+    """A pid the agent does not own: /proc/PID/maps is unreadable. That must be said, not taken
+    for "no shim mapped" (which blamed the workload: "a CUDA process without the shim")."""
+    n = spawn_tree({"name": "root", "map": str(shim), "sock": str(ctl)})
+    real_open = open
+
+    def deny(path, *a, **kw):
+        if str(path) == f"/proc/{n['root']}/maps":
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, *a, **kw)
+    monkeypatch.setattr(census, "open", deny, raising=False)
+    with pytest.raises(CensusError) as ei:
+        census.take_census([n["root"]], control_dir=ctl, shim_path=shim,
+                           get_state=states({n["root"]: "RUNNING"}))
+    e = ei.value
+    assert (e.phase, e.pid) == ("census", n["root"])
+    assert e.reason == (f"cannot read /proc/{n['root']}/maps (Permission denied): run the agent "
+                        "as root or as the workload's user")
+
+
+def test_a_rank_using_another_control_dir_is_refused_naming_that_dir(spawn_tree, shim, ctl, tmp_path):
+    other = tmp_path / "other-ctl"
+    other.mkdir()
+    n = spawn_tree({"name": "root", "map": str(shim), "children": [
+        {"name": "a", "map": str(shim), "sock": str(other),
+         "env": {"CUINTERPOSE_CONTROL_DIR": str(other)}}]})
+    with pytest.raises(CensusError) as ei:
+        census.take_census([n["root"]], control_dir=ctl, shim_path=shim,
+                           get_state=states({n["a"]: "RUNNING"}))
+    e = ei.value
+    assert (e.phase, e.pid) == ("census", n["a"])
+    assert e.reason == (f"(python) is a CUDA process with the shim mapped but no control socket "
+                        f"{ctl.resolve() / f'cuinterpose-{n[chr(97)]}.sock'}: its shim uses the "
+                        f"control dir {other} (CUINTERPOSE_CONTROL_DIR in its environment); pass "
+                        f"--control-dir {other}")

@@ -5,6 +5,7 @@ import hashlib
 import json
 import os
 import pathlib
+import signal
 
 import pytest
 
@@ -153,7 +154,7 @@ def test_restore_refuses_pid_in_use(tmp_path, installed_shim):
     snap = tmp_path / "snap"
     snap.mkdir()
     m = sample(snap, shim_sha=hashlib.sha256(b"shim v2").hexdigest(), shim_path=str(installed_shim))
-    m["roots"] = [os.getpid()]
+    m["processes"] = [{"pid": os.getpid(), "ppid": 1, "comm": "pytest"}]  # a pid in use
     manifest.write(snap, m)
     before = tree_digest(snap)
     with pytest.raises(SnapshotError) as ei:
@@ -175,3 +176,108 @@ def test_carriers_and_roles_from_capture():
         {"pid": 11, "alloc_id": "aa" * 16, "bytes": 4096, "checksum": "0000000000001234"}]
     assert manifest.role_counts(cap["participants"][0]["records"]) == {
         "private": 1, "creator": 1, "importer": 0}
+
+
+def test_restore_refusals_name_the_manifest_phase(tmp_path, installed_shim):
+    """Every read-only refusal is reported under the phase that ran ("manifest"), as the
+    progress table shows it, not a generic "restore"."""
+    snap = tmp_path / "snap"
+    snap.mkdir()
+    m = sample(snap, shim_sha="0" * 64, shim_path=str(installed_shim))
+    manifest.write(snap, m)
+    with pytest.raises(SnapshotError) as ei:
+        Restore(snap, shim_path=installed_shim).run()
+    e = ei.value
+    want = hashlib.sha256(b"shim v2").hexdigest()
+    assert (e.phase, e.pid, e.outcome) == ("manifest", None, "refused")
+    assert e.reason == (f"snapshot was taken with shim sha256 {'0' * 64} ({installed_shim}), but "
+                        f"the installed shim {installed_shim} has sha256 {want}; restore refused, "
+                        "snapshot untouched")
+    m["shim"]["sha256"] = want
+    m["processes"] = [{"pid": os.getpid(), "ppid": 1, "comm": "pytest"}]  # a pid in use
+    manifest.write(snap, m)
+    with pytest.raises(SnapshotError) as ei:
+        Restore(snap, shim_path=installed_shim, driver="fake").run()
+    assert (ei.value.phase, ei.value.pid) == ("manifest", os.getpid())
+
+
+def _restore_world(tmp_path, monkeypatch, calls, interrupt_after):
+    from cuinterpose.agent import restore as rs_mod
+
+    def step(name, fn=None):
+        def run(self):
+            calls.append(name)
+            if fn:
+                fn(self)
+            if name == interrupt_after:
+                os.kill(os.getpid(), signal.SIGINT)
+        return run
+    monkeypatch.setattr(rs_mod.Restore, "read_manifest", step("manifest", lambda s: setattr(
+        s, "m", {"roots": [100], "snapshot_id": "s1", "cuda_pids": [101]})))
+    monkeypatch.setattr(rs_mod.Restore, "load_driver", step("driver"))
+    monkeypatch.setattr(rs_mod.Restore, "remove_stale", step("stale sockets"))
+    monkeypatch.setattr(rs_mod.Restore, "criu_restore", step(
+        "criu restore", lambda s: s.restored_roots.append(100)))
+    monkeypatch.setattr(rs_mod.Restore, "native_restore", step("native restore"))
+    monkeypatch.setattr(rs_mod.Restore, "restore_shared", step("restore shared"))
+    monkeypatch.setattr(rs_mod.Restore, "resume", step("resume"))
+    monkeypatch.setattr(rs_mod.Restore, "kill_restored", step("kill restored"))
+    return rs_mod.Restore(tmp_path)
+
+
+def test_sigint_during_restore_checks_refuses_and_changes_nothing(tmp_path, monkeypatch):
+    calls = []
+    rs = _restore_world(tmp_path, monkeypatch, calls, "manifest")
+    with pytest.raises(SnapshotError) as ei:
+        rs.run()
+    e = ei.value
+    assert (e.phase, e.pid, e.outcome) == ("manifest", None, "refused")
+    assert e.reason == ("interrupted by SIGINT after manifest; restore cancelled, nothing was "
+                        "changed, the snapshot is untouched")
+    assert calls == ["manifest"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_sigint_after_criu_restore_kills_the_restored_tree(tmp_path, monkeypatch):
+    from cuinterpose.agent.errors import RestoreFailed
+    calls = []
+    rs = _restore_world(tmp_path, monkeypatch, calls, "criu restore")
+    with pytest.raises(RestoreFailed) as ei:
+        rs.run()
+    e = ei.value
+    assert (e.phase, e.pid, e.outcome) == ("criu restore", None, "restore_failed")
+    assert e.reason == ("interrupted by SIGINT after criu restore; the restored tree was killed, "
+                        "the snapshot is untouched")
+    assert calls == ["manifest", "driver", "stale sockets", "criu restore", "kill restored"]
+
+
+@pytest.mark.parametrize("mutate,reason", [
+    (lambda m: m.update(shim="x"), "field shim must be an object with path and sha256 (strings)"),
+    (lambda m: m.update(roots=["abc"]), "field roots must be a non-empty list of pids"),
+    (lambda m: m.update(roots=[]), "field roots must be a non-empty list of pids"),
+    (lambda m: m.update(participants=[{"pid": "x"}]),
+     "field participants must be a list of objects with pid (int) and socket_path (string)"),
+    (lambda m: m.update(processes=None), "field processes must be a list of objects with pid (int)"),
+    (lambda m: m.update(cuda_pids=[1.5]), "field cuda_pids must be a list of pids"),
+    (lambda m: m["criu"]["files"]["criu/100/pages-1.img"].pop("sha256"),
+     "field criu.files must map each image path to {sha256 (string), bytes (int)}"),
+    (lambda m: m["criu"].update(files={}), "field criu.files lists no CRIU image of tree 100"),
+    (lambda m: m.update(quiesce={}), "field quiesce must be an object with id (string)"),
+    (lambda m: m.update(driver=[]), "field driver must be an object with kind (string)"),
+    (lambda m: m.update(control_dir=3), "field control_dir must be a string"),
+    (lambda m: m.update(capture=None), "field capture must be an object"),
+])
+def test_restore_refuses_a_corrupted_manifest_by_field(tmp_path, installed_shim, mutate, reason):
+    snap = tmp_path / "snap"
+    snap.mkdir()
+    m = sample(snap, shim_sha=hashlib.sha256(b"shim v2").hexdigest(), shim_path=str(installed_shim))
+    m["processes"] = [{"pid": 100, "ppid": 1, "comm": "x"}]
+    mutate(m)
+    (snap / "manifest.json").write_text(json.dumps(m))
+    before = tree_digest(snap)
+    with pytest.raises(SnapshotError) as ei:
+        Restore(snap, shim_path=installed_shim, driver="fake").run()
+    e = ei.value
+    assert (e.phase, e.pid, e.outcome) == ("manifest", None, "refused")
+    assert e.reason == f"{snap / 'manifest.json'}: {reason}; restore refused, snapshot untouched"
+    assert tree_digest(snap) == before

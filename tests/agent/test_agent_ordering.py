@@ -3,6 +3,7 @@ recording fakes (the real ones are exercised end to end in tests/e2e)."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import types
@@ -13,7 +14,7 @@ import cuinterpose.agent as agent_pkg
 from cuinterpose.agent import checkpoint as cp_mod
 from cuinterpose.agent import census as census_mod
 from cuinterpose.agent import native, quiesce
-from cuinterpose.agent.errors import CheckpointFailed, NativeError, QuiesceRefused
+from cuinterpose.agent.errors import CheckpointFailed, NativeError, QuiesceRefused, SnapshotError
 
 PIDS = [201, 202]
 ROOT = 200
@@ -71,8 +72,9 @@ def world(tmp_path, monkeypatch):
             return {"participants": [{"pid": p, "records": []} for p in PIDS]}
 
     class Coordinator:
-        def __init__(self, parts, timeout_s, on_event=None):
+        def __init__(self, parts, timeout_s, on_event=None, carrier_timeout_s=None):
             w.log.append(("coord", "init", tuple(p.pid for p in parts)))
+            w.timeouts = (timeout_s, carrier_timeout_s)
 
         phases = []
 
@@ -405,3 +407,147 @@ def test_mixed_phase_capture_failure_rolls_back_to_active(world, tmp_path, monke
         "INSPECT", "SAVE_ALLOCATIONS", "INSPECT", "INSPECT"]
     assert [x for x in world.log if x[0] in ("native", "criu", "signal")] == []
     assert resume_of(world)["restored"] is False
+
+
+# --- images dir: refused before anything is asked of the workload -------------------------------
+def test_non_empty_images_dir_is_refused_and_left_alone(world, tmp_path):
+    snap = tmp_path / "snap"
+    snap.mkdir()
+    (snap / "keep.txt").write_text("operator data")
+    with pytest.raises(SnapshotError) as ei:
+        cp_mod.Checkpoint([ROOT], snap, control_dir=world.ctl).run()
+    e = ei.value
+    assert (e.phase, e.outcome) == ("images dir", "refused")
+    assert e.reason == (f"{snap} is not empty (keep.txt); a checkpoint writes only into a new or "
+                        "empty directory: choose a new --images-dir")
+    assert world.log == []
+    assert sorted(p.name for p in snap.iterdir()) == ["keep.txt"]
+    assert not (world.ctl / f"quiesce-{ROOT}.request").exists()
+
+
+@pytest.mark.parametrize("make", ["under_a_file", "a_file"])
+def test_unusable_images_dir_is_a_refusal_not_an_unknown_state(world, tmp_path, make):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    target = f / "snap" if make == "under_a_file" else f
+    with pytest.raises(SnapshotError) as ei:
+        cp_mod.Checkpoint([ROOT], target, control_dir=world.ctl).run()
+    e = ei.value
+    assert (e.phase, e.pid, e.outcome) == ("images dir", None, "refused")
+    want = "cannot be created" if make == "under_a_file" else "is not a directory"
+    assert e.reason.startswith(f"{target} {want}"), e.reason
+    assert world.log == [] and f.read_text() == "x"
+
+
+def test_refused_checkpoint_removes_the_images_dir_it_created(world, tmp_path):
+    snap = tmp_path / "new" / "snap"
+    with pytest.raises(QuiesceRefused):
+        cp_mod.Checkpoint([ROOT], snap, control_dir=world.ctl, quiesce_timeout_ms=50).run()
+    assert not snap.exists() and not (tmp_path / "new").exists()
+
+
+def test_refused_checkpoint_keeps_an_empty_images_dir_the_operator_made(world, tmp_path):
+    snap = tmp_path / "snap"
+    snap.mkdir()
+    with pytest.raises(QuiesceRefused):
+        cp_mod.Checkpoint([ROOT], snap, control_dir=world.ctl, quiesce_timeout_ms=50).run()
+    assert snap.is_dir() and list(snap.iterdir()) == []
+
+
+# --- SIGINT / SIGTERM: stop at the next phase boundary, cancel or roll back ---------------------
+def test_sigint_while_waiting_for_quiesce_cancels_the_request(world, tmp_path, monkeypatch):
+    orig = quiesce.request
+
+    def request(ctl, roots, qid, timeout_ms):
+        orig(ctl, roots, qid, timeout_ms)
+        os.kill(os.getpid(), signal.SIGINT)   # Ctrl-C while the agent waits for .ready
+    monkeypatch.setattr(quiesce, "request", request)
+    with pytest.raises(QuiesceRefused) as ei:
+        cp_mod.Checkpoint([ROOT], tmp_path / "snap", control_dir=world.ctl,
+                          quiesce_timeout_ms=60_000).run()
+    e = ei.value
+    assert (e.phase, e.pid, e.outcome) == ("quiesce", None, "refused")
+    assert e.reason == ("interrupted by SIGINT; checkpoint cancelled, nothing was torn down, "
+                        "the workload keeps running")
+    assert world.log == [("coord", "init", tuple(PIDS))]
+    assert resume_of(world)["cancelled"] is True
+    assert not (world.ctl / f"quiesce-{ROOT}.request").exists()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_during_native_lock_finishes_the_phase_then_rolls_back(world, tmp_path, monkeypatch, sig):
+    monkeypatch.setattr(quiesce, "request", answer_quiesce(world))
+    orig = native.lock
+
+    def lock(pid, *a):
+        orig(pid, *a)
+        if pid == 201:
+            os.kill(os.getpid(), sig)   # arrives mid-phase, a second one is ignored
+            os.kill(os.getpid(), sig)
+    monkeypatch.setattr(native, "lock", lock)
+    with pytest.raises(CheckpointFailed) as ei:
+        cp_mod.Checkpoint([ROOT], tmp_path / "snap", control_dir=world.ctl).run()
+    e = ei.value
+    name = signal.Signals(sig).name
+    assert (e.phase, e.pid, e.outcome) == ("native lock", None, "rolled_back")
+    assert e.reason == (f"interrupted by {name} after native lock (rolled back: the workload "
+                        "continues with its memory intact)")
+    assert world.log[3:] == [("native", "lock", 201), ("native", "lock", 202),
+                             ("native", "unlock", 201), ("native", "unlock", 202),
+                             ("coord", "rollback", None)]
+    assert world.state == {201: "RUNNING", 202: "RUNNING"}
+    assert resume_of(world) == {"id": resume_of(world)["id"], "restored": False, "cancelled": False}
+    assert not (tmp_path / "snap").exists()
+    assert signal.getsignal(sig) in (signal.default_int_handler, signal.SIG_DFL)
+
+
+def test_sigint_after_the_manifest_still_finishes_the_checkpoint(world, tmp_path, monkeypatch):
+    monkeypatch.setattr(quiesce, "request", answer_quiesce(world))
+    orig = cp_mod.manifest_mod.write
+
+    def write(d, m):
+        out = orig(d, m)
+        os.kill(os.getpid(), signal.SIGINT)
+        return out
+    monkeypatch.setattr(cp_mod.manifest_mod, "write", write)
+    cp_mod.Checkpoint([ROOT], tmp_path / "snap", control_dir=world.ctl).run()
+    assert world.log[-1] == ("signal", "SIGKILL", ROOT)
+    assert (tmp_path / "snap" / "manifest.json").is_file()
+
+
+def test_phase_and_carrier_timeouts_reach_the_coordinator(world, tmp_path, monkeypatch):
+    """--carrier-timeout-s bounds SAVE_ALLOCATIONS: without it a hung shim held the agent (and
+    a deferred Ctrl-C) for the coordinator's default hour."""
+    monkeypatch.setattr(quiesce, "request", answer_quiesce(world))
+    cp_mod.Checkpoint([ROOT], tmp_path / "snap", control_dir=world.ctl, phase_timeout_s=5,
+                      carrier_timeout_s=30).run()
+    assert world.timeouts == (5.0, 30.0)
+
+
+# --- the quiesce files: one checkpoint at a time, nothing left behind ---------------------------
+def test_a_pending_request_refuses_a_second_checkpoint_and_is_left_alone(world, tmp_path):
+    """Another agent's request (running, or died mid-checkpoint): overwriting it would strand a
+    workload parked on that id; refuse and say which file and id."""
+    req = world.ctl / f"quiesce-{ROOT}.request"
+    req.write_text(json.dumps({"id": "other-agent", "timeout_ms": 10000}))
+    with pytest.raises(QuiesceRefused) as ei:
+        cp_mod.Checkpoint([ROOT], tmp_path / "snap", control_dir=world.ctl,
+                          quiesce_timeout_ms=100).run()
+    e = ei.value
+    assert (e.phase, e.pid, e.outcome) == ("quiesce", ROOT, "refused")
+    assert e.reason == (f"{req} already exists (id other-agent): another checkpoint of this tree "
+                        "is in progress, or an agent died during one (the workload may then be "
+                        f"parked until {world.ctl / f'quiesce-{ROOT}.resume'} carries that id); "
+                        "checkpoint refused, nothing was changed")
+    assert json.loads(req.read_text()) == {"id": "other-agent", "timeout_ms": 10000}
+    assert sorted(p.name for p in world.ctl.iterdir()) == [req.name]
+    assert world.log == [("coord", "init", tuple(PIDS))]
+
+
+def test_a_completed_checkpoint_leaves_no_request_behind(world, tmp_path, monkeypatch):
+    """The dumped tree is gone: its .request/.ready would be taken for a new request by a later
+    process that reuses the root pid (and block the next checkpoint of a restored tree)."""
+    monkeypatch.setattr(quiesce, "request", answer_quiesce(world))
+    cp_mod.Checkpoint([ROOT], tmp_path / "snap", control_dir=world.ctl).run()
+    assert sorted(p.name for p in world.ctl.iterdir()) == []

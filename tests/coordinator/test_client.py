@@ -131,3 +131,50 @@ def test_message_is_read(shim):
                                          expected_phase=Phase.ACTIVE)
     assert isinstance(r, Response)
     assert r.status == Status.REFUSED_STATE and r.message == "pid 4119 holds a live raw import"
+
+
+def test_a_trickling_shim_hits_the_total_deadline_not_a_per_read_one(shim):
+    """One byte every 50 ms keeps every single recv fast; the request must still fail after
+    its overall timeout (0.3 s), long before the 128-byte header is complete (6.4 s)."""
+    import threading
+    stop = threading.Event()
+
+    def trickle(conn, req):
+        head = Reply(op=Op.INSPECT, txn_id=1, pid=4119).pack()
+        for b in head:
+            if stop.wait(0.05):
+                return
+            try:
+                conn.sendall(bytes([b]))
+            except OSError:
+                return
+    shim.raw[Op.INSPECT] = trickle
+    try:
+        with pytest.raises(ShimTimeout) as ei:
+            ShimClient(shim.path, 0.3).request(Op.INSPECT, txn_id=1, expected_phase=Phase.ACTIVE)
+    finally:
+        stop.set()
+    assert str(ei.value) == f"INSPECT: pid 4119 (socket {shim.path}) did not reply within 0.3 s"
+
+
+@pytest.mark.parametrize("kw,msg", [
+    ({"record_count": 2, "record_size": 999}, "record_size 999 != 640"),
+    ({"record_count": 0xFFFFFFFF}, "reply announces 2748779068800 bytes of records and message, "
+                                   "more than 33554432"),
+    ({"message_len": 0xFFFFFFFF}, "reply announces 4294967295 bytes of records and message, "
+                                  "more than 33554432"),
+])
+def test_garbage_sizes_are_refused_before_reading_the_body(shim, kw, msg):
+    shim.raw[Op.INSPECT] = _raw(Reply(op=Op.INSPECT, txn_id=1, pid=4119, **kw).pack())
+    with pytest.raises(ShimProtocolError) as ei:
+        ShimClient(shim.path, 2).request(Op.INSPECT, txn_id=1, expected_phase=Phase.ACTIVE)
+    assert str(ei.value) == f"INSPECT: pid 4119 (socket {shim.path}): {msg}"
+
+
+def test_a_shim_closing_mid_message_is_a_short_read(shim):
+    head = Reply(op=Op.INSPECT, txn_id=1, pid=4119, message_len=50).pack()
+    shim.raw[Op.INSPECT] = _raw(head + b"half a mess")
+    with pytest.raises(ShimProtocolError) as ei:
+        ShimClient(shim.path, 2).request(Op.INSPECT, txn_id=1, expected_phase=Phase.ACTIVE)
+    assert str(ei.value) == (f"INSPECT: pid 4119 (socket {shim.path}): short read: connection "
+                             "closed after 11 of 50 bytes of message")

@@ -217,3 +217,25 @@ def test_capture_txn_floor_is_honoured(ctl):
         cap.last_txn_id = 1 << 62                      # as if the clock went backwards
         res = Coordinator(g.participants).rollback(cap)
         assert res.phases[1].phase == "CANCEL_CAPTURE" and res.phases[1].txn_id > 1 << 62
+
+
+def test_interrupt_between_capture_phases_leaves_a_partial_capture_to_roll_back(ctl, monkeypatch):
+    """Anything raised inside capture() after SAVE_ALLOCATIONS went out (here a
+    KeyboardInterrupt between SAVE and PREPARE, as Ctrl-C would) carries the partial capture,
+    so the caller can still bring every shim back to ACTIVE instead of leaving them SAVED."""
+    with group(ctl, inspect_checks_phase=False) as g:
+        coord = Coordinator(g.participants)
+
+        def interrupted():
+            raise KeyboardInterrupt
+        monkeypatch.setattr(coord, "prepare_unicast", interrupted)
+        with pytest.raises(KeyboardInterrupt) as ei:
+            coord.capture()
+        assert {pid: m.phase for pid, m in g.mocks.items()} == \
+            {4119: Phase.SAVED, 4121: Phase.SAVED, 4123: Phase.SAVED}
+        cap = ei.value.capture
+        assert [p.phase for p in cap.phases] == ["INSPECT", "SAVE_ALLOCATIONS"]
+        res = coord.rollback(cap)
+        assert res.found == {4119: "SAVED", 4121: "SAVED", 4123: "SAVED"}
+        assert all(m.phase == Phase.ACTIVE for m in g.mocks.values())
+        assert res.records == group_records()

@@ -98,6 +98,142 @@ def test_checkpoint_kill_restore_finish(afdwin, tmp_path, ranks, attention):
     manifest.verify_images(snap, m)
 
 
+def test_second_restore_while_the_first_tree_lives_is_refused(afdwin, tmp_path):
+    a = afdwin(steps=STEPS, step_delay_ms=5)
+    a.wait_for(lambda ev: demo.received(ev) >= 20, 120, "20 messages")
+    snap = tmp_path / "snap"
+    rc, cp = demo.run_agent("checkpoint", "--pid", str(a.pid), "--images-dir", str(snap),
+                            "--driver", "fake", "--control-dir", str(a.ctl))
+    assert rc == 0 and cp["ok"], cp
+    a.wait_dumped()
+    rc, rs = demo.run_agent("restore", "--images-dir", str(snap), "--driver", "fake")
+    assert rc == 0 and rs["ok"], rs
+    digest = {str(p.relative_to(snap)): (sha256_file(p), p.stat().st_mtime_ns)
+              for p in sorted(snap.rglob("*")) if p.is_file()}
+    rc, again = demo.run_agent("restore", "--images-dir", str(snap), "--driver", "fake")
+    assert rc == 3 and not again["ok"], again
+    err = again["error"]
+    assert (err["phase"], err["pid"], err["outcome"]) == ("manifest", a.pid, "refused")
+    assert err["reason"] == ("(python) is running with a pid the snapshot needs (CRIU restores "
+                             "the original pids); restore refused, snapshot untouched")
+    assert [(p["name"], p["status"]) for p in again["phases"]] == [("manifest", "failed")]
+    assert digest == {str(p.relative_to(snap)): (sha256_file(p), p.stat().st_mtime_ns)
+                      for p in sorted(snap.rglob("*")) if p.is_file()}
+    assert a.wait_restored_exit(300) in (0, None)     # the first restored tree is unharmed
+    s = assert_exact_pairs(a.events(), STEPS)
+    assert (s["restores_seen"], s["quiesces"]) == (1, 1)
+
+
+def _agent_popen(*args, new_session=False):
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    return subprocess.Popen([sys.executable, "-m", "cuinterpose.agent.cli", *args, "--json"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=new_session)
+
+
+def test_sigterm_while_waiting_for_quiesce_cancels_and_the_workload_finishes(afdwin, tmp_path):
+    """SIGTERM (or Ctrl-C) of the agent while the workload has not answered yet: the request is
+    withdrawn (.resume cancelled), the JSON error says so, and the workload never parks."""
+    a = afdwin(steps=STEPS, step_delay_ms=5)
+    a.wait_for(lambda ev: demo.received(ev) >= 20, 120, "20 messages")
+    snap = tmp_path / "snap"
+    os.kill(a.pid, signal.SIGSTOP)      # the launcher (which answers quiesce) cannot answer yet
+    try:
+        agent = _agent_popen("checkpoint", "--pid", str(a.pid), "--images-dir", str(snap),
+                             "--driver", "fake", "--control-dir", str(a.ctl),
+                             "--quiesce-timeout-ms", "120000")
+        deadline = time.monotonic() + 60
+        while not (a.ctl / f"quiesce-{a.pid}.request").exists():
+            assert agent.poll() is None and time.monotonic() < deadline, agent.communicate()
+            time.sleep(0.01)
+        agent.send_signal(signal.SIGTERM)
+        out, err = agent.communicate(timeout=60)
+    finally:
+        os.kill(a.pid, signal.SIGCONT)
+    assert agent.returncode == 3, out + err
+    cp = json.loads(out)
+    e = cp["error"]
+    assert (e["phase"], e["pid"], e["outcome"]) == ("quiesce", None, "refused")
+    assert e["reason"] == ("interrupted by SIGTERM; checkpoint cancelled, nothing was torn down, "
+                           "the workload keeps running")
+    assert [(p["name"], p["status"]) for p in cp["phases"]] == [
+        ("driver", "ok"), ("census", "ok"), ("quiesce", "failed")]
+    assert "SIGTERM received" in err
+    assert not (a.ctl / f"quiesce-{a.pid}.request").exists()
+    assert json.loads((a.ctl / f"quiesce-{a.pid}.resume").read_text())["cancelled"] is True
+    assert not snap.exists()
+    assert a.proc.wait(timeout=300) == 0
+    s = assert_exact_pairs(a.events(), STEPS)
+    assert (s["restores_seen"], s["quiesces"]) == (0, 0)
+
+
+def test_ctrl_c_to_the_agents_process_group_during_the_dump_lets_criu_finish(afdwin, tmp_path):
+    """A terminal's Ctrl-C reaches the agent and CRIU (one foreground process group). CRIU runs
+    with the signals blocked, so the dump completes (no CRIU killed inside the workload); the
+    agent then stops at the phase boundary and rolls back; the workload finishes intact."""
+    from cuinterpose.agent.census import walk_tree
+    a = afdwin(steps=STEPS, step_delay_ms=5)
+    a.wait_for(lambda ev: demo.received(ev) >= 20, 120, "20 messages")
+    snap = tmp_path / "snap"
+    agent = _agent_popen("checkpoint", "--pid", str(a.pid), "--images-dir", str(snap),
+                         "--driver", "fake", "--control-dir", str(a.ctl), new_session=True)
+
+    def criu_dump_running():
+        for pid, _, _ in walk_tree([agent.pid])[1:]:
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if b"\0dump\0" in f.read():
+                        return True
+            except OSError:
+                pass
+        return False
+    deadline = time.monotonic() + 120
+    while not criu_dump_running():
+        assert agent.poll() is None and time.monotonic() < deadline, agent.communicate()
+        time.sleep(0.002)
+    os.killpg(agent.pid, signal.SIGINT)
+    out, err = agent.communicate(timeout=300)
+    assert agent.returncode == 4, out + err
+    cp = json.loads(out)
+    e = cp["error"]
+    assert (e["phase"], e["pid"], e["outcome"]) == ("criu dump", None, "rolled_back")
+    assert e["reason"] == ("interrupted by SIGINT after criu dump (rolled back: the workload "
+                           "continues with its memory intact)")
+    names = [(p["name"], p["status"]) for p in cp["phases"]]
+    assert names[names.index(("criu dump", "ok")):] == [
+        ("criu dump", "ok"), ("resume trees", "ok"), ("rollback native", "ok"), ("INSPECT", "ok"),
+        ("LOAD_ALLOCATIONS", "ok"), ("RESTORE_UNICAST", "ok"), ("INSPECT", "ok")]
+    assert not snap.exists()
+    assert a.proc.wait(timeout=300) == 0
+    evs = a.events()
+    s = assert_exact_pairs(evs, STEPS)
+    assert (s["restores_seen"], s["quiesces"]) == (0, 1)
+    assert [(e["restored"], e["cancelled"]) for e in evs if demo.kind(e) == "resumed"] == \
+        [(False, False)]
+
+
+def test_a_rank_pid_instead_of_the_root_is_refused_with_a_hint(afdwin, tmp_path):
+    a = afdwin(steps=STEPS, step_delay_ms=5)
+    a.wait_for(lambda ev: len(windows(ev)) == 2 and demo.received(ev) >= 20, 120, "20 messages")
+    rank = windows(a.events())[0]["pid"]
+    rc, cp = demo.run_agent("checkpoint", "--pid", str(rank), "--images-dir",
+                            str(tmp_path / "snap"), "--driver", "fake", "--control-dir",
+                            str(a.ctl), "--quiesce-timeout-ms", "300")
+    assert rc == 3 and not cp["ok"], cp
+    e = cp["error"]
+    assert (e["phase"], e["pid"], e["outcome"]) == ("quiesce", rank, "refused")
+    assert e["reason"] == (f"workload did not write {a.ctl / f'quiesce-{rank}.ready'} within "
+                           "300 ms; checkpoint refused, nothing was torn down, the workload keeps "
+                           f"running; pid {rank} looks like a rank, not the root of its job: its "
+                           f"parent pid {a.pid} (python) runs under the shim too; pass --pid {a.pid}")
+    assert a.proc.wait(timeout=300) == 0
+    s = assert_exact_pairs(a.events(), STEPS)
+    assert (s["restores_seen"], s["quiesces"]) == (0, 0)
+
+
 def test_refused_when_workload_does_not_answer(afdwin, tmp_path):
     a = afdwin(steps=STEPS, step_delay_ms=5)
     a.wait_for(lambda ev: demo.received(ev) >= 20, 120, "20 messages")
@@ -225,9 +361,17 @@ def test_manifest_write_failure_rolls_back_after_the_dump(afdwin, tmp_path):
     a = afdwin(steps=STEPS, step_delay_ms=5)
     a.wait_for(lambda ev: len(windows(ev)) == 2 and demo.received(ev) >= 20, 120, "20 messages")
     snap = tmp_path / "snap"
-    (snap / "manifest.json.tmp").mkdir(parents=True)
-    rc, cp = demo.run_agent("checkpoint", "--pid", str(a.pid), "--images-dir", str(snap),
-                            "--driver", "fake", "--control-dir", str(a.ctl))
+    # a non-empty --images-dir is refused, so block the manifest's temp path only once the
+    # dump has started (CRIU's own check and dump take far longer than this poll)
+    agent = _agent_popen("checkpoint", "--pid", str(a.pid), "--images-dir", str(snap),
+                         "--driver", "fake", "--control-dir", str(a.ctl))
+    deadline = time.monotonic() + 120
+    while not (snap / "criu" / str(a.pid)).exists():
+        assert agent.poll() is None and time.monotonic() < deadline, agent.communicate()
+        time.sleep(0.001)
+    (snap / "manifest.json.tmp").mkdir()
+    out, _ = agent.communicate(timeout=300)
+    rc, cp = agent.returncode, json.loads(out)
     assert rc == 4 and not cp["ok"], cp
     err = cp["error"]
     assert (err["phase"], err["pid"], err["outcome"]) == ("manifest", None, "rolled_back")
