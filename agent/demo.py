@@ -102,7 +102,10 @@ class Afdwin:
     def start(self) -> "Afdwin":
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.ctl.mkdir(exist_ok=True)
-        with open(self.log, "wb") as out, open(self.err, "wb") as err:
+        # O_APPEND: CRIU refuses to restore a file whose size changed since the dump unless it
+        # is opened for appending, and the log grows while the restored run goes on, so
+        # without it a snapshot could be restored only once (docs/criu.md).
+        with open(self.log, "ab") as out, open(self.err, "ab") as err:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "cuinterpose.workloads.afdwin", *self.args],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=err, cwd=self.run_dir,
