@@ -64,12 +64,19 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
-def workload_env(control_dir: os.PathLike | str, *, shim: bool = True) -> dict:
-    """Environment for a workload on fakecuda under the shim with a private control dir."""
+def workload_env(control_dir: os.PathLike | str, *, shim: bool = True,
+                 driver: str = "fake") -> dict:
+    """Environment for a workload under the shim with a private control dir, on fakecuda
+    (``driver="fake"``) or on the system's real ``libcuda.so.1`` (``driver="real"``)."""
+    if driver not in ("fake", "real"):
+        raise ValueError(f"driver must be 'fake' or 'real', not {driver!r}")
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "CUINTERPOSE_DRIVER")}
     if shim:
         env["LD_PRELOAD"] = str(paths.shim_path())
-    env["LD_LIBRARY_PATH"] = str(paths.fakecuda_dir())
+    if driver == "fake":
+        env["LD_LIBRARY_PATH"] = str(paths.fakecuda_dir())
+    else:
+        env.pop("LD_LIBRARY_PATH", None)
     env["CUINTERPOSE_CONTROL_DIR"] = str(control_dir)
     env["PYTHONUNBUFFERED"] = "1"
     return env
@@ -81,7 +88,7 @@ class Afdwin:
 
     def __init__(self, run_dir: os.PathLike | str, *, ranks: int = 2, attention: int = 1,
                  steps: int = 400, ring_depth: int = 2, step_delay_ms: float = 5.0,
-                 extra_args: tuple = ()):
+                 extra_args: tuple = (), driver: str = "fake"):
         self.run_dir = pathlib.Path(run_dir).resolve()
         self.ctl = self.run_dir / "ctl"
         if len(str(self.ctl)) > 80:  # keep <ctl>/cuinterpose-<pid>.sock under 108 bytes
@@ -90,6 +97,7 @@ class Afdwin:
         self.log = self.run_dir / "afdwin.log"
         self.err = self.run_dir / "afdwin.err"
         self.steps = steps
+        self.driver = driver
         self.args = ["--ranks", str(ranks), "--attention", str(attention), "--steps", str(steps),
                      "--ring-depth", str(ring_depth), "--step-delay-ms", str(step_delay_ms),
                      *extra_args]
@@ -109,7 +117,7 @@ class Afdwin:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "cuinterpose.workloads.afdwin", *self.args],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=err, cwd=self.run_dir,
-                env=workload_env(self.ctl), start_new_session=True)
+                env=workload_env(self.ctl, driver=self.driver), start_new_session=True)
         return self
 
     def events(self) -> list[dict]:

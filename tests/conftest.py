@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import pathlib
@@ -86,3 +87,15 @@ def fake_env(tmp_path, fakecuda_dir):
     env["CUINTERPOSE_CONTROL_DIR"] = str(ctl)
     env["PYTHONUNBUFFERED"] = "1"
     return env
+
+
+@pytest.fixture
+def subreaper():
+    """This process adopts orphans (a CRIU-restored tree is not our child) while the test
+    runs; zombies are reaped at teardown."""
+    from cuinterpose.agent import demo
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(demo.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    yield
+    libc.prctl(demo.PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+    demo.reap_zombies()

@@ -4,7 +4,6 @@ E2E tests need a working CRIU (``agent.criu``); without one they skip with CRIU'
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import pathlib
 import signal
@@ -27,16 +26,6 @@ def criu_ok():
         print(reason)
         pytest.skip(reason)
     return criu.version()
-
-
-@pytest.fixture
-def subreaper():
-    """This process adopts orphans (the CRIU-restored tree) while the test runs."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(demo.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    yield
-    libc.prctl(demo.PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
-    demo.reap_zombies()
 
 
 @pytest.fixture
