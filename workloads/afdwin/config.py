@@ -38,10 +38,17 @@ class Config:
     profile: str = "ci"
     step_delay_ms: float = 0.0
     seed: int = 0
+    stages: int = 0            # live stages K (0 = ring_depth); stage k owns rings r = k mod K
+    # diagnostic knobs (documented CLI flags, docs/afdwin.md "Diagnostic flags")
+    no_drain: int = 0          # 1: quiesce without the drain (FFN parks at once, attention parks
+                               # with a reply wait enqueued): the checkpoint must fail, not corrupt
+    pending_at_cut: int = 0    # 1: at a quiesce each attention rank dispatches its next step and
+                               # stops before its combine: the cut carries a landed, unread reply
+    delay_zero_ms: float = 0.0  # delay this rank's window zeroing (fence test)
     # test-only knobs (set per rank with the launcher's hidden --test-override RANK:FIELD=N)
     corrupt_step: int = 0      # attention: write step N with magic 0 (expect torn, exit 1)
-    no_fence: int = 0          # 1: skip the fence barrier; an FFN rank also zeroes its window
-                               # only after the first dispatch landed (the race §3 prevents)
+    no_fence: int = 0          # 1: skip the fence barrier (zero + sync only, as pre-review);
+                               # with delay_zero_ms on one rank a peer's first write is erased
 
     def __post_init__(self):
         if self.profile not in PROFILES:
@@ -53,6 +60,32 @@ class Config:
             raise ValueError(f"steps must be >= 0, got {self.steps}")
         if self.ring_depth < 1:
             raise ValueError(f"ring_depth must be >= 1, got {self.ring_depth}")
+        if self.stages < 0:
+            raise ValueError(f"stages must be >= 1, got {self.stages}")
+        if self.num_stages > self.ring_depth:
+            raise ValueError(f"ring_depth {self.ring_depth} < stages {self.num_stages}: stages "
+                             f"own disjoint rings, so ring_depth must be >= stages")
+        if self.ring_depth % self.num_stages:
+            raise ValueError(f"ring_depth {self.ring_depth} is not a multiple of stages "
+                             f"{self.num_stages}: stage k owns the rings r = k mod stages and "
+                             f"step s uses ring (s - 1) mod ring_depth")
+        if self.no_drain and self.pending_at_cut:
+            raise ValueError("no_drain and pending_at_cut are exclusive")
+        if self.delay_zero_ms < 0:
+            raise ValueError(f"delay_zero_ms must be >= 0, got {self.delay_zero_ms}")
+
+    @property
+    def num_stages(self) -> int:
+        """K: live stages per attention rank (``stages``, or ring_depth when 0)."""
+        return self.stages or self.ring_depth
+
+    def stage_of(self, s: int) -> int:
+        """Stage that issues step ``s`` (>= 1): (s - 1) mod K."""
+        return (s - 1) % self.num_stages
+
+    def stage_rings(self, k: int) -> list[int]:
+        """Rings owned by stage ``k``: r = k mod K (disjoint across stages)."""
+        return [r for r in range(self.ring_depth) if r % self.num_stages == k]
 
     @property
     def ffn(self) -> int:

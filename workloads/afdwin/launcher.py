@@ -239,8 +239,14 @@ class Launcher:
             self.q = {"id": str(req["id"]), "stage": "stopping", "t0": time.monotonic(),
                       "acks": {}, "issued": {}, "parked": {}, "resumed": {}}
             self.emit({"event": "quiesce_requested", "id": self.q["id"],
-                       "timeout_ms": req.get("timeout_ms")})
-            self.broadcast({"type": "quiesce", "id": self.q["id"]}, self.attn_ranks())
+                       "timeout_ms": req.get("timeout_ms"), "drain": not self.cfg.no_drain})
+            if self.cfg.no_drain:
+                # --no-drain: FFN ranks park at once (no drain); attention ranks stop after
+                self.q["stage"] = "ffn_parking"
+                self.broadcast({"type": "drain", "id": self.q["id"], "targets": None,
+                                "no_drain": True}, self.ffn_ranks())
+            else:
+                self.broadcast({"type": "quiesce", "id": self.q["id"]}, self.attn_ranks())
         elif self.q["stage"] == "parked" or self.q["stage"] == "ready":
             res = read_json(self.resume_path)
             if res is None or res.get("id", self.q["id"]) != self.q["id"]:
@@ -257,7 +263,9 @@ class Launcher:
                           resume_id=res.get("id"))
             if restored:
                 self.restores_seen += 1
-            self.broadcast({"type": "resume", "id": self.q["id"], "restored": restored})
+            pending = [p for r in sorted(self.q["parked"]) for p in self.q["parked"][r]["pending"]]
+            self.broadcast({"type": "resume", "id": self.q["id"], "restored": restored,
+                            "pending": pending})
 
     def attn_ranks(self) -> list[int]:
         return list(range(self.cfg.attention))
@@ -273,14 +281,24 @@ class Launcher:
         t = msg["type"]
         if t == "stopped":
             q["issued"][rank] = int(msg["issued"])
-            if len(q["issued"]) == self.cfg.attention:
+            if len(q["issued"]) == self.cfg.attention and self.cfg.no_drain:
+                q["stage"] = "parking"                  # no drain: park with replies owed
+                self.broadcast({"type": "park", "id": q["id"]}, self.attn_ranks())
+            elif len(q["issued"]) == self.cfg.attention:
                 q["stage"] = "draining"
                 self.broadcast({"type": "drain", "id": q["id"],
                                 "targets": {str(a): s for a, s in q["issued"].items()}},
                                self.ffn_ranks())
         elif t == "parked":
-            q["parked"][rank] = {k: msg[k] for k in ("rank", "pid", "role", "last_seq")}
+            q["parked"][rank] = {k: msg[k] for k in ("rank", "pid", "role", "last_seq",
+                                                     "pending")}
+            q.setdefault("replied", {})[rank] = msg.get("replied") or {}
             ffn_parked = all(f in q["parked"] for f in self.ffn_ranks())
+            if ffn_parked and q["stage"] == "ffn_parking":       # --no-drain
+                q["stage"] = "stopping"
+                replied = {str(f): q["replied"][f] for f in self.ffn_ranks()}
+                self.broadcast({"type": "quiesce", "id": q["id"], "replied": replied},
+                               self.attn_ranks())
             if ffn_parked and q["stage"] == "draining":
                 q["stage"] = "parking"
                 self.broadcast({"type": "park", "id": q["id"]}, self.attn_ranks())
@@ -293,7 +311,12 @@ class Launcher:
                 if res is None or res.get("id", q["id"]) != q["id"]:   # not cancelled meanwhile
                     write_atomic(self.ready_path, ready)
                     q["stage"] = "ready"
+                pending = [p for r in ranks for p in r["pending"]]
+                kinds = {}
+                for p in pending:
+                    kinds[p["kind"]] = kinds.get(p["kind"], 0) + 1
                 self.emit({"event": "quiesced", "id": q["id"], "ranks": ranks,
+                           "drained": not self.cfg.no_drain, "pending": kinds,
                            "quiesce_ms": round((time.monotonic() - q["t0"]) * 1e3, 3)})
         elif t == "resumed":
             q["resumed"][rank] = msg.get("window_checks")
@@ -425,6 +448,9 @@ class Launcher:
         self.emit({"event": "start", "pid": self.pid, "ranks": self.cfg.world,
                    "attention": self.cfg.attention, "ffn": self.cfg.ffn,
                    "steps": self.cfg.steps, "ring_depth": self.cfg.ring_depth,
+                   "stages": self.cfg.num_stages, "no_drain": bool(self.cfg.no_drain),
+                   "pending_at_cut": bool(self.cfg.pending_at_cut),
+                   "no_fence": bool(self.cfg.no_fence),
                    "profile": self.cfg.profile, "seed": self.cfg.seed,
                    "control_dir": control_dir(), "request_path": self.req_path})
         try:
@@ -452,6 +478,23 @@ def parse_override(text: str) -> tuple[int, str, int]:
         raise argparse.ArgumentTypeError(f"expected RANK:FIELD=VALUE, got {text!r}") from None
 
 
+def parse_ring_depth(text: str) -> list[int]:
+    """``D`` or ``D0,D1,...`` -> list of ints."""
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected D or D0,D1,..., got {text!r}") from None
+
+
+def parse_delay(text: str) -> tuple[int, float]:
+    """``RANK:MS`` -> (rank, ms)."""
+    try:
+        rank, ms = text.split(":", 1)
+        return int(rank), float(ms)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected RANK:MS, got {text!r}") from None
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -462,7 +505,12 @@ def main(argv=None) -> int:
     ap.add_argument("--ranks", type=int, default=2, help="number of rank processes (N)")
     ap.add_argument("--attention", type=int, default=1, help="attention ranks (world ranks first)")
     ap.add_argument("--steps", type=int, default=100, help="steps per attention rank (S)")
-    ap.add_argument("--ring-depth", type=int, default=2, help="ring depth (D)")
+    ap.add_argument("--ring-depth", type=parse_ring_depth, default=[2],
+                    help="ring depth D; or one value per rank D0,D1,...  (a rank launched with "
+                         "a different value fails the geometry check, naming ring_depth)")
+    ap.add_argument("--stages", type=int, default=0,
+                    help="live stages K per attention rank (default: D); stage k owns the "
+                         "rings r = k mod K; needs D >= K (and K dividing D)")
     ap.add_argument("--profile", choices=sorted(PROFILES), default="ci")
     ap.add_argument("--step-delay-ms", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
@@ -471,15 +519,41 @@ def main(argv=None) -> int:
                          "the driver provides it")
     ap.add_argument("--stall-timeout-s", type=float, default=60.0,
                     help="fail when no rank makes progress for this long (not while parked)")
+    diag = ap.add_argument_group("diagnostic flags (docs/afdwin.md)")
+    diag.add_argument("--no-drain", action="store_true",
+                      help="quiesce without the drain: FFN ranks park at once, attention "
+                           "ranks park with a reply owed (a checkpoint must fail cleanly)")
+    diag.add_argument("--pending-at-cut", action="store_true",
+                      help="at a quiesce each attention rank dispatches its next step and "
+                           "stops before its combine: the cut carries a landed, unread reply "
+                           "flag per (attention, FFN) pair")
+    diag.add_argument("--no-fence", action="store_true",
+                      help="setup without the fence barrier (zero + synchronize only)")
+    diag.add_argument("--delay-zero-ms", action="append", default=[], type=parse_delay,
+                      metavar="RANK:MS", help="delay RANK's window zeroing by MS ms")
     ap.add_argument("--test-override", action="append", default=[], type=parse_override,
                     help=argparse.SUPPRESS)      # RANK:FIELD=VALUE, tests only
     args = ap.parse_args(argv)
     try:
+        depths = args.ring_depth
+        if len(depths) not in (1, args.ranks):
+            raise ValueError(f"--ring-depth needs 1 or {args.ranks} (one per rank) values, "
+                             f"got {len(depths)}")
         cfg = Config(world=args.ranks, attention=args.attention, steps=args.steps,
-                     ring_depth=args.ring_depth, profile=args.profile,
-                     step_delay_ms=args.step_delay_ms, seed=args.seed)
+                     ring_depth=depths[0], profile=args.profile,
+                     step_delay_ms=args.step_delay_ms, seed=args.seed, stages=args.stages,
+                     no_drain=int(args.no_drain), pending_at_cut=int(args.pending_at_cut),
+                     no_fence=int(args.no_fence))
         cfg.window_layout()
         overrides: dict[int, dict] = {}
+        for rank, d in enumerate(depths):
+            if d != depths[0]:
+                dataclasses.replace(cfg, ring_depth=d)          # validates (stages)
+                overrides.setdefault(rank, {})["ring_depth"] = d
+        for rank, ms in args.delay_zero_ms:
+            if not (0 <= rank < cfg.world):
+                raise ValueError(f"--delay-zero-ms names rank {rank}, outside 0..{cfg.world - 1}")
+            overrides.setdefault(rank, {})["delay_zero_ms"] = ms
         fields = {f.name for f in dataclasses.fields(Config)}
         for rank, field, value in args.test_override:
             if field not in fields or not (0 <= rank < cfg.world):

@@ -57,6 +57,10 @@ class Rank:
         self.errors: list[str] = []
         self._last_progress = 0.0
         self.A, self.F, self.D = cfg.attention, cfg.ffn, cfg.ring_depth
+        self.fence_erased: list[dict] = []
+        self.cut_pending: list[dict] = []     # the launcher's union of every rank's "pending"
+        self.stop_pending = False
+        self.ffn_replied: dict = {}
 
     # ---- messaging ------------------------------------------------------------------------
     def send(self, msg: dict, fds=()) -> None:
@@ -165,33 +169,37 @@ class Rank:
 
     def fence(self) -> None:
         """Zero the window -> synchronize -> launcher barrier -> synchronize (§3), then check
-        through every peer mapping that it aliases the peer's memory (probe word)."""
+        through every peer mapping that it aliases the peer's memory (probe word).
+
+        Diagnostics: ``delay_zero_ms`` delays this rank's zeroing; ``no_fence`` drops the
+        barrier and the second synchronize (zero + sync only, the pre-review constructor), so a
+        peer that returns first can land its first dispatch before a delayed zero erases it.
+        """
         cu, call = self.cu, self.cd.call
+        if self.cfg.delay_zero_ms:
+            time.sleep(self.cfg.delay_zero_ms / 1000.0)
         if self.cfg.no_fence:
-            return self.unfenced_zero()
+            # what the zero is about to erase (a peer wrote before this rank zeroed)
+            flags = self.read_flags(self.rank)
+            for idx, v in enumerate(flags):
+                if v:
+                    region, ring = divmod(idx, self.D)
+                    self.fence_erased.append({"region": region, "ring": ring, "value": v})
         zeros = self.cd.HostBuffer(self.stride, pinned=False)
         call(cu.cuMemcpyHtoDAsync, self.base, zeros.addr, self.stride, self.aux)
         call(cu.cuStreamSynchronize, self.aux)
         del zeros
         self.write_probe()
+        if self.cfg.no_fence:
+            if self.fence_erased:
+                self.errors.append(f"unfenced zero erased flags written by peers: "
+                                   f"{self.fence_erased}")
+            return
         self.barrier("fence")
         call(cu.cuCtxSynchronize)
         bad = [err for err in self.read_probes().values() if err]
         if bad:
             raise RuntimeError("peer mappings do not alias the peers' windows: " + "; ".join(bad))
-
-    def unfenced_zero(self) -> None:
-        """Test-only (``no_fence``): no barrier; an FFN rank waits until a dispatch flag landed
-        in its window and only then zeroes it, erasing that dispatch (afd-window.md §3 race)."""
-        cu, call = self.cu, self.cd.call
-        if self.role == "ffn":
-            raw = bytes(4 * self.win.num_flags)
-            while raw == bytes(len(raw)):
-                time.sleep(0.001)
-                raw = self.read_device(self.base, len(raw))
-        zeros = self.cd.HostBuffer(self.stride, pinned=False)
-        call(cu.cuMemcpyHtoDAsync, self.base, zeros.addr, self.stride, self.aux)
-        call(cu.cuStreamSynchronize, self.aux)
 
     def _host_memory_choice(self) -> bool:
         if self.host_memory == "pageable":
@@ -245,6 +253,7 @@ class Rank:
                 "slot_bytes": self.win.slot_bytes, "total_bytes": self.win.total_bytes,
                 "regions": self.win.num_regions, "rings": self.win.ring_depth,
                 "handle_type": "POSIX_FILE_DESCRIPTOR", "granularity": self.granularity,
+                "stages": self.cfg.num_stages,
                 "host_memory": "pinned" if self.pinned else "pageable",
                 "after_restore": after_restore}
 
@@ -271,18 +280,23 @@ class Rank:
         if t == "quiesce":                                  # attention: stop issuing
             self.quiesce_id = msg["id"]
             self.quiesces += 1
+            self.ffn_replied = {int(f): {int(a): {int(r): int(v) for r, v in rings.items()}
+                                         for a, rings in by_a.items()}
+                                for f, by_a in (msg.get("replied") or {}).items()}
             if self.state != "finished":
                 self.state = "stopping"
-            self.send({"type": "stopped", "id": msg["id"], "rank": self.rank,
-                       "issued": self.issued_seq()})
+                self.stop_pending = True
+                self.try_stop()
+            else:
+                self.send_stopped()
         elif t == "drain":                                  # ffn: drain to targets, then park
             self.quiesce_id = msg["id"]
             self.quiesces += 1
-            self.targets = {int(k): int(v) for k, v in msg["targets"].items()}
-            if self.state != "finished":
+            self.targets = {int(k): int(v) for k, v in (msg.get("targets") or {}).items()}
+            if self.state != "finished" and not msg.get("no_drain"):
                 self.state = "draining"
             else:
-                self.park()
+                self.park()                 # --no-drain: park at once, owed replies unissued
         elif t == "park":                                   # attention: replies are owed now
             self.park()
         elif t == "report":                                 # launcher gives up: evidence
@@ -295,15 +309,29 @@ class Rank:
             raise RuntimeError(f"rank {self.rank}: unexpected message {t!r} in state "
                                f"{self.state}")
 
+    def send_stopped(self) -> None:
+        self.stop_pending = False
+        self.send({"type": "stopped", "id": self.quiesce_id, "rank": self.rank,
+                   "issued": self.issued_seq()})
+
+    def try_stop(self) -> None:
+        self.send_stopped()
+
+    def pending_at_park(self) -> list[dict]:
+        """Protocol messages in flight at the cut (read from the device after the sync)."""
+        return []
+
     def park(self) -> None:
         """Synchronize every stream, ack, then wait (no CUDA) for resume + continue."""
         was = self.state
         self.sync_all()
         self.after_sync()
+        pending = self.pending_at_park()
         self.rates.close()
         self.state = "parked"
         self.send({"type": "parked", "id": self.quiesce_id, "rank": self.rank, "pid": self.pid,
-                   "role": self.role, "last_seq": self.last_seq()})
+                   "role": self.role, "last_seq": self.last_seq(), "pending": pending,
+                   "replied": self.replied_map()})
         restored = None
         while True:
             got = self.chan.recv(timeout=PROGRESS_INTERVAL_S)
@@ -317,6 +345,7 @@ class Rank:
                 self.on_control(msg)
             elif msg["type"] == "resume":
                 restored = bool(msg.get("restored"))
+                self.cut_pending = msg.get("pending") or []
                 if restored:
                     self.restores_seen += 1
                     self.emit(self.window_event(after_restore=True))
@@ -335,6 +364,7 @@ class Rank:
                 raise RuntimeError(f"rank {self.rank}: unexpected {msg['type']!r} while parked")
         self.rates.open(restored=bool(restored))
         self.after_resume()
+        self.resume_protocol()
         self.state = "finished" if was == "finished" else "running"
 
     def after_resume(self) -> None:
@@ -342,6 +372,12 @@ class Rank:
         self._last_progress = 0.0
         if hasattr(self, "next_issue_at"):
             self.next_issue_at = 0.0
+
+    def resume_protocol(self) -> None:
+        """First CUDA work after a resume (attention: enqueue a combine held across the cut)."""
+
+    def replied_map(self) -> dict:
+        return {}
 
     def progress(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -382,6 +418,8 @@ class Rank:
                         for e in self.evidence.values()],
               "rates": self.rates.report(), "restores_seen": self.restores_seen,
               "quiesces": self.quiesces, "window_checks": self.window_checks,
+              "fence": {"fenced": not self.cfg.no_fence, "delay_zero_ms": self.cfg.delay_zero_ms,
+                        "erased": self.fence_erased},
               "errors": self.errors[:8]}
         ev.update(self.counters())
         return ev
@@ -422,6 +460,7 @@ class AttentionRank(Rank):
         self.sent = self.received = self.replied = 0
         self.shutdown_seq = None
         self.next_issue_at = 0.0
+        self.held: list[dict] = []            # pending_at_cut: replies landed, unread at a cut
 
     def issued_seq(self) -> int:
         return self.issued
@@ -432,14 +471,19 @@ class AttentionRank(Rank):
     def counters(self) -> dict:
         return {"sent": self.sent, "received": self.received, "replied": self.replied}
 
-    def issue(self, s: int, shutdown: bool = False) -> None:
+    def issue(self, s: int, shutdown: bool = False, combine: bool = True) -> None:
+        """Dispatch step ``s`` to every FFN rank on its ring's stream, then (``combine``)
+        enqueue the reply waits, reads and in-band resets behind it."""
         cu, call = self.cu, self.cd.call
         ring = (s - 1) % self.D
+        stage = self.cfg.stage_of(s)
+        if ring not in self.cfg.stage_rings(stage):       # stages own disjoint rings
+            raise RuntimeError(f"step {s}: ring {ring} is not owned by stage {stage}")
         stream = self.streams[ring]
         sl = self.win.slot
         region = self.role_rank
-        geq = cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
-        st = {"s": s, "t0": time.monotonic(), "shutdown": shutdown, "dispatch": {}}
+        st = {"s": s, "t0": time.monotonic(), "shutdown": shutdown, "dispatch": {},
+              "split": not shutdown and not combine, "ring": ring}
         for f in self.ffn_ranks:
             msg = self.codec.shutdown(s) if shutdown else \
                 self.codec.dispatch(self.rank, f - self.A, s)
@@ -453,24 +497,59 @@ class AttentionRank(Rank):
             # the flag is stamped last, on the same stream: visible flag => complete payload
             call(cu.cuStreamWriteValue32, stream, self.flag_va(f, region, ring), s, 0)
         if not shutdown:
-            for f in self.ffn_ranks:
-                fr = f - self.A
-                own_flag = self.flag_va(self.rank, fr, ring)
-                call(cu.cuStreamWaitValue32, stream, own_flag, FLAG_REPLY_READY, geq)
-                call(cu.cuMemcpyDtoHAsync, self.recv_buf[(f, ring)].addr,
-                     self.slot_va(self.rank, fr, ring) + self.codec.reply_start,
-                     self.codec.reply_bytes, stream)
-                call(cu.cuStreamWriteValue32, stream, own_flag, 0, 0)   # in-band reset
+            if combine:
+                self.enqueue_combine(st)
             self.sent += len(self.ffn_ranks)
         self.issued = s
         self.ring_last_issued[ring] = s
         self.inflight[ring] = st
         self.rates.start_clock()
 
+    def enqueue_combine(self, st: dict) -> None:
+        """Per FFN rank, on the step's ring stream: cuStreamWaitValue32(own flag >= 1) ->
+        DtoH of the reply -> reset of the own flag to 0 (before the ring can be reused)."""
+        cu, call = self.cu, self.cd.call
+        ring = st["ring"]
+        stream = self.streams[ring]
+        geq = cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+        for f in self.ffn_ranks:
+            fr = f - self.A
+            own_flag = self.flag_va(self.rank, fr, ring)
+            call(cu.cuStreamWaitValue32, stream, own_flag, FLAG_REPLY_READY, geq)
+            call(cu.cuMemcpyDtoHAsync, self.recv_buf[(f, ring)].addr,
+                 self.slot_va(self.rank, fr, ring) + self.codec.reply_start,
+                 self.codec.reply_bytes, stream)
+            call(cu.cuStreamWriteValue32, stream, own_flag, 0, 0)   # in-band reset
+        st["split"] = False
+
+    def try_stop(self) -> None:
+        """Stop issuing. ``pending_at_cut``: first dispatch the next step and stop before its
+        combine (the FFN drains it; its reply lands unread). ``no_drain`` (the FFN ranks are
+        already parked): make sure a reply is owed at the cut by issuing the next step."""
+        cfg = self.cfg
+        s = self.next_step
+        if (cfg.pending_at_cut or cfg.no_drain) and s <= cfg.steps and \
+                self.shutdown_seq is None:
+            ring = (s - 1) % self.D
+            if ring in self.inflight:
+                st = self.inflight[ring]
+                if cfg.pending_at_cut or self.replied_by_all(st):
+                    return                  # that step completes (its replies are issued)
+            else:
+                self.issue(s, combine=not cfg.pending_at_cut)
+                self.next_step += 1
+        self.send_stopped()
+
+    def replied_by_all(self, st: dict) -> bool:
+        """(--no-drain) every FFN rank issued its reply to in-flight step ``st`` before it
+        parked, so the step's stream completes."""
+        return all(self.ffn_replied.get(f, {}).get(self.rank, {}).get(st["ring"], 0) >= st["s"]
+                   for f in self.ffn_ranks)
+
     def reap(self) -> bool:
         progressed = False
         for ring in list(self.inflight):
-            if not self.cd.stream_done(self.streams[ring]):
+            if self.inflight[ring]["split"] or not self.cd.stream_done(self.streams[ring]):
                 continue
             st = self.inflight.pop(ring)
             progressed = True
@@ -490,6 +569,9 @@ class AttentionRank(Rank):
                     continue
                 self.evidence[f].add(seq)
                 self.replied += 1
+                for h in self.held:
+                    if (h["ffn"], h["seq"]) == (f, seq):
+                        h["consumed"] += 1
             self.rates.record(len(self.ffn_ranks),
                               len(self.ffn_ranks) * (self.win.slot_bytes + self.codec.reply_bytes),
                               rtt)
@@ -502,6 +584,8 @@ class AttentionRank(Rank):
         while True:
             self.service_control()
             progressed = self.reap()
+            if self.stop_pending:
+                self.try_stop()
             if self.state == "running":
                 s = self.next_step
                 ring = (s - 1) % self.D
@@ -524,9 +608,58 @@ class AttentionRank(Rank):
                 time.sleep(min(0.002, 0.0001 * idle))
 
     def sync_all(self) -> None:
-        for st in self.streams:
+        for ring, st in enumerate(self.streams):
+            if self.state != "finished" and self.cfg.no_drain and ring in self.inflight and \
+                    not self.replied_by_all(self.inflight[ring]):
+                continue                    # --no-drain: this stream waits on an owed reply
             self.cd.call(self.cu.cuStreamSynchronize, st)
         self.cd.call(self.cu.cuStreamSynchronize, self.aux)
+
+    def pending_at_park(self) -> list[dict]:
+        """After the sync: replies owed (a stream still waits: --no-drain) and reply flags that
+        landed but were not read yet (own flag = 1 with no wait enqueued: --pending-at-cut)."""
+        out = []
+        for ring, st in sorted(self.inflight.items()):
+            if not st["split"] and not st["shutdown"]:
+                for f in self.ffn_ranks:
+                    if self.ffn_replied.get(f, {}).get(self.rank, {}).get(ring, 0) < st["s"]:
+                        out.append({"kind": "reply_owed", "src": f, "dst": self.rank,
+                                    "ring": ring, "seq": st["s"]})
+        flags = self.read_flags(self.rank)
+        for ring, st in sorted(self.inflight.items()):
+            if st["split"]:
+                for f in self.ffn_ranks:
+                    v = flags[self.win.flag_idx(f - self.A, ring)]
+                    if v == FLAG_REPLY_READY:
+                        out.append({"kind": "reply_unread", "src": f, "dst": self.rank,
+                                    "ring": ring, "seq": st["s"]})
+                    self.held.append({"quiesce": self.quiesces, "ffn": f, "ring": ring,
+                                      "seq": st["s"], "flag_at_cut": v,
+                                      "flag_at_resume": None, "consumed": 0})
+        return out
+
+    def resume_protocol(self) -> None:
+        """Enqueue the combine of a step dispatched before the cut (--pending-at-cut): its
+        wait finds the reply flag already set, reads the reply and resets the flag."""
+        for st in self.inflight.values():
+            if st["split"]:
+                st["t0"] = time.monotonic()
+                self.enqueue_combine(st)
+
+    def done_event(self) -> dict:
+        ev = super().done_event()
+        ev["cut_pending"] = self.held
+        ev["final_flags"] = getattr(self, "final_flags", None)
+        return ev
+
+    def finish(self) -> None:
+        """No reply flag is left at 1 after its consumer finished."""
+        self.sync_all()
+        own = self.read_flags(self.rank)
+        self.final_flags = own
+        if any(own):
+            self.errors.append(f"reply flags left set after the last combine: {own}")
+        super().finish()
 
     def after_sync(self) -> None:
         self.reap()
@@ -536,13 +669,31 @@ class AttentionRank(Rank):
         own flags are 0; through each peer mapping, the FFN's dispatch slot and flag hold the
         last dispatch issued on that ring."""
         own = self.read_flags(self.rank)
-        self.record_check(all(v == 0 for v in own), f"own flags not all 0: {own}")
+        held = {(h["ffn"], h["ring"]): h for h in self.held if h["quiesce"] == self.quiesces}
+        owed_rings = set(self.inflight) if self.cfg.no_drain else set()
+        want = []
+        for f in self.ffn_ranks:
+            for ring in range(self.D):
+                if (f, ring) in held:
+                    held[(f, ring)]["flag_at_resume"] = \
+                        own[self.win.flag_idx(f - self.A, ring)]
+                    want.append((FLAG_REPLY_READY,))
+                elif ring in owed_rings:
+                    want.append((0, FLAG_REPLY_READY))     # one FFN may have replied already
+                else:
+                    want.append((0,))
+        got = [own[self.win.flag_idx(f - self.A, ring)] for f in self.ffn_ranks
+               for ring in range(self.D)]
+        self.record_check(all(g in w for g, w in zip(got, want)),
+                          f"own flags {got}, expected {want}")
         for f in self.ffn_ranks:
             fr = f - self.A
             pflags = self.read_flags(f)
             for ring in range(self.D):
                 s_done = self.ring_last_replied[ring]
-                if s_done:
+                if (f, ring) in held:
+                    s_done = held[(f, ring)]["seq"]     # the reply that landed before the cut
+                if s_done and ring not in owed_rings:
                     got = self.read_device(self.slot_va(self.rank, fr, ring)
                                            + self.codec.reply_start, self.codec.reply_bytes)
                     exp = self.codec.reply(self.codec.dispatch(self.rank, fr, s_done), fr)
@@ -588,6 +739,20 @@ class FfnRank(Rank):
 
     def issued_seq(self) -> int:
         return 0
+
+    def replied_map(self) -> dict:
+        """{attention rank: {ring: last seq replied}} (the replies this rank has issued)."""
+        return {a: {r: self.last_replied[(a, r)] for r in range(self.D)} for a in self.attn_ranks}
+
+    def pending_at_park(self) -> list[dict]:
+        """After the sync: dispatch flags written but not consumed (own flag != last seen)."""
+        out = []
+        for idx, v in enumerate(self.read_flags(self.rank)):
+            if v != self.seen[idx]:
+                a, ring = divmod(idx, self.D)
+                out.append({"kind": "dispatch_unconsumed", "src": a, "dst": self.rank,
+                            "ring": ring, "seq": v})
+        return out
 
     def last_seq(self) -> dict:
         return {a: max(self.last[(a, r)] for r in range(self.D)) for a in self.attn_ranks}
@@ -702,20 +867,44 @@ class FfnRank(Rank):
         consumed message; through each attention peer's mapping, its reply flags are 0 and the
         reply slot holds R(P) of the last replied step."""
         own = self.read_flags(self.rank)
-        self.record_check(own == self.seen, f"own flags {own} != last seen {self.seen}")
+        unconsumed = {}                 # written, not consumed at the cut: must be exactly-next
+        for idx, v in enumerate(own):
+            if v != self.seen[idx] and idx < self.A * self.D:
+                a, ring = divmod(idx, self.D)
+                prev = self.last[(a, ring)]
+                if v == (prev + self.D if prev else ring + 1):
+                    unconsumed[(a, ring)] = v
+        self.record_check(all(v == self.seen[i] or divmod(i, self.D) in unconsumed
+                              for i, v in enumerate(own)),
+                          f"own flags {own} != last seen {self.seen}")
+        unread = {(p["dst"], p["ring"]): p["seq"] for p in self.cut_pending
+                  if p.get("kind") == "reply_unread" and p.get("src") == self.rank}
         for a in self.attn_ranks:
             pflags = self.read_flags(a)
             for ring in range(self.D):
                 s = self.last[(a, ring)]
-                self.record_check(pflags[self.win.flag_idx(self.role_rank, ring)] == 0,
-                                  f"attention rank {a} reply flag ring {ring} not reset")
+                rflag = pflags[self.win.flag_idx(self.role_rank, ring)]
+                want = (FLAG_REPLY_READY,) if (a, ring) in unread else \
+                    (0, FLAG_REPLY_READY) if self.cfg.no_drain else (0,)
+                self.record_check(rflag in want, f"attention rank {a} reply flag ring {ring} = "
+                                                 f"{rflag}, expected one of {want}")
+                if (a, ring) in unconsumed:
+                    got = self.read_device(self.slot_va(self.rank, a, ring), self.win.slot_bytes)
+                    v = unconsumed[(a, ring)]
+                    exp = self.codec.shutdown(v) if v == self.cfg.steps + 1 else \
+                        self.codec.dispatch(a, self.role_rank, v)
+                    self.record_check(got == exp,
+                                      f"unconsumed dispatch slot rank {a} ring {ring} "
+                                      f"!= P(step {v})")
                 if not s:
                     continue
-                got = self.read_device(self.slot_va(self.rank, a, ring), self.win.slot_bytes)
-                exp = self.codec.shutdown(s) if self.shutdown_from.get(a) == s else \
-                    self.codec.dispatch(a, self.role_rank, s)
-                self.record_check(got == exp, f"own dispatch slot rank {a} ring {ring} "
-                                              f"!= P(step {s})")
+                if (a, ring) not in unconsumed:     # else overwritten by the next dispatch
+                    got = self.read_device(self.slot_va(self.rank, a, ring),
+                                           self.win.slot_bytes)
+                    exp = self.codec.shutdown(s) if self.shutdown_from.get(a) == s else \
+                        self.codec.dispatch(a, self.role_rank, s)
+                    self.record_check(got == exp, f"own dispatch slot rank {a} ring {ring} "
+                                                  f"!= P(step {s})")
                 s = self.last_replied[(a, ring)]
                 if not s:
                     continue
