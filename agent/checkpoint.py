@@ -2,14 +2,15 @@
 
 Order (DESIGN §3, prior-art §9 lesson 8)::
 
-    census -> quiesce (request/ready) -> capture (coordinator: INSPECT, validate,
+    census -> quiesce (request/ready) -> quiescence check (native lock + unlock of every pid:
+    no stream work left) -> capture (coordinator: INSPECT, validate,
     SAVE_ALLOCATIONS, PREPARE_UNICAST) -> native lock (every pid) -> native checkpoint (each pid)
     -> CRIU dump of each tree with --leave-stopped (images written, tree left stopped)
     -> manifest (written last) -> SIGKILL every dumped tree (--leave-running: resume it)
 
 A refused or failed checkpoint leaves the workload running with its memory intact:
 
-- census, quiesce, INSPECT/validate: *refused*; nothing was torn down (``.resume`` cancelled
+- census, quiesce, quiescence check, INSPECT/validate: *refused*; nothing was torn down (``.resume`` cancelled
   is written once the request was sent); the workload keeps running.
 - from SAVE_ALLOCATIONS until the manifest is on disk: *rolled back*. No tree has been killed
   yet (CRIU leaves a dumped tree stopped; a failed dump resumes its tree), so the agent
@@ -200,6 +201,24 @@ class Checkpoint:
             ph.detail = f"{ranks} ranks parked"
         self.check_parked()
 
+    def quiescence_check(self):
+        """Prove the workload quiescent before anything is torn down: lock every CUDA process
+        (the native lock waits for all submitted stream work, up to ``lock_timeout_ms``) and
+        unlock it again. A parked workload submits no new work, so streams that drained under
+        the lock stay drained through the capture. A lock that times out means a stream still
+        waits on something (a peer's reply the workload did not drain): tearing the shared
+        memory down under it would fault that stream and snapshot a dead context, so the
+        checkpoint is refused here, with nothing torn down. Raises ``AgentError`` (phase
+        "quiescence check") naming the pid and the driver's answer."""
+        with self.r.phase("quiescence check") as ph:
+            try:
+                native.lock_all(self.census.cuda_pids, self.lock_timeout_ms)
+            except native.NativeError as e:
+                raise AgentError("quiescence check", e.reason, pid=e.pid) from e
+            native.unlock_all(self.census.cuda_pids)
+            ph.detail = (f"{len(self.census.cuda_pids)} processes locked and unlocked: "
+                         "every stream drained")
+
     def check_parked(self):
         """Every participant must be among the ranks the workload reported parked (when it lists
         pids): a CUDA process that is still running cannot be torn down safely. Raises
@@ -354,6 +373,8 @@ class Checkpoint:
             self.make_coordinator()
             self.quiesce()
             self._refused_if_interrupted("quiesce")
+            self.quiescence_check()
+            self._refused_if_interrupted("quiescence check")
         except BaseException as e:  # nothing was torn down yet: a refusal
             # wait_ready cancels its own refusals; everything after the request is cancelled here
             if self.qid is not None and not isinstance(e, QuiesceRefused):

@@ -14,10 +14,13 @@ import cuinterpose.agent as agent_pkg
 from cuinterpose.agent import checkpoint as cp_mod
 from cuinterpose.agent import census as census_mod
 from cuinterpose.agent import native, quiesce
-from cuinterpose.agent.errors import CheckpointFailed, NativeError, QuiesceRefused, SnapshotError
+from cuinterpose.agent.errors import AgentError, CheckpointFailed, NativeError, QuiesceRefused, SnapshotError
 
 PIDS = [201, 202]
 ROOT = 200
+# the quiescence check: every CUDA process locked, then unlocked, before any teardown
+PROBE = [("native", "lock", 201), ("native", "lock", 202),
+         ("native", "unlock", 201), ("native", "unlock", 202)]
 
 
 class World:
@@ -31,9 +34,13 @@ class World:
         self.coord_phase = "ACTIVE"
         self.capture_obj = None
         self.stopped = set()
+        self.captured = False   # the coordinator's capture() was called (teardown may start)
 
     def maybe_fail(self, key, pid=None):
-        if self.fail.get(key) == pid:
+        """Fail ``key`` for ``pid``; a lock before the capture is the quiescence check's,
+        failed by the key "probe_lock"."""
+        match = "probe_lock" if key == "lock" and not self.captured else key
+        if self.fail.get(match) == pid:
             raise NativeError(key, pid, "CUDA_ERROR_INVALID_VALUE")
 
 
@@ -84,6 +91,7 @@ def world(tmp_path, monkeypatch):
                 raise RuntimeError(f"INSPECT: pid 201 is in phase {w.coord_phase}")
 
         def capture(self):
+            w.captured = True
             w.coord_phase = "PREPARED"
             w.log.append(("coord", "capture", None))
             w.capture_obj = Capture()
@@ -149,7 +157,7 @@ def test_order_lock_every_process_then_checkpoint_each(world, tmp_path, monkeypa
     monkeypatch.setattr(quiesce, "request", answer_quiesce(world))
     m = cp_mod.Checkpoint([ROOT], tmp_path / "snap", control_dir=world.ctl).run()
     assert world.log == [
-        ("coord", "init", tuple(PIDS)), ("workload", "ready", None),
+        ("coord", "init", tuple(PIDS)), ("workload", "ready", None), *PROBE,
         ("coord", "capture", None),
         ("native", "lock", 201), ("native", "lock", 202),
         ("native", "checkpoint", 201), ("native", "checkpoint", 202),
@@ -158,8 +166,8 @@ def test_order_lock_every_process_then_checkpoint_each(world, tmp_path, monkeypa
     assert on_disk["cuda_pids"] == PIDS and on_disk["roots"] == [ROOT]
     assert on_disk["criu"]["files"]["criu/200/core.img"]["bytes"] == 1
     assert [p["name"] for p in m["phases"]] == [
-        "driver", "census", "quiesce", "native lock", "native checkpoint",
-        "criu dump"]
+        "driver", "census", "quiesce", "quiescence check", "native lock",
+        "native checkpoint", "criu dump"]
     assert not (world.ctl / f"quiesce-{ROOT}.resume").exists()  # only after restore
 
 
@@ -214,6 +222,24 @@ def test_lock_failure_unlocks_the_locked_and_rolls_back(world, tmp_path, monkeyp
     assert world.state == {201: "RUNNING", 202: "RUNNING"}
 
 
+def test_quiescence_check_lock_timeout_refuses_before_any_teardown(world, tmp_path, monkeypatch):
+    """A stream still waiting on a peer makes the native lock time out: refused at the
+    quiescence check, the already-locked process unlocked, no capture, .resume cancelled."""
+    world.fail = {"probe_lock": 202}
+    monkeypatch.setattr(quiesce, "request", answer_quiesce(world))
+    with pytest.raises(AgentError) as ei:
+        cp_mod.Checkpoint([ROOT], tmp_path / "snap", control_dir=world.ctl).run()
+    e = ei.value
+    assert (e.phase, e.pid, e.outcome) == ("quiescence check", 202, "refused")
+    assert e.reason == "cuCheckpointProcessLock: CUDA_ERROR_INVALID_VALUE"
+    assert world.log == [("coord", "init", tuple(PIDS)), ("workload", "ready", None),
+                         ("native", "lock", 201), ("native", "lock", 202),
+                         ("native", "unlock", 201)]
+    assert world.state == {201: "RUNNING", 202: "RUNNING"}
+    assert resume_of(world)["cancelled"] is True
+    assert not (tmp_path / "snap").exists()
+
+
 def test_existing_snapshot_is_refused(world, tmp_path):
     (tmp_path / "snap").mkdir()
     (tmp_path / "snap" / "manifest.json").write_text("{}")
@@ -243,7 +269,7 @@ def test_inspect_refusal_is_a_refusal_without_teardown(world, tmp_path, monkeypa
     e = ei.value
     assert (e.phase, e.pid, e.outcome) == ("INSPECT", 202, "refused")
     assert str(e) == "INSPECT: pid 202 refused (REFUSED_STATE): allocation 9f3c is a raw import"
-    assert [x for x in world.log if x[0] == "native"] == []
+    assert [x for x in world.log if x[0] == "native"] == PROBE
     assert resume_of(world)["cancelled"] is True
 
 
@@ -405,7 +431,7 @@ def test_mixed_phase_capture_failure_rolls_back_to_active(world, tmp_path, monke
         "INSPECT", "SAVE_ALLOCATIONS", "INSPECT", "CANCEL_CAPTURE", "INSPECT"]
     assert [Op(x.op).name for x in log.of("recv", pid=202)] == [
         "INSPECT", "SAVE_ALLOCATIONS", "INSPECT", "INSPECT"]
-    assert [x for x in world.log if x[0] in ("native", "criu", "signal")] == []
+    assert [x for x in world.log if x[0] in ("native", "criu", "signal")] == PROBE
     assert resume_of(world)["restored"] is False
 
 
@@ -482,7 +508,7 @@ def test_signal_during_native_lock_finishes_the_phase_then_rolls_back(world, tmp
 
     def lock(pid, *a):
         orig(pid, *a)
-        if pid == 201:
+        if pid == 201 and world.captured:
             os.kill(os.getpid(), sig)   # arrives mid-phase, a second one is ignored
             os.kill(os.getpid(), sig)
     monkeypatch.setattr(native, "lock", lock)
@@ -493,7 +519,7 @@ def test_signal_during_native_lock_finishes_the_phase_then_rolls_back(world, tmp
     assert (e.phase, e.pid, e.outcome) == ("native lock", None, "rolled_back")
     assert e.reason == (f"interrupted by {name} after native lock (rolled back: the workload "
                         "continues with its memory intact)")
-    assert world.log[3:] == [("native", "lock", 201), ("native", "lock", 202),
+    assert world.log[-5:] == [("native", "lock", 201), ("native", "lock", 202),
                              ("native", "unlock", 201), ("native", "unlock", 202),
                              ("coord", "rollback", None)]
     assert world.state == {201: "RUNNING", 202: "RUNNING"}
