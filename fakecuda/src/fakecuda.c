@@ -6,9 +6,13 @@
  * memfd, cuMemSetAccess = mprotect. Streams are worker threads. cuCheckpointProcess*
  * talk to a control thread in the target process over an abstract Unix socket.
  *
- * Sections: globals/config/log, entry gate, devices, contexts, VMM tables, copy engine,
- * streams, memory API, VMM API, stream memops, checkpoint (target + controller),
- * cuGetProcAddress table.
+ * Multicast objects are memfds too: their team state (members, bindings) lives in the
+ * memfd, shared by every importer; writes through a multicast VA are broadcast by the copy
+ * engine to every bound member's memfd (opened through /proc/<pid>/fd/<fd>).
+ *
+ * Sections: globals/config/log, entry gate, devices, contexts, VMM tables, copy engine
+ * (with multicast broadcast), streams, memory API, VMM API, multicast API, stream memops,
+ * checkpoint (target + controller), cuGetProcAddress table.
  */
 #define _GNU_SOURCE
 #define __CUDA_API_VERSION_INTERNAL 1 /* declare every ELF spelling (v1, _v2, _ptds, _ptsz) */
@@ -41,7 +45,7 @@
 #define FC_META_MAGIC "FAKECUDA"
 #define FC_META_VERSION 1u
 #define FC_KIND_ALLOCATION 1u
-#define FC_KIND_MULTICAST 2u /* reserved for the multicast issue */
+#define FC_KIND_MULTICAST 2u
 #define FC_SHIM_TAG 0xC01Eull
 
 /* ------------------------------------------------------------------ globals, config, log */
@@ -55,6 +59,8 @@ static unsigned long long g_totalmem = 16ull << 30;
 static int g_logfd = -1;
 enum { HINT_HONOR, HINT_IGNORE, HINT_FAIL };
 static int g_hint_mode = HINT_HONOR; /* FAKECUDA_RESERVE_HINT */
+static unsigned long long g_mc_watchdog_ms = 10000; /* FAKECUDA_MULTICAST_WATCHDOG_MS (0: wait forever) */
+static unsigned long long g_mc_rounding;           /* FAKECUDA_MULTICAST_CAPACITY_ROUNDING (0: none) */
 
 static pid_t fc_tid(void) { return (pid_t)syscall(SYS_gettid); }
 
@@ -163,6 +169,10 @@ __attribute__((constructor)) static void fc_load(void)
     if (g_gran < g_page || (g_gran & (g_gran - 1)))
         g_gran = 2u << 20;
     g_totalmem = env_ull("FAKECUDA_TOTAL_MEM", 16ull << 30);
+    g_mc_watchdog_ms = env_ull("FAKECUDA_MULTICAST_WATCHDOG_MS", 10000);
+    g_mc_rounding = env_ull("FAKECUDA_MULTICAST_CAPACITY_ROUNDING", 0);
+    if (g_mc_rounding % g_gran) /* a capacity is always a multiple of the granularity */
+        g_mc_rounding += g_gran - g_mc_rounding % g_gran;
     const char *hint = getenv("FAKECUDA_RESERVE_HINT");
     if (hint && !strcmp(hint, "ignore"))
         g_hint_mode = HINT_IGNORE;
@@ -354,13 +364,46 @@ static int ctx_valid(struct fc_ctx *c)
 struct fc_meta {                 /* the trailing metadata page of every allocation memfd */
     char magic[8];
     uint32_t version;
-    uint32_t kind;               /* FC_KIND_ALLOCATION; FC_KIND_MULTICAST reserved */
+    uint32_t kind;               /* FC_KIND_ALLOCATION or FC_KIND_MULTICAST */
     uint64_t size;
     CUmemAllocationProp prop;
     int32_t device;
     int32_t creator_pid;
     uint64_t object_id;
 };
+
+/* A multicast object's team, shared by every process that holds the object: it lives at the
+ * start of the object's memfd (metadata page after it), mapped MAP_SHARED, guarded by a
+ * process-shared robust mutex. A member is a (pid, device) pair (see docs/fakecuda.md). */
+#define FC_MC_MAX_MEMBERS 64
+#define FC_MC_MAX_BINDS 512
+#define FC_TEAM_MAGIC 0xfc7ea3c1u
+
+struct fc_team_member {
+    int32_t pid;
+    int32_t dev;
+};
+
+struct fc_team_bind {
+    int32_t pid, dev;            /* the binding member */
+    int32_t fd;                  /* the bound allocation's memfd number in that process */
+    uint32_t used;
+    uint64_t st_dev, st_ino;     /* ... and its identity (checked before every access) */
+    uint64_t mc_off, mem_off, size;
+    uint64_t object_id;
+};
+
+struct fc_team {
+    pthread_mutex_t mu;
+    uint32_t magic, num_devices;
+    uint64_t size, capacity, handle_types;
+    int32_t creator_pid;
+    uint32_t nmembers;
+    struct fc_team_member members[FC_MC_MAX_MEMBERS];
+    struct fc_team_bind binds[FC_MC_MAX_BINDS];
+};
+
+static size_t team_len(void) { return (sizeof(struct fc_team) + g_page - 1) & ~(g_page - 1); }
 
 struct fc_alloc {
     struct fc_alloc *next;
@@ -374,8 +417,12 @@ struct fc_alloc {
     uint64_t object_id;
     int handles;                 /* live handle values referring to it */
     int maps;                    /* mappings of it */
+    int binds;                   /* multicast bindings of (or, for a multicast object, into) it */
+    int pins;                    /* calls blocked on it (a multicast bind/map waiting for the team) */
     int created_here;            /* counts against device capacity */
     void *saved;                 /* bytes while checkpointed */
+    uint32_t kind;               /* FC_KIND_ALLOCATION or FC_KIND_MULTICAST */
+    struct fc_team *team;        /* multicast: the shared team state (mapped from the memfd) */
 };
 
 struct fc_handle {               /* indexed by handle value */
@@ -403,6 +450,7 @@ struct fc_dmem {                 /* cuMemAlloc memory */
     uintptr_t va;
     size_t size, mapped;
     int dev;
+    void *saved;                 /* bytes while checkpointed (the range is then a reservation) */
 };
 
 struct fc_export {               /* fds handed out by cuMemExportToShareableHandle */
@@ -478,7 +526,7 @@ static struct fc_dmem *dmem_find(uintptr_t va)
 
 static void alloc_maybe_free(struct fc_alloc *a)
 {
-    if (a->handles > 0 || a->maps > 0)
+    if (a->handles > 0 || a->maps > 0 || a->binds > 0 || a->pins > 0)
         return;
     struct fc_alloc **pp = &g_allocs;
     while (*pp && *pp != a)
@@ -489,6 +537,8 @@ static void alloc_maybe_free(struct fc_alloc *a)
         g_used[a->device] -= a->size;
     if (a->fd >= 0)
         close(a->fd);
+    if (a->team)
+        munmap(a->team, team_len());
     free(a->saved);
     free(a);
 }
@@ -499,7 +549,7 @@ static int write_meta(int fd, const struct fc_alloc *a)
     memset(&m, 0, sizeof m);
     memcpy(m.magic, FC_META_MAGIC, 8);
     m.version = FC_META_VERSION;
-    m.kind = FC_KIND_ALLOCATION;
+    m.kind = a->kind;
     m.size = a->size;
     m.prop = a->prop;
     m.device = a->device;
@@ -536,6 +586,8 @@ static int prot_of(const struct fc_map *m, size_t g)
 
 static void map_apply_prot(const struct fc_map *m)
 {
+    if (m->alloc->kind == FC_KIND_MULTICAST)
+        return; /* a multicast VA stays PROT_NONE: a host store there would reach no member */
     for (size_t g = 0; g < m->size / g_gran; g++)
         mprotect((void *)(m->va + g * g_gran), g_gran, prot_of(m, g));
 }
@@ -630,6 +682,139 @@ static int wait_done(uint64_t cur, uint64_t ref, unsigned flags, int is64)
     return 1;
 }
 
+/* ---- multicast in the copy engine: writes through a multicast VA go to every bound member
+ * (in every process); reads through one are refused (see docs/fakecuda.md). */
+
+static void team_lock(struct fc_team *t)
+{
+    if (pthread_mutex_lock(&t->mu) == EOWNERDEAD) /* a holder died: the table itself is consistent */
+        pthread_mutex_consistent(&t->mu);
+}
+
+static void team_unlock(struct fc_team *t) { pthread_mutex_unlock(&t->mu); }
+
+/* Does [va, va+len) touch a multicast mapping? (g_mu held) */
+static int mc_overlaps(uintptr_t va, size_t len)
+{
+    for (struct fc_map *m = g_maps; m; m = m->next)
+        if (m->alloc->kind == FC_KIND_MULTICAST && m->va < va + len && va < m->va + m->size)
+            return 1;
+    return 0;
+}
+
+static CUresult mc_read_refused(uintptr_t va, size_t len)
+{
+    fc_loud("read of %zu bytes through multicast VA 0x%" PRIxPTR " refused -> CUDA_ERROR_ILLEGAL_ADDRESS "
+            "(plain loads of a multicast address are undefined on the real driver; read a member)",
+            len, va);
+    return CUDA_ERROR_ILLEGAL_ADDRESS;
+}
+
+/* Write bytes [opoff, opoff+n) of what `op` writes at its destination to `t`. */
+static void op_apply(const struct fc_op *op, unsigned char *t, size_t opoff, size_t n)
+{
+    switch (op->kind) {
+    case OP_COPY: memmove(t, (const unsigned char *)op->src + opoff, n); break;
+    case OP_SET8: memset(t, (int)(op->val & 0xff), n); break;
+    case OP_SET16:
+        for (size_t i = 0; i < n / 2; i++) ((uint16_t *)(void *)t)[i] = (uint16_t)op->val;
+        break;
+    case OP_SET32:
+        for (size_t i = 0; i < n / 4; i++) ((uint32_t *)(void *)t)[i] = (uint32_t)op->val;
+        break;
+    case OP_WRITE32: __atomic_store_n((uint32_t *)(void *)t, (uint32_t)op->val, __ATOMIC_SEQ_CST); break;
+    case OP_WRITE64: __atomic_store_n((uint64_t *)(void *)t, (uint64_t)op->val, __ATOMIC_SEQ_CST); break;
+    }
+}
+
+/* Write [mc_off, mc_off+n) of multicast object `mc`: every member whose binding covers a byte
+ * receives it, through its memfd (opened from /proc/<pid>/fd/<fd> and checked by inode; a
+ * binding whose process exited is dropped first). Every granule must have at least one member
+ * bound, else nothing is written and the write is an illegal address. (g_mu held; takes the
+ * team lock.) */
+static CUresult mc_broadcast(struct fc_alloc *mc, uint64_t mc_off, const struct fc_op *op, size_t opoff, size_t n)
+{
+    struct fc_team *t = mc->team;
+    CUresult r = CUDA_SUCCESS;
+    int fds[FC_MC_MAX_BINDS];
+    team_lock(t);
+    for (int i = 0; i < FC_MC_MAX_BINDS; i++) {
+        struct fc_team_bind *b = &t->binds[i];
+        fds[i] = -1;
+        if (!b->used || b->mc_off >= mc_off + n || mc_off >= b->mc_off + b->size)
+            continue;
+        char path[64];
+        snprintf(path, sizeof path, "/proc/%d/fd/%d", (int)b->pid, (int)b->fd);
+        int fd = open(path, O_RDWR | O_CLOEXEC);
+        struct stat st;
+        if (fd < 0 || fstat(fd, &st) != 0 || (uint64_t)st.st_dev != b->st_dev || (uint64_t)st.st_ino != b->st_ino) {
+            /* the binder exited (a live binder keeps the bound memfd open): its binding went
+             * with it, as on the real driver */
+            fc_logline("fakecuda: multicast object %" PRIu64 ": member (pid %d, device %d) is gone; "
+                       "its binding is dropped", mc->object_id, (int)b->pid, (int)b->dev);
+            if (fd >= 0)
+                close(fd);
+            memset(b, 0, sizeof *b);
+            continue;
+        }
+        fds[i] = fd;
+    }
+    for (uint64_t g = mc_off & ~(uint64_t)(g_gran - 1); g < mc_off + n && r == CUDA_SUCCESS; g += g_gran) {
+        int covered = 0;
+        for (int i = 0; i < FC_MC_MAX_BINDS && !covered; i++)
+            covered = fds[i] >= 0 && g >= t->binds[i].mc_off && g - t->binds[i].mc_off < t->binds[i].size;
+        if (!covered) {
+            fc_loud("write through multicast object %" PRIu64 " at offset 0x%" PRIx64
+                    " where no member is bound -> CUDA_ERROR_ILLEGAL_ADDRESS", mc->object_id, g);
+            r = CUDA_ERROR_ILLEGAL_ADDRESS;
+        }
+    }
+    for (int i = 0; i < FC_MC_MAX_BINDS; i++) {
+        if (fds[i] < 0)
+            continue;
+        const struct fc_team_bind *b = &t->binds[i];
+        uint64_t lo = mc_off > b->mc_off ? mc_off : b->mc_off;
+        uint64_t hi = mc_off + n < b->mc_off + b->size ? mc_off + n : b->mc_off + b->size;
+        uint64_t moff = b->mem_off + (lo - b->mc_off);
+        uint64_t pgoff = moff & ~(uint64_t)(g_page - 1);
+        size_t len = (size_t)(moff - pgoff + (hi - lo));
+        void *w = r == CUDA_SUCCESS ? mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, fds[i], (off_t)pgoff)
+                                    : MAP_FAILED;
+        close(fds[i]);
+        if (w == MAP_FAILED) {
+            if (r == CUDA_SUCCESS)
+                r = CUDA_ERROR_OUT_OF_MEMORY;
+            continue;
+        }
+        op_apply(op, (unsigned char *)w + (moff - pgoff), opoff + (size_t)(lo - mc_off), (size_t)(hi - lo));
+        munmap(w, len);
+    }
+    team_unlock(t);
+    return r;
+}
+
+/* The destination write of `op` ([dst, dst+dlen) passed the access check) when it touches a
+ * multicast mapping: unicast pieces are written in place, multicast pieces broadcast. */
+static CUresult mc_write(const struct fc_op *op, size_t dlen)
+{
+    uintptr_t p = op->dst, end = op->dst + dlen;
+    while (p < end) {
+        struct fc_map *m = map_find(p);
+        if (!m)
+            return CUDA_ERROR_ILLEGAL_ADDRESS;
+        uintptr_t seg_end = m->va + m->size < end ? m->va + m->size : end;
+        if (m->alloc->kind == FC_KIND_MULTICAST) {
+            CUresult r = mc_broadcast(m->alloc, m->offset + (p - m->va), op, p - op->dst, seg_end - p);
+            if (r != CUDA_SUCCESS)
+                return r;
+        } else {
+            op_apply(op, (unsigned char *)p, p - op->dst, seg_end - p);
+        }
+        p = seg_end;
+    }
+    return CUDA_SUCCESS;
+}
+
 /* Execute one op (stream worker or synchronous caller) from device `dev`. */
 static CUresult op_exec(const struct fc_op *op, int dev)
 {
@@ -640,6 +825,8 @@ static CUresult op_exec(const struct fc_op *op, int dev)
         for (;;) {
             pthread_mutex_lock(&g_mu);
             r = side_check(op->dst, is64 ? 8 : 4, PTR_DEVICE, dev, 0);
+            if (r == CUDA_SUCCESS && mc_overlaps(op->dst, is64 ? 8 : 4))
+                r = mc_read_refused(op->dst, is64 ? 8 : 4);
             uint64_t cur = 0;
             if (r == CUDA_SUCCESS)
                 cur = is64 ? __atomic_load_n((uint64_t *)op->dst, __ATOMIC_ACQUIRE)
@@ -664,7 +851,11 @@ static CUresult op_exec(const struct fc_op *op, int dev)
     r = side_check(op->dst, dlen, op->dkind, dev, 1);
     if (r == CUDA_SUCCESS && op->kind == OP_COPY)
         r = side_check(op->src, op->n, op->skind, dev, 0);
-    if (r == CUDA_SUCCESS) {
+    if (r == CUDA_SUCCESS && op->kind == OP_COPY && op->skind != PTR_HOST && mc_overlaps(op->src, op->n))
+        r = mc_read_refused(op->src, op->n);
+    if (r == CUDA_SUCCESS && op->dkind != PTR_HOST && mc_overlaps(op->dst, dlen)) {
+        r = mc_write(op, dlen);
+    } else if (r == CUDA_SUCCESS) {
         switch (op->kind) {
         case OP_COPY: memmove((void *)op->dst, (const void *)op->src, op->n); break;
         case OP_SET8: memset((void *)op->dst, (int)(op->val & 0xff), op->n); break;
@@ -1691,6 +1882,7 @@ static CUresult mem_create(CUmemGenericAllocationHandle *h, size_t size, const C
     a->creator_pid = (int)getpid();
     a->object_id = g_next_object++;
     a->created_here = 1;
+    a->kind = FC_KIND_ALLOCATION;
     if (write_meta(fd, a) != 0 || handle_new(a, h) != 0) {
         close(fd);
         free(a);
@@ -1819,16 +2011,22 @@ FC_EXPORT CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size)
     API(addr_free(ptr, size), "ptr=0x%llx size=%zu", (unsigned long long)ptr, size);
 }
 
+static CUresult mc_wait_handle(CUmemGenericAllocationHandle h, uintptr_t va, uint64_t off, uint64_t size,
+                               const char *what);
+static uint64_t alloc_extent(const struct fc_alloc *a);
+
 static CUresult mem_map(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle h,
                         unsigned long long flags)
 {
     if (flags != 0 || size == 0 || ptr % g_gran || size % g_gran || offset % g_gran)
         return CUDA_ERROR_INVALID_VALUE;
+    CUresult r = mc_wait_handle(h, (uintptr_t)ptr, offset, size, "cuMemMap"); /* multicast: team complete */
+    if (r != CUDA_SUCCESS)
+        return r;
     pthread_mutex_lock(&g_mu);
-    CUresult r = CUDA_SUCCESS;
     struct fc_handle *e = handle_get(h);
     struct fc_map *m = NULL;
-    if (!e || offset > e->alloc->size || size > e->alloc->size - offset || !resv_find(ptr, size))
+    if (!e || offset > alloc_extent(e->alloc) || size > alloc_extent(e->alloc) - offset || !resv_find(ptr, size))
         r = CUDA_ERROR_INVALID_VALUE;
     for (struct fc_map *o = g_maps; r == CUDA_SUCCESS && o; o = o->next)
         if (o->va < ptr + size && ptr < o->va + o->size)
@@ -1842,9 +2040,13 @@ static CUresult mem_map(CUdeviceptr ptr, size_t size, size_t offset, CUmemGeneri
         if (!m || !m->acc)
             r = CUDA_ERROR_OUT_OF_MEMORY;
     }
-    if (r == CUDA_SUCCESS &&
-        mmap((void *)ptr, size, PROT_NONE, MAP_SHARED | MAP_FIXED, e->alloc->fd, (off_t)offset) == MAP_FAILED)
+    if (r == CUDA_SUCCESS && e->alloc->kind == FC_KIND_MULTICAST) {
+        /* a multicast VA has no memory of its own: it stays a PROT_NONE reservation and the
+         * copy engine sends writes to the bound members */
+    } else if (r == CUDA_SUCCESS &&
+               mmap((void *)ptr, size, PROT_NONE, MAP_SHARED | MAP_FIXED, e->alloc->fd, (off_t)offset) == MAP_FAILED) {
         r = CUDA_ERROR_OUT_OF_MEMORY;
+    }
     if (r != CUDA_SUCCESS) {
         if (m)
             free(m->acc);
@@ -2035,8 +2237,10 @@ static CUresult mem_import(CUmemGenericAllocationHandle *h, void *os, CUmemAlloc
         return CUDA_ERROR_INVALID_VALUE;
     if (pread(fd, &meta, sizeof meta, st.st_size - (off_t)g_page) != (ssize_t)sizeof meta ||
         memcmp(meta.magic, FC_META_MAGIC, 8) != 0 || meta.version != FC_META_VERSION ||
-        meta.kind != FC_KIND_ALLOCATION || meta.size + g_page != (uint64_t)st.st_size)
-        return CUDA_ERROR_INVALID_VALUE; /* not a fakecuda allocation memfd */
+        (meta.kind != FC_KIND_ALLOCATION && meta.kind != FC_KIND_MULTICAST) ||
+        meta.size + g_page != (uint64_t)st.st_size ||
+        (meta.kind == FC_KIND_MULTICAST && meta.size != team_len()))
+        return CUDA_ERROR_INVALID_VALUE; /* not a fakecuda allocation or multicast memfd */
     if (!(meta.prop.requestedHandleTypes & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR))
         return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&g_mu);
@@ -2054,6 +2258,19 @@ static CUresult mem_import(CUmemGenericAllocationHandle *h, void *os, CUmemAlloc
             r = CUDA_ERROR_OUT_OF_MEMORY;
         } else {
             fresh = 1;
+            a->kind = meta.kind;
+            if (a->kind == FC_KIND_MULTICAST) {
+                void *t = mmap(NULL, team_len(), PROT_READ | PROT_WRITE, MAP_SHARED, nfd, 0);
+                if (t == MAP_FAILED || ((struct fc_team *)t)->magic != FC_TEAM_MAGIC) {
+                    if (t != MAP_FAILED)
+                        munmap(t, team_len());
+                    close(nfd);
+                    free(a);
+                    pthread_mutex_unlock(&g_mu);
+                    return CUDA_ERROR_INVALID_VALUE;
+                }
+                a->team = t;
+            }
             a->fd = nfd;
             a->st_dev = st.st_dev;
             a->st_ino = st.st_ino;
@@ -2072,6 +2289,8 @@ static CUresult mem_import(CUmemGenericAllocationHandle *h, void *os, CUmemAlloc
             g_allocs = a;
         } else {
             close(a->fd);
+            if (a->team)
+                munmap(a->team, team_len());
             free(a);
         }
     }
@@ -2113,6 +2332,8 @@ static CUresult mem_props(CUmemAllocationProp *prop, CUmemGenericAllocationHandl
         return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&g_mu);
     struct fc_handle *e = handle_get(h);
+    if (e && e->alloc->kind != FC_KIND_ALLOCATION)
+        e = NULL; /* a multicast object has no allocation properties */
     if (e)
         *prop = e->alloc->prop;
     pthread_mutex_unlock(&g_mu);
@@ -2123,6 +2344,432 @@ FC_EXPORT CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *p
                                                           CUmemGenericAllocationHandle handle)
 {
     API(mem_props(prop, handle), "handle=%llu", handle);
+}
+
+/* ------------------------------------------------------------------ multicast (ref §3) */
+/* An object = a memfd "fakecuda-multicast" holding the team (struct fc_team) and the metadata
+ * page, so every importing process sees one team. Its handle values share the VMM handle
+ * space (cuMemRelease, cuMemMap, export/import). Bind and map block until the team is
+ * complete, with a watchdog. */
+
+struct fc_mcbind {               /* this process's bindings (each holds the object and the memory) */
+    struct fc_mcbind *next;
+    struct fc_alloc *mc, *mem;
+    int dev;
+    uint64_t mc_off, size;
+};
+static struct fc_mcbind *g_mcbinds;
+
+static uint64_t alloc_extent(const struct fc_alloc *a)
+{
+    return a->kind == FC_KIND_MULTICAST ? a->team->capacity : a->size;
+}
+
+static uint64_t now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+/* Block until every device was added (the driver blocks forever; the watchdog fails loudly
+ * with CUDA_ERROR_TIMEOUT instead). Called without g_mu. */
+static CUresult mc_wait_complete(struct fc_alloc *mc, const char *what)
+{
+    struct fc_team *t = mc->team;
+    uint64_t start = now_ms();
+    unsigned sleep_ns = 20000;
+    int logged = 0;
+    for (;;) {
+        team_lock(t);
+        uint32_t have = t->nmembers, need = t->num_devices;
+        team_unlock(t);
+        if (have >= need)
+            return CUDA_SUCCESS;
+        if (!logged) {
+            fc_logline("fakecuda: %s blocks until every device was added to multicast object %" PRIu64
+                       " (%u of %u)", what, mc->object_id, have, need);
+            logged = 1;
+        }
+        if (g_mc_watchdog_ms && now_ms() - start >= g_mc_watchdog_ms) {
+            fc_loud("multicast watchdog: %s waited %llu ms, but only %u of %u devices were added to "
+                    "multicast object %" PRIu64 " -> CUDA_ERROR_TIMEOUT (the real driver blocks forever: "
+                    "every process must cuMulticastAddDevice, behind a barrier, before any bind or map)",
+                    what, g_mc_watchdog_ms, have, need, mc->object_id);
+            return CUDA_ERROR_TIMEOUT;
+        }
+        struct timespec ts = {0, (long)sleep_ns};
+        nanosleep(&ts, NULL);
+        if (sleep_ns < 1000000)
+            sleep_ns *= 2;
+    }
+}
+
+/* Pin `mc` (g_mu held by the caller, who passes it), wait with g_mu released, unpin. */
+static CUresult mc_wait_pinned(struct fc_alloc *mc, const char *what)
+{
+    mc->pins++;
+    pthread_mutex_unlock(&g_mu);
+    CUresult r = mc_wait_complete(mc, what);
+    pthread_mutex_lock(&g_mu);
+    mc->pins--;
+    return r;
+}
+
+/* cuMemMap of a multicast handle: capacity and reservation checks, then block until the team
+ * is complete (cuMemMap checks everything again afterwards). Any other handle: nothing to do. */
+static CUresult mc_wait_handle(CUmemGenericAllocationHandle h, uintptr_t va, uint64_t off, uint64_t size,
+                               const char *what)
+{
+    pthread_mutex_lock(&g_mu);
+    struct fc_handle *e = handle_get(h);
+    CUresult r = CUDA_SUCCESS;
+    if (e && e->alloc->kind == FC_KIND_MULTICAST) {
+        struct fc_alloc *mc = e->alloc;
+        if (off > mc->team->capacity || size > mc->team->capacity - off || !resv_find(va, size))
+            r = CUDA_ERROR_INVALID_VALUE;
+        else
+            r = mc_wait_pinned(mc, what);
+        alloc_maybe_free(mc);
+    }
+    pthread_mutex_unlock(&g_mu);
+    return r;
+}
+
+static struct fc_alloc *mc_get(CUmemGenericAllocationHandle h)
+{
+    struct fc_handle *e = handle_get(h);
+    return e && e->alloc->kind == FC_KIND_MULTICAST ? e->alloc : NULL;
+}
+
+static CUresult mc_check_prop(const CUmulticastObjectProp *p)
+{
+    if (!p || p->numDevices == 0 || p->flags != 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (p->numDevices > FC_MC_MAX_MEMBERS)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (p->handleTypes & CU_MEM_HANDLE_TYPE_FABRIC)
+        return CUDA_ERROR_NOT_SUPPORTED;
+    if (p->handleTypes & ~(unsigned long long)CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+        return CUDA_ERROR_INVALID_VALUE;
+    return CUDA_SUCCESS;
+}
+
+static CUresult mc_granularity(size_t *g, const CUmulticastObjectProp *p, CUmulticastGranularity_flags o)
+{
+    if (!g || (o != CU_MULTICAST_GRANULARITY_MINIMUM && o != CU_MULTICAST_GRANULARITY_RECOMMENDED))
+        return CUDA_ERROR_INVALID_VALUE;
+    CUresult r = mc_check_prop(p);
+    if (r == CUDA_SUCCESS)
+        *g = g_gran;
+    return r;
+}
+
+FC_EXPORT CUresult cuMulticastGetGranularity(size_t *granularity, const CUmulticastObjectProp *prop,
+                                             CUmulticastGranularity_flags option)
+{
+    API(mc_granularity(granularity, prop, option), "option=%d granularity=%zu", (int)option,
+        (size_t)OUT64(granularity));
+}
+
+static CUresult mc_create(CUmemGenericAllocationHandle *h, const CUmulticastObjectProp *p)
+{
+    if (!h)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUresult r = mc_check_prop(p);
+    if (r != CUDA_SUCCESS)
+        return r;
+    if (p->size == 0 || p->size % g_gran)
+        return CUDA_ERROR_INVALID_VALUE;
+    uint64_t cap = p->size;
+    if (g_mc_rounding && cap % g_mc_rounding) /* r615 rounds the capacity up (ref §3) */
+        cap += g_mc_rounding - cap % g_mc_rounding;
+    size_t tl = team_len();
+    int fd = memfd_create("fakecuda-multicast", MFD_CLOEXEC);
+    struct stat st;
+    struct fc_alloc *a = calloc(1, sizeof *a);
+    void *tm = MAP_FAILED;
+    if (fd >= 0 && ftruncate(fd, (off_t)(tl + g_page)) == 0 && fstat(fd, &st) == 0)
+        tm = mmap(NULL, tl, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    pthread_mutexattr_t ma;
+    int ok = a && tm != MAP_FAILED && pthread_mutexattr_init(&ma) == 0;
+    if (ok) {
+        pthread_mutexattr_setpshared(&ma, PTHREAD_PROCESS_SHARED);
+        pthread_mutexattr_setrobust(&ma, PTHREAD_MUTEX_ROBUST);
+        struct fc_team *t = tm;
+        ok = pthread_mutex_init(&t->mu, &ma) == 0;
+        pthread_mutexattr_destroy(&ma);
+        t->magic = FC_TEAM_MAGIC;
+        t->num_devices = p->numDevices;
+        t->size = p->size;
+        t->capacity = cap;
+        t->handle_types = p->handleTypes;
+        t->creator_pid = (int)getpid();
+    }
+    pthread_mutex_lock(&g_mu);
+    if (ok) {
+        a->fd = fd;
+        a->st_dev = st.st_dev;
+        a->st_ino = st.st_ino;
+        a->size = tl;
+        a->prop.requestedHandleTypes = (CUmemAllocationHandleType)p->handleTypes; /* export check */
+        a->device = -1;
+        a->creator_pid = (int)getpid();
+        a->object_id = g_next_object++;
+        a->kind = FC_KIND_MULTICAST;
+        a->team = tm;
+        ok = write_meta(fd, a) == 0 && handle_new(a, h) == 0;
+    }
+    if (!ok) {
+        pthread_mutex_unlock(&g_mu);
+        if (tm != MAP_FAILED)
+            munmap(tm, tl);
+        if (fd >= 0)
+            close(fd);
+        free(a);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    a->next = g_allocs;
+    g_allocs = a;
+    pthread_mutex_unlock(&g_mu);
+    if (cap != p->size)
+        fc_logline("fakecuda: multicast object %" PRIu64 ": capacity %" PRIu64 " for a requested %zu "
+                   "(FAKECUDA_MULTICAST_CAPACITY_ROUNDING)", a->object_id, cap, p->size);
+    return CUDA_SUCCESS;
+}
+
+FC_EXPORT CUresult cuMulticastCreate(CUmemGenericAllocationHandle *mcHandle, const CUmulticastObjectProp *prop)
+{
+    API(mc_create(mcHandle, prop), "numDevices=%u size=%zu types=%llu handle=%llu", prop ? prop->numDevices : 0,
+        prop ? prop->size : 0, prop ? prop->handleTypes : 0ull, OUT64(mcHandle));
+}
+
+static CUresult mc_add_device(CUmemGenericAllocationHandle h, CUdevice dev)
+{
+    if (!dev_ok(dev))
+        return CUDA_ERROR_INVALID_DEVICE;
+    pthread_mutex_lock(&g_mu);
+    struct fc_alloc *mc = mc_get(h);
+    CUresult r = mc ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    if (mc) {
+        struct fc_team *t = mc->team;
+        int me = (int)getpid();
+        team_lock(t);
+        for (uint32_t i = 0; i < t->nmembers && r == CUDA_SUCCESS; i++)
+            if (t->members[i].pid == me && t->members[i].dev == dev)
+                r = CUDA_ERROR_INVALID_VALUE;
+        if (r != CUDA_SUCCESS)
+            fc_logline("fakecuda: multicast object %" PRIu64 ": device %d was already added by this process",
+                       mc->object_id, dev);
+        else if (t->nmembers >= t->num_devices) {
+            fc_logline("fakecuda: multicast object %" PRIu64 ": team already has its %u devices", mc->object_id,
+                       t->num_devices);
+            r = CUDA_ERROR_INVALID_VALUE;
+        } else {
+            t->members[t->nmembers].pid = me;
+            t->members[t->nmembers].dev = dev;
+            t->nmembers++;
+        }
+        team_unlock(t);
+    }
+    pthread_mutex_unlock(&g_mu);
+    return r;
+}
+
+FC_EXPORT CUresult cuMulticastAddDevice(CUmemGenericAllocationHandle mcHandle, CUdevice dev)
+{
+    API(mc_add_device(mcHandle, dev), "handle=%llu dev=%d", mcHandle, dev);
+}
+
+/* Every bind form. dev < 0: the v1 ABI, on behalf of the current context's device. by_addr:
+ * the memory is the mapping containing memptr (mem_off derived). */
+static CUresult mc_bind(CUmemGenericAllocationHandle mch, int dev, uint64_t mc_off, int by_addr,
+                        CUmemGenericAllocationHandle memh, CUdeviceptr memptr, uint64_t mem_off, uint64_t size,
+                        unsigned long long flags)
+{
+    if (dev < 0) {
+        struct fc_ctx *c = cur_ctx();
+        if (!c)
+            return CUDA_ERROR_INVALID_CONTEXT;
+        dev = c->dev;
+    }
+    if (flags != 0 || size == 0 || mc_off % g_gran || size % g_gran || (by_addr ? memptr % g_gran : mem_off % g_gran))
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!dev_ok(dev))
+        return CUDA_ERROR_INVALID_DEVICE;
+    pthread_mutex_lock(&g_mu);
+    struct fc_alloc *mc = mc_get(mch), *mem = NULL;
+    CUresult r = mc ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    if (r == CUDA_SUCCESS && by_addr) {
+        struct fc_map *m = map_find((uintptr_t)memptr);
+        if (!m || m->alloc->kind != FC_KIND_ALLOCATION || size > m->va + m->size - (uintptr_t)memptr)
+            r = CUDA_ERROR_INVALID_VALUE; /* not cuMemCreate memory mapped here (cuMemAlloc included) */
+        else {
+            mem = m->alloc;
+            mem_off = m->offset + ((uintptr_t)memptr - m->va);
+        }
+    } else if (r == CUDA_SUCCESS) {
+        struct fc_handle *e = handle_get(memh);
+        if (!e || e->alloc->kind != FC_KIND_ALLOCATION)
+            r = CUDA_ERROR_INVALID_VALUE;
+        else
+            mem = e->alloc;
+    }
+    if (r == CUDA_SUCCESS && (mem_off > mem->size || size > mem->size - mem_off))
+        r = CUDA_ERROR_INVALID_VALUE; /* beyond the allocation */
+    if (r == CUDA_SUCCESS && (mc_off > mc->team->capacity || size > mc->team->capacity - mc_off))
+        r = CUDA_ERROR_INVALID_VALUE; /* beyond the object's capacity */
+    if (r == CUDA_SUCCESS && mc->team->handle_types &&
+        !(mem->prop.requestedHandleTypes & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR))
+        r = CUDA_ERROR_INVALID_VALUE; /* a shareable (or imported) object takes shareable memory only */
+    if (r == CUDA_SUCCESS && mem->device != dev)
+        r = CUDA_ERROR_INVALID_DEVICE; /* the memory must live on the binding device */
+    if (r == CUDA_SUCCESS && mem->fd < 0)
+        r = CUDA_ERROR_ILLEGAL_STATE;
+    if (r == CUDA_SUCCESS) {
+        mem->pins++;
+        r = mc_wait_pinned(mc, by_addr ? "cuMulticastBindAddr" : "cuMulticastBindMem");
+        mem->pins--;
+    }
+    struct fc_mcbind *lb = NULL;
+    if (r == CUDA_SUCCESS && !(lb = calloc(1, sizeof *lb)))
+        r = CUDA_ERROR_OUT_OF_MEMORY;
+    if (r == CUDA_SUCCESS) {
+        struct fc_team *t = mc->team;
+        int me = (int)getpid(), member = 0, slot = -1;
+        team_lock(t);
+        for (uint32_t i = 0; i < t->nmembers; i++)
+            member |= t->members[i].pid == me && t->members[i].dev == dev;
+        if (!member)
+            r = CUDA_ERROR_INVALID_DEVICE; /* the device is not in the team */
+        for (int i = 0; i < FC_MC_MAX_BINDS && r == CUDA_SUCCESS; i++) {
+            const struct fc_team_bind *b = &t->binds[i];
+            if (!b->used) {
+                if (slot < 0)
+                    slot = i;
+            } else if (b->pid == me && b->dev == dev && b->mc_off < mc_off + size && mc_off < b->mc_off + b->size) {
+                r = CUDA_ERROR_INVALID_VALUE; /* overlaps this member's own binding */
+            }
+        }
+        if (r == CUDA_SUCCESS && slot < 0)
+            r = CUDA_ERROR_OUT_OF_MEMORY;
+        if (r == CUDA_SUCCESS) {
+            struct fc_team_bind *b = &t->binds[slot];
+            b->pid = me;
+            b->dev = dev;
+            b->fd = mem->fd;
+            b->st_dev = (uint64_t)mem->st_dev;
+            b->st_ino = (uint64_t)mem->st_ino;
+            b->mc_off = mc_off;
+            b->mem_off = mem_off;
+            b->size = size;
+            b->object_id = mem->object_id;
+            b->used = 1;
+        }
+        team_unlock(t);
+    }
+    if (r == CUDA_SUCCESS) {
+        lb->mc = mc;
+        lb->mem = mem;
+        lb->dev = dev;
+        lb->mc_off = mc_off;
+        lb->size = size;
+        lb->next = g_mcbinds;
+        g_mcbinds = lb;
+        mc->binds++;
+        mem->binds++;
+    } else {
+        free(lb);
+    }
+    if (mc)
+        alloc_maybe_free(mc);
+    if (mem)
+        alloc_maybe_free(mem);
+    pthread_mutex_unlock(&g_mu);
+    return r;
+}
+
+#define BIND_FMT "mc=%llu dev=%d mcOffset=%zu mem=%llu memOffset=%zu size=%zu flags=%llu"
+FC_EXPORT CUresult cuMulticastBindMem(CUmemGenericAllocationHandle mcHandle, size_t mcOffset,
+                                      CUmemGenericAllocationHandle memHandle, size_t memOffset, size_t size,
+                                      unsigned long long flags)
+{
+    API(mc_bind(mcHandle, -1, mcOffset, 0, memHandle, 0, memOffset, size, flags), BIND_FMT, mcHandle, -1, mcOffset,
+        memHandle, memOffset, size, flags);
+}
+
+FC_EXPORT CUresult cuMulticastBindMem_v2(CUmemGenericAllocationHandle mcHandle, CUdevice dev, size_t mcOffset,
+                                         CUmemGenericAllocationHandle memHandle, size_t memOffset, size_t size,
+                                         unsigned long long flags)
+{
+    API(mc_bind(mcHandle, dev < 0 ? FC_MAX_DEVICES : dev, mcOffset, 0, memHandle, 0, memOffset, size, flags),
+        BIND_FMT, mcHandle, dev, mcOffset, memHandle, memOffset, size, flags);
+}
+
+#define BINDA_FMT "mc=%llu dev=%d mcOffset=%zu memptr=0x%llx size=%zu flags=%llu"
+FC_EXPORT CUresult cuMulticastBindAddr(CUmemGenericAllocationHandle mcHandle, size_t mcOffset, CUdeviceptr memptr,
+                                       size_t size, unsigned long long flags)
+{
+    API(mc_bind(mcHandle, -1, mcOffset, 1, 0, memptr, 0, size, flags), BINDA_FMT, mcHandle, -1, mcOffset,
+        (unsigned long long)memptr, size, flags);
+}
+
+FC_EXPORT CUresult cuMulticastBindAddr_v2(CUmemGenericAllocationHandle mcHandle, CUdevice dev, size_t mcOffset,
+                                          CUdeviceptr memptr, size_t size, unsigned long long flags)
+{
+    API(mc_bind(mcHandle, dev < 0 ? FC_MAX_DEVICES : dev, mcOffset, 1, 0, memptr, 0, size, flags), BINDA_FMT,
+        mcHandle, dev, mcOffset, (unsigned long long)memptr, size, flags);
+}
+
+static CUresult mc_unbind(CUmemGenericAllocationHandle mch, CUdevice dev, uint64_t mc_off, uint64_t size)
+{
+    if (!dev_ok(dev))
+        return CUDA_ERROR_INVALID_DEVICE;
+    if (size == 0 || mc_off % g_gran || size % g_gran)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_mu);
+    struct fc_alloc *mc = mc_get(mch);
+    CUresult r = mc && mc_off <= mc->team->capacity && size <= mc->team->capacity - mc_off ? CUDA_SUCCESS
+                                                                                          : CUDA_ERROR_INVALID_VALUE;
+    struct fc_mcbind **pp = &g_mcbinds;
+    while (r == CUDA_SUCCESS && *pp &&
+           !((*pp)->mc == mc && (*pp)->dev == dev && (*pp)->mc_off == mc_off && (*pp)->size == size))
+        pp = &(*pp)->next;
+    if (r == CUDA_SUCCESS && !*pp) {
+        pthread_mutex_unlock(&g_mu);
+        fc_loud("cuMulticastUnbind(%llu, dev %d, offset 0x%" PRIx64 ", size 0x%" PRIx64 "): no binding of this "
+                "process matches exactly -> CUDA_ERROR_INVALID_VALUE (real driver: undefined behaviour)",
+                mch, dev, mc_off, size);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    if (r == CUDA_SUCCESS) {
+        struct fc_mcbind *lb = *pp;
+        struct fc_team *t = mc->team;
+        int me = (int)getpid();
+        team_lock(t);
+        for (int i = 0; i < FC_MC_MAX_BINDS; i++) {
+            struct fc_team_bind *b = &t->binds[i];
+            if (b->used && b->pid == me && b->dev == dev && b->mc_off == mc_off && b->size == size) {
+                memset(b, 0, sizeof *b);
+                break;
+            }
+        }
+        team_unlock(t);
+        *pp = lb->next;
+        lb->mc->binds--;
+        lb->mem->binds--;
+        alloc_maybe_free(lb->mem);
+        alloc_maybe_free(lb->mc);
+        free(lb);
+    }
+    pthread_mutex_unlock(&g_mu);
+    return r;
+}
+
+FC_EXPORT CUresult cuMulticastUnbind(CUmemGenericAllocationHandle mcHandle, CUdevice dev, size_t mcOffset, size_t size)
+{
+    API(mc_unbind(mcHandle, dev, mcOffset, size), "mc=%llu dev=%d mcOffset=%zu size=%zu", mcHandle, dev, mcOffset,
+        size);
 }
 
 /* ------------------------------------------------------------------ stream memory operations (ref §4) */
@@ -2237,6 +2884,24 @@ static CUresult ck_checkpoint(void)
     if (g_ck_state != CU_PROCESS_STATE_LOCKED)
         return CUDA_ERROR_ILLEGAL_STATE;
     pthread_mutex_lock(&g_mu);
+    /* A multicast object held in any way (handle, mapping, binding): the real driver hangs
+     * (nccl PR #2340); the fake refuses instead. */
+    int nmc = 0;
+    struct fc_alloc *mc1 = NULL;
+    for (struct fc_alloc *a = g_allocs; a; a = a->next)
+        if (a->kind == FC_KIND_MULTICAST) {
+            nmc++;
+            mc1 = a;
+        }
+    if (nmc) {
+        int handles = mc1->handles, maps = mc1->maps, binds = mc1->binds;
+        uint64_t id = mc1->object_id;
+        pthread_mutex_unlock(&g_mu);
+        fc_loud("checkpoint refused: the process holds %d multicast object(s) (object %" PRIu64 ": %d handle "
+                "refs, %d mappings, %d bindings); the real driver hangs on them -> CUDA_ERROR_NOT_SUPPORTED",
+                nmc, id, handles, maps, binds);
+        return CUDA_ERROR_NOT_SUPPORTED;
+    }
     /* An exported fd still open in this process carries the sharing: the real driver cannot
      * dump it. */
     struct fc_export **pp = &g_exports;
@@ -2253,16 +2918,31 @@ static CUresult ck_checkpoint(void)
         *pp = x->next; /* closed (or the number was reused): forget it */
         free(x);
     }
-    for (struct fc_alloc *a = g_allocs; a; a = a->next) {
-        a->saved = malloc(a->size ? a->size : 1);
-        if (!a->saved) {
-            for (struct fc_alloc *b = g_allocs; b != a; b = b->next) {
-                free(b->saved);
-                b->saved = NULL;
-            }
-            pthread_mutex_unlock(&g_mu);
-            return CUDA_ERROR_OUT_OF_MEMORY;
+    /* host buffers for every VMM allocation and every cuMemAlloc buffer, or nothing changes */
+    int nomem = 0;
+    for (struct fc_alloc *a = g_allocs; a; a = a->next)
+        nomem |= !(a->saved = malloc(a->size ? a->size : 1));
+    for (struct fc_dmem *d = g_dmems; d; d = d->next)
+        nomem |= !(d->saved = malloc(d->mapped));
+    if (nomem) {
+        for (struct fc_alloc *a = g_allocs; a; a = a->next) {
+            free(a->saved);
+            a->saved = NULL;
         }
+        for (struct fc_dmem *d = g_dmems; d; d = d->next) {
+            free(d->saved);
+            d->saved = NULL;
+        }
+        pthread_mutex_unlock(&g_mu);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    /* cuMemAlloc memory: copied out, its range becomes a PROT_NONE reservation (CRIU sees no
+     * device memory), Restore maps it back at the same VA */
+    for (struct fc_dmem *d = g_dmems; d; d = d->next) {
+        memcpy(d->saved, (const void *)d->va, d->mapped);
+        make_reserved(d->va, d->mapped);
+    }
+    for (struct fc_alloc *a = g_allocs; a; a = a->next) {
         size_t got = 0;
         while (got < a->size) {
             ssize_t n = pread(a->fd, (char *)a->saved + got, a->size - got, (off_t)got);
@@ -2316,6 +2996,18 @@ static CUresult ck_restore(void)
             r = CUDA_ERROR_OUT_OF_MEMORY;
         else
             map_apply_prot(m);
+    }
+    for (struct fc_dmem *d = g_dmems; d && r == CUDA_SUCCESS; d = d->next) {
+        if (!d->saved)
+            continue;
+        if (mmap((void *)d->va, d->mapped, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0) == MAP_FAILED) {
+            r = CUDA_ERROR_OUT_OF_MEMORY;
+            break;
+        }
+        memcpy((void *)d->va, d->saved, d->mapped);
+        free(d->saved);
+        d->saved = NULL;
     }
     pthread_mutex_unlock(&g_mu);
     if (r != CUDA_SUCCESS) {
@@ -2619,6 +3311,14 @@ static const struct proc_entry g_procs[] = {
     E("cuMemImportFromShareableHandle", 10020, cuMemImportFromShareableHandle),
     E("cuMemGetAllocationPropertiesFromHandle", 10020, cuMemGetAllocationPropertiesFromHandle),
     E("cuMemRetainAllocationHandle", 11000, cuMemRetainAllocationHandle),
+    E("cuMulticastCreate", 12010, cuMulticastCreate),
+    E("cuMulticastAddDevice", 12010, cuMulticastAddDevice),
+    E("cuMulticastBindMem", 12010, cuMulticastBindMem),
+    E("cuMulticastBindAddr", 12010, cuMulticastBindAddr),
+    E("cuMulticastUnbind", 12010, cuMulticastUnbind),
+    E("cuMulticastGetGranularity", 12010, cuMulticastGetGranularity),
+    E("cuMulticastBindMem_v2", 13010, cuMulticastBindMem_v2), /* CUDA 13.1: separate names */
+    E("cuMulticastBindAddr_v2", 13010, cuMulticastBindAddr_v2),
     EP("cuStreamWaitValue32", 8000, cuStreamWaitValue32, cuStreamWaitValue32_ptsz),
     EP("cuStreamWaitValue32", 11070, cuStreamWaitValue32_v2, cuStreamWaitValue32_v2_ptsz),
     EP("cuStreamWriteValue32", 8000, cuStreamWriteValue32, cuStreamWriteValue32_ptsz),

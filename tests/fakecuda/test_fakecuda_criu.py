@@ -45,11 +45,16 @@ def test_native_checkpoint_then_criu_roundtrip(criu_mod, build_c, fakecuda_dir, 
     pid = proc.pid
     restored = None
     try:
-        wait_file(out / "ready", lambda: proc.poll() is None, "ready")
+        ready = wait_file(out / "ready", lambda: proc.poll() is None, "ready")
         assert not (out / "error").exists()
+        dptr = int(ready.split()[1])  # the cuMemAlloc buffer
         assert controller([f"lock:{pid}", f"checkpoint:{pid}"]) == ["CUDA_SUCCESS"] * 2
         maps = pathlib.Path(f"/proc/{pid}/maps").read_text()
         assert "fakecuda-allocation" not in maps
+        # the cuMemAlloc buffer is a bare PROT_NONE reservation: its bytes sit in host buffers
+        perms = [l.split()[1] for l in maps.splitlines()
+                 if int(l.split()[0].split("-")[0], 16) <= dptr < int(l.split()[0].split("-")[1], 16)]
+        assert perms == ["---p"], perms
         fds = [os.readlink(f"/proc/{pid}/fd/{f}") for f in os.listdir(f"/proc/{pid}/fd")]
         assert not [f for f in fds if "fakecuda-allocation" in f]
         criu_mod.dump(pid, tmp_path / "images")

@@ -14,10 +14,13 @@ REPO = HERE.parent.parent
 FAKECUDA_SRC = sorted((REPO / "fakecuda" / "src").glob("*.c"))
 
 
-def run_unit(exe, env, gran, ndev):
+def run_unit(exe, env, gran, ndev, mode=None):
     env = dict(env, FAKECUDA_GRANULARITY=str(gran), FAKECUDA_DEVICE_COUNT=str(ndev))
-    res = subprocess.run([str(exe), str(gran), str(ndev)], env=env, capture_output=True, text=True,
-                         timeout=120)
+    args = [str(exe), str(gran), str(ndev)]
+    if mode == "mcknobs":  # a short multicast watchdog, capacity rounded up to 8 granules
+        env.update(FAKECUDA_MULTICAST_WATCHDOG_MS="100", FAKECUDA_MULTICAST_CAPACITY_ROUNDING=str(8 * gran))
+        args.append(mode)
+    res = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
     tail = res.stdout.strip().splitlines()[-1:] or [""]
     assert res.returncode == 0 and "0 failures" in tail[0], res.stdout + res.stderr
     return res
@@ -41,6 +44,25 @@ def test_unit(unit_exe, fake_env, gran, ndev):
     assert any("checkpoint refused: exported fd" in l for l in log)
     # pre-init calls are logged with NOT_INITIALIZED
     assert any(l.split(" ", 2)[2] == "cuDeviceGetCount() = CUDA_ERROR_NOT_INITIALIZED" for l in log)
+    # multicast refusals are loud and say why
+    assert "checkpoint refused: the process holds 2 multicast object(s)" in res.stderr
+    assert "through multicast VA" in res.stderr and "refused -> CUDA_ERROR_ILLEGAL_ADDRESS" in res.stderr
+    assert "no binding of this process matches exactly -> CUDA_ERROR_INVALID_VALUE" in res.stderr
+    # the bind really blocked until another thread added the last device
+    assert sum("cuMulticastBindMem blocks until every device was added" in l for l in log) == 1
+
+
+@pytest.mark.parametrize("gran", [2 << 20, 64 << 10])
+def test_unit_multicast_knobs(unit_exe, fake_env, gran):
+    """FAKECUDA_MULTICAST_WATCHDOG_MS fails a bind/map of an incomplete team with
+    CUDA_ERROR_TIMEOUT and a diagnostic; FAKECUDA_MULTICAST_CAPACITY_ROUNDING enlarges the
+    bindable and mappable capacity."""
+    res = run_unit(unit_exe, fake_env, gran, 2, mode="mcknobs")
+    for what in ("cuMulticastBindMem", "cuMemMap"):
+        assert (f"multicast watchdog: {what} waited 100 ms, but only 1 of 2 devices were added"
+                in res.stderr), res.stderr
+    log = read_log(fake_env)
+    assert any(f"capacity {8 * gran} for a requested {gran}" in l for l in log)
 
 
 def test_unit_sanitized(build_c, fake_env):
@@ -49,6 +71,7 @@ def test_unit_sanitized(build_c, fake_env):
                UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1")
     env.pop("LD_LIBRARY_PATH")  # fakecuda is compiled in
     run_unit(exe, env, 2 << 20, 2)
+    run_unit(exe, env, 64 << 10, 3, mode="mcknobs")
 
 
 def test_call_log_format(unit_exe, fake_env):

@@ -112,6 +112,24 @@ static int count_fakecuda_memfds(void)
     return n;
 }
 
+/* the permissions column of the /proc/self/maps line that contains va ("" if none) */
+static void maps_perms(uintptr_t va, char out[5])
+{
+    out[0] = 0;
+    FILE *f = fopen("/proc/self/maps", "r");
+    char line[512];
+    while (f && fgets(line, sizeof line, f)) {
+        unsigned long lo, hi;
+        char perms[5];
+        if (sscanf(line, "%lx-%lx %4s", &lo, &hi, perms) == 3 && va >= lo && va < hi) {
+            memcpy(out, perms, 5);
+            break;
+        }
+    }
+    if (f)
+        fclose(f);
+}
+
 static void before_init(void)
 {
     int n = -1, v = 0;
@@ -548,6 +566,16 @@ static void procaddr(void)
         {"cuGetProcAddress", 11030, 0, (void *)legacy_cuGetProcAddress, 0},
         {"cuGetProcAddress", 12000, 0, (void *)cuGetProcAddress_v2, 0},
         {"cuCheckpointProcessLock", 12080, 0, (void *)cuCheckpointProcessLock, 0},
+        {"cuMulticastCreate", 12010, 0, (void *)cuMulticastCreate, 0},
+        {"cuMulticastCreate", 12000, 0, NULL, CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT},
+        {"cuMulticastBindMem", 13010, 0, (void *)cuMulticastBindMem, 0},
+        {"cuMulticastBindAddr", 12010, 0, (void *)cuMulticastBindAddr, 0},
+        {"cuMulticastUnbind", 12010, 0, (void *)cuMulticastUnbind, 0},
+        {"cuMulticastAddDevice", 12010, 0, (void *)cuMulticastAddDevice, 0},
+        {"cuMulticastGetGranularity", 12010, 0, (void *)cuMulticastGetGranularity, 0},
+        {"cuMulticastBindMem_v2", 13010, 0, (void *)cuMulticastBindMem_v2, 0},
+        {"cuMulticastBindMem_v2", 13000, 0, NULL, CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT},
+        {"cuMulticastBindAddr_v2", 13010, 0, (void *)cuMulticastBindAddr_v2, 0},
         {"cuNoSuchFunction", 12000, 0, NULL, CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND},
         {"cuMemCreate_v2", 12000, 0, NULL, CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND},
         {"", 0, 0, NULL, CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND},
@@ -626,6 +654,14 @@ static void checkpoint_self(void)
     EXPECT(cuMemsetD32(va, 0x11111111, 16), CUDA_SUCCESS);
     EXPECT(cuMemsetD32(va + 3 * G, 0x33333333, 16), CUDA_SUCCESS);
     CHECK(*(volatile uint32_t *)(uintptr_t)(va + G) == 0x11111111); /* the import sees it */
+    /* private cuMemAlloc memory: 3 pages and a bit, a pattern in every byte */
+    CUdeviceptr dm = 0;
+    size_t dmsize = 3 * 4096 + 100;
+    unsigned char *pat = malloc(dmsize), *back = malloc(dmsize);
+    for (size_t i = 0; i < dmsize; i++)
+        pat[i] = (unsigned char)(i * 7 + 3);
+    EXPECT(cuMemAlloc(&dm, dmsize), CUDA_SUCCESS);
+    EXPECT(cuMemcpyHtoD(dm, pat, dmsize), CUDA_SUCCESS);
 
     /* lock with a stream waiting on a value nobody writes: NOT_READY, still RUNNING */
     CUstream s;
@@ -662,6 +698,11 @@ static void checkpoint_self(void)
     EXPECT(cuCheckpointProcessGetState(me, &st), CUDA_SUCCESS);
     CHECK(st == CU_PROCESS_STATE_CHECKPOINTED);
     CHECK(count_fakecuda_memfds() == 0); /* nothing CRIU could carry as sharing */
+    char perms[5];
+    maps_perms(dm, perms); /* the cuMemAlloc range is a bare reservation now: its bytes are host buffers */
+    CHECK(!strcmp(perms, "---p"));
+    maps_perms(dm + dmsize - 1, perms);
+    CHECK(!strcmp(perms, "---p"));
     EXPECT(cuCheckpointProcessCheckpoint(me, NULL), CUDA_ERROR_ILLEGAL_STATE);
     EXPECT(cuCheckpointProcessUnlock(me, NULL), CUDA_ERROR_ILLEGAL_STATE);
     EXPECT(cuCheckpointProcessLock(me, &la), CUDA_ERROR_ILLEGAL_STATE);
@@ -676,6 +717,9 @@ static void checkpoint_self(void)
     CHECK(*(volatile uint32_t *)(uintptr_t)(va + 3 * G + 60) == 0x33333333);
     *(volatile uint32_t *)(uintptr_t)va = 0x22;
     CHECK(*(volatile uint32_t *)(uintptr_t)(va + G) == 0x22);
+    maps_perms(dm, perms);
+    CHECK(!strcmp(perms, "rw-p"));
+    CHECK(memcmp((const void *)(uintptr_t)dm, pat, dmsize) == 0); /* same VA, same bytes */
     CHECK(g_blocked_done == 0);
     EXPECT(cuCheckpointProcessUnlock(me, NULL), CUDA_SUCCESS);
     pthread_join(t, NULL);
@@ -704,6 +748,11 @@ static void checkpoint_self(void)
     EXPECT(cuMemAddressFree(va, 5 * G), CUDA_SUCCESS);
     EXPECT(cuStreamDestroy(s), CUDA_SUCCESS);
     CHECK(count_fakecuda_memfds() == 0);
+    EXPECT(cuMemcpyDtoH(back, dm, dmsize), CUDA_SUCCESS);
+    CHECK(memcmp(back, pat, dmsize) == 0);
+    EXPECT(cuMemFree(dm), CUDA_SUCCESS);
+    free(pat);
+    free(back);
 }
 
 static void private_memory(void)
@@ -824,11 +873,347 @@ static void gate_stress(void)
     EXPECT(cuMemAddressFree(g_stress_va, G), CUDA_SUCCESS);
 }
 
+/* ---- multicast (ref §3): team rules, blocking bind, broadcast writes, refusals ---- */
+
+static CUmulticastObjectProp mcprop(unsigned ndev, size_t size, unsigned long long types)
+{
+    CUmulticastObjectProp p;
+    memset(&p, 0, sizeof p);
+    p.numDevices = ndev;
+    p.size = size;
+    p.handleTypes = types;
+    return p;
+}
+
+struct adder {
+    CUmemGenericAllocationHandle mc;
+    int dev;
+    int seen;                    /* "blocks until" lines in the call log before the bind */
+    atomic_int added;
+};
+
+#define BLOCK_LINE "cuMulticastBindMem blocks until every device was added"
+
+static int count_in_file(const char *path, const char *needle)
+{
+    int n = 0;
+    FILE *f = path ? fopen(path, "r") : NULL;
+    char line[1024];
+    while (f && fgets(line, sizeof line, f))
+        n += strstr(line, needle) != NULL;
+    if (f)
+        fclose(f);
+    return n;
+}
+
+/* Adds the last device once the main thread's bind is blocked: it waits for fakecuda's "blocks
+ * until" line in the call log (no timing involved); without a log, after a short sleep. */
+static void *late_adder(void *arg)
+{
+    struct adder *ad = arg;
+    const char *log = getenv("FAKECUDA_LOG");
+    struct timespec ts = {0, 1000000L};
+    if (log && *log)
+        while (count_in_file(log, BLOCK_LINE) <= ad->seen)
+            nanosleep(&ts, NULL);
+    else {
+        ts.tv_nsec = 30 * 1000000L;
+        nanosleep(&ts, NULL);
+    }
+    atomic_store(&ad->added, 1);
+    if (cuMulticastAddDevice(ad->mc, ad->dev) != CUDA_SUCCESS)
+        atomic_store(&ad->added, -1);
+    return NULL;
+}
+
+static void multicast(void)
+{
+    int me = getpid();
+    size_t g = 0;
+    CUmulticastObjectProp p = mcprop(2, 4 * G, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+    CUmulticastObjectProp bad;
+    CUmemGenericAllocationHandle mc, mc1, h0, h1, hn, himp;
+
+    /* granularity and create argument rules */
+    EXPECT(cuMulticastGetGranularity(NULL, &p, CU_MULTICAST_GRANULARITY_MINIMUM), CUDA_ERROR_INVALID_VALUE);
+    EXPECT(cuMulticastGetGranularity(&g, &p, (CUmulticastGranularity_flags)2), CUDA_ERROR_INVALID_VALUE);
+    EXPECT(cuMulticastGetGranularity(&g, NULL, CU_MULTICAST_GRANULARITY_MINIMUM), CUDA_ERROR_INVALID_VALUE);
+    EXPECT(cuMulticastGetGranularity(&g, &p, CU_MULTICAST_GRANULARITY_RECOMMENDED), CUDA_SUCCESS);
+    CHECK(g == G);
+    EXPECT(cuMulticastCreate(NULL, &p), CUDA_ERROR_INVALID_VALUE);
+    EXPECT(cuMulticastCreate(&mc, NULL), CUDA_ERROR_INVALID_VALUE);
+    bad = mcprop(0, G, 0);
+    EXPECT(cuMulticastCreate(&mc, &bad), CUDA_ERROR_INVALID_VALUE);
+    bad = mcprop(2, 0, 0);
+    EXPECT(cuMulticastCreate(&mc, &bad), CUDA_ERROR_INVALID_VALUE);
+    bad = mcprop(2, G + G / 2, 0);
+    EXPECT(cuMulticastCreate(&mc, &bad), CUDA_ERROR_INVALID_VALUE);
+    bad = mcprop(2, G, 0);
+    bad.flags = 1;
+    EXPECT(cuMulticastCreate(&mc, &bad), CUDA_ERROR_INVALID_VALUE);
+    bad = mcprop(2, G, CU_MEM_HANDLE_TYPE_FABRIC);
+    EXPECT(cuMulticastCreate(&mc, &bad), CUDA_ERROR_NOT_SUPPORTED);
+    bad = mcprop(2, G, CU_MEM_HANDLE_TYPE_WIN32);
+    EXPECT(cuMulticastCreate(&mc, &bad), CUDA_ERROR_INVALID_VALUE);
+    bad = mcprop(65, G, 0);
+    EXPECT(cuMulticastCreate(&mc, &bad), CUDA_ERROR_INVALID_VALUE);
+
+    /* a shareable team of two: (this process, device 0) and (this process, device 1) */
+    EXPECT(cuMulticastCreate(&mc, &p), CUDA_SUCCESS);
+    CUmemAllocationProp p0 = prop(0, 1), p1 = prop(1, 1), pn = prop(0, 0);
+    EXPECT(cuMemCreate(&h0, 2 * G, &p0, 0), CUDA_SUCCESS);
+    EXPECT(cuMemCreate(&h1, 2 * G, &p1, 0), CUDA_SUCCESS);
+    EXPECT(cuMemCreate(&hn, 2 * G, &pn, 0), CUDA_SUCCESS);
+    EXPECT(cuMulticastAddDevice(mc, NDEV), CUDA_ERROR_INVALID_DEVICE);
+    EXPECT(cuMulticastAddDevice(h0, 0), CUDA_ERROR_INVALID_VALUE); /* not a multicast handle */
+    EXPECT(cuMulticastAddDevice(mc, 0), CUDA_SUCCESS);
+    EXPECT(cuMulticastAddDevice(mc, 0), CUDA_ERROR_INVALID_VALUE); /* duplicate */
+    CUmemAllocationProp got;
+    EXPECT(cuMemGetAllocationPropertiesFromHandle(&got, mc), CUDA_ERROR_INVALID_VALUE);
+
+    /* argument rules answer at once, before the team is complete (no blocking) */
+    EXPECT(cuMulticastBindMem(mc, G / 2, h0, 0, G, 0), CUDA_ERROR_INVALID_VALUE);       /* mcOffset */
+    EXPECT(cuMulticastBindMem(mc, 0, h0, G / 2, G, 0), CUDA_ERROR_INVALID_VALUE);       /* memOffset */
+    EXPECT(cuMulticastBindMem(mc, 0, h0, 0, G / 2, 0), CUDA_ERROR_INVALID_VALUE);       /* size */
+    EXPECT(cuMulticastBindMem(mc, 0, h0, 0, 0, 0), CUDA_ERROR_INVALID_VALUE);
+    EXPECT(cuMulticastBindMem(mc, 0, h0, 0, G, 1), CUDA_ERROR_INVALID_VALUE);           /* flags */
+    EXPECT(cuMulticastBindMem(mc, 3 * G, h0, 0, 2 * G, 0), CUDA_ERROR_INVALID_VALUE);   /* beyond capacity */
+    EXPECT(cuMulticastBindMem(mc, 4 * G, h0, 0, G, 0), CUDA_ERROR_INVALID_VALUE);
+    EXPECT(cuMulticastBindMem(mc, 0, h0, G, 2 * G, 0), CUDA_ERROR_INVALID_VALUE);       /* beyond the memory */
+    EXPECT(cuMulticastBindMem(mc, 0, hn, 0, G, 0), CUDA_ERROR_INVALID_VALUE);           /* not shareable */
+    EXPECT(cuMulticastBindMem(mc, 0, mc, 0, G, 0), CUDA_ERROR_INVALID_VALUE);           /* not memory */
+    EXPECT(cuMulticastBindMem(h0, 0, h0, 0, G, 0), CUDA_ERROR_INVALID_VALUE);           /* not multicast */
+    EXPECT(cuMulticastBindMem(mc, 0, h1, 0, G, 0), CUDA_ERROR_INVALID_DEVICE);          /* v1: context is device 0 */
+    EXPECT(cuMulticastBindMem_v2(mc, 0, 0, h1, 0, G, 0), CUDA_ERROR_INVALID_DEVICE);    /* memory on device 1 */
+    EXPECT(cuMulticastBindMem_v2(mc, NDEV, 0, h1, 0, G, 0), CUDA_ERROR_INVALID_DEVICE);
+    EXPECT(cuMulticastBindMem_v2(mc, -1, 0, h1, 0, G, 0), CUDA_ERROR_INVALID_DEVICE);
+    CUdeviceptr va;
+    EXPECT(cuMemAddressReserve(&va, 8 * G, 0, 0, 0), CUDA_SUCCESS);
+    EXPECT(cuMemMap(va, G, G / 2, mc, 0), CUDA_ERROR_INVALID_VALUE);
+    EXPECT(cuMemMap(va, 8 * G, 0, mc, 0), CUDA_ERROR_INVALID_VALUE);                     /* beyond capacity */
+    EXPECT(cuMemMap(va, 2 * G, 3 * G, mc, 0), CUDA_ERROR_INVALID_VALUE);
+    EXPECT(cuMemMap((CUdeviceptr)G, G, 0, mc, 0), CUDA_ERROR_INVALID_VALUE);              /* no reservation */
+
+    /* bind blocks until the last device is added (by another thread here) */
+    struct adder ad;
+    ad.mc = mc;
+    ad.dev = 1;
+    ad.seen = count_in_file(getenv("FAKECUDA_LOG"), BLOCK_LINE);
+    atomic_init(&ad.added, 0);
+    pthread_t t;
+    pthread_create(&t, NULL, late_adder, &ad);
+    EXPECT(cuMulticastBindMem(mc, 0, h0, 0, 2 * G, 0), CUDA_SUCCESS); /* v1: context device 0 */
+    CHECK(atomic_load(&ad.added) == 1); /* it could only return after the add */
+    pthread_join(t, NULL);
+    CHECK(atomic_load(&ad.added) == 1);
+    EXPECT(cuMulticastAddDevice(mc, 1), CUDA_ERROR_INVALID_VALUE); /* full (and a duplicate) */
+    if (NDEV > 2)
+        EXPECT(cuMulticastAddDevice(mc, 2), CUDA_ERROR_INVALID_VALUE); /* full */
+    EXPECT(cuMulticastBindMem(mc, G, h0, 0, G, 0), CUDA_ERROR_INVALID_VALUE);           /* overlaps device 0's */
+    /* device 1 binds the same multicast range through the address of a mapping */
+    CUdeviceptr m1;
+    CUmemAccessDesc rw0 = acc(0, 3), rw1 = acc(1, 3);
+    EXPECT(cuMemAddressReserve(&m1, 2 * G, 0, 0, 0), CUDA_SUCCESS);
+    EXPECT(cuMemMap(m1, 2 * G, 0, h1, 0), CUDA_SUCCESS);
+    EXPECT(cuMemSetAccess(m1, 2 * G, &rw0, 1), CUDA_SUCCESS);
+    EXPECT(cuMulticastBindAddr_v2(mc, 1, 0, m1 + G / 2, G, 0), CUDA_ERROR_INVALID_VALUE); /* misaligned */
+    EXPECT(cuMulticastBindAddr_v2(mc, 1, 0, m1 + G, 2 * G, 0), CUDA_ERROR_INVALID_VALUE); /* past the mapping */
+    CUdeviceptr dm = 0;
+    EXPECT(cuMemAlloc(&dm, G), CUDA_SUCCESS);
+    EXPECT(cuMulticastBindAddr_v2(mc, 1, 0, (dm + G - 1) & ~(CUdeviceptr)(G - 1), G, 0), CUDA_ERROR_INVALID_VALUE);
+    EXPECT(cuMemFree(dm), CUDA_SUCCESS);
+    EXPECT(cuMulticastBindAddr(mc, 0, m1, 2 * G, 0), CUDA_ERROR_INVALID_DEVICE);        /* v1: device 0 context */
+    EXPECT(cuMulticastBindAddr_v2(mc, 1, 0, m1, 2 * G, 0), CUDA_SUCCESS);
+
+    /* map the multicast VA (the team is complete: no blocking), writes reach both members */
+    EXPECT(cuMemMap(va, 4 * G, 0, mc, 0), CUDA_SUCCESS);
+    EXPECT(cuMemMap(va + 4 * G, 2 * G, 0, mc, 0), CUDA_SUCCESS); /* a second view of offset 0 */
+    EXPECT(cuMemSetAccess(va, 6 * G, &rw0, 1), CUDA_SUCCESS);
+    char perms[5];
+    maps_perms(va, perms);
+    CHECK(!strcmp(perms, "---p")); /* host stores through a multicast VA fault */
+    CUdeviceptr d0;
+    EXPECT(cuMemAddressReserve(&d0, 2 * G, 0, 0, 0), CUDA_SUCCESS);
+    EXPECT(cuMemMap(d0, 2 * G, 0, h0, 0), CUDA_SUCCESS);
+    EXPECT(cuMemSetAccess(d0, 2 * G, &rw0, 1), CUDA_SUCCESS);
+    uint32_t v = 0xC0FFEE, back = 0;
+    EXPECT(cuMemcpyHtoD(va + G + 12, &v, 4), CUDA_SUCCESS);
+    CHECK(*(volatile uint32_t *)(uintptr_t)(d0 + G + 12) == 0xC0FFEE);
+    CHECK(*(volatile uint32_t *)(uintptr_t)(m1 + G + 12) == 0xC0FFEE);
+    EXPECT(cuMemsetD32(va + 4 * G + 64, 0x5A5A5A5A, 8), CUDA_SUCCESS);
+    CHECK(*(volatile uint32_t *)(uintptr_t)(d0 + 64 + 28) == 0x5A5A5A5A);
+    CHECK(*(volatile uint32_t *)(uintptr_t)(m1 + 64 + 28) == 0x5A5A5A5A);
+    CHECK(*(volatile uint32_t *)(uintptr_t)(m1 + 64 + 32) == 0);
+    EXPECT(cuStreamWriteValue32(NULL, va + 256, 77, 0), CUDA_SUCCESS);
+    EXPECT(cuStreamSynchronize(NULL), CUDA_SUCCESS);
+    CHECK(*(volatile uint32_t *)(uintptr_t)(d0 + 256) == 77 && *(volatile uint32_t *)(uintptr_t)(m1 + 256) == 77);
+    EXPECT(cuMemcpyDtoD(va + 512, d0 + G + 12, 4), CUDA_SUCCESS); /* unicast source, multicast destination */
+    CHECK(*(volatile uint32_t *)(uintptr_t)(m1 + 512) == 0xC0FFEE);
+    /* reads through the multicast VA are refused */
+    EXPECT(cuMemcpyDtoH(&back, va + G + 12, 4), CUDA_ERROR_ILLEGAL_ADDRESS);
+    EXPECT(cuMemcpyDtoD(d0, va, 4), CUDA_ERROR_ILLEGAL_ADDRESS);
+    /* device 1 has no access to the multicast mapping yet; the range past the bindings has no member */
+    CUcontext c1;
+    EXPECT(cuDevicePrimaryCtxRetain(&c1, 1), CUDA_SUCCESS);
+    EXPECT(cuCtxPushCurrent(c1), CUDA_SUCCESS);
+    EXPECT(cuMemcpyHtoD(va, &v, 4), CUDA_ERROR_ILLEGAL_ADDRESS);
+    EXPECT(cuCtxPopCurrent(NULL), CUDA_SUCCESS);
+    EXPECT(cuMemSetAccess(va, 2 * G, &rw1, 1), CUDA_SUCCESS);
+    EXPECT(cuMemcpyHtoD(va + 2 * G, &v, 4), CUDA_ERROR_ILLEGAL_ADDRESS); /* offset 2G: nothing bound */
+    EXPECT(cuMemUnmap(va + 4 * G, 2 * G), CUDA_SUCCESS);
+
+    /* unbind must match a bind exactly */
+    EXPECT(cuMulticastUnbind(mc, 0, 0, G), CUDA_ERROR_INVALID_VALUE);
+    EXPECT(cuMulticastUnbind(mc, 0, G, G), CUDA_ERROR_INVALID_VALUE);
+    EXPECT(cuMulticastUnbind(mc, 0, 0, 4 * G), CUDA_ERROR_INVALID_VALUE);
+    EXPECT(cuMulticastUnbind(mc, NDEV, 0, 2 * G), CUDA_ERROR_INVALID_DEVICE);
+    EXPECT(cuMulticastUnbind(mc, 0, G / 2, G), CUDA_ERROR_INVALID_VALUE);
+    EXPECT(cuMulticastUnbind(h0, 0, 0, 2 * G), CUDA_ERROR_INVALID_VALUE);
+
+    /* export/import of the object; a non-shareable object cannot be exported */
+    int fd = -1;
+    EXPECT(cuMemExportToShareableHandle(&fd, mc, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0), CUDA_SUCCESS);
+    EXPECT(cuMemImportFromShareableHandle(&himp, (void *)(uintptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+           CUDA_SUCCESS);
+    close(fd);
+    CHECK(himp != mc);
+    EXPECT(cuMulticastAddDevice(himp, 0), CUDA_ERROR_INVALID_VALUE); /* the same team */
+    CUmulticastObjectProp p1prop = mcprop(1, 2 * G, 0);
+    EXPECT(cuMulticastCreate(&mc1, &p1prop), CUDA_SUCCESS);
+    EXPECT(cuMemExportToShareableHandle(&fd, mc1, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+           CUDA_ERROR_INVALID_VALUE);
+    /* a team of one: the second device overflows it; memory on a non-team device is refused;
+     * a non-shareable object takes non-shareable memory */
+    EXPECT(cuMulticastAddDevice(mc1, 0), CUDA_SUCCESS);
+    EXPECT(cuMulticastAddDevice(mc1, 1), CUDA_ERROR_INVALID_VALUE);
+    EXPECT(cuMulticastBindMem_v2(mc1, 1, 0, h1, 0, G, 0), CUDA_ERROR_INVALID_DEVICE);
+    EXPECT(cuMulticastBindAddr_v2(mc1, 1, 0, m1, G, 0), CUDA_ERROR_INVALID_DEVICE);
+    EXPECT(cuMulticastBindMem(mc1, 0, hn, 0, 2 * G, 0), CUDA_SUCCESS);
+
+    /* native checkpoint is refused while any multicast object is held; unlock runs on */
+    CUprocessState st;
+    EXPECT(cuCheckpointProcessLock(me, NULL), CUDA_SUCCESS);
+    EXPECT(cuCheckpointProcessCheckpoint(me, NULL), CUDA_ERROR_NOT_SUPPORTED);
+    EXPECT(cuCheckpointProcessGetState(me, &st), CUDA_SUCCESS);
+    CHECK(st == CU_PROCESS_STATE_LOCKED);
+    EXPECT(cuCheckpointProcessUnlock(me, NULL), CUDA_SUCCESS);
+    EXPECT(cuCheckpointProcessGetState(me, &st), CUDA_SUCCESS);
+    CHECK(st == CU_PROCESS_STATE_RUNNING);
+    EXPECT(cuMemcpyHtoD(va + 4, &v, 4), CUDA_SUCCESS);
+    CHECK(*(volatile uint32_t *)(uintptr_t)(m1 + 4) == 0xC0FFEE);
+
+    /* released while mapped and bound: the object lives on through the import's handle */
+    EXPECT(cuMemRelease(mc), CUDA_SUCCESS);
+    EXPECT(cuMemcpyHtoD(va + 8, &v, 4), CUDA_SUCCESS);
+    CHECK(*(volatile uint32_t *)(uintptr_t)(d0 + 8) == 0xC0FFEE);
+    EXPECT(cuMulticastUnbind(mc, 0, 0, 2 * G), CUDA_ERROR_INVALID_VALUE); /* stale handle */
+    EXPECT(cuMemUnmap(va, 4 * G), CUDA_SUCCESS);
+    EXPECT(cuMulticastUnbind(mc1, 0, 0, 2 * G), CUDA_SUCCESS);
+    EXPECT(cuMemRelease(mc1), CUDA_SUCCESS);
+    EXPECT(cuCheckpointProcessLock(me, NULL), CUDA_SUCCESS);
+    EXPECT(cuCheckpointProcessCheckpoint(me, NULL), CUDA_ERROR_NOT_SUPPORTED); /* himp, bindings */
+    EXPECT(cuCheckpointProcessUnlock(me, NULL), CUDA_SUCCESS);
+    EXPECT(cuMulticastUnbind(himp, 0, 0, 2 * G), CUDA_SUCCESS); /* another handle of the same object */
+    EXPECT(cuMulticastUnbind(himp, 1, 0, 2 * G), CUDA_SUCCESS);
+    EXPECT(cuMemRelease(himp), CUDA_SUCCESS);
+    EXPECT(cuMemRelease(himp), CUDA_ERROR_INVALID_VALUE);
+    EXPECT(cuMemAddressFree(va, 8 * G), CUDA_SUCCESS);
+    EXPECT(cuMemUnmap(d0, 2 * G), CUDA_SUCCESS);
+    EXPECT(cuMemUnmap(m1, 2 * G), CUDA_SUCCESS);
+    EXPECT(cuMemAddressFree(d0, 2 * G), CUDA_SUCCESS);
+    EXPECT(cuMemAddressFree(m1, 2 * G), CUDA_SUCCESS);
+    EXPECT(cuMemRelease(h0), CUDA_SUCCESS);
+    EXPECT(cuMemRelease(h1), CUDA_SUCCESS);
+    EXPECT(cuMemRelease(hn), CUDA_SUCCESS);
+    /* nothing multicast is held any more: native checkpoint goes through */
+    EXPECT(cuCheckpointProcessLock(me, NULL), CUDA_SUCCESS);
+    EXPECT(cuCheckpointProcessCheckpoint(me, NULL), CUDA_SUCCESS);
+    EXPECT(cuCheckpointProcessRestore(me, NULL), CUDA_SUCCESS);
+    EXPECT(cuCheckpointProcessUnlock(me, NULL), CUDA_SUCCESS);
+}
+
+/* The documented teardown order (unmap, unbind, release); the member keeps the bytes. */
+static void multicast_teardown(void)
+{
+    int me = getpid();
+    CUmulticastObjectProp p = mcprop(1, 2 * G, 0);
+    CUmemAllocationProp p0 = prop(0, 0);
+    CUmemGenericAllocationHandle mc, h;
+    CUdeviceptr va;
+    CUmemAccessDesc rw0 = acc(0, 3);
+    EXPECT(cuMulticastCreate(&mc, &p), CUDA_SUCCESS);
+    EXPECT(cuMemCreate(&h, 2 * G, &p0, 0), CUDA_SUCCESS);
+    EXPECT(cuMulticastAddDevice(mc, 0), CUDA_SUCCESS);
+    EXPECT(cuMulticastBindMem(mc, 0, h, 0, 2 * G, 0), CUDA_SUCCESS);
+    EXPECT(cuMemAddressReserve(&va, 2 * G, 0, 0, 0), CUDA_SUCCESS);
+    EXPECT(cuMemMap(va, 2 * G, 0, mc, 0), CUDA_SUCCESS);
+    EXPECT(cuMemSetAccess(va, 2 * G, &rw0, 1), CUDA_SUCCESS);
+    EXPECT(cuMemsetD8(va, 0x42, 16), CUDA_SUCCESS);
+    EXPECT(cuMemUnmap(va, 2 * G), CUDA_SUCCESS);
+    EXPECT(cuMulticastUnbind(mc, 0, 0, 2 * G), CUDA_SUCCESS);
+    EXPECT(cuMulticastUnbind(mc, 0, 0, 2 * G), CUDA_ERROR_INVALID_VALUE); /* already unbound */
+    EXPECT(cuMemRelease(mc), CUDA_SUCCESS);
+    /* the memory kept the broadcast bytes */
+    EXPECT(cuMemMap(va, 2 * G, 0, h, 0), CUDA_SUCCESS);
+    EXPECT(cuMemSetAccess(va, 2 * G, &rw0, 1), CUDA_SUCCESS);
+    CHECK(*(volatile unsigned char *)(uintptr_t)(va + 15) == 0x42);
+    EXPECT(cuMemUnmap(va, 2 * G), CUDA_SUCCESS);
+    EXPECT(cuMemRelease(h), CUDA_SUCCESS);
+    EXPECT(cuMemAddressFree(va, 2 * G), CUDA_SUCCESS);
+    (void)me;
+}
+
+/* fc_unit G NDEV mcknobs: run with FAKECUDA_MULTICAST_WATCHDOG_MS (short) and
+ * FAKECUDA_MULTICAST_CAPACITY_ROUNDING = 8 * G. */
+static int mc_knobs(void)
+{
+    CUcontext c;
+    EXPECT(cuInit(0), CUDA_SUCCESS);
+    EXPECT(cuDevicePrimaryCtxRetain(&c, 0), CUDA_SUCCESS);
+    EXPECT(cuCtxSetCurrent(c), CUDA_SUCCESS);
+    CUmulticastObjectProp p = mcprop(2, G, 0);
+    CUmemAllocationProp p0 = prop(0, 0);
+    CUmemGenericAllocationHandle mc, h;
+    CUdeviceptr va;
+    EXPECT(cuMulticastCreate(&mc, &p), CUDA_SUCCESS);
+    EXPECT(cuMemCreate(&h, 2 * G, &p0, 0), CUDA_SUCCESS);
+    EXPECT(cuMemAddressReserve(&va, 16 * G, 0, 0, 0), CUDA_SUCCESS);
+    EXPECT(cuMulticastAddDevice(mc, 0), CUDA_SUCCESS);
+    /* device 1 is never added: the watchdog fails bind and map instead of hanging */
+    EXPECT(cuMulticastBindMem(mc, 0, h, 0, G, 0), CUDA_ERROR_TIMEOUT);
+    EXPECT(cuMemMap(va, G, 0, mc, 0), CUDA_ERROR_TIMEOUT);
+    EXPECT(cuMemUnmap(va, G), CUDA_ERROR_INVALID_VALUE); /* nothing was mapped */
+    EXPECT(cuMulticastAddDevice(mc, 1), CUDA_SUCCESS);
+    /* capacity rounded up to 8 G: binds and maps beyond the requested G fit */
+    EXPECT(cuMulticastBindMem(mc, 6 * G, h, 0, 2 * G, 0), CUDA_SUCCESS);
+    EXPECT(cuMulticastBindMem(mc, 7 * G, h, 0, 2 * G, 0), CUDA_ERROR_INVALID_VALUE); /* past 8 G */
+    EXPECT(cuMulticastBindMem(mc, 8 * G, h, 0, G, 0), CUDA_ERROR_INVALID_VALUE);
+    EXPECT(cuMemMap(va, 8 * G, 0, mc, 0), CUDA_SUCCESS);
+    EXPECT(cuMemMap(va + 8 * G, 2 * G, 7 * G, mc, 0), CUDA_ERROR_INVALID_VALUE);
+    CUmemAccessDesc rw0 = acc(0, 3);
+    EXPECT(cuMemSetAccess(va, 8 * G, &rw0, 1), CUDA_SUCCESS);
+    EXPECT(cuMemsetD32(va + 7 * G, 0xABCD, 4), CUDA_SUCCESS);
+    EXPECT(cuMemsetD32(va, 0xABCD, 4), CUDA_ERROR_ILLEGAL_ADDRESS); /* nothing bound at 0 */
+    EXPECT(cuMemUnmap(va, 8 * G), CUDA_SUCCESS);
+    EXPECT(cuMulticastUnbind(mc, 0, 6 * G, 2 * G), CUDA_SUCCESS);
+    EXPECT(cuMemRelease(mc), CUDA_SUCCESS);
+    EXPECT(cuMemMap(va, 2 * G, 0, h, 0), CUDA_SUCCESS);
+    EXPECT(cuMemSetAccess(va, 2 * G, &rw0, 1), CUDA_SUCCESS);
+    CHECK(*(volatile uint32_t *)(uintptr_t)(va + G + 12) == 0xABCD);
+    EXPECT(cuMemUnmap(va, 2 * G), CUDA_SUCCESS);
+    EXPECT(cuMemRelease(h), CUDA_SUCCESS);
+    EXPECT(cuMemAddressFree(va, 16 * G), CUDA_SUCCESS);
+    printf("fc_unit: %d checks, %d failures\n", g_checks, g_fails);
+    return g_fails ? 1 : 0;
+}
+
 int main(int argc, char **argv)
 {
     G = argc > 1 ? strtoull(argv[1], NULL, 0) : (2u << 20);
     NDEV = argc > 2 ? atoi(argv[2]) : 2;
     setvbuf(stdout, NULL, _IONBF, 0);
+    if (argc > 3 && !strcmp(argv[3], "mcknobs"))
+        return mc_knobs();
     before_init();
     devices();
     vmm_create_reserve(); /* before any context: VMM needs none */
@@ -840,6 +1225,8 @@ int main(int argc, char **argv)
     private_memory();
     host_memory();
     forked_child();
+    multicast();
+    multicast_teardown();
     checkpoint_self();
     gate_stress();
     printf("fc_unit: %d checks, %d failures\n", g_checks, g_fails);

@@ -1,7 +1,7 @@
 /* fcpeer: a line-driven CUDA driver-API client for multi-process fakecuda tests.
  *
  * Reads one command per line on stdin and answers one line on stdout: "ok [values]" or
- * "err <CUresult name>". argv[1] (optional) is a Unix socket fd used by sendfd/recvfd
+ * "err <CUresult name>". Up to six numeric arguments per command. argv[1] (optional) is a Unix socket fd used by sendfd/recvfd
  * (SCM_RIGHTS). Linked directly against libcuda.so.1 (the ELF names, no resolver).
  */
 #include <cuda.h>
@@ -76,8 +76,8 @@ int main(int argc, char **argv)
     char line[512];
     while (fgets(line, sizeof line, stdin)) {
         char cmd[32] = "";
-        unsigned long long a = 0, b = 0, c = 0, d = 0;
-        int n = sscanf(line, "%31s %lli %lli %lli %lli", cmd, &a, &b, &c, &d);
+        unsigned long long a = 0, b = 0, c = 0, d = 0, e = 0, f = 0;
+        int n = sscanf(line, "%31s %lli %lli %lli %lli %lli %lli", cmd, &a, &b, &c, &d, &e, &f);
         if (n < 1)
             continue;
         if (!strcmp(cmd, "quit")) {
@@ -109,6 +109,33 @@ int main(int argc, char **argv)
             reply(r, "0x%llx", (unsigned long long)va);
         } else if (!strcmp(cmd, "map")) { /* map VA SIZE H */
             reply(cuMemMap((CUdeviceptr)a, (size_t)b, 0, c, 0), NULL);
+        } else if (!strcmp(cmd, "mapoff")) { /* mapoff VA SIZE OFFSET H */
+            reply(cuMemMap((CUdeviceptr)a, (size_t)b, (size_t)c, d, 0), NULL);
+        } else if (!strcmp(cmd, "mccreate")) { /* mccreate NDEV SIZE POSIX */
+            CUmulticastObjectProp p;
+            memset(&p, 0, sizeof p);
+            p.numDevices = (unsigned)a;
+            p.size = (size_t)b;
+            p.handleTypes = c ? CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR : CU_MEM_HANDLE_TYPE_NONE;
+            CUmemGenericAllocationHandle h = 0;
+            CUresult r = cuMulticastCreate(&h, &p);
+            reply(r, "%llu", h);
+        } else if (!strcmp(cmd, "mcadd")) { /* mcadd MC DEV */
+            reply(cuMulticastAddDevice(a, (CUdevice)b), NULL);
+        } else if (!strcmp(cmd, "mcbind")) { /* mcbind MC MCOFF MEM MEMOFF SIZE (v1: context's device) */
+            reply(cuMulticastBindMem(a, (size_t)b, c, (size_t)d, (size_t)e, 0), NULL);
+        } else if (!strcmp(cmd, "mcbind2")) { /* mcbind2 MC DEV MCOFF MEM MEMOFF SIZE */
+            reply(cuMulticastBindMem_v2(a, (CUdevice)b, (size_t)c, d, (size_t)e, (size_t)f, 0), NULL);
+        } else if (!strcmp(cmd, "mcbindaddr")) { /* mcbindaddr MC MCOFF VA SIZE */
+            reply(cuMulticastBindAddr(a, (size_t)b, (CUdeviceptr)c, (size_t)d, 0), NULL);
+        } else if (!strcmp(cmd, "mcunbind")) { /* mcunbind MC DEV MCOFF SIZE */
+            reply(cuMulticastUnbind(a, (CUdevice)b, (size_t)c, (size_t)d), NULL);
+        } else if (!strcmp(cmd, "memset32")) { /* memset32 VA VALUE COUNT */
+            reply(cuMemsetD32((CUdeviceptr)a, (unsigned)b, (size_t)c), NULL);
+        } else if (!strcmp(cmd, "malloc")) { /* malloc SIZE: cuMemAlloc */
+            CUdeviceptr p = 0;
+            CUresult r = cuMemAlloc(&p, (size_t)a);
+            reply(r, "0x%llx", (unsigned long long)p);
         } else if (!strcmp(cmd, "unmap")) {
             reply(cuMemUnmap((CUdeviceptr)a, (size_t)b), NULL);
         } else if (!strcmp(cmd, "release")) {
