@@ -5,8 +5,8 @@
   ways, nothing torn, sums equal, every FFN saw the shutdown, VA tables identical, each pending
   flag consumed exactly once after its restore.
 - 4A4F (N = 8) checkpoint/restore with a few steps.
-- ``--no-drain``: a checkpoint without the drain must fail cleanly (the lock timeout named) and
-  the workload must finish exactly; the agent as shipped corrupts instead (strict xfail).
+- ``--no-drain``: a checkpoint without the drain must fail cleanly (the agent's quiescence
+  check names the lock timeout, nothing is torn down) and the workload must finish exactly.
 - setup negatives: a mismatched ``--ring-depth`` on one rank; ``--no-fence`` with a delayed
   zero on one rank loses the first message, the fenced run never does.
 """
