@@ -130,8 +130,8 @@ static void serve_fetch_fd(int conn, const struct cui_request *req) {
     cui_hex_id(req->alloc_id, hex);
     res.status = CUI_NOT_FOUND;
     snprintf(res.message, sizeof res.message,
-             "FETCH_FD: pid %u has no exported allocation %s (requested by pid %u)", (unsigned)getpid(), hex,
-             (unsigned)req->sender_pid);
+             "FETCH_FD: pid %u (phase %s) has no exported allocation %s (requested by pid %u)", (unsigned)getpid(),
+             cui_phase_name(__atomic_load_n(&cui_st.phase, __ATOMIC_ACQUIRE)), hex, (unsigned)req->sender_pid);
   }
   send_reply(conn, req, &res, 0, fd);
   if (fd >= 0) close(fd);
@@ -146,7 +146,8 @@ static void *accept_main(void *arg) {
         if (errno == EMFILE || errno == ENFILE) usleep(10000);
         continue;
       }
-      cui_warn("control socket accept failed: %s; endpoint stopped", strerror(errno));
+      cui_api_warn("control endpoint", "accept on the control socket failed: %s; endpoint stopped (no INSPECT, "
+                   "FETCH_FD or checkpoint of this process from now on)", strerror(errno));
       return NULL;
     }
     set_timeouts(c);
@@ -217,28 +218,33 @@ static void *worker_main(void *arg) {
   return NULL;
 }
 
+/* Every reason for not serving is one line on stderr (this runs once per process): what,
+ * where, and that CUDA keeps working without INSPECT or checkpoint. */
+#define NO_ENDPOINT "; no control endpoint: CUDA keeps working, but this process cannot be inspected or checkpointed"
+
 static void start_endpoint(void) {
   cui_st.pid = (uint32_t)getpid();
   const char *dir = cui_control_dir();
-  if (mkdir(dir, 0700) != 0 && errno != EEXIST) {
-    cui_warn("cannot create control directory %s: %s; no control endpoint", dir, strerror(errno));
-    return;
-  }
   struct sockaddr_un sa;
   memset(&sa, 0, sizeof sa);
   sa.sun_family = AF_UNIX;
   if (cui_socket_path(cui_st.pid, sa.sun_path, sizeof sa.sun_path) != 0) {
-    cui_warn("control socket path in %s is too long; no control endpoint", dir);
+    cui_api_warn("cuInit", "control socket path %s/" CUI_SOCKET_PREFIX "%u.sock (CUINTERPOSE_CONTROL_DIR) is longer "
+                 "than a UNIX socket path may be (%zu bytes)" NO_ENDPOINT, dir, cui_st.pid, sizeof sa.sun_path - 1);
+    return;
+  }
+  if (mkdir(dir, 0700) != 0 && errno != EEXIST) {
+    cui_api_warn("cuInit", "cannot create control directory %s: %s" NO_ENDPOINT, dir, strerror(errno));
     return;
   }
   int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (s < 0) {
-    cui_warn("socket: %s; no control endpoint", strerror(errno));
+    cui_api_warn("cuInit", "socket: %s" NO_ENDPOINT, strerror(errno));
     return;
   }
   unlink(sa.sun_path);   /* a stale socket of an earlier process with this pid */
   if (bind(s, (struct sockaddr *)&sa, sizeof sa) != 0 || chmod(sa.sun_path, 0600) != 0 || listen(s, 64) != 0) {
-    cui_warn("cannot serve %s: %s; no control endpoint", sa.sun_path, strerror(errno));
+    cui_api_warn("cuInit", "cannot serve %s in control directory %s: %s" NO_ENDPOINT, sa.sun_path, dir, strerror(errno));
     close(s);
     unlink(sa.sun_path);
     return;
@@ -257,7 +263,7 @@ static void start_endpoint(void) {
   pthread_attr_destroy(&at);
   pthread_sigmask(SIG_SETMASK, &old, NULL);
   if (e1 || e2) {
-    cui_warn("cannot start control threads: %s; no control endpoint", strerror(e1 ? e1 : e2));
+    cui_api_warn("cuInit", "cannot start control threads: %s" NO_ENDPOINT, strerror(e1 ? e1 : e2));
     close(s);
     unlink(sa.sun_path);
     g_listen = -1;
@@ -292,7 +298,12 @@ int cui_fetch_fd(uint32_t creator_pid, const uint8_t id[16], char *why, size_t c
   }
   set_timeouts(s);
   if (connect(s, (struct sockaddr *)&sa, sizeof sa) != 0) {
-    snprintf(why, cap, "cannot connect to %s: %s", sa.sun_path, strerror(errno));
+    int e = errno;
+    if (kill((pid_t)creator_pid, 0) != 0 && errno == ESRCH)
+      snprintf(why, cap, "creator pid %u is not running (the ticket outlived its creator; %s: %s)", creator_pid,
+               sa.sun_path, strerror(e));
+    else
+      snprintf(why, cap, "cannot connect to %s: %s", sa.sun_path, strerror(e));
     close(s);
     return -1;
   }
@@ -337,7 +348,13 @@ int cui_fetch_fd(uint32_t creator_pid, const uint8_t id[16], char *why, size_t c
     char msg[256] = "";
     size_t n = rep.message_len < sizeof msg - 1 ? rep.message_len : sizeof msg - 1;
     if (n && read_full(s, msg, n) == 0) msg[n] = 0;
-    snprintf(why, cap, "creator replied status %d: %s", rep.status, msg);
+    if (rep.status == CUI_NOT_FOUND && rep.phase == CUI_PHASE_ACTIVE)
+      snprintf(why, cap, "dead ticket: the creator holds no handle or mapping of the allocation any more (%s)", msg);
+    else if (rep.status == CUI_NOT_FOUND)
+      snprintf(why, cap, "creator pid %u is in phase %s, its exports are closed until it is restored (%s)",
+               creator_pid, cui_phase_name(rep.phase), msg);
+    else
+      snprintf(why, cap, "creator replied status %d: %s", rep.status, msg);
     if (fd >= 0) close(fd);
     close(s);
     return -1;

@@ -90,8 +90,21 @@ CUI_HIDDEN uint64_t cui_checksum64(const void *data, size_t length);
 #define CUI_VHANDLE_SHIFT    48
 #define CUI_IS_VHANDLE(h)    (((uint64_t)(h) >> CUI_VHANDLE_SHIFT) == CUI_VHANDLE_TAG)
 
+/* Small open-addressing hash table (util.c), linear probing, backward-shift deletion, grown at
+ * half load. Keys are three words: an allocation id (a, b = its two halves, c = creator pid),
+ * or a VA (a = va, b = c = 0). Values are 32 bits. The caller provides the locking. */
+struct cui_key { uint64_t a, b; uint32_t c; };
+struct cui_tab {
+  struct cui_tslot { struct cui_key k; uint32_t val; uint32_t used; } *s;
+  uint32_t cap, n;
+};
+CUI_HIDDEN struct cui_key cui_id_key(const uint8_t id[16], uint32_t pid);
+CUI_HIDDEN uint32_t *cui_tab_get(const struct cui_tab *t, struct cui_key k);   /* value or NULL */
+CUI_HIDDEN int cui_tab_put(struct cui_tab *t, struct cui_key k, uint32_t val); /* 0, -1 out of memory */
+CUI_HIDDEN void cui_tab_del(struct cui_tab *t, struct cui_key k);
+
 struct cui_alloc {
-  int live;                        /* slot in use (handle refs or mappings remain) */
+  int live;                        /* slot in use (handle refs or mappings remain); reused after */
   uint64_t vhandle;                /* the virtual handle the app sees; never reused */
   uint8_t id[16];                  /* creator-assigned allocation id */
   uint32_t creator_pid;
@@ -103,13 +116,21 @@ struct cui_alloc {
   int has_real;                    /* one driver reference held for all virtual refs */
   uint32_t vrefs;                  /* live virtual handle references */
   uint32_t nmaps;                  /* mapping records referring to this allocation */
+  uint32_t maps_head;              /* its mapping records: a list through cui_mapping.next (ref) */
+  uint32_t next_free;              /* free-slot list (index + 1) while not live */
   uint64_t carrier_off, carrier_bytes, checksum;
 };
 
+/* Mapping records live in stable slots of cui_st.maps; a "ref" is slot index + 1 (0 = none).
+ * Live records sit in a treap ordered by VA (left/right/prio) and in their allocation's list
+ * (next/prev); free slots are chained through `next`. */
 struct cui_mapping {
   uint64_t va, size, offset;
   uint32_t alloc;                  /* index into state.allocs */
   int mapped;                      /* 0 between PREPARE_UNICAST and its rebuild */
+  int used;                        /* slot holds a live record */
+  uint32_t left, right, prio;      /* VA treap */
+  uint32_t next, prev;             /* allocation list (or free list) */
   uint32_t access_count;
   struct cui_access access[CUI_MAX_ACCESS];
 };
@@ -123,9 +144,18 @@ struct cui_state {
   int op_running;                  /* a phase op owns the state: app calls get NOT_READY */
   uint32_t inflight;               /* tracked app calls running with the lock dropped */
   uint64_t last_txn;
-  struct cui_alloc *allocs; size_t nallocs, cap_allocs;
-  struct cui_mapping *maps; size_t nmaps, cap_maps;
+  struct cui_alloc *allocs; size_t nallocs, cap_allocs;   /* nallocs: slots ever used */
+  uint32_t alloc_free;             /* first free slot (index + 1), 0 = none */
+  uint64_t last_vhandle;           /* low bits of the newest virtual handle (never reused) */
+  struct cui_tab alloc_vh;         /* virtual handle -> slot of the live allocation */
+  struct cui_tab alloc_ids;        /* (id, creator pid) -> slot of the live allocation */
+  struct cui_mapping *maps; size_t nmaps, nslots, cap_maps;   /* nmaps: live records */
+  uint32_t map_root, map_free, map_seed;
+  /* Bounds of every mapping record, read without the lock: a range outside [map_lo, map_hi)
+   * is untracked and passes through without taking the lock. */
+  uint64_t map_lo, map_hi;
   struct cui_reservation *resv; size_t nresv, cap_resv;
+  struct cui_tab resv_va;          /* va -> index into resv */
   unsigned char *arena; size_t arena_size;   /* host carrier arena (creators, SAVED..LOADED) */
   int arena_release_pending;
 };
@@ -142,6 +172,13 @@ CUI_HIDDEN unsigned cui_cache_close_all(void);
 
 CUI_HIDDEN struct cui_alloc *cui_alloc_by_vhandle(uint64_t vh);     /* live, or NULL */
 CUI_HIDDEN void cui_maybe_destroy(struct cui_alloc *a);             /* lock held */
+#define CUI_MAP(ref) (&cui_st.maps[(ref) - 1])
+/* Iterates the mapping records of allocation `a` (lock held). */
+#define CUI_FOR_MAPS_OF(m, a) \
+  for (struct cui_mapping *m = (a)->maps_head ? CUI_MAP((a)->maps_head) : NULL; m; m = m->next ? CUI_MAP(m->next) : NULL)
+/* The phase name ("ACTIVE") and "<api>: pid <pid> (phase <P>): <message>" on stderr. */
+CUI_HIDDEN const char *cui_phase_name(uint32_t phase);
+CUI_HIDDEN void cui_api_warn(const char *api, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
 /* ---------- phases.c ---------- */
 

@@ -37,17 +37,6 @@ typedef CUresult (*fn_hostunreg)(void *);
 
 #define REAL(row, type) ((type)cui_real(CUI_ROW_##row))
 
-static const char *phase_name(uint32_t p) {
-  switch (p) {
-    case CUI_PHASE_ACTIVE: return "ACTIVE";
-    case CUI_PHASE_SAVED: return "SAVED";
-    case CUI_PHASE_PREPARED: return "PREPARED";
-    case CUI_PHASE_LOADED: return "LOADED";
-    case CUI_PHASE_FAILED: return "FAILED";
-  }
-  return "UNKNOWN";
-}
-
 static const char *op_name(uint16_t op) {
   switch (op) {
     case CUI_OP_INSPECT: return "INSPECT";
@@ -94,6 +83,10 @@ static int cmp_va_map(const void *x, const void *y) {
   const struct cui_mapping *a = *(const struct cui_mapping *const *)x, *b = *(const struct cui_mapping *const *)y;
   return a->va < b->va ? -1 : a->va > b->va;
 }
+static int cmp_vhandle(const void *x, const void *y) {
+  const struct cui_alloc *a = *(const struct cui_alloc *const *)x, *b = *(const struct cui_alloc *const *)y;
+  return a->vhandle < b->vhandle ? -1 : a->vhandle > b->vhandle;
+}
 static int cmp_va_resv(const void *x, const void *y) {
   const struct cui_reservation *a = x, *b = y;
   return a->va < b->va ? -1 : a->va > b->va;
@@ -110,10 +103,17 @@ static int build_records(struct cui_op_result *res) {
     free(recs), free(maps), free(resv);
     return -1;
   }
-  size_t k = 0;
-  for (size_t i = 0; i < cui_st.nallocs; i++) {
-    const struct cui_alloc *a = &cui_st.allocs[i];
-    if (!a->live) continue;
+  size_t k = 0, na = 0;
+  const struct cui_alloc **allocs = calloc(cui_st.nallocs ? cui_st.nallocs : 1, sizeof *allocs);
+  if (!allocs) {
+    free(recs), free(maps), free(resv);
+    return -1;
+  }
+  for (size_t i = 0; i < cui_st.nallocs; i++)
+    if (cui_st.allocs[i].live) allocs[na++] = &cui_st.allocs[i];
+  qsort(allocs, na, sizeof *allocs, cmp_vhandle);   /* creation order (slots are reused) */
+  for (size_t i = 0; i < na; i++) {
+    const struct cui_alloc *a = allocs[i];
     struct cui_record *r = &recs[k++];
     r->kind = CUI_RECORD_ALLOCATION;
     fill_alloc_fields(r, a);
@@ -121,8 +121,10 @@ static int build_records(struct cui_op_result *res) {
     r->carrier_checksum = a->checksum;
     r->carrier_bytes = a->carrier_bytes;
   }
-  for (size_t i = 0; i < cui_st.nmaps; i++) maps[i] = &cui_st.maps[i];
-  qsort(maps, cui_st.nmaps, sizeof *maps, cmp_va_map);
+  size_t nm = 0;
+  for (size_t i = 0; i < cui_st.nslots; i++)
+    if (cui_st.maps[i].used) maps[nm++] = &cui_st.maps[i];
+  qsort(maps, nm, sizeof *maps, cmp_va_map);
   for (size_t i = 0; i < cui_st.nmaps; i++) {
     const struct cui_mapping *m = maps[i];
     struct cui_record *r = &recs[k++];
@@ -134,7 +136,7 @@ static int build_records(struct cui_op_result *res) {
     r->access_count = m->access_count;
     memcpy(r->access, m->access, m->access_count * sizeof m->access[0]);
   }
-  memcpy(resv, cui_st.resv, cui_st.nresv * sizeof *resv);
+  if (cui_st.nresv) memcpy(resv, cui_st.resv, cui_st.nresv * sizeof *resv);   /* resv is NULL before the first */
   qsort(resv, cui_st.nresv, sizeof *resv, cmp_va_resv);
   for (size_t i = 0; i < cui_st.nresv; i++) {
     struct cui_record *r = &recs[k++];
@@ -143,6 +145,7 @@ static int build_records(struct cui_op_result *res) {
     r->va = resv[i].va;
     r->offset = resv[i].align;
   }
+  free(allocs);
   free(maps);
   free(resv);
   res->records = recs;
@@ -225,10 +228,10 @@ static CUresult hold_real(struct cui_alloc *a, CUmemGenericAllocationHandle *h, 
     *h = a->real;
     return CUDA_SUCCESS;
   }
-  for (size_t i = 0; i < cui_st.nmaps; i++)
-    if (&cui_st.allocs[cui_st.maps[i].alloc] == a && cui_st.maps[i].mapped) {
+  CUI_FOR_MAPS_OF(m, a)
+    if (m->mapped) {
       *temporary = 1;
-      return REAL(cuMemRetainAllocationHandle, fn_retain)(h, (void *)(uintptr_t)cui_st.maps[i].va);
+      return REAL(cuMemRetainAllocationHandle, fn_retain)(h, (void *)(uintptr_t)m->va);
     }
   return CUDA_ERROR_INVALID_VALUE;
 }
@@ -240,10 +243,8 @@ static int is_carried_role(const struct cui_alloc *a) {
 /* Maps every recorded mapping of `a` at its original VA with handle `h` and replays the
  * merged access list. */
 static CUresult remap(struct cui_alloc *a, CUmemGenericAllocationHandle h, uint32_t *changed, const char **what) {
-  uint32_t idx = (uint32_t)(a - cui_st.allocs);
-  for (size_t i = 0; i < cui_st.nmaps; i++) {
-    struct cui_mapping *m = &cui_st.maps[i];
-    if (m->alloc != idx || m->mapped) continue;
+  CUI_FOR_MAPS_OF(m, a) {
+    if (m->mapped) continue;
     CUresult r = REAL(cuMemMap, fn_map)(m->va, m->size, m->offset, h, 0);
     if (r != CUDA_SUCCESS) {
       *what = "cuMemMap";
@@ -378,9 +379,8 @@ static int PREPARE_UNICAST(struct cui_op_result *res) {
   for (size_t i = 0; i < cui_st.nallocs; i++) {
     struct cui_alloc *a = &cui_st.allocs[i];
     if (!a->live || !(a->flags & CUI_REC_SHARED)) continue;   /* private: native checkpoint */
-    for (size_t k = 0; k < cui_st.nmaps; k++) {
-      struct cui_mapping *m = &cui_st.maps[k];
-      if (m->alloc != i || !m->mapped) continue;
+    CUI_FOR_MAPS_OF(m, a) {
+      if (!m->mapped) continue;
       CUresult r = REAL(cuMemUnmap, fn_unmap)(m->va, m->size);
       if (r != CUDA_SUCCESS) {
         fail_driver(res, CUI_OP_PREPARE_UNICAST, a, "cuMemUnmap", r);
@@ -564,7 +564,7 @@ static int admit(const struct cui_request *req, struct cui_op_result *res) {
   if (req->expected_phase != cui_st.phase || source_phase(req->op) != cui_st.phase) {
     res->status = CUI_REFUSED_PHASE;
     snprintf(res->message, sizeof res->message, "%s: pid %u is in phase %s (request expected %s; %s needs %s)", op,
-             pid, phase_name(cui_st.phase), phase_name(req->expected_phase), op, phase_name(source_phase(req->op)));
+             pid, cui_phase_name(cui_st.phase), cui_phase_name(req->expected_phase), op, cui_phase_name(source_phase(req->op)));
     return -1;
   }
   if (cui_st.inflight) {

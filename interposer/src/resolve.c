@@ -109,8 +109,11 @@ static cui_dlsym_fn g_real_dlsym;
 
 static void *cui_dlsym_unavailable(void *h, const char *n) { return NULL; }
 
-/* Used by the dlsym entry stub: must not allocate (runs during sanitizer start-up). */
-CUI_HIDDEN void *cui_real_dlsym_get(void) {
+/* Used by the dlsym entry stub: must not allocate, nor be instrumented (it runs inside a
+ * sanitizer runtime's own start-up, e.g. TSan resolving its interceptors through dlsym before
+ * its thread state exists). */
+CUI_HIDDEN __attribute__((no_sanitize_thread, no_sanitize_address, no_sanitize_undefined))
+void *cui_real_dlsym_get(void) {
   cui_dlsym_fn p = __atomic_load_n(&g_real_dlsym, __ATOMIC_ACQUIRE);
   if (!p) {
     p = (cui_dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.34");
@@ -310,7 +313,8 @@ static CUresult substitute(const char *symbol, void **pfn) {
       return CUDA_SUCCESS;
     }
   }
-  cui_warn("lookup of %s returned %p, which is not a known libcuda function; refusing it", symbol, *pfn);
+  cui_api_warn("driver entry point lookup", "%s resolved to %p, which is not a known libcuda function; refused "
+               "(NULL, CUDA_ERROR_NOT_SUPPORTED)", symbol, *pfn);
   *pfn = NULL;
   return CUDA_ERROR_NOT_SUPPORTED;
 }

@@ -88,3 +88,97 @@ int cui_socket_path(uint32_t pid, char *out, size_t cap) {
   int n = snprintf(out, lim, "%s/" CUI_SOCKET_PREFIX "%u.sock", cui_control_dir(), pid);
   return (n < 0 || (size_t)n >= lim) ? -1 : 0;
 }
+
+const char *cui_phase_name(uint32_t p) {
+  switch (p) {
+    case CUI_PHASE_ACTIVE: return "ACTIVE";
+    case CUI_PHASE_SAVED: return "SAVED";
+    case CUI_PHASE_PREPARED: return "PREPARED";
+    case CUI_PHASE_LOADED: return "LOADED";
+    case CUI_PHASE_FAILED: return "FAILED";
+  }
+  return "UNKNOWN";
+}
+
+void cui_api_warn(const char *api, const char *fmt, ...) {
+  char buf[640];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf, sizeof buf, fmt, ap);
+  va_end(ap);
+  cui_warn("%s: pid %d (phase %s): %s", api, (int)getpid(),
+           cui_phase_name(__atomic_load_n(&cui_st.phase, __ATOMIC_RELAXED)), buf);
+}
+
+/* ---------- hash table ---------- */
+
+struct cui_key cui_id_key(const uint8_t id[16], uint32_t pid) {
+  struct cui_key k;
+  memcpy(&k.a, id, 8);
+  memcpy(&k.b, id + 8, 8);
+  k.c = pid;
+  return k;
+}
+
+static uint32_t key_hash(struct cui_key k) {
+  uint64_t h = (k.a ^ (k.b * 0x9E3779B97F4A7C15ull) ^ ((uint64_t)k.c << 17)) * 0xBF58476D1CE4E5B9ull;
+  return (uint32_t)(h >> 32);
+}
+
+static int key_eq(struct cui_key x, struct cui_key y) { return x.a == y.a && x.b == y.b && x.c == y.c; }
+
+uint32_t *cui_tab_get(const struct cui_tab *t, struct cui_key k) {
+  if (!t->cap) return NULL;
+  for (uint32_t i = key_hash(k) & (t->cap - 1);; i = (i + 1) & (t->cap - 1)) {
+    if (!t->s[i].used) return NULL;
+    if (key_eq(t->s[i].k, k)) return &t->s[i].val;
+  }
+}
+
+static void tab_insert(struct cui_tab *t, struct cui_key k, uint32_t val) {
+  uint32_t i = key_hash(k) & (t->cap - 1);
+  while (t->s[i].used) i = (i + 1) & (t->cap - 1);
+  t->s[i].k = k;
+  t->s[i].val = val;
+  t->s[i].used = 1;
+  t->n++;
+}
+
+int cui_tab_put(struct cui_tab *t, struct cui_key k, uint32_t val) {
+  uint32_t *v = cui_tab_get(t, k);
+  if (v) {
+    *v = val;
+    return 0;
+  }
+  if (2 * (t->n + 1) > t->cap) {
+    uint32_t cap = t->cap ? 2 * t->cap : 64;
+    struct cui_tslot *s = calloc(cap, sizeof *s);
+    if (!s) return -1;
+    struct cui_tab old = *t;
+    t->s = s;
+    t->cap = cap;
+    t->n = 0;
+    for (uint32_t i = 0; i < old.cap; i++)
+      if (old.s[i].used) tab_insert(t, old.s[i].k, old.s[i].val);
+    free(old.s);
+  }
+  tab_insert(t, k, val);
+  return 0;
+}
+
+void cui_tab_del(struct cui_tab *t, struct cui_key k) {
+  if (!t->cap) return;
+  uint32_t mask = t->cap - 1, i = key_hash(k) & mask;
+  while (t->s[i].used && !key_eq(t->s[i].k, k)) i = (i + 1) & mask;
+  if (!t->s[i].used) return;
+  /* backward shift: move later members of the probe run into the hole */
+  for (uint32_t j = (i + 1) & mask; t->s[j].used; j = (j + 1) & mask) {
+    uint32_t home = key_hash(t->s[j].k) & mask;
+    if (((j - home) & mask) >= ((j - i) & mask)) {
+      t->s[i] = t->s[j];
+      i = j;
+    }
+  }
+  t->s[i].used = 0;
+  t->n--;
+}

@@ -1,13 +1,18 @@
 /*
  * The object model and the tracked VMM wrappers (docs/shim.md "Object model").
  *
- * The app only sees virtual allocation handles: 0xC01E in the top 16 bits, an index below.
+ * The app only sees virtual allocation handles: 0xC01E in the top 16 bits, a counter below.
  * A driver handle carrying that tag is released and refused (CUDA_ERROR_INVALID_HANDLE).
  * One allocation holds at most one driver reference per process, whatever the number of
  * virtual references (creates, imports of the same allocation, retains); the last
  * cuMemRelease of the virtual handle releases the driver reference. Untagged handles and
  * untracked address ranges are forwarded untouched. While the shim is not ACTIVE (or a phase
  * op owns the state) tracked calls return CUDA_ERROR_NOT_READY without calling the driver.
+ *
+ * Lookups (docs/shim.md "Data structures"): allocations by virtual handle and by allocation id
+ * through hash tables, mappings through a VA-ordered treap (a range query for unmap/access, the
+ * containing mapping for retain), reservations by VA through a hash table. A range outside the
+ * bounds of every mapping record (map_lo/map_hi, read without the lock) is untracked at once.
  *
  * Locking: cui_st.lock is held across the ordinary VMM driver calls here (none waits on a
  * peer). The one call that waits on a peer, the FETCH_FD round trip of an import, runs with
@@ -16,6 +21,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -47,72 +53,55 @@ typedef CUresult (*fn_free)(CUdeviceptr, size_t);
 
 /* ---------- export cache ---------- */
 
-struct cache_entry { uint8_t id[16]; int fd; };
 static pthread_mutex_t g_cache_lock = PTHREAD_MUTEX_INITIALIZER;
-static struct cache_entry *g_cache;
-static size_t g_ncache, g_cap_cache;
+static struct cui_tab g_cache;   /* allocation id -> export FD */
 
 int cui_cache_put(const uint8_t id[16], int fd) {
   pthread_mutex_lock(&g_cache_lock);
-  for (size_t i = 0; i < g_ncache; i++)
-    if (memcmp(g_cache[i].id, id, 16) == 0) {
-      close(g_cache[i].fd);
-      g_cache[i].fd = fd;
-      pthread_mutex_unlock(&g_cache_lock);
-      return 0;
-    }
-  if (g_ncache == g_cap_cache) {
-    size_t cap = g_cap_cache ? 2 * g_cap_cache : 16;
-    struct cache_entry *n = realloc(g_cache, cap * sizeof *n);
-    if (!n) {
-      pthread_mutex_unlock(&g_cache_lock);
-      return -1;
-    }
-    g_cache = n;
-    g_cap_cache = cap;
+  uint32_t *old = cui_tab_get(&g_cache, cui_id_key(id, 0));
+  int rc = 0;
+  if (old) {
+    close((int)*old);
+    *old = (uint32_t)fd;
+  } else {
+    rc = cui_tab_put(&g_cache, cui_id_key(id, 0), (uint32_t)fd);
   }
-  memcpy(g_cache[g_ncache].id, id, 16);
-  g_cache[g_ncache++].fd = fd;
   pthread_mutex_unlock(&g_cache_lock);
-  return 0;
+  return rc;
 }
 
 int cui_cache_dup(const uint8_t id[16]) {
-  int fd = -1;
   pthread_mutex_lock(&g_cache_lock);
-  for (size_t i = 0; i < g_ncache; i++)
-    if (memcmp(g_cache[i].id, id, 16) == 0) {
-      fd = fcntl(g_cache[i].fd, F_DUPFD_CLOEXEC, 0);
-      break;
-    }
+  uint32_t *v = cui_tab_get(&g_cache, cui_id_key(id, 0));
+  int fd = v ? fcntl((int)*v, F_DUPFD_CLOEXEC, 0) : -1;
   pthread_mutex_unlock(&g_cache_lock);
   return fd;
 }
 
 int cui_cache_has(const uint8_t id[16]) {
-  int found = 0;
   pthread_mutex_lock(&g_cache_lock);
-  for (size_t i = 0; i < g_ncache && !found; i++) found = memcmp(g_cache[i].id, id, 16) == 0;
+  int found = cui_tab_get(&g_cache, cui_id_key(id, 0)) != NULL;
   pthread_mutex_unlock(&g_cache_lock);
   return found;
 }
 
 void cui_cache_close(const uint8_t id[16]) {
   pthread_mutex_lock(&g_cache_lock);
-  for (size_t i = 0; i < g_ncache; i++)
-    if (memcmp(g_cache[i].id, id, 16) == 0) {
-      close(g_cache[i].fd);
-      g_cache[i] = g_cache[--g_ncache];
-      break;
-    }
+  uint32_t *v = cui_tab_get(&g_cache, cui_id_key(id, 0));
+  if (v) {
+    close((int)*v);
+    cui_tab_del(&g_cache, cui_id_key(id, 0));
+  }
   pthread_mutex_unlock(&g_cache_lock);
 }
 
 unsigned cui_cache_close_all(void) {
   pthread_mutex_lock(&g_cache_lock);
-  unsigned n = (unsigned)g_ncache;
-  for (size_t i = 0; i < g_ncache; i++) close(g_cache[i].fd);
-  g_ncache = 0;
+  unsigned n = g_cache.n;
+  for (uint32_t i = 0; i < g_cache.cap; i++)
+    if (g_cache.s[i].used) close((int)g_cache.s[i].val);
+  free(g_cache.s);
+  memset(&g_cache, 0, sizeof g_cache);
   pthread_mutex_unlock(&g_cache_lock);
   return n;
 }
@@ -123,31 +112,45 @@ static int gate_open(void) { return cui_st.phase == CUI_PHASE_ACTIVE && !cui_st.
 
 struct cui_alloc *cui_alloc_by_vhandle(uint64_t vh) {
   if (!CUI_IS_VHANDLE(vh)) return NULL;
-  uint64_t idx = (vh & ((1ull << CUI_VHANDLE_SHIFT) - 1)) - 1;
-  if (idx >= cui_st.nallocs || !cui_st.allocs[idx].live) return NULL;
-  return &cui_st.allocs[idx];
+  uint32_t *at = cui_tab_get(&cui_st.alloc_vh, (struct cui_key){vh, 0, 0});
+  return at ? &cui_st.allocs[*at] : NULL;
 }
 
 static struct cui_alloc *alloc_by_id(uint32_t creator_pid, const uint8_t id[16]) {
-  for (size_t i = 0; i < cui_st.nallocs; i++) {
-    struct cui_alloc *a = &cui_st.allocs[i];
-    if (a->live && a->creator_pid == creator_pid && memcmp(a->id, id, 16) == 0) return a;
-  }
-  return NULL;
+  uint32_t *v = cui_tab_get(&cui_st.alloc_ids, cui_id_key(id, creator_pid));
+  return v ? &cui_st.allocs[*v] : NULL;
 }
 
-static struct cui_alloc *alloc_new(void) {
-  if (cui_st.nallocs == cui_st.cap_allocs) {
-    size_t cap = cui_st.cap_allocs ? 2 * cui_st.cap_allocs : 64;
-    struct cui_alloc *n = realloc(cui_st.allocs, cap * sizeof *n);
-    if (!n) return NULL;
-    cui_st.allocs = n;
-    cui_st.cap_allocs = cap;
+/* A new live allocation with `id` of `creator_pid` (indexed by both and by a new virtual
+ * handle). Slots of destroyed allocations are reused; virtual handles never are. */
+static struct cui_alloc *alloc_new(const uint8_t id[16], uint32_t creator_pid) {
+  uint32_t idx = cui_st.alloc_free;
+  if (idx) {
+    idx--;
+  } else {
+    if (cui_st.nallocs == cui_st.cap_allocs) {
+      size_t cap = cui_st.cap_allocs ? 2 * cui_st.cap_allocs : 64;
+      struct cui_alloc *n = realloc(cui_st.allocs, cap * sizeof *n);
+      if (!n) return NULL;
+      cui_st.allocs = n;
+      cui_st.cap_allocs = cap;
+    }
+    idx = (uint32_t)cui_st.nallocs;
   }
-  struct cui_alloc *a = &cui_st.allocs[cui_st.nallocs];
+  uint64_t vh = (CUI_VHANDLE_TAG << CUI_VHANDLE_SHIFT) | (cui_st.last_vhandle + 1);
+  if (cui_tab_put(&cui_st.alloc_ids, cui_id_key(id, creator_pid), idx) != 0) return NULL;
+  if (cui_tab_put(&cui_st.alloc_vh, (struct cui_key){vh, 0, 0}, idx) != 0) {
+    cui_tab_del(&cui_st.alloc_ids, cui_id_key(id, creator_pid));
+    return NULL;
+  }
+  if (idx == cui_st.nallocs) cui_st.nallocs++;
+  else cui_st.alloc_free = cui_st.allocs[idx].next_free;
+  cui_st.last_vhandle++;
+  struct cui_alloc *a = &cui_st.allocs[idx];
   memset(a, 0, sizeof *a);
-  a->vhandle = (CUI_VHANDLE_TAG << CUI_VHANDLE_SHIFT) | (uint64_t)(cui_st.nallocs + 1);
-  cui_st.nallocs++;
+  memcpy(a->id, id, 16);
+  a->creator_pid = creator_pid;
+  a->vhandle = vh;
   a->live = 1;
   return a;
 }
@@ -157,11 +160,166 @@ static inline uint32_t alloc_index(const struct cui_alloc *a) { return (uint32_t
 void cui_maybe_destroy(struct cui_alloc *a) {
   if (!a->live || a->vrefs || a->nmaps) return;
   if (a->role == CUI_ROLE_CREATOR || (a->flags & CUI_REC_EXPORTED)) cui_cache_close(a->id);
-  a->live = 0;   /* slot kept: virtual handles are never reused */
+  cui_tab_del(&cui_st.alloc_ids, cui_id_key(a->id, a->creator_pid));
+  cui_tab_del(&cui_st.alloc_vh, (struct cui_key){a->vhandle, 0, 0});
+  a->live = 0;   /* the slot is reused, the virtual handle never */
+  a->next_free = cui_st.alloc_free;
+  cui_st.alloc_free = alloc_index(a) + 1;
 }
 
-static int ranges_overlap(uint64_t a, uint64_t alen, uint64_t b, uint64_t blen) {
-  return a < b + blen && b < a + alen;
+/* ---------- mapping records: a VA treap over stable slots ---------- */
+
+static uint32_t mkey_less(uint32_t x, uint32_t y) {   /* (va, slot) order: total even for equal VAs */
+  return CUI_MAP(x)->va < CUI_MAP(y)->va || (CUI_MAP(x)->va == CUI_MAP(y)->va && x < y);
+}
+
+static uint32_t treap_insert(uint32_t t, uint32_t n) {
+  if (!t) return n;
+  struct cui_mapping *T = CUI_MAP(t);
+  if (mkey_less(n, t)) {
+    T->left = treap_insert(T->left, n);
+    if (CUI_MAP(T->left)->prio > T->prio) {   /* rotate right */
+      uint32_t l = T->left;
+      T->left = CUI_MAP(l)->right;
+      CUI_MAP(l)->right = t;
+      return l;
+    }
+  } else {
+    T->right = treap_insert(T->right, n);
+    if (CUI_MAP(T->right)->prio > T->prio) {  /* rotate left */
+      uint32_t r = T->right;
+      T->right = CUI_MAP(r)->left;
+      CUI_MAP(r)->left = t;
+      return r;
+    }
+  }
+  return t;
+}
+
+static uint32_t treap_merge(uint32_t x, uint32_t y) {   /* every key of x before every key of y */
+  if (!x || !y) return x ? x : y;
+  if (CUI_MAP(x)->prio > CUI_MAP(y)->prio) {
+    CUI_MAP(x)->right = treap_merge(CUI_MAP(x)->right, y);
+    return x;
+  }
+  CUI_MAP(y)->left = treap_merge(x, CUI_MAP(y)->left);
+  return y;
+}
+
+static uint32_t treap_erase(uint32_t t, uint32_t n) {
+  if (!t) return 0;
+  if (t == n) return treap_merge(CUI_MAP(t)->left, CUI_MAP(t)->right);
+  if (mkey_less(n, t)) CUI_MAP(t)->left = treap_erase(CUI_MAP(t)->left, n);
+  else CUI_MAP(t)->right = treap_erase(CUI_MAP(t)->right, n);
+  return t;
+}
+
+/* The record with the greatest VA <= p, or 0. */
+static uint32_t map_floor(uint64_t p) {
+  uint32_t t = cui_st.map_root, best = 0;
+  while (t) {
+    if (CUI_MAP(t)->va <= p) best = t, t = CUI_MAP(t)->right;
+    else t = CUI_MAP(t)->left;
+  }
+  return best;
+}
+
+/* The record with the smallest VA > p, or 0. */
+static uint32_t map_above(uint64_t p) {
+  uint32_t t = cui_st.map_root, best = 0;
+  while (t) {
+    if (CUI_MAP(t)->va > p) best = t, t = CUI_MAP(t)->left;
+    else t = CUI_MAP(t)->right;
+  }
+  return best;
+}
+
+static inline uint64_t range_end(uint64_t va, uint64_t size) {   /* saturating */
+  return va + size < va ? UINT64_MAX : va + size;
+}
+
+/* Records overlapping [va, va+size), in VA order: first, then map_next until NULL. */
+static struct cui_mapping *map_first(uint64_t va, uint64_t size) {
+  if (size == 0) return NULL;
+  uint32_t f = map_floor(va);
+  if (f && range_end(CUI_MAP(f)->va, CUI_MAP(f)->size) > va) return CUI_MAP(f);
+  f = map_above(va);
+  return f && CUI_MAP(f)->va < range_end(va, size) ? CUI_MAP(f) : NULL;
+}
+
+static struct cui_mapping *map_next(const struct cui_mapping *m, uint64_t va, uint64_t size) {
+  uint32_t f = map_above(m->va);
+  return f && CUI_MAP(f)->va < range_end(va, size) ? CUI_MAP(f) : NULL;
+}
+
+#define FOR_MAPS_IN(m, va, size) for (struct cui_mapping *m = map_first(va, size); m; m = map_next(m, va, size))
+
+/* The record containing address p, or NULL. */
+static struct cui_mapping *map_containing(uint64_t p) {
+  uint32_t f = map_floor(p);
+  return f && p - CUI_MAP(f)->va < CUI_MAP(f)->size ? CUI_MAP(f) : NULL;
+}
+
+/* Lock-free pre-check: 0 when no mapping record can overlap [va, va+size). */
+static inline int maybe_tracked(uint64_t va, uint64_t size) {
+  uint64_t lo = __atomic_load_n(&cui_st.map_lo, __ATOMIC_RELAXED), hi = __atomic_load_n(&cui_st.map_hi, __ATOMIC_RELAXED);
+  return lo < hi && va < hi && range_end(va, size) > lo;
+}
+
+static struct cui_mapping *map_add(struct cui_alloc *a, uint64_t va, uint64_t size, uint64_t offset) {
+  uint32_t ref = cui_st.map_free;
+  if (ref) {
+    cui_st.map_free = CUI_MAP(ref)->next;
+  } else {
+    if (cui_st.nslots == cui_st.cap_maps) {
+      size_t cap = cui_st.cap_maps ? 2 * cui_st.cap_maps : 64;
+      struct cui_mapping *n = realloc(cui_st.maps, cap * sizeof *n);
+      if (!n) return NULL;
+      cui_st.maps = n;
+      cui_st.cap_maps = cap;
+    }
+    ref = (uint32_t)++cui_st.nslots;
+  }
+  struct cui_mapping *m = CUI_MAP(ref);
+  memset(m, 0, offsetof(struct cui_mapping, access));
+  m->va = va;
+  m->size = size;
+  m->offset = offset;
+  m->alloc = alloc_index(a);
+  m->mapped = 1;
+  m->used = 1;
+  uint32_t x = cui_st.map_seed ? cui_st.map_seed : 0x9E3779B9u;   /* xorshift32 priorities */
+  x ^= x << 13, x ^= x >> 17, x ^= x << 5;
+  m->prio = cui_st.map_seed = x;
+  cui_st.map_root = treap_insert(cui_st.map_root, ref);
+  m->next = a->maps_head;
+  if (a->maps_head) CUI_MAP(a->maps_head)->prev = ref;
+  a->maps_head = ref;
+  a->nmaps++;
+  cui_st.nmaps++;
+  uint64_t lo = cui_st.map_lo, hi = cui_st.map_hi;
+  if (lo >= hi) lo = UINT64_MAX, hi = 0;
+  __atomic_store_n(&cui_st.map_lo, va < lo ? va : lo, __ATOMIC_RELAXED);
+  __atomic_store_n(&cui_st.map_hi, range_end(va, size) > hi ? range_end(va, size) : hi, __ATOMIC_RELAXED);
+  return m;
+}
+
+static void map_remove(struct cui_mapping *m) {
+  uint32_t ref = (uint32_t)(m - cui_st.maps) + 1;
+  struct cui_alloc *a = &cui_st.allocs[m->alloc];
+  cui_st.map_root = treap_erase(cui_st.map_root, ref);
+  if (m->prev) CUI_MAP(m->prev)->next = m->next;
+  else a->maps_head = m->next;
+  if (m->next) CUI_MAP(m->next)->prev = m->prev;
+  m->used = 0;
+  m->next = cui_st.map_free;
+  cui_st.map_free = ref;
+  a->nmaps--;
+  if (--cui_st.nmaps == 0) {   /* bounds only shrink when the last record goes */
+    __atomic_store_n(&cui_st.map_lo, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&cui_st.map_hi, 0, __ATOMIC_RELAXED);
+  }
+  cui_maybe_destroy(a);
 }
 
 /* ---------- tickets ---------- */
@@ -212,8 +370,11 @@ CUI_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t siz
   /* Only "no export" and POSIX FDs can be carried across a restore: refuse the rest (FABRIC,
    * combinations) before the driver sees the call, output untouched (prior-art.md §2.5). */
   if (prop->requestedHandleTypes != CU_MEM_HANDLE_TYPE_NONE &&
-      prop->requestedHandleTypes != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+      prop->requestedHandleTypes != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) {
+    cui_api_warn("cuMemCreate", "requested handle types 0x%x refused (only 0 or POSIX_FILE_DESCRIPTOR can be "
+                 "rebuilt after a checkpoint): CUDA_ERROR_NOT_SUPPORTED", (unsigned)prop->requestedHandleTypes);
     return CUDA_ERROR_NOT_SUPPORTED;
+  }
   pthread_mutex_lock(&cui_st.lock);
   if (!gate_open()) {
     pthread_mutex_unlock(&cui_st.lock);
@@ -222,13 +383,16 @@ CUI_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t siz
   CUmemGenericAllocationHandle h;
   CUresult r = real(&h, size, prop, flags);
   if (r == CUDA_SUCCESS) {
-    struct cui_alloc *a = CUI_IS_VHANDLE(h) ? NULL : alloc_new();
+    uint8_t id[16];
+    cui_random_id(id);
+    struct cui_alloc *a = CUI_IS_VHANDLE(h) ? NULL : alloc_new(id, (uint32_t)getpid());
     if (!a) {
       REAL(cuMemRelease, fn_release)(h);
       r = CUI_IS_VHANDLE(h) ? CUDA_ERROR_INVALID_HANDLE : CUDA_ERROR_OUT_OF_MEMORY;
+      if (CUI_IS_VHANDLE(h))
+        cui_api_warn("cuMemCreate", "the driver returned handle 0x%llx, which carries the shim's tag 0x%llx; "
+                     "released it: CUDA_ERROR_INVALID_HANDLE", (unsigned long long)h, CUI_VHANDLE_TAG);
     } else {
-      cui_random_id(a->id);
-      a->creator_pid = (uint32_t)getpid();
       a->role = CUI_ROLE_PRIVATE;
       a->prop = *prop;
       a->size = size;
@@ -248,17 +412,23 @@ CUI_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
   pthread_mutex_lock(&cui_st.lock);
   CUresult r = CUDA_SUCCESS;
   struct cui_alloc *a = cui_alloc_by_vhandle(handle);
-  if (!gate_open()) r = CUDA_ERROR_NOT_READY;
-  else if (!a || a->vrefs == 0) r = CUDA_ERROR_INVALID_VALUE;
-  else if (a->vrefs == 1 && a->has_real) {
-    r = real(a->real);
+  if (!gate_open()) {
+    r = CUDA_ERROR_NOT_READY;
+  } else if (!a || a->vrefs == 0) {
+    /* The driver's behaviour is undefined here (cuda-driver.md §2): refuse, no driver call. */
+    cui_api_warn("cuMemRelease", "virtual handle 0x%llx has no references left (released %s); no driver call: "
+                 "CUDA_ERROR_INVALID_VALUE", (unsigned long long)handle, a ? "more often than obtained, still mapped"
+                 : "already, or never issued");
+    r = CUDA_ERROR_INVALID_VALUE;
+  } else if (a->vrefs == 1 && a->has_real) {
+    r = real(a->real);   /* the last virtual reference: the one driver reference goes */
     if (r == CUDA_SUCCESS) {
       a->has_real = 0;
       a->vrefs = 0;
       cui_maybe_destroy(a);
     }
-  } else {
-    a->vrefs--;
+  } else if (--a->vrefs == 0) {
+    cui_maybe_destroy(a);
   }
   pthread_mutex_unlock(&cui_st.lock);
   return r;
@@ -266,14 +436,30 @@ CUI_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
 
 CUI_EXPORT CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *handle, void *addr) {
   REAL_OR_FAIL(real, cuMemRetainAllocationHandle, fn_retain);
-  pthread_mutex_lock(&cui_st.lock);
   uint64_t p = (uint64_t)(uintptr_t)addr;
   struct cui_mapping *m = NULL;
-  for (size_t i = 0; i < cui_st.nmaps && !m; i++)   /* mapped, or torn down by PREPARE_UNICAST */
-    if (p >= cui_st.maps[i].va && p - cui_st.maps[i].va < cui_st.maps[i].size) m = &cui_st.maps[i];
-  if (!m || (m->mapped == 0 && gate_open())) {
-    pthread_mutex_unlock(&cui_st.lock);
-    return real(handle, addr);
+  if (maybe_tracked(p, 1)) {
+    pthread_mutex_lock(&cui_st.lock);
+    m = map_containing(p);   /* mapped, or torn down by PREPARE_UNICAST */
+    if (!m || (m->mapped == 0 && gate_open())) {
+      pthread_mutex_unlock(&cui_st.lock);
+      m = NULL;
+    }
+  }
+  if (!m) {   /* untracked: the driver's handle, unless it collides with the virtual tag */
+    if (!handle) return real(handle, addr);
+    CUmemGenericAllocationHandle h;
+    CUresult r = real(&h, addr);
+    if (r == CUDA_SUCCESS && CUI_IS_VHANDLE(h)) {
+      cui_api_warn("cuMemRetainAllocationHandle", "address 0x%llx: the driver returned handle 0x%llx, which "
+                   "carries the shim's tag 0x%llx; released it: CUDA_ERROR_INVALID_HANDLE",
+                   (unsigned long long)p, (unsigned long long)h, CUI_VHANDLE_TAG);
+      REAL(cuMemRelease, fn_release)(h);
+      r = CUDA_ERROR_INVALID_HANDLE;
+    } else if (r == CUDA_SUCCESS) {
+      *handle = h;
+    }
+    return r;
   }
   CUresult r = CUDA_SUCCESS;
   struct cui_alloc *a = &cui_st.allocs[m->alloc];
@@ -306,28 +492,15 @@ CUI_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemG
   CUresult r;
   struct cui_alloc *a = cui_alloc_by_vhandle(handle);
   if (!gate_open()) r = CUDA_ERROR_NOT_READY;
-  else if (!a || !a->has_real) r = CUDA_ERROR_INVALID_VALUE;
-  else {
-    if (cui_st.nmaps == cui_st.cap_maps) {
-      size_t cap = cui_st.cap_maps ? 2 * cui_st.cap_maps : 64;
-      struct cui_mapping *n = realloc(cui_st.maps, cap * sizeof *n);
-      if (!n) {
-        pthread_mutex_unlock(&cui_st.lock);
-        return CUDA_ERROR_OUT_OF_MEMORY;
-      }
-      cui_st.maps = n;
-      cui_st.cap_maps = cap;
-    }
+  else if (!a || !a->has_real) {
+    cui_api_warn("cuMemMap", "virtual handle 0x%llx is not a live allocation handle (released?): "
+                 "CUDA_ERROR_INVALID_VALUE", (unsigned long long)handle);
+    r = CUDA_ERROR_INVALID_VALUE;
+  } else {
     r = real(ptr, size, offset, a->real, flags);
-    if (r == CUDA_SUCCESS) {
-      struct cui_mapping *m = &cui_st.maps[cui_st.nmaps++];
-      memset(m, 0, sizeof *m);
-      m->va = ptr;
-      m->size = size;
-      m->offset = offset;
-      m->alloc = alloc_index(a);
-      m->mapped = 1;
-      a->nmaps++;
+    if (r == CUDA_SUCCESS && !map_add(a, ptr, size, offset)) {
+      REAL(cuMemUnmap, fn_unmap)(ptr, size);   /* an unrecorded mapping could not be restored */
+      r = CUDA_ERROR_OUT_OF_MEMORY;
     }
   }
   pthread_mutex_unlock(&cui_st.lock);
@@ -336,30 +509,34 @@ CUI_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemG
 
 CUI_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
   REAL_OR_FAIL(real, cuMemUnmap, fn_unmap);
+  if (!maybe_tracked(ptr, size)) return real(ptr, size);
   pthread_mutex_lock(&cui_st.lock);
-  int tracked = 0;
-  for (size_t i = 0; i < cui_st.nmaps && !tracked; i++)
-    tracked = ranges_overlap(cui_st.maps[i].va, cui_st.maps[i].size, ptr, size);
-  if (!tracked) {
+  struct cui_mapping *first = map_first(ptr, size);
+  if (!first) {
     pthread_mutex_unlock(&cui_st.lock);
     return real(ptr, size);
   }
-  if (!gate_open()) {
-    pthread_mutex_unlock(&cui_st.lock);
-    return CUDA_ERROR_NOT_READY;
+  CUresult r = CUDA_SUCCESS;
+  if (!gate_open()) r = CUDA_ERROR_NOT_READY;
+  /* Only whole mappings may be unmapped (cuda-driver.md §2); refused before the driver, so a
+   * driver that accepted a partial unmap could not leave a record describing a half mapping. */
+  FOR_MAPS_IN(m, ptr, size) {
+    if (r != CUDA_SUCCESS) break;
+    if (m->va < ptr || range_end(m->va, m->size) > range_end(ptr, size)) {
+      cui_api_warn("cuMemUnmap", "range 0x%llx+0x%llx covers only part of the mapping 0x%llx+0x%llx (virtual "
+                   "handle 0x%llx); no driver call: CUDA_ERROR_INVALID_VALUE", (unsigned long long)ptr,
+                   (unsigned long long)size, (unsigned long long)m->va, (unsigned long long)m->size,
+                   (unsigned long long)cui_st.allocs[m->alloc].vhandle);
+      r = CUDA_ERROR_INVALID_VALUE;
+    }
   }
-  CUresult r = real(ptr, size);
+  if (r == CUDA_SUCCESS) r = real(ptr, size);
   if (r == CUDA_SUCCESS) {
-    for (size_t i = 0; i < cui_st.nmaps;) {
-      struct cui_mapping *m = &cui_st.maps[i];
-      if (ranges_overlap(m->va, m->size, ptr, size)) {
-        struct cui_alloc *a = &cui_st.allocs[m->alloc];
-        a->nmaps--;
-        cui_st.maps[i] = cui_st.maps[--cui_st.nmaps];
-        cui_maybe_destroy(a);
-      } else {
-        i++;
-      }
+    struct cui_mapping *m = map_first(ptr, size);
+    while (m) {
+      struct cui_mapping *next = map_next(m, ptr, size);
+      map_remove(m);
+      m = next;
     }
   }
   pthread_mutex_unlock(&cui_st.lock);
@@ -374,22 +551,24 @@ static int access_find(const struct cui_mapping *m, uint32_t type, int32_t id) {
 
 CUI_EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count) {
   REAL_OR_FAIL(real, cuMemSetAccess, fn_setaccess);
+  if (!desc || count == 0 || !maybe_tracked(ptr, size)) return real(ptr, size, desc, count);
   pthread_mutex_lock(&cui_st.lock);
-  int tracked = 0;
-  for (size_t i = 0; i < cui_st.nmaps && !tracked; i++)
-    tracked = ranges_overlap(cui_st.maps[i].va, cui_st.maps[i].size, ptr, size);
-  if (!tracked || !desc || count == 0) {
+  if (!map_first(ptr, size)) {
     pthread_mutex_unlock(&cui_st.lock);
     return real(ptr, size, desc, count);
   }
   CUresult r = CUDA_SUCCESS;
   if (!gate_open()) r = CUDA_ERROR_NOT_READY;
   /* Refused before the driver: a range covering only part of a tracked mapping (its access
-   * could not be replayed exactly), and more than CUI_MAX_ACCESS locations per mapping. */
-  for (size_t i = 0; i < cui_st.nmaps && r == CUDA_SUCCESS; i++) {
-    struct cui_mapping *m = &cui_st.maps[i];
-    if (!ranges_overlap(m->va, m->size, ptr, size)) continue;
-    if (m->va < ptr || m->va + m->size > ptr + size) {
+   * could not be replayed exactly), and more than CUI_MAX_ACCESS locations per mapping. A range
+   * spanning several whole mappings is fine: each records the grant. */
+  FOR_MAPS_IN(m, ptr, size) {
+    if (r != CUDA_SUCCESS) break;
+    if (m->va < ptr || range_end(m->va, m->size) > range_end(ptr, size)) {
+      cui_api_warn("cuMemSetAccess", "range 0x%llx+0x%llx covers only part of the mapping 0x%llx+0x%llx (virtual "
+                   "handle 0x%llx); its access could not be replayed after a restore: CUDA_ERROR_NOT_SUPPORTED",
+                   (unsigned long long)ptr, (unsigned long long)size, (unsigned long long)m->va,
+                   (unsigned long long)m->size, (unsigned long long)cui_st.allocs[m->alloc].vhandle);
       r = CUDA_ERROR_NOT_SUPPORTED;
       break;
     }
@@ -400,13 +579,17 @@ CUI_EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAcce
         dup = desc[j].location.type == desc[k].location.type && desc[j].location.id == desc[k].location.id;
       if (!dup) n++;
     }
-    if (n > CUI_MAX_ACCESS) r = CUDA_ERROR_NOT_SUPPORTED;
+    if (n > CUI_MAX_ACCESS) {
+      cui_api_warn("cuMemSetAccess", "mapping 0x%llx+0x%llx (virtual handle 0x%llx) would have %u access "
+                   "locations, more than the %d the shim records; no driver call: CUDA_ERROR_NOT_SUPPORTED",
+                   (unsigned long long)m->va, (unsigned long long)m->size,
+                   (unsigned long long)cui_st.allocs[m->alloc].vhandle, n, CUI_MAX_ACCESS);
+      r = CUDA_ERROR_NOT_SUPPORTED;
+    }
   }
   if (r == CUDA_SUCCESS) r = real(ptr, size, desc, count);
   if (r == CUDA_SUCCESS) {
-    for (size_t i = 0; i < cui_st.nmaps; i++) {
-      struct cui_mapping *m = &cui_st.maps[i];
-      if (!ranges_overlap(m->va, m->size, ptr, size)) continue;
+    FOR_MAPS_IN(m, ptr, size) {
       for (size_t k = 0; k < count; k++) {
         int at = access_find(m, desc[k].location.type, desc[k].location.id);
         if (at < 0) {
@@ -469,6 +652,8 @@ static CUresult import_real(int fd, CUmemGenericAllocationHandle *out) {
   fn_import real = REAL(cuMemImportFromShareableHandle, fn_import);
   CUresult r = real(out, (void *)(uintptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
   if (r == CUDA_SUCCESS && CUI_IS_VHANDLE(*out)) {
+    cui_api_warn("cuMemImportFromShareableHandle", "the driver returned handle 0x%llx, which carries the shim's "
+                 "tag 0x%llx; released it: CUDA_ERROR_INVALID_HANDLE", (unsigned long long)*out, CUI_VHANDLE_TAG);
     REAL(cuMemRelease, fn_release)(*out);
     r = CUDA_ERROR_INVALID_HANDLE;
   }
@@ -495,8 +680,7 @@ static CUresult import_ticket(CUmemGenericAllocationHandle *handle, const struct
     CUresult r = CUDA_ERROR_INVALID_VALUE;   /* dead ticket: allocation gone */
     if (a) {
       struct cui_mapping *m = NULL;
-      for (size_t i = 0; i < cui_st.nmaps && !m; i++)
-        if (cui_st.maps[i].alloc == alloc_index(a) && cui_st.maps[i].mapped) m = &cui_st.maps[i];
+      CUI_FOR_MAPS_OF(x, a) if (x->mapped && !m) m = x;
       CUmemGenericAllocationHandle h;
       if (m && (r = REAL(cuMemRetainAllocationHandle, fn_retain)(&h, (void *)(uintptr_t)m->va)) == CUDA_SUCCESS) {
         a->real = h;
@@ -520,7 +704,8 @@ static CUresult import_ticket(CUmemGenericAllocationHandle *handle, const struct
   if (fd < 0) {
     char hex[33];
     cui_hex_id(t->alloc_id, hex);
-    cui_warn("import of allocation %s from creator pid %u failed: %s", hex, t->creator_pid, why);
+    cui_api_warn("cuMemImportFromShareableHandle", "cannot import allocation %s from creator pid %u: %s; output "
+                 "untouched: CUDA_ERROR_INVALID_VALUE", hex, t->creator_pid, why);
     r = CUDA_ERROR_INVALID_VALUE;
   } else {
     pthread_mutex_lock(&cui_st.lock);
@@ -544,12 +729,10 @@ static CUresult import_ticket(CUmemGenericAllocationHandle *handle, const struct
       a->real = h;
       a->has_real = 1;
       a->vrefs = 1;
-    } else if ((a = alloc_new()) == NULL) {
+    } else if ((a = alloc_new(t->alloc_id, t->creator_pid)) == NULL) {
       rel(h);
       r = CUDA_ERROR_OUT_OF_MEMORY;
     } else {
-      memcpy(a->id, t->alloc_id, 16);
-      a->creator_pid = t->creator_pid;
       a->role = CUI_ROLE_IMPORTER;
       a->flags = CUI_REC_SHARED;
       a->prop = prop;
@@ -573,7 +756,15 @@ CUI_EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle 
   int fd = (int)(intptr_t)osHandle;
   struct cui_ticket t;
   if (read_ticket(fd, &t)) {
-    if (t.version != CUI_PROTO_VERSION || t.kind != CUI_TICKET_ALLOCATION) return CUDA_ERROR_INVALID_VALUE;
+    if (t.version != CUI_PROTO_VERSION || t.kind != CUI_TICKET_ALLOCATION) {
+      char hex[33];
+      cui_hex_id(t.alloc_id, hex);
+      cui_api_warn("cuMemImportFromShareableHandle", "ticket for allocation %s of creator pid %u has version %u kind "
+                   "%u (this shim reads version %u kind %u); output untouched: CUDA_ERROR_INVALID_VALUE", hex,
+                   t.creator_pid, (unsigned)t.version, (unsigned)t.kind, (unsigned)CUI_PROTO_VERSION,
+                   (unsigned)CUI_TICKET_ALLOCATION);
+      return CUDA_ERROR_INVALID_VALUE;
+    }
     return import_ticket(handle, &t);
   }
   /* A raw (non-ticket) FD: passes through, recorded; a live one blocks capture. */
@@ -588,13 +779,13 @@ CUI_EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle 
     CUmemAllocationProp prop;
     memset(&prop, 0, sizeof prop);
     REAL(cuMemGetAllocationPropertiesFromHandle, fn_getprop)(&prop, h);
-    struct cui_alloc *a = alloc_new();
+    uint8_t id[16];
+    cui_random_id(id);
+    struct cui_alloc *a = alloc_new(id, 0);   /* creator unknown */
     if (!a) {
       REAL(cuMemRelease, fn_release)(h);
       r = CUDA_ERROR_OUT_OF_MEMORY;
     } else {
-      cui_random_id(a->id);
-      a->creator_pid = 0;   /* unknown */
       a->role = CUI_ROLE_IMPORTER;
       a->flags = CUI_REC_SHARED | CUI_REC_RAW_IMPORT;
       a->prop = prop;
@@ -642,7 +833,14 @@ CUI_EXPORT CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t al
     cui_st.cap_resv = cap;
   }
   CUresult r = real(ptr, size, alignment, addr, flags);
-  if (r == CUDA_SUCCESS && ptr) cui_st.resv[cui_st.nresv++] = (struct cui_reservation){*ptr, size, alignment};
+  if (r == CUDA_SUCCESS && ptr) {
+    if (cui_tab_put(&cui_st.resv_va, (struct cui_key){*ptr, 0, 0}, (uint32_t)cui_st.nresv) != 0) {
+      REAL(cuMemAddressFree, fn_free)(*ptr, size);   /* unrecorded: could not be kept across a restore */
+      r = CUDA_ERROR_OUT_OF_MEMORY;
+    } else {
+      cui_st.resv[cui_st.nresv++] = (struct cui_reservation){*ptr, size, alignment};
+    }
+  }
   pthread_mutex_unlock(&cui_st.lock);
   return r;
 }
@@ -655,12 +853,15 @@ CUI_EXPORT CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) {
     return CUDA_ERROR_NOT_READY;
   }
   CUresult r = real(ptr, size);
-  if (r == CUDA_SUCCESS)
-    for (size_t i = 0; i < cui_st.nresv; i++)
-      if (cui_st.resv[i].va == ptr && cui_st.resv[i].size == size) {
-        cui_st.resv[i] = cui_st.resv[--cui_st.nresv];
-        break;
-      }
+  uint32_t *at = cui_tab_get(&cui_st.resv_va, (struct cui_key){ptr, 0, 0});
+  if (r == CUDA_SUCCESS && at && cui_st.resv[*at].size == size) {
+    uint32_t i = *at;
+    cui_tab_del(&cui_st.resv_va, (struct cui_key){ptr, 0, 0});
+    if (i != --cui_st.nresv) {   /* move the last one into the hole */
+      cui_st.resv[i] = cui_st.resv[cui_st.nresv];
+      *cui_tab_get(&cui_st.resv_va, (struct cui_key){cui_st.resv[i].va, 0, 0}) = i;
+    }
+  }
   pthread_mutex_unlock(&cui_st.lock);
   return r;
 }

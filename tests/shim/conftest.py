@@ -1,8 +1,9 @@
 """Fixtures for the shim (libcuinterpose.so) tests.
 
-- ``shim_env``: ``fake_env`` plus ``LD_PRELOAD=<shim>``.
+- ``shim_env``: ``fake_env`` plus ``LD_PRELOAD=<shim>`` ($CUI_TEST_SHIM overrides the path).
 - ``vmm_app``: path of tests/shim/c/vmm_app.c built against fakecuda's libcuda.so.1.
-- ``App``: a running vmm_app driven line by line (see the command list in vmm_app.c).
+- ``App``: a running vmm_app driven line by line (see the command list in vmm_app.c);
+  ``App.stderr()`` is what it wrote to stderr.
 - ``FakeLog``: the fakecuda call log parsed into (pid, function, args, result) tuples.
 - ``ctl``: ``ctl(app).request(op, txn_id=..., expected_phase=...)`` via the coordinator's client.
 """
@@ -31,7 +32,9 @@ RW = 3                  # CU_MEM_ACCESS_FLAGS_PROT_READWRITE
 @pytest.fixture
 def shim_env(fake_env, shim_path):
     env = dict(fake_env)
-    env["LD_PRELOAD"] = str(shim_path)
+    # CUI_TEST_SHIM=<path> runs the suite against another build (e.g. to show a new test fails
+    # on the previous shim); the default is the installed one.
+    env["LD_PRELOAD"] = os.environ.get("CUI_TEST_SHIM") or str(shim_path)
     return env
 
 
@@ -48,10 +51,17 @@ class App:
     """One vmm_app process. ``cmd`` returns the reply tokens; ``ok`` asserts success."""
 
     def __init__(self, exe, env):
+        import tempfile
+        self.errfile = tempfile.TemporaryFile()
         self.proc = subprocess.Popen([str(exe)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     env=env, text=True, bufsize=1)
+                                     stderr=self.errfile, env=env, text=True, bufsize=1)
         self.env = env
         self.pid = self.proc.pid
+
+    def stderr(self) -> str:
+        """Everything the process wrote to stderr so far."""
+        self.errfile.seek(0)
+        return self.errfile.read().decode(errors="replace")
 
     def cmd(self, line: str) -> list[str]:
         self.proc.stdin.write(line + "\n")
@@ -84,7 +94,7 @@ class App:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        for f in (self.proc.stdin, self.proc.stdout):
+        for f in (self.proc.stdin, self.proc.stdout, self.errfile):
             try:
                 f.close()
             except OSError:

@@ -118,7 +118,7 @@ def test_ticket_is_sealed_memfd_and_importer_sees_writes(apps, ctl, fake_log):
         assert os.fstat(resp.fd).st_size >= GRAN
     resp = ctl(c).request(Op.FETCH_FD, txn_id=0, expected_phase=Phase.ACTIVE, alloc_id=bytes(16))
     assert resp.reply.status == Status.NOT_FOUND and resp.fd is None
-    assert f"pid {c.pid} has no exported allocation {'0' * 32}" in resp.message
+    assert f"pid {c.pid} (phase ACTIVE) has no exported allocation {'0' * 32}" in resp.message
 
 
 def test_fabric_create_refused_output_untouched(apps, ctl, fake_log):

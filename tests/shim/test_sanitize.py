@@ -1,8 +1,14 @@
-"""The two-process cycle (c/cycle_driver.c) under ASan/UBSan: shim, fakecuda and the driver
-program all instrumented; the sanitized processes never exec anything (prior-art.md §6)."""
+"""The C drivers under ASan/UBSan, shim, fakecuda and the driver programs all instrumented; the
+sanitized processes never exec anything (prior-art.md §6):
+- c/cycle_driver.c: the two-process cycle, plus the edge paths of the object model (spanning
+  and partial ranges, retain inside a mapping, release while mapped, double release);
+- c/stress.c: application threads creating/mapping/exporting while FETCH_FD and INSPECT are
+  served (also run unsanitized, and under TSan where the kernel lets TSan start: it needs
+  `setarch -R`, and is skipped when TSan refuses the memory layout)."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 
 import pytest
@@ -32,7 +38,8 @@ def asan_build(build_c, cuda_include):
                          "-Wl,-Bsymbolic", "-Wl,-soname,libcuda.so.1"])
     drv = build_c([C_DIR / "cycle_driver.c"], "shim_cycle_driver", sanitize=True,
                   libs=link_fakecuda(fake.parent))
-    return shim, fake.parent, drv
+    stress = build_c([C_DIR / "stress.c"], "shim_stress", sanitize=True, libs=link_fakecuda(fake.parent))
+    return shim, fake.parent, drv, stress
 
 
 def test_cycle_plain(build_c, shim_env, fakecuda_dir):
@@ -42,14 +49,61 @@ def test_cycle_plain(build_c, shim_env, fakecuda_dir):
     assert res.stdout == "cycle ok\n"
 
 
-def test_cycle_asan_ubsan(asan_build, fake_env):
-    shim, fake_dir, drv = asan_build
+def sanitized_env(asan_build, fake_env):
+    shim, fake_dir = asan_build[0], asan_build[1]
     env = dict(fake_env)
     env["LD_LIBRARY_PATH"] = str(fake_dir)
     env["LD_PRELOAD"] = f"{libasan()} {shim}"
     env["ASAN_OPTIONS"] = "abort_on_error=0:halt_on_error=1:detect_leaks=1:exitcode=23"
     env["UBSAN_OPTIONS"] = "print_stacktrace=1:halt_on_error=1"
-    res = subprocess.run([str(drv)], env=env, capture_output=True, text=True, timeout=300)
+    return env
+
+
+def test_cycle_asan_ubsan(asan_build, fake_env):
+    res = subprocess.run([str(asan_build[2])], env=sanitized_env(asan_build, fake_env), capture_output=True,
+                         text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr[-6000:]
     assert res.stdout == "cycle ok\n"
     assert "runtime error" not in res.stderr and "AddressSanitizer" not in res.stderr, res.stderr[-6000:]
+
+
+def test_stress_plain(build_c, shim_env, fakecuda_dir):
+    drv = build_c([C_DIR / "stress.c"], "shim_stress", libs=link_fakecuda(fakecuda_dir))
+    res = subprocess.run([str(drv)], env=shim_env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout == "stress ok 48\n"
+    assert res.stderr == ""
+
+
+def test_stress_asan_ubsan(asan_build, fake_env):
+    res = subprocess.run([str(asan_build[3])], env=sanitized_env(asan_build, fake_env), capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr[-6000:]
+    assert res.stdout == "stress ok 48\n"
+    assert "runtime error" not in res.stderr and "AddressSanitizer" not in res.stderr, res.stderr[-6000:]
+
+
+def test_stress_tsan(build_c, cuda_include, fake_env):
+    """Data races in the shim's locking (state lock, export cache, job slot, lock-free bounds)."""
+    from .conftest import C_BUILD_DIR
+    libtsan = subprocess.run(["cc", "-print-file-name=libtsan.so"], capture_output=True, text=True).stdout.strip()
+    if not os.path.isabs(libtsan) or not shutil.which("setarch"):
+        pytest.skip("no libtsan.so or no setarch")
+    tsan = ["-fsanitize=thread", "-O1", "-g", "-std=gnu11"]
+    d = C_BUILD_DIR / "shim-tsan"
+    shim = build_shared(sorted((SHIM_SRC / "src").glob("*.c")), d / "libcuinterpose.so",
+                        [*tsan, "-fvisibility=hidden", f"-I{SHIM_SRC / 'include'}", f"-I{cuda_include}",
+                         f"-Wl,--version-script={SHIM_SRC / 'libcuinterpose.map'}", "-Wl,-Bsymbolic-functions"])
+    fake = build_shared([FAKECUDA_SRC / "src" / "fakecuda.c"], d / "fakecuda" / "libcuda.so.1",
+                        [*tsan, "-fvisibility=hidden", f"-I{cuda_include}", "-Wl,-Bsymbolic",
+                         "-Wl,-soname,libcuda.so.1"])
+    drv = build_c([C_DIR / "stress.c"], "shim_stress_tsan", extra=("-fsanitize=thread",),
+                  libs=link_fakecuda(fake.parent))
+    env = dict(fake_env, LD_LIBRARY_PATH=str(fake.parent), LD_PRELOAD=f"{libtsan} {shim}",
+               TSAN_OPTIONS="halt_on_error=1:exitcode=23")
+    res = subprocess.run(["setarch", "-R", str(drv)], env=env, capture_output=True, text=True, timeout=300)
+    if "ThreadSanitizer" in res.stderr and "unexpected memory mapping" in res.stderr:
+        pytest.skip("TSan cannot start with this kernel's memory layout")
+    assert "WARNING: ThreadSanitizer" not in res.stderr, res.stderr[-6000:]
+    assert res.returncode == 0, res.stdout + res.stderr[-6000:]
+    assert res.stdout == "stress ok 48\n"

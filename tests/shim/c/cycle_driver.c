@@ -5,7 +5,9 @@
  * through three lookup paths (ELF, dlsym, cuGetProcAddress_v2). The ticket travels from the
  * creator to the importer over a socketpair (SCM_RIGHTS), as NCCL and afdwin pass FDs.
  *
- * Steps: creator creates+maps+fills 2 granules, exports; importer imports the ticket twice,
+ * Steps: the parent INSPECTs the creator before it recorded anything; creator runs the object model's edge paths (spanning and partial ranges, retain inside a
+ * mapping at an offset, release while mapped, double release) and cleans up, then
+ * creates+maps+fills 2 granules, exports; importer imports the ticket twice,
  * maps, retains (alias collapse), checks bytes. Parent: INSPECT, SAVE_ALLOCATIONS,
  * PREPARE_UNICAST, LOAD_ALLOCATIONS, RESTORE_UNICAST on both, a refused duplicate, INSPECT
  * again (records must be identical). Then the creator writes a new pattern and the importer
@@ -119,8 +121,46 @@ static void fill_bytes(CUdeviceptr va, size_t n, unsigned seed) {
   free(p);
 }
 
+/* The object model's edge paths (tests/shim/test_robust.py), left with nothing recorded. */
+static void edge_paths(void) {
+  CUmemAllocationProp p;
+  memset(&p, 0, sizeof p);
+  p.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  p.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  CUmemGenericAllocationHandle ha, hb, hr;
+  CUdeviceptr va;
+  CU(cuMemCreate(&ha, SIZE, &p, 0));
+  CU(cuMemCreate(&hb, SIZE, &p, 0));
+  CU(cuMemAddressReserve(&va, 2 * SIZE, 0, 0, 0));
+  CU(cuMemMap(va, SIZE, 0, ha, 0));
+  CU(cuMemMap(va + SIZE, GRAN, GRAN, hb, 0));              /* non-zero offset */
+  CU(cuMemMap(va + SIZE + GRAN, GRAN, 0, hb, 0));
+  set_rw(va, 2 * SIZE, 2);                                 /* spans three mappings */
+  CUmemAccessDesc d;
+  memset(&d, 0, sizeof d);
+  d.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  d.flags = CU_MEM_ACCESS_FLAGS_PROT_READ;
+  CHECK(cuMemSetAccess(va + GRAN, SIZE, &d, 1) == CUDA_ERROR_NOT_SUPPORTED, "partial access");
+  CHECK(cuMemUnmap(va + GRAN, SIZE) == CUDA_ERROR_INVALID_VALUE, "partial unmap");
+  fill_bytes(va, 2 * SIZE, 5);
+  CU(cuMemRetainAllocationHandle(&hr, (void *)(uintptr_t)(va + SIZE + GRAN + 77)));
+  CHECK(hr == hb, "retain inside");
+  CU(cuMemRelease(hr));
+  CU(cuMemRelease(ha));                                    /* while mapped */
+  CHECK(cuMemRelease(ha) == CUDA_ERROR_INVALID_VALUE, "double release");
+  check_bytes(va, 2 * SIZE, 5);
+  CU(cuMemUnmap(va, SIZE + GRAN));                         /* two whole mappings */
+  CU(cuMemUnmap(va + SIZE + GRAN, GRAN));
+  CU(cuMemRelease(hb));
+  CHECK(cuMemRelease(hb) == CUDA_ERROR_INVALID_VALUE, "release after the last");
+  CU(cuMemAddressFree(va, 2 * SIZE));
+}
+
 static int creator(int ctl_in, int ctl_out, int peer) {
   init_ctx();
+  put(ctl_out, 'i');                    /* INSPECTed with no reservation recorded yet */
+  CHECK(get(ctl_in) == 'g', "expected g");
+  edge_paths();
   CUmemAllocationProp p;
   memset(&p, 0, sizeof p);
   p.type = CU_MEM_ALLOCATION_TYPE_PINNED;
@@ -244,16 +284,20 @@ static int request(pid_t pid, uint16_t op, uint64_t txn, uint32_t phase, struct 
 
 int main(void) {
   int c_in[2], c_out[2], i_in[2], i_out[2], sp[2];
+  alarm(240);   /* a failure that leaves a peer waiting ends the run (each process sets its own) */
   CHECK(pipe(c_in) == 0 && pipe(c_out) == 0 && pipe(i_in) == 0 && pipe(i_out) == 0, "pipe");
   CHECK(socketpair(AF_UNIX, SOCK_STREAM, 0, sp) == 0, "socketpair");
   pid_t cp = fork();
-  if (cp == 0) exit(creator(c_in[0], c_out[1], sp[0]));
+  if (cp == 0) exit((alarm(240), creator(c_in[0], c_out[1], sp[0])));
   pid_t ip = fork();
-  if (ip == 0) exit(importer(i_in[0], i_out[1], sp[1]));
-  CHECK(get(c_out[0]) == 'r' && get(i_out[0]) == 'r', "children not ready");
-
+  if (ip == 0) exit((alarm(240), importer(i_in[0], i_out[1], sp[1])));
   pid_t who[2] = {cp, ip};
   struct cui_reply rep;
+  CHECK(get(c_out[0]) == 'i', "creator not initialised");
+  CHECK(request(cp, CUI_OP_INSPECT, 0, CUI_PHASE_ACTIVE, &rep, NULL) == CUI_OK && rep.record_count == 0, "empty");
+  put(c_in[1], 'g');
+  CHECK(get(c_out[0]) == 'r' && get(i_out[0]) == 'r', "children not ready");
+
   struct cui_record *before[2], *after[2];
   uint32_t nbefore[2];
   for (int k = 0; k < 2; k++) {

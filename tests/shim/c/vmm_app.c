@@ -6,9 +6,13 @@
  * Numbers may be given in decimal or 0x-hex; handles, VAs and sizes are printed as 0x-hex.
  *
  *   init [dev]                     cuInit(0); primary context of dev (default 0) current
+ *   cuinit                         cuInit(0) only: no context is made current
+ *   init_threads <n>               n threads call cuInit(0) at once, then this thread again
  *   create <size> <htypes> [dev]   cuMemCreate PINNED on device dev  -> ok <handle>
  *   create_sentinel <size> <htypes>  same, handle pre-set to 0x99   -> ok|err <handle-after>
  *   release <h>
+ *   churn <n> <size>               n x (cuMemCreate, cuMemRelease)   -> ok <last handle>
+ *   rss                            -> ok <VmRSS in kB>
  *   retain <va>                    cuMemRetainAllocationHandle       -> ok <handle>
  *   reserve <size> [addr]          cuMemAddressReserve               -> ok <va>
  *   free <va> <size>               cuMemAddressFree
@@ -17,6 +21,7 @@
  *   access <va> <size> <dev> <flags>[,<dev> <flags>...]   one cuMemSetAccess call (DEVICE locations)
  *   export <h>                     POSIX fd                          -> ok <fd>
  *   import <path>                  open(path), import, close         -> ok <handle>
+ *   import_sentinel <path>         same, handle pre-set to 0x99     -> ok|err <code> <handle-after>
  *   props <h>                      -> ok <type> <handle_types> <loc_type> <loc_id>
  *   fill <va> <n> <seed>           cuMemcpyHtoD of pattern(seed)
  *   check <va> <n> <seed>          cuMemcpyDtoH and compare          -> ok | err -1 mismatch@<i>
@@ -26,6 +31,7 @@
 #define _GNU_SOURCE
 #include <cuda.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -39,6 +45,11 @@ static void pattern(unsigned char *p, size_t n, unsigned seed) {
     x = x * 1103515245u + 12345u;
     p[i] = (unsigned char)(x >> 16);
   }
+}
+
+static void *init_thread(void *arg) {
+  *(CUresult *)arg = cuInit(0);
+  return NULL;
 }
 
 static int report(CUresult r) {
@@ -72,6 +83,20 @@ int main(void) {
           report(cuCtxSetCurrent(ctx)))
         continue;
       printf("ok\n");
+    } else if (!strcmp(c, "cuinit")) {
+      if (!report(cuInit(0))) printf("ok\n");
+    } else if (!strcmp(c, "init_threads")) {
+      int n = (int)num(argv[1]);
+      pthread_t t[64];
+      CUresult res[64];
+      for (int i = 0; i < n && i < 64; i++) pthread_create(&t[i], NULL, init_thread, &res[i]);
+      r = CUDA_SUCCESS;
+      for (int i = 0; i < n && i < 64; i++) {
+        pthread_join(t[i], NULL);
+        if (res[i] != CUDA_SUCCESS) r = res[i];
+      }
+      if (r == CUDA_SUCCESS) r = cuInit(0);
+      if (!report(r)) printf("ok\n");
     } else if (!strcmp(c, "create") || !strcmp(c, "create_sentinel")) {
       CUmemAllocationProp p;
       memset(&p, 0, sizeof p);
@@ -87,6 +112,26 @@ int main(void) {
       }
       if (report(r)) continue;
       printf("ok 0x%llx\n", (unsigned long long)h);
+    } else if (!strcmp(c, "churn")) {
+      CUmemAllocationProp p;
+      memset(&p, 0, sizeof p);
+      p.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+      p.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+      CUmemGenericAllocationHandle h = 0;
+      r = CUDA_SUCCESS;
+      for (unsigned long long i = 0, n = num(argv[1]); i < n && r == CUDA_SUCCESS; i++) {
+        r = cuMemCreate(&h, num(argv[2]), &p, 0);
+        if (r == CUDA_SUCCESS) r = cuMemRelease(h);
+      }
+      if (!report(r)) printf("ok 0x%llx\n", (unsigned long long)h);
+    } else if (!strcmp(c, "rss")) {
+      FILE *f = fopen("/proc/self/status", "r");
+      char ln[256];
+      long kb = -1;
+      while (f && fgets(ln, sizeof ln, f))
+        if (!strncmp(ln, "VmRSS:", 6)) kb = strtol(ln + 6, NULL, 10);
+      if (f) fclose(f);
+      printf("ok %ld\n", kb);
     } else if (!strcmp(c, "release")) {
       if (report(cuMemRelease(num(argv[1])))) continue;
       printf("ok\n");
@@ -123,15 +168,19 @@ int main(void) {
       if (report(cuMemExportToShareableHandle(&fd, num(argv[1]), CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0)))
         continue;
       printf("ok %d\n", fd);
-    } else if (!strcmp(c, "import")) {
+    } else if (!strcmp(c, "import") || !strcmp(c, "import_sentinel")) {
       int fd = open(argv[1], O_RDONLY | O_CLOEXEC);
       if (fd < 0) {
         printf("err -1 open\n");
         continue;
       }
-      CUmemGenericAllocationHandle h;
+      CUmemGenericAllocationHandle h = 0x99;
       r = cuMemImportFromShareableHandle(&h, (void *)(uintptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
       close(fd);
+      if (!strcmp(c, "import_sentinel")) {
+        printf("%s %d 0x%llx\n", r ? "err" : "ok", (int)r, (unsigned long long)h);
+        continue;
+      }
       if (report(r)) continue;
       printf("ok 0x%llx\n", (unsigned long long)h);
     } else if (!strcmp(c, "props")) {

@@ -1,0 +1,198 @@
+#!/usr/bin/env python3
+"""Per-call cost of the shim's hot path: cuMemMap, cuMemSetAccess, cuMemRetainAllocationHandle,
+cuMemRelease (of the retained handle) and cuMemUnmap, with N live mappings.
+
+A small C driver (compiled here against the wheel's cuda.h, linked to fakecuda's libcuda.so.1)
+first maps a background allocation N times (with access; always through the normal path, so
+under the shim these are N tracked mappings), then creates the measured allocation, reserves N
+granules and, per round, maps the allocation N times, sets
+access on each mapping, retains by an address inside each mapping, releases each retained
+handle and unmaps each mapping; every loop is timed as a whole and divided by N. Per N it
+runs, in the same Python run against the same fakecuda:
+
+  base       the driver program without any preload (the baseline)
+  tracked    under the shim, the allocation created through the shim (a virtual handle)
+  untracked  under the shim, the allocation created through a pointer that bypasses the shim
+             (glibc's dlsym through dlvsym), so every call carries a driver handle or an untracked range (the N tracked background
+             mappings still exist)
+
+and prints per-call ns (the fastest round: the machine's noise only ever adds time) and the ratio against base. A retain/release of a
+tracked mapping collapses onto the virtual handle the shim holds and does not reach the driver,
+so its ratio may be below 1. No thresholds: this prints, it does not judge.
+
+    .venv/bin/python bench/intercept.py [--n 10,100,1000,10000] [--calls 20000]
+                                        [--shim LABEL=PATH ...] [--granularity 65536]
+                                        [--driver fake|real]
+
+--shim may be repeated to compare builds in one run (e.g. before=/tmp/old.so after=<installed>).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+
+from cuda_include_dir import cuda_include_dir  # noqa: E402
+
+from cuinterpose.agent import paths  # noqa: E402
+
+OPS = ("map", "access", "retain", "release", "unmap")
+
+DRIVER_C = r"""
+#define _GNU_SOURCE
+#include <cuda.h>
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define CU(x) do { CUresult r_ = (x); if (r_ != CUDA_SUCCESS) { fprintf(stderr, "%s = %d\n", #x, (int)r_); exit(1); } } while (0)
+static unsigned long long now(void) {
+  struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t);
+  return (unsigned long long)t.tv_sec * 1000000000ull + (unsigned long long)t.tv_nsec;
+}
+typedef CUresult (*create_fn)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long);
+
+int main(int argc, char **argv) {
+  size_t n = strtoull(argv[1], NULL, 0), rounds = strtoull(argv[2], NULL, 0);
+  int untracked = argc > 3 && !strcmp(argv[3], "untracked");
+  CUdevice dev; CUcontext ctx;
+  CU(cuInit(0)); CU(cuDeviceGet(&dev, 0)); CU(cuDevicePrimaryCtxRetain(&ctx, dev)); CU(cuCtxSetCurrent(ctx));
+  CUmemAllocationProp p; memset(&p, 0, sizeof p);
+  p.type = CU_MEM_ALLOCATION_TYPE_PINNED; p.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  size_t g; CU(cuMemGetAllocationGranularity(&g, &p, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+  create_fn create = cuMemCreate;
+  if (untracked) {   /* glibc's own dlsym (dlvsym is a documented bypass of the shim's dlsym) */
+    void *(*libc_dlsym)(void *, const char *) = (void *(*)(void *, const char *))dlvsym(RTLD_DEFAULT, "dlsym", "GLIBC_2.34");
+    if (!libc_dlsym) libc_dlsym = (void *(*)(void *, const char *))dlvsym(RTLD_DEFAULT, "dlsym", "GLIBC_2.2.5");
+    void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    create = lib && libc_dlsym ? (create_fn)libc_dlsym(lib, "cuMemCreate") : NULL;
+    if (!create) { fprintf(stderr, "no bypass for cuMemCreate\n"); return 1; }
+  }
+  CUmemAccessDesc d; memset(&d, 0, sizeof d);
+  d.location = p.location; d.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  /* background: N more mappings of another allocation, always through the normal path */
+  CUmemGenericAllocationHandle bg;
+  CUdeviceptr bgva;
+  CU(cuMemCreate(&bg, g, &p, 0));
+  CU(cuMemAddressReserve(&bgva, n * g, 0, 0, 0));
+  for (size_t i = 0; i < n; i++) {
+    CU(cuMemMap(bgva + i * g, g, 0, bg, 0));
+    CU(cuMemSetAccess(bgva + i * g, g, &d, 1));
+  }
+  CUmemGenericAllocationHandle h;
+  CU(create(&h, g, &p, 0));
+  CUdeviceptr base;
+  CU(cuMemAddressReserve(&base, n * g, 0, 0, 0));
+  CUmemGenericAllocationHandle *held = malloc(n * sizeof *held);
+  for (size_t r = 0; r < rounds; r++) {
+    unsigned long long t[6];
+    t[0] = now();
+    for (size_t i = 0; i < n; i++) CU(cuMemMap(base + i * g, g, 0, h, 0));
+    t[1] = now();
+    for (size_t i = 0; i < n; i++) CU(cuMemSetAccess(base + i * g, g, &d, 1));
+    t[2] = now();
+    for (size_t i = 0; i < n; i++) CU(cuMemRetainAllocationHandle(&held[i], (void *)(base + i * g + g / 2)));
+    t[3] = now();
+    for (size_t i = 0; i < n; i++) CU(cuMemRelease(held[i]));
+    t[4] = now();
+    for (size_t i = 0; i < n; i++) CU(cuMemUnmap(base + i * g, g));
+    t[5] = now();
+    printf("%llu %llu %llu %llu %llu\n", t[1] - t[0], t[2] - t[1], t[3] - t[2], t[4] - t[3], t[5] - t[4]);
+  }
+  CU(cuMemRelease(h));
+  CU(cuMemAddressFree(base, n * g));
+  for (size_t i = 0; i < n; i++) CU(cuMemUnmap(bgva + i * g, g));
+  CU(cuMemRelease(bg));
+  CU(cuMemAddressFree(bgva, n * g));
+  free(held);
+  return 0;
+}
+"""
+
+
+def build_driver(driver: str) -> pathlib.Path:
+    out_dir = REPO / "build" / "bench"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    exe = out_dir / f"intercept-driver-{driver}"
+    src = out_dir / "intercept-driver.c"
+    link = [f"-L{paths.fakecuda_dir()}"] if driver == "fake" else []
+    cmd = ["cc", "-std=gnu11", "-O2", f"-I{cuda_include_dir()}", "-o", str(exe), str(src), *link,
+           "-l:libcuda.so.1", "-ldl"]
+    key = hashlib.sha256((DRIVER_C + " ".join(cmd)).encode()).hexdigest()
+    stamp = out_dir / f"intercept-driver-{driver}.sha256"
+    if exe.exists() and stamp.exists() and stamp.read_text() == key:
+        return exe
+    src.write_text(DRIVER_C)
+    subprocess.run(cmd, check=True)
+    stamp.write_text(key)
+    return exe
+
+
+def run(exe, n: int, rounds: int, mode: str, shim: str | None, granularity: int, ctl: str, driver: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "FAKECUDA_LOG")}
+    if driver == "fake":
+        env["LD_LIBRARY_PATH"] = str(paths.fakecuda_dir())
+        env["FAKECUDA_GRANULARITY"] = str(granularity)
+    env["CUINTERPOSE_CONTROL_DIR"] = ctl
+    if shim:
+        env["LD_PRELOAD"] = shim
+    res = subprocess.run([str(exe), str(n), str(rounds), mode], env=env, capture_output=True,
+                         text=True, timeout=600)
+    if res.returncode != 0:
+        raise SystemExit(f"driver failed (N={n}, {mode}, shim={shim}): {res.stderr.strip()}")
+    per_op = list(zip(*[[int(x) for x in ln.split()] for ln in res.stdout.splitlines()]))
+    return {op: min(v) / n for op, v in zip(OPS, per_op)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n", default="10,100,1000,10000", help="mapping counts, comma separated")
+    ap.add_argument("--calls", type=int, default=20000,
+                    help="calls per op and configuration (rounds = max(5, calls / N))")
+    ap.add_argument("--granularity", type=int, default=64 << 10, help="FAKECUDA_GRANULARITY (fakecuda only)")
+    ap.add_argument("--driver", choices=("fake", "real"), default="fake",
+                    help="fakecuda, or the libcuda.so.1 the loader finds (a GPU node)")
+    ap.add_argument("--shim", action="append", default=[],
+                    help="LABEL=PATH of a shim build to measure (repeatable); default: the installed one")
+    ap.add_argument("--json", action="store_true", help="print one JSON object per row instead of a table")
+    args = ap.parse_args(argv)
+    shims = [tuple(s.split("=", 1)) for s in args.shim] or [("shim", str(paths.shim_path()))]
+    exe = build_driver(args.driver)
+    where = f"fakecuda {paths.fakecuda_dir()}, granularity {args.granularity}" if args.driver == "fake" \
+        else "the real libcuda.so.1"
+    print(f"{where}; per-call ns, fastest round; ratio = configuration / base")
+    if not args.json:
+        cols = "".join(f" {lab + ' ' + m:>22} {'ratio':>6}" for lab, _ in shims for m in ("tracked", "untracked"))
+        print(f"{'N':>6} {'op':>8} {'base':>10}{cols}")
+    with tempfile.TemporaryDirectory(prefix="cui-bench-") as ctl:
+        for n in (int(x) for x in args.n.split(",")):
+            rounds = max(5, args.calls // n)
+            base = run(exe, n, rounds, "tracked", None, args.granularity, ctl, args.driver)
+            got = {(lab, m): run(exe, n, rounds, m, path, args.granularity, ctl, args.driver)
+                   for lab, path in shims for m in ("tracked", "untracked")}
+            for op in OPS:
+                if args.json:
+                    row = {"n": n, "op": op, "base_ns": base[op]}
+                    for (lab, m), v in got.items():
+                        row[f"{lab}_{m}_ns"] = v[op]
+                        row[f"{lab}_{m}_ratio"] = v[op] / base[op]
+                    print(json.dumps(row))
+                    continue
+                cells = "".join(f" {got[(lab, m)][op]:>22.0f} {got[(lab, m)][op] / base[op]:>6.2f}"
+                                for lab, _ in shims for m in ("tracked", "untracked"))
+                print(f"{n:>6} {op:>8} {base[op]:>10.0f}{cells}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
