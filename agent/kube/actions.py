@@ -1,0 +1,43 @@
+"""What the pod watcher runs for a request: the node agent's checkpoint and restore, in-process.
+
+An *actions* object has two methods (tests pass their own):
+
+- ``checkpoint(pod, snapshot_name, *, roots, images_dir, leave_running) -> dict``: checkpoint
+  the trees under ``roots`` (host pids, list of int) into ``images_dir`` (absolute path, new or
+  empty); returns the manifest (``snapshot_id``, ``roots``, ``cuda_pids``, ...).
+- ``restore(pod, snapshot, *, images_dir) -> dict``: restore the snapshot named ``snapshot``
+  from ``images_dir``; returns ``{"snapshot_id", "roots", "cuda_pids", ...}``.
+
+Both raise on failure; an ``AgentError`` (``phase``, ``pid``, ``reason``, ``outcome``) is
+written to the pod as it is, any other exception as ``"<kind>: <type>: <text>"``.
+"""
+from __future__ import annotations
+
+from ..config import AgentConfig
+
+
+class AgentActions:
+    """The default actions: ``cuinterpose.agent.checkpoint.checkpoint`` and
+    ``cuinterpose.agent.restore.restore`` with the config's driver, control directory and
+    timeouts (empty ones: the agent's defaults, ``$CUINTERPOSE_DRIVER`` /
+    ``$CUINTERPOSE_CONTROL_DIR``; a restore uses the driver kind the manifest records)."""
+
+    def __init__(self, config: AgentConfig):
+        self.config = config
+
+    def checkpoint(self, pod: dict, snapshot_name: str, *, roots, images_dir,
+                   leave_running: bool = False) -> dict:
+        from .. import checkpoint as checkpoint_mod
+        c = self.config
+        return checkpoint_mod.checkpoint(
+            roots, images_dir, control_dir=c.control_dir or None, driver=c.driver or None,
+            quiesce_timeout_ms=c.quiesce_timeout_ms, lock_timeout_ms=c.lock_timeout_ms,
+            phase_timeout_s=c.phase_timeout_s, carrier_timeout_s=c.carrier_timeout_s,
+            leave_running=leave_running)
+
+    def restore(self, pod: dict, snapshot: str, *, images_dir) -> dict:
+        from .. import restore as restore_mod
+        c = self.config
+        return restore_mod.restore(images_dir, driver=c.driver or None,
+                                   phase_timeout_s=c.phase_timeout_s,
+                                   carrier_timeout_s=c.carrier_timeout_s)

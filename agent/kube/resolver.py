@@ -1,0 +1,107 @@
+"""Map a pod's containers to process trees on this node, through their cgroups.
+
+A container's runtime id comes from the pod status (``status.containerStatuses[].containerID``,
+``"containerd://<id>"``, ``"cri-o://<id>"``, ``"docker://<id>"``). The runtimes name the
+container's cgroup after that id (cgroup v2 with systemd:
+``/kubepods.slice/.../cri-containerd-<id>.scope``; cgroupfs: ``/kubepods/burstable/pod<uid>/<id>``),
+so a process belongs to the container when a path component of one of its ``/proc/PID/cgroup``
+lines contains the id. The container's *roots* are its processes whose parent is not in the
+container (the container's init, whose parent is the runtime shim, and processes started by
+``kubectl exec``). The agent runs with ``hostPID: true``, so these are host pids.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+from typing import Iterable, Optional
+
+
+class ResolveError(Exception):
+    """The pod's processes could not be found; ``str()`` says which container and why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ContainerTree:
+    """One running container: ``name``, runtime ``container_id`` (without the ``runtime://``
+    prefix), every pid in its cgroup (``pids``, sorted) and its ``roots`` (sorted)."""
+
+    name: str
+    container_id: str
+    pids: tuple
+    roots: tuple
+
+
+def container_ids(pod: dict) -> list[tuple[str, str]]:
+    """[(container name, runtime id)] of the pod's regular containers that have an id and are
+    running, in status order."""
+    out = []
+    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        cid = cs.get("containerID") or ""
+        if "running" not in (cs.get("state") or {}) or not cid:
+            continue
+        out.append((cs.get("name", "?"), cid.split("://", 1)[-1]))
+    return out
+
+
+class CgroupResolver:
+    """Reads ``<proc_root>/<pid>/cgroup`` and ``<proc_root>/<pid>/stat``. ``proc_root`` is the
+    host's /proc for the DaemonSet (hostPID); tests point it at a directory they lay out."""
+
+    def __init__(self, proc_root: str | os.PathLike = "/proc"):
+        self.proc_root = pathlib.Path(proc_root)
+
+    def _pids(self) -> Iterable[int]:
+        for e in self.proc_root.iterdir():
+            if e.name.isdigit():
+                yield int(e.name)
+
+    def _cgroup_components(self, pid: int) -> Optional[list[str]]:
+        try:
+            text = (self.proc_root / str(pid) / "cgroup").read_text()
+        except OSError:
+            return None
+        comps = []
+        for line in text.splitlines():
+            path = line.split(":", 2)[-1]
+            comps += [c for c in path.split("/") if c]
+        return comps
+
+    def _ppid(self, pid: int) -> Optional[int]:
+        try:
+            data = (self.proc_root / str(pid) / "stat").read_text()
+            return int(data[data.rindex(")") + 2:].split()[1])
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def pids_of(self, container_id: str) -> list[int]:
+        """Sorted pids whose cgroup path has a component containing ``container_id``."""
+        if len(container_id) < 12:  # a prefix that short could match unrelated cgroups
+            raise ResolveError(f"container id {container_id!r} is too short to match cgroups")
+        out = []
+        for pid in self._pids():
+            comps = self._cgroup_components(pid)
+            if comps and any(container_id in c for c in comps):
+                out.append(pid)
+        return sorted(out)
+
+    def resolve(self, pod: dict) -> list[ContainerTree]:
+        """Every running container of ``pod`` with its processes. Raises ``ResolveError`` when
+        the pod has no running container or none of them has a process on this node."""
+        ids = container_ids(pod)
+        meta = pod.get("metadata") or {}
+        who = f"pod {meta.get('namespace')}/{meta.get('name')}"
+        if not ids:
+            raise ResolveError(f"{who} has no running container with a containerID")
+        trees = []
+        for name, cid in ids:
+            pids = self.pids_of(cid)
+            inside = set(pids)
+            roots = [p for p in pids if self._ppid(p) not in inside]
+            if pids:
+                trees.append(ContainerTree(name, cid, tuple(pids), tuple(sorted(roots))))
+        if not trees:
+            listed = ", ".join(f"{n} ({c[:12]})" for n, c in ids)
+            raise ResolveError(f"no process of {who} found in the cgroups of its containers "
+                               f"{listed} under {self.proc_root}")
+        return trees
