@@ -162,6 +162,13 @@ class Checkpoint:
         #: directories prepare_dir created (removed again when the checkpoint does not succeed)
         self.created_dirs: list[pathlib.Path] = []
         self.guard = interrupt.Guard("checkpoint")
+        #: {"request_id", "node", "members": [{"node", "address", "images_dir"}]} when this
+        #: checkpoint is one member of a group cut (recorded in the manifest), else None
+        self.group: Optional[dict] = None
+        #: group: the finish phase started (dumped trees killed or resumed)
+        self.finishing = False
+        #: the quiesce refusal already withdrew the request (group undo must not repeat it)
+        self.quiesce_cancelled = False
 
     # -- phases ---------------------------------------------------------------------------
     def load_driver(self):
@@ -324,6 +331,12 @@ class Checkpoint:
         shim back to ACTIVE whatever phase it reached, topology equal to the capture), then
         ``.resume``. Raises on failure (no ``.resume``: the workload stays parked rather than
         run on torn-down memory)."""
+        self.rebuild_state()
+        quiesce.resume(self.control_dir, self.roots, self.qid, restored=restored)
+
+    def rebuild_state(self):
+        """:meth:`rebuild` without the final ``.resume`` (a group writes it only once every
+        member is rebuilt)."""
         if self.stopped_roots:
             # first: a stopped process cannot answer the driver's checkpoint calls
             self.signal_trees(self.stopped_roots, signal.SIGCONT, "resume trees")
@@ -338,7 +351,104 @@ class Checkpoint:
             self.coordinator.rollback(self.capture)
         except Exception as e:
             raise as_agent_error(e, "rollback") from e
-        quiesce.resume(self.control_dir, self.roots, self.qid, restored=restored)
+
+    # -- group phases -----------------------------------------------------------------------
+    #: Group phases of a checkpoint, in order (docs/service.md). A group leader runs each on
+    #: every member and waits for all before the next, so no member locks before every member
+    #: is quiesced and none is killed or resumed before every manifest is written.
+    GROUP_PHASES = ("prepare", "quiesce", "capture", "lock", "checkpoint", "dump", "manifest",
+                    "finish", "resume")
+    #: Run on every member after a failed phase: first ``rollback`` (rebuild what was torn
+    #: down, no ``.resume`` yet), then ``release`` on the members whose rollback succeeded.
+    GROUP_UNDO = ("rollback", "release")
+
+    def run_phase(self, name: str) -> dict:
+        """Run one group phase on this node; returns {"torn_down", "snapshot_id" (the quiesce
+        id or None), "images_dir", "manifest_written"}. Raises
+        ``AgentError`` (phase and pid named) when it fails; the leader then runs the undo
+        phases. The steps are the ones :meth:`run` calls, grouped at the barriers."""
+        fn = getattr(self, "group_" + name, None)
+        if name not in self.GROUP_PHASES + self.GROUP_UNDO or fn is None:
+            raise AgentError("group", f"unknown checkpoint phase {name!r}")
+        try:
+            fn()
+        except AgentError:
+            raise
+        except Exception as e:
+            phase = self.r.phases[-1].name if self.r.phases else name
+            raise AgentError(phase, f"{type(e).__name__}: {e}") from e
+        return {"torn_down": self.torn_down, "snapshot_id": self.qid,
+                "images_dir": str(self.images_dir),
+                "manifest_written": self.manifest is not None}
+
+    def group_prepare(self):
+        self.images_dir, self.created_dirs = prepare_dir(self.images_dir)
+        self.load_driver()
+        self.take_census()
+        self.make_coordinator()
+
+    def group_quiesce(self):
+        try:
+            self.quiesce()
+        except QuiesceRefused:
+            self.quiesce_cancelled = True   # wait_ready already wrote .resume cancelled
+            raise
+        self.quiescence_check()
+
+    def group_capture(self):
+        self.capture_shared()
+
+    def group_lock(self):
+        self.native_lock()
+
+    def group_checkpoint(self):
+        self.native_checkpoint()
+
+    def group_dump(self):
+        self.criu_dump()
+
+    def group_manifest(self):
+        try:
+            self.write_manifest()
+        except AgentError:
+            raise
+        except Exception as e:
+            raise AgentError("manifest", f"{self.images_dir}: {type(e).__name__}: {e}") from e
+
+    def group_finish(self):
+        self.finishing = True      # from here on the group cannot be rolled back
+        if self.leave_running:
+            self.rebuild_state()
+        else:
+            self.kill_dumped()
+            quiesce.clear(self.control_dir, self.roots)
+
+    def group_resume(self):
+        if self.leave_running:
+            quiesce.resume(self.control_dir, self.roots, self.qid, restored=False)
+
+    def group_rollback(self):
+        """Undo this member's part of a failed group checkpoint: its own snapshot, even when
+        complete, is not part of a consistent cut, so the manifest (written last, removed
+        first) and the CRIU images go, then the workload is rebuilt (no ``.resume`` yet)."""
+        if self.finishing:
+            raise AgentError("rollback", "the group had reached finish (trees killed or "
+                             "resumed): nothing to roll back")
+        if self.torn_down:
+            if self.manifest is not None:
+                (pathlib.Path(self.images_dir) / manifest_mod.MANIFEST_NAME).unlink(missing_ok=True)
+                self.manifest = None
+            self._cleanup_images()
+            self.rebuild_state()
+
+    def group_release(self):
+        """``.resume`` after a group rollback (restored=false; cancelled when nothing was torn
+        down), and the directories this request created are removed when empty."""
+        if self.torn_down:
+            quiesce.resume(self.control_dir, self.roots, self.qid, restored=False)
+        elif self.qid is not None and not self.quiesce_cancelled:
+            quiesce.cancel(self.control_dir, self.roots, self.qid)
+        _remove_empty(self.created_dirs)
 
     # -- driver ---------------------------------------------------------------------------
     def run(self) -> dict:
@@ -473,6 +583,7 @@ class Checkpoint:
             "totals": {"carrier_bytes": _capture_bytes(self.capture),
                        "image_bytes": sum(f["bytes"] for f in
                                           manifest_mod.image_files(self.images_dir).values())},
+            **({"group": self.group} if self.group else {}),
         }
 
 

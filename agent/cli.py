@@ -20,7 +20,7 @@ from . import paths
 from .errors import AgentError
 
 EXIT = {"refused": 3, "rolled_back": 4, "rollback_failed": 5, "snapshot_incomplete": 5,
-        "restore_failed": 5}
+        "restore_failed": 5, "usage": 2, "unreachable": 6}
 
 
 def _drop_shim_from_self() -> None:
@@ -40,12 +40,17 @@ def _emit_json(obj: dict) -> None:
 
 def _fail(e: AgentError, as_json: bool, extra: dict | None = None, command: str = "checkpoint"):
     if as_json:
-        _emit_json({"ok": False, "error": e.to_dict(), **(extra or {})})
+        err = e.to_dict()
+        if getattr(e, "node", None):
+            err["node"] = e.node      # a group request: the member that failed
+        _emit_json({"ok": False, "error": err, **(extra or {})})
     else:
         click.echo(f"error: {e}", err=True)
         refused = {"checkpoint": "nothing was torn down; the workload keeps running",
                    "restore": "nothing was changed; the snapshot is untouched",
-                   "inspect": "nothing was changed (INSPECT is read-only)"}[command]
+                   "inspect": "nothing was changed (INSPECT is read-only)",
+                   "snapshots": "nothing was changed (read-only)",
+                   "serve": "the agent did not start"}.get(command, "")
         hint = {"refused": refused,
                 "rolled_back": "the workload was rebuilt and keeps running with its memory intact",
                 "rollback_failed": "the workload could NOT be rebuilt; it needs an operator",
@@ -122,11 +127,115 @@ def shim_path_cmd():
         sys.exit(1)
 
 
+agent_opt = click.option("--agent", "agent_addr", default=None, metavar="ADDR",
+                         help="run through the agent daemon at ADDR (unix:/path or host:port) "
+                              "instead of in-process.")
+tls_ca_opt = click.option("--tls-ca", type=click.Path(dir_okay=False), default=None,
+                          help="with --agent over TCP: CA certificate to verify the agent.")
+tls_cert_opt = click.option("--tls-cert", type=click.Path(dir_okay=False), default=None,
+                            help="with --agent: client certificate (mutual TLS).")
+tls_key_opt = click.option("--tls-key", type=click.Path(dir_okay=False), default=None,
+                           help="with --agent: client key (mutual TLS).")
+group_opt = click.option("--group", "group_file", type=click.Path(dir_okay=False, exists=True),
+                         default=None, help="JSON file {\"members\": [{\"node\", \"address\", "
+                         "\"images_dir\", \"roots\"}]}: one group request across these agents, "
+                         "led by --agent (or by this process).")
+
+
+def _tls(ca, cert, key):
+    from .service import TLS
+    t = TLS(cert=cert, key=key, ca=ca)
+    return t if t.enabled else None
+
+
+def _load_members(group_file, kind: str):
+    """Members of a --group file as ``Member`` messages; a bad file is a usage error."""
+    from . import pb
+    apb, _, _ = pb.modules()
+    try:
+        with open(group_file) as f:
+            spec = json.load(f)
+        out = []
+        for m in spec["members"]:
+            roots = [int(r) for r in m.get("roots", [])]
+            if kind == "checkpoint" and not roots:
+                raise ValueError(f"member {m.get('node')!r} has no roots")
+            out.append(apb.Member(node=str(m["node"]), address=str(m["address"]),
+                                  images_dir=str(m["images_dir"]), roots=roots))
+        if not out:
+            raise ValueError("no members")
+        return out
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise click.UsageError(f"--group {group_file}: {type(e).__name__}: {e}") from None
+
+
+class _RemoteRows:
+    """Feeds Progress rows from the service into a local Reporter (and its live table):
+    a "start" row opens a Phase, the matching "end" row completes it."""
+
+    def __init__(self, rep):
+        self.rep = rep
+        self.open: dict = {}
+
+    def __call__(self, row: dict) -> None:
+        from .report import Phase
+        if row["event"] == "note":
+            self.rep.note(row["text"])
+            return
+        name = f"{row['node']}: {row['phase']}" if row.get("node") else row["phase"]
+        key = (row.get("node"), row["phase"])
+        if row["event"] == "start":
+            ph = Phase(name=name, detail=row["detail"])
+            self.rep.phases.append(ph)
+            self.open[key] = ph
+            self.rep._emit("start", ph)
+            return
+        ph = self.open.pop(key, None)
+        if ph is None:
+            ph = Phase(name=name)
+            self.rep.phases.append(ph)
+            self.rep._emit("start", ph)
+        ph.status, ph.elapsed_ns, ph.bytes, ph.detail = (row["status"], row["elapsed_ns"],
+                                                         row["bytes"], row["detail"])
+        self.rep._emit("end", ph)
+
+
+def _remote(addr, method, request, rep, sink, tls):
+    """Run ``method`` at the agent ``addr``; returns the CLI JSON object of a success, raises
+    ``AgentError`` (what the agent reported, or outcome "unreachable") otherwise."""
+    from .ops import error_from_dict
+    from .service import call
+
+    def go():
+        return call(addr, method, request, tls=tls, on_progress=_RemoteRows(rep))
+    if sink:
+        with sink:
+            res = go()
+    else:
+        res = go()
+    obj = json.loads(res.json) if res.json else {}
+    if res.ok:
+        return obj
+    e = res.error
+    err = error_from_dict({"phase": e.phase, "pid": e.pid if e.has_pid else None,
+                           "reason": e.reason, "outcome": e.outcome, "message": e.message,
+                           "node": e.node})
+    err.remote_phases = obj.get("phases", [])
+    raise err
+
+
+def _run_local(rep, sink, fn):
+    if sink:
+        with sink:
+            return fn()
+    return fn()
+
+
 @main.command()
-@click.option("--pid", "pids", type=int, multiple=True, required=True,
-              help="root of a process tree to checkpoint (repeatable).")
-@click.option("--images-dir", type=click.Path(file_okay=False), required=True,
-              help="new snapshot directory.")
+@click.option("--pid", "pids", type=int, multiple=True,
+              help="root of a process tree to checkpoint (repeatable; not with --group).")
+@click.option("--images-dir", type=click.Path(file_okay=False), default=None,
+              help="new snapshot directory (not with --group).")
 @click.option("--quiesce-timeout-ms", type=click.IntRange(1), default=10_000, show_default=True)
 @click.option("--lock-timeout-ms", type=click.IntRange(0), default=10_000, show_default=True,
               help="cuCheckpointProcessLock timeout per process (0 = none).")
@@ -137,66 +246,115 @@ def shim_path_cmd():
 @click.option("--leave-running", is_flag=True, help="keep the workload running after the dump.")
 @driver_opt
 @control_opt
+@agent_opt
+@group_opt
+@tls_ca_opt
+@tls_cert_opt
+@tls_key_opt
 @json_opt
 def checkpoint(pids, images_dir, quiesce_timeout_ms, lock_timeout_ms, phase_timeout_s,
-               carrier_timeout_s, leave_running, driver, control_dir, as_json):
+               carrier_timeout_s, leave_running, driver, control_dir, agent_addr, group_file,
+               tls_ca, tls_cert, tls_key, as_json):
     """Checkpoint the process tree(s) rooted at --pid into --images-dir."""
-    from .checkpoint import Checkpoint
-    _set_env(driver, control_dir)
-    rep, sink = _reporter(f"checkpoint {' '.join(map(str, pids))} -> {images_dir}", as_json)
-    cp = Checkpoint(pids, images_dir, control_dir=control_dir, quiesce_timeout_ms=quiesce_timeout_ms,
-                    lock_timeout_ms=lock_timeout_ms, phase_timeout_s=phase_timeout_s,
-                    carrier_timeout_s=carrier_timeout_s,
-                    driver=driver, leave_running=leave_running, reporter=rep)
+    from . import ops
+    if group_file:
+        if pids or images_dir:
+            raise click.UsageError("--group names each member's roots and images dir; "
+                                   "do not pass --pid or --images-dir with it")
+    elif not pids:
+        raise click.UsageError("Missing option '--pid'.")
+    elif not images_dir:
+        raise click.UsageError("Missing option '--images-dir'.")
+    tls = _tls(tls_ca, tls_cert, tls_key)
+    title = (f"group checkpoint {group_file}" if group_file else
+             f"checkpoint {' '.join(map(str, pids))} -> {images_dir}")
+    rep, sink = _reporter(title, as_json)
+    kw = dict(control_dir=control_dir, quiesce_timeout_ms=quiesce_timeout_ms,
+              lock_timeout_ms=lock_timeout_ms, phase_timeout_s=phase_timeout_s,
+              carrier_timeout_s=carrier_timeout_s, driver=driver, leave_running=leave_running)
     try:
-        if sink:
-            with sink:
-                m = cp.run()
+        if agent_addr or group_file:
+            from . import pb
+            apb, _, _ = pb.modules()
+            req = apb.CheckpointRequest(
+                roots=list(pids), images_dir=os.path.abspath(images_dir) if images_dir else "",
+                options=apb.CheckpointOptions(
+                    quiesce_timeout_ms=quiesce_timeout_ms, lock_timeout_ms=lock_timeout_ms,
+                    phase_timeout_s=phase_timeout_s, carrier_timeout_s=carrier_timeout_s,
+                    leave_running=leave_running, driver=driver or "",
+                    control_dir=os.path.abspath(control_dir) if control_dir else ""),
+                members=_load_members(group_file, "checkpoint") if group_file else [])
+            if agent_addr:
+                out = _remote(agent_addr, "Checkpoint", req, rep, sink, tls)
+            else:
+                from .group import lead
+                out = _run_local(rep, sink, lambda: lead(
+                    "checkpoint", req, rep, _RemoteRows(rep), tls=tls)[0])
         else:
-            m = cp.run()
+            _set_env(driver, control_dir)
+            out = _run_local(rep, sink, lambda: ops.checkpoint(rep, pids, images_dir, **kw)[0])
     except AgentError as e:
-        _fail(e, as_json, {"phases": rep.to_list()})
-    except Exception as e:  # a bug: say where it happened and that state is unknown
-        phase = rep.phases[-1].name if rep.phases else "checkpoint"
-        _fail(AgentError(phase, f"unexpected {type(e).__name__}: {e}; workload state unknown",
-                         outcome="rollback_failed"), as_json, {"phases": rep.to_list()})
+        _fail(e, as_json, {"phases": getattr(e, "remote_phases", None) or rep.to_list()})
     if as_json:
-        _emit_json({"ok": True, "images_dir": str(cp.images_dir), "snapshot_id": m["snapshot_id"],
-                    "roots": m["roots"], "cuda_pids": m["cuda_pids"], "phases": rep.to_list(),
-                    "totals": m["totals"], "shim_sha256": m["shim"]["sha256"]})
+        _emit_json(out)
+    elif group_file:
+        click.echo(f"group checkpoint {out['request_id']}: " + ", ".join(
+            f"{m['node']} -> {m['images_dir']}" for m in out["members"]))
     else:
-        click.echo(f"snapshot {m['snapshot_id']} written to {cp.images_dir}")
+        click.echo(f"snapshot {out['snapshot_id']} written to {out['images_dir']}")
 
 
 @main.command()
-@click.option("--images-dir", type=click.Path(file_okay=False), required=True)
+@click.option("--images-dir", type=click.Path(file_okay=False), default=None)
 @click.option("--phase-timeout-s", type=POSITIVE, default=60.0, show_default=True,
               help="deadline of each coordinator request (INSPECT, RESTORE_UNICAST, ...).")
 @click.option("--carrier-timeout-s", type=POSITIVE, default=3600.0, show_default=True,
               help="deadline of LOAD_ALLOCATIONS (copying the carried bytes back).")
 @driver_opt
+@agent_opt
+@group_opt
+@tls_ca_opt
+@tls_cert_opt
+@tls_key_opt
 @json_opt
-def restore(images_dir, phase_timeout_s, carrier_timeout_s, driver, as_json):
+def restore(images_dir, phase_timeout_s, carrier_timeout_s, driver, agent_addr, group_file,
+            tls_ca, tls_cert, tls_key, as_json):
     """Restore the snapshot in --images-dir and let the workload continue."""
-    from .restore import Restore
-    _set_env(driver, None)
-    rep, sink = _reporter(f"restore {images_dir}", as_json)
-    rs = Restore(images_dir, driver=driver, phase_timeout_s=phase_timeout_s,
-                 carrier_timeout_s=carrier_timeout_s, reporter=rep)
+    from . import ops
+    if group_file and images_dir:
+        raise click.UsageError("--group names each member's images dir; do not pass --images-dir")
+    if not group_file and not images_dir:
+        raise click.UsageError("Missing option '--images-dir'.")
+    tls = _tls(tls_ca, tls_cert, tls_key)
+    rep, sink = _reporter(f"group restore {group_file}" if group_file else
+                          f"restore {images_dir}", as_json)
     try:
-        if sink:
-            with sink:
-                res = rs.run()
+        if agent_addr or group_file:
+            from . import pb
+            apb, _, _ = pb.modules()
+            req = apb.RestoreRequest(
+                images_dir=os.path.abspath(images_dir) if images_dir else "", driver=driver or "",
+                phase_timeout_s=phase_timeout_s, carrier_timeout_s=carrier_timeout_s,
+                members=_load_members(group_file, "restore") if group_file else [])
+            if agent_addr:
+                res = _remote(agent_addr, "Restore", req, rep, sink, tls)
+            else:
+                from .group import lead
+                res = _run_local(rep, sink, lambda: lead(
+                    "restore", req, rep, _RemoteRows(rep), tls=tls)[0])
         else:
-            res = rs.run()
+            _set_env(driver, None)
+            res = _run_local(rep, sink, lambda: ops.restore(
+                rep, images_dir, driver=driver, phase_timeout_s=phase_timeout_s,
+                carrier_timeout_s=carrier_timeout_s))
     except AgentError as e:
-        _fail(e, as_json, {"phases": rep.to_list()}, command="restore")
-    except Exception as e:
-        phase = rep.phases[-1].name if rep.phases else "restore"
-        _fail(AgentError(phase, f"unexpected {type(e).__name__}: {e}", outcome="restore_failed"),
-              as_json, {"phases": rep.to_list()}, command="restore")
+        _fail(e, as_json, {"phases": getattr(e, "remote_phases", None) or rep.to_list()},
+              command="restore")
     if as_json:
-        _emit_json({"ok": True, **res})
+        _emit_json(res)
+    elif group_file:
+        click.echo(f"group restore {res['request_id']}: " + ", ".join(
+            m["node"] for m in res["members"]))
     else:
         click.echo(f"restored {res['snapshot_id']}: roots {', '.join(map(str, res['roots']))}")
 
@@ -205,19 +363,213 @@ def restore(images_dir, phase_timeout_s, carrier_timeout_s, driver, as_json):
 @click.option("--pid", type=int, required=True)
 @click.option("--phase-timeout-s", type=POSITIVE, default=10.0, show_default=True)
 @control_opt
+@agent_opt
+@tls_ca_opt
+@tls_cert_opt
+@tls_key_opt
 @json_opt
-def inspect(pid, phase_timeout_s, control_dir, as_json):
+def inspect(pid, phase_timeout_s, control_dir, agent_addr, tls_ca, tls_cert, tls_key, as_json):
     """INSPECT one process through its control socket (read-only)."""
-    from .inspect import inspect_pid, render_table
-    _set_env(None, control_dir)
+    from . import ops
+    from .inspect import render_table
     try:
-        res = inspect_pid(pid, control_dir=control_dir, timeout_s=phase_timeout_s)
+        if agent_addr:
+            from . import pb
+            from .report import Reporter
+            apb, _, _ = pb.modules()
+            req = apb.InspectRequest(pid=pid, timeout_s=phase_timeout_s,
+                                     control_dir=os.path.abspath(control_dir) if control_dir else "")
+            res = _remote(agent_addr, "Inspect", req, Reporter(), None,
+                          _tls(tls_ca, tls_cert, tls_key))
+        else:
+            _set_env(None, control_dir)
+            res = ops.inspect(pid, control_dir=control_dir, timeout_s=phase_timeout_s)
     except AgentError as e:
         _fail(e, as_json, command="inspect")
+    res.pop("ok", None)
     if as_json:
         _emit_json({"ok": True, **res})
     else:
         render_table(res)
+
+
+@main.command("snapshots")
+@click.option("--dir", "directory", type=click.Path(file_okay=False), default=None,
+              help="directory whose sub-directories are snapshots (with --agent: default the "
+                   "agent's --snapshot-dir).")
+@agent_opt
+@tls_ca_opt
+@tls_cert_opt
+@tls_key_opt
+@json_opt
+def snapshots_cmd(directory, agent_addr, tls_ca, tls_cert, tls_key, as_json):
+    """List the snapshots (directories holding manifest.json) under --dir."""
+    from . import ops
+    try:
+        if agent_addr:
+            from . import pb
+            from .report import Reporter
+            apb, _, _ = pb.modules()
+            req = apb.ListSnapshotsRequest(dir=os.path.abspath(directory) if directory else "")
+            res = _remote(agent_addr, "ListSnapshots", req, Reporter(), None,
+                          _tls(tls_ca, tls_cert, tls_key))
+        else:
+            if not directory:
+                raise click.UsageError("--dir is required without --agent")
+            res = ops.list_snapshots(directory)
+    except AgentError as e:
+        _fail(e, as_json, command="snapshots")
+    if as_json:
+        _emit_json(res)
+        return
+    for s in res["snapshots"]:
+        click.echo(f"{s['images_dir']}\t{s['snapshot_id'] or '-'}\t{s['created_at'] or '-'}\t"
+                   f"roots {','.join(map(str, s['roots'])) or '-'}"
+                   + (f"\tERROR {s['error']}" if s["error"] else ""))
+
+
+@main.command("health")
+@click.option("--agent", "agent_addr", default=None, metavar="ADDR",
+              help="agent address (default $CUINTERPOSE_AGENT_ADDR or unix:/tmp/cuinterpose-agent.sock).")
+@click.option("--service", default="", help="service name (default: the server as a whole).")
+@tls_ca_opt
+@tls_cert_opt
+@tls_key_opt
+def health_cmd(agent_addr, service, tls_ca, tls_cert, tls_key):
+    """gRPC health check of an agent daemon: prints SERVING (exit 0) or another status
+    (exit 1); exit 6 when it cannot be reached."""
+    import grpc
+    from .service import default_address, health
+    addr = agent_addr or default_address()
+    try:
+        st = health(addr, service, tls=_tls(tls_ca, tls_cert, tls_key))
+    except grpc.RpcError as e:
+        click.echo(f"{addr}: unreachable: {e.code().name if hasattr(e, 'code') else e}", err=True)
+        sys.exit(6)
+    click.echo(st)
+    sys.exit(0 if st == "SERVING" else 1)
+
+
+def _config_values(path) -> dict:
+    """Settings from the YAML agent config (``cuinterpose.agent.config.load_config``), under
+    serve's option names; a bad file is a usage error naming the key. ``metricsPort: 0``
+    means off there (None here)."""
+    from .config import ConfigError, load_config
+    try:
+        cfg = load_config(path)
+    except ConfigError as e:
+        raise click.UsageError(f"--config {path}: {e}") from None
+    k = cfg.kubernetes
+    return {"listen": cfg.listen_address or None,
+            "node": k.node_name or os.environ.get("NODE_NAME"),
+            "control_dir": cfg.control_dir or None, "snapshot_dir": cfg.snapshot_dir or None,
+            "metrics_port": cfg.metrics_port or None, "driver": cfg.driver,
+            "tls_cert": cfg.tls.cert_file or None, "tls_key": cfg.tls.key_file or None,
+            "tls_client_ca": cfg.tls.ca_file or None,
+            "kubernetes": k if k.enabled else None, "_config": cfg}
+
+
+def _start_watcher(cfg, stop):
+    """Start the pod watcher (agent/kube) of ``cfg`` in a daemon thread; returns (watcher,
+    thread). A bad Kubernetes setting is a usage error."""
+    import threading
+    from .kube.watcher import build_watcher
+    try:
+        w = build_watcher(cfg)
+    except ValueError as e:
+        raise click.UsageError(f"--config: {e}") from None
+    t = threading.Thread(target=w.run, args=(stop,), name="pod-watcher", daemon=True)
+    t.start()
+    return w, t
+
+
+@main.command()
+@click.option("--listen", default=None, metavar="ADDR",
+              help="unix:/path (default $CUINTERPOSE_AGENT_ADDR or "
+                   "unix:/tmp/cuinterpose-agent.sock) or host:port (TCP; TLS with --tls-cert).")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="YAML agent config; options given on the command line win.")
+@click.option("--node", default=None, help="this agent's name in group events (default: host name).")
+@click.option("--snapshot-dir", type=click.Path(file_okay=False), default=None,
+              help="what ListSnapshots lists by default.")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
+              help="serve Prometheus metrics on this port (0: any free port).")
+@click.option("--metrics-addr", default="127.0.0.1", show_default=True)
+@click.option("--tls-cert", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="server certificate (PEM) for a TCP listener; also the client certificate "
+                   "a leader presents to members.")
+@click.option("--tls-key", type=click.Path(dir_okay=False, exists=True), default=None)
+@click.option("--tls-client-ca", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="require client certificates signed by this CA (mutual TLS); also verifies "
+                   "members when leading a group.")
+@driver_opt
+@control_opt
+@json_opt
+def serve(listen, config_file, node, snapshot_dir, metrics_port, metrics_addr, tls_cert, tls_key,
+          tls_client_ca, driver, control_dir, as_json):
+    """Run the agent daemon: the gRPC Agent service (checkpoint, restore, inspect, snapshots,
+    group phases), gRPC health checking and Prometheus metrics. Prints one line when ready
+    (with --json: {"ok": true, "listen", "metrics_port", "node", "pid"}) and serves until
+    SIGTERM or SIGINT."""
+    import signal
+    import socket
+    import threading
+    from .service import Server, ServeOptions, TLS, default_address
+    given = dict(listen=listen, node=node, snapshot_dir=snapshot_dir, metrics_port=metrics_port,
+                 tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca, driver=driver,
+                 control_dir=control_dir)
+    conf = _config_values(config_file) if config_file else {}
+    v = {k: (given[k] if given[k] is not None else conf.get(k)) for k in given}
+    if bool(v["tls_cert"]) != bool(v["tls_key"]):
+        raise click.UsageError("--tls-cert and --tls-key go together")
+    _set_env(v["driver"], v["control_dir"])
+    tls = TLS(cert=v["tls_cert"], key=v["tls_key"], ca=v["tls_client_ca"])
+    opts = ServeOptions(node=v["node"] or socket.gethostname(),
+                        control_dir=str(v["control_dir"]) if v["control_dir"] else None,
+                        driver=v["driver"], snapshot_dir=v["snapshot_dir"],
+                        tls=tls if tls.enabled else None)
+    cfg = conf.get("_config")
+    if cfg is not None:
+        opts.quiesce_timeout_ms = cfg.quiesce_timeout_ms
+        opts.lock_timeout_ms = cfg.lock_timeout_ms
+        opts.phase_timeout_s = cfg.phase_timeout_s
+        opts.carrier_timeout_s = cfg.carrier_timeout_s
+    try:
+        srv = Server(v["listen"] or default_address(), opts, metrics_port=v["metrics_port"],
+                     metrics_addr=metrics_addr).start()
+    except (OSError, RuntimeError, ValueError) as e:
+        _fail(AgentError("serve", f"cannot listen on {v['listen'] or default_address()}: {e}",
+                         outcome="usage"), as_json, command="serve")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda *_: stop.set())
+    watcher = None
+    if conf.get("kubernetes") is not None:
+        from .checkpoint import strip_preload_env
+        strip_preload_env()
+        try:
+            watcher = _start_watcher(cfg, stop)
+        except click.UsageError:
+            srv.stop(0)
+            raise
+    if as_json:
+        click.echo(json.dumps({"ok": True, "listen": srv.address, "metrics_port": srv.metrics_port,
+                               "node": opts.node, "pid": os.getpid(),
+                               "kubernetes": watcher is not None}, sort_keys=True))
+    else:
+        click.echo(f"cuinterpose-agent {opts.node} serving on {srv.address}"
+                   + (f", metrics on {metrics_addr}:{srv.metrics_port}" if srv.metrics_port
+                      is not None else ""))
+    sys.stdout.flush()
+    while not stop.wait(0.5):
+        if watcher is not None and not watcher[1].is_alive():
+            click.echo("cuinterpose-agent: the pod watcher stopped; shutting down", err=True)
+            srv.stop()
+            sys.exit(1)
+    if watcher is not None:     # a running pod request always finishes
+        while watcher[0].in_flight and watcher[1].is_alive():
+            watcher[1].join(0.2)
+    srv.stop()
 
 
 @main.command()

@@ -162,6 +162,42 @@ class Restore:
             except ProcessLookupError:
                 pass
 
+    # -- group phases -----------------------------------------------------------------------
+    #: Group phases of a restore, in order (docs/service.md): no member resumes its workload
+    #: before every member restored its shared memory. ``prepare`` only reads (a refusal
+    #: changes nothing); after a failure from ``criu restore`` on, the leader runs ``abort`` on
+    #: every member (restored trees killed, snapshots untouched).
+    GROUP_PHASES = ("prepare", "stale", "criu restore", "native restore", "restore shared",
+                    "resume")
+    GROUP_UNDO = ("abort",)
+
+    def run_phase(self, name: str) -> dict:
+        """Run one group phase on this node; returns {"restored": [roots]}. Raises
+        ``AgentError`` naming phase and pid. The steps are the ones :meth:`run` calls."""
+        steps = {"prepare": self._group_prepare, "stale": self.remove_stale,
+                 "criu restore": self.criu_restore, "native restore": self.native_restore,
+                 "restore shared": self.restore_shared, "resume": self.resume,
+                 "abort": self.kill_restored}
+        if name not in steps:
+            raise AgentError("group", f"unknown restore phase {name!r}")
+        try:
+            steps[name]()
+        except AgentError:
+            raise
+        except Exception as e:
+            phase = self.r.phases[-1].name if self.r.phases else name
+            raise AgentError(phase, f"{type(e).__name__}: {e}") from e
+        return {"restored": list(self.restored_roots)}
+
+    def _group_prepare(self):
+        self._read_manifest_checked()
+        self.load_driver()
+
+    def result(self) -> dict:
+        """{"snapshot_id", "roots", "cuda_pids", "phases"} of a finished restore."""
+        return {"snapshot_id": self.m["snapshot_id"], "roots": self.m["roots"],
+                "cuda_pids": self.m["cuda_pids"], "phases": self.r.to_list()}
+
     def run(self) -> dict:
         """Returns {"snapshot_id", "roots", "cuda_pids", "phases"}. Raises ``SnapshotError`` /
         ``AgentError`` (refused, nothing changed) or ``RestoreFailed`` (restored trees killed).
@@ -178,7 +214,7 @@ class Restore:
             raise SnapshotError(phase, f"interrupted by {sig} after {phase}; restore cancelled, "
                                 "nothing was changed, the snapshot is untouched")
 
-    def _run(self) -> dict:
+    def _read_manifest_checked(self):
         try:
             self.read_manifest()
         except AgentError:
@@ -187,6 +223,9 @@ class Restore:
             raise SnapshotError("manifest", f"{self.images_dir}: malformed or unreadable "
                                 f"snapshot ({type(e).__name__}: {e}); restore refused, "
                                 "snapshot untouched") from e
+
+    def _run(self) -> dict:
+        self._read_manifest_checked()
         self._refused_if_interrupted("manifest")
         self.load_driver()
         self._refused_if_interrupted("driver")
@@ -205,8 +244,7 @@ class Restore:
                 raise RestoreFailed(e.phase, e.reason + "; the restored tree was killed, the "
                                     "snapshot is untouched", pid=e.pid) from e
             raise RestoreFailed("restore", f"{e}; the restored tree was killed") from e
-        return {"snapshot_id": self.m["snapshot_id"], "roots": self.m["roots"],
-                "cuda_pids": self.m["cuda_pids"], "phases": self.r.to_list()}
+        return self.result()
 
 
 def restore(images_dir, **kw) -> dict:

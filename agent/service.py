@@ -1,0 +1,552 @@
+"""The agent's gRPC service (``cuinterpose-agent serve``; docs/service.md).
+
+``Agent`` (proto/cuinterpose/v1/agent.proto) exposes ``Checkpoint``, ``Restore``, ``Inspect``,
+``ListSnapshots`` and, for group requests, ``RunPhase``. Every RPC streams ``Event``s: one
+``Progress`` per phase start/end (the :class:`~cuinterpose.agent.report.Reporter` events of
+the same code the CLI runs, :mod:`cuinterpose.agent.ops`) and finally exactly one ``Result``
+(``ok``, ``error`` with phase/pid/reason/outcome/node, the phases, and ``json``: the object the
+CLI prints with ``--json``). ``seq`` numbers the events of a stream 1, 2, ...
+
+A request whose ``members`` is non-empty makes this agent the group leader
+(:mod:`cuinterpose.agent.group`). A member keeps the state of a group request between
+``RunPhase`` calls in :attr:`AgentService.jobs`, keyed by the leader's request id.
+
+Addresses: ``unix:/path`` (or ``unix:///path``) for a Unix socket, ``HOST:PORT`` for TCP
+(TLS when a certificate and key are given; mutual TLS with a client CA).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import queue
+import threading
+from concurrent import futures
+from typing import Callable, Iterator, Optional
+
+from . import ops
+from . import pb
+from .errors import AgentError
+from .report import Phase, Reporter
+
+DEFAULT_ADDRESS_ENV = "CUINTERPOSE_AGENT_ADDR"
+SERVICE_NAME = "cuinterpose.v1.Agent"
+
+
+def default_address() -> str:
+    """``$CUINTERPOSE_AGENT_ADDR`` or ``unix:/tmp/cuinterpose-agent.sock``."""
+    return os.environ.get(DEFAULT_ADDRESS_ENV, "unix:/tmp/cuinterpose-agent.sock")
+
+
+def normalize_address(addr: str) -> str:
+    """gRPC target for ``addr``: a bare absolute path becomes ``unix:PATH``; ``unix:``
+    and ``HOST:PORT`` pass through. Raises ``ValueError`` on an empty address."""
+    addr = (addr or "").strip()
+    if not addr:
+        raise ValueError("empty agent address")
+    if addr.startswith("/"):
+        return "unix:" + addr
+    return addr
+
+
+def unix_path(addr: str) -> Optional[str]:
+    """The socket path of a ``unix:`` address, else None."""
+    if addr.startswith("unix://"):
+        return addr[len("unix://"):]
+    if addr.startswith("unix:"):
+        return addr[len("unix:"):]
+    return None
+
+
+@dataclasses.dataclass
+class TLS:
+    """PEM file paths. Server: ``cert`` + ``key`` (+ ``ca`` to require client certificates).
+    Client: ``ca`` to verify the server (+ ``cert`` + ``key`` for mutual TLS)."""
+
+    cert: Optional[str] = None
+    key: Optional[str] = None
+    ca: Optional[str] = None
+
+    def _read(self, p):
+        return pathlib.Path(p).read_bytes() if p else None
+
+    def server_credentials(self):
+        import grpc
+        if not (self.cert and self.key):
+            raise ValueError("TLS needs both a certificate and a key")
+        return grpc.ssl_server_credentials([(self._read(self.key), self._read(self.cert))],
+                                           root_certificates=self._read(self.ca),
+                                           require_client_auth=bool(self.ca))
+
+    def channel_credentials(self):
+        import grpc
+        return grpc.ssl_channel_credentials(root_certificates=self._read(self.ca),
+                                            private_key=self._read(self.key),
+                                            certificate_chain=self._read(self.cert))
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cert or self.ca)
+
+
+def channel(addr: str, tls: Optional[TLS] = None):
+    """A gRPC channel to an agent (TLS for TCP when ``tls`` is enabled)."""
+    import grpc
+    target = normalize_address(addr)
+    opts = [("grpc.max_receive_message_length", 64 << 20)]
+    if tls is not None and tls.enabled and unix_path(target) is None:
+        return grpc.secure_channel(target, tls.channel_credentials(), options=opts)
+    return grpc.insecure_channel(target, options=opts)
+
+
+# -- events ------------------------------------------------------------------------------------
+
+def progress_dict(event: str, ph: Optional[Phase] = None, text: str = "", **extra) -> dict:
+    """A Progress row as a dict (the fields of ``cuinterpose.v1.Progress``)."""
+    d = {"event": event, "phase": "", "status": "", "node": "", "pid": 0, "bytes": 0,
+         "elapsed_ns": 0, "detail": "", "group_phase": "", "text": text}
+    if ph is not None:
+        d.update(phase=ph.name, status=ph.status, bytes=int(ph.bytes),
+                 elapsed_ns=int(ph.elapsed_ns), detail=ph.detail)
+    d.update({k: v for k, v in extra.items() if v is not None})
+    return d
+
+
+def error_dict(e: AgentError) -> dict:
+    d = e.to_dict()
+    d["node"] = getattr(e, "node", "") or ""
+    return d
+
+
+class Stream:
+    """Runs ``work(reporter, emit)`` in a thread and turns what it reports into ``Event``s.
+
+    ``work`` returns ``(json_object, manifest_or_None)``; an ``AgentError`` becomes a failed
+    Result. ``emit(progress_dict)`` lets group code forward rows from other agents. Rows also
+    feed ``on_row`` (metrics). Iterating yields ``agent_pb2.Event`` messages."""
+
+    def __init__(self, work: Callable, on_row: Optional[Callable[[dict], None]] = None,
+                 on_done: Optional[Callable[[bool], None]] = None,
+                 active: Optional[set] = None):
+        self.active = active       # the service's set of running work threads
+        self.q: queue.Queue = queue.Queue()
+        self.work = work
+        self.on_row = on_row
+        self.on_done = on_done
+        self.rep = Reporter([self._sink])
+
+    def _sink(self, event, obj):
+        if event == "note":
+            self.emit(progress_dict("note", text=str(obj)))
+        else:
+            self.emit(progress_dict(event, obj))
+
+    def emit(self, row: dict) -> None:
+        # rows forwarded from group members (node set) are counted by those members' agents
+        if self.on_row is not None and row.get("event") == "end" and not row.get("node"):
+            try:
+                self.on_row(row)
+            except Exception:
+                pass
+        self.q.put(("progress", row))
+
+    def _run(self):
+        try:
+            self._work()
+        finally:
+            if self.active is not None:
+                self.active.discard(threading.current_thread())
+
+    def _work(self):
+        try:
+            obj, manifest = self.work(self.rep, self.emit)
+            self.q.put(("result", {"ok": True, "json": obj, "manifest": manifest}))
+        except AgentError as e:
+            self.q.put(("result", {"ok": False, "error": error_dict(e)}))
+        except BaseException as e:  # a bug in the service: still end the stream with a result
+            phase = self.rep.phases[-1].name if self.rep.phases else "agent"
+            err = AgentError(phase, f"unexpected {type(e).__name__}: {e}", outcome="failed")
+            self.q.put(("result", {"ok": False, "error": error_dict(err)}))
+
+    def __iter__(self) -> Iterator:
+        apb, _, _ = pb.modules()
+        # the work runs to its end even if the client goes away (a phase never stops
+        # half-way); the daemon waits for it before exiting
+        t = threading.Thread(target=self._run, name="cuinterpose-request", daemon=True)
+        if self.active is not None:
+            self.active.add(t)
+        t.start()
+        seq = 0
+        while True:
+            kind, obj = self.q.get()
+            seq += 1
+            if kind == "progress":
+                yield apb.Event(seq=seq, progress=apb.Progress(**obj))
+                continue
+            yield apb.Event(seq=seq, result=self._result(obj))
+            if self.on_done is not None:
+                try:
+                    self.on_done(obj["ok"])
+                except Exception:
+                    pass
+            t.join()
+            return
+
+    def _result(self, obj: dict):
+        apb, _, mpb = pb.modules()
+        res = apb.Result(ok=obj["ok"])
+        res.phases.extend(mpb.PhaseTiming(**p) for p in self.rep.to_list())
+        if obj["ok"]:
+            out = dict(obj["json"])
+            res.json = json.dumps(out, sort_keys=True, default=str)
+            if obj.get("manifest"):
+                try:
+                    res.manifest.CopyFrom(pb.manifest_to_proto(obj["manifest"]))
+                except Exception as e:   # the snapshot is on disk; say why the copy is absent
+                    self.rep.note(f"manifest not carried in the result: {e}")
+        else:
+            e = obj["error"]
+            res.error.CopyFrom(apb.Error(phase=e["phase"] or "", pid=int(e["pid"] or 0),
+                                         has_pid=e["pid"] is not None, reason=e["reason"] or "",
+                                         outcome=e["outcome"] or "", message=e["message"] or "",
+                                         node=e.get("node") or ""))
+            res.json = json.dumps({"ok": False, "error": e, "phases": self.rep.to_list()},
+                                  sort_keys=True, default=str)
+        return res
+
+
+# -- the servicer ------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class ServeOptions:
+    """What ``serve`` was started with. ``node``: name in events and errors (default the
+    host name); ``control_dir``/``driver``: defaults for requests that name none;
+    ``snapshot_dir``: what ``ListSnapshots`` lists by default; ``tls``: credentials for the
+    listener (TCP) and for the channels a leader opens to members."""
+
+    node: str = ""
+    control_dir: Optional[str] = None
+    driver: Optional[str] = None
+    snapshot_dir: Optional[str] = None
+    tls: Optional[TLS] = None
+    #: defaults for a CheckpointRequest/RestoreRequest that leaves them unset (0)
+    quiesce_timeout_ms: int = 10_000
+    lock_timeout_ms: int = 10_000
+    phase_timeout_s: float = 60.0
+    carrier_timeout_s: float = 3600.0
+
+
+class Job:
+    """One group request on this member: the ``Checkpoint`` or ``Restore`` object whose
+    phases the leader calls, the index of the next regular phase, and a lock (one phase at a
+    time)."""
+
+    def __init__(self, kind: str, obj):
+        self.kind = kind
+        self.obj = obj
+        self.next = 0
+        self.undoing = False
+        self.failed = False
+        self.lock = threading.Lock()
+
+
+def _servicer_base():
+    _, agrpc, _ = pb.modules()
+    return agrpc.AgentServicer
+
+
+class AgentService(_servicer_base()):
+    """Implements ``cuinterpose.v1.Agent``. ``metrics`` (:class:`~.metrics.Metrics`) may be
+    None."""
+
+    def __init__(self, opts: ServeOptions, metrics=None):
+        self.opts = opts
+        self.metrics = metrics
+        self.jobs: dict[str, Job] = {}
+        self.jobs_lock = threading.Lock()
+        #: threads running a request's work (joined before the daemon exits)
+        self.active: set = set()
+
+    # helpers
+    def _stream(self, kind: str, work: Callable, count: bool = True) -> Stream:
+        """A Stream whose rows feed the metrics under ``kind``; ``count``: the request is
+        counted in ``cuinterpose_snapshots_total``/in-flight (not a member's RunPhase: the
+        leader counts the group request once)."""
+        m = self.metrics
+        if m is None:
+            return Stream(work, active=self.active)
+        count = count and kind in ("checkpoint", "restore")
+        if count:
+            m.in_flight.labels(kind).inc()
+
+        def on_done(ok):
+            if count:
+                m.in_flight.labels(kind).dec()
+                m.finished(kind, ok)
+        return Stream(work, on_row=lambda r: m.phase_done(kind, r["phase"], r["elapsed_ns"],
+                                                          r["bytes"]), on_done=on_done,
+                      active=self.active)
+
+    def checkpoint_kwargs(self, req) -> dict:
+        o = req.options
+        driver = o.driver or self.opts.driver
+        d = self.opts
+        return {"control_dir": o.control_dir or d.control_dir,
+                "quiesce_timeout_ms": o.quiesce_timeout_ms or d.quiesce_timeout_ms,
+                "lock_timeout_ms": (o.lock_timeout_ms if o.HasField("lock_timeout_ms")
+                                    else d.lock_timeout_ms),
+                "phase_timeout_s": o.phase_timeout_s or d.phase_timeout_s,
+                "carrier_timeout_s": o.carrier_timeout_s or d.carrier_timeout_s,
+                "driver": driver or None, "leave_running": o.leave_running}
+
+    def restore_kwargs(self, req) -> dict:
+        return {"driver": req.driver or self.opts.driver or None,
+                "phase_timeout_s": req.phase_timeout_s or self.opts.phase_timeout_s,
+                "carrier_timeout_s": req.carrier_timeout_s or self.opts.carrier_timeout_s}
+
+    def _env(self, driver: Optional[str]):
+        # native.load reads $CUINTERPOSE_DRIVER when no kind is given (as the CLI sets it)
+        if driver:
+            os.environ["CUINTERPOSE_DRIVER"] = driver
+
+    # RPCs
+    def Checkpoint(self, request, context):
+        if request.members:
+            from . import group
+            return iter(self._stream("checkpoint", lambda rep, emit: group.lead(
+                "checkpoint", request, rep, emit, tls=self.opts.tls)))
+        kw = self.checkpoint_kwargs(request)
+        self._env(kw["driver"])
+        return iter(self._stream("checkpoint", lambda rep, emit: ops.checkpoint(
+            rep, list(request.roots), request.images_dir, **kw)))
+
+    def Restore(self, request, context):
+        if request.members:
+            from . import group
+            return iter(self._stream("restore", lambda rep, emit: group.lead(
+                "restore", request, rep, emit, tls=self.opts.tls)))
+        kw = self.restore_kwargs(request)
+        self._env(kw["driver"])
+        return iter(self._stream("restore", lambda rep, emit: (ops.restore(
+            rep, request.images_dir, **kw), None)))
+
+    def Inspect(self, request, context):
+        cd = request.control_dir or self.opts.control_dir
+        return iter(self._stream("inspect", lambda rep, emit: (ops.inspect(
+            int(request.pid), control_dir=cd, timeout_s=request.timeout_s or 10.0), None)))
+
+    def ListSnapshots(self, request, context):
+        d = request.dir or self.opts.snapshot_dir
+
+        def work(rep, emit):
+            if not d:
+                raise AgentError("snapshots", "no directory given and the agent has no "
+                                 "--snapshot-dir", outcome="usage")
+            return ops.list_snapshots(d), None
+        return iter(self._stream("list", work))
+
+    def RunPhase(self, request, context):
+        def work(rep, emit):
+            try:
+                return self.run_phase(request, rep)
+            except AgentError as e:
+                if not getattr(e, "node", ""):
+                    e.node = self.opts.node
+                raise
+        return iter(self._stream(request.kind, work, count=False))
+
+    # group member
+    def run_phase(self, req, rep: Reporter) -> tuple[dict, None]:
+        """One group phase for request ``req.request_id``. The first regular phase creates
+        the job from ``req.checkpoint``/``req.restore``; phases must come in the order of
+        ``GROUP_PHASES`` (an out-of-order or repeated phase, or any regular phase after one
+        failed, is refused and changes nothing: a mutating phase is never retried); undo
+        phases may come at any time after the job exists. The job is dropped after the
+        last phase, the last undo phase, or a failed undo phase. Returns ({"ok", "node",
+        "phase", "state"}, None)."""
+        from .checkpoint import Checkpoint
+        from .restore import Restore
+        rid, name, kind = req.request_id, req.phase, req.kind
+        if kind not in ("checkpoint", "restore") or not rid:
+            raise AgentError("group", f"bad RunPhase: kind {kind!r}, request id {rid!r}")
+        cls = Checkpoint if kind == "checkpoint" else Restore
+        with self.jobs_lock:
+            job = self.jobs.get(rid)
+            if job is None:
+                if name != cls.GROUP_PHASES[0]:
+                    raise AgentError("group", f"request {rid}: phase {name!r} for an unknown "
+                                     "request (nothing was changed)")
+                job = Job(kind, self._make(kind, req))
+                self.jobs[rid] = job
+        with job.lock:
+            if job.kind != kind:
+                raise AgentError("group", f"request {rid} is a {job.kind}, not a {kind}")
+            undo = name in cls.GROUP_UNDO
+            if not undo:
+                want = (cls.GROUP_UNDO[0] if job.failed or job.undoing else
+                        cls.GROUP_PHASES[job.next] if job.next < len(cls.GROUP_PHASES) else None)
+                if job.failed or job.undoing or name != want:
+                    raise AgentError("group", f"request {rid}: phase {name!r} out of order "
+                                     f"(expected {want!r}); refused, nothing was changed")
+            else:
+                job.undoing = True
+            # the job keeps one Reporter (its phases go into the manifest); this call's
+            # stream gets the rows of this phase
+            job.obj.r.sinks = list(rep.sinks)
+            before = len(job.obj.r.phases)
+            done = False
+            try:
+                state = job.obj.run_phase(name)
+                if not undo:
+                    job.next += 1
+                    done = job.next == len(cls.GROUP_PHASES)
+                else:
+                    done = name == cls.GROUP_UNDO[-1]
+            except AgentError as e:
+                e.node = self.opts.node
+                done = undo
+                job.failed = True      # a mutating phase is never retried: undo only
+                raise
+            finally:
+                rep.phases.extend(job.obj.r.phases[before:])
+                job.obj.r.sinks = []
+                if done:
+                    with self.jobs_lock:
+                        self.jobs.pop(rid, None)
+        return {"ok": True, "node": self.opts.node, "phase": name, "state": state}, None
+
+    def _make(self, kind, req):
+        from .checkpoint import Checkpoint
+        from .restore import Restore
+        if kind == "checkpoint":
+            c = req.checkpoint
+            kw = self.checkpoint_kwargs(c)
+            self._env(kw["driver"])
+            obj = Checkpoint(list(c.roots), c.images_dir, reporter=Reporter(), **kw)
+            if req.HasField("group"):
+                obj.group = pb.message_to_dict(req.group)
+            return obj
+        kw = self.restore_kwargs(req.restore)
+        self._env(kw["driver"])
+        return Restore(req.restore.images_dir, reporter=Reporter(), **kw)
+
+
+# -- server ------------------------------------------------------------------------------------
+
+class Server:
+    """A running daemon: the gRPC server with the ``Agent`` and health services, and the
+    metrics endpoint. ``address`` is the bound address (a TCP port 0 is resolved)."""
+
+    def __init__(self, listen: str, opts: ServeOptions, *, metrics_port: Optional[int] = None,
+                 metrics_addr: str = "127.0.0.1", max_workers: int = 32):
+        import grpc
+        from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+        from .metrics import Metrics
+        _, agrpc, _ = pb.modules()
+        self.opts = opts
+        self.metrics = Metrics()
+        self.service = AgentService(opts, self.metrics)
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
+                                                             thread_name_prefix="cui-grpc"))
+        agrpc.add_AgentServicer_to_server(self.service, self.server)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self._health_pb2 = health_pb2
+        target = normalize_address(listen)
+        path = unix_path(target)
+        if path is not None:
+            p = pathlib.Path(path)
+            p.parent.mkdir(parents=True, exist_ok=True)
+            if p.is_socket():
+                p.unlink()     # a stale socket of an agent that died
+            port = self.server.add_insecure_port(target)
+            self.address = "unix:" + path
+        elif opts.tls is not None and opts.tls.cert:
+            port = self.server.add_secure_port(target, opts.tls.server_credentials())
+            self.address = f"{target.rsplit(':', 1)[0]}:{port}"
+        else:
+            port = self.server.add_insecure_port(target)
+            self.address = f"{target.rsplit(':', 1)[0]}:{port}"
+        if not port and path is None:
+            raise OSError(f"cannot listen on {listen}")
+        self.metrics_port = None
+        if metrics_port is not None:
+            self.metrics_port = self.metrics.serve(metrics_port, metrics_addr)
+
+    def start(self) -> "Server":
+        self.server.start()
+        p = unix_path(self.address)
+        if p:
+            os.chmod(p, 0o600)   # same-UID trust domain, like the shim's sockets (D2)
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, self._health_pb2.HealthCheckResponse.SERVING)
+        return self
+
+    def stop(self, grace: float = 5.0) -> None:
+        """Health NOT_SERVING, no new RPCs, streams cancelled after ``grace`` seconds; then
+        wait for every running request's work to end (each phase has its own deadline: a
+        checkpoint is never abandoned half-way), and remove the Unix socket."""
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, self._health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.server.stop(grace).wait()
+        for t in list(self.service.active):
+            t.join()
+        self.metrics.close()
+        p = unix_path(self.address)
+        if p:
+            try:
+                os.unlink(p)
+            except OSError:
+                pass
+
+    def wait(self) -> None:
+        self.server.wait_for_termination()
+
+
+# -- client ------------------------------------------------------------------------------------
+
+def call(addr: str, method: str, request, *, tls: Optional[TLS] = None,
+         on_progress: Optional[Callable[[dict], None]] = None, timeout_s: Optional[float] = None):
+    """Call streaming RPC ``method`` of the agent at ``addr``; ``on_progress(row_dict)`` for
+    each Progress. Returns the final ``Result`` message. Raises ``AgentError`` (phase "agent",
+    outcome "unreachable") when the agent cannot be reached or the stream ends without a
+    result; the workload state is then unknown only if the request had started."""
+    import grpc
+    _, agrpc, _ = pb.modules()
+    ch = channel(addr, tls)
+    try:
+        stub = agrpc.AgentStub(ch)
+        result = None
+        try:
+            for ev in getattr(stub, method)(request, timeout=timeout_s):
+                which = ev.WhichOneof("kind")
+                if which == "progress" and on_progress is not None:
+                    on_progress(pb.message_to_dict(ev.progress))
+                elif which == "result":
+                    result = ev.result
+        except grpc.RpcError as e:
+            code = e.code() if hasattr(e, "code") else None
+            raise AgentError("agent", f"{addr}: {method}: {code.name if code else ''} "
+                             f"{e.details() if hasattr(e, 'details') else e}".strip(),
+                             outcome="unreachable") from None
+        if result is None:
+            raise AgentError("agent", f"{addr}: {method}: the stream ended without a result",
+                             outcome="unreachable")
+        return result
+    finally:
+        ch.close()
+
+
+def health(addr: str, service: str = "", *, tls: Optional[TLS] = None,
+           timeout_s: float = 5.0) -> str:
+    """The health status name of ``service`` at ``addr`` (``SERVING``, ``NOT_SERVING``,
+    ``SERVICE_UNKNOWN``). Raises ``grpc.RpcError`` when unreachable."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    ch = channel(addr, tls)
+    try:
+        resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),
+                                                    timeout=timeout_s)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+    finally:
+        ch.close()

@@ -1,0 +1,174 @@
+"""The group leader's phase sequence with recording members (no daemons, no CRIU): every
+member gets every phase, the next phase only after all answered, and the undo phases after a
+failure, with the failing node, phase and pid in the error."""
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from cuinterpose.agent import group, pb
+from cuinterpose.agent.errors import AgentError
+from cuinterpose.agent.report import Reporter
+
+CP = ["prepare", "quiesce", "capture", "lock", "checkpoint", "dump", "manifest", "finish",
+      "resume"]
+RS = ["prepare", "stale", "criu restore", "native restore", "restore shared", "resume"]
+
+
+class Members:
+    """Fake ``call``: records (node, phase) in order; ``fail[(node, phase)] = (err_phase, pid)``
+    makes that call fail; a checkpoint member is torn down from "capture" on."""
+
+    def __init__(self, fail=None):
+        self.log = []
+        self.fail = fail or {}
+        self.lock = threading.Lock()
+        self.torn = set()
+        self.barrier_violations = []
+        self.current = None
+
+    def __call__(self, addr, method, req, on_progress):
+        apb, _, _ = pb.modules()
+        node, phase = req.node, req.phase
+        with self.lock:
+            self.log.append((node, phase))
+        on_progress({"event": "start", "phase": phase, "status": "running", "node": "", "pid": 0,
+                     "bytes": 0, "elapsed_ns": 0, "detail": "", "group_phase": "", "text": ""})
+        if phase == "capture":
+            self.torn.add(node)
+        if phase == "prepare":
+            assert req.HasField("checkpoint") or req.HasField("restore")
+        if (node, phase) in self.fail:
+            p, pid = self.fail[(node, phase)]
+            return apb.Result(ok=False, error=apb.Error(phase=p, pid=pid or 0, has_pid=pid is not None,
+                                                        reason="boom", outcome="refused", node=node))
+        state = {"torn_down": node in self.torn and phase != "rollback"}
+        if phase == "rollback":
+            state = {"torn_down": node in self.torn}
+        return apb.Result(ok=True, json=json.dumps({"ok": True, "state": state}))
+
+
+def request(kind):
+    apb, _, _ = pb.modules()
+    ms = [apb.Member(node="a", address="unix:/a", roots=[10], images_dir="/s/a"),
+          apb.Member(node="b", address="unix:/b", roots=[20], images_dir="/s/b")]
+    if kind == "checkpoint":
+        return apb.CheckpointRequest(members=ms)
+    return apb.RestoreRequest(members=ms)
+
+
+def run(kind, calls):
+    rows = []
+    try:
+        out = group.lead(kind, request(kind), Reporter(), rows.append, call=calls)[0]
+        return out, None, rows
+    except AgentError as e:
+        return None, e, rows
+
+
+def phases_of(log, node):
+    return [p for n, p in log if n == node]
+
+
+def assert_barriers(log, order):
+    """Every call of phase k precedes every call of phase k+1."""
+    idx = [order.index(p) for _, p in log]
+    assert idx == sorted(idx), log
+
+
+def test_checkpoint_success_runs_every_phase_on_every_member_with_barriers():
+    m = Members()
+    out, err, rows = run("checkpoint", m)
+    assert err is None and out["ok"]
+    assert phases_of(m.log, "a") == phases_of(m.log, "b") == CP
+    assert_barriers(m.log, CP)
+    assert [r["node"] for r in rows] == [n for n, _ in m.log]
+    assert [r["group_phase"] for r in rows] == [p for _, p in m.log]
+    assert [x["node"] for x in out["members"]] == ["a", "b"]
+    assert [p["name"] for p in out["phases"]] == [f"group {p}" for p in CP]
+
+
+def test_failure_after_teardown_rolls_every_member_back_then_releases():
+    m = Members(fail={("b", "lock"): ("native lock", 20)})
+    out, err, _ = run("checkpoint", m)
+    assert phases_of(m.log, "a") == phases_of(m.log, "b") == \
+        ["prepare", "quiesce", "capture", "lock", "rollback", "release"]
+    assert_barriers(m.log, CP[:4] + ["rollback", "release"])
+    assert (err.phase, err.pid, err.node, err.outcome) == ("native lock", 20, "b", "rolled_back")
+    assert str(err) == ("node b: native lock: pid 20 boom (rolled back: every member's workload "
+                        "continues with its memory intact)")
+
+
+def test_refusal_before_teardown_is_a_refusal_and_releases_everyone():
+    m = Members(fail={("b", "quiesce"): ("quiesce", 20)})
+    _, err, _ = run("checkpoint", m)
+    assert phases_of(m.log, "a") == phases_of(m.log, "b") == \
+        ["prepare", "quiesce", "rollback", "release"]
+    assert (err.phase, err.pid, err.node, err.outcome) == ("quiesce", 20, "b", "refused")
+
+
+def test_a_failed_rollback_leaves_that_member_parked_and_says_so():
+    m = Members(fail={("a", "dump"): ("criu dump", 10), ("b", "rollback"): ("rollback", 21)})
+    _, err, _ = run("checkpoint", m)
+    assert phases_of(m.log, "a")[-2:] == ["rollback", "release"]
+    assert phases_of(m.log, "b")[-1] == "rollback"          # no release: stays parked
+    assert (err.phase, err.pid, err.node, err.outcome) == ("criu dump", 10, "a", "rollback_failed")
+    assert err.reason == "boom; rollback failed too: node b: rollback: pid 21 boom"
+
+
+def test_restore_success_and_failure_after_criu_restore_aborts_everyone():
+    m = Members()
+    out, err, _ = run("restore", m)
+    assert err is None and phases_of(m.log, "a") == phases_of(m.log, "b") == RS
+    assert_barriers(m.log, RS)
+    m = Members(fail={("b", "restore shared"): ("RESTORE_UNICAST", 21)})
+    _, err, _ = run("restore", m)
+    assert phases_of(m.log, "a") == phases_of(m.log, "b") == RS[:5] + ["abort"]
+    assert (err.phase, err.pid, err.node, err.outcome) == \
+        ("RESTORE_UNICAST", 21, "b", "restore_failed")
+    m = Members(fail={("a", "prepare"): ("manifest", None)})
+    _, err, _ = run("restore", m)
+    assert phases_of(m.log, "a") == phases_of(m.log, "b") == ["prepare"]
+    assert (err.phase, err.pid, err.node, err.outcome) == ("manifest", None, "a", "refused")
+
+
+def test_members_need_distinct_names():
+    apb, _, _ = pb.modules()
+    req = apb.CheckpointRequest(members=[apb.Member(node="a", address="x"),
+                                         apb.Member(node="a", address="y")])
+    with pytest.raises(AgentError) as ei:
+        group.lead("checkpoint", req, Reporter(), lambda r: None, call=Members())
+    assert (ei.value.phase, ei.value.outcome) == ("group", "usage")
+
+
+def test_the_cli_leads_a_group_itself_without_agent(daemon, tmp_path):
+    """``checkpoint --group FILE`` without ``--agent``: the CLI process is the leader. A member
+    whose images dir is unusable refuses at prepare; both members are released."""
+    import os
+    import subprocess
+    import sys
+    a, b = daemon("node-a", "--driver", "fake"), daemon("node-b", "--driver", "fake")
+    f = tmp_path / "afile"
+    f.write_text("x")
+    spec = tmp_path / "group.json"
+    spec.write_text(json.dumps({"members": [
+        {"node": "node-a", "address": a["listen"], "roots": [os.getpid()],
+         "images_dir": str(tmp_path / "snap-a")},
+        {"node": "node-b", "address": b["listen"], "roots": [os.getpid()],
+         "images_dir": str(f / "snap-b")}]}))
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    r = subprocess.run([sys.executable, "-m", "cuinterpose.agent.cli", "checkpoint", "--group",
+                        str(spec), "--json"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 3, r.stdout + r.stderr
+    out = json.loads(r.stdout)
+    err = out["error"]
+    # node-a refuses at the census (this test process maps no shim), node-b at its directory
+    assert (err["node"], err["phase"], err["outcome"]) == ("node-a", "census", "refused")
+    assert err["message"].startswith("node node-a: census: ")
+    assert err["message"].endswith(f"; also failed: node node-b: images dir: {f / 'snap-b'} "
+                                   "cannot be created: Not a directory")
+    assert [(p["name"], p["status"]) for p in out["phases"] if p["name"].startswith("group")] == [
+        ("group prepare", "failed"), ("group rollback", "ok"), ("group release", "ok")]
+    assert not (tmp_path / "snap-a").exists()      # node-a's created directory was removed

@@ -1,0 +1,75 @@
+"""Fixtures for the agent daemon: ``daemon(name)`` starts ``cuinterpose-agent serve`` in a
+subprocess on a Unix socket (or TCP loopback) and returns its ready line; killed at teardown."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+
+def _short_dir() -> str:
+    # Unix socket paths must stay under 108 bytes; pytest's tmp_path can be long
+    return tempfile.mkdtemp(prefix="cui-agent-")
+
+
+@pytest.fixture
+def daemon():
+    """daemon(node, *extra_args, listen=None) -> dict from ``serve --json``'s ready line
+    ({"listen", "metrics_port", "node", "pid"}) plus "proc" and "stderr" (path)."""
+    procs = []
+    dirs = []
+
+    def _start(node, *extra, listen=""):
+        """``listen=None``: no --listen (the config file's address)."""
+        d = _short_dir()
+        dirs.append(d)
+        if listen == "":
+            listen = f"unix:{d}/agent.sock"
+        lopt = ["--listen", listen] if listen is not None else []
+        env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+        err = open(os.path.join(d, "stderr"), "wb")
+        p = subprocess.Popen([sys.executable, "-m", "cuinterpose.agent.cli", "serve", *lopt,
+                              "--node", node, "--json", *extra],
+                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err,
+                             env=env, text=True)
+        procs.append(p)
+        line = p.stdout.readline()
+        if not line:
+            p.wait(timeout=30)
+            raise AssertionError(f"serve exited {p.returncode}: "
+                                 + open(os.path.join(d, "stderr")).read())
+        info = json.loads(line)
+        info["proc"] = p
+        info["stderr"] = os.path.join(d, "stderr")
+        return info
+    yield _start
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    import shutil
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _load_e2e():
+    import importlib.util
+    here = os.path.dirname(os.path.abspath(__file__))
+    spec = importlib.util.spec_from_file_location("_cui_e2e_conftest_svc",
+                                                  os.path.join(here, "..", "e2e", "conftest.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_e2e = _load_e2e()
+criu_ok = _e2e.criu_ok
+afdwin = _e2e.afdwin
