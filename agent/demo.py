@@ -161,10 +161,22 @@ class Afdwin:
 
     def wait_dumped(self, timeout_s: float = 30) -> int:
         """After the agent killed the dumped tree (once the snapshot was written): reap our child
-        (the root); returns its wait status."""
+        (the root), then keep reaping until every rank pid of the run is gone, so a restore
+        finds the pids free (ranks re-parented to us as subreaper may die after the root and
+        would otherwise linger as zombies). Returns the root's wait status; raises
+        ``RuntimeError`` naming the pids still present after ``timeout_s``."""
         self.proc.wait(timeout=timeout_s)
-        reap_zombies()
-        return self.proc.returncode
+        ranks = {e["pid"] for e in self.events() if kind(e) == "window" and "pid" in e}
+        deadline = time.monotonic() + timeout_s
+        while True:
+            reap_zombies()
+            left = sorted(p for p in ranks if os.path.exists(f"/proc/{p}"))
+            if not left:
+                return self.proc.returncode
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"rank pids {left} still present {timeout_s:g} s after the "
+                                   "dumped tree was killed")
+            time.sleep(0.02)
 
     def wait_restored_exit(self, timeout_s: float) -> Optional[int]:
         """Wait for the restored root to exit. Returns its exit code when it is our child (we are
