@@ -121,6 +121,14 @@ def read_stat(pid: int) -> tuple[int, str]:
     return ppid, comm
 
 
+def pid_alive(pid: int) -> bool:
+    """True if ``pid`` exists and is not a zombie (state Z or X in ``/proc/PID/stat``)."""
+    try:
+        return read_stat_state(pid)[2] not in "ZX"
+    except (FileNotFoundError, ProcessLookupError, ValueError, IndexError):
+        return False
+
+
 def read_stat_state(pid: int) -> tuple[int, str, str]:
     """(ppid, comm, state letter) of ``pid``; raises ``FileNotFoundError`` if gone."""
     with open(f"/proc/{pid}/stat", "rb") as f:

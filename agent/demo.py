@@ -30,6 +30,7 @@ import time
 from typing import Callable, Optional
 
 from . import paths
+from .census import pid_alive  # noqa: F401  (tests use demo.pid_alive)
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -52,16 +53,6 @@ def reap_zombies() -> list[tuple[int, int]]:
         if pid == 0:
             return out
         out.append((pid, status))
-
-
-def pid_alive(pid: int) -> bool:
-    """True if ``pid`` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            data = f.read()
-        return data[data.rindex(")") + 2] not in "ZX"
-    except (FileNotFoundError, ProcessLookupError, ValueError):
-        return False
 
 
 def workload_env(control_dir: os.PathLike | str, *, shim: bool = True,

@@ -22,18 +22,10 @@ from typing import Optional
 from . import census as census_mod
 from . import manifest as manifest_mod
 from . import interrupt, native, paths, quiesce
+from .census import pid_alive
 from .checkpoint import as_agent_error, strip_preload_env
 from .errors import AgentError, RestoreFailed, SnapshotError
 from .report import Reporter
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            data = f.read()
-        return data[data.rindex(")") + 2] not in "ZX"
-    except (FileNotFoundError, ProcessLookupError, ValueError):
-        return False
 
 
 class Restore:
@@ -76,7 +68,7 @@ class Restore:
             ph.bytes = manifest_mod.verify_images(self.images_dir, m)
             for p in sorted({*m["roots"], *(q["pid"] for q in m["participants"]),
                              *(q["pid"] for q in m.get("processes", []))}):
-                if _pid_alive(p):
+                if pid_alive(p):
                     comm = census_mod.read_stat(p)[1]
                     raise SnapshotError("manifest", f"({comm}) is running with a pid the snapshot "
                                         "needs (CRIU restores the original pids); restore refused, "
@@ -153,7 +145,7 @@ class Restore:
     def kill_restored(self):
         """SIGKILL every process of the restored trees (leaves first is unnecessary: KILL)."""
         try:
-            procs = census_mod.walk_tree([r for r in self.restored_roots if _pid_alive(r)])
+            procs = census_mod.walk_tree([r for r in self.restored_roots if pid_alive(r)])
         except AgentError:
             procs = []
         for pid, _, _ in procs:
