@@ -1,11 +1,19 @@
 """The phase runner: capture and restore across every participant, with a barrier per phase.
 
-Capture:  INSPECT -> validate -> SAVE_ALLOCATIONS -> PREPARE_UNICAST -> INSPECT (carriers)
+Capture:  INSPECT -> validate -> [PREPARE_MULTICAST] -> SAVE_ALLOCATIONS -> PREPARE_UNICAST
+          -> INSPECT (carriers)
 Restore:  INSPECT (all PREPARED, carriers intact) -> LOAD_ALLOCATIONS -> RESTORE_UNICAST
+          -> [RESTORE_MULTICAST_CREATORS -> _IMPORTERS -> _DEVICES -> _BINDINGS]
           -> INSPECT (must equal the capture, see topology.COMPARE_IGNORED)
 Rollback: INSPECT (each shim's phase) -> CANCEL_CAPTURE on SAVED + LOAD_ALLOCATIONS on
           PREPARED (one barrier phase) -> RESTORE_UNICAST on the formerly PREPARED/LOADED
+          -> [the four multicast rebuild ops, each to the shims in its source phase]
           -> INSPECT (all ACTIVE, must equal the capture)
+
+The bracketed multicast phases run only when some participant reported a multicast record
+(topology.has_multicast); then every participant gets every one of them (a process without
+multicast state answers OK with nothing to do). Without multicast the sequences are exactly the
+unicast ones.
 
 Each phase goes to every participant concurrently (one thread per participant); the next
 phase starts only after every participant replied (the barrier). One transaction id per phase,
@@ -33,8 +41,9 @@ from typing import Any, Callable, Iterable, Mapping
 from . import topology
 from .client import ShimClient, ShimClientError
 from .errors import CoordinatorError
-from .protocol import (CARRIER_OPS, CUI_PROTO_VERSION, MUTATING_OPS, Op, Phase, Record,
-                       RecordFlag, RecordKind, Role, Status, cuda_result_name, socket_path)
+from .protocol import (CARRIER_OPS, CUI_PROTO_VERSION, MULTICAST_RESTORE_OPS, MUTATING_OPS, Op,
+                       Phase, Record, RecordFlag, RecordKind, Role, Status, cuda_result_name,
+                       socket_path)
 from .topology import TopologyError
 
 __all__ = ["Participant", "Coordinator", "Capture", "RestoreResult", "RollbackResult",
@@ -46,6 +55,11 @@ log = logging.getLogger(__name__)
 
 #: Version of the dict written by :meth:`Capture.to_dict`.
 CAPTURE_FORMAT = 1
+
+
+#: The shim phases of a multicast teardown/rebuild (rollback resumes from any of them).
+_MC_PHASES = (Phase.MULTICAST_RELEASED, Phase.MULTICAST_CREATED, Phase.MULTICAST_IMPORTED,
+              Phase.MULTICAST_DEVICES)
 
 
 # --- transaction ids --------------------------------------------------------------------------
@@ -447,9 +461,22 @@ class Coordinator:
         return records
 
     # --- one function per phase ---------------------------------------------------------------
-    def save_allocations(self) -> PhaseResult:
-        """SAVE_ALLOCATIONS (ACTIVE -> SAVED): creators copy shared bytes to host carriers."""
-        return self._run(Op.SAVE_ALLOCATIONS, Phase.ACTIVE, changed_before=False)[0]
+    def prepare_multicast(self) -> PhaseResult:
+        """PREPARE_MULTICAST (ACTIVE -> MULTICAST_RELEASED): unmap multicast VAs, unbind,
+        close cached export FDs, release the objects. Refused by every shim: nothing changed."""
+        return self._run(Op.PREPARE_MULTICAST, Phase.ACTIVE, changed_before=False)[0]
+
+    def save_allocations(self, expected_phase: Phase = Phase.ACTIVE, *,
+                         changed_before: bool = False) -> PhaseResult:
+        """SAVE_ALLOCATIONS (ACTIVE, or MULTICAST_RELEASED after PREPARE_MULTICAST -> SAVED):
+        creators copy shared bytes to host carriers."""
+        return self._run(Op.SAVE_ALLOCATIONS, expected_phase, changed_before=changed_before)[0]
+
+    def restore_multicast(self) -> list[PhaseResult]:
+        """The four multicast rebuild phases, each a barrier (MULTICAST_RELEASED -> ACTIVE):
+        creators create (requested size) and re-export -> importers import -> every participant
+        adds its devices -> every participant binds, maps and sets access."""
+        return [self._run(op, src, changed_before=True)[0] for op, src in MULTICAST_RESTORE_OPS]
 
     def prepare_unicast(self) -> PhaseResult:
         """PREPARE_UNICAST (SAVED -> PREPARED): unmap shared mappings, release handles."""
@@ -478,7 +505,12 @@ class Coordinator:
         records = self.validate(self.inspect(check_phase=True))
         cap = Capture(participants=list(self.participants), records=records)
         try:
-            self.save_allocations()
+            if topology.has_multicast(records):
+                # outer objects first: no unicast mapping goes while a binding on it exists
+                self.prepare_multicast()
+                self.save_allocations(Phase.MULTICAST_RELEASED, changed_before=True)
+            else:
+                self.save_allocations()
             self.prepare_unicast()
             after = self._inspect(Phase.PREPARED, True, changed_before=True)
             cap.records = self._merge_carriers(records, after)
@@ -517,6 +549,8 @@ class Coordinator:
         self._check_carriers(capture, before)
         self.load_allocations()
         self.restore_unicast()
+        if topology.has_multicast(capture.records):
+            self.restore_multicast()
         after = self._inspect(Phase.ACTIVE, True, changed_before=True)
         topology.compare(capture.records, after)
         return RestoreResult(phases=self.phases[start:], records=after)
@@ -539,6 +573,11 @@ class Coordinator:
         3. One barrier phase: CANCEL_CAPTURE on the SAVED, LOAD_ALLOCATIONS on the PREPARED
            (concurrently).
         4. One barrier phase: RESTORE_UNICAST on the formerly PREPARED (and LOADED).
+        4b. Multicast (a capture that ran PREPARE_MULTICAST): an ACTIVE shim that still holds
+           multicast state while a peer released its objects runs PREPARE_MULTICAST first (one
+           team is rebuilt, never a split one); then RESTORE_MULTICAST_CREATORS, _IMPORTERS,
+           _DEVICES, _BINDINGS, each a barrier phase sent to the shims in its source phase
+           (MULTICAST_RELEASED, _CREATED, _IMPORTED, _DEVICES).
         5. INSPECT: every shim ACTIVE, records equal to ``capture_or_records`` (modulo
            topology.COMPARE_IGNORED), else TopologyError.
 
@@ -592,6 +631,20 @@ class Coordinator:
             self._run_plan({pid: (Op.PREPARE_UNICAST, Phase.SAVED) for pid in forward},
                            changed_before=True)
         original = dict(found)
+        # the multicast teardown is all-or-nothing: once any shim released its objects, an
+        # ACTIVE one still holding multicast state releases too, so the rebuild recreates one team
+        mc_torn = [pid for pid in self.pids if found[pid] != Phase.ACTIVE
+                   and (found[pid] in _MC_PHASES or any(int(r.kind) == RecordKind.MULTICAST
+                                                        for r in records.get(pid, [])))]
+        if mc_torn and topology.has_multicast(records):
+            stay = [pid for pid in self.pids if found[pid] == Phase.ACTIVE
+                    and topology.has_multicast({pid: now.get(pid, [])})]
+            if stay:
+                res, _ = self._run_plan({pid: (Op.PREPARE_MULTICAST, Phase.ACTIVE)
+                                         for pid in stay}, changed_before=True)
+                for pid in stay:
+                    found[pid] = original[pid] = Phase(res.participants[pid].phase)
+        cur = dict(found)
 
         plan = {}
         for pid in self.pids:
@@ -600,11 +653,19 @@ class Coordinator:
             elif original[pid] == Phase.PREPARED:
                 plan[pid] = (Op.LOAD_ALLOCATIONS, Phase.PREPARED)
         if plan:
-            self._run_plan(plan, changed_before=True)
+            res, _ = self._run_plan(plan, changed_before=True)
+            cur.update({pid: Phase(r.phase) for pid, r in res.participants.items()})
         plan = {pid: (Op.RESTORE_UNICAST, Phase.LOADED) for pid in self.pids
                 if original[pid] in torn}
         if plan:
-            self._run_plan(plan, changed_before=True)
+            res, _ = self._run_plan(plan, changed_before=True)
+            cur.update({pid: Phase(r.phase) for pid, r in res.participants.items()})
+        # multicast rebuild: each op to the shims in its source phase, in order
+        for op, src in MULTICAST_RESTORE_OPS:
+            plan = {pid: (op, src) for pid in self.pids if cur[pid] == src}
+            if plan:
+                res, _ = self._run_plan(plan, changed_before=True)
+                cur.update({pid: Phase(r.phase) for pid, r in res.participants.items()})
         after = self._inspect(Phase.ACTIVE, True, changed_before=True)
         topology.compare(records, after)
         return RollbackResult(found=found_first, phases=self.phases[start:], records=after)
@@ -640,7 +701,7 @@ class Coordinator:
                                              f"part-way){why}; it cannot be brought back to "
                                              "ACTIVE")
             if not r.ok or r.phase not in (Phase.ACTIVE, Phase.SAVED, Phase.PREPARED,
-                                           Phase.LOADED):
+                                           Phase.LOADED, *_MC_PHASES):
                 raise self._rollback_refusal(pid, r, f"answered INSPECT with status "
                                              f"{_name(Status, r.status)} in phase "
                                              f"{_name(Phase, r.phase)}")

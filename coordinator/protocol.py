@@ -27,7 +27,7 @@ __all__ = [
     "CUI_PROTO_MAGIC", "CUI_PROTO_VERSION", "CUI_DEFAULT_CONTROL_DIR", "CUI_SOCKET_PREFIX",
     "CUI_SOCKET_SUFFIX", "CUI_MAX_ACCESS", "CUI_TICKET_MAGIC", "CONTROL_DIR_ENV",
     "Op", "Phase", "Status", "RecordKind", "Role", "RecordFlag", "TicketKind",
-    "MUTATING_OPS", "CARRIER_OPS",
+    "MUTATING_OPS", "CARRIER_OPS", "MULTICAST_KINDS", "MULTICAST_RESTORE_OPS",
     "Request", "Reply", "Access", "Record", "Ticket", "ProtocolError",
     "SIZES", "OFFSETS", "FORMATS", "REQUEST_SIZE", "REPLY_SIZE", "ACCESS_SIZE", "RECORD_SIZE",
     "TICKET_SIZE", "cui_checksum64", "socket_path", "default_control_dir", "pid_from_socket_path",
@@ -69,9 +69,13 @@ class Op(enum.IntEnum):
 class Phase(enum.IntEnum):
     """``enum cui_phase``."""
     ACTIVE = 0
+    MULTICAST_RELEASED = 1
     SAVED = 2
     PREPARED = 3
     LOADED = 4
+    MULTICAST_CREATED = 5
+    MULTICAST_IMPORTED = 6
+    MULTICAST_DEVICES = 7
     FAILED = 255
 
 
@@ -97,6 +101,20 @@ class RecordKind(enum.IntEnum):
     ALLOCATION = 1
     MAPPING = 2
     RESERVATION = 3
+    MULTICAST = 4
+    MULTICAST_DEVICE = 5
+    MULTICAST_BINDING = 6
+    MULTICAST_MAPPING = 7
+
+
+#: Record kinds that describe multicast state (protocol.h "Multicast records").
+MULTICAST_KINDS = frozenset({RecordKind.MULTICAST, RecordKind.MULTICAST_DEVICE,
+                             RecordKind.MULTICAST_BINDING, RecordKind.MULTICAST_MAPPING})
+#: The multicast rebuild ops in order, each with the phase it needs.
+MULTICAST_RESTORE_OPS = ((Op.RESTORE_MULTICAST_CREATORS, Phase.MULTICAST_RELEASED),
+                         (Op.RESTORE_MULTICAST_IMPORTERS, Phase.MULTICAST_CREATED),
+                         (Op.RESTORE_MULTICAST_DEVICES, Phase.MULTICAST_IMPORTED),
+                         (Op.RESTORE_MULTICAST_BINDINGS, Phase.MULTICAST_DEVICES))
 
 
 class Role(enum.IntEnum):
@@ -112,6 +130,9 @@ class RecordFlag(enum.IntFlag):
     SHARED = 0x2
     RAW_IMPORT = 0x4
     CARRIED = 0x8
+    PASSTHROUGH = 0x10
+    MC_BY_ADDR = 0x20
+    MC_V2_ABI = 0x40
 
 
 class TicketKind(enum.IntEnum):
@@ -402,7 +423,33 @@ class Record:
             return f"mapping of allocation {aid} at va {self.va:#x}"
         if kind == RecordKind.RESERVATION:
             return f"reservation at va {self.va:#x} size {self.size:#x}"
+        if kind == RecordKind.MULTICAST:
+            return f"multicast object {aid}"
+        if kind == RecordKind.MULTICAST_DEVICE:
+            return f"device {self.prop_location_id} of multicast object {aid}"
+        if kind == RecordKind.MULTICAST_BINDING:
+            return (f"binding of multicast object {aid} device {self.prop_location_id} at "
+                    f"offset {self.offset:#x} size {self.size:#x}")
+        if kind == RecordKind.MULTICAST_MAPPING:
+            return f"mapping of multicast object {aid} at va {self.va:#x}"
         return f"record kind {int(kind)} (allocation {aid})"
+
+    # MULTICAST_BINDING records: the bound member (protocol.h "Multicast records")
+    @property
+    def member_alloc_id(self) -> bytes:
+        return struct.pack("<QQ", self.reserved[0], self.reserved[1])
+
+    @property
+    def member_alloc_id_hex(self) -> str:
+        return alloc_id_hex(self.member_alloc_id)
+
+    @property
+    def member_creator_pid(self) -> int:
+        return self.reserved0
+
+    @property
+    def member_offset(self) -> int:
+        return self.reserved[2]
 
     def to_dict(self) -> dict:
         """JSON-able dict: enums by name (unknown codes as ints), alloc_id as hex.

@@ -14,9 +14,10 @@ from collections import defaultdict
 from typing import Iterable, Mapping
 
 from .errors import CoordinatorError
-from .protocol import Record, RecordFlag, RecordKind, Role, alloc_id_hex
+from .protocol import MULTICAST_KINDS, Record, RecordFlag, RecordKind, Role, alloc_id_hex
 
-__all__ = ["TopologyError", "validate", "compare", "carriers", "COMPARE_IGNORED",
+__all__ = ["TopologyError", "validate", "validate_multicast", "has_multicast", "compare",
+           "carriers", "COMPARE_IGNORED",
            "CU_MEM_ALLOCATION_TYPE_PINNED", "CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR"]
 
 # CUDA driver enum values (cuda.h), used by the checks below.
@@ -26,7 +27,8 @@ CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
 
 #: Record fields that legitimately change between capture and the INSPECT after restore:
 #: the carrier is released after LOAD_ALLOCATIONS (``CUI_REC_CARRIED`` cleared,
-#: ``carrier_checksum``/``carrier_bytes`` reset), and reserved fields carry no meaning.
+#: ``carrier_checksum``/``carrier_bytes`` reset), and reserved fields carry no meaning
+#: (except in MULTICAST_BINDING records, where they name the bound member and are compared).
 #: Every other field (kind, role, other flags, alloc_id, creator_pid, handle_refs, size, va,
 #: offset, allocation properties, access list) must be equal.
 COMPARE_IGNORED = ("carrier_checksum", "carrier_bytes", "flags:CUI_REC_CARRIED", "reserved0",
@@ -71,6 +73,7 @@ def validate(records_by_pid: Mapping[int, Iterable[Record]],
     5. each creator still holds a handle or a mapping (``missing creator anchor``);
     6. mappings: va != 0; a shared mapping refers to an allocation record of the same pid;
        offset + size <= that allocation's size.
+    7. multicast (:func:`validate_multicast`).
     """
     recs = {int(pid): list(rs) for pid, rs in records_by_pid.items()}
     members = set(int(p) for p in participants) if participants is not None else set(recs)
@@ -163,13 +166,134 @@ def validate(records_by_pid: Mapping[int, Iterable[Record]],
                                     f"allocation size {alloc.size:#x}", pid=pid, alloc_id=aid)
             mapped[pid].add(bytes(r.alloc_id))
 
+    bound: dict[int, set[bytes]] = defaultdict(set)
+    for pid, rs in recs.items():
+        for r in rs:
+            if _is(r.kind, RecordKind.MULTICAST_BINDING) and any(r.member_alloc_id):
+                bound[pid].add(bytes(r.member_alloc_id))
     for aid_b, pids in creators.items():
         pid = pids[0]
         r = allocs[pid][aid_b]
-        if r.handle_refs == 0 and aid_b not in mapped[pid]:
+        if r.handle_refs == 0 and aid_b not in mapped[pid] and aid_b not in bound[pid]:
             raise TopologyError(f"pid {pid} allocation {r.alloc_id_hex}: missing creator anchor "
                                 "(the creator holds neither a handle nor a mapping of it)",
                                 pid=pid, alloc_id=r.alloc_id_hex)
+
+    validate_multicast(recs, members, allocs)
+
+
+def validate_multicast(recs: Mapping[int, list[Record]], members: set[int],
+                       allocs: Mapping[int, Mapping[bytes, Record]] | None = None) -> None:
+    """Multicast rules (prior-art.md §3.4), first violation raises TopologyError naming the
+    pid and the object:
+
+    1. no object is a pass-through (``CUI_REC_PASSTHROUGH``: handle types not exactly POSIX);
+    2. exactly one creator per object; importers name a participant that holds it;
+    3. every participant reports the same requested size, numDevices and handle types;
+    4. the attached (participant, device) pairs number exactly numDevices;
+    5. every attached pair has a binding, and every binding's device is attached in the same
+       participant;
+    6. every binding and mapping range lies within the largest extent any participant
+       reported; a bound member is an allocation of the same pid and the range fits it.
+    """
+    objs: dict[bytes, dict[int, Record]] = defaultdict(dict)
+    devices: dict[bytes, set[tuple[int, int]]] = defaultdict(set)
+    binds: dict[bytes, list[tuple[int, Record]]] = defaultdict(list)
+    maps: dict[bytes, list[tuple[int, Record]]] = defaultdict(list)
+    for pid, rs in sorted(recs.items()):
+        for r in rs:
+            k = int(r.kind)
+            key = bytes(r.alloc_id)
+            if k == RecordKind.MULTICAST:
+                objs[key][pid] = r
+            elif k == RecordKind.MULTICAST_DEVICE:
+                devices[key].add((pid, int(r.prop_location_id)))
+            elif k == RecordKind.MULTICAST_BINDING:
+                binds[key].append((pid, r))
+            elif k == RecordKind.MULTICAST_MAPPING:
+                maps[key].append((pid, r))
+    for key in sorted(set(devices) | set(binds) | set(maps)):
+        holders = sorted({p for p, _ in devices[key]} | {p for p, _ in binds[key]}
+                         | {p for p, _ in maps[key]})
+        for pid in holders:
+            if pid not in objs.get(key, {}):
+                aid = alloc_id_hex(key)
+                raise TopologyError(f"pid {pid} has devices, bindings or mappings of multicast "
+                                    f"object {aid} but no record of the object", pid=pid,
+                                    alloc_id=aid)
+    for key, by_pid in sorted(objs.items()):
+        aid = alloc_id_hex(key)
+        for pid, r in sorted(by_pid.items()):
+            if r.flags & RecordFlag.PASSTHROUGH:
+                raise TopologyError(
+                    f"pid {pid} multicast object {aid} has handle types "
+                    f"{r.prop_handle_types:#x}; only exactly CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR "
+                    "can be rebuilt after a restore, so capture is refused", pid=pid, alloc_id=aid)
+        creators = sorted(p for p, r in by_pid.items() if _is(r.role, Role.CREATOR))
+        if len(creators) != 1:
+            pid = creators[1] if creators else sorted(by_pid)[0]
+            raise TopologyError(f"multicast object {aid} has {len(creators)} creators"
+                                + (f" (pids {', '.join(map(str, creators))})" if creators else "")
+                                + "; exactly one is required", pid=pid, alloc_id=aid)
+        cpid = creators[0]
+        c = by_pid[cpid]
+        for pid, r in sorted(by_pid.items()):
+            if _is(r.role, Role.IMPORTER) and r.creator_pid not in members:
+                raise TopologyError(f"pid {pid} imports multicast object {aid} from pid "
+                                    f"{r.creator_pid}, which is not a participant", pid=pid,
+                                    alloc_id=aid)
+            if r.creator_pid != cpid:
+                raise TopologyError(f"pid {pid} names pid {r.creator_pid} as the creator of "
+                                    f"multicast object {aid}, but pid {cpid} created it",
+                                    pid=pid, alloc_id=aid)
+            for name, what in (("size", "requested size"), ("prop_location_id", "numDevices"),
+                               ("prop_handle_types", "handle types")):
+                if getattr(r, name) != getattr(c, name):
+                    raise TopologyError(
+                        f"pid {pid} multicast object {aid}: {what} {getattr(r, name):#x} differs "
+                        f"from the creator pid {cpid}'s {getattr(c, name):#x}", pid=pid,
+                        alloc_id=aid)
+        attached = devices.get(key, set())
+        want = int(c.prop_location_id)
+        if len(attached) != want:
+            raise TopologyError(f"multicast object {aid}: {len(attached)} (participant, device) "
+                                f"pairs attached, numDevices is {want} (incomplete multicast "
+                                "team)", pid=cpid, alloc_id=aid)
+        bound_pairs = {(pid, int(r.prop_location_id)) for pid, r in binds.get(key, [])}
+        for pid, dev in sorted(attached):
+            if (pid, dev) not in bound_pairs:
+                raise TopologyError(f"pid {pid} attached device {dev} to multicast object {aid} "
+                                    "but bound no memory for it", pid=pid, alloc_id=aid)
+        for pid, dev in sorted(bound_pairs):
+            if (pid, dev) not in attached:
+                raise TopologyError(f"pid {pid} binding of multicast object {aid} is for device "
+                                    f"{dev}, which pid {pid} did not attach", pid=pid,
+                                    alloc_id=aid)
+        extent = max(int(r.offset) for r in by_pid.values())
+        for pid, r in binds.get(key, []) + maps.get(key, []):
+            if r.offset + r.size > extent:
+                raise TopologyError(f"pid {pid} {r.describe()}: offset {r.offset:#x} + size "
+                                    f"{r.size:#x} exceeds the largest extent {extent:#x} any "
+                                    "participant reported", pid=pid, alloc_id=aid)
+        for pid, r in binds.get(key, []):
+            if allocs is None or not any(r.member_alloc_id):
+                continue
+            member = allocs.get(pid, {}).get(bytes(r.member_alloc_id))
+            if member is None:
+                raise TopologyError(f"pid {pid} {r.describe()} binds allocation "
+                                    f"{r.member_alloc_id_hex}, which pid {pid} does not hold",
+                                    pid=pid, alloc_id=aid)
+            if r.member_offset + r.size > member.size:
+                raise TopologyError(f"pid {pid} {r.describe()}: member offset "
+                                    f"{r.member_offset:#x} + size {r.size:#x} exceeds allocation "
+                                    f"{r.member_alloc_id_hex} size {member.size:#x}", pid=pid,
+                                    alloc_id=aid)
+
+
+def has_multicast(records_by_pid: Mapping[int, Iterable[Record]]) -> bool:
+    """True when any participant reports a multicast record: the capture then runs
+    PREPARE_MULTICAST (every participant) and the restore the four rebuild ops."""
+    return any(int(r.kind) in MULTICAST_KINDS for rs in records_by_pid.values() for r in rs)
 
 
 def carriers(records_by_pid: Mapping[int, Iterable[Record]]) -> list[dict]:
@@ -190,6 +314,10 @@ def carriers(records_by_pid: Mapping[int, Iterable[Record]]) -> list[dict]:
 # --- restore equality --------------------------------------------------------------------
 def _normal(r: Record) -> Record:
     """The record with every ignored field cleared (see COMPARE_IGNORED)."""
+    if int(r.kind) == RecordKind.MULTICAST_BINDING:   # reserved fields name the member
+        return dataclasses.replace(r, kind=int(r.kind), role=int(r.role),
+                                   access=tuple(dataclasses.replace(a, reserved=0)
+                                                for a in r.access))
     return dataclasses.replace(
         r, flags=int(r.flags) & ~int(RecordFlag.CARRIED), carrier_checksum=0, carrier_bytes=0,
         reserved0=0, reserved=(0, 0, 0, 0),
@@ -202,6 +330,14 @@ def _key(r: Record):
     if kind == RecordKind.ALLOCATION:
         return (kind, bytes(r.alloc_id))
     if kind == RecordKind.MAPPING:
+        return (kind, bytes(r.alloc_id), r.offset, r.size)
+    if kind == RecordKind.MULTICAST:
+        return (kind, bytes(r.alloc_id))
+    if kind == RecordKind.MULTICAST_DEVICE:
+        return (kind, bytes(r.alloc_id), int(r.prop_location_id))
+    if kind == RecordKind.MULTICAST_BINDING:
+        return (kind, bytes(r.alloc_id), int(r.prop_location_id), r.offset, r.size)
+    if kind == RecordKind.MULTICAST_MAPPING:
         return (kind, bytes(r.alloc_id), r.offset, r.size)
     return (kind, bytes(r.alloc_id), r.size, r.offset)
 

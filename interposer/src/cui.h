@@ -6,7 +6,11 @@
  *              cuGetProcAddress[_v2] and cudaGetDriverEntryPoint* wrappers.
  *   vmm.c      the object model (virtual allocation handles, mappings, reservations, export
  *              cache, tickets) and the tracked VMM wrappers.
- *   phases.c   INSPECT and the unicast phase ops (SAVE_ALLOCATIONS ... RESTORE_UNICAST).
+ *   phases.c   INSPECT and the unicast phase ops (SAVE_ALLOCATIONS ... RESTORE_UNICAST), the
+ *              phase machine and dispatch.
+ *   multicast.c the multicast object model, its wrappers (cuMulticast*, and the multicast
+ *              branches of map/unmap/access/release/export/import) and the multicast phase ops
+ *              (PREPARE_MULTICAST, RESTORE_MULTICAST_*).
  *   control.c  the control endpoint: socket, accept thread (FETCH_FD), control worker thread,
  *              and the FETCH_FD client used by importers.
  *   util.c     error names, random allocation ids, messages, clocks.
@@ -45,6 +49,13 @@ enum cui_row {
   CUI_ROW_cuMemGetAllocationPropertiesFromHandle,
   CUI_ROW_cuMemAddressReserve,
   CUI_ROW_cuMemAddressFree,
+  CUI_ROW_cuMulticastCreate,
+  CUI_ROW_cuMulticastAddDevice,
+  CUI_ROW_cuMulticastBindMem,
+  CUI_ROW_cuMulticastBindAddr,
+  CUI_ROW_cuMulticastBindMem_v2,     /* CUDA 13.1 device-explicit ABI, looked up by full name */
+  CUI_ROW_cuMulticastBindAddr_v2,
+  CUI_ROW_cuMulticastUnbind,
   CUI_ROW_cuGetProcAddress,          /* legacy 4-argument ABI (PFN _v11030) */
   CUI_ROW_cuGetProcAddress_v2,       /* 5-argument ABI (PFN _v12000) */
   CUI_ROW_cudaGetDriverEntryPoint,
@@ -61,6 +72,7 @@ enum cui_row {
   CUI_ROW_cuDevicePrimaryCtxRetain,
   CUI_ROW_cuMemHostRegister_v2,
   CUI_ROW_cuMemHostUnregister,
+  CUI_ROW_cuCtxGetDevice,
   CUI_ROW_COUNT
 };
 
@@ -116,6 +128,7 @@ struct cui_alloc {
   int has_real;                    /* one driver reference held for all virtual refs */
   uint32_t vrefs;                  /* live virtual handle references */
   uint32_t nmaps;                  /* mapping records referring to this allocation */
+  uint32_t nbinds;                 /* multicast bindings of this allocation (keep it live) */
   uint32_t maps_head;              /* its mapping records: a list through cui_mapping.next (ref) */
   uint32_t next_free;              /* free-slot list (index + 1) while not live */
   uint64_t carrier_off, carrier_bytes, checksum;
@@ -158,7 +171,82 @@ struct cui_state {
   struct cui_tab resv_va;          /* va -> index into resv */
   unsigned char *arena; size_t arena_size;   /* host carrier arena (creators, SAVED..LOADED) */
   int arena_release_pending;
+  /* multicast (multicast.c) */
+  struct cui_mc *mcs; size_t nmcs, cap_mcs;  /* objects; slots are never reused */
+  uint32_t mc_maps;                /* live multicast mapping records (read without the lock) */
+  int mc_cycle;                    /* this capture ran PREPARE_MULTICAST: rebuild ops follow */
 };
+
+/* ---------- multicast.c : object model ---------- */
+
+#define CUI_MC_MAX_DEVICES 64
+
+struct cui_mcbind {
+  int dev;                         /* the device the binding was made for */
+  uint32_t flags;                  /* CUI_REC_MC_BY_ADDR | CUI_REC_MC_V2_ABI */
+  uint64_t mc_off, size;
+  uint64_t mem_off;                /* offset into the member allocation */
+  uint64_t memptr;                 /* BindAddr: the address bound */
+  int has_member;                  /* member is a tracked allocation (always, for tracked objects) */
+  uint32_t member;                 /* index into cui_st.allocs */
+  int bound;                       /* 0 between PREPARE_MULTICAST and RESTORE_MULTICAST_BINDINGS */
+};
+
+struct cui_mcmap {
+  uint64_t va, size, offset;
+  int mapped;                      /* 0 between PREPARE_MULTICAST and RESTORE_MULTICAST_BINDINGS */
+  uint32_t access_count;
+  struct cui_access access[CUI_MAX_ACCESS];
+};
+
+struct cui_mc {
+  int live;
+  uint64_t vhandle;
+  uint8_t id[16];
+  uint32_t creator_pid;
+  uint16_t role;                   /* CUI_ROLE_CREATOR or CUI_ROLE_IMPORTER */
+  uint32_t flags;                  /* CUI_REC_EXPORTED | CUI_REC_SHARED | CUI_REC_PASSTHROUGH */
+  CUmulticastObjectProp prop;      /* as requested (imports: from the ticket) */
+  uint64_t extent;                 /* largest mcOffset + size bound or mapped here (sticky) */
+  CUmemGenericAllocationHandle real;
+  int has_real;                    /* one driver reference while vrefs, bindings or mappings */
+  uint32_t vrefs;
+  uint32_t ndevs;
+  int devs[CUI_MC_MAX_DEVICES];
+  struct cui_mcbind *binds; uint32_t nbinds, cap_binds;
+  struct cui_mcmap *maps; uint32_t nmaps, cap_maps;
+};
+
+/* Wrappers' multicast branches (called with the lock NOT held). */
+CUI_HIDDEN int cui_mc_is_handle(uint64_t vh);   /* a live multicast virtual handle */
+CUI_HIDDEN CUresult cui_mc_release(uint64_t vh);
+CUI_HIDDEN CUresult cui_mc_map(CUdeviceptr ptr, size_t size, size_t offset, uint64_t vh, unsigned long long flags);
+CUI_HIDDEN int cui_mc_range(uint64_t va, uint64_t size);   /* overlaps a multicast mapping record */
+CUI_HIDDEN int cui_mc_retain(uint64_t p, CUmemGenericAllocationHandle *handle, CUresult *r);
+CUI_HIDDEN CUresult cui_mc_unmap(CUdeviceptr ptr, size_t size);
+CUI_HIDDEN CUresult cui_mc_set_access(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count);
+CUI_HIDDEN CUresult cui_mc_export(void *shareableHandle, uint64_t vh, CUmemAllocationHandleType type,
+                                  unsigned long long flags);
+CUI_HIDDEN CUresult cui_mc_import_ticket(CUmemGenericAllocationHandle *handle, const struct cui_ticket *t);
+/* Phase ops (phases.c dispatch; op_running set, lock not held). */
+CUI_HIDDEN int cui_mc_live_count(void);                 /* lock held */
+CUI_HIDDEN const struct cui_mc *cui_mc_passthrough(void);   /* a live pass-through object, lock held */
+CUI_HIDDEN size_t cui_mc_record_count(void);            /* lock held */
+CUI_HIDDEN size_t cui_mc_fill_records(struct cui_record *out);   /* lock held; returns count */
+struct cui_op_result;
+CUI_HIDDEN int cui_PREPARE_MULTICAST(struct cui_op_result *res);
+CUI_HIDDEN int cui_RESTORE_MULTICAST_CREATORS(struct cui_op_result *res);
+CUI_HIDDEN int cui_RESTORE_MULTICAST_IMPORTERS(struct cui_op_result *res);
+CUI_HIDDEN int cui_RESTORE_MULTICAST_DEVICES(struct cui_op_result *res);
+CUI_HIDDEN int cui_RESTORE_MULTICAST_BINDINGS(struct cui_op_result *res);
+
+/* vmm.c helpers shared with multicast.c (lock held unless noted) */
+CUI_HIDDEN int cui_gate_open(void);
+CUI_HIDDEN struct cui_mapping *cui_map_containing(uint64_t p);
+CUI_HIDDEN uint64_t cui_new_vhandle(void);              /* never reused */
+CUI_HIDDEN int cui_make_ticket(const struct cui_ticket *t);   /* sealed memfd, or -1 */
+/* phases.c helper: make the primary context of device `ordinal` current on this thread. */
+CUI_HIDDEN CUresult cui_set_device_context(int ordinal);
 
 CUI_HIDDEN extern struct cui_state cui_st;
 

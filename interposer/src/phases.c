@@ -92,9 +92,10 @@ static int cmp_va_resv(const void *x, const void *y) {
   return a->va < b->va ? -1 : a->va > b->va;
 }
 
-/* Records: allocations in creation order, then mappings by VA, then reservations by VA. Lock held. */
+/* Records: allocations in creation order, then mappings by VA, then reservations by VA, then
+ * the multicast records (multicast.c). Lock held. */
 static int build_records(struct cui_op_result *res) {
-  size_t n = cui_st.nmaps + cui_st.nresv;
+  size_t n = cui_st.nmaps + cui_st.nresv + cui_mc_record_count();
   for (size_t i = 0; i < cui_st.nallocs; i++) n += cui_st.allocs[i].live;
   struct cui_record *recs = calloc(n ? n : 1, sizeof *recs);
   const struct cui_mapping **maps = calloc(cui_st.nmaps ? cui_st.nmaps : 1, sizeof *maps);
@@ -145,6 +146,7 @@ static int build_records(struct cui_op_result *res) {
     r->va = resv[i].va;
     r->offset = resv[i].align;
   }
+  k += cui_mc_fill_records(&recs[k]);
   free(allocs);
   free(maps);
   free(resv);
@@ -176,6 +178,19 @@ static void ensure_context(const CUmemAllocationProp *prop) {
   CUdevice dev;
   CUcontext ctx;
   if (devget(&dev, ordinal) == CUDA_SUCCESS && pretain(&ctx, dev) == CUDA_SUCCESS) set(ctx);
+}
+
+CUresult cui_set_device_context(int ordinal) {
+  fn_devget devget = REAL(cuDeviceGet, fn_devget);
+  fn_pretain pretain = REAL(cuDevicePrimaryCtxRetain, fn_pretain);
+  fn_ctxset set = REAL(cuCtxSetCurrent, fn_ctxset);
+  if (!devget || !pretain || !set) return CUDA_ERROR_NOT_INITIALIZED;
+  CUdevice dev;
+  CUcontext ctx;
+  CUresult r = devget(&dev, ordinal);
+  if (r == CUDA_SUCCESS) r = pretain(&ctx, dev);   /* kept: the worker reuses it */
+  if (r == CUDA_SUCCESS) r = set(ctx);
+  return r;
 }
 
 /* A temporary full-size staging mapping of `h` with read-write access, so partial or
@@ -522,24 +537,40 @@ static int RESTORE_UNICAST(struct cui_op_result *res) {
 
 /* ---------- dispatch ---------- */
 
+/* Where an op leads. The capture's mc_cycle (PREPARE_MULTICAST ran) sends RESTORE_UNICAST and
+ * CANCEL_CAPTURE to MULTICAST_RELEASED, from where the four rebuild ops lead to ACTIVE. */
 static uint32_t next_phase(uint16_t op) {
+  uint32_t after_unicast = cui_st.mc_cycle ? CUI_PHASE_MULTICAST_RELEASED : CUI_PHASE_ACTIVE;
   switch (op) {
+    case CUI_OP_PREPARE_MULTICAST: return CUI_PHASE_MULTICAST_RELEASED;
     case CUI_OP_SAVE_ALLOCATIONS: return CUI_PHASE_SAVED;
     case CUI_OP_PREPARE_UNICAST: return CUI_PHASE_PREPARED;
     case CUI_OP_LOAD_ALLOCATIONS: return CUI_PHASE_LOADED;
-    case CUI_OP_RESTORE_UNICAST: return CUI_PHASE_ACTIVE;
-    case CUI_OP_CANCEL_CAPTURE: return CUI_PHASE_ACTIVE;
+    case CUI_OP_RESTORE_UNICAST: return after_unicast;
+    case CUI_OP_CANCEL_CAPTURE: return after_unicast;
+    case CUI_OP_RESTORE_MULTICAST_CREATORS: return CUI_PHASE_MULTICAST_CREATED;
+    case CUI_OP_RESTORE_MULTICAST_IMPORTERS: return CUI_PHASE_MULTICAST_IMPORTED;
+    case CUI_OP_RESTORE_MULTICAST_DEVICES: return CUI_PHASE_MULTICAST_DEVICES;
+    case CUI_OP_RESTORE_MULTICAST_BINDINGS: return CUI_PHASE_ACTIVE;
   }
   return CUI_PHASE_FAILED;
 }
 
+/* The phase an op needs (SAVE_ALLOCATIONS: MULTICAST_RELEASED, or ACTIVE when the capture
+ * skips PREPARE_MULTICAST; see protocol.h "Phases"). */
 static uint32_t source_phase(uint16_t op) {
   switch (op) {
-    case CUI_OP_SAVE_ALLOCATIONS: return CUI_PHASE_ACTIVE;
+    case CUI_OP_PREPARE_MULTICAST: return CUI_PHASE_ACTIVE;
+    case CUI_OP_SAVE_ALLOCATIONS: return cui_st.phase == CUI_PHASE_MULTICAST_RELEASED ? CUI_PHASE_MULTICAST_RELEASED
+                                                                                       : CUI_PHASE_ACTIVE;
     case CUI_OP_PREPARE_UNICAST: return CUI_PHASE_SAVED;
     case CUI_OP_LOAD_ALLOCATIONS: return CUI_PHASE_PREPARED;
     case CUI_OP_RESTORE_UNICAST: return CUI_PHASE_LOADED;
     case CUI_OP_CANCEL_CAPTURE: return CUI_PHASE_SAVED;
+    case CUI_OP_RESTORE_MULTICAST_CREATORS: return CUI_PHASE_MULTICAST_RELEASED;
+    case CUI_OP_RESTORE_MULTICAST_IMPORTERS: return CUI_PHASE_MULTICAST_CREATED;
+    case CUI_OP_RESTORE_MULTICAST_DEVICES: return CUI_PHASE_MULTICAST_IMPORTED;
+    case CUI_OP_RESTORE_MULTICAST_BINDINGS: return CUI_PHASE_MULTICAST_DEVICES;
   }
   return CUI_PHASE_FAILED;
 }
@@ -573,6 +604,31 @@ static int admit(const struct cui_request *req, struct cui_op_result *res) {
              pid, cui_st.inflight);
     return -1;
   }
+  if (req->op == CUI_OP_PREPARE_MULTICAST) {
+    const struct cui_mc *m = cui_mc_passthrough();
+    if (m) {
+      char hex[33];
+      cui_hex_id(m->id, hex);
+      res->status = CUI_REFUSED_STATE;
+      snprintf(res->message, sizeof res->message,
+               "PREPARE_MULTICAST: pid %u multicast object %s has handle types 0x%llx (only exactly "
+               "POSIX_FILE_DESCRIPTOR can be rebuilt); nothing was changed", pid, hex,
+               (unsigned long long)m->prop.handleTypes);
+      return -1;
+    }
+  }
+  if (req->op == CUI_OP_SAVE_ALLOCATIONS && cui_st.phase == CUI_PHASE_ACTIVE && cui_mc_live_count()) {
+    for (size_t i = 0; i < cui_st.nmcs; i++) {
+      if (!cui_st.mcs[i].live) continue;
+      char hex[33];
+      cui_hex_id(cui_st.mcs[i].id, hex);
+      res->status = CUI_REFUSED_STATE;
+      snprintf(res->message, sizeof res->message,
+               "SAVE_ALLOCATIONS: pid %u holds multicast object %s; PREPARE_MULTICAST must run first (ACTIVE -> "
+               "MULTICAST_RELEASED); nothing was changed", pid, hex);
+      return -1;
+    }
+  }
   if (req->op == CUI_OP_SAVE_ALLOCATIONS) {
     for (size_t i = 0; i < cui_st.nallocs; i++) {
       const struct cui_alloc *a = &cui_st.allocs[i];
@@ -598,6 +654,11 @@ void cui_run_op(const struct cui_request *req, struct cui_op_result *res) {
     case CUI_OP_LOAD_ALLOCATIONS:
     case CUI_OP_RESTORE_UNICAST:
     case CUI_OP_CANCEL_CAPTURE:
+    case CUI_OP_PREPARE_MULTICAST:
+    case CUI_OP_RESTORE_MULTICAST_CREATORS:
+    case CUI_OP_RESTORE_MULTICAST_IMPORTERS:
+    case CUI_OP_RESTORE_MULTICAST_DEVICES:
+    case CUI_OP_RESTORE_MULTICAST_BINDINGS:
       break;
     default:
       res->status = CUI_BAD_REQUEST;
@@ -620,7 +681,13 @@ void cui_run_op(const struct cui_request *req, struct cui_op_result *res) {
   pthread_mutex_unlock(&cui_st.lock);
 
   int rc;
+  uint32_t from = cui_st.phase;   /* stable: op_running holds off every other writer */
   switch (req->op) {
+    case CUI_OP_PREPARE_MULTICAST: rc = cui_PREPARE_MULTICAST(res); break;
+    case CUI_OP_RESTORE_MULTICAST_CREATORS: rc = cui_RESTORE_MULTICAST_CREATORS(res); break;
+    case CUI_OP_RESTORE_MULTICAST_IMPORTERS: rc = cui_RESTORE_MULTICAST_IMPORTERS(res); break;
+    case CUI_OP_RESTORE_MULTICAST_DEVICES: rc = cui_RESTORE_MULTICAST_DEVICES(res); break;
+    case CUI_OP_RESTORE_MULTICAST_BINDINGS: rc = cui_RESTORE_MULTICAST_BINDINGS(res); break;
     case CUI_OP_SAVE_ALLOCATIONS: rc = SAVE_ALLOCATIONS(res); break;
     case CUI_OP_PREPARE_UNICAST: rc = PREPARE_UNICAST(res); break;
     case CUI_OP_LOAD_ALLOCATIONS: rc = LOAD_ALLOCATIONS(res); break;
@@ -634,8 +701,8 @@ void cui_run_op(const struct cui_request *req, struct cui_op_result *res) {
     cui_st.phase = next_phase(req->op);
   } else if (res->status == CUI_FAILED) {
     cui_st.last_txn = req->txn_id;
-    /* SAVE_ALLOCATIONS only copied and dropped its carrier on failure: still ACTIVE. */
-    cui_st.phase = req->op == CUI_OP_SAVE_ALLOCATIONS ? CUI_PHASE_ACTIVE : CUI_PHASE_FAILED;
+    /* SAVE_ALLOCATIONS only copied and dropped its carrier on failure: still where it was. */
+    cui_st.phase = req->op == CUI_OP_SAVE_ALLOCATIONS ? from : CUI_PHASE_FAILED;
   }
   cui_st.op_running = 0;
   pthread_mutex_unlock(&cui_st.lock);

@@ -28,6 +28,9 @@ struct cui_hook {
   const char *base;    /* name a cuGetProcAddress / cudaGetDriverEntryPoint caller asks for */
   void *wrapper;       /* exported wrapper, NULL for real-only rows */
   enum cui_lib lib;
+  const char *alt;     /* another name whose lookup may return this ABI (the _v2 bind rows:
+                          a driver may answer "cuMulticastBindMem" with the 13.1 function);
+                          the wrapper is chosen from the function the driver returned */
 };
 
 /* Exported wrappers (vmm.c and below). Declared here with the names of their ELF symbols. */
@@ -43,6 +46,16 @@ CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *, void *, 
 CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *, CUmemGenericAllocationHandle);
 CUresult cuMemAddressReserve(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
 CUresult cuMemAddressFree(CUdeviceptr, size_t);
+CUresult cuMulticastCreate(CUmemGenericAllocationHandle *, const CUmulticastObjectProp *);
+CUresult cuMulticastAddDevice(CUmemGenericAllocationHandle, CUdevice);
+CUresult cuMulticastBindMem(CUmemGenericAllocationHandle, size_t, CUmemGenericAllocationHandle, size_t, size_t,
+                            unsigned long long);
+CUresult cuMulticastBindAddr(CUmemGenericAllocationHandle, size_t, CUdeviceptr, size_t, unsigned long long);
+CUresult cuMulticastBindMem_v2(CUmemGenericAllocationHandle, CUdevice, size_t, CUmemGenericAllocationHandle, size_t,
+                               size_t, unsigned long long);
+CUresult cuMulticastBindAddr_v2(CUmemGenericAllocationHandle, CUdevice, size_t, CUdeviceptr, size_t,
+                                unsigned long long);
+CUresult cuMulticastUnbind(CUmemGenericAllocationHandle, CUdevice, size_t, size_t);
 
 /* cuda.h maps cuGetProcAddress to _v2 by macro; the legacy 4-argument ELF symbol is defined
  * under its own spelling with an asm label. */
@@ -80,6 +93,17 @@ static const struct cui_hook k_hooks[CUI_ROW_COUNT] = {
                                                       W(cuMemGetAllocationPropertiesFromHandle), CUI_LIB_CUDA},
   [CUI_ROW_cuMemAddressReserve] = {"cuMemAddressReserve", "cuMemAddressReserve", W(cuMemAddressReserve), CUI_LIB_CUDA},
   [CUI_ROW_cuMemAddressFree] = {"cuMemAddressFree", "cuMemAddressFree", W(cuMemAddressFree), CUI_LIB_CUDA},
+  [CUI_ROW_cuMulticastCreate] = {"cuMulticastCreate", "cuMulticastCreate", W(cuMulticastCreate), CUI_LIB_CUDA},
+  [CUI_ROW_cuMulticastAddDevice] = {"cuMulticastAddDevice", "cuMulticastAddDevice", W(cuMulticastAddDevice),
+                                    CUI_LIB_CUDA},
+  [CUI_ROW_cuMulticastBindMem] = {"cuMulticastBindMem", "cuMulticastBindMem", W(cuMulticastBindMem), CUI_LIB_CUDA},
+  [CUI_ROW_cuMulticastBindAddr] = {"cuMulticastBindAddr", "cuMulticastBindAddr", W(cuMulticastBindAddr),
+                                   CUI_LIB_CUDA},
+  [CUI_ROW_cuMulticastBindMem_v2] = {"cuMulticastBindMem_v2", "cuMulticastBindMem_v2", W(cuMulticastBindMem_v2),
+                                     CUI_LIB_CUDA, "cuMulticastBindMem"},
+  [CUI_ROW_cuMulticastBindAddr_v2] = {"cuMulticastBindAddr_v2", "cuMulticastBindAddr_v2", W(cuMulticastBindAddr_v2),
+                                      CUI_LIB_CUDA, "cuMulticastBindAddr"},
+  [CUI_ROW_cuMulticastUnbind] = {"cuMulticastUnbind", "cuMulticastUnbind", W(cuMulticastUnbind), CUI_LIB_CUDA},
   [CUI_ROW_cuGetProcAddress] = {"cuGetProcAddress", "cuGetProcAddress", W(cui_cuGetProcAddress_v1), CUI_LIB_CUDA},
   [CUI_ROW_cuGetProcAddress_v2] = {"cuGetProcAddress_v2", "cuGetProcAddress", W(cui_cuGetProcAddress_v2), CUI_LIB_CUDA},
   [CUI_ROW_cudaGetDriverEntryPoint] = {"cudaGetDriverEntryPoint", "cudaGetDriverEntryPoint",
@@ -100,6 +124,7 @@ static const struct cui_hook k_hooks[CUI_ROW_COUNT] = {
   [CUI_ROW_cuDevicePrimaryCtxRetain] = {"cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRetain", NULL, CUI_LIB_CUDA},
   [CUI_ROW_cuMemHostRegister_v2] = {"cuMemHostRegister_v2", "cuMemHostRegister", NULL, CUI_LIB_CUDA},
   [CUI_ROW_cuMemHostUnregister] = {"cuMemHostUnregister", "cuMemHostUnregister", NULL, CUI_LIB_CUDA},
+  [CUI_ROW_cuCtxGetDevice] = {"cuCtxGetDevice", "cuCtxGetDevice", NULL, CUI_LIB_CUDA},
 };
 
 /* ---------- real dlsym ---------- */
@@ -296,7 +321,8 @@ static CUresult substitute(const char *symbol, void **pfn) {
   int tracked = 0;
   for (int i = 0; i < CUI_ROW_COUNT; i++) {
     const struct cui_hook *hk = &k_hooks[i];
-    if (!hk->wrapper || hk->lib != CUI_LIB_CUDA || strcmp(hk->base, symbol) != 0) continue;
+    if (!hk->wrapper || hk->lib != CUI_LIB_CUDA) continue;
+    if (strcmp(hk->base, symbol) != 0 && !(hk->alt && strcmp(hk->alt, symbol) == 0)) continue;
     tracked = 1;
     if (*pfn == hk->wrapper) return CUDA_SUCCESS;
     if (*pfn == cui_real((enum cui_row)i)) {
@@ -308,7 +334,7 @@ static CUresult substitute(const char *symbol, void **pfn) {
   Dl_info di;
   if (dladdr(*pfn, &di) && di.dli_saddr == *pfn && di.dli_sname && in_libcuda(*pfn)) {
     const struct cui_hook *hk = hook_by_elf(di.dli_sname, NULL);
-    if (hk && hk->lib == CUI_LIB_CUDA && strcmp(hk->base, symbol) == 0) {
+    if (hk && hk->lib == CUI_LIB_CUDA && (strcmp(hk->base, symbol) == 0 || (hk->alt && strcmp(hk->alt, symbol) == 0))) {
       *pfn = hk->wrapper;
       return CUDA_SUCCESS;
     }

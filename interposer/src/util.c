@@ -95,6 +95,10 @@ const char *cui_phase_name(uint32_t p) {
     case CUI_PHASE_SAVED: return "SAVED";
     case CUI_PHASE_PREPARED: return "PREPARED";
     case CUI_PHASE_LOADED: return "LOADED";
+    case CUI_PHASE_MULTICAST_RELEASED: return "MULTICAST_RELEASED";
+    case CUI_PHASE_MULTICAST_CREATED: return "MULTICAST_CREATED";
+    case CUI_PHASE_MULTICAST_IMPORTED: return "MULTICAST_IMPORTED";
+    case CUI_PHASE_MULTICAST_DEVICES: return "MULTICAST_DEVICES";
     case CUI_PHASE_FAILED: return "FAILED";
   }
   return "UNKNOWN";

@@ -109,6 +109,11 @@ unsigned cui_cache_close_all(void) {
 /* ---------- tables (lock held) ---------- */
 
 static int gate_open(void) { return cui_st.phase == CUI_PHASE_ACTIVE && !cui_st.op_running; }
+int cui_gate_open(void) { return gate_open(); }
+
+uint64_t cui_new_vhandle(void) {
+  return (CUI_VHANDLE_TAG << CUI_VHANDLE_SHIFT) | ++cui_st.last_vhandle;
+}
 
 struct cui_alloc *cui_alloc_by_vhandle(uint64_t vh) {
   if (!CUI_IS_VHANDLE(vh)) return NULL;
@@ -158,7 +163,7 @@ static struct cui_alloc *alloc_new(const uint8_t id[16], uint32_t creator_pid) {
 static inline uint32_t alloc_index(const struct cui_alloc *a) { return (uint32_t)(a - cui_st.allocs); }
 
 void cui_maybe_destroy(struct cui_alloc *a) {
-  if (!a->live || a->vrefs || a->nmaps) return;
+  if (!a->live || a->vrefs || a->nmaps || a->nbinds) return;
   if (a->role == CUI_ROLE_CREATOR || (a->flags & CUI_REC_EXPORTED)) cui_cache_close(a->id);
   cui_tab_del(&cui_st.alloc_ids, cui_id_key(a->id, a->creator_pid));
   cui_tab_del(&cui_st.alloc_vh, (struct cui_key){a->vhandle, 0, 0});
@@ -260,6 +265,8 @@ static struct cui_mapping *map_containing(uint64_t p) {
   return f && p - CUI_MAP(f)->va < CUI_MAP(f)->size ? CUI_MAP(f) : NULL;
 }
 
+struct cui_mapping *cui_map_containing(uint64_t p) { return map_containing(p); }
+
 /* Lock-free pre-check: 0 when no mapping record can overlap [va, va+size). */
 static inline int maybe_tracked(uint64_t va, uint64_t size) {
   uint64_t lo = __atomic_load_n(&cui_st.map_lo, __ATOMIC_RELAXED), hi = __atomic_load_n(&cui_st.map_hi, __ATOMIC_RELAXED);
@@ -324,23 +331,28 @@ static void map_remove(struct cui_mapping *m) {
 
 /* ---------- tickets ---------- */
 
-static int make_ticket(const struct cui_alloc *a) {
+int cui_make_ticket(const struct cui_ticket *tk) {
   int fd = memfd_create("cuinterpose-ticket", MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (fd < 0) return -1;
-  struct cui_ticket t;
-  memset(&t, 0, sizeof t);
+  struct cui_ticket t = *tk;
   memcpy(t.magic, CUI_TICKET_MAGIC, 8);
   t.version = CUI_PROTO_VERSION;
-  t.kind = CUI_TICKET_ALLOCATION;
-  t.creator_pid = a->creator_pid;
-  memcpy(t.alloc_id, a->id, 16);
-  t.size = a->size;
   if (pwrite(fd, &t, sizeof t, 0) != (ssize_t)sizeof t ||
       fcntl(fd, F_ADD_SEALS, F_SEAL_WRITE | F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
     close(fd);
     return -1;
   }
   return fd;
+}
+
+static int make_ticket(const struct cui_alloc *a) {
+  struct cui_ticket t;
+  memset(&t, 0, sizeof t);
+  t.kind = CUI_TICKET_ALLOCATION;
+  t.creator_pid = a->creator_pid;
+  memcpy(t.alloc_id, a->id, 16);
+  t.size = a->size;
+  return cui_make_ticket(&t);
 }
 
 /* 1 and the ticket when `fd` is a cuinterpose ticket, 0 otherwise. */
@@ -409,6 +421,7 @@ CUI_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t siz
 CUI_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
   REAL_OR_FAIL(real, cuMemRelease, fn_release);
   if (!CUI_IS_VHANDLE(handle)) return real(handle);
+  if (cui_mc_is_handle(handle)) return cui_mc_release(handle);
   pthread_mutex_lock(&cui_st.lock);
   CUresult r = CUDA_SUCCESS;
   struct cui_alloc *a = cui_alloc_by_vhandle(handle);
@@ -437,6 +450,8 @@ CUI_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
 CUI_EXPORT CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *handle, void *addr) {
   REAL_OR_FAIL(real, cuMemRetainAllocationHandle, fn_retain);
   uint64_t p = (uint64_t)(uintptr_t)addr;
+  CUresult mr;
+  if (cui_mc_retain(p, handle, &mr)) return mr;   /* a multicast VA: the object's virtual handle */
   struct cui_mapping *m = NULL;
   if (maybe_tracked(p, 1)) {
     pthread_mutex_lock(&cui_st.lock);
@@ -488,6 +503,7 @@ CUI_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemG
                              unsigned long long flags) {
   REAL_OR_FAIL(real, cuMemMap, fn_map);
   if (!CUI_IS_VHANDLE(handle)) return real(ptr, size, offset, handle, flags);
+  if (cui_mc_is_handle(handle)) return cui_mc_map(ptr, size, offset, handle, flags);
   pthread_mutex_lock(&cui_st.lock);
   CUresult r;
   struct cui_alloc *a = cui_alloc_by_vhandle(handle);
@@ -509,6 +525,7 @@ CUI_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemG
 
 CUI_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
   REAL_OR_FAIL(real, cuMemUnmap, fn_unmap);
+  if (__atomic_load_n(&cui_st.mc_maps, __ATOMIC_RELAXED) && cui_mc_range(ptr, size)) return cui_mc_unmap(ptr, size);
   if (!maybe_tracked(ptr, size)) return real(ptr, size);
   pthread_mutex_lock(&cui_st.lock);
   struct cui_mapping *first = map_first(ptr, size);
@@ -551,6 +568,8 @@ static int access_find(const struct cui_mapping *m, uint32_t type, int32_t id) {
 
 CUI_EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count) {
   REAL_OR_FAIL(real, cuMemSetAccess, fn_setaccess);
+  if (desc && count && __atomic_load_n(&cui_st.mc_maps, __ATOMIC_RELAXED) && cui_mc_range(ptr, size))
+    return cui_mc_set_access(ptr, size, desc, count);
   if (!desc || count == 0 || !maybe_tracked(ptr, size)) return real(ptr, size, desc, count);
   pthread_mutex_lock(&cui_st.lock);
   if (!map_first(ptr, size)) {
@@ -612,6 +631,7 @@ CUI_EXPORT CUresult cuMemExportToShareableHandle(void *shareableHandle, CUmemGen
                                                  CUmemAllocationHandleType handleType, unsigned long long flags) {
   REAL_OR_FAIL(real, cuMemExportToShareableHandle, fn_export);
   if (!CUI_IS_VHANDLE(handle)) return real(shareableHandle, handle, handleType, flags);
+  if (cui_mc_is_handle(handle)) return cui_mc_export(shareableHandle, handle, handleType, flags);
   pthread_mutex_lock(&cui_st.lock);
   CUresult r = CUDA_SUCCESS;
   struct cui_alloc *a = cui_alloc_by_vhandle(handle);
@@ -756,6 +776,7 @@ CUI_EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle 
   int fd = (int)(intptr_t)osHandle;
   struct cui_ticket t;
   if (read_ticket(fd, &t)) {
+    if (t.version == CUI_PROTO_VERSION && t.kind == CUI_TICKET_MULTICAST) return cui_mc_import_ticket(handle, &t);
     if (t.version != CUI_PROTO_VERSION || t.kind != CUI_TICKET_ALLOCATION) {
       char hex[33];
       cui_hex_id(t.alloc_id, hex);

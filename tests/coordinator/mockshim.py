@@ -20,13 +20,18 @@ from cuinterpose.coordinator.protocol import (CUI_PROTO_MAGIC, CUI_PROTO_VERSION
                                               RecordFlag, RecordKind, Reply, Request, Role,
                                               Status, cui_checksum64, socket_path)
 
-# op -> (phase it needs, phase after)
+# op -> (phase it needs, phase after) without multicast; see MockShim._transition
 TRANSITIONS = {
     Op.SAVE_ALLOCATIONS: (Phase.ACTIVE, Phase.SAVED),
     Op.PREPARE_UNICAST: (Phase.SAVED, Phase.PREPARED),
     Op.LOAD_ALLOCATIONS: (Phase.PREPARED, Phase.LOADED),
     Op.RESTORE_UNICAST: (Phase.LOADED, Phase.ACTIVE),
     Op.CANCEL_CAPTURE: (Phase.SAVED, Phase.ACTIVE),
+    Op.PREPARE_MULTICAST: (Phase.ACTIVE, Phase.MULTICAST_RELEASED),
+    Op.RESTORE_MULTICAST_CREATORS: (Phase.MULTICAST_RELEASED, Phase.MULTICAST_CREATED),
+    Op.RESTORE_MULTICAST_IMPORTERS: (Phase.MULTICAST_CREATED, Phase.MULTICAST_IMPORTED),
+    Op.RESTORE_MULTICAST_DEVICES: (Phase.MULTICAST_IMPORTED, Phase.MULTICAST_DEVICES),
+    Op.RESTORE_MULTICAST_BINDINGS: (Phase.MULTICAST_DEVICES, Phase.ACTIVE),
 }
 #: Ops whose failure leaves the phase as it was (protocol.h: SAVE_ALLOCATIONS only copies).
 NON_DESTRUCTIVE_FAILURE = frozenset({Op.SAVE_ALLOCATIONS})
@@ -93,6 +98,7 @@ class MockShim:
     copy_ns: int = 400
     last_txn: int = 0
     txns_seen: list = field(default_factory=list)
+    mc_cycle: bool = False        # the capture ran PREPARE_MULTICAST (as in the shim)
 
     def __post_init__(self):
         self.path = socket_path(self.control_dir, self.pid)
@@ -219,7 +225,7 @@ class MockShim:
                 return self._reply(req), [dataclasses.replace(r) for r in self.records], "", None
             if op not in TRANSITIONS:
                 return self._reply(req, Status.BAD_REQUEST), [], f"op {int(op)} unsupported", None
-            need, after = TRANSITIONS[op]
+            need, after = self._transition(op)
             if self.phase != need:
                 return self._reply(req, Status.REFUSED_PHASE), [], "wrong phase", None
             self.last_txn = req.txn_id
@@ -232,12 +238,27 @@ class MockShim:
                                     elapsed_ns=self.elapsed_ns), [], msg, None)
             changed = self._mutate(op)
             self.phase = after
+            if op == Op.PREPARE_MULTICAST:
+                self.mc_cycle = True
+            elif op == Op.RESTORE_MULTICAST_BINDINGS:
+                self.mc_cycle = False
             if op in self.after:
                 self.after[op](self)
             nbytes = self.bytes_per_op.get(op, 0)
             return (self._reply(req, bytes=nbytes, elapsed_ns=self.elapsed_ns,
                                 copy_ns=self.copy_ns if nbytes else 0,
                                 records_changed=changed), [], "", None)
+
+    def _transition(self, op):
+        """protocol.h "Phases": SAVE_ALLOCATIONS starts from MULTICAST_RELEASED after
+        PREPARE_MULTICAST; CANCEL_CAPTURE and RESTORE_UNICAST then lead there, not to ACTIVE."""
+        need, after = TRANSITIONS[op]
+        if self.mc_cycle:
+            if op == Op.SAVE_ALLOCATIONS:
+                need = Phase.MULTICAST_RELEASED
+            elif op in (Op.CANCEL_CAPTURE, Op.RESTORE_UNICAST):
+                after = Phase.MULTICAST_RELEASED
+        return need, after
 
     def _mutate(self, op) -> int:
         """Model the visible record changes: CARRIED + checksum on creators after SAVE."""

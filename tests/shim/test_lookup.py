@@ -35,7 +35,7 @@ def run_lookup(bins, env, path):
     release = None
     for ln in res.stdout.splitlines():
         t = ln.split()
-        if t[0] == "fn":
+        if t[0] in ("fn", "mcfn"):
             fns[t[1]] = (t[2], t[3])
         elif t[0] == "handle":
             handle = int(t[1], 16)
@@ -56,6 +56,11 @@ def test_lookup_path_returns_wrapper(lookup_bins, shim_env, fake_log, path):
     assert release == 0
     creates = fake_log.calls(fn="cuMemCreate")
     assert [(a["size"], a["handle"], r) for _, a, r in creates] == [("2097152", "0", "CUDA_SUCCESS")]
+    # the multicast hooks, the 13.1 device-explicit binds by their full names included
+    for name in ("cuMulticastCreate", "cuMulticastAddDevice", "cuMulticastBindMem",
+                 "cuMulticastBindAddr", "cuMulticastBindMem_v2", "cuMulticastBindAddr_v2",
+                 "cuMulticastUnbind"):
+        assert fns[name] == (SHIM, name), (path, name)
     assert [(a["handle"], r) for _, a, r in fake_log.calls(fn="cuMemRelease")] == [("0", "CUDA_SUCCESS")]
 
 
@@ -85,4 +90,5 @@ def test_runtime_path_goes_through_driver_resolver(lookup_bins, shim_env, fake_l
 def test_without_shim_nothing_is_wrapped(lookup_bins, fake_env):
     fns, handle, release = run_lookup(lookup_bins, fake_env, "dlsym")
     assert fns["cuMemCreate"] == ("libcuda.so.1", "cuMemCreate")
+    assert fns["cuMulticastBindMem_v2"] == ("libcuda.so.1", "cuMulticastBindMem_v2")
     assert handle == 0 and release == 0

@@ -158,9 +158,11 @@ def test_wrong_phase_and_duplicate_change_nothing(apps, ctl, fake_log):
     # INSPECT is read-only: it answers whatever phase the sender expected, and says which
     r = cl.request(Op.INSPECT, txn_id=0, expected_phase=Phase.ACTIVE)
     assert (r.reply.status, r.reply.phase, r.records) == (Status.OK, Phase.SAVED, saved)
-    # reserved multicast op codes are not implemented: BAD_REQUEST, nothing changes
+    # a multicast op out of its phase: refused, nothing changes
     r = cl.request(Op.PREPARE_MULTICAST, txn_id=6, expected_phase=Phase.SAVED)
-    assert r.reply.status == Status.BAD_REQUEST
+    assert (r.reply.status, r.reply.phase) == (Status.REFUSED_PHASE, Phase.SAVED)
+    assert r.message.endswith("PREPARE_MULTICAST needs ACTIVE)")
+    assert fake_log.lines()[mark:] == []
     assert inspect(ctl, c, Phase.SAVED) == saved
     # the importer was never asked: still ACTIVE and usable
     assert i.ok(f"props {hi}") == ["1", "1", "1", "0"]

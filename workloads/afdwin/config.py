@@ -45,6 +45,8 @@ class Config:
     pending_at_cut: int = 0    # 1: at a quiesce each attention rank dispatches its next step and
                                # stops before its combine: the cut carries a landed, unread reply
     delay_zero_ms: float = 0.0  # delay this rank's window zeroing (fence test)
+    multicast: int = 0         # 1: also a multicast region over the ranks (docs/afdwin.md
+                               # "--multicast"): written by rank 0, read back by every rank
     # test-only knobs (set per rank with the launcher's hidden --test-override RANK:FIELD=N)
     corrupt_step: int = 0      # attention: write step N with magic 0 (expect torn, exit 1)
     no_fence: int = 0          # 1: skip the fence barrier (zero + sync only, as pre-review);

@@ -189,6 +189,10 @@ class Launcher:
                 for fd in self.exports.values():
                     os.close(fd)
                 self.exports = {}
+        elif t == "mc_export":
+            # --multicast: rank 0's multicast object, relayed to every other rank
+            for i in range(1, N):
+                self.chans[i].send({"type": "mc_import", "creator": rank}, fds[:1])
         elif t == "barrier":
             got = self.barriers.setdefault(msg["name"], set())
             got.add(rank)
@@ -527,6 +531,11 @@ def main(argv=None) -> int:
                       help="at a quiesce each attention rank dispatches its next step and "
                            "stops before its combine: the cut carries a landed, unread reply "
                            "flag per (attention, FFN) pair")
+    ap.add_argument("--multicast", action="store_true",
+                    help="also build a multicast region over the ranks (needs the device's "
+                         "MULTICAST_SUPPORTED attribute): rank 0 writes a value through the "
+                         "multicast VA, every rank reads it from its own member; repeated "
+                         "after every resume")
     diag.add_argument("--no-fence", action="store_true",
                       help="setup without the fence barrier (zero + synchronize only)")
     diag.add_argument("--delay-zero-ms", action="append", default=[], type=parse_delay,
@@ -543,7 +552,7 @@ def main(argv=None) -> int:
                      ring_depth=depths[0], profile=args.profile,
                      step_delay_ms=args.step_delay_ms, seed=args.seed, stages=args.stages,
                      no_drain=int(args.no_drain), pending_at_cut=int(args.pending_at_cut),
-                     no_fence=int(args.no_fence))
+                     no_fence=int(args.no_fence), multicast=int(args.multicast))
         cfg.window_layout()
         overrides: dict[int, dict] = {}
         for rank, d in enumerate(depths):

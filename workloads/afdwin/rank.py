@@ -95,6 +95,9 @@ class Rank:
         self.aux = cudrv.call(cu.cuStreamCreate, cu.CUstream_flags.CU_STREAM_NON_BLOCKING)
         self.pinned = self._host_memory_choice()
         self.fence()
+        if self.cfg.multicast:
+            self.setup_multicast()
+            self.multicast_check()
         if self.role == "attention":
             self._setup_attention()
         else:
@@ -201,6 +204,86 @@ class Rank:
         if bad:
             raise RuntimeError("peer mappings do not alias the peers' windows: " + "; ".join(bad))
 
+    # ---- --multicast (docs/afdwin.md "--multicast") ----------------------------------------
+    MC_WORDS = 64              # uint32 words written through the multicast VA per check
+
+    def setup_multicast(self) -> None:
+        """Rank 0 creates and exports a multicast object (one multicast granule, numDevices =
+        ranks); the launcher relays the FD; every rank imports it, adds its device, waits at a
+        launcher barrier (bind blocks until the team is complete), binds a separate member
+        allocation of its own at offset 0, maps that member at ``mc_member_va`` (for reading)
+        and the object at a separate ``mc_va`` (for writing), with read-write access; a second
+        barrier, since a write through the multicast VA reaches only the members bound then."""
+        cu, call = self.cu, self.cd.call
+        attr = cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED
+        if not call(cu.cuDeviceGetAttribute, attr, self.device):
+            raise RuntimeError(f"--multicast: device {self.device_ordinal} reports "
+                               "CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED = 0")
+        htype = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        prop = cu.CUmulticastObjectProp()
+        prop.numDevices = self.cfg.world
+        prop.handleTypes = int(htype)
+        prop.flags = 0
+        prop.size = self.granularity
+        gran = int(call(cu.cuMulticastGetGranularity, prop,
+                        cu.CUmulticastGranularity_flags.CU_MULTICAST_GRANULARITY_RECOMMENDED))
+        size = -(-max(self.MC_WORDS * 4, gran) // gran) * gran
+        size = -(-size // self.granularity) * self.granularity
+        prop.size = size
+        self.mc_size = size
+        if self.rank == 0:
+            self.mc_handle = call(cu.cuMulticastCreate, prop)
+            fd = int(call(cu.cuMemExportToShareableHandle, self.mc_handle, htype, 0))
+            try:
+                self.send({"type": "mc_export", "rank": self.rank}, [fd])
+            finally:
+                os.close(fd)
+        else:
+            _, fds = self.expect("mc_import")
+            try:
+                self.mc_handle = call(cu.cuMemImportFromShareableHandle, fds[0], htype,
+                                      detail="multicast object from rank 0")
+            finally:
+                for fd in fds:
+                    os.close(fd)
+        call(cu.cuMulticastAddDevice, self.mc_handle, self.device)
+        self.barrier("mc-devices")            # every device added before any bind or map
+        self.mc_member = call(cu.cuMemCreate, size, self.prop, 0)
+        call(cu.cuMulticastBindMem, self.mc_handle, 0, self.mc_member, 0, size, 0)
+        self.mc_member_va = int(call(cu.cuMemAddressReserve, size, self.granularity, 0, 0))
+        call(cu.cuMemMap, self.mc_member_va, size, 0, self.mc_member, 0)
+        call(cu.cuMemSetAccess, self.mc_member_va, size, self.access, 1)
+        self.mc_va = int(call(cu.cuMemAddressReserve, size, self.granularity, 0, 0))
+        call(cu.cuMemMap, self.mc_va, size, 0, self.mc_handle, 0)
+        call(cu.cuMemSetAccess, self.mc_va, size, self.access, 1)
+        self.barrier("mc-bound")              # a write reaches only the members bound by then
+        self.mc_epoch = 0
+
+    def multicast_value(self) -> int:
+        return 0x4D430000 | (self.mc_epoch & 0xFFFF)       # "MC" | epoch
+
+    def multicast_check(self) -> None:
+        """Rank 0 writes the epoch's value through the multicast VA (cuMemsetD32, reaching
+        every member); after a barrier every rank reads its own member (never through the
+        multicast VA) and checks every word; emits a ``multicast`` event."""
+        cu, call = self.cu, self.cd.call
+        value = self.multicast_value()
+        if self.rank == 0:
+            call(cu.cuMemsetD32, self.mc_va, value, self.MC_WORDS)
+        self.barrier(f"mc-written-{self.mc_epoch}")
+        words = struct.unpack(f"<{self.MC_WORDS}I", self.read_device(self.mc_member_va,
+                                                                    4 * self.MC_WORDS))
+        bad = [i for i, w in enumerate(words) if w != value]
+        ok = not bad
+        self.record_check(ok, "" if ok else (
+            f"multicast epoch {self.mc_epoch}: member at {self.mc_member_va:#x} word {bad[0]} "
+            f"reads {words[bad[0]]:#010x}, expected {value:#010x}"))
+        self.emit({"event": "multicast", "rank": self.rank, "epoch": self.mc_epoch,
+                   "value": value, "ok": ok, "mc_va": self.mc_va,
+                   "member_va": self.mc_member_va, "writer": 0})
+        self.barrier(f"mc-read-{self.mc_epoch}")      # nobody rewrites before all have read
+        self.mc_epoch += 1
+
     def _host_memory_choice(self) -> bool:
         if self.host_memory == "pageable":
             return False
@@ -255,7 +338,9 @@ class Rank:
                 "handle_type": "POSIX_FILE_DESCRIPTOR", "granularity": self.granularity,
                 "stages": self.cfg.num_stages,
                 "host_memory": "pinned" if self.pinned else "pageable",
-                "after_restore": after_restore}
+                "after_restore": after_restore,
+                **({"mc_va": self.mc_va, "mc_member_va": self.mc_member_va,
+                    "mc_size": self.mc_size} if self.cfg.multicast else {})}
 
     # ---- addresses ------------------------------------------------------------------------
     def flag_va(self, owner: int, region: int, ring: int) -> int:
@@ -355,6 +440,8 @@ class Rank:
                 self.barrier(f"probe-{self.probe_epoch}")
                 for peer, err in self.read_probes().items():
                     self.record_check(err is None, err or "")
+                if self.cfg.multicast:
+                    self.multicast_check()
                 self.send({"type": "resumed", "id": self.quiesce_id, "rank": self.rank,
                            "window_checks": {k: v for k, v in self.window_checks.items()
                                              if k != "failures"}})

@@ -16,19 +16,32 @@
  *   All integers are little-endian, fields naturally aligned, no implicit padding.
  *
  * Phases (per shim; capture runs top to bottom, restore continues from PREPARED)
- *   ACTIVE --SAVE_ALLOCATIONS--> SAVED --PREPARE_UNICAST--> PREPARED
+ *   ACTIVE --PREPARE_MULTICAST--> MULTICAST_RELEASED --SAVE_ALLOCATIONS--> SAVED
+ *     --PREPARE_UNICAST--> PREPARED
  *     (native checkpoint, CRIU dump/restore, native restore happen here)
- *   PREPARED --LOAD_ALLOCATIONS--> LOADED --RESTORE_UNICAST--> ACTIVE
- *   SAVED --CANCEL_CAPTURE--> ACTIVE   (abandon a capture before anything was torn down)
+ *   PREPARED --LOAD_ALLOCATIONS--> LOADED --RESTORE_UNICAST--> MULTICAST_RELEASED
+ *     --RESTORE_MULTICAST_CREATORS--> MULTICAST_CREATED --RESTORE_MULTICAST_IMPORTERS-->
+ *     MULTICAST_IMPORTED --RESTORE_MULTICAST_DEVICES--> MULTICAST_DEVICES
+ *     --RESTORE_MULTICAST_BINDINGS--> ACTIVE
+ *   SAVED --CANCEL_CAPTURE--> MULTICAST_RELEASED (abandon a capture before unicast teardown;
+ *     the multicast rebuild ops then bring the shim back to ACTIVE)
+ *   PREPARE_MULTICAST is optional for a whole capture: a coordinator that sees no multicast
+ *   record in any participant skips it (and the four rebuild ops), and then SAVE_ALLOCATIONS
+ *   is accepted from ACTIVE, CANCEL_CAPTURE and RESTORE_UNICAST lead straight to ACTIVE. The
+ *   shim remembers whether the current capture ran PREPARE_MULTICAST (the coordinator sends
+ *   it to every participant or to none). SAVE_ALLOCATIONS from ACTIVE is refused
+ *   (CUI_REFUSED_STATE) while the process holds a multicast object. A process without
+ *   multicast state answers every multicast op with CUI_OK and records_changed 0.
  *   INSPECT is read-only and accepted in every phase except FAILED.
- *   Multicast ops (PREPARE_MULTICAST, RESTORE_MULTICAST_*) are reserved codes; they will be
- *   inserted before SAVE_ALLOCATIONS and after RESTORE_UNICAST.
  *   SAVE_ALLOCATIONS and CANCEL_CAPTURE only copy or free host memory: a SAVE_ALLOCATIONS that
  *   fails part-way frees its carrier and leaves the shim ACTIVE (status CUI_FAILED, reply phase
  *   ACTIVE, the txn counts as accepted). A destructive op (PREPARE_UNICAST, LOAD_ALLOCATIONS,
- *   RESTORE_UNICAST) that fails part-way moves the shim to FAILED; nothing is rolled back.
+ *   RESTORE_UNICAST, PREPARE_MULTICAST, RESTORE_MULTICAST_*) that fails part-way moves the
+ *   shim to FAILED; nothing is rolled back. A failed SAVE_ALLOCATIONS leaves the shim in the
+ *   phase it was in (ACTIVE or MULTICAST_RELEASED).
  *   Rolling a partial capture back: SAVED -> CANCEL_CAPTURE; PREPARED -> LOAD_ALLOCATIONS ->
- *   RESTORE_UNICAST. A FAILED shim cannot be brought back.
+ *   RESTORE_UNICAST; then, if the capture ran PREPARE_MULTICAST, the four RESTORE_MULTICAST_*
+ *   ops from wherever each shim is. A FAILED shim cannot be brought back.
  *
  * Request rules
  *   - expected_phase must equal the shim's current phase, else CUI_REFUSED_PHASE.
@@ -49,20 +62,32 @@
 
 enum cui_op {
   CUI_OP_INSPECT = 1,                      /* read-only: return every record */
-  CUI_OP_PREPARE_MULTICAST = 2,            /* reserved (multicast teardown) */
-  CUI_OP_SAVE_ALLOCATIONS = 3,             /* ACTIVE -> SAVED: shared creator bytes -> host carrier;
+  CUI_OP_PREPARE_MULTICAST = 2,            /* ACTIVE -> MULTICAST_RELEASED: unmap multicast VAs
+                                              (reservations kept), unbind, close cached export
+                                              FDs, release objects; refused (CUI_REFUSED_STATE,
+                                              nothing changed) while a pass-through object lives */
+  CUI_OP_SAVE_ALLOCATIONS = 3,             /* MULTICAST_RELEASED (or ACTIVE, see Phases) -> SAVED:
+                                              shared creator bytes -> host carrier;
                                               on failure the carrier is freed and the shim stays
                                               ACTIVE (status CUI_FAILED, phase ACTIVE) */
   CUI_OP_PREPARE_UNICAST = 4,              /* SAVED -> PREPARED: unmap shared mappings, release driver
                                               handles, close cached export FDs */
   CUI_OP_LOAD_ALLOCATIONS = 5,             /* PREPARED -> LOADED: creators re-create at the original VA,
                                               copy bytes back, set access, re-export */
-  CUI_OP_RESTORE_UNICAST = 6,              /* LOADED -> ACTIVE: importers fetch, import, map, set access */
-  CUI_OP_RESTORE_MULTICAST_CREATORS = 7,   /* reserved */
-  CUI_OP_RESTORE_MULTICAST_IMPORTERS = 8,  /* reserved */
-  CUI_OP_RESTORE_MULTICAST_DEVICES = 9,    /* reserved */
-  CUI_OP_RESTORE_MULTICAST_BINDINGS = 10,  /* reserved */
-  CUI_OP_CANCEL_CAPTURE = 11,              /* SAVED -> ACTIVE: free the host carrier arena, clear
+  CUI_OP_RESTORE_UNICAST = 6,              /* LOADED -> MULTICAST_RELEASED (ACTIVE when the capture
+                                              skipped PREPARE_MULTICAST): importers fetch, import,
+                                              map, set access */
+  CUI_OP_RESTORE_MULTICAST_CREATORS = 7,   /* MULTICAST_RELEASED -> MULTICAST_CREATED: creators
+                                              cuMulticastCreate with the requested properties and
+                                              re-export (export cache) */
+  CUI_OP_RESTORE_MULTICAST_IMPORTERS = 8,  /* MULTICAST_CREATED -> MULTICAST_IMPORTED: importers
+                                              fetch the creator's FD (FETCH_FD) and import */
+  CUI_OP_RESTORE_MULTICAST_DEVICES = 9,    /* MULTICAST_IMPORTED -> MULTICAST_DEVICES: every
+                                              recorded cuMulticastAddDevice again */
+  CUI_OP_RESTORE_MULTICAST_BINDINGS = 10,  /* MULTICAST_DEVICES -> ACTIVE: bind (same ABI form),
+                                              map at the original VAs, set access */
+  CUI_OP_CANCEL_CAPTURE = 11,              /* SAVED -> MULTICAST_RELEASED (ACTIVE when the capture
+                                              skipped PREPARE_MULTICAST): free the host carrier arena, clear
                                               CUI_REC_CARRIED and the carrier fields; nothing else
                                               changes (mappings and handles were never touched) */
   CUI_OP_FETCH_FD = 32                     /* peer: send the real export FD of alloc_id (SCM_RIGHTS) */
@@ -70,9 +95,13 @@ enum cui_op {
 
 enum cui_phase {
   CUI_PHASE_ACTIVE = 0,
+  CUI_PHASE_MULTICAST_RELEASED = 1,   /* multicast torn down, unicast intact */
   CUI_PHASE_SAVED = 2,
   CUI_PHASE_PREPARED = 3,
   CUI_PHASE_LOADED = 4,
+  CUI_PHASE_MULTICAST_CREATED = 5,    /* restore: creators re-created their objects */
+  CUI_PHASE_MULTICAST_IMPORTED = 6,   /* restore: importers imported them */
+  CUI_PHASE_MULTICAST_DEVICES = 7,    /* restore: every device added again */
   CUI_PHASE_FAILED = 255
 };
 
@@ -93,7 +122,22 @@ enum cui_status {
 enum cui_record_kind {
   CUI_RECORD_ALLOCATION = 1,  /* one per allocation known to this process */
   CUI_RECORD_MAPPING = 2,     /* one per cuMemMap of a tracked allocation */
-  CUI_RECORD_RESERVATION = 3  /* one per cuMemAddressReserve */
+  CUI_RECORD_RESERVATION = 3, /* one per cuMemAddressReserve */
+  /* Multicast records (field use below). alloc_id/creator_pid/role name the object. */
+  CUI_RECORD_MULTICAST = 4,         /* one per multicast object: size = requested size,
+                                       offset = effective extent (largest mcOffset + size this
+                                       process bound or mapped), prop_location_id = numDevices,
+                                       prop_handle_types = handleTypes, handle_refs */
+  CUI_RECORD_MULTICAST_DEVICE = 5,  /* one per cuMulticastAddDevice: prop_location_type =
+                                       CU_MEM_LOCATION_TYPE_DEVICE, prop_location_id = ordinal */
+  CUI_RECORD_MULTICAST_BINDING = 6, /* one per live bind: prop_location_id = device, offset =
+                                       mcOffset, size, va = memptr (BindAddr) else 0, flags
+                                       CUI_REC_MC_BY_ADDR / CUI_REC_MC_V2_ABI; the member:
+                                       reserved[0..1] = its alloc_id (16 bytes), reserved0 = its
+                                       creator pid, reserved[2] = memOffset; all zero when the
+                                       memory is not a tracked allocation */
+  CUI_RECORD_MULTICAST_MAPPING = 7  /* one per cuMemMap of a multicast object: va, size,
+                                       offset, access (merged per location) */
 };
 
 enum cui_role {
@@ -107,6 +151,10 @@ enum cui_role {
 #define CUI_REC_SHARED     0x2u  /* sticky: exported or imported at least once */
 #define CUI_REC_RAW_IMPORT 0x4u  /* imported from a non-ticket FD: blocks capture */
 #define CUI_REC_CARRIED    0x8u  /* creator bytes currently held in the host carrier */
+#define CUI_REC_PASSTHROUGH 0x10u /* multicast object with handle types other than exactly
+                                     POSIX_FILE_DESCRIPTOR (0, FABRIC): works, blocks capture */
+#define CUI_REC_MC_BY_ADDR 0x20u  /* binding made by cuMulticastBindAddr[_v2] */
+#define CUI_REC_MC_V2_ABI  0x40u  /* binding made through the device-explicit _v2 ABI (13.1) */
 
 #define CUI_MAX_ACCESS 32
 
@@ -164,8 +212,8 @@ struct cui_record {           /* 640 bytes */
   uint64_t carrier_checksum;  /*  72 cui_checksum64 of the carried bytes (creator, after SAVE) */
   uint64_t carrier_bytes;     /*  80 bytes held in the carrier */
   uint32_t access_count;      /*  88 entries used in access[] (mappings) */
-  uint32_t reserved0;         /*  92 */
-  uint64_t reserved[4];       /*  96 zero */
+  uint32_t reserved0;         /*  92 zero (MULTICAST_BINDING: the member's creator pid) */
+  uint64_t reserved[4];       /*  96 zero (MULTICAST_BINDING: the member, see above) */
   struct cui_access access[CUI_MAX_ACCESS]; /* 128 merged per location */
 };
 
@@ -180,10 +228,11 @@ struct cui_ticket {           /* 64 bytes */
   uint32_t version;           /*  8 CUI_PROTO_VERSION */
   uint32_t kind;              /* 12 enum cui_ticket_kind */
   uint32_t creator_pid;       /* 16 */
-  uint32_t reserved0;         /* 20 */
+  uint32_t reserved0;         /* 20 zero (multicast: numDevices) */
   uint8_t  alloc_id[16];      /* 24 */
-  uint64_t size;              /* 40 allocation size, bytes */
-  uint64_t reserved[2];       /* 48 zero */
+  uint64_t size;              /* 40 allocation size (multicast: requested size), bytes */
+  uint64_t reserved[2];       /* 48 zero (multicast: reserved[0] = handleTypes, reserved0 =
+                                 numDevices) */
 };
 
 /* cui_checksum64: the carrier checksum. Over the bytes as little-endian uint64 words w[i]

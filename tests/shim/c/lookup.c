@@ -11,6 +11,8 @@
  * libcuda's function instead), gpa (legacy 4-argument cuGetProcAddress), gpa2 (cuGetProcAddress_v2),
  * cudart (cudaGetDriverEntryPoint), cudart_ver (cudaGetDriverEntryPointByVersion),
  * cudart_default (dlsym(RTLD_DEFAULT, "cudaGetDriverEntryPointByVersion")).
+ * Then the multicast entry points through the same path (version 13010, the _v2 binds by
+ * their full names), reported only: "mcfn <name> <library basename> <ELF symbol>".
  * Exit status 0 unless a lookup or call failed.
  */
 #define _GNU_SOURCE
@@ -43,6 +45,39 @@ static void where(const char *name, void *p) {
 
 static const char *k_names[4] = {"cuInit", "cuMemCreate", "cuMemRelease", "cuMemGetAllocationGranularity"};
 static const int k_versions[4] = {2000, 10020, 10020, 10020};
+
+static const char *k_mc[7] = {"cuMulticastCreate", "cuMulticastAddDevice", "cuMulticastBindMem",
+                              "cuMulticastBindAddr", "cuMulticastBindMem_v2", "cuMulticastBindAddr_v2",
+                              "cuMulticastUnbind"};
+
+static void *mc_lookup(const char *path, void *cuda, const char *name, int i) {
+  void *f = NULL;
+  if (!strcmp(path, "elf")) {
+#ifdef LINKED
+    void *direct[7] = {(void *)cuMulticastCreate, (void *)cuMulticastAddDevice, (void *)cuMulticastBindMem,
+                       (void *)cuMulticastBindAddr, (void *)cuMulticastBindMem_v2, (void *)cuMulticastBindAddr_v2,
+                       (void *)cuMulticastUnbind};
+    f = direct[i];
+#endif
+  } else if (!strcmp(path, "dlsym") || !strcmp(path, "dlsym_default") || !strcmp(path, "rtld_next")) {
+    f = dlsym(!strcmp(path, "dlsym") ? cuda : !strcmp(path, "rtld_next") ? RTLD_NEXT : RTLD_DEFAULT, name);
+  } else if (!strcmp(path, "gpa")) {
+    if (((gpa1_fn)dlsym(cuda, "cuGetProcAddress"))(name, &f, 13010, 0) != CUDA_SUCCESS) f = NULL;
+  } else if (!strcmp(path, "gpa2")) {
+    CUdriverProcAddressQueryResult st;
+    if (((gpa2_fn)dlsym(cuda, "cuGetProcAddress_v2"))(name, &f, 13010, 0, &st) != CUDA_SUCCESS) f = NULL;
+  } else {
+    void *rt = dlopen("libcudart.so.13", RTLD_NOW);
+    int st = 1;
+    if (!strcmp(path, "cudart")) {
+      if (((gdep_fn)dlsym(rt, "cudaGetDriverEntryPoint"))(name, &f, 0, &st) != 0) f = NULL;
+    } else if (((gdepv_fn)dlsym(!strcmp(path, "cudart_ver") ? rt : RTLD_DEFAULT, "cudaGetDriverEntryPointByVersion"))(
+                   name, &f, 13010, 0, &st) != 0) {
+      f = NULL;
+    }
+  }
+  return f;
+}
 
 int main(int argc, char **argv) {
   const char *path = argc > 1 ? argv[1] : "dlsym";
@@ -113,6 +148,10 @@ int main(int argc, char **argv) {
     return 2;
   }
   for (int i = 0; i < 4; i++) where(k_names[i], fns[i]);
+  for (int i = 0; i < 7; i++) {
+    printf("mc");
+    where(k_mc[i], mc_lookup(path, cuda, k_mc[i], i));
+  }
   if (!fns[0] || !fns[1] || !fns[2] || !fns[3]) return 1;
   if (((init_fn)fns[0])(0) != CUDA_SUCCESS) return 1;
   CUmemAllocationProp p;

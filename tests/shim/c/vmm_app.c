@@ -27,6 +27,18 @@
  *   check <va> <n> <seed>          cuMemcpyDtoH and compare          -> ok | err -1 mismatch@<i>
  *   ticket <fd>                    -> ok <seals> <hex of the first 64 bytes>
  *   pid                            -> ok <pid>
+ * Multicast (docs/shim.md "Multicast"):
+ *   mc_create <ndev> <size> <htypes>            cuMulticastCreate        -> ok <handle>
+ *   mc_add <mc> <dev>                           cuMulticastAddDevice
+ *   mc_bindmem <mc> <mcoff> <mem> <memoff> <size>          v1 ABI (current context's device)
+ *   mc_bindmem2 <mc> <dev> <mcoff> <mem> <memoff> <size>   13.1 device-explicit ABI
+ *   mc_bindaddr <mc> <mcoff> <ptr> <size>
+ *   mc_bindaddr2 <mc> <dev> <mcoff> <ptr> <size>
+ *   mc_bindmem2_gpa <mc> <dev> <mcoff> <mem> <memoff> <size>  the _v2 function obtained from
+ *                                               cuGetProcAddress("cuMulticastBindMem_v2", 13010)
+ *   mc_unbind <mc> <dev> <mcoff> <size>
+ *   memset32 <va> <value> <count>               cuMemsetD32 (through a multicast VA: broadcast)
+ *   read32 <va>                                 cuMemcpyDtoH of 4 bytes  -> ok <value>
  */
 #define _GNU_SOURCE
 #include <cuda.h>
@@ -206,6 +218,53 @@ int main(void) {
       }
       free(want);
       free(got);
+    } else if (!strcmp(c, "mc_create")) {
+      CUmulticastObjectProp p;
+      memset(&p, 0, sizeof p);
+      p.numDevices = (unsigned)num(argv[1]);
+      p.size = num(argv[2]);
+      p.handleTypes = num(argv[3]);
+      CUmemGenericAllocationHandle h = 0x99;
+      if (report(cuMulticastCreate(&h, &p))) continue;
+      printf("ok 0x%llx\n", (unsigned long long)h);
+    } else if (!strcmp(c, "mc_add")) {
+      if (report(cuMulticastAddDevice(num(argv[1]), (CUdevice)num(argv[2])))) continue;
+      printf("ok\n");
+    } else if (!strcmp(c, "mc_bindmem")) {
+      if (report(cuMulticastBindMem(num(argv[1]), num(argv[2]), num(argv[3]), num(argv[4]), num(argv[5]), 0))) continue;
+      printf("ok\n");
+    } else if (!strcmp(c, "mc_bindmem2")) {
+      if (report(cuMulticastBindMem_v2(num(argv[1]), (CUdevice)num(argv[2]), num(argv[3]), num(argv[4]), num(argv[5]),
+                                       num(argv[6]), 0)))
+        continue;
+      printf("ok\n");
+    } else if (!strcmp(c, "mc_bindmem2_gpa")) {
+      void *fn = NULL;
+      CUdriverProcAddressQueryResult st;
+      if (report(cuGetProcAddress("cuMulticastBindMem_v2", &fn, 13010, 0, &st))) continue;
+      typedef CUresult (*bind2_t)(CUmemGenericAllocationHandle, CUdevice, size_t, CUmemGenericAllocationHandle, size_t,
+                                  size_t, unsigned long long);
+      if (report(((bind2_t)fn)(num(argv[1]), (CUdevice)num(argv[2]), num(argv[3]), num(argv[4]), num(argv[5]),
+                               num(argv[6]), 0)))
+        continue;
+      printf("ok\n");
+    } else if (!strcmp(c, "mc_bindaddr")) {
+      if (report(cuMulticastBindAddr(num(argv[1]), num(argv[2]), num(argv[3]), num(argv[4]), 0))) continue;
+      printf("ok\n");
+    } else if (!strcmp(c, "mc_bindaddr2")) {
+      if (report(cuMulticastBindAddr_v2(num(argv[1]), (CUdevice)num(argv[2]), num(argv[3]), num(argv[4]), num(argv[5]), 0)))
+        continue;
+      printf("ok\n");
+    } else if (!strcmp(c, "mc_unbind")) {
+      if (report(cuMulticastUnbind(num(argv[1]), (CUdevice)num(argv[2]), num(argv[3]), num(argv[4])))) continue;
+      printf("ok\n");
+    } else if (!strcmp(c, "memset32")) {
+      if (report(cuMemsetD32(num(argv[1]), (unsigned)num(argv[2]), num(argv[3])))) continue;
+      printf("ok\n");
+    } else if (!strcmp(c, "read32")) {
+      unsigned v = 0;
+      if (report(cuMemcpyDtoH(&v, num(argv[1]), 4))) continue;
+      printf("ok 0x%x\n", v);
     } else if (!strcmp(c, "ticket")) {
       int fd = (int)num(argv[1]);
       unsigned char b[64];
