@@ -452,8 +452,8 @@ def health_cmd(agent_addr, service, tls_ca, tls_cert, tls_key):
 
 def _config_values(path) -> dict:
     """Settings from the YAML agent config (``cuinterpose.agent.config.load_config``), under
-    serve's option names; a bad file is a usage error naming the key. ``metricsPort: 0``
-    means off there (None here)."""
+    serve's option names; a bad file is a usage error naming the key. ``metricsPort`` means
+    what ``--metrics-port`` means: null (absent) = no metrics, 0 = a free port the OS picks."""
     from .config import ConfigError, load_config
     try:
         cfg = load_config(path)
@@ -463,24 +463,21 @@ def _config_values(path) -> dict:
     return {"listen": cfg.listen_address or None,
             "node": k.node_name or os.environ.get("NODE_NAME"),
             "control_dir": cfg.control_dir or None, "snapshot_dir": cfg.snapshot_dir or None,
-            "metrics_port": cfg.metrics_port or None, "driver": cfg.driver,
+            "metrics_port": cfg.metrics_port, "metrics_addr": cfg.metrics_address or None,
+            "driver": cfg.driver,
             "tls_cert": cfg.tls.cert_file or None, "tls_key": cfg.tls.key_file or None,
             "tls_client_ca": cfg.tls.ca_file or None,
             "kubernetes": k if k.enabled else None, "_config": cfg}
 
 
-def _start_watcher(cfg, stop):
-    """Start the pod watcher (agent/kube) of ``cfg`` in a daemon thread; returns (watcher,
-    thread). A bad Kubernetes setting is a usage error."""
-    import threading
-    from .kube.watcher import build_watcher
+def _start_watcher(srv, cfg, stop):
+    """Start the pod watcher (agent/kube) of ``cfg`` in the daemon ``srv`` (its requests take
+    the node lock and count in the metrics); returns (watcher, thread). A bad Kubernetes
+    setting is a usage error."""
     try:
-        w = build_watcher(cfg)
+        return srv.start_watcher(cfg, stop)
     except ValueError as e:
         raise click.UsageError(f"--config: {e}") from None
-    t = threading.Thread(target=w.run, args=(stop,), name="pod-watcher", daemon=True)
-    t.start()
-    return w, t
 
 
 @main.command()
@@ -493,8 +490,11 @@ def _start_watcher(cfg, stop):
 @click.option("--snapshot-dir", type=click.Path(file_okay=False), default=None,
               help="what ListSnapshots lists by default.")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
-              help="serve Prometheus metrics on this port (0: any free port).")
-@click.option("--metrics-addr", default="127.0.0.1", show_default=True)
+              help="serve Prometheus metrics on this port (0: a free port the OS picks; "
+                   "not given: no metrics, unless the config's metricsPort).")
+@click.option("--metrics-addr", default=None,
+              help="address of the metrics endpoint (default: the config's metricsAddress, "
+                   "else 127.0.0.1).")
 @click.option("--tls-cert", type=click.Path(dir_okay=False, exists=True), default=None,
               help="server certificate (PEM) for a TCP listener; also the client certificate "
                    "a leader presents to members.")
@@ -516,10 +516,11 @@ def serve(listen, config_file, node, snapshot_dir, metrics_port, metrics_addr, t
     import threading
     from .service import Server, ServeOptions, TLS, default_address
     given = dict(listen=listen, node=node, snapshot_dir=snapshot_dir, metrics_port=metrics_port,
-                 tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca, driver=driver,
-                 control_dir=control_dir)
+                 metrics_addr=metrics_addr, tls_cert=tls_cert, tls_key=tls_key,
+                 tls_client_ca=tls_client_ca, driver=driver, control_dir=control_dir)
     conf = _config_values(config_file) if config_file else {}
     v = {k: (given[k] if given[k] is not None else conf.get(k)) for k in given}
+    metrics_addr = v["metrics_addr"] or "127.0.0.1"
     if bool(v["tls_cert"]) != bool(v["tls_key"]):
         raise click.UsageError("--tls-cert and --tls-key go together")
     _set_env(v["driver"], v["control_dir"])
@@ -548,7 +549,7 @@ def serve(listen, config_file, node, snapshot_dir, metrics_port, metrics_addr, t
         from .checkpoint import strip_preload_env
         strip_preload_env()
         try:
-            watcher = _start_watcher(cfg, stop)
+            watcher = _start_watcher(srv, cfg, stop)
         except click.UsageError:
             srv.stop(0)
             raise
@@ -566,10 +567,7 @@ def serve(listen, config_file, node, snapshot_dir, metrics_port, metrics_addr, t
             click.echo("cuinterpose-agent: the pod watcher stopped; shutting down", err=True)
             srv.stop()
             sys.exit(1)
-    if watcher is not None:     # a running pod request always finishes
-        while watcher[0].in_flight and watcher[1].is_alive():
-            watcher[1].join(0.2)
-    srv.stop()
+    srv.stop()     # a running pod request finishes first (Server.stop closes the watcher)
 
 
 @main.command()

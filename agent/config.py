@@ -13,7 +13,8 @@ the file). Keys are camelCase in YAML and snake_case on the dataclasses::
     controlDir: ""                     # the shims' control directory; "" = $CUINTERPOSE_CONTROL_DIR
                                        # or /tmp/cuinterpose (as the CLI)
     snapshotDir: /var/lib/cuinterpose/snapshots
-    metricsPort: null                  # Prometheus metrics: null = off, 0 = any free port
+    metricsPort: null                  # Prometheus metrics: null = off, 0 = a free port the OS
+                                       # picks (as serve --metrics-port 0), else that port
     metricsAddress: ""                 # "" = serve's default (127.0.0.1)
     driver: ""                         # real | fake (fakecuda); "" = $CUINTERPOSE_DRIVER, else real
     quiesceTimeoutMs: 10000            # > 0
@@ -26,7 +27,8 @@ the file). Keys are camelCase in YAML and snake_case on the dataclasses::
       namespaces: []                   # only pods in these namespaces ([] = all)
       labelSelector: ""                # passed to list/watch, e.g. "cuinterpose.io/enabled=true"
       watchTimeoutSeconds: 300         # server-side timeout of one watch request
-      procRoot: /proc                  # the host's /proc (the DaemonSet runs with hostPID)
+      procRoot: /proc                  # the host's /proc (the DaemonSet runs with hostPID), or
+                                       # where it is mounted; the cgroup resolver reads it
       leaveRunning: false              # default of cuinterpose.io/checkpoint-leave-running
       kubeconfig: ""                   # "" = in-cluster config, else this kubeconfig file
       apiServer: ""                    # plain http(s) URL without credentials (tests only)

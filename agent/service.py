@@ -7,6 +7,13 @@ the same code the CLI runs, :mod:`cuinterpose.agent.ops`) and finally exactly on
 (``ok``, ``error`` with phase/pid/reason/outcome/node, the phases, and ``json``: the object the
 CLI prints with ``--json``). ``seq`` numbers the events of a stream 1, 2, ...
 
+One checkpoint or restore at a time per node: a single-node ``Checkpoint``/``Restore``, each
+group phase a member runs (``RunPhase``) and each request of the pod watcher (agent/kube, run
+in the daemon by :meth:`Server.start_watcher`) hold :attr:`AgentService.node_lock` while they
+run; one that finds it taken reports a ``note`` row saying what it waits for, then waits. The
+pod watcher's requests go through :meth:`AgentService.run_local`, so they count in the
+daemon's metrics as a gRPC request does.
+
 A request whose ``members`` is non-empty makes this agent the group leader
 (:mod:`cuinterpose.agent.group`). A member keeps the state of a group request between
 ``RunPhase`` calls in :attr:`AgentService.jobs`, keyed by the leader's request id.
@@ -16,8 +23,10 @@ Addresses: ``unix:/path`` (or ``unix:///path``) for a Unix socket, ``HOST:PORT``
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import logging
 import os
 import pathlib
 import queue
@@ -29,6 +38,8 @@ from . import ops
 from . import pb
 from .errors import AgentError
 from .report import Phase, Reporter
+
+log = logging.getLogger("cuinterpose.service")
 
 DEFAULT_ADDRESS_ENV = "CUINTERPOSE_AGENT_ADDR"
 SERVICE_NAME = "cuinterpose.v1.Agent"
@@ -267,6 +278,51 @@ class AgentService(_servicer_base()):
         self.jobs_lock = threading.Lock()
         #: threads running a request's work (joined before the daemon exits)
         self.active: set = set()
+        #: held by whatever checkpoints or restores on this node (see the module docstring)
+        self.node_lock = threading.Lock()
+        #: what holds ``node_lock`` now, in words ("" when free)
+        self.busy_with = ""
+
+    @contextlib.contextmanager
+    def exclusive(self, rep: Reporter, what: str):
+        """Hold :attr:`node_lock` for ``what`` (words for the note another request shows
+        while it waits). When the lock is taken, ``rep`` gets a note naming the holder first."""
+        if not self.node_lock.acquire(blocking=False):
+            rep.note(f"waiting for the node: {self.busy_with or 'another request'} is running "
+                     "(one checkpoint or restore at a time per node)")
+            self.node_lock.acquire()
+        self.busy_with = what
+        try:
+            yield
+        finally:
+            self.busy_with = ""
+            self.node_lock.release()
+
+    def run_local(self, kind: str, what: str, work: Callable[[Reporter], dict]) -> dict:
+        """Run ``work(reporter)`` (a ``kind`` = checkpoint/restore on this node that did not
+        come over gRPC: the pod watcher's) under :attr:`node_lock`, counted in the metrics as a
+        gRPC request is (in flight while it waits and runs, its phases, the finished request
+        succeeded/failed). Returns what ``work`` returns; its exceptions propagate."""
+        m = self.metrics
+
+        def sink(event, obj):
+            if event == "end" and m is not None:
+                m.phase_done(kind, obj.name, obj.elapsed_ns, obj.bytes)
+            elif event == "note":
+                log.info("%s: %s", what, obj)
+        rep = Reporter([sink])
+        if m is not None:
+            m.in_flight.labels(kind).inc()
+        ok = False
+        try:
+            with self.exclusive(rep, what):
+                result = work(rep)
+            ok = True
+            return result
+        finally:
+            if m is not None:
+                m.in_flight.labels(kind).dec()
+                m.finished(kind, ok)
 
     # helpers
     def _stream(self, kind: str, work: Callable, count: bool = True) -> Stream:
@@ -318,8 +374,12 @@ class AgentService(_servicer_base()):
                 "checkpoint", request, rep, emit, tls=self.opts.tls)))
         kw = self.checkpoint_kwargs(request)
         self._env(kw["driver"])
-        return iter(self._stream("checkpoint", lambda rep, emit: ops.checkpoint(
-            rep, list(request.roots), request.images_dir, **kw)))
+
+        def work(rep, emit):
+            with self.exclusive(rep, f"a gRPC checkpoint of root(s) "
+                                     f"{', '.join(map(str, request.roots)) or '-'}"):
+                return ops.checkpoint(rep, list(request.roots), request.images_dir, **kw)
+        return iter(self._stream("checkpoint", work))
 
     def Restore(self, request, context):
         if request.members:
@@ -328,8 +388,11 @@ class AgentService(_servicer_base()):
                 "restore", request, rep, emit, tls=self.opts.tls)))
         kw = self.restore_kwargs(request)
         self._env(kw["driver"])
-        return iter(self._stream("restore", lambda rep, emit: (ops.restore(
-            rep, request.images_dir, **kw), None)))
+
+        def work(rep, emit):
+            with self.exclusive(rep, f"a gRPC restore of {request.images_dir}"):
+                return ops.restore(rep, request.images_dir, **kw), None
+        return iter(self._stream("restore", work))
 
     def Inspect(self, request, context):
         cd = request.control_dir or self.opts.control_dir
@@ -349,7 +412,9 @@ class AgentService(_servicer_base()):
     def RunPhase(self, request, context):
         def work(rep, emit):
             try:
-                return self.run_phase(request, rep)
+                with self.exclusive(rep, f"phase {request.phase!r} of group {request.kind} "
+                                         f"{request.request_id}"):
+                    return self.run_phase(request, rep)
             except AgentError as e:
                 if not getattr(e, "node", ""):
                     e.node = self.opts.node
@@ -471,8 +536,11 @@ class Server:
         if not port and path is None:
             raise OSError(f"cannot listen on {listen}")
         self.metrics_port = None
-        if metrics_port is not None:
+        if metrics_port is not None:     # 0: a free port the OS picks
             self.metrics_port = self.metrics.serve(metrics_port, metrics_addr)
+        #: the pod watcher (agent/kube) and its thread, once :meth:`start_watcher` ran
+        self.watcher = None
+        self.watcher_thread: Optional[threading.Thread] = None
 
     def start(self) -> "Server":
         self.server.start()
@@ -483,12 +551,29 @@ class Server:
             self.health.set(name, self._health_pb2.HealthCheckResponse.SERVING)
         return self
 
+    def start_watcher(self, config, stop_event: threading.Event):
+        """Start the pod watcher of ``config.kubernetes`` (``kube.build_watcher``) in a daemon
+        thread. Its requests run through this daemon (``AgentService.run_local``: the node
+        lock, the metrics). Returns (watcher, thread); raises ``ValueError`` on a bad
+        Kubernetes setting. :meth:`stop` closes it."""
+        from .kube.actions import AgentActions
+        from .kube.watcher import build_watcher
+        w = build_watcher(config, AgentActions(config, service=self.service))
+        t = threading.Thread(target=w.run, args=(stop_event,), name="pod-watcher", daemon=True)
+        self.watcher, self.watcher_thread = w, t
+        t.start()
+        return w, t
+
     def stop(self, grace: float = 5.0) -> None:
-        """Health NOT_SERVING, no new RPCs, streams cancelled after ``grace`` seconds; then
-        wait for every running request's work to end (each phase has its own deadline: a
-        checkpoint is never abandoned half-way), and remove the Unix socket."""
+        """Health NOT_SERVING; the pod watcher starts no new request and a running one
+        finishes; no new RPCs, streams cancelled after ``grace`` seconds; then wait for every
+        running request's work to end (each phase has its own deadline: a checkpoint is never
+        abandoned half-way), and remove the Unix socket."""
         for name in ("", SERVICE_NAME):
             self.health.set(name, self._health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.watcher is not None:
+            self.watcher.close()          # waits for a running pod request
+            self.watcher_thread.join(10)  # its watch read was cut: it leaves at once
         self.server.stop(grace).wait()
         for t in list(self.service.active):
             t.join()

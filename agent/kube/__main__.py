@@ -48,15 +48,15 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"cuinterpose.agent.kube: {e}", file=sys.stderr)
         return 2
-    # the watch blocks in a socket read: run it in a daemon thread, and on a signal leave as
-    # soon as no checkpoint/restore is running (a running one always finishes)
+    # the watch blocks in a socket read: run it in a daemon thread, and on a signal close the
+    # watcher (a running checkpoint/restore finishes, none starts, the read is cut)
     t = threading.Thread(target=w.run, args=(stop,), name="pod-watcher", daemon=True)
     t.start()
     while not stop.wait(0.5):
         if not t.is_alive():
             return 1
-    while w.in_flight and t.is_alive():
-        t.join(0.2)
+    w.close()
+    t.join(10)
     return 0
 
 

@@ -20,24 +20,38 @@ class AgentActions:
     """The default actions: ``cuinterpose.agent.checkpoint.checkpoint`` and
     ``cuinterpose.agent.restore.restore`` with the config's driver, control directory and
     timeouts (empty ones: the agent's defaults, ``$CUINTERPOSE_DRIVER`` /
-    ``$CUINTERPOSE_CONTROL_DIR``; a restore uses the driver kind the manifest records)."""
+    ``$CUINTERPOSE_CONTROL_DIR``; a restore uses the driver kind the manifest records).
 
-    def __init__(self, config: AgentConfig):
+    ``service``: the daemon's ``AgentService`` when the watcher runs inside ``serve``; each
+    request then runs through ``service.run_local``: under the node lock that gRPC requests
+    hold too (a pod request and a gRPC checkpoint/restore never run at once) and counted in
+    the daemon's metrics. Without it (``python -m cuinterpose.agent.kube``) they run as they
+    are, one at a time in the watcher's thread."""
+
+    def __init__(self, config: AgentConfig, service=None):
         self.config = config
+        self.service = service
+
+    def _run(self, kind: str, pod: dict, name: str, work):
+        if self.service is None:
+            return work(None)
+        m = pod.get("metadata") or {}
+        return self.service.run_local(
+            kind, f"the {kind} {name} of pod {m.get('namespace')}/{m.get('name')}", work)
 
     def checkpoint(self, pod: dict, snapshot_name: str, *, roots, images_dir,
                    leave_running: bool = False) -> dict:
         from .. import checkpoint as checkpoint_mod
         c = self.config
-        return checkpoint_mod.checkpoint(
+        return self._run("checkpoint", pod, snapshot_name, lambda rep: checkpoint_mod.checkpoint(
             roots, images_dir, control_dir=c.control_dir or None, driver=c.driver or None,
             quiesce_timeout_ms=c.quiesce_timeout_ms, lock_timeout_ms=c.lock_timeout_ms,
             phase_timeout_s=c.phase_timeout_s, carrier_timeout_s=c.carrier_timeout_s,
-            leave_running=leave_running)
+            leave_running=leave_running, reporter=rep))
 
     def restore(self, pod: dict, snapshot: str, *, images_dir) -> dict:
         from .. import restore as restore_mod
         c = self.config
-        return restore_mod.restore(images_dir, driver=c.driver or None,
-                                   phase_timeout_s=c.phase_timeout_s,
-                                   carrier_timeout_s=c.carrier_timeout_s)
+        return self._run("restore", pod, snapshot, lambda rep: restore_mod.restore(
+            images_dir, driver=c.driver or None, phase_timeout_s=c.phase_timeout_s,
+            carrier_timeout_s=c.carrier_timeout_s, reporter=rep))

@@ -16,8 +16,10 @@ is listed or changes is passed to :meth:`PodWatcher.handle`, which decides
    ``Failed`` with the error (phase, pid, reason, outcome).
 
 ``run_watcher(config, actions=None, stop_event=None)`` builds the API client from the config
-and runs until ``stop_event`` is set (part A's ``serve`` calls it in a thread);
-``python -m cuinterpose.agent.kube --config FILE`` runs it standalone.
+and runs until ``stop_event`` is set; ``cuinterpose-agent serve`` runs it in a thread of the
+daemon (``service.Server.start_watcher``) and ``python -m cuinterpose.agent.kube --config
+FILE`` standalone. :meth:`PodWatcher.close` stops it: no new request starts, a running one
+finishes first, and the open watch read is cut so that the thread leaves at once.
 """
 from __future__ import annotations
 
@@ -92,6 +94,28 @@ class PodWatcher:
         #: patch_result: retries after the first attempt, and the first wait (seconds)
         self.result_retries = 5
         self.result_retry_s = 0.5
+        #: held while a request runs (from its claim to its result); close() waits for it
+        self._request_lock = threading.Lock()
+        #: guards ``_closed`` and ``_resp`` (the open watch response)
+        self._state_lock = threading.Lock()
+        self._closed = False
+        self._resp = None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Stop: wait until a running request has finished (it always does: each phase has
+        a deadline), start no new one, and cut the open watch read so that :meth:`run`
+        returns at once. Idempotent; safe from any thread but the watcher's own."""
+        with self._state_lock:
+            self._closed = True     # from here on no request starts
+            resp = self._resp
+        if resp is not None:
+            _cut(resp)
+        with self._request_lock:    # the running one (if any) has finished
+            pass
 
     # -- API calls ------------------------------------------------------------------------
     def list_pods(self) -> tuple[list[dict], str]:
@@ -131,6 +155,8 @@ class PodWatcher:
         if self.namespaces and ns not in self.namespaces:
             return
         for kind in ("checkpoint", "restore"):
+            if self._closed:
+                return
             d = A.decide(pod, kind, frozenset(self.in_flight))
             if d is None or d.action == "skip":
                 continue
@@ -148,6 +174,12 @@ class PodWatcher:
         return pathlib.Path(self.config.snapshot_dir) / pod["metadata"]["namespace"] / name
 
     def run_request(self, pod: dict, d: A.Decision) -> Optional[dict]:
+        with self._request_lock:
+            if self._closed:      # stopping: leave the request to the next agent
+                return None
+            return self._run_request(pod, d)
+
+    def _run_request(self, pod: dict, d: A.Decision) -> Optional[dict]:
         kind = d.kind
         st, msg = A.status_key(kind), A.message_key(kind)
         images_dir = self.snapshot_dir(pod, d.name)
@@ -257,7 +289,12 @@ class PodWatcher:
             if e.status == 410:
                 raise Gone(str(e)) from e
             raise
+        with self._state_lock:
+            self._resp = resp
+            closed = self._closed
         try:
+            if closed:
+                return rv
             for line in _lines(resp):
                 ev = json.loads(line)
                 typ, obj = ev.get("type"), ev.get("object") or {}
@@ -272,9 +309,15 @@ class PodWatcher:
                 new_rv = (obj.get("metadata") or {}).get("resourceVersion")
                 if new_rv:
                     rv = self.resource_version = new_rv
-                if stop_event is not None and stop_event.is_set():
+                if self._closed or (stop_event is not None and stop_event.is_set()):
                     break
+        except Exception:
+            if self._closed:      # close() cut the read
+                return rv
+            raise
         finally:
+            with self._state_lock:
+                self._resp = None
             resp.close()
             resp.release_conn()
         return rv
@@ -283,15 +326,17 @@ class PodWatcher:
         """List, then watch from the list's resourceVersion until ``stop_event`` is set;
         re-list after 410 Gone; after any other API error wait ``retry_s`` and re-list."""
         stop_event = stop_event or threading.Event()
-        while not stop_event.is_set():
+        while not (stop_event.is_set() or self._closed):
             try:
                 rv = self.relist()
-                while not stop_event.is_set():
+                while not (stop_event.is_set() or self._closed):
                     rv = self.watch_once(rv, stop_event)
             except Gone as e:
                 self.stats["gone"] += 1
                 log.info("watch expired (%s); re-listing", e)
             except Exception as e:
+                if self._closed:
+                    break
                 log.warning("pod watch failed (%s: %s); retrying in %.0f s",
                             type(e).__name__, e, retry_s)
                 stop_event.wait(retry_s)
@@ -308,6 +353,18 @@ def _lines(resp):
                 yield line.decode("utf-8", "replace")
     if buf.strip():
         yield buf.decode("utf-8", "replace")
+
+
+def _cut(resp) -> None:
+    """Shut the socket of a streamed response down from another thread: the read blocked
+    in it returns (urllib3 >= 2.3 ``HTTPResponse.shutdown``; else close it)."""
+    try:
+        if hasattr(resp, "shutdown"):
+            resp.shutdown()
+        else:
+            resp.close()
+    except Exception:
+        pass
 
 
 def _ref(pod: dict) -> str:

@@ -328,3 +328,49 @@ def test_run_watcher_needs_enabled_and_a_node():
     with pytest.raises(ValueError) as e:
         run_watcher(parse_config({}, env={}))
     assert str(e.value) == "kubernetes.enabled is false: the pod watcher is off"
+
+
+def test_close_cuts_the_watch_and_starts_no_request(api, actions, make_watcher):
+    """``close()`` (what serve's SIGTERM does): the thread leaves its watch at once (the
+    server timeout here is 300 s; the join's 30 s is a hang guard), and a pod handled after it
+    is neither claimed nor run."""
+    import threading
+    w = make_watcher(watchTimeoutSeconds=300)
+    stop = threading.Event()
+    t = threading.Thread(target=w.run, args=(stop,), daemon=True)
+    t.start()
+    assert api.wait_for(lambda a: any("watch=true" in q for _, q in a.requests), 30)
+    w.close()
+    t.join(30)
+    assert not t.is_alive() and w.closed and not stop.is_set()
+    api.add_pod(make_pod("p1", annotations={CK: "snap1"}))
+    w.handle(api.pod("default", "p1"))
+    assert (actions.calls, api.patches) == ([], [])
+    w.close()    # idempotent
+
+
+def test_close_waits_for_the_running_request(api, actions, make_watcher):
+    """A request running when ``close()`` is called finishes and its outcome is written
+    before ``close()`` returns."""
+    import threading
+    entered, release = threading.Event(), threading.Event()
+    orig = actions.checkpoint
+
+    def slow(*a, **kw):
+        entered.set()
+        release.wait(30)
+        return orig(*a, **kw)
+    actions.checkpoint = slow
+    api.add_pod(make_pod("p1", annotations={CK: "snap1"}))
+    w = make_watcher()
+    t = threading.Thread(target=w.relist, daemon=True)
+    t.start()
+    assert entered.wait(30)
+    closed = threading.Event()
+    c = threading.Thread(target=lambda: (w.close(), closed.set()), daemon=True)
+    c.start()
+    assert not closed.is_set()          # blocked on the running request
+    release.set()
+    c.join(30)
+    assert closed.is_set()
+    assert [a[ST] for a in ann_patches(api)] == ["Pending", "Running", "Succeeded"]

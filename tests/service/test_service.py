@@ -23,6 +23,11 @@ def cli(*args):
     return r.returncode, r.stdout, r.stderr
 
 
+def metrics_text(info) -> str:
+    return urllib.request.urlopen(f"http://127.0.0.1:{info['metrics_port']}/metrics",
+                                  timeout=10).read().decode()
+
+
 def metrics(info) -> dict:
     """{sample name with labels: value} of the daemon's /metrics (cuinterpose_* only)."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{info['metrics_port']}/metrics",
@@ -169,8 +174,9 @@ def test_unreachable_agent_exit_6(tmp_path):
 
 
 def test_serve_with_a_config_file(daemon, tmp_path):
-    """``serve --config``: the YAML loader's settings (listen address, snapshot dir, metrics off
-    with 0); options on the command line win."""
+    """``serve --config``: the YAML loader's settings (listen address, snapshot dir, metrics on
+    a free port with ``metricsPort: 0``, as ``--metrics-port 0``); options on the command line
+    win."""
     snaps = tmp_path / "snaps"
     (snaps / "s1").mkdir(parents=True)
     (snaps / "s1" / "manifest.json").write_text(json.dumps({
@@ -181,11 +187,14 @@ def test_serve_with_a_config_file(daemon, tmp_path):
     cfg.write_text(f"listenAddress: unix:{sock}\nsnapshotDir: {snaps}\nmetricsPort: 0\n"
                    "driver: fake\n")
     info = daemon("n-cfg", "--config", str(cfg), listen=None)
-    assert (info["metrics_port"], info["kubernetes"]) == (None, False)
+    assert (info["listen"], info["kubernetes"]) == (f"unix:{sock}", False)
+    assert info["metrics_port"] > 0
+    assert "# TYPE cuinterpose_requests_in_flight gauge" in metrics_text(info)
     rc, out, _ = cli("snapshots", "--agent", info["listen"], "--json")
     assert rc == 0 and [s["snapshot_id"] for s in json.loads(out)["snapshots"]] == ["x1"]
     info2 = daemon("n-cfg2", "--config", str(cfg))      # --listen given by the fixture wins
     assert info2["listen"] != f"unix:{sock}"
+    assert info2["metrics_port"] > 0 and info2["metrics_port"] != info["metrics_port"]
     import shutil
     shutil.rmtree(sockdir, ignore_errors=True)
 
@@ -222,3 +231,35 @@ def test_serve_config_errors_are_usage_errors(tmp_path):
             os.environ["NODE_NAME"] = env_node
     assert rc == 2
     assert "nodeName" in json.loads(out)["error"]["reason"]
+
+
+@pytest.mark.parametrize("doc,args,port", [
+    ("", (), None),                                   # neither: no metrics
+    ("metricsPort: null\n", (), None),                # null: no metrics
+    ("metricsPort: 0\n", (), "free"),                 # 0 in the file: a free port
+    ("", ("--metrics-port", "0"), "free"),            # 0 on the command line: the same
+    ("metricsPort: null\n", ("--metrics-port", "0"), "free"),   # the command line wins
+])
+def test_metrics_port_zero_means_a_free_port_in_the_config_and_on_the_command_line(
+        daemon, tmp_path, doc, args, port):
+    cfg = tmp_path / "agent.yaml"
+    cfg.write_text(doc + "driver: fake\n")
+    info = daemon("n-m", "--config", str(cfg), *args)
+    if port is None:
+        assert info["metrics_port"] is None
+    else:
+        assert info["metrics_port"] > 0
+        assert "# TYPE cuinterpose_requests_in_flight gauge" in metrics_text(info)
+
+
+def test_metrics_address_comes_from_the_config_unless_given(tmp_path):
+    """``metricsAddress`` (the chart sets 0.0.0.0 so that Prometheus can scrape the pod) is
+    what serve binds; ``--metrics-addr`` wins."""
+    from cuinterpose.agent import cli as cli_mod
+    cfg = tmp_path / "agent.yaml"
+    cfg.write_text("metricsPort: 9464\nmetricsAddress: 0.0.0.0\n")
+    v = cli_mod._config_values(str(cfg))
+    assert (v["metrics_port"], v["metrics_addr"]) == (9464, "0.0.0.0")
+    cfg.write_text("metricsPort: 0\n")
+    v = cli_mod._config_values(str(cfg))
+    assert (v["metrics_port"], v["metrics_addr"]) == (0, None)
