@@ -10,9 +10,12 @@ the file). Keys are camelCase in YAML and snake_case on the dataclasses::
 
     listenAddress: ""                  # gRPC: HOST:PORT, [V6]:PORT or unix:/PATH; "" = serve's default
     tls: {certFile: PATH, keyFile: PATH, caFile: PATH}   # all optional; cert and key together
+    insecureTcp: false                 # allow a non-loopback TCP listener without mutual TLS
+                                       # (tls.caFile); loud warning (docs/service.md "Security")
     controlDir: ""                     # the shims' control directory; "" = $CUINTERPOSE_CONTROL_DIR
                                        # or /tmp/cuinterpose (as the CLI)
-    snapshotDir: /var/lib/cuinterpose/snapshots
+    snapshotDir: /var/lib/cuinterpose/snapshots   # the daemon confines every images dir
+                                       # and ListSnapshots dir of a request to it
     metricsPort: null                  # Prometheus metrics: null = off, 0 = a free port the OS
                                        # picks (as serve --metrics-port 0), else that port
     metricsAddress: ""                 # "" = serve's default (127.0.0.1)
@@ -155,6 +158,7 @@ class AgentConfig:
 
     listen_address: str = _field("listenAddress", "", check=_listen)
     tls: TLSConfig = _field("tls", factory=TLSConfig)
+    insecure_tcp: bool = _field("insecureTcp", False)
     control_dir: str = _field("controlDir", "", check=_absolute_or_empty)
     snapshot_dir: str = _field("snapshotDir", "/var/lib/cuinterpose/snapshots", check=_absolute)
     metrics_port: Optional[int] = _field("metricsPort", None, check=_port_or_zero)

@@ -20,6 +20,14 @@ A request whose ``members`` is non-empty makes this agent the group leader
 
 Addresses: ``unix:/path`` (or ``unix:///path``) for a Unix socket, ``HOST:PORT`` for TCP
 (TLS when a certificate and key are given; mutual TLS with a client CA).
+:func:`listener_security` says whether a listener is safe to open (``serve`` refuses a
+non-loopback TCP listener without mutual TLS unless ``--insecure-tcp``).
+
+Path confinement: every images dir of a ``Checkpoint``/``Restore`` request (and of a group
+member's ``RunPhase``) and every ``ListSnapshots`` dir is resolved against the daemon's
+snapshot roots (:meth:`AgentService.confine`, :func:`confine_path`): a relative path is taken
+relative to the first root; a path that resolves (symlinks, ``..``) outside every root is
+refused before anything happens.
 """
 from __future__ import annotations
 
@@ -43,6 +51,8 @@ log = logging.getLogger("cuinterpose.service")
 
 DEFAULT_ADDRESS_ENV = "CUINTERPOSE_AGENT_ADDR"
 SERVICE_NAME = "cuinterpose.v1.Agent"
+#: the daemon's snapshot root when neither ``--snapshot-dir`` nor the config names one
+DEFAULT_SNAPSHOT_DIR = "/var/lib/cuinterpose/snapshots"
 
 
 def default_address() -> str:
@@ -68,6 +78,85 @@ def unix_path(addr: str) -> Optional[str]:
     if addr.startswith("unix:"):
         return addr[len("unix:"):]
     return None
+
+
+def tcp_host(addr: str) -> Optional[str]:
+    """The host part of a TCP address (``HOST:PORT``, ``[V6]:PORT``), brackets removed; None
+    for a Unix socket address."""
+    target = normalize_address(addr)
+    if unix_path(target) is not None:
+        return None
+    host = target.rsplit(":", 1)[0] if ":" in target else target
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host
+
+
+def is_loopback_host(host: str) -> bool:
+    """127.0.0.0/8, ::1 (and the name ``localhost``). An empty host, ``0.0.0.0``, ``[::]``
+    and any other name are not loopback."""
+    import ipaddress
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def listener_security(addr: str, tls: Optional["TLS"], insecure_tcp: bool = False) -> dict:
+    """Whether a daemon may listen on ``addr`` with ``tls``. Returns {"kind": "unix" |
+    "loopback" | "mtls" | "tls" | "plaintext", "insecure": bool, "warning": str}; raises
+    ``ValueError`` (the refusal, in words) for a non-loopback TCP listener without mutual TLS
+    unless ``insecure_tcp``: every RPC is a root action (a checkpoint kills a process tree, a
+    restore runs CRIU images as root), so the caller must be authenticated."""
+    host = tcp_host(addr)
+    if host is None:
+        return {"kind": "unix", "insecure": False, "warning": ""}
+    has_tls = tls is not None and bool(tls.cert)
+    mtls = has_tls and bool(tls.ca)
+    if mtls:
+        return {"kind": "mtls", "insecure": False, "warning": ""}
+    if is_loopback_host(host):
+        return {"kind": "loopback", "insecure": False, "warning": ""}
+    what = ("TLS without client certificates (--tls-client-ca): the server is authenticated, "
+            "the caller is not" if has_tls else "plaintext without TLS or authentication")
+    if not insecure_tcp:
+        raise ValueError(
+            f"refusing to listen on {addr}: a non-loopback TCP address with {what}; every RPC "
+            "is a root action (a checkpoint kills the job's process tree, a restore runs CRIU "
+            "images as root) and anyone who reaches the address could call it. Use mutual TLS "
+            "(--tls-cert, --tls-key and --tls-client-ca), a unix: socket or a loopback "
+            "address, or pass --insecure-tcp to accept the risk")
+    return {"kind": "tls" if has_tls else "plaintext", "insecure": True,
+            "warning": f"WARNING: INSECURE: listening on {addr} with {what} (--insecure-tcp): "
+                       "anyone who reaches this address can checkpoint (kill) any opted-in "
+                       "job and restore images as root on this node"}
+
+
+def confine_path(path: str, roots: list, *, what: str = "images dir",
+                 phase: str = "images dir") -> str:
+    """``path`` resolved against the snapshot ``roots`` (absolute directories): a relative
+    path is taken relative to ``roots[0]``; the result (symlinks and ``..`` resolved) must be
+    one of the roots or lie under one. Returns the resolved path; raises ``AgentError``
+    (outcome refused, nothing was done) naming the path and the allowed root(s)."""
+    if not roots:
+        raise AgentError(phase, f"{what} {path!r}: the agent has no snapshot directory",
+                         outcome="refused")
+    real_roots = [os.path.realpath(r) for r in roots]
+    if not path:
+        raise AgentError(phase, f"no {what} given", outcome="usage")
+    if "\0" in path:
+        raise AgentError(phase, f"{what} {path!r}: contains a NUL byte", outcome="refused")
+    joined = path if os.path.isabs(path) else os.path.join(roots[0], path)
+    real = os.path.realpath(joined)
+    for r in real_roots:
+        if real == r or real.startswith(r.rstrip("/") + "/"):
+            return real
+    allowed = " or ".join(real_roots)
+    raise AgentError(phase, f"{what} {path} resolves to {real}, outside the agent's snapshot "
+                     f"directory {allowed}; refused, nothing was done (the agent only reads "
+                     "and writes under its --snapshot-dir)", outcome="refused")
 
 
 @dataclasses.dataclass
@@ -233,14 +322,21 @@ class Stream:
 class ServeOptions:
     """What ``serve`` was started with. ``node``: name in events and errors (default the
     host name); ``control_dir``/``driver``: defaults for requests that name none;
-    ``snapshot_dir``: what ``ListSnapshots`` lists by default; ``tls``: credentials for the
-    listener (TCP) and for the channels a leader opens to members."""
+    ``snapshot_dir``: what ``ListSnapshots`` lists by default and the root relative images
+    dirs are taken from (``snapshot_roots``: all the roots requests are confined to);
+    ``tls``: credentials for the listener (TCP) and for the channels a leader opens to
+    members."""
 
     node: str = ""
     control_dir: Optional[str] = None
     driver: Optional[str] = None
     snapshot_dir: Optional[str] = None
+    #: every directory requests may name (images dirs, ListSnapshots); default
+    #: [snapshot_dir] or [DEFAULT_SNAPSHOT_DIR]. The first is where relative paths point.
+    snapshot_roots: tuple = ()
     tls: Optional[TLS] = None
+    #: allow a non-loopback TCP listener without mutual TLS (``serve --insecure-tcp``)
+    insecure_tcp: bool = False
     #: defaults for a CheckpointRequest/RestoreRequest that leaves them unset (0)
     quiesce_timeout_ms: int = 10_000
     lock_timeout_ms: int = 10_000
@@ -282,6 +378,22 @@ class AgentService(_servicer_base()):
         self.node_lock = threading.Lock()
         #: what holds ``node_lock`` now, in words ("" when free)
         self.busy_with = ""
+
+    def roots(self) -> list:
+        """The snapshot roots requests are confined to (absolute, the first one first)."""
+        o = self.opts
+        roots = list(o.snapshot_roots) or [o.snapshot_dir or DEFAULT_SNAPSHOT_DIR]
+        if o.snapshot_dir and o.snapshot_dir not in roots:
+            roots.insert(0, o.snapshot_dir)
+        return [os.path.abspath(r) for r in roots]
+
+    def confine(self, path: str, *, what: str = "images dir", phase: str = "images dir") -> str:
+        """:func:`confine_path` against :meth:`roots`; logs a refusal."""
+        try:
+            return confine_path(path, self.roots(), what=what, phase=phase)
+        except AgentError as e:
+            log.warning("refused: %s", e)
+            raise
 
     @contextlib.contextmanager
     def exclusive(self, rep: Reporter, what: str):
@@ -376,9 +488,10 @@ class AgentService(_servicer_base()):
         self._env(kw["driver"])
 
         def work(rep, emit):
+            images_dir = self.confine(request.images_dir)
             with self.exclusive(rep, f"a gRPC checkpoint of root(s) "
                                      f"{', '.join(map(str, request.roots)) or '-'}"):
-                return ops.checkpoint(rep, list(request.roots), request.images_dir, **kw)
+                return ops.checkpoint(rep, list(request.roots), images_dir, **kw)
         return iter(self._stream("checkpoint", work))
 
     def Restore(self, request, context):
@@ -390,8 +503,9 @@ class AgentService(_servicer_base()):
         self._env(kw["driver"])
 
         def work(rep, emit):
-            with self.exclusive(rep, f"a gRPC restore of {request.images_dir}"):
-                return ops.restore(rep, request.images_dir, **kw), None
+            images_dir = self.confine(request.images_dir)
+            with self.exclusive(rep, f"a gRPC restore of {images_dir}"):
+                return ops.restore(rep, images_dir, **kw), None
         return iter(self._stream("restore", work))
 
     def Inspect(self, request, context):
@@ -406,7 +520,8 @@ class AgentService(_servicer_base()):
             if not d:
                 raise AgentError("snapshots", "no directory given and the agent has no "
                                  "--snapshot-dir", outcome="usage")
-            return ops.list_snapshots(d), None
+            return ops.list_snapshots(self.confine(d, what="snapshot dir",
+                                                   phase="snapshots")), None
         return iter(self._stream("list", work))
 
     def RunPhase(self, request, context):
@@ -442,7 +557,11 @@ class AgentService(_servicer_base()):
                 if name != cls.GROUP_PHASES[0]:
                     raise AgentError("group", f"request {rid}: phase {name!r} for an unknown "
                                      "request (nothing was changed)")
-                job = Job(kind, self._make(kind, req))
+                try:
+                    obj = self._make(kind, req)
+                except AgentError as e:    # a confinement refusal: the leader's undo phases
+                    obj = _Refused(kind, req, e)   # still find the job (and do nothing)
+                job = Job(kind, obj)
                 self.jobs[rid] = job
         with job.lock:
             if job.kind != kind:
@@ -482,26 +601,55 @@ class AgentService(_servicer_base()):
         return {"ok": True, "node": self.opts.node, "phase": name, "state": state}, None
 
     def _make(self, kind, req):
+        """The member's Checkpoint/Restore for the first phase of a group request; its images
+        dir confined to the snapshot roots (``AgentError`` when outside)."""
         from .checkpoint import Checkpoint
         from .restore import Restore
         if kind == "checkpoint":
             c = req.checkpoint
+            images_dir = self.confine(c.images_dir)
             kw = self.checkpoint_kwargs(c)
             self._env(kw["driver"])
-            obj = Checkpoint(list(c.roots), c.images_dir, reporter=Reporter(), **kw)
+            obj = Checkpoint(list(c.roots), images_dir, reporter=Reporter(), **kw)
             if req.HasField("group"):
                 obj.group = pb.message_to_dict(req.group)
             return obj
+        images_dir = self.confine(req.restore.images_dir)
         kw = self.restore_kwargs(req.restore)
         self._env(kw["driver"])
-        return Restore(req.restore.images_dir, reporter=Reporter(), **kw)
+        return Restore(images_dir, reporter=Reporter(), **kw)
+
+
+class _Refused:
+    """A group member's job whose request was refused before anything happened (its images
+    dir is outside the snapshot roots): the first phase raises the refusal, the undo phases
+    the leader then sends do nothing."""
+
+    def __init__(self, kind: str, req, error: AgentError):
+        self.kind = kind
+        self.error = error
+        self.r = Reporter()
+        sub = req.checkpoint if kind == "checkpoint" else req.restore
+        self.images_dir = sub.images_dir
+
+    def run_phase(self, name: str) -> dict:
+        from .checkpoint import Checkpoint
+        from .restore import Restore
+        cls = Checkpoint if self.kind == "checkpoint" else Restore
+        if name not in cls.GROUP_UNDO:
+            raise self.error
+        if self.kind == "checkpoint":
+            return {"torn_down": False, "snapshot_id": None, "images_dir": self.images_dir,
+                    "manifest_written": False}
+        return {}
 
 
 # -- server ------------------------------------------------------------------------------------
 
 class Server:
     """A running daemon: the gRPC server with the ``Agent`` and health services, and the
-    metrics endpoint. ``address`` is the bound address (a TCP port 0 is resolved)."""
+    metrics endpoint. ``address`` is the bound address (a TCP port 0 is resolved). Raises
+    ``ValueError`` for a listener :func:`listener_security` refuses."""
 
     def __init__(self, listen: str, opts: ServeOptions, *, metrics_port: Optional[int] = None,
                  metrics_addr: str = "127.0.0.1", max_workers: int = 32):
@@ -518,6 +666,8 @@ class Server:
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._health_pb2 = health_pb2
+        #: listener_security(): {"kind", "insecure", "warning"}; refuses before binding
+        self.security = listener_security(listen, opts.tls, opts.insecure_tcp)
         target = normalize_address(listen)
         path = unix_path(target)
         if path is not None:

@@ -61,7 +61,13 @@ def _required(msg, v):
     return v
 
 
+def _fail(msg):
+    raise TemplateError(f"fail: {msg}")
+
+
 FUNCS = {
+    "fail": _fail,
+    "hasPrefix": lambda pre, s: str(s).startswith(str(pre)),
     "default": lambda d, v=None: v if _truthy(v) else d,
     "quote": lambda v: '"' + str("" if v is None else v).replace("\\", "\\\\").replace('"', '\\"') + '"',
     "squote": lambda v: "'" + str(v) + "'",

@@ -85,18 +85,87 @@ def test_example_validates_alone_and_merged(validator, example):
     ({"config": {"driver": "cuda"}}, "config/driver: 'cuda' is not one of ['real', 'fake']"),
     ({"controlDir": {"hostPath": "run/x"}}, "controlDir/hostPath: 'run/x' does not match '^/'"),
     ({"replicas": 2}, ": Additional properties are not allowed ('replicas' was unexpected)"),
+    ({"config": {"insecureTcp": True}},
+     "config: Additional properties are not allowed ('insecureTcp' was unexpected)"),
+    # a TCP listener only with mutual TLS (docs/kubernetes.md "Security")
+    ({"config": {"listenAddress": "0.0.0.0:7443"}}, "tls/secretName: '' should be non-empty"),
+    ({"config": {"listenAddress": "10.0.0.5:7443"}, "tls": {"secretName": "s", "clientCA": False}},
+     "tls/clientCA: True was expected"),
 ])
 def test_schema_rejects(validator, override, expected):
     assert errors(validator, values(override)) == [expected]
 
 
+def test_schema_rejects_tcp_without_any_tls(validator):
+    assert errors(validator, values({"config": {"listenAddress": "[::]:7443"},
+                                     "tls": {"secretName": "", "clientCA": False}})) == [
+        "tls/clientCA: True was expected", "tls/secretName: '' should be non-empty"]
+
+
+@pytest.mark.parametrize("override", [
+    {"config": {"listenAddress": "0.0.0.0:7443"}, "tls": {"secretName": "t", "clientCA": True}},
+    {"config": {"listenAddress": "unix:/run/other/a.sock"}, "tls": {"clientCA": False}},
+    {"config": {"listenAddress": "unix:/run/other/a.sock"}, "tls": {"secretName": "t"}},
+])
+def test_schema_accepts_unix_sockets_and_tcp_with_mutual_tls(validator, override):
+    assert errors(validator, values(override)) == []
+
+
+@pytest.mark.parametrize("override", [
+    {"config": {"listenAddress": "0.0.0.0:7443"}},
+    {"config": {"listenAddress": "0.0.0.0:7443"}, "tls": {"secretName": "t", "clientCA": False}},
+    {"config": {"listenAddress": "127.0.0.1:7443"}},
+])
+def test_template_refuses_tcp_without_mutual_tls(override):
+    """helm --skip-schema-validation: the template still refuses (the daemon would too)."""
+    with pytest.raises(minihelm.TemplateError) as e:
+        render(override)
+    assert str(e.value) == (
+        "fail: config.listenAddress is a TCP address: set tls.secretName (a Secret with "
+        "tls.crt, tls.key and ca.crt) and tls.clientCA: true (mutual TLS), or use a unix: "
+        "address")
+
+
+def agent_container(docs):
+    (ds,) = docs["DaemonSet"]
+    (agent,) = ds["spec"]["template"]["spec"]["containers"]
+    return agent
+
+
+def test_probes_run_health_against_the_unix_socket_by_default():
+    agent = agent_container(render())
+    cmd = ["cuinterpose-agent", "health", "--agent", "unix:/run/cuinterpose-agent/agent.sock"]
+    assert agent["readinessProbe"] == {"exec": {"command": cmd}, "initialDelaySeconds": 5,
+                                       "periodSeconds": 20, "timeoutSeconds": 10,
+                                       "failureThreshold": 3}
+    assert agent["livenessProbe"] == {"exec": {"command": cmd}, "initialDelaySeconds": 5,
+                                      "periodSeconds": 20, "timeoutSeconds": 10,
+                                      "failureThreshold": 6}
+    assert agent["ports"] == [{"name": "metrics", "containerPort": 9464}]   # no gRPC port
+    agent = agent_container(render({"probes": {"enabled": False}}))
+    assert "readinessProbe" not in agent and "livenessProbe" not in agent
+
+
+def test_probes_present_the_tls_secret_on_tcp():
+    ex = yaml.safe_load((CHART / "examples" / "tls-selected-namespaces.yaml").read_text())
+    agent = agent_container(render(ex))
+    cmd = ["cuinterpose-agent", "health", "--agent", "localhost:7443",
+           "--tls-ca", "/etc/cuinterpose/tls/ca.crt", "--tls-cert", "/etc/cuinterpose/tls/tls.crt",
+           "--tls-key", "/etc/cuinterpose/tls/tls.key"]
+    assert agent["readinessProbe"]["exec"]["command"] == cmd
+    assert agent["livenessProbe"]["exec"]["command"] == cmd
+    assert agent["ports"] == [{"name": "grpc", "containerPort": 7443},
+                              {"name": "metrics", "containerPort": 9464}]
+
+
 def test_schema_config_keys_match_the_loader():
     """The chart's `config` section plus what the chart writes itself (controlDir,
-    snapshotDir, tls) is exactly the loader's set of keys, section by section."""
+    snapshotDir, tls) and insecureTcp (never set by the chart) is exactly the loader's set of
+    keys, section by section."""
     schema = json.loads((CHART / "values.schema.json").read_text())
     cfg = schema["properties"]["config"]["properties"]
     top = {f.metadata["key"] for f in dataclasses.fields(AgentConfig)}
-    assert set(cfg) | {"controlDir", "snapshotDir", "tls"} == top
+    assert set(cfg) | {"controlDir", "snapshotDir", "tls", "insecureTcp"} == top
     from cuinterpose.agent.config import KubernetesConfig
     assert set(cfg["kubernetes"]["properties"]) == {
         f.metadata["key"] for f in dataclasses.fields(KubernetesConfig)}
@@ -128,11 +197,15 @@ def test_default_render():
                    "CUINTERPOSE_LIB_DIR": "/opt/cuinterpose/lib"}
     mounts = {m["name"]: m["mountPath"] for m in agent["volumeMounts"]}
     assert mounts == {"config": "/etc/cuinterpose/config.yaml", "control": "/run/cuinterpose",
+                      "agent-socket": "/run/cuinterpose-agent",
                       "snapshots": "/var/lib/cuinterpose/snapshots", "shim": "/opt/cuinterpose"}
     vols = {v["name"]: {k: x for k, x in v.items() if k != "name"} for v in spec["volumes"]}
     assert vols["snapshots"] == {"hostPath": {"path": "/var/lib/cuinterpose/snapshots",
                                               "type": "DirectoryOrCreate"}}
     assert vols["control"] == {"hostPath": {"path": "/run/cuinterpose", "type": "DirectoryOrCreate"}}
+    # the agent's socket is not in the control directory (every workload pod mounts that)
+    assert vols["agent-socket"] == {"hostPath": {"path": "/run/cuinterpose-agent",
+                                                 "type": "DirectoryOrCreate"}}
     assert vols["config"] == {"configMap": {"name": "cuinterpose"}}
     assert ds["spec"]["selector"]["matchLabels"] == {
         "app.kubernetes.io/name": "cuinterpose", "app.kubernetes.io/instance": "cuinterpose"}
@@ -157,7 +230,7 @@ def test_configmap_document_loads_with_the_agent_loader():
     text = configmap_document(render())
     cfg = load_config(text, env={"NODE_NAME": "gpu-node-1"})
     assert cfg == AgentConfig(
-        listen_address="0.0.0.0:7443", control_dir="/run/cuinterpose",
+        listen_address="unix:/run/cuinterpose-agent/agent.sock", control_dir="/run/cuinterpose",
         snapshot_dir="/var/lib/cuinterpose/snapshots", metrics_port=9464,
         metrics_address="0.0.0.0", driver="real",
         kubernetes=dataclasses.replace(AgentConfig().kubernetes, enabled=True,

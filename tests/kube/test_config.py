@@ -89,8 +89,8 @@ def test_from_file_and_node_name_from_env(tmp_path):
      "kubeconfig, labelSelector, leaveRunning, namespaces, nodeName, procRoot, watchTimeoutSeconds)"),
     ("kubernetes: [1]", "kubernetes: expected a mapping, got [1] (list)"),
     ("snapshotDirs: /x", "snapshotDirs: unknown key (known: carrierTimeoutS, controlDir, driver, "
-     "kubernetes, listenAddress, lockTimeoutMs, metricsAddress, metricsPort, phaseTimeoutS, "
-     "quiesceTimeoutMs, snapshotDir, tls)"),
+     "insecureTcp, kubernetes, listenAddress, lockTimeoutMs, metricsAddress, metricsPort, "
+     "phaseTimeoutS, quiesceTimeoutMs, snapshotDir, tls)"),
     ("snapshotDir: var/snap", "snapshotDir: must be an absolute path, got 'var/snap'"),
     ("driver: cuda", "driver: must be one of \"\", real, fake, got 'cuda'"),
     ("controlDir: run/x", "controlDir: must be an absolute path, got 'run/x'"),

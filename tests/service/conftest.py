@@ -17,9 +17,12 @@ def _short_dir() -> str:
 
 
 @pytest.fixture
-def daemon():
+def daemon(tmp_path_factory):
     """daemon(node, *extra_args, listen=None) -> dict from ``serve --json``'s ready line
-    ({"listen", "metrics_port", "node", "pid"}) plus "proc" and "stderr" (path)."""
+    ({"listen", "metrics_port", "node", "pid", "insecure", "snapshot_dirs"}) plus "proc" and
+    "stderr" (path). Without ``--snapshot-dir`` or ``--config`` among the args the daemon's
+    snapshot root is pytest's base temporary directory (every test's ``tmp_path`` lies under
+    it: the daemon confines request paths to its roots)."""
     procs = []
     dirs = []
 
@@ -30,6 +33,8 @@ def daemon():
         if listen == "":
             listen = f"unix:{d}/agent.sock"
         lopt = ["--listen", listen] if listen is not None else []
+        if "--snapshot-dir" not in extra and "--config" not in extra:
+            extra = (*extra, "--snapshot-dir", str(tmp_path_factory.getbasetemp()))
         env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
         err = open(os.path.join(d, "stderr"), "wb")
         p = subprocess.Popen([sys.executable, "-m", "cuinterpose.agent.cli", "serve", *lopt,

@@ -18,10 +18,13 @@ from cuinterpose.agent.kube.actions import AgentActions
 
 
 @pytest.fixture
-def server(monkeypatch):
+def server(monkeypatch, tmp_path_factory):
     monkeypatch.setenv("CUINTERPOSE_DRIVER", "fake")   # the service sets it; restored after
     d = tempfile.mkdtemp(prefix="cui-lock-")
-    srv = service.Server(f"unix:{d}/a.sock", service.ServeOptions(node="n1", driver="fake"),
+    # request paths are confined to the snapshot dir: every test's tmp_path lies under it
+    snaps = str(tmp_path_factory.getbasetemp())
+    srv = service.Server(f"unix:{d}/a.sock", service.ServeOptions(node="n1", driver="fake",
+                                                                  snapshot_dir=snaps),
                          metrics_port=None).start()
     yield srv
     srv.stop(0)

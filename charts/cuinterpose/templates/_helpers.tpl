@@ -36,3 +36,14 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- define "cuinterpose.image" -}}
 {{- printf "%s@%s" .Values.image.repository (required "image.digest is required" .Values.image.digest) -}}
 {{- end -}}
+
+{{- /* The probes' command: `cuinterpose-agent health` against config.listenAddress (a wildcard
+TCP host becomes localhost; TCP presents the TLS Secret's certificate), as a flow list. */ -}}
+{{- define "cuinterpose.healthCommand" -}}
+{{- $addr := .Values.config.listenAddress | replace "0.0.0.0:" "localhost:" | replace "[::]:" "localhost:" -}}
+{{- if hasPrefix "unix:" .Values.config.listenAddress -}}
+["cuinterpose-agent", "health", "--agent", {{ $addr | quote }}]
+{{- else -}}
+["cuinterpose-agent", "health", "--agent", {{ $addr | quote }}, "--tls-ca", "/etc/cuinterpose/tls/ca.crt", "--tls-cert", "/etc/cuinterpose/tls/tls.crt", "--tls-key", "/etc/cuinterpose/tls/tls.key"]
+{{- end -}}
+{{- end -}}
