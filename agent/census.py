@@ -79,6 +79,9 @@ class Process:
     socket_path: Optional[str] = None
     cuda_state: Optional[str] = None
     cuda_error: Optional[str] = None
+    #: session id and controlling tty (``tty_nr``, 0 = none) from ``/proc/PID/stat``
+    sid: Optional[int] = None
+    tty_nr: int = 0
 
     @property
     def is_participant(self) -> bool:
@@ -137,6 +140,15 @@ def read_stat_state(pid: int) -> tuple[int, str, str]:
     comm = data[lp + 1:rp]
     fields = data[rp + 2:].split()
     return int(fields[1]), comm, fields[0]
+
+
+def read_session(pid: int) -> tuple[int, int]:
+    """(session id, tty_nr) of ``pid`` from ``/proc/PID/stat`` (tty_nr 0: no controlling
+    terminal); raises ``FileNotFoundError`` if gone."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        data = f.read().decode(errors="replace")
+    fields = data[data.rindex(")") + 2:].split()
+    return int(fields[3]), int(fields[4])
 
 
 def walk_tree(roots: Iterable[int]) -> list[tuple[int, int, str]]:
@@ -240,14 +252,81 @@ def take_census(roots: Iterable[int], *, control_dir: os.PathLike | str | None =
         if _is_socket(sock):
             p.socket_path = str(sock)
         try:
+            p.sid, p.tty_nr = read_session(pid)
+        except (FileNotFoundError, ProcessLookupError, ValueError, IndexError):
+            pass
+        try:
             p.cuda_state = get_state(pid)
         except NativeError as e:
             p.cuda_error = e.result
         procs.append(p)
     census = Census(roots=list(dict.fromkeys(int(r) for r in roots)), processes=procs, shim=shim,
                     control_dir=control_dir)
+    check_rank_roots(census)
     check(census)
     return census
+
+
+def check_rank_roots(census: Census) -> None:
+    """Refuse a root that is no participant while its parent maps the installed shim *and* has
+    a control socket (the parent called ``cuInit``: a CUDA rank or a launcher under the shim,
+    not just a shell started with ``LD_PRELOAD``): the pid is one rank of a job whose root is
+    above it, and the workload would never answer its quiesce request. (A parent that maps the
+    shim without a socket is ambiguous: the quiesce timeout then carries
+    :func:`job_root_hint`.)"""
+    by_pid = {p.pid: p for p in census.processes}
+    for r in census.roots:
+        p = by_pid.get(r)
+        if p is None or p.ppid <= 1:
+            continue
+        if not _is_socket(socket_path(census.control_dir, p.ppid)):
+            continue
+        try:
+            if shim_mapping(p.ppid, census.shim)[0] != "installed":
+                continue
+            pcomm = read_stat(p.ppid)[1]
+        except (CensusError, FileNotFoundError, ProcessLookupError, ValueError):
+            continue
+        raise CensusError("census", f"({p.comm}) looks like a rank, not the root of its job: its "
+                          f"parent pid {p.ppid} ({pcomm}) runs under the shim too (with a control "
+                          f"socket); pass --pid {p.ppid}", pid=r)
+
+
+O_ACCMODE, O_WRONLY, O_RDWR, O_APPEND = os.O_ACCMODE, os.O_WRONLY, os.O_RDWR, os.O_APPEND
+
+
+def open_file_warnings(census: Census) -> list[dict]:
+    """Regular files that a process of the tree holds open for writing without ``O_APPEND``
+    (from ``/proc/PID/fd`` and ``/proc/PID/fdinfo``): CRIU refuses to restore a regular file
+    whose size changed since the dump unless it is opened for appending, so the first restored
+    run writing to it makes the snapshot restorable only once. Returns
+    ``[{"pid", "comm", "fd", "path", "message"}]`` in pid, fd order (deleted files, which CRIU
+    carries in the images, are skipped)."""
+    out = []
+    for p in sorted(census.processes, key=lambda q: q.pid):
+        try:
+            fds = sorted(int(f) for f in os.listdir(f"/proc/{p.pid}/fd"))
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{p.pid}/fd/{fd}")
+                if not target.startswith("/") or target.endswith(" (deleted)"):
+                    continue
+                if not stat_mod.S_ISREG(os.stat(f"/proc/{p.pid}/fd/{fd}").st_mode):
+                    continue
+                with open(f"/proc/{p.pid}/fdinfo/{fd}") as f:
+                    flags = next(int(ln.split()[1], 8) for ln in f if ln.startswith("flags:"))
+            except (OSError, StopIteration, ValueError, IndexError):
+                continue
+            if flags & O_ACCMODE not in (O_WRONLY, O_RDWR) or flags & O_APPEND:
+                continue
+            out.append({"pid": p.pid, "comm": p.comm, "fd": fd, "path": target, "message": (
+                f"pid {p.pid} ({p.comm}) fd {fd} {target} is open for writing without "
+                "O_APPEND: CRIU refuses to restore a file whose size changed since the dump, so "
+                "a restored run writing to it will make this snapshot restorable only once (or "
+                "not at all if it is written before the restore); open it with O_APPEND / `>>`")})
+    return out
 
 
 def ancestors(pid: int) -> list[int]:
@@ -351,3 +430,25 @@ def check(census: Census) -> None:
         raise CensusError("census", f"no cuinterpose participant under root pid(s) "
                           f"{', '.join(map(str, census.roots))} (no process maps "
                           f"{census.shim.path} and has a socket in {census.control_dir})")
+    check_sessions(census)
+
+
+SETSID_HINT = ("start the job with `setsid` (stdio on files or /dev/null)")
+
+
+def check_sessions(census: Census) -> None:
+    """CRIU dumps a tree only when its root leads its own session and no process of it has a
+    controlling terminal (otherwise it wants ``--shell-job``, which the agent does not use:
+    see docs/criu.md). Refused here, before the workload is asked to quiesce."""
+    roots = set(census.roots)
+    for p in census.processes:
+        if p.pid in roots and p.sid is not None and p.sid != p.pid:
+            rank = job_root_hint(p.pid, census.shim)
+            raise CensusError("census", f"({p.comm}) is not a session leader: CRIU can only dump "
+                              f"a tree whose root leads its session; {SETSID_HINT}"
+                              + (f"; {rank}" if rank else ""), pid=p.pid)
+    for p in census.processes:
+        if p.tty_nr:
+            raise CensusError("census", f"({p.comm}) has a controlling terminal (tty_nr "
+                              f"{p.tty_nr}): CRIU can only dump a tree without one; "
+                              f"{SETSID_HINT}", pid=p.pid)

@@ -30,6 +30,7 @@ import pathlib
 import shutil
 import signal
 import tempfile
+import time
 from typing import Iterable, Optional
 
 from . import census as census_mod
@@ -169,6 +170,12 @@ class Checkpoint:
         self.finishing = False
         #: the quiesce refusal already withdrew the request (group undo must not repeat it)
         self.quiesce_cancelled = False
+        #: open-file warnings (see :func:`census.open_file_warnings`), in the manifest too
+        self.warnings: list[dict] = []
+        #: monotonic ns: start, the workload's ready (paused from here), trees killed/resumed
+        self.t0_ns = time.monotonic_ns()
+        self.t_ready_ns: Optional[int] = None
+        self.t_end_ns: Optional[int] = None
 
     # -- phases ---------------------------------------------------------------------------
     def load_driver(self):
@@ -183,6 +190,9 @@ class Checkpoint:
             parts = self.census.participants
             ph.detail = (f"{len(self.census.processes)} processes, participants "
                          f"{', '.join(str(p.pid) for p in parts)}")
+        self.warnings = census_mod.open_file_warnings(self.census)
+        for w in self.warnings:
+            self.r.note(f"warning: {w['message']}")
 
     def make_coordinator(self):
         ph = _coordinator_module()
@@ -195,6 +205,7 @@ class Checkpoint:
         with self.r.phase("quiesce") as ph:
             self.qid = quiesce.new_id()
             quiesce.request(self.control_dir, self.roots, self.qid, self.quiesce_timeout_ms)
+            quiesce.write_lock(self.control_dir, self.roots, self.qid)
             try:
                 self.ready = quiesce.wait_ready(self.control_dir, self.roots, self.qid,
                                                 self.quiesce_timeout_ms, stop=self.guard.pending)
@@ -202,8 +213,11 @@ class Checkpoint:
                 hint = (census_mod.job_root_hint(e.pid, self.census.shim)
                         if e.pid is not None else None)
                 if hint:
+                    # a rank never reads its .request: no .resume left behind for it
+                    quiesce.file_path(self.control_dir, e.pid, "resume").unlink(missing_ok=True)
                     raise QuiesceRefused("quiesce", f"{e.reason}; {hint}", pid=e.pid) from e
                 raise
+            self.t_ready_ns = time.monotonic_ns()
             ranks = sum(len(v.get("ranks", [])) for v in self.ready.values())
             ph.detail = f"{ranks} ranks parked"
         self.check_parked()
@@ -246,6 +260,8 @@ class Checkpoint:
         """Coordinator capture: INSPECT, validate, SAVE_ALLOCATIONS, PREPARE_UNICAST, INSPECT.
         A refusal or validation error before SAVE_ALLOCATIONS changed nothing (refused);
         from SAVE_ALLOCATIONS on, a failure means teardown started (rolled back)."""
+        # from here a dead agent may leave torn-down memory: `release` then wants --force
+        quiesce.write_lock(self.control_dir, self.roots, self.qid, torn_down=True)
         try:
             self.capture = self.coordinator.capture()
         except Exception as e:
@@ -325,23 +341,24 @@ class Checkpoint:
             ph.detail = str(path)
 
     # -- rollback ---------------------------------------------------------------------------
-    def rebuild(self, restored: bool = False):
+    def rebuild(self, restored: bool = False, native_phase: str = "rollback native"):
         """Undo the teardown in a live workload: SIGCONT the trees CRIU left stopped, native
         back to RUNNING (restore first where CHECKPOINTED), the coordinator's rollback (every
         shim back to ACTIVE whatever phase it reached, topology equal to the capture), then
         ``.resume``. Raises on failure (no ``.resume``: the workload stays parked rather than
         run on torn-down memory)."""
-        self.rebuild_state()
+        self.rebuild_state(native_phase)
         quiesce.resume(self.control_dir, self.roots, self.qid, restored=restored)
 
-    def rebuild_state(self):
+    def rebuild_state(self, native_phase: str = "rollback native"):
         """:meth:`rebuild` without the final ``.resume`` (a group writes it only once every
-        member is rebuilt)."""
+        member is rebuilt). ``native_phase`` names the native step's row: "rollback native"
+        after a failure, "native restore" after a successful ``--leave-running`` dump."""
         if self.stopped_roots:
             # first: a stopped process cannot answer the driver's checkpoint calls
             self.signal_trees(self.stopped_roots, signal.SIGCONT, "resume trees")
             self.stopped_roots = []
-        with self.r.phase("rollback native") as ph:
+        with self.r.phase(native_phase) as ph:
             found = native.rollback_all(self.census.cuda_pids)
             ph.detail = ", ".join(f"{p}:{s}" for p, s in found.items())
         if self.capture is None:
@@ -418,7 +435,7 @@ class Checkpoint:
     def group_finish(self):
         self.finishing = True      # from here on the group cannot be rolled back
         if self.leave_running:
-            self.rebuild_state()
+            self.rebuild_state("native restore")
         else:
             self.kill_dumped()
             quiesce.clear(self.control_dir, self.roots)
@@ -458,13 +475,25 @@ class Checkpoint:
         SIGINT/SIGTERM/SIGHUP are deferred to the next phase boundary (``interrupt.Guard``)
         and then handled like a failure there: cancelled before teardown, rolled back after;
         once the manifest is written the checkpoint simply finishes."""
+        self.t0_ns = time.monotonic_ns()
         self.images_dir, self.created_dirs = prepare_dir(self.images_dir)
         with self.guard:
             try:
                 return self._run()
+            except CheckpointFailed as e:
+                if self.manifest is None:
+                    _remove_empty(self.created_dirs)
+                if self.qid is not None:
+                    if e.outcome == "rollback_failed":
+                        quiesce.abandon_lock(self.control_dir, self.roots, self.qid)
+                    else:
+                        quiesce.unlock(self.control_dir, self.roots, self.qid)
+                raise
             except BaseException:
                 if self.manifest is None:
                     _remove_empty(self.created_dirs)
+                if self.qid is not None:
+                    quiesce.unlock(self.control_dir, self.roots, self.qid)
                 raise
 
     def _refused_if_interrupted(self, phase: str) -> None:
@@ -521,13 +550,37 @@ class Checkpoint:
         # the snapshot is on disk: only now may the dumped trees go
         if self.leave_running:
             try:
-                self.rebuild(restored=False)
+                self.rebuild(restored=False, native_phase="native restore")
             except BaseException as rb:
                 raise CheckpointFailed(rb, "rollback_failed", rollback_error=str(rb)) from rb
         else:
             self.kill_dumped()
             quiesce.clear(self.control_dir, self.roots)
+        self.t_end_ns = time.monotonic_ns()
+        self.finish_totals()
+        t = self.totals_times()
+        self.r.total(self.t_end_ns - self.t0_ns,
+                     f"workload paused {t['paused_ms']:.1f} ms (ready -> "
+                     + ("resumed)" if self.leave_running else "killed)"))
         return self.manifest
+
+    def totals_times(self) -> dict:
+        """{"wall_ms": start of the checkpoint -> now (or the end), "paused_ms": the workload's
+        ready -> its trees killed or resumed (now, while that has not happened yet)}."""
+        end = self.t_end_ns or time.monotonic_ns()
+        paused = (end - self.t_ready_ns) if self.t_ready_ns is not None else 0
+        return {"wall_ms": round((end - self.t0_ns) / 1e6, 3), "paused_ms": round(paused / 1e6, 3)}
+
+    def finish_totals(self) -> None:
+        """Once the trees are killed or resumed: the final ``wall_ms``/``paused_ms`` go into
+        the manifest (rewritten atomically; the first one stays valid if this fails)."""
+        if self.manifest is None:
+            return
+        self.manifest["totals"].update(self.totals_times())
+        try:
+            manifest_mod.write(self.images_dir, self.manifest)
+        except (OSError, AgentError) as e:
+            self.r.note(f"warning: could not record the final totals in the manifest: {e}")
 
     def _cleanup_images(self):
         d = pathlib.Path(self.images_dir) / manifest_mod.CRIU_DIR
@@ -582,7 +635,9 @@ class Checkpoint:
             "phases": self.r.to_list(),
             "totals": {"carrier_bytes": _capture_bytes(self.capture),
                        "image_bytes": sum(f["bytes"] for f in
-                                          manifest_mod.image_files(self.images_dir).values())},
+                                          manifest_mod.image_files(self.images_dir).values()),
+                       **self.totals_times()},
+            "warnings": list(self.warnings),
             **({"group": self.group} if self.group else {}),
         }
 

@@ -51,7 +51,7 @@ def _fail(e: AgentError, as_json: bool, extra: dict | None = None, command: str 
                    "inspect": "nothing was changed (INSPECT is read-only)",
                    "snapshots": "nothing was changed (read-only)",
                    "serve": "the agent did not start"}.get(command, "")
-        hint = {"refused": refused,
+        hint = {"refused": getattr(e, "hint", None) or refused,
                 "rolled_back": "the workload was rebuilt and keeps running with its memory intact",
                 "rollback_failed": "the workload could NOT be rebuilt; it needs an operator",
                 "snapshot_incomplete": "the tree was dumped but the directory is not a snapshot",
@@ -394,17 +394,22 @@ def inspect(pid, phase_timeout_s, control_dir, agent_addr, tls_ca, tls_cert, tls
 
 
 @main.command("snapshots")
+@click.argument("path", required=False, type=click.Path(file_okay=False))
 @click.option("--dir", "directory", type=click.Path(file_okay=False), default=None,
               help="directory whose sub-directories are snapshots (with --agent: default the "
-                   "agent's --snapshot-dir).")
+                   "agent's --snapshot-dir); also accepted as the argument PATH.")
 @agent_opt
 @tls_ca_opt
 @tls_cert_opt
 @tls_key_opt
 @json_opt
-def snapshots_cmd(directory, agent_addr, tls_ca, tls_cert, tls_key, as_json):
-    """List the snapshots (directories holding manifest.json) under --dir."""
+def snapshots_cmd(path, directory, agent_addr, tls_ca, tls_cert, tls_key, as_json):
+    """List the snapshots (directories holding manifest.json) under PATH / --dir, or PATH
+    itself when it is a snapshot."""
     from . import ops
+    if path and directory and os.path.abspath(path) != os.path.abspath(directory):
+        raise click.UsageError("give the directory either as PATH or as --dir, not both")
+    directory = directory or path
     try:
         if agent_addr:
             from . import pb
@@ -422,10 +427,33 @@ def snapshots_cmd(directory, agent_addr, tls_ca, tls_cert, tls_key, as_json):
     if as_json:
         _emit_json(res)
         return
-    for s in res["snapshots"]:
-        click.echo(f"{s['images_dir']}\t{s['snapshot_id'] or '-'}\t{s['created_at'] or '-'}\t"
-                   f"roots {','.join(map(str, s['roots'])) or '-'}"
-                   + (f"\tERROR {s['error']}" if s["error"] else ""))
+    from .report import render_snapshots
+    render_snapshots(res)
+
+
+@main.command("release")
+@click.option("--pid", type=int, required=True, help="root pid whose pending request to answer.")
+@click.option("--force", is_flag=True, help="release even though the agent that sent the "
+              "request had started tearing shared memory down.")
+@control_opt
+@json_opt
+def release_cmd(pid, force, control_dir, as_json):
+    """Release a job parked by a quiesce request no live agent will answer (an agent killed
+    mid-checkpoint, a stale .request): writes .resume {"id": <the request's id>, "restored":
+    false, "cancelled": true}. Refused while a live agent owns the request."""
+    from . import quiesce
+    cdir = os.path.abspath(control_dir or paths.control_dir())
+    try:
+        res = quiesce.release(cdir, pid, force=force)
+    except AgentError as e:
+        e.hint = getattr(e, "hint", None) or "nothing was changed"
+        _fail(e, as_json, command="release")
+    if as_json:
+        _emit_json({"ok": True, **res})
+    else:
+        click.echo(f"released pid {pid}: wrote {res['resume']} answering request "
+                   f"{res['request_id']} (cancelled)"
+                   + (" and removed the dead agent's lock" if res["removed_lock"] else ""))
 
 
 @main.command("health")
@@ -466,7 +494,7 @@ def _config_values(path) -> dict:
             "metrics_port": cfg.metrics_port, "metrics_addr": cfg.metrics_address or None,
             "driver": cfg.driver,
             "tls_cert": cfg.tls.cert_file or None, "tls_key": cfg.tls.key_file or None,
-            "tls_client_ca": cfg.tls.ca_file or None,
+            "tls_client_ca": cfg.tls.ca_file or None, "insecure_tcp": cfg.insecure_tcp or None,
             "kubernetes": k if k.enabled else None, "_config": cfg}
 
 
@@ -487,8 +515,12 @@ def _start_watcher(srv, cfg, stop):
 @click.option("--config", "config_file", type=click.Path(dir_okay=False, exists=True), default=None,
               help="YAML agent config; options given on the command line win.")
 @click.option("--node", default=None, help="this agent's name in group events (default: host name).")
-@click.option("--snapshot-dir", type=click.Path(file_okay=False), default=None,
-              help="what ListSnapshots lists by default.")
+@click.option("--snapshot-dir", type=click.Path(file_okay=False), multiple=True,
+              help="the directory requests are confined to: every images dir of a checkpoint "
+                   "or restore and every snapshots dir must resolve under it (relative paths "
+                   "are taken relative to it); ListSnapshots lists it by default. Repeat for "
+                   "more roots (the first is the default). Default: the config's snapshotDir, "
+                   "else /var/lib/cuinterpose/snapshots.")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
               help="serve Prometheus metrics on this port (0: a free port the OS picks; "
                    "not given: no metrics, unless the config's metricsPort).")
@@ -502,33 +534,56 @@ def _start_watcher(srv, cfg, stop):
 @click.option("--tls-client-ca", type=click.Path(dir_okay=False, exists=True), default=None,
               help="require client certificates signed by this CA (mutual TLS); also verifies "
                    "members when leading a group.")
+@click.option("--insecure-tcp", is_flag=True, default=None,
+              help="allow a non-loopback TCP listener without mutual TLS (plaintext, or TLS "
+                   "without --tls-client-ca): anyone who reaches it can checkpoint and restore "
+                   "as root. Logs a loud warning; the ready line says \"insecure\": true.")
 @driver_opt
 @control_opt
 @json_opt
 def serve(listen, config_file, node, snapshot_dir, metrics_port, metrics_addr, tls_cert, tls_key,
-          tls_client_ca, driver, control_dir, as_json):
+          tls_client_ca, insecure_tcp, driver, control_dir, as_json):
     """Run the agent daemon: the gRPC Agent service (checkpoint, restore, inspect, snapshots,
     group phases), gRPC health checking and Prometheus metrics. Prints one line when ready
-    (with --json: {"ok": true, "listen", "metrics_port", "node", "pid"}) and serves until
-    SIGTERM or SIGINT."""
+    (with --json: {"ok": true, "listen", "metrics_port", "node", "pid", "insecure",
+    "snapshot_dirs"}) and serves until SIGTERM or SIGINT.
+
+    Refuses (exit 2) a non-loopback TCP listener without mutual TLS unless --insecure-tcp;
+    confines every request's paths to the snapshot dir(s) (docs/service.md "Security")."""
+    import logging
     import signal
     import socket
     import threading
-    from .service import Server, ServeOptions, TLS, default_address
-    given = dict(listen=listen, node=node, snapshot_dir=snapshot_dir, metrics_port=metrics_port,
-                 metrics_addr=metrics_addr, tls_cert=tls_cert, tls_key=tls_key,
-                 tls_client_ca=tls_client_ca, driver=driver, control_dir=control_dir)
+    from .service import (DEFAULT_SNAPSHOT_DIR, Server, ServeOptions, TLS, default_address,
+                          listener_security)
+    given = dict(listen=listen, node=node, snapshot_dir=list(snapshot_dir) or None,
+                 metrics_port=metrics_port, metrics_addr=metrics_addr, tls_cert=tls_cert,
+                 tls_key=tls_key, tls_client_ca=tls_client_ca, insecure_tcp=insecure_tcp or None,
+                 driver=driver, control_dir=control_dir)
     conf = _config_values(config_file) if config_file else {}
     v = {k: (given[k] if given[k] is not None else conf.get(k)) for k in given}
     metrics_addr = v["metrics_addr"] or "127.0.0.1"
     if bool(v["tls_cert"]) != bool(v["tls_key"]):
         raise click.UsageError("--tls-cert and --tls-key go together")
+    if v["tls_client_ca"] and not v["tls_cert"]:
+        raise click.UsageError("--tls-client-ca needs --tls-cert and --tls-key (client "
+                               "certificates are verified only on a TLS listener)")
     _set_env(v["driver"], v["control_dir"])
     tls = TLS(cert=v["tls_cert"], key=v["tls_key"], ca=v["tls_client_ca"])
+    sd = v["snapshot_dir"]
+    roots = [os.path.abspath(str(d)) for d in
+             (sd if isinstance(sd, list) else [sd] if sd else [DEFAULT_SNAPSHOT_DIR])]
+    addr = v["listen"] or default_address()
+    try:
+        security = listener_security(addr, tls if tls.enabled else None,
+                                     bool(v["insecure_tcp"]))
+    except ValueError as e:
+        _fail(AgentError("serve", str(e), outcome="usage"), as_json, command="serve")
     opts = ServeOptions(node=v["node"] or socket.gethostname(),
                         control_dir=str(v["control_dir"]) if v["control_dir"] else None,
-                        driver=v["driver"], snapshot_dir=v["snapshot_dir"],
-                        tls=tls if tls.enabled else None)
+                        driver=v["driver"], snapshot_dir=roots[0], snapshot_roots=tuple(roots),
+                        tls=tls if tls.enabled else None,
+                        insecure_tcp=bool(v["insecure_tcp"]))
     cfg = conf.get("_config")
     if cfg is not None:
         opts.quiesce_timeout_ms = cfg.quiesce_timeout_ms
@@ -536,7 +591,7 @@ def serve(listen, config_file, node, snapshot_dir, metrics_port, metrics_addr, t
         opts.phase_timeout_s = cfg.phase_timeout_s
         opts.carrier_timeout_s = cfg.carrier_timeout_s
     try:
-        srv = Server(v["listen"] or default_address(), opts, metrics_port=v["metrics_port"],
+        srv = Server(addr, opts, metrics_port=v["metrics_port"],
                      metrics_addr=metrics_addr).start()
     except (OSError, RuntimeError, ValueError) as e:
         _fail(AgentError("serve", f"cannot listen on {v['listen'] or default_address()}: {e}",
@@ -553,14 +608,22 @@ def serve(listen, config_file, node, snapshot_dir, metrics_port, metrics_addr, t
         except click.UsageError:
             srv.stop(0)
             raise
+    if security["insecure"]:
+        banner = "!" * 78
+        click.echo(f"{banner}\ncuinterpose-agent: {security['warning']}\n{banner}", err=True)
+        logging.getLogger("cuinterpose.service").warning("%s", security["warning"])
     if as_json:
         click.echo(json.dumps({"ok": True, "listen": srv.address, "metrics_port": srv.metrics_port,
                                "node": opts.node, "pid": os.getpid(),
-                               "kubernetes": watcher is not None}, sort_keys=True))
+                               "kubernetes": watcher is not None,
+                               "insecure": security["insecure"],
+                               "snapshot_dirs": roots}, sort_keys=True))
     else:
         click.echo(f"cuinterpose-agent {opts.node} serving on {srv.address}"
                    + (f", metrics on {metrics_addr}:{srv.metrics_port}" if srv.metrics_port
-                      is not None else ""))
+                      is not None else "")
+                   + (" (INSECURE: no client authentication, --insecure-tcp)"
+                      if security["insecure"] else ""))
     sys.stdout.flush()
     while not stop.wait(0.5):
         if watcher is not None and not watcher[1].is_alive():

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import select
 import shlex
 import shutil
@@ -81,6 +82,8 @@ class CriuError(RuntimeError):
         self.images_dir = images_dir
         self.log_path = log_path
         self.log_tail = log_tail
+        #: restore: files refused for "has bad size" (see :func:`bad_size_files`)
+        self.bad_size: list[dict] = []
         parts = [message]
         if images_dir is not None and str(images_dir) not in message:
             parts.append(f"images dir: {images_dir}")
@@ -218,6 +221,58 @@ def _log_tail(path: Path, n: int = LOG_TAIL_LINES) -> str:
     return "\n".join((["..."] + extra + ["..."] if extra else []) + tail)
 
 
+ENV_LOG_DIR = "CUINTERPOSE_CRIU_LOG_DIR"
+
+
+def kept_logs_dir() -> Path:
+    """Where the log of a failed dump is copied (``$CUINTERPOSE_CRIU_LOG_DIR``, default
+    ``<tmp>/cuinterpose-agent/criu-logs``): a failed checkpoint removes the images directory
+    the log was written to."""
+    return Path(os.environ.get(ENV_LOG_DIR) or Path(tempfile.gettempdir()) / "cuinterpose-agent"
+                / "criu-logs")
+
+
+def keep_log(action: str, log_path: Path, images_dir: Path) -> Path:
+    """Copy ``log_path`` to :func:`kept_logs_dir` when it lies inside ``images_dir`` (which a
+    rollback removes); returns the path to report (the copy, or ``log_path`` when it is kept
+    where it is or cannot be copied)."""
+    try:
+        if not Path(log_path).resolve().is_relative_to(Path(images_dir).resolve()):
+            return log_path
+        d = kept_logs_dir()
+        d.mkdir(parents=True, exist_ok=True)
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+        dst = d / f"{action}-{stamp}-{os.getpid()}-{Path(images_dir).name}.log"
+        n = 1
+        while dst.exists():
+            n += 1
+            dst = d / f"{action}-{stamp}-{os.getpid()}-{Path(images_dir).name}.{n}.log"
+        shutil.copyfile(log_path, dst)
+        return dst
+    except OSError:
+        return log_path
+
+
+_BAD_SIZE = re.compile(r"File (.+?) has bad size (\d+) \(expect (\d+)\)")
+
+
+def bad_size_files(log_path: Path) -> list[dict]:
+    """Files CRIU's restore refused because their size changed since the dump ("File PATH has
+    bad size N (expect M)" in its log): ``[{"path" (absolute), "size", "expected"}]``."""
+    out = []
+    try:
+        text = Path(log_path).read_text(errors="replace")
+    except OSError:
+        return out
+    for m in _BAD_SIZE.finditer(text):
+        path = m.group(1)
+        row = {"path": path if path.startswith("/") else "/" + path, "size": int(m.group(2)),
+               "expected": int(m.group(3))}
+        if row not in out:
+            out.append(row)
+    return out
+
+
 def _run(action: str, args: list[str], *, images_dir: Path, log_path: Path) -> None:
     cmd = [*criu_command(), action, *args]
     try:
@@ -231,9 +286,12 @@ def _run(action: str, args: list[str], *, images_dir: Path, log_path: Path) -> N
         out = (res.stdout + res.stderr).strip()
         if out:
             tail = out + "\n" + tail
-        raise CriuError(f"criu {action} failed for images dir {images_dir}", cmd=cmd,
+        log_path = keep_log(action, log_path, images_dir)
+        err = CriuError(f"criu {action} failed for images dir {images_dir}", cmd=cmd,
                         returncode=res.returncode, images_dir=images_dir, log_path=log_path,
                         log_tail=tail)
+        err.bad_size = bad_size_files(log_path)
+        raise err
 
 
 def _common(images_dir: Path, work_dir: Path, log_name: str) -> list[str]:
@@ -284,8 +342,8 @@ def restore(images_dir: Path, *, log_name: str = "restore.log",
     Listening Unix sockets are re-bound at their paths: stale socket files must be deleted
     before restore (bind fails on an existing path). Abstract names must be free.
     ``images_dir`` is only read: CRIU's log (``log_name``), pidfile and stats go to
-    ``work_dir`` (default: a new ``cuinterpose-criu-restore-*`` temporary directory, kept
-    for inspection).
+    ``work_dir`` (default: a new ``cuinterpose-criu-restore-*`` temporary directory, removed
+    after a successful restore and kept, with its log, when the restore fails).
 
     Raises ``CriuError`` naming ``images_dir`` when it is missing, holds no images, its
     ``pstree.img`` is unreadable, a PID it needs is taken, or CRIU fails (message: command,
@@ -305,7 +363,8 @@ def restore(images_dir: Path, *, log_name: str = "restore.log",
         desc = ", ".join(f"{p} ({_describe_pid(p)})" for p in busy)
         raise CriuError(f"cannot restore images dir {images_dir}: PIDs still in use: {desc}",
                         images_dir=images_dir)
-    if work_dir is None:
+    own_work_dir = work_dir is None
+    if own_work_dir:
         work_dir = Path(tempfile.mkdtemp(prefix="cuinterpose-criu-restore-"))
     else:
         work_dir = Path(work_dir).absolute()
@@ -319,11 +378,15 @@ def restore(images_dir: Path, *, log_name: str = "restore.log",
             "--pidfile", str(pidfile), *RESTORE_OPTS, *extra_args]
     _run("restore", args, images_dir=images_dir, log_path=work_dir / log_name)
     try:
-        return int(pidfile.read_text().strip())
+        pid = int(pidfile.read_text().strip())
     except (OSError, ValueError) as e:
         raise CriuError(f"criu restore of {images_dir} succeeded but left no pid in {pidfile}:"
                         f" {e}", images_dir=images_dir, log_path=work_dir / log_name,
                         log_tail=_log_tail(work_dir / log_name)) from e
+    if own_work_dir:
+        # kept only when the restore fails (its log is named in the error)
+        shutil.rmtree(work_dir, ignore_errors=True)
+    return pid
 
 
 # --------------------------------------------------------------------------- images, PIDs

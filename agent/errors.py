@@ -13,8 +13,10 @@ reason, so that an operator can act on the message alone:
   parked or broken and needs an operator.
 - ``"snapshot_incomplete"``: kept for callers; ``checkpoint`` no longer produces it: the dumped
   trees stay stopped until the manifest is on disk, so a manifest failure is rolled back.
-- ``"restore_failed"``: a restore failed after CRIU restored the tree; the restored tree was
-  killed, the snapshot directory is untouched and can be restored again.
+- ``"restore_failed"``: CRIU restore, or a step after it, failed; the restored tree was killed
+  and the snapshot directory is untouched. A retry succeeds only once the cause is gone: a
+  workload file whose size changed since the dump (CRIU "has bad size") keeps failing until
+  it is back to its dumped size.
 """
 from __future__ import annotations
 

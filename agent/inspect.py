@@ -19,8 +19,17 @@ def inspect_pid(pid: int, *, control_dir=None, timeout_s: float = 10.0) -> dict:
     from cuinterpose.coordinator.client import ShimClient, ShimClientError
     from cuinterpose.coordinator.protocol import Op, Phase, Status
     from .manifest import role_counts
-    sock = census_mod.socket_path(pathlib.Path(control_dir or paths.control_dir()), pid)
+    cdir = pathlib.Path(control_dir or paths.control_dir())
+    sock = census_mod.socket_path(cdir, pid)
     if not os.path.exists(sock):
+        if not census_mod.pid_alive(pid):
+            raise AgentError("INSPECT", "no such process", pid=pid)
+        with_socket = descendants_with_socket(pid, cdir)
+        if with_socket:
+            listed = ", ".join(f"{c} ({comm})" for c, comm in with_socket)
+            raise AgentError("INSPECT", f"has no control socket {sock}; processes under it that "
+                             f"have one: {listed} (inspect one of those; pass pid {pid} to "
+                             "checkpoint as the root of the job)", pid=pid)
         raise AgentError("INSPECT", f"has no control socket {sock} (not started under the shim, "
                          "no cuInit yet, or another --control-dir)", pid=pid)
     client = ShimClient(sock, timeout_s, pid=pid)
@@ -41,6 +50,17 @@ def inspect_pid(pid: int, *, control_dir=None, timeout_s: float = 10.0) -> dict:
     return {"pid": pid, "socket_path": str(sock), "phase": phase,
             "records": [r.to_dict() for r in resp.records],
             "roles": role_counts(resp.records), "message": resp.message}
+
+
+def descendants_with_socket(pid: int, control_dir) -> list[tuple[int, str]]:
+    """(pid, comm) of the processes under ``pid`` (not itself) that have a control socket in
+    ``control_dir``, in tree order."""
+    try:
+        tree = census_mod.walk_tree([pid])[1:]
+    except AgentError:
+        return []
+    return [(c, comm) for c, _, comm in tree
+            if census_mod._is_socket(census_mod.socket_path(control_dir, c))]
 
 
 def render_table(res: dict) -> None:

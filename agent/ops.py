@@ -39,7 +39,8 @@ def checkpoint(rep: Reporter, roots, images_dir, **kw) -> tuple[dict, dict]:
         raise _unexpected(rep, e, "checkpoint", "rollback_failed", "; workload state unknown") from e
     return ({"ok": True, "images_dir": str(cp.images_dir), "snapshot_id": m["snapshot_id"],
              "roots": m["roots"], "cuda_pids": m["cuda_pids"], "phases": rep.to_list(),
-             "totals": m["totals"], "shim_sha256": m["shim"]["sha256"]}, m)
+             "totals": m["totals"], "shim_sha256": m["shim"]["sha256"],
+             "warnings": m.get("warnings", [])}, m)
 
 
 def restore(rep: Reporter, images_dir, **kw) -> dict:
@@ -63,13 +64,16 @@ def inspect(pid: int, *, control_dir=None, timeout_s: float = 10.0) -> dict:
 
 def list_snapshots(directory) -> dict:
     """Snapshots directly under ``directory`` (sub-directories holding ``manifest.json``,
-    sorted by name): {"ok": true, "dir", "snapshots": [{"images_dir", "snapshot_id",
+    sorted by name; ``directory`` itself when it holds one): {"ok": true, "dir", "snapshots": [{"images_dir", "snapshot_id",
     "created_at", "roots", "image_bytes", "carrier_bytes", "driver", "error"}]}. A manifest
     that cannot be read is listed with ``error`` set. Raises ``AgentError`` (phase
     "snapshots") when ``directory`` cannot be read."""
     d = pathlib.Path(directory)
     try:
-        subs = sorted(p for p in d.iterdir() if p.is_dir())
+        if (d / manifest_mod.MANIFEST_NAME).is_file():
+            subs = [d]             # the path is itself a snapshot: list that one
+        else:
+            subs = sorted(p for p in d.iterdir() if p.is_dir())
     except OSError as e:
         raise AgentError("snapshots", f"{d} cannot be read: {e.strerror or e}") from None
     out = []

@@ -6,6 +6,8 @@ Files in the control directory, per root pid ``ROOT``, each written atomically
 - ``quiesce-ROOT.request`` (agent): ``{"id": str, "timeout_ms": int}``
 - ``quiesce-ROOT.ready`` (workload): ``{"id": str, "ranks": [{"pid": int, ...}], ...}``
 - ``quiesce-ROOT.resume`` (agent): ``{"id": str, "restored": bool, "cancelled": bool}``
+- ``quiesce-ROOT.lock`` (agent): ``{"id": str, "pid": int, "starttime": int}``: the agent process
+  that owns the pending request (so ``release`` can refuse while that agent is alive)
 """
 from __future__ import annotations
 
@@ -94,18 +96,131 @@ def request(control_dir, roots: Iterable[int], qid: str, timeout_ms: int) -> Non
 
 
 def _busy(control_dir, root: int, rid: str) -> QuiesceRefused:
-    return QuiesceRefused(
-        "quiesce", f"{file_path(control_dir, root, 'request')} already exists (id {rid}): another "
-        "checkpoint of this tree is in progress, or an agent died during one (the workload may "
-        f"then be parked until {file_path(control_dir, root, 'resume')} carries that id); "
-        "checkpoint refused, nothing was changed", pid=root)
+    owner = lock_owner(control_dir, root)
+    who = (f"a checkpoint of this tree is in progress in agent pid {owner['pid']}" if owner else
+           "another checkpoint of this tree is in progress, or an agent died during one")
+    e = QuiesceRefused(
+        "quiesce", f"{file_path(control_dir, root, 'request')} already exists (id {rid}): {who}; "
+        f"the workload may be parked until {file_path(control_dir, root, 'resume')} carries that "
+        "id; checkpoint refused, nothing was changed by this request"
+        + ("" if owner else f". If no agent is checkpointing this tree, release it with "
+           f"`cuinterpose-agent release --pid {root} --control-dir {control_dir}`"), pid=root)
+    e.hint = ("this request changed nothing; the workload may be parked by the earlier request"
+              + ("" if owner else f" (`cuinterpose-agent release --pid {root}` resumes it)"))
+    return e
+
+
+# -- the agent's lock: which agent process owns the pending request of a root ------------------
+
+def _starttime(pid: int) -> Optional[int]:
+    """Start time (clock ticks since boot, /proc/PID/stat field 22) of a live process; None
+    when it is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read().decode(errors="replace")
+        fields = data[data.rindex(")") + 2:].split()
+        return None if fields[0] in "ZX" else int(fields[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def write_lock(control_dir, roots: Iterable[int], qid: str, *, torn_down: bool = False) -> None:
+    """``quiesce-ROOT.lock``: {"id", "pid" (this agent), "starttime", "torn_down"} while this
+    agent owns the request of ``root`` (removed by :func:`unlock`; a SIGKILLed agent leaves it
+    with a dead pid, which :func:`lock_owner` ignores). ``torn_down`` is set once the capture
+    started tearing shared memory down: ``release`` then wants ``--force``."""
+    me = os.getpid()
+    for r in roots:
+        write_atomic(file_path(control_dir, r, "lock"),
+                     {"id": qid, "pid": me, "starttime": _starttime(me),
+                      "torn_down": bool(torn_down)})
+
+
+def abandon_lock(control_dir, roots: Iterable[int], qid: str) -> None:
+    """After a failed rollback the agent gives up the request but the workload stays parked on
+    torn-down memory: the ``.lock`` names no owner any more (``release`` no longer waits for
+    this agent, e.g. a daemon) and keeps ``torn_down`` (``release`` wants ``--force``)."""
+    for r in roots:
+        write_atomic(file_path(control_dir, r, "lock"),
+                     {"id": qid, "pid": None, "starttime": None, "torn_down": True})
+
+
+def unlock(control_dir, roots: Iterable[int], qid: Optional[str] = None) -> None:
+    """Remove this agent's ``.lock`` of every root (only one carrying ``qid`` when given)."""
+    for r in roots:
+        path = file_path(control_dir, r, "lock")
+        if qid is not None:
+            try:
+                if json.loads(path.read_text()).get("id") != qid:
+                    continue
+            except (OSError, ValueError, AttributeError):
+                continue
+        path.unlink(missing_ok=True)
+
+
+def lock_owner(control_dir, root: int) -> Optional[dict]:
+    """The ``.lock`` payload of ``root`` when the agent process it names is still alive (same
+    pid and start time), else None."""
+    try:
+        lk = json.loads(file_path(control_dir, root, "lock").read_text())
+        pid = int(lk["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    st = _starttime(pid)
+    if st is None or (lk.get("starttime") is not None and lk["starttime"] != st):
+        return None
+    return lk
+
+
+def release(control_dir, root: int, *, force: bool = False) -> dict:
+    """``cuinterpose-agent release``: answer the pending ``.request`` of ``root`` with
+    ``.resume`` {"id": its id, "restored": false, "cancelled": true} (atomically) and remove the
+    request, so a workload parked by a request no live agent will answer continues. Returns
+    {"pid", "request_id", "resume", "removed_lock"}. Refused (``QuiesceRefused`` naming the pid)
+    when there is no pending request, its id cannot be read, a live agent owns it, or (without
+    ``force``) its agent died after tearing shared memory down."""
+    req = file_path(control_dir, root, "request")
+    rid = pending_request(control_dir, root)
+    if rid is None:
+        why = ("it was already answered by " + str(file_path(control_dir, root, "resume"))
+               if req.exists() else "there is none")
+        raise QuiesceRefused("release", f"no pending quiesce request {req} ({why}); "
+                             "nothing to release", pid=root)
+    if rid == "?":
+        raise QuiesceRefused("release", f"{req} cannot be read (no id to answer); remove it by "
+                             "hand if no agent is running", pid=root)
+    owner = lock_owner(control_dir, root)
+    if owner is not None and int(owner["pid"]) != os.getpid():
+        raise QuiesceRefused("release", f"a checkpoint of this tree (request id {rid}) is in "
+                             f"progress in agent pid {owner['pid']} "
+                             f"({file_path(control_dir, root, 'lock')}); release refused: it would "
+                             "resume the workload under a running checkpoint", pid=root)
+    if not force:
+        try:
+            lk = json.loads(file_path(control_dir, root, "lock").read_text())
+        except (OSError, ValueError):
+            lk = None
+        if isinstance(lk, dict) and lk.get("id") == rid and lk.get("torn_down"):
+            who = (f"the agent (pid {lk['pid']}) that sent request {rid} had started tearing the "
+                   "shared memory down and never rebuilt it" if lk.get("pid") is not None else
+                   f"the checkpoint that sent request {rid} failed and so did its rollback: the "
+                   "shared memory is torn down")
+            raise QuiesceRefused("release", f"{who}: resuming the workload may run it on "
+                                 "torn-down memory; pass --force to release it anyway", pid=root)
+    resume_path = file_path(control_dir, root, "resume")
+    write_atomic(resume_path, {"id": rid, "restored": False, "cancelled": True})
+    req.unlink(missing_ok=True)
+    lock = file_path(control_dir, root, "lock")
+    had_lock = lock.exists()
+    lock.unlink(missing_ok=True)
+    return {"pid": root, "request_id": rid, "resume": str(resume_path), "removed_lock": had_lock}
 
 
 def clear(control_dir, roots: Iterable[int]) -> None:
     """Remove ``.request`` and ``.ready`` of trees that are gone (killed after their dump): a
     later process reusing the root pid must not take them for a request."""
     for r in roots:
-        for kind in ("request", "ready"):
+        for kind in ("request", "ready", "lock"):
             file_path(control_dir, r, kind).unlink(missing_ok=True)
 
 
@@ -156,9 +271,11 @@ def wait_ready(control_dir, roots: Iterable[int], qid: str, timeout_ms: int,
 
 def resume(control_dir, roots: Iterable[int], qid: str, *, restored: bool, cancelled: bool = False) -> None:
     """Write ``.resume`` for every root: the workload may continue."""
+    roots = list(roots)
     for r in roots:
         write_atomic(file_path(control_dir, r, "resume"),
                      {"id": qid, "restored": bool(restored), "cancelled": bool(cancelled)})
+    unlock(control_dir, roots, qid)
 
 
 def cancel(control_dir, roots: Iterable[int], qid: str) -> None:

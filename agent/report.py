@@ -86,6 +86,12 @@ class Reporter:
         self.notes.append(text)
         self._emit("note", text)
 
+    def total(self, elapsed_ns: int, detail: str = "") -> Phase:
+        """The run's wall time (the "total" row of the table; not one of ``phases``)."""
+        ph = Phase(name="total", elapsed_ns=int(elapsed_ns), status="ok", detail=detail)
+        self._emit("total", ph)
+        return ph
+
     def to_list(self) -> list[dict]:
         return [p.to_dict() for p in self.phases]
 
@@ -110,7 +116,9 @@ def fmt_bytes(n: int) -> str:
 
 
 class RichSink:
-    """Live table on stderr: one row per phase with status, time and bytes."""
+    """Live table on stderr: one row per phase with status, time and bytes, and a last
+    "total" row: the run's wall time as the run reported it (``Reporter.total``), else the time
+    this table was shown."""
 
     def __init__(self, title: str):
         from rich.console import Console
@@ -121,6 +129,8 @@ class RichSink:
             self.console = Console(stderr=True, width=120)
         self.rows: list = []
         self.notes: list[str] = []
+        self.total_row = None
+        self.t0 = time.monotonic_ns()
         self.live = Live(self._render(), console=self.console, refresh_per_second=10, transient=False)
 
     def _render(self):
@@ -132,17 +142,25 @@ class RichSink:
         t.add_column("bytes", justify="right")
         t.add_column("detail", overflow="fold")
         marks = {"running": "[yellow]…[/]", "ok": "[green]ok[/]", "failed": "[red]FAILED[/]"}
-        for p in self.rows:
+        for i, p in enumerate(self.rows):
             t.add_row(p.name, marks.get(p.status, p.status),
                       fmt_ns(p.elapsed_ns) if p.status != "running" else "",
-                      fmt_bytes(p.bytes) if p.bytes else "", p.detail)
+                      fmt_bytes(p.bytes) if p.bytes else "", p.detail,
+                      end_section=(i == len(self.rows) - 1 and self.total_row is not None))
+        if self.total_row is not None:
+            p = self.total_row
+            t.add_row(f"[bold]{p.name}[/]", "", f"[bold]{fmt_ns(p.elapsed_ns)}[/]", "", p.detail)
         return t
 
     def __enter__(self):
+        self.t0 = time.monotonic_ns()
         self.live.__enter__()
         return self
 
     def __exit__(self, *exc):
+        if self.total_row is None:
+            self.total_row = Phase(name="total", elapsed_ns=time.monotonic_ns() - self.t0,
+                                   status="ok")
         self.live.update(self._render())
         self.live.__exit__(*exc)
         if not self.console.is_terminal:
@@ -155,4 +173,49 @@ class RichSink:
             self.rows.append(obj)
         elif event == "note":
             self.notes.append(obj)
+        elif event == "total":
+            self.total_row = obj
         self.live.update(self._render())
+
+
+SNAPSHOT_COLUMNS = ("name", "created", "roots", "processes", "carrier bytes", "image bytes",
+                    "leave-running")
+
+
+def snapshot_rows(res: dict) -> list[tuple[str, ...]]:
+    """One row of :data:`SNAPSHOT_COLUMNS` per snapshot of a ``list_snapshots`` result. The
+    process count and leave-running come from the manifest when it is readable from here
+    ("-" otherwise, e.g. a remote agent's); a snapshot whose manifest is broken shows its
+    error in the created column."""
+    import json
+    import pathlib
+    rows = []
+    for s in res["snapshots"]:
+        procs, leave = "-", "-"
+        try:
+            m = json.loads((pathlib.Path(s["images_dir"]) / "manifest.json").read_text())
+            procs = str(len(m["processes"]))
+            leave = "yes" if m["criu"]["leave_running"] else "no"
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        if s.get("error"):
+            rows.append((pathlib.Path(s["images_dir"]).name, f"ERROR {s['error']}", "-", procs,
+                         "-", "-", leave))
+            continue
+        rows.append((pathlib.Path(s["images_dir"]).name, s["created_at"] or "-",
+                     ",".join(map(str, s["roots"])) or "-", procs,
+                     str(s["carrier_bytes"]), str(s["image_bytes"]), leave))
+    return rows
+
+
+def render_snapshots(res: dict) -> None:
+    """Print a ``list_snapshots`` result as a table on stdout: where, then a header and one
+    row per snapshot (:func:`snapshot_rows`); byte counts are exact."""
+    rows = snapshot_rows(res)
+    print(f"{len(rows)} snapshot{'s' if len(rows) != 1 else ''} in {res['dir']}")
+    table = [SNAPSHOT_COLUMNS, *rows]
+    widths = [max(len(r[i]) for r in table) for i in range(len(SNAPSHOT_COLUMNS))]
+    right = {3, 4, 5}
+    for r in table:
+        print("  ".join((c.rjust(w) if i in right else c.ljust(w))
+                        for i, (c, w) in enumerate(zip(r, widths))).rstrip())

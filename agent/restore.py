@@ -10,13 +10,18 @@ Order (DESIGN §3, prior-art §5)::
 
 Every check before CRIU restore only reads: a refused snapshot is left untouched. A failure
 after CRIU restore kills the restored trees (their pids would block a retry) and raises
-``RestoreFailed``; the snapshot directory is never modified, so the restore can be retried.
+``RestoreFailed``; the snapshot directory is never modified, so the restore can be retried
+once the cause is fixed. Files *outside* the snapshot are part of it too: CRIU reopens the
+workload's regular files by path and refuses one whose size changed since the dump (a log
+opened without ``O_APPEND`` that a restored run wrote to): that retry keeps failing
+("has bad size", the error names the file) until the file is back to its dumped size.
 """
 from __future__ import annotations
 
 import os
 import pathlib
 import signal
+import time
 from typing import Optional
 
 from . import census as census_mod
@@ -43,6 +48,7 @@ class Restore:
         self.m: Optional[dict] = None
         self.restored_roots: list[int] = []
         self.guard = interrupt.Guard("restore")
+        self.t0_ns = time.monotonic_ns()
 
     def read_manifest(self):
         with self.r.phase("manifest") as ph:
@@ -105,6 +111,10 @@ class Restore:
                     with interrupt.shielded():
                         pid = criu.restore(d)
                 except Exception as e:
+                    bad = getattr(e, "bad_size", None)
+                    if bad:
+                        raise AgentError("criu restore", bad_size_reason(root, d, bad, e),
+                                         pid=root) from e
                     raise AgentError("criu restore", f"tree {root} from {d}: {e}", pid=root) from e
                 self.restored_roots.append(root)
                 if int(pid) != int(root):
@@ -188,7 +198,8 @@ class Restore:
     def result(self) -> dict:
         """{"snapshot_id", "roots", "cuda_pids", "phases"} of a finished restore."""
         return {"snapshot_id": self.m["snapshot_id"], "roots": self.m["roots"],
-                "cuda_pids": self.m["cuda_pids"], "phases": self.r.to_list()}
+                "cuda_pids": self.m["cuda_pids"], "phases": self.r.to_list(),
+                "totals": {"wall_ms": round((time.monotonic_ns() - self.t0_ns) / 1e6, 3)}}
 
     def run(self) -> dict:
         """Returns {"snapshot_id", "roots", "cuda_pids", "phases"}. Raises ``SnapshotError`` /
@@ -197,6 +208,7 @@ class Restore:
         SIGINT/SIGTERM/SIGHUP are deferred to the next phase boundary (``interrupt.Guard``):
         before CRIU restore the restore is cancelled (refused); after it the restored trees
         are killed (``RestoreFailed``); the snapshot is never touched."""
+        self.t0_ns = time.monotonic_ns()
         with self.guard:
             return self._run()
 
@@ -230,6 +242,7 @@ class Restore:
             self.restore_shared()
             self.guard.check("restore shared")
             self.resume()
+            self.r.total(time.monotonic_ns() - self.t0_ns)
         except BaseException as e:
             self.kill_restored()
             if isinstance(e, AgentError):
@@ -237,6 +250,20 @@ class Restore:
                                     "snapshot is untouched", pid=e.pid) from e
             raise RestoreFailed("restore", f"{e}; the restored tree was killed") from e
         return self.result()
+
+
+def bad_size_reason(root: int, images_dir, bad: list[dict], err) -> str:
+    """The reason of a CRIU restore refused for files whose size changed since the dump."""
+    files = "; ".join(f"{b['path']} is {b['size']} bytes, the snapshot expects {b['expected']}"
+                      for b in bad)
+    log = getattr(err, "log_path", None)
+    return (f"tree {root} from {images_dir}: CRIU refuses a regular file whose size changed since "
+            f"the dump: {files}. The workload (or a restored run of it) wrote to it through a "
+            "descriptor opened without O_APPEND, so this snapshot is restorable only while the "
+            "file keeps its dumped size (truncate it back to that size to restore it again, "
+            "losing what was written after the checkpoint); open it with O_APPEND / `>>` so "
+            "that later snapshots restore any number of times"
+            + (f" (CRIU log: {log})" if log else ""))
 
 
 def restore(images_dir, **kw) -> dict:

@@ -41,6 +41,7 @@ def test_inspect_any_phase(tmp_path, phase):
 
 
 def test_inspect_without_socket_names_pid(tmp_path):
+    import os
     with pytest.raises(AgentError) as ei:
-        inspect_pid(4009, control_dir=tmp_path)
-    assert ei.value.pid == 4009 and "no control socket" in ei.value.reason
+        inspect_pid(os.getpid(), control_dir=tmp_path)    # alive, no socket
+    assert ei.value.pid == os.getpid() and "no control socket" in ei.value.reason

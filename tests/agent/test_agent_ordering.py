@@ -73,6 +73,8 @@ def world(tmp_path, monkeypatch):
     def fake_census(roots, **kw):
         return census_mod.Census(roots=list(roots), processes=procs, shim=shim, control_dir=str(ctl))
     monkeypatch.setattr(census_mod, "take_census", fake_census)
+    # the fake pids may be real processes of this machine: their open files are not ours
+    monkeypatch.setattr(census_mod, "open_file_warnings", lambda census: [])
 
     class Capture:
         def to_dict(self):
@@ -563,9 +565,12 @@ def test_a_pending_request_refuses_a_second_checkpoint_and_is_left_alone(world, 
     e = ei.value
     assert (e.phase, e.pid, e.outcome) == ("quiesce", ROOT, "refused")
     assert e.reason == (f"{req} already exists (id other-agent): another checkpoint of this tree "
-                        "is in progress, or an agent died during one (the workload may then be "
-                        f"parked until {world.ctl / f'quiesce-{ROOT}.resume'} carries that id); "
-                        "checkpoint refused, nothing was changed")
+                        "is in progress, or an agent died during one; the workload may be "
+                        f"parked until {world.ctl / f'quiesce-{ROOT}.resume'} carries that id; "
+                        "checkpoint refused, nothing was changed by this request. If no agent is "
+                        f"checkpointing this tree, release it with `cuinterpose-agent release "
+                        f"--pid {ROOT} --control-dir {world.ctl}`")
+    assert "keeps running" not in e.hint and "cuinterpose-agent release" in e.hint
     assert json.loads(req.read_text()) == {"id": "other-agent", "timeout_ms": 10000}
     assert sorted(p.name for p in world.ctl.iterdir()) == [req.name]
     assert world.log == [("coord", "init", tuple(PIDS))]

@@ -84,3 +84,15 @@ def spawn_tree(tmp_path, criu_ok):
         tree.popen.wait()
     for pids in extra:
         kill_tree(pids)
+
+
+@pytest.fixture(autouse=True)
+def _private_tmp(tmp_path_factory, monkeypatch):
+    """Whatever the code under test puts in the temporary directory (CRIU restore work dirs,
+    kept CRIU logs, ...) goes under this test's tmp_path, which pytest removes: no litter in
+    /tmp. Subprocesses (the agent CLI) get it through TMPDIR."""
+    import tempfile
+    d = tmp_path_factory.mktemp("tmp")
+    monkeypatch.setattr(tempfile, "tempdir", str(d))
+    monkeypatch.setenv("TMPDIR", str(d))
+    return d

@@ -195,9 +195,15 @@ def test_restore_same_images_twice(spawn_tree, tmp_path, logs):
         # the second run repeats from the dump point, appended after the first run's lines
         assert lines[m:m + 20] == [str(i) for i in range(n, n + 20)]
     else:
+        import tempfile
+        assert list(pathlib.Path(tempfile.gettempdir()).glob("cuinterpose-criu-restore-*")) == []
         with pytest.raises(criu.CriuError) as e:
             criu.restore(images)
         assert "counter-1.log has bad size" in str(e.value)
+        assert [b["path"] for b in e.value.bad_size] == [str(tree.run_dir / "counter-1.log")]
+        # the failed restore's work dir (its log) is kept and named; the successful ones went
+        kept = list(pathlib.Path(tempfile.gettempdir()).glob("cuinterpose-criu-restore-*"))
+        assert [pathlib.Path(e.value.log_path).parent] == kept
         wait_until(lambda: not any(alive(p) for p in tree.pids),
                    "the failed restore to clean up")
 

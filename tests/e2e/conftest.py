@@ -116,3 +116,14 @@ def ext_socket(subreaper):
     for s in socks:
         s.close()
     shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _private_tmp(tmp_path_factory, monkeypatch):
+    """The agent's temporary files (a failed restore's CRIU work dir, kept CRIU logs) go under
+    pytest's temporary tree instead of /tmp (the agent CLI gets it through TMPDIR)."""
+    import tempfile
+    d = tmp_path_factory.mktemp("tmp")
+    monkeypatch.setattr(tempfile, "tempdir", str(d))
+    monkeypatch.setenv("TMPDIR", str(d))
+    return d

@@ -224,11 +224,17 @@ def test_a_rank_pid_instead_of_the_root_is_refused_with_a_hint(afdwin, tmp_path)
                             str(a.ctl), "--quiesce-timeout-ms", "300")
     assert rc == 3 and not cp["ok"], cp
     e = cp["error"]
-    assert (e["phase"], e["pid"], e["outcome"]) == ("quiesce", rank, "refused")
-    assert e["reason"] == (f"workload did not write {a.ctl / f'quiesce-{rank}.ready'} within "
-                           "300 ms; checkpoint refused, nothing was torn down, the workload keeps "
-                           f"running; pid {rank} looks like a rank, not the root of its job: its "
-                           f"parent pid {a.pid} (python) runs under the shim too; pass --pid {a.pid}")
+    # refused at census, before any request: a rank is no session leader (CRIU could not dump
+    # a tree rooted there), and its parent runs under the shim
+    assert (e["phase"], e["pid"], e["outcome"]) == ("census", rank, "refused")
+    assert e["reason"] == ("(python) is not a session leader: CRIU can only dump a tree whose "
+                           "root leads its session; start the job with `setsid` (stdio on files "
+                           f"or /dev/null); pid {rank} looks like a rank, not the root of its "
+                           f"job: its parent pid {a.pid} (python) runs under the shim too; pass "
+                           f"--pid {a.pid}")
+    assert [(p["name"], p["status"]) for p in cp["phases"]] == [("driver", "ok"),
+                                                                ("census", "failed")]
+    assert not any(a.ctl.glob(f"quiesce-{rank}.*"))          # nothing asked, nothing left
     assert a.proc.wait(timeout=300) == 0
     s = assert_exact_pairs(a.events(), STEPS)
     assert (s["restores_seen"], s["quiesces"]) == (0, 0)

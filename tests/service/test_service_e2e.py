@@ -22,7 +22,7 @@ def test_checkpoint_and_restore_through_the_daemon(afdwin, daemon, tmp_path):
                             "--control-dir", str(a.ctl))
     assert rc == 0 and cp["ok"], cp
     assert sorted(cp) == ["cuda_pids", "images_dir", "ok", "phases", "roots", "shim_sha256",
-                          "snapshot_id", "totals"]
+                          "snapshot_id", "totals", "warnings"]
     assert (cp["roots"], cp["images_dir"]) == ([a.pid], str(snap))
     m = json.loads((snap / "manifest.json").read_text())
     assert [p["name"] for p in m["phases"]] == [p["name"] for p in cp["phases"]][:len(m["phases"])]
