@@ -51,16 +51,20 @@ STRIPPED_ENV = ("LD_PRELOAD", "LD_LIBRARY_PATH", "LD_AUDIT", "CRIU_CONFIG_FILE")
 
 LOG_LEVEL = "-v4"           # full debug log in the log file; CRIU prints nothing to stdout
 LOG_TAIL_LINES = 25
-# What `dump` adds for our process model. Deliberately empty: a setsid launcher with no tty
-# needs no --shell-job; Unix sockets whose peers are all inside the tree need no
-# --ext-unix-sk; memfds, PROT_NONE/NORESERVE reservations, shared and private anonymous
-# memory, threads and open regular files are handled by default. See docs/criu.md.
-DUMP_OPTS: tuple[str, ...] = ()
+# What `dump` adds for our process model: --file-locks, so a job holding a file lock (a
+# cache or database lock, a pip/compile cache) can be dumped and gets the lock back on
+# restore; without it CRIU refuses ("Some file locks are hold by dumping tasks"). Nothing
+# else: a setsid launcher with no tty needs no --shell-job; Unix sockets whose peers are all
+# inside the tree need no --ext-unix-sk; memfds, PROT_NONE/NORESERVE reservations, shared and
+# private anonymous memory, threads and open regular files are handled by default. See
+# docs/criu.md.
+DUMP_OPTS: tuple[str, ...] = ("--file-locks",)
 # What `restore` adds (besides --restore-detached and --pidfile):
 #   --manage-cgroups=ignore  the restored tasks stay in the cgroup of the process running
 #                            CRIU (the agent, or wherever it runs CRIU) instead of CRIU
 #                            recreating/moving into the dump-time cgroup paths.
-RESTORE_OPTS: tuple[str, ...] = ("--manage-cgroups=ignore",)
+#   --file-locks             take back the file locks the dump recorded.
+RESTORE_OPTS: tuple[str, ...] = ("--manage-cgroups=ignore", "--file-locks")
 
 _lock = threading.Lock()
 _chosen: tuple[list[str], str] | None = None   # (argv prefix, `criu check` output)

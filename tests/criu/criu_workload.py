@@ -179,6 +179,11 @@ def main() -> None:
         kids.append(pid)
     a.close()
     b.close()
+    lock_path = os.environ.get("CRIU_TEST_FLOCK")
+    if lock_path:  # hold an exclusive flock for the whole run (a job's cache or db lock)
+        import fcntl
+        lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(lock_fd, fcntl.LOCK_EX)
     write_json(os.path.join(run_dir, "launcher.json"), {"pid": os.getpid(), "children": kids})
     print(f"launcher {os.getpid()} children {kids}", flush=True)
     for _ in kids:

@@ -316,3 +316,35 @@ def test_restore_refuses_corrupt_images(spawn_tree, tmp_path):
     assert dir_digest(images) == before
     # nothing of the half-restored tree keeps running
     wait_until(lambda: not any(alive(p) for p in tree.pids), "a failed restore to clean up")
+
+
+def _flock_held_by_other(path) -> bool:
+    """True if another process holds an exclusive flock on ``path``."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def test_tree_holding_a_file_lock_dumps_and_restores_with_the_lock(spawn_tree, tmp_path):
+    """A job holding a flock (a cache or database lock) is dumped with --file-locks and gets
+    its lock back on restore: without the option CRIU refuses the dump."""
+    assert "--file-locks" in criu.DUMP_OPTS and "--file-locks" in criu.RESTORE_OPTS
+    lock = tmp_path / "job.lock"
+    tree = spawn_tree(CRIU_TEST_FLOCK=str(lock))
+    assert _flock_held_by_other(lock)
+    images = tmp_path / "images"
+    criu.dump(tree.launcher, images)
+    tree.popen.wait()
+    kill_tree(tree.pids)
+    assert not _flock_held_by_other(lock)          # the dumped tree is gone, so is its lock
+    assert criu.restore(images) == tree.launcher
+    spawn_tree.track(tree.pids)
+    assert _flock_held_by_other(lock)              # the restored launcher holds it again
+    n = len(tree.counter(0))
+    wait_until(lambda: len(tree.counter(0)) > n + 20, "the restored counter to advance")
+    assert consecutive(tree.counter(0))
