@@ -260,6 +260,10 @@ CUI_HIDDEN unsigned cui_cache_close_all(void);
 
 CUI_HIDDEN struct cui_alloc *cui_alloc_by_vhandle(uint64_t vh);     /* live, or NULL */
 CUI_HIDDEN void cui_maybe_destroy(struct cui_alloc *a);             /* lock held */
+/* The driver handle of `a`: the held one, else a temporary retain through one of its mappings
+ * (*temporary = 1: the caller releases it). CUDA_ERROR_INVALID_VALUE if neither exists. */
+CUI_HIDDEN CUresult cui_alloc_driver_handle(struct cui_alloc *a, CUmemGenericAllocationHandle *h,
+                                            int *temporary);             /* lock held */
 #define CUI_MAP(ref) (&cui_st.maps[(ref) - 1])
 /* Iterates the mapping records of allocation `a` (lock held). */
 #define CUI_FOR_MAPS_OF(m, a) \

@@ -901,22 +901,6 @@ int cui_RESTORE_MULTICAST_DEVICES(struct cui_op_result *res) {
   return 0;
 }
 
-/* The member's driver handle for a replayed BindMem: the held one, else a temporary retain
- * through one of its mappings. */
-static CUresult member_handle(struct cui_alloc *a, CUmemGenericAllocationHandle *h, int *temporary) {
-  *temporary = 0;
-  if (a->has_real) {
-    *h = a->real;
-    return CUDA_SUCCESS;
-  }
-  CUI_FOR_MAPS_OF(x, a)
-    if (x->mapped) {
-      *temporary = 1;
-      return REAL(cuMemRetainAllocationHandle, fn_retain)(h, (void *)(uintptr_t)x->va);
-    }
-  return CUDA_ERROR_INVALID_VALUE;
-}
-
 int cui_RESTORE_MULTICAST_BINDINGS(struct cui_op_result *res) {
   const char *op = "RESTORE_MULTICAST_BINDINGS";
   for (size_t i = 0; i < cui_st.nmcs; i++) {
@@ -930,7 +914,7 @@ int cui_RESTORE_MULTICAST_BINDINGS(struct cui_op_result *res) {
       if (!v2) r = cui_set_device_context(b->dev);   /* the v1 ABI binds for the current device */
       CUmemGenericAllocationHandle mem = 0;
       int temporary = 0;
-      if (r == CUDA_SUCCESS && !by_addr) r = member_handle(&cui_st.allocs[b->member], &mem, &temporary);
+      if (r == CUDA_SUCCESS && !by_addr) r = cui_alloc_driver_handle(&cui_st.allocs[b->member], &mem, &temporary);
       if (r == CUDA_SUCCESS) {
         if (by_addr) r = v2 ? REAL(cuMulticastBindAddr_v2, fn_mc_bindaddr2)(m->real, b->dev, b->mc_off, b->memptr, b->size, 0)
                             : REAL(cuMulticastBindAddr, fn_mc_bindaddr)(m->real, b->mc_off, b->memptr, b->size, 0);

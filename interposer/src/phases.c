@@ -236,8 +236,9 @@ static CUresult staging_unmap(const struct cui_alloc *a, CUdeviceptr va, const c
   return r;
 }
 
-/* The driver handle to copy from: the one held, else a temporary retain through a mapping. */
-static CUresult hold_real(struct cui_alloc *a, CUmemGenericAllocationHandle *h, int *temporary) {
+/* The driver handle of `a`: the one held, else a temporary retain through one of its mappings
+ * (*temporary = 1: the caller releases it). CUDA_ERROR_INVALID_VALUE when neither exists. */
+CUresult cui_alloc_driver_handle(struct cui_alloc *a, CUmemGenericAllocationHandle *h, int *temporary) {
   *temporary = 0;
   if (a->has_real) {
     *h = a->real;
@@ -339,7 +340,7 @@ static int SAVE_ALLOCATIONS(struct cui_op_result *res) {
     CUmemGenericAllocationHandle h;
     int temporary;
     CUdeviceptr va = 0;
-    CUresult r = hold_real(a, &h, &temporary);
+    CUresult r = cui_alloc_driver_handle(a, &h, &temporary);
     int held = r == CUDA_SUCCESS;
     if (r != CUDA_SUCCESS) what = "cuMemRetainAllocationHandle";
     if (r == CUDA_SUCCESS) r = staging_map(a, h, &va, &what);
