@@ -75,3 +75,21 @@ def _private_tmp(tmp_path_factory, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(d))
     monkeypatch.setenv("TMPDIR", str(d))
     return d
+
+
+@pytest.fixture
+def shim(tmp_path):
+    """A stand-in shim file: any bytes, named libcuinterpose.so."""
+    d = tmp_path / "lib"
+    d.mkdir()
+    p = d / "libcuinterpose.so"
+    p.write_bytes(b"\x7fELF-not-really" * 512)
+    return p
+
+
+@pytest.fixture
+def ctl(tmp_path):
+    """An empty control directory."""
+    d = tmp_path / "ctl"
+    d.mkdir()
+    return d

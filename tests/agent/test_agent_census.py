@@ -9,23 +9,6 @@ from cuinterpose.agent import census
 from cuinterpose.agent.errors import CensusError, NativeError
 
 
-@pytest.fixture
-def shim(tmp_path):
-    """A stand-in shim file: any bytes, named libcuinterpose.so."""
-    d = tmp_path / "lib"
-    d.mkdir()
-    p = d / "libcuinterpose.so"
-    p.write_bytes(b"\x7fELF-not-really" * 512)
-    return p
-
-
-@pytest.fixture
-def ctl(tmp_path):
-    d = tmp_path / "ctl"
-    d.mkdir()
-    return d
-
-
 def states(cuda: dict):
     def get_state(pid):
         if pid in cuda:

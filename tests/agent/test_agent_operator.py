@@ -8,41 +8,17 @@ import os
 import pathlib
 import subprocess
 import sys
-import time
 
 import pytest
 
 from cuinterpose.agent import census, criu, demo, quiesce
 from cuinterpose.agent import checkpoint as cp_mod
 from cuinterpose.agent import restore as rs_mod
-from cuinterpose.agent.errors import AgentError, CensusError, NativeError, QuiesceRefused
+from cuinterpose.agent.errors import AgentError, CensusError, QuiesceRefused
 from cuinterpose.agent.report import Reporter, RichSink
 
-from test_agent_ordering import PIDS, ROOT, answer_quiesce, world  # noqa: F401 (fixture)
-
-
-@pytest.fixture
-def shim(tmp_path):
-    d = tmp_path / "lib"
-    d.mkdir()
-    p = d / "libcuinterpose.so"
-    p.write_bytes(b"\x7fELF-not-really" * 512)
-    return p
-
-
-@pytest.fixture
-def ctl(tmp_path):
-    d = tmp_path / "ctl"
-    d.mkdir()
-    return d
-
-
-def states(cuda: dict):
-    def get_state(pid):
-        if pid in cuda:
-            return cuda[pid]
-        raise NativeError("get_state", pid, "CUDA_ERROR_NOT_INITIALIZED")
-    return get_state
+from test_agent_census import states
+from test_agent_ordering import ROOT, answer_quiesce, world  # noqa: F401 (fixture)
 
 
 # --- 1. session leader / controlling tty, refused at census ---------------------------------
