@@ -558,16 +558,13 @@ static int write_meta(int fd, const struct fc_alloc *a)
     return pwrite(fd, &m, sizeof m, (off_t)a->size) == (ssize_t)sizeof m ? 0 : -1;
 }
 
-/* New memfd of `size` bytes plus the metadata page. The bytes are allocated now
- * (fallocate), as cuMemCreate allocates physical memory on the real driver: out of memory
- * shows at create, not at the first touch through a mapping, and copies into a fresh
- * allocation do not pay first-touch page faults. */
+/* New memfd of `size` bytes plus the metadata page. */
 static int new_memfd(size_t size)
 {
     int fd = memfd_create("fakecuda-allocation", MFD_CLOEXEC);
     if (fd < 0)
         return -1;
-    if (ftruncate(fd, (off_t)(size + g_page)) != 0 || fallocate(fd, 0, 0, (off_t)size) != 0) {
+    if (ftruncate(fd, (off_t)(size + g_page)) != 0) {
         close(fd);
         return -1;
     }
