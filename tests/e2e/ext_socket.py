@@ -18,6 +18,8 @@ import socket
 import sys
 import time
 
+from contract_side import park_on_request
+
 from cuda.bindings import driver as cu
 
 
@@ -68,29 +70,11 @@ def main():
         handle, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
         "cuMemExportToShareableHandle")
     emit({"event": "ready", "pid": me, "va": int(va), "size": size, "ticket": int(ticket)})
-    req, ready, resume = (os.path.join(ctl, f"quiesce-{me}.{k}") for k in ("request", "ready", "resume"))
     deadline = time.monotonic() + float(os.environ.get("EXT_LIFETIME_S", "120"))
     while time.monotonic() < deadline:
-        try:
-            rid = json.load(open(req))["id"]
-        except (OSError, ValueError, KeyError):
-            time.sleep(0.02)
-            continue
-        tmp = ready + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump({"id": rid, "ranks": [{"pid": me}]}, f)
-        os.rename(tmp, ready)
-        while True:
-            try:
-                res = json.load(open(resume))
-                break
-            except (OSError, ValueError):
-                time.sleep(0.02)
-        for p in (req, ready, resume):
-            try:
-                os.unlink(p)
-            except FileNotFoundError:
-                pass
+        res = park_on_request(ctl, me, deadline)
+        if res is None:
+            break
         emit({"event": "resumed", "restored": res.get("restored"), "cancelled": res.get("cancelled")})
         back = bytearray(size)
         ok = cu.cuMemcpyDtoH(back, va, size)[0] == cu.CUresult.CUDA_SUCCESS

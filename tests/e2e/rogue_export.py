@@ -23,6 +23,8 @@ import struct
 import sys
 import time
 
+from contract_side import park_on_request
+
 from cuda.bindings import driver as cu
 
 
@@ -91,29 +93,11 @@ def main():
         emit({"event": "error", "message": f"real cuMemExportToShareableHandle: {r}"})
         return 3
     emit({"event": "exported", "pid": me, "fd": fd.value, "size": gran})
-    req, ready, resume = (os.path.join(ctl, f"quiesce-{me}.{k}") for k in ("request", "ready", "resume"))
     deadline = time.monotonic() + float(os.environ.get("ROGUE_LIFETIME_S", "120"))
     while time.monotonic() < deadline:
-        try:
-            rid = json.load(open(req))["id"]
-        except (OSError, ValueError, KeyError):
-            time.sleep(0.02)
-            continue
-        tmp = ready + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump({"id": rid, "ranks": [{"pid": me}]}, f)
-        os.rename(tmp, ready)
-        while True:
-            try:
-                res = json.load(open(resume))
-                break
-            except (OSError, ValueError):
-                time.sleep(0.02)
-        for p in (req, ready, resume):
-            try:
-                os.unlink(p)
-            except FileNotFoundError:
-                pass
+        res = park_on_request(ctl, me, deadline)
+        if res is None:
+            break
         emit({"event": "resumed", "restored": res.get("restored"), "cancelled": res.get("cancelled")})
         ok = cu.cuCtxSynchronize()[0] == cu.CUresult.CUDA_SUCCESS
         os.close(fd.value)

@@ -1,0 +1,39 @@
+"""The workload side of docs/workload-contract.md for the small e2e test workloads
+(ext_socket.py, rogue_export.py): answer one quiesce request, park until `.resume`, clean up."""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+
+def park_on_request(ctl: str, root: int, deadline: float) -> dict | None:
+    """Wait (until ``deadline``, time.monotonic()) for ``quiesce-ROOT.request``; answer `.ready`
+    with this process as the only rank, wait for `.resume`, remove the three files, and return
+    the resume object. None when no request came before the deadline."""
+    req, ready, resume = (os.path.join(ctl, f"quiesce-{root}.{k}") for k in ("request", "ready", "resume"))
+    while time.monotonic() < deadline:
+        try:
+            with open(req) as f:
+                rid = json.load(f)["id"]
+        except (OSError, ValueError, KeyError):
+            time.sleep(0.02)
+            continue
+        tmp = ready + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"id": rid, "ranks": [{"pid": root}]}, f)
+        os.rename(tmp, ready)
+        while True:
+            try:
+                with open(resume) as f:
+                    res = json.load(f)
+                break
+            except (OSError, ValueError):
+                time.sleep(0.02)
+        for p in (req, ready, resume):
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
+        return res
+    return None
