@@ -258,6 +258,18 @@ CUI_HIDDEN int cui_cache_has(const uint8_t id[16]);
 CUI_HIDDEN void cui_cache_close(const uint8_t id[16]);
 CUI_HIDDEN unsigned cui_cache_close_all(void);
 
+/* Access lists, merged per location (PyTorch grants one GPU per cuMemSetAccess call).
+ * cui_access_count_after: locations the list would hold after merging `desc[0..n)`.
+ * cui_access_merge: merge them (the caller checked the count against CUI_MAX_ACCESS).
+ * cui_access_replay: re-issue the recorded grants on [va, va+size) after a remap with the real
+ * cuMemSetAccess; CUDA_SUCCESS without a call when nothing was granted. */
+CUI_HIDDEN uint32_t cui_access_count_after(const struct cui_access *acc, uint32_t count,
+                                           const CUmemAccessDesc *desc, size_t n);
+CUI_HIDDEN void cui_access_merge(struct cui_access *acc, uint32_t *count, const CUmemAccessDesc *desc,
+                                 size_t n);
+CUI_HIDDEN CUresult cui_access_replay(CUdeviceptr va, size_t size, const struct cui_access *acc,
+                                      uint32_t count);
+
 CUI_HIDDEN struct cui_alloc *cui_alloc_by_vhandle(uint64_t vh);     /* live, or NULL */
 CUI_HIDDEN void cui_maybe_destroy(struct cui_alloc *a);             /* lock held */
 /* The driver handle of `a`: the held one, else a temporary retain through one of its mappings

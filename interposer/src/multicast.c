@@ -529,32 +529,10 @@ CUresult cui_mc_set_access(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *
                  (unsigned long long)size);
     r = CUDA_ERROR_NOT_SUPPORTED;
   } else {
-    uint32_t n = x->access_count;
-    for (size_t k = 0; k < count; k++) {
-      int dup = 0;
-      for (uint32_t i = 0; i < x->access_count && !dup; i++)
-        dup = x->access[i].location_type == (uint32_t)desc[k].location.type && x->access[i].location_id == desc[k].location.id;
-      for (size_t j = 0; j < k && !dup; j++)
-        dup = desc[j].location.type == desc[k].location.type && desc[j].location.id == desc[k].location.id;
-      if (!dup) n++;
-    }
+    uint32_t n = cui_access_count_after(x->access, x->access_count, desc, count);
     if (n > CUI_MAX_ACCESS) r = CUDA_ERROR_NOT_SUPPORTED;
     else r = REAL(cuMemSetAccess, fn_setaccess)(ptr, size, desc, count);
-    if (r == CUDA_SUCCESS) {
-      for (size_t k = 0; k < count; k++) {
-        uint32_t i = 0;
-        while (i < x->access_count && !(x->access[i].location_type == (uint32_t)desc[k].location.type &&
-                                         x->access[i].location_id == desc[k].location.id))
-          i++;
-        if (i == x->access_count) {
-          x->access_count++;
-          x->access[i].location_type = desc[k].location.type;
-          x->access[i].location_id = desc[k].location.id;
-          x->access[i].reserved = 0;
-        }
-        x->access[i].flags = desc[k].flags;
-      }
-    }
+    if (r == CUDA_SUCCESS) cui_access_merge(x->access, &x->access_count, desc, count);
   }
   pthread_mutex_unlock(&cui_st.lock);
   return r;
@@ -942,17 +920,7 @@ int cui_RESTORE_MULTICAST_BINDINGS(struct cui_op_result *res) {
       }
       x->mapped = 1;
       res->records_changed++;
-      CUmemAccessDesc d[CUI_MAX_ACCESS];
-      size_t n = 0;
-      for (uint32_t a = 0; a < x->access_count; a++) {
-        if (x->access[a].flags == 0) continue;
-        memset(&d[n], 0, sizeof d[n]);
-        d[n].location.type = (CUmemLocationType)x->access[a].location_type;
-        d[n].location.id = x->access[a].location_id;
-        d[n].flags = (CUmemAccess_flags)x->access[a].flags;
-        n++;
-      }
-      if (n && (r = REAL(cuMemSetAccess, fn_setaccess)(x->va, x->size, d, n)) != CUDA_SUCCESS) {
+      if ((r = cui_access_replay(x->va, x->size, x->access, x->access_count)) != CUDA_SUCCESS) {
         mc_fail(res, op, m, "cuMemSetAccess", r);
         return -1;
       }

@@ -268,22 +268,10 @@ static CUresult remap(struct cui_alloc *a, CUmemGenericAllocationHandle h, uint3
     }
     m->mapped = 1;
     (*changed)++;
-    CUmemAccessDesc d[CUI_MAX_ACCESS];
-    size_t n = 0;
-    for (uint32_t k = 0; k < m->access_count; k++) {
-      if (m->access[k].flags == 0) continue;
-      memset(&d[n], 0, sizeof d[n]);
-      d[n].location.type = (CUmemLocationType)m->access[k].location_type;
-      d[n].location.id = m->access[k].location_id;
-      d[n].flags = (CUmemAccess_flags)m->access[k].flags;
-      n++;
-    }
-    if (n) {
-      r = REAL(cuMemSetAccess, fn_setaccess)(m->va, m->size, d, n);
-      if (r != CUDA_SUCCESS) {
-        *what = "cuMemSetAccess";
-        return r;
-      }
+    r = cui_access_replay(m->va, m->size, m->access, m->access_count);
+    if (r != CUDA_SUCCESS) {
+      *what = "cuMemSetAccess";
+      return r;
     }
   }
   return CUDA_SUCCESS;

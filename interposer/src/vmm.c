@@ -560,10 +560,51 @@ CUI_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
   return r;
 }
 
-static int access_find(const struct cui_mapping *m, uint32_t type, int32_t id) {
-  for (uint32_t i = 0; i < m->access_count; i++)
-    if (m->access[i].location_type == type && m->access[i].location_id == id) return (int)i;
+/* ---------- access lists (merged per location; shared by unicast and multicast) ---------- */
+
+static int access_find(const struct cui_access *acc, uint32_t count, uint32_t type, int32_t id) {
+  for (uint32_t i = 0; i < count; i++)
+    if (acc[i].location_type == type && acc[i].location_id == id) return (int)i;
   return -1;
+}
+
+uint32_t cui_access_count_after(const struct cui_access *acc, uint32_t count, const CUmemAccessDesc *desc,
+                                size_t n) {
+  uint32_t total = count;
+  for (size_t k = 0; k < n; k++) {
+    int dup = access_find(acc, count, desc[k].location.type, desc[k].location.id) >= 0;
+    for (size_t j = 0; j < k && !dup; j++)
+      dup = desc[j].location.type == desc[k].location.type && desc[j].location.id == desc[k].location.id;
+    if (!dup) total++;
+  }
+  return total;
+}
+
+void cui_access_merge(struct cui_access *acc, uint32_t *count, const CUmemAccessDesc *desc, size_t n) {
+  for (size_t k = 0; k < n; k++) {
+    int at = access_find(acc, *count, desc[k].location.type, desc[k].location.id);
+    if (at < 0) {
+      at = (int)(*count)++;
+      acc[at].location_type = desc[k].location.type;
+      acc[at].location_id = desc[k].location.id;
+      acc[at].reserved = 0;
+    }
+    acc[at].flags = desc[k].flags;
+  }
+}
+
+CUresult cui_access_replay(CUdeviceptr va, size_t size, const struct cui_access *acc, uint32_t count) {
+  CUmemAccessDesc d[CUI_MAX_ACCESS];
+  size_t n = 0;
+  for (uint32_t k = 0; k < count && k < CUI_MAX_ACCESS; k++) {
+    if (acc[k].flags == 0) continue;
+    memset(&d[n], 0, sizeof d[n]);
+    d[n].location.type = (CUmemLocationType)acc[k].location_type;
+    d[n].location.id = acc[k].location_id;
+    d[n].flags = (CUmemAccess_flags)acc[k].flags;
+    n++;
+  }
+  return n ? REAL(cuMemSetAccess, fn_setaccess)(va, size, d, n) : CUDA_SUCCESS;
 }
 
 CUI_EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count) {
@@ -591,13 +632,7 @@ CUI_EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAcce
       r = CUDA_ERROR_NOT_SUPPORTED;
       break;
     }
-    uint32_t n = m->access_count;
-    for (size_t k = 0; k < count; k++) {
-      int dup = access_find(m, desc[k].location.type, desc[k].location.id) >= 0;
-      for (size_t j = 0; j < k && !dup; j++)
-        dup = desc[j].location.type == desc[k].location.type && desc[j].location.id == desc[k].location.id;
-      if (!dup) n++;
-    }
+    uint32_t n = cui_access_count_after(m->access, m->access_count, desc, count);
     if (n > CUI_MAX_ACCESS) {
       cui_api_warn("cuMemSetAccess", "mapping 0x%llx+0x%llx (virtual handle 0x%llx) would have %u access "
                    "locations, more than the %d the shim records; no driver call: CUDA_ERROR_NOT_SUPPORTED",
@@ -608,18 +643,7 @@ CUI_EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAcce
   }
   if (r == CUDA_SUCCESS) r = real(ptr, size, desc, count);
   if (r == CUDA_SUCCESS) {
-    FOR_MAPS_IN(m, ptr, size) {
-      for (size_t k = 0; k < count; k++) {
-        int at = access_find(m, desc[k].location.type, desc[k].location.id);
-        if (at < 0) {
-          at = (int)m->access_count++;
-          m->access[at].location_type = desc[k].location.type;
-          m->access[at].location_id = desc[k].location.id;
-          m->access[at].reserved = 0;
-        }
-        m->access[at].flags = desc[k].flags;
-      }
-    }
+    FOR_MAPS_IN(m, ptr, size) cui_access_merge(m->access, &m->access_count, desc, count);
   }
   pthread_mutex_unlock(&cui_st.lock);
   return r;
