@@ -1,10 +1,28 @@
-"""The workload side of docs/workload-contract.md for the small e2e test workloads
-(ext_socket.py, rogue_export.py): answer one quiesce request, park until `.resume`, clean up."""
+"""Shared by the small e2e test workloads (ext_socket.py, rogue_export.py): JSON-lines events,
+a driver-call check, and the workload side of docs/workload-contract.md (answer one quiesce
+request, park until `.resume`, clean up)."""
 from __future__ import annotations
 
 import json
 import os
+import sys
 import time
+
+
+def emit(ev: dict) -> None:
+    """One JSON event per line on stdout, flushed."""
+    print(json.dumps(ev), flush=True)
+
+
+def check(res, what: str):
+    """A cuda.bindings result tuple: its value(s) on CUDA_SUCCESS, else an `error` event naming
+    `what` and the CUresult, and exit status 3."""
+    from cuda.bindings import driver as cu
+    err = res[0]
+    if err != cu.CUresult.CUDA_SUCCESS:
+        emit({"event": "error", "message": f"{what}: {err.name}"})
+        sys.exit(3)
+    return res[1] if len(res) == 2 else res[1:]
 
 
 def park_on_request(ctl: str, root: int, deadline: float) -> dict | None:

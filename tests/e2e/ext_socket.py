@@ -12,27 +12,14 @@ pattern and the socket still works after the resume). Exits 0 when both hold.
 """
 from __future__ import annotations
 
-import json
 import os
 import socket
 import sys
 import time
 
-from contract_side import park_on_request
+from contract_side import check, emit, park_on_request
 
 from cuda.bindings import driver as cu
-
-
-def emit(ev):
-    print(json.dumps(ev), flush=True)
-
-
-def check(res, what):
-    err = res[0]
-    if err != cu.CUresult.CUDA_SUCCESS:
-        emit({"event": "error", "message": f"{what}: {err.name}"})
-        sys.exit(3)
-    return res[1] if len(res) == 2 else res[1:]
 
 
 def pattern(n: int) -> bytes:

@@ -17,27 +17,14 @@ It follows docs/workload-contract.md for its own pid as root and prints JSON lin
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import struct
 import sys
 import time
 
-from contract_side import park_on_request
+from contract_side import check, emit, park_on_request
 
 from cuda.bindings import driver as cu
-
-
-def emit(ev):
-    print(json.dumps(ev), flush=True)
-
-
-def check(res, what):
-    err = res[0]
-    if err != cu.CUresult.CUDA_SUCCESS:
-        emit({"event": "error", "message": f"{what}: {err.name}"})
-        sys.exit(3)
-    return res[1] if len(res) == 2 else res[1:]
 
 
 def libcuda_symbol(name: str) -> int:
