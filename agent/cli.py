@@ -495,6 +495,7 @@ def _config_values(path) -> dict:
             "driver": cfg.driver,
             "tls_cert": cfg.tls.cert_file or None, "tls_key": cfg.tls.key_file or None,
             "tls_client_ca": cfg.tls.ca_file or None, "insecure_tcp": cfg.insecure_tcp or None,
+            "group_lease_s": cfg.group_lease_s,
             "kubernetes": k if k.enabled else None, "_config": cfg}
 
 
@@ -538,15 +539,19 @@ def _start_watcher(srv, cfg, stop):
               help="allow a non-loopback TCP listener without mutual TLS (plaintext, or TLS "
                    "without --tls-client-ca): anyone who reaches it can checkpoint and restore "
                    "as root. Logs a loud warning; the ready line says \"insecure\": true.")
+@click.option("--group-lease-s", type=POSITIVE, default=None,
+              help="seconds a group member keeps a request's job past its leader's last "
+                   "RunPhase or Renew; then it undoes the job itself (default: the config's "
+                   "groupLeaseS, else 30).")
 @driver_opt
 @control_opt
 @json_opt
 def serve(listen, config_file, node, snapshot_dir, metrics_port, metrics_addr, tls_cert, tls_key,
-          tls_client_ca, insecure_tcp, driver, control_dir, as_json):
+          tls_client_ca, insecure_tcp, group_lease_s, driver, control_dir, as_json):
     """Run the agent daemon: the gRPC Agent service (checkpoint, restore, inspect, snapshots,
     group phases), gRPC health checking and Prometheus metrics. Prints one line when ready
     (with --json: {"ok": true, "listen", "metrics_port", "node", "pid", "insecure",
-    "snapshot_dirs"}) and serves until SIGTERM or SIGINT.
+    "snapshot_dirs", "group_lease_s"}) and serves until SIGTERM or SIGINT.
 
     Refuses (exit 2) a non-loopback TCP listener without mutual TLS unless --insecure-tcp;
     confines every request's paths to the snapshot dir(s) (docs/service.md "Security")."""
@@ -559,7 +564,7 @@ def serve(listen, config_file, node, snapshot_dir, metrics_port, metrics_addr, t
     given = dict(listen=listen, node=node, snapshot_dir=list(snapshot_dir) or None,
                  metrics_port=metrics_port, metrics_addr=metrics_addr, tls_cert=tls_cert,
                  tls_key=tls_key, tls_client_ca=tls_client_ca, insecure_tcp=insecure_tcp or None,
-                 driver=driver, control_dir=control_dir)
+                 group_lease_s=group_lease_s, driver=driver, control_dir=control_dir)
     conf = _config_values(config_file) if config_file else {}
     v = {k: (given[k] if given[k] is not None else conf.get(k)) for k in given}
     metrics_addr = v["metrics_addr"] or "127.0.0.1"
@@ -584,6 +589,8 @@ def serve(listen, config_file, node, snapshot_dir, metrics_port, metrics_addr, t
                         driver=v["driver"], snapshot_dir=roots[0], snapshot_roots=tuple(roots),
                         tls=tls if tls.enabled else None,
                         insecure_tcp=bool(v["insecure_tcp"]))
+    if v["group_lease_s"] is not None:
+        opts.group_lease_s = float(v["group_lease_s"])
     cfg = conf.get("_config")
     if cfg is not None:
         opts.quiesce_timeout_ms = cfg.quiesce_timeout_ms
@@ -617,7 +624,8 @@ def serve(listen, config_file, node, snapshot_dir, metrics_port, metrics_addr, t
                                "node": opts.node, "pid": os.getpid(),
                                "kubernetes": watcher is not None,
                                "insecure": security["insecure"],
-                               "snapshot_dirs": roots}, sort_keys=True))
+                               "snapshot_dirs": roots,
+                               "group_lease_s": opts.group_lease_s}, sort_keys=True))
     else:
         click.echo(f"cuinterpose-agent {opts.node} serving on {srv.address}"
                    + (f", metrics on {metrics_addr}:{srv.metrics_port}" if srv.metrics_port

@@ -24,6 +24,9 @@ the file). Keys are camelCase in YAML and snake_case on the dataclasses::
     lockTimeoutMs: 10000               # >= 0 (0 = no timeout)
     phaseTimeoutS: 60                  # > 0, seconds
     carrierTimeoutS: 3600              # > 0, seconds
+    groupLeaseS: 30                    # > 0, seconds: a group member keeps a request's job
+                                       # this long past its leader's last RunPhase or Renew,
+                                       # then undoes it itself (docs/service.md "Leases")
     kubernetes:
       enabled: false
       nodeName: ""                     # default: $NODE_NAME; required when enabled
@@ -168,6 +171,7 @@ class AgentConfig:
     lock_timeout_ms: int = _field("lockTimeoutMs", 10_000, check=_non_negative)
     phase_timeout_s: float = _field("phaseTimeoutS", 60.0, check=_positive)
     carrier_timeout_s: float = _field("carrierTimeoutS", 3600.0, check=_positive)
+    group_lease_s: float = _field("groupLeaseS", 30.0, check=_positive)
     kubernetes: KubernetesConfig = _field("kubernetes", factory=KubernetesConfig)
 
     # -- the names ``cuinterpose-agent serve`` reads (None when not set here) ----------------

@@ -20,17 +20,143 @@ refused / restore_failed (restore), for the group as a whole.
 
 Every member's progress rows are forwarded into the leader's stream with ``node`` and
 ``group_phase`` set: the leader's event log is the merged log of the group.
+
+Leases: a member keeps a group request's job only while its lease lasts (``serve
+--group-lease-s``, default 30 s; each member reports its own as ``lease_s``). Every RunPhase
+answer renews it; between phases, and while a long phase runs on another member, a thread of
+the leader (:class:`Renewer`) calls ``Renew`` on every member every third of the shortest lease
+it has learned. A leader that dies stops renewing: each member then undoes the job by itself
+(agent/service.py, docs/service.md "Leases"). A member whose lease expired answers every later
+``RunPhase`` of the request with outcome ``lease_expired`` (it undid the job itself) or
+``rollback_failed``/``restore_failed`` (its own undo failed); the leader's undo phases count
+the first as done.
 """
 from __future__ import annotations
 
 import json
+import os
+import socket
+import threading
+import time
 import uuid
 from concurrent import futures
-from typing import Callable
+from typing import Callable, Optional
 
 from . import pb
 from .errors import AgentError
 from .report import Reporter
+
+
+#: a leader renews every member's lease after this fraction of the shortest lease
+RENEW_FRACTION = 1 / 3
+#: the outcome of a member's refusal after its lease expired and it undid the job itself
+LEASE_EXPIRED = "lease_expired"
+
+
+class Renewer:
+    """Keeps the leases of group request ``rid`` alive on every member while the group runs.
+
+    A thread of its own calls ``renew(address, RenewRequest, timeout_s)`` on every member
+    concurrently every ``RENEW_FRACTION`` of the shortest lease (seconds) learned so far:
+    :meth:`learn` takes a member's ``lease_s`` (from its RunPhase answers and Renew responses);
+    until one is known the leader assumes ``default_lease_s``. A member whose renewal is still
+    in flight is skipped, so one hung member does not delay the others; a failed renewal is
+    noted once per member on ``rep`` (the next RunPhase on that member then says what
+    happened). ``renewed[node]`` counts successful renewals."""
+
+    def __init__(self, rid: str, members: list, leader: str, renew: Callable, rep: Reporter,
+                 default_lease_s: float):
+        self.rid = rid
+        self.members = members
+        self.leader = leader
+        self.renew = renew
+        self.rep = rep
+        self.default_lease_s = float(default_lease_s)
+        self.leases: dict[str, float] = {}
+        self.renewed = {m.node: 0 for m in members}
+        self.noted: set = set()
+        self.inflight: set = set()
+        self.lock = threading.Lock()
+        self.wake = threading.Event()
+        self.stopped = threading.Event()
+        self.thread: Optional[threading.Thread] = None
+        self.pool: Optional[futures.ThreadPoolExecutor] = None
+
+    def learn(self, node: str, lease_s) -> None:
+        """Record ``node``'s lease (seconds); a shorter one wakes the thread at once."""
+        try:
+            lease_s = float(lease_s or 0)
+        except (TypeError, ValueError):
+            return
+        if lease_s > 0 and self.leases.get(node) != lease_s:
+            self.leases[node] = lease_s
+            self.wake.set()
+
+    def period_s(self) -> float:
+        """Seconds between renewals: ``RENEW_FRACTION`` of the shortest known lease."""
+        return max(0.01, min(self.leases.values() or [self.default_lease_s]) * RENEW_FRACTION)
+
+    def start(self) -> "Renewer":
+        self.pool = futures.ThreadPoolExecutor(max_workers=max(1, len(self.members)),
+                                               thread_name_prefix="cui-renew")
+        self.thread = threading.Thread(target=self._run, name="cui-group-renew", daemon=True)
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.wake.set()
+        if self.thread is not None:
+            self.thread.join()
+        if self.pool is not None:
+            self.pool.shutdown(wait=False)
+
+    def _run(self) -> None:
+        last = time.monotonic()
+        while not self.stopped.is_set():
+            due = last + self.period_s()
+            now = time.monotonic()
+            if now < due:
+                self.wake.wait(due - now)
+                self.wake.clear()
+                continue
+            last = now
+            for m in self.members:
+                with self.lock:
+                    if m.node in self.inflight:
+                        continue
+                    self.inflight.add(m.node)
+                try:
+                    self.pool.submit(self._renew_one, m)
+                except RuntimeError:        # the pool is shut down: the group has ended
+                    return
+
+    def _renew_one(self, m) -> None:
+        apb, _, _ = pb.modules()
+        try:
+            req = apb.RenewRequest(request_id=self.rid, node=m.node, leader=self.leader)
+            try:
+                res = self.renew(m.address, req, max(1.0, self.period_s()))
+            except Exception as e:
+                self._note(m.node, f"cannot renew the lease of group request {self.rid} on node "
+                           f"{m.node} ({m.address}): {e}")
+                return
+            if res.ok:
+                self.renewed[m.node] += 1
+                self.learn(m.node, res.lease_s)
+            elif res.expired:
+                self._note(m.node, f"node {m.node}: {res.reason}")
+        finally:
+            with self.lock:
+                self.inflight.discard(m.node)
+
+    def _note(self, node: str, text: str) -> None:
+        with self.lock:
+            if node in self.noted:
+                return
+            self.noted.add(node)
+        if not self.stopped.is_set():
+            self.rep.note(text)
 
 
 class MemberFailed(Exception):
@@ -51,11 +177,18 @@ def _members(request) -> list:
 
 
 def lead(kind: str, request, rep: Reporter, emit: Callable[[dict], None], *,
-         tls=None, call=None) -> tuple[dict, None]:
+         tls=None, call=None, renew=None, request_id: Optional[str] = None,
+         leader: Optional[str] = None, lease_s: Optional[float] = None) -> tuple[dict, None]:
     """Lead a group ``kind`` ("checkpoint" | "restore") for ``request`` (a
     ``CheckpointRequest``/``RestoreRequest`` with ``members``). ``emit`` receives the members'
     progress rows; ``call(address, method, request, on_progress)`` defaults to
-    :func:`cuinterpose.agent.service.call`. Returns ({"ok": true, "request_id", "members":
+    :func:`cuinterpose.agent.service.call` and ``renew(address, RenewRequest, timeout_s)`` to
+    :func:`cuinterpose.agent.service.renew` (both with ``tls``; with a ``call`` given and no
+    ``renew``: ``call(address, "Renew", request, None)``). ``request_id``: the group's id
+    (default a fresh uuid4 hex); ``leader``: this leader in words, sent to the members (default
+    "pid N on HOST"); ``lease_s``: the lease (seconds) assumed for members until they report
+    theirs (default ``service.DEFAULT_GROUP_LEASE_S``). Every member's lease is renewed by a
+    :class:`Renewer` while the group runs. Returns ({"ok": true, "request_id", "members":
     [{"node", "address", "images_dir", "state"}], "phases"}, None); raises ``AgentError``
     with ``node`` set to the failing member."""
     from .checkpoint import Checkpoint
@@ -65,15 +198,25 @@ def lead(kind: str, request, rep: Reporter, emit: Callable[[dict], None], *,
     if call is None:
         def call(addr, method, req, on_progress):
             return service.call(addr, method, req, tls=tls, on_progress=on_progress)
+        if renew is None:
+            def renew(addr, req, timeout_s):
+                return service.renew(addr, req, tls=tls, timeout_s=timeout_s)
+    if renew is None:
+        def renew(addr, req, timeout_s):
+            return call(addr, "Renew", req, None)
     members = _members(request)
     cls = Checkpoint if kind == "checkpoint" else Restore
-    rid = uuid.uuid4().hex
+    rid = request_id or uuid.uuid4().hex
+    leader = leader or f"pid {os.getpid()} on {socket.gethostname()}"
+    renewer = Renewer(rid, members, leader, renew, rep,
+                      lease_s or service.DEFAULT_GROUP_LEASE_S)
     ginfo = mpb.GroupInfo(request_id=rid, members=[
         mpb.GroupMember(node=m.node, address=m.address, images_dir=m.images_dir) for m in members])
     states: dict[str, dict] = {m.node: {} for m in members}
 
     def run_on(m, phase: str):
-        req = apb.RunPhaseRequest(request_id=rid, kind=kind, phase=phase, node=m.node)
+        req = apb.RunPhaseRequest(request_id=rid, kind=kind, phase=phase, node=m.node,
+                                  leader=leader)
         if phase == cls.GROUP_PHASES[0]:
             if kind == "checkpoint":
                 sub = apb.CheckpointRequest(roots=list(m.roots), images_dir=m.images_dir)
@@ -102,9 +245,11 @@ def lead(kind: str, request, rep: Reporter, emit: Callable[[dict], None], *,
             err.node = e.node or m.node
             raise err
         try:
-            states[m.node] = json.loads(res.json).get("state", {}) or {}
+            out = json.loads(res.json)
         except ValueError:
-            states[m.node] = {}
+            out = {}
+        states[m.node] = out.get("state", {}) or {}
+        renewer.learn(m.node, out.get("lease_s"))
 
     def group_phase(phase: str, targets: list) -> list[tuple]:
         """Run ``phase`` on ``targets`` concurrently; wait for all. Returns [(member, error)]
@@ -137,21 +282,34 @@ def lead(kind: str, request, rep: Reporter, emit: Callable[[dict], None], *,
         if failed:
             raise MemberFailed()
 
-    for i, phase in enumerate(cls.GROUP_PHASES):
-        failed = group_phase(phase, members)
-        if not failed:
-            continue
-        _, first = failed[0]
-        if len(failed) > 1:      # the first member's error leads; the others are named too
-            first.reason += "; also failed: " + "; ".join(
-                f"node {m.node}: {e}" for m, e in failed[1:])
-        if kind == "checkpoint":
-            raise _undo_checkpoint(first, members, group_phase, states, rep)
-        raise _undo_restore(first, i, members, group_phase, cls, rep)
+    renewer.start()
+    try:
+        for i, phase in enumerate(cls.GROUP_PHASES):
+            failed = group_phase(phase, members)
+            if not failed:
+                continue
+            _, first = failed[0]
+            if len(failed) > 1:      # the first member's error leads; the others are named too
+                first.reason += "; also failed: " + "; ".join(
+                    f"node {m.node}: {e}" for m, e in failed[1:])
+            # a member the leader could not reach at the first phase gets no undo phase: it
+            # never got the request, or (the stream broke) it undoes it when its lease expires
+            targets = [m for m in members if i > 0 or not any(
+                f is m and e.outcome == "unreachable" for f, e in failed)]
+            if kind == "checkpoint":
+                raise _undo_checkpoint(first, targets, group_phase, states, rep)
+            raise _undo_restore(first, i, targets, group_phase, cls, rep)
+    finally:
+        renewer.stop()
     return ({"ok": True, "request_id": rid, "kind": kind,
              "members": [{"node": m.node, "address": m.address, "images_dir": m.images_dir,
                           "state": states[m.node]} for m in members],
              "phases": rep.to_list()}, None)
+
+
+def _lease_hint(e: AgentError) -> str:
+    return (" (unreachable: if it holds the job, it undoes it itself when its lease expires)"
+            if e.outcome == "unreachable" else "")
 
 
 def _named(e: AgentError, reason: str, outcome: str) -> AgentError:
@@ -164,13 +322,18 @@ def _named(e: AgentError, reason: str, outcome: str) -> AgentError:
 def _undo_checkpoint(first: AgentError, members, group_phase, states, rep) -> AgentError:
     """Run ``rollback`` on every member, then ``release`` on those whose rollback worked.
     Returns the group's error."""
-    rb_failed = group_phase("rollback", members)
-    bad = {m.node for m, _ in rb_failed}
-    torn = any(states.get(m.node, {}).get("torn_down") for m in members if m.node not in bad)
+    rb = group_phase("rollback", members) if members else []
+    # a member whose lease expired rolled back and released the job itself
+    self_undone = {m.node for m, e in rb if e.outcome == LEASE_EXPIRED}
+    rb_failed = [(m, e) for m, e in rb if m.node not in self_undone]
+    bad = {m.node for m, _ in rb}
+    torn = any(states.get(m.node, {}).get("torn_down") for m in members
+               if m.node not in bad or m.node in self_undone)
     ok_members = [m for m in members if m.node not in bad]
-    rel_failed = group_phase("release", ok_members) if ok_members else []
+    rel = group_phase("release", ok_members) if ok_members else []
+    rel_failed = [(m, e) for m, e in rel if e.outcome != LEASE_EXPIRED]
     if rb_failed or rel_failed:
-        why = "; ".join(f"node {m.node}: {e}" for m, e in rb_failed + rel_failed)
+        why = "; ".join(f"node {m.node}: {e}{_lease_hint(e)}" for m, e in rb_failed + rel_failed)
         rep.note(f"group rollback failed: {why}")
         return _named(first, f"{first.reason}; rollback failed too: {why}", "rollback_failed")
     if torn:
@@ -182,8 +345,9 @@ def _undo_checkpoint(first: AgentError, members, group_phase, states, rep) -> Ag
 def _undo_restore(first: AgentError, index: int, members, group_phase, cls, rep) -> AgentError:
     if index < cls.GROUP_PHASES.index("criu restore"):
         return _named(first, first.reason, "refused")
-    ab_failed = group_phase("abort", members)
+    ab_failed = [(m, e) for m, e in (group_phase("abort", members) if members else [])
+                 if e.outcome != LEASE_EXPIRED]    # expired: it aborted by itself
     extra = ("" if not ab_failed else "; abort failed on " +
-             ", ".join(f"node {m.node}: {e}" for m, e in ab_failed))
+             ", ".join(f"node {m.node}: {e}{_lease_hint(e)}" for m, e in ab_failed))
     return _named(first, first.reason + "; every member's restored trees were killed, the "
                   "snapshots are untouched" + extra, "restore_failed")

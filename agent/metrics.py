@@ -8,7 +8,12 @@ Metric families (one registry per daemon; labels in brackets):
   copies, CRIU images);
 - ``cuinterpose_snapshots_total`` counter [kind, result]: finished requests, ``kind`` in
   checkpoint/restore, ``result`` in succeeded/failed;
-- ``cuinterpose_requests_in_flight`` gauge [kind].
+- ``cuinterpose_requests_in_flight`` gauge [kind];
+- ``cuinterpose_group_leases_expired_total`` counter [kind, result]: group requests whose
+  lease expired on this member (its leader stopped renewing it) and that the member undid
+  itself; ``result``: ``undone`` (checkpoint rolled back and released, restore aborted),
+  ``completed`` (a checkpoint past ``finish``: its ``resume`` was run), ``dropped`` (nothing to
+  undo), ``undo_failed`` (the undo failed; the workload may stay parked).
 """
 from __future__ import annotations
 
@@ -28,6 +33,9 @@ class Metrics:
                                    ["kind", "phase"], registry=self.registry)
         self.snapshots = Counter("cuinterpose_snapshots", "Finished checkpoint/restore requests",
                                  ["kind", "result"], registry=self.registry)
+        self.leases_expired = Counter("cuinterpose_group_leases_expired",
+                                      "Group requests whose lease expired on this member",
+                                      ["kind", "result"], registry=self.registry)
         self.in_flight = Gauge("cuinterpose_requests_in_flight", "Requests being served",
                                ["kind"], registry=self.registry)
         self.server = None
@@ -39,6 +47,11 @@ class Metrics:
 
     def finished(self, kind: str, ok: bool) -> None:
         self.snapshots.labels(kind, "succeeded" if ok else "failed").inc()
+
+    def lease_expired(self, kind: str, result: str) -> None:
+        """Count one expired group lease (``result``: undone, completed, dropped,
+        undo_failed)."""
+        self.leases_expired.labels(kind, result).inc()
 
     def text(self) -> str:
         """The exposition format, as served on /metrics."""

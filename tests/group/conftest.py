@@ -22,3 +22,5 @@ criu_ok = _e2e.criu_ok
 afdwin = _e2e.afdwin
 ext_socket = _e2e.ext_socket
 daemon = _svc.daemon
+pki = _svc.pki
+fake_job = _svc.fake_job

@@ -11,37 +11,7 @@ import signal
 import time
 
 from cuinterpose.agent import demo, pb, service
-
-STEPS = 300
-
-
-def start_jobs(afdwin, steps=STEPS):
-    return [afdwin(steps=steps, step_delay_ms=5), afdwin(steps=steps, step_delay_ms=5)]
-
-
-def wait_running(jobs):
-    for j in jobs:
-        j.wait_for(lambda ev: demo.received(ev) >= 20, 120, "20 messages")
-
-
-def agents(daemon, jobs):
-    return [daemon(f"node-{n}", "--driver", "fake", "--control-dir", str(j.ctl))
-            for n, j in zip("ab", jobs)]
-
-
-def reap_tree(m):
-    """Reap every process of a killed tree (its ranks are re-parented to this subreaper and
-    may die after the root): CRIU restores the same pids, so they must be free."""
-    deadline = time.monotonic() + 30
-    pids = [p["pid"] for p in m["processes"]]
-    while any(os.path.exists(f"/proc/{p}") for p in pids):
-        assert time.monotonic() < deadline, pids
-        demo.reap_zombies()
-        time.sleep(0.01)
-
-
-def idx(rows, event, pred):
-    return [i for i, r in enumerate(rows) if r["event"] == event and pred(r)]
+from group_kit import STEPS, agents, idx, reap_tree, start_jobs, wait_running
 
 
 def test_group_checkpoint_and_restore_one_consistent_cut(afdwin, daemon, tmp_path):

@@ -19,11 +19,14 @@ RS = ["prepare", "stale", "criu restore", "native restore", "restore shared", "r
 
 class Members:
     """Fake ``call``: records (node, phase) in order; ``fail[(node, phase)] = (err_phase, pid)``
-    makes that call fail; a checkpoint member is torn down from "capture" on."""
+    or ``(err_phase, pid, outcome)`` makes that call fail (outcome "refused" by default); the
+    nodes in ``down`` cannot be reached (the call raises); a checkpoint member is torn down
+    from "capture" on."""
 
-    def __init__(self, fail=None):
+    def __init__(self, fail=None, down=()):
         self.log = []
         self.fail = fail or {}
+        self.down = set(down)
         self.lock = threading.Lock()
         self.torn = set()
         self.barrier_violations = []
@@ -34,6 +37,8 @@ class Members:
         node, phase = req.node, req.phase
         with self.lock:
             self.log.append((node, phase))
+        if node in self.down:
+            raise ConnectionError(f"{addr}: UNAVAILABLE: handshake failed")
         on_progress({"event": "start", "phase": phase, "status": "running", "node": "", "pid": 0,
                      "bytes": 0, "elapsed_ns": 0, "detail": "", "group_phase": "", "text": ""})
         if phase == "capture":
@@ -41,9 +46,10 @@ class Members:
         if phase == "prepare":
             assert req.HasField("checkpoint") or req.HasField("restore")
         if (node, phase) in self.fail:
-            p, pid = self.fail[(node, phase)]
-            return apb.Result(ok=False, error=apb.Error(phase=p, pid=pid or 0, has_pid=pid is not None,
-                                                        reason="boom", outcome="refused", node=node))
+            p, pid, *outcome = self.fail[(node, phase)]
+            return apb.Result(ok=False, error=apb.Error(
+                phase=p, pid=pid or 0, has_pid=pid is not None, reason="boom",
+                outcome=outcome[0] if outcome else "refused", node=node))
         state = {"torn_down": node in self.torn and phase != "rollback"}
         if phase == "rollback":
             state = {"torn_down": node in self.torn}
@@ -132,6 +138,35 @@ def test_restore_success_and_failure_after_criu_restore_aborts_everyone():
     _, err, _ = run("restore", m)
     assert phases_of(m.log, "a") == phases_of(m.log, "b") == ["prepare"]
     assert (err.phase, err.pid, err.node, err.outcome) == ("manifest", None, "a", "refused")
+
+
+def test_a_member_unreachable_at_prepare_gets_no_undo_phase():
+    """It never got the request (or, if it did, undoes it when its lease expires): the
+    others are released, the group's outcome says unreachable, naming it."""
+    m = Members(down={"b"})
+    _, err, _ = run("checkpoint", m)
+    assert phases_of(m.log, "a") == ["prepare", "rollback", "release"]
+    assert phases_of(m.log, "b") == ["prepare"]
+    assert (err.node, err.phase, err.outcome) == ("b", "prepare", "unreachable")
+    assert str(err) == "node b: prepare: ConnectionError: unix:/b: UNAVAILABLE: handshake failed"
+
+
+def test_a_member_whose_lease_expired_undid_itself_and_counts_as_rolled_back():
+    """node b's lease ran out (it rolled back and released on its own): it refuses the next
+    phase and the rollback with outcome lease_expired; the leader releases only a."""
+    m = Members(fail={("b", "dump"): ("group", None, "lease_expired"),
+                      ("b", "rollback"): ("group", None, "lease_expired")})
+    _, err, _ = run("checkpoint", m)
+    assert phases_of(m.log, "a") == CP[:6] + ["rollback", "release"]
+    assert phases_of(m.log, "b") == CP[:6] + ["rollback"]
+    assert (err.node, err.phase, err.outcome) == ("b", "group", "rolled_back")
+    m = Members(fail={("a", "restore shared"): ("group", None, "lease_expired"),
+                      ("a", "abort"): ("group", None, "lease_expired")})
+    _, err, _ = run("restore", m)
+    assert phases_of(m.log, "b") == RS[:5] + ["abort"]
+    assert (err.node, err.outcome) == ("a", "restore_failed")
+    assert err.reason == ("boom; every member's restored trees were killed, the snapshots are "
+                          "untouched")
 
 
 def test_members_need_distinct_names():

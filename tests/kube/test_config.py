@@ -88,7 +88,7 @@ def test_from_file_and_node_name_from_env(tmp_path):
     ("kubernetes: {nodename: x}", "kubernetes.nodename: unknown key (known: apiServer, enabled, "
      "kubeconfig, labelSelector, leaveRunning, namespaces, nodeName, procRoot, watchTimeoutSeconds)"),
     ("kubernetes: [1]", "kubernetes: expected a mapping, got [1] (list)"),
-    ("snapshotDirs: /x", "snapshotDirs: unknown key (known: carrierTimeoutS, controlDir, driver, "
+    ("snapshotDirs: /x", "snapshotDirs: unknown key (known: carrierTimeoutS, controlDir, driver, groupLeaseS, "
      "insecureTcp, kubernetes, listenAddress, lockTimeoutMs, metricsAddress, metricsPort, "
      "phaseTimeoutS, quiesceTimeoutMs, snapshotDir, tls)"),
     ("snapshotDir: var/snap", "snapshotDir: must be an absolute path, got 'var/snap'"),

@@ -1,5 +1,8 @@
 """Fixtures for the agent daemon: ``daemon(name)`` starts ``cuinterpose-agent serve`` in a
-subprocess on a Unix socket (or TCP loopback) and returns its ready line; killed at teardown."""
+subprocess on a Unix socket (or TCP loopback) and returns its ready line; killed at teardown.
+``pki(nodes=..., strangers=...)`` writes test certificates (tests/service/pki.py, made with
+the ``cryptography`` package) into a fresh directory; ``fake_job`` is the fake group job of
+tests/service/fakejob.py."""
 from __future__ import annotations
 
 import json
@@ -26,8 +29,9 @@ def daemon(tmp_path_factory):
     procs = []
     dirs = []
 
-    def _start(node, *extra, listen=""):
-        """``listen=None``: no --listen (the config file's address)."""
+    def _start(node, *extra, listen="", env=None):
+        """``listen=None``: no --listen (the config file's address); ``env``: variables
+        added to the daemon's environment."""
         d = _short_dir()
         dirs.append(d)
         if listen == "":
@@ -35,7 +39,7 @@ def daemon(tmp_path_factory):
         lopt = ["--listen", listen] if listen is not None else []
         if "--snapshot-dir" not in extra and "--config" not in extra:
             extra = (*extra, "--snapshot-dir", str(tmp_path_factory.getbasetemp()))
-        env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+        env = {**{k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}, **(env or {})}
         err = open(os.path.join(d, "stderr"), "wb")
         p = subprocess.Popen([sys.executable, "-m", "cuinterpose.agent.cli", "serve", *lopt,
                               "--node", node, "--json", *extra],
@@ -63,6 +67,38 @@ def daemon(tmp_path_factory):
     import shutil
     for d in dirs:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def _load_helper(name):
+    import importlib.util
+    here = os.path.dirname(os.path.abspath(__file__))
+    spec = importlib.util.spec_from_file_location(f"_cui_test_{name}",
+                                                  os.path.join(here, f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+#: tests/service/pki.py and fakejob.py (loaded by path: tests/group uses them through this
+#: conftest too)
+pki_mod = _load_helper("pki")
+fakejob_mod = _load_helper("fakejob")
+
+
+@pytest.fixture
+def fake_job():
+    """The class :class:`fakejob.FakeJob` (a member's Checkpoint/Restore stand-in)."""
+    return fakejob_mod.FakeJob
+
+
+@pytest.fixture
+def pki(tmp_path_factory):
+    """pki(nodes=("server", "client"), strangers=("stranger",)) -> {file name: path}: a CA
+    with one certificate per node, and another CA with one per stranger
+    (:func:`pki.make_pki`), in a fresh directory."""
+    def _make(nodes=("server", "client"), strangers=("stranger",)):
+        return pki_mod.make_pki(tmp_path_factory.mktemp("pki"), nodes, strangers)
+    return _make
 
 
 def _load_e2e():

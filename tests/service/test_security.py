@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -73,7 +72,7 @@ def test_non_loopback_tcp_without_mutual_tls_is_refused(addr):
     assert (s["kind"], s["insecure"]) == ("tls", True)
 
 
-def test_serve_refuses_plaintext_and_server_only_tls_on_a_non_loopback_address(tmp_path):
+def test_serve_refuses_plaintext_and_server_only_tls_on_a_non_loopback_address(tmp_path, pki):
     rc, out, _ = cli("serve", "--listen", "0.0.0.0:0", "--json")
     assert rc == 2
     err = json.loads(out)["error"]
@@ -82,12 +81,11 @@ def test_serve_refuses_plaintext_and_server_only_tls_on_a_non_loopback_address(t
     rc, _, stderr = cli("serve", "--listen", "0.0.0.0:0")
     assert rc == 2 and "error: serve: refusing to listen on 0.0.0.0:0: " in stderr
     assert "outcome: usage" in stderr
-    if shutil.which("openssl"):
-        ca = make_pki(tmp_path)
-        rc, out, _ = cli("serve", "--listen", "0.0.0.0:0", "--tls-cert", ca["server.crt"],
-                         "--tls-key", ca["server.key"], "--json")
-        assert rc == 2
-        assert json.loads(out)["error"]["reason"] == REASON_TLS.format(addr="0.0.0.0:0")
+    ca = pki()
+    rc, out, _ = cli("serve", "--listen", "0.0.0.0:0", "--tls-cert", ca["server.crt"],
+                     "--tls-key", ca["server.key"], "--json")
+    assert rc == 2
+    assert json.loads(out)["error"]["reason"] == REASON_TLS.format(addr="0.0.0.0:0")
     # the config's listenAddress is refused the same way
     cfg = tmp_path / "agent.yaml"
     cfg.write_text("listenAddress: 0.0.0.0:7443\n")
@@ -120,31 +118,8 @@ def test_insecure_tcp_serves_with_a_loud_warning(daemon, tmp_path):
     assert daemon("n-unix")["insecure"] is False
 
 
-def make_pki(d) -> dict:
-    """A CA, a server certificate for 127.0.0.1/localhost and a client certificate, signed by
-    the CA; and a second CA's client certificate. {name: path}."""
-    def run(*a):
-        subprocess.run(["openssl", *a], check=True, capture_output=True, cwd=d)
-    out = {}
-    for ca in ("ca", "other-ca"):
-        run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", f"/CN={ca}",
-            "-keyout", f"{ca}.key", "-out", f"{ca}.crt")
-    ext = d / "server.ext"
-    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    for name, ca, extra in (("server", "ca", ["-extfile", str(ext)]), ("client", "ca", []),
-                            ("stranger", "other-ca", [])):
-        run("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}",
-            "-keyout", f"{name}.key", "-out", f"{name}.csr")
-        run("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.crt", "-CAkey", f"{ca}.key",
-            "-CAcreateserial", "-days", "1", "-out", f"{name}.crt", *extra)
-    for f in os.listdir(d):
-        out[f] = str(d / f)
-    return out
-
-
-@pytest.mark.skipif(not shutil.which("openssl"), reason="openssl not installed")
-def test_mutual_tls_serves_a_client_with_a_certificate_and_refuses_one_without(daemon, tmp_path):
-    p = make_pki(tmp_path)
+def test_mutual_tls_serves_a_client_with_a_certificate_and_refuses_one_without(daemon, pki):
+    p = pki()
     a = daemon("n-mtls", "--tls-cert", p["server.crt"], "--tls-key", p["server.key"],
                "--tls-client-ca", p["ca.crt"], listen="0.0.0.0:0")
     assert a["insecure"] is False

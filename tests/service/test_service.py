@@ -199,18 +199,16 @@ def test_serve_with_a_config_file(daemon, tmp_path):
     shutil.rmtree(sockdir, ignore_errors=True)
 
 
-@pytest.mark.skipif(not __import__("shutil").which("openssl"), reason="openssl not installed")
-def test_tcp_with_tls(daemon, tmp_path):
-    """A TCP listener with a certificate: a client that trusts it is served, a plaintext
-    client is not."""
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-subj", "/CN=cuinterpose-test", "-addext", "subjectAltName=IP:127.0.0.1",
-                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
-    a = daemon("n-tls", "--tls-cert", str(cert), "--tls-key", str(key), listen="127.0.0.1:0")
-    assert cli("health", "--agent", a["listen"], "--tls-ca", str(cert))[:2] == (0, "SERVING\n")
+def test_tcp_with_tls(daemon, pki, tmp_path):
+    """A TCP listener with a certificate: a client that trusts its CA is served, a plaintext
+    client and one trusting another CA are not."""
+    p = pki()
+    a = daemon("n-tls", "--tls-cert", p["server.crt"], "--tls-key", p["server.key"],
+               listen="127.0.0.1:0")
+    assert cli("health", "--agent", a["listen"], "--tls-ca", p["ca.crt"])[:2] == (0, "SERVING\n")
     assert cli("health", "--agent", a["listen"])[0] == 6
-    rc, out, _ = cli("snapshots", "--agent", a["listen"], "--tls-ca", str(cert), "--dir",
+    assert cli("health", "--agent", a["listen"], "--tls-ca", p["other-ca.crt"])[0] == 6
+    rc, out, _ = cli("snapshots", "--agent", a["listen"], "--tls-ca", p["ca.crt"], "--dir",
                      str(tmp_path), "--json")
     assert rc == 0 and json.loads(out)["snapshots"] == []
 

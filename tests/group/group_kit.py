@@ -1,0 +1,68 @@
+"""Helpers shared by the group end-to-end tests (afdwin jobs on fakecuda, one agent each)."""
+from __future__ import annotations
+
+import os
+import time
+import urllib.request
+
+from cuinterpose.agent import demo
+
+STEPS = 300
+
+
+def start_jobs(afdwin, steps=STEPS):
+    """Two afdwin jobs (5 ms a step)."""
+    return [afdwin(steps=steps, step_delay_ms=5), afdwin(steps=steps, step_delay_ms=5)]
+
+
+def wait_running(jobs):
+    for j in jobs:
+        j.wait_for(lambda ev: demo.received(ev) >= 20, 120, "20 messages")
+
+
+def agents(daemon, jobs, *extra, listen=""):
+    """One daemon per job: node-a, node-b, on fakecuda with that job's control dir."""
+    return [daemon(f"node-{n}", "--driver", "fake", "--control-dir", str(j.ctl), *extra,
+                   listen=listen)
+            for n, j in zip("ab", jobs)]
+
+
+def reap_tree(m):
+    """Reap every process of a killed tree (its ranks are re-parented to this subreaper and
+    may die after the root): CRIU restores the same pids, so they must be free."""
+    deadline = time.monotonic() + 30
+    pids = [p["pid"] for p in m["processes"]]
+    while any(os.path.exists(f"/proc/{p}") for p in pids):
+        assert time.monotonic() < deadline, pids
+        demo.reap_zombies()
+        time.sleep(0.01)
+
+
+def idx(rows, event, pred):
+    return [i for i, r in enumerate(rows) if r["event"] == event and pred(r)]
+
+
+def metrics(info) -> dict:
+    """{sample with labels: value} of a daemon's /metrics (``cuinterpose_*``, no _created)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{info['metrics_port']}/metrics",
+                                  timeout=10).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("cuinterpose_") and "_created" not in line.split(" ")[0]:
+            k, v = line.rsplit(" ", 1)
+            out[k] = float(v)
+    return out
+
+
+def finished_intact(jobs, steps, *, restored=False):
+    """Wait for each job to end; assert every message arrived exactly once (lost=0,
+    duplicated=0, torn=0) and that it was resumed exactly once: restored, or rolled back."""
+    for j in jobs:
+        if restored:
+            assert j.wait_restored_exit(300) in (0, None)
+        else:
+            assert j.proc.wait(timeout=300) == 0          # never killed: ran to the end
+        evs = j.events()
+        assert demo.check_run(evs, steps, expect_restore=restored) == []
+        assert [(e["restored"], e["cancelled"]) for e in evs if demo.kind(e) == "resumed"] == \
+            [(restored, False)]
