@@ -5,7 +5,9 @@ Order (DESIGN §3, prior-art §9 lesson 8)::
     census -> quiesce (request/ready) -> quiescence check (native lock + unlock of every pid:
     no stream work left) -> capture (coordinator: INSPECT, validate,
     SAVE_ALLOCATIONS, PREPARE_UNICAST) -> native lock (every pid) -> native checkpoint (each pid)
-    -> CRIU dump of each tree with --leave-stopped (images written, tree left stopped)
+    -> CRIU dump of each tree with --leave-stopped (images written, tree left stopped; right
+       before it, the tree's pipes to outside it are recorded, manifest ``external_pipes``,
+       and CRIU reports the tree's namespaces, manifest ``namespaces``)
     -> manifest (written last) -> SIGKILL every dumped tree (--leave-running: resume it)
 
 A refused or failed checkpoint leaves the workload running with its memory intact:
@@ -172,6 +174,11 @@ class Checkpoint:
         self.quiesce_cancelled = False
         #: open-file warnings (see :func:`census.open_file_warnings`), in the manifest too
         self.warnings: list[dict] = []
+        #: pipe fds of the dumped trees whose other end is outside them (manifest
+        #: ``external_pipes``, see :func:`external_pipes`), read right before each dump
+        self.external_pipes: list[dict] = []
+        #: root -> namespaces of its tree as CRIU dumped them (manifest ``namespaces``)
+        self.tree_ns: dict[int, dict] = {}
         #: monotonic ns: start, the workload's ready (paused from here), trees killed/resumed
         self.t0_ns = time.monotonic_ns()
         self.t_ready_ns: Optional[int] = None
@@ -299,11 +306,15 @@ class Checkpoint:
                 d = manifest_mod.criu_dir(self.images_dir, root)
                 d.mkdir(parents=True, exist_ok=True)
                 self.tree_pids[root] = _tree_pids(root)
+                self.external_pipes = [p for p in self.external_pipes if p["root"] != root]
+                self.external_pipes += external_pipes(root, self.tree_pids[root])
                 try:
                     with interrupt.shielded():
-                        criu.dump(root, d, extra_args=("--leave-stopped",))
+                        ns = criu.dump(root, d, extra_args=("--leave-stopped",))
                 except Exception as e:
                     raise AgentError("criu dump", f"tree {root}: {e}", pid=root) from e
+                if isinstance(ns, dict):
+                    self.tree_ns[root] = ns
                 self.stopped_roots.append(root)
                 ph.bytes = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
                 ph.detail = f"tree {root} (left stopped)"
@@ -638,8 +649,53 @@ class Checkpoint:
                                           manifest_mod.image_files(self.images_dir).values()),
                        **self.totals_times()},
             "warnings": list(self.warnings),
+            "external_pipes": list(self.external_pipes),
+            "namespaces": [{"root": r,
+                            **{k: int(self.tree_ns[r][k]) for k in ("net", "uts", "ipc")},
+                            "external_net": self.tree_ns[r].get("external_net", "")}
+                           for r in self.roots if r in self.tree_ns],
             **({"group": self.group} if self.group else {}),
         }
+
+
+def external_pipes(root: int, pids: Iterable[int], proc_root: str = "/proc") -> list[dict]:
+    """Pipe fds of the processes ``pids`` (one tree) whose other end is outside them: a pipe
+    inode (``/proc/PID/fd/N`` -> ``pipe:[INODE]``) that the tree has open only for writing
+    (``direction`` "write": the reader is outside, e.g. a container runtime's stdout pipe) or
+    only for reading ("read"), by the access mode of ``/proc/PID/fdinfo/N`` ``flags``.
+    ``[{"root", "pid", "fd", "inode", "direction"}]``, by pid then fd. CRIU dumps such a
+    pipe, but restores it with the outside end missing unless it is handed a new one
+    (``--inherit-fd fd[N]:pipe:[INODE]``, agent/restore.py). A process or fd that vanishes
+    while being read is skipped."""
+    uses: dict[int, list[tuple[int, int, int]]] = {}
+    for pid in pids:
+        base = f"{proc_root}/{pid}"
+        try:
+            fds = sorted(int(n) for n in os.listdir(f"{base}/fd") if n.isdigit())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"{base}/fd/{fd}")
+                if not (target.startswith("pipe:[") and target.endswith("]")):
+                    continue
+                with open(f"{base}/fdinfo/{fd}") as f:
+                    flags = next(int(ln.split()[1], 8) for ln in f if ln.startswith("flags:"))
+            except (OSError, StopIteration, ValueError):
+                continue
+            uses.setdefault(int(target[6:-1]), []).append((pid, fd, flags & os.O_ACCMODE))
+    out = []
+    for inode, us in uses.items():
+        modes = {m for _, _, m in us}
+        if modes == {os.O_WRONLY}:
+            direction = "write"
+        elif modes == {os.O_RDONLY}:
+            direction = "read"
+        else:
+            continue                      # both ends (or O_RDWR) inside: CRIU restores it
+        out += [{"root": int(root), "pid": pid, "fd": fd, "inode": inode, "direction": direction}
+                for pid, fd, _ in us]
+    return sorted(out, key=lambda e: (e["pid"], e["fd"]))
 
 
 def _kill(pid: int, sig: int) -> None:

@@ -310,6 +310,9 @@ def checkpoint(pids, images_dir, quiesce_timeout_ms, lock_timeout_ms, phase_time
               help="deadline of each coordinator request (INSPECT, RESTORE_UNICAST, ...).")
 @click.option("--carrier-timeout-s", type=POSITIVE, default=3600.0, show_default=True,
               help="deadline of LOAD_ALLOCATIONS (copying the carried bytes back).")
+@click.option("--into-pid", type=click.IntRange(min=1), default=None, metavar="PID",
+              help="restore into the cgroups, namespaces (net, ipc, uts) and stdio of this "
+                   "running process (a placeholder container's init).")
 @driver_opt
 @agent_opt
 @group_opt
@@ -317,12 +320,15 @@ def checkpoint(pids, images_dir, quiesce_timeout_ms, lock_timeout_ms, phase_time
 @tls_cert_opt
 @tls_key_opt
 @json_opt
-def restore(images_dir, phase_timeout_s, carrier_timeout_s, driver, agent_addr, group_file,
-            tls_ca, tls_cert, tls_key, as_json):
+def restore(images_dir, phase_timeout_s, carrier_timeout_s, into_pid, driver, agent_addr,
+            group_file, tls_ca, tls_cert, tls_key, as_json):
     """Restore the snapshot in --images-dir and let the workload continue."""
     from . import ops
     if group_file and images_dir:
         raise click.UsageError("--group names each member's images dir; do not pass --images-dir")
+    if group_file and into_pid:
+        raise click.UsageError("--into-pid places a single-node restore; it does not combine "
+                               "with --group")
     if not group_file and not images_dir:
         raise click.UsageError("Missing option '--images-dir'.")
     tls = _tls(tls_ca, tls_cert, tls_key)
@@ -335,7 +341,8 @@ def restore(images_dir, phase_timeout_s, carrier_timeout_s, driver, agent_addr, 
             req = apb.RestoreRequest(
                 images_dir=os.path.abspath(images_dir) if images_dir else "", driver=driver or "",
                 phase_timeout_s=phase_timeout_s, carrier_timeout_s=carrier_timeout_s,
-                members=_load_members(group_file, "restore") if group_file else [])
+                members=_load_members(group_file, "restore") if group_file else [],
+                into_pid=into_pid or 0)
             if agent_addr:
                 res = _remote(agent_addr, "Restore", req, rep, sink, tls)
             else:
@@ -346,7 +353,7 @@ def restore(images_dir, phase_timeout_s, carrier_timeout_s, driver, agent_addr, 
             _set_env(driver, None)
             res = _run_local(rep, sink, lambda: ops.restore(
                 rep, images_dir, driver=driver, phase_timeout_s=phase_timeout_s,
-                carrier_timeout_s=carrier_timeout_s))
+                carrier_timeout_s=carrier_timeout_s, placement=into_pid))
     except AgentError as e:
         _fail(e, as_json, {"phases": getattr(e, "remote_phases", None) or rep.to_list()},
               command="restore")

@@ -19,11 +19,23 @@ Dump options (besides images, work dir, log, ``-v4``): none for the process mode
 ``DUMP_OPTS``; restore adds ``--restore-detached --pidfile`` and ``--manage-cgroups=ignore``,
 see ``RESTORE_OPTS``. docs/criu.md explains every option and the known limits.
 
+Namespaces: ``dump`` runs CRIU in the tree root's uts, ipc and mount namespaces (so that none
+is written into the images: CRIU would restore a dumped uts/ipc namespace *into* a namespace
+joined with ``--join-ns``, overwriting its hostname, and would image a foreign mount
+namespace's whole mount table; agent/mntns.py) and marks a network namespace that is not
+the agent's external (``--external net[INODE]:cuinterpose-net``; CRIU would otherwise dump it,
+which needs iptables); such images are restored with ``--inherit-fd fd[N]:cuinterpose-net``.
+``restore`` takes ``--join-ns`` values, ``--inherit-fd`` descriptors and a :class:`ChildSetup`
+(cgroups the CRIU child joins before CRIU starts) for restoring into a placement
+(``agent/placement.py``).
+
 Every failure raises ``CriuError``; its message names the command, its exit status, the images
 directory and the last lines of the CRIU log.
 """
 from __future__ import annotations
 
+import ctypes
+import dataclasses
 import os
 import pathlib
 import re
@@ -32,6 +44,7 @@ import shlex
 import shutil
 import struct
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -39,7 +52,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 __all__ = ["CriuError", "criu_command", "version", "check", "dump", "restore",
-           "image_pids", "wait_pids_free", "wait_exit", "reset", "DUMP_OPTS", "RESTORE_OPTS"]
+           "image_pids", "wait_pids_free", "wait_exit", "reset", "DUMP_OPTS", "RESTORE_OPTS",
+           "ChildSetup", "run_setup_probe", "ns_inode", "EXTERNAL_NET_KEY"]
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 ENV_CRIU = "CUINTERPOSE_CRIU"
@@ -65,6 +79,13 @@ DUMP_OPTS: tuple[str, ...] = ("--file-locks",)
 #                            recreating/moving into the dump-time cgroup paths.
 #   --file-locks             take back the file locks the dump recorded.
 RESTORE_OPTS: tuple[str, ...] = ("--manage-cgroups=ignore", "--file-locks")
+
+#: CRIU's label of a tree's network namespace dumped as external (``--external net[INO]:KEY``)
+EXTERNAL_NET_KEY = "cuinterpose-net"
+#: namespaces a dump enters (those of the tree root), so that CRIU does not image them; mnt:
+#: CRIU would dump a foreign mount namespace's whole mount table and fail on every open file
+#: whose mount is not in it (agent/mntns.py)
+DUMP_ENTER_NS: tuple[str, ...] = ("uts", "ipc", "mnt")
 
 _lock = threading.Lock()
 _chosen: tuple[list[str], str] | None = None   # (argv prefix, `criu check` output)
@@ -196,6 +217,142 @@ def check() -> tuple[bool, str]:
     return _run_check(prefix)
 
 
+# --------------------------------------------------------------------------- child set-up
+
+_libc = None
+
+
+#: unshare(2) flag: the filesystem attributes (root, cwd, umask)
+CLONE_FS = 0x00000200
+
+
+def _libc_fn(name: str):
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    return getattr(_libc, name)
+
+
+def _setns_fn():
+    return _libc_fn("setns")
+
+
+def ns_inode(pid: int | str, kind: str) -> int:
+    """Inode of ``/proc/PID/ns/KIND`` (``pid`` may be ``"self"`` / ``"thread-self"``)."""
+    return os.stat(f"/proc/{pid}/ns/{kind}").st_ino
+
+
+@dataclasses.dataclass(frozen=True)
+class ChildSetup:
+    """What the child that runs CRIU does between fork and exec, so that what CRIU forks
+    inherits it: write its own pid into each of ``cgroup_procs`` (``cgroup.procs`` files,
+    cgroup(7)), then ``setns(2)`` into each of ``namespaces`` (``(kind, /proc/PID/ns/KIND)``).
+
+    Files are opened by the parent first (a missing one fails before any fork); a refused
+    write or setns stops the child before CRIU is executed, and the error names the file."""
+
+    cgroup_procs: tuple[str, ...] = ()
+    namespaces: tuple[tuple[str, str], ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.cgroup_procs or self.namespaces)
+
+
+class _Opened:
+    """A ChildSetup's files opened (close-on-exec) in the parent, and its error pipe."""
+
+    def __init__(self, setup: ChildSetup):
+        self.cgroups: list[tuple[str, int]] = []
+        self.ns: list[tuple[str, str, int]] = []
+        self.err_r = self.err_w = -1
+        try:
+            for path in setup.cgroup_procs:
+                try:
+                    self.cgroups.append((path, os.open(path, os.O_WRONLY | os.O_CLOEXEC)))
+                except OSError as e:
+                    raise CriuError(f"cannot join cgroup {os.path.dirname(path)}: open "
+                                    f"{path}: {e.strerror or e}") from None
+            for kind, path in setup.namespaces:
+                try:
+                    self.ns.append((kind, path, os.open(path, os.O_RDONLY | os.O_CLOEXEC)))
+                except OSError as e:
+                    raise CriuError(f"cannot enter the {kind} namespace {path}: "
+                                    f"{e.strerror or e}") from None
+            self.err_r, self.err_w = os.pipe2(os.O_CLOEXEC)
+            self.setns = _setns_fn() if self.ns else None
+            # setns(CLONE_NEWNS) fails with EINVAL while the fs_struct (root, cwd) is shared
+            # with another task (setns(2)); a child forked by a process with gRPC's threads
+            # can still share it, so the child unshares it first (unshare(2) CLONE_FS)
+            self.unshare_fs = (_libc_fn("unshare") if any(k == "mnt" for k, _, _ in self.ns)
+                               else None)
+        except BaseException:
+            self.close()
+            raise
+
+    def preexec(self) -> None:
+        """Runs in the child (subprocess ``preexec_fn``): only writes, setns and raise."""
+        pid = b"%d" % os.getpid()
+        for path, fd in self.cgroups:
+            try:
+                os.write(fd, pid)
+            except OSError as e:
+                os.write(self.err_w, (f"cannot join cgroup {os.path.dirname(path)}: write of "
+                                      f"pid {os.getpid()} to {path} refused: "
+                                      f"{e.strerror or e}").encode())
+                raise
+        if self.unshare_fs is not None and self.unshare_fs(CLONE_FS) != 0:
+            err = ctypes.get_errno()
+            os.write(self.err_w, f"cannot unshare the filesystem attributes (CLONE_FS) before "
+                                 f"entering a mount namespace: {os.strerror(err)}".encode())
+            raise OSError(err, os.strerror(err))
+        for kind, path, fd in self.ns:
+            if self.setns(fd, 0) != 0:
+                err = ctypes.get_errno()
+                os.write(self.err_w, f"cannot enter the {kind} namespace {path}: setns: "
+                                     f"{os.strerror(err)}".encode())
+                raise OSError(err, os.strerror(err))
+
+    def failure(self) -> str:
+        """What the child wrote before it gave up (after it exited)."""
+        if self.err_w >= 0:
+            os.close(self.err_w)
+            self.err_w = -1
+        try:
+            return os.read(self.err_r, 4096).decode(errors="replace")
+        except OSError:
+            return ""
+
+    def close(self) -> None:
+        for fd in [fd for _, fd in self.cgroups] + [fd for _, _, fd in self.ns] + [
+                self.err_r, self.err_w]:
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self.cgroups, self.ns, self.err_r, self.err_w = [], [], -1, -1
+
+
+def run_setup_probe(setup: ChildSetup) -> None:
+    """Run a no-op child (this Python, ``-S -I -c pass``) with ``setup`` applied, to learn
+    whether CRIU's child could apply it: raises ``CriuError`` with the child's reason (the
+    cgroup or namespace file and the errno). The probe child joins the cgroups and exits."""
+    opened = _Opened(setup)
+    try:
+        try:
+            res = subprocess.run([sys.executable, "-S", "-I", "-c", "pass"],
+                                 stdin=subprocess.DEVNULL, capture_output=True,
+                                 preexec_fn=opened.preexec, env=_env())
+        except subprocess.SubprocessError as e:
+            raise CriuError(opened.failure() or f"the probe child failed before exec: {e}") \
+                from None
+        if res.returncode != 0:
+            raise CriuError(f"the probe child exited {res.returncode}: "
+                            f"{(res.stdout + res.stderr).decode(errors='replace').strip()}")
+    finally:
+        opened.close()
+
+
 # --------------------------------------------------------------------------- running CRIU
 
 def _plugins_dir() -> Path:
@@ -277,14 +434,45 @@ def bad_size_files(log_path: Path) -> list[dict]:
     return out
 
 
-def _run(action: str, args: list[str], *, images_dir: Path, log_path: Path) -> None:
+def _run(action: str, args: list[str], *, images_dir: Path, log_path: Path,
+         setup: ChildSetup | None = None, pass_fds: Sequence[int] = ()) -> None:
     cmd = [*criu_command(), action, *args]
+    root_fd = -1
+    if setup and any(kind == "mnt" for kind, _ in setup.namespaces):
+        # CRIU's child enters another mount namespace: reach CRIU and our paths through a
+        # descriptor of our root (agent/mntns.py)
+        from . import mntns
+        root_fd = mntns.open_root()
+        try:
+            cmd = mntns.rewrite(criu_command(), [action, *args], root_fd)
+        except mntns.MountNsError as e:
+            os.close(root_fd)
+            raise CriuError(f"criu {action} cannot run in another mount namespace: {e}",
+                            images_dir=images_dir) from None
+        pass_fds = (*pass_fds, root_fd)
     try:
-        res = subprocess.run(cmd, env=_env(), stdin=subprocess.DEVNULL,
-                             capture_output=True, text=True)
-    except OSError as e:
-        raise CriuError(f"criu {action} could not start: {e}", cmd=cmd,
-                        images_dir=images_dir) from e
+        opened = _Opened(setup) if setup else None
+    except BaseException:
+        if root_fd >= 0:
+            os.close(root_fd)
+        raise
+    try:
+        try:
+            res = subprocess.run(cmd, env=_env(), stdin=subprocess.DEVNULL,
+                                 capture_output=True, text=True, pass_fds=tuple(pass_fds),
+                                 preexec_fn=opened.preexec if opened else None)
+        except subprocess.SubprocessError as e:
+            why = opened.failure() if opened else ""
+            raise CriuError(f"criu {action} not started: {why or e}", cmd=cmd,
+                            images_dir=images_dir) from None
+        except OSError as e:
+            raise CriuError(f"criu {action} could not start: {e}", cmd=cmd,
+                            images_dir=images_dir) from e
+    finally:
+        if opened:
+            opened.close()
+        if root_fd >= 0:
+            os.close(root_fd)
     if res.returncode != 0:
         tail = _log_tail(log_path)
         out = (res.stdout + res.stderr).strip()
@@ -304,8 +492,24 @@ def _common(images_dir: Path, work_dir: Path, log_name: str) -> list[str]:
             "--libdir", str(_plugins_dir())]
 
 
+def tree_namespaces(root_pid: int) -> dict:
+    """How ``dump`` treats the namespaces of the tree rooted at ``root_pid``:
+    ``{"net", "uts", "ipc", "mnt"}`` (the root's namespace inodes), ``"enter"`` (the kinds among
+    ``DUMP_ENTER_NS`` that differ from this process's: CRIU runs in the root's) and
+    ``"external_net"`` (``EXTERNAL_NET_KEY`` when the root's network namespace is not this
+    process's, else ``""``). Raises ``CriuError`` when ``/proc/ROOT/ns`` cannot be read."""
+    try:
+        out = {k: ns_inode(root_pid, k) for k in ("net", "uts", "ipc", "mnt")}
+        mine = {k: ns_inode("self", k) for k in ("net", "uts", "ipc", "mnt")}
+    except OSError as e:
+        raise CriuError(f"cannot dump: namespaces of pid {root_pid} unreadable: {e}") from e
+    out["enter"] = [k for k in DUMP_ENTER_NS if out[k] != mine[k]]
+    out["external_net"] = EXTERNAL_NET_KEY if out["net"] != mine["net"] else ""
+    return out
+
+
 def dump(root_pid: int, images_dir: Path, *, leave_running: bool = False,
-         log_name: str = "dump.log", extra_args: Iterable[str] = ()) -> None:
+         log_name: str = "dump.log", extra_args: Iterable[str] = ()) -> dict:
     """Dump the process tree rooted at ``root_pid`` into ``images_dir`` (created if missing).
 
     The tree must be quiescent for CRIU: it is frozen (ptrace) for the dump and, unless
@@ -314,6 +518,11 @@ def dump(root_pid: int, images_dir: Path, *, leave_running: bool = False,
     PIDs must be free again before ``restore`` (``wait_pids_free``).
     The log is ``images_dir/log_name``. Unix sockets connected to a process outside the tree,
     a tty, TCP connections and file locks make the dump fail (see docs/criu.md).
+
+    Namespaces (:func:`tree_namespaces`, returned): CRIU runs in the root's uts and ipc
+    namespaces, so the images hold neither; a network namespace other than the caller's is
+    dumped as external (``--external net[INODE]:cuinterpose-net --network-lock skip``): its
+    images restore only with ``restore(..., inherit_fds=[(fd of a netns, "cuinterpose-net")])``.
 
     Raises ``CriuError`` when ``root_pid`` does not exist, ``images_dir`` already holds
     images (``*.img``; images of two dumps must not mix), or CRIU fails (message: command,
@@ -326,16 +535,26 @@ def dump(root_pid: int, images_dir: Path, *, leave_running: bool = False,
     if any(images_dir.glob("*.img")):
         raise CriuError(f"cannot dump into {images_dir}: it already holds CRIU images",
                         images_dir=images_dir)
+    ns = tree_namespaces(root_pid)
     args = ["--tree", str(root_pid), *_common(images_dir, images_dir, log_name), *DUMP_OPTS]
+    if ns["external_net"]:
+        # not dumped (CRIU would need iptables to lock it, and restores it from the images);
+        # no network lock: we never dump TCP connections (those fail the dump)
+        args += ["--external", f"net[{ns['net']}]:{ns['external_net']}",
+                 "--network-lock", "skip"]
     if leave_running:
         args.append("--leave-running")
     args += list(extra_args)
-    _run("dump", args, images_dir=images_dir, log_path=images_dir / log_name)
+    setup = ChildSetup(namespaces=tuple((k, f"/proc/{root_pid}/ns/{k}") for k in ns["enter"]))
+    _run("dump", args, images_dir=images_dir, log_path=images_dir / log_name, setup=setup)
+    return ns
 
 
 def restore(images_dir: Path, *, log_name: str = "restore.log",
             extra_args: Iterable[str] = (), work_dir: Path | None = None,
-            pid_wait_s: float = 15.0) -> int:
+            pid_wait_s: float = 15.0, join_ns: Sequence[tuple[str, str]] = (),
+            inherit_fds: Sequence[tuple[int, str]] = (),
+            setup: ChildSetup | None = None) -> int:
     """Restore the tree dumped in ``images_dir``, detached; returns the restored root's PID.
 
     The tree comes back with its original PIDs/TIDs, so they must be free: zombies of the
@@ -349,9 +568,17 @@ def restore(images_dir: Path, *, log_name: str = "restore.log",
     ``work_dir`` (default: a new ``cuinterpose-criu-restore-*`` temporary directory, removed
     after a successful restore and kept, with its log, when the restore fails).
 
+    Placement (``agent/placement.py``): ``join_ns`` ``[(kind, /proc/PID/ns/KIND)]`` become
+    ``--join-ns KIND:PATH``; ``inherit_fds`` ``[(fd, resource)]`` (fds of the caller, passed to
+    CRIU) become ``--inherit-fd fd[FD]:RESOURCE`` (``pipe:[INODE]`` for a pipe fd of the tree,
+    ``cuinterpose-net`` for an external network namespace); ``setup`` is applied by CRIU's
+    child before CRIU starts (its cgroups are the restored tasks' under
+    ``--manage-cgroups=ignore``). The caller keeps (and closes) its fds.
+
     Raises ``CriuError`` naming ``images_dir`` when it is missing, holds no images, its
-    ``pstree.img`` is unreadable, a PID it needs is taken, or CRIU fails (message: command,
-    exit code, log tail); ``images_dir`` is left untouched in every case.
+    ``pstree.img`` is unreadable, a PID it needs is taken, ``setup`` cannot be applied (CRIU
+    is then not started), or CRIU fails (message: command, exit code, log tail);
+    ``images_dir`` is left untouched in every case.
     """
     images_dir = Path(images_dir).absolute()
     if not images_dir.is_dir():
@@ -379,8 +606,19 @@ def restore(images_dir: Path, *, log_name: str = "restore.log",
     pidfile = work_dir / "restore.pid"
     pidfile.unlink(missing_ok=True)
     args = [*_common(images_dir, work_dir, log_name), "--restore-detached",
-            "--pidfile", str(pidfile), *RESTORE_OPTS, *extra_args]
-    _run("restore", args, images_dir=images_dir, log_path=work_dir / log_name)
+            "--pidfile", str(pidfile), *RESTORE_OPTS]
+    for kind, path in join_ns:
+        args += ["--join-ns", f"{kind}:{path}"]
+    for fd, resource in inherit_fds:
+        args += ["--inherit-fd", f"fd[{int(fd)}]:{resource}"]
+    args += list(extra_args)
+    try:
+        _run("restore", args, images_dir=images_dir, log_path=work_dir / log_name, setup=setup,
+             pass_fds=[int(fd) for fd, _ in inherit_fds])
+    except CriuError:
+        if own_work_dir and not (work_dir / log_name).exists():
+            shutil.rmtree(work_dir, ignore_errors=True)   # CRIU never started: nothing to keep
+        raise
     try:
         pid = int(pidfile.read_text().strip())
     except (OSError, ValueError) as e:

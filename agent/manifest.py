@@ -161,7 +161,31 @@ def _shape_problem(m: dict):
     for r in m["roots"]:
         if not any(k.startswith(f"{CRIU_DIR}/{r}/") for k in files):
             return f"field criu.files lists no CRIU image of tree {r}"
+    # optional (absent in manifests written before restores into a placement existed)
+    if "external_pipes" in m and not (isinstance(m["external_pipes"], list) and all(
+            isinstance(p, dict) and all(_is_pid(p.get(k)) for k in ("root", "pid", "inode"))
+            and isinstance(p.get("fd"), int) and not isinstance(p.get("fd"), bool)
+            and p["fd"] >= 0 and p.get("direction") in ("read", "write")
+            for p in m["external_pipes"])):
+        return ("field external_pipes must be a list of objects with root, pid, fd, inode (int) "
+                "and direction (\"read\" or \"write\")")
+    if "namespaces" in m and not (isinstance(m["namespaces"], list) and all(
+            isinstance(n, dict) and all(_is_pid(n.get(k)) for k in ("root", "net", "uts", "ipc"))
+            and isinstance(n.get("external_net", ""), str) for n in m["namespaces"])):
+        return ("field namespaces must be a list of objects with root, net, uts, ipc (int) and "
+                "external_net (string)")
     return None
+
+
+def external_pipes(m: dict, root: int) -> list[dict]:
+    """The manifest's ``external_pipes`` of tree ``root`` ([] for an older manifest)."""
+    return [p for p in m.get("external_pipes", []) if p["root"] == root]
+
+
+def tree_namespaces(m: dict, root: int) -> dict:
+    """The manifest's ``namespaces`` entry of tree ``root`` ({} for an older manifest: its
+    images hold no external network namespace)."""
+    return next((n for n in m.get("namespaces", []) if n["root"] == root), {})
 
 
 def check_shim(m: dict, installed_path: str, installed_sha256: str) -> None:

@@ -17,6 +17,14 @@ each process back to RUNNING from whatever state a failed checkpoint left it in.
 
 Every failure raises :class:`~cuinterpose.agent.errors.NativeError` naming the pid, the driver
 function and the CUresult name.
+
+Network namespaces: a driver call about a process in another network namespace than the agent
+(a container, or a tree restored into a placement, agent/placement.py) is made from a
+short-lived thread that first joins that process's network namespace (``setns(2)`` on
+``/proc/PID/ns/net``; a thread's network namespace is its own, namespaces(7)), see
+:func:`in_netns`. fakecuda's controller reaches the target through the abstract Unix socket
+``\0fakecuda-<pid>``, and abstract socket names belong to a network namespace (unix(7)); the
+real driver's calls are made the same way.
 """
 from __future__ import annotations
 
@@ -24,8 +32,9 @@ import ctypes
 import dataclasses
 import os
 import pathlib
+import threading
 import time
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional, TypeVar
 
 from . import paths
 from .errors import AgentError, NativeError
@@ -150,11 +159,72 @@ def info() -> DriverInfo:
     return _info if _info is not None else load()
 
 
+CLONE_NEWNET = 0x40000000
+_T = TypeVar("_T")
+_setns = None
+
+
+def _netns_of(pid: int) -> Optional[tuple[int, int]]:
+    try:
+        st = os.stat(f"/proc/{pid}/ns/net")
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _setns_error(pid: int, reason: str) -> NativeError:
+    e = NativeError("setns", pid, reason)
+    e.reason = reason
+    e.args = (f"{e.phase}: pid {pid} {reason}",)
+    return e
+
+
+def in_netns(pid: int, fn: Callable[[], _T]) -> _T:
+    """``fn()`` run in the network namespace of process ``pid``: directly when it is this
+    thread's (or ``pid``'s cannot be read: the call then fails on its own, e.g. a process that
+    is gone), else in a new thread that ``setns(2)``s into ``/proc/PID/ns/net`` first and
+    exits afterwards (so no thread of the agent stays in it). ``fn``'s exception is re-raised
+    here; a namespace that cannot be joined raises ``NativeError`` (action "setns")."""
+    global _setns
+    target = _netns_of(pid)
+    if target is None or target == _netns_of("thread-self"):
+        return fn()
+    if _setns is None:
+        _setns = ctypes.CDLL(None, use_errno=True).setns
+    box: dict = {}
+
+    def run():
+        try:
+            fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            box["exc"] = _setns_error(pid, f"cannot open /proc/{pid}/ns/net: "
+                                         f"{e.strerror or e}")
+            return
+        try:
+            if _setns(fd, CLONE_NEWNET) != 0:
+                err = ctypes.get_errno()
+                box["exc"] = _setns_error(pid, "cannot join its network namespace "
+                                          f"(setns): {os.strerror(err)}")
+                return
+        finally:
+            os.close(fd)
+        try:
+            box["ret"] = fn()
+        except BaseException as e:      # handed to the caller
+            box["exc"] = e
+    t = threading.Thread(target=run, name=f"cuinterpose-netns-{pid}", daemon=True)
+    t.start()
+    t.join()
+    if "exc" in box:
+        raise box["exc"]
+    return box["ret"]
+
+
 def _call(action: str, pid: int, *args):
     drv = _driver if _driver is not None else (load() and _driver)
     fn = getattr(drv, "cuCheckpointProcess" + {"get_state": "GetState"}.get(action, action.capitalize()))
     try:
-        res = fn(pid, *args)
+        res = in_netns(pid, lambda: fn(pid, *args))
     except KeyError as e:  # CUresult outside the enum
         raise NativeError(action, pid, f"CUresult {e} (outside the enum)") from None
     err = res[0]

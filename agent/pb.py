@@ -14,7 +14,14 @@ schema, :func:`manifest_from_proto` gives the dict back, and
 """
 from __future__ import annotations
 
+import os
 from typing import Any
+
+# gRPC's fork handlers: the agent forks children (CRIU, with a preexec step that joins cgroups
+# and namespaces) from threads while gRPC's own threads run; each child only execs. With the
+# handlers on, gRPC logs "Other threads are currently calling into gRPC, skipping fork()
+# handlers" to stderr for every one. Off unless the caller chose (read when grpc is imported).
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 
 _MODS = None
 

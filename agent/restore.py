@@ -3,6 +3,8 @@
 Order (DESIGN §3, prior-art §5)::
 
     manifest (read + validate: format, shim SHA-256, CRIU image checksums, pids free)
+    -> placement (only with ``placement=``: the process is still there, its cgroups can be
+       joined, its stdio can be handed to the trees' external pipes; read-only)
     -> remove stale control sockets (and a stale ``.resume``) for the manifest's pids
     -> CRIU restore (each tree; pids are kept) -> native restore, then unlock (each CUDA pid)
     -> coordinator restore (LOAD_ALLOCATIONS, RESTORE_UNICAST, INSPECT equal to the capture)
@@ -11,7 +13,23 @@ Order (DESIGN §3, prior-art §5)::
 Every check before CRIU restore only reads: a refused snapshot is left untouched. A failure
 after CRIU restore kills the restored trees (their pids would block a retry) and raises
 ``RestoreFailed``; the snapshot directory is never modified, so the restore can be retried
-once the cause is fixed. Files *outside* the snapshot are part of it too: CRIU reopens the
+once the cause is fixed. A refused placement (phase "placement", ``PlacementError`` naming the
+placement pid and what failed) changes nothing either.
+
+Placement (``placement=`` a :class:`~cuinterpose.agent.placement.Placement` or a pid; CLI
+``--into-pid``): each tree is restored with CRIU's ``--join-ns`` into the placement's
+namespaces (an external network namespace of the images is handed over with
+``--inherit-fd fd[N]:cuinterpose-net`` instead), CRIU's child first joins the placement's
+cgroups (``--manage-cgroups=ignore`` keeps the tasks there), and every pipe fd the manifest
+records as external (``external_pipes``) is handed the placement's stdin (read) or
+stdout/stderr (write) with ``--inherit-fd fd[N]:pipe:[INODE]``. After CRIU, every restored
+process is checked to be in the placement's namespaces and cgroups (else the restore fails and
+the trees are killed). Without a placement the trees land in the agent's cgroups and
+namespaces, and an external pipe comes back with its outside end missing: CRIU creates a new
+pipe and closes the end no restored process holds, so a writer gets EPIPE (SIGPIPE) at its
+next write and a reader reads end-of-file.
+
+Files *outside* the snapshot are part of it too: CRIU reopens the
 workload's regular files by path and refuses one whose size changed since the dump (a log
 opened without ``O_APPEND`` that a restored run wrote to): that retry keeps failing
 ("has bad size", the error names the file) until the file is back to its dumped size.
@@ -30,6 +48,8 @@ from . import interrupt, native, paths, quiesce
 from .census import pid_alive
 from .checkpoint import as_agent_error, strip_preload_env
 from .errors import AgentError, RestoreFailed, SnapshotError
+from . import placement as placement_mod
+from .placement import Placement
 from .report import Reporter
 
 
@@ -38,8 +58,16 @@ class Restore:
 
     def __init__(self, images_dir, *, driver: Optional[str] = None, phase_timeout_s: float = 60.0,
                  carrier_timeout_s: float = 3600.0,
-                 reporter: Optional[Reporter] = None, shim_path=None):
+                 reporter: Optional[Reporter] = None, shim_path=None,
+                 placement: "Placement | int | None" = None):
         self.images_dir = pathlib.Path(images_dir).resolve()
+        #: what was asked: a Placement, a pid (read in the "placement" phase) or None
+        self.placement_arg = placement
+        self.placement: Optional[Placement] = None
+        #: root -> its CRIU options (placement_mod.RestoreOptions; fds closed after the restore)
+        self.opts: dict[int, placement_mod.RestoreOptions] = {}
+        #: {"root", "pid", "fd", "inode", "direction", "placement_fd"} handed over
+        self.inherited: list[dict] = []
         self.driver_kind = driver
         self.phase_timeout_s = float(phase_timeout_s)
         self.carrier_timeout_s = float(carrier_timeout_s)
@@ -87,6 +115,56 @@ class Restore:
             self.driver = native.load(self.driver_kind)
             ph.detail = f"{self.driver.kind} {self.driver.version}"
 
+    def place(self):
+        """Phase "placement" (read-only): resolve the placement, check it is still the same
+        process, that a child can join its cgroups (a probe process joins them and exits) and
+        that it has stdio for every external pipe; prepare (open) what CRIU gets for each
+        tree. Without a placement only an external network namespace of the images needs one:
+        the agent's own. Raises ``PlacementError`` (refused, nothing changed)."""
+        want = self.placement_arg
+        ext_net = [r for r in self.m["roots"] if manifest_mod.tree_namespaces(self.m, r).get(
+            "external_net")]
+        if want is None:
+            ext = self.m.get("external_pipes", [])
+            if ext:
+                self.r.note("without a placement (--into-pid) these pipe fds come back with no "
+                            "process at their other end (a writer gets EPIPE): " + ", ".join(
+                                f"pid {p['pid']} fd {p['fd']} ({p['direction']}s "
+                                f"pipe:[{p['inode']}])" for p in ext))
+            if not ext_net:
+                return
+        with self.r.phase("placement") as ph:
+            try:
+                self._place(want)
+            except BaseException:
+                self.close_fds()
+                raise
+            pl = self.placement
+            ph.detail = pl.describe() if pl else "none: external network namespaces go " \
+                "into the agent's"
+        if pl is not None and "external_pipes" not in self.m:
+            self.r.note("the snapshot predates external-pipe records: its trees' pipes to "
+                        "outside them, if any, come back without their outside end")
+
+    def _place(self, want):
+        pl = want
+        if pl is not None and not isinstance(pl, Placement):
+            pl = Placement.of_pid(int(pl))
+        if pl is not None:
+            pl.verify()
+            pl.probe_cgroups()
+        self.placement = pl
+        for root in self.m["roots"]:
+            opts = placement_mod.restore_options(
+                pl, manifest_mod.external_pipes(self.m, root),
+                manifest_mod.tree_namespaces(self.m, root).get("external_net", ""), root=root)
+            self.opts[root] = opts
+            self.inherited += [{"root": root, **p} for p in opts.inherited]
+
+    def close_fds(self):
+        for opts in self.opts.values():
+            opts.close()
+
     def remove_stale(self):
         with self.r.phase("stale sockets") as ph:
             # CRIU re-binds the sockets at their paths: the directory must exist (a new node)
@@ -107,19 +185,43 @@ class Restore:
         for root in self.m["roots"]:
             with self.r.phase("criu restore") as ph:
                 d = manifest_mod.criu_dir(self.images_dir, root)
+                opts = self.opts.get(root)
+                kw = opts.kwargs() if opts else {}
+                into = (f" into placement pid {self.placement.pid}"
+                        if self.placement is not None else "")
                 try:
                     with interrupt.shielded():
-                        pid = criu.restore(d)
+                        pid = criu.restore(d, **kw)
                 except Exception as e:
                     bad = getattr(e, "bad_size", None)
                     if bad:
                         raise AgentError("criu restore", bad_size_reason(root, d, bad, e),
                                          pid=root) from e
-                    raise AgentError("criu restore", f"tree {root} from {d}: {e}", pid=root) from e
+                    raise AgentError("criu restore", f"tree {root} from {d}{into}: {e}",
+                                     pid=root) from e
                 self.restored_roots.append(root)
                 if int(pid) != int(root):
                     raise AgentError("criu restore", f"tree {root} came back as pid {pid}", pid=root)
-                ph.detail = f"tree {root}"
+                if self.placement is not None:
+                    self.check_placed(root)
+                ph.detail = f"tree {root}{into}"
+        self.close_fds()
+
+    def check_placed(self, root: int):
+        """Every restored process of tree ``root`` is in the placement's namespaces and
+        cgroups; raises ``AgentError`` (phase "criu restore") naming the first that is not."""
+        try:
+            procs = census_mod.walk_tree([root])
+        except AgentError as e:
+            raise AgentError("criu restore", f"tree {root} is gone right after its restore "
+                             f"into placement pid {self.placement.pid}: {e.reason}",
+                             pid=root) from e
+        for pid, _, _ in procs:
+            bad = self.placement.mismatches(pid)
+            if bad:
+                raise AgentError("criu restore", f"restored into placement pid "
+                                 f"{self.placement.pid} but it is not placed: "
+                                 + "; ".join(bad), pid=pid)
 
     def native_restore(self):
         pids = self.m["cuda_pids"]
@@ -194,12 +296,21 @@ class Restore:
     def _group_prepare(self):
         self._read_manifest_checked()
         self.load_driver()
+        self.place()
 
     def result(self) -> dict:
         """{"snapshot_id", "roots", "cuda_pids", "phases"} of a finished restore."""
-        return {"snapshot_id": self.m["snapshot_id"], "roots": self.m["roots"],
-                "cuda_pids": self.m["cuda_pids"], "phases": self.r.to_list(),
-                "totals": {"wall_ms": round((time.monotonic_ns() - self.t0_ns) / 1e6, 3)}}
+        out = {"snapshot_id": self.m["snapshot_id"], "roots": self.m["roots"],
+               "cuda_pids": self.m["cuda_pids"], "phases": self.r.to_list(),
+               "totals": {"wall_ms": round((time.monotonic_ns() - self.t0_ns) / 1e6, 3)}}
+        if self.placement is not None:
+            pl = self.placement
+            out["placement"] = {
+                "pid": pl.pid, "namespaces": {n.kind: n.inode for n in pl.namespaces},
+                "cgroups": [c.line() for c in pl.cgroups],
+                "stdio": [{k: p[k] for k in ("root", "pid", "fd", "inode", "direction",
+                                              "placement_fd")} for p in self.inherited]}
+        return out
 
     def run(self) -> dict:
         """Returns {"snapshot_id", "roots", "cuda_pids", "phases"}. Raises ``SnapshotError`` /
@@ -233,7 +344,13 @@ class Restore:
         self._refused_if_interrupted("manifest")
         self.load_driver()
         self._refused_if_interrupted("driver")
-        self.remove_stale()
+        self.place()
+        try:
+            self._refused_if_interrupted("placement")
+            self.remove_stale()
+        except BaseException:
+            self.close_fds()
+            raise
         try:
             self.criu_restore()
             self.guard.check("criu restore")
@@ -244,6 +361,7 @@ class Restore:
             self.resume()
             self.r.total(time.monotonic_ns() - self.t0_ns)
         except BaseException as e:
+            self.close_fds()
             self.kill_restored()
             if isinstance(e, AgentError):
                 raise RestoreFailed(e.phase, e.reason + "; the restored tree was killed, the "

@@ -518,7 +518,9 @@ class AgentService(_servicer_base()):
     def restore_kwargs(self, req) -> dict:
         return {"driver": req.driver or self.opts.driver or None,
                 "phase_timeout_s": req.phase_timeout_s or self.opts.phase_timeout_s,
-                "carrier_timeout_s": req.carrier_timeout_s or self.opts.carrier_timeout_s}
+                "carrier_timeout_s": req.carrier_timeout_s or self.opts.carrier_timeout_s,
+                # a pid: read and checked in the restore's "placement" phase
+                "placement": req.into_pid or None}
 
     def _env(self, driver: Optional[str]):
         # native.load reads $CUINTERPOSE_DRIVER when no kind is given (as the CLI sets it)

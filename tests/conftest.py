@@ -6,6 +6,11 @@
 - ``fake_env``: an environment dict that runs a child on fakecuda with a private control
   directory and call log: LD_LIBRARY_PATH=<fakecuda dir>, FAKECUDA_LOG, CUINTERPOSE_CONTROL_DIR.
   Add ``LD_PRELOAD=shim_path`` for the shim.
+- ``subreaper``: this process adopts orphans (restored trees) while the test runs.
+- ``cgroup_dir``: new test cgroups (plain, in a named v1 hierarchy, or refusing every
+  process), removed at teardown.
+- ``placeholder``: a placeholder container's init in new namespaces (net, uts, ipc, optionally
+  mnt), optionally in a test cgroup, its stdout a pipe to a reader.
 """
 from __future__ import annotations
 
@@ -20,9 +25,12 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "tests"))       # placement_kit, for every area
 from cuda_include_dir import cuda_include_dir  # noqa: E402
 
 from cuinterpose.agent import paths  # noqa: E402
+from placement_kit import (CGROUP_FS, THREADED_CONTROLLERS, Placeholder,  # noqa: E402
+                           cgroup_bases, remove_cgroup)
 
 C_BUILD = REPO / "build" / "tests"
 SANITIZE_FLAGS = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all",
@@ -99,3 +107,68 @@ def subreaper():
     yield
     libc.prctl(demo.PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
     demo.reap_zombies()
+
+
+# --------------------------------------------------------------------------- placements
+# helpers (cgroups_of, comm_of, Placeholder, ...) live in tests/placement_kit.py
+
+@pytest.fixture
+def cgroup_dir():
+    """cgroup_dir(refusing=False, *, hierarchy=None) -> path (str) of a new test cgroup, removed
+    at teardown after killing what is left in it.
+
+    Plain: a child of the v1 ``pids`` hierarchy (or of the v2 one): any process may be moved
+    into it. ``hierarchy``: a child of that v1 hierarchy instead (e.g. ``"cpu"``; fails when it
+    is not mounted). ``refusing=True``: a cgroup whose ``cgroup.procs`` refuses every process
+    (cgroup(7)), so no process can be in it either: v1 ``cpuset`` with no cpus and mems
+    (ENOSPC), v2 one with a domain controller enabled for its children (EBUSY, the
+    no-internal-processes rule). Never the memory hierarchy."""
+    made: list[pathlib.Path] = []
+
+    def make(refusing: bool = False, *, hierarchy: str | None = None) -> str:
+        plain, refuse = cgroup_bases()
+        if hierarchy is not None:
+            assert hierarchy != "memory" and not refusing
+            plain = CGROUP_FS / hierarchy
+            if not (plain / "cgroup.procs").is_file():
+                pytest.fail(f"no cgroup v1 {hierarchy} hierarchy at {plain}")
+        base = refuse if refusing else plain
+        d = base / f"cuinterpose-test-{os.getpid()}-{os.urandom(4).hex()}"
+        d.mkdir()
+        made.append(d)
+        if refusing and base != plain:
+            pass                      # v1 cpuset: a new one has empty cpuset.cpus/mems
+        elif refusing:
+            (d / "leaf").mkdir()
+            made.append(d / "leaf")
+            ctrls = (d / "cgroup.controllers").read_text().split()
+            for c in ctrls:
+                if c in THREADED_CONTROLLERS:
+                    continue          # allowed beside processes: would not refuse them
+                try:
+                    (d / "cgroup.subtree_control").write_text(f"+{c}")
+                    break
+                except OSError:
+                    continue
+            else:
+                pytest.fail(f"cannot make {d} refuse processes: no domain controller of "
+                            f"{ctrls} can be enabled for its children")
+        return str(d)
+    yield make
+    for d in reversed(made):
+        remove_cgroup(d)
+
+
+@pytest.fixture
+def placeholder(tmp_path):
+    """placeholder(hostname, *, cgroup=None, mount=False, stdout=True, prepare="", out=None) ->
+    :class:`placement_kit.Placeholder`; stopped at teardown."""
+    made: list[Placeholder] = []
+
+    def start(hostname: str, **kw) -> Placeholder:
+        p = Placeholder(tmp_path, hostname, **kw)
+        made.append(p)
+        return p
+    yield start
+    for p in made:
+        p.stop()
