@@ -88,6 +88,10 @@ def decide(pod: dict, kind: str, in_flight: frozenset = frozenset()) -> Optional
     - a name that is not a valid snapshot name → Failed.
     - the pod is being deleted or still Pending → skip (a later event brings it Running);
       Succeeded/Failed/Unknown → Failed, not run.
+    - the pod does not set ``spec.hostPID: true`` → Failed, not run: the agent, CRIU and the
+      shim's control files work with host pids, and CRIU restores a tree into the pid
+      namespace it runs in (the host's), so a pod with its own pid namespace can neither be
+      dumped by pid nor receive a restored tree (docs/kubernetes.md, "Opting a pod in").
     - otherwise → run.
     """
     meta = pod.get("metadata") or {}
@@ -124,4 +128,11 @@ def decide(pod: dict, kind: str, in_flight: frozenset = frozenset()) -> Optional
     if phase != "Running":
         return Decision(kind, "fail", name, token,
                         f"request: pod is {phase or 'without a phase'}, not Running; nothing was done")
+    if (pod.get("spec") or {}).get("hostPID") is not True:
+        what = "checkpointed" if kind == "checkpoint" else "restored into"
+        return Decision(kind, "fail", name, token,
+                        f"request: pod {meta.get('namespace')}/{meta.get('name')} does not set "
+                        f"spec.hostPID: true; a pod with its own PID namespace cannot be {what} "
+                        "(the agent, CRIU and the shim's control files use host pids; see "
+                        "docs/kubernetes.md); nothing was done")
     return Decision(kind, "run", name, token)

@@ -8,6 +8,14 @@ so a process belongs to the container when a path component of one of its ``/pro
 lines contains the id. The container's *roots* are its processes whose parent is not in the
 container (the container's init, whose parent is the runtime shim, and processes started by
 ``kubectl exec``). The agent runs with ``hostPID: true``, so these are host pids.
+
+Both the agent and the pod must share the host's PID namespace: a process whose
+``/proc/PID/status`` ``NSpid:`` line lists more than one pid lives in a nested PID namespace
+(proc(5)) and is refused here, naming the container and the pid.
+
+A restore goes into a *placeholder* pod: :meth:`CgroupResolver.placeholder` picks the process
+whose cgroups and namespaces the restored trees join — the init of the pod's first running
+container (its oldest root, by start time, ``/proc/PID/stat`` field 22).
 """
 from __future__ import annotations
 
@@ -74,6 +82,28 @@ class CgroupResolver:
         except (OSError, ValueError, IndexError):
             return None
 
+    def _start_time(self, pid: int) -> int:
+        """Start time in clock ticks since boot (``/proc/PID/stat`` field 22), or a huge number
+        when unreadable (sorts last)."""
+        try:
+            data = (self.proc_root / str(pid) / "stat").read_text()
+            return int(data[data.rindex(")") + 2:].split()[19])
+        except (OSError, ValueError, IndexError):
+            return 1 << 62
+
+    def nested_pid(self, pid: int) -> Optional[list[int]]:
+        """The ``NSpid:`` pids of ``pid`` when it lives in a nested PID namespace (more than
+        one pid listed), else None (host PID namespace, or no ``status`` file to tell)."""
+        try:
+            text = (self.proc_root / str(pid) / "status").read_text()
+        except OSError:
+            return None
+        for line in text.splitlines():
+            if line.startswith("NSpid:"):
+                ns = [int(x) for x in line.split()[1:]]
+                return ns if len(ns) > 1 else None
+        return None
+
     def pids_of(self, container_id: str) -> list[int]:
         """Sorted pids whose cgroup path has a component containing ``container_id``."""
         if len(container_id) < 12:  # a prefix that short could match unrelated cgroups
@@ -96,6 +126,12 @@ class CgroupResolver:
         trees = []
         for name, cid in ids:
             pids = self.pids_of(cid)
+            for p in pids:
+                ns = self.nested_pid(p)
+                if ns:
+                    raise ResolveError(
+                        f"{who} container {name}: pid {p} runs in its own PID namespace (NSpid "
+                        f"{' '.join(map(str, ns))}); the pod needs spec.hostPID: true")
             inside = set(pids)
             roots = [p for p in pids if self._ppid(p) not in inside]
             if pids:
@@ -105,3 +141,10 @@ class CgroupResolver:
             raise ResolveError(f"no process of {who} found in the cgroups of its containers "
                                f"{listed} under {self.proc_root}")
         return trees
+
+    def placeholder(self, pod: dict) -> tuple[ContainerTree, int]:
+        """The process a restore into ``pod`` places its trees with: (the pod's first running
+        container with processes, its init = the root that started first). Raises
+        ``ResolveError`` (from :meth:`resolve`) when the pod has no process on this node."""
+        tree = self.resolve(pod)[0]
+        return tree, min(tree.roots, key=lambda p: (self._start_time(p), p))

@@ -9,9 +9,13 @@ is listed or changes is passed to :meth:`PodWatcher.handle`, which decides
 1. claim: one merge patch, conditional on the pod's ``metadata.resourceVersion``, sets
    ``-status: Pending``, ``-handled: NAME@UID`` and a message (409 Conflict: someone changed
    the pod in between; nothing runs, the newer version arrives as its own event);
-2. resolve the pod's containers to process trees (``resolver.CgroupResolver``); none → Failed;
+2. resolve the pod's containers to process trees (``resolver.CgroupResolver``); none → Failed.
+   A restore resolves the placeholder pod the same way and takes the init of its first running
+   container (``resolver.placeholder``): the restored trees join its cgroups, namespaces and
+   stdio (``into_pid``);
 3. ``-status: Running`` with the root pids, then ``actions.checkpoint(...)`` /
-   ``actions.restore(...)`` (``actions.AgentActions`` by default: the agent's own entry points);
+   ``actions.restore(..., into_pid=PID)`` (``actions.AgentActions`` by default: the agent's own
+   entry points);
 4. ``-status: Succeeded`` (checkpoint: ``cuinterpose.io/snapshot`` = the snapshot directory) or
    ``Failed`` with the error (phase, pid, reason, outcome).
 
@@ -221,12 +225,20 @@ class PodWatcher:
                 if not (images_dir / "manifest.json").is_file():
                     raise ResolveError(f"restore: no snapshot {d.name!r} on node {self.node_name} "
                                        f"(no {images_dir}/manifest.json); nothing was done")
+                try:
+                    tree, into = self.resolver.placeholder(pod)
+                except ResolveError as e:
+                    raise ResolveError(f"restore: placeholder: {e}; the restored processes join "
+                                       "the cgroups and namespaces of the placeholder's running "
+                                       "container; nothing was done") from e
+                where = f"container {tree.name} (pid {into})"
                 pod = self.patch(pod, {st: A.RUNNING, A.SNAPSHOT: str(images_dir),
-                                       msg: f"restore of {d.name} from {images_dir}"})
-                result = self.actions.restore(pod, d.name, images_dir=str(images_dir))
+                                       msg: f"restore of {d.name} from {images_dir} into {where}"})
+                result = self.actions.restore(pod, d.name, images_dir=str(images_dir),
+                                              into_pid=into)
                 done = {st: A.SUCCEEDED,
                         msg: _one_line(f"restored snapshot {result.get('snapshot_id', d.name)} "
-                                       f"from {images_dir}: roots "
+                                       f"from {images_dir} into {where}: roots "
                                        f"{', '.join(map(str, result.get('roots', [])))}")}
         except ResolveError as e:
             text = str(e)

@@ -29,9 +29,10 @@ class RecordingActions:
             raise self.fail
         return {"snapshot_id": "q-" + snapshot_name, "roots": list(roots), "cuda_pids": [4243, 4244]}
 
-    def restore(self, pod, snapshot, *, images_dir):
+    def restore(self, pod, snapshot, *, images_dir, into_pid=None):
         m = pod["metadata"]
-        self.calls.append(("restore", f"{m['namespace']}/{m['name']}", snapshot, images_dir))
+        self.calls.append(("restore", f"{m['namespace']}/{m['name']}", snapshot, images_dir,
+                           into_pid))
         if self.fail:
             raise self.fail
         return {"snapshot_id": "q-" + snapshot, "roots": [4242], "cuda_pids": [4243, 4244]}
@@ -47,6 +48,9 @@ class FixedResolver:
         if self.error:
             raise ResolveError(self.error)
         return [ContainerTree("main", "ab" * 32, (4242, 4243, 4244), (4242,))]
+
+    def placeholder(self, pod):
+        return self.resolve(pod)[0], 4242
 
 
 @pytest.fixture

@@ -51,15 +51,16 @@ def status_obj(code: int, reason: str, message: str) -> dict:
 
 def make_pod(name: str, *, namespace: str = "default", node: str = "node-a", uid: str = None,
              annotations: dict = None, labels: dict = None, phase: str = "Running",
-             containers: list = None) -> dict:
-    """A Pod object. ``containers``: [(name, "containerd://<id>")] (running)."""
+             containers: list = None, host_pid: bool = True) -> dict:
+    """A Pod object. ``containers``: [(name, "containerd://<id>")] (running); ``host_pid``:
+    ``spec.hostPID`` (omitted when False, as the API server does for a false default)."""
     containers = containers if containers is not None else [("main", "containerd://" + "ab" * 32)]
     return {
         "metadata": {"name": name, "namespace": namespace, "uid": uid or f"uid-{name}",
                      "labels": labels or {}, "annotations": annotations or {},
                      "creationTimestamp": "2026-01-01T00:00:00Z"},
-        "spec": {"nodeName": node, "containers": [{"name": n, "image": "example/app:1"}
-                                                  for n, _ in containers]},
+        "spec": {"nodeName": node, **({"hostPID": True} if host_pid else {}),
+                 "containers": [{"name": n, "image": "example/app:1"} for n, _ in containers]},
         "status": {"phase": phase, "containerStatuses": [
             {"name": n, "containerID": cid, "ready": True, "restartCount": 0,
              "image": "example/app:1", "imageID": "", "state": {"running": {

@@ -4,6 +4,8 @@ own checkpoint/restore in-process) against the fake API server, on real processe
 Pods have no real cgroups here: the watcher's ``procRoot`` is a directory laid out like /proc
 whose ``PID/cgroup`` puts the test's processes into the pod's container; ``PID/stat`` is the
 real one. Everything after the resolver (census, quiesce, CRIU, restore) uses the real /proc.
+The restore's placeholder pod is a real process in namespaces of its own (net, uts, ipc, mnt)
+and a test cgroup: the restored job must end up in them.
 Uses the installed shim: run under ``flock -s /tmp/cuinterpose-build.lock``."""
 from __future__ import annotations
 
@@ -17,24 +19,17 @@ import pytest
 import yaml
 
 from fakeapi import NODE, make_pod
+from proclayout import lay_proc, not_placed
 
 from cuinterpose.agent import demo, paths
 from cuinterpose.agent.census import walk_tree
 
 CID = "c0ffee" * 10 + "abcd"
+PCID = "f" * 64            # the placeholder pod's container
 ST = "cuinterpose.io/checkpoint-status"
 MSG = "cuinterpose.io/checkpoint-message"
 RST = "cuinterpose.io/restore-status"
 RMSG = "cuinterpose.io/restore-message"
-
-
-def lay_proc(proc_root: pathlib.Path, pids) -> None:
-    """Put ``pids`` into container CID in the laid-out /proc."""
-    for pid in pids:
-        d = proc_root / str(pid)
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "cgroup").write_text(f"0::/kubepods.slice/kubepods-pod1.slice/cri-containerd-{CID}.scope\n")
-        (d / "stat").write_text(pathlib.Path(f"/proc/{pid}/stat").read_text())
 
 
 @pytest.fixture
@@ -72,7 +67,7 @@ def watcher_proc(api, tmp_path):
 def test_standalone_watcher_refuses_a_pod_without_cuda(api, tmp_path, watcher_proc):
     sleeper = subprocess.Popen(["sleep", "600"], start_new_session=True)
     try:
-        lay_proc(tmp_path / "proc", [sleeper.pid])
+        lay_proc(tmp_path / "proc", CID, [sleeper.pid])
         ctl = tmp_path / "ctl"
         ctl.mkdir()
         w = watcher_proc(ctl)
@@ -101,13 +96,14 @@ def criu_ok():
 
 
 def test_afdwin_checkpoint_and_restore_through_annotations(api, tmp_path, watcher_proc,
-                                                           criu_ok, subreaper):
+                                                           criu_ok, subreaper, placeholder,
+                                                           cgroup_dir):
     steps = 1500  # ~7.5 s of traffic: the checkpoint lands mid-stream
     a = demo.Afdwin(tmp_path / "run", steps=steps, step_delay_ms=5).start()
     try:
         a.wait_for(lambda ev: demo.received(ev) >= 20, 120, "20 messages")
         pids = [p for p, _, _ in walk_tree([a.pid])]
-        lay_proc(tmp_path / "proc", pids)
+        lay_proc(tmp_path / "proc", CID, pids)
         watcher_proc(a.ctl)
         api.add_pod(make_pod("job", annotations={"cuinterpose.io/checkpoint": "snap1"},
                              containers=[("main", f"containerd://{CID}")]))
@@ -119,14 +115,20 @@ def test_afdwin_checkpoint_and_restore_through_annotations(api, tmp_path, watche
         assert a.wait_dumped() == -signal.SIGKILL
         assert (snap / "manifest.json").is_file()
 
-        # a placeholder pod on the same node asks for the restore
+        # a placeholder pod on the same node asks for the restore: its container's init runs
+        # in namespaces of its own (the mount namespace a private copy of ours: same image,
+        # same volumes) and in a cgroup of its own
+        ph = placeholder("job-restored", cgroup=cgroup_dir(), mount=True, stdout=False)
+        lay_proc(tmp_path / "proc", PCID, [ph.pid])
         api.add_pod(make_pod("job-restored", annotations={"cuinterpose.io/restore-from": "snap1"},
-                             containers=[("main", "containerd://" + "f" * 64)]))
+                             containers=[("main", f"containerd://{PCID}")]))
         assert api.wait_for(lambda x: x.annotations("default", "job-restored").get(RST)
                             in ("Succeeded", "Failed"), 300)
         r = api.annotations("default", "job-restored")
         assert r[RST] == "Succeeded", r[RMSG]
-        assert r[RMSG].endswith(f"from {snap}: roots {a.pid}")
+        assert r[RMSG].endswith(f"from {snap} into container main (pid {ph.pid}): "
+                                f"roots {a.pid}")
+        assert not_placed(a.pid, ph.pid) == []
         assert a.wait_restored_exit(300) in (0, None)
         evs = a.events()
         s = [e for e in evs if demo.kind(e) == "summary"][-1]

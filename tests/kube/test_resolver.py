@@ -13,12 +13,18 @@ V2 = "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod1234.sli
 V1 = "12:memory:/kubepods/burstable/pod1234/{}\n11:cpu,cpuacct:/kubepods/burstable/pod1234/{}\n"
 
 
-def lay(proc, pid, ppid, cgroup, comm="app"):
+def lay(proc, pid, ppid, cgroup, comm="app", start=None, nspid=None):
+    """``start``: stat field 22 (start time, ticks since boot); ``nspid``: the NSpid line's pids
+    (a status file is written only when given)."""
     d = proc / str(pid)
     d.mkdir()
     (d / "cgroup").write_text(cgroup)
-    # comm with a space and a parenthesis, as /proc allows
-    (d / "stat").write_text(f"{pid} ({comm} (x)) S {ppid} {pid} {pid} 0 -1 4194560 0 0\n")
+    # comm with a space and a parenthesis, as /proc allows; fields 4..22 (19 of them)
+    rest = [ppid, pid, pid, 0, -1, 4194560, 0, 0, 0, 0, 0, 0, 0, 0, 20, 0, 1, 0,
+            start if start is not None else 100 + pid]
+    (d / "stat").write_text(f"{pid} ({comm} (x)) S {' '.join(map(str, rest))} 0 0\n")
+    if nspid is not None:
+        (d / "status").write_text(f"Name:\t{comm}\nNSpid:\t{' '.join(map(str, nspid))}\n")
 
 
 @pytest.fixture
@@ -72,3 +78,27 @@ def test_short_container_id_is_refused(proc):
     with pytest.raises(ResolveError) as e:
         CgroupResolver(proc).pids_of("abc")
     assert str(e.value) == "container id 'abc' is too short to match cgroups"
+
+
+def test_placeholder_is_the_first_containers_oldest_root(tmp_path):
+    p = tmp_path / "proc"
+    p.mkdir()
+    lay(p, 900, 1, "0::/system.slice/containerd.service\n", "containerd-shim")
+    # an exec'd shell with a lower pid but started later than the container's init
+    lay(p, 3005, 900, V2.format(CID_A), "pause", start=5000, nspid=[3005])
+    lay(p, 2990, 900, V2.format(CID_A), "sh", start=9000, nspid=[2990])
+    lay(p, 3006, 3005, V2.format(CID_A), "child", start=5001)
+    lay(p, 4000, 900, V2.format(CID_B), "second", start=1)
+    tree, pid = CgroupResolver(p).placeholder(pod(("main", CID_A), ("side", CID_B)))
+    assert (tree.name, tree.roots, pid) == ("main", (2990, 3005), 3005)
+
+
+def test_a_process_in_its_own_pid_namespace_is_refused(tmp_path):
+    p = tmp_path / "proc"
+    p.mkdir()
+    lay(p, 900, 1, "0::/system.slice/containerd.service\n", "containerd-shim")
+    lay(p, 5000, 900, V2.format(CID_A), "app", nspid=[5000, 1])
+    with pytest.raises(ResolveError) as e:
+        CgroupResolver(p).resolve(pod(("main", CID_A)))
+    assert str(e.value) == ("pod default/p1 container main: pid 5000 runs in its own PID "
+                            "namespace (NSpid 5000 1); the pod needs spec.hostPID: true")

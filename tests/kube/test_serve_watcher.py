@@ -35,6 +35,7 @@ import pytest
 import yaml
 
 from fakeapi import NODE, make_pod
+from proclayout import lay_proc, not_placed
 
 from cuinterpose.agent import demo, pb, service
 from cuinterpose.agent.census import walk_tree
@@ -59,18 +60,10 @@ afdwin = _e2e.afdwin
 
 CID_JOB = "c0ffee" * 10 + "abcd"
 CID_STUCK = "5bad" * 16
+CID_PLACEHOLDER = "f" * 64
 ST, MSG = "cuinterpose.io/checkpoint-status", "cuinterpose.io/checkpoint-message"
 RST, RMSG = "cuinterpose.io/restore-status", "cuinterpose.io/restore-message"
 CONFIG_PATH = "/etc/cuinterpose/config.yaml"    # where the DaemonSet mounts the ConfigMap
-
-
-def lay_proc(proc_root: pathlib.Path, cid: str, pids) -> None:
-    """Put ``pids`` into container ``cid`` in the laid-out /proc (``stat`` is the real one)."""
-    for pid in pids:
-        d = proc_root / str(pid)
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "cgroup").write_text(f"0::/kubepods.slice/kubepods-pod1.slice/cri-containerd-{cid}.scope\n")
-        (d / "stat").write_text(pathlib.Path(f"/proc/{pid}/stat").read_text())
 
 
 def render(values: dict) -> tuple[dict, str]:
@@ -145,7 +138,7 @@ def stuck(subreaper):
 
 
 def test_serve_config_from_the_chart_runs_the_pod_watcher(api, tmp_path, afdwin, stuck,
-                                                          agent_dir):
+                                                          agent_dir, placeholder, cgroup_dir):
     steps = 1500  # ~7.5 s of traffic: the checkpoint lands mid-stream
     a = afdwin(steps=steps, step_delay_ms=5)
     a.wait_for(lambda ev: demo.received(ev) >= 20, 120, "20 messages")
@@ -180,14 +173,16 @@ def test_serve_config_from_the_chart_runs_the_pod_watcher(api, tmp_path, afdwin,
         d = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err,
                              env=env, text=True)
     try:
-        _run(api, a, d, errlog, sock, snaps, proc_root, stuck, steps)
+        # the restore's placeholder: its init in namespaces and a cgroup of its own
+        ph = placeholder("job-restored", cgroup=cgroup_dir(), mount=True, stdout=False)
+        _run(api, a, d, errlog, sock, snaps, proc_root, stuck, steps, ph)
     finally:
         if d.poll() is None:
             d.kill()
             d.wait()
 
 
-def _run(api, a, d, errlog, sock, snaps, proc_root, stuck, steps):
+def _run(api, a, d, errlog, sock, snaps, proc_root, stuck, steps, ph):
     line = d.stdout.readline()
     m = re.fullmatch(rf"cuinterpose-agent {NODE} serving on unix:{re.escape(str(sock))}, "
                      r"metrics on 127\.0\.0\.1:(\d+)\n", line)
@@ -227,14 +222,17 @@ def _run(api, a, d, errlog, sock, snaps, proc_root, stuck, steps):
         man["totals"]["carrier_bytes"]
 
     # restore through a placeholder pod
+    lay_proc(proc_root, CID_PLACEHOLDER, [ph.pid])
     api.add_pod(make_pod("job-restored", annotations={"cuinterpose.io/restore-from": "snap1"},
-                         containers=[("main", "containerd://" + "f" * 64)]))
+                         containers=[("main", f"containerd://{CID_PLACEHOLDER}")]))
     assert api.wait_for(lambda x: x.annotations("default", "job-restored").get(RST)
                         in ("Succeeded", "Failed"), 300)
     r = api.annotations("default", "job-restored")
     assert r[RST] == "Succeeded", r[RMSG]
     assert status_patches(api, "job-restored", RST) == ["Pending", "Running", "Succeeded"]
-    assert r[RMSG] == f"restored snapshot {man['snapshot_id']} from {snap}: roots {a.pid}"
+    assert r[RMSG] == (f"restored snapshot {man['snapshot_id']} from {snap} into container "
+                       f"main (pid {ph.pid}): roots {a.pid}")
+    assert not_placed(a.pid, ph.pid) == []
     assert a.wait_restored_exit(300) in (0, None)
     s = [e for e in a.events() if demo.kind(e) == "summary"][-1]
     assert (s["ok"], s["lost"], s["duplicated"], s["torn"], s["restores_seen"]) == \

@@ -205,12 +205,49 @@ def test_restore_into_placeholder(api, actions, make_watcher, tmp_path):
     (snap / "manifest.json").write_text("{}")
     api.add_pod(make_pod("p1", annotations={"cuinterpose.io/restore-from": "snap1"}))
     make_watcher().relist()
-    assert actions.calls == [("restore", "default/p1", "snap1", str(snap))]
+    # the placeholder's container init (FixedResolver: pid 4242 of container main)
+    assert actions.calls == [("restore", "default/p1", "snap1", str(snap), 4242)]
+    where = "into container main (pid 4242)"
     assert ann_patches(api) == [
         {RST: "Pending", RHD: "snap1@uid-p1", RMSG: f"restore snap1 accepted by node {NODE}"},
-        {RST: "Running", SNAP: str(snap), RMSG: f"restore of snap1 from {snap}"},
-        {RST: "Succeeded", RMSG: f"restored snapshot q-snap1 from {snap}: roots 4242"},
+        {RST: "Running", SNAP: str(snap), RMSG: f"restore of snap1 from {snap} {where}"},
+        {RST: "Succeeded", RMSG: f"restored snapshot q-snap1 from {snap} {where}: roots 4242"},
     ]
+
+
+def test_restore_into_a_placeholder_without_processes_is_refused(api, actions, resolver,
+                                                                 make_watcher, tmp_path):
+    snap = tmp_path / "snap" / "default" / "snap1"
+    snap.mkdir(parents=True)
+    (snap / "manifest.json").write_text("{}")
+    resolver.error = "no process of pod default/p1 found"
+    api.add_pod(make_pod("p1", annotations={"cuinterpose.io/restore-from": "snap1"}))
+    make_watcher().relist()
+    assert actions.calls == []
+    a = api.annotations("default", "p1")
+    assert (a[RST], a[RMSG]) == ("Failed", "restore: placeholder: no process of pod default/p1 "
+                                 "found; the restored processes join the cgroups and namespaces "
+                                 "of the placeholder's running container; nothing was done")
+    assert (snap / "manifest.json").read_text() == "{}"
+
+
+@pytest.mark.parametrize("kind,key,what", [
+    ("checkpoint", CK, "checkpointed"),
+    ("restore", "cuinterpose.io/restore-from", "restored into")])
+def test_a_pod_without_host_pid_is_refused(api, actions, make_watcher, tmp_path, kind, key, what):
+    snap = tmp_path / "snap" / "default" / "snap1"
+    snap.mkdir(parents=True)
+    (snap / "manifest.json").write_text("{}")
+    api.add_pod(make_pod("p1", annotations={key: "snap1"}, host_pid=False))
+    make_watcher().relist()
+    assert actions.calls == []
+    a = api.annotations("default", "p1")
+    assert a[f"cuinterpose.io/{kind}-status"] == "Failed"
+    assert a[f"cuinterpose.io/{kind}-handled"] == "snap1@uid-p1"
+    assert a[f"cuinterpose.io/{kind}-message"] == (
+        f"request: pod default/p1 does not set spec.hostPID: true; a pod with its own PID "
+        f"namespace cannot be {what} (the agent, CRIU and the shim's control files use host "
+        "pids; see docs/kubernetes.md); nothing was done")
 
 
 def test_restore_of_missing_snapshot_is_refused(api, actions, make_watcher, tmp_path):
