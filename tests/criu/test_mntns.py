@@ -107,6 +107,7 @@ def test_tree_in_its_own_mount_namespace_dumps_and_restores_into_the_placeholder
         # without a placement CRIU restores in our mount namespace, where DATA/log is missing
         with pytest.raises(criu.CriuError) as e:
             criu.restore(images)
+        assert f"Can't open file {str(mnt / 'log').lstrip('/')} on restore" in str(e.value)
         assert sorted(p.name for p in images.iterdir()) == before
         assert _numbers(log) == dumped
 

@@ -1,7 +1,6 @@
 """Two processes on fakecuda: FD sharing, native checkpoint without the shim, refusals."""
 from __future__ import annotations
 
-import pathlib
 
 from fakecuda_helpers import GRAN, read_log, share_window
 

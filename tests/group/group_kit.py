@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import os
 import time
-import urllib.request
 
 from cuinterpose.agent import demo
+from metrics_kit import scrape
 
 STEPS = 300
 
@@ -44,14 +44,7 @@ def idx(rows, event, pred):
 
 def metrics(info) -> dict:
     """{sample with labels: value} of a daemon's /metrics (``cuinterpose_*``, no _created)."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{info['metrics_port']}/metrics",
-                                  timeout=10).read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("cuinterpose_") and "_created" not in line.split(" ")[0]:
-            k, v = line.rsplit(" ", 1)
-            out[k] = float(v)
-    return out
+    return scrape(info["metrics_port"])
 
 
 def finished_intact(jobs, steps, *, restored=False):

@@ -28,7 +28,10 @@ def mtls_agent(daemon, node, p, cert, *extra):
 def test_a_group_over_mutual_tls_and_a_leader_from_another_ca_is_refused(afdwin, daemon,
                                                                          pki, tmp_path):
     p = pki(nodes=("node-a", "node-b", "client"), strangers=("rogue",))
-    ja, jb = start_jobs(afdwin)
+    # 4x the usual traffic (6 s at least): three daemons start and a refused group runs
+    # before the checkpoint, which must still find both jobs running
+    steps = 4 * STEPS
+    ja, jb = start_jobs(afdwin, steps=steps)
     A = mtls_agent(daemon, "node-a", p, "node-a", "--control-dir", str(ja.ctl))
     B = mtls_agent(daemon, "node-b", p, "node-b", "--control-dir", str(jb.ctl))
     # the rogue leader trusts the CA (it verifies the members and its callers with it) but
@@ -74,7 +77,7 @@ def test_a_group_over_mutual_tls_and_a_leader_from_another_ca_is_refused(afdwin,
         reap_tree(m)
     res = service.call(A["listen"], "Restore", apb.RestoreRequest(members=members), tls=client)
     assert res.ok, res.error
-    finished_intact((ja, jb), STEPS, restored=True)
+    finished_intact((ja, jb), steps, restored=True)
     # a caller without a client certificate is refused by a member
     with pytest.raises(AgentError) as ei:
         service.call(B["listen"], "ListSnapshots", apb.ListSnapshotsRequest(),

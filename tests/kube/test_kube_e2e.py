@@ -10,7 +10,6 @@ Uses the installed shim: run under ``flock -s /tmp/cuinterpose-build.lock``."""
 from __future__ import annotations
 
 import os
-import pathlib
 import signal
 import subprocess
 import sys

@@ -29,7 +29,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import urllib.request
 
 import pytest
 import yaml
@@ -39,6 +38,7 @@ from proclayout import lay_proc, not_placed
 
 from cuinterpose.agent import demo, pb, service
 from cuinterpose.agent.census import walk_tree
+from metrics_kit import scrape
 
 HERE = pathlib.Path(__file__).resolve().parent
 CHART = HERE.parents[1] / "charts" / "cuinterpose"
@@ -87,15 +87,7 @@ def status_patches(api, name: str, key: str) -> list[str]:
             if (ns, n) == ("default", name) and key in p["metadata"].get("annotations", {})]
 
 
-def metrics(port: int) -> dict:
-    """{sample with labels: value} of the daemon's /metrics (cuinterpose_* only)."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("cuinterpose_") and "_created" not in line.split(" ")[0]:
-            k, v = line.rsplit(" ", 1)
-            out[k] = float(v)
-    return out
+metrics = scrape     # {sample with labels: value} of the daemon's /metrics
 
 
 def wait_path(p: pathlib.Path, proc: subprocess.Popen, timeout_s: float = 60) -> None:

@@ -7,11 +7,11 @@ import os
 import subprocess
 import sys
 import tempfile
-import urllib.request
 
 import pytest
 
 from cuinterpose.agent import pb, service
+from metrics_kit import scrape, text
 
 
 def cli(*args):
@@ -24,20 +24,12 @@ def cli(*args):
 
 
 def metrics_text(info) -> str:
-    return urllib.request.urlopen(f"http://127.0.0.1:{info['metrics_port']}/metrics",
-                                  timeout=10).read().decode()
+    return text(info["metrics_port"])
 
 
 def metrics(info) -> dict:
     """{sample name with labels: value} of the daemon's /metrics (cuinterpose_* only)."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{info['metrics_port']}/metrics",
-                                  timeout=10).read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("cuinterpose_") and "_created" not in line.split(" ")[0]:
-            k, v = line.rsplit(" ", 1)
-            out[k] = float(v)
-    return out
+    return scrape(info["metrics_port"])
 
 
 def test_health_on_unix_socket_and_tcp_loopback(daemon):
