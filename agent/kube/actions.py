@@ -5,11 +5,13 @@ An *actions* object has two methods (tests pass their own):
 - ``checkpoint(pod, snapshot_name, *, roots, images_dir, leave_running) -> dict``: checkpoint
   the trees under ``roots`` (host pids, list of int) into ``images_dir`` (absolute path, new or
   empty); returns the manifest (``snapshot_id``, ``roots``, ``cuda_pids``, ...).
-- ``restore(pod, snapshot, *, images_dir, into_pid=None) -> dict``: restore the snapshot named
-  ``snapshot`` from ``images_dir``; with ``into_pid`` (a host pid: the placeholder container's
-  init) the restored trees join that process's cgroups, namespaces and stdio
-  (``cuinterpose.agent.placement.Placement``); returns ``{"snapshot_id", "roots", "cuda_pids",
-  ...}``.
+- ``restore(pod, snapshot, *, images_dir, into_pid=None, into_start_time=None) -> dict``:
+  restore the snapshot named ``snapshot`` from ``images_dir``; with ``into_pid`` (a host pid:
+  the placeholder container's init, whose ``/proc/PID/stat`` start time was
+  ``into_start_time`` when the watcher resolved it) the restored trees join that process's
+  cgroups, namespaces and stdio (``cuinterpose.agent.placement.Placement``); a pid that no
+  longer has that start time (reused while the request waited for the node) is refused;
+  returns ``{"snapshot_id", "roots", "cuda_pids", ...}``.
 
 Both raise on failure; an ``AgentError`` (``phase``, ``pid``, ``reason``, ``outcome``) is
 written to the pod as it is, any other exception as ``"<kind>: <type>: <text>"``.
@@ -52,10 +54,23 @@ class AgentActions:
             phase_timeout_s=c.phase_timeout_s, carrier_timeout_s=c.carrier_timeout_s,
             leave_running=leave_running, reporter=rep))
 
-    def restore(self, pod: dict, snapshot: str, *, images_dir, into_pid=None) -> dict:
+    def restore(self, pod: dict, snapshot: str, *, images_dir, into_pid=None,
+                into_start_time=None) -> dict:
         from .. import restore as restore_mod
         c = self.config
-        # a pid: read and checked in the restore's "placement" phase (errors name it)
-        return self._run("restore", pod, snapshot, lambda rep: restore_mod.restore(
-            images_dir, driver=c.driver or None, phase_timeout_s=c.phase_timeout_s,
-            carrier_timeout_s=c.carrier_timeout_s, reporter=rep, placement=into_pid or None))
+
+        def work(rep):
+            placement = into_pid or None
+            if into_pid and into_start_time is not None:
+                from ..placement import Placement, PlacementError
+                placement = Placement.of_pid(into_pid)
+                if placement.start_time != into_start_time:
+                    raise PlacementError(
+                        f"is not the placeholder's process any more (started at tick "
+                        f"{placement.start_time}, the placeholder's init at "
+                        f"{into_start_time}): its pid was reused; nothing was done",
+                        pid=into_pid)
+            return restore_mod.restore(
+                images_dir, driver=c.driver or None, phase_timeout_s=c.phase_timeout_s,
+                carrier_timeout_s=c.carrier_timeout_s, reporter=rep, placement=placement)
+        return self._run("restore", pod, snapshot, work)

@@ -15,7 +15,9 @@ Both the agent and the pod must share the host's PID namespace: a process whose
 
 A restore goes into a *placeholder* pod: :meth:`CgroupResolver.placeholder` picks the process
 whose cgroups and namespaces the restored trees join — the init of the pod's first running
-container (its oldest root, by start time, ``/proc/PID/stat`` field 22).
+container in ``spec.containers`` order (the kubelet lists ``containerStatuses`` sorted by
+name, so a sidecar could come first there): its oldest root, by start time (``/proc/PID/stat``
+field 22), returned with that start time so that a pid reused later is noticed.
 """
 from __future__ import annotations
 
@@ -82,7 +84,7 @@ class CgroupResolver:
         except (OSError, ValueError, IndexError):
             return None
 
-    def _start_time(self, pid: int) -> int:
+    def start_time(self, pid: int) -> int:
         """Start time in clock ticks since boot (``/proc/PID/stat`` field 22), or a huge number
         when unreadable (sorts last)."""
         try:
@@ -90,6 +92,8 @@ class CgroupResolver:
             return int(data[data.rindex(")") + 2:].split()[19])
         except (OSError, ValueError, IndexError):
             return 1 << 62
+
+    _start_time = start_time
 
     def nested_pid(self, pid: int) -> Optional[list[int]]:
         """The ``NSpid:`` pids of ``pid`` when it lives in a nested PID namespace (more than
@@ -142,9 +146,13 @@ class CgroupResolver:
                                f"{listed} under {self.proc_root}")
         return trees
 
-    def placeholder(self, pod: dict) -> tuple[ContainerTree, int]:
+    def placeholder(self, pod: dict) -> tuple[ContainerTree, int, int]:
         """The process a restore into ``pod`` places its trees with: (the pod's first running
-        container with processes, its init = the root that started first). Raises
-        ``ResolveError`` (from :meth:`resolve`) when the pod has no process on this node."""
-        tree = self.resolve(pod)[0]
-        return tree, min(tree.roots, key=lambda p: (self._start_time(p), p))
+        container with processes in ``spec.containers`` order, its init = the root that
+        started first, that root's start time in clock ticks). Raises ``ResolveError`` (from
+        :meth:`resolve`) when the pod has no process on this node."""
+        order = {c.get("name"): i for i, c in
+                 enumerate((pod.get("spec") or {}).get("containers") or [])}
+        tree = min(self.resolve(pod), key=lambda t: order.get(t.name, len(order)))
+        pid = min(tree.roots, key=lambda p: (self.start_time(p), p))
+        return tree, pid, self.start_time(pid)

@@ -226,7 +226,7 @@ class PodWatcher:
                     raise ResolveError(f"restore: no snapshot {d.name!r} on node {self.node_name} "
                                        f"(no {images_dir}/manifest.json); nothing was done")
                 try:
-                    tree, into = self.resolver.placeholder(pod)
+                    tree, into, started = self.resolver.placeholder(pod)
                 except ResolveError as e:
                     raise ResolveError(f"restore: placeholder: {e}; the restored processes join "
                                        "the cgroups and namespaces of the placeholder's running "
@@ -235,7 +235,7 @@ class PodWatcher:
                 pod = self.patch(pod, {st: A.RUNNING, A.SNAPSHOT: str(images_dir),
                                        msg: f"restore of {d.name} from {images_dir} into {where}"})
                 result = self.actions.restore(pod, d.name, images_dir=str(images_dir),
-                                              into_pid=into)
+                                              into_pid=into, into_start_time=started)
                 done = {st: A.SUCCEEDED,
                         msg: _one_line(f"restored snapshot {result.get('snapshot_id', d.name)} "
                                        f"from {images_dir} into {where}: roots "

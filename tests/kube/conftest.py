@@ -29,10 +29,10 @@ class RecordingActions:
             raise self.fail
         return {"snapshot_id": "q-" + snapshot_name, "roots": list(roots), "cuda_pids": [4243, 4244]}
 
-    def restore(self, pod, snapshot, *, images_dir, into_pid=None):
+    def restore(self, pod, snapshot, *, images_dir, into_pid=None, into_start_time=None):
         m = pod["metadata"]
         self.calls.append(("restore", f"{m['namespace']}/{m['name']}", snapshot, images_dir,
-                           into_pid))
+                           into_pid, into_start_time))
         if self.fail:
             raise self.fail
         return {"snapshot_id": "q-" + snapshot, "roots": [4242], "cuda_pids": [4243, 4244]}
@@ -50,7 +50,7 @@ class FixedResolver:
         return [ContainerTree("main", "ab" * 32, (4242, 4243, 4244), (4242,))]
 
     def placeholder(self, pod):
-        return self.resolve(pod)[0], 4242
+        return self.resolve(pod)[0], 4242, 777
 
 
 @pytest.fixture

@@ -89,8 +89,21 @@ def test_placeholder_is_the_first_containers_oldest_root(tmp_path):
     lay(p, 2990, 900, V2.format(CID_A), "sh", start=9000, nspid=[2990])
     lay(p, 3006, 3005, V2.format(CID_A), "child", start=5001)
     lay(p, 4000, 900, V2.format(CID_B), "second", start=1)
-    tree, pid = CgroupResolver(p).placeholder(pod(("main", CID_A), ("side", CID_B)))
-    assert (tree.name, tree.roots, pid) == ("main", (2990, 3005), 3005)
+    tree, pid, started = CgroupResolver(p).placeholder(pod(("main", CID_A), ("side", CID_B)))
+    assert (tree.name, tree.roots, pid, started) == ("main", (2990, 3005), 3005, 5000)
+
+
+def test_placeholder_container_is_the_first_in_spec_order_not_status_order(tmp_path):
+    p = tmp_path / "proc"
+    p.mkdir()
+    lay(p, 900, 1, "0::/system.slice/containerd.service\n", "containerd-shim")
+    lay(p, 3000, 900, V2.format(CID_A), "envoy", start=10)
+    lay(p, 4000, 900, V2.format(CID_B), "app", start=20)
+    # the kubelet sorts containerStatuses by name: "envoy" before "main"
+    pd = pod(("envoy", CID_A), ("main", CID_B))
+    pd["spec"]["containers"].reverse()            # spec: main first, then the envoy sidecar
+    tree, pid, started = CgroupResolver(p).placeholder(pd)
+    assert (tree.name, pid, started) == ("main", 4000, 20)
 
 
 def test_a_process_in_its_own_pid_namespace_is_refused(tmp_path):

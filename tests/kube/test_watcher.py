@@ -206,7 +206,7 @@ def test_restore_into_placeholder(api, actions, make_watcher, tmp_path):
     api.add_pod(make_pod("p1", annotations={"cuinterpose.io/restore-from": "snap1"}))
     make_watcher().relist()
     # the placeholder's container init (FixedResolver: pid 4242 of container main)
-    assert actions.calls == [("restore", "default/p1", "snap1", str(snap), 4242)]
+    assert actions.calls == [("restore", "default/p1", "snap1", str(snap), 4242, 777)]
     where = "into container main (pid 4242)"
     assert ann_patches(api) == [
         {RST: "Pending", RHD: "snap1@uid-p1", RMSG: f"restore snap1 accepted by node {NODE}"},
