@@ -427,9 +427,21 @@ def check(census: Census) -> None:
             raise CensusError("census", f"{what} is {p.cuda_state}, not RUNNING (another "
                               "checkpoint in progress?)", pid=p.pid)
     if not census.participants:
+        mapped = [p.pid for p in census.processes if p.shim == "installed"]
+        if mapped:
+            why = (f"pid(s) {', '.join(map(str, mapped[:8]))}{' …' if len(mapped) > 8 else ''} "
+                   "map the shim but have no control socket: the job has probably not "
+                   "initialized CUDA (cuInit) yet, and the shim binds cuinterpose-<pid>.sock "
+                   "only then; retry once the sockets appear (or check that the job's "
+                   "CUINTERPOSE_CONTROL_DIR is that directory)")
+        else:
+            why = ("the job is not running under the shim (start it with "
+                   "LD_PRELOAD=$(cuinterpose-agent shim-path)), or has not started its CUDA "
+                   "processes or initialized CUDA (cuInit) yet; retry once "
+                   "cuinterpose-<pid>.sock appears in the control dir")
         raise CensusError("census", f"no cuinterpose participant under root pid(s) "
                           f"{', '.join(map(str, census.roots))} (no process maps "
-                          f"{census.shim.path} and has a socket in {census.control_dir})")
+                          f"{census.shim.path} and has a socket in {census.control_dir}): {why}")
     check_sessions(census)
 
 

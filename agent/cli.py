@@ -235,7 +235,8 @@ def _run_local(rep, sink, fn):
 @click.option("--pid", "pids", type=int, multiple=True,
               help="root of a process tree to checkpoint (repeatable; not with --group).")
 @click.option("--images-dir", type=click.Path(file_okay=False), default=None,
-              help="new snapshot directory (not with --group).")
+              help="new snapshot directory (not with --group; with --agent: sent as an "
+                   "absolute path, which must lie under the daemon's --snapshot-dir).")
 @click.option("--quiesce-timeout-ms", type=click.IntRange(1), default=10_000, show_default=True)
 @click.option("--lock-timeout-ms", type=click.IntRange(0), default=10_000, show_default=True,
               help="cuCheckpointProcessLock timeout per process (0 = none).")
@@ -305,14 +306,18 @@ def checkpoint(pids, images_dir, quiesce_timeout_ms, lock_timeout_ms, phase_time
 
 
 @main.command()
-@click.option("--images-dir", type=click.Path(file_okay=False), default=None)
+@click.option("--images-dir", type=click.Path(file_okay=False), default=None,
+              help="the snapshot directory (with --agent: sent as an absolute path, which must "
+                   "lie under the daemon's --snapshot-dir).")
 @click.option("--phase-timeout-s", type=POSITIVE, default=60.0, show_default=True,
               help="deadline of each coordinator request (INSPECT, RESTORE_UNICAST, ...).")
 @click.option("--carrier-timeout-s", type=POSITIVE, default=3600.0, show_default=True,
               help="deadline of LOAD_ALLOCATIONS (copying the carried bytes back).")
 @click.option("--into-pid", type=click.IntRange(min=1), default=None, metavar="PID",
-              help="restore into the cgroups, namespaces (net, ipc, uts) and stdio of this "
-                   "running process (a placeholder container's init).")
+              help="restore into the cgroups, namespaces and stdio of this running process (a "
+                   "placeholder container's init): CRIU joins its net, ipc and uts namespaces "
+                   "(--join-ns) and runs inside its mount namespace (CRIU's child enters it), "
+                   "and pipes of the trees to outside them get its stdin/stdout/stderr.")
 @driver_opt
 @agent_opt
 @group_opt
@@ -322,7 +327,8 @@ def checkpoint(pids, images_dir, quiesce_timeout_ms, lock_timeout_ms, phase_time
 @json_opt
 def restore(images_dir, phase_timeout_s, carrier_timeout_s, into_pid, driver, agent_addr,
             group_file, tls_ca, tls_cert, tls_key, as_json):
-    """Restore the snapshot in --images-dir and let the workload continue."""
+    """Restore the snapshot in --images-dir and let the workload continue. There is no
+    --control-dir: the restore uses the control dir recorded in the snapshot's manifest."""
     from . import ops
     if group_file and images_dir:
         raise click.UsageError("--group names each member's images dir; do not pass --images-dir")
@@ -350,6 +356,9 @@ def restore(images_dir, phase_timeout_s, carrier_timeout_s, into_pid, driver, ag
                 res = _run_local(rep, sink, lambda: lead(
                     "restore", req, rep, _RemoteRows(rep), tls=tls)[0])
         else:
+            if not os.path.exists(images_dir):
+                from .errors import SnapshotError
+                raise SnapshotError("manifest", f"{images_dir} does not exist")
             _set_env(driver, None)
             res = _run_local(rep, sink, lambda: ops.restore(
                 rep, images_dir, driver=driver, phase_timeout_s=phase_timeout_s,
@@ -516,6 +525,19 @@ def _start_watcher(srv, cfg, stop):
         raise click.UsageError(f"--config: {e}") from None
 
 
+def _make_snapshot_dir(d: str) -> bool:
+    """Create the snapshot root ``d`` (mode 0700; missing parents with the default mode) when it
+    does not exist; True when it was created. An existing directory is left as it is; one that
+    is not a directory raises ``NotADirectoryError``."""
+    if os.path.isdir(d):
+        return False
+    if os.path.lexists(d):
+        raise NotADirectoryError(20, "exists and is not a directory")
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    os.chmod(d, 0o700)     # the umask may have narrowed it, never widened; be exact
+    return True
+
+
 @main.command()
 @click.option("--listen", default=None, metavar="ADDR",
               help="unix:/path (default $CUINTERPOSE_AGENT_ADDR or "
@@ -525,10 +547,13 @@ def _start_watcher(srv, cfg, stop):
 @click.option("--node", default=None, help="this agent's name in group events (default: host name).")
 @click.option("--snapshot-dir", type=click.Path(file_okay=False), multiple=True,
               help="the directory requests are confined to: every images dir of a checkpoint "
-                   "or restore and every snapshots dir must resolve under it (relative paths "
-                   "are taken relative to it); ListSnapshots lists it by default. Repeat for "
-                   "more roots (the first is the default). Default: the config's snapshotDir, "
-                   "else /var/lib/cuinterpose/snapshots.")
+                   "or restore and every snapshots dir must resolve under it; ListSnapshots "
+                   "lists it by default. The CLI sends --images-dir/--dir as absolute paths "
+                   "(a relative one is taken from the CLI's working directory); a relative path "
+                   "in a request (a --group file's images_dir, another gRPC client) is taken "
+                   "relative to the first root. Repeat for more roots (the first is the "
+                   "default). Created at start (mode 0700) when missing. Default: the "
+                   "config's snapshotDir, else /var/lib/cuinterpose/snapshots.")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
               help="serve Prometheus metrics on this port (0: a free port the OS picks; "
                    "not given: no metrics, unless the config's metricsPort).")
@@ -557,11 +582,13 @@ def serve(listen, config_file, node, snapshot_dir, metrics_port, metrics_addr, t
           tls_client_ca, insecure_tcp, group_lease_s, driver, control_dir, as_json):
     """Run the agent daemon: the gRPC Agent service (checkpoint, restore, inspect, snapshots,
     group phases), gRPC health checking and Prometheus metrics. Prints one line when ready
-    (with --json: {"ok": true, "listen", "metrics_port", "node", "pid", "insecure",
-    "snapshot_dirs", "group_lease_s"}) and serves until SIGTERM or SIGINT.
+    (with --json: {"ok": true, "listen", "metrics_port", "node", "pid", "kubernetes",
+    "insecure", "snapshot_dirs", "group_lease_s"}) and serves until SIGTERM, SIGINT or SIGHUP
+    (then it finishes the requests already running and exits 0).
 
     Refuses (exit 2) a non-loopback TCP listener without mutual TLS unless --insecure-tcp;
-    confines every request's paths to the snapshot dir(s) (docs/service.md "Security")."""
+    confines every request's paths to the snapshot dir(s) (docs/service.md "Security"),
+    creating a missing one (mode 0700; exit 2 when it cannot)."""
     import logging
     import signal
     import socket
@@ -604,6 +631,16 @@ def serve(listen, config_file, node, snapshot_dir, metrics_port, metrics_addr, t
         opts.lock_timeout_ms = cfg.lock_timeout_ms
         opts.phase_timeout_s = cfg.phase_timeout_s
         opts.carrier_timeout_s = cfg.carrier_timeout_s
+    # last check before binding: nothing is created for a start refused above
+    for d in roots:
+        try:
+            if _make_snapshot_dir(d):
+                click.echo(f"cuinterpose-agent: created the snapshot dir {d} (mode 0700)",
+                           err=True)
+        except OSError as e:
+            _fail(AgentError("serve", f"cannot create the snapshot dir {d}: "
+                                      f"{e.strerror or e}", outcome="usage"),
+                  as_json, command="serve")
     try:
         srv = Server(addr, opts, metrics_port=v["metrics_port"],
                      metrics_addr=metrics_addr).start()

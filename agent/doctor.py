@@ -10,6 +10,9 @@ import os
 import pathlib
 import tempfile
 
+#: what a failing real driver check adds (also in native.load's "could not load" error)
+NO_DRIVER_HINT = "no NVIDIA driver on this machine? --driver fake uses fakecuda"
+
 
 def _check(name, fn) -> dict:
     try:
@@ -40,9 +43,9 @@ def run_checks(*, driver=None, control_dir=None) -> list[dict]:
         try:
             info = native.load(driver)
         except Exception as e:
-            if native.driver_kind(driver) == "real":
-                raise RuntimeError(f"{e} (no NVIDIA driver on this machine? --driver fake uses "
-                                   "fakecuda)") from None
+            # native.load names the hint itself when libcuda.so.1 cannot be loaded
+            if native.driver_kind(driver) == "real" and NO_DRIVER_HINT not in str(e):
+                raise RuntimeError(f"{e} ({NO_DRIVER_HINT})") from None
             raise
         from cuda.bindings import driver as d
         for fn in ("cuCheckpointProcessGetState", "cuCheckpointProcessLock",

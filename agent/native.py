@@ -123,7 +123,9 @@ def load(kind: Optional[str] = None) -> DriverInfo:
     try:
         (err,) = driver.cuInit(0)
     except RuntimeError as e:  # the bindings could not dlopen libcuda.so.1
-        raise AgentError("driver", f"cuda.bindings could not load libcuda.so.1: {e}") from None
+        hint = (" (no NVIDIA driver on this machine? --driver fake uses fakecuda)"
+                if k == "real" else "")
+        raise AgentError("driver", f"cuda.bindings could not load libcuda.so.1: {e}{hint}") from None
     except KeyError as e:
         raise AgentError("driver", f"cuInit returned a CUresult outside the enum: {e}") from None
     mapped = _mapped_libcuda()

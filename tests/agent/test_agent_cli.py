@@ -93,3 +93,88 @@ def test_non_positive_timeouts_are_usage_errors(tmp_path):
     assert rc == 2
     assert out["error"]["reason"] == ("Invalid value for '--carrier-timeout-s': 0.0 is not in "
                                       "the range x>0.")
+
+
+def _env(**extra):
+    return {**{k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}, **extra}
+
+
+def test_restore_of_a_missing_images_dir_says_it_does_not_exist(tmp_path):
+    missing = tmp_path / "nonexistent"
+    rc, out = demo.run_agent("restore", "--images-dir", str(missing), "--driver", "fake")
+    assert rc == 3
+    e = out["error"]
+    assert (e["phase"], e["outcome"]) == ("manifest", "refused")
+    assert e["reason"] == f"{missing} does not exist"
+    assert not missing.exists()
+
+
+def test_census_refusal_says_the_job_has_not_initialized_cuda_or_is_not_under_the_shim(tmp_path):
+    """A job checkpointed before its ranks called cuInit (the README's `checkpoint --pid $!`
+    right after the launch), and one not started under the shim: the refusal says which."""
+    ctl = tmp_path / "ctl"
+    ctl.mkdir()
+    preload = _env(LD_PRELOAD=str(paths.shim_path()), LD_LIBRARY_PATH=str(paths.fakecuda_dir()))
+    for env, want in ((preload, "map the shim but have no control socket: the job has probably "
+                                "not initialized CUDA (cuInit) yet"),
+                      (_env(), "the job is not running under the shim (start it with "
+                               "LD_PRELOAD=$(cuinterpose-agent shim-path))")):
+        job = subprocess.Popen(["setsid", "sleep", "60"], env=env, stdin=subprocess.DEVNULL,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            rc, out = demo.run_agent("checkpoint", "--pid", str(job.pid), "--images-dir",
+                                     str(tmp_path / "snap"), "--driver", "fake",
+                                     "--control-dir", str(ctl))
+        finally:
+            job.kill()
+            job.wait()
+        assert rc == 3, out
+        e = out["error"]
+        assert (e["phase"], e["outcome"]) == ("census", "refused")
+        assert e["reason"].startswith(f"no cuinterpose participant under root pid(s) {job.pid} "
+                                      f"(no process maps {paths.shim_path()} and has a socket "
+                                      f"in {ctl}): "), e
+        assert want in e["reason"], e
+        assert not (tmp_path / "snap").exists()
+
+
+def test_real_driver_missing_names_the_fake_driver(tmp_path):
+    """Without libcuda.so.1 the driver error carries the doctor's hint, once, in both places."""
+    probe = subprocess.run([sys.executable, "-c", "from cuinterpose.agent import native\n"
+                            "native.load('real')"], capture_output=True, text=True, env=_env(),
+                           timeout=120)
+    if probe.returncode == 0:
+        import pytest
+        pytest.skip("a real libcuda.so.1 loads here: no missing-driver error to check")
+    hint = "(no NVIDIA driver on this machine? --driver fake uses fakecuda)"
+    assert "cuda.bindings could not load libcuda.so.1" in probe.stderr, probe.stderr
+    assert hint in probe.stderr
+    rc, out = demo.run_agent("checkpoint", "--pid", str(os.getpid()), "--images-dir",
+                             str(tmp_path / "snap"), "--driver", "real")
+    assert rc == 3 and out["error"]["phase"] == "driver"
+    assert out["error"]["reason"].endswith(hint), out
+    res = subprocess.run([sys.executable, "-m", "cuinterpose.agent.cli", "doctor", "--json",
+                          "--driver", "real", "--control-dir", str(tmp_path / "ctl")],
+                         capture_output=True, text=True, timeout=120,
+                         env=_env(CUINTERPOSE_CRIU=str(tmp_path / "no-criu-here")))
+    drv = {c["name"]: c for c in json.loads(res.stdout)["checks"]}["driver"]
+    assert not drv["ok"] and drv["detail"].count(hint) == 1, drv
+
+
+def test_help_texts_match_the_code():
+    def help_of(*cmd):
+        r = subprocess.run([sys.executable, "-m", "cuinterpose.agent.cli", *cmd, "--help"],
+                           capture_output=True, text=True, env=_env(COLUMNS="2000"), timeout=60)
+        assert r.returncode == 0
+        return " ".join(r.stdout.split())
+    serve = help_of("serve")
+    assert ('{"ok": true, "listen", "metrics_port", "node", "pid", "kubernetes", "insecure", '
+            '"snapshot_dirs", "group_lease_s"}') in serve
+    assert "until SIGTERM, SIGINT or SIGHUP" in serve
+    assert "Created at start (mode 0700) when missing" in serve
+    assert "The CLI sends --images-dir/--dir as absolute paths" in serve
+    restore = help_of("restore")
+    assert "runs inside its mount namespace (CRIU's child enters it)" in restore
+    assert "net, ipc and uts namespaces (--join-ns)" in restore
+    assert "uses the control dir recorded in the snapshot's manifest" in restore
+    assert "--control-dir" not in restore.split("Options:")[1]

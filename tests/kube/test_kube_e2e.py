@@ -75,8 +75,11 @@ def test_standalone_watcher_refuses_a_pod_without_cuda(api, tmp_path, watcher_pr
         assert api.wait_for(lambda a: a.annotations("default", "p1").get(ST) == "Failed", 120)
         a = api.annotations("default", "p1")
         assert a[MSG] == (f"census: no cuinterpose participant under root pid(s) {sleeper.pid} "
-                          f"(no process maps {paths.shim_path()} and has a socket in {ctl}) "
-                          "[outcome: refused]")
+                          f"(no process maps {paths.shim_path()} and has a socket in {ctl}): "
+                          "the job is not running under the shim (start it with "
+                          "LD_PRELOAD=$(cuinterpose-agent shim-path)), or has not started its "
+                          "CUDA processes or initialized CUDA (cuInit) yet; retry once "
+                          "cuinterpose-<pid>.sock appears in the control dir [outcome: refused]")
         assert sleeper.poll() is None  # untouched
         assert not (tmp_path / "snap" / "default" / "snap1").exists()
         w.send_signal(signal.SIGTERM)

@@ -110,7 +110,7 @@ def test_insecure_tcp_serves_with_a_loud_warning(daemon, tmp_path):
     assert cli("health", "--agent", f"127.0.0.1:{port}")[:2] == (0, "SERVING\n")
     # the config's insecureTcp: true does the same
     cfg = tmp_path / "agent.yaml"
-    cfg.write_text("insecureTcp: true\n")
+    cfg.write_text(f"insecureTcp: true\nsnapshotDir: {tmp_path / 'snap'}\n")
     b = daemon("n-insecure2", "--config", str(cfg), listen="0.0.0.0:0")
     assert b["insecure"] is True
     # a loopback or unix listener is not insecure and needs no flag

@@ -233,7 +233,7 @@ def test_serve_config_errors_are_usage_errors(tmp_path):
 def test_metrics_port_zero_means_a_free_port_in_the_config_and_on_the_command_line(
         daemon, tmp_path, doc, args, port):
     cfg = tmp_path / "agent.yaml"
-    cfg.write_text(doc + "driver: fake\n")
+    cfg.write_text(doc + f"driver: fake\nsnapshotDir: {tmp_path / 'snap'}\n")
     info = daemon("n-m", "--config", str(cfg), *args)
     if port is None:
         assert info["metrics_port"] is None
