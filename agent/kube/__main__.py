@@ -39,6 +39,10 @@ def main(argv=None) -> int:
     # the agent never runs under the shim; helpers (CRIU) must not inherit it either
     from ..checkpoint import strip_preload_env
     strip_preload_env()
+    # before any thread: the node's cgroup paths (agent/kube/hostcgroup.py)
+    from .hostcgroup import join_host_cgroup_namespace
+    logging.getLogger("cuinterpose.kube").info("cgroup namespace: %s",
+                                               join_host_cgroup_namespace())
     stop = threading.Event()
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, lambda *_: stop.set())

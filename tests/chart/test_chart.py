@@ -198,8 +198,11 @@ def test_default_render():
     mounts = {m["name"]: m["mountPath"] for m in agent["volumeMounts"]}
     assert mounts == {"config": "/etc/cuinterpose/config.yaml", "control": "/run/cuinterpose",
                       "agent-socket": "/run/cuinterpose-agent",
-                      "snapshots": "/var/lib/cuinterpose/snapshots", "shim": "/opt/cuinterpose"}
+                      "snapshots": "/var/lib/cuinterpose/snapshots", "shim": "/opt/cuinterpose",
+                      "cgroup": "/sys/fs/cgroup"}
     vols = {v["name"]: {k: x for k, x in v.items() if k != "name"} for v in spec["volumes"]}
+    # the node's cgroup hierarchy over the container's own view of it (agent/kube/hostcgroup.py)
+    assert vols["cgroup"] == {"hostPath": {"path": "/sys/fs/cgroup", "type": "Directory"}}
     assert vols["snapshots"] == {"hostPath": {"path": "/var/lib/cuinterpose/snapshots",
                                               "type": "DirectoryOrCreate"}}
     assert vols["control"] == {"hostPath": {"path": "/run/cuinterpose", "type": "DirectoryOrCreate"}}

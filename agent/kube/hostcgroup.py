@@ -1,0 +1,47 @@
+"""Seeing the node's cgroups from the agent's DaemonSet pod.
+
+On cgroup v2 nodes the container runtime usually gives each container a cgroup namespace of
+its own (cgroup_namespaces(7)): ``/proc/PID/cgroup`` of *another* pod's process then reads as a
+path relative to the agent's own cgroup (``0::/../../kubepods.slice/...``), and the cgroup
+filesystem mounted in the container shows only the agent's subtree. The pod watcher resolves
+pods through those paths and a restore writes into the placeholder's ``cgroup.procs``, so the
+agent works in the node's cgroup namespace: ``join_host_cgroup_namespace()`` ``setns(2)``'s the
+calling thread into the one of pid 1 (the node's init: the DaemonSet runs with ``hostPID``),
+and the chart mounts the node's ``/sys/fs/cgroup`` over the container's. It must run before the
+daemon starts any thread (threads inherit the namespace of the thread that creates them).
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+
+log = logging.getLogger("cuinterpose.kube")
+
+#: setns(2) flag of a cgroup namespace (linux/sched.h)
+CLONE_NEWCGROUP = 0x02000000
+
+
+def join_host_cgroup_namespace(host_pid: int = 1) -> str:
+    """Move the calling thread into the cgroup namespace of ``host_pid``. Returns what
+    happened, in words: ``"same"`` (already there: a shell on the node, or a pod without a
+    cgroup namespace of its own), ``"joined"``, or ``"unavailable: <why>"`` (its namespace
+    cannot be read or entered: no CAP_SYS_ADMIN, no hostPID; the resolver and placements then
+    see what this namespace shows, and refuse paths they cannot reach with a reason). Never
+    raises."""
+    path = f"/proc/{host_pid}/ns/cgroup"
+    try:
+        if os.stat(path).st_ino == os.stat("/proc/thread-self/ns/cgroup").st_ino:
+            return "same"
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        return f"unavailable: {path}: {e.strerror or e}"
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.setns(fd, CLONE_NEWCGROUP) != 0:
+            err = ctypes.get_errno()
+            return f"unavailable: setns({path}): {os.strerror(err)}"
+    finally:
+        os.close(fd)
+    log.info("joined the cgroup namespace of pid %d (%s)", host_pid, path)
+    return "joined"
