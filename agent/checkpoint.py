@@ -7,7 +7,8 @@ Order (DESIGN §3, prior-art §9 lesson 8)::
     SAVE_ALLOCATIONS, PREPARE_UNICAST) -> native lock (every pid) -> native checkpoint (each pid)
     -> CRIU dump of each tree with --leave-stopped (images written, tree left stopped; right
        before it, the tree's pipes to outside it are recorded, manifest ``external_pipes``,
-       and CRIU reports the tree's namespaces, manifest ``namespaces``)
+       and its files opened outside its mount namespace, manifest ``external_files``, which
+       CRIU dumps as external; CRIU reports the tree's namespaces, manifest ``namespaces``)
     -> manifest (written last) -> SIGKILL every dumped tree (--leave-running: resume it)
 
 A refused or failed checkpoint leaves the workload running with its memory intact:
@@ -39,6 +40,7 @@ from . import census as census_mod
 from . import manifest as manifest_mod
 from . import interrupt, native, paths, quiesce
 from .errors import AgentError, CheckpointFailed, QuiesceRefused, SnapshotError
+from .placement import external_file_key
 from .report import Reporter
 
 
@@ -177,6 +179,11 @@ class Checkpoint:
         #: pipe fds of the dumped trees whose other end is outside them (manifest
         #: ``external_pipes``, see :func:`external_pipes`), read right before each dump
         self.external_pipes: list[dict] = []
+        #: fds of the dumped trees on mounts outside their mount namespace (manifest
+        #: ``external_files``, see :func:`external_files`), read right before each dump
+        self.external_files: list[dict] = []
+        #: root -> warnings about its external pipes and files (manifest ``warnings``)
+        self.external_warnings: dict[int, list[dict]] = {}
         #: root -> namespaces of its tree as CRIU dumped them (manifest ``namespaces``)
         self.tree_ns: dict[int, dict] = {}
         #: monotonic ns: start, the workload's ready (paused from here), trees killed/resumed
@@ -308,9 +315,16 @@ class Checkpoint:
                 self.tree_pids[root] = _tree_pids(root)
                 self.external_pipes = [p for p in self.external_pipes if p["root"] != root]
                 self.external_pipes += external_pipes(root, self.tree_pids[root])
+                self.external_files = [p for p in self.external_files if p["root"] != root]
+                files = external_files(root, self.tree_pids[root])
+                self.external_files += files
+                self.note_external(root)
                 try:
                     with interrupt.shielded():
-                        ns = criu.dump(root, d, extra_args=("--leave-stopped",))
+                        ns = criu.dump(root, d, extra_args=("--leave-stopped",),
+                                       **({"external_files": list(dict.fromkeys(
+                                           external_file_key(f) for f in files))}
+                                          if files else {}))
                 except Exception as e:
                     raise AgentError("criu dump", f"tree {root}: {e}", pid=root) from e
                 if isinstance(ns, dict):
@@ -319,6 +333,39 @@ class Checkpoint:
                 ph.bytes = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
                 ph.detail = f"tree {root} (left stopped)"
             self.guard.check("criu dump")   # between trees, never inside CRIU
+
+    def note_external(self, root: int) -> None:
+        """Warnings (manifest ``warnings``, and notes) for the external pipes and files of
+        tree ``root``: what a restore does with them, with and without a placement."""
+        comms = {p.pid: p.comm for p in self.census.processes} if self.census else {}
+        out = []
+        for p in self.external_pipes:
+            if p["root"] != root:
+                continue
+            comm = comms.get(p["pid"], "?")
+            out.append({"pid": p["pid"], "comm": comm, "fd": p["fd"],
+                        "path": f"pipe:[{p['inode']}]", "message": (
+                f"pid {p['pid']} ({comm}) fd {p['fd']} {p['direction']}s pipe:[{p['inode']}], "
+                "whose other end is outside the checkpointed tree (a container's stdio, a "
+                "pipe to a logger): a restore into a placement (--into-pid) hands it the "
+                "placement's stdio; a restore without a placement brings it back with nothing "
+                "at the other end (a writer gets EPIPE/SIGPIPE at its next write, a reader "
+                "end-of-file)")})
+        for f in self.external_files:
+            if f["root"] != root:
+                continue
+            comm = comms.get(f["pid"], "?")
+            out.append({"pid": f["pid"], "comm": comm, "fd": f["fd"], "path": f["path"],
+                        "message": (
+                f"pid {f['pid']} ({comm}) fd {f['fd']} holds {f['path']}, opened outside the "
+                f"tree's mount namespace (mount {f['mnt_id']} is not in it): CRIU records it "
+                "as external, and a restore hands it the placement's fd "
+                f"{f['fd']} when that is the same kind of file, else reopens {f['path']} in "
+                "the agent's mount namespace (a restore without a placement always does); it "
+                "is refused when that path does not exist there")})
+        self.external_warnings[root] = out
+        for w in out:
+            self.r.note(f"warning: {w['message']}")
 
     def signal_trees(self, roots, sig, phase: str):
         """Send ``sig`` to every process of each dumped tree in ``roots`` (the pids recorded
@@ -648,11 +695,16 @@ class Checkpoint:
                        "image_bytes": sum(f["bytes"] for f in
                                           manifest_mod.image_files(self.images_dir).values()),
                        **self.totals_times()},
-            "warnings": list(self.warnings),
+            "warnings": list(self.warnings) + [w for r in self.roots
+                                               for w in self.external_warnings.get(r, [])],
             "external_pipes": list(self.external_pipes),
+            "external_files": list(self.external_files),
             "namespaces": [{"root": r,
                             **{k: int(self.tree_ns[r][k]) for k in ("net", "uts", "ipc")},
-                            "external_net": self.tree_ns[r].get("external_net", "")}
+                            "external_net": self.tree_ns[r].get("external_net", ""),
+                            **({"mnt": int(self.tree_ns[r]["mnt"]),
+                                "foreign_mnt": bool(self.tree_ns[r].get("foreign_mnt"))}
+                               if "mnt" in self.tree_ns[r] else {})}
                            for r in self.roots if r in self.tree_ns],
             **({"group": self.group} if self.group else {}),
         }
@@ -695,6 +747,76 @@ def external_pipes(root: int, pids: Iterable[int], proc_root: str = "/proc") -> 
             continue                      # both ends (or O_RDWR) inside: CRIU restores it
         out += [{"root": int(root), "pid": pid, "fd": fd, "inode": inode, "direction": direction}
                 for pid, fd, _ in us]
+    return sorted(out, key=lambda e: (e["pid"], e["fd"]))
+
+
+def _fdinfo(path: str) -> dict[str, str]:
+    with open(path) as f:
+        return {k.strip(): v.strip() for k, _, v in
+                (ln.partition(":") for ln in f.read().splitlines()) if k}
+
+
+def _mount_ids(pid: int, proc_root: str) -> set[int]:
+    """Mount IDs (``/proc/PID/mountinfo`` field 1, proc(5)) of ``pid``'s mount namespace."""
+    with open(f"{proc_root}/{pid}/mountinfo") as f:
+        return {int(ln.split(None, 1)[0]) for ln in f if ln.strip()}
+
+
+#: fd targets CRIU dumps by other means than a path on a mount (memfd: its own image)
+_NOT_ON_A_MOUNT = ("/memfd:",)
+
+
+def external_files(root: int, pids: Iterable[int], proc_root: str = "/proc") -> list[dict]:
+    """Fds of the processes ``pids`` (one tree) on a mount that is in none of the tree's mount
+    namespaces: a file opened outside it (a container's ``/dev/null`` stdin or a log file a
+    runtime opened in the host's namespace). CRIU, run inside the tree's mount namespace,
+    looks the fd's mount (``mnt_id`` of ``/proc/PID/fdinfo/N``) up among that namespace's
+    mounts (``/proc/PID/mountinfo``) and fails the dump ("Can't lookup mount=N for fd=M")
+    unless it is dumped as external (``--external file[MNT_ID:INODE]``, then restored from an
+    fd handed over with ``--inherit-fd``, agent/placement.py).
+
+    Only fds whose target is a path (``/...``; not a pipe, socket, anonymous inode or memfd)
+    count. ``[{"root", "pid", "fd", "path" (as the kernel shows it to the agent), "mnt_id",
+    "inode", "flags" (fdinfo ``flags``, an int), "access" ("r", "w" or "rw"), "st_mode",
+    "rdev"}]``, by pid then fd. A process or fd that vanishes while being read is skipped."""
+    pids = list(pids)
+    known: set[int] = set()                   # the mounts of every mount namespace of the tree
+    seen_ns: set[int] = set()
+    for pid in pids:
+        try:
+            ns = os.stat(f"{proc_root}/{pid}/ns/mnt").st_ino
+            if ns not in seen_ns:
+                known |= _mount_ids(pid, proc_root)
+                seen_ns.add(ns)
+        except OSError:
+            continue
+    if not seen_ns:
+        return []                              # the tree is gone: CRIU will say so
+    out = []
+    for pid in pids:
+        base = f"{proc_root}/{pid}"
+        try:
+            fds = sorted(int(n) for n in os.listdir(f"{base}/fd") if n.isdigit())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"{base}/fd/{fd}")
+                if not target.startswith("/") or target.startswith(_NOT_ON_A_MOUNT):
+                    continue
+                info = _fdinfo(f"{base}/fdinfo/{fd}")
+                mnt_id = int(info["mnt_id"])
+                if mnt_id in known:
+                    continue
+                flags = int(info["flags"], 8)
+                st = os.stat(f"{base}/fd/{fd}")
+            except (OSError, KeyError, ValueError):
+                continue
+            out.append({"root": int(root), "pid": pid, "fd": fd, "path": target,
+                        "mnt_id": mnt_id, "inode": st.st_ino, "flags": flags,
+                        "access": {os.O_RDONLY: "r", os.O_WRONLY: "w"}.get(
+                            flags & os.O_ACCMODE, "rw"),
+                        "st_mode": st.st_mode, "rdev": st.st_rdev})
     return sorted(out, key=lambda e: (e["pid"], e["fd"]))
 
 

@@ -25,6 +25,9 @@ joined with ``--join-ns``, overwriting its hostname, and would image a foreign m
 namespace's whole mount table; agent/mntns.py) and marks a network namespace that is not
 the agent's external (``--external net[INODE]:cuinterpose-net``; CRIU would otherwise dump it,
 which needs iptables); such images are restored with ``--inherit-fd fd[N]:cuinterpose-net``.
+Files the tree holds on mounts outside its mount namespace are dumped as external too
+(``dump(..., external_files=["file[MNT_ID:INODE]", ...])``) and restored from fds handed with
+``--inherit-fd fd[N]:file[MNT_ID:INODE]``.
 ``restore`` takes ``--join-ns`` values, ``--inherit-fd`` descriptors and a :class:`ChildSetup`
 (cgroups the CRIU child joins before CRIU starts) for restoring into a placement
 (``agent/placement.py``).
@@ -336,7 +339,16 @@ class _Opened:
 def run_setup_probe(setup: ChildSetup) -> None:
     """Run a no-op child (this Python, ``-S -I -c pass``) with ``setup`` applied, to learn
     whether CRIU's child could apply it: raises ``CriuError`` with the child's reason (the
-    cgroup or namespace file and the errno). The probe child joins the cgroups and exits."""
+    cgroup or namespace file and the errno). The probe child joins the cgroups and exits.
+
+    The program is this Python by its path in *this* mount namespace: a ``setup`` that
+    enters another mount namespace would exec whatever is (or is not) at that path there, so
+    such a setup is refused (``ValueError``); probe the cgroups alone
+    (``Placement.probe_cgroups``). A child that cannot be started at all (the exec fails) is
+    a ``CriuError`` too."""
+    if any(kind == "mnt" for kind, _ in setup.namespaces):
+        raise ValueError("run_setup_probe execs this Python by its path: it cannot run in "
+                         "another mount namespace")
     opened = _Opened(setup)
     try:
         try:
@@ -346,6 +358,10 @@ def run_setup_probe(setup: ChildSetup) -> None:
         except subprocess.SubprocessError as e:
             raise CriuError(opened.failure() or f"the probe child failed before exec: {e}") \
                 from None
+        except OSError as e:
+            why = opened.failure()
+            raise CriuError(why or f"the probe child could not be started ({sys.executable}): "
+                            f"{e.strerror or e}") from None
         if res.returncode != 0:
             raise CriuError(f"the probe child exited {res.returncode}: "
                             f"{(res.stdout + res.stderr).decode(errors='replace').strip()}")
@@ -495,9 +511,10 @@ def _common(images_dir: Path, work_dir: Path, log_name: str) -> list[str]:
 def tree_namespaces(root_pid: int) -> dict:
     """How ``dump`` treats the namespaces of the tree rooted at ``root_pid``:
     ``{"net", "uts", "ipc", "mnt"}`` (the root's namespace inodes), ``"enter"`` (the kinds among
-    ``DUMP_ENTER_NS`` that differ from this process's: CRIU runs in the root's) and
+    ``DUMP_ENTER_NS`` that differ from this process's: CRIU runs in the root's),
     ``"external_net"`` (``EXTERNAL_NET_KEY`` when the root's network namespace is not this
-    process's, else ``""``). Raises ``CriuError`` when ``/proc/ROOT/ns`` cannot be read."""
+    process's, else ``""``) and ``"foreign_mnt"`` (the root's mount namespace is not this
+    process's). Raises ``CriuError`` when ``/proc/ROOT/ns`` cannot be read."""
     try:
         out = {k: ns_inode(root_pid, k) for k in ("net", "uts", "ipc", "mnt")}
         mine = {k: ns_inode("self", k) for k in ("net", "uts", "ipc", "mnt")}
@@ -505,11 +522,13 @@ def tree_namespaces(root_pid: int) -> dict:
         raise CriuError(f"cannot dump: namespaces of pid {root_pid} unreadable: {e}") from e
     out["enter"] = [k for k in DUMP_ENTER_NS if out[k] != mine[k]]
     out["external_net"] = EXTERNAL_NET_KEY if out["net"] != mine["net"] else ""
+    out["foreign_mnt"] = out["mnt"] != mine["mnt"]
     return out
 
 
 def dump(root_pid: int, images_dir: Path, *, leave_running: bool = False,
-         log_name: str = "dump.log", extra_args: Iterable[str] = ()) -> dict:
+         log_name: str = "dump.log", extra_args: Iterable[str] = (),
+         external_files: Iterable[str] = ()) -> dict:
     """Dump the process tree rooted at ``root_pid`` into ``images_dir`` (created if missing).
 
     The tree must be quiescent for CRIU: it is frozen (ptrace) for the dump and, unless
@@ -523,6 +542,13 @@ def dump(root_pid: int, images_dir: Path, *, leave_running: bool = False,
     namespaces, so the images hold neither; a network namespace other than the caller's is
     dumped as external (``--external net[INODE]:cuinterpose-net --network-lock skip``): its
     images restore only with ``restore(..., inherit_fds=[(fd of a netns, "cuinterpose-net")])``.
+
+    ``external_files``: CRIU names ``file[MNT_ID:INODE]`` (hex, ``placement.external_file_key``)
+    of files the tree holds on mounts that are not in its mount namespace (opened outside it:
+    a container's /dev/null or log file from the runtime), dumped as external (``--external``;
+    otherwise CRIU fails "Can't lookup mount=N for fd=M"); their images restore only with an
+    fd for each (``inherit_fds=[(fd, "file[MNT_ID:INODE]")]``). ``checkpoint.external_files``
+    finds them.
 
     Raises ``CriuError`` when ``root_pid`` does not exist, ``images_dir`` already holds
     images (``*.img``; images of two dumps must not mix), or CRIU fails (message: command,
@@ -542,6 +568,8 @@ def dump(root_pid: int, images_dir: Path, *, leave_running: bool = False,
         # no network lock: we never dump TCP connections (those fail the dump)
         args += ["--external", f"net[{ns['net']}]:{ns['external_net']}",
                  "--network-lock", "skip"]
+    for key in dict.fromkeys(external_files):
+        args += ["--external", key]
     if leave_running:
         args.append("--leave-running")
     args += list(extra_args)
@@ -554,7 +582,7 @@ def restore(images_dir: Path, *, log_name: str = "restore.log",
             extra_args: Iterable[str] = (), work_dir: Path | None = None,
             pid_wait_s: float = 15.0, join_ns: Sequence[tuple[str, str]] = (),
             inherit_fds: Sequence[tuple[int, str]] = (),
-            setup: ChildSetup | None = None) -> int:
+            setup: ChildSetup | None = None, leave_stopped: bool = False) -> int:
     """Restore the tree dumped in ``images_dir``, detached; returns the restored root's PID.
 
     The tree comes back with its original PIDs/TIDs, so they must be free: zombies of the
@@ -573,7 +601,9 @@ def restore(images_dir: Path, *, log_name: str = "restore.log",
     CRIU) become ``--inherit-fd fd[FD]:RESOURCE`` (``pipe:[INODE]`` for a pipe fd of the tree,
     ``cuinterpose-net`` for an external network namespace); ``setup`` is applied by CRIU's
     child before CRIU starts (its cgroups are the restored tasks' under
-    ``--manage-cgroups=ignore``). The caller keeps (and closes) its fds.
+    ``--manage-cgroups=ignore``). The caller keeps (and closes) its fds. ``leave_stopped``:
+    ``--leave-stopped``, the restored tasks stay stopped (SIGSTOP) until the caller
+    SIGCONTs each (``image_pids``), to change something of theirs first.
 
     Raises ``CriuError`` naming ``images_dir`` when it is missing, holds no images, its
     ``pstree.img`` is unreadable, a PID it needs is taken, ``setup`` cannot be applied (CRIU
@@ -611,6 +641,8 @@ def restore(images_dir: Path, *, log_name: str = "restore.log",
         args += ["--join-ns", f"{kind}:{path}"]
     for fd, resource in inherit_fds:
         args += ["--inherit-fd", f"fd[{int(fd)}]:{resource}"]
+    if leave_stopped:
+        args.append("--leave-stopped")
     args += list(extra_args)
     try:
         _run("restore", args, images_dir=images_dir, log_path=work_dir / log_name, setup=setup,

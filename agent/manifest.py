@@ -171,10 +171,24 @@ def _shape_problem(m: dict):
                 "and direction (\"read\" or \"write\")")
     if "namespaces" in m and not (isinstance(m["namespaces"], list) and all(
             isinstance(n, dict) and all(_is_pid(n.get(k)) for k in ("root", "net", "uts", "ipc"))
-            and isinstance(n.get("external_net", ""), str) for n in m["namespaces"])):
-        return ("field namespaces must be a list of objects with root, net, uts, ipc (int) and "
-                "external_net (string)")
+            and isinstance(n.get("external_net", ""), str)
+            and ("mnt" not in n or _is_pid(n["mnt"]))
+            and isinstance(n.get("foreign_mnt", False), bool) for n in m["namespaces"])):
+        return ("field namespaces must be a list of objects with root, net, uts, ipc (int), "
+                "external_net (string) and optionally mnt (int) and foreign_mnt (bool)")
+    if "external_files" in m and not (isinstance(m["external_files"], list) and all(
+            isinstance(f, dict) and all(_is_pid(f.get(k)) for k in ("root", "pid", "inode"))
+            and all(_is_uint(f.get(k)) for k in ("fd", "mnt_id", "flags", "st_mode", "rdev"))
+            and isinstance(f.get("path"), str) and f.get("access") in ("r", "w", "rw")
+            for f in m["external_files"])):
+        return ("field external_files must be a list of objects with root, pid, fd, mnt_id, "
+                "inode, flags, st_mode, rdev (int), path (string) and access (\"r\", \"w\" "
+                "or \"rw\")")
     return None
+
+
+def _is_uint(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 def external_pipes(m: dict, root: int) -> list[dict]:
@@ -182,9 +196,15 @@ def external_pipes(m: dict, root: int) -> list[dict]:
     return [p for p in m.get("external_pipes", []) if p["root"] == root]
 
 
+def external_files(m: dict, root: int) -> list[dict]:
+    """The manifest's ``external_files`` of tree ``root`` ([] for an older manifest)."""
+    return [f for f in m.get("external_files", []) if f["root"] == root]
+
+
 def tree_namespaces(m: dict, root: int) -> dict:
     """The manifest's ``namespaces`` entry of tree ``root`` ({} for an older manifest: its
-    images hold no external network namespace)."""
+    images hold no external network namespace; ``mnt``/``foreign_mnt`` are absent from
+    manifests written before they were recorded)."""
     return next((n for n in m.get("namespaces", []) if n["root"] == root), {})
 
 

@@ -29,13 +29,30 @@ placement=...)`` (``cuinterpose-agent restore --into-pid PID``) puts the restore
   it (criu(8) points at ``--external pid[...]`` + ``--inherit-fd``), and the trees need their
   original pids, which the agent, sharing the host pid namespace, checks are free. Not
   ``user`` (``--join-ns`` takes it, with a uid and gid inside it): the agent restores as root
-  in the host's user namespace, which the containers share. ``time`` may be asked for.
+  in its own user namespace, so a placement process in another user namespace (a rootless or
+  user-namespaced container) is refused: the restored trees would run as the agent's root
+  inside its other namespaces. ``time`` may be asked for. Also refused: pid 1 (the init of
+  the agent's pid namespace: its cgroups and namespaces are the node's, not a container's)
+  and kernel threads (``PF_KTHREAD``, ``/proc/PID/stat`` field 9).
 - **stdio** (``/proc/PID/fd/{0,1,2}`` and their ``fdinfo`` access mode): a container's stdio
   are pipes to the runtime shim, outside any dumped tree. The checkpoint records every pipe of
   a tree whose other end is outside it (manifest ``external_pipes``); the restore hands the
   placement's stdin to those the tree read from and its stdout/stderr to those it wrote to,
   through CRIU's ``--inherit-fd fd[N]:pipe:[INODE]`` (criu(8); criu.org "Inheriting FDs on
-  restore": a pipe with one end outside the tree cannot be restored from the images).
+  restore": a pipe with one end outside the tree cannot be restored from the images). The fd
+  handed over shares the placement's open file description (pidfd_getfd(2)): its
+  ``O_APPEND``, offset and status flags are the placement's (a regular log file is appended
+  to, never overwritten from offset 0); only when pidfd_getfd fails is the file reopened
+  through ``/proc/PID/fd/N`` (``O_APPEND`` for a regular file).
+- **files opened outside the tree's mount namespace** (a container's ``/dev/null`` stdin or a
+  log file the runtime opened in the host's namespace; manifest ``external_files``): CRIU
+  dumped them as external (``--external file[MNT_ID:INODE]``) and needs an fd for each at
+  restore (``--inherit-fd fd[N]:file[MNT_ID:INODE]``; CRIU reopens that fd through
+  ``/proc/self/fd/N`` with the dumped flags and offset, and checks its mode): the placement's
+  fd of the same number when it is the same kind of file (same ``st_mode``, same device for a
+  device file; a regular file only when the tree held it ``O_WRONLY|O_APPEND``, which CRIU
+  does not size-check), else the recorded path reopened in the agent's mount namespace with
+  the recorded access mode and ``O_APPEND`` (:func:`external_file_fd`).
 
 ``Placement`` only reads ``/proc``; nothing is changed until the restore uses it.
 """
@@ -43,7 +60,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import errno
+import fcntl
 import os
 import stat
 from typing import Iterable, Optional
@@ -52,7 +69,7 @@ from .errors import AgentError
 
 __all__ = ["Placement", "Cgroup", "Namespace", "Stdio", "PlacementError", "DEFAULT_NAMESPACES",
            "JOINABLE_NAMESPACES", "parse_cgroup", "cgroup_mounts", "RestoreOptions",
-           "restore_options"]
+           "restore_options", "external_file_fd", "external_file_key", "PF_KTHREAD"]
 
 #: joined by default: the three a container runtime gives each pod/container of its own
 DEFAULT_NAMESPACES = ("net", "ipc", "uts")
@@ -64,12 +81,18 @@ _WHY_NOT = {
            "images, with --root); run CRIU in that mount namespace instead",
     "pid": "CRIU's --join-ns refuses pid namespaces, and the trees need their original pids",
     "user": "joining a user namespace needs a uid and gid inside it, and the agent's "
-            "restores run as root in the host's user namespace",
+            "restores run as root in its own user namespace",
     "cgroup": "CRIU's --join-ns does not take a cgroup namespace; the cgroups themselves are "
               "joined",
 }
 _ACCMODE = {os.O_RDONLY: "r", os.O_WRONLY: "w", os.O_RDWR: "rw"}
 _SYS_pidfd_getfd = 438
+#: /proc/PID/stat flags (field 9): a kernel thread (include/linux/sched.h)
+PF_KTHREAD = 0x00200000
+#: flags of a recorded external file kept when the agent reopens it by path (never O_CREAT,
+#: O_TRUNC: the file must exist and keep its contents)
+_REOPEN_FLAGS = (os.O_ACCMODE | os.O_APPEND | os.O_NONBLOCK | os.O_DIRECTORY | os.O_PATH
+                 | os.O_SYNC | os.O_DSYNC)
 
 
 class PlacementError(AgentError):
@@ -198,6 +221,39 @@ def _stat_start_time(text: str) -> int:
     return int(fields[19])          # field 22 (starttime), counting from state = field 3
 
 
+def _stat_flags(text: str) -> int:
+    """``/proc/PID/stat`` field 9 (the task's ``PF_*`` flags)."""
+    return int(text[text.rindex(")") + 2:].split()[6])
+
+
+def _user_ns(base: str, pid: int) -> Namespace:
+    """The user namespace of the process at ``base`` (``/proc/PID``); ``PlacementError`` when
+    it is not this process's: the agent restores as root in its own user namespace, so the
+    restored trees would run as the agent's root inside the placement's other namespaces
+    (CRIU can join a user namespace only with a uid and gid inside it, which the agent does
+    not pick)."""
+    p = f"{base}/ns/user"
+    try:
+        ino = os.stat(p).st_ino
+        mine = os.stat("/proc/self/ns/user").st_ino
+    except FileNotFoundError:
+        if not os.path.exists(base):
+            raise PlacementError(f"no such process (reading {p}): the placement process is "
+                                 "gone", pid=pid) from None
+        raise PlacementError(f"has no user namespace file {p}", pid=pid) from None
+    except OSError as e:
+        raise PlacementError(f"cannot read its user namespace ({p}: {e.strerror or e})",
+                             pid=pid) from None
+    if ino != mine:
+        raise PlacementError(
+            f"is in another user namespace [{ino}] than the agent's [{mine}] (a rootless or "
+            "user-namespaced container): the restored processes would run as the agent's "
+            "root inside its other namespaces, and the agent does not map them into a user "
+            "namespace; restore into a placeholder without a user namespace of its own",
+            pid=pid)
+    return Namespace("user", p, ino)
+
+
 def _read(path: str, pid: int, what: str) -> str:
     try:
         with open(path) as f:
@@ -227,6 +283,9 @@ class Placement:
     #: its mount namespace when it is not this process's (CRIU's child then enters it:
     #: agent/mntns.py), else None
     mnt: Optional[Namespace] = None
+    #: its user namespace (the agent's own: another one is refused), checked again on every
+    #: restored process (:meth:`mismatches`); None when not read
+    user: Optional[Namespace] = None
 
     # -- reading ---------------------------------------------------------------------------
     @classmethod
@@ -242,6 +301,10 @@ class Placement:
             raise PlacementError(f"placement pid {pid!r} is not a number") from None
         if pid <= 0:
             raise PlacementError(f"placement pid {pid} is not a process id")
+        if pid == 1:
+            raise PlacementError("is the init of the agent's pid namespace (the node's, or the "
+                                 "agent container's): its cgroups and namespaces are not a "
+                                 "container's; give the placeholder container's init", pid=pid)
         kinds = list(dict.fromkeys(namespaces))
         for k in kinds:
             if k not in JOINABLE_NAMESPACES:
@@ -251,7 +314,15 @@ class Placement:
         stat_text = _read(f"{base}/stat", pid, "stat")
         if _state(stat_text) in ("Z", "X"):
             raise PlacementError("has exited (zombie): the placement process is gone", pid=pid)
+        try:
+            kthread = bool(_stat_flags(stat_text) & PF_KTHREAD)
+        except (ValueError, IndexError):
+            raise PlacementError(f"{base}/stat is unreadable (no flags field)", pid=pid) from None
+        if kthread:
+            raise PlacementError("is a kernel thread (PF_KTHREAD): it has no cgroups, "
+                                 "namespaces or stdio of a container to restore into", pid=pid)
         start = _stat_start_time(stat_text)
+        user = _user_ns(base, pid)
         mounts = cgroup_mounts(_read("/proc/self/mountinfo", os.getpid(), "mountinfo"))
         cgroups = []
         for hid, ctrls, path in parse_cgroup(_read(f"{base}/cgroup", pid, "cgroups")):
@@ -299,7 +370,7 @@ class Placement:
         except OSError as e:
             raise PlacementError(f"cannot read its mount namespace ({p}: {e.strerror or e})",
                                  pid=pid) from None
-        return cls(pid, start, tuple(cgroups), tuple(nss), tuple(stdio), proc_root, mnt)
+        return cls(pid, start, tuple(cgroups), tuple(nss), tuple(stdio), proc_root, mnt, user)
 
     def namespace(self, kind: str) -> Optional[Namespace]:
         return next((n for n in self.namespaces if n.kind == kind), None)
@@ -322,15 +393,30 @@ class Placement:
         if _state(text) in ("Z", "X") or _stat_start_time(text) != self.start_time:
             raise PlacementError("is gone (exited, or its pid was reused since it was "
                                  "read)", pid=self.pid)
-        for n in self.namespaces + ((self.mnt,) if self.mnt else ()):
+        for n in self._checked_namespaces():
             try:
                 ino = os.stat(n.path).st_ino
+            except FileNotFoundError:
+                raise PlacementError(f"is gone (reading {n.path}): the placement process "
+                                     "is gone", pid=self.pid) from None
             except OSError as e:
                 raise PlacementError(f"cannot read its {n.kind} namespace ({n.path}: "
                                      f"{e.strerror or e})", pid=self.pid) from None
             if ino != n.inode:
                 raise PlacementError(f"left its {n.kind} namespace [{n.inode}] (now [{ino}])",
                                      pid=self.pid)
+
+    def _checked_namespaces(self) -> tuple[Namespace, ...]:
+        return self.namespaces + tuple(n for n in (self.mnt, self.user) if n is not None)
+
+    def alive(self) -> bool:
+        """Whether the placement process is still the one read (not exited, pid not reused)."""
+        try:
+            with open(f"{self.proc_root}/{self.pid}/stat") as f:
+                text = f.read()
+        except OSError:
+            return False
+        return _state(text) not in ("Z", "X") and _stat_start_time(text) == self.start_time
 
     def cgroups_to_join(self, pid: int | str = "self") -> list[Cgroup]:
         """The placement's cgroups that process ``pid`` (default: this one; a child inherits
@@ -367,12 +453,16 @@ class Placement:
         """Check that a process can join the placement's cgroups, with a short-lived child
         that joins them and exits (cgroup(7): a write to ``cgroup.procs`` can be refused, e.g.
         the v1 ``pids`` limit, a v2 cgroup with controllers enabled for its children, a
-        removed cgroup). Returns the ``cgroup.procs`` files joined. Raises
-        ``PlacementError`` naming the file and the errno."""
-        setup = self.child_setup()
+        removed cgroup). The probe only joins the cgroups: it enters no namespace (its
+        program, this Python, is one of the agent's files, which a container's mount
+        namespace need not have; the cgroup files are opened here, so the writes are the
+        same), and a probe that cannot be started is a refusal too. Returns the
+        ``cgroup.procs`` files joined. Raises ``PlacementError`` naming the file and the
+        errno."""
+        from .criu import ChildSetup, CriuError, run_setup_probe
+        setup = ChildSetup(cgroup_procs=tuple(c.procs_file for c in self.cgroups_to_join()))
         if not setup.cgroup_procs:
             return []
-        from .criu import CriuError, run_setup_probe
         try:
             run_setup_probe(setup)
         except CriuError as e:
@@ -397,26 +487,27 @@ class Placement:
                              f"to hand to the tree's fd {fd} (its fds 0-2: {have})", pid=self.pid)
 
     def open_stdio(self, s: Stdio, direction: str) -> int:
-        """A new fd (close-on-exec) on the placement's file behind ``s``: reopened through
-        ``/proc/PID/fd/N`` (a pipe reopens as a new file description of the same pipe,
-        proc(5)), or, for a file that cannot be reopened (a socket: ENXIO), duplicated with
-        pidfd_getfd(2). Raises ``PlacementError``."""
-        flags = (os.O_WRONLY if direction == "write" else os.O_RDONLY) | os.O_CLOEXEC
+        """A new fd (close-on-exec) sharing the placement's open file description behind
+        ``s`` (pidfd_getfd(2); needs ptrace access to the placement, which the agent, root in
+        its user namespace, has): what the tree writes through it goes where the placement's
+        own writes go, with its ``O_APPEND``, offset and status flags (a log file opened for
+        appending is appended to). When pidfd_getfd fails (a kernel before 5.6, EPERM), the
+        file is reopened through ``/proc/PID/fd/N`` (a pipe reopens as a new file description
+        of the same pipe, proc(5)) for ``direction``, with ``O_APPEND`` when it is a regular
+        file (never written from offset 0 over what is there). Raises ``PlacementError``."""
         try:
-            fd = os.open(s.path, flags)
-        except OSError as e:
-            if e.errno != errno.ENXIO:
-                raise PlacementError(f"cannot open its fd {s.fd} ({s.path} -> {s.target}): "
-                                     f"{e.strerror or e}", pid=self.pid) from None
             fd = self._getfd(s)
+        except PlacementError as first:
+            fd = self._reopen(s, direction, first)
         try:
             st = os.fstat(fd)
             now = os.readlink(s.path)
+            there = os.stat(s.path)
         except OSError as e:
             os.close(fd)
             raise PlacementError(f"its fd {s.fd} went away ({s.path}: {e.strerror or e})",
                                  pid=self.pid) from None
-        if now != s.target:
+        if now != s.target or (st.st_dev, st.st_ino) != (there.st_dev, there.st_ino):
             os.close(fd)
             raise PlacementError(f"its fd {s.fd} changed from {s.target} to {now}", pid=self.pid)
         if stat.S_ISDIR(st.st_mode):
@@ -424,29 +515,30 @@ class Placement:
             raise PlacementError(f"its fd {s.fd} is a directory", pid=self.pid)
         return fd
 
-    def _getfd(self, s: Stdio) -> int:
-        libc = ctypes.CDLL(None, use_errno=True)
+    def _reopen(self, s: Stdio, direction: str, why: "PlacementError") -> int:
+        flags = (os.O_WRONLY if direction == "write" else os.O_RDONLY) | os.O_CLOEXEC
         try:
-            pidfd = os.pidfd_open(self.pid)
+            if direction == "write" and stat.S_ISREG(os.stat(s.path).st_mode):
+                flags |= os.O_APPEND
+            return os.open(s.path, flags | os.O_NOCTTY)
         except OSError as e:
-            raise PlacementError(f"cannot open its fd {s.fd} ({s.target}): pidfd_open: "
-                                 f"{e.strerror or e}", pid=self.pid) from None
+            raise PlacementError(f"cannot open its fd {s.fd} ({s.path} -> {s.target}): "
+                                 f"{e.strerror or e} (and {why.reason})", pid=self.pid) from None
+
+    def _getfd(self, s: Stdio) -> int:
+        """pidfd_getfd(2) of the placement's fd ``s.fd`` (the new fd is close-on-exec)."""
         try:
-            fd = libc.syscall(_SYS_pidfd_getfd, pidfd, s.fd, 0)
-            if fd < 0:
-                err = ctypes.get_errno()
-                raise PlacementError(f"cannot open its fd {s.fd} ({s.target}): pidfd_getfd: "
-                                     f"{os.strerror(err)}", pid=self.pid)
-            return fd
-        finally:
-            os.close(pidfd)
+            return _pidfd_getfd(self.pid, s.fd, f"placement pid {self.pid} ({s.target})")
+        except PlacementError as e:
+            raise PlacementError(e.reason, pid=self.pid) from None
 
     # -- after the restore -----------------------------------------------------------------
     def mismatches(self, pid: int) -> list[str]:
         """What of the placement process ``pid`` (a restored one) is not in: namespaces
-        (by inode) and cgroups (by ``/proc/PID/cgroup`` line); [] when it is placed."""
+        (by inode; the user namespace too) and cgroups (by ``/proc/PID/cgroup`` line); []
+        when it is placed."""
         out = []
-        for n in self.namespaces + ((self.mnt,) if self.mnt else ()):
+        for n in self._checked_namespaces():
             try:
                 ino = os.stat(f"{self.proc_root}/{pid}/ns/{n.kind}").st_ino
             except OSError as e:
@@ -478,13 +570,18 @@ class RestoreOptions:
     """What ``criu.restore`` gets for one tree (:func:`restore_options`): ``join_ns``
     ``[(kind, path)]``, ``inherit_fds`` ``[(fd, resource)]``, ``setup`` (a ``ChildSetup`` or
     None); ``fds``: the fds opened for it (:meth:`close` them after the restore);
-    ``inherited``: the external pipes handed over, each with the ``placement_fd`` it got."""
+    ``inherited``: the external pipes handed over, each with the ``placement_fd`` it got;
+    ``files``: the external files handed over, each with ``handed`` (what it got, in words)
+    and ``placement_fd`` (None when reopened by path); ``fixups``: restored fds to fix before
+    the tree runs (:meth:`after_restore`; the restore then leaves the tree stopped)."""
 
     join_ns: list = dataclasses.field(default_factory=list)
     inherit_fds: list = dataclasses.field(default_factory=list)
     setup: object = None
     fds: list = dataclasses.field(default_factory=list)
     inherited: list = dataclasses.field(default_factory=list)
+    files: list = dataclasses.field(default_factory=list)
+    fixups: list = dataclasses.field(default_factory=list)
 
     def kwargs(self) -> dict:
         """Keyword arguments for ``criu.restore`` (only those that are set)."""
@@ -495,7 +592,49 @@ class RestoreOptions:
             kw["inherit_fds"] = list(self.inherit_fds)
         if self.setup:
             kw["setup"] = self.setup
+        if self.fixups:
+            kw["leave_stopped"] = True
         return kw
+
+    def after_restore(self, pids: Iterable[int]) -> list[dict]:
+        """Once CRIU restored the tree (stopped, when there are ``fixups``): fix each restored
+        fd that got a placement's regular file in place of a pipe, then SIGCONT every pid in
+        ``pids`` (the tree's, ``criu.image_pids``). CRIU reopens an inherited pipe's fd
+        through ``/proc/self/fd/N`` with the pipe's dumped flags (criu/pipes.c
+        ``reopen_pipe``): for a regular file that is a new open file description at offset 0
+        without ``O_APPEND``, which would overwrite the file from its start. The agent takes
+        that description (pidfd_getfd(2) of the restored fd), sets ``O_APPEND`` and seeks to
+        the end. Returns the fixups done; raises ``PlacementError`` (the tree stays stopped,
+        the caller kills it) when a restored fd is not the file handed."""
+        import signal
+        done = []
+        if not self.fixups:
+            return done
+        for fx in self.fixups:
+            fd = _pidfd_getfd(fx["pid"], fx["fd"], f"restored pid {fx['pid']}")
+            try:
+                st = os.fstat(fd)
+                if (st.st_dev, st.st_ino) != (fx["dev"], fx["ino"]):
+                    raise PlacementError(
+                        f"restored pid {fx['pid']} fd {fx['fd']} is not the placement's file "
+                        f"{fx['target']} handed to it (device {st.st_dev}, inode "
+                        f"{st.st_ino})", pid=fx.get("placement_pid"))
+                fl = fcntl.fcntl(fd, fcntl.F_GETFL)
+                fcntl.fcntl(fd, fcntl.F_SETFL, fl | os.O_APPEND)
+                os.lseek(fd, 0, os.SEEK_END)
+                done.append({**fx, "flags": fcntl.fcntl(fd, fcntl.F_GETFL)})
+            except OSError as e:
+                raise PlacementError(f"cannot set O_APPEND on restored pid {fx['pid']} fd "
+                                     f"{fx['fd']} ({fx['target']}): {e.strerror or e}",
+                                     pid=fx.get("placement_pid")) from None
+            finally:
+                os.close(fd)
+        for p in pids:
+            try:
+                os.kill(int(p), signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        return done
 
     def close(self) -> None:
         for fd in self.fds:
@@ -506,20 +645,148 @@ class RestoreOptions:
         self.fds = []
 
 
+def _pidfd_getfd(pid: int, fd: int, who: str) -> int:
+    """pidfd_getfd(2): a close-on-exec copy of process ``pid``'s fd ``fd`` (the same open file
+    description). Raises ``PlacementError`` naming ``who``."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError as e:
+        raise PlacementError(f"cannot take fd {fd} of {who}: pidfd_open: {e.strerror or e}") \
+            from None
+    try:
+        new = libc.syscall(_SYS_pidfd_getfd, pidfd, fd, 0)
+        if new < 0:
+            err = ctypes.get_errno()
+            raise PlacementError(f"cannot take fd {fd} of {who}: pidfd_getfd: "
+                                 f"{os.strerror(err)}")
+        return new
+    finally:
+        os.close(pidfd)
+
+
+def _file_kind(st_mode: int) -> str:
+    for test, name in ((stat.S_ISREG, "regular file"), (stat.S_ISCHR, "character device"),
+                       (stat.S_ISBLK, "block device"), (stat.S_ISDIR, "directory"),
+                       (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"),
+                       (stat.S_ISLNK, "symlink")):
+        if test(st_mode):
+            return name
+    return f"file of mode {st_mode:o}"
+
+
+def _same_kind(st: os.stat_result, rec: dict) -> Optional[str]:
+    """None when ``st`` can stand for the recorded external file ``rec`` (CRIU reopens it and
+    refuses another ``st_mode``: "File ... has bad mode"), else why not."""
+    want = int(rec["st_mode"])
+    if st.st_mode != want:
+        return (f"a {_file_kind(st.st_mode)} of mode {st.st_mode:o}, the tree's was a "
+                f"{_file_kind(want)} of mode {want:o}")
+    if (stat.S_ISCHR(want) or stat.S_ISBLK(want)) and st.st_rdev != int(rec.get("rdev", 0)):
+        return (f"device {os.major(st.st_rdev)}:{os.minor(st.st_rdev)}, the tree's was "
+                f"{os.major(int(rec.get('rdev', 0)))}:{os.minor(int(rec.get('rdev', 0)))}")
+    return None
+
+
+def _appends(flags: int) -> bool:
+    return (flags & os.O_ACCMODE) == os.O_WRONLY and bool(flags & os.O_APPEND)
+
+
+def external_file_fd(placement: Optional[Placement], uses: list[dict]) -> tuple[int, dict]:
+    """An fd for one external file of a tree (``uses``: its manifest ``external_files``
+    records, one file ``[mnt_id:inode]``, any number of pid/fd): ``(fd, how)``.
+
+    With a placement, the placement's fd of the same number as one of the uses (0-2, lowest
+    first), open for the way the tree used it, when it is the same kind of file
+    (:func:`_same_kind`; a regular file only when the tree held it ``O_WRONLY|O_APPEND``: CRIU
+    size-checks any other); else the recorded path reopened here, in the agent's mount
+    namespace, with the recorded access mode, ``O_APPEND`` and ``O_NONBLOCK`` (never created
+    or truncated), and checked to be the same kind. ``how``: ``{"handed", "placement_fd"}``.
+    Raises ``PlacementError`` naming pid, fd and path when nothing fits."""
+    first = min(uses, key=lambda u: (u["fd"], u["pid"]))
+    rec = first
+    why_not = []
+    if placement is not None:
+        by_fd = {s.fd: s for s in placement.stdio}
+        for u in sorted(uses, key=lambda u: (u["fd"], u["pid"])):
+            s = by_fd.get(u["fd"])
+            if s is None:
+                continue
+            direction = "read" if (u["flags"] & os.O_ACCMODE) == os.O_RDONLY else "write"
+            if not s.allows(direction):
+                why_not.append(f"its fd {s.fd} is not open for {direction}ing")
+                continue
+            try:
+                fd = placement.open_stdio(s, direction)
+            except PlacementError as e:
+                why_not.append(e.reason)
+                continue
+            st = os.fstat(fd)
+            bad = _same_kind(st, u)
+            if bad is None and stat.S_ISREG(st.st_mode) and not _appends(u["flags"]):
+                bad = ("a regular file the tree did not hold O_WRONLY|O_APPEND (CRIU checks "
+                       "its size)")
+            if bad is None:
+                return fd, {"handed": f"placement fd {s.fd} ({s.target})",
+                            "placement_fd": s.fd}
+            os.close(fd)
+            why_not.append(f"its fd {s.fd} ({s.target}) is {bad}")
+    path = rec["path"]
+    flags = rec["flags"] & _REOPEN_FLAGS
+    if stat.S_ISFIFO(int(rec["st_mode"])):
+        flags = (flags & ~os.O_ACCMODE) | os.O_RDWR | os.O_NONBLOCK   # never blocks
+    tree = (f"pid {rec['pid']} fd {rec['fd']} holds {path} (opened outside the tree's mount "
+            f"namespace, mount {rec['mnt_id']}, inode {rec['inode']})")
+    pl = (" and the placement's fds do not fit (" + "; ".join(why_not) + ")") if why_not else ""
+    try:
+        fd = os.open(path, flags | os.O_CLOEXEC | os.O_NOCTTY)
+    except OSError as e:
+        raise PlacementError(f"{tree}, which cannot be reopened here: {e.strerror or e}{pl}",
+                             pid=placement.pid if placement else None) from None
+    bad = _same_kind(os.fstat(fd), rec)
+    if bad is not None:
+        os.close(fd)
+        raise PlacementError(f"{tree}, but {path} here is {bad}{pl}",
+                             pid=placement.pid if placement else None)
+    return fd, {"handed": f"{path} reopened in the agent's mount namespace "
+                          f"({_flag_names(flags)})", "placement_fd": None}
+
+
+def _flag_names(flags: int) -> str:
+    names = [{os.O_RDONLY: "O_RDONLY", os.O_WRONLY: "O_WRONLY", os.O_RDWR: "O_RDWR"}.get(
+        flags & os.O_ACCMODE, "O_RDONLY")]
+    for f, n in ((os.O_APPEND, "O_APPEND"), (os.O_NONBLOCK, "O_NONBLOCK"),
+                 (os.O_DIRECTORY, "O_DIRECTORY"), (os.O_PATH, "O_PATH"), (os.O_SYNC, "O_SYNC")):
+        if flags & f == f:
+            names.append(n)
+    return "|".join(names)
+
+
+def external_file_key(rec: dict) -> str:
+    """CRIU's name of an external file: ``file[MNT_ID:INODE]``, both in hex
+    (criu/files-reg.c ``dump_one_reg_file``)."""
+    return f"file[{int(rec['mnt_id']):x}:{int(rec['inode']):x}]"
+
+
 def restore_options(placement: Optional[Placement], external_pipes: Iterable[dict] = (),
-                    external_net: str = "", *, root: Optional[int] = None) -> RestoreOptions:
+                    external_net: str = "", *, root: Optional[int] = None,
+                    external_files: Iterable[dict] = ()) -> RestoreOptions:
     """CRIU restore options of one tree, from its manifest records.
 
-    - ``placement`` None: only an ``external_net`` (the images' network namespace was dumped
-      as external, ``criu.EXTERNAL_NET_KEY``) needs a namespace: the agent's own
-      (``--inherit-fd fd[N]:KEY`` on ``/proc/self/ns/net``); external pipes stay as CRIU
-      restores them (the outside end missing).
+    - ``placement`` None: an ``external_net`` (the images' network namespace was dumped as
+      external, ``criu.EXTERNAL_NET_KEY``) gets the agent's own network namespace
+      (``--inherit-fd fd[N]:KEY`` on ``/proc/self/ns/net``); external files are reopened by
+      path here (:func:`external_file_fd`); external pipes stay as CRIU restores them (the
+      outside end missing).
     - with a placement: ``--join-ns`` for each of its namespaces (its ``net`` through
       ``--inherit-fd`` instead when ``external_net``: CRIU refuses ``--join-ns net`` for such
-      images), its cgroups through ``setup`` (a ``ChildSetup`` for CRIU's child), and for each
+      images), its cgroups through ``setup`` (a ``ChildSetup`` for CRIU's child), for each
       external pipe inode (``external_pipes``: ``{"pid", "fd", "inode", "direction"}``) the
-      placement's matching stdio fd (:meth:`Placement.stdio_for` of the lowest fd using it),
-      opened anew, as ``--inherit-fd fd[N]:pipe:[INODE]``.
+      placement's matching stdio fd (:meth:`Placement.stdio_for` of the lowest fd using it;
+      :meth:`Placement.open_stdio`) as ``--inherit-fd fd[N]:pipe:[INODE]`` (a regular file
+      there is fixed to ``O_APPEND`` after the restore: ``fixups``), and for each external
+      file (``external_files``) :func:`external_file_fd` as ``--inherit-fd
+      fd[N]:file[MNT_ID:INODE]``.
 
     Raises ``PlacementError`` (every fd opened so far closed again)."""
     opts = RestoreOptions()
@@ -560,6 +827,22 @@ def restore_options(placement: Optional[Placement], external_pipes: Iterable[dic
                 opts.fds.append(fd)
                 opts.inherit_fds.append((fd, f"pipe:[{inode}]"))
                 opts.inherited += [{**p, "placement_fd": s.fd} for p in uses]
+                st = os.fstat(fd)
+                if stat.S_ISREG(st.st_mode):
+                    opts.fixups += [{"pid": p["pid"], "fd": p["fd"], "dev": st.st_dev,
+                                     "ino": st.st_ino, "target": s.target,
+                                     "placement_pid": placement.pid} for p in uses]
+        by_key: dict[str, list[dict]] = {}
+        for f in external_files:
+            by_key.setdefault(external_file_key(f), []).append(f)
+        for key, uses in sorted(by_key.items()):
+            try:
+                fd, how = external_file_fd(placement, uses)
+            except PlacementError as e:
+                raise PlacementError(f"{tree}{e.reason}", pid=e.pid) from None
+            opts.fds.append(fd)
+            opts.inherit_fds.append((fd, key))
+            opts.files += [{**u, **how} for u in sorted(uses, key=lambda u: (u["pid"], u["fd"]))]
     except BaseException:
         opts.close()
         raise

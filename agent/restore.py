@@ -22,12 +22,20 @@ namespaces (an external network namespace of the images is handed over with
 ``--inherit-fd fd[N]:cuinterpose-net`` instead), CRIU's child first joins the placement's
 cgroups (``--manage-cgroups=ignore`` keeps the tasks there), and every pipe fd the manifest
 records as external (``external_pipes``) is handed the placement's stdin (read) or
-stdout/stderr (write) with ``--inherit-fd fd[N]:pipe:[INODE]``. After CRIU, every restored
-process is checked to be in the placement's namespaces and cgroups (else the restore fails and
-the trees are killed). Without a placement the trees land in the agent's cgroups and
-namespaces, and an external pipe comes back with its outside end missing: CRIU creates a new
-pipe and closes the end no restored process holds, so a writer gets EPIPE (SIGPIPE) at its
-next write and a reader reads end-of-file.
+stdout/stderr (write) with ``--inherit-fd fd[N]:pipe:[INODE]`` (a regular file there is set
+``O_APPEND`` in the restored tree before it runs: CRIU's restore is then left stopped until
+that is done). Every file the manifest records as opened outside the tree's mount namespace
+(``external_files``) is handed the placement's fd of the same number when it is the same kind
+of file, else its path reopened in the agent's mount namespace (``--inherit-fd
+fd[N]:file[MNT_ID:INODE]``); the result's ``external_files`` says which. After CRIU, every
+restored process is checked to be in the placement's namespaces (user included) and cgroups
+(else the restore fails and the trees are killed); when CRIU fails, the placement is checked
+again, so that a placement process that died meanwhile is named as the cause. Without a
+placement the trees land in the agent's cgroups and namespaces, and an external pipe comes
+back with its outside end missing: CRIU creates a new pipe and closes the end no restored
+process holds, so a writer gets EPIPE (SIGPIPE) at its next write and a reader reads
+end-of-file. The notes saying so (and every other note of the run) are in the result's
+``notes``.
 
 Files *outside* the snapshot are part of it too: CRIU reopens the
 workload's regular files by path and refuses one whose size changed since the dump (a log
@@ -68,6 +76,10 @@ class Restore:
         self.opts: dict[int, placement_mod.RestoreOptions] = {}
         #: {"root", "pid", "fd", "inode", "direction", "placement_fd"} handed over
         self.inherited: list[dict] = []
+        #: external files handed over: manifest records + {"handed", "placement_fd"}
+        self.files: list[dict] = []
+        #: restored fds set O_APPEND after CRIU (placement_mod.RestoreOptions.after_restore)
+        self.fixed: list[dict] = []
         self.driver_kind = driver
         self.phase_timeout_s = float(phase_timeout_s)
         self.carrier_timeout_s = float(carrier_timeout_s)
@@ -124,6 +136,7 @@ class Restore:
         want = self.placement_arg
         ext_net = [r for r in self.m["roots"] if manifest_mod.tree_namespaces(self.m, r).get(
             "external_net")]
+        ext_files = self.m.get("external_files", [])
         if want is None:
             ext = self.m.get("external_pipes", [])
             if ext:
@@ -131,7 +144,17 @@ class Restore:
                             "process at their other end (a writer gets EPIPE): " + ", ".join(
                                 f"pid {p['pid']} fd {p['fd']} ({p['direction']}s "
                                 f"pipe:[{p['inode']}])" for p in ext))
-            if not ext_net:
+            foreign = [r for r in self.m["roots"]
+                       if manifest_mod.tree_namespaces(self.m, r).get("foreign_mnt")]
+            if foreign:
+                self.r.note(
+                    "tree(s) " + ", ".join(map(str, foreign)) + " were checkpointed in a mount "
+                    "namespace other than the agent's (a container's); without a placement "
+                    "(--into-pid) CRIU runs in the agent's mount namespace and reopens their "
+                    "files by the paths that namespace showed, so those paths must exist here "
+                    "(restore into the placeholder container with --into-pid to get the "
+                    "container's view)")
+            if not ext_net and not ext_files:
                 return
         with self.r.phase("placement") as ph:
             try:
@@ -140,8 +163,18 @@ class Restore:
                 self.close_fds()
                 raise
             pl = self.placement
-            ph.detail = pl.describe() if pl else "none: external network namespaces go " \
-                "into the agent's"
+            ph.detail = pl.describe() if pl else (
+                "none: " + "; ".join(w for w, on in (
+                    ("external network namespaces go into the agent's", ext_net),
+                    ("external files are reopened in the agent's mount namespace", ext_files))
+                    if on))
+        for f in self.files:
+            self.r.note(f"tree {f['root']}: pid {f['pid']} fd {f['fd']} ({f['path']}, opened "
+                        f"outside its mount namespace) gets {f['handed']}")
+        for fx in self.fixups_planned():
+            self.r.note(f"tree {fx['root']}: pid {fx['pid']} fd {fx['fd']} gets the "
+                        f"placement's regular file {fx['target']}, set O_APPEND before the "
+                        "tree runs (CRIU reopens it at offset 0)")
         if pl is not None and "external_pipes" not in self.m:
             self.r.note("the snapshot predates external-pipe records: its trees' pipes to "
                         "outside them, if any, come back without their outside end")
@@ -157,9 +190,14 @@ class Restore:
         for root in self.m["roots"]:
             opts = placement_mod.restore_options(
                 pl, manifest_mod.external_pipes(self.m, root),
-                manifest_mod.tree_namespaces(self.m, root).get("external_net", ""), root=root)
+                manifest_mod.tree_namespaces(self.m, root).get("external_net", ""), root=root,
+                external_files=manifest_mod.external_files(self.m, root))
             self.opts[root] = opts
             self.inherited += [{"root": root, **p} for p in opts.inherited]
+            self.files += [{"root": root, **f} for f in opts.files]
+
+    def fixups_planned(self) -> list[dict]:
+        return [{"root": r, **fx} for r, o in self.opts.items() for fx in o.fixups]
 
     def close_fds(self):
         for opts in self.opts.values():
@@ -193,6 +231,13 @@ class Restore:
                     with interrupt.shielded():
                         pid = criu.restore(d, **kw)
                 except Exception as e:
+                    gone = self.placement_gone()
+                    if gone:
+                        raise AgentError(
+                            "criu restore", f"tree {root} from {d}{into}: the placement process "
+                            f"{gone} since the placement phase, so CRIU could not restore "
+                            f"into it (CRIU: {_first_line(e)})",
+                            pid=self.placement.pid) from e
                     bad = getattr(e, "bad_size", None)
                     if bad:
                         raise AgentError("criu restore", bad_size_reason(root, d, bad, e),
@@ -202,10 +247,30 @@ class Restore:
                 self.restored_roots.append(root)
                 if int(pid) != int(root):
                     raise AgentError("criu restore", f"tree {root} came back as pid {pid}", pid=root)
+                if opts is not None and opts.fixups:
+                    try:
+                        self.fixed += [{"root": root, **fx}
+                                       for fx in opts.after_restore(criu.image_pids(d))]
+                    except (placement_mod.PlacementError, criu.CriuError) as e:
+                        raise AgentError("criu restore", f"tree {root}{into}: {e}",
+                                         pid=root) from e
                 if self.placement is not None:
                     self.check_placed(root)
                 ph.detail = f"tree {root}{into}"
         self.close_fds()
+
+    def placement_gone(self) -> str:
+        """Why the placement is no longer usable (the process gone or its pid reused, a
+        namespace left), "" when it still is (or there is none)."""
+        if self.placement is None:
+            return ""
+        if not self.placement.alive():
+            return f"{self.placement.pid} is gone (exited, or its pid was reused)"
+        try:
+            self.placement.verify()
+        except placement_mod.PlacementError as e:
+            return f"{self.placement.pid} {e.reason}"
+        return ""
 
     def check_placed(self, root: int):
         """Every restored process of tree ``root`` is in the placement's namespaces and
@@ -299,17 +364,28 @@ class Restore:
         self.place()
 
     def result(self) -> dict:
-        """{"snapshot_id", "roots", "cuda_pids", "phases"} of a finished restore."""
+        """{"snapshot_id", "roots", "cuda_pids", "phases", "totals", "notes"} of a finished
+        restore, with ``external_files`` (what each file opened outside a tree's mount
+        namespace was handed) and ``placement`` (its pid, namespaces, cgroups and the stdio
+        handed to external pipes, ``append`` where a regular file was set O_APPEND)."""
         out = {"snapshot_id": self.m["snapshot_id"], "roots": self.m["roots"],
                "cuda_pids": self.m["cuda_pids"], "phases": self.r.to_list(),
-               "totals": {"wall_ms": round((time.monotonic_ns() - self.t0_ns) / 1e6, 3)}}
+               "totals": {"wall_ms": round((time.monotonic_ns() - self.t0_ns) / 1e6, 3)},
+               "notes": list(self.r.notes)}
+        if self.files:
+            out["external_files"] = [
+                {k: f[k] for k in ("root", "pid", "fd", "path", "mnt_id", "inode", "handed",
+                                   "placement_fd")} for f in self.files]
         if self.placement is not None:
             pl = self.placement
+            appended = {(f["pid"], f["fd"]) for f in self.fixed}
             out["placement"] = {
                 "pid": pl.pid, "namespaces": {n.kind: n.inode for n in pl.namespaces},
                 "cgroups": [c.line() for c in pl.cgroups],
-                "stdio": [{k: p[k] for k in ("root", "pid", "fd", "inode", "direction",
-                                              "placement_fd")} for p in self.inherited]}
+                "stdio": [{**{k: p[k] for k in ("root", "pid", "fd", "inode", "direction",
+                                                 "placement_fd")},
+                           **({"append": True} if (p["pid"], p["fd"]) in appended else {})}
+                          for p in self.inherited]}
         return out
 
     def run(self) -> dict:
@@ -368,6 +444,11 @@ class Restore:
                                     "snapshot is untouched", pid=e.pid) from e
             raise RestoreFailed("restore", f"{e}; the restored tree was killed") from e
         return self.result()
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).splitlines()
+    return lines[0] if lines else type(e).__name__
 
 
 def bad_size_reason(root: int, images_dir, bad: list[dict], err) -> str:

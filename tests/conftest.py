@@ -10,7 +10,7 @@
 - ``cgroup_dir``: new test cgroups (plain, in a named v1 hierarchy, or refusing every
   process), removed at teardown.
 - ``placeholder``: a placeholder container's init in new namespaces (net, uts, ipc, optionally
-  mnt), optionally in a test cgroup, its stdout a pipe to a reader.
+  mnt and user), optionally in a test cgroup, its stdout a pipe to a reader (or an fd given).
 """
 from __future__ import annotations
 
@@ -161,8 +161,9 @@ def cgroup_dir():
 
 @pytest.fixture
 def placeholder(tmp_path):
-    """placeholder(hostname, *, cgroup=None, mount=False, stdout=True, prepare="", out=None) ->
-    :class:`placement_kit.Placeholder`; stopped at teardown."""
+    """placeholder(hostname, *, cgroup=None, mount=False, stdout=True, prepare="", out=None,
+    stdout_fd=None, stderr_fd=None, user=False) -> :class:`placement_kit.Placeholder`;
+    stopped at teardown."""
     made: list[Placeholder] = []
 
     def start(hostname: str, **kw) -> Placeholder:

@@ -4,6 +4,7 @@
 - ``cgroups_of(pid)``: the ``/proc/PID/cgroup`` text (every hierarchy's line);
 - ``comm_of(pid)``: its ``/proc/PID/comm`` ("" once it is gone);
 - ``Placeholder``: a placeholder container's init in new namespaces;
+- ``hidden_python_dirs()``: this Python's directories, for a placeholder that lacks them;
 - ``cgroup_bases()``, ``remove_cgroup(d)``: where test cgroups are made, and their removal.
 """
 from __future__ import annotations
@@ -77,30 +78,53 @@ def remove_cgroup(d: pathlib.Path, timeout: float = 30) -> None:
             time.sleep(0.05)
 
 
+def hidden_python_dirs() -> list[str]:
+    """The directories of this Python (``sys.executable`` and the file it resolves to) that a
+    placeholder can hide under a tmpfs without hiding its own ``sh``, ``hostname`` and
+    ``sleep``: a container's mount namespace that lacks the agent's interpreter."""
+    import shutil
+    import sys
+    keep = {os.path.dirname(os.path.realpath(shutil.which(c) or "/")) for c in
+            ("sh", "hostname", "sleep", "unshare", "mount")}
+    keep |= {os.path.dirname(shutil.which(c) or "/") for c in
+             ("sh", "hostname", "sleep", "unshare", "mount")}
+    out = []
+    for d in (os.path.dirname(sys.executable), os.path.dirname(os.path.realpath(sys.executable))):
+        if d not in out and d not in keep and d not in ("/", "/usr", "/bin", "/usr/bin"):
+            out.append(d)
+    return out
+
+
 class Placeholder:
-    """A placeholder container's init: ``unshare --net --uts --ipc [--mount]`` running ``sleep``
-    (hostname set in its uts namespace), optionally in ``cgroup``. ``stdout``: a pipe to a
-    ``cat`` (``reader``) that appends it to ``out`` (default ``TMP/placeholder-HOSTNAME.out``);
-    ``stdout=False``: /dev/null, no reader. ``prepare``: shell commands run inside the
-    namespaces first (e.g. a bind mount). ``pid``, ``proc``; ``stop()``."""
+    """A placeholder container's init: ``unshare --net --uts --ipc [--mount] [--user
+    --map-root-user]`` running ``sleep`` (hostname set in its uts namespace), optionally in
+    ``cgroup``. ``stdout``: a pipe to a ``cat`` (``reader``) that appends it to ``out``
+    (default ``TMP/placeholder-HOSTNAME.out``); ``stdout=False``: /dev/null, no reader;
+    ``stdout_fd``/``stderr_fd``: an fd of the caller instead (e.g. a log file opened here).
+    ``prepare``: shell commands run inside the namespaces first (e.g. a bind mount).
+    ``user``: a user namespace of its own too. ``pid``, ``proc``; ``stop()``."""
 
     def __init__(self, tmp: pathlib.Path, hostname: str, *, cgroup: str | None = None,
                  mount: bool = False, stdout: bool = True, prepare: str = "",
-                 out: pathlib.Path | None = None):
+                 out: pathlib.Path | None = None, stdout_fd: int | None = None,
+                 stderr_fd: int | None = None, user: bool = False):
         self.out = out or tmp / f"placeholder-{hostname}.out"
         self.hostname = hostname
         self.reader = None
         w = subprocess.DEVNULL
-        if stdout:
+        if stdout_fd is not None:
+            w, stdout = stdout_fd, False
+        elif stdout:
             r, w = os.pipe()
             with open(self.out, "ab") as f:
                 self.reader = subprocess.Popen(["cat"], stdin=r, stdout=f)
             os.close(r)
         ns = ["--net", "--uts", "--ipc"] + (["--mount", "--propagation", "private"]
-                                            if mount else [])
+                                            if mount else []) + (
+            ["--user", "--map-root-user"] if user else [])
         script = f"{prepare + ' && ' if prepare else ''}hostname {hostname} && exec sleep 600"
         self.proc = subprocess.Popen(["unshare", *ns, "sh", "-c", script],
-                                     stdin=subprocess.DEVNULL, stdout=w,
+                                     stdin=subprocess.DEVNULL, stdout=w, stderr=stderr_fd,
                                      start_new_session=True)
         if stdout:
             os.close(w)

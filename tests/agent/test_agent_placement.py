@@ -8,7 +8,12 @@
   placeholder in another network namespace and a fresh test cgroup (the agent still reaches
   fakecuda's abstract native socket; lost=0 duplicated=0 torn=0); bad placements (the process
   gone, a cgroup that refuses the write) are refused before CRIU runs, the snapshot byte for
-  byte unchanged and nothing running.
+  byte unchanged and nothing running; a placeholder that dies after the placement phase is
+  named as the cause of the failed CRIU restore; a job in a mount namespace of its own with
+  stdin /dev/null and stderr a log file from outside it is checkpointed (external files) and
+  restored into a placeholder in a test cgroup whose mount namespace lacks the agent's Python;
+- the restore's notes (no placement: external pipes, files reopened in the agent's mount
+  namespace) are in its result.
 """
 from __future__ import annotations
 
@@ -29,7 +34,7 @@ from cuinterpose.agent.census import CensusError, pid_alive, walk_tree
 from cuinterpose.agent.placement import (Cgroup, Placement, PlacementError, cgroup_mounts,
                                          parse_cgroup)
 
-from placement_kit import cgroups_of
+from placement_kit import cgroups_of, comm_of, hidden_python_dirs
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "criu"))
 from criu_helpers import kill_tree, wait_until  # noqa: E402
@@ -77,6 +82,7 @@ def _fake_proc(tmp_path, pid=4242, cgroup="9:rdma:/pod/c\n0::/\n"):
     (base / "cgroup").write_text(cgroup)
     for k in ("net", "uts", "ipc", "mnt"):
         (base / "ns" / k).write_text(k)
+    os.symlink("/proc/self/ns/user", base / "ns" / "user")      # the agent's user namespace
     os.symlink("pipe:[555]", base / "fd" / "1")
     os.symlink("/dev/null", base / "fd" / "0")
     (base / "fdinfo" / "1").write_text("pos:\t0\nflags:\t01000001\nmnt_id:\t15\n")
@@ -111,6 +117,27 @@ def test_of_pid_reads_a_laid_out_proc(tmp_path):
                    ("pid", "refuses pid namespaces"), ("user", "uid and gid")):
         with pytest.raises(PlacementError, match=why):
             Placement.of_pid(4242, proc_root=root, namespaces=("net", k))
+    # a kernel thread (PF_KTHREAD in field 9), pid 1 and another user namespace are refused
+    stat_file = tmp_path / "proc" / "4242" / "stat"
+    good_stat = stat_file.read_text()
+    stat_file.write_text(good_stat.replace(" 4194560 ", f" {4194560 | 0x200000} "))
+    with pytest.raises(PlacementError) as ei:
+        Placement.of_pid(4242, proc_root=root)
+    assert (ei.value.pid, ei.value.reason) == (4242, "is a kernel thread (PF_KTHREAD): it has "
+                                               "no cgroups, namespaces or stdio of a container "
+                                               "to restore into")
+    stat_file.write_text(good_stat)
+    with pytest.raises(PlacementError, match="is the init of the agent's pid namespace"):
+        Placement.of_pid(1, proc_root=root)
+    os.remove(f"{root}/4242/ns/user")
+    (tmp_path / "proc" / "4242" / "ns" / "user").write_text("user")    # another inode
+    with pytest.raises(PlacementError, match=r"is in another user namespace \[\d+\] than "
+                                             r"the agent's \[\d+\]"):
+        Placement.of_pid(4242, proc_root=root)
+    os.remove(f"{root}/4242/ns/user")
+    os.symlink("/proc/self/ns/user", f"{root}/4242/ns/user")
+    assert Placement.of_pid(4242, proc_root=root).user.inode == \
+        os.stat("/proc/self/ns/user").st_ino
     # missing files name the pid and the file
     os.remove(f"{root}/4242/ns/uts")
     with pytest.raises(PlacementError) as ei:
@@ -131,11 +158,26 @@ def test_manifest_placement_fields_are_optional_and_checked(tmp_path):
                            {"root": 7, "pid": 7, "fd": 2, "inode": 9, "direction": "read"}]
     m["namespaces"] = [{"root": 100, "net": 1, "uts": 2, "ipc": 3,
                         "external_net": "cuinterpose-net"}]
+    assert manifest._shape_problem(m) is None                     # without mnt/foreign_mnt
+    back = pb.manifest_from_proto(pb.manifest_to_proto(m))
+    assert back["namespaces"] == m["namespaces"]                  # absent stays absent
+    m["namespaces"][0].update(mnt=4026532177, foreign_mnt=True)
+    m["external_files"] = [{"root": 100, "pid": 101, "fd": 0, "path": "/dev/null",
+                            "mnt_id": 24, "inode": 3, "flags": 0o100002, "access": "rw",
+                            "st_mode": 0o20666, "rdev": 259}]
     assert manifest._shape_problem(m) is None
     assert [p["pid"] for p in manifest.external_pipes(m, 100)] == [101]
     assert manifest.tree_namespaces(m, 100)["external_net"] == "cuinterpose-net"
+    assert manifest.external_files(m, 100) == m["external_files"]
+    assert manifest.external_files(m, 7) == []
     back = pb.manifest_from_proto(pb.manifest_to_proto(m))
-    assert (back["external_pipes"], back["namespaces"]) == (m["external_pipes"], m["namespaces"])
+    assert (back["external_pipes"], back["namespaces"], back["external_files"]) == (
+        m["external_pipes"], m["namespaces"], m["external_files"])
+    for bad_f in ({"access": "x"}, {"mnt_id": -1}, {"path": 5}, {"st_mode": True}):
+        bad = dict(m, external_files=[{**m["external_files"][0], **bad_f}])
+        assert "external_files" in manifest._shape_problem(bad), bad_f
+    bad = dict(m, namespaces=[{**m["namespaces"][0], "foreign_mnt": "yes"}])
+    assert "namespaces" in manifest._shape_problem(bad)
     bad = dict(m, external_pipes=[{**m["external_pipes"][0], "direction": "both"}])
     assert "external_pipes" in manifest._shape_problem(bad)
     bad = dict(m, namespaces=[{"root": 100, "net": "x", "uts": 2, "ipc": 3}])
@@ -185,9 +227,11 @@ def criu_ok():
 
 class Job:
     """afdwin on fakecuda under the shim, started by the test (optionally inside the net/uts/ipc
-    namespaces of ``ns_pid``), its stdout a pipe to ``cat >> afdwin.log`` outside its tree."""
+    namespaces of ``ns_pid``, or under ``prefix``, e.g. ``unshare --mount``), its stdout a pipe
+    to ``cat >> afdwin.log`` outside its tree, its stdin /dev/null and stderr ``afdwin.err``
+    opened by the test."""
 
-    def __init__(self, run_dir: pathlib.Path, ns_pid=None, **kw):
+    def __init__(self, run_dir: pathlib.Path, ns_pid=None, prefix=(), **kw):
         self.a = demo.Afdwin(run_dir, steps=STEPS, step_delay_ms=5, **kw)
         a = self.a
         a.run_dir.mkdir(parents=True, exist_ok=True)
@@ -200,6 +244,7 @@ class Job:
         if ns_pid:
             cmd = ["nsenter", *(f"--{k}=/proc/{ns_pid}/ns/{k}" for k in ("net", "uts", "ipc")),
                    "--", *cmd]
+        cmd = [*prefix, *cmd]
         with open(a.err, "ab") as err:
             a.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=w, stderr=err,
                                       cwd=a.run_dir, env=env, start_new_session=True)
@@ -282,12 +327,21 @@ def test_job_in_its_own_netns_checkpointed_and_restored_into_a_placeholder(
     evs = j.a.events()
     rank_pids = sorted(w["pid"] for w in evs if demo.kind(w) == "window")
     assert m["namespaces"] == [{"root": j.a.pid, **_ns_at_dump(m),
-                                "external_net": "cuinterpose-net"}]
+                                "external_net": "cuinterpose-net",
+                                "mnt": os.stat("/proc/self/ns/mnt").st_ino,
+                                "foreign_mnt": False}]
+    assert m["external_files"] == []                         # every file opened in our mount ns
     assert m["namespaces"][0]["net"] == os.stat(f"/proc/{src}/ns/net").st_ino
     assert not list((snap / "criu" / str(j.a.pid)).glob("utsns-*.img"))     # CRIU was in its uts
     # the launcher's stdout (the ranks write to its stderr, a file)
     assert [(p["pid"], p["fd"], p["direction"]) for p in m["external_pipes"]] == [
         (j.a.pid, 1, "write")]
+    # ... and a warning says what a restore without a placement does with it
+    ino = m["external_pipes"][0]["inode"]
+    (w,) = [w for w in m["warnings"] if w["path"] == f"pipe:[{ino}]"]
+    assert (w["pid"], w["fd"]) == (j.a.pid, 1)
+    assert "a restore without a placement brings it back with nothing at the other end" in \
+        w["message"]
 
     cg = cgroup_dir()
     # the placeholder's stdout: a new pipe to a new reader appending to the same log
@@ -302,6 +356,7 @@ def test_job_in_its_own_netns_checkpointed_and_restored_into_a_placeholder(
         k: v for k, v in _ns(ph).items()}
     assert [(p["pid"], p["fd"], p["placement_fd"]) for p in rs["placement"]["stdio"]] == [
         (j.a.pid, 1, 1)]
+    assert isinstance(rs["notes"], list) and "external_files" not in rs
     placed = [p for p in [j.a.pid, *rank_pids] if pid_alive(p)]
     assert j.a.pid in placed, "the restored job ended before it could be inspected"
     for p in placed:
@@ -377,6 +432,30 @@ def test_bad_placements_are_refused_before_criu_and_leave_the_snapshot(
             f"to {cpu}/cgroup.procs refused: Invalid argument")
     assert pathlib.Path(cpu, "cgroup.procs").read_text().split() == [str(ph)]
 
+    # the placeholder dies between the placement phase and CRIU: the failure names it, and
+    # the snapshot is untouched (in-process, to kill it right after the placement phase)
+    from cuinterpose.agent import restore as restore_mod
+    from cuinterpose.agent.errors import RestoreFailed
+    dying = placeholder("cui-dying", stdout=False)
+    rs = restore_mod.Restore(snap, driver="fake", placement=dying.pid)
+    stale = rs.remove_stale
+
+    def die_then_remove_stale():
+        dying.stop()
+        stale()
+    rs.remove_stale = die_then_remove_stale
+    with pytest.raises(RestoreFailed) as ei:
+        rs.run()
+    e = ei.value
+    assert (e.phase, e.pid, e.outcome) == ("criu restore", dying.pid, "restore_failed"), e
+    assert f"into placement pid {dying.pid}: the placement process {dying.pid} is gone " \
+        "(exited, or its pid was reused) since the placement phase, so CRIU could not " \
+        "restore into it (CRIU: " in e.reason, e.reason
+    assert [(p.name, p.status) for p in rs.r.phases][2:] == [
+        ("placement", "ok"), ("stale sockets", "ok"), ("criu restore", "failed")]
+    assert _digest(snap) == before
+    assert not [p for p in pids if pid_alive(p)], "something was restored"
+
     # the snapshot is intact: restored into a good placeholder (stdout a new pipe to the
     # log; a dump in the agent's namespaces joined into another) the job finishes
     good = placeholder("cui-good", out=j.a.log).pid
@@ -386,3 +465,120 @@ def test_bad_placements_are_refused_before_criu_and_leave_the_snapshot(
     assert j.a.wait_restored_exit(300) in (0, None)
     j.a.wait_for(lambda ev: any(demo.kind(e) == "summary" for e in ev), 60, "the summary")
     assert demo.check_run(j.a.events(), STEPS) == []
+
+
+def test_restore_notes_without_a_placement_are_in_the_result(tmp_path):
+    """The notes of a restore (here: no placement for a snapshot with an external pipe and
+    files, taken in another mount namespace) are in its result dict, which ``--json``, the
+    gRPC Result and the pod's message carry."""
+    from cuinterpose.agent.restore import Restore
+    dn = os.stat("/dev/null")
+    r = Restore(tmp_path)
+    r.m = {"snapshot_id": "s", "roots": [10], "cuda_pids": [],
+           "external_pipes": [{"root": 10, "pid": 11, "fd": 1, "inode": 77,
+                               "direction": "write"}],
+           "external_files": [{"root": 10, "pid": 11, "fd": 0, "path": "/dev/null",
+                               "mnt_id": 24, "inode": dn.st_ino, "flags": os.O_RDONLY,
+                               "access": "r", "st_mode": dn.st_mode, "rdev": dn.st_rdev}],
+           "namespaces": [{"root": 10, "net": 1, "uts": 2, "ipc": 3, "external_net": "",
+                           "mnt": 4, "foreign_mnt": True}]}
+    try:
+        r.place()
+        assert [k for _, k in r.opts[10].inherit_fds] == [f"file[18:{dn.st_ino:x}]"]
+        assert os.fstat(r.opts[10].inherit_fds[0][0]).st_rdev == dn.st_rdev
+    finally:
+        r.close_fds()
+    res = r.result()
+    notes = res["notes"]
+    assert notes[0] == ("without a placement (--into-pid) these pipe fds come back with no "
+                        "process at their other end (a writer gets EPIPE): pid 11 fd 1 "
+                        "(writes pipe:[77])")
+    assert notes[1].startswith("tree(s) 10 were checkpointed in a mount namespace other than "
+                               "the agent's (a container's); without a placement (--into-pid) "
+                               "CRIU runs in the agent's mount namespace and reopens")
+    assert notes[2] == ("tree 10: pid 11 fd 0 (/dev/null, opened outside its mount namespace) "
+                        "gets /dev/null reopened in the agent's mount namespace (O_RDONLY)")
+    assert res["external_files"] == [{"root": 10, "pid": 11, "fd": 0, "path": "/dev/null",
+                                      "mnt_id": 24, "inode": dn.st_ino, "handed": (
+                                          "/dev/null reopened in the agent's mount namespace "
+                                          "(O_RDONLY)"), "placement_fd": None}]
+    assert [p.name for p in r.r.phases] == ["placement"]
+    assert "placement" not in res
+
+
+def test_job_in_its_own_mount_namespace_with_stdio_from_outside_into_a_placeholder(
+        cgroup_dir, placeholder, job, tmp_path):
+    """A container's shape: the job runs in a mount namespace of its own, its stdin /dev/null
+    and stderr (the ranks' events) a log file the "runtime" opened outside that namespace, its
+    stdout a pipe. The checkpoint records those files as external (CRIU inside the job's mount
+    namespace cannot look their mounts up); the restore goes into a placeholder in a test
+    cgroup whose mount namespace hides the agent's Python (the cgroup probe must not need it),
+    whose stdin is /dev/null and stderr the same log: both are handed the placeholder's fds,
+    and the job finishes with nothing lost."""
+    # the restored Python maps its interpreter by its real path: hide only the directory of the
+    # agent's sys.executable (a virtualenv's bin), when that is another one
+    real = os.path.dirname(os.path.realpath(sys.executable))
+    hide = [d for d in hidden_python_dirs() if d != real]
+    j = job(prefix=["unshare", "--mount", "--propagation", "private", "--"])
+    wait_until(lambda: os.stat(f"/proc/{j.a.pid}/ns/mnt").st_ino !=
+               os.stat("/proc/self/ns/mnt").st_ino and
+               comm_of(j.a.pid).startswith("python"), "afdwin to start in its mount namespace")
+    job_mnt = os.stat(f"/proc/{j.a.pid}/ns/mnt").st_ino
+    snap = tmp_path / "snap"
+    m = _checkpoint(j, snap)
+    dn = os.stat("/dev/null")
+    err = os.stat(j.a.err)
+    assert m["namespaces"] == [{"root": j.a.pid, **_ns_at_dump(m), "external_net": "",
+                                "mnt": job_mnt, "foreign_mnt": True}]
+    files = m["external_files"]
+    dev_id = _mount_id("/dev")
+    root_files = [(f["fd"], f["path"], f["mnt_id"], f["inode"]) for f in files
+                  if f["pid"] == j.a.pid]
+    assert root_files == [(0, "/dev/null", dev_id, dn.st_ino),
+                          (2, str(j.a.err), _mount_id_of(j.a.err), err.st_ino)]
+    assert {f["path"] for f in files} == {"/dev/null", str(j.a.err)}
+    assert {f["pid"] for f in files} == {p["pid"] for p in m["processes"]}
+    warned = {(w["pid"], w["fd"]) for w in m["warnings"]
+              if "opened outside the tree's mount namespace" in w["message"]}
+    assert warned == {(f["pid"], f["fd"]) for f in files}
+
+    cg = cgroup_dir()
+    err_fd = os.open(j.a.err, os.O_WRONLY | os.O_APPEND)
+    ph = placeholder("cui-mnt-dst", mount=True, cgroup=cg, out=j.a.log, stderr_fd=err_fd,
+                     prepare=" && ".join(f"mount -t tmpfs none {d}" for d in hide)).pid
+    os.close(err_fd)
+    assert os.path.exists(f"/proc/{ph}/root{sys.executable}") == (not hide)
+    rc, rs = demo.run_agent("restore", "--images-dir", str(snap), "--driver", "fake",
+                            "--into-pid", str(ph))
+    assert rc == 0 and rs["ok"], (rs.get("error") or {}).get("reason", rs)
+    handed = {(f["pid"], f["fd"]): (f["placement_fd"], f["handed"]) for f in rs["external_files"]}
+    assert handed[(j.a.pid, 0)] == (0, "placement fd 0 (/dev/null)")
+    assert handed[(j.a.pid, 2)] == (2, f"placement fd 2 ({j.a.err})")
+    assert set(handed) == {(f["pid"], f["fd"]) for f in files}
+    assert any(n.startswith(f"tree {j.a.pid}: pid {j.a.pid} fd 0 (/dev/null, opened outside "
+                            "its mount namespace) gets placement fd 0") for n in rs["notes"])
+    assert os.stat(f"/proc/{j.a.pid}/ns/mnt").st_ino == os.stat(f"/proc/{ph}/ns/mnt").st_ino
+    assert cgroups_of(j.a.pid) == cgroups_of(ph)
+    assert os.stat(f"/proc/{j.a.pid}/fd/0").st_rdev == dn.st_rdev
+    assert os.stat(f"/proc/{j.a.pid}/fd/2").st_ino == err.st_ino
+    assert j.a.wait_restored_exit(300) in (0, None)
+    j.a.wait_for(lambda ev: any(demo.kind(e) == "summary" for e in ev), 60, "the summary")
+    evs = j.a.events()
+    assert demo.check_run(evs, STEPS) == []
+    s = [e for e in evs if demo.kind(e) == "summary"][-1]
+    assert (s["lost"], s["duplicated"], s["torn"], s["restores_seen"]) == (0, 0, 0, 1)
+
+
+def _mount_id(mountpoint: str) -> int:
+    with open("/proc/self/mountinfo") as f:
+        return [int(ln.split()[0]) for ln in f if ln.split()[4] == mountpoint][-1]
+
+
+def _mount_id_of(path) -> int:
+    """The mount ID of the mount ``path`` is on (in this mount namespace)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with open(f"/proc/self/fdinfo/{fd}") as f:
+            return next(int(ln.split()[1]) for ln in f if ln.startswith("mnt_id:"))
+    finally:
+        os.close(fd)

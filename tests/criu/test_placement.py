@@ -5,11 +5,20 @@ whose reader was outside the dumped tree, is handed the placeholder's stdout.
 A placeholder (tests/conftest.py ``placeholder``) is ``unshare --net --uts --ipc`` (hostname set
 in its uts namespace) in a fresh test cgroup (``cgroup_dir``: v1 ``pids`` or v2), its stdout a
 new pipe to a new reader. Cgroups and processes are removed at teardown.
+
+Also: a placeholder in a mount namespace without the agent's Python (cgroups probed without
+entering it); a tree in a mount namespace of its own holding /dev/null and a log file opened
+outside it (dumped as external files, restored from the placeholder's fds or the paths); a
+placeholder whose stdout is a regular file (its bytes kept, the restored output appended);
+placements in another user namespace, pid 1 and kernel threads refused.
 """
 from __future__ import annotations
 
+import dataclasses
+import fcntl
 import json
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -17,10 +26,11 @@ import sys
 import pytest
 
 from cuinterpose.agent import checkpoint, criu
-from cuinterpose.agent.placement import Placement, PlacementError, restore_options
+from cuinterpose.agent.placement import (Namespace, Placement, PlacementError, external_file_key,
+                                         restore_options)
 
 from criu_helpers import HERE, alive, kill_tree, wait_until
-from placement_kit import cgroups_of, comm_of
+from placement_kit import cgroups_of, comm_of, hidden_python_dirs
 
 PIPE_TREE = HERE / "pipe_tree.py"
 
@@ -236,3 +246,305 @@ def test_tree_in_its_own_namespaces_dumps_them_as_external_and_restores_into_our
             p.kill()
             p.wait()
         kill_tree([p.pid])
+
+
+# --------------------------------------------------------------------------- probe, mount ns
+
+COUNTER = ("cd / && exec 4>>{log} && i=0; while :; do i=$((i+1)); echo $i >&4; "
+           "sleep 0.02; done")
+
+
+def _numbers(path) -> list[int]:
+    try:
+        text = pathlib.Path(path).read_text()
+    except FileNotFoundError:
+        return []
+    return [int(x) for x in text.split("\n")[:-1]]        # the last one may be half written
+
+
+def test_probe_and_restore_into_a_placeholder_without_the_agents_python(
+        tmp_path, placeholder, cgroup_dir, criu_ok):
+    """The cgroup probe enters no namespace: a placeholder whose mount namespace has a tmpfs
+    over this Python's directories (a container's root filesystem lacks the agent's
+    interpreter) and a test cgroup is probed and restored into."""
+    hide = hidden_python_dirs()
+    assert hide, f"no directory of {sys.executable} can be hidden"
+    log = tmp_path / "log"
+    job = subprocess.Popen(["sh", "-c", COUNTER.format(log=log)], stdin=subprocess.DEVNULL,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           start_new_session=True)
+    restored = None
+    try:
+        wait_until(lambda: len(_numbers(log)) >= 10, "10 numbers", 30)
+        imgs = tmp_path / "imgs"
+        ns = criu.dump(job.pid, imgs)
+        assert ns["enter"] == [] and ns["foreign_mnt"] is False
+        assert job.wait(30) == -signal.SIGKILL
+        dumped = _numbers(log)
+        wait_gone([job.pid])
+
+        cg = cgroup_dir()
+        ph = placeholder("cui-nopy", mount=True, cgroup=cg, stdout=False,
+                         prepare=" && ".join(f"mount -t tmpfs none {d}" for d in hide))
+        for d in hide:                                   # hidden there, present here
+            assert os.listdir(f"/proc/{ph.pid}/root{d}") == [] and os.listdir(d)
+        assert not os.path.exists(f"/proc/{ph.pid}/root{sys.executable}")
+        pl = Placement.of_pid(ph.pid)
+        assert pl.mnt is not None and pl.user.inode == os.stat("/proc/self/ns/user").st_ino
+        # the probe joins the cgroup only (the old probe entered the mount namespace and
+        # exec'd this Python there: FileNotFoundError)
+        assert pl.probe_cgroups() == [os.path.join(cg, "cgroup.procs")]
+        with pytest.raises(ValueError, match="cannot run in another mount namespace"):
+            criu.run_setup_probe(pl.child_setup())
+        opts = restore_options(pl, root=job.pid)
+        try:
+            restored = criu.restore(imgs, **opts.kwargs())
+        finally:
+            opts.close()
+        assert restored == job.pid
+        assert os.stat(f"/proc/{restored}/ns/mnt").st_ino == pl.mnt.inode
+        assert cgroups_of(restored) == cgroups_of(ph.pid) and pl.mismatches(restored) == []
+        wait_until(lambda: len(_numbers(log)) >= len(dumped) + 10, "10 more numbers", 30)
+        after = _numbers(log)
+        assert after == list(range(1, len(after) + 1)) and after[:len(dumped)] == dumped
+    finally:
+        if restored and alive(restored):
+            os.killpg(restored, signal.SIGKILL)
+            kill_tree([restored])
+        if job.poll() is None:
+            job.kill()
+        job.wait()
+
+
+def _mount_id(mountpoint: str, pid="self") -> int:
+    with open(f"/proc/{pid}/mountinfo") as f:
+        ids = [int(ln.split()[0]) for ln in f if ln.split()[4] == mountpoint]
+    return ids[-1]                                   # the top one
+
+
+def _fdinfo_flags(pid: int, fd: int) -> int:
+    with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+        return next(int(ln.split()[1], 8) for ln in f if ln.startswith("flags:"))
+
+
+#: in a mount namespace of its own, with stdin /dev/null and stderr a log file opened outside it
+#: (as a container runtime hands them); writes 1, 2, 3 ... to stderr and to DATA/log (opened
+#: inside, on the bind-mounted volume)
+INSIDE = ("mount --bind {vol} {mnt} && cd / && exec 4>>{mnt}/log && i=0; while :; do "
+          "i=$((i+1)); echo $i >&2; echo $i >&4; sleep 0.02; done")
+
+
+@pytest.mark.parametrize("stderr_of_placeholder", ["same-file", "pipe"])
+def test_files_opened_outside_the_mount_namespace_are_external(
+        tmp_path, placeholder, criu_ok, stderr_of_placeholder):
+    vol, mnt = tmp_path / "volume", tmp_path / "mnt"
+    vol.mkdir()
+    mnt.mkdir()
+    err_log = tmp_path / "stderr.log"
+    with open(err_log, "ab") as err:
+        job = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                                INSIDE.format(vol=vol, mnt=mnt)], stdin=subprocess.DEVNULL,
+                               stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    restored = None
+    try:
+        wait_until(lambda: len(_numbers(vol / "log")) >= 10, "10 numbers", 30)
+        tree = [job.pid]
+        devnull = os.stat("/dev/null")
+        ext = checkpoint.external_files(job.pid, tree)
+        assert [(e["fd"], e["path"]) for e in ext] == [
+            (0, "/dev/null"), (1, "/dev/null"), (2, str(err_log))]
+        dev_id = _mount_id("/dev")
+        assert [e["mnt_id"] for e in ext[:2]] == [dev_id, dev_id]
+        assert ext[0]["mnt_id"] != _mount_id("/dev", job.pid)     # its own /dev mount
+        assert (ext[0]["inode"], ext[0]["rdev"], ext[0]["st_mode"]) == (
+            devnull.st_ino, devnull.st_rdev, devnull.st_mode)
+        assert ext[2]["inode"] == err_log.stat().st_ino and ext[2]["access"] == "w"
+        assert ext[2]["flags"] & (os.O_ACCMODE | os.O_APPEND) == os.O_WRONLY | os.O_APPEND
+        keys = [external_file_key(e) for e in ext]
+        assert keys[0] == f"file[{dev_id:x}:{devnull.st_ino:x}]"
+
+        # not marked external, CRIU (inside the tree's mount namespace) cannot dump them
+        with pytest.raises(criu.CriuError) as ei:
+            criu.dump(job.pid, tmp_path / "plain", leave_running=True)
+        assert f"Can't lookup mount={dev_id} for fd=0 path=/dev/null" in str(ei.value)
+        assert alive(job.pid)
+
+        imgs = tmp_path / "imgs"
+        ns = criu.dump(job.pid, imgs, external_files=keys)
+        assert ns["enter"] == ["mnt"] and ns["foreign_mnt"] is True
+        assert job.wait(30) == -signal.SIGKILL
+        dumped = {"err": _numbers(err_log), "vol": _numbers(vol / "log")}
+        wait_gone(tree)
+
+        # without an fd for them, CRIU refuses to restore such images
+        err_fd = os.open(tmp_path / "ph-stderr.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        if stderr_of_placeholder == "same-file":
+            os.close(err_fd)
+            err_fd = os.open(err_log, os.O_WRONLY | os.O_APPEND)
+        else:
+            r, err_fd2 = os.pipe()
+            os.close(r)
+            os.close(err_fd)
+            err_fd = err_fd2
+        holder = placeholder("cui-ext", mount=True, stdout=False, stderr_fd=err_fd,
+                             prepare=f"mount --bind {vol} {mnt} && cd /")
+        os.close(err_fd)
+        pl = Placement.of_pid(holder.pid, namespaces=())
+        opts = restore_options(pl, root=job.pid, external_files=ext)
+        try:
+            got = {(f["fd"], f["placement_fd"]) for f in opts.files}
+            if stderr_of_placeholder == "same-file":
+                assert got == {(0, 0), (1, 0), (2, 2)}
+                assert opts.files[2]["handed"] == f"placement fd 2 ({err_log})"
+            else:
+                # its stderr is a pipe: not the same kind of file, so the path is reopened
+                assert got == {(0, 0), (1, 0), (2, None)}
+                assert opts.files[2]["handed"] == (f"{err_log} reopened in the agent's mount "
+                                                   "namespace (O_WRONLY|O_APPEND)")
+            assert opts.files[0]["handed"] == "placement fd 0 (/dev/null)"
+            assert sorted(r for _, r in opts.inherit_fds) == sorted(set(keys))
+            restored = criu.restore(imgs, **opts.kwargs())
+        finally:
+            opts.close()
+        assert restored == job.pid
+        assert os.stat(f"/proc/{restored}/ns/mnt").st_ino == pl.mnt.inode
+        for fd in (0, 1):
+            assert os.stat(f"/proc/{restored}/fd/{fd}").st_rdev == devnull.st_rdev
+        assert os.stat(f"/proc/{restored}/fd/2").st_ino == err_log.stat().st_ino
+        assert _fdinfo_flags(restored, 2) & os.O_APPEND
+        n = len(dumped["vol"])
+        wait_until(lambda: len(_numbers(vol / "log")) >= n + 10 and
+                   len(_numbers(err_log)) >= n + 10, "10 more numbers in both logs", 30)
+        for name, path in (("err", err_log), ("vol", vol / "log")):
+            after = _numbers(path)
+            assert after[:len(dumped[name])] == dumped[name], name
+            assert after == list(range(1, len(after) + 1)), f"{name}: gap or duplicate"
+    finally:
+        if restored and alive(restored):
+            os.killpg(restored, signal.SIGKILL)
+            kill_tree([restored])
+        if job.poll() is None:
+            job.kill()
+        job.wait()
+
+
+def test_external_file_refusals_name_pid_fd_and_path(tmp_path):
+    rec = {"root": 5, "pid": 6, "fd": 7, "path": str(tmp_path / "gone.log"), "mnt_id": 999,
+           "inode": 12, "flags": os.O_WRONLY | os.O_APPEND, "access": "w",
+           "st_mode": 0o100644, "rdev": 0}
+    with pytest.raises(PlacementError) as ei:
+        restore_options(None, root=5, external_files=[rec])
+    assert ei.value.reason == (
+        f"tree 5: pid 6 fd 7 holds {tmp_path}/gone.log (opened outside the tree's mount "
+        "namespace, mount 999, inode 12), which cannot be reopened here: No such file or "
+        "directory")
+    # a path that is there but another kind of file than the tree's
+    with pytest.raises(PlacementError) as ei:
+        restore_options(None, root=5, external_files=[dict(rec, path="/dev/null")])
+    assert ei.value.reason.startswith("tree 5: pid 6 fd 7 holds /dev/null (") and \
+        ei.value.reason.endswith("but /dev/null here is a character device of mode 20666, "
+                                 "the tree's was a regular file of mode 100644")
+    # without a placement a file that is there is reopened, with O_APPEND
+    (tmp_path / "there.log").write_bytes(b"x")
+    there = dict(rec, path=str(tmp_path / "there.log"))
+    opts = restore_options(None, root=5, external_files=[there])
+    try:
+        (fd, key), = opts.inherit_fds
+        assert key == "file[3e7:c]"
+        assert os.fstat(fd).st_ino == (tmp_path / "there.log").stat().st_ino
+        assert fcntl.fcntl(fd, fcntl.F_GETFL) & (os.O_ACCMODE | os.O_APPEND) == \
+            os.O_WRONLY | os.O_APPEND
+        assert opts.files[0]["placement_fd"] is None
+    finally:
+        opts.close()
+
+
+# --------------------------------------------------------------------------- stdout to a file
+
+HEADER = b"".join(b"PLACEHOLDER HEADER %03d\n" % i for i in range(100))
+
+
+@pytest.mark.parametrize("how", ["append", "offset"])
+def test_placeholder_stdout_a_regular_file_keeps_its_bytes(tmp_path, pipe_tree, placeholder, how):
+    """CRIU reopens an inherited pipe's fd through /proc/self/fd/N at offset 0 without
+    O_APPEND: the restore leaves the tree stopped, sets O_APPEND on the restored fds and only
+    then lets it run, so the placeholder's log keeps its 100 header lines and the restored
+    lines follow them."""
+    root, pids, reader, before_out = pipe_tree()
+    tree = [pids["root"], pids["child"]]
+    ext = checkpoint.external_pipes(root.pid, tree)
+    imgs = tmp_path / "imgs"
+    criu.dump(root.pid, imgs)
+    assert root.wait() == -signal.SIGKILL
+    reader.wait(timeout=30)
+    before = {w: lines(before_out, w) for w in ("root", "child")}
+    wait_gone(tree)
+
+    log = tmp_path / "ph.log"
+    log.write_bytes(HEADER)
+    if how == "append":                   # a runtime appending: O_APPEND
+        fd = os.open(log, os.O_WRONLY | os.O_APPEND)
+    else:                                 # written with `>`: no O_APPEND, offset at the end
+        fd = os.open(log, os.O_WRONLY)
+        os.lseek(fd, len(HEADER), os.SEEK_SET)
+    ph = placeholder("cui-file", stdout_fd=fd)
+    os.close(fd)
+    pl = Placement.of_pid(ph.pid)
+    assert pl.stdio[1].target == str(log)
+    opts = restore_options(pl, ext, root=root.pid)
+    try:
+        assert [(f["pid"], f["fd"]) for f in opts.fixups] == [(p, 1) for p in sorted(tree)]
+        assert opts.kwargs()["leave_stopped"] is True
+        assert criu.restore(imgs, **opts.kwargs()) == root.pid
+        pipe_tree.track(tree)
+        for p in tree:                    # stopped until the fds are fixed
+            assert open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] == "T", p
+        done = opts.after_restore(criu.image_pids(imgs))
+    finally:
+        opts.close()
+    assert [(d["pid"], d["fd"]) for d in done] == [(p, 1) for p in sorted(tree)]
+    for p in tree:
+        assert _fdinfo_flags(p, 1) & os.O_APPEND, p
+        assert os.stat(f"/proc/{p}/fd/1").st_ino == log.stat().st_ino
+    wait_until(lambda: min(len(lines(log, "root")), len(lines(log, "child"))) > 20,
+               "20 lines of each restored writer in the placeholder's log", 30)
+    kill_tree(tree)
+    data = log.read_bytes()
+    assert data[:len(HEADER)] == HEADER                  # not one byte overwritten
+    rest = data[len(HEADER):]
+    assert rest and rest.split(b" ", 1)[0] in (b"root", b"child")
+    for w in ("root", "child"):
+        after = lines(log, w)
+        assert after[0] == before[w][-1] + 1, (w, before[w][-3:], after[:3])
+        seq = before[w] + after
+        assert seq == list(range(len(seq))), f"{w}: gap or duplicate across the restore"
+
+
+# --------------------------------------------------------------------------- refusals
+
+def test_other_user_namespace_pid_1_and_kernel_threads_are_refused(placeholder):
+    ph = placeholder("cui-userns", user=True, stdout=False)
+    other = os.stat(f"/proc/{ph.pid}/ns/user").st_ino
+    mine = os.stat("/proc/self/ns/user").st_ino
+    assert other != mine
+    with pytest.raises(PlacementError) as ei:
+        Placement.of_pid(ph.pid)
+    assert ei.value.pid == ph.pid
+    assert ei.value.reason.startswith(f"is in another user namespace [{other}] than the "
+                                      f"agent's [{mine}]")
+    with pytest.raises(PlacementError) as ei:
+        Placement.of_pid(1)
+    assert (ei.value.pid, ei.value.reason.split(":")[0]) == (
+        1, "is the init of the agent's pid namespace (the node's, or the agent container's)")
+    kthreadd = 2
+    assert comm_of(kthreadd) == "kthreadd"
+    with pytest.raises(PlacementError) as ei:
+        Placement.of_pid(kthreadd)
+    assert ei.value.pid == 2 and ei.value.reason.startswith("is a kernel thread (PF_KTHREAD)")
+    # a restored process in another user namespace than the placement's is not placed
+    ok = placeholder("cui-user-ok", stdout=False)
+    pl = Placement.of_pid(ok.pid)
+    assert pl.user == Namespace("user", f"/proc/{ok.pid}/ns/user", mine)
+    assert pl.mismatches(ok.pid) == []
+    wrong = dataclasses.replace(pl, user=Namespace("user", pl.user.path, other))
+    assert wrong.mismatches(ok.pid) == [f"user namespace [{mine}], not the placement's [{other}]"]
