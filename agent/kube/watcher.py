@@ -220,7 +220,8 @@ class PodWatcher:
                                        f"{', '.join(map(str, roots))} (CUDA pids "
                                        f"{', '.join(map(str, result.get('cuda_pids', [])))}) in "
                                        f"{images_dir}" + ("; the workload keeps running" if leave
-                                                          else "; the workload was stopped"))}
+                                                          else "; the workload was stopped")
+                                       + _notes(result.get("warnings")))}
             else:
                 if not (images_dir / "manifest.json").is_file():
                     raise ResolveError(f"restore: no snapshot {d.name!r} on node {self.node_name} "
@@ -239,7 +240,8 @@ class PodWatcher:
                 done = {st: A.SUCCEEDED,
                         msg: _one_line(f"restored snapshot {result.get('snapshot_id', d.name)} "
                                        f"from {images_dir} into {where}: roots "
-                                       f"{', '.join(map(str, result.get('roots', [])))}")}
+                                       f"{', '.join(map(str, result.get('roots', [])))}"
+                                       + _notes(result.get("notes")))}
         except ResolveError as e:
             text = str(e)
             done = {st: A.FAILED, msg: _one_line(
@@ -377,6 +379,17 @@ def _cut(resp) -> None:
             resp.close()
     except Exception:
         pass
+
+
+def _notes(items) -> str:
+    """``"; note: A; note: B"`` for a result's notes/warnings (strings, or dicts with a
+    ``message``), else ""."""
+    out = []
+    for n in items or []:
+        text = n.get("message") or n.get("text") or str(n) if isinstance(n, dict) else str(n)
+        if text:
+            out.append(f"; note: {text}")
+    return "".join(out)
 
 
 def _ref(pod: dict) -> str:

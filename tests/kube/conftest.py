@@ -20,6 +20,8 @@ class RecordingActions:
     def __init__(self):
         self.calls = []
         self.fail = None
+        #: the result's restore ``notes`` / checkpoint ``warnings``
+        self.notes: list = []
 
     def checkpoint(self, pod, snapshot_name, *, roots, images_dir, leave_running=False):
         m = pod["metadata"]
@@ -27,7 +29,8 @@ class RecordingActions:
                            list(roots), images_dir, leave_running))
         if self.fail:
             raise self.fail
-        return {"snapshot_id": "q-" + snapshot_name, "roots": list(roots), "cuda_pids": [4243, 4244]}
+        return {"snapshot_id": "q-" + snapshot_name, "roots": list(roots), "cuda_pids": [4243, 4244],
+                "warnings": [{"pid": 4242, "message": n} for n in self.notes]}
 
     def restore(self, pod, snapshot, *, images_dir, into_pid=None, into_start_time=None):
         m = pod["metadata"]
@@ -35,7 +38,8 @@ class RecordingActions:
                            into_pid, into_start_time))
         if self.fail:
             raise self.fail
-        return {"snapshot_id": "q-" + snapshot, "roots": [4242], "cuda_pids": [4243, 4244]}
+        return {"snapshot_id": "q-" + snapshot, "roots": [4242], "cuda_pids": [4243, 4244],
+                "notes": list(self.notes)}
 
 
 class FixedResolver:

@@ -215,6 +215,20 @@ def test_restore_into_placeholder(api, actions, make_watcher, tmp_path):
     ]
 
 
+def test_result_notes_and_warnings_reach_the_message(api, actions, make_watcher, tmp_path):
+    snap = tmp_path / "snap" / "default" / "snap1"
+    snap.mkdir(parents=True)
+    (snap / "manifest.json").write_text("{}")
+    actions.notes = ["fd 1 is a pipe to outside", "fd 0 reopened"]
+    api.add_pod(make_pod("p1", annotations={"cuinterpose.io/restore-from": "snap1"}))
+    api.add_pod(make_pod("p2", annotations={CK: "snap2"}))
+    make_watcher().relist()
+    assert api.annotations("default", "p1")[RMSG].endswith(
+        ": roots 4242; note: fd 1 is a pipe to outside; note: fd 0 reopened")
+    assert api.annotations("default", "p2")[MSG].endswith(
+        "; the workload was stopped; note: fd 1 is a pipe to outside; note: fd 0 reopened")
+
+
 def test_restore_into_a_placeholder_without_processes_is_refused(api, actions, resolver,
                                                                  make_watcher, tmp_path):
     snap = tmp_path / "snap" / "default" / "snap1"
