@@ -326,6 +326,12 @@ class Placement:
         mounts = cgroup_mounts(_read("/proc/self/mountinfo", os.getpid(), "mountinfo"))
         cgroups = []
         for hid, ctrls, path in parse_cgroup(_read(f"{base}/cgroup", pid, "cgroups")):
+            if path == "/.." or path.startswith("/../"):
+                # cgroup_namespaces(7): paths outside the reader's cgroup namespace root
+                raise PlacementError(
+                    f"its cgroup {hid}:{','.join(ctrls)}:{path} lies outside this agent's "
+                    "cgroup namespace: the agent does not run in the node's cgroup namespace "
+                    "(serve joins pid 1's when it can; docs/kubernetes.md)", pid=pid)
             point, root = _mount_of(hid, ctrls, path, mounts)
             cgroups.append(Cgroup(hid, ctrls, path, point, root))
         nss = []

@@ -582,3 +582,14 @@ def _mount_id_of(path) -> int:
             return next(int(ln.split()[1]) for ln in f if ln.startswith("mnt_id:"))
     finally:
         os.close(fd)
+
+
+def test_cgroup_paths_outside_the_agents_cgroup_namespace_are_refused(tmp_path):
+    root = _fake_proc(tmp_path, cgroup="0::/../../kubepods.slice/pod1/cri-containerd-ab.scope\n")
+    with pytest.raises(PlacementError) as e:
+        Placement.of_pid(4242, proc_root=root)
+    assert (e.value.phase, e.value.pid) == ("placement", 4242)
+    assert str(e.value).endswith(
+        "its cgroup 0::/../../kubepods.slice/pod1/cri-containerd-ab.scope lies outside this "
+        "agent's cgroup namespace: the agent does not run in the node's cgroup namespace "
+        "(serve joins pid 1's when it can; docs/kubernetes.md)")
