@@ -34,7 +34,7 @@ import shutil
 import signal
 import tempfile
 import time
-from typing import Iterable, Optional
+from typing import Iterable, Iterator, Optional
 
 from . import census as census_mod
 from . import manifest as manifest_mod
@@ -722,13 +722,8 @@ def external_pipes(root: int, pids: Iterable[int], proc_root: str = "/proc") -> 
     uses: dict[int, list[tuple[int, int, int]]] = {}
     for pid in pids:
         base = f"{proc_root}/{pid}"
-        try:
-            fds = sorted(int(n) for n in os.listdir(f"{base}/fd") if n.isdigit())
-        except OSError:
-            continue
-        for fd in fds:
+        for fd, target in _fd_targets(base):
             try:
-                target = os.readlink(f"{base}/fd/{fd}")
                 if not (target.startswith("pipe:[") and target.endswith("]")):
                     continue
                 with open(f"{base}/fdinfo/{fd}") as f:
@@ -748,6 +743,20 @@ def external_pipes(root: int, pids: Iterable[int], proc_root: str = "/proc") -> 
         out += [{"root": int(root), "pid": pid, "fd": fd, "inode": inode, "direction": direction}
                 for pid, fd, _ in us]
     return sorted(out, key=lambda e: (e["pid"], e["fd"]))
+
+
+def _fd_targets(base: str) -> Iterator[tuple[int, str]]:
+    """(fd, ``readlink`` target) of the process at ``base`` (``<proc_root>/PID``), by fd; a
+    process or fd that vanishes while being read is skipped."""
+    try:
+        fds = sorted(int(n) for n in os.listdir(f"{base}/fd") if n.isdigit())
+    except OSError:
+        return
+    for fd in fds:
+        try:
+            yield fd, os.readlink(f"{base}/fd/{fd}")
+        except OSError:
+            continue
 
 
 def _fdinfo(path: str) -> dict[str, str]:
@@ -795,13 +804,8 @@ def external_files(root: int, pids: Iterable[int], proc_root: str = "/proc") -> 
     out = []
     for pid in pids:
         base = f"{proc_root}/{pid}"
-        try:
-            fds = sorted(int(n) for n in os.listdir(f"{base}/fd") if n.isdigit())
-        except OSError:
-            continue
-        for fd in fds:
+        for fd, target in _fd_targets(base):
             try:
-                target = os.readlink(f"{base}/fd/{fd}")
                 if not target.startswith("/") or target.startswith(_NOT_ON_A_MOUNT):
                     continue
                 info = _fdinfo(f"{base}/fdinfo/{fd}")

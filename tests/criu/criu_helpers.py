@@ -73,3 +73,14 @@ class Tree:
 
     def counter(self, idx: int) -> list[str]:
         return (self.run_dir / f"counter-{idx}.log").read_text().split("\n")[:-1]
+
+
+def stop_job(job: subprocess.Popen, restored: int | None) -> None:
+    """Kill a test job: its restored tree (its own process group, not our child) if any, and
+    the original ``job`` (reaped)."""
+    if restored and alive(restored):
+        os.killpg(restored, signal.SIGKILL)
+        kill_tree([restored])
+    if job.poll() is None:
+        job.kill()
+    job.wait()

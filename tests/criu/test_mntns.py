@@ -22,7 +22,7 @@ import pytest
 from cuinterpose.agent import criu, mntns
 from cuinterpose.agent.placement import Placement, restore_options
 
-from criu_helpers import alive, kill_tree, wait_until
+from criu_helpers import alive, stop_job, wait_until
 
 # appends 1, 2, 3 ... to DATA/log every 20 ms through fd 4, opened inside the namespace
 LOOP = ("mount --bind {vol} {mnt} && cd / && exec </dev/null >/dev/null 2>&1 4>>{mnt}/log && "
@@ -131,10 +131,5 @@ def test_tree_in_its_own_mount_namespace_dumps_and_restores_into_the_placeholder
         assert after == list(range(1, len(after) + 1))
         assert after[:len(dumped)] == dumped
     finally:
-        if restored and alive(restored):
-            os.killpg(restored, signal.SIGKILL)    # the shell and its sleep (one group)
-            kill_tree([restored])
-        if job.poll() is None:
-            job.kill()
-        job.wait()
+        stop_job(job, restored)  # the shell and its sleep: one group
 

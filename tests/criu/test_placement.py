@@ -29,7 +29,7 @@ from cuinterpose.agent import checkpoint, criu
 from cuinterpose.agent.placement import (Namespace, Placement, PlacementError, external_file_key,
                                          restore_options)
 
-from criu_helpers import HERE, alive, kill_tree, wait_until
+from criu_helpers import HERE, alive, kill_tree, stop_job, wait_until
 from placement_kit import cgroups_of, comm_of, hidden_python_dirs
 
 PIPE_TREE = HERE / "pipe_tree.py"
@@ -308,12 +308,7 @@ def test_probe_and_restore_into_a_placeholder_without_the_agents_python(
         after = _numbers(log)
         assert after == list(range(1, len(after) + 1)) and after[:len(dumped)] == dumped
     finally:
-        if restored and alive(restored):
-            os.killpg(restored, signal.SIGKILL)
-            kill_tree([restored])
-        if job.poll() is None:
-            job.kill()
-        job.wait()
+        stop_job(job, restored)
 
 
 def _mount_id(mountpoint: str, pid="self") -> int:
@@ -420,12 +415,7 @@ def test_files_opened_outside_the_mount_namespace_are_external(
             assert after[:len(dumped[name])] == dumped[name], name
             assert after == list(range(1, len(after) + 1)), f"{name}: gap or duplicate"
     finally:
-        if restored and alive(restored):
-            os.killpg(restored, signal.SIGKILL)
-            kill_tree([restored])
-        if job.poll() is None:
-            job.kill()
-        job.wait()
+        stop_job(job, restored)
 
 
 def test_external_file_refusals_name_pid_fd_and_path(tmp_path):
