@@ -138,8 +138,9 @@ tls_key_opt = click.option("--tls-key", type=click.Path(dir_okay=False), default
                            help="with --agent: client key (mutual TLS).")
 group_opt = click.option("--group", "group_file", type=click.Path(dir_okay=False, exists=True),
                          default=None, help="JSON file {\"members\": [{\"node\", \"address\", "
-                         "\"images_dir\", \"roots\"}]}: one group request across these agents, "
-                         "led by --agent (or by this process).")
+                         "\"images_dir\", \"roots\" (checkpoint), \"into_pid\" (restore, "
+                         "optional: a placement on that node)}]}: one group request across these "
+                         "agents, led by --agent (or by this process).")
 
 
 def _tls(ca, cert, key):
@@ -160,8 +161,14 @@ def _load_members(group_file, kind: str):
             roots = [int(r) for r in m.get("roots", [])]
             if kind == "checkpoint" and not roots:
                 raise ValueError(f"member {m.get('node')!r} has no roots")
+            into = int(m.get("into_pid") or 0)
+            if into and kind != "restore":
+                raise ValueError(f"member {m.get('node')!r}: into_pid is for a restore")
+            if into < 0:
+                raise ValueError(f"member {m.get('node')!r}: into_pid {into} is not a pid")
             out.append(apb.Member(node=str(m["node"]), address=str(m["address"]),
-                                  images_dir=str(m["images_dir"]), roots=roots))
+                                  images_dir=str(m["images_dir"]), roots=roots,
+                                  into_pid=into))
         if not out:
             raise ValueError("no members")
         return out
@@ -333,8 +340,8 @@ def restore(images_dir, phase_timeout_s, carrier_timeout_s, into_pid, driver, ag
     if group_file and images_dir:
         raise click.UsageError("--group names each member's images dir; do not pass --images-dir")
     if group_file and into_pid:
-        raise click.UsageError("--into-pid places a single-node restore; it does not combine "
-                               "with --group")
+        raise click.UsageError("--into-pid places a single-node restore; in a group restore "
+                               "each member of the --group file names its own \"into_pid\"")
     if not group_file and not images_dir:
         raise click.UsageError("Missing option '--images-dir'.")
     tls = _tls(tls_ca, tls_cert, tls_key)

@@ -205,6 +205,10 @@ def lead(kind: str, request, rep: Reporter, emit: Callable[[dict], None], *,
         def renew(addr, req, timeout_s):
             return call(addr, "Renew", req, None)
     members = _members(request)
+    if kind == "restore" and request.into_pid:
+        raise AgentError("group", "into_pid places a single-node restore; in a group restore "
+                         "each member names its own into_pid (a pid on its node)",
+                         outcome="usage")
     cls = Checkpoint if kind == "checkpoint" else Restore
     rid = request_id or uuid.uuid4().hex
     leader = leader or f"pid {os.getpid()} on {socket.gethostname()}"
@@ -228,7 +232,7 @@ def lead(kind: str, request, rep: Reporter, emit: Callable[[dict], None], *,
                 req.group.CopyFrom(g)
             else:
                 req.restore.CopyFrom(apb.RestoreRequest(
-                    images_dir=m.images_dir, driver=request.driver,
+                    images_dir=m.images_dir, driver=request.driver, into_pid=m.into_pid,
                     phase_timeout_s=request.phase_timeout_s,
                     carrier_timeout_s=request.carrier_timeout_s))
 

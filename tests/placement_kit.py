@@ -17,6 +17,8 @@ import time
 
 import pytest
 
+from cuinterpose.agent.census import walk_tree
+
 CGROUP_FS = pathlib.Path("/sys/fs/cgroup")
 #: v2 controllers that may be enabled for the children of a cgroup holding processes, and so do
 #: not make it refuse them (cgroup-v2 "threaded" controllers)
@@ -149,3 +151,24 @@ class Placeholder:
             except subprocess.TimeoutExpired:
                 self.reader.kill()
                 self.reader.wait()
+
+
+PLACED_NAMESPACES = ("net", "uts", "ipc", "mnt")
+
+
+def not_placed(root: int, placeholder: int) -> list[str]:
+    """What of the tree under ``root`` is not in the namespaces (net, uts, ipc, mnt: by inode)
+    and cgroups (every ``/proc/PID/cgroup`` line) of process ``placeholder``; [] when every
+    process of it is."""
+    want_ns = {k: os.stat(f"/proc/{placeholder}/ns/{k}").st_ino for k in PLACED_NAMESPACES}
+    want_cg = pathlib.Path(f"/proc/{placeholder}/cgroup").read_text()
+    out = []
+    for pid, _, _ in walk_tree([root]):
+        for k in PLACED_NAMESPACES:
+            got = os.stat(f"/proc/{pid}/ns/{k}").st_ino
+            if got != want_ns[k]:
+                out.append(f"pid {pid}: {k} [{got}] not [{want_ns[k]}]")
+        cg = pathlib.Path(f"/proc/{pid}/cgroup").read_text()
+        if cg != want_cg:
+            out.append(f"pid {pid}: cgroups {cg!r} not {want_cg!r}")
+    return out

@@ -34,7 +34,8 @@ import pytest
 import yaml
 
 from fakeapi import NODE, make_pod
-from proclayout import lay_proc, not_placed
+from placement_kit import not_placed
+from proclayout import lay_proc
 
 from cuinterpose.agent import demo, pb, service
 from cuinterpose.agent.census import walk_tree
