@@ -650,9 +650,8 @@ def serve(listen, config_file, node, snapshot_dir, metrics_port, metrics_addr, t
                   as_json, command="serve")
     if conf.get("kubernetes") is not None:
         # before any thread starts: the node's cgroup paths (agent/kube/hostcgroup.py)
-        from .kube.hostcgroup import join_host_cgroup_namespace
-        logging.getLogger("cuinterpose.kube").info("cgroup namespace: %s",
-                                                   join_host_cgroup_namespace())
+        from .kube.hostcgroup import join_and_log
+        join_and_log()
     try:
         srv = Server(addr, opts, metrics_port=v["metrics_port"],
                      metrics_addr=metrics_addr).start()

@@ -51,6 +51,10 @@ from .report import Reporter
 RENEW_FRACTION = 1 / 3
 #: the outcome of a member's refusal after its lease expired and it undid the job itself
 LEASE_EXPIRED = "lease_expired"
+#: the first group phase that cannot be undone: the leader confirms every member's lease
+#: (a synchronous Renew) right before it (checkpoint: ``finish`` kills the dumped trees;
+#: restore: ``resume`` lets the restored trees run)
+POINT_OF_NO_RETURN = {"checkpoint": "finish", "restore": "resume"}
 
 
 class Renewer:
@@ -144,11 +148,45 @@ class Renewer:
             if res.ok:
                 self.renewed[m.node] += 1
                 self.learn(m.node, res.lease_s)
-            elif res.expired:
-                self._note(m.node, f"node {m.node}: {res.reason}")
+            else:       # expired (it undid its part), or it holds no job (it restarted)
+                self._note(m.node, f"node {m.node}: {res.reason or 'it holds no job for '}"
+                           + ("" if res.reason else f"group request {self.rid}"))
         finally:
             with self.lock:
                 self.inflight.discard(m.node)
+
+    def confirm(self, phase: str) -> list[tuple]:
+        """Renew every member's lease now and wait for the answers (before ``phase``, the
+        first one that cannot be undone). Returns ``[(member, AgentError)]`` for the members
+        whose lease is gone (expired: they undid their part) or that did not answer, in member
+        order; [] when every member still holds the job."""
+        apb, _, _ = pb.modules()
+
+        def one(m):
+            req = apb.RenewRequest(request_id=self.rid, node=m.node, leader=self.leader)
+            res = self.renew(m.address, req, max(1.0, self.period_s()))
+            if res.ok:
+                self.learn(m.node, res.lease_s)
+            return res
+        out = []
+        with futures.ThreadPoolExecutor(max_workers=max(1, len(self.members)),
+                                        thread_name_prefix="cui-confirm") as ex:
+            futs = [(m, ex.submit(one, m)) for m in self.members]
+            for m, f in futs:
+                try:
+                    res = f.result()
+                except Exception as e:
+                    err = AgentError(phase, f"its lease could not be confirmed before {phase} "
+                                     f"({type(e).__name__}: {e})", outcome="unreachable")
+                else:
+                    if res.ok:
+                        continue
+                    err = AgentError(phase, f"its lease is gone before {phase}: "
+                                     f"{res.reason or 'no live job for the request'}",
+                                     outcome=LEASE_EXPIRED if res.expired else "unreachable")
+                err.node = m.node
+                out.append((m, err))
+        return out
 
     def _note(self, node: str, text: str) -> None:
         with self.lock:
@@ -289,7 +327,21 @@ def lead(kind: str, request, rep: Reporter, emit: Callable[[dict], None], *,
     renewer.start()
     try:
         for i, phase in enumerate(cls.GROUP_PHASES):
-            failed = group_phase(phase, members)
+            failed = []
+            if phase == POINT_OF_NO_RETURN[kind]:
+                # a member whose lease expired has undone its part on its own: every member
+                # must still hold the job before any of them passes the point of no return
+                try:
+                    with rep.phase("group confirm leases") as ph:
+                        failed = renewer.confirm(phase)
+                        ph.detail = (f"{len(members)} members" if not failed else
+                                     "lost on " + ", ".join(m.node for m, _ in failed))
+                        if failed:
+                            raise MemberFailed()
+                except MemberFailed:
+                    pass
+            if not failed:
+                failed = group_phase(phase, members)
             if not failed:
                 continue
             _, first = failed[0]

@@ -40,9 +40,8 @@ def main(argv=None) -> int:
     from ..checkpoint import strip_preload_env
     strip_preload_env()
     # before any thread: the node's cgroup paths (agent/kube/hostcgroup.py)
-    from .hostcgroup import join_host_cgroup_namespace
-    logging.getLogger("cuinterpose.kube").info("cgroup namespace: %s",
-                                               join_host_cgroup_namespace())
+    from .hostcgroup import join_and_log
+    join_and_log()
     stop = threading.Event()
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, lambda *_: stop.set())

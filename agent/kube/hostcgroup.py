@@ -45,3 +45,17 @@ def join_host_cgroup_namespace(host_pid: int = 1) -> str:
         os.close(fd)
     log.info("joined the cgroup namespace of pid %d (%s)", host_pid, path)
     return "joined"
+
+
+def join_and_log(host_pid: int = 1) -> str:
+    """:func:`join_host_cgroup_namespace`, logged: a failure to join is a warning (the
+    resolver and placements then see only this namespace's cgroups, and say so when a path
+    lies outside it)."""
+    res = join_host_cgroup_namespace(host_pid)
+    if res.startswith("unavailable"):
+        log.warning("cannot work in the node's cgroup namespace (%s); pods whose cgroups lie "
+                    "outside this agent's cgroup namespace cannot be resolved or restored into",
+                    res)
+    else:
+        log.info("cgroup namespace: %s", res)
+    return res

@@ -42,7 +42,7 @@ def test_group_checkpoint_and_restore_one_consistent_cut(afdwin, daemon, tmp_pat
     out = json.loads(res.json)
     assert [p["name"] for p in out["phases"]] == [
         f"group {p}" for p in ("prepare", "quiesce", "capture", "lock", "checkpoint", "dump",
-                               "manifest", "finish", "resume")]
+                               "manifest", "confirm leases", "finish", "resume")]
     # both roots are our children: wait for each before reaping (wait_dumped reaps every
     # zombie, which would hide the second one's status)
     assert [j.proc.wait(timeout=30) for j in (ja, jb)] == [-signal.SIGKILL] * 2

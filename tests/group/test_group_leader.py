@@ -21,12 +21,15 @@ class Members:
     """Fake ``call``: records (node, phase) in order; ``fail[(node, phase)] = (err_phase, pid)``
     or ``(err_phase, pid, outcome)`` makes that call fail (outcome "refused" by default); the
     nodes in ``down`` cannot be reached (the call raises); a checkpoint member is torn down
-    from "capture" on."""
+    from "capture" on. ``Renew`` answers ok (lease 30 s) but for the nodes in ``expired``
+    (their lease ran out: they undid their part) and in ``down``; ``renews`` counts them."""
 
-    def __init__(self, fail=None, down=()):
+    def __init__(self, fail=None, down=(), expired=()):
         self.log = []
         self.fail = fail or {}
         self.down = set(down)
+        self.expired = set(expired)
+        self.renews = {}
         self.lock = threading.Lock()
         self.torn = set()
         self.barrier_violations = []
@@ -34,6 +37,15 @@ class Members:
 
     def __call__(self, addr, method, req, on_progress):
         apb, _, _ = pb.modules()
+        if method == "Renew":
+            with self.lock:
+                self.renews[req.node] = self.renews.get(req.node, 0) + 1
+            if req.node in self.down:
+                raise ConnectionError(f"{addr}: UNAVAILABLE: handshake failed")
+            if req.node in self.expired:
+                return apb.RenewResponse(ok=False, node=req.node, lease_s=30, expired=True,
+                                         reason=f"request {req.request_id}: the lease expired")
+            return apb.RenewResponse(ok=True, node=req.node, lease_s=30)
         node, phase = req.node, req.phase
         with self.lock:
             self.log.append((node, phase))
@@ -93,7 +105,8 @@ def test_checkpoint_success_runs_every_phase_on_every_member_with_barriers():
     assert [r["node"] for r in rows] == [n for n, _ in m.log]
     assert [r["group_phase"] for r in rows] == [p for _, p in m.log]
     assert [x["node"] for x in out["members"]] == ["a", "b"]
-    assert [p["name"] for p in out["phases"]] == [f"group {p}" for p in CP]
+    assert [p["name"] for p in out["phases"]] == [
+        f"group {p}" for p in CP[:7] + ["confirm leases"] + CP[7:]]
 
 
 def test_failure_after_teardown_rolls_every_member_back_then_releases():
@@ -167,6 +180,29 @@ def test_a_member_whose_lease_expired_undid_itself_and_counts_as_rolled_back():
     assert (err.node, err.outcome) == ("a", "restore_failed")
     assert err.reason == ("boom; every member's restored trees were killed, the snapshots are "
                           "untouched")
+
+
+def test_every_lease_is_confirmed_before_the_point_of_no_return():
+    """Before finish (checkpoint) and resume (restore) the leader renews every member's lease
+    and waits: a member whose lease is gone has undone its part, so nobody passes that point
+    and the others undo theirs."""
+    m = Members()
+    out, err, rows = run("checkpoint", m)
+    assert err is None and m.renews == {"a": 1, "b": 1}       # one confirmation, before finish
+    names = [p["name"] for p in out["phases"]]
+    assert names.index("group confirm leases") == names.index("group finish") - 1
+
+    m = Members(expired={"b"}, fail={("b", "rollback"): ("group", None, "lease_expired")})
+    _, err, _ = run("checkpoint", m)
+    assert phases_of(m.log, "a") == CP[:7] + ["rollback", "release"]
+    assert phases_of(m.log, "b") == CP[:7] + ["rollback"]
+    assert (err.node, err.phase, err.outcome) == ("b", "finish", "rolled_back")
+    assert err.reason.startswith("its lease is gone before finish: request ")
+
+    m = Members(expired={"a"})
+    _, err, _ = run("restore", m)
+    assert phases_of(m.log, "b") == RS[:5] + ["abort"]
+    assert (err.node, err.phase, err.outcome) == ("a", "resume", "restore_failed")
 
 
 def test_members_need_distinct_names():

@@ -117,7 +117,7 @@ def test_a_long_dump_on_one_member_does_not_expire_the_other(afdwin, daemon, tmp
     out = json.loads(res.json)
     assert [p["name"] for p in out["phases"]] == [
         f"group {p}" for p in ("prepare", "quiesce", "capture", "lock", "checkpoint", "dump",
-                               "manifest", "finish", "resume")]
+                               "manifest", "confirm leases", "finish", "resume")]
     dumps = {r["node"]: r["elapsed_ns"] for r in rows
              if r["event"] == "end" and r["phase"] == "criu dump"}
     assert dumps["node-b"] >= 5e9              # the injected delay: 2.5 leases

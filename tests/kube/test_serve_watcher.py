@@ -39,6 +39,7 @@ from proclayout import lay_proc
 
 from cuinterpose.agent import demo, pb, service
 from cuinterpose.agent.census import walk_tree
+from cuinterpose.agent.kube.hostcgroup import join_host_cgroup_namespace
 from metrics_kit import scrape
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -319,8 +320,16 @@ def _grpc_waits_then_sigterm(api, a, d, errlog, addr, snaps, w, sleeper):
     reason = (f"quiesce: pid {w.pid} workload did not write {a.ctl}/quiesce-{w.pid}.ready "
               "within 5000 ms; checkpoint refused, nothing was torn down, the workload keeps "
               "running")
-    # the first start made the chart's snapshot dir, then only the failed request is logged
+    # the first start made the chart's snapshot dir; the daemon says when it cannot work in
+    # the node's cgroup namespace (here: pid 1's cannot be read); then only the failed request
+    # is logged
+    ns = join_host_cgroup_namespace()        # what the daemon found (this test process is in
+    assert ns in ("same", "joined") or ns.startswith("unavailable")    # the same namespace)
+    warn = ("" if not ns.startswith("unavailable") else
+            f"cannot work in the node's cgroup namespace ({ns}); pods whose cgroups lie outside "
+            "this agent's cgroup namespace cannot be resolved or restored into\n")
     assert errlog.read_text() == (f"cuinterpose-agent: created the snapshot dir {snaps} (mode "
-                                  f"0700)\ncheckpoint snap2 on default/stuck failed: {reason}\n")
+                                  f"0700)\n{warn}checkpoint snap2 on default/stuck failed: "
+                                  f"{reason}\n")
     assert not pathlib.Path(addr[len("unix:"):]).exists()
     assert sleeper.poll() is None and not (snaps / "grpc").exists()
