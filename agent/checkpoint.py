@@ -2,7 +2,9 @@
 
 Order (DESIGN §3, prior-art §9 lesson 8)::
 
-    census -> quiesce (request/ready) -> quiescence check (native lock + unlock of every pid:
+    census (a cwd, root or file mapping of a tree on a mount outside its mount namespace,
+    which CRIU cannot dump, is refused here: :func:`outside_mounts`)
+    -> quiesce (request/ready) -> quiescence check (native lock + unlock of every pid:
     no stream work left) -> capture (coordinator: INSPECT, validate,
     SAVE_ALLOCATIONS, PREPARE_UNICAST) -> native lock (every pid) -> native checkpoint (each pid)
     -> CRIU dump of each tree with --leave-stopped (images written, tree left stopped; right
@@ -39,7 +41,7 @@ from typing import Iterable, Iterator, Optional
 from . import census as census_mod
 from . import manifest as manifest_mod
 from . import interrupt, native, paths, quiesce
-from .errors import AgentError, CheckpointFailed, QuiesceRefused, SnapshotError
+from .errors import AgentError, CensusError, CheckpointFailed, QuiesceRefused, SnapshotError
 from .placement import external_file_key
 from .report import Reporter
 
@@ -202,11 +204,36 @@ class Checkpoint:
             self.census = census_mod.take_census(self.roots, control_dir=self.control_dir,
                                                  shim_path=self.shim_path)
             parts = self.census.participants
+            self.check_mounts()
             ph.detail = (f"{len(self.census.processes)} processes, participants "
                          f"{', '.join(str(p.pid) for p in parts)}")
         self.warnings = census_mod.open_file_warnings(self.census)
         for w in self.warnings:
             self.r.note(f"warning: {w['message']}")
+
+    def check_mounts(self):
+        """Refuse (``CensusError``, phase "census", nothing torn down) a tree with a working
+        directory, root directory or file mapping on a mount outside its mount namespace
+        (:func:`outside_mounts`): CRIU fails such a dump ("Can't lookup mount=N for fd=-3"),
+        and only open fds can be dumped as external files."""
+        comms = {p.pid: p.comm for p in self.census.processes}
+        for root in self.roots:
+            found = outside_mounts(root, _tree_pids(root))
+            if not found:
+                continue
+            f0 = found[0]
+            others = "".join(f"; also pid {f['pid']} ({comms.get(f['pid'], '?')}) {f['what']}"
+                             for f in found[1:6])
+            if len(found) > 6:
+                others += f"; and {len(found) - 6} more"
+            raise CensusError("census", (
+                f"({comms.get(f0['pid'], '?')}) of tree {root} {f0['what']}, which is not a "
+                "mount of the tree's mount namespace (reached from outside it, e.g. through an "
+                "inherited fd or another process's /proc/PID/root): CRIU, run in that "
+                f"namespace, cannot dump it (\"Can't lookup mount={f0['mnt_id']} for fd=-3\"), "
+                "and only open fds can be recorded as external files"
+                f"{others}; checkpoint refused, nothing was torn down, the workload keeps "
+                "running"), pid=f0["pid"])
 
     def make_coordinator(self):
         ph = _coordinator_module()
@@ -789,17 +816,8 @@ def external_files(root: int, pids: Iterable[int], proc_root: str = "/proc") -> 
     "inode", "flags" (fdinfo ``flags``, an int), "access" ("r", "w" or "rw"), "st_mode",
     "rdev"}]``, by pid then fd. A process or fd that vanishes while being read is skipped."""
     pids = list(pids)
-    known: set[int] = set()                   # the mounts of every mount namespace of the tree
-    seen_ns: set[int] = set()
-    for pid in pids:
-        try:
-            ns = os.stat(f"{proc_root}/{pid}/ns/mnt").st_ino
-            if ns not in seen_ns:
-                known |= _mount_ids(pid, proc_root)
-                seen_ns.add(ns)
-        except OSError:
-            continue
-    if not seen_ns:
+    known = _tree_mount_ids(pids, proc_root)
+    if known is None:
         return []                              # the tree is gone: CRIU will say so
     out = []
     for pid in pids:
@@ -822,6 +840,114 @@ def external_files(root: int, pids: Iterable[int], proc_root: str = "/proc") -> 
                             flags & os.O_ACCMODE, "rw"),
                         "st_mode": st.st_mode, "rdev": st.st_rdev})
     return sorted(out, key=lambda e: (e["pid"], e["fd"]))
+
+
+def _tree_mount_ids(pids: Iterable[int], proc_root: str = "/proc") -> Optional[set[int]]:
+    """The mount IDs of every mount namespace of the processes ``pids`` (one tree); None
+    when none of them could be read (the tree is gone)."""
+    known: set[int] = set()
+    seen_ns: set[int] = set()
+    for pid in pids:
+        try:
+            ns = os.stat(f"{proc_root}/{pid}/ns/mnt").st_ino
+            if ns not in seen_ns:
+                known |= _mount_ids(pid, proc_root)
+                seen_ns.add(ns)
+        except OSError:
+            continue
+    return known if seen_ns else None
+
+
+#: ``/proc/PID/map_files`` targets that CRIU dumps as memory, not as a file on a mount: memfd,
+#: shared anonymous memory, SysV shm, anonymous hugetlb, AIO rings, dma-bufs (all on
+#: kernel-internal mounts that no mountinfo shows)
+_MAPPED_NOT_FILES = ("/memfd:", "/dev/zero (deleted)", "/SYSV", "/anon_hugepage", "/[aio]",
+                     "/dmabuf:")
+
+
+def _opath_mount(path: str) -> tuple[int, int]:
+    """(mnt_id, inode) of what ``path`` (a ``/proc`` magic link: cwd, root, a map_files
+    entry) leads to: opened ``O_PATH`` (following the link, never reading the file) and read
+    back from ``/proc/self/fdinfo/FD``."""
+    fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    try:
+        return int(_fdinfo(f"/proc/self/fdinfo/{fd}")["mnt_id"]), os.fstat(fd).st_ino
+    finally:
+        os.close(fd)
+
+
+def _internal_shm_mount() -> Optional[int]:
+    """The mnt_id of the kernel's internal shmem mount (memfd, shared anonymous memory):
+    that of a memfd made here."""
+    try:
+        fd = os.memfd_create("cuinterpose-mnt-probe", os.MFD_CLOEXEC)
+    except (OSError, AttributeError):
+        return None
+    try:
+        return int(_fdinfo(f"/proc/self/fdinfo/{fd}")["mnt_id"])
+    except (OSError, KeyError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+
+
+def outside_mounts(root: int, pids: Iterable[int], proc_root: str = "/proc") -> list[dict]:
+    """What of the processes ``pids`` (one tree) is on a mount in none of the tree's mount
+    namespaces, other than open fds (those are :func:`external_files`): the working directory
+    (``/proc/PID/cwd``), the root directory (``/proc/PID/root``) and files only mapped
+    (``/proc/PID/map_files/*``), each opened ``O_PATH`` and its ``mnt_id`` read from
+    ``/proc/self/fdinfo/FD``. CRIU fails the dump of any of them ("Can't lookup mount=N for
+    fd=-3", criu/files-reg.c), and ``--external file[...]`` covers a mapping only when the tree
+    also holds an fd on that file (then it is one of ``external_files``, and skipped here).
+    Mappings CRIU dumps as memory (memfd, shared anonymous, SysV) are skipped.
+
+    ``[{"root", "pid", "what" (in words), "kind" ("cwd", "root" or "mapping"), "path",
+    "mnt_id"}]``, by pid (cwd, root, then mappings by address; one row per mapped file). A
+    process or entry that vanishes while being read is skipped."""
+    pids = list(pids)
+    known = _tree_mount_ids(pids, proc_root)
+    if known is None:
+        return []
+    shm = _internal_shm_mount()
+    ext = {external_file_key(f) for f in external_files(root, pids, proc_root)}
+    out = []
+    for pid in sorted(pids):
+        base = f"{proc_root}/{pid}"
+        for kind, what in (("cwd", "working directory"), ("root", "root directory")):
+            try:
+                path = os.readlink(f"{base}/{kind}")
+                mnt_id, _ = _opath_mount(f"{base}/{kind}")
+            except (OSError, KeyError, ValueError):
+                continue
+            if mnt_id not in known:
+                out.append({"root": int(root), "pid": pid, "kind": kind, "path": path,
+                            "mnt_id": mnt_id,
+                            "what": f"has its {what} {path} on mount {mnt_id}"})
+        try:
+            ranges = sorted(os.listdir(f"{base}/map_files"),
+                            key=lambda r: int(r.split("-")[0], 16))
+        except (OSError, ValueError):
+            continue
+        seen = set()
+        for rng in ranges:
+            entry = f"{base}/map_files/{rng}"
+            try:
+                path = os.readlink(entry)
+                if not path.startswith("/") or path.startswith(_MAPPED_NOT_FILES):
+                    continue
+                mnt_id, ino = _opath_mount(entry)
+            except (OSError, KeyError, ValueError):
+                continue
+            if mnt_id in known or mnt_id == shm or (mnt_id, ino) in seen:
+                continue
+            seen.add((mnt_id, ino))
+            if external_file_key({"mnt_id": mnt_id, "inode": ino}) in ext:
+                continue
+            out.append({"root": int(root), "pid": pid, "kind": "mapping", "path": path,
+                        "mnt_id": mnt_id,
+                        "what": f"has a mapping of {path} ({rng}) on mount {mnt_id}, with no "
+                                "fd open on it"})
+    return out
 
 
 def _kill(pid: int, sig: int) -> None:

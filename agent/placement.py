@@ -50,9 +50,13 @@ placement=...)`` (``cuinterpose-agent restore --into-pid PID``) puts the restore
   restore (``--inherit-fd fd[N]:file[MNT_ID:INODE]``; CRIU reopens that fd through
   ``/proc/self/fd/N`` with the dumped flags and offset, and checks its mode): the placement's
   fd of the same number when it is the same kind of file (same ``st_mode``, same device for a
-  device file; a regular file only when the tree held it ``O_WRONLY|O_APPEND``, which CRIU
-  does not size-check), else the recorded path reopened in the agent's mount namespace with
-  the recorded access mode and ``O_APPEND`` (:func:`external_file_fd`).
+  device file; a regular file only when *every* fd of the tree on that file is
+  ``O_WRONLY|O_APPEND``: CRIU reopens each of them on the one fd handed and size-checks any
+  other), else the recorded path reopened in the agent's mount namespace with the recorded
+  access mode and ``O_APPEND`` (:func:`external_file_fd`).
+- a placement stdio fd that CRIU cannot reopen through ``/proc/self/fd/N`` (a socket, as
+  systemd/journald give a service's stdout, or an anonymous inode: ENXIO) is refused when an
+  external pipe would need it, naming the placement's fd and the tree's.
 
 ``Placement`` only reads ``/proc``; nothing is changed until the restore uses it.
 """
@@ -681,6 +685,17 @@ def _file_kind(st_mode: int) -> str:
     return f"file of mode {st_mode:o}"
 
 
+def _not_reopenable(st: os.stat_result, target: str) -> Optional[str]:
+    """What the file behind an fd is ("a socket", "an anonymous inode") when ``open(2)`` of
+    ``/proc/self/fd/N`` fails for it with ENXIO (checked for both), which CRIU does to every
+    fd handed for an inherited pipe (criu/pipes.c ``reopen_pipe``); None otherwise."""
+    if stat.S_ISSOCK(st.st_mode):
+        return "a socket"
+    if target.startswith("anon_inode:"):
+        return "an anonymous inode"
+    return None
+
+
 def _same_kind(st: os.stat_result, rec: dict) -> Optional[str]:
     """None when ``st`` can stand for the recorded external file ``rec`` (CRIU reopens it and
     refuses another ``st_mode``: "File ... has bad mode"), else why not."""
@@ -704,14 +719,20 @@ def external_file_fd(placement: Optional[Placement], uses: list[dict]) -> tuple[
 
     With a placement, the placement's fd of the same number as one of the uses (0-2, lowest
     first), open for the way the tree used it, when it is the same kind of file
-    (:func:`_same_kind`; a regular file only when the tree held it ``O_WRONLY|O_APPEND``: CRIU
-    size-checks any other); else the recorded path reopened here, in the agent's mount
+    (:func:`_same_kind`; a regular file only when *every* use is ``O_WRONLY|O_APPEND``: CRIU
+    reopens every use, an ``O_RDWR`` one at its offset too, on the fd handed, and size-checks
+    each use that is not); else the recorded path reopened here, in the agent's mount
     namespace, with the recorded access mode, ``O_APPEND`` and ``O_NONBLOCK`` (never created
     or truncated), and checked to be the same kind. ``how``: ``{"handed", "placement_fd"}``.
     Raises ``PlacementError`` naming pid, fd and path when nothing fits."""
     first = min(uses, key=lambda u: (u["fd"], u["pid"]))
     rec = first
     why_not = []
+    # CRIU reopens *every* use of the file through /proc/self/fd/N of the one fd handed, with
+    # that use's flags and offset, and size-checks each use not held O_WRONLY|O_APPEND: a
+    # placement's regular file (another file than the tree's) fits only when no use is such
+    sizable = sorted((u for u in uses if not _appends(u["flags"])),
+                     key=lambda u: (u["pid"], u["fd"]))
     if placement is not None:
         by_fd = {s.fd: s for s in placement.stdio}
         for u in sorted(uses, key=lambda u: (u["fd"], u["pid"])):
@@ -729,9 +750,12 @@ def external_file_fd(placement: Optional[Placement], uses: list[dict]) -> tuple[
                 continue
             st = os.fstat(fd)
             bad = _same_kind(st, u)
-            if bad is None and stat.S_ISREG(st.st_mode) and not _appends(u["flags"]):
-                bad = ("a regular file the tree did not hold O_WRONLY|O_APPEND (CRIU checks "
-                       "its size)")
+            if bad is None and stat.S_ISREG(st.st_mode) and sizable:
+                v = sizable[0]
+                bad = (f"a regular file, and the tree's pid {v['pid']} fd {v['fd']} on the "
+                       f"file is {_flag_names(v['flags'] & _REOPEN_FLAGS)}, not "
+                       "O_WRONLY|O_APPEND: CRIU would reopen that fd on this file too, at its "
+                       "offset, and check its size")
             if bad is None:
                 return fd, {"handed": f"placement fd {s.fd} ({s.target})",
                             "placement_fd": s.fd}
@@ -831,9 +855,19 @@ def restore_options(placement: Optional[Placement], external_pipes: Iterable[dic
                         f"placement {e.reason}", pid=placement.pid) from None
                 fd = placement.open_stdio(s, first["direction"])
                 opts.fds.append(fd)
+                st = os.fstat(fd)
+                kind = _not_reopenable(st, s.target)
+                if kind:
+                    raise PlacementError(
+                        f"{tree}pid {first['pid']} fd {first['fd']} {first['direction']}s "
+                        f"pipe:[{inode}], whose other end was outside the tree, but the "
+                        f"placement pid {placement.pid} fd {s.fd} ({s.target}) is {kind}: CRIU "
+                        "reopens the fd handed for such a pipe through /proc/self/fd/N "
+                        "(criu/pipes.c reopen_pipe), which fails for it (\"No such device or "
+                        f"address\"); give the placeholder a pipe, a regular file or /dev/null "
+                        f"as its fd {s.fd}", pid=placement.pid)
                 opts.inherit_fds.append((fd, f"pipe:[{inode}]"))
                 opts.inherited += [{**p, "placement_fd": s.fd} for p in uses]
-                st = os.fstat(fd)
                 if stat.S_ISREG(st.st_mode):
                     opts.fixups += [{"pid": p["pid"], "fd": p["fd"], "dev": st.st_dev,
                                      "ino": st.st_ino, "target": s.target,

@@ -172,3 +172,13 @@ def not_placed(root: int, placeholder: int) -> list[str]:
         if cg != want_cg:
             out.append(f"pid {pid}: cgroups {cg!r} not {want_cg!r}")
     return out
+
+
+def mount_id_of(path) -> int:
+    """The mount ID of the mount ``path`` is on (in this mount namespace; fdinfo ``mnt_id``)."""
+    fd = os.open(path, os.O_PATH)
+    try:
+        with open(f"/proc/self/fdinfo/{fd}") as f:
+            return next(int(ln.split()[1]) for ln in f if ln.startswith("mnt_id:"))
+    finally:
+        os.close(fd)

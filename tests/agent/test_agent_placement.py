@@ -13,7 +13,10 @@
   stdin /dev/null and stderr a log file from outside it is checkpointed (external files) and
   restored into a placeholder in a test cgroup whose mount namespace lacks the agent's Python;
 - the restore's notes (no placement: external pipes, files reopened in the agent's mount
-  namespace) are in its result.
+  namespace) are in its result;
+- a placeholder whose stdout is a socket is refused in the placement phase; a checkpoint of a
+  job whose cwd is outside its mount namespace is refused by the census, the job untouched; a
+  "bad size" of an external file names the file and what was handed.
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ from cuinterpose.agent.census import CensusError, pid_alive, walk_tree
 from cuinterpose.agent.placement import (Cgroup, Placement, PlacementError, cgroup_mounts,
                                          parse_cgroup)
 
-from placement_kit import cgroups_of, comm_of, hidden_python_dirs
+from placement_kit import cgroups_of, comm_of, hidden_python_dirs, mount_id_of
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "criu"))
 from criu_helpers import kill_tree, wait_until  # noqa: E402
@@ -419,6 +422,23 @@ def test_bad_placements_are_refused_before_criu_and_leave_the_snapshot(
                              "--into-pid", str(gone))
     refused(rc, out, gone, "the placement process is gone")
 
+    # its stdout is a socket (journald's): CRIU could not reopen it for the external pipe
+    a, b = socket.socketpair()
+    sock_ph = placeholder("cui-sock", stdout_fd=a.fileno()).pid
+    a.close()
+    sock = os.readlink(f"/proc/{sock_ph}/fd/1")
+    rc, out = demo.run_agent("restore", "--images-dir", str(snap), "--driver", "fake",
+                             "--into-pid", str(sock_ph))
+    refused(rc, out, sock_ph)
+    (p,) = m["external_pipes"]
+    assert out["error"]["reason"] == (
+        f"tree {j.a.pid}: pid {p['pid']} fd 1 writes pipe:[{p['inode']}], whose other end was "
+        f"outside the tree, but the placement pid {sock_ph} fd 1 ({sock}) is a socket: CRIU "
+        "reopens the fd handed for such a pipe through /proc/self/fd/N (criu/pipes.c "
+        "reopen_pipe), which fails for it (\"No such device or address\"); give the "
+        "placeholder a pipe, a regular file or /dev/null as its fd 1")
+    b.close()
+
     # its cgroup refuses the CRIU child: a real-time task into a cpu cgroup without RT time
     if not os.path.exists("/sys/fs/cgroup/cpu/cpu.rt_runtime_us"):
         pytest.skip("no cgroup v1 cpu hierarchy with RT group scheduling: no refused cgroup "
@@ -535,7 +555,7 @@ def test_job_in_its_own_mount_namespace_with_stdio_from_outside_into_a_placehold
     root_files = [(f["fd"], f["path"], f["mnt_id"], f["inode"]) for f in files
                   if f["pid"] == j.a.pid]
     assert root_files == [(0, "/dev/null", dev_id, dn.st_ino),
-                          (2, str(j.a.err), _mount_id_of(j.a.err), err.st_ino)]
+                          (2, str(j.a.err), mount_id_of(j.a.err), err.st_ino)]
     assert {f["path"] for f in files} == {"/dev/null", str(j.a.err)}
     assert {f["pid"] for f in files} == {p["pid"] for p in m["processes"]}
     warned = {(w["pid"], w["fd"]) for w in m["warnings"]
@@ -574,16 +594,6 @@ def _mount_id(mountpoint: str) -> int:
         return [int(ln.split()[0]) for ln in f if ln.split()[4] == mountpoint][-1]
 
 
-def _mount_id_of(path) -> int:
-    """The mount ID of the mount ``path`` is on (in this mount namespace)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        with open(f"/proc/self/fdinfo/{fd}") as f:
-            return next(int(ln.split()[1]) for ln in f if ln.startswith("mnt_id:"))
-    finally:
-        os.close(fd)
-
-
 def test_cgroup_paths_outside_the_agents_cgroup_namespace_are_refused(tmp_path):
     root = _fake_proc(tmp_path, cgroup="0::/../../kubepods.slice/pod1/cri-containerd-ab.scope\n")
     with pytest.raises(PlacementError) as e:
@@ -593,3 +603,93 @@ def test_cgroup_paths_outside_the_agents_cgroup_namespace_are_refused(tmp_path):
         "its cgroup 0::/../../kubepods.slice/pod1/cri-containerd-ab.scope lies outside this "
         "agent's cgroup namespace: the agent does not run in the node's cgroup namespace "
         "(serve joins pid 1's when it can; docs/kubernetes.md)")
+
+
+def test_checkpoint_of_a_job_whose_cwd_is_outside_its_mount_namespace_is_refused(
+        job, tmp_path):
+    """CRIU cannot dump a cwd (or root, or a file only mapped) on a mount outside the tree's
+    mount namespace ("Can't lookup mount=N for fd=-3"): the census refuses it before the
+    quiesce, naming each process, the directory and the mount; the job runs on untouched."""
+    run_dir = tmp_path / "run0"
+    j = job(prefix=["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
+                    f'cd /proc/{os.getpid()}/root{run_dir} && exec "$@"', "sh"])
+    assert j.a.run_dir == run_dir
+    a = j.a
+    a.wait_for(lambda ev: demo.received(ev) >= 30, 120, "30 messages")
+    assert os.stat(f"/proc/{a.pid}/ns/mnt").st_ino != os.stat("/proc/self/ns/mnt").st_ino
+    snap = tmp_path / "snap"
+    rc, out = demo.run_agent("checkpoint", "--pid", str(a.pid), "--images-dir", str(snap),
+                             "--driver", "fake", "--control-dir", str(a.ctl))
+    assert rc == 3 and not out["ok"], out
+    err = out["error"]
+    tree = sorted(p for p, _, _ in walk_tree([a.pid]))
+    mid = mount_id_of(run_dir)
+    comm = {p: comm_of(p) for p in tree}
+    what = f"has its working directory {run_dir} on mount {mid}"
+    assert (err["phase"], err["pid"], err["outcome"]) == ("census", tree[0], "refused"), err
+    assert err["reason"] == (
+        f"({comm[tree[0]]}) of tree {a.pid} {what}, which is not a mount of the tree's mount "
+        "namespace (reached from outside it, e.g. through an inherited fd or another "
+        "process's /proc/PID/root): CRIU, run in that namespace, cannot dump it (\"Can't "
+        f"lookup mount={mid} for fd=-3\"), and only open fds can be recorded as external files"
+        + "".join(f"; also pid {p} ({comm[p]}) {what}" for p in tree[1:6])
+        + "; checkpoint refused, nothing was torn down, the workload keeps running")
+    assert [(p["name"], p["status"]) for p in out["phases"]] == [("driver", "ok"),
+                                                                 ("census", "failed")]
+    assert not snap.exists()
+    # untouched: it was never asked to quiesce, and finishes with nothing lost
+    assert a.proc.wait(timeout=300) == 0
+    evs = a.events()
+    assert demo.check_run(evs, STEPS, expect_restore=False) == []
+    s = [e for e in evs if demo.kind(e) == "summary"][-1]
+    assert (s["lost"], s["duplicated"], s["torn"], s["restores_seen"]) == (0, 0, 0, 0)
+
+
+def test_a_bad_size_of_an_external_file_names_what_was_handed(tmp_path, monkeypatch):
+    """CRIU names an external file reopened from a handed fd "fd/N" (a copy of that fd, tied
+    to its key by the log line before): the restore's reason names the file, the tree's fds
+    and what was handed, not the workload's O_APPEND."""
+    from cuinterpose.agent import criu
+    from cuinterpose.agent import restore as rs_mod
+    from cuinterpose.agent.errors import AgentError
+    from cuinterpose.agent.placement import RestoreOptions
+    log = tmp_path / "restore.log"
+    log.write_text("(00.040346)   9695: Found id file[1b:210413] (fd 1) in inherit fd list\n"
+                   "(00.040371)   9695: Found id file[1b:210413] (fd 3) in inherit fd list\n"
+                   "(00.040377)   9695: Error (criu/files-reg.c:2175): File fd/3 has bad size "
+                   "70 (expect 4111)\n"
+                   "(00.040377)   9695: Error (criu/files-reg.c:2175): File run/app.log has "
+                   "bad size 9 (expect 8)\n")
+    e = criu.CriuError("criu restore failed", log_path=log)
+    e.bad_size = criu.bad_size_files(log)
+    assert e.bad_size == [{"path": "/fd/3", "size": 70, "expected": 4111},
+                          {"path": "/run/app.log", "size": 9, "expected": 8}]
+
+    def boom(d, **kw):
+        raise e
+    monkeypatch.setattr(criu, "restore", boom)
+    rec = {"root": 7, "pid": 8, "fd": 1, "path": "/var/log/x.log", "mnt_id": 0x1b,
+           "inode": 0x210413, "flags": os.O_WRONLY | os.O_APPEND, "access": "w",
+           "st_mode": 0o100644, "rdev": 0}
+    handed = {"handed": "placement fd 1 (/var/log/ph.log)", "placement_fd": 1}
+    rs = rs_mod.Restore(tmp_path)
+    rs.m = {"roots": [7]}
+    rs.opts[7] = RestoreOptions(inherit_fds=[(12, "file[1b:210413]")], files=[
+        {**rec, **handed}, {**rec, "fd": 5, "flags": os.O_RDWR, "access": "rw", **handed}])
+    with pytest.raises(AgentError) as ei:
+        rs.criu_restore()
+    assert ei.value.reason == (
+        f"tree 7 from {tmp_path / 'criu' / '7'}: CRIU refuses a file opened outside the tree's "
+        "mount namespace whose size is not its size at the dump (CRIU reopens every fd of such "
+        "a file on the one fd handed for it, and checks the size of each fd the tree did not "
+        "hold O_WRONLY|O_APPEND): /var/log/x.log (opened outside the tree's mount namespace; "
+        "held by pid 8 fd 5 O_RDWR) was handed placement fd 1 (/var/log/ph.log), which is 70 "
+        "bytes, the snapshot expects 4111: the placement's fd 1 is another file than the "
+        "tree's: restore into a placeholder whose fd 1 is not a regular file, so that "
+        "/var/log/x.log is reopened. It also refuses a regular file whose size changed since "
+        "the dump: /run/app.log is 9 bytes, the snapshot expects 8. The workload (or a "
+        "restored run of it) wrote to it through a descriptor opened without O_APPEND, so this "
+        "snapshot is restorable only while the file keeps its dumped size (truncate it back to "
+        "that size to restore it again, losing what was written after the checkpoint); open it "
+        "with O_APPEND / `>>` so that later snapshots restore any number of times "
+        f"(CRIU log: {log})")

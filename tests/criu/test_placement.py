@@ -19,7 +19,9 @@ import fcntl
 import json
 import os
 import pathlib
+import re
 import signal
+import socket
 import subprocess
 import sys
 
@@ -30,7 +32,7 @@ from cuinterpose.agent.placement import (Namespace, Placement, PlacementError, e
                                          restore_options)
 
 from criu_helpers import HERE, alive, kill_tree, stop_job, wait_until
-from placement_kit import cgroups_of, comm_of, hidden_python_dirs
+from placement_kit import cgroups_of, comm_of, hidden_python_dirs, mount_id_of
 
 PIPE_TREE = HERE / "pipe_tree.py"
 
@@ -538,3 +540,319 @@ def test_other_user_namespace_pid_1_and_kernel_threads_are_refused(placeholder):
     assert pl.mismatches(ok.pid) == []
     wrong = dataclasses.replace(pl, user=Namespace("user", pl.user.path, other))
     assert wrong.mismatches(ok.pid) == [f"user namespace [{mine}], not the placement's [{other}]"]
+
+
+# --------------------------------------------------------------------------- several uses
+
+#: a tree process (run in ``unshare --mount``); argv: actions on fds it inherited from outside
+#: its mount namespace. ``rw:N``: write "R%06d\n" through fd N each tick (besides "%d\n" to
+#: fd 1); ``fchdir:N`` / ``chroot:N``: make the directory fd N its cwd (and root), close it;
+#: ``mmap:N``: map fd N (libc mmap: Python's mmap keeps a dup of the fd) and close it;
+#: ``mmap-open:N``: the same, keeping fd N open.
+OUTSIDE_TREE = r'''
+import ctypes, os, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_int, ctypes.c_long]
+rw = []
+for a in sys.argv[1:]:
+    kind, _, n = a.partition(":")
+    fd = int(n)
+    if kind == "rw":
+        rw.append(fd)
+    elif kind in ("fchdir", "chroot"):
+        os.fchdir(fd)
+        os.close(fd)
+        if kind == "chroot":
+            os.chroot(".")
+    elif kind in ("mmap", "mmap-open"):
+        assert libc.mmap(None, 4096, 1, 1, fd, 0) not in (None, ctypes.c_void_p(-1).value)
+        if kind == "mmap":
+            os.close(fd)
+i = 0
+while True:
+    i += 1
+    os.write(1, b"%d\n" % i)
+    for fd in rw:
+        os.write(fd, b"R%06d\n" % i)
+    time.sleep(0.02)
+'''
+
+
+def _start_outside(tmp_path, redirects: str, *acts: str) -> subprocess.Popen:
+    """OUTSIDE_TREE in ``unshare --mount``, after ``sh`` opened ``redirects`` (e.g.
+    ``1>>LOG 5<>LOG``) here, outside that namespace; stdin /dev/null, stderr ``tree.err``."""
+    script = tmp_path / "outside_tree.py"
+    script.write_text(OUTSIDE_TREE)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LD_")}
+    cmd = (f"exec {redirects} && exec unshare --mount --propagation private "
+           f"{sys.executable} {script} {' '.join(acts)}")
+    with open(tmp_path / "tree.err", "ab") as err:
+        return subprocess.Popen(["sh", "-c", cmd], stdin=subprocess.DEVNULL, stderr=err,
+                                env=env, start_new_session=True)
+
+
+def _records(data: bytes) -> list[int]:
+    """The "R%06d\n" records at the start of ``data``."""
+    out = []
+    while data[8 * len(out):8 * len(out) + 1] == b"R":
+        rec = data[8 * len(out):8 * len(out) + 8]
+        assert len(rec) == 8 and rec.endswith(b"\n"), rec
+        out.append(int(rec[1:7]))
+    return out
+
+
+PAD = 40000                       # bytes of "." the tree's log starts with (fd 5 overwrites them)
+
+
+def test_an_external_file_also_held_rdwr_is_reopened_not_the_placeholders_log(
+        tmp_path, placeholder, criu_ok):
+    """A tree holds one outside log twice: fd 1 O_WRONLY|O_APPEND and fd 5 O_RDWR from
+    offset 0 (one key file[MNT:INODE]). CRIU reopens both on the one fd handed, so the
+    placeholder's log (its stdout, O_WRONLY|O_APPEND) must not be handed: fd 5 would
+    overwrite it from offset 0 (or, its size differing, "bad size"). The path is reopened;
+    the placeholder's log keeps its bytes, the tree's log continues both sequences. A second
+    restore of the same images (the log grew) fails "bad size" on fd/N, and the reason names
+    the external file and what was handed, without the workload-O_APPEND advice."""
+    from cuinterpose.agent import restore as restore_mod
+    log = tmp_path / "tree.log"
+    log.write_bytes(b"." * PAD)
+    job = _start_outside(tmp_path, f"1>>{log} 5<>{log}", "rw:5")
+    restored = None
+    try:
+        wait_until(lambda: len(_records(log.read_bytes())) >= 10, "10 records", 30)
+        ext = checkpoint.external_files(job.pid, [job.pid])
+        mine = [e for e in ext if e["path"] == str(log)]
+        assert [(e["fd"], e["flags"] & (os.O_ACCMODE | os.O_APPEND)) for e in mine] == [
+            (1, os.O_WRONLY | os.O_APPEND), (5, os.O_RDWR)]
+        key = external_file_key(mine[0])
+        assert external_file_key(mine[1]) == key == \
+            f"file[{mount_id_of(log):x}:{log.stat().st_ino:x}]"
+        imgs = tmp_path / "imgs"
+        criu.dump(job.pid, imgs, external_files=list(dict.fromkeys(
+            external_file_key(e) for e in ext)))
+        assert job.wait(30) == -signal.SIGKILL
+        dumped = log.read_bytes()
+        n_rec = len(_records(dumped))
+        n_app = len(_numbers_in(dumped[PAD:]))
+        assert _records(dumped) == list(range(1, n_rec + 1))
+        wait_gone([job.pid])
+
+        ph_header = b"".join(b"PH HEADER %03d\n" % i for i in range(100))
+        ph_log = tmp_path / "ph.log"
+        ph_log.write_bytes(ph_header)
+        out_fd = os.open(ph_log, os.O_WRONLY | os.O_APPEND)
+        err_fd = os.open(tmp_path / "tree.err", os.O_WRONLY | os.O_APPEND)
+        ph = placeholder("cui-multi", mount=True, stdout_fd=out_fd, stderr_fd=err_fd)
+        os.close(out_fd)
+        os.close(err_fd)
+        pl = Placement.of_pid(ph.pid, namespaces=())
+        opts = restore_options(pl, root=job.pid, external_files=ext)
+        try:
+            got = {f["fd"]: (f["placement_fd"], f["handed"]) for f in opts.files}
+            reopened = f"{log} reopened in the agent's mount namespace (O_WRONLY|O_APPEND)"
+            assert got == {0: (0, "placement fd 0 (/dev/null)"), 1: (None, reopened),
+                           2: (2, f"placement fd 2 ({tmp_path / 'tree.err'})"),
+                           5: (None, reopened)}
+            (fd,) = [fd for fd, k in opts.inherit_fds if k == key]
+            assert os.fstat(fd).st_ino == log.stat().st_ino
+            restored = criu.restore(imgs, leave_stopped=True, **opts.kwargs())
+        finally:
+            opts.close()
+        assert restored == job.pid
+        with open(f"/proc/{restored}/fdinfo/5") as f:      # at the dumped offset, stopped
+            assert f.readline() == f"pos:\t{8 * n_rec}\n"
+        assert os.stat(f"/proc/{restored}/fd/5").st_ino == log.stat().st_ino
+        os.kill(restored, signal.SIGCONT)
+        wait_until(lambda: len(_records(log.read_bytes())) >= n_rec + 10, "10 more records",
+                   30)
+        kill_tree([restored])
+        assert ph_log.read_bytes() == ph_header             # not one byte written
+        data = log.read_bytes()
+        recs = _records(data)
+        assert recs == list(range(1, len(recs) + 1)) and len(recs) >= n_rec + 10
+        assert data[8 * len(recs):PAD] == b"." * (PAD - 8 * len(recs))
+        apps = _numbers_in(data[PAD:])
+        assert apps == list(range(1, len(apps) + 1)) and len(apps) > n_app
+        wait_gone([job.pid])
+
+        # the restored run appended: the O_RDWR fd's size check now fails
+        opts = restore_options(pl, root=job.pid, external_files=ext)
+        try:
+            with pytest.raises(criu.CriuError) as ei:
+                criu.restore(imgs, **opts.kwargs())
+            size = log.stat().st_size
+            (row,) = ei.value.bad_size
+            # CRIU names it by the copy of the handed fd it reopened, which its log ties to
+            # the key right before
+            assert (row["size"], row["expected"]) == (size, len(dumped))
+            assert row["path"].startswith("/fd/") and row["path"][4:].isdigit()
+            assert restore_mod.inherited_bad_size_keys(
+                pathlib.Path(ei.value.log_path).read_text()) == {
+                    (int(row["path"][4:]), size, len(dumped)): key}
+            reason = restore_mod.bad_size_reason(job.pid, imgs, ei.value.bad_size, ei.value,
+                                                 files=restore_mod.handed_files(opts))
+        finally:
+            opts.close()
+        assert reason == (
+            f"tree {job.pid} from {imgs}: CRIU refuses a file opened outside the tree's mount "
+            "namespace whose size is not its size at the dump (CRIU reopens every fd of such "
+            "a file on the one fd handed for it, and checks the size of each fd the tree did "
+            f"not hold O_WRONLY|O_APPEND): {log} (opened outside the tree's mount namespace; "
+            f"held by pid {job.pid} fd 5 O_RDWR) was handed {reopened}, which is {size} bytes, "
+            f"the snapshot expects {len(dumped)}: {log} here is not the size it had at the "
+            "dump (a restored run of the tree wrote to it, or it is another file): this "
+            f"snapshot restores only while it has {len(dumped)} bytes (truncate it back to "
+            "that size to restore it again, losing what was written after the checkpoint) "
+            f"(CRIU log: {ei.value.log_path})")
+        assert "O_APPEND / `>>`" not in reason
+        wait_gone([job.pid])
+    finally:
+        stop_job(job, restored)
+
+
+def _numbers_in(data: bytes) -> list[int]:
+    return [int(x) for x in data.split(b"\n")[:-1]]
+
+
+def test_a_placeholders_regular_file_is_not_handed_when_one_use_is_not_append(
+        tmp_path, placeholder):
+    """The refusal when the path cannot be reopened either names the use that kept the
+    placeholder's regular file from being handed."""
+    ph_log = tmp_path / "ph.log"
+    ph_log.write_bytes(b"header\n")
+    fd = os.open(ph_log, os.O_WRONLY | os.O_APPEND)
+    ph = placeholder("cui-nouse", stdout_fd=fd)
+    os.close(fd)
+    pl = Placement.of_pid(ph.pid, namespaces=())
+    gone = tmp_path / "gone.log"
+    rec = {"root": 5, "pid": 6, "fd": 1, "path": str(gone), "mnt_id": 999, "inode": 12,
+           "flags": os.O_WRONLY | os.O_APPEND, "access": "w",
+           "st_mode": ph_log.stat().st_mode, "rdev": 0}
+    rdwr = dict(rec, fd=5, flags=os.O_RDWR, access="rw")
+    with pytest.raises(PlacementError) as ei:
+        restore_options(pl, root=5, external_files=[rec, rdwr])
+    assert ei.value.pid == ph.pid
+    assert ei.value.reason == (
+        f"tree 5: pid 6 fd 1 holds {gone} (opened outside the tree's mount namespace, mount "
+        "999, inode 12), which cannot be reopened here: No such file or directory and the "
+        f"placement's fds do not fit (its fd 1 ({ph_log}) is a regular file, and the tree's "
+        "pid 6 fd 5 on the file is O_RDWR, not O_WRONLY|O_APPEND: CRIU would reopen that fd "
+        "on this file too, at its offset, and check its size)")
+    # every use O_WRONLY|O_APPEND: the placeholder's file is handed
+    opts = restore_options(pl, root=5, external_files=[rec, dict(rec, fd=7)])
+    try:
+        assert [(f["fd"], f["placement_fd"]) for f in opts.files] == [(1, 1), (7, 1)]
+    finally:
+        opts.close()
+    assert ph_log.read_bytes() == b"header\n"
+
+
+# --------------------------------------------------------------------------- socket stdout
+
+def test_a_placeholder_whose_stdout_is_a_socket_is_refused(tmp_path, pipe_tree, placeholder):
+    """CRIU reopens the fd handed for an external pipe through /proc/self/fd/N: a socket
+    (journald's stdout) fails that ("No such device or address"). The placement refuses it
+    first, naming its fd and the tree's, with every fd it opened closed again."""
+    root, pids, reader, _ = pipe_tree()
+    tree = [pids["root"], pids["child"]]
+    ext = checkpoint.external_pipes(root.pid, tree)
+    ino = ext[0]["inode"]
+    imgs = tmp_path / "imgs"
+    criu.dump(root.pid, imgs)
+    assert root.wait() == -signal.SIGKILL
+    reader.wait(timeout=30)
+    wait_gone(tree)
+    a, b = socket.socketpair()
+    ph = placeholder("cui-sock", stdout_fd=a.fileno())
+    a.close()
+    sock = os.readlink(f"/proc/{ph.pid}/fd/1")
+    assert sock.startswith("socket:[")
+    pl = Placement.of_pid(ph.pid)
+    fds_before = sorted(os.listdir("/proc/self/fd"))
+    with pytest.raises(PlacementError) as ei:
+        restore_options(pl, ext, root=root.pid)
+    assert sorted(os.listdir("/proc/self/fd")) == fds_before
+    assert (ei.value.phase, ei.value.pid) == ("placement", ph.pid)
+    first = min(tree)
+    assert ei.value.reason == (
+        f"tree {root.pid}: pid {first} fd 1 writes pipe:[{ino}], whose other end was outside "
+        f"the tree, but the placement pid {ph.pid} fd 1 ({sock}) is a socket: CRIU reopens "
+        "the fd handed for such a pipe through /proc/self/fd/N (criu/pipes.c reopen_pipe), "
+        "which fails for it (\"No such device or address\"); give the placeholder a pipe, a "
+        "regular file or /dev/null as its fd 1")
+    # what CRIU does with it when handed anyway
+    fd = pl.open_stdio(pl.stdio[1], "write")
+    try:
+        with pytest.raises(criu.CriuError) as ei:
+            criu.restore(imgs, inherit_fds=[(fd, f"pipe:[{ino}]")])
+    finally:
+        os.close(fd)
+    assert re.search(r"Unable to reopen the pipe /proc/self/fd/\d+: No such device or address",
+                     pathlib.Path(ei.value.log_path).read_text())
+    wait_gone(tree)
+    b.close()
+
+
+# --------------------------------------------------------------------------- cwd, root, maps
+
+@pytest.mark.parametrize("case", ["cwd", "root", "mapping", "mapping-open"])
+def test_cwd_root_and_mappings_outside_the_mount_namespace(tmp_path, criu_ok, case):
+    """``checkpoint.outside_mounts`` finds what CRIU cannot dump ("Can't lookup mount=N for
+    fd=-3"): a cwd, a root, a file only mapped, all from outside the tree's mount namespace.
+    A mapping whose file the tree also holds open is an external file, which CRIU dumps."""
+    d = tmp_path / "outside-dir"
+    d.mkdir()
+    f = tmp_path / "mapped.dat"
+    f.write_bytes(b"m" * 8192)
+    redirect, act = {"cwd": (f"6<{d}", "fchdir:6"), "root": ("6</", "chroot:6"),
+                     "mapping": (f"6<{f}", "mmap:6"),
+                     "mapping-open": (f"6<{f}", "mmap-open:6")}[case]
+    log = tmp_path / "tree.log"
+    job = _start_outside(tmp_path, f"1>>{log} {redirect}", act)
+    try:
+        wait_until(lambda: len(_numbers(log)) >= 5, "5 numbers", 30)
+        pid = job.pid
+        found = checkpoint.outside_mounts(pid, [pid])
+        ext = checkpoint.external_files(pid, [pid])
+        keys = list(dict.fromkeys(external_file_key(e) for e in ext))
+        if case == "mapping-open":
+            assert found == []
+            assert [e["fd"] for e in ext if e["path"] == str(f)] == [6]
+            criu.dump(pid, tmp_path / "imgs", leave_running=True, external_files=keys)
+            assert alive(pid)
+            return
+        if case == "cwd":
+            mid = mount_id_of(d)
+            assert found == [{"root": pid, "pid": pid, "kind": "cwd", "path": str(d),
+                              "mnt_id": mid,
+                              "what": f"has its working directory {d} on mount {mid}"}]
+            path = str(d)
+        elif case == "root":
+            mid = mount_id_of("/")
+            assert [(r["kind"], r["path"], r["mnt_id"], r["what"]) for r in found[:2]] == [
+                ("cwd", "/", mid, f"has its working directory / on mount {mid}"),
+                ("root", "/", mid, f"has its root directory / on mount {mid}")]
+            # its mountinfo shows only the mounts below its root: none of its namespace's, so
+            # its interpreter and libraries (mapped before the chroot) are named too
+            assert {r["kind"] for r in found[2:]} == {"mapping"}
+            assert str(pathlib.Path(sys.executable).resolve()) in {r["path"] for r in found}
+            path = "/"
+        else:
+            mid = mount_id_of(f)
+            (rng,) = [r for r in os.listdir(f"/proc/{pid}/map_files")
+                      if os.readlink(f"/proc/{pid}/map_files/{r}") == str(f)]
+            assert found == [{"root": pid, "pid": pid, "kind": "mapping", "path": str(f),
+                              "mnt_id": mid,
+                              "what": f"has a mapping of {f} ({rng}) on mount {mid}, with no "
+                                      "fd open on it"}]
+            assert not [e for e in ext if e["path"] == str(f)]
+            path = str(f)
+        # what CRIU says (its other outside files are external): the tree keeps running
+        with pytest.raises(criu.CriuError) as ei:
+            criu.dump(pid, tmp_path / "imgs", leave_running=True, external_files=keys)
+        assert f"Can't lookup mount={mid} for fd=-3 path={path}" in str(ei.value)
+        assert alive(pid)
+    finally:
+        stop_job(job, None)
