@@ -439,19 +439,6 @@ def test_bad_placements_are_refused_before_criu_and_leave_the_snapshot(
         "placeholder a pipe, a regular file or /dev/null as its fd 1")
     b.close()
 
-    # its cgroup refuses the CRIU child: a real-time task into a cpu cgroup without RT time
-    if not os.path.exists("/sys/fs/cgroup/cpu/cpu.rt_runtime_us"):
-        pytest.skip("no cgroup v1 cpu hierarchy with RT group scheduling: no refused cgroup "
-                    "write to provoke")
-    cpu = cgroup_dir(hierarchy="cpu")
-    assert pathlib.Path(cpu, "cpu.rt_runtime_us").read_text().strip() == "0"
-    ph = placeholder("cui-rt", cgroup=cpu, stdout=False).pid
-    rc, out = _chrt_agent("restore", "--images-dir", str(snap), "--driver", "fake",
-                          "--into-pid", str(ph))
-    refused(rc, out, ph, f"cannot join cgroup {cpu}: write of pid",
-            f"to {cpu}/cgroup.procs refused: Invalid argument")
-    assert pathlib.Path(cpu, "cgroup.procs").read_text().split() == [str(ph)]
-
     # the placeholder dies between the placement phase and CRIU: the failure names it, and
     # the snapshot is untouched (in-process, to kill it right after the placement phase)
     from cuinterpose.agent import restore as restore_mod
@@ -485,6 +472,36 @@ def test_bad_placements_are_refused_before_criu_and_leave_the_snapshot(
     assert j.a.wait_restored_exit(300) in (0, None)
     j.a.wait_for(lambda ev: any(demo.kind(e) == "summary" for e in ev), 60, "the summary")
     assert demo.check_run(j.a.events(), STEPS) == []
+
+
+def test_a_cgroup_the_kernel_refuses_is_refused_before_criu(cgroup_dir, placeholder, job,
+                                                            tmp_path):
+    """The placeholder's cgroup refuses the CRIU child (a real-time task into a v1 cpu cgroup
+    without RT time): refused in the placement phase by the probe child, the snapshot
+    untouched, nothing restored, the placeholder left where it was."""
+    if not os.path.exists("/sys/fs/cgroup/cpu/cpu.rt_runtime_us"):
+        pytest.skip("no cgroup v1 cpu hierarchy with RT group scheduling: no refused cgroup "
+                    "write to provoke")
+    j = job()
+    snap = tmp_path / "snap"
+    m = _checkpoint(j, snap)
+    pids = [p["pid"] for p in m["processes"]]
+    before = _digest(snap)
+    cpu = cgroup_dir(hierarchy="cpu")
+    assert pathlib.Path(cpu, "cpu.rt_runtime_us").read_text().strip() == "0"
+    ph = placeholder("cui-rt", cgroup=cpu, stdout=False).pid
+    rc, out = _chrt_agent("restore", "--images-dir", str(snap), "--driver", "fake",
+                          "--into-pid", str(ph))
+    assert rc == 3 and not out["ok"], out
+    err = out["error"]
+    assert (err["phase"], err["pid"], err["outcome"]) == ("placement", ph, "refused"), err
+    assert f"cannot join cgroup {cpu}: write of pid" in err["reason"], err
+    assert f"to {cpu}/cgroup.procs refused: Invalid argument" in err["reason"], err
+    assert [(p["name"], p["status"]) for p in out["phases"]] == [
+        ("manifest", "ok"), ("driver", "ok"), ("placement", "failed")]
+    assert _digest(snap) == before
+    assert not [p for p in pids if pid_alive(p)], "something was restored"
+    assert pathlib.Path(cpu, "cgroup.procs").read_text().split() == [str(ph)]
 
 
 def test_restore_notes_without_a_placement_are_in_the_result(tmp_path):
