@@ -324,8 +324,12 @@ def checkpoint(pids, images_dir, quiesce_timeout_ms, lock_timeout_ms, phase_time
               help="restore into the cgroups, namespaces and stdio of this running process (a "
                    "placeholder container's init): CRIU joins its net, ipc and uts namespaces "
                    "(--join-ns) and runs inside its mount namespace (CRIU's child enters it), "
-                   "and pipes of the trees to outside them get its stdin/stdout/stderr.")
-@driver_opt
+                   "pipes of the trees to outside them get its stdin/stdout/stderr, and files "
+                   "they had opened outside their mount namespace get its fd of the same kind "
+                   "(else their recorded path, reopened).")
+@click.option("--driver", type=click.Choice(["real", "fake"]), default=None,
+              help="libcuda.so.1 to use: real or fakecuda (default: $CUINTERPOSE_DRIVER, else "
+                   "the driver the manifest records).")
 @agent_opt
 @group_opt
 @tls_ca_opt
@@ -551,7 +555,8 @@ def _make_snapshot_dir(d: str) -> bool:
                    "unix:/tmp/cuinterpose-agent.sock) or host:port (TCP; TLS with --tls-cert).")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False, exists=True), default=None,
               help="YAML agent config; options given on the command line win.")
-@click.option("--node", default=None, help="this agent's name in group events (default: host name).")
+@click.option("--node", default=None, help="this agent's name in group events (default: the "
+              "config's kubernetes.nodeName, else $NODE_NAME, else the host name).")
 @click.option("--snapshot-dir", type=click.Path(file_okay=False), multiple=True,
               help="the directory requests are confined to: every images dir of a checkpoint "
                    "or restore and every snapshots dir must resolve under it; ListSnapshots "

@@ -2,7 +2,7 @@
 
 ``load_config(path_or_text) -> AgentConfig``. The document is read with ``yaml.safe_load`` and
 validated strictly; every problem raises :class:`ConfigError` whose message starts with the
-key path, e.g. ``kubernetes.nodeName: expected a string, got 5 (int)`` or
+key path, e.g. ``kubernetes.nodeName: expected a string, got 5 (integer)`` or
 ``tls.certFile: unknown key (known: caFile, certFile, keyFile)``. An empty document gives
 every default. Empty strings and null mean "not set here": the command line's and the
 environment's defaults apply (``cuinterpose-agent serve --config`` lets its options win over

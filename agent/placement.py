@@ -335,7 +335,8 @@ class Placement:
                 raise PlacementError(
                     f"its cgroup {hid}:{','.join(ctrls)}:{path} lies outside this agent's "
                     "cgroup namespace: the agent does not run in the node's cgroup namespace "
-                    "(serve joins pid 1's when it can; docs/kubernetes.md)", pid=pid)
+                    "(serve with kubernetes enabled, and the standalone pod watcher, join pid "
+                    "1's when they can; docs/kubernetes.md)", pid=pid)
             point, root = _mount_of(hid, ctrls, path, mounts)
             cgroups.append(Cgroup(hid, ctrls, path, point, root))
         nss = []

@@ -619,7 +619,8 @@ def test_cgroup_paths_outside_the_agents_cgroup_namespace_are_refused(tmp_path):
     assert str(e.value).endswith(
         "its cgroup 0::/../../kubepods.slice/pod1/cri-containerd-ab.scope lies outside this "
         "agent's cgroup namespace: the agent does not run in the node's cgroup namespace "
-        "(serve joins pid 1's when it can; docs/kubernetes.md)")
+        "(serve with kubernetes enabled, and the standalone pod watcher, join pid 1's when "
+        "they can; docs/kubernetes.md)")
 
 
 def test_checkpoint_of_a_job_whose_cwd_is_outside_its_mount_namespace_is_refused(
