@@ -80,6 +80,41 @@ enum cui_row {
  * or NULL when that library does not define it. Never returns one of the shim's wrappers. */
 CUI_HIDDEN void *cui_real(enum cui_row row);
 
+/* Signatures of the real driver functions the wrappers and phases call (cuda.h), and
+ * REAL(row, fn_x): the real function of a row cast to its type. */
+typedef CUresult (*fn_create)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long);
+typedef CUresult (*fn_ctxdev)(CUdevice *);
+typedef CUresult (*fn_ctxget)(CUcontext *);
+typedef CUresult (*fn_ctxset)(CUcontext);
+typedef CUresult (*fn_devget)(CUdevice *, int);
+typedef CUresult (*fn_dtoh)(void *, CUdeviceptr, size_t);
+typedef CUresult (*fn_export)(void *, CUmemGenericAllocationHandle, CUmemAllocationHandleType, unsigned long long);
+typedef CUresult (*fn_free)(CUdeviceptr, size_t);
+typedef CUresult (*fn_getprop)(CUmemAllocationProp *, CUmemGenericAllocationHandle);
+typedef CUresult (*fn_hostreg)(void *, size_t, unsigned int);
+typedef CUresult (*fn_hostunreg)(void *);
+typedef CUresult (*fn_htod)(CUdeviceptr, const void *, size_t);
+typedef CUresult (*fn_import)(CUmemGenericAllocationHandle *, void *, CUmemAllocationHandleType);
+typedef CUresult (*fn_init)(unsigned int);
+typedef CUresult (*fn_map)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long);
+typedef CUresult (*fn_mc_add)(CUmemGenericAllocationHandle, CUdevice);
+typedef CUresult (*fn_mc_bindaddr)(CUmemGenericAllocationHandle, size_t, CUdeviceptr, size_t, unsigned long long);
+typedef CUresult (*fn_mc_bindaddr2)(CUmemGenericAllocationHandle, CUdevice, size_t, CUdeviceptr, size_t,
+                                    unsigned long long);
+typedef CUresult (*fn_mc_bindmem)(CUmemGenericAllocationHandle, size_t, CUmemGenericAllocationHandle, size_t, size_t,
+                                  unsigned long long);
+typedef CUresult (*fn_mc_bindmem2)(CUmemGenericAllocationHandle, CUdevice, size_t, CUmemGenericAllocationHandle, size_t,
+                                   size_t, unsigned long long);
+typedef CUresult (*fn_mc_create)(CUmemGenericAllocationHandle *, const CUmulticastObjectProp *);
+typedef CUresult (*fn_mc_unbind)(CUmemGenericAllocationHandle, CUdevice, size_t, size_t);
+typedef CUresult (*fn_pretain)(CUcontext *, CUdevice);
+typedef CUresult (*fn_release)(CUmemGenericAllocationHandle);
+typedef CUresult (*fn_reserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
+typedef CUresult (*fn_retain)(CUmemGenericAllocationHandle *, void *);
+typedef CUresult (*fn_setaccess)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
+typedef CUresult (*fn_unmap)(CUdeviceptr, size_t);
+#define REAL(row, type) ((type)cui_real(CUI_ROW_##row))
+
 /* ---------- util.c ---------- */
 
 CUI_HIDDEN const char *cui_cu_error_name(CUresult r);   /* "CUDA_ERROR_INVALID_VALUE" */

@@ -31,26 +31,7 @@
 
 #include "cui.h"
 
-typedef CUresult (*fn_mc_create)(CUmemGenericAllocationHandle *, const CUmulticastObjectProp *);
-typedef CUresult (*fn_mc_add)(CUmemGenericAllocationHandle, CUdevice);
-typedef CUresult (*fn_mc_bindmem)(CUmemGenericAllocationHandle, size_t, CUmemGenericAllocationHandle, size_t, size_t,
-                                  unsigned long long);
-typedef CUresult (*fn_mc_bindaddr)(CUmemGenericAllocationHandle, size_t, CUdeviceptr, size_t, unsigned long long);
-typedef CUresult (*fn_mc_bindmem2)(CUmemGenericAllocationHandle, CUdevice, size_t, CUmemGenericAllocationHandle, size_t,
-                                   size_t, unsigned long long);
-typedef CUresult (*fn_mc_bindaddr2)(CUmemGenericAllocationHandle, CUdevice, size_t, CUdeviceptr, size_t,
-                                    unsigned long long);
-typedef CUresult (*fn_mc_unbind)(CUmemGenericAllocationHandle, CUdevice, size_t, size_t);
-typedef CUresult (*fn_release)(CUmemGenericAllocationHandle);
-typedef CUresult (*fn_retain)(CUmemGenericAllocationHandle *, void *);
-typedef CUresult (*fn_map)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long);
-typedef CUresult (*fn_unmap)(CUdeviceptr, size_t);
-typedef CUresult (*fn_setaccess)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
-typedef CUresult (*fn_export)(void *, CUmemGenericAllocationHandle, CUmemAllocationHandleType, unsigned long long);
-typedef CUresult (*fn_import)(CUmemGenericAllocationHandle *, void *, CUmemAllocationHandleType);
-typedef CUresult (*fn_ctxdev)(CUdevice *);
 
-#define REAL(row, type) ((type)cui_real(CUI_ROW_##row))
 
 /* ---------- tables (lock held) ---------- */
 

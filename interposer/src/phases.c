@@ -16,26 +16,7 @@
 
 #include "cui.h"
 
-typedef CUresult (*fn_create)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long);
-typedef CUresult (*fn_release)(CUmemGenericAllocationHandle);
-typedef CUresult (*fn_retain)(CUmemGenericAllocationHandle *, void *);
-typedef CUresult (*fn_map)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long);
-typedef CUresult (*fn_unmap)(CUdeviceptr, size_t);
-typedef CUresult (*fn_setaccess)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
-typedef CUresult (*fn_export)(void *, CUmemGenericAllocationHandle, CUmemAllocationHandleType, unsigned long long);
-typedef CUresult (*fn_import)(CUmemGenericAllocationHandle *, void *, CUmemAllocationHandleType);
-typedef CUresult (*fn_reserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
-typedef CUresult (*fn_free)(CUdeviceptr, size_t);
-typedef CUresult (*fn_dtoh)(void *, CUdeviceptr, size_t);
-typedef CUresult (*fn_htod)(CUdeviceptr, const void *, size_t);
-typedef CUresult (*fn_ctxget)(CUcontext *);
-typedef CUresult (*fn_ctxset)(CUcontext);
-typedef CUresult (*fn_devget)(CUdevice *, int);
-typedef CUresult (*fn_pretain)(CUcontext *, CUdevice);
-typedef CUresult (*fn_hostreg)(void *, size_t, unsigned int);
-typedef CUresult (*fn_hostunreg)(void *);
 
-#define REAL(row, type) ((type)cui_real(CUI_ROW_##row))
 
 static const char *op_name(uint16_t op) {
   switch (op) {

@@ -31,22 +31,9 @@
 
 struct cui_state cui_st = {.lock = PTHREAD_MUTEX_INITIALIZER, .phase = CUI_PHASE_ACTIVE};
 
-/* ---------- real driver functions ---------- */
+/* ---------- real driver functions (types and REAL: cui.h) ---------- */
 
-typedef CUresult (*fn_init)(unsigned int);
-typedef CUresult (*fn_create)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long);
-typedef CUresult (*fn_release)(CUmemGenericAllocationHandle);
-typedef CUresult (*fn_retain)(CUmemGenericAllocationHandle *, void *);
-typedef CUresult (*fn_map)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long);
-typedef CUresult (*fn_unmap)(CUdeviceptr, size_t);
-typedef CUresult (*fn_setaccess)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
-typedef CUresult (*fn_export)(void *, CUmemGenericAllocationHandle, CUmemAllocationHandleType, unsigned long long);
-typedef CUresult (*fn_import)(CUmemGenericAllocationHandle *, void *, CUmemAllocationHandleType);
-typedef CUresult (*fn_getprop)(CUmemAllocationProp *, CUmemGenericAllocationHandle);
-typedef CUresult (*fn_reserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
-typedef CUresult (*fn_free)(CUdeviceptr, size_t);
 
-#define REAL(row, type) ((type)cui_real(CUI_ROW_##row))
 #define REAL_OR_FAIL(var, row, type) \
   type var = REAL(row, type);         \
   if (!var) return CUDA_ERROR_NOT_INITIALIZED
