@@ -111,13 +111,16 @@ class Afdwin:
                 env=workload_env(self.ctl, driver=self.driver), start_new_session=True)
         return self
 
-    def events(self) -> list[dict]:
-        """Every complete JSON line of the log so far (non-JSON lines are skipped)."""
-        out = []
+    def events(self, offset: int = 0) -> list[dict]:
+        """Every complete JSON line of the log from byte ``offset`` on (non-JSON lines are
+        skipped); [] before the log exists."""
         try:
-            data = self.log.read_text(errors="replace")
+            with open(self.log, "rb") as f:
+                f.seek(offset)
+                data = f.read().decode(errors="replace")
         except FileNotFoundError:
-            return out
+            return []
+        out = []
         for line in data.splitlines():
             line = line.strip()
             if line.startswith("{"):

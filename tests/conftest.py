@@ -98,6 +98,20 @@ def fake_env(tmp_path, fakecuda_dir):
 
 
 @pytest.fixture
+def private_tmp(tmp_path_factory, monkeypatch):
+    """Whatever the code under test puts in the temporary directory (CRIU restore work dirs,
+    kept CRIU logs, ...) goes under pytest's temporary tree, which pytest removes: no litter
+    in /tmp. Subprocesses (the agent CLI) get it through TMPDIR. The areas that run the agent
+    use it for every test (their conftest's autouse ``_private_tmp``); not global, since some
+    tests need short /tmp paths for Unix sockets."""
+    import tempfile
+    d = tmp_path_factory.mktemp("tmp")
+    monkeypatch.setattr(tempfile, "tempdir", str(d))
+    monkeypatch.setenv("TMPDIR", str(d))
+    return d
+
+
+@pytest.fixture
 def subreaper():
     """This process adopts orphans (a CRIU-restored tree is not our child) while the test
     runs; zombies are reaped at teardown."""

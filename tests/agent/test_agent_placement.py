@@ -289,14 +289,6 @@ def job(tmp_path, criu_ok, subreaper):
         j.stop()
 
 
-@pytest.fixture(autouse=True)
-def _private_tmp(tmp_path_factory, monkeypatch):
-    import tempfile
-    d = tmp_path_factory.mktemp("tmp")
-    monkeypatch.setattr(tempfile, "tempdir", str(d))
-    monkeypatch.setenv("TMPDIR", str(d))
-
-
 def _checkpoint(j, snap):
     a = j.a
     a.wait_for(lambda ev: demo.received(ev) >= 30, 120, "30 messages")

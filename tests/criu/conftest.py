@@ -87,12 +87,6 @@ def spawn_tree(tmp_path, criu_ok):
 
 
 @pytest.fixture(autouse=True)
-def _private_tmp(tmp_path_factory, monkeypatch):
-    """Whatever the code under test puts in the temporary directory (CRIU restore work dirs,
-    kept CRIU logs, ...) goes under this test's tmp_path, which pytest removes: no litter in
-    /tmp. Subprocesses (the agent CLI) get it through TMPDIR."""
-    import tempfile
-    d = tmp_path_factory.mktemp("tmp")
-    monkeypatch.setattr(tempfile, "tempdir", str(d))
-    monkeypatch.setenv("TMPDIR", str(d))
-    return d
+def _private_tmp(private_tmp):
+    """Every test here: temporary files under pytest's tree (tests/conftest.py)."""
+    return private_tmp

@@ -119,11 +119,6 @@ def ext_socket(subreaper):
 
 
 @pytest.fixture(autouse=True)
-def _private_tmp(tmp_path_factory, monkeypatch):
-    """The agent's temporary files (a failed restore's CRIU work dir, kept CRIU logs) go under
-    pytest's temporary tree instead of /tmp (the agent CLI gets it through TMPDIR)."""
-    import tempfile
-    d = tmp_path_factory.mktemp("tmp")
-    monkeypatch.setattr(tempfile, "tempdir", str(d))
-    monkeypatch.setenv("TMPDIR", str(d))
-    return d
+def _private_tmp(private_tmp):
+    """Every test here: temporary files under pytest's tree (tests/conftest.py)."""
+    return private_tmp

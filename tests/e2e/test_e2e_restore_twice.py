@@ -2,26 +2,12 @@
 snapshot restores again and the job finishes again from the same cut with exact evidence."""
 from __future__ import annotations
 
-import json
 import signal
 
 from cuinterpose.agent import demo
 from cuinterpose.agent.census import sha256_file
 
 STEPS = 200
-
-
-def _events_from(path, offset):
-    out = []
-    with open(path, "rb") as f:
-        f.seek(offset)
-        for line in f.read().decode(errors="replace").splitlines():
-            if line.startswith("{"):
-                try:
-                    out.append(json.loads(line))
-                except ValueError:
-                    pass
-    return out
 
 
 def _summary_and_pairs(evs):
@@ -50,7 +36,7 @@ def test_same_snapshot_restores_twice(afdwin, tmp_path):
         rc, rs = demo.run_agent("restore", "--images-dir", str(snap), "--driver", "fake")
         assert rc == 0 and rs["ok"], (attempt, rs)
         assert a.wait_restored_exit(300) in (0, None)
-        evs = _events_from(a.log, offset)
+        evs = a.events(offset)
         s, pairs = _summary_and_pairs(evs)
         assert (s["ok"], s["lost"], s["duplicated"], s["torn"], s["restores_seen"]) == \
             (True, 0, 0, 0, 1), (attempt, s)
