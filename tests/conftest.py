@@ -9,6 +9,10 @@
 - ``subreaper``: this process adopts orphans (restored trees) while the test runs.
 - ``cgroup_dir``: new test cgroups (plain, in a named v1 hierarchy, or refusing every
   process), removed at teardown.
+- ``private_tmp``: the code's temporary files under pytest's tree (autouse in the areas
+  that run the agent).
+- ``criu_ok``: a working CRIU (installed once if missing) or a skip with the reason;
+  ``afdwin``: reference-workload runs on fakecuda, killed at teardown.
 - ``placeholder``: a placeholder container's init in new namespaces (net, uts, ipc, optionally
   mnt and user), optionally in a test cgroup, its stdout a pipe to a reader (or an fd given).
 """
@@ -18,6 +22,7 @@ import ctypes
 import hashlib
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 
@@ -95,6 +100,14 @@ def fake_env(tmp_path, fakecuda_dir):
     env["CUINTERPOSE_CONTROL_DIR"] = str(ctl)
     env["PYTHONUNBUFFERED"] = "1"
     return env
+
+
+@pytest.fixture
+def ctl(tmp_path) -> pathlib.Path:
+    """An empty control directory (``tmp_path/ctl``)."""
+    d = tmp_path / "ctl"
+    d.mkdir()
+    return d
 
 
 @pytest.fixture
@@ -187,3 +200,53 @@ def placeholder(tmp_path):
     yield start
     for p in made:
         p.stop()
+
+
+# --------------------------------------------------------------------------- CRIU, afdwin
+
+@pytest.fixture(scope="session")
+def criu_ok() -> list[str]:
+    """The argv prefix of a working CRIU (``agent.criu.criu_command``). Without one, runs
+    scripts/install-criu.sh once; if CRIU still cannot run on this machine, skips with the
+    reason printed (the only allowed skip: a kernel or sandbox where CRIU cannot work)."""
+    from cuinterpose.agent import criu
+    try:
+        return criu.criu_command()
+    except criu.CriuError as first:
+        res = subprocess.run(["bash", str(REPO / "scripts" / "install-criu.sh")],
+                             capture_output=True, text=True)
+        criu.reset()
+        try:
+            return criu.criu_command()
+        except criu.CriuError as e:
+            reason = (f"CRIU cannot run on this machine.\n{first}\n"
+                      f"install-criu.sh exit {res.returncode}:\n{res.stderr[-3000:]}\n{e}")
+            print(reason)
+            pytest.skip(reason)
+
+
+@pytest.fixture
+def afdwin(tmp_path, criu_ok, subreaper):
+    """afdwin(steps=..., step_delay_ms=...) -> started demo.Afdwin; its whole tree (restored
+    ones too) killed at teardown."""
+    from cuinterpose.agent import demo
+    from cuinterpose.agent.census import walk_tree
+    runs = []
+
+    def _start(**kw):
+        a = demo.Afdwin(tmp_path / f"run{len(runs)}", **kw).start()
+        runs.append(a)
+        return a
+    yield _start
+    for a in runs:
+        if demo.pid_alive(a.pid):
+            try:
+                pids = [p for p, _, _ in walk_tree([a.pid])]
+            except Exception:
+                pids = []
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        a.kill()

@@ -81,9 +81,3 @@ def shim(tmp_path):
     return p
 
 
-@pytest.fixture
-def ctl(tmp_path):
-    """An empty control directory."""
-    d = tmp_path / "ctl"
-    d.mkdir()
-    return d

@@ -220,14 +220,6 @@ def test_in_netns_reaches_an_abstract_socket_in_another_network_namespace(placeh
 
 # --------------------------------------------------------------------------- end to end
 
-@pytest.fixture(scope="module")
-def criu_ok():
-    from cuinterpose.agent import criu
-    ok, out = criu.check()
-    if not ok:
-        pytest.skip(f"CRIU is not usable on this machine (`make criu`): {out.strip()}")
-
-
 class Job:
     """afdwin on fakecuda under the shim, started by the test (optionally inside the net/uts/ipc
     namespaces of ``ns_pid``, or under ``prefix``, e.g. ``unshare --mount``), its stdout a pipe

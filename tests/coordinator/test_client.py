@@ -16,13 +16,6 @@ from .mockshim import MockShim
 
 
 @pytest.fixture
-def ctl(tmp_path):
-    d = tmp_path / "ctl"
-    d.mkdir()
-    return str(d)
-
-
-@pytest.fixture
 def shim(ctl):
     m = MockShim(4119, ctl, records=[
         Record(kind=RecordKind.ALLOCATION, role=Role.CREATOR, alloc_id=b"\x9f\x3c",

@@ -17,13 +17,6 @@ CAPTURE_OPS = ["INSPECT", "SAVE_ALLOCATIONS", "PREPARE_UNICAST", "INSPECT"]
 RESTORE_OPS = ["INSPECT", "LOAD_ALLOCATIONS", "RESTORE_UNICAST", "INSPECT"]
 
 
-@pytest.fixture
-def ctl(tmp_path):
-    d = tmp_path / "ctl"
-    d.mkdir()
-    return d
-
-
 def _phase_order(g):
     """Ops in the order first received, with each phase's txn id."""
     out = []

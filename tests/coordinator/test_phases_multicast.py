@@ -40,13 +40,6 @@ def mc_group_records():
     return recs
 
 
-@pytest.fixture
-def ctl(tmp_path):
-    d = tmp_path / "ctl"
-    d.mkdir()
-    return d
-
-
 def _assert_barrier(g):
     recv, reply = g.log.of("recv"), g.log.of("reply")
     txns = list(dict.fromkeys(e.txn_id for e in recv))

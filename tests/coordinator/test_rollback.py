@@ -14,13 +14,6 @@ from cuinterpose.coordinator.protocol import Op, Phase, RecordFlag, Role, Status
 from .helpers import A, BASE, MiB, alloc, group, group_records, mapping, reservation
 
 
-@pytest.fixture
-def ctl(tmp_path):
-    d = tmp_path / "ctl"
-    d.mkdir()
-    return d
-
-
 def sent(g, pid):
     """Ops received by ``pid`` (names, in order)."""
     return [name for _, name in g.ops_received(pid)]

@@ -1,8 +1,7 @@
 """Fixtures for the CRIU tests.
 
-- ``criu_ok``: makes sure a working CRIU is available (runs scripts/install-criu.sh once if
-  none is found), else skips with the reason printed: the only allowed skip is a machine on
-  which CRIU cannot run at all.
+- ``criu_ok`` (tests/conftest.py): a working CRIU, installed by scripts/install-criu.sh when
+  none is found, else a skip with the reason printed (a machine where CRIU cannot run at all).
 - ``spawn_tree``: starts tests/criu/criu_workload.py (launcher + 2 children) with setsid and stdio
   on files/``/dev/null``, waits until it is ready; every tree it started, and every restored
   tree registered with ``track``, is SIGKILLed at teardown.
@@ -16,25 +15,7 @@ import sys
 
 import pytest
 
-from cuinterpose.agent import criu
-from criu_helpers import REPO, WORKLOAD, Tree, kill_tree, wait_until
-
-@pytest.fixture(scope="session")
-def criu_ok() -> list[str]:
-    try:
-        return criu.criu_command()
-    except criu.CriuError as first:
-        res = subprocess.run(["bash", str(REPO / "scripts" / "install-criu.sh")],
-                             capture_output=True, text=True)
-        criu.reset()
-        try:
-            return criu.criu_command()
-        except criu.CriuError as e:
-            reason = (f"CRIU cannot run on this machine.\n{first}\n"
-                      f"install-criu.sh exit {res.returncode}:\n{res.stderr[-3000:]}\n{e}")
-            print(reason)
-            pytest.skip(reason)
-
+from criu_helpers import WORKLOAD, Tree, kill_tree, wait_until
 
 @pytest.fixture
 def spawn_tree(tmp_path, criu_ok):

@@ -1,12 +1,10 @@
-"""End-to-end fixtures: CRIU availability, a child subreaper, afdwin runs that are always cleaned up.
-
-E2E tests need a working CRIU (``agent.criu``); without one they skip with CRIU's own reason.
-"""
+"""End-to-end fixtures: a rogue exporter and a job with a socket to outside its tree. CRIU
+availability (``criu_ok``), the child subreaper and afdwin runs are shared fixtures of
+tests/conftest.py; every test here gets a private temporary directory."""
 from __future__ import annotations
 
 import os
 import pathlib
-import signal
 import subprocess
 import sys
 
@@ -15,45 +13,6 @@ import pytest
 from cuinterpose.agent import demo
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-@pytest.fixture(scope="session")
-def criu_ok():
-    from cuinterpose.agent import criu
-    ok, out = criu.check()
-    if not ok:
-        reason = f"CRIU is not usable on this machine (`make criu`): {out.strip()}"
-        print(reason)
-        pytest.skip(reason)
-    return criu.version()
-
-
-@pytest.fixture
-def afdwin(tmp_path, criu_ok, subreaper):
-    """afdwin(steps=..., step_delay_ms=...) -> started demo.Afdwin; killed at teardown."""
-    runs = []
-
-    def _start(**kw):
-        a = demo.Afdwin(tmp_path / f"run{len(runs)}", **kw).start()
-        runs.append(a)
-        return a
-    yield _start
-    for a in runs:
-        if demo.pid_alive(a.pid):
-            for pid in _tree(a.pid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        a.kill()
-
-
-def _tree(root):
-    from cuinterpose.agent.census import walk_tree
-    try:
-        return [p for p, _, _ in walk_tree([root])]
-    except Exception:
-        return []
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
-"""Group tests reuse the daemon fixture (tests/service) and the afdwin / ext_socket / CRIU
-fixtures of tests/e2e (loaded from their conftest files by path)."""
+"""Group tests reuse the daemon fixture (tests/service) and the ext_socket fixture of
+tests/e2e (loaded from their conftest files by path); afdwin and criu_ok are shared by
+tests/conftest.py."""
 from __future__ import annotations
 
 import importlib.util
@@ -18,8 +19,6 @@ def _load(name, rel):
 _e2e = _load("_cui_e2e_conftest", "../e2e/conftest.py")
 _svc = _load("_cui_service_conftest", "../service/conftest.py")
 
-criu_ok = _e2e.criu_ok
-afdwin = _e2e.afdwin
 ext_socket = _e2e.ext_socket
 daemon = _svc.daemon
 pki = _svc.pki

@@ -90,14 +90,6 @@ def test_standalone_watcher_refuses_a_pod_without_cuda(api, tmp_path, watcher_pr
         sleeper.wait()
 
 
-@pytest.fixture
-def criu_ok():
-    from cuinterpose.agent import criu
-    ok, out = criu.check()
-    if not ok:
-        pytest.skip(f"CRIU is not usable on this machine (`make criu`): {out.strip()}")
-
-
 def test_afdwin_checkpoint_and_restore_through_annotations(api, tmp_path, watcher_proc,
                                                            criu_ok, subreaper, placeholder,
                                                            cgroup_dir):

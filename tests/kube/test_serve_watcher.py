@@ -17,7 +17,6 @@ the request finish (Failed, the workload untouched), starts no other, and the da
 Uses the installed shim: run under ``flock -s /tmp/cuinterpose-build.lock``."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -47,18 +46,6 @@ CHART = HERE.parents[1] / "charts" / "cuinterpose"
 sys.path.insert(0, str(HERE.parent / "chart"))
 import minihelm  # noqa: E402
 
-
-def _load_e2e():
-    spec = importlib.util.spec_from_file_location("_cui_e2e_conftest_kube",
-                                                  HERE.parent / "e2e" / "conftest.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-_e2e = _load_e2e()
-criu_ok = _e2e.criu_ok
-afdwin = _e2e.afdwin
 
 CID_JOB = "c0ffee" * 10 + "abcd"
 CID_STUCK = "5bad" * 16

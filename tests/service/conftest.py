@@ -99,18 +99,3 @@ def pki(tmp_path_factory):
     def _make(nodes=("server", "client"), strangers=("stranger",)):
         return pki_mod.make_pki(tmp_path_factory.mktemp("pki"), nodes, strangers)
     return _make
-
-
-def _load_e2e():
-    import importlib.util
-    here = os.path.dirname(os.path.abspath(__file__))
-    spec = importlib.util.spec_from_file_location("_cui_e2e_conftest_svc",
-                                                  os.path.join(here, "..", "e2e", "conftest.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-_e2e = _load_e2e()
-criu_ok = _e2e.criu_ok
-afdwin = _e2e.afdwin

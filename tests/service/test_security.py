@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from cuinterpose.agent import pb, service
 from cuinterpose.agent.errors import AgentError
 from cuinterpose.agent.service import TLS, confine_path, listener_security
+from test_service import cli
 
 REASON_PLAIN = (
     "refusing to listen on {addr}: a non-loopback TCP address with plaintext without TLS or "
@@ -35,14 +34,6 @@ def outside(path, real, root):
     return (f"images dir {path} resolves to {real}, outside the agent's snapshot directory "
             f"{root}; refused, nothing was done (the agent only reads and writes under its "
             "--snapshot-dir)")
-
-
-def cli(*args):
-    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-    r = subprocess.run([sys.executable, "-m", "cuinterpose.agent.cli", *args],
-                       stdin=subprocess.DEVNULL, capture_output=True, text=True, env=env,
-                       timeout=120)
-    return r.returncode, r.stdout, r.stderr
 
 
 # -- the listener ------------------------------------------------------------------------------

@@ -8,20 +8,10 @@ import json
 import os
 import signal
 import stat
-import subprocess
-import sys
 import tempfile
 
 import pytest
-
-
-def cli(*args, cwd=None):
-    """(exit code, stdout, stderr) of ``cuinterpose-agent ARGS``."""
-    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-    r = subprocess.run([sys.executable, "-m", "cuinterpose.agent.cli", *args],
-                       stdin=subprocess.DEVNULL, capture_output=True, text=True, env=env,
-                       timeout=120, cwd=cwd)
-    return r.returncode, r.stdout, r.stderr
+from test_service import cli
 
 
 def test_missing_snapshot_dir_is_created_0700_and_lists_empty(daemon, tmp_path):

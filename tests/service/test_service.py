@@ -14,12 +14,12 @@ from cuinterpose.agent import pb, service
 from metrics_kit import scrape, text
 
 
-def cli(*args):
-    """(exit code, stdout, stderr) of ``cuinterpose-agent ARGS``."""
+def cli(*args, cwd=None):
+    """(exit code, stdout, stderr) of ``cuinterpose-agent ARGS`` run in ``cwd``."""
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     r = subprocess.run([sys.executable, "-m", "cuinterpose.agent.cli", *args],
                        stdin=subprocess.DEVNULL, capture_output=True, text=True, env=env,
-                       timeout=120)
+                       timeout=120, cwd=cwd)
     return r.returncode, r.stdout, r.stderr
 
 
