@@ -1,0 +1,62 @@
+"""The workload contract's files (docs/workload-contract.md), for both of its sides.
+
+The agent writes requests and resumes, the workload writes its ready answer; both build the
+same names and write them the same way through this module, so the two sides cannot drift.
+
+Files in the control directory (``protocol.default_control_dir()`` unless given), per job root
+pid ``ROOT``, each a JSON object:
+
+- ``quiesce-ROOT.request`` (agent): ``{"id": str, "timeout_ms": int}``
+- ``quiesce-ROOT.ready`` (workload): ``{"id": str, "ranks": [{"pid": int, ...}], ...}``
+- ``quiesce-ROOT.resume`` (agent): ``{"id": str, "restored": bool, "cancelled": bool}``
+- ``quiesce-ROOT.lock`` (agent): which agent process owns the pending request
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+from .protocol import default_control_dir
+
+__all__ = ["KINDS", "quiesce_path", "write_atomic", "read_json", "default_control_dir"]
+
+KINDS = ("request", "ready", "resume", "lock")
+
+
+def quiesce_path(control_dir: str | os.PathLike | None, root: int, kind: str) -> pathlib.Path:
+    """``<control_dir>/quiesce-<root>.<kind>``; ``kind`` is one of :data:`KINDS` (ValueError
+    otherwise); ``control_dir`` None means :func:`default_control_dir`."""
+    if kind not in KINDS:
+        raise ValueError(f"quiesce file kind {kind!r} is not one of {', '.join(KINDS)}")
+    base = os.fspath(control_dir) if control_dir is not None else default_control_dir()
+    return pathlib.Path(base) / f"quiesce-{int(root)}.{kind}"
+
+
+def write_atomic(path: str | os.PathLike, obj: dict) -> None:
+    """Write ``obj`` as JSON to ``path`` so that a reader sees the old file or the whole new
+    one: ``<path>.tmp``, fsync, rename. OSError propagates; the temp file is removed then."""
+    path = os.fspath(path)
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def read_json(path: str | os.PathLike) -> dict | None:
+    """The JSON object in ``path``; None when absent, unreadable or not (yet) a JSON object."""
+    try:
+        with open(path) as f:
+            obj = json.load(f)
+        return obj if isinstance(obj, dict) else None
+    except (OSError, ValueError):
+        return None
