@@ -7,7 +7,7 @@ STAMP  := .cache/stamps
 
 .PHONY: demo test build setup system criu bench clean
 demo: build criu
-	$(PY) -m cuinterpose.agent.demo
+	$(PY) -m cuinterpose.workloads.afdwin.demo
 
 test: build criu
 	$(PY) -m pytest tests $(PYTEST_ARGS)

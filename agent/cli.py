@@ -16,8 +16,9 @@ import sys
 
 import click
 
-from . import paths
-from .errors import AgentError
+from cuinterpose.agent import paths
+from cuinterpose.agent.errors import AgentError
+from cuinterpose.coordinator.protocol import default_control_dir
 
 EXIT = {"refused": 3, "rolled_back": 4, "rollback_failed": 5, "snapshot_incomplete": 5,
         "restore_failed": 5, "usage": 2, "unreachable": 6}
@@ -61,7 +62,7 @@ def _fail(e: AgentError, as_json: bool, extra: dict | None = None, command: str 
 
 
 def _reporter(title: str, as_json: bool):
-    from .report import Reporter, RichSink
+    from cuinterpose.agent.run.report import Reporter, RichSink
     if as_json:
         return Reporter(), None
     sink = RichSink(title)
@@ -144,14 +145,14 @@ group_opt = click.option("--group", "group_file", type=click.Path(dir_okay=False
 
 
 def _tls(ca, cert, key):
-    from .service import TLS
+    from cuinterpose.agent.rpc.service import TLS
     t = TLS(cert=cert, key=key, ca=ca)
     return t if t.enabled else None
 
 
 def _load_members(group_file, kind: str):
     """Members of a --group file as ``Member`` messages; a bad file is a usage error."""
-    from . import pb
+    from cuinterpose.agent.snapshot import pb
     apb, _, _ = pb.modules()
     try:
         with open(group_file) as f:
@@ -185,7 +186,7 @@ class _RemoteRows:
         self.open: dict = {}
 
     def __call__(self, row: dict) -> None:
-        from .report import Phase
+        from cuinterpose.agent.run.report import Phase
         if row["event"] == "note":
             self.rep.note(row["text"])
             return
@@ -210,8 +211,8 @@ class _RemoteRows:
 def _remote(addr, method, request, rep, sink, tls):
     """Run ``method`` at the agent ``addr``; returns the CLI JSON object of a success, raises
     ``AgentError`` (what the agent reported, or outcome "unreachable") otherwise."""
-    from .ops import error_from_dict
-    from .service import call
+    from cuinterpose.agent.run.ops import error_from_dict
+    from cuinterpose.agent.rpc.service import call
 
     def go():
         return call(addr, method, request, tls=tls, on_progress=_RemoteRows(rep))
@@ -264,7 +265,7 @@ def checkpoint(pids, images_dir, quiesce_timeout_ms, lock_timeout_ms, phase_time
                carrier_timeout_s, leave_running, driver, control_dir, agent_addr, group_file,
                tls_ca, tls_cert, tls_key, as_json):
     """Checkpoint the process tree(s) rooted at --pid into --images-dir."""
-    from . import ops
+    from cuinterpose.agent.run import ops
     if group_file:
         if pids or images_dir:
             raise click.UsageError("--group names each member's roots and images dir; "
@@ -282,7 +283,7 @@ def checkpoint(pids, images_dir, quiesce_timeout_ms, lock_timeout_ms, phase_time
               carrier_timeout_s=carrier_timeout_s, driver=driver, leave_running=leave_running)
     try:
         if agent_addr or group_file:
-            from . import pb
+            from cuinterpose.agent.snapshot import pb
             apb, _, _ = pb.modules()
             req = apb.CheckpointRequest(
                 roots=list(pids), images_dir=os.path.abspath(images_dir) if images_dir else "",
@@ -295,7 +296,7 @@ def checkpoint(pids, images_dir, quiesce_timeout_ms, lock_timeout_ms, phase_time
             if agent_addr:
                 out = _remote(agent_addr, "Checkpoint", req, rep, sink, tls)
             else:
-                from .group import lead
+                from cuinterpose.agent.rpc.group import lead
                 out = _run_local(rep, sink, lambda: lead(
                     "checkpoint", req, rep, _RemoteRows(rep), tls=tls)[0])
         else:
@@ -340,7 +341,7 @@ def restore(images_dir, phase_timeout_s, carrier_timeout_s, into_pid, driver, ag
             group_file, tls_ca, tls_cert, tls_key, as_json):
     """Restore the snapshot in --images-dir and let the workload continue. There is no
     --control-dir: the restore uses the control dir recorded in the snapshot's manifest."""
-    from . import ops
+    from cuinterpose.agent.run import ops
     if group_file and images_dir:
         raise click.UsageError("--group names each member's images dir; do not pass --images-dir")
     if group_file and into_pid:
@@ -353,7 +354,7 @@ def restore(images_dir, phase_timeout_s, carrier_timeout_s, into_pid, driver, ag
                           f"restore {images_dir}", as_json)
     try:
         if agent_addr or group_file:
-            from . import pb
+            from cuinterpose.agent.snapshot import pb
             apb, _, _ = pb.modules()
             req = apb.RestoreRequest(
                 images_dir=os.path.abspath(images_dir) if images_dir else "", driver=driver or "",
@@ -363,12 +364,12 @@ def restore(images_dir, phase_timeout_s, carrier_timeout_s, into_pid, driver, ag
             if agent_addr:
                 res = _remote(agent_addr, "Restore", req, rep, sink, tls)
             else:
-                from .group import lead
+                from cuinterpose.agent.rpc.group import lead
                 res = _run_local(rep, sink, lambda: lead(
                     "restore", req, rep, _RemoteRows(rep), tls=tls)[0])
         else:
             if not os.path.exists(images_dir):
-                from .errors import SnapshotError
+                from cuinterpose.agent.errors import SnapshotError
                 raise SnapshotError("manifest", f"{images_dir} does not exist")
             _set_env(driver, None)
             res = _run_local(rep, sink, lambda: ops.restore(
@@ -397,12 +398,12 @@ def restore(images_dir, phase_timeout_s, carrier_timeout_s, into_pid, driver, ag
 @json_opt
 def inspect(pid, phase_timeout_s, control_dir, agent_addr, tls_ca, tls_cert, tls_key, as_json):
     """INSPECT one process through its control socket (read-only)."""
-    from . import ops
-    from .inspect import render_table
+    from cuinterpose.agent.run import ops
+    from cuinterpose.agent.inspect import render_table
     try:
         if agent_addr:
-            from . import pb
-            from .report import Reporter
+            from cuinterpose.agent.snapshot import pb
+            from cuinterpose.agent.run.report import Reporter
             apb, _, _ = pb.modules()
             req = apb.InspectRequest(pid=pid, timeout_s=phase_timeout_s,
                                      control_dir=os.path.abspath(control_dir) if control_dir else "")
@@ -433,14 +434,14 @@ def inspect(pid, phase_timeout_s, control_dir, agent_addr, tls_ca, tls_cert, tls
 def snapshots_cmd(path, directory, agent_addr, tls_ca, tls_cert, tls_key, as_json):
     """List the snapshots (directories holding manifest.json) under PATH / --dir, or PATH
     itself when it is a snapshot."""
-    from . import ops
+    from cuinterpose.agent.run import ops
     if path and directory and os.path.abspath(path) != os.path.abspath(directory):
         raise click.UsageError("give the directory either as PATH or as --dir, not both")
     directory = directory or path
     try:
         if agent_addr:
-            from . import pb
-            from .report import Reporter
+            from cuinterpose.agent.snapshot import pb
+            from cuinterpose.agent.run.report import Reporter
             apb, _, _ = pb.modules()
             req = apb.ListSnapshotsRequest(dir=os.path.abspath(directory) if directory else "")
             res = _remote(agent_addr, "ListSnapshots", req, Reporter(), None,
@@ -454,7 +455,7 @@ def snapshots_cmd(path, directory, agent_addr, tls_ca, tls_cert, tls_key, as_jso
     if as_json:
         _emit_json(res)
         return
-    from .report import render_snapshots
+    from cuinterpose.agent.run.report import render_snapshots
     render_snapshots(res)
 
 
@@ -468,8 +469,8 @@ def release_cmd(pid, force, control_dir, as_json):
     """Release a job parked by a quiesce request no live agent will answer (an agent killed
     mid-checkpoint, a stale .request): writes .resume {"id": <the request's id>, "restored":
     false, "cancelled": true}. Refused while a live agent owns the request."""
-    from . import quiesce
-    cdir = os.path.abspath(control_dir or paths.control_dir())
+    from cuinterpose.agent.mech import quiesce
+    cdir = os.path.abspath(control_dir or default_control_dir())
     try:
         res = quiesce.release(cdir, pid, force=force)
     except AgentError as e:
@@ -494,7 +495,7 @@ def health_cmd(agent_addr, service, tls_ca, tls_cert, tls_key):
     """gRPC health check of an agent daemon: prints SERVING (exit 0) or another status
     (exit 1); exit 6 when it cannot be reached."""
     import grpc
-    from .service import default_address, health
+    from cuinterpose.agent.rpc.service import default_address, health
     addr = agent_addr or default_address()
     try:
         st = health(addr, service, tls=_tls(tls_ca, tls_cert, tls_key))
@@ -509,7 +510,7 @@ def _config_values(path) -> dict:
     """Settings from the YAML agent config (``cuinterpose.agent.config.load_config``), under
     serve's option names; a bad file is a usage error naming the key. ``metricsPort`` means
     what ``--metrics-port`` means: null (absent) = no metrics, 0 = a free port the OS picks."""
-    from .config import ConfigError, load_config
+    from cuinterpose.agent.config import ConfigError, load_config
     try:
         cfg = load_config(path)
     except ConfigError as e:
@@ -605,7 +606,7 @@ def serve(listen, config_file, node, snapshot_dir, metrics_port, metrics_addr, t
     import signal
     import socket
     import threading
-    from .service import (DEFAULT_SNAPSHOT_DIR, Server, ServeOptions, TLS, default_address,
+    from cuinterpose.agent.rpc.service import (DEFAULT_SNAPSHOT_DIR, Server, ServeOptions, TLS, default_address,
                           listener_security)
     given = dict(listen=listen, node=node, snapshot_dir=list(snapshot_dir) or None,
                  metrics_port=metrics_port, metrics_addr=metrics_addr, tls_cert=tls_cert,
@@ -655,7 +656,7 @@ def serve(listen, config_file, node, snapshot_dir, metrics_port, metrics_addr, t
                   as_json, command="serve")
     if conf.get("kubernetes") is not None:
         # before any thread starts: the node's cgroup paths (agent/kube/hostcgroup.py)
-        from .kube.hostcgroup import join_and_log
+        from cuinterpose.agent.kube.hostcgroup import join_and_log
         join_and_log()
     try:
         srv = Server(addr, opts, metrics_port=v["metrics_port"],
@@ -668,7 +669,7 @@ def serve(listen, config_file, node, snapshot_dir, metrics_port, metrics_addr, t
         signal.signal(sig, lambda *_: stop.set())
     watcher = None
     if conf.get("kubernetes") is not None:
-        from .checkpoint import strip_preload_env
+        from cuinterpose.agent.run.checkpoint import strip_preload_env
         strip_preload_env()
         try:
             watcher = _start_watcher(srv, cfg, stop)
@@ -707,7 +708,7 @@ def serve(listen, config_file, node, snapshot_dir, metrics_port, metrics_addr, t
 @json_opt
 def doctor(driver, control_dir, as_json):
     """Check CRIU, the driver's checkpoint API, the shim and the control directory."""
-    from .doctor import run_checks, render
+    from cuinterpose.agent.doctor import run_checks, render
     _set_env(driver, control_dir)
     checks = run_checks(driver=driver, control_dir=control_dir)
     ok = all(c["ok"] for c in checks)

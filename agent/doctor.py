@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import pathlib
 import tempfile
+from cuinterpose.coordinator.protocol import default_control_dir
 
 #: what a failing real driver check adds (also in native.load's "could not load" error)
 NO_DRIVER_HINT = "no NVIDIA driver on this machine? --driver fake uses fakecuda"
@@ -24,15 +25,16 @@ def _check(name, fn) -> dict:
 
 def run_checks(*, driver=None, control_dir=None) -> list[dict]:
     """Run every check; never raises."""
-    from . import native, paths
-    from .census import ShimFile
+    from cuinterpose.agent.mech import native
+    from cuinterpose.agent import paths
+    from cuinterpose.agent.mech.census import ShimFile
 
     def criu_version():
-        from . import criu
+        from cuinterpose.agent.mech import criu
         return f"criu {criu.version()} ({' '.join(criu.criu_command())})"
 
     def criu_check():
-        from . import criu
+        from cuinterpose.agent.mech import criu
         ok, out = criu.check()
         last = out.strip().splitlines()[-1] if out.strip() else ""
         if not ok:
@@ -66,7 +68,7 @@ def run_checks(*, driver=None, control_dir=None) -> list[dict]:
         return f"{s.path} sha256 {s.sha256}"
 
     def ctl():
-        d = pathlib.Path(control_dir or paths.control_dir())
+        d = pathlib.Path(control_dir or default_control_dir())
         d.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=d, prefix=".doctor-"):
             pass

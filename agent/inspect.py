@@ -7,9 +7,9 @@ from __future__ import annotations
 import os
 import pathlib
 
-from . import census as census_mod
-from . import paths
-from .errors import AgentError
+from cuinterpose.agent.mech import census as census_mod
+from cuinterpose.agent.errors import AgentError
+from cuinterpose.coordinator.protocol import default_control_dir
 
 
 def inspect_pid(pid: int, *, control_dir=None, timeout_s: float = 10.0) -> dict:
@@ -18,8 +18,8 @@ def inspect_pid(pid: int, *, control_dir=None, timeout_s: float = 10.0) -> dict:
     "INSPECT") naming the pid when the socket is missing, the shim does not answer, or refuses."""
     from cuinterpose.coordinator.client import ShimClient, ShimClientError
     from cuinterpose.coordinator.protocol import Op, Phase, Status
-    from .manifest import role_counts
-    cdir = pathlib.Path(control_dir or paths.control_dir())
+    from cuinterpose.agent.snapshot.manifest import role_counts
+    cdir = pathlib.Path(control_dir or default_control_dir())
     sock = census_mod.socket_path(cdir, pid)
     if not os.path.exists(sock):
         if not census_mod.pid_alive(pid):
@@ -67,7 +67,7 @@ def render_table(res: dict) -> None:
     """Print an INSPECT result as a rich table on stdout (one row per record)."""
     from rich.console import Console
     from rich.table import Table
-    from .report import fmt_bytes
+    from cuinterpose.agent.run.report import fmt_bytes
     short = {"ALLOCATION": "alloc", "MAPPING": "map", "RESERVATION": "resv"}
     t = Table(title=f"pid {res['pid']}  phase {res['phase']}  ({res['socket_path']})",
               title_justify="left")

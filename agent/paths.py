@@ -52,8 +52,3 @@ def include_dir() -> pathlib.Path:
     if (src / "cuinterpose" / "protocol.h").is_file():
         return src
     raise FileNotFoundError("cuinterpose/protocol.h not found")
-
-
-def control_dir() -> pathlib.Path:
-    """The shim's control directory: ``$CUINTERPOSE_CONTROL_DIR`` or ``/tmp/cuinterpose``."""
-    return pathlib.Path(os.environ.get("CUINTERPOSE_CONTROL_DIR", "/tmp/cuinterpose"))

@@ -128,7 +128,7 @@ def private_tmp(tmp_path_factory, monkeypatch):
 def subreaper():
     """This process adopts orphans (a CRIU-restored tree is not our child) while the test
     runs; zombies are reaped at teardown."""
-    from cuinterpose.agent import demo
+    from cuinterpose.workloads.afdwin import demo
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(demo.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     yield
@@ -209,7 +209,7 @@ def criu_ok() -> list[str]:
     """The argv prefix of a working CRIU (``agent.criu.criu_command``). Without one, runs
     scripts/install-criu.sh once; if CRIU still cannot run on this machine, skips with the
     reason printed (the only allowed skip: a kernel or sandbox where CRIU cannot work)."""
-    from cuinterpose.agent import criu
+    from cuinterpose.agent.mech import criu
     try:
         return criu.criu_command()
     except criu.CriuError as first:
@@ -229,8 +229,8 @@ def criu_ok() -> list[str]:
 def afdwin(tmp_path, criu_ok, subreaper):
     """afdwin(steps=..., step_delay_ms=...) -> started demo.Afdwin; its whole tree (restored
     ones too) killed at teardown."""
-    from cuinterpose.agent import demo
-    from cuinterpose.agent.census import walk_tree
+    from cuinterpose.workloads.afdwin import demo
+    from cuinterpose.agent.mech.census import walk_tree
     runs = []
 
     def _start(**kw):

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from cuinterpose.agent.census import walk_tree
+from cuinterpose.agent.mech.census import walk_tree
 
 CGROUP_FS = pathlib.Path("/sys/fs/cgroup")
 #: v2 controllers that may be enabled for the children of a cgroup holding processes, and so do
@@ -60,7 +60,7 @@ def cgroup_procs(d: pathlib.Path) -> list[int]:
 
 def remove_cgroup(d: pathlib.Path, timeout: float = 30) -> None:
     """SIGKILL what is left in cgroup ``d``, reap, and remove it (gone already: nothing)."""
-    from cuinterpose.agent import demo
+    from cuinterpose.workloads.afdwin import demo
     deadline = time.monotonic() + timeout
     while True:
         for p in cgroup_procs(d):

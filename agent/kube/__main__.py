@@ -14,7 +14,7 @@ import signal
 import sys
 import threading
 
-from ..config import ConfigError, load_config
+from cuinterpose.agent.config import ConfigError, load_config
 
 
 def main(argv=None) -> int:
@@ -37,15 +37,15 @@ def main(argv=None) -> int:
                             api_server=a.api_server or k.api_server)
     cfg = dataclasses.replace(cfg, kubernetes=k)
     # the agent never runs under the shim; helpers (CRIU) must not inherit it either
-    from ..checkpoint import strip_preload_env
+    from cuinterpose.agent.run.checkpoint import strip_preload_env
     strip_preload_env()
     # before any thread: the node's cgroup paths (agent/kube/hostcgroup.py)
-    from .hostcgroup import join_and_log
+    from cuinterpose.agent.kube.hostcgroup import join_and_log
     join_and_log()
     stop = threading.Event()
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, lambda *_: stop.set())
-    from .watcher import build_watcher
+    from cuinterpose.agent.kube.watcher import build_watcher
     try:
         w = build_watcher(cfg)
     except ValueError as e:

@@ -9,7 +9,7 @@ An *actions* object has two methods (tests pass their own):
   restore the snapshot named ``snapshot`` from ``images_dir``; with ``into_pid`` (a host pid:
   the placeholder container's init, whose ``/proc/PID/stat`` start time was
   ``into_start_time`` when the watcher resolved it) the restored trees join that process's
-  cgroups, namespaces and stdio (``cuinterpose.agent.placement.Placement``); a pid that no
+  cgroups, namespaces and stdio (``cuinterpose.agent.mech.placement.Placement``); a pid that no
   longer has that start time (reused while the request waited for the node) is refused;
   returns ``{"snapshot_id", "roots", "cuda_pids", ...}``.
 
@@ -18,12 +18,12 @@ written to the pod as it is, any other exception as ``"<kind>: <type>: <text>"``
 """
 from __future__ import annotations
 
-from ..config import AgentConfig
+from cuinterpose.agent.config import AgentConfig
 
 
 class AgentActions:
-    """The default actions: ``cuinterpose.agent.checkpoint.checkpoint`` and
-    ``cuinterpose.agent.restore.restore`` with the config's driver, control directory and
+    """The default actions: ``cuinterpose.agent.run.checkpoint.checkpoint`` and
+    ``cuinterpose.agent.run.restore.restore`` with the config's driver, control directory and
     timeouts (empty ones: the agent's defaults, ``$CUINTERPOSE_DRIVER`` /
     ``$CUINTERPOSE_CONTROL_DIR``; a restore uses the driver kind the manifest records).
 
@@ -46,7 +46,7 @@ class AgentActions:
 
     def checkpoint(self, pod: dict, snapshot_name: str, *, roots, images_dir,
                    leave_running: bool = False) -> dict:
-        from .. import checkpoint as checkpoint_mod
+        from cuinterpose.agent.run import checkpoint as checkpoint_mod
         c = self.config
         return self._run("checkpoint", pod, snapshot_name, lambda rep: checkpoint_mod.checkpoint(
             roots, images_dir, control_dir=c.control_dir or None, driver=c.driver or None,
@@ -56,13 +56,13 @@ class AgentActions:
 
     def restore(self, pod: dict, snapshot: str, *, images_dir, into_pid=None,
                 into_start_time=None) -> dict:
-        from .. import restore as restore_mod
+        from cuinterpose.agent.run import restore as restore_mod
         c = self.config
 
         def work(rep):
             placement = into_pid or None
             if into_pid and into_start_time is not None:
-                from ..placement import Placement, PlacementError
+                from cuinterpose.agent.mech.placement import Placement, PlacementError
                 placement = Placement.of_pid(into_pid)
                 if placement.start_time != into_start_time:
                     raise PlacementError(

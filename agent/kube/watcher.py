@@ -34,9 +34,9 @@ import pathlib
 import threading
 from typing import Optional
 
-from ..config import AgentConfig
-from . import annotations as A
-from .resolver import CgroupResolver, ResolveError
+from cuinterpose.agent.config import AgentConfig
+from cuinterpose.agent.kube import annotations as A
+from cuinterpose.agent.kube.resolver import CgroupResolver, ResolveError
 
 log = logging.getLogger("cuinterpose.kube")
 
@@ -412,7 +412,7 @@ def build_watcher(config: AgentConfig, actions=None, *, api_client=None,
     if not node:
         raise ValueError("kubernetes.nodeName: unknown (set it or NODE_NAME)")
     if actions is None:
-        from .actions import AgentActions
+        from cuinterpose.agent.kube.actions import AgentActions
         actions = AgentActions(config)
     return PodWatcher(config, node, api_client or make_api_client(config), actions,
                       resolver=resolver)

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from cuinterpose.agent import census
+from cuinterpose.agent.mech import census
 from cuinterpose.agent.errors import CensusError, NativeError
 
 

@@ -7,7 +7,8 @@ import os
 import subprocess
 import sys
 
-from cuinterpose.agent import demo, paths
+from cuinterpose.workloads.afdwin import demo
+from cuinterpose.agent import paths
 
 
 def test_json_usage_error_is_one_json_object_exit_2(tmp_path):
@@ -73,7 +74,7 @@ def test_helpers_run_without_ld_preload_and_the_agent_not_under_the_shim(tmp_pat
 def test_doctor_lines_are_not_wrapped_when_stdout_is_not_a_tty(tmp_path):
     """A log or a pipe gets each check on one line: paths and hashes stay greppable. Without
     CRIU the CRIU checks fail and doctor exits 1."""
-    from cuinterpose.agent.census import ShimFile
+    from cuinterpose.agent.mech.census import ShimFile
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     env["CUINTERPOSE_CRIU"] = str(tmp_path / "no-criu-here")
     res = subprocess.run([sys.executable, "-m", "cuinterpose.agent.cli", "doctor", "--driver",
@@ -140,7 +141,7 @@ def test_census_refusal_says_the_job_has_not_initialized_cuda_or_is_not_under_th
 
 def test_real_driver_missing_names_the_fake_driver(tmp_path):
     """Without libcuda.so.1 the driver error carries the doctor's hint, once, in both places."""
-    probe = subprocess.run([sys.executable, "-c", "from cuinterpose.agent import native\n"
+    probe = subprocess.run([sys.executable, "-c", "from cuinterpose.agent.mech import native\n"
                             "native.load('real')"], capture_output=True, text=True, env=_env(),
                            timeout=120)
     if probe.returncode == 0:

@@ -6,7 +6,7 @@ import os
 import signal
 import subprocess
 
-from cuinterpose.agent import interrupt
+from cuinterpose.agent.run import interrupt
 
 
 def test_shielded_helper_inherits_the_blocked_signals_and_the_guard_sees_them_after():

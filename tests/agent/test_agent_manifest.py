@@ -9,9 +9,9 @@ import signal
 
 import pytest
 
-from cuinterpose.agent import manifest
+from cuinterpose.agent.snapshot import manifest
 from cuinterpose.agent.errors import SnapshotError
-from cuinterpose.agent.restore import Restore
+from cuinterpose.agent.run.restore import Restore
 
 
 def tree_digest(d: pathlib.Path) -> dict:
@@ -202,7 +202,7 @@ def test_restore_refusals_name_the_manifest_phase(tmp_path, installed_shim):
 
 
 def _restore_world(tmp_path, monkeypatch, calls, interrupt_after):
-    from cuinterpose.agent import restore as rs_mod
+    from cuinterpose.agent.run import restore as rs_mod
 
     def step(name, fn=None):
         def run(self):

@@ -12,7 +12,8 @@ import textwrap
 
 import pytest
 
-from cuinterpose.agent import demo, paths
+from cuinterpose.workloads.afdwin import demo
+from cuinterpose.agent import paths
 
 TARGET = textwrap.dedent("""
     import sys, time
@@ -24,7 +25,7 @@ TARGET = textwrap.dedent("""
 
 CONTROLLER = textwrap.dedent("""
     import json, sys
-    from cuinterpose.agent import native
+    from cuinterpose.agent.mech import native
     from cuinterpose.agent.errors import NativeError
     out = {}
     info = native.load("fake")
@@ -83,7 +84,7 @@ def test_native_cycle_on_fakecuda(target):
 def test_real_driver_refuses_fakecuda_on_library_path(tmp_path):
     env = demo.workload_env(tmp_path, shim=False)  # LD_LIBRARY_PATH = fakecuda dir
     res = subprocess.run([sys.executable, "-c",
-                          "from cuinterpose.agent import native\n"
+                          "from cuinterpose.agent.mech import native\n"
                           "try:\n native.load('real')\nexcept Exception as e:\n print(e)"],
                          capture_output=True, text=True, env=env, timeout=120)
     assert "real driver requested but fakecuda" in res.stdout, res.stdout + res.stderr

@@ -11,11 +11,14 @@ import sys
 
 import pytest
 
-from cuinterpose.agent import census, criu, demo, quiesce
-from cuinterpose.agent import checkpoint as cp_mod
-from cuinterpose.agent import restore as rs_mod
+from cuinterpose.agent.mech import procfs
+from cuinterpose.agent.mech import census, criu, quiesce
+from cuinterpose.workloads.afdwin import demo
+from cuinterpose.agent.run import checkpoint as cp_mod
+from cuinterpose.agent.run import restore as rs_mod
 from cuinterpose.agent.errors import AgentError, CensusError, QuiesceRefused
-from cuinterpose.agent.report import Reporter, RichSink
+from cuinterpose.agent.run.report import Reporter, RichSink
+from cuinterpose.coordinator.contract import quiesce_path, write_atomic
 
 from test_agent_census import states
 from test_agent_ordering import ROOT, answer_quiesce, world  # noqa: F401 (fixture)
@@ -178,29 +181,29 @@ def test_a_restore_refused_for_a_bad_size_names_the_file_and_the_fix(tmp_path, m
 
 # --- 3. release -----------------------------------------------------------------------------------
 def test_release_answers_the_pending_request_of_a_dead_agent(ctl):
-    quiesce.write_atomic(quiesce.file_path(ctl, 4242, "request"), {"id": "abc", "timeout_ms": 9})
+    write_atomic(quiesce_path(ctl, 4242, "request"), {"id": "abc", "timeout_ms": 9})
     dead = subprocess.Popen(["true"])
     dead.wait()
-    quiesce.write_atomic(quiesce.file_path(ctl, 4242, "lock"),
+    write_atomic(quiesce_path(ctl, 4242, "lock"),
                          {"id": "abc", "pid": dead.pid, "starttime": 1, "torn_down": False})
     rc, out = demo.run_agent("release", "--pid", "4242", "--control-dir", str(ctl))
     assert (rc, out) == (0, {"ok": True, "pid": 4242, "request_id": "abc", "removed_lock": True,
-                             "resume": str(quiesce.file_path(ctl, 4242, "resume"))})
-    assert json.loads(quiesce.file_path(ctl, 4242, "resume").read_text()) == {
+                             "resume": str(quiesce_path(ctl, 4242, "resume"))})
+    assert json.loads(quiesce_path(ctl, 4242, "resume").read_text()) == {
         "id": "abc", "restored": False, "cancelled": True}
     assert sorted(p.name for p in ctl.iterdir()) == ["quiesce-4242.resume"]
     rc, out = demo.run_agent("release", "--pid", "4242", "--control-dir", str(ctl))
     assert rc == 3 and out["error"]["reason"] == (
-        f"no pending quiesce request {quiesce.file_path(ctl, 4242, 'request')} (there is none); "
+        f"no pending quiesce request {quiesce_path(ctl, 4242, 'request')} (there is none); "
         "nothing to release")
 
 
 def test_release_is_refused_while_a_live_agent_owns_the_request(ctl):
-    quiesce.write_atomic(quiesce.file_path(ctl, 4242, "request"), {"id": "abc", "timeout_ms": 9})
+    write_atomic(quiesce_path(ctl, 4242, "request"), {"id": "abc", "timeout_ms": 9})
     live = subprocess.Popen(["sleep", "600"])
     try:
-        quiesce.write_atomic(quiesce.file_path(ctl, 4242, "lock"), {
-            "id": "abc", "pid": live.pid, "starttime": quiesce._starttime(live.pid),
+        write_atomic(quiesce_path(ctl, 4242, "lock"), {
+            "id": "abc", "pid": live.pid, "starttime": procfs.starttime(live.pid),
             "torn_down": False})
         rc, out = demo.run_agent("release", "--pid", "4242", "--control-dir", str(ctl))
     finally:
@@ -210,17 +213,17 @@ def test_release_is_refused_while_a_live_agent_owns_the_request(ctl):
     assert out["error"] == {
         "phase": "release", "pid": 4242, "outcome": "refused",
         "reason": f"a checkpoint of this tree (request id abc) is in progress in agent pid "
-                  f"{live.pid} ({quiesce.file_path(ctl, 4242, 'lock')}); release refused: it "
+                  f"{live.pid} ({quiesce_path(ctl, 4242, 'lock')}); release refused: it "
                   "would resume the workload under a running checkpoint",
         "message": f"release: pid 4242 a checkpoint of this tree (request id abc) is in progress "
-                   f"in agent pid {live.pid} ({quiesce.file_path(ctl, 4242, 'lock')}); release "
+                   f"in agent pid {live.pid} ({quiesce_path(ctl, 4242, 'lock')}); release "
                    "refused: it would resume the workload under a running checkpoint"}
-    assert not quiesce.file_path(ctl, 4242, "resume").exists()
+    assert not quiesce_path(ctl, 4242, "resume").exists()
 
 
 def test_release_after_teardown_wants_force(ctl):
-    quiesce.write_atomic(quiesce.file_path(ctl, 9, "request"), {"id": "q1", "timeout_ms": 9})
-    quiesce.write_atomic(quiesce.file_path(ctl, 9, "lock"),
+    write_atomic(quiesce_path(ctl, 9, "request"), {"id": "q1", "timeout_ms": 9})
+    write_atomic(quiesce_path(ctl, 9, "lock"),
                          {"id": "q1", "pid": 999999999, "starttime": 1, "torn_down": True})
     with pytest.raises(QuiesceRefused) as ei:
         quiesce.release(ctl, 9)
@@ -242,12 +245,12 @@ def test_the_checkpoint_holds_a_lock_with_its_pid_until_it_ends(world, tmp_path,
 
     def write_lock(ctl, roots, qid, **kw):
         real_lock(ctl, roots, qid, **kw)
-        seen.append(json.loads(quiesce.file_path(ctl, ROOT, "lock").read_text()))
+        seen.append(json.loads(quiesce_path(ctl, ROOT, "lock").read_text()))
     monkeypatch.setattr(quiesce, "write_lock", write_lock)
     cp_mod.Checkpoint([ROOT], tmp_path / "snap", control_dir=world.ctl).run()
     assert [(s["pid"], s["torn_down"]) for s in seen] == [(os.getpid(), False),
                                                           (os.getpid(), True)]
-    assert not quiesce.file_path(world.ctl, ROOT, "lock").exists()
+    assert not quiesce_path(world.ctl, ROOT, "lock").exists()
 
 
 # --- 4. a rank pid as the root ----------------------------------------------------------------
@@ -290,7 +293,7 @@ def test_a_refused_quiesce_of_a_rank_leaves_no_resume_behind(world, tmp_path, mo
 # --- 5. totals, 6. --leave-running's rows ----------------------------------------------------
 def test_totals_wall_and_paused_in_the_manifest_and_json(world, tmp_path, monkeypatch):
     monkeypatch.setattr(quiesce, "request", answer_quiesce(world))
-    from cuinterpose.agent import ops
+    from cuinterpose.agent.run import ops
     out, m = ops.checkpoint(Reporter(), [ROOT], tmp_path / "snap", control_dir=world.ctl)
     t = json.loads((tmp_path / "snap" / "manifest.json").read_text())["totals"]
     assert set(t) == {"carrier_bytes", "image_bytes", "wall_ms", "paused_ms"}
@@ -389,7 +392,7 @@ def test_after_a_failed_rollback_release_wants_force_even_from_a_live_agent(worl
     with pytest.raises(AgentError) as ei:
         cp.run()
     assert ei.value.outcome == "rollback_failed"
-    assert json.loads(quiesce.file_path(world.ctl, ROOT, "lock").read_text()) == {
+    assert json.loads(quiesce_path(world.ctl, ROOT, "lock").read_text()) == {
         "id": cp.qid, "pid": None, "starttime": None, "torn_down": True}
     with pytest.raises(QuiesceRefused) as ei:
         quiesce.release(world.ctl, ROOT)

@@ -10,11 +10,12 @@ import types
 
 import pytest
 
-import cuinterpose.agent as agent_pkg
-from cuinterpose.agent import checkpoint as cp_mod
-from cuinterpose.agent import census as census_mod
-from cuinterpose.agent import native, quiesce
+import cuinterpose.agent.mech as mech_pkg
+from cuinterpose.agent.run import checkpoint as cp_mod
+from cuinterpose.agent.mech import census as census_mod
+from cuinterpose.agent.mech import native, quiesce
 from cuinterpose.agent.errors import AgentError, CheckpointFailed, NativeError, QuiesceRefused, SnapshotError
+from cuinterpose.coordinator.contract import quiesce_path, write_atomic
 
 PIDS = [201, 202]
 ROOT = 200
@@ -126,8 +127,8 @@ def world(tmp_path, monkeypatch):
         (d / "core.img").write_bytes(b"x")
         w.stopped.add(root)
     fake_criu = types.SimpleNamespace(dump=dump, version=lambda: "4.1")
-    monkeypatch.setitem(sys.modules, "cuinterpose.agent.criu", fake_criu)
-    monkeypatch.setattr(agent_pkg, "criu", fake_criu, raising=False)
+    monkeypatch.setitem(sys.modules, "cuinterpose.agent.mech.criu", fake_criu)
+    monkeypatch.setattr(mech_pkg, "criu", fake_criu, raising=False)
 
     # signals go to the recorded fake trees, never to real processes
     def kill(pid, sig):
@@ -146,7 +147,7 @@ def answer_quiesce(w):
     def request(ctl, roots, qid, timeout_ms):
         orig(ctl, roots, qid, timeout_ms)
         for r in roots:
-            quiesce.write_atomic(quiesce.file_path(ctl, r, "ready"), {"id": qid, "ranks": [{"pid": p} for p in PIDS]})
+            write_atomic(quiesce_path(ctl, r, "ready"), {"id": qid, "ranks": [{"pid": p} for p in PIDS]})
         w.log.append(("workload", "ready", None))
     return request
 
@@ -304,7 +305,7 @@ def test_participant_not_parked_is_refused(world, tmp_path, monkeypatch):
 
     def request(ctl, roots, qid, timeout_ms):
         orig(ctl, roots, qid, timeout_ms)
-        quiesce.write_atomic(quiesce.file_path(ctl, ROOT, "ready"), {"id": qid, "ranks": [{"pid": 201}]})
+        write_atomic(quiesce_path(ctl, ROOT, "ready"), {"id": qid, "ranks": [{"pid": 201}]})
     monkeypatch.setattr(quiesce, "request", request)
     with pytest.raises(Exception) as ei:
         cp_mod.Checkpoint([ROOT], tmp_path / "snap", control_dir=world.ctl).run()

@@ -32,9 +32,11 @@ import uuid
 
 import pytest
 
-from cuinterpose.agent import demo, manifest, native, pb
-from cuinterpose.agent.census import CensusError, pid_alive, walk_tree
-from cuinterpose.agent.placement import (Cgroup, Placement, PlacementError, cgroup_mounts,
+from cuinterpose.workloads.afdwin import demo
+from cuinterpose.agent.snapshot import manifest, pb
+from cuinterpose.agent.mech import native
+from cuinterpose.agent.mech.census import CensusError, pid_alive, walk_tree
+from cuinterpose.agent.mech.placement import (Cgroup, Placement, PlacementError, cgroup_mounts,
                                          parse_cgroup)
 
 from placement_kit import cgroups_of, comm_of, hidden_python_dirs, mount_id_of
@@ -61,7 +63,7 @@ def test_parse_cgroup_and_mounts():
     assert [(t, p, r) for t, p, r, _ in mounts] == [
         ("cgroup", "/sys/fs/cgroup/cpu,cpuacct", "/"), ("cgroup", "/host/pids", "/kubepods"),
         ("cgroup", "/sys/fs/cgroup/systemd", "/"), ("cgroup2", "/sys/fs/cgroup/unified", "/")]
-    from cuinterpose.agent.placement import _mount_of
+    from cuinterpose.agent.mech.placement import _mount_of
     assert _mount_of(3, ("cpu", "cpuacct"), "/k/p", mounts) == ("/sys/fs/cgroup/cpu,cpuacct", "/")
     assert _mount_of(1, ("name=systemd",), "/s", mounts) == ("/sys/fs/cgroup/systemd", "/")
     assert _mount_of(0, (), "/pod/c", mounts) == ("/sys/fs/cgroup/unified", "/")
@@ -425,7 +427,7 @@ def test_bad_placements_are_refused_before_criu_and_leave_the_snapshot(
 
     # the placeholder dies between the placement phase and CRIU: the failure names it, and
     # the snapshot is untouched (in-process, to kill it right after the placement phase)
-    from cuinterpose.agent import restore as restore_mod
+    from cuinterpose.agent.run import restore as restore_mod
     from cuinterpose.agent.errors import RestoreFailed
     dying = placeholder("cui-dying", stdout=False)
     rs = restore_mod.Restore(snap, driver="fake", placement=dying.pid)
@@ -492,7 +494,7 @@ def test_restore_notes_without_a_placement_are_in_the_result(tmp_path):
     """The notes of a restore (here: no placement for a snapshot with an external pipe and
     files, taken in another mount namespace) are in its result dict, which ``--json``, the
     gRPC Result and the pod's message carry."""
-    from cuinterpose.agent.restore import Restore
+    from cuinterpose.agent.run.restore import Restore
     dn = os.stat("/dev/null")
     r = Restore(tmp_path)
     r.m = {"snapshot_id": "s", "roots": [10], "cuda_pids": [],
@@ -651,10 +653,10 @@ def test_a_bad_size_of_an_external_file_names_what_was_handed(tmp_path, monkeypa
     """CRIU names an external file reopened from a handed fd "fd/N" (a copy of that fd, tied
     to its key by the log line before): the restore's reason names the file, the tree's fds
     and what was handed, not the workload's O_APPEND."""
-    from cuinterpose.agent import criu
-    from cuinterpose.agent import restore as rs_mod
+    from cuinterpose.agent.mech import criu
+    from cuinterpose.agent.run import restore as rs_mod
     from cuinterpose.agent.errors import AgentError
-    from cuinterpose.agent.placement import RestoreOptions
+    from cuinterpose.agent.mech.placement import RestoreOptions
     log = tmp_path / "restore.log"
     log.write_text("(00.040346)   9695: Found id file[1b:210413] (fd 1) in inherit fd list\n"
                    "(00.040371)   9695: Found id file[1b:210413] (fd 3) in inherit fd list\n"

@@ -7,8 +7,9 @@ import time
 
 import pytest
 
-from cuinterpose.agent import quiesce
+from cuinterpose.agent.mech import quiesce
 from cuinterpose.agent.errors import QuiesceRefused
+from cuinterpose.coordinator.contract import write_atomic
 
 
 def test_timeout_refuses_cancels_and_removes_request(tmp_path):
@@ -28,7 +29,7 @@ def test_timeout_refuses_cancels_and_removes_request(tmp_path):
 
 def test_ready_with_other_id_is_ignored(tmp_path):
     quiesce.request(tmp_path, [7], "new", 100)
-    quiesce.write_atomic(tmp_path / "quiesce-7.ready", {"id": "old", "ranks": []})
+    write_atomic(tmp_path / "quiesce-7.ready", {"id": "old", "ranks": []})
     with pytest.raises(QuiesceRefused):
         quiesce.wait_ready(tmp_path, [7], "new", 100)
 
@@ -39,7 +40,7 @@ def test_workload_answers(tmp_path):
         while not p.exists():
             time.sleep(0.005)
         rid = json.loads(p.read_text())["id"]
-        quiesce.write_atomic(tmp_path / "quiesce-9.ready", {"id": rid, "ranks": [{"pid": 10}, {"pid": 11}]})
+        write_atomic(tmp_path / "quiesce-9.ready", {"id": rid, "ranks": [{"pid": 10}, {"pid": 11}]})
     t = threading.Thread(target=workload)
     t.start()
     quiesce.request(tmp_path, [9], "q2", 5000)

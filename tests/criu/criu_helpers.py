@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from cuinterpose.agent import criu
+from cuinterpose.agent.mech import criu
 
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parent.parent

@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from cuinterpose.agent import criu
+from cuinterpose.agent.mech import criu
 
 import criu_workload as workload
 from criu_helpers import REPO, alive, kill_tree, wait_until

@@ -19,8 +19,8 @@ import subprocess
 
 import pytest
 
-from cuinterpose.agent import criu, mntns
-from cuinterpose.agent.placement import Placement, restore_options
+from cuinterpose.agent.mech import criu, mntns
+from cuinterpose.agent.mech.placement import Placement, restore_options
 
 from criu_helpers import alive, stop_job, wait_until
 

@@ -27,8 +27,9 @@ import sys
 
 import pytest
 
-from cuinterpose.agent import checkpoint, criu
-from cuinterpose.agent.placement import (Namespace, Placement, PlacementError, external_file_key,
+from cuinterpose.agent.mech import fds
+from cuinterpose.agent.mech import criu
+from cuinterpose.agent.mech.placement import (Namespace, Placement, PlacementError, external_file_key,
                                          restore_options)
 
 from criu_helpers import HERE, alive, kill_tree, stop_job, wait_until
@@ -106,7 +107,7 @@ def test_restore_into_placeholder_namespaces_cgroups_and_stdout(
         tmp_path, pipe_tree, cgroup_dir, placeholder):
     root, pids, reader, before_out = pipe_tree()
     tree = [pids["root"], pids["child"]]
-    ext = checkpoint.external_pipes(root.pid, tree)
+    ext = fds.external_pipes(root.pid, tree)
     ino = os.stat(f"/proc/{root.pid}/fd/1").st_ino
     assert ext == [{"root": root.pid, "pid": p, "fd": 1, "inode": ino, "direction": "write"}
                    for p in sorted(tree)]
@@ -347,7 +348,7 @@ def test_files_opened_outside_the_mount_namespace_are_external(
         wait_until(lambda: len(_numbers(vol / "log")) >= 10, "10 numbers", 30)
         tree = [job.pid]
         devnull = os.stat("/dev/null")
-        ext = checkpoint.external_files(job.pid, tree)
+        ext = fds.external_files(job.pid, tree)
         assert [(e["fd"], e["path"]) for e in ext] == [
             (0, "/dev/null"), (1, "/dev/null"), (2, str(err_log))]
         dev_id = _mount_id("/dev")
@@ -464,7 +465,7 @@ def test_placeholder_stdout_a_regular_file_keeps_its_bytes(tmp_path, pipe_tree, 
     lines follow them."""
     root, pids, reader, before_out = pipe_tree()
     tree = [pids["root"], pids["child"]]
-    ext = checkpoint.external_pipes(root.pid, tree)
+    ext = fds.external_pipes(root.pid, tree)
     imgs = tmp_path / "imgs"
     criu.dump(root.pid, imgs)
     assert root.wait() == -signal.SIGKILL
@@ -615,14 +616,14 @@ def test_an_external_file_also_held_rdwr_is_reopened_not_the_placeholders_log(
     the placeholder's log keeps its bytes, the tree's log continues both sequences. A second
     restore of the same images (the log grew) fails "bad size" on fd/N, and the reason names
     the external file and what was handed, without the workload-O_APPEND advice."""
-    from cuinterpose.agent import restore as restore_mod
+    from cuinterpose.agent.run import restore as restore_mod
     log = tmp_path / "tree.log"
     log.write_bytes(b"." * PAD)
     job = _start_outside(tmp_path, f"1>>{log} 5<>{log}", "rw:5")
     restored = None
     try:
         wait_until(lambda: len(_records(log.read_bytes())) >= 10, "10 records", 30)
-        ext = checkpoint.external_files(job.pid, [job.pid])
+        ext = fds.external_files(job.pid, [job.pid])
         mine = [e for e in ext if e["path"] == str(log)]
         assert [(e["fd"], e["flags"] & (os.O_ACCMODE | os.O_APPEND)) for e in mine] == [
             (1, os.O_WRONLY | os.O_APPEND), (5, os.O_RDWR)]
@@ -757,7 +758,7 @@ def test_a_placeholder_whose_stdout_is_a_socket_is_refused(tmp_path, pipe_tree, 
     first, naming its fd and the tree's, with every fd it opened closed again."""
     root, pids, reader, _ = pipe_tree()
     tree = [pids["root"], pids["child"]]
-    ext = checkpoint.external_pipes(root.pid, tree)
+    ext = fds.external_pipes(root.pid, tree)
     ino = ext[0]["inode"]
     imgs = tmp_path / "imgs"
     criu.dump(root.pid, imgs)
@@ -799,7 +800,7 @@ def test_a_placeholder_whose_stdout_is_a_socket_is_refused(tmp_path, pipe_tree, 
 
 @pytest.mark.parametrize("case", ["cwd", "root", "mapping", "mapping-open"])
 def test_cwd_root_and_mappings_outside_the_mount_namespace(tmp_path, criu_ok, case):
-    """``checkpoint.outside_mounts`` finds what CRIU cannot dump ("Can't lookup mount=N for
+    """``fds.outside_mounts`` finds what CRIU cannot dump ("Can't lookup mount=N for
     fd=-3"): a cwd, a root, a file only mapped, all from outside the tree's mount namespace.
     A mapping whose file the tree also holds open is an external file, which CRIU dumps."""
     d = tmp_path / "outside-dir"
@@ -814,8 +815,8 @@ def test_cwd_root_and_mappings_outside_the_mount_namespace(tmp_path, criu_ok, ca
     try:
         wait_until(lambda: len(_numbers(log)) >= 5, "5 numbers", 30)
         pid = job.pid
-        found = checkpoint.outside_mounts(pid, [pid])
-        ext = checkpoint.external_files(pid, [pid])
+        found = fds.outside_mounts(pid, [pid])
+        ext = fds.external_files(pid, [pid])
         keys = list(dict.fromkeys(external_file_key(e) for e in ext))
         if case == "mapping-open":
             assert found == []

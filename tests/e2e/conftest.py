@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from cuinterpose.agent import demo
+from cuinterpose.workloads.afdwin import demo
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

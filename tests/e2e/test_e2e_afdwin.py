@@ -9,8 +9,10 @@ import time
 
 import pytest
 
-from cuinterpose.agent import demo, manifest, paths
-from cuinterpose.agent.census import sha256_file
+from cuinterpose.workloads.afdwin import demo
+from cuinterpose.agent.snapshot import manifest
+from cuinterpose.agent import paths
+from cuinterpose.agent.mech.census import sha256_file
 
 STEPS = 300
 
@@ -174,7 +176,7 @@ def test_ctrl_c_to_the_agents_process_group_during_the_dump_lets_criu_finish(afd
     """A terminal's Ctrl-C reaches the agent and CRIU (one foreground process group). CRIU runs
     with the signals blocked, so the dump completes (no CRIU killed inside the workload); the
     agent then stops at the phase boundary and rolls back; the workload finishes intact."""
-    from cuinterpose.agent.census import walk_tree
+    from cuinterpose.agent.mech.census import walk_tree
     a = afdwin(steps=STEPS, step_delay_ms=5)
     a.wait_for(lambda ev: demo.received(ev) >= 20, 120, "20 messages")
     snap = tmp_path / "snap"

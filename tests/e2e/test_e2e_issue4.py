@@ -18,7 +18,8 @@ import time
 
 import pytest
 
-from cuinterpose.agent import demo, manifest
+from cuinterpose.workloads.afdwin import demo
+from cuinterpose.agent.snapshot import manifest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WINDOW_KEYS = ("rank", "pid", "role", "base_va", "peer_va", "stride", "slot_bytes",

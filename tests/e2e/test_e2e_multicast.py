@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import signal
 
-from cuinterpose.agent import demo
+from cuinterpose.workloads.afdwin import demo
 
 STEPS = 300
 MC = 0x4D430000

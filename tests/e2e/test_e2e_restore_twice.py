@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import signal
 
-from cuinterpose.agent import demo
-from cuinterpose.agent.census import sha256_file
+from cuinterpose.workloads.afdwin import demo
+from cuinterpose.agent.mech.census import sha256_file
 
 STEPS = 200
 

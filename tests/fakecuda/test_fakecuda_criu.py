@@ -25,7 +25,7 @@ def wait_file(path: pathlib.Path, proc_alive, what: str, timeout: float = 60.0) 
 
 @pytest.fixture(scope="module")
 def criu_mod():
-    from cuinterpose.agent import criu
+    from cuinterpose.agent.mech import criu
     try:
         criu.criu_command()
     except criu.CriuError as e:  # the only allowed skip: CRIU cannot run here

@@ -10,14 +10,14 @@ import signal
 
 import pytest
 
-from cuinterpose.agent import demo
+from cuinterpose.workloads.afdwin import demo
 
 STEPS = 200
 
 
 @pytest.fixture
 def real_afdwin(tmp_path, real_gpu, subreaper):
-    from cuinterpose.agent import criu
+    from cuinterpose.agent.mech import criu
     ok, out = criu.check()
     if not ok:
         why = f"CRIU is not usable on this GPU machine: {out.strip()}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import time
 
-from cuinterpose.agent import demo
+from cuinterpose.workloads.afdwin import demo
 from metrics_kit import scrape
 
 STEPS = 300

@@ -10,7 +10,9 @@ import os
 import signal
 import time
 
-from cuinterpose.agent import demo, pb, service
+from cuinterpose.workloads.afdwin import demo
+from cuinterpose.agent.snapshot import pb
+from cuinterpose.agent.rpc import service
 from group_kit import STEPS, agents, idx, reap_tree, start_jobs, wait_running
 
 

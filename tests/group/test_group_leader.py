@@ -8,9 +8,10 @@ import threading
 
 import pytest
 
-from cuinterpose.agent import group, pb
+from cuinterpose.agent.rpc import group
+from cuinterpose.agent.snapshot import pb
 from cuinterpose.agent.errors import AgentError
-from cuinterpose.agent.report import Reporter
+from cuinterpose.agent.run.report import Reporter
 
 CP = ["prepare", "quiesce", "capture", "lock", "checkpoint", "dump", "manifest", "finish",
       "resume"]

@@ -14,9 +14,10 @@ import tempfile
 
 import pytest
 
-from cuinterpose.agent import group, pb, service
+from cuinterpose.agent.rpc import group, service
+from cuinterpose.agent.snapshot import pb
 from cuinterpose.agent.errors import AgentError
-from cuinterpose.agent.report import Reporter
+from cuinterpose.agent.run.report import Reporter
 
 CP = ["prepare", "quiesce", "capture", "lock", "checkpoint", "dump", "manifest", "finish",
       "resume"]

@@ -16,7 +16,9 @@ import subprocess
 import sys
 import time
 
-from cuinterpose.agent import criu, pb, service
+from cuinterpose.agent.mech import criu
+from cuinterpose.agent.snapshot import pb
+from cuinterpose.agent.rpc import service
 from group_kit import STEPS, agents, finished_intact, metrics, start_jobs, wait_running
 
 LEASE = "2"
@@ -25,8 +27,9 @@ EXPIRED_UNDONE = 'cuinterpose_group_leases_expired_total{kind="checkpoint",resul
 # the leader, in a process of its own: SIGKILLs itself when the group phase ``die_after`` ends
 LEADER = r"""
 import json, os, signal, sys
-from cuinterpose.agent import group, pb
-from cuinterpose.agent.report import Reporter
+from cuinterpose.agent.rpc import group
+from cuinterpose.agent.snapshot import pb
+from cuinterpose.agent.run.report import Reporter
 spec = json.loads(sys.argv[1])
 apb, _, _ = pb.modules()
 req = apb.CheckpointRequest(members=[apb.Member(**m) for m in spec["members"]])

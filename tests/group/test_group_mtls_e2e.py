@@ -13,9 +13,10 @@ import signal
 
 import pytest
 
-from cuinterpose.agent import pb, service
+from cuinterpose.agent.snapshot import pb
+from cuinterpose.agent.rpc import service
 from cuinterpose.agent.errors import AgentError
-from cuinterpose.agent.service import TLS
+from cuinterpose.agent.rpc.service import TLS
 from group_kit import STEPS, finished_intact, metrics, reap_tree, start_jobs, wait_running
 
 

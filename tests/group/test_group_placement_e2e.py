@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 import signal
 
-from cuinterpose.agent import pb, service
+from cuinterpose.agent.snapshot import pb
+from cuinterpose.agent.rpc import service
 from group_kit import STEPS, agents, finished_intact, reap_tree, start_jobs, wait_running
 from placement_kit import not_placed
 

@@ -9,7 +9,7 @@ import pytest
 from cuinterpose.agent.config import parse_config
 from cuinterpose.agent.kube.actions import AgentActions
 from cuinterpose.agent.kube.resolver import CgroupResolver
-from cuinterpose.agent.placement import PlacementError
+from cuinterpose.agent.mech.placement import PlacementError
 
 
 def test_restore_into_a_reused_placeholder_pid_is_refused(tmp_path):

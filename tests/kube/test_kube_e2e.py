@@ -21,8 +21,9 @@ from fakeapi import NODE, make_pod
 from placement_kit import not_placed
 from proclayout import lay_proc
 
-from cuinterpose.agent import demo, paths
-from cuinterpose.agent.census import walk_tree
+from cuinterpose.workloads.afdwin import demo
+from cuinterpose.agent import paths
+from cuinterpose.agent.mech.census import walk_tree
 
 CID = "c0ffee" * 10 + "abcd"
 PCID = "f" * 64            # the placeholder pod's container

@@ -36,8 +36,10 @@ from fakeapi import NODE, make_pod
 from placement_kit import not_placed
 from proclayout import lay_proc
 
-from cuinterpose.agent import demo, pb, service
-from cuinterpose.agent.census import walk_tree
+from cuinterpose.workloads.afdwin import demo
+from cuinterpose.agent.snapshot import pb
+from cuinterpose.agent.rpc import service
+from cuinterpose.agent.mech.census import walk_tree
 from cuinterpose.agent.kube.hostcgroup import join_host_cgroup_namespace
 from metrics_kit import scrape
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from cuinterpose.agent.errors import AgentError
-from cuinterpose.agent.report import Reporter
+from cuinterpose.agent.run.report import Reporter
 
 
 class FakeJob:

@@ -11,10 +11,11 @@ import time
 
 import pytest
 
-from cuinterpose.agent import pb, service
+from cuinterpose.agent.snapshot import pb
+from cuinterpose.agent.rpc import service
 from cuinterpose.agent.errors import AgentError
-from cuinterpose.agent.metrics import Metrics
-from cuinterpose.agent.report import Reporter
+from cuinterpose.agent.rpc.metrics import Metrics
+from cuinterpose.agent.run.report import Reporter
 
 CP = ["prepare", "quiesce", "capture", "lock", "checkpoint", "dump", "manifest", "finish",
       "resume"]

@@ -11,7 +11,8 @@ import threading
 
 import pytest
 
-from cuinterpose.agent import pb, service
+from cuinterpose.agent.snapshot import pb
+from cuinterpose.agent.rpc import service
 from cuinterpose.agent.config import parse_config
 from cuinterpose.agent.errors import AgentError
 from cuinterpose.agent.kube.actions import AgentActions

@@ -10,9 +10,10 @@ import os
 
 import pytest
 
-from cuinterpose.agent import pb, service
+from cuinterpose.agent.snapshot import pb
+from cuinterpose.agent.rpc import service
 from cuinterpose.agent.errors import AgentError
-from cuinterpose.agent.service import TLS, confine_path, listener_security
+from cuinterpose.agent.rpc.service import TLS, confine_path, listener_security
 from test_service import cli
 
 REASON_PLAIN = (

@@ -10,7 +10,8 @@ import tempfile
 
 import pytest
 
-from cuinterpose.agent import pb, service
+from cuinterpose.agent.snapshot import pb
+from cuinterpose.agent.rpc import service
 from metrics_kit import scrape, text
 
 

@@ -7,7 +7,7 @@ import os
 import signal
 import time
 
-from cuinterpose.agent import demo
+from cuinterpose.workloads.afdwin import demo
 
 STEPS = 300
 

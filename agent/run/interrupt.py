@@ -15,7 +15,7 @@ import sys
 import threading
 from typing import Optional
 
-from .errors import AgentError
+from cuinterpose.agent.errors import AgentError
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 

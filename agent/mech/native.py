@@ -36,8 +36,8 @@ import threading
 import time
 from typing import Callable, Iterable, Optional, TypeVar
 
-from . import paths
-from .errors import AgentError, NativeError
+from cuinterpose.agent import paths
+from cuinterpose.agent.errors import AgentError, NativeError
 
 DRIVER_ENV = "CUINTERPOSE_DRIVER"
 DRIVER_KINDS = ("real", "fake")

@@ -2,7 +2,7 @@
 service (``serve``): both call these, so ``--agent ADDR`` runs exactly the code a local
 command runs.
 
-Each function takes a :class:`~cuinterpose.agent.report.Reporter` (progress rows go to its
+Each function takes a :class:`~cuinterpose.agent.run.report.Reporter` (progress rows go to its
 sinks) and returns the JSON object the CLI prints with ``--json`` on success, or raises
 ``AgentError`` whose ``to_dict()`` is the ``error`` object of a failure (``outcome`` says what
 was left behind; docs/agent.md). A bug (any other exception) is turned into an ``AgentError``
@@ -15,9 +15,9 @@ import json
 import pathlib
 from typing import Optional
 
-from . import manifest as manifest_mod
-from .errors import AgentError
-from .report import Reporter
+from cuinterpose.agent.snapshot import manifest as manifest_mod
+from cuinterpose.agent.errors import AgentError
+from cuinterpose.agent.run.report import Reporter
 
 
 def _unexpected(rep: Reporter, e: BaseException, default_phase: str, outcome: str,
@@ -29,7 +29,7 @@ def _unexpected(rep: Reporter, e: BaseException, default_phase: str, outcome: st
 def checkpoint(rep: Reporter, roots, images_dir, **kw) -> tuple[dict, dict]:
     """Checkpoint ``roots`` into ``images_dir`` (``kw``: ``Checkpoint``'s options). Returns
     (the CLI's JSON object, the manifest dict)."""
-    from .checkpoint import Checkpoint
+    from cuinterpose.agent.run.checkpoint import Checkpoint
     cp = Checkpoint(roots, images_dir, reporter=rep, **kw)
     try:
         m = cp.run()
@@ -45,7 +45,7 @@ def checkpoint(rep: Reporter, roots, images_dir, **kw) -> tuple[dict, dict]:
 
 def restore(rep: Reporter, images_dir, **kw) -> dict:
     """Restore the snapshot in ``images_dir`` (``kw``: ``Restore``'s options)."""
-    from .restore import Restore
+    from cuinterpose.agent.run.restore import Restore
     rs = Restore(images_dir, reporter=rep, **kw)
     try:
         res = rs.run()
@@ -58,7 +58,7 @@ def restore(rep: Reporter, images_dir, **kw) -> dict:
 
 def inspect(pid: int, *, control_dir=None, timeout_s: float = 10.0) -> dict:
     """INSPECT one process (read-only): {"ok": true, "pid", "socket_path", "phase", "records"}."""
-    from .inspect import inspect_pid
+    from cuinterpose.agent.inspect import inspect_pid
     return {"ok": True, **inspect_pid(pid, control_dir=control_dir, timeout_s=timeout_s)}
 
 

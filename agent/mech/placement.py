@@ -69,7 +69,7 @@ import os
 import stat
 from typing import Iterable, Optional
 
-from .errors import AgentError
+from cuinterpose.agent.errors import AgentError
 
 __all__ = ["Placement", "Cgroup", "Namespace", "Stdio", "PlacementError", "DEFAULT_NAMESPACES",
            "JOINABLE_NAMESPACES", "parse_cgroup", "cgroup_mounts", "RestoreOptions",
@@ -452,11 +452,11 @@ class Placement:
         return out
 
     def child_setup(self):
-        """A :class:`~cuinterpose.agent.criu.ChildSetup` that moves the CRIU child into every
+        """A :class:`~cuinterpose.agent.mech.criu.ChildSetup` that moves the CRIU child into every
         placement cgroup this process is not in and, when the placement has a mount namespace
         of its own, into that (before CRIU starts: the restored files are then reopened by
         the paths the placement sees, agent/mntns.py)."""
-        from .criu import ChildSetup
+        from cuinterpose.agent.mech.criu import ChildSetup
         return ChildSetup(cgroup_procs=tuple(c.procs_file for c in self.cgroups_to_join()),
                           namespaces=(("mnt", self.mnt.path),) if self.mnt else ())
 
@@ -470,7 +470,7 @@ class Placement:
         same), and a probe that cannot be started is a refusal too. Returns the
         ``cgroup.procs`` files joined. Raises ``PlacementError`` naming the file and the
         errno."""
-        from .criu import ChildSetup, CriuError, run_setup_probe
+        from cuinterpose.agent.mech.criu import ChildSetup, CriuError, run_setup_probe
         setup = ChildSetup(cgroup_procs=tuple(c.procs_file for c in self.cgroups_to_join()))
         if not setup.cgroup_procs:
             return []

@@ -1,7 +1,8 @@
 """The agent's side of the workload contract (docs/workload-contract.md).
 
 Files in the control directory, per root pid ``ROOT``, each written atomically
-(``NAME.tmp`` then ``rename``):
+(``NAME.tmp`` then ``rename``; names and the write are :mod:`cuinterpose.coordinator.contract`'s,
+shared with the workload side):
 
 - ``quiesce-ROOT.request`` (agent): ``{"id": str, "timeout_ms": int}``
 - ``quiesce-ROOT.ready`` (workload): ``{"id": str, "ranks": [{"pid": int, ...}], ...}``
@@ -13,29 +14,15 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
 import time
 import uuid
 from typing import Callable, Iterable, Optional
 
-from .errors import QuiesceRefused
+from cuinterpose.agent.errors import QuiesceRefused
+from cuinterpose.coordinator.contract import quiesce_path, write_atomic
+from cuinterpose.agent.mech import procfs
 
 POLL_S = 0.02
-
-
-def file_path(control_dir: os.PathLike | str, root: int, kind: str) -> pathlib.Path:
-    """``<control_dir>/quiesce-<root>.<kind>`` (kind: request, ready, resume)."""
-    return pathlib.Path(control_dir) / f"quiesce-{root}.{kind}"
-
-
-def write_atomic(path: pathlib.Path, obj: dict) -> None:
-    """Write ``obj`` as JSON to ``path`` via ``path.tmp`` + rename."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.rename(tmp, path)
 
 
 def new_id() -> str:
@@ -46,14 +33,14 @@ def pending_request(control_dir, root: int) -> Optional[str]:
     """The id of a ``.request`` of ``root`` that is still pending (no ``.resume`` answers it
     yet), else None. An unreadable request counts as pending (id "?")."""
     try:
-        req = json.loads(file_path(control_dir, root, "request").read_text())
+        req = json.loads(quiesce_path(control_dir, root, "request").read_text())
     except FileNotFoundError:
         return None
     except (OSError, ValueError):
         return "?"
     rid = str(req.get("id")) if isinstance(req, dict) else "?"
     try:
-        res = json.loads(file_path(control_dir, root, "resume").read_text())
+        res = json.loads(quiesce_path(control_dir, root, "resume").read_text())
     except (OSError, ValueError):
         res = None
     if isinstance(res, dict) and str(res.get("id")) == rid:
@@ -78,8 +65,8 @@ def request(control_dir, roots: Iterable[int], qid: str, timeout_ms: int) -> Non
     try:
         for r in roots:
             for kind in ("ready", "resume", "request"):   # a request here was answered
-                file_path(control_dir, r, kind).unlink(missing_ok=True)
-            path = file_path(control_dir, r, "request")
+                quiesce_path(control_dir, r, kind).unlink(missing_ok=True)
+            path = quiesce_path(control_dir, r, "request")
             tmp = path.with_name(f"{path.name}.{qid}.tmp")
             write_atomic(tmp, {"id": qid, "timeout_ms": int(timeout_ms)})
             try:
@@ -91,7 +78,7 @@ def request(control_dir, roots: Iterable[int], qid: str, timeout_ms: int) -> Non
             written.append(r)
     except BaseException:
         for r in written:
-            file_path(control_dir, r, "request").unlink(missing_ok=True)
+            quiesce_path(control_dir, r, "request").unlink(missing_ok=True)
         raise
 
 
@@ -100,8 +87,8 @@ def _busy(control_dir, root: int, rid: str) -> QuiesceRefused:
     who = (f"a checkpoint of this tree is in progress in agent pid {owner['pid']}" if owner else
            "another checkpoint of this tree is in progress, or an agent died during one")
     e = QuiesceRefused(
-        "quiesce", f"{file_path(control_dir, root, 'request')} already exists (id {rid}): {who}; "
-        f"the workload may be parked until {file_path(control_dir, root, 'resume')} carries that "
+        "quiesce", f"{quiesce_path(control_dir, root, 'request')} already exists (id {rid}): {who}; "
+        f"the workload may be parked until {quiesce_path(control_dir, root, 'resume')} carries that "
         "id; checkpoint refused, nothing was changed by this request"
         + ("" if owner else f". If no agent is checkpointing this tree, release it with "
            f"`cuinterpose-agent release --pid {root} --control-dir {control_dir}`"), pid=root)
@@ -112,18 +99,6 @@ def _busy(control_dir, root: int, rid: str) -> QuiesceRefused:
 
 # -- the agent's lock: which agent process owns the pending request of a root ------------------
 
-def _starttime(pid: int) -> Optional[int]:
-    """Start time (clock ticks since boot, /proc/PID/stat field 22) of a live process; None
-    when it is gone or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read().decode(errors="replace")
-        fields = data[data.rindex(")") + 2:].split()
-        return None if fields[0] in "ZX" else int(fields[19])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def write_lock(control_dir, roots: Iterable[int], qid: str, *, torn_down: bool = False) -> None:
     """``quiesce-ROOT.lock``: {"id", "pid" (this agent), "starttime", "torn_down"} while this
     agent owns the request of ``root`` (removed by :func:`unlock`; a SIGKILLed agent leaves it
@@ -131,8 +106,8 @@ def write_lock(control_dir, roots: Iterable[int], qid: str, *, torn_down: bool =
     started tearing shared memory down: ``release`` then wants ``--force``."""
     me = os.getpid()
     for r in roots:
-        write_atomic(file_path(control_dir, r, "lock"),
-                     {"id": qid, "pid": me, "starttime": _starttime(me),
+        write_atomic(quiesce_path(control_dir, r, "lock"),
+                     {"id": qid, "pid": me, "starttime": procfs.starttime(me),
                       "torn_down": bool(torn_down)})
 
 
@@ -141,14 +116,14 @@ def abandon_lock(control_dir, roots: Iterable[int], qid: str) -> None:
     torn-down memory: the ``.lock`` names no owner any more (``release`` no longer waits for
     this agent, e.g. a daemon) and keeps ``torn_down`` (``release`` wants ``--force``)."""
     for r in roots:
-        write_atomic(file_path(control_dir, r, "lock"),
+        write_atomic(quiesce_path(control_dir, r, "lock"),
                      {"id": qid, "pid": None, "starttime": None, "torn_down": True})
 
 
 def unlock(control_dir, roots: Iterable[int], qid: Optional[str] = None) -> None:
     """Remove this agent's ``.lock`` of every root (only one carrying ``qid`` when given)."""
     for r in roots:
-        path = file_path(control_dir, r, "lock")
+        path = quiesce_path(control_dir, r, "lock")
         if qid is not None:
             try:
                 if json.loads(path.read_text()).get("id") != qid:
@@ -162,11 +137,11 @@ def lock_owner(control_dir, root: int) -> Optional[dict]:
     """The ``.lock`` payload of ``root`` when the agent process it names is still alive (same
     pid and start time), else None."""
     try:
-        lk = json.loads(file_path(control_dir, root, "lock").read_text())
+        lk = json.loads(quiesce_path(control_dir, root, "lock").read_text())
         pid = int(lk["pid"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    st = _starttime(pid)
+    st = procfs.starttime(pid)
     if st is None or (lk.get("starttime") is not None and lk["starttime"] != st):
         return None
     return lk
@@ -179,10 +154,10 @@ def release(control_dir, root: int, *, force: bool = False) -> dict:
     {"pid", "request_id", "resume", "removed_lock"}. Refused (``QuiesceRefused`` naming the pid)
     when there is no pending request, its id cannot be read, a live agent owns it, or (without
     ``force``) its agent died after tearing shared memory down."""
-    req = file_path(control_dir, root, "request")
+    req = quiesce_path(control_dir, root, "request")
     rid = pending_request(control_dir, root)
     if rid is None:
-        why = ("it was already answered by " + str(file_path(control_dir, root, "resume"))
+        why = ("it was already answered by " + str(quiesce_path(control_dir, root, "resume"))
                if req.exists() else "there is none")
         raise QuiesceRefused("release", f"no pending quiesce request {req} ({why}); "
                              "nothing to release", pid=root)
@@ -193,11 +168,11 @@ def release(control_dir, root: int, *, force: bool = False) -> dict:
     if owner is not None and int(owner["pid"]) != os.getpid():
         raise QuiesceRefused("release", f"a checkpoint of this tree (request id {rid}) is in "
                              f"progress in agent pid {owner['pid']} "
-                             f"({file_path(control_dir, root, 'lock')}); release refused: it would "
+                             f"({quiesce_path(control_dir, root, 'lock')}); release refused: it would "
                              "resume the workload under a running checkpoint", pid=root)
     if not force:
         try:
-            lk = json.loads(file_path(control_dir, root, "lock").read_text())
+            lk = json.loads(quiesce_path(control_dir, root, "lock").read_text())
         except (OSError, ValueError):
             lk = None
         if isinstance(lk, dict) and lk.get("id") == rid and lk.get("torn_down"):
@@ -207,10 +182,10 @@ def release(control_dir, root: int, *, force: bool = False) -> dict:
                    "shared memory is torn down")
             raise QuiesceRefused("release", f"{who}: resuming the workload may run it on "
                                  "torn-down memory; pass --force to release it anyway", pid=root)
-    resume_path = file_path(control_dir, root, "resume")
+    resume_path = quiesce_path(control_dir, root, "resume")
     write_atomic(resume_path, {"id": rid, "restored": False, "cancelled": True})
     req.unlink(missing_ok=True)
-    lock = file_path(control_dir, root, "lock")
+    lock = quiesce_path(control_dir, root, "lock")
     had_lock = lock.exists()
     lock.unlink(missing_ok=True)
     return {"pid": root, "request_id": rid, "resume": str(resume_path), "removed_lock": had_lock}
@@ -221,13 +196,13 @@ def clear(control_dir, roots: Iterable[int]) -> None:
     later process reusing the root pid must not take them for a request."""
     for r in roots:
         for kind in ("request", "ready", "lock"):
-            file_path(control_dir, r, kind).unlink(missing_ok=True)
+            quiesce_path(control_dir, r, kind).unlink(missing_ok=True)
 
 
 def read_ready(control_dir, root: int, qid: str) -> Optional[dict]:
     """The ``.ready`` payload of ``root`` if it answers ``qid``, else None."""
     try:
-        data = json.loads(file_path(control_dir, root, "ready").read_text())
+        data = json.loads(quiesce_path(control_dir, root, "ready").read_text())
     except (FileNotFoundError, ValueError):
         return None
     return data if isinstance(data, dict) and data.get("id") == qid else None
@@ -261,7 +236,7 @@ def wait_ready(control_dir, roots: Iterable[int], qid: str, timeout_ms: int,
     missing = [r for r in roots if r not in ready]
     cancel(control_dir, roots, qid)
     alive = [r for r in missing if os.path.exists(f"/proc/{r}")]
-    why = ("did not write " + ", ".join(str(file_path(control_dir, r, "ready")) for r in missing)
+    why = ("did not write " + ", ".join(str(quiesce_path(control_dir, r, "ready")) for r in missing)
            + f" within {timeout_ms} ms")
     if len(alive) < len(missing):
         why += f" (exited: {', '.join(str(r) for r in missing if r not in alive)})"
@@ -273,7 +248,7 @@ def resume(control_dir, roots: Iterable[int], qid: str, *, restored: bool, cance
     """Write ``.resume`` for every root: the workload may continue."""
     roots = list(roots)
     for r in roots:
-        write_atomic(file_path(control_dir, r, "resume"),
+        write_atomic(quiesce_path(control_dir, r, "resume"),
                      {"id": qid, "restored": bool(restored), "cancelled": bool(cancelled)})
     unlock(control_dir, roots, qid)
 
@@ -283,4 +258,4 @@ def cancel(control_dir, roots: Iterable[int], qid: str) -> None:
     roots = list(roots)
     resume(control_dir, roots, qid, restored=False, cancelled=True)
     for r in roots:
-        file_path(control_dir, r, "request").unlink(missing_ok=True)
+        quiesce_path(control_dir, r, "request").unlink(missing_ok=True)

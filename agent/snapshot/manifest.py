@@ -24,7 +24,7 @@ import os
 import pathlib
 from typing import Any
 
-from .errors import SnapshotError
+from cuinterpose.agent.errors import SnapshotError
 
 FORMAT = "cuinterpose-snapshot"
 FORMAT_VERSION = 1

@@ -2,8 +2,8 @@
 
 ``Agent`` (proto/cuinterpose/v1/agent.proto) exposes ``Checkpoint``, ``Restore``, ``Inspect``,
 ``ListSnapshots`` and, for group requests, ``RunPhase``. Every RPC streams ``Event``s: one
-``Progress`` per phase start/end (the :class:`~cuinterpose.agent.report.Reporter` events of
-the same code the CLI runs, :mod:`cuinterpose.agent.ops`) and finally exactly one ``Result``
+``Progress`` per phase start/end (the :class:`~cuinterpose.agent.run.report.Reporter` events of
+the same code the CLI runs, :mod:`cuinterpose.agent.run.ops`) and finally exactly one ``Result``
 (``ok``, ``error`` with phase/pid/reason/outcome/node, the phases, and ``json``: the object the
 CLI prints with ``--json``). ``seq`` numbers the events of a stream 1, 2, ...
 
@@ -15,7 +15,7 @@ pod watcher's requests go through :meth:`AgentService.run_local`, so they count 
 daemon's metrics as a gRPC request does.
 
 A request whose ``members`` is non-empty makes this agent the group leader
-(:mod:`cuinterpose.agent.group`). A member keeps the state of a group request between
+(:mod:`cuinterpose.agent.rpc.group`). A member keeps the state of a group request between
 ``RunPhase`` calls in :attr:`AgentService.jobs`, keyed by the leader's request id, for as
 long as its lease lasts (:attr:`ServeOptions.group_lease_s`): every RunPhase and every
 ``Renew`` (which takes no node lock) extends it; when it runs out with no phase running, the
@@ -48,10 +48,10 @@ import time
 from concurrent import futures
 from typing import Callable, Iterator, Optional
 
-from . import ops
-from . import pb
-from .errors import AgentError
-from .report import Phase, Reporter
+from cuinterpose.agent.run import ops
+from cuinterpose.agent.snapshot import pb
+from cuinterpose.agent.errors import AgentError
+from cuinterpose.agent.run.report import Phase, Reporter
 
 log = logging.getLogger("cuinterpose.service")
 
@@ -530,7 +530,7 @@ class AgentService(_servicer_base()):
     # RPCs
     def Checkpoint(self, request, context):
         if request.members:
-            from . import group
+            from cuinterpose.agent.rpc import group
             return iter(self._stream("checkpoint", lambda rep, emit: group.lead(
                 "checkpoint", request, rep, emit, tls=self.opts.tls, leader=self.opts.node,
                 lease_s=self.opts.group_lease_s)))
@@ -546,7 +546,7 @@ class AgentService(_servicer_base()):
 
     def Restore(self, request, context):
         if request.members:
-            from . import group
+            from cuinterpose.agent.rpc import group
             return iter(self._stream("restore", lambda rep, emit: group.lead(
                 "restore", request, rep, emit, tls=self.opts.tls, leader=self.opts.node,
                 lease_s=self.opts.group_lease_s)))
@@ -708,8 +708,8 @@ class AgentService(_servicer_base()):
         (``rollback``, then ``release``); restore: ``abort`` once ``criu restore`` was
         started, else nothing. Returns (result, words): result ``undone``, ``completed``,
         ``dropped`` or ``undo_failed``."""
-        from .checkpoint import Checkpoint
-        from .restore import Restore
+        from cuinterpose.agent.run.checkpoint import Checkpoint
+        from cuinterpose.agent.run.restore import Restore
         obj = job.obj
         obj.r.sinks = list(rep.sinks)
         try:
@@ -761,8 +761,8 @@ class AgentService(_servicer_base()):
         ``lease_expired``, or ``rollback_failed``/``restore_failed`` when this member's own
         undo failed). ``peer``: the caller's address, naming the leader when ``req.leader``
         is empty. Returns ({"ok", "node", "phase", "state", "lease_s"}, None)."""
-        from .checkpoint import Checkpoint
-        from .restore import Restore
+        from cuinterpose.agent.run.checkpoint import Checkpoint
+        from cuinterpose.agent.run.restore import Restore
         rid, name, kind = req.request_id, req.phase, req.kind
         if kind not in ("checkpoint", "restore") or not rid:
             raise AgentError("group", f"bad RunPhase: kind {kind!r}, request id {rid!r}")
@@ -838,8 +838,8 @@ class AgentService(_servicer_base()):
     def _make(self, kind, req):
         """The member's Checkpoint/Restore for the first phase of a group request; its images
         dir confined to the snapshot roots (``AgentError`` when outside)."""
-        from .checkpoint import Checkpoint
-        from .restore import Restore
+        from cuinterpose.agent.run.checkpoint import Checkpoint
+        from cuinterpose.agent.run.restore import Restore
         if kind == "checkpoint":
             c = req.checkpoint
             images_dir = self.confine(c.images_dir)
@@ -868,8 +868,8 @@ class _Refused:
         self.images_dir = sub.images_dir
 
     def run_phase(self, name: str) -> dict:
-        from .checkpoint import Checkpoint
-        from .restore import Restore
+        from cuinterpose.agent.run.checkpoint import Checkpoint
+        from cuinterpose.agent.run.restore import Restore
         cls = Checkpoint if self.kind == "checkpoint" else Restore
         if name not in cls.GROUP_UNDO:
             raise self.error
@@ -890,7 +890,7 @@ class Server:
                  metrics_addr: str = "127.0.0.1", max_workers: int = 32):
         import grpc
         from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-        from .metrics import Metrics
+        from cuinterpose.agent.rpc.metrics import Metrics
         _, agrpc, _ = pb.modules()
         self.opts = opts
         self.metrics = Metrics()
@@ -941,8 +941,8 @@ class Server:
         thread. Its requests run through this daemon (``AgentService.run_local``: the node
         lock, the metrics). Returns (watcher, thread); raises ``ValueError`` on a bad
         Kubernetes setting. :meth:`stop` closes it."""
-        from .kube.actions import AgentActions
-        from .kube.watcher import build_watcher
+        from cuinterpose.agent.kube.actions import AgentActions
+        from cuinterpose.agent.kube.watcher import build_watcher
         w = build_watcher(config, AgentActions(config, service=self.service))
         t = threading.Thread(target=w.run, args=(stop_event,), name="pod-watcher", daemon=True)
         self.watcher, self.watcher_thread = w, t

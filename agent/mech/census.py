@@ -24,8 +24,10 @@ import pathlib
 import stat as stat_mod
 from typing import Callable, Iterable, Optional
 
-from . import paths
-from .errors import CensusError, NativeError
+from cuinterpose.agent import paths
+from cuinterpose.agent.mech import procfs
+from cuinterpose.agent.errors import CensusError, NativeError
+from cuinterpose.coordinator.protocol import CUI_DEFAULT_CONTROL_DIR, default_control_dir
 
 SOCKET_PREFIX = "cuinterpose-"
 
@@ -134,11 +136,7 @@ def pid_alive(pid: int) -> bool:
 
 def read_stat_state(pid: int) -> tuple[int, str, str]:
     """(ppid, comm, state letter) of ``pid``; raises ``FileNotFoundError`` if gone."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        data = f.read().decode(errors="replace")
-    lp, rp = data.index("("), data.rindex(")")
-    comm = data[lp + 1:rp]
-    fields = data[rp + 2:].split()
+    comm, fields = procfs.stat_fields(pid)
     return int(fields[1]), comm, fields[0]
 
 
@@ -232,12 +230,12 @@ def take_census(roots: Iterable[int], *, control_dir: os.PathLike | str | None =
     """Walk the trees under ``roots`` and classify every process (see the module docstring).
 
     ``get_state(pid) -> state name`` raises ``NativeError`` for a non-CUDA process; it defaults to
-    :func:`cuinterpose.agent.native.get_state` (the driver must be loaded). Raises ``CensusError``
+    :func:`cuinterpose.agent.mech.native.get_state` (the driver must be loaded). Raises ``CensusError``
     naming the pid for every refusal."""
     if get_state is None:
-        from . import native
+        from cuinterpose.agent.mech import native
         get_state = native.get_state
-    control_dir = str(pathlib.Path(control_dir or paths.control_dir()).resolve())
+    control_dir = str(pathlib.Path(control_dir or default_control_dir()).resolve())
     shim = ShimFile.of(shim_path or paths.shim_path())
     check_roots(roots)
     procs = []
@@ -315,9 +313,8 @@ def open_file_warnings(census: Census) -> list[dict]:
                     continue
                 if not stat_mod.S_ISREG(os.stat(f"/proc/{p.pid}/fd/{fd}").st_mode):
                     continue
-                with open(f"/proc/{p.pid}/fdinfo/{fd}") as f:
-                    flags = next(int(ln.split()[1], 8) for ln in f if ln.startswith("flags:"))
-            except (OSError, StopIteration, ValueError, IndexError):
+                flags = procfs.fd_flags(p.pid, fd)
+            except (OSError, ValueError, IndexError):
                 continue
             if flags & O_ACCMODE not in (O_WRONLY, O_RDWR) or flags & O_APPEND:
                 continue
@@ -388,8 +385,8 @@ def process_control_dir(pid: int) -> Optional[str]:
     for item in env:
         if item.startswith(b"CUINTERPOSE_CONTROL_DIR="):
             val = item.split(b"=", 1)[1].decode(errors="replace")
-            return str(pathlib.Path(val).resolve()) if val else None
-    return str(pathlib.Path("/tmp/cuinterpose").resolve())
+            return str(pathlib.Path(val or CUI_DEFAULT_CONTROL_DIR).resolve())   # "" = default, as the shim
+    return str(pathlib.Path(CUI_DEFAULT_CONTROL_DIR).resolve())
 
 
 def check(census: Census) -> None:

@@ -1,6 +1,6 @@
 """``make demo``: afdwin checkpointed mid-stream, killed, restored, finished, on fakecuda.
 
-``python -m cuinterpose.agent.demo [--steps N] [--step-delay-ms MS] [--run-dir DIR]``
+``python -m cuinterpose.workloads.afdwin.demo [--steps N] [--step-delay-ms MS] [--run-dir DIR]``
 
 1. starts afdwin (2 ranks: 1 attention, 1 FFN) under the shim on fakecuda: its own session
    (setsid), stdout (JSON lines) to ``RUN/afdwin.log``, ``LD_PRELOAD=<shim>``,
@@ -29,8 +29,8 @@ import sys
 import time
 from typing import Callable, Optional
 
-from . import paths
-from .census import pid_alive  # noqa: F401  (tests use demo.pid_alive)
+from cuinterpose.agent import paths
+from cuinterpose.agent.mech.census import pid_alive  # noqa: F401  (tests use demo.pid_alive)
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -298,7 +298,7 @@ def check_run(evs: list[dict], steps: int, *, attention: int = 1, ffn: int = 1,
 
 
 def fmt_phases(phases: list[dict]) -> str:
-    from .report import fmt_ns
+    from cuinterpose.agent.run.report import fmt_ns
     return ", ".join(f"{p['name']} {fmt_ns(p['elapsed_ns'])}" for p in phases)
 
 
@@ -312,7 +312,7 @@ GROUPS = {"INSPECT": "shim", "SAVE_ALLOCATIONS": "shim", "PREPARE_UNICAST": "shi
 
 def fmt_groups(phases: list[dict]) -> str:
     """"total T (quiesce a, shim b, native c, criu d, other e)" from a phase list."""
-    from .report import fmt_ns
+    from cuinterpose.agent.run.report import fmt_ns
     sums: dict[str, int] = {}
     for p in phases:
         g = GROUPS.get(p["name"], "other")
@@ -322,7 +322,7 @@ def fmt_groups(phases: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m cuinterpose.agent.demo", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m cuinterpose.workloads.afdwin.demo", description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--step-delay-ms", type=float, default=5.0)
     ap.add_argument("--cut-after", type=int, default=60,
@@ -331,7 +331,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     os.environ.pop("LD_PRELOAD", None)
-    repo = pathlib.Path(__file__).resolve().parent.parent
+    repo = pathlib.Path(__file__).resolve().parents[2]
     run_dir = pathlib.Path(args.run_dir or repo / "demo-run" / time.strftime("%Y%m%d-%H%M%S")).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     snap = run_dir / "snapshot"
@@ -342,7 +342,7 @@ def main(argv=None) -> int:
         return 1
 
     try:
-        from . import criu
+        from cuinterpose.agent.mech import criu
         ok, out = criu.check()
         if not ok:
             return fail(f"CRIU is not usable here (`make criu`): {out.strip().splitlines()[-1] if out.strip() else ''}")

@@ -16,7 +16,7 @@ after CRIU restore kills the restored trees (their pids would block a retry) and
 once the cause is fixed. A refused placement (phase "placement", ``PlacementError`` naming the
 placement pid and what failed) changes nothing either.
 
-Placement (``placement=`` a :class:`~cuinterpose.agent.placement.Placement` or a pid; CLI
+Placement (``placement=`` a :class:`~cuinterpose.agent.mech.placement.Placement` or a pid; CLI
 ``--into-pid``): each tree is restored with CRIU's ``--join-ns`` into the placement's
 namespaces (an external network namespace of the images is handed over with
 ``--inherit-fd fd[N]:cuinterpose-net`` instead), CRIU's child first joins the placement's
@@ -51,15 +51,17 @@ import signal
 import time
 from typing import Optional
 
-from . import census as census_mod
-from . import manifest as manifest_mod
-from . import interrupt, native, paths, quiesce
-from .census import pid_alive
-from .checkpoint import as_agent_error, strip_preload_env
-from .errors import AgentError, RestoreFailed, SnapshotError
-from . import placement as placement_mod
-from .placement import Placement
-from .report import Reporter
+from cuinterpose.agent.mech import census as census_mod
+from cuinterpose.agent.snapshot import manifest as manifest_mod
+from cuinterpose.agent.run import interrupt
+from cuinterpose.agent.mech import native, quiesce
+from cuinterpose.agent import paths
+from cuinterpose.agent.mech.census import pid_alive
+from cuinterpose.agent.run.checkpoint import as_agent_error, strip_preload_env
+from cuinterpose.agent.errors import AgentError, RestoreFailed, SnapshotError
+from cuinterpose.agent.mech import placement as placement_mod
+from cuinterpose.agent.mech.placement import Placement
+from cuinterpose.agent.run.report import Reporter
 
 
 class Restore:
@@ -215,11 +217,11 @@ class Restore:
                     sp.unlink()
                     removed.append(str(sp))
             for root in self.m["roots"]:
-                quiesce.file_path(self.m["control_dir"], root, "resume").unlink(missing_ok=True)
+                quiesce.quiesce_path(self.m["control_dir"], root, "resume").unlink(missing_ok=True)
             ph.detail = f"removed {len(removed)}"
 
     def criu_restore(self):
-        from . import criu
+        from cuinterpose.agent.mech import criu
         strip_preload_env()
         for root in self.m["roots"]:
             with self.r.phase("criu restore") as ph:

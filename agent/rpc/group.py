@@ -2,9 +2,9 @@
 
 The agent that receives a request with ``members`` is the *leader* for it. It gives the
 request an id and drives every member through the group phases of
-:class:`~cuinterpose.agent.checkpoint.Checkpoint` (``GROUP_PHASES``: prepare, quiesce,
+:class:`~cuinterpose.agent.run.checkpoint.Checkpoint` (``GROUP_PHASES``: prepare, quiesce,
 capture, lock, checkpoint, dump, manifest, finish, resume) or
-:class:`~cuinterpose.agent.restore.Restore` (prepare, stale, criu restore, native restore,
+:class:`~cuinterpose.agent.run.restore.Restore` (prepare, stale, criu restore, native restore,
 restore shared, resume) by calling ``RunPhase`` on all members concurrently — itself
 included, through the same RPC — and waits for every answer before the next phase (a
 barrier). Hence no member locks before every member is quiesced, none is killed before every
@@ -42,9 +42,9 @@ import uuid
 from concurrent import futures
 from typing import Callable, Optional
 
-from . import pb
-from .errors import AgentError
-from .report import Reporter
+from cuinterpose.agent.snapshot import pb
+from cuinterpose.agent.errors import AgentError
+from cuinterpose.agent.run.report import Reporter
 
 
 #: a leader renews every member's lease after this fraction of the shortest lease
@@ -220,8 +220,8 @@ def lead(kind: str, request, rep: Reporter, emit: Callable[[dict], None], *,
     """Lead a group ``kind`` ("checkpoint" | "restore") for ``request`` (a
     ``CheckpointRequest``/``RestoreRequest`` with ``members``). ``emit`` receives the members'
     progress rows; ``call(address, method, request, on_progress)`` defaults to
-    :func:`cuinterpose.agent.service.call` and ``renew(address, RenewRequest, timeout_s)`` to
-    :func:`cuinterpose.agent.service.renew` (both with ``tls``; with a ``call`` given and no
+    :func:`cuinterpose.agent.rpc.service.call` and ``renew(address, RenewRequest, timeout_s)`` to
+    :func:`cuinterpose.agent.rpc.service.renew` (both with ``tls``; with a ``call`` given and no
     ``renew``: ``call(address, "Renew", request, None)``). ``request_id``: the group's id
     (default a fresh uuid4 hex); ``leader``: this leader in words, sent to the members (default
     "pid N on HOST"); ``lease_s``: the lease (seconds) assumed for members until they report
@@ -229,9 +229,9 @@ def lead(kind: str, request, rep: Reporter, emit: Callable[[dict], None], *,
     :class:`Renewer` while the group runs. Returns ({"ok": true, "request_id", "members":
     [{"node", "address", "images_dir", "state"}], "phases"}, None); raises ``AgentError``
     with ``node`` set to the failing member."""
-    from .checkpoint import Checkpoint
-    from .restore import Restore
-    from . import service
+    from cuinterpose.agent.run.checkpoint import Checkpoint
+    from cuinterpose.agent.run.restore import Restore
+    from cuinterpose.agent.rpc import service
     apb, _, mpb = pb.modules()
     if call is None:
         def call(addr, method, req, on_progress):

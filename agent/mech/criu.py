@@ -58,7 +58,7 @@ __all__ = ["CriuError", "criu_command", "version", "check", "dump", "restore",
            "image_pids", "wait_pids_free", "wait_exit", "reset", "DUMP_OPTS", "RESTORE_OPTS",
            "ChildSetup", "run_setup_probe", "ns_inode", "EXTERNAL_NET_KEY"]
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(__file__).resolve().parents[2]
 ENV_CRIU = "CUINTERPOSE_CRIU"
 ENV_CACHE = "CUINTERPOSE_CRIU_CACHE"
 # Removed from CRIU's environment: a preload (e.g. the shim) would be injected into CRIU
@@ -457,7 +457,7 @@ def _run(action: str, args: list[str], *, images_dir: Path, log_path: Path,
     if setup and any(kind == "mnt" for kind, _ in setup.namespaces):
         # CRIU's child enters another mount namespace: reach CRIU and our paths through a
         # descriptor of our root (agent/mntns.py)
-        from . import mntns
+        from cuinterpose.agent.mech import mntns
         root_fd = mntns.open_root()
         try:
             cmd = mntns.rewrite(criu_command(), [action, *args], root_fd)

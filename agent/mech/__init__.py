@@ -1,0 +1,1 @@
+"""Mechanisms the steps drive: census, quiesce, native checkpoint, CRIU, placement, /proc."""

@@ -1,0 +1,1 @@
+"""The gRPC side: the daemon's service, group (multi-node) requests, metrics."""

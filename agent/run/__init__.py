@@ -1,0 +1,1 @@
+"""The checkpoint and restore sequences: step tables, the step runner, interrupts, progress."""

@@ -1,0 +1,1 @@
+"""The snapshot on disk: the manifest and its protobuf form."""
