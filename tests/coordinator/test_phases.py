@@ -5,9 +5,11 @@ import json
 
 import pytest
 
-from cuinterpose.coordinator import phases as ph
+from cuinterpose.coordinator.barrier import next_txn_id
+from cuinterpose.coordinator.errors import CoordinatorError
 from cuinterpose.coordinator.phases import (Capture, Coordinator, Participant, PhaseError,
-                                            TopologyError, next_txn_id)
+                                            TopologyError)
+from cuinterpose.coordinator.results import ParticipantResult, failure_text
 from cuinterpose.coordinator.protocol import (Op, Phase, RecordFlag, RecordKind, Role, Status,
                                               cui_checksum64)
 
@@ -370,7 +372,7 @@ def test_capture_from_dict_rejects_other_format():
 
 
 def test_phase_error_is_a_coordinator_error():
-    assert issubclass(ph.PhaseError, ph.CoordinatorError)
+    assert issubclass(PhaseError, CoordinatorError)
 
 
 @pytest.mark.parametrize("status,cuda,message,text", [
@@ -390,5 +392,5 @@ def test_phase_error_is_a_coordinator_error():
     (Status.FAILED, 0, "", "RESTORE_UNICAST: pid 4121 failed (FAILED)"),
 ])
 def test_failure_text(status, cuda, message, text):
-    r = ph.ParticipantResult(pid=4121, status=status, cuda_result=cuda, message=message)
-    assert ph._failure_text("RESTORE_UNICAST", r) == text
+    r = ParticipantResult(pid=4121, status=status, cuda_result=cuda, message=message)
+    assert failure_text("RESTORE_UNICAST", r) == text

@@ -1,0 +1,161 @@
+"""Rollback: bring every participant of a failed or abandoned capture back to ACTIVE.
+
+:func:`rollback` implements :meth:`Coordinator.rollback
+<cuinterpose.coordinator.phases.Coordinator.rollback>`; its steps (INSPECT, forward the stale
+SAVED importers, CANCEL_CAPTURE + LOAD_ALLOCATIONS, RESTORE_UNICAST, the multicast rebuild,
+INSPECT) are described in docs/coordinator.md "Rollback".
+"""
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+from . import topology
+from .barrier import Barrier
+from .protocol import MULTICAST_RESTORE_OPS, Op, Phase, Record, RecordKind, Role, Status
+from .results import Capture, ParticipantResult, PhaseError, RollbackResult, enum_name
+
+__all__ = ["rollback"]
+
+#: The shim phases of a multicast teardown/rebuild (rollback resumes from any of them).
+MULTICAST_PHASES = tuple(src for _, src in MULTICAST_RESTORE_OPS)
+
+
+def rollback(coord: Barrier, capture_or_records: "Capture | Mapping[int, Iterable[Record]]"
+             ) -> RollbackResult:
+    """Bring every participant of ``coord`` back to ACTIVE (docs/coordinator.md "Rollback").
+
+    ``capture_or_records``: the :class:`Capture` (also the partial one on
+    ``PhaseError.capture``) or pid -> the records of the capture's first INSPECT. A FAILED or
+    silent participant raises :class:`PhaseError` before anything is sent (fail-stop); a
+    phase with nobody to ask is skipped; any failing phase raises PhaseError (``changed``
+    True; stop there, no retry); a final INSPECT unequal to the capture raises TopologyError.
+    """
+    if isinstance(capture_or_records, Capture):
+        records = capture_or_records.records
+        coord.txn_floor = max(coord.txn_floor, capture_or_records.last_txn_id)
+    else:
+        records = {int(p): list(rs) for p, rs in capture_or_records.items()}
+    missing = [pid for pid in coord.pids if pid not in records]
+    if missing:
+        raise ValueError(f"rollback: no captured records for participant pid {missing[0]}")
+    start = len(coord.phases)
+    found, now = _inspect_phases(coord)
+    found_first = {pid: enum_name(Phase, ph) for pid, ph in found.items()}
+
+    # step 2: SAVED importers of an allocation whose creator already tore it down
+    torn = {Phase.PREPARED, Phase.LOADED}
+    forward: list[int] = []
+    changed = True
+    while changed:
+        changed = False
+        for pid in coord.pids:
+            if found[pid] in torn:
+                continue
+            # a mapping or a held handle of the creator's old allocation
+            stale = sorted((r for r in now[pid] if int(r.role) == Role.IMPORTER
+                            and int(r.kind) in (RecordKind.MAPPING, RecordKind.ALLOCATION)
+                            and found.get(int(r.creator_pid)) in torn),
+                           key=lambda r: int(r.kind) != RecordKind.MAPPING)
+            if not stale:
+                continue
+            stale = stale[0]
+            if found[pid] != Phase.SAVED:
+                where = (f"maps allocation {stale.alloc_id_hex} at va {stale.va:#x}"
+                         if int(stale.kind) == RecordKind.MAPPING else
+                         f"holds allocation {stale.alloc_id_hex}")
+                raise PhaseError(
+                    f"rollback: pid {pid} is {found[pid].name} and still {where}, whose "
+                    f"creator pid "
+                    f"{stale.creator_pid} is {found[int(stale.creator_pid)].name} (already "
+                    "torn down): rebuilding the creator would split the sharing; nothing "
+                    "was sent", phase="rollback", pid=pid, status=None, cuda_result=0,
+                    message="stale importer", failures=[], changed=True)
+            forward.append(pid)
+            found[pid] = Phase.PREPARED
+            changed = True
+    if forward:
+        coord._run_plan({pid: (Op.PREPARE_UNICAST, Phase.SAVED) for pid in forward},
+                        changed_before=True)
+    original = dict(found)
+    # the multicast teardown is all-or-nothing: once any shim released its objects, an
+    # ACTIVE one still holding multicast state releases too, so the rebuild recreates one team
+    mc_torn = [pid for pid in coord.pids if found[pid] != Phase.ACTIVE
+               and (found[pid] in MULTICAST_PHASES
+                    or any(int(r.kind) == RecordKind.MULTICAST for r in records.get(pid, [])))]
+    if mc_torn and topology.has_multicast(records):
+        stay = [pid for pid in coord.pids if found[pid] == Phase.ACTIVE
+                and topology.has_multicast({pid: now.get(pid, [])})]
+        if stay:
+            res, _ = coord._run_plan({pid: (Op.PREPARE_MULTICAST, Phase.ACTIVE)
+                                      for pid in stay}, changed_before=True)
+            for pid in stay:
+                found[pid] = original[pid] = Phase(res.participants[pid].phase)
+    cur = dict(found)
+
+    plan = {}
+    for pid in coord.pids:
+        if original[pid] == Phase.SAVED:
+            plan[pid] = (Op.CANCEL_CAPTURE, Phase.SAVED)
+        elif original[pid] == Phase.PREPARED:
+            plan[pid] = (Op.LOAD_ALLOCATIONS, Phase.PREPARED)
+    if plan:
+        res, _ = coord._run_plan(plan, changed_before=True)
+        cur.update({pid: Phase(r.phase) for pid, r in res.participants.items()})
+    plan = {pid: (Op.RESTORE_UNICAST, Phase.LOADED) for pid in coord.pids
+            if original[pid] in torn}
+    if plan:
+        res, _ = coord._run_plan(plan, changed_before=True)
+        cur.update({pid: Phase(r.phase) for pid, r in res.participants.items()})
+    # multicast rebuild: each op to the shims in its source phase, in order
+    for op, src in MULTICAST_RESTORE_OPS:
+        plan = {pid: (op, src) for pid in coord.pids if cur[pid] == src}
+        if plan:
+            res, _ = coord._run_plan(plan, changed_before=True)
+            cur.update({pid: Phase(r.phase) for pid, r in res.participants.items()})
+    after = coord._inspect(Phase.ACTIVE, True, changed_before=True)
+    topology.compare(records, after)
+    return RollbackResult(found=found_first, phases=coord.phases[start:], records=after)
+
+
+def _inspect_phases(coord: Barrier) -> tuple[dict[int, Phase], dict[int, list[Record]]]:
+    """INSPECT every participant; returns (pid -> Phase, pid -> records). Raises PhaseError
+    naming the first participant that is FAILED, silent, or in an unknown phase."""
+    try:
+        res, records = coord._run(Op.INSPECT, Phase.ACTIVE, changed_before=True)
+        results = dict(res.participants)
+    except PhaseError as e:
+        results, records = dict(e.result.participants), dict(e.records or {})
+        # a shim that checks INSPECT's expected phase: ask again with the phase it reported
+        again = {r.pid: (Op.INSPECT, Phase(r.phase)) for r in e.failures
+                 if r.error is None and r.status == Status.REFUSED_PHASE
+                 and r.phase in Phase._value2member_map_ and r.phase != Phase.FAILED}
+        if again:
+            try:
+                res2, rec2 = coord._run_plan(again, changed_before=True)
+                results.update(res2.participants)
+                records.update(rec2)
+            except PhaseError as e2:
+                results.update(e2.result.participants)
+    found: dict[int, Phase] = {}
+    for pid in coord.pids:
+        r = results[pid]
+        if r.error is not None:
+            raise _refusal(pid, r, f"did not answer INSPECT ({r.error}); its phase is unknown")
+        if r.phase == Phase.FAILED:
+            why = f": {r.message.strip()}" if r.message.strip() else ""
+            raise _refusal(pid, r, f"is FAILED (a destructive op failed part-way){why}; it "
+                                   "cannot be brought back to ACTIVE")
+        if not r.ok or r.phase not in (Phase.ACTIVE, Phase.SAVED, Phase.PREPARED,
+                                       Phase.LOADED, *MULTICAST_PHASES):
+            raise _refusal(pid, r, f"answered INSPECT with status "
+                                   f"{enum_name(Status, r.status)} in phase "
+                                   f"{enum_name(Phase, r.phase)}")
+        found[pid] = Phase(r.phase)
+    return found, records
+
+
+def _refusal(pid: int, r: ParticipantResult, why: str) -> PhaseError:
+    return PhaseError(f"rollback: pid {pid} {why}; nothing was rolled back (fail-stop)",
+                      phase="rollback", pid=pid, status=r.status,
+                      cuda_result=r.cuda_result, message=r.message or (r.error or ""),
+                      failures=[r], changed=True)
