@@ -1,2 +1,3 @@
-"""Coordinator: the Python side of the shim control protocol (protocol, client) and the phase
-runner (phases, topology). See docs/coordinator.md and docs/protocol.md."""
+"""Coordinator: the Python side of the shim control protocol (protocol, client), the phase
+runner (phases on barrier, rollback, results, topology) and the workload contract's files
+(contract). See docs/coordinator.md and docs/protocol.md."""

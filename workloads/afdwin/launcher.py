@@ -7,8 +7,8 @@
 The launcher never touches CUDA. It spawns the N rank processes (``subprocess``; they inherit
 only stdio, with stdout pointed at stderr), serves a Unix socket in a private temp directory
 (removed once every rank connected), validates geometry, relays export FDs (SCM_RIGHTS), runs
-barriers, forwards rank events, and watches ``$CUINTERPOSE_CONTROL_DIR/quiesce-<pid>.request``
-(docs/workload-contract.md). Exit status: 0 when every invariant held, 1 otherwise, 2 for bad
+barriers, forwards rank events, and watches ``quiesce-<pid>.request`` in the control directory
+(docs/workload-contract.md; file names and writes from coordinator/contract.py). Exit status: 0 when every invariant held, 1 otherwise, 2 for bad
 arguments.
 """
 from __future__ import annotations
@@ -26,6 +26,9 @@ import sys
 import tempfile
 import time
 
+from cuinterpose.coordinator.contract import (default_control_dir, quiesce_path, read_json,
+                                              write_atomic)
+
 from .config import PROFILES, Config
 from .layout import GEOMETRY_FIELDS, GeometryMismatch, check_geometry
 from .wire import Channel, ChannelClosed
@@ -33,30 +36,6 @@ from .wire import Channel, ChannelClosed
 CONTROL_POLL_S = 0.05
 WINDOW_KEYS = ("rank", "role", "base_va", "peer_va", "stride", "slot_bytes", "total_bytes",
                "regions", "rings", "handle_type")
-
-
-def control_dir() -> str:
-    return os.environ.get("CUINTERPOSE_CONTROL_DIR", "/tmp/cuinterpose")
-
-
-def write_atomic(path: str, obj: dict) -> None:
-    """Write JSON to ``path.tmp``, fsync, rename onto ``path``."""
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.rename(tmp, path)
-
-
-def read_json(path: str) -> dict | None:
-    """The JSON object in ``path``; None when absent or not (yet) valid."""
-    try:
-        with open(path) as f:
-            obj = json.load(f)
-        return obj if isinstance(obj, dict) else None
-    except (OSError, ValueError):
-        return None
 
 
 class RunFailed(Exception):
@@ -93,10 +72,9 @@ class Launcher:
         self.last_change = time.monotonic()
         self.counters: dict[int, tuple] = {}
         self.exited: set[int] = set()
-        cdir = control_dir()
-        self.req_path = os.path.join(cdir, f"quiesce-{self.pid}.request")
-        self.ready_path = os.path.join(cdir, f"quiesce-{self.pid}.ready")
-        self.resume_path = os.path.join(cdir, f"quiesce-{self.pid}.resume")
+        self.req_path = str(quiesce_path(None, self.pid, "request"))
+        self.ready_path = str(quiesce_path(None, self.pid, "ready"))
+        self.resume_path = str(quiesce_path(None, self.pid, "resume"))
 
     # ---- output ---------------------------------------------------------------------------
     def emit(self, ev: dict) -> None:
@@ -456,7 +434,7 @@ class Launcher:
                    "pending_at_cut": bool(self.cfg.pending_at_cut),
                    "no_fence": bool(self.cfg.no_fence),
                    "profile": self.cfg.profile, "seed": self.cfg.seed,
-                   "control_dir": control_dir(), "request_path": self.req_path})
+                   "control_dir": default_control_dir(), "request_path": self.req_path})
         try:
             self.spawn()
             self.loop()
