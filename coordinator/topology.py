@@ -184,8 +184,8 @@ def validate(records_by_pid: Mapping[int, Iterable[Record]],
 
 def validate_multicast(recs: Mapping[int, list[Record]], members: set[int],
                        allocs: Mapping[int, Mapping[bytes, Record]] | None = None) -> None:
-    """Multicast rules (prior-art.md §3.4), first violation raises TopologyError naming the
-    pid and the object:
+    """Multicast rules (docs/coordinator.md "Validation rules", 7), first violation raises
+    TopologyError naming the pid and the object:
 
     1. no object is a pass-through (``CUI_REC_PASSTHROUGH``: handle types not exactly POSIX);
     2. exactly one creator per object; importers name a participant that holds it;

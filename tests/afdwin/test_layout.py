@@ -1,4 +1,4 @@
-"""Window layout, header codec and geometry check pins (afd-window.md §1, §3, §4)."""
+"""Window layout, header codec and geometry check pins (docs/afdwin.md "Window layout", "Setup")."""
 import struct
 
 import pytest

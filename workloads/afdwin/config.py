@@ -1,4 +1,4 @@
-"""Run configuration and geometry profiles (afd-window.md §6).
+"""Run configuration and geometry profiles (docs/afdwin.md "Command line", ``--profile``).
 
 Profiles (per-rank sizes; F = number of FFN ranks):
 

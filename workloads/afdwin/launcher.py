@@ -8,8 +8,8 @@ The launcher never touches CUDA. It spawns the N rank processes (``subprocess``;
 only stdio, with stdout pointed at stderr), serves a Unix socket in a private temp directory
 (removed once every rank connected), validates geometry, relays export FDs (SCM_RIGHTS), runs
 barriers, forwards rank events, and watches ``quiesce-<pid>.request`` in the control directory
-(docs/workload-contract.md; file names and writes from coordinator/contract.py). Exit status: 0 when every invariant held, 1 otherwise, 2 for bad
-arguments.
+(docs/workload-contract.md; file names and writes from coordinator/contract.py). Exit status:
+0 when every invariant held, 1 otherwise, 2 for bad arguments.
 """
 from __future__ import annotations
 

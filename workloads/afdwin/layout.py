@@ -1,4 +1,4 @@
-"""Window layout and header codec of the afdwin symmetric window (afd-window.md §1).
+"""Window layout and header codec of the afdwin symmetric window (docs/afdwin.md "Window layout").
 
 Window (one per rank, ``total_bytes`` long, mapped at the base of the rank's reservation)::
 
@@ -25,7 +25,7 @@ FLAG_REPLY_READY = 1          # constant reply marker, reset to FLAG_EMPTY by th
 HEADER_HOST_WORDS = 5         # magic, version, layer, num_tokens, flags
 HEADER_FIXED_WORDS = 7        # + routed_tokens, segment_start
 
-# Order of the geometry tuple every rank sends before allocating (afd-window.md §3).
+# Order of the geometry tuple every rank sends before allocating (docs/afdwin.md "Setup", 2).
 GEOMETRY_FIELDS = ("num_regions", "ring_depth", "header_words", "partial_cap", "token_cap",
                    "shared_cap", "hidden_size", "payload_itemsize", "slot_bytes", "total_bytes")
 
@@ -164,7 +164,7 @@ class WindowLayout:
             raise IndexError(f"ring {ring} outside [0, {self.ring_depth})")
 
     def geometry(self) -> tuple[int, ...]:
-        """The §3 tuple, in ``GEOMETRY_FIELDS`` order."""
+        """The geometry tuple, in ``GEOMETRY_FIELDS`` order."""
         s = self.slot
         return (self.num_regions, self.ring_depth, s.header_words, s.partial_cap, s.token_cap,
                 s.shared_cap, s.hidden_size, s.payload_itemsize, s.slot_bytes, self.total_bytes)
