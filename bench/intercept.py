@@ -5,20 +5,20 @@ cuMemRelease (of the retained handle) and cuMemUnmap, with N live mappings.
 A small C driver (compiled here against the wheel's cuda.h, linked to fakecuda's libcuda.so.1)
 first maps a background allocation N times (with access; always through the normal path, so
 under the shim these are N tracked mappings), then creates the measured allocation, reserves N
-granules and, per round, maps the allocation N times, sets
-access on each mapping, retains by an address inside each mapping, releases each retained
-handle and unmaps each mapping; every loop is timed as a whole and divided by N. Per N it
-runs, in the same Python run against the same fakecuda:
+granules and, per round, maps the allocation N times, sets access on each mapping, retains by
+an address inside each mapping, releases each retained handle and unmaps each mapping; every
+loop is timed as a whole and divided by N. Per N it runs, in the same Python run against the
+same fakecuda:
 
   base       the driver program without any preload (the baseline)
   tracked    under the shim, the allocation created through the shim (a virtual handle)
   untracked  under the shim, the allocation created through a pointer that bypasses the shim
-             (glibc's dlsym through dlvsym), so every call carries a driver handle or an untracked range (the N tracked background
-             mappings still exist)
+             (glibc's dlsym through dlvsym), so every call carries a driver handle or an
+             untracked range (the N tracked background mappings still exist)
 
-and prints per-call ns (the fastest round: the machine's noise only ever adds time) and the ratio against base. A retain/release of a
-tracked mapping collapses onto the virtual handle the shim holds and does not reach the driver,
-so its ratio may be below 1. No thresholds: this prints, it does not judge.
+and prints per-call ns (the fastest round: the machine's noise only ever adds time) and the
+ratio against base. A retain/release of a tracked mapping collapses onto the virtual handle the
+shim holds and does not reach the driver, so its ratio may be below 1. No thresholds: this prints, it does not judge.
 
     .venv/bin/python bench/intercept.py [--n 10,100,1000,10000] [--calls 20000]
                                         [--shim LABEL=PATH ...] [--granularity 65536]

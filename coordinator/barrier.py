@@ -83,7 +83,7 @@ class Barrier:
                 raise PhaseError(
                     f"INSPECT: pid {r.pid} is in phase {enum_name(Phase, r.phase)}, expected "
                     f"{enum_name(Phase, expected_phase)}"
-                    + ("" if changed_before else "; nothing was changed"), phase="INSPECT",
+                    + ("" if changed_before else "; nothing was changed"), phase=Op.INSPECT.name,
                     pid=r.pid, status=r.status, cuda_result=0, message="", failures=wrong,
                     changed=changed_before, result=res)
         return records

@@ -1,4 +1,4 @@
-"""Base error of the coordinator (phases.PhaseError and topology.TopologyError derive from it)."""
+"""Base error of the coordinator (results.PhaseError and topology.TopologyError derive from it)."""
 from __future__ import annotations
 
 

@@ -186,9 +186,8 @@ class Coordinator(Barrier):
                         raise PhaseError(
                             f"SAVE_ALLOCATIONS: pid {pid} allocation {r.alloc_id_hex} is not "
                             "held in a host carrier after PREPARE_UNICAST",
-                            phase="SAVE_ALLOCATIONS",
-                            pid=pid, status=None, cuda_result=0, message="not carried",
-                            failures=[], changed=True)
+                            phase=Op.SAVE_ALLOCATIONS.name, pid=pid, status=None,
+                            cuda_result=0, message="not carried", failures=[], changed=True)
                     r = r.replace(flags=int(r.flags) | RecordFlag.CARRIED,
                                   carrier_checksum=a.carrier_checksum,
                                   carrier_bytes=a.carrier_bytes)
@@ -212,6 +211,6 @@ class Coordinator(Barrier):
                            "bytes)")
             if problem:
                 raise PhaseError(f"INSPECT: pid {pid} allocation {aid} {problem}; restore "
-                                 "refused, nothing was changed", phase="INSPECT", pid=pid,
+                                 "refused, nothing was changed", phase=Op.INSPECT.name, pid=pid,
                                  status=None, cuda_result=0, message=problem, failures=[],
                                  changed=False)

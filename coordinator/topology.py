@@ -14,7 +14,7 @@ from collections import defaultdict
 from typing import Iterable, Mapping
 
 from .errors import CoordinatorError
-from .protocol import MULTICAST_KINDS, Record, RecordFlag, RecordKind, Role, alloc_id_hex
+from .protocol import MULTICAST_KINDS, Op, Record, RecordFlag, RecordKind, Role, alloc_id_hex
 
 __all__ = ["TopologyError", "validate", "validate_multicast", "has_multicast", "compare",
            "carriers", "COMPARE_IGNORED",
@@ -44,7 +44,7 @@ class TopologyError(CoordinatorError):
     """
 
     def __init__(self, message: str, *, pid: int | None = None, alloc_id: str | None = None,
-                 phase: str = "INSPECT", changed: bool = False):
+                 phase: str = Op.INSPECT.name, changed: bool = False):
         super().__init__(message)
         self.pid = pid
         self.alloc_id = alloc_id
@@ -359,7 +359,7 @@ def _fmt(name, value):
 
 
 def compare(captured: Mapping[int, Iterable[Record]], restored: Mapping[int, Iterable[Record]],
-            *, phase: str = "INSPECT") -> None:
+            *, phase: str = Op.INSPECT.name) -> None:
     """Raise :class:`TopologyError` unless ``restored`` equals ``captured`` per participant,
     modulo :data:`COMPARE_IGNORED`. Record order does not matter. The message names the pid,
     the object and the first differing field, e.g. ``INSPECT after restore: pid 4121 mapping of

@@ -1,21 +1,10 @@
 """Deterministic messages: dispatch P(src, dst, s), reply R(P), trailer and checksum.
 
-A v4 header carries no sequence number, so every message ends with a 16-byte **trailer** at
-``trailer_off`` = the last 16 bytes of the routed_x field (rows a sender never fills: a batch has
-at most ``max_tokens = token_cap - ceil(16 / row_bytes)`` rows)::
-
-    trailer_off + 0: uint64 seq        (dispatch: the step s; reply: s echoed)
-    trailer_off + 8: uint64 checksum   (BLAKE2b-64 of the message bytes, checksum word excluded)
-
-Dispatch = the whole slot, ``slot_bytes`` long, written at capacity (unused rows are zero):
-header, expand_idx / weights (every partial of the sender's batch, sorted by global expert),
-routed_x (the whole batch, ``num_tokens`` rows), shared_x (this FFN rank's contiguous shared
-slice ``[f*n//F, (f+1)*n//F)``). Payload elements are little-endian unsigned integers whose
-bytes are all <= 0xFD, so adding 1 per element never carries.
-
-Reply = slot bytes ``[routed_x_off, slot_bytes)`` (a reply has no header): routed_x rows of
-tokens that had a partial on this FFN rank, each element + 1, other rows zero; shared_x rows
-``[0, hi - lo)`` = the dispatched shared rows, each element + 1.
+Every message ends with a 16-byte trailer (``uint64 seq``, ``uint64 checksum``: BLAKE2b-64 of
+the message without the checksum word) at ``trailer_off``, the last 16 bytes of routed_x. The
+dispatch is the whole slot, written at capacity; the reply is slot bytes ``[routed_x_off,
+slot_bytes)``, each payload element + 1. Formats: docs/afdwin.md "Window layout" (Trailer,
+Messages).
 
 Offsets in this module are relative to the slot start unless a name says otherwise.
 """
