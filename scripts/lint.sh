@@ -59,7 +59,7 @@ clang_format_check() { c_sources | xargs -r -d '\n' "$BIN/clang-format" --dry-ru
 shellcheck_check() { shell_scripts | xargs -r -d '\n' "$BIN/shellcheck"; }
 
 run "ruff check" "$BIN/ruff" check --quiet .
-run "ruff format" "$BIN/ruff" format --check --quiet .
+run "ruff format" "$BIN/ruff" format --check --quiet --output-format concise .
 run "clang-format" clang_format_check
 run "shellcheck" shellcheck_check
 
