@@ -4,4 +4,4 @@
 # tests/*/c/; then prints what `make lint` still reports (to fix by hand). The tools come from
 # the `lint` extra (run `make lint` once to install them). Same as scripts/lint.sh --fix.
 set -euo pipefail
-exec "$(dirname -- "${BASH_SOURCE[0]}")/lint.sh" --fix
+exec bash "$(dirname -- "${BASH_SOURCE[0]}")/lint.sh" --fix

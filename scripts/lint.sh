@@ -46,7 +46,7 @@ if [ "${1:-}" = --fix ]; then
   echo "lint --fix: clang-format -i"
   c_sources | xargs -r -d '\n' "$BIN/clang-format" -i
   echo "lint --fix: done; what is left:"
-  exec "$REPO/scripts/lint.sh"
+  exec bash "$REPO/scripts/lint.sh"
 fi
 
 failed=()
