@@ -5,12 +5,16 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := .cache/stamps
 
-.PHONY: demo test build setup system criu bench clean
+.PHONY: demo test lint build setup system criu bench clean
 demo: build criu
 	$(PY) -m cuinterpose.workloads.afdwin.demo
 
 test: build criu
 	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+# ruff, clang-format and shellcheck (scripts/lint.sh; scripts/format.sh applies the fixes).
+lint: $(STAMP)/lint
+	bash scripts/lint.sh
 
 bench: build
 	$(PY) bench/phases.py
@@ -31,6 +35,11 @@ $(STAMP)/venv: pyproject.toml $(STAMP)/system
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet scikit-build-core==1.1.2 nvidia-cuda-runtime==13.1.80 grpcio-tools==1.85.1
 	$(PY) -m pip install --quiet --no-build-isolation --editable '.[test]'
+	@mkdir -p $(STAMP) && touch $@
+
+# The pinned tools of the `lint` extra, into the same .venv.
+$(STAMP)/lint: pyproject.toml $(STAMP)/venv
+	$(PY) -m pip install --quiet --no-build-isolation --editable '.[lint]'
 	@mkdir -p $(STAMP) && touch $@
 
 criu: $(STAMP)/criu

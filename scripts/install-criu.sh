@@ -24,6 +24,7 @@ WRAPPER=$CACHE/bin/criu
 MIN_MAJOR=4
 
 say() { echo "install-criu: $*" >&2; }
+indent() { sed 's/^/    /'; }   # stdin to stdout, every line indented by four spaces
 die() { say "error: $*"; exit 1; }
 
 # CRIU must never run with an inherited preload or library path.
@@ -53,6 +54,7 @@ criu_check() {
 # CRIU_APT_ETC (default /etc/apt) is where the machine's sources are read from.
 write_sources() {  # OUT_SOURCES OUT_LIST
   local codename
+  # shellcheck source=/dev/null  # the machine's os-release, read at run time
   codename=$(. /etc/os-release && echo "${VERSION_CODENAME:-}")
   [ -n "$codename" ] || die "/etc/os-release has no VERSION_CODENAME"
   : > "$2"
@@ -136,7 +138,7 @@ if [ "${CRIU_FORCE_CACHE:-0}" != 1 ] && command -v criu >/dev/null 2>&1; then
     exit 0
   fi
   say "system criu fails 'criu check' (kept as is, not used):"
-  sed 's/^/    /' <<<"$CHECK_OUT" | tail -5 >&2
+  indent <<<"$CHECK_OUT" | tail -5 >&2
 fi
 
 # --- 2. already installed ----------------------------------------------------------------
@@ -224,7 +226,7 @@ LDSO=${ldsos[0]##*/}
 [ -x "$STAGE/root/usr/sbin/criu" ] || die "criu binary missing from the unpacked package"
 # Plugin directory passed with --libdir by agent/criu.py: empty on purpose (no plugins).
 mkdir -p "$STAGE/plugins"
-(cd "$STAGE/debs" && ls *.deb) > "$STAGE/PACKAGES"
+(cd "$STAGE/debs" && ls -- *.deb) > "$STAGE/PACKAGES"
 
 mkdir -p "$STAGE/bin"
 cat > "$STAGE/bin/criu" <<EOF
@@ -243,7 +245,7 @@ chmod 0755 "$STAGE/bin/criu"
 
 # Swap the new install in (the .debs are dropped; PACKAGES lists them). The wrapper holds
 # absolute paths: if the repo moves, step 2 sees it broken and this reinstalls.
-rm -rf "$CACHE/root" "$CACHE/bin" "$CACHE/plugins"
+rm -rf "${CACHE:?}/root" "${CACHE:?}/bin" "${CACHE:?}/plugins"
 mv "$STAGE/root" "$CACHE/root"
 mv "$STAGE/plugins" "$CACHE/plugins"
 mv "$STAGE/PACKAGES" "$CACHE/PACKAGES"
@@ -253,7 +255,7 @@ major=$(criu_major "$WRAPPER") || die "$WRAPPER --version does not run: $("$WRAP
 [ "$major" -ge "$MIN_MAJOR" ] || die "$WRAPPER is version $major, need >= $MIN_MAJOR"
 if ! criu_check "$WRAPPER"; then
   say "installed $WRAPPER ($("$WRAPPER" --version | head -1)) but 'criu check' fails:"
-  sed 's/^/    /' <<<"$CHECK_OUT" >&2
+  indent <<<"$CHECK_OUT" >&2
   exit 1
 fi
 say "installed $WRAPPER: $("$WRAPPER" --version | head -1); criu check: $(tail -1 <<<"$CHECK_OUT")"
