@@ -5,6 +5,7 @@ failed. One transaction id per phase, shared by all participants, strictly incre
 reused (also across processes: it is wall-clock ns based and above the capture's last txn).
 docs/coordinator.md "Barrier" and "Failure semantics".
 """
+
 from __future__ import annotations
 
 import logging
@@ -15,8 +16,15 @@ from typing import Callable, Iterable, Mapping
 
 from .client import ShimClient, ShimClientError
 from .protocol import CARRIER_OPS, MUTATING_OPS, Op, Phase, Record, Status
-from .results import (Participant, ParticipantResult, PhaseError, PhaseEvent, PhaseResult,
-                      enum_name, failure_text)
+from .results import (
+    Participant,
+    ParticipantResult,
+    PhaseError,
+    PhaseEvent,
+    PhaseResult,
+    enum_name,
+    failure_text,
+)
 
 __all__ = ["Barrier", "next_txn_id"]
 
@@ -50,11 +58,17 @@ class Barrier:
     stay above it (a capture's ``last_txn_id``).
     """
 
-    def __init__(self, participants: Iterable[Participant], *, timeout_s: float = 10.0,
-                 carrier_timeout_s: float = 3600.0,
-                 on_event: Callable[[PhaseEvent], None] | None = None):
-        self.participants = [p if isinstance(p, Participant) else Participant(*p)
-                             for p in participants]
+    def __init__(
+        self,
+        participants: Iterable[Participant],
+        *,
+        timeout_s: float = 10.0,
+        carrier_timeout_s: float = 3600.0,
+        on_event: Callable[[PhaseEvent], None] | None = None,
+    ):
+        self.participants = [
+            p if isinstance(p, Participant) else Participant(*p) for p in participants
+        ]
         pids = [p.pid for p in self.participants]
         if not pids:
             raise ValueError("a coordinator needs at least one participant")
@@ -66,15 +80,17 @@ class Barrier:
         self.txn_floor = 0
         self.last_txn_id = 0
         self.phases: list[PhaseResult] = []
-        self._clients = {p.pid: ShimClient(p.socket_path, self.timeout_s, pid=p.pid)
-                         for p in self.participants}
+        self._clients = {
+            p.pid: ShimClient(p.socket_path, self.timeout_s, pid=p.pid) for p in self.participants
+        }
 
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self.participants]
 
-    def _inspect(self, expected_phase: Phase, check_phase: bool, *, changed_before: bool
-                 ) -> dict[int, list[Record]]:
+    def _inspect(
+        self, expected_phase: Phase, check_phase: bool, *, changed_before: bool
+    ) -> dict[int, list[Record]]:
         res, records = self._run(Op.INSPECT, expected_phase, changed_before=changed_before)
         if check_phase:
             wrong = [r for r in res.participants.values() if r.phase != expected_phase]
@@ -83,9 +99,16 @@ class Barrier:
                 raise PhaseError(
                     f"INSPECT: pid {r.pid} is in phase {enum_name(Phase, r.phase)}, expected "
                     f"{enum_name(Phase, expected_phase)}"
-                    + ("" if changed_before else "; nothing was changed"), phase=Op.INSPECT.name,
-                    pid=r.pid, status=r.status, cuda_result=0, message="", failures=wrong,
-                    changed=changed_before, result=res)
+                    + ("" if changed_before else "; nothing was changed"),
+                    phase=Op.INSPECT.name,
+                    pid=r.pid,
+                    status=r.status,
+                    cuda_result=0,
+                    message="",
+                    failures=wrong,
+                    changed=changed_before,
+                    result=res,
+                )
         return records
 
     def _emit(self, event: PhaseEvent) -> None:
@@ -96,35 +119,49 @@ class Barrier:
         except Exception:  # a progress display must not break a barrier
             log.exception("on_event callback failed")
 
-    def _one(self, pid: int, op: Op, txn_id: int, expected_phase: Phase, timeout_s: float
-             ) -> tuple[ParticipantResult, list[Record]]:
+    def _one(
+        self, pid: int, op: Op, txn_id: int, expected_phase: Phase, timeout_s: float
+    ) -> tuple[ParticipantResult, list[Record]]:
         t0 = time.monotonic_ns()
         try:
-            resp = self._clients[pid].request(op, txn_id=txn_id, expected_phase=expected_phase,
-                                              timeout_s=timeout_s)
+            resp = self._clients[pid].request(
+                op, txn_id=txn_id, expected_phase=expected_phase, timeout_s=timeout_s
+            )
         except ShimClientError as e:
-            return ParticipantResult(pid=pid, wall_ns=time.monotonic_ns() - t0,
-                                     error=str(e)), []
+            return ParticipantResult(pid=pid, wall_ns=time.monotonic_ns() - t0, error=str(e)), []
         resp.close()
         y = resp.reply
-        r = ParticipantResult(pid=pid, status=y.status, phase=y.phase, bytes=y.bytes,
-                              elapsed_ns=y.elapsed_ns, copy_ns=y.copy_ns,
-                              records_changed=y.records_changed, cuda_result=y.cuda_result,
-                              message=resp.message, record_count=y.record_count,
-                              wall_ns=time.monotonic_ns() - t0)
+        r = ParticipantResult(
+            pid=pid,
+            status=y.status,
+            phase=y.phase,
+            bytes=y.bytes,
+            elapsed_ns=y.elapsed_ns,
+            copy_ns=y.copy_ns,
+            records_changed=y.records_changed,
+            cuda_result=y.cuda_result,
+            message=resp.message,
+            record_count=y.record_count,
+            wall_ns=time.monotonic_ns() - t0,
+        )
         if y.pid and y.pid != pid and r.status == Status.OK:
-            r.error = (f"{op.name}: pid {pid}: reply comes from pid {y.pid} (socket "
-                       f"{self._clients[pid].socket_path})")
+            r.error = (
+                f"{op.name}: pid {pid}: reply comes from pid {y.pid} (socket "
+                f"{self._clients[pid].socket_path})"
+            )
         return r, resp.records
 
-    def _run(self, op: Op, expected_phase: Phase, *, changed_before: bool
-             ) -> tuple[PhaseResult, dict[int, list[Record]]]:
+    def _run(
+        self, op: Op, expected_phase: Phase, *, changed_before: bool
+    ) -> tuple[PhaseResult, dict[int, list[Record]]]:
         """Send ``op`` to every participant at once; wait for all (the barrier)."""
-        return self._run_plan({p.pid: (op, expected_phase) for p in self.participants},
-                              changed_before=changed_before)
+        return self._run_plan(
+            {p.pid: (op, expected_phase) for p in self.participants}, changed_before=changed_before
+        )
 
-    def _run_plan(self, plan: Mapping[int, tuple[Op, Phase]], *, changed_before: bool
-                  ) -> tuple[PhaseResult, dict[int, list[Record]]]:
+    def _run_plan(
+        self, plan: Mapping[int, tuple[Op, Phase]], *, changed_before: bool
+    ) -> tuple[PhaseResult, dict[int, list[Record]]]:
         """One barrier phase: ``plan`` maps pid -> (op, expected phase) for the participants
         to ask (all concurrently, one txn id); wait for all. The PhaseResult is named after
         the op, or "OP1+OP2" when the plan mixes ops (in participant order)."""
@@ -138,8 +175,9 @@ class Barrier:
         res = PhaseResult(phase=name, txn_id=txn, expected_phase=expected, wall_ns=0)
         records: dict[int, list[Record]] = {}
         t0 = time.monotonic_ns()
-        with ThreadPoolExecutor(max_workers=total,
-                                thread_name_prefix=f"cui-{name.lower()[:40]}") as pool:
+        with ThreadPoolExecutor(
+            max_workers=total, thread_name_prefix=f"cui-{name.lower()[:40]}"
+        ) as pool:
             futs = []
             for pid in pids:
                 op, exp = plan[pid]
@@ -149,33 +187,55 @@ class Barrier:
                 r, recs = fut.result()
                 res.participants[r.pid] = r
                 records[r.pid] = recs
-                self._emit(PhaseEvent("reply", name, txn, len(res.participants), total,
-                                      pid=r.pid, result=r, ok=r.ok))
+                self._emit(
+                    PhaseEvent(
+                        "reply",
+                        name,
+                        txn,
+                        len(res.participants),
+                        total,
+                        pid=r.pid,
+                        result=r,
+                        ok=r.ok,
+                    )
+                )
         res.wall_ns = time.monotonic_ns() - t0
         res.participants = {pid: res.participants[pid] for pid in pids}
         records = {pid: records[pid] for pid in pids}
         self.phases.append(res)
         failures = [r for r in res.participants.values() if not r.ok]
-        self._emit(PhaseEvent("phase", name, txn, total, total, phase_result=res,
-                              ok=not failures))
+        self._emit(PhaseEvent("phase", name, txn, total, total, phase_result=res, ok=not failures))
         if failures:
             first = failures[0]
-            refusal_only = all(f.error is None and f.status in Status._value2member_map_
-                               and Status(f.status).is_refusal for f in failures)
+            refusal_only = all(
+                f.error is None
+                and f.status in Status._value2member_map_
+                and Status(f.status).is_refusal
+                for f in failures
+            )
             mutating = any(plan[pid][0] in MUTATING_OPS for pid in pids)
-            changed = changed_before or (mutating and
-                                         not (refusal_only and len(failures) == total))
+            changed = changed_before or (mutating and not (refusal_only and len(failures) == total))
             first_op = plan[first.pid][0].name
             text = failure_text(first_op, first)
             if not changed:
                 text += "; nothing was changed"
             if len(failures) > 1:
-                text += f" (and {len(failures) - 1} more: pids " + \
-                        ", ".join(str(f.pid) for f in failures[1:]) + ")"
-            err = PhaseError(text, phase=first_op, pid=first.pid, status=first.status,
-                             cuda_result=first.cuda_result,
-                             message=first.message or (first.error or ""), failures=failures,
-                             changed=changed, result=res)
+                text += (
+                    f" (and {len(failures) - 1} more: pids "
+                    + ", ".join(str(f.pid) for f in failures[1:])
+                    + ")"
+                )
+            err = PhaseError(
+                text,
+                phase=first_op,
+                pid=first.pid,
+                status=first.status,
+                cuda_result=first.cuda_result,
+                message=first.message or (first.error or ""),
+                failures=failures,
+                changed=changed,
+                result=res,
+            )
             err.records = records
             raise err
         return res, records

@@ -17,6 +17,7 @@ Errors (all subclass :class:`ShimClientError`, each names the socket and the pid
 - :class:`ShimProtocolError`: short read (peer closed early), bad magic/version, a reply for
   another op or txn, an unexpected record size, too many bytes, or a stray descriptor.
 """
+
 from __future__ import annotations
 
 import array
@@ -25,12 +26,30 @@ import socket
 import time
 from dataclasses import dataclass, field
 
-from .protocol import (CUI_PROTO_MAGIC, CUI_PROTO_VERSION, RECORD_SIZE, REPLY_SIZE, Op,
-                       ProtocolError, Record, Reply, Request, Status, alloc_id_bytes,
-                       pid_from_socket_path)
+from .protocol import (
+    CUI_PROTO_MAGIC,
+    CUI_PROTO_VERSION,
+    RECORD_SIZE,
+    REPLY_SIZE,
+    Op,
+    ProtocolError,
+    Record,
+    Reply,
+    Request,
+    Status,
+    alloc_id_bytes,
+    pid_from_socket_path,
+)
 
-__all__ = ["ShimClient", "Response", "ShimClientError", "ShimConnectError", "ShimTimeout",
-           "ShimProtocolError", "MAX_REPLY_BYTES"]
+__all__ = [
+    "ShimClient",
+    "Response",
+    "ShimClientError",
+    "ShimConnectError",
+    "ShimTimeout",
+    "ShimProtocolError",
+    "MAX_REPLY_BYTES",
+]
 
 #: Upper bound on records + message in one reply (32 MiB), a guard against garbage lengths.
 MAX_REPLY_BYTES = 32 << 20
@@ -75,6 +94,7 @@ class ShimProtocolError(ShimClientError):
 @dataclass
 class Response:
     """One shim reply: header, records, UTF-8 message, and the FETCH_FD descriptor (or None)."""
+
     reply: Reply
     records: list[Record] = field(default_factory=list)
     message: str = ""
@@ -108,8 +128,14 @@ class ShimClient:
     request. ``pid``: for error messages; defaults to the pid in the socket name.
     """
 
-    def __init__(self, socket_path: str | os.PathLike, timeout_s: float = 10.0, *,
-                 pid: int | None = None, sender_pid: int | None = None):
+    def __init__(
+        self,
+        socket_path: str | os.PathLike,
+        timeout_s: float = 10.0,
+        *,
+        pid: int | None = None,
+        sender_pid: int | None = None,
+    ):
         self.socket_path = os.fspath(socket_path)
         self.timeout_s = float(timeout_s)
         self.pid = pid if pid is not None else pid_from_socket_path(self.socket_path)
@@ -122,8 +148,15 @@ class ShimClient:
         who = f"pid {self.pid}" if self.pid is not None else "shim"
         return f"{who} (socket {self.socket_path})"
 
-    def request(self, op: int, *, txn_id: int, expected_phase: int, alloc_id: bytes = b"",
-                timeout_s: float | None = None) -> Response:
+    def request(
+        self,
+        op: int,
+        *,
+        txn_id: int,
+        expected_phase: int,
+        alloc_id: bytes = b"",
+        timeout_s: float | None = None,
+    ) -> Response:
         """Send one request and return the shim's :class:`Response`.
 
         ``op``: :class:`Op`; ``txn_id``: uint64; ``expected_phase``: :class:`Phase`;
@@ -133,8 +166,13 @@ class ShimClient:
         timeout = self.timeout_s if timeout_s is None else float(timeout_s)
         deadline = time.monotonic() + timeout
         op_name = _op_name(op)
-        req = Request(op=op, txn_id=txn_id, expected_phase=expected_phase,
-                      sender_pid=self.sender_pid, alloc_id=alloc_id_bytes(alloc_id or None))
+        req = Request(
+            op=op,
+            txn_id=txn_id,
+            expected_phase=expected_phase,
+            sender_pid=self.sender_pid,
+            alloc_id=alloc_id_bytes(alloc_id or None),
+        )
         fds: list[int] = []
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
@@ -142,13 +180,19 @@ class ShimClient:
                 sock.settimeout(max(timeout, 1e-3))
                 sock.connect(self.socket_path)
             except socket.timeout:
-                raise ShimTimeout(f"{op_name}: {self._who()}: connect timed out after "
-                                  f"{timeout:g} s", socket_path=self.socket_path, pid=self.pid,
-                                  op=op) from None
+                raise ShimTimeout(
+                    f"{op_name}: {self._who()}: connect timed out after {timeout:g} s",
+                    socket_path=self.socket_path,
+                    pid=self.pid,
+                    op=op,
+                ) from None
             except OSError as exc:
-                raise ShimConnectError(f"{op_name}: cannot connect to {self._who()}: "
-                                       f"{exc.strerror or exc}", socket_path=self.socket_path,
-                                       pid=self.pid, op=op) from None
+                raise ShimConnectError(
+                    f"{op_name}: cannot connect to {self._who()}: {exc.strerror or exc}",
+                    socket_path=self.socket_path,
+                    pid=self.pid,
+                    op=op,
+                ) from None
             try:
                 self._set_deadline(sock, deadline)
                 sock.sendall(req.pack())
@@ -160,28 +204,48 @@ class ShimClient:
                 self._check_header(reply, op, txn_id)
                 body_len = reply.record_count * reply.record_size + reply.message_len
                 if body_len > MAX_REPLY_BYTES:
-                    raise self._proto(op, f"reply announces {body_len} bytes of records and "
-                                          f"message, more than {MAX_REPLY_BYTES}")
-                raw = self._read_exact(sock, reply.record_count * reply.record_size, deadline,
-                                       fds, f"{reply.record_count} records", op)
+                    raise self._proto(
+                        op,
+                        f"reply announces {body_len} bytes of records and "
+                        f"message, more than {MAX_REPLY_BYTES}",
+                    )
+                raw = self._read_exact(
+                    sock,
+                    reply.record_count * reply.record_size,
+                    deadline,
+                    fds,
+                    f"{reply.record_count} records",
+                    op,
+                )
                 msg = self._read_exact(sock, reply.message_len, deadline, fds, "message", op)
             except socket.timeout:
-                raise ShimTimeout(f"{op_name}: {self._who()} did not reply within {timeout:g} s",
-                                  socket_path=self.socket_path, pid=self.pid, op=op) from None
+                raise ShimTimeout(
+                    f"{op_name}: {self._who()} did not reply within {timeout:g} s",
+                    socket_path=self.socket_path,
+                    pid=self.pid,
+                    op=op,
+                ) from None
             except OSError as exc:
-                raise ShimProtocolError(f"{op_name}: {self._who()}: connection failed: "
-                                        f"{exc.strerror or exc}", socket_path=self.socket_path,
-                                        pid=self.pid, op=op) from None
+                raise ShimProtocolError(
+                    f"{op_name}: {self._who()}: connection failed: {exc.strerror or exc}",
+                    socket_path=self.socket_path,
+                    pid=self.pid,
+                    op=op,
+                ) from None
             try:
                 records = Record.unpack_many(raw, reply.record_count)
             except ProtocolError as exc:
                 raise self._proto(op, f"bad record: {exc}") from None
             if len(fds) > 1 or (fds and (op != Op.FETCH_FD or reply.status != Status.OK)):
-                raise self._proto(op, f"unexpected {len(fds)} descriptor(s) with status "
-                                      f"{_status_name(reply.status)} reply")
+                raise self._proto(
+                    op,
+                    f"unexpected {len(fds)} descriptor(s) with status "
+                    f"{_status_name(reply.status)} reply",
+                )
             fd = fds.pop() if fds else None
-            return Response(reply=reply, records=records,
-                            message=msg.decode("utf-8", errors="replace"), fd=fd)
+            return Response(
+                reply=reply, records=records, message=msg.decode("utf-8", errors="replace"), fd=fd
+            )
         finally:
             for fd in fds:
                 os.close(fd)
@@ -190,8 +254,9 @@ class ShimClient:
     # --- helpers ------------------------------------------------------------------------
     def _proto(self, op, what: str) -> ShimProtocolError:
         op_name = _op_name(op)
-        return ShimProtocolError(f"{op_name}: {self._who()}: {what}",
-                                 socket_path=self.socket_path, pid=self.pid, op=op)
+        return ShimProtocolError(
+            f"{op_name}: {self._who()}: {what}", socket_path=self.socket_path, pid=self.pid, op=op
+        )
 
     def _check_header(self, reply: Reply, op, txn_id) -> None:
         if reply.magic != CUI_PROTO_MAGIC:
@@ -201,8 +266,11 @@ class ShimClient:
         if reply.status == Status.BAD_REQUEST:
             return  # the shim may not have parsed op/txn; let the caller see the status
         if int(reply.op) != int(op) or reply.txn_id != txn_id:
-            raise self._proto(op, f"reply is for op {int(reply.op)} txn {reply.txn_id}, "
-                                  f"sent op {int(op)} txn {txn_id}")
+            raise self._proto(
+                op,
+                f"reply is for op {int(reply.op)} txn {reply.txn_id}, "
+                f"sent op {int(op)} txn {txn_id}",
+            )
         if reply.record_count and reply.record_size != RECORD_SIZE:
             raise self._proto(op, f"record_size {reply.record_size} != {RECORD_SIZE}")
 
@@ -213,8 +281,9 @@ class ShimClient:
             raise socket.timeout("deadline passed")
         sock.settimeout(left)
 
-    def _read_exact(self, sock: socket.socket, n: int, deadline: float, fds: list[int],
-                    what: str, op) -> bytes:
+    def _read_exact(
+        self, sock: socket.socket, n: int, deadline: float, fds: list[int], what: str, op
+    ) -> bytes:
         """Read exactly ``n`` bytes, collecting SCM_RIGHTS descriptors into ``fds``."""
         buf = bytearray()
         fd_size = array.array("i").itemsize
@@ -224,12 +293,13 @@ class ShimClient:
             for level, ctype, cdata in ancdata:
                 if level == socket.SOL_SOCKET and ctype == socket.SCM_RIGHTS:
                     got = array.array("i")
-                    got.frombytes(cdata[:len(cdata) - len(cdata) % fd_size])
+                    got.frombytes(cdata[: len(cdata) - len(cdata) % fd_size])
                     fds.extend(got)
             if flags & socket.MSG_CTRUNC:
                 raise self._proto(op, "ancillary data truncated (too many descriptors)")
             if not data:
-                raise self._proto(op, f"short read: connection closed after {len(buf)} of {n} "
-                                      f"bytes of {what}")
+                raise self._proto(
+                    op, f"short read: connection closed after {len(buf)} of {n} bytes of {what}"
+                )
             buf += data
         return bytes(buf)

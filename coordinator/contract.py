@@ -11,6 +11,7 @@ pid ``ROOT``, each a JSON object:
 - ``quiesce-ROOT.resume`` (agent): ``{"id": str, "restored": bool, "cancelled": bool}``
 - ``quiesce-ROOT.lock`` (agent): which agent process owns the pending request
 """
+
 from __future__ import annotations
 
 import json

@@ -1,4 +1,5 @@
 """Base error of the coordinator (results.PhaseError and topology.TopologyError derive from it)."""
+
 from __future__ import annotations
 
 
@@ -8,6 +9,7 @@ class CoordinatorError(Exception):
     ``phase``: the op name ("INSPECT", "RESTORE_UNICAST", ...); ``pid``: the participant at
     fault, or None; ``changed``: False when nothing was changed in any shim.
     """
+
     phase: str | None = None
     pid: int | None = None
     changed: bool = False

@@ -11,6 +11,7 @@ The bracketed multicast phases run only when some participant reported a multica
 (topology.has_multicast). The barrier runner is barrier.py, the results and PhaseError are
 results.py; sequences, failure semantics and results are described in docs/coordinator.md.
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Mapping
@@ -35,8 +36,9 @@ class Coordinator(Barrier):
     """
 
     # --- read-only --------------------------------------------------------------------------
-    def inspect(self, *, expected_phase: Phase = Phase.ACTIVE,
-                check_phase: bool = False) -> dict[int, list[Record]]:
+    def inspect(
+        self, *, expected_phase: Phase = Phase.ACTIVE, check_phase: bool = False
+    ) -> dict[int, list[Record]]:
         """INSPECT every participant concurrently; returns pid -> records. Read-only.
 
         ``expected_phase`` is sent as the request's expected phase (the shim accepts INSPECT
@@ -46,8 +48,9 @@ class Coordinator(Barrier):
         """
         return self._inspect(expected_phase, check_phase, changed_before=False)
 
-    def validate(self, records_by_pid: Mapping[int, Iterable[Record]] | None = None
-                 ) -> dict[int, list[Record]]:
+    def validate(
+        self, records_by_pid: Mapping[int, Iterable[Record]] | None = None
+    ) -> dict[int, list[Record]]:
         """Check the topology (topology.validate rules) of ``records_by_pid``, or of a fresh
         :meth:`inspect` when None. Returns the records checked. Raises TopologyError naming
         pid and allocation, or PhaseError from the INSPECT; nothing is changed either way."""
@@ -56,8 +59,9 @@ class Coordinator(Barrier):
         records = {int(p): list(rs) for p, rs in records_by_pid.items()}
         missing = [pid for pid in self.pids if pid not in records]
         if missing:
-            raise TopologyError(f"pid {missing[0]} is a participant but reported no records",
-                                pid=missing[0])
+            raise TopologyError(
+                f"pid {missing[0]} is a participant but reported no records", pid=missing[0]
+            )
         topology.validate(records, participants=self.pids)
         return records
 
@@ -67,8 +71,9 @@ class Coordinator(Barrier):
         close cached export FDs, release the objects. Refused by every shim: nothing changed."""
         return self._run(Op.PREPARE_MULTICAST, Phase.ACTIVE, changed_before=False)[0]
 
-    def save_allocations(self, expected_phase: Phase = Phase.ACTIVE, *,
-                         changed_before: bool = False) -> PhaseResult:
+    def save_allocations(
+        self, expected_phase: Phase = Phase.ACTIVE, *, changed_before: bool = False
+    ) -> PhaseResult:
         """SAVE_ALLOCATIONS (ACTIVE, or MULTICAST_RELEASED after PREPARE_MULTICAST -> SAVED):
         creators copy shared bytes to host carriers."""
         return self._run(Op.SAVE_ALLOCATIONS, expected_phase, changed_before=changed_before)[0]
@@ -142,8 +147,9 @@ class Coordinator(Barrier):
         """
         want = sorted(p.pid for p in capture.participants)
         if sorted(self.pids) != want:
-            raise ValueError(f"restore: participants {sorted(self.pids)} differ from the "
-                             f"captured {want}")
+            raise ValueError(
+                f"restore: participants {sorted(self.pids)} differ from the captured {want}"
+            )
         self.txn_floor = max(self.txn_floor, capture.last_txn_id)
         start = len(self.phases)
         before = self.inspect(expected_phase=Phase.PREPARED, check_phase=True)
@@ -156,8 +162,9 @@ class Coordinator(Barrier):
         topology.compare(capture.records, after)
         return RestoreResult(phases=self.phases[start:], records=after)
 
-    def rollback(self, capture_or_records: "Capture | Mapping[int, Iterable[Record]]"
-                 ) -> RollbackResult:
+    def rollback(
+        self, capture_or_records: "Capture | Mapping[int, Iterable[Record]]"
+    ) -> RollbackResult:
         """Bring every participant of a failed or abandoned capture back to ACTIVE.
 
         ``capture_or_records``: the :class:`Capture` (also the partial one on
@@ -170,14 +177,18 @@ class Coordinator(Barrier):
 
     # --- helpers --------------------------------------------------------------------------------
     @staticmethod
-    def _merge_carriers(records: dict[int, list[Record]],
-                        after: dict[int, list[Record]]) -> dict[int, list[Record]]:
+    def _merge_carriers(
+        records: dict[int, list[Record]], after: dict[int, list[Record]]
+    ) -> dict[int, list[Record]]:
         """Copy the carrier fields of the post-PREPARE INSPECT into the captured creator
         allocation records; raise PhaseError if a creator's bytes are not carried."""
         merged: dict[int, list[Record]] = {}
         for pid, rs in records.items():
-            carried = {bytes(r.alloc_id): r for r in after.get(pid, [])
-                       if int(r.kind) == RecordKind.ALLOCATION}
+            carried = {
+                bytes(r.alloc_id): r
+                for r in after.get(pid, [])
+                if int(r.kind) == RecordKind.ALLOCATION
+            }
             out = []
             for r in rs:
                 if int(r.kind) == RecordKind.ALLOCATION and int(r.role) == Role.CREATOR:
@@ -186,11 +197,19 @@ class Coordinator(Barrier):
                         raise PhaseError(
                             f"SAVE_ALLOCATIONS: pid {pid} allocation {r.alloc_id_hex} is not "
                             "held in a host carrier after PREPARE_UNICAST",
-                            phase=Op.SAVE_ALLOCATIONS.name, pid=pid, status=None,
-                            cuda_result=0, message="not carried", failures=[], changed=True)
-                    r = r.replace(flags=int(r.flags) | RecordFlag.CARRIED,
-                                  carrier_checksum=a.carrier_checksum,
-                                  carrier_bytes=a.carrier_bytes)
+                            phase=Op.SAVE_ALLOCATIONS.name,
+                            pid=pid,
+                            status=None,
+                            cuda_result=0,
+                            message="not carried",
+                            failures=[],
+                            changed=True,
+                        )
+                    r = r.replace(
+                        flags=int(r.flags) | RecordFlag.CARRIED,
+                        carrier_checksum=a.carrier_checksum,
+                        carrier_bytes=a.carrier_bytes,
+                    )
                 out.append(r)
             merged[pid] = out
         return merged
@@ -200,17 +219,32 @@ class Coordinator(Barrier):
         """Every carrier of the capture is still held, with the same checksum and size."""
         for c in capture.carriers:
             pid, aid = c["pid"], c["alloc_id"]
-            now = next((r for r in before.get(pid, [])
-                        if int(r.kind) == RecordKind.ALLOCATION and r.alloc_id_hex == aid), None)
+            now = next(
+                (
+                    r
+                    for r in before.get(pid, [])
+                    if int(r.kind) == RecordKind.ALLOCATION and r.alloc_id_hex == aid
+                ),
+                None,
+            )
             problem = None
             if now is None or not (now.flags & RecordFlag.CARRIED):
                 problem = "is no longer held in its host carrier"
             elif f"{now.carrier_checksum:016x}" != c["checksum"] or now.carrier_bytes != c["bytes"]:
-                problem = (f"carrier checksum {now.carrier_checksum:016x} ({now.carrier_bytes} "
-                           f"bytes) differs from the captured {c['checksum']} ({c['bytes']} "
-                           "bytes)")
+                problem = (
+                    f"carrier checksum {now.carrier_checksum:016x} ({now.carrier_bytes} "
+                    f"bytes) differs from the captured {c['checksum']} ({c['bytes']} "
+                    "bytes)"
+                )
             if problem:
-                raise PhaseError(f"INSPECT: pid {pid} allocation {aid} {problem}; restore "
-                                 "refused, nothing was changed", phase=Op.INSPECT.name, pid=pid,
-                                 status=None, cuda_result=0, message=problem, failures=[],
-                                 changed=False)
+                raise PhaseError(
+                    f"INSPECT: pid {pid} allocation {aid} {problem}; restore "
+                    "refused, nothing was changed",
+                    phase=Op.INSPECT.name,
+                    pid=pid,
+                    status=None,
+                    cuda_result=0,
+                    message=problem,
+                    failures=[],
+                    changed=False,
+                )

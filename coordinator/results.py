@@ -2,6 +2,7 @@
 Capture / RestoreResult / RollbackResult that :class:`~cuinterpose.coordinator.phases.Coordinator`
 returns (docs/coordinator.md "Results and events").
 """
+
 from __future__ import annotations
 
 import os
@@ -9,12 +10,21 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from .errors import CoordinatorError
-from .protocol import (CUI_PROTO_VERSION, Op, Phase, Record, Status, cuda_result_name,
-                       socket_path)
+from .protocol import CUI_PROTO_VERSION, Op, Phase, Record, Status, cuda_result_name, socket_path
 
-__all__ = ["Participant", "ParticipantResult", "PhaseResult", "PhaseEvent", "PhaseError",
-           "failure_text", "enum_name", "Capture", "RestoreResult", "RollbackResult",
-           "CAPTURE_FORMAT"]
+__all__ = [
+    "Participant",
+    "ParticipantResult",
+    "PhaseResult",
+    "PhaseEvent",
+    "PhaseError",
+    "failure_text",
+    "enum_name",
+    "Capture",
+    "RestoreResult",
+    "RollbackResult",
+    "CAPTURE_FORMAT",
+]
 
 #: Version of the dict written by :meth:`Capture.to_dict`.
 CAPTURE_FORMAT = 1
@@ -23,6 +33,7 @@ CAPTURE_FORMAT = 1
 @dataclass(frozen=True)
 class Participant:
     """One CUDA process under the shim: ``pid`` and its control ``socket_path``."""
+
     pid: int
     socket_path: str
 
@@ -53,6 +64,7 @@ class ParticipantResult:
     carrier bytes moved; ``elapsed_ns``/``copy_ns``: reported by the shim; ``wall_ns``: the
     request's round trip seen by the coordinator.
     """
+
     pid: int
     status: int | None = None
     phase: int | None = None
@@ -71,12 +83,20 @@ class ParticipantResult:
         return self.error is None and self.status == Status.OK
 
     def to_dict(self) -> dict:
-        return {"pid": self.pid, "status": enum_name(Status, self.status),
-                "phase": enum_name(Phase, self.phase), "bytes": self.bytes,
-                "elapsed_ns": self.elapsed_ns, "copy_ns": self.copy_ns,
-                "records_changed": self.records_changed, "cuda_result": self.cuda_result,
-                "message": self.message, "record_count": self.record_count,
-                "wall_ns": self.wall_ns, "error": self.error}
+        return {
+            "pid": self.pid,
+            "status": enum_name(Status, self.status),
+            "phase": enum_name(Phase, self.phase),
+            "bytes": self.bytes,
+            "elapsed_ns": self.elapsed_ns,
+            "copy_ns": self.copy_ns,
+            "records_changed": self.records_changed,
+            "cuda_result": self.cuda_result,
+            "message": self.message,
+            "record_count": self.record_count,
+            "wall_ns": self.wall_ns,
+            "error": self.error,
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> "ParticipantResult":
@@ -84,18 +104,27 @@ class ParticipantResult:
             if v is None:
                 return None
             return enum_cls[v] if isinstance(v, str) and v in enum_cls.__members__ else int(v)
-        return cls(pid=int(d["pid"]), status=code(Status, d.get("status")),
-                   phase=code(Phase, d.get("phase")), bytes=int(d.get("bytes", 0)),
-                   elapsed_ns=int(d.get("elapsed_ns", 0)), copy_ns=int(d.get("copy_ns", 0)),
-                   records_changed=int(d.get("records_changed", 0)),
-                   cuda_result=int(d.get("cuda_result", 0)), message=d.get("message", ""),
-                   record_count=int(d.get("record_count", 0)), wall_ns=int(d.get("wall_ns", 0)),
-                   error=d.get("error"))
+
+        return cls(
+            pid=int(d["pid"]),
+            status=code(Status, d.get("status")),
+            phase=code(Phase, d.get("phase")),
+            bytes=int(d.get("bytes", 0)),
+            elapsed_ns=int(d.get("elapsed_ns", 0)),
+            copy_ns=int(d.get("copy_ns", 0)),
+            records_changed=int(d.get("records_changed", 0)),
+            cuda_result=int(d.get("cuda_result", 0)),
+            message=d.get("message", ""),
+            record_count=int(d.get("record_count", 0)),
+            wall_ns=int(d.get("wall_ns", 0)),
+            error=d.get("error"),
+        )
 
 
 @dataclass
 class PhaseResult:
     """One phase across all participants. ``wall_ns``: send to last reply (the barrier)."""
+
     phase: str
     txn_id: int
     expected_phase: int
@@ -125,19 +154,29 @@ class PhaseResult:
         return sum(p.records_changed for p in self.participants.values())
 
     def to_dict(self) -> dict:
-        return {"phase": self.phase, "txn_id": self.txn_id,
-                "expected_phase": enum_name(Phase, self.expected_phase), "wall_ns": self.wall_ns,
-                "bytes": self.bytes, "copy_ns": self.copy_ns,
-                "records_changed": self.records_changed,
-                "participants": [p.to_dict() for _, p in sorted(self.participants.items())]}
+        return {
+            "phase": self.phase,
+            "txn_id": self.txn_id,
+            "expected_phase": enum_name(Phase, self.expected_phase),
+            "wall_ns": self.wall_ns,
+            "bytes": self.bytes,
+            "copy_ns": self.copy_ns,
+            "records_changed": self.records_changed,
+            "participants": [p.to_dict() for _, p in sorted(self.participants.items())],
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> "PhaseResult":
         ep = d.get("expected_phase", 0)
         ep = Phase[ep] if isinstance(ep, str) and ep in Phase.__members__ else int(ep)
         parts = [ParticipantResult.from_dict(p) for p in d.get("participants", [])]
-        return cls(phase=d["phase"], txn_id=int(d["txn_id"]), expected_phase=ep,
-                   wall_ns=int(d.get("wall_ns", 0)), participants={p.pid: p for p in parts})
+        return cls(
+            phase=d["phase"],
+            txn_id=int(d["txn_id"]),
+            expected_phase=ep,
+            wall_ns=int(d.get("wall_ns", 0)),
+            participants={p.pid: p for p in parts},
+        )
 
 
 @dataclass(frozen=True)
@@ -148,6 +187,7 @@ class PhaseEvent:
     ``"phase"`` (the phase finished for everyone, ``ok`` False if it failed; ``result`` None,
     ``phase_result`` set). ``done``/``total``: replies so far / participants.
     """
+
     kind: str
     phase: str
     txn_id: int
@@ -183,9 +223,19 @@ class PhaseError(CoordinatorError):
     its first INSPECT (so a caller can attempt a rollback), else None.
     """
 
-    def __init__(self, text: str, *, phase: str, pid: int | None, status: int | None,
-                 cuda_result: int, message: str, failures: list[ParticipantResult],
-                 changed: bool, result: PhaseResult | None = None):
+    def __init__(
+        self,
+        text: str,
+        *,
+        phase: str,
+        pid: int | None,
+        status: int | None,
+        cuda_result: int,
+        message: str,
+        failures: list[ParticipantResult],
+        changed: bool,
+        result: PhaseResult | None = None,
+    ):
         super().__init__(text)
         self.phase = phase
         self.pid = pid
@@ -235,6 +285,7 @@ class Capture:
     after PREPARE_UNICAST. ``phases``: every phase run. ``carriers``: per carried allocation
     ``{"pid", "alloc_id", "bytes", "checksum"}``. ``last_txn_id``: the highest txn id used.
     """
+
     participants: list[Participant]
     records: dict[int, list[Record]]
     phases: list[PhaseResult] = field(default_factory=list)
@@ -257,10 +308,12 @@ class Capture:
         """``{"format", "protocol_version", "participants": [{"pid", "socket_path", "records":
         [record dict]}], "phases": [...], "carriers": [...], "carrier_bytes", "last_txn_id"}``."""
         return {
-            "format": CAPTURE_FORMAT, "protocol_version": CUI_PROTO_VERSION,
-            "participants": [{**p.to_dict(),
-                              "records": [r.to_dict() for r in self.records.get(p.pid, [])]}
-                             for p in self.participants],
+            "format": CAPTURE_FORMAT,
+            "protocol_version": CUI_PROTO_VERSION,
+            "participants": [
+                {**p.to_dict(), "records": [r.to_dict() for r in self.records.get(p.pid, [])]}
+                for p in self.participants
+            ],
             "phases": [p.to_dict() for p in self.phases],
             "carriers": [dict(c) for c in self.carriers],
             "carrier_bytes": self.carrier_bytes,
@@ -272,25 +325,32 @@ class Capture:
         """Inverse of :meth:`to_dict`. Raises ValueError on an unknown format or protocol."""
         fmt = d.get("format")
         if fmt != CAPTURE_FORMAT:
-            raise ValueError(f"capture format {fmt!r} is not supported (expected "
-                             f"{CAPTURE_FORMAT})")
+            raise ValueError(f"capture format {fmt!r} is not supported (expected {CAPTURE_FORMAT})")
         if d.get("protocol_version") != CUI_PROTO_VERSION:
-            raise ValueError(f"capture was taken with protocol version "
-                             f"{d.get('protocol_version')!r}; this coordinator speaks "
-                             f"{CUI_PROTO_VERSION}")
+            raise ValueError(
+                f"capture was taken with protocol version "
+                f"{d.get('protocol_version')!r}; this coordinator speaks "
+                f"{CUI_PROTO_VERSION}"
+            )
         parts = [Participant(int(p["pid"]), p["socket_path"]) for p in d["participants"]]
-        records = {int(p["pid"]): [Record.from_dict(r) for r in p.get("records", [])]
-                   for p in d["participants"]}
-        return cls(participants=parts, records=records,
-                   phases=[PhaseResult.from_dict(p) for p in d.get("phases", [])],
-                   carriers=[dict(c) for c in d.get("carriers", [])],
-                   last_txn_id=int(d.get("last_txn_id", 0)))
+        records = {
+            int(p["pid"]): [Record.from_dict(r) for r in p.get("records", [])]
+            for p in d["participants"]
+        }
+        return cls(
+            participants=parts,
+            records=records,
+            phases=[PhaseResult.from_dict(p) for p in d.get("phases", [])],
+            carriers=[dict(c) for c in d.get("carriers", [])],
+            last_txn_id=int(d.get("last_txn_id", 0)),
+        )
 
 
 @dataclass
 class RestoreResult:
     """What restore() did: ``phases`` run and the final INSPECT ``records`` (equal to the
     capture modulo topology.COMPARE_IGNORED)."""
+
     phases: list[PhaseResult]
     records: dict[int, list[Record]]
 
@@ -305,9 +365,12 @@ class RestoreResult:
         return None
 
     def to_dict(self) -> dict:
-        return {"phases": [p.to_dict() for p in self.phases],
-                "records": {str(pid): [r.to_dict() for r in rs]
-                            for pid, rs in sorted(self.records.items())}}
+        return {
+            "phases": [p.to_dict() for p in self.phases],
+            "records": {
+                str(pid): [r.to_dict() for r in rs] for pid, rs in sorted(self.records.items())
+            },
+        }
 
 
 @dataclass
@@ -315,10 +378,13 @@ class RollbackResult:
     """What rollback() did: ``found`` (pid -> the shim phase name found by the first INSPECT),
     ``phases`` run (the INSPECTs included) and the final INSPECT ``records`` (every shim
     ACTIVE, equal to the capture modulo topology.COMPARE_IGNORED)."""
+
     found: dict[int, str]
     phases: list[PhaseResult]
     records: dict[int, list[Record]]
 
     def to_dict(self) -> dict:
-        return {"found": {str(p): ph for p, ph in sorted(self.found.items())},
-                "phases": [p.to_dict() for p in self.phases]}
+        return {
+            "found": {str(p): ph for p, ph in sorted(self.found.items())},
+            "phases": [p.to_dict() for p in self.phases],
+        }

@@ -5,6 +5,7 @@
 SAVED importers, CANCEL_CAPTURE + LOAD_ALLOCATIONS, RESTORE_UNICAST, the multicast rebuild,
 INSPECT) are described in docs/coordinator.md "Rollback".
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Mapping
@@ -20,8 +21,9 @@ __all__ = ["rollback"]
 MULTICAST_PHASES = tuple(src for _, src in MULTICAST_RESTORE_OPS)
 
 
-def rollback(coord: Barrier, capture_or_records: "Capture | Mapping[int, Iterable[Record]]"
-             ) -> RollbackResult:
+def rollback(
+    coord: Barrier, capture_or_records: "Capture | Mapping[int, Iterable[Record]]"
+) -> RollbackResult:
     """Bring every participant of ``coord`` back to ACTIVE (docs/coordinator.md "Rollback").
 
     ``capture_or_records``: the :class:`Capture` (also the partial one on
@@ -52,42 +54,68 @@ def rollback(coord: Barrier, capture_or_records: "Capture | Mapping[int, Iterabl
             if found[pid] in torn:
                 continue
             # a mapping or a held handle of the creator's old allocation
-            stale = sorted((r for r in now[pid] if int(r.role) == Role.IMPORTER
-                            and int(r.kind) in (RecordKind.MAPPING, RecordKind.ALLOCATION)
-                            and found.get(int(r.creator_pid)) in torn),
-                           key=lambda r: int(r.kind) != RecordKind.MAPPING)
+            stale = sorted(
+                (
+                    r
+                    for r in now[pid]
+                    if int(r.role) == Role.IMPORTER
+                    and int(r.kind) in (RecordKind.MAPPING, RecordKind.ALLOCATION)
+                    and found.get(int(r.creator_pid)) in torn
+                ),
+                key=lambda r: int(r.kind) != RecordKind.MAPPING,
+            )
             if not stale:
                 continue
             stale = stale[0]
             if found[pid] != Phase.SAVED:
-                where = (f"maps allocation {stale.alloc_id_hex} at va {stale.va:#x}"
-                         if int(stale.kind) == RecordKind.MAPPING else
-                         f"holds allocation {stale.alloc_id_hex}")
+                where = (
+                    f"maps allocation {stale.alloc_id_hex} at va {stale.va:#x}"
+                    if int(stale.kind) == RecordKind.MAPPING
+                    else f"holds allocation {stale.alloc_id_hex}"
+                )
                 raise PhaseError(
                     f"rollback: pid {pid} is {found[pid].name} and still {where}, whose "
                     f"creator pid "
                     f"{stale.creator_pid} is {found[int(stale.creator_pid)].name} (already "
                     "torn down): rebuilding the creator would split the sharing; nothing "
-                    "was sent", phase="rollback", pid=pid, status=None, cuda_result=0,
-                    message="stale importer", failures=[], changed=True)
+                    "was sent",
+                    phase="rollback",
+                    pid=pid,
+                    status=None,
+                    cuda_result=0,
+                    message="stale importer",
+                    failures=[],
+                    changed=True,
+                )
             forward.append(pid)
             found[pid] = Phase.PREPARED
             changed = True
     if forward:
-        coord._run_plan({pid: (Op.PREPARE_UNICAST, Phase.SAVED) for pid in forward},
-                        changed_before=True)
+        coord._run_plan(
+            {pid: (Op.PREPARE_UNICAST, Phase.SAVED) for pid in forward}, changed_before=True
+        )
     original = dict(found)
     # the multicast teardown is all-or-nothing: once any shim released its objects, an
     # ACTIVE one still holding multicast state releases too, so the rebuild recreates one team
-    mc_torn = [pid for pid in coord.pids if found[pid] != Phase.ACTIVE
-               and (found[pid] in MULTICAST_PHASES
-                    or any(int(r.kind) == RecordKind.MULTICAST for r in records.get(pid, [])))]
+    mc_torn = [
+        pid
+        for pid in coord.pids
+        if found[pid] != Phase.ACTIVE
+        and (
+            found[pid] in MULTICAST_PHASES
+            or any(int(r.kind) == RecordKind.MULTICAST for r in records.get(pid, []))
+        )
+    ]
     if mc_torn and topology.has_multicast(records):
-        stay = [pid for pid in coord.pids if found[pid] == Phase.ACTIVE
-                and topology.has_multicast({pid: now.get(pid, [])})]
+        stay = [
+            pid
+            for pid in coord.pids
+            if found[pid] == Phase.ACTIVE and topology.has_multicast({pid: now.get(pid, [])})
+        ]
         if stay:
-            res, _ = coord._run_plan({pid: (Op.PREPARE_MULTICAST, Phase.ACTIVE)
-                                      for pid in stay}, changed_before=True)
+            res, _ = coord._run_plan(
+                {pid: (Op.PREPARE_MULTICAST, Phase.ACTIVE) for pid in stay}, changed_before=True
+            )
             for pid in stay:
                 found[pid] = original[pid] = Phase(res.participants[pid].phase)
     cur = dict(found)
@@ -101,8 +129,7 @@ def rollback(coord: Barrier, capture_or_records: "Capture | Mapping[int, Iterabl
     if plan:
         res, _ = coord._run_plan(plan, changed_before=True)
         cur.update({pid: Phase(r.phase) for pid, r in res.participants.items()})
-    plan = {pid: (Op.RESTORE_UNICAST, Phase.LOADED) for pid in coord.pids
-            if original[pid] in torn}
+    plan = {pid: (Op.RESTORE_UNICAST, Phase.LOADED) for pid in coord.pids if original[pid] in torn}
     if plan:
         res, _ = coord._run_plan(plan, changed_before=True)
         cur.update({pid: Phase(r.phase) for pid, r in res.participants.items()})
@@ -126,9 +153,14 @@ def _inspect_phases(coord: Barrier) -> tuple[dict[int, Phase], dict[int, list[Re
     except PhaseError as e:
         results, records = dict(e.result.participants), dict(e.records or {})
         # a shim that checks INSPECT's expected phase: ask again with the phase it reported
-        again = {r.pid: (Op.INSPECT, Phase(r.phase)) for r in e.failures
-                 if r.error is None and r.status == Status.REFUSED_PHASE
-                 and r.phase in Phase._value2member_map_ and r.phase != Phase.FAILED}
+        again = {
+            r.pid: (Op.INSPECT, Phase(r.phase))
+            for r in e.failures
+            if r.error is None
+            and r.status == Status.REFUSED_PHASE
+            and r.phase in Phase._value2member_map_
+            and r.phase != Phase.FAILED
+        }
         if again:
             try:
                 res2, rec2 = coord._run_plan(again, changed_before=True)
@@ -143,19 +175,38 @@ def _inspect_phases(coord: Barrier) -> tuple[dict[int, Phase], dict[int, list[Re
             raise _refusal(pid, r, f"did not answer INSPECT ({r.error}); its phase is unknown")
         if r.phase == Phase.FAILED:
             why = f": {r.message.strip()}" if r.message.strip() else ""
-            raise _refusal(pid, r, f"is FAILED (a destructive op failed part-way){why}; it "
-                                   "cannot be brought back to ACTIVE")
-        if not r.ok or r.phase not in (Phase.ACTIVE, Phase.SAVED, Phase.PREPARED,
-                                       Phase.LOADED, *MULTICAST_PHASES):
-            raise _refusal(pid, r, f"answered INSPECT with status "
-                                   f"{enum_name(Status, r.status)} in phase "
-                                   f"{enum_name(Phase, r.phase)}")
+            raise _refusal(
+                pid,
+                r,
+                f"is FAILED (a destructive op failed part-way){why}; it "
+                "cannot be brought back to ACTIVE",
+            )
+        if not r.ok or r.phase not in (
+            Phase.ACTIVE,
+            Phase.SAVED,
+            Phase.PREPARED,
+            Phase.LOADED,
+            *MULTICAST_PHASES,
+        ):
+            raise _refusal(
+                pid,
+                r,
+                f"answered INSPECT with status "
+                f"{enum_name(Status, r.status)} in phase "
+                f"{enum_name(Phase, r.phase)}",
+            )
         found[pid] = Phase(r.phase)
     return found, records
 
 
 def _refusal(pid: int, r: ParticipantResult, why: str) -> PhaseError:
-    return PhaseError(f"rollback: pid {pid} {why}; nothing was rolled back (fail-stop)",
-                      phase="rollback", pid=pid, status=r.status,
-                      cuda_result=r.cuda_result, message=r.message or (r.error or ""),
-                      failures=[r], changed=True)
+    return PhaseError(
+        f"rollback: pid {pid} {why}; nothing was rolled back (fail-stop)",
+        phase="rollback",
+        pid=pid,
+        status=r.status,
+        cuda_result=r.cuda_result,
+        message=r.message or (r.error or ""),
+        failures=[r],
+        changed=True,
+    )

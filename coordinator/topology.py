@@ -7,6 +7,7 @@ restore and must pass before the workload is told to continue.
 Both raise :class:`TopologyError` whose message names the pid and the object, e.g.
 ``pid 4121 imports allocation 9f3c... from pid 4119, which is not a participant``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,9 +17,17 @@ from typing import Iterable, Mapping
 from .errors import CoordinatorError
 from .protocol import MULTICAST_KINDS, Op, Record, RecordFlag, RecordKind, Role, alloc_id_hex
 
-__all__ = ["TopologyError", "validate", "validate_multicast", "has_multicast", "compare",
-           "carriers", "COMPARE_IGNORED",
-           "CU_MEM_ALLOCATION_TYPE_PINNED", "CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR"]
+__all__ = [
+    "TopologyError",
+    "validate",
+    "validate_multicast",
+    "has_multicast",
+    "compare",
+    "carriers",
+    "COMPARE_IGNORED",
+    "CU_MEM_ALLOCATION_TYPE_PINNED",
+    "CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR",
+]
 
 # CUDA driver enum values (cuda.h), used by the checks below.
 CU_MEM_ALLOCATION_TYPE_PINNED = 1
@@ -31,8 +40,14 @@ CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
 #: (except in MULTICAST_BINDING records, where they name the bound member and are compared).
 #: Every other field (kind, role, other flags, alloc_id, creator_pid, handle_refs, size, va,
 #: offset, allocation properties, access list) must be equal.
-COMPARE_IGNORED = ("carrier_checksum", "carrier_bytes", "flags:CUI_REC_CARRIED", "reserved0",
-                   "reserved", "access[].reserved")
+COMPARE_IGNORED = (
+    "carrier_checksum",
+    "carrier_bytes",
+    "flags:CUI_REC_CARRIED",
+    "reserved0",
+    "reserved",
+    "access[].reserved",
+)
 
 
 class TopologyError(CoordinatorError):
@@ -43,8 +58,15 @@ class TopologyError(CoordinatorError):
     were already rebuilt).
     """
 
-    def __init__(self, message: str, *, pid: int | None = None, alloc_id: str | None = None,
-                 phase: str = Op.INSPECT.name, changed: bool = False):
+    def __init__(
+        self,
+        message: str,
+        *,
+        pid: int | None = None,
+        alloc_id: str | None = None,
+        phase: str = Op.INSPECT.name,
+        changed: bool = False,
+    ):
         super().__init__(message)
         self.pid = pid
         self.alloc_id = alloc_id
@@ -56,8 +78,9 @@ def _is(value, enum_member) -> bool:
     return int(value) == int(enum_member)
 
 
-def validate(records_by_pid: Mapping[int, Iterable[Record]],
-             participants: Iterable[int] | None = None) -> None:
+def validate(
+    records_by_pid: Mapping[int, Iterable[Record]], participants: Iterable[int] | None = None
+) -> None:
     """Check that the records describe a topology the phases can capture and restore.
 
     ``records_by_pid``: pid -> INSPECT records. ``participants``: the pids in the group
@@ -84,8 +107,10 @@ def validate(records_by_pid: Mapping[int, Iterable[Record]],
                 raise TopologyError(
                     f"pid {pid} holds a live raw import of allocation {r.alloc_id_hex} "
                     f"(imported from a file descriptor that is not a cuinterpose export ticket); "
-                    f"it cannot be restored, so capture is refused", pid=pid,
-                    alloc_id=r.alloc_id_hex)
+                    f"it cannot be restored, so capture is refused",
+                    pid=pid,
+                    alloc_id=r.alloc_id_hex,
+                )
 
     allocs: dict[int, dict[bytes, Record]] = {}
     creators: dict[bytes, list[int]] = defaultdict(list)
@@ -97,20 +122,28 @@ def validate(records_by_pid: Mapping[int, Iterable[Record]],
             aid = r.alloc_id_hex
             shared = int(r.role) in (Role.CREATOR, Role.IMPORTER)
             if r.size == 0:
-                raise TopologyError(f"pid {pid} allocation {aid} has size 0", pid=pid,
-                                    alloc_id=aid)
+                raise TopologyError(f"pid {pid} allocation {aid} has size 0", pid=pid, alloc_id=aid)
             if r.prop_type != CU_MEM_ALLOCATION_TYPE_PINNED:
-                raise TopologyError(f"pid {pid} allocation {aid} has allocation type "
-                                    f"{r.prop_type}, only CU_MEM_ALLOCATION_TYPE_PINNED is "
-                                    "supported", pid=pid, alloc_id=aid)
-            allowed = ((CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,) if shared else
-                       (CU_MEM_HANDLE_TYPE_NONE, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR))
+                raise TopologyError(
+                    f"pid {pid} allocation {aid} has allocation type "
+                    f"{r.prop_type}, only CU_MEM_ALLOCATION_TYPE_PINNED is "
+                    "supported",
+                    pid=pid,
+                    alloc_id=aid,
+                )
+            allowed = (
+                (CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,)
+                if shared
+                else (CU_MEM_HANDLE_TYPE_NONE, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+            )
             if r.prop_handle_types not in allowed:
                 need = "a shared allocation needs exactly" if shared else "supported are 0 and"
                 raise TopologyError(
                     f"pid {pid} allocation {aid} has requested handle types "
                     f"{r.prop_handle_types:#x}; {need} CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR",
-                    pid=pid, alloc_id=aid)
+                    pid=pid,
+                    alloc_id=aid,
+                )
             by_id[bytes(r.alloc_id)] = r
             if _is(r.role, Role.CREATOR):
                 creators[bytes(r.alloc_id)].append(pid)
@@ -118,9 +151,12 @@ def validate(records_by_pid: Mapping[int, Iterable[Record]],
     for aid_b, pids in creators.items():
         if len(pids) > 1:
             aid = alloc_id_hex(aid_b)
-            raise TopologyError(f"allocation {aid} has {len(pids)} creators (pids "
-                                f"{', '.join(map(str, sorted(pids)))}); exactly one is allowed",
-                                pid=sorted(pids)[1], alloc_id=aid)
+            raise TopologyError(
+                f"allocation {aid} has {len(pids)} creators (pids "
+                f"{', '.join(map(str, sorted(pids)))}); exactly one is allowed",
+                pid=sorted(pids)[1],
+                alloc_id=aid,
+            )
 
     for pid, by_id in sorted(allocs.items()):
         for aid_b, r in by_id.items():
@@ -129,20 +165,35 @@ def validate(records_by_pid: Mapping[int, Iterable[Record]],
             aid = r.alloc_id_hex
             cpid = r.creator_pid
             if cpid not in members:
-                raise TopologyError(f"pid {pid} imports allocation {aid} from pid {cpid}, "
-                                    "which is not a participant", pid=pid, alloc_id=aid)
+                raise TopologyError(
+                    f"pid {pid} imports allocation {aid} from pid {cpid}, "
+                    "which is not a participant",
+                    pid=pid,
+                    alloc_id=aid,
+                )
             if creators.get(aid_b) != [cpid]:
-                raise TopologyError(f"pid {pid} imports allocation {aid} from pid {cpid}, but "
-                                    f"pid {cpid} has no creator record of it (missing creator)",
-                                    pid=pid, alloc_id=aid)
+                raise TopologyError(
+                    f"pid {pid} imports allocation {aid} from pid {cpid}, but "
+                    f"pid {cpid} has no creator record of it (missing creator)",
+                    pid=pid,
+                    alloc_id=aid,
+                )
             creator = allocs[cpid][aid_b]
             if creator.size != r.size:
-                raise TopologyError(f"pid {pid} imports allocation {aid} with size "
-                                    f"{r.size:#x}, creator pid {cpid} has size "
-                                    f"{creator.size:#x}", pid=pid, alloc_id=aid)
+                raise TopologyError(
+                    f"pid {pid} imports allocation {aid} with size "
+                    f"{r.size:#x}, creator pid {cpid} has size "
+                    f"{creator.size:#x}",
+                    pid=pid,
+                    alloc_id=aid,
+                )
             if r.flags & RecordFlag.CARRIED or r.carrier_bytes:
-                raise TopologyError(f"pid {pid} importer of allocation {aid} holds carrier "
-                                    "bytes; only the creator may", pid=pid, alloc_id=aid)
+                raise TopologyError(
+                    f"pid {pid} importer of allocation {aid} holds carrier "
+                    "bytes; only the creator may",
+                    pid=pid,
+                    alloc_id=aid,
+                )
 
     mapped: dict[int, set[bytes]] = defaultdict(set)
     for pid, rs in sorted(recs.items()):
@@ -151,19 +202,27 @@ def validate(records_by_pid: Mapping[int, Iterable[Record]],
                 continue
             aid = r.alloc_id_hex
             if r.va == 0:
-                raise TopologyError(f"pid {pid} mapping of allocation {aid} has va 0",
-                                    pid=pid, alloc_id=aid)
+                raise TopologyError(
+                    f"pid {pid} mapping of allocation {aid} has va 0", pid=pid, alloc_id=aid
+                )
             alloc = allocs.get(pid, {}).get(bytes(r.alloc_id))
             if alloc is None:
                 if int(r.role) in (Role.CREATOR, Role.IMPORTER):
-                    raise TopologyError(f"pid {pid} mapping at va {r.va:#x} refers to allocation "
-                                        f"{aid}, which pid {pid} does not hold", pid=pid,
-                                        alloc_id=aid)
+                    raise TopologyError(
+                        f"pid {pid} mapping at va {r.va:#x} refers to allocation "
+                        f"{aid}, which pid {pid} does not hold",
+                        pid=pid,
+                        alloc_id=aid,
+                    )
                 continue
             if r.offset + r.size > alloc.size:
-                raise TopologyError(f"pid {pid} mapping of allocation {aid} at va {r.va:#x}: "
-                                    f"offset {r.offset:#x} + size {r.size:#x} exceeds the "
-                                    f"allocation size {alloc.size:#x}", pid=pid, alloc_id=aid)
+                raise TopologyError(
+                    f"pid {pid} mapping of allocation {aid} at va {r.va:#x}: "
+                    f"offset {r.offset:#x} + size {r.size:#x} exceeds the "
+                    f"allocation size {alloc.size:#x}",
+                    pid=pid,
+                    alloc_id=aid,
+                )
             mapped[pid].add(bytes(r.alloc_id))
 
     bound: dict[int, set[bytes]] = defaultdict(set)
@@ -175,15 +234,21 @@ def validate(records_by_pid: Mapping[int, Iterable[Record]],
         pid = pids[0]
         r = allocs[pid][aid_b]
         if r.handle_refs == 0 and aid_b not in mapped[pid] and aid_b not in bound[pid]:
-            raise TopologyError(f"pid {pid} allocation {r.alloc_id_hex}: missing creator anchor "
-                                "(the creator holds neither a handle nor a mapping of it)",
-                                pid=pid, alloc_id=r.alloc_id_hex)
+            raise TopologyError(
+                f"pid {pid} allocation {r.alloc_id_hex}: missing creator anchor "
+                "(the creator holds neither a handle nor a mapping of it)",
+                pid=pid,
+                alloc_id=r.alloc_id_hex,
+            )
 
     validate_multicast(recs, members, allocs)
 
 
-def validate_multicast(recs: Mapping[int, list[Record]], members: set[int],
-                       allocs: Mapping[int, Mapping[bytes, Record]] | None = None) -> None:
+def validate_multicast(
+    recs: Mapping[int, list[Record]],
+    members: set[int],
+    allocs: Mapping[int, Mapping[bytes, Record]] | None = None,
+) -> None:
     """Multicast rules (docs/coordinator.md "Validation rules", 7), first violation raises
     TopologyError naming the pid and the object:
 
@@ -213,14 +278,18 @@ def validate_multicast(recs: Mapping[int, list[Record]], members: set[int],
             elif k == RecordKind.MULTICAST_MAPPING:
                 maps[key].append((pid, r))
     for key in sorted(set(devices) | set(binds) | set(maps)):
-        holders = sorted({p for p, _ in devices[key]} | {p for p, _ in binds[key]}
-                         | {p for p, _ in maps[key]})
+        holders = sorted(
+            {p for p, _ in devices[key]} | {p for p, _ in binds[key]} | {p for p, _ in maps[key]}
+        )
         for pid in holders:
             if pid not in objs.get(key, {}):
                 aid = alloc_id_hex(key)
-                raise TopologyError(f"pid {pid} has devices, bindings or mappings of multicast "
-                                    f"object {aid} but no record of the object", pid=pid,
-                                    alloc_id=aid)
+                raise TopologyError(
+                    f"pid {pid} has devices, bindings or mappings of multicast "
+                    f"object {aid} but no record of the object",
+                    pid=pid,
+                    alloc_id=aid,
+                )
     for key, by_pid in sorted(objs.items()):
         aid = alloc_id_hex(key)
         for pid, r in sorted(by_pid.items()):
@@ -228,66 +297,105 @@ def validate_multicast(recs: Mapping[int, list[Record]], members: set[int],
                 raise TopologyError(
                     f"pid {pid} multicast object {aid} has handle types "
                     f"{r.prop_handle_types:#x}; only exactly CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR "
-                    "can be rebuilt after a restore, so capture is refused", pid=pid, alloc_id=aid)
+                    "can be rebuilt after a restore, so capture is refused",
+                    pid=pid,
+                    alloc_id=aid,
+                )
         creators = sorted(p for p, r in by_pid.items() if _is(r.role, Role.CREATOR))
         if len(creators) != 1:
             pid = creators[1] if creators else sorted(by_pid)[0]
-            raise TopologyError(f"multicast object {aid} has {len(creators)} creators"
-                                + (f" (pids {', '.join(map(str, creators))})" if creators else "")
-                                + "; exactly one is required", pid=pid, alloc_id=aid)
+            raise TopologyError(
+                f"multicast object {aid} has {len(creators)} creators"
+                + (f" (pids {', '.join(map(str, creators))})" if creators else "")
+                + "; exactly one is required",
+                pid=pid,
+                alloc_id=aid,
+            )
         cpid = creators[0]
         c = by_pid[cpid]
         for pid, r in sorted(by_pid.items()):
             if _is(r.role, Role.IMPORTER) and r.creator_pid not in members:
-                raise TopologyError(f"pid {pid} imports multicast object {aid} from pid "
-                                    f"{r.creator_pid}, which is not a participant", pid=pid,
-                                    alloc_id=aid)
+                raise TopologyError(
+                    f"pid {pid} imports multicast object {aid} from pid "
+                    f"{r.creator_pid}, which is not a participant",
+                    pid=pid,
+                    alloc_id=aid,
+                )
             if r.creator_pid != cpid:
-                raise TopologyError(f"pid {pid} names pid {r.creator_pid} as the creator of "
-                                    f"multicast object {aid}, but pid {cpid} created it",
-                                    pid=pid, alloc_id=aid)
-            for name, what in (("size", "requested size"), ("prop_location_id", "numDevices"),
-                               ("prop_handle_types", "handle types")):
+                raise TopologyError(
+                    f"pid {pid} names pid {r.creator_pid} as the creator of "
+                    f"multicast object {aid}, but pid {cpid} created it",
+                    pid=pid,
+                    alloc_id=aid,
+                )
+            for name, what in (
+                ("size", "requested size"),
+                ("prop_location_id", "numDevices"),
+                ("prop_handle_types", "handle types"),
+            ):
                 if getattr(r, name) != getattr(c, name):
                     raise TopologyError(
                         f"pid {pid} multicast object {aid}: {what} {getattr(r, name):#x} differs "
-                        f"from the creator pid {cpid}'s {getattr(c, name):#x}", pid=pid,
-                        alloc_id=aid)
+                        f"from the creator pid {cpid}'s {getattr(c, name):#x}",
+                        pid=pid,
+                        alloc_id=aid,
+                    )
         attached = devices.get(key, set())
         want = int(c.prop_location_id)
         if len(attached) != want:
-            raise TopologyError(f"multicast object {aid}: {len(attached)} (participant, device) "
-                                f"pairs attached, numDevices is {want} (incomplete multicast "
-                                "team)", pid=cpid, alloc_id=aid)
+            raise TopologyError(
+                f"multicast object {aid}: {len(attached)} (participant, device) "
+                f"pairs attached, numDevices is {want} (incomplete multicast "
+                "team)",
+                pid=cpid,
+                alloc_id=aid,
+            )
         bound_pairs = {(pid, int(r.prop_location_id)) for pid, r in binds.get(key, [])}
         for pid, dev in sorted(attached):
             if (pid, dev) not in bound_pairs:
-                raise TopologyError(f"pid {pid} attached device {dev} to multicast object {aid} "
-                                    "but bound no memory for it", pid=pid, alloc_id=aid)
+                raise TopologyError(
+                    f"pid {pid} attached device {dev} to multicast object {aid} "
+                    "but bound no memory for it",
+                    pid=pid,
+                    alloc_id=aid,
+                )
         for pid, dev in sorted(bound_pairs):
             if (pid, dev) not in attached:
-                raise TopologyError(f"pid {pid} binding of multicast object {aid} is for device "
-                                    f"{dev}, which pid {pid} did not attach", pid=pid,
-                                    alloc_id=aid)
+                raise TopologyError(
+                    f"pid {pid} binding of multicast object {aid} is for device "
+                    f"{dev}, which pid {pid} did not attach",
+                    pid=pid,
+                    alloc_id=aid,
+                )
         extent = max(int(r.offset) for r in by_pid.values())
         for pid, r in binds.get(key, []) + maps.get(key, []):
             if r.offset + r.size > extent:
-                raise TopologyError(f"pid {pid} {r.describe()}: offset {r.offset:#x} + size "
-                                    f"{r.size:#x} exceeds the largest extent {extent:#x} any "
-                                    "participant reported", pid=pid, alloc_id=aid)
+                raise TopologyError(
+                    f"pid {pid} {r.describe()}: offset {r.offset:#x} + size "
+                    f"{r.size:#x} exceeds the largest extent {extent:#x} any "
+                    "participant reported",
+                    pid=pid,
+                    alloc_id=aid,
+                )
         for pid, r in binds.get(key, []):
             if allocs is None or not any(r.member_alloc_id):
                 continue
             member = allocs.get(pid, {}).get(bytes(r.member_alloc_id))
             if member is None:
-                raise TopologyError(f"pid {pid} {r.describe()} binds allocation "
-                                    f"{r.member_alloc_id_hex}, which pid {pid} does not hold",
-                                    pid=pid, alloc_id=aid)
+                raise TopologyError(
+                    f"pid {pid} {r.describe()} binds allocation "
+                    f"{r.member_alloc_id_hex}, which pid {pid} does not hold",
+                    pid=pid,
+                    alloc_id=aid,
+                )
             if r.member_offset + r.size > member.size:
-                raise TopologyError(f"pid {pid} {r.describe()}: member offset "
-                                    f"{r.member_offset:#x} + size {r.size:#x} exceeds allocation "
-                                    f"{r.member_alloc_id_hex} size {member.size:#x}", pid=pid,
-                                    alloc_id=aid)
+                raise TopologyError(
+                    f"pid {pid} {r.describe()}: member offset "
+                    f"{r.member_offset:#x} + size {r.size:#x} exceeds allocation "
+                    f"{r.member_alloc_id_hex} size {member.size:#x}",
+                    pid=pid,
+                    alloc_id=aid,
+                )
 
 
 def has_multicast(records_by_pid: Mapping[int, Iterable[Record]]) -> bool:
@@ -302,11 +410,19 @@ def carriers(records_by_pid: Mapping[int, Iterable[Record]]) -> list[dict]:
     out = []
     for pid, rs in sorted(records_by_pid.items()):
         for r in rs:
-            if (_is(r.kind, RecordKind.ALLOCATION) and _is(r.role, Role.CREATOR)
-                    and r.flags & RecordFlag.CARRIED):
-                out.append({"pid": int(pid), "alloc_id": r.alloc_id_hex,
-                            "bytes": int(r.carrier_bytes),
-                            "checksum": f"{r.carrier_checksum:016x}"})
+            if (
+                _is(r.kind, RecordKind.ALLOCATION)
+                and _is(r.role, Role.CREATOR)
+                and r.flags & RecordFlag.CARRIED
+            ):
+                out.append(
+                    {
+                        "pid": int(pid),
+                        "alloc_id": r.alloc_id_hex,
+                        "bytes": int(r.carrier_bytes),
+                        "checksum": f"{r.carrier_checksum:016x}",
+                    }
+                )
     out.sort(key=lambda c: (c["pid"], c["alloc_id"]))
     return out
 
@@ -314,15 +430,24 @@ def carriers(records_by_pid: Mapping[int, Iterable[Record]]) -> list[dict]:
 # --- restore equality --------------------------------------------------------------------
 def _normal(r: Record) -> Record:
     """The record with every ignored field cleared (see COMPARE_IGNORED)."""
-    if int(r.kind) == RecordKind.MULTICAST_BINDING:   # reserved fields name the member
-        return dataclasses.replace(r, kind=int(r.kind), role=int(r.role),
-                                   access=tuple(dataclasses.replace(a, reserved=0)
-                                                for a in r.access))
+    if int(r.kind) == RecordKind.MULTICAST_BINDING:  # reserved fields name the member
+        return dataclasses.replace(
+            r,
+            kind=int(r.kind),
+            role=int(r.role),
+            access=tuple(dataclasses.replace(a, reserved=0) for a in r.access),
+        )
     return dataclasses.replace(
-        r, flags=int(r.flags) & ~int(RecordFlag.CARRIED), carrier_checksum=0, carrier_bytes=0,
-        reserved0=0, reserved=(0, 0, 0, 0),
+        r,
+        flags=int(r.flags) & ~int(RecordFlag.CARRIED),
+        carrier_checksum=0,
+        carrier_bytes=0,
+        reserved0=0,
+        reserved=(0, 0, 0, 0),
         access=tuple(dataclasses.replace(a, reserved=0) for a in r.access),
-        kind=int(r.kind), role=int(r.role))
+        kind=int(r.kind),
+        role=int(r.role),
+    )
 
 
 def _key(r: Record):
@@ -353,13 +478,20 @@ def _fmt(name, value):
     if name == "flags":
         return f"{value:#x}"
     if name == "access":
-        return "[" + ", ".join(f"({a.location_type},{a.location_id},{a.flags:#x})"
-                               for a in value) + "]"
+        return (
+            "["
+            + ", ".join(f"({a.location_type},{a.location_id},{a.flags:#x})" for a in value)
+            + "]"
+        )
     return str(value)
 
 
-def compare(captured: Mapping[int, Iterable[Record]], restored: Mapping[int, Iterable[Record]],
-            *, phase: str = Op.INSPECT.name) -> None:
+def compare(
+    captured: Mapping[int, Iterable[Record]],
+    restored: Mapping[int, Iterable[Record]],
+    *,
+    phase: str = Op.INSPECT.name,
+) -> None:
     """Raise :class:`TopologyError` unless ``restored`` equals ``captured`` per participant,
     modulo :data:`COMPARE_IGNORED`. Record order does not matter. The message names the pid,
     the object and the first differing field, e.g. ``INSPECT after restore: pid 4121 mapping of
@@ -370,11 +502,13 @@ def compare(captured: Mapping[int, Iterable[Record]], restored: Mapping[int, Ite
     res = {int(p): list(rs) for p, rs in restored.items()}
     for pid in sorted(set(cap) | set(res)):
         if pid not in res:
-            raise TopologyError(f"{head}: pid {pid} did not report", pid=pid, phase=phase,
-                                changed=True)
+            raise TopologyError(
+                f"{head}: pid {pid} did not report", pid=pid, phase=phase, changed=True
+            )
         if pid not in cap:
-            raise TopologyError(f"{head}: pid {pid} was not captured", pid=pid, phase=phase,
-                                changed=True)
+            raise TopologyError(
+                f"{head}: pid {pid} was not captured", pid=pid, phase=phase, changed=True
+            )
         groups_c, groups_r = defaultdict(list), defaultdict(list)
         for r in cap[pid]:
             groups_c[_key(r)].append(r)
@@ -393,13 +527,24 @@ def compare(captured: Mapping[int, Iterable[Record]], restored: Mapping[int, Ite
                             f"{head}: pid {pid} {c.describe()}: {name} differs (captured "
                             f"{_fmt(name, getattr(nc, name))}, restored "
                             f"{_fmt(name, getattr(nr, name))})",
-                            pid=pid, alloc_id=c.alloc_id_hex, phase=phase,
-                            changed=True)
-            for c in cs[len(rs):]:
-                raise TopologyError(f"{head}: pid {pid} {c.describe()} is missing",
-                                    pid=pid, alloc_id=c.alloc_id_hex, phase=phase,
-                                    changed=True)
-            for r in rs[len(cs):]:
-                raise TopologyError(f"{head}: pid {pid} has an unexpected {r.describe()}",
-                                    pid=pid, alloc_id=r.alloc_id_hex, phase=phase,
-                                    changed=True)
+                            pid=pid,
+                            alloc_id=c.alloc_id_hex,
+                            phase=phase,
+                            changed=True,
+                        )
+            for c in cs[len(rs) :]:
+                raise TopologyError(
+                    f"{head}: pid {pid} {c.describe()} is missing",
+                    pid=pid,
+                    alloc_id=c.alloc_id_hex,
+                    phase=phase,
+                    changed=True,
+                )
+            for r in rs[len(cs) :]:
+                raise TopologyError(
+                    f"{head}: pid {pid} has an unexpected {r.describe()}",
+                    pid=pid,
+                    alloc_id=r.alloc_id_hex,
+                    phase=phase,
+                    changed=True,
+                )

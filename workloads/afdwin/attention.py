@@ -1,6 +1,7 @@
 """The attention rank: dispatches into every FFN peer's window, combines the replies on its
 own flags (docs/afdwin.md "Protocol"), and its part of the quiesce cut and the window checks.
 """
+
 from __future__ import annotations
 
 import time
@@ -18,22 +19,25 @@ class AttentionRank(Rank):
         cu, call = self.cu, self.cd.call
         sl = self.win.slot
         self.ffn_ranks = list(range(self.A, self.cfg.world))
-        self.streams = [call(cu.cuStreamCreate, cu.CUstream_flags.CU_STREAM_NON_BLOCKING)
-                        for _ in range(self.D)]
-        self.send_buf = {(f, r): self.hbuf(sl.slot_bytes) for f in self.ffn_ranks
-                         for r in range(self.D)}
-        self.recv_buf = {(f, r): self.hbuf(self.codec.reply_bytes) for f in self.ffn_ranks
-                         for r in range(self.D)}
+        self.streams = [
+            call(cu.cuStreamCreate, cu.CUstream_flags.CU_STREAM_NON_BLOCKING) for _ in range(self.D)
+        ]
+        self.send_buf = {
+            (f, r): self.hbuf(sl.slot_bytes) for f in self.ffn_ranks for r in range(self.D)
+        }
+        self.recv_buf = {
+            (f, r): self.hbuf(self.codec.reply_bytes) for f in self.ffn_ranks for r in range(self.D)
+        }
         self.evidence = {f: PairEvidence(src=f, dst=self.rank) for f in self.ffn_ranks}
         self.inflight: dict[int, dict] = {}
         self.next_step = 1
-        self.issued = 0                       # last seq stamped (steps, then the shutdown)
+        self.issued = 0  # last seq stamped (steps, then the shutdown)
         self.ring_last_issued = [0] * self.D
-        self.ring_last_replied = [0] * self.D     # last completed non-shutdown step per ring
+        self.ring_last_replied = [0] * self.D  # last completed non-shutdown step per ring
         self.sent = self.received = self.replied = 0
         self.shutdown_seq = None
         self.next_issue_at = 0.0
-        self.held: list[dict] = []            # pending_at_cut: replies landed, unread at a cut
+        self.held: list[dict] = []  # pending_at_cut: replies landed, unread at a cut
 
     def issued_seq(self) -> int:
         return self.issued
@@ -50,23 +54,33 @@ class AttentionRank(Rank):
         cu, call = self.cu, self.cd.call
         ring = (s - 1) % self.D
         stage = self.cfg.stage_of(s)
-        if ring not in self.cfg.stage_rings(stage):       # stages own disjoint rings
+        if ring not in self.cfg.stage_rings(stage):  # stages own disjoint rings
             raise RuntimeError(f"step {s}: ring {ring} is not owned by stage {stage}")
         stream = self.streams[ring]
         sl = self.win.slot
         region = self.role_rank
-        st = {"s": s, "t0": time.monotonic(), "shutdown": shutdown, "dispatch": {},
-              "split": not shutdown and not combine, "ring": ring}
+        st = {
+            "s": s,
+            "t0": time.monotonic(),
+            "shutdown": shutdown,
+            "dispatch": {},
+            "split": not shutdown and not combine,
+            "ring": ring,
+        }
         for f in self.ffn_ranks:
-            msg = self.codec.shutdown(s) if shutdown else \
-                self.codec.dispatch(self.rank, f - self.A, s)
-            st["dispatch"][f] = msg                             # what R(P) is checked against
-            if s == self.cfg.corrupt_step:                      # test-only: magic 0 on the wire
+            msg = (
+                self.codec.shutdown(s)
+                if shutdown
+                else self.codec.dispatch(self.rank, f - self.A, s)
+            )
+            st["dispatch"][f] = msg  # what R(P) is checked against
+            if s == self.cfg.corrupt_step:  # test-only: magic 0 on the wire
                 msg = bytes(4) + msg[4:]
             buf = self.send_buf[(f, ring)]
             buf.write(msg)
-            call(cu.cuMemcpyHtoDAsync, self.slot_va(f, region, ring), buf.addr, sl.slot_bytes,
-                 stream)
+            call(
+                cu.cuMemcpyHtoDAsync, self.slot_va(f, region, ring), buf.addr, sl.slot_bytes, stream
+            )
             # the flag is stamped last, on the same stream: visible flag => complete payload
             call(cu.cuStreamWriteValue32, stream, self.flag_va(f, region, ring), s, 0)
         if not shutdown:
@@ -89,10 +103,14 @@ class AttentionRank(Rank):
             fr = f - self.A
             own_flag = self.flag_va(self.rank, fr, ring)
             call(cu.cuStreamWaitValue32, stream, own_flag, FLAG_REPLY_READY, geq)
-            call(cu.cuMemcpyDtoHAsync, self.recv_buf[(f, ring)].addr,
-                 self.slot_va(self.rank, fr, ring) + self.codec.reply_start,
-                 self.codec.reply_bytes, stream)
-            call(cu.cuStreamWriteValue32, stream, own_flag, 0, 0)   # in-band reset
+            call(
+                cu.cuMemcpyDtoHAsync,
+                self.recv_buf[(f, ring)].addr,
+                self.slot_va(self.rank, fr, ring) + self.codec.reply_start,
+                self.codec.reply_bytes,
+                stream,
+            )
+            call(cu.cuStreamWriteValue32, stream, own_flag, 0, 0)  # in-band reset
         st["split"] = False
 
     def try_stop(self) -> None:
@@ -101,13 +119,12 @@ class AttentionRank(Rank):
         already parked): make sure a reply is owed at the cut by issuing the next step."""
         cfg = self.cfg
         s = self.next_step
-        if (cfg.pending_at_cut or cfg.no_drain) and s <= cfg.steps and \
-                self.shutdown_seq is None:
+        if (cfg.pending_at_cut or cfg.no_drain) and s <= cfg.steps and self.shutdown_seq is None:
             ring = (s - 1) % self.D
             if ring in self.inflight:
                 st = self.inflight[ring]
                 if cfg.pending_at_cut or self.replied_by_all(st):
-                    return                  # that step completes (its replies are issued)
+                    return  # that step completes (its replies are issued)
             else:
                 self.issue(s, combine=not cfg.pending_at_cut)
                 self.next_step += 1
@@ -116,8 +133,10 @@ class AttentionRank(Rank):
     def replied_by_all(self, st: dict) -> bool:
         """(--no-drain) every FFN rank issued its reply to in-flight step ``st`` before it
         parked, so the step's stream completes."""
-        return all(self.ffn_replied.get(f, {}).get(self.rank, {}).get(st["ring"], 0) >= st["s"]
-                   for f in self.ffn_ranks)
+        return all(
+            self.ffn_replied.get(f, {}).get(self.rank, {}).get(st["ring"], 0) >= st["s"]
+            for f in self.ffn_ranks
+        )
 
     def reap(self) -> bool:
         progressed = False
@@ -145,9 +164,11 @@ class AttentionRank(Rank):
                 for h in self.held:
                     if (h["ffn"], h["seq"]) == (f, seq):
                         h["consumed"] += 1
-            self.rates.record(len(self.ffn_ranks),
-                              len(self.ffn_ranks) * (self.win.slot_bytes + self.codec.reply_bytes),
-                              rtt)
+            self.rates.record(
+                len(self.ffn_ranks),
+                len(self.ffn_ranks) * (self.win.slot_bytes + self.codec.reply_bytes),
+                rtt,
+            )
         return progressed
 
     def loop(self) -> None:
@@ -182,9 +203,13 @@ class AttentionRank(Rank):
 
     def sync_all(self) -> None:
         for ring, st in enumerate(self.streams):
-            if self.state != "finished" and self.cfg.no_drain and ring in self.inflight and \
-                    not self.replied_by_all(self.inflight[ring]):
-                continue                    # --no-drain: this stream waits on an owed reply
+            if (
+                self.state != "finished"
+                and self.cfg.no_drain
+                and ring in self.inflight
+                and not self.replied_by_all(self.inflight[ring])
+            ):
+                continue  # --no-drain: this stream waits on an owed reply
             self.cd.call(self.cu.cuStreamSynchronize, st)
         self.cd.call(self.cu.cuStreamSynchronize, self.aux)
 
@@ -196,19 +221,41 @@ class AttentionRank(Rank):
             if not st["split"] and not st["shutdown"]:
                 for f in self.ffn_ranks:
                     if self.ffn_replied.get(f, {}).get(self.rank, {}).get(ring, 0) < st["s"]:
-                        out.append({"kind": "reply_owed", "src": f, "dst": self.rank,
-                                    "ring": ring, "seq": st["s"]})
+                        out.append(
+                            {
+                                "kind": "reply_owed",
+                                "src": f,
+                                "dst": self.rank,
+                                "ring": ring,
+                                "seq": st["s"],
+                            }
+                        )
         flags = self.read_flags(self.rank)
         for ring, st in sorted(self.inflight.items()):
             if st["split"]:
                 for f in self.ffn_ranks:
                     v = flags[self.win.flag_idx(f - self.A, ring)]
                     if v == FLAG_REPLY_READY:
-                        out.append({"kind": "reply_unread", "src": f, "dst": self.rank,
-                                    "ring": ring, "seq": st["s"]})
-                    self.held.append({"quiesce": self.quiesces, "ffn": f, "ring": ring,
-                                      "seq": st["s"], "flag_at_cut": v,
-                                      "flag_at_resume": None, "consumed": 0})
+                        out.append(
+                            {
+                                "kind": "reply_unread",
+                                "src": f,
+                                "dst": self.rank,
+                                "ring": ring,
+                                "seq": st["s"],
+                            }
+                        )
+                    self.held.append(
+                        {
+                            "quiesce": self.quiesces,
+                            "ffn": f,
+                            "ring": ring,
+                            "seq": st["s"],
+                            "flag_at_cut": v,
+                            "flag_at_resume": None,
+                            "consumed": 0,
+                        }
+                    )
         return out
 
     def resume_protocol(self) -> None:
@@ -248,39 +295,52 @@ class AttentionRank(Rank):
         for f in self.ffn_ranks:
             for ring in range(self.D):
                 if (f, ring) in held:
-                    held[(f, ring)]["flag_at_resume"] = \
-                        own[self.win.flag_idx(f - self.A, ring)]
+                    held[(f, ring)]["flag_at_resume"] = own[self.win.flag_idx(f - self.A, ring)]
                     want.append((FLAG_REPLY_READY,))
                 elif ring in owed_rings:
-                    want.append((0, FLAG_REPLY_READY))     # one FFN may have replied already
+                    want.append((0, FLAG_REPLY_READY))  # one FFN may have replied already
                 else:
                     want.append((0,))
-        got = [own[self.win.flag_idx(f - self.A, ring)] for f in self.ffn_ranks
-               for ring in range(self.D)]
-        self.record_check(all(g in w for g, w in zip(got, want)),
-                          f"own flags {got}, expected {want}")
+        got = [
+            own[self.win.flag_idx(f - self.A, ring)]
+            for f in self.ffn_ranks
+            for ring in range(self.D)
+        ]
+        self.record_check(
+            all(g in w for g, w in zip(got, want)), f"own flags {got}, expected {want}"
+        )
         for f in self.ffn_ranks:
             fr = f - self.A
             pflags = self.read_flags(f)
             for ring in range(self.D):
                 s_done = self.ring_last_replied[ring]
                 if (f, ring) in held:
-                    s_done = held[(f, ring)]["seq"]     # the reply that landed before the cut
+                    s_done = held[(f, ring)]["seq"]  # the reply that landed before the cut
                 if s_done and ring not in owed_rings:
-                    got = self.read_device(self.slot_va(self.rank, fr, ring)
-                                           + self.codec.reply_start, self.codec.reply_bytes)
+                    got = self.read_device(
+                        self.slot_va(self.rank, fr, ring) + self.codec.reply_start,
+                        self.codec.reply_bytes,
+                    )
                     exp = self.codec.reply(self.codec.dispatch(self.rank, fr, s_done), fr)
-                    self.record_check(got == exp, f"own reply slot rank {f} ring {ring} "
-                                                  f"!= R(P(step {s_done}))")
+                    self.record_check(
+                        got == exp, f"own reply slot rank {f} ring {ring} != R(P(step {s_done}))"
+                    )
                 s_iss = self.ring_last_issued[ring]
-                self.record_check(pflags[self.win.flag_idx(self.role_rank, ring)] == s_iss,
-                                  f"peer rank {f} flag ring {ring} = "
-                                  f"{pflags[self.win.flag_idx(self.role_rank, ring)]}, "
-                                  f"expected {s_iss}")
+                self.record_check(
+                    pflags[self.win.flag_idx(self.role_rank, ring)] == s_iss,
+                    f"peer rank {f} flag ring {ring} = "
+                    f"{pflags[self.win.flag_idx(self.role_rank, ring)]}, "
+                    f"expected {s_iss}",
+                )
                 if s_iss:
-                    got = self.read_device(self.slot_va(f, self.role_rank, ring),
-                                           self.win.slot_bytes)
-                    exp = self.codec.shutdown(s_iss) if s_iss == self.shutdown_seq else \
-                        self.codec.dispatch(self.rank, fr, s_iss)
-                    self.record_check(got == exp, f"peer rank {f} dispatch slot ring {ring} "
-                                                  f"!= P(step {s_iss})")
+                    got = self.read_device(
+                        self.slot_va(f, self.role_rank, ring), self.win.slot_bytes
+                    )
+                    exp = (
+                        self.codec.shutdown(s_iss)
+                        if s_iss == self.shutdown_seq
+                        else self.codec.dispatch(self.rank, fr, s_iss)
+                    )
+                    self.record_check(
+                        got == exp, f"peer rank {f} dispatch slot ring {ring} != P(step {s_iss})"
+                    )

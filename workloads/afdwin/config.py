@@ -7,6 +7,7 @@ Profiles (per-rank sizes; F = number of FFN ranks):
 - ``gpu``: DeepSeek-V2-Lite-like 1A1F sizes: 64 experts in total (64 / F per rank), token_cap 512,
   hidden 2048, 2-byte items (bf16-sized), topk 6, shared experts; ~4 MiB slots.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,10 +15,24 @@ import dataclasses
 from .layout import SlotLayout, WindowLayout
 
 PROFILES = {
-    "ci": dict(total_experts=None, experts_per_rank=4, token_cap=16, hidden_size=64,
-               payload_itemsize=2, topk=2, shared=True),
-    "gpu": dict(total_experts=64, experts_per_rank=None, token_cap=512, hidden_size=2048,
-                payload_itemsize=2, topk=6, shared=True),
+    "ci": dict(
+        total_experts=None,
+        experts_per_rank=4,
+        token_cap=16,
+        hidden_size=64,
+        payload_itemsize=2,
+        topk=2,
+        shared=True,
+    ),
+    "gpu": dict(
+        total_experts=64,
+        experts_per_rank=None,
+        token_cap=512,
+        hidden_size=2048,
+        payload_itemsize=2,
+        topk=6,
+        shared=True,
+    ),
 }
 
 
@@ -38,26 +53,27 @@ class Config:
     profile: str = "ci"
     step_delay_ms: float = 0.0
     seed: int = 0
-    stages: int = 0            # live stages K (0 = ring_depth); stage k owns rings r = k mod K
+    stages: int = 0  # live stages K (0 = ring_depth); stage k owns rings r = k mod K
     # diagnostic knobs (documented CLI flags, docs/afdwin.md "Diagnostic flags")
-    no_drain: int = 0          # 1: quiesce without the drain (FFN parks at once, attention parks
-                               # with a reply wait enqueued): the checkpoint must fail, not corrupt
-    pending_at_cut: int = 0    # 1: at a quiesce each attention rank dispatches its next step and
-                               # stops before its combine: the cut carries a landed, unread reply
+    no_drain: int = 0  # 1: quiesce without the drain (FFN parks at once, attention parks
+    # with a reply wait enqueued): the checkpoint must fail, not corrupt
+    pending_at_cut: int = 0  # 1: at a quiesce each attention rank dispatches its next step and
+    # stops before its combine: the cut carries a landed, unread reply
     delay_zero_ms: float = 0.0  # delay this rank's window zeroing (fence test)
-    multicast: int = 0         # 1: also a multicast region over the ranks (docs/afdwin.md
-                               # "--multicast"): written by rank 0, read back by every rank
+    multicast: int = 0  # 1: also a multicast region over the ranks (docs/afdwin.md
+    # "--multicast"): written by rank 0, read back by every rank
     # test-only knobs (set per rank with the launcher's hidden --test-override RANK:FIELD=N)
-    corrupt_step: int = 0      # attention: write step N with magic 0 (expect torn, exit 1)
-    no_fence: int = 0          # 1: skip the fence barrier (zero + sync only, as pre-review);
-                               # with delay_zero_ms on one rank a peer's first write is erased
+    corrupt_step: int = 0  # attention: write step N with magic 0 (expect torn, exit 1)
+    no_fence: int = 0  # 1: skip the fence barrier (zero + sync only, as pre-review);
+    # with delay_zero_ms on one rank a peer's first write is erased
 
     def __post_init__(self):
         if self.profile not in PROFILES:
             raise ValueError(f"unknown profile {self.profile!r}; choose from {sorted(PROFILES)}")
         if not (1 <= self.attention < self.world):
-            raise ValueError(f"need 1 <= attention < ranks, got attention={self.attention} "
-                             f"ranks={self.world}")
+            raise ValueError(
+                f"need 1 <= attention < ranks, got attention={self.attention} ranks={self.world}"
+            )
         if self.steps < 0:
             raise ValueError(f"steps must be >= 0, got {self.steps}")
         if self.ring_depth < 1:
@@ -65,12 +81,16 @@ class Config:
         if self.stages < 0:
             raise ValueError(f"stages must be >= 1, got {self.stages}")
         if self.num_stages > self.ring_depth:
-            raise ValueError(f"ring_depth {self.ring_depth} < stages {self.num_stages}: stages "
-                             f"own disjoint rings, so ring_depth must be >= stages")
+            raise ValueError(
+                f"ring_depth {self.ring_depth} < stages {self.num_stages}: stages "
+                f"own disjoint rings, so ring_depth must be >= stages"
+            )
         if self.ring_depth % self.num_stages:
-            raise ValueError(f"ring_depth {self.ring_depth} is not a multiple of stages "
-                             f"{self.num_stages}: stage k owns the rings r = k mod stages and "
-                             f"step s uses ring (s - 1) mod ring_depth")
+            raise ValueError(
+                f"ring_depth {self.ring_depth} is not a multiple of stages "
+                f"{self.num_stages}: stage k owns the rings r = k mod stages and "
+                f"step s uses ring (s - 1) mod ring_depth"
+            )
         if self.no_drain and self.pending_at_cut:
             raise ValueError("no_drain and pending_at_cut are exclusive")
         if self.delay_zero_ms < 0:
@@ -94,7 +114,7 @@ class Config:
         return self.world - self.attention
 
     def role(self, rank: int) -> str:
-        """"attention" or "ffn" for a world rank."""
+        """ "attention" or "ffn" for a world rank."""
         return "attention" if rank < self.attention else "ffn"
 
     def role_rank(self, rank: int) -> int:
@@ -117,12 +137,17 @@ class Config:
         p = PROFILES[self.profile]
         token_cap = p["token_cap"]
         shared_cap = -(-token_cap // self.ffn) if p["shared"] else 0
-        slot = SlotLayout(experts_per_rank=self.experts_per_rank,
-                          partial_cap=token_cap * self.topk, token_cap=token_cap,
-                          shared_cap=shared_cap, hidden_size=p["hidden_size"],
-                          payload_itemsize=p["payload_itemsize"])
-        return WindowLayout(slot=slot, num_regions=max(self.attention, self.ffn),
-                            ring_depth=self.ring_depth)
+        slot = SlotLayout(
+            experts_per_rank=self.experts_per_rank,
+            partial_cap=token_cap * self.topk,
+            token_cap=token_cap,
+            shared_cap=shared_cap,
+            hidden_size=p["hidden_size"],
+            payload_itemsize=p["payload_itemsize"],
+        )
+        return WindowLayout(
+            slot=slot, num_regions=max(self.attention, self.ffn), ring_depth=self.ring_depth
+        )
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

@@ -4,6 +4,7 @@
 A mixin of :class:`~cuinterpose.workloads.afdwin.rank_base.Rank`. Single-threaded on purpose:
 control messages are read between driver calls, so a parked rank is provably not inside CUDA.
 """
+
 from __future__ import annotations
 
 import time
@@ -52,42 +53,50 @@ class Control:
         t = msg["type"]
         if t in ("abort", "fail"):
             raise Abort(msg.get("message", t))
-        if t == "quiesce":                                  # attention: stop issuing
+        if t == "quiesce":  # attention: stop issuing
             self.quiesce_id = msg["id"]
             self.quiesces += 1
-            self.ffn_replied = {int(f): {int(a): {int(r): int(v) for r, v in rings.items()}
-                                         for a, rings in by_a.items()}
-                                for f, by_a in (msg.get("replied") or {}).items()}
+            self.ffn_replied = {
+                int(f): {
+                    int(a): {int(r): int(v) for r, v in rings.items()} for a, rings in by_a.items()
+                }
+                for f, by_a in (msg.get("replied") or {}).items()
+            }
             if self.state != "finished":
                 self.state = "stopping"
                 self.stop_pending = True
                 self.try_stop()
             else:
                 self.send_stopped()
-        elif t == "drain":                                  # ffn: drain to targets, then park
+        elif t == "drain":  # ffn: drain to targets, then park
             self.quiesce_id = msg["id"]
             self.quiesces += 1
             self.targets = {int(k): int(v) for k, v in (msg.get("targets") or {}).items()}
             if self.state != "finished" and not msg.get("no_drain"):
                 self.state = "draining"
             else:
-                self.park()                 # --no-drain: park at once, owed replies unissued
-        elif t == "park":                                   # attention: replies are owed now
+                self.park()  # --no-drain: park at once, owed replies unissued
+        elif t == "park":  # attention: replies are owed now
             self.park()
-        elif t == "report":                                 # launcher gives up: evidence
+        elif t == "report":  # launcher gives up: evidence
             ev = self.done_event()
             ev["partial"] = True
             self.emit(ev)
         elif t == "exit":
             raise SystemExit(0 if self.ok() else 1)
         else:
-            raise RuntimeError(f"rank {self.rank}: unexpected message {t!r} in state "
-                               f"{self.state}")
+            raise RuntimeError(f"rank {self.rank}: unexpected message {t!r} in state {self.state}")
 
     def send_stopped(self) -> None:
         self.stop_pending = False
-        self.send({"type": "stopped", "id": self.quiesce_id, "rank": self.rank,
-                   "issued": self.issued_seq()})
+        self.send(
+            {
+                "type": "stopped",
+                "id": self.quiesce_id,
+                "rank": self.rank,
+                "issued": self.issued_seq(),
+            }
+        )
 
     def try_stop(self) -> None:
         self.send_stopped()
@@ -104,9 +113,18 @@ class Control:
         pending = self.pending_at_park()
         self.rates.close()
         self.state = "parked"
-        self.send({"type": "parked", "id": self.quiesce_id, "rank": self.rank, "pid": self.pid,
-                   "role": self.role, "last_seq": self.last_seq(), "pending": pending,
-                   "replied": self.replied_map()})
+        self.send(
+            {
+                "type": "parked",
+                "id": self.quiesce_id,
+                "rank": self.rank,
+                "pid": self.pid,
+                "role": self.role,
+                "last_seq": self.last_seq(),
+                "pending": pending,
+                "replied": self.replied_map(),
+            }
+        )
         restored = None
         while True:
             got = self.chan.recv(timeout=PROGRESS_INTERVAL_S)
@@ -128,13 +146,20 @@ class Control:
                 self.probe_epoch += 1
                 self.write_probe()
                 self.barrier(f"probe-{self.probe_epoch}")
-                for peer, err in self.read_probes().items():
+                for err in self.read_probes().values():
                     self.record_check(err is None, err or "")
                 if self.cfg.multicast:
                     self.multicast_check()
-                self.send({"type": "resumed", "id": self.quiesce_id, "rank": self.rank,
-                           "window_checks": {k: v for k, v in self.window_checks.items()
-                                             if k != "failures"}})
+                self.send(
+                    {
+                        "type": "resumed",
+                        "id": self.quiesce_id,
+                        "rank": self.rank,
+                        "window_checks": {
+                            k: v for k, v in self.window_checks.items() if k != "failures"
+                        },
+                    }
+                )
             elif msg["type"] == "continue" and restored is not None:
                 break
             else:
@@ -161,8 +186,13 @@ class Control:
         if not force and now - self._last_progress < PROGRESS_INTERVAL_S:
             return
         self._last_progress = now
-        ev = {"event": "progress", "rank": self.rank, "role": self.role, "state": self.state,
-              "parked": self.state == "parked"}
+        ev = {
+            "event": "progress",
+            "rank": self.rank,
+            "role": self.role,
+            "state": self.state,
+            "parked": self.state == "parked",
+        }
         ev.update(self.counters())
         ev["last_seq"] = {str(k): v for k, v in self.last_seq().items()}
         self.emit(ev)

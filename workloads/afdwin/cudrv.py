@@ -3,6 +3,7 @@
 Every wrapper raises ``CudaError`` naming the driver function and the CUresult. Device
 pointers and host addresses are plain ints (bytes, virtual addresses).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -47,8 +48,9 @@ def alloc_prop(device_ordinal: int) -> cu.CUmemAllocationProp:
     prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
     prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
     prop.location.id = device_ordinal
-    prop.requestedHandleTypes = \
+    prop.requestedHandleTypes = (
         cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    )
     return prop
 
 
@@ -79,8 +81,8 @@ class HostBuffer:
         self.view = memoryview(self._arr).cast("B")
 
     def write(self, data: bytes, off: int = 0) -> None:
-        self.view[off:off + len(data)] = data
+        self.view[off : off + len(data)] = data
 
     def read(self, off: int = 0, n: int | None = None) -> bytes:
         n = self.size - off if n is None else n
-        return bytes(self.view[off:off + n])
+        return bytes(self.view[off : off + n])

@@ -4,6 +4,7 @@
 ``summary()`` is what a ``done`` event carries. ``Rates`` splits throughput into segments
 separated by quiesce/resume so that parked time is never counted.
 """
+
 from __future__ import annotations
 
 import time
@@ -51,25 +52,43 @@ class PairEvidence:
 
     def gaps(self) -> int:
         """Seqs in [1, last] never received."""
-        return 0 if self.last is None else sum(1 for s in range(1, self.last + 1)
-                                               if s not in self.seen)
+        return (
+            0
+            if self.last is None
+            else sum(1 for s in range(1, self.last + 1) if s not in self.seen)
+        )
 
     def lost(self, steps: int) -> int:
         """Seqs in [1, steps] never received."""
         return sum(1 for s in range(1, steps + 1) if s not in self.seen)
 
     def summary(self) -> dict:
-        return {"src": self.src, "dst": self.dst, "count": self.count, "distinct": len(self.seen),
-                "first": self.first, "last": self.last, "gaps": self.gaps(),
-                "duplicates": self.count - len(self.seen), "torn": self.torn_count,
-                "torn_kinds": dict(self.torn_kinds), "out_of_order": self.out_of_order_count}
+        return {
+            "src": self.src,
+            "dst": self.dst,
+            "count": self.count,
+            "distinct": len(self.seen),
+            "first": self.first,
+            "last": self.last,
+            "gaps": self.gaps(),
+            "duplicates": self.count - len(self.seen),
+            "torn": self.torn_count,
+            "torn_kinds": dict(self.torn_kinds),
+            "out_of_order": self.out_of_order_count,
+        }
 
     def exact(self, steps: int) -> bool:
         """True when seqs are exactly 1..steps, once each, nothing torn or out of order."""
         s = self.summary()
-        return (s["count"] == steps and s["distinct"] == steps and s["gaps"] == 0
-                and s["duplicates"] == 0 and s["torn"] == 0 and s["out_of_order"] == 0
-                and (steps == 0 or (s["first"] == 1 and s["last"] == steps)))
+        return (
+            s["count"] == steps
+            and s["distinct"] == steps
+            and s["gaps"] == 0
+            and s["duplicates"] == 0
+            and s["torn"] == 0
+            and s["out_of_order"] == 0
+            and (steps == 0 or (s["first"] == 1 and s["last"] == steps))
+        )
 
 
 class Rates:
@@ -82,8 +101,9 @@ class Rates:
         self.open(restored=False)
 
     def open(self, restored: bool) -> None:
-        self.segments.append({"restored": restored, "t0": None, "t1": None, "msgs": 0,
-                              "payload_bytes": 0, "rtt": []})
+        self.segments.append(
+            {"restored": restored, "t0": None, "t1": None, "msgs": 0, "payload_bytes": 0, "rtt": []}
+        )
 
     def close(self) -> None:
         """End the current segment's clock (a park)."""
@@ -111,19 +131,25 @@ class Rates:
         nbytes = sum(s["payload_bytes"] for s in segs)
         secs = sum((s["t1"] - s["t0"]) for s in segs if s["t0"] is not None and s["t1"] is not None)
         rtt = [round(x, 1) for s in segs for x in s["rtt"]]
-        return {"msgs": msgs, "payload_bytes": nbytes, "seconds": round(secs, 6),
-                "msgs_per_s": round(msgs / secs, 3) if secs > 0 else None,
-                "gb_per_s": round(nbytes / secs / 1e9, 6) if secs > 0 else None,
-                "rtt_us_p50": percentile(rtt, 50), "rtt_us_p99": percentile(rtt, 99),
-                "rtt_us_max": max(rtt) if rtt else None}
+        return {
+            "msgs": msgs,
+            "payload_bytes": nbytes,
+            "seconds": round(secs, 6),
+            "msgs_per_s": round(msgs / secs, 3) if secs > 0 else None,
+            "gb_per_s": round(nbytes / secs / 1e9, 6) if secs > 0 else None,
+            "rtt_us_p50": percentile(rtt, 50),
+            "rtt_us_p99": percentile(rtt, 99),
+            "rtt_us_max": max(rtt) if rtt else None,
+        }
 
     def report(self) -> dict:
         """``{"total", "pre_checkpoint", "post_restore", "segments"}``; post_restore covers the
         segments after the first restore (None when no restore happened)."""
         first_restored = next((i for i, s in enumerate(self.segments) if s["restored"]), None)
         post = None if first_restored is None else self._report(self.segments[first_restored:])
-        return {"total": self._report(self.segments),
-                "pre_checkpoint": self._report(self.segments[:1]),
-                "post_restore": post,
-                "segments": [dict(self._report([s]), restored=s["restored"])
-                             for s in self.segments]}
+        return {
+            "total": self._report(self.segments),
+            "pre_checkpoint": self._report(self.segments[:1]),
+            "post_restore": post,
+            "segments": [dict(self._report([s]), restored=s["restored"]) for s in self.segments],
+        }

@@ -1,6 +1,7 @@
 """The FFN rank: polls its flag array, validates dispatches, writes replies into the attention
 windows (docs/afdwin.md "Protocol"), and its part of the quiesce cut and the window checks.
 """
+
 from __future__ import annotations
 
 import struct
@@ -23,10 +24,14 @@ class FfnRank(Rank):
         self.reply_stream = call(cu.cuStreamCreate, nonblocking)
         self.attn_ranks = list(range(self.A))
         self.flags_buf = self.hbuf(4 * self.win.num_flags)
-        self.slot_buf = {(a, r): self.hbuf(sl.slot_bytes) for a in self.attn_ranks
-                         for r in range(self.D)}
-        self.reply_buf = {(a, r): self.hbuf(self.codec.reply_bytes) for a in self.attn_ranks
-                          for r in range(self.D)}
+        self.slot_buf = {
+            (a, r): self.hbuf(sl.slot_bytes) for a in self.attn_ranks for r in range(self.D)
+        }
+        self.reply_buf = {
+            (a, r): self.hbuf(self.codec.reply_bytes)
+            for a in self.attn_ranks
+            for r in range(self.D)
+        }
         self.evidence = {a: PairEvidence(src=a, dst=self.rank) for a in self.attn_ranks}
         self.seen = [0] * self.win.num_flags
         self.last = {(a, r): 0 for a in self.attn_ranks for r in range(self.D)}
@@ -49,8 +54,15 @@ class FfnRank(Rank):
         for idx, v in enumerate(self.read_flags(self.rank)):
             if v != self.seen[idx]:
                 a, ring = divmod(idx, self.D)
-                out.append({"kind": "dispatch_unconsumed", "src": a, "dst": self.rank,
-                            "ring": ring, "seq": v})
+                out.append(
+                    {
+                        "kind": "dispatch_unconsumed",
+                        "src": a,
+                        "dst": self.rank,
+                        "ring": ring,
+                        "seq": v,
+                    }
+                )
         return out
 
     def last_seq(self) -> dict:
@@ -102,8 +114,13 @@ class FfnRank(Rank):
             self.errors.append(f"rank {a} ring {ring}: seq {v}, expected exactly-next {want}")
         self.last[(a, ring)] = v
         buf = self.slot_buf[(a, ring)]
-        call(cu.cuMemcpyDtoHAsync, buf.addr, self.slot_va(self.rank, a, ring),
-             self.win.slot_bytes, self.poll_stream)
+        call(
+            cu.cuMemcpyDtoHAsync,
+            buf.addr,
+            self.slot_va(self.rank, a, ring),
+            self.win.slot_bytes,
+            self.poll_stream,
+        )
         call(cu.cuStreamSynchronize, self.poll_stream)
         data = buf.read()
         try:
@@ -121,10 +138,20 @@ class FfnRank(Rank):
             reply = self.codec.reply(data, self.role_rank)
         rb = self.reply_buf[(a, ring)]
         rb.write(reply)
-        call(cu.cuMemcpyHtoDAsync, self.slot_va(a, self.role_rank, ring) + self.codec.reply_start,
-             rb.addr, self.codec.reply_bytes, self.reply_stream)
-        call(cu.cuStreamWriteValue32, self.reply_stream, self.flag_va(a, self.role_rank, ring),
-             FLAG_REPLY_READY, 0)
+        call(
+            cu.cuMemcpyHtoDAsync,
+            self.slot_va(a, self.role_rank, ring) + self.codec.reply_start,
+            rb.addr,
+            self.codec.reply_bytes,
+            self.reply_stream,
+        )
+        call(
+            cu.cuStreamWriteValue32,
+            self.reply_stream,
+            self.flag_va(a, self.role_rank, ring),
+            FLAG_REPLY_READY,
+            0,
+        )
         self.last_replied[(a, ring)] = v
         self.sent += 1
         self.replied += 1
@@ -165,49 +192,69 @@ class FfnRank(Rank):
         consumed message; through each attention peer's mapping, its reply flags are 0 and the
         reply slot holds R(P) of the last replied step."""
         own = self.read_flags(self.rank)
-        unconsumed = {}                 # written, not consumed at the cut: must be exactly-next
+        unconsumed = {}  # written, not consumed at the cut: must be exactly-next
         for idx, v in enumerate(own):
             if v != self.seen[idx] and idx < self.A * self.D:
                 a, ring = divmod(idx, self.D)
                 prev = self.last[(a, ring)]
                 if v == (prev + self.D if prev else ring + 1):
                     unconsumed[(a, ring)] = v
-        self.record_check(all(v == self.seen[i] or divmod(i, self.D) in unconsumed
-                              for i, v in enumerate(own)),
-                          f"own flags {own} != last seen {self.seen}")
-        unread = {(p["dst"], p["ring"]): p["seq"] for p in self.cut_pending
-                  if p.get("kind") == "reply_unread" and p.get("src") == self.rank}
+        self.record_check(
+            all(v == self.seen[i] or divmod(i, self.D) in unconsumed for i, v in enumerate(own)),
+            f"own flags {own} != last seen {self.seen}",
+        )
+        unread = {
+            (p["dst"], p["ring"]): p["seq"]
+            for p in self.cut_pending
+            if p.get("kind") == "reply_unread" and p.get("src") == self.rank
+        }
         for a in self.attn_ranks:
             pflags = self.read_flags(a)
             for ring in range(self.D):
                 s = self.last[(a, ring)]
                 rflag = pflags[self.win.flag_idx(self.role_rank, ring)]
-                want = (FLAG_REPLY_READY,) if (a, ring) in unread else \
-                    (0, FLAG_REPLY_READY) if self.cfg.no_drain else (0,)
-                self.record_check(rflag in want, f"attention rank {a} reply flag ring {ring} = "
-                                                 f"{rflag}, expected one of {want}")
+                want = (
+                    (FLAG_REPLY_READY,)
+                    if (a, ring) in unread
+                    else (0, FLAG_REPLY_READY)
+                    if self.cfg.no_drain
+                    else (0,)
+                )
+                self.record_check(
+                    rflag in want,
+                    f"attention rank {a} reply flag ring {ring} = {rflag}, expected one of {want}",
+                )
                 if (a, ring) in unconsumed:
                     got = self.read_device(self.slot_va(self.rank, a, ring), self.win.slot_bytes)
                     v = unconsumed[(a, ring)]
-                    exp = self.codec.shutdown(v) if v == self.cfg.steps + 1 else \
-                        self.codec.dispatch(a, self.role_rank, v)
-                    self.record_check(got == exp,
-                                      f"unconsumed dispatch slot rank {a} ring {ring} "
-                                      f"!= P(step {v})")
+                    exp = (
+                        self.codec.shutdown(v)
+                        if v == self.cfg.steps + 1
+                        else self.codec.dispatch(a, self.role_rank, v)
+                    )
+                    self.record_check(
+                        got == exp, f"unconsumed dispatch slot rank {a} ring {ring} != P(step {v})"
+                    )
                 if not s:
                     continue
-                if (a, ring) not in unconsumed:     # else overwritten by the next dispatch
-                    got = self.read_device(self.slot_va(self.rank, a, ring),
-                                           self.win.slot_bytes)
-                    exp = self.codec.shutdown(s) if self.shutdown_from.get(a) == s else \
-                        self.codec.dispatch(a, self.role_rank, s)
-                    self.record_check(got == exp, f"own dispatch slot rank {a} ring {ring} "
-                                                  f"!= P(step {s})")
+                if (a, ring) not in unconsumed:  # else overwritten by the next dispatch
+                    got = self.read_device(self.slot_va(self.rank, a, ring), self.win.slot_bytes)
+                    exp = (
+                        self.codec.shutdown(s)
+                        if self.shutdown_from.get(a) == s
+                        else self.codec.dispatch(a, self.role_rank, s)
+                    )
+                    self.record_check(
+                        got == exp, f"own dispatch slot rank {a} ring {ring} != P(step {s})"
+                    )
                 s = self.last_replied[(a, ring)]
                 if not s:
                     continue
-                got = self.read_device(self.slot_va(a, self.role_rank, ring)
-                                       + self.codec.reply_start, self.codec.reply_bytes)
+                got = self.read_device(
+                    self.slot_va(a, self.role_rank, ring) + self.codec.reply_start,
+                    self.codec.reply_bytes,
+                )
                 exp = self.codec.reply(self.codec.dispatch(a, self.role_rank, s), self.role_rank)
-                self.record_check(got == exp, f"attention rank {a} reply slot ring {ring} "
-                                              f"!= R(P(step {s}))")
+                self.record_check(
+                    got == exp, f"attention rank {a} reply slot ring {ring} != R(P(step {s}))"
+                )

@@ -11,6 +11,7 @@ barriers, forwards rank events, and watches ``quiesce-<pid>.request`` in the con
 (docs/workload-contract.md; file names and writes from coordinator/contract.py). Exit status:
 0 when every invariant held, 1 otherwise, 2 for bad arguments.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,35 +27,41 @@ import sys
 import tempfile
 import time
 
-from cuinterpose.coordinator.contract import (default_control_dir, quiesce_path, read_json,
-                                              write_atomic)
+from cuinterpose.coordinator.contract import (
+    default_control_dir,
+    quiesce_path,
+)
 
 from .config import PROFILES, Config
+from .cut import QuiesceSide, RunFailed
 from .layout import GEOMETRY_FIELDS, GeometryMismatch, check_geometry
 from .wire import Channel, ChannelClosed
 
 CONTROL_POLL_S = 0.05
-WINDOW_KEYS = ("rank", "role", "base_va", "peer_va", "stride", "slot_bytes", "total_bytes",
-               "regions", "rings", "handle_type")
+WINDOW_KEYS = (
+    "rank",
+    "role",
+    "base_va",
+    "peer_va",
+    "stride",
+    "slot_bytes",
+    "total_bytes",
+    "regions",
+    "rings",
+    "handle_type",
+)
 
 
-class RunFailed(Exception):
-    """A fatal launcher-level failure; the message is the error event's text."""
-
-    def __init__(self, stage: str, message: str, **extra):
-        self.stage, self.extra = stage, extra
-        super().__init__(message)
-
-
-class Launcher:
-    def __init__(self, cfg: Config, overrides: dict[int, dict], host_memory: str,
-                 stall_timeout_s: float):
+class Launcher(QuiesceSide):
+    def __init__(
+        self, cfg: Config, overrides: dict[int, dict], host_memory: str, stall_timeout_s: float
+    ):
         self.cfg = cfg
         self.overrides = overrides
         self.host_memory = host_memory
         self.stall_timeout_s = stall_timeout_s
         self.pid = os.getpid()
-        self.t_wall = time.time()       # "t" of events: wall seconds (monotonic jumps at restore)
+        self.t_wall = time.time()  # "t" of events: wall seconds (monotonic jumps at restore)
         self.procs: list[subprocess.Popen] = []
         self.chans: dict[int, Channel] = {}
         self.rank_pid: dict[int, int] = {}
@@ -96,10 +103,16 @@ class Launcher:
             lsock.bind(path)
             lsock.listen(N)
             for i in range(N):
-                cmd = [sys.executable, "-m", "cuinterpose.workloads.afdwin.rank",
-                       "--connect", path, "--rank", str(i)]
-                self.procs.append(subprocess.Popen(cmd, stdout=sys.stderr.fileno(),
-                                                   close_fds=True))
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "cuinterpose.workloads.afdwin.rank",
+                    "--connect",
+                    path,
+                    "--rank",
+                    str(i),
+                ]
+                self.procs.append(subprocess.Popen(cmd, stdout=sys.stderr.fileno(), close_fds=True))
             deadline = time.monotonic() + 120
             pending: list[Channel] = []
             while len(self.chans) < N:
@@ -107,8 +120,9 @@ class Launcher:
                     raise RunFailed("spawn", "ranks did not connect within 120 s")
                 for i, p in enumerate(self.procs):
                     if p.poll() is not None:
-                        raise RunFailed("spawn", f"rank {i} exited with {p.returncode} "
-                                                 f"before connecting")
+                        raise RunFailed(
+                            "spawn", f"rank {i} exited with {p.returncode} before connecting"
+                        )
                 r, _, _ = select.select([lsock] + pending, [], [], 0.1)
                 for s in r:
                     if s is lsock:
@@ -128,12 +142,17 @@ class Launcher:
             lsock.close()
             shutil.rmtree(tmp, ignore_errors=True)
         for i, ch in self.chans.items():
-            ch.send({"type": "config", "config": self.rank_cfg(i).to_json(),
-                     "host_memory": self.host_memory})
+            ch.send(
+                {
+                    "type": "config",
+                    "config": self.rank_cfg(i).to_json(),
+                    "host_memory": self.host_memory,
+                }
+            )
 
     # ---- message handling -----------------------------------------------------------------
     def broadcast(self, msg: dict, ranks=None) -> None:
-        for i in (self.chans if ranks is None else ranks):
+        for i in self.chans if ranks is None else ranks:
             if i not in self.exited:
                 try:
                     self.chans[i].send(msg)
@@ -152,18 +171,30 @@ class Launcher:
                     check_geometry([self.geometry[i] for i in range(N)])
                 except GeometryMismatch as e:
                     for i in range(N):
-                        self.chans[i].send({"type": "fail", "field": e.field,
-                                            "values": e.values, "message": e.message_for(i)})
-                    raise RunFailed("geometry", str(e), field=e.field, values=e.values,
-                                    fields=list(GEOMETRY_FIELDS))
+                        self.chans[i].send(
+                            {
+                                "type": "fail",
+                                "field": e.field,
+                                "values": e.values,
+                                "message": e.message_for(i),
+                            }
+                        )
+                    raise RunFailed(
+                        "geometry",
+                        str(e),
+                        field=e.field,
+                        values=e.values,
+                        fields=list(GEOMETRY_FIELDS),
+                    ) from None
                 self.broadcast({"type": "geometry_ok"})
         elif t == "export":
             self.exports[rank] = fds[0]
             if len(self.exports) == N:
                 for i in range(N):
                     peers = [(i + k) % N for k in range(1, N)]
-                    self.chans[i].send({"type": "peers", "ranks": peers},
-                                       [self.exports[p] for p in peers])
+                    self.chans[i].send(
+                        {"type": "peers", "ranks": peers}, [self.exports[p] for p in peers]
+                    )
                 for fd in self.exports.values():
                     os.close(fd)
                 self.exports = {}
@@ -206,111 +237,6 @@ class Launcher:
             self.last_change = time.monotonic()
         self.emit(ev)
 
-    # ---- quiesce contract -----------------------------------------------------------------
-    def poll_control(self) -> None:
-        if self.q is None:
-            if self.phase != "running":
-                return
-            req = read_json(self.req_path)
-            if req is None or "id" not in req:
-                return
-            stale = read_json(self.resume_path)
-            if stale is not None and stale.get("id") != str(req["id"]):
-                os.unlink(self.resume_path)               # left over from an older request
-            self.quiesces += 1
-            self.q = {"id": str(req["id"]), "stage": "stopping", "t0": time.monotonic(),
-                      "acks": {}, "issued": {}, "parked": {}, "resumed": {}}
-            self.emit({"event": "quiesce_requested", "id": self.q["id"],
-                       "timeout_ms": req.get("timeout_ms"), "drain": not self.cfg.no_drain})
-            if self.cfg.no_drain:
-                # --no-drain: FFN ranks park at once (no drain); attention ranks stop after
-                self.q["stage"] = "ffn_parking"
-                self.broadcast({"type": "drain", "id": self.q["id"], "targets": None,
-                                "no_drain": True}, self.ffn_ranks())
-            else:
-                self.broadcast({"type": "quiesce", "id": self.q["id"]}, self.attn_ranks())
-        elif self.q["stage"] == "parked" or self.q["stage"] == "ready":
-            res = read_json(self.resume_path)
-            if res is None or res.get("id", self.q["id"]) != self.q["id"]:
-                return
-            self.last_change = time.monotonic()   # CLOCK_MONOTONIC may jump across a restore
-            restored = bool(res.get("restored", False))
-            cancelled = bool(res.get("cancelled", False))
-            for p in (self.req_path, self.ready_path, self.resume_path):
-                try:
-                    os.unlink(p)
-                except FileNotFoundError:
-                    pass
-            self.q.update(stage="resuming", restored=restored, cancelled=cancelled,
-                          resume_id=res.get("id"))
-            if restored:
-                self.restores_seen += 1
-            pending = [p for r in sorted(self.q["parked"]) for p in self.q["parked"][r]["pending"]]
-            self.broadcast({"type": "resume", "id": self.q["id"], "restored": restored,
-                            "pending": pending})
-
-    def attn_ranks(self) -> list[int]:
-        return list(range(self.cfg.attention))
-
-    def ffn_ranks(self) -> list[int]:
-        return list(range(self.cfg.attention, self.cfg.world))
-
-    def on_quiesce_reply(self, rank: int, msg: dict) -> None:
-        q = self.q
-        if q is None or msg.get("id") != q["id"]:
-            raise RunFailed("quiesce", f"rank {rank} sent {msg['type']} for id {msg.get('id')!r}"
-                                       f" outside quiesce {q and q['id']!r}")
-        t = msg["type"]
-        if t == "stopped":
-            q["issued"][rank] = int(msg["issued"])
-            if len(q["issued"]) == self.cfg.attention and self.cfg.no_drain:
-                q["stage"] = "parking"                  # no drain: park with replies owed
-                self.broadcast({"type": "park", "id": q["id"]}, self.attn_ranks())
-            elif len(q["issued"]) == self.cfg.attention:
-                q["stage"] = "draining"
-                self.broadcast({"type": "drain", "id": q["id"],
-                                "targets": {str(a): s for a, s in q["issued"].items()}},
-                               self.ffn_ranks())
-        elif t == "parked":
-            q["parked"][rank] = {k: msg[k] for k in ("rank", "pid", "role", "last_seq",
-                                                     "pending")}
-            q.setdefault("replied", {})[rank] = msg.get("replied") or {}
-            ffn_parked = all(f in q["parked"] for f in self.ffn_ranks())
-            if ffn_parked and q["stage"] == "ffn_parking":       # --no-drain
-                q["stage"] = "stopping"
-                replied = {str(f): q["replied"][f] for f in self.ffn_ranks()}
-                self.broadcast({"type": "quiesce", "id": q["id"], "replied": replied},
-                               self.attn_ranks())
-            if ffn_parked and q["stage"] == "draining":
-                q["stage"] = "parking"
-                self.broadcast({"type": "park", "id": q["id"]}, self.attn_ranks())
-            if len(q["parked"]) == self.cfg.world:
-                ranks = [q["parked"][i] for i in range(self.cfg.world)]
-                ready = {"id": q["id"], "ranks": ranks, "workload": "afdwin",
-                         "launcher_pid": self.pid}
-                q["stage"] = "parked"
-                res = read_json(self.resume_path)
-                if res is None or res.get("id", q["id"]) != q["id"]:   # not cancelled meanwhile
-                    write_atomic(self.ready_path, ready)
-                    q["stage"] = "ready"
-                pending = [p for r in ranks for p in r["pending"]]
-                kinds = {}
-                for p in pending:
-                    kinds[p["kind"]] = kinds.get(p["kind"], 0) + 1
-                self.emit({"event": "quiesced", "id": q["id"], "ranks": ranks,
-                           "drained": not self.cfg.no_drain, "pending": kinds,
-                           "quiesce_ms": round((time.monotonic() - q["t0"]) * 1e3, 3)})
-        elif t == "resumed":
-            q["resumed"][rank] = msg.get("window_checks")
-            if len(q["resumed"]) == self.cfg.world:
-                self.broadcast({"type": "continue", "id": q["id"]})
-                self.emit({"event": "resumed", "id": q["id"], "restored": q["restored"],
-                           "cancelled": q["cancelled"],
-                           "window_checks": {str(k): v for k, v in sorted(q["resumed"].items())}})
-                self.q = None
-                self.last_change = time.monotonic()
-
-    # ---- main loop ------------------------------------------------------------------------
     def loop(self) -> None:
         N = self.cfg.world
         while True:
@@ -328,8 +254,12 @@ class Launcher:
                         code = self.procs[rank].wait(timeout=5)
                     except subprocess.TimeoutExpired:
                         code = None
-                    raise RunFailed("rank", f"rank {rank} (pid {self.rank_pid.get(rank)}) exited "
-                                            f"with status {code} before finishing", rank=rank)
+                    raise RunFailed(
+                        "rank",
+                        f"rank {rank} (pid {self.rank_pid.get(rank)}) exited "
+                        f"with status {code} before finishing",
+                        rank=rank,
+                    ) from None
                 for msg, fds in msgs:
                     self.on_message(rank, msg, fds)
             # every iteration (<= CONTROL_POLL_S apart): no deadline that a clock jump could strand
@@ -337,8 +267,13 @@ class Launcher:
             now = time.monotonic()
             parked = self.q is not None and self.q["stage"] in ("parked", "ready")
             if not parked and now - self.last_change > self.stall_timeout_s:
-                stage = "setup" if self.phase == "setup" else \
-                    f"quiesce {self.q['stage']}" if self.q else "running"
+                stage = (
+                    "setup"
+                    if self.phase == "setup"
+                    else f"quiesce {self.q['stage']}"
+                    if self.q
+                    else "running"
+                )
                 raise RunFailed("stall", f"no progress for {self.stall_timeout_s:g} s ({stage})")
 
     def finish(self) -> int:
@@ -366,9 +301,15 @@ class Launcher:
                 dup += p["duplicates"]
                 torn += p["torn"]
                 ooo += p["out_of_order"]
-                exact = (p["count"] == S and p["distinct"] == S and p["lost"] == 0
-                         and p["duplicates"] == 0 and p["torn"] == 0 and p["out_of_order"] == 0
-                         and (S == 0 or (p["first"] == 1 and p["last"] == S)))
+                exact = (
+                    p["count"] == S
+                    and p["distinct"] == S
+                    and p["lost"] == 0
+                    and p["duplicates"] == 0
+                    and p["torn"] == 0
+                    and p["out_of_order"] == 0
+                    and (S == 0 or (p["first"] == 1 and p["last"] == S))
+                )
                 if not exact:
                     problems.append(f"pair {p['src']}->{p['dst']} not exactly 1..{S}: {p}")
             wfail += ev["window_checks"]["failed"]
@@ -388,11 +329,26 @@ class Launcher:
             if c != 0:
                 problems.append(f"rank {i} exit status {c}")
         ok = not problems
-        self.emit({"event": "summary", "ok": ok, "messages": messages, "replies": replies,
-                   "expected_messages": A * F * S, "lost": lost, "duplicated": dup, "torn": torn,
-                   "out_of_order": ooo, "ranks": self.cfg.world, "restores_seen": self.restores_seen,
-                   "quiesces": self.quiesces, "window_checks_failed": wfail,
-                   "va_tables_identical": va_same, "exit_codes": codes, "problems": problems[:20]})
+        self.emit(
+            {
+                "event": "summary",
+                "ok": ok,
+                "messages": messages,
+                "replies": replies,
+                "expected_messages": A * F * S,
+                "lost": lost,
+                "duplicated": dup,
+                "torn": torn,
+                "out_of_order": ooo,
+                "ranks": self.cfg.world,
+                "restores_seen": self.restores_seen,
+                "quiesces": self.quiesces,
+                "window_checks_failed": wfail,
+                "va_tables_identical": va_same,
+                "exit_codes": codes,
+                "problems": problems[:20],
+            }
+        )
         return 0 if ok else 1
 
     def collect_reports(self, wait_s: float = 5.0) -> None:
@@ -400,8 +356,7 @@ class Launcher:
         self.done.clear()
         self.broadcast({"type": "report"})
         deadline = time.monotonic() + wait_s
-        while len(self.done) < len(self.chans) - len(self.exited) and \
-                time.monotonic() < deadline:
+        while len(self.done) < len(self.chans) - len(self.exited) and time.monotonic() < deadline:
             live = [ch for i, ch in self.chans.items() if i not in self.exited]
             r, _, _ = select.select(live, [], [], 0.1)
             for ch in r:
@@ -427,14 +382,25 @@ class Launcher:
         return codes
 
     def run(self) -> int:
-        self.emit({"event": "start", "pid": self.pid, "ranks": self.cfg.world,
-                   "attention": self.cfg.attention, "ffn": self.cfg.ffn,
-                   "steps": self.cfg.steps, "ring_depth": self.cfg.ring_depth,
-                   "stages": self.cfg.num_stages, "no_drain": bool(self.cfg.no_drain),
-                   "pending_at_cut": bool(self.cfg.pending_at_cut),
-                   "no_fence": bool(self.cfg.no_fence),
-                   "profile": self.cfg.profile, "seed": self.cfg.seed,
-                   "control_dir": default_control_dir(), "request_path": self.req_path})
+        self.emit(
+            {
+                "event": "start",
+                "pid": self.pid,
+                "ranks": self.cfg.world,
+                "attention": self.cfg.attention,
+                "ffn": self.cfg.ffn,
+                "steps": self.cfg.steps,
+                "ring_depth": self.cfg.ring_depth,
+                "stages": self.cfg.num_stages,
+                "no_drain": bool(self.cfg.no_drain),
+                "pending_at_cut": bool(self.cfg.pending_at_cut),
+                "no_fence": bool(self.cfg.no_fence),
+                "profile": self.cfg.profile,
+                "seed": self.cfg.seed,
+                "control_dir": default_control_dir(),
+                "request_path": self.req_path,
+            }
+        )
         try:
             self.spawn()
             self.loop()
@@ -482,60 +448,107 @@ def _interrupt(signum, frame):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m cuinterpose.workloads.afdwin",
-                                 description="afdwin: AFD symmetric-window reference workload")
+    ap = argparse.ArgumentParser(
+        prog="python -m cuinterpose.workloads.afdwin",
+        description="afdwin: AFD symmetric-window reference workload",
+    )
     ap.add_argument("--ranks", type=int, default=2, help="number of rank processes (N)")
     ap.add_argument("--attention", type=int, default=1, help="attention ranks (world ranks first)")
     ap.add_argument("--steps", type=int, default=100, help="steps per attention rank (S)")
-    ap.add_argument("--ring-depth", type=parse_ring_depth, default=[2],
-                    help="ring depth D; or one value per rank D0,D1,...  (a rank launched with "
-                         "a different value fails the geometry check, naming ring_depth)")
-    ap.add_argument("--stages", type=int, default=0,
-                    help="live stages K per attention rank (default: D); stage k owns the "
-                         "rings r = k mod K; needs D >= K (and K dividing D)")
+    ap.add_argument(
+        "--ring-depth",
+        type=parse_ring_depth,
+        default=[2],
+        help="ring depth D; or one value per rank D0,D1,...  (a rank launched with "
+        "a different value fails the geometry check, naming ring_depth)",
+    )
+    ap.add_argument(
+        "--stages",
+        type=int,
+        default=0,
+        help="live stages K per attention rank (default: D); stage k owns the "
+        "rings r = k mod K; needs D >= K (and K dividing D)",
+    )
     ap.add_argument("--profile", choices=sorted(PROFILES), default="ci")
     ap.add_argument("--step-delay-ms", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--host-memory", choices=("auto", "pinned", "pageable"), default="auto",
-                    help="host staging: cuMemAllocHost (pinned) or pageable; auto = pinned when "
-                         "the driver provides it")
-    ap.add_argument("--stall-timeout-s", type=float, default=60.0,
-                    help="fail when no rank makes progress for this long (not while parked)")
+    ap.add_argument(
+        "--host-memory",
+        choices=("auto", "pinned", "pageable"),
+        default="auto",
+        help="host staging: cuMemAllocHost (pinned) or pageable; auto = pinned when "
+        "the driver provides it",
+    )
+    ap.add_argument(
+        "--stall-timeout-s",
+        type=float,
+        default=60.0,
+        help="fail when no rank makes progress for this long (not while parked)",
+    )
     diag = ap.add_argument_group("diagnostic flags (docs/afdwin.md)")
-    diag.add_argument("--no-drain", action="store_true",
-                      help="quiesce without the drain: FFN ranks park at once, attention "
-                           "ranks park with a reply owed (a checkpoint must fail cleanly)")
-    diag.add_argument("--pending-at-cut", action="store_true",
-                      help="at a quiesce each attention rank dispatches its next step and "
-                           "stops before its combine: the cut carries a landed, unread reply "
-                           "flag per (attention, FFN) pair")
-    ap.add_argument("--multicast", action="store_true",
-                    help="also build a multicast region over the ranks (needs the device's "
-                         "MULTICAST_SUPPORTED attribute): rank 0 writes a value through the "
-                         "multicast VA, every rank reads it from its own member; repeated "
-                         "after every resume")
-    diag.add_argument("--no-fence", action="store_true",
-                      help="setup without the fence barrier (zero + synchronize only)")
-    diag.add_argument("--delay-zero-ms", action="append", default=[], type=parse_delay,
-                      metavar="RANK:MS", help="delay RANK's window zeroing by MS ms")
-    ap.add_argument("--test-override", action="append", default=[], type=parse_override,
-                    help=argparse.SUPPRESS)      # RANK:FIELD=VALUE, tests only
+    diag.add_argument(
+        "--no-drain",
+        action="store_true",
+        help="quiesce without the drain: FFN ranks park at once, attention "
+        "ranks park with a reply owed (a checkpoint must fail cleanly)",
+    )
+    diag.add_argument(
+        "--pending-at-cut",
+        action="store_true",
+        help="at a quiesce each attention rank dispatches its next step and "
+        "stops before its combine: the cut carries a landed, unread reply "
+        "flag per (attention, FFN) pair",
+    )
+    ap.add_argument(
+        "--multicast",
+        action="store_true",
+        help="also build a multicast region over the ranks (needs the device's "
+        "MULTICAST_SUPPORTED attribute): rank 0 writes a value through the "
+        "multicast VA, every rank reads it from its own member; repeated "
+        "after every resume",
+    )
+    diag.add_argument(
+        "--no-fence",
+        action="store_true",
+        help="setup without the fence barrier (zero + synchronize only)",
+    )
+    diag.add_argument(
+        "--delay-zero-ms",
+        action="append",
+        default=[],
+        type=parse_delay,
+        metavar="RANK:MS",
+        help="delay RANK's window zeroing by MS ms",
+    )
+    ap.add_argument(
+        "--test-override", action="append", default=[], type=parse_override, help=argparse.SUPPRESS
+    )  # RANK:FIELD=VALUE, tests only
     args = ap.parse_args(argv)
     try:
         depths = args.ring_depth
         if len(depths) not in (1, args.ranks):
-            raise ValueError(f"--ring-depth needs 1 or {args.ranks} (one per rank) values, "
-                             f"got {len(depths)}")
-        cfg = Config(world=args.ranks, attention=args.attention, steps=args.steps,
-                     ring_depth=depths[0], profile=args.profile,
-                     step_delay_ms=args.step_delay_ms, seed=args.seed, stages=args.stages,
-                     no_drain=int(args.no_drain), pending_at_cut=int(args.pending_at_cut),
-                     no_fence=int(args.no_fence), multicast=int(args.multicast))
+            raise ValueError(
+                f"--ring-depth needs 1 or {args.ranks} (one per rank) values, got {len(depths)}"
+            )
+        cfg = Config(
+            world=args.ranks,
+            attention=args.attention,
+            steps=args.steps,
+            ring_depth=depths[0],
+            profile=args.profile,
+            step_delay_ms=args.step_delay_ms,
+            seed=args.seed,
+            stages=args.stages,
+            no_drain=int(args.no_drain),
+            pending_at_cut=int(args.pending_at_cut),
+            no_fence=int(args.no_fence),
+            multicast=int(args.multicast),
+        )
         cfg.window_layout()
         overrides: dict[int, dict] = {}
         for rank, d in enumerate(depths):
             if d != depths[0]:
-                dataclasses.replace(cfg, ring_depth=d)          # validates (stages)
+                dataclasses.replace(cfg, ring_depth=d)  # validates (stages)
                 overrides.setdefault(rank, {})["ring_depth"] = d
         for rank, ms in args.delay_zero_ms:
             if not (0 <= rank < cfg.world):

@@ -10,6 +10,7 @@ float32[partial_cap], routed_x payload[token_cap x hidden], shared_x payload[sha
 
 All sizes and offsets are in bytes. Everything here is pure Python: no CUDA.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,17 +18,27 @@ import struct
 from typing import Sequence
 
 ALIGN = 256
-MAGIC = 0x41464447            # "AFDG"
+MAGIC = 0x41464447  # "AFDG"
 VERSION = 4
-FLAG_SHUTDOWN_BIT = 2         # header word 4, bit 1
-FLAG_EMPTY = 0                # flag-word value of an untouched slot
-FLAG_REPLY_READY = 1          # constant reply marker, reset to FLAG_EMPTY by the reader
-HEADER_HOST_WORDS = 5         # magic, version, layer, num_tokens, flags
-HEADER_FIXED_WORDS = 7        # + routed_tokens, segment_start
+FLAG_SHUTDOWN_BIT = 2  # header word 4, bit 1
+FLAG_EMPTY = 0  # flag-word value of an untouched slot
+FLAG_REPLY_READY = 1  # constant reply marker, reset to FLAG_EMPTY by the reader
+HEADER_HOST_WORDS = 5  # magic, version, layer, num_tokens, flags
+HEADER_FIXED_WORDS = 7  # + routed_tokens, segment_start
 
 # Order of the geometry tuple every rank sends before allocating (docs/afdwin.md "Setup", 2).
-GEOMETRY_FIELDS = ("num_regions", "ring_depth", "header_words", "partial_cap", "token_cap",
-                   "shared_cap", "hidden_size", "payload_itemsize", "slot_bytes", "total_bytes")
+GEOMETRY_FIELDS = (
+    "num_regions",
+    "ring_depth",
+    "header_words",
+    "partial_cap",
+    "token_cap",
+    "shared_cap",
+    "hidden_size",
+    "payload_itemsize",
+    "slot_bytes",
+    "total_bytes",
+)
 
 
 class HeaderError(ValueError):
@@ -166,8 +177,18 @@ class WindowLayout:
     def geometry(self) -> tuple[int, ...]:
         """The geometry tuple, in ``GEOMETRY_FIELDS`` order."""
         s = self.slot
-        return (self.num_regions, self.ring_depth, s.header_words, s.partial_cap, s.token_cap,
-                s.shared_cap, s.hidden_size, s.payload_itemsize, s.slot_bytes, self.total_bytes)
+        return (
+            self.num_regions,
+            self.ring_depth,
+            s.header_words,
+            s.partial_cap,
+            s.token_cap,
+            s.shared_cap,
+            s.hidden_size,
+            s.payload_itemsize,
+            s.slot_bytes,
+            self.total_bytes,
+        )
 
 
 def check_geometry(tuples: Sequence[Sequence[int]]) -> None:
@@ -178,8 +199,9 @@ def check_geometry(tuples: Sequence[Sequence[int]]) -> None:
     """
     for r, t in enumerate(tuples):
         if len(t) != len(GEOMETRY_FIELDS):
-            raise ValueError(f"rank {r} sent {len(t)} geometry values, "
-                             f"expected {len(GEOMETRY_FIELDS)}")
+            raise ValueError(
+                f"rank {r} sent {len(t)} geometry values, expected {len(GEOMETRY_FIELDS)}"
+            )
     for col, name in enumerate(GEOMETRY_FIELDS):
         values = [int(t[col]) for t in tuples]
         if len(set(values)) > 1:
@@ -197,9 +219,11 @@ class GeometryMismatch(ValueError):
     def message_for(self, rank: int | None) -> str:
         """The error text, naming this rank's value when ``rank`` is given."""
         mine = "" if rank is None else f"rank {rank} has {self.field}={self.values[rank]}; "
-        return (f"afdwin geometry mismatch: {self.field} differs across ranks: {mine}"
-                f"all ranks' values (by world rank): {self.values}; attention and FFN ranks "
-                f"must launch with the same geometry")
+        return (
+            f"afdwin geometry mismatch: {self.field} differs across ranks: {mine}"
+            f"all ranks' values (by world rank): {self.values}; attention and FFN ranks "
+            f"must launch with the same geometry"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,13 +246,21 @@ def encode_header(h: Header, experts_per_rank: int) -> bytes:
     """
     counts = tuple(h.expert_counts)
     if len(counts) != experts_per_rank:
-        raise ValueError(f"expert_counts has {len(counts)} entries, expected experts_per_rank="
-                         f"{experts_per_rank}")
+        raise ValueError(
+            f"expert_counts has {len(counts)} entries, expected experts_per_rank={experts_per_rank}"
+        )
     if sum(counts) != h.routed_tokens:
         raise ValueError(f"expert_counts sum {sum(counts)} != routed_tokens {h.routed_tokens}")
     flags = FLAG_SHUTDOWN_BIT if h.shutdown else 0
-    words = (MAGIC, VERSION, h.layer, h.num_tokens, flags, h.routed_tokens,
-             h.segment_start) + counts
+    words = (
+        MAGIC,
+        VERSION,
+        h.layer,
+        h.num_tokens,
+        flags,
+        h.routed_tokens,
+        h.segment_start,
+    ) + counts
     return struct.pack(f"<{len(words)}i", *words)
 
 
@@ -249,5 +281,11 @@ def decode_header(buf: bytes, experts_per_rank: int) -> Header:
     counts = tuple(w[HEADER_FIXED_WORDS:])
     if sum(counts) != w[5]:
         raise HeaderError(f"expert_counts sum {sum(counts)} != routed_tokens {w[5]}")
-    return Header(layer=w[2], num_tokens=w[3], routed_tokens=w[5], segment_start=w[6],
-                  expert_counts=counts, shutdown=bool(w[4] & FLAG_SHUTDOWN_BIT))
+    return Header(
+        layer=w[2],
+        num_tokens=w[3],
+        routed_tokens=w[5],
+        segment_start=w[6],
+        expert_counts=counts,
+        shutdown=bool(w[4] & FLAG_SHUTDOWN_BIT),
+    )

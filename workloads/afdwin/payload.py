@@ -8,6 +8,7 @@ Messages).
 
 Offsets in this module are relative to the slot start unless a name says otherwise.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -21,7 +22,7 @@ from .config import Config
 from .layout import Header, HeaderError, SlotLayout, decode_header, encode_header
 
 TRAILER_BYTES = 16
-NUM_LAYERS = 61                     # layer index cycles through this many layers
+NUM_LAYERS = 61  # layer index cycles through this many layers
 _MASK7F = bytes(b & 0x7F for b in range(256))
 
 
@@ -42,8 +43,10 @@ def max_tokens(slot: SlotLayout) -> int:
     """Most batch rows a message may carry; raises ``ValueError`` when the trailer leaves none."""
     n = slot.token_cap - (-(-TRAILER_BYTES // slot.row_bytes))
     if n < 1:
-        raise ValueError(f"token_cap {slot.token_cap} x row {slot.row_bytes} B leaves no room "
-                         f"for the {TRAILER_BYTES}-byte trailer")
+        raise ValueError(
+            f"token_cap {slot.token_cap} x row {slot.row_bytes} B leaves no room "
+            f"for the {TRAILER_BYTES}-byte trailer"
+        )
     return n
 
 
@@ -51,8 +54,8 @@ def checksum(buf: bytes | bytearray | memoryview, start: int, end: int, toff: in
     """BLAKE2b-64 of ``buf[start:end]`` without the checksum word at ``toff + 8``."""
     h = hashlib.blake2b(digest_size=8)
     mv = memoryview(buf)
-    h.update(mv[start:toff + 8])
-    h.update(mv[toff + TRAILER_BYTES:end])
+    h.update(mv[start : toff + 8])
+    h.update(mv[toff + TRAILER_BYTES : end])
     return int.from_bytes(h.digest(), "little")
 
 
@@ -92,15 +95,12 @@ class Codec:
             return bytes(b)
         return (int.from_bytes(b, "little") + k * self._ones(len(b))).to_bytes(len(b), "little")
 
-    @functools.lru_cache(maxsize=64)
     def _pattern(self, src: int) -> bytes:
-        d = hashlib.shake_128(f"afdwin:{self.cfg.seed}:{src}".encode()).digest(
-            self._ones_full_len)
-        return d.translate(_MASK7F)
+        return _pattern(self.cfg.seed, src, self._ones_full_len)
 
     def batch(self, src: int, s: int, n: int) -> bytes:
         """Attention rank ``src``'s step-``s`` batch: ``n`` rows of routed_x (bytes)."""
-        return self.add_elements(self._pattern(src)[:n * self.slot.row_bytes], s % 0x7F)
+        return self.add_elements(self._pattern(src)[: n * self.slot.row_bytes], s % 0x7F)
 
     def plan(self, src: int, s: int) -> Plan:
         """Deterministic routing of step ``s`` of attention rank ``src``."""
@@ -135,28 +135,42 @@ class Codec:
         counts = [0] * self.E
         for e in experts[seg:seg_end]:
             counts[e - lo_e] += 1
-        hdr = Header(layer=(s - 1) % NUM_LAYERS, num_tokens=n, routed_tokens=seg_end - seg,
-                     segment_start=seg, expert_counts=tuple(counts))
+        hdr = Header(
+            layer=(s - 1) % NUM_LAYERS,
+            num_tokens=n,
+            routed_tokens=seg_end - seg,
+            segment_start=seg,
+            expert_counts=tuple(counts),
+        )
         buf = bytearray(sl.slot_bytes)
         h = encode_header(hdr, self.E)
-        buf[0:len(h)] = h
+        buf[0 : len(h)] = h
         k = len(plan.partials)
         struct.pack_into(f"<{k}i", buf, sl.expand_idx_off, *(p[1] for p in plan.partials))
         struct.pack_into(f"<{k}f", buf, sl.weights_off, *(p[2] for p in plan.partials))
         rows = self.batch(src, s, n)
-        buf[sl.routed_x_off:sl.routed_x_off + len(rows)] = rows
+        buf[sl.routed_x_off : sl.routed_x_off + len(rows)] = rows
         lo, hi = self.shared_slice(f, n)
         rb = sl.row_bytes
-        buf[sl.shared_x_off:sl.shared_x_off + (hi - lo) * rb] = rows[lo * rb:hi * rb]
+        buf[sl.shared_x_off : sl.shared_x_off + (hi - lo) * rb] = rows[lo * rb : hi * rb]
         self._seal(buf, 0, s)
         return bytes(buf)
 
     def shutdown(self, s: int) -> bytes:
         """The shutdown announcement (full slot, header flags bit 1, no rows) with seq ``s``."""
         buf = bytearray(self.slot.slot_bytes)
-        h = encode_header(Header(layer=0, num_tokens=0, routed_tokens=0, segment_start=0,
-                                 expert_counts=(0,) * self.E, shutdown=True), self.E)
-        buf[0:len(h)] = h
+        h = encode_header(
+            Header(
+                layer=0,
+                num_tokens=0,
+                routed_tokens=0,
+                segment_start=0,
+                expert_counts=(0,) * self.E,
+                shutdown=True,
+            ),
+            self.E,
+        )
+        buf[0 : len(h)] = h
         self._seal(buf, 0, s)
         return bytes(buf)
 
@@ -182,8 +196,10 @@ class Codec:
         if expect_seq is not None and seq != expect_seq:
             raise MessageError("seq", f"dispatch trailer seq {seq} != flag value {expect_seq}")
         if not hdr.shutdown:
-            if hdr.num_tokens > self.max_tokens or hdr.segment_start + hdr.routed_tokens > \
-                    hdr.num_tokens * self.cfg.topk:
+            if (
+                hdr.num_tokens > self.max_tokens
+                or hdr.segment_start + hdr.routed_tokens > hdr.num_tokens * self.cfg.topk
+            ):
                 raise MessageError("routing", f"header exceeds capacity: {hdr}")
         return hdr, seq
 
@@ -197,18 +213,25 @@ class Codec:
         n = hdr.num_tokens
         rb = sl.row_bytes
         k = hdr.routed_tokens
-        toks = set(struct.unpack_from(f"<{k}i", dispatch_buf,
-                                      sl.expand_idx_off + 4 * hdr.segment_start)) if k else set()
+        toks = (
+            set(
+                struct.unpack_from(
+                    f"<{k}i", dispatch_buf, sl.expand_idx_off + 4 * hdr.segment_start
+                )
+            )
+            if k
+            else set()
+        )
         out = bytearray(self.reply_bytes)
-        src_rows = bytes(dispatch_buf[sl.routed_x_off:sl.routed_x_off + n * rb])
+        src_rows = bytes(dispatch_buf[sl.routed_x_off : sl.routed_x_off + n * rb])
         plus = self.add_elements(src_rows, 1)
         for t in sorted(toks):
             if 0 <= t < n:
-                out[t * rb:(t + 1) * rb] = plus[t * rb:(t + 1) * rb]
+                out[t * rb : (t + 1) * rb] = plus[t * rb : (t + 1) * rb]
         lo, hi = self.shared_slice(f, n)
-        sh = bytes(dispatch_buf[sl.shared_x_off:sl.shared_x_off + (hi - lo) * rb])
+        sh = bytes(dispatch_buf[sl.shared_x_off : sl.shared_x_off + (hi - lo) * rb])
         so = sl.shared_x_off - self.reply_start
-        out[so:so + len(sh)] = self.add_elements(sh, 1)
+        out[so : so + len(sh)] = self.add_elements(sh, 1)
         self._seal(out, self.reply_start, seq)
         return bytes(out)
 
@@ -234,3 +257,10 @@ class Codec:
                 raise MessageError("seq", f"reply echoes seq {seq}, expected {eseq}")
             raise MessageError("payload", f"reply for seq {seq} differs from R(P)")
         return seq
+
+
+@functools.lru_cache(maxsize=64)
+def _pattern(seed: int, src: int, nbytes: int) -> bytes:
+    """Attention rank ``src``'s fixed pseudo-random payload bytes (each <= 0x7F), ``nbytes`` long."""
+    d = hashlib.shake_128(f"afdwin:{seed}:{src}".encode()).digest(nbytes)
+    return d.translate(_MASK7F)

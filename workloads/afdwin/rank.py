@@ -10,6 +10,7 @@ window and its checks, and control.py, the launcher messages and the quiesce han
 Single-threaded on purpose: control messages are read between driver calls, so a parked rank
 is provably not inside CUDA.
 """
+
 from __future__ import annotations
 
 import argparse

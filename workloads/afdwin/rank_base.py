@@ -3,6 +3,7 @@
 :class:`Rank` combines the window (window.py) and the launcher control (control.py); the roles
 are attention.py and ffn.py, started by rank.py.
 """
+
 from __future__ import annotations
 
 import os
@@ -32,7 +33,7 @@ class Rank(Window, Control):
         self.win = cfg.window_layout()
         self.codec = Codec(cfg)
         self.pid = os.getpid()
-        self.state = "setup"            # setup, running, stopping, draining, parked, finished
+        self.state = "setup"  # setup, running, stopping, draining, parked, finished
         self.quiesce_id = None
         self.restores_seen = 0
         self.quiesces = 0
@@ -42,7 +43,7 @@ class Rank(Window, Control):
         self._last_progress = 0.0
         self.A, self.F, self.D = cfg.attention, cfg.ffn, cfg.ring_depth
         self.fence_erased: list[dict] = []
-        self.cut_pending: list[dict] = []     # the launcher's union of every rank's "pending"
+        self.cut_pending: list[dict] = []  # the launcher's union of every rank's "pending"
         self.stop_pending = False
         self.ffn_replied: dict = {}
 
@@ -51,6 +52,7 @@ class Rank(Window, Control):
         from cuda.bindings import driver as cu
 
         from . import cudrv
+
         self.cu, self.cd = cu, cudrv
         self.init_context()
         self.validate_geometry()
@@ -78,15 +80,27 @@ class Rank(Window, Control):
 
     def done_event(self) -> dict:
         exact = all(e.exact(self.cfg.steps) for e in self.evidence.values())
-        ev = {"event": "done", "rank": self.rank, "pid": self.pid, "role": self.role,
-              "ok": self.ok() and exact, "steps": self.cfg.steps,
-              "pairs": [dict(e.summary(), lost=e.lost(self.cfg.steps))
-                        for e in self.evidence.values()],
-              "rates": self.rates.report(), "restores_seen": self.restores_seen,
-              "quiesces": self.quiesces, "window_checks": self.window_checks,
-              "fence": {"fenced": not self.cfg.no_fence, "delay_zero_ms": self.cfg.delay_zero_ms,
-                        "erased": self.fence_erased},
-              "errors": self.errors[:8]}
+        ev = {
+            "event": "done",
+            "rank": self.rank,
+            "pid": self.pid,
+            "role": self.role,
+            "ok": self.ok() and exact,
+            "steps": self.cfg.steps,
+            "pairs": [
+                dict(e.summary(), lost=e.lost(self.cfg.steps)) for e in self.evidence.values()
+            ],
+            "rates": self.rates.report(),
+            "restores_seen": self.restores_seen,
+            "quiesces": self.quiesces,
+            "window_checks": self.window_checks,
+            "fence": {
+                "fenced": not self.cfg.no_fence,
+                "delay_zero_ms": self.cfg.delay_zero_ms,
+                "erased": self.fence_erased,
+            },
+            "errors": self.errors[:8],
+        }
         ev.update(self.counters())
         return ev
 

@@ -4,6 +4,7 @@ the fence, the --multicast team, the sharing probe, device reads and the ``windo
 A mixin of :class:`~cuinterpose.workloads.afdwin.rank_base.Rank`: the setup steps of
 docs/afdwin.md "Setup", one method per step, plus what the checks after a resume read back.
 """
+
 from __future__ import annotations
 
 import os
@@ -37,7 +38,7 @@ class Window:
         self.send({"type": "geometry", "values": list(self.win.geometry())})
         msg, _ = self.chan.recv()
         if msg["type"] == "fail":
-            if "field" in msg:                  # named by the launcher: field, values, message
+            if "field" in msg:  # named by the launcher: field, values, message
                 raise GeometryError(msg["message"])
             raise Abort(msg["message"])
         if msg["type"] != "geometry_ok":
@@ -51,8 +52,9 @@ class Window:
         self.granularity = int(call(cu.cuMemGetAllocationGranularity, self.prop, gran_opt))
         total = self.win.total_bytes
         self.stride = -(-total // self.granularity) * self.granularity
-        self.base = int(call(cu.cuMemAddressReserve, self.cfg.world * self.stride,
-                             self.granularity, 0, 0))
+        self.base = int(
+            call(cu.cuMemAddressReserve, self.cfg.world * self.stride, self.granularity, 0, 0)
+        )
         self.alloc_handle = call(cu.cuMemCreate, self.stride, self.prop, 0)
         call(cu.cuMemMap, self.base, self.stride, 0, self.alloc_handle, 0)
         self.access = [self.cd.rw_access(self.device_ordinal)]
@@ -70,15 +72,16 @@ class Window:
         try:
             self.send({"type": "export", "rank": self.rank}, [fd])
         finally:
-            os.close(fd)          # a held exported FD makes native checkpoint fail
+            os.close(fd)  # a held exported FD makes native checkpoint fail
         msg, fds = self.expect("peers")
         self.peer_va = [0] * N
         self.peer_va[self.rank] = self.base
         try:
             for peer, pfd in zip(msg["ranks"], fds):
-                va = self.base + self.stride * ((peer - self.rank) % N)   # ring order
-                imp = call(cu.cuMemImportFromShareableHandle, pfd, htype,
-                           detail=f"fd from rank {peer}")
+                va = self.base + self.stride * ((peer - self.rank) % N)  # ring order
+                imp = call(
+                    cu.cuMemImportFromShareableHandle, pfd, htype, detail=f"fd from rank {peer}"
+                )
                 call(cu.cuMemMap, va, self.stride, 0, imp, 0, detail=f"peer rank {peer}")
                 call(cu.cuMemRelease, imp)
                 call(cu.cuMemSetAccess, va, self.stride, self.access, 1)
@@ -112,8 +115,9 @@ class Window:
         self.write_probe()
         if self.cfg.no_fence:
             if self.fence_erased:
-                self.errors.append(f"unfenced zero erased flags written by peers: "
-                                   f"{self.fence_erased}")
+                self.errors.append(
+                    f"unfenced zero erased flags written by peers: {self.fence_erased}"
+                )
             return
         self.barrier("fence")
         call(cu.cuCtxSynchronize)
@@ -122,7 +126,7 @@ class Window:
             raise RuntimeError("peer mappings do not alias the peers' windows: " + "; ".join(bad))
 
     # ---- --multicast (docs/afdwin.md "--multicast") ----------------------------------------
-    MC_WORDS = 64              # uint32 words written through the multicast VA per check
+    MC_WORDS = 64  # uint32 words written through the multicast VA per check
 
     def setup_multicast(self) -> None:
         """Rank 0 creates and exports a multicast object (one multicast granule, numDevices =
@@ -134,16 +138,23 @@ class Window:
         cu, call = self.cu, self.cd.call
         attr = cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED
         if not call(cu.cuDeviceGetAttribute, attr, self.device):
-            raise RuntimeError(f"--multicast: device {self.device_ordinal} reports "
-                               "CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED = 0")
+            raise RuntimeError(
+                f"--multicast: device {self.device_ordinal} reports "
+                "CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED = 0"
+            )
         htype = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
         prop = cu.CUmulticastObjectProp()
         prop.numDevices = self.cfg.world
         prop.handleTypes = int(htype)
         prop.flags = 0
         prop.size = self.granularity
-        gran = int(call(cu.cuMulticastGetGranularity, prop,
-                        cu.CUmulticastGranularity_flags.CU_MULTICAST_GRANULARITY_RECOMMENDED))
+        gran = int(
+            call(
+                cu.cuMulticastGetGranularity,
+                prop,
+                cu.CUmulticastGranularity_flags.CU_MULTICAST_GRANULARITY_RECOMMENDED,
+            )
+        )
         size = -(-max(self.MC_WORDS * 4, gran) // gran) * gran
         size = -(-size // self.granularity) * self.granularity
         prop.size = size
@@ -158,13 +169,17 @@ class Window:
         else:
             _, fds = self.expect("mc_import")
             try:
-                self.mc_handle = call(cu.cuMemImportFromShareableHandle, fds[0], htype,
-                                      detail="multicast object from rank 0")
+                self.mc_handle = call(
+                    cu.cuMemImportFromShareableHandle,
+                    fds[0],
+                    htype,
+                    detail="multicast object from rank 0",
+                )
             finally:
                 for fd in fds:
                     os.close(fd)
         call(cu.cuMulticastAddDevice, self.mc_handle, self.device)
-        self.barrier("mc-devices")            # every device added before any bind or map
+        self.barrier("mc-devices")  # every device added before any bind or map
         self.mc_member = call(cu.cuMemCreate, size, self.prop, 0)
         call(cu.cuMulticastBindMem, self.mc_handle, 0, self.mc_member, 0, size, 0)
         self.mc_member_va = int(call(cu.cuMemAddressReserve, size, self.granularity, 0, 0))
@@ -173,11 +188,11 @@ class Window:
         self.mc_va = int(call(cu.cuMemAddressReserve, size, self.granularity, 0, 0))
         call(cu.cuMemMap, self.mc_va, size, 0, self.mc_handle, 0)
         call(cu.cuMemSetAccess, self.mc_va, size, self.access, 1)
-        self.barrier("mc-bound")              # a write reaches only the members bound by then
+        self.barrier("mc-bound")  # a write reaches only the members bound by then
         self.mc_epoch = 0
 
     def multicast_value(self) -> int:
-        return 0x4D430000 | (self.mc_epoch & 0xFFFF)       # "MC" | epoch
+        return 0x4D430000 | (self.mc_epoch & 0xFFFF)  # "MC" | epoch
 
     def multicast_check(self) -> None:
         """Rank 0 writes the epoch's value through the multicast VA (cuMemsetD32, reaching
@@ -188,17 +203,33 @@ class Window:
         if self.rank == 0:
             call(cu.cuMemsetD32, self.mc_va, value, self.MC_WORDS)
         self.barrier(f"mc-written-{self.mc_epoch}")
-        words = struct.unpack(f"<{self.MC_WORDS}I", self.read_device(self.mc_member_va,
-                                                                    4 * self.MC_WORDS))
+        words = struct.unpack(
+            f"<{self.MC_WORDS}I", self.read_device(self.mc_member_va, 4 * self.MC_WORDS)
+        )
         bad = [i for i, w in enumerate(words) if w != value]
         ok = not bad
-        self.record_check(ok, "" if ok else (
-            f"multicast epoch {self.mc_epoch}: member at {self.mc_member_va:#x} word {bad[0]} "
-            f"reads {words[bad[0]]:#010x}, expected {value:#010x}"))
-        self.emit({"event": "multicast", "rank": self.rank, "epoch": self.mc_epoch,
-                   "value": value, "ok": ok, "mc_va": self.mc_va,
-                   "member_va": self.mc_member_va, "writer": 0})
-        self.barrier(f"mc-read-{self.mc_epoch}")      # nobody rewrites before all have read
+        self.record_check(
+            ok,
+            ""
+            if ok
+            else (
+                f"multicast epoch {self.mc_epoch}: member at {self.mc_member_va:#x} word {bad[0]} "
+                f"reads {words[bad[0]]:#010x}, expected {value:#010x}"
+            ),
+        )
+        self.emit(
+            {
+                "event": "multicast",
+                "rank": self.rank,
+                "epoch": self.mc_epoch,
+                "value": value,
+                "ok": ok,
+                "mc_va": self.mc_va,
+                "member_va": self.mc_member_va,
+                "writer": 0,
+            }
+        )
+        self.barrier(f"mc-read-{self.mc_epoch}")  # nobody rewrites before all have read
         self.mc_epoch += 1
 
     def _host_memory_choice(self) -> bool:
@@ -206,7 +237,7 @@ class Window:
             return False
         if self.host_memory == "pinned":
             return True
-        try:                                    # auto: pinned when the driver has it
+        try:  # auto: pinned when the driver has it
             probe = self.cd.HostBuffer(4096, pinned=True)
             self.cd.call(self.cu.cuMemFreeHost, probe.addr)
             return True
@@ -241,23 +272,41 @@ class Window:
                 continue
             (got,) = struct.unpack("<I", self.read_device(va + self.probe_off, 4))
             want = self.probe_value(peer)
-            out[peer] = None if got == want else (
-                f"rank {peer} probe at VA {va + self.probe_off:#x} reads {got:#010x}, "
-                f"expected {want:#010x} (sharing lost)")
+            out[peer] = (
+                None
+                if got == want
+                else (
+                    f"rank {peer} probe at VA {va + self.probe_off:#x} reads {got:#010x}, "
+                    f"expected {want:#010x} (sharing lost)"
+                )
+            )
         return out
 
     def window_event(self, after_restore: bool) -> dict:
-        return {"event": "window", "rank": self.rank, "pid": self.pid, "role": self.role,
-                "device": self.device_ordinal, "base_va": self.base,
-                "peer_va": list(self.peer_va), "stride": self.stride,
-                "slot_bytes": self.win.slot_bytes, "total_bytes": self.win.total_bytes,
-                "regions": self.win.num_regions, "rings": self.win.ring_depth,
-                "handle_type": "POSIX_FILE_DESCRIPTOR", "granularity": self.granularity,
-                "stages": self.cfg.num_stages,
-                "host_memory": "pinned" if self.pinned else "pageable",
-                "after_restore": after_restore,
-                **({"mc_va": self.mc_va, "mc_member_va": self.mc_member_va,
-                    "mc_size": self.mc_size} if self.cfg.multicast else {})}
+        return {
+            "event": "window",
+            "rank": self.rank,
+            "pid": self.pid,
+            "role": self.role,
+            "device": self.device_ordinal,
+            "base_va": self.base,
+            "peer_va": list(self.peer_va),
+            "stride": self.stride,
+            "slot_bytes": self.win.slot_bytes,
+            "total_bytes": self.win.total_bytes,
+            "regions": self.win.num_regions,
+            "rings": self.win.ring_depth,
+            "handle_type": "POSIX_FILE_DESCRIPTOR",
+            "granularity": self.granularity,
+            "stages": self.cfg.num_stages,
+            "host_memory": "pinned" if self.pinned else "pageable",
+            "after_restore": after_restore,
+            **(
+                {"mc_va": self.mc_va, "mc_member_va": self.mc_member_va, "mc_size": self.mc_size}
+                if self.cfg.multicast
+                else {}
+            ),
+        }
 
     # ---- addresses ------------------------------------------------------------------------
     def flag_va(self, owner: int, region: int, ring: int) -> int:

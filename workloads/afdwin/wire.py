@@ -5,6 +5,7 @@ A frame is a 4-byte big-endian length then that many bytes of UTF-8 JSON (an obj
 as SCM_RIGHTS ancillary data of the ``sendmsg`` that carries the frame and are handed out in
 arrival order. Frames are at most ``MAX_FRAME`` bytes.
 """
+
 from __future__ import annotations
 
 import array
@@ -57,11 +58,12 @@ class Channel:
             if not r:
                 return False
         data, anc, _flags, _addr = self.sock.recvmsg(
-            1 << 16, socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize))
+            1 << 16, socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
+        )
         for level, typ, cdata in anc:
             if level == socket.SOL_SOCKET and typ == socket.SCM_RIGHTS:
                 fds = array.array("i")
-                fds.frombytes(cdata[:len(cdata) - (len(cdata) % fds.itemsize)])
+                fds.frombytes(cdata[: len(cdata) - (len(cdata) % fds.itemsize)])
                 self._fds.extend(fds)
         if not data:
             self.closed = True
@@ -77,8 +79,8 @@ class Channel:
             raise ValueError(f"incoming frame of {n} bytes exceeds {MAX_FRAME}")
         if len(self._buf) < 4 + n:
             return None
-        msg = json.loads(bytes(self._buf[4:4 + n]))
-        del self._buf[:4 + n]
+        msg = json.loads(bytes(self._buf[4 : 4 + n]))
+        del self._buf[: 4 + n]
         k = int(msg.get("nfds", 0))
         if k > len(self._fds):
             raise ValueError(f"frame {msg.get('type')!r} names {k} fds, {len(self._fds)} arrived")
