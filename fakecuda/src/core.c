@@ -9,7 +9,6 @@
 /* ------------------------------------------------------------------ globals, config, log */
 
 atomic_int g_inited;
-pthread_mutex_t g_init_mu = PTHREAD_MUTEX_INITIALIZER;
 int g_ndev = 2;
 size_t g_gran = 2u << 20;
 size_t g_page = 4096;

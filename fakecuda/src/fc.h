@@ -62,7 +62,6 @@
 /* ------------------------------------------------------------------ configuration (core.c) */
 
 extern atomic_int g_inited;
-extern pthread_mutex_t g_init_mu;
 extern int g_ndev;              /* FAKECUDA_DEVICE_COUNT */
 extern size_t g_gran;           /* FAKECUDA_GRANULARITY */
 extern size_t g_page;

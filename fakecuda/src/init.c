@@ -7,6 +7,8 @@
 
 /* ------------------------------------------------------------------ init, errors */
 
+static pthread_mutex_t g_init_mu = PTHREAD_MUTEX_INITIALIZER; /* one cuInit initialises */
+
 FC_EXPORT CUresult cuInit(unsigned int Flags)
 {
     CUresult r = CUDA_SUCCESS;
