@@ -1,8 +1,8 @@
 /*
  * core.c: the bottom of fakecuda. The configuration (FAKECUDA_* read when the library is
- * loaded), the call log (FAKECUDA_LOG), the entry gate every gated API passes (closed by
- * cuCheckpointProcessLock) and the fork handler. It touches only its own globals and calls
- * no other file.
+ * loaded), the call log (FAKECUDA_LOG), the state of the entry gate every gated API passes
+ * (fc.h has its inline enter/leave; cuCheckpointProcessLock closes it) and the fork handler.
+ * It touches only its own globals and calls no other file.
  */
 #include "fc.h"
 
@@ -137,41 +137,6 @@ __attribute__((constructor)) static void fc_load(void)
 /* ------------------------------------------------------------------ entry gate (fc.h: struct fc_gate) */
 
 struct fc_gate g_gate = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0};
-
-/* Fast path: one atomic increment and one load (seq_cst on both sides: the locker stores
- * `closed` then reads `inflight`, an entrant increments `inflight` then reads `closed`, so at
- * least one sees the other). Slow path, only while locked: park on the condition variable. */
-CUresult api_enter(void)
-{
-    if (!atomic_load_explicit(&g_inited, memory_order_acquire))
-        return CUDA_ERROR_NOT_INITIALIZED;
-    atomic_fetch_add(&g_gate.inflight, 1);
-    if (!atomic_load(&g_gate.closed))
-        return CUDA_SUCCESS;
-    pthread_mutex_lock(&g_gate.mu);
-    atomic_fetch_sub(&g_gate.inflight, 1);
-    pthread_cond_broadcast(&g_gate.cv);
-    while (atomic_load(&g_gate.closed))
-        pthread_cond_wait(&g_gate.cv, &g_gate.mu);
-    atomic_fetch_add(&g_gate.inflight, 1);
-    pthread_mutex_unlock(&g_gate.mu);
-    return CUDA_SUCCESS;
-}
-
-void api_leave(void)
-{
-    if (atomic_fetch_sub(&g_gate.inflight, 1) == 1 && atomic_load(&g_gate.closed)) {
-        pthread_mutex_lock(&g_gate.mu);
-        pthread_cond_broadcast(&g_gate.cv);
-        pthread_mutex_unlock(&g_gate.mu);
-    }
-}
-
-CUresult api_initonly(void)
-{
-    return atomic_load_explicit(&g_inited, memory_order_acquire) ? CUDA_SUCCESS
-                                                                 : CUDA_ERROR_NOT_INITIALIZED;
-}
 
 /* One mutex for every table (contexts, streams, reservations, allocations, mappings). */
 pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;

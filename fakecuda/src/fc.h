@@ -81,8 +81,8 @@ void fc_logline(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 void fc_loud(const char *fmt, ...) __attribute__((format(printf, 1, 2))); /* stderr and the call log */
 void fc_log_call(const char *fn, CUresult r, const char *fmt, ...);
 
-/* ------------------------------------------------------------------ entry gate (core.c) */
-/* Every gated API increments `inflight` while it runs. cuCheckpointProcessLock closes the
+/* ------------------------------------------------------------------ entry gate (state in core.c) */
+/* Inline: every API call passes it. Every gated API increments `inflight` while it runs. cuCheckpointProcessLock closes the
  * gate (new calls block), then waits for inflight == 0 and pending stream ops == 0. */
 
 struct fc_gate {
@@ -94,9 +94,40 @@ struct fc_gate {
 };
 extern struct fc_gate g_gate;
 
-CUresult api_enter(void);
-void api_leave(void);
-CUresult api_initonly(void);
+/* Fast path: one atomic increment and one load (seq_cst on both sides: the locker stores
+ * `closed` then reads `inflight`, an entrant increments `inflight` then reads `closed`, so at
+ * least one sees the other). Slow path, only while locked: park on the condition variable. */
+static inline CUresult api_enter(void)
+{
+    if (!atomic_load_explicit(&g_inited, memory_order_acquire))
+        return CUDA_ERROR_NOT_INITIALIZED;
+    atomic_fetch_add(&g_gate.inflight, 1);
+    if (!atomic_load(&g_gate.closed))
+        return CUDA_SUCCESS;
+    pthread_mutex_lock(&g_gate.mu);
+    atomic_fetch_sub(&g_gate.inflight, 1);
+    pthread_cond_broadcast(&g_gate.cv);
+    while (atomic_load(&g_gate.closed))
+        pthread_cond_wait(&g_gate.cv, &g_gate.mu);
+    atomic_fetch_add(&g_gate.inflight, 1);
+    pthread_mutex_unlock(&g_gate.mu);
+    return CUDA_SUCCESS;
+}
+
+static inline void api_leave(void)
+{
+    if (atomic_fetch_sub(&g_gate.inflight, 1) == 1 && atomic_load(&g_gate.closed)) {
+        pthread_mutex_lock(&g_gate.mu);
+        pthread_cond_broadcast(&g_gate.cv);
+        pthread_mutex_unlock(&g_gate.mu);
+    }
+}
+
+static inline CUresult api_initonly(void)
+{
+    return atomic_load_explicit(&g_inited, memory_order_acquire) ? CUDA_SUCCESS
+                                                                 : CUDA_ERROR_NOT_INITIALIZED;
+}
 
 /* Gated API body: run `call` inside the gate, log, return. */
 #define API(call, fmt, ...)                                                  \
