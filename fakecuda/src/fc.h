@@ -6,7 +6,7 @@
  * Everything declared here is hidden: the library exports only the cu* names that
  * proc_address.def lists.
  *
- * Files, bottom to top (a file calls only files below it):
+ * Files, lowest layer first (a file calls only files listed before it):
  *   core.c                  configuration, call log, entry gate, fork handling
  *   device.c                devices and contexts (cuDevice*, cuDevicePrimaryCtx*, cuCtx*)
  *   vmm_table.c             the tables every kind of device memory lives in
