@@ -343,7 +343,7 @@ CUresult mc_wait_handle(CUmemGenericAllocationHandle h, uintptr_t va, uint64_t o
                         const char *what);
 
 /* ------------------------------------------------------------------ checkpoint control protocol */
-/* The target (checkpoint_target.c) serves the abstract socket "\0fakecuda-<pid>"
+/* The target (checkpoint_target.c) serves the abstract socket "\0fakecuda-<pid>" (ck_addr)
  * (SOCK_SEQPACKET, one request per connection); the controller (checkpoint_controller.c)
  * connects to it. */
 
@@ -369,7 +369,7 @@ static inline socklen_t ck_addr(struct sockaddr_un *a, int pid)
     return (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + (size_t)n);
 }
 
-
+/* Bind the control socket and start the control thread (cuInit, once). */
 void ckpt_start(void);
 
 #pragma GCC visibility pop
