@@ -1,0 +1,266 @@
+/*
+ * checkpoint_target.c: the target side of the checkpoint API (CUDA driver API,
+ * "Checkpointing"). A control thread started at the first successful cuInit serves the
+ * abstract socket "\0fakecuda-<pid>" (SOCK_SEQPACKET, one request per connection, fc.h has
+ * the protocol); its tid is the restore thread id. Lock closes the entry gate and drains it,
+ * Checkpoint copies device memory out and leaves reservations, Restore maps it back at the
+ * same VAs, Unlock opens the gate. It owns the process state; it touches the gate and every
+ * VMM table, and calls vmm_table.c and core.c.
+ */
+#include "fc.h"
+
+/* ------------------------------------------------------------------ checkpoint target */
+
+static int g_ck_state = CU_PROCESS_STATE_RUNNING; /* owned by the control thread */
+static pid_t g_ck_tid;
+
+static void deadline_after(struct timespec *ts, unsigned ms)
+{
+    clock_gettime(CLOCK_REALTIME, ts);
+    ts->tv_sec += ms / 1000;
+    ts->tv_nsec += (long)(ms % 1000) * 1000000L;
+    if (ts->tv_nsec >= 1000000000L) {
+        ts->tv_sec++;
+        ts->tv_nsec -= 1000000000L;
+    }
+}
+
+static CUresult ck_lock(unsigned timeout_ms)
+{
+    if (g_ck_state != CU_PROCESS_STATE_RUNNING)
+        return CUDA_ERROR_ILLEGAL_STATE;
+    struct timespec dl;
+    deadline_after(&dl, timeout_ms);
+    pthread_mutex_lock(&g_gate.mu);
+    atomic_store(&g_gate.closed, 1);
+    while (atomic_load(&g_gate.inflight) > 0 || g_gate.pending_ops > 0) {
+        int e = timeout_ms ? pthread_cond_timedwait(&g_gate.cv, &g_gate.mu, &dl)
+                           : pthread_cond_wait(&g_gate.cv, &g_gate.mu);
+        if (e == ETIMEDOUT && (atomic_load(&g_gate.inflight) > 0 || g_gate.pending_ops > 0)) {
+            long inflight = atomic_load(&g_gate.inflight), pend = g_gate.pending_ops;
+            atomic_store(&g_gate.closed, 0);
+            pthread_cond_broadcast(&g_gate.cv);
+            pthread_mutex_unlock(&g_gate.mu);
+            fc_logline("fakecuda: lock timed out after %u ms: %ld calls in flight, %ld stream ops pending",
+                       timeout_ms, inflight, pend);
+            return CUDA_ERROR_NOT_READY;
+        }
+    }
+    pthread_mutex_unlock(&g_gate.mu);
+    g_ck_state = CU_PROCESS_STATE_LOCKED;
+    return CUDA_SUCCESS;
+}
+
+static CUresult ck_checkpoint(void)
+{
+    if (g_ck_state != CU_PROCESS_STATE_LOCKED)
+        return CUDA_ERROR_ILLEGAL_STATE;
+    pthread_mutex_lock(&g_mu);
+    /* A multicast object held in any way (handle, mapping, binding): the real driver hangs
+     * (nccl PR #2340); the fake refuses instead. */
+    int nmc = 0;
+    struct fc_alloc *mc1 = NULL;
+    for (struct fc_alloc *a = g_allocs; a; a = a->next)
+        if (a->kind == FC_KIND_MULTICAST) {
+            nmc++;
+            mc1 = a;
+        }
+    if (nmc) {
+        int handles = mc1->handles, maps = mc1->maps, binds = mc1->binds;
+        uint64_t id = mc1->object_id;
+        pthread_mutex_unlock(&g_mu);
+        fc_loud("checkpoint refused: the process holds %d multicast object(s) (object %" PRIu64 ": %d handle "
+                "refs, %d mappings, %d bindings); the real driver hangs on them -> CUDA_ERROR_NOT_SUPPORTED",
+                nmc, id, handles, maps, binds);
+        return CUDA_ERROR_NOT_SUPPORTED;
+    }
+    /* An exported fd still open in this process carries the sharing: the real driver cannot
+     * dump it. */
+    struct fc_export **pp = &g_exports;
+    while (*pp) {
+        struct fc_export *x = *pp;
+        struct stat st;
+        if (fstat(x->fd, &st) == 0 && st.st_dev == x->st_dev && st.st_ino == x->st_ino) {
+            pthread_mutex_unlock(&g_mu);
+            fc_loud("checkpoint refused: exported fd %d of allocation handle %llu (object %" PRIu64
+                    ") is still open -> CUDA_ERROR_NOT_SUPPORTED",
+                    x->fd, x->handle, x->object_id);
+            return CUDA_ERROR_NOT_SUPPORTED;
+        }
+        *pp = x->next; /* closed (or the number was reused): forget it */
+        free(x);
+    }
+    /* host buffers for every VMM allocation and every cuMemAlloc buffer, or nothing changes */
+    int nomem = 0;
+    for (struct fc_alloc *a = g_allocs; a; a = a->next)
+        nomem |= !(a->saved = malloc(a->size ? a->size : 1));
+    for (struct fc_dmem *d = g_dmems; d; d = d->next)
+        nomem |= !(d->saved = malloc(d->mapped));
+    if (nomem) {
+        for (struct fc_alloc *a = g_allocs; a; a = a->next) {
+            free(a->saved);
+            a->saved = NULL;
+        }
+        for (struct fc_dmem *d = g_dmems; d; d = d->next) {
+            free(d->saved);
+            d->saved = NULL;
+        }
+        pthread_mutex_unlock(&g_mu);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    /* cuMemAlloc memory: copied out, its range becomes a PROT_NONE reservation (CRIU sees no
+     * device memory), Restore maps it back at the same VA */
+    for (struct fc_dmem *d = g_dmems; d; d = d->next) {
+        memcpy(d->saved, (const void *)d->va, d->mapped);
+        make_reserved(d->va, d->mapped);
+    }
+    for (struct fc_alloc *a = g_allocs; a; a = a->next) {
+        size_t got = 0;
+        while (got < a->size) {
+            ssize_t n = pread(a->fd, (char *)a->saved + got, a->size - got, (off_t)got);
+            if (n <= 0)
+                break;
+            got += (size_t)n;
+        }
+    }
+    for (struct fc_map *m = g_maps; m; m = m->next)
+        make_reserved(m->va, m->size);
+    for (struct fc_alloc *a = g_allocs; a; a = a->next) {
+        close(a->fd);
+        a->fd = -1;
+    }
+    pthread_mutex_unlock(&g_mu);
+    g_ck_state = CU_PROCESS_STATE_CHECKPOINTED;
+    return CUDA_SUCCESS;
+}
+
+static CUresult ck_restore(void)
+{
+    if (g_ck_state != CU_PROCESS_STATE_CHECKPOINTED)
+        return CUDA_ERROR_ILLEGAL_STATE;
+    pthread_mutex_lock(&g_mu);
+    CUresult r = CUDA_SUCCESS;
+    for (struct fc_alloc *a = g_allocs; a && r == CUDA_SUCCESS; a = a->next) {
+        int fd = new_memfd(a->size);
+        struct stat st;
+        if (fd < 0 || fstat(fd, &st) != 0) {
+            r = CUDA_ERROR_OUT_OF_MEMORY;
+            break;
+        }
+        size_t put = 0;
+        while (put < a->size) {
+            ssize_t n = pwrite(fd, (char *)a->saved + put, a->size - put, (off_t)put);
+            if (n <= 0)
+                break;
+            put += (size_t)n;
+        }
+        a->fd = fd;
+        a->st_dev = st.st_dev;
+        a->st_ino = st.st_ino;
+        a->creator_pid = (int)getpid(); /* a private copy now */
+        write_meta(fd, a);
+        free(a->saved);
+        a->saved = NULL;
+    }
+    for (struct fc_map *m = g_maps; m && r == CUDA_SUCCESS; m = m->next) {
+        if (mmap((void *)m->va, m->size, PROT_NONE, MAP_SHARED | MAP_FIXED, m->alloc->fd, (off_t)m->offset) ==
+            MAP_FAILED)
+            r = CUDA_ERROR_OUT_OF_MEMORY;
+        else
+            map_apply_prot(m);
+    }
+    for (struct fc_dmem *d = g_dmems; d && r == CUDA_SUCCESS; d = d->next) {
+        if (!d->saved)
+            continue;
+        if (mmap((void *)d->va, d->mapped, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0) == MAP_FAILED) {
+            r = CUDA_ERROR_OUT_OF_MEMORY;
+            break;
+        }
+        memcpy((void *)d->va, d->saved, d->mapped);
+        free(d->saved);
+        d->saved = NULL;
+    }
+    pthread_mutex_unlock(&g_mu);
+    if (r != CUDA_SUCCESS) {
+        g_ck_state = CU_PROCESS_STATE_FAILED;
+        fc_loud("restore failed: %s", fc_errname(r));
+        return r;
+    }
+    g_ck_state = CU_PROCESS_STATE_LOCKED;
+    return CUDA_SUCCESS;
+}
+
+static CUresult ck_unlock(void)
+{
+    if (g_ck_state != CU_PROCESS_STATE_LOCKED)
+        return CUDA_ERROR_ILLEGAL_STATE;
+    g_ck_state = CU_PROCESS_STATE_RUNNING;
+    pthread_mutex_lock(&g_gate.mu);
+    atomic_store(&g_gate.closed, 0);
+    pthread_cond_broadcast(&g_gate.cv);
+    pthread_mutex_unlock(&g_gate.mu);
+    return CUDA_SUCCESS;
+}
+
+static const char *ck_opname(uint32_t op)
+{
+    static const char *n[] = {"?", "GetState", "Lock", "Checkpoint", "Restore", "Unlock", "GetRestoreThreadId"};
+    return op < sizeof n / sizeof n[0] ? n[op] : "?";
+}
+
+static void *ck_thread(void *arg)
+{
+    (void)arg;
+    g_ck_tid = fc_tid();
+    for (;;) {
+        int c = accept4(g_ck_listen, NULL, NULL, SOCK_CLOEXEC);
+        if (c < 0) {
+            if (errno == EINTR || errno == ECONNABORTED)
+                continue;
+            struct timespec ts = {0, 10000000};
+            nanosleep(&ts, NULL);
+            continue;
+        }
+        struct ck_req q;
+        struct ck_rep p = {CUDA_ERROR_INVALID_VALUE, 0};
+        ssize_t n = recv(c, &q, sizeof q, 0);
+        if (n == (ssize_t)sizeof q && q.magic == CK_MAGIC) {
+            switch (q.op) {
+            case CK_GETSTATE: p.result = CUDA_SUCCESS; p.value = g_ck_state; break;
+            case CK_GETTID: p.result = CUDA_SUCCESS; p.value = g_ck_tid; break;
+            case CK_LOCK: p.result = ck_lock(q.timeout_ms); break;
+            case CK_CHECKPOINT: p.result = ck_checkpoint(); break;
+            case CK_RESTORE: p.result = ck_restore(); break;
+            case CK_UNLOCK: p.result = ck_unlock(); break;
+            }
+            fc_logline("fakecuda: control %s = %s (state %d)", ck_opname(q.op), fc_errname(p.result), g_ck_state);
+        }
+        ssize_t w = send(c, &p, sizeof p, MSG_NOSIGNAL);
+        (void)w;
+        close(c);
+    }
+    return NULL;
+}
+
+void ckpt_start(void)
+{
+    int s = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    struct sockaddr_un a;
+    socklen_t len = ck_addr(&a, (int)getpid());
+    if (s < 0 || bind(s, (struct sockaddr *)&a, len) != 0 || listen(s, 16) != 0) {
+        fc_loud("cannot serve the checkpoint control socket: %s", strerror(errno));
+        if (s >= 0)
+            close(s);
+        return;
+    }
+    g_ck_listen = s;
+    pthread_t t;
+    pthread_attr_t at;
+    pthread_attr_init(&at);
+    pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+    pthread_attr_setstacksize(&at, 256 * 1024);
+    if (pthread_create(&t, &at, ck_thread, NULL) != 0)
+        fc_loud("cannot start the checkpoint control thread");
+    pthread_attr_destroy(&at);
+}

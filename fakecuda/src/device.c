@@ -1,0 +1,391 @@
+/*
+ * device.c: devices and contexts. The device table (ordinals, UUIDs, attributes), the
+ * contexts (primary and created, the per-thread context stack) and their API: cuDevice*,
+ * cuDevicePrimaryCtx*, cuCtx*. It touches the context list and the calling thread's stack,
+ * and calls only core.c.
+ */
+#include "fc.h"
+
+/* ------------------------------------------------------------------ devices */
+
+int dev_ok(CUdevice d) { return d >= 0 && d < g_ndev; }
+
+void dev_uuid(int d, CUuuid *u)
+{
+    static const char base[16] = "fakecudaGPU-uuid";
+    memcpy(u->bytes, base, 16);
+    u->bytes[15] = (char)d;
+    u->bytes[14] = (char)(d >> 8);
+}
+
+static int dev_attr(CUdevice_attribute a)
+{
+    switch ((int)a) {
+    case CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK: return 1024;
+    case CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_X: return 1024;
+    case CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Y: return 1024;
+    case CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Z: return 64;
+    case CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_X: return 2147483647;
+    case CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Y: return 65535;
+    case CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Z: return 65535;
+    case CU_DEVICE_ATTRIBUTE_WARP_SIZE: return 32;
+    case CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: return 132;
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: return 9;
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: return 0;
+    case CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING: return 1;
+    case CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS: return 0;
+    case CU_DEVICE_ATTRIBUTE_MANAGED_MEMORY: return 0;
+    case CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1: return 1;
+    case CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS_V1: return 1;
+    case CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_WAIT_VALUE_NOR_V1: return 1;
+    case CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES: return 0;
+    case CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS: return 1;
+    case CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_WAIT_VALUE_NOR: return 1;
+    case CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: return 1;
+    case CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED: return 1;
+    case CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED: return 1;
+    case CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED: return 0;
+    case CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED: return 1;
+    case CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: return 0;
+    case CU_DEVICE_ATTRIBUTE_HOST_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: return 0;
+    case CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED: return 0;
+    default: return 0;
+    }
+}
+
+/* ------------------------------------------------------------------ contexts */
+
+struct fc_ctx g_prim[FC_MAX_DEVICES];
+static struct fc_ctx *g_ctxs;           /* every context, primary or created (never freed) */
+
+static __thread struct fc_ctx *tls_ctxstack[32];
+static __thread int tls_ctxdepth;
+
+struct fc_ctx *cur_ctx(void) { return tls_ctxdepth ? tls_ctxstack[tls_ctxdepth - 1] : NULL; }
+
+static void set_cur_ctx(struct fc_ctx *c)
+{
+    if (tls_ctxdepth == 0)
+        tls_ctxdepth = 1;
+    tls_ctxstack[tls_ctxdepth - 1] = c;
+}
+
+void ctx_init(struct fc_ctx *c, int dev, int primary)
+{
+    c->magic = FC_CTX_MAGIC;
+    c->dev = dev;
+    c->primary = primary;
+    c->prim_refs = 0;
+    c->dflt = NULL;
+    atomic_init(&c->sticky, 0);
+    pthread_mutex_init(&c->mu, NULL);
+    pthread_cond_init(&c->cv, NULL);
+    c->pending = 0;
+    c->next = g_ctxs;
+    g_ctxs = c;
+}
+
+int ctx_valid(struct fc_ctx *c)
+{
+    for (struct fc_ctx *p = g_ctxs; p; p = p->next)
+        if (p == c)
+            return p->magic == FC_CTX_MAGIC;
+    return 0;
+}
+
+/* Wait until every op queued on the context's streams ran; its sticky error, if any. */
+CUresult ctx_sync(struct fc_ctx *c)
+{
+    pthread_mutex_lock(&c->mu);
+    while (c->pending)
+        pthread_cond_wait(&c->cv, &c->mu);
+    pthread_mutex_unlock(&c->mu);
+    return (CUresult)atomic_load(&c->sticky);
+}
+
+/* ------------------------------------------------------------------ devices API */
+
+static CUresult device_get(CUdevice *d, int ordinal)
+{
+    if (!d)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!dev_ok(ordinal))
+        return CUDA_ERROR_INVALID_DEVICE;
+    *d = ordinal;
+    return CUDA_SUCCESS;
+}
+
+FC_EXPORT CUresult cuDeviceGet(CUdevice *device, int ordinal)
+{
+    API(device_get(device, ordinal), "ordinal=%d", ordinal);
+}
+
+FC_EXPORT CUresult cuDeviceGetCount(int *count)
+{
+    API(count ? (*count = g_ndev, CUDA_SUCCESS) : CUDA_ERROR_INVALID_VALUE, "");
+}
+
+static CUresult device_name(char *name, int len, CUdevice d)
+{
+    if (!name || len <= 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!dev_ok(d))
+        return CUDA_ERROR_INVALID_DEVICE;
+    snprintf(name, (size_t)len, "fakecuda GPU %d", d);
+    return CUDA_SUCCESS;
+}
+
+FC_EXPORT CUresult cuDeviceGetName(char *name, int len, CUdevice dev)
+{
+    API(device_name(name, len, dev), "dev=%d", dev);
+}
+
+static CUresult device_uuid(CUuuid *u, CUdevice d)
+{
+    if (!u)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!dev_ok(d))
+        return CUDA_ERROR_INVALID_DEVICE;
+    dev_uuid(d, u);
+    return CUDA_SUCCESS;
+}
+
+FC_EXPORT CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev)
+{
+    API(device_uuid(uuid, dev), "dev=%d", dev);
+}
+
+FC_EXPORT CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev)
+{
+    API(device_uuid(uuid, dev), "dev=%d", dev);
+}
+
+static CUresult device_totalmem(size_t *b, CUdevice d)
+{
+    if (!b)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!dev_ok(d))
+        return CUDA_ERROR_INVALID_DEVICE;
+    *b = (size_t)g_totalmem;
+    return CUDA_SUCCESS;
+}
+
+FC_EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
+{
+    API(device_totalmem(bytes, dev), "dev=%d", dev);
+}
+
+static CUresult device_attr(int *pi, CUdevice_attribute a, CUdevice d)
+{
+    if (!pi || (int)a < 1 || (int)a >= (int)CU_DEVICE_ATTRIBUTE_MAX)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!dev_ok(d))
+        return CUDA_ERROR_INVALID_DEVICE;
+    *pi = dev_attr(a);
+    return CUDA_SUCCESS;
+}
+
+FC_EXPORT CUresult cuDeviceGetAttribute(int *pi, CUdevice_attribute attrib, CUdevice dev)
+{
+    API(device_attr(pi, attrib, dev), "attrib=%d dev=%d", (int)attrib, dev);
+}
+
+/* ------------------------------------------------------------------ contexts API */
+
+static CUresult prim_retain(CUcontext *pctx, CUdevice d)
+{
+    if (!pctx)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!dev_ok(d))
+        return CUDA_ERROR_INVALID_DEVICE;
+    pthread_mutex_lock(&g_mu);
+    g_prim[d].prim_refs++;
+    pthread_mutex_unlock(&g_mu);
+    *pctx = (CUcontext)&g_prim[d];
+    return CUDA_SUCCESS;
+}
+
+static CUresult prim_release(CUdevice d)
+{
+    if (!dev_ok(d))
+        return CUDA_ERROR_INVALID_DEVICE;
+    CUresult r = CUDA_SUCCESS;
+    pthread_mutex_lock(&g_mu);
+    if (g_prim[d].prim_refs <= 0)
+        r = CUDA_ERROR_INVALID_CONTEXT;
+    else
+        g_prim[d].prim_refs--;
+    pthread_mutex_unlock(&g_mu);
+    return r;
+}
+
+static CUresult prim_state(CUdevice d, unsigned *flags, int *active)
+{
+    if (!flags || !active)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!dev_ok(d))
+        return CUDA_ERROR_INVALID_DEVICE;
+    pthread_mutex_lock(&g_mu);
+    *flags = 0;
+    *active = g_prim[d].prim_refs > 0;
+    pthread_mutex_unlock(&g_mu);
+    return CUDA_SUCCESS;
+}
+
+FC_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
+{
+    API(prim_retain(pctx, dev), "dev=%d", dev);
+}
+
+FC_EXPORT CUresult cuDevicePrimaryCtxRelease(CUdevice dev)
+{
+    API(prim_release(dev), "dev=%d", dev);
+}
+
+FC_EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev)
+{
+    API(prim_release(dev), "dev=%d", dev);
+}
+
+FC_EXPORT CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags, int *active)
+{
+    API(prim_state(dev, flags, active), "dev=%d", dev);
+}
+
+static CUresult ctx_set_current(CUcontext c)
+{
+    if (c) {
+        pthread_mutex_lock(&g_mu);
+        int ok = ctx_valid((struct fc_ctx *)c);
+        pthread_mutex_unlock(&g_mu);
+        if (!ok)
+            return CUDA_ERROR_INVALID_CONTEXT;
+    }
+    set_cur_ctx((struct fc_ctx *)c);
+    return CUDA_SUCCESS;
+}
+
+FC_EXPORT CUresult cuCtxSetCurrent(CUcontext ctx)
+{
+    API(ctx_set_current(ctx), "ctx=%p", (void *)ctx);
+}
+
+FC_EXPORT CUresult cuCtxGetCurrent(CUcontext *pctx)
+{
+    API(pctx ? (*pctx = (CUcontext)cur_ctx(), CUDA_SUCCESS) : CUDA_ERROR_INVALID_VALUE, "");
+}
+
+static CUresult ctx_get_device(CUdevice *d)
+{
+    if (!d)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct fc_ctx *c = cur_ctx();
+    if (!c)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    *d = c->dev;
+    return CUDA_SUCCESS;
+}
+
+FC_EXPORT CUresult cuCtxGetDevice(CUdevice *device)
+{
+    API(ctx_get_device(device), "");
+}
+
+static CUresult ctx_synchronize(void)
+{
+    struct fc_ctx *c = cur_ctx();
+    return c ? ctx_sync(c) : CUDA_ERROR_INVALID_CONTEXT;
+}
+
+FC_EXPORT CUresult cuCtxSynchronize(void)
+{
+    API(ctx_synchronize(), "");
+}
+
+static CUresult ctx_create(CUcontext *pctx, unsigned flags, CUdevice d)
+{
+    if (!pctx)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!dev_ok(d))
+        return CUDA_ERROR_INVALID_DEVICE;
+    struct fc_ctx *c = calloc(1, sizeof *c);
+    if (!c)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    pthread_mutex_lock(&g_mu);
+    ctx_init(c, d, 0);
+    pthread_mutex_unlock(&g_mu);
+    if (tls_ctxdepth < 32)
+        tls_ctxstack[tls_ctxdepth++] = c;
+    *pctx = (CUcontext)c;
+    return CUDA_SUCCESS;
+}
+
+FC_EXPORT CUresult cuCtxCreate(CUcontext *pctx, unsigned int flags, CUdevice dev)
+{
+    API(ctx_create(pctx, flags, dev), "flags=%u dev=%d", flags, dev);
+}
+
+FC_EXPORT CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev)
+{
+    API(ctx_create(pctx, flags, dev), "flags=%u dev=%d", flags, dev);
+}
+
+static CUresult ctx_create4(CUcontext *pctx, CUctxCreateParams *p, unsigned flags, CUdevice d)
+{
+    if (p && (p->execAffinityParams || p->numExecAffinityParams || p->cigParams))
+        return CUDA_ERROR_NOT_SUPPORTED;
+    return ctx_create(pctx, flags, d);
+}
+
+FC_EXPORT CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *ctxCreateParams, unsigned int flags,
+                                  CUdevice dev)
+{
+    API(ctx_create4(pctx, ctxCreateParams, flags, dev), "flags=%u dev=%d", flags, dev);
+}
+
+static CUresult ctx_destroy(CUcontext ctx)
+{
+    struct fc_ctx *c = (struct fc_ctx *)ctx;
+    pthread_mutex_lock(&g_mu);
+    int ok = c && ctx_valid(c) && !c->primary;
+    pthread_mutex_unlock(&g_mu);
+    if (!ok)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    ctx_sync(c);
+    pthread_mutex_lock(&g_mu);
+    c->magic = 0; /* stays allocated: a stale CUcontext must not crash a later call */
+    pthread_mutex_unlock(&g_mu);
+    for (int i = 0; i < tls_ctxdepth; i++)
+        if (tls_ctxstack[i] == c)
+            tls_ctxstack[i] = NULL;
+    return CUDA_SUCCESS;
+}
+
+FC_EXPORT CUresult cuCtxDestroy(CUcontext ctx) { API(ctx_destroy(ctx), "ctx=%p", (void *)ctx); }
+FC_EXPORT CUresult cuCtxDestroy_v2(CUcontext ctx) { API(ctx_destroy(ctx), "ctx=%p", (void *)ctx); }
+
+static CUresult ctx_push(CUcontext ctx)
+{
+    pthread_mutex_lock(&g_mu);
+    int ok = ctx && ctx_valid((struct fc_ctx *)ctx);
+    pthread_mutex_unlock(&g_mu);
+    if (!ok)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    if (tls_ctxdepth >= 32)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    tls_ctxstack[tls_ctxdepth++] = (struct fc_ctx *)ctx;
+    return CUDA_SUCCESS;
+}
+
+static CUresult ctx_pop(CUcontext *pctx)
+{
+    if (tls_ctxdepth == 0 || !tls_ctxstack[tls_ctxdepth - 1])
+        return CUDA_ERROR_INVALID_CONTEXT;
+    if (pctx)
+        *pctx = (CUcontext)tls_ctxstack[tls_ctxdepth - 1];
+    tls_ctxdepth--;
+    return CUDA_SUCCESS;
+}
+
+FC_EXPORT CUresult cuCtxPushCurrent_v2(CUcontext ctx) { API(ctx_push(ctx), "ctx=%p", (void *)ctx); }
+FC_EXPORT CUresult cuCtxPopCurrent_v2(CUcontext *pctx) { API(ctx_pop(pctx), ""); }

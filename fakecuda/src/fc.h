@@ -1,0 +1,377 @@
+/*
+ * fc.h: fakecuda's private header (see docs/fakecuda.md, "Source layout"). It holds what more
+ * than one file needs: the build constants, the configuration and the call log, the entry
+ * gate and its API macros, the shared types (contexts, the VMM tables, the multicast team,
+ * copy-engine ops, the checkpoint control protocol) and the helpers other files call.
+ * Everything declared here is hidden: the library exports only the cu* names that
+ * proc_address.def lists.
+ *
+ * Files, lowest layer first (a file calls only files listed before it):
+ *   core.c                  configuration, call log, entry gate, fork handling
+ *   device.c                devices and contexts (cuDevice*, cuDevicePrimaryCtx*, cuCtx*)
+ *   vmm_table.c             the tables every kind of device memory lives in
+ *   copy.c                  the copy engine (runs one op; multicast writes reach the members)
+ *   stream.c                streams and stream memory operations
+ *   memory.c                cuMemAlloc memory, page-locked host memory, copies and sets
+ *   multicast.c             multicast objects (cuMulticast*)
+ *   vmm.c                   the VMM API (cuMemCreate, cuMemMap, cuMemSetAccess, export, ...)
+ *   checkpoint_target.c     the control thread serving this process's checkpoint requests
+ *   checkpoint_controller.c cuCheckpointProcess* (the client of another process's target)
+ *   init.c                  cuInit, cuDriverGetVersion, cuGetErrorName/String
+ *   proc_address.c          cuGetProcAddress[_v2] over the table in proc_address.def
+ */
+#ifndef FAKECUDA_FC_H
+#define FAKECUDA_FC_H
+
+#define _GNU_SOURCE
+#define __CUDA_API_VERSION_INTERNAL 1 /* declare every ELF spelling (v1, _v2, _ptds, _ptsz) */
+#pragma GCC visibility push(default)
+#include <cuda.h>
+#pragma GCC visibility pop
+
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#define FC_EXPORT __attribute__((visibility("default")))
+#define FC_DRIVER_VERSION 13010
+#define FC_MAX_DEVICES 16
+#define FC_META_MAGIC "FAKECUDA"
+#define FC_META_VERSION 1u
+#define FC_KIND_ALLOCATION 1u
+#define FC_KIND_MULTICAST 2u
+#define FC_SHIM_TAG 0xC01Eull
+
+#pragma GCC visibility push(hidden)
+
+/* ------------------------------------------------------------------ configuration (core.c) */
+
+extern atomic_int g_inited;
+extern int g_ndev;              /* FAKECUDA_DEVICE_COUNT */
+extern size_t g_gran;           /* FAKECUDA_GRANULARITY */
+extern size_t g_page;
+extern unsigned long long g_totalmem; /* FAKECUDA_TOTAL_MEM */
+enum { HINT_HONOR, HINT_IGNORE, HINT_FAIL };
+extern int g_hint_mode;         /* FAKECUDA_RESERVE_HINT */
+extern unsigned long long g_mc_watchdog_ms; /* FAKECUDA_MULTICAST_WATCHDOG_MS (0: wait forever) */
+extern unsigned long long g_mc_rounding;    /* FAKECUDA_MULTICAST_CAPACITY_ROUNDING (0: none) */
+extern int g_forked_child;      /* a child forked after cuInit (the driver is unusable there) */
+extern int g_ck_listen;         /* the checkpoint control socket (checkpoint_target.c) */
+
+/* ------------------------------------------------------------------ call log (core.c) */
+
+pid_t fc_tid(void);
+const char *fc_errname(CUresult r);
+void fc_logline(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+void fc_loud(const char *fmt, ...) __attribute__((format(printf, 1, 2))); /* stderr and the call log */
+void fc_log_call(const char *fn, CUresult r, const char *fmt, ...);
+
+/* ------------------------------------------------------------------ entry gate (state in core.c) */
+/* Inline: every API call passes it. Every gated API increments `inflight` while it runs. cuCheckpointProcessLock closes the
+ * gate (new calls block), then waits for inflight == 0 and pending stream ops == 0. */
+
+struct fc_gate {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    atomic_int closed;       /* set by Lock; new calls park */
+    atomic_long inflight;    /* gated calls running now */
+    long pending_ops;        /* queued stream ops (under mu) */
+};
+extern struct fc_gate g_gate;
+
+/* Fast path: one atomic increment and one load (seq_cst on both sides: the locker stores
+ * `closed` then reads `inflight`, an entrant increments `inflight` then reads `closed`, so at
+ * least one sees the other). Slow path, only while locked: park on the condition variable. */
+static inline CUresult api_enter(void)
+{
+    if (!atomic_load_explicit(&g_inited, memory_order_acquire))
+        return CUDA_ERROR_NOT_INITIALIZED;
+    atomic_fetch_add(&g_gate.inflight, 1);
+    if (!atomic_load(&g_gate.closed))
+        return CUDA_SUCCESS;
+    pthread_mutex_lock(&g_gate.mu);
+    atomic_fetch_sub(&g_gate.inflight, 1);
+    pthread_cond_broadcast(&g_gate.cv);
+    while (atomic_load(&g_gate.closed))
+        pthread_cond_wait(&g_gate.cv, &g_gate.mu);
+    atomic_fetch_add(&g_gate.inflight, 1);
+    pthread_mutex_unlock(&g_gate.mu);
+    return CUDA_SUCCESS;
+}
+
+static inline void api_leave(void)
+{
+    if (atomic_fetch_sub(&g_gate.inflight, 1) == 1 && atomic_load(&g_gate.closed)) {
+        pthread_mutex_lock(&g_gate.mu);
+        pthread_cond_broadcast(&g_gate.cv);
+        pthread_mutex_unlock(&g_gate.mu);
+    }
+}
+
+static inline CUresult api_initonly(void)
+{
+    return atomic_load_explicit(&g_inited, memory_order_acquire) ? CUDA_SUCCESS
+                                                                 : CUDA_ERROR_NOT_INITIALIZED;
+}
+
+/* Gated API body: run `call` inside the gate, log, return. */
+#define API(call, fmt, ...)                                                  \
+    do {                                                                     \
+        CUresult r_ = api_enter();                                           \
+        if (r_ == CUDA_SUCCESS) {                                            \
+            r_ = (call);                                                     \
+            api_leave();                                                     \
+        }                                                                    \
+        fc_log_call(__func__, r_, fmt, ##__VA_ARGS__);                       \
+        return r_;                                                           \
+    } while (0)
+
+/* Ungated API (needs cuInit only unless `needinit` is 0). */
+#define API_NOGATE(needinit, call, fmt, ...)                                 \
+    do {                                                                     \
+        CUresult r_ = (needinit) ? api_initonly() : CUDA_SUCCESS;            \
+        if (r_ == CUDA_SUCCESS)                                              \
+            r_ = (call);                                                     \
+        fc_log_call(__func__, r_, fmt, ##__VA_ARGS__);                       \
+        return r_;                                                           \
+    } while (0)
+
+/* Output arguments are logged only when the call succeeded (r_ is the API macro's result). */
+#define OUT64(p) ((r_ == CUDA_SUCCESS && (p)) ? (unsigned long long)*(p) : 0ull)
+#define OUTI(p) ((r_ == CUDA_SUCCESS && (p)) ? (int)*(p) : -1)
+
+/* One mutex for every table (contexts, streams, reservations, allocations, mappings). */
+extern pthread_mutex_t g_mu;
+
+/* ------------------------------------------------------------------ devices, contexts (device.c) */
+
+#define FC_CTX_MAGIC 0xfc0c7e47u
+
+struct fc_stream;
+struct fc_ctx {
+    unsigned magic;
+    int dev;
+    int primary;
+    int prim_refs;
+    struct fc_stream *dflt;   /* the NULL/legacy/per-thread stream of this context */
+    atomic_int sticky;        /* first asynchronous error, returned by every later sync */
+    pthread_mutex_t mu;       /* guards pending */
+    pthread_cond_t cv;
+    long pending;             /* queued ops across this context's streams */
+    struct fc_ctx *next;
+};
+
+extern struct fc_ctx g_prim[FC_MAX_DEVICES];
+
+int dev_ok(CUdevice d);
+void dev_uuid(int d, CUuuid *u);
+struct fc_ctx *cur_ctx(void);
+void ctx_init(struct fc_ctx *c, int dev, int primary);
+int ctx_valid(struct fc_ctx *c);
+CUresult ctx_sync(struct fc_ctx *c);
+
+/* ------------------------------------------------------------------ VMM tables (vmm_table.c) */
+
+struct fc_meta {                 /* the trailing metadata page of every allocation memfd */
+    char magic[8];
+    uint32_t version;
+    uint32_t kind;               /* FC_KIND_ALLOCATION or FC_KIND_MULTICAST */
+    uint64_t size;
+    CUmemAllocationProp prop;
+    int32_t device;
+    int32_t creator_pid;
+    uint64_t object_id;
+};
+
+/* A multicast object's team, shared by every process that holds the object: it lives at the
+ * start of the object's memfd (metadata page after it), mapped MAP_SHARED, guarded by a
+ * process-shared robust mutex. A member is a (pid, device) pair (see docs/fakecuda.md). */
+#define FC_MC_MAX_MEMBERS 64
+#define FC_MC_MAX_BINDS 512
+#define FC_TEAM_MAGIC 0xfc7ea3c1u
+
+struct fc_team_member {
+    int32_t pid;
+    int32_t dev;
+};
+
+struct fc_team_bind {
+    int32_t pid, dev;            /* the binding member */
+    int32_t fd;                  /* the bound allocation's memfd number in that process */
+    uint32_t used;
+    uint64_t st_dev, st_ino;     /* ... and its identity (checked before every access) */
+    uint64_t mc_off, mem_off, size;
+    uint64_t object_id;
+};
+
+struct fc_team {
+    pthread_mutex_t mu;
+    uint32_t magic, num_devices;
+    uint64_t size, capacity, handle_types;
+    int32_t creator_pid;
+    uint32_t nmembers;
+    struct fc_team_member members[FC_MC_MAX_MEMBERS];
+    struct fc_team_bind binds[FC_MC_MAX_BINDS];
+};
+
+struct fc_alloc {
+    struct fc_alloc *next;
+    int fd;                      /* memfd (-1 while checkpointed) */
+    dev_t st_dev;
+    ino_t st_ino;
+    size_t size;
+    CUmemAllocationProp prop;
+    int device;
+    int creator_pid;
+    uint64_t object_id;
+    int handles;                 /* live handle values referring to it */
+    int maps;                    /* mappings of it */
+    int binds;                   /* multicast bindings of (or, for a multicast object, into) it */
+    int pins;                    /* calls blocked on it (a multicast bind/map waiting for the team) */
+    int created_here;            /* counts against device capacity */
+    void *saved;                 /* bytes while checkpointed */
+    uint32_t kind;               /* FC_KIND_ALLOCATION or FC_KIND_MULTICAST */
+    struct fc_team *team;        /* multicast: the shared team state (mapped from the memfd) */
+};
+
+struct fc_handle {               /* indexed by handle value */
+    struct fc_alloc *alloc;
+    int refs;                    /* 0: released (stale) */
+};
+
+struct fc_map {
+    struct fc_map *next;
+    uintptr_t va;
+    size_t size, offset;
+    struct fc_alloc *alloc;
+    unsigned long long handle;   /* the value passed to cuMemMap */
+    unsigned char *acc;          /* [granule][device] CUmemAccess_flags */
+};
+
+struct fc_resv {
+    struct fc_resv *next;
+    uintptr_t va;
+    size_t size;
+};
+
+struct fc_dmem {                 /* cuMemAlloc memory */
+    struct fc_dmem *next;
+    uintptr_t va;
+    size_t size, mapped;
+    int dev;
+    void *saved;                 /* bytes while checkpointed (the range is then a reservation) */
+};
+
+struct fc_export {               /* fds handed out by cuMemExportToShareableHandle */
+    struct fc_export *next;
+    int fd;
+    dev_t st_dev;
+    ino_t st_ino;
+    unsigned long long handle;
+    uint64_t object_id;
+};
+
+extern struct fc_handle *g_handles;
+extern unsigned long long g_nhandles;
+extern struct fc_alloc *g_allocs;
+extern struct fc_map *g_maps;
+extern struct fc_resv *g_resvs;
+extern struct fc_dmem *g_dmems;
+extern struct fc_export *g_exports;
+extern uint64_t g_next_object;
+extern unsigned long long g_used[FC_MAX_DEVICES];
+
+size_t team_len(void);
+struct fc_handle *handle_get(unsigned long long h);
+int handle_new(struct fc_alloc *a, unsigned long long *out);
+struct fc_resv *resv_find(uintptr_t va, size_t size);
+struct fc_map *map_find(uintptr_t va);
+struct fc_dmem *dmem_find(uintptr_t va);
+void alloc_maybe_free(struct fc_alloc *a);
+uint64_t alloc_extent(const struct fc_alloc *a);
+int write_meta(int fd, const struct fc_alloc *a);
+int new_memfd(size_t size);
+void map_apply_prot(const struct fc_map *m);
+int make_reserved(uintptr_t va, size_t size);
+CUresult dev_check(uintptr_t va, size_t len, int dev, int write);
+void team_lock(struct fc_team *t);
+void team_unlock(struct fc_team *t);
+
+/* ------------------------------------------------------------------ copy engine (copy.c) */
+
+enum { PTR_HOST = 0, PTR_DEVICE = 1, PTR_UNIFIED = 2 };
+enum { OP_COPY, OP_SET8, OP_SET16, OP_SET32, OP_WAIT32, OP_WRITE32, OP_WAIT64, OP_WRITE64 };
+
+struct fc_op {
+    struct fc_op *next;
+    int kind;
+    uintptr_t dst, src;
+    int dkind, skind;
+    size_t n;
+    uint64_t val;
+    unsigned flags;
+};
+
+/* At enqueue: is a pointer passed as device memory device memory at all? */
+CUresult precheck(uintptr_t p, int kind);
+CUresult op_exec(const struct fc_op *op, int dev);
+
+/* ------------------------------------------------------------------ streams (stream.c) */
+
+CUresult stream_enqueue(CUstream hs, const struct fc_op *tmpl);
+CUresult stream_sync(CUstream hs, int query);
+CUresult sync_op(const struct fc_op *op);
+
+/* ------------------------------------------------------------------ multicast (multicast.c) */
+
+CUresult mc_wait_handle(CUmemGenericAllocationHandle h, uintptr_t va, uint64_t off, uint64_t size,
+                        const char *what);
+
+/* ------------------------------------------------------------------ checkpoint control protocol */
+/* The target (checkpoint_target.c) serves the abstract socket "\0fakecuda-<pid>" (ck_addr)
+ * (SOCK_SEQPACKET, one request per connection); the controller (checkpoint_controller.c)
+ * connects to it. */
+
+enum { CK_GETSTATE = 1, CK_LOCK, CK_CHECKPOINT, CK_RESTORE, CK_UNLOCK, CK_GETTID };
+
+struct ck_req {
+    uint32_t magic;
+    uint32_t op;
+    uint32_t timeout_ms;
+    uint32_t pad;
+};
+struct ck_rep {
+    int32_t result;
+    int32_t value;
+};
+#define CK_MAGIC 0xfcc4ec01u
+
+static inline socklen_t ck_addr(struct sockaddr_un *a, int pid)
+{
+    memset(a, 0, sizeof *a);
+    a->sun_family = AF_UNIX;
+    int n = snprintf(a->sun_path + 1, sizeof a->sun_path - 1, "fakecuda-%d", pid);
+    return (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + (size_t)n);
+}
+
+/* Bind the control socket and start the control thread (cuInit, once). */
+void ckpt_start(void);
+
+#pragma GCC visibility pop
+
+#endif /* FAKECUDA_FC_H */

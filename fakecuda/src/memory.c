@@ -1,0 +1,324 @@
+/*
+ * memory.c: memory that is not VMM. cuMemAlloc buffers (cuMemAlloc, cuMemFree, cuMemGetInfo,
+ * cuMemGetAddressRange), page-locked host memory (cuMemHostRegister/Unregister,
+ * cuMemAllocHost, cuMemFreeHost), and the copies and sets (cuMemcpy*, cuMemset*), queued on a
+ * stream or run in the caller. It touches the cuMemAlloc and host-memory tables, and calls
+ * stream.c, copy.c, vmm_table.c, device.c and core.c.
+ */
+#include "fc.h"
+
+/* ------------------------------------------------------------------ memory API */
+
+static CUresult mem_alloc(CUdeviceptr *dp, size_t size)
+{
+    if (!dp || size == 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct fc_ctx *c = cur_ctx();
+    if (!c)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    size_t mapped = (size + g_page - 1) & ~(g_page - 1);
+    pthread_mutex_lock(&g_mu);
+    CUresult r = CUDA_SUCCESS;
+    if (g_used[c->dev] + mapped > g_totalmem)
+        r = CUDA_ERROR_OUT_OF_MEMORY;
+    void *p = MAP_FAILED;
+    if (r == CUDA_SUCCESS) {
+        p = mmap(NULL, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (p == MAP_FAILED)
+            r = CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    struct fc_dmem *d = NULL;
+    if (r == CUDA_SUCCESS && !(d = calloc(1, sizeof *d))) {
+        munmap(p, mapped);
+        r = CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    if (r == CUDA_SUCCESS) {
+        d->va = (uintptr_t)p;
+        d->size = size;
+        d->mapped = mapped;
+        d->dev = c->dev;
+        d->next = g_dmems;
+        g_dmems = d;
+        g_used[c->dev] += mapped;
+        *dp = (CUdeviceptr)d->va;
+    }
+    pthread_mutex_unlock(&g_mu);
+    return r;
+}
+
+FC_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
+{
+    API(mem_alloc(dptr, bytesize), "bytesize=%zu dptr=0x%llx", bytesize, OUT64(dptr));
+}
+
+static CUresult mem_free(CUdeviceptr p)
+{
+    if (p == 0)
+        return CUDA_SUCCESS;
+    pthread_mutex_lock(&g_mu);
+    struct fc_dmem **pp = &g_dmems;
+    while (*pp && (*pp)->va != (uintptr_t)p)
+        pp = &(*pp)->next;
+    CUresult r = CUDA_ERROR_INVALID_VALUE;
+    if (*pp) {
+        struct fc_dmem *d = *pp;
+        *pp = d->next;
+        g_used[d->dev] -= d->mapped;
+        munmap((void *)d->va, d->mapped);
+        free(d);
+        r = CUDA_SUCCESS;
+    }
+    pthread_mutex_unlock(&g_mu);
+    return r;
+}
+
+FC_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr)
+{
+    struct fc_ctx *c;
+    API(((c = cur_ctx()) ? ctx_sync(c) : CUDA_SUCCESS, mem_free(dptr)), "dptr=0x%llx", (unsigned long long)dptr);
+}
+
+static CUresult mem_getinfo(size_t *fr, size_t *tot)
+{
+    struct fc_ctx *c = cur_ctx();
+    if (!c)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    if (!fr || !tot)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_mu);
+    *tot = (size_t)g_totalmem;
+    *fr = (size_t)(g_totalmem - g_used[c->dev]);
+    pthread_mutex_unlock(&g_mu);
+    return CUDA_SUCCESS;
+}
+
+FC_EXPORT CUresult cuMemGetInfo_v2(size_t *free_, size_t *total) { API(mem_getinfo(free_, total), ""); }
+
+static CUresult addr_range(CUdeviceptr *pbase, size_t *psize, CUdeviceptr p)
+{
+    CUresult r = CUDA_ERROR_NOT_FOUND;
+    pthread_mutex_lock(&g_mu);
+    struct fc_map *m = map_find((uintptr_t)p);
+    struct fc_dmem *d = m ? NULL : dmem_find((uintptr_t)p);
+    if (m || d) {
+        if (pbase)
+            *pbase = (CUdeviceptr)(m ? m->va : d->va);
+        if (psize)
+            *psize = m ? m->size : d->size;
+        r = CUDA_SUCCESS;
+    }
+    pthread_mutex_unlock(&g_mu);
+    return r;
+}
+
+FC_EXPORT CUresult cuMemGetAddressRange_v2(CUdeviceptr *pbase, size_t *psize, CUdeviceptr dptr)
+{
+    API(addr_range(pbase, psize, dptr), "dptr=0x%llx", (unsigned long long)dptr);
+}
+
+/* v1 ABI (32-bit sizes and pointers): only low-address ranges can be described. */
+static CUresult addr_range_v1(CUdeviceptr_v1 *pbase, unsigned int *psize, CUdeviceptr_v1 p)
+{
+    CUdeviceptr b;
+    size_t s;
+    CUresult r = addr_range(&b, &s, (CUdeviceptr)p);
+    if (r != CUDA_SUCCESS)
+        return r;
+    if (b > 0xffffffffull || s > 0xffffffffull)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (pbase)
+        *pbase = (CUdeviceptr_v1)b;
+    if (psize)
+        *psize = (unsigned int)s;
+    return CUDA_SUCCESS;
+}
+
+FC_EXPORT CUresult cuMemGetAddressRange(CUdeviceptr_v1 *pbase, unsigned int *psize, CUdeviceptr_v1 dptr)
+{
+    API(addr_range_v1(pbase, psize, dptr), "dptr=0x%x", dptr);
+}
+
+/* Page-locked host memory: cuMemHostRegister ranges and cuMemAllocHost buffers. Host memory
+ * is host memory; the table only enforces the API's rules. */
+struct fc_hostmem {
+    struct fc_hostmem *next;
+    uintptr_t va;
+    size_t size;
+    int allocated;               /* cuMemAllocHost (1) or cuMemHostRegister (0) */
+};
+static struct fc_hostmem *g_hostmem;
+
+static CUresult host_register(void *p, size_t size, unsigned flags)
+{
+    if (!cur_ctx())
+        return CUDA_ERROR_INVALID_CONTEXT;
+    if (!p || size == 0 || (flags & ~(unsigned)(CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP |
+                                                CU_MEMHOSTREGISTER_IOMEMORY | CU_MEMHOSTREGISTER_READ_ONLY)))
+        return CUDA_ERROR_INVALID_VALUE;
+    uintptr_t lo = (uintptr_t)p, hi = lo + size;
+    pthread_mutex_lock(&g_mu);
+    CUresult r = dev_check(lo, 1, -1, 0) == CUDA_ERROR_NOT_FOUND ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    for (struct fc_hostmem *h = g_hostmem; r == CUDA_SUCCESS && h; h = h->next)
+        if (h->va < hi && lo < h->va + h->size)
+            r = CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED;
+    struct fc_hostmem *h = NULL;
+    if (r == CUDA_SUCCESS && !(h = calloc(1, sizeof *h)))
+        r = CUDA_ERROR_OUT_OF_MEMORY;
+    if (h) {
+        h->va = lo;
+        h->size = size;
+        h->next = g_hostmem;
+        g_hostmem = h;
+    }
+    pthread_mutex_unlock(&g_mu);
+    return r;
+}
+
+static CUresult host_release(void *p, int allocated)
+{
+    pthread_mutex_lock(&g_mu);
+    struct fc_hostmem **pp = &g_hostmem;
+    while (*pp && !((*pp)->va == (uintptr_t)p && (*pp)->allocated == allocated))
+        pp = &(*pp)->next;
+    struct fc_hostmem *h = *pp;
+    if (h)
+        *pp = h->next;
+    pthread_mutex_unlock(&g_mu);
+    if (!h)
+        return allocated ? CUDA_ERROR_INVALID_VALUE : CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED;
+    if (allocated)
+        munmap((void *)h->va, h->size);
+    free(h);
+    return CUDA_SUCCESS;
+}
+
+static CUresult host_alloc(void **pp, size_t size)
+{
+    if (!cur_ctx())
+        return CUDA_ERROR_INVALID_CONTEXT;
+    if (!pp || size == 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    struct fc_hostmem *h = p == MAP_FAILED ? NULL : calloc(1, sizeof *h);
+    if (!h) {
+        if (p != MAP_FAILED)
+            munmap(p, size);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    h->va = (uintptr_t)p;
+    h->size = size;
+    h->allocated = 1;
+    pthread_mutex_lock(&g_mu);
+    h->next = g_hostmem;
+    g_hostmem = h;
+    pthread_mutex_unlock(&g_mu);
+    *pp = p;
+    return CUDA_SUCCESS;
+}
+
+FC_EXPORT CUresult cuMemHostRegister(void *p, size_t bytesize, unsigned int Flags)
+{ API(host_register(p, bytesize, Flags), "p=%p bytesize=%zu flags=%u", p, bytesize, Flags); }
+FC_EXPORT CUresult cuMemHostRegister_v2(void *p, size_t bytesize, unsigned int Flags)
+{ API(host_register(p, bytesize, Flags), "p=%p bytesize=%zu flags=%u", p, bytesize, Flags); }
+FC_EXPORT CUresult cuMemHostUnregister(void *p) { API(host_release(p, 0), "p=%p", p); }
+FC_EXPORT CUresult cuMemAllocHost(void **pp, unsigned int bytesize)
+{ API(host_alloc(pp, bytesize), "bytesize=%u p=%p", bytesize, (r_ == CUDA_SUCCESS && pp) ? *pp : NULL); }
+FC_EXPORT CUresult cuMemAllocHost_v2(void **pp, size_t bytesize)
+{ API(host_alloc(pp, bytesize), "bytesize=%zu p=%p", bytesize, (r_ == CUDA_SUCCESS && pp) ? *pp : NULL); }
+FC_EXPORT CUresult cuMemFreeHost(void *p) { API(host_release(p, 1), "p=%p", p); }
+
+/* Copies and sets: synchronous forms run in the caller after the default stream drains;
+ * asynchronous forms are queued on the stream. */
+static CUresult do_copy(uintptr_t dst, int dk, uintptr_t src, int sk, size_t n, CUstream hs, int async)
+{
+    if (!cur_ctx() && (!async || hs == NULL || hs == CU_STREAM_LEGACY || hs == CU_STREAM_PER_THREAD))
+        return CUDA_ERROR_INVALID_CONTEXT;
+    if (!async && cur_ctx() && atomic_load(&cur_ctx()->sticky))
+        return (CUresult)atomic_load(&cur_ctx()->sticky);
+    struct fc_op op = {.kind = OP_COPY, .dst = dst, .src = src, .dkind = dk, .skind = sk, .n = n};
+    if (n == 0)
+        return CUDA_SUCCESS;
+    CUresult r = precheck(dst, dk);
+    if (r == CUDA_SUCCESS)
+        r = precheck(src, sk);
+    if (r != CUDA_SUCCESS)
+        return r;
+    return async ? stream_enqueue(hs, &op) : sync_op(&op);
+}
+
+static CUresult do_set(uintptr_t dst, int kind, uint32_t v, size_t n, CUstream hs, int async)
+{
+    if (!cur_ctx() && (!async || hs == NULL || hs == CU_STREAM_LEGACY || hs == CU_STREAM_PER_THREAD))
+        return CUDA_ERROR_INVALID_CONTEXT;
+    size_t align = kind == OP_SET32 ? 4 : kind == OP_SET16 ? 2 : 1;
+    if (dst % align)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!async && atomic_load(&cur_ctx()->sticky))
+        return (CUresult)atomic_load(&cur_ctx()->sticky);
+    struct fc_op op = {.kind = kind, .dst = dst, .dkind = PTR_DEVICE, .n = n, .val = v};
+    if (n == 0)
+        return CUDA_SUCCESS;
+    CUresult r = precheck(dst, PTR_DEVICE);
+    if (r != CUDA_SUCCESS)
+        return r;
+    return async ? stream_enqueue(hs, &op) : sync_op(&op);
+}
+
+#define H(x) ((uintptr_t)(x))
+#define COPY_FMT "dst=0x%llx src=0x%llx bytes=%zu"
+#define COPY_ARGS(d, s, n) (unsigned long long)H(d), (unsigned long long)H(s), (size_t)(n)
+
+FC_EXPORT CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void *s, size_t n)
+{ API(do_copy(H(d), PTR_DEVICE, H(s), PTR_HOST, n, NULL, 0), COPY_FMT, COPY_ARGS(d, s, n)); }
+FC_EXPORT CUresult cuMemcpyHtoD_v2_ptds(CUdeviceptr d, const void *s, size_t n)
+{ API(do_copy(H(d), PTR_DEVICE, H(s), PTR_HOST, n, NULL, 0), COPY_FMT, COPY_ARGS(d, s, n)); }
+FC_EXPORT CUresult cuMemcpyDtoH_v2(void *d, CUdeviceptr s, size_t n)
+{ API(do_copy(H(d), PTR_HOST, H(s), PTR_DEVICE, n, NULL, 0), COPY_FMT, COPY_ARGS(d, s, n)); }
+FC_EXPORT CUresult cuMemcpyDtoH_v2_ptds(void *d, CUdeviceptr s, size_t n)
+{ API(do_copy(H(d), PTR_HOST, H(s), PTR_DEVICE, n, NULL, 0), COPY_FMT, COPY_ARGS(d, s, n)); }
+FC_EXPORT CUresult cuMemcpyDtoD_v2(CUdeviceptr d, CUdeviceptr s, size_t n)
+{ API(do_copy(H(d), PTR_DEVICE, H(s), PTR_DEVICE, n, NULL, 0), COPY_FMT, COPY_ARGS(d, s, n)); }
+FC_EXPORT CUresult cuMemcpyDtoD_v2_ptds(CUdeviceptr d, CUdeviceptr s, size_t n)
+{ API(do_copy(H(d), PTR_DEVICE, H(s), PTR_DEVICE, n, NULL, 0), COPY_FMT, COPY_ARGS(d, s, n)); }
+FC_EXPORT CUresult cuMemcpy(CUdeviceptr d, CUdeviceptr s, size_t n)
+{ API(do_copy(H(d), PTR_UNIFIED, H(s), PTR_UNIFIED, n, NULL, 0), COPY_FMT, COPY_ARGS(d, s, n)); }
+FC_EXPORT CUresult cuMemcpy_ptds(CUdeviceptr d, CUdeviceptr s, size_t n)
+{ API(do_copy(H(d), PTR_UNIFIED, H(s), PTR_UNIFIED, n, NULL, 0), COPY_FMT, COPY_ARGS(d, s, n)); }
+
+#define ACOPY_FMT COPY_FMT " stream=%p"
+FC_EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void *s, size_t n, CUstream st)
+{ API(do_copy(H(d), PTR_DEVICE, H(s), PTR_HOST, n, st, 1), ACOPY_FMT, COPY_ARGS(d, s, n), (void *)st); }
+FC_EXPORT CUresult cuMemcpyHtoDAsync_v2_ptsz(CUdeviceptr d, const void *s, size_t n, CUstream st)
+{ API(do_copy(H(d), PTR_DEVICE, H(s), PTR_HOST, n, st, 1), ACOPY_FMT, COPY_ARGS(d, s, n), (void *)st); }
+FC_EXPORT CUresult cuMemcpyDtoHAsync_v2(void *d, CUdeviceptr s, size_t n, CUstream st)
+{ API(do_copy(H(d), PTR_HOST, H(s), PTR_DEVICE, n, st, 1), ACOPY_FMT, COPY_ARGS(d, s, n), (void *)st); }
+FC_EXPORT CUresult cuMemcpyDtoHAsync_v2_ptsz(void *d, CUdeviceptr s, size_t n, CUstream st)
+{ API(do_copy(H(d), PTR_HOST, H(s), PTR_DEVICE, n, st, 1), ACOPY_FMT, COPY_ARGS(d, s, n), (void *)st); }
+FC_EXPORT CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st)
+{ API(do_copy(H(d), PTR_DEVICE, H(s), PTR_DEVICE, n, st, 1), ACOPY_FMT, COPY_ARGS(d, s, n), (void *)st); }
+FC_EXPORT CUresult cuMemcpyDtoDAsync_v2_ptsz(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st)
+{ API(do_copy(H(d), PTR_DEVICE, H(s), PTR_DEVICE, n, st, 1), ACOPY_FMT, COPY_ARGS(d, s, n), (void *)st); }
+FC_EXPORT CUresult cuMemcpyAsync(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st)
+{ API(do_copy(H(d), PTR_UNIFIED, H(s), PTR_UNIFIED, n, st, 1), ACOPY_FMT, COPY_ARGS(d, s, n), (void *)st); }
+FC_EXPORT CUresult cuMemcpyAsync_ptsz(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st)
+{ API(do_copy(H(d), PTR_UNIFIED, H(s), PTR_UNIFIED, n, st, 1), ACOPY_FMT, COPY_ARGS(d, s, n), (void *)st); }
+
+#define SET_FMT "dst=0x%llx value=%u count=%zu"
+FC_EXPORT CUresult cuMemsetD8_v2(CUdeviceptr d, unsigned char v, size_t n)
+{ API(do_set(H(d), OP_SET8, v, n, NULL, 0), SET_FMT, (unsigned long long)d, (unsigned)v, n); }
+FC_EXPORT CUresult cuMemsetD8_v2_ptds(CUdeviceptr d, unsigned char v, size_t n)
+{ API(do_set(H(d), OP_SET8, v, n, NULL, 0), SET_FMT, (unsigned long long)d, (unsigned)v, n); }
+FC_EXPORT CUresult cuMemsetD16_v2(CUdeviceptr d, unsigned short v, size_t n)
+{ API(do_set(H(d), OP_SET16, v, n, NULL, 0), SET_FMT, (unsigned long long)d, (unsigned)v, n); }
+FC_EXPORT CUresult cuMemsetD32_v2(CUdeviceptr d, unsigned int v, size_t n)
+{ API(do_set(H(d), OP_SET32, v, n, NULL, 0), SET_FMT, (unsigned long long)d, v, n); }
+FC_EXPORT CUresult cuMemsetD32_v2_ptds(CUdeviceptr d, unsigned int v, size_t n)
+{ API(do_set(H(d), OP_SET32, v, n, NULL, 0), SET_FMT, (unsigned long long)d, v, n); }
+FC_EXPORT CUresult cuMemsetD8Async(CUdeviceptr d, unsigned char v, size_t n, CUstream st)
+{ API(do_set(H(d), OP_SET8, v, n, st, 1), SET_FMT " stream=%p", (unsigned long long)d, (unsigned)v, n, (void *)st); }
+FC_EXPORT CUresult cuMemsetD8Async_ptsz(CUdeviceptr d, unsigned char v, size_t n, CUstream st)
+{ API(do_set(H(d), OP_SET8, v, n, st, 1), SET_FMT " stream=%p", (unsigned long long)d, (unsigned)v, n, (void *)st); }
+FC_EXPORT CUresult cuMemsetD32Async(CUdeviceptr d, unsigned int v, size_t n, CUstream st)
+{ API(do_set(H(d), OP_SET32, v, n, st, 1), SET_FMT " stream=%p", (unsigned long long)d, v, n, (void *)st); }
+FC_EXPORT CUresult cuMemsetD32Async_ptsz(CUdeviceptr d, unsigned int v, size_t n, CUstream st)
+{ API(do_set(H(d), OP_SET32, v, n, st, 1), SET_FMT " stream=%p", (unsigned long long)d, v, n, (void *)st); }

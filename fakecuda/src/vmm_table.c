@@ -1,0 +1,199 @@
+/*
+ * vmm_table.c: the tables every kind of device memory lives in (fc.h has the types):
+ * allocation handles, allocations and multicast objects (struct fc_alloc), mappings,
+ * reservations, cuMemAlloc buffers, exported fds, the per-device usage; the memfd metadata
+ * page, the access check a device op passes, the multicast team lock. Callers hold g_mu. It
+ * touches these tables only, and calls only core.c.
+ */
+#include "fc.h"
+
+/* ------------------------------------------------------------------ VMM tables */
+
+size_t team_len(void) { return (sizeof(struct fc_team) + g_page - 1) & ~(g_page - 1); }
+
+struct fc_handle *g_handles;
+unsigned long long g_nhandles;
+static unsigned long long g_caphandles;
+struct fc_alloc *g_allocs;
+struct fc_map *g_maps;
+struct fc_resv *g_resvs;
+struct fc_dmem *g_dmems;
+struct fc_export *g_exports;
+uint64_t g_next_object = 1;
+unsigned long long g_used[FC_MAX_DEVICES];
+
+struct fc_handle *handle_get(unsigned long long h)
+{
+    if (h >= g_nhandles || g_handles[h].refs <= 0)
+        return NULL;
+    return &g_handles[h];
+}
+
+int handle_new(struct fc_alloc *a, unsigned long long *out)
+{
+    unsigned long long v = g_nhandles;
+    if ((v >> 48) == FC_SHIM_TAG)
+        return -1; /* never hand out the shim's virtual tag (2^62 values away) */
+    if (g_nhandles == g_caphandles) {
+        unsigned long long cap = g_caphandles ? g_caphandles * 2 : 64;
+        struct fc_handle *n = realloc(g_handles, cap * sizeof *n);
+        if (!n)
+            return -1;
+        g_handles = n;
+        g_caphandles = cap;
+    }
+    g_handles[v].alloc = a;
+    g_handles[v].refs = 1;
+    g_nhandles++;
+    a->handles++;
+    *out = v;
+    return 0;
+}
+
+struct fc_resv *resv_find(uintptr_t va, size_t size)
+{
+    for (struct fc_resv *r = g_resvs; r; r = r->next)
+        if (va >= r->va && va - r->va < r->size)
+            return (size <= r->size - (va - r->va)) ? r : NULL;
+    return NULL;
+}
+
+struct fc_map *map_find(uintptr_t va)
+{
+    for (struct fc_map *m = g_maps; m; m = m->next)
+        if (va >= m->va && va - m->va < m->size)
+            return m;
+    return NULL;
+}
+
+struct fc_dmem *dmem_find(uintptr_t va)
+{
+    for (struct fc_dmem *d = g_dmems; d; d = d->next)
+        if (va >= d->va && va - d->va < d->size)
+            return d;
+    return NULL;
+}
+
+void alloc_maybe_free(struct fc_alloc *a)
+{
+    if (a->handles > 0 || a->maps > 0 || a->binds > 0 || a->pins > 0)
+        return;
+    struct fc_alloc **pp = &g_allocs;
+    while (*pp && *pp != a)
+        pp = &(*pp)->next;
+    if (*pp)
+        *pp = a->next;
+    if (a->created_here && a->device >= 0 && a->device < FC_MAX_DEVICES)
+        g_used[a->device] -= a->size;
+    if (a->fd >= 0)
+        close(a->fd);
+    if (a->team)
+        munmap(a->team, team_len());
+    free(a->saved);
+    free(a);
+}
+
+int write_meta(int fd, const struct fc_alloc *a)
+{
+    struct fc_meta m;
+    memset(&m, 0, sizeof m);
+    memcpy(m.magic, FC_META_MAGIC, 8);
+    m.version = FC_META_VERSION;
+    m.kind = a->kind;
+    m.size = a->size;
+    m.prop = a->prop;
+    m.device = a->device;
+    m.creator_pid = a->creator_pid;
+    m.object_id = a->object_id;
+    return pwrite(fd, &m, sizeof m, (off_t)a->size) == (ssize_t)sizeof m ? 0 : -1;
+}
+
+/* New memfd of `size` bytes plus the metadata page. */
+int new_memfd(size_t size)
+{
+    int fd = memfd_create("fakecuda-allocation", MFD_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    if (ftruncate(fd, (off_t)(size + g_page)) != 0) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+static int prot_of(const struct fc_map *m, size_t g)
+{
+    int prot = PROT_NONE;
+    for (int d = 0; d < g_ndev; d++) {
+        unsigned char f = m->acc[g * FC_MAX_DEVICES + (size_t)d];
+        if (f == CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+            return PROT_READ | PROT_WRITE;
+        if (f == CU_MEM_ACCESS_FLAGS_PROT_READ)
+            prot = PROT_READ;
+    }
+    return prot;
+}
+
+void map_apply_prot(const struct fc_map *m)
+{
+    if (m->alloc->kind == FC_KIND_MULTICAST)
+        return; /* a multicast VA stays PROT_NONE: a host store there would reach no member */
+    for (size_t g = 0; g < m->size / g_gran; g++)
+        mprotect((void *)(m->va + g * g_gran), g_gran, prot_of(m, g));
+}
+
+/* Turn [va, va+size) back into a PROT_NONE reservation (never plain munmap). */
+int make_reserved(uintptr_t va, size_t size)
+{
+    void *p = mmap((void *)va, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED,
+                   -1, 0);
+    return p == MAP_FAILED ? -1 : 0;
+}
+
+/* Device access check for [va, va+len) from device `dev`. Returns CUDA_SUCCESS,
+ * CUDA_ERROR_ILLEGAL_ADDRESS, or CUDA_ERROR_NOT_FOUND when va is not device memory. Call
+ * with g_mu held. */
+CUresult dev_check(uintptr_t va, size_t len, int dev, int write)
+{
+    if (len == 0)
+        len = 1;
+    struct fc_dmem *d = dmem_find(va);
+    if (d)
+        return len <= d->size - (va - d->va) ? CUDA_SUCCESS : CUDA_ERROR_ILLEGAL_ADDRESS;
+    struct fc_resv *r = NULL;
+    for (struct fc_resv *p = g_resvs; p; p = p->next)
+        if (va >= p->va && va - p->va < p->size)
+            r = p;
+    if (!r)
+        return CUDA_ERROR_NOT_FOUND;
+    if (len > r->size - (va - r->va))
+        return CUDA_ERROR_ILLEGAL_ADDRESS;
+    uintptr_t end = va + len;
+    for (uintptr_t p = va; p < end;) {
+        struct fc_map *m = map_find(p);
+        if (!m)
+            return CUDA_ERROR_ILLEGAL_ADDRESS;
+        size_t g = (p - m->va) / g_gran;
+        unsigned char f = (dev >= 0 && dev < g_ndev) ? m->acc[g * FC_MAX_DEVICES + (size_t)dev] : 0;
+        if (write ? f != CU_MEM_ACCESS_FLAGS_PROT_READWRITE : f == CU_MEM_ACCESS_FLAGS_PROT_NONE)
+            return CUDA_ERROR_ILLEGAL_ADDRESS;
+        p = m->va + (g + 1) * g_gran;
+    }
+    return CUDA_SUCCESS;
+}
+
+/* ------------------------------------------------------------------ multicast team, extent */
+
+void team_lock(struct fc_team *t)
+{
+    if (pthread_mutex_lock(&t->mu) == EOWNERDEAD) /* a holder died: the table itself is consistent */
+        pthread_mutex_consistent(&t->mu);
+}
+
+void team_unlock(struct fc_team *t) { pthread_mutex_unlock(&t->mu); }
+
+/* The bytes a handle can map: an allocation's size, a multicast object's capacity. */
+uint64_t alloc_extent(const struct fc_alloc *a)
+{
+    return a->kind == FC_KIND_MULTICAST ? a->team->capacity : a->size;
+}
