@@ -67,7 +67,8 @@ uint64_t cui_now_ns(void) {
   return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-void cui_warn(const char *fmt, ...) {
+/* "cuinterpose[<pid>]: <message>" as one write to stderr. */
+__attribute__((format(printf, 1, 2))) static void cui_warn(const char *fmt, ...) {
   char buf[768];
   int n = snprintf(buf, sizeof buf, "cuinterpose[%d]: ", (int)getpid());
   va_list ap;

@@ -24,8 +24,8 @@ CUI_HIDDEN const char *cui_cu_error_fallback(CUresult r);   /* "CUDA_ERROR_INVAL
 CUI_HIDDEN void cui_random_id(uint8_t id[16]);
 CUI_HIDDEN void cui_hex_id(const uint8_t id[16], char out[33]);
 CUI_HIDDEN uint64_t cui_now_ns(void);                   /* CLOCK_MONOTONIC, ns */
-CUI_HIDDEN void cui_warn(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-/* "<api>: pid <pid> (phase <P>): <message>" on stderr (cui_api_warn in state.h passes the phase). */
+/* "cuinterpose[<pid>]: <api>: pid <pid> (phase <P>): <message>" as one write to stderr
+ * (cui_api_warn in state.h passes the current phase). */
 CUI_HIDDEN void cui_api_warn_in(uint32_t phase, const char *api, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 /* The control directory ($CUINTERPOSE_CONTROL_DIR or CUI_DEFAULT_CONTROL_DIR) and the socket

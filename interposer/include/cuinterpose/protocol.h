@@ -1,8 +1,9 @@
 /*
  * cuinterpose control protocol: the wire format between libcuinterpose.so (the shim inside
  * each application process), the coordinator, and peer shims. Defined once, here; the Python
- * mirror (coordinator/protocol.py) is pinned to it by tests/coordinator/test_protocol.py, which compares
- * every offset and size and round-trips bytes in both directions.
+ * mirror (coordinator/protocol.py) is pinned to it by tests/coordinator/test_protocol.py,
+ * which compares every offset, size, constant and CUI_OPS row and round-trips bytes in both
+ * directions.
  *
  * Transport
  *   One SOCK_STREAM Unix socket per CUDA process, created by the shim after the first
