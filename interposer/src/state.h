@@ -2,8 +2,8 @@
  * state.h: the state layer (above resolve.h; docs/shim.md "Object model" and "Files and
  * layers"): the object tables (allocations, mapping records, reservations, multicast objects)
  * in cui_st, virtual handles, access lists, the export cache, tickets, and the device-context
- * and driver-handle helpers the phase ops share. state.c holds them; the lookups on the hot
- * path of the wrappers are inline here, so moving them out of vmm_api.c costs no call.
+ * and driver-handle helpers the phase ops share. state.c holds them; the lookups on the
+ * wrappers' hot path are inline here (no extra call per intercepted call).
  * Everything here runs with cui_st.lock held unless noted.
  */
 #ifndef CUI_STATE_H
