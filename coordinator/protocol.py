@@ -1,6 +1,8 @@
 """Python mirror of ``interposer/include/cuinterpose/protocol.h``: the shim control wire format.
 
-protocol.h is the single definition; this module mirrors it field for field and
+protocol.h is the single definition; this module mirrors it field for field (and the
+``CUI_OPS`` table row for row: :data:`OPS`, from which :data:`MUTATING_OPS`,
+:data:`CARRIER_OPS` and :data:`MULTICAST_RESTORE_OPS` are derived) and
 ``tests/coordinator/test_protocol.py`` pins every offset, size and constant against the C
 header (compiled), and round-trips bytes in both directions. Change both together.
 
@@ -26,8 +28,8 @@ from typing import Any, ClassVar
 __all__ = [
     "CUI_PROTO_MAGIC", "CUI_PROTO_VERSION", "CUI_DEFAULT_CONTROL_DIR", "CUI_SOCKET_PREFIX",
     "CUI_SOCKET_SUFFIX", "CUI_MAX_ACCESS", "CUI_TICKET_MAGIC", "CONTROL_DIR_ENV",
-    "Op", "Phase", "Status", "RecordKind", "Role", "RecordFlag", "TicketKind",
-    "MUTATING_OPS", "CARRIER_OPS", "MULTICAST_KINDS", "MULTICAST_RESTORE_OPS",
+    "Op", "Phase", "PhaseRule", "OpRule", "OPS", "OP_RULES", "Status", "RecordKind", "Role",
+    "RecordFlag", "TicketKind", "MUTATING_OPS", "CARRIER_OPS", "MULTICAST_KINDS", "MULTICAST_RESTORE_OPS",
     "Request", "Reply", "Access", "Record", "Ticket", "ProtocolError",
     "SIZES", "OFFSETS", "FORMATS", "REQUEST_SIZE", "REPLY_SIZE", "ACCESS_SIZE", "RECORD_SIZE",
     "TICKET_SIZE", "cui_checksum64", "socket_path", "default_control_dir", "pid_from_socket_path",
@@ -79,6 +81,52 @@ class Phase(enum.IntEnum):
     FAILED = 255
 
 
+class PhaseRule(enum.IntEnum):
+    """``enum cui_phase_rule``: pseudo phases of the ops table (never a shim's phase)."""
+    ANY = 256                            # needs: every phase but FAILED
+    SAME = 257                           # leaves: the phase does not change
+    MULTICAST_RELEASED_OR_ACTIVE = 258   # MULTICAST_RELEASED if the capture ran PREPARE_MULTICAST
+    UNCHECKED = 259                      # needs: no phase check (FETCH_FD)
+
+
+@dataclass(frozen=True)
+class OpRule:
+    """One row of ``CUI_OPS``: the phase an op needs and the phase a success leaves (a
+    :class:`Phase` or a :class:`PhaseRule`), whether it mutates (newer txn_id, never retried)
+    and whether it copies carrier bytes (the long carrier timeout)."""
+    op: Op
+    needs: Phase | PhaseRule
+    leaves: Phase | PhaseRule
+    mutating: bool
+    copies_bytes: bool
+
+
+_R = PhaseRule
+#: ``CUI_OPS`` of protocol.h, row for row and in its order (pinned by the protocol probe).
+OPS: tuple[OpRule, ...] = tuple(OpRule(*row) for row in (
+    (Op.INSPECT, _R.ANY, _R.SAME, False, False),
+    (Op.PREPARE_MULTICAST, Phase.ACTIVE, Phase.MULTICAST_RELEASED, True, False),
+    (Op.SAVE_ALLOCATIONS, _R.MULTICAST_RELEASED_OR_ACTIVE, Phase.SAVED, True, True),
+    (Op.PREPARE_UNICAST, Phase.SAVED, Phase.PREPARED, True, False),
+    (Op.LOAD_ALLOCATIONS, Phase.PREPARED, Phase.LOADED, True, True),
+    (Op.RESTORE_UNICAST, Phase.LOADED, _R.MULTICAST_RELEASED_OR_ACTIVE, True, False),
+    (Op.RESTORE_MULTICAST_CREATORS, Phase.MULTICAST_RELEASED, Phase.MULTICAST_CREATED, True, False),
+    (Op.RESTORE_MULTICAST_IMPORTERS, Phase.MULTICAST_CREATED, Phase.MULTICAST_IMPORTED, True, False),
+    (Op.RESTORE_MULTICAST_DEVICES, Phase.MULTICAST_IMPORTED, Phase.MULTICAST_DEVICES, True, False),
+    (Op.RESTORE_MULTICAST_BINDINGS, Phase.MULTICAST_DEVICES, Phase.ACTIVE, True, False),
+    (Op.CANCEL_CAPTURE, Phase.SAVED, _R.MULTICAST_RELEASED_OR_ACTIVE, True, False),
+    (Op.FETCH_FD, _R.UNCHECKED, _R.SAME, False, False),
+))
+#: op -> its row of :data:`OPS`
+OP_RULES: dict[Op, OpRule] = {r.op: r for r in OPS}
+#: Ops that change shim state: they need a strictly increasing txn_id and are never retried.
+MUTATING_OPS = frozenset(r.op for r in OPS if r.mutating)
+#: Ops that copy carrier bytes (they get the long carrier timeout).
+CARRIER_OPS = frozenset(r.op for r in OPS if r.copies_bytes)
+#: The multicast rebuild ops in order, each with the phase it needs.
+MULTICAST_RESTORE_OPS = tuple((r.op, r.needs) for r in OPS if r.op.name.startswith("RESTORE_MULTICAST_"))
+
+
 class Status(enum.IntEnum):
     """``enum cui_status`` (``cui_reply.status``)."""
     OK = 0
@@ -110,12 +158,6 @@ class RecordKind(enum.IntEnum):
 #: Record kinds that describe multicast state (protocol.h "Multicast records").
 MULTICAST_KINDS = frozenset({RecordKind.MULTICAST, RecordKind.MULTICAST_DEVICE,
                              RecordKind.MULTICAST_BINDING, RecordKind.MULTICAST_MAPPING})
-#: The multicast rebuild ops in order, each with the phase it needs.
-MULTICAST_RESTORE_OPS = ((Op.RESTORE_MULTICAST_CREATORS, Phase.MULTICAST_RELEASED),
-                         (Op.RESTORE_MULTICAST_IMPORTERS, Phase.MULTICAST_CREATED),
-                         (Op.RESTORE_MULTICAST_DEVICES, Phase.MULTICAST_IMPORTED),
-                         (Op.RESTORE_MULTICAST_BINDINGS, Phase.MULTICAST_DEVICES))
-
 
 class Role(enum.IntEnum):
     """``enum cui_role``."""
@@ -140,14 +182,6 @@ class TicketKind(enum.IntEnum):
     ALLOCATION = 1
     MULTICAST = 2
 
-
-#: Ops that change shim state: they need a strictly increasing txn_id and are never retried.
-MUTATING_OPS = frozenset({
-    Op.PREPARE_MULTICAST, Op.SAVE_ALLOCATIONS, Op.PREPARE_UNICAST, Op.LOAD_ALLOCATIONS,
-    Op.RESTORE_UNICAST, Op.RESTORE_MULTICAST_CREATORS, Op.RESTORE_MULTICAST_IMPORTERS,
-    Op.RESTORE_MULTICAST_DEVICES, Op.RESTORE_MULTICAST_BINDINGS, Op.CANCEL_CAPTURE})
-#: Ops that copy carrier bytes (they get the long carrier timeout).
-CARRIER_OPS = frozenset({Op.SAVE_ALLOCATIONS, Op.LOAD_ALLOCATIONS})
 
 # --- struct layouts -------------------------------------------------------------------------
 # (field name, struct code); arrays are expanded by the packers below.

@@ -1,7 +1,7 @@
-/* cui_checksum64, exactly as specified in protocol.h (the carrier checksum). */
+/* checksum.c: cui_checksum64 (util layer), exactly as specified in protocol.h (the carrier checksum). */
 #include <string.h>
 
-#include "cui.h"
+#include "util.h"
 
 static inline uint64_t rotl64(uint64_t x, unsigned r) { return (x << r) | (x >> (64 - r)); }
 

@@ -1,5 +1,6 @@
 /*
- * The control endpoint (docs/shim.md "Threads"; protocol.h "Transport").
+ * control.c: the top layer: the control endpoint (docs/shim.md "Threads"; protocol.h
+ * "Transport") and the cuInit hook that starts it.
  *
  * Started once, after the first successful real cuInit (never from a constructor or a symbol
  * lookup): $CUINTERPOSE_CONTROL_DIR/cuinterpose-<pid>.sock, mode 0600, directory created 0700
@@ -8,7 +9,7 @@
  *               from the export cache (cache mutex only: it answers while a phase op of this
  *               process waits on a peer), and hands every other op to the worker. When the
  *               worker is busy it replies CUI_BAD_REQUEST "busy" before anything is mutated.
- *   cui-control the control worker: runs one op at a time (phases.c) and replies.
+ *   cui-control the control worker: runs one op at a time (ops.c) and replies.
  * Every FD is CLOEXEC. Socket I/O has a 10 s timeout per call.
  */
 #define _GNU_SOURCE
@@ -24,9 +25,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-#include "cui.h"
-
-#define CUI_IO_TIMEOUT_S 10
+#include "ops.h"
 
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
 static int g_listen = -1;
@@ -38,36 +37,6 @@ static struct {
   int conn;
   struct cui_request req;
 } g_job;
-
-static void set_timeouts(int fd) {
-  struct timeval tv = {CUI_IO_TIMEOUT_S, 0};
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
-}
-
-static int read_full(int fd, void *buf, size_t n) {
-  char *p = buf;
-  while (n) {
-    ssize_t k = recv(fd, p, n, 0);
-    if (k < 0 && errno == EINTR) continue;
-    if (k <= 0) return -1;
-    p += k;
-    n -= (size_t)k;
-  }
-  return 0;
-}
-
-static int write_full(int fd, const void *buf, size_t n) {
-  const char *p = buf;
-  while (n) {
-    ssize_t k = send(fd, p, n, MSG_NOSIGNAL);
-    if (k < 0 && errno == EINTR) continue;
-    if (k <= 0) return -1;
-    p += k;
-    n -= (size_t)k;
-  }
-  return 0;
-}
 
 /* Sends reply header (+ `pass_fd` as SCM_RIGHTS when >= 0), records, message. */
 static int send_reply(int conn, const struct cui_request *req, const struct cui_op_result *res, uint64_t elapsed_ns,
@@ -114,10 +83,10 @@ static int send_reply(int conn, const struct cui_request *req, const struct cui_
   do k = sendmsg(conn, &mh, MSG_NOSIGNAL);
   while (k < 0 && errno == EINTR);
   if (k < 0) return -1;
-  if ((size_t)k < sizeof rep && write_full(conn, (char *)&rep + k, sizeof rep - (size_t)k) != 0) return -1;
-  if (res->record_count && write_full(conn, res->records, (size_t)res->record_count * sizeof(struct cui_record)) != 0)
+  if ((size_t)k < sizeof rep && cui_write_full(conn, (char *)&rep + k, sizeof rep - (size_t)k) != 0) return -1;
+  if (res->record_count && cui_write_full(conn, res->records, (size_t)res->record_count * sizeof(struct cui_record)) != 0)
     return -1;
-  if (mlen && write_full(conn, res->message, mlen) != 0) return -1;
+  if (mlen && cui_write_full(conn, res->message, mlen) != 0) return -1;
   return 0;
 }
 
@@ -150,9 +119,9 @@ static void *accept_main(void *arg) {
                    "FETCH_FD or checkpoint of this process from now on)", strerror(errno));
       return NULL;
     }
-    set_timeouts(c);
+    cui_set_io_timeouts(c);
     struct cui_request req;
-    if (read_full(c, &req, sizeof req) != 0) {
+    if (cui_read_full(c, &req, sizeof req) != 0) {
       close(c);
       continue;
     }
@@ -273,7 +242,14 @@ static void start_endpoint(void) {
   pthread_setname_np(t1, "cui-accept");
 }
 
-void cui_control_start(void) { pthread_once(&g_once, start_endpoint); }
+/* cuInit: the endpoint starts once, after the first successful real cuInit. */
+CUI_EXPORT CUresult cuInit(unsigned int flags) {
+  cui_fn_cuInit real = REAL(cuInit);
+  if (!real) return CUDA_ERROR_NOT_INITIALIZED;
+  CUresult r = real(flags);
+  if (r == CUDA_SUCCESS) pthread_once(&g_once, start_endpoint);
+  return r;
+}
 
 /* At exit, remove our socket so short-lived CUDA processes leave no stale paths behind. A
  * forked child (another pid) leaves its parent's socket alone. */
@@ -281,84 +257,4 @@ __attribute__((destructor)) static void remove_socket(void) {
   char path[108];
   if (g_listen >= 0 && cui_st.pid == (uint32_t)getpid() && cui_socket_path(cui_st.pid, path, sizeof path) == 0)
     unlink(path);
-}
-
-int cui_fetch_fd(uint32_t creator_pid, const uint8_t id[16], char *why, size_t cap) {
-  struct sockaddr_un sa;
-  memset(&sa, 0, sizeof sa);
-  sa.sun_family = AF_UNIX;
-  if (cui_socket_path(creator_pid, sa.sun_path, sizeof sa.sun_path) != 0) {
-    snprintf(why, cap, "control socket path too long");
-    return -1;
-  }
-  int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (s < 0) {
-    snprintf(why, cap, "socket: %s", strerror(errno));
-    return -1;
-  }
-  set_timeouts(s);
-  if (connect(s, (struct sockaddr *)&sa, sizeof sa) != 0) {
-    int e = errno;
-    if (kill((pid_t)creator_pid, 0) != 0 && errno == ESRCH)
-      snprintf(why, cap, "creator pid %u is not running (the ticket outlived its creator; %s: %s)", creator_pid,
-               sa.sun_path, strerror(e));
-    else
-      snprintf(why, cap, "cannot connect to %s: %s", sa.sun_path, strerror(e));
-    close(s);
-    return -1;
-  }
-  struct cui_request req;
-  memset(&req, 0, sizeof req);
-  req.magic = CUI_PROTO_MAGIC;
-  req.version = CUI_PROTO_VERSION;
-  req.op = CUI_OP_FETCH_FD;
-  req.sender_pid = (uint32_t)getpid();
-  memcpy(req.alloc_id, id, 16);
-  if (write_full(s, &req, sizeof req) != 0) {
-    snprintf(why, cap, "send to %s: %s", sa.sun_path, strerror(errno));
-    close(s);
-    return -1;
-  }
-  struct cui_reply rep;
-  union {
-    char buf[CMSG_SPACE(sizeof(int))];
-    struct cmsghdr align;
-  } cm;
-  struct iovec iov = {&rep, sizeof rep};
-  struct msghdr mh;
-  memset(&mh, 0, sizeof mh);
-  mh.msg_iov = &iov;
-  mh.msg_iovlen = 1;
-  mh.msg_control = cm.buf;
-  mh.msg_controllen = sizeof cm.buf;
-  ssize_t k;
-  do k = recvmsg(s, &mh, MSG_CMSG_CLOEXEC);
-  while (k < 0 && errno == EINTR);
-  int fd = -1;
-  if (k > 0)
-    for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c))
-      if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) memcpy(&fd, CMSG_DATA(c), sizeof(int));
-  if (k <= 0 || ((size_t)k < sizeof rep && read_full(s, (char *)&rep + k, sizeof rep - (size_t)k) != 0)) {
-    snprintf(why, cap, "no reply from %s: %s", sa.sun_path, k == 0 ? "connection closed" : strerror(errno));
-    if (fd >= 0) close(fd);
-    close(s);
-    return -1;
-  }
-  if (rep.status != CUI_OK || fd < 0) {
-    char msg[256] = "";
-    size_t n = rep.message_len < sizeof msg - 1 ? rep.message_len : sizeof msg - 1;
-    if (n && read_full(s, msg, n) == 0) msg[n] = 0;
-    if (rep.status == CUI_NOT_FOUND && rep.phase == CUI_PHASE_ACTIVE)
-      snprintf(why, cap, "dead ticket: the creator holds no handle or mapping of the allocation any more (%s)", msg);
-    else if (rep.status == CUI_NOT_FOUND)
-      snprintf(why, cap, "creator pid %u is in phase %s, its exports are closed until it is restored (%s)",
-               creator_pid, cui_phase_name(rep.phase), msg);
-    else
-      snprintf(why, cap, "creator replied status %d: %s", rep.status, msg);
-    if (fd >= 0) close(fd);
-    close(s);
-    return -1;
-  }
-  close(s);
-  return fd;
 }

@@ -1,15 +1,21 @@
-/* Small helpers: CUresult names, allocation ids, clocks, paths, warnings. */
+/*
+ * util.c: the lowest layer (util.h): CUresult names (fallback table), allocation ids,
+ * clocks, warnings, control paths, protocol.h names, socket I/O, the hash table. Calls
+ * nothing else of the shim.
+ */
 #include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
+#include <sys/socket.h>
+#include <sys/time.h>
 #include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
 
-#include "cui.h"
+#include "util.h"
 
 static const struct { int code; const char *name; } k_names[] = {
   {0, "CUDA_SUCCESS"}, {1, "CUDA_ERROR_INVALID_VALUE"}, {2, "CUDA_ERROR_OUT_OF_MEMORY"},
@@ -23,10 +29,7 @@ static const struct { int code; const char *name; } k_names[] = {
   {999, "CUDA_ERROR_UNKNOWN"},
 };
 
-const char *cui_cu_error_name(CUresult r) {
-  CUresult (*real)(CUresult, const char **) = (CUresult (*)(CUresult, const char **))cui_real(CUI_ROW_cuGetErrorName);
-  const char *s = NULL;
-  if (real && real(r, &s) == CUDA_SUCCESS && s) return s;
+const char *cui_cu_error_fallback(CUresult r) {
   for (size_t i = 0; i < sizeof k_names / sizeof k_names[0]; i++)
     if (k_names[i].code == (int)r) return k_names[i].name;
   return "CUDA_ERROR_UNKNOWN";
@@ -64,7 +67,8 @@ uint64_t cui_now_ns(void) {
   return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-void cui_warn(const char *fmt, ...) {
+/* "cuinterpose[<pid>]: <message>" as one write to stderr. */
+__attribute__((format(printf, 1, 2))) static void cui_warn(const char *fmt, ...) {
   char buf[768];
   int n = snprintf(buf, sizeof buf, "cuinterpose[%d]: ", (int)getpid());
   va_list ap;
@@ -104,14 +108,55 @@ const char *cui_phase_name(uint32_t p) {
   return "UNKNOWN";
 }
 
-void cui_api_warn(const char *api, const char *fmt, ...) {
+const char *cui_op_name(uint32_t op) {
+  switch (op) {
+#define CUI_OP_NAME_CASE(op, needs, leaves, mutating, copies_bytes) \
+    case CUI_OP_##op: return #op;
+    CUI_OPS(CUI_OP_NAME_CASE)
+#undef CUI_OP_NAME_CASE
+  }
+  return "UNKNOWN";
+}
+
+void cui_api_warn_in(uint32_t phase, const char *api, const char *fmt, ...) {
   char buf[640];
   va_list ap;
   va_start(ap, fmt);
   vsnprintf(buf, sizeof buf, fmt, ap);
   va_end(ap);
-  cui_warn("%s: pid %d (phase %s): %s", api, (int)getpid(),
-           cui_phase_name(__atomic_load_n(&cui_st.phase, __ATOMIC_RELAXED)), buf);
+  cui_warn("%s: pid %d (phase %s): %s", api, (int)getpid(), cui_phase_name(phase), buf);
+}
+
+/* ---------- socket I/O ---------- */
+
+void cui_set_io_timeouts(int fd) {
+  struct timeval tv = {CUI_IO_TIMEOUT_S, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+}
+
+int cui_read_full(int fd, void *buf, size_t n) {
+  char *p = buf;
+  while (n) {
+    ssize_t k = recv(fd, p, n, 0);
+    if (k < 0 && errno == EINTR) continue;
+    if (k <= 0) return -1;
+    p += k;
+    n -= (size_t)k;
+  }
+  return 0;
+}
+
+int cui_write_full(int fd, const void *buf, size_t n) {
+  const char *p = buf;
+  while (n) {
+    ssize_t k = send(fd, p, n, MSG_NOSIGNAL);
+    if (k < 0 && errno == EINTR) continue;
+    if (k <= 0) return -1;
+    p += k;
+    n -= (size_t)k;
+  }
+  return 0;
 }
 
 /* ---------- hash table ---------- */

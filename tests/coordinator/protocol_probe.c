@@ -4,6 +4,7 @@
  *   protocol_probe pack            each struct filled with the known test values, as hex
  *   protocol_probe read NAME HEX   parse HEX as struct NAME and print every field
  *   protocol_probe checksum        cui_checksum64 of stdin, written from protocol.h's text
+ *   protocol_probe ops             every CUI_OPS row: op NAME value needs leaves mutating copies_bytes
  */
 #include <cuinterpose/protocol.h>
 
@@ -53,6 +54,8 @@ static void layout(void) {
   K(CUI_PHASE_ACTIVE); K(CUI_PHASE_SAVED); K(CUI_PHASE_PREPARED); K(CUI_PHASE_LOADED);
   K(CUI_PHASE_FAILED); K(CUI_PHASE_MULTICAST_RELEASED); K(CUI_PHASE_MULTICAST_CREATED);
   K(CUI_PHASE_MULTICAST_IMPORTED); K(CUI_PHASE_MULTICAST_DEVICES);
+  K(CUI_PHASE_RULE_ANY); K(CUI_PHASE_RULE_SAME); K(CUI_PHASE_RULE_MULTICAST_RELEASED_OR_ACTIVE);
+  K(CUI_PHASE_RULE_UNCHECKED);
   K(CUI_OK); K(CUI_REFUSED_PHASE); K(CUI_REFUSED_DUPLICATE); K(CUI_REFUSED_STATE);
   K(CUI_FAILED); K(CUI_BAD_REQUEST); K(CUI_NOT_FOUND);
   K(CUI_RECORD_ALLOCATION); K(CUI_RECORD_MAPPING); K(CUI_RECORD_RESERVATION);
@@ -219,11 +222,20 @@ static int checksum_stdin(void) {
   return 0;
 }
 
+static void ops(void) {
+#define OP_ROW(op, needs, leaves, mutating, copies_bytes)                                              \
+  printf("op %s %d %d %d %d %d\n", #op, (int)CUI_OP_##op, (int)CUI_PHASE_##needs, (int)CUI_PHASE_##leaves, \
+         mutating, copies_bytes);
+  CUI_OPS(OP_ROW)
+#undef OP_ROW
+}
+
 int main(int argc, char **argv) {
   if (argc >= 2 && !strcmp(argv[1], "layout")) { layout(); return 0; }
   if (argc >= 2 && !strcmp(argv[1], "pack")) { pack(); return 0; }
   if (argc >= 4 && !strcmp(argv[1], "read")) return read_struct(argv[2], argv[3]);
   if (argc >= 2 && !strcmp(argv[1], "checksum")) return checksum_stdin();
+  if (argc >= 2 && !strcmp(argv[1], "ops")) { ops(); return 0; }
   fprintf(stderr, "usage: %s layout|pack|read NAME HEX|checksum\n", argv[0]);
   return 1;
 }

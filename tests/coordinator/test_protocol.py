@@ -14,8 +14,9 @@ import subprocess
 import pytest
 
 from cuinterpose.coordinator import protocol as P
-from cuinterpose.coordinator.protocol import (Access, Op, Phase, Record, RecordFlag, RecordKind,
-                                              Reply, Request, Role, Status, Ticket, TicketKind)
+from cuinterpose.coordinator.protocol import (Access, Op, Phase, PhaseRule, Record, RecordFlag,
+                                              RecordKind, Reply, Request, Role, Status, Ticket,
+                                              TicketKind)
 
 HERE = pathlib.Path(__file__).resolve().parent
 HEADER = HERE.parent.parent / "interposer" / "include" / "cuinterpose" / "protocol.h"
@@ -87,6 +88,7 @@ PY_CONSTANTS = {
     "CUI_MAX_ACCESS": P.CUI_MAX_ACCESS,
     **{f"CUI_OP_{m.name}": m.value for m in Op},
     **{f"CUI_PHASE_{m.name}": m.value for m in Phase},
+    **{f"CUI_PHASE_RULE_{m.name}": m.value for m in PhaseRule},
     **{("CUI_OK" if m is Status.OK else f"CUI_{m.name}"): m.value for m in Status},
     **{f"CUI_RECORD_{m.name}": m.value for m in RecordKind},
     **{f"CUI_ROLE_{m.name}": m.value for m in Role},
@@ -105,6 +107,28 @@ def test_every_constant_matches_header(layout):
     # the probe and the Python mirror cover every name the header defines
     assert _header_names() == set(consts) | set(strs)
     assert P.CUI_SOCKET_PREFIX == "cuinterpose-" and P.CUI_DEFAULT_CONTROL_DIR == "/tmp/cuinterpose"
+
+
+def test_ops_table_matches_header(probe):
+    """Every CUI_OPS row of protocol.h, in order, equals protocol.OPS."""
+    c_rows = []
+    for line in probe("ops").splitlines():
+        _, name, value, needs, leaves, mutating, copies = line.split()
+        c_rows.append((name, int(value), int(needs), int(leaves), bool(int(mutating)), bool(int(copies))))
+    py_rows = [(r.op.name, int(r.op), int(r.needs), int(r.leaves), r.mutating, r.copies_bytes) for r in P.OPS]
+    assert py_rows == c_rows
+    assert sorted(r.op for r in P.OPS) == sorted(Op), "every op has exactly one row"
+    for r in P.OPS:
+        assert isinstance(r.needs, (Phase, PhaseRule)) and isinstance(r.leaves, (Phase, PhaseRule))
+
+
+def test_op_sets_derived_from_the_table():
+    assert P.MUTATING_OPS == set(Op) - {Op.INSPECT, Op.FETCH_FD}
+    assert P.CARRIER_OPS == {Op.SAVE_ALLOCATIONS, Op.LOAD_ALLOCATIONS}
+    assert P.MULTICAST_RESTORE_OPS == ((Op.RESTORE_MULTICAST_CREATORS, Phase.MULTICAST_RELEASED),
+                                       (Op.RESTORE_MULTICAST_IMPORTERS, Phase.MULTICAST_CREATED),
+                                       (Op.RESTORE_MULTICAST_DEVICES, Phase.MULTICAST_IMPORTED),
+                                       (Op.RESTORE_MULTICAST_BINDINGS, Phase.MULTICAST_DEVICES))
 
 
 # --- known values (mirror known_* in protocol_probe.c) --------------------------------------

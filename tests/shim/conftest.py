@@ -173,12 +173,13 @@ FAKECUDA_SRC = REPO / "fakecuda"
 
 def build_shared(sources, out: pathlib.Path, flags, libs=("-ldl", "-lpthread")) -> pathlib.Path:
     """Compile ``sources`` into the shared library ``out`` unless an identical build exists
-    (inputs and flags hashed into ``out``.sha256). Headers are hashed too."""
+    (inputs and flags hashed into ``out``.sha256). Headers (and hooks.def) are hashed too."""
     import hashlib
     key = hashlib.sha256()
     for s in sources:
         key.update(pathlib.Path(s).read_bytes())
-    for h in sorted((SHIM_SRC / "src").glob("*.h")) + sorted((SHIM_SRC / "include").rglob("*.h")) \
+    for h in sorted((SHIM_SRC / "src").glob("*.h")) + sorted((SHIM_SRC / "src").glob("*.def")) \
+            + sorted((SHIM_SRC / "include").rglob("*.h")) + sorted((FAKECUDA_SRC / "src").glob("*.h")) \
             + sorted((FAKECUDA_SRC / "src").glob("*.inc")):
         key.update(h.read_bytes())
     key.update(" ".join(map(str, flags)).encode())

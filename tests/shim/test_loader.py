@@ -1,6 +1,6 @@
 """Loader-level robustness: a driver whose handles collide with the shim's virtual tag, an
 application that dlopens and dlcloses libcuda while the shim holds real pointers, and
-dlsym(RTLD_NEXT, ...) from an application library (cuda-driver.md §1.4 "dlsym/loader pitfalls")."""
+dlsym(RTLD_NEXT, ...) from an application library (docs/shim.md section 1)."""
 from __future__ import annotations
 
 import subprocess

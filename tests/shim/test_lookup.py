@@ -1,4 +1,4 @@
-"""Every lookup path hands out the shim's wrapper (cuda-driver.md §1.3-§1.4): the returned
+"""Every lookup path hands out the shim's wrapper (docs/shim.md section 1): the returned
 pointers lie in libcuinterpose.so, cuMemCreate returns a virtual handle (tag 0xC01E) and the
 driver saw the real call (fake log). Untracked functions resolve straight into libcuda."""
 from __future__ import annotations

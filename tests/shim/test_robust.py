@@ -1,4 +1,4 @@
-"""Edge cases an application can hit (prior-art.md §6 "regression scenarios"): ranges that span
+"""Edge cases an application can hit (docs/shim.md section 5): ranges that span
 or cut mappings, retains inside mappings, releases while mapped and double releases, tickets
 whose creator died or released the allocation, context-less creates, concurrent cuInit, and
 control directories the shim cannot use. Every refusal is checked for what it does not do

@@ -1,5 +1,6 @@
 """The C drivers under ASan/UBSan, shim, fakecuda and the driver programs all instrumented; the
-sanitized processes never exec anything (prior-art.md §6):
+sanitized processes never exec anything (a sanitizer runtime does not survive an exec of
+an uninstrumented helper):
 - c/cycle_driver.c: the two-process cycle, plus the edge paths of the object model (spanning
   and partial ranges, retain inside a mapping, release while mapped, double release);
 - c/stress.c: application threads creating/mapping/exporting while FETCH_FD and INSPECT are
@@ -33,7 +34,7 @@ def asan_build(build_c, cuda_include):
                         [*SAN, "-std=gnu11", "-fvisibility=hidden", f"-I{SHIM_SRC / 'include'}",
                          f"-I{cuda_include}", f"-Wl,--version-script={SHIM_SRC / 'libcuinterpose.map'}",
                          "-Wl,-Bsymbolic-functions"])
-    fake = build_shared([FAKECUDA_SRC / "src" / "fakecuda.c"], d / "fakecuda" / "libcuda.so.1",
+    fake = build_shared(sorted((FAKECUDA_SRC / "src").glob("*.c")), d / "fakecuda" / "libcuda.so.1",
                         [*SAN, "-std=gnu11", "-fvisibility=hidden", f"-I{cuda_include}",
                          "-Wl,-Bsymbolic", "-Wl,-soname,libcuda.so.1"])
     drv = build_c([C_DIR / "cycle_driver.c"], "shim_cycle_driver", sanitize=True,
@@ -94,7 +95,7 @@ def test_stress_tsan(build_c, cuda_include, fake_env):
     shim = build_shared(sorted((SHIM_SRC / "src").glob("*.c")), d / "libcuinterpose.so",
                         [*tsan, "-fvisibility=hidden", f"-I{SHIM_SRC / 'include'}", f"-I{cuda_include}",
                          f"-Wl,--version-script={SHIM_SRC / 'libcuinterpose.map'}", "-Wl,-Bsymbolic-functions"])
-    fake = build_shared([FAKECUDA_SRC / "src" / "fakecuda.c"], d / "fakecuda" / "libcuda.so.1",
+    fake = build_shared(sorted((FAKECUDA_SRC / "src").glob("*.c")), d / "fakecuda" / "libcuda.so.1",
                         [*tsan, "-fvisibility=hidden", f"-I{cuda_include}", "-Wl,-Bsymbolic",
                          "-Wl,-soname,libcuda.so.1"])
     drv = build_c([C_DIR / "stress.c"], "shim_stress_tsan", extra=("-fsanitize=thread",),

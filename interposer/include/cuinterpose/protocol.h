@@ -1,8 +1,9 @@
 /*
  * cuinterpose control protocol: the wire format between libcuinterpose.so (the shim inside
  * each application process), the coordinator, and peer shims. Defined once, here; the Python
- * mirror (coordinator/protocol.py) is pinned to it by tests/test_protocol.py, which compares
- * every offset and size and round-trips bytes in both directions.
+ * mirror (coordinator/protocol.py) is pinned to it by tests/coordinator/test_protocol.py,
+ * which compares every offset, size, constant and CUI_OPS row and round-trips bytes in both
+ * directions.
  *
  * Transport
  *   One SOCK_STREAM Unix socket per CUDA process, created by the shim after the first
@@ -104,6 +105,39 @@ enum cui_phase {
   CUI_PHASE_MULTICAST_DEVICES = 7,    /* restore: every device added again */
   CUI_PHASE_FAILED = 255
 };
+
+/* Pseudo phases of the CUI_OPS table below (never a shim's phase, never on the wire). */
+enum cui_phase_rule {
+  CUI_PHASE_RULE_ANY = 256,       /* needs: every phase but FAILED (INSPECT) */
+  CUI_PHASE_RULE_SAME = 257,      /* leaves: the phase does not change */
+  CUI_PHASE_RULE_MULTICAST_RELEASED_OR_ACTIVE = 258,
+                                  /* needs: either; leaves: MULTICAST_RELEASED when this capture
+                                     ran PREPARE_MULTICAST, ACTIVE when it skipped it (Phases) */
+  CUI_PHASE_RULE_UNCHECKED = 259  /* needs: no phase check (FETCH_FD, served by the accept
+                                     thread from the export cache in every phase) */
+};
+
+/* The ops table, one row per enum cui_op member in capture/restore order:
+ *   X(op, needs, leaves, mutating, copies_bytes)
+ * needs: the phase a request must find (CUI_PHASE_<needs>: a phase or a CUI_PHASE_RULE_*);
+ * leaves: the phase a success leaves (a failure: Phases above); mutating: needs a txn_id newer
+ * than the last accepted one and is never retried; copies_bytes: moves carrier bytes (the
+ * coordinator gives it the long carrier timeout). It drives the shim's admission, phase
+ * transitions and op names; coordinator/protocol.py mirrors it (pinned by
+ * tests/coordinator/test_protocol.py). */
+#define CUI_OPS(X)                                                                             \
+  X(INSPECT, RULE_ANY, RULE_SAME, 0, 0)                                                        \
+  X(PREPARE_MULTICAST, ACTIVE, MULTICAST_RELEASED, 1, 0)                                       \
+  X(SAVE_ALLOCATIONS, RULE_MULTICAST_RELEASED_OR_ACTIVE, SAVED, 1, 1)                          \
+  X(PREPARE_UNICAST, SAVED, PREPARED, 1, 0)                                                    \
+  X(LOAD_ALLOCATIONS, PREPARED, LOADED, 1, 1)                                                  \
+  X(RESTORE_UNICAST, LOADED, RULE_MULTICAST_RELEASED_OR_ACTIVE, 1, 0)                          \
+  X(RESTORE_MULTICAST_CREATORS, MULTICAST_RELEASED, MULTICAST_CREATED, 1, 0)                   \
+  X(RESTORE_MULTICAST_IMPORTERS, MULTICAST_CREATED, MULTICAST_IMPORTED, 1, 0)                  \
+  X(RESTORE_MULTICAST_DEVICES, MULTICAST_IMPORTED, MULTICAST_DEVICES, 1, 0)                    \
+  X(RESTORE_MULTICAST_BINDINGS, MULTICAST_DEVICES, ACTIVE, 1, 0)                               \
+  X(CANCEL_CAPTURE, SAVED, RULE_MULTICAST_RELEASED_OR_ACTIVE, 1, 0)                            \
+  X(FETCH_FD, RULE_UNCHECKED, RULE_SAME, 0, 0)
 
 /* cui_reply.status */
 enum cui_status {
@@ -239,7 +273,7 @@ struct cui_ticket {           /* 64 bytes */
  * (a trailing partial word is zero-padded), h0 = 0x9E3779B97F4A7C15 ^ length_in_bytes,
  * h = rotl64(h ^ (w[i] * 0xC2B2AE3D27D4EB4F), 31) * 0x9E3779B97F4A7C15 for each word,
  * then h ^= h >> 33; h *= 0xFF51AFD7ED558CCD; h ^= h >> 33. The Python mirror implements the
- * same function and tests/test_protocol.py pins it on fixed vectors. */
+ * same function and tests/coordinator/test_protocol.py pins it on fixed vectors. */
 
 #ifdef __cplusplus
 #define CUI_STATIC_ASSERT static_assert

@@ -1,6 +1,6 @@
 /*
  * Test fixture: a tiny libcudart.so.13 that serves cudaGetDriverEntryPoint[ByVersion][_ptsz]
- * the way the real runtime does (cuda-driver.md §1.2-§1.3): dlopen("libcuda.so.1", RTLD_NOW)
+ * the way the real runtime does (docs/shim.md section 1): dlopen("libcuda.so.1", RTLD_NOW)
  * into a local scope, dlsym(h, "cuGetProcAddress_v2") once, then forward every entry-point
  * query to that pointer. cudaError_t and the query-result enum are plain ints here.
  */

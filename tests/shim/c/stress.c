@@ -1,7 +1,7 @@
 /*
  * Concurrency: application threads create, map, set access, fill, export and tear down while the
  * shim serves FETCH_FD and INSPECT for another process. No exec, no shell (it also runs under
- * ASan/UBSan, prior-art.md §6).
+ * ASan/UBSan, test_sanitize.py).
  *
  * The parent forks a creator before any CUDA call, then is the importer:
  *   creator   THREADS threads x ROUNDS rounds: create a POSIX allocation, map, grant access,

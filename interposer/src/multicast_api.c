@@ -1,5 +1,6 @@
 /*
- * Multicast objects (docs/shim.md "Multicast"; cuda-driver.md §3; DESIGN.md §2-§3).
+ * multicast_api.c: multicast objects and their wrappers (docs/shim.md "Multicast"), on the
+ * state layer; the phase ops that tear them down and rebuild them are in ops_multicast.c.
  *
  * The app sees virtual handles for multicast objects too (same tag and counter as allocations).
  * Per object the shim records the requested properties, the effective extent (largest
@@ -15,13 +16,6 @@
  * device of the team was added, in every process), so they run with cui_st.lock dropped and
  * counted in cui_st.inflight; the object is looked up again afterwards. Unbind, unmap, access,
  * release and export are local and keep the lock.
- *
- * Phase ops (run on the control worker with op_running set, lock not held):
- *   PREPARE_MULTICAST: unmap every multicast mapping (reservations stay), unbind every binding,
- *     close the cached export FD, release the driver handle: in that order, across all objects.
- *   RESTORE_MULTICAST_CREATORS: creators cuMulticastCreate with the requested properties and
- *     re-export into the export cache; IMPORTERS: importers fetch the FD and import; DEVICES:
- *     every recorded add-device; BINDINGS: bind (same ABI), map at the original VA, set access.
  */
 #define _GNU_SOURCE
 #include <stdio.h>
@@ -29,9 +23,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "cui.h"
-
-
+#include "api.h"
 
 /* ---------- tables (lock held) ---------- */
 
@@ -68,17 +60,14 @@ static struct cui_mc *mc_new(const uint8_t id[16], uint32_t creator_pid) {
   return m;
 }
 
-static void hexid(const uint8_t id[16], char out[33]) { cui_hex_id(id, out); }
-
 /* The driver reference goes when nothing refers to the object any more. */
 static void mc_maybe_destroy(struct cui_mc *m) {
   if (!m->live || m->vrefs || m->nbinds || m->nmaps) return;
+  if (m->role == CUI_ROLE_CREATOR) cui_cache_close(m->id);   /* first: an open export FD is a reference */
   if (m->has_real) {
-    if (m->role == CUI_ROLE_CREATOR) cui_cache_close(m->id);   /* an open export FD is a reference */
-    REAL(cuMemRelease, fn_release)(m->real);
+    REAL(cuMemRelease)(m->real);
     m->has_real = 0;
   }
-  if (m->role == CUI_ROLE_CREATOR) cui_cache_close(m->id);
   free(m->binds);
   free(m->maps);
   m->binds = NULL;
@@ -168,7 +157,7 @@ int cui_mc_retain(uint64_t p, CUmemGenericAllocationHandle *handle, CUresult *r)
 /* ---------- cuMulticastCreate / AddDevice ---------- */
 
 CUI_EXPORT CUresult cuMulticastCreate(CUmemGenericAllocationHandle *mcHandle, const CUmulticastObjectProp *prop) {
-  fn_mc_create real = REAL(cuMulticastCreate, fn_mc_create);
+  cui_fn_cuMulticastCreate real = REAL(cuMulticastCreate);
   if (!real) return CUDA_ERROR_NOT_INITIALIZED;
   if (!mcHandle || !prop) return real(mcHandle, prop);
   pthread_mutex_lock(&cui_st.lock);
@@ -187,7 +176,7 @@ CUI_EXPORT CUresult cuMulticastCreate(CUmemGenericAllocationHandle *mcHandle, co
     cui_random_id(id);
     struct cui_mc *m = CUI_IS_VHANDLE(h) ? NULL : mc_new(id, (uint32_t)getpid());
     if (!m) {
-      REAL(cuMemRelease, fn_release)(h);
+      REAL(cuMemRelease)(h);
       r = CUI_IS_VHANDLE(h) ? CUDA_ERROR_INVALID_HANDLE : CUDA_ERROR_OUT_OF_MEMORY;
     } else {
       m->role = CUI_ROLE_CREATOR;
@@ -198,7 +187,7 @@ CUI_EXPORT CUresult cuMulticastCreate(CUmemGenericAllocationHandle *mcHandle, co
       if (prop->handleTypes != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) {
         m->flags |= CUI_REC_PASSTHROUGH;
         char hex[33];
-        hexid(m->id, hex);
+        cui_hex_id(m->id, hex);
         cui_api_warn("cuMulticastCreate", "multicast object %s has handle types 0x%llx (not exactly "
                      "POSIX_FILE_DESCRIPTOR): it works, but a checkpoint of this process will be refused",
                      hex, (unsigned long long)prop->handleTypes);
@@ -211,7 +200,7 @@ CUI_EXPORT CUresult cuMulticastCreate(CUmemGenericAllocationHandle *mcHandle, co
 }
 
 CUI_EXPORT CUresult cuMulticastAddDevice(CUmemGenericAllocationHandle mcHandle, CUdevice dev) {
-  fn_mc_add real = REAL(cuMulticastAddDevice, fn_mc_add);
+  cui_fn_cuMulticastAddDevice real = REAL(cuMulticastAddDevice);
   if (!real) return CUDA_ERROR_NOT_INITIALIZED;
   if (!CUI_IS_VHANDLE(mcHandle)) return real(mcHandle, dev);
   pthread_mutex_lock(&cui_st.lock);
@@ -238,14 +227,14 @@ CUI_EXPORT CUresult cuMulticastAddDevice(CUmemGenericAllocationHandle mcHandle, 
 
 /* ---------- binds ---------- */
 
-static const char *bind_api(int by_addr, int v2) {
+const char *cui_mc_bind_api(int by_addr, int v2) {
   return by_addr ? (v2 ? "cuMulticastBindAddr_v2" : "cuMulticastBindAddr") : (v2 ? "cuMulticastBindMem_v2" : "cuMulticastBindMem");
 }
 
 /* Every bind form. dev: the explicit device (v2) or ignored (v1). by_addr: memptr, else memHandle. */
 static CUresult do_bind(uint64_t mch, int v2, CUdevice dev, size_t mc_off, int by_addr, uint64_t memh,
                         CUdeviceptr memptr, size_t mem_off, size_t size, unsigned long long flags) {
-  const char *api = bind_api(by_addr, v2);
+  const char *api = cui_mc_bind_api(by_addr, v2);
   void *real = cui_real(by_addr ? (v2 ? CUI_ROW_cuMulticastBindAddr_v2 : CUI_ROW_cuMulticastBindAddr)
                                 : (v2 ? CUI_ROW_cuMulticastBindMem_v2 : CUI_ROW_cuMulticastBindMem));
   if (!real) return CUDA_ERROR_NOT_INITIALIZED;
@@ -284,7 +273,7 @@ static CUresult do_bind(uint64_t mch, int v2, CUdevice dev, size_t mc_off, int b
   }
   if (r == CUDA_SUCCESS && m && !(m->flags & CUI_REC_PASSTHROUGH) && !tracked_mem) {
     char hex[33];
-    hexid(m->id, hex);
+    cui_hex_id(m->id, hex);
     if (by_addr)
       cui_api_warn(api, "address 0x%llx is not in a mapping of a tracked cuMemCreate allocation; binding it into "
                    "multicast object %s could not be restored after a checkpoint; no driver call: "
@@ -305,13 +294,13 @@ static CUresult do_bind(uint64_t mch, int v2, CUdevice dev, size_t mc_off, int b
   pthread_mutex_unlock(&cui_st.lock);
 
   /* collective: blocks until the team is complete; no shim lock held */
-  if (by_addr) r = v2 ? ((fn_mc_bindaddr2)real)(real_mc, dev, mc_off, memptr, size, flags)
-                      : ((fn_mc_bindaddr)real)(real_mc, mc_off, memptr, size, flags);
-  else r = v2 ? ((fn_mc_bindmem2)real)(real_mc, dev, mc_off, real_mem, mem_off, size, flags)
-              : ((fn_mc_bindmem)real)(real_mc, mc_off, real_mem, mem_off, size, flags);
+  if (by_addr) r = v2 ? ((cui_fn_cuMulticastBindAddr_v2)real)(real_mc, dev, mc_off, memptr, size, flags)
+                      : ((cui_fn_cuMulticastBindAddr)real)(real_mc, mc_off, memptr, size, flags);
+  else r = v2 ? ((cui_fn_cuMulticastBindMem_v2)real)(real_mc, dev, mc_off, real_mem, mem_off, size, flags)
+              : ((cui_fn_cuMulticastBindMem)real)(real_mc, mc_off, real_mem, mem_off, size, flags);
   CUdevice bound_dev = dev;
   if (r == CUDA_SUCCESS && !v2) {
-    fn_ctxdev getdev = REAL(cuCtxGetDevice, fn_ctxdev);
+    cui_fn_cuCtxGetDevice getdev = REAL(cuCtxGetDevice);
     if (!getdev || getdev(&bound_dev) != CUDA_SUCCESS) bound_dev = -1;
   }
 
@@ -328,7 +317,7 @@ static CUresult do_bind(uint64_t mch, int v2, CUdevice dev, size_t mc_off, int b
       if (n) m->binds = n, m->cap_binds = cap;
     }
     if (m->nbinds == m->cap_binds) {   /* cannot record: undo, so nothing unrestorable remains */
-      REAL(cuMulticastUnbind, fn_mc_unbind)(m->real, bound_dev, mc_off, size);
+      REAL(cuMulticastUnbind)(m->real, bound_dev, mc_off, size);
       r = CUDA_ERROR_OUT_OF_MEMORY;
     } else {
       struct cui_mcbind *b = &m->binds[m->nbinds++];
@@ -390,7 +379,7 @@ static void drop_binding(struct cui_mc *m, uint32_t k) {
 }
 
 CUI_EXPORT CUresult cuMulticastUnbind(CUmemGenericAllocationHandle mcHandle, CUdevice dev, size_t mcOffset, size_t size) {
-  fn_mc_unbind real = REAL(cuMulticastUnbind, fn_mc_unbind);
+  cui_fn_cuMulticastUnbind real = REAL(cuMulticastUnbind);
   if (!real) return CUDA_ERROR_NOT_INITIALIZED;
   if (!CUI_IS_VHANDLE(mcHandle)) return real(mcHandle, dev, mcOffset, size);
   pthread_mutex_lock(&cui_st.lock);
@@ -413,7 +402,7 @@ CUI_EXPORT CUresult cuMulticastUnbind(CUmemGenericAllocationHandle mcHandle, CUd
   return r;
 }
 
-/* ---------- release / map / unmap / access (branches of the vmm.c wrappers) ---------- */
+/* ---------- release / map / unmap / access (branches of the vmm_api.c wrappers) ---------- */
 
 CUresult cui_mc_release(uint64_t vh) {
   pthread_mutex_lock(&cui_st.lock);
@@ -433,7 +422,7 @@ CUresult cui_mc_release(uint64_t vh) {
 }
 
 CUresult cui_mc_map(CUdeviceptr ptr, size_t size, size_t offset, uint64_t vh, unsigned long long flags) {
-  fn_map real = REAL(cuMemMap, fn_map);
+  cui_fn_cuMemMap real = REAL(cuMemMap);
   pthread_mutex_lock(&cui_st.lock);
   struct cui_mc *m = mc_by_vhandle(vh);
   CUresult r = CUDA_SUCCESS;
@@ -457,7 +446,7 @@ CUresult cui_mc_map(CUdeviceptr ptr, size_t size, size_t offset, uint64_t vh, un
       if (n) m->maps = n, m->cap_maps = cap;
     }
     if (m->nmaps == m->cap_maps) {
-      REAL(cuMemUnmap, fn_unmap)(ptr, size);
+      REAL(cuMemUnmap)(ptr, size);
       r = CUDA_ERROR_OUT_OF_MEMORY;
     } else {
       struct cui_mcmap *x = &m->maps[m->nmaps++];
@@ -486,7 +475,7 @@ CUresult cui_mc_unmap(CUdeviceptr ptr, size_t size) {
                  "CUDA_ERROR_INVALID_VALUE", (unsigned long long)ptr, (unsigned long long)size);
     r = CUDA_ERROR_INVALID_VALUE;
   } else {
-    r = REAL(cuMemUnmap, fn_unmap)(ptr, size);
+    r = REAL(cuMemUnmap)(ptr, size);
     if (r == CUDA_SUCCESS) {
       *x = m->maps[--m->nmaps];
       __atomic_sub_fetch(&cui_st.mc_maps, 1, __ATOMIC_RELAXED);
@@ -512,7 +501,7 @@ CUresult cui_mc_set_access(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *
   } else {
     uint32_t n = cui_access_count_after(x->access, x->access_count, desc, count);
     if (n > CUI_MAX_ACCESS) r = CUDA_ERROR_NOT_SUPPORTED;
-    else r = REAL(cuMemSetAccess, fn_setaccess)(ptr, size, desc, count);
+    else r = REAL(cuMemSetAccess)(ptr, size, desc, count);
     if (r == CUDA_SUCCESS) cui_access_merge(x->access, &x->access_count, desc, count);
   }
   pthread_mutex_unlock(&cui_st.lock);
@@ -532,7 +521,7 @@ static void fill_ticket(struct cui_ticket *t, const struct cui_mc *m) {
 }
 
 CUresult cui_mc_export(void *shareableHandle, uint64_t vh, CUmemAllocationHandleType type, unsigned long long flags) {
-  fn_export real = REAL(cuMemExportToShareableHandle, fn_export);
+  cui_fn_cuMemExportToShareableHandle real = REAL(cuMemExportToShareableHandle);
   pthread_mutex_lock(&cui_st.lock);
   struct cui_mc *m = mc_by_vhandle(vh);
   CUresult r = CUDA_SUCCESS;
@@ -588,7 +577,7 @@ CUresult cui_mc_import_ticket(CUmemGenericAllocationHandle *handle, const struct
   pthread_mutex_unlock(&cui_st.lock);
 
   char why[256], hex[33];
-  hexid(t->alloc_id, hex);
+  cui_hex_id(t->alloc_id, hex);
   CUresult r = CUDA_SUCCESS;
   CUmemGenericAllocationHandle h = 0;
   int fd = t->creator_pid == (uint32_t)getpid() ? -1 : cui_fetch_fd(t->creator_pid, t->alloc_id, why, sizeof why);
@@ -598,11 +587,11 @@ CUresult cui_mc_import_ticket(CUmemGenericAllocationHandle *handle, const struct
                  "output untouched: CUDA_ERROR_INVALID_VALUE", hex, t->creator_pid, why);
     r = CUDA_ERROR_INVALID_VALUE;
   } else {
-    r = REAL(cuMemImportFromShareableHandle, fn_import)(&h, (void *)(uintptr_t)fd,
+    r = REAL(cuMemImportFromShareableHandle)(&h, (void *)(uintptr_t)fd,
                                                         CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
     close(fd);
     if (r == CUDA_SUCCESS && CUI_IS_VHANDLE(h)) {
-      REAL(cuMemRelease, fn_release)(h);
+      REAL(cuMemRelease)(h);
       r = CUDA_ERROR_INVALID_HANDLE;
     }
   }
@@ -611,10 +600,10 @@ CUresult cui_mc_import_ticket(CUmemGenericAllocationHandle *handle, const struct
   if (r == CUDA_SUCCESS) {
     m = mc_by_id(t->creator_pid, t->alloc_id);
     if (m && m->has_real) {   /* a concurrent import won */
-      REAL(cuMemRelease, fn_release)(h);
+      REAL(cuMemRelease)(h);
       m->vrefs++;
     } else if ((m = mc_new(t->alloc_id, t->creator_pid)) == NULL) {
-      REAL(cuMemRelease, fn_release)(h);
+      REAL(cuMemRelease)(h);
       r = CUDA_ERROR_OUT_OF_MEMORY;
     } else {
       m->role = CUI_ROLE_IMPORTER;
@@ -630,283 +619,4 @@ CUresult cui_mc_import_ticket(CUmemGenericAllocationHandle *handle, const struct
   }
   pthread_mutex_unlock(&cui_st.lock);
   return r;
-}
-
-/* ---------- INSPECT records (lock held) ---------- */
-
-size_t cui_mc_record_count(void) {
-  size_t n = 0;
-  for (size_t i = 0; i < cui_st.nmcs; i++) {
-    const struct cui_mc *m = &cui_st.mcs[i];
-    if (m->live) n += 1 + m->ndevs + m->nbinds + m->nmaps;
-  }
-  return n;
-}
-
-static void mc_head(struct cui_record *r, uint16_t kind, const struct cui_mc *m) {
-  r->kind = kind;
-  r->role = m->role;
-  memcpy(r->alloc_id, m->id, 16);
-  r->creator_pid = m->creator_pid;
-}
-
-static int cmp_bind(const void *x, const void *y) {
-  const struct cui_mcbind *a = x, *b = y;
-  if (a->dev != b->dev) return a->dev < b->dev ? -1 : 1;
-  return a->mc_off < b->mc_off ? -1 : a->mc_off > b->mc_off;
-}
-static int cmp_mcmap(const void *x, const void *y) {
-  const struct cui_mcmap *a = x, *b = y;
-  return a->va < b->va ? -1 : a->va > b->va;
-}
-
-/* Objects in creation order; after each: its devices (in add order), bindings (by device,
- * offset), mappings (by VA). */
-size_t cui_mc_fill_records(struct cui_record *out) {
-  size_t k = 0;
-  for (size_t i = 0; i < cui_st.nmcs; i++) {
-    struct cui_mc *m = &cui_st.mcs[i];
-    if (!m->live) continue;
-    struct cui_record *r = &out[k++];
-    mc_head(r, CUI_RECORD_MULTICAST, m);
-    r->flags = m->flags;
-    r->handle_refs = m->vrefs;
-    r->size = m->prop.size;
-    r->offset = m->extent;
-    r->prop_location_id = (int32_t)m->prop.numDevices;
-    r->prop_handle_types = (uint32_t)m->prop.handleTypes;
-    for (uint32_t d = 0; d < m->ndevs; d++) {
-      r = &out[k++];
-      mc_head(r, CUI_RECORD_MULTICAST_DEVICE, m);
-      r->prop_location_type = CU_MEM_LOCATION_TYPE_DEVICE;
-      r->prop_location_id = m->devs[d];
-    }
-    if (m->nbinds) qsort(m->binds, m->nbinds, sizeof *m->binds, cmp_bind);
-    for (uint32_t b = 0; b < m->nbinds; b++) {
-      const struct cui_mcbind *x = &m->binds[b];
-      r = &out[k++];
-      mc_head(r, CUI_RECORD_MULTICAST_BINDING, m);
-      r->flags = x->flags;
-      r->prop_location_type = CU_MEM_LOCATION_TYPE_DEVICE;
-      r->prop_location_id = x->dev;
-      r->offset = x->mc_off;
-      r->size = x->size;
-      r->va = x->memptr;
-      if (x->has_member) {
-        const struct cui_alloc *a = &cui_st.allocs[x->member];
-        memcpy(&r->reserved[0], a->id, 16);
-        r->reserved0 = a->creator_pid;
-        r->reserved[2] = x->mem_off;
-      }
-    }
-    if (m->nmaps) qsort(m->maps, m->nmaps, sizeof *m->maps, cmp_mcmap);
-    for (uint32_t q = 0; q < m->nmaps; q++) {
-      const struct cui_mcmap *x = &m->maps[q];
-      r = &out[k++];
-      mc_head(r, CUI_RECORD_MULTICAST_MAPPING, m);
-      r->va = x->va;
-      r->size = x->size;
-      r->offset = x->offset;
-      r->access_count = x->access_count;
-      memcpy(r->access, x->access, x->access_count * sizeof x->access[0]);
-    }
-  }
-  return k;
-}
-
-/* ---------- phase ops ---------- */
-
-static void mc_fail(struct cui_op_result *res, const char *op, const struct cui_mc *m, const char *what, CUresult r) {
-  char hex[33];
-  hexid(m->id, hex);
-  res->status = CUI_FAILED;
-  res->cuda_result = (int32_t)r;
-  snprintf(res->message, sizeof res->message, "%s: pid %u multicast object %s: %s failed: %s", op,
-           (unsigned)getpid(), hex, what, cui_cu_error_name(r));
-}
-
-/* Teardown in driver order across all objects: unmap -> unbind -> close cached FD -> release. */
-int cui_PREPARE_MULTICAST(struct cui_op_result *res) {
-  const char *op = "PREPARE_MULTICAST";
-  cui_st.mc_cycle = 1;
-  for (size_t i = 0; i < cui_st.nmcs; i++) {
-    struct cui_mc *m = &cui_st.mcs[i];
-    if (!m->live) continue;
-    for (uint32_t k = 0; k < m->nmaps; k++) {
-      struct cui_mcmap *x = &m->maps[k];
-      if (!x->mapped) continue;
-      CUresult r = REAL(cuMemUnmap, fn_unmap)(x->va, x->size);
-      if (r != CUDA_SUCCESS) {
-        char what[96];
-        snprintf(what, sizeof what, "cuMemUnmap(0x%llx, 0x%llx)", (unsigned long long)x->va, (unsigned long long)x->size);
-        mc_fail(res, op, m, what, r);
-        return -1;
-      }
-      x->mapped = 0;
-      res->records_changed++;
-    }
-  }
-  for (size_t i = 0; i < cui_st.nmcs; i++) {
-    struct cui_mc *m = &cui_st.mcs[i];
-    if (!m->live) continue;
-    for (uint32_t k = 0; k < m->nbinds; k++) {
-      struct cui_mcbind *b = &m->binds[k];
-      if (!b->bound) continue;
-      CUresult r = REAL(cuMulticastUnbind, fn_mc_unbind)(m->real, b->dev, b->mc_off, b->size);
-      if (r != CUDA_SUCCESS) {
-        char what[96];
-        snprintf(what, sizeof what, "cuMulticastUnbind(device %d, offset 0x%llx, size 0x%llx)", b->dev,
-                 (unsigned long long)b->mc_off, (unsigned long long)b->size);
-        mc_fail(res, op, m, what, r);
-        return -1;
-      }
-      b->bound = 0;
-      res->records_changed++;
-    }
-  }
-  for (size_t i = 0; i < cui_st.nmcs; i++) {
-    struct cui_mc *m = &cui_st.mcs[i];
-    if (!m->live) continue;
-    cui_cache_close(m->id);   /* before the release: an open export FD is a reference */
-    if (m->has_real) {
-      CUresult r = REAL(cuMemRelease, fn_release)(m->real);
-      if (r != CUDA_SUCCESS) {
-        mc_fail(res, op, m, "cuMemRelease", r);
-        return -1;
-      }
-      m->has_real = 0;
-      res->records_changed++;
-    }
-  }
-  return 0;
-}
-
-int cui_RESTORE_MULTICAST_CREATORS(struct cui_op_result *res) {
-  const char *op = "RESTORE_MULTICAST_CREATORS";
-  for (size_t i = 0; i < cui_st.nmcs; i++) {
-    struct cui_mc *m = &cui_st.mcs[i];
-    if (!m->live || m->role != CUI_ROLE_CREATOR || m->has_real) continue;
-    CUmemGenericAllocationHandle h;
-    CUresult r = REAL(cuMulticastCreate, fn_mc_create)(&h, &m->prop);   /* the requested size */
-    if (r != CUDA_SUCCESS) {
-      mc_fail(res, op, m, "cuMulticastCreate", r);
-      return -1;
-    }
-    m->real = h;
-    m->has_real = 1;
-    res->records_changed++;
-    if (m->flags & CUI_REC_EXPORTED) {
-      int fd = -1;
-      r = REAL(cuMemExportToShareableHandle, fn_export)(&fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
-      if (r != CUDA_SUCCESS) {
-        mc_fail(res, op, m, "cuMemExportToShareableHandle", r);
-        return -1;
-      }
-      if (cui_cache_put(m->id, fd) != 0) {
-        close(fd);
-        mc_fail(res, op, m, "export cache insert", CUDA_ERROR_OUT_OF_MEMORY);
-        return -1;
-      }
-    }
-  }
-  return 0;
-}
-
-int cui_RESTORE_MULTICAST_IMPORTERS(struct cui_op_result *res) {
-  const char *op = "RESTORE_MULTICAST_IMPORTERS";
-  for (size_t i = 0; i < cui_st.nmcs; i++) {
-    struct cui_mc *m = &cui_st.mcs[i];
-    if (!m->live || m->role != CUI_ROLE_IMPORTER || m->has_real) continue;
-    char why[256], hex[33];
-    hexid(m->id, hex);
-    int fd = cui_fetch_fd(m->creator_pid, m->id, why, sizeof why);
-    if (fd < 0) {
-      res->status = CUI_FAILED;
-      snprintf(res->message, sizeof res->message, "%s: pid %u could not import multicast object %s from creator pid "
-               "%u: %s", op, (unsigned)getpid(), hex, m->creator_pid, why);
-      return -1;
-    }
-    CUmemGenericAllocationHandle h;
-    CUresult r = REAL(cuMemImportFromShareableHandle, fn_import)(&h, (void *)(uintptr_t)fd,
-                                                                 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
-    close(fd);
-    if (r != CUDA_SUCCESS) {
-      mc_fail(res, op, m, "cuMemImportFromShareableHandle", r);
-      return -1;
-    }
-    m->real = h;
-    m->has_real = 1;
-    res->records_changed++;
-  }
-  return 0;
-}
-
-int cui_RESTORE_MULTICAST_DEVICES(struct cui_op_result *res) {
-  const char *op = "RESTORE_MULTICAST_DEVICES";
-  for (size_t i = 0; i < cui_st.nmcs; i++) {
-    struct cui_mc *m = &cui_st.mcs[i];
-    if (!m->live) continue;
-    for (uint32_t d = 0; d < m->ndevs; d++) {
-      CUresult r = REAL(cuMulticastAddDevice, fn_mc_add)(m->real, m->devs[d]);
-      if (r != CUDA_SUCCESS) {
-        char what[64];
-        snprintf(what, sizeof what, "cuMulticastAddDevice(device %d)", m->devs[d]);
-        mc_fail(res, op, m, what, r);
-        return -1;
-      }
-      res->records_changed++;
-    }
-  }
-  return 0;
-}
-
-int cui_RESTORE_MULTICAST_BINDINGS(struct cui_op_result *res) {
-  const char *op = "RESTORE_MULTICAST_BINDINGS";
-  for (size_t i = 0; i < cui_st.nmcs; i++) {
-    struct cui_mc *m = &cui_st.mcs[i];
-    if (!m->live) continue;
-    for (uint32_t k = 0; k < m->nbinds; k++) {
-      struct cui_mcbind *b = &m->binds[k];
-      if (b->bound) continue;
-      int by_addr = (b->flags & CUI_REC_MC_BY_ADDR) != 0, v2 = (b->flags & CUI_REC_MC_V2_ABI) != 0;
-      CUresult r = CUDA_SUCCESS;
-      if (!v2) r = cui_set_device_context(b->dev);   /* the v1 ABI binds for the current device */
-      CUmemGenericAllocationHandle mem = 0;
-      int temporary = 0;
-      if (r == CUDA_SUCCESS && !by_addr) r = cui_alloc_driver_handle(&cui_st.allocs[b->member], &mem, &temporary);
-      if (r == CUDA_SUCCESS) {
-        if (by_addr) r = v2 ? REAL(cuMulticastBindAddr_v2, fn_mc_bindaddr2)(m->real, b->dev, b->mc_off, b->memptr, b->size, 0)
-                            : REAL(cuMulticastBindAddr, fn_mc_bindaddr)(m->real, b->mc_off, b->memptr, b->size, 0);
-        else r = v2 ? REAL(cuMulticastBindMem_v2, fn_mc_bindmem2)(m->real, b->dev, b->mc_off, mem, b->mem_off, b->size, 0)
-                    : REAL(cuMulticastBindMem, fn_mc_bindmem)(m->real, b->mc_off, mem, b->mem_off, b->size, 0);
-      }
-      if (temporary) REAL(cuMemRelease, fn_release)(mem);
-      if (r != CUDA_SUCCESS) {
-        char what[96];
-        snprintf(what, sizeof what, "%s(device %d, offset 0x%llx, size 0x%llx)", bind_api(by_addr, v2), b->dev,
-                 (unsigned long long)b->mc_off, (unsigned long long)b->size);
-        mc_fail(res, op, m, what, r);
-        return -1;
-      }
-      b->bound = 1;
-      res->records_changed++;
-    }
-    for (uint32_t k = 0; k < m->nmaps; k++) {
-      struct cui_mcmap *x = &m->maps[k];
-      if (x->mapped) continue;
-      CUresult r = REAL(cuMemMap, fn_map)(x->va, x->size, x->offset, m->real, 0);
-      if (r != CUDA_SUCCESS) {
-        mc_fail(res, op, m, "cuMemMap", r);
-        return -1;
-      }
-      x->mapped = 1;
-      res->records_changed++;
-      if ((r = cui_access_replay(x->va, x->size, x->access, x->access_count)) != CUDA_SUCCESS) {
-        mc_fail(res, op, m, "cuMemSetAccess", r);
-        return -1;
-      }
-    }
-  }
-  cui_st.mc_cycle = 0;
-  return 0;
 }

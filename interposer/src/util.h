@@ -1,0 +1,63 @@
+/*
+ * util.h: the lowest layer of libcuinterpose (docs/shim.md "Files and layers"): helpers that
+ * know nothing of the driver or the shim's state. util.c (ids, clocks, warnings, paths, names
+ * from protocol.h, socket I/O, the hash table) and checksum.c (cui_checksum64).
+ * Everything here has hidden visibility; only the hooked names are exported (hooks.def,
+ * libcuinterpose.map).
+ */
+#ifndef CUI_UTIL_H
+#define CUI_UTIL_H
+
+#include <cuda.h>
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "cuinterpose/protocol.h"
+
+#define CUI_EXPORT __attribute__((visibility("default")))
+#define CUI_HIDDEN __attribute__((visibility("hidden")))
+
+/* ---------- util.c ---------- */
+
+CUI_HIDDEN const char *cui_cu_error_fallback(CUresult r);   /* "CUDA_ERROR_INVALID_VALUE" */
+CUI_HIDDEN void cui_random_id(uint8_t id[16]);
+CUI_HIDDEN void cui_hex_id(const uint8_t id[16], char out[33]);
+CUI_HIDDEN uint64_t cui_now_ns(void);                   /* CLOCK_MONOTONIC, ns */
+/* "cuinterpose[<pid>]: <api>: pid <pid> (phase <P>): <message>" as one write to stderr
+ * (cui_api_warn in state.h passes the current phase). */
+CUI_HIDDEN void cui_api_warn_in(uint32_t phase, const char *api, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+/* The control directory ($CUINTERPOSE_CONTROL_DIR or CUI_DEFAULT_CONTROL_DIR) and the socket
+ * path of `pid` in it. Returns -1 when the path does not fit sockaddr_un.sun_path. */
+CUI_HIDDEN const char *cui_control_dir(void);
+CUI_HIDDEN int cui_socket_path(uint32_t pid, char *out, size_t cap);
+/* Names from protocol.h: "ACTIVE", "SAVE_ALLOCATIONS" (CUI_OPS); "UNKNOWN" otherwise. */
+CUI_HIDDEN const char *cui_phase_name(uint32_t phase);
+CUI_HIDDEN const char *cui_op_name(uint32_t op);
+
+/* Stream socket I/O of the control protocol: whole buffers (EINTR retried), and the
+ * CUI_IO_TIMEOUT_S send/receive timeout. read/write return 0, or -1 (error or EOF). */
+#define CUI_IO_TIMEOUT_S 10
+CUI_HIDDEN void cui_set_io_timeouts(int fd);
+CUI_HIDDEN int cui_read_full(int fd, void *buf, size_t n);
+CUI_HIDDEN int cui_write_full(int fd, const void *buf, size_t n);
+
+/* Small open-addressing hash table, linear probing, backward-shift deletion, grown at half
+ * load. Keys are three words: an allocation id (a, b = its two halves, c = creator pid), or a
+ * VA (a = va, b = c = 0). Values are 32 bits. The caller provides the locking. */
+struct cui_key { uint64_t a, b; uint32_t c; };
+struct cui_tab {
+  struct cui_tslot { struct cui_key k; uint32_t val; uint32_t used; } *s;
+  uint32_t cap, n;
+};
+CUI_HIDDEN struct cui_key cui_id_key(const uint8_t id[16], uint32_t pid);
+CUI_HIDDEN uint32_t *cui_tab_get(const struct cui_tab *t, struct cui_key k);   /* value or NULL */
+CUI_HIDDEN int cui_tab_put(struct cui_tab *t, struct cui_key k, uint32_t val); /* 0, -1 out of memory */
+CUI_HIDDEN void cui_tab_del(struct cui_tab *t, struct cui_key k);
+
+/* ---------- checksum.c ---------- */
+
+CUI_HIDDEN uint64_t cui_checksum64(const void *data, size_t length);
+
+#endif
