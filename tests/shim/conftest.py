@@ -180,7 +180,7 @@ def build_shared(sources, out: pathlib.Path, flags, libs=("-ldl", "-lpthread")) 
         key.update(pathlib.Path(s).read_bytes())
     for h in sorted((SHIM_SRC / "src").glob("*.h")) + sorted((SHIM_SRC / "src").glob("*.def")) \
             + sorted((SHIM_SRC / "include").rglob("*.h")) + sorted((FAKECUDA_SRC / "src").glob("*.h")) \
-            + sorted((FAKECUDA_SRC / "src").glob("*.inc")):
+            + sorted((FAKECUDA_SRC / "src").glob("*.inc")) + sorted((FAKECUDA_SRC / "src").glob("*.def")):
         key.update(h.read_bytes())
     key.update(" ".join(map(str, flags)).encode())
     stamp = out.with_name(out.name + ".sha256")
