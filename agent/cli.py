@@ -145,7 +145,7 @@ group_opt = click.option("--group", "group_file", type=click.Path(dir_okay=False
 
 
 def _tls(ca, cert, key):
-    from cuinterpose.agent.rpc.service import TLS
+    from cuinterpose.agent.rpc.client import TLS
     t = TLS(cert=cert, key=key, ca=ca)
     return t if t.enabled else None
 
@@ -212,7 +212,7 @@ def _remote(addr, method, request, rep, sink, tls):
     """Run ``method`` at the agent ``addr``; returns the CLI JSON object of a success, raises
     ``AgentError`` (what the agent reported, or outcome "unreachable") otherwise."""
     from cuinterpose.agent.run.ops import error_from_dict
-    from cuinterpose.agent.rpc.service import call
+    from cuinterpose.agent.rpc.client import call
 
     def go():
         return call(addr, method, request, tls=tls, on_progress=_RemoteRows(rep))
@@ -495,7 +495,7 @@ def health_cmd(agent_addr, service, tls_ca, tls_cert, tls_key):
     """gRPC health check of an agent daemon: prints SERVING (exit 0) or another status
     (exit 1); exit 6 when it cannot be reached."""
     import grpc
-    from cuinterpose.agent.rpc.service import default_address, health
+    from cuinterpose.agent.rpc.client import default_address, health
     addr = agent_addr or default_address()
     try:
         st = health(addr, service, tls=_tls(tls_ca, tls_cert, tls_key))
@@ -606,8 +606,9 @@ def serve(listen, config_file, node, snapshot_dir, metrics_port, metrics_addr, t
     import signal
     import socket
     import threading
-    from cuinterpose.agent.rpc.service import (DEFAULT_SNAPSHOT_DIR, Server, ServeOptions, TLS, default_address,
-                          listener_security)
+    from cuinterpose.agent.rpc.client import TLS, default_address
+    from cuinterpose.agent.rpc.security import listener_security
+    from cuinterpose.agent.rpc.service import DEFAULT_SNAPSHOT_DIR, Server, ServeOptions
     given = dict(listen=listen, node=node, snapshot_dir=list(snapshot_dir) or None,
                  metrics_port=metrics_port, metrics_addr=metrics_addr, tls_cert=tls_cert,
                  tls_key=tls_key, tls_client_ca=tls_client_ca, insecure_tcp=insecure_tcp or None,

@@ -1,4 +1,5 @@
-"""Group checkpoint/restore: one consistent cut across several agents (DESIGN §8).
+"""Group checkpoint/restore, the leader side: one consistent cut across several agents
+(docs/service.md "Groups", docs/decisions.md D11).
 
 The agent that receives a request with ``members`` is the *leader* for it. It gives the
 request an id and drives every member through the group phases of
@@ -26,10 +27,10 @@ Leases: a member keeps a group request's job only while its lease lasts (``serve
 answer renews it; between phases, and while a long phase runs on another member, a thread of
 the leader (:class:`Renewer`) calls ``Renew`` on every member every third of the shortest lease
 it has learned. A leader that dies stops renewing: each member then undoes the job by itself
-(agent/service.py, docs/service.md "Leases"). A member whose lease expired answers every later
-``RunPhase`` of the request with outcome ``lease_expired`` (it undid the job itself) or
-``rollback_failed``/``restore_failed`` (its own undo failed); the leader's undo phases count
-the first as done.
+(:mod:`cuinterpose.agent.rpc.member`, docs/service.md "Leases"). A member whose lease expired
+answers every later ``RunPhase`` of the request with outcome ``lease_expired`` (it undid the
+job itself) or ``rollback_failed``/``restore_failed`` (its own undo failed); the leader's undo
+phases count the first as done.
 """
 from __future__ import annotations
 
@@ -45,6 +46,8 @@ from typing import Callable, Optional
 from cuinterpose.agent.snapshot import pb
 from cuinterpose.agent.errors import AgentError
 from cuinterpose.agent.run.report import Reporter
+from cuinterpose.agent.rpc import client
+from cuinterpose.agent.rpc.member import DEFAULT_GROUP_LEASE_S
 
 
 #: a leader renews every member's lease after this fraction of the shortest lease
@@ -220,25 +223,24 @@ def lead(kind: str, request, rep: Reporter, emit: Callable[[dict], None], *,
     """Lead a group ``kind`` ("checkpoint" | "restore") for ``request`` (a
     ``CheckpointRequest``/``RestoreRequest`` with ``members``). ``emit`` receives the members'
     progress rows; ``call(address, method, request, on_progress)`` defaults to
-    :func:`cuinterpose.agent.rpc.service.call` and ``renew(address, RenewRequest, timeout_s)`` to
-    :func:`cuinterpose.agent.rpc.service.renew` (both with ``tls``; with a ``call`` given and no
+    :func:`cuinterpose.agent.rpc.client.call` and ``renew(address, RenewRequest, timeout_s)`` to
+    :func:`cuinterpose.agent.rpc.client.renew` (both with ``tls``; with a ``call`` given and no
     ``renew``: ``call(address, "Renew", request, None)``). ``request_id``: the group's id
     (default a fresh uuid4 hex); ``leader``: this leader in words, sent to the members (default
     "pid N on HOST"); ``lease_s``: the lease (seconds) assumed for members until they report
-    theirs (default ``service.DEFAULT_GROUP_LEASE_S``). Every member's lease is renewed by a
+    theirs (default ``member.DEFAULT_GROUP_LEASE_S``). Every member's lease is renewed by a
     :class:`Renewer` while the group runs. Returns ({"ok": true, "request_id", "members":
     [{"node", "address", "images_dir", "state"}], "phases"}, None); raises ``AgentError``
     with ``node`` set to the failing member."""
     from cuinterpose.agent.run.checkpoint import Checkpoint
     from cuinterpose.agent.run.restore import Restore
-    from cuinterpose.agent.rpc import service
     apb, _, mpb = pb.modules()
     if call is None:
         def call(addr, method, req, on_progress):
-            return service.call(addr, method, req, tls=tls, on_progress=on_progress)
+            return client.call(addr, method, req, tls=tls, on_progress=on_progress)
         if renew is None:
             def renew(addr, req, timeout_s):
-                return service.renew(addr, req, tls=tls, timeout_s=timeout_s)
+                return client.renew(addr, req, tls=tls, timeout_s=timeout_s)
     if renew is None:
         def renew(addr, req, timeout_s):
             return call(addr, "Renew", req, None)
@@ -251,7 +253,7 @@ def lead(kind: str, request, rep: Reporter, emit: Callable[[dict], None], *,
     rid = request_id or uuid.uuid4().hex
     leader = leader or f"pid {os.getpid()} on {socket.gethostname()}"
     renewer = Renewer(rid, members, leader, renew, rep,
-                      lease_s or service.DEFAULT_GROUP_LEASE_S)
+                      lease_s or DEFAULT_GROUP_LEASE_S)
     ginfo = mpb.GroupInfo(request_id=rid, members=[
         mpb.GroupMember(node=m.node, address=m.address, images_dir=m.images_dir) for m in members])
     states: dict[str, dict] = {m.node: {} for m in members}
