@@ -246,7 +246,7 @@ def test_metrics_port_zero_means_a_free_port_in_the_config_and_on_the_command_li
 def test_metrics_address_comes_from_the_config_unless_given(tmp_path):
     """``metricsAddress`` (the chart sets 0.0.0.0 so that Prometheus can scrape the pod) is
     what serve binds; ``--metrics-addr`` wins."""
-    from cuinterpose.agent import cli as cli_mod
+    from cuinterpose.agent.cli import daemon as cli_mod
     cfg = tmp_path / "agent.yaml"
     cfg.write_text("metricsPort: 9464\nmetricsAddress: 0.0.0.0\n")
     v = cli_mod._config_values(str(cfg))
