@@ -1,36 +1,14 @@
-"""Group checkpoint/restore, the leader side: one consistent cut across several agents
-(docs/service.md "Groups", docs/decisions.md D11).
+"""Group checkpoint/restore, the leader side: one consistent cut across several agents.
 
-The agent that receives a request with ``members`` is the *leader* for it. It gives the
-request an id and drives every member through the group phases of
-:class:`~cuinterpose.agent.run.checkpoint.Checkpoint` (``GROUP_PHASES``: prepare, quiesce,
-capture, lock, checkpoint, dump, manifest, finish, resume) or
-:class:`~cuinterpose.agent.run.restore.Restore` (prepare, stale, criu restore, native restore,
-restore shared, resume) by calling ``RunPhase`` on all members concurrently — itself
-included, through the same RPC — and waits for every answer before the next phase (a
-barrier). Hence no member locks before every member is quiesced, none is killed before every
-manifest is written, and none resumes before every member restored.
-
-A failure on any member stops the group at that phase. Checkpoint: every member then runs
-``rollback`` (what was torn down is rebuilt; no ``.resume`` yet), and the members whose
-rollback succeeded run ``release`` (``.resume``: restored=false, or cancelled when nothing was
-torn down). Restore: a failure from ``criu restore`` on runs ``abort`` on every member (its
-restored trees are killed; the snapshots stay untouched). The error names the member (node),
-the phase and the pid; ``outcome`` is refused / rolled_back / rollback_failed (checkpoint) or
-refused / restore_failed (restore), for the group as a whole.
-
-Every member's progress rows are forwarded into the leader's stream with ``node`` and
-``group_phase`` set: the leader's event log is the merged log of the group.
-
-Leases: a member keeps a group request's job only while its lease lasts (``serve
---group-lease-s``, default 30 s; each member reports its own as ``lease_s``). Every RunPhase
-answer renews it; between phases, and while a long phase runs on another member, a thread of
-the leader (:class:`Renewer`) calls ``Renew`` on every member every third of the shortest lease
-it has learned. A leader that dies stops renewing: each member then undoes the job by itself
-(:mod:`cuinterpose.agent.rpc.member`, docs/service.md "Leases"). A member whose lease expired
-answers every later ``RunPhase`` of the request with outcome ``lease_expired`` (it undid the
-job itself) or ``rollback_failed``/``restore_failed`` (its own undo failed); the leader's undo
-phases count the first as done.
+The agent that receives a request with ``members`` (or the CLI with ``--group`` and no
+``--agent``) leads it (:func:`lead`): it calls ``RunPhase`` for each group phase of
+``Checkpoint.GROUP_PHASES`` / ``Restore.GROUP_PHASES`` on every member concurrently, itself
+included, and waits for all (a barrier); on a failure it runs the undo phases (``rollback``
+and ``release``, or ``abort``) and names the failing member. Every member's rows are forwarded
+into the leader's stream with ``node`` and ``group_phase`` set. :class:`Renewer` keeps the
+members' leases alive while the group runs; the member side is
+:mod:`cuinterpose.agent.rpc.member`. The protocol, the failure outcomes and the leases:
+docs/service.md "Groups" and "Leases", docs/decisions.md D11 and D12.
 """
 from __future__ import annotations
 

@@ -435,7 +435,7 @@ class Server:
         self.server.start()
         p = unix_path(self.address)
         if p:
-            os.chmod(p, 0o600)   # same-UID trust domain, like the shim's sockets (D2)
+            os.chmod(p, 0o600)   # same-UID trust domain, like the shim's sockets (decisions.md D2)
         for name in ("", SERVICE_NAME):
             self.health.set(name, self._health_pb2.HealthCheckResponse.SERVING)
         return self
