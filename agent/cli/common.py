@@ -154,13 +154,7 @@ def remote(addr, method, request, rep, sink, tls):
     from cuinterpose.agent.run.ops import error_from_dict
     from cuinterpose.agent.rpc.client import call
 
-    def go():
-        return call(addr, method, request, tls=tls, on_progress=RemoteRows(rep))
-    if sink:
-        with sink:
-            res = go()
-    else:
-        res = go()
+    res = live(sink, lambda: call(addr, method, request, tls=tls, on_progress=RemoteRows(rep)))
     obj = json.loads(res.json) if res.json else {}
     if res.ok:
         return obj
@@ -172,7 +166,9 @@ def remote(addr, method, request, rep, sink, tls):
     raise err
 
 
-def run_local(rep, sink, fn):
+def live(sink, fn):
+    """``fn()``, with the live table ``sink`` (a ``RichSink``; None with ``--json``) shown while
+    it runs."""
     if sink:
         with sink:
             return fn()

@@ -10,7 +10,7 @@ import click
 from cuinterpose.agent.errors import AgentError
 from cuinterpose.agent.cli.common import (POSITIVE, RemoteRows, agent_opt, client_tls,
                                           control_opt, driver_opt, emit_json, fail, group_opt,
-                                          json_opt, load_members, remote, reporter, run_local,
+                                          json_opt, live, load_members, remote, reporter,
                                           set_env, tls_ca_opt, tls_cert_opt, tls_key_opt)
 from cuinterpose.coordinator.protocol import default_control_dir
 
@@ -73,11 +73,11 @@ def checkpoint(pids, images_dir, quiesce_timeout_ms, lock_timeout_ms, phase_time
                 out = remote(agent_addr, "Checkpoint", req, rep, sink, tls)
             else:
                 from cuinterpose.agent.rpc.group import lead
-                out = run_local(rep, sink, lambda: lead(
+                out = live(sink, lambda: lead(
                     "checkpoint", req, rep, RemoteRows(rep), tls=tls)[0])
         else:
             set_env(driver, control_dir)
-            out = run_local(rep, sink, lambda: ops.checkpoint(rep, pids, images_dir, **kw)[0])
+            out = live(sink, lambda: ops.checkpoint(rep, pids, images_dir, **kw)[0])
     except AgentError as e:
         fail(e, as_json, {"phases": getattr(e, "remote_phases", None) or rep.to_list()})
     if as_json:
@@ -141,14 +141,14 @@ def restore(images_dir, phase_timeout_s, carrier_timeout_s, into_pid, driver, ag
                 res = remote(agent_addr, "Restore", req, rep, sink, tls)
             else:
                 from cuinterpose.agent.rpc.group import lead
-                res = run_local(rep, sink, lambda: lead(
+                res = live(sink, lambda: lead(
                     "restore", req, rep, RemoteRows(rep), tls=tls)[0])
         else:
             if not os.path.exists(images_dir):
                 from cuinterpose.agent.errors import SnapshotError
                 raise SnapshotError("manifest", f"{images_dir} does not exist")
             set_env(driver, None)
-            res = run_local(rep, sink, lambda: ops.restore(
+            res = live(sink, lambda: ops.restore(
                 rep, images_dir, driver=driver, phase_timeout_s=phase_timeout_s,
                 carrier_timeout_s=carrier_timeout_s, placement=into_pid))
     except AgentError as e:

@@ -474,6 +474,3 @@ class Server:
                 os.unlink(p)
             except OSError:
                 pass
-
-    def wait(self) -> None:
-        self.server.wait_for_termination()
