@@ -25,13 +25,11 @@ from cuinterpose.agent.snapshot import pb
 from cuinterpose.agent.errors import AgentError
 from cuinterpose.agent.run.report import Reporter
 from cuinterpose.agent.rpc import client
-from cuinterpose.agent.rpc.member import DEFAULT_GROUP_LEASE_S
+from cuinterpose.agent.rpc.member import DEFAULT_GROUP_LEASE_S, LEASE_EXPIRED
 
 
 #: a leader renews every member's lease after this fraction of the shortest lease
 RENEW_FRACTION = 1 / 3
-#: the outcome of a member's refusal after its lease expired and it undid the job itself
-LEASE_EXPIRED = "lease_expired"
 #: the first group phase that cannot be undone: the leader confirms every member's lease
 #: (a synchronous Renew) right before it (checkpoint: ``finish`` kills the dumped trees;
 #: restore: ``resume`` lets the restored trees run)

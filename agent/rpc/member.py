@@ -28,6 +28,8 @@ log = logging.getLogger("cuinterpose.service")
 DEFAULT_GROUP_LEASE_S = 30.0
 #: expired group requests a member remembers (to refuse their late RunPhase calls by name)
 EXPIRED_KEPT = 256
+#: the outcome of a member's refusal after its lease expired and it undid the job itself
+LEASE_EXPIRED = "lease_expired"
 
 
 class Job:
@@ -236,7 +238,7 @@ class GroupMember:
 
     def _expired_refusal(self, rid: str, name: str, rec: dict) -> AgentError:
         ok = rec["result"] in ("undone", "completed", "dropped")
-        outcome = ("lease_expired" if ok else
+        outcome = (LEASE_EXPIRED if ok else
                    "rollback_failed" if rec["kind"] == "checkpoint" else "restore_failed")
         return AgentError("group", f"request {rid}: phase {name!r} refused: the request's lease "
                           f"of {rec['lease_s']:g} s expired on node {self.opts.node} after phase "
