@@ -1,35 +1,14 @@
-"""Group checkpoint/restore: one consistent cut across several agents (DESIGN §8).
+"""Group checkpoint/restore, the leader side: one consistent cut across several agents.
 
-The agent that receives a request with ``members`` is the *leader* for it. It gives the
-request an id and drives every member through the group phases of
-:class:`~cuinterpose.agent.run.checkpoint.Checkpoint` (``GROUP_PHASES``: prepare, quiesce,
-capture, lock, checkpoint, dump, manifest, finish, resume) or
-:class:`~cuinterpose.agent.run.restore.Restore` (prepare, stale, criu restore, native restore,
-restore shared, resume) by calling ``RunPhase`` on all members concurrently — itself
-included, through the same RPC — and waits for every answer before the next phase (a
-barrier). Hence no member locks before every member is quiesced, none is killed before every
-manifest is written, and none resumes before every member restored.
-
-A failure on any member stops the group at that phase. Checkpoint: every member then runs
-``rollback`` (what was torn down is rebuilt; no ``.resume`` yet), and the members whose
-rollback succeeded run ``release`` (``.resume``: restored=false, or cancelled when nothing was
-torn down). Restore: a failure from ``criu restore`` on runs ``abort`` on every member (its
-restored trees are killed; the snapshots stay untouched). The error names the member (node),
-the phase and the pid; ``outcome`` is refused / rolled_back / rollback_failed (checkpoint) or
-refused / restore_failed (restore), for the group as a whole.
-
-Every member's progress rows are forwarded into the leader's stream with ``node`` and
-``group_phase`` set: the leader's event log is the merged log of the group.
-
-Leases: a member keeps a group request's job only while its lease lasts (``serve
---group-lease-s``, default 30 s; each member reports its own as ``lease_s``). Every RunPhase
-answer renews it; between phases, and while a long phase runs on another member, a thread of
-the leader (:class:`Renewer`) calls ``Renew`` on every member every third of the shortest lease
-it has learned. A leader that dies stops renewing: each member then undoes the job by itself
-(agent/service.py, docs/service.md "Leases"). A member whose lease expired answers every later
-``RunPhase`` of the request with outcome ``lease_expired`` (it undid the job itself) or
-``rollback_failed``/``restore_failed`` (its own undo failed); the leader's undo phases count
-the first as done.
+The agent that receives a request with ``members`` (or the CLI with ``--group`` and no
+``--agent``) leads it (:func:`lead`): it calls ``RunPhase`` for each group phase of
+``Checkpoint.GROUP_PHASES`` / ``Restore.GROUP_PHASES`` on every member concurrently, itself
+included, and waits for all (a barrier); on a failure it runs the undo phases (``rollback``
+and ``release``, or ``abort``) and names the failing member. Every member's rows are forwarded
+into the leader's stream with ``node`` and ``group_phase`` set. :class:`Renewer` keeps the
+members' leases alive while the group runs; the member side is
+:mod:`cuinterpose.agent.rpc.member`. The protocol, the failure outcomes and the leases:
+docs/service.md "Groups" and "Leases", docs/decisions.md D11 and D12.
 """
 from __future__ import annotations
 
@@ -45,12 +24,12 @@ from typing import Callable, Optional
 from cuinterpose.agent.snapshot import pb
 from cuinterpose.agent.errors import AgentError
 from cuinterpose.agent.run.report import Reporter
+from cuinterpose.agent.rpc import client
+from cuinterpose.agent.rpc.member import DEFAULT_GROUP_LEASE_S, LEASE_EXPIRED
 
 
 #: a leader renews every member's lease after this fraction of the shortest lease
 RENEW_FRACTION = 1 / 3
-#: the outcome of a member's refusal after its lease expired and it undid the job itself
-LEASE_EXPIRED = "lease_expired"
 #: the first group phase that cannot be undone: the leader confirms every member's lease
 #: (a synchronous Renew) right before it (checkpoint: ``finish`` kills the dumped trees;
 #: restore: ``resume`` lets the restored trees run)
@@ -220,25 +199,24 @@ def lead(kind: str, request, rep: Reporter, emit: Callable[[dict], None], *,
     """Lead a group ``kind`` ("checkpoint" | "restore") for ``request`` (a
     ``CheckpointRequest``/``RestoreRequest`` with ``members``). ``emit`` receives the members'
     progress rows; ``call(address, method, request, on_progress)`` defaults to
-    :func:`cuinterpose.agent.rpc.service.call` and ``renew(address, RenewRequest, timeout_s)`` to
-    :func:`cuinterpose.agent.rpc.service.renew` (both with ``tls``; with a ``call`` given and no
+    :func:`cuinterpose.agent.rpc.client.call` and ``renew(address, RenewRequest, timeout_s)`` to
+    :func:`cuinterpose.agent.rpc.client.renew` (both with ``tls``; with a ``call`` given and no
     ``renew``: ``call(address, "Renew", request, None)``). ``request_id``: the group's id
     (default a fresh uuid4 hex); ``leader``: this leader in words, sent to the members (default
     "pid N on HOST"); ``lease_s``: the lease (seconds) assumed for members until they report
-    theirs (default ``service.DEFAULT_GROUP_LEASE_S``). Every member's lease is renewed by a
+    theirs (default ``member.DEFAULT_GROUP_LEASE_S``). Every member's lease is renewed by a
     :class:`Renewer` while the group runs. Returns ({"ok": true, "request_id", "members":
     [{"node", "address", "images_dir", "state"}], "phases"}, None); raises ``AgentError``
     with ``node`` set to the failing member."""
     from cuinterpose.agent.run.checkpoint import Checkpoint
     from cuinterpose.agent.run.restore import Restore
-    from cuinterpose.agent.rpc import service
     apb, _, mpb = pb.modules()
     if call is None:
         def call(addr, method, req, on_progress):
-            return service.call(addr, method, req, tls=tls, on_progress=on_progress)
+            return client.call(addr, method, req, tls=tls, on_progress=on_progress)
         if renew is None:
             def renew(addr, req, timeout_s):
-                return service.renew(addr, req, tls=tls, timeout_s=timeout_s)
+                return client.renew(addr, req, tls=tls, timeout_s=timeout_s)
     if renew is None:
         def renew(addr, req, timeout_s):
             return call(addr, "Renew", req, None)
@@ -251,7 +229,7 @@ def lead(kind: str, request, rep: Reporter, emit: Callable[[dict], None], *,
     rid = request_id or uuid.uuid4().hex
     leader = leader or f"pid {os.getpid()} on {socket.gethostname()}"
     renewer = Renewer(rid, members, leader, renew, rep,
-                      lease_s or service.DEFAULT_GROUP_LEASE_S)
+                      lease_s or DEFAULT_GROUP_LEASE_S)
     ginfo = mpb.GroupInfo(request_id=rid, members=[
         mpb.GroupMember(node=m.node, address=m.address, images_dir=m.images_dir) for m in members])
     states: dict[str, dict] = {m.node: {} for m in members}

@@ -12,7 +12,7 @@ import time
 
 from cuinterpose.workloads.afdwin import demo
 from cuinterpose.agent.snapshot import pb
-from cuinterpose.agent.rpc import service
+from cuinterpose.agent.rpc import client
 from group_kit import STEPS, agents, idx, reap_tree, start_jobs, wait_running
 
 
@@ -27,8 +27,8 @@ def test_group_checkpoint_and_restore_one_consistent_cut(afdwin, daemon, tmp_pat
                apb.Member(node="node-b", address=B["listen"], roots=[jb.pid],
                           images_dir=str(snaps["node-b"]))]
     rows = []
-    res = service.call(A["listen"], "Checkpoint", apb.CheckpointRequest(members=members),
-                       on_progress=rows.append)
+    res = client.call(A["listen"], "Checkpoint", apb.CheckpointRequest(members=members),
+                      on_progress=rows.append)
     assert res.ok, res.error
     nodes = {"node-a", "node-b"}
     # every member's rows are in the leader's log; every quiesce before every lock; every
@@ -58,8 +58,8 @@ def test_group_checkpoint_and_restore_one_consistent_cut(afdwin, daemon, tmp_pat
         reap_tree(m)
 
     rows = []
-    res = service.call(A["listen"], "Restore", apb.RestoreRequest(members=members),
-                       on_progress=rows.append)
+    res = client.call(A["listen"], "Restore", apb.RestoreRequest(members=members),
+                      on_progress=rows.append)
     assert res.ok, res.error
     shared_end = idx(rows, "end", lambda r: r["group_phase"] == "restore shared")
     resume = idx(rows, "start", lambda r: r["phase"] == "resume")

@@ -18,7 +18,7 @@ import time
 
 from cuinterpose.agent.mech import criu
 from cuinterpose.agent.snapshot import pb
-from cuinterpose.agent.rpc import service
+from cuinterpose.agent.rpc import client
 from group_kit import STEPS, agents, finished_intact, metrics, start_jobs, wait_running
 
 LEASE = "2"
@@ -76,7 +76,7 @@ def test_a_leader_killed_after_lock_leaves_members_that_undo_the_job_when_the_le
                 f"'lock'): this member {undo}") in log
         # a late phase of the request is refused, naming it, and changes nothing
         for phase in ("checkpoint", "rollback"):
-            res = service.call(info["listen"], "RunPhase", apb.RunPhaseRequest(
+            res = client.call(info["listen"], "RunPhase", apb.RunPhaseRequest(
                 request_id="lease-e2e", kind="checkpoint", phase=phase, node=node))
             assert (res.ok, res.error.node, res.error.phase, res.error.outcome) == \
                 (False, node, "group", "lease_expired")
@@ -84,7 +84,7 @@ def test_a_leader_killed_after_lock_leaves_members_that_undo_the_job_when_the_le
                 f"request lease-e2e: phase {phase!r} refused: the request's lease of 2 s expired "
                 f"on node {node} after phase 'lock' with no Renew or RunPhase from leader "
                 f"doomed-leader; this member {undo}; this call changed nothing")
-        r = service.renew(info["listen"], apb.RenewRequest(request_id="lease-e2e", node=node))
+        r = client.renew(info["listen"], apb.RenewRequest(request_id="lease-e2e", node=node))
         assert (r.ok, r.expired, r.node, r.lease_s) == (False, True, node, 2.0)
     for d in snaps.values():
         assert not d.exists()                    # the directories the request made are gone
@@ -115,7 +115,7 @@ def test_a_long_dump_on_one_member_does_not_expire_the_other(afdwin, daemon, tmp
                  apb.Member(node="node-b", address=B["listen"], roots=[jb.pid],
                             images_dir=str(tmp_path / "snap-b"))])
     rows = []
-    res = service.call(A["listen"], "Checkpoint", req, on_progress=rows.append)
+    res = client.call(A["listen"], "Checkpoint", req, on_progress=rows.append)
     assert res.ok, res.error
     out = json.loads(res.json)
     assert [p["name"] for p in out["phases"]] == [

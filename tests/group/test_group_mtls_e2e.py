@@ -14,9 +14,8 @@ import signal
 import pytest
 
 from cuinterpose.agent.snapshot import pb
-from cuinterpose.agent.rpc import service
 from cuinterpose.agent.errors import AgentError
-from cuinterpose.agent.rpc.service import TLS
+from cuinterpose.agent.rpc.client import TLS, call
 from group_kit import STEPS, finished_intact, metrics, reap_tree, start_jobs, wait_running
 
 
@@ -49,9 +48,9 @@ def test_a_group_over_mutual_tls_and_a_leader_from_another_ca_is_refused(afdwin,
     client = TLS(ca=p["ca.crt"], cert=p["client.crt"], key=p["client.key"])
 
     # 1. led by the agent with the other CA's certificate: refused by both members
-    res = service.call(R["listen"], "Checkpoint", apb.CheckpointRequest(members=members),
-                       tls=TLS(ca=p["other-ca.crt"], cert=p["client.crt"],
-                               key=p["client.key"]))
+    res = call(R["listen"], "Checkpoint", apb.CheckpointRequest(members=members),
+               tls=TLS(ca=p["other-ca.crt"], cert=p["client.crt"],
+                       key=p["client.key"]))
     assert (res.ok, res.error.node, res.error.phase, res.error.outcome) == \
         (False, "node-a", "agent", "unreachable")
     assert res.error.message.startswith(f"node node-a: agent: {A['listen']}: RunPhase: "
@@ -66,8 +65,8 @@ def test_a_group_over_mutual_tls_and_a_leader_from_another_ca_is_refused(afdwin,
 
     # 2. led by node-a with its own certificate: a group checkpoint, then a group restore
     rows = []
-    res = service.call(A["listen"], "Checkpoint", apb.CheckpointRequest(members=members),
-                       tls=client, on_progress=rows.append)
+    res = call(A["listen"], "Checkpoint", apb.CheckpointRequest(members=members),
+               tls=client, on_progress=rows.append)
     assert res.ok, res.error
     out = json.loads(res.json)
     assert {r["node"] for r in rows if r["phase"] == "criu dump"} == {"node-a", "node-b"}
@@ -76,11 +75,11 @@ def test_a_group_over_mutual_tls_and_a_leader_from_another_ca_is_refused(afdwin,
         m = json.loads((snaps[node] / "manifest.json").read_text())
         assert (m["group"]["request_id"], m["group"]["node"]) == (out["request_id"], node)
         reap_tree(m)
-    res = service.call(A["listen"], "Restore", apb.RestoreRequest(members=members), tls=client)
+    res = call(A["listen"], "Restore", apb.RestoreRequest(members=members), tls=client)
     assert res.ok, res.error
     finished_intact((ja, jb), steps, restored=True)
     # a caller without a client certificate is refused by a member
     with pytest.raises(AgentError) as ei:
-        service.call(B["listen"], "ListSnapshots", apb.ListSnapshotsRequest(),
-                     tls=TLS(ca=p["ca.crt"]))
+        call(B["listen"], "ListSnapshots", apb.ListSnapshotsRequest(),
+             tls=TLS(ca=p["ca.crt"]))
     assert (ei.value.phase, ei.value.outcome) == ("agent", "unreachable")

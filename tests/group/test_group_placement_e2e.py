@@ -8,7 +8,7 @@ import json
 import signal
 
 from cuinterpose.agent.snapshot import pb
-from cuinterpose.agent.rpc import service
+from cuinterpose.agent.rpc import client
 from group_kit import STEPS, agents, finished_intact, reap_tree, start_jobs, wait_running
 from placement_kit import not_placed
 
@@ -26,7 +26,7 @@ def test_group_restore_puts_each_member_into_its_own_placeholder(afdwin, daemon,
         return [apb.Member(node=n, address=x["listen"], roots=[j.pid],
                            images_dir=str(snaps[n]), into_pid=into.get(n.replace("-", "_"), 0))
                 for n, x, j in (("node-a", A, ja), ("node-b", B, jb))]
-    res = service.call(A["listen"], "Checkpoint", apb.CheckpointRequest(members=members()))
+    res = client.call(A["listen"], "Checkpoint", apb.CheckpointRequest(members=members()))
     assert res.ok, res.error
     assert [j.proc.wait(timeout=30) for j in (ja, jb)] == [-signal.SIGKILL] * 2
     for n in snaps:
@@ -35,14 +35,14 @@ def test_group_restore_puts_each_member_into_its_own_placeholder(afdwin, daemon,
     pa = placeholder("node-a-ph", cgroup=cgroup_dir(), mount=True, stdout=False)
     pb_ = placeholder("node-b-ph", cgroup=cgroup_dir(), mount=True, stdout=False)
     # the request's own into_pid is for a single-node restore: refused, nothing restored
-    res = service.call(A["listen"], "Restore", apb.RestoreRequest(
+    res = client.call(A["listen"], "Restore", apb.RestoreRequest(
         members=members(node_a=pa.pid, node_b=pb_.pid), into_pid=pa.pid))
     assert (res.ok, res.error.phase, res.error.outcome) == (False, "group", "usage")
     assert res.error.reason == ("into_pid places a single-node restore; in a group restore "
                                 "each member names its own into_pid (a pid on its node)")
 
     rows = []
-    res = service.call(A["listen"], "Restore", apb.RestoreRequest(
+    res = client.call(A["listen"], "Restore", apb.RestoreRequest(
         members=members(node_a=pa.pid, node_b=pb_.pid)), on_progress=rows.append)
     assert res.ok, res.error
     placed = [r for r in rows if r.get("event") == "end" and r.get("phase") == "placement"]

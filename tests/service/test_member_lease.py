@@ -13,6 +13,7 @@ import pytest
 
 from cuinterpose.agent.snapshot import pb
 from cuinterpose.agent.rpc import service
+from cuinterpose.agent.rpc.member import DEFAULT_GROUP_LEASE_S
 from cuinterpose.agent.errors import AgentError
 from cuinterpose.agent.rpc.metrics import Metrics
 from cuinterpose.agent.run.report import Reporter
@@ -246,4 +247,4 @@ def test_config_and_serve_option():
     with pytest.raises(ConfigError) as e:
         load_config("groupLeaseS: soon")
     assert str(e.value) == "groupLeaseS: expected a number, got 'soon' (string)"
-    assert service.ServeOptions().group_lease_s == service.DEFAULT_GROUP_LEASE_S == 30.0
+    assert service.ServeOptions().group_lease_s == DEFAULT_GROUP_LEASE_S == 30.0

@@ -12,7 +12,7 @@ import threading
 import pytest
 
 from cuinterpose.agent.snapshot import pb
-from cuinterpose.agent.rpc import service
+from cuinterpose.agent.rpc import client, service
 from cuinterpose.agent.config import parse_config
 from cuinterpose.agent.errors import AgentError
 from cuinterpose.agent.kube.actions import AgentActions
@@ -69,7 +69,7 @@ def test_a_grpc_checkpoint_waits_for_a_pod_request_and_both_are_counted(server, 
     events: queue.Queue = queue.Queue()
 
     def grpc():
-        ch = service.channel(server.address)
+        ch = client.channel(server.address)
         req = apb.CheckpointRequest(roots=[sleeper.pid], images_dir=str(tmp_path / "snap"),
                                     options=apb.CheckpointOptions(control_dir=str(tmp_path)))
         for ev in agrpc.AgentStub(ch).Checkpoint(req, timeout=60):

@@ -11,9 +11,10 @@ import os
 import pytest
 
 from cuinterpose.agent.snapshot import pb
-from cuinterpose.agent.rpc import service
+from cuinterpose.agent.rpc import client, service
 from cuinterpose.agent.errors import AgentError
-from cuinterpose.agent.rpc.service import TLS, confine_path, listener_security
+from cuinterpose.agent.rpc.client import TLS
+from cuinterpose.agent.rpc.security import confine_path, listener_security
 from test_service import cli
 
 REASON_PLAIN = (
@@ -158,17 +159,17 @@ def test_checkpoint_restore_and_snapshots_outside_the_snapshot_dir_are_refused(d
     apb, _, _ = pb.modules()
     for path, real in (("rel/../../d2", tmp_path / "d2"), (str(tmp_path / "d2"), tmp_path / "d2"),
                        ("escape/d2", tmp_path / "d2"), ("/", "/")):
-        res = service.call(a["listen"], "Checkpoint", apb.CheckpointRequest(
+        res = client.call(a["listen"], "Checkpoint", apb.CheckpointRequest(
             roots=[os.getpid()], images_dir=path,
             options=apb.CheckpointOptions(control_dir=str(tmp_path))))
         assert (res.ok, res.error.phase, res.error.outcome) == (False, "images dir", "refused")
         assert res.error.reason == outside(path, real, root)
         assert list(res.phases) == []                   # refused before any phase
-        res = service.call(a["listen"], "Restore", apb.RestoreRequest(images_dir=path))
+        res = client.call(a["listen"], "Restore", apb.RestoreRequest(images_dir=path))
         assert (res.ok, res.error.reason) == (False, outside(path, real, root))
     assert not (tmp_path / "d2").exists()
     # a relative path is taken relative to the snapshot dir: it gets as far as the census
-    res = service.call(a["listen"], "Checkpoint", apb.CheckpointRequest(
+    res = client.call(a["listen"], "Checkpoint", apb.CheckpointRequest(
         roots=[os.getpid()], images_dir="rel/d2",
         options=apb.CheckpointOptions(control_dir=str(tmp_path))))
     assert (res.ok, res.error.phase) == (False, "census")
@@ -204,16 +205,16 @@ def test_a_group_member_refuses_an_images_dir_outside_and_the_group_is_released(
     first = apb.RunPhaseRequest(request_id="r1", kind="checkpoint", phase="prepare", node="node-a",
                                 checkpoint=apb.CheckpointRequest(roots=[os.getpid()],
                                                                  images_dir="/tmp/../etc/x"))
-    res = service.call(a["listen"], "RunPhase", first)
+    res = client.call(a["listen"], "RunPhase", first)
     assert (res.ok, res.error.phase, res.error.outcome, res.error.node) == \
         (False, "images dir", "refused", "node-a")
     assert res.error.reason == outside("/tmp/../etc/x", "/etc/x", root)
     for phase in ("rollback", "release"):
-        res = service.call(a["listen"], "RunPhase", apb.RunPhaseRequest(
+        res = client.call(a["listen"], "RunPhase", apb.RunPhaseRequest(
             request_id="r1", kind="checkpoint", phase=phase, node="node-a"))
         assert res.ok, res.error
         assert json.loads(res.json)["state"]["torn_down"] is False
-    res = service.call(a["listen"], "RunPhase", apb.RunPhaseRequest(
+    res = client.call(a["listen"], "RunPhase", apb.RunPhaseRequest(
         request_id="r2", kind="restore", phase="prepare", node="node-a",
         restore=apb.RestoreRequest(images_dir="../x")))
     assert (res.ok, res.error.reason) == (False, outside("../x", tmp_path / "x", root))
@@ -224,7 +225,7 @@ def test_a_group_member_refuses_an_images_dir_outside_and_the_group_is_released(
                    images_dir=str(tmp_path / "evil")),
         apb.Member(node="node-b", address=b["listen"], roots=[os.getpid()],
                    images_dir="ok")])
-    res = service.call(a["listen"], "Checkpoint", req)
+    res = client.call(a["listen"], "Checkpoint", req)
     assert (res.ok, res.error.node, res.error.phase, res.error.outcome) == \
         (False, "node-a", "images dir", "refused")
     assert res.error.reason.startswith(outside(tmp_path / "evil", tmp_path / "evil", root))

@@ -11,7 +11,7 @@ import tempfile
 import pytest
 
 from cuinterpose.agent.snapshot import pb
-from cuinterpose.agent.rpc import service
+from cuinterpose.agent.rpc import client
 from metrics_kit import scrape, text
 
 
@@ -83,7 +83,7 @@ def test_progress_stream_numbers_events_and_ends_with_the_result(daemon, tmp_pat
     apb, agrpc, _ = pb.modules()
     req = apb.CheckpointRequest(roots=[os.getpid()], images_dir=str(tmp_path / "snap"),
                                 options=apb.CheckpointOptions(control_dir=str(tmp_path)))
-    ch = service.channel(a["listen"])
+    ch = client.channel(a["listen"])
     evs = list(agrpc.AgentStub(ch).Checkpoint(req, timeout=60))
     ch.close()
     assert [e.seq for e in evs] == [1, 2, 3, 4, 5]
@@ -129,8 +129,8 @@ def test_list_snapshots_local_and_through_the_agent(daemon, tmp_path):
 def test_run_phase_for_an_unknown_request_or_out_of_order_is_refused(daemon, tmp_path):
     a = daemon("n1", "--driver", "fake")
     apb, _, _ = pb.modules()
-    res = service.call(a["listen"], "RunPhase",
-                       apb.RunPhaseRequest(request_id="r1", kind="checkpoint", phase="lock"))
+    res = client.call(a["listen"], "RunPhase",
+                      apb.RunPhaseRequest(request_id="r1", kind="checkpoint", phase="lock"))
     assert (res.ok, res.error.phase, res.error.outcome, res.error.node) == \
         (False, "group", "refused", "n1")
     assert res.error.reason == "request r1: phase 'lock' for an unknown request (nothing was changed)"
@@ -141,20 +141,20 @@ def test_run_phase_for_an_unknown_request_or_out_of_order_is_refused(daemon, tmp
     first = apb.RunPhaseRequest(request_id="r2", kind="checkpoint", phase="prepare", node="n1",
                                 checkpoint=apb.CheckpointRequest(roots=[os.getpid()],
                                                                  images_dir=str(f / "s")))
-    res = service.call(a["listen"], "RunPhase", first)
+    res = client.call(a["listen"], "RunPhase", first)
     assert (res.ok, res.error.phase, res.error.node) == (False, "images dir", "n1")
-    res = service.call(a["listen"], "RunPhase", first)
+    res = client.call(a["listen"], "RunPhase", first)
     assert (res.ok, res.error.phase) == (False, "group")
     assert res.error.reason == ("request r2: phase 'prepare' out of order (expected 'rollback'); "
                                 "refused, nothing was changed")
     for phase in ("rollback", "release"):
-        res = service.call(a["listen"], "RunPhase", apb.RunPhaseRequest(
+        res = client.call(a["listen"], "RunPhase", apb.RunPhaseRequest(
             request_id="r2", kind="checkpoint", phase=phase, node="n1"))
         assert res.ok, res.error
         assert json.loads(res.json)["state"] == {"torn_down": False, "snapshot_id": None,
                                                  "images_dir": str(f / "s"),
                                                  "manifest_written": False}
-    res = service.call(a["listen"], "RunPhase", apb.RunPhaseRequest(
+    res = client.call(a["listen"], "RunPhase", apb.RunPhaseRequest(
         request_id="r2", kind="checkpoint", phase="release", node="n1"))
     assert res.error.reason == "request r2: phase 'release' for an unknown request (nothing was changed)"
 
@@ -246,7 +246,7 @@ def test_metrics_port_zero_means_a_free_port_in_the_config_and_on_the_command_li
 def test_metrics_address_comes_from_the_config_unless_given(tmp_path):
     """``metricsAddress`` (the chart sets 0.0.0.0 so that Prometheus can scrape the pod) is
     what serve binds; ``--metrics-addr`` wins."""
-    from cuinterpose.agent import cli as cli_mod
+    from cuinterpose.agent.cli import daemon as cli_mod
     cfg = tmp_path / "agent.yaml"
     cfg.write_text("metricsPort: 9464\nmetricsAddress: 0.0.0.0\n")
     v = cli_mod._config_values(str(cfg))

@@ -1,0 +1,94 @@
+"""``cuinterpose-agent``: the node agent's command line (see docs/agent.md).
+
+Exit codes: 0 success; 2 usage error; 3 refused (nothing was changed); 4 checkpoint failed and
+was rolled back (the workload keeps running); 5 failed and could not be rolled back / the
+restored tree was killed / the manifest could not be written (read the message).
+
+``--json`` prints exactly one JSON object on stdout and nothing else (no rich output):
+``{"ok": true, ...}`` or ``{"ok": false, "error": {"phase", "pid", "reason", "outcome",
+"message"}}``.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+
+from cuinterpose.agent import paths
+from cuinterpose.agent.cli import daemon, jobs
+from cuinterpose.agent.cli.common import control_opt, driver_opt, emit_json, json_opt, set_env
+
+
+def _drop_shim_from_self() -> None:
+    """The agent must never run under the shim: strip LD_PRELOAD for helpers, and re-exec once
+    without it if the shim is mapped into this very process."""
+    pre = os.environ.pop("LD_PRELOAD", None)
+    if pre and paths.SHIM_NAME in pre and not os.environ.get("_CUINTERPOSE_AGENT_REEXEC"):
+        with open("/proc/self/maps") as f:
+            if paths.SHIM_NAME in f.read():
+                os.environ["_CUINTERPOSE_AGENT_REEXEC"] = "1"
+                os.execv(sys.executable, [sys.executable, "-m", "cuinterpose.agent.cli", *sys.argv[1:]])
+
+
+class _Group(click.Group):
+    """With ``--json`` anywhere on the command line, a usage error is one JSON object on stdout
+    too (exit 2): ``{"ok": false, "error": {"phase": "usage", "pid": null, "reason",
+    "outcome": "usage", "message"}}``."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        argv = list(sys.argv[1:] if args is None else args)
+        if "--json" not in argv or not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        try:
+            rv = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.ClickException as e:
+            reason = e.format_message()
+            emit_json({"ok": False, "error": {"phase": "usage", "pid": None, "reason": reason,
+                                              "outcome": "usage",
+                                              "message": f"usage: {reason}"}})
+            sys.exit(e.exit_code)
+        except click.exceptions.Abort:
+            emit_json({"ok": False, "error": {"phase": "usage", "pid": None,
+                                              "reason": "aborted", "outcome": "usage",
+                                              "message": "usage: aborted"}})
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+def main():
+    """cuinterpose node agent: checkpoint and restore multi-process CUDA jobs."""
+    _drop_shim_from_self()
+
+
+@main.command("shim-path")
+def shim_path_cmd():
+    """Print the absolute path of libcuinterpose.so (for LD_PRELOAD)."""
+    try:
+        click.echo(str(paths.shim_path()))
+    except FileNotFoundError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(1)
+
+
+@main.command()
+@driver_opt
+@control_opt
+@json_opt
+def doctor(driver, control_dir, as_json):
+    """Check CRIU, the driver's checkpoint API, the shim and the control directory."""
+    from cuinterpose.agent.doctor import run_checks, render
+    set_env(driver, control_dir)
+    checks = run_checks(driver=driver, control_dir=control_dir)
+    ok = all(c["ok"] for c in checks)
+    if as_json:
+        emit_json({"ok": ok, "checks": checks})
+    else:
+        render(checks)
+    sys.exit(0 if ok else 1)
+
+
+for _cmd in (jobs.checkpoint, jobs.restore, jobs.inspect, jobs.snapshots_cmd, jobs.release_cmd,
+             daemon.serve, daemon.health_cmd):
+    main.add_command(_cmd)

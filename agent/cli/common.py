@@ -1,0 +1,175 @@
+"""What the ``cuinterpose-agent`` commands share: the exit codes, the JSON output and the
+error report, the live reporter, the common options, and running a request through an agent
+daemon (``--agent``: :func:`remote`, :class:`RemoteRows`) or leading a group from here."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import click
+
+from cuinterpose.agent.errors import AgentError
+
+EXIT = {"refused": 3, "rolled_back": 4, "rollback_failed": 5, "snapshot_incomplete": 5,
+        "restore_failed": 5, "usage": 2, "unreachable": 6}
+
+
+
+def emit_json(obj: dict) -> None:
+    click.echo(json.dumps(obj, indent=2, sort_keys=True, default=str))
+
+
+def fail(e: AgentError, as_json: bool, extra: dict | None = None, command: str = "checkpoint"):
+    if as_json:
+        err = e.to_dict()
+        if getattr(e, "node", None):
+            err["node"] = e.node      # a group request: the member that failed
+        emit_json({"ok": False, "error": err, **(extra or {})})
+    else:
+        click.echo(f"error: {e}", err=True)
+        refused = {"checkpoint": "nothing was torn down; the workload keeps running",
+                   "restore": "nothing was changed; the snapshot is untouched",
+                   "inspect": "nothing was changed (INSPECT is read-only)",
+                   "snapshots": "nothing was changed (read-only)",
+                   "serve": "the agent did not start"}.get(command, "")
+        hint = {"refused": getattr(e, "hint", None) or refused,
+                "rolled_back": "the workload was rebuilt and keeps running with its memory intact",
+                "rollback_failed": "the workload could NOT be rebuilt; it needs an operator",
+                "snapshot_incomplete": "the tree was dumped but the directory is not a snapshot",
+                "restore_failed": "the restored tree was killed; the snapshot is untouched"}
+        click.echo(f"outcome: {e.outcome}: {hint.get(e.outcome, '')}", err=True)
+    sys.exit(EXIT.get(e.outcome, 5))
+
+
+def reporter(title: str, as_json: bool):
+    from cuinterpose.agent.run.report import Reporter, RichSink
+    if as_json:
+        return Reporter(), None
+    sink = RichSink(title)
+    return Reporter([sink]), sink
+
+
+def set_env(driver, control_dir):
+    if driver:
+        os.environ["CUINTERPOSE_DRIVER"] = driver
+    if control_dir:
+        os.environ["CUINTERPOSE_CONTROL_DIR"] = str(control_dir)
+
+
+
+POSITIVE = click.FloatRange(min=0, min_open=True)
+
+driver_opt = click.option("--driver", type=click.Choice(["real", "fake"]), default=None,
+                          help="libcuda.so.1 to use: real (default) or fakecuda "
+                               "(also $CUINTERPOSE_DRIVER).")
+control_opt = click.option("--control-dir", type=click.Path(file_okay=False), default=None,
+                           help="shim control directory (default $CUINTERPOSE_CONTROL_DIR or "
+                                "/tmp/cuinterpose).")
+json_opt = click.option("--json", "as_json", is_flag=True, help="machine-readable output only.")
+agent_opt = click.option("--agent", "agent_addr", default=None, metavar="ADDR",
+                         help="run through the agent daemon at ADDR (unix:/path or host:port) "
+                              "instead of in-process.")
+tls_ca_opt = click.option("--tls-ca", type=click.Path(dir_okay=False), default=None,
+                          help="with --agent over TCP: CA certificate to verify the agent.")
+tls_cert_opt = click.option("--tls-cert", type=click.Path(dir_okay=False), default=None,
+                            help="with --agent: client certificate (mutual TLS).")
+tls_key_opt = click.option("--tls-key", type=click.Path(dir_okay=False), default=None,
+                           help="with --agent: client key (mutual TLS).")
+group_opt = click.option("--group", "group_file", type=click.Path(dir_okay=False, exists=True),
+                         default=None, help="JSON file {\"members\": [{\"node\", \"address\", "
+                         "\"images_dir\", \"roots\" (checkpoint), \"into_pid\" (restore, "
+                         "optional: a placement on that node)}]}: one group request across these "
+                         "agents, led by --agent (or by this process).")
+
+
+
+def client_tls(ca, cert, key):
+    from cuinterpose.agent.rpc.client import TLS
+    t = TLS(cert=cert, key=key, ca=ca)
+    return t if t.enabled else None
+
+
+def load_members(group_file, kind: str):
+    """Members of a --group file as ``Member`` messages; a bad file is a usage error."""
+    from cuinterpose.agent.snapshot import pb
+    apb, _, _ = pb.modules()
+    try:
+        with open(group_file) as f:
+            spec = json.load(f)
+        out = []
+        for m in spec["members"]:
+            roots = [int(r) for r in m.get("roots", [])]
+            if kind == "checkpoint" and not roots:
+                raise ValueError(f"member {m.get('node')!r} has no roots")
+            into = int(m.get("into_pid") or 0)
+            if into and kind != "restore":
+                raise ValueError(f"member {m.get('node')!r}: into_pid is for a restore")
+            if into < 0:
+                raise ValueError(f"member {m.get('node')!r}: into_pid {into} is not a pid")
+            out.append(apb.Member(node=str(m["node"]), address=str(m["address"]),
+                                  images_dir=str(m["images_dir"]), roots=roots,
+                                  into_pid=into))
+        if not out:
+            raise ValueError("no members")
+        return out
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise click.UsageError(f"--group {group_file}: {type(e).__name__}: {e}") from None
+
+
+class RemoteRows:
+    """Feeds Progress rows from the service into a local Reporter (and its live table):
+    a "start" row opens a Phase, the matching "end" row completes it."""
+
+    def __init__(self, rep):
+        self.rep = rep
+        self.open: dict = {}
+
+    def __call__(self, row: dict) -> None:
+        from cuinterpose.agent.run.report import Phase
+        if row["event"] == "note":
+            self.rep.note(row["text"])
+            return
+        name = f"{row['node']}: {row['phase']}" if row.get("node") else row["phase"]
+        key = (row.get("node"), row["phase"])
+        if row["event"] == "start":
+            ph = Phase(name=name, detail=row["detail"])
+            self.rep.phases.append(ph)
+            self.open[key] = ph
+            self.rep._emit("start", ph)
+            return
+        ph = self.open.pop(key, None)
+        if ph is None:
+            ph = Phase(name=name)
+            self.rep.phases.append(ph)
+            self.rep._emit("start", ph)
+        ph.status, ph.elapsed_ns, ph.bytes, ph.detail = (row["status"], row["elapsed_ns"],
+                                                         row["bytes"], row["detail"])
+        self.rep._emit("end", ph)
+
+
+def remote(addr, method, request, rep, sink, tls):
+    """Run ``method`` at the agent ``addr``; returns the CLI JSON object of a success, raises
+    ``AgentError`` (what the agent reported, or outcome "unreachable") otherwise."""
+    from cuinterpose.agent.run.ops import error_from_dict
+    from cuinterpose.agent.rpc.client import call
+
+    res = live(sink, lambda: call(addr, method, request, tls=tls, on_progress=RemoteRows(rep)))
+    obj = json.loads(res.json) if res.json else {}
+    if res.ok:
+        return obj
+    e = res.error
+    err = error_from_dict({"phase": e.phase, "pid": e.pid if e.has_pid else None,
+                           "reason": e.reason, "outcome": e.outcome, "message": e.message,
+                           "node": e.node})
+    err.remote_phases = obj.get("phases", [])
+    raise err
+
+
+def live(sink, fn):
+    """``fn()``, with the live table ``sink`` (a ``RichSink``; None with ``--json``) shown while
+    it runs."""
+    if sink:
+        with sink:
+            return fn()
+    return fn()

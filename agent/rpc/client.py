@@ -1,0 +1,163 @@
+"""The client side of the agent's gRPC service: addresses, TLS, channels and the calls.
+
+Addresses: ``unix:/path`` (or ``unix:///path``) for a Unix socket, ``HOST:PORT`` for TCP
+(TLS when a certificate and key are given; mutual TLS with a client CA). :func:`call` runs one
+streaming RPC of ``cuinterpose.v1.Agent`` (proto/cuinterpose/v1/agent.proto), :func:`renew`
+the unary ``Renew`` of a group member's lease, :func:`health` the gRPC health check. The CLI's
+``--agent``, a group leader talking to its members (:mod:`cuinterpose.agent.rpc.group`) and
+the tests use these; the daemon side is :mod:`cuinterpose.agent.rpc.service`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+from typing import Callable, Optional
+
+from cuinterpose.agent.snapshot import pb
+from cuinterpose.agent.errors import AgentError
+
+DEFAULT_ADDRESS_ENV = "CUINTERPOSE_AGENT_ADDR"
+SERVICE_NAME = "cuinterpose.v1.Agent"
+
+
+def default_address() -> str:
+    """``$CUINTERPOSE_AGENT_ADDR`` or ``unix:/tmp/cuinterpose-agent.sock``."""
+    return os.environ.get(DEFAULT_ADDRESS_ENV, "unix:/tmp/cuinterpose-agent.sock")
+
+
+def normalize_address(addr: str) -> str:
+    """gRPC target for ``addr``: a bare absolute path becomes ``unix:PATH``; ``unix:``
+    and ``HOST:PORT`` pass through. Raises ``ValueError`` on an empty address."""
+    addr = (addr or "").strip()
+    if not addr:
+        raise ValueError("empty agent address")
+    if addr.startswith("/"):
+        return "unix:" + addr
+    return addr
+
+
+def unix_path(addr: str) -> Optional[str]:
+    """The socket path of a ``unix:`` address, else None."""
+    if addr.startswith("unix://"):
+        return addr[len("unix://"):]
+    if addr.startswith("unix:"):
+        return addr[len("unix:"):]
+    return None
+
+
+def tcp_host(addr: str) -> Optional[str]:
+    """The host part of a TCP address (``HOST:PORT``, ``[V6]:PORT``), brackets removed; None
+    for a Unix socket address."""
+    target = normalize_address(addr)
+    if unix_path(target) is not None:
+        return None
+    host = target.rsplit(":", 1)[0] if ":" in target else target
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host
+
+
+@dataclasses.dataclass
+class TLS:
+    """PEM file paths. Server: ``cert`` + ``key`` (+ ``ca`` to require client certificates).
+    Client: ``ca`` to verify the server (+ ``cert`` + ``key`` for mutual TLS)."""
+
+    cert: Optional[str] = None
+    key: Optional[str] = None
+    ca: Optional[str] = None
+
+    def _read(self, p):
+        return pathlib.Path(p).read_bytes() if p else None
+
+    def server_credentials(self):
+        import grpc
+        if not (self.cert and self.key):
+            raise ValueError("TLS needs both a certificate and a key")
+        return grpc.ssl_server_credentials([(self._read(self.key), self._read(self.cert))],
+                                           root_certificates=self._read(self.ca),
+                                           require_client_auth=bool(self.ca))
+
+    def channel_credentials(self):
+        import grpc
+        return grpc.ssl_channel_credentials(root_certificates=self._read(self.ca),
+                                            private_key=self._read(self.key),
+                                            certificate_chain=self._read(self.cert))
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cert or self.ca)
+
+
+def channel(addr: str, tls: Optional[TLS] = None):
+    """A gRPC channel to an agent (TLS for TCP when ``tls`` is enabled)."""
+    import grpc
+    target = normalize_address(addr)
+    opts = [("grpc.max_receive_message_length", 64 << 20)]
+    if tls is not None and tls.enabled and unix_path(target) is None:
+        return grpc.secure_channel(target, tls.channel_credentials(), options=opts)
+    return grpc.insecure_channel(target, options=opts)
+
+
+def call(addr: str, method: str, request, *, tls: Optional[TLS] = None,
+         on_progress: Optional[Callable[[dict], None]] = None, timeout_s: Optional[float] = None):
+    """Call streaming RPC ``method`` of the agent at ``addr``; ``on_progress(row_dict)`` for
+    each Progress. Returns the final ``Result`` message. Raises ``AgentError`` (phase "agent",
+    outcome "unreachable") when the agent cannot be reached or the stream ends without a
+    result; the workload state is then unknown only if the request had started."""
+    import grpc
+    _, agrpc, _ = pb.modules()
+    ch = channel(addr, tls)
+    try:
+        stub = agrpc.AgentStub(ch)
+        result = None
+        try:
+            for ev in getattr(stub, method)(request, timeout=timeout_s):
+                which = ev.WhichOneof("kind")
+                if which == "progress" and on_progress is not None:
+                    on_progress(pb.message_to_dict(ev.progress))
+                elif which == "result":
+                    result = ev.result
+        except grpc.RpcError as e:
+            code = e.code() if hasattr(e, "code") else None
+            raise AgentError("agent", f"{addr}: {method}: {code.name if code else ''} "
+                             f"{e.details() if hasattr(e, 'details') else e}".strip(),
+                             outcome="unreachable") from None
+        if result is None:
+            raise AgentError("agent", f"{addr}: {method}: the stream ended without a result",
+                             outcome="unreachable")
+        return result
+    finally:
+        ch.close()
+
+
+def renew(addr: str, request, *, tls: Optional[TLS] = None, timeout_s: float = 10.0):
+    """Call ``Renew`` (a ``RenewRequest``) on the agent at ``addr``; returns the
+    ``RenewResponse``. Raises ``AgentError`` (phase "agent", outcome "unreachable") when the
+    agent cannot be reached within ``timeout_s`` seconds."""
+    import grpc
+    _, agrpc, _ = pb.modules()
+    ch = channel(addr, tls)
+    try:
+        return agrpc.AgentStub(ch).Renew(request, timeout=timeout_s)
+    except grpc.RpcError as e:
+        code = e.code() if hasattr(e, "code") else None
+        raise AgentError("agent", f"{addr}: Renew: {code.name if code else ''} "
+                         f"{e.details() if hasattr(e, 'details') else e}".strip(),
+                         outcome="unreachable") from None
+    finally:
+        ch.close()
+
+
+def health(addr: str, service: str = "", *, tls: Optional[TLS] = None,
+           timeout_s: float = 5.0) -> str:
+    """The health status name of ``service`` at ``addr`` (``SERVING``, ``NOT_SERVING``,
+    ``SERVICE_UNKNOWN``). Raises ``grpc.RpcError`` when unreachable."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    ch = channel(addr, tls)
+    try:
+        resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),
+                                                    timeout=timeout_s)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+    finally:
+        ch.close()
