@@ -39,8 +39,6 @@ from cuinterpose.agent.errors import AgentError
 from cuinterpose.agent.run.report import Phase, Reporter
 from cuinterpose.agent.rpc import group
 from cuinterpose.agent.rpc.client import TLS, SERVICE_NAME, normalize_address, unix_path
-# re-exported: tests/kube/test_serve_watcher.py uses them from here
-from cuinterpose.agent.rpc.client import channel, health  # noqa: F401
 from cuinterpose.agent.rpc.member import DEFAULT_GROUP_LEASE_S, GroupMember
 from cuinterpose.agent.rpc.security import confine_path, listener_security
 

@@ -38,7 +38,7 @@ from proclayout import lay_proc
 
 from cuinterpose.workloads.afdwin import demo
 from cuinterpose.agent.snapshot import pb
-from cuinterpose.agent.rpc import service
+from cuinterpose.agent.rpc import client
 from cuinterpose.agent.mech.census import walk_tree
 from cuinterpose.agent.kube.hostcgroup import join_host_cgroup_namespace
 from metrics_kit import scrape
@@ -175,7 +175,7 @@ def _run(api, a, d, errlog, sock, snaps, proc_root, stuck, steps, ph):
     # the watcher lists, then watches, this node's pods only
     assert api.wait_for(lambda x: any("watch=true" in q for _, q in x.requests), 60), \
         errlog.read_text()
-    assert (service.health(addr), service.health(addr, service.SERVICE_NAME)) == \
+    assert (client.health(addr), client.health(addr, client.SERVICE_NAME)) == \
         ("SERVING", "SERVING")
 
     # a pod on another node, asking for a checkpoint of the very same container
@@ -233,7 +233,7 @@ def _run(api, a, d, errlog, sock, snaps, proc_root, stuck, steps, ph):
                          containers=[("main", f"containerd://{CID_STUCK}")]))
     wait_path(a.ctl / f"quiesce-{w.pid}.request", d)
     assert api.annotations("default", "stuck")[ST] == "Running"
-    assert (service.health(addr), service.health(addr, service.SERVICE_NAME)) == \
+    assert (client.health(addr), client.health(addr, client.SERVICE_NAME)) == \
         ("SERVING", "SERVING")
     got = metrics(mport)
     assert got['cuinterpose_requests_in_flight{kind="checkpoint"}'] == 1.0
@@ -254,7 +254,7 @@ def _grpc_waits_then_sigterm(api, a, d, errlog, addr, snaps, w, sleeper):
     events: queue.Queue = queue.Queue()
 
     def grpc_checkpoint():
-        ch = service.channel(addr)
+        ch = client.channel(addr)
         try:
             req = apb.CheckpointRequest(roots=[sleeper.pid], images_dir=str(snaps / "grpc"),
                                         options=apb.CheckpointOptions(control_dir=str(a.ctl),
