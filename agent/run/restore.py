@@ -422,7 +422,7 @@ _BAD_SIZE_FD = re.compile(r"File fd/(\d+) has bad size (\d+) \(expect (\d+)\)")
 def inherited_bad_size_keys(log_text: str) -> dict[tuple[int, int, int], str]:
     """CRIU names a file it reopened from an inherited fd ``fd/N`` in "File fd/N has bad
     size S (expect E)", N being a copy of that fd it just took, which its log names right
-    before: "Found id KEY (fd N) in inherit fd list" (criu/files.c
+    before: "Found id KEY (fd N) in inherit fd list" (CRIU's criu/files.c,
     ``inherit_fd_lookup_id``). ``{(N, S, E): KEY}``, matched per restored task."""
     last: dict[tuple[str, int], str] = {}
     out = {}
