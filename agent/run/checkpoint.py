@@ -179,6 +179,15 @@ class Checkpoint(Rollback, Sequence):
                                           on_event=self.r.coordinator_event)
 
     def quiesce(self):
+        try:
+            self.request_quiesce()
+        except QuiesceRefused:
+            # refused requests withdraw themselves (or were never written): nothing to cancel
+            self.quiesce_cancelled = True
+            raise
+        self.check_parked()
+
+    def request_quiesce(self):
         with self.r.phase("quiesce") as ph:
             self.qid = quiesce.new_id()
             quiesce.request(self.control_dir, self.roots, self.qid, self.quiesce_timeout_ms)
@@ -187,7 +196,6 @@ class Checkpoint(Rollback, Sequence):
                 self.ready = quiesce.wait_ready(self.control_dir, self.roots, self.qid,
                                                 self.quiesce_timeout_ms, stop=self.guard.pending)
             except QuiesceRefused as e:
-                self.quiesce_cancelled = True   # wait_ready already wrote .resume cancelled
                 hint = (census_mod.job_root_hint(e.pid, self.census.shim)
                         if e.pid is not None else None)
                 if hint:
@@ -198,7 +206,6 @@ class Checkpoint(Rollback, Sequence):
             self.t_ready_ns = time.monotonic_ns()
             ranks = sum(len(v.get("ranks", [])) for v in self.ready.values())
             ph.detail = f"{ranks} ranks parked"
-        self.check_parked()
 
     def quiescence_check(self):
         """Prove the workload quiescent before anything is torn down: lock every CUDA process

@@ -642,3 +642,18 @@ def test_an_unexpected_error_in_a_group_phase_names_the_step_and_is_rolled_back(
     assert world.state == {201: "RUNNING", 202: "RUNNING"}
     assert world.log[-1] == ("coord", "rollback", None)
     assert resume_of(world) == {"id": cp.qid, "restored": False, "cancelled": False}
+
+
+def test_a_group_member_refused_by_a_pending_request_leaves_it_alone_on_release(world, tmp_path):
+    req = world.ctl / f"quiesce-{ROOT}.request"
+    req.write_text(json.dumps({"id": "other-agent", "timeout_ms": 10000}))
+    cp = cp_mod.Checkpoint([ROOT], tmp_path / "snap", control_dir=world.ctl,
+                           quiesce_timeout_ms=100)
+    cp.run_phase("prepare")
+    with pytest.raises(QuiesceRefused):
+        cp.run_phase("quiesce")
+    for p in cp.GROUP_UNDO:
+        assert cp.run_phase(p)["torn_down"] is False
+    assert json.loads(req.read_text()) == {"id": "other-agent", "timeout_ms": 10000}
+    assert sorted(p.name for p in world.ctl.iterdir()) == [req.name]
+    assert not (tmp_path / "snap").exists()
