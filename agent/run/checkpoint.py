@@ -21,7 +21,7 @@ from cuinterpose.agent.mech.placement import external_file_key
 from cuinterpose.agent.run import images, interrupt
 from cuinterpose.agent.run.report import Reporter
 from cuinterpose.agent.run.rollback import Rollback
-from cuinterpose.agent.run.steps import (Sequence, Step, as_agent_error, group_phases,
+from cuinterpose.agent.run.steps import (Step, StepRunner, as_agent_error, group_phases,
                                          helper_env, strip_preload_env, unexpected)
 from cuinterpose.agent.snapshot import manifest as manifest_mod
 from cuinterpose.coordinator.protocol import default_control_dir
@@ -34,7 +34,7 @@ def _coordinator_module():
     return phases
 
 
-class Checkpoint(Rollback, Sequence):
+class Checkpoint(Rollback, StepRunner):
     """State of one checkpoint run; :meth:`run` drives the steps. Attributes filled along the
     way: ``census``, ``qid``, ``ready``, ``capture``, ``manifest``."""
 

@@ -25,10 +25,11 @@ from cuinterpose.agent.errors import AgentError, RestoreFailed, SnapshotError
 from cuinterpose.agent.mech import placement as placement_mod
 from cuinterpose.agent.mech.placement import Placement
 from cuinterpose.agent.run.report import Reporter
-from cuinterpose.agent.run.steps import Sequence, Step, as_agent_error, group_phases, strip_preload_env
+from cuinterpose.agent.run.steps import (Step, StepRunner, as_agent_error, group_phases,
+                                         strip_preload_env)
 
 
-class Restore(Sequence):
+class Restore(StepRunner):
     """State of one restore run; :meth:`run` drives the steps and returns a result dict."""
 
     KIND = "restore"

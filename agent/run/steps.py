@@ -80,7 +80,7 @@ def helper_env(extra: Optional[dict] = None) -> dict:
     return env
 
 
-class Sequence:
+class StepRunner:
     """Base of a checkpoint or restore run. A subclass sets ``KIND``, ``STEPS`` (its
     :class:`Step` table), ``GROUP_PHASES = group_phases(STEPS)``, ``UNDO`` (undo phase ->
     method) and ``GROUP_UNDO = tuple(UNDO)``, and provides ``r`` (its Reporter), ``guard``
