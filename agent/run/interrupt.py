@@ -1,11 +1,10 @@
-"""SIGINT/SIGTERM/SIGHUP during a checkpoint or restore: stop at the next phase boundary.
+"""SIGINT/SIGTERM/SIGHUP during a checkpoint or restore: stop at the next step boundary.
 
-Killing the agent mid-phase would leave the workload parked (quiesce requested), its shims
-torn down, its processes locked, or CRIU's parasite inside it. So while a :class:`Guard` is
-active the signal is only recorded (a note goes to stderr; repeats are ignored) and the
-running phase finishes; the caller asks :meth:`Guard.check` between phases and raises
-:class:`Interrupted` there, which is then handled like any other failure: a refusal before
-teardown (``.resume`` cancelled), a rollback after it. SIGKILL stays the operator's last resort.
+While a :class:`Guard` is active a signal is only recorded (a note goes to stderr; repeats are
+ignored) and the running step finishes; the step runner (agent/run/steps.py) asks the guard
+after each step and stops with :class:`Interrupted` there, handled like any other failure of
+that step. :func:`shielded` keeps the signals from a helper (CRIU). Why, and what each stop
+leaves behind: docs/agent.md "Interrupting the agent".
 """
 from __future__ import annotations
 

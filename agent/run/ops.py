@@ -18,12 +18,7 @@ from typing import Optional
 from cuinterpose.agent.snapshot import manifest as manifest_mod
 from cuinterpose.agent.errors import AgentError
 from cuinterpose.agent.run.report import Reporter
-
-
-def _unexpected(rep: Reporter, e: BaseException, default_phase: str, outcome: str,
-                tail: str = "") -> AgentError:
-    phase = rep.phases[-1].name if rep.phases else default_phase
-    return AgentError(phase, f"unexpected {type(e).__name__}: {e}{tail}", outcome=outcome)
+from cuinterpose.agent.run.steps import unexpected
 
 
 def checkpoint(rep: Reporter, roots, images_dir, **kw) -> tuple[dict, dict]:
@@ -36,7 +31,8 @@ def checkpoint(rep: Reporter, roots, images_dir, **kw) -> tuple[dict, dict]:
     except AgentError:
         raise
     except Exception as e:
-        raise _unexpected(rep, e, "checkpoint", "rollback_failed", "; workload state unknown") from e
+        raise unexpected(rep, e, "checkpoint", prefix="unexpected ", outcome="rollback_failed",
+                         tail="; workload state unknown") from e
     return ({"ok": True, "images_dir": str(cp.images_dir), "snapshot_id": m["snapshot_id"],
              "roots": m["roots"], "cuda_pids": m["cuda_pids"], "phases": rep.to_list(),
              "totals": m["totals"], "shim_sha256": m["shim"]["sha256"],
@@ -52,7 +48,7 @@ def restore(rep: Reporter, images_dir, **kw) -> dict:
     except AgentError:
         raise
     except Exception as e:
-        raise _unexpected(rep, e, "restore", "restore_failed") from e
+        raise unexpected(rep, e, "restore", prefix="unexpected ", outcome="restore_failed") from e
     return {"ok": True, **res}
 
 

@@ -1,46 +1,10 @@
-"""``cuinterpose-agent restore``: the restore ordering, one step per phase.
+"""``cuinterpose-agent restore``: :class:`Restore`, its step table and the steps, and the
+reasons of a CRIU restore refused for a file whose size changed (:func:`bad_size_reason`).
 
-Order (DESIGN §3, prior-art §5)::
-
-    manifest (read + validate: format, shim SHA-256, CRIU image checksums, pids free)
-    -> placement (only with ``placement=``: the process is still there, its cgroups can be
-       joined, its stdio can be handed to the trees' external pipes; read-only)
-    -> remove stale control sockets (and a stale ``.resume``) for the manifest's pids
-    -> CRIU restore (each tree; pids are kept) -> native restore, then unlock (each CUDA pid)
-    -> coordinator restore (LOAD_ALLOCATIONS, RESTORE_UNICAST, INSPECT equal to the capture)
-    -> ``.resume`` with ``restored=true``
-
-Every check before CRIU restore only reads: a refused snapshot is left untouched. A failure
-after CRIU restore kills the restored trees (their pids would block a retry) and raises
-``RestoreFailed``; the snapshot directory is never modified, so the restore can be retried
-once the cause is fixed. A refused placement (phase "placement", ``PlacementError`` naming the
-placement pid and what failed) changes nothing either.
-
-Placement (``placement=`` a :class:`~cuinterpose.agent.mech.placement.Placement` or a pid; CLI
-``--into-pid``): each tree is restored with CRIU's ``--join-ns`` into the placement's
-namespaces (an external network namespace of the images is handed over with
-``--inherit-fd fd[N]:cuinterpose-net`` instead), CRIU's child first joins the placement's
-cgroups (``--manage-cgroups=ignore`` keeps the tasks there), and every pipe fd the manifest
-records as external (``external_pipes``) is handed the placement's stdin (read) or
-stdout/stderr (write) with ``--inherit-fd fd[N]:pipe:[INODE]`` (a regular file there is set
-``O_APPEND`` in the restored tree before it runs: CRIU's restore is then left stopped until
-that is done). Every file the manifest records as opened outside the tree's mount namespace
-(``external_files``) is handed the placement's fd of the same number when it is the same kind
-of file, else its path reopened in the agent's mount namespace (``--inherit-fd
-fd[N]:file[MNT_ID:INODE]``); the result's ``external_files`` says which. After CRIU, every
-restored process is checked to be in the placement's namespaces (user included) and cgroups
-(else the restore fails and the trees are killed); when CRIU fails, the placement is checked
-again, so that a placement process that died meanwhile is named as the cause. Without a
-placement the trees land in the agent's cgroups and namespaces, and an external pipe comes
-back with its outside end missing: CRIU creates a new pipe and closes the end no restored
-process holds, so a writer gets EPIPE (SIGPIPE) at its next write and a reader reads
-end-of-file. The notes saying so (and every other note of the run) are in the result's
-``notes``.
-
-Files *outside* the snapshot are part of it too: CRIU reopens the
-workload's regular files by path and refuses one whose size changed since the dump (a log
-opened without ``O_APPEND`` that a restored run wrote to): that retry keeps failing
-("has bad size", the error names the file) until the file is back to its dumped size.
+The one-shot :meth:`Restore.run` and the group phases (:meth:`Restore.run_phase`, a named
+slice of the table) both run :data:`Restore.STEPS` through the step runner
+(agent/run/steps.py). The ordering, placements and what each failure leaves behind:
+docs/agent.md "Restore ordering" and "Restoring into a placement".
 """
 from __future__ import annotations
 
@@ -57,15 +21,40 @@ from cuinterpose.agent.run import interrupt
 from cuinterpose.agent.mech import native, quiesce
 from cuinterpose.agent import paths
 from cuinterpose.agent.mech.census import pid_alive
-from cuinterpose.agent.run.checkpoint import as_agent_error, strip_preload_env
 from cuinterpose.agent.errors import AgentError, RestoreFailed, SnapshotError
 from cuinterpose.agent.mech import placement as placement_mod
 from cuinterpose.agent.mech.placement import Placement
 from cuinterpose.agent.run.report import Reporter
+from cuinterpose.agent.run.steps import (Step, StepRunner, as_agent_error, group_phases,
+                                         strip_preload_env)
 
 
-class Restore:
-    """State of one restore run; :meth:`run` drives the phases and returns a result dict."""
+class Restore(StepRunner):
+    """State of one restore run; :meth:`run` drives the steps and returns a result dict."""
+
+    KIND = "restore"
+    #: The restore, once. ``stage``: ``refusal`` (only reads: a refused snapshot is left
+    #: untouched, nothing changed) or ``restore`` (from CRIU restore on: a failure kills the
+    #: restored trees, ``RestoreFailed``). ``group`` names the group phase each step belongs
+    #: to (docs/service.md): no member resumes its workload before every member restored its
+    #: shared memory.
+    STEPS = (
+        Step("manifest", "read_manifest_checked", "prepare", "refusal"),
+        Step("driver", "load_driver", "prepare", "refusal"),
+        Step("placement", "place", "prepare", "refusal"),
+        Step("stale sockets", "remove_stale", "stale sockets", "refusal", check=False),
+        Step("criu restore", "criu_restore", "criu restore", "restore"),
+        Step("native restore", "native_restore", "native restore", "restore"),
+        Step("restore shared", "restore_shared", "restore shared", "restore"),
+        Step("resume", "resume", "resume", "restore", check=False),
+    )
+    GROUP_PHASES = group_phases(STEPS)
+    #: after a failure from ``criu restore`` on, the leader runs ``abort`` on every member
+    #: (restored trees killed, snapshots untouched)
+    UNDO = {"abort": "kill_restored"}
+    GROUP_UNDO = tuple(UNDO)
+    #: the first group phase that cannot be undone (the restored trees run)
+    POINT_OF_NO_RETURN = "resume"
 
     def __init__(self, images_dir, *, driver: Optional[str] = None, phase_timeout_s: float = 60.0,
                  carrier_timeout_s: float = 3600.0,
@@ -334,37 +323,9 @@ class Restore:
             except ProcessLookupError:
                 pass
 
-    # -- group phases -----------------------------------------------------------------------
-    #: Group phases of a restore, in order (docs/service.md): no member resumes its workload
-    #: before every member restored its shared memory. ``prepare`` only reads (a refusal
-    #: changes nothing); after a failure from ``criu restore`` on, the leader runs ``abort`` on
-    #: every member (restored trees killed, snapshots untouched).
-    GROUP_PHASES = ("prepare", "stale", "criu restore", "native restore", "restore shared",
-                    "resume")
-    GROUP_UNDO = ("abort",)
-
-    def run_phase(self, name: str) -> dict:
-        """Run one group phase on this node; returns {"restored": [roots]}. Raises
-        ``AgentError`` naming phase and pid. The steps are the ones :meth:`run` calls."""
-        steps = {"prepare": self._group_prepare, "stale": self.remove_stale,
-                 "criu restore": self.criu_restore, "native restore": self.native_restore,
-                 "restore shared": self.restore_shared, "resume": self.resume,
-                 "abort": self.kill_restored}
-        if name not in steps:
-            raise AgentError("group", f"unknown restore phase {name!r}")
-        try:
-            steps[name]()
-        except AgentError:
-            raise
-        except Exception as e:
-            phase = self.r.phases[-1].name if self.r.phases else name
-            raise AgentError(phase, f"{type(e).__name__}: {e}") from e
+    def phase_state(self) -> dict:
+        """{"restored": [roots]}."""
         return {"restored": list(self.restored_roots)}
-
-    def _group_prepare(self):
-        self._read_manifest_checked()
-        self.load_driver()
-        self.place()
 
     def result(self) -> dict:
         """{"snapshot_id", "roots", "cuda_pids", "phases", "totals", "notes"} of a finished
@@ -395,49 +356,21 @@ class Restore:
         """Returns {"snapshot_id", "roots", "cuda_pids", "phases"}. Raises ``SnapshotError`` /
         ``AgentError`` (refused, nothing changed) or ``RestoreFailed`` (restored trees killed).
 
-        SIGINT/SIGTERM/SIGHUP are deferred to the next phase boundary (``interrupt.Guard``):
+        SIGINT/SIGTERM/SIGHUP are deferred to the next step boundary (``interrupt.Guard``):
         before CRIU restore the restore is cancelled (refused); after it the restored trees
         are killed (``RestoreFailed``); the snapshot is never touched."""
         self.t0_ns = time.monotonic_ns()
         with self.guard:
             return self._run()
 
-    def _refused_if_interrupted(self, phase: str) -> None:
-        sig = self.guard.pending()
-        if sig:
-            raise SnapshotError(phase, f"interrupted by {sig} after {phase}; restore cancelled, "
-                                "nothing was changed, the snapshot is untouched")
-
-    def _read_manifest_checked(self):
-        try:
-            self.read_manifest()
-        except AgentError:
-            raise
-        except (KeyError, TypeError, ValueError, AttributeError, OSError) as e:
-            raise SnapshotError("manifest", f"{self.images_dir}: malformed or unreadable "
-                                f"snapshot ({type(e).__name__}: {e}); restore refused, "
-                                "snapshot untouched") from e
-
     def _run(self) -> dict:
-        self._read_manifest_checked()
-        self._refused_if_interrupted("manifest")
-        self.load_driver()
-        self._refused_if_interrupted("driver")
-        self.place()
         try:
-            self._refused_if_interrupted("placement")
-            self.remove_stale()
+            self.run_steps(self.stage("refusal"))
         except BaseException:
             self.close_fds()
             raise
         try:
-            self.criu_restore()
-            self.guard.check("criu restore")
-            self.native_restore()
-            self.guard.check("native restore")
-            self.restore_shared()
-            self.guard.check("restore shared")
-            self.resume()
+            self.run_steps(self.stage("restore"))
             self.r.total(time.monotonic_ns() - self.t0_ns)
         except BaseException as e:
             self.close_fds()
@@ -447,6 +380,23 @@ class Restore:
                                     "snapshot is untouched", pid=e.pid) from e
             raise RestoreFailed("restore", f"{e}; the restored tree was killed") from e
         return self.result()
+
+    def interrupted(self, step: Step, sig: str) -> AgentError:
+        if step.stage == "refusal":
+            return SnapshotError(step.name, f"interrupted by {sig} after {step.name}; restore "
+                                 "cancelled, nothing was changed, the snapshot is untouched")
+        return interrupt.Interrupted(step.name, sig)
+
+    def read_manifest_checked(self):
+        """:meth:`read_manifest`, a malformed manifest refused as ``SnapshotError``."""
+        try:
+            self.read_manifest()
+        except AgentError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError, OSError) as e:
+            raise SnapshotError("manifest", f"{self.images_dir}: malformed or unreadable "
+                                f"snapshot ({type(e).__name__}: {e}); restore refused, "
+                                "snapshot untouched") from e
 
 
 def _first_line(e: BaseException) -> str:
@@ -473,7 +423,7 @@ _BAD_SIZE_FD = re.compile(r"File fd/(\d+) has bad size (\d+) \(expect (\d+)\)")
 def inherited_bad_size_keys(log_text: str) -> dict[tuple[int, int, int], str]:
     """CRIU names a file it reopened from an inherited fd ``fd/N`` in "File fd/N has bad
     size S (expect E)", N being a copy of that fd it just took, which its log names right
-    before: "Found id KEY (fd N) in inherit fd list" (criu/files.c
+    before: "Found id KEY (fd N) in inherit fd list" (CRIU's criu/files.c,
     ``inherit_fd_lookup_id``). ``{(N, S, E): KEY}``, matched per restored task."""
     last: dict[tuple[str, int], str] = {}
     out = {}

@@ -583,3 +583,77 @@ def test_a_completed_checkpoint_leaves_no_request_behind(world, tmp_path, monkey
     monkeypatch.setattr(quiesce, "request", answer_quiesce(world))
     cp_mod.Checkpoint([ROOT], tmp_path / "snap", control_dir=world.ctl).run()
     assert sorted(p.name for p in world.ctl.iterdir()) == []
+
+
+def test_group_phases_are_named_slices_of_the_step_table():
+    from cuinterpose.agent.run.restore import Restore
+    for cls in (cp_mod.Checkpoint, Restore):
+        slices = [s.group for s in cls.STEPS]
+        # each group phase is one contiguous run of steps, in table order
+        assert tuple(dict.fromkeys(slices)) == cls.GROUP_PHASES
+        assert len([g for i, g in enumerate(slices) if i == 0 or slices[i - 1] != g]) == \
+            len(cls.GROUP_PHASES)
+        assert not set(cls.GROUP_UNDO) & set(cls.GROUP_PHASES)
+    assert cp_mod.Checkpoint.GROUP_PHASES == (
+        "prepare", "quiesce", "capture", "native lock", "native checkpoint", "criu dump",
+        "manifest", "finish", "resume")
+    assert Restore.GROUP_PHASES == ("prepare", "stale sockets", "criu restore",
+                                    "native restore", "restore shared", "resume")
+
+
+def test_group_phases_run_the_steps_of_the_one_shot_run(world, tmp_path, monkeypatch):
+    monkeypatch.setattr(quiesce, "request", answer_quiesce(world))
+    cp = cp_mod.Checkpoint([ROOT], tmp_path / "snap", control_dir=world.ctl)
+    states = [cp.run_phase(p) for p in cp.GROUP_PHASES]
+    assert world.log == [
+        ("coord", "init", tuple(PIDS)), ("workload", "ready", None), *PROBE,
+        ("coord", "capture", None),
+        ("native", "lock", 201), ("native", "lock", 202),
+        ("native", "checkpoint", 201), ("native", "checkpoint", 202),
+        ("criu", "dump", ROOT), ("signal", "SIGKILL", ROOT)]
+    assert [p.name for p in cp.r.phases] == [
+        "driver", "census", "quiesce", "quiescence check", "native lock",
+        "native checkpoint", "criu dump", "manifest", "kill dumped"]
+    assert [s["torn_down"] for s in states] == [False, False] + [True] * 7
+    assert states[-1]["manifest_written"] is True
+    assert (tmp_path / "snap" / "manifest.json").is_file()
+    assert not (world.ctl / f"quiesce-{ROOT}.resume").exists()
+
+
+def test_an_unexpected_error_in_a_group_phase_names_the_step_and_is_rolled_back(
+        world, tmp_path, monkeypatch):
+    monkeypatch.setattr(quiesce, "request", answer_quiesce(world))
+
+    def boom(pid):
+        raise RuntimeError("driver vanished")
+    monkeypatch.setattr(native, "checkpoint", boom)
+    cp = cp_mod.Checkpoint([ROOT], tmp_path / "snap", control_dir=world.ctl)
+    for p in cp.GROUP_PHASES[:cp.GROUP_PHASES.index("native checkpoint")]:
+        cp.run_phase(p)
+    with pytest.raises(AgentError) as ei:
+        cp.run_phase("native checkpoint")
+    assert (ei.value.phase, ei.value.reason) == ("native checkpoint",
+                                                 "RuntimeError: driver vanished")
+    with pytest.raises(AgentError) as ei:
+        cp.run_phase("no such phase")
+    assert str(ei.value) == "group: unknown checkpoint phase 'no such phase'"
+    for p in cp.GROUP_UNDO:
+        cp.run_phase(p)
+    assert world.state == {201: "RUNNING", 202: "RUNNING"}
+    assert world.log[-1] == ("coord", "rollback", None)
+    assert resume_of(world) == {"id": cp.qid, "restored": False, "cancelled": False}
+
+
+def test_a_group_member_refused_by_a_pending_request_leaves_it_alone_on_release(world, tmp_path):
+    req = world.ctl / f"quiesce-{ROOT}.request"
+    req.write_text(json.dumps({"id": "other-agent", "timeout_ms": 10000}))
+    cp = cp_mod.Checkpoint([ROOT], tmp_path / "snap", control_dir=world.ctl,
+                           quiesce_timeout_ms=100)
+    cp.run_phase("prepare")
+    with pytest.raises(QuiesceRefused):
+        cp.run_phase("quiesce")
+    for p in cp.GROUP_UNDO:
+        assert cp.run_phase(p)["torn_down"] is False
+    assert json.loads(req.read_text()) == {"id": "other-agent", "timeout_ms": 10000}
+    assert sorted(p.name for p in world.ctl.iterdir()) == [req.name]
+    assert not (tmp_path / "snap").exists()

@@ -1,0 +1,87 @@
+"""Undoing a checkpoint that did not complete: the rebuild of a torn-down workload (trees CRIU
+left stopped continued, native state back to RUNNING, the coordinator's rollback, ``.resume``
+with ``restored=false``) and the group undo phases ``rollback`` and ``release``. Which failure
+is refused, rolled back or rollback_failed: docs/agent.md "What each failure leaves behind".
+"""
+from __future__ import annotations
+
+import pathlib
+import signal
+
+from cuinterpose.agent.errors import AgentError, CheckpointFailed
+from cuinterpose.agent.mech import native, quiesce
+from cuinterpose.agent.run import images
+from cuinterpose.agent.run.steps import as_agent_error
+from cuinterpose.agent.snapshot import manifest as manifest_mod
+
+
+class Rollback:
+    """The undo half of :class:`~cuinterpose.agent.run.checkpoint.Checkpoint` (a mixin: it
+    works on the checkpoint's state)."""
+
+    def roll_back(self, cause: BaseException) -> CheckpointFailed:
+        """A teardown step failed (``cause``): remove the CRIU images and rebuild the
+        workload. Returns the error to raise: outcome ``rolled_back``, or ``rollback_failed``
+        when the rebuild failed too."""
+        self.cleanup_images()
+        try:
+            self.rebuild(restored=False)
+        except BaseException as rb:
+            self.r.note(f"rollback failed: {rb}")
+            return CheckpointFailed(cause, "rollback_failed", rollback_error=str(rb))
+        return CheckpointFailed(cause, "rolled_back")
+
+    def rebuild(self, restored: bool = False, native_phase: str = "rollback native"):
+        """Undo the teardown in a live workload: SIGCONT the trees CRIU left stopped, native
+        back to RUNNING (restore first where CHECKPOINTED), the coordinator's rollback (every
+        shim back to ACTIVE whatever phase it reached, topology equal to the capture), then
+        ``.resume``. Raises on failure (no ``.resume``: the workload stays parked rather than
+        run on torn-down memory)."""
+        self.rebuild_state(native_phase)
+        quiesce.resume(self.control_dir, self.roots, self.qid, restored=restored)
+
+    def rebuild_state(self, native_phase: str = "rollback native"):
+        """:meth:`rebuild` without the final ``.resume`` (a group writes it only once every
+        member is rebuilt). ``native_phase`` names the native step's row: "rollback native"
+        after a failure, "native restore" after a successful ``--leave-running`` dump."""
+        if self.stopped_roots:
+            # first: a stopped process cannot answer the driver's checkpoint calls
+            self.signal_trees(self.stopped_roots, signal.SIGCONT, "resume trees")
+            self.stopped_roots = []
+        with self.r.phase(native_phase) as ph:
+            found = native.rollback_all(self.census.cuda_pids)
+            ph.detail = ", ".join(f"{p}:{s}" for p, s in found.items())
+        if self.capture is None:
+            raise AgentError("rollback", "no capture to roll the shims back to (the capture "
+                             "failed before its first INSPECT completed)")
+        try:
+            self.coordinator.rollback(self.capture)
+        except Exception as e:
+            raise as_agent_error(e, "rollback") from e
+
+    def cleanup_images(self):
+        images.cleanup(self.images_dir)
+
+    # -- group undo phases ----------------------------------------------------------------
+    def group_rollback(self):
+        """Undo this member's part of a failed group checkpoint: its own snapshot, even when
+        complete, is not part of a consistent cut, so the manifest (written last, removed
+        first) and the CRIU images go, then the workload is rebuilt (no ``.resume`` yet)."""
+        if self.finishing:
+            raise AgentError("rollback", "the group had reached finish (trees killed or "
+                             "resumed): nothing to roll back")
+        if self.torn_down:
+            if self.manifest is not None:
+                (pathlib.Path(self.images_dir) / manifest_mod.MANIFEST_NAME).unlink(missing_ok=True)
+                self.manifest = None
+            self.cleanup_images()
+            self.rebuild_state()
+
+    def group_release(self):
+        """``.resume`` after a group rollback (restored=false; cancelled when nothing was torn
+        down), and the directories this request created are removed when empty."""
+        if self.torn_down:
+            quiesce.resume(self.control_dir, self.roots, self.qid, restored=False)
+        elif self.qid is not None and not self.quiesce_cancelled:
+            quiesce.cancel(self.control_dir, self.roots, self.qid)
+        images.remove_empty(self.created_dirs)
