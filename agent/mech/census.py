@@ -27,9 +27,8 @@ from typing import Callable, Iterable, Optional
 from cuinterpose.agent import paths
 from cuinterpose.agent.mech import procfs
 from cuinterpose.agent.errors import CensusError, NativeError
+from cuinterpose.coordinator import protocol
 from cuinterpose.coordinator.protocol import CUI_DEFAULT_CONTROL_DIR, default_control_dir
-
-SOCKET_PREFIX = "cuinterpose-"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,16 +136,14 @@ def pid_alive(pid: int) -> bool:
 def read_stat_state(pid: int) -> tuple[int, str, str]:
     """(ppid, comm, state letter) of ``pid``; raises ``FileNotFoundError`` if gone."""
     comm, fields = procfs.stat_fields(pid)
-    return int(fields[1]), comm, fields[0]
+    return int(fields[procfs.STAT_PPID]), comm, fields[procfs.STAT_STATE]
 
 
 def read_session(pid: int) -> tuple[int, int]:
     """(session id, tty_nr) of ``pid`` from ``/proc/PID/stat`` (tty_nr 0: no controlling
     terminal); raises ``FileNotFoundError`` if gone."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        data = f.read().decode(errors="replace")
-    fields = data[data.rindex(")") + 2:].split()
-    return int(fields[3]), int(fields[4])
+    _, fields = procfs.stat_fields(pid)
+    return int(fields[procfs.STAT_SESSION]), int(fields[procfs.STAT_TTY_NR])
 
 
 def walk_tree(roots: Iterable[int]) -> list[tuple[int, int, str]]:
@@ -192,17 +189,13 @@ def shim_mapping(pid: int, shim: ShimFile) -> tuple[Optional[str], Optional[str]
     maps cannot be read (another user's process)."""
     foreign = None
     try:
-        with open(f"/proc/{pid}/maps") as f:
-            for line in f:
-                parts = line.split(maxsplit=5)
-                if len(parts) < 6 or parts[4] == "0":
-                    continue
-                major, minor = (int(x, 16) for x in parts[3].split(":"))
-                path = parts[5].strip()
-                if os.makedev(major, minor) == shim.dev and int(parts[4]) == shim.inode:
-                    return "installed", path
-                if os.path.basename(path.replace(" (deleted)", "")) == paths.SHIM_NAME:
-                    foreign = path
+        for path, dev, inode in procfs.maps(pid):
+            if inode == 0:
+                continue
+            if dev == shim.dev and inode == shim.inode:
+                return "installed", path
+            if os.path.basename(path.replace(" (deleted)", "")) == paths.SHIM_NAME:
+                foreign = path
     except (FileNotFoundError, ProcessLookupError):
         return None, None
     except PermissionError as e:
@@ -214,7 +207,7 @@ def shim_mapping(pid: int, shim: ShimFile) -> tuple[Optional[str], Optional[str]
 
 def socket_path(control_dir: os.PathLike | str, pid: int) -> pathlib.Path:
     """``<control_dir>/cuinterpose-<pid>.sock``."""
-    return pathlib.Path(control_dir) / f"{SOCKET_PREFIX}{pid}.sock"
+    return pathlib.Path(protocol.socket_path(control_dir, pid))
 
 
 def _is_socket(p: pathlib.Path) -> bool:
@@ -302,13 +295,8 @@ def open_file_warnings(census: Census) -> list[dict]:
     carries in the images, are skipped)."""
     out = []
     for p in sorted(census.processes, key=lambda q: q.pid):
-        try:
-            fds = sorted(int(f) for f in os.listdir(f"/proc/{p.pid}/fd"))
-        except OSError:
-            continue
-        for fd in fds:
+        for fd, target in procfs.fd_targets(p.pid):
             try:
-                target = os.readlink(f"/proc/{p.pid}/fd/{fd}")
                 if not target.startswith("/") or target.endswith(" (deleted)"):
                     continue
                 if not stat_mod.S_ISREG(os.stat(f"/proc/{p.pid}/fd/{fd}").st_mode):
@@ -378,15 +366,12 @@ def process_control_dir(pid: int) -> Optional[str]:
     """The control dir ``pid``'s shim uses: ``CUINTERPOSE_CONTROL_DIR`` from its initial
     environment (``/proc/PID/environ``), else the default; None when unreadable."""
     try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            env = f.read().split(b"\0")
+        val = procfs.environ_value(pid, protocol.CONTROL_DIR_ENV)
     except OSError:
         return None
-    for item in env:
-        if item.startswith(b"CUINTERPOSE_CONTROL_DIR="):
-            val = item.split(b"=", 1)[1].decode(errors="replace")
-            return str(pathlib.Path(val or CUI_DEFAULT_CONTROL_DIR).resolve())   # "" = default, as the shim
-    return str(pathlib.Path(CUI_DEFAULT_CONTROL_DIR).resolve())
+    # unset or "" = the default, as the shim
+    return str(pathlib.Path((val or b"").decode(errors="replace")
+                            or CUI_DEFAULT_CONTROL_DIR).resolve())
 
 
 def check(census: Census) -> None:

@@ -7,7 +7,7 @@ table, and every open file whose mount is not in it fails the dump ("Can't looku
 fd=M", criu/files-reg.c). A tree in CRIU's *own* mount namespace needs no mount dump at all:
 its files are recorded and reopened by path. So the agent runs CRIU inside the tree's mount
 namespace for a dump (the checkpointed container's) and inside the placeholder's for a
-restore: CRIU's child ``setns(2)``'s into it between fork and exec (``criu.ChildSetup``).
+restore: CRIU's child ``setns(2)``'s into it between fork and exec (``criu_child.ChildSetup``).
 
 Inside that namespace the agent's files (CRIU's binary, its ld.so and libraries, the images,
 work and plugin directories) are not visible by their paths. They are reached through one
@@ -30,6 +30,8 @@ import subprocess
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from cuinterpose.agent.mech import procfs
+
 __all__ = ["MountNsError", "is_foreign", "mount_ns", "rewrite", "open_root", "PATH_FLAGS"]
 
 
@@ -42,7 +44,7 @@ def mount_ns(pid: int | str) -> int:
     ``MountNsError`` naming the pid when ``/proc/PID/ns/mnt`` cannot be read (gone, or no
     permission)."""
     try:
-        return os.stat(f"/proc/{pid}/ns/mnt").st_ino
+        return procfs.ns_inode(pid, "mnt")
     except OSError as e:
         raise MountNsError(f"cannot read the mount namespace of pid {pid}: {e}") from e
 

@@ -38,6 +38,7 @@ from typing import Callable, Iterable, Optional, TypeVar
 
 from cuinterpose.agent import paths
 from cuinterpose.agent.errors import AgentError, NativeError
+from cuinterpose.agent.mech import procfs
 
 DRIVER_ENV = "CUINTERPOSE_DRIVER"
 DRIVER_KINDS = ("real", "fake")
@@ -72,18 +73,9 @@ def driver_kind(kind: Optional[str] = None) -> str:
 def _mapped_libcuda() -> list[tuple[str, int, int]]:
     """(path, dev, inode) of every file named libcuda.so* mapped into this process."""
     seen = []
-    with open("/proc/self/maps") as f:
-        for line in f:
-            parts = line.split(maxsplit=5)
-            if len(parts) < 6:
-                continue
-            path = parts[5].strip()
-            if not os.path.basename(path).startswith("libcuda.so"):
-                continue
-            major, minor = (int(x, 16) for x in parts[3].split(":"))
-            entry = (path, os.makedev(major, minor), int(parts[4]))
-            if entry not in seen:
-                seen.append(entry)
+    for entry in procfs.maps("self"):
+        if os.path.basename(entry[0]).startswith("libcuda.so") and entry not in seen:
+            seen.append(entry)
     return seen
 
 
