@@ -16,6 +16,8 @@ import ctypes
 import logging
 import os
 
+from cuinterpose.agent.mech import procfs
+
 log = logging.getLogger("cuinterpose.kube")
 
 #: setns(2) flag of a cgroup namespace (linux/sched.h)
@@ -31,7 +33,7 @@ def join_host_cgroup_namespace(host_pid: int = 1) -> str:
     raises."""
     path = f"/proc/{host_pid}/ns/cgroup"
     try:
-        if os.stat(path).st_ino == os.stat("/proc/thread-self/ns/cgroup").st_ino:
+        if procfs.ns_inode(host_pid, "cgroup") == procfs.ns_inode("thread-self", "cgroup"):
             return "same"
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as e:

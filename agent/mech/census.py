@@ -210,7 +210,8 @@ def socket_path(control_dir: os.PathLike | str, pid: int) -> pathlib.Path:
     return pathlib.Path(protocol.socket_path(control_dir, pid))
 
 
-def _is_socket(p: pathlib.Path) -> bool:
+def is_socket(p: pathlib.Path) -> bool:
+    """Whether ``p`` exists and is a socket (a shim's control socket)."""
     try:
         return stat_mod.S_ISSOCK(os.stat(p).st_mode)
     except OSError:
@@ -240,7 +241,7 @@ def take_census(roots: Iterable[int], *, control_dir: os.PathLike | str | None =
         if p.shim == "foreign":
             p.foreign_shim = path
         sock = socket_path(control_dir, pid)
-        if _is_socket(sock):
+        if is_socket(sock):
             p.socket_path = str(sock)
         try:
             p.sid, p.tty_nr = read_session(pid)
@@ -270,7 +271,7 @@ def check_rank_roots(census: Census) -> None:
         p = by_pid.get(r)
         if p is None or p.ppid <= 1:
             continue
-        if not _is_socket(socket_path(census.control_dir, p.ppid)):
+        if not is_socket(socket_path(census.control_dir, p.ppid)):
             continue
         try:
             if shim_mapping(p.ppid, census.shim)[0] != "installed":
@@ -393,7 +394,7 @@ def check(census: Census) -> None:
                               "checkpointed (start it with LD_PRELOAD=<shim>)", pid=p.pid)
         if p.is_cuda and p.socket_path is None:
             theirs = process_control_dir(p.pid)
-            if theirs and theirs != census.control_dir and _is_socket(socket_path(theirs, p.pid)):
+            if theirs and theirs != census.control_dir and is_socket(socket_path(theirs, p.pid)):
                 why = (f": its shim uses the control dir {theirs} (CUINTERPOSE_CONTROL_DIR in its "
                        f"environment); pass --control-dir {theirs}")
             else:

@@ -10,7 +10,7 @@ other processes by pid. Which ``libcuda.so.1`` the bindings use is decided by :f
   bindings then ``dlopen("libcuda.so.1")``, which returns the already-loaded object with that
   soname; :func:`load` verifies this in ``/proc/self/maps`` and refuses otherwise.
 
-Ordering (DESIGN §3 step 5): :func:`lock_all` locks **every** process before
+Ordering: :func:`lock_all` locks **every** process before
 :func:`checkpoint_all` checkpoints any (locking one rank while its peers still spin can
 deadlock). Restore is :func:`restore_all` then :func:`unlock_all`. :func:`rollback_all` brings
 each process back to RUNNING from whatever state a failed checkpoint left it in.
@@ -19,7 +19,7 @@ Every failure raises :class:`~cuinterpose.agent.errors.NativeError` naming the p
 function and the CUresult name.
 
 Network namespaces: a driver call about a process in another network namespace than the agent
-(a container, or a tree restored into a placement, agent/placement.py) is made from a
+(a container, or a tree restored into a placement, agent/mech/placement.py) is made from a
 short-lived thread that first joins that process's network namespace (``setns(2)`` on
 ``/proc/PID/ns/net``; a thread's network namespace is its own, namespaces(7)), see
 :func:`in_netns`. fakecuda's controller reaches the target through the abstract Unix socket

@@ -6,8 +6,8 @@ A snapshot is one directory::
       criu/<root-pid>/...      CRIU images, one directory per process tree
       manifest.json            written last: a directory without it is not a snapshot
 
-The manifest is JSON for now (DESIGN §4 asks for protobuf readable as JSON; the protobuf schema
-arrives with the gRPC service and will keep these field names). It is written atomically:
+The manifest is JSON; its protobuf schema, ``cuinterpose.v1.Manifest`` (proto/, mapped by
+agent/snapshot/pb.py), has the same field names. It is written atomically:
 ``manifest.json.tmp``, fsync, rename, fsync of the directory.
 
 :func:`load` refuses (``SnapshotError``) a missing manifest, bad JSON, an unknown format or
