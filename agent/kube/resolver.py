@@ -64,9 +64,7 @@ class CgroupResolver:
         self.proc_root = pathlib.Path(proc_root)
 
     def _pids(self) -> Iterable[int]:
-        for e in self.proc_root.iterdir():
-            if e.name.isdigit():
-                yield int(e.name)
+        return procfs.pids(str(self.proc_root))
 
     def _cgroup_components(self, pid: int) -> Optional[list[str]]:
         try:

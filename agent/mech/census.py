@@ -153,18 +153,16 @@ def walk_tree(roots: Iterable[int]) -> list[tuple[int, int, str]]:
     children: dict[int, list[tuple[int, str]]] = {}
     info: dict[int, tuple[int, str]] = {}
     zombies = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for pid in procfs.pids():
         try:
-            ppid, comm, state = read_stat_state(int(entry))
+            ppid, comm, state = read_stat_state(pid)
         except (FileNotFoundError, ProcessLookupError, ValueError):
             continue
         if state in "ZX":
-            zombies.add(int(entry))
+            zombies.add(pid)
             continue
-        info[int(entry)] = (ppid, comm)
-        children.setdefault(ppid, []).append((int(entry), comm))
+        info[pid] = (ppid, comm)
+        children.setdefault(ppid, []).append((pid, comm))
     out, seen = [], set()
     for r in roots:
         if r in zombies:

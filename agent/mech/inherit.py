@@ -4,7 +4,9 @@ passed with ``--inherit-fd`` (criu(8); criu.org "Inheriting FDs on restore") for
 pipes and files of the manifest (``external_pipes``, ``external_files``), taken from a
 :class:`~cuinterpose.agent.mech.placement.Placement` (pidfd_getfd(2)) or reopened by path;
 and the fixups after the restore (:meth:`RestoreOptions.after_restore`). docs/criu.md,
-"Restoring into a placement", explains the choices.
+"Namespaces, cgroups and stdio: restoring into a placement", explains the choices. The
+``placement`` arguments are :class:`Placement` objects, used by their attributes only: this
+module is below placement.py, which re-exports its names.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from cuinterpose.agent.errors import PlacementError
 __all__ = ["RestoreOptions", "restore_options", "external_file_fd", "external_file_key",
            "pidfd_getfd"]
 
+#: pidfd_getfd(2)'s system call number (the same on x86_64 and arm64)
 _SYS_pidfd_getfd = 438
 #: flags of a recorded external file kept when the agent reopens it by path (never O_CREAT,
 #: O_TRUNC: the file must exist and keep its contents)

@@ -7,7 +7,8 @@ read; :meth:`Placement.child_setup` and :meth:`Placement.probe_cgroups` join its
 mount namespace); :meth:`Placement.stdio_for` and :meth:`Placement.open_stdio` hand out its
 stdio; :meth:`Placement.mismatches` checks a restored process. What a restore hands CRIU from
 it is built in agent/mech/inherit.py (``restore_options``, re-exported here). docs/criu.md,
-"Restoring into a placement", explains which namespaces, cgroups and fds are used and why.
+"Namespaces, cgroups and stdio: restoring into a placement", explains which namespaces,
+cgroups and fds are used and why.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from typing import Iterable, Optional
 
 from cuinterpose.agent.errors import PlacementError
 from cuinterpose.agent.mech import procfs
+# re-exported: agent/run/restore.py reaches these (_appends and _flag_names too) through here
 from cuinterpose.agent.mech.inherit import (_appends, _flag_names, RestoreOptions,  # noqa: F401
                                             external_file_fd, external_file_key, pidfd_getfd,
                                             restore_options)
@@ -176,8 +178,8 @@ def _read(path: str, pid: int, what: str, parse=None):
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """Where restored trees go, read from one running process (docs/criu.md, "Restoring
-    into a placement").
+    """Where restored trees go, read from one running process (docs/criu.md,
+    "Namespaces, cgroups and stdio: restoring into a placement").
 
     ``pid``: the placement process (a host pid); ``start_time``: its ``/proc/PID/stat``
     start time (field 22), so a reused pid is noticed; ``cgroups``, ``namespaces``,

@@ -11,6 +11,11 @@ from __future__ import annotations
 import os
 from typing import Iterator, Optional
 
+def pids(proc_root: str = "/proc") -> list[int]:
+    """Every process of the pid namespace that ``proc_root`` shows: its numeric entries."""
+    return [int(e) for e in os.listdir(proc_root) if e.isdigit()]
+
+
 # -- /proc/PID/stat ---------------------------------------------------------------------------
 # Indexes into the fields after ``comm`` (:func:`parse_stat`): field N of proc(5) is N - 3.
 #: field 3, the state letter (R, S, D, Z, X, ...)
