@@ -16,12 +16,9 @@ import ctypes
 import logging
 import os
 
-from cuinterpose.agent.mech import procfs
+from cuinterpose.agent.mech import libc, procfs
 
 log = logging.getLogger("cuinterpose.kube")
-
-#: setns(2) flag of a cgroup namespace (linux/sched.h)
-CLONE_NEWCGROUP = 0x02000000
 
 
 def join_host_cgroup_namespace(host_pid: int = 1) -> str:
@@ -39,8 +36,7 @@ def join_host_cgroup_namespace(host_pid: int = 1) -> str:
     except OSError as e:
         return f"unavailable: {path}: {e.strerror or e}"
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.setns(fd, CLONE_NEWCGROUP) != 0:
+        if libc.fn("setns")(fd, libc.CLONE_NEWCGROUP) != 0:
             err = ctypes.get_errno()
             return f"unavailable: setns({path}): {os.strerror(err)}"
     finally:

@@ -10,22 +10,10 @@ import os
 import subprocess
 import sys
 
+from cuinterpose.agent.mech import libc
 from cuinterpose.agent.mech.criu_binary import CriuError, env
 
 __all__ = ["ChildSetup", "run_setup_probe", "Opened", "CriuError"]
-
-#: unshare(2) flag: the filesystem attributes (root, cwd, umask)
-CLONE_FS = 0x00000200
-
-_libc = None
-
-
-def _libc_fn(name: str):
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-    return getattr(_libc, name)
-
 
 @dataclasses.dataclass(frozen=True)
 class ChildSetup:
@@ -64,11 +52,11 @@ class Opened:
                     raise CriuError(f"cannot enter the {kind} namespace {path}: "
                                     f"{e.strerror or e}") from None
             self.err_r, self.err_w = os.pipe2(os.O_CLOEXEC)
-            self.setns = _libc_fn("setns") if self.ns else None
+            self.setns = libc.fn("setns") if self.ns else None
             # setns(CLONE_NEWNS) fails with EINVAL while the fs_struct (root, cwd) is shared
             # with another task (setns(2)); a child forked by a process with gRPC's threads
             # can still share it, so the child unshares it first (unshare(2) CLONE_FS)
-            self.unshare_fs = (_libc_fn("unshare") if any(k == "mnt" for k, _, _ in self.ns)
+            self.unshare_fs = (libc.fn("unshare") if any(k == "mnt" for k, _, _ in self.ns)
                                else None)
         except BaseException:
             self.close()
@@ -85,7 +73,7 @@ class Opened:
                                       f"pid {os.getpid()} to {path} refused: "
                                       f"{e.strerror or e}").encode())
                 raise
-        if self.unshare_fs is not None and self.unshare_fs(CLONE_FS) != 0:
+        if self.unshare_fs is not None and self.unshare_fs(libc.CLONE_FS) != 0:
             err = ctypes.get_errno()
             os.write(self.err_w, f"cannot unshare the filesystem attributes (CLONE_FS) before "
                                  f"entering a mount namespace: {os.strerror(err)}".encode())

@@ -19,12 +19,11 @@ import stat
 from typing import Iterable, Optional
 
 from cuinterpose.agent.errors import PlacementError
+from cuinterpose.agent.mech import libc
 
 __all__ = ["RestoreOptions", "restore_options", "external_file_fd", "external_file_key",
            "pidfd_getfd"]
 
-#: pidfd_getfd(2)'s system call number (the same on x86_64 and arm64)
-_SYS_pidfd_getfd = 438
 #: flags of a recorded external file kept when the agent reopens it by path (never O_CREAT,
 #: O_TRUNC: the file must exist and keep its contents)
 _REOPEN_FLAGS = (os.O_ACCMODE | os.O_APPEND | os.O_NONBLOCK | os.O_DIRECTORY | os.O_PATH
@@ -113,14 +112,13 @@ class RestoreOptions:
 def pidfd_getfd(pid: int, fd: int, who: str) -> int:
     """pidfd_getfd(2): a close-on-exec copy of process ``pid``'s fd ``fd`` (the same open file
     description). Raises ``PlacementError`` naming ``who``."""
-    libc = ctypes.CDLL(None, use_errno=True)
     try:
         pidfd = os.pidfd_open(pid)
     except OSError as e:
         raise PlacementError(f"cannot take fd {fd} of {who}: pidfd_open: {e.strerror or e}") \
             from None
     try:
-        new = libc.syscall(_SYS_pidfd_getfd, pidfd, fd, 0)
+        new = libc.fn("syscall")(libc.SYS_pidfd_getfd, pidfd, fd, 0)
         if new < 0:
             err = ctypes.get_errno()
             raise PlacementError(f"cannot take fd {fd} of {who}: pidfd_getfd: "

@@ -38,7 +38,7 @@ from typing import Callable, Iterable, Optional, TypeVar
 
 from cuinterpose.agent import paths
 from cuinterpose.agent.errors import AgentError, NativeError
-from cuinterpose.agent.mech import procfs
+from cuinterpose.agent.mech import libc, procfs
 
 DRIVER_ENV = "CUINTERPOSE_DRIVER"
 DRIVER_KINDS = ("real", "fake")
@@ -153,7 +153,6 @@ def info() -> DriverInfo:
     return _info if _info is not None else load()
 
 
-CLONE_NEWNET = 0x40000000
 _T = TypeVar("_T")
 _setns = None
 
@@ -184,7 +183,7 @@ def in_netns(pid: int, fn: Callable[[], _T]) -> _T:
     if target is None or target == _netns_of("thread-self"):
         return fn()
     if _setns is None:
-        _setns = ctypes.CDLL(None, use_errno=True).setns
+        _setns = libc.fn("setns")
     box: dict = {}
 
     def run():
@@ -195,7 +194,7 @@ def in_netns(pid: int, fn: Callable[[], _T]) -> _T:
                                          f"{e.strerror or e}")
             return
         try:
-            if _setns(fd, CLONE_NEWNET) != 0:
+            if _setns(fd, libc.CLONE_NEWNET) != 0:
                 err = ctypes.get_errno()
                 box["exc"] = _setns_error(pid, "cannot join its network namespace "
                                           f"(setns): {os.strerror(err)}")
