@@ -18,7 +18,6 @@ not RUNNING, a foreign shim build, and a tree without any participant.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import pathlib
 import stat as stat_mod
@@ -27,6 +26,7 @@ from typing import Callable, Iterable, Optional
 from cuinterpose.agent import paths
 from cuinterpose.agent.mech import procfs
 from cuinterpose.agent.errors import CensusError, NativeError
+from cuinterpose.agent.snapshot.manifest import sha256_file
 from cuinterpose.coordinator import protocol
 from cuinterpose.coordinator.protocol import CUI_DEFAULT_CONTROL_DIR, default_control_dir
 
@@ -54,15 +54,6 @@ class ShimFile:
 
     def to_dict(self) -> dict:
         return {"path": self.path, "sha256": self.sha256, "size": self.size}
-
-
-def sha256_file(path: os.PathLike | str) -> str:
-    """SHA-256 (hex) of a file's bytes."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 @dataclasses.dataclass
