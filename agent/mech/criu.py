@@ -144,13 +144,14 @@ def restore(images_dir: Path, *, log_name: str = "restore.log",
     after a successful restore and kept, with its log, when the restore fails).
 
     Placement (agent/mech/placement.py, inherit.py): ``join_ns`` ``[(kind,
-    /proc/PID/ns/KIND)]`` become ``--join-ns KIND:PATH``; ``inherit_fds`` ``[(fd, resource)]`` (fds of the caller, passed to
-    CRIU) become ``--inherit-fd fd[FD]:RESOURCE`` (``pipe:[INODE]`` for a pipe fd of the tree,
-    ``cuinterpose-net`` for an external network namespace); ``setup`` is applied by CRIU's
-    child before CRIU starts (its cgroups are the restored tasks' under
-    ``--manage-cgroups=ignore``). The caller keeps (and closes) its fds. ``leave_stopped``:
-    ``--leave-stopped``, the restored tasks stay stopped (SIGSTOP) until the caller
-    SIGCONTs each (``image_pids``), to change something of theirs first.
+    /proc/PID/ns/KIND)]`` become ``--join-ns KIND:PATH``; ``inherit_fds`` ``[(fd,
+    resource)]`` (fds of the caller, passed to CRIU) become ``--inherit-fd
+    fd[FD]:RESOURCE`` (``pipe:[INODE]`` for a pipe fd of the tree, ``cuinterpose-net`` for an
+    external network namespace); ``setup`` is applied by CRIU's child before CRIU starts
+    (its cgroups are the restored tasks' under ``--manage-cgroups=ignore``). The caller keeps
+    (and closes) its fds. ``leave_stopped``: ``--leave-stopped``, the restored tasks stay
+    stopped (SIGSTOP) until the caller SIGCONTs each (``image_pids``), to change something of
+    theirs first.
 
     Raises ``CriuError`` naming ``images_dir`` when it is missing, holds no images, its
     ``pstree.img`` is unreadable, a PID it needs is taken, ``setup`` cannot be applied (CRIU

@@ -354,10 +354,10 @@ class Placement:
         return out
 
     def child_setup(self):
-        """A :class:`~cuinterpose.agent.mech.criu_child.ChildSetup` that moves the CRIU child into every
-        placement cgroup this process is not in and, when the placement has a mount namespace
-        of its own, into that (before CRIU starts: the restored files are then reopened by
-        the paths the placement sees, agent/mech/mntns.py)."""
+        """A :class:`~cuinterpose.agent.mech.criu_child.ChildSetup` that moves the CRIU child
+        into every placement cgroup this process is not in and, when the placement has a
+        mount namespace of its own, into that (before CRIU starts: the restored files are
+        then reopened by the paths the placement sees, agent/mech/mntns.py)."""
         from cuinterpose.agent.mech.criu_child import ChildSetup
         return ChildSetup(cgroup_procs=tuple(c.procs_file for c in self.cgroups_to_join()),
                           namespaces=(("mnt", self.mnt.path),) if self.mnt else ())
