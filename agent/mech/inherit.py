@@ -22,7 +22,7 @@ from cuinterpose.agent.errors import PlacementError
 from cuinterpose.agent.mech import libc
 
 __all__ = ["RestoreOptions", "restore_options", "external_file_fd", "external_file_key",
-           "pidfd_getfd"]
+           "pidfd_getfd", "appends", "flag_names"]
 
 #: flags of a recorded external file kept when the agent reopens it by path (never O_CREAT,
 #: O_TRUNC: the file must exist and keep its contents)
@@ -162,7 +162,9 @@ def _same_kind(st: os.stat_result, rec: dict) -> Optional[str]:
     return None
 
 
-def _appends(flags: int) -> bool:
+def appends(flags: int) -> bool:
+    """Whether open-file ``flags`` are ``O_WRONLY|O_APPEND`` (the one use of a file CRIU does
+    not size-check at restore)."""
     return (flags & os.O_ACCMODE) == os.O_WRONLY and bool(flags & os.O_APPEND)
 
 
@@ -184,7 +186,7 @@ def external_file_fd(placement: Optional[object], uses: list[dict]) -> tuple[int
     # CRIU reopens *every* use of the file through /proc/self/fd/N of the one fd handed, with
     # that use's flags and offset, and size-checks each use not held O_WRONLY|O_APPEND: a
     # placement's regular file (another file than the tree's) fits only when no use is such
-    sizable = sorted((u for u in uses if not _appends(u["flags"])),
+    sizable = sorted((u for u in uses if not appends(u["flags"])),
                      key=lambda u: (u["pid"], u["fd"]))
     if placement is not None:
         by_fd = {s.fd: s for s in placement.stdio}
@@ -206,7 +208,7 @@ def external_file_fd(placement: Optional[object], uses: list[dict]) -> tuple[int
             if bad is None and stat.S_ISREG(st.st_mode) and sizable:
                 v = sizable[0]
                 bad = (f"a regular file, and the tree's pid {v['pid']} fd {v['fd']} on the "
-                       f"file is {_flag_names(v['flags'] & _REOPEN_FLAGS)}, not "
+                       f"file is {flag_names(v['flags'] & _REOPEN_FLAGS)}, not "
                        "O_WRONLY|O_APPEND: CRIU would reopen that fd on this file too, at its "
                        "offset, and check its size")
             if bad is None:
@@ -232,10 +234,11 @@ def external_file_fd(placement: Optional[object], uses: list[dict]) -> tuple[int
         raise PlacementError(f"{tree}, but {path} here is {bad}{pl}",
                              pid=placement.pid if placement else None)
     return fd, {"handed": f"{path} reopened in the agent's mount namespace "
-                          f"({_flag_names(flags)})", "placement_fd": None}
+                          f"({flag_names(flags)})", "placement_fd": None}
 
 
-def _flag_names(flags: int) -> str:
+def flag_names(flags: int) -> str:
+    """``flags`` in words: ``"O_WRONLY|O_APPEND"``."""
     names = [{os.O_RDONLY: "O_RDONLY", os.O_WRONLY: "O_WRONLY", os.O_RDWR: "O_RDWR"}.get(
         flags & os.O_ACCMODE, "O_RDONLY")]
     for f, n in ((os.O_APPEND, "O_APPEND"), (os.O_NONBLOCK, "O_NONBLOCK"),

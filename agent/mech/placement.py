@@ -19,10 +19,12 @@ from typing import Iterable, Optional
 
 from cuinterpose.agent.errors import PlacementError
 from cuinterpose.agent.mech import procfs
-# re-exported: agent/run/restore.py reaches these (_appends and _flag_names too) through here
-from cuinterpose.agent.mech.inherit import (_appends, _flag_names, RestoreOptions,  # noqa: F401
-                                            external_file_fd, external_file_key, pidfd_getfd,
-                                            restore_options)
+# re-exported: agent/run/restore.py reaches these through here (appends and flag_names by
+# their old names _appends and _flag_names)
+from cuinterpose.agent.mech.inherit import (RestoreOptions, external_file_fd,  # noqa: F401
+                                            external_file_key, pidfd_getfd, restore_options)
+from cuinterpose.agent.mech.inherit import appends as _appends  # noqa: F401
+from cuinterpose.agent.mech.inherit import flag_names as _flag_names  # noqa: F401
 from cuinterpose.agent.mech.procfs import cgroup_mounts, parse_cgroup  # noqa: F401
 
 __all__ = ["Placement", "Cgroup", "Namespace", "Stdio", "PlacementError", "DEFAULT_NAMESPACES",
