@@ -6,38 +6,9 @@ key path, e.g. ``kubernetes.nodeName: expected a string, got 5 (integer)`` or
 ``tls.certFile: unknown key (known: caFile, certFile, keyFile)``. An empty document gives
 every default. Empty strings and null mean "not set here": the command line's and the
 environment's defaults apply (``cuinterpose-agent serve --config`` lets its options win over
-the file). Keys are camelCase in YAML and snake_case on the dataclasses::
-
-    listenAddress: ""                  # gRPC: HOST:PORT, [V6]:PORT or unix:/PATH; "" = serve's default
-    tls: {certFile: PATH, keyFile: PATH, caFile: PATH}   # all optional; cert and key together
-    insecureTcp: false                 # allow a non-loopback TCP listener without mutual TLS
-                                       # (tls.caFile); loud warning (docs/service.md "Security")
-    controlDir: ""                     # the shims' control directory; "" = $CUINTERPOSE_CONTROL_DIR
-                                       # or /tmp/cuinterpose (as the CLI)
-    snapshotDir: /var/lib/cuinterpose/snapshots   # the daemon confines every images dir
-                                       # and ListSnapshots dir of a request to it
-    metricsPort: null                  # Prometheus metrics: null = off, 0 = a free port the OS
-                                       # picks (as serve --metrics-port 0), else that port
-    metricsAddress: ""                 # "" = serve's default (127.0.0.1)
-    driver: ""                         # real | fake (fakecuda); "" = $CUINTERPOSE_DRIVER, else real
-    quiesceTimeoutMs: 10000            # > 0
-    lockTimeoutMs: 10000               # >= 0 (0 = no timeout)
-    phaseTimeoutS: 60                  # > 0, seconds
-    carrierTimeoutS: 3600              # > 0, seconds
-    groupLeaseS: 30                    # > 0, seconds: a group member keeps a request's job
-                                       # this long past its leader's last RunPhase or Renew,
-                                       # then undoes it itself (docs/service.md "Leases")
-    kubernetes:
-      enabled: false
-      nodeName: ""                     # default: $NODE_NAME; required when enabled
-      namespaces: []                   # only pods in these namespaces ([] = all)
-      labelSelector: ""                # passed to list/watch, e.g. "cuinterpose.io/enabled=true"
-      watchTimeoutSeconds: 300         # server-side timeout of one watch request
-      procRoot: /proc                  # the host's /proc (the DaemonSet runs with hostPID), or
-                                       # where it is mounted; the cgroup resolver reads it
-      leaveRunning: false              # default of cuinterpose.io/checkpoint-leave-running
-      kubeconfig: ""                   # "" = in-cluster config, else this kubeconfig file
-      apiServer: ""                    # plain http(s) URL without credentials (tests only)
+the file). Keys are camelCase in YAML and snake_case on the dataclasses; every key, its
+default and its meaning are in docs/kubernetes.md, "Configuration" (the dataclasses below
+declare the same, with their checks).
 """
 from __future__ import annotations
 

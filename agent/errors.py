@@ -74,6 +74,14 @@ NATIVE_HINTS = {
 }
 
 
+class PlacementError(AgentError):
+    """The placement process cannot be used (gone, unreadable, a cgroup or stdio that cannot be
+    joined): phase "placement", ``pid`` the placement pid; nothing was changed."""
+
+    def __init__(self, reason: str, pid: Optional[int] = None, phase: str = "placement"):
+        super().__init__(phase, reason, pid=pid)
+
+
 class SnapshotError(AgentError):
     """A snapshot directory is missing, malformed, or incompatible (it is left untouched)."""
 

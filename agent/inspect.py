@@ -60,7 +60,7 @@ def descendants_with_socket(pid: int, control_dir) -> list[tuple[int, str]]:
     except AgentError:
         return []
     return [(c, comm) for c, _, comm in tree
-            if census_mod._is_socket(census_mod.socket_path(control_dir, c))]
+            if census_mod.is_socket(census_mod.socket_path(control_dir, c))]
 
 
 def render_table(res: dict) -> None:

@@ -41,14 +41,3 @@ def fakecuda_dir() -> pathlib.Path:
         raise FileNotFoundError(f"fakecuda {FAKECUDA_NAME} not found in {d}; run `make build`")
     return d
 
-
-def include_dir() -> pathlib.Path:
-    """Directory holding ``cuinterpose/protocol.h`` (installed copy, or the source tree's)."""
-    for p in cuinterpose.__path__:
-        inc = pathlib.Path(p) / "include"
-        if (inc / "cuinterpose" / "protocol.h").is_file():
-            return inc.resolve()
-    src = pathlib.Path(__file__).resolve().parent.parent / "interposer" / "include"
-    if (src / "cuinterpose" / "protocol.h").is_file():
-        return src
-    raise FileNotFoundError("cuinterpose/protocol.h not found")

@@ -16,10 +16,9 @@ import ctypes
 import logging
 import os
 
-log = logging.getLogger("cuinterpose.kube")
+from cuinterpose.agent.mech import libc, procfs
 
-#: setns(2) flag of a cgroup namespace (linux/sched.h)
-CLONE_NEWCGROUP = 0x02000000
+log = logging.getLogger("cuinterpose.kube")
 
 
 def join_host_cgroup_namespace(host_pid: int = 1) -> str:
@@ -31,14 +30,13 @@ def join_host_cgroup_namespace(host_pid: int = 1) -> str:
     raises."""
     path = f"/proc/{host_pid}/ns/cgroup"
     try:
-        if os.stat(path).st_ino == os.stat("/proc/thread-self/ns/cgroup").st_ino:
+        if procfs.ns_inode(host_pid, "cgroup") == procfs.ns_inode("thread-self", "cgroup"):
             return "same"
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as e:
         return f"unavailable: {path}: {e.strerror or e}"
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.setns(fd, CLONE_NEWCGROUP) != 0:
+        if libc.fn("setns")(fd, libc.CLONE_NEWCGROUP) != 0:
             err = ctypes.get_errno()
             return f"unavailable: setns({path}): {os.strerror(err)}"
     finally:

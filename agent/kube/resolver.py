@@ -26,6 +26,8 @@ import os
 import pathlib
 from typing import Iterable, Optional
 
+from cuinterpose.agent.mech import procfs
+
 
 class ResolveError(Exception):
     """The pod's processes could not be found; ``str()`` says which container and why."""
@@ -62,25 +64,18 @@ class CgroupResolver:
         self.proc_root = pathlib.Path(proc_root)
 
     def _pids(self) -> Iterable[int]:
-        for e in self.proc_root.iterdir():
-            if e.name.isdigit():
-                yield int(e.name)
+        return procfs.pids(str(self.proc_root))
 
     def _cgroup_components(self, pid: int) -> Optional[list[str]]:
         try:
             text = (self.proc_root / str(pid) / "cgroup").read_text()
         except OSError:
             return None
-        comps = []
-        for line in text.splitlines():
-            path = line.split(":", 2)[-1]
-            comps += [c for c in path.split("/") if c]
-        return comps
+        return [c for path in procfs.cgroup_paths(text) for c in path.split("/") if c]
 
     def _ppid(self, pid: int) -> Optional[int]:
         try:
-            data = (self.proc_root / str(pid) / "stat").read_text()
-            return int(data[data.rindex(")") + 2:].split()[1])
+            return int(procfs.stat_fields(pid, self.proc_root)[1][procfs.STAT_PPID])
         except (OSError, ValueError, IndexError):
             return None
 
@@ -88,25 +83,19 @@ class CgroupResolver:
         """Start time in clock ticks since boot (``/proc/PID/stat`` field 22), or a huge number
         when unreadable (sorts last)."""
         try:
-            data = (self.proc_root / str(pid) / "stat").read_text()
-            return int(data[data.rindex(")") + 2:].split()[19])
+            return int(procfs.stat_fields(pid, self.proc_root)[1][procfs.STAT_STARTTIME])
         except (OSError, ValueError, IndexError):
             return 1 << 62
 
-    _start_time = start_time
 
     def nested_pid(self, pid: int) -> Optional[list[int]]:
         """The ``NSpid:`` pids of ``pid`` when it lives in a nested PID namespace (more than
         one pid listed), else None (host PID namespace, or no ``status`` file to tell)."""
         try:
-            text = (self.proc_root / str(pid) / "status").read_text()
+            ns = procfs.nspid(pid, self.proc_root)
         except OSError:
             return None
-        for line in text.splitlines():
-            if line.startswith("NSpid:"):
-                ns = [int(x) for x in line.split()[1:]]
-                return ns if len(ns) > 1 else None
-        return None
+        return ns if ns and len(ns) > 1 else None
 
     def pids_of(self, container_id: str) -> list[int]:
         """Sorted pids whose cgroup path has a component containing ``container_id``."""

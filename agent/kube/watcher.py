@@ -35,7 +35,7 @@ import threading
 from typing import Optional
 
 from cuinterpose.agent.config import AgentConfig
-from cuinterpose.agent.kube import annotations as A
+import cuinterpose.agent.kube.annotations as A
 from cuinterpose.agent.kube.resolver import CgroupResolver, ResolveError
 
 log = logging.getLogger("cuinterpose.kube")

@@ -18,7 +18,6 @@ not RUNNING, a foreign shim build, and a tree without any participant.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import pathlib
 import stat as stat_mod
@@ -27,9 +26,9 @@ from typing import Callable, Iterable, Optional
 from cuinterpose.agent import paths
 from cuinterpose.agent.mech import procfs
 from cuinterpose.agent.errors import CensusError, NativeError
+from cuinterpose.agent.snapshot.manifest import sha256_file
+from cuinterpose.coordinator import protocol
 from cuinterpose.coordinator.protocol import CUI_DEFAULT_CONTROL_DIR, default_control_dir
-
-SOCKET_PREFIX = "cuinterpose-"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,15 +54,6 @@ class ShimFile:
 
     def to_dict(self) -> dict:
         return {"path": self.path, "sha256": self.sha256, "size": self.size}
-
-
-def sha256_file(path: os.PathLike | str) -> str:
-    """SHA-256 (hex) of a file's bytes."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 @dataclasses.dataclass
@@ -137,16 +127,14 @@ def pid_alive(pid: int) -> bool:
 def read_stat_state(pid: int) -> tuple[int, str, str]:
     """(ppid, comm, state letter) of ``pid``; raises ``FileNotFoundError`` if gone."""
     comm, fields = procfs.stat_fields(pid)
-    return int(fields[1]), comm, fields[0]
+    return int(fields[procfs.STAT_PPID]), comm, fields[procfs.STAT_STATE]
 
 
 def read_session(pid: int) -> tuple[int, int]:
     """(session id, tty_nr) of ``pid`` from ``/proc/PID/stat`` (tty_nr 0: no controlling
     terminal); raises ``FileNotFoundError`` if gone."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        data = f.read().decode(errors="replace")
-    fields = data[data.rindex(")") + 2:].split()
-    return int(fields[3]), int(fields[4])
+    _, fields = procfs.stat_fields(pid)
+    return int(fields[procfs.STAT_SESSION]), int(fields[procfs.STAT_TTY_NR])
 
 
 def walk_tree(roots: Iterable[int]) -> list[tuple[int, int, str]]:
@@ -156,18 +144,16 @@ def walk_tree(roots: Iterable[int]) -> list[tuple[int, int, str]]:
     children: dict[int, list[tuple[int, str]]] = {}
     info: dict[int, tuple[int, str]] = {}
     zombies = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for pid in procfs.pids():
         try:
-            ppid, comm, state = read_stat_state(int(entry))
+            ppid, comm, state = read_stat_state(pid)
         except (FileNotFoundError, ProcessLookupError, ValueError):
             continue
         if state in "ZX":
-            zombies.add(int(entry))
+            zombies.add(pid)
             continue
-        info[int(entry)] = (ppid, comm)
-        children.setdefault(ppid, []).append((int(entry), comm))
+        info[pid] = (ppid, comm)
+        children.setdefault(ppid, []).append((pid, comm))
     out, seen = [], set()
     for r in roots:
         if r in zombies:
@@ -192,17 +178,13 @@ def shim_mapping(pid: int, shim: ShimFile) -> tuple[Optional[str], Optional[str]
     maps cannot be read (another user's process)."""
     foreign = None
     try:
-        with open(f"/proc/{pid}/maps") as f:
-            for line in f:
-                parts = line.split(maxsplit=5)
-                if len(parts) < 6 or parts[4] == "0":
-                    continue
-                major, minor = (int(x, 16) for x in parts[3].split(":"))
-                path = parts[5].strip()
-                if os.makedev(major, minor) == shim.dev and int(parts[4]) == shim.inode:
-                    return "installed", path
-                if os.path.basename(path.replace(" (deleted)", "")) == paths.SHIM_NAME:
-                    foreign = path
+        for path, dev, inode in procfs.maps(pid):
+            if inode == 0:
+                continue
+            if dev == shim.dev and inode == shim.inode:
+                return "installed", path
+            if os.path.basename(path.replace(" (deleted)", "")) == paths.SHIM_NAME:
+                foreign = path
     except (FileNotFoundError, ProcessLookupError):
         return None, None
     except PermissionError as e:
@@ -214,10 +196,11 @@ def shim_mapping(pid: int, shim: ShimFile) -> tuple[Optional[str], Optional[str]
 
 def socket_path(control_dir: os.PathLike | str, pid: int) -> pathlib.Path:
     """``<control_dir>/cuinterpose-<pid>.sock``."""
-    return pathlib.Path(control_dir) / f"{SOCKET_PREFIX}{pid}.sock"
+    return pathlib.Path(protocol.socket_path(control_dir, pid))
 
 
-def _is_socket(p: pathlib.Path) -> bool:
+def is_socket(p: pathlib.Path) -> bool:
+    """Whether ``p`` exists and is a socket (a shim's control socket)."""
     try:
         return stat_mod.S_ISSOCK(os.stat(p).st_mode)
     except OSError:
@@ -247,7 +230,7 @@ def take_census(roots: Iterable[int], *, control_dir: os.PathLike | str | None =
         if p.shim == "foreign":
             p.foreign_shim = path
         sock = socket_path(control_dir, pid)
-        if _is_socket(sock):
+        if is_socket(sock):
             p.socket_path = str(sock)
         try:
             p.sid, p.tty_nr = read_session(pid)
@@ -277,7 +260,7 @@ def check_rank_roots(census: Census) -> None:
         p = by_pid.get(r)
         if p is None or p.ppid <= 1:
             continue
-        if not _is_socket(socket_path(census.control_dir, p.ppid)):
+        if not is_socket(socket_path(census.control_dir, p.ppid)):
             continue
         try:
             if shim_mapping(p.ppid, census.shim)[0] != "installed":
@@ -302,13 +285,8 @@ def open_file_warnings(census: Census) -> list[dict]:
     carries in the images, are skipped)."""
     out = []
     for p in sorted(census.processes, key=lambda q: q.pid):
-        try:
-            fds = sorted(int(f) for f in os.listdir(f"/proc/{p.pid}/fd"))
-        except OSError:
-            continue
-        for fd in fds:
+        for fd, target in procfs.fd_targets(p.pid):
             try:
-                target = os.readlink(f"/proc/{p.pid}/fd/{fd}")
                 if not target.startswith("/") or target.endswith(" (deleted)"):
                     continue
                 if not stat_mod.S_ISREG(os.stat(f"/proc/{p.pid}/fd/{fd}").st_mode):
@@ -378,15 +356,12 @@ def process_control_dir(pid: int) -> Optional[str]:
     """The control dir ``pid``'s shim uses: ``CUINTERPOSE_CONTROL_DIR`` from its initial
     environment (``/proc/PID/environ``), else the default; None when unreadable."""
     try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            env = f.read().split(b"\0")
+        val = procfs.environ_value(pid, protocol.CONTROL_DIR_ENV)
     except OSError:
         return None
-    for item in env:
-        if item.startswith(b"CUINTERPOSE_CONTROL_DIR="):
-            val = item.split(b"=", 1)[1].decode(errors="replace")
-            return str(pathlib.Path(val or CUI_DEFAULT_CONTROL_DIR).resolve())   # "" = default, as the shim
-    return str(pathlib.Path(CUI_DEFAULT_CONTROL_DIR).resolve())
+    # unset or "" = the default, as the shim
+    return str(pathlib.Path((val or b"").decode(errors="replace")
+                            or CUI_DEFAULT_CONTROL_DIR).resolve())
 
 
 def check(census: Census) -> None:
@@ -408,7 +383,7 @@ def check(census: Census) -> None:
                               "checkpointed (start it with LD_PRELOAD=<shim>)", pid=p.pid)
         if p.is_cuda and p.socket_path is None:
             theirs = process_control_dir(p.pid)
-            if theirs and theirs != census.control_dir and _is_socket(socket_path(theirs, p.pid)):
+            if theirs and theirs != census.control_dir and is_socket(socket_path(theirs, p.pid)):
                 why = (f": its shim uses the control dir {theirs} (CUINTERPOSE_CONTROL_DIR in its "
                        f"environment); pass --control-dir {theirs}")
             else:

@@ -10,10 +10,11 @@ that vanishes while being read is skipped.
 from __future__ import annotations
 
 import os
-from typing import Iterable, Iterator, Optional
+from typing import Iterable, Optional
 
-from cuinterpose.agent.mech.placement import external_file_key
-from cuinterpose.agent.mech.procfs import fd_flags, fdinfo
+from cuinterpose.agent.mech.inherit import external_file_key
+from cuinterpose.agent.mech.procfs import fd_flags, fd_targets, fdinfo, fdinfo_flags, mount_ids
+
 
 def external_pipes(root: int, pids: Iterable[int], proc_root: str = "/proc") -> list[dict]:
     """Pipe fds of the processes ``pids`` (one tree) whose other end is outside them: a pipe
@@ -22,12 +23,11 @@ def external_pipes(root: int, pids: Iterable[int], proc_root: str = "/proc") -> 
     only for reading ("read"), by the access mode of ``/proc/PID/fdinfo/N`` ``flags``.
     ``[{"root", "pid", "fd", "inode", "direction"}]``, by pid then fd. CRIU dumps such a
     pipe, but restores it with the outside end missing unless it is handed a new one
-    (``--inherit-fd fd[N]:pipe:[INODE]``, agent/restore.py). A process or fd that vanishes
+    (``--inherit-fd fd[N]:pipe:[INODE]``, agent/run/restore.py). A process or fd that vanishes
     while being read is skipped."""
     uses: dict[int, list[tuple[int, int, int]]] = {}
     for pid in pids:
-        base = f"{proc_root}/{pid}"
-        for fd, target in _fd_targets(base):
+        for fd, target in fd_targets(pid, proc_root):
             try:
                 if not (target.startswith("pipe:[") and target.endswith("]")):
                     continue
@@ -49,26 +49,6 @@ def external_pipes(root: int, pids: Iterable[int], proc_root: str = "/proc") -> 
     return sorted(out, key=lambda e: (e["pid"], e["fd"]))
 
 
-def _fd_targets(base: str) -> Iterator[tuple[int, str]]:
-    """(fd, ``readlink`` target) of the process at ``base`` (``<proc_root>/PID``), by fd; a
-    process or fd that vanishes while being read is skipped."""
-    try:
-        fds = sorted(int(n) for n in os.listdir(f"{base}/fd") if n.isdigit())
-    except OSError:
-        return
-    for fd in fds:
-        try:
-            yield fd, os.readlink(f"{base}/fd/{fd}")
-        except OSError:
-            continue
-
-
-def _mount_ids(pid: int, proc_root: str) -> set[int]:
-    """Mount IDs (``/proc/PID/mountinfo`` field 1, proc(5)) of ``pid``'s mount namespace."""
-    with open(f"{proc_root}/{pid}/mountinfo") as f:
-        return {int(ln.split(None, 1)[0]) for ln in f if ln.strip()}
-
-
 #: fd targets CRIU dumps by other means than a path on a mount (memfd: its own image)
 _NOT_ON_A_MOUNT = ("/memfd:",)
 
@@ -80,7 +60,7 @@ def external_files(root: int, pids: Iterable[int], proc_root: str = "/proc") -> 
     looks the fd's mount (``mnt_id`` of ``/proc/PID/fdinfo/N``) up among that namespace's
     mounts (``/proc/PID/mountinfo``) and fails the dump ("Can't lookup mount=N for fd=M")
     unless it is dumped as external (``--external file[MNT_ID:INODE]``, then restored from an
-    fd handed over with ``--inherit-fd``, agent/placement.py).
+    fd handed over with ``--inherit-fd``, agent/mech/inherit.py).
 
     Only fds whose target is a path (``/...``; not a pipe, socket, anonymous inode or memfd)
     count. ``[{"root", "pid", "fd", "path" (as the kernel shows it to the agent), "mnt_id",
@@ -93,7 +73,7 @@ def external_files(root: int, pids: Iterable[int], proc_root: str = "/proc") -> 
     out = []
     for pid in pids:
         base = f"{proc_root}/{pid}"
-        for fd, target in _fd_targets(base):
+        for fd, target in fd_targets(pid, proc_root):
             try:
                 if not target.startswith("/") or target.startswith(_NOT_ON_A_MOUNT):
                     continue
@@ -101,7 +81,7 @@ def external_files(root: int, pids: Iterable[int], proc_root: str = "/proc") -> 
                 mnt_id = int(info["mnt_id"])
                 if mnt_id in known:
                     continue
-                flags = int(info["flags"], 8)
+                flags = fdinfo_flags(info, f"{base}/fdinfo/{fd}")
                 st = os.stat(f"{base}/fd/{fd}")
             except (OSError, KeyError, ValueError):
                 continue
@@ -122,7 +102,7 @@ def _tree_mount_ids(pids: Iterable[int], proc_root: str = "/proc") -> Optional[s
         try:
             ns = os.stat(f"{proc_root}/{pid}/ns/mnt").st_ino
             if ns not in seen_ns:
-                known |= _mount_ids(pid, proc_root)
+                known |= mount_ids(pid, proc_root)
                 seen_ns.add(ns)
         except OSError:
             continue

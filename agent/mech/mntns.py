@@ -1,24 +1,13 @@
-"""Running CRIU inside another process's mount namespace.
+"""Running CRIU inside another process's mount namespace (a container's, for a dump or a
+restore into a placeholder): CRIU's child ``setns(2)``'s into it before exec
+(``criu_child.ChildSetup``), and the agent's own files (CRIU, its ld.so and libraries, the
+images, work and plugin directories) are reached there through an ``O_PATH`` descriptor of the
+agent's root, ``/proc/self/fd/R/<path>`` (proc(5)).
 
-A container's processes live in the container's mount namespace; the agent (a DaemonSet pod,
-or a shell on the node) lives in another. CRIU compares the dumped tree's namespaces with its
-own: a tree in a *different* mount namespace makes CRIU dump that namespace's whole mount
-table, and every open file whose mount is not in it fails the dump ("Can't lookup mount=N for
-fd=M", criu/files-reg.c). A tree in CRIU's *own* mount namespace needs no mount dump at all:
-its files are recorded and reopened by path. So the agent runs CRIU inside the tree's mount
-namespace for a dump (the checkpointed container's) and inside the placeholder's for a
-restore: CRIU's child ``setns(2)``'s into it between fork and exec (``criu.ChildSetup``).
-
-Inside that namespace the agent's files (CRIU's binary, its ld.so and libraries, the images,
-work and plugin directories) are not visible by their paths. They are reached through one
-file descriptor of the agent's root directory, passed to the child: ``/proc/self/fd/R/<path>``
-walks from the agent's root whatever mount namespace the walker is in (proc(5), the
-``/proc/PID/fd`` magic links; ``/proc/PID/root`` works the same way). CRIU is started through
-its ELF interpreter by that path, with ``--library-path`` set the same way, so nothing of the
-container's own libraries is used.
-
-``rewrite(prefix, args, root_fd)`` returns that command; ``open_root()`` the descriptor;
-``is_foreign(pid)`` tells whether ``pid``'s mount namespace differs from this process's.
+``rewrite(prefix, args, root_fd)`` returns that command (CRIU started by its ELF interpreter
+with ``--library-path``); ``open_root()`` the descriptor; ``is_foreign(pid)`` tells whether
+``pid``'s mount namespace differs from this process's. docs/criu.md, "Mount namespace", says
+why a dump runs in the tree's namespace and what was checked.
 """
 from __future__ import annotations
 
@@ -29,6 +18,8 @@ import struct
 import subprocess
 from pathlib import Path
 from typing import Iterable, Sequence
+
+from cuinterpose.agent.mech import procfs
 
 __all__ = ["MountNsError", "is_foreign", "mount_ns", "rewrite", "open_root", "PATH_FLAGS"]
 
@@ -42,7 +33,7 @@ def mount_ns(pid: int | str) -> int:
     ``MountNsError`` naming the pid when ``/proc/PID/ns/mnt`` cannot be read (gone, or no
     permission)."""
     try:
-        return os.stat(f"/proc/{pid}/ns/mnt").st_ino
+        return procfs.ns_inode(pid, "mnt")
     except OSError as e:
         raise MountNsError(f"cannot read the mount namespace of pid {pid}: {e}") from e
 

@@ -10,7 +10,7 @@ other processes by pid. Which ``libcuda.so.1`` the bindings use is decided by :f
   bindings then ``dlopen("libcuda.so.1")``, which returns the already-loaded object with that
   soname; :func:`load` verifies this in ``/proc/self/maps`` and refuses otherwise.
 
-Ordering (DESIGN §3 step 5): :func:`lock_all` locks **every** process before
+Ordering: :func:`lock_all` locks **every** process before
 :func:`checkpoint_all` checkpoints any (locking one rank while its peers still spin can
 deadlock). Restore is :func:`restore_all` then :func:`unlock_all`. :func:`rollback_all` brings
 each process back to RUNNING from whatever state a failed checkpoint left it in.
@@ -19,7 +19,7 @@ Every failure raises :class:`~cuinterpose.agent.errors.NativeError` naming the p
 function and the CUresult name.
 
 Network namespaces: a driver call about a process in another network namespace than the agent
-(a container, or a tree restored into a placement, agent/placement.py) is made from a
+(a container, or a tree restored into a placement, agent/mech/placement.py) is made from a
 short-lived thread that first joins that process's network namespace (``setns(2)`` on
 ``/proc/PID/ns/net``; a thread's network namespace is its own, namespaces(7)), see
 :func:`in_netns`. fakecuda's controller reaches the target through the abstract Unix socket
@@ -38,6 +38,7 @@ from typing import Callable, Iterable, Optional, TypeVar
 
 from cuinterpose.agent import paths
 from cuinterpose.agent.errors import AgentError, NativeError
+from cuinterpose.agent.mech import libc, procfs
 
 DRIVER_ENV = "CUINTERPOSE_DRIVER"
 DRIVER_KINDS = ("real", "fake")
@@ -72,18 +73,9 @@ def driver_kind(kind: Optional[str] = None) -> str:
 def _mapped_libcuda() -> list[tuple[str, int, int]]:
     """(path, dev, inode) of every file named libcuda.so* mapped into this process."""
     seen = []
-    with open("/proc/self/maps") as f:
-        for line in f:
-            parts = line.split(maxsplit=5)
-            if len(parts) < 6:
-                continue
-            path = parts[5].strip()
-            if not os.path.basename(path).startswith("libcuda.so"):
-                continue
-            major, minor = (int(x, 16) for x in parts[3].split(":"))
-            entry = (path, os.makedev(major, minor), int(parts[4]))
-            if entry not in seen:
-                seen.append(entry)
+    for entry in procfs.maps("self"):
+        if os.path.basename(entry[0]).startswith("libcuda.so") and entry not in seen:
+            seen.append(entry)
     return seen
 
 
@@ -161,7 +153,6 @@ def info() -> DriverInfo:
     return _info if _info is not None else load()
 
 
-CLONE_NEWNET = 0x40000000
 _T = TypeVar("_T")
 _setns = None
 
@@ -192,7 +183,7 @@ def in_netns(pid: int, fn: Callable[[], _T]) -> _T:
     if target is None or target == _netns_of("thread-self"):
         return fn()
     if _setns is None:
-        _setns = ctypes.CDLL(None, use_errno=True).setns
+        _setns = libc.fn("setns")
     box: dict = {}
 
     def run():
@@ -203,7 +194,7 @@ def in_netns(pid: int, fn: Callable[[], _T]) -> _T:
                                          f"{e.strerror or e}")
             return
         try:
-            if _setns(fd, CLONE_NEWNET) != 0:
+            if _setns(fd, libc.CLONE_NEWNET) != 0:
                 err = ctypes.get_errno()
                 box["exc"] = _setns_error(pid, "cannot join its network namespace "
                                           f"(setns): {os.strerror(err)}")

@@ -19,7 +19,7 @@ import uuid
 from typing import Callable, Iterable, Optional
 
 from cuinterpose.agent.errors import QuiesceRefused
-from cuinterpose.coordinator.contract import quiesce_path, write_atomic
+from cuinterpose.coordinator.contract import quiesce_path, read_json, write_atomic
 from cuinterpose.agent.mech import procfs
 
 POLL_S = 0.02
@@ -39,11 +39,8 @@ def pending_request(control_dir, root: int) -> Optional[str]:
     except (OSError, ValueError):
         return "?"
     rid = str(req.get("id")) if isinstance(req, dict) else "?"
-    try:
-        res = json.loads(quiesce_path(control_dir, root, "resume").read_text())
-    except (OSError, ValueError):
-        res = None
-    if isinstance(res, dict) and str(res.get("id")) == rid:
+    res = read_json(quiesce_path(control_dir, root, "resume"))
+    if res is not None and str(res.get("id")) == rid:
         return None     # answered: the workload just has not removed its files yet
     return rid
 
@@ -125,10 +122,8 @@ def unlock(control_dir, roots: Iterable[int], qid: Optional[str] = None) -> None
     for r in roots:
         path = quiesce_path(control_dir, r, "lock")
         if qid is not None:
-            try:
-                if json.loads(path.read_text()).get("id") != qid:
-                    continue
-            except (OSError, ValueError, AttributeError):
+            lk = read_json(path)
+            if lk is None or lk.get("id") != qid:
                 continue
         path.unlink(missing_ok=True)
 
@@ -136,10 +131,10 @@ def unlock(control_dir, roots: Iterable[int], qid: Optional[str] = None) -> None
 def lock_owner(control_dir, root: int) -> Optional[dict]:
     """The ``.lock`` payload of ``root`` when the agent process it names is still alive (same
     pid and start time), else None."""
+    lk = read_json(quiesce_path(control_dir, root, "lock"))
     try:
-        lk = json.loads(quiesce_path(control_dir, root, "lock").read_text())
         pid = int(lk["pid"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError):       # no lock (None), or no pid in it
         return None
     st = procfs.starttime(pid)
     if st is None or (lk.get("starttime") is not None and lk["starttime"] != st):
@@ -171,11 +166,8 @@ def release(control_dir, root: int, *, force: bool = False) -> dict:
                              f"({quiesce_path(control_dir, root, 'lock')}); release refused: it would "
                              "resume the workload under a running checkpoint", pid=root)
     if not force:
-        try:
-            lk = json.loads(quiesce_path(control_dir, root, "lock").read_text())
-        except (OSError, ValueError):
-            lk = None
-        if isinstance(lk, dict) and lk.get("id") == rid and lk.get("torn_down"):
+        lk = read_json(quiesce_path(control_dir, root, "lock"))
+        if lk is not None and lk.get("id") == rid and lk.get("torn_down"):
             who = (f"the agent (pid {lk['pid']}) that sent request {rid} had started tearing the "
                    "shared memory down and never rebuilt it" if lk.get("pid") is not None else
                    f"the checkpoint that sent request {rid} failed and so did its rollback: the "

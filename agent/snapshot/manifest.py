@@ -6,8 +6,8 @@ A snapshot is one directory::
       criu/<root-pid>/...      CRIU images, one directory per process tree
       manifest.json            written last: a directory without it is not a snapshot
 
-The manifest is JSON for now (DESIGN §4 asks for protobuf readable as JSON; the protobuf schema
-arrives with the gRPC service and will keep these field names). It is written atomically:
+The manifest is JSON; its protobuf schema, ``cuinterpose.v1.Manifest`` (proto/, mapped by
+agent/snapshot/pb.py), has the same field names. It is written atomically:
 ``manifest.json.tmp``, fsync, rename, fsync of the directory.
 
 :func:`load` refuses (``SnapshotError``) a missing manifest, bad JSON, an unknown format or
@@ -45,7 +45,9 @@ def criu_dir(snapshot: os.PathLike | str, root: int) -> pathlib.Path:
     return pathlib.Path(snapshot) / CRIU_DIR / str(root)
 
 
-def _sha256(path: pathlib.Path) -> str:
+def sha256_file(path: os.PathLike | str) -> str:
+    """SHA-256 (hex) of a file's bytes: the digest a snapshot records of the shim and of each
+    CRIU image."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -59,7 +61,7 @@ def image_files(snapshot: os.PathLike | str) -> dict[str, dict]:
     out = {}
     for p in sorted((base / CRIU_DIR).rglob("*")):
         if p.is_file() and not p.is_symlink():
-            out[str(p.relative_to(base))] = {"sha256": _sha256(p), "bytes": p.stat().st_size}
+            out[str(p.relative_to(base))] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
     return out
 
 
@@ -228,7 +230,7 @@ def verify_images(snapshot: os.PathLike | str, m: dict) -> int:
         if not p.is_file():
             raise SnapshotError("manifest", f"CRIU image {p} listed in the manifest is missing")
         size = p.stat().st_size
-        if size != meta["bytes"] or _sha256(p) != meta["sha256"]:
+        if size != meta["bytes"] or sha256_file(p) != meta["sha256"]:
             raise SnapshotError("manifest", f"CRIU image {p} has a bad checksum (sha256/size differ "
                                 "from the manifest); restore refused, snapshot untouched")
         total += size

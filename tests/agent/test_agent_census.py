@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from cuinterpose.agent.mech import census
+from cuinterpose.agent.mech import census, procfs
 from cuinterpose.agent.errors import CensusError, NativeError
 
 
@@ -149,7 +149,7 @@ def test_a_process_whose_maps_cannot_be_read_is_refused_by_name(spawn_tree, shim
         if str(path) == f"/proc/{n['root']}/maps":
             raise PermissionError(13, "Permission denied", str(path))
         return real_open(path, *a, **kw)
-    monkeypatch.setattr(census, "open", deny, raising=False)
+    monkeypatch.setattr(procfs, "open", deny, raising=False)   # census reads /proc there
     with pytest.raises(CensusError) as ei:
         census.take_census([n["root"]], control_dir=ctl, shim_path=shim,
                            get_state=states({n["root"]: "RUNNING"}))

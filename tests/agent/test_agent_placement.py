@@ -36,8 +36,8 @@ from cuinterpose.workloads.afdwin import demo
 from cuinterpose.agent.snapshot import manifest, pb
 from cuinterpose.agent.mech import native
 from cuinterpose.agent.mech.census import CensusError, pid_alive, walk_tree
-from cuinterpose.agent.mech.placement import (Cgroup, Placement, PlacementError, cgroup_mounts,
-                                         parse_cgroup)
+from cuinterpose.agent.mech.placement import Cgroup, Placement, PlacementError
+from cuinterpose.agent.mech.procfs import cgroup_mounts, parse_cgroup
 
 from placement_kit import cgroups_of, comm_of, hidden_python_dirs, mount_id_of
 
@@ -656,7 +656,7 @@ def test_a_bad_size_of_an_external_file_names_what_was_handed(tmp_path, monkeypa
     from cuinterpose.agent.mech import criu
     from cuinterpose.agent.run import restore as rs_mod
     from cuinterpose.agent.errors import AgentError
-    from cuinterpose.agent.mech.placement import RestoreOptions
+    from cuinterpose.agent.mech.inherit import RestoreOptions
     log = tmp_path / "restore.log"
     log.write_text("(00.040346)   9695: Found id file[1b:210413] (fd 1) in inherit fd list\n"
                    "(00.040371)   9695: Found id file[1b:210413] (fd 3) in inherit fd list\n"

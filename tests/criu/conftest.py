@@ -40,7 +40,8 @@ def spawn_tree(tmp_path, criu_ok):
             if popen.poll() is not None:
                 pytest.fail(f"workload exited {popen.returncode}:\n"
                             f"{(run_dir / 'launcher.out').read_text()}")
-            names = ("launcher.json", "child-0.json", "child-1.json")
+            names = ("launcher.json", "child-0.json", "child-1.json", "counter-0.log",
+                     "counter-1.log")
             if not all((run_dir / n).exists() for n in names):
                 return False
             return all(len(tree.counter(i)) > 20 for i in (0, 1))

@@ -19,8 +19,9 @@ import subprocess
 
 import pytest
 
-from cuinterpose.agent.mech import criu, mntns
-from cuinterpose.agent.mech.placement import Placement, restore_options
+from cuinterpose.agent.mech import criu, criu_run, mntns
+from cuinterpose.agent.mech.inherit import restore_options
+from cuinterpose.agent.mech.placement import Placement
 
 from criu_helpers import alive, stop_job, wait_until
 
@@ -90,8 +91,8 @@ def test_tree_in_its_own_mount_namespace_dumps_and_restores_into_the_placeholder
         # --root and every host bind mount declared external
         plain = tmp_path / "plain"
         plain.mkdir()
-        criu._run("dump", ["--tree", str(job.pid), *criu._common(plain, plain, "d.log"),
-                           "--leave-running"], images_dir=plain, log_path=plain / "d.log")
+        criu_run.run("dump", ["--tree", str(job.pid), *criu_run.common_args(plain, plain, "d.log"),
+                              "--leave-running"], images_dir=plain, log_path=plain / "d.log")
         assert [p.name for p in plain.glob("mountpoints-*.img")]
         assert alive(job.pid)
 

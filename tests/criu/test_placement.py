@@ -29,8 +29,8 @@ import pytest
 
 from cuinterpose.agent.mech import fds
 from cuinterpose.agent.mech import criu
-from cuinterpose.agent.mech.placement import (Namespace, Placement, PlacementError, external_file_key,
-                                         restore_options)
+from cuinterpose.agent.mech.inherit import external_file_key, restore_options
+from cuinterpose.agent.mech.placement import Namespace, Placement, PlacementError
 
 from criu_helpers import HERE, alive, kill_tree, stop_job, wait_until
 from placement_kit import cgroups_of, comm_of, hidden_python_dirs, mount_id_of
