@@ -68,7 +68,7 @@ class Job:
         self.deadline = max(self.deadline, now + self.lease_s)
 
     def reached_phase(self) -> str:
-        """The last phase, in words for messages: ``'lock'`` or ``'dump' (which failed)``."""
+        """The last phase, in words for messages: ``'native lock'`` or ``'criu dump' (which failed)``."""
         if not self.last:
             return "none"
         return repr(self.last) + ("" if self.last_ok else " (which failed)")

@@ -43,7 +43,7 @@ def test_group_checkpoint_and_restore_one_consistent_cut(afdwin, daemon, tmp_pat
     assert max(mf_end) < min(kill)
     out = json.loads(res.json)
     assert [p["name"] for p in out["phases"]] == [
-        f"group {p}" for p in ("prepare", "quiesce", "capture", "lock", "checkpoint", "dump",
+        f"group {p}" for p in ("prepare", "quiesce", "capture", "native lock", "native checkpoint", "criu dump",
                                "manifest", "confirm leases", "finish", "resume")]
     # both roots are our children: wait for each before reaping (wait_dumped reaps every
     # zombie, which would hide the second one's status)
@@ -105,7 +105,7 @@ def test_failure_on_the_second_agent_rolls_back_both_and_both_jobs_finish(
                                   "memory intact)")
     assert [(p["name"], p["status"]) for p in out["phases"]] == [
         ("group prepare", "ok"), ("group quiesce", "ok"), ("group capture", "ok"),
-        ("group lock", "ok"), ("group checkpoint", "ok"), ("group dump", "failed"),
+        ("group native lock", "ok"), ("group native checkpoint", "ok"), ("group criu dump", "failed"),
         ("group rollback", "ok"), ("group release", "ok")]
     for d in ("snap-a", "snap-b"):
         assert not (tmp_path / d / "manifest.json").exists()

@@ -13,9 +13,9 @@ from cuinterpose.agent.snapshot import pb
 from cuinterpose.agent.errors import AgentError
 from cuinterpose.agent.run.report import Reporter
 
-CP = ["prepare", "quiesce", "capture", "lock", "checkpoint", "dump", "manifest", "finish",
+CP = ["prepare", "quiesce", "capture", "native lock", "native checkpoint", "criu dump", "manifest", "finish",
       "resume"]
-RS = ["prepare", "stale", "criu restore", "native restore", "restore shared", "resume"]
+RS = ["prepare", "stale sockets", "criu restore", "native restore", "restore shared", "resume"]
 
 
 class Members:
@@ -111,10 +111,10 @@ def test_checkpoint_success_runs_every_phase_on_every_member_with_barriers():
 
 
 def test_failure_after_teardown_rolls_every_member_back_then_releases():
-    m = Members(fail={("b", "lock"): ("native lock", 20)})
+    m = Members(fail={("b", "native lock"): ("native lock", 20)})
     out, err, _ = run("checkpoint", m)
     assert phases_of(m.log, "a") == phases_of(m.log, "b") == \
-        ["prepare", "quiesce", "capture", "lock", "rollback", "release"]
+        ["prepare", "quiesce", "capture", "native lock", "rollback", "release"]
     assert_barriers(m.log, CP[:4] + ["rollback", "release"])
     assert (err.phase, err.pid, err.node, err.outcome) == ("native lock", 20, "b", "rolled_back")
     assert str(err) == ("node b: native lock: pid 20 boom (rolled back: every member's workload "
@@ -130,7 +130,7 @@ def test_refusal_before_teardown_is_a_refusal_and_releases_everyone():
 
 
 def test_a_failed_rollback_leaves_that_member_parked_and_says_so():
-    m = Members(fail={("a", "dump"): ("criu dump", 10), ("b", "rollback"): ("rollback", 21)})
+    m = Members(fail={("a", "criu dump"): ("criu dump", 10), ("b", "rollback"): ("rollback", 21)})
     _, err, _ = run("checkpoint", m)
     assert phases_of(m.log, "a")[-2:] == ["rollback", "release"]
     assert phases_of(m.log, "b")[-1] == "rollback"          # no release: stays parked
@@ -168,7 +168,7 @@ def test_a_member_unreachable_at_prepare_gets_no_undo_phase():
 def test_a_member_whose_lease_expired_undid_itself_and_counts_as_rolled_back():
     """node b's lease ran out (it rolled back and released on its own): it refuses the next
     phase and the rollback with outcome lease_expired; the leader releases only a."""
-    m = Members(fail={("b", "dump"): ("group", None, "lease_expired"),
+    m = Members(fail={("b", "criu dump"): ("group", None, "lease_expired"),
                       ("b", "rollback"): ("group", None, "lease_expired")})
     _, err, _ = run("checkpoint", m)
     assert phases_of(m.log, "a") == CP[:6] + ["rollback", "release"]

@@ -19,7 +19,7 @@ from cuinterpose.agent.snapshot import pb
 from cuinterpose.agent.errors import AgentError
 from cuinterpose.agent.run.report import Reporter
 
-CP = ["prepare", "quiesce", "capture", "lock", "checkpoint", "dump", "manifest", "finish",
+CP = ["prepare", "quiesce", "capture", "native lock", "native checkpoint", "criu dump", "manifest", "finish",
       "resume"]
 LEASE_S = 1.0
 
@@ -63,7 +63,7 @@ def expired_samples(srv) -> dict:
 
 
 def test_a_phase_longer_than_the_lease_on_one_member_does_not_expire_the_other(members):
-    ms = members({"node-a": {}, "node-b": {"sleep": {"dump": 3 * LEASE_S}}})
+    ms = members({"node-a": {}, "node-b": {"sleep": {"criu dump": 3 * LEASE_S}}})
     out, _ = group.lead("checkpoint", request(ms), Reporter(), lambda row: None,
                         request_id="g1", leader="test-leader")
     assert out["ok"] and out["request_id"] == "g1"
@@ -72,7 +72,7 @@ def test_a_phase_longer_than_the_lease_on_one_member_does_not_expire_the_other(m
         assert srv.service.jobs == {} and srv.service.expired == {}
         assert expired_samples(srv) == {}
     assert [m["state"] for m in out["members"]] == [{"torn_down": True}] * 2
-    dump = [p for p in out["phases"] if p["name"] == "group dump"][0]
+    dump = [p for p in out["phases"] if p["name"] == "group criu dump"][0]
     assert dump["elapsed_ns"] >= 3 * LEASE_S * 1e9     # node-a waited three leases in it
 
 
@@ -80,7 +80,7 @@ def test_a_member_the_leader_cannot_renew_undoes_itself_and_the_group_is_rolled_
     """Renew fails (a broken link to the members): while node-b's dump runs for three leases,
     node-a's lease runs out; it rolls back and releases on its own, refuses the next phase,
     and the leader rolls node-b back: outcome rolled_back, node-a named."""
-    ms = members({"node-a": {}, "node-b": {"sleep": {"dump": 3 * LEASE_S}}})
+    ms = members({"node-a": {}, "node-b": {"sleep": {"criu dump": 3 * LEASE_S}}})
     renewals = []
 
     def broken_renew(addr, req, timeout_s):
@@ -95,7 +95,7 @@ def test_a_member_the_leader_cannot_renew_undoes_itself_and_the_group_is_rolled_
     assert (e.node, e.phase, e.outcome) == ("node-a", "group", "rolled_back")
     assert e.reason == (
         "request g2: phase 'manifest' refused: the request's lease of 1 s expired on node node-a "
-        "after phase 'dump' with no Renew or RunPhase from leader test-leader; this member "
+        "after phase 'criu dump' with no Renew or RunPhase from leader test-leader; this member "
         f"{undo}; this call changed nothing (rolled back: every member's workload continues "
         "with its memory intact)")
     a, b = ms["node-a"], ms["node-b"]

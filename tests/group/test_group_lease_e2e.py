@@ -49,7 +49,7 @@ def test_a_leader_killed_after_lock_leaves_members_that_undo_the_job_when_the_le
     assert A["group_lease_s"] == B["group_lease_s"] == 2.0
     wait_running((ja, jb))
     snaps = {n: tmp_path / f"snap-{n}" for n in ("node-a", "node-b")}
-    spec = {"rid": "lease-e2e", "die_after": "group lock", "members": [
+    spec = {"rid": "lease-e2e", "die_after": "group native lock", "members": [
         {"node": "node-a", "address": A["listen"], "roots": [ja.pid],
          "images_dir": str(snaps["node-a"])},
         {"node": "node-b", "address": B["listen"], "roots": [jb.pid],
@@ -70,19 +70,19 @@ def test_a_leader_killed_after_lock_leaves_members_that_undo_the_job_when_the_le
             {EXPIRED_UNDONE: 1.0}
         log = open(info["stderr"]).read()
         assert (f"node {node}: group checkpoint request lease-e2e from leader doomed-leader: its "
-                "lease of 2 s expired after phase 'lock' with no Renew or RunPhase; undoing it "
+                "lease of 2 s expired after phase 'native lock' with no Renew or RunPhase; undoing it "
                 "as the leader would have") in log
         assert (f"node {node}: group checkpoint request lease-e2e (lease expired after phase "
-                f"'lock'): this member {undo}") in log
+                f"'native lock'): this member {undo}") in log
         # a late phase of the request is refused, naming it, and changes nothing
-        for phase in ("checkpoint", "rollback"):
+        for phase in ("native checkpoint", "rollback"):
             res = client.call(info["listen"], "RunPhase", apb.RunPhaseRequest(
                 request_id="lease-e2e", kind="checkpoint", phase=phase, node=node))
             assert (res.ok, res.error.node, res.error.phase, res.error.outcome) == \
                 (False, node, "group", "lease_expired")
             assert res.error.reason == (
                 f"request lease-e2e: phase {phase!r} refused: the request's lease of 2 s expired "
-                f"on node {node} after phase 'lock' with no Renew or RunPhase from leader "
+                f"on node {node} after phase 'native lock' with no Renew or RunPhase from leader "
                 f"doomed-leader; this member {undo}; this call changed nothing")
         r = client.renew(info["listen"], apb.RenewRequest(request_id="lease-e2e", node=node))
         assert (r.ok, r.expired, r.node, r.lease_s) == (False, True, node, 2.0)
@@ -119,7 +119,7 @@ def test_a_long_dump_on_one_member_does_not_expire_the_other(afdwin, daemon, tmp
     assert res.ok, res.error
     out = json.loads(res.json)
     assert [p["name"] for p in out["phases"]] == [
-        f"group {p}" for p in ("prepare", "quiesce", "capture", "lock", "checkpoint", "dump",
+        f"group {p}" for p in ("prepare", "quiesce", "capture", "native lock", "native checkpoint", "criu dump",
                                "manifest", "confirm leases", "finish", "resume")]
     dumps = {r["node"]: r["elapsed_ns"] for r in rows
              if r["event"] == "end" and r["phase"] == "criu dump"}

@@ -18,9 +18,9 @@ from cuinterpose.agent.errors import AgentError
 from cuinterpose.agent.rpc.metrics import Metrics
 from cuinterpose.agent.run.report import Reporter
 
-CP = ["prepare", "quiesce", "capture", "lock", "checkpoint", "dump", "manifest", "finish",
+CP = ["prepare", "quiesce", "capture", "native lock", "native checkpoint", "criu dump", "manifest", "finish",
       "resume"]
-RS = ["prepare", "stale", "criu restore", "native restore", "restore shared", "resume"]
+RS = ["prepare", "stale sockets", "criu restore", "native restore", "restore shared", "resume"]
 LEASE_S = 1.0
 
 
@@ -83,21 +83,21 @@ def test_a_leader_that_stops_after_lock_leaves_a_member_that_rolls_back_and_rele
     assert log == CP[:4] + ["rollback", "release"]
     assert svc.jobs == {}
     undo = "rolled it back and released it (the workload continues with its memory intact)"
-    assert rec == {"kind": "checkpoint", "leader": "node-l", "phase": "'lock'", "lease_s": 1.0,
+    assert rec == {"kind": "checkpoint", "leader": "node-l", "phase": "'native lock'", "lease_s": 1.0,
                    "result": "undone", "undo": undo}
     assert expired_counts(svc) == {'kind="checkpoint",result="undone"': 1.0}
     # every later RunPhase of the request is refused and changes nothing
-    for p in ("checkpoint", "rollback", "prepare"):
+    for p in ("native checkpoint", "rollback", "prepare"):
         with pytest.raises(AgentError) as e:
             run(svc, "r1", p)
         assert (e.value.phase, e.value.outcome) == ("group", "lease_expired")
-        assert e.value.reason == refusal("r1", p, "'lock'", undo)
+        assert e.value.reason == refusal("r1", p, "'native lock'", undo)
     assert log == CP[:4] + ["rollback", "release"]
     # and Renew says so
     r = svc.renew("r1")
     assert (r["ok"], r["expired"], r["node"], r["lease_s"]) == (False, True, "node-m", 1.0)
     assert r["reason"] == ("request r1: its lease of 1 s expired on node node-m after phase "
-                           f"'lock' with no Renew or RunPhase from leader node-l; this member "
+                           f"'native lock' with no Renew or RunPhase from leader node-l; this member "
                            f"{undo}")
     assert svc.renew("nope") == {
         "ok": False, "node": "node-m", "lease_s": 1.0, "expired": False,
@@ -121,39 +121,39 @@ def test_renewals_keep_the_job_through_several_leases(member):
 
 
 def test_a_phase_longer_than_the_lease_is_never_undone_under_it(member):
-    """No Renew at all while "dump" runs for several leases: the job stays; once the phase
+    """No Renew at all while "criu dump" runs for several leases: the job stays; once the phase
     ends and the lease runs out, the member undoes it (rollback after the dump ended)."""
     go = threading.Event()
-    svc, log = member(block={"dump": go})
+    svc, log = member(block={"criu dump": go})
     for p in CP[:5]:
         run(svc, "r3", p)
-    t = threading.Thread(target=run, args=(svc, "r3", "dump"))
+    t = threading.Thread(target=run, args=(svc, "r3", "criu dump"))
     t.start()
     deadline = time.monotonic() + 60
-    while svc.jobs["r3"].running != "dump":
+    while svc.jobs["r3"].running != "criu dump":
         assert time.monotonic() < deadline
         time.sleep(0.01)
     time.sleep(3 * LEASE_S)              # three leases pass while the phase runs
     assert svc.expire_due() == []        # a running phase is never expired
     assert list(svc.jobs) == ["r3"] and svc.expired == {}
     r = svc.renew("r3")
-    assert (r["ok"], r["phase"], r["running"]) == (True, "dump", True)
+    assert (r["ok"], r["phase"], r["running"]) == (True, "criu dump", True)
     go.set()
     t.join(60)
     rec = wait_expired(svc, "r3")
     assert log == CP[:6] + ["rollback", "release"]
-    assert (rec["phase"], rec["result"]) == ("'dump'", "undone")
+    assert (rec["phase"], rec["result"]) == ("'criu dump'", "undone")
 
 
 def test_a_failed_phase_or_a_rollback_the_leader_sent_is_finished_by_the_member(member):
-    svc, log = member(fail={"dump"})
+    svc, log = member(fail={"criu dump"})
     for p in CP[:5]:
         run(svc, "r4", p)
     with pytest.raises(AgentError):
-        run(svc, "r4", "dump")                          # the leader dies right after
+        run(svc, "r4", "criu dump")                          # the leader dies right after
     rec = wait_expired(svc, "r4")
     assert log == CP[:6] + ["rollback", "release"]
-    assert (rec["phase"], rec["result"]) == ("'dump' (which failed)", "undone")
+    assert (rec["phase"], rec["result"]) == ("'criu dump' (which failed)", "undone")
     svc, log = member()
     for p in CP[:3] + ["rollback"]:                     # the leader dies before release
         run(svc, "r5", p)
@@ -183,9 +183,9 @@ def test_a_failed_self_undo_is_counted_and_refused_as_rollback_failed(member):
     assert rec["result"] == "undo_failed"
     assert rec["undo"] == "could not undo it: rollback: pid 4242 boom"
     with pytest.raises(AgentError) as e:
-        run(svc, "r7", "checkpoint")
+        run(svc, "r7", "native checkpoint")
     assert e.value.outcome == "rollback_failed"
-    assert e.value.reason == refusal("r7", "checkpoint", "'lock'",
+    assert e.value.reason == refusal("r7", "native checkpoint", "'native lock'",
                                      "could not undo it: rollback: pid 4242 boom")
     assert expired_counts(svc) == {'kind="checkpoint",result="undo_failed"': 1.0}
 

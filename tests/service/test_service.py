@@ -130,10 +130,10 @@ def test_run_phase_for_an_unknown_request_or_out_of_order_is_refused(daemon, tmp
     a = daemon("n1", "--driver", "fake")
     apb, _, _ = pb.modules()
     res = client.call(a["listen"], "RunPhase",
-                      apb.RunPhaseRequest(request_id="r1", kind="checkpoint", phase="lock"))
+                      apb.RunPhaseRequest(request_id="r1", kind="checkpoint", phase="native lock"))
     assert (res.ok, res.error.phase, res.error.outcome, res.error.node) == \
         (False, "group", "refused", "n1")
-    assert res.error.reason == "request r1: phase 'lock' for an unknown request (nothing was changed)"
+    assert res.error.reason == "request r1: phase 'native lock' for an unknown request (nothing was changed)"
     # a request whose prepare fails (directory not usable) keeps its job for the undo phases;
     # a retried prepare is refused (a mutating phase is never retried)
     f = tmp_path / "afile"
