@@ -22,8 +22,6 @@ from cuinterpose.agent.mech.criu_binary import (ENV_CRIU, CriuError, check, criu
 from cuinterpose.agent.mech.criu_child import ChildSetup, run_setup_probe
 from cuinterpose.agent.mech.criu_images import (describe_pid, image_pids, wait_exit,
                                                 wait_pids_free)
-# tests/agent/test_agent_operator.py writes a pstree.img with these
-from cuinterpose.agent.mech.criu_images import _IMG_MAGICS, _PSTREE_MAGIC  # noqa: F401
 from cuinterpose.agent.mech.criu_run import bad_size_files, common_args, log_tail, run
 from cuinterpose.agent.mech.procfs import ns_inode
 

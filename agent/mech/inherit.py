@@ -6,7 +6,7 @@ pipes and files of the manifest (``external_pipes``, ``external_files``), taken 
 and the fixups after the restore (:meth:`RestoreOptions.after_restore`). docs/criu.md,
 "Namespaces, cgroups and stdio: restoring into a placement", explains the choices. The
 ``placement`` arguments are :class:`Placement` objects, used by their attributes only: this
-module is below placement.py, which re-exports its names.
+module is below placement.py.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ uses it); :meth:`Placement.verify` and :meth:`Placement.alive` check it is still
 read; :meth:`Placement.child_setup` and :meth:`Placement.probe_cgroups` join its cgroups (and
 mount namespace); :meth:`Placement.stdio_for` and :meth:`Placement.open_stdio` hand out its
 stdio; :meth:`Placement.mismatches` checks a restored process. What a restore hands CRIU from
-it is built in agent/mech/inherit.py (``restore_options``, re-exported here). docs/criu.md,
+it is built in agent/mech/inherit.py (``restore_options``). docs/criu.md,
 "Namespaces, cgroups and stdio: restoring into a placement", explains which namespaces,
 cgroups and fds are used and why.
 """
@@ -19,17 +19,11 @@ from typing import Iterable, Optional
 
 from cuinterpose.agent.errors import PlacementError
 from cuinterpose.agent.mech import procfs
-# re-exported: agent/run/restore.py reaches these through here (appends and flag_names by
-# their old names _appends and _flag_names)
-from cuinterpose.agent.mech.inherit import (RestoreOptions, external_file_fd,  # noqa: F401
-                                            external_file_key, pidfd_getfd, restore_options)
-from cuinterpose.agent.mech.inherit import appends as _appends  # noqa: F401
-from cuinterpose.agent.mech.inherit import flag_names as _flag_names  # noqa: F401
-from cuinterpose.agent.mech.procfs import cgroup_mounts, parse_cgroup  # noqa: F401
+from cuinterpose.agent.mech.inherit import pidfd_getfd
+from cuinterpose.agent.mech.procfs import cgroup_mounts, parse_cgroup
 
 __all__ = ["Placement", "Cgroup", "Namespace", "Stdio", "PlacementError", "DEFAULT_NAMESPACES",
-           "JOINABLE_NAMESPACES", "parse_cgroup", "cgroup_mounts", "RestoreOptions",
-           "restore_options", "external_file_fd", "external_file_key", "PF_KTHREAD"]
+           "JOINABLE_NAMESPACES", "PF_KTHREAD"]
 
 #: joined by default: the three a container runtime gives each pod/container of its own
 DEFAULT_NAMESPACES = ("net", "ipc", "uts")

@@ -17,7 +17,7 @@ from typing import Iterable, Optional
 from cuinterpose.agent.errors import AgentError, CensusError, CheckpointFailed, QuiesceRefused
 from cuinterpose.agent.mech import census as census_mod
 from cuinterpose.agent.mech import fds, native, quiesce
-from cuinterpose.agent.mech.placement import external_file_key
+from cuinterpose.agent.mech.inherit import external_file_key
 from cuinterpose.agent.run import images, interrupt
 from cuinterpose.agent.run.report import Reporter
 from cuinterpose.agent.run.rollback import Rollback

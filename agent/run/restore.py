@@ -21,8 +21,8 @@ from cuinterpose.agent.run import interrupt
 from cuinterpose.agent.mech import native, quiesce
 from cuinterpose.agent import paths
 from cuinterpose.agent.mech.census import pid_alive
-from cuinterpose.agent.errors import AgentError, RestoreFailed, SnapshotError
-from cuinterpose.agent.mech import placement as placement_mod
+from cuinterpose.agent.errors import AgentError, PlacementError, RestoreFailed, SnapshotError
+from cuinterpose.agent.mech import inherit
 from cuinterpose.agent.mech.placement import Placement
 from cuinterpose.agent.run.report import Reporter
 from cuinterpose.agent.run.steps import (Step, StepRunner, as_agent_error, group_phases,
@@ -64,13 +64,13 @@ class Restore(StepRunner):
         #: what was asked: a Placement, a pid (read in the "placement" phase) or None
         self.placement_arg = placement
         self.placement: Optional[Placement] = None
-        #: root -> its CRIU options (placement_mod.RestoreOptions; fds closed after the restore)
-        self.opts: dict[int, placement_mod.RestoreOptions] = {}
+        #: root -> its CRIU options (inherit.RestoreOptions; fds closed after the restore)
+        self.opts: dict[int, inherit.RestoreOptions] = {}
         #: {"root", "pid", "fd", "inode", "direction", "placement_fd"} handed over
         self.inherited: list[dict] = []
         #: external files handed over: manifest records + {"handed", "placement_fd"}
         self.files: list[dict] = []
-        #: restored fds set O_APPEND after CRIU (placement_mod.RestoreOptions.after_restore)
+        #: restored fds set O_APPEND after CRIU (inherit.RestoreOptions.after_restore)
         self.fixed: list[dict] = []
         self.driver_kind = driver
         self.phase_timeout_s = float(phase_timeout_s)
@@ -180,7 +180,7 @@ class Restore(StepRunner):
             pl.probe_cgroups()
         self.placement = pl
         for root in self.m["roots"]:
-            opts = placement_mod.restore_options(
+            opts = inherit.restore_options(
                 pl, manifest_mod.external_pipes(self.m, root),
                 manifest_mod.tree_namespaces(self.m, root).get("external_net", ""), root=root,
                 external_files=manifest_mod.external_files(self.m, root))
@@ -243,7 +243,7 @@ class Restore(StepRunner):
                     try:
                         self.fixed += [{"root": root, **fx}
                                        for fx in opts.after_restore(criu.image_pids(d))]
-                    except (placement_mod.PlacementError, criu.CriuError) as e:
+                    except (PlacementError, criu.CriuError) as e:
                         raise AgentError("criu restore", f"tree {root}{into}: {e}",
                                          pid=root) from e
                 if self.placement is not None:
@@ -260,7 +260,7 @@ class Restore(StepRunner):
             return f"{self.placement.pid} is gone (exited, or its pid was reused)"
         try:
             self.placement.verify()
-        except placement_mod.PlacementError as e:
+        except PlacementError as e:
             return f"{self.placement.pid} {e.reason}"
         return ""
 
@@ -404,14 +404,14 @@ def _first_line(e: BaseException) -> str:
     return lines[0] if lines else type(e).__name__
 
 
-def handed_files(opts: "Optional[placement_mod.RestoreOptions]") -> dict[str, list[dict]]:
+def handed_files(opts: "Optional[inherit.RestoreOptions]") -> dict[str, list[dict]]:
     """The external files of one tree handed to CRIU (``--inherit-fd fd[N]:KEY``), by CRIU's
     key ``file[MNT_ID:INODE]``: ``{KEY: [their records in opts.files]}``."""
     if opts is None:
         return {}
     out: dict[str, list[dict]] = {}
     for f in opts.files:
-        out.setdefault(placement_mod.external_file_key(f), []).append(f)
+        out.setdefault(inherit.external_file_key(f), []).append(f)
     return out
 
 
@@ -459,7 +459,7 @@ def bad_size_reason(root: int, images_dir, bad: list[dict], err,
         except OSError:
             keys = {}
     checked = [k for k, us in files.items()
-               if any(not placement_mod._appends(int(u["flags"])) for u in us)]
+               if any(not inherit.appends(int(u["flags"])) for u in us)]
     ext, plain = [], []
     for b in bad:
         n = b["path"][len("/fd/"):] if b["path"].startswith("/fd/") else ""
@@ -485,9 +485,9 @@ def bad_size_reason(root: int, images_dir, bad: list[dict], err,
     parts = []
     for b, uses in ext:
         u0 = uses[0]
-        held = [u for u in uses if not placement_mod._appends(int(u["flags"]))]
+        held = [u for u in uses if not inherit.appends(int(u["flags"]))]
         held_s = ", ".join(f"pid {u['pid']} fd {u['fd']} "
-                           f"{placement_mod._flag_names(int(u['flags']))}" for u in held or uses)
+                           f"{inherit.flag_names(int(u['flags']))}" for u in held or uses)
         if u0.get("placement_fd") is None:
             fix = (f"{u0['path']} here is not the size it had at the dump (a restored run of "
                    "the tree wrote to it, or it is another file): this snapshot restores only "

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from agent_world import world  # noqa: F401 (the fixture, defined with its fakes)
+
 # A process that optionally maps a file (as a loaded shim would be) and binds a control socket,
 # starts its children (same program), prints {"pid", "children"} and sleeps until killed.
 CHILD = r"""

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from cuinterpose.agent.mech import procfs
-from cuinterpose.agent.mech import census, criu, quiesce
+from cuinterpose.agent.mech import census, criu, criu_images, quiesce
 from cuinterpose.workloads.afdwin import demo
 from cuinterpose.agent.run import checkpoint as cp_mod
 from cuinterpose.agent.run import restore as rs_mod
@@ -21,7 +21,7 @@ from cuinterpose.agent.run.report import Reporter, RichSink
 from cuinterpose.coordinator.contract import quiesce_path, write_atomic
 
 from test_agent_census import states
-from test_agent_ordering import ROOT, answer_quiesce, world  # noqa: F401 (fixture)
+from agent_world import ROOT, answer_quiesce
 
 
 # --- 1. session leader / controlling tty, refused at census ---------------------------------
@@ -98,7 +98,7 @@ def _images(tmp_path) -> pathlib.Path:
     import struct
     entry = bytes([0x08]) + bytes([0xbf, 0x84, 0x3d])    # field 1 varint 999999
     (d / "pstree.img").write_bytes(struct.pack("<II", *next(iter(
-        [(m, criu._PSTREE_MAGIC) for m in criu._IMG_MAGICS]))) + struct.pack("<I", len(entry))
+        [(m, criu_images._PSTREE_MAGIC) for m in criu_images._IMG_MAGICS]))) + struct.pack("<I", len(entry))
         + entry)
     return d
 
@@ -378,7 +378,7 @@ def test_after_a_failed_rollback_release_wants_force_even_from_a_live_agent(worl
                                                                            monkeypatch):
     """rollback_failed: the workload stays parked on torn-down memory. The agent (a daemon may
     live on) gives the request up: release no longer waits for it, but wants --force."""
-    from test_agent_ordering import FakePhaseError
+    from agent_world import FakePhaseError
     monkeypatch.setattr(quiesce, "request", answer_quiesce(world))
 
     def capture(self):

@@ -1,0 +1,161 @@
+"""The recording world of the agent's ordering tests: a fake driver, census, coordinator and
+CRIU that log every call (``World.log``), and the ``world`` fixture (re-exported by conftest.py)."""
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import types
+
+import pytest
+
+import cuinterpose.agent.mech as mech_pkg
+from cuinterpose.agent.run import checkpoint as cp_mod
+from cuinterpose.agent.mech import census as census_mod
+from cuinterpose.agent.mech import native, quiesce
+from cuinterpose.agent.errors import NativeError
+from cuinterpose.coordinator.contract import quiesce_path, write_atomic
+
+PIDS = [201, 202]
+ROOT = 200
+# the quiescence check: every CUDA process locked, then unlocked, before any teardown
+PROBE = [("native", "lock", 201), ("native", "lock", 202),
+         ("native", "unlock", 201), ("native", "unlock", 202)]
+
+
+class World:
+    """Records every call in ``log`` as (who, what, pid or None)."""
+
+    def __init__(self, ctl, fail=None):
+        self.log = []
+        self.ctl = ctl
+        self.fail = fail or {}
+        self.state = {p: "RUNNING" for p in PIDS}
+        self.coord_phase = "ACTIVE"
+        self.capture_obj = None
+        self.stopped = set()
+        self.captured = False   # the coordinator's capture() was called (teardown may start)
+
+    def maybe_fail(self, key, pid=None):
+        """Fail ``key`` for ``pid``; a lock before the capture is the quiescence check's,
+        failed by the key "probe_lock"."""
+        match = "probe_lock" if key == "lock" and not self.captured else key
+        if self.fail.get(match) == pid:
+            raise NativeError(key, pid, "CUDA_ERROR_INVALID_VALUE")
+
+
+@pytest.fixture
+def world(tmp_path, monkeypatch):
+    ctl = tmp_path / "ctl"
+    ctl.mkdir()
+    w = World(ctl)
+    monkeypatch.setattr(native, "load", lambda kind=None: native.DriverInfo("fake", 13000, "/fake"))
+
+    def nat(action, frm, to):
+        def fn(pid, *a):
+            w.log.append(("native", action, pid))
+            w.maybe_fail(action, pid)
+            assert w.state[pid] == frm, (pid, action, w.state[pid])
+            w.state[pid] = to
+        return fn
+    monkeypatch.setattr(native, "lock", nat("lock", "RUNNING", "LOCKED"))
+    monkeypatch.setattr(native, "checkpoint", nat("checkpoint", "LOCKED", "CHECKPOINTED"))
+    monkeypatch.setattr(native, "restore", nat("restore", "CHECKPOINTED", "LOCKED"))
+    monkeypatch.setattr(native, "unlock", nat("unlock", "LOCKED", "RUNNING"))
+    monkeypatch.setattr(native, "get_state", lambda pid: w.state[pid])
+
+    shim = census_mod.ShimFile("/x/libcuinterpose.so", "ab" * 32, 1, 2, 3)
+    procs = [census_mod.Process(ROOT, 1, "launcher", shim="installed")] + [
+        census_mod.Process(p, ROOT, "rank", shim="installed",
+                           socket_path=str(ctl / f"cuinterpose-{p}.sock"), cuda_state="RUNNING")
+        for p in PIDS]
+
+    def fake_census(roots, **kw):
+        return census_mod.Census(roots=list(roots), processes=procs, shim=shim, control_dir=str(ctl))
+    monkeypatch.setattr(census_mod, "take_census", fake_census)
+    # the fake pids may be real processes of this machine: their open files are not ours
+    monkeypatch.setattr(census_mod, "open_file_warnings", lambda census: [])
+
+    class Capture:
+        def to_dict(self):
+            return {"participants": [{"pid": p, "records": []} for p in PIDS]}
+
+    class Coordinator:
+        def __init__(self, parts, timeout_s, on_event=None, carrier_timeout_s=None):
+            w.log.append(("coord", "init", tuple(p.pid for p in parts)))
+            w.timeouts = (timeout_s, carrier_timeout_s)
+
+        phases = []
+
+        def inspect(self, expected_phase=0, check_phase=False):
+            w.log.append(("coord", "inspect", int(expected_phase)))
+            if int(expected_phase) != {"ACTIVE": 0, "PREPARED": 3}[w.coord_phase]:
+                raise RuntimeError(f"INSPECT: pid 201 is in phase {w.coord_phase}")
+
+        def capture(self):
+            w.captured = True
+            w.coord_phase = "PREPARED"
+            w.log.append(("coord", "capture", None))
+            w.capture_obj = Capture()
+            return w.capture_obj
+
+        def restore(self, capture):
+            assert isinstance(capture, Capture)
+            w.log.append(("coord", "restore", None))
+            w.coord_phase = "ACTIVE"
+
+        def rollback(self, capture):
+            assert capture is w.capture_obj, capture
+            w.log.append(("coord", "rollback", None))
+            if w.coord_phase == "FAILED":
+                raise FakePhaseError("rollback: pid 201 is FAILED (a destructive op failed part-way); "
+                                     "it cannot be brought back to ACTIVE; nothing was rolled back "
+                                     "(fail-stop)", "rollback", 201, changed=True)
+            w.coord_phase = "ACTIVE"
+
+    fake_phases = types.SimpleNamespace(
+        Participant=lambda pid, sock: types.SimpleNamespace(pid=pid, socket_path=sock),
+        Coordinator=Coordinator)
+    monkeypatch.setattr(cp_mod, "_coordinator_module", lambda: fake_phases)
+
+    def dump(root, d, leave_running=False, extra_args=()):
+        assert (leave_running, tuple(extra_args)) == (False, ("--leave-stopped",))
+        w.log.append(("criu", "dump", root))
+        if w.fail.get("dump") == root:
+            raise RuntimeError("criu dump failed: (00.1) Error (criu/sk-unix.c): external socket")
+        (d / "core.img").write_bytes(b"x")
+        w.stopped.add(root)
+    fake_criu = types.SimpleNamespace(dump=dump, version=lambda: "4.1")
+    monkeypatch.setitem(sys.modules, "cuinterpose.agent.mech.criu", fake_criu)
+    monkeypatch.setattr(mech_pkg, "criu", fake_criu, raising=False)
+
+    # signals go to the recorded fake trees, never to real processes
+    def kill(pid, sig):
+        w.log.append(("signal", signal.Signals(sig).name, pid))
+        if sig == signal.SIGCONT:
+            w.stopped.discard(pid)
+    monkeypatch.setattr(cp_mod, "_kill", kill)
+    monkeypatch.setattr(cp_mod, "_tree_pids", lambda root: [root])
+    return w
+
+
+def answer_quiesce(w):
+    """A workload that answers the request as soon as it is written."""
+    orig = quiesce.request
+
+    def request(ctl, roots, qid, timeout_ms):
+        orig(ctl, roots, qid, timeout_ms)
+        for r in roots:
+            write_atomic(quiesce_path(ctl, r, "ready"), {"id": qid, "ranks": [{"pid": p} for p in PIDS]})
+        w.log.append(("workload", "ready", None))
+    return request
+
+
+def resume_of(w):
+    return json.loads((w.ctl / f"quiesce-{ROOT}.resume").read_text())
+
+
+class FakePhaseError(Exception):
+    def __init__(self, text, phase, pid, changed, capture=None):
+        super().__init__(text)
+        self.phase, self.pid, self.changed, self.capture = phase, pid, changed, capture
