@@ -10,6 +10,7 @@ the file). Keys are camelCase in YAML and snake_case on the dataclasses; every k
 default and its meaning are in docs/kubernetes.md, "Configuration" (the dataclasses below
 declare the same, with their checks).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -75,6 +76,7 @@ def _one_of(*allowed):
     def check(v):
         shown = ", ".join(a if a else '""' for a in allowed)
         return None if v in allowed else f"must be one of {shown}, got {v!r}"
+
     return check
 
 
@@ -87,8 +89,11 @@ def _label_selector(v):
 
 
 def _url_or_empty(v):
-    return None if v == "" or re.fullmatch(r"https?://[^\s/@]+(/.*)?", v) else \
-        f"expected an http(s)://host[:port] URL without credentials, got {v!r}"
+    return (
+        None
+        if v == "" or re.fullmatch(r"https?://[^\s/@]+(/.*)?", v)
+        else f"expected an http(s)://host[:port] URL without credentials, got {v!r}"
+    )
 
 
 def _dns_labels(v):
@@ -172,8 +177,15 @@ class AgentConfig:
 
 
 def _type_name(v) -> str:
-    return {dict: "mapping", list: "list", str: "string", bool: "boolean", int: "integer",
-            float: "number", type(None): "null"}.get(type(v), type(v).__name__)
+    return {
+        dict: "mapping",
+        list: "list",
+        str: "string",
+        bool: "boolean",
+        int: "integer",
+        float: "number",
+        type(None): "null",
+    }.get(type(v), type(v).__name__)
 
 
 def _got(v) -> str:
@@ -249,14 +261,20 @@ def parse_config(doc: Any, env: Optional[dict] = None) -> AgentConfig:
         k = dataclasses.replace(k, node_name=env["NODE_NAME"])
         cfg = dataclasses.replace(cfg, kubernetes=k)
     if k.enabled and not k.node_name:
-        raise ConfigError("kubernetes.nodeName", "required when kubernetes.enabled is true "
-                          "(set it, or the NODE_NAME environment variable)")
+        raise ConfigError(
+            "kubernetes.nodeName",
+            "required when kubernetes.enabled is true "
+            "(set it, or the NODE_NAME environment variable)",
+        )
     if bool(cfg.tls.cert_file) != bool(cfg.tls.key_file):
         missing = "tls.keyFile" if cfg.tls.cert_file else "tls.certFile"
         raise ConfigError(missing, "required: tls.certFile and tls.keyFile go together")
     if cfg.tls.ca_file and not cfg.tls.cert_file:
-        raise ConfigError("tls.caFile", "needs tls.certFile and tls.keyFile (client "
-                          "certificates are verified only on a TLS listener)")
+        raise ConfigError(
+            "tls.caFile",
+            "needs tls.certFile and tls.keyFile (client "
+            "certificates are verified only on a TLS listener)",
+        )
     return cfg
 
 
@@ -266,8 +284,8 @@ def load_config(path_or_text: Union[str, os.PathLike], env: Optional[dict] = Non
     syntax errors (with line and column), a top level that is not a mapping, unknown keys,
     wrong types and bad values, each naming the key path."""
     if isinstance(path_or_text, os.PathLike) or (
-            isinstance(path_or_text, str) and "\n" not in path_or_text
-            and os.path.isfile(path_or_text)):
+        isinstance(path_or_text, str) and "\n" not in path_or_text and os.path.isfile(path_or_text)
+    ):
         p = pathlib.Path(path_or_text)
         try:
             text = p.read_text()
@@ -275,16 +293,23 @@ def load_config(path_or_text: Union[str, os.PathLike], env: Optional[dict] = Non
             raise ConfigError("", f"cannot read {p}: {e.strerror or e}") from None
     else:
         text = str(path_or_text)
-        if "\n" not in text and ":" not in text and (
-                text.startswith(("/", "./")) or text.endswith((".yaml", ".yml"))):
-            raise ConfigError("", f"{text}: no such file (a str that is not an existing file "
-                              "is read as YAML text)")
+        if (
+            "\n" not in text
+            and ":" not in text
+            and (text.startswith(("/", "./")) or text.endswith((".yaml", ".yml")))
+        ):
+            raise ConfigError(
+                "",
+                f"{text}: no such file (a str that is not an existing file is read as YAML text)",
+            )
     try:
         doc = yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1} column {mark.column + 1}" if mark else ""
-        raise ConfigError("", f"not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
+        raise ConfigError(
+            "", f"not valid YAML{where}: {getattr(e, 'problem', None) or e}"
+        ) from None
     return parse_config(doc, env=env)
 
 

@@ -4,11 +4,13 @@ Each check is ``{"name", "ok" (bool), "detail" (str)}``: CRIU version and ``criu
 driver's checkpoint API through cuda.bindings (and its version), the shim's path and SHA-256,
 fakecuda's path (when selected), and whether the control directory is writable.
 """
+
 from __future__ import annotations
 
 import os
 import pathlib
 import tempfile
+
 from cuinterpose.coordinator.protocol import default_control_dir
 
 #: what a failing real driver check adds (also in native.load's "could not load" error)
@@ -25,16 +27,18 @@ def _check(name, fn) -> dict:
 
 def run_checks(*, driver=None, control_dir=None) -> list[dict]:
     """Run every check; never raises."""
-    from cuinterpose.agent.mech import native
     from cuinterpose.agent import paths
+    from cuinterpose.agent.mech import native
     from cuinterpose.agent.mech.census import ShimFile
 
     def criu_version():
         from cuinterpose.agent.mech import criu
+
         return f"criu {criu.version()} ({' '.join(criu.criu_command())})"
 
     def criu_check():
         from cuinterpose.agent.mech import criu
+
         ok, out = criu.check()
         last = out.strip().splitlines()[-1] if out.strip() else ""
         if not ok:
@@ -50,9 +54,14 @@ def run_checks(*, driver=None, control_dir=None) -> list[dict]:
                 raise RuntimeError(f"{e} ({NO_DRIVER_HINT})") from None
             raise
         from cuda.bindings import driver as d
-        for fn in ("cuCheckpointProcessGetState", "cuCheckpointProcessLock",
-                   "cuCheckpointProcessCheckpoint", "cuCheckpointProcessRestore",
-                   "cuCheckpointProcessUnlock"):
+
+        for fn in (
+            "cuCheckpointProcessGetState",
+            "cuCheckpointProcessLock",
+            "cuCheckpointProcessCheckpoint",
+            "cuCheckpointProcessRestore",
+            "cuCheckpointProcessUnlock",
+        ):
             if not hasattr(d, fn):
                 raise RuntimeError(f"cuda.bindings lacks {fn}")
         # GetState of ourselves: the API must answer (an error code is fine, a missing entry
@@ -61,7 +70,9 @@ def run_checks(*, driver=None, control_dir=None) -> list[dict]:
             native.get_state(os.getpid())
         except Exception:
             pass
-        return f"{info.kind} driver {info.version} at {info.library}; cuCheckpointProcess* reachable"
+        return (
+            f"{info.kind} driver {info.version} at {info.library}; cuCheckpointProcess* reachable"
+        )
 
     def shim():
         s = ShimFile.of(paths.shim_path())
@@ -74,13 +85,19 @@ def run_checks(*, driver=None, control_dir=None) -> list[dict]:
             pass
         return f"{d} writable"
 
-    return [_check("criu version", criu_version), _check("criu check", criu_check),
-            _check("driver", drv), _check("shim", shim), _check("control dir", ctl)]
+    return [
+        _check("criu version", criu_version),
+        _check("criu check", criu_check),
+        _check("driver", drv),
+        _check("shim", shim),
+        _check("control dir", ctl),
+    ]
 
 
 def render(checks: list[dict]) -> None:
     from rich.console import Console
     from rich.markup import escape
+
     c = Console()
     for ch in checks:
         mark = "[green]ok[/]  " if ch["ok"] else "[red]FAIL[/]"

@@ -18,6 +18,7 @@ reason, so that an operator can act on the message alone:
   workload file whose size changed since the dump (CRIU "has bad size") keeps failing until
   it is back to its dumped size.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -28,8 +29,9 @@ class AgentError(Exception):
 
     outcome = "refused"
 
-    def __init__(self, phase: str, reason: str, pid: Optional[int] = None,
-                 outcome: Optional[str] = None):
+    def __init__(
+        self, phase: str, reason: str, pid: Optional[int] = None, outcome: Optional[str] = None
+    ):
         self.phase = phase
         self.pid = pid
         self.reason = reason
@@ -39,8 +41,13 @@ class AgentError(Exception):
         super().__init__(f"{phase}: {who}{reason}")
 
     def to_dict(self) -> dict:
-        return {"phase": self.phase, "pid": self.pid, "reason": self.reason,
-                "outcome": self.outcome, "message": str(self)}
+        return {
+            "phase": self.phase,
+            "pid": self.pid,
+            "reason": self.reason,
+            "outcome": self.outcome,
+            "message": str(self),
+        }
 
 
 class CensusError(AgentError):
@@ -65,11 +72,15 @@ class NativeError(AgentError):
 
 
 NATIVE_HINTS = {
-    ("checkpoint", "CUDA_ERROR_NOT_SUPPORTED"):
-        "the process holds sharing the driver cannot checkpoint: an exported FD still open "
-        "outside the shim's knowledge, or a multicast object",
-    ("lock", "CUDA_ERROR_NOT_READY"):
-        "work was still in flight when the lock timed out: the workload is not quiescent",
+    (
+        "checkpoint",
+        "CUDA_ERROR_NOT_SUPPORTED",
+    ): "the process holds sharing the driver cannot checkpoint: an exported FD still open "
+    "outside the shim's knowledge, or a multicast object",
+    (
+        "lock",
+        "CUDA_ERROR_NOT_READY",
+    ): "work was still in flight when the lock timed out: the workload is not quiescent",
     ("get_state", "CUDA_ERROR_INVALID_VALUE"): "not a CUDA process, or it has exited",
 }
 

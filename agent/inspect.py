@@ -2,13 +2,14 @@
 
 Read-only: INSPECT is accepted in every shim phase except FAILED and changes nothing.
 """
+
 from __future__ import annotations
 
 import os
 import pathlib
 
-from cuinterpose.agent.mech import census as census_mod
 from cuinterpose.agent.errors import AgentError
+from cuinterpose.agent.mech import census as census_mod
 from cuinterpose.coordinator.protocol import default_control_dir
 
 
@@ -16,9 +17,10 @@ def inspect_pid(pid: int, *, control_dir=None, timeout_s: float = 10.0) -> dict:
     """INSPECT ``pid``; returns ``{"pid", "socket_path", "phase" (name), "records" [Record dicts],
     "roles" {"private","creator","importer": n}, "message"}``. Raises ``AgentError`` (phase
     "INSPECT") naming the pid when the socket is missing, the shim does not answer, or refuses."""
+    from cuinterpose.agent.snapshot.manifest import role_counts
     from cuinterpose.coordinator.client import ShimClient, ShimClientError
     from cuinterpose.coordinator.protocol import Op, Phase, Status
-    from cuinterpose.agent.snapshot.manifest import role_counts
+
     cdir = pathlib.Path(control_dir or default_control_dir())
     sock = census_mod.socket_path(cdir, pid)
     if not os.path.exists(sock):
@@ -27,11 +29,19 @@ def inspect_pid(pid: int, *, control_dir=None, timeout_s: float = 10.0) -> dict:
         with_socket = descendants_with_socket(pid, cdir)
         if with_socket:
             listed = ", ".join(f"{c} ({comm})" for c, comm in with_socket)
-            raise AgentError("INSPECT", f"has no control socket {sock}; processes under it that "
-                             f"have one: {listed} (inspect one of those; pass pid {pid} to "
-                             "checkpoint as the root of the job)", pid=pid)
-        raise AgentError("INSPECT", f"has no control socket {sock} (not started under the shim, "
-                         "no cuInit yet, or another --control-dir)", pid=pid)
+            raise AgentError(
+                "INSPECT",
+                f"has no control socket {sock}; processes under it that "
+                f"have one: {listed} (inspect one of those; pass pid {pid} to "
+                "checkpoint as the root of the job)",
+                pid=pid,
+            )
+        raise AgentError(
+            "INSPECT",
+            f"has no control socket {sock} (not started under the shim, "
+            "no cuInit yet, or another --control-dir)",
+            pid=pid,
+        )
     client = ShimClient(sock, timeout_s, pid=pid)
     try:
         resp = client.request(Op.INSPECT, txn_id=0, expected_phase=Phase.ACTIVE)
@@ -41,15 +51,21 @@ def inspect_pid(pid: int, *, control_dir=None, timeout_s: float = 10.0) -> dict:
     except ShimClientError as e:
         raise AgentError("INSPECT", str(e), pid=pid) from None
     if resp.reply.status != Status.OK:
-        raise AgentError("INSPECT", f"shim answered {Status(resp.reply.status).name}: "
-                         f"{resp.message}", pid=pid)
+        raise AgentError(
+            "INSPECT", f"shim answered {Status(resp.reply.status).name}: {resp.message}", pid=pid
+        )
     try:
         phase = Phase(resp.reply.phase).name
     except ValueError:
         phase = str(int(resp.reply.phase))
-    return {"pid": pid, "socket_path": str(sock), "phase": phase,
-            "records": [r.to_dict() for r in resp.records],
-            "roles": role_counts(resp.records), "message": resp.message}
+    return {
+        "pid": pid,
+        "socket_path": str(sock),
+        "phase": phase,
+        "records": [r.to_dict() for r in resp.records],
+        "roles": role_counts(resp.records),
+        "message": resp.message,
+    }
 
 
 def descendants_with_socket(pid: int, control_dir) -> list[tuple[int, str]]:
@@ -59,31 +75,46 @@ def descendants_with_socket(pid: int, control_dir) -> list[tuple[int, str]]:
         tree = census_mod.walk_tree([pid])[1:]
     except AgentError:
         return []
-    return [(c, comm) for c, _, comm in tree
-            if census_mod.is_socket(census_mod.socket_path(control_dir, c))]
+    return [
+        (c, comm)
+        for c, _, comm in tree
+        if census_mod.is_socket(census_mod.socket_path(control_dir, c))
+    ]
 
 
 def render_table(res: dict) -> None:
     """Print an INSPECT result as a rich table on stdout (one row per record)."""
     from rich.console import Console
     from rich.table import Table
+
     from cuinterpose.agent.run.report import fmt_bytes
+
     short = {"ALLOCATION": "alloc", "MAPPING": "map", "RESERVATION": "resv"}
-    t = Table(title=f"pid {res['pid']}  phase {res['phase']}  ({res['socket_path']})",
-              title_justify="left")
+    t = Table(
+        title=f"pid {res['pid']}  phase {res['phase']}  ({res['socket_path']})",
+        title_justify="left",
+    )
     for col in ("kind", "role", "allocation", "creator", "va", "size", "flags", "access"):
         t.add_column(col, justify="right" if col == "size" else "left", no_wrap=True)
     for r in res["records"]:
         acc = ",".join(f"{a.get('location_id')}:{a.get('flags')}" for a in r.get("access", []))
         is_resv = r["kind"] == "RESERVATION"
-        t.add_row(short.get(str(r["kind"]), str(r["kind"])), "" if is_resv else str(r["role"]).lower(),
-                  "" if is_resv else str(r["alloc_id"])[:8] + "…",
-                  str(r["creator_pid"] or ""), f"{r['va']:#x}" if r["va"] else "",
-                  fmt_bytes(r["size"]), f"{r['flags']:#x}", acc)
+        t.add_row(
+            short.get(str(r["kind"]), str(r["kind"])),
+            "" if is_resv else str(r["role"]).lower(),
+            "" if is_resv else str(r["alloc_id"])[:8] + "…",
+            str(r["creator_pid"] or ""),
+            f"{r['va']:#x}" if r["va"] else "",
+            fmt_bytes(r["size"]),
+            f"{r['flags']:#x}",
+            acc,
+        )
     c = Console()
     if not c.is_terminal:
         c = Console(width=120)
     c.print(t)
     roles = res["roles"]
-    c.print(f"allocations: {roles['private']} private, {roles['creator']} creator, "
-            f"{roles['importer']} importer")
+    c.print(
+        f"allocations: {roles['private']} private, {roles['creator']} creator, "
+        f"{roles['importer']} importer"
+    )

@@ -5,6 +5,7 @@ The C libraries are built by scikit-build-core into the package directory
 ``CUINTERPOSE_LIB_DIR`` overrides the search (a directory holding ``libcuinterpose.so``).
 Every function raises ``FileNotFoundError`` naming what was looked for and where.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,7 +27,8 @@ def lib_dir() -> pathlib.Path:
             return cand.resolve()
     raise FileNotFoundError(
         f"{SHIM_NAME} not found in {', '.join(str(c) for c in candidates)}; "
-        "build it with `make build` (pip install -e .)")
+        "build it with `make build` (pip install -e .)"
+    )
 
 
 def shim_path() -> pathlib.Path:
@@ -40,4 +42,3 @@ def fakecuda_dir() -> pathlib.Path:
     if not (d / FAKECUDA_NAME).is_file():
         raise FileNotFoundError(f"fakecuda {FAKECUDA_NAME} not found in {d}; run `make build`")
     return d
-

@@ -26,6 +26,7 @@ shim holds and does not reach the driver, so its ratio may be below 1. No thresh
 
 --shim may be repeated to compare builds in one run (e.g. before=/tmp/old.so after=<installed>).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,7 +56,8 @@ DRIVER_C = r"""
 #include <string.h>
 #include <time.h>
 
-#define CU(x) do { CUresult r_ = (x); if (r_ != CUDA_SUCCESS) { fprintf(stderr, "%s = %d\n", #x, (int)r_); exit(1); } } while (0)
+#define CU(x) do { CUresult r_ = (x); if (r_ != CUDA_SUCCESS) { \
+    fprintf(stderr, "%s = %d\n", #x, (int)r_); exit(1); } } while (0)
 static unsigned long long now(void) {
   struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t);
   return (unsigned long long)t.tv_sec * 1000000000ull + (unsigned long long)t.tv_nsec;
@@ -72,8 +74,9 @@ int main(int argc, char **argv) {
   size_t g; CU(cuMemGetAllocationGranularity(&g, &p, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
   create_fn create = cuMemCreate;
   if (untracked) {   /* glibc's own dlsym (dlvsym is a documented bypass of the shim's dlsym) */
-    void *(*libc_dlsym)(void *, const char *) = (void *(*)(void *, const char *))dlvsym(RTLD_DEFAULT, "dlsym", "GLIBC_2.34");
-    if (!libc_dlsym) libc_dlsym = (void *(*)(void *, const char *))dlvsym(RTLD_DEFAULT, "dlsym", "GLIBC_2.2.5");
+    typedef void *(*dlsym_fn)(void *, const char *);
+    dlsym_fn libc_dlsym = (dlsym_fn)dlvsym(RTLD_DEFAULT, "dlsym", "GLIBC_2.34");
+    if (!libc_dlsym) libc_dlsym = (dlsym_fn)dlvsym(RTLD_DEFAULT, "dlsym", "GLIBC_2.2.5");
     void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
     create = lib && libc_dlsym ? (create_fn)libc_dlsym(lib, "cuMemCreate") : NULL;
     if (!create) { fprintf(stderr, "no bypass for cuMemCreate\n"); return 1; }
@@ -126,8 +129,18 @@ def build_driver(driver: str) -> pathlib.Path:
     exe = out_dir / f"intercept-driver-{driver}"
     src = out_dir / "intercept-driver.c"
     link = [f"-L{paths.fakecuda_dir()}"] if driver == "fake" else []
-    cmd = ["cc", "-std=gnu11", "-O2", f"-I{cuda_include_dir()}", "-o", str(exe), str(src), *link,
-           "-l:libcuda.so.1", "-ldl"]
+    cmd = [
+        "cc",
+        "-std=gnu11",
+        "-O2",
+        f"-I{cuda_include_dir()}",
+        "-o",
+        str(exe),
+        str(src),
+        *link,
+        "-l:libcuda.so.1",
+        "-ldl",
+    ]
     key = hashlib.sha256((DRIVER_C + " ".join(cmd)).encode()).hexdigest()
     stamp = out_dir / f"intercept-driver-{driver}.sha256"
     if exe.exists() and stamp.exists() and stamp.read_text() == key:
@@ -138,7 +151,9 @@ def build_driver(driver: str) -> pathlib.Path:
     return exe
 
 
-def run(exe, n: int, rounds: int, mode: str, shim: str | None, granularity: int, ctl: str, driver: str) -> dict:
+def run(
+    exe, n: int, rounds: int, mode: str, shim: str | None, granularity: int, ctl: str, driver: str
+) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "FAKECUDA_LOG")}
     if driver == "fake":
         env["LD_LIBRARY_PATH"] = str(paths.fakecuda_dir())
@@ -146,8 +161,9 @@ def run(exe, n: int, rounds: int, mode: str, shim: str | None, granularity: int,
     env["CUINTERPOSE_CONTROL_DIR"] = ctl
     if shim:
         env["LD_PRELOAD"] = shim
-    res = subprocess.run([str(exe), str(n), str(rounds), mode], env=env, capture_output=True,
-                         text=True, timeout=600)
+    res = subprocess.run(
+        [str(exe), str(n), str(rounds), mode], env=env, capture_output=True, text=True, timeout=600
+    )
     if res.returncode != 0:
         raise SystemExit(f"driver failed (N={n}, {mode}, shim={shim}): {res.stderr.strip()}")
     per_op = list(zip(*[[int(x) for x in ln.split()] for ln in res.stdout.splitlines()]))
@@ -157,29 +173,55 @@ def run(exe, n: int, rounds: int, mode: str, shim: str | None, granularity: int,
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", default="10,100,1000,10000", help="mapping counts, comma separated")
-    ap.add_argument("--calls", type=int, default=20000,
-                    help="calls per op and configuration (rounds = max(5, calls / N))")
-    ap.add_argument("--granularity", type=int, default=64 << 10, help="FAKECUDA_GRANULARITY (fakecuda only)")
-    ap.add_argument("--driver", choices=("fake", "real"), default="fake",
-                    help="fakecuda, or the libcuda.so.1 the loader finds (a GPU node)")
-    ap.add_argument("--shim", action="append", default=[],
-                    help="LABEL=PATH of a shim build to measure (repeatable); default: the installed one")
-    ap.add_argument("--json", action="store_true", help="print one JSON object per row instead of a table")
+    ap.add_argument(
+        "--calls",
+        type=int,
+        default=20000,
+        help="calls per op and configuration (rounds = max(5, calls / N))",
+    )
+    ap.add_argument(
+        "--granularity", type=int, default=64 << 10, help="FAKECUDA_GRANULARITY (fakecuda only)"
+    )
+    ap.add_argument(
+        "--driver",
+        choices=("fake", "real"),
+        default="fake",
+        help="fakecuda, or the libcuda.so.1 the loader finds (a GPU node)",
+    )
+    ap.add_argument(
+        "--shim",
+        action="append",
+        default=[],
+        help="LABEL=PATH of a shim build to measure (repeatable); default: the installed one",
+    )
+    ap.add_argument(
+        "--json", action="store_true", help="print one JSON object per row instead of a table"
+    )
     args = ap.parse_args(argv)
     shims = [tuple(s.split("=", 1)) for s in args.shim] or [("shim", str(paths.shim_path()))]
     exe = build_driver(args.driver)
-    where = f"fakecuda {paths.fakecuda_dir()}, granularity {args.granularity}" if args.driver == "fake" \
+    where = (
+        f"fakecuda {paths.fakecuda_dir()}, granularity {args.granularity}"
+        if args.driver == "fake"
         else "the real libcuda.so.1"
+    )
     print(f"{where}; per-call ns, fastest round; ratio = configuration / base")
     if not args.json:
-        cols = "".join(f" {lab + ' ' + m:>22} {'ratio':>6}" for lab, _ in shims for m in ("tracked", "untracked"))
+        cols = "".join(
+            f" {lab + ' ' + m:>22} {'ratio':>6}"
+            for lab, _ in shims
+            for m in ("tracked", "untracked")
+        )
         print(f"{'N':>6} {'op':>8} {'base':>10}{cols}")
     with tempfile.TemporaryDirectory(prefix="cui-bench-") as ctl:
         for n in (int(x) for x in args.n.split(",")):
             rounds = max(5, args.calls // n)
             base = run(exe, n, rounds, "tracked", None, args.granularity, ctl, args.driver)
-            got = {(lab, m): run(exe, n, rounds, m, path, args.granularity, ctl, args.driver)
-                   for lab, path in shims for m in ("tracked", "untracked")}
+            got = {
+                (lab, m): run(exe, n, rounds, m, path, args.granularity, ctl, args.driver)
+                for lab, path in shims
+                for m in ("tracked", "untracked")
+            }
             for op in OPS:
                 if args.json:
                     row = {"n": n, "op": op, "base_ns": base[op]}
@@ -188,8 +230,11 @@ def main(argv=None) -> int:
                         row[f"{lab}_{m}_ratio"] = v[op] / base[op]
                     print(json.dumps(row))
                     continue
-                cells = "".join(f" {got[(lab, m)][op]:>22.0f} {got[(lab, m)][op] / base[op]:>6.2f}"
-                                for lab, _ in shims for m in ("tracked", "untracked"))
+                cells = "".join(
+                    f" {got[(lab, m)][op]:>22.0f} {got[(lab, m)][op] / base[op]:>6.2f}"
+                    for lab, _ in shims
+                    for m in ("tracked", "untracked")
+                )
                 print(f"{n:>6} {op:>8} {base[op]:>10.0f}{cells}")
     return 0
 

@@ -15,6 +15,7 @@ the ratio carrier rate / memcpy rate. No thresholds: this prints, it does not ju
 
     .venv/bin/python bench/phases.py [--k 10,100,1000] [--size 65536] [--driver fake|real]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,7 +41,8 @@ from cuinterpose.coordinator.protocol import socket_path  # noqa: E402
 
 def _load_pair():
     spec = importlib.util.spec_from_file_location(
-        "cuipair_driver", REPO / "tests" / "coordinator" / "pair.py")
+        "cuipair_driver", REPO / "tests" / "coordinator" / "pair.py"
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -58,8 +60,18 @@ def build_cuipair(driver: str) -> pathlib.Path:
         link = [f"-L{paths.fakecuda_dir()}", "-l:libcuda.so.1"]
     else:
         link = ["-l:libcuda.so.1"]
-    cmd = ["cc", "-std=gnu11", "-O2", f"-I{cuda_include_dir()}", "-o", None, str(src), *link,
-           "-ldl", "-lpthread"]
+    cmd = [
+        "cc",
+        "-std=gnu11",
+        "-O2",
+        f"-I{cuda_include_dir()}",
+        "-o",
+        None,
+        str(src),
+        *link,
+        "-ldl",
+        "-lpthread",
+    ]
     key = hashlib.sha256(src.read_bytes() + " ".join(map(str, cmd[:5] + cmd[6:])).encode())
     exe = out_dir / f"cuipair-{driver}"
     stamp = out_dir / f"cuipair-{driver}.sha256"
@@ -113,11 +125,23 @@ def run_one(exe, driver: str, k: int, size: int, granularity: int, timeout_s: fl
         finally:
             pair.close()
     rows = []
-    for label, phases, total in (("capture", cap.phases, t1 - t0),
-                                 ("restore", res.phases, t2 - t1)):
+    for label, phases, total in (
+        ("capture", cap.phases, t1 - t0),
+        ("restore", res.phases, t2 - t1),
+    ):
         for p in phases:
-            rows.append((k, label, p.phase, p.wall_ns, p.max_elapsed_ns, p.records_changed,
-                         p.bytes, p.max_copy_ns))
+            rows.append(
+                (
+                    k,
+                    label,
+                    p.phase,
+                    p.wall_ns,
+                    p.max_elapsed_ns,
+                    p.records_changed,
+                    p.bytes,
+                    p.max_copy_ns,
+                )
+            )
         rows.append((k, label, "(total)", total, None, None, None, None))
     return rows
 
@@ -130,36 +154,45 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--k", default="10,100,1000", help="allocation counts, comma separated")
     ap.add_argument("--size", type=int, default=64 << 10, help="bytes per allocation")
-    ap.add_argument("--granularity", type=int, default=64 << 10,
-                    help="FAKECUDA_GRANULARITY (fakecuda only)")
+    ap.add_argument(
+        "--granularity", type=int, default=64 << 10, help="FAKECUDA_GRANULARITY (fakecuda only)"
+    )
     ap.add_argument("--driver", choices=("fake", "real"), default="fake")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
     args = ap.parse_args(argv)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))   # K exported FDs per process
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # K exported FDs per process
     exe = build_cuipair(args.driver)
     ks = [int(x) for x in args.k.split(",") if x]
 
-    print(f"driver={args.driver} size={args.size} B per allocation, "
-          f"granularity={args.granularity} B, two processes (creator + importer)")
-    head = (f"{'K':>5} {'seq':<8} {'phase':<17} {'wall ms':>9} {'shim ms':>9} {'changed':>7} "
-            f"{'carrier B':>11} {'copy ms':>9} {'GB/s':>7} {'memcpy GB/s':>11} {'ratio':>6}")
+    print(
+        f"driver={args.driver} size={args.size} B per allocation, "
+        f"granularity={args.granularity} B, two processes (creator + importer)"
+    )
+    head = (
+        f"{'K':>5} {'seq':<8} {'phase':<17} {'wall ms':>9} {'shim ms':>9} {'changed':>7} "
+        f"{'carrier B':>11} {'copy ms':>9} {'GB/s':>7} {'memcpy GB/s':>11} {'ratio':>6}"
+    )
     print(head)
     print("-" * len(head))
     for k in ks:
         rows = run_one(exe, args.driver, k, args.size, args.granularity, args.timeout)
-        for (k_, label, phase, wall, elapsed, changed, nbytes, copy) in rows:
+        for k_, label, phase, wall, elapsed, changed, nbytes, copy in rows:
             rate = base = ratio = ""
             if nbytes and copy:
-                r = nbytes / copy                       # bytes/ns == GB/s
+                r = nbytes / copy  # bytes/ns == GB/s
                 b = nbytes / memcpy_ns(nbytes)
                 rate, base, ratio = f"{r:7.2f}", f"{b:11.2f}", f"{r / b:6.2f}"
-            print(f"{k_:>5} {label:<8} {phase:<17} {fmt_ms(wall)} {fmt_ms(elapsed):>9} "
-                  f"{'' if changed is None else changed:>7} "
-                  f"{'' if nbytes is None else nbytes:>11} {fmt_ms(copy) if copy else '':>9} "
-                  f"{rate:>7} {base:>11} {ratio:>6}")
-    print("wall: coordinator send -> last reply (the barrier); shim: slowest participant's "
-          "elapsed_ns; copy/GB/s: the creator's copy_ns; memcpy: same bytes, this process.")
+            print(
+                f"{k_:>5} {label:<8} {phase:<17} {fmt_ms(wall)} {fmt_ms(elapsed):>9} "
+                f"{'' if changed is None else changed:>7} "
+                f"{'' if nbytes is None else nbytes:>11} {fmt_ms(copy) if copy else '':>9} "
+                f"{rate:>7} {base:>11} {ratio:>6}"
+            )
+    print(
+        "wall: coordinator send -> last reply (the barrier); shim: slowest participant's "
+        "elapsed_ns; copy/GB/s: the creator's copy_ns; memcpy: same bytes, this process."
+    )
     return 0
 
 

@@ -3,6 +3,7 @@
 Used by CMake and by the test suite so that every C build sees the same CUDA headers.
 Exit status 1 with a message on stderr when the wheel is not installed.
 """
+
 import importlib.util
 import pathlib
 import sys
@@ -11,7 +12,9 @@ import sys
 def cuda_include_dir() -> pathlib.Path:
     spec = importlib.util.find_spec("nvidia")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the nvidia-cuda-runtime wheel is not installed (no 'nvidia' package)")
+        raise FileNotFoundError(
+            "the nvidia-cuda-runtime wheel is not installed (no 'nvidia' package)"
+        )
     for root in spec.submodule_search_locations:
         for sub in ("cu13/include", "cuda_runtime/include"):
             inc = pathlib.Path(root) / sub

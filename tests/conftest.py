@@ -16,6 +16,7 @@
 - ``placeholder``: a placeholder container's init in new namespaces (net, uts, ipc, optionally
   mnt and user), optionally in a test cgroup, its stdout a pipe to a reader (or an fd given).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -30,16 +31,18 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
-sys.path.insert(0, str(REPO / "tests"))       # placement_kit, for every area
+sys.path.insert(0, str(REPO / "tests"))  # placement_kit, for every area
 from cuda_include_dir import cuda_include_dir  # noqa: E402
+from placement_kit import CGROUP_FS, THREADED_CONTROLLERS, Placeholder, cgroup_bases, remove_cgroup  # noqa: E402
 
 from cuinterpose.agent import paths  # noqa: E402
-from placement_kit import (CGROUP_FS, THREADED_CONTROLLERS, Placeholder,  # noqa: E402
-                           cgroup_bases, remove_cgroup)
 
 C_BUILD = REPO / "build" / "tests"
-SANITIZE_FLAGS = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all",
-                  "-fno-omit-frame-pointer"]
+SANITIZE_FLAGS = [
+    "-fsanitize=address,undefined",
+    "-fno-sanitize-recover=all",
+    "-fno-omit-frame-pointer",
+]
 
 
 @pytest.fixture(scope="session")
@@ -57,11 +60,22 @@ def fakecuda_dir() -> pathlib.Path:
     return paths.fakecuda_dir()
 
 
-def compile_c(sources, out_name, *, cuda_include, sanitize=False, extra=(), libs=("-ldl", "-lpthread")):
+def compile_c(
+    sources, out_name, *, cuda_include, sanitize=False, extra=(), libs=("-ldl", "-lpthread")
+):
     """Compile ``sources`` (paths) into build/tests/<out_name>[-asan]; rebuild when inputs change."""
     sources = [pathlib.Path(s) for s in sources]
-    flags = ["-std=gnu11", "-O1", "-g", "-Wall", "-Wextra", "-Wno-unused-parameter",
-             f"-I{cuda_include}", f"-I{REPO / 'interposer' / 'include'}", *extra]
+    flags = [
+        "-std=gnu11",
+        "-O1",
+        "-g",
+        "-Wall",
+        "-Wextra",
+        "-Wno-unused-parameter",
+        f"-I{cuda_include}",
+        f"-I{REPO / 'interposer' / 'include'}",
+        *extra,
+    ]
     if sanitize:
         flags += SANITIZE_FLAGS
         out_name += "-asan"
@@ -86,6 +100,7 @@ def compile_c(sources, out_name, *, cuda_include, sanitize=False, extra=(), libs
 def build_c(cuda_include):
     def _build(sources, out_name, **kw):
         return compile_c(sources, out_name, cuda_include=cuda_include, **kw)
+
     return _build
 
 
@@ -118,6 +133,7 @@ def private_tmp(tmp_path_factory, monkeypatch):
     use it for every test (their conftest's autouse ``_private_tmp``); not global, since some
     tests need short /tmp paths for Unix sockets."""
     import tempfile
+
     d = tmp_path_factory.mktemp("tmp")
     monkeypatch.setattr(tempfile, "tempdir", str(d))
     monkeypatch.setenv("TMPDIR", str(d))
@@ -129,6 +145,7 @@ def subreaper():
     """This process adopts orphans (a CRIU-restored tree is not our child) while the test
     runs; zombies are reaped at teardown."""
     from cuinterpose.workloads.afdwin import demo
+
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(demo.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     yield
@@ -138,6 +155,7 @@ def subreaper():
 
 # --------------------------------------------------------------------------- placements
 # helpers (cgroups_of, comm_of, Placeholder, ...) live in tests/placement_kit.py
+
 
 @pytest.fixture
 def cgroup_dir():
@@ -164,23 +182,26 @@ def cgroup_dir():
         d.mkdir()
         made.append(d)
         if refusing and base != plain:
-            pass                      # v1 cpuset: a new one has empty cpuset.cpus/mems
+            pass  # v1 cpuset: a new one has empty cpuset.cpus/mems
         elif refusing:
             (d / "leaf").mkdir()
             made.append(d / "leaf")
             ctrls = (d / "cgroup.controllers").read_text().split()
             for c in ctrls:
                 if c in THREADED_CONTROLLERS:
-                    continue          # allowed beside processes: would not refuse them
+                    continue  # allowed beside processes: would not refuse them
                 try:
                     (d / "cgroup.subtree_control").write_text(f"+{c}")
                     break
                 except OSError:
                     continue
             else:
-                pytest.fail(f"cannot make {d} refuse processes: no domain controller of "
-                            f"{ctrls} can be enabled for its children")
+                pytest.fail(
+                    f"cannot make {d} refuse processes: no domain controller of "
+                    f"{ctrls} can be enabled for its children"
+                )
         return str(d)
+
     yield make
     for d in reversed(made):
         remove_cgroup(d)
@@ -197,6 +218,7 @@ def placeholder(tmp_path):
         p = Placeholder(tmp_path, hostname, **kw)
         made.append(p)
         return p
+
     yield start
     for p in made:
         p.stop()
@@ -204,23 +226,28 @@ def placeholder(tmp_path):
 
 # --------------------------------------------------------------------------- CRIU, afdwin
 
+
 @pytest.fixture(scope="session")
 def criu_ok() -> list[str]:
     """The argv prefix of a working CRIU (``agent.criu.criu_command``). Without one, runs
     scripts/install-criu.sh once; if CRIU still cannot run on this machine, skips with the
     reason printed (the only allowed skip: a kernel or sandbox where CRIU cannot work)."""
     from cuinterpose.agent.mech import criu
+
     try:
         return criu.criu_command()
     except criu.CriuError as first:
-        res = subprocess.run(["bash", str(REPO / "scripts" / "install-criu.sh")],
-                             capture_output=True, text=True)
+        res = subprocess.run(
+            ["bash", str(REPO / "scripts" / "install-criu.sh")], capture_output=True, text=True
+        )
         criu.reset()
         try:
             return criu.criu_command()
         except criu.CriuError as e:
-            reason = (f"CRIU cannot run on this machine.\n{first}\n"
-                      f"install-criu.sh exit {res.returncode}:\n{res.stderr[-3000:]}\n{e}")
+            reason = (
+                f"CRIU cannot run on this machine.\n{first}\n"
+                f"install-criu.sh exit {res.returncode}:\n{res.stderr[-3000:]}\n{e}"
+            )
             print(reason)
             pytest.skip(reason)
 
@@ -229,14 +256,16 @@ def criu_ok() -> list[str]:
 def afdwin(tmp_path, criu_ok, subreaper):
     """afdwin(steps=..., step_delay_ms=...) -> started demo.Afdwin; its whole tree (restored
     ones too) killed at teardown."""
-    from cuinterpose.workloads.afdwin import demo
     from cuinterpose.agent.mech.census import walk_tree
+    from cuinterpose.workloads.afdwin import demo
+
     runs = []
 
     def _start(**kw):
         a = demo.Afdwin(tmp_path / f"run{len(runs)}", **kw).start()
         runs.append(a)
         return a
+
     yield _start
     for a in runs:
         if demo.pid_alive(a.pid):

@@ -4,6 +4,7 @@
 (without the ``*_created`` timestamps), parsed with prometheus_client's text parser; the key is
 the sample as the exposition writes it (labels in their order), so tests compare exact
 samples. ``text(port)`` is the raw exposition."""
+
 from __future__ import annotations
 
 import urllib.request

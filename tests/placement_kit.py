@@ -7,6 +7,7 @@
 - ``hidden_python_dirs()``: this Python's directories, for a placeholder that lacks them;
 - ``cgroup_bases()``, ``remove_cgroup(d)``: where test cgroups are made, and their removal.
 """
+
 from __future__ import annotations
 
 import os
@@ -42,8 +43,9 @@ def cgroup_bases() -> tuple[pathlib.Path, pathlib.Path]:
     hierarchies when mounted (hybrid/legacy hosts), else the v2 hierarchy (``/sys/fs/cgroup``,
     or ``/sys/fs/cgroup/unified`` beside v1). Fails (not skips) when there is none: every
     machine the suite runs on has cgroups and runs it as root."""
-    if (CGROUP_FS / "pids" / "cgroup.procs").is_file() and \
-            (CGROUP_FS / "cpuset" / "cgroup.procs").is_file():
+    if (CGROUP_FS / "pids" / "cgroup.procs").is_file() and (
+        CGROUP_FS / "cpuset" / "cgroup.procs"
+    ).is_file():
         return CGROUP_FS / "pids", CGROUP_FS / "cpuset"
     for v2 in (CGROUP_FS, CGROUP_FS / "unified"):
         if (v2 / "cgroup.controllers").is_file():
@@ -61,6 +63,7 @@ def cgroup_procs(d: pathlib.Path) -> list[int]:
 def remove_cgroup(d: pathlib.Path, timeout: float = 30) -> None:
     """SIGKILL what is left in cgroup ``d``, reap, and remove it (gone already: nothing)."""
     from cuinterpose.workloads.afdwin import demo
+
     deadline = time.monotonic() + timeout
     while True:
         for p in cgroup_procs(d):
@@ -86,10 +89,15 @@ def hidden_python_dirs() -> list[str]:
     ``sleep``: a container's mount namespace that lacks the agent's interpreter."""
     import shutil
     import sys
-    keep = {os.path.dirname(os.path.realpath(shutil.which(c) or "/")) for c in
-            ("sh", "hostname", "sleep", "unshare", "mount")}
-    keep |= {os.path.dirname(shutil.which(c) or "/") for c in
-             ("sh", "hostname", "sleep", "unshare", "mount")}
+
+    keep = {
+        os.path.dirname(os.path.realpath(shutil.which(c) or "/"))
+        for c in ("sh", "hostname", "sleep", "unshare", "mount")
+    }
+    keep |= {
+        os.path.dirname(shutil.which(c) or "/")
+        for c in ("sh", "hostname", "sleep", "unshare", "mount")
+    }
     out = []
     for d in (os.path.dirname(sys.executable), os.path.dirname(os.path.realpath(sys.executable))):
         if d not in out and d not in keep and d not in ("/", "/usr", "/bin", "/usr/bin"):
@@ -106,10 +114,20 @@ class Placeholder:
     ``prepare``: shell commands run inside the namespaces first (e.g. a bind mount).
     ``user``: a user namespace of its own too. ``pid``, ``proc``; ``stop()``."""
 
-    def __init__(self, tmp: pathlib.Path, hostname: str, *, cgroup: str | None = None,
-                 mount: bool = False, stdout: bool = True, prepare: str = "",
-                 out: pathlib.Path | None = None, stdout_fd: int | None = None,
-                 stderr_fd: int | None = None, user: bool = False):
+    def __init__(
+        self,
+        tmp: pathlib.Path,
+        hostname: str,
+        *,
+        cgroup: str | None = None,
+        mount: bool = False,
+        stdout: bool = True,
+        prepare: str = "",
+        out: pathlib.Path | None = None,
+        stdout_fd: int | None = None,
+        stderr_fd: int | None = None,
+        user: bool = False,
+    ):
         self.out = out or tmp / f"placeholder-{hostname}.out"
         self.hostname = hostname
         self.reader = None
@@ -121,13 +139,19 @@ class Placeholder:
             with open(self.out, "ab") as f:
                 self.reader = subprocess.Popen(["cat"], stdin=r, stdout=f)
             os.close(r)
-        ns = ["--net", "--uts", "--ipc"] + (["--mount", "--propagation", "private"]
-                                            if mount else []) + (
-            ["--user", "--map-root-user"] if user else [])
+        ns = (
+            ["--net", "--uts", "--ipc"]
+            + (["--mount", "--propagation", "private"] if mount else [])
+            + (["--user", "--map-root-user"] if user else [])
+        )
         script = f"{prepare + ' && ' if prepare else ''}hostname {hostname} && exec sleep 600"
-        self.proc = subprocess.Popen(["unshare", *ns, "sh", "-c", script],
-                                     stdin=subprocess.DEVNULL, stdout=w, stderr=stderr_fd,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            ["unshare", *ns, "sh", "-c", script],
+            stdin=subprocess.DEVNULL,
+            stdout=w,
+            stderr=stderr_fd,
+            start_new_session=True,
+        )
         if stdout:
             os.close(w)
         self.pid = self.proc.pid
@@ -136,8 +160,9 @@ class Placeholder:
         deadline = time.monotonic() + 30
         while comm_of(self.pid) != "sleep":
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"placeholder {hostname} did not start sleep "
-                                     f"(exit {self.proc.poll()})")
+                raise AssertionError(
+                    f"placeholder {hostname} did not start sleep (exit {self.proc.poll()})"
+                )
             time.sleep(0.02)
 
     def stop(self) -> None:

@@ -8,6 +8,7 @@ restored tree was killed / the manifest could not be written (read the message).
 ``{"ok": true, ...}`` or ``{"ok": false, "error": {"phase", "pid", "reason", "outcome",
 "message"}}``.
 """
+
 from __future__ import annotations
 
 import os
@@ -28,7 +29,9 @@ def _drop_shim_from_self() -> None:
         with open("/proc/self/maps") as f:
             if paths.SHIM_NAME in f.read():
                 os.environ["_CUINTERPOSE_AGENT_REEXEC"] = "1"
-                os.execv(sys.executable, [sys.executable, "-m", "cuinterpose.agent.cli", *sys.argv[1:]])
+                os.execv(
+                    sys.executable, [sys.executable, "-m", "cuinterpose.agent.cli", *sys.argv[1:]]
+                )
 
 
 class _Group(click.Group):
@@ -44,14 +47,32 @@ class _Group(click.Group):
             rv = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
         except click.ClickException as e:
             reason = e.format_message()
-            emit_json({"ok": False, "error": {"phase": "usage", "pid": None, "reason": reason,
-                                              "outcome": "usage",
-                                              "message": f"usage: {reason}"}})
+            emit_json(
+                {
+                    "ok": False,
+                    "error": {
+                        "phase": "usage",
+                        "pid": None,
+                        "reason": reason,
+                        "outcome": "usage",
+                        "message": f"usage: {reason}",
+                    },
+                }
+            )
             sys.exit(e.exit_code)
         except click.exceptions.Abort:
-            emit_json({"ok": False, "error": {"phase": "usage", "pid": None,
-                                              "reason": "aborted", "outcome": "usage",
-                                              "message": "usage: aborted"}})
+            emit_json(
+                {
+                    "ok": False,
+                    "error": {
+                        "phase": "usage",
+                        "pid": None,
+                        "reason": "aborted",
+                        "outcome": "usage",
+                        "message": "usage: aborted",
+                    },
+                }
+            )
             sys.exit(1)
         sys.exit(rv if isinstance(rv, int) else 0)
 
@@ -78,7 +99,8 @@ def shim_path_cmd():
 @json_opt
 def doctor(driver, control_dir, as_json):
     """Check CRIU, the driver's checkpoint API, the shim and the control directory."""
-    from cuinterpose.agent.doctor import run_checks, render
+    from cuinterpose.agent.doctor import render, run_checks
+
     set_env(driver, control_dir)
     checks = run_checks(driver=driver, control_dir=control_dir)
     ok = all(c["ok"] for c in checks)
@@ -89,6 +111,13 @@ def doctor(driver, control_dir, as_json):
     sys.exit(0 if ok else 1)
 
 
-for _cmd in (jobs.checkpoint, jobs.restore, jobs.inspect, jobs.snapshots_cmd, jobs.release_cmd,
-             daemon.serve, daemon.health_cmd):
+for _cmd in (
+    jobs.checkpoint,
+    jobs.restore,
+    jobs.inspect,
+    jobs.snapshots_cmd,
+    jobs.release_cmd,
+    daemon.serve,
+    daemon.health_cmd,
+):
     main.add_command(_cmd)

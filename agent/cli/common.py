@@ -1,6 +1,7 @@
 """What the ``cuinterpose-agent`` commands share: the exit codes, the JSON output and the
 error report, the live reporter, the common options, and running a request through an agent
 daemon (``--agent``: :func:`remote`, :class:`RemoteRows`) or leading a group from here."""
+
 from __future__ import annotations
 
 import json
@@ -11,9 +12,15 @@ import click
 
 from cuinterpose.agent.errors import AgentError
 
-EXIT = {"refused": 3, "rolled_back": 4, "rollback_failed": 5, "snapshot_incomplete": 5,
-        "restore_failed": 5, "usage": 2, "unreachable": 6}
-
+EXIT = {
+    "refused": 3,
+    "rolled_back": 4,
+    "rollback_failed": 5,
+    "snapshot_incomplete": 5,
+    "restore_failed": 5,
+    "usage": 2,
+    "unreachable": 6,
+}
 
 
 def emit_json(obj: dict) -> None:
@@ -24,26 +31,31 @@ def fail(e: AgentError, as_json: bool, extra: dict | None = None, command: str =
     if as_json:
         err = e.to_dict()
         if getattr(e, "node", None):
-            err["node"] = e.node      # a group request: the member that failed
+            err["node"] = e.node  # a group request: the member that failed
         emit_json({"ok": False, "error": err, **(extra or {})})
     else:
         click.echo(f"error: {e}", err=True)
-        refused = {"checkpoint": "nothing was torn down; the workload keeps running",
-                   "restore": "nothing was changed; the snapshot is untouched",
-                   "inspect": "nothing was changed (INSPECT is read-only)",
-                   "snapshots": "nothing was changed (read-only)",
-                   "serve": "the agent did not start"}.get(command, "")
-        hint = {"refused": getattr(e, "hint", None) or refused,
-                "rolled_back": "the workload was rebuilt and keeps running with its memory intact",
-                "rollback_failed": "the workload could NOT be rebuilt; it needs an operator",
-                "snapshot_incomplete": "the tree was dumped but the directory is not a snapshot",
-                "restore_failed": "the restored tree was killed; the snapshot is untouched"}
+        refused = {
+            "checkpoint": "nothing was torn down; the workload keeps running",
+            "restore": "nothing was changed; the snapshot is untouched",
+            "inspect": "nothing was changed (INSPECT is read-only)",
+            "snapshots": "nothing was changed (read-only)",
+            "serve": "the agent did not start",
+        }.get(command, "")
+        hint = {
+            "refused": getattr(e, "hint", None) or refused,
+            "rolled_back": "the workload was rebuilt and keeps running with its memory intact",
+            "rollback_failed": "the workload could NOT be rebuilt; it needs an operator",
+            "snapshot_incomplete": "the tree was dumped but the directory is not a snapshot",
+            "restore_failed": "the restored tree was killed; the snapshot is untouched",
+        }
         click.echo(f"outcome: {e.outcome}: {hint.get(e.outcome, '')}", err=True)
     sys.exit(EXIT.get(e.outcome, 5))
 
 
 def reporter(title: str, as_json: bool):
     from cuinterpose.agent.run.report import Reporter, RichSink
+
     if as_json:
         return Reporter(), None
     sink = RichSink(title)
@@ -57,35 +69,61 @@ def set_env(driver, control_dir):
         os.environ["CUINTERPOSE_CONTROL_DIR"] = str(control_dir)
 
 
-
 POSITIVE = click.FloatRange(min=0, min_open=True)
 
-driver_opt = click.option("--driver", type=click.Choice(["real", "fake"]), default=None,
-                          help="libcuda.so.1 to use: real (default) or fakecuda "
-                               "(also $CUINTERPOSE_DRIVER).")
-control_opt = click.option("--control-dir", type=click.Path(file_okay=False), default=None,
-                           help="shim control directory (default $CUINTERPOSE_CONTROL_DIR or "
-                                "/tmp/cuinterpose).")
+driver_opt = click.option(
+    "--driver",
+    type=click.Choice(["real", "fake"]),
+    default=None,
+    help="libcuda.so.1 to use: real (default) or fakecuda (also $CUINTERPOSE_DRIVER).",
+)
+control_opt = click.option(
+    "--control-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="shim control directory (default $CUINTERPOSE_CONTROL_DIR or /tmp/cuinterpose).",
+)
 json_opt = click.option("--json", "as_json", is_flag=True, help="machine-readable output only.")
-agent_opt = click.option("--agent", "agent_addr", default=None, metavar="ADDR",
-                         help="run through the agent daemon at ADDR (unix:/path or host:port) "
-                              "instead of in-process.")
-tls_ca_opt = click.option("--tls-ca", type=click.Path(dir_okay=False), default=None,
-                          help="with --agent over TCP: CA certificate to verify the agent.")
-tls_cert_opt = click.option("--tls-cert", type=click.Path(dir_okay=False), default=None,
-                            help="with --agent: client certificate (mutual TLS).")
-tls_key_opt = click.option("--tls-key", type=click.Path(dir_okay=False), default=None,
-                           help="with --agent: client key (mutual TLS).")
-group_opt = click.option("--group", "group_file", type=click.Path(dir_okay=False, exists=True),
-                         default=None, help="JSON file {\"members\": [{\"node\", \"address\", "
-                         "\"images_dir\", \"roots\" (checkpoint), \"into_pid\" (restore, "
-                         "optional: a placement on that node)}]}: one group request across these "
-                         "agents, led by --agent (or by this process).")
-
+agent_opt = click.option(
+    "--agent",
+    "agent_addr",
+    default=None,
+    metavar="ADDR",
+    help="run through the agent daemon at ADDR (unix:/path or host:port) instead of in-process.",
+)
+tls_ca_opt = click.option(
+    "--tls-ca",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="with --agent over TCP: CA certificate to verify the agent.",
+)
+tls_cert_opt = click.option(
+    "--tls-cert",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="with --agent: client certificate (mutual TLS).",
+)
+tls_key_opt = click.option(
+    "--tls-key",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="with --agent: client key (mutual TLS).",
+)
+group_opt = click.option(
+    "--group",
+    "group_file",
+    type=click.Path(dir_okay=False, exists=True),
+    default=None,
+    help='JSON file {"members": [{"node", "address", '
+    '"images_dir", "roots" (checkpoint), "into_pid" (restore, '
+    "optional: a placement on that node)}]}: one group request across these "
+    "agents, led by --agent (or by this process).",
+)
 
 
 def client_tls(ca, cert, key):
     from cuinterpose.agent.rpc.client import TLS
+
     t = TLS(cert=cert, key=key, ca=ca)
     return t if t.enabled else None
 
@@ -93,6 +131,7 @@ def client_tls(ca, cert, key):
 def load_members(group_file, kind: str):
     """Members of a --group file as ``Member`` messages; a bad file is a usage error."""
     from cuinterpose.agent.snapshot import pb
+
     apb, _, _ = pb.modules()
     try:
         with open(group_file) as f:
@@ -107,9 +146,15 @@ def load_members(group_file, kind: str):
                 raise ValueError(f"member {m.get('node')!r}: into_pid is for a restore")
             if into < 0:
                 raise ValueError(f"member {m.get('node')!r}: into_pid {into} is not a pid")
-            out.append(apb.Member(node=str(m["node"]), address=str(m["address"]),
-                                  images_dir=str(m["images_dir"]), roots=roots,
-                                  into_pid=into))
+            out.append(
+                apb.Member(
+                    node=str(m["node"]),
+                    address=str(m["address"]),
+                    images_dir=str(m["images_dir"]),
+                    roots=roots,
+                    into_pid=into,
+                )
+            )
         if not out:
             raise ValueError("no members")
         return out
@@ -127,6 +172,7 @@ class RemoteRows:
 
     def __call__(self, row: dict) -> None:
         from cuinterpose.agent.run.report import Phase
+
         if row["event"] == "note":
             self.rep.note(row["text"])
             return
@@ -143,25 +189,36 @@ class RemoteRows:
             ph = Phase(name=name)
             self.rep.phases.append(ph)
             self.rep._emit("start", ph)
-        ph.status, ph.elapsed_ns, ph.bytes, ph.detail = (row["status"], row["elapsed_ns"],
-                                                         row["bytes"], row["detail"])
+        ph.status, ph.elapsed_ns, ph.bytes, ph.detail = (
+            row["status"],
+            row["elapsed_ns"],
+            row["bytes"],
+            row["detail"],
+        )
         self.rep._emit("end", ph)
 
 
 def remote(addr, method, request, rep, sink, tls):
     """Run ``method`` at the agent ``addr``; returns the CLI JSON object of a success, raises
     ``AgentError`` (what the agent reported, or outcome "unreachable") otherwise."""
-    from cuinterpose.agent.run.ops import error_from_dict
     from cuinterpose.agent.rpc.client import call
+    from cuinterpose.agent.run.ops import error_from_dict
 
     res = live(sink, lambda: call(addr, method, request, tls=tls, on_progress=RemoteRows(rep)))
     obj = json.loads(res.json) if res.json else {}
     if res.ok:
         return obj
     e = res.error
-    err = error_from_dict({"phase": e.phase, "pid": e.pid if e.has_pid else None,
-                           "reason": e.reason, "outcome": e.outcome, "message": e.message,
-                           "node": e.node})
+    err = error_from_dict(
+        {
+            "phase": e.phase,
+            "pid": e.pid if e.has_pid else None,
+            "reason": e.reason,
+            "outcome": e.outcome,
+            "message": e.message,
+            "node": e.node,
+        }
+    )
     err.remote_phases = obj.get("phases", [])
     raise err
 

@@ -1,33 +1,74 @@
 """The one-shot commands of ``cuinterpose-agent``: ``checkpoint``, ``restore``, ``inspect``,
 ``snapshots`` and ``release``: in-process, through an agent daemon (``--agent``), or leading a
 group (``--group``) (docs/agent.md, docs/service.md)."""
+
 from __future__ import annotations
 
 import os
 
 import click
 
+from cuinterpose.agent.cli.common import (
+    POSITIVE,
+    RemoteRows,
+    agent_opt,
+    client_tls,
+    control_opt,
+    driver_opt,
+    emit_json,
+    fail,
+    group_opt,
+    json_opt,
+    live,
+    load_members,
+    remote,
+    reporter,
+    set_env,
+    tls_ca_opt,
+    tls_cert_opt,
+    tls_key_opt,
+)
 from cuinterpose.agent.errors import AgentError
-from cuinterpose.agent.cli.common import (POSITIVE, RemoteRows, agent_opt, client_tls,
-                                          control_opt, driver_opt, emit_json, fail, group_opt,
-                                          json_opt, live, load_members, remote, reporter,
-                                          set_env, tls_ca_opt, tls_cert_opt, tls_key_opt)
 from cuinterpose.coordinator.protocol import default_control_dir
 
 
 @click.command()
-@click.option("--pid", "pids", type=int, multiple=True,
-              help="root of a process tree to checkpoint (repeatable; not with --group).")
-@click.option("--images-dir", type=click.Path(file_okay=False), default=None,
-              help="new snapshot directory (not with --group; with --agent: sent as an "
-                   "absolute path, which must lie under the daemon's --snapshot-dir).")
+@click.option(
+    "--pid",
+    "pids",
+    type=int,
+    multiple=True,
+    help="root of a process tree to checkpoint (repeatable; not with --group).",
+)
+@click.option(
+    "--images-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="new snapshot directory (not with --group; with --agent: sent as an "
+    "absolute path, which must lie under the daemon's --snapshot-dir).",
+)
 @click.option("--quiesce-timeout-ms", type=click.IntRange(1), default=10_000, show_default=True)
-@click.option("--lock-timeout-ms", type=click.IntRange(0), default=10_000, show_default=True,
-              help="cuCheckpointProcessLock timeout per process (0 = none).")
-@click.option("--phase-timeout-s", type=POSITIVE, default=60.0, show_default=True,
-              help="deadline of each coordinator request (INSPECT, PREPARE_UNICAST, ...).")
-@click.option("--carrier-timeout-s", type=POSITIVE, default=3600.0, show_default=True,
-              help="deadline of SAVE_ALLOCATIONS (copying shared bytes to host carriers).")
+@click.option(
+    "--lock-timeout-ms",
+    type=click.IntRange(0),
+    default=10_000,
+    show_default=True,
+    help="cuCheckpointProcessLock timeout per process (0 = none).",
+)
+@click.option(
+    "--phase-timeout-s",
+    type=POSITIVE,
+    default=60.0,
+    show_default=True,
+    help="deadline of each coordinator request (INSPECT, PREPARE_UNICAST, ...).",
+)
+@click.option(
+    "--carrier-timeout-s",
+    type=POSITIVE,
+    default=3600.0,
+    show_default=True,
+    help="deadline of SAVE_ALLOCATIONS (copying shared bytes to host carriers).",
+)
 @click.option("--leave-running", is_flag=True, help="keep the workload running after the dump.")
 @driver_opt
 @control_opt
@@ -37,44 +78,77 @@ from cuinterpose.coordinator.protocol import default_control_dir
 @tls_cert_opt
 @tls_key_opt
 @json_opt
-def checkpoint(pids, images_dir, quiesce_timeout_ms, lock_timeout_ms, phase_timeout_s,
-               carrier_timeout_s, leave_running, driver, control_dir, agent_addr, group_file,
-               tls_ca, tls_cert, tls_key, as_json):
+def checkpoint(
+    pids,
+    images_dir,
+    quiesce_timeout_ms,
+    lock_timeout_ms,
+    phase_timeout_s,
+    carrier_timeout_s,
+    leave_running,
+    driver,
+    control_dir,
+    agent_addr,
+    group_file,
+    tls_ca,
+    tls_cert,
+    tls_key,
+    as_json,
+):
     """Checkpoint the process tree(s) rooted at --pid into --images-dir."""
     from cuinterpose.agent.run import ops
+
     if group_file:
         if pids or images_dir:
-            raise click.UsageError("--group names each member's roots and images dir; "
-                                   "do not pass --pid or --images-dir with it")
+            raise click.UsageError(
+                "--group names each member's roots and images dir; "
+                "do not pass --pid or --images-dir with it"
+            )
     elif not pids:
         raise click.UsageError("Missing option '--pid'.")
     elif not images_dir:
         raise click.UsageError("Missing option '--images-dir'.")
     tls = client_tls(tls_ca, tls_cert, tls_key)
-    title = (f"group checkpoint {group_file}" if group_file else
-             f"checkpoint {' '.join(map(str, pids))} -> {images_dir}")
+    title = (
+        f"group checkpoint {group_file}"
+        if group_file
+        else f"checkpoint {' '.join(map(str, pids))} -> {images_dir}"
+    )
     rep, sink = reporter(title, as_json)
-    kw = dict(control_dir=control_dir, quiesce_timeout_ms=quiesce_timeout_ms,
-              lock_timeout_ms=lock_timeout_ms, phase_timeout_s=phase_timeout_s,
-              carrier_timeout_s=carrier_timeout_s, driver=driver, leave_running=leave_running)
+    kw = dict(
+        control_dir=control_dir,
+        quiesce_timeout_ms=quiesce_timeout_ms,
+        lock_timeout_ms=lock_timeout_ms,
+        phase_timeout_s=phase_timeout_s,
+        carrier_timeout_s=carrier_timeout_s,
+        driver=driver,
+        leave_running=leave_running,
+    )
     try:
         if agent_addr or group_file:
             from cuinterpose.agent.snapshot import pb
+
             apb, _, _ = pb.modules()
             req = apb.CheckpointRequest(
-                roots=list(pids), images_dir=os.path.abspath(images_dir) if images_dir else "",
+                roots=list(pids),
+                images_dir=os.path.abspath(images_dir) if images_dir else "",
                 options=apb.CheckpointOptions(
-                    quiesce_timeout_ms=quiesce_timeout_ms, lock_timeout_ms=lock_timeout_ms,
-                    phase_timeout_s=phase_timeout_s, carrier_timeout_s=carrier_timeout_s,
-                    leave_running=leave_running, driver=driver or "",
-                    control_dir=os.path.abspath(control_dir) if control_dir else ""),
-                members=load_members(group_file, "checkpoint") if group_file else [])
+                    quiesce_timeout_ms=quiesce_timeout_ms,
+                    lock_timeout_ms=lock_timeout_ms,
+                    phase_timeout_s=phase_timeout_s,
+                    carrier_timeout_s=carrier_timeout_s,
+                    leave_running=leave_running,
+                    driver=driver or "",
+                    control_dir=os.path.abspath(control_dir) if control_dir else "",
+                ),
+                members=load_members(group_file, "checkpoint") if group_file else [],
+            )
             if agent_addr:
                 out = remote(agent_addr, "Checkpoint", req, rep, sink, tls)
             else:
                 from cuinterpose.agent.rpc.group import lead
-                out = live(sink, lambda: lead(
-                    "checkpoint", req, rep, RemoteRows(rep), tls=tls)[0])
+
+                out = live(sink, lambda: lead("checkpoint", req, rep, RemoteRows(rep), tls=tls)[0])
         else:
             set_env(driver, control_dir)
             out = live(sink, lambda: ops.checkpoint(rep, pids, images_dir, **kw)[0])
@@ -83,82 +157,140 @@ def checkpoint(pids, images_dir, quiesce_timeout_ms, lock_timeout_ms, phase_time
     if as_json:
         emit_json(out)
     elif group_file:
-        click.echo(f"group checkpoint {out['request_id']}: " + ", ".join(
-            f"{m['node']} -> {m['images_dir']}" for m in out["members"]))
+        click.echo(
+            f"group checkpoint {out['request_id']}: "
+            + ", ".join(f"{m['node']} -> {m['images_dir']}" for m in out["members"])
+        )
     else:
         click.echo(f"snapshot {out['snapshot_id']} written to {out['images_dir']}")
 
 
 @click.command()
-@click.option("--images-dir", type=click.Path(file_okay=False), default=None,
-              help="the snapshot directory (with --agent: sent as an absolute path, which must "
-                   "lie under the daemon's --snapshot-dir).")
-@click.option("--phase-timeout-s", type=POSITIVE, default=60.0, show_default=True,
-              help="deadline of each coordinator request (INSPECT, RESTORE_UNICAST, ...).")
-@click.option("--carrier-timeout-s", type=POSITIVE, default=3600.0, show_default=True,
-              help="deadline of LOAD_ALLOCATIONS (copying the carried bytes back).")
-@click.option("--into-pid", type=click.IntRange(min=1), default=None, metavar="PID",
-              help="restore into the cgroups, namespaces and stdio of this running process (a "
-                   "placeholder container's init): CRIU joins its net, ipc and uts namespaces "
-                   "(--join-ns) and runs inside its mount namespace (CRIU's child enters it), "
-                   "pipes of the trees to outside them get its stdin/stdout/stderr, and files "
-                   "they had opened outside their mount namespace get its fd of the same kind "
-                   "(else their recorded path, reopened).")
-@click.option("--driver", type=click.Choice(["real", "fake"]), default=None,
-              help="libcuda.so.1 to use: real or fakecuda (default: $CUINTERPOSE_DRIVER, else "
-                   "the driver the manifest records).")
+@click.option(
+    "--images-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="the snapshot directory (with --agent: sent as an absolute path, which must "
+    "lie under the daemon's --snapshot-dir).",
+)
+@click.option(
+    "--phase-timeout-s",
+    type=POSITIVE,
+    default=60.0,
+    show_default=True,
+    help="deadline of each coordinator request (INSPECT, RESTORE_UNICAST, ...).",
+)
+@click.option(
+    "--carrier-timeout-s",
+    type=POSITIVE,
+    default=3600.0,
+    show_default=True,
+    help="deadline of LOAD_ALLOCATIONS (copying the carried bytes back).",
+)
+@click.option(
+    "--into-pid",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="PID",
+    help="restore into the cgroups, namespaces and stdio of this running process (a "
+    "placeholder container's init): CRIU joins its net, ipc and uts namespaces "
+    "(--join-ns) and runs inside its mount namespace (CRIU's child enters it), "
+    "pipes of the trees to outside them get its stdin/stdout/stderr, and files "
+    "they had opened outside their mount namespace get its fd of the same kind "
+    "(else their recorded path, reopened).",
+)
+@click.option(
+    "--driver",
+    type=click.Choice(["real", "fake"]),
+    default=None,
+    help="libcuda.so.1 to use: real or fakecuda (default: $CUINTERPOSE_DRIVER, else "
+    "the driver the manifest records).",
+)
 @agent_opt
 @group_opt
 @tls_ca_opt
 @tls_cert_opt
 @tls_key_opt
 @json_opt
-def restore(images_dir, phase_timeout_s, carrier_timeout_s, into_pid, driver, agent_addr,
-            group_file, tls_ca, tls_cert, tls_key, as_json):
+def restore(
+    images_dir,
+    phase_timeout_s,
+    carrier_timeout_s,
+    into_pid,
+    driver,
+    agent_addr,
+    group_file,
+    tls_ca,
+    tls_cert,
+    tls_key,
+    as_json,
+):
     """Restore the snapshot in --images-dir and let the workload continue. There is no
     --control-dir: the restore uses the control dir recorded in the snapshot's manifest."""
     from cuinterpose.agent.run import ops
+
     if group_file and images_dir:
         raise click.UsageError("--group names each member's images dir; do not pass --images-dir")
     if group_file and into_pid:
-        raise click.UsageError("--into-pid places a single-node restore; in a group restore "
-                               "each member of the --group file names its own \"into_pid\"")
+        raise click.UsageError(
+            "--into-pid places a single-node restore; in a group restore "
+            'each member of the --group file names its own "into_pid"'
+        )
     if not group_file and not images_dir:
         raise click.UsageError("Missing option '--images-dir'.")
     tls = client_tls(tls_ca, tls_cert, tls_key)
-    rep, sink = reporter(f"group restore {group_file}" if group_file else
-                         f"restore {images_dir}", as_json)
+    rep, sink = reporter(
+        f"group restore {group_file}" if group_file else f"restore {images_dir}", as_json
+    )
     try:
         if agent_addr or group_file:
             from cuinterpose.agent.snapshot import pb
+
             apb, _, _ = pb.modules()
             req = apb.RestoreRequest(
-                images_dir=os.path.abspath(images_dir) if images_dir else "", driver=driver or "",
-                phase_timeout_s=phase_timeout_s, carrier_timeout_s=carrier_timeout_s,
+                images_dir=os.path.abspath(images_dir) if images_dir else "",
+                driver=driver or "",
+                phase_timeout_s=phase_timeout_s,
+                carrier_timeout_s=carrier_timeout_s,
                 members=load_members(group_file, "restore") if group_file else [],
-                into_pid=into_pid or 0)
+                into_pid=into_pid or 0,
+            )
             if agent_addr:
                 res = remote(agent_addr, "Restore", req, rep, sink, tls)
             else:
                 from cuinterpose.agent.rpc.group import lead
-                res = live(sink, lambda: lead(
-                    "restore", req, rep, RemoteRows(rep), tls=tls)[0])
+
+                res = live(sink, lambda: lead("restore", req, rep, RemoteRows(rep), tls=tls)[0])
         else:
             if not os.path.exists(images_dir):
                 from cuinterpose.agent.errors import SnapshotError
+
                 raise SnapshotError("manifest", f"{images_dir} does not exist")
             set_env(driver, None)
-            res = live(sink, lambda: ops.restore(
-                rep, images_dir, driver=driver, phase_timeout_s=phase_timeout_s,
-                carrier_timeout_s=carrier_timeout_s, placement=into_pid))
+            res = live(
+                sink,
+                lambda: ops.restore(
+                    rep,
+                    images_dir,
+                    driver=driver,
+                    phase_timeout_s=phase_timeout_s,
+                    carrier_timeout_s=carrier_timeout_s,
+                    placement=into_pid,
+                ),
+            )
     except AgentError as e:
-        fail(e, as_json, {"phases": getattr(e, "remote_phases", None) or rep.to_list()},
-             command="restore")
+        fail(
+            e,
+            as_json,
+            {"phases": getattr(e, "remote_phases", None) or rep.to_list()},
+            command="restore",
+        )
     if as_json:
         emit_json(res)
     elif group_file:
-        click.echo(f"group restore {res['request_id']}: " + ", ".join(
-            m["node"] for m in res["members"]))
+        click.echo(
+            f"group restore {res['request_id']}: " + ", ".join(m["node"] for m in res["members"])
+        )
     else:
         click.echo(f"restored {res['snapshot_id']}: roots {', '.join(map(str, res['roots']))}")
 
@@ -174,17 +306,23 @@ def restore(images_dir, phase_timeout_s, carrier_timeout_s, into_pid, driver, ag
 @json_opt
 def inspect(pid, phase_timeout_s, control_dir, agent_addr, tls_ca, tls_cert, tls_key, as_json):
     """INSPECT one process through its control socket (read-only)."""
-    from cuinterpose.agent.run import ops
     from cuinterpose.agent.inspect import render_table
+    from cuinterpose.agent.run import ops
+
     try:
         if agent_addr:
-            from cuinterpose.agent.snapshot import pb
             from cuinterpose.agent.run.report import Reporter
+            from cuinterpose.agent.snapshot import pb
+
             apb, _, _ = pb.modules()
-            req = apb.InspectRequest(pid=pid, timeout_s=phase_timeout_s,
-                                     control_dir=os.path.abspath(control_dir) if control_dir else "")
-            res = remote(agent_addr, "Inspect", req, Reporter(), None,
-                         client_tls(tls_ca, tls_cert, tls_key))
+            req = apb.InspectRequest(
+                pid=pid,
+                timeout_s=phase_timeout_s,
+                control_dir=os.path.abspath(control_dir) if control_dir else "",
+            )
+            res = remote(
+                agent_addr, "Inspect", req, Reporter(), None, client_tls(tls_ca, tls_cert, tls_key)
+            )
         else:
             set_env(None, control_dir)
             res = ops.inspect(pid, control_dir=control_dir, timeout_s=phase_timeout_s)
@@ -199,9 +337,14 @@ def inspect(pid, phase_timeout_s, control_dir, agent_addr, tls_ca, tls_cert, tls
 
 @click.command("snapshots")
 @click.argument("path", required=False, type=click.Path(file_okay=False))
-@click.option("--dir", "directory", type=click.Path(file_okay=False), default=None,
-              help="directory whose sub-directories are snapshots (with --agent: default the "
-                   "agent's --snapshot-dir); also accepted as the argument PATH.")
+@click.option(
+    "--dir",
+    "directory",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="directory whose sub-directories are snapshots (with --agent: default the "
+    "agent's --snapshot-dir); also accepted as the argument PATH.",
+)
 @agent_opt
 @tls_ca_opt
 @tls_cert_opt
@@ -211,17 +354,25 @@ def snapshots_cmd(path, directory, agent_addr, tls_ca, tls_cert, tls_key, as_jso
     """List the snapshots (directories holding manifest.json) under PATH / --dir, or PATH
     itself when it is a snapshot."""
     from cuinterpose.agent.run import ops
+
     if path and directory and os.path.abspath(path) != os.path.abspath(directory):
         raise click.UsageError("give the directory either as PATH or as --dir, not both")
     directory = directory or path
     try:
         if agent_addr:
-            from cuinterpose.agent.snapshot import pb
             from cuinterpose.agent.run.report import Reporter
+            from cuinterpose.agent.snapshot import pb
+
             apb, _, _ = pb.modules()
             req = apb.ListSnapshotsRequest(dir=os.path.abspath(directory) if directory else "")
-            res = remote(agent_addr, "ListSnapshots", req, Reporter(), None,
-                         client_tls(tls_ca, tls_cert, tls_key))
+            res = remote(
+                agent_addr,
+                "ListSnapshots",
+                req,
+                Reporter(),
+                None,
+                client_tls(tls_ca, tls_cert, tls_key),
+            )
         else:
             if not directory:
                 raise click.UsageError("--dir is required without --agent")
@@ -232,13 +383,18 @@ def snapshots_cmd(path, directory, agent_addr, tls_ca, tls_cert, tls_key, as_jso
         emit_json(res)
         return
     from cuinterpose.agent.run.report import render_snapshots
+
     render_snapshots(res)
 
 
 @click.command("release")
 @click.option("--pid", type=int, required=True, help="root pid whose pending request to answer.")
-@click.option("--force", is_flag=True, help="release even though the agent that sent the "
-              "request had started tearing shared memory down.")
+@click.option(
+    "--force",
+    is_flag=True,
+    help="release even though the agent that sent the "
+    "request had started tearing shared memory down.",
+)
 @control_opt
 @json_opt
 def release_cmd(pid, force, control_dir, as_json):
@@ -246,6 +402,7 @@ def release_cmd(pid, force, control_dir, as_json):
     mid-checkpoint, a stale .request): writes .resume {"id": <the request's id>, "restored":
     false, "cancelled": true}. Refused while a live agent owns the request."""
     from cuinterpose.agent.mech import quiesce
+
     cdir = os.path.abspath(control_dir or default_control_dir())
     try:
         res = quiesce.release(cdir, pid, force=force)
@@ -255,6 +412,8 @@ def release_cmd(pid, force, control_dir, as_json):
     if as_json:
         emit_json({"ok": True, **res})
     else:
-        click.echo(f"released pid {pid}: wrote {res['resume']} answering request "
-                   f"{res['request_id']} (cancelled)"
-                   + (" and removed the dead agent's lock" if res["removed_lock"] else ""))
+        click.echo(
+            f"released pid {pid}: wrote {res['resume']} answering request "
+            f"{res['request_id']} (cancelled)"
+            + (" and removed the dead agent's lock" if res["removed_lock"] else "")
+        )

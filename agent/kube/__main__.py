@@ -4,6 +4,7 @@ Exit codes: 0 stopped by SIGINT/SIGTERM (after a running request finished), 1 th
 thread died, 2 bad configuration (the message names the key).
 ``--api-server URL`` overrides ``kubernetes.apiServer`` (tests), ``--node`` the node name.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,34 +19,43 @@ from cuinterpose.agent.config import ConfigError, load_config
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cuinterpose.agent.kube",
-                                description="Watch this node's pods for cuinterpose.io annotations.")
+    p = argparse.ArgumentParser(
+        prog="python -m cuinterpose.agent.kube",
+        description="Watch this node's pods for cuinterpose.io annotations.",
+    )
     p.add_argument("--config", required=True, help="agent YAML configuration file")
     p.add_argument("--node", help="node name (default: kubernetes.nodeName, then $NODE_NAME)")
     p.add_argument("--api-server", help="plain http(s) API URL without credentials (tests)")
     p.add_argument("-v", "--verbose", action="store_true")
     a = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=logging.INFO if a.verbose else logging.WARNING,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
     try:
         cfg = load_config(a.config)
     except ConfigError as e:
         print(f"cuinterpose.agent.kube: config {a.config}: {e}", file=sys.stderr)
         return 2
     k = cfg.kubernetes
-    k = dataclasses.replace(k, enabled=True, node_name=a.node or k.node_name,
-                            api_server=a.api_server or k.api_server)
+    k = dataclasses.replace(
+        k, enabled=True, node_name=a.node or k.node_name, api_server=a.api_server or k.api_server
+    )
     cfg = dataclasses.replace(cfg, kubernetes=k)
     # the agent never runs under the shim; helpers (CRIU) must not inherit it either
     from cuinterpose.agent.run.checkpoint import strip_preload_env
+
     strip_preload_env()
     # before any thread: the node's cgroup paths (agent/kube/hostcgroup.py)
     from cuinterpose.agent.kube.hostcgroup import join_and_log
+
     join_and_log()
     stop = threading.Event()
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, lambda *_: stop.set())
     from cuinterpose.agent.kube.watcher import build_watcher
+
     try:
         w = build_watcher(cfg)
     except ValueError as e:

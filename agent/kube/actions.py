@@ -16,6 +16,7 @@ An *actions* object has two methods (tests pass their own):
 Both raise on failure; an ``AgentError`` (``phase``, ``pid``, ``reason``, ``outcome``) is
 written to the pod as it is, any other exception as ``"<kind>: <type>: <text>"``.
 """
+
 from __future__ import annotations
 
 from cuinterpose.agent.config import AgentConfig
@@ -42,35 +43,60 @@ class AgentActions:
             return work(None)
         m = pod.get("metadata") or {}
         return self.service.run_local(
-            kind, f"the {kind} {name} of pod {m.get('namespace')}/{m.get('name')}", work)
+            kind, f"the {kind} {name} of pod {m.get('namespace')}/{m.get('name')}", work
+        )
 
-    def checkpoint(self, pod: dict, snapshot_name: str, *, roots, images_dir,
-                   leave_running: bool = False) -> dict:
+    def checkpoint(
+        self, pod: dict, snapshot_name: str, *, roots, images_dir, leave_running: bool = False
+    ) -> dict:
         from cuinterpose.agent.run import checkpoint as checkpoint_mod
-        c = self.config
-        return self._run("checkpoint", pod, snapshot_name, lambda rep: checkpoint_mod.checkpoint(
-            roots, images_dir, control_dir=c.control_dir or None, driver=c.driver or None,
-            quiesce_timeout_ms=c.quiesce_timeout_ms, lock_timeout_ms=c.lock_timeout_ms,
-            phase_timeout_s=c.phase_timeout_s, carrier_timeout_s=c.carrier_timeout_s,
-            leave_running=leave_running, reporter=rep))
 
-    def restore(self, pod: dict, snapshot: str, *, images_dir, into_pid=None,
-                into_start_time=None) -> dict:
+        c = self.config
+        return self._run(
+            "checkpoint",
+            pod,
+            snapshot_name,
+            lambda rep: checkpoint_mod.checkpoint(
+                roots,
+                images_dir,
+                control_dir=c.control_dir or None,
+                driver=c.driver or None,
+                quiesce_timeout_ms=c.quiesce_timeout_ms,
+                lock_timeout_ms=c.lock_timeout_ms,
+                phase_timeout_s=c.phase_timeout_s,
+                carrier_timeout_s=c.carrier_timeout_s,
+                leave_running=leave_running,
+                reporter=rep,
+            ),
+        )
+
+    def restore(
+        self, pod: dict, snapshot: str, *, images_dir, into_pid=None, into_start_time=None
+    ) -> dict:
         from cuinterpose.agent.run import restore as restore_mod
+
         c = self.config
 
         def work(rep):
             placement = into_pid or None
             if into_pid and into_start_time is not None:
                 from cuinterpose.agent.mech.placement import Placement, PlacementError
+
                 placement = Placement.of_pid(into_pid)
                 if placement.start_time != into_start_time:
                     raise PlacementError(
                         f"is not the placeholder's process any more (started at tick "
                         f"{placement.start_time}, the placeholder's init at "
                         f"{into_start_time}): its pid was reused; nothing was done",
-                        pid=into_pid)
+                        pid=into_pid,
+                    )
             return restore_mod.restore(
-                images_dir, driver=c.driver or None, phase_timeout_s=c.phase_timeout_s,
-                carrier_timeout_s=c.carrier_timeout_s, reporter=rep, placement=placement)
+                images_dir,
+                driver=c.driver or None,
+                phase_timeout_s=c.phase_timeout_s,
+                carrier_timeout_s=c.carrier_timeout_s,
+                reporter=rep,
+                placement=placement,
+            )
+
         return self._run("restore", pod, snapshot, work)

@@ -24,6 +24,7 @@ with ``Pending`` in one conditional patch (``metadata.resourceVersion``: a concu
 makes it fail with 409 and nothing runs) *before* it starts, so a repeated event, a re-list, a
 second watcher or a restarted agent sees the request as handled and does not run it again.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -106,33 +107,58 @@ def decide(pod: dict, kind: str, in_flight: frozenset = frozenset()) -> Optional
     if handled == token:
         if token in in_flight or status in (SUCCEEDED, FAILED):
             return Decision(kind, "skip", name, token)
-        return Decision(kind, "fail", name, token,
-                        f"interrupted: the agent restarted while this {kind} was {status or 'claimed'}; "
-                        f"it is not retried (request a new snapshot name; the workload may be parked "
-                        f"or stopped, see docs/agent.md)")
+        return Decision(
+            kind,
+            "fail",
+            name,
+            token,
+            f"interrupted: the agent restarted while this {kind} was {status or 'claimed'}; "
+            f"it is not retried (request a new snapshot name; the workload may be parked "
+            f"or stopped, see docs/agent.md)",
+        )
     if handled and handled.rsplit("@", 1)[0] == name:
         other = handled.rsplit("@", 1)[1] if "@" in handled else "?"
-        return Decision(kind, "fail", name, token,
-                        f"stale request: {REQUEST_KEY[kind]}={name} was handled for pod uid {other}, "
-                        f"not this pod ({uid}); the annotations were copied from another pod. "
-                        f"Not run: set a new snapshot name to request a {kind}")
+        return Decision(
+            kind,
+            "fail",
+            name,
+            token,
+            f"stale request: {REQUEST_KEY[kind]}={name} was handled for pod uid {other}, "
+            f"not this pod ({uid}); the annotations were copied from another pod. "
+            f"Not run: set a new snapshot name to request a {kind}",
+        )
     if meta.get("deletionTimestamp"):
         return Decision(kind, "skip", name, token)
     if not NAME_RE.fullmatch(name):
-        return Decision(kind, "fail", name, token,
-                        f"request: {name!r} is not a snapshot name (lower-case letters, digits, "
-                        f"'.', '_', '-'; one path component)")
+        return Decision(
+            kind,
+            "fail",
+            name,
+            token,
+            f"request: {name!r} is not a snapshot name (lower-case letters, digits, "
+            f"'.', '_', '-'; one path component)",
+        )
     phase = (pod.get("status") or {}).get("phase")
     if phase in (None, "Pending"):
         return Decision(kind, "skip", name, token)  # wait: a later event brings it Running
     if phase != "Running":
-        return Decision(kind, "fail", name, token,
-                        f"request: pod is {phase or 'without a phase'}, not Running; nothing was done")
+        return Decision(
+            kind,
+            "fail",
+            name,
+            token,
+            f"request: pod is {phase or 'without a phase'}, not Running; nothing was done",
+        )
     if (pod.get("spec") or {}).get("hostPID") is not True:
         what = "checkpointed" if kind == "checkpoint" else "restored into"
-        return Decision(kind, "fail", name, token,
-                        f"request: pod {meta.get('namespace')}/{meta.get('name')} does not set "
-                        f"spec.hostPID: true; a pod with its own PID namespace cannot be {what} "
-                        "(the agent, CRIU and the shim's control files use host pids; see "
-                        "docs/kubernetes.md); nothing was done")
+        return Decision(
+            kind,
+            "fail",
+            name,
+            token,
+            f"request: pod {meta.get('namespace')}/{meta.get('name')} does not set "
+            f"spec.hostPID: true; a pod with its own PID namespace cannot be {what} "
+            "(the agent, CRIU and the shim's control files use host pids; see "
+            "docs/kubernetes.md); nothing was done",
+        )
     return Decision(kind, "run", name, token)

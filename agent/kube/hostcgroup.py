@@ -10,6 +10,7 @@ calling thread into the one of pid 1 (the node's init: the DaemonSet runs with `
 and the chart mounts the node's ``/sys/fs/cgroup`` over the container's. It must run before the
 daemon starts any thread (threads inherit the namespace of the thread that creates them).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -51,9 +52,11 @@ def join_and_log(host_pid: int = 1) -> str:
     lies outside it)."""
     res = join_host_cgroup_namespace(host_pid)
     if res.startswith("unavailable"):
-        log.warning("cannot work in the node's cgroup namespace (%s); pods whose cgroups lie "
-                    "outside this agent's cgroup namespace cannot be resolved or restored into",
-                    res)
+        log.warning(
+            "cannot work in the node's cgroup namespace (%s); pods whose cgroups lie "
+            "outside this agent's cgroup namespace cannot be resolved or restored into",
+            res,
+        )
     else:
         log.info("cgroup namespace: %s", res)
     return res

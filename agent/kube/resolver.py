@@ -19,6 +19,7 @@ container in ``spec.containers`` order (the kubelet lists ``containerStatuses`` 
 name, so a sidecar could come first there): its oldest root, by start time (``/proc/PID/stat``
 field 22), returned with that start time so that a pid reused later is noticed.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -87,7 +88,6 @@ class CgroupResolver:
         except (OSError, ValueError, IndexError):
             return 1 << 62
 
-
     def nested_pid(self, pid: int) -> Optional[list[int]]:
         """The ``NSpid:`` pids of ``pid`` when it lives in a nested PID namespace (more than
         one pid listed), else None (host PID namespace, or no ``status`` file to tell)."""
@@ -124,15 +124,18 @@ class CgroupResolver:
                 if ns:
                     raise ResolveError(
                         f"{who} container {name}: pid {p} runs in its own PID namespace (NSpid "
-                        f"{' '.join(map(str, ns))}); the pod needs spec.hostPID: true")
+                        f"{' '.join(map(str, ns))}); the pod needs spec.hostPID: true"
+                    )
             inside = set(pids)
             roots = [p for p in pids if self._ppid(p) not in inside]
             if pids:
                 trees.append(ContainerTree(name, cid, tuple(pids), tuple(sorted(roots))))
         if not trees:
             listed = ", ".join(f"{n} ({c[:12]})" for n, c in ids)
-            raise ResolveError(f"no process of {who} found in the cgroups of its containers "
-                               f"{listed} under {self.proc_root}")
+            raise ResolveError(
+                f"no process of {who} found in the cgroups of its containers "
+                f"{listed} under {self.proc_root}"
+            )
         return trees
 
     def placeholder(self, pod: dict) -> tuple[ContainerTree, int, int]:
@@ -140,8 +143,9 @@ class CgroupResolver:
         container with processes in ``spec.containers`` order, its init = the root that
         started first, that root's start time in clock ticks). Raises ``ResolveError`` (from
         :meth:`resolve`) when the pod has no process on this node."""
-        order = {c.get("name"): i for i, c in
-                 enumerate((pod.get("spec") or {}).get("containers") or [])}
+        order = {
+            c.get("name"): i for i, c in enumerate((pod.get("spec") or {}).get("containers") or [])
+        }
         tree = min(self.resolve(pod), key=lambda t: order.get(t.name, len(order)))
         pid = min(tree.roots, key=lambda p: (self.start_time(p), p))
         return tree, pid, self.start_time(pid)

@@ -25,6 +25,7 @@ daemon (``service.Server.start_watcher``) and ``python -m cuinterpose.agent.kube
 FILE`` standalone. :meth:`PodWatcher.close` stops it: no new request starts, a running one
 finishes first, and the open watch read is cut so that the thread leaves at once.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,8 @@ import pathlib
 import threading
 from typing import Optional
 
-from cuinterpose.agent.config import AgentConfig
 import cuinterpose.agent.kube.annotations as A
+from cuinterpose.agent.config import AgentConfig
 from cuinterpose.agent.kube.resolver import CgroupResolver, ResolveError
 
 log = logging.getLogger("cuinterpose.kube")
@@ -48,7 +49,9 @@ class Gone(Exception):
 def make_api_client(config: AgentConfig):
     """A ``kubernetes.client.ApiClient``: ``kubernetes.apiServer`` (plain URL, tests) if set,
     else ``kubernetes.kubeconfig`` if set, else the in-cluster service account."""
-    from kubernetes import client as kclient, config as kconfig
+    from kubernetes import client as kclient
+    from kubernetes import config as kconfig
+
     k = config.kubernetes
     if k.api_server:
         c = kclient.Configuration(host=k.api_server)
@@ -81,9 +84,9 @@ class PodWatcher:
     ``stats`` counts ``lists``, ``watches``, ``gone`` (410s), ``runs`` (requests run),
     ``conflicts`` (claims lost to a 409) for tests and logs."""
 
-    def __init__(self, config: AgentConfig, node_name: str, api_client, actions,
-                 resolver=None):
+    def __init__(self, config: AgentConfig, node_name: str, api_client, actions, resolver=None):
         from kubernetes import client as kclient
+
         self.config = config
         self.node_name = node_name
         self.api = kclient.CoreV1Api(api_client)
@@ -114,11 +117,11 @@ class PodWatcher:
         a deadline), start no new one, and cut the open watch read so that :meth:`run`
         returns at once. Idempotent; safe from any thread but the watcher's own."""
         with self._state_lock:
-            self._closed = True     # from here on no request starts
+            self._closed = True  # from here on no request starts
             resp = self._resp
         if resp is not None:
             _cut(resp)
-        with self._request_lock:    # the running one (if any) has finished
+        with self._request_lock:  # the running one (if any) has finished
             pass
 
     # -- API calls ------------------------------------------------------------------------
@@ -137,14 +140,19 @@ class PodWatcher:
         has the ``resourceVersion`` we saw (returns None on 409 Conflict). Returns the patched
         pod (JSON object)."""
         from kubernetes.client.exceptions import ApiException
+
         meta = pod["metadata"]
         body = {"metadata": {"annotations": annotations}}
         if conditional:
             body["metadata"]["resourceVersion"] = meta["resourceVersion"]
         try:
             resp = self.api.patch_namespaced_pod(
-                meta["name"], meta["namespace"], body,
-                _content_type="application/merge-patch+json", _preload_content=False)
+                meta["name"],
+                meta["namespace"],
+                body,
+                _content_type="application/merge-patch+json",
+                _preload_content=False,
+            )
         except ApiException as e:
             if e.status == 409 and conditional:
                 self.stats["conflicts"] += 1
@@ -165,9 +173,15 @@ class PodWatcher:
             if d is None or d.action == "skip":
                 continue
             if d.action == "fail":
-                patched = self.patch(pod, {A.status_key(kind): A.FAILED,
-                                           A.message_key(kind): _one_line(d.message),
-                                           A.handled_key(kind): d.token}, conditional=True)
+                patched = self.patch(
+                    pod,
+                    {
+                        A.status_key(kind): A.FAILED,
+                        A.message_key(kind): _one_line(d.message),
+                        A.handled_key(kind): d.token,
+                    },
+                    conditional=True,
+                )
             else:
                 patched = self.run_request(pod, d)
             if patched is not None:
@@ -179,7 +193,7 @@ class PodWatcher:
 
     def run_request(self, pod: dict, d: A.Decision) -> Optional[dict]:
         with self._request_lock:
-            if self._closed:      # stopping: leave the request to the next agent
+            if self._closed:  # stopping: leave the request to the next agent
                 return None
             return self._run_request(pod, d)
 
@@ -187,9 +201,15 @@ class PodWatcher:
         kind = d.kind
         st, msg = A.status_key(kind), A.message_key(kind)
         images_dir = self.snapshot_dir(pod, d.name)
-        claimed = self.patch(pod, {st: A.PENDING, A.handled_key(kind): d.token,
-                                   msg: f"{kind} {d.name} accepted by node {self.node_name}"},
-                             conditional=True)
+        claimed = self.patch(
+            pod,
+            {
+                st: A.PENDING,
+                A.handled_key(kind): d.token,
+                msg: f"{kind} {d.name} accepted by node {self.node_name}",
+            },
+            conditional=True,
+        )
         if claimed is None:
             log.info("claim of %s on %s lost to a concurrent change", d.token, _ref(pod))
             return None
@@ -207,45 +227,77 @@ class PodWatcher:
             if kind == "checkpoint":
                 trees = self.resolver.resolve(pod)
                 roots = sorted({r for t in trees for r in t.roots})
-                desc = "; ".join(f"container {t.name}: roots {', '.join(map(str, t.roots))}"
-                                 for t in trees)
-                pod = self.patch(pod, {st: A.RUNNING, msg: _one_line(
-                    f"checkpoint {d.name}: {desc} -> {images_dir}")})
+                desc = "; ".join(
+                    f"container {t.name}: roots {', '.join(map(str, t.roots))}" for t in trees
+                )
+                pod = self.patch(
+                    pod,
+                    {st: A.RUNNING, msg: _one_line(f"checkpoint {d.name}: {desc} -> {images_dir}")},
+                )
                 leave = _leave_running(pod, self.config.kubernetes.leave_running)
-                result = self.actions.checkpoint(pod, d.name, roots=roots,
-                                                 images_dir=str(images_dir), leave_running=leave)
-                done = {st: A.SUCCEEDED, A.SNAPSHOT: str(images_dir),
-                        A.SNAPSHOT_NODE: self.node_name,
-                        msg: _one_line(f"snapshot {result.get('snapshot_id', d.name)} of roots "
-                                       f"{', '.join(map(str, roots))} (CUDA pids "
-                                       f"{', '.join(map(str, result.get('cuda_pids', [])))}) in "
-                                       f"{images_dir}" + ("; the workload keeps running" if leave
-                                                          else "; the workload was stopped")
-                                       + _notes(result.get("warnings")))}
+                result = self.actions.checkpoint(
+                    pod, d.name, roots=roots, images_dir=str(images_dir), leave_running=leave
+                )
+                done = {
+                    st: A.SUCCEEDED,
+                    A.SNAPSHOT: str(images_dir),
+                    A.SNAPSHOT_NODE: self.node_name,
+                    msg: _one_line(
+                        f"snapshot {result.get('snapshot_id', d.name)} of roots "
+                        f"{', '.join(map(str, roots))} (CUDA pids "
+                        f"{', '.join(map(str, result.get('cuda_pids', [])))}) in "
+                        f"{images_dir}"
+                        + (
+                            "; the workload keeps running"
+                            if leave
+                            else "; the workload was stopped"
+                        )
+                        + _notes(result.get("warnings"))
+                    ),
+                }
             else:
                 if not (images_dir / "manifest.json").is_file():
-                    raise ResolveError(f"restore: no snapshot {d.name!r} on node {self.node_name} "
-                                       f"(no {images_dir}/manifest.json); nothing was done")
+                    raise ResolveError(
+                        f"restore: no snapshot {d.name!r} on node {self.node_name} "
+                        f"(no {images_dir}/manifest.json); nothing was done"
+                    )
                 try:
                     tree, into, started = self.resolver.placeholder(pod)
                 except ResolveError as e:
-                    raise ResolveError(f"restore: placeholder: {e}; the restored processes join "
-                                       "the cgroups and namespaces of the placeholder's running "
-                                       "container; nothing was done") from e
+                    raise ResolveError(
+                        f"restore: placeholder: {e}; the restored processes join "
+                        "the cgroups and namespaces of the placeholder's running "
+                        "container; nothing was done"
+                    ) from e
                 where = f"container {tree.name} (pid {into})"
-                pod = self.patch(pod, {st: A.RUNNING, A.SNAPSHOT: str(images_dir),
-                                       msg: f"restore of {d.name} from {images_dir} into {where}"})
-                result = self.actions.restore(pod, d.name, images_dir=str(images_dir),
-                                              into_pid=into, into_start_time=started)
-                done = {st: A.SUCCEEDED,
-                        msg: _one_line(f"restored snapshot {result.get('snapshot_id', d.name)} "
-                                       f"from {images_dir} into {where}: roots "
-                                       f"{', '.join(map(str, result.get('roots', [])))}"
-                                       + _notes(result.get("notes")))}
+                pod = self.patch(
+                    pod,
+                    {
+                        st: A.RUNNING,
+                        A.SNAPSHOT: str(images_dir),
+                        msg: f"restore of {d.name} from {images_dir} into {where}",
+                    },
+                )
+                result = self.actions.restore(
+                    pod, d.name, images_dir=str(images_dir), into_pid=into, into_start_time=started
+                )
+                done = {
+                    st: A.SUCCEEDED,
+                    msg: _one_line(
+                        f"restored snapshot {result.get('snapshot_id', d.name)} "
+                        f"from {images_dir} into {where}: roots "
+                        f"{', '.join(map(str, result.get('roots', [])))}"
+                        + _notes(result.get("notes"))
+                    ),
+                }
         except ResolveError as e:
             text = str(e)
-            done = {st: A.FAILED, msg: _one_line(
-                text if text.startswith("restore:") else f"resolve: {text}; nothing was done")}
+            done = {
+                st: A.FAILED,
+                msg: _one_line(
+                    text if text.startswith("restore:") else f"resolve: {text}; nothing was done"
+                ),
+            }
         except Exception as e:  # the agent's refusal or failure: keep watching
             log.warning("%s %s on %s failed: %s", kind, d.name, _ref(pod), e)
             done = {st: A.FAILED, msg: _one_line(_error_message(kind, e))}
@@ -257,21 +309,26 @@ class PodWatcher:
         lost outcome would later read as an interrupted run. A deleted pod (404) is logged
         and None returned."""
         from kubernetes.client.exceptions import ApiException
+
         wait = self.result_retry_s
         for attempt in range(self.result_retries + 1):
             try:
                 return self.patch(pod, annotations)
             except ApiException as e:
                 if e.status == 404:
-                    log.warning("pod %s was deleted before its result %s could be written",
-                                _ref(pod), annotations)
+                    log.warning(
+                        "pod %s was deleted before its result %s could be written",
+                        _ref(pod),
+                        annotations,
+                    )
                     return None
                 err = e
             except Exception as e:  # connection refused/reset, timeouts
                 err = e
             if attempt < self.result_retries:
-                log.warning("writing the result to %s failed (%s); retrying in %.1f s",
-                            _ref(pod), err, wait)
+                log.warning(
+                    "writing the result to %s failed (%s); retrying in %.1f s", _ref(pod), err, wait
+                )
                 threading.Event().wait(wait)
                 wait *= 2
         raise err
@@ -288,17 +345,24 @@ class PodWatcher:
     def watch_once(self, rv: str, stop_event: Optional[threading.Event] = None) -> str:
         """One watch request from ``rv`` (server timeout ``watchTimeoutSeconds``); handles
         ADDED/MODIFIED pods; returns the last resourceVersion seen. Raises ``Gone`` on 410."""
-        kw = {"field_selector": self.field_selector, "resource_version": rv, "watch": True,
-              "timeout_seconds": self.config.kubernetes.watch_timeout_seconds,
-              "allow_watch_bookmarks": True, "_preload_content": False}
+        kw = {
+            "field_selector": self.field_selector,
+            "resource_version": rv,
+            "watch": True,
+            "timeout_seconds": self.config.kubernetes.watch_timeout_seconds,
+            "allow_watch_bookmarks": True,
+            "_preload_content": False,
+        }
         if self.label_selector:
             kw["label_selector"] = self.label_selector
         self.stats["watches"] += 1
         from kubernetes.client.exceptions import ApiException
+
         try:
             # the read timeout guards against a connection that died silently
             resp = self.api.list_pod_for_all_namespaces(
-                _request_timeout=(10, self.config.kubernetes.watch_timeout_seconds + 30), **kw)
+                _request_timeout=(10, self.config.kubernetes.watch_timeout_seconds + 30), **kw
+            )
         except ApiException as e:
             if e.status == 410:
                 raise Gone(str(e)) from e
@@ -316,8 +380,9 @@ class PodWatcher:
                     code = obj.get("code")
                     if code == 410:
                         raise Gone(obj.get("message", "410 Gone"))
-                    raise RuntimeError(f"watch ERROR {code} {obj.get('reason')}: "
-                                       f"{obj.get('message')}")
+                    raise RuntimeError(
+                        f"watch ERROR {code} {obj.get('reason')}: {obj.get('message')}"
+                    )
                 if typ in ("ADDED", "MODIFIED"):
                     self.handle(obj)
                 new_rv = (obj.get("metadata") or {}).get("resourceVersion")
@@ -326,7 +391,7 @@ class PodWatcher:
                 if self._closed or (stop_event is not None and stop_event.is_set()):
                     break
         except Exception:
-            if self._closed:      # close() cut the read
+            if self._closed:  # close() cut the read
                 return rv
             raise
         finally:
@@ -351,8 +416,9 @@ class PodWatcher:
             except Exception as e:
                 if self._closed:
                     break
-                log.warning("pod watch failed (%s: %s); retrying in %.0f s",
-                            type(e).__name__, e, retry_s)
+                log.warning(
+                    "pod watch failed (%s: %s); retrying in %.0f s", type(e).__name__, e, retry_s
+                )
                 stop_event.wait(retry_s)
 
 
@@ -402,8 +468,9 @@ def _leave_running(pod: dict, default: bool) -> bool:
     return default if v is None else v.strip().lower() == "true"
 
 
-def build_watcher(config: AgentConfig, actions=None, *, api_client=None,
-                  resolver=None) -> PodWatcher:
+def build_watcher(
+    config: AgentConfig, actions=None, *, api_client=None, resolver=None
+) -> PodWatcher:
     """A ``PodWatcher`` for ``config.kubernetes`` (see :func:`run_watcher`)."""
     k = config.kubernetes
     if not k.enabled:
@@ -413,13 +480,21 @@ def build_watcher(config: AgentConfig, actions=None, *, api_client=None,
         raise ValueError("kubernetes.nodeName: unknown (set it or NODE_NAME)")
     if actions is None:
         from cuinterpose.agent.kube.actions import AgentActions
+
         actions = AgentActions(config)
-    return PodWatcher(config, node, api_client or make_api_client(config), actions,
-                      resolver=resolver)
+    return PodWatcher(
+        config, node, api_client or make_api_client(config), actions, resolver=resolver
+    )
 
 
-def run_watcher(config: AgentConfig, actions=None, stop_event: Optional[threading.Event] = None,
-                *, api_client=None, resolver=None) -> PodWatcher:
+def run_watcher(
+    config: AgentConfig,
+    actions=None,
+    stop_event: Optional[threading.Event] = None,
+    *,
+    api_client=None,
+    resolver=None,
+) -> PodWatcher:
     """Run the pod watcher of ``config.kubernetes`` until ``stop_event`` is set (forever when
     None); returns the watcher when it stops. ``actions`` defaults to ``AgentActions(config)``
     (the agent's checkpoint/restore in this process). A running request always finishes; a

@@ -15,6 +15,7 @@ Refused (``CensusError``, nothing touched): a root that does not exist, a CUDA p
 the shim or without its control socket, a participant the driver does not know, a CUDA process
 not RUNNING, a foreign shim build, and a tree without any participant.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,8 +25,8 @@ import stat as stat_mod
 from typing import Callable, Iterable, Optional
 
 from cuinterpose.agent import paths
-from cuinterpose.agent.mech import procfs
 from cuinterpose.agent.errors import CensusError, NativeError
+from cuinterpose.agent.mech import procfs
 from cuinterpose.agent.snapshot.manifest import sha256_file
 from cuinterpose.coordinator import protocol
 from cuinterpose.coordinator.protocol import CUI_DEFAULT_CONTROL_DIR, default_control_dir
@@ -47,8 +48,9 @@ class ShimFile:
         p = pathlib.Path(path).resolve()
         try:
             st = os.stat(p)
-            return cls(path=str(p), sha256=sha256_file(p), dev=st.st_dev, inode=st.st_ino,
-                       size=st.st_size)
+            return cls(
+                path=str(p), sha256=sha256_file(p), dev=st.st_dev, inode=st.st_ino, size=st.st_size
+            )
         except OSError as e:
             raise CensusError("census", f"cannot read shim {p}: {e.strerror}") from None
 
@@ -106,8 +108,12 @@ class Census:
         return sorted(p.pid for p in self.processes if p.is_cuda)
 
     def to_dict(self) -> dict:
-        return {"roots": self.roots, "control_dir": self.control_dir, "shim": self.shim.to_dict(),
-                "processes": [p.to_dict() for p in self.processes]}
+        return {
+            "roots": self.roots,
+            "control_dir": self.control_dir,
+            "shim": self.shim.to_dict(),
+            "processes": [p.to_dict() for p in self.processes],
+        }
 
 
 def read_stat(pid: int) -> tuple[int, str]:
@@ -189,8 +195,12 @@ def shim_mapping(pid: int, shim: ShimFile) -> tuple[Optional[str], Optional[str]
         return None, None
     except PermissionError as e:
         # not "no shim": a process we may not inspect must not be classified at all
-        raise CensusError("census", f"cannot read /proc/{pid}/maps ({e.strerror}): run the agent "
-                          "as root or as the workload's user", pid=pid) from None
+        raise CensusError(
+            "census",
+            f"cannot read /proc/{pid}/maps ({e.strerror}): run the agent "
+            "as root or as the workload's user",
+            pid=pid,
+        ) from None
     return ("foreign", foreign) if foreign else (None, None)
 
 
@@ -207,9 +217,13 @@ def is_socket(p: pathlib.Path) -> bool:
         return False
 
 
-def take_census(roots: Iterable[int], *, control_dir: os.PathLike | str | None = None,
-                shim_path: os.PathLike | str | None = None,
-                get_state: Optional[Callable[[int], str]] = None) -> Census:
+def take_census(
+    roots: Iterable[int],
+    *,
+    control_dir: os.PathLike | str | None = None,
+    shim_path: os.PathLike | str | None = None,
+    get_state: Optional[Callable[[int], str]] = None,
+) -> Census:
     """Walk the trees under ``roots`` and classify every process (see the module docstring).
 
     ``get_state(pid) -> state name`` raises ``NativeError`` for a non-CUDA process; it defaults to
@@ -217,6 +231,7 @@ def take_census(roots: Iterable[int], *, control_dir: os.PathLike | str | None =
     naming the pid for every refusal."""
     if get_state is None:
         from cuinterpose.agent.mech import native
+
         get_state = native.get_state
     control_dir = str(pathlib.Path(control_dir or default_control_dir()).resolve())
     shim = ShimFile.of(shim_path or paths.shim_path())
@@ -241,8 +256,12 @@ def take_census(roots: Iterable[int], *, control_dir: os.PathLike | str | None =
         except NativeError as e:
             p.cuda_error = e.result
         procs.append(p)
-    census = Census(roots=list(dict.fromkeys(int(r) for r in roots)), processes=procs, shim=shim,
-                    control_dir=control_dir)
+    census = Census(
+        roots=list(dict.fromkeys(int(r) for r in roots)),
+        processes=procs,
+        shim=shim,
+        control_dir=control_dir,
+    )
     check_rank_roots(census)
     check(census)
     return census
@@ -268,9 +287,13 @@ def check_rank_roots(census: Census) -> None:
             pcomm = read_stat(p.ppid)[1]
         except (CensusError, FileNotFoundError, ProcessLookupError, ValueError):
             continue
-        raise CensusError("census", f"({p.comm}) looks like a rank, not the root of its job: its "
-                          f"parent pid {p.ppid} ({pcomm}) runs under the shim too (with a control "
-                          f"socket); pass --pid {p.ppid}", pid=r)
+        raise CensusError(
+            "census",
+            f"({p.comm}) looks like a rank, not the root of its job: its "
+            f"parent pid {p.ppid} ({pcomm}) runs under the shim too (with a control "
+            f"socket); pass --pid {p.ppid}",
+            pid=r,
+        )
 
 
 O_ACCMODE, O_WRONLY, O_RDWR, O_APPEND = os.O_ACCMODE, os.O_WRONLY, os.O_RDWR, os.O_APPEND
@@ -296,11 +319,20 @@ def open_file_warnings(census: Census) -> list[dict]:
                 continue
             if flags & O_ACCMODE not in (O_WRONLY, O_RDWR) or flags & O_APPEND:
                 continue
-            out.append({"pid": p.pid, "comm": p.comm, "fd": fd, "path": target, "message": (
-                f"pid {p.pid} ({p.comm}) fd {fd} {target} is open for writing without "
-                "O_APPEND: CRIU refuses to restore a file whose size changed since the dump, so "
-                "a restored run writing to it will make this snapshot restorable only once (or "
-                "not at all if it is written before the restore); open it with O_APPEND / `>>`")})
+            out.append(
+                {
+                    "pid": p.pid,
+                    "comm": p.comm,
+                    "fd": fd,
+                    "path": target,
+                    "message": (
+                        f"pid {p.pid} ({p.comm}) fd {fd} {target} is open for writing without "
+                        "O_APPEND: CRIU refuses to restore a file whose size changed since the dump, so "
+                        "a restored run writing to it will make this snapshot restorable only once (or "
+                        "not at all if it is written before the restore); open it with O_APPEND / `>>`"
+                    ),
+                }
+            )
     return out
 
 
@@ -329,9 +361,12 @@ def check_roots(roots: Iterable[int]) -> None:
                     comm = read_stat(r)[1]
                 except (FileNotFoundError, ProcessLookupError, ValueError):
                     comm = "?"
-                raise CensusError("census", f"({comm}) is inside the tree of --pid {a}; pass only "
-                                  "the root of each tree (its whole tree is checkpointed with it)",
-                                  pid=r)
+                raise CensusError(
+                    "census",
+                    f"({comm}) is inside the tree of --pid {a}; pass only "
+                    "the root of each tree (its whole tree is checkpointed with it)",
+                    pid=r,
+                )
 
 
 def job_root_hint(pid: int, shim: ShimFile) -> Optional[str]:
@@ -348,8 +383,10 @@ def job_root_hint(pid: int, shim: ShimFile) -> Optional[str]:
             return None
     except CensusError:
         return None
-    return (f"pid {pid} looks like a rank, not the root of its job: its parent pid {ppid} "
-            f"({pcomm}) runs under the shim too; pass --pid {ppid}")
+    return (
+        f"pid {pid} looks like a rank, not the root of its job: its parent pid {ppid} "
+        f"({pcomm}) runs under the shim too; pass --pid {ppid}"
+    )
 
 
 def process_control_dir(pid: int) -> Optional[str]:
@@ -360,8 +397,9 @@ def process_control_dir(pid: int) -> Optional[str]:
     except OSError:
         return None
     # unset or "" = the default, as the shim
-    return str(pathlib.Path((val or b"").decode(errors="replace")
-                            or CUI_DEFAULT_CONTROL_DIR).resolve())
+    return str(
+        pathlib.Path((val or b"").decode(errors="replace") or CUI_DEFAULT_CONTROL_DIR).resolve()
+    )
 
 
 def check(census: Census) -> None:
@@ -370,54 +408,84 @@ def check(census: Census) -> None:
         what = f"({p.comm})"
         if p.shim == "foreign":
             if p.foreign_shim.endswith(" (deleted)"):
-                raise CensusError("census", f"{what} maps {p.foreign_shim}: the shim was replaced "
-                                  "on disk after this process started (rebuilt or reinstalled), so "
-                                  f"the installed {census.shim.path} (sha256 {census.shim.sha256}) "
-                                  "is not what it runs", pid=p.pid)
-            raise CensusError("census", f"{what} maps another shim build {p.foreign_shim}, "
-                              f"not the installed {census.shim.path} (sha256 {census.shim.sha256})",
-                              pid=p.pid)
+                raise CensusError(
+                    "census",
+                    f"{what} maps {p.foreign_shim}: the shim was replaced "
+                    "on disk after this process started (rebuilt or reinstalled), so "
+                    f"the installed {census.shim.path} (sha256 {census.shim.sha256}) "
+                    "is not what it runs",
+                    pid=p.pid,
+                )
+            raise CensusError(
+                "census",
+                f"{what} maps another shim build {p.foreign_shim}, "
+                f"not the installed {census.shim.path} (sha256 {census.shim.sha256})",
+                pid=p.pid,
+            )
         if p.is_cuda and p.shim is None:
-            raise CensusError("census", f"{what} is a CUDA process (state {p.cuda_state}) without "
-                              f"the shim {census.shim.path} mapped; its shared memory cannot be "
-                              "checkpointed (start it with LD_PRELOAD=<shim>)", pid=p.pid)
+            raise CensusError(
+                "census",
+                f"{what} is a CUDA process (state {p.cuda_state}) without "
+                f"the shim {census.shim.path} mapped; its shared memory cannot be "
+                "checkpointed (start it with LD_PRELOAD=<shim>)",
+                pid=p.pid,
+            )
         if p.is_cuda and p.socket_path is None:
             theirs = process_control_dir(p.pid)
             if theirs and theirs != census.control_dir and is_socket(socket_path(theirs, p.pid)):
-                why = (f": its shim uses the control dir {theirs} (CUINTERPOSE_CONTROL_DIR in its "
-                       f"environment); pass --control-dir {theirs}")
+                why = (
+                    f": its shim uses the control dir {theirs} (CUINTERPOSE_CONTROL_DIR in its "
+                    f"environment); pass --control-dir {theirs}"
+                )
             else:
                 why = " (wrong --control-dir? or no cuInit yet)"
-            raise CensusError("census", f"{what} is a CUDA process with the shim mapped but no "
-                              f"control socket {socket_path(census.control_dir, p.pid)}{why}",
-                              pid=p.pid)
+            raise CensusError(
+                "census",
+                f"{what} is a CUDA process with the shim mapped but no "
+                f"control socket {socket_path(census.control_dir, p.pid)}{why}",
+                pid=p.pid,
+            )
         if p.is_participant and not p.is_cuda:
-            raise CensusError("census", f"{what} has a control socket {p.socket_path} but the "
-                              f"driver does not know it: cuCheckpointProcessGetState: "
-                              f"{p.cuda_error}", pid=p.pid)
+            raise CensusError(
+                "census",
+                f"{what} has a control socket {p.socket_path} but the "
+                f"driver does not know it: cuCheckpointProcessGetState: "
+                f"{p.cuda_error}",
+                pid=p.pid,
+            )
         if p.is_cuda and p.cuda_state != "RUNNING":
-            raise CensusError("census", f"{what} is {p.cuda_state}, not RUNNING (another "
-                              "checkpoint in progress?)", pid=p.pid)
+            raise CensusError(
+                "census",
+                f"{what} is {p.cuda_state}, not RUNNING (another checkpoint in progress?)",
+                pid=p.pid,
+            )
     if not census.participants:
         mapped = [p.pid for p in census.processes if p.shim == "installed"]
         if mapped:
-            why = (f"pid(s) {', '.join(map(str, mapped[:8]))}{' …' if len(mapped) > 8 else ''} "
-                   "map the shim but have no control socket: the job has probably not "
-                   "initialized CUDA (cuInit) yet, and the shim binds cuinterpose-<pid>.sock "
-                   "only then; retry once the sockets appear (or check that the job's "
-                   "CUINTERPOSE_CONTROL_DIR is that directory)")
+            why = (
+                f"pid(s) {', '.join(map(str, mapped[:8]))}{' …' if len(mapped) > 8 else ''} "
+                "map the shim but have no control socket: the job has probably not "
+                "initialized CUDA (cuInit) yet, and the shim binds cuinterpose-<pid>.sock "
+                "only then; retry once the sockets appear (or check that the job's "
+                "CUINTERPOSE_CONTROL_DIR is that directory)"
+            )
         else:
-            why = ("the job is not running under the shim (start it with "
-                   "LD_PRELOAD=$(cuinterpose-agent shim-path)), or has not started its CUDA "
-                   "processes or initialized CUDA (cuInit) yet; retry once "
-                   "cuinterpose-<pid>.sock appears in the control dir")
-        raise CensusError("census", f"no cuinterpose participant under root pid(s) "
-                          f"{', '.join(map(str, census.roots))} (no process maps "
-                          f"{census.shim.path} and has a socket in {census.control_dir}): {why}")
+            why = (
+                "the job is not running under the shim (start it with "
+                "LD_PRELOAD=$(cuinterpose-agent shim-path)), or has not started its CUDA "
+                "processes or initialized CUDA (cuInit) yet; retry once "
+                "cuinterpose-<pid>.sock appears in the control dir"
+            )
+        raise CensusError(
+            "census",
+            f"no cuinterpose participant under root pid(s) "
+            f"{', '.join(map(str, census.roots))} (no process maps "
+            f"{census.shim.path} and has a socket in {census.control_dir}): {why}",
+        )
     check_sessions(census)
 
 
-SETSID_HINT = ("start the job with `setsid` (stdio on files or /dev/null)")
+SETSID_HINT = "start the job with `setsid` (stdio on files or /dev/null)"
 
 
 def check_sessions(census: Census) -> None:
@@ -428,11 +496,19 @@ def check_sessions(census: Census) -> None:
     for p in census.processes:
         if p.pid in roots and p.sid is not None and p.sid != p.pid:
             rank = job_root_hint(p.pid, census.shim)
-            raise CensusError("census", f"({p.comm}) is not a session leader: CRIU can only dump "
-                              f"a tree whose root leads its session; {SETSID_HINT}"
-                              + (f"; {rank}" if rank else ""), pid=p.pid)
+            raise CensusError(
+                "census",
+                f"({p.comm}) is not a session leader: CRIU can only dump "
+                f"a tree whose root leads its session; {SETSID_HINT}"
+                + (f"; {rank}" if rank else ""),
+                pid=p.pid,
+            )
     for p in census.processes:
         if p.tty_nr:
-            raise CensusError("census", f"({p.comm}) has a controlling terminal (tty_nr "
-                              f"{p.tty_nr}): CRIU can only dump a tree without one; "
-                              f"{SETSID_HINT}", pid=p.pid)
+            raise CensusError(
+                "census",
+                f"({p.comm}) has a controlling terminal (tty_nr "
+                f"{p.tty_nr}): CRIU can only dump a tree without one; "
+                f"{SETSID_HINT}",
+                pid=p.pid,
+            )

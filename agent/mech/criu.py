@@ -9,6 +9,7 @@ does before CRIU starts (criu_child.py), running one command with its log (criu_
 what an images directory restores (criu_images.py). docs/criu.md explains every option, the
 namespaces a dump runs in and the known limits.
 """
+
 from __future__ import annotations
 
 import os
@@ -17,18 +18,41 @@ import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from cuinterpose.agent.mech.criu_binary import (ENV_CRIU, CriuError, check, criu_command,
-                                                reset, version)
+from cuinterpose.agent.mech.criu_binary import (
+    ENV_CRIU,
+    CriuError,
+    check,
+    criu_command,
+    reset,
+    version,
+)
 from cuinterpose.agent.mech.criu_child import ChildSetup, run_setup_probe
-from cuinterpose.agent.mech.criu_images import (describe_pid, image_pids, wait_exit,
-                                                wait_pids_free)
+from cuinterpose.agent.mech.criu_images import describe_pid, image_pids, wait_exit, wait_pids_free
 from cuinterpose.agent.mech.criu_run import bad_size_files, common_args, log_tail, run
 from cuinterpose.agent.mech.procfs import ns_inode
 
-__all__ = ["CriuError", "criu_command", "version", "check", "dump", "restore",
-           "image_pids", "wait_pids_free", "wait_exit", "reset", "DUMP_OPTS", "RESTORE_OPTS",
-           "ChildSetup", "run_setup_probe", "ns_inode", "EXTERNAL_NET_KEY", "ENV_CRIU",
-           "bad_size_files", "tree_namespaces", "DUMP_ENTER_NS"]
+__all__ = [
+    "CriuError",
+    "criu_command",
+    "version",
+    "check",
+    "dump",
+    "restore",
+    "image_pids",
+    "wait_pids_free",
+    "wait_exit",
+    "reset",
+    "DUMP_OPTS",
+    "RESTORE_OPTS",
+    "ChildSetup",
+    "run_setup_probe",
+    "ns_inode",
+    "EXTERNAL_NET_KEY",
+    "ENV_CRIU",
+    "bad_size_files",
+    "tree_namespaces",
+    "DUMP_ENTER_NS",
+]
 
 # What `dump` adds for our process model: --file-locks, so a job holding a file lock (a
 # cache or database lock, a pip/compile cache) can be dumped and gets the lock back on
@@ -71,9 +95,15 @@ def tree_namespaces(root_pid: int) -> dict:
     return out
 
 
-def dump(root_pid: int, images_dir: Path, *, leave_running: bool = False,
-         log_name: str = "dump.log", extra_args: Iterable[str] = (),
-         external_files: Iterable[str] = ()) -> dict:
+def dump(
+    root_pid: int,
+    images_dir: Path,
+    *,
+    leave_running: bool = False,
+    log_name: str = "dump.log",
+    extra_args: Iterable[str] = (),
+    external_files: Iterable[str] = (),
+) -> dict:
     """Dump the process tree rooted at ``root_pid`` into ``images_dir`` (created if missing).
 
     The tree must be quiescent for CRIU: it is frozen (ptrace) for the dump and, unless
@@ -104,15 +134,15 @@ def dump(root_pid: int, images_dir: Path, *, leave_running: bool = False,
         raise CriuError(f"cannot dump: no process {root_pid}", images_dir=images_dir)
     images_dir.mkdir(parents=True, exist_ok=True)
     if any(images_dir.glob("*.img")):
-        raise CriuError(f"cannot dump into {images_dir}: it already holds CRIU images",
-                        images_dir=images_dir)
+        raise CriuError(
+            f"cannot dump into {images_dir}: it already holds CRIU images", images_dir=images_dir
+        )
     ns = tree_namespaces(root_pid)
     args = ["--tree", str(root_pid), *common_args(images_dir, images_dir, log_name), *DUMP_OPTS]
     if ns["external_net"]:
         # not dumped (CRIU would need iptables to lock it, and restores it from the images);
         # no network lock: we never dump TCP connections (those fail the dump)
-        args += ["--external", f"net[{ns['net']}]:{ns['external_net']}",
-                 "--network-lock", "skip"]
+        args += ["--external", f"net[{ns['net']}]:{ns['external_net']}", "--network-lock", "skip"]
     for key in dict.fromkeys(external_files):
         args += ["--external", key]
     if leave_running:
@@ -123,11 +153,18 @@ def dump(root_pid: int, images_dir: Path, *, leave_running: bool = False,
     return ns
 
 
-def restore(images_dir: Path, *, log_name: str = "restore.log",
-            extra_args: Iterable[str] = (), work_dir: Path | None = None,
-            pid_wait_s: float = 15.0, join_ns: Sequence[tuple[str, str]] = (),
-            inherit_fds: Sequence[tuple[int, str]] = (),
-            setup: ChildSetup | None = None, leave_stopped: bool = False) -> int:
+def restore(
+    images_dir: Path,
+    *,
+    log_name: str = "restore.log",
+    extra_args: Iterable[str] = (),
+    work_dir: Path | None = None,
+    pid_wait_s: float = 15.0,
+    join_ns: Sequence[tuple[str, str]] = (),
+    inherit_fds: Sequence[tuple[int, str]] = (),
+    setup: ChildSetup | None = None,
+    leave_stopped: bool = False,
+) -> int:
     """Restore the tree dumped in ``images_dir``, detached; returns the restored root's PID.
 
     The tree comes back with its original PIDs/TIDs, so they must be free: zombies of the
@@ -158,18 +195,24 @@ def restore(images_dir: Path, *, log_name: str = "restore.log",
     """
     images_dir = Path(images_dir).absolute()
     if not images_dir.is_dir():
-        raise CriuError(f"cannot restore: images dir {images_dir} does not exist",
-                        images_dir=images_dir)
+        raise CriuError(
+            f"cannot restore: images dir {images_dir} does not exist", images_dir=images_dir
+        )
     missing = [n for n in ("inventory.img", "pstree.img") if not (images_dir / n).is_file()]
     if missing:
-        raise CriuError(f"cannot restore: images dir {images_dir} lacks {', '.join(missing)}"
-                        " (not a CRIU dump, or an incomplete one)", images_dir=images_dir)
+        raise CriuError(
+            f"cannot restore: images dir {images_dir} lacks {', '.join(missing)}"
+            " (not a CRIU dump, or an incomplete one)",
+            images_dir=images_dir,
+        )
     pids = image_pids(images_dir)
     busy = wait_pids_free(pids, pid_wait_s)
     if busy:
         desc = ", ".join(f"{p} ({describe_pid(p)})" for p in busy)
-        raise CriuError(f"cannot restore images dir {images_dir}: PIDs still in use: {desc}",
-                        images_dir=images_dir)
+        raise CriuError(
+            f"cannot restore images dir {images_dir}: PIDs still in use: {desc}",
+            images_dir=images_dir,
+        )
     own_work_dir = work_dir is None
     if own_work_dir:
         work_dir = Path(tempfile.mkdtemp(prefix="cuinterpose-criu-restore-"))
@@ -177,12 +220,19 @@ def restore(images_dir: Path, *, log_name: str = "restore.log",
         work_dir = Path(work_dir).absolute()
         work_dir.mkdir(parents=True, exist_ok=True)
     if work_dir.resolve() == images_dir.resolve():
-        raise CriuError("restore work_dir must differ from the images dir (kept read-only)",
-                        images_dir=images_dir)
+        raise CriuError(
+            "restore work_dir must differ from the images dir (kept read-only)",
+            images_dir=images_dir,
+        )
     pidfile = work_dir / "restore.pid"
     pidfile.unlink(missing_ok=True)
-    args = [*common_args(images_dir, work_dir, log_name), "--restore-detached",
-            "--pidfile", str(pidfile), *RESTORE_OPTS]
+    args = [
+        *common_args(images_dir, work_dir, log_name),
+        "--restore-detached",
+        "--pidfile",
+        str(pidfile),
+        *RESTORE_OPTS,
+    ]
     for kind, path in join_ns:
         args += ["--join-ns", f"{kind}:{path}"]
     for fd, resource in inherit_fds:
@@ -191,20 +241,28 @@ def restore(images_dir: Path, *, log_name: str = "restore.log",
         args.append("--leave-stopped")
     args += list(extra_args)
     try:
-        run("restore", args, images_dir=images_dir, log_path=work_dir / log_name, setup=setup,
-             pass_fds=[int(fd) for fd, _ in inherit_fds])
+        run(
+            "restore",
+            args,
+            images_dir=images_dir,
+            log_path=work_dir / log_name,
+            setup=setup,
+            pass_fds=[int(fd) for fd, _ in inherit_fds],
+        )
     except CriuError:
         if own_work_dir and not (work_dir / log_name).exists():
-            shutil.rmtree(work_dir, ignore_errors=True)   # CRIU never started: nothing to keep
+            shutil.rmtree(work_dir, ignore_errors=True)  # CRIU never started: nothing to keep
         raise
     try:
         pid = int(pidfile.read_text().strip())
     except (OSError, ValueError) as e:
-        raise CriuError(f"criu restore of {images_dir} succeeded but left no pid in {pidfile}:"
-                        f" {e}", images_dir=images_dir, log_path=work_dir / log_name,
-                        log_tail=log_tail(work_dir / log_name)) from e
+        raise CriuError(
+            f"criu restore of {images_dir} succeeded but left no pid in {pidfile}: {e}",
+            images_dir=images_dir,
+            log_path=work_dir / log_name,
+            log_tail=log_tail(work_dir / log_name),
+        ) from e
     if own_work_dir:
         # kept only when the restore fails (its log is named in the error)
         shutil.rmtree(work_dir, ignore_errors=True)
     return pid
-

@@ -11,6 +11,7 @@ The choice is made once per process (:func:`reset` forgets it). Every CRIU the a
 gets :func:`env`: ``LD_PRELOAD``, ``LD_LIBRARY_PATH``, ``LD_AUDIT`` and ``CRIU_CONFIG_FILE``
 removed. :class:`CriuError` is the error of every ``criu*`` module.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,8 +23,18 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["CriuError", "criu_command", "version", "check", "reset", "cache_dir", "env",
-           "ENV_CRIU", "ENV_CACHE", "STRIPPED_ENV"]
+__all__ = [
+    "CriuError",
+    "criu_command",
+    "version",
+    "check",
+    "reset",
+    "cache_dir",
+    "env",
+    "ENV_CRIU",
+    "ENV_CACHE",
+    "STRIPPED_ENV",
+]
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 ENV_CRIU = "CUINTERPOSE_CRIU"
@@ -34,7 +45,7 @@ ENV_CACHE = "CUINTERPOSE_CRIU_CACHE"
 STRIPPED_ENV = ("LD_PRELOAD", "LD_LIBRARY_PATH", "LD_AUDIT", "CRIU_CONFIG_FILE")
 
 _lock = threading.Lock()
-_chosen: tuple[list[str], str] | None = None   # (argv prefix, `criu check` output)
+_chosen: tuple[list[str], str] | None = None  # (argv prefix, `criu check` output)
 
 
 class CriuError(RuntimeError):
@@ -44,9 +55,16 @@ class CriuError(RuntimeError):
     ``images_dir``, ``log_path`` (or None) and ``log_tail`` (last lines of the CRIU log).
     """
 
-    def __init__(self, message: str, *, cmd: Sequence[str] | None = None,
-                 returncode: int | None = None, images_dir: Path | None = None,
-                 log_path: Path | None = None, log_tail: str = ""):
+    def __init__(
+        self,
+        message: str,
+        *,
+        cmd: Sequence[str] | None = None,
+        returncode: int | None = None,
+        images_dir: Path | None = None,
+        log_path: Path | None = None,
+        log_tail: str = "",
+    ):
         self.cmd = list(cmd) if cmd is not None else None
         self.returncode = returncode
         self.images_dir = images_dir
@@ -82,9 +100,14 @@ def cache_dir() -> Path:
 
 def _run_check(prefix: list[str]) -> tuple[bool, str]:
     try:
-        res = subprocess.run([*prefix, "check", "--no-default-config"], env=env(),
-                             stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                             timeout=120)
+        res = subprocess.run(
+            [*prefix, "check", "--no-default-config"],
+            env=env(),
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
         return False, f"{shlex.join(prefix)}: {e}"
     out = (res.stdout + res.stderr).strip()
@@ -97,8 +120,10 @@ def _candidates() -> list[tuple[str, list[str] | None]]:
         return [(f"${ENV_CRIU}={explicit}", [explicit])]
     system = shutil.which("criu", path=env().get("PATH", os.defpath))
     wrapper = cache_dir() / "bin" / "criu"
-    return [("system criu", [system] if system else None),
-            (f"cached criu {wrapper}", [str(wrapper)] if os.access(wrapper, os.X_OK) else None)]
+    return [
+        ("system criu", [system] if system else None),
+        (f"cached criu {wrapper}", [str(wrapper)] if os.access(wrapper, os.X_OK) else None),
+    ]
 
 
 def _choose() -> tuple[list[str], str]:
@@ -117,8 +142,10 @@ def _choose() -> tuple[list[str], str]:
                 return _chosen
             tail = "\n    ".join(out.splitlines()[-5:])
             reasons.append(f"{name}: `criu check` failed:\n    {tail}")
-        raise CriuError("no working CRIU; install one with `make criu` "
-                        "(bash scripts/install-criu.sh):\n" + "\n".join(reasons))
+        raise CriuError(
+            "no working CRIU; install one with `make criu` "
+            "(bash scripts/install-criu.sh):\n" + "\n".join(reasons)
+        )
 
 
 def reset() -> None:
@@ -140,13 +167,16 @@ def criu_command() -> list[str]:
 def version() -> str:
     """CRIU's version, e.g. ``"4.1.1"``. Raises ``CriuError`` (no CRIU, or unparsable)."""
     cmd = [*criu_command(), "--version"]
-    res = subprocess.run(cmd, env=env(), stdin=subprocess.DEVNULL, capture_output=True,
-                         text=True)
+    res = subprocess.run(cmd, env=env(), stdin=subprocess.DEVNULL, capture_output=True, text=True)
     for line in (res.stdout + res.stderr).splitlines():
         if line.startswith("Version:"):
             return line.split(":", 1)[1].strip()
-    raise CriuError("cannot read the CRIU version", cmd=cmd, returncode=res.returncode,
-                    log_tail=(res.stdout + res.stderr).strip())
+    raise CriuError(
+        "cannot read the CRIU version",
+        cmd=cmd,
+        returncode=res.returncode,
+        log_tail=(res.stdout + res.stderr).strip(),
+    )
 
 
 def check() -> tuple[bool, str]:
@@ -159,4 +189,3 @@ def check() -> tuple[bool, str]:
     except CriuError as e:
         return False, str(e)
     return _run_check(prefix)
-

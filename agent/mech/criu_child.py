@@ -2,6 +2,7 @@
 cgroups, enter namespaces), so that the tasks CRIU forks inherit it, and
 :func:`run_setup_probe`, which tries such a setup on a no-op child first.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -14,6 +15,7 @@ from cuinterpose.agent.mech import libc
 from cuinterpose.agent.mech.criu_binary import CriuError, env
 
 __all__ = ["ChildSetup", "run_setup_probe", "Opened", "CriuError"]
+
 
 @dataclasses.dataclass(frozen=True)
 class ChildSetup:
@@ -43,21 +45,23 @@ class Opened:
                 try:
                     self.cgroups.append((path, os.open(path, os.O_WRONLY | os.O_CLOEXEC)))
                 except OSError as e:
-                    raise CriuError(f"cannot join cgroup {os.path.dirname(path)}: open "
-                                    f"{path}: {e.strerror or e}") from None
+                    raise CriuError(
+                        f"cannot join cgroup {os.path.dirname(path)}: open "
+                        f"{path}: {e.strerror or e}"
+                    ) from None
             for kind, path in setup.namespaces:
                 try:
                     self.ns.append((kind, path, os.open(path, os.O_RDONLY | os.O_CLOEXEC)))
                 except OSError as e:
-                    raise CriuError(f"cannot enter the {kind} namespace {path}: "
-                                    f"{e.strerror or e}") from None
+                    raise CriuError(
+                        f"cannot enter the {kind} namespace {path}: {e.strerror or e}"
+                    ) from None
             self.err_r, self.err_w = os.pipe2(os.O_CLOEXEC)
             self.setns = libc.fn("setns") if self.ns else None
             # setns(CLONE_NEWNS) fails with EINVAL while the fs_struct (root, cwd) is shared
             # with another task (setns(2)); a child forked by a process with gRPC's threads
             # can still share it, so the child unshares it first (unshare(2) CLONE_FS)
-            self.unshare_fs = (libc.fn("unshare") if any(k == "mnt" for k, _, _ in self.ns)
-                               else None)
+            self.unshare_fs = libc.fn("unshare") if any(k == "mnt" for k, _, _ in self.ns) else None
         except BaseException:
             self.close()
             raise
@@ -69,20 +73,30 @@ class Opened:
             try:
                 os.write(fd, pid)
             except OSError as e:
-                os.write(self.err_w, (f"cannot join cgroup {os.path.dirname(path)}: write of "
-                                      f"pid {os.getpid()} to {path} refused: "
-                                      f"{e.strerror or e}").encode())
+                os.write(
+                    self.err_w,
+                    (
+                        f"cannot join cgroup {os.path.dirname(path)}: write of "
+                        f"pid {os.getpid()} to {path} refused: "
+                        f"{e.strerror or e}"
+                    ).encode(),
+                )
                 raise
         if self.unshare_fs is not None and self.unshare_fs(libc.CLONE_FS) != 0:
             err = ctypes.get_errno()
-            os.write(self.err_w, f"cannot unshare the filesystem attributes (CLONE_FS) before "
-                                 f"entering a mount namespace: {os.strerror(err)}".encode())
+            os.write(
+                self.err_w,
+                f"cannot unshare the filesystem attributes (CLONE_FS) before "
+                f"entering a mount namespace: {os.strerror(err)}".encode(),
+            )
             raise OSError(err, os.strerror(err))
         for kind, path, fd in self.ns:
             if self.setns(fd, 0) != 0:
                 err = ctypes.get_errno()
-                os.write(self.err_w, f"cannot enter the {kind} namespace {path}: setns: "
-                                     f"{os.strerror(err)}".encode())
+                os.write(
+                    self.err_w,
+                    f"cannot enter the {kind} namespace {path}: setns: {os.strerror(err)}".encode(),
+                )
                 raise OSError(err, os.strerror(err))
 
     def failure(self) -> str:
@@ -96,8 +110,9 @@ class Opened:
             return ""
 
     def close(self) -> None:
-        for fd in [fd for _, fd in self.cgroups] + [fd for _, _, fd in self.ns] + [
-                self.err_r, self.err_w]:
+        for fd in (
+            [fd for _, fd in self.cgroups] + [fd for _, _, fd in self.ns] + [self.err_r, self.err_w]
+        ):
             if fd >= 0:
                 try:
                     os.close(fd)
@@ -117,24 +132,33 @@ def run_setup_probe(setup: ChildSetup) -> None:
     (``Placement.probe_cgroups``). A child that cannot be started at all (the exec fails) is
     a ``CriuError`` too."""
     if any(kind == "mnt" for kind, _ in setup.namespaces):
-        raise ValueError("run_setup_probe execs this Python by its path: it cannot run in "
-                         "another mount namespace")
+        raise ValueError(
+            "run_setup_probe execs this Python by its path: it cannot run in "
+            "another mount namespace"
+        )
     opened = Opened(setup)
     try:
         try:
-            res = subprocess.run([sys.executable, "-S", "-I", "-c", "pass"],
-                                 stdin=subprocess.DEVNULL, capture_output=True,
-                                 preexec_fn=opened.preexec, env=env())
+            res = subprocess.run(
+                [sys.executable, "-S", "-I", "-c", "pass"],
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                preexec_fn=opened.preexec,
+                env=env(),
+            )
         except subprocess.SubprocessError as e:
-            raise CriuError(opened.failure() or f"the probe child failed before exec: {e}") \
-                from None
+            raise CriuError(
+                opened.failure() or f"the probe child failed before exec: {e}"
+            ) from None
         except OSError as e:
             why = opened.failure()
-            raise CriuError(why or f"the probe child could not be started ({sys.executable}): "
-                            f"{e.strerror or e}") from None
+            raise CriuError(
+                why or f"the probe child could not be started ({sys.executable}): {e.strerror or e}"
+            ) from None
         if res.returncode != 0:
-            raise CriuError(f"the probe child exited {res.returncode}: "
-                            f"{(res.stdout + res.stderr).decode(errors='replace').strip()}")
+            raise CriuError(
+                f"the probe child exited {res.returncode}: "
+                f"{(res.stdout + res.stderr).decode(errors='replace').strip()}"
+            )
     finally:
         opened.close()
-

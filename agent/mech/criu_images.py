@@ -2,6 +2,7 @@
 ``pstree.img``; :func:`wait_pids_free` waits for those PIDs to be free; :func:`wait_exit`
 waits for a restored process that is not the caller's child.
 """
+
 from __future__ import annotations
 
 import os
@@ -16,7 +17,7 @@ from cuinterpose.agent.mech.criu_binary import CriuError
 
 __all__ = ["image_pids", "wait_pids_free", "wait_exit", "describe_pid"]
 
-_IMG_MAGICS = (0x54564319, 0x55105940)     # CRIU "common" and "service" image magics
+_IMG_MAGICS = (0x54564319, 0x55105940)  # CRIU "common" and "service" image magics
 _PSTREE_MAGIC = 0x50273030
 
 
@@ -56,7 +57,7 @@ def image_pids(images_dir: Path) -> list[int]:
                 raise ValueError("truncated entry size")
             (size,) = struct.unpack_from("<I", data, off)
             off += 4
-            entry = data[off:off + size]
+            entry = data[off : off + size]
             if len(entry) != size:
                 raise ValueError("truncated entry")
             off += size
@@ -72,8 +73,8 @@ def image_pids(images_dir: Path) -> list[int]:
                         threads.append(val)
                 elif wire == 2:
                     ln, i = _varint(entry, i)
-                    chunk, i = entry[i:i + ln], i + ln
-                    if field == 5:                       # packed repeated threads
+                    chunk, i = entry[i : i + ln], i + ln
+                    if field == 5:  # packed repeated threads
                         j = 0
                         while j < len(chunk):
                             val, j = _varint(chunk, j)
@@ -87,8 +88,9 @@ def image_pids(images_dir: Path) -> list[int]:
             raise ValueError("no processes")
         return pids
     except (OSError, ValueError, struct.error) as e:
-        raise CriuError(f"images dir {images_dir}: unreadable pstree.img ({e})",
-                        images_dir=images_dir) from e
+        raise CriuError(
+            f"images dir {images_dir}: unreadable pstree.img ({e})", images_dir=images_dir
+        ) from e
 
 
 def describe_pid(pid: int) -> str:
@@ -98,8 +100,10 @@ def describe_pid(pid: int) -> str:
         fields = procfs.status(pid)
     except OSError:
         return "gone"
-    return (f"{fields.get('Name', '?')}, state {fields.get('State', '?')},"
-            f" parent {fields.get('PPid', '?')}")
+    return (
+        f"{fields.get('Name', '?')}, state {fields.get('State', '?')},"
+        f" parent {fields.get('PPid', '?')}"
+    )
 
 
 def wait_pids_free(pids: Iterable[int], timeout: float) -> list[int]:

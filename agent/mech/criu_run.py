@@ -5,6 +5,7 @@ plugins), the child set-up and mount namespace it runs in, and on failure a
 out of a rolled-back images dir (:func:`keep_log`) and the files its restore refused for
 their size (:func:`bad_size_files`).
 """
+
 from __future__ import annotations
 
 import os
@@ -20,10 +21,19 @@ from cuinterpose.agent.mech import mntns
 from cuinterpose.agent.mech.criu_binary import CriuError, cache_dir, criu_command, env
 from cuinterpose.agent.mech.criu_child import ChildSetup, Opened
 
-__all__ = ["run", "common_args", "keep_log", "kept_logs_dir", "bad_size_files", "LOG_LEVEL",
-           "LOG_TAIL_LINES", "ENV_LOG_DIR", "log_tail"]
+__all__ = [
+    "run",
+    "common_args",
+    "keep_log",
+    "kept_logs_dir",
+    "bad_size_files",
+    "LOG_LEVEL",
+    "LOG_TAIL_LINES",
+    "ENV_LOG_DIR",
+    "log_tail",
+]
 
-LOG_LEVEL = "-v4"           # full debug log in the log file; CRIU prints nothing to stdout
+LOG_LEVEL = "-v4"  # full debug log in the log file; CRIU prints nothing to stdout
 LOG_TAIL_LINES = 25
 
 _no_plugins_dir: Path | None = None
@@ -65,8 +75,10 @@ def kept_logs_dir() -> Path:
     """Where the log of a failed dump is copied (``$CUINTERPOSE_CRIU_LOG_DIR``, default
     ``<tmp>/cuinterpose-agent/criu-logs``): a failed checkpoint removes the images directory
     the log was written to."""
-    return Path(os.environ.get(ENV_LOG_DIR) or Path(tempfile.gettempdir()) / "cuinterpose-agent"
-                / "criu-logs")
+    return Path(
+        os.environ.get(ENV_LOG_DIR)
+        or Path(tempfile.gettempdir()) / "cuinterpose-agent" / "criu-logs"
+    )
 
 
 def keep_log(action: str, log_path: Path, images_dir: Path) -> Path:
@@ -103,15 +115,25 @@ def bad_size_files(log_path: Path) -> list[dict]:
         return out
     for m in _BAD_SIZE.finditer(text):
         path = m.group(1)
-        row = {"path": path if path.startswith("/") else "/" + path, "size": int(m.group(2)),
-               "expected": int(m.group(3))}
+        row = {
+            "path": path if path.startswith("/") else "/" + path,
+            "size": int(m.group(2)),
+            "expected": int(m.group(3)),
+        }
         if row not in out:
             out.append(row)
     return out
 
 
-def run(action: str, args: list[str], *, images_dir: Path, log_path: Path,
-         setup: ChildSetup | None = None, pass_fds: Sequence[int] = ()) -> None:
+def run(
+    action: str,
+    args: list[str],
+    *,
+    images_dir: Path,
+    log_path: Path,
+    setup: ChildSetup | None = None,
+    pass_fds: Sequence[int] = (),
+) -> None:
     """Run ``criu ACTION ARGS`` (with ``env()``, stdin from /dev/null) from a child that
     applies ``setup`` first (entering another mount namespace through a descriptor of this
     process's root, agent/mech/mntns.py), passing it ``pass_fds``. Raises ``CriuError``: not
@@ -127,8 +149,9 @@ def run(action: str, args: list[str], *, images_dir: Path, log_path: Path,
             cmd = mntns.rewrite(criu_command(), [action, *args], root_fd)
         except mntns.MountNsError as e:
             os.close(root_fd)
-            raise CriuError(f"criu {action} cannot run in another mount namespace: {e}",
-                            images_dir=images_dir) from None
+            raise CriuError(
+                f"criu {action} cannot run in another mount namespace: {e}", images_dir=images_dir
+            ) from None
         pass_fds = (*pass_fds, root_fd)
     try:
         opened = Opened(setup) if setup else None
@@ -138,16 +161,24 @@ def run(action: str, args: list[str], *, images_dir: Path, log_path: Path,
         raise
     try:
         try:
-            res = subprocess.run(cmd, env=env(), stdin=subprocess.DEVNULL,
-                                 capture_output=True, text=True, pass_fds=tuple(pass_fds),
-                                 preexec_fn=opened.preexec if opened else None)
+            res = subprocess.run(
+                cmd,
+                env=env(),
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                pass_fds=tuple(pass_fds),
+                preexec_fn=opened.preexec if opened else None,
+            )
         except subprocess.SubprocessError as e:
             why = opened.failure() if opened else ""
-            raise CriuError(f"criu {action} not started: {why or e}", cmd=cmd,
-                            images_dir=images_dir) from None
+            raise CriuError(
+                f"criu {action} not started: {why or e}", cmd=cmd, images_dir=images_dir
+            ) from None
         except OSError as e:
-            raise CriuError(f"criu {action} could not start: {e}", cmd=cmd,
-                            images_dir=images_dir) from e
+            raise CriuError(
+                f"criu {action} could not start: {e}", cmd=cmd, images_dir=images_dir
+            ) from e
     finally:
         if opened:
             opened.close()
@@ -159,9 +190,14 @@ def run(action: str, args: list[str], *, images_dir: Path, log_path: Path,
         if out:
             tail = out + "\n" + tail
         log_path = keep_log(action, log_path, images_dir)
-        err = CriuError(f"criu {action} failed for images dir {images_dir}", cmd=cmd,
-                        returncode=res.returncode, images_dir=images_dir, log_path=log_path,
-                        log_tail=tail)
+        err = CriuError(
+            f"criu {action} failed for images dir {images_dir}",
+            cmd=cmd,
+            returncode=res.returncode,
+            images_dir=images_dir,
+            log_path=log_path,
+            log_tail=tail,
+        )
         err.bad_size = bad_size_files(log_path)
         raise err
 
@@ -169,7 +205,15 @@ def run(action: str, args: list[str], *, images_dir: Path, log_path: Path,
 def common_args(images_dir: Path, work_dir: Path, log_name: str) -> list[str]:
     """The options of every CRIU command: images and work dirs, log file and ``LOG_LEVEL``,
     ``--no-default-config`` (no ``/etc/criu/default.conf``), ``--libdir`` of no plugins."""
-    return ["--images-dir", str(images_dir), "--work-dir", str(work_dir),
-            "--log-file", log_name, LOG_LEVEL, "--no-default-config",
-            "--libdir", str(_plugins_dir())]
-
+    return [
+        "--images-dir",
+        str(images_dir),
+        "--work-dir",
+        str(work_dir),
+        "--log-file",
+        log_name,
+        LOG_LEVEL,
+        "--no-default-config",
+        "--libdir",
+        str(_plugins_dir()),
+    ]

@@ -7,6 +7,7 @@
 All read ``/proc/PID/fd``, ``fdinfo``, ``mountinfo`` and ``maps`` (proc(5)); a process or fd
 that vanishes while being read is skipped.
 """
+
 from __future__ import annotations
 
 import os
@@ -43,9 +44,11 @@ def external_pipes(root: int, pids: Iterable[int], proc_root: str = "/proc") -> 
         elif modes == {os.O_RDONLY}:
             direction = "read"
         else:
-            continue                      # both ends (or O_RDWR) inside: CRIU restores it
-        out += [{"root": int(root), "pid": pid, "fd": fd, "inode": inode, "direction": direction}
-                for pid, fd, _ in us]
+            continue  # both ends (or O_RDWR) inside: CRIU restores it
+        out += [
+            {"root": int(root), "pid": pid, "fd": fd, "inode": inode, "direction": direction}
+            for pid, fd, _ in us
+        ]
     return sorted(out, key=lambda e: (e["pid"], e["fd"]))
 
 
@@ -69,7 +72,7 @@ def external_files(root: int, pids: Iterable[int], proc_root: str = "/proc") -> 
     pids = list(pids)
     known = _tree_mount_ids(pids, proc_root)
     if known is None:
-        return []                              # the tree is gone: CRIU will say so
+        return []  # the tree is gone: CRIU will say so
     out = []
     for pid in pids:
         base = f"{proc_root}/{pid}"
@@ -85,11 +88,20 @@ def external_files(root: int, pids: Iterable[int], proc_root: str = "/proc") -> 
                 st = os.stat(f"{base}/fd/{fd}")
             except (OSError, KeyError, ValueError):
                 continue
-            out.append({"root": int(root), "pid": pid, "fd": fd, "path": target,
-                        "mnt_id": mnt_id, "inode": st.st_ino, "flags": flags,
-                        "access": {os.O_RDONLY: "r", os.O_WRONLY: "w"}.get(
-                            flags & os.O_ACCMODE, "rw"),
-                        "st_mode": st.st_mode, "rdev": st.st_rdev})
+            out.append(
+                {
+                    "root": int(root),
+                    "pid": pid,
+                    "fd": fd,
+                    "path": target,
+                    "mnt_id": mnt_id,
+                    "inode": st.st_ino,
+                    "flags": flags,
+                    "access": {os.O_RDONLY: "r", os.O_WRONLY: "w"}.get(flags & os.O_ACCMODE, "rw"),
+                    "st_mode": st.st_mode,
+                    "rdev": st.st_rdev,
+                }
+            )
     return sorted(out, key=lambda e: (e["pid"], e["fd"]))
 
 
@@ -112,8 +124,14 @@ def _tree_mount_ids(pids: Iterable[int], proc_root: str = "/proc") -> Optional[s
 #: ``/proc/PID/map_files`` targets that CRIU dumps as memory, not as a file on a mount: memfd,
 #: shared anonymous memory, SysV shm, anonymous hugetlb, AIO rings, dma-bufs (all on
 #: kernel-internal mounts that no mountinfo shows)
-_MAPPED_NOT_FILES = ("/memfd:", "/dev/zero (deleted)", "/SYSV", "/anon_hugepage", "/[aio]",
-                     "/dmabuf:")
+_MAPPED_NOT_FILES = (
+    "/memfd:",
+    "/dev/zero (deleted)",
+    "/SYSV",
+    "/anon_hugepage",
+    "/[aio]",
+    "/dmabuf:",
+)
 
 
 def _opath_mount(path: str) -> tuple[int, int]:
@@ -171,12 +189,18 @@ def outside_mounts(root: int, pids: Iterable[int], proc_root: str = "/proc") -> 
             except (OSError, KeyError, ValueError):
                 continue
             if mnt_id not in known:
-                out.append({"root": int(root), "pid": pid, "kind": kind, "path": path,
-                            "mnt_id": mnt_id,
-                            "what": f"has its {what} {path} on mount {mnt_id}"})
+                out.append(
+                    {
+                        "root": int(root),
+                        "pid": pid,
+                        "kind": kind,
+                        "path": path,
+                        "mnt_id": mnt_id,
+                        "what": f"has its {what} {path} on mount {mnt_id}",
+                    }
+                )
         try:
-            ranges = sorted(os.listdir(f"{base}/map_files"),
-                            key=lambda r: int(r.split("-")[0], 16))
+            ranges = sorted(os.listdir(f"{base}/map_files"), key=lambda r: int(r.split("-")[0], 16))
         except (OSError, ValueError):
             continue
         seen = set()
@@ -194,8 +218,15 @@ def outside_mounts(root: int, pids: Iterable[int], proc_root: str = "/proc") -> 
             seen.add((mnt_id, ino))
             if external_file_key({"mnt_id": mnt_id, "inode": ino}) in ext:
                 continue
-            out.append({"root": int(root), "pid": pid, "kind": "mapping", "path": path,
-                        "mnt_id": mnt_id,
-                        "what": f"has a mapping of {path} ({rng}) on mount {mnt_id}, with no "
-                                "fd open on it"})
+            out.append(
+                {
+                    "root": int(root),
+                    "pid": pid,
+                    "kind": "mapping",
+                    "path": path,
+                    "mnt_id": mnt_id,
+                    "what": f"has a mapping of {path} ({rng}) on mount {mnt_id}, with no "
+                    "fd open on it",
+                }
+            )
     return out

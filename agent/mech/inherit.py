@@ -8,6 +8,7 @@ and the fixups after the restore (:meth:`RestoreOptions.after_restore`). docs/cr
 ``placement`` arguments are :class:`Placement` objects, used by their attributes only: this
 module is below placement.py.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -21,13 +22,21 @@ from typing import Iterable, Optional
 from cuinterpose.agent.errors import PlacementError
 from cuinterpose.agent.mech import libc
 
-__all__ = ["RestoreOptions", "restore_options", "external_file_fd", "external_file_key",
-           "pidfd_getfd", "appends", "flag_names"]
+__all__ = [
+    "RestoreOptions",
+    "restore_options",
+    "external_file_fd",
+    "external_file_key",
+    "pidfd_getfd",
+    "appends",
+    "flag_names",
+]
 
 #: flags of a recorded external file kept when the agent reopens it by path (never O_CREAT,
 #: O_TRUNC: the file must exist and keep its contents)
-_REOPEN_FLAGS = (os.O_ACCMODE | os.O_APPEND | os.O_NONBLOCK | os.O_DIRECTORY | os.O_PATH
-                 | os.O_SYNC | os.O_DSYNC)
+_REOPEN_FLAGS = (
+    os.O_ACCMODE | os.O_APPEND | os.O_NONBLOCK | os.O_DIRECTORY | os.O_PATH | os.O_SYNC | os.O_DSYNC
+)
 
 
 @dataclasses.dataclass
@@ -82,15 +91,19 @@ class RestoreOptions:
                     raise PlacementError(
                         f"restored pid {fx['pid']} fd {fx['fd']} is not the placement's file "
                         f"{fx['target']} handed to it (device {st.st_dev}, inode "
-                        f"{st.st_ino})", pid=fx.get("placement_pid"))
+                        f"{st.st_ino})",
+                        pid=fx.get("placement_pid"),
+                    )
                 fl = fcntl.fcntl(fd, fcntl.F_GETFL)
                 fcntl.fcntl(fd, fcntl.F_SETFL, fl | os.O_APPEND)
                 os.lseek(fd, 0, os.SEEK_END)
                 done.append({**fx, "flags": fcntl.fcntl(fd, fcntl.F_GETFL)})
             except OSError as e:
-                raise PlacementError(f"cannot set O_APPEND on restored pid {fx['pid']} fd "
-                                     f"{fx['fd']} ({fx['target']}): {e.strerror or e}",
-                                     pid=fx.get("placement_pid")) from None
+                raise PlacementError(
+                    f"cannot set O_APPEND on restored pid {fx['pid']} fd "
+                    f"{fx['fd']} ({fx['target']}): {e.strerror or e}",
+                    pid=fx.get("placement_pid"),
+                ) from None
             finally:
                 os.close(fd)
         for p in pids:
@@ -115,24 +128,29 @@ def pidfd_getfd(pid: int, fd: int, who: str) -> int:
     try:
         pidfd = os.pidfd_open(pid)
     except OSError as e:
-        raise PlacementError(f"cannot take fd {fd} of {who}: pidfd_open: {e.strerror or e}") \
-            from None
+        raise PlacementError(
+            f"cannot take fd {fd} of {who}: pidfd_open: {e.strerror or e}"
+        ) from None
     try:
         new = libc.fn("syscall")(libc.SYS_pidfd_getfd, pidfd, fd, 0)
         if new < 0:
             err = ctypes.get_errno()
-            raise PlacementError(f"cannot take fd {fd} of {who}: pidfd_getfd: "
-                                 f"{os.strerror(err)}")
+            raise PlacementError(f"cannot take fd {fd} of {who}: pidfd_getfd: {os.strerror(err)}")
         return new
     finally:
         os.close(pidfd)
 
 
 def _file_kind(st_mode: int) -> str:
-    for test, name in ((stat.S_ISREG, "regular file"), (stat.S_ISCHR, "character device"),
-                       (stat.S_ISBLK, "block device"), (stat.S_ISDIR, "directory"),
-                       (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"),
-                       (stat.S_ISLNK, "symlink")):
+    for test, name in (
+        (stat.S_ISREG, "regular file"),
+        (stat.S_ISCHR, "character device"),
+        (stat.S_ISBLK, "block device"),
+        (stat.S_ISDIR, "directory"),
+        (stat.S_ISFIFO, "FIFO"),
+        (stat.S_ISSOCK, "socket"),
+        (stat.S_ISLNK, "symlink"),
+    ):
         if test(st_mode):
             return name
     return f"file of mode {st_mode:o}"
@@ -154,11 +172,15 @@ def _same_kind(st: os.stat_result, rec: dict) -> Optional[str]:
     refuses another ``st_mode``: "File ... has bad mode"), else why not."""
     want = int(rec["st_mode"])
     if st.st_mode != want:
-        return (f"a {_file_kind(st.st_mode)} of mode {st.st_mode:o}, the tree's was a "
-                f"{_file_kind(want)} of mode {want:o}")
+        return (
+            f"a {_file_kind(st.st_mode)} of mode {st.st_mode:o}, the tree's was a "
+            f"{_file_kind(want)} of mode {want:o}"
+        )
     if (stat.S_ISCHR(want) or stat.S_ISBLK(want)) and st.st_rdev != int(rec.get("rdev", 0)):
-        return (f"device {os.major(st.st_rdev)}:{os.minor(st.st_rdev)}, the tree's was "
-                f"{os.major(int(rec.get('rdev', 0)))}:{os.minor(int(rec.get('rdev', 0)))}")
+        return (
+            f"device {os.major(st.st_rdev)}:{os.minor(st.st_rdev)}, the tree's was "
+            f"{os.major(int(rec.get('rdev', 0)))}:{os.minor(int(rec.get('rdev', 0)))}"
+        )
     return None
 
 
@@ -186,8 +208,9 @@ def external_file_fd(placement: Optional[object], uses: list[dict]) -> tuple[int
     # CRIU reopens *every* use of the file through /proc/self/fd/N of the one fd handed, with
     # that use's flags and offset, and size-checks each use not held O_WRONLY|O_APPEND: a
     # placement's regular file (another file than the tree's) fits only when no use is such
-    sizable = sorted((u for u in uses if not appends(u["flags"])),
-                     key=lambda u: (u["pid"], u["fd"]))
+    sizable = sorted(
+        (u for u in uses if not appends(u["flags"])), key=lambda u: (u["pid"], u["fd"])
+    )
     if placement is not None:
         by_fd = {s.fd: s for s in placement.stdio}
         for u in sorted(uses, key=lambda u: (u["fd"], u["pid"])):
@@ -207,42 +230,58 @@ def external_file_fd(placement: Optional[object], uses: list[dict]) -> tuple[int
             bad = _same_kind(st, u)
             if bad is None and stat.S_ISREG(st.st_mode) and sizable:
                 v = sizable[0]
-                bad = (f"a regular file, and the tree's pid {v['pid']} fd {v['fd']} on the "
-                       f"file is {flag_names(v['flags'] & _REOPEN_FLAGS)}, not "
-                       "O_WRONLY|O_APPEND: CRIU would reopen that fd on this file too, at its "
-                       "offset, and check its size")
+                bad = (
+                    f"a regular file, and the tree's pid {v['pid']} fd {v['fd']} on the "
+                    f"file is {flag_names(v['flags'] & _REOPEN_FLAGS)}, not "
+                    "O_WRONLY|O_APPEND: CRIU would reopen that fd on this file too, at its "
+                    "offset, and check its size"
+                )
             if bad is None:
-                return fd, {"handed": f"placement fd {s.fd} ({s.target})",
-                            "placement_fd": s.fd}
+                return fd, {"handed": f"placement fd {s.fd} ({s.target})", "placement_fd": s.fd}
             os.close(fd)
             why_not.append(f"its fd {s.fd} ({s.target}) is {bad}")
     path = rec["path"]
     flags = rec["flags"] & _REOPEN_FLAGS
     if stat.S_ISFIFO(int(rec["st_mode"])):
-        flags = (flags & ~os.O_ACCMODE) | os.O_RDWR | os.O_NONBLOCK   # never blocks
-    tree = (f"pid {rec['pid']} fd {rec['fd']} holds {path} (opened outside the tree's mount "
-            f"namespace, mount {rec['mnt_id']}, inode {rec['inode']})")
+        flags = (flags & ~os.O_ACCMODE) | os.O_RDWR | os.O_NONBLOCK  # never blocks
+    tree = (
+        f"pid {rec['pid']} fd {rec['fd']} holds {path} (opened outside the tree's mount "
+        f"namespace, mount {rec['mnt_id']}, inode {rec['inode']})"
+    )
     pl = (" and the placement's fds do not fit (" + "; ".join(why_not) + ")") if why_not else ""
     try:
         fd = os.open(path, flags | os.O_CLOEXEC | os.O_NOCTTY)
     except OSError as e:
-        raise PlacementError(f"{tree}, which cannot be reopened here: {e.strerror or e}{pl}",
-                             pid=placement.pid if placement else None) from None
+        raise PlacementError(
+            f"{tree}, which cannot be reopened here: {e.strerror or e}{pl}",
+            pid=placement.pid if placement else None,
+        ) from None
     bad = _same_kind(os.fstat(fd), rec)
     if bad is not None:
         os.close(fd)
-        raise PlacementError(f"{tree}, but {path} here is {bad}{pl}",
-                             pid=placement.pid if placement else None)
-    return fd, {"handed": f"{path} reopened in the agent's mount namespace "
-                          f"({flag_names(flags)})", "placement_fd": None}
+        raise PlacementError(
+            f"{tree}, but {path} here is {bad}{pl}", pid=placement.pid if placement else None
+        )
+    return fd, {
+        "handed": f"{path} reopened in the agent's mount namespace ({flag_names(flags)})",
+        "placement_fd": None,
+    }
 
 
 def flag_names(flags: int) -> str:
     """``flags`` in words: ``"O_WRONLY|O_APPEND"``."""
-    names = [{os.O_RDONLY: "O_RDONLY", os.O_WRONLY: "O_WRONLY", os.O_RDWR: "O_RDWR"}.get(
-        flags & os.O_ACCMODE, "O_RDONLY")]
-    for f, n in ((os.O_APPEND, "O_APPEND"), (os.O_NONBLOCK, "O_NONBLOCK"),
-                 (os.O_DIRECTORY, "O_DIRECTORY"), (os.O_PATH, "O_PATH"), (os.O_SYNC, "O_SYNC")):
+    names = [
+        {os.O_RDONLY: "O_RDONLY", os.O_WRONLY: "O_WRONLY", os.O_RDWR: "O_RDWR"}.get(
+            flags & os.O_ACCMODE, "O_RDONLY"
+        )
+    ]
+    for f, n in (
+        (os.O_APPEND, "O_APPEND"),
+        (os.O_NONBLOCK, "O_NONBLOCK"),
+        (os.O_DIRECTORY, "O_DIRECTORY"),
+        (os.O_PATH, "O_PATH"),
+        (os.O_SYNC, "O_SYNC"),
+    ):
         if flags & f == f:
             names.append(n)
     return "|".join(names)
@@ -254,9 +293,14 @@ def external_file_key(rec: dict) -> str:
     return f"file[{int(rec['mnt_id']):x}:{int(rec['inode']):x}]"
 
 
-def restore_options(placement: Optional[object], external_pipes: Iterable[dict] = (),
-                    external_net: str = "", *, root: Optional[int] = None,
-                    external_files: Iterable[dict] = ()) -> RestoreOptions:
+def restore_options(
+    placement: Optional[object],
+    external_pipes: Iterable[dict] = (),
+    external_net: str = "",
+    *,
+    root: Optional[int] = None,
+    external_files: Iterable[dict] = (),
+) -> RestoreOptions:
     """CRIU restore options of one tree, from its manifest records.
 
     - ``placement`` None: an ``external_net`` (the images' network namespace was dumped as
@@ -279,8 +323,11 @@ def restore_options(placement: Optional[object], external_pipes: Iterable[dict] 
     tree = f"tree {root}: " if root is not None else ""
     try:
         if placement is not None:
-            opts.join_ns = [(n.kind, n.path) for n in placement.namespaces
-                            if not (external_net and n.kind == "net")]
+            opts.join_ns = [
+                (n.kind, n.path)
+                for n in placement.namespaces
+                if not (external_net and n.kind == "net")
+            ]
             setup = placement.child_setup()
             opts.setup = setup if setup else None
         if external_net:
@@ -289,9 +336,10 @@ def restore_options(placement: Optional[object], external_pipes: Iterable[dict] 
             try:
                 fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             except OSError as e:
-                raise PlacementError(f"{tree}cannot open the network namespace {path}: "
-                                     f"{e.strerror or e}",
-                                     pid=placement.pid if placement else None) from None
+                raise PlacementError(
+                    f"{tree}cannot open the network namespace {path}: {e.strerror or e}",
+                    pid=placement.pid if placement else None,
+                ) from None
             opts.fds.append(fd)
             if net is not None and os.fstat(fd).st_ino != net.inode:
                 raise PlacementError(f"left its net namespace [{net.inode}]", pid=placement.pid)
@@ -308,7 +356,9 @@ def restore_options(placement: Optional[object], external_pipes: Iterable[dict] 
                     raise PlacementError(
                         f"{tree}pid {first['pid']} fd {first['fd']} {first['direction']}s "
                         f"pipe:[{inode}], whose other end was outside the tree, but the "
-                        f"placement {e.reason}", pid=placement.pid) from None
+                        f"placement {e.reason}",
+                        pid=placement.pid,
+                    ) from None
                 fd = placement.open_stdio(s, first["direction"])
                 opts.fds.append(fd)
                 st = os.fstat(fd)
@@ -319,15 +369,25 @@ def restore_options(placement: Optional[object], external_pipes: Iterable[dict] 
                         f"pipe:[{inode}], whose other end was outside the tree, but the "
                         f"placement pid {placement.pid} fd {s.fd} ({s.target}) is {kind}: CRIU "
                         "reopens the fd handed for such a pipe through /proc/self/fd/N "
-                        "(criu/pipes.c reopen_pipe), which fails for it (\"No such device or "
-                        f"address\"); give the placeholder a pipe, a regular file or /dev/null "
-                        f"as its fd {s.fd}", pid=placement.pid)
+                        '(criu/pipes.c reopen_pipe), which fails for it ("No such device or '
+                        f'address"); give the placeholder a pipe, a regular file or /dev/null '
+                        f"as its fd {s.fd}",
+                        pid=placement.pid,
+                    )
                 opts.inherit_fds.append((fd, f"pipe:[{inode}]"))
                 opts.inherited += [{**p, "placement_fd": s.fd} for p in uses]
                 if stat.S_ISREG(st.st_mode):
-                    opts.fixups += [{"pid": p["pid"], "fd": p["fd"], "dev": st.st_dev,
-                                     "ino": st.st_ino, "target": s.target,
-                                     "placement_pid": placement.pid} for p in uses]
+                    opts.fixups += [
+                        {
+                            "pid": p["pid"],
+                            "fd": p["fd"],
+                            "dev": st.st_dev,
+                            "ino": st.st_ino,
+                            "target": s.target,
+                            "placement_pid": placement.pid,
+                        }
+                        for p in uses
+                    ]
         by_key: dict[str, list[dict]] = {}
         for f in external_files:
             by_key.setdefault(external_file_key(f), []).append(f)

@@ -2,6 +2,7 @@
 for pidfd_getfd(2)), from one handle with ``errno`` kept (``ctypes.get_errno()`` after a
 failed call), and the flag values they take (include/uapi/linux/sched.h, asm/unistd.h).
 """
+
 from __future__ import annotations
 
 import ctypes

@@ -9,6 +9,7 @@ with ``--library-path``); ``open_root()`` the descriptor; ``is_foreign(pid)`` te
 ``pid``'s mount namespace differs from this process's. docs/criu.md, "Mount namespace", says
 why a dump runs in the tree's namespace and what was checked.
 """
+
 from __future__ import annotations
 
 import os
@@ -50,15 +51,15 @@ def _interp(binary: str) -> str:
         if head[:4] != b"\x7fELF" or head[4] != 2:
             raise MountNsError(f"{binary} is not a 64-bit ELF executable")
         end = "<" if head[5] == 1 else ">"
-        phoff, = struct.unpack_from(end + "Q", head, 32)
+        (phoff,) = struct.unpack_from(end + "Q", head, 32)
         phentsize, phnum = struct.unpack_from(end + "HH", head, 54)
         f.seek(phoff)
         table = f.read(phentsize * phnum)
         for i in range(phnum):
-            ptype, = struct.unpack_from(end + "I", table, i * phentsize)
-            if ptype == 3:                                  # PT_INTERP
-                off, = struct.unpack_from(end + "Q", table, i * phentsize + 8)
-                size, = struct.unpack_from(end + "Q", table, i * phentsize + 32)
+            (ptype,) = struct.unpack_from(end + "I", table, i * phentsize)
+            if ptype == 3:  # PT_INTERP
+                (off,) = struct.unpack_from(end + "Q", table, i * phentsize + 8)
+                (size,) = struct.unpack_from(end + "Q", table, i * phentsize + 32)
                 f.seek(off)
                 return f.read(size).rstrip(b"\0").decode()
     raise MountNsError(f"{binary} has no ELF interpreter (a static binary needs no wrapping)")
@@ -66,8 +67,9 @@ def _interp(binary: str) -> str:
 
 def _library_dirs(interp: str, binary: str) -> list[str]:
     """The directories of the shared libraries ``binary`` loads (``ld.so --list``)."""
-    res = subprocess.run([interp, "--list", binary], capture_output=True, text=True,
-                         stdin=subprocess.DEVNULL)
+    res = subprocess.run(
+        [interp, "--list", binary], capture_output=True, text=True, stdin=subprocess.DEVNULL
+    )
     if res.returncode != 0:
         raise MountNsError(f"{interp} --list {binary} failed: {res.stderr.strip()}")
     dirs: list[str] = []
@@ -86,8 +88,9 @@ def _exec_argv(prefix: Sequence[str]) -> list[str]:
     generated wrapper of scripts/install-criu.sh is read for its ``exec`` line; an ELF binary
     gets its ``PT_INTERP`` loader with ``--inhibit-cache --library-path <its libraries' dirs>``."""
     if len(prefix) != 1:
-        raise MountNsError(f"cannot run {shlex.join(prefix)} in another mount namespace "
-                           "(expected one executable)")
+        raise MountNsError(
+            f"cannot run {shlex.join(prefix)} in another mount namespace (expected one executable)"
+        )
     path = shutil.which(prefix[0]) or prefix[0]
     with open(path, "rb") as f:
         magic = f.read(4)
@@ -101,20 +104,37 @@ def _exec_argv(prefix: Sequence[str]) -> list[str]:
                     argv = argv[:-1]
                 if argv and all("$" not in a for a in argv):
                     return argv
-        raise MountNsError(f"{path} is a script without a plain `exec LOADER ... \"$@\"` line: "
-                           "cannot start it in another mount namespace")
+        raise MountNsError(
+            f'{path} is a script without a plain `exec LOADER ... "$@"` line: '
+            "cannot start it in another mount namespace"
+        )
     interp = _interp(path)
-    return [interp, "--inhibit-cache", "--library-path",
-            ":".join(_library_dirs(interp, path)), path]
+    return [
+        interp,
+        "--inhibit-cache",
+        "--library-path",
+        ":".join(_library_dirs(interp, path)),
+        path,
+    ]
 
 
 #: CRIU flags whose value is a path (rewritten by :func:`rewrite`)
-PATH_FLAGS = ("--images-dir", "-D", "--work-dir", "-W", "--libdir", "-L", "--pidfile",
-              "--log-file", "-o")
+PATH_FLAGS = (
+    "--images-dir",
+    "-D",
+    "--work-dir",
+    "-W",
+    "--libdir",
+    "-L",
+    "--pidfile",
+    "--log-file",
+    "-o",
+)
 
 
-def rewrite(prefix: Sequence[str], args: Iterable[str], root_fd: int,
-            path_flags: Iterable[str] = PATH_FLAGS) -> list[str]:
+def rewrite(
+    prefix: Sequence[str], args: Iterable[str], root_fd: int, path_flags: Iterable[str] = PATH_FLAGS
+) -> list[str]:
     """The argv that starts ``prefix + args`` (CRIU) by the agent's paths from inside another
     mount namespace: every absolute path of the loader argv, the value of every flag in
     ``path_flags`` (``--flag VALUE`` form) and the path of a ``--join-ns NS:PATH[,EXTRA]``

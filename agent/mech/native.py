@@ -26,6 +26,7 @@ short-lived thread that first joins that process's network namespace (``setns(2)
 ``\0fakecuda-<pid>``, and abstract socket names belong to a network namespace (unix(7)); the
 real driver's calls are made the same way.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -95,15 +96,23 @@ def load(kind: Optional[str] = None) -> DriverInfo:
     k = driver_kind(kind)
     if _info is not None:
         if _info.kind != k:
-            raise AgentError("driver", f"driver already loaded as {_info.kind!r} "
-                             f"({_info.library}); cannot switch to {k!r} in one process")
+            raise AgentError(
+                "driver",
+                f"driver already loaded as {_info.kind!r} "
+                f"({_info.library}); cannot switch to {k!r} in one process",
+            )
         return _info
     fake_lib = None
     if k == "fake":
         fake_lib = paths.fakecuda_dir() / paths.FAKECUDA_NAME
-        if any(p for p, _, _ in _mapped_libcuda() if os.path.realpath(p) != str(fake_lib.resolve())):
-            raise AgentError("driver", "another libcuda.so.1 is already loaded in this process; "
-                             f"cannot switch to fakecuda {fake_lib}")
+        if any(
+            p for p, _, _ in _mapped_libcuda() if os.path.realpath(p) != str(fake_lib.resolve())
+        ):
+            raise AgentError(
+                "driver",
+                "another libcuda.so.1 is already loaded in this process; "
+                f"cannot switch to fakecuda {fake_lib}",
+            )
         try:
             ctypes.CDLL(str(fake_lib), mode=os.RTLD_NOW | os.RTLD_GLOBAL)
         except OSError as e:
@@ -115,9 +124,14 @@ def load(kind: Optional[str] = None) -> DriverInfo:
     try:
         (err,) = driver.cuInit(0)
     except RuntimeError as e:  # the bindings could not dlopen libcuda.so.1
-        hint = (" (no NVIDIA driver on this machine? --driver fake uses fakecuda)"
-                if k == "real" else "")
-        raise AgentError("driver", f"cuda.bindings could not load libcuda.so.1: {e}{hint}") from None
+        hint = (
+            " (no NVIDIA driver on this machine? --driver fake uses fakecuda)"
+            if k == "real"
+            else ""
+        )
+        raise AgentError(
+            "driver", f"cuda.bindings could not load libcuda.so.1: {e}{hint}"
+        ) from None
     except KeyError as e:
         raise AgentError("driver", f"cuInit returned a CUresult outside the enum: {e}") from None
     mapped = _mapped_libcuda()
@@ -125,8 +139,11 @@ def load(kind: Optional[str] = None) -> DriverInfo:
         want = os.stat(fake_lib)
         others = [p for p, dev, ino in mapped if (dev, ino) != (want.st_dev, want.st_ino)]
         if others or not mapped:
-            raise AgentError("driver", f"cuda.bindings resolved libcuda.so.1 to {others or 'nothing'}, "
-                             f"not fakecuda {fake_lib}")
+            raise AgentError(
+                "driver",
+                f"cuda.bindings resolved libcuda.so.1 to {others or 'nothing'}, "
+                f"not fakecuda {fake_lib}",
+            )
         library = str(fake_lib.resolve())
     else:
         library = mapped[0][0] if mapped else "libcuda.so.1"
@@ -135,9 +152,14 @@ def load(kind: Optional[str] = None) -> DriverInfo:
             fake_dir = paths.fakecuda_dir().resolve()
         except FileNotFoundError:
             pass
-        if fake_dir is not None and any(pathlib.Path(p).resolve().parent == fake_dir for p, _, _ in mapped):
-            raise AgentError("driver", f"real driver requested but fakecuda {library} is loaded "
-                             f"(LD_LIBRARY_PATH?); pass --driver fake or fix the environment")
+        if fake_dir is not None and any(
+            pathlib.Path(p).resolve().parent == fake_dir for p, _, _ in mapped
+        ):
+            raise AgentError(
+                "driver",
+                f"real driver requested but fakecuda {library} is loaded "
+                f"(LD_LIBRARY_PATH?); pass --driver fake or fix the environment",
+            )
     if int(err) != 0:
         raise AgentError("driver", f"cuInit(0) on {library}: {result_name(err)}")
     err, version = driver.cuDriverGetVersion()
@@ -190,21 +212,22 @@ def in_netns(pid: int, fn: Callable[[], _T]) -> _T:
         try:
             fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         except OSError as e:
-            box["exc"] = _setns_error(pid, f"cannot open /proc/{pid}/ns/net: "
-                                         f"{e.strerror or e}")
+            box["exc"] = _setns_error(pid, f"cannot open /proc/{pid}/ns/net: {e.strerror or e}")
             return
         try:
             if _setns(fd, libc.CLONE_NEWNET) != 0:
                 err = ctypes.get_errno()
-                box["exc"] = _setns_error(pid, "cannot join its network namespace "
-                                          f"(setns): {os.strerror(err)}")
+                box["exc"] = _setns_error(
+                    pid, f"cannot join its network namespace (setns): {os.strerror(err)}"
+                )
                 return
         finally:
             os.close(fd)
         try:
             box["ret"] = fn()
-        except BaseException as e:      # handed to the caller
+        except BaseException as e:  # handed to the caller
             box["exc"] = e
+
     t = threading.Thread(target=run, name=f"cuinterpose-netns-{pid}", daemon=True)
     t.start()
     t.join()
@@ -215,7 +238,9 @@ def in_netns(pid: int, fn: Callable[[], _T]) -> _T:
 
 def _call(action: str, pid: int, *args):
     drv = _driver if _driver is not None else (load() and _driver)
-    fn = getattr(drv, "cuCheckpointProcess" + {"get_state": "GetState"}.get(action, action.capitalize()))
+    fn = getattr(
+        drv, "cuCheckpointProcess" + {"get_state": "GetState"}.get(action, action.capitalize())
+    )
     try:
         res = in_netns(pid, lambda: fn(pid, *args))
     except KeyError as e:  # CUresult outside the enum
@@ -326,7 +351,9 @@ def rollback_all(pids: Iterable[int]) -> dict[int, str]:
             if st == "LOCKED":
                 unlock(pid)
             elif st != "RUNNING":
-                raise NativeError("get_state", pid, f"process is {st}, cannot bring it back to RUNNING")
+                raise NativeError(
+                    "get_state", pid, f"process is {st}, cannot bring it back to RUNNING"
+                )
         except NativeError as e:
             e.phase = "rollback native"
             e.args = (f"rollback native: pid {pid} {e.reason}",)

@@ -10,6 +10,7 @@ it is built in agent/mech/inherit.py (``restore_options``). docs/criu.md,
 "Namespaces, cgroups and stdio: restoring into a placement", explains which namespaces,
 cgroups and fds are used and why.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,8 +23,16 @@ from cuinterpose.agent.mech import procfs
 from cuinterpose.agent.mech.inherit import pidfd_getfd
 from cuinterpose.agent.mech.procfs import cgroup_mounts, parse_cgroup
 
-__all__ = ["Placement", "Cgroup", "Namespace", "Stdio", "PlacementError", "DEFAULT_NAMESPACES",
-           "JOINABLE_NAMESPACES", "PF_KTHREAD"]
+__all__ = [
+    "Placement",
+    "Cgroup",
+    "Namespace",
+    "Stdio",
+    "PlacementError",
+    "DEFAULT_NAMESPACES",
+    "JOINABLE_NAMESPACES",
+    "PF_KTHREAD",
+]
 
 #: joined by default: the three a container runtime gives each pod/container of its own
 DEFAULT_NAMESPACES = ("net", "ipc", "uts")
@@ -32,12 +41,12 @@ DEFAULT_NAMESPACES = ("net", "ipc", "uts")
 JOINABLE_NAMESPACES = ("ipc", "net", "time", "uts")
 _WHY_NOT = {
     "mnt": "CRIU's --join-ns does not take a mount namespace (it restores one only from its "
-           "images, with --root); run CRIU in that mount namespace instead",
+    "images, with --root); run CRIU in that mount namespace instead",
     "pid": "CRIU's --join-ns refuses pid namespaces, and the trees need their original pids",
     "user": "joining a user namespace needs a uid and gid inside it, and the agent's "
-            "restores run as root in its own user namespace",
+    "restores run as root in its own user namespace",
     "cgroup": "CRIU's --join-ns does not take a cgroup namespace; the cgroups themselves are "
-              "joined",
+    "joined",
 }
 _ACCMODE = {os.O_RDONLY: "r", os.O_WRONLY: "w", os.O_RDWR: "rw"}
 #: /proc/PID/stat flags (field 9): a kernel thread (include/linux/sched.h)
@@ -72,7 +81,7 @@ class Cgroup:
         root = self.mount_root.rstrip("/")
         if root and not (self.path == root or self.path.startswith(root + "/")):
             return None
-        rel = self.path[len(root):].lstrip("/")
+        rel = self.path[len(root) :].lstrip("/")
         return os.path.join(self.mount, rel) if rel else self.mount
 
     @property
@@ -109,7 +118,8 @@ class Stdio:
     def allows(self, direction: str) -> bool:
         """Whether the tree may ``direction`` ("read"/"write") through this fd."""
         return (direction == "read" and "r" in self.mode) or (
-            direction == "write" and "w" in self.mode)
+            direction == "write" and "w" in self.mode
+        )
 
 
 def _mount_of(hid: int, ctrls: tuple[str, ...], path: str, mounts) -> tuple[Optional[str], str]:
@@ -122,7 +132,7 @@ def _mount_of(hid: int, ctrls: tuple[str, ...], path: str, mounts) -> tuple[Opti
         r = root.rstrip("/")
         if r and not (path == r or path.startswith(r + "/")):
             continue
-        if best is None or len(root) < len(best[1]):   # the widest view of the hierarchy
+        if best is None or len(root) < len(best[1]):  # the widest view of the hierarchy
             best = (point, root)
     return best if best else (None, "/")
 
@@ -139,19 +149,22 @@ def _user_ns(base: str, pid: int) -> Namespace:
         mine = os.stat("/proc/self/ns/user").st_ino
     except FileNotFoundError:
         if not os.path.exists(base):
-            raise PlacementError(f"no such process (reading {p}): the placement process is "
-                                 "gone", pid=pid) from None
+            raise PlacementError(
+                f"no such process (reading {p}): the placement process is gone", pid=pid
+            ) from None
         raise PlacementError(f"has no user namespace file {p}", pid=pid) from None
     except OSError as e:
-        raise PlacementError(f"cannot read its user namespace ({p}: {e.strerror or e})",
-                             pid=pid) from None
+        raise PlacementError(
+            f"cannot read its user namespace ({p}: {e.strerror or e})", pid=pid
+        ) from None
     if ino != mine:
         raise PlacementError(
             f"is in another user namespace [{ino}] than the agent's [{mine}] (a rootless or "
             "user-namespaced container): the restored processes would run as the agent's "
             "root inside its other namespaces, and the agent does not map them into a user "
             "namespace; restore into a placeholder without a user namespace of its own",
-            pid=pid)
+            pid=pid,
+        )
     return Namespace("user", p, ino)
 
 
@@ -165,11 +178,13 @@ def _read(path: str, pid: int, what: str, parse=None):
         with open(path) as f:
             return f.read()
     except FileNotFoundError:
-        raise PlacementError(f"no such process (reading {path}): the placement process is "
-                             "gone", pid=pid) from None
+        raise PlacementError(
+            f"no such process (reading {path}): the placement process is gone", pid=pid
+        ) from None
     except OSError as e:
-        raise PlacementError(f"cannot read its {what} ({path}: {e.strerror or e})",
-                             pid=pid) from None
+        raise PlacementError(
+            f"cannot read its {what} ({path}: {e.strerror or e})", pid=pid
+        ) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,8 +211,9 @@ class Placement:
 
     # -- reading ---------------------------------------------------------------------------
     @classmethod
-    def of_pid(cls, pid: int, *, proc_root: str = "/proc",
-               namespaces: Iterable[str] = DEFAULT_NAMESPACES) -> "Placement":
+    def of_pid(
+        cls, pid: int, *, proc_root: str = "/proc", namespaces: Iterable[str] = DEFAULT_NAMESPACES
+    ) -> "Placement":
         """Read the placement of process ``pid`` from ``proc_root``. Raises
         ``PlacementError`` (phase "placement", naming ``pid`` and the file) when the process is
         gone or a file is unreadable, a namespace is not one CRIU can join, or a cgroup
@@ -209,9 +225,12 @@ class Placement:
         if pid <= 0:
             raise PlacementError(f"placement pid {pid} is not a process id")
         if pid == 1:
-            raise PlacementError("is the init of the agent's pid namespace (the node's, or the "
-                                 "agent container's): its cgroups and namespaces are not a "
-                                 "container's; give the placeholder container's init", pid=pid)
+            raise PlacementError(
+                "is the init of the agent's pid namespace (the node's, or the "
+                "agent container's): its cgroups and namespaces are not a "
+                "container's; give the placeholder container's init",
+                pid=pid,
+            )
         kinds = list(dict.fromkeys(namespaces))
         for k in kinds:
             if k not in JOINABLE_NAMESPACES:
@@ -227,8 +246,11 @@ class Placement:
         except (ValueError, IndexError):
             raise PlacementError(f"{base}/stat is unreadable (no flags field)", pid=pid) from None
         if kthread:
-            raise PlacementError("is a kernel thread (PF_KTHREAD): it has no cgroups, "
-                                 "namespaces or stdio of a container to restore into", pid=pid)
+            raise PlacementError(
+                "is a kernel thread (PF_KTHREAD): it has no cgroups, "
+                "namespaces or stdio of a container to restore into",
+                pid=pid,
+            )
         start = int(fields[procfs.STAT_STARTTIME])
         user = _user_ns(base, pid)
         mounts = cgroup_mounts(_read("/proc/self/mountinfo", os.getpid(), "mountinfo"))
@@ -240,7 +262,9 @@ class Placement:
                     f"its cgroup {hid}:{','.join(ctrls)}:{path} lies outside this agent's "
                     "cgroup namespace: the agent does not run in the node's cgroup namespace "
                     "(serve with kubernetes enabled, and the standalone pod watcher, join pid "
-                    "1's when they can; docs/kubernetes.md)", pid=pid)
+                    "1's when they can; docs/kubernetes.md)",
+                    pid=pid,
+                )
             point, root = _mount_of(hid, ctrls, path, mounts)
             cgroups.append(Cgroup(hid, ctrls, path, point, root))
         nss = []
@@ -250,13 +274,16 @@ class Placement:
                 nss.append(Namespace(k, p, os.stat(p).st_ino))
             except FileNotFoundError:
                 if not os.path.exists(base):
-                    raise PlacementError(f"no such process (reading {p}): the placement "
-                                         "process is gone", pid=pid) from None
-                raise PlacementError(f"has no {k} namespace file {p} (kernel without "
-                                     f"{k} namespaces?)", pid=pid) from None
+                    raise PlacementError(
+                        f"no such process (reading {p}): the placement process is gone", pid=pid
+                    ) from None
+                raise PlacementError(
+                    f"has no {k} namespace file {p} (kernel without {k} namespaces?)", pid=pid
+                ) from None
             except OSError as e:
-                raise PlacementError(f"cannot read its {k} namespace ({p}: "
-                                     f"{e.strerror or e})", pid=pid) from None
+                raise PlacementError(
+                    f"cannot read its {k} namespace ({p}: {e.strerror or e})", pid=pid
+                ) from None
         stdio = []
         for n in (0, 1, 2):
             p = f"{base}/fd/{n}"
@@ -264,15 +291,21 @@ class Placement:
                 target = os.readlink(p)
             except FileNotFoundError:
                 if not os.path.exists(base):
-                    raise PlacementError(f"no such process (reading {p}): the placement "
-                                         "process is gone", pid=pid) from None
-                continue                                  # fd n is closed
+                    raise PlacementError(
+                        f"no such process (reading {p}): the placement process is gone", pid=pid
+                    ) from None
+                continue  # fd n is closed
             except OSError as e:
-                raise PlacementError(f"cannot read its fd {n} ({p}: {e.strerror or e})",
-                                     pid=pid) from None
+                raise PlacementError(
+                    f"cannot read its fd {n} ({p}: {e.strerror or e})", pid=pid
+                ) from None
             try:
-                flags = _read(f"{base}/fdinfo/{n}", pid, f"fd {n} flags",
-                              lambda: procfs.fd_flags(pid, n, proc_root))
+                flags = _read(
+                    f"{base}/fdinfo/{n}",
+                    pid,
+                    f"fd {n} flags",
+                    lambda n=n: procfs.fd_flags(pid, n, proc_root),
+                )
             except ValueError:
                 raise PlacementError(f"{base}/fdinfo/{n} has no flags line", pid=pid) from None
             stdio.append(Stdio(n, target, _ACCMODE.get(flags & os.O_ACCMODE, "r"), p))
@@ -283,8 +316,9 @@ class Placement:
             if ino != os.stat("/proc/self/ns/mnt").st_ino:
                 mnt = Namespace("mnt", p, ino)
         except OSError as e:
-            raise PlacementError(f"cannot read its mount namespace ({p}: {e.strerror or e})",
-                                 pid=pid) from None
+            raise PlacementError(
+                f"cannot read its mount namespace ({p}: {e.strerror or e})", pid=pid
+            ) from None
         return cls(pid, start, tuple(cgroups), tuple(nss), tuple(stdio), proc_root, mnt, user)
 
     def namespace(self, kind: str) -> Optional[Namespace]:
@@ -296,8 +330,10 @@ class Placement:
         cg = ", ".join(f"{c.name}:{c.path}" for c in self.cgroups if c.path != "/")
         io = ", ".join(f"{s.fd}={s.target}" for s in self.stdio)
         mnt = f"; mount namespace [{self.mnt.inode}]" if self.mnt else ""
-        return (f"pid {self.pid}: namespaces {ns or '-'}; cgroups {cg or 'all /'}; "
-                f"stdio {io or '-'}{mnt}")
+        return (
+            f"pid {self.pid}: namespaces {ns or '-'}; cgroups {cg or 'all /'}; "
+            f"stdio {io or '-'}{mnt}"
+        )
 
     # -- checks ----------------------------------------------------------------------------
     def verify(self) -> None:
@@ -306,20 +342,25 @@ class Placement:
         base = f"{self.proc_root}/{self.pid}"
         text = _read(f"{base}/stat", self.pid, "stat")
         if _state(text) in ("Z", "X") or _start_time(text) != self.start_time:
-            raise PlacementError("is gone (exited, or its pid was reused since it was "
-                                 "read)", pid=self.pid)
+            raise PlacementError(
+                "is gone (exited, or its pid was reused since it was read)", pid=self.pid
+            )
         for n in self._checked_namespaces():
             try:
                 ino = os.stat(n.path).st_ino
             except FileNotFoundError:
-                raise PlacementError(f"is gone (reading {n.path}): the placement process "
-                                     "is gone", pid=self.pid) from None
+                raise PlacementError(
+                    f"is gone (reading {n.path}): the placement process is gone", pid=self.pid
+                ) from None
             except OSError as e:
-                raise PlacementError(f"cannot read its {n.kind} namespace ({n.path}: "
-                                     f"{e.strerror or e})", pid=self.pid) from None
+                raise PlacementError(
+                    f"cannot read its {n.kind} namespace ({n.path}: {e.strerror or e})",
+                    pid=self.pid,
+                ) from None
             if ino != n.inode:
-                raise PlacementError(f"left its {n.kind} namespace [{n.inode}] (now [{ino}])",
-                                     pid=self.pid)
+                raise PlacementError(
+                    f"left its {n.kind} namespace [{n.inode}] (now [{ino}])", pid=self.pid
+                )
 
     def _checked_namespaces(self) -> tuple[Namespace, ...]:
         return self.namespaces + tuple(n for n in (self.mnt, self.user) if n is not None)
@@ -342,10 +383,15 @@ class Placement:
             if mine.get((cg.hierarchy, cg.controllers)) == cg.path:
                 continue
             if cg.procs_file is None:
-                raise PlacementError(f"its cgroup {cg.line()!r} cannot be joined: that "
-                                     + ("hierarchy is not mounted here" if cg.mount is None
-                                        else f"hierarchy is mounted at {cg.mount} showing only "
-                                        f"{cg.mount_root}"), pid=self.pid)
+                raise PlacementError(
+                    f"its cgroup {cg.line()!r} cannot be joined: that "
+                    + (
+                        "hierarchy is not mounted here"
+                        if cg.mount is None
+                        else f"hierarchy is mounted at {cg.mount} showing only {cg.mount_root}"
+                    ),
+                    pid=self.pid,
+                )
             out.append(cg)
         return out
 
@@ -355,8 +401,11 @@ class Placement:
         mount namespace of its own, into that (before CRIU starts: the restored files are
         then reopened by the paths the placement sees, agent/mech/mntns.py)."""
         from cuinterpose.agent.mech.criu_child import ChildSetup
-        return ChildSetup(cgroup_procs=tuple(c.procs_file for c in self.cgroups_to_join()),
-                          namespaces=(("mnt", self.mnt.path),) if self.mnt else ())
+
+        return ChildSetup(
+            cgroup_procs=tuple(c.procs_file for c in self.cgroups_to_join()),
+            namespaces=(("mnt", self.mnt.path),) if self.mnt else (),
+        )
 
     def probe_cgroups(self) -> list[str]:
         """Check that a process can join the placement's cgroups, with a short-lived child
@@ -369,14 +418,16 @@ class Placement:
         ``cgroup.procs`` files joined. Raises ``PlacementError`` naming the file and the
         errno."""
         from cuinterpose.agent.mech.criu_child import ChildSetup, CriuError, run_setup_probe
+
         setup = ChildSetup(cgroup_procs=tuple(c.procs_file for c in self.cgroups_to_join()))
         if not setup.cgroup_procs:
             return []
         try:
             run_setup_probe(setup)
         except CriuError as e:
-            raise PlacementError(f"cannot put a process into its cgroups: {e}",
-                                 pid=self.pid) from None
+            raise PlacementError(
+                f"cannot put a process into its cgroups: {e}", pid=self.pid
+            ) from None
         return list(setup.cgroup_procs)
 
     # -- stdio -----------------------------------------------------------------------------
@@ -392,8 +443,10 @@ class Placement:
                 return s
         have = ", ".join(f"{s.fd} ({s.mode})" for s in self.stdio) or "none"
         how = "writing" if direction == "write" else "reading"
-        raise PlacementError(f"has no stdio fd open for {how} "
-                             f"to hand to the tree's fd {fd} (its fds 0-2: {have})", pid=self.pid)
+        raise PlacementError(
+            f"has no stdio fd open for {how} to hand to the tree's fd {fd} (its fds 0-2: {have})",
+            pid=self.pid,
+        )
 
     def open_stdio(self, s: Stdio, direction: str) -> int:
         """A new fd (close-on-exec) sharing the placement's open file description behind
@@ -414,8 +467,9 @@ class Placement:
             there = os.stat(s.path)
         except OSError as e:
             os.close(fd)
-            raise PlacementError(f"its fd {s.fd} went away ({s.path}: {e.strerror or e})",
-                                 pid=self.pid) from None
+            raise PlacementError(
+                f"its fd {s.fd} went away ({s.path}: {e.strerror or e})", pid=self.pid
+            ) from None
         if now != s.target or (st.st_dev, st.st_ino) != (there.st_dev, there.st_ino):
             os.close(fd)
             raise PlacementError(f"its fd {s.fd} changed from {s.target} to {now}", pid=self.pid)
@@ -431,8 +485,11 @@ class Placement:
                 flags |= os.O_APPEND
             return os.open(s.path, flags | os.O_NOCTTY)
         except OSError as e:
-            raise PlacementError(f"cannot open its fd {s.fd} ({s.path} -> {s.target}): "
-                                 f"{e.strerror or e} (and {why.reason})", pid=self.pid) from None
+            raise PlacementError(
+                f"cannot open its fd {s.fd} ({s.path} -> {s.target}): "
+                f"{e.strerror or e} (and {why.reason})",
+                pid=self.pid,
+            ) from None
 
     def _getfd(self, s: Stdio) -> int:
         """pidfd_getfd(2) of the placement's fd ``s.fd`` (the new fd is close-on-exec)."""

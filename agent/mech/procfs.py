@@ -6,10 +6,12 @@ or field that is not what proc(5) documents); callers decide what a vanished pro
 The ``parse_*`` functions take a file's text, for callers that read the file themselves (to
 word their own errors) or test it on a text of their own.
 """
+
 from __future__ import annotations
 
 import os
 from typing import Iterator, Optional
+
 
 def pids(proc_root: str = "/proc") -> list[int]:
     """Every process of the pid namespace that ``proc_root`` shows: its numeric entries."""
@@ -38,7 +40,7 @@ def parse_stat(text: str) -> tuple[str, list[str]]:
     fields after it, indexed by the ``STAT_*`` constants. ``ValueError`` when there is no
     ``)``."""
     rp = text.rindex(")")
-    return text[text.find("(") + 1:rp], text[rp + 2:].split()
+    return text[text.find("(") + 1 : rp], text[rp + 2 :].split()
 
 
 def stat_fields(pid: int, proc_root: str = "/proc") -> tuple[str, list[str]]:
@@ -62,6 +64,7 @@ def starttime(pid: int, proc_root: str = "/proc") -> int | None:
 
 # -- /proc/PID/status -------------------------------------------------------------------------
 
+
 def status(pid: int, proc_root: str = "/proc") -> dict[str, str]:
     """The ``Key:<tab>value`` lines of ``/proc/PID/status`` (``Name``, ``State``, ``Tgid``,
     ``PPid``, ``Uid``, ``NSpid``, ...), values stripped."""
@@ -82,12 +85,16 @@ def nspid(pid: int, proc_root: str = "/proc") -> Optional[list[int]]:
 
 # -- /proc/PID/fd, fdinfo ---------------------------------------------------------------------
 
+
 def fdinfo(path: str) -> dict[str, str]:
     """The ``key: value`` lines of a ``/proc/PID/fdinfo/FD`` file (``pos``, ``flags``,
     ``mnt_id``, ``ino``, ...), values stripped."""
     with open(path) as f:
-        return {k.strip(): v.strip() for k, _, v in
-                (ln.partition(":") for ln in f.read().splitlines()) if k}
+        return {
+            k.strip(): v.strip()
+            for k, _, v in (ln.partition(":") for ln in f.read().splitlines())
+            if k
+        }
 
 
 def fd_flags(pid: int, fd: int, proc_root: str = "/proc") -> int:
@@ -125,6 +132,7 @@ def fd_targets(pid: int, proc_root: str = "/proc") -> Iterator[tuple[int, str]]:
 
 # -- /proc/PID/maps, environ, ns --------------------------------------------------------------
 
+
 def maps(pid: int | str, proc_root: str = "/proc") -> Iterator[tuple[str, int, int]]:
     """``(path, dev, inode)`` of each line of ``/proc/PID/maps`` that names a path (field 6;
     ``[heap]``, ``[stack]`` too, with inode 0), ``dev`` from field 4 (``major:minor``, hex)
@@ -147,7 +155,7 @@ def environ_value(pid: int, name: str, proc_root: str = "/proc") -> Optional[byt
     prefix = name.encode() + b"="
     for item in env:
         if item.startswith(prefix):
-            return item[len(prefix):]
+            return item[len(prefix) :]
     return None
 
 
@@ -158,6 +166,7 @@ def ns_inode(pid: int | str, kind: str, proc_root: str = "/proc") -> int:
 
 
 # -- /proc/PID/cgroup, mountinfo --------------------------------------------------------------
+
 
 def parse_cgroup(text: str) -> list[tuple[int, tuple[str, ...], str]]:
     """A ``/proc/PID/cgroup`` text as [(hierarchy id, controllers, path)] (cgroup(7): one
@@ -185,8 +194,9 @@ def cgroup_paths(text: str) -> list[str]:
 
 def _unescape(s: str) -> str:
     """A mountinfo field with its octal escapes (space, tab, newline, backslash) undone."""
-    return s.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace(
-        "\\134", "\\")
+    return (
+        s.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
+    )
 
 
 def cgroup_mounts(mountinfo: str) -> list[tuple[str, str, str, frozenset]]:

@@ -10,6 +10,7 @@ shared with the workload side):
 - ``quiesce-ROOT.lock`` (agent): ``{"id": str, "pid": int, "starttime": int}``: the agent process
   that owns the pending request (so ``release`` can refuse while that agent is alive)
 """
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,8 @@ import uuid
 from typing import Callable, Iterable, Optional
 
 from cuinterpose.agent.errors import QuiesceRefused
-from cuinterpose.coordinator.contract import quiesce_path, read_json, write_atomic
 from cuinterpose.agent.mech import procfs
+from cuinterpose.coordinator.contract import quiesce_path, read_json, write_atomic
 
 POLL_S = 0.02
 
@@ -41,7 +42,7 @@ def pending_request(control_dir, root: int) -> Optional[str]:
     rid = str(req.get("id")) if isinstance(req, dict) else "?"
     res = read_json(quiesce_path(control_dir, root, "resume"))
     if res is not None and str(res.get("id")) == rid:
-        return None     # answered: the workload just has not removed its files yet
+        return None  # answered: the workload just has not removed its files yet
     return rid
 
 
@@ -61,7 +62,7 @@ def request(control_dir, roots: Iterable[int], qid: str, timeout_ms: int) -> Non
     written = []
     try:
         for r in roots:
-            for kind in ("ready", "resume", "request"):   # a request here was answered
+            for kind in ("ready", "resume", "request"):  # a request here was answered
                 quiesce_path(control_dir, r, kind).unlink(missing_ok=True)
             path = quiesce_path(control_dir, r, "request")
             tmp = path.with_name(f"{path.name}.{qid}.tmp")
@@ -81,20 +82,32 @@ def request(control_dir, roots: Iterable[int], qid: str, timeout_ms: int) -> Non
 
 def _busy(control_dir, root: int, rid: str) -> QuiesceRefused:
     owner = lock_owner(control_dir, root)
-    who = (f"a checkpoint of this tree is in progress in agent pid {owner['pid']}" if owner else
-           "another checkpoint of this tree is in progress, or an agent died during one")
+    who = (
+        f"a checkpoint of this tree is in progress in agent pid {owner['pid']}"
+        if owner
+        else "another checkpoint of this tree is in progress, or an agent died during one"
+    )
     e = QuiesceRefused(
-        "quiesce", f"{quiesce_path(control_dir, root, 'request')} already exists (id {rid}): {who}; "
+        "quiesce",
+        f"{quiesce_path(control_dir, root, 'request')} already exists (id {rid}): {who}; "
         f"the workload may be parked until {quiesce_path(control_dir, root, 'resume')} carries that "
         "id; checkpoint refused, nothing was changed by this request"
-        + ("" if owner else f". If no agent is checkpointing this tree, release it with "
-           f"`cuinterpose-agent release --pid {root} --control-dir {control_dir}`"), pid=root)
-    e.hint = ("this request changed nothing; the workload may be parked by the earlier request"
-              + ("" if owner else f" (`cuinterpose-agent release --pid {root}` resumes it)"))
+        + (
+            ""
+            if owner
+            else f". If no agent is checkpointing this tree, release it with "
+            f"`cuinterpose-agent release --pid {root} --control-dir {control_dir}`"
+        ),
+        pid=root,
+    )
+    e.hint = "this request changed nothing; the workload may be parked by the earlier request" + (
+        "" if owner else f" (`cuinterpose-agent release --pid {root}` resumes it)"
+    )
     return e
 
 
 # -- the agent's lock: which agent process owns the pending request of a root ------------------
+
 
 def write_lock(control_dir, roots: Iterable[int], qid: str, *, torn_down: bool = False) -> None:
     """``quiesce-ROOT.lock``: {"id", "pid" (this agent), "starttime", "torn_down"} while this
@@ -103,9 +116,10 @@ def write_lock(control_dir, roots: Iterable[int], qid: str, *, torn_down: bool =
     started tearing shared memory down: ``release`` then wants ``--force``."""
     me = os.getpid()
     for r in roots:
-        write_atomic(quiesce_path(control_dir, r, "lock"),
-                     {"id": qid, "pid": me, "starttime": procfs.starttime(me),
-                      "torn_down": bool(torn_down)})
+        write_atomic(
+            quiesce_path(control_dir, r, "lock"),
+            {"id": qid, "pid": me, "starttime": procfs.starttime(me), "torn_down": bool(torn_down)},
+        )
 
 
 def abandon_lock(control_dir, roots: Iterable[int], qid: str) -> None:
@@ -113,8 +127,10 @@ def abandon_lock(control_dir, roots: Iterable[int], qid: str) -> None:
     torn-down memory: the ``.lock`` names no owner any more (``release`` no longer waits for
     this agent, e.g. a daemon) and keeps ``torn_down`` (``release`` wants ``--force``)."""
     for r in roots:
-        write_atomic(quiesce_path(control_dir, r, "lock"),
-                     {"id": qid, "pid": None, "starttime": None, "torn_down": True})
+        write_atomic(
+            quiesce_path(control_dir, r, "lock"),
+            {"id": qid, "pid": None, "starttime": None, "torn_down": True},
+        )
 
 
 def unlock(control_dir, roots: Iterable[int], qid: Optional[str] = None) -> None:
@@ -134,7 +150,7 @@ def lock_owner(control_dir, root: int) -> Optional[dict]:
     lk = read_json(quiesce_path(control_dir, root, "lock"))
     try:
         pid = int(lk["pid"])
-    except (ValueError, KeyError, TypeError):       # no lock (None), or no pid in it
+    except (ValueError, KeyError, TypeError):  # no lock (None), or no pid in it
         return None
     st = procfs.starttime(pid)
     if st is None or (lk.get("starttime") is not None and lk["starttime"] != st):
@@ -152,28 +168,46 @@ def release(control_dir, root: int, *, force: bool = False) -> dict:
     req = quiesce_path(control_dir, root, "request")
     rid = pending_request(control_dir, root)
     if rid is None:
-        why = ("it was already answered by " + str(quiesce_path(control_dir, root, "resume"))
-               if req.exists() else "there is none")
-        raise QuiesceRefused("release", f"no pending quiesce request {req} ({why}); "
-                             "nothing to release", pid=root)
+        why = (
+            "it was already answered by " + str(quiesce_path(control_dir, root, "resume"))
+            if req.exists()
+            else "there is none"
+        )
+        raise QuiesceRefused(
+            "release", f"no pending quiesce request {req} ({why}); nothing to release", pid=root
+        )
     if rid == "?":
-        raise QuiesceRefused("release", f"{req} cannot be read (no id to answer); remove it by "
-                             "hand if no agent is running", pid=root)
+        raise QuiesceRefused(
+            "release",
+            f"{req} cannot be read (no id to answer); remove it by hand if no agent is running",
+            pid=root,
+        )
     owner = lock_owner(control_dir, root)
     if owner is not None and int(owner["pid"]) != os.getpid():
-        raise QuiesceRefused("release", f"a checkpoint of this tree (request id {rid}) is in "
-                             f"progress in agent pid {owner['pid']} "
-                             f"({quiesce_path(control_dir, root, 'lock')}); release refused: it would "
-                             "resume the workload under a running checkpoint", pid=root)
+        raise QuiesceRefused(
+            "release",
+            f"a checkpoint of this tree (request id {rid}) is in "
+            f"progress in agent pid {owner['pid']} "
+            f"({quiesce_path(control_dir, root, 'lock')}); release refused: it would "
+            "resume the workload under a running checkpoint",
+            pid=root,
+        )
     if not force:
         lk = read_json(quiesce_path(control_dir, root, "lock"))
         if lk is not None and lk.get("id") == rid and lk.get("torn_down"):
-            who = (f"the agent (pid {lk['pid']}) that sent request {rid} had started tearing the "
-                   "shared memory down and never rebuilt it" if lk.get("pid") is not None else
-                   f"the checkpoint that sent request {rid} failed and so did its rollback: the "
-                   "shared memory is torn down")
-            raise QuiesceRefused("release", f"{who}: resuming the workload may run it on "
-                                 "torn-down memory; pass --force to release it anyway", pid=root)
+            who = (
+                f"the agent (pid {lk['pid']}) that sent request {rid} had started tearing the "
+                "shared memory down and never rebuilt it"
+                if lk.get("pid") is not None
+                else f"the checkpoint that sent request {rid} failed and so did its rollback: the "
+                "shared memory is torn down"
+            )
+            raise QuiesceRefused(
+                "release",
+                f"{who}: resuming the workload may run it on "
+                "torn-down memory; pass --force to release it anyway",
+                pid=root,
+            )
     resume_path = quiesce_path(control_dir, root, "resume")
     write_atomic(resume_path, {"id": rid, "restored": False, "cancelled": True})
     req.unlink(missing_ok=True)
@@ -200,8 +234,13 @@ def read_ready(control_dir, root: int, qid: str) -> Optional[dict]:
     return data if isinstance(data, dict) and data.get("id") == qid else None
 
 
-def wait_ready(control_dir, roots: Iterable[int], qid: str, timeout_ms: int,
-               stop: Optional[Callable[[], Optional[str]]] = None) -> dict[int, dict]:
+def wait_ready(
+    control_dir,
+    roots: Iterable[int],
+    qid: str,
+    timeout_ms: int,
+    stop: Optional[Callable[[], Optional[str]]] = None,
+) -> dict[int, dict]:
     """Wait until every root answered ``qid``; returns {root: ready payload}. On timeout
     (``timeout_ms``) cancels every root (see :func:`cancel`) and raises ``QuiesceRefused``
     naming the roots that did not answer. ``stop()`` is polled too: when it returns a signal
@@ -220,28 +259,41 @@ def wait_ready(control_dir, roots: Iterable[int], qid: str, timeout_ms: int,
         sig = stop() if stop is not None else None
         if sig:
             cancel(control_dir, roots, qid)
-            raise QuiesceRefused("quiesce", f"interrupted by {sig}; checkpoint cancelled, nothing "
-                                 "was torn down, the workload keeps running")
+            raise QuiesceRefused(
+                "quiesce",
+                f"interrupted by {sig}; checkpoint cancelled, nothing "
+                "was torn down, the workload keeps running",
+            )
         if time.monotonic() >= deadline:
             break
         time.sleep(POLL_S)
     missing = [r for r in roots if r not in ready]
     cancel(control_dir, roots, qid)
     alive = [r for r in missing if os.path.exists(f"/proc/{r}")]
-    why = ("did not write " + ", ".join(str(quiesce_path(control_dir, r, "ready")) for r in missing)
-           + f" within {timeout_ms} ms")
+    why = (
+        "did not write "
+        + ", ".join(str(quiesce_path(control_dir, r, "ready")) for r in missing)
+        + f" within {timeout_ms} ms"
+    )
     if len(alive) < len(missing):
         why += f" (exited: {', '.join(str(r) for r in missing if r not in alive)})"
-    raise QuiesceRefused("quiesce", f"workload {why}; checkpoint refused, nothing was torn down, "
-                         "the workload keeps running", pid=missing[0])
+    raise QuiesceRefused(
+        "quiesce",
+        f"workload {why}; checkpoint refused, nothing was torn down, the workload keeps running",
+        pid=missing[0],
+    )
 
 
-def resume(control_dir, roots: Iterable[int], qid: str, *, restored: bool, cancelled: bool = False) -> None:
+def resume(
+    control_dir, roots: Iterable[int], qid: str, *, restored: bool, cancelled: bool = False
+) -> None:
     """Write ``.resume`` for every root: the workload may continue."""
     roots = list(roots)
     for r in roots:
-        write_atomic(quiesce_path(control_dir, r, "resume"),
-                     {"id": qid, "restored": bool(restored), "cancelled": bool(cancelled)})
+        write_atomic(
+            quiesce_path(control_dir, r, "resume"),
+            {"id": qid, "restored": bool(restored), "cancelled": bool(cancelled)},
+        )
     unlock(control_dir, roots, qid)
 
 

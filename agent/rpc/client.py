@@ -7,6 +7,7 @@ the unary ``Renew`` of a group member's lease, :func:`health` the gRPC health ch
 ``--agent``, a group leader talking to its members (:mod:`cuinterpose.agent.rpc.group`) and
 the tests use these; the daemon side is :mod:`cuinterpose.agent.rpc.service`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,8 +15,8 @@ import os
 import pathlib
 from typing import Callable, Optional
 
-from cuinterpose.agent.snapshot import pb
 from cuinterpose.agent.errors import AgentError
+from cuinterpose.agent.snapshot import pb
 
 DEFAULT_ADDRESS_ENV = "CUINTERPOSE_AGENT_ADDR"
 SERVICE_NAME = "cuinterpose.v1.Agent"
@@ -40,9 +41,9 @@ def normalize_address(addr: str) -> str:
 def unix_path(addr: str) -> Optional[str]:
     """The socket path of a ``unix:`` address, else None."""
     if addr.startswith("unix://"):
-        return addr[len("unix://"):]
+        return addr[len("unix://") :]
     if addr.startswith("unix:"):
-        return addr[len("unix:"):]
+        return addr[len("unix:") :]
     return None
 
 
@@ -72,17 +73,23 @@ class TLS:
 
     def server_credentials(self):
         import grpc
+
         if not (self.cert and self.key):
             raise ValueError("TLS needs both a certificate and a key")
-        return grpc.ssl_server_credentials([(self._read(self.key), self._read(self.cert))],
-                                           root_certificates=self._read(self.ca),
-                                           require_client_auth=bool(self.ca))
+        return grpc.ssl_server_credentials(
+            [(self._read(self.key), self._read(self.cert))],
+            root_certificates=self._read(self.ca),
+            require_client_auth=bool(self.ca),
+        )
 
     def channel_credentials(self):
         import grpc
-        return grpc.ssl_channel_credentials(root_certificates=self._read(self.ca),
-                                            private_key=self._read(self.key),
-                                            certificate_chain=self._read(self.cert))
+
+        return grpc.ssl_channel_credentials(
+            root_certificates=self._read(self.ca),
+            private_key=self._read(self.key),
+            certificate_chain=self._read(self.cert),
+        )
 
     @property
     def enabled(self) -> bool:
@@ -92,6 +99,7 @@ class TLS:
 def channel(addr: str, tls: Optional[TLS] = None):
     """A gRPC channel to an agent (TLS for TCP when ``tls`` is enabled)."""
     import grpc
+
     target = normalize_address(addr)
     opts = [("grpc.max_receive_message_length", 64 << 20)]
     if tls is not None and tls.enabled and unix_path(target) is None:
@@ -99,13 +107,21 @@ def channel(addr: str, tls: Optional[TLS] = None):
     return grpc.insecure_channel(target, options=opts)
 
 
-def call(addr: str, method: str, request, *, tls: Optional[TLS] = None,
-         on_progress: Optional[Callable[[dict], None]] = None, timeout_s: Optional[float] = None):
+def call(
+    addr: str,
+    method: str,
+    request,
+    *,
+    tls: Optional[TLS] = None,
+    on_progress: Optional[Callable[[dict], None]] = None,
+    timeout_s: Optional[float] = None,
+):
     """Call streaming RPC ``method`` of the agent at ``addr``; ``on_progress(row_dict)`` for
     each Progress. Returns the final ``Result`` message. Raises ``AgentError`` (phase "agent",
     outcome "unreachable") when the agent cannot be reached or the stream ends without a
     result; the workload state is then unknown only if the request had started."""
     import grpc
+
     _, agrpc, _ = pb.modules()
     ch = channel(addr, tls)
     try:
@@ -120,12 +136,18 @@ def call(addr: str, method: str, request, *, tls: Optional[TLS] = None,
                     result = ev.result
         except grpc.RpcError as e:
             code = e.code() if hasattr(e, "code") else None
-            raise AgentError("agent", f"{addr}: {method}: {code.name if code else ''} "
-                             f"{e.details() if hasattr(e, 'details') else e}".strip(),
-                             outcome="unreachable") from None
+            raise AgentError(
+                "agent",
+                f"{addr}: {method}: {code.name if code else ''} "
+                f"{e.details() if hasattr(e, 'details') else e}".strip(),
+                outcome="unreachable",
+            ) from None
         if result is None:
-            raise AgentError("agent", f"{addr}: {method}: the stream ended without a result",
-                             outcome="unreachable")
+            raise AgentError(
+                "agent",
+                f"{addr}: {method}: the stream ended without a result",
+                outcome="unreachable",
+            )
         return result
     finally:
         ch.close()
@@ -136,28 +158,35 @@ def renew(addr: str, request, *, tls: Optional[TLS] = None, timeout_s: float = 1
     ``RenewResponse``. Raises ``AgentError`` (phase "agent", outcome "unreachable") when the
     agent cannot be reached within ``timeout_s`` seconds."""
     import grpc
+
     _, agrpc, _ = pb.modules()
     ch = channel(addr, tls)
     try:
         return agrpc.AgentStub(ch).Renew(request, timeout=timeout_s)
     except grpc.RpcError as e:
         code = e.code() if hasattr(e, "code") else None
-        raise AgentError("agent", f"{addr}: Renew: {code.name if code else ''} "
-                         f"{e.details() if hasattr(e, 'details') else e}".strip(),
-                         outcome="unreachable") from None
+        raise AgentError(
+            "agent",
+            f"{addr}: Renew: {code.name if code else ''} "
+            f"{e.details() if hasattr(e, 'details') else e}".strip(),
+            outcome="unreachable",
+        ) from None
     finally:
         ch.close()
 
 
-def health(addr: str, service: str = "", *, tls: Optional[TLS] = None,
-           timeout_s: float = 5.0) -> str:
+def health(
+    addr: str, service: str = "", *, tls: Optional[TLS] = None, timeout_s: float = 5.0
+) -> str:
     """The health status name of ``service`` at ``addr`` (``SERVING``, ``NOT_SERVING``,
     ``SERVICE_UNKNOWN``). Raises ``grpc.RpcError`` when unreachable."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
+
     ch = channel(addr, tls)
     try:
-        resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),
-                                                    timeout=timeout_s)
+        resp = health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
+        )
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
     finally:
         ch.close()

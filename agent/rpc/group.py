@@ -10,6 +10,7 @@ members' leases alive while the group runs; the member side is
 :mod:`cuinterpose.agent.rpc.member`. The protocol, the failure outcomes and the leases:
 docs/service.md "Groups" and "Leases", docs/decisions.md D11 and D12.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,12 +22,11 @@ import uuid
 from concurrent import futures
 from typing import Callable, Optional
 
-from cuinterpose.agent.snapshot import pb
 from cuinterpose.agent.errors import AgentError
-from cuinterpose.agent.run.report import Reporter
 from cuinterpose.agent.rpc import client
 from cuinterpose.agent.rpc.member import DEFAULT_GROUP_LEASE_S, LEASE_EXPIRED
-
+from cuinterpose.agent.run.report import Reporter
+from cuinterpose.agent.snapshot import pb
 
 #: a leader renews every member's lease after this fraction of the shortest lease
 RENEW_FRACTION = 1 / 3
@@ -47,8 +47,15 @@ class Renewer:
     noted once per member on ``rep`` (the next RunPhase on that member then says what
     happened). ``renewed[node]`` counts successful renewals."""
 
-    def __init__(self, rid: str, members: list, leader: str, renew: Callable, rep: Reporter,
-                 default_lease_s: float):
+    def __init__(
+        self,
+        rid: str,
+        members: list,
+        leader: str,
+        renew: Callable,
+        rep: Reporter,
+        default_lease_s: float,
+    ):
         self.rid = rid
         self.members = members
         self.leader = leader
@@ -80,8 +87,9 @@ class Renewer:
         return max(0.01, min(self.leases.values() or [self.default_lease_s]) * RENEW_FRACTION)
 
     def start(self) -> "Renewer":
-        self.pool = futures.ThreadPoolExecutor(max_workers=max(1, len(self.members)),
-                                               thread_name_prefix="cui-renew")
+        self.pool = futures.ThreadPoolExecutor(
+            max_workers=max(1, len(self.members)), thread_name_prefix="cui-renew"
+        )
         self.thread = threading.Thread(target=self._run, name="cui-group-renew", daemon=True)
         self.thread.start()
         return self
@@ -111,7 +119,7 @@ class Renewer:
                     self.inflight.add(m.node)
                 try:
                     self.pool.submit(self._renew_one, m)
-                except RuntimeError:        # the pool is shut down: the group has ended
+                except RuntimeError:  # the pool is shut down: the group has ended
                     return
 
     def _renew_one(self, m) -> None:
@@ -121,15 +129,21 @@ class Renewer:
             try:
                 res = self.renew(m.address, req, max(1.0, self.period_s()))
             except Exception as e:
-                self._note(m.node, f"cannot renew the lease of group request {self.rid} on node "
-                           f"{m.node} ({m.address}): {e}")
+                self._note(
+                    m.node,
+                    f"cannot renew the lease of group request {self.rid} on node "
+                    f"{m.node} ({m.address}): {e}",
+                )
                 return
             if res.ok:
                 self.renewed[m.node] += 1
                 self.learn(m.node, res.lease_s)
-            else:       # expired (it undid its part), or it holds no job (it restarted)
-                self._note(m.node, f"node {m.node}: {res.reason or 'it holds no job for '}"
-                           + ("" if res.reason else f"group request {self.rid}"))
+            else:  # expired (it undid its part), or it holds no job (it restarted)
+                self._note(
+                    m.node,
+                    f"node {m.node}: {res.reason or 'it holds no job for '}"
+                    + ("" if res.reason else f"group request {self.rid}"),
+                )
         finally:
             with self.lock:
                 self.inflight.discard(m.node)
@@ -147,22 +161,31 @@ class Renewer:
             if res.ok:
                 self.learn(m.node, res.lease_s)
             return res
+
         out = []
-        with futures.ThreadPoolExecutor(max_workers=max(1, len(self.members)),
-                                        thread_name_prefix="cui-confirm") as ex:
+        with futures.ThreadPoolExecutor(
+            max_workers=max(1, len(self.members)), thread_name_prefix="cui-confirm"
+        ) as ex:
             futs = [(m, ex.submit(one, m)) for m in self.members]
             for m, f in futs:
                 try:
                     res = f.result()
                 except Exception as e:
-                    err = AgentError(phase, f"its lease could not be confirmed before {phase} "
-                                     f"({type(e).__name__}: {e})", outcome="unreachable")
+                    err = AgentError(
+                        phase,
+                        f"its lease could not be confirmed before {phase} "
+                        f"({type(e).__name__}: {e})",
+                        outcome="unreachable",
+                    )
                 else:
                     if res.ok:
                         continue
-                    err = AgentError(phase, f"its lease is gone before {phase}: "
-                                     f"{res.reason or 'no live job for the request'}",
-                                     outcome=LEASE_EXPIRED if res.expired else "unreachable")
+                    err = AgentError(
+                        phase,
+                        f"its lease is gone before {phase}: "
+                        f"{res.reason or 'no live job for the request'}",
+                        outcome=LEASE_EXPIRED if res.expired else "unreachable",
+                    )
                 err.node = m.node
                 out.append((m, err))
         return out
@@ -185,17 +208,28 @@ def _members(request) -> list:
     out = list(request.members)
     for m in out:
         if not m.node or not m.address:
-            raise AgentError("group", "every member needs a node name and an address",
-                             outcome="usage")
+            raise AgentError(
+                "group", "every member needs a node name and an address", outcome="usage"
+            )
         if m.node in seen:
             raise AgentError("group", f"member {m.node!r} listed twice", outcome="usage")
         seen.add(m.node)
     return out
 
 
-def lead(kind: str, request, rep: Reporter, emit: Callable[[dict], None], *,
-         tls=None, call=None, renew=None, request_id: Optional[str] = None,
-         leader: Optional[str] = None, lease_s: Optional[float] = None) -> tuple[dict, None]:
+def lead(
+    kind: str,
+    request,
+    rep: Reporter,
+    emit: Callable[[dict], None],
+    *,
+    tls=None,
+    call=None,
+    renew=None,
+    request_id: Optional[str] = None,
+    leader: Optional[str] = None,
+    lease_s: Optional[float] = None,
+) -> tuple[dict, None]:
     """Lead a group ``kind`` ("checkpoint" | "restore") for ``request`` (a
     ``CheckpointRequest``/``RestoreRequest`` with ``members``). ``emit`` receives the members'
     progress rows; ``call(address, method, request, on_progress)`` defaults to
@@ -210,33 +244,48 @@ def lead(kind: str, request, rep: Reporter, emit: Callable[[dict], None], *,
     with ``node`` set to the failing member."""
     from cuinterpose.agent.run.checkpoint import Checkpoint
     from cuinterpose.agent.run.restore import Restore
+
     apb, _, mpb = pb.modules()
     if call is None:
+
         def call(addr, method, req, on_progress):
             return client.call(addr, method, req, tls=tls, on_progress=on_progress)
+
         if renew is None:
+
             def renew(addr, req, timeout_s):
                 return client.renew(addr, req, tls=tls, timeout_s=timeout_s)
+
     if renew is None:
+
         def renew(addr, req, timeout_s):
             return call(addr, "Renew", req, None)
+
     members = _members(request)
     if kind == "restore" and request.into_pid:
-        raise AgentError("group", "into_pid places a single-node restore; in a group restore "
-                         "each member names its own into_pid (a pid on its node)",
-                         outcome="usage")
+        raise AgentError(
+            "group",
+            "into_pid places a single-node restore; in a group restore "
+            "each member names its own into_pid (a pid on its node)",
+            outcome="usage",
+        )
     cls = Checkpoint if kind == "checkpoint" else Restore
     rid = request_id or uuid.uuid4().hex
     leader = leader or f"pid {os.getpid()} on {socket.gethostname()}"
-    renewer = Renewer(rid, members, leader, renew, rep,
-                      lease_s or DEFAULT_GROUP_LEASE_S)
-    ginfo = mpb.GroupInfo(request_id=rid, members=[
-        mpb.GroupMember(node=m.node, address=m.address, images_dir=m.images_dir) for m in members])
+    renewer = Renewer(rid, members, leader, renew, rep, lease_s or DEFAULT_GROUP_LEASE_S)
+    ginfo = mpb.GroupInfo(
+        request_id=rid,
+        members=[
+            mpb.GroupMember(node=m.node, address=m.address, images_dir=m.images_dir)
+            for m in members
+        ],
+    )
     states: dict[str, dict] = {m.node: {} for m in members}
 
     def run_on(m, phase: str):
-        req = apb.RunPhaseRequest(request_id=rid, kind=kind, phase=phase, node=m.node,
-                                  leader=leader)
+        req = apb.RunPhaseRequest(
+            request_id=rid, kind=kind, phase=phase, node=m.node, leader=leader
+        )
         if phase == cls.GROUP_PHASES[0]:
             if kind == "checkpoint":
                 sub = apb.CheckpointRequest(roots=list(m.roots), images_dir=m.images_dir)
@@ -247,21 +296,31 @@ def lead(kind: str, request, rep: Reporter, emit: Callable[[dict], None], *,
                 g.node = m.node
                 req.group.CopyFrom(g)
             else:
-                req.restore.CopyFrom(apb.RestoreRequest(
-                    images_dir=m.images_dir, driver=request.driver, into_pid=m.into_pid,
-                    phase_timeout_s=request.phase_timeout_s,
-                    carrier_timeout_s=request.carrier_timeout_s))
+                req.restore.CopyFrom(
+                    apb.RestoreRequest(
+                        images_dir=m.images_dir,
+                        driver=request.driver,
+                        into_pid=m.into_pid,
+                        phase_timeout_s=request.phase_timeout_s,
+                        carrier_timeout_s=request.carrier_timeout_s,
+                    )
+                )
 
         def fwd(row):
             row = dict(row)
             row["node"] = m.node
             row["group_phase"] = phase
             emit(row)
+
         res = call(m.address, "RunPhase", req, fwd)
         if not res.ok:
             e = res.error
-            err = AgentError(e.phase or phase, e.reason, pid=e.pid if e.has_pid else None,
-                             outcome=e.outcome or None)
+            err = AgentError(
+                e.phase or phase,
+                e.reason,
+                pid=e.pid if e.has_pid else None,
+                outcome=e.outcome or None,
+            )
             err.node = e.node or m.node
             raise err
         try:
@@ -283,8 +342,9 @@ def lead(kind: str, request, rep: Reporter, emit: Callable[[dict], None], *,
         return failed
 
     def _barrier(ph, phase, targets, failed):
-        with futures.ThreadPoolExecutor(max_workers=max(1, len(targets)),
-                                        thread_name_prefix="cui-group") as ex:
+        with futures.ThreadPoolExecutor(
+            max_workers=max(1, len(targets)), thread_name_prefix="cui-group"
+        ) as ex:
             futs = [(m, ex.submit(run_on, m, phase)) for m in targets]
             for m, f in futs:
                 try:
@@ -297,8 +357,11 @@ def lead(kind: str, request, rep: Reporter, emit: Callable[[dict], None], *,
                     err = AgentError(phase, f"{type(e).__name__}: {e}", outcome="unreachable")
                     err.node = m.node
                     failed.append((m, err))
-        ph.detail = (f"{len(targets)} members" if not failed else
-                     "failed on " + ", ".join(m.node for m, _ in failed))
+        ph.detail = (
+            f"{len(targets)} members"
+            if not failed
+            else "failed on " + ", ".join(m.node for m, _ in failed)
+        )
         if failed:
             raise MemberFailed()
 
@@ -312,8 +375,11 @@ def lead(kind: str, request, rep: Reporter, emit: Callable[[dict], None], *,
                 try:
                     with rep.phase("group confirm leases") as ph:
                         failed = renewer.confirm(phase)
-                        ph.detail = (f"{len(members)} members" if not failed else
-                                     "lost on " + ", ".join(m.node for m, _ in failed))
+                        ph.detail = (
+                            f"{len(members)} members"
+                            if not failed
+                            else "lost on " + ", ".join(m.node for m, _ in failed)
+                        )
                         if failed:
                             raise MemberFailed()
                 except MemberFailed:
@@ -323,27 +389,48 @@ def lead(kind: str, request, rep: Reporter, emit: Callable[[dict], None], *,
             if not failed:
                 continue
             _, first = failed[0]
-            if len(failed) > 1:      # the first member's error leads; the others are named too
+            if len(failed) > 1:  # the first member's error leads; the others are named too
                 first.reason += "; also failed: " + "; ".join(
-                    f"node {m.node}: {e}" for m, e in failed[1:])
+                    f"node {m.node}: {e}" for m, e in failed[1:]
+                )
             # a member the leader could not reach at the first phase gets no undo phase: it
             # never got the request, or (the stream broke) it undoes it when its lease expires
-            targets = [m for m in members if i > 0 or not any(
-                f is m and e.outcome == "unreachable" for f, e in failed)]
+            targets = [
+                m
+                for m in members
+                if i > 0 or not any(f is m and e.outcome == "unreachable" for f, e in failed)
+            ]
             if kind == "checkpoint":
                 raise _undo_checkpoint(first, targets, group_phase, states, rep)
             raise _undo_restore(first, i, targets, group_phase, cls, rep)
     finally:
         renewer.stop()
-    return ({"ok": True, "request_id": rid, "kind": kind,
-             "members": [{"node": m.node, "address": m.address, "images_dir": m.images_dir,
-                          "state": states[m.node]} for m in members],
-             "phases": rep.to_list()}, None)
+    return (
+        {
+            "ok": True,
+            "request_id": rid,
+            "kind": kind,
+            "members": [
+                {
+                    "node": m.node,
+                    "address": m.address,
+                    "images_dir": m.images_dir,
+                    "state": states[m.node],
+                }
+                for m in members
+            ],
+            "phases": rep.to_list(),
+        },
+        None,
+    )
 
 
 def _lease_hint(e: AgentError) -> str:
-    return (" (unreachable: if it holds the job, it undoes it itself when its lease expires)"
-            if e.outcome == "unreachable" else "")
+    return (
+        " (unreachable: if it holds the job, it undoes it itself when its lease expires)"
+        if e.outcome == "unreachable"
+        else ""
+    )
 
 
 def _named(e: AgentError, reason: str, outcome: str) -> AgentError:
@@ -361,8 +448,11 @@ def _undo_checkpoint(first: AgentError, members, group_phase, states, rep) -> Ag
     self_undone = {m.node for m, e in rb if e.outcome == LEASE_EXPIRED}
     rb_failed = [(m, e) for m, e in rb if m.node not in self_undone]
     bad = {m.node for m, _ in rb}
-    torn = any(states.get(m.node, {}).get("torn_down") for m in members
-               if m.node not in bad or m.node in self_undone)
+    torn = any(
+        states.get(m.node, {}).get("torn_down")
+        for m in members
+        if m.node not in bad or m.node in self_undone
+    )
     ok_members = [m for m in members if m.node not in bad]
     rel = group_phase("release", ok_members) if ok_members else []
     rel_failed = [(m, e) for m, e in rel if e.outcome != LEASE_EXPIRED]
@@ -371,17 +461,32 @@ def _undo_checkpoint(first: AgentError, members, group_phase, states, rep) -> Ag
         rep.note(f"group rollback failed: {why}")
         return _named(first, f"{first.reason}; rollback failed too: {why}", "rollback_failed")
     if torn:
-        return _named(first, first.reason + " (rolled back: every member's workload continues "
-                      "with its memory intact)", "rolled_back")
+        return _named(
+            first,
+            first.reason + " (rolled back: every member's workload continues "
+            "with its memory intact)",
+            "rolled_back",
+        )
     return _named(first, first.reason, first.outcome if first.outcome != "usage" else "refused")
 
 
 def _undo_restore(first: AgentError, index: int, members, group_phase, cls, rep) -> AgentError:
     if index < cls.GROUP_PHASES.index("criu restore"):
         return _named(first, first.reason, "refused")
-    ab_failed = [(m, e) for m, e in (group_phase("abort", members) if members else [])
-                 if e.outcome != LEASE_EXPIRED]    # expired: it aborted by itself
-    extra = ("" if not ab_failed else "; abort failed on " +
-             ", ".join(f"node {m.node}: {e}{_lease_hint(e)}" for m, e in ab_failed))
-    return _named(first, first.reason + "; every member's restored trees were killed, the "
-                  "snapshots are untouched" + extra, "restore_failed")
+    ab_failed = [
+        (m, e)
+        for m, e in (group_phase("abort", members) if members else [])
+        if e.outcome != LEASE_EXPIRED
+    ]  # expired: it aborted by itself
+    extra = (
+        ""
+        if not ab_failed
+        else "; abort failed on "
+        + ", ".join(f"node {m.node}: {e}{_lease_hint(e)}" for m, e in ab_failed)
+    )
+    return _named(
+        first,
+        first.reason + "; every member's restored trees were killed, the "
+        "snapshots are untouched" + extra,
+        "restore_failed",
+    )

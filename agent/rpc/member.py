@@ -9,6 +9,7 @@ job itself (:meth:`GroupMember.expire_due`) and refuses every later RunPhase of 
 (docs/service.md "Leases"). The leader side is :mod:`cuinterpose.agent.rpc.group`; this module
 does not import it.
 """
+
 from __future__ import annotations
 
 import collections
@@ -17,9 +18,9 @@ import threading
 import time
 from typing import Optional
 
-from cuinterpose.agent.snapshot import pb
 from cuinterpose.agent.errors import AgentError
 from cuinterpose.agent.run.report import Reporter
+from cuinterpose.agent.snapshot import pb
 
 log = logging.getLogger("cuinterpose.service")
 
@@ -38,8 +39,15 @@ class Job:
     time) and the lease: ``deadline`` (``time.monotonic()`` seconds) is ``lease_s`` past the
     end of the last phase or the last ``Renew``, whichever is later."""
 
-    def __init__(self, kind: str, obj, *, rid: str = "", lease_s: float = DEFAULT_GROUP_LEASE_S,
-                 leader: str = ""):
+    def __init__(
+        self,
+        kind: str,
+        obj,
+        *,
+        rid: str = "",
+        lease_s: float = DEFAULT_GROUP_LEASE_S,
+        leader: str = "",
+    ):
         self.kind = kind
         self.obj = obj
         self.rid = rid
@@ -102,18 +110,32 @@ class GroupMember:
             job = self.jobs.get(rid)
             if job is not None and not job.expired:
                 job.renew()
-                return {"ok": True, "node": node, "lease_s": job.lease_s, "phase": job.last,
-                        "running": bool(job.running)}
+                return {
+                    "ok": True,
+                    "node": node,
+                    "lease_s": job.lease_s,
+                    "phase": job.last,
+                    "running": bool(job.running),
+                }
             rec = self.expired.get(rid)
         if rec is not None:
-            reason = (f"request {rid}: its lease of {rec['lease_s']:g} s expired on node {node} "
-                      f"after phase {rec['phase']} with no Renew or RunPhase from leader "
-                      f"{rec['leader']}; this member {rec['undo']}")
+            reason = (
+                f"request {rid}: its lease of {rec['lease_s']:g} s expired on node {node} "
+                f"after phase {rec['phase']} with no Renew or RunPhase from leader "
+                f"{rec['leader']}; this member {rec['undo']}"
+            )
         else:
-            reason = (f"request {rid}: no such group request on node {node} (it finished, or "
-                      "never started here)")
-        return {"ok": False, "node": node, "lease_s": float(self.opts.group_lease_s),
-                "expired": rec is not None, "reason": reason}
+            reason = (
+                f"request {rid}: no such group request on node {node} (it finished, or "
+                "never started here)"
+            )
+        return {
+            "ok": False,
+            "node": node,
+            "lease_s": float(self.opts.group_lease_s),
+            "expired": rec is not None,
+            "reason": reason,
+        }
 
     def _start_reaper(self) -> None:
         """Start the thread that checks the group leases (once; stops at :meth:`close`)."""
@@ -127,7 +149,7 @@ class GroupMember:
         while not self._closing.wait(tick):
             try:
                 self.expire_due()
-            except Exception:      # never let the lease check die
+            except Exception:  # never let the lease check die
                 log.exception("group lease check failed")
 
     def close(self) -> None:
@@ -146,8 +168,9 @@ class GroupMember:
                     job.expiring = True
                     due.append((rid, job))
         for rid, job in due:
-            t = threading.Thread(target=self._expire, args=(rid, job), daemon=True,
-                                 name=f"cui-lease-{rid[:8]}")
+            t = threading.Thread(
+                target=self._expire, args=(rid, job), daemon=True, name=f"cui-lease-{rid[:8]}"
+            )
             self.active.add(t)
             t.start()
         return [rid for rid, _ in due]
@@ -170,32 +193,50 @@ class GroupMember:
                 m.phase_done(job.kind, obj.name, obj.elapsed_ns, obj.bytes)
             elif event == "note":
                 log.warning("group %s request %s: %s", job.kind, rid, obj)
+
         rep = Reporter([sink])
         node = self.opts.node
         with self.exclusive(rep, f"undoing group {job.kind} {rid} (its lease expired)"):
             with job.lock:
                 with self.jobs_lock:
                     if self.jobs.get(rid) is not job or time.monotonic() < job.deadline:
-                        job.expiring = False       # finished, or renewed while we waited
+                        job.expiring = False  # finished, or renewed while we waited
                         return
                     job.expired = True
                     del self.jobs[rid]
-                    rec = {"kind": job.kind, "leader": job.leader, "phase": job.reached_phase(),
-                           "lease_s": job.lease_s, "result": "undoing",
-                           "undo": "is undoing it now"}
+                    rec = {
+                        "kind": job.kind,
+                        "leader": job.leader,
+                        "phase": job.reached_phase(),
+                        "lease_s": job.lease_s,
+                        "result": "undoing",
+                        "undo": "is undoing it now",
+                    }
                     self.expired[rid] = rec
                     while len(self.expired) > EXPIRED_KEPT:
                         self.expired.popitem(last=False)
-                log.warning("node %s: group %s request %s from leader %s: its lease of %g s "
-                            "expired after phase %s with no Renew or RunPhase; undoing it as the "
-                            "leader would have", node, job.kind, rid, job.leader, job.lease_s,
-                            rec["phase"])
+                log.warning(
+                    "node %s: group %s request %s from leader %s: its lease of %g s "
+                    "expired after phase %s with no Renew or RunPhase; undoing it as the "
+                    "leader would have",
+                    node,
+                    job.kind,
+                    rid,
+                    job.leader,
+                    job.lease_s,
+                    rec["phase"],
+                )
                 result, undo = self._undo_expired(job, rep)
                 with self.jobs_lock:
                     rec.update(result=result, undo=undo)
         (log.warning if result != "undo_failed" else log.error)(
             "node %s: group %s request %s (lease expired after phase %s): this member %s",
-            node, job.kind, rid, rec["phase"], undo)
+            node,
+            job.kind,
+            rid,
+            rec["phase"],
+            undo,
+        )
         if m is not None:
             m.lease_expired(job.kind, result)
 
@@ -207,6 +248,7 @@ class GroupMember:
         ``dropped`` or ``undo_failed``."""
         from cuinterpose.agent.run.checkpoint import Checkpoint
         from cuinterpose.agent.run.restore import Restore
+
         obj = job.obj
         obj.r.sinks = list(rep.sinks)
         try:
@@ -214,20 +256,24 @@ class GroupMember:
                 phases = Checkpoint.GROUP_PHASES
                 if job.next > phases.index("finish") and not job.failed:
                     obj.run_phase("resume")
-                    return "completed", ("ran 'resume': every member's snapshot was complete "
-                                         "('finish' had run here)")
+                    return "completed", (
+                        "ran 'resume': every member's snapshot was complete ('finish' had run here)"
+                    )
                 for name in Checkpoint.GROUP_UNDO:
                     if name not in job.undone:
                         obj.run_phase(name)
                         job.undone.append(name)
                 if getattr(obj, "torn_down", False):
-                    return "undone", ("rolled it back and released it (the workload continues "
-                                      "with its memory intact)")
+                    return "undone", (
+                        "rolled it back and released it (the workload continues "
+                        "with its memory intact)"
+                    )
                 return "undone", "released it (nothing had been torn down)"
             if job.reached >= Restore.GROUP_PHASES.index("criu restore"):
                 obj.run_phase("abort")
-                return "undone", ("aborted it (its restored trees were killed; the snapshot is "
-                                  "untouched)")
+                return "undone", (
+                    "aborted it (its restored trees were killed; the snapshot is untouched)"
+                )
             return "dropped", "dropped it (it had not reached 'criu restore': nothing to undo)"
         except AgentError as e:
             return "undo_failed", f"could not undo it: {e}"
@@ -238,13 +284,22 @@ class GroupMember:
 
     def _expired_refusal(self, rid: str, name: str, rec: dict) -> AgentError:
         ok = rec["result"] in ("undone", "completed", "dropped")
-        outcome = (LEASE_EXPIRED if ok else
-                   "rollback_failed" if rec["kind"] == "checkpoint" else "restore_failed")
-        return AgentError("group", f"request {rid}: phase {name!r} refused: the request's lease "
-                          f"of {rec['lease_s']:g} s expired on node {self.opts.node} after phase "
-                          f"{rec['phase']} with no Renew or RunPhase from leader "
-                          f"{rec['leader']}; this member {rec['undo']}; this call changed "
-                          "nothing", outcome=outcome)
+        outcome = (
+            LEASE_EXPIRED
+            if ok
+            else "rollback_failed"
+            if rec["kind"] == "checkpoint"
+            else "restore_failed"
+        )
+        return AgentError(
+            "group",
+            f"request {rid}: phase {name!r} refused: the request's lease "
+            f"of {rec['lease_s']:g} s expired on node {self.opts.node} after phase "
+            f"{rec['phase']} with no Renew or RunPhase from leader "
+            f"{rec['leader']}; this member {rec['undo']}; this call changed "
+            "nothing",
+            outcome=outcome,
+        )
 
     # phases
     def run_phase(self, req, rep: Reporter, peer: str = "") -> tuple[dict, None]:
@@ -260,6 +315,7 @@ class GroupMember:
         is empty. Returns ({"ok", "node", "phase", "state", "lease_s"}, None)."""
         from cuinterpose.agent.run.checkpoint import Checkpoint
         from cuinterpose.agent.run.restore import Restore
+
         rid, name, kind = req.request_id, req.phase, req.kind
         if kind not in ("checkpoint", "restore") or not rid:
             raise AgentError("group", f"bad RunPhase: kind {kind!r}, request id {rid!r}")
@@ -271,32 +327,56 @@ class GroupMember:
                 if rec is not None:
                     raise self._expired_refusal(rid, name, rec)
                 if name != cls.GROUP_PHASES[0]:
-                    raise AgentError("group", f"request {rid}: phase {name!r} for an unknown "
-                                     "request (nothing was changed)")
+                    raise AgentError(
+                        "group",
+                        f"request {rid}: phase {name!r} for an unknown "
+                        "request (nothing was changed)",
+                    )
                 try:
                     obj = self._make(kind, req)
-                except AgentError as e:    # a confinement refusal: the leader's undo phases
-                    obj = _Refused(kind, req, e)   # still find the job (and do nothing)
-                job = Job(kind, obj, rid=rid, lease_s=self.opts.group_lease_s,
-                          leader=req.leader or (f"at {peer}" if peer else ""))
+                except AgentError as e:  # a confinement refusal: the leader's undo phases
+                    obj = _Refused(kind, req, e)  # still find the job (and do nothing)
+                job = Job(
+                    kind,
+                    obj,
+                    rid=rid,
+                    lease_s=self.opts.group_lease_s,
+                    leader=req.leader or (f"at {peer}" if peer else ""),
+                )
                 self.jobs[rid] = job
                 self._start_reaper()
         with job.lock:
-            if job.expired:     # expired while this call waited (the expiry holds the lock)
+            if job.expired:  # expired while this call waited (the expiry holds the lock)
                 with self.jobs_lock:
-                    rec = dict(self.expired.get(rid) or {
-                        "kind": job.kind, "leader": job.leader, "phase": job.reached_phase(),
-                        "lease_s": job.lease_s, "result": "undoing", "undo": "undid it"})
+                    rec = dict(
+                        self.expired.get(rid)
+                        or {
+                            "kind": job.kind,
+                            "leader": job.leader,
+                            "phase": job.reached_phase(),
+                            "lease_s": job.lease_s,
+                            "result": "undoing",
+                            "undo": "undid it",
+                        }
+                    )
                 raise self._expired_refusal(rid, name, rec)
             if job.kind != kind:
                 raise AgentError("group", f"request {rid} is a {job.kind}, not a {kind}")
             undo = name in cls.GROUP_UNDO
             if not undo:
-                want = (cls.GROUP_UNDO[0] if job.failed or job.undoing else
-                        cls.GROUP_PHASES[job.next] if job.next < len(cls.GROUP_PHASES) else None)
+                want = (
+                    cls.GROUP_UNDO[0]
+                    if job.failed or job.undoing
+                    else cls.GROUP_PHASES[job.next]
+                    if job.next < len(cls.GROUP_PHASES)
+                    else None
+                )
                 if job.failed or job.undoing or name != want:
-                    raise AgentError("group", f"request {rid}: phase {name!r} out of order "
-                                     f"(expected {want!r}); refused, nothing was changed")
+                    raise AgentError(
+                        "group",
+                        f"request {rid}: phase {name!r} out of order "
+                        f"(expected {want!r}); refused, nothing was changed",
+                    )
             else:
                 job.undoing = True
             # the job keeps one Reporter (its phases go into the manifest); this call's
@@ -319,7 +399,7 @@ class GroupMember:
             except AgentError as e:
                 e.node = self.opts.node
                 done = undo
-                job.failed = True      # a mutating phase is never retried: undo only
+                job.failed = True  # a mutating phase is never retried: undo only
                 raise
             finally:
                 rep.phases.extend(job.obj.r.phases[before:])
@@ -329,14 +409,20 @@ class GroupMember:
                     job.deadline = time.monotonic() + job.lease_s
                     if done:
                         self.jobs.pop(rid, None)
-        return {"ok": True, "node": self.opts.node, "phase": name, "state": state,
-                "lease_s": job.lease_s}, None
+        return {
+            "ok": True,
+            "node": self.opts.node,
+            "phase": name,
+            "state": state,
+            "lease_s": job.lease_s,
+        }, None
 
     def _make(self, kind, req):
         """The member's Checkpoint/Restore for the first phase of a group request; its images
         dir confined to the snapshot roots (``AgentError`` when outside)."""
         from cuinterpose.agent.run.checkpoint import Checkpoint
         from cuinterpose.agent.run.restore import Restore
+
         if kind == "checkpoint":
             c = req.checkpoint
             images_dir = self.confine(c.images_dir)
@@ -367,10 +453,15 @@ class _Refused:
     def run_phase(self, name: str) -> dict:
         from cuinterpose.agent.run.checkpoint import Checkpoint
         from cuinterpose.agent.run.restore import Restore
+
         cls = Checkpoint if self.kind == "checkpoint" else Restore
         if name not in cls.GROUP_UNDO:
             raise self.error
         if self.kind == "checkpoint":
-            return {"torn_down": False, "snapshot_id": None, "images_dir": self.images_dir,
-                    "manifest_written": False}
+            return {
+                "torn_down": False,
+                "snapshot_id": None,
+                "images_dir": self.images_dir,
+                "manifest_written": False,
+            }
         return {}

@@ -15,6 +15,7 @@ Metric families (one registry per daemon; labels in brackets):
   ``completed`` (a checkpoint past ``finish``: its ``resume`` was run), ``dropped`` (nothing to
   undo), ``undo_failed`` (the undo failed; the workload may stay parked).
 """
+
 from __future__ import annotations
 
 
@@ -25,19 +26,39 @@ class Metrics:
 
     def __init__(self):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
         self.registry = CollectorRegistry()
-        self.phase_seconds = Histogram("cuinterpose_phase_duration_seconds",
-                                       "Wall time of an agent phase", ["kind", "phase"],
-                                       buckets=self.BUCKETS, registry=self.registry)
-        self.phase_bytes = Counter("cuinterpose_phase_bytes", "Bytes carried by agent phases",
-                                   ["kind", "phase"], registry=self.registry)
-        self.snapshots = Counter("cuinterpose_snapshots", "Finished checkpoint/restore requests",
-                                 ["kind", "result"], registry=self.registry)
-        self.leases_expired = Counter("cuinterpose_group_leases_expired",
-                                      "Group requests whose lease expired on this member",
-                                      ["kind", "result"], registry=self.registry)
-        self.in_flight = Gauge("cuinterpose_requests_in_flight", "Requests being served",
-                               ["kind"], registry=self.registry)
+        self.phase_seconds = Histogram(
+            "cuinterpose_phase_duration_seconds",
+            "Wall time of an agent phase",
+            ["kind", "phase"],
+            buckets=self.BUCKETS,
+            registry=self.registry,
+        )
+        self.phase_bytes = Counter(
+            "cuinterpose_phase_bytes",
+            "Bytes carried by agent phases",
+            ["kind", "phase"],
+            registry=self.registry,
+        )
+        self.snapshots = Counter(
+            "cuinterpose_snapshots",
+            "Finished checkpoint/restore requests",
+            ["kind", "result"],
+            registry=self.registry,
+        )
+        self.leases_expired = Counter(
+            "cuinterpose_group_leases_expired",
+            "Group requests whose lease expired on this member",
+            ["kind", "result"],
+            registry=self.registry,
+        )
+        self.in_flight = Gauge(
+            "cuinterpose_requests_in_flight",
+            "Requests being served",
+            ["kind"],
+            registry=self.registry,
+        )
         self.server = None
 
     def phase_done(self, kind: str, phase: str, elapsed_ns: int, nbytes: int) -> None:
@@ -56,11 +77,13 @@ class Metrics:
     def text(self) -> str:
         """The exposition format, as served on /metrics."""
         from prometheus_client import generate_latest
+
         return generate_latest(self.registry).decode()
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> int:
         """Serve /metrics on ``addr:port`` (0: any free port); returns the bound port."""
         from prometheus_client import start_http_server
+
         self.server, _ = start_http_server(port, addr=addr, registry=self.registry)
         return self.server.server_port
 
@@ -69,5 +92,3 @@ class Metrics:
             self.server.shutdown()
             self.server.server_close()
             self.server = None
-
-

@@ -9,6 +9,7 @@ every images dir of a ``Checkpoint``/``Restore`` request (and of a group member'
 first root; a path that resolves (symlinks, ``..``) outside every root is refused before
 anything happens.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,6 +23,7 @@ def is_loopback_host(host: str) -> bool:
     """127.0.0.0/8, ::1 (and the name ``localhost``). An empty host, ``0.0.0.0``, ``[::]``
     and any other name are not loopback."""
     import ipaddress
+
     if host == "localhost":
         return True
     try:
@@ -45,30 +47,40 @@ def listener_security(addr: str, tls: Optional[TLS], insecure_tcp: bool = False)
         return {"kind": "mtls", "insecure": False, "warning": ""}
     if is_loopback_host(host):
         return {"kind": "loopback", "insecure": False, "warning": ""}
-    what = ("TLS without client certificates (--tls-client-ca): the server is authenticated, "
-            "the caller is not" if has_tls else "plaintext without TLS or authentication")
+    what = (
+        "TLS without client certificates (--tls-client-ca): the server is authenticated, "
+        "the caller is not"
+        if has_tls
+        else "plaintext without TLS or authentication"
+    )
     if not insecure_tcp:
         raise ValueError(
             f"refusing to listen on {addr}: a non-loopback TCP address with {what}; every RPC "
             "is a root action (a checkpoint kills the job's process tree, a restore runs CRIU "
             "images as root) and anyone who reaches the address could call it. Use mutual TLS "
             "(--tls-cert, --tls-key and --tls-client-ca), a unix: socket or a loopback "
-            "address, or pass --insecure-tcp to accept the risk")
-    return {"kind": "tls" if has_tls else "plaintext", "insecure": True,
-            "warning": f"WARNING: INSECURE: listening on {addr} with {what} (--insecure-tcp): "
-                       "anyone who reaches this address can checkpoint (kill) any opted-in "
-                       "job and restore images as root on this node"}
+            "address, or pass --insecure-tcp to accept the risk"
+        )
+    return {
+        "kind": "tls" if has_tls else "plaintext",
+        "insecure": True,
+        "warning": f"WARNING: INSECURE: listening on {addr} with {what} (--insecure-tcp): "
+        "anyone who reaches this address can checkpoint (kill) any opted-in "
+        "job and restore images as root on this node",
+    }
 
 
-def confine_path(path: str, roots: list, *, what: str = "images dir",
-                 phase: str = "images dir") -> str:
+def confine_path(
+    path: str, roots: list, *, what: str = "images dir", phase: str = "images dir"
+) -> str:
     """``path`` resolved against the snapshot ``roots`` (absolute directories): a relative
     path is taken relative to ``roots[0]``; the result (symlinks and ``..`` resolved) must be
     one of the roots or lie under one. Returns the resolved path; raises ``AgentError``
     (outcome refused, nothing was done) naming the path and the allowed root(s)."""
     if not roots:
-        raise AgentError(phase, f"{what} {path!r}: the agent has no snapshot directory",
-                         outcome="refused")
+        raise AgentError(
+            phase, f"{what} {path!r}: the agent has no snapshot directory", outcome="refused"
+        )
     real_roots = [os.path.realpath(r) for r in roots]
     if not path:
         raise AgentError(phase, f"no {what} given", outcome="usage")
@@ -80,6 +92,10 @@ def confine_path(path: str, roots: list, *, what: str = "images dir",
         if real == r or real.startswith(r.rstrip("/") + "/"):
             return real
     allowed = " or ".join(real_roots)
-    raise AgentError(phase, f"{what} {path} resolves to {real}, outside the agent's snapshot "
-                     f"directory {allowed}; refused, nothing was done (the agent only reads "
-                     "and writes under its --snapshot-dir)", outcome="refused")
+    raise AgentError(
+        phase,
+        f"{what} {path} resolves to {real}, outside the agent's snapshot "
+        f"directory {allowed}; refused, nothing was done (the agent only reads "
+        "and writes under its --snapshot-dir)",
+        outcome="refused",
+    )

@@ -20,6 +20,7 @@ A request whose ``members`` is non-empty makes this agent the group leader
 leases) is :class:`~cuinterpose.agent.rpc.member.GroupMember`. What a listener and a request
 may do: :mod:`cuinterpose.agent.rpc.security`; the client side: :mod:`cuinterpose.agent.rpc.client`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -33,14 +34,14 @@ import threading
 from concurrent import futures
 from typing import Callable, Iterator, Optional
 
-from cuinterpose.agent.run import ops
-from cuinterpose.agent.snapshot import pb
 from cuinterpose.agent.errors import AgentError
-from cuinterpose.agent.run.report import Phase, Reporter
 from cuinterpose.agent.rpc import group
-from cuinterpose.agent.rpc.client import TLS, SERVICE_NAME, normalize_address, unix_path
+from cuinterpose.agent.rpc.client import SERVICE_NAME, TLS, normalize_address, unix_path
 from cuinterpose.agent.rpc.member import DEFAULT_GROUP_LEASE_S, GroupMember
 from cuinterpose.agent.rpc.security import confine_path, listener_security
+from cuinterpose.agent.run import ops
+from cuinterpose.agent.run.report import Phase, Reporter
+from cuinterpose.agent.snapshot import pb
 
 log = logging.getLogger("cuinterpose.service")
 
@@ -50,13 +51,29 @@ DEFAULT_SNAPSHOT_DIR = "/var/lib/cuinterpose/snapshots"
 
 # -- events ------------------------------------------------------------------------------------
 
+
 def progress_dict(event: str, ph: Optional[Phase] = None, text: str = "", **extra) -> dict:
     """A Progress row as a dict (the fields of ``cuinterpose.v1.Progress``)."""
-    d = {"event": event, "phase": "", "status": "", "node": "", "pid": 0, "bytes": 0,
-         "elapsed_ns": 0, "detail": "", "group_phase": "", "text": text}
+    d = {
+        "event": event,
+        "phase": "",
+        "status": "",
+        "node": "",
+        "pid": 0,
+        "bytes": 0,
+        "elapsed_ns": 0,
+        "detail": "",
+        "group_phase": "",
+        "text": text,
+    }
     if ph is not None:
-        d.update(phase=ph.name, status=ph.status, bytes=int(ph.bytes),
-                 elapsed_ns=int(ph.elapsed_ns), detail=ph.detail)
+        d.update(
+            phase=ph.name,
+            status=ph.status,
+            bytes=int(ph.bytes),
+            elapsed_ns=int(ph.elapsed_ns),
+            detail=ph.detail,
+        )
     d.update({k: v for k, v in extra.items() if v is not None})
     return d
 
@@ -74,10 +91,14 @@ class Stream:
     Result. ``emit(progress_dict)`` lets group code forward rows from other agents. Rows also
     feed ``on_row`` (metrics). Iterating yields ``agent_pb2.Event`` messages."""
 
-    def __init__(self, work: Callable, on_row: Optional[Callable[[dict], None]] = None,
-                 on_done: Optional[Callable[[bool], None]] = None,
-                 active: Optional[set] = None):
-        self.active = active       # the service's set of running work threads
+    def __init__(
+        self,
+        work: Callable,
+        on_row: Optional[Callable[[dict], None]] = None,
+        on_done: Optional[Callable[[bool], None]] = None,
+        active: Optional[set] = None,
+    ):
+        self.active = active  # the service's set of running work threads
         self.q: queue.Queue = queue.Queue()
         self.work = work
         self.on_row = on_row
@@ -151,20 +172,29 @@ class Stream:
             if obj.get("manifest"):
                 try:
                     res.manifest.CopyFrom(pb.manifest_to_proto(obj["manifest"]))
-                except Exception as e:   # the snapshot is on disk; say why the copy is absent
+                except Exception as e:  # the snapshot is on disk; say why the copy is absent
                     self.rep.note(f"manifest not carried in the result: {e}")
         else:
             e = obj["error"]
-            res.error.CopyFrom(apb.Error(phase=e["phase"] or "", pid=int(e["pid"] or 0),
-                                         has_pid=e["pid"] is not None, reason=e["reason"] or "",
-                                         outcome=e["outcome"] or "", message=e["message"] or "",
-                                         node=e.get("node") or ""))
-            res.json = json.dumps({"ok": False, "error": e, "phases": self.rep.to_list()},
-                                  sort_keys=True, default=str)
+            res.error.CopyFrom(
+                apb.Error(
+                    phase=e["phase"] or "",
+                    pid=int(e["pid"] or 0),
+                    has_pid=e["pid"] is not None,
+                    reason=e["reason"] or "",
+                    outcome=e["outcome"] or "",
+                    message=e["message"] or "",
+                    node=e.get("node") or "",
+                )
+            )
+            res.json = json.dumps(
+                {"ok": False, "error": e, "phases": self.rep.to_list()}, sort_keys=True, default=str
+            )
         return res
 
 
 # -- the servicer ------------------------------------------------------------------------------
+
 
 @dataclasses.dataclass
 class ServeOptions:
@@ -236,8 +266,10 @@ class AgentService(GroupMember, _servicer_base()):
         """Hold :attr:`node_lock` for ``what`` (words for the note another request shows
         while it waits). When the lock is taken, ``rep`` gets a note naming the holder first."""
         if not self.node_lock.acquire(blocking=False):
-            rep.note(f"waiting for the node: {self.busy_with or 'another request'} is running "
-                     "(one checkpoint or restore at a time per node)")
+            rep.note(
+                f"waiting for the node: {self.busy_with or 'another request'} is running "
+                "(one checkpoint or restore at a time per node)"
+            )
             self.node_lock.acquire()
         self.busy_with = what
         try:
@@ -258,6 +290,7 @@ class AgentService(GroupMember, _servicer_base()):
                 m.phase_done(kind, obj.name, obj.elapsed_ns, obj.bytes)
             elif event == "note":
                 log.info("%s: %s", what, obj)
+
         rep = Reporter([sink])
         if m is not None:
             m.in_flight.labels(kind).inc()
@@ -288,28 +321,38 @@ class AgentService(GroupMember, _servicer_base()):
             if count:
                 m.in_flight.labels(kind).dec()
                 m.finished(kind, ok)
-        return Stream(work, on_row=lambda r: m.phase_done(kind, r["phase"], r["elapsed_ns"],
-                                                          r["bytes"]), on_done=on_done,
-                      active=self.active)
+
+        return Stream(
+            work,
+            on_row=lambda r: m.phase_done(kind, r["phase"], r["elapsed_ns"], r["bytes"]),
+            on_done=on_done,
+            active=self.active,
+        )
 
     def checkpoint_kwargs(self, req) -> dict:
         o = req.options
         driver = o.driver or self.opts.driver
         d = self.opts
-        return {"control_dir": o.control_dir or d.control_dir,
-                "quiesce_timeout_ms": o.quiesce_timeout_ms or d.quiesce_timeout_ms,
-                "lock_timeout_ms": (o.lock_timeout_ms if o.HasField("lock_timeout_ms")
-                                    else d.lock_timeout_ms),
-                "phase_timeout_s": o.phase_timeout_s or d.phase_timeout_s,
-                "carrier_timeout_s": o.carrier_timeout_s or d.carrier_timeout_s,
-                "driver": driver or None, "leave_running": o.leave_running}
+        return {
+            "control_dir": o.control_dir or d.control_dir,
+            "quiesce_timeout_ms": o.quiesce_timeout_ms or d.quiesce_timeout_ms,
+            "lock_timeout_ms": (
+                o.lock_timeout_ms if o.HasField("lock_timeout_ms") else d.lock_timeout_ms
+            ),
+            "phase_timeout_s": o.phase_timeout_s or d.phase_timeout_s,
+            "carrier_timeout_s": o.carrier_timeout_s or d.carrier_timeout_s,
+            "driver": driver or None,
+            "leave_running": o.leave_running,
+        }
 
     def restore_kwargs(self, req) -> dict:
-        return {"driver": req.driver or self.opts.driver or None,
-                "phase_timeout_s": req.phase_timeout_s or self.opts.phase_timeout_s,
-                "carrier_timeout_s": req.carrier_timeout_s or self.opts.carrier_timeout_s,
-                # a pid: read and checked in the restore's "placement" phase
-                "placement": req.into_pid or None}
+        return {
+            "driver": req.driver or self.opts.driver or None,
+            "phase_timeout_s": req.phase_timeout_s or self.opts.phase_timeout_s,
+            "carrier_timeout_s": req.carrier_timeout_s or self.opts.carrier_timeout_s,
+            # a pid: read and checked in the restore's "placement" phase
+            "placement": req.into_pid or None,
+        }
 
     def _env(self, driver: Optional[str]):
         # native.load reads $CUINTERPOSE_DRIVER when no kind is given (as the CLI sets it)
@@ -319,24 +362,48 @@ class AgentService(GroupMember, _servicer_base()):
     # RPCs
     def Checkpoint(self, request, context):
         if request.members:
-            return iter(self._stream("checkpoint", lambda rep, emit: group.lead(
-                "checkpoint", request, rep, emit, tls=self.opts.tls, leader=self.opts.node,
-                lease_s=self.opts.group_lease_s)))
+            return iter(
+                self._stream(
+                    "checkpoint",
+                    lambda rep, emit: group.lead(
+                        "checkpoint",
+                        request,
+                        rep,
+                        emit,
+                        tls=self.opts.tls,
+                        leader=self.opts.node,
+                        lease_s=self.opts.group_lease_s,
+                    ),
+                )
+            )
         kw = self.checkpoint_kwargs(request)
         self._env(kw["driver"])
 
         def work(rep, emit):
             images_dir = self.confine(request.images_dir)
-            with self.exclusive(rep, f"a gRPC checkpoint of root(s) "
-                                     f"{', '.join(map(str, request.roots)) or '-'}"):
+            with self.exclusive(
+                rep, f"a gRPC checkpoint of root(s) {', '.join(map(str, request.roots)) or '-'}"
+            ):
                 return ops.checkpoint(rep, list(request.roots), images_dir, **kw)
+
         return iter(self._stream("checkpoint", work))
 
     def Restore(self, request, context):
         if request.members:
-            return iter(self._stream("restore", lambda rep, emit: group.lead(
-                "restore", request, rep, emit, tls=self.opts.tls, leader=self.opts.node,
-                lease_s=self.opts.group_lease_s)))
+            return iter(
+                self._stream(
+                    "restore",
+                    lambda rep, emit: group.lead(
+                        "restore",
+                        request,
+                        rep,
+                        emit,
+                        tls=self.opts.tls,
+                        leader=self.opts.node,
+                        lease_s=self.opts.group_lease_s,
+                    ),
+                )
+            )
         kw = self.restore_kwargs(request)
         self._env(kw["driver"])
 
@@ -344,22 +411,35 @@ class AgentService(GroupMember, _servicer_base()):
             images_dir = self.confine(request.images_dir)
             with self.exclusive(rep, f"a gRPC restore of {images_dir}"):
                 return ops.restore(rep, images_dir, **kw), None
+
         return iter(self._stream("restore", work))
 
     def Inspect(self, request, context):
         cd = request.control_dir or self.opts.control_dir
-        return iter(self._stream("inspect", lambda rep, emit: (ops.inspect(
-            int(request.pid), control_dir=cd, timeout_s=request.timeout_s or 10.0), None)))
+        return iter(
+            self._stream(
+                "inspect",
+                lambda rep, emit: (
+                    ops.inspect(
+                        int(request.pid), control_dir=cd, timeout_s=request.timeout_s or 10.0
+                    ),
+                    None,
+                ),
+            )
+        )
 
     def ListSnapshots(self, request, context):
         d = request.dir or self.opts.snapshot_dir
 
         def work(rep, emit):
             if not d:
-                raise AgentError("snapshots", "no directory given and the agent has no "
-                                 "--snapshot-dir", outcome="usage")
-            return ops.list_snapshots(self.confine(d, what="snapshot dir",
-                                                   phase="snapshots")), None
+                raise AgentError(
+                    "snapshots",
+                    "no directory given and the agent has no --snapshot-dir",
+                    outcome="usage",
+                )
+            return ops.list_snapshots(self.confine(d, what="snapshot dir", phase="snapshots")), None
+
         return iter(self._stream("list", work))
 
     def RunPhase(self, request, context):
@@ -367,13 +447,15 @@ class AgentService(GroupMember, _servicer_base()):
 
         def work(rep, emit):
             try:
-                with self.exclusive(rep, f"phase {request.phase!r} of group {request.kind} "
-                                         f"{request.request_id}"):
+                with self.exclusive(
+                    rep, f"phase {request.phase!r} of group {request.kind} {request.request_id}"
+                ):
                     return self.run_phase(request, rep, peer=peer)
             except AgentError as e:
                 if not getattr(e, "node", ""):
                     e.node = self.opts.node
                 raise
+
         return iter(self._stream(request.kind, work, count=False))
 
     def Renew(self, request, context):
@@ -383,22 +465,33 @@ class AgentService(GroupMember, _servicer_base()):
 
 # -- server ------------------------------------------------------------------------------------
 
+
 class Server:
     """A running daemon: the gRPC server with the ``Agent`` and health services, and the
     metrics endpoint. ``address`` is the bound address (a TCP port 0 is resolved). Raises
     ``ValueError`` for a listener :func:`listener_security` refuses."""
 
-    def __init__(self, listen: str, opts: ServeOptions, *, metrics_port: Optional[int] = None,
-                 metrics_addr: str = "127.0.0.1", max_workers: int = 32):
+    def __init__(
+        self,
+        listen: str,
+        opts: ServeOptions,
+        *,
+        metrics_port: Optional[int] = None,
+        metrics_addr: str = "127.0.0.1",
+        max_workers: int = 32,
+    ):
         import grpc
         from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
         from cuinterpose.agent.rpc.metrics import Metrics
+
         _, agrpc, _ = pb.modules()
         self.opts = opts
         self.metrics = Metrics()
         self.service = AgentService(opts, self.metrics)
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
-                                                             thread_name_prefix="cui-grpc"))
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="cui-grpc")
+        )
         agrpc.add_AgentServicer_to_server(self.service, self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -411,7 +504,7 @@ class Server:
             p = pathlib.Path(path)
             p.parent.mkdir(parents=True, exist_ok=True)
             if p.is_socket():
-                p.unlink()     # a stale socket of an agent that died
+                p.unlink()  # a stale socket of an agent that died
             port = self.server.add_insecure_port(target)
             self.address = "unix:" + path
         elif opts.tls is not None and opts.tls.cert:
@@ -423,7 +516,7 @@ class Server:
         if not port and path is None:
             raise OSError(f"cannot listen on {listen}")
         self.metrics_port = None
-        if metrics_port is not None:     # 0: a free port the OS picks
+        if metrics_port is not None:  # 0: a free port the OS picks
             self.metrics_port = self.metrics.serve(metrics_port, metrics_addr)
         #: the pod watcher (agent/kube) and its thread, once :meth:`start_watcher` ran
         self.watcher = None
@@ -433,7 +526,7 @@ class Server:
         self.server.start()
         p = unix_path(self.address)
         if p:
-            os.chmod(p, 0o600)   # same-UID trust domain, like the shim's sockets (decisions.md D2)
+            os.chmod(p, 0o600)  # same-UID trust domain, like the shim's sockets (decisions.md D2)
         for name in ("", SERVICE_NAME):
             self.health.set(name, self._health_pb2.HealthCheckResponse.SERVING)
         return self
@@ -445,6 +538,7 @@ class Server:
         Kubernetes setting. :meth:`stop` closes it."""
         from cuinterpose.agent.kube.actions import AgentActions
         from cuinterpose.agent.kube.watcher import build_watcher
+
         w = build_watcher(config, AgentActions(config, service=self.service))
         t = threading.Thread(target=w.run, args=(stop_event,), name="pod-watcher", daemon=True)
         self.watcher, self.watcher_thread = w, t
@@ -459,7 +553,7 @@ class Server:
         for name in ("", SERVICE_NAME):
             self.health.set(name, self._health_pb2.HealthCheckResponse.NOT_SERVING)
         if self.watcher is not None:
-            self.watcher.close()          # waits for a running pod request
+            self.watcher.close()  # waits for a running pod request
             self.watcher_thread.join(10)  # its watch read was cut: it leaves at once
         self.server.stop(grace).wait()
         self.service.close()

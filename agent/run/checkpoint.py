@@ -6,6 +6,7 @@ named slice of the table) both run :data:`Checkpoint.STEPS` through the step run
 manifest's contents agent/run/images.py. The ordering, and what each failure leaves behind:
 docs/agent.md "Checkpoint ordering".
 """
+
 from __future__ import annotations
 
 import os
@@ -21,8 +22,15 @@ from cuinterpose.agent.mech.inherit import external_file_key
 from cuinterpose.agent.run import images, interrupt
 from cuinterpose.agent.run.report import Reporter
 from cuinterpose.agent.run.rollback import Rollback
-from cuinterpose.agent.run.steps import (Step, StepRunner, as_agent_error, group_phases,
-                                         helper_env, strip_preload_env, unexpected)
+from cuinterpose.agent.run.steps import (
+    Step,
+    StepRunner,
+    as_agent_error,
+    group_phases,
+    helper_env,
+    strip_preload_env,
+    unexpected,
+)
 from cuinterpose.agent.snapshot import manifest as manifest_mod
 from cuinterpose.coordinator.protocol import default_control_dir
 
@@ -31,6 +39,7 @@ __all__ = ["Checkpoint", "checkpoint", "as_agent_error", "strip_preload_env", "h
 
 def _coordinator_module():
     from cuinterpose.coordinator import phases
+
     return phases
 
 
@@ -70,12 +79,21 @@ class Checkpoint(Rollback, StepRunner):
     #: the first group phase that cannot be undone (it kills or resumes the dumped trees)
     POINT_OF_NO_RETURN = "finish"
 
-    def __init__(self, roots: Iterable[int], images_dir, *, control_dir=None,
-                 quiesce_timeout_ms: int = 10_000, lock_timeout_ms: int = 10_000,
-                 phase_timeout_s: float = 60.0, carrier_timeout_s: float = 3600.0,
-                 driver: Optional[str] = None,
-                 leave_running: bool = False, reporter: Optional[Reporter] = None,
-                 shim_path=None):
+    def __init__(
+        self,
+        roots: Iterable[int],
+        images_dir,
+        *,
+        control_dir=None,
+        quiesce_timeout_ms: int = 10_000,
+        lock_timeout_ms: int = 10_000,
+        phase_timeout_s: float = 60.0,
+        carrier_timeout_s: float = 3600.0,
+        driver: Optional[str] = None,
+        leave_running: bool = False,
+        reporter: Optional[Reporter] = None,
+        shim_path=None,
+    ):
         self.roots = list(dict.fromkeys(int(r) for r in roots))
         self.images_dir = images_dir
         self.control_dir = str(pathlib.Path(control_dir or default_control_dir()).resolve())
@@ -137,12 +155,15 @@ class Checkpoint(Rollback, StepRunner):
 
     def take_census(self):
         with self.r.phase("census") as ph:
-            self.census = census_mod.take_census(self.roots, control_dir=self.control_dir,
-                                                 shim_path=self.shim_path)
+            self.census = census_mod.take_census(
+                self.roots, control_dir=self.control_dir, shim_path=self.shim_path
+            )
             parts = self.census.participants
             self.check_mounts()
-            ph.detail = (f"{len(self.census.processes)} processes, participants "
-                         f"{', '.join(str(p.pid) for p in parts)}")
+            ph.detail = (
+                f"{len(self.census.processes)} processes, participants "
+                f"{', '.join(str(p.pid) for p in parts)}"
+            )
         self.warnings = census_mod.open_file_warnings(self.census)
         for w in self.warnings:
             self.r.note(f"warning: {w['message']}")
@@ -158,25 +179,35 @@ class Checkpoint(Rollback, StepRunner):
             if not found:
                 continue
             f0 = found[0]
-            others = "".join(f"; also pid {f['pid']} ({comms.get(f['pid'], '?')}) {f['what']}"
-                             for f in found[1:6])
+            others = "".join(
+                f"; also pid {f['pid']} ({comms.get(f['pid'], '?')}) {f['what']}"
+                for f in found[1:6]
+            )
             if len(found) > 6:
                 others += f"; and {len(found) - 6} more"
-            raise CensusError("census", (
-                f"({comms.get(f0['pid'], '?')}) of tree {root} {f0['what']}, which is not a "
-                "mount of the tree's mount namespace (reached from outside it, e.g. through an "
-                "inherited fd or another process's /proc/PID/root): CRIU, run in that "
-                f"namespace, cannot dump it (\"Can't lookup mount={f0['mnt_id']} for fd=-3\"), "
-                "and only open fds can be recorded as external files"
-                f"{others}; checkpoint refused, nothing was torn down, the workload keeps "
-                "running"), pid=f0["pid"])
+            raise CensusError(
+                "census",
+                (
+                    f"({comms.get(f0['pid'], '?')}) of tree {root} {f0['what']}, which is not a "
+                    "mount of the tree's mount namespace (reached from outside it, e.g. through an "
+                    "inherited fd or another process's /proc/PID/root): CRIU, run in that "
+                    f'namespace, cannot dump it ("Can\'t lookup mount={f0["mnt_id"]} for fd=-3"), '
+                    "and only open fds can be recorded as external files"
+                    f"{others}; checkpoint refused, nothing was torn down, the workload keeps "
+                    "running"
+                ),
+                pid=f0["pid"],
+            )
 
     def make_coordinator(self):
         ph = _coordinator_module()
         parts = [ph.Participant(p.pid, p.socket_path) for p in self.census.participants]
-        self.coordinator = ph.Coordinator(parts, timeout_s=self.phase_timeout_s,
-                                          carrier_timeout_s=self.carrier_timeout_s,
-                                          on_event=self.r.coordinator_event)
+        self.coordinator = ph.Coordinator(
+            parts,
+            timeout_s=self.phase_timeout_s,
+            carrier_timeout_s=self.carrier_timeout_s,
+            on_event=self.r.coordinator_event,
+        )
 
     def quiesce(self):
         try:
@@ -193,11 +224,17 @@ class Checkpoint(Rollback, StepRunner):
             quiesce.request(self.control_dir, self.roots, self.qid, self.quiesce_timeout_ms)
             quiesce.write_lock(self.control_dir, self.roots, self.qid)
             try:
-                self.ready = quiesce.wait_ready(self.control_dir, self.roots, self.qid,
-                                                self.quiesce_timeout_ms, stop=self.guard.pending)
+                self.ready = quiesce.wait_ready(
+                    self.control_dir,
+                    self.roots,
+                    self.qid,
+                    self.quiesce_timeout_ms,
+                    stop=self.guard.pending,
+                )
             except QuiesceRefused as e:
-                hint = (census_mod.job_root_hint(e.pid, self.census.shim)
-                        if e.pid is not None else None)
+                hint = (
+                    census_mod.job_root_hint(e.pid, self.census.shim) if e.pid is not None else None
+                )
                 if hint:
                     # a rank never reads its .request: no .resume left behind for it
                     quiesce.quiesce_path(self.control_dir, e.pid, "resume").unlink(missing_ok=True)
@@ -222,8 +259,9 @@ class Checkpoint(Rollback, StepRunner):
             except native.NativeError as e:
                 raise AgentError("quiescence check", e.reason, pid=e.pid) from e
             native.unlock_all(self.census.cuda_pids)
-            ph.detail = (f"{len(self.census.cuda_pids)} processes locked and unlocked: "
-                         "every stream drained")
+            ph.detail = (
+                f"{len(self.census.cuda_pids)} processes locked and unlocked: every stream drained"
+            )
 
     def check_parked(self):
         """Every participant must be among the ranks the workload reported parked (when it lists
@@ -232,14 +270,20 @@ class Checkpoint(Rollback, StepRunner):
         parked = set()
         for payload in self.ready.values():
             ranks = payload.get("ranks")
-            if not isinstance(ranks, list) or not all(isinstance(r, dict) and "pid" in r for r in ranks):
+            if not isinstance(ranks, list) or not all(
+                isinstance(r, dict) and "pid" in r for r in ranks
+            ):
                 return  # the workload does not list pids: nothing to check against
             parked.update(int(r["pid"]) for r in ranks)
         for p in self.census.participants:
             if p.pid not in parked:
-                raise AgentError("quiesce", f"({p.comm}) is a participant but the workload's ready "
-                                 f"lists only pids {sorted(parked)} as parked; checkpoint refused, "
-                                 "nothing was torn down", pid=p.pid)
+                raise AgentError(
+                    "quiesce",
+                    f"({p.comm}) is a participant but the workload's ready "
+                    f"lists only pids {sorted(parked)} as parked; checkpoint refused, "
+                    "nothing was torn down",
+                    pid=p.pid,
+                )
 
     def capture_shared(self):
         """Coordinator capture: INSPECT, validate, SAVE_ALLOCATIONS, PREPARE_UNICAST, INSPECT.
@@ -254,8 +298,11 @@ class Checkpoint(Rollback, StepRunner):
             partial = getattr(e, "capture", None)
             # the coordinator attaches the partial capture to whatever left capture() once a
             # mutating phase may have gone out; without it (and not changed) nothing was sent
-            if (changed is False or type(e).__name__ == "TopologyError"
-                    or (partial is None and changed is not True)):
+            if (
+                changed is False
+                or type(e).__name__ == "TopologyError"
+                or (partial is None and changed is not True)
+            ):
                 raise as_agent_error(e, "INSPECT") from e
             self.torn_down = True
             self.capture = partial
@@ -278,10 +325,11 @@ class Checkpoint(Rollback, StepRunner):
         dump, the manifest) can still resume it. A failed dump resumes its own tree (CRIU's
         default on a dump error). Native CUDA state stays CHECKPOINTED either way."""
         from cuinterpose.agent.mech import criu
+
         strip_preload_env()
         for i, root in enumerate(self.roots):
             if i:
-                self.guard.check("criu dump")   # between trees, never inside CRIU
+                self.guard.check("criu dump")  # between trees, never inside CRIU
             with self.r.phase("criu dump") as ph:
                 d = manifest_mod.criu_dir(self.images_dir, root)
                 d.mkdir(parents=True, exist_ok=True)
@@ -294,10 +342,20 @@ class Checkpoint(Rollback, StepRunner):
                 self.note_external(root)
                 try:
                     with interrupt.shielded():
-                        ns = criu.dump(root, d, extra_args=("--leave-stopped",),
-                                       **({"external_files": list(dict.fromkeys(
-                                           external_file_key(f) for f in files))}
-                                          if files else {}))
+                        ns = criu.dump(
+                            root,
+                            d,
+                            extra_args=("--leave-stopped",),
+                            **(
+                                {
+                                    "external_files": list(
+                                        dict.fromkeys(external_file_key(f) for f in files)
+                                    )
+                                }
+                                if files
+                                else {}
+                            ),
+                        )
                 except Exception as e:
                     raise AgentError("criu dump", f"tree {root}: {e}", pid=root) from e
                 if isinstance(ns, dict):
@@ -315,26 +373,42 @@ class Checkpoint(Rollback, StepRunner):
             if p["root"] != root:
                 continue
             comm = comms.get(p["pid"], "?")
-            out.append({"pid": p["pid"], "comm": comm, "fd": p["fd"],
-                        "path": f"pipe:[{p['inode']}]", "message": (
-                f"pid {p['pid']} ({comm}) fd {p['fd']} {p['direction']}s pipe:[{p['inode']}], "
-                "whose other end is outside the checkpointed tree (a container's stdio, a "
-                "pipe to a logger): a restore into a placement (--into-pid) hands it the "
-                "placement's stdio; a restore without a placement brings it back with nothing "
-                "at the other end (a writer gets EPIPE/SIGPIPE at its next write, a reader "
-                "end-of-file)")})
+            out.append(
+                {
+                    "pid": p["pid"],
+                    "comm": comm,
+                    "fd": p["fd"],
+                    "path": f"pipe:[{p['inode']}]",
+                    "message": (
+                        f"pid {p['pid']} ({comm}) fd {p['fd']} {p['direction']}s pipe:[{p['inode']}], "
+                        "whose other end is outside the checkpointed tree (a container's stdio, a "
+                        "pipe to a logger): a restore into a placement (--into-pid) hands it the "
+                        "placement's stdio; a restore without a placement brings it back with nothing "
+                        "at the other end (a writer gets EPIPE/SIGPIPE at its next write, a reader "
+                        "end-of-file)"
+                    ),
+                }
+            )
         for f in self.external_files:
             if f["root"] != root:
                 continue
             comm = comms.get(f["pid"], "?")
-            out.append({"pid": f["pid"], "comm": comm, "fd": f["fd"], "path": f["path"],
-                        "message": (
-                f"pid {f['pid']} ({comm}) fd {f['fd']} holds {f['path']}, opened outside the "
-                f"tree's mount namespace (mount {f['mnt_id']} is not in it): CRIU records it "
-                "as external, and a restore hands it the placement's fd "
-                f"{f['fd']} when that is the same kind of file, else reopens {f['path']} in "
-                "the agent's mount namespace (a restore without a placement always does); it "
-                "is refused when that path does not exist there")})
+            out.append(
+                {
+                    "pid": f["pid"],
+                    "comm": comm,
+                    "fd": f["fd"],
+                    "path": f["path"],
+                    "message": (
+                        f"pid {f['pid']} ({comm}) fd {f['fd']} holds {f['path']}, opened outside the "
+                        f"tree's mount namespace (mount {f['mnt_id']} is not in it): CRIU records it "
+                        "as external, and a restore hands it the placement's fd "
+                        f"{f['fd']} when that is the same kind of file, else reopens {f['path']} in "
+                        "the agent's mount namespace (a restore without a placement always does); it "
+                        "is refused when that path does not exist there"
+                    ),
+                }
+            )
         self.external_warnings[root] = out
         for w in out:
             self.r.note(f"warning: {w['message']}")
@@ -450,24 +524,33 @@ class Checkpoint(Rollback, StepRunner):
         self.t_end_ns = time.monotonic_ns()
         self.finish_totals()
         t = self.totals_times()
-        self.r.total(self.t_end_ns - self.t0_ns,
-                     f"workload paused {t['paused_ms']:.1f} ms (ready -> "
-                     + ("resumed)" if self.leave_running else "killed)"))
+        self.r.total(
+            self.t_end_ns - self.t0_ns,
+            f"workload paused {t['paused_ms']:.1f} ms (ready -> "
+            + ("resumed)" if self.leave_running else "killed)"),
+        )
         return self.manifest
 
     def interrupted(self, step: Step, sig: str) -> AgentError:
         if step.stage == "refusal":
-            return interrupt.Interrupted(step.name, sig, f"interrupted by {sig} after "
-                                         f"{step.name}; checkpoint cancelled, nothing was torn "
-                                         "down, the workload keeps running")
+            return interrupt.Interrupted(
+                step.name,
+                sig,
+                f"interrupted by {sig} after "
+                f"{step.name}; checkpoint cancelled, nothing was torn "
+                "down, the workload keeps running",
+            )
         return interrupt.Interrupted(step.name, sig)
 
     def phase_state(self) -> dict:
         """{"torn_down", "snapshot_id" (the quiesce id or None), "images_dir",
         "manifest_written"}."""
-        return {"torn_down": self.torn_down, "snapshot_id": self.qid,
-                "images_dir": str(self.images_dir),
-                "manifest_written": self.manifest is not None}
+        return {
+            "torn_down": self.torn_down,
+            "snapshot_id": self.qid,
+            "images_dir": str(self.images_dir),
+            "manifest_written": self.manifest is not None,
+        }
 
     def totals_times(self) -> dict:
         """{"wall_ms": start of the checkpoint -> now (or the end), "paused_ms": the workload's
@@ -486,7 +569,6 @@ class Checkpoint(Rollback, StepRunner):
             manifest_mod.write(self.images_dir, self.manifest)
         except (OSError, AgentError) as e:
             self.r.note(f"warning: could not record the final totals in the manifest: {e}")
-
 
 
 def _kill(pid: int, sig: int) -> None:

@@ -3,6 +3,7 @@
 ``manifest`` step) and the removal of a rolled-back dump (:func:`cleanup`). The format is in
 docs/snapshot-format.md.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,11 +19,13 @@ def shim_version() -> dict:
     """{"package": cuinterpose version, "protocol": CUI_PROTO_VERSION}."""
     try:
         from importlib.metadata import version
+
         pkg = version("cuinterpose")
     except Exception:
         pkg = "unknown"
     try:
         from cuinterpose.coordinator.protocol import CUI_PROTO_VERSION
+
         proto = CUI_PROTO_VERSION
     except Exception:
         proto = None
@@ -43,16 +46,22 @@ def prepare_dir(images_dir: os.PathLike | str) -> tuple[pathlib.Path, list[pathl
         if not d.is_dir():
             raise SnapshotError("images dir", f"{d} is not a directory")
         if (d / manifest_mod.MANIFEST_NAME).exists():
-            raise SnapshotError("images dir", f"{d} already holds a snapshot "
-                                f"({manifest_mod.MANIFEST_NAME}); choose a new --images-dir")
+            raise SnapshotError(
+                "images dir",
+                f"{d} already holds a snapshot "
+                f"({manifest_mod.MANIFEST_NAME}); choose a new --images-dir",
+            )
         try:
             names = sorted(p.name for p in d.iterdir())
         except OSError as e:
             raise SnapshotError("images dir", f"{d} cannot be read: {e.strerror}") from None
         if names:
             shown = ", ".join(names[:5]) + (f", … ({len(names)} entries)" if len(names) > 5 else "")
-            raise SnapshotError("images dir", f"{d} is not empty ({shown}); a checkpoint writes "
-                                "only into a new or empty directory: choose a new --images-dir")
+            raise SnapshotError(
+                "images dir",
+                f"{d} is not empty ({shown}); a checkpoint writes "
+                "only into a new or empty directory: choose a new --images-dir",
+            )
         created = []
     else:
         created = []
@@ -64,8 +73,7 @@ def prepare_dir(images_dir: os.PathLike | str) -> tuple[pathlib.Path, list[pathl
             d.mkdir(parents=True)
         except OSError as e:
             remove_empty(created)
-            raise SnapshotError("images dir", f"{d} cannot be created: "
-                                f"{e.strerror or e}") from None
+            raise SnapshotError("images dir", f"{d} cannot be created: {e.strerror or e}") from None
     try:
         tempfile.TemporaryFile(dir=d).close()
     except OSError as e:
@@ -104,6 +112,7 @@ def build_manifest(cp) -> dict:
     criu_version = None
     try:
         from cuinterpose.agent.mech import criu
+
         criu_version = criu.version()
     except Exception as e:  # the dump worked, so this is cosmetic
         criu_version = f"unknown ({e})"
@@ -113,43 +122,71 @@ def build_manifest(cp) -> dict:
         "snapshot_id": cp.qid,
         "created_at": manifest_mod.utc_now(),
         "checkpoint_started_at": cp.started_at,
-        "shim": {"path": cp.census.shim.path, "sha256": cp.census.shim.sha256,
-                 "size": cp.census.shim.size, "version": shim_version()},
+        "shim": {
+            "path": cp.census.shim.path,
+            "sha256": cp.census.shim.sha256,
+            "size": cp.census.shim.size,
+            "version": shim_version(),
+        },
         "driver": cp.driver.to_dict(),
-        "criu": {"version": criu_version, "leave_running": cp.leave_running,
-                 "trees": {str(r): str(manifest_mod.criu_dir("", r)) for r in cp.roots},
-                 "files": manifest_mod.image_files(cp.images_dir)},
+        "criu": {
+            "version": criu_version,
+            "leave_running": cp.leave_running,
+            "trees": {str(r): str(manifest_mod.criu_dir("", r)) for r in cp.roots},
+            "files": manifest_mod.image_files(cp.images_dir),
+        },
         "roots": cp.roots,
         "control_dir": cp.control_dir,
         "cuda_pids": cp.census.cuda_pids,
         "participants": [
-            {"pid": p.pid, "comm": p.comm, "socket_path": p.socket_path,
-             "cuda_state": p.cuda_state,
-             "roles": manifest_mod.role_counts(records.get(p.pid, []))}
-            for p in cp.census.participants],
-        "processes": [{"pid": p.pid, "ppid": p.ppid, "comm": p.comm}
-                      for p in cp.census.processes],
-        "quiesce": {"id": cp.qid, "timeout_ms": cp.quiesce_timeout_ms,
-                    "ready": {str(k): v for k, v in cp.ready.items()}},
+            {
+                "pid": p.pid,
+                "comm": p.comm,
+                "socket_path": p.socket_path,
+                "cuda_state": p.cuda_state,
+                "roles": manifest_mod.role_counts(records.get(p.pid, [])),
+            }
+            for p in cp.census.participants
+        ],
+        "processes": [{"pid": p.pid, "ppid": p.ppid, "comm": p.comm} for p in cp.census.processes],
+        "quiesce": {
+            "id": cp.qid,
+            "timeout_ms": cp.quiesce_timeout_ms,
+            "ready": {str(k): v for k, v in cp.ready.items()},
+        },
         "capture": cap,
-        "carriers": list(getattr(cp.capture, "carriers", None)
-                         or manifest_mod.carriers_from_capture(cap)),
+        "carriers": list(
+            getattr(cp.capture, "carriers", None) or manifest_mod.carriers_from_capture(cap)
+        ),
         "phases": cp.r.to_list(),
-        "totals": {"carrier_bytes": _capture_bytes(cp.capture),
-                   "image_bytes": sum(f["bytes"] for f in
-                                      manifest_mod.image_files(cp.images_dir).values()),
-                   **cp.totals_times()},
-        "warnings": list(cp.warnings) + [w for r in cp.roots
-                                         for w in cp.external_warnings.get(r, [])],
+        "totals": {
+            "carrier_bytes": _capture_bytes(cp.capture),
+            "image_bytes": sum(
+                f["bytes"] for f in manifest_mod.image_files(cp.images_dir).values()
+            ),
+            **cp.totals_times(),
+        },
+        "warnings": list(cp.warnings)
+        + [w for r in cp.roots for w in cp.external_warnings.get(r, [])],
         "external_pipes": list(cp.external_pipes),
         "external_files": list(cp.external_files),
-        "namespaces": [{"root": r,
-                        **{k: int(cp.tree_ns[r][k]) for k in ("net", "uts", "ipc")},
-                        "external_net": cp.tree_ns[r].get("external_net", ""),
-                        **({"mnt": int(cp.tree_ns[r]["mnt"]),
-                            "foreign_mnt": bool(cp.tree_ns[r].get("foreign_mnt"))}
-                           if "mnt" in cp.tree_ns[r] else {})}
-                       for r in cp.roots if r in cp.tree_ns],
+        "namespaces": [
+            {
+                "root": r,
+                **{k: int(cp.tree_ns[r][k]) for k in ("net", "uts", "ipc")},
+                "external_net": cp.tree_ns[r].get("external_net", ""),
+                **(
+                    {
+                        "mnt": int(cp.tree_ns[r]["mnt"]),
+                        "foreign_mnt": bool(cp.tree_ns[r].get("foreign_mnt")),
+                    }
+                    if "mnt" in cp.tree_ns[r]
+                    else {}
+                ),
+            }
+            for r in cp.roots
+            if r in cp.tree_ns
+        ],
         **({"group": cp.group} if cp.group else {}),
     }
 
@@ -158,7 +195,9 @@ def _records_by_pid_from_capture(capture) -> dict[int, list]:
     if capture is None:
         return {}
     d = capture.to_dict() if hasattr(capture, "to_dict") else capture
-    return {pid: recs for pid, recs in manifest_mod._records_by_pid(d)} if isinstance(d, dict) else {}
+    return (
+        {pid: recs for pid, recs in manifest_mod._records_by_pid(d)} if isinstance(d, dict) else {}
+    )
 
 
 def _capture_bytes(capture) -> int:

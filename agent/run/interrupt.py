@@ -6,6 +6,7 @@ after each step and stops with :class:`Interrupted` there, handled like any othe
 that step. :func:`shielded` keeps the signals from a helper (CRIU). Why, and what each stop
 leaves behind: docs/agent.md "Interrupting the agent".
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -56,14 +57,18 @@ class Guard:
         name = signal.Signals(signum).name
         if self.signame is None:
             self.signame = name
-            msg = (f"cuinterpose-agent: {name} received: the {self.what} stops at the end of "
-                   "the current phase and what it changed is undone (a checkpoint whose "
-                   "snapshot is already written finishes instead)")
+            msg = (
+                f"cuinterpose-agent: {name} received: the {self.what} stops at the end of "
+                "the current phase and what it changed is undone (a checkpoint whose "
+                "snapshot is already written finishes instead)"
+            )
         else:
-            msg = (f"cuinterpose-agent: {name} ignored: already stopping after {self.signame}; "
-                   "the current phase ends at the latest at its deadline (--phase-timeout-s, "
-                   "--carrier-timeout-s, --lock-timeout-ms); SIGKILL abandons the workload "
-                   "in whatever state it is")
+            msg = (
+                f"cuinterpose-agent: {name} ignored: already stopping after {self.signame}; "
+                "the current phase ends at the latest at its deadline (--phase-timeout-s, "
+                "--carrier-timeout-s, --lock-timeout-ms); SIGKILL abandons the workload "
+                "in whatever state it is"
+            )
         try:
             sys.stderr.write(msg + "\n")
             sys.stderr.flush()
@@ -75,7 +80,7 @@ class Guard:
             for s in SIGNALS:
                 try:
                     if signal.getsignal(s) is signal.SIG_IGN:
-                        continue    # nohup, or a background job of a shell: keep ignoring it
+                        continue  # nohup, or a background job of a shell: keep ignoring it
                     self._old[s] = signal.signal(s, self._handler)
                 except (ValueError, OSError):
                     pass

@@ -9,39 +9,58 @@ was left behind; docs/agent.md). A bug (any other exception) is turned into an `
 naming the phase that was running, with outcome ``rollback_failed`` (checkpoint) or
 ``restore_failed`` (restore): the workload's state is then unknown.
 """
+
 from __future__ import annotations
 
 import json
 import pathlib
 from typing import Optional
 
-from cuinterpose.agent.snapshot import manifest as manifest_mod
 from cuinterpose.agent.errors import AgentError
 from cuinterpose.agent.run.report import Reporter
 from cuinterpose.agent.run.steps import unexpected
+from cuinterpose.agent.snapshot import manifest as manifest_mod
 
 
 def checkpoint(rep: Reporter, roots, images_dir, **kw) -> tuple[dict, dict]:
     """Checkpoint ``roots`` into ``images_dir`` (``kw``: ``Checkpoint``'s options). Returns
     (the CLI's JSON object, the manifest dict)."""
     from cuinterpose.agent.run.checkpoint import Checkpoint
+
     cp = Checkpoint(roots, images_dir, reporter=rep, **kw)
     try:
         m = cp.run()
     except AgentError:
         raise
     except Exception as e:
-        raise unexpected(rep, e, "checkpoint", prefix="unexpected ", outcome="rollback_failed",
-                         tail="; workload state unknown") from e
-    return ({"ok": True, "images_dir": str(cp.images_dir), "snapshot_id": m["snapshot_id"],
-             "roots": m["roots"], "cuda_pids": m["cuda_pids"], "phases": rep.to_list(),
-             "totals": m["totals"], "shim_sha256": m["shim"]["sha256"],
-             "warnings": m.get("warnings", [])}, m)
+        raise unexpected(
+            rep,
+            e,
+            "checkpoint",
+            prefix="unexpected ",
+            outcome="rollback_failed",
+            tail="; workload state unknown",
+        ) from e
+    return (
+        {
+            "ok": True,
+            "images_dir": str(cp.images_dir),
+            "snapshot_id": m["snapshot_id"],
+            "roots": m["roots"],
+            "cuda_pids": m["cuda_pids"],
+            "phases": rep.to_list(),
+            "totals": m["totals"],
+            "shim_sha256": m["shim"]["sha256"],
+            "warnings": m.get("warnings", []),
+        },
+        m,
+    )
 
 
 def restore(rep: Reporter, images_dir, **kw) -> dict:
     """Restore the snapshot in ``images_dir`` (``kw``: ``Restore``'s options)."""
     from cuinterpose.agent.run.restore import Restore
+
     rs = Restore(images_dir, reporter=rep, **kw)
     try:
         res = rs.run()
@@ -55,19 +74,21 @@ def restore(rep: Reporter, images_dir, **kw) -> dict:
 def inspect(pid: int, *, control_dir=None, timeout_s: float = 10.0) -> dict:
     """INSPECT one process (read-only): {"ok": true, "pid", "socket_path", "phase", "records"}."""
     from cuinterpose.agent.inspect import inspect_pid
+
     return {"ok": True, **inspect_pid(pid, control_dir=control_dir, timeout_s=timeout_s)}
 
 
 def list_snapshots(directory) -> dict:
     """Snapshots directly under ``directory`` (sub-directories holding ``manifest.json``,
-    sorted by name; ``directory`` itself when it holds one): {"ok": true, "dir", "snapshots": [{"images_dir", "snapshot_id",
-    "created_at", "roots", "image_bytes", "carrier_bytes", "driver", "error"}]}. A manifest
-    that cannot be read is listed with ``error`` set. Raises ``AgentError`` (phase
+    sorted by name; ``directory`` itself when it holds one): {"ok": true, "dir",
+    "snapshots": [{"images_dir", "snapshot_id", "created_at", "roots", "image_bytes",
+    "carrier_bytes", "driver", "error"}]}. A manifest that cannot be read is listed with
+    ``error`` set. Raises ``AgentError`` (phase
     "snapshots") when ``directory`` cannot be read."""
     d = pathlib.Path(directory)
     try:
         if (d / manifest_mod.MANIFEST_NAME).is_file():
-            subs = [d]             # the path is itself a snapshot: list that one
+            subs = [d]  # the path is itself a snapshot: list that one
         else:
             subs = sorted(p for p in d.iterdir() if p.is_dir())
     except OSError as e:
@@ -77,15 +98,26 @@ def list_snapshots(directory) -> dict:
         f = p / manifest_mod.MANIFEST_NAME
         if not f.is_file():
             continue
-        row = {"images_dir": str(p), "snapshot_id": "", "created_at": "", "roots": [],
-               "image_bytes": 0, "carrier_bytes": 0, "driver": "", "error": ""}
+        row = {
+            "images_dir": str(p),
+            "snapshot_id": "",
+            "created_at": "",
+            "roots": [],
+            "image_bytes": 0,
+            "carrier_bytes": 0,
+            "driver": "",
+            "error": "",
+        }
         try:
             m = json.loads(f.read_text())
-            row.update(snapshot_id=str(m["snapshot_id"]), created_at=str(m["created_at"]),
-                       roots=[int(r) for r in m["roots"]],
-                       image_bytes=int(m.get("totals", {}).get("image_bytes", 0)),
-                       carrier_bytes=int(m.get("totals", {}).get("carrier_bytes", 0)),
-                       driver=str(m["driver"]["kind"]))
+            row.update(
+                snapshot_id=str(m["snapshot_id"]),
+                created_at=str(m["created_at"]),
+                roots=[int(r) for r in m["roots"]],
+                image_bytes=int(m.get("totals", {}).get("image_bytes", 0)),
+                carrier_bytes=int(m.get("totals", {}).get("carrier_bytes", 0)),
+                driver=str(m["driver"]["kind"]),
+            )
         except (OSError, ValueError, KeyError, TypeError) as e:
             row["error"] = f"{type(e).__name__}: {e}"
         out.append(row)
@@ -95,8 +127,12 @@ def list_snapshots(directory) -> dict:
 def error_from_dict(d: dict, default_outcome: Optional[str] = None) -> AgentError:
     """Rebuild an ``AgentError`` from its ``to_dict()`` (as carried by the service), keeping
     phase, pid, reason and outcome so that the CLI prints and exits exactly as in-process."""
-    e = AgentError(d.get("phase") or "agent", d.get("reason") or "", pid=d.get("pid"),
-                   outcome=d.get("outcome") or default_outcome)
+    e = AgentError(
+        d.get("phase") or "agent",
+        d.get("reason") or "",
+        pid=d.get("pid"),
+        outcome=d.get("outcome") or default_outcome,
+    )
     if d.get("node"):
         e.node = d["node"]
     msg = d.get("message")

@@ -4,6 +4,7 @@
 ``--json`` output) and forwards events to optional sinks. :class:`RichSink` renders a live
 table on stderr for humans; the ``--json`` mode uses no sink.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -24,8 +25,13 @@ class Phase:
     detail: str = ""
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "elapsed_ns": self.elapsed_ns, "bytes": self.bytes,
-                "status": self.status, "detail": self.detail}
+        return {
+            "name": self.name,
+            "elapsed_ns": self.elapsed_ns,
+            "bytes": self.bytes,
+            "status": self.status,
+            "detail": self.detail,
+        }
 
 
 class Reporter:
@@ -62,11 +68,13 @@ class Reporter:
         ph.status = "ok"
         self._emit("end", ph)
 
-    def record(self, name: str, elapsed_ns: int, nbytes: int = 0, status: str = "ok",
-               detail: str = "") -> Phase:
+    def record(
+        self, name: str, elapsed_ns: int, nbytes: int = 0, status: str = "ok", detail: str = ""
+    ) -> Phase:
         """Add a phase that was timed elsewhere (e.g. a coordinator phase)."""
-        ph = Phase(name=name, elapsed_ns=int(elapsed_ns), bytes=int(nbytes), status=status,
-                   detail=detail)
+        ph = Phase(
+            name=name, elapsed_ns=int(elapsed_ns), bytes=int(nbytes), status=status, detail=detail
+        )
         self.phases.append(ph)
         self._emit("start", ph)
         self._emit("end", ph)
@@ -78,9 +86,14 @@ class Reporter:
         if getattr(ev, "kind", None) != "phase" or ev.phase_result is None:
             return
         pr = ev.phase_result
-        self.record(pr.phase, pr.wall_ns, pr.bytes, "ok" if ev.ok else "failed",
-                    f"{len(pr.participants)} pids, slowest shim {fmt_ns(pr.max_elapsed_ns)}"
-                    + (f", copy {fmt_ns(pr.max_copy_ns)}" if pr.max_copy_ns else ""))
+        self.record(
+            pr.phase,
+            pr.wall_ns,
+            pr.bytes,
+            "ok" if ev.ok else "failed",
+            f"{len(pr.participants)} pids, slowest shim {fmt_ns(pr.max_elapsed_ns)}"
+            + (f", copy {fmt_ns(pr.max_copy_ns)}" if pr.max_copy_ns else ""),
+        )
 
     def note(self, text: str) -> None:
         self.notes.append(text)
@@ -123,6 +136,7 @@ class RichSink:
     def __init__(self, title: str):
         from rich.console import Console
         from rich.live import Live
+
         self.title = title
         self.console = Console(stderr=True)
         if not self.console.is_terminal:  # logs: do not wrap at 80 columns
@@ -131,10 +145,13 @@ class RichSink:
         self.notes: list[str] = []
         self.total_row = None
         self.t0 = time.monotonic_ns()
-        self.live = Live(self._render(), console=self.console, refresh_per_second=10, transient=False)
+        self.live = Live(
+            self._render(), console=self.console, refresh_per_second=10, transient=False
+        )
 
     def _render(self):
         from rich.table import Table
+
         t = Table(title=self.title, title_justify="left", expand=False)
         t.add_column("phase")
         t.add_column("status")
@@ -143,10 +160,14 @@ class RichSink:
         t.add_column("detail", overflow="fold")
         marks = {"running": "[yellow]…[/]", "ok": "[green]ok[/]", "failed": "[red]FAILED[/]"}
         for i, p in enumerate(self.rows):
-            t.add_row(p.name, marks.get(p.status, p.status),
-                      fmt_ns(p.elapsed_ns) if p.status != "running" else "",
-                      fmt_bytes(p.bytes) if p.bytes else "", p.detail,
-                      end_section=(i == len(self.rows) - 1 and self.total_row is not None))
+            t.add_row(
+                p.name,
+                marks.get(p.status, p.status),
+                fmt_ns(p.elapsed_ns) if p.status != "running" else "",
+                fmt_bytes(p.bytes) if p.bytes else "",
+                p.detail,
+                end_section=(i == len(self.rows) - 1 and self.total_row is not None),
+            )
         if self.total_row is not None:
             p = self.total_row
             t.add_row(f"[bold]{p.name}[/]", "", f"[bold]{fmt_ns(p.elapsed_ns)}[/]", "", p.detail)
@@ -159,8 +180,9 @@ class RichSink:
 
     def __exit__(self, *exc):
         if self.total_row is None:
-            self.total_row = Phase(name="total", elapsed_ns=time.monotonic_ns() - self.t0,
-                                   status="ok")
+            self.total_row = Phase(
+                name="total", elapsed_ns=time.monotonic_ns() - self.t0, status="ok"
+            )
         self.live.update(self._render())
         self.live.__exit__(*exc)
         if not self.console.is_terminal:
@@ -178,8 +200,15 @@ class RichSink:
         self.live.update(self._render())
 
 
-SNAPSHOT_COLUMNS = ("name", "created", "roots", "processes", "carrier bytes", "image bytes",
-                    "leave-running")
+SNAPSHOT_COLUMNS = (
+    "name",
+    "created",
+    "roots",
+    "processes",
+    "carrier bytes",
+    "image bytes",
+    "leave-running",
+)
 
 
 def snapshot_rows(res: dict) -> list[tuple[str, ...]]:
@@ -189,6 +218,7 @@ def snapshot_rows(res: dict) -> list[tuple[str, ...]]:
     error in the created column."""
     import json
     import pathlib
+
     rows = []
     for s in res["snapshots"]:
         procs, leave = "-", "-"
@@ -199,12 +229,29 @@ def snapshot_rows(res: dict) -> list[tuple[str, ...]]:
         except (OSError, ValueError, KeyError, TypeError):
             pass
         if s.get("error"):
-            rows.append((pathlib.Path(s["images_dir"]).name, f"ERROR {s['error']}", "-", procs,
-                         "-", "-", leave))
+            rows.append(
+                (
+                    pathlib.Path(s["images_dir"]).name,
+                    f"ERROR {s['error']}",
+                    "-",
+                    procs,
+                    "-",
+                    "-",
+                    leave,
+                )
+            )
             continue
-        rows.append((pathlib.Path(s["images_dir"]).name, s["created_at"] or "-",
-                     ",".join(map(str, s["roots"])) or "-", procs,
-                     str(s["carrier_bytes"]), str(s["image_bytes"]), leave))
+        rows.append(
+            (
+                pathlib.Path(s["images_dir"]).name,
+                s["created_at"] or "-",
+                ",".join(map(str, s["roots"])) or "-",
+                procs,
+                str(s["carrier_bytes"]),
+                str(s["image_bytes"]),
+                leave,
+            )
+        )
     return rows
 
 
@@ -217,5 +264,9 @@ def render_snapshots(res: dict) -> None:
     widths = [max(len(r[i]) for r in table) for i in range(len(SNAPSHOT_COLUMNS))]
     right = {3, 4, 5}
     for r in table:
-        print("  ".join((c.rjust(w) if i in right else c.ljust(w))
-                        for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+        print(
+            "  ".join(
+                (c.rjust(w) if i in right else c.ljust(w))
+                for i, (c, w) in enumerate(zip(r, widths))
+            ).rstrip()
+        )

@@ -1,32 +1,36 @@
 """``cuinterpose-agent restore``: :class:`Restore`, its step table and the steps, and the
-reasons of a CRIU restore refused for a file whose size changed (:func:`bad_size_reason`).
+reasons of a CRIU restore refused for a file whose size changed (:func:`~cuinterpose.agent.mech.criu_bad_size.reason`).
 
 The one-shot :meth:`Restore.run` and the group phases (:meth:`Restore.run_phase`, a named
 slice of the table) both run :data:`Restore.STEPS` through the step runner
 (agent/run/steps.py). The ordering, placements and what each failure leaves behind:
 docs/agent.md "Restore ordering" and "Restoring into a placement".
 """
+
 from __future__ import annotations
 
 import os
 import pathlib
-import re
 import signal
 import time
 from typing import Optional
 
-from cuinterpose.agent.mech import census as census_mod
-from cuinterpose.agent.snapshot import manifest as manifest_mod
-from cuinterpose.agent.run import interrupt
-from cuinterpose.agent.mech import native, quiesce
 from cuinterpose.agent import paths
-from cuinterpose.agent.mech.census import pid_alive
 from cuinterpose.agent.errors import AgentError, PlacementError, RestoreFailed, SnapshotError
-from cuinterpose.agent.mech import inherit
+from cuinterpose.agent.mech import census as census_mod
+from cuinterpose.agent.mech import criu_bad_size, inherit, native, quiesce
+from cuinterpose.agent.mech.census import pid_alive
 from cuinterpose.agent.mech.placement import Placement
+from cuinterpose.agent.run import interrupt
 from cuinterpose.agent.run.report import Reporter
-from cuinterpose.agent.run.steps import (Step, StepRunner, as_agent_error, group_phases,
-                                         strip_preload_env)
+from cuinterpose.agent.run.steps import (
+    Step,
+    StepRunner,
+    as_agent_error,
+    group_phases,
+    strip_preload_env,
+)
+from cuinterpose.agent.snapshot import manifest as manifest_mod
 
 
 class Restore(StepRunner):
@@ -56,10 +60,17 @@ class Restore(StepRunner):
     #: the first group phase that cannot be undone (the restored trees run)
     POINT_OF_NO_RETURN = "resume"
 
-    def __init__(self, images_dir, *, driver: Optional[str] = None, phase_timeout_s: float = 60.0,
-                 carrier_timeout_s: float = 3600.0,
-                 reporter: Optional[Reporter] = None, shim_path=None,
-                 placement: "Placement | int | None" = None):
+    def __init__(
+        self,
+        images_dir,
+        *,
+        driver: Optional[str] = None,
+        phase_timeout_s: float = 60.0,
+        carrier_timeout_s: float = 3600.0,
+        reporter: Optional[Reporter] = None,
+        shim_path=None,
+        placement: "Placement | int | None" = None,
+    ):
         self.images_dir = pathlib.Path(images_dir).resolve()
         #: what was asked: a Placement, a pid (read in the "placement" phase) or None
         self.placement_arg = placement
@@ -94,23 +105,36 @@ class Restore(StepRunner):
                 except OSError:
                     same = False
                 if not same:
-                    raise SnapshotError("manifest", f"the snapshot's processes map the shim at {orig}, "
-                                        f"which is missing or differs from the installed {shim.path}; "
-                                        "CRIU reopens mapped files by path")
+                    raise SnapshotError(
+                        "manifest",
+                        f"the snapshot's processes map the shim at {orig}, "
+                        f"which is missing or differs from the installed {shim.path}; "
+                        "CRIU reopens mapped files by path",
+                    )
             want = m["driver"]["kind"]
             kind = native.driver_kind(self.driver_kind or os.environ.get(native.DRIVER_ENV) or want)
             if kind != want:
-                raise SnapshotError("manifest", f"snapshot was taken on the {want} driver, "
-                                    f"restore asked for {kind}")
+                raise SnapshotError(
+                    "manifest", f"snapshot was taken on the {want} driver, restore asked for {kind}"
+                )
             self.driver_kind = kind
             ph.bytes = manifest_mod.verify_images(self.images_dir, m)
-            for p in sorted({*m["roots"], *(q["pid"] for q in m["participants"]),
-                             *(q["pid"] for q in m.get("processes", []))}):
+            for p in sorted(
+                {
+                    *m["roots"],
+                    *(q["pid"] for q in m["participants"]),
+                    *(q["pid"] for q in m.get("processes", [])),
+                }
+            ):
                 if pid_alive(p):
                     comm = census_mod.read_stat(p)[1]
-                    raise SnapshotError("manifest", f"({comm}) is running with a pid the snapshot "
-                                        "needs (CRIU restores the original pids); restore refused, "
-                                        "snapshot untouched", pid=p)
+                    raise SnapshotError(
+                        "manifest",
+                        f"({comm}) is running with a pid the snapshot "
+                        "needs (CRIU restores the original pids); restore refused, "
+                        "snapshot untouched",
+                        pid=p,
+                    )
             ph.detail = f"{m['snapshot_id']} taken {m['created_at']}"
             self.m = m
 
@@ -126,18 +150,28 @@ class Restore(StepRunner):
         tree. Without a placement only an external network namespace of the images needs one:
         the agent's own. Raises ``PlacementError`` (refused, nothing changed)."""
         want = self.placement_arg
-        ext_net = [r for r in self.m["roots"] if manifest_mod.tree_namespaces(self.m, r).get(
-            "external_net")]
+        ext_net = [
+            r
+            for r in self.m["roots"]
+            if manifest_mod.tree_namespaces(self.m, r).get("external_net")
+        ]
         ext_files = self.m.get("external_files", [])
         if want is None:
             ext = self.m.get("external_pipes", [])
             if ext:
-                self.r.note("without a placement (--into-pid) these pipe fds come back with no "
-                            "process at their other end (a writer gets EPIPE): " + ", ".join(
-                                f"pid {p['pid']} fd {p['fd']} ({p['direction']}s "
-                                f"pipe:[{p['inode']}])" for p in ext))
-            foreign = [r for r in self.m["roots"]
-                       if manifest_mod.tree_namespaces(self.m, r).get("foreign_mnt")]
+                self.r.note(
+                    "without a placement (--into-pid) these pipe fds come back with no "
+                    "process at their other end (a writer gets EPIPE): "
+                    + ", ".join(
+                        f"pid {p['pid']} fd {p['fd']} ({p['direction']}s pipe:[{p['inode']}])"
+                        for p in ext
+                    )
+                )
+            foreign = [
+                r
+                for r in self.m["roots"]
+                if manifest_mod.tree_namespaces(self.m, r).get("foreign_mnt")
+            ]
             if foreign:
                 self.r.note(
                     "tree(s) " + ", ".join(map(str, foreign)) + " were checkpointed in a mount "
@@ -145,7 +179,8 @@ class Restore(StepRunner):
                     "(--into-pid) CRIU runs in the agent's mount namespace and reopens their "
                     "files by the paths that namespace showed, so those paths must exist here "
                     "(restore into the placeholder container with --into-pid to get the "
-                    "container's view)")
+                    "container's view)"
+                )
             if not ext_net and not ext_files:
                 return
         with self.r.phase("placement") as ph:
@@ -155,21 +190,40 @@ class Restore(StepRunner):
                 self.close_fds()
                 raise
             pl = self.placement
-            ph.detail = pl.describe() if pl else (
-                "none: " + "; ".join(w for w, on in (
-                    ("external network namespaces go into the agent's", ext_net),
-                    ("external files are reopened in the agent's mount namespace", ext_files))
-                    if on))
+            ph.detail = (
+                pl.describe()
+                if pl
+                else (
+                    "none: "
+                    + "; ".join(
+                        w
+                        for w, on in (
+                            ("external network namespaces go into the agent's", ext_net),
+                            (
+                                "external files are reopened in the agent's mount namespace",
+                                ext_files,
+                            ),
+                        )
+                        if on
+                    )
+                )
+            )
         for f in self.files:
-            self.r.note(f"tree {f['root']}: pid {f['pid']} fd {f['fd']} ({f['path']}, opened "
-                        f"outside its mount namespace) gets {f['handed']}")
+            self.r.note(
+                f"tree {f['root']}: pid {f['pid']} fd {f['fd']} ({f['path']}, opened "
+                f"outside its mount namespace) gets {f['handed']}"
+            )
         for fx in self.fixups_planned():
-            self.r.note(f"tree {fx['root']}: pid {fx['pid']} fd {fx['fd']} gets the "
-                        f"placement's regular file {fx['target']}, set O_APPEND before the "
-                        "tree runs (CRIU reopens it at offset 0)")
+            self.r.note(
+                f"tree {fx['root']}: pid {fx['pid']} fd {fx['fd']} gets the "
+                f"placement's regular file {fx['target']}, set O_APPEND before the "
+                "tree runs (CRIU reopens it at offset 0)"
+            )
         if pl is not None and "external_pipes" not in self.m:
-            self.r.note("the snapshot predates external-pipe records: its trees' pipes to "
-                        "outside them, if any, come back without their outside end")
+            self.r.note(
+                "the snapshot predates external-pipe records: its trees' pipes to "
+                "outside them, if any, come back without their outside end"
+            )
 
     def _place(self, want):
         pl = want
@@ -181,9 +235,12 @@ class Restore(StepRunner):
         self.placement = pl
         for root in self.m["roots"]:
             opts = inherit.restore_options(
-                pl, manifest_mod.external_pipes(self.m, root),
-                manifest_mod.tree_namespaces(self.m, root).get("external_net", ""), root=root,
-                external_files=manifest_mod.external_files(self.m, root))
+                pl,
+                manifest_mod.external_pipes(self.m, root),
+                manifest_mod.tree_namespaces(self.m, root).get("external_net", ""),
+                root=root,
+                external_files=manifest_mod.external_files(self.m, root),
+            )
             self.opts[root] = opts
             self.inherited += [{"root": root, **p} for p in opts.inherited]
             self.files += [{"root": root, **f} for f in opts.files]
@@ -211,14 +268,18 @@ class Restore(StepRunner):
 
     def criu_restore(self):
         from cuinterpose.agent.mech import criu
+
         strip_preload_env()
         for root in self.m["roots"]:
             with self.r.phase("criu restore") as ph:
                 d = manifest_mod.criu_dir(self.images_dir, root)
                 opts = self.opts.get(root)
                 kw = opts.kwargs() if opts else {}
-                into = (f" into placement pid {self.placement.pid}"
-                        if self.placement is not None else "")
+                into = (
+                    f" into placement pid {self.placement.pid}"
+                    if self.placement is not None
+                    else ""
+                )
                 try:
                     with interrupt.shielded():
                         pid = criu.restore(d, **kw)
@@ -226,26 +287,36 @@ class Restore(StepRunner):
                     gone = self.placement_gone()
                     if gone:
                         raise AgentError(
-                            "criu restore", f"tree {root} from {d}{into}: the placement process "
+                            "criu restore",
+                            f"tree {root} from {d}{into}: the placement process "
                             f"{gone} since the placement phase, so CRIU could not restore "
                             f"into it (CRIU: {_first_line(e)})",
-                            pid=self.placement.pid) from e
+                            pid=self.placement.pid,
+                        ) from e
                     bad = getattr(e, "bad_size", None)
                     if bad:
-                        raise AgentError("criu restore", bad_size_reason(
-                            root, d, bad, e, files=handed_files(opts)), pid=root) from e
-                    raise AgentError("criu restore", f"tree {root} from {d}{into}: {e}",
-                                     pid=root) from e
+                        raise AgentError(
+                            "criu restore",
+                            criu_bad_size.reason(
+                                root, d, bad, e, files=criu_bad_size.handed_files(opts)
+                            ),
+                            pid=root,
+                        ) from e
+                    raise AgentError(
+                        "criu restore", f"tree {root} from {d}{into}: {e}", pid=root
+                    ) from e
                 self.restored_roots.append(root)
                 if int(pid) != int(root):
-                    raise AgentError("criu restore", f"tree {root} came back as pid {pid}", pid=root)
+                    raise AgentError(
+                        "criu restore", f"tree {root} came back as pid {pid}", pid=root
+                    )
                 if opts is not None and opts.fixups:
                     try:
-                        self.fixed += [{"root": root, **fx}
-                                       for fx in opts.after_restore(criu.image_pids(d))]
+                        self.fixed += [
+                            {"root": root, **fx} for fx in opts.after_restore(criu.image_pids(d))
+                        ]
                     except (PlacementError, criu.CriuError) as e:
-                        raise AgentError("criu restore", f"tree {root}{into}: {e}",
-                                         pid=root) from e
+                        raise AgentError("criu restore", f"tree {root}{into}: {e}", pid=root) from e
                 if self.placement is not None:
                     self.check_placed(root)
                 ph.detail = f"tree {root}{into}"
@@ -270,15 +341,21 @@ class Restore(StepRunner):
         try:
             procs = census_mod.walk_tree([root])
         except AgentError as e:
-            raise AgentError("criu restore", f"tree {root} is gone right after its restore "
-                             f"into placement pid {self.placement.pid}: {e.reason}",
-                             pid=root) from e
+            raise AgentError(
+                "criu restore",
+                f"tree {root} is gone right after its restore "
+                f"into placement pid {self.placement.pid}: {e.reason}",
+                pid=root,
+            ) from e
         for pid, _, _ in procs:
             bad = self.placement.mismatches(pid)
             if bad:
-                raise AgentError("criu restore", f"restored into placement pid "
-                                 f"{self.placement.pid} but it is not placed: "
-                                 + "; ".join(bad), pid=pid)
+                raise AgentError(
+                    "criu restore",
+                    f"restored into placement pid "
+                    f"{self.placement.pid} but it is not placed: " + "; ".join(bad),
+                    pid=pid,
+                )
 
     def native_restore(self):
         pids = self.m["cuda_pids"]
@@ -286,8 +363,11 @@ class Restore(StepRunner):
             for pid in pids:
                 st = native.get_state(pid)
                 if st != "CHECKPOINTED":
-                    raise AgentError("native restore", f"is {st} after CRIU restore, "
-                                     "expected CHECKPOINTED", pid=pid)
+                    raise AgentError(
+                        "native restore",
+                        f"is {st} after CRIU restore, expected CHECKPOINTED",
+                        pid=pid,
+                    )
             native.restore_all(pids)
             ph.detail = f"pids {', '.join(map(str, pids))}"
         with self.r.phase("native unlock") as ph:
@@ -296,10 +376,14 @@ class Restore(StepRunner):
 
     def restore_shared(self):
         from cuinterpose.coordinator import phases
+
         parts = [phases.Participant(p["pid"], p["socket_path"]) for p in self.m["participants"]]
-        coord = phases.Coordinator(parts, timeout_s=self.phase_timeout_s,
-                                   carrier_timeout_s=self.carrier_timeout_s,
-                                   on_event=self.r.coordinator_event)
+        coord = phases.Coordinator(
+            parts,
+            timeout_s=self.phase_timeout_s,
+            carrier_timeout_s=self.carrier_timeout_s,
+            on_event=self.r.coordinator_event,
+        )
         try:
             capture = phases.Capture.from_dict(self.m["capture"])
             self.restore_result = coord.restore(capture)
@@ -308,8 +392,9 @@ class Restore(StepRunner):
 
     def resume(self):
         with self.r.phase("resume"):
-            quiesce.resume(self.m["control_dir"], self.m["roots"], self.m["quiesce"]["id"],
-                           restored=True)
+            quiesce.resume(
+                self.m["control_dir"], self.m["roots"], self.m["quiesce"]["id"], restored=True
+            )
 
     def kill_restored(self):
         """SIGKILL every process of the restored trees (leaves first is unnecessary: KILL)."""
@@ -332,24 +417,49 @@ class Restore(StepRunner):
         restore, with ``external_files`` (what each file opened outside a tree's mount
         namespace was handed) and ``placement`` (its pid, namespaces, cgroups and the stdio
         handed to external pipes, ``append`` where a regular file was set O_APPEND)."""
-        out = {"snapshot_id": self.m["snapshot_id"], "roots": self.m["roots"],
-               "cuda_pids": self.m["cuda_pids"], "phases": self.r.to_list(),
-               "totals": {"wall_ms": round((time.monotonic_ns() - self.t0_ns) / 1e6, 3)},
-               "notes": list(self.r.notes)}
+        out = {
+            "snapshot_id": self.m["snapshot_id"],
+            "roots": self.m["roots"],
+            "cuda_pids": self.m["cuda_pids"],
+            "phases": self.r.to_list(),
+            "totals": {"wall_ms": round((time.monotonic_ns() - self.t0_ns) / 1e6, 3)},
+            "notes": list(self.r.notes),
+        }
         if self.files:
             out["external_files"] = [
-                {k: f[k] for k in ("root", "pid", "fd", "path", "mnt_id", "inode", "handed",
-                                   "placement_fd")} for f in self.files]
+                {
+                    k: f[k]
+                    for k in (
+                        "root",
+                        "pid",
+                        "fd",
+                        "path",
+                        "mnt_id",
+                        "inode",
+                        "handed",
+                        "placement_fd",
+                    )
+                }
+                for f in self.files
+            ]
         if self.placement is not None:
             pl = self.placement
             appended = {(f["pid"], f["fd"]) for f in self.fixed}
             out["placement"] = {
-                "pid": pl.pid, "namespaces": {n.kind: n.inode for n in pl.namespaces},
+                "pid": pl.pid,
+                "namespaces": {n.kind: n.inode for n in pl.namespaces},
                 "cgroups": [c.line() for c in pl.cgroups],
-                "stdio": [{**{k: p[k] for k in ("root", "pid", "fd", "inode", "direction",
-                                                 "placement_fd")},
-                           **({"append": True} if (p["pid"], p["fd"]) in appended else {})}
-                          for p in self.inherited]}
+                "stdio": [
+                    {
+                        **{
+                            k: p[k]
+                            for k in ("root", "pid", "fd", "inode", "direction", "placement_fd")
+                        },
+                        **({"append": True} if (p["pid"], p["fd"]) in appended else {}),
+                    }
+                    for p in self.inherited
+                ],
+            }
         return out
 
     def run(self) -> dict:
@@ -376,15 +486,21 @@ class Restore(StepRunner):
             self.close_fds()
             self.kill_restored()
             if isinstance(e, AgentError):
-                raise RestoreFailed(e.phase, e.reason + "; the restored tree was killed, the "
-                                    "snapshot is untouched", pid=e.pid) from e
+                raise RestoreFailed(
+                    e.phase,
+                    e.reason + "; the restored tree was killed, the snapshot is untouched",
+                    pid=e.pid,
+                ) from e
             raise RestoreFailed("restore", f"{e}; the restored tree was killed") from e
         return self.result()
 
     def interrupted(self, step: Step, sig: str) -> AgentError:
         if step.stage == "refusal":
-            return SnapshotError(step.name, f"interrupted by {sig} after {step.name}; restore "
-                                 "cancelled, nothing was changed, the snapshot is untouched")
+            return SnapshotError(
+                step.name,
+                f"interrupted by {sig} after {step.name}; restore "
+                "cancelled, nothing was changed, the snapshot is untouched",
+            )
         return interrupt.Interrupted(step.name, sig)
 
     def read_manifest_checked(self):
@@ -394,120 +510,17 @@ class Restore(StepRunner):
         except AgentError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError, OSError) as e:
-            raise SnapshotError("manifest", f"{self.images_dir}: malformed or unreadable "
-                                f"snapshot ({type(e).__name__}: {e}); restore refused, "
-                                "snapshot untouched") from e
+            raise SnapshotError(
+                "manifest",
+                f"{self.images_dir}: malformed or unreadable "
+                f"snapshot ({type(e).__name__}: {e}); restore refused, "
+                "snapshot untouched",
+            ) from e
 
 
 def _first_line(e: BaseException) -> str:
     lines = str(e).splitlines()
     return lines[0] if lines else type(e).__name__
-
-
-def handed_files(opts: "Optional[inherit.RestoreOptions]") -> dict[str, list[dict]]:
-    """The external files of one tree handed to CRIU (``--inherit-fd fd[N]:KEY``), by CRIU's
-    key ``file[MNT_ID:INODE]``: ``{KEY: [their records in opts.files]}``."""
-    if opts is None:
-        return {}
-    out: dict[str, list[dict]] = {}
-    for f in opts.files:
-        out.setdefault(inherit.external_file_key(f), []).append(f)
-    return out
-
-
-_LOG_TASK = re.compile(r"^\(\s*[\d.]+\)\s+(\d+): ")
-_FOUND_INHERITED = re.compile(r"Found id (\S+) \(fd (\d+)\) in inherit fd list")
-_BAD_SIZE_FD = re.compile(r"File fd/(\d+) has bad size (\d+) \(expect (\d+)\)")
-
-
-def inherited_bad_size_keys(log_text: str) -> dict[tuple[int, int, int], str]:
-    """CRIU names a file it reopened from an inherited fd ``fd/N`` in "File fd/N has bad
-    size S (expect E)", N being a copy of that fd it just took, which its log names right
-    before: "Found id KEY (fd N) in inherit fd list" (CRIU's criu/files.c,
-    ``inherit_fd_lookup_id``). ``{(N, S, E): KEY}``, matched per restored task."""
-    last: dict[tuple[str, int], str] = {}
-    out = {}
-    for ln in log_text.splitlines():
-        m = _LOG_TASK.match(ln)
-        task = m.group(1) if m else ""
-        m = _FOUND_INHERITED.search(ln)
-        if m:
-            last[(task, int(m.group(2)))] = m.group(1)
-            continue
-        m = _BAD_SIZE_FD.search(ln)
-        if m and (task, int(m.group(1))) in last:
-            out[(int(m.group(1)), int(m.group(2)), int(m.group(3)))] = \
-                last[(task, int(m.group(1)))]
-    return out
-
-
-def bad_size_reason(root: int, images_dir, bad: list[dict], err,
-                    files: Optional[dict[int, list[dict]]] = None) -> str:
-    """The reason of a CRIU restore refused for files whose size changed since the dump.
-
-    ``files`` (:func:`handed_files`): the external files handed to CRIU, by key. CRIU names
-    such a file ``fd/N`` (it reopens ``/proc/self/fd/N``, N a copy of the fd handed; the key
-    is read from its log, :func:`inherited_bad_size_keys`, or is the only handed file CRIU
-    size-checks): that row names the file, the tree's fds on it and what was handed, without
-    the advice about the workload's ``O_APPEND``, which is not the cause there."""
-    files = files or {}
-    keys: dict[tuple[int, int, int], str] = {}
-    log_path = getattr(err, "log_path", None)
-    if files and log_path:
-        try:
-            keys = inherited_bad_size_keys(pathlib.Path(log_path).read_text(errors="replace"))
-        except OSError:
-            keys = {}
-    checked = [k for k, us in files.items()
-               if any(not inherit.appends(int(u["flags"])) for u in us)]
-    ext, plain = [], []
-    for b in bad:
-        n = b["path"][len("/fd/"):] if b["path"].startswith("/fd/") else ""
-        uses = None
-        if n.isdigit() and files:
-            key = keys.get((int(n), b["size"], b["expected"]))
-            if key is None and len(checked) == 1:
-                key = checked[0]
-            uses = files.get(key) if key else None
-        (ext if uses else plain).append((b, uses))
-    log = getattr(err, "log_path", None)
-    tail = f" (CRIU log: {log})" if log else ""
-    plain_files = "; ".join(f"{b['path']} is {b['size']} bytes, the snapshot expects "
-                            f"{b['expected']}" for b, _ in plain)
-    plain_advice = ("The workload (or a restored run of it) wrote to it through a "
-                    "descriptor opened without O_APPEND, so this snapshot is restorable only "
-                    "while the file keeps its dumped size (truncate it back to that size to "
-                    "restore it again, losing what was written after the checkpoint); open it "
-                    "with O_APPEND / `>>` so that later snapshots restore any number of times")
-    if not ext:
-        return (f"tree {root} from {images_dir}: CRIU refuses a regular file whose size changed "
-                f"since the dump: {plain_files}. {plain_advice}{tail}")
-    parts = []
-    for b, uses in ext:
-        u0 = uses[0]
-        held = [u for u in uses if not inherit.appends(int(u["flags"]))]
-        held_s = ", ".join(f"pid {u['pid']} fd {u['fd']} "
-                           f"{inherit.flag_names(int(u['flags']))}" for u in held or uses)
-        if u0.get("placement_fd") is None:
-            fix = (f"{u0['path']} here is not the size it had at the dump (a restored run of "
-                   "the tree wrote to it, or it is another file): this snapshot restores only "
-                   f"while it has {b['expected']} bytes (truncate it back to that size to "
-                   "restore it again, losing what was written after the checkpoint)")
-        else:
-            fix = (f"the placement's fd {u0['placement_fd']} is another file than the tree's: "
-                   f"restore into a placeholder whose fd {u0['placement_fd']} is not a regular "
-                   f"file, so that {u0['path']} is reopened")
-        parts.append(f"{u0['path']} (opened outside the tree's mount namespace; held by "
-                     f"{held_s}) was handed {u0['handed']}, which is {b['size']} bytes, the "
-                     f"snapshot expects {b['expected']}: {fix}")
-    reason = (f"tree {root} from {images_dir}: CRIU refuses a file opened outside the tree's "
-              "mount namespace whose size is not its size at the dump (CRIU reopens every fd "
-              "of such a file on the one fd handed for it, and checks the size of each fd the "
-              "tree did not hold O_WRONLY|O_APPEND): " + "; ".join(parts))
-    if plain:
-        reason += (f". It also refuses a regular file whose size changed since the dump: "
-                   f"{plain_files}. {plain_advice}")
-    return reason + tail
 
 
 def restore(images_dir, **kw) -> dict:

@@ -3,6 +3,7 @@ left stopped continued, native state back to RUNNING, the coordinator's rollback
 with ``restored=false``) and the group undo phases ``rollback`` and ``release``. Which failure
 is refused, rolled back or rollback_failed: docs/agent.md "What each failure leaves behind".
 """
+
 from __future__ import annotations
 
 import pathlib
@@ -52,8 +53,11 @@ class Rollback:
             found = native.rollback_all(self.census.cuda_pids)
             ph.detail = ", ".join(f"{p}:{s}" for p, s in found.items())
         if self.capture is None:
-            raise AgentError("rollback", "no capture to roll the shims back to (the capture "
-                             "failed before its first INSPECT completed)")
+            raise AgentError(
+                "rollback",
+                "no capture to roll the shims back to (the capture "
+                "failed before its first INSPECT completed)",
+            )
         try:
             self.coordinator.rollback(self.capture)
         except Exception as e:
@@ -68,8 +72,10 @@ class Rollback:
         complete, is not part of a consistent cut, so the manifest (written last, removed
         first) and the CRIU images go, then the workload is rebuilt (no ``.resume`` yet)."""
         if self.finishing:
-            raise AgentError("rollback", "the group had reached finish (trees killed or "
-                             "resumed): nothing to roll back")
+            raise AgentError(
+                "rollback",
+                "the group had reached finish (trees killed or resumed): nothing to roll back",
+            )
         if self.torn_down:
             if self.manifest is not None:
                 (pathlib.Path(self.images_dir) / manifest_mod.MANIFEST_NAME).unlink(missing_ok=True)

@@ -4,6 +4,7 @@ sequence, iterated by the one-shot run (a *stage* at a time) and by the group ph
 slice at a time); the interrupt check between steps and the wrapping of unexpected exceptions
 live here (docs/agent.md "Steps").
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -44,12 +45,20 @@ def last_phase(rep, default: str) -> str:
     return rep.phases[-1].name if rep.phases else default
 
 
-def unexpected(rep, e: BaseException, default: str, *, prefix: str = "", tail: str = "",
-               outcome: Optional[str] = None) -> AgentError:
+def unexpected(
+    rep,
+    e: BaseException,
+    default: str,
+    *,
+    prefix: str = "",
+    tail: str = "",
+    outcome: Optional[str] = None,
+) -> AgentError:
     """An exception that is no ``AgentError`` (a bug, an OS error nobody expected) as the
     ``AgentError`` of the phase that was running (:func:`last_phase`)."""
-    return AgentError(last_phase(rep, default), f"{prefix}{type(e).__name__}: {e}{tail}",
-                      outcome=outcome)
+    return AgentError(
+        last_phase(rep, default), f"{prefix}{type(e).__name__}: {e}{tail}", outcome=outcome
+    )
 
 
 def as_agent_error(e: BaseException, phase: str) -> AgentError:
@@ -61,9 +70,9 @@ def as_agent_error(e: BaseException, phase: str) -> AgentError:
     pid = getattr(e, "pid", None)
     reason = str(e)
     if reason.startswith(f"{phase}: "):
-        reason = reason[len(phase) + 2:]
+        reason = reason[len(phase) + 2 :]
     if pid is not None and reason.startswith(f"pid {pid} "):
-        reason = reason[len(f"pid {pid} "):]
+        reason = reason[len(f"pid {pid} ") :]
     return AgentError(phase, reason, pid=pid)
 
 

@@ -15,6 +15,7 @@ version, and missing fields; :func:`check_shim` refuses a shim whose SHA-256 dif
 :func:`verify_images` refuses a CRIU image whose SHA-256 or size differs. None of them writes
 anything: a refused snapshot is left exactly as it was.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -31,8 +32,22 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 CRIU_DIR = "criu"
 
-REQUIRED = ("format", "format_version", "snapshot_id", "created_at", "shim", "driver", "criu",
-            "roots", "control_dir", "participants", "capture", "carriers", "phases", "quiesce")
+REQUIRED = (
+    "format",
+    "format_version",
+    "snapshot_id",
+    "created_at",
+    "shim",
+    "driver",
+    "criu",
+    "roots",
+    "control_dir",
+    "participants",
+    "capture",
+    "carriers",
+    "phases",
+    "quiesce",
+)
 
 
 def utc_now() -> str:
@@ -80,7 +95,7 @@ def write(snapshot: os.PathLike | str, manifest: dict) -> pathlib.Path:
     try:
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -103,18 +118,27 @@ def load(snapshot: os.PathLike | str) -> dict:
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
-        raise SnapshotError("manifest", f"{base} is not a snapshot: no {MANIFEST_NAME} "
-                            "(an interrupted checkpoint leaves the directory without it)") from None
+        raise SnapshotError(
+            "manifest",
+            f"{base} is not a snapshot: no {MANIFEST_NAME} "
+            "(an interrupted checkpoint leaves the directory without it)",
+        ) from None
     try:
         m = json.loads(raw)
     except ValueError as e:
         raise SnapshotError("manifest", f"{path} is not valid JSON: {e}") from None
     if not isinstance(m, dict) or m.get("format") != FORMAT:
-        raise SnapshotError("manifest", f"{path}: format is {m.get('format') if isinstance(m, dict) else None!r}, "
-                            f"expected {FORMAT!r}")
+        raise SnapshotError(
+            "manifest",
+            f"{path}: format is {m.get('format') if isinstance(m, dict) else None!r}, "
+            f"expected {FORMAT!r}",
+        )
     if m.get("format_version") != FORMAT_VERSION:
-        raise SnapshotError("manifest", f"{path}: format_version {m.get('format_version')!r} is not "
-                            f"supported (this agent reads version {FORMAT_VERSION})")
+        raise SnapshotError(
+            "manifest",
+            f"{path}: format_version {m.get('format_version')!r} is not "
+            f"supported (this agent reads version {FORMAT_VERSION})",
+        )
     missing = [k for k in REQUIRED if k not in m]
     if missing:
         raise SnapshotError("manifest", f"{path}: missing field(s) {', '.join(missing)}")
@@ -131,8 +155,10 @@ def _is_pid(v) -> bool:
 def _shape_problem(m: dict):
     """What is wrong with the types of the fields restore relies on (None if nothing), so that a
     corrupted manifest is refused by field name instead of failing somewhere later."""
+
     def obj(v, *keys, kind=str):
         return isinstance(v, dict) and all(isinstance(v.get(k), kind) for k in keys)
+
     if not obj(m["shim"], "path", "sha256"):
         return "field shim must be an object with path and sha256 (strings)"
     if not obj(m["driver"], "kind"):
@@ -141,12 +167,20 @@ def _shape_problem(m: dict):
         return "field roots must be a non-empty list of pids"
     if not isinstance(m["control_dir"], str):
         return "field control_dir must be a string"
-    if not (isinstance(m["participants"], list) and all(
+    if not (
+        isinstance(m["participants"], list)
+        and all(
             isinstance(p, dict) and _is_pid(p.get("pid")) and isinstance(p.get("socket_path"), str)
-            for p in m["participants"])):
-        return "field participants must be a list of objects with pid (int) and socket_path (string)"
-    if "processes" in m and not (isinstance(m["processes"], list) and all(
-            isinstance(p, dict) and _is_pid(p.get("pid")) for p in m["processes"])):
+            for p in m["participants"]
+        )
+    ):
+        return (
+            "field participants must be a list of objects with pid (int) and socket_path (string)"
+        )
+    if "processes" in m and not (
+        isinstance(m["processes"], list)
+        and all(isinstance(p, dict) and _is_pid(p.get("pid")) for p in m["processes"])
+    ):
         return "field processes must be a list of objects with pid (int)"
     if not (isinstance(m.get("cuda_pids", []), list) and all(map(_is_pid, m.get("cuda_pids", [])))):
         return "field cuda_pids must be a list of pids"
@@ -155,37 +189,68 @@ def _shape_problem(m: dict):
     if not isinstance(m["capture"], dict):
         return "field capture must be an object"
     files = m["criu"].get("files") if isinstance(m["criu"], dict) else None
-    if not (isinstance(files, dict) and all(
-            isinstance(k, str) and isinstance(v, dict) and isinstance(v.get("sha256"), str)
+    if not (
+        isinstance(files, dict)
+        and all(
+            isinstance(k, str)
+            and isinstance(v, dict)
+            and isinstance(v.get("sha256"), str)
             and _is_pid(v.get("bytes") + 1 if isinstance(v.get("bytes"), int) else None)
-            for k, v in files.items())):
+            for k, v in files.items()
+        )
+    ):
         return "field criu.files must map each image path to {sha256 (string), bytes (int)}"
     for r in m["roots"]:
         if not any(k.startswith(f"{CRIU_DIR}/{r}/") for k in files):
             return f"field criu.files lists no CRIU image of tree {r}"
     # optional (absent in manifests written before restores into a placement existed)
-    if "external_pipes" in m and not (isinstance(m["external_pipes"], list) and all(
-            isinstance(p, dict) and all(_is_pid(p.get(k)) for k in ("root", "pid", "inode"))
-            and isinstance(p.get("fd"), int) and not isinstance(p.get("fd"), bool)
-            and p["fd"] >= 0 and p.get("direction") in ("read", "write")
-            for p in m["external_pipes"])):
-        return ("field external_pipes must be a list of objects with root, pid, fd, inode (int) "
-                "and direction (\"read\" or \"write\")")
-    if "namespaces" in m and not (isinstance(m["namespaces"], list) and all(
-            isinstance(n, dict) and all(_is_pid(n.get(k)) for k in ("root", "net", "uts", "ipc"))
+    if "external_pipes" in m and not (
+        isinstance(m["external_pipes"], list)
+        and all(
+            isinstance(p, dict)
+            and all(_is_pid(p.get(k)) for k in ("root", "pid", "inode"))
+            and isinstance(p.get("fd"), int)
+            and not isinstance(p.get("fd"), bool)
+            and p["fd"] >= 0
+            and p.get("direction") in ("read", "write")
+            for p in m["external_pipes"]
+        )
+    ):
+        return (
+            "field external_pipes must be a list of objects with root, pid, fd, inode (int) "
+            'and direction ("read" or "write")'
+        )
+    if "namespaces" in m and not (
+        isinstance(m["namespaces"], list)
+        and all(
+            isinstance(n, dict)
+            and all(_is_pid(n.get(k)) for k in ("root", "net", "uts", "ipc"))
             and isinstance(n.get("external_net", ""), str)
             and ("mnt" not in n or _is_pid(n["mnt"]))
-            and isinstance(n.get("foreign_mnt", False), bool) for n in m["namespaces"])):
-        return ("field namespaces must be a list of objects with root, net, uts, ipc (int), "
-                "external_net (string) and optionally mnt (int) and foreign_mnt (bool)")
-    if "external_files" in m and not (isinstance(m["external_files"], list) and all(
-            isinstance(f, dict) and all(_is_pid(f.get(k)) for k in ("root", "pid", "inode"))
+            and isinstance(n.get("foreign_mnt", False), bool)
+            for n in m["namespaces"]
+        )
+    ):
+        return (
+            "field namespaces must be a list of objects with root, net, uts, ipc (int), "
+            "external_net (string) and optionally mnt (int) and foreign_mnt (bool)"
+        )
+    if "external_files" in m and not (
+        isinstance(m["external_files"], list)
+        and all(
+            isinstance(f, dict)
+            and all(_is_pid(f.get(k)) for k in ("root", "pid", "inode"))
             and all(_is_uint(f.get(k)) for k in ("fd", "mnt_id", "flags", "st_mode", "rdev"))
-            and isinstance(f.get("path"), str) and f.get("access") in ("r", "w", "rw")
-            for f in m["external_files"])):
-        return ("field external_files must be a list of objects with root, pid, fd, mnt_id, "
-                "inode, flags, st_mode, rdev (int), path (string) and access (\"r\", \"w\" "
-                "or \"rw\")")
+            and isinstance(f.get("path"), str)
+            and f.get("access") in ("r", "w", "rw")
+            for f in m["external_files"]
+        )
+    ):
+        return (
+            "field external_files must be a list of objects with root, pid, fd, mnt_id, "
+            'inode, flags, st_mode, rdev (int), path (string) and access ("r", "w" '
+            'or "rw")'
+        )
     return None
 
 
@@ -215,9 +280,12 @@ def check_shim(m: dict, installed_path: str, installed_sha256: str) -> None:
     the installed path."""
     want = m["shim"].get("sha256")
     if want != installed_sha256:
-        raise SnapshotError("manifest", f"snapshot was taken with shim sha256 {want} "
-                            f"({m['shim'].get('path')}), but the installed shim {installed_path} "
-                            f"has sha256 {installed_sha256}; restore refused, snapshot untouched")
+        raise SnapshotError(
+            "manifest",
+            f"snapshot was taken with shim sha256 {want} "
+            f"({m['shim'].get('path')}), but the installed shim {installed_path} "
+            f"has sha256 {installed_sha256}; restore refused, snapshot untouched",
+        )
 
 
 def verify_images(snapshot: os.PathLike | str, m: dict) -> int:
@@ -231,8 +299,11 @@ def verify_images(snapshot: os.PathLike | str, m: dict) -> int:
             raise SnapshotError("manifest", f"CRIU image {p} listed in the manifest is missing")
         size = p.stat().st_size
         if size != meta["bytes"] or sha256_file(p) != meta["sha256"]:
-            raise SnapshotError("manifest", f"CRIU image {p} has a bad checksum (sha256/size differ "
-                                "from the manifest); restore refused, snapshot untouched")
+            raise SnapshotError(
+                "manifest",
+                f"CRIU image {p} has a bad checksum (sha256/size differ "
+                "from the manifest); restore refused, snapshot untouched",
+            )
         total += size
     return total
 
@@ -249,15 +320,25 @@ def carriers_from_capture(capture: Any) -> list[dict]:
                 continue
             kind = str(r.get("kind", "")).upper()
             role = str(r.get("role", "")).upper()
-            if kind not in ("1", "ALLOCATION", "CUI_RECORD_ALLOCATION") or role not in ("1", "CREATOR", "CUI_ROLE_CREATOR"):
+            if kind not in ("1", "ALLOCATION", "CUI_RECORD_ALLOCATION") or role not in (
+                "1",
+                "CREATOR",
+                "CUI_ROLE_CREATOR",
+            ):
                 continue
             nbytes = r.get("carrier_bytes", 0)
             if not nbytes:
                 continue
             cs = r.get("carrier_checksum", 0)
             alloc = r.get("alloc_id", "")
-            out.append({"pid": pid, "alloc_id": alloc.hex() if isinstance(alloc, (bytes, bytearray)) else alloc,
-                        "bytes": int(nbytes), "checksum": cs if isinstance(cs, str) else f"{int(cs):016x}"})
+            out.append(
+                {
+                    "pid": pid,
+                    "alloc_id": alloc.hex() if isinstance(alloc, (bytes, bytearray)) else alloc,
+                    "bytes": int(nbytes),
+                    "checksum": cs if isinstance(cs, str) else f"{int(cs):016x}",
+                }
+            )
     return out
 
 
@@ -289,11 +370,16 @@ def role_counts(records: list) -> dict:
     for r in records:
         get = r.get if isinstance(r, dict) else (lambda k, d=None, r=r: getattr(r, k, d))
         kind = get("kind")
-        if str(kind).upper() not in ("1", "ALLOCATION", "CUI_RECORD_ALLOCATION") and getattr(kind, "value", None) != 1:
+        if (
+            str(kind).upper() not in ("1", "ALLOCATION", "CUI_RECORD_ALLOCATION")
+            and getattr(kind, "value", None) != 1
+        ):
             continue
         role = get("role")
         role = getattr(role, "value", role)
-        key = names.get(role) if isinstance(role, int) else str(role).lower().replace("cui_role_", "")
+        key = (
+            names.get(role) if isinstance(role, int) else str(role).lower().replace("cui_role_", "")
+        )
         if key in counts:
             counts[key] += 1
     return counts

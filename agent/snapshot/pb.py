@@ -12,6 +12,7 @@ file's ``capture`` object travels as ``capture_json`` and ``quiesce.ready`` as
 schema, :func:`manifest_from_proto` gives the dict back, and
 ``manifest_from_proto(manifest_to_proto(m)) == m`` for every manifest the agent writes.
 """
+
 from __future__ import annotations
 
 import os
@@ -33,8 +34,10 @@ def modules():
         try:
             from cuinterpose._proto.cuinterpose.v1 import agent_pb2, agent_pb2_grpc, manifest_pb2
         except ImportError as e:
-            raise ImportError(f"the generated protobuf modules are missing ({e}); "
-                              "build the package: `make build` (pip install -e .)") from e
+            raise ImportError(
+                f"the generated protobuf modules are missing ({e}); "
+                "build the package: `make build` (pip install -e .)"
+            ) from e
         _MODS = (agent_pb2, agent_pb2_grpc, manifest_pb2)
     return _MODS
 
@@ -45,7 +48,9 @@ def manifest_to_proto(m: dict):
     not fit the schema; unknown keys are refused too (a newer writer bumps
     ``format_version``)."""
     import json
+
     from google.protobuf import json_format
+
     _, _, mpb = modules()
     d = dict(m)
     if "capture" in d:
@@ -68,6 +73,7 @@ def _int_types():
     global _INT64
     if _INT64 is None:
         from google.protobuf.descriptor import FieldDescriptor as F
+
         _INT64 = {F.TYPE_INT64, F.TYPE_UINT64, F.TYPE_SINT64, F.TYPE_FIXED64, F.TYPE_SFIXED64}
     return _INT64
 
@@ -88,8 +94,11 @@ def _fix_ints(desc, d: Any) -> Any:
             elif vf.type in _int_types():
                 d[f.name] = {k: int(x) for k, x in v.items()}
         elif f.message_type is not None:
-            d[f.name] = ([_fix_ints(f.message_type, x) for x in v] if isinstance(v, list)
-                         else _fix_ints(f.message_type, v))
+            d[f.name] = (
+                [_fix_ints(f.message_type, x) for x in v]
+                if isinstance(v, list)
+                else _fix_ints(f.message_type, v)
+            )
         elif f.type in _int_types():
             d[f.name] = [int(x) for x in v] if isinstance(v, list) else int(v)
     return d
@@ -99,8 +108,10 @@ def message_to_dict(msg) -> dict:
     """Any message as a dict with original field names, every field present (defaults
     included) and 64-bit integers as ints."""
     from google.protobuf import json_format
-    d = json_format.MessageToDict(msg, preserving_proto_field_name=True,
-                                  always_print_fields_with_no_presence=True)
+
+    d = json_format.MessageToDict(
+        msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
     return _fix_ints(msg.DESCRIPTOR, d)
 
 
@@ -108,6 +119,7 @@ def manifest_from_proto(msg) -> dict:
     """The manifest dict (the JSON written to disk) for a ``Manifest``; ``group`` only when
     set."""
     import json
+
     d = message_to_dict(msg)
     if not msg.HasField("group"):
         d.pop("group", None)

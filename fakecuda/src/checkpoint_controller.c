@@ -95,9 +95,9 @@ FC_EXPORT CUresult cuCheckpointProcessLock(int pid, CUcheckpointLockArgs *args)
 
 FC_EXPORT CUresult cuCheckpointProcessCheckpoint(int pid, CUcheckpointCheckpointArgs *args)
 {
-    API_NOGATE(1, (args && !all_zero(args, sizeof *args)) ? CUDA_ERROR_INVALID_VALUE
-                                                        : ck_call(pid, CK_CHECKPOINT, 0, NULL),
-               "pid=%d", pid);
+    API_NOGATE(
+        1, (args && !all_zero(args, sizeof *args)) ? CUDA_ERROR_INVALID_VALUE : ck_call(pid, CK_CHECKPOINT, 0, NULL),
+        "pid=%d", pid);
 }
 
 static CUresult ck_restore_call(int pid, CUcheckpointRestoreArgs *args)
@@ -129,7 +129,6 @@ FC_EXPORT CUresult cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *
 
 FC_EXPORT CUresult cuCheckpointProcessUnlock(int pid, CUcheckpointUnlockArgs *args)
 {
-    API_NOGATE(1, (args && !all_zero(args, sizeof *args)) ? CUDA_ERROR_INVALID_VALUE
-                                                        : ck_call(pid, CK_UNLOCK, 0, NULL),
+    API_NOGATE(1, (args && !all_zero(args, sizeof *args)) ? CUDA_ERROR_INVALID_VALUE : ck_call(pid, CK_UNLOCK, 0, NULL),
                "pid=%d", pid);
 }

@@ -41,8 +41,8 @@ static CUresult ck_lock(unsigned timeout_ms)
             atomic_store(&g_gate.closed, 0);
             pthread_cond_broadcast(&g_gate.cv);
             pthread_mutex_unlock(&g_gate.mu);
-            fc_logline("fakecuda: lock timed out after %u ms: %ld calls in flight, %ld stream ops pending",
-                       timeout_ms, inflight, pend);
+            fc_logline("fakecuda: lock timed out after %u ms: %ld calls in flight, %ld stream ops pending", timeout_ms,
+                       inflight, pend);
             return CUDA_ERROR_NOT_READY;
         }
     }
@@ -227,8 +227,14 @@ static void *ck_thread(void *arg)
         ssize_t n = recv(c, &q, sizeof q, 0);
         if (n == (ssize_t)sizeof q && q.magic == CK_MAGIC) {
             switch (q.op) {
-            case CK_GETSTATE: p.result = CUDA_SUCCESS; p.value = g_ck_state; break;
-            case CK_GETTID: p.result = CUDA_SUCCESS; p.value = g_ck_tid; break;
+            case CK_GETSTATE:
+                p.result = CUDA_SUCCESS;
+                p.value = g_ck_state;
+                break;
+            case CK_GETTID:
+                p.result = CUDA_SUCCESS;
+                p.value = g_ck_tid;
+                break;
             case CK_LOCK: p.result = ck_lock(q.timeout_ms); break;
             case CK_CHECKPOINT: p.result = ck_checkpoint(); break;
             case CK_RESTORE: p.result = ck_restore(); break;

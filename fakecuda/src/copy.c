@@ -71,10 +71,12 @@ static void op_apply(const struct fc_op *op, unsigned char *t, size_t opoff, siz
     case OP_COPY: memmove(t, (const unsigned char *)op->src + opoff, n); break;
     case OP_SET8: memset(t, (int)(op->val & 0xff), n); break;
     case OP_SET16:
-        for (size_t i = 0; i < n / 2; i++) ((uint16_t *)(void *)t)[i] = (uint16_t)op->val;
+        for (size_t i = 0; i < n / 2; i++)
+            ((uint16_t *)(void *)t)[i] = (uint16_t)op->val;
         break;
     case OP_SET32:
-        for (size_t i = 0; i < n / 4; i++) ((uint32_t *)(void *)t)[i] = (uint32_t)op->val;
+        for (size_t i = 0; i < n / 4; i++)
+            ((uint32_t *)(void *)t)[i] = (uint32_t)op->val;
         break;
     case OP_WRITE32: __atomic_store_n((uint32_t *)(void *)t, (uint32_t)op->val, __ATOMIC_SEQ_CST); break;
     case OP_WRITE64: __atomic_store_n((uint64_t *)(void *)t, (uint64_t)op->val, __ATOMIC_SEQ_CST); break;
@@ -105,7 +107,8 @@ static CUresult mc_broadcast(struct fc_alloc *mc, uint64_t mc_off, const struct 
             /* the binder exited (a live binder keeps the bound memfd open): its binding went
              * with it, as on the real driver */
             fc_logline("fakecuda: multicast object %" PRIu64 ": member (pid %d, device %d) is gone; "
-                       "its binding is dropped", mc->object_id, (int)b->pid, (int)b->dev);
+                       "its binding is dropped",
+                       mc->object_id, (int)b->pid, (int)b->dev);
             if (fd >= 0)
                 close(fd);
             memset(b, 0, sizeof *b);
@@ -119,7 +122,8 @@ static CUresult mc_broadcast(struct fc_alloc *mc, uint64_t mc_off, const struct 
             covered = fds[i] >= 0 && g >= t->binds[i].mc_off && g - t->binds[i].mc_off < t->binds[i].size;
         if (!covered) {
             fc_loud("write through multicast object %" PRIu64 " at offset 0x%" PRIx64
-                    " where no member is bound -> CUDA_ERROR_ILLEGAL_ADDRESS", mc->object_id, g);
+                    " where no member is bound -> CUDA_ERROR_ILLEGAL_ADDRESS",
+                    mc->object_id, g);
             r = CUDA_ERROR_ILLEGAL_ADDRESS;
         }
     }
@@ -198,10 +202,14 @@ CUresult op_exec(const struct fc_op *op, int dev)
     }
     pthread_mutex_lock(&g_mu);
     size_t dlen = op->n;
-    if (op->kind == OP_SET16) dlen = op->n * 2;
-    if (op->kind == OP_SET32) dlen = op->n * 4;
-    if (op->kind == OP_WRITE32) dlen = 4;
-    if (op->kind == OP_WRITE64) dlen = 8;
+    if (op->kind == OP_SET16)
+        dlen = op->n * 2;
+    if (op->kind == OP_SET32)
+        dlen = op->n * 4;
+    if (op->kind == OP_WRITE32)
+        dlen = 4;
+    if (op->kind == OP_WRITE64)
+        dlen = 8;
     r = side_check(op->dst, dlen, op->dkind, dev, 1);
     if (r == CUDA_SUCCESS && op->kind == OP_COPY)
         r = side_check(op->src, op->n, op->skind, dev, 0);
@@ -214,17 +222,15 @@ CUresult op_exec(const struct fc_op *op, int dev)
         case OP_COPY: memmove((void *)op->dst, (const void *)op->src, op->n); break;
         case OP_SET8: memset((void *)op->dst, (int)(op->val & 0xff), op->n); break;
         case OP_SET16:
-            for (size_t i = 0; i < op->n; i++) ((uint16_t *)op->dst)[i] = (uint16_t)op->val;
+            for (size_t i = 0; i < op->n; i++)
+                ((uint16_t *)op->dst)[i] = (uint16_t)op->val;
             break;
         case OP_SET32:
-            for (size_t i = 0; i < op->n; i++) ((uint32_t *)op->dst)[i] = (uint32_t)op->val;
+            for (size_t i = 0; i < op->n; i++)
+                ((uint32_t *)op->dst)[i] = (uint32_t)op->val;
             break;
-        case OP_WRITE32:
-            __atomic_store_n((uint32_t *)op->dst, (uint32_t)op->val, __ATOMIC_SEQ_CST);
-            break;
-        case OP_WRITE64:
-            __atomic_store_n((uint64_t *)op->dst, (uint64_t)op->val, __ATOMIC_SEQ_CST);
-            break;
+        case OP_WRITE32: __atomic_store_n((uint32_t *)op->dst, (uint32_t)op->val, __ATOMIC_SEQ_CST); break;
+        case OP_WRITE64: __atomic_store_n((uint64_t *)op->dst, (uint64_t)op->val, __ATOMIC_SEQ_CST); break;
         }
     }
     pthread_mutex_unlock(&g_mu);

@@ -23,7 +23,8 @@ pid_t fc_tid(void) { return (pid_t)syscall(SYS_gettid); }
 const char *fc_errname(CUresult r)
 {
     switch ((int)r) {
-#define X(n) case n: return #n;
+#define X(n) \
+    case n: return #n;
 #include "fc_errors.inc"
 #undef X
     default: return NULL;

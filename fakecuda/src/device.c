@@ -150,15 +150,9 @@ static CUresult device_uuid(CUuuid *u, CUdevice d)
     return CUDA_SUCCESS;
 }
 
-FC_EXPORT CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev)
-{
-    API(device_uuid(uuid, dev), "dev=%d", dev);
-}
+FC_EXPORT CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev) { API(device_uuid(uuid, dev), "dev=%d", dev); }
 
-FC_EXPORT CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev)
-{
-    API(device_uuid(uuid, dev), "dev=%d", dev);
-}
+FC_EXPORT CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev) { API(device_uuid(uuid, dev), "dev=%d", dev); }
 
 static CUresult device_totalmem(size_t *b, CUdevice d)
 {
@@ -170,10 +164,7 @@ static CUresult device_totalmem(size_t *b, CUdevice d)
     return CUDA_SUCCESS;
 }
 
-FC_EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
-{
-    API(device_totalmem(bytes, dev), "dev=%d", dev);
-}
+FC_EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev) { API(device_totalmem(bytes, dev), "dev=%d", dev); }
 
 static CUresult device_attr(int *pi, CUdevice_attribute a, CUdevice d)
 {
@@ -237,15 +228,9 @@ FC_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
     API(prim_retain(pctx, dev), "dev=%d", dev);
 }
 
-FC_EXPORT CUresult cuDevicePrimaryCtxRelease(CUdevice dev)
-{
-    API(prim_release(dev), "dev=%d", dev);
-}
+FC_EXPORT CUresult cuDevicePrimaryCtxRelease(CUdevice dev) { API(prim_release(dev), "dev=%d", dev); }
 
-FC_EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev)
-{
-    API(prim_release(dev), "dev=%d", dev);
-}
+FC_EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev) { API(prim_release(dev), "dev=%d", dev); }
 
 FC_EXPORT CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags, int *active)
 {
@@ -265,10 +250,7 @@ static CUresult ctx_set_current(CUcontext c)
     return CUDA_SUCCESS;
 }
 
-FC_EXPORT CUresult cuCtxSetCurrent(CUcontext ctx)
-{
-    API(ctx_set_current(ctx), "ctx=%p", (void *)ctx);
-}
+FC_EXPORT CUresult cuCtxSetCurrent(CUcontext ctx) { API(ctx_set_current(ctx), "ctx=%p", (void *)ctx); }
 
 FC_EXPORT CUresult cuCtxGetCurrent(CUcontext *pctx)
 {
@@ -286,10 +268,7 @@ static CUresult ctx_get_device(CUdevice *d)
     return CUDA_SUCCESS;
 }
 
-FC_EXPORT CUresult cuCtxGetDevice(CUdevice *device)
-{
-    API(ctx_get_device(device), "");
-}
+FC_EXPORT CUresult cuCtxGetDevice(CUdevice *device) { API(ctx_get_device(device), ""); }
 
 static CUresult ctx_synchronize(void)
 {
@@ -297,10 +276,7 @@ static CUresult ctx_synchronize(void)
     return c ? ctx_sync(c) : CUDA_ERROR_INVALID_CONTEXT;
 }
 
-FC_EXPORT CUresult cuCtxSynchronize(void)
-{
-    API(ctx_synchronize(), "");
-}
+FC_EXPORT CUresult cuCtxSynchronize(void) { API(ctx_synchronize(), ""); }
 
 static CUresult ctx_create(CUcontext *pctx, unsigned flags, CUdevice d)
 {
@@ -337,8 +313,7 @@ static CUresult ctx_create4(CUcontext *pctx, CUctxCreateParams *p, unsigned flag
     return ctx_create(pctx, flags, d);
 }
 
-FC_EXPORT CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *ctxCreateParams, unsigned int flags,
-                                  CUdevice dev)
+FC_EXPORT CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *ctxCreateParams, unsigned int flags, CUdevice dev)
 {
     API(ctx_create4(pctx, ctxCreateParams, flags, dev), "flags=%u dev=%d", flags, dev);
 }

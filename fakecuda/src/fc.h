@@ -82,8 +82,8 @@ void fc_loud(const char *fmt, ...) __attribute__((format(printf, 1, 2))); /* std
 void fc_log_call(const char *fn, CUresult r, const char *fmt, ...);
 
 /* ------------------------------------------------------------------ entry gate (state in core.c) */
-/* Inline: every API call passes it. Every gated API increments `inflight` while it runs. cuCheckpointProcessLock closes the
- * gate (new calls block), then waits for inflight == 0 and pending stream ops == 0. */
+/* Inline: every API call passes it. Every gated API increments `inflight` while it runs. cuCheckpointProcessLock closes
+ * the gate (new calls block), then waits for inflight == 0 and pending stream ops == 0. */
 
 struct fc_gate {
     pthread_mutex_t mu;
@@ -125,30 +125,29 @@ static inline void api_leave(void)
 
 static inline CUresult api_initonly(void)
 {
-    return atomic_load_explicit(&g_inited, memory_order_acquire) ? CUDA_SUCCESS
-                                                                 : CUDA_ERROR_NOT_INITIALIZED;
+    return atomic_load_explicit(&g_inited, memory_order_acquire) ? CUDA_SUCCESS : CUDA_ERROR_NOT_INITIALIZED;
 }
 
 /* Gated API body: run `call` inside the gate, log, return. */
-#define API(call, fmt, ...)                                                  \
-    do {                                                                     \
-        CUresult r_ = api_enter();                                           \
-        if (r_ == CUDA_SUCCESS) {                                            \
-            r_ = (call);                                                     \
-            api_leave();                                                     \
-        }                                                                    \
-        fc_log_call(__func__, r_, fmt, ##__VA_ARGS__);                       \
-        return r_;                                                           \
+#define API(call, fmt, ...)                            \
+    do {                                               \
+        CUresult r_ = api_enter();                     \
+        if (r_ == CUDA_SUCCESS) {                      \
+            r_ = (call);                               \
+            api_leave();                               \
+        }                                              \
+        fc_log_call(__func__, r_, fmt, ##__VA_ARGS__); \
+        return r_;                                     \
     } while (0)
 
 /* Ungated API (needs cuInit only unless `needinit` is 0). */
-#define API_NOGATE(needinit, call, fmt, ...)                                 \
-    do {                                                                     \
-        CUresult r_ = (needinit) ? api_initonly() : CUDA_SUCCESS;            \
-        if (r_ == CUDA_SUCCESS)                                              \
-            r_ = (call);                                                     \
-        fc_log_call(__func__, r_, fmt, ##__VA_ARGS__);                       \
-        return r_;                                                           \
+#define API_NOGATE(needinit, call, fmt, ...)                      \
+    do {                                                          \
+        CUresult r_ = (needinit) ? api_initonly() : CUDA_SUCCESS; \
+        if (r_ == CUDA_SUCCESS)                                   \
+            r_ = (call);                                          \
+        fc_log_call(__func__, r_, fmt, ##__VA_ARGS__);            \
+        return r_;                                                \
     } while (0)
 
 /* Output arguments are logged only when the call succeeded (r_ is the API macro's result). */
@@ -339,8 +338,7 @@ CUresult sync_op(const struct fc_op *op);
 
 /* ------------------------------------------------------------------ multicast (multicast.c) */
 
-CUresult mc_wait_handle(CUmemGenericAllocationHandle h, uintptr_t va, uint64_t off, uint64_t size,
-                        const char *what);
+CUresult mc_wait_handle(CUmemGenericAllocationHandle h, uintptr_t va, uint64_t off, uint64_t size, const char *what);
 
 /* ------------------------------------------------------------------ checkpoint control protocol */
 /* The target (checkpoint_target.c) serves the abstract socket "\0fakecuda-<pid>" (ck_addr)

@@ -152,8 +152,9 @@ static CUresult host_register(void *p, size_t size, unsigned flags)
 {
     if (!cur_ctx())
         return CUDA_ERROR_INVALID_CONTEXT;
-    if (!p || size == 0 || (flags & ~(unsigned)(CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP |
-                                                CU_MEMHOSTREGISTER_IOMEMORY | CU_MEMHOSTREGISTER_READ_ONLY)))
+    if (!p || size == 0 ||
+        (flags & ~(unsigned)(CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP | CU_MEMHOSTREGISTER_IOMEMORY |
+                             CU_MEMHOSTREGISTER_READ_ONLY)))
         return CUDA_ERROR_INVALID_VALUE;
     uintptr_t lo = (uintptr_t)p, hi = lo + size;
     pthread_mutex_lock(&g_mu);
@@ -217,14 +218,22 @@ static CUresult host_alloc(void **pp, size_t size)
 }
 
 FC_EXPORT CUresult cuMemHostRegister(void *p, size_t bytesize, unsigned int Flags)
-{ API(host_register(p, bytesize, Flags), "p=%p bytesize=%zu flags=%u", p, bytesize, Flags); }
+{
+    API(host_register(p, bytesize, Flags), "p=%p bytesize=%zu flags=%u", p, bytesize, Flags);
+}
 FC_EXPORT CUresult cuMemHostRegister_v2(void *p, size_t bytesize, unsigned int Flags)
-{ API(host_register(p, bytesize, Flags), "p=%p bytesize=%zu flags=%u", p, bytesize, Flags); }
+{
+    API(host_register(p, bytesize, Flags), "p=%p bytesize=%zu flags=%u", p, bytesize, Flags);
+}
 FC_EXPORT CUresult cuMemHostUnregister(void *p) { API(host_release(p, 0), "p=%p", p); }
 FC_EXPORT CUresult cuMemAllocHost(void **pp, unsigned int bytesize)
-{ API(host_alloc(pp, bytesize), "bytesize=%u p=%p", bytesize, (r_ == CUDA_SUCCESS && pp) ? *pp : NULL); }
+{
+    API(host_alloc(pp, bytesize), "bytesize=%u p=%p", bytesize, (r_ == CUDA_SUCCESS && pp) ? *pp : NULL);
+}
 FC_EXPORT CUresult cuMemAllocHost_v2(void **pp, size_t bytesize)
-{ API(host_alloc(pp, bytesize), "bytesize=%zu p=%p", bytesize, (r_ == CUDA_SUCCESS && pp) ? *pp : NULL); }
+{
+    API(host_alloc(pp, bytesize), "bytesize=%zu p=%p", bytesize, (r_ == CUDA_SUCCESS && pp) ? *pp : NULL);
+}
 FC_EXPORT CUresult cuMemFreeHost(void *p) { API(host_release(p, 1), "p=%p", p); }
 
 /* Copies and sets: synchronous forms run in the caller after the default stream drains;
@@ -269,56 +278,106 @@ static CUresult do_set(uintptr_t dst, int kind, uint32_t v, size_t n, CUstream h
 #define COPY_ARGS(d, s, n) (unsigned long long)H(d), (unsigned long long)H(s), (size_t)(n)
 
 FC_EXPORT CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void *s, size_t n)
-{ API(do_copy(H(d), PTR_DEVICE, H(s), PTR_HOST, n, NULL, 0), COPY_FMT, COPY_ARGS(d, s, n)); }
+{
+    API(do_copy(H(d), PTR_DEVICE, H(s), PTR_HOST, n, NULL, 0), COPY_FMT, COPY_ARGS(d, s, n));
+}
 FC_EXPORT CUresult cuMemcpyHtoD_v2_ptds(CUdeviceptr d, const void *s, size_t n)
-{ API(do_copy(H(d), PTR_DEVICE, H(s), PTR_HOST, n, NULL, 0), COPY_FMT, COPY_ARGS(d, s, n)); }
+{
+    API(do_copy(H(d), PTR_DEVICE, H(s), PTR_HOST, n, NULL, 0), COPY_FMT, COPY_ARGS(d, s, n));
+}
 FC_EXPORT CUresult cuMemcpyDtoH_v2(void *d, CUdeviceptr s, size_t n)
-{ API(do_copy(H(d), PTR_HOST, H(s), PTR_DEVICE, n, NULL, 0), COPY_FMT, COPY_ARGS(d, s, n)); }
+{
+    API(do_copy(H(d), PTR_HOST, H(s), PTR_DEVICE, n, NULL, 0), COPY_FMT, COPY_ARGS(d, s, n));
+}
 FC_EXPORT CUresult cuMemcpyDtoH_v2_ptds(void *d, CUdeviceptr s, size_t n)
-{ API(do_copy(H(d), PTR_HOST, H(s), PTR_DEVICE, n, NULL, 0), COPY_FMT, COPY_ARGS(d, s, n)); }
+{
+    API(do_copy(H(d), PTR_HOST, H(s), PTR_DEVICE, n, NULL, 0), COPY_FMT, COPY_ARGS(d, s, n));
+}
 FC_EXPORT CUresult cuMemcpyDtoD_v2(CUdeviceptr d, CUdeviceptr s, size_t n)
-{ API(do_copy(H(d), PTR_DEVICE, H(s), PTR_DEVICE, n, NULL, 0), COPY_FMT, COPY_ARGS(d, s, n)); }
+{
+    API(do_copy(H(d), PTR_DEVICE, H(s), PTR_DEVICE, n, NULL, 0), COPY_FMT, COPY_ARGS(d, s, n));
+}
 FC_EXPORT CUresult cuMemcpyDtoD_v2_ptds(CUdeviceptr d, CUdeviceptr s, size_t n)
-{ API(do_copy(H(d), PTR_DEVICE, H(s), PTR_DEVICE, n, NULL, 0), COPY_FMT, COPY_ARGS(d, s, n)); }
+{
+    API(do_copy(H(d), PTR_DEVICE, H(s), PTR_DEVICE, n, NULL, 0), COPY_FMT, COPY_ARGS(d, s, n));
+}
 FC_EXPORT CUresult cuMemcpy(CUdeviceptr d, CUdeviceptr s, size_t n)
-{ API(do_copy(H(d), PTR_UNIFIED, H(s), PTR_UNIFIED, n, NULL, 0), COPY_FMT, COPY_ARGS(d, s, n)); }
+{
+    API(do_copy(H(d), PTR_UNIFIED, H(s), PTR_UNIFIED, n, NULL, 0), COPY_FMT, COPY_ARGS(d, s, n));
+}
 FC_EXPORT CUresult cuMemcpy_ptds(CUdeviceptr d, CUdeviceptr s, size_t n)
-{ API(do_copy(H(d), PTR_UNIFIED, H(s), PTR_UNIFIED, n, NULL, 0), COPY_FMT, COPY_ARGS(d, s, n)); }
+{
+    API(do_copy(H(d), PTR_UNIFIED, H(s), PTR_UNIFIED, n, NULL, 0), COPY_FMT, COPY_ARGS(d, s, n));
+}
 
 #define ACOPY_FMT COPY_FMT " stream=%p"
 FC_EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void *s, size_t n, CUstream st)
-{ API(do_copy(H(d), PTR_DEVICE, H(s), PTR_HOST, n, st, 1), ACOPY_FMT, COPY_ARGS(d, s, n), (void *)st); }
+{
+    API(do_copy(H(d), PTR_DEVICE, H(s), PTR_HOST, n, st, 1), ACOPY_FMT, COPY_ARGS(d, s, n), (void *)st);
+}
 FC_EXPORT CUresult cuMemcpyHtoDAsync_v2_ptsz(CUdeviceptr d, const void *s, size_t n, CUstream st)
-{ API(do_copy(H(d), PTR_DEVICE, H(s), PTR_HOST, n, st, 1), ACOPY_FMT, COPY_ARGS(d, s, n), (void *)st); }
+{
+    API(do_copy(H(d), PTR_DEVICE, H(s), PTR_HOST, n, st, 1), ACOPY_FMT, COPY_ARGS(d, s, n), (void *)st);
+}
 FC_EXPORT CUresult cuMemcpyDtoHAsync_v2(void *d, CUdeviceptr s, size_t n, CUstream st)
-{ API(do_copy(H(d), PTR_HOST, H(s), PTR_DEVICE, n, st, 1), ACOPY_FMT, COPY_ARGS(d, s, n), (void *)st); }
+{
+    API(do_copy(H(d), PTR_HOST, H(s), PTR_DEVICE, n, st, 1), ACOPY_FMT, COPY_ARGS(d, s, n), (void *)st);
+}
 FC_EXPORT CUresult cuMemcpyDtoHAsync_v2_ptsz(void *d, CUdeviceptr s, size_t n, CUstream st)
-{ API(do_copy(H(d), PTR_HOST, H(s), PTR_DEVICE, n, st, 1), ACOPY_FMT, COPY_ARGS(d, s, n), (void *)st); }
+{
+    API(do_copy(H(d), PTR_HOST, H(s), PTR_DEVICE, n, st, 1), ACOPY_FMT, COPY_ARGS(d, s, n), (void *)st);
+}
 FC_EXPORT CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st)
-{ API(do_copy(H(d), PTR_DEVICE, H(s), PTR_DEVICE, n, st, 1), ACOPY_FMT, COPY_ARGS(d, s, n), (void *)st); }
+{
+    API(do_copy(H(d), PTR_DEVICE, H(s), PTR_DEVICE, n, st, 1), ACOPY_FMT, COPY_ARGS(d, s, n), (void *)st);
+}
 FC_EXPORT CUresult cuMemcpyDtoDAsync_v2_ptsz(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st)
-{ API(do_copy(H(d), PTR_DEVICE, H(s), PTR_DEVICE, n, st, 1), ACOPY_FMT, COPY_ARGS(d, s, n), (void *)st); }
+{
+    API(do_copy(H(d), PTR_DEVICE, H(s), PTR_DEVICE, n, st, 1), ACOPY_FMT, COPY_ARGS(d, s, n), (void *)st);
+}
 FC_EXPORT CUresult cuMemcpyAsync(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st)
-{ API(do_copy(H(d), PTR_UNIFIED, H(s), PTR_UNIFIED, n, st, 1), ACOPY_FMT, COPY_ARGS(d, s, n), (void *)st); }
+{
+    API(do_copy(H(d), PTR_UNIFIED, H(s), PTR_UNIFIED, n, st, 1), ACOPY_FMT, COPY_ARGS(d, s, n), (void *)st);
+}
 FC_EXPORT CUresult cuMemcpyAsync_ptsz(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st)
-{ API(do_copy(H(d), PTR_UNIFIED, H(s), PTR_UNIFIED, n, st, 1), ACOPY_FMT, COPY_ARGS(d, s, n), (void *)st); }
+{
+    API(do_copy(H(d), PTR_UNIFIED, H(s), PTR_UNIFIED, n, st, 1), ACOPY_FMT, COPY_ARGS(d, s, n), (void *)st);
+}
 
 #define SET_FMT "dst=0x%llx value=%u count=%zu"
 FC_EXPORT CUresult cuMemsetD8_v2(CUdeviceptr d, unsigned char v, size_t n)
-{ API(do_set(H(d), OP_SET8, v, n, NULL, 0), SET_FMT, (unsigned long long)d, (unsigned)v, n); }
+{
+    API(do_set(H(d), OP_SET8, v, n, NULL, 0), SET_FMT, (unsigned long long)d, (unsigned)v, n);
+}
 FC_EXPORT CUresult cuMemsetD8_v2_ptds(CUdeviceptr d, unsigned char v, size_t n)
-{ API(do_set(H(d), OP_SET8, v, n, NULL, 0), SET_FMT, (unsigned long long)d, (unsigned)v, n); }
+{
+    API(do_set(H(d), OP_SET8, v, n, NULL, 0), SET_FMT, (unsigned long long)d, (unsigned)v, n);
+}
 FC_EXPORT CUresult cuMemsetD16_v2(CUdeviceptr d, unsigned short v, size_t n)
-{ API(do_set(H(d), OP_SET16, v, n, NULL, 0), SET_FMT, (unsigned long long)d, (unsigned)v, n); }
+{
+    API(do_set(H(d), OP_SET16, v, n, NULL, 0), SET_FMT, (unsigned long long)d, (unsigned)v, n);
+}
 FC_EXPORT CUresult cuMemsetD32_v2(CUdeviceptr d, unsigned int v, size_t n)
-{ API(do_set(H(d), OP_SET32, v, n, NULL, 0), SET_FMT, (unsigned long long)d, v, n); }
+{
+    API(do_set(H(d), OP_SET32, v, n, NULL, 0), SET_FMT, (unsigned long long)d, v, n);
+}
 FC_EXPORT CUresult cuMemsetD32_v2_ptds(CUdeviceptr d, unsigned int v, size_t n)
-{ API(do_set(H(d), OP_SET32, v, n, NULL, 0), SET_FMT, (unsigned long long)d, v, n); }
+{
+    API(do_set(H(d), OP_SET32, v, n, NULL, 0), SET_FMT, (unsigned long long)d, v, n);
+}
 FC_EXPORT CUresult cuMemsetD8Async(CUdeviceptr d, unsigned char v, size_t n, CUstream st)
-{ API(do_set(H(d), OP_SET8, v, n, st, 1), SET_FMT " stream=%p", (unsigned long long)d, (unsigned)v, n, (void *)st); }
+{
+    API(do_set(H(d), OP_SET8, v, n, st, 1), SET_FMT " stream=%p", (unsigned long long)d, (unsigned)v, n, (void *)st);
+}
 FC_EXPORT CUresult cuMemsetD8Async_ptsz(CUdeviceptr d, unsigned char v, size_t n, CUstream st)
-{ API(do_set(H(d), OP_SET8, v, n, st, 1), SET_FMT " stream=%p", (unsigned long long)d, (unsigned)v, n, (void *)st); }
+{
+    API(do_set(H(d), OP_SET8, v, n, st, 1), SET_FMT " stream=%p", (unsigned long long)d, (unsigned)v, n, (void *)st);
+}
 FC_EXPORT CUresult cuMemsetD32Async(CUdeviceptr d, unsigned int v, size_t n, CUstream st)
-{ API(do_set(H(d), OP_SET32, v, n, st, 1), SET_FMT " stream=%p", (unsigned long long)d, v, n, (void *)st); }
+{
+    API(do_set(H(d), OP_SET32, v, n, st, 1), SET_FMT " stream=%p", (unsigned long long)d, v, n, (void *)st);
+}
 FC_EXPORT CUresult cuMemsetD32Async_ptsz(CUdeviceptr d, unsigned int v, size_t n, CUstream st)
-{ API(do_set(H(d), OP_SET32, v, n, st, 1), SET_FMT " stream=%p", (unsigned long long)d, v, n, (void *)st); }
+{
+    API(do_set(H(d), OP_SET32, v, n, st, 1), SET_FMT " stream=%p", (unsigned long long)d, v, n, (void *)st);
+}

@@ -44,8 +44,8 @@ static CUresult mc_wait_complete(struct fc_alloc *mc, const char *what)
         if (have >= need)
             return CUDA_SUCCESS;
         if (!logged) {
-            fc_logline("fakecuda: %s blocks until every device was added to multicast object %" PRIu64
-                       " (%u of %u)", what, mc->object_id, have, need);
+            fc_logline("fakecuda: %s blocks until every device was added to multicast object %" PRIu64 " (%u of %u)",
+                       what, mc->object_id, have, need);
             logged = 1;
         }
         if (g_mc_watchdog_ms && now_ms() - start >= g_mc_watchdog_ms) {
@@ -75,8 +75,7 @@ static CUresult mc_wait_pinned(struct fc_alloc *mc, const char *what)
 
 /* cuMemMap of a multicast handle: capacity and reservation checks, then block until the team
  * is complete (cuMemMap checks everything again afterwards). Any other handle: nothing to do. */
-CUresult mc_wait_handle(CUmemGenericAllocationHandle h, uintptr_t va, uint64_t off, uint64_t size,
-                               const char *what)
+CUresult mc_wait_handle(CUmemGenericAllocationHandle h, uintptr_t va, uint64_t off, uint64_t size, const char *what)
 {
     pthread_mutex_lock(&g_mu);
     struct fc_handle *e = handle_get(h);
@@ -191,7 +190,8 @@ static CUresult mc_create(CUmemGenericAllocationHandle *h, const CUmulticastObje
     pthread_mutex_unlock(&g_mu);
     if (cap != p->size)
         fc_logline("fakecuda: multicast object %" PRIu64 ": capacity %" PRIu64 " for a requested %zu "
-                   "(FAKECUDA_MULTICAST_CAPACITY_ROUNDING)", a->object_id, cap, p->size);
+                   "(FAKECUDA_MULTICAST_CAPACITY_ROUNDING)",
+                   a->object_id, cap, p->size);
     return CUDA_SUCCESS;
 }
 
@@ -359,8 +359,8 @@ FC_EXPORT CUresult cuMulticastBindMem_v2(CUmemGenericAllocationHandle mcHandle, 
                                          CUmemGenericAllocationHandle memHandle, size_t memOffset, size_t size,
                                          unsigned long long flags)
 {
-    API(mc_bind(mcHandle, dev < 0 ? FC_MAX_DEVICES : dev, mcOffset, 0, memHandle, 0, memOffset, size, flags),
-        BIND_FMT, mcHandle, dev, mcOffset, memHandle, memOffset, size, flags);
+    API(mc_bind(mcHandle, dev < 0 ? FC_MAX_DEVICES : dev, mcOffset, 0, memHandle, 0, memOffset, size, flags), BIND_FMT,
+        mcHandle, dev, mcOffset, memHandle, memOffset, size, flags);
 }
 
 #define BINDA_FMT "mc=%llu dev=%d mcOffset=%zu memptr=0x%llx size=%zu flags=%llu"
@@ -374,8 +374,8 @@ FC_EXPORT CUresult cuMulticastBindAddr(CUmemGenericAllocationHandle mcHandle, si
 FC_EXPORT CUresult cuMulticastBindAddr_v2(CUmemGenericAllocationHandle mcHandle, CUdevice dev, size_t mcOffset,
                                           CUdeviceptr memptr, size_t size, unsigned long long flags)
 {
-    API(mc_bind(mcHandle, dev < 0 ? FC_MAX_DEVICES : dev, mcOffset, 1, 0, memptr, 0, size, flags), BINDA_FMT,
-        mcHandle, dev, mcOffset, (unsigned long long)memptr, size, flags);
+    API(mc_bind(mcHandle, dev < 0 ? FC_MAX_DEVICES : dev, mcOffset, 1, 0, memptr, 0, size, flags), BINDA_FMT, mcHandle,
+        dev, mcOffset, (unsigned long long)memptr, size, flags);
 }
 
 static CUresult mc_unbind(CUmemGenericAllocationHandle mch, CUdevice dev, uint64_t mc_off, uint64_t size)
@@ -387,7 +387,7 @@ static CUresult mc_unbind(CUmemGenericAllocationHandle mch, CUdevice dev, uint64
     pthread_mutex_lock(&g_mu);
     struct fc_alloc *mc = mc_get(mch);
     CUresult r = mc && mc_off <= mc->team->capacity && size <= mc->team->capacity - mc_off ? CUDA_SUCCESS
-                                                                                          : CUDA_ERROR_INVALID_VALUE;
+                                                                                           : CUDA_ERROR_INVALID_VALUE;
     struct fc_mcbind **pp = &g_mcbinds;
     while (r == CUDA_SUCCESS && *pp &&
            !((*pp)->mc == mc && (*pp)->dev == dev && (*pp)->mc_off == mc_off && (*pp)->size == size))

@@ -55,15 +55,13 @@ static void *stream_worker(void *arg)
             s->tail = NULL;
         pthread_mutex_unlock(&s->mu);
 
-        CUresult r = atomic_load(&s->ctx->sticky) ? (CUresult)atomic_load(&s->ctx->sticky)
-                                                   : op_exec(op, s->ctx->dev);
+        CUresult r = atomic_load(&s->ctx->sticky) ? (CUresult)atomic_load(&s->ctx->sticky) : op_exec(op, s->ctx->dev);
         if (r == CUDA_ERROR_INVALID_VALUE)
             r = CUDA_ERROR_ILLEGAL_ADDRESS; /* device memory vanished after the op was queued */
         if (r != CUDA_SUCCESS) {
             int zero = 0;
             if (atomic_compare_exchange_strong(&s->ctx->sticky, &zero, (int)r))
-                fc_loud("asynchronous error on stream %p: %s (sticky for the context)", (void *)s,
-                        fc_errname(r));
+                fc_loud("asynchronous error on stream %p: %s (sticky for the context)", (void *)s, fc_errname(r));
         }
         free(op);
         pthread_mutex_lock(&s->mu);
@@ -248,7 +246,10 @@ FC_EXPORT CUresult cuStreamDestroy(CUstream hStream) { API(stream_destroy(hStrea
 FC_EXPORT CUresult cuStreamDestroy_v2(CUstream hStream) { API(stream_destroy(hStream), "stream=%p", (void *)hStream); }
 
 FC_EXPORT CUresult cuStreamSynchronize(CUstream hStream) { API(stream_sync(hStream, 0), "stream=%p", (void *)hStream); }
-FC_EXPORT CUresult cuStreamSynchronize_ptsz(CUstream hStream) { API(stream_sync(hStream, 0), "stream=%p", (void *)hStream); }
+FC_EXPORT CUresult cuStreamSynchronize_ptsz(CUstream hStream)
+{
+    API(stream_sync(hStream, 0), "stream=%p", (void *)hStream);
+}
 FC_EXPORT CUresult cuStreamQuery(CUstream hStream) { API(stream_sync(hStream, 1), "stream=%p", (void *)hStream); }
 FC_EXPORT CUresult cuStreamQuery_ptsz(CUstream hStream) { API(stream_sync(hStream, 1), "stream=%p", (void *)hStream); }
 
@@ -272,12 +273,16 @@ static CUresult memop(CUstream hs, CUdeviceptr addr, uint64_t v, unsigned flags,
 }
 
 #define MEMOP_FMT "stream=%p addr=0x%llx value=%llu flags=%u"
-#define MEMOP32(name, kind, v1)                                                                     \
-    FC_EXPORT CUresult name(CUstream s, CUdeviceptr a, cuuint32_t v, unsigned int f)                \
-    { API(memop(s, a, v, f, kind, v1), MEMOP_FMT, (void *)s, (unsigned long long)a, (unsigned long long)v, f); }
-#define MEMOP64(name, kind, v1)                                                                     \
-    FC_EXPORT CUresult name(CUstream s, CUdeviceptr a, cuuint64_t v, unsigned int f)                \
-    { API(memop(s, a, v, f, kind, v1), MEMOP_FMT, (void *)s, (unsigned long long)a, (unsigned long long)v, f); }
+#define MEMOP32(name, kind, v1)                                                                                  \
+    FC_EXPORT CUresult name(CUstream s, CUdeviceptr a, cuuint32_t v, unsigned int f)                             \
+    {                                                                                                            \
+        API(memop(s, a, v, f, kind, v1), MEMOP_FMT, (void *)s, (unsigned long long)a, (unsigned long long)v, f); \
+    }
+#define MEMOP64(name, kind, v1)                                                                                  \
+    FC_EXPORT CUresult name(CUstream s, CUdeviceptr a, cuuint64_t v, unsigned int f)                             \
+    {                                                                                                            \
+        API(memop(s, a, v, f, kind, v1), MEMOP_FMT, (void *)s, (unsigned long long)a, (unsigned long long)v, f); \
+    }
 
 MEMOP32(cuStreamWaitValue32_v2, OP_WAIT32, 0)
 MEMOP32(cuStreamWaitValue32_v2_ptsz, OP_WAIT32, 0)

@@ -112,7 +112,8 @@ static CUresult mem_release(CUmemGenericAllocationHandle h)
     if (!e) {
         pthread_mutex_unlock(&g_mu);
         fc_loud("cuMemRelease(%llu): %s handle -> CUDA_ERROR_INVALID_VALUE (real driver: undefined "
-                "behaviour)", h, h < g_nhandles ? "stale (already released)" : "unknown");
+                "behaviour)",
+                h, h < g_nhandles ? "stale (already released)" : "unknown");
         return CUDA_ERROR_INVALID_VALUE;
     }
     if (--e->refs == 0) {
@@ -129,8 +130,7 @@ FC_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
     API(mem_release(handle), "handle=%llu", handle);
 }
 
-static CUresult addr_reserve(CUdeviceptr *ptr, size_t size, size_t align, CUdeviceptr addr,
-                             unsigned long long flags)
+static CUresult addr_reserve(CUdeviceptr *ptr, size_t size, size_t align, CUdeviceptr addr, unsigned long long flags)
 {
     if (!ptr || size == 0 || size % g_page || flags != 0 || addr % g_page || (align & (align - 1)))
         return CUDA_ERROR_INVALID_VALUE;
@@ -196,8 +196,8 @@ static CUresult addr_free(CUdeviceptr ptr, size_t size)
     for (struct fc_map *m = g_maps; m; m = m->next)
         if (m->va >= (uintptr_t)ptr && m->va - (uintptr_t)ptr < size) {
             pthread_mutex_unlock(&g_mu);
-            fc_loud("cuMemAddressFree(0x%llx, %zu): range still has mappings (unmap first)",
-                    (unsigned long long)ptr, size);
+            fc_loud("cuMemAddressFree(0x%llx, %zu): range still has mappings (unmap first)", (unsigned long long)ptr,
+                    size);
             return CUDA_ERROR_INVALID_VALUE;
         }
     struct fc_resv *r = *pp;
@@ -353,9 +353,8 @@ static CUresult set_access(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *
 
 FC_EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count)
 {
-    API(set_access(ptr, size, desc, count), "ptr=0x%llx size=%zu count=%zu loc0=%d flags0=%d",
-        (unsigned long long)ptr, size, count, desc && count ? desc[0].location.id : -1,
-        desc && count ? (int)desc[0].flags : -1);
+    API(set_access(ptr, size, desc, count), "ptr=0x%llx size=%zu count=%zu loc0=%d flags0=%d", (unsigned long long)ptr,
+        size, count, desc && count ? desc[0].location.id : -1, desc && count ? (int)desc[0].flags : -1);
 }
 
 static CUresult get_access(unsigned long long *flags, const CUmemLocation *loc, CUdeviceptr ptr)
@@ -436,8 +435,7 @@ static CUresult mem_import(CUmemGenericAllocationHandle *h, void *os, CUmemAlloc
     if (pread(fd, &meta, sizeof meta, st.st_size - (off_t)g_page) != (ssize_t)sizeof meta ||
         memcmp(meta.magic, FC_META_MAGIC, 8) != 0 || meta.version != FC_META_VERSION ||
         (meta.kind != FC_KIND_ALLOCATION && meta.kind != FC_KIND_MULTICAST) ||
-        meta.size + g_page != (uint64_t)st.st_size ||
-        (meta.kind == FC_KIND_MULTICAST && meta.size != team_len()))
+        meta.size + g_page != (uint64_t)st.st_size || (meta.kind == FC_KIND_MULTICAST && meta.size != team_len()))
         return CUDA_ERROR_INVALID_VALUE; /* not a fakecuda allocation or multicast memfd */
     if (!(meta.prop.requestedHandleTypes & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR))
         return CUDA_ERROR_INVALID_VALUE;

@@ -145,8 +145,7 @@ void map_apply_prot(const struct fc_map *m)
 /* Turn [va, va+size) back into a PROT_NONE reservation (never plain munmap). */
 int make_reserved(uintptr_t va, size_t size)
 {
-    void *p = mmap((void *)va, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED,
-                   -1, 0);
+    void *p = mmap((void *)va, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
     return p == MAP_FAILED ? -1 : 0;
 }
 
@@ -193,7 +192,4 @@ void team_lock(struct fc_team *t)
 void team_unlock(struct fc_team *t) { pthread_mutex_unlock(&t->mu); }
 
 /* The bytes a handle can map: an allocation's size, a multicast object's capacity. */
-uint64_t alloc_extent(const struct fc_alloc *a)
-{
-    return a->kind == FC_KIND_MULTICAST ? a->team->capacity : a->size;
-}
+uint64_t alloc_extent(const struct fc_alloc *a) { return a->kind == FC_KIND_MULTICAST ? a->team->capacity : a->size; }

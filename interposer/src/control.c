@@ -84,7 +84,8 @@ static int send_reply(int conn, const struct cui_request *req, const struct cui_
   while (k < 0 && errno == EINTR);
   if (k < 0) return -1;
   if ((size_t)k < sizeof rep && cui_write_full(conn, (char *)&rep + k, sizeof rep - (size_t)k) != 0) return -1;
-  if (res->record_count && cui_write_full(conn, res->records, (size_t)res->record_count * sizeof(struct cui_record)) != 0)
+  if (res->record_count &&
+      cui_write_full(conn, res->records, (size_t)res->record_count * sizeof(struct cui_record)) != 0)
     return -1;
   if (mlen && cui_write_full(conn, res->message, mlen) != 0) return -1;
   return 0;
@@ -115,8 +116,10 @@ static void *accept_main(void *arg) {
         if (errno == EMFILE || errno == ENFILE) usleep(10000);
         continue;
       }
-      cui_api_warn("control endpoint", "accept on the control socket failed: %s; endpoint stopped (no INSPECT, "
-                   "FETCH_FD or checkpoint of this process from now on)", strerror(errno));
+      cui_api_warn("control endpoint",
+                   "accept on the control socket failed: %s; endpoint stopped (no INSPECT, "
+                   "FETCH_FD or checkpoint of this process from now on)",
+                   strerror(errno));
       return NULL;
     }
     cui_set_io_timeouts(c);
@@ -198,8 +201,10 @@ static void start_endpoint(void) {
   memset(&sa, 0, sizeof sa);
   sa.sun_family = AF_UNIX;
   if (cui_socket_path(cui_st.pid, sa.sun_path, sizeof sa.sun_path) != 0) {
-    cui_api_warn("cuInit", "control socket path %s/" CUI_SOCKET_PREFIX "%u.sock (CUINTERPOSE_CONTROL_DIR) is longer "
-                 "than a UNIX socket path may be (%zu bytes)" NO_ENDPOINT, dir, cui_st.pid, sizeof sa.sun_path - 1);
+    cui_api_warn("cuInit",
+                 "control socket path %s/" CUI_SOCKET_PREFIX "%u.sock (CUINTERPOSE_CONTROL_DIR) is longer "
+                 "than a UNIX socket path may be (%zu bytes)" NO_ENDPOINT,
+                 dir, cui_st.pid, sizeof sa.sun_path - 1);
     return;
   }
   if (mkdir(dir, 0700) != 0 && errno != EEXIST) {
@@ -213,7 +218,8 @@ static void start_endpoint(void) {
   }
   unlink(sa.sun_path);   /* a stale socket of an earlier process with this pid */
   if (bind(s, (struct sockaddr *)&sa, sizeof sa) != 0 || chmod(sa.sun_path, 0600) != 0 || listen(s, 64) != 0) {
-    cui_api_warn("cuInit", "cannot serve %s in control directory %s: %s" NO_ENDPOINT, sa.sun_path, dir, strerror(errno));
+    cui_api_warn("cuInit", "cannot serve %s in control directory %s: %s" NO_ENDPOINT, sa.sun_path, dir,
+                 strerror(errno));
     close(s);
     unlink(sa.sun_path);
     return;

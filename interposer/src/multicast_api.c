@@ -188,7 +188,8 @@ CUI_EXPORT CUresult cuMulticastCreate(CUmemGenericAllocationHandle *mcHandle, co
         m->flags |= CUI_REC_PASSTHROUGH;
         char hex[33];
         cui_hex_id(m->id, hex);
-        cui_api_warn("cuMulticastCreate", "multicast object %s has handle types 0x%llx (not exactly "
+        cui_api_warn("cuMulticastCreate",
+                     "multicast object %s has handle types 0x%llx (not exactly "
                      "POSIX_FILE_DESCRIPTOR): it works, but a checkpoint of this process will be refused",
                      hex, (unsigned long long)prop->handleTypes);
       }
@@ -228,7 +229,8 @@ CUI_EXPORT CUresult cuMulticastAddDevice(CUmemGenericAllocationHandle mcHandle, 
 /* ---------- binds ---------- */
 
 const char *cui_mc_bind_api(int by_addr, int v2) {
-  return by_addr ? (v2 ? "cuMulticastBindAddr_v2" : "cuMulticastBindAddr") : (v2 ? "cuMulticastBindMem_v2" : "cuMulticastBindMem");
+  return by_addr ? (v2 ? "cuMulticastBindAddr_v2" : "cuMulticastBindAddr")
+                 : (v2 ? "cuMulticastBindMem_v2" : "cuMulticastBindMem");
 }
 
 /* Every bind form. dev: the explicit device (v2) or ignored (v1). by_addr: memptr, else memHandle. */
@@ -275,11 +277,14 @@ static CUresult do_bind(uint64_t mch, int v2, CUdevice dev, size_t mc_off, int b
     char hex[33];
     cui_hex_id(m->id, hex);
     if (by_addr)
-      cui_api_warn(api, "address 0x%llx is not in a mapping of a tracked cuMemCreate allocation; binding it into "
+      cui_api_warn(api,
+                   "address 0x%llx is not in a mapping of a tracked cuMemCreate allocation; binding it into "
                    "multicast object %s could not be restored after a checkpoint; no driver call: "
-                   "CUDA_ERROR_NOT_SUPPORTED", (unsigned long long)memptr, hex);
+                   "CUDA_ERROR_NOT_SUPPORTED",
+                   (unsigned long long)memptr, hex);
     else
-      cui_api_warn(api, "memory handle 0x%llx is not a tracked allocation; binding it into multicast object %s "
+      cui_api_warn(api,
+                   "memory handle 0x%llx is not a tracked allocation; binding it into multicast object %s "
                    "could not be restored after a checkpoint; no driver call: CUDA_ERROR_NOT_SUPPORTED",
                    (unsigned long long)memh, hex);
     r = CUDA_ERROR_NOT_SUPPORTED;
@@ -294,10 +299,12 @@ static CUresult do_bind(uint64_t mch, int v2, CUdevice dev, size_t mc_off, int b
   pthread_mutex_unlock(&cui_st.lock);
 
   /* collective: blocks until the team is complete; no shim lock held */
-  if (by_addr) r = v2 ? ((cui_fn_cuMulticastBindAddr_v2)real)(real_mc, dev, mc_off, memptr, size, flags)
-                      : ((cui_fn_cuMulticastBindAddr)real)(real_mc, mc_off, memptr, size, flags);
-  else r = v2 ? ((cui_fn_cuMulticastBindMem_v2)real)(real_mc, dev, mc_off, real_mem, mem_off, size, flags)
-              : ((cui_fn_cuMulticastBindMem)real)(real_mc, mc_off, real_mem, mem_off, size, flags);
+  if (by_addr)
+    r = v2 ? ((cui_fn_cuMulticastBindAddr_v2)real)(real_mc, dev, mc_off, memptr, size, flags)
+           : ((cui_fn_cuMulticastBindAddr)real)(real_mc, mc_off, memptr, size, flags);
+  else
+    r = v2 ? ((cui_fn_cuMulticastBindMem_v2)real)(real_mc, dev, mc_off, real_mem, mem_off, size, flags)
+           : ((cui_fn_cuMulticastBindMem)real)(real_mc, mc_off, real_mem, mem_off, size, flags);
   CUdevice bound_dev = dev;
   if (r == CUDA_SUCCESS && !v2) {
     cui_fn_cuCtxGetDevice getdev = REAL(cuCtxGetDevice);
@@ -378,7 +385,8 @@ static void drop_binding(struct cui_mc *m, uint32_t k) {
   m->binds[k] = m->binds[--m->nbinds];
 }
 
-CUI_EXPORT CUresult cuMulticastUnbind(CUmemGenericAllocationHandle mcHandle, CUdevice dev, size_t mcOffset, size_t size) {
+CUI_EXPORT CUresult cuMulticastUnbind(CUmemGenericAllocationHandle mcHandle, CUdevice dev, size_t mcOffset,
+                                      size_t size) {
   cui_fn_cuMulticastUnbind real = REAL(cuMulticastUnbind);
   if (!real) return CUDA_ERROR_NOT_INITIALIZED;
   if (!CUI_IS_VHANDLE(mcHandle)) return real(mcHandle, dev, mcOffset, size);
@@ -410,8 +418,10 @@ CUresult cui_mc_release(uint64_t vh) {
   CUresult r = CUDA_SUCCESS;
   if (!cui_gate_open()) r = CUDA_ERROR_NOT_READY;
   else if (!m || m->vrefs == 0) {
-    cui_api_warn("cuMemRelease", "multicast virtual handle 0x%llx has no references left; no driver call: "
-                 "CUDA_ERROR_INVALID_VALUE", (unsigned long long)vh);
+    cui_api_warn("cuMemRelease",
+                 "multicast virtual handle 0x%llx has no references left; no driver call: "
+                 "CUDA_ERROR_INVALID_VALUE",
+                 (unsigned long long)vh);
     r = CUDA_ERROR_INVALID_VALUE;
   } else {
     m->vrefs--;
@@ -471,8 +481,10 @@ CUresult cui_mc_unmap(CUdeviceptr ptr, size_t size) {
   CUresult r = CUDA_SUCCESS;
   if (!cui_gate_open()) r = CUDA_ERROR_NOT_READY;
   else if (!x) {
-    cui_api_warn("cuMemUnmap", "range 0x%llx+0x%llx is not exactly one multicast mapping; no driver call: "
-                 "CUDA_ERROR_INVALID_VALUE", (unsigned long long)ptr, (unsigned long long)size);
+    cui_api_warn("cuMemUnmap",
+                 "range 0x%llx+0x%llx is not exactly one multicast mapping; no driver call: "
+                 "CUDA_ERROR_INVALID_VALUE",
+                 (unsigned long long)ptr, (unsigned long long)size);
     r = CUDA_ERROR_INVALID_VALUE;
   } else {
     r = REAL(cuMemUnmap)(ptr, size);
@@ -494,9 +506,10 @@ CUresult cui_mc_set_access(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *
   CUresult r = CUDA_SUCCESS;
   if (!cui_gate_open()) r = CUDA_ERROR_NOT_READY;
   else if (!x) {
-    cui_api_warn("cuMemSetAccess", "range 0x%llx+0x%llx is not exactly one multicast mapping; its access could "
-                 "not be replayed after a restore: CUDA_ERROR_NOT_SUPPORTED", (unsigned long long)ptr,
-                 (unsigned long long)size);
+    cui_api_warn("cuMemSetAccess",
+                 "range 0x%llx+0x%llx is not exactly one multicast mapping; its access could "
+                 "not be replayed after a restore: CUDA_ERROR_NOT_SUPPORTED",
+                 (unsigned long long)ptr, (unsigned long long)size);
     r = CUDA_ERROR_NOT_SUPPORTED;
   } else {
     uint32_t n = cui_access_count_after(x->access, x->access_count, desc, count);
@@ -583,12 +596,13 @@ CUresult cui_mc_import_ticket(CUmemGenericAllocationHandle *handle, const struct
   int fd = t->creator_pid == (uint32_t)getpid() ? -1 : cui_fetch_fd(t->creator_pid, t->alloc_id, why, sizeof why);
   if (t->creator_pid == (uint32_t)getpid()) snprintf(why, sizeof why, "this process released it (dead ticket)");
   if (fd < 0) {
-    cui_api_warn("cuMemImportFromShareableHandle", "cannot import multicast object %s from creator pid %u: %s; "
-                 "output untouched: CUDA_ERROR_INVALID_VALUE", hex, t->creator_pid, why);
+    cui_api_warn("cuMemImportFromShareableHandle",
+                 "cannot import multicast object %s from creator pid %u: %s; "
+                 "output untouched: CUDA_ERROR_INVALID_VALUE",
+                 hex, t->creator_pid, why);
     r = CUDA_ERROR_INVALID_VALUE;
   } else {
-    r = REAL(cuMemImportFromShareableHandle)(&h, (void *)(uintptr_t)fd,
-                                                        CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+    r = REAL(cuMemImportFromShareableHandle)(&h, (void *)(uintptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
     close(fd);
     if (r == CUDA_SUCCESS && CUI_IS_VHANDLE(h)) {
       REAL(cuMemRelease)(h);

@@ -173,8 +173,8 @@ static int admit(const struct cui_request *req, const struct cui_op_rule *rule, 
   }
   if (rule->mutating && req->txn_id <= cui_st.last_txn) {
     res->status = CUI_REFUSED_DUPLICATE;
-    snprintf(res->message, sizeof res->message, "%s: pid %u: txn %llu is not newer than the last accepted txn %llu",
-             op, pid, (unsigned long long)req->txn_id, (unsigned long long)cui_st.last_txn);
+    snprintf(res->message, sizeof res->message, "%s: pid %u: txn %llu is not newer than the last accepted txn %llu", op,
+             pid, (unsigned long long)req->txn_id, (unsigned long long)cui_st.last_txn);
     return -1;
   }
   /* INSPECT is read-only and answers in every phase but FAILED; the reply carries the phase. */
@@ -182,8 +182,8 @@ static int admit(const struct cui_request *req, const struct cui_op_rule *rule, 
   uint32_t needs = needed_phase(rule);
   if (req->expected_phase != cui_st.phase || needs != cui_st.phase) {
     res->status = CUI_REFUSED_PHASE;
-    snprintf(res->message, sizeof res->message, "%s: pid %u is in phase %s (request expected %s; %s needs %s)", op,
-             pid, cui_phase_name(cui_st.phase), cui_phase_name(req->expected_phase), op, cui_phase_name(needs));
+    snprintf(res->message, sizeof res->message, "%s: pid %u is in phase %s (request expected %s; %s needs %s)", op, pid,
+             cui_phase_name(cui_st.phase), cui_phase_name(req->expected_phase), op, cui_phase_name(needs));
     return -1;
   }
   if (cui_st.inflight) {
@@ -200,8 +200,8 @@ static int admit(const struct cui_request *req, const struct cui_op_rule *rule, 
       res->status = CUI_REFUSED_STATE;
       snprintf(res->message, sizeof res->message,
                "PREPARE_MULTICAST: pid %u multicast object %s has handle types 0x%llx (only exactly "
-               "POSIX_FILE_DESCRIPTOR can be rebuilt); nothing was changed", pid, hex,
-               (unsigned long long)m->prop.handleTypes);
+               "POSIX_FILE_DESCRIPTOR can be rebuilt); nothing was changed",
+               pid, hex, (unsigned long long)m->prop.handleTypes);
       return -1;
     }
   }
@@ -213,7 +213,8 @@ static int admit(const struct cui_request *req, const struct cui_op_rule *rule, 
       res->status = CUI_REFUSED_STATE;
       snprintf(res->message, sizeof res->message,
                "SAVE_ALLOCATIONS: pid %u holds multicast object %s; PREPARE_MULTICAST must run first (ACTIVE -> "
-               "MULTICAST_RELEASED); nothing was changed", pid, hex);
+               "MULTICAST_RELEASED); nothing was changed",
+               pid, hex);
       return -1;
     }
   }

@@ -105,8 +105,8 @@ static void mc_fail(struct cui_op_result *res, const char *op, const struct cui_
   cui_hex_id(m->id, hex);
   res->status = CUI_FAILED;
   res->cuda_result = (int32_t)r;
-  snprintf(res->message, sizeof res->message, "%s: pid %u multicast object %s: %s failed: %s", op,
-           (unsigned)getpid(), hex, what, cui_cu_error_name(r));
+  snprintf(res->message, sizeof res->message, "%s: pid %u multicast object %s: %s failed: %s", op, (unsigned)getpid(),
+           hex, what, cui_cu_error_name(r));
 }
 
 /* Teardown in driver order across all objects: unmap -> unbind -> close cached FD -> release. */
@@ -122,7 +122,8 @@ int cui_op_prepare_multicast(struct cui_op_result *res) {
       CUresult r = REAL(cuMemUnmap)(x->va, x->size);
       if (r != CUDA_SUCCESS) {
         char what[96];
-        snprintf(what, sizeof what, "cuMemUnmap(0x%llx, 0x%llx)", (unsigned long long)x->va, (unsigned long long)x->size);
+        snprintf(what, sizeof what, "cuMemUnmap(0x%llx, 0x%llx)", (unsigned long long)x->va,
+                 (unsigned long long)x->size);
         mc_fail(res, op, m, what, r);
         return -1;
       }
@@ -206,13 +207,15 @@ int cui_op_restore_multicast_importers(struct cui_op_result *res) {
     int fd = cui_fetch_fd(m->creator_pid, m->id, why, sizeof why);
     if (fd < 0) {
       res->status = CUI_FAILED;
-      snprintf(res->message, sizeof res->message, "%s: pid %u could not import multicast object %s from creator pid "
-               "%u: %s", op, (unsigned)getpid(), hex, m->creator_pid, why);
+      snprintf(res->message, sizeof res->message,
+               "%s: pid %u could not import multicast object %s from creator pid "
+               "%u: %s",
+               op, (unsigned)getpid(), hex, m->creator_pid, why);
       return -1;
     }
     CUmemGenericAllocationHandle h;
     CUresult r = REAL(cuMemImportFromShareableHandle)(&h, (void *)(uintptr_t)fd,
-                                                                 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+                                                      CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
     close(fd);
     if (r != CUDA_SUCCESS) {
       mc_fail(res, op, m, "cuMemImportFromShareableHandle", r);
@@ -259,10 +262,12 @@ int cui_op_restore_multicast_bindings(struct cui_op_result *res) {
       int temporary = 0;
       if (r == CUDA_SUCCESS && !by_addr) r = cui_alloc_driver_handle(&cui_st.allocs[b->member], &mem, &temporary);
       if (r == CUDA_SUCCESS) {
-        if (by_addr) r = v2 ? REAL(cuMulticastBindAddr_v2)(m->real, b->dev, b->mc_off, b->memptr, b->size, 0)
-                            : REAL(cuMulticastBindAddr)(m->real, b->mc_off, b->memptr, b->size, 0);
-        else r = v2 ? REAL(cuMulticastBindMem_v2)(m->real, b->dev, b->mc_off, mem, b->mem_off, b->size, 0)
-                    : REAL(cuMulticastBindMem)(m->real, b->mc_off, mem, b->mem_off, b->size, 0);
+        if (by_addr)
+          r = v2 ? REAL(cuMulticastBindAddr_v2)(m->real, b->dev, b->mc_off, b->memptr, b->size, 0)
+                 : REAL(cuMulticastBindAddr)(m->real, b->mc_off, b->memptr, b->size, 0);
+        else
+          r = v2 ? REAL(cuMulticastBindMem_v2)(m->real, b->dev, b->mc_off, mem, b->mem_off, b->size, 0)
+                 : REAL(cuMulticastBindMem)(m->real, b->mc_off, mem, b->mem_off, b->size, 0);
       }
       if (temporary) REAL(cuMemRelease)(mem);
       if (r != CUDA_SUCCESS) {

@@ -17,7 +17,8 @@
 #include "phase_ops.h"
 
 /* "<OP>: pid <pid> allocation <hex>: <what> failed: <CUDA_ERROR_...>" and FAILED status. */
-static void fail_driver(struct cui_op_result *res, uint32_t op, const struct cui_alloc *a, const char *what, CUresult r) {
+static void fail_driver(struct cui_op_result *res, uint32_t op, const struct cui_alloc *a, const char *what,
+                        CUresult r) {
   char hex[33];
   cui_hex_id(a->id, hex);
   res->status = CUI_FAILED;
@@ -129,7 +130,8 @@ int cui_op_save_allocations(struct cui_op_result *res) {
     if (p == MAP_FAILED) {
       res->status = CUI_REFUSED_STATE;
       snprintf(res->message, sizeof res->message,
-               "SAVE_ALLOCATIONS: pid %u: cannot allocate a host carrier arena of %zu bytes", (unsigned)getpid(), total);
+               "SAVE_ALLOCATIONS: pid %u: cannot allocate a host carrier arena of %zu bytes", (unsigned)getpid(),
+               total);
       return -1;   /* nothing changed */
     }
     cui_st.arena = p;
@@ -241,9 +243,10 @@ int cui_op_load_allocations(struct cui_op_result *res) {
       char hex[33];
       cui_hex_id(a->id, hex);
       res->status = CUI_FAILED;
-      snprintf(res->message, sizeof res->message,
-               "LOAD_ALLOCATIONS: pid %u allocation %s: host carrier checksum mismatch (recorded %016llx, found %016llx)",
-               (unsigned)getpid(), hex, (unsigned long long)a->checksum, (unsigned long long)sum);
+      snprintf(
+          res->message, sizeof res->message,
+          "LOAD_ALLOCATIONS: pid %u allocation %s: host carrier checksum mismatch (recorded %016llx, found %016llx)",
+          (unsigned)getpid(), hex, (unsigned long long)a->checksum, (unsigned long long)sum);
       rc = -1;
       break;
     }
@@ -314,7 +317,7 @@ int cui_op_restore_unicast(struct cui_op_result *res) {
     }
     CUmemGenericAllocationHandle h;
     CUresult r = REAL(cuMemImportFromShareableHandle)(&h, (void *)(uintptr_t)fd,
-                                                                 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+                                                      CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
     close(fd);
     if (r != CUDA_SUCCESS) {
       res->status = CUI_FAILED;

@@ -35,8 +35,7 @@ int cui_fetch_fd(uint32_t creator_pid, const uint8_t id[16], char *why, size_t c
     if (kill((pid_t)creator_pid, 0) != 0 && errno == ESRCH)
       snprintf(why, cap, "creator pid %u is not running (the ticket outlived its creator; %s: %s)", creator_pid,
                sa.sun_path, strerror(e));
-    else
-      snprintf(why, cap, "cannot connect to %s: %s", sa.sun_path, strerror(e));
+    else snprintf(why, cap, "cannot connect to %s: %s", sa.sun_path, strerror(e));
     close(s);
     return -1;
   }
@@ -84,10 +83,9 @@ int cui_fetch_fd(uint32_t creator_pid, const uint8_t id[16], char *why, size_t c
     if (rep.status == CUI_NOT_FOUND && rep.phase == CUI_PHASE_ACTIVE)
       snprintf(why, cap, "dead ticket: the creator holds no handle or mapping of the allocation any more (%s)", msg);
     else if (rep.status == CUI_NOT_FOUND)
-      snprintf(why, cap, "creator pid %u is in phase %s, its exports are closed until it is restored (%s)",
-               creator_pid, cui_phase_name(rep.phase), msg);
-    else
-      snprintf(why, cap, "creator replied status %d: %s", rep.status, msg);
+      snprintf(why, cap, "creator pid %u is in phase %s, its exports are closed until it is restored (%s)", creator_pid,
+               cui_phase_name(rep.phase), msg);
+    else snprintf(why, cap, "creator replied status %d: %s", rep.status, msg);
     if (fd >= 0) close(fd);
     close(s);
     return -1;

@@ -11,8 +11,10 @@
 /* cui_substitute, or NULL and CUDA_ERROR_NOT_SUPPORTED with one line on stderr. */
 static CUresult substitute_or_refuse(const char *symbol, void **pfn) {
   if (cui_substitute(symbol, pfn) == 0) return CUDA_SUCCESS;
-  cui_api_warn("driver entry point lookup", "%s resolved to %p, which is not a known libcuda function; refused "
-               "(NULL, CUDA_ERROR_NOT_SUPPORTED)", symbol, *pfn);
+  cui_api_warn("driver entry point lookup",
+               "%s resolved to %p, which is not a known libcuda function; refused "
+               "(NULL, CUDA_ERROR_NOT_SUPPORTED)",
+               symbol, *pfn);
   *pfn = NULL;
   return CUDA_ERROR_NOT_SUPPORTED;
 }

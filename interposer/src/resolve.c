@@ -53,8 +53,8 @@ static void *cui_dlsym_unavailable(void *h, const char *n) { return NULL; }
 /* Used by the dlsym entry stub: must not allocate, nor be instrumented (it runs inside a
  * sanitizer runtime's own start-up, e.g. TSan resolving its interceptors through dlsym before
  * its thread state exists). */
-CUI_HIDDEN __attribute__((no_sanitize_thread, no_sanitize_address, no_sanitize_undefined))
-void *cui_real_dlsym_get(void) {
+CUI_HIDDEN __attribute__((no_sanitize_thread, no_sanitize_address, no_sanitize_undefined)) void *cui_real_dlsym_get(
+    void) {
   cui_dlsym_fn p = __atomic_load_n(&g_real_dlsym, __ATOMIC_ACQUIRE);
   if (!p) {
     p = (cui_dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.34");
@@ -190,36 +190,35 @@ CUI_HIDDEN void *cui_dlsym_explicit(void *handle, const char *name) {
 #if defined(__x86_64__)
 /* dlsym(handle, name): RTLD_DEFAULT (0) and RTLD_NEXT (-1) jump straight into glibc's dlsym so
  * that its return address is the caller's; anything else goes to cui_dlsym_explicit. */
-__asm__(
-    ".text\n"
-    ".globl dlsym\n"
-    ".type dlsym,@function\n"
-    ".p2align 4\n"
-    "dlsym:\n"
-    "  .cfi_startproc\n"
-    "  endbr64\n"
-    "  testq %rdi, %rdi\n"
-    "  je 1f\n"
-    "  cmpq $-1, %rdi\n"
-    "  je 1f\n"
-    "  jmp cui_dlsym_explicit\n"
-    "1:\n"
-    "  pushq %rdi\n"
-    "  .cfi_adjust_cfa_offset 8\n"
-    "  pushq %rsi\n"
-    "  .cfi_adjust_cfa_offset 8\n"
-    "  subq $8, %rsp\n"
-    "  .cfi_adjust_cfa_offset 8\n"
-    "  call cui_real_dlsym_get\n"
-    "  addq $8, %rsp\n"
-    "  .cfi_adjust_cfa_offset -8\n"
-    "  popq %rsi\n"
-    "  .cfi_adjust_cfa_offset -8\n"
-    "  popq %rdi\n"
-    "  .cfi_adjust_cfa_offset -8\n"
-    "  jmp *%rax\n"
-    "  .cfi_endproc\n"
-    ".size dlsym, .-dlsym\n");
+__asm__(".text\n"
+        ".globl dlsym\n"
+        ".type dlsym,@function\n"
+        ".p2align 4\n"
+        "dlsym:\n"
+        "  .cfi_startproc\n"
+        "  endbr64\n"
+        "  testq %rdi, %rdi\n"
+        "  je 1f\n"
+        "  cmpq $-1, %rdi\n"
+        "  je 1f\n"
+        "  jmp cui_dlsym_explicit\n"
+        "1:\n"
+        "  pushq %rdi\n"
+        "  .cfi_adjust_cfa_offset 8\n"
+        "  pushq %rsi\n"
+        "  .cfi_adjust_cfa_offset 8\n"
+        "  subq $8, %rsp\n"
+        "  .cfi_adjust_cfa_offset 8\n"
+        "  call cui_real_dlsym_get\n"
+        "  addq $8, %rsp\n"
+        "  .cfi_adjust_cfa_offset -8\n"
+        "  popq %rsi\n"
+        "  .cfi_adjust_cfa_offset -8\n"
+        "  popq %rdi\n"
+        "  .cfi_adjust_cfa_offset -8\n"
+        "  jmp *%rax\n"
+        "  .cfi_endproc\n"
+        ".size dlsym, .-dlsym\n");
 #else
 CUI_EXPORT void *dlsym(void *handle, const char *name) {
   if (handle == RTLD_DEFAULT || handle == RTLD_NEXT) return real_dlsym(handle, name); /* scope shifts: see docs */

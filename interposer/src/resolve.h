@@ -11,21 +11,21 @@
 
 /* One row per hooks.def line, in its order: hooked rows, then the real-only rows. */
 enum cui_row {
-#define CUI_HOOK(elf, base, alt, lib, ret, params) CUI_ROW_##elf,
+#define CUI_HOOK(elf, base, alt, lib, ret, params)             CUI_ROW_##elf,
 #define CUI_HOOK_AS(elf, wrapper, base, alt, lib, ret, params) CUI_ROW_##elf,
-#define CUI_REAL(elf, base, lib, ret, params) CUI_ROW_##elf,
+#define CUI_REAL(elf, base, lib, ret, params)                  CUI_ROW_##elf,
 #include "hooks.def"
   CUI_ROW_COUNT
 };
 
 /* cui_fn_<elf>: the signature of each row's real function (cuda.h). */
-#define CUI_HOOK(elf, base, alt, lib, ret, params) typedef ret(*cui_fn_##elf) params;
+#define CUI_HOOK(elf, base, alt, lib, ret, params)             typedef ret(*cui_fn_##elf) params;
 #define CUI_HOOK_AS(elf, wrapper, base, alt, lib, ret, params) typedef ret(*cui_fn_##elf) params;
-#define CUI_REAL(elf, base, lib, ret, params) typedef ret(*cui_fn_##elf) params;
+#define CUI_REAL(elf, base, lib, ret, params)                  typedef ret(*cui_fn_##elf) params;
 #include "hooks.def"
 
 /* The exported wrappers, under their C names (the ELF name by asm label where it differs). */
-#define CUI_HOOK(elf, base, alt, lib, ret, params) CUI_EXPORT ret elf params;
+#define CUI_HOOK(elf, base, alt, lib, ret, params)             CUI_EXPORT ret elf params;
 #define CUI_HOOK_AS(elf, wrapper, base, alt, lib, ret, params) CUI_EXPORT ret wrapper params __asm__(#elf);
 #define CUI_REAL(elf, base, lib, ret, params)
 #include "hooks.def"

@@ -79,9 +79,7 @@ unsigned cui_cache_close_all(void) {
 
 /* ---------- tables (lock held) ---------- */
 
-uint64_t cui_new_vhandle(void) {
-  return (CUI_VHANDLE_TAG << CUI_VHANDLE_SHIFT) | ++cui_st.last_vhandle;
-}
+uint64_t cui_new_vhandle(void) { return (CUI_VHANDLE_TAG << CUI_VHANDLE_SHIFT) | ++cui_st.last_vhandle; }
 
 struct cui_alloc *cui_alloc_by_id(uint32_t creator_pid, const uint8_t id[16]) {
   uint32_t *v = cui_tab_get(&cui_st.alloc_ids, cui_id_key(id, creator_pid));
@@ -277,8 +275,7 @@ static int access_find(const struct cui_access *acc, uint32_t count, uint32_t ty
   return -1;
 }
 
-uint32_t cui_access_count_after(const struct cui_access *acc, uint32_t count, const CUmemAccessDesc *desc,
-                                size_t n) {
+uint32_t cui_access_count_after(const struct cui_access *acc, uint32_t count, const CUmemAccessDesc *desc, size_t n) {
   uint32_t total = count;
   for (size_t k = 0; k < n; k++) {
     int dup = access_find(acc, count, desc[k].location.type, desc[k].location.id) >= 0;
@@ -356,9 +353,9 @@ CUresult cui_alloc_driver_handle(struct cui_alloc *a, CUmemGenericAllocationHand
     return CUDA_SUCCESS;
   }
   CUI_FOR_MAPS_OF(m, a)
-    if (m->mapped) {
-      *temporary = 1;
-      return REAL(cuMemRetainAllocationHandle)(h, (void *)(uintptr_t)m->va);
-    }
+  if (m->mapped) {
+    *temporary = 1;
+    return REAL(cuMemRetainAllocationHandle)(h, (void *)(uintptr_t)m->va);
+  }
   return CUDA_ERROR_INVALID_VALUE;
 }

@@ -11,9 +11,9 @@
 
 #include "resolve.h"
 
-#define CUI_VHANDLE_TAG      0xC01EULL
-#define CUI_VHANDLE_SHIFT    48
-#define CUI_IS_VHANDLE(h)    (((uint64_t)(h) >> CUI_VHANDLE_SHIFT) == CUI_VHANDLE_TAG)
+#define CUI_VHANDLE_TAG   0xC01EULL
+#define CUI_VHANDLE_SHIFT 48
+#define CUI_IS_VHANDLE(h) (((uint64_t)(h) >> CUI_VHANDLE_SHIFT) == CUI_VHANDLE_TAG)
 
 struct cui_alloc {
   int live;                        /* slot in use (handle refs or mappings remain); reused after */
@@ -57,22 +57,27 @@ struct cui_state {
   int op_running;                  /* a phase op owns the state: app calls get NOT_READY */
   uint32_t inflight;               /* tracked app calls running with the lock dropped */
   uint64_t last_txn;
-  struct cui_alloc *allocs; size_t nallocs, cap_allocs;   /* nallocs: slots ever used */
+  struct cui_alloc *allocs;
+  size_t nallocs, cap_allocs;   /* nallocs: slots ever used */
   uint32_t alloc_free;             /* first free slot (index + 1), 0 = none */
   uint64_t last_vhandle;           /* low bits of the newest virtual handle (never reused) */
   struct cui_tab alloc_vh;         /* virtual handle -> slot of the live allocation */
   struct cui_tab alloc_ids;        /* (id, creator pid) -> slot of the live allocation */
-  struct cui_mapping *maps; size_t nmaps, nslots, cap_maps;   /* nmaps: live records */
+  struct cui_mapping *maps;
+  size_t nmaps, nslots, cap_maps;   /* nmaps: live records */
   uint32_t map_root, map_free, map_seed;
   /* Bounds of every mapping record, read without the lock: a range outside [map_lo, map_hi)
    * is untracked and passes through without taking the lock. */
   uint64_t map_lo, map_hi;
-  struct cui_reservation *resv; size_t nresv, cap_resv;
+  struct cui_reservation *resv;
+  size_t nresv, cap_resv;
   struct cui_tab resv_va;          /* va -> index into resv */
-  unsigned char *arena; size_t arena_size;   /* host carrier arena (creators, SAVED..LOADED) */
+  unsigned char *arena;
+  size_t arena_size;   /* host carrier arena (creators, SAVED..LOADED) */
   int arena_release_pending;
   /* multicast (multicast_api.c) */
-  struct cui_mc *mcs; size_t nmcs, cap_mcs;  /* objects; slots are never reused */
+  struct cui_mc *mcs;
+  size_t nmcs, cap_mcs;  /* objects; slots are never reused */
   uint32_t mc_maps;                /* live multicast mapping records (read without the lock) */
   int mc_cycle;                    /* this capture ran PREPARE_MULTICAST: rebuild ops follow */
 };
@@ -112,8 +117,10 @@ struct cui_mc {
   uint32_t vrefs;
   uint32_t ndevs;
   int devs[CUI_MC_MAX_DEVICES];
-  struct cui_mcbind *binds; uint32_t nbinds, cap_binds;
-  struct cui_mcmap *maps; uint32_t nmaps, cap_maps;
+  struct cui_mcbind *binds;
+  uint32_t nbinds, cap_binds;
+  struct cui_mcmap *maps;
+  uint32_t nmaps, cap_maps;
 };
 
 CUI_HIDDEN extern struct cui_state cui_st;
@@ -144,12 +151,10 @@ CUI_HIDDEN int cui_read_ticket(int fd, struct cui_ticket *t);
  * cui_access_merge: merge them (the caller checked the count against CUI_MAX_ACCESS).
  * cui_access_replay: re-issue the recorded grants on [va, va+size) after a remap with the real
  * cuMemSetAccess; CUDA_SUCCESS without a call when nothing was granted. */
-CUI_HIDDEN uint32_t cui_access_count_after(const struct cui_access *acc, uint32_t count,
-                                           const CUmemAccessDesc *desc, size_t n);
-CUI_HIDDEN void cui_access_merge(struct cui_access *acc, uint32_t *count, const CUmemAccessDesc *desc,
-                                 size_t n);
-CUI_HIDDEN CUresult cui_access_replay(CUdeviceptr va, size_t size, const struct cui_access *acc,
-                                      uint32_t count);
+CUI_HIDDEN uint32_t cui_access_count_after(const struct cui_access *acc, uint32_t count, const CUmemAccessDesc *desc,
+                                           size_t n);
+CUI_HIDDEN void cui_access_merge(struct cui_access *acc, uint32_t *count, const CUmemAccessDesc *desc, size_t n);
+CUI_HIDDEN CUresult cui_access_replay(CUdeviceptr va, size_t size, const struct cui_access *acc, uint32_t count);
 
 /* Allocations: by virtual handle (live, or NULL), by (creator pid, id); cui_alloc_new makes a
  * live one indexed by both and by a new virtual handle (slots are reused, virtual handles
@@ -166,8 +171,7 @@ static inline uint32_t cui_alloc_index(const struct cui_alloc *a) { return (uint
 
 /* The driver handle of `a`: the held one, else a temporary retain through one of its mappings
  * (*temporary = 1: the caller releases it). CUDA_ERROR_INVALID_VALUE if neither exists. */
-CUI_HIDDEN CUresult cui_alloc_driver_handle(struct cui_alloc *a, CUmemGenericAllocationHandle *h,
-                                            int *temporary);
+CUI_HIDDEN CUresult cui_alloc_driver_handle(struct cui_alloc *a, CUmemGenericAllocationHandle *h, int *temporary);
 /* Make a context current on this thread: cui_ensure_context (best effort, only when none is)
  * for the allocation's device; cui_set_device_context: the primary context of `ordinal`. */
 CUI_HIDDEN void cui_ensure_context(const CUmemAllocationProp *prop);
@@ -177,8 +181,9 @@ CUI_HIDDEN CUresult cui_set_device_context(int ordinal);
 
 #define CUI_MAP(ref) (&cui_st.maps[(ref) - 1])
 /* Iterates the mapping records of allocation `a`. */
-#define CUI_FOR_MAPS_OF(m, a) \
-  for (struct cui_mapping *m = (a)->maps_head ? CUI_MAP((a)->maps_head) : NULL; m; m = m->next ? CUI_MAP(m->next) : NULL)
+#define CUI_FOR_MAPS_OF(m, a)                                                      \
+  for (struct cui_mapping *m = (a)->maps_head ? CUI_MAP((a)->maps_head) : NULL; m; \
+       m = m->next ? CUI_MAP(m->next) : NULL)
 
 /* A new record of `a` (NULL: out of memory) and its removal (which may retire `a`). */
 CUI_HIDDEN struct cui_mapping *cui_map_add(struct cui_alloc *a, uint64_t va, uint64_t size, uint64_t offset);
@@ -233,7 +238,8 @@ static inline struct cui_mapping *cui_map_containing(uint64_t p) {
 
 /* Lock-free pre-check: 0 when no mapping record can overlap [va, va+size). */
 static inline int cui_maybe_tracked(uint64_t va, uint64_t size) {
-  uint64_t lo = __atomic_load_n(&cui_st.map_lo, __ATOMIC_RELAXED), hi = __atomic_load_n(&cui_st.map_hi, __ATOMIC_RELAXED);
+  uint64_t lo = __atomic_load_n(&cui_st.map_lo, __ATOMIC_RELAXED),
+           hi = __atomic_load_n(&cui_st.map_hi, __ATOMIC_RELAXED);
   return lo < hi && va < hi && cui_range_end(va, size) > lo;
 }
 

@@ -17,15 +17,27 @@
 
 #include "util.h"
 
-static const struct { int code; const char *name; } k_names[] = {
-  {0, "CUDA_SUCCESS"}, {1, "CUDA_ERROR_INVALID_VALUE"}, {2, "CUDA_ERROR_OUT_OF_MEMORY"},
-  {3, "CUDA_ERROR_NOT_INITIALIZED"}, {4, "CUDA_ERROR_DEINITIALIZED"},
-  {101, "CUDA_ERROR_INVALID_DEVICE"}, {201, "CUDA_ERROR_INVALID_CONTEXT"},
-  {208, "CUDA_ERROR_ALREADY_MAPPED"}, {211, "CUDA_ERROR_NOT_MAPPED"},
-  {400, "CUDA_ERROR_INVALID_HANDLE"}, {401, "CUDA_ERROR_ILLEGAL_STATE"},
-  {500, "CUDA_ERROR_NOT_FOUND"}, {600, "CUDA_ERROR_NOT_READY"},
-  {700, "CUDA_ERROR_ILLEGAL_ADDRESS"}, {800, "CUDA_ERROR_NOT_PERMITTED"},
-  {801, "CUDA_ERROR_NOT_SUPPORTED"}, {802, "CUDA_ERROR_SYSTEM_NOT_READY"},
+static const struct {
+  int code;
+  const char *name;
+} k_names[] = {
+  {0, "CUDA_SUCCESS"},
+  {1, "CUDA_ERROR_INVALID_VALUE"},
+  {2, "CUDA_ERROR_OUT_OF_MEMORY"},
+  {3, "CUDA_ERROR_NOT_INITIALIZED"},
+  {4, "CUDA_ERROR_DEINITIALIZED"},
+  {101, "CUDA_ERROR_INVALID_DEVICE"},
+  {201, "CUDA_ERROR_INVALID_CONTEXT"},
+  {208, "CUDA_ERROR_ALREADY_MAPPED"},
+  {211, "CUDA_ERROR_NOT_MAPPED"},
+  {400, "CUDA_ERROR_INVALID_HANDLE"},
+  {401, "CUDA_ERROR_ILLEGAL_STATE"},
+  {500, "CUDA_ERROR_NOT_FOUND"},
+  {600, "CUDA_ERROR_NOT_READY"},
+  {700, "CUDA_ERROR_ILLEGAL_ADDRESS"},
+  {800, "CUDA_ERROR_NOT_PERMITTED"},
+  {801, "CUDA_ERROR_NOT_SUPPORTED"},
+  {802, "CUDA_ERROR_SYSTEM_NOT_READY"},
   {999, "CUDA_ERROR_UNKNOWN"},
 };
 
@@ -111,7 +123,7 @@ const char *cui_phase_name(uint32_t p) {
 const char *cui_op_name(uint32_t op) {
   switch (op) {
 #define CUI_OP_NAME_CASE(op, needs, leaves, mutating, copies_bytes) \
-    case CUI_OP_##op: return #op;
+  case CUI_OP_##op: return #op;
     CUI_OPS(CUI_OP_NAME_CASE)
 #undef CUI_OP_NAME_CASE
   }

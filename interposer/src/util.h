@@ -46,9 +46,16 @@ CUI_HIDDEN int cui_write_full(int fd, const void *buf, size_t n);
 /* Small open-addressing hash table, linear probing, backward-shift deletion, grown at half
  * load. Keys are three words: an allocation id (a, b = its two halves, c = creator pid), or a
  * VA (a = va, b = c = 0). Values are 32 bits. The caller provides the locking. */
-struct cui_key { uint64_t a, b; uint32_t c; };
+struct cui_key {
+  uint64_t a, b;
+  uint32_t c;
+};
 struct cui_tab {
-  struct cui_tslot { struct cui_key k; uint32_t val; uint32_t used; } *s;
+  struct cui_tslot {
+    struct cui_key k;
+    uint32_t val;
+    uint32_t used;
+  } *s;
   uint32_t cap, n;
 };
 CUI_HIDDEN struct cui_key cui_id_key(const uint8_t id[16], uint32_t pid);

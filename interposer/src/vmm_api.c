@@ -22,7 +22,7 @@
 
 #include "api.h"
 
-#define REAL_OR_FAIL(var, row) \
+#define REAL_OR_FAIL(var, row)  \
   cui_fn_##row var = REAL(row); \
   if (!var) return CUDA_ERROR_NOT_INITIALIZED
 
@@ -36,8 +36,10 @@ CUI_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t siz
    * combinations) before the driver sees the call, output untouched. */
   if (prop->requestedHandleTypes != CU_MEM_HANDLE_TYPE_NONE &&
       prop->requestedHandleTypes != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) {
-    cui_api_warn("cuMemCreate", "requested handle types 0x%x refused (only 0 or POSIX_FILE_DESCRIPTOR can be "
-                 "rebuilt after a checkpoint): CUDA_ERROR_NOT_SUPPORTED", (unsigned)prop->requestedHandleTypes);
+    cui_api_warn("cuMemCreate",
+                 "requested handle types 0x%x refused (only 0 or POSIX_FILE_DESCRIPTOR can be "
+                 "rebuilt after a checkpoint): CUDA_ERROR_NOT_SUPPORTED",
+                 (unsigned)prop->requestedHandleTypes);
     return CUDA_ERROR_NOT_SUPPORTED;
   }
   pthread_mutex_lock(&cui_st.lock);
@@ -55,8 +57,10 @@ CUI_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t siz
       REAL(cuMemRelease)(h);
       r = CUI_IS_VHANDLE(h) ? CUDA_ERROR_INVALID_HANDLE : CUDA_ERROR_OUT_OF_MEMORY;
       if (CUI_IS_VHANDLE(h))
-        cui_api_warn("cuMemCreate", "the driver returned handle 0x%llx, which carries the shim's tag 0x%llx; "
-                     "released it: CUDA_ERROR_INVALID_HANDLE", (unsigned long long)h, CUI_VHANDLE_TAG);
+        cui_api_warn("cuMemCreate",
+                     "the driver returned handle 0x%llx, which carries the shim's tag 0x%llx; "
+                     "released it: CUDA_ERROR_INVALID_HANDLE",
+                     (unsigned long long)h, CUI_VHANDLE_TAG);
     } else {
       a->role = CUI_ROLE_PRIVATE;
       a->prop = *prop;
@@ -83,9 +87,10 @@ CUI_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
   } else if (!a || a->vrefs == 0) {
     /* Releasing a handle more often than it was obtained is not defined by the CUDA driver API
      * (cuMemRelease): refuse, no driver call. */
-    cui_api_warn("cuMemRelease", "virtual handle 0x%llx has no references left (released %s); no driver call: "
-                 "CUDA_ERROR_INVALID_VALUE", (unsigned long long)handle, a ? "more often than obtained, still mapped"
-                 : "already, or never issued");
+    cui_api_warn("cuMemRelease",
+                 "virtual handle 0x%llx has no references left (released %s); no driver call: "
+                 "CUDA_ERROR_INVALID_VALUE",
+                 (unsigned long long)handle, a ? "more often than obtained, still mapped" : "already, or never issued");
     r = CUDA_ERROR_INVALID_VALUE;
   } else if (a->vrefs == 1 && a->has_real) {
     r = real(a->real);   /* the last virtual reference: the one driver reference goes */
@@ -120,7 +125,8 @@ CUI_EXPORT CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *ha
     CUmemGenericAllocationHandle h;
     CUresult r = real(&h, addr);
     if (r == CUDA_SUCCESS && CUI_IS_VHANDLE(h)) {
-      cui_api_warn("cuMemRetainAllocationHandle", "address 0x%llx: the driver returned handle 0x%llx, which "
+      cui_api_warn("cuMemRetainAllocationHandle",
+                   "address 0x%llx: the driver returned handle 0x%llx, which "
                    "carries the shim's tag 0x%llx; released it: CUDA_ERROR_INVALID_HANDLE",
                    (unsigned long long)p, (unsigned long long)h, CUI_VHANDLE_TAG);
       REAL(cuMemRelease)(h);
@@ -163,8 +169,10 @@ CUI_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemG
   struct cui_alloc *a = cui_alloc_by_vhandle(handle);
   if (!cui_gate_open()) r = CUDA_ERROR_NOT_READY;
   else if (!a || !a->has_real) {
-    cui_api_warn("cuMemMap", "virtual handle 0x%llx is not a live allocation handle (released?): "
-                 "CUDA_ERROR_INVALID_VALUE", (unsigned long long)handle);
+    cui_api_warn("cuMemMap",
+                 "virtual handle 0x%llx is not a live allocation handle (released?): "
+                 "CUDA_ERROR_INVALID_VALUE",
+                 (unsigned long long)handle);
     r = CUDA_ERROR_INVALID_VALUE;
   } else {
     r = real(ptr, size, offset, a->real, flags);
@@ -195,10 +203,11 @@ CUI_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
   CUI_FOR_MAPS_IN(m, ptr, size) {
     if (r != CUDA_SUCCESS) break;
     if (m->va < ptr || cui_range_end(m->va, m->size) > cui_range_end(ptr, size)) {
-      cui_api_warn("cuMemUnmap", "range 0x%llx+0x%llx covers only part of the mapping 0x%llx+0x%llx (virtual "
-                   "handle 0x%llx); no driver call: CUDA_ERROR_INVALID_VALUE", (unsigned long long)ptr,
-                   (unsigned long long)size, (unsigned long long)m->va, (unsigned long long)m->size,
-                   (unsigned long long)cui_st.allocs[m->alloc].vhandle);
+      cui_api_warn("cuMemUnmap",
+                   "range 0x%llx+0x%llx covers only part of the mapping 0x%llx+0x%llx (virtual "
+                   "handle 0x%llx); no driver call: CUDA_ERROR_INVALID_VALUE",
+                   (unsigned long long)ptr, (unsigned long long)size, (unsigned long long)m->va,
+                   (unsigned long long)m->size, (unsigned long long)cui_st.allocs[m->alloc].vhandle);
       r = CUDA_ERROR_INVALID_VALUE;
     }
   }
@@ -233,7 +242,8 @@ CUI_EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAcce
   CUI_FOR_MAPS_IN(m, ptr, size) {
     if (r != CUDA_SUCCESS) break;
     if (m->va < ptr || cui_range_end(m->va, m->size) > cui_range_end(ptr, size)) {
-      cui_api_warn("cuMemSetAccess", "range 0x%llx+0x%llx covers only part of the mapping 0x%llx+0x%llx (virtual "
+      cui_api_warn("cuMemSetAccess",
+                   "range 0x%llx+0x%llx covers only part of the mapping 0x%llx+0x%llx (virtual "
                    "handle 0x%llx); its access could not be replayed after a restore: CUDA_ERROR_NOT_SUPPORTED",
                    (unsigned long long)ptr, (unsigned long long)size, (unsigned long long)m->va,
                    (unsigned long long)m->size, (unsigned long long)cui_st.allocs[m->alloc].vhandle);
@@ -242,7 +252,8 @@ CUI_EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAcce
     }
     uint32_t n = cui_access_count_after(m->access, m->access_count, desc, count);
     if (n > CUI_MAX_ACCESS) {
-      cui_api_warn("cuMemSetAccess", "mapping 0x%llx+0x%llx (virtual handle 0x%llx) would have %u access "
+      cui_api_warn("cuMemSetAccess",
+                   "mapping 0x%llx+0x%llx (virtual handle 0x%llx) would have %u access "
                    "locations, more than the %d the shim records; no driver call: CUDA_ERROR_NOT_SUPPORTED",
                    (unsigned long long)m->va, (unsigned long long)m->size,
                    (unsigned long long)cui_st.allocs[m->alloc].vhandle, n, CUI_MAX_ACCESS);
@@ -304,8 +315,10 @@ static CUresult import_real(int fd, CUmemGenericAllocationHandle *out) {
   cui_fn_cuMemImportFromShareableHandle real = REAL(cuMemImportFromShareableHandle);
   CUresult r = real(out, (void *)(uintptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
   if (r == CUDA_SUCCESS && CUI_IS_VHANDLE(*out)) {
-    cui_api_warn("cuMemImportFromShareableHandle", "the driver returned handle 0x%llx, which carries the shim's "
-                 "tag 0x%llx; released it: CUDA_ERROR_INVALID_HANDLE", (unsigned long long)*out, CUI_VHANDLE_TAG);
+    cui_api_warn("cuMemImportFromShareableHandle",
+                 "the driver returned handle 0x%llx, which carries the shim's "
+                 "tag 0x%llx; released it: CUDA_ERROR_INVALID_HANDLE",
+                 (unsigned long long)*out, CUI_VHANDLE_TAG);
     REAL(cuMemRelease)(*out);
     r = CUDA_ERROR_INVALID_HANDLE;
   }
@@ -356,8 +369,10 @@ static CUresult import_ticket(CUmemGenericAllocationHandle *handle, const struct
   if (fd < 0) {
     char hex[33];
     cui_hex_id(t->alloc_id, hex);
-    cui_api_warn("cuMemImportFromShareableHandle", "cannot import allocation %s from creator pid %u: %s; output "
-                 "untouched: CUDA_ERROR_INVALID_VALUE", hex, t->creator_pid, why);
+    cui_api_warn("cuMemImportFromShareableHandle",
+                 "cannot import allocation %s from creator pid %u: %s; output "
+                 "untouched: CUDA_ERROR_INVALID_VALUE",
+                 hex, t->creator_pid, why);
     r = CUDA_ERROR_INVALID_VALUE;
   } else {
     pthread_mutex_lock(&cui_st.lock);
@@ -403,8 +418,7 @@ CUI_EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle 
                                                    CUmemAllocationHandleType shHandleType) {
   REAL_OR_FAIL(real, cuMemImportFromShareableHandle);
   if (shHandleType == CU_MEM_HANDLE_TYPE_FABRIC) return CUDA_ERROR_NOT_SUPPORTED;   /* untracked sharing */
-  if (shHandleType != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR || !handle)
-    return real(handle, osHandle, shHandleType);
+  if (shHandleType != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR || !handle) return real(handle, osHandle, shHandleType);
   int fd = (int)(intptr_t)osHandle;
   struct cui_ticket t;
   if (cui_read_ticket(fd, &t)) {
@@ -412,9 +426,10 @@ CUI_EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle 
     if (t.version != CUI_PROTO_VERSION || t.kind != CUI_TICKET_ALLOCATION) {
       char hex[33];
       cui_hex_id(t.alloc_id, hex);
-      cui_api_warn("cuMemImportFromShareableHandle", "ticket for allocation %s of creator pid %u has version %u kind "
-                   "%u (this shim reads version %u kind %u); output untouched: CUDA_ERROR_INVALID_VALUE", hex,
-                   t.creator_pid, (unsigned)t.version, (unsigned)t.kind, (unsigned)CUI_PROTO_VERSION,
+      cui_api_warn("cuMemImportFromShareableHandle",
+                   "ticket for allocation %s of creator pid %u has version %u kind "
+                   "%u (this shim reads version %u kind %u); output untouched: CUDA_ERROR_INVALID_VALUE",
+                   hex, t.creator_pid, (unsigned)t.version, (unsigned)t.kind, (unsigned)CUI_PROTO_VERSION,
                    (unsigned)CUI_TICKET_ALLOCATION);
       return CUDA_ERROR_INVALID_VALUE;
     }
@@ -452,7 +467,8 @@ CUI_EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle 
   return r;
 }
 
-CUI_EXPORT CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *prop, CUmemGenericAllocationHandle handle) {
+CUI_EXPORT CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *prop,
+                                                           CUmemGenericAllocationHandle handle) {
   REAL_OR_FAIL(real, cuMemGetAllocationPropertiesFromHandle);
   if (!CUI_IS_VHANDLE(handle)) return real(prop, handle);
   pthread_mutex_lock(&cui_st.lock);

@@ -6,6 +6,7 @@ returns an ``AfdwinRun``: its stdout JSON events are collected by a reader threa
 ``wait_for(pred)`` blocks until an event satisfies ``pred`` (a deadline only guards against a
 hang, it is never asserted on).
 """
+
 from __future__ import annotations
 
 import json
@@ -29,7 +30,11 @@ class AfdwinRun:
         self._stderr = open(self.stderr_path, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "cuinterpose.workloads.afdwin", *map(str, args)],
-            stdout=subprocess.PIPE, stderr=self._stderr, env=env, text=True)
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            env=env,
+            text=True,
+        )
         self.events: list[dict] = []
         self.bad_lines: list[str] = []
         self._cv = threading.Condition()
@@ -123,6 +128,7 @@ def afdwin(fake_env, tmp_path):
         run = AfdwinRun(args, env, tmp_path)
         runs.append(run)
         return run
+
     yield start
     for r in runs:
         r.kill()

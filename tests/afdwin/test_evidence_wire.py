@@ -1,4 +1,5 @@
 """PairEvidence, percentiles, Rates segments, and the launcher<->rank framing with fds."""
+
 import os
 import socket
 
@@ -10,11 +11,21 @@ from cuinterpose.workloads.afdwin.wire import Channel, ChannelClosed
 
 def test_pair_evidence_exact():
     e = PairEvidence(0, 1)
-    for s in (2, 1, 4, 3):                 # arrival order across rings is not seq order
+    for s in (2, 1, 4, 3):  # arrival order across rings is not seq order
         e.add(s)
-    assert e.summary() == {"src": 0, "dst": 1, "count": 4, "distinct": 4, "first": 1,
-                           "last": 4, "gaps": 0, "duplicates": 0, "torn": 0, "torn_kinds": {},
-                           "out_of_order": 0}
+    assert e.summary() == {
+        "src": 0,
+        "dst": 1,
+        "count": 4,
+        "distinct": 4,
+        "first": 1,
+        "last": 4,
+        "gaps": 0,
+        "duplicates": 0,
+        "torn": 0,
+        "torn_kinds": {},
+        "out_of_order": 0,
+    }
     assert e.exact(4)
     assert not e.exact(5)
     assert e.lost(6) == 2

@@ -1,10 +1,10 @@
 """Issue 4 knobs on fakecuda (no shim): fence race, stages, per-rank ring depth, a pending flag
 carried across a quiesce, the --no-drain cut, and a 4A4F run."""
+
 import pytest
+from test_run_fake import check_done
 
 from cuinterpose.workloads.afdwin.config import Config
-
-from test_run_fake import check_done
 
 
 def test_no_fence_with_delayed_zero_loses_first_message(afdwin):
@@ -12,8 +12,9 @@ def test_no_fence_with_delayed_zero_loses_first_message(afdwin):
     that already landed (steps 1 and 2, one per ring): seq 1 is never received, the attention
     rank's ring never frees and the stall detector reports the loss."""
     steps = 10
-    run = afdwin("--steps", steps, "--no-fence", "--delay-zero-ms", "1:1000",
-                 "--stall-timeout-s", 2)  # > the delay (setup counts)
+    run = afdwin(
+        "--steps", steps, "--no-fence", "--delay-zero-ms", "1:1000", "--stall-timeout-s", 2
+    )  # > the delay (setup counts)
     assert run.finish() == 1
     assert run.of("start")[0]["no_fence"] is True
     (err,) = run.of("error")
@@ -22,9 +23,11 @@ def test_no_fence_with_delayed_zero_loses_first_message(afdwin):
     (p,) = done[1]["pairs"]
     assert (p["count"], p["first"], p["lost"]) == (0, None, steps)
     # the late zero saw (and erased) the first dispatch of each ring
-    assert done[1]["fence"] == {"fenced": False, "delay_zero_ms": 1000.0,
-                                "erased": [{"region": 0, "ring": 0, "value": 1},
-                                           {"region": 0, "ring": 1, "value": 2}]}
+    assert done[1]["fence"] == {
+        "fenced": False,
+        "delay_zero_ms": 1000.0,
+        "erased": [{"region": 0, "ring": 0, "value": 1}, {"region": 0, "ring": 1, "value": 2}],
+    }
     assert done[1]["errors"][0].startswith("unfenced zero erased flags written by peers")
     s = run.of("summary")[0]
     assert (s["ok"], s["messages"], s["lost"]) == (False, 0, 2 * steps)
@@ -48,12 +51,15 @@ def test_ring_depth_list_mismatch_fails_at_setup(afdwin):
     assert "rank 2 has ring_depth=3" in run.stderr()
 
 
-@pytest.mark.parametrize("args,msg", [
-    (("--ring-depth", 2, "--stages", 3), "ring_depth 2 < stages 3"),
-    (("--ring-depth", 3, "--stages", 2), "not a multiple of stages"),
-    (("--ring-depth", "2,2,2"), "1 or 2 (one per rank) values"),
-    (("--no-drain", "--pending-at-cut"), "exclusive"),
-])
+@pytest.mark.parametrize(
+    "args,msg",
+    [
+        (("--ring-depth", 2, "--stages", 3), "ring_depth 2 < stages 3"),
+        (("--ring-depth", 3, "--stages", 2), "not a multiple of stages"),
+        (("--ring-depth", "2,2,2"), "1 or 2 (one per rank) values"),
+        (("--no-drain", "--pending-at-cut"), "exclusive"),
+    ],
+)
 def test_bad_arguments(afdwin, args, msg):
     run = afdwin("--steps", 5, *args)
     assert run.finish() == 2
@@ -83,10 +89,13 @@ def test_pending_reply_flag_crosses_the_cut_exactly_once(afdwin):
     flag at 1 that nobody has read at the cut. After the resume the combine finds it set,
     reads it, resets it: every seq exactly once, no flag left set."""
     steps = 300
-    run = afdwin("--ranks", 4, "--attention", 2, "--steps", steps, "--step-delay-ms", 3,
-                 "--pending-at-cut")
-    run.wait_for(lambda e: e["event"] == "progress" and e["role"] == "attention"
-                 and e["sent"] >= 10, "10 dispatches")
+    run = afdwin(
+        "--ranks", 4, "--attention", 2, "--steps", steps, "--step-delay-ms", 3, "--pending-at-cut"
+    )
+    run.wait_for(
+        lambda e: e["event"] == "progress" and e["role"] == "attention" and e["sent"] >= 10,
+        "10 dispatches",
+    )
     ready, q = quiesce(run, "c1")
     unread = [p for r in ready["ranks"] for p in r["pending"]]
     assert q["drained"] is True and q["pending"] == {"reply_unread": 4}
@@ -102,8 +111,10 @@ def test_pending_reply_flag_crosses_the_cut_exactly_once(afdwin):
     done, s = check_done(run, 4, 2, steps)
     for a in (0, 1):
         held = done[a]["cut_pending"]
-        assert [(h["quiesce"], h["ffn"], h["flag_at_cut"], h["flag_at_resume"], h["consumed"])
-                for h in held] == [(1, 2, 1, 1, 1), (1, 3, 1, 1, 1)]
+        assert [
+            (h["quiesce"], h["ffn"], h["flag_at_cut"], h["flag_at_resume"], h["consumed"])
+            for h in held
+        ] == [(1, 2, 1, 1, 1), (1, 3, 1, 1, 1)]
         assert {h["seq"] for h in held} == {issued[a]["2"]}
         assert done[a]["final_flags"] == [0] * 4
 
@@ -114,8 +125,10 @@ def test_no_drain_leaves_replies_owed_then_continues(afdwin):
     checkpoint), the run continues and every seq arrives exactly once."""
     steps = 300
     run = afdwin("--steps", steps, "--step-delay-ms", 3, "--no-drain")
-    run.wait_for(lambda e: e["event"] == "progress" and e["role"] == "attention"
-                 and e["sent"] >= 10, "10 dispatches")
+    run.wait_for(
+        lambda e: e["event"] == "progress" and e["role"] == "attention" and e["sent"] >= 10,
+        "10 dispatches",
+    )
     ready, q = quiesce(run, "n1")
     assert q["drained"] is False
     pending = [p for r in ready["ranks"] for p in r["pending"]]
@@ -130,8 +143,10 @@ def test_no_drain_leaves_replies_owed_then_continues(afdwin):
     run.write_control("resume", {"id": "n1", "restored": False, "cancelled": True})
     res = run.wait_for(lambda e: e["event"] == "resumed", "resumed")
     run.finish()
-    assert all(v["failed"] == 0 for v in res["window_checks"].values()), \
-        (res, [d["window_checks"] for d in run.of("done")])
+    assert all(v["failed"] == 0 for v in res["window_checks"].values()), (
+        res,
+        [d["window_checks"] for d in run.of("done")],
+    )
     check_done(run, 2, 1, steps)
 
 
@@ -151,8 +166,9 @@ def test_gpu_profile_by_flag(afdwin):
     steps = 3
     run = afdwin("--profile", "gpu", "--steps", steps)
     assert run.finish() == 0, run.stderr()
-    assert {(w["slot_bytes"], w["regions"], w["rings"]) for w in run.of("window")} == \
-        {(4_219_392, 1, 2)}
+    assert {(w["slot_bytes"], w["regions"], w["rings"]) for w in run.of("window")} == {
+        (4_219_392, 1, 2)
+    }
     done, s = check_done(run, 2, 1, steps)
     tot = done[0]["rates"]["total"]
     reply_bytes = 4_219_392 - Config(profile="gpu").window_layout().slot.routed_x_off

@@ -1,16 +1,34 @@
 """Window layout, header codec and geometry check pins (docs/afdwin.md "Window layout", "Setup")."""
+
 import struct
 
 import pytest
 
 from cuinterpose.workloads.afdwin.config import Config
 from cuinterpose.workloads.afdwin.layout import (
-    GEOMETRY_FIELDS, HEADER_HOST_WORDS, MAGIC, VERSION, GeometryMismatch, Header, HeaderError,
-    SlotLayout, WindowLayout, check_geometry, decode_header, encode_header)
+    GEOMETRY_FIELDS,
+    HEADER_HOST_WORDS,
+    MAGIC,
+    VERSION,
+    GeometryMismatch,
+    Header,
+    HeaderError,
+    SlotLayout,
+    WindowLayout,
+    check_geometry,
+    decode_header,
+    encode_header,
+)
 
 # upstream fixture: experts_per_rank 4, partial 100, token 32, shared 8, hidden 8, 2-byte items
-FIX = dict(experts_per_rank=4, partial_cap=100, token_cap=32, shared_cap=8, hidden_size=8,
-           payload_itemsize=2)
+FIX = dict(
+    experts_per_rank=4,
+    partial_cap=100,
+    token_cap=32,
+    shared_cap=8,
+    hidden_size=8,
+    payload_itemsize=2,
+)
 
 
 @pytest.fixture
@@ -20,8 +38,12 @@ def slot():
 
 def test_fixture_offsets(slot):
     assert slot.header_words == 11
-    assert (slot.expand_idx_off, slot.weights_off, slot.routed_x_off, slot.shared_x_off) == \
-        (256, 768, 1280, 1792)
+    assert (slot.expand_idx_off, slot.weights_off, slot.routed_x_off, slot.shared_x_off) == (
+        256,
+        768,
+        1280,
+        1792,
+    )
     assert slot.slot_bytes == 2048
     win = WindowLayout(slot=slot, num_regions=2, ring_depth=2)
     assert win.num_flags == 4
@@ -62,8 +84,9 @@ def test_slots_do_not_overlap_flags_or_each_other(slot):
 
 
 def test_header_round_trip():
-    h = Header(layer=11, num_tokens=32, routed_tokens=90, segment_start=25,
-               expert_counts=(10, 20, 30, 30))
+    h = Header(
+        layer=11, num_tokens=32, routed_tokens=90, segment_start=25, expert_counts=(10, 20, 30, 30)
+    )
     raw = encode_header(h, 4)
     assert len(raw) == 4 * (7 + 4)
     assert struct.unpack("<11i", raw) == (MAGIC, VERSION, 11, 32, 0, 90, 25, 10, 20, 30, 30)
@@ -117,7 +140,7 @@ def test_geometry_check_names_first_differing_field():
     with pytest.raises(GeometryMismatch) as ei:
         check_geometry([a, b])
     e = ei.value
-    assert e.field == "ring_depth"           # before slot_bytes/total_bytes, which differ too
+    assert e.field == "ring_depth"  # before slot_bytes/total_bytes, which differ too
     assert e.values == [2, 3]
     assert "ring_depth" in str(e) and "[2, 3]" in str(e)
     assert "rank 1 has ring_depth=3" in e.message_for(1)

@@ -1,5 +1,6 @@
 """The recording world of the agent's ordering tests: a fake driver, census, coordinator and
 CRIU that log every call (``World.log``), and the ``world`` fixture (re-exported by conftest.py)."""
+
 from __future__ import annotations
 
 import json
@@ -10,17 +11,21 @@ import types
 import pytest
 
 import cuinterpose.agent.mech as mech_pkg
-from cuinterpose.agent.run import checkpoint as cp_mod
+from cuinterpose.agent.errors import NativeError
 from cuinterpose.agent.mech import census as census_mod
 from cuinterpose.agent.mech import native, quiesce
-from cuinterpose.agent.errors import NativeError
+from cuinterpose.agent.run import checkpoint as cp_mod
 from cuinterpose.coordinator.contract import quiesce_path, write_atomic
 
 PIDS = [201, 202]
 ROOT = 200
 # the quiescence check: every CUDA process locked, then unlocked, before any teardown
-PROBE = [("native", "lock", 201), ("native", "lock", 202),
-         ("native", "unlock", 201), ("native", "unlock", 202)]
+PROBE = [
+    ("native", "lock", 201),
+    ("native", "lock", 202),
+    ("native", "unlock", 201),
+    ("native", "unlock", 202),
+]
 
 
 class World:
@@ -34,7 +39,7 @@ class World:
         self.coord_phase = "ACTIVE"
         self.capture_obj = None
         self.stopped = set()
-        self.captured = False   # the coordinator's capture() was called (teardown may start)
+        self.captured = False  # the coordinator's capture() was called (teardown may start)
 
     def maybe_fail(self, key, pid=None):
         """Fail ``key`` for ``pid``; a lock before the capture is the quiescence check's,
@@ -57,7 +62,9 @@ def world(tmp_path, monkeypatch):
             w.maybe_fail(action, pid)
             assert w.state[pid] == frm, (pid, action, w.state[pid])
             w.state[pid] = to
+
         return fn
+
     monkeypatch.setattr(native, "lock", nat("lock", "RUNNING", "LOCKED"))
     monkeypatch.setattr(native, "checkpoint", nat("checkpoint", "LOCKED", "CHECKPOINTED"))
     monkeypatch.setattr(native, "restore", nat("restore", "CHECKPOINTED", "LOCKED"))
@@ -66,12 +73,22 @@ def world(tmp_path, monkeypatch):
 
     shim = census_mod.ShimFile("/x/libcuinterpose.so", "ab" * 32, 1, 2, 3)
     procs = [census_mod.Process(ROOT, 1, "launcher", shim="installed")] + [
-        census_mod.Process(p, ROOT, "rank", shim="installed",
-                           socket_path=str(ctl / f"cuinterpose-{p}.sock"), cuda_state="RUNNING")
-        for p in PIDS]
+        census_mod.Process(
+            p,
+            ROOT,
+            "rank",
+            shim="installed",
+            socket_path=str(ctl / f"cuinterpose-{p}.sock"),
+            cuda_state="RUNNING",
+        )
+        for p in PIDS
+    ]
 
     def fake_census(roots, **kw):
-        return census_mod.Census(roots=list(roots), processes=procs, shim=shim, control_dir=str(ctl))
+        return census_mod.Census(
+            roots=list(roots), processes=procs, shim=shim, control_dir=str(ctl)
+        )
+
     monkeypatch.setattr(census_mod, "take_census", fake_census)
     # the fake pids may be real processes of this machine: their open files are not ours
     monkeypatch.setattr(census_mod, "open_file_warnings", lambda census: [])
@@ -108,14 +125,20 @@ def world(tmp_path, monkeypatch):
             assert capture is w.capture_obj, capture
             w.log.append(("coord", "rollback", None))
             if w.coord_phase == "FAILED":
-                raise FakePhaseError("rollback: pid 201 is FAILED (a destructive op failed part-way); "
-                                     "it cannot be brought back to ACTIVE; nothing was rolled back "
-                                     "(fail-stop)", "rollback", 201, changed=True)
+                raise FakePhaseError(
+                    "rollback: pid 201 is FAILED (a destructive op failed part-way); "
+                    "it cannot be brought back to ACTIVE; nothing was rolled back "
+                    "(fail-stop)",
+                    "rollback",
+                    201,
+                    changed=True,
+                )
             w.coord_phase = "ACTIVE"
 
     fake_phases = types.SimpleNamespace(
         Participant=lambda pid, sock: types.SimpleNamespace(pid=pid, socket_path=sock),
-        Coordinator=Coordinator)
+        Coordinator=Coordinator,
+    )
     monkeypatch.setattr(cp_mod, "_coordinator_module", lambda: fake_phases)
 
     def dump(root, d, leave_running=False, extra_args=()):
@@ -125,6 +148,7 @@ def world(tmp_path, monkeypatch):
             raise RuntimeError("criu dump failed: (00.1) Error (criu/sk-unix.c): external socket")
         (d / "core.img").write_bytes(b"x")
         w.stopped.add(root)
+
     fake_criu = types.SimpleNamespace(dump=dump, version=lambda: "4.1")
     monkeypatch.setitem(sys.modules, "cuinterpose.agent.mech.criu", fake_criu)
     monkeypatch.setattr(mech_pkg, "criu", fake_criu, raising=False)
@@ -134,6 +158,7 @@ def world(tmp_path, monkeypatch):
         w.log.append(("signal", signal.Signals(sig).name, pid))
         if sig == signal.SIGCONT:
             w.stopped.discard(pid)
+
     monkeypatch.setattr(cp_mod, "_kill", kill)
     monkeypatch.setattr(cp_mod, "_tree_pids", lambda root: [root])
     return w
@@ -146,8 +171,11 @@ def answer_quiesce(w):
     def request(ctl, roots, qid, timeout_ms):
         orig(ctl, roots, qid, timeout_ms)
         for r in roots:
-            write_atomic(quiesce_path(ctl, r, "ready"), {"id": qid, "ranks": [{"pid": p} for p in PIDS]})
+            write_atomic(
+                quiesce_path(ctl, r, "ready"), {"id": qid, "ranks": [{"pid": p} for p in PIDS]}
+            )
         w.log.append(("workload", "ready", None))
+
     return request
 
 

@@ -1,4 +1,5 @@
 """Fixtures for agent unit tests: synthetic process trees made of real processes."""
+
 from __future__ import annotations
 
 import json
@@ -8,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-
 from agent_world import world  # noqa: F401 (the fixture, defined with its fakes)
 
 # A process that optionally maps a file (as a loaded shim would be) and binds a control socket,
@@ -44,9 +44,13 @@ def spawn_tree(tmp_path):
     procs = []
 
     def _spawn(spec):
-        p = subprocess.Popen([sys.executable, str(prog), json.dumps(spec)], stdout=subprocess.PIPE,
-                             text=True, start_new_session=True,
-                             env=dict(os.environ, **spec.get("env", {})))
+        p = subprocess.Popen(
+            [sys.executable, str(prog), json.dumps(spec)],
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            env=dict(os.environ, **spec.get("env", {})),
+        )
         procs.append(p)
         info = json.loads(p.stdout.readline())
         names = {}
@@ -55,6 +59,7 @@ def spawn_tree(tmp_path):
             names[i["name"]] = i["pid"]
             for c in i["children"]:
                 walk(c)
+
         walk(info)
         return names
 
@@ -81,5 +86,3 @@ def shim(tmp_path):
     p = d / "libcuinterpose.so"
     p.write_bytes(b"\x7fELF-not-really" * 512)
     return p
-
-

@@ -1,5 +1,6 @@
 """The command line as an operator meets it: --json on every path, exit codes, and helpers
 (CRIU) started without the shim."""
+
 from __future__ import annotations
 
 import json
@@ -7,23 +8,39 @@ import os
 import subprocess
 import sys
 
-from cuinterpose.workloads.afdwin import demo
 from cuinterpose.agent import paths
+from cuinterpose.workloads.afdwin import demo
 
 
 def test_json_usage_error_is_one_json_object_exit_2(tmp_path):
     rc, out = demo.run_agent("checkpoint", "--images-dir", str(tmp_path / "snap"))
     assert rc == 2
-    assert out == {"ok": False, "error": {"phase": "usage", "pid": None, "outcome": "usage",
-                                          "reason": "Missing option '--pid'.",
-                                          "message": "usage: Missing option '--pid'."}}
+    assert out == {
+        "ok": False,
+        "error": {
+            "phase": "usage",
+            "pid": None,
+            "outcome": "usage",
+            "reason": "Missing option '--pid'.",
+            "message": "usage: Missing option '--pid'.",
+        },
+    }
 
 
 def test_unusable_images_dir_is_refused_exit_3(tmp_path):
     f = tmp_path / "afile"
     f.write_text("x")
-    rc, out = demo.run_agent("checkpoint", "--pid", str(os.getpid()), "--images-dir",
-                             str(f / "snap"), "--driver", "fake", "--control-dir", str(tmp_path))
+    rc, out = demo.run_agent(
+        "checkpoint",
+        "--pid",
+        str(os.getpid()),
+        "--images-dir",
+        str(f / "snap"),
+        "--driver",
+        "fake",
+        "--control-dir",
+        str(tmp_path),
+    )
     assert rc == 3 and out["ok"] is False
     e = out["error"]
     assert (e["phase"], e["pid"], e["outcome"]) == ("images dir", None, "refused")
@@ -33,13 +50,25 @@ def test_unusable_images_dir_is_refused_exit_3(tmp_path):
 
 
 def test_restore_refusal_hint_speaks_of_the_snapshot(tmp_path):
-    res = subprocess.run([sys.executable, "-m", "cuinterpose.agent.cli", "restore",
-                          "--images-dir", str(tmp_path), "--driver", "fake"],
-                         capture_output=True, text=True, env={k: v for k, v in os.environ.items()
-                                                              if k != "LD_PRELOAD"})
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cuinterpose.agent.cli",
+            "restore",
+            "--images-dir",
+            str(tmp_path),
+            "--driver",
+            "fake",
+        ],
+        capture_output=True,
+        text=True,
+        env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"},
+    )
     assert res.returncode == 3
-    assert res.stderr.splitlines()[-1] == ("outcome: refused: nothing was changed; the snapshot "
-                                           "is untouched")
+    assert res.stderr.splitlines()[-1] == (
+        "outcome: refused: nothing was changed; the snapshot is untouched"
+    )
 
 
 def test_helpers_run_without_ld_preload_and_the_agent_not_under_the_shim(tmp_path):
@@ -49,22 +78,42 @@ def test_helpers_run_without_ld_preload_and_the_agent_not_under_the_shim(tmp_pat
     rec.mkdir()
     fake_criu = tmp_path / "criu"
     # records its environment and whether its parent (the agent) maps the shim
-    fake_criu.write_text(f'#!/bin/sh\nenv > "{rec}/env.$$"\n'
-                         f'grep -c {paths.SHIM_NAME} /proc/$PPID/maps > "{rec}/maps.$$"\n'
-                         'echo "Version: 4.1.0"\necho "Looks good."\n')
+    fake_criu.write_text(
+        f'#!/bin/sh\nenv > "{rec}/env.$$"\n'
+        f'grep -c {paths.SHIM_NAME} /proc/$PPID/maps > "{rec}/maps.$$"\n'
+        'echo "Version: 4.1.0"\necho "Looks good."\n'
+    )
     fake_criu.chmod(0o755)
     ctl = tmp_path / "ctl"
     ctl.mkdir()
-    env = dict(os.environ, LD_PRELOAD=str(paths.shim_path()), CUINTERPOSE_CRIU=str(fake_criu),
-               LD_LIBRARY_PATH=str(paths.fakecuda_dir()))
-    res = subprocess.run([sys.executable, "-m", "cuinterpose.agent.cli", "doctor", "--json",
-                          "--driver", "fake", "--control-dir", str(ctl)],
-                         capture_output=True, text=True, env=env, timeout=120)
+    env = dict(
+        os.environ,
+        LD_PRELOAD=str(paths.shim_path()),
+        CUINTERPOSE_CRIU=str(fake_criu),
+        LD_LIBRARY_PATH=str(paths.fakecuda_dir()),
+    )
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cuinterpose.agent.cli",
+            "doctor",
+            "--json",
+            "--driver",
+            "fake",
+            "--control-dir",
+            str(ctl),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     out = json.loads(res.stdout)
     checks = {c["name"]: c for c in out["checks"]}
     assert checks["criu version"]["ok"] and checks["criu check"]["ok"], out
     envs = [p.read_text().splitlines() for p in sorted(rec.glob("env.*"))]
-    assert len(envs) >= 2     # `criu check` and `criu --version` at least
+    assert len(envs) >= 2  # `criu check` and `criu --version` at least
     assert {p.read_text().strip() for p in rec.glob("maps.*")} == {"0"}
     for lines in envs:
         assert not any(line.startswith(("LD_PRELOAD=", "LD_LIBRARY_PATH=")) for line in lines)
@@ -75,25 +124,42 @@ def test_doctor_lines_are_not_wrapped_when_stdout_is_not_a_tty(tmp_path):
     """A log or a pipe gets each check on one line: paths and hashes stay greppable. Without
     CRIU the CRIU checks fail and doctor exits 1."""
     from cuinterpose.agent.mech.census import ShimFile
+
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     env["CUINTERPOSE_CRIU"] = str(tmp_path / "no-criu-here")
-    res = subprocess.run([sys.executable, "-m", "cuinterpose.agent.cli", "doctor", "--driver",
-                          "fake", "--control-dir", str(tmp_path / "ctl")],
-                         capture_output=True, text=True, env=env, timeout=120)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cuinterpose.agent.cli",
+            "doctor",
+            "--driver",
+            "fake",
+            "--control-dir",
+            str(tmp_path / "ctl"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert res.returncode == 1
     s = ShimFile.of(paths.shim_path())
     lines = res.stdout.splitlines()
     assert f"ok   shim: {s.path} sha256 {s.sha256}" in lines
     assert f"ok   control dir: {tmp_path / 'ctl'} writable" in lines
-    assert lines[0] == ("FAIL criu version: no working CRIU; install one with `make criu` (bash "
-                        "scripts/install-criu.sh):")
+    assert lines[0] == (
+        "FAIL criu version: no working CRIU; install one with `make criu` (bash "
+        "scripts/install-criu.sh):"
+    )
 
 
 def test_non_positive_timeouts_are_usage_errors(tmp_path):
     rc, out = demo.run_agent("restore", "--images-dir", str(tmp_path), "--carrier-timeout-s", "0")
     assert rc == 2
-    assert out["error"]["reason"] == ("Invalid value for '--carrier-timeout-s': 0.0 is not in "
-                                      "the range x>0.")
+    assert out["error"]["reason"] == (
+        "Invalid value for '--carrier-timeout-s': 0.0 is not in the range x>0."
+    )
 
 
 def _env(**extra):
@@ -116,61 +182,117 @@ def test_census_refusal_says_the_job_has_not_initialized_cuda_or_is_not_under_th
     ctl = tmp_path / "ctl"
     ctl.mkdir()
     preload = _env(LD_PRELOAD=str(paths.shim_path()), LD_LIBRARY_PATH=str(paths.fakecuda_dir()))
-    for env, want in ((preload, "map the shim but have no control socket: the job has probably "
-                                "not initialized CUDA (cuInit) yet"),
-                      (_env(), "the job is not running under the shim (start it with "
-                               "LD_PRELOAD=$(cuinterpose-agent shim-path))")):
-        job = subprocess.Popen(["setsid", "sleep", "60"], env=env, stdin=subprocess.DEVNULL,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for env, want in (
+        (
+            preload,
+            "map the shim but have no control socket: the job has probably "
+            "not initialized CUDA (cuInit) yet",
+        ),
+        (
+            _env(),
+            "the job is not running under the shim (start it with "
+            "LD_PRELOAD=$(cuinterpose-agent shim-path))",
+        ),
+    ):
+        job = subprocess.Popen(
+            ["setsid", "sleep", "60"],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
-            rc, out = demo.run_agent("checkpoint", "--pid", str(job.pid), "--images-dir",
-                                     str(tmp_path / "snap"), "--driver", "fake",
-                                     "--control-dir", str(ctl))
+            rc, out = demo.run_agent(
+                "checkpoint",
+                "--pid",
+                str(job.pid),
+                "--images-dir",
+                str(tmp_path / "snap"),
+                "--driver",
+                "fake",
+                "--control-dir",
+                str(ctl),
+            )
         finally:
             job.kill()
             job.wait()
         assert rc == 3, out
         e = out["error"]
         assert (e["phase"], e["outcome"]) == ("census", "refused")
-        assert e["reason"].startswith(f"no cuinterpose participant under root pid(s) {job.pid} "
-                                      f"(no process maps {paths.shim_path()} and has a socket "
-                                      f"in {ctl}): "), e
+        assert e["reason"].startswith(
+            f"no cuinterpose participant under root pid(s) {job.pid} "
+            f"(no process maps {paths.shim_path()} and has a socket "
+            f"in {ctl}): "
+        ), e
         assert want in e["reason"], e
         assert not (tmp_path / "snap").exists()
 
 
 def test_real_driver_missing_names_the_fake_driver(tmp_path):
     """Without libcuda.so.1 the driver error carries the doctor's hint, once, in both places."""
-    probe = subprocess.run([sys.executable, "-c", "from cuinterpose.agent.mech import native\n"
-                            "native.load('real')"], capture_output=True, text=True, env=_env(),
-                           timeout=120)
+    probe = subprocess.run(
+        [sys.executable, "-c", "from cuinterpose.agent.mech import native\nnative.load('real')"],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=120,
+    )
     if probe.returncode == 0:
         import pytest
+
         pytest.skip("a real libcuda.so.1 loads here: no missing-driver error to check")
     hint = "(no NVIDIA driver on this machine? --driver fake uses fakecuda)"
     assert "cuda.bindings could not load libcuda.so.1" in probe.stderr, probe.stderr
     assert hint in probe.stderr
-    rc, out = demo.run_agent("checkpoint", "--pid", str(os.getpid()), "--images-dir",
-                             str(tmp_path / "snap"), "--driver", "real")
+    rc, out = demo.run_agent(
+        "checkpoint",
+        "--pid",
+        str(os.getpid()),
+        "--images-dir",
+        str(tmp_path / "snap"),
+        "--driver",
+        "real",
+    )
     assert rc == 3 and out["error"]["phase"] == "driver"
     assert out["error"]["reason"].endswith(hint), out
-    res = subprocess.run([sys.executable, "-m", "cuinterpose.agent.cli", "doctor", "--json",
-                          "--driver", "real", "--control-dir", str(tmp_path / "ctl")],
-                         capture_output=True, text=True, timeout=120,
-                         env=_env(CUINTERPOSE_CRIU=str(tmp_path / "no-criu-here")))
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cuinterpose.agent.cli",
+            "doctor",
+            "--json",
+            "--driver",
+            "real",
+            "--control-dir",
+            str(tmp_path / "ctl"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(CUINTERPOSE_CRIU=str(tmp_path / "no-criu-here")),
+    )
     drv = {c["name"]: c for c in json.loads(res.stdout)["checks"]}["driver"]
     assert not drv["ok"] and drv["detail"].count(hint) == 1, drv
 
 
 def test_help_texts_match_the_code():
     def help_of(*cmd):
-        r = subprocess.run([sys.executable, "-m", "cuinterpose.agent.cli", *cmd, "--help"],
-                           capture_output=True, text=True, env=_env(COLUMNS="2000"), timeout=60)
+        r = subprocess.run(
+            [sys.executable, "-m", "cuinterpose.agent.cli", *cmd, "--help"],
+            capture_output=True,
+            text=True,
+            env=_env(COLUMNS="2000"),
+            timeout=60,
+        )
         assert r.returncode == 0
         return " ".join(r.stdout.split())
+
     serve = help_of("serve")
-    assert ('{"ok": true, "listen", "metrics_port", "node", "pid", "kubernetes", "insecure", '
-            '"snapshot_dirs", "group_lease_s"}') in serve
+    assert (
+        '{"ok": true, "listen", "metrics_port", "node", "pid", "kubernetes", "insecure", '
+        '"snapshot_dirs", "group_lease_s"}'
+    ) in serve
     assert "until SIGTERM, SIGINT or SIGHUP" in serve
     assert "Created at start (mode 0700) when missing" in serve
     assert "The CLI sends --images-dir/--dir as absolute paths" in serve

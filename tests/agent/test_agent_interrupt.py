@@ -1,5 +1,6 @@
 """interrupt.Guard and interrupt.shielded: signals deferred to phase boundaries, and helpers
 (CRIU) that a terminal's Ctrl-C cannot kill half-way."""
+
 from __future__ import annotations
 
 import os
@@ -12,10 +13,11 @@ from cuinterpose.agent.run import interrupt
 def test_shielded_helper_inherits_the_blocked_signals_and_the_guard_sees_them_after():
     with interrupt.Guard("checkpoint") as g:
         with interrupt.shielded():
-            out = subprocess.run(["sh", "-c", "exec grep SigBlk /proc/self/status"],
-                                 capture_output=True, text=True).stdout
-            os.kill(os.getpid(), signal.SIGINT)       # Ctrl-C while the helper runs
-            assert g.pending() is None                # held back, not lost
+            out = subprocess.run(
+                ["sh", "-c", "exec grep SigBlk /proc/self/status"], capture_output=True, text=True
+            ).stdout
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the helper runs
+            assert g.pending() is None  # held back, not lost
         assert g.pending() == "SIGINT"
     blocked = int(out.split()[1], 16)
     want = (1 << (signal.SIGHUP - 1)) | (1 << (signal.SIGINT - 1)) | (1 << (signal.SIGTERM - 1))
@@ -25,7 +27,7 @@ def test_shielded_helper_inherits_the_blocked_signals_and_the_guard_sees_them_af
 
 
 def test_guard_keeps_signals_that_were_ignored_ignored():
-    old = signal.signal(signal.SIGHUP, signal.SIG_IGN)   # as under nohup
+    old = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as under nohup
     try:
         with interrupt.Guard() as g:
             os.kill(os.getpid(), signal.SIGHUP)

@@ -1,4 +1,5 @@
 """Manifest: atomic write, and refusals that leave the snapshot directory untouched."""
+
 from __future__ import annotations
 
 import hashlib
@@ -9,9 +10,9 @@ import signal
 
 import pytest
 
-from cuinterpose.agent.snapshot import manifest
 from cuinterpose.agent.errors import SnapshotError
 from cuinterpose.agent.run.restore import Restore
+from cuinterpose.agent.snapshot import manifest
 
 
 def tree_digest(d: pathlib.Path) -> dict:
@@ -24,21 +25,33 @@ def tree_digest(d: pathlib.Path) -> dict:
     return out
 
 
-def sample(snapshot: pathlib.Path, shim_sha: str = "ab" * 32, shim_path: str = "/x/libcuinterpose.so") -> dict:
+def sample(
+    snapshot: pathlib.Path, shim_sha: str = "ab" * 32, shim_path: str = "/x/libcuinterpose.so"
+) -> dict:
     img = manifest.criu_dir(snapshot, 100)
     img.mkdir(parents=True)
     (img / "core-100.img").write_bytes(b"core" * 100)
     (img / "pages-1.img").write_bytes(bytes(range(256)) * 16)
     return {
-        "format": manifest.FORMAT, "format_version": manifest.FORMAT_VERSION,
-        "snapshot_id": "s1", "created_at": manifest.utc_now(),
+        "format": manifest.FORMAT,
+        "format_version": manifest.FORMAT_VERSION,
+        "snapshot_id": "s1",
+        "created_at": manifest.utc_now(),
         "shim": {"path": shim_path, "sha256": shim_sha, "size": 1},
         "driver": {"kind": "fake", "version": 13000, "library": "/x/libcuda.so.1"},
-        "criu": {"version": "4.1", "trees": {"100": "criu/100"},
-                 "files": manifest.image_files(snapshot)},
-        "roots": [100], "control_dir": "/tmp/ctl", "cuda_pids": [101],
+        "criu": {
+            "version": "4.1",
+            "trees": {"100": "criu/100"},
+            "files": manifest.image_files(snapshot),
+        },
+        "roots": [100],
+        "control_dir": "/tmp/ctl",
+        "cuda_pids": [101],
         "participants": [{"pid": 101, "socket_path": "/tmp/ctl/cuinterpose-101.sock"}],
-        "capture": {}, "carriers": [], "phases": [], "quiesce": {"id": "q"},
+        "capture": {},
+        "carriers": [],
+        "phases": [],
+        "quiesce": {"id": "q"},
         "totals": {"carrier_bytes": 0, "image_bytes": 0},
     }
 
@@ -50,9 +63,15 @@ def test_write_is_atomic_and_round_trips(tmp_path):
     assert not (tmp_path / "manifest.json.tmp").exists()
     assert manifest.load(tmp_path) == json.loads(json.dumps(m))
     assert m["criu"]["files"] == {
-        "criu/100/core-100.img": {"sha256": hashlib.sha256(b"core" * 100).hexdigest(), "bytes": 400},
-        "criu/100/pages-1.img": {"sha256": hashlib.sha256(bytes(range(256)) * 16).hexdigest(),
-                                 "bytes": 4096}}
+        "criu/100/core-100.img": {
+            "sha256": hashlib.sha256(b"core" * 100).hexdigest(),
+            "bytes": 400,
+        },
+        "criu/100/pages-1.img": {
+            "sha256": hashlib.sha256(bytes(range(256)) * 16).hexdigest(),
+            "bytes": 4096,
+        },
+    }
     assert manifest.verify_images(tmp_path, m) == 4496
 
 
@@ -61,6 +80,7 @@ def test_interrupted_write_leaves_no_manifest(tmp_path, monkeypatch):
 
     def boom(*a):
         raise OSError(28, "No space left on device")
+
     monkeypatch.setattr(os, "rename", boom)
     with pytest.raises(OSError):
         manifest.write(tmp_path, m)
@@ -77,11 +97,14 @@ def test_write_refuses_missing_fields(tmp_path):
     assert not (tmp_path / "manifest.json").exists()
 
 
-@pytest.mark.parametrize("mutate,msg", [
-    (lambda m: m.update(format="other"), "format is 'other'"),
-    (lambda m: m.update(format_version=2), "format_version 2 is not supported"),
-    (lambda m: m.pop("participants"), "missing field(s) participants"),
-])
+@pytest.mark.parametrize(
+    "mutate,msg",
+    [
+        (lambda m: m.update(format="other"), "format is 'other'"),
+        (lambda m: m.update(format_version=2), "format_version 2 is not supported"),
+        (lambda m: m.pop("participants"), "missing field(s) participants"),
+    ],
+)
 def test_load_refuses_bad_manifest(tmp_path, mutate, msg):
     m = sample(tmp_path)
     mutate(m)
@@ -164,18 +187,53 @@ def test_restore_refuses_pid_in_use(tmp_path, installed_shim):
 
 
 def test_carriers_and_roles_from_capture():
-    cap = {"participants": [
-        {"pid": 11, "records": [
-            {"kind": "ALLOCATION", "role": "CREATOR", "alloc_id": "aa" * 16, "carrier_bytes": 4096,
-             "carrier_checksum": 0x1234},
-            {"kind": "MAPPING", "role": "CREATOR", "alloc_id": "aa" * 16, "carrier_bytes": 0},
-            {"kind": "ALLOCATION", "role": "PRIVATE", "alloc_id": "bb" * 16, "carrier_bytes": 0}]},
-        {"pid": 12, "records": [
-            {"kind": "ALLOCATION", "role": "IMPORTER", "alloc_id": "aa" * 16, "carrier_bytes": 0}]}]}
+    cap = {
+        "participants": [
+            {
+                "pid": 11,
+                "records": [
+                    {
+                        "kind": "ALLOCATION",
+                        "role": "CREATOR",
+                        "alloc_id": "aa" * 16,
+                        "carrier_bytes": 4096,
+                        "carrier_checksum": 0x1234,
+                    },
+                    {
+                        "kind": "MAPPING",
+                        "role": "CREATOR",
+                        "alloc_id": "aa" * 16,
+                        "carrier_bytes": 0,
+                    },
+                    {
+                        "kind": "ALLOCATION",
+                        "role": "PRIVATE",
+                        "alloc_id": "bb" * 16,
+                        "carrier_bytes": 0,
+                    },
+                ],
+            },
+            {
+                "pid": 12,
+                "records": [
+                    {
+                        "kind": "ALLOCATION",
+                        "role": "IMPORTER",
+                        "alloc_id": "aa" * 16,
+                        "carrier_bytes": 0,
+                    }
+                ],
+            },
+        ]
+    }
     assert manifest.carriers_from_capture(cap) == [
-        {"pid": 11, "alloc_id": "aa" * 16, "bytes": 4096, "checksum": "0000000000001234"}]
+        {"pid": 11, "alloc_id": "aa" * 16, "bytes": 4096, "checksum": "0000000000001234"}
+    ]
     assert manifest.role_counts(cap["participants"][0]["records"]) == {
-        "private": 1, "creator": 1, "importer": 0}
+        "private": 1,
+        "creator": 1,
+        "importer": 0,
+    }
 
 
 def test_restore_refusals_name_the_manifest_phase(tmp_path, installed_shim):
@@ -190,9 +248,11 @@ def test_restore_refusals_name_the_manifest_phase(tmp_path, installed_shim):
     e = ei.value
     want = hashlib.sha256(b"shim v2").hexdigest()
     assert (e.phase, e.pid, e.outcome) == ("manifest", None, "refused")
-    assert e.reason == (f"snapshot was taken with shim sha256 {'0' * 64} ({installed_shim}), but "
-                        f"the installed shim {installed_shim} has sha256 {want}; restore refused, "
-                        "snapshot untouched")
+    assert e.reason == (
+        f"snapshot was taken with shim sha256 {'0' * 64} ({installed_shim}), but "
+        f"the installed shim {installed_shim} has sha256 {want}; restore refused, "
+        "snapshot untouched"
+    )
     m["shim"]["sha256"] = want
     m["processes"] = [{"pid": os.getpid(), "ppid": 1, "comm": "pytest"}]  # a pid in use
     manifest.write(snap, m)
@@ -211,13 +271,22 @@ def _restore_world(tmp_path, monkeypatch, calls, interrupt_after):
                 fn(self)
             if name == interrupt_after:
                 os.kill(os.getpid(), signal.SIGINT)
+
         return run
-    monkeypatch.setattr(rs_mod.Restore, "read_manifest", step("manifest", lambda s: setattr(
-        s, "m", {"roots": [100], "snapshot_id": "s1", "cuda_pids": [101]})))
+
+    monkeypatch.setattr(
+        rs_mod.Restore,
+        "read_manifest",
+        step(
+            "manifest",
+            lambda s: setattr(s, "m", {"roots": [100], "snapshot_id": "s1", "cuda_pids": [101]}),
+        ),
+    )
     monkeypatch.setattr(rs_mod.Restore, "load_driver", step("driver"))
     monkeypatch.setattr(rs_mod.Restore, "remove_stale", step("stale sockets"))
-    monkeypatch.setattr(rs_mod.Restore, "criu_restore", step(
-        "criu restore", lambda s: s.restored_roots.append(100)))
+    monkeypatch.setattr(
+        rs_mod.Restore, "criu_restore", step("criu restore", lambda s: s.restored_roots.append(100))
+    )
     monkeypatch.setattr(rs_mod.Restore, "native_restore", step("native restore"))
     monkeypatch.setattr(rs_mod.Restore, "restore_shared", step("restore shared"))
     monkeypatch.setattr(rs_mod.Restore, "resume", step("resume"))
@@ -232,41 +301,59 @@ def test_sigint_during_restore_checks_refuses_and_changes_nothing(tmp_path, monk
         rs.run()
     e = ei.value
     assert (e.phase, e.pid, e.outcome) == ("manifest", None, "refused")
-    assert e.reason == ("interrupted by SIGINT after manifest; restore cancelled, nothing was "
-                        "changed, the snapshot is untouched")
+    assert e.reason == (
+        "interrupted by SIGINT after manifest; restore cancelled, nothing was "
+        "changed, the snapshot is untouched"
+    )
     assert calls == ["manifest"]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_sigint_after_criu_restore_kills_the_restored_tree(tmp_path, monkeypatch):
     from cuinterpose.agent.errors import RestoreFailed
+
     calls = []
     rs = _restore_world(tmp_path, monkeypatch, calls, "criu restore")
     with pytest.raises(RestoreFailed) as ei:
         rs.run()
     e = ei.value
     assert (e.phase, e.pid, e.outcome) == ("criu restore", None, "restore_failed")
-    assert e.reason == ("interrupted by SIGINT after criu restore; the restored tree was killed, "
-                        "the snapshot is untouched")
+    assert e.reason == (
+        "interrupted by SIGINT after criu restore; the restored tree was killed, "
+        "the snapshot is untouched"
+    )
     assert calls == ["manifest", "driver", "stale sockets", "criu restore", "kill restored"]
 
 
-@pytest.mark.parametrize("mutate,reason", [
-    (lambda m: m.update(shim="x"), "field shim must be an object with path and sha256 (strings)"),
-    (lambda m: m.update(roots=["abc"]), "field roots must be a non-empty list of pids"),
-    (lambda m: m.update(roots=[]), "field roots must be a non-empty list of pids"),
-    (lambda m: m.update(participants=[{"pid": "x"}]),
-     "field participants must be a list of objects with pid (int) and socket_path (string)"),
-    (lambda m: m.update(processes=None), "field processes must be a list of objects with pid (int)"),
-    (lambda m: m.update(cuda_pids=[1.5]), "field cuda_pids must be a list of pids"),
-    (lambda m: m["criu"]["files"]["criu/100/pages-1.img"].pop("sha256"),
-     "field criu.files must map each image path to {sha256 (string), bytes (int)}"),
-    (lambda m: m["criu"].update(files={}), "field criu.files lists no CRIU image of tree 100"),
-    (lambda m: m.update(quiesce={}), "field quiesce must be an object with id (string)"),
-    (lambda m: m.update(driver=[]), "field driver must be an object with kind (string)"),
-    (lambda m: m.update(control_dir=3), "field control_dir must be a string"),
-    (lambda m: m.update(capture=None), "field capture must be an object"),
-])
+@pytest.mark.parametrize(
+    "mutate,reason",
+    [
+        (
+            lambda m: m.update(shim="x"),
+            "field shim must be an object with path and sha256 (strings)",
+        ),
+        (lambda m: m.update(roots=["abc"]), "field roots must be a non-empty list of pids"),
+        (lambda m: m.update(roots=[]), "field roots must be a non-empty list of pids"),
+        (
+            lambda m: m.update(participants=[{"pid": "x"}]),
+            "field participants must be a list of objects with pid (int) and socket_path (string)",
+        ),
+        (
+            lambda m: m.update(processes=None),
+            "field processes must be a list of objects with pid (int)",
+        ),
+        (lambda m: m.update(cuda_pids=[1.5]), "field cuda_pids must be a list of pids"),
+        (
+            lambda m: m["criu"]["files"]["criu/100/pages-1.img"].pop("sha256"),
+            "field criu.files must map each image path to {sha256 (string), bytes (int)}",
+        ),
+        (lambda m: m["criu"].update(files={}), "field criu.files lists no CRIU image of tree 100"),
+        (lambda m: m.update(quiesce={}), "field quiesce must be an object with id (string)"),
+        (lambda m: m.update(driver=[]), "field driver must be an object with kind (string)"),
+        (lambda m: m.update(control_dir=3), "field control_dir must be a string"),
+        (lambda m: m.update(capture=None), "field capture must be an object"),
+    ],
+)
 def test_restore_refuses_a_corrupted_manifest_by_field(tmp_path, installed_shim, mutate, reason):
     snap = tmp_path / "snap"
     snap.mkdir()

@@ -2,6 +2,7 @@
 
 The driver is loaded in child processes only (loading fakecuda into the pytest process would
 change the driver every later in-process test sees)."""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,8 @@ import textwrap
 
 import pytest
 
-from cuinterpose.workloads.afdwin import demo
 from cuinterpose.agent import paths
+from cuinterpose.workloads.afdwin import demo
 
 TARGET = textwrap.dedent("""
     import sys, time
@@ -66,34 +67,64 @@ def target(tmp_path):
 
 def test_native_cycle_on_fakecuda(target):
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "LD_LIBRARY_PATH")}
-    res = subprocess.run([sys.executable, "-c", CONTROLLER, str(target.pid), str(2 ** 22 + 3)],
-                         capture_output=True, text=True, env=env, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-c", CONTROLLER, str(target.pid), str(2**22 + 3)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     fake = str((paths.fakecuda_dir() / paths.FAKECUDA_NAME).resolve())
     assert out["info"]["kind"] == "fake" and out["info"]["library"] == fake
-    assert (out["s0"], out["s1"], out["s2"], out["s3"]) == ("RUNNING", "LOCKED", "CHECKPOINTED", "RUNNING")
-    assert out["relock"] == (f"native lock: pid {target.pid} cuCheckpointProcessLock: "
-                             "CUDA_ERROR_ILLEGAL_STATE")
+    assert (out["s0"], out["s1"], out["s2"], out["s3"]) == (
+        "RUNNING",
+        "LOCKED",
+        "CHECKPOINTED",
+        "RUNNING",
+    )
+    assert out["relock"] == (
+        f"native lock: pid {target.pid} cuCheckpointProcessLock: CUDA_ERROR_ILLEGAL_STATE"
+    )
     assert out["rollback"] == {str(target.pid): "CHECKPOINTED"}
-    assert out["bogus"][:3] == [2 ** 22 + 3, "get_state", "CUDA_ERROR_INVALID_VALUE"]
-    assert f"pid {2 ** 22 + 3} cuCheckpointProcessGetState: CUDA_ERROR_INVALID_VALUE" in out["bogus"][3]
+    assert out["bogus"][:3] == [2**22 + 3, "get_state", "CUDA_ERROR_INVALID_VALUE"]
+    assert (
+        f"pid {2**22 + 3} cuCheckpointProcessGetState: CUDA_ERROR_INVALID_VALUE" in out["bogus"][3]
+    )
     assert "cannot switch to 'real'" in out["switch"]
 
 
 def test_real_driver_refuses_fakecuda_on_library_path(tmp_path):
     env = demo.workload_env(tmp_path, shim=False)  # LD_LIBRARY_PATH = fakecuda dir
-    res = subprocess.run([sys.executable, "-c",
-                          "from cuinterpose.agent.mech import native\n"
-                          "try:\n native.load('real')\nexcept Exception as e:\n print(e)"],
-                         capture_output=True, text=True, env=env, timeout=120)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from cuinterpose.agent.mech import native\n"
+            "try:\n native.load('real')\nexcept Exception as e:\n print(e)",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert "real driver requested but fakecuda" in res.stdout, res.stdout + res.stderr
 
 
 def test_cuda_process_without_shim_is_refused_by_checkpoint(target, tmp_path):
     snap = tmp_path / "snap"
-    rc, out = demo.run_agent("checkpoint", "--pid", str(target.pid), "--images-dir", str(snap),
-                             "--driver", "fake", "--control-dir", str(tmp_path))
+    rc, out = demo.run_agent(
+        "checkpoint",
+        "--pid",
+        str(target.pid),
+        "--images-dir",
+        str(snap),
+        "--driver",
+        "fake",
+        "--control-dir",
+        str(tmp_path),
+    )
     assert rc == 3 and not out["ok"]
     e = out["error"]
     assert (e["phase"], e["pid"], e["outcome"]) == ("census", target.pid, "refused")
@@ -112,6 +143,7 @@ def test_restore_of_a_non_snapshot_is_refused(tmp_path):
 
 
 def test_shim_path_command():
-    res = subprocess.run([sys.executable, "-m", "cuinterpose.agent.cli", "shim-path"],
-                         capture_output=True, text=True)
+    res = subprocess.run(
+        [sys.executable, "-m", "cuinterpose.agent.cli", "shim-path"], capture_output=True, text=True
+    )
     assert res.returncode == 0 and res.stdout.strip() == str(paths.shim_path())

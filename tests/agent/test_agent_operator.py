@@ -1,6 +1,7 @@
 """What a new operator met from a fresh clone: a root that is no session leader, a log opened
 without O_APPEND, a job parked by a stale request, a rank pid passed as the root, totals,
 --leave-running's rows, inspect and snapshots output, litter in /tmp."""
+
 from __future__ import annotations
 
 import json
@@ -10,56 +11,72 @@ import subprocess
 import sys
 
 import pytest
+from agent_world import ROOT, answer_quiesce
+from test_agent_census import states
 
-from cuinterpose.agent.mech import procfs
-from cuinterpose.agent.mech import census, criu, criu_images, quiesce
-from cuinterpose.workloads.afdwin import demo
+from cuinterpose.agent.errors import AgentError, CensusError, QuiesceRefused
+from cuinterpose.agent.mech import census, criu, criu_images, procfs, quiesce
 from cuinterpose.agent.run import checkpoint as cp_mod
 from cuinterpose.agent.run import restore as rs_mod
-from cuinterpose.agent.errors import AgentError, CensusError, QuiesceRefused
 from cuinterpose.agent.run.report import Reporter, RichSink
 from cuinterpose.coordinator.contract import quiesce_path, write_atomic
-
-from test_agent_census import states
-from agent_world import ROOT, answer_quiesce
+from cuinterpose.workloads.afdwin import demo
 
 
 # --- 1. session leader / controlling tty, refused at census ---------------------------------
 def test_a_root_that_is_not_a_session_leader_is_refused_at_census(spawn_tree, shim, ctl):
-    n = spawn_tree({"name": "leader", "children": [{"name": "job", "children": [
-        {"name": "a", "map": str(shim), "sock": str(ctl)}]}]})
+    n = spawn_tree(
+        {
+            "name": "leader",
+            "children": [
+                {"name": "job", "children": [{"name": "a", "map": str(shim), "sock": str(ctl)}]}
+            ],
+        }
+    )
     with pytest.raises(CensusError) as ei:
-        census.take_census([n["job"]], control_dir=ctl, shim_path=shim,
-                           get_state=states({n["a"]: "RUNNING"}))
+        census.take_census(
+            [n["job"]], control_dir=ctl, shim_path=shim, get_state=states({n["a"]: "RUNNING"})
+        )
     assert str(ei.value) == (
         f"census: pid {n['job']} (python) is not a session leader: CRIU can only dump a tree "
-        "whose root leads its session; start the job with `setsid` (stdio on files or /dev/null)")
+        "whose root leads its session; start the job with `setsid` (stdio on files or /dev/null)"
+    )
     # the same job started with setsid (the fixture's root) passes
-    c = census.take_census([n["leader"]], control_dir=ctl, shim_path=shim,
-                           get_state=states({n["a"]: "RUNNING"}))
+    c = census.take_census(
+        [n["leader"]], control_dir=ctl, shim_path=shim, get_state=states({n["a"]: "RUNNING"})
+    )
     assert [p.pid for p in c.participants] == [n["a"]]
 
 
 def test_a_process_with_a_controlling_tty_is_refused():
     shim = census.ShimFile("/x/libcuinterpose.so", "ab" * 32, 1, 2, 3)
-    c = census.Census(roots=[10], shim=shim, control_dir="/c", processes=[
-        census.Process(10, 1, "launcher", sid=10),
-        census.Process(11, 10, "rank", sid=10, tty_nr=34816)])
+    c = census.Census(
+        roots=[10],
+        shim=shim,
+        control_dir="/c",
+        processes=[
+            census.Process(10, 1, "launcher", sid=10),
+            census.Process(11, 10, "rank", sid=10, tty_nr=34816),
+        ],
+    )
     with pytest.raises(CensusError) as ei:
         census.check_sessions(c)
     assert str(ei.value) == (
         "census: pid 11 (rank) has a controlling terminal (tty_nr 34816): CRIU can only dump a "
-        "tree without one; start the job with `setsid` (stdio on files or /dev/null)")
+        "tree without one; start the job with `setsid` (stdio on files or /dev/null)"
+    )
 
 
 def _fake_criu(tmp_path, body: str) -> pathlib.Path:
     """A `criu` that passes `check` and runs ``body`` (sh) for everything else; $IMGS and
     $WORK are the --images-dir and --work-dir it was given, $LOG the --log-file name."""
     f = tmp_path / "fake-criu"
-    f.write_text('#!/bin/sh\ncase "$1" in check) echo "Looks good."; exit 0;; '
-                 '--version) echo "Version: 4.1.1"; exit 0;; esac\n'
-                 'while [ $# -gt 0 ]; do case "$1" in --images-dir) IMGS=$2;; --work-dir) WORK=$2;;'
-                 ' --log-file) LOG=$2;; --pidfile) PIDF=$2;; esac; shift; done\n' + body)
+    f.write_text(
+        '#!/bin/sh\ncase "$1" in check) echo "Looks good."; exit 0;; '
+        '--version) echo "Version: 4.1.1"; exit 0;; esac\n'
+        'while [ $# -gt 0 ]; do case "$1" in --images-dir) IMGS=$2;; --work-dir) WORK=$2;;'
+        " --log-file) LOG=$2;; --pidfile) PIDF=$2;; esac; shift; done\n" + body
+    )
     f.chmod(0o755)
     return f
 
@@ -70,13 +87,16 @@ def fake_criu_env(tmp_path, monkeypatch):
         monkeypatch.setenv("CUINTERPOSE_CRIU", str(_fake_criu(tmp_path, body)))
         monkeypatch.setenv("CUINTERPOSE_CRIU_LOG_DIR", str(tmp_path / "kept-logs"))
         criu.reset()
+
     yield use
     criu.reset()
 
 
 def test_a_failed_dump_keeps_its_log_where_the_rollback_cannot_delete_it(fake_criu_env, tmp_path):
-    fake_criu_env('echo "Error (criu/cr-dump.c:2123): The root process 4242 is not a session '
-                  'leader. Consider using --shell-job" > "$WORK/$LOG"; exit 1\n')
+    fake_criu_env(
+        'echo "Error (criu/cr-dump.c:2123): The root process 4242 is not a session '
+        'leader. Consider using --shell-job" > "$WORK/$LOG"; exit 1\n'
+    )
     imgs = tmp_path / "snap" / "criu" / "4242"
     with pytest.raises(criu.CriuError) as ei:
         criu.dump(os.getpid(), imgs)
@@ -84,9 +104,12 @@ def test_a_failed_dump_keeps_its_log_where_the_rollback_cannot_delete_it(fake_cr
     assert kept.parent == tmp_path / "kept-logs" and kept.name.startswith("dump-")
     assert f"log: {kept}" in str(ei.value)
     import shutil
-    shutil.rmtree(tmp_path / "snap")                      # what a rollback does
-    assert kept.read_text() == ("Error (criu/cr-dump.c:2123): The root process 4242 is not a "
-                                "session leader. Consider using --shell-job\n")
+
+    shutil.rmtree(tmp_path / "snap")  # what a rollback does
+    assert kept.read_text() == (
+        "Error (criu/cr-dump.c:2123): The root process 4242 is not a "
+        "session leader. Consider using --shell-job\n"
+    )
 
 
 # --- 9. restore work dirs: removed after success, kept (and named) on failure -----------------
@@ -96,10 +119,15 @@ def _images(tmp_path) -> pathlib.Path:
     (d / "inventory.img").write_bytes(b"")
     # pstree.img: magics, one entry {pid: 999999}
     import struct
-    entry = bytes([0x08]) + bytes([0xbf, 0x84, 0x3d])    # field 1 varint 999999
-    (d / "pstree.img").write_bytes(struct.pack("<II", *next(iter(
-        [(m, criu_images._PSTREE_MAGIC) for m in criu_images._IMG_MAGICS]))) + struct.pack("<I", len(entry))
-        + entry)
+
+    entry = bytes([0x08]) + bytes([0xBF, 0x84, 0x3D])  # field 1 varint 999999
+    (d / "pstree.img").write_bytes(
+        struct.pack(
+            "<II", *next(iter([(m, criu_images._PSTREE_MAGIC) for m in criu_images._IMG_MAGICS]))
+        )
+        + struct.pack("<I", len(entry))
+        + entry
+    )
     return d
 
 
@@ -109,8 +137,10 @@ def test_a_successful_restore_removes_its_work_dir_a_failed_one_keeps_it(fake_cr
     fake_criu_env('echo restored > "$WORK/$LOG"; echo 4321 > "$PIDF"; exit 0\n')
     assert criu.restore(imgs) == 4321
     assert list(pathlib.Path(criu.tempfile.gettempdir()).glob("cuinterpose-criu-restore-*")) == []
-    fake_criu_env('echo "(00.02) Error (criu/files-reg.c:2112): File tmp/run/app.log has bad size '
-                  '2048 (expect 1024)" > "$WORK/$LOG"; exit 1\n')
+    fake_criu_env(
+        'echo "(00.02) Error (criu/files-reg.c:2112): File tmp/run/app.log has bad size '
+        '2048 (expect 1024)" > "$WORK/$LOG"; exit 1\n'
+    )
     with pytest.raises(criu.CriuError) as ei:
         criu.restore(imgs)
     kept = list(pathlib.Path(criu.tempfile.gettempdir()).glob("cuinterpose-criu-restore-*"))
@@ -124,26 +154,35 @@ def test_files_open_for_writing_without_append_are_named(tmp_path):
     w, a, r, rw = (tmp_path / n for n in ("w.log", "a.log", "r.txt", "rw.db"))
     r.write_text("x")
     rw.write_text("y")
-    prog = ("import sys,time\n"
-            f"fs=[open({str(w)!r},'w'), open({str(a)!r},'a'), open({str(r)!r}), "
-            f"open({str(rw)!r},'r+')]\n"
-            "print([f.fileno() for f in fs], flush=True); time.sleep(600)\n")
+    prog = (
+        "import sys,time\n"
+        f"fs=[open({str(w)!r},'w'), open({str(a)!r},'a'), open({str(r)!r}), "
+        f"open({str(rw)!r},'r+')]\n"
+        "print([f.fileno() for f in fs], flush=True); time.sleep(600)\n"
+    )
     p = subprocess.Popen([sys.executable, "-c", prog], stdout=subprocess.PIPE, text=True)
     try:
         fds = json.loads(p.stdout.readline())
-        c = census.Census(roots=[p.pid], shim=None, control_dir="/c",
-                          processes=[census.Process(p.pid, os.getpid(), "python")])
+        c = census.Census(
+            roots=[p.pid],
+            shim=None,
+            control_dir="/c",
+            processes=[census.Process(p.pid, os.getpid(), "python")],
+        )
         got = census.open_file_warnings(c)
     finally:
         p.kill()
         p.wait()
-    assert [(g["pid"], g["fd"], g["path"]) for g in got] == [(p.pid, fds[0], str(w)),
-                                                            (p.pid, fds[3], str(rw))]
+    assert [(g["pid"], g["fd"], g["path"]) for g in got] == [
+        (p.pid, fds[0], str(w)),
+        (p.pid, fds[3], str(rw)),
+    ]
     assert got[0]["message"] == (
         f"pid {p.pid} (python) fd {fds[0]} {w} is open for writing without O_APPEND: CRIU "
         "refuses to restore a file whose size changed since the dump, so a restored run writing "
         "to it will make this snapshot restorable only once (or not at all if it is written "
-        "before the restore); open it with O_APPEND / `>>`")
+        "before the restore); open it with O_APPEND / `>>`"
+    )
 
 
 def test_checkpoint_warns_and_records_warnings_in_the_manifest(world, tmp_path, monkeypatch):
@@ -163,6 +202,7 @@ def test_a_restore_refused_for_a_bad_size_names_the_file_and_the_fix(tmp_path, m
 
     def boom(d):
         raise e
+
     monkeypatch.setattr(criu, "restore", boom)
     rs = rs_mod.Restore(tmp_path)
     rs.m = {"roots": [7]}
@@ -175,7 +215,8 @@ def test_a_restore_refused_for_a_bad_size_names_the_file_and_the_fix(tmp_path, m
         "snapshot is restorable only while the file keeps its dumped size (truncate it back to "
         "that size to restore it again, losing what was written after the checkpoint); open it "
         "with O_APPEND / `>>` so that later snapshots restore any number of times "
-        f"(CRIU log: {tmp_path / 'restore.log'})")
+        f"(CRIU log: {tmp_path / 'restore.log'})"
+    )
     assert "log tail" not in ei.value.reason
 
 
@@ -184,53 +225,79 @@ def test_release_answers_the_pending_request_of_a_dead_agent(ctl):
     write_atomic(quiesce_path(ctl, 4242, "request"), {"id": "abc", "timeout_ms": 9})
     dead = subprocess.Popen(["true"])
     dead.wait()
-    write_atomic(quiesce_path(ctl, 4242, "lock"),
-                         {"id": "abc", "pid": dead.pid, "starttime": 1, "torn_down": False})
+    write_atomic(
+        quiesce_path(ctl, 4242, "lock"),
+        {"id": "abc", "pid": dead.pid, "starttime": 1, "torn_down": False},
+    )
     rc, out = demo.run_agent("release", "--pid", "4242", "--control-dir", str(ctl))
-    assert (rc, out) == (0, {"ok": True, "pid": 4242, "request_id": "abc", "removed_lock": True,
-                             "resume": str(quiesce_path(ctl, 4242, "resume"))})
+    assert (rc, out) == (
+        0,
+        {
+            "ok": True,
+            "pid": 4242,
+            "request_id": "abc",
+            "removed_lock": True,
+            "resume": str(quiesce_path(ctl, 4242, "resume")),
+        },
+    )
     assert json.loads(quiesce_path(ctl, 4242, "resume").read_text()) == {
-        "id": "abc", "restored": False, "cancelled": True}
+        "id": "abc",
+        "restored": False,
+        "cancelled": True,
+    }
     assert sorted(p.name for p in ctl.iterdir()) == ["quiesce-4242.resume"]
     rc, out = demo.run_agent("release", "--pid", "4242", "--control-dir", str(ctl))
     assert rc == 3 and out["error"]["reason"] == (
         f"no pending quiesce request {quiesce_path(ctl, 4242, 'request')} (there is none); "
-        "nothing to release")
+        "nothing to release"
+    )
 
 
 def test_release_is_refused_while_a_live_agent_owns_the_request(ctl):
     write_atomic(quiesce_path(ctl, 4242, "request"), {"id": "abc", "timeout_ms": 9})
     live = subprocess.Popen(["sleep", "600"])
     try:
-        write_atomic(quiesce_path(ctl, 4242, "lock"), {
-            "id": "abc", "pid": live.pid, "starttime": procfs.starttime(live.pid),
-            "torn_down": False})
+        write_atomic(
+            quiesce_path(ctl, 4242, "lock"),
+            {
+                "id": "abc",
+                "pid": live.pid,
+                "starttime": procfs.starttime(live.pid),
+                "torn_down": False,
+            },
+        )
         rc, out = demo.run_agent("release", "--pid", "4242", "--control-dir", str(ctl))
     finally:
         live.kill()
         live.wait()
     assert rc == 3
     assert out["error"] == {
-        "phase": "release", "pid": 4242, "outcome": "refused",
+        "phase": "release",
+        "pid": 4242,
+        "outcome": "refused",
         "reason": f"a checkpoint of this tree (request id abc) is in progress in agent pid "
-                  f"{live.pid} ({quiesce_path(ctl, 4242, 'lock')}); release refused: it "
-                  "would resume the workload under a running checkpoint",
+        f"{live.pid} ({quiesce_path(ctl, 4242, 'lock')}); release refused: it "
+        "would resume the workload under a running checkpoint",
         "message": f"release: pid 4242 a checkpoint of this tree (request id abc) is in progress "
-                   f"in agent pid {live.pid} ({quiesce_path(ctl, 4242, 'lock')}); release "
-                   "refused: it would resume the workload under a running checkpoint"}
+        f"in agent pid {live.pid} ({quiesce_path(ctl, 4242, 'lock')}); release "
+        "refused: it would resume the workload under a running checkpoint",
+    }
     assert not quiesce_path(ctl, 4242, "resume").exists()
 
 
 def test_release_after_teardown_wants_force(ctl):
     write_atomic(quiesce_path(ctl, 9, "request"), {"id": "q1", "timeout_ms": 9})
-    write_atomic(quiesce_path(ctl, 9, "lock"),
-                         {"id": "q1", "pid": 999999999, "starttime": 1, "torn_down": True})
+    write_atomic(
+        quiesce_path(ctl, 9, "lock"),
+        {"id": "q1", "pid": 999999999, "starttime": 1, "torn_down": True},
+    )
     with pytest.raises(QuiesceRefused) as ei:
         quiesce.release(ctl, 9)
     assert ei.value.reason == (
         "the agent (pid 999999999) that sent request q1 had started tearing the shared memory "
         "down and never rebuilt it: resuming the workload may run it on torn-down memory; pass "
-        "--force to release it anyway")
+        "--force to release it anyway"
+    )
     assert quiesce.release(ctl, 9, force=True)["request_id"] == "q1"
 
 
@@ -240,52 +307,72 @@ def test_the_checkpoint_holds_a_lock_with_its_pid_until_it_ends(world, tmp_path,
 
     def request(ctl, roots, qid, timeout_ms):
         orig(ctl, roots, qid, timeout_ms)
+
     monkeypatch.setattr(quiesce, "request", request)
     real_lock = quiesce.write_lock
 
     def write_lock(ctl, roots, qid, **kw):
         real_lock(ctl, roots, qid, **kw)
         seen.append(json.loads(quiesce_path(ctl, ROOT, "lock").read_text()))
+
     monkeypatch.setattr(quiesce, "write_lock", write_lock)
     cp_mod.Checkpoint([ROOT], tmp_path / "snap", control_dir=world.ctl).run()
-    assert [(s["pid"], s["torn_down"]) for s in seen] == [(os.getpid(), False),
-                                                          (os.getpid(), True)]
+    assert [(s["pid"], s["torn_down"]) for s in seen] == [(os.getpid(), False), (os.getpid(), True)]
     assert not quiesce_path(world.ctl, ROOT, "lock").exists()
 
 
 # --- 4. a rank pid as the root ----------------------------------------------------------------
 def test_a_rank_whose_parent_has_a_control_socket_is_refused_at_census(spawn_tree, shim, ctl):
-    n = spawn_tree({"name": "launcher", "map": str(shim), "sock": str(ctl), "children": [
-        {"name": "a", "map": str(shim), "sock": str(ctl)}]})
+    n = spawn_tree(
+        {
+            "name": "launcher",
+            "map": str(shim),
+            "sock": str(ctl),
+            "children": [{"name": "a", "map": str(shim), "sock": str(ctl)}],
+        }
+    )
     with pytest.raises(CensusError) as ei:
-        census.take_census([n["a"]], control_dir=ctl, shim_path=shim,
-                           get_state=states({n["a"]: "RUNNING", n["launcher"]: "RUNNING"}))
+        census.take_census(
+            [n["a"]],
+            control_dir=ctl,
+            shim_path=shim,
+            get_state=states({n["a"]: "RUNNING", n["launcher"]: "RUNNING"}),
+        )
     assert str(ei.value) == (
         f"census: pid {n['a']} (python) looks like a rank, not the root of its job: its parent "
         f"pid {n['launcher']} (python) runs under the shim too (with a control socket); pass "
-        f"--pid {n['launcher']}")
+        f"--pid {n['launcher']}"
+    )
 
 
 def test_a_parent_with_the_shim_but_no_socket_is_not_refused_as_a_rank(spawn_tree, shim, ctl):
     """Ambiguous (a shell started with LD_PRELOAD maps the shim too): no rank refusal at census.
     Such a rank is no session leader though, so it is refused for that, with the rank hint."""
-    n = spawn_tree({"name": "shell", "map": str(shim), "children": [
-        {"name": "a", "map": str(shim), "sock": str(ctl)}]})
+    n = spawn_tree(
+        {
+            "name": "shell",
+            "map": str(shim),
+            "children": [{"name": "a", "map": str(shim), "sock": str(ctl)}],
+        }
+    )
     with pytest.raises(CensusError) as ei:
-        census.take_census([n["a"]], control_dir=ctl, shim_path=shim,
-                           get_state=states({n["a"]: "RUNNING"}))
+        census.take_census(
+            [n["a"]], control_dir=ctl, shim_path=shim, get_state=states({n["a"]: "RUNNING"})
+        )
     assert ei.value.reason == (
         "(python) is not a session leader: CRIU can only dump a tree whose root leads its "
         "session; start the job with `setsid` (stdio on files or /dev/null); "
         f"pid {n['a']} looks like a rank, not the root of its job: its parent pid {n['shell']} "
-        f"(python) runs under the shim too; pass --pid {n['shell']}")
+        f"(python) runs under the shim too; pass --pid {n['shell']}"
+    )
 
 
 def test_a_refused_quiesce_of_a_rank_leaves_no_resume_behind(world, tmp_path, monkeypatch):
     monkeypatch.setattr(census, "job_root_hint", lambda pid, shim: f"pid {pid} looks like a rank")
     with pytest.raises(QuiesceRefused) as ei:
-        cp_mod.Checkpoint([ROOT], tmp_path / "snap", control_dir=world.ctl,
-                          quiesce_timeout_ms=50).run()
+        cp_mod.Checkpoint(
+            [ROOT], tmp_path / "snap", control_dir=world.ctl, quiesce_timeout_ms=50
+        ).run()
     assert ei.value.reason.endswith(f"; pid {ROOT} looks like a rank")
     assert sorted(p.name for p in world.ctl.iterdir()) == []
 
@@ -294,6 +381,7 @@ def test_a_refused_quiesce_of_a_rank_leaves_no_resume_behind(world, tmp_path, mo
 def test_totals_wall_and_paused_in_the_manifest_and_json(world, tmp_path, monkeypatch):
     monkeypatch.setattr(quiesce, "request", answer_quiesce(world))
     from cuinterpose.agent.run import ops
+
     out, m = ops.checkpoint(Reporter(), [ROOT], tmp_path / "snap", control_dir=world.ctl)
     t = json.loads((tmp_path / "snap" / "manifest.json").read_text())["totals"]
     assert set(t) == {"carrier_bytes", "image_bytes", "wall_ms", "paused_ms"}
@@ -304,10 +392,11 @@ def test_totals_wall_and_paused_in_the_manifest_and_json(world, tmp_path, monkey
 def test_leave_running_names_its_native_step_native_restore(world, tmp_path, monkeypatch):
     monkeypatch.setattr(quiesce, "request", answer_quiesce(world))
     rep = Reporter()
-    cp_mod.Checkpoint([ROOT], tmp_path / "snap", control_dir=world.ctl, leave_running=True,
-                      reporter=rep).run()
+    cp_mod.Checkpoint(
+        [ROOT], tmp_path / "snap", control_dir=world.ctl, leave_running=True, reporter=rep
+    ).run()
     names = [p.name for p in rep.phases]
-    assert names[names.index("manifest"):] == ["manifest", "resume trees", "native restore"]
+    assert names[names.index("manifest") :] == ["manifest", "resume trees", "native restore"]
     assert "rollback native" not in names
 
 
@@ -333,30 +422,51 @@ def test_inspect_of_a_missing_pid_says_no_such_process():
 
 
 def test_inspect_of_a_launcher_lists_the_children_with_a_socket(spawn_tree, ctl):
-    n = spawn_tree({"name": "launcher", "children": [{"name": "a", "sock": str(ctl)},
-                                                     {"name": "b", "sock": str(ctl)},
-                                                     {"name": "helper"}]})
+    n = spawn_tree(
+        {
+            "name": "launcher",
+            "children": [
+                {"name": "a", "sock": str(ctl)},
+                {"name": "b", "sock": str(ctl)},
+                {"name": "helper"},
+            ],
+        }
+    )
     rc, out = demo.run_agent("inspect", "--pid", str(n["launcher"]), "--control-dir", str(ctl))
     a, b = sorted([n["a"], n["b"]])
     assert rc == 3 and out["error"]["reason"] == (
         f"has no control socket {ctl / ('cuinterpose-%d.sock' % n['launcher'])}; processes under "
         f"it that have one: {a} (python), {b} (python) (inspect one of those; pass pid "
-        f"{n['launcher']} to checkpoint as the root of the job)")
+        f"{n['launcher']} to checkpoint as the root of the job)"
+    )
 
 
 # --- 8. snapshots ---------------------------------------------------------------------------------
 def _snap(d: pathlib.Path, sid: str, leave: bool):
     d.mkdir(parents=True)
-    (d / "manifest.json").write_text(json.dumps({
-        "snapshot_id": sid, "created_at": "2026-11-30T08:00:00.000000Z", "roots": [41, 42],
-        "processes": [{"pid": 41}, {"pid": 42}, {"pid": 43}], "criu": {"leave_running": leave},
-        "totals": {"image_bytes": 1000, "carrier_bytes": 4096}, "driver": {"kind": "fake"}}))
+    (d / "manifest.json").write_text(
+        json.dumps(
+            {
+                "snapshot_id": sid,
+                "created_at": "2026-11-30T08:00:00.000000Z",
+                "roots": [41, 42],
+                "processes": [{"pid": 41}, {"pid": 42}, {"pid": 43}],
+                "criu": {"leave_running": leave},
+                "totals": {"image_bytes": 1000, "carrier_bytes": 4096},
+                "driver": {"kind": "fake"},
+            }
+        )
+    )
 
 
 def _cli(*args):
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-    return subprocess.run([sys.executable, "-m", "cuinterpose.agent.cli", *args],
-                          capture_output=True, text=True, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "cuinterpose.agent.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
 
 
 def test_snapshots_takes_the_directory_as_an_argument_and_prints_columns(tmp_path):
@@ -368,36 +478,50 @@ def test_snapshots_takes_the_directory_as_an_argument_and_prints_columns(tmp_pat
         f"2 snapshots in {tmp_path / 'snaps'}",
         "name  created                      roots  processes  carrier bytes  image bytes  leave-running",
         "job1  2026-11-30T08:00:00.000000Z  41,42          3           4096         1000  no",
-        "job2  2026-11-30T08:00:00.000000Z  41,42          3           4096         1000  yes"]
+        "job2  2026-11-30T08:00:00.000000Z  41,42          3           4096         1000  yes",
+    ]
     one = _cli("snapshots", str(tmp_path / "snaps" / "job2"), "--json")
     assert [s["snapshot_id"] for s in json.loads(one.stdout)["snapshots"]] == ["cd34"]
     assert _cli("snapshots", "--dir", str(tmp_path / "snaps")).stdout == res.stdout
 
 
-def test_after_a_failed_rollback_release_wants_force_even_from_a_live_agent(world, tmp_path,
-                                                                           monkeypatch):
+def test_after_a_failed_rollback_release_wants_force_even_from_a_live_agent(
+    world, tmp_path, monkeypatch
+):
     """rollback_failed: the workload stays parked on torn-down memory. The agent (a daemon may
     live on) gives the request up: release no longer waits for it, but wants --force."""
     from agent_world import FakePhaseError
+
     monkeypatch.setattr(quiesce, "request", answer_quiesce(world))
 
     def capture(self):
         world.captured = True
         world.coord_phase = "FAILED"
         world.capture_obj = object()
-        raise FakePhaseError("PREPARE_UNICAST: pid 201 cuMemUnmap failed", "PREPARE_UNICAST", 201,
-                             changed=True, capture=world.capture_obj)
+        raise FakePhaseError(
+            "PREPARE_UNICAST: pid 201 cuMemUnmap failed",
+            "PREPARE_UNICAST",
+            201,
+            changed=True,
+            capture=world.capture_obj,
+        )
+
     monkeypatch.setattr(cp_mod._coordinator_module().Coordinator, "capture", capture)
     cp = cp_mod.Checkpoint([ROOT], tmp_path / "snap", control_dir=world.ctl)
     with pytest.raises(AgentError) as ei:
         cp.run()
     assert ei.value.outcome == "rollback_failed"
     assert json.loads(quiesce_path(world.ctl, ROOT, "lock").read_text()) == {
-        "id": cp.qid, "pid": None, "starttime": None, "torn_down": True}
+        "id": cp.qid,
+        "pid": None,
+        "starttime": None,
+        "torn_down": True,
+    }
     with pytest.raises(QuiesceRefused) as ei:
         quiesce.release(world.ctl, ROOT)
     assert ei.value.reason == (
         f"the checkpoint that sent request {cp.qid} failed and so did its rollback: the shared "
         "memory is torn down: resuming the workload may run it on torn-down memory; pass --force "
-        "to release it anyway")
+        "to release it anyway"
+    )
     assert quiesce.release(world.ctl, ROOT, force=True)["request_id"] == cp.qid

@@ -1,5 +1,6 @@
 """Checkpoint ordering, refusal and rollback, with the driver, coordinator and CRIU replaced by
 recording fakes (the real ones are exercised end to end in tests/e2e)."""
+
 from __future__ import annotations
 
 import json
@@ -8,35 +9,49 @@ import signal
 import sys
 
 import pytest
+from agent_world import PIDS, PROBE, ROOT, FakePhaseError, answer_quiesce, resume_of
 
-from cuinterpose.agent.run import checkpoint as cp_mod
-from cuinterpose.agent.mech import native, quiesce
 from cuinterpose.agent.errors import AgentError, CheckpointFailed, QuiesceRefused, SnapshotError
+from cuinterpose.agent.mech import native, quiesce
+from cuinterpose.agent.run import checkpoint as cp_mod
 from cuinterpose.coordinator.contract import quiesce_path, write_atomic
 
-from agent_world import PIDS, PROBE, ROOT, FakePhaseError, answer_quiesce, resume_of
 
 def test_order_lock_every_process_then_checkpoint_each(world, tmp_path, monkeypatch):
     monkeypatch.setattr(quiesce, "request", answer_quiesce(world))
     m = cp_mod.Checkpoint([ROOT], tmp_path / "snap", control_dir=world.ctl).run()
     assert world.log == [
-        ("coord", "init", tuple(PIDS)), ("workload", "ready", None), *PROBE,
+        ("coord", "init", tuple(PIDS)),
+        ("workload", "ready", None),
+        *PROBE,
         ("coord", "capture", None),
-        ("native", "lock", 201), ("native", "lock", 202),
-        ("native", "checkpoint", 201), ("native", "checkpoint", 202),
-        ("criu", "dump", ROOT), ("signal", "SIGKILL", ROOT)]    # killed only after the manifest
+        ("native", "lock", 201),
+        ("native", "lock", 202),
+        ("native", "checkpoint", 201),
+        ("native", "checkpoint", 202),
+        ("criu", "dump", ROOT),
+        ("signal", "SIGKILL", ROOT),
+    ]  # killed only after the manifest
     on_disk = json.loads((tmp_path / "snap" / "manifest.json").read_text())
     assert on_disk["cuda_pids"] == PIDS and on_disk["roots"] == [ROOT]
     assert on_disk["criu"]["files"]["criu/200/core.img"]["bytes"] == 1
     assert [p["name"] for p in m["phases"]] == [
-        "driver", "census", "quiesce", "quiescence check", "native lock",
-        "native checkpoint", "criu dump"]
+        "driver",
+        "census",
+        "quiesce",
+        "quiescence check",
+        "native lock",
+        "native checkpoint",
+        "criu dump",
+    ]
     assert not (world.ctl / f"quiesce-{ROOT}.resume").exists()  # only after restore
 
 
 def test_quiesce_timeout_refuses_without_teardown(world, tmp_path):
     with pytest.raises(QuiesceRefused) as ei:
-        cp_mod.Checkpoint([ROOT], tmp_path / "snap", control_dir=world.ctl, quiesce_timeout_ms=100).run()
+        cp_mod.Checkpoint(
+            [ROOT], tmp_path / "snap", control_dir=world.ctl, quiesce_timeout_ms=100
+        ).run()
     assert ei.value.outcome == "refused" and ei.value.pid == ROOT
     assert world.log == [("coord", "init", tuple(PIDS))]  # no INSPECT, no capture, no native call
     assert resume_of(world)["cancelled"] is True
@@ -44,17 +59,36 @@ def test_quiesce_timeout_refuses_without_teardown(world, tmp_path):
     assert not (tmp_path / "snap" / "manifest.json").exists()
 
 
-@pytest.mark.parametrize("fail,tail", [
-    ({"checkpoint": 202}, [("native", "checkpoint", 201), ("native", "checkpoint", 202),
-                           ("native", "restore", 201), ("native", "unlock", 201),
-                           ("native", "unlock", 202), ("coord", "rollback", None)]),
-    # a failed dump: CRIU resumed the tree itself, so no SIGCONT is needed
-    ({"dump": ROOT}, [("native", "checkpoint", 201), ("native", "checkpoint", 202),
-                      ("criu", "dump", ROOT),
-                      ("native", "restore", 201), ("native", "unlock", 201),
-                      ("native", "restore", 202), ("native", "unlock", 202),
-                      ("coord", "rollback", None)]),
-])
+@pytest.mark.parametrize(
+    "fail,tail",
+    [
+        (
+            {"checkpoint": 202},
+            [
+                ("native", "checkpoint", 201),
+                ("native", "checkpoint", 202),
+                ("native", "restore", 201),
+                ("native", "unlock", 201),
+                ("native", "unlock", 202),
+                ("coord", "rollback", None),
+            ],
+        ),
+        # a failed dump: CRIU resumed the tree itself, so no SIGCONT is needed
+        (
+            {"dump": ROOT},
+            [
+                ("native", "checkpoint", 201),
+                ("native", "checkpoint", 202),
+                ("criu", "dump", ROOT),
+                ("native", "restore", 201),
+                ("native", "unlock", 201),
+                ("native", "restore", 202),
+                ("native", "unlock", 202),
+                ("coord", "rollback", None),
+            ],
+        ),
+    ],
+)
 def test_failure_after_teardown_rolls_back(world, tmp_path, monkeypatch, fail, tail):
     world.fail = fail
     monkeypatch.setattr(quiesce, "request", answer_quiesce(world))
@@ -62,7 +96,7 @@ def test_failure_after_teardown_rolls_back(world, tmp_path, monkeypatch, fail, t
         cp_mod.Checkpoint([ROOT], tmp_path / "snap", control_dir=world.ctl).run()
     e = ei.value
     assert e.outcome == "rolled_back"
-    assert world.log[-len(tail):] == tail
+    assert world.log[-len(tail) :] == tail
     assert world.state == {201: "RUNNING", 202: "RUNNING"}
     assert resume_of(world) == {"id": resume_of(world)["id"], "restored": False, "cancelled": False}
     assert not (tmp_path / "snap" / "manifest.json").exists()
@@ -80,8 +114,12 @@ def test_lock_failure_unlocks_the_locked_and_rolls_back(world, tmp_path, monkeyp
     with pytest.raises(CheckpointFailed) as ei:
         cp_mod.Checkpoint([ROOT], tmp_path / "snap", control_dir=world.ctl).run()
     assert ei.value.outcome == "rolled_back" and ei.value.pid == 202
-    assert world.log[-4:] == [("native", "lock", 201), ("native", "lock", 202),
-                              ("native", "unlock", 201), ("coord", "rollback", None)]
+    assert world.log[-4:] == [
+        ("native", "lock", 201),
+        ("native", "lock", 202),
+        ("native", "unlock", 201),
+        ("coord", "rollback", None),
+    ]
     assert world.state == {201: "RUNNING", 202: "RUNNING"}
 
 
@@ -95,9 +133,13 @@ def test_quiescence_check_lock_timeout_refuses_before_any_teardown(world, tmp_pa
     e = ei.value
     assert (e.phase, e.pid, e.outcome) == ("quiescence check", 202, "refused")
     assert e.reason == "cuCheckpointProcessLock: CUDA_ERROR_INVALID_VALUE"
-    assert world.log == [("coord", "init", tuple(PIDS)), ("workload", "ready", None),
-                         ("native", "lock", 201), ("native", "lock", 202),
-                         ("native", "unlock", 201)]
+    assert world.log == [
+        ("coord", "init", tuple(PIDS)),
+        ("workload", "ready", None),
+        ("native", "lock", 201),
+        ("native", "lock", 202),
+        ("native", "unlock", 201),
+    ]
     assert world.state == {201: "RUNNING", 202: "RUNNING"}
     assert resume_of(world)["cancelled"] is True
     assert not (tmp_path / "snap").exists()
@@ -117,8 +159,13 @@ def test_inspect_refusal_is_a_refusal_without_teardown(world, tmp_path, monkeypa
     def capture(self):
         w = world
         w.log.append(("coord", "capture", None))
-        raise FakePhaseError("INSPECT: pid 202 refused (REFUSED_STATE): allocation 9f3c is a raw import",
-                             "INSPECT", 202, changed=False)
+        raise FakePhaseError(
+            "INSPECT: pid 202 refused (REFUSED_STATE): allocation 9f3c is a raw import",
+            "INSPECT",
+            202,
+            changed=False,
+        )
+
     coord_cls = cp_mod._coordinator_module().Coordinator
     monkeypatch.setattr(coord_cls, "capture", capture)
     with pytest.raises(Exception) as ei:
@@ -139,8 +186,14 @@ def test_failed_rollback_leaves_the_workload_parked(world, tmp_path, monkeypatch
         world.log.append(("coord", "capture", None))
         world.coord_phase = "FAILED"
         world.capture_obj = object()
-        raise FakePhaseError("PREPARE_UNICAST: pid 201 cuMemUnmap failed: CUDA_ERROR_INVALID_VALUE",
-                             "PREPARE_UNICAST", 201, changed=True, capture=world.capture_obj)
+        raise FakePhaseError(
+            "PREPARE_UNICAST: pid 201 cuMemUnmap failed: CUDA_ERROR_INVALID_VALUE",
+            "PREPARE_UNICAST",
+            201,
+            changed=True,
+            capture=world.capture_obj,
+        )
+
     coord_cls = cp_mod._coordinator_module().Coordinator
     monkeypatch.setattr(coord_cls, "capture", capture)
     with pytest.raises(CheckpointFailed) as ei:
@@ -160,6 +213,7 @@ def test_participant_not_parked_is_refused(world, tmp_path, monkeypatch):
     def request(ctl, roots, qid, timeout_ms):
         orig(ctl, roots, qid, timeout_ms)
         write_atomic(quiesce_path(ctl, ROOT, "ready"), {"id": qid, "ranks": [{"pid": 201}]})
+
     monkeypatch.setattr(quiesce, "request", request)
     with pytest.raises(Exception) as ei:
         cp_mod.Checkpoint([ROOT], tmp_path / "snap", control_dir=world.ctl).run()
@@ -184,12 +238,16 @@ def test_second_tree_dump_failure_resumes_the_first_and_rolls_back(world, tmp_pa
     e = ei.value
     assert (e.phase, e.pid, e.outcome) == ("criu dump", ROOT2, "rolled_back")
     assert str(e).startswith("criu dump: pid 300 tree 300: criu dump failed: ")
-    assert world.log[world.log.index(("criu", "dump", ROOT)):] == [
-        ("criu", "dump", ROOT), ("criu", "dump", ROOT2),
+    assert world.log[world.log.index(("criu", "dump", ROOT)) :] == [
+        ("criu", "dump", ROOT),
+        ("criu", "dump", ROOT2),
         ("signal", "SIGCONT", ROOT),
-        ("native", "restore", 201), ("native", "unlock", 201),
-        ("native", "restore", 202), ("native", "unlock", 202),
-        ("coord", "rollback", None)]
+        ("native", "restore", 201),
+        ("native", "unlock", 201),
+        ("native", "restore", 202),
+        ("native", "unlock", 202),
+        ("coord", "rollback", None),
+    ]
     assert not any(x == ("signal", "SIGKILL", ROOT) for x in world.log)
     assert world.stopped == set() and world.state == {201: "RUNNING", 202: "RUNNING"}
     for root in (ROOT, ROOT2):
@@ -199,24 +257,33 @@ def test_second_tree_dump_failure_resumes_the_first_and_rolls_back(world, tmp_pa
     assert not (tmp_path / "snap" / "criu").exists()
 
 
-def test_manifest_write_failure_rolls_back_instead_of_losing_the_workload(world, tmp_path, monkeypatch):
+def test_manifest_write_failure_rolls_back_instead_of_losing_the_workload(
+    world, tmp_path, monkeypatch
+):
     monkeypatch.setattr(quiesce, "request", answer_quiesce(world))
 
     def write(snapshot, manifest):
         world.log.append(("manifest", "write", None))
         raise OSError(28, "No space left on device")
+
     monkeypatch.setattr(cp_mod.manifest_mod, "write", write)
     with pytest.raises(CheckpointFailed) as ei:
         cp_mod.Checkpoint([ROOT, ROOT2], tmp_path / "snap", control_dir=world.ctl).run()
     e = ei.value
     assert (e.phase, e.pid, e.outcome) == ("manifest", None, "rolled_back")
     assert f"{tmp_path / 'snap'}: OSError: [Errno 28] No space left on device" in str(e)
-    assert world.log[world.log.index(("criu", "dump", ROOT)):] == [
-        ("criu", "dump", ROOT), ("criu", "dump", ROOT2), ("manifest", "write", None),
-        ("signal", "SIGCONT", ROOT), ("signal", "SIGCONT", ROOT2),
-        ("native", "restore", 201), ("native", "unlock", 201),
-        ("native", "restore", 202), ("native", "unlock", 202),
-        ("coord", "rollback", None)]
+    assert world.log[world.log.index(("criu", "dump", ROOT)) :] == [
+        ("criu", "dump", ROOT),
+        ("criu", "dump", ROOT2),
+        ("manifest", "write", None),
+        ("signal", "SIGCONT", ROOT),
+        ("signal", "SIGCONT", ROOT2),
+        ("native", "restore", 201),
+        ("native", "unlock", 201),
+        ("native", "restore", 202),
+        ("native", "unlock", 202),
+        ("coord", "rollback", None),
+    ]
     assert "SIGKILL" not in [x[1] for x in world.log]
     assert world.stopped == set() and world.state == {201: "RUNNING", 202: "RUNNING"}
     assert resume_of(world)["restored"] is False
@@ -227,11 +294,15 @@ def test_leave_running_resumes_after_the_manifest(world, tmp_path, monkeypatch):
     monkeypatch.setattr(quiesce, "request", answer_quiesce(world))
     cp_mod.Checkpoint([ROOT], tmp_path / "snap", control_dir=world.ctl, leave_running=True).run()
     assert (tmp_path / "snap" / "manifest.json").exists()
-    assert world.log[world.log.index(("criu", "dump", ROOT)):] == [
-        ("criu", "dump", ROOT), ("signal", "SIGCONT", ROOT),
-        ("native", "restore", 201), ("native", "unlock", 201),
-        ("native", "restore", 202), ("native", "unlock", 202),
-        ("coord", "rollback", None)]
+    assert world.log[world.log.index(("criu", "dump", ROOT)) :] == [
+        ("criu", "dump", ROOT),
+        ("signal", "SIGCONT", ROOT),
+        ("native", "restore", 201),
+        ("native", "unlock", 201),
+        ("native", "restore", 202),
+        ("native", "unlock", 202),
+        ("coord", "rollback", None),
+    ]
     assert resume_of(world)["restored"] is False
     assert (tmp_path / "snap" / "criu" / str(ROOT) / "core.img").exists()
 
@@ -239,6 +310,7 @@ def test_leave_running_resumes_after_the_manifest(world, tmp_path, monkeypatch):
 def _mockshim_module():
     import importlib.util
     import pathlib
+
     path = pathlib.Path(__file__).resolve().parent.parent / "coordinator" / "mockshim.py"
     spec = importlib.util.spec_from_file_location("cuinterpose_test_mockshim", path)
     mod = importlib.util.module_from_spec(spec)
@@ -253,27 +325,70 @@ def test_mixed_phase_capture_failure_rolls_back_to_active(world, tmp_path, monke
     201's capture, checks the topology, and the workload resumes; nothing native was touched."""
     from cuinterpose.coordinator import phases as real_phases
     from cuinterpose.coordinator.protocol import Op, Phase, Record, RecordFlag, RecordKind, Role
+
     ms = _mockshim_module()
     monkeypatch.setattr(cp_mod, "_coordinator_module", lambda: real_phases)
     monkeypatch.setattr(quiesce, "request", answer_quiesce(world))
     aid = bytes(range(16))
     shared = RecordFlag.SHARED
     recs = {
-        201: [Record(kind=RecordKind.ALLOCATION, role=Role.CREATOR, flags=shared | RecordFlag.EXPORTED,
-                     alloc_id=aid, creator_pid=201, handle_refs=1, size=2 << 20, prop_type=1,
-                     prop_location_type=1, prop_handle_types=1),
-              Record(kind=RecordKind.MAPPING, role=Role.CREATOR, flags=shared, alloc_id=aid,
-                     creator_pid=201, size=2 << 20, va=0x7f0000000000)],
-        202: [Record(kind=RecordKind.ALLOCATION, role=Role.IMPORTER, flags=shared, alloc_id=aid,
-                     creator_pid=201, handle_refs=1, size=2 << 20, prop_type=1,
-                     prop_location_type=1, prop_handle_types=1),
-              Record(kind=RecordKind.MAPPING, role=Role.IMPORTER, flags=shared, alloc_id=aid,
-                     creator_pid=201, size=2 << 20, va=0x7f0000400000)]}
+        201: [
+            Record(
+                kind=RecordKind.ALLOCATION,
+                role=Role.CREATOR,
+                flags=shared | RecordFlag.EXPORTED,
+                alloc_id=aid,
+                creator_pid=201,
+                handle_refs=1,
+                size=2 << 20,
+                prop_type=1,
+                prop_location_type=1,
+                prop_handle_types=1,
+            ),
+            Record(
+                kind=RecordKind.MAPPING,
+                role=Role.CREATOR,
+                flags=shared,
+                alloc_id=aid,
+                creator_pid=201,
+                size=2 << 20,
+                va=0x7F0000000000,
+            ),
+        ],
+        202: [
+            Record(
+                kind=RecordKind.ALLOCATION,
+                role=Role.IMPORTER,
+                flags=shared,
+                alloc_id=aid,
+                creator_pid=201,
+                handle_refs=1,
+                size=2 << 20,
+                prop_type=1,
+                prop_location_type=1,
+                prop_handle_types=1,
+            ),
+            Record(
+                kind=RecordKind.MAPPING,
+                role=Role.IMPORTER,
+                flags=shared,
+                alloc_id=aid,
+                creator_pid=201,
+                size=2 << 20,
+                va=0x7F0000400000,
+            ),
+        ],
+    }
     log = ms.EventLog()
-    mocks = {pid: ms.MockShim(pid, str(world.ctl), records=list(rs), log=log,
-                              inspect_checks_phase=False) for pid, rs in recs.items()}
-    mocks[202].fail[Op.SAVE_ALLOCATIONS] = (2, "SAVE_ALLOCATIONS: pid 202 allocation 0001: "
-                                               "cuMemcpyDtoH_v2 failed: CUDA_ERROR_OUT_OF_MEMORY")
+    mocks = {
+        pid: ms.MockShim(pid, str(world.ctl), records=list(rs), log=log, inspect_checks_phase=False)
+        for pid, rs in recs.items()
+    }
+    mocks[202].fail[Op.SAVE_ALLOCATIONS] = (
+        2,
+        "SAVE_ALLOCATIONS: pid 202 allocation 0001: "
+        "cuMemcpyDtoH_v2 failed: CUDA_ERROR_OUT_OF_MEMORY",
+    )
     try:
         with pytest.raises(CheckpointFailed) as ei:
             cp_mod.Checkpoint([ROOT], tmp_path / "snap", control_dir=world.ctl).run()
@@ -285,9 +400,18 @@ def test_mixed_phase_capture_failure_rolls_back_to_active(world, tmp_path, monke
     assert "cuMemcpyDtoH_v2 failed: CUDA_ERROR_OUT_OF_MEMORY" in str(e)
     assert {pid: m.phase for pid, m in mocks.items()} == {201: Phase.ACTIVE, 202: Phase.ACTIVE}
     assert [Op(x.op).name for x in log.of("recv", pid=201)] == [
-        "INSPECT", "SAVE_ALLOCATIONS", "INSPECT", "CANCEL_CAPTURE", "INSPECT"]
+        "INSPECT",
+        "SAVE_ALLOCATIONS",
+        "INSPECT",
+        "CANCEL_CAPTURE",
+        "INSPECT",
+    ]
     assert [Op(x.op).name for x in log.of("recv", pid=202)] == [
-        "INSPECT", "SAVE_ALLOCATIONS", "INSPECT", "INSPECT"]
+        "INSPECT",
+        "SAVE_ALLOCATIONS",
+        "INSPECT",
+        "INSPECT",
+    ]
     assert [x for x in world.log if x[0] in ("native", "criu", "signal")] == PROBE
     assert resume_of(world)["restored"] is False
 
@@ -301,8 +425,10 @@ def test_non_empty_images_dir_is_refused_and_left_alone(world, tmp_path):
         cp_mod.Checkpoint([ROOT], snap, control_dir=world.ctl).run()
     e = ei.value
     assert (e.phase, e.outcome) == ("images dir", "refused")
-    assert e.reason == (f"{snap} is not empty (keep.txt); a checkpoint writes only into a new or "
-                        "empty directory: choose a new --images-dir")
+    assert e.reason == (
+        f"{snap} is not empty (keep.txt); a checkpoint writes only into a new or "
+        "empty directory: choose a new --images-dir"
+    )
     assert world.log == []
     assert sorted(p.name for p in snap.iterdir()) == ["keep.txt"]
     assert not (world.ctl / f"quiesce-{ROOT}.request").exists()
@@ -343,15 +469,19 @@ def test_sigint_while_waiting_for_quiesce_cancels_the_request(world, tmp_path, m
 
     def request(ctl, roots, qid, timeout_ms):
         orig(ctl, roots, qid, timeout_ms)
-        os.kill(os.getpid(), signal.SIGINT)   # Ctrl-C while the agent waits for .ready
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the agent waits for .ready
+
     monkeypatch.setattr(quiesce, "request", request)
     with pytest.raises(QuiesceRefused) as ei:
-        cp_mod.Checkpoint([ROOT], tmp_path / "snap", control_dir=world.ctl,
-                          quiesce_timeout_ms=60_000).run()
+        cp_mod.Checkpoint(
+            [ROOT], tmp_path / "snap", control_dir=world.ctl, quiesce_timeout_ms=60_000
+        ).run()
     e = ei.value
     assert (e.phase, e.pid, e.outcome) == ("quiesce", None, "refused")
-    assert e.reason == ("interrupted by SIGINT; checkpoint cancelled, nothing was torn down, "
-                        "the workload keeps running")
+    assert e.reason == (
+        "interrupted by SIGINT; checkpoint cancelled, nothing was torn down, "
+        "the workload keeps running"
+    )
     assert world.log == [("coord", "init", tuple(PIDS))]
     assert resume_of(world)["cancelled"] is True
     assert not (world.ctl / f"quiesce-{ROOT}.request").exists()
@@ -359,26 +489,35 @@ def test_sigint_while_waiting_for_quiesce_cancels_the_request(world, tmp_path, m
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_signal_during_native_lock_finishes_the_phase_then_rolls_back(world, tmp_path, monkeypatch, sig):
+def test_signal_during_native_lock_finishes_the_phase_then_rolls_back(
+    world, tmp_path, monkeypatch, sig
+):
     monkeypatch.setattr(quiesce, "request", answer_quiesce(world))
     orig = native.lock
 
     def lock(pid, *a):
         orig(pid, *a)
         if pid == 201 and world.captured:
-            os.kill(os.getpid(), sig)   # arrives mid-phase, a second one is ignored
+            os.kill(os.getpid(), sig)  # arrives mid-phase, a second one is ignored
             os.kill(os.getpid(), sig)
+
     monkeypatch.setattr(native, "lock", lock)
     with pytest.raises(CheckpointFailed) as ei:
         cp_mod.Checkpoint([ROOT], tmp_path / "snap", control_dir=world.ctl).run()
     e = ei.value
     name = signal.Signals(sig).name
     assert (e.phase, e.pid, e.outcome) == ("native lock", None, "rolled_back")
-    assert e.reason == (f"interrupted by {name} after native lock (rolled back: the workload "
-                        "continues with its memory intact)")
-    assert world.log[-5:] == [("native", "lock", 201), ("native", "lock", 202),
-                             ("native", "unlock", 201), ("native", "unlock", 202),
-                             ("coord", "rollback", None)]
+    assert e.reason == (
+        f"interrupted by {name} after native lock (rolled back: the workload "
+        "continues with its memory intact)"
+    )
+    assert world.log[-5:] == [
+        ("native", "lock", 201),
+        ("native", "lock", 202),
+        ("native", "unlock", 201),
+        ("native", "unlock", 202),
+        ("coord", "rollback", None),
+    ]
     assert world.state == {201: "RUNNING", 202: "RUNNING"}
     assert resume_of(world) == {"id": resume_of(world)["id"], "restored": False, "cancelled": False}
     assert not (tmp_path / "snap").exists()
@@ -393,6 +532,7 @@ def test_sigint_after_the_manifest_still_finishes_the_checkpoint(world, tmp_path
         out = orig(d, m)
         os.kill(os.getpid(), signal.SIGINT)
         return out
+
     monkeypatch.setattr(cp_mod.manifest_mod, "write", write)
     cp_mod.Checkpoint([ROOT], tmp_path / "snap", control_dir=world.ctl).run()
     assert world.log[-1] == ("signal", "SIGKILL", ROOT)
@@ -403,8 +543,9 @@ def test_phase_and_carrier_timeouts_reach_the_coordinator(world, tmp_path, monke
     """--carrier-timeout-s bounds SAVE_ALLOCATIONS: without it a hung shim held the agent (and
     a deferred Ctrl-C) for the coordinator's default hour."""
     monkeypatch.setattr(quiesce, "request", answer_quiesce(world))
-    cp_mod.Checkpoint([ROOT], tmp_path / "snap", control_dir=world.ctl, phase_timeout_s=5,
-                      carrier_timeout_s=30).run()
+    cp_mod.Checkpoint(
+        [ROOT], tmp_path / "snap", control_dir=world.ctl, phase_timeout_s=5, carrier_timeout_s=30
+    ).run()
     assert world.timeouts == (5.0, 30.0)
 
 
@@ -415,16 +556,19 @@ def test_a_pending_request_refuses_a_second_checkpoint_and_is_left_alone(world, 
     req = world.ctl / f"quiesce-{ROOT}.request"
     req.write_text(json.dumps({"id": "other-agent", "timeout_ms": 10000}))
     with pytest.raises(QuiesceRefused) as ei:
-        cp_mod.Checkpoint([ROOT], tmp_path / "snap", control_dir=world.ctl,
-                          quiesce_timeout_ms=100).run()
+        cp_mod.Checkpoint(
+            [ROOT], tmp_path / "snap", control_dir=world.ctl, quiesce_timeout_ms=100
+        ).run()
     e = ei.value
     assert (e.phase, e.pid, e.outcome) == ("quiesce", ROOT, "refused")
-    assert e.reason == (f"{req} already exists (id other-agent): another checkpoint of this tree "
-                        "is in progress, or an agent died during one; the workload may be "
-                        f"parked until {world.ctl / f'quiesce-{ROOT}.resume'} carries that id; "
-                        "checkpoint refused, nothing was changed by this request. If no agent is "
-                        f"checkpointing this tree, release it with `cuinterpose-agent release "
-                        f"--pid {ROOT} --control-dir {world.ctl}`")
+    assert e.reason == (
+        f"{req} already exists (id other-agent): another checkpoint of this tree "
+        "is in progress, or an agent died during one; the workload may be "
+        f"parked until {world.ctl / f'quiesce-{ROOT}.resume'} carries that id; "
+        "checkpoint refused, nothing was changed by this request. If no agent is "
+        f"checkpointing this tree, release it with `cuinterpose-agent release "
+        f"--pid {ROOT} --control-dir {world.ctl}`"
+    )
     assert "keeps running" not in e.hint and "cuinterpose-agent release" in e.hint
     assert json.loads(req.read_text()) == {"id": "other-agent", "timeout_ms": 10000}
     assert sorted(p.name for p in world.ctl.iterdir()) == [req.name]
@@ -441,18 +585,34 @@ def test_a_completed_checkpoint_leaves_no_request_behind(world, tmp_path, monkey
 
 def test_group_phases_are_named_slices_of_the_step_table():
     from cuinterpose.agent.run.restore import Restore
+
     for cls in (cp_mod.Checkpoint, Restore):
         slices = [s.group for s in cls.STEPS]
         # each group phase is one contiguous run of steps, in table order
         assert tuple(dict.fromkeys(slices)) == cls.GROUP_PHASES
-        assert len([g for i, g in enumerate(slices) if i == 0 or slices[i - 1] != g]) == \
-            len(cls.GROUP_PHASES)
+        assert len([g for i, g in enumerate(slices) if i == 0 or slices[i - 1] != g]) == len(
+            cls.GROUP_PHASES
+        )
         assert not set(cls.GROUP_UNDO) & set(cls.GROUP_PHASES)
     assert cp_mod.Checkpoint.GROUP_PHASES == (
-        "prepare", "quiesce", "capture", "native lock", "native checkpoint", "criu dump",
-        "manifest", "finish", "resume")
-    assert Restore.GROUP_PHASES == ("prepare", "stale sockets", "criu restore",
-                                    "native restore", "restore shared", "resume")
+        "prepare",
+        "quiesce",
+        "capture",
+        "native lock",
+        "native checkpoint",
+        "criu dump",
+        "manifest",
+        "finish",
+        "resume",
+    )
+    assert Restore.GROUP_PHASES == (
+        "prepare",
+        "stale sockets",
+        "criu restore",
+        "native restore",
+        "restore shared",
+        "resume",
+    )
 
 
 def test_group_phases_run_the_steps_of_the_one_shot_run(world, tmp_path, monkeypatch):
@@ -460,14 +620,28 @@ def test_group_phases_run_the_steps_of_the_one_shot_run(world, tmp_path, monkeyp
     cp = cp_mod.Checkpoint([ROOT], tmp_path / "snap", control_dir=world.ctl)
     states = [cp.run_phase(p) for p in cp.GROUP_PHASES]
     assert world.log == [
-        ("coord", "init", tuple(PIDS)), ("workload", "ready", None), *PROBE,
+        ("coord", "init", tuple(PIDS)),
+        ("workload", "ready", None),
+        *PROBE,
         ("coord", "capture", None),
-        ("native", "lock", 201), ("native", "lock", 202),
-        ("native", "checkpoint", 201), ("native", "checkpoint", 202),
-        ("criu", "dump", ROOT), ("signal", "SIGKILL", ROOT)]
+        ("native", "lock", 201),
+        ("native", "lock", 202),
+        ("native", "checkpoint", 201),
+        ("native", "checkpoint", 202),
+        ("criu", "dump", ROOT),
+        ("signal", "SIGKILL", ROOT),
+    ]
     assert [p.name for p in cp.r.phases] == [
-        "driver", "census", "quiesce", "quiescence check", "native lock",
-        "native checkpoint", "criu dump", "manifest", "kill dumped"]
+        "driver",
+        "census",
+        "quiesce",
+        "quiescence check",
+        "native lock",
+        "native checkpoint",
+        "criu dump",
+        "manifest",
+        "kill dumped",
+    ]
     assert [s["torn_down"] for s in states] == [False, False] + [True] * 7
     assert states[-1]["manifest_written"] is True
     assert (tmp_path / "snap" / "manifest.json").is_file()
@@ -475,19 +649,23 @@ def test_group_phases_run_the_steps_of_the_one_shot_run(world, tmp_path, monkeyp
 
 
 def test_an_unexpected_error_in_a_group_phase_names_the_step_and_is_rolled_back(
-        world, tmp_path, monkeypatch):
+    world, tmp_path, monkeypatch
+):
     monkeypatch.setattr(quiesce, "request", answer_quiesce(world))
 
     def boom(pid):
         raise RuntimeError("driver vanished")
+
     monkeypatch.setattr(native, "checkpoint", boom)
     cp = cp_mod.Checkpoint([ROOT], tmp_path / "snap", control_dir=world.ctl)
-    for p in cp.GROUP_PHASES[:cp.GROUP_PHASES.index("native checkpoint")]:
+    for p in cp.GROUP_PHASES[: cp.GROUP_PHASES.index("native checkpoint")]:
         cp.run_phase(p)
     with pytest.raises(AgentError) as ei:
         cp.run_phase("native checkpoint")
-    assert (ei.value.phase, ei.value.reason) == ("native checkpoint",
-                                                 "RuntimeError: driver vanished")
+    assert (ei.value.phase, ei.value.reason) == (
+        "native checkpoint",
+        "RuntimeError: driver vanished",
+    )
     with pytest.raises(AgentError) as ei:
         cp.run_phase("no such phase")
     assert str(ei.value) == "group: unknown checkpoint phase 'no such phase'"
@@ -501,8 +679,7 @@ def test_an_unexpected_error_in_a_group_phase_names_the_step_and_is_rolled_back(
 def test_a_group_member_refused_by_a_pending_request_leaves_it_alone_on_release(world, tmp_path):
     req = world.ctl / f"quiesce-{ROOT}.request"
     req.write_text(json.dumps({"id": "other-agent", "timeout_ms": 10000}))
-    cp = cp_mod.Checkpoint([ROOT], tmp_path / "snap", control_dir=world.ctl,
-                           quiesce_timeout_ms=100)
+    cp = cp_mod.Checkpoint([ROOT], tmp_path / "snap", control_dir=world.ctl, quiesce_timeout_ms=100)
     cp.run_phase("prepare")
     with pytest.raises(QuiesceRefused):
         cp.run_phase("quiesce")

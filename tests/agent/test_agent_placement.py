@@ -18,6 +18,7 @@
   job whose cwd is outside its mount namespace is refused by the census, the job untouched; a
   "bad size" of an external file names the file and what was handed.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -31,15 +32,14 @@ import sys
 import uuid
 
 import pytest
+from placement_kit import cgroups_of, comm_of, hidden_python_dirs, mount_id_of
 
-from cuinterpose.workloads.afdwin import demo
-from cuinterpose.agent.snapshot import manifest, pb
 from cuinterpose.agent.mech import native
 from cuinterpose.agent.mech.census import CensusError, pid_alive, walk_tree
 from cuinterpose.agent.mech.placement import Cgroup, Placement, PlacementError
 from cuinterpose.agent.mech.procfs import cgroup_mounts, parse_cgroup
-
-from placement_kit import cgroups_of, comm_of, hidden_python_dirs, mount_id_of
+from cuinterpose.agent.snapshot import manifest, pb
+from cuinterpose.workloads.afdwin import demo
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "criu"))
 from criu_helpers import kill_tree, wait_until  # noqa: E402
@@ -56,25 +56,36 @@ MOUNTINFO = """\
 
 # --------------------------------------------------------------------------- unit
 
+
 def test_parse_cgroup_and_mounts():
     assert parse_cgroup("12:cpu,cpuacct:/a/b\n1:name=systemd:/\n0::/x y\n") == [
-        (12, ("cpu", "cpuacct"), "/a/b"), (1, ("name=systemd",), "/"), (0, (), "/x y")]
+        (12, ("cpu", "cpuacct"), "/a/b"),
+        (1, ("name=systemd",), "/"),
+        (0, (), "/x y"),
+    ]
     mounts = cgroup_mounts(MOUNTINFO)
     assert [(t, p, r) for t, p, r, _ in mounts] == [
-        ("cgroup", "/sys/fs/cgroup/cpu,cpuacct", "/"), ("cgroup", "/host/pids", "/kubepods"),
-        ("cgroup", "/sys/fs/cgroup/systemd", "/"), ("cgroup2", "/sys/fs/cgroup/unified", "/")]
+        ("cgroup", "/sys/fs/cgroup/cpu,cpuacct", "/"),
+        ("cgroup", "/host/pids", "/kubepods"),
+        ("cgroup", "/sys/fs/cgroup/systemd", "/"),
+        ("cgroup2", "/sys/fs/cgroup/unified", "/"),
+    ]
     from cuinterpose.agent.mech.placement import _mount_of
+
     assert _mount_of(3, ("cpu", "cpuacct"), "/k/p", mounts) == ("/sys/fs/cgroup/cpu,cpuacct", "/")
     assert _mount_of(1, ("name=systemd",), "/s", mounts) == ("/sys/fs/cgroup/systemd", "/")
     assert _mount_of(0, (), "/pod/c", mounts) == ("/sys/fs/cgroup/unified", "/")
     assert _mount_of(8, ("pids",), "/kubepods/pod1/c", mounts) == ("/host/pids", "/kubepods")
-    assert _mount_of(8, ("pids",), "/other", mounts) == (None, "/")   # outside the mount's root
+    assert _mount_of(8, ("pids",), "/other", mounts) == (None, "/")  # outside the mount's root
     assert _mount_of(9, ("rdma",), "/x", mounts) == (None, "/")
     cg = Cgroup(8, ("pids",), "/kubepods/pod1/c", "/host/pids", "/kubepods")
     assert cg.procs_file == "/host/pids/pod1/c/cgroup.procs"
     assert Cgroup(0, (), "/", "/sys/fs/cgroup/unified").directory == "/sys/fs/cgroup/unified"
-    assert (cg.name, Cgroup(0, (), "/", None).name, cg.line()) == \
-        ("pids", "cgroup2", "8:pids:/kubepods/pod1/c")
+    assert (cg.name, Cgroup(0, (), "/", None).name, cg.line()) == (
+        "pids",
+        "cgroup2",
+        "8:pids:/kubepods/pod1/c",
+    )
 
 
 def _fake_proc(tmp_path, pid=4242, cgroup="9:rdma:/pod/c\n0::/\n"):
@@ -82,12 +93,14 @@ def _fake_proc(tmp_path, pid=4242, cgroup="9:rdma:/pod/c\n0::/\n"):
     (base / "ns").mkdir(parents=True)
     (base / "fd").mkdir()
     (base / "fdinfo").mkdir()
-    (base / "stat").write_text(f"{pid} (pause (x)) S 1 {pid} {pid} 0 -1 4194560 0 0 0 0 0 0 0 0 "
-                               "20 0 1 0 987654 1000 10 18446744073709551615\n")
+    (base / "stat").write_text(
+        f"{pid} (pause (x)) S 1 {pid} {pid} 0 -1 4194560 0 0 0 0 0 0 0 0 "
+        "20 0 1 0 987654 1000 10 18446744073709551615\n"
+    )
     (base / "cgroup").write_text(cgroup)
     for k in ("net", "uts", "ipc", "mnt"):
         (base / "ns" / k).write_text(k)
-    os.symlink("/proc/self/ns/user", base / "ns" / "user")      # the agent's user namespace
+    os.symlink("/proc/self/ns/user", base / "ns" / "user")  # the agent's user namespace
     os.symlink("pipe:[555]", base / "fd" / "1")
     os.symlink("/dev/null", base / "fd" / "0")
     (base / "fdinfo" / "1").write_text("pos:\t0\nflags:\t01000001\nmnt_id:\t15\n")
@@ -100,11 +113,16 @@ def test_of_pid_reads_a_laid_out_proc(tmp_path):
     pl = Placement.of_pid(4242, proc_root=root)
     assert pl.start_time == 987654 and pl.pid == 4242
     assert [(n.kind, n.path) for n in pl.namespaces] == [
-        (k, f"{root}/4242/ns/{k}") for k in ("net", "ipc", "uts")]
-    assert [(s.fd, s.target, s.mode) for s in pl.stdio] == [(0, "/dev/null", "r"),
-                                                            (1, "pipe:[555]", "w")]
+        (k, f"{root}/4242/ns/{k}") for k in ("net", "ipc", "uts")
+    ]
+    assert [(s.fd, s.target, s.mode) for s in pl.stdio] == [
+        (0, "/dev/null", "r"),
+        (1, "pipe:[555]", "w"),
+    ]
     assert [(c.hierarchy, c.controllers, c.path) for c in pl.cgroups] == [
-        (9, ("rdma",), "/pod/c"), (0, (), "/")]
+        (9, ("rdma",), "/pod/c"),
+        (0, (), "/"),
+    ]
     assert pl.stdio_for(1, "write").fd == 1
     assert pl.stdio_for(5, "write").fd == 1 and pl.stdio_for(0, "read").fd == 0
     no_stdin = Placement(pl.pid, pl.start_time, pl.cgroups, pl.namespaces, pl.stdio[1:])
@@ -115,11 +133,16 @@ def test_of_pid_reads_a_laid_out_proc(tmp_path):
         with pytest.raises(PlacementError) as ei:
             pl.cgroups_to_join()
         assert ei.value.pid == 4242
-        assert "its cgroup '9:rdma:/pod/c' cannot be joined: that hierarchy is not mounted " \
-               "here" in ei.value.reason
+        assert (
+            "its cgroup '9:rdma:/pod/c' cannot be joined: that hierarchy is not mounted "
+            "here" in ei.value.reason
+        )
     # namespaces CRIU cannot join are refused with the reason
-    for k, why in (("mnt", "--join-ns does not take a mount namespace"),
-                   ("pid", "refuses pid namespaces"), ("user", "uid and gid")):
+    for k, why in (
+        ("mnt", "--join-ns does not take a mount namespace"),
+        ("pid", "refuses pid namespaces"),
+        ("user", "uid and gid"),
+    ):
         with pytest.raises(PlacementError, match=why):
             Placement.of_pid(4242, proc_root=root, namespaces=("net", k))
     # a kernel thread (PF_KTHREAD in field 9), pid 1 and another user namespace are refused
@@ -128,21 +151,26 @@ def test_of_pid_reads_a_laid_out_proc(tmp_path):
     stat_file.write_text(good_stat.replace(" 4194560 ", f" {4194560 | 0x200000} "))
     with pytest.raises(PlacementError) as ei:
         Placement.of_pid(4242, proc_root=root)
-    assert (ei.value.pid, ei.value.reason) == (4242, "is a kernel thread (PF_KTHREAD): it has "
-                                               "no cgroups, namespaces or stdio of a container "
-                                               "to restore into")
+    assert (ei.value.pid, ei.value.reason) == (
+        4242,
+        "is a kernel thread (PF_KTHREAD): it has "
+        "no cgroups, namespaces or stdio of a container "
+        "to restore into",
+    )
     stat_file.write_text(good_stat)
     with pytest.raises(PlacementError, match="is the init of the agent's pid namespace"):
         Placement.of_pid(1, proc_root=root)
     os.remove(f"{root}/4242/ns/user")
-    (tmp_path / "proc" / "4242" / "ns" / "user").write_text("user")    # another inode
-    with pytest.raises(PlacementError, match=r"is in another user namespace \[\d+\] than "
-                                             r"the agent's \[\d+\]"):
+    (tmp_path / "proc" / "4242" / "ns" / "user").write_text("user")  # another inode
+    with pytest.raises(
+        PlacementError,
+        match=r"is in another user namespace \[\d+\] than "
+        r"the agent's \[\d+\]",
+    ):
         Placement.of_pid(4242, proc_root=root)
     os.remove(f"{root}/4242/ns/user")
     os.symlink("/proc/self/ns/user", f"{root}/4242/ns/user")
-    assert Placement.of_pid(4242, proc_root=root).user.inode == \
-        os.stat("/proc/self/ns/user").st_ino
+    assert Placement.of_pid(4242, proc_root=root).user.inode == os.stat("/proc/self/ns/user").st_ino
     # missing files name the pid and the file
     os.remove(f"{root}/4242/ns/uts")
     with pytest.raises(PlacementError) as ei:
@@ -150,26 +178,43 @@ def test_of_pid_reads_a_laid_out_proc(tmp_path):
     assert ei.value.pid == 4242 and f"{root}/4242/ns/uts" in ei.value.reason
     with pytest.raises(PlacementError) as ei:
         Placement.of_pid(999999, proc_root=root)
-    assert str(ei.value) == (f"placement: pid 999999 no such process (reading {root}/999999/"
-                             "stat): the placement process is gone")
+    assert str(ei.value) == (
+        f"placement: pid 999999 no such process (reading {root}/999999/"
+        "stat): the placement process is gone"
+    )
 
 
 def test_manifest_placement_fields_are_optional_and_checked(tmp_path):
     from test_agent_manifest import sample
+
     m = sample(tmp_path)
-    assert manifest._shape_problem(m) is None                     # an older manifest
+    assert manifest._shape_problem(m) is None  # an older manifest
     assert manifest.external_pipes(m, 100) == [] and manifest.tree_namespaces(m, 100) == {}
-    m["external_pipes"] = [{"root": 100, "pid": 101, "fd": 1, "inode": 9, "direction": "write"},
-                           {"root": 7, "pid": 7, "fd": 2, "inode": 9, "direction": "read"}]
-    m["namespaces"] = [{"root": 100, "net": 1, "uts": 2, "ipc": 3,
-                        "external_net": "cuinterpose-net"}]
-    assert manifest._shape_problem(m) is None                     # without mnt/foreign_mnt
+    m["external_pipes"] = [
+        {"root": 100, "pid": 101, "fd": 1, "inode": 9, "direction": "write"},
+        {"root": 7, "pid": 7, "fd": 2, "inode": 9, "direction": "read"},
+    ]
+    m["namespaces"] = [
+        {"root": 100, "net": 1, "uts": 2, "ipc": 3, "external_net": "cuinterpose-net"}
+    ]
+    assert manifest._shape_problem(m) is None  # without mnt/foreign_mnt
     back = pb.manifest_from_proto(pb.manifest_to_proto(m))
-    assert back["namespaces"] == m["namespaces"]                  # absent stays absent
+    assert back["namespaces"] == m["namespaces"]  # absent stays absent
     m["namespaces"][0].update(mnt=4026532177, foreign_mnt=True)
-    m["external_files"] = [{"root": 100, "pid": 101, "fd": 0, "path": "/dev/null",
-                            "mnt_id": 24, "inode": 3, "flags": 0o100002, "access": "rw",
-                            "st_mode": 0o20666, "rdev": 259}]
+    m["external_files"] = [
+        {
+            "root": 100,
+            "pid": 101,
+            "fd": 0,
+            "path": "/dev/null",
+            "mnt_id": 24,
+            "inode": 3,
+            "flags": 0o100002,
+            "access": "rw",
+            "st_mode": 0o20666,
+            "rdev": 259,
+        }
+    ]
     assert manifest._shape_problem(m) is None
     assert [p["pid"] for p in manifest.external_pipes(m, 100)] == [101]
     assert manifest.tree_namespaces(m, 100)["external_net"] == "cuinterpose-net"
@@ -177,7 +222,10 @@ def test_manifest_placement_fields_are_optional_and_checked(tmp_path):
     assert manifest.external_files(m, 7) == []
     back = pb.manifest_from_proto(pb.manifest_to_proto(m))
     assert (back["external_pipes"], back["namespaces"], back["external_files"]) == (
-        m["external_pipes"], m["namespaces"], m["external_files"])
+        m["external_pipes"],
+        m["namespaces"],
+        m["external_files"],
+    )
     for bad_f in ({"access": "x"}, {"mnt_id": -1}, {"path": 5}, {"st_mode": True}):
         bad = dict(m, external_files=[{**m["external_files"][0], **bad_f}])
         assert "external_files" in manifest._shape_problem(bad), bad_f
@@ -195,11 +243,19 @@ def test_in_netns_reaches_an_abstract_socket_in_another_network_namespace(placeh
     holder = placeholder("cui-holder", stdout=False).pid
     name = f"cuinterpose-test-{uuid.uuid4().hex[:8]}"
     server = subprocess.Popen(
-        ["nsenter", f"--net=/proc/{holder}/ns/net", sys.executable, "-c",
-         "import socket,sys; s=socket.socket(socket.AF_UNIX);"
-         " s.bind(b'\\0' + sys.argv[1].encode()); s.listen(1); print('up', flush=True);"
-         " c,_=s.accept(); c.send(b'hello'); c.close()", name],
-        stdout=subprocess.PIPE, text=True)
+        [
+            "nsenter",
+            f"--net=/proc/{holder}/ns/net",
+            sys.executable,
+            "-c",
+            "import socket,sys; s=socket.socket(socket.AF_UNIX);"
+            " s.bind(b'\\0' + sys.argv[1].encode()); s.listen(1); print('up', flush=True);"
+            " c,_=s.accept(); c.send(b'hello'); c.close()",
+            name,
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert server.stdout.readline() == "up\n"
 
@@ -207,11 +263,12 @@ def test_in_netns_reaches_an_abstract_socket_in_another_network_namespace(placeh
             with socket.socket(socket.AF_UNIX) as s:
                 s.connect(b"\0" + name.encode())
                 return s.recv(16), os.stat("/proc/thread-self/ns/net").st_ino
-        with pytest.raises(ConnectionRefusedError):      # not in ours
+
+        with pytest.raises(ConnectionRefusedError):  # not in ours
             connect()
         got, ino = native.in_netns(holder, connect)
         assert got == b"hello" and ino == os.stat(f"/proc/{holder}/ns/net").st_ino
-        assert os.stat("/proc/thread-self/ns/net").st_ino != ino     # we never moved
+        assert os.stat("/proc/thread-self/ns/net").st_ino != ino  # we never moved
         assert native.in_netns(os.getpid(), lambda: 5) == 5
         with pytest.raises(ZeroDivisionError):
             native.in_netns(holder, lambda: 1 / 0)
@@ -221,6 +278,7 @@ def test_in_netns_reaches_an_abstract_socket_in_another_network_namespace(placeh
 
 
 # --------------------------------------------------------------------------- end to end
+
 
 class Job:
     """afdwin on fakecuda under the shim, started by the test (optionally inside the net/uts/ipc
@@ -239,12 +297,23 @@ class Job:
         pre = [f"{k}={env.pop(k)}" for k in ("LD_PRELOAD", "LD_LIBRARY_PATH")]
         cmd = ["env", *pre, sys.executable, "-m", "cuinterpose.workloads.afdwin", *a.args]
         if ns_pid:
-            cmd = ["nsenter", *(f"--{k}=/proc/{ns_pid}/ns/{k}" for k in ("net", "uts", "ipc")),
-                   "--", *cmd]
+            cmd = [
+                "nsenter",
+                *(f"--{k}=/proc/{ns_pid}/ns/{k}" for k in ("net", "uts", "ipc")),
+                "--",
+                *cmd,
+            ]
         cmd = [*prefix, *cmd]
         with open(a.err, "ab") as err:
-            a.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=w, stderr=err,
-                                      cwd=a.run_dir, env=env, start_new_session=True)
+            a.proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=w,
+                stderr=err,
+                cwd=a.run_dir,
+                env=env,
+                start_new_session=True,
+            )
         os.close(w)
 
     def reader(self) -> int:
@@ -259,7 +328,7 @@ class Job:
         if pid_alive(self.a.pid):
             try:
                 kill_tree([p for p, _, _ in walk_tree([self.a.pid])])
-            except CensusError:                   # gone meanwhile
+            except CensusError:  # gone meanwhile
                 pass
         self.a.kill()
         for r in self.readers:
@@ -278,6 +347,7 @@ def job(tmp_path, criu_ok, subreaper):
         j = Job(tmp_path / f"run{len(jobs)}", **kw)
         jobs.append(j)
         return j
+
     yield start
     for j in jobs:
         j.stop()
@@ -286,19 +356,30 @@ def job(tmp_path, criu_ok, subreaper):
 def _checkpoint(j, snap):
     a = j.a
     a.wait_for(lambda ev: demo.received(ev) >= 30, 120, "30 messages")
-    rc, cp = demo.run_agent("checkpoint", "--pid", str(a.pid), "--images-dir", str(snap),
-                            "--driver", "fake", "--control-dir", str(a.ctl))
+    rc, cp = demo.run_agent(
+        "checkpoint",
+        "--pid",
+        str(a.pid),
+        "--images-dir",
+        str(snap),
+        "--driver",
+        "fake",
+        "--control-dir",
+        str(a.ctl),
+    )
     assert rc == 0 and cp["ok"], cp
     assert a.wait_dumped() == -signal.SIGKILL
     for r in j.readers:
-        r.wait(timeout=30)            # EOF: every writer of the job's stdout pipe is dead
+        r.wait(timeout=30)  # EOF: every writer of the job's stdout pipe is dead
     return json.loads((snap / "manifest.json").read_text())
 
 
 def _digest(d: pathlib.Path) -> dict:
-    return {str(p.relative_to(d)): (hashlib.sha256(p.read_bytes()).hexdigest(),
-                                    p.stat().st_mtime_ns)
-            for p in sorted(d.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(d)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+        for p in sorted(d.rglob("*"))
+        if p.is_file()
+    }
 
 
 def _ns(pid):
@@ -306,45 +387,60 @@ def _ns(pid):
 
 
 def test_job_in_its_own_netns_checkpointed_and_restored_into_a_placeholder(
-        cgroup_dir, placeholder, job, tmp_path):
+    cgroup_dir, placeholder, job, tmp_path
+):
     src = placeholder("cui-src", stdout=False).pid
     j = job(ns_pid=src)
     # (before nsenter's setns the forked child still looks like python: wait for the ns)
     wait_until(lambda: _ns(j.a.pid) == _ns(src), "afdwin to start in the namespaces (nsenter)")
     snap = tmp_path / "snap"
-    m = _checkpoint(j, snap)                 # native lock/checkpoint reached \0fakecuda-<pid>
+    m = _checkpoint(j, snap)  # native lock/checkpoint reached \0fakecuda-<pid>
     evs = j.a.events()
     rank_pids = sorted(w["pid"] for w in evs if demo.kind(w) == "window")
-    assert m["namespaces"] == [{"root": j.a.pid, **_ns_at_dump(m),
-                                "external_net": "cuinterpose-net",
-                                "mnt": os.stat("/proc/self/ns/mnt").st_ino,
-                                "foreign_mnt": False}]
-    assert m["external_files"] == []                         # every file opened in our mount ns
+    assert m["namespaces"] == [
+        {
+            "root": j.a.pid,
+            **_ns_at_dump(m),
+            "external_net": "cuinterpose-net",
+            "mnt": os.stat("/proc/self/ns/mnt").st_ino,
+            "foreign_mnt": False,
+        }
+    ]
+    assert m["external_files"] == []  # every file opened in our mount ns
     assert m["namespaces"][0]["net"] == os.stat(f"/proc/{src}/ns/net").st_ino
-    assert not list((snap / "criu" / str(j.a.pid)).glob("utsns-*.img"))     # CRIU was in its uts
+    assert not list((snap / "criu" / str(j.a.pid)).glob("utsns-*.img"))  # CRIU was in its uts
     # the launcher's stdout (the ranks write to its stderr, a file)
     assert [(p["pid"], p["fd"], p["direction"]) for p in m["external_pipes"]] == [
-        (j.a.pid, 1, "write")]
+        (j.a.pid, 1, "write")
+    ]
     # ... and a warning says what a restore without a placement does with it
     ino = m["external_pipes"][0]["inode"]
     (w,) = [w for w in m["warnings"] if w["path"] == f"pipe:[{ino}]"]
     assert (w["pid"], w["fd"]) == (j.a.pid, 1)
-    assert "a restore without a placement brings it back with nothing at the other end" in \
-        w["message"]
+    assert (
+        "a restore without a placement brings it back with nothing at the other end" in w["message"]
+    )
 
     cg = cgroup_dir()
     # the placeholder's stdout: a new pipe to a new reader appending to the same log
     ph = placeholder("cui-dst", cgroup=cg, out=j.a.log).pid
     assert _ns(ph)["net"] != _ns(src)["net"]
-    rc, rs = demo.run_agent("restore", "--images-dir", str(snap), "--driver", "fake",
-                            "--into-pid", str(ph))
+    rc, rs = demo.run_agent(
+        "restore", "--images-dir", str(snap), "--driver", "fake", "--into-pid", str(ph)
+    )
     assert rc == 0 and rs["ok"], rs
     assert [(p["name"], p["status"]) for p in rs["phases"]][:4] == [
-        ("manifest", "ok"), ("driver", "ok"), ("placement", "ok"), ("stale sockets", "ok")]
+        ("manifest", "ok"),
+        ("driver", "ok"),
+        ("placement", "ok"),
+        ("stale sockets", "ok"),
+    ]
     assert rs["placement"]["pid"] == ph and rs["placement"]["namespaces"] == {
-        k: v for k, v in _ns(ph).items()}
+        k: v for k, v in _ns(ph).items()
+    }
     assert [(p["pid"], p["fd"], p["placement_fd"]) for p in rs["placement"]["stdio"]] == [
-        (j.a.pid, 1, 1)]
+        (j.a.pid, 1, 1)
+    ]
     assert isinstance(rs["notes"], list) and "external_files" not in rs
     placed = [p for p in [j.a.pid, *rank_pids] if pid_alive(p)]
     assert j.a.pid in placed, "the restored job ended before it could be inspected"
@@ -353,8 +449,11 @@ def test_job_in_its_own_netns_checkpointed_and_restored_into_a_placeholder(
         assert cgroups_of(p) == cgroups_of(ph), p
     assert f"/{os.path.basename(cg)}\n" in cgroups_of(ph)
     assert j.a.wait_restored_exit(300) in (0, None)
-    j.a.wait_for(lambda ev: any(demo.kind(e) == "summary" for e in ev), 60,
-                 "the summary through the placeholder's stdout")
+    j.a.wait_for(
+        lambda ev: any(demo.kind(e) == "summary" for e in ev),
+        60,
+        "the summary through the placeholder's stdout",
+    )
     evs = j.a.events()
     assert demo.check_run(evs, STEPS) == []
     s = [e for e in evs if demo.kind(e) == "summary"][-1]
@@ -370,9 +469,14 @@ def _chrt_agent(*args):
     """The agent CLI under SCHED_FIFO 1 (so are its children: a cgroup whose cpu.rt_runtime_us
     is 0 refuses them)."""
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-    res = subprocess.run(["chrt", "-f", "1", sys.executable, "-m", "cuinterpose.agent.cli",
-                          *args, "--json"], stdin=subprocess.DEVNULL, capture_output=True,
-                         text=True, env=env, timeout=300)
+    res = subprocess.run(
+        ["chrt", "-f", "1", sys.executable, "-m", "cuinterpose.agent.cli", *args, "--json"],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     try:
         return res.returncode, json.loads(res.stdout)
     except ValueError:
@@ -380,7 +484,8 @@ def _chrt_agent(*args):
 
 
 def test_bad_placements_are_refused_before_criu_and_leave_the_snapshot(
-        cgroup_dir, placeholder, job, tmp_path):
+    cgroup_dir, placeholder, job, tmp_path
+):
     j = job()
     snap = tmp_path / "snap"
     m = _checkpoint(j, snap)
@@ -395,7 +500,10 @@ def test_bad_placements_are_refused_before_criu_and_leave_the_snapshot(
         for r in reason:
             assert r in err["reason"], err
         assert [(p["name"], p["status"]) for p in out["phases"]] == [
-            ("manifest", "ok"), ("driver", "ok"), ("placement", "failed")]
+            ("manifest", "ok"),
+            ("driver", "ok"),
+            ("placement", "failed"),
+        ]
         assert _digest(snap) == before
         assert not [p for p in pids if pid_alive(p)], "something was restored"
 
@@ -404,8 +512,9 @@ def test_bad_placements_are_refused_before_criu_and_leave_the_snapshot(
     gone.stop()
     gone = gone.pid
     assert not pid_alive(gone)
-    rc, out = demo.run_agent("restore", "--images-dir", str(snap), "--driver", "fake",
-                             "--into-pid", str(gone))
+    rc, out = demo.run_agent(
+        "restore", "--images-dir", str(snap), "--driver", "fake", "--into-pid", str(gone)
+    )
     refused(rc, out, gone, "the placement process is gone")
 
     # its stdout is a socket (journald's): CRIU could not reopen it for the external pipe
@@ -413,22 +522,25 @@ def test_bad_placements_are_refused_before_criu_and_leave_the_snapshot(
     sock_ph = placeholder("cui-sock", stdout_fd=a.fileno()).pid
     a.close()
     sock = os.readlink(f"/proc/{sock_ph}/fd/1")
-    rc, out = demo.run_agent("restore", "--images-dir", str(snap), "--driver", "fake",
-                             "--into-pid", str(sock_ph))
+    rc, out = demo.run_agent(
+        "restore", "--images-dir", str(snap), "--driver", "fake", "--into-pid", str(sock_ph)
+    )
     refused(rc, out, sock_ph)
     (p,) = m["external_pipes"]
     assert out["error"]["reason"] == (
         f"tree {j.a.pid}: pid {p['pid']} fd 1 writes pipe:[{p['inode']}], whose other end was "
         f"outside the tree, but the placement pid {sock_ph} fd 1 ({sock}) is a socket: CRIU "
         "reopens the fd handed for such a pipe through /proc/self/fd/N (criu/pipes.c "
-        "reopen_pipe), which fails for it (\"No such device or address\"); give the "
-        "placeholder a pipe, a regular file or /dev/null as its fd 1")
+        'reopen_pipe), which fails for it ("No such device or address"); give the '
+        "placeholder a pipe, a regular file or /dev/null as its fd 1"
+    )
     b.close()
 
     # the placeholder dies between the placement phase and CRIU: the failure names it, and
     # the snapshot is untouched (in-process, to kill it right after the placement phase)
-    from cuinterpose.agent.run import restore as restore_mod
     from cuinterpose.agent.errors import RestoreFailed
+    from cuinterpose.agent.run import restore as restore_mod
+
     dying = placeholder("cui-dying", stdout=False)
     rs = restore_mod.Restore(snap, driver="fake", placement=dying.pid)
     stale = rs.remove_stale
@@ -436,38 +548,46 @@ def test_bad_placements_are_refused_before_criu_and_leave_the_snapshot(
     def die_then_remove_stale():
         dying.stop()
         stale()
+
     rs.remove_stale = die_then_remove_stale
     with pytest.raises(RestoreFailed) as ei:
         rs.run()
     e = ei.value
     assert (e.phase, e.pid, e.outcome) == ("criu restore", dying.pid, "restore_failed"), e
-    assert f"into placement pid {dying.pid}: the placement process {dying.pid} is gone " \
-        "(exited, or its pid was reused) since the placement phase, so CRIU could not " \
-        "restore into it (CRIU: " in e.reason, e.reason
+    assert (
+        f"into placement pid {dying.pid}: the placement process {dying.pid} is gone "
+        "(exited, or its pid was reused) since the placement phase, so CRIU could not "
+        "restore into it (CRIU: " in e.reason
+    ), e.reason
     assert [(p.name, p.status) for p in rs.r.phases][2:] == [
-        ("placement", "ok"), ("stale sockets", "ok"), ("criu restore", "failed")]
+        ("placement", "ok"),
+        ("stale sockets", "ok"),
+        ("criu restore", "failed"),
+    ]
     assert _digest(snap) == before
     assert not [p for p in pids if pid_alive(p)], "something was restored"
 
     # the snapshot is intact: restored into a good placeholder (stdout a new pipe to the
     # log; a dump in the agent's namespaces joined into another) the job finishes
     good = placeholder("cui-good", out=j.a.log).pid
-    rc, rs = demo.run_agent("restore", "--images-dir", str(snap), "--driver", "fake",
-                            "--into-pid", str(good))
+    rc, rs = demo.run_agent(
+        "restore", "--images-dir", str(snap), "--driver", "fake", "--into-pid", str(good)
+    )
     assert rc == 0 and rs["ok"], rs
     assert j.a.wait_restored_exit(300) in (0, None)
     j.a.wait_for(lambda ev: any(demo.kind(e) == "summary" for e in ev), 60, "the summary")
     assert demo.check_run(j.a.events(), STEPS) == []
 
 
-def test_a_cgroup_the_kernel_refuses_is_refused_before_criu(cgroup_dir, placeholder, job,
-                                                            tmp_path):
+def test_a_cgroup_the_kernel_refuses_is_refused_before_criu(cgroup_dir, placeholder, job, tmp_path):
     """The placeholder's cgroup refuses the CRIU child (a real-time task into a v1 cpu cgroup
     without RT time): refused in the placement phase by the probe child, the snapshot
     untouched, nothing restored, the placeholder left where it was."""
     if not os.path.exists("/sys/fs/cgroup/cpu/cpu.rt_runtime_us"):
-        pytest.skip("no cgroup v1 cpu hierarchy with RT group scheduling: no refused cgroup "
-                    "write to provoke")
+        pytest.skip(
+            "no cgroup v1 cpu hierarchy with RT group scheduling: no refused cgroup "
+            "write to provoke"
+        )
     j = job()
     snap = tmp_path / "snap"
     m = _checkpoint(j, snap)
@@ -476,15 +596,19 @@ def test_a_cgroup_the_kernel_refuses_is_refused_before_criu(cgroup_dir, placehol
     cpu = cgroup_dir(hierarchy="cpu")
     assert pathlib.Path(cpu, "cpu.rt_runtime_us").read_text().strip() == "0"
     ph = placeholder("cui-rt", cgroup=cpu, stdout=False).pid
-    rc, out = _chrt_agent("restore", "--images-dir", str(snap), "--driver", "fake",
-                          "--into-pid", str(ph))
+    rc, out = _chrt_agent(
+        "restore", "--images-dir", str(snap), "--driver", "fake", "--into-pid", str(ph)
+    )
     assert rc == 3 and not out["ok"], out
     err = out["error"]
     assert (err["phase"], err["pid"], err["outcome"]) == ("placement", ph, "refused"), err
     assert f"cannot join cgroup {cpu}: write of pid" in err["reason"], err
     assert f"to {cpu}/cgroup.procs refused: Invalid argument" in err["reason"], err
     assert [(p["name"], p["status"]) for p in out["phases"]] == [
-        ("manifest", "ok"), ("driver", "ok"), ("placement", "failed")]
+        ("manifest", "ok"),
+        ("driver", "ok"),
+        ("placement", "failed"),
+    ]
     assert _digest(snap) == before
     assert not [p for p in pids if pid_alive(p)], "something was restored"
     assert pathlib.Path(cpu, "cgroup.procs").read_text().split() == [str(ph)]
@@ -495,16 +619,40 @@ def test_restore_notes_without_a_placement_are_in_the_result(tmp_path):
     files, taken in another mount namespace) are in its result dict, which ``--json``, the
     gRPC Result and the pod's message carry."""
     from cuinterpose.agent.run.restore import Restore
+
     dn = os.stat("/dev/null")
     r = Restore(tmp_path)
-    r.m = {"snapshot_id": "s", "roots": [10], "cuda_pids": [],
-           "external_pipes": [{"root": 10, "pid": 11, "fd": 1, "inode": 77,
-                               "direction": "write"}],
-           "external_files": [{"root": 10, "pid": 11, "fd": 0, "path": "/dev/null",
-                               "mnt_id": 24, "inode": dn.st_ino, "flags": os.O_RDONLY,
-                               "access": "r", "st_mode": dn.st_mode, "rdev": dn.st_rdev}],
-           "namespaces": [{"root": 10, "net": 1, "uts": 2, "ipc": 3, "external_net": "",
-                           "mnt": 4, "foreign_mnt": True}]}
+    r.m = {
+        "snapshot_id": "s",
+        "roots": [10],
+        "cuda_pids": [],
+        "external_pipes": [{"root": 10, "pid": 11, "fd": 1, "inode": 77, "direction": "write"}],
+        "external_files": [
+            {
+                "root": 10,
+                "pid": 11,
+                "fd": 0,
+                "path": "/dev/null",
+                "mnt_id": 24,
+                "inode": dn.st_ino,
+                "flags": os.O_RDONLY,
+                "access": "r",
+                "st_mode": dn.st_mode,
+                "rdev": dn.st_rdev,
+            }
+        ],
+        "namespaces": [
+            {
+                "root": 10,
+                "net": 1,
+                "uts": 2,
+                "ipc": 3,
+                "external_net": "",
+                "mnt": 4,
+                "foreign_mnt": True,
+            }
+        ],
+    }
     try:
         r.place()
         assert [k for _, k in r.opts[10].inherit_fds] == [f"file[18:{dn.st_ino:x}]"]
@@ -513,24 +661,39 @@ def test_restore_notes_without_a_placement_are_in_the_result(tmp_path):
         r.close_fds()
     res = r.result()
     notes = res["notes"]
-    assert notes[0] == ("without a placement (--into-pid) these pipe fds come back with no "
-                        "process at their other end (a writer gets EPIPE): pid 11 fd 1 "
-                        "(writes pipe:[77])")
-    assert notes[1].startswith("tree(s) 10 were checkpointed in a mount namespace other than "
-                               "the agent's (a container's); without a placement (--into-pid) "
-                               "CRIU runs in the agent's mount namespace and reopens")
-    assert notes[2] == ("tree 10: pid 11 fd 0 (/dev/null, opened outside its mount namespace) "
-                        "gets /dev/null reopened in the agent's mount namespace (O_RDONLY)")
-    assert res["external_files"] == [{"root": 10, "pid": 11, "fd": 0, "path": "/dev/null",
-                                      "mnt_id": 24, "inode": dn.st_ino, "handed": (
-                                          "/dev/null reopened in the agent's mount namespace "
-                                          "(O_RDONLY)"), "placement_fd": None}]
+    assert notes[0] == (
+        "without a placement (--into-pid) these pipe fds come back with no "
+        "process at their other end (a writer gets EPIPE): pid 11 fd 1 "
+        "(writes pipe:[77])"
+    )
+    assert notes[1].startswith(
+        "tree(s) 10 were checkpointed in a mount namespace other than "
+        "the agent's (a container's); without a placement (--into-pid) "
+        "CRIU runs in the agent's mount namespace and reopens"
+    )
+    assert notes[2] == (
+        "tree 10: pid 11 fd 0 (/dev/null, opened outside its mount namespace) "
+        "gets /dev/null reopened in the agent's mount namespace (O_RDONLY)"
+    )
+    assert res["external_files"] == [
+        {
+            "root": 10,
+            "pid": 11,
+            "fd": 0,
+            "path": "/dev/null",
+            "mnt_id": 24,
+            "inode": dn.st_ino,
+            "handed": ("/dev/null reopened in the agent's mount namespace (O_RDONLY)"),
+            "placement_fd": None,
+        }
+    ]
     assert [p.name for p in r.r.phases] == ["placement"]
     assert "placement" not in res
 
 
 def test_job_in_its_own_mount_namespace_with_stdio_from_outside_into_a_placeholder(
-        cgroup_dir, placeholder, job, tmp_path):
+    cgroup_dir, placeholder, job, tmp_path
+):
     """A container's shape: the job runs in a mount namespace of its own, its stdin /dev/null
     and stderr (the ranks' events) a log file the "runtime" opened outside that namespace, its
     stdout a pipe. The checkpoint records those files as external (CRIU inside the job's mount
@@ -543,43 +706,66 @@ def test_job_in_its_own_mount_namespace_with_stdio_from_outside_into_a_placehold
     real = os.path.dirname(os.path.realpath(sys.executable))
     hide = [d for d in hidden_python_dirs() if d != real]
     j = job(prefix=["unshare", "--mount", "--propagation", "private", "--"])
-    wait_until(lambda: os.stat(f"/proc/{j.a.pid}/ns/mnt").st_ino !=
-               os.stat("/proc/self/ns/mnt").st_ino and
-               comm_of(j.a.pid).startswith("python"), "afdwin to start in its mount namespace")
+    wait_until(
+        lambda: (
+            os.stat(f"/proc/{j.a.pid}/ns/mnt").st_ino != os.stat("/proc/self/ns/mnt").st_ino
+            and comm_of(j.a.pid).startswith("python")
+        ),
+        "afdwin to start in its mount namespace",
+    )
     job_mnt = os.stat(f"/proc/{j.a.pid}/ns/mnt").st_ino
     snap = tmp_path / "snap"
     m = _checkpoint(j, snap)
     dn = os.stat("/dev/null")
     err = os.stat(j.a.err)
-    assert m["namespaces"] == [{"root": j.a.pid, **_ns_at_dump(m), "external_net": "",
-                                "mnt": job_mnt, "foreign_mnt": True}]
+    assert m["namespaces"] == [
+        {"root": j.a.pid, **_ns_at_dump(m), "external_net": "", "mnt": job_mnt, "foreign_mnt": True}
+    ]
     files = m["external_files"]
     dev_id = _mount_id("/dev")
-    root_files = [(f["fd"], f["path"], f["mnt_id"], f["inode"]) for f in files
-                  if f["pid"] == j.a.pid]
-    assert root_files == [(0, "/dev/null", dev_id, dn.st_ino),
-                          (2, str(j.a.err), mount_id_of(j.a.err), err.st_ino)]
+    root_files = [
+        (f["fd"], f["path"], f["mnt_id"], f["inode"]) for f in files if f["pid"] == j.a.pid
+    ]
+    assert root_files == [
+        (0, "/dev/null", dev_id, dn.st_ino),
+        (2, str(j.a.err), mount_id_of(j.a.err), err.st_ino),
+    ]
     assert {f["path"] for f in files} == {"/dev/null", str(j.a.err)}
     assert {f["pid"] for f in files} == {p["pid"] for p in m["processes"]}
-    warned = {(w["pid"], w["fd"]) for w in m["warnings"]
-              if "opened outside the tree's mount namespace" in w["message"]}
+    warned = {
+        (w["pid"], w["fd"])
+        for w in m["warnings"]
+        if "opened outside the tree's mount namespace" in w["message"]
+    }
     assert warned == {(f["pid"], f["fd"]) for f in files}
 
     cg = cgroup_dir()
     err_fd = os.open(j.a.err, os.O_WRONLY | os.O_APPEND)
-    ph = placeholder("cui-mnt-dst", mount=True, cgroup=cg, out=j.a.log, stderr_fd=err_fd,
-                     prepare=" && ".join(f"mount -t tmpfs none {d}" for d in hide)).pid
+    ph = placeholder(
+        "cui-mnt-dst",
+        mount=True,
+        cgroup=cg,
+        out=j.a.log,
+        stderr_fd=err_fd,
+        prepare=" && ".join(f"mount -t tmpfs none {d}" for d in hide),
+    ).pid
     os.close(err_fd)
     assert os.path.exists(f"/proc/{ph}/root{sys.executable}") == (not hide)
-    rc, rs = demo.run_agent("restore", "--images-dir", str(snap), "--driver", "fake",
-                            "--into-pid", str(ph))
+    rc, rs = demo.run_agent(
+        "restore", "--images-dir", str(snap), "--driver", "fake", "--into-pid", str(ph)
+    )
     assert rc == 0 and rs["ok"], (rs.get("error") or {}).get("reason", rs)
     handed = {(f["pid"], f["fd"]): (f["placement_fd"], f["handed"]) for f in rs["external_files"]}
     assert handed[(j.a.pid, 0)] == (0, "placement fd 0 (/dev/null)")
     assert handed[(j.a.pid, 2)] == (2, f"placement fd 2 ({j.a.err})")
     assert set(handed) == {(f["pid"], f["fd"]) for f in files}
-    assert any(n.startswith(f"tree {j.a.pid}: pid {j.a.pid} fd 0 (/dev/null, opened outside "
-                            "its mount namespace) gets placement fd 0") for n in rs["notes"])
+    assert any(
+        n.startswith(
+            f"tree {j.a.pid}: pid {j.a.pid} fd 0 (/dev/null, opened outside "
+            "its mount namespace) gets placement fd 0"
+        )
+        for n in rs["notes"]
+    )
     assert os.stat(f"/proc/{j.a.pid}/ns/mnt").st_ino == os.stat(f"/proc/{ph}/ns/mnt").st_ino
     assert cgroups_of(j.a.pid) == cgroups_of(ph)
     assert os.stat(f"/proc/{j.a.pid}/fd/0").st_rdev == dn.st_rdev
@@ -606,24 +792,44 @@ def test_cgroup_paths_outside_the_agents_cgroup_namespace_are_refused(tmp_path):
         "its cgroup 0::/../../kubepods.slice/pod1/cri-containerd-ab.scope lies outside this "
         "agent's cgroup namespace: the agent does not run in the node's cgroup namespace "
         "(serve with kubernetes enabled, and the standalone pod watcher, join pid 1's when "
-        "they can; docs/kubernetes.md)")
+        "they can; docs/kubernetes.md)"
+    )
 
 
-def test_checkpoint_of_a_job_whose_cwd_is_outside_its_mount_namespace_is_refused(
-        job, tmp_path):
+def test_checkpoint_of_a_job_whose_cwd_is_outside_its_mount_namespace_is_refused(job, tmp_path):
     """CRIU cannot dump a cwd (or root, or a file only mapped) on a mount outside the tree's
     mount namespace ("Can't lookup mount=N for fd=-3"): the census refuses it before the
     quiesce, naming each process, the directory and the mount; the job runs on untouched."""
     run_dir = tmp_path / "run0"
-    j = job(prefix=["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
-                    f'cd /proc/{os.getpid()}/root{run_dir} && exec "$@"', "sh"])
+    j = job(
+        prefix=[
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "--",
+            "sh",
+            "-c",
+            f'cd /proc/{os.getpid()}/root{run_dir} && exec "$@"',
+            "sh",
+        ]
+    )
     assert j.a.run_dir == run_dir
     a = j.a
     a.wait_for(lambda ev: demo.received(ev) >= 30, 120, "30 messages")
     assert os.stat(f"/proc/{a.pid}/ns/mnt").st_ino != os.stat("/proc/self/ns/mnt").st_ino
     snap = tmp_path / "snap"
-    rc, out = demo.run_agent("checkpoint", "--pid", str(a.pid), "--images-dir", str(snap),
-                             "--driver", "fake", "--control-dir", str(a.ctl))
+    rc, out = demo.run_agent(
+        "checkpoint",
+        "--pid",
+        str(a.pid),
+        "--images-dir",
+        str(snap),
+        "--driver",
+        "fake",
+        "--control-dir",
+        str(a.ctl),
+    )
     assert rc == 3 and not out["ok"], out
     err = out["error"]
     tree = sorted(p for p, _, _ in walk_tree([a.pid]))
@@ -635,11 +841,14 @@ def test_checkpoint_of_a_job_whose_cwd_is_outside_its_mount_namespace_is_refused
         f"({comm[tree[0]]}) of tree {a.pid} {what}, which is not a mount of the tree's mount "
         "namespace (reached from outside it, e.g. through an inherited fd or another "
         "process's /proc/PID/root): CRIU, run in that namespace, cannot dump it (\"Can't "
-        f"lookup mount={mid} for fd=-3\"), and only open fds can be recorded as external files"
+        f'lookup mount={mid} for fd=-3"), and only open fds can be recorded as external files'
         + "".join(f"; also pid {p} ({comm[p]}) {what}" for p in tree[1:6])
-        + "; checkpoint refused, nothing was torn down, the workload keeps running")
-    assert [(p["name"], p["status"]) for p in out["phases"]] == [("driver", "ok"),
-                                                                 ("census", "failed")]
+        + "; checkpoint refused, nothing was torn down, the workload keeps running"
+    )
+    assert [(p["name"], p["status"]) for p in out["phases"]] == [
+        ("driver", "ok"),
+        ("census", "failed"),
+    ]
     assert not snap.exists()
     # untouched: it was never asked to quiesce, and finishes with nothing lost
     assert a.proc.wait(timeout=300) == 0
@@ -653,33 +862,50 @@ def test_a_bad_size_of_an_external_file_names_what_was_handed(tmp_path, monkeypa
     """CRIU names an external file reopened from a handed fd "fd/N" (a copy of that fd, tied
     to its key by the log line before): the restore's reason names the file, the tree's fds
     and what was handed, not the workload's O_APPEND."""
-    from cuinterpose.agent.mech import criu
-    from cuinterpose.agent.run import restore as rs_mod
     from cuinterpose.agent.errors import AgentError
+    from cuinterpose.agent.mech import criu
     from cuinterpose.agent.mech.inherit import RestoreOptions
+    from cuinterpose.agent.run import restore as rs_mod
+
     log = tmp_path / "restore.log"
-    log.write_text("(00.040346)   9695: Found id file[1b:210413] (fd 1) in inherit fd list\n"
-                   "(00.040371)   9695: Found id file[1b:210413] (fd 3) in inherit fd list\n"
-                   "(00.040377)   9695: Error (criu/files-reg.c:2175): File fd/3 has bad size "
-                   "70 (expect 4111)\n"
-                   "(00.040377)   9695: Error (criu/files-reg.c:2175): File run/app.log has "
-                   "bad size 9 (expect 8)\n")
+    log.write_text(
+        "(00.040346)   9695: Found id file[1b:210413] (fd 1) in inherit fd list\n"
+        "(00.040371)   9695: Found id file[1b:210413] (fd 3) in inherit fd list\n"
+        "(00.040377)   9695: Error (criu/files-reg.c:2175): File fd/3 has bad size "
+        "70 (expect 4111)\n"
+        "(00.040377)   9695: Error (criu/files-reg.c:2175): File run/app.log has "
+        "bad size 9 (expect 8)\n"
+    )
     e = criu.CriuError("criu restore failed", log_path=log)
     e.bad_size = criu.bad_size_files(log)
-    assert e.bad_size == [{"path": "/fd/3", "size": 70, "expected": 4111},
-                          {"path": "/run/app.log", "size": 9, "expected": 8}]
+    assert e.bad_size == [
+        {"path": "/fd/3", "size": 70, "expected": 4111},
+        {"path": "/run/app.log", "size": 9, "expected": 8},
+    ]
 
     def boom(d, **kw):
         raise e
+
     monkeypatch.setattr(criu, "restore", boom)
-    rec = {"root": 7, "pid": 8, "fd": 1, "path": "/var/log/x.log", "mnt_id": 0x1b,
-           "inode": 0x210413, "flags": os.O_WRONLY | os.O_APPEND, "access": "w",
-           "st_mode": 0o100644, "rdev": 0}
+    rec = {
+        "root": 7,
+        "pid": 8,
+        "fd": 1,
+        "path": "/var/log/x.log",
+        "mnt_id": 0x1B,
+        "inode": 0x210413,
+        "flags": os.O_WRONLY | os.O_APPEND,
+        "access": "w",
+        "st_mode": 0o100644,
+        "rdev": 0,
+    }
     handed = {"handed": "placement fd 1 (/var/log/ph.log)", "placement_fd": 1}
     rs = rs_mod.Restore(tmp_path)
     rs.m = {"roots": [7]}
-    rs.opts[7] = RestoreOptions(inherit_fds=[(12, "file[1b:210413]")], files=[
-        {**rec, **handed}, {**rec, "fd": 5, "flags": os.O_RDWR, "access": "rw", **handed}])
+    rs.opts[7] = RestoreOptions(
+        inherit_fds=[(12, "file[1b:210413]")],
+        files=[{**rec, **handed}, {**rec, "fd": 5, "flags": os.O_RDWR, "access": "rw", **handed}],
+    )
     with pytest.raises(AgentError) as ei:
         rs.criu_restore()
     assert ei.value.reason == (
@@ -696,4 +922,5 @@ def test_a_bad_size_of_an_external_file_names_what_was_handed(tmp_path, monkeypa
         "snapshot is restorable only while the file keeps its dumped size (truncate it back to "
         "that size to restore it again, losing what was written after the checkpoint); open it "
         "with O_APPEND / `>>` so that later snapshots restore any number of times "
-        f"(CRIU log: {log})")
+        f"(CRIU log: {log})"
+    )

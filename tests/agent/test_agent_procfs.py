@@ -1,4 +1,5 @@
 """procfs: the /proc parsers of the agent, on this process and on texts laid out here."""
+
 from __future__ import annotations
 
 import os
@@ -25,7 +26,7 @@ def test_starttime_is_none_for_a_gone_process(tmp_path):
     assert procfs.starttime(1 << 30) is None
     (tmp_path / "5").mkdir()
     (tmp_path / "5" / "stat").write_text("5 (z) Z 1 " + "0 " * 16 + "123\n")
-    assert procfs.starttime(5, str(tmp_path)) is None          # a zombie
+    assert procfs.starttime(5, str(tmp_path)) is None  # a zombie
 
 
 def test_fd_flags_targets_and_maps_of_this_process(tmp_path):
@@ -55,14 +56,20 @@ def test_status_nspid_environ_and_ns_inode_of_this_process(monkeypatch):
 
 def test_cgroup_and_mountinfo_texts():
     text = "12:cpu,cpuacct:/a/b\n1:name=systemd:/\n0::/x y\n"
-    assert procfs.parse_cgroup(text) == [(12, ("cpu", "cpuacct"), "/a/b"),
-                                         (1, ("name=systemd",), "/"), (0, (), "/x y")]
+    assert procfs.parse_cgroup(text) == [
+        (12, ("cpu", "cpuacct"), "/a/b"),
+        (1, ("name=systemd",), "/"),
+        (0, (), "/x y"),
+    ]
     assert procfs.cgroup_paths(text + "odd line\n") == ["/a/b", "/", "/x y", "odd line"]
     assert procfs.cgroup("self") == procfs.parse_cgroup(open("/proc/self/cgroup").read())
-    mi = ("30 25 0:26 / /sys/fs/cgroup/my\\040dir rw - cgroup2 cgroup2 rw,nsdelegate\n"
-          "31 25 0:27 /kube /host/pids rw - cgroup cgroup rw,pids\n"
-          "32 25 0:28 / /proc rw - proc proc rw\n")
+    mi = (
+        "30 25 0:26 / /sys/fs/cgroup/my\\040dir rw - cgroup2 cgroup2 rw,nsdelegate\n"
+        "31 25 0:27 /kube /host/pids rw - cgroup cgroup rw,pids\n"
+        "32 25 0:28 / /proc rw - proc proc rw\n"
+    )
     assert procfs.cgroup_mounts(mi) == [
         ("cgroup2", "/sys/fs/cgroup/my dir", "/", frozenset({"rw", "nsdelegate"})),
-        ("cgroup", "/host/pids", "/kube", frozenset({"rw", "pids"}))]
+        ("cgroup", "/host/pids", "/kube", frozenset({"rw", "pids"})),
+    ]
     assert procfs.mount_ids(os.getpid())

@@ -1,4 +1,5 @@
 """The agent's side of the quiesce contract, against fake workloads (threads)."""
+
 from __future__ import annotations
 
 import json
@@ -7,8 +8,8 @@ import time
 
 import pytest
 
-from cuinterpose.agent.mech import quiesce
 from cuinterpose.agent.errors import QuiesceRefused
+from cuinterpose.agent.mech import quiesce
 from cuinterpose.coordinator.contract import write_atomic
 
 
@@ -23,7 +24,10 @@ def test_timeout_refuses_cancels_and_removes_request(tmp_path):
     assert "quiesce-4242.ready" in e.reason and "within 150 ms" in e.reason
     assert not (tmp_path / "quiesce-4242.request").exists()
     assert json.loads((tmp_path / "quiesce-4242.resume").read_text()) == {
-        "id": "q1", "restored": False, "cancelled": True}
+        "id": "q1",
+        "restored": False,
+        "cancelled": True,
+    }
     assert sorted(p.name for p in tmp_path.iterdir()) == ["quiesce-4242.resume"]
 
 
@@ -41,6 +45,7 @@ def test_workload_answers(tmp_path):
             time.sleep(0.005)
         rid = json.loads(p.read_text())["id"]
         write_atomic(tmp_path / "quiesce-9.ready", {"id": rid, "ranks": [{"pid": 10}, {"pid": 11}]})
+
     t = threading.Thread(target=workload)
     t.start()
     quiesce.request(tmp_path, [9], "q2", 5000)
@@ -49,7 +54,10 @@ def test_workload_answers(tmp_path):
     assert got == {9: {"id": "q2", "ranks": [{"pid": 10}, {"pid": 11}]}}
     quiesce.resume(tmp_path, [9], "q2", restored=True)
     assert json.loads((tmp_path / "quiesce-9.resume").read_text()) == {
-        "id": "q2", "restored": True, "cancelled": False}
+        "id": "q2",
+        "restored": True,
+        "cancelled": False,
+    }
 
 
 def test_request_removes_stale_answers(tmp_path):

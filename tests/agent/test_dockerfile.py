@@ -2,6 +2,7 @@
 here: these checks read the files. Every path a COPY takes from the build context exists, the
 image's entrypoint and command are the DaemonSet's command and args, and the shim lands where
 the chart's init container copies it from."""
+
 from __future__ import annotations
 
 import json
@@ -39,8 +40,11 @@ def values() -> dict:
 
 
 def test_every_copy_source_exists_in_the_build_context():
-    ignored = [ln.strip().strip("/") for ln in (REPO / ".dockerignore").read_text().splitlines()
-               if ln.strip() and not ln.lstrip().startswith("#")]
+    ignored = [
+        ln.strip().strip("/")
+        for ln in (REPO / ".dockerignore").read_text().splitlines()
+        if ln.strip() and not ln.lstrip().startswith("#")
+    ]
     copies = [rest for ins, rest in instructions() if ins == "COPY"]
     assert copies
     for rest in copies:
@@ -64,8 +68,8 @@ def test_base_is_debian_bookworm_and_the_projects_scripts_install_everything():
     assert "bash scripts/install-criu.sh" in runs
     assert "pip install --no-cache-dir ." in runs
     env = " ".join(r for i, r in ins if i == "ENV")
-    assert "CUINTERPOSE_CRIU_CACHE=/opt/criu" in env       # where agent/criu.py finds CRIU
-    assert re.search(r"PATH=/opt/venv/bin:", env)           # cuinterpose-agent on PATH
+    assert "CUINTERPOSE_CRIU_CACHE=/opt/criu" in env  # where agent/criu.py finds CRIU
+    assert re.search(r"PATH=/opt/venv/bin:", env)  # cuinterpose-agent on PATH
     assert "python3 -m venv /opt/venv" in runs
 
 
@@ -84,12 +88,13 @@ def test_the_shim_is_where_the_init_container_copies_it_from():
     the package's own lib dir, inside the venv the Dockerfile installs. The venv must not lie
     under shim.hostPath, which the agent container mounts over."""
     ds = daemonset()
-    init = ds[ds.index("- name: install-shim"):ds.index("containers:\n        - name: agent")]
+    init = ds[ds.index("- name: install-shim") : ds.index("containers:\n        - name: agent")]
     assert 'src=$(dirname "$(cuinterpose-agent shim-path)")' in init
     assert "CUINTERPOSE_LIB_DIR" not in init
     for f in re.search(r"for f in (.*); do", init).group(1).split():
-        assert (REPO / {"libcuinterpose.so": "interposer",
-                        "fakecuda/libcuda.so.1": "fakecuda"}[f]).is_dir(), f
+        assert (
+            REPO / {"libcuinterpose.so": "interposer", "fakecuda/libcuda.so.1": "fakecuda"}[f]
+        ).is_dir(), f
     runs = " ".join(r for i, r in instructions() if i == "RUN")
     assert "cuinterpose-agent shim-path" in runs
     assert 'fakecuda/libcuda.so.1"' in runs

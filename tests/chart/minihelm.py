@@ -14,6 +14,7 @@ fails its test instead of being rendered wrongly:
 
 Go template truthiness: false, 0, "", nil, empty list/map are false.
 """
+
 from __future__ import annotations
 
 import base64
@@ -69,7 +70,9 @@ FUNCS = {
     "fail": _fail,
     "hasPrefix": lambda pre, s: str(s).startswith(str(pre)),
     "default": lambda d, v=None: v if _truthy(v) else d,
-    "quote": lambda v: '"' + str("" if v is None else v).replace("\\", "\\\\").replace('"', '\\"') + '"',
+    "quote": lambda v: (
+        '"' + str("" if v is None else v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+    ),
     "squote": lambda v: "'" + str(v) + "'",
     "toYaml": _to_yaml,
     "nindent": lambda n, s: "\n" + "\n".join((" " * n + l) if l else l for l in str(s).split("\n")),
@@ -95,8 +98,11 @@ FUNCS = {
 
 
 def _lex(expr: str) -> list[str]:
-    toks = re.findall(r'"(?:[^"\\]|\\.)*"|`[^`]*`|\(|\)|\||:=|,|\$[A-Za-z0-9_]*(?:\.[A-Za-z0-9_]+)*'
-                      r'|\.[A-Za-z0-9_.]*|-?\d+|[A-Za-z_][A-Za-z0-9_]*|\S', expr)
+    toks = re.findall(
+        r'"(?:[^"\\]|\\.)*"|`[^`]*`|\(|\)|\||:=|,|\$[A-Za-z0-9_]*(?:\.[A-Za-z0-9_]+)*'
+        r"|\.[A-Za-z0-9_.]*|-?\d+|[A-Za-z_][A-Za-z0-9_]*|\S",
+        expr,
+    )
     return toks
 
 
@@ -110,7 +116,7 @@ class Renderer:
     def _tokens(self, name, text):
         out, pos = [], 0
         for m in TOKEN.finditer(text):
-            lit = text[pos:m.start()]
+            lit = text[pos : m.start()]
             if m.group(1):
                 lit = lit.rstrip()
             if out and out[-1][0] == "act" and out[-1][2]:
@@ -166,6 +172,7 @@ class Renderer:
             if stop:
                 raise TemplateError(f"{name}: missing {{{{ end }}}}")
             return nodes, None
+
         nodes, _ = block(set())
         return nodes
 
@@ -205,8 +212,9 @@ class Renderer:
                     if vvar is None:
                         kvar, vvar = None, kvar
                 coll = self._pipeline(expr, dot, vars_, name)
-                items = (sorted(coll.items()) if isinstance(coll, dict)
-                         else list(enumerate(coll or [])))
+                items = (
+                    sorted(coll.items()) if isinstance(coll, dict) else list(enumerate(coll or []))
+                )
                 if not items and rest:
                     out.append(self._exec(rest[0][1], dot, vars_, name))
                 for k, v in items:
@@ -261,7 +269,7 @@ class Renderer:
                 while depth:
                     depth += {"(": 1, ")": -1}.get(toks[j], 0)
                     j += 1
-                args.append(("val", self._eval_tokens(toks[i + 1:j - 1], dot, vars_, name)))
+                args.append(("val", self._eval_tokens(toks[i + 1 : j - 1], dot, vars_, name)))
                 i = j
                 continue
             args.append(("tok", t))
@@ -269,7 +277,11 @@ class Renderer:
         if not args:
             raise TemplateError(f"{name}: empty command")
         head = args[0]
-        if head[0] == "tok" and re.fullmatch(r"[A-Za-z_]\w*", head[1]) and head[1] not in ("true", "false", "nil"):
+        if (
+            head[0] == "tok"
+            and re.fullmatch(r"[A-Za-z_]\w*", head[1])
+            and head[1] not in ("true", "false", "nil")
+        ):
             fn = head[1]
             vals = [self._atom(a, dot, vars_, name) for a in args[1:]] + list(piped)
             if fn in ("include", "template"):
@@ -336,8 +348,13 @@ def deep_merge(base: dict, over: dict) -> dict:
     return out
 
 
-def render_chart(chart_dir, values_override: dict | None = None, *, release="cuinterpose",
-                 namespace="cuinterpose-system") -> dict[str, str]:
+def render_chart(
+    chart_dir,
+    values_override: dict | None = None,
+    *,
+    release="cuinterpose",
+    namespace="cuinterpose-system",
+) -> dict[str, str]:
     """Render every ``templates/*`` of ``chart_dir`` (not ``_*.tpl``) with values.yaml merged
     with ``values_override``; returns {template file name: rendered text}."""
     chart_dir = pathlib.Path(chart_dir)
@@ -346,8 +363,13 @@ def render_chart(chart_dir, values_override: dict | None = None, *, release="cui
     values = deep_merge(values, values_override or {})
     files = {p.name: p.read_text() for p in sorted((chart_dir / "templates").iterdir())}
     r = Renderer(files)
-    root = {"Values": values,
-            "Release": {"Name": release, "Namespace": namespace, "Service": "Helm"},
-            "Chart": {"Name": chart["name"], "Version": chart["version"],
-                      "AppVersion": chart.get("appVersion", "")}}
+    root = {
+        "Values": values,
+        "Release": {"Name": release, "Namespace": namespace, "Service": "Helm"},
+        "Chart": {
+            "Name": chart["name"],
+            "Version": chart["version"],
+            "AppVersion": chart.get("appVersion", ""),
+        },
+    }
     return {n: r.render(n, root) for n in files if not n.startswith("_")}

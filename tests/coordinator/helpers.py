@@ -1,36 +1,58 @@
 """Record builders and a mock-shim group for the coordinator tests."""
+
 from __future__ import annotations
 
 import contextlib
 import threading
 
 from cuinterpose.coordinator.phases import Participant
-from cuinterpose.coordinator.protocol import (Access, Op, Record, RecordFlag, RecordKind, Role)
+from cuinterpose.coordinator.protocol import Access, Op, Record, RecordFlag, RecordKind, Role
 
 from .mockshim import EventLog, MockShim
 
 MiB = 1 << 20
-A = bytes.fromhex("9f3c" + "11" * 14)   # created by 4119, imported by 4121 and 4123
-B = bytes.fromhex("b7e2" + "22" * 14)   # created by 4121, imported by 4119
-P = bytes.fromhex("0a0b" + "33" * 14)   # private to 4123
+A = bytes.fromhex("9f3c" + "11" * 14)  # created by 4119, imported by 4121 and 4123
+B = bytes.fromhex("b7e2" + "22" * 14)  # created by 4121, imported by 4119
+P = bytes.fromhex("0a0b" + "33" * 14)  # private to 4123
 BASE = 0x7F0000000000
 
 
 def alloc(aid, role, creator, *, size=2 * MiB, refs=1, flags=None, handle_types=1):
     if flags is None:
-        flags = 0 if role == Role.PRIVATE else RecordFlag.SHARED | (
-            RecordFlag.EXPORTED if role == Role.CREATOR else 0)
-    return Record(kind=RecordKind.ALLOCATION, role=role, flags=flags, alloc_id=aid,
-                  creator_pid=creator, handle_refs=refs, size=size, prop_type=1,
-                  prop_location_type=1, prop_location_id=0, prop_handle_types=handle_types)
+        flags = (
+            0
+            if role == Role.PRIVATE
+            else RecordFlag.SHARED | (RecordFlag.EXPORTED if role == Role.CREATOR else 0)
+        )
+    return Record(
+        kind=RecordKind.ALLOCATION,
+        role=role,
+        flags=flags,
+        alloc_id=aid,
+        creator_pid=creator,
+        handle_refs=refs,
+        size=size,
+        prop_type=1,
+        prop_location_type=1,
+        prop_location_id=0,
+        prop_handle_types=handle_types,
+    )
 
 
 def mapping(aid, role, creator, va, *, size=2 * MiB, offset=0, flags=None):
     if flags is None:
         flags = 0 if role == Role.PRIVATE else RecordFlag.SHARED
-    return Record(kind=RecordKind.MAPPING, role=role, flags=flags, alloc_id=aid,
-                  creator_pid=creator, size=size, va=va, offset=offset,
-                  access=(Access(1, 0, 3), Access(1, 1, 3)))
+    return Record(
+        kind=RecordKind.MAPPING,
+        role=role,
+        flags=flags,
+        alloc_id=aid,
+        creator_pid=creator,
+        size=size,
+        va=va,
+        offset=offset,
+        access=(Access(1, 0, 3), Access(1, 1, 3)),
+    )
 
 
 def reservation(va, size):
@@ -42,15 +64,26 @@ def group_records():
     4123 imports A and holds a private allocation P."""
     C, I, X = Role.CREATOR, Role.IMPORTER, Role.PRIVATE
     return {
-        4119: [reservation(BASE, 8 * MiB), alloc(A, C, 4119), mapping(A, C, 4119, BASE),
-               alloc(B, I, 4121, size=4 * MiB),
-               mapping(B, I, 4121, BASE + 2 * MiB, size=4 * MiB)],
-        4121: [reservation(BASE, 8 * MiB), alloc(B, C, 4121, size=4 * MiB),
-               mapping(B, C, 4121, BASE, size=4 * MiB),
-               alloc(A, I, 4119), mapping(A, I, 4119, BASE + 4 * MiB)],
-        4123: [alloc(A, I, 4119, refs=0), mapping(A, I, 4119, BASE + 6 * MiB, offset=MiB,
-                                                  size=MiB),
-               alloc(P, X, 4123, handle_types=0), mapping(P, X, 4123, BASE + 8 * MiB)],
+        4119: [
+            reservation(BASE, 8 * MiB),
+            alloc(A, C, 4119),
+            mapping(A, C, 4119, BASE),
+            alloc(B, I, 4121, size=4 * MiB),
+            mapping(B, I, 4121, BASE + 2 * MiB, size=4 * MiB),
+        ],
+        4121: [
+            reservation(BASE, 8 * MiB),
+            alloc(B, C, 4121, size=4 * MiB),
+            mapping(B, C, 4121, BASE, size=4 * MiB),
+            alloc(A, I, 4119),
+            mapping(A, I, 4119, BASE + 4 * MiB),
+        ],
+        4123: [
+            alloc(A, I, 4119, refs=0),
+            mapping(A, I, 4119, BASE + 6 * MiB, offset=MiB, size=MiB),
+            alloc(P, X, 4123, handle_types=0),
+            mapping(P, X, 4123, BASE + 8 * MiB),
+        ],
     }
 
 
@@ -60,11 +93,20 @@ class Group:
     def __init__(self, ctl, records=None, **knobs):
         self.log = EventLog()
         records = records if records is not None else group_records()
-        self.mocks = {pid: MockShim(pid, str(ctl), records=list(rs), log=self.log,
-                                    bytes_per_op={Op.SAVE_ALLOCATIONS: 2 * MiB * (i + 1),
-                                                  Op.LOAD_ALLOCATIONS: 2 * MiB * (i + 1)},
-                                    **knobs)
-                      for i, (pid, rs) in enumerate(sorted(records.items()))}
+        self.mocks = {
+            pid: MockShim(
+                pid,
+                str(ctl),
+                records=list(rs),
+                log=self.log,
+                bytes_per_op={
+                    Op.SAVE_ALLOCATIONS: 2 * MiB * (i + 1),
+                    Op.LOAD_ALLOCATIONS: 2 * MiB * (i + 1),
+                },
+                **knobs,
+            )
+            for i, (pid, rs) in enumerate(sorted(records.items()))
+        }
         self.participants = [Participant(pid, m.path) for pid, m in sorted(self.mocks.items())]
 
     def gate(self, *ops):

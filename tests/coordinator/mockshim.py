@@ -5,6 +5,7 @@ records, failures, hangs); it carries no bytes. Every received request and sent 
 appended to a shared :class:`EventLog` with a global sequence number, so tests can prove
 ordering (the barrier) across mocks.
 """
+
 from __future__ import annotations
 
 import array
@@ -15,10 +16,24 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from cuinterpose.coordinator.protocol import (CUI_PROTO_MAGIC, CUI_PROTO_VERSION, MUTATING_OPS,
-                                              REQUEST_SIZE, Op, Phase, ProtocolError, Record,
-                                              RecordFlag, RecordKind, Reply, Request, Role,
-                                              Status, cui_checksum64, socket_path)
+from cuinterpose.coordinator.protocol import (
+    CUI_PROTO_MAGIC,
+    CUI_PROTO_VERSION,
+    MUTATING_OPS,
+    REQUEST_SIZE,
+    Op,
+    Phase,
+    ProtocolError,
+    Record,
+    RecordFlag,
+    RecordKind,
+    Reply,
+    Request,
+    Role,
+    Status,
+    cui_checksum64,
+    socket_path,
+)
 
 # op -> (phase it needs, phase after) without multicast; see MockShim._transition
 TRANSITIONS = {
@@ -40,7 +55,7 @@ NON_DESTRUCTIVE_FAILURE = frozenset({Op.SAVE_ALLOCATIONS})
 @dataclass
 class Event:
     seq: int
-    what: str          # "recv" | "reply"
+    what: str  # "recv" | "reply"
     pid: int
     op: int
     txn_id: int
@@ -57,13 +72,27 @@ class EventLog:
 
     def add(self, what, pid, req: Request, status=-1) -> None:
         with self._lock:
-            self.events.append(Event(len(self.events), what, pid, int(req.op), req.txn_id,
-                                     int(req.expected_phase), int(status)))
+            self.events.append(
+                Event(
+                    len(self.events),
+                    what,
+                    pid,
+                    int(req.op),
+                    req.txn_id,
+                    int(req.expected_phase),
+                    int(status),
+                )
+            )
 
     def of(self, what=None, pid=None, op=None) -> list[Event]:
         with self._lock:
-            return [e for e in self.events if (what is None or e.what == what)
-                    and (pid is None or e.pid == pid) and (op is None or e.op == int(op))]
+            return [
+                e
+                for e in self.events
+                if (what is None or e.what == what)
+                and (pid is None or e.pid == pid)
+                and (op is None or e.op == int(op))
+            ]
 
 
 @dataclass
@@ -80,6 +109,7 @@ class MockShim:
     threading.Barrier shared by several mocks: each waits there before answering, so the op
     only succeeds if every mock received it concurrently (else FAILED "gate broken").
     """
+
     pid: int
     control_dir: str
     records: list[Record] = field(default_factory=list)
@@ -98,7 +128,7 @@ class MockShim:
     copy_ns: int = 400
     last_txn: int = 0
     txns_seen: list = field(default_factory=list)
-    mc_cycle: bool = False        # the capture ran PREPARE_MULTICAST (as in the shim)
+    mc_cycle: bool = False  # the capture ran PREPARE_MULTICAST (as in the shim)
 
     def __post_init__(self):
         self.path = socket_path(self.control_dir, self.pid)
@@ -172,8 +202,11 @@ class MockShim:
                     broken = True
             if broken:
                 reply, records, message, fd = (
-                    self._reply(req, Status.FAILED), [], "gate broken: requests were not "
-                    "concurrent", None)
+                    self._reply(req, Status.FAILED),
+                    [],
+                    "gate broken: requests were not concurrent",
+                    None,
+                )
             else:
                 reply, records, message, fd = self._answer(req)
             reply.record_count = len(records)
@@ -194,8 +227,9 @@ class MockShim:
             conn.close()
 
     def _reply(self, req, status=Status.OK, **kw) -> Reply:
-        return Reply(op=req.op, txn_id=req.txn_id, status=status, phase=self.phase,
-                     pid=self.pid, **kw)
+        return Reply(
+            op=req.op, txn_id=req.txn_id, status=status, phase=self.phase, pid=self.pid, **kw
+        )
 
     def _answer(self, req: Request):
         with self._lock:
@@ -209,15 +243,22 @@ class MockShim:
                 return self._reply(req), [], "", rfd
             if self.phase == Phase.FAILED:
                 return self._reply(req, Status.REFUSED_PHASE), [], "shim is FAILED", None
-            if req.expected_phase != self.phase and (op != Op.INSPECT
-                                                      or self.inspect_checks_phase):
-                return (self._reply(req, Status.REFUSED_PHASE), [],
-                        f"expected phase {int(req.expected_phase)}, shim is in "
-                        f"{Phase(self.phase).name}", None)
+            if req.expected_phase != self.phase and (op != Op.INSPECT or self.inspect_checks_phase):
+                return (
+                    self._reply(req, Status.REFUSED_PHASE),
+                    [],
+                    f"expected phase {int(req.expected_phase)}, shim is in "
+                    f"{Phase(self.phase).name}",
+                    None,
+                )
             if op in MUTATING_OPS:
                 if req.txn_id <= self.last_txn:
-                    return (self._reply(req, Status.REFUSED_DUPLICATE), [],
-                            f"txn {req.txn_id} not newer than {self.last_txn}", None)
+                    return (
+                        self._reply(req, Status.REFUSED_DUPLICATE),
+                        [],
+                        f"txn {req.txn_id} not newer than {self.last_txn}",
+                        None,
+                    )
             if op in self.refuse:
                 status, msg = self.refuse[op]
                 return self._reply(req, status), [], msg, None
@@ -234,8 +275,14 @@ class MockShim:
                 cuda_result, msg = self.fail[op]
                 if op not in NON_DESTRUCTIVE_FAILURE:
                     self.phase = Phase.FAILED
-                return (self._reply(req, Status.FAILED, cuda_result=cuda_result,
-                                    elapsed_ns=self.elapsed_ns), [], msg, None)
+                return (
+                    self._reply(
+                        req, Status.FAILED, cuda_result=cuda_result, elapsed_ns=self.elapsed_ns
+                    ),
+                    [],
+                    msg,
+                    None,
+                )
             changed = self._mutate(op)
             self.phase = after
             if op == Op.PREPARE_MULTICAST:
@@ -245,9 +292,18 @@ class MockShim:
             if op in self.after:
                 self.after[op](self)
             nbytes = self.bytes_per_op.get(op, 0)
-            return (self._reply(req, bytes=nbytes, elapsed_ns=self.elapsed_ns,
-                                copy_ns=self.copy_ns if nbytes else 0,
-                                records_changed=changed), [], "", None)
+            return (
+                self._reply(
+                    req,
+                    bytes=nbytes,
+                    elapsed_ns=self.elapsed_ns,
+                    copy_ns=self.copy_ns if nbytes else 0,
+                    records_changed=changed,
+                ),
+                [],
+                "",
+                None,
+            )
 
     def _transition(self, op):
         """protocol.h "Phases": SAVE_ALLOCATIONS starts from MULTICAST_RELEASED after
@@ -268,11 +324,15 @@ class MockShim:
                 continue
             if op == Op.SAVE_ALLOCATIONS:
                 self.records[i] = dataclasses.replace(
-                    r, flags=r.flags | RecordFlag.CARRIED, carrier_bytes=r.size,
-                    carrier_checksum=cui_checksum64(r.alloc_id * 4))
+                    r,
+                    flags=r.flags | RecordFlag.CARRIED,
+                    carrier_bytes=r.size,
+                    carrier_checksum=cui_checksum64(r.alloc_id * 4),
+                )
                 changed += 1
             elif op in (Op.LOAD_ALLOCATIONS, Op.CANCEL_CAPTURE):
                 self.records[i] = dataclasses.replace(
-                    r, flags=r.flags & ~RecordFlag.CARRIED, carrier_bytes=0, carrier_checksum=0)
+                    r, flags=r.flags & ~RecordFlag.CARRIED, carrier_bytes=0, carrier_checksum=0
+                )
                 changed += 1
         return changed

@@ -2,6 +2,7 @@
 
 Used by the integration test and by bench/phases.py (which imports this file by path).
 """
+
 from __future__ import annotations
 
 import os
@@ -18,9 +19,14 @@ class PairProc:
     """One cuipair process; ``cmd`` sends a line and returns the answer tokens after "ok"."""
 
     def __init__(self, exe, env, sock_fd: int):
-        self.proc = subprocess.Popen([str(exe), str(sock_fd)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, env=env, text=True,
-                                     pass_fds=(sock_fd,))
+        self.proc = subprocess.Popen(
+            [str(exe), str(sock_fd)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            text=True,
+            pass_fds=(sock_fd,),
+        )
         self.pid = self.proc.pid
         first = self._line("start")
         assert first == ["ok", str(self.pid)], first
@@ -28,8 +34,7 @@ class PairProc:
     def _line(self, what: str) -> list[str]:
         out = self.proc.stdout.readline()
         if not out:
-            raise RuntimeError(f"cuipair {self.pid} exited during {what!r} "
-                               f"(rc={self.proc.poll()})")
+            raise RuntimeError(f"cuipair {self.pid} exited during {what!r} (rc={self.proc.poll()})")
         return out.split()
 
     def send(self, line: str) -> None:

@@ -1,4 +1,5 @@
 """ShimClient against the in-process mock shim (real Unix sockets)."""
+
 from __future__ import annotations
 
 import array
@@ -7,20 +8,36 @@ import socket
 
 import pytest
 
-from cuinterpose.coordinator.client import (Response, ShimClient, ShimConnectError,
-                                            ShimProtocolError, ShimTimeout)
-from cuinterpose.coordinator.protocol import (Op, Phase, Record, RecordKind, Reply, Role,
-                                              Status)
+from cuinterpose.coordinator.client import (
+    Response,
+    ShimClient,
+    ShimConnectError,
+    ShimProtocolError,
+    ShimTimeout,
+)
+from cuinterpose.coordinator.protocol import Op, Phase, Record, RecordKind, Reply, Role, Status
 
 from .mockshim import MockShim
 
 
 @pytest.fixture
 def shim(ctl):
-    m = MockShim(4119, ctl, records=[
-        Record(kind=RecordKind.ALLOCATION, role=Role.CREATOR, alloc_id=b"\x9f\x3c",
-               creator_pid=4119, handle_refs=1, size=2 << 20, prop_type=1,
-               prop_handle_types=1)])
+    m = MockShim(
+        4119,
+        ctl,
+        records=[
+            Record(
+                kind=RecordKind.ALLOCATION,
+                role=Role.CREATOR,
+                alloc_id=b"\x9f\x3c",
+                creator_pid=4119,
+                handle_refs=1,
+                size=2 << 20,
+                prop_type=1,
+                prop_handle_types=1,
+            )
+        ],
+    )
     yield m
     m.stop()
 
@@ -34,8 +51,9 @@ def test_inspect_returns_records(shim):
 
 
 def test_fetch_fd_receives_descriptor(shim):
-    with ShimClient(shim.path, 5).request(Op.FETCH_FD, txn_id=1, expected_phase=Phase.ACTIVE,
-                                          alloc_id=b"\x01\x02") as r:
+    with ShimClient(shim.path, 5).request(
+        Op.FETCH_FD, txn_id=1, expected_phase=Phase.ACTIVE, alloc_id=b"\x01\x02"
+    ) as r:
         assert r.ok and r.fd is not None
         assert os.read(r.fd, 64) == b"\x01\x02" + bytes(14)
         fd = r.fd
@@ -56,8 +74,9 @@ def test_connect_failure_names_socket_and_pid(ctl):
     path = os.path.join(ctl, "cuinterpose-4242.sock")
     with pytest.raises(ShimConnectError) as ei:
         ShimClient(path, 1).request(Op.INSPECT, txn_id=1, expected_phase=Phase.ACTIVE)
-    assert str(ei.value) == (f"INSPECT: cannot connect to pid 4242 (socket {path}): "
-                             "No such file or directory")
+    assert str(ei.value) == (
+        f"INSPECT: cannot connect to pid 4242 (socket {path}): No such file or directory"
+    )
     assert ei.value.pid == 4242 and ei.value.socket_path == path
 
 
@@ -74,6 +93,7 @@ def _raw(payload: bytes, fd: int | None = None):
         if fd is not None:
             anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]).tobytes())]
         conn.sendmsg([payload], anc)
+
     return handler
 
 
@@ -81,8 +101,10 @@ def test_short_read_names_pid(shim):
     shim.raw[Op.INSPECT] = _raw(b"\x43\x55" * 10)
     with pytest.raises(ShimProtocolError) as ei:
         ShimClient(shim.path, 2).request(Op.INSPECT, txn_id=1, expected_phase=Phase.ACTIVE)
-    assert str(ei.value) == (f"INSPECT: pid 4119 (socket {shim.path}): short read: connection "
-                             "closed after 20 of 128 bytes of reply header")
+    assert str(ei.value) == (
+        f"INSPECT: pid 4119 (socket {shim.path}): short read: connection "
+        "closed after 20 of 128 bytes of reply header"
+    )
 
 
 def test_short_records(shim):
@@ -120,8 +142,7 @@ def test_stray_descriptor_is_closed_and_reported(shim):
 
 def test_message_is_read(shim):
     shim.refuse[Op.SAVE_ALLOCATIONS] = (Status.REFUSED_STATE, "pid 4119 holds a live raw import")
-    r = ShimClient(shim.path, 2).request(Op.SAVE_ALLOCATIONS, txn_id=3,
-                                         expected_phase=Phase.ACTIVE)
+    r = ShimClient(shim.path, 2).request(Op.SAVE_ALLOCATIONS, txn_id=3, expected_phase=Phase.ACTIVE)
     assert isinstance(r, Response)
     assert r.status == Status.REFUSED_STATE and r.message == "pid 4119 holds a live raw import"
 
@@ -130,6 +151,7 @@ def test_a_trickling_shim_hits_the_total_deadline_not_a_per_read_one(shim):
     """One byte every 50 ms keeps every single recv fast; the request must still fail after
     its overall timeout (0.3 s), long before the 128-byte header is complete (6.4 s)."""
     import threading
+
     stop = threading.Event()
 
     def trickle(conn, req):
@@ -141,6 +163,7 @@ def test_a_trickling_shim_hits_the_total_deadline_not_a_per_read_one(shim):
                 conn.sendall(bytes([b]))
             except OSError:
                 return
+
     shim.raw[Op.INSPECT] = trickle
     try:
         with pytest.raises(ShimTimeout) as ei:
@@ -150,13 +173,20 @@ def test_a_trickling_shim_hits_the_total_deadline_not_a_per_read_one(shim):
     assert str(ei.value) == f"INSPECT: pid 4119 (socket {shim.path}) did not reply within 0.3 s"
 
 
-@pytest.mark.parametrize("kw,msg", [
-    ({"record_count": 2, "record_size": 999}, "record_size 999 != 640"),
-    ({"record_count": 0xFFFFFFFF}, "reply announces 2748779068800 bytes of records and message, "
-                                   "more than 33554432"),
-    ({"message_len": 0xFFFFFFFF}, "reply announces 4294967295 bytes of records and message, "
-                                  "more than 33554432"),
-])
+@pytest.mark.parametrize(
+    "kw,msg",
+    [
+        ({"record_count": 2, "record_size": 999}, "record_size 999 != 640"),
+        (
+            {"record_count": 0xFFFFFFFF},
+            "reply announces 2748779068800 bytes of records and message, more than 33554432",
+        ),
+        (
+            {"message_len": 0xFFFFFFFF},
+            "reply announces 4294967295 bytes of records and message, more than 33554432",
+        ),
+    ],
+)
 def test_garbage_sizes_are_refused_before_reading_the_body(shim, kw, msg):
     shim.raw[Op.INSPECT] = _raw(Reply(op=Op.INSPECT, txn_id=1, pid=4119, **kw).pack())
     with pytest.raises(ShimProtocolError) as ei:
@@ -169,5 +199,7 @@ def test_a_shim_closing_mid_message_is_a_short_read(shim):
     shim.raw[Op.INSPECT] = _raw(head + b"half a mess")
     with pytest.raises(ShimProtocolError) as ei:
         ShimClient(shim.path, 2).request(Op.INSPECT, txn_id=1, expected_phase=Phase.ACTIVE)
-    assert str(ei.value) == (f"INSPECT: pid 4119 (socket {shim.path}): short read: connection "
-                             "closed after 11 of 50 bytes of message")
+    assert str(ei.value) == (
+        f"INSPECT: pid 4119 (socket {shim.path}): short read: connection "
+        "closed after 11 of 50 bytes of message"
+    )

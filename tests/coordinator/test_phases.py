@@ -1,4 +1,5 @@
 """Coordinator phases against mock shims over real Unix sockets."""
+
 from __future__ import annotations
 
 import json
@@ -7,13 +8,25 @@ import pytest
 
 from cuinterpose.coordinator.barrier import next_txn_id
 from cuinterpose.coordinator.errors import CoordinatorError
-from cuinterpose.coordinator.phases import (Capture, Coordinator, Participant, PhaseError,
-                                            TopologyError)
+from cuinterpose.coordinator.phases import (
+    Capture,
+    Coordinator,
+    Participant,
+    PhaseError,
+    TopologyError,
+)
+from cuinterpose.coordinator.protocol import (
+    Op,
+    Phase,
+    RecordFlag,
+    RecordKind,
+    Role,
+    Status,
+    cui_checksum64,
+)
 from cuinterpose.coordinator.results import ParticipantResult, failure_text
-from cuinterpose.coordinator.protocol import (Op, Phase, RecordFlag, RecordKind, Role, Status,
-                                              cui_checksum64)
 
-from .helpers import A, BASE, MiB, group, group_records
+from .helpers import BASE, A, MiB, group, group_records
 
 CAPTURE_OPS = ["INSPECT", "SAVE_ALLOCATIONS", "PREPARE_UNICAST", "INSPECT"]
 RESTORE_OPS = ["INSPECT", "LOAD_ALLOCATIONS", "RESTORE_UNICAST", "INSPECT"]
@@ -45,7 +58,7 @@ def _assert_barrier(g):
 def test_capture_runs_phases_in_order_with_a_barrier(ctl):
     with group(ctl) as g:
         g.gate(Op.SAVE_ALLOCATIONS, Op.PREPARE_UNICAST)  # succeeds only if sent concurrently
-        g.mocks[4119].delay_s[Op.SAVE_ALLOCATIONS] = 0.2   # a slow participant
+        g.mocks[4119].delay_s[Op.SAVE_ALLOCATIONS] = 0.2  # a slow participant
         cap = Coordinator(g.participants, timeout_s=5).capture()
         assert [name for name, _ in _phase_order(g)] == CAPTURE_OPS
         _assert_barrier(g)
@@ -55,13 +68,19 @@ def test_capture_runs_phases_in_order_with_a_barrier(ctl):
             assert [name for _, name in g.ops_received(pid)] == CAPTURE_OPS
         assert [p.phase for p in cap.phases] == CAPTURE_OPS
         save = cap.phase("SAVE_ALLOCATIONS")
-        assert {pid: r.bytes for pid, r in save.participants.items()} == \
-            {4119: 2 * MiB, 4121: 4 * MiB, 4123: 6 * MiB}
+        assert {pid: r.bytes for pid, r in save.participants.items()} == {
+            4119: 2 * MiB,
+            4121: 4 * MiB,
+            4123: 6 * MiB,
+        }
         assert save.bytes == 12 * MiB
         assert {r.elapsed_ns for r in save.participants.values()} == {1000}
         assert {r.copy_ns for r in save.participants.values()} == {400}
-        assert {pid: r.records_changed for pid, r in save.participants.items()} == \
-            {4119: 1, 4121: 1, 4123: 0}
+        assert {pid: r.records_changed for pid, r in save.participants.items()} == {
+            4119: 1,
+            4121: 1,
+            4123: 0,
+        }
         assert save.wall_ns > 0 and all(r.wall_ns > 0 for r in save.participants.values())
 
 
@@ -70,20 +89,32 @@ def test_capture_records_and_carriers(ctl):
         cap = Coordinator(g.participants).capture()
     want = group_records()
     assert sorted(cap.records) == [4119, 4121, 4123]
-    creator_a = next(r for r in cap.records[4119]
-                     if r.kind == RecordKind.ALLOCATION and r.alloc_id == A)
+    creator_a = next(
+        r for r in cap.records[4119] if r.kind == RecordKind.ALLOCATION and r.alloc_id == A
+    )
     assert creator_a.flags == RecordFlag.SHARED | RecordFlag.EXPORTED | RecordFlag.CARRIED
     assert creator_a.carrier_bytes == 2 * MiB
     assert creator_a.carrier_checksum == cui_checksum64(A * 4)
     # everything except the carrier fields is what the first INSPECT returned
-    assert [r.replace(flags=r.flags & ~RecordFlag.CARRIED, carrier_bytes=0, carrier_checksum=0)
-            for r in cap.records[4119]] == want[4119]
+    assert [
+        r.replace(flags=r.flags & ~RecordFlag.CARRIED, carrier_bytes=0, carrier_checksum=0)
+        for r in cap.records[4119]
+    ] == want[4119]
     assert cap.records[4123] == want[4123]
     assert cap.carriers == [
-        {"pid": 4119, "alloc_id": A.hex(), "bytes": 2 * MiB,
-         "checksum": f"{cui_checksum64(A * 4):016x}"},
-        {"pid": 4121, "alloc_id": want[4121][1].alloc_id_hex, "bytes": 4 * MiB,
-         "checksum": f"{cui_checksum64(want[4121][1].alloc_id * 4):016x}"}]
+        {
+            "pid": 4119,
+            "alloc_id": A.hex(),
+            "bytes": 2 * MiB,
+            "checksum": f"{cui_checksum64(A * 4):016x}",
+        },
+        {
+            "pid": 4121,
+            "alloc_id": want[4121][1].alloc_id_hex,
+            "bytes": 4 * MiB,
+            "checksum": f"{cui_checksum64(want[4121][1].alloc_id * 4):016x}",
+        },
+    ]
     assert cap.carrier_bytes == 6 * MiB
 
 
@@ -118,7 +149,7 @@ def test_capture_json_round_trip_and_restore_in_a_new_coordinator(ctl):
 def test_restore_txn_ids_stay_above_the_capture(ctl):
     with group(ctl) as g:
         cap = Coordinator(g.participants).capture()
-        future = next_txn_id() + 10**15           # a capture taken "later" by another clock
+        future = next_txn_id() + 10**15  # a capture taken "later" by another clock
         for m in g.mocks.values():
             m.last_txn = future
         cap.last_txn_id = future
@@ -139,7 +170,7 @@ def test_on_event_per_reply_and_per_phase(ctl):
         Coordinator(g.participants, on_event=events.append).capture()
     assert len(events) == 4 * 4
     for i, name in enumerate(CAPTURE_OPS):
-        chunk = events[4 * i:4 * i + 4]
+        chunk = events[4 * i : 4 * i + 4]
         assert [e.kind for e in chunk] == ["reply", "reply", "reply", "phase"]
         assert {e.phase for e in chunk} == {name}
         assert sorted(e.pid for e in chunk[:3]) == [4119, 4121, 4123]
@@ -153,6 +184,7 @@ def test_on_event_per_reply_and_per_phase(ctl):
 def test_on_event_exception_does_not_break_the_barrier(ctl):
     def boom(event):
         raise RuntimeError("display broke")
+
     with group(ctl) as g:
         Coordinator(g.participants, on_event=boom).capture()
         assert all(m.phase == Phase.PREPARED for m in g.mocks.values())
@@ -160,15 +192,23 @@ def test_on_event_exception_does_not_break_the_barrier(ctl):
 
 def test_refusal_at_inspect_changes_nothing(ctl):
     with group(ctl) as g:
-        g.mocks[4121].refuse[Op.INSPECT] = (Status.REFUSED_STATE,
-                                            "allocation 77 was created with FABRIC handles")
+        g.mocks[4121].refuse[Op.INSPECT] = (
+            Status.REFUSED_STATE,
+            "allocation 77 was created with FABRIC handles",
+        )
         with pytest.raises(PhaseError) as ei:
             Coordinator(g.participants).capture()
         e = ei.value
-        assert str(e) == ("INSPECT: pid 4121 refused (REFUSED_STATE): allocation 77 was created "
-                          "with FABRIC handles; nothing was changed")
-        assert (e.phase, e.pid, e.status, e.changed) == ("INSPECT", 4121, Status.REFUSED_STATE,
-                                                         False)
+        assert str(e) == (
+            "INSPECT: pid 4121 refused (REFUSED_STATE): allocation 77 was created "
+            "with FABRIC handles; nothing was changed"
+        )
+        assert (e.phase, e.pid, e.status, e.changed) == (
+            "INSPECT",
+            4121,
+            Status.REFUSED_STATE,
+            False,
+        )
         assert {name for _, name in g.ops_received()} == {"INSPECT"}
         assert all(m.phase == Phase.ACTIVE for m in g.mocks.values())
 
@@ -182,11 +222,14 @@ def test_participant_in_wrong_phase_refused_before_mutation(ctl, strict):
         with pytest.raises(PhaseError) as ei:
             Coordinator(g.participants).capture()
         if strict:
-            assert str(ei.value) == ("INSPECT: pid 4123 refused (REFUSED_PHASE): expected phase "
-                                     "0, shim is in SAVED; nothing was changed")
+            assert str(ei.value) == (
+                "INSPECT: pid 4123 refused (REFUSED_PHASE): expected phase "
+                "0, shim is in SAVED; nothing was changed"
+            )
         else:
-            assert str(ei.value) == ("INSPECT: pid 4123 is in phase SAVED, expected ACTIVE; "
-                                     "nothing was changed")
+            assert str(ei.value) == (
+                "INSPECT: pid 4123 is in phase SAVED, expected ACTIVE; nothing was changed"
+            )
         assert ei.value.pid == 4123 and not ei.value.changed
         assert {name for _, name in g.ops_received()} == {"INSPECT"}
 
@@ -195,7 +238,7 @@ def test_all_refuse_mutating_phase_changes_nothing(ctl):
     with group(ctl) as g:
         coord = Coordinator(g.participants)
         for m in g.mocks.values():
-            m.last_txn = next_txn_id() + 10**15   # every shim has seen a newer txn
+            m.last_txn = next_txn_id() + 10**15  # every shim has seen a newer txn
         with pytest.raises(PhaseError) as ei:
             coord.save_allocations()
         assert ei.value.status == Status.REFUSED_DUPLICATE
@@ -212,8 +255,7 @@ def test_validation_error_stops_before_mutation(ctl):
         with pytest.raises(TopologyError) as ei:
             Coordinator(g.participants).capture()
         assert ei.value.pid == 4123 and ei.value.alloc_id == A.hex()
-        assert str(ei.value).startswith(f"pid 4123 holds a live raw import of allocation "
-                                        f"{A.hex()}")
+        assert str(ei.value).startswith(f"pid 4123 holds a live raw import of allocation {A.hex()}")
         assert {name for _, name in g.ops_received()} == {"INSPECT"}
         assert all(m.phase == Phase.ACTIVE for m in g.mocks.values())
 
@@ -227,18 +269,26 @@ def test_validate_without_records_inspects(ctl):
 
 def test_failure_in_save_stops_the_group(ctl):
     with group(ctl) as g:
-        g.mocks[4121].fail[Op.SAVE_ALLOCATIONS] = (2, "could not copy allocation b7e2… to its "
-                                                      "host carrier")
+        g.mocks[4121].fail[Op.SAVE_ALLOCATIONS] = (
+            2,
+            "could not copy allocation b7e2… to its host carrier",
+        )
         with pytest.raises(PhaseError) as ei:
             Coordinator(g.participants).capture()
         e = ei.value
-        assert str(e) == ("SAVE_ALLOCATIONS: pid 4121 could not copy allocation b7e2… to its "
-                          "host carrier: CUDA_ERROR_OUT_OF_MEMORY")
-        assert (e.phase, e.pid, e.status, e.cuda_result, e.changed) == \
-            ("SAVE_ALLOCATIONS", 4121, Status.FAILED, 2, True)
+        assert str(e) == (
+            "SAVE_ALLOCATIONS: pid 4121 could not copy allocation b7e2… to its "
+            "host carrier: CUDA_ERROR_OUT_OF_MEMORY"
+        )
+        assert (e.phase, e.pid, e.status, e.cuda_result, e.changed) == (
+            "SAVE_ALLOCATIONS",
+            4121,
+            Status.FAILED,
+            2,
+            True,
+        )
         assert [f.pid for f in e.failures] == [4121]
-        assert [name for _, name in g.ops_received()] == ["INSPECT"] * 3 + \
-            ["SAVE_ALLOCATIONS"] * 3
+        assert [name for _, name in g.ops_received()] == ["INSPECT"] * 3 + ["SAVE_ALLOCATIONS"] * 3
         # SAVE_ALLOCATIONS only copies: the failing shim stays ACTIVE, the others are SAVED
         assert g.mocks[4121].phase == Phase.ACTIVE and g.mocks[4119].phase == Phase.SAVED
         assert e.capture is not None and sorted(e.capture.records) == [4119, 4121, 4123]
@@ -249,15 +299,19 @@ def test_failure_in_restore_unicast_names_phase_pid_and_message(ctl):
     with group(ctl) as g:
         cap = Coordinator(g.participants).capture()
         g.mocks[4121].fail[Op.RESTORE_UNICAST] = (
-            1, f"could not import allocation {A.hex()} from creator pid 4119")
+            1,
+            f"could not import allocation {A.hex()} from creator pid 4119",
+        )
         with pytest.raises(PhaseError) as ei:
             Coordinator(g.participants).restore(cap)
-        assert str(ei.value) == (f"RESTORE_UNICAST: pid 4121 could not import allocation "
-                                 f"{A.hex()} from creator pid 4119: CUDA_ERROR_INVALID_VALUE")
+        assert str(ei.value) == (
+            f"RESTORE_UNICAST: pid 4121 could not import allocation "
+            f"{A.hex()} from creator pid 4119: CUDA_ERROR_INVALID_VALUE"
+        )
         assert ei.value.message == f"could not import allocation {A.hex()} from creator pid 4119"
         ops = [name for _, name in g.ops_received()]
-        assert ops[-3:] == ["RESTORE_UNICAST"] * 3          # stopped: no final INSPECT
-        assert ops.count("RESTORE_UNICAST") == 3            # never retried
+        assert ops[-3:] == ["RESTORE_UNICAST"] * 3  # stopped: no final INSPECT
+        assert ops.count("RESTORE_UNICAST") == 3  # never retried
 
 
 def test_participant_that_never_answers_times_out(ctl):
@@ -267,8 +321,7 @@ def test_participant_that_never_answers_times_out(ctl):
             Coordinator(g.participants, timeout_s=0.3).capture()
         e = ei.value
         path = g.mocks[4123].path
-        assert str(e) == (f"PREPARE_UNICAST: pid 4123 (socket {path}) did not reply within "
-                          "0.3 s")
+        assert str(e) == (f"PREPARE_UNICAST: pid 4123 (socket {path}) did not reply within 0.3 s")
         assert (e.phase, e.pid, e.status, e.changed) == ("PREPARE_UNICAST", 4123, None, True)
         assert [name for _, name in g.ops_received()][-3:] == ["PREPARE_UNICAST"] * 3
 
@@ -280,8 +333,11 @@ def test_carrier_ops_use_the_carrier_timeout(ctl):
         Coordinator(g.participants, timeout_s=0.2, carrier_timeout_s=5).save_allocations()
     with group(ctl) as g:
         g.mocks[4119].hang.add(Op.SAVE_ALLOCATIONS)
-        with pytest.raises(PhaseError, match=r"^SAVE_ALLOCATIONS: pid 4119 \(socket .*\) did "
-                                             r"not reply within 0.3 s$"):
+        with pytest.raises(
+            PhaseError,
+            match=r"^SAVE_ALLOCATIONS: pid 4119 \(socket .*\) did "
+            r"not reply within 0.3 s$",
+        ):
             Coordinator(g.participants, timeout_s=5, carrier_timeout_s=0.3).capture()
 
 
@@ -290,24 +346,32 @@ def test_missing_socket_names_pid(ctl):
         parts = g.participants + [Participant.from_pid(4200, str(ctl))]
         with pytest.raises(PhaseError) as ei:
             Coordinator(parts).inspect()
-        assert str(ei.value) == (f"INSPECT: cannot connect to pid 4200 (socket "
-                                 f"{ctl}/cuinterpose-4200.sock): No such file or directory; "
-                                 "nothing was changed")
+        assert str(ei.value) == (
+            f"INSPECT: cannot connect to pid 4200 (socket "
+            f"{ctl}/cuinterpose-4200.sock): No such file or directory; "
+            "nothing was changed"
+        )
 
 
 def test_restore_detects_changed_va(ctl):
     def move(mock):
-        i = next(i for i, r in enumerate(mock.records)
-                 if r.kind == RecordKind.MAPPING and r.alloc_id == A)
+        i = next(
+            i
+            for i, r in enumerate(mock.records)
+            if r.kind == RecordKind.MAPPING and r.alloc_id == A
+        )
         mock.records[i] = mock.records[i].replace(va=BASE + 0x40000000)
+
     with group(ctl) as g:
         cap = Coordinator(g.participants).capture()
         g.mocks[4121].after[Op.RESTORE_UNICAST] = move
         with pytest.raises(TopologyError) as ei:
             Coordinator(g.participants).restore(cap)
-        assert str(ei.value) == (f"INSPECT after restore: pid 4121 mapping of allocation "
-                                 f"{A.hex()} at va {BASE + 4 * MiB:#x}: va differs (captured "
-                                 f"{BASE + 4 * MiB:#x}, restored {BASE + 0x40000000:#x})")
+        assert str(ei.value) == (
+            f"INSPECT after restore: pid 4121 mapping of allocation "
+            f"{A.hex()} at va {BASE + 4 * MiB:#x}: va differs (captured "
+            f"{BASE + 4 * MiB:#x}, restored {BASE + 0x40000000:#x})"
+        )
         assert ei.value.pid == 4121 and ei.value.phase == "INSPECT"
 
 
@@ -315,16 +379,21 @@ def test_restore_refuses_bad_carrier_checksum_before_load(ctl):
     with group(ctl) as g:
         cap = Coordinator(g.participants).capture()
         m = g.mocks[4119]
-        i = next(i for i, r in enumerate(m.records)
-                 if r.kind == RecordKind.ALLOCATION and r.role == Role.CREATOR)
+        i = next(
+            i
+            for i, r in enumerate(m.records)
+            if r.kind == RecordKind.ALLOCATION and r.role == Role.CREATOR
+        )
         m.records[i] = m.records[i].replace(carrier_checksum=1)
         with pytest.raises(PhaseError) as ei:
             Coordinator(g.participants).restore(cap)
         want = f"{cui_checksum64(A * 4):016x}"
-        assert str(ei.value) == (f"INSPECT: pid 4119 allocation {A.hex()} carrier checksum "
-                                 f"0000000000000001 ({2 * MiB} bytes) differs from the captured "
-                                 f"{want} ({2 * MiB} bytes); restore refused, nothing was "
-                                 "changed")
+        assert str(ei.value) == (
+            f"INSPECT: pid 4119 allocation {A.hex()} carrier checksum "
+            f"0000000000000001 ({2 * MiB} bytes) differs from the captured "
+            f"{want} ({2 * MiB} bytes); restore refused, nothing was "
+            "changed"
+        )
         assert "LOAD_ALLOCATIONS" not in {name for _, name in g.ops_received()}
 
 
@@ -333,27 +402,34 @@ def test_restore_refuses_shim_not_prepared(ctl):
         cap = Coordinator(g.participants).capture()
         g.mocks[4121].phase = Phase.ACTIVE
         g.mocks[4121].inspect_checks_phase = False
-        with pytest.raises(PhaseError, match="^INSPECT: pid 4121 is in phase ACTIVE, expected "
-                                             "PREPARED; nothing was changed$"):
+        with pytest.raises(
+            PhaseError,
+            match="^INSPECT: pid 4121 is in phase ACTIVE, expected PREPARED; nothing was changed$",
+        ):
             Coordinator(g.participants).restore(cap)
 
 
 def test_restore_needs_the_captured_participants(ctl):
     with group(ctl) as g:
         cap = Coordinator(g.participants).capture()
-        with pytest.raises(ValueError, match=r"participants \[4119, 4121\] differ from the "
-                                             r"captured \[4119, 4121, 4123\]"):
+        with pytest.raises(
+            ValueError,
+            match=r"participants \[4119, 4121\] differ from the "
+            r"captured \[4119, 4121, 4123\]",
+        ):
             Coordinator(g.participants[:2]).restore(cap)
 
 
 def test_capture_refuses_uncarried_creator(ctl):
     with group(ctl) as g:
         for m in g.mocks.values():
-            m._mutate = lambda op: 0    # a shim that "forgot" to carry the bytes
+            m._mutate = lambda op: 0  # a shim that "forgot" to carry the bytes
         with pytest.raises(PhaseError) as ei:
             Coordinator(g.participants).capture()
-        assert str(ei.value) == (f"SAVE_ALLOCATIONS: pid 4119 allocation {A.hex()} is not held "
-                                 "in a host carrier after PREPARE_UNICAST")
+        assert str(ei.value) == (
+            f"SAVE_ALLOCATIONS: pid 4119 allocation {A.hex()} is not held "
+            "in a host carrier after PREPARE_UNICAST"
+        )
         assert ei.value.capture is not None
 
 
@@ -375,22 +451,46 @@ def test_phase_error_is_a_coordinator_error():
     assert issubclass(PhaseError, CoordinatorError)
 
 
-@pytest.mark.parametrize("status,cuda,message,text", [
-    # the shim's own style: used as is
-    (Status.FAILED, 1, "RESTORE_UNICAST: pid 4121 could not import allocation 9f3c from creator "
-     "pid 4119: CUDA_ERROR_INVALID_VALUE", "RESTORE_UNICAST: pid 4121 could not import "
-     "allocation 9f3c from creator pid 4119: CUDA_ERROR_INVALID_VALUE"),
-    (Status.FAILED, 2, "RESTORE_UNICAST: pid 4121 allocation 9f3c: cuMemMap failed",
-     "RESTORE_UNICAST: pid 4121 allocation 9f3c: cuMemMap failed: CUDA_ERROR_OUT_OF_MEMORY"),
-    (Status.REFUSED_PHASE, 0, "RESTORE_UNICAST: pid 4121 is FAILED; no request is accepted",
-     "RESTORE_UNICAST: pid 4121 is FAILED; no request is accepted (refused: REFUSED_PHASE)"),
-    (Status.BAD_REQUEST, 0, "busy: pid 4121 is still running another control request",
-     "RESTORE_UNICAST: pid 4121 refused (BAD_REQUEST): busy: pid 4121 is still running "
-     "another control request"),
-    (Status.BAD_REQUEST, 0, "pid 4121: bad request magic", "RESTORE_UNICAST: pid 4121: bad "
-     "request magic (refused: BAD_REQUEST)"),
-    (Status.FAILED, 0, "", "RESTORE_UNICAST: pid 4121 failed (FAILED)"),
-])
+@pytest.mark.parametrize(
+    "status,cuda,message,text",
+    [
+        # the shim's own style: used as is
+        (
+            Status.FAILED,
+            1,
+            "RESTORE_UNICAST: pid 4121 could not import allocation 9f3c from creator "
+            "pid 4119: CUDA_ERROR_INVALID_VALUE",
+            "RESTORE_UNICAST: pid 4121 could not import "
+            "allocation 9f3c from creator pid 4119: CUDA_ERROR_INVALID_VALUE",
+        ),
+        (
+            Status.FAILED,
+            2,
+            "RESTORE_UNICAST: pid 4121 allocation 9f3c: cuMemMap failed",
+            "RESTORE_UNICAST: pid 4121 allocation 9f3c: cuMemMap failed: CUDA_ERROR_OUT_OF_MEMORY",
+        ),
+        (
+            Status.REFUSED_PHASE,
+            0,
+            "RESTORE_UNICAST: pid 4121 is FAILED; no request is accepted",
+            "RESTORE_UNICAST: pid 4121 is FAILED; no request is accepted (refused: REFUSED_PHASE)",
+        ),
+        (
+            Status.BAD_REQUEST,
+            0,
+            "busy: pid 4121 is still running another control request",
+            "RESTORE_UNICAST: pid 4121 refused (BAD_REQUEST): busy: pid 4121 is still running "
+            "another control request",
+        ),
+        (
+            Status.BAD_REQUEST,
+            0,
+            "pid 4121: bad request magic",
+            "RESTORE_UNICAST: pid 4121: bad request magic (refused: BAD_REQUEST)",
+        ),
+        (Status.FAILED, 0, "", "RESTORE_UNICAST: pid 4121 failed (FAILED)"),
+    ],
+)
 def test_failure_text(status, cuda, message, text):
     r = ParticipantResult(pid=4121, status=status, cuda_result=cuda, message=message)
     assert failure_text("RESTORE_UNICAST", r) == text

@@ -2,6 +2,7 @@
 record, every participant gets PREPARE_MULTICAST before SAVE_ALLOCATIONS and the four rebuild
 ops after RESTORE_UNICAST, each a barrier (the add-device -> bind barrier included); rollback
 rebuilds multicast; without multicast the sequences are the unicast ones."""
+
 from __future__ import annotations
 
 import struct
@@ -16,9 +17,16 @@ from .helpers import MiB, group, group_records
 M = bytes(range(0x60, 0x70))
 
 CAPTURE = ["INSPECT", "PREPARE_MULTICAST", "SAVE_ALLOCATIONS", "PREPARE_UNICAST", "INSPECT"]
-RESTORE = ["INSPECT", "LOAD_ALLOCATIONS", "RESTORE_UNICAST", "RESTORE_MULTICAST_CREATORS",
-           "RESTORE_MULTICAST_IMPORTERS", "RESTORE_MULTICAST_DEVICES",
-           "RESTORE_MULTICAST_BINDINGS", "INSPECT"]
+RESTORE = [
+    "INSPECT",
+    "LOAD_ALLOCATIONS",
+    "RESTORE_UNICAST",
+    "RESTORE_MULTICAST_CREATORS",
+    "RESTORE_MULTICAST_IMPORTERS",
+    "RESTORE_MULTICAST_DEVICES",
+    "RESTORE_MULTICAST_BINDINGS",
+    "INSPECT",
+]
 
 
 def mc_group_records():
@@ -29,14 +37,38 @@ def mc_group_records():
     for pid, role in ((4119, Role.CREATOR), (4121, Role.IMPORTER)):
         lo, hi = struct.unpack("<QQ", member[pid])
         recs[pid] = recs[pid] + [
-            Record(kind=RecordKind.MULTICAST, role=role, flags=RecordFlag.SHARED, alloc_id=M,
-                   creator_pid=4119, handle_refs=1, size=2 * MiB, offset=2 * MiB,
-                   prop_location_id=2, prop_handle_types=1),
-            Record(kind=RecordKind.MULTICAST_DEVICE, role=role, alloc_id=M, creator_pid=4119,
-                   prop_location_type=1, prop_location_id=0),
-            Record(kind=RecordKind.MULTICAST_BINDING, role=role, alloc_id=M, creator_pid=4119,
-                   prop_location_type=1, prop_location_id=0, size=2 * MiB, reserved0=pid,
-                   reserved=(lo, hi, 0, 0))]
+            Record(
+                kind=RecordKind.MULTICAST,
+                role=role,
+                flags=RecordFlag.SHARED,
+                alloc_id=M,
+                creator_pid=4119,
+                handle_refs=1,
+                size=2 * MiB,
+                offset=2 * MiB,
+                prop_location_id=2,
+                prop_handle_types=1,
+            ),
+            Record(
+                kind=RecordKind.MULTICAST_DEVICE,
+                role=role,
+                alloc_id=M,
+                creator_pid=4119,
+                prop_location_type=1,
+                prop_location_id=0,
+            ),
+            Record(
+                kind=RecordKind.MULTICAST_BINDING,
+                role=role,
+                alloc_id=M,
+                creator_pid=4119,
+                prop_location_type=1,
+                prop_location_id=0,
+                size=2 * MiB,
+                reserved0=pid,
+                reserved=(lo, hi, 0, 0),
+            ),
+        ]
     return recs
 
 
@@ -44,21 +76,23 @@ def _assert_barrier(g):
     recv, reply = g.log.of("recv"), g.log.of("reply")
     txns = list(dict.fromkeys(e.txn_id for e in recv))
     for a, b in zip(txns, txns[1:]):
-        assert max(e.seq for e in reply if e.txn_id == a) < min(e.seq for e in recv if e.txn_id == b)
+        assert max(e.seq for e in reply if e.txn_id == a) < min(
+            e.seq for e in recv if e.txn_id == b
+        )
 
 
 def test_capture_and_restore_send_every_multicast_op_to_everyone(ctl):
     with group(ctl, records=mc_group_records()) as g:
         g.gate(Op.PREPARE_MULTICAST, Op.RESTORE_MULTICAST_DEVICES, Op.RESTORE_MULTICAST_BINDINGS)
-        g.mocks[4121].delay_s[Op.RESTORE_MULTICAST_DEVICES] = 0.2   # a slow add-device
+        g.mocks[4121].delay_s[Op.RESTORE_MULTICAST_DEVICES] = 0.2  # a slow add-device
         co = Coordinator(g.participants, timeout_s=5)
         cap = co.capture()
         assert [p.phase for p in cap.phases] == CAPTURE
         res = Coordinator(g.participants, timeout_s=5).restore(cap)
         assert [p.phase for p in res.phases] == RESTORE
-        for pid in (4119, 4121, 4123):        # 4123 has no multicast state: asked anyway
+        for pid in (4119, 4121, 4123):  # 4123 has no multicast state: asked anyway
             assert [n for _, n in g.ops_received(pid)] == CAPTURE + RESTORE
-        _assert_barrier(g)                    # no bind before every add-device replied
+        _assert_barrier(g)  # no bind before every add-device replied
         assert {pid: m.phase for pid, m in g.mocks.items()} == {p: Phase.ACTIVE for p in g.mocks}
         # expected phases on the wire: SAVE after PREPARE_MULTICAST expects MULTICAST_RELEASED
         save = [e for e in g.log.of("recv", op=Op.SAVE_ALLOCATIONS)]
@@ -70,8 +104,12 @@ def test_capture_and_restore_send_every_multicast_op_to_everyone(ctl):
 def test_no_multicast_keeps_the_unicast_sequence(ctl):
     with group(ctl) as g:
         cap = Coordinator(g.participants, timeout_s=5).capture()
-        assert [p.phase for p in cap.phases] == ["INSPECT", "SAVE_ALLOCATIONS", "PREPARE_UNICAST",
-                                                 "INSPECT"]
+        assert [p.phase for p in cap.phases] == [
+            "INSPECT",
+            "SAVE_ALLOCATIONS",
+            "PREPARE_UNICAST",
+            "INSPECT",
+        ]
 
 
 def test_prepare_multicast_refused_by_everyone_changes_nothing(ctl):
@@ -94,9 +132,14 @@ def test_failure_after_prepare_multicast_rolls_back_through_the_rebuild(ctl):
         rb = co.rollback(e.value.capture)
         assert rb.found == {4119: "SAVED", 4121: "SAVED", 4123: "MULTICAST_RELEASED"}
         assert [p.phase for p in rb.phases] == [
-            "INSPECT", "CANCEL_CAPTURE", "RESTORE_MULTICAST_CREATORS",
-            "RESTORE_MULTICAST_IMPORTERS", "RESTORE_MULTICAST_DEVICES",
-            "RESTORE_MULTICAST_BINDINGS", "INSPECT"]
+            "INSPECT",
+            "CANCEL_CAPTURE",
+            "RESTORE_MULTICAST_CREATORS",
+            "RESTORE_MULTICAST_IMPORTERS",
+            "RESTORE_MULTICAST_DEVICES",
+            "RESTORE_MULTICAST_BINDINGS",
+            "INSPECT",
+        ]
         assert sorted(rb.phases[1].participants) == [4119, 4121]
         assert all(sorted(p.participants) == [4119, 4121, 4123] for p in rb.phases[2:6])
         assert {pid: m.phase for pid, m in g.mocks.items()} == {p: Phase.ACTIVE for p in g.mocks}
@@ -113,8 +156,13 @@ def test_rollback_releases_an_active_holder_first(ctl):
         rb = co.rollback(records)
         assert rb.found == {4119: "MULTICAST_RELEASED", 4121: "ACTIVE", 4123: "ACTIVE"}
         assert [p.phase for p in rb.phases] == [
-            "INSPECT", "PREPARE_MULTICAST", "RESTORE_MULTICAST_CREATORS",
-            "RESTORE_MULTICAST_IMPORTERS", "RESTORE_MULTICAST_DEVICES",
-            "RESTORE_MULTICAST_BINDINGS", "INSPECT"]
+            "INSPECT",
+            "PREPARE_MULTICAST",
+            "RESTORE_MULTICAST_CREATORS",
+            "RESTORE_MULTICAST_IMPORTERS",
+            "RESTORE_MULTICAST_DEVICES",
+            "RESTORE_MULTICAST_BINDINGS",
+            "INSPECT",
+        ]
         assert sorted(rb.phases[1].participants) == [4121]
         assert sorted(rb.phases[2].participants) == [4119, 4121]

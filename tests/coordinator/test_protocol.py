@@ -4,6 +4,7 @@ A C probe (protocol_probe.c, compiled against the header) prints every sizeof/of
 constant, packs known values, parses bytes packed by Python, and computes cui_checksum64
 from its own implementation of the header's definition.
 """
+
 from __future__ import annotations
 
 import pathlib
@@ -14,9 +15,21 @@ import subprocess
 import pytest
 
 from cuinterpose.coordinator import protocol as P
-from cuinterpose.coordinator.protocol import (Access, Op, Phase, PhaseRule, Record, RecordFlag,
-                                              RecordKind, Reply, Request, Role, Status, Ticket,
-                                              TicketKind)
+from cuinterpose.coordinator.protocol import (
+    Access,
+    Op,
+    Phase,
+    PhaseRule,
+    Record,
+    RecordFlag,
+    RecordKind,
+    Reply,
+    Request,
+    Role,
+    Status,
+    Ticket,
+    TicketKind,
+)
 
 HERE = pathlib.Path(__file__).resolve().parent
 HEADER = HERE.parent.parent / "interposer" / "include" / "cuinterpose" / "protocol.h"
@@ -29,6 +42,7 @@ def probe(build_c):
     def run(*args, stdin: bytes = b"") -> str:
         res = subprocess.run([str(exe), *args], input=stdin, capture_output=True, check=True)
         return res.stdout.decode()
+
     return run
 
 
@@ -55,11 +69,21 @@ def _field_size(code: str) -> int:
 
 def test_sizes_match_header(layout):
     sizes, _, _, _ = layout
-    assert sizes == {"cui_request": 64, "cui_reply": 128, "cui_access": 16,
-                     "cui_record": 640, "cui_ticket": 64}
+    assert sizes == {
+        "cui_request": 64,
+        "cui_reply": 128,
+        "cui_access": 16,
+        "cui_record": 640,
+        "cui_ticket": 64,
+    }
     assert P.SIZES == sizes
-    assert (P.REQUEST_SIZE, P.REPLY_SIZE, P.ACCESS_SIZE, P.RECORD_SIZE, P.TICKET_SIZE) == \
-        (64, 128, 16, 640, 64)
+    assert (P.REQUEST_SIZE, P.REPLY_SIZE, P.ACCESS_SIZE, P.RECORD_SIZE, P.TICKET_SIZE) == (
+        64,
+        128,
+        16,
+        640,
+        64,
+    )
 
 
 def test_every_field_offset_and_size_matches_header(layout):
@@ -84,7 +108,8 @@ def _header_names():
 
 
 PY_CONSTANTS = {
-    "CUI_PROTO_MAGIC": P.CUI_PROTO_MAGIC, "CUI_PROTO_VERSION": P.CUI_PROTO_VERSION,
+    "CUI_PROTO_MAGIC": P.CUI_PROTO_MAGIC,
+    "CUI_PROTO_VERSION": P.CUI_PROTO_VERSION,
     "CUI_MAX_ACCESS": P.CUI_MAX_ACCESS,
     **{f"CUI_OP_{m.name}": m.value for m in Op},
     **{f"CUI_PHASE_{m.name}": m.value for m in Phase},
@@ -95,9 +120,11 @@ PY_CONSTANTS = {
     **{f"CUI_REC_{m.name}": m.value for m in RecordFlag},
     **{f"CUI_TICKET_{m.name}": m.value for m in TicketKind},
 }
-PY_STRINGS = {"CUI_DEFAULT_CONTROL_DIR": P.CUI_DEFAULT_CONTROL_DIR,
-              "CUI_SOCKET_PREFIX": P.CUI_SOCKET_PREFIX,
-              "CUI_TICKET_MAGIC": P.CUI_TICKET_MAGIC.decode()}
+PY_STRINGS = {
+    "CUI_DEFAULT_CONTROL_DIR": P.CUI_DEFAULT_CONTROL_DIR,
+    "CUI_SOCKET_PREFIX": P.CUI_SOCKET_PREFIX,
+    "CUI_TICKET_MAGIC": P.CUI_TICKET_MAGIC.decode(),
+}
 
 
 def test_every_constant_matches_header(layout):
@@ -114,8 +141,13 @@ def test_ops_table_matches_header(probe):
     c_rows = []
     for line in probe("ops").splitlines():
         _, name, value, needs, leaves, mutating, copies = line.split()
-        c_rows.append((name, int(value), int(needs), int(leaves), bool(int(mutating)), bool(int(copies))))
-    py_rows = [(r.op.name, int(r.op), int(r.needs), int(r.leaves), r.mutating, r.copies_bytes) for r in P.OPS]
+        c_rows.append(
+            (name, int(value), int(needs), int(leaves), bool(int(mutating)), bool(int(copies)))
+        )
+    py_rows = [
+        (r.op.name, int(r.op), int(r.needs), int(r.leaves), r.mutating, r.copies_bytes)
+        for r in P.OPS
+    ]
     assert py_rows == c_rows
     assert sorted(r.op for r in P.OPS) == sorted(Op), "every op has exactly one row"
     for r in P.OPS:
@@ -125,10 +157,12 @@ def test_ops_table_matches_header(probe):
 def test_op_sets_derived_from_the_table():
     assert P.MUTATING_OPS == set(Op) - {Op.INSPECT, Op.FETCH_FD}
     assert P.CARRIER_OPS == {Op.SAVE_ALLOCATIONS, Op.LOAD_ALLOCATIONS}
-    assert P.MULTICAST_RESTORE_OPS == ((Op.RESTORE_MULTICAST_CREATORS, Phase.MULTICAST_RELEASED),
-                                       (Op.RESTORE_MULTICAST_IMPORTERS, Phase.MULTICAST_CREATED),
-                                       (Op.RESTORE_MULTICAST_DEVICES, Phase.MULTICAST_IMPORTED),
-                                       (Op.RESTORE_MULTICAST_BINDINGS, Phase.MULTICAST_DEVICES))
+    assert P.MULTICAST_RESTORE_OPS == (
+        (Op.RESTORE_MULTICAST_CREATORS, Phase.MULTICAST_RELEASED),
+        (Op.RESTORE_MULTICAST_IMPORTERS, Phase.MULTICAST_CREATED),
+        (Op.RESTORE_MULTICAST_DEVICES, Phase.MULTICAST_IMPORTED),
+        (Op.RESTORE_MULTICAST_BINDINGS, Phase.MULTICAST_DEVICES),
+    )
 
 
 # --- known values (mirror known_* in protocol_probe.c) --------------------------------------
@@ -136,33 +170,73 @@ def _id(base):
     return bytes(base + i for i in range(16))
 
 
-KNOWN_REQUEST = Request(op=Op.FETCH_FD, txn_id=0x1122334455667788,
-                        expected_phase=Phase.PREPARED, sender_pid=4119, alloc_id=_id(0xA0),
-                        reserved=(1, 2, 0xFFFFFFFFFFFFFFFF))
-KNOWN_REPLY = Reply(op=Op.RESTORE_UNICAST, txn_id=0x8877665544332211, status=-7,
-                    phase=Phase.FAILED, pid=4121, record_count=3, record_size=640,
-                    message_len=77, bytes=0x123456789, elapsed_ns=987654321,
-                    copy_ns=123456789, cuda_result=1, records_changed=42,
-                    reserved=tuple((i + 1) << 40 for i in range(7)))
-KNOWN_RECORD = Record(kind=RecordKind.MAPPING, role=Role.IMPORTER,
-                      flags=RecordFlag.SHARED | RecordFlag.CARRIED, alloc_id=_id(0x10),
-                      creator_pid=4119, handle_refs=2, size=0x200000, va=0x7F0000200000,
-                      offset=0x10000, prop_type=1, prop_location_type=1, prop_location_id=-1,
-                      prop_handle_types=1, carrier_checksum=0xDEADBEEFCAFEF00D,
-                      carrier_bytes=0x1FFFFF, reserved0=5, reserved=(0, 0, 0, 9),
-                      access=tuple(Access(1, i - 1, 3, i) for i in range(3)))
-KNOWN_TICKET = Ticket(creator_pid=4119, alloc_id=_id(0xF0), size=0x40000000,
-                      kind=TicketKind.MULTICAST, reserved0=3, reserved=(0, 8))
-KNOWN = {"cui_request": KNOWN_REQUEST, "cui_reply": KNOWN_REPLY, "cui_record": KNOWN_RECORD,
-         "cui_ticket": KNOWN_TICKET}
-CLASSES = {"cui_request": Request, "cui_reply": Reply, "cui_record": Record,
-           "cui_ticket": Ticket}
+KNOWN_REQUEST = Request(
+    op=Op.FETCH_FD,
+    txn_id=0x1122334455667788,
+    expected_phase=Phase.PREPARED,
+    sender_pid=4119,
+    alloc_id=_id(0xA0),
+    reserved=(1, 2, 0xFFFFFFFFFFFFFFFF),
+)
+KNOWN_REPLY = Reply(
+    op=Op.RESTORE_UNICAST,
+    txn_id=0x8877665544332211,
+    status=-7,
+    phase=Phase.FAILED,
+    pid=4121,
+    record_count=3,
+    record_size=640,
+    message_len=77,
+    bytes=0x123456789,
+    elapsed_ns=987654321,
+    copy_ns=123456789,
+    cuda_result=1,
+    records_changed=42,
+    reserved=tuple((i + 1) << 40 for i in range(7)),
+)
+KNOWN_RECORD = Record(
+    kind=RecordKind.MAPPING,
+    role=Role.IMPORTER,
+    flags=RecordFlag.SHARED | RecordFlag.CARRIED,
+    alloc_id=_id(0x10),
+    creator_pid=4119,
+    handle_refs=2,
+    size=0x200000,
+    va=0x7F0000200000,
+    offset=0x10000,
+    prop_type=1,
+    prop_location_type=1,
+    prop_location_id=-1,
+    prop_handle_types=1,
+    carrier_checksum=0xDEADBEEFCAFEF00D,
+    carrier_bytes=0x1FFFFF,
+    reserved0=5,
+    reserved=(0, 0, 0, 9),
+    access=tuple(Access(1, i - 1, 3, i) for i in range(3)),
+)
+KNOWN_TICKET = Ticket(
+    creator_pid=4119,
+    alloc_id=_id(0xF0),
+    size=0x40000000,
+    kind=TicketKind.MULTICAST,
+    reserved0=3,
+    reserved=(0, 8),
+)
+KNOWN = {
+    "cui_request": KNOWN_REQUEST,
+    "cui_reply": KNOWN_REPLY,
+    "cui_record": KNOWN_RECORD,
+    "cui_ticket": KNOWN_TICKET,
+}
+CLASSES = {"cui_request": Request, "cui_reply": Reply, "cui_record": Record, "cui_ticket": Ticket}
 
 
 @pytest.fixture(scope="module")
 def c_packed(probe):
-    return {name: bytes.fromhex(hx) for name, hx in
-            (line.split() for line in probe("pack").splitlines())}
+    return {
+        name: bytes.fromhex(hx)
+        for name, hx in (line.split() for line in probe("pack").splitlines())
+    }
 
 
 @pytest.mark.parametrize("name", sorted(KNOWN))
@@ -210,6 +284,7 @@ def test_record_dict_round_trip():
     # Access.reserved is not part of the manifest form
     assert back == KNOWN_RECORD.replace(access=tuple(Access(1, i - 1, 3) for i in range(3)))
     import json
+
     assert Record.from_dict(json.loads(json.dumps(d))) == back
 
 
@@ -233,8 +308,14 @@ def _vector(n: int) -> bytes:
 
 # Golden values from the C implementation in protocol_probe.c (regression pins: a change to
 # both implementations at once still fails here).
-CHECKSUM_PINS = {0: 0x9341CA263702A9E6, 1: 0xA1EB988F5B393ABC, 7: 0x1FE8898CF72FA18A,
-                 8: 0x08FBF58DCEC0414A, 9: 0xFB0C7230B4876734, 4099: 0x8E0D253C392A9A01}
+CHECKSUM_PINS = {
+    0: 0x9341CA263702A9E6,
+    1: 0xA1EB988F5B393ABC,
+    7: 0x1FE8898CF72FA18A,
+    8: 0x08FBF58DCEC0414A,
+    9: 0xFB0C7230B4876734,
+    4099: 0x8E0D253C392A9A01,
+}
 
 
 @pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 15, 16, 4096 + 3, 1 << 16])

@@ -1,6 +1,7 @@
 """Coordinator.rollback(): every participant of a failed capture back to ACTIVE, against mock
 shims in mixed phases (SAVED -> CANCEL_CAPTURE, PREPARED -> LOAD_ALLOCATIONS ->
 RESTORE_UNICAST, each step one barrier phase); a FAILED shim is fail-stop."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -11,7 +12,7 @@ import pytest
 from cuinterpose.coordinator.phases import Coordinator, PhaseError, TopologyError
 from cuinterpose.coordinator.protocol import Op, Phase, RecordFlag, Role, Status
 
-from .helpers import A, BASE, MiB, alloc, group, group_records, mapping, reservation
+from .helpers import BASE, A, MiB, alloc, group, group_records, mapping, reservation
 
 
 def sent(g, pid):
@@ -25,36 +26,55 @@ def phases_of(res):
 
 def carried(mock):
     """What SAVE_ALLOCATIONS does to a mock's records (CARRIED on creators)."""
-    mock.records = [dataclasses.replace(r, flags=r.flags | RecordFlag.CARRIED,
-                                        carrier_bytes=r.size, carrier_checksum=7)
-                    if r.kind == 1 and r.role == Role.CREATOR else r for r in mock.records]
+    mock.records = [
+        dataclasses.replace(
+            r, flags=r.flags | RecordFlag.CARRIED, carrier_bytes=r.size, carrier_checksum=7
+        )
+        if r.kind == 1 and r.role == Role.CREATOR
+        else r
+        for r in mock.records
+    ]
 
 
 def test_capture_failing_in_save_rolls_back_with_cancel(ctl):
     """SAVE failed on 4121 (it stays ACTIVE, it only copied); 4119 and 4123 are SAVED:
     CANCEL_CAPTURE to those two only, then INSPECT equal to the capture."""
     with group(ctl, inspect_checks_phase=False) as g:
-        g.mocks[4121].fail[Op.SAVE_ALLOCATIONS] = (2, "SAVE_ALLOCATIONS: pid 4121 allocation "
-                                                      "b7e2: cuMemcpyDtoH_v2 failed")
+        g.mocks[4121].fail[Op.SAVE_ALLOCATIONS] = (
+            2,
+            "SAVE_ALLOCATIONS: pid 4121 allocation b7e2: cuMemcpyDtoH_v2 failed",
+        )
         coord = Coordinator(g.participants)
         with pytest.raises(PhaseError) as ei:
             coord.capture()
-        assert {pid: m.phase for pid, m in g.mocks.items()} == \
-            {4119: Phase.SAVED, 4121: Phase.ACTIVE, 4123: Phase.SAVED}
+        assert {pid: m.phase for pid, m in g.mocks.items()} == {
+            4119: Phase.SAVED,
+            4121: Phase.ACTIVE,
+            4123: Phase.SAVED,
+        }
         save_txn = coord.last_txn_id
         res = coord.rollback(ei.value.capture)
         assert res.found == {4119: "SAVED", 4121: "ACTIVE", 4123: "SAVED"}
-        assert phases_of(res) == [("INSPECT", [4119, 4121, 4123]),
-                                  ("CANCEL_CAPTURE", [4119, 4123]),
-                                  ("INSPECT", [4119, 4121, 4123])]
+        assert phases_of(res) == [
+            ("INSPECT", [4119, 4121, 4123]),
+            ("CANCEL_CAPTURE", [4119, 4123]),
+            ("INSPECT", [4119, 4121, 4123]),
+        ]
         assert all(m.phase == Phase.ACTIVE for m in g.mocks.values())
-        assert sent(g, 4119) == ["INSPECT", "SAVE_ALLOCATIONS", "INSPECT", "CANCEL_CAPTURE",
-                                 "INSPECT"]
+        assert sent(g, 4119) == [
+            "INSPECT",
+            "SAVE_ALLOCATIONS",
+            "INSPECT",
+            "CANCEL_CAPTURE",
+            "INSPECT",
+        ]
         assert sent(g, 4121) == ["INSPECT", "SAVE_ALLOCATIONS", "INSPECT", "INSPECT"]
         cancel = res.phases[1]
         assert cancel.txn_id > save_txn
-        assert {pid: r.records_changed for pid, r in cancel.participants.items()} == \
-            {4119: 1, 4123: 0}
+        assert {pid: r.records_changed for pid, r in cancel.participants.items()} == {
+            4119: 1,
+            4123: 0,
+        }
         # the creators' records lost CARRIED again: equal to the capture's first INSPECT
         assert res.records == group_records()
 
@@ -65,9 +85,11 @@ def test_mixed_saved_and_prepared_run_cancel_and_load_as_one_barrier_phase(ctl):
     flight together (a barrier inside the mocks proves it); phase 2 = RESTORE_UNICAST on the
     formerly PREPARED only."""
     C, I = Role.CREATOR, Role.IMPORTER
-    recs = {4119: [reservation(BASE, 2 * MiB), alloc(A, C, 4119), mapping(A, C, 4119, BASE)],
-            4121: [alloc(A, I, 4119), mapping(A, I, 4119, BASE + 4 * MiB)],
-            4123: group_records()[4123]}
+    recs = {
+        4119: [reservation(BASE, 2 * MiB), alloc(A, C, 4119), mapping(A, C, 4119, BASE)],
+        4121: [alloc(A, I, 4119), mapping(A, I, 4119, BASE + 4 * MiB)],
+        4123: group_records()[4123],
+    }
     with group(ctl, records=recs, inspect_checks_phase=False) as g:
         g.mocks[4119].phase = Phase.SAVED
         carried(g.mocks[4119])
@@ -78,21 +100,27 @@ def test_mixed_saved_and_prepared_run_cancel_and_load_as_one_barrier_phase(ctl):
             g.mocks[pid].gate[Op.LOAD_ALLOCATIONS] = gate
         res = Coordinator(g.participants).rollback(recs)
         assert res.found == {4119: "SAVED", 4121: "PREPARED", 4123: "PREPARED"}
-        assert phases_of(res) == [("INSPECT", [4119, 4121, 4123]),
-                                  ("CANCEL_CAPTURE+LOAD_ALLOCATIONS", [4119, 4121, 4123]),
-                                  ("RESTORE_UNICAST", [4121, 4123]),
-                                  ("INSPECT", [4119, 4121, 4123])]
+        assert phases_of(res) == [
+            ("INSPECT", [4119, 4121, 4123]),
+            ("CANCEL_CAPTURE+LOAD_ALLOCATIONS", [4119, 4121, 4123]),
+            ("RESTORE_UNICAST", [4121, 4123]),
+            ("INSPECT", [4119, 4121, 4123]),
+        ]
         assert all(m.phase == Phase.ACTIVE for m in g.mocks.values())
         assert sent(g, 4119) == ["INSPECT", "CANCEL_CAPTURE", "INSPECT"]
         assert sent(g, 4121) == ["INSPECT", "LOAD_ALLOCATIONS", "RESTORE_UNICAST", "INSPECT"]
         # one txn for the mixed phase, and the barrier: no RESTORE before the last reply
         mixed = res.phases[1]
-        assert {e.txn_id for e in g.log.of("recv") if e.op in (Op.CANCEL_CAPTURE,
-                                                                Op.LOAD_ALLOCATIONS)} == {mixed.txn_id}
+        assert {
+            e.txn_id for e in g.log.of("recv") if e.op in (Op.CANCEL_CAPTURE, Op.LOAD_ALLOCATIONS)
+        } == {mixed.txn_id}
         last_reply = max(e.seq for e in g.log.of("reply") if e.txn_id == mixed.txn_id)
         assert min(e.seq for e in g.log.of("recv", op=Op.RESTORE_UNICAST)) > last_reply
-        assert {pid: r.status for pid, r in mixed.participants.items()} == \
-            {4119: Status.OK, 4121: Status.OK, 4123: Status.OK}
+        assert {pid: r.status for pid, r in mixed.participants.items()} == {
+            4119: Status.OK,
+            4121: Status.OK,
+            4123: Status.OK,
+        }
         assert res.records == recs
 
 
@@ -101,33 +129,43 @@ def test_saved_importer_of_a_torn_down_creator_is_prepared_first(ctl):
     allocation while 4119 rebuilds a new one, so it runs PREPARE_UNICAST first, then both
     LOAD and RESTORE."""
     C, I = Role.CREATOR, Role.IMPORTER
-    recs = {4119: [alloc(A, C, 4119), mapping(A, C, 4119, BASE)],
-            4121: [alloc(A, I, 4119), mapping(A, I, 4119, BASE + 4 * MiB)]}
+    recs = {
+        4119: [alloc(A, C, 4119), mapping(A, C, 4119, BASE)],
+        4121: [alloc(A, I, 4119), mapping(A, I, 4119, BASE + 4 * MiB)],
+    }
     with group(ctl, records=recs, inspect_checks_phase=False) as g:
         g.mocks[4119].phase = Phase.PREPARED
         carried(g.mocks[4119])
         g.mocks[4121].phase = Phase.SAVED
         res = Coordinator(g.participants).rollback(recs)
         assert res.found == {4119: "PREPARED", 4121: "SAVED"}
-        assert phases_of(res) == [("INSPECT", [4119, 4121]), ("PREPARE_UNICAST", [4121]),
-                                  ("LOAD_ALLOCATIONS", [4119, 4121]),
-                                  ("RESTORE_UNICAST", [4119, 4121]), ("INSPECT", [4119, 4121])]
+        assert phases_of(res) == [
+            ("INSPECT", [4119, 4121]),
+            ("PREPARE_UNICAST", [4121]),
+            ("LOAD_ALLOCATIONS", [4119, 4121]),
+            ("RESTORE_UNICAST", [4119, 4121]),
+            ("INSPECT", [4119, 4121]),
+        ]
         assert all(m.phase == Phase.ACTIVE for m in g.mocks.values())
 
 
 def test_active_importer_of_a_torn_down_creator_refuses(ctl):
     C, I = Role.CREATOR, Role.IMPORTER
-    recs = {4119: [alloc(A, C, 4119), mapping(A, C, 4119, BASE)],
-            4121: [alloc(A, I, 4119), mapping(A, I, 4119, BASE + 4 * MiB)]}
+    recs = {
+        4119: [alloc(A, C, 4119), mapping(A, C, 4119, BASE)],
+        4121: [alloc(A, I, 4119), mapping(A, I, 4119, BASE + 4 * MiB)],
+    }
     with group(ctl, records=recs, inspect_checks_phase=False) as g:
         g.mocks[4119].phase = Phase.PREPARED
         with pytest.raises(PhaseError) as ei:
             Coordinator(g.participants).rollback(recs)
         e = ei.value
         assert (e.phase, e.pid) == ("rollback", 4121)
-        assert str(e) == (f"rollback: pid 4121 is ACTIVE and still maps allocation {A.hex()} at va "
-                          f"{BASE + 4 * MiB:#x}, whose creator pid 4119 is PREPARED (already torn "
-                          "down): rebuilding the creator would split the sharing; nothing was sent")
+        assert str(e) == (
+            f"rollback: pid 4121 is ACTIVE and still maps allocation {A.hex()} at va "
+            f"{BASE + 4 * MiB:#x}, whose creator pid 4119 is PREPARED (already torn "
+            "down): rebuilding the creator would split the sharing; nothing was sent"
+        )
         assert [n for _, n in g.ops_received()] == ["INSPECT", "INSPECT"]
 
 
@@ -139,10 +177,17 @@ def test_failed_participant_is_fail_stop(ctl):
         with pytest.raises(PhaseError) as ei:
             Coordinator(g.participants).rollback(group_records())
         e = ei.value
-        assert (e.phase, e.pid, e.status, e.changed) == ("rollback", 4121, Status.REFUSED_PHASE, True)
-        assert str(e) == ("rollback: pid 4121 is FAILED (a destructive op failed part-way): shim is "
-                          "FAILED; it cannot be brought back to ACTIVE; nothing was rolled back "
-                          "(fail-stop)")
+        assert (e.phase, e.pid, e.status, e.changed) == (
+            "rollback",
+            4121,
+            Status.REFUSED_PHASE,
+            True,
+        )
+        assert str(e) == (
+            "rollback: pid 4121 is FAILED (a destructive op failed part-way): shim is "
+            "FAILED; it cannot be brought back to ACTIVE; nothing was rolled back "
+            "(fail-stop)"
+        )
         # only the read-only INSPECT went out: no participant was touched
         assert sorted(n for _, n in g.ops_received()) == ["INSPECT"] * 3
         assert (g.mocks[4119].phase, g.mocks[4123].phase) == (Phase.SAVED, Phase.PREPARED)
@@ -155,7 +200,9 @@ def test_silent_participant_is_fail_stop(ctl):
         with pytest.raises(PhaseError) as ei:
             Coordinator(g.participants, timeout_s=0.3).rollback(group_records())
         assert (ei.value.phase, ei.value.pid) == ("rollback", 4123)
-        assert str(ei.value).startswith("rollback: pid 4123 did not answer INSPECT (INSPECT: pid 4123")
+        assert str(ei.value).startswith(
+            "rollback: pid 4123 did not answer INSPECT (INSPECT: pid 4123"
+        )
         assert "its phase is unknown; nothing was rolled back (fail-stop)" in str(ei.value)
         assert g.mocks[4119].phase == Phase.SAVED
 
@@ -164,27 +211,35 @@ def test_failure_during_rollback_stops_there(ctl):
     with group(ctl, inspect_checks_phase=False) as g:
         for m in g.mocks.values():
             m.phase = Phase.PREPARED
-        g.mocks[4121].fail[Op.LOAD_ALLOCATIONS] = (2, "LOAD_ALLOCATIONS: pid 4121 allocation b7e2: "
-                                                      "cuMemCreate failed: CUDA_ERROR_OUT_OF_MEMORY")
+        g.mocks[4121].fail[Op.LOAD_ALLOCATIONS] = (
+            2,
+            "LOAD_ALLOCATIONS: pid 4121 allocation b7e2: "
+            "cuMemCreate failed: CUDA_ERROR_OUT_OF_MEMORY",
+        )
         with pytest.raises(PhaseError) as ei:
             Coordinator(g.participants).rollback(group_records())
         e = ei.value
         assert (e.phase, e.pid, e.changed) == ("LOAD_ALLOCATIONS", 4121, True)
-        assert str(e) == "LOAD_ALLOCATIONS: pid 4121 allocation b7e2: cuMemCreate failed: CUDA_ERROR_OUT_OF_MEMORY"
+        assert (
+            str(e)
+            == "LOAD_ALLOCATIONS: pid 4121 allocation b7e2: cuMemCreate failed: CUDA_ERROR_OUT_OF_MEMORY"
+        )
         assert "RESTORE_UNICAST" not in [n for _, n in g.ops_received()]
 
 
 def test_all_active_only_inspects(ctl):
     with group(ctl, inspect_checks_phase=False) as g:
         res = Coordinator(g.participants).rollback(group_records())
-        assert phases_of(res)[0][0] == "INSPECT" and [p.phase for p in res.phases] == ["INSPECT"] * 2
+        assert (
+            phases_of(res)[0][0] == "INSPECT" and [p.phase for p in res.phases] == ["INSPECT"] * 2
+        )
         assert res.found == {4119: "ACTIVE", 4121: "ACTIVE", 4123: "ACTIVE"}
 
 
 def test_rollback_compares_with_the_capture(ctl):
     with group(ctl, inspect_checks_phase=False) as g:
         want = group_records()
-        want[4121] = [r for r in want[4121] if r.kind != 3]     # a reservation "disappeared"
+        want[4121] = [r for r in want[4121] if r.kind != 3]  # a reservation "disappeared"
         with pytest.raises(TopologyError) as ei:
             Coordinator(g.participants).rollback(want)
         assert ei.value.pid == 4121 and "unexpected reservation" in str(ei.value)
@@ -207,7 +262,7 @@ def test_capture_txn_floor_is_honoured(ctl):
         with pytest.raises(PhaseError) as ei:
             Coordinator(g.participants).capture()
         cap = ei.value.capture
-        cap.last_txn_id = 1 << 62                      # as if the clock went backwards
+        cap.last_txn_id = 1 << 62  # as if the clock went backwards
         res = Coordinator(g.participants).rollback(cap)
         assert res.phases[1].phase == "CANCEL_CAPTURE" and res.phases[1].txn_id > 1 << 62
 
@@ -221,11 +276,15 @@ def test_interrupt_between_capture_phases_leaves_a_partial_capture_to_roll_back(
 
         def interrupted():
             raise KeyboardInterrupt
+
         monkeypatch.setattr(coord, "prepare_unicast", interrupted)
         with pytest.raises(KeyboardInterrupt) as ei:
             coord.capture()
-        assert {pid: m.phase for pid, m in g.mocks.items()} == \
-            {4119: Phase.SAVED, 4121: Phase.SAVED, 4123: Phase.SAVED}
+        assert {pid: m.phase for pid, m in g.mocks.items()} == {
+            4119: Phase.SAVED,
+            4121: Phase.SAVED,
+            4123: Phase.SAVED,
+        }
         cap = ei.value.capture
         assert [p.phase for p in cap.phases] == ["INSPECT", "SAVE_ALLOCATIONS"]
         res = coord.rollback(cap)

@@ -3,6 +3,7 @@
 The pair stays alive throughout (no CRIU, no native checkpoint): the shim phases tear the
 shared memory down to the host carriers and rebuild it, and the bytes and VAs must survive.
 """
+
 from __future__ import annotations
 
 import json
@@ -10,13 +11,18 @@ import json
 import pytest
 
 from cuinterpose.coordinator.phases import Capture, Coordinator, Participant
-from cuinterpose.coordinator.protocol import (RecordFlag, RecordKind, Role, cui_checksum64,
-                                              socket_path)
+from cuinterpose.coordinator.protocol import (
+    RecordFlag,
+    RecordKind,
+    Role,
+    cui_checksum64,
+    socket_path,
+)
 
 from .pair import CUIPAIR_C, Pair, wait_sockets
 
 K = 4
-SIZE = 64 << 10       # FAKECUDA_GRANULARITY below
+SIZE = 64 << 10  # FAKECUDA_GRANULARITY below
 
 
 def pattern(seed: int, idx: int, n: int) -> bytes:
@@ -39,8 +45,11 @@ def pair_env(fake_env, shim_path):
 
 @pytest.fixture(scope="session")
 def cuipair(build_c, fakecuda_dir):
-    return build_c([CUIPAIR_C], "coordinator_cuipair",
-                   libs=(f"-L{fakecuda_dir}", "-l:libcuda.so.1", "-ldl", "-lpthread"))
+    return build_c(
+        [CUIPAIR_C],
+        "coordinator_cuipair",
+        libs=(f"-L{fakecuda_dir}", "-l:libcuda.so.1", "-ldl", "-lpthread"),
+    )
 
 
 @pytest.fixture
@@ -70,8 +79,9 @@ def test_capture_and_restore_two_processes(pair, pair_env):
     assert [(r.role, r.size, r.creator_pid) for r in allocs] == [(Role.CREATOR, SIZE, cpid)] * K
     assert all(r.flags & RecordFlag.CARRIED and r.carrier_bytes == SIZE for r in allocs)
     # the shim's carrier checksum is protocol.h's cui_checksum64 of the bytes written
-    assert [r.carrier_checksum for r in allocs] == \
-        [cui_checksum64(pattern(1, i, SIZE)) for i in range(K)]
+    assert [r.carrier_checksum for r in allocs] == [
+        cui_checksum64(pattern(1, i, SIZE)) for i in range(K)
+    ]
     maps_c = _by_kind(cap.records[cpid], RecordKind.MAPPING)
     maps_i = _by_kind(cap.records[ipid], RecordKind.MAPPING)
     assert sorted(m.va for m in maps_c) == [pair.creator_base + i * SIZE for i in range(K)]
@@ -91,12 +101,18 @@ def test_capture_and_restore_two_processes(pair, pair_env):
     back = Capture.from_dict(json.loads(json.dumps(cap.to_dict())))
     res = Coordinator(parts, timeout_s=30).restore(back)
     assert res.phase("LOAD_ALLOCATIONS").participants[cpid].bytes == K * SIZE
-    assert [p.phase for p in res.phases] == ["INSPECT", "LOAD_ALLOCATIONS", "RESTORE_UNICAST",
-                                             "INSPECT"]
-    assert sorted(m.va for m in _by_kind(res.records[ipid], RecordKind.MAPPING)) == \
-        [pair.importer_base + i * SIZE for i in range(K)]
-    assert sorted(m.va for m in _by_kind(res.records[cpid], RecordKind.MAPPING)) == \
-        [pair.creator_base + i * SIZE for i in range(K)]
+    assert [p.phase for p in res.phases] == [
+        "INSPECT",
+        "LOAD_ALLOCATIONS",
+        "RESTORE_UNICAST",
+        "INSPECT",
+    ]
+    assert sorted(m.va for m in _by_kind(res.records[ipid], RecordKind.MAPPING)) == [
+        pair.importer_base + i * SIZE for i in range(K)
+    ]
+    assert sorted(m.va for m in _by_kind(res.records[cpid], RecordKind.MAPPING)) == [
+        pair.creator_base + i * SIZE for i in range(K)
+    ]
 
     # the bytes came back, and the memory is still shared
     assert pair.sums() == before
@@ -116,6 +132,7 @@ def test_rollback_mixed_phases_on_real_shims(pair, pair_env):
     memory is shared again with the same bytes and VAs. Then a whole capture is rolled back."""
     from cuinterpose.coordinator.client import ShimClient
     from cuinterpose.coordinator.protocol import Op, Phase, Status
+
     ctl = pair_env["CUINTERPOSE_CONTROL_DIR"]
     parts = [Participant(pid, socket_path(ctl, pid)) for pid in pair.pids]
     wait_sockets([p.socket_path for p in parts])
@@ -125,26 +142,38 @@ def test_rollback_mixed_phases_on_real_shims(pair, pair_env):
     records = coord.validate(coord.inspect(check_phase=True))
     coord.save_allocations()
     r = ShimClient(socket_path(ctl, ipid), 30).request(
-        Op.PREPARE_UNICAST, txn_id=coord.last_txn_id + 1, expected_phase=Phase.SAVED)
-    assert (r.reply.status, r.reply.phase, r.reply.records_changed) == (Status.OK, Phase.PREPARED, 2 * K)
+        Op.PREPARE_UNICAST, txn_id=coord.last_txn_id + 1, expected_phase=Phase.SAVED
+    )
+    assert (r.reply.status, r.reply.phase, r.reply.records_changed) == (
+        Status.OK,
+        Phase.PREPARED,
+        2 * K,
+    )
     coord.last_txn_id += 1
 
     res = coord.rollback(records)
     assert res.found == {cpid: "SAVED", ipid: "PREPARED"}
     assert [(p.phase, sorted(p.participants)) for p in res.phases] == [
-        ("INSPECT", sorted(pair.pids)), ("CANCEL_CAPTURE+LOAD_ALLOCATIONS", sorted(pair.pids)),
-        ("RESTORE_UNICAST", [ipid]), ("INSPECT", sorted(pair.pids))]
+        ("INSPECT", sorted(pair.pids)),
+        ("CANCEL_CAPTURE+LOAD_ALLOCATIONS", sorted(pair.pids)),
+        ("RESTORE_UNICAST", [ipid]),
+        ("INSPECT", sorted(pair.pids)),
+    ]
     mixed = res.phases[1].participants
     assert (mixed[cpid].records_changed, mixed[ipid].records_changed) == (K, 0)
     assert pair.sums() == before
-    pair.importer.cmd("fill 9")                      # still one memory: the creator sees it
+    pair.importer.cmd("fill 9")  # still one memory: the creator sees it
     after = pair.sums()
     assert after[0] == after[1] != before[0]
 
-    cap = coord.capture()                            # everyone PREPARED
+    cap = coord.capture()  # everyone PREPARED
     res = coord.rollback(cap)
-    assert [p.phase for p in res.phases] == ["INSPECT", "LOAD_ALLOCATIONS", "RESTORE_UNICAST",
-                                             "INSPECT"]
+    assert [p.phase for p in res.phases] == [
+        "INSPECT",
+        "LOAD_ALLOCATIONS",
+        "RESTORE_UNICAST",
+        "INSPECT",
+    ]
     assert pair.sums() == after
     pair.creator.cmd("fill 10")
     assert pair.sums()[0] == pair.sums()[1] != after[0]

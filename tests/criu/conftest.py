@@ -6,6 +6,7 @@
   on files/``/dev/null``, waits until it is ready; every tree it started, and every restored
   tree registered with ``track``, is SIGKILLed at teardown.
 """
+
 from __future__ import annotations
 
 import os
@@ -14,8 +15,8 @@ import subprocess
 import sys
 
 import pytest
-
 from criu_helpers import WORKLOAD, Tree, kill_tree, wait_until
+
 
 @pytest.fixture
 def spawn_tree(tmp_path, criu_ok):
@@ -29,22 +30,34 @@ def spawn_tree(tmp_path, criu_ok):
         env["PYTHONUNBUFFERED"] = "1"
         env.update(extra_env)
         with open(run_dir / "launcher.out", "wb") as out:
-            popen = subprocess.Popen([sys.executable, str(WORKLOAD), str(run_dir)],
-                                     start_new_session=True, stdin=subprocess.DEVNULL,
-                                     stdout=out, stderr=subprocess.STDOUT, env=env,
-                                     cwd=run_dir)
+            popen = subprocess.Popen(
+                [sys.executable, str(WORKLOAD), str(run_dir)],
+                start_new_session=True,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=run_dir,
+            )
         tree = Tree(run_dir, popen)
         started.append(tree)
 
         def ready():
             if popen.poll() is not None:
-                pytest.fail(f"workload exited {popen.returncode}:\n"
-                            f"{(run_dir / 'launcher.out').read_text()}")
-            names = ("launcher.json", "child-0.json", "child-1.json", "counter-0.log",
-                     "counter-1.log")
+                pytest.fail(
+                    f"workload exited {popen.returncode}:\n{(run_dir / 'launcher.out').read_text()}"
+                )
+            names = (
+                "launcher.json",
+                "child-0.json",
+                "child-1.json",
+                "counter-0.log",
+                "counter-1.log",
+            )
             if not all((run_dir / n).exists() for n in names):
                 return False
             return all(len(tree.counter(i)) > 20 for i in (0, 1))
+
         wait_until(ready, "the workload tree to start")
         tree.load()
         return tree

@@ -1,4 +1,5 @@
 """Helpers shared by the CRIU tests (imported by conftest.py and test_criu.py)."""
+
 from __future__ import annotations
 
 import json
@@ -60,8 +61,10 @@ class Tree:
         self.meta = {}
 
     def load(self) -> None:
-        self.meta = {name: json.loads((self.run_dir / f"{name}.json").read_text())
-                     for name in ("launcher", "child-0", "child-1")}
+        self.meta = {
+            name: json.loads((self.run_dir / f"{name}.json").read_text())
+            for name in ("launcher", "child-0", "child-1")
+        }
 
     @property
     def children(self) -> list[int]:

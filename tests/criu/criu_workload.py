@@ -18,6 +18,7 @@ Server commands (one line per connection, one JSON reply):
   relay <text>    -> child 0 sends <text> over the socketpair; child 1's answer is returned
 Each child writes RUN_DIR/child-<i>.json (pid, fds, addresses) once it is ready.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -35,11 +36,17 @@ import traceback
 
 libc = ctypes.CDLL(None, use_errno=True)
 libc.mmap.restype = ctypes.c_void_p
-libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                      ctypes.c_int, ctypes.c_long]
+libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
 
 RESERVE_BYTES = 1 << 30
-MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)   # Linux x86-64 and arm64 value
+MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Linux x86-64 and arm64 value
 MEMFD_BYTES = 3 * 4096 + 123
 SHARED_BYTES = 16 * 4096
 PRIVATE_BYTES = 8 * 4096
@@ -95,13 +102,17 @@ def child0(run_dir: str, shared: mmap.mmap, sp: socket.socket) -> None:
 
     def info() -> dict:
         h = hashlib.sha256(os.pread(mfd, MEMFD_BYTES + 10, 0)).hexdigest()
-        return {"pid": pid, "threads": len(os.listdir(f"/proc/{pid}/task")),
-                "memfd_fd": mfd, "memfd_sha256": h,
-                "memfd_seals": fcntl.fcntl(mfd, fcntl.F_GET_SEALS),
-                "memfd_size": os.fstat(mfd).st_size,
-                "reservation": resv,
-                "private_ok": private[:] == pattern(PRIVATE_BYTES, 11),
-                "shared": list(struct.unpack_from("<QQ", shared, 0))}
+        return {
+            "pid": pid,
+            "threads": len(os.listdir(f"/proc/{pid}/task")),
+            "memfd_fd": mfd,
+            "memfd_sha256": h,
+            "memfd_seals": fcntl.fcntl(mfd, fcntl.F_GET_SEALS),
+            "memfd_size": os.fstat(mfd).st_size,
+            "reservation": resv,
+            "private_ok": private[:] == pattern(PRIVATE_BYTES, 11),
+            "shared": list(struct.unpack_from("<QQ", shared, 0)),
+        }
 
     def handle(conn: socket.socket) -> None:
         with conn:
@@ -124,7 +135,7 @@ def child0(run_dir: str, shared: mmap.mmap, sp: socket.socket) -> None:
 
     path = os.path.join(run_dir, "sock-0")
     ls = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old = os.umask(0o177)                    # created 0600, like the shim's control socket
+    old = os.umask(0o177)  # created 0600, like the shim's control socket
     ls.bind(path)
     os.umask(old)
     os.chmod(path, 0o600)
@@ -136,9 +147,17 @@ def child0(run_dir: str, shared: mmap.mmap, sp: socket.socket) -> None:
     for target, arg in ((serve, ls), (serve, la), (counter_thread, None)):
         args = (run_dir, 0, shared) if target is counter_thread else (arg,)
         threading.Thread(target=target, args=args, daemon=True).start()
-    write_json(os.path.join(run_dir, "child-0.json"),
-               {"pid": pid, "socket_path": path, "abstract": abstract[1:], "memfd_fd": mfd,
-                "reservation": resv, "info": info()})
+    write_json(
+        os.path.join(run_dir, "child-0.json"),
+        {
+            "pid": pid,
+            "socket_path": path,
+            "abstract": abstract[1:],
+            "memfd_fd": mfd,
+            "reservation": resv,
+            "info": info(),
+        },
+    )
     while True:
         time.sleep(3600)
 
@@ -163,10 +182,10 @@ def child1(run_dir: str, shared: mmap.mmap, sp: socket.socket) -> None:
 
 def main() -> None:
     run_dir = sys.argv[1]
-    shared = mmap.mmap(-1, SHARED_BYTES)     # MAP_SHARED | MAP_ANONYMOUS, inherited by fork
+    shared = mmap.mmap(-1, SHARED_BYTES)  # MAP_SHARED | MAP_ANONYMOUS, inherited by fork
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     kids = []
-    for idx, (body, mine, other) in enumerate(((child0, a, b), (child1, b, a))):
+    for body, mine, other in ((child0, a, b), (child1, b, a)):
         pid = os.fork()
         if pid == 0:
             other.close()
@@ -182,6 +201,7 @@ def main() -> None:
     lock_path = os.environ.get("CRIU_TEST_FLOCK")
     if lock_path:  # hold an exclusive flock for the whole run (a job's cache or db lock)
         import fcntl
+
         lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
         fcntl.flock(lock_fd, fcntl.LOCK_EX)
     write_json(os.path.join(run_dir, "launcher.json"), {"pid": os.getpid(), "children": kids})

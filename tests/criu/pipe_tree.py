@@ -7,6 +7,7 @@ The root forks one child; each writes "<who> <n>\\n" lines (who: "root" or "chil
 writes INFO_JSON ({"root", "child"}) once both run. A failed write (EPIPE: no reader) ends the
 process.
 """
+
 from __future__ import annotations
 
 import json

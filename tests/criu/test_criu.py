@@ -1,4 +1,5 @@
 """CRIU install and agent/criu.py: check, dump/kill/restore of a workload-shaped tree, refusals."""
+
 from __future__ import annotations
 
 import fcntl
@@ -10,12 +11,11 @@ import socket
 import stat
 import subprocess
 
+import criu_workload as workload
 import pytest
+from criu_helpers import REPO, alive, kill_tree, wait_until
 
 from cuinterpose.agent.mech import criu
-
-import criu_workload as workload
-from criu_helpers import REPO, alive, kill_tree, wait_until
 
 
 def ask(address: str, command: str) -> dict:
@@ -57,8 +57,11 @@ def memfd_state(pid: int, fd: int) -> tuple[str, bytes, int]:
     link = os.readlink(f"/proc/{pid}/fd/{fd}")
     mfd = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY)
     try:
-        return link, os.pread(mfd, workload.MEMFD_BYTES + 100, 0), fcntl.fcntl(
-            mfd, fcntl.F_GET_SEALS)
+        return (
+            link,
+            os.pread(mfd, workload.MEMFD_BYTES + 100, 0),
+            fcntl.fcntl(mfd, fcntl.F_GET_SEALS),
+        )
     finally:
         os.close(mfd)
 
@@ -68,6 +71,7 @@ def consecutive(lines: list[str]) -> bool:
 
 
 # ----------------------------------------------------------------------------------- check
+
 
 def test_check_ok(criu_ok):
     ok, out = criu.check()
@@ -80,10 +84,11 @@ def test_check_ok(criu_ok):
 
 
 def test_install_is_idempotent_and_wrapper_drops_preload(criu_ok):
-    res = subprocess.run(["bash", str(REPO / "scripts" / "install-criu.sh")],
-                         capture_output=True, text=True)
+    res = subprocess.run(
+        ["bash", str(REPO / "scripts" / "install-criu.sh")], capture_output=True, text=True
+    )
     assert res.returncode == 0, res.stderr
-    assert "nothing to" in res.stderr, res.stderr          # fast path, no re-download
+    assert "nothing to" in res.stderr, res.stderr  # fast path, no re-download
     env = dict(os.environ, LD_PRELOAD="/nonexistent/libpreload-test.so")
     res = subprocess.run([*criu_ok, "--version"], env=env, capture_output=True, text=True)
     if criu_ok[0].endswith(".cache/criu/bin/criu"):
@@ -100,6 +105,7 @@ def test_install_is_idempotent_and_wrapper_drops_preload(criu_ok):
 
 
 # --------------------------------------------------------------------- dump / kill / restore
+
 
 def test_dump_kill_restore_tree(spawn_tree, tmp_path):
     tree = spawn_tree()
@@ -128,22 +134,25 @@ def test_dump_kill_restore_tree(spawn_tree, tmp_path):
     spawn_tree.track(tree.pids)
     assert root == tree.launcher
     assert all(alive(p) for p in tree.pids)
-    assert int(_status(root)["PPid"]) != os.getpid()          # not our child (detached)
+    assert int(_status(root)["PPid"]) != os.getpid()  # not our child (detached)
     assert {pid: sorted(os.listdir(f"/proc/{pid}/task")) for pid in tree.pids} == tids0
 
     # counters continue exactly where they stopped: no gap, no repeat
     n = [len(c) for c in at_dump]
-    wait_until(lambda: all(len(tree.counter(i)) > n[i] + 100 for i in (0, 1)),
-               "the restored counters to advance")
+    wait_until(
+        lambda: all(len(tree.counter(i)) > n[i] + 100 for i in (0, 1)),
+        "the restored counters to advance",
+    )
     for i in (0, 1):
         lines = tree.counter(i)
-        assert lines[:n[i]] == at_dump[i]
+        assert lines[: n[i]] == at_dump[i]
         assert consecutive(lines), f"counter-{i}.log has a gap or a repeat after restore"
 
     # sockets: the socketpair between the children, fresh connects to both listeners
     assert ask(path, "relay after-path")["answer"] == f"ack:after-path:{tree.children[1]}"
-    assert ask(abstract, "relay after-abstract")["answer"] == \
-        f"ack:after-abstract:{tree.children[1]}"
+    assert (
+        ask(abstract, "relay after-abstract")["answer"] == f"ack:after-abstract:{tree.children[1]}"
+    )
     st = os.stat(path)
     assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
 
@@ -151,20 +160,30 @@ def test_dump_kill_restore_tree(spawn_tree, tmp_path):
     link1, data1, seals1 = memfd_state(tree.children[0], c0["memfd_fd"])
     assert (link1, data1, seals1) == (link0, data0, seals0)
     after = ask(path, "ping")
-    for key in ("pid", "threads", "memfd_fd", "memfd_sha256", "memfd_seals", "memfd_size",
-                "reservation"):
+    for key in (
+        "pid",
+        "threads",
+        "memfd_fd",
+        "memfd_sha256",
+        "memfd_seals",
+        "memfd_size",
+        "reservation",
+    ):
         assert after[key] == before[key], key
     assert after["private_ok"]
     # anonymous shared memory is still shared: child 0 sees child 1's counter move
-    later = wait_until(lambda: (lambda r: r if r["shared"][1] > after["shared"][1] else None)(
-        ask(path, "ping")), "child 1's shared counter to move")
+    later = wait_until(
+        lambda: (lambda r: r if r["shared"][1] > after["shared"][1] else None)(ask(path, "ping")),
+        "child 1's shared counter to move",
+    )
     assert later["shared"][1] > after["shared"][1] >= n[1] - 1
 
     # the 1 GiB PROT_NONE reservation is back, unpopulated
     vma = vma_at(tree.children[0], c0["reservation"])
-    assert vma["perms"] == "---p" and "nr" in vma["VmFlags"]        # PROT_NONE, MAP_NORESERVE
-    assert vma["lo"] <= c0["reservation"] and \
-        c0["reservation"] + workload.RESERVE_BYTES <= vma["hi"]
+    assert vma["perms"] == "---p" and "nr" in vma["VmFlags"]  # PROT_NONE, MAP_NORESERVE
+    assert (
+        vma["lo"] <= c0["reservation"] and c0["reservation"] + workload.RESERVE_BYTES <= vma["hi"]
+    )
     assert vma["Rss"] == 0
 
 
@@ -187,15 +206,16 @@ def test_restore_same_images_twice(spawn_tree, tmp_path, logs):
     spawn_tree.track(tree.pids)
     wait_until(lambda: len(tree.counter(1)) > n + 20, "the restored counter to advance")
     kill_tree(tree.pids)
-    m = len(tree.counter(1))                   # the first restored run's last line is final
+    m = len(tree.counter(1))  # the first restored run's last line is final
     if logs == "append":
         assert criu.restore(images) == tree.launcher
         wait_until(lambda: len(tree.counter(1)) > m + 20, "the second restore to run")
         lines = tree.counter(1)
         # the second run repeats from the dump point, appended after the first run's lines
-        assert lines[m:m + 20] == [str(i) for i in range(n, n + 20)]
+        assert lines[m : m + 20] == [str(i) for i in range(n, n + 20)]
     else:
         import tempfile
+
         assert list(pathlib.Path(tempfile.gettempdir()).glob("cuinterpose-criu-restore-*")) == []
         with pytest.raises(criu.CriuError) as e:
             criu.restore(images)
@@ -204,8 +224,7 @@ def test_restore_same_images_twice(spawn_tree, tmp_path, logs):
         # the failed restore's work dir (its log) is kept and named; the successful ones went
         kept = list(pathlib.Path(tempfile.gettempdir()).glob("cuinterpose-criu-restore-*"))
         assert [pathlib.Path(e.value.log_path).parent] == kept
-        wait_until(lambda: not any(alive(p) for p in tree.pids),
-                   "the failed restore to clean up")
+        wait_until(lambda: not any(alive(p) for p in tree.pids), "the failed restore to clean up")
 
 
 def test_dump_leave_stopped_then_kill_and_restore(spawn_tree, tmp_path):
@@ -218,12 +237,14 @@ def test_dump_leave_stopped_then_kill_and_restore(spawn_tree, tmp_path):
     at_dump = [tree.counter(i) for i in (0, 1)]
     kill_tree(tree.pids)
     tree.popen.wait()
-    assert [tree.counter(i) for i in (0, 1)] == at_dump       # nothing ran while stopped
+    assert [tree.counter(i) for i in (0, 1)] == at_dump  # nothing ran while stopped
     assert criu.restore(images) == tree.launcher
     spawn_tree.track(tree.pids)
     assert not any(_status(p)["State"].startswith("T") for p in tree.pids)
-    wait_until(lambda: all(len(tree.counter(i)) > len(at_dump[i]) + 20 for i in (0, 1)),
-               "the restored counters to advance")
+    wait_until(
+        lambda: all(len(tree.counter(i)) > len(at_dump[i]) + 20 for i in (0, 1)),
+        "the restored counters to advance",
+    )
     assert consecutive(tree.counter(0)) and consecutive(tree.counter(1))
 
 
@@ -257,7 +278,7 @@ def test_dump_fails_on_outside_peer_and_tree_keeps_running(spawn_tree, tmp_path)
 
 def test_dump_refusals(spawn_tree, tmp_path):
     with pytest.raises(criu.CriuError, match="no process"):
-        criu.dump(2 ** 22 + 7, tmp_path / "x")
+        criu.dump(2**22 + 7, tmp_path / "x")
     tree = spawn_tree()
     images = tmp_path / "images"
     images.mkdir()
@@ -268,6 +289,7 @@ def test_dump_refusals(spawn_tree, tmp_path):
 
 
 # ----------------------------------------------------------------------------- refusals
+
 
 def test_restore_refuses_missing_images(tmp_path):
     missing = tmp_path / "nope"
@@ -341,10 +363,10 @@ def test_tree_holding_a_file_lock_dumps_and_restores_with_the_lock(spawn_tree, t
     criu.dump(tree.launcher, images)
     tree.popen.wait()
     kill_tree(tree.pids)
-    assert not _flock_held_by_other(lock)          # the dumped tree is gone, so is its lock
+    assert not _flock_held_by_other(lock)  # the dumped tree is gone, so is its lock
     assert criu.restore(images) == tree.launcher
     spawn_tree.track(tree.pids)
-    assert _flock_held_by_other(lock)              # the restored launcher holds it again
+    assert _flock_held_by_other(lock)  # the restored launcher holds it again
     n = len(tree.counter(0))
     wait_until(lambda: len(tree.counter(0)) > n + 20, "the restored counter to advance")
     assert consecutive(tree.counter(0))

@@ -11,6 +11,7 @@ the tree there (its paths do not exist in the agent's namespace); run inside the
 placeholder's, the images hold no mount namespace, and the restored process lives in the
 placeholder's mount namespace and keeps appending to the very same file.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,23 +19,29 @@ import signal
 import subprocess
 
 import pytest
+from criu_helpers import alive, stop_job, wait_until
 
 from cuinterpose.agent.mech import criu, criu_run, mntns
 from cuinterpose.agent.mech.inherit import restore_options
 from cuinterpose.agent.mech.placement import Placement
 
-from criu_helpers import alive, stop_job, wait_until
-
 # appends 1, 2, 3 ... to DATA/log every 20 ms through fd 4, opened inside the namespace
-LOOP = ("mount --bind {vol} {mnt} && cd / && exec </dev/null >/dev/null 2>&1 4>>{mnt}/log && "
-        "i=0; while :; do i=$((i+1)); echo $i >&4; sleep 0.02; done")
+LOOP = (
+    "mount --bind {vol} {mnt} && cd / && exec </dev/null >/dev/null 2>&1 4>>{mnt}/log && "
+    "i=0; while :; do i=$((i+1)); echo $i >&4; sleep 0.02; done"
+)
 
 
 def _unshared(script: str) -> subprocess.Popen:
     """The job: ``script`` in a mount namespace of its own."""
-    return subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c",
-                             script], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
+    return subprocess.Popen(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        close_fds=True,
+    )
 
 
 def _numbers(path) -> list[int]:
@@ -43,7 +50,7 @@ def _numbers(path) -> list[int]:
     except FileNotFoundError:
         return []
     lines = text.split("\n")
-    return [int(x) for x in lines[:-1]]          # the last one may be half written
+    return [int(x) for x in lines[:-1]]  # the last one may be half written
 
 
 @pytest.fixture
@@ -57,24 +64,52 @@ def volume(tmp_path):
 
 
 def test_rewrite_reaches_criu_and_our_paths_through_the_root_fd(criu_ok):
-    cmd = mntns.rewrite(criu.criu_command(),
-                        ["restore", "--images-dir", "/snap/x", "--work-dir", "/w", "--log-file",
-                         "restore.log", "--join-ns", "net:/proc/42/ns/net", "--pidfile",
-                         "/w/restore.pid", "--tree", "7"], 9)
+    cmd = mntns.rewrite(
+        criu.criu_command(),
+        [
+            "restore",
+            "--images-dir",
+            "/snap/x",
+            "--work-dir",
+            "/w",
+            "--log-file",
+            "restore.log",
+            "--join-ns",
+            "net:/proc/42/ns/net",
+            "--pidfile",
+            "/w/restore.pid",
+            "--tree",
+            "7",
+        ],
+        9,
+    )
     i = cmd.index("restore")
     loader, args = cmd[:i], cmd[i:]
-    assert [a for a in loader if a.startswith("/")] and \
-        all(a.startswith("/proc/self/fd/9/") for a in loader if a.startswith("/"))
+    assert [a for a in loader if a.startswith("/")] and all(
+        a.startswith("/proc/self/fd/9/") for a in loader if a.startswith("/")
+    )
     lib = loader[loader.index("--library-path") + 1] if "--library-path" in loader else ""
     assert all(d.startswith("/proc/self/fd/9/") for d in lib.split(":") if d)
-    assert args == ["restore", "--images-dir", "/proc/self/fd/9/snap/x", "--work-dir",
-                    "/proc/self/fd/9/w", "--log-file", "restore.log", "--join-ns",
-                    "net:/proc/self/fd/9/proc/42/ns/net", "--pidfile",
-                    "/proc/self/fd/9/w/restore.pid", "--tree", "7"]
+    assert args == [
+        "restore",
+        "--images-dir",
+        "/proc/self/fd/9/snap/x",
+        "--work-dir",
+        "/proc/self/fd/9/w",
+        "--log-file",
+        "restore.log",
+        "--join-ns",
+        "net:/proc/self/fd/9/proc/42/ns/net",
+        "--pidfile",
+        "/proc/self/fd/9/w/restore.pid",
+        "--tree",
+        "7",
+    ]
 
 
 def test_tree_in_its_own_mount_namespace_dumps_and_restores_into_the_placeholders(
-        tmp_path, volume, placeholder, criu_ok):
+    tmp_path, volume, placeholder, criu_ok
+):
     vol, mnt = volume
     log = vol / "log"
     job = _unshared(LOOP.format(vol=vol, mnt=mnt))
@@ -82,7 +117,7 @@ def test_tree_in_its_own_mount_namespace_dumps_and_restores_into_the_placeholder
     try:
         wait_until(lambda: len(_numbers(log)) >= 10, "the job to write 10 numbers", 30)
         assert mntns.is_foreign(job.pid)
-        assert not (mnt / "log").exists()       # the volume is not mounted in our namespace
+        assert not (mnt / "log").exists()  # the volume is not mounted in our namespace
         ns = criu.tree_namespaces(job.pid)
         assert ns["enter"] == ["mnt"]
 
@@ -91,13 +126,22 @@ def test_tree_in_its_own_mount_namespace_dumps_and_restores_into_the_placeholder
         # --root and every host bind mount declared external
         plain = tmp_path / "plain"
         plain.mkdir()
-        criu_run.run("dump", ["--tree", str(job.pid), *criu_run.common_args(plain, plain, "d.log"),
-                              "--leave-running"], images_dir=plain, log_path=plain / "d.log")
+        criu_run.run(
+            "dump",
+            [
+                "--tree",
+                str(job.pid),
+                *criu_run.common_args(plain, plain, "d.log"),
+                "--leave-running",
+            ],
+            images_dir=plain,
+            log_path=plain / "d.log",
+        )
         assert [p.name for p in plain.glob("mountpoints-*.img")]
         assert alive(job.pid)
 
         images = tmp_path / "images"
-        criu.dump(job.pid, images)             # CRIU inside the job's mount namespace
+        criu.dump(job.pid, images)  # CRIU inside the job's mount namespace
         assert job.wait(30) == -signal.SIGKILL
         dumped = _numbers(log)
         assert dumped == list(range(1, len(dumped) + 1))
@@ -113,8 +157,9 @@ def test_tree_in_its_own_mount_namespace_dumps_and_restores_into_the_placeholder
         assert _numbers(log) == dumped
 
         # the placeholder: the same volume bound at the same path in a mount namespace of its own
-        holder = placeholder("cui-mnt", mount=True, stdout=False,
-                             prepare=f"mount --bind {vol} {mnt} && cd /")
+        holder = placeholder(
+            "cui-mnt", mount=True, stdout=False, prepare=f"mount --bind {vol} {mnt} && cd /"
+        )
         pl = Placement.of_pid(holder.pid, namespaces=())
         assert pl.mnt is not None and pl.mnt.inode == os.stat(f"/proc/{holder.pid}/ns/mnt").st_ino
         opts = restore_options(pl)
@@ -122,15 +167,17 @@ def test_tree_in_its_own_mount_namespace_dumps_and_restores_into_the_placeholder
             restored = criu.restore(images, **opts.kwargs())
         finally:
             opts.close()
-        assert restored == job.pid              # CRIU keeps the pid
+        assert restored == job.pid  # CRIU keeps the pid
         assert os.stat(f"/proc/{restored}/ns/mnt").st_ino == pl.mnt.inode
         assert pl.mismatches(restored) == []
-        wait_until(lambda: len(_numbers(log)) >= len(dumped) + 10,
-                   "the restored job to write 10 more numbers", 30)
+        wait_until(
+            lambda: len(_numbers(log)) >= len(dumped) + 10,
+            "the restored job to write 10 more numbers",
+            30,
+        )
         after = _numbers(log)
         # the same file, continued: no number lost, none written twice
         assert after == list(range(1, len(after) + 1))
-        assert after[:len(dumped)] == dumped
+        assert after[: len(dumped)] == dumped
     finally:
         stop_job(job, restored)  # the shell and its sleep: one group
-

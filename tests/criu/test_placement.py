@@ -12,6 +12,7 @@ outside it (dumped as external files, restored from the placeholder's fds or the
 placeholder whose stdout is a regular file (its bytes kept, the restored output appended);
 placements in another user namespace, pid 1 and kernel threads refused.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,14 +27,12 @@ import subprocess
 import sys
 
 import pytest
-
-from cuinterpose.agent.mech import fds
-from cuinterpose.agent.mech import criu
-from cuinterpose.agent.mech.inherit import external_file_key, restore_options
-from cuinterpose.agent.mech.placement import Namespace, Placement, PlacementError
-
 from criu_helpers import HERE, alive, kill_tree, stop_job, wait_until
 from placement_kit import cgroups_of, comm_of, hidden_python_dirs, mount_id_of
+
+from cuinterpose.agent.mech import criu, fds
+from cuinterpose.agent.mech.inherit import external_file_key, restore_options
+from cuinterpose.agent.mech.placement import Namespace, Placement, PlacementError
 
 PIPE_TREE = HERE / "pipe_tree.py"
 
@@ -55,16 +54,25 @@ def pipe_tree(tmp_path, criu_ok):
         os.close(r)
         env = {k: v for k, v in os.environ.items() if not k.startswith("LD_")}
         with open(tmp_path / "tree.err", "ab") as err:
-            root = subprocess.Popen([sys.executable, str(PIPE_TREE), str(info)], stdout=w,
-                                    stdin=subprocess.DEVNULL, stderr=err, env=env,
-                                    start_new_session=True)
+            root = subprocess.Popen(
+                [sys.executable, str(PIPE_TREE), str(info)],
+                stdout=w,
+                stdin=subprocess.DEVNULL,
+                stderr=err,
+                env=env,
+                start_new_session=True,
+            )
         os.close(w)
         started.append((root, reader))
         wait_until(info.exists, "the pipe tree to start", 30)
         pids = json.loads(info.read_text())
-        wait_until(lambda: min(len(lines(out, "root")), len(lines(out, "child"))) > 20,
-                   "20 lines of each writer", 30)
+        wait_until(
+            lambda: min(len(lines(out, "root")), len(lines(out, "child"))) > 20,
+            "20 lines of each writer",
+            30,
+        )
         return root, pids, reader, out
+
     start.track = extra.append
     yield start
     for root, reader in started:
@@ -95,8 +103,12 @@ def ns_inodes(pid: int) -> dict[str, int]:
 
 
 def hostname_of(pid: int) -> str:
-    return subprocess.run(["nsenter", f"--uts=/proc/{pid}/ns/uts", "hostname"],
-                          capture_output=True, text=True, check=True).stdout.strip()
+    return subprocess.run(
+        ["nsenter", f"--uts=/proc/{pid}/ns/uts", "hostname"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
 
 
 def wait_gone(pids, timeout=30):
@@ -104,18 +116,21 @@ def wait_gone(pids, timeout=30):
 
 
 def test_restore_into_placeholder_namespaces_cgroups_and_stdout(
-        tmp_path, pipe_tree, cgroup_dir, placeholder):
+    tmp_path, pipe_tree, cgroup_dir, placeholder
+):
     root, pids, reader, before_out = pipe_tree()
     tree = [pids["root"], pids["child"]]
     ext = fds.external_pipes(root.pid, tree)
     ino = os.stat(f"/proc/{root.pid}/fd/1").st_ino
-    assert ext == [{"root": root.pid, "pid": p, "fd": 1, "inode": ino, "direction": "write"}
-                   for p in sorted(tree)]
+    assert ext == [
+        {"root": root.pid, "pid": p, "fd": 1, "inode": ino, "direction": "write"}
+        for p in sorted(tree)
+    ]
     imgs = tmp_path / "imgs"
     ns = criu.dump(root.pid, imgs)
-    assert ns["external_net"] == "" and ns["enter"] == []   # the tree shared our namespaces
+    assert ns["external_net"] == "" and ns["enter"] == []  # the tree shared our namespaces
     assert root.wait() == -signal.SIGKILL
-    reader.wait(timeout=30)                          # EOF: every writer of its pipe is dead
+    reader.wait(timeout=30)  # EOF: every writer of its pipe is dead
     before = {w: lines(before_out, w) for w in ("root", "child")}
     for w, seq in before.items():
         assert seq == list(range(len(seq))), f"{w} before the dump: {seq[:5]}..."
@@ -140,7 +155,8 @@ def test_restore_into_placeholder_namespaces_cgroups_and_stdout(
     opts = restore_options(pl, ext, ns["external_net"], root=root.pid)
     try:
         assert [(k, p) for k, p in opts.join_ns] == [
-            (k, f"/proc/{ph.pid}/ns/{k}") for k in ("net", "ipc", "uts")]
+            (k, f"/proc/{ph.pid}/ns/{k}") for k in ("net", "ipc", "uts")
+        ]
         assert [r for _, r in opts.inherit_fds] == [f"pipe:[{ino}]"]
         assert [p["placement_fd"] for p in opts.inherited] == [1, 1]
         assert criu.restore(imgs, **opts.kwargs()) == root.pid
@@ -154,12 +170,15 @@ def test_restore_into_placeholder_namespaces_cgroups_and_stdout(
         assert pl.mismatches(p) == []
     assert hostname_of(root.pid) == "cuinterpose-ph" == hostname_of(ph.pid)
     assert f"/{os.path.basename(cg)}\n" in cgroups_of(ph.pid)
-    assert os.path.basename(cg) not in cgroups_of(os.getpid())             # we stayed out
-    wait_until(lambda: min(len(lines(ph.out, "root")), len(lines(ph.out, "child"))) > 20,
-               "20 lines of each restored writer at the new reader", 30)
+    assert os.path.basename(cg) not in cgroups_of(os.getpid())  # we stayed out
+    wait_until(
+        lambda: min(len(lines(ph.out, "root")), len(lines(ph.out, "child"))) > 20,
+        "20 lines of each restored writer at the new reader",
+        30,
+    )
     kill_tree(tree)
     ph.stop()
-    assert ph.reader.returncode == 0                  # EOF: it copied all there was
+    assert ph.reader.returncode == 0  # EOF: it copied all there was
     for w in ("root", "child"):
         after = lines(ph.out, w)
         seq = before[w] + after
@@ -186,13 +205,19 @@ def test_placement_refusals(tmp_path, placeholder):
 
 
 def test_stdio_mapping_refuses_a_placeholder_without_a_writable_stdout(tmp_path):
-    p = subprocess.Popen(["sleep", "600"], stdin=subprocess.DEVNULL,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    p = subprocess.Popen(
+        ["sleep", "600"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         wait_until(lambda: comm_of(p.pid) == "sleep", "sleep", 30)
         pl = Placement.of_pid(p.pid)
-        ext = [{"root": 5, "pid": 5, "fd": 1, "inode": 77, "direction": "write"},
-               {"root": 5, "pid": 6, "fd": 0, "inode": 78, "direction": "read"}]
+        ext = [
+            {"root": 5, "pid": 5, "fd": 1, "inode": 77, "direction": "write"},
+            {"root": 5, "pid": 6, "fd": 0, "inode": 78, "direction": "read"},
+        ]
         opts = restore_options(pl, ext, root=5)
         try:
             assert [r for _, r in opts.inherit_fds] == ["pipe:[77]", "pipe:[78]"]
@@ -200,32 +225,54 @@ def test_stdio_mapping_refuses_a_placeholder_without_a_writable_stdout(tmp_path)
         finally:
             opts.close()
         # stdout closed: a write pipe falls back to stderr; stderr closed too: refused
-        bare = Placement(pl.pid, pl.start_time, pl.cgroups, pl.namespaces,
-                         tuple(s for s in pl.stdio if s.fd == 0), pl.proc_root)
+        bare = Placement(
+            pl.pid,
+            pl.start_time,
+            pl.cgroups,
+            pl.namespaces,
+            tuple(s for s in pl.stdio if s.fd == 0),
+            pl.proc_root,
+        )
         with pytest.raises(PlacementError) as ei:
             restore_options(bare, ext, root=5)
         assert ei.value.pid == p.pid
-        assert ("tree 5: pid 5 fd 1 writes pipe:[77], whose other end was outside the tree, "
-                "but the placement has no stdio fd open for writing") in ei.value.reason
+        assert (
+            "tree 5: pid 5 fd 1 writes pipe:[77], whose other end was outside the tree, "
+            "but the placement has no stdio fd open for writing"
+        ) in ei.value.reason
     finally:
         p.kill()
         p.wait()
 
 
 def test_tree_in_its_own_namespaces_dumps_them_as_external_and_restores_into_ours(
-        tmp_path, placeholder, criu_ok):
+    tmp_path, placeholder, criu_ok
+):
     """A tree in another net/uts/ipc namespace: CRIU runs in its uts and ipc namespaces (not
     imaged) and marks its network namespace external; without a placement the restore hands
     CRIU the agent's own (--inherit-fd fd[N]:cuinterpose-net)."""
     holder = placeholder("cuinterpose-src")
-    p = subprocess.Popen(["nsenter", *(f"--{k}=/proc/{holder.pid}/ns/{k}" for k in
-                                       ("net", "uts", "ipc")),
-                          sys.executable, "-c", "import time; time.sleep(600)"],
-                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL, start_new_session=True)
+    p = subprocess.Popen(
+        [
+            "nsenter",
+            *(f"--{k}=/proc/{holder.pid}/ns/{k}" for k in ("net", "uts", "ipc")),
+            sys.executable,
+            "-c",
+            "import time; time.sleep(600)",
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
-        wait_until(lambda: ns_inodes(p.pid) == ns_inodes(holder.pid) and
-                   comm_of(p.pid).startswith("python"), "the tree to start in the namespaces", 30)
+        wait_until(
+            lambda: (
+                ns_inodes(p.pid) == ns_inodes(holder.pid) and comm_of(p.pid).startswith("python")
+            ),
+            "the tree to start in the namespaces",
+            30,
+        )
         imgs = tmp_path / "imgs"
         ns = criu.dump(p.pid, imgs)
         assert (ns["external_net"], ns["enter"]) == ("cuinterpose-net", ["uts", "ipc"])
@@ -233,7 +280,7 @@ def test_tree_in_its_own_namespaces_dumps_them_as_external_and_restores_into_our
         assert not list(imgs.glob("utsns-*.img")) and not list(imgs.glob("ipcns-*.img"))
         assert p.wait() == -signal.SIGKILL
         wait_gone([p.pid])
-        with pytest.raises(criu.CriuError) as ei:       # such images need the inherited netns
+        with pytest.raises(criu.CriuError) as ei:  # such images need the inherited netns
             criu.restore(imgs)
         assert "Unable to find an external netns: cuinterpose-net" in ei.value.log_tail
         wait_gone([p.pid])
@@ -253,8 +300,7 @@ def test_tree_in_its_own_namespaces_dumps_them_as_external_and_restores_into_our
 
 # --------------------------------------------------------------------------- probe, mount ns
 
-COUNTER = ("cd / && exec 4>>{log} && i=0; while :; do i=$((i+1)); echo $i >&4; "
-           "sleep 0.02; done")
+COUNTER = "cd / && exec 4>>{log} && i=0; while :; do i=$((i+1)); echo $i >&4; sleep 0.02; done"
 
 
 def _numbers(path) -> list[int]:
@@ -262,20 +308,25 @@ def _numbers(path) -> list[int]:
         text = pathlib.Path(path).read_text()
     except FileNotFoundError:
         return []
-    return [int(x) for x in text.split("\n")[:-1]]        # the last one may be half written
+    return [int(x) for x in text.split("\n")[:-1]]  # the last one may be half written
 
 
 def test_probe_and_restore_into_a_placeholder_without_the_agents_python(
-        tmp_path, placeholder, cgroup_dir, criu_ok):
+    tmp_path, placeholder, cgroup_dir, criu_ok
+):
     """The cgroup probe enters no namespace: a placeholder whose mount namespace has a tmpfs
     over this Python's directories (a container's root filesystem lacks the agent's
     interpreter) and a test cgroup is probed and restored into."""
     hide = hidden_python_dirs()
     assert hide, f"no directory of {sys.executable} can be hidden"
     log = tmp_path / "log"
-    job = subprocess.Popen(["sh", "-c", COUNTER.format(log=log)], stdin=subprocess.DEVNULL,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                           start_new_session=True)
+    job = subprocess.Popen(
+        ["sh", "-c", COUNTER.format(log=log)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     restored = None
     try:
         wait_until(lambda: len(_numbers(log)) >= 10, "10 numbers", 30)
@@ -287,9 +338,14 @@ def test_probe_and_restore_into_a_placeholder_without_the_agents_python(
         wait_gone([job.pid])
 
         cg = cgroup_dir()
-        ph = placeholder("cui-nopy", mount=True, cgroup=cg, stdout=False,
-                         prepare=" && ".join(f"mount -t tmpfs none {d}" for d in hide))
-        for d in hide:                                   # hidden there, present here
+        ph = placeholder(
+            "cui-nopy",
+            mount=True,
+            cgroup=cg,
+            stdout=False,
+            prepare=" && ".join(f"mount -t tmpfs none {d}" for d in hide),
+        )
+        for d in hide:  # hidden there, present here
             assert os.listdir(f"/proc/{ph.pid}/root{d}") == [] and os.listdir(d)
         assert not os.path.exists(f"/proc/{ph.pid}/root{sys.executable}")
         pl = Placement.of_pid(ph.pid)
@@ -309,7 +365,7 @@ def test_probe_and_restore_into_a_placeholder_without_the_agents_python(
         assert cgroups_of(restored) == cgroups_of(ph.pid) and pl.mismatches(restored) == []
         wait_until(lambda: len(_numbers(log)) >= len(dumped) + 10, "10 more numbers", 30)
         after = _numbers(log)
-        assert after == list(range(1, len(after) + 1)) and after[:len(dumped)] == dumped
+        assert after == list(range(1, len(after) + 1)) and after[: len(dumped)] == dumped
     finally:
         stop_job(job, restored)
 
@@ -317,7 +373,7 @@ def test_probe_and_restore_into_a_placeholder_without_the_agents_python(
 def _mount_id(mountpoint: str, pid="self") -> int:
     with open(f"/proc/{pid}/mountinfo") as f:
         ids = [int(ln.split()[0]) for ln in f if ln.split()[4] == mountpoint]
-    return ids[-1]                                   # the top one
+    return ids[-1]  # the top one
 
 
 def _fdinfo_flags(pid: int, fd: int) -> int:
@@ -328,21 +384,36 @@ def _fdinfo_flags(pid: int, fd: int) -> int:
 #: in a mount namespace of its own, with stdin /dev/null and stderr a log file opened outside it
 #: (as a container runtime hands them); writes 1, 2, 3 ... to stderr and to DATA/log (opened
 #: inside, on the bind-mounted volume)
-INSIDE = ("mount --bind {vol} {mnt} && cd / && exec 4>>{mnt}/log && i=0; while :; do "
-          "i=$((i+1)); echo $i >&2; echo $i >&4; sleep 0.02; done")
+INSIDE = (
+    "mount --bind {vol} {mnt} && cd / && exec 4>>{mnt}/log && i=0; while :; do "
+    "i=$((i+1)); echo $i >&2; echo $i >&4; sleep 0.02; done"
+)
 
 
 @pytest.mark.parametrize("stderr_of_placeholder", ["same-file", "pipe"])
 def test_files_opened_outside_the_mount_namespace_are_external(
-        tmp_path, placeholder, criu_ok, stderr_of_placeholder):
+    tmp_path, placeholder, criu_ok, stderr_of_placeholder
+):
     vol, mnt = tmp_path / "volume", tmp_path / "mnt"
     vol.mkdir()
     mnt.mkdir()
     err_log = tmp_path / "stderr.log"
     with open(err_log, "ab") as err:
-        job = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c",
-                                INSIDE.format(vol=vol, mnt=mnt)], stdin=subprocess.DEVNULL,
-                               stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+        job = subprocess.Popen(
+            [
+                "unshare",
+                "--mount",
+                "--propagation",
+                "private",
+                "sh",
+                "-c",
+                INSIDE.format(vol=vol, mnt=mnt),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            start_new_session=True,
+        )
     restored = None
     try:
         wait_until(lambda: len(_numbers(vol / "log")) >= 10, "10 numbers", 30)
@@ -350,12 +421,18 @@ def test_files_opened_outside_the_mount_namespace_are_external(
         devnull = os.stat("/dev/null")
         ext = fds.external_files(job.pid, tree)
         assert [(e["fd"], e["path"]) for e in ext] == [
-            (0, "/dev/null"), (1, "/dev/null"), (2, str(err_log))]
+            (0, "/dev/null"),
+            (1, "/dev/null"),
+            (2, str(err_log)),
+        ]
         dev_id = _mount_id("/dev")
         assert [e["mnt_id"] for e in ext[:2]] == [dev_id, dev_id]
-        assert ext[0]["mnt_id"] != _mount_id("/dev", job.pid)     # its own /dev mount
+        assert ext[0]["mnt_id"] != _mount_id("/dev", job.pid)  # its own /dev mount
         assert (ext[0]["inode"], ext[0]["rdev"], ext[0]["st_mode"]) == (
-            devnull.st_ino, devnull.st_rdev, devnull.st_mode)
+            devnull.st_ino,
+            devnull.st_rdev,
+            devnull.st_mode,
+        )
         assert ext[2]["inode"] == err_log.stat().st_ino and ext[2]["access"] == "w"
         assert ext[2]["flags"] & (os.O_ACCMODE | os.O_APPEND) == os.O_WRONLY | os.O_APPEND
         keys = [external_file_key(e) for e in ext]
@@ -384,8 +461,13 @@ def test_files_opened_outside_the_mount_namespace_are_external(
             os.close(r)
             os.close(err_fd)
             err_fd = err_fd2
-        holder = placeholder("cui-ext", mount=True, stdout=False, stderr_fd=err_fd,
-                             prepare=f"mount --bind {vol} {mnt} && cd /")
+        holder = placeholder(
+            "cui-ext",
+            mount=True,
+            stdout=False,
+            stderr_fd=err_fd,
+            prepare=f"mount --bind {vol} {mnt} && cd /",
+        )
         os.close(err_fd)
         pl = Placement.of_pid(holder.pid, namespaces=())
         opts = restore_options(pl, root=job.pid, external_files=ext)
@@ -397,8 +479,9 @@ def test_files_opened_outside_the_mount_namespace_are_external(
             else:
                 # its stderr is a pipe: not the same kind of file, so the path is reopened
                 assert got == {(0, 0), (1, 0), (2, None)}
-                assert opts.files[2]["handed"] == (f"{err_log} reopened in the agent's mount "
-                                                   "namespace (O_WRONLY|O_APPEND)")
+                assert opts.files[2]["handed"] == (
+                    f"{err_log} reopened in the agent's mount namespace (O_WRONLY|O_APPEND)"
+                )
             assert opts.files[0]["handed"] == "placement fd 0 (/dev/null)"
             assert sorted(r for _, r in opts.inherit_fds) == sorted(set(keys))
             restored = criu.restore(imgs, **opts.kwargs())
@@ -411,42 +494,60 @@ def test_files_opened_outside_the_mount_namespace_are_external(
         assert os.stat(f"/proc/{restored}/fd/2").st_ino == err_log.stat().st_ino
         assert _fdinfo_flags(restored, 2) & os.O_APPEND
         n = len(dumped["vol"])
-        wait_until(lambda: len(_numbers(vol / "log")) >= n + 10 and
-                   len(_numbers(err_log)) >= n + 10, "10 more numbers in both logs", 30)
+        wait_until(
+            lambda: len(_numbers(vol / "log")) >= n + 10 and len(_numbers(err_log)) >= n + 10,
+            "10 more numbers in both logs",
+            30,
+        )
         for name, path in (("err", err_log), ("vol", vol / "log")):
             after = _numbers(path)
-            assert after[:len(dumped[name])] == dumped[name], name
+            assert after[: len(dumped[name])] == dumped[name], name
             assert after == list(range(1, len(after) + 1)), f"{name}: gap or duplicate"
     finally:
         stop_job(job, restored)
 
 
 def test_external_file_refusals_name_pid_fd_and_path(tmp_path):
-    rec = {"root": 5, "pid": 6, "fd": 7, "path": str(tmp_path / "gone.log"), "mnt_id": 999,
-           "inode": 12, "flags": os.O_WRONLY | os.O_APPEND, "access": "w",
-           "st_mode": 0o100644, "rdev": 0}
+    rec = {
+        "root": 5,
+        "pid": 6,
+        "fd": 7,
+        "path": str(tmp_path / "gone.log"),
+        "mnt_id": 999,
+        "inode": 12,
+        "flags": os.O_WRONLY | os.O_APPEND,
+        "access": "w",
+        "st_mode": 0o100644,
+        "rdev": 0,
+    }
     with pytest.raises(PlacementError) as ei:
         restore_options(None, root=5, external_files=[rec])
     assert ei.value.reason == (
         f"tree 5: pid 6 fd 7 holds {tmp_path}/gone.log (opened outside the tree's mount "
         "namespace, mount 999, inode 12), which cannot be reopened here: No such file or "
-        "directory")
+        "directory"
+    )
     # a path that is there but another kind of file than the tree's
     with pytest.raises(PlacementError) as ei:
         restore_options(None, root=5, external_files=[dict(rec, path="/dev/null")])
-    assert ei.value.reason.startswith("tree 5: pid 6 fd 7 holds /dev/null (") and \
-        ei.value.reason.endswith("but /dev/null here is a character device of mode 20666, "
-                                 "the tree's was a regular file of mode 100644")
+    assert ei.value.reason.startswith(
+        "tree 5: pid 6 fd 7 holds /dev/null ("
+    ) and ei.value.reason.endswith(
+        "but /dev/null here is a character device of mode 20666, "
+        "the tree's was a regular file of mode 100644"
+    )
     # without a placement a file that is there is reopened, with O_APPEND
     (tmp_path / "there.log").write_bytes(b"x")
     there = dict(rec, path=str(tmp_path / "there.log"))
     opts = restore_options(None, root=5, external_files=[there])
     try:
-        (fd, key), = opts.inherit_fds
+        ((fd, key),) = opts.inherit_fds
         assert key == "file[3e7:c]"
         assert os.fstat(fd).st_ino == (tmp_path / "there.log").stat().st_ino
-        assert fcntl.fcntl(fd, fcntl.F_GETFL) & (os.O_ACCMODE | os.O_APPEND) == \
-            os.O_WRONLY | os.O_APPEND
+        assert (
+            fcntl.fcntl(fd, fcntl.F_GETFL) & (os.O_ACCMODE | os.O_APPEND)
+            == os.O_WRONLY | os.O_APPEND
+        )
         assert opts.files[0]["placement_fd"] is None
     finally:
         opts.close()
@@ -475,9 +576,9 @@ def test_placeholder_stdout_a_regular_file_keeps_its_bytes(tmp_path, pipe_tree, 
 
     log = tmp_path / "ph.log"
     log.write_bytes(HEADER)
-    if how == "append":                   # a runtime appending: O_APPEND
+    if how == "append":  # a runtime appending: O_APPEND
         fd = os.open(log, os.O_WRONLY | os.O_APPEND)
-    else:                                 # written with `>`: no O_APPEND, offset at the end
+    else:  # written with `>`: no O_APPEND, offset at the end
         fd = os.open(log, os.O_WRONLY)
         os.lseek(fd, len(HEADER), os.SEEK_SET)
     ph = placeholder("cui-file", stdout_fd=fd)
@@ -490,7 +591,7 @@ def test_placeholder_stdout_a_regular_file_keeps_its_bytes(tmp_path, pipe_tree, 
         assert opts.kwargs()["leave_stopped"] is True
         assert criu.restore(imgs, **opts.kwargs()) == root.pid
         pipe_tree.track(tree)
-        for p in tree:                    # stopped until the fds are fixed
+        for p in tree:  # stopped until the fds are fixed
             assert open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] == "T", p
         done = opts.after_restore(criu.image_pids(imgs))
     finally:
@@ -499,12 +600,15 @@ def test_placeholder_stdout_a_regular_file_keeps_its_bytes(tmp_path, pipe_tree, 
     for p in tree:
         assert _fdinfo_flags(p, 1) & os.O_APPEND, p
         assert os.stat(f"/proc/{p}/fd/1").st_ino == log.stat().st_ino
-    wait_until(lambda: min(len(lines(log, "root")), len(lines(log, "child"))) > 20,
-               "20 lines of each restored writer in the placeholder's log", 30)
+    wait_until(
+        lambda: min(len(lines(log, "root")), len(lines(log, "child"))) > 20,
+        "20 lines of each restored writer in the placeholder's log",
+        30,
+    )
     kill_tree(tree)
     data = log.read_bytes()
-    assert data[:len(HEADER)] == HEADER                  # not one byte overwritten
-    rest = data[len(HEADER):]
+    assert data[: len(HEADER)] == HEADER  # not one byte overwritten
+    rest = data[len(HEADER) :]
     assert rest and rest.split(b" ", 1)[0] in (b"root", b"child")
     for w in ("root", "child"):
         after = lines(log, w)
@@ -515,6 +619,7 @@ def test_placeholder_stdout_a_regular_file_keeps_its_bytes(tmp_path, pipe_tree, 
 
 # --------------------------------------------------------------------------- refusals
 
+
 def test_other_user_namespace_pid_1_and_kernel_threads_are_refused(placeholder):
     ph = placeholder("cui-userns", user=True, stdout=False)
     other = os.stat(f"/proc/{ph.pid}/ns/user").st_ino
@@ -523,12 +628,15 @@ def test_other_user_namespace_pid_1_and_kernel_threads_are_refused(placeholder):
     with pytest.raises(PlacementError) as ei:
         Placement.of_pid(ph.pid)
     assert ei.value.pid == ph.pid
-    assert ei.value.reason.startswith(f"is in another user namespace [{other}] than the "
-                                      f"agent's [{mine}]")
+    assert ei.value.reason.startswith(
+        f"is in another user namespace [{other}] than the agent's [{mine}]"
+    )
     with pytest.raises(PlacementError) as ei:
         Placement.of_pid(1)
     assert (ei.value.pid, ei.value.reason.split(":")[0]) == (
-        1, "is the init of the agent's pid namespace (the node's, or the agent container's)")
+        1,
+        "is the init of the agent's pid namespace (the node's, or the agent container's)",
+    )
     kthreadd = 2
     assert comm_of(kthreadd) == "kthreadd"
     with pytest.raises(PlacementError) as ei:
@@ -550,7 +658,7 @@ def test_other_user_namespace_pid_1_and_kernel_threads_are_refused(placeholder):
 #: fd 1); ``fchdir:N`` / ``chroot:N``: make the directory fd N its cwd (and root), close it;
 #: ``mmap:N``: map fd N (libc mmap: Python's mmap keeps a dup of the fd) and close it;
 #: ``mmap-open:N``: the same, keeping fd N open.
-OUTSIDE_TREE = r'''
+OUTSIDE_TREE = r"""
 import ctypes, os, sys, time
 libc = ctypes.CDLL(None, use_errno=True)
 libc.mmap.restype = ctypes.c_void_p
@@ -578,7 +686,7 @@ while True:
     for fd in rw:
         os.write(fd, b"R%06d\n" % i)
     time.sleep(0.02)
-'''
+"""
 
 
 def _start_outside(tmp_path, redirects: str, *acts: str) -> subprocess.Popen:
@@ -587,28 +695,32 @@ def _start_outside(tmp_path, redirects: str, *acts: str) -> subprocess.Popen:
     script = tmp_path / "outside_tree.py"
     script.write_text(OUTSIDE_TREE)
     env = {k: v for k, v in os.environ.items() if not k.startswith("LD_")}
-    cmd = (f"exec {redirects} && exec unshare --mount --propagation private "
-           f"{sys.executable} {script} {' '.join(acts)}")
+    cmd = (
+        f"exec {redirects} && exec unshare --mount --propagation private "
+        f"{sys.executable} {script} {' '.join(acts)}"
+    )
     with open(tmp_path / "tree.err", "ab") as err:
-        return subprocess.Popen(["sh", "-c", cmd], stdin=subprocess.DEVNULL, stderr=err,
-                                env=env, start_new_session=True)
+        return subprocess.Popen(
+            ["sh", "-c", cmd], stdin=subprocess.DEVNULL, stderr=err, env=env, start_new_session=True
+        )
 
 
 def _records(data: bytes) -> list[int]:
     """The "R%06d\n" records at the start of ``data``."""
     out = []
-    while data[8 * len(out):8 * len(out) + 1] == b"R":
-        rec = data[8 * len(out):8 * len(out) + 8]
+    while data[8 * len(out) : 8 * len(out) + 1] == b"R":
+        rec = data[8 * len(out) : 8 * len(out) + 8]
         assert len(rec) == 8 and rec.endswith(b"\n"), rec
         out.append(int(rec[1:7]))
     return out
 
 
-PAD = 40000                       # bytes of "." the tree's log starts with (fd 5 overwrites them)
+PAD = 40000  # bytes of "." the tree's log starts with (fd 5 overwrites them)
 
 
 def test_an_external_file_also_held_rdwr_is_reopened_not_the_placeholders_log(
-        tmp_path, placeholder, criu_ok):
+    tmp_path, placeholder, criu_ok
+):
     """A tree holds one outside log twice: fd 1 O_WRONLY|O_APPEND and fd 5 O_RDWR from
     offset 0 (one key file[MNT:INODE]). CRIU reopens both on the one fd handed, so the
     placeholder's log (its stdout, O_WRONLY|O_APPEND) must not be handed: fd 5 would
@@ -616,7 +728,8 @@ def test_an_external_file_also_held_rdwr_is_reopened_not_the_placeholders_log(
     the placeholder's log keeps its bytes, the tree's log continues both sequences. A second
     restore of the same images (the log grew) fails "bad size" on fd/N, and the reason names
     the external file and what was handed, without the workload-O_APPEND advice."""
-    from cuinterpose.agent.run import restore as restore_mod
+    from cuinterpose.agent.mech import criu_bad_size
+
     log = tmp_path / "tree.log"
     log.write_bytes(b"." * PAD)
     job = _start_outside(tmp_path, f"1>>{log} 5<>{log}", "rw:5")
@@ -626,13 +739,17 @@ def test_an_external_file_also_held_rdwr_is_reopened_not_the_placeholders_log(
         ext = fds.external_files(job.pid, [job.pid])
         mine = [e for e in ext if e["path"] == str(log)]
         assert [(e["fd"], e["flags"] & (os.O_ACCMODE | os.O_APPEND)) for e in mine] == [
-            (1, os.O_WRONLY | os.O_APPEND), (5, os.O_RDWR)]
+            (1, os.O_WRONLY | os.O_APPEND),
+            (5, os.O_RDWR),
+        ]
         key = external_file_key(mine[0])
-        assert external_file_key(mine[1]) == key == \
-            f"file[{mount_id_of(log):x}:{log.stat().st_ino:x}]"
+        assert (
+            external_file_key(mine[1]) == key == f"file[{mount_id_of(log):x}:{log.stat().st_ino:x}]"
+        )
         imgs = tmp_path / "imgs"
-        criu.dump(job.pid, imgs, external_files=list(dict.fromkeys(
-            external_file_key(e) for e in ext)))
+        criu.dump(
+            job.pid, imgs, external_files=list(dict.fromkeys(external_file_key(e) for e in ext))
+        )
         assert job.wait(30) == -signal.SIGKILL
         dumped = log.read_bytes()
         n_rec = len(_records(dumped))
@@ -653,27 +770,29 @@ def test_an_external_file_also_held_rdwr_is_reopened_not_the_placeholders_log(
         try:
             got = {f["fd"]: (f["placement_fd"], f["handed"]) for f in opts.files}
             reopened = f"{log} reopened in the agent's mount namespace (O_WRONLY|O_APPEND)"
-            assert got == {0: (0, "placement fd 0 (/dev/null)"), 1: (None, reopened),
-                           2: (2, f"placement fd 2 ({tmp_path / 'tree.err'})"),
-                           5: (None, reopened)}
+            assert got == {
+                0: (0, "placement fd 0 (/dev/null)"),
+                1: (None, reopened),
+                2: (2, f"placement fd 2 ({tmp_path / 'tree.err'})"),
+                5: (None, reopened),
+            }
             (fd,) = [fd for fd, k in opts.inherit_fds if k == key]
             assert os.fstat(fd).st_ino == log.stat().st_ino
             restored = criu.restore(imgs, leave_stopped=True, **opts.kwargs())
         finally:
             opts.close()
         assert restored == job.pid
-        with open(f"/proc/{restored}/fdinfo/5") as f:      # at the dumped offset, stopped
+        with open(f"/proc/{restored}/fdinfo/5") as f:  # at the dumped offset, stopped
             assert f.readline() == f"pos:\t{8 * n_rec}\n"
         assert os.stat(f"/proc/{restored}/fd/5").st_ino == log.stat().st_ino
         os.kill(restored, signal.SIGCONT)
-        wait_until(lambda: len(_records(log.read_bytes())) >= n_rec + 10, "10 more records",
-                   30)
+        wait_until(lambda: len(_records(log.read_bytes())) >= n_rec + 10, "10 more records", 30)
         kill_tree([restored])
-        assert ph_log.read_bytes() == ph_header             # not one byte written
+        assert ph_log.read_bytes() == ph_header  # not one byte written
         data = log.read_bytes()
         recs = _records(data)
         assert recs == list(range(1, len(recs) + 1)) and len(recs) >= n_rec + 10
-        assert data[8 * len(recs):PAD] == b"." * (PAD - 8 * len(recs))
+        assert data[8 * len(recs) : PAD] == b"." * (PAD - 8 * len(recs))
         apps = _numbers_in(data[PAD:])
         assert apps == list(range(1, len(apps) + 1)) and len(apps) > n_app
         wait_gone([job.pid])
@@ -689,11 +808,12 @@ def test_an_external_file_also_held_rdwr_is_reopened_not_the_placeholders_log(
             # the key right before
             assert (row["size"], row["expected"]) == (size, len(dumped))
             assert row["path"].startswith("/fd/") and row["path"][4:].isdigit()
-            assert restore_mod.inherited_bad_size_keys(
-                pathlib.Path(ei.value.log_path).read_text()) == {
-                    (int(row["path"][4:]), size, len(dumped)): key}
-            reason = restore_mod.bad_size_reason(job.pid, imgs, ei.value.bad_size, ei.value,
-                                                 files=restore_mod.handed_files(opts))
+            assert criu_bad_size.inherited_bad_size_keys(
+                pathlib.Path(ei.value.log_path).read_text()
+            ) == {(int(row["path"][4:]), size, len(dumped)): key}
+            reason = criu_bad_size.reason(
+                job.pid, imgs, ei.value.bad_size, ei.value, files=criu_bad_size.handed_files(opts)
+            )
         finally:
             opts.close()
         assert reason == (
@@ -706,7 +826,8 @@ def test_an_external_file_also_held_rdwr_is_reopened_not_the_placeholders_log(
             "dump (a restored run of the tree wrote to it, or it is another file): this "
             f"snapshot restores only while it has {len(dumped)} bytes (truncate it back to "
             "that size to restore it again, losing what was written after the checkpoint) "
-            f"(CRIU log: {ei.value.log_path})")
+            f"(CRIU log: {ei.value.log_path})"
+        )
         assert "O_APPEND / `>>`" not in reason
         wait_gone([job.pid])
     finally:
@@ -718,7 +839,8 @@ def _numbers_in(data: bytes) -> list[int]:
 
 
 def test_a_placeholders_regular_file_is_not_handed_when_one_use_is_not_append(
-        tmp_path, placeholder):
+    tmp_path, placeholder
+):
     """The refusal when the path cannot be reopened either names the use that kept the
     placeholder's regular file from being handed."""
     ph_log = tmp_path / "ph.log"
@@ -728,9 +850,18 @@ def test_a_placeholders_regular_file_is_not_handed_when_one_use_is_not_append(
     os.close(fd)
     pl = Placement.of_pid(ph.pid, namespaces=())
     gone = tmp_path / "gone.log"
-    rec = {"root": 5, "pid": 6, "fd": 1, "path": str(gone), "mnt_id": 999, "inode": 12,
-           "flags": os.O_WRONLY | os.O_APPEND, "access": "w",
-           "st_mode": ph_log.stat().st_mode, "rdev": 0}
+    rec = {
+        "root": 5,
+        "pid": 6,
+        "fd": 1,
+        "path": str(gone),
+        "mnt_id": 999,
+        "inode": 12,
+        "flags": os.O_WRONLY | os.O_APPEND,
+        "access": "w",
+        "st_mode": ph_log.stat().st_mode,
+        "rdev": 0,
+    }
     rdwr = dict(rec, fd=5, flags=os.O_RDWR, access="rw")
     with pytest.raises(PlacementError) as ei:
         restore_options(pl, root=5, external_files=[rec, rdwr])
@@ -740,7 +871,8 @@ def test_a_placeholders_regular_file_is_not_handed_when_one_use_is_not_append(
         "999, inode 12), which cannot be reopened here: No such file or directory and the "
         f"placement's fds do not fit (its fd 1 ({ph_log}) is a regular file, and the tree's "
         "pid 6 fd 5 on the file is O_RDWR, not O_WRONLY|O_APPEND: CRIU would reopen that fd "
-        "on this file too, at its offset, and check its size)")
+        "on this file too, at its offset, and check its size)"
+    )
     # every use O_WRONLY|O_APPEND: the placeholder's file is handed
     opts = restore_options(pl, root=5, external_files=[rec, dict(rec, fd=7)])
     try:
@@ -751,6 +883,7 @@ def test_a_placeholders_regular_file_is_not_handed_when_one_use_is_not_append(
 
 
 # --------------------------------------------------------------------------- socket stdout
+
 
 def test_a_placeholder_whose_stdout_is_a_socket_is_refused(tmp_path, pipe_tree, placeholder):
     """CRIU reopens the fd handed for an external pipe through /proc/self/fd/N: a socket
@@ -781,8 +914,9 @@ def test_a_placeholder_whose_stdout_is_a_socket_is_refused(tmp_path, pipe_tree, 
         f"tree {root.pid}: pid {first} fd 1 writes pipe:[{ino}], whose other end was outside "
         f"the tree, but the placement pid {ph.pid} fd 1 ({sock}) is a socket: CRIU reopens "
         "the fd handed for such a pipe through /proc/self/fd/N (criu/pipes.c reopen_pipe), "
-        "which fails for it (\"No such device or address\"); give the placeholder a pipe, a "
-        "regular file or /dev/null as its fd 1")
+        'which fails for it ("No such device or address"); give the placeholder a pipe, a '
+        "regular file or /dev/null as its fd 1"
+    )
     # what CRIU does with it when handed anyway
     fd = pl.open_stdio(pl.stdio[1], "write")
     try:
@@ -790,13 +924,16 @@ def test_a_placeholder_whose_stdout_is_a_socket_is_refused(tmp_path, pipe_tree, 
             criu.restore(imgs, inherit_fds=[(fd, f"pipe:[{ino}]")])
     finally:
         os.close(fd)
-    assert re.search(r"Unable to reopen the pipe /proc/self/fd/\d+: No such device or address",
-                     pathlib.Path(ei.value.log_path).read_text())
+    assert re.search(
+        r"Unable to reopen the pipe /proc/self/fd/\d+: No such device or address",
+        pathlib.Path(ei.value.log_path).read_text(),
+    )
     wait_gone(tree)
     b.close()
 
 
 # --------------------------------------------------------------------------- cwd, root, maps
+
 
 @pytest.mark.parametrize("case", ["cwd", "root", "mapping", "mapping-open"])
 def test_cwd_root_and_mappings_outside_the_mount_namespace(tmp_path, criu_ok, case):
@@ -807,9 +944,12 @@ def test_cwd_root_and_mappings_outside_the_mount_namespace(tmp_path, criu_ok, ca
     d.mkdir()
     f = tmp_path / "mapped.dat"
     f.write_bytes(b"m" * 8192)
-    redirect, act = {"cwd": (f"6<{d}", "fchdir:6"), "root": ("6</", "chroot:6"),
-                     "mapping": (f"6<{f}", "mmap:6"),
-                     "mapping-open": (f"6<{f}", "mmap-open:6")}[case]
+    redirect, act = {
+        "cwd": (f"6<{d}", "fchdir:6"),
+        "root": ("6</", "chroot:6"),
+        "mapping": (f"6<{f}", "mmap:6"),
+        "mapping-open": (f"6<{f}", "mmap-open:6"),
+    }[case]
     log = tmp_path / "tree.log"
     job = _start_outside(tmp_path, f"1>>{log} {redirect}", act)
     try:
@@ -826,15 +966,23 @@ def test_cwd_root_and_mappings_outside_the_mount_namespace(tmp_path, criu_ok, ca
             return
         if case == "cwd":
             mid = mount_id_of(d)
-            assert found == [{"root": pid, "pid": pid, "kind": "cwd", "path": str(d),
-                              "mnt_id": mid,
-                              "what": f"has its working directory {d} on mount {mid}"}]
+            assert found == [
+                {
+                    "root": pid,
+                    "pid": pid,
+                    "kind": "cwd",
+                    "path": str(d),
+                    "mnt_id": mid,
+                    "what": f"has its working directory {d} on mount {mid}",
+                }
+            ]
             path = str(d)
         elif case == "root":
             mid = mount_id_of("/")
             assert [(r["kind"], r["path"], r["mnt_id"], r["what"]) for r in found[:2]] == [
                 ("cwd", "/", mid, f"has its working directory / on mount {mid}"),
-                ("root", "/", mid, f"has its root directory / on mount {mid}")]
+                ("root", "/", mid, f"has its root directory / on mount {mid}"),
+            ]
             # its mountinfo shows only the mounts below its root: none of its namespace's, so
             # its interpreter and libraries (mapped before the chroot) are named too
             assert {r["kind"] for r in found[2:]} == {"mapping"}
@@ -842,12 +990,21 @@ def test_cwd_root_and_mappings_outside_the_mount_namespace(tmp_path, criu_ok, ca
             path = "/"
         else:
             mid = mount_id_of(f)
-            (rng,) = [r for r in os.listdir(f"/proc/{pid}/map_files")
-                      if os.readlink(f"/proc/{pid}/map_files/{r}") == str(f)]
-            assert found == [{"root": pid, "pid": pid, "kind": "mapping", "path": str(f),
-                              "mnt_id": mid,
-                              "what": f"has a mapping of {f} ({rng}) on mount {mid}, with no "
-                                      "fd open on it"}]
+            (rng,) = [
+                r
+                for r in os.listdir(f"/proc/{pid}/map_files")
+                if os.readlink(f"/proc/{pid}/map_files/{r}") == str(f)
+            ]
+            assert found == [
+                {
+                    "root": pid,
+                    "pid": pid,
+                    "kind": "mapping",
+                    "path": str(f),
+                    "mnt_id": mid,
+                    "what": f"has a mapping of {f} ({rng}) on mount {mid}, with no fd open on it",
+                }
+            ]
             assert not [e for e in ext if e["path"] == str(f)]
             path = str(f)
         # what CRIU says (its other outside files are external): the tree keeps running

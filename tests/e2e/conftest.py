@@ -1,6 +1,7 @@
 """End-to-end fixtures: a rogue exporter and a job with a socket to outside its tree. CRIU
 availability (``criu_ok``), the child subreaper and afdwin runs are shared fixtures of
 tests/conftest.py; every test here gets a private temporary directory."""
+
 from __future__ import annotations
 
 import os
@@ -26,11 +27,17 @@ def rogue(tmp_path, subreaper):
         env = demo.workload_env(ctl)
         env["ROGUE_LIFETIME_S"] = "120"
         with open(log, "wb") as out, open(str(log) + ".err", "wb") as err:
-            p = subprocess.Popen([sys.executable, os.path.join(HERE, "rogue_export.py")],
-                                 stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env,
-                                 start_new_session=True)
+            p = subprocess.Popen(
+                [sys.executable, os.path.join(HERE, "rogue_export.py")],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                env=env,
+                start_new_session=True,
+            )
         procs.append(p)
         return p, log
+
     yield _start
     for p in procs:
         if p.poll() is None:
@@ -46,6 +53,7 @@ def ext_socket(subreaper):
     import shutil
     import socket
     import tempfile
+
     procs, socks = [], []
     d = tempfile.mkdtemp(prefix="cui-ext-")
 
@@ -59,14 +67,20 @@ def ext_socket(subreaper):
         env = demo.workload_env(ctl)
         env["EXT_SOCKET"] = path
         with open(log, "wb") as out, open(str(log) + ".err", "wb") as err:
-            p = subprocess.Popen([sys.executable, os.path.join(HERE, "ext_socket.py")],
-                                 stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env,
-                                 start_new_session=True)
+            p = subprocess.Popen(
+                [sys.executable, os.path.join(HERE, "ext_socket.py")],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                env=env,
+                start_new_session=True,
+            )
         procs.append(p)
         lsock.settimeout(60)
         conn, _ = lsock.accept()
         socks.append(conn)
         return p, log, conn
+
     yield _start
     for p in procs:
         if p.poll() is None:

@@ -1,6 +1,7 @@
 """Shared by the small e2e test workloads (ext_socket.py, rogue_export.py): JSON-lines events,
 a driver-call check, and the workload side of docs/workload-contract.md (answer one quiesce
 request, park until `.resume`, clean up)."""
+
 from __future__ import annotations
 
 import json
@@ -18,6 +19,7 @@ def check(res, what: str):
     """A cuda.bindings result tuple: its value(s) on CUDA_SUCCESS, else an `error` event naming
     `what` and the CUresult, and exit status 3."""
     from cuda.bindings import driver as cu
+
     err = res[0]
     if err != cu.CUresult.CUDA_SUCCESS:
         emit({"event": "error", "message": f"{what}: {err.name}"})
@@ -29,7 +31,9 @@ def park_on_request(ctl: str, root: int, deadline: float) -> dict | None:
     """Wait (until ``deadline``, time.monotonic()) for ``quiesce-ROOT.request``; answer `.ready`
     with this process as the only rank, wait for `.resume`, remove the three files, and return
     the resume object. None when no request came before the deadline."""
-    req, ready, resume = (os.path.join(ctl, f"quiesce-{root}.{k}") for k in ("request", "ready", "resume"))
+    req, ready, resume = (
+        os.path.join(ctl, f"quiesce-{root}.{k}") for k in ("request", "ready", "resume")
+    )
     while time.monotonic() < deadline:
         try:
             with open(req) as f:

@@ -10,6 +10,7 @@ docs/workload-contract.md for its own pid as root and prints JSON lines:
 ``{"event": "done", "ok": bool, "intact": bool}`` (``intact``: the allocation still holds the
 pattern and the socket still works after the resume). Exits 0 when both hold.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,7 +19,6 @@ import sys
 import time
 
 from contract_side import check, emit, park_on_request
-
 from cuda.bindings import driver as cu
 
 
@@ -39,10 +39,17 @@ def main():
     prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
     prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
     prop.location.id = 0
-    prop.requestedHandleTypes = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-    size = int(check(cu.cuMemGetAllocationGranularity(
-        prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM),
-        "cuMemGetAllocationGranularity"))
+    prop.requestedHandleTypes = (
+        cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    )
+    size = int(
+        check(
+            cu.cuMemGetAllocationGranularity(
+                prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+            ),
+            "cuMemGetAllocationGranularity",
+        )
+    )
     handle = check(cu.cuMemCreate(size, prop, 0), "cuMemCreate")
     va = check(cu.cuMemAddressReserve(size, 0, 0, 0), "cuMemAddressReserve")
     check(cu.cuMemMap(va, size, 0, handle, 0), "cuMemMap")
@@ -53,16 +60,21 @@ def main():
     check(cu.cuMemSetAccess(va, size, [acc], 1), "cuMemSetAccess")
     data = pattern(size)
     check(cu.cuMemcpyHtoD(va, data, size), "cuMemcpyHtoD")
-    ticket = check(cu.cuMemExportToShareableHandle(
-        handle, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
-        "cuMemExportToShareableHandle")
+    ticket = check(
+        cu.cuMemExportToShareableHandle(
+            handle, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0
+        ),
+        "cuMemExportToShareableHandle",
+    )
     emit({"event": "ready", "pid": me, "va": int(va), "size": size, "ticket": int(ticket)})
     deadline = time.monotonic() + float(os.environ.get("EXT_LIFETIME_S", "120"))
     while time.monotonic() < deadline:
         res = park_on_request(ctl, me, deadline)
         if res is None:
             break
-        emit({"event": "resumed", "restored": res.get("restored"), "cancelled": res.get("cancelled")})
+        emit(
+            {"event": "resumed", "restored": res.get("restored"), "cancelled": res.get("cancelled")}
+        )
         back = bytearray(size)
         ok = cu.cuMemcpyDtoH(back, va, size)[0] == cu.CUresult.CUDA_SUCCESS
         intact = ok and bytes(back) == data

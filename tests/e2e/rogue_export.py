@@ -14,6 +14,7 @@ It follows docs/workload-contract.md for its own pid as root and prints JSON lin
 
 ``python rogue_export.py``  (control dir from $CUINTERPOSE_CONTROL_DIR)
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -23,7 +24,6 @@ import sys
 import time
 
 from contract_side import check, emit, park_on_request
-
 from cuda.bindings import driver as cu
 
 
@@ -33,18 +33,22 @@ def libcuda_symbol(name: str) -> int:
     with open("/proc/self/maps") as f:
         for line in f:
             parts = line.split(maxsplit=5)
-            if len(parts) == 6 and os.path.basename(parts[5].strip()) == "libcuda.so.1" and int(parts[2], 16) == 0:
+            if (
+                len(parts) == 6
+                and os.path.basename(parts[5].strip()) == "libcuda.so.1"
+                and int(parts[2], 16) == 0
+            ):
                 base, path = int(parts[0].split("-")[0], 16), parts[5].strip()
                 break
     data = open(path, "rb").read()
-    shoff, = struct.unpack_from("<Q", data, 0x28)
+    (shoff,) = struct.unpack_from("<Q", data, 0x28)
     shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
     secs = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
-    dynsym = next(s for s in secs if s[1] == 11)          # SHT_DYNSYM
-    strtab = secs[dynsym[6]]                               # sh_link -> .dynstr
+    dynsym = next(s for s in secs if s[1] == 11)  # SHT_DYNSYM
+    strtab = secs[dynsym[6]]  # sh_link -> .dynstr
     for off in range(dynsym[4], dynsym[4] + dynsym[5], 24):
         st_name, _, _, st_shndx, st_value, _ = struct.unpack_from("<IBBHQQ", data, off)
-        s = data[strtab[4] + st_name:data.index(b"\0", strtab[4] + st_name)].decode()
+        s = data[strtab[4] + st_name : data.index(b"\0", strtab[4] + st_name)].decode()
         if s == name and st_shndx != 0:
             return base + st_value
     raise LookupError(name)
@@ -61,14 +65,27 @@ def main():
     prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
     prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
     prop.location.id = 0
-    prop.requestedHandleTypes = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-    gran = int(check(cu.cuMemGetAllocationGranularity(
-        prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM),
-        "cuMemGetAllocationGranularity"))
-    create = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_ulonglong), ctypes.c_size_t,
-                              ctypes.c_void_p, ctypes.c_ulonglong)(libcuda_symbol("cuMemCreate"))
-    export = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_int,
-                              ctypes.c_ulonglong)(libcuda_symbol("cuMemExportToShareableHandle"))
+    prop.requestedHandleTypes = (
+        cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    )
+    gran = int(
+        check(
+            cu.cuMemGetAllocationGranularity(
+                prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+            ),
+            "cuMemGetAllocationGranularity",
+        )
+    )
+    create = ctypes.CFUNCTYPE(
+        ctypes.c_int,
+        ctypes.POINTER(ctypes.c_ulonglong),
+        ctypes.c_size_t,
+        ctypes.c_void_p,
+        ctypes.c_ulonglong,
+    )(libcuda_symbol("cuMemCreate"))
+    export = ctypes.CFUNCTYPE(
+        ctypes.c_int, ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_int, ctypes.c_ulonglong
+    )(libcuda_symbol("cuMemExportToShareableHandle"))
     handle = ctypes.c_ulonglong(0)
     r = create(ctypes.byref(handle), gran, prop.getPtr(), 0)
     if r != 0:
@@ -85,7 +102,9 @@ def main():
         res = park_on_request(ctl, me, deadline)
         if res is None:
             break
-        emit({"event": "resumed", "restored": res.get("restored"), "cancelled": res.get("cancelled")})
+        emit(
+            {"event": "resumed", "restored": res.get("restored"), "cancelled": res.get("cancelled")}
+        )
         ok = cu.cuCtxSynchronize()[0] == cu.CUresult.CUDA_SUCCESS
         os.close(fd.value)
         emit({"event": "done", "ok": ok})

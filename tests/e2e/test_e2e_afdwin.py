@@ -1,5 +1,6 @@
 """afdwin on fakecuda under the shim: checkpointed mid-stream, killed by the CRIU dump, restored,
 finished; plus the refused and rolled-back checkpoints. Uses the real agent CLI (subprocess)."""
+
 from __future__ import annotations
 
 import json
@@ -9,10 +10,10 @@ import time
 
 import pytest
 
-from cuinterpose.workloads.afdwin import demo
-from cuinterpose.agent.snapshot import manifest
 from cuinterpose.agent import paths
 from cuinterpose.agent.mech.census import sha256_file
+from cuinterpose.agent.snapshot import manifest
+from cuinterpose.workloads.afdwin import demo
 
 STEPS = 300
 
@@ -27,15 +28,29 @@ def assert_exact_pairs(evs, steps, ranks=2, attention=1):
     assert sorted(e["rank"] for e in done) == list(range(ranks))
     pairs = {(p["src"], p["dst"]): p for e in done for p in e["pairs"]}
     ffn = range(attention, ranks)
-    assert sorted(pairs) == sorted([(a, f) for a in range(attention) for f in ffn]
-                                   + [(f, a) for a in range(attention) for f in ffn])
+    assert sorted(pairs) == sorted(
+        [(a, f) for a in range(attention) for f in ffn]
+        + [(f, a) for a in range(attention) for f in ffn]
+    )
     for p in pairs.values():
         assert (p["count"], p["distinct"], p["first"], p["last"]) == (steps, steps, 1, steps), p
-        assert (p["gaps"], p["duplicates"], p["torn"], p["lost"], p["out_of_order"]) == (0, 0, 0, 0, 0), p
+        assert (p["gaps"], p["duplicates"], p["torn"], p["lost"], p["out_of_order"]) == (
+            0,
+            0,
+            0,
+            0,
+            0,
+        ), p
     s = [e for e in evs if demo.kind(e) == "summary"][-1]
     n = attention * (ranks - attention) * steps
-    assert (s["ok"], s["messages"], s["replies"], s["lost"], s["duplicated"], s["torn"]) == \
-        (True, n, n, 0, 0, 0), s
+    assert (s["ok"], s["messages"], s["replies"], s["lost"], s["duplicated"], s["torn"]) == (
+        True,
+        n,
+        n,
+        0,
+        0,
+        0,
+    ), s
     assert s["window_checks_failed"] == 0
     return s
 
@@ -46,8 +61,17 @@ def test_checkpoint_kill_restore_finish(afdwin, tmp_path, ranks, attention):
     a = afdwin(steps=STEPS, step_delay_ms=5, ranks=ranks, attention=attention)
     a.wait_for(lambda ev: demo.received(ev) >= 30 * attention * ffn, 120, "messages")
     snap = tmp_path / "snap"
-    rc, cp = demo.run_agent("checkpoint", "--pid", str(a.pid), "--images-dir", str(snap),
-                            "--driver", "fake", "--control-dir", str(a.ctl))
+    rc, cp = demo.run_agent(
+        "checkpoint",
+        "--pid",
+        str(a.pid),
+        "--images-dir",
+        str(snap),
+        "--driver",
+        "fake",
+        "--control-dir",
+        str(a.ctl),
+    )
     assert rc == 0 and cp["ok"], cp
     assert a.wait_dumped() == -signal.SIGKILL
     evs = a.events()
@@ -62,10 +86,12 @@ def test_checkpoint_kill_restore_finish(afdwin, tmp_path, ranks, attention):
     assert m["roots"] == [a.pid] and m["cuda_pids"] == rank_pids
     assert [p["pid"] for p in m["participants"]] == rank_pids
     assert [p["socket_path"] for p in m["participants"]] == [
-        str(a.ctl / f"cuinterpose-{pid}.sock") for pid in rank_pids]
+        str(a.ctl / f"cuinterpose-{pid}.sock") for pid in rank_pids
+    ]
     # every rank creates its own window and imports every peer's
-    assert [p["roles"] for p in m["participants"]] == \
-        [{"private": 0, "creator": 1, "importer": ranks - 1}] * ranks
+    assert [p["roles"] for p in m["participants"]] == [
+        {"private": 0, "creator": 1, "importer": ranks - 1}
+    ] * ranks
     assert m["shim"]["sha256"] == sha256_file(paths.shim_path())
     assert m["driver"]["kind"] == "fake"
     stride = before[0]["stride"]
@@ -73,11 +99,21 @@ def test_checkpoint_kill_restore_finish(afdwin, tmp_path, ranks, attention):
     assert m["totals"]["carrier_bytes"] == ranks * stride
     parked = m["quiesce"]["ready"][str(a.pid)]["ranks"]
     assert sorted(r["pid"] for r in parked) == rank_pids
-    assert {(int(src), r["rank"]): seq for r in parked if r["role"] == "ffn"
-            for src, seq in r["last_seq"].items()} == cut
-    assert {p["name"] for p in m["phases"]} >= {"census", "quiesce", "SAVE_ALLOCATIONS",
-                                                "PREPARE_UNICAST", "native lock",
-                                                "native checkpoint", "criu dump"}
+    assert {
+        (int(src), r["rank"]): seq
+        for r in parked
+        if r["role"] == "ffn"
+        for src, seq in r["last_seq"].items()
+    } == cut
+    assert {p["name"] for p in m["phases"]} >= {
+        "census",
+        "quiesce",
+        "SAVE_ALLOCATIONS",
+        "PREPARE_UNICAST",
+        "native lock",
+        "native checkpoint",
+        "criu dump",
+    }
     assert [p["bytes"] for p in m["phases"] if p["name"] == "SAVE_ALLOCATIONS"] == [ranks * stride]
     manifest.verify_images(snap, m)
 
@@ -91,8 +127,9 @@ def test_checkpoint_kill_restore_finish(afdwin, tmp_path, ranks, attention):
     assert (s["restores_seen"], s["quiesces"], s["va_tables_identical"]) == (1, 1, True)
     after = {e["rank"]: e for e in evs if demo.kind(e) == "window" and e.get("after_restore")}
     keys = ("pid", "base_va", "peer_va", "stride", "total_bytes")
-    assert {r: tuple(str(w[k]) for k in keys) for r, w in after.items()} == \
-           {r: tuple(str(w[k]) for k in keys) for r, w in before.items()}
+    assert {r: tuple(str(w[k]) for k in keys) for r, w in after.items()} == {
+        r: tuple(str(w[k]) for k in keys) for r, w in before.items()
+    }
     resumed = [e for e in evs if demo.kind(e) == "resumed"]
     assert [(e["restored"], e["cancelled"]) for e in resumed] == [(True, False)]
     assert demo.check_run(evs, STEPS, attention=attention, ffn=ffn) == []
@@ -104,24 +141,41 @@ def test_second_restore_while_the_first_tree_lives_is_refused(afdwin, tmp_path):
     a = afdwin(steps=STEPS, step_delay_ms=5)
     a.wait_for(lambda ev: demo.received(ev) >= 20, 120, "20 messages")
     snap = tmp_path / "snap"
-    rc, cp = demo.run_agent("checkpoint", "--pid", str(a.pid), "--images-dir", str(snap),
-                            "--driver", "fake", "--control-dir", str(a.ctl))
+    rc, cp = demo.run_agent(
+        "checkpoint",
+        "--pid",
+        str(a.pid),
+        "--images-dir",
+        str(snap),
+        "--driver",
+        "fake",
+        "--control-dir",
+        str(a.ctl),
+    )
     assert rc == 0 and cp["ok"], cp
     a.wait_dumped()
     rc, rs = demo.run_agent("restore", "--images-dir", str(snap), "--driver", "fake")
     assert rc == 0 and rs["ok"], rs
-    digest = {str(p.relative_to(snap)): (sha256_file(p), p.stat().st_mtime_ns)
-              for p in sorted(snap.rglob("*")) if p.is_file()}
+    digest = {
+        str(p.relative_to(snap)): (sha256_file(p), p.stat().st_mtime_ns)
+        for p in sorted(snap.rglob("*"))
+        if p.is_file()
+    }
     rc, again = demo.run_agent("restore", "--images-dir", str(snap), "--driver", "fake")
     assert rc == 3 and not again["ok"], again
     err = again["error"]
     assert (err["phase"], err["pid"], err["outcome"]) == ("manifest", a.pid, "refused")
-    assert err["reason"] == ("(python) is running with a pid the snapshot needs (CRIU restores "
-                             "the original pids); restore refused, snapshot untouched")
+    assert err["reason"] == (
+        "(python) is running with a pid the snapshot needs (CRIU restores "
+        "the original pids); restore refused, snapshot untouched"
+    )
     assert [(p["name"], p["status"]) for p in again["phases"]] == [("manifest", "failed")]
-    assert digest == {str(p.relative_to(snap)): (sha256_file(p), p.stat().st_mtime_ns)
-                      for p in sorted(snap.rglob("*")) if p.is_file()}
-    assert a.wait_restored_exit(300) in (0, None)     # the first restored tree is unharmed
+    assert digest == {
+        str(p.relative_to(snap)): (sha256_file(p), p.stat().st_mtime_ns)
+        for p in sorted(snap.rglob("*"))
+        if p.is_file()
+    }
+    assert a.wait_restored_exit(300) in (0, None)  # the first restored tree is unharmed
     s = assert_exact_pairs(a.events(), STEPS)
     assert (s["restores_seen"], s["quiesces"]) == (1, 1)
 
@@ -129,11 +183,17 @@ def test_second_restore_while_the_first_tree_lives_is_refused(afdwin, tmp_path):
 def _agent_popen(*args, new_session=False):
     import subprocess
     import sys
+
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-    return subprocess.Popen([sys.executable, "-m", "cuinterpose.agent.cli", *args, "--json"],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=new_session)
+    return subprocess.Popen(
+        [sys.executable, "-m", "cuinterpose.agent.cli", *args, "--json"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=new_session,
+    )
 
 
 def test_sigterm_while_waiting_for_quiesce_cancels_and_the_workload_finishes(afdwin, tmp_path):
@@ -142,11 +202,21 @@ def test_sigterm_while_waiting_for_quiesce_cancels_and_the_workload_finishes(afd
     a = afdwin(steps=STEPS, step_delay_ms=5)
     a.wait_for(lambda ev: demo.received(ev) >= 20, 120, "20 messages")
     snap = tmp_path / "snap"
-    os.kill(a.pid, signal.SIGSTOP)      # the launcher (which answers quiesce) cannot answer yet
+    os.kill(a.pid, signal.SIGSTOP)  # the launcher (which answers quiesce) cannot answer yet
     try:
-        agent = _agent_popen("checkpoint", "--pid", str(a.pid), "--images-dir", str(snap),
-                             "--driver", "fake", "--control-dir", str(a.ctl),
-                             "--quiesce-timeout-ms", "120000")
+        agent = _agent_popen(
+            "checkpoint",
+            "--pid",
+            str(a.pid),
+            "--images-dir",
+            str(snap),
+            "--driver",
+            "fake",
+            "--control-dir",
+            str(a.ctl),
+            "--quiesce-timeout-ms",
+            "120000",
+        )
         deadline = time.monotonic() + 60
         while not (a.ctl / f"quiesce-{a.pid}.request").exists():
             assert agent.poll() is None and time.monotonic() < deadline, agent.communicate()
@@ -159,10 +229,15 @@ def test_sigterm_while_waiting_for_quiesce_cancels_and_the_workload_finishes(afd
     cp = json.loads(out)
     e = cp["error"]
     assert (e["phase"], e["pid"], e["outcome"]) == ("quiesce", None, "refused")
-    assert e["reason"] == ("interrupted by SIGTERM; checkpoint cancelled, nothing was torn down, "
-                           "the workload keeps running")
+    assert e["reason"] == (
+        "interrupted by SIGTERM; checkpoint cancelled, nothing was torn down, "
+        "the workload keeps running"
+    )
     assert [(p["name"], p["status"]) for p in cp["phases"]] == [
-        ("driver", "ok"), ("census", "ok"), ("quiesce", "failed")]
+        ("driver", "ok"),
+        ("census", "ok"),
+        ("quiesce", "failed"),
+    ]
     assert "SIGTERM received" in err
     assert not (a.ctl / f"quiesce-{a.pid}.request").exists()
     assert json.loads((a.ctl / f"quiesce-{a.pid}.resume").read_text())["cancelled"] is True
@@ -177,11 +252,22 @@ def test_ctrl_c_to_the_agents_process_group_during_the_dump_lets_criu_finish(afd
     with the signals blocked, so the dump completes (no CRIU killed inside the workload); the
     agent then stops at the phase boundary and rolls back; the workload finishes intact."""
     from cuinterpose.agent.mech.census import walk_tree
+
     a = afdwin(steps=STEPS, step_delay_ms=5)
     a.wait_for(lambda ev: demo.received(ev) >= 20, 120, "20 messages")
     snap = tmp_path / "snap"
-    agent = _agent_popen("checkpoint", "--pid", str(a.pid), "--images-dir", str(snap),
-                         "--driver", "fake", "--control-dir", str(a.ctl), new_session=True)
+    agent = _agent_popen(
+        "checkpoint",
+        "--pid",
+        str(a.pid),
+        "--images-dir",
+        str(snap),
+        "--driver",
+        "fake",
+        "--control-dir",
+        str(a.ctl),
+        new_session=True,
+    )
 
     def criu_dump_running():
         for pid, _, _ in walk_tree([agent.pid])[1:]:
@@ -192,6 +278,7 @@ def test_ctrl_c_to_the_agents_process_group_during_the_dump_lets_criu_finish(afd
             except OSError:
                 pass
         return False
+
     deadline = time.monotonic() + 120
     while not criu_dump_running():
         assert agent.poll() is None and time.monotonic() < deadline, agent.communicate()
@@ -202,41 +289,64 @@ def test_ctrl_c_to_the_agents_process_group_during_the_dump_lets_criu_finish(afd
     cp = json.loads(out)
     e = cp["error"]
     assert (e["phase"], e["pid"], e["outcome"]) == ("criu dump", None, "rolled_back")
-    assert e["reason"] == ("interrupted by SIGINT after criu dump (rolled back: the workload "
-                           "continues with its memory intact)")
+    assert e["reason"] == (
+        "interrupted by SIGINT after criu dump (rolled back: the workload "
+        "continues with its memory intact)"
+    )
     names = [(p["name"], p["status"]) for p in cp["phases"]]
-    assert names[names.index(("criu dump", "ok")):] == [
-        ("criu dump", "ok"), ("resume trees", "ok"), ("rollback native", "ok"), ("INSPECT", "ok"),
-        ("LOAD_ALLOCATIONS", "ok"), ("RESTORE_UNICAST", "ok"), ("INSPECT", "ok")]
+    assert names[names.index(("criu dump", "ok")) :] == [
+        ("criu dump", "ok"),
+        ("resume trees", "ok"),
+        ("rollback native", "ok"),
+        ("INSPECT", "ok"),
+        ("LOAD_ALLOCATIONS", "ok"),
+        ("RESTORE_UNICAST", "ok"),
+        ("INSPECT", "ok"),
+    ]
     assert not snap.exists()
     assert a.proc.wait(timeout=300) == 0
     evs = a.events()
     s = assert_exact_pairs(evs, STEPS)
     assert (s["restores_seen"], s["quiesces"]) == (0, 1)
-    assert [(e["restored"], e["cancelled"]) for e in evs if demo.kind(e) == "resumed"] == \
-        [(False, False)]
+    assert [(e["restored"], e["cancelled"]) for e in evs if demo.kind(e) == "resumed"] == [
+        (False, False)
+    ]
 
 
 def test_a_rank_pid_instead_of_the_root_is_refused_with_a_hint(afdwin, tmp_path):
     a = afdwin(steps=STEPS, step_delay_ms=5)
     a.wait_for(lambda ev: len(windows(ev)) == 2 and demo.received(ev) >= 20, 120, "20 messages")
     rank = windows(a.events())[0]["pid"]
-    rc, cp = demo.run_agent("checkpoint", "--pid", str(rank), "--images-dir",
-                            str(tmp_path / "snap"), "--driver", "fake", "--control-dir",
-                            str(a.ctl), "--quiesce-timeout-ms", "300")
+    rc, cp = demo.run_agent(
+        "checkpoint",
+        "--pid",
+        str(rank),
+        "--images-dir",
+        str(tmp_path / "snap"),
+        "--driver",
+        "fake",
+        "--control-dir",
+        str(a.ctl),
+        "--quiesce-timeout-ms",
+        "300",
+    )
     assert rc == 3 and not cp["ok"], cp
     e = cp["error"]
     # refused at census, before any request: a rank is no session leader (CRIU could not dump
     # a tree rooted there), and its parent runs under the shim
     assert (e["phase"], e["pid"], e["outcome"]) == ("census", rank, "refused")
-    assert e["reason"] == ("(python) is not a session leader: CRIU can only dump a tree whose "
-                           "root leads its session; start the job with `setsid` (stdio on files "
-                           f"or /dev/null); pid {rank} looks like a rank, not the root of its "
-                           f"job: its parent pid {a.pid} (python) runs under the shim too; pass "
-                           f"--pid {a.pid}")
-    assert [(p["name"], p["status"]) for p in cp["phases"]] == [("driver", "ok"),
-                                                                ("census", "failed")]
-    assert not any(a.ctl.glob(f"quiesce-{rank}.*"))          # nothing asked, nothing left
+    assert e["reason"] == (
+        "(python) is not a session leader: CRIU can only dump a tree whose "
+        "root leads its session; start the job with `setsid` (stdio on files "
+        f"or /dev/null); pid {rank} looks like a rank, not the root of its "
+        f"job: its parent pid {a.pid} (python) runs under the shim too; pass "
+        f"--pid {a.pid}"
+    )
+    assert [(p["name"], p["status"]) for p in cp["phases"]] == [
+        ("driver", "ok"),
+        ("census", "failed"),
+    ]
+    assert not any(a.ctl.glob(f"quiesce-{rank}.*"))  # nothing asked, nothing left
     assert a.proc.wait(timeout=300) == 0
     s = assert_exact_pairs(a.events(), STEPS)
     assert (s["restores_seen"], s["quiesces"]) == (0, 0)
@@ -248,9 +358,19 @@ def test_refused_when_workload_does_not_answer(afdwin, tmp_path):
     snap = tmp_path / "snap"
     os.kill(a.pid, signal.SIGSTOP)  # the launcher (which answers quiesce) hangs
     try:
-        rc, cp = demo.run_agent("checkpoint", "--pid", str(a.pid), "--images-dir", str(snap),
-                                "--driver", "fake", "--control-dir", str(a.ctl),
-                                "--quiesce-timeout-ms", "300")
+        rc, cp = demo.run_agent(
+            "checkpoint",
+            "--pid",
+            str(a.pid),
+            "--images-dir",
+            str(snap),
+            "--driver",
+            "fake",
+            "--control-dir",
+            str(a.ctl),
+            "--quiesce-timeout-ms",
+            "300",
+        )
     finally:
         os.kill(a.pid, signal.SIGCONT)
     assert rc == 3 and not cp["ok"]
@@ -274,22 +394,43 @@ def test_native_checkpoint_failure_rolls_back(afdwin, rogue, tmp_path):
     a.wait_for(lambda ev: len(windows(ev)) == 2 and demo.received(ev) >= 20, 120, "20 messages")
     rp, rlog = rogue(a.ctl)
     deadline = time.monotonic() + 60
-    while '"exported"' not in rlog.read_text() or not (a.ctl / f"cuinterpose-{rp.pid}.sock").exists():
+    while (
+        '"exported"' not in rlog.read_text() or not (a.ctl / f"cuinterpose-{rp.pid}.sock").exists()
+    ):
         assert rp.poll() is None and time.monotonic() < deadline, rlog.read_text()
         time.sleep(0.05)
     snap = tmp_path / "snap"
-    rc, cp = demo.run_agent("checkpoint", "--pid", str(a.pid), "--pid", str(rp.pid),
-                            "--images-dir", str(snap), "--driver", "fake",
-                            "--control-dir", str(a.ctl))
+    rc, cp = demo.run_agent(
+        "checkpoint",
+        "--pid",
+        str(a.pid),
+        "--pid",
+        str(rp.pid),
+        "--images-dir",
+        str(snap),
+        "--driver",
+        "fake",
+        "--control-dir",
+        str(a.ctl),
+    )
     assert rc == 4 and not cp["ok"], cp
     err = cp["error"]
-    assert (err["phase"], err["pid"], err["outcome"]) == ("native checkpoint", rp.pid, "rolled_back")
+    assert (err["phase"], err["pid"], err["outcome"]) == (
+        "native checkpoint",
+        rp.pid,
+        "rolled_back",
+    )
     assert "cuCheckpointProcessCheckpoint: CUDA_ERROR_NOT_SUPPORTED" in err["reason"]
     assert "exported FD still open" in err["reason"]
     names = [p["name"] for p in cp["phases"]]
-    assert names[names.index("native checkpoint"):] == [
-        "native checkpoint", "rollback native", "INSPECT", "LOAD_ALLOCATIONS",
-        "RESTORE_UNICAST", "INSPECT"]
+    assert names[names.index("native checkpoint") :] == [
+        "native checkpoint",
+        "rollback native",
+        "INSPECT",
+        "LOAD_ALLOCATIONS",
+        "RESTORE_UNICAST",
+        "INSPECT",
+    ]
     assert [p["status"] for p in cp["phases"]].count("failed") == 1
     rank_pids = sorted(w["pid"] for w in windows(a.events()).values())
     rb = next(p for p in cp["phases"] if p["name"] == "rollback native")["detail"]
@@ -300,7 +441,9 @@ def test_native_checkpoint_failure_rolls_back(afdwin, rogue, tmp_path):
     assert not (snap / "manifest.json").exists() and not (snap / "criu").exists()
     assert rp.wait(timeout=60) == 0
     assert [json.loads(l) for l in rlog.read_text().splitlines()][1:] == [
-        {"event": "resumed", "restored": False, "cancelled": False}, {"event": "done", "ok": True}]
+        {"event": "resumed", "restored": False, "cancelled": False},
+        {"event": "done", "ok": True},
+    ]
     assert a.proc.wait(timeout=300) == 0
     evs = a.events()
     s = assert_exact_pairs(evs, STEPS)
@@ -312,8 +455,9 @@ def test_native_checkpoint_failure_rolls_back(afdwin, rogue, tmp_path):
 def _wait_ext_ready(p, log):
     deadline = time.monotonic() + 60
     while '"ready"' not in log.read_text():
-        assert p.poll() is None and time.monotonic() < deadline, \
+        assert p.poll() is None and time.monotonic() < deadline, (
             log.read_text() + open(str(log) + ".err").read()
+        )
         time.sleep(0.05)
     return json.loads(log.read_text().splitlines()[0])
 
@@ -328,22 +472,43 @@ def test_second_tree_dump_failure_keeps_both_trees_running(afdwin, ext_socket, t
     xp, xlog, conn = ext_socket(a.ctl)
     _wait_ext_ready(xp, xlog)
     snap = tmp_path / "snap"
-    rc, cp = demo.run_agent("checkpoint", "--pid", str(a.pid), "--pid", str(xp.pid),
-                            "--images-dir", str(snap), "--driver", "fake",
-                            "--control-dir", str(a.ctl))
+    rc, cp = demo.run_agent(
+        "checkpoint",
+        "--pid",
+        str(a.pid),
+        "--pid",
+        str(xp.pid),
+        "--images-dir",
+        str(snap),
+        "--driver",
+        "fake",
+        "--control-dir",
+        str(a.ctl),
+    )
     assert rc == 4 and not cp["ok"], cp
     err = cp["error"]
     assert (err["phase"], err["pid"], err["outcome"]) == ("criu dump", xp.pid, "rolled_back")
-    assert err["reason"].startswith(f"tree {xp.pid}: criu dump failed for images dir "
-                                    f"{snap / 'criu' / str(xp.pid)}")
+    assert err["reason"].startswith(
+        f"tree {xp.pid}: criu dump failed for images dir {snap / 'criu' / str(xp.pid)}"
+    )
     assert err["reason"].endswith("(rolled back: the workload continues with its memory intact)")
     names = [p["name"] for p in cp["phases"]]
-    assert names[names.index("native checkpoint"):] == [
-        "native checkpoint", "criu dump", "criu dump", "resume trees", "rollback native",
-        "INSPECT", "LOAD_ALLOCATIONS", "RESTORE_UNICAST", "INSPECT"]
+    assert names[names.index("native checkpoint") :] == [
+        "native checkpoint",
+        "criu dump",
+        "criu dump",
+        "resume trees",
+        "rollback native",
+        "INSPECT",
+        "LOAD_ALLOCATIONS",
+        "RESTORE_UNICAST",
+        "INSPECT",
+    ]
     dumps = [p for p in cp["phases"] if p["name"] == "criu dump"]
     assert [(p["status"], p["detail"]) for p in dumps] == [
-        ("ok", f"tree {a.pid} (left stopped)"), ("failed", dumps[1]["detail"])]
+        ("ok", f"tree {a.pid} (left stopped)"),
+        ("failed", dumps[1]["detail"]),
+    ]
     rank_pids = sorted(w["pid"] for w in windows(a.events()).values())
     rb = next(p for p in cp["phases"] if p["name"] == "rollback native")["detail"]
     assert rb == ", ".join(f"{p}:CHECKPOINTED" for p in sorted(rank_pids + [xp.pid]))
@@ -352,9 +517,10 @@ def test_second_tree_dump_failure_keeps_both_trees_running(afdwin, ext_socket, t
     assert xp.wait(timeout=60) == 0
     assert [json.loads(l) for l in xlog.read_text().splitlines()][1:] == [
         {"event": "resumed", "restored": False, "cancelled": False},
-        {"event": "done", "ok": True, "intact": True}]
+        {"event": "done", "ok": True, "intact": True},
+    ]
     assert conn.recv(64) == b"still here\n"
-    assert a.proc.wait(timeout=300) == 0          # not killed: it ran to the end
+    assert a.proc.wait(timeout=300) == 0  # not killed: it ran to the end
     evs = a.events()
     s = assert_exact_pairs(evs, STEPS)
     assert (s["restores_seen"], s["quiesces"]) == (0, 1)
@@ -371,8 +537,17 @@ def test_manifest_write_failure_rolls_back_after_the_dump(afdwin, tmp_path):
     snap = tmp_path / "snap"
     # a non-empty --images-dir is refused, so block the manifest's temp path only once the
     # dump has started (CRIU's own check and dump take far longer than this poll)
-    agent = _agent_popen("checkpoint", "--pid", str(a.pid), "--images-dir", str(snap),
-                         "--driver", "fake", "--control-dir", str(a.ctl))
+    agent = _agent_popen(
+        "checkpoint",
+        "--pid",
+        str(a.pid),
+        "--images-dir",
+        str(snap),
+        "--driver",
+        "fake",
+        "--control-dir",
+        str(a.ctl),
+    )
     deadline = time.monotonic() + 120
     while not (snap / "criu" / str(a.pid)).exists():
         assert agent.poll() is None and time.monotonic() < deadline, agent.communicate()
@@ -385,13 +560,21 @@ def test_manifest_write_failure_rolls_back_after_the_dump(afdwin, tmp_path):
     assert (err["phase"], err["pid"], err["outcome"]) == ("manifest", None, "rolled_back")
     assert err["reason"].startswith(f"{snap}: IsADirectoryError: [Errno 21] Is a directory: ")
     names = [p["name"] for p in cp["phases"]]
-    assert names[names.index("criu dump"):] == [
-        "criu dump", "manifest", "resume trees", "rollback native", "INSPECT",
-        "LOAD_ALLOCATIONS", "RESTORE_UNICAST", "INSPECT"]
+    assert names[names.index("criu dump") :] == [
+        "criu dump",
+        "manifest",
+        "resume trees",
+        "rollback native",
+        "INSPECT",
+        "LOAD_ALLOCATIONS",
+        "RESTORE_UNICAST",
+        "INSPECT",
+    ]
     assert not (snap / "manifest.json").exists() and not (snap / "criu").exists()
     assert a.proc.wait(timeout=300) == 0
     evs = a.events()
     s = assert_exact_pairs(evs, STEPS)
     assert (s["restores_seen"], s["quiesces"]) == (0, 1)
-    assert [(e["restored"], e["cancelled"]) for e in evs if demo.kind(e) == "resumed"] == \
-        [(False, False)]
+    assert [(e["restored"], e["cancelled"]) for e in evs if demo.kind(e) == "resumed"] == [
+        (False, False)
+    ]

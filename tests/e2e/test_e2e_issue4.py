@@ -10,6 +10,7 @@
 - setup negatives: a mismatched ``--ring-depth`` on one rank; ``--no-fence`` with a delayed
   zero on one rank loses the first message, the fenced run never does.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,12 +19,24 @@ import time
 
 import pytest
 
-from cuinterpose.workloads.afdwin import demo
 from cuinterpose.agent.snapshot import manifest
+from cuinterpose.workloads.afdwin import demo
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-WINDOW_KEYS = ("rank", "pid", "role", "base_va", "peer_va", "stride", "slot_bytes",
-               "total_bytes", "regions", "rings", "handle_type", "stages")
+WINDOW_KEYS = (
+    "rank",
+    "pid",
+    "role",
+    "base_va",
+    "peer_va",
+    "stride",
+    "slot_bytes",
+    "total_bytes",
+    "regions",
+    "rings",
+    "handle_type",
+    "stages",
+)
 
 
 def of(evs, kind):
@@ -41,8 +54,18 @@ def wait_gone(pid, timeout_s=60):
 
 
 def checkpoint(a, snap, *extra):
-    return demo.run_agent("checkpoint", "--pid", str(a.pid), "--images-dir", str(snap),
-                          "--driver", "fake", "--control-dir", str(a.ctl), *extra)
+    return demo.run_agent(
+        "checkpoint",
+        "--pid",
+        str(a.pid),
+        "--images-dir",
+        str(snap),
+        "--driver",
+        "fake",
+        "--control-dir",
+        str(a.ctl),
+        *extra,
+    )
 
 
 def checkpoint_restore(a, snap):
@@ -65,12 +88,23 @@ def assert_exact(evs, steps, ranks, attention):
     assert sorted(done) == list(range(ranks))
     pairs = {(p["src"], p["dst"]): p for d in done.values() for p in d["pairs"]}
     ffn_ranks = range(attention, ranks)
-    assert sorted(pairs) == sorted([(a, f) for a in range(attention) for f in ffn_ranks]
-                                   + [(f, a) for a in range(attention) for f in ffn_ranks])
+    assert sorted(pairs) == sorted(
+        [(a, f) for a in range(attention) for f in ffn_ranks]
+        + [(f, a) for a in range(attention) for f in ffn_ranks]
+    )
     for p in pairs.values():
-        assert (p["count"], p["distinct"], p["first"], p["last"], p["gaps"], p["duplicates"],
-                p["torn"], p["torn_kinds"], p["out_of_order"], p["lost"]) == \
-            (steps, steps, 1, steps, 0, 0, 0, {}, 0, 0), p
+        assert (
+            p["count"],
+            p["distinct"],
+            p["first"],
+            p["last"],
+            p["gaps"],
+            p["duplicates"],
+            p["torn"],
+            p["torn_kinds"],
+            p["out_of_order"],
+            p["lost"],
+        ) == (steps, steps, 1, steps, 0, 0, 0, {}, 0, 0), p
     for d in done.values():
         assert d["ok"] is True and d["errors"] == [] and d["window_checks"]["failed"] == 0, d
     att = [done[r] for r in range(attention)]
@@ -82,9 +116,18 @@ def assert_exact(evs, steps, ranks, attention):
     assert [d["shutdown_from"] for d in ffns] == [list(range(attention))] * ffn
     assert [d["final_flags"] for d in att] == [[0] * (max(attention, ffn) * 2)] * attention
     (s,) = of(evs, "summary")
-    assert (s["ok"], s["messages"], s["replies"], s["expected_messages"], s["lost"],
-            s["duplicated"], s["torn"], s["out_of_order"], s["window_checks_failed"],
-            s["exit_codes"]) == (True, n, n, n, 0, 0, 0, 0, 0, [0] * ranks), s
+    assert (
+        s["ok"],
+        s["messages"],
+        s["replies"],
+        s["expected_messages"],
+        s["lost"],
+        s["duplicated"],
+        s["torn"],
+        s["out_of_order"],
+        s["window_checks_failed"],
+        s["exit_codes"],
+    ) == (True, n, n, n, 0, 0, 0, 0, 0, [0] * ranks), s
     return done, s
 
 
@@ -97,8 +140,9 @@ def assert_va_tables_identical(evs, ranks, restores):
         assert {k: e[k] for k in WINDOW_KEYS} == {k: before[e["rank"]][k] for k in WINDOW_KEYS}
     # NVSHMEM layout: one reservation, own window at the base, peer p at base + stride*((p-r) mod N)
     for r, w in before.items():
-        assert w["peer_va"] == [w["base_va"] + w["stride"] * ((p - r) % ranks)
-                                for p in range(ranks)]
+        assert w["peer_va"] == [
+            w["base_va"] + w["stride"] * ((p - r) % ranks) for p in range(ranks)
+        ]
 
 
 def check_pending_cycles(evs, done, attention, ffn, cycles):
@@ -114,29 +158,41 @@ def check_pending_cycles(evs, done, attention, ffn, cycles):
         for r in q["ranks"]:
             if r["role"] == "attention":
                 (s,) = issued[-1][r["rank"]]
-                assert 0 < s < done[r["rank"]]["steps"]                 # mid-stream
-                assert sorted((p["kind"], p["src"], p["seq"], p["ring"]) for p in r["pending"]) == \
-                    [("reply_unread", f, s, (s - 1) % 2) for f in range(attention, attention + ffn)]
+                assert 0 < s < done[r["rank"]]["steps"]  # mid-stream
+                assert sorted((p["kind"], p["src"], p["seq"], p["ring"]) for p in r["pending"]) == [
+                    ("reply_unread", f, s, (s - 1) % 2) for f in range(attention, attention + ffn)
+                ]
             else:
-                assert r["pending"] == []                                 # drained
+                assert r["pending"] == []  # drained
     for a in range(attention):
         held = done[a]["cut_pending"]
-        want = [(c + 1, f, min(issued[c][a]), 1, 1, 1) for c in range(cycles)
-                for f in range(attention, attention + ffn)]
-        assert [(h["quiesce"], h["ffn"], h["seq"], h["flag_at_cut"], h["flag_at_resume"],
-                 h["consumed"]) for h in held] == want
+        want = [
+            (c + 1, f, min(issued[c][a]), 1, 1, 1)
+            for c in range(cycles)
+            for f in range(attention, attention + ffn)
+        ]
+        assert [
+            (h["quiesce"], h["ffn"], h["seq"], h["flag_at_cut"], h["flag_at_resume"], h["consumed"])
+            for h in held
+        ] == want
     if cycles > 1:
         assert min(issued[0][0]) < min(issued[1][0])
 
 
 def test_2a2f_two_checkpoint_restore_cycles_with_pending_flags(afdwin, tmp_path):
     steps, ranks, attention = 600, 4, 2
-    a = afdwin(steps=steps, step_delay_ms=5, ranks=ranks, attention=attention, ring_depth=2,
-               extra_args=("--pending-at-cut",))
+    a = afdwin(
+        steps=steps,
+        step_delay_ms=5,
+        ranks=ranks,
+        attention=attention,
+        ring_depth=2,
+        extra_args=("--pending-at-cut",),
+    )
     for cycle in (1, 2):
         base = demo.received(a.events())
         # ~10 steps after the start / the previous resume: far from the end (600 steps)
-        a.wait_for(lambda ev: demo.received(ev) >= base + 40, 120, "messages")
+        a.wait_for(lambda ev, base=base: demo.received(ev) >= base + 40, 120, "messages")
         m = checkpoint_restore(a, tmp_path / f"snap{cycle}")
         ready = m["quiesce"]["ready"][str(a.pid)]
         assert sum(len(r["pending"]) for r in ready["ranks"]) == attention * (ranks - attention)
@@ -160,8 +216,14 @@ def test_2a2f_two_checkpoint_restore_cycles_with_pending_flags(afdwin, tmp_path)
 
 def test_4a4f_eight_ranks_checkpoint_restore(afdwin, tmp_path):
     steps, ranks, attention = 60, 8, 4
-    a = afdwin(steps=steps, step_delay_ms=40, ranks=ranks, attention=attention, ring_depth=2,
-               extra_args=("--pending-at-cut",))
+    a = afdwin(
+        steps=steps,
+        step_delay_ms=40,
+        ranks=ranks,
+        attention=attention,
+        ring_depth=2,
+        extra_args=("--pending-at-cut",),
+    )
     a.wait_for(lambda ev: demo.received(ev) >= 4 * 16, 120, "messages")
     m = checkpoint_restore(a, tmp_path / "snap")
     assert m["totals"]["carrier_bytes"] == ranks * of(a.events(), "window")[0]["stride"]
@@ -183,11 +245,15 @@ def check_no_drain_refused(a, rc, cp, snap):
     assert rc == 3 and not cp["ok"], cp
     err = cp["error"]
     rank_pids = sorted(w["pid"] for w in of(a.events(), "window"))
-    assert (err["phase"], err["outcome"]) == ("quiescence check", "refused") and err["pid"] in rank_pids
-    assert err["reason"] == ("cuCheckpointProcessLock: CUDA_ERROR_NOT_READY (work was still in "
-                             "flight when the lock timed out: the workload is not quiescent)")
+    assert (err["phase"], err["outcome"]) == ("quiescence check", "refused") and err[
+        "pid"
+    ] in rank_pids
+    assert err["reason"] == (
+        "cuCheckpointProcessLock: CUDA_ERROR_NOT_READY (work was still in "
+        "flight when the lock timed out: the workload is not quiescent)"
+    )
     assert not (snap / "manifest.json").exists()
-    assert a.proc.wait(timeout=300) == 0          # never torn down: it ran to the end
+    assert a.proc.wait(timeout=300) == 0  # never torn down: it ran to the end
     evs = a.events()
     (q,) = of(evs, "quiesced")
     assert q["drained"] is False and q["pending"]["reply_owed"] >= 1
@@ -214,24 +280,28 @@ def finished(a, timeout_s=120):
 
 
 def test_ring_depth_mismatch_on_one_rank_fails_at_setup(afdwin):
-    a = afdwin(steps=5, step_delay_ms=0, ranks=4, attention=2,
-               extra_args=("--ring-depth", "2,2,3,2"))
+    a = afdwin(
+        steps=5, step_delay_ms=0, ranks=4, attention=2, extra_args=("--ring-depth", "2,2,3,2")
+    )
     rc, evs = finished(a)
     assert rc == 1
     (err,) = of(evs, "error")
     assert (err["stage"], err["field"], err["values"]) == ("geometry", "ring_depth", [2, 2, 3, 2])
     assert err["message"].startswith("afdwin geometry mismatch: ring_depth differs across ranks")
     assert of(evs, "window") == []
-    assert "rank 2 has ring_depth=3; all ranks' values (by world rank): [2, 2, 3, 2]" in \
-        a.err.read_text()
+    assert (
+        "rank 2 has ring_depth=3; all ranks' values (by world rank): [2, 2, 3, 2]"
+        in a.err.read_text()
+    )
     assert of(evs, "summary")[0]["exit_codes"] == [1, 1, 1, 1]
 
 
 @pytest.mark.parametrize("fenced", [False, True], ids=["no-fence", "fenced"])
 def test_delayed_zero_loses_first_message_only_without_fence(afdwin, fenced):
     steps = 10
-    extra = ("--delay-zero-ms", "1:1000", "--stall-timeout-s", "2") + (() if fenced else
-                                                                       ("--no-fence",))
+    extra = ("--delay-zero-ms", "1:1000", "--stall-timeout-s", "2") + (
+        () if fenced else ("--no-fence",)
+    )
     a = afdwin(steps=steps, step_delay_ms=0, extra_args=extra)
     rc, evs = finished(a)
     done = {d["rank"]: d for d in of(evs, "done")}
@@ -243,7 +313,9 @@ def test_delayed_zero_loses_first_message_only_without_fence(afdwin, fenced):
     else:
         assert rc == 1
         assert [e["stage"] for e in of(evs, "error")] == ["stall"]
-        assert (p["count"], p["first"], p["lost"]) == (0, None, steps)   # seq 1 never arrived
-        assert done[1]["fence"]["erased"] == [{"region": 0, "ring": 0, "value": 1},
-                                              {"region": 0, "ring": 1, "value": 2}]
+        assert (p["count"], p["first"], p["lost"]) == (0, None, steps)  # seq 1 never arrived
+        assert done[1]["fence"]["erased"] == [
+            {"region": 0, "ring": 0, "value": 1},
+            {"region": 0, "ring": 1, "value": 2},
+        ]
         assert of(evs, "summary")[0]["ok"] is False

@@ -1,5 +1,6 @@
 """cuda.bindings (cuda-python) against fakecuda: run as a child with LD_LIBRARY_PATH set.
 Asserts exact results; prints "bindings smoke ok" at the end."""
+
 import ctypes
 import os
 
@@ -21,7 +22,9 @@ assert ok(d.cuDeviceGetCount()) == 2
 dev = ok(d.cuDeviceGet(1))
 assert ok(d.cuDeviceGetName(32, dev)).rstrip(b"\0 ") == b"fakecuda GPU 1"
 A = d.CUdevice_attribute
-assert ok(d.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev)) == 1
+assert (
+    ok(d.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev)) == 1
+)
 assert ok(d.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED, dev)) == 0
 assert len(bytes(ok(d.cuDeviceGetUuid(dev)).bytes)) == 16
 assert d.cuGetErrorName(d.CUresult.CUDA_ERROR_ILLEGAL_ADDRESS) == (S, b"CUDA_ERROR_ILLEGAL_ADDRESS")
@@ -33,7 +36,11 @@ prop.type = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
 prop.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
 prop.location.id = 1
 prop.requestedHandleTypes = d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-g = ok(d.cuMemGetAllocationGranularity(prop, d.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM))
+g = ok(
+    d.cuMemGetAllocationGranularity(
+        prop, d.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+    )
+)
 assert g == 2 << 20
 assert d.cuMemCreate(g // 2, prop, 0)[0] == d.CUresult.CUDA_ERROR_INVALID_VALUE
 h = ok(d.cuMemCreate(g, prop, 0))
@@ -52,8 +59,16 @@ out = bytearray(64)
 assert d.cuMemcpyDtoH(out, va, 64) == (S,)
 assert bytes(out) == buf
 assert ctypes.c_uint8.from_address(int(va) + 63).value == 63  # host view of device memory
-fd = ok(d.cuMemExportToShareableHandle(h, d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0))
-h2 = ok(d.cuMemImportFromShareableHandle(fd, d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR))
+fd = ok(
+    d.cuMemExportToShareableHandle(
+        h, d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0
+    )
+)
+h2 = ok(
+    d.cuMemImportFromShareableHandle(
+        fd, d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    )
+)
 assert int(h2) == 1
 os.close(fd)
 assert ok(d.cuMemGetAllocationPropertiesFromHandle(h2)).location.id == 1

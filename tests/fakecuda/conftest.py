@@ -6,6 +6,7 @@
 - ``controller``: runs tests/fakecuda/controller.py (cuda.bindings) on fakecuda; returns
   the CUresult name per requested operation.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,7 +16,6 @@ import subprocess
 import sys
 
 import pytest
-
 from fakecuda_helpers import Peer
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -23,8 +23,11 @@ HERE = pathlib.Path(__file__).resolve().parent
 
 @pytest.fixture(scope="session")
 def fcpeer_exe(build_c, fakecuda_dir):
-    return build_c([HERE / "c" / "fcpeer.c"], "fcpeer",
-                   libs=(f"-L{fakecuda_dir}", "-l:libcuda.so.1", "-ldl", "-lpthread"))
+    return build_c(
+        [HERE / "c" / "fcpeer.c"],
+        "fcpeer",
+        libs=(f"-L{fakecuda_dir}", "-l:libcuda.so.1", "-ldl", "-lpthread"),
+    )
 
 
 @pytest.fixture
@@ -58,11 +61,16 @@ def peer_pair(peer):
 def controller(fake_env):
     """controller(["lock:PID:TIMEOUT", "checkpoint:PID", ...]) -> list of CUresult names (and
     for state: "CUDA_SUCCESS/<state int>")."""
+
     def run(ops):
-        res = subprocess.run([sys.executable, str(HERE / "controller.py"), *ops], env=fake_env,
-                             capture_output=True, text=True, timeout=120)
+        res = subprocess.run(
+            [sys.executable, str(HERE / "controller.py"), *ops],
+            env=fake_env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert res.returncode == 0, res.stderr
         return json.loads(res.stdout)
+
     return run
-
-

@@ -4,6 +4,7 @@ usage: controller.py OP... where OP is lock:PID[:TIMEOUT_MS] | checkpoint:PID | 
 unlock:PID | state:PID | tid:PID. Prints a JSON list, one entry per OP: the CUresult name, and
 for state/tid "NAME/<value>". Runs on whatever libcuda.so.1 the loader finds (fakecuda in tests).
 """
+
 import json
 import sys
 

@@ -1,4 +1,5 @@
 """Helpers shared by the fakecuda tests (a unique module name: other areas have conftest.py too)."""
+
 from __future__ import annotations
 
 import pathlib
@@ -20,8 +21,14 @@ class Peer:
         if sock_fd is not None:
             args.append(str(sock_fd))
             pass_fds = (sock_fd,)
-        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     env=env, text=True, pass_fds=pass_fds)
+        self.proc = subprocess.Popen(
+            args,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            text=True,
+            pass_fds=pass_fds,
+        )
         self.pid = self.proc.pid
 
     def cmd(self, line: str) -> list[str]:

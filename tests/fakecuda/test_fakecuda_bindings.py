@@ -1,4 +1,5 @@
 """cuda.bindings (cuda-python 13.1) on fakecuda: the resolver path real Python clients take."""
+
 from __future__ import annotations
 
 import pathlib
@@ -6,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-
 from fakecuda_helpers import read_log
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -18,8 +18,13 @@ def test_bindings_smoke(fake_env, ptds):
     env.pop("FAKECUDA_GRANULARITY", None)
     if ptds:
         env["CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM"] = "1"
-    res = subprocess.run([sys.executable, str(HERE / "bindings_smoke.py")], env=env,
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, str(HERE / "bindings_smoke.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0 and "bindings smoke ok" in res.stdout, res.stdout + res.stderr
     lines = [l.split(" ", 2)[2] for l in read_log(env)]
     lookups = [l for l in lines if l.startswith("lookup ")]
@@ -29,12 +34,21 @@ def test_bindings_smoke(fake_env, ptds):
     assert "lookup cuGetProcAddress_v2 cuMemcpyPeer 4000 0 -> NULL" in lines or ptds
     assert "lookup cuGetProcAddress_v2 cuMemCreate 10020 0 -> cuMemCreate" in lines
     assert "lookup cuGetProcAddress_v2 cuGetProcAddress 12000 0 -> cuGetProcAddress_v2" in lines
-    assert "lookup cuGetProcAddress_v2 cuCheckpointProcessGetState 12080 0 -> cuCheckpointProcessGetState" in lines
+    assert (
+        "lookup cuGetProcAddress_v2 cuCheckpointProcessGetState 12080 0 -> cuCheckpointProcessGetState"
+        in lines
+    )
     if ptds:
-        assert "lookup cuGetProcAddress_v2 cuStreamWaitValue32 11070 2 -> cuStreamWaitValue32_v2_ptsz" in lines
+        assert (
+            "lookup cuGetProcAddress_v2 cuStreamWaitValue32 11070 2 -> cuStreamWaitValue32_v2_ptsz"
+            in lines
+        )
         assert any(l.startswith("cuMemcpyHtoD_v2_ptds(") for l in lines)
         assert any(l.startswith("cuStreamWaitValue32_v2_ptsz(") for l in lines)
     else:
-        assert "lookup cuGetProcAddress_v2 cuStreamWaitValue32 11070 0 -> cuStreamWaitValue32_v2" in lines
+        assert (
+            "lookup cuGetProcAddress_v2 cuStreamWaitValue32 11070 0 -> cuStreamWaitValue32_v2"
+            in lines
+        )
         assert any(l.startswith("cuMemcpyHtoD_v2(") for l in lines)
         assert any(l.startswith("cuStreamWaitValue32_v2(") for l in lines)

@@ -1,6 +1,7 @@
 """fakecuda under CRIU: native lock+checkpoint leaves a process CRIU can dump (no device
 memfd open or mapped), and after CRIU restore + native restore + unlock it runs on with its
 bytes, VAs and handle values."""
+
 from __future__ import annotations
 
 import os
@@ -26,6 +27,7 @@ def wait_file(path: pathlib.Path, proc_alive, what: str, timeout: float = 60.0) 
 @pytest.fixture(scope="module")
 def criu_mod():
     from cuinterpose.agent.mech import criu
+
     try:
         criu.criu_command()
     except criu.CriuError as e:  # the only allowed skip: CRIU cannot run here
@@ -33,15 +35,25 @@ def criu_mod():
     return criu
 
 
-def test_native_checkpoint_then_criu_roundtrip(criu_mod, build_c, fakecuda_dir, fake_env, controller,
-                                               tmp_path):
-    exe = build_c([HERE / "c" / "fcsleeper.c"], "fcsleeper",
-                  libs=(f"-L{fakecuda_dir}", "-l:libcuda.so.1", "-ldl", "-lpthread"))
+def test_native_checkpoint_then_criu_roundtrip(
+    criu_mod, build_c, fakecuda_dir, fake_env, controller, tmp_path
+):
+    exe = build_c(
+        [HERE / "c" / "fcsleeper.c"],
+        "fcsleeper",
+        libs=(f"-L{fakecuda_dir}", "-l:libcuda.so.1", "-ldl", "-lpthread"),
+    )
     out = tmp_path / "out"
     out.mkdir()
-    proc = subprocess.Popen([str(exe), str(out)], env=fake_env, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "stderr", "wb"),
-                            start_new_session=True, cwd=tmp_path)
+    proc = subprocess.Popen(
+        [str(exe), str(out)],
+        env=fake_env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "stderr", "wb"),
+        start_new_session=True,
+        cwd=tmp_path,
+    )
     pid = proc.pid
     restored = None
     try:
@@ -52,8 +64,11 @@ def test_native_checkpoint_then_criu_roundtrip(criu_mod, build_c, fakecuda_dir, 
         maps = pathlib.Path(f"/proc/{pid}/maps").read_text()
         assert "fakecuda-allocation" not in maps
         # the cuMemAlloc buffer is a bare PROT_NONE reservation: its bytes sit in host buffers
-        perms = [l.split()[1] for l in maps.splitlines()
-                 if int(l.split()[0].split("-")[0], 16) <= dptr < int(l.split()[0].split("-")[1], 16)]
+        perms = [
+            l.split()[1]
+            for l in maps.splitlines()
+            if int(l.split()[0].split("-")[0], 16) <= dptr < int(l.split()[0].split("-")[1], 16)
+        ]
         assert perms == ["---p"], perms
         fds = [os.readlink(f"/proc/{pid}/fd/{f}") for f in os.listdir(f"/proc/{pid}/fd")]
         assert not [f for f in fds if "fakecuda-allocation" in f]
@@ -62,7 +77,11 @@ def test_native_checkpoint_then_criu_roundtrip(criu_mod, build_c, fakecuda_dir, 
         restored = criu_mod.restore(tmp_path / "images", work_dir=tmp_path / "restore")
         assert restored == pid
         assert controller([f"state:{pid}", f"restore:{pid}", f"unlock:{pid}", f"state:{pid}"]) == [
-            "CUDA_SUCCESS/2", "CUDA_SUCCESS", "CUDA_SUCCESS", "CUDA_SUCCESS/0"]
+            "CUDA_SUCCESS/2",
+            "CUDA_SUCCESS",
+            "CUDA_SUCCESS",
+            "CUDA_SUCCESS/0",
+        ]
         os.kill(pid, signal.SIGUSR1)
         text = wait_file(out / "check0", lambda: os.path.exists(f"/proc/{pid}"), "check0")
         assert text.startswith("ok "), text

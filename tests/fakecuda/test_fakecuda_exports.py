@@ -1,12 +1,12 @@
 """fakecuda's shape: the built libcuda.so.1 exports exactly the functions proc_address.def
 lists (so cuGetProcAddress resolves every exported name and nothing else leaks), and the
 source files call each other one way only (fc.h lists the layers)."""
+
 from __future__ import annotations
 
 import pathlib
 import re
 import subprocess
-
 
 HERE = pathlib.Path(__file__).resolve().parent
 SRC = HERE.parent.parent / "fakecuda" / "src"
@@ -28,8 +28,9 @@ def test_def_rows_are_well_formed():
 
 def test_exports_equal_the_def(fakecuda_dir):
     lib = fakecuda_dir / "libcuda.so.1"
-    out = subprocess.run(["nm", "-D", "--defined-only", str(lib)], capture_output=True, text=True,
-                         check=True).stdout
+    out = subprocess.run(
+        ["nm", "-D", "--defined-only", str(lib)], capture_output=True, text=True, check=True
+    ).stdout
     syms = [line.split() for line in out.splitlines() if line.strip()]
     assert all(kind == "T" for _addr, kind, _name in syms), [s for s in syms if s[1] != "T"]
     exported = {name for _addr, _kind, name in syms}
@@ -53,9 +54,26 @@ def test_calls_go_one_way(cuda_include, tmp_path):
     defs, uses = {}, {}
     for c in sorted(SRC.glob("*.c")):
         obj = tmp_path / (c.stem + ".o")
-        subprocess.run(["cc", "-c", "-fPIC", "-std=gnu11", "-O0", "-fvisibility=hidden", f"-I{cuda_include}",
-                        "-o", str(obj), str(c)], check=True, capture_output=True, text=True)
-        for line in subprocess.run(["nm", str(obj)], capture_output=True, text=True, check=True).stdout.splitlines():
+        subprocess.run(
+            [
+                "cc",
+                "-c",
+                "-fPIC",
+                "-std=gnu11",
+                "-O0",
+                "-fvisibility=hidden",
+                f"-I{cuda_include}",
+                "-o",
+                str(obj),
+                str(c),
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        for line in subprocess.run(
+            ["nm", str(obj)], capture_output=True, text=True, check=True
+        ).stdout.splitlines():
             parts = line.split()
             if len(parts) == 3 and parts[1] in "TDBRC":
                 defs[parts[2]] = c.stem
@@ -65,7 +83,9 @@ def test_calls_go_one_way(cuda_include, tmp_path):
     # fc.h lists the files bottom to top; each may call only files listed before it
     order = re.findall(r"^ \*   (\w+)\.c ", (SRC / "fc.h").read_text(), re.M)
     assert sorted(order) == sorted(c.stem for c in SRC.glob("*.c")), order
-    upward = [(f, g) for f, callees in graph.items() for g in callees if order.index(g) > order.index(f)]
+    upward = [
+        (f, g) for f, callees in graph.items() for g in callees if order.index(g) > order.index(f)
+    ]
     assert not upward, f"calls against the layer order of fc.h: {upward}"
     assert graph["core"] == set()
     assert graph["device"] == {"core"}

@@ -1,5 +1,6 @@
 """Multicast across processes on fakecuda (fcpeer peers), and native checkpoint of private
 cuMemAlloc memory. Single-process multicast rules are in c/fc_unit.c (test_fakecuda_unit.py)."""
+
 from __future__ import annotations
 
 import time
@@ -109,7 +110,10 @@ def test_team_shared_across_processes(peer_pair, fake_env):
     a.cmd(f"write {mva_a + 64} 8")
     assert a.cmd(f"read {m_a + 64}") == ["8"]
     assert a.err(f"write {mva_a + 2 * G} 6") == "CUDA_ERROR_ILLEGAL_ADDRESS"
-    assert any(f"member (pid {pb}, device 0) is gone; its binding is dropped" in l for l in read_log(fake_env))
+    assert any(
+        f"member (pid {pb}, device 0) is gone; its binding is dropped" in l
+        for l in read_log(fake_env)
+    )
 
 
 def test_native_checkpoint_refused_with_multicast(peer_pair, controller, fake_env):
@@ -125,16 +129,29 @@ def test_native_checkpoint_refused_with_multicast(peer_pair, controller, fake_en
     b.cmd(f"mcbind {mc_b} 0 {h_b} 0 {2 * G}")
     mva_a = mc_map(a, mc_a)
     pa, pb = a.pid, b.pid
-    res = controller([f"lock:{pa}", f"checkpoint:{pa}", f"state:{pa}", f"unlock:{pa}", f"state:{pa}"])
-    assert res == ["CUDA_SUCCESS", "CUDA_ERROR_NOT_SUPPORTED", "CUDA_SUCCESS/1", "CUDA_SUCCESS",
-                   "CUDA_SUCCESS/0"]
-    assert any(l.startswith(f"{pa} ") and "checkpoint refused: the process holds 1 multicast object(s)" in l
-               for l in read_log(fake_env))
+    res = controller(
+        [f"lock:{pa}", f"checkpoint:{pa}", f"state:{pa}", f"unlock:{pa}", f"state:{pa}"]
+    )
+    assert res == [
+        "CUDA_SUCCESS",
+        "CUDA_ERROR_NOT_SUPPORTED",
+        "CUDA_SUCCESS/1",
+        "CUDA_SUCCESS",
+        "CUDA_SUCCESS/0",
+    ]
+    assert any(
+        l.startswith(f"{pa} ")
+        and "checkpoint refused: the process holds 1 multicast object(s)" in l
+        for l in read_log(fake_env)
+    )
     a.cmd(f"write {mva_a + 4} {PATTERN}")  # still running, still one team
     assert b.cmd(f"read {m_b + 4}") == [str(PATTERN)]
     # b holds the object only through its import and binding: refused too
     assert controller([f"lock:{pb}", f"checkpoint:{pb}", f"unlock:{pb}"]) == [
-        "CUDA_SUCCESS", "CUDA_ERROR_NOT_SUPPORTED", "CUDA_SUCCESS"]
+        "CUDA_SUCCESS",
+        "CUDA_ERROR_NOT_SUPPORTED",
+        "CUDA_SUCCESS",
+    ]
     a.cmd(f"unmap {mva_a} {4 * G}")
     a.cmd(f"mcunbind {mc_a} 0 0 {2 * G}")
     a.cmd(f"release {mc_a}")
@@ -147,6 +164,7 @@ def test_watchdog_across_processes(peer, fake_env):
     """b imports the object but never adds its device: a's bind and map fail with
     CUDA_ERROR_TIMEOUT after FAKECUDA_MULTICAST_WATCHDOG_MS, loudly, instead of hanging."""
     import socket
+
     sa, sb = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     env = dict(fake_env, FAKECUDA_MULTICAST_WATCHDOG_MS="150")
     a = peer(sa.fileno(), env=env)
@@ -161,7 +179,10 @@ def test_watchdog_across_processes(peer, fake_env):
     va = int(a.cmd(f"reserve {4 * G}")[0], 16)
     assert a.err(f"map {va} {4 * G} {mc_a}") == "CUDA_ERROR_TIMEOUT"
     log = [l for l in read_log(fake_env) if l.startswith(f"{a.pid} ")]
-    assert any("multicast watchdog: cuMulticastBindMem waited 150 ms, but only 1 of 2 devices" in l for l in log)
+    assert any(
+        "multicast watchdog: cuMulticastBindMem waited 150 ms, but only 1 of 2 devices" in l
+        for l in log
+    )
     assert any("multicast watchdog: cuMemMap waited 150 ms" in l for l in log)
     b.cmd(f"mcadd {mc_b} 0")  # now the team is complete
     a.cmd(f"mcbind {mc_a} 0 {h_a} 0 {2 * G}")
@@ -172,6 +193,7 @@ def test_capacity_rounding_is_the_objects(peer, fake_env):
     """FAKECUDA_MULTICAST_CAPACITY_ROUNDING in the creator: the capacity lives in the object, so
     an importer without the knob binds and maps into the slack too (as NCCL does on r615)."""
     import socket
+
     sa, sb = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     a = peer(sa.fileno(), env=dict(fake_env, FAKECUDA_MULTICAST_CAPACITY_ROUNDING=str(8 * G)))
     b = peer(sb.fileno())

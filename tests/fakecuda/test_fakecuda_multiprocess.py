@@ -1,6 +1,6 @@
 """Two processes on fakecuda: FD sharing, native checkpoint without the shim, refusals."""
-from __future__ import annotations
 
+from __future__ import annotations
 
 from fakecuda_helpers import GRAN, read_log, share_window
 
@@ -26,12 +26,36 @@ def test_native_checkpoint_loses_sharing(peer_pair, controller, fake_env):
     a.cmd(f"write {va_a} {PATTERN_A}")
     b.cmd(f"write {va_b + 4} {PATTERN_B}")
     pa, pb = a.pid, b.pid
-    res = controller([f"lock:{pa}", f"lock:{pb}", f"state:{pa}", f"checkpoint:{pa}",
-                      f"checkpoint:{pb}", f"state:{pb}", f"restore:{pa}", f"restore:{pb}",
-                      f"state:{pa}", f"unlock:{pa}", f"unlock:{pb}", f"state:{pb}"])
-    assert res == ["CUDA_SUCCESS", "CUDA_SUCCESS", "CUDA_SUCCESS/1", "CUDA_SUCCESS", "CUDA_SUCCESS",
-                   "CUDA_SUCCESS/2", "CUDA_SUCCESS", "CUDA_SUCCESS", "CUDA_SUCCESS/1",
-                   "CUDA_SUCCESS", "CUDA_SUCCESS", "CUDA_SUCCESS/0"]
+    res = controller(
+        [
+            f"lock:{pa}",
+            f"lock:{pb}",
+            f"state:{pa}",
+            f"checkpoint:{pa}",
+            f"checkpoint:{pb}",
+            f"state:{pb}",
+            f"restore:{pa}",
+            f"restore:{pb}",
+            f"state:{pa}",
+            f"unlock:{pa}",
+            f"unlock:{pb}",
+            f"state:{pb}",
+        ]
+    )
+    assert res == [
+        "CUDA_SUCCESS",
+        "CUDA_SUCCESS",
+        "CUDA_SUCCESS/1",
+        "CUDA_SUCCESS",
+        "CUDA_SUCCESS",
+        "CUDA_SUCCESS/2",
+        "CUDA_SUCCESS",
+        "CUDA_SUCCESS",
+        "CUDA_SUCCESS/1",
+        "CUDA_SUCCESS",
+        "CUDA_SUCCESS",
+        "CUDA_SUCCESS/0",
+    ]
     # each keeps its pre-checkpoint bytes at the same VA, through the same handle value
     for p, va in ((a, va_a), (b, va_b)):
         assert p.cmd(f"read {va}") == [str(PATTERN_A)]
@@ -59,9 +83,16 @@ def test_open_export_fd_blocks_checkpoint(peer_pair, controller, fake_env):
     a.cmd(f"write {va + 8} {PATTERN_A}")
     fd = int(a.cmd(f"export {h}")[0])  # never closed
     pa = a.pid
-    res = controller([f"lock:{pa}", f"checkpoint:{pa}", f"state:{pa}", f"unlock:{pa}", f"state:{pa}"])
-    assert res == ["CUDA_SUCCESS", "CUDA_ERROR_NOT_SUPPORTED", "CUDA_SUCCESS/1", "CUDA_SUCCESS",
-                   "CUDA_SUCCESS/0"]
+    res = controller(
+        [f"lock:{pa}", f"checkpoint:{pa}", f"state:{pa}", f"unlock:{pa}", f"state:{pa}"]
+    )
+    assert res == [
+        "CUDA_SUCCESS",
+        "CUDA_ERROR_NOT_SUPPORTED",
+        "CUDA_SUCCESS/1",
+        "CUDA_SUCCESS",
+        "CUDA_SUCCESS/0",
+    ]
     assert a.cmd(f"read {va + 8}") == [str(PATTERN_A)]
     a.cmd(f"write {va + 8} 5")
     assert a.cmd(f"hostread {va + 8}") == ["5"]
@@ -94,18 +125,43 @@ def test_illegal_transitions_and_unknown_pid(peer, controller):
     a = peer()
     a.cmd("init 0")
     pa = a.pid
-    res = controller([f"checkpoint:{pa}", f"restore:{pa}", f"unlock:{pa}", f"lock:{pa}",
-                      f"lock:{pa}", f"restore:{pa}", f"checkpoint:{pa}", f"unlock:{pa}",
-                      f"checkpoint:{pa}", f"restore:{pa}", f"unlock:{pa}", f"tid:{pa}"])
-    assert res[:11] == ["CUDA_ERROR_ILLEGAL_STATE", "CUDA_ERROR_ILLEGAL_STATE",
-                        "CUDA_ERROR_ILLEGAL_STATE", "CUDA_SUCCESS", "CUDA_ERROR_ILLEGAL_STATE",
-                        "CUDA_ERROR_ILLEGAL_STATE", "CUDA_SUCCESS", "CUDA_ERROR_ILLEGAL_STATE",
-                        "CUDA_ERROR_ILLEGAL_STATE", "CUDA_SUCCESS", "CUDA_SUCCESS"]
+    res = controller(
+        [
+            f"checkpoint:{pa}",
+            f"restore:{pa}",
+            f"unlock:{pa}",
+            f"lock:{pa}",
+            f"lock:{pa}",
+            f"restore:{pa}",
+            f"checkpoint:{pa}",
+            f"unlock:{pa}",
+            f"checkpoint:{pa}",
+            f"restore:{pa}",
+            f"unlock:{pa}",
+            f"tid:{pa}",
+        ]
+    )
+    assert res[:11] == [
+        "CUDA_ERROR_ILLEGAL_STATE",
+        "CUDA_ERROR_ILLEGAL_STATE",
+        "CUDA_ERROR_ILLEGAL_STATE",
+        "CUDA_SUCCESS",
+        "CUDA_ERROR_ILLEGAL_STATE",
+        "CUDA_ERROR_ILLEGAL_STATE",
+        "CUDA_SUCCESS",
+        "CUDA_ERROR_ILLEGAL_STATE",
+        "CUDA_ERROR_ILLEGAL_STATE",
+        "CUDA_SUCCESS",
+        "CUDA_SUCCESS",
+    ]
     assert res[11].startswith("CUDA_SUCCESS/") and int(res[11].split("/")[1]) not in (-1, pa)
     # a process without fakecuda initialised, and a pid that does not exist
     b = peer()
     assert controller([f"state:{b.pid}", "state:2147483600", f"lock:{b.pid}"]) == [
-        "CUDA_ERROR_INVALID_VALUE/-1", "CUDA_ERROR_INVALID_VALUE/-1", "CUDA_ERROR_INVALID_VALUE"]
+        "CUDA_ERROR_INVALID_VALUE/-1",
+        "CUDA_ERROR_INVALID_VALUE/-1",
+        "CUDA_ERROR_INVALID_VALUE",
+    ]
 
 
 def test_lock_blocks_api_calls_until_unlock(peer_pair, controller):
@@ -122,10 +178,9 @@ def test_lock_blocks_api_calls_until_unlock(peer_pair, controller):
     assert b.cmd(f"read {va_b}") == ["9"]
 
 
-
 def test_reserve_hint_modes(peer, fake_env):
     """FAKECUDA_RESERVE_HINT: honor (default), ignore, fail: what real drivers do with an
-    addr hint (ref §2). A hint over a taken range is placed elsewhere in honor mode."""
+    addr hint (cuMemAddressReserve: the address is a hint). A hint over a taken range is placed elsewhere in honor mode."""
     far = 0x100000000000  # free and far from where mmap places things
     got = {}
     for mode in ("honor", "ignore", "fail"):

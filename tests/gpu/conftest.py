@@ -5,6 +5,7 @@ that the shim's lookup-path wrappers recognise the real driver's functions, and 
 checkpoint/restore path works on the real ``libcuda.so.1`` with its native checkpoint API
 (driver >= 570, CUDA 12.8+). Without a GPU each test is skipped and the reason is printed.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,11 +31,15 @@ print(json.dumps(out))
 
 
 def _probe() -> tuple[bool, str, dict]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("LD_PRELOAD", "LD_LIBRARY_PATH", "CUINTERPOSE_DRIVER")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("LD_PRELOAD", "LD_LIBRARY_PATH", "CUINTERPOSE_DRIVER")
+    }
     try:
-        res = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
-                             env=env, timeout=120)
+        res = subprocess.run(
+            [sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, timeout=120
+        )
     except subprocess.TimeoutExpired:
         return False, "probing the NVIDIA driver timed out after 120 s", {}
     if res.returncode != 0:
@@ -64,8 +69,11 @@ def real_env(tmp_path, shim_path):
     """A child's environment on the real driver, under the shim, with a private control dir."""
     ctl = tmp_path / "ctl"
     ctl.mkdir()
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("LD_PRELOAD", "LD_LIBRARY_PATH", "CUINTERPOSE_DRIVER")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("LD_PRELOAD", "LD_LIBRARY_PATH", "CUINTERPOSE_DRIVER")
+    }
     env["LD_PRELOAD"] = str(shim_path)
     env["CUINTERPOSE_CONTROL_DIR"] = str(ctl)
     env["PYTHONUNBUFFERED"] = "1"

@@ -4,6 +4,7 @@ checkpoint API and CRIU, killed, restored and finished (the fakecuda e2e test, o
 Needs: a GPU, a driver with cuCheckpointProcess* (R570+), and CRIU 4.x usable here
 (`make criu`; on a machine without network carry `.cache/criu`). Skips, printing why, otherwise.
 """
+
 from __future__ import annotations
 
 import signal
@@ -18,14 +19,17 @@ STEPS = 200
 @pytest.fixture
 def real_afdwin(tmp_path, real_gpu, subreaper):
     from cuinterpose.agent.mech import criu
+
     ok, out = criu.check()
     if not ok:
         why = f"CRIU is not usable on this GPU machine: {out.strip()}"
         print(f"tests/gpu skipped: {why}")
         pytest.skip(why)
     if real_gpu.get("checkpoint_api") != 0:
-        why = (f"the driver ({real_gpu.get('driver_version')}) has no usable "
-               f"cuCheckpointProcessGetState (CUresult {real_gpu.get('checkpoint_api')})")
+        why = (
+            f"the driver ({real_gpu.get('driver_version')}) has no usable "
+            f"cuCheckpointProcessGetState (CUresult {real_gpu.get('checkpoint_api')})"
+        )
         print(f"tests/gpu skipped: {why}")
         pytest.skip(why)
     runs = []
@@ -34,6 +38,7 @@ def real_afdwin(tmp_path, real_gpu, subreaper):
         a = demo.Afdwin(tmp_path / f"run{len(runs)}", driver="real", **kw).start()
         runs.append(a)
         return a
+
     yield _start
     for a in runs:
         a.kill()
@@ -44,20 +49,35 @@ def test_real_gpu_checkpoint_kill_restore_finish(real_afdwin, tmp_path, profile)
     a = real_afdwin(steps=STEPS, step_delay_ms=2, extra_args=("--profile", profile))
     a.wait_for(lambda ev: demo.received(ev) >= 20, 300, "20 messages")
     snap = tmp_path / "snap"
-    rc, cp = demo.run_agent("checkpoint", "--pid", str(a.pid), "--images-dir", str(snap),
-                            "--driver", "real", "--control-dir", str(a.ctl), timeout_s=600)
+    rc, cp = demo.run_agent(
+        "checkpoint",
+        "--pid",
+        str(a.pid),
+        "--images-dir",
+        str(snap),
+        "--driver",
+        "real",
+        "--control-dir",
+        str(a.ctl),
+        timeout_s=600,
+    )
     assert rc == 0 and cp["ok"], cp
     assert a.wait_dumped() == -signal.SIGKILL
-    before = {e["rank"]: (e["base_va"], e["peer_va"]) for e in a.events()
-              if demo.kind(e) == "window" and not e.get("after_restore")}
-    rc, rs = demo.run_agent("restore", "--images-dir", str(snap), "--driver", "real",
-                            timeout_s=600)
+    before = {
+        e["rank"]: (e["base_va"], e["peer_va"])
+        for e in a.events()
+        if demo.kind(e) == "window" and not e.get("after_restore")
+    }
+    rc, rs = demo.run_agent("restore", "--images-dir", str(snap), "--driver", "real", timeout_s=600)
     assert rc == 0 and rs["ok"], rs
     assert a.wait_restored_exit(600) in (0, None)
     evs = a.events()
     assert demo.check_run(evs, STEPS) == []
-    after = {e["rank"]: (e["base_va"], e["peer_va"]) for e in evs
-             if demo.kind(e) == "window" and e.get("after_restore")}
+    after = {
+        e["rank"]: (e["base_va"], e["peer_va"])
+        for e in evs
+        if demo.kind(e) == "window" and e.get("after_restore")
+    }
     assert after == before
     s = [e for e in evs if demo.kind(e) == "summary"][-1]
     assert (s["ok"], s["lost"], s["duplicated"], s["torn"]) == (True, 0, 0, 0)

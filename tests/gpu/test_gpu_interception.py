@@ -1,6 +1,7 @@
 """The shim's wrappers on the real driver: every lookup path a Python client uses hands out
 the shim's wrapper (proved by the virtual-handle tag 0xC01E in the returned handle), and an
 export/import through a ticket works between two processes on the real GPU."""
+
 from __future__ import annotations
 
 import json
@@ -50,8 +51,9 @@ print(json.dumps(res))
 
 
 def test_real_driver_lookups_return_wrappers(real_gpu, real_env):
-    res = subprocess.run([sys.executable, "-c", CLIENT], capture_output=True, text=True,
-                         env=real_env, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-c", CLIENT], capture_output=True, text=True, env=real_env, timeout=300
+    )
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["bindings_create"] == [0, 0xC01E]

@@ -1,6 +1,7 @@
 """Group tests reuse the daemon fixture (tests/service) and the ext_socket fixture of
 tests/e2e (loaded from their conftest files by path); afdwin and criu_ok are shared by
 tests/conftest.py."""
+
 from __future__ import annotations
 
 import importlib.util

@@ -1,11 +1,13 @@
 """Helpers shared by the group end-to-end tests (afdwin jobs on fakecuda, one agent each)."""
+
 from __future__ import annotations
 
 import os
 import time
 
-from cuinterpose.workloads.afdwin import demo
 from metrics_kit import scrape
+
+from cuinterpose.workloads.afdwin import demo
 
 STEPS = 300
 
@@ -22,9 +24,10 @@ def wait_running(jobs):
 
 def agents(daemon, jobs, *extra, listen=""):
     """One daemon per job: node-a, node-b, on fakecuda with that job's control dir."""
-    return [daemon(f"node-{n}", "--driver", "fake", "--control-dir", str(j.ctl), *extra,
-                   listen=listen)
-            for n, j in zip("ab", jobs)]
+    return [
+        daemon(f"node-{n}", "--driver", "fake", "--control-dir", str(j.ctl), *extra, listen=listen)
+        for n, j in zip("ab", jobs)
+    ]
 
 
 def reap_tree(m):
@@ -54,8 +57,9 @@ def finished_intact(jobs, steps, *, restored=False):
         if restored:
             assert j.wait_restored_exit(300) in (0, None)
         else:
-            assert j.proc.wait(timeout=300) == 0          # never killed: ran to the end
+            assert j.proc.wait(timeout=300) == 0  # never killed: ran to the end
         evs = j.events()
         assert demo.check_run(evs, steps, expect_restore=restored) == []
-        assert [(e["restored"], e["cancelled"]) for e in evs if demo.kind(e) == "resumed"] == \
-            [(restored, False)]
+        assert [(e["restored"], e["cancelled"]) for e in evs if demo.kind(e) == "resumed"] == [
+            (restored, False)
+        ]

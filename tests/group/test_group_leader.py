@@ -1,6 +1,7 @@
 """The group leader's phase sequence with recording members (no daemons, no CRIU): every
 member gets every phase, the next phase only after all answered, and the undo phases after a
 failure, with the failing node, phase and pid in the error."""
+
 from __future__ import annotations
 
 import json
@@ -8,13 +9,22 @@ import threading
 
 import pytest
 
-from cuinterpose.agent.rpc import group
-from cuinterpose.agent.snapshot import pb
 from cuinterpose.agent.errors import AgentError
+from cuinterpose.agent.rpc import group
 from cuinterpose.agent.run.report import Reporter
+from cuinterpose.agent.snapshot import pb
 
-CP = ["prepare", "quiesce", "capture", "native lock", "native checkpoint", "criu dump", "manifest", "finish",
-      "resume"]
+CP = [
+    "prepare",
+    "quiesce",
+    "capture",
+    "native lock",
+    "native checkpoint",
+    "criu dump",
+    "manifest",
+    "finish",
+    "resume",
+]
 RS = ["prepare", "stale sockets", "criu restore", "native restore", "restore shared", "resume"]
 
 
@@ -44,25 +54,50 @@ class Members:
             if req.node in self.down:
                 raise ConnectionError(f"{addr}: UNAVAILABLE: handshake failed")
             if req.node in self.expired:
-                return apb.RenewResponse(ok=False, node=req.node, lease_s=30, expired=True,
-                                         reason=f"request {req.request_id}: the lease expired")
+                return apb.RenewResponse(
+                    ok=False,
+                    node=req.node,
+                    lease_s=30,
+                    expired=True,
+                    reason=f"request {req.request_id}: the lease expired",
+                )
             return apb.RenewResponse(ok=True, node=req.node, lease_s=30)
         node, phase = req.node, req.phase
         with self.lock:
             self.log.append((node, phase))
         if node in self.down:
             raise ConnectionError(f"{addr}: UNAVAILABLE: handshake failed")
-        on_progress({"event": "start", "phase": phase, "status": "running", "node": "", "pid": 0,
-                     "bytes": 0, "elapsed_ns": 0, "detail": "", "group_phase": "", "text": ""})
+        on_progress(
+            {
+                "event": "start",
+                "phase": phase,
+                "status": "running",
+                "node": "",
+                "pid": 0,
+                "bytes": 0,
+                "elapsed_ns": 0,
+                "detail": "",
+                "group_phase": "",
+                "text": "",
+            }
+        )
         if phase == "capture":
             self.torn.add(node)
         if phase == "prepare":
             assert req.HasField("checkpoint") or req.HasField("restore")
         if (node, phase) in self.fail:
             p, pid, *outcome = self.fail[(node, phase)]
-            return apb.Result(ok=False, error=apb.Error(
-                phase=p, pid=pid or 0, has_pid=pid is not None, reason="boom",
-                outcome=outcome[0] if outcome else "refused", node=node))
+            return apb.Result(
+                ok=False,
+                error=apb.Error(
+                    phase=p,
+                    pid=pid or 0,
+                    has_pid=pid is not None,
+                    reason="boom",
+                    outcome=outcome[0] if outcome else "refused",
+                    node=node,
+                ),
+            )
         state = {"torn_down": node in self.torn and phase != "rollback"}
         if phase == "rollback":
             state = {"torn_down": node in self.torn}
@@ -71,8 +106,10 @@ class Members:
 
 def request(kind):
     apb, _, _ = pb.modules()
-    ms = [apb.Member(node="a", address="unix:/a", roots=[10], images_dir="/s/a"),
-          apb.Member(node="b", address="unix:/b", roots=[20], images_dir="/s/b")]
+    ms = [
+        apb.Member(node="a", address="unix:/a", roots=[10], images_dir="/s/a"),
+        apb.Member(node="b", address="unix:/b", roots=[20], images_dir="/s/b"),
+    ]
     if kind == "checkpoint":
         return apb.CheckpointRequest(members=ms)
     return apb.RestoreRequest(members=ms)
@@ -107,25 +144,34 @@ def test_checkpoint_success_runs_every_phase_on_every_member_with_barriers():
     assert [r["group_phase"] for r in rows] == [p for _, p in m.log]
     assert [x["node"] for x in out["members"]] == ["a", "b"]
     assert [p["name"] for p in out["phases"]] == [
-        f"group {p}" for p in CP[:7] + ["confirm leases"] + CP[7:]]
+        f"group {p}" for p in CP[:7] + ["confirm leases"] + CP[7:]
+    ]
 
 
 def test_failure_after_teardown_rolls_every_member_back_then_releases():
     m = Members(fail={("b", "native lock"): ("native lock", 20)})
     out, err, _ = run("checkpoint", m)
-    assert phases_of(m.log, "a") == phases_of(m.log, "b") == \
-        ["prepare", "quiesce", "capture", "native lock", "rollback", "release"]
+    assert (
+        phases_of(m.log, "a")
+        == phases_of(m.log, "b")
+        == ["prepare", "quiesce", "capture", "native lock", "rollback", "release"]
+    )
     assert_barriers(m.log, CP[:4] + ["rollback", "release"])
     assert (err.phase, err.pid, err.node, err.outcome) == ("native lock", 20, "b", "rolled_back")
-    assert str(err) == ("node b: native lock: pid 20 boom (rolled back: every member's workload "
-                        "continues with its memory intact)")
+    assert str(err) == (
+        "node b: native lock: pid 20 boom (rolled back: every member's workload "
+        "continues with its memory intact)"
+    )
 
 
 def test_refusal_before_teardown_is_a_refusal_and_releases_everyone():
     m = Members(fail={("b", "quiesce"): ("quiesce", 20)})
     _, err, _ = run("checkpoint", m)
-    assert phases_of(m.log, "a") == phases_of(m.log, "b") == \
-        ["prepare", "quiesce", "rollback", "release"]
+    assert (
+        phases_of(m.log, "a")
+        == phases_of(m.log, "b")
+        == ["prepare", "quiesce", "rollback", "release"]
+    )
     assert (err.phase, err.pid, err.node, err.outcome) == ("quiesce", 20, "b", "refused")
 
 
@@ -133,7 +179,7 @@ def test_a_failed_rollback_leaves_that_member_parked_and_says_so():
     m = Members(fail={("a", "criu dump"): ("criu dump", 10), ("b", "rollback"): ("rollback", 21)})
     _, err, _ = run("checkpoint", m)
     assert phases_of(m.log, "a")[-2:] == ["rollback", "release"]
-    assert phases_of(m.log, "b")[-1] == "rollback"          # no release: stays parked
+    assert phases_of(m.log, "b")[-1] == "rollback"  # no release: stays parked
     assert (err.phase, err.pid, err.node, err.outcome) == ("criu dump", 10, "a", "rollback_failed")
     assert err.reason == "boom; rollback failed too: node b: rollback: pid 21 boom"
 
@@ -146,8 +192,12 @@ def test_restore_success_and_failure_after_criu_restore_aborts_everyone():
     m = Members(fail={("b", "restore shared"): ("RESTORE_UNICAST", 21)})
     _, err, _ = run("restore", m)
     assert phases_of(m.log, "a") == phases_of(m.log, "b") == RS[:5] + ["abort"]
-    assert (err.phase, err.pid, err.node, err.outcome) == \
-        ("RESTORE_UNICAST", 21, "b", "restore_failed")
+    assert (err.phase, err.pid, err.node, err.outcome) == (
+        "RESTORE_UNICAST",
+        21,
+        "b",
+        "restore_failed",
+    )
     m = Members(fail={("a", "prepare"): ("manifest", None)})
     _, err, _ = run("restore", m)
     assert phases_of(m.log, "a") == phases_of(m.log, "b") == ["prepare"]
@@ -168,19 +218,28 @@ def test_a_member_unreachable_at_prepare_gets_no_undo_phase():
 def test_a_member_whose_lease_expired_undid_itself_and_counts_as_rolled_back():
     """node b's lease ran out (it rolled back and released on its own): it refuses the next
     phase and the rollback with outcome lease_expired; the leader releases only a."""
-    m = Members(fail={("b", "criu dump"): ("group", None, "lease_expired"),
-                      ("b", "rollback"): ("group", None, "lease_expired")})
+    m = Members(
+        fail={
+            ("b", "criu dump"): ("group", None, "lease_expired"),
+            ("b", "rollback"): ("group", None, "lease_expired"),
+        }
+    )
     _, err, _ = run("checkpoint", m)
     assert phases_of(m.log, "a") == CP[:6] + ["rollback", "release"]
     assert phases_of(m.log, "b") == CP[:6] + ["rollback"]
     assert (err.node, err.phase, err.outcome) == ("b", "group", "rolled_back")
-    m = Members(fail={("a", "restore shared"): ("group", None, "lease_expired"),
-                      ("a", "abort"): ("group", None, "lease_expired")})
+    m = Members(
+        fail={
+            ("a", "restore shared"): ("group", None, "lease_expired"),
+            ("a", "abort"): ("group", None, "lease_expired"),
+        }
+    )
     _, err, _ = run("restore", m)
     assert phases_of(m.log, "b") == RS[:5] + ["abort"]
     assert (err.node, err.outcome) == ("a", "restore_failed")
-    assert err.reason == ("boom; every member's restored trees were killed, the snapshots are "
-                          "untouched")
+    assert err.reason == (
+        "boom; every member's restored trees were killed, the snapshots are untouched"
+    )
 
 
 def test_every_lease_is_confirmed_before_the_point_of_no_return():
@@ -189,7 +248,7 @@ def test_every_lease_is_confirmed_before_the_point_of_no_return():
     and the others undo theirs."""
     m = Members()
     out, err, rows = run("checkpoint", m)
-    assert err is None and m.renews == {"a": 1, "b": 1}       # one confirmation, before finish
+    assert err is None and m.renews == {"a": 1, "b": 1}  # one confirmation, before finish
     names = [p["name"] for p in out["phases"]]
     assert names.index("group confirm leases") == names.index("group finish") - 1
 
@@ -208,8 +267,9 @@ def test_every_lease_is_confirmed_before_the_point_of_no_return():
 
 def test_members_need_distinct_names():
     apb, _, _ = pb.modules()
-    req = apb.CheckpointRequest(members=[apb.Member(node="a", address="x"),
-                                         apb.Member(node="a", address="y")])
+    req = apb.CheckpointRequest(
+        members=[apb.Member(node="a", address="x"), apb.Member(node="a", address="y")]
+    )
     with pytest.raises(AgentError) as ei:
         group.lead("checkpoint", req, Reporter(), lambda r: None, call=Members())
     assert (ei.value.phase, ei.value.outcome) == ("group", "usage")
@@ -221,26 +281,59 @@ def test_the_cli_leads_a_group_itself_without_agent(daemon, tmp_path):
     import os
     import subprocess
     import sys
+
     a, b = daemon("node-a", "--driver", "fake"), daemon("node-b", "--driver", "fake")
     f = tmp_path / "afile"
     f.write_text("x")
     spec = tmp_path / "group.json"
-    spec.write_text(json.dumps({"members": [
-        {"node": "node-a", "address": a["listen"], "roots": [os.getpid()],
-         "images_dir": str(tmp_path / "snap-a")},
-        {"node": "node-b", "address": b["listen"], "roots": [os.getpid()],
-         "images_dir": str(f / "snap-b")}]}))
+    spec.write_text(
+        json.dumps(
+            {
+                "members": [
+                    {
+                        "node": "node-a",
+                        "address": a["listen"],
+                        "roots": [os.getpid()],
+                        "images_dir": str(tmp_path / "snap-a"),
+                    },
+                    {
+                        "node": "node-b",
+                        "address": b["listen"],
+                        "roots": [os.getpid()],
+                        "images_dir": str(f / "snap-b"),
+                    },
+                ]
+            }
+        )
+    )
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-    r = subprocess.run([sys.executable, "-m", "cuinterpose.agent.cli", "checkpoint", "--group",
-                        str(spec), "--json"], capture_output=True, text=True, env=env, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cuinterpose.agent.cli",
+            "checkpoint",
+            "--group",
+            str(spec),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert r.returncode == 3, r.stdout + r.stderr
     out = json.loads(r.stdout)
     err = out["error"]
     # node-a refuses at the census (this test process maps no shim), node-b at its directory
     assert (err["node"], err["phase"], err["outcome"]) == ("node-a", "census", "refused")
     assert err["message"].startswith("node node-a: census: ")
-    assert err["message"].endswith(f"; also failed: node node-b: images dir: {f / 'snap-b'} "
-                                   "cannot be created: Not a directory")
+    assert err["message"].endswith(
+        f"; also failed: node node-b: images dir: {f / 'snap-b'} cannot be created: Not a directory"
+    )
     assert [(p["name"], p["status"]) for p in out["phases"] if p["name"].startswith("group")] == [
-        ("group prepare", "failed"), ("group rollback", "ok"), ("group release", "ok")]
-    assert not (tmp_path / "snap-a").exists()      # node-a's created directory was removed
+        ("group prepare", "failed"),
+        ("group rollback", "ok"),
+        ("group release", "ok"),
+    ]
+    assert not (tmp_path / "snap-a").exists()  # node-a's created directory was removed

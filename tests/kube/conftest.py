@@ -1,4 +1,5 @@
 """Fixtures for the pod watcher: a fake API server, recording actions, a fixed resolver."""
+
 from __future__ import annotations
 
 import pathlib
@@ -25,21 +26,45 @@ class RecordingActions:
 
     def checkpoint(self, pod, snapshot_name, *, roots, images_dir, leave_running=False):
         m = pod["metadata"]
-        self.calls.append(("checkpoint", f"{m['namespace']}/{m['name']}", snapshot_name,
-                           list(roots), images_dir, leave_running))
+        self.calls.append(
+            (
+                "checkpoint",
+                f"{m['namespace']}/{m['name']}",
+                snapshot_name,
+                list(roots),
+                images_dir,
+                leave_running,
+            )
+        )
         if self.fail:
             raise self.fail
-        return {"snapshot_id": "q-" + snapshot_name, "roots": list(roots), "cuda_pids": [4243, 4244],
-                "warnings": [{"pid": 4242, "message": n} for n in self.notes]}
+        return {
+            "snapshot_id": "q-" + snapshot_name,
+            "roots": list(roots),
+            "cuda_pids": [4243, 4244],
+            "warnings": [{"pid": 4242, "message": n} for n in self.notes],
+        }
 
     def restore(self, pod, snapshot, *, images_dir, into_pid=None, into_start_time=None):
         m = pod["metadata"]
-        self.calls.append(("restore", f"{m['namespace']}/{m['name']}", snapshot, images_dir,
-                           into_pid, into_start_time))
+        self.calls.append(
+            (
+                "restore",
+                f"{m['namespace']}/{m['name']}",
+                snapshot,
+                images_dir,
+                into_pid,
+                into_start_time,
+            )
+        )
         if self.fail:
             raise self.fail
-        return {"snapshot_id": "q-" + snapshot, "roots": [4242], "cuda_pids": [4243, 4244],
-                "notes": list(self.notes)}
+        return {
+            "snapshot_id": "q-" + snapshot,
+            "roots": [4242],
+            "cuda_pids": [4243, 4244],
+            "notes": list(self.notes),
+        }
 
 
 class FixedResolver:
@@ -78,17 +103,27 @@ def make_watcher(api, actions, resolver, tmp_path):
     """make_watcher(**kubernetes_overrides) -> PodWatcher against ``api``; snapshots in
     tmp_path/snap."""
     from kubernetes import client as kclient
+
     from cuinterpose.agent.kube.watcher import PodWatcher
 
     def _make(doc_extra=None, **kube):
-        doc = {"snapshotDir": str(tmp_path / "snap"), "controlDir": str(tmp_path / "ctl"),
-               "driver": "fake",
-               "kubernetes": {"enabled": True, "nodeName": NODE, "apiServer": api.host,
-                              "watchTimeoutSeconds": 5, **kube}}
+        doc = {
+            "snapshotDir": str(tmp_path / "snap"),
+            "controlDir": str(tmp_path / "ctl"),
+            "driver": "fake",
+            "kubernetes": {
+                "enabled": True,
+                "nodeName": NODE,
+                "apiServer": api.host,
+                "watchTimeoutSeconds": 5,
+                **kube,
+            },
+        }
         doc.update(doc_extra or {})
         cfg = parse_config(doc, env={})
         client = kclient.ApiClient(kclient.Configuration(host=api.host))
         return PodWatcher(cfg, NODE, client, actions, resolver=resolver)
+
     return _make
 
 
@@ -99,8 +134,7 @@ def run_in_thread():
 
     def _run(watcher, api):
         stop = threading.Event()
-        t = threading.Thread(target=watcher.run, args=(stop,), kwargs={"retry_s": 0.1},
-                             daemon=True)
+        t = threading.Thread(target=watcher.run, args=(stop,), kwargs={"retry_s": 0.1}, daemon=True)
         t.start()
 
         def _stop():
@@ -108,8 +142,10 @@ def run_in_thread():
             api.end_watches()
             t.join(10)
             assert not t.is_alive()
+
         started.append(_stop)
         return _stop
+
     yield _run
     for s in started:
         try:

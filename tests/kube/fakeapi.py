@@ -18,6 +18,7 @@ No API server is available on our machines, so the watcher's tests run the offic
 Every write bumps the global resourceVersion and records a MODIFIED event. ``patches`` keeps
 ``(namespace, name, patch body)`` of every accepted PATCH, in order.
 """
+
 from __future__ import annotations
 
 import copy
@@ -26,7 +27,6 @@ import threading
 import time
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
 
 NODE = "node-a"
 
@@ -45,26 +45,61 @@ def merge_patch(target, patch):
 
 
 def status_obj(code: int, reason: str, message: str) -> dict:
-    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-            "message": message, "reason": reason, "code": code}
+    return {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": message,
+        "reason": reason,
+        "code": code,
+    }
 
 
-def make_pod(name: str, *, namespace: str = "default", node: str = "node-a", uid: str = None,
-             annotations: dict = None, labels: dict = None, phase: str = "Running",
-             containers: list = None, host_pid: bool = True) -> dict:
+def make_pod(
+    name: str,
+    *,
+    namespace: str = "default",
+    node: str = "node-a",
+    uid: str = None,
+    annotations: dict = None,
+    labels: dict = None,
+    phase: str = "Running",
+    containers: list = None,
+    host_pid: bool = True,
+) -> dict:
     """A Pod object. ``containers``: [(name, "containerd://<id>")] (running); ``host_pid``:
     ``spec.hostPID`` (omitted when False, as the API server does for a false default)."""
     containers = containers if containers is not None else [("main", "containerd://" + "ab" * 32)]
     return {
-        "metadata": {"name": name, "namespace": namespace, "uid": uid or f"uid-{name}",
-                     "labels": labels or {}, "annotations": annotations or {},
-                     "creationTimestamp": "2026-01-01T00:00:00Z"},
-        "spec": {"nodeName": node, **({"hostPID": True} if host_pid else {}),
-                 "containers": [{"name": n, "image": "example/app:1"} for n, _ in containers]},
-        "status": {"phase": phase, "containerStatuses": [
-            {"name": n, "containerID": cid, "ready": True, "restartCount": 0,
-             "image": "example/app:1", "imageID": "", "state": {"running": {
-                 "startedAt": "2026-01-01T00:00:01Z"}}} for n, cid in containers]},
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "uid": uid or f"uid-{name}",
+            "labels": labels or {},
+            "annotations": annotations or {},
+            "creationTimestamp": "2026-01-01T00:00:00Z",
+        },
+        "spec": {
+            "nodeName": node,
+            **({"hostPID": True} if host_pid else {}),
+            "containers": [{"name": n, "image": "example/app:1"} for n, _ in containers],
+        },
+        "status": {
+            "phase": phase,
+            "containerStatuses": [
+                {
+                    "name": n,
+                    "containerID": cid,
+                    "ready": True,
+                    "restartCount": 0,
+                    "image": "example/app:1",
+                    "imageID": "",
+                    "state": {"running": {"startedAt": "2026-01-01T00:00:01Z"}},
+                }
+                for n, cid in containers
+            ],
+        },
     }
 
 
@@ -81,16 +116,17 @@ class FakeKubeAPI:
         self.pods: dict[tuple, dict] = {}
         self.events: list[tuple[int, str, dict]] = []
         self.rv = 100
-        self.compacted = 0          # watches from an RV below this get 410
-        self.watch_generation = 0   # bumped by end_watches()
+        self.compacted = 0  # watches from an RV below this get 410
+        self.watch_generation = 0  # bumped by end_watches()
         self.patches: list[tuple[str, str, dict]] = []
         self.requests: list[tuple[str, str]] = []  # (method, path?query)
-        self.fail_patches = 0       # the next N PATCHes get 500 InternalError
+        self.fail_patches = 0  # the next N PATCHes get 500 InternalError
         self.server = _QuietServer(("127.0.0.1", 0), self._handler_class())
         self.server.daemon_threads = True
         self.host = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.02},
-                                       daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
+        )
 
     def __enter__(self):
         self.thread.start()
@@ -135,8 +171,17 @@ class FakeKubeAPI:
         version moves on without a pod event (another object changed)."""
         with self.lock:
             self.rv += 1
-            self.events.append((self.rv, "BOOKMARK", {
-                "kind": "Pod", "apiVersion": "v1", "metadata": {"resourceVersion": str(self.rv)}}))
+            self.events.append(
+                (
+                    self.rv,
+                    "BOOKMARK",
+                    {
+                        "kind": "Pod",
+                        "apiVersion": "v1",
+                        "metadata": {"resourceVersion": str(self.rv)},
+                    },
+                )
+            )
             self.lock.notify_all()
 
     def compact(self) -> None:
@@ -198,16 +243,23 @@ class FakeKubeAPI:
                     if q.get("watch") in ("true", "1"):
                         return self._watch(q)
                     return self._list(q)
-                if len(parts) == 6 and parts[:3] == ["api", "v1", "namespaces"] and parts[4] == "pods":
+                if (
+                    len(parts) == 6
+                    and parts[:3] == ["api", "v1", "namespaces"]
+                    and parts[4] == "pods"
+                ):
                     with api.lock:
                         pod = api.pods.get((parts[3], parts[5]))
                         pod = copy.deepcopy(pod)
                     if pod is None:
-                        return self._send_json(404, status_obj(404, "NotFound",
-                                                               f'pods "{parts[5]}" not found'))
+                        return self._send_json(
+                            404, status_obj(404, "NotFound", f'pods "{parts[5]}" not found')
+                        )
                     return self._send_json(200, {"kind": "Pod", "apiVersion": "v1", **pod})
-                self._send_json(404, status_obj(404, "NotFound", "the server could not find "
-                                                "the requested resource"))
+                self._send_json(
+                    404,
+                    status_obj(404, "NotFound", "the server could not find the requested resource"),
+                )
 
             def _matches(self, pod: dict, q: dict) -> bool:
                 for term in filter(None, q.get("fieldSelector", "").split(",")):
@@ -237,8 +289,15 @@ class FakeKubeAPI:
                 with api.lock:
                     items = [copy.deepcopy(p) for p in api.pods.values() if self._matches(p, q)]
                     rv = str(api.rv)
-                self._send_json(200, {"kind": "PodList", "apiVersion": "v1",
-                                      "metadata": {"resourceVersion": rv}, "items": items})
+                self._send_json(
+                    200,
+                    {
+                        "kind": "PodList",
+                        "apiVersion": "v1",
+                        "metadata": {"resourceVersion": rv},
+                        "items": items,
+                    },
+                )
 
             def _chunk(self, obj: dict) -> None:
                 data = (json.dumps(obj) + "\n").encode()
@@ -255,8 +314,9 @@ class FakeKubeAPI:
                 with api.lock:
                     gen = api.watch_generation
                     if since < api.compacted:
-                        gone = status_obj(410, "Expired", f"too old resource version: {since} "
-                                          f"({api.compacted})")
+                        gone = status_obj(
+                            410, "Expired", f"too old resource version: {since} ({api.compacted})"
+                        )
                         pending = [{"type": "ERROR", "object": gone}]
                         since = None
                     else:
@@ -277,7 +337,7 @@ class FakeKubeAPI:
                                 if not new:
                                     break
                                 since = new[-1][0]
-                            for rv, kind, pod in new:
+                            for _rv, kind, pod in new:
                                 if kind == "BOOKMARK":
                                     if q.get("allowWatchBookmarks") == "true":
                                         self._chunk({"type": kind, "object": pod})
@@ -293,33 +353,51 @@ class FakeKubeAPI:
                 n = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(n)
                 ctype = (self.headers.get("Content-Type") or "").split(";")[0].strip()
-                if not (len(parts) == 6 and parts[:3] == ["api", "v1", "namespaces"]
-                        and parts[4] == "pods"):
+                if not (
+                    len(parts) == 6
+                    and parts[:3] == ["api", "v1", "namespaces"]
+                    and parts[4] == "pods"
+                ):
                     return self._send_json(404, status_obj(404, "NotFound", "not found"))
-                if ctype not in ("application/merge-patch+json",
-                                 "application/strategic-merge-patch+json"):
-                    return self._send_json(415, status_obj(
-                        415, "UnsupportedMediaType",
-                        f"the body of the request was in an unknown format - accepted media "
-                        f"types include: application/merge-patch+json (got {ctype})"))
+                if ctype not in (
+                    "application/merge-patch+json",
+                    "application/strategic-merge-patch+json",
+                ):
+                    return self._send_json(
+                        415,
+                        status_obj(
+                            415,
+                            "UnsupportedMediaType",
+                            f"the body of the request was in an unknown format - accepted media "
+                            f"types include: application/merge-patch+json (got {ctype})",
+                        ),
+                    )
                 patch = json.loads(body or b"{}")
                 key = (parts[3], parts[5])
                 with api.lock:
                     if api.fail_patches > 0:
                         api.fail_patches -= 1
-                        return self._send_json(500, status_obj(500, "InternalError",
-                                                               "etcdserver: request timed out"))
+                        return self._send_json(
+                            500, status_obj(500, "InternalError", "etcdserver: request timed out")
+                        )
                 with api.lock:
                     pod = api.pods.get(key)
                     if pod is None:
-                        return self._send_json(404, status_obj(404, "NotFound",
-                                                               f'pods "{parts[5]}" not found'))
+                        return self._send_json(
+                            404, status_obj(404, "NotFound", f'pods "{parts[5]}" not found')
+                        )
                     want = (patch.get("metadata") or {}).get("resourceVersion")
                     if want is not None and want != pod["metadata"]["resourceVersion"]:
-                        return self._send_json(409, status_obj(
-                            409, "Conflict", f'Operation cannot be fulfilled on pods "{parts[5]}": '
-                            "the object has been modified; please apply your changes to the "
-                            "latest version and try again"))
+                        return self._send_json(
+                            409,
+                            status_obj(
+                                409,
+                                "Conflict",
+                                f'Operation cannot be fulfilled on pods "{parts[5]}": '
+                                "the object has been modified; please apply your changes to the "
+                                "latest version and try again",
+                            ),
+                        )
                     new = merge_patch(pod, patch)
                     new["metadata"]["resourceVersion"] = pod["metadata"]["resourceVersion"]
                     api.pods[key] = new

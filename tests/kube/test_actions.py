@@ -1,5 +1,6 @@
 """The default pod actions: a restore into a placeholder whose pid was reused is refused before
 anything runs."""
+
 from __future__ import annotations
 
 import subprocess
@@ -22,12 +23,14 @@ def test_restore_into_a_reused_placeholder_pid_is_refused(tmp_path):
         actions = AgentActions(parse_config({"driver": "fake"}))
         pod = {"metadata": {"namespace": "default", "name": "p1"}}
         with pytest.raises(PlacementError) as e:
-            actions.restore(pod, "snap1", images_dir=str(snap), into_pid=proc.pid,
-                            into_start_time=started - 1)
+            actions.restore(
+                pod, "snap1", images_dir=str(snap), into_pid=proc.pid, into_start_time=started - 1
+            )
         assert (e.value.phase, e.value.pid) == ("placement", proc.pid)
         assert str(e.value).endswith(
             f"is not the placeholder's process any more (started at tick {started}, the "
-            f"placeholder's init at {started - 1}): its pid was reused; nothing was done")
+            f"placeholder's init at {started - 1}): its pid was reused; nothing was done"
+        )
         assert (snap / "manifest.json").read_text() == "{}"
         assert proc.poll() is None
     finally:

@@ -1,6 +1,7 @@
 """join_host_cgroup_namespace: a process in a cgroup namespace of its own (as a DaemonSet
 container on a cgroup v2 node) moves into another process's, and then reads other processes'
 cgroup paths as that namespace shows them."""
+
 from __future__ import annotations
 
 import json
@@ -28,9 +29,21 @@ def test_a_process_in_its_own_cgroup_namespace_joins_the_nodes(cgroup_dir):
     env = {k: v for k, v in os.environ.items() if not k.startswith("LD_")}
     # move the child into a test cgroup first, then into a cgroup namespace rooted there
     out = subprocess.run(
-        ["sh", "-c", f'echo $$ > {cg}/cgroup.procs && exec unshare --cgroup "$@"', "sh",
-         sys.executable, "-c", PROBE, str(os.getpid())],
-        capture_output=True, text=True, env=env, check=True).stdout
+        [
+            "sh",
+            "-c",
+            f'echo $$ > {cg}/cgroup.procs && exec unshare --cgroup "$@"',
+            "sh",
+            sys.executable,
+            "-c",
+            PROBE,
+            str(os.getpid()),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    ).stdout
     r = json.loads(out)
     mine = os.stat("/proc/self/ns/cgroup").st_ino
     name = os.path.basename(cg)
@@ -47,6 +60,7 @@ def test_a_process_in_its_own_cgroup_namespace_joins_the_nodes(cgroup_dir):
 def test_same_namespace_and_unreadable_ones_change_nothing():
     ino = os.stat("/proc/self/ns/cgroup").st_ino
     assert join_host_cgroup_namespace(os.getpid()) == "same"
-    assert join_host_cgroup_namespace(2 ** 22 + 12345).startswith(
-        f"unavailable: /proc/{2 ** 22 + 12345}/ns/cgroup: No such file or directory")
+    assert join_host_cgroup_namespace(2**22 + 12345).startswith(
+        f"unavailable: /proc/{2**22 + 12345}/ns/cgroup: No such file or directory"
+    )
     assert os.stat("/proc/self/ns/cgroup").st_ino == ino

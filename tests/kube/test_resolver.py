@@ -1,8 +1,8 @@
 """Containers -> process trees through /proc/PID/cgroup, on a laid-out proc directory."""
+
 from __future__ import annotations
 
 import pytest
-
 from fakeapi import make_pod
 
 from cuinterpose.agent.kube.resolver import CgroupResolver, ContainerTree, ResolveError
@@ -20,8 +20,27 @@ def lay(proc, pid, ppid, cgroup, comm="app", start=None, nspid=None):
     d.mkdir()
     (d / "cgroup").write_text(cgroup)
     # comm with a space and a parenthesis, as /proc allows; fields 4..22 (19 of them)
-    rest = [ppid, pid, pid, 0, -1, 4194560, 0, 0, 0, 0, 0, 0, 0, 0, 20, 0, 1, 0,
-            start if start is not None else 100 + pid]
+    rest = [
+        ppid,
+        pid,
+        pid,
+        0,
+        -1,
+        4194560,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        20,
+        0,
+        1,
+        0,
+        start if start is not None else 100 + pid,
+    ]
     (d / "stat").write_text(f"{pid} ({comm} (x)) S {' '.join(map(str, rest))} 0 0\n")
     if nspid is not None:
         (d / "status").write_text(f"Name:\t{comm}\nNSpid:\t{' '.join(map(str, nspid))}\n")
@@ -31,7 +50,7 @@ def lay(proc, pid, ppid, cgroup, comm="app", start=None, nspid=None):
 def proc(tmp_path):
     p = tmp_path / "proc"
     p.mkdir()
-    (p / "self").mkdir()          # non-numeric entries are ignored
+    (p / "self").mkdir()  # non-numeric entries are ignored
     lay(p, 1, 0, "0::/init.scope\n", "systemd")
     lay(p, 900, 1, "0::/system.slice/containerd.service\n", "containerd-shim")
     # container A (cgroup v2): init 1000 -> ranks 1001, 1002; an exec'd shell 1100
@@ -50,8 +69,10 @@ def pod(*containers, **kw):
 
 def test_roots_are_processes_whose_parent_is_outside(proc):
     trees = CgroupResolver(proc).resolve(pod(("main", CID_A), ("side", CID_B)))
-    assert trees == [ContainerTree("main", CID_A, (1000, 1001, 1002, 1100), (1000, 1100)),
-                     ContainerTree("side", CID_B, (2000,), (2000,))]
+    assert trees == [
+        ContainerTree("main", CID_A, (1000, 1001, 1002, 1100), (1000, 1100)),
+        ContainerTree("side", CID_B, (2000,), (2000,)),
+    ]
 
 
 def test_container_without_processes_is_left_out(proc):
@@ -70,8 +91,10 @@ def test_not_running_containers_are_ignored(proc):
 def test_no_process_found_names_containers(proc):
     with pytest.raises(ResolveError) as e:
         CgroupResolver(proc).resolve(pod(("main", "d4" * 32)))
-    assert str(e.value) == (f"no process of pod default/p1 found in the cgroups of its "
-                            f"containers main (d4d4d4d4d4d4) under {proc}")
+    assert str(e.value) == (
+        f"no process of pod default/p1 found in the cgroups of its "
+        f"containers main (d4d4d4d4d4d4) under {proc}"
+    )
 
 
 def test_short_container_id_is_refused(proc):
@@ -101,7 +124,7 @@ def test_placeholder_container_is_the_first_in_spec_order_not_status_order(tmp_p
     lay(p, 4000, 900, V2.format(CID_B), "app", start=20)
     # the kubelet sorts containerStatuses by name: "envoy" before "main"
     pd = pod(("envoy", CID_A), ("main", CID_B))
-    pd["spec"]["containers"].reverse()            # spec: main first, then the envoy sidecar
+    pd["spec"]["containers"].reverse()  # spec: main first, then the envoy sidecar
     tree, pid, started = CgroupResolver(p).placeholder(pd)
     assert (tree.name, pid, started) == ("main", 4000, 20)
 
@@ -113,5 +136,7 @@ def test_a_process_in_its_own_pid_namespace_is_refused(tmp_path):
     lay(p, 5000, 900, V2.format(CID_A), "app", nspid=[5000, 1])
     with pytest.raises(ResolveError) as e:
         CgroupResolver(p).resolve(pod(("main", CID_A)))
-    assert str(e.value) == ("pod default/p1 container main: pid 5000 runs in its own PID "
-                            "namespace (NSpid 5000 1); the pod needs spec.hostPID: true")
+    assert str(e.value) == (
+        "pod default/p1 container main: pid 5000 runs in its own PID "
+        "namespace (NSpid 5000 1); the pod needs spec.hostPID: true"
+    )

@@ -15,6 +15,7 @@ daemon's metrics count both; then a pod whose workload never quiesces keeps a re
 flight: health is SERVING, a gRPC checkpoint waits for the node (the same lock), SIGTERM lets
 the request finish (Failed, the workload untouched), starts no other, and the daemon exits 0.
 Uses the installed shim: run under ``flock -s /tmp/cuinterpose-build.lock``."""
+
 from __future__ import annotations
 
 import json
@@ -31,30 +32,28 @@ import threading
 
 import pytest
 import yaml
-
 from fakeapi import NODE, make_pod
+from metrics_kit import scrape
 from placement_kit import not_placed
 from proclayout import lay_proc
 
-from cuinterpose.workloads.afdwin import demo
-from cuinterpose.agent.snapshot import pb
-from cuinterpose.agent.rpc import client
-from cuinterpose.agent.mech.census import walk_tree
 from cuinterpose.agent.kube.hostcgroup import join_host_cgroup_namespace
-from metrics_kit import scrape
+from cuinterpose.agent.mech.census import walk_tree
+from cuinterpose.agent.rpc import client
+from cuinterpose.agent.snapshot import pb
+from cuinterpose.workloads.afdwin import demo
 
 HERE = pathlib.Path(__file__).resolve().parent
 CHART = HERE.parents[1] / "charts" / "cuinterpose"
 sys.path.insert(0, str(HERE.parent / "chart"))
 import minihelm  # noqa: E402
 
-
 CID_JOB = "c0ffee" * 10 + "abcd"
 CID_STUCK = "5bad" * 16
 CID_PLACEHOLDER = "f" * 64
 ST, MSG = "cuinterpose.io/checkpoint-status", "cuinterpose.io/checkpoint-message"
 RST, RMSG = "cuinterpose.io/restore-status", "cuinterpose.io/restore-message"
-CONFIG_PATH = "/etc/cuinterpose/config.yaml"    # where the DaemonSet mounts the ConfigMap
+CONFIG_PATH = "/etc/cuinterpose/config.yaml"  # where the DaemonSet mounts the ConfigMap
 
 
 def render(values: dict) -> tuple[dict, str]:
@@ -74,11 +73,14 @@ def render(values: dict) -> tuple[dict, str]:
 
 def status_patches(api, name: str, key: str) -> list[str]:
     """The values the agent wrote to ``key`` on pod default/NAME, in order."""
-    return [p["metadata"]["annotations"][key] for ns, n, p in api.patches
-            if (ns, n) == ("default", name) and key in p["metadata"].get("annotations", {})]
+    return [
+        p["metadata"]["annotations"][key]
+        for ns, n, p in api.patches
+        if (ns, n) == ("default", name) and key in p["metadata"].get("annotations", {})
+    ]
 
 
-metrics = scrape     # {sample with labels: value} of the daemon's /metrics
+metrics = scrape  # {sample with labels: value} of the daemon's /metrics
 
 
 def wait_path(p: pathlib.Path, proc: subprocess.Popen, timeout_s: float = 60) -> None:
@@ -94,7 +96,7 @@ def wait_path(p: pathlib.Path, proc: subprocess.Popen, timeout_s: float = 60) ->
 
 @pytest.fixture
 def agent_dir():
-    d = tempfile.mkdtemp(prefix="cui-sw-")    # Unix socket paths stay short
+    d = tempfile.mkdtemp(prefix="cui-sw-")  # Unix socket paths stay short
     yield pathlib.Path(d)
     shutil.rmtree(d, ignore_errors=True)
 
@@ -107,21 +109,31 @@ def stuck(subreaper):
 
     def _start(ctl):
         p = subprocess.Popen(
-            [sys.executable, "-c", "from cuda.bindings import driver as cu\n"
-             "print(int(cu.cuInit(0)[0]), flush=True)\nimport time\ntime.sleep(600)\n"],
-            env=demo.workload_env(ctl), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            text=True, start_new_session=True)
+            [
+                sys.executable,
+                "-c",
+                "from cuda.bindings import driver as cu\n"
+                "print(int(cu.cuInit(0)[0]), flush=True)\nimport time\ntime.sleep(600)\n",
+            ],
+            env=demo.workload_env(ctl),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         procs.append(p)
         assert p.stdout.readline() == "0\n"
         return p
+
     yield _start
     for p in procs:
         p.kill()
         p.wait()
 
 
-def test_serve_config_from_the_chart_runs_the_pod_watcher(api, tmp_path, afdwin, stuck,
-                                                          agent_dir, placeholder, cgroup_dir):
+def test_serve_config_from_the_chart_runs_the_pod_watcher(
+    api, tmp_path, afdwin, stuck, agent_dir, placeholder, cgroup_dir
+):
     steps = 1500  # ~7.5 s of traffic: the checkpoint lands mid-stream
     a = afdwin(steps=steps, step_delay_ms=5)
     a.wait_for(lambda ev: demo.received(ev) >= 20, 120, "20 messages")
@@ -129,15 +141,28 @@ def test_serve_config_from_the_chart_runs_the_pod_watcher(api, tmp_path, afdwin,
     lay_proc(proc_root, CID_JOB, [p for p, _, _ in walk_tree([a.pid])])
     sock = agent_dir / "agent.sock"
 
-    agent, config_text = render({
-        "controlDir": {"hostPath": str(a.ctl)},
-        "snapshots": {"mountPath": str(snaps)},
-        "config": {"listenAddress": f"unix:{sock}", "metricsPort": 0,
-                   "metricsAddress": "127.0.0.1", "driver": "fake", "quiesceTimeoutMs": 5000,
-                   "kubernetes": {"apiServer": api.host, "procRoot": str(proc_root),
-                                  "watchTimeoutSeconds": 5}}})
-    assert (agent["command"], agent["args"]) == (["cuinterpose-agent"],
-                                                 ["serve", "--config", CONFIG_PATH])
+    agent, config_text = render(
+        {
+            "controlDir": {"hostPath": str(a.ctl)},
+            "snapshots": {"mountPath": str(snaps)},
+            "config": {
+                "listenAddress": f"unix:{sock}",
+                "metricsPort": 0,
+                "metricsAddress": "127.0.0.1",
+                "driver": "fake",
+                "quiesceTimeoutMs": 5000,
+                "kubernetes": {
+                    "apiServer": api.host,
+                    "procRoot": str(proc_root),
+                    "watchTimeoutSeconds": 5,
+                },
+            },
+        }
+    )
+    assert (agent["command"], agent["args"]) == (
+        ["cuinterpose-agent"],
+        ["serve", "--config", CONFIG_PATH],
+    )
     cfg = tmp_path / "config.yaml"
     cfg.write_text(config_text)
     exe = pathlib.Path(sys.executable).with_name("cuinterpose-agent")
@@ -153,8 +178,9 @@ def test_serve_config_from_the_chart_runs_the_pod_watcher(api, tmp_path, afdwin,
         # CUINTERPOSE_LIB_DIR: the node's copy of the shim; here the installed one is used
     errlog = tmp_path / "agent.stderr"
     with open(errlog, "wb") as err:
-        d = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err,
-                             env=env, text=True)
+        d = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err, env=env, text=True
+        )
     try:
         # the restore's placeholder: its init in namespaces and a cgroup of its own
         ph = placeholder("job-restored", cgroup=cgroup_dir(), mount=True, stdout=False)
@@ -167,31 +193,49 @@ def test_serve_config_from_the_chart_runs_the_pod_watcher(api, tmp_path, afdwin,
 
 def _run(api, a, d, errlog, sock, snaps, proc_root, stuck, steps, ph):
     line = d.stdout.readline()
-    m = re.fullmatch(rf"cuinterpose-agent {NODE} serving on unix:{re.escape(str(sock))}, "
-                     r"metrics on 127\.0\.0\.1:(\d+)\n", line)
+    m = re.fullmatch(
+        rf"cuinterpose-agent {NODE} serving on unix:{re.escape(str(sock))}, "
+        r"metrics on 127\.0\.0\.1:(\d+)\n",
+        line,
+    )
     assert m, (line, errlog.read_text())
     mport, addr = int(m.group(1)), f"unix:{sock}"
-    assert mport > 0          # metricsPort: 0 = a free port the OS picked
+    assert mport > 0  # metricsPort: 0 = a free port the OS picked
     # the watcher lists, then watches, this node's pods only
-    assert api.wait_for(lambda x: any("watch=true" in q for _, q in x.requests), 60), \
+    assert api.wait_for(lambda x: any("watch=true" in q for _, q in x.requests), 60), (
         errlog.read_text()
-    assert (client.health(addr), client.health(addr, client.SERVICE_NAME)) == \
-        ("SERVING", "SERVING")
+    )
+    assert (client.health(addr), client.health(addr, client.SERVICE_NAME)) == ("SERVING", "SERVING")
 
     # a pod on another node, asking for a checkpoint of the very same container
     other = {"cuinterpose.io/checkpoint": "elsewhere"}
-    api.add_pod(make_pod("other", node="node-b", annotations=other,
-                         containers=[("main", f"containerd://{CID_JOB}")]))
+    api.add_pod(
+        make_pod(
+            "other",
+            node="node-b",
+            annotations=other,
+            containers=[("main", f"containerd://{CID_JOB}")],
+        )
+    )
 
     # checkpoint through the annotation
-    api.add_pod(make_pod("job", annotations={"cuinterpose.io/checkpoint": "snap1"},
-                         containers=[("main", f"containerd://{CID_JOB}")]))
-    assert api.wait_for(lambda x: x.annotations("default", "job").get(ST)
-                        in ("Succeeded", "Failed"), 300)
+    api.add_pod(
+        make_pod(
+            "job",
+            annotations={"cuinterpose.io/checkpoint": "snap1"},
+            containers=[("main", f"containerd://{CID_JOB}")],
+        )
+    )
+    assert api.wait_for(
+        lambda x: x.annotations("default", "job").get(ST) in ("Succeeded", "Failed"), 300
+    )
     ann = api.annotations("default", "job")
     snap = snaps / "default" / "snap1"
-    assert (ann[ST], ann["cuinterpose.io/snapshot"], ann["cuinterpose.io/snapshot-node"]) == \
-        ("Succeeded", str(snap), NODE), ann[MSG]
+    assert (ann[ST], ann["cuinterpose.io/snapshot"], ann["cuinterpose.io/snapshot-node"]) == (
+        "Succeeded",
+        str(snap),
+        NODE,
+    ), ann[MSG]
     assert status_patches(api, "job", ST) == ["Pending", "Running", "Succeeded"]
     assert ann["cuinterpose.io/checkpoint-handled"] == "snap1@uid-job"
     assert a.wait_dumped() == -signal.SIGKILL
@@ -201,40 +245,61 @@ def _run(api, a, d, errlog, sock, snaps, proc_root, stuck, steps, ph):
     assert got['cuinterpose_snapshots_total{kind="checkpoint",result="succeeded"}'] == 1.0
     assert got['cuinterpose_requests_in_flight{kind="checkpoint"}'] == 0.0
     assert got['cuinterpose_phase_duration_seconds_count{kind="checkpoint",phase="census"}'] == 1.0
-    assert got['cuinterpose_phase_bytes_total{kind="checkpoint",phase="SAVE_ALLOCATIONS"}'] == \
-        man["totals"]["carrier_bytes"]
+    assert (
+        got['cuinterpose_phase_bytes_total{kind="checkpoint",phase="SAVE_ALLOCATIONS"}']
+        == man["totals"]["carrier_bytes"]
+    )
 
     # restore through a placeholder pod
     lay_proc(proc_root, CID_PLACEHOLDER, [ph.pid])
-    api.add_pod(make_pod("job-restored", annotations={"cuinterpose.io/restore-from": "snap1"},
-                         containers=[("main", f"containerd://{CID_PLACEHOLDER}")]))
-    assert api.wait_for(lambda x: x.annotations("default", "job-restored").get(RST)
-                        in ("Succeeded", "Failed"), 300)
+    api.add_pod(
+        make_pod(
+            "job-restored",
+            annotations={"cuinterpose.io/restore-from": "snap1"},
+            containers=[("main", f"containerd://{CID_PLACEHOLDER}")],
+        )
+    )
+    assert api.wait_for(
+        lambda x: x.annotations("default", "job-restored").get(RST) in ("Succeeded", "Failed"), 300
+    )
     r = api.annotations("default", "job-restored")
     assert r[RST] == "Succeeded", r[RMSG]
     assert status_patches(api, "job-restored", RST) == ["Pending", "Running", "Succeeded"]
-    assert r[RMSG] == (f"restored snapshot {man['snapshot_id']} from {snap} into container "
-                       f"main (pid {ph.pid}): roots {a.pid}")
+    assert r[RMSG] == (
+        f"restored snapshot {man['snapshot_id']} from {snap} into container "
+        f"main (pid {ph.pid}): roots {a.pid}"
+    )
     assert not_placed(a.pid, ph.pid) == []
     assert a.wait_restored_exit(300) in (0, None)
     s = [e for e in a.events() if demo.kind(e) == "summary"][-1]
-    assert (s["ok"], s["lost"], s["duplicated"], s["torn"], s["restores_seen"]) == \
-        (True, 0, 0, 0, 1)
+    assert (s["ok"], s["lost"], s["duplicated"], s["torn"], s["restores_seen"]) == (
+        True,
+        0,
+        0,
+        0,
+        1,
+    )
     assert demo.check_run(a.events(), steps) == []
     got = metrics(mport)
     assert got['cuinterpose_snapshots_total{kind="restore",result="succeeded"}'] == 1.0
-    assert got['cuinterpose_phase_bytes_total{kind="restore",phase="LOAD_ALLOCATIONS"}'] == \
-        man["totals"]["carrier_bytes"]
+    assert (
+        got['cuinterpose_phase_bytes_total{kind="restore",phase="LOAD_ALLOCATIONS"}']
+        == man["totals"]["carrier_bytes"]
+    )
 
     # a request in flight: the workload never quiesces, the checkpoint waits quiesceTimeoutMs
     w = stuck(a.ctl)
     lay_proc(proc_root, CID_STUCK, [w.pid])
-    api.add_pod(make_pod("stuck", annotations={"cuinterpose.io/checkpoint": "snap2"},
-                         containers=[("main", f"containerd://{CID_STUCK}")]))
+    api.add_pod(
+        make_pod(
+            "stuck",
+            annotations={"cuinterpose.io/checkpoint": "snap2"},
+            containers=[("main", f"containerd://{CID_STUCK}")],
+        )
+    )
     wait_path(a.ctl / f"quiesce-{w.pid}.request", d)
     assert api.annotations("default", "stuck")[ST] == "Running"
-    assert (client.health(addr), client.health(addr, client.SERVICE_NAME)) == \
-        ("SERVING", "SERVING")
+    assert (client.health(addr), client.health(addr, client.SERVICE_NAME)) == ("SERVING", "SERVING")
     got = metrics(mport)
     assert got['cuinterpose_requests_in_flight{kind="checkpoint"}'] == 1.0
     assert got['cuinterpose_snapshots_total{kind="checkpoint",result="succeeded"}'] == 1.0
@@ -256,35 +321,48 @@ def _grpc_waits_then_sigterm(api, a, d, errlog, addr, snaps, w, sleeper):
     def grpc_checkpoint():
         ch = client.channel(addr)
         try:
-            req = apb.CheckpointRequest(roots=[sleeper.pid], images_dir=str(snaps / "grpc"),
-                                        options=apb.CheckpointOptions(control_dir=str(a.ctl),
-                                                                      driver="fake"))
+            req = apb.CheckpointRequest(
+                roots=[sleeper.pid],
+                images_dir=str(snaps / "grpc"),
+                options=apb.CheckpointOptions(control_dir=str(a.ctl), driver="fake"),
+            )
             for ev in agrpc.AgentStub(ch).Checkpoint(req, timeout=120):
                 events.put(ev)
-        except Exception as e:          # noqa: BLE001 - reported below
+        except Exception as e:  # noqa: BLE001 - reported below
             events.put(e)
         finally:
             ch.close()
             events.put(None)
+
     t = threading.Thread(target=grpc_checkpoint, daemon=True)
     t.start()
     first = events.get(timeout=60)
     assert (first.seq, first.progress.event, first.progress.text) == (
-        1, "note", "waiting for the node: the checkpoint snap2 of pod default/stuck is running "
-                   "(one checkpoint or restore at a time per node)")
+        1,
+        "note",
+        "waiting for the node: the checkpoint snap2 of pod default/stuck is running "
+        "(one checkpoint or restore at a time per node)",
+    )
 
     # a request that arrives now is left alone once the daemon is stopping
-    api.add_pod(make_pod("late", annotations={"cuinterpose.io/checkpoint": "snap3"},
-                         containers=[("main", f"containerd://{CID_STUCK}")]))
+    api.add_pod(
+        make_pod(
+            "late",
+            annotations={"cuinterpose.io/checkpoint": "snap3"},
+            containers=[("main", f"containerd://{CID_STUCK}")],
+        )
+    )
     d.send_signal(signal.SIGTERM)
     assert d.wait(120) == 0, errlog.read_text()
     # the pod request finished before the daemon left, and its outcome is written
     st = api.annotations("default", "stuck")
     assert status_patches(api, "stuck", ST) == ["Pending", "Running", "Failed"]
-    assert st[MSG] == (f"quiesce: pid {w.pid} workload did not write {a.ctl}/quiesce-{w.pid}.ready "
-                       "within 5000 ms; checkpoint refused, nothing was torn down, the workload "
-                       "keeps running [outcome: refused]")
-    assert w.poll() is None                  # refused: untouched
+    assert st[MSG] == (
+        f"quiesce: pid {w.pid} workload did not write {a.ctl}/quiesce-{w.pid}.ready "
+        "within 5000 ms; checkpoint refused, nothing was torn down, the workload "
+        "keeps running [outcome: refused]"
+    )
+    assert w.poll() is None  # refused: untouched
     assert api.annotations("default", "late") == {"cuinterpose.io/checkpoint": "snap3"}
     # the waiting gRPC request ran after the pod request, to its result
     t.join(60)
@@ -293,32 +371,48 @@ def _grpc_waits_then_sigterm(api, a, d, errlog, addr, snaps, w, sleeper):
         rest.append(ev)
     assert [str(e) for e in rest if not hasattr(e, "seq")] == [], rest
     assert [(e.progress.event, e.progress.phase, e.progress.status) for e in rest[:-1]] == [
-        ("start", "driver", "running"), ("end", "driver", "ok"),
-        ("start", "census", "running"), ("end", "census", "failed")]
+        ("start", "driver", "running"),
+        ("end", "driver", "ok"),
+        ("start", "census", "running"),
+        ("end", "census", "failed"),
+    ]
     res = rest[-1].result
-    assert (rest[-1].seq, res.ok, res.error.phase, res.error.outcome) == \
-        (6, False, "census", "refused")
+    assert (rest[-1].seq, res.ok, res.error.phase, res.error.outcome) == (
+        6,
+        False,
+        "census",
+        "refused",
+    )
     # the other node's pod was never listed, watched or written
     assert api.annotations("default", "other") == {"cuinterpose.io/checkpoint": "elsewhere"}
     assert [n for _, n, _ in api.patches if n == "other"] == []
-    assert {q.split("fieldSelector=", 1)[1].split("&", 1)[0]
-            for m_, q in api.requests if m_ == "GET" and q.startswith("/api/v1/pods")} == \
-        {"spec.nodeName%3Dnode-a"}
+    assert {
+        q.split("fieldSelector=", 1)[1].split("&", 1)[0]
+        for m_, q in api.requests
+        if m_ == "GET" and q.startswith("/api/v1/pods")
+    } == {"spec.nodeName%3Dnode-a"}
     # a clean exit: stderr holds the one warning about the refused pod request (no
     # traceback, no abort at exit); the socket is gone
-    reason = (f"quiesce: pid {w.pid} workload did not write {a.ctl}/quiesce-{w.pid}.ready "
-              "within 5000 ms; checkpoint refused, nothing was torn down, the workload keeps "
-              "running")
+    reason = (
+        f"quiesce: pid {w.pid} workload did not write {a.ctl}/quiesce-{w.pid}.ready "
+        "within 5000 ms; checkpoint refused, nothing was torn down, the workload keeps "
+        "running"
+    )
     # the first start made the chart's snapshot dir; the daemon says when it cannot work in
     # the node's cgroup namespace (here: pid 1's cannot be read); then only the failed request
     # is logged
-    ns = join_host_cgroup_namespace()        # what the daemon found (this test process is in
-    assert ns in ("same", "joined") or ns.startswith("unavailable")    # the same namespace)
-    warn = ("" if not ns.startswith("unavailable") else
-            f"cannot work in the node's cgroup namespace ({ns}); pods whose cgroups lie outside "
-            "this agent's cgroup namespace cannot be resolved or restored into\n")
-    assert errlog.read_text() == (f"cuinterpose-agent: created the snapshot dir {snaps} (mode "
-                                  f"0700)\n{warn}checkpoint snap2 on default/stuck failed: "
-                                  f"{reason}\n")
-    assert not pathlib.Path(addr[len("unix:"):]).exists()
+    ns = join_host_cgroup_namespace()  # what the daemon found (this test process is in
+    assert ns in ("same", "joined") or ns.startswith("unavailable")  # the same namespace)
+    warn = (
+        ""
+        if not ns.startswith("unavailable")
+        else f"cannot work in the node's cgroup namespace ({ns}); pods whose cgroups lie outside "
+        "this agent's cgroup namespace cannot be resolved or restored into\n"
+    )
+    assert errlog.read_text() == (
+        f"cuinterpose-agent: created the snapshot dir {snaps} (mode "
+        f"0700)\n{warn}checkpoint snap2 on default/stuck failed: "
+        f"{reason}\n"
+    )
+    assert not pathlib.Path(addr[len("unix:") :]).exists()
     assert sleeper.poll() is None and not (snaps / "grpc").exists()

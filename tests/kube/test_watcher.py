@@ -1,9 +1,9 @@
 """The pod watcher against the fake API server with the official kubernetes client:
 annotations written for success, refusal and failure; idempotency; watch, 410 re-list."""
+
 from __future__ import annotations
 
 import pytest
-
 from fakeapi import NODE, make_pod
 
 from cuinterpose.agent.errors import AgentError, CensusError, CheckpointFailed
@@ -32,9 +32,13 @@ def test_checkpoint_success_writes_pending_running_succeeded(api, actions, make_
     assert ann_patches(api) == [
         {ST: "Pending", HD: "snap1@uid-p1", MSG: f"checkpoint snap1 accepted by node {NODE}"},
         {ST: "Running", MSG: f"checkpoint snap1: container main: roots 4242 -> {snap}"},
-        {ST: "Succeeded", SNAP: snap, "cuinterpose.io/snapshot-node": NODE,
-         MSG: f"snapshot q-snap1 of roots 4242 (CUDA pids 4243, 4244) in {snap}; "
-              "the workload was stopped"},
+        {
+            ST: "Succeeded",
+            SNAP: snap,
+            "cuinterpose.io/snapshot-node": NODE,
+            MSG: f"snapshot q-snap1 of roots 4242 (CUDA pids 4243, 4244) in {snap}; "
+            "the workload was stopped",
+        },
     ]
     # the claim is conditional on the resourceVersion the watcher saw
     first = [p for ns, n, p in api.patches][0]
@@ -43,8 +47,9 @@ def test_checkpoint_success_writes_pending_running_succeeded(api, actions, make_
 
 
 def test_leave_running_annotation(api, actions, make_watcher, tmp_path):
-    api.add_pod(make_pod("p1", annotations={CK: "snap1",
-                                            "cuinterpose.io/checkpoint-leave-running": "true"}))
+    api.add_pod(
+        make_pod("p1", annotations={CK: "snap1", "cuinterpose.io/checkpoint-leave-running": "true"})
+    )
     make_watcher().relist()
     assert actions.calls[0][5] is True
     assert api.annotations("default", "p1")[MSG].endswith("; the workload keeps running")
@@ -53,6 +58,7 @@ def test_leave_running_annotation(api, actions, make_watcher, tmp_path):
 def test_refusal_no_process_in_cgroups(api, actions, make_watcher, tmp_path):
     """The real cgroup resolver on an empty /proc: Failed, naming the container; no action."""
     from cuinterpose.agent.kube.resolver import CgroupResolver
+
     proc = tmp_path / "proc"
     proc.mkdir()
     api.add_pod(make_pod("p1", annotations={CK: "snap1"}))
@@ -62,33 +68,43 @@ def test_refusal_no_process_in_cgroups(api, actions, make_watcher, tmp_path):
     assert actions.calls == []
     a = api.annotations("default", "p1")
     assert a[ST] == "Failed"
-    assert a[MSG] == (f"resolve: no process of pod default/p1 found in the cgroups of its "
-                      f"containers main (abababababab) under {proc}; nothing was done")
+    assert a[MSG] == (
+        f"resolve: no process of pod default/p1 found in the cgroups of its "
+        f"containers main (abababababab) under {proc}; nothing was done"
+    )
     assert SNAP not in a
 
 
 def test_refusal_from_agent_names_phase_and_pid(api, actions, make_watcher):
-    actions.fail = CensusError("census", "no cuinterpose participant under root pid(s) 4242 "
-                               "(no process maps /x/libcuinterpose.so and has a socket in /c)")
+    actions.fail = CensusError(
+        "census",
+        "no cuinterpose participant under root pid(s) 4242 "
+        "(no process maps /x/libcuinterpose.so and has a socket in /c)",
+    )
     api.add_pod(make_pod("p1", annotations={CK: "snap1"}))
     make_watcher().relist()
     a = api.annotations("default", "p1")
     assert (a[ST], a[HD]) == ("Failed", "snap1@uid-p1")
-    assert a[MSG] == ("census: no cuinterpose participant under root pid(s) 4242 (no process "
-                      "maps /x/libcuinterpose.so and has a socket in /c) [outcome: refused]")
+    assert a[MSG] == (
+        "census: no cuinterpose participant under root pid(s) 4242 (no process "
+        "maps /x/libcuinterpose.so and has a socket in /c) [outcome: refused]"
+    )
 
 
 def test_failure_rolled_back(api, actions, make_watcher):
-    cause = AgentError("native checkpoint", "cuCheckpointProcessCheckpoint: CUDA_ERROR_UNKNOWN",
-                       pid=4243)
+    cause = AgentError(
+        "native checkpoint", "cuCheckpointProcessCheckpoint: CUDA_ERROR_UNKNOWN", pid=4243
+    )
     actions.fail = CheckpointFailed(cause, "rolled_back")
     api.add_pod(make_pod("p1", annotations={CK: "snap1"}))
     make_watcher().relist()
     a = api.annotations("default", "p1")
     assert a[ST] == "Failed"
-    assert a[MSG] == ("native checkpoint: pid 4243 cuCheckpointProcessCheckpoint: "
-                      "CUDA_ERROR_UNKNOWN (rolled back: the workload continues with its memory "
-                      "intact) [outcome: rolled_back]")
+    assert a[MSG] == (
+        "native checkpoint: pid 4243 cuCheckpointProcessCheckpoint: "
+        "CUDA_ERROR_UNKNOWN (rolled back: the workload continues with its memory "
+        "intact) [outcome: rolled_back]"
+    )
 
 
 def test_failure_unexpected_exception(api, actions, make_watcher):
@@ -122,27 +138,45 @@ def test_restarted_watcher_does_not_rerun(api, actions, make_watcher):
 
 
 def test_agent_died_mid_run_is_failed_not_rerun(api, actions, make_watcher):
-    api.add_pod(make_pod("p1", annotations={CK: "snap1", ST: "Running", HD: "snap1@uid-p1",
-                                            MSG: "checkpoint snap1: ..."}))
+    api.add_pod(
+        make_pod(
+            "p1",
+            annotations={
+                CK: "snap1",
+                ST: "Running",
+                HD: "snap1@uid-p1",
+                MSG: "checkpoint snap1: ...",
+            },
+        )
+    )
     make_watcher().relist()
     assert actions.calls == []
     a = api.annotations("default", "p1")
     assert a[ST] == "Failed"
-    assert a[MSG] == ("interrupted: the agent restarted while this checkpoint was Running; it "
-                      "is not retried (request a new snapshot name; the workload may be parked "
-                      "or stopped, see docs/agent.md)")
+    assert a[MSG] == (
+        "interrupted: the agent restarted while this checkpoint was Running; it "
+        "is not retried (request a new snapshot name; the workload may be parked "
+        "or stopped, see docs/agent.md)"
+    )
 
 
 def test_stale_annotation_copied_from_another_pod_is_skipped(api, actions, make_watcher):
-    api.add_pod(make_pod("p1", uid="uid-new", annotations={
-        CK: "snap1", ST: "Succeeded", HD: "snap1@uid-old", SNAP: "/old/place"}))
+    api.add_pod(
+        make_pod(
+            "p1",
+            uid="uid-new",
+            annotations={CK: "snap1", ST: "Succeeded", HD: "snap1@uid-old", SNAP: "/old/place"},
+        )
+    )
     make_watcher().relist()
     assert actions.calls == []
     a = api.annotations("default", "p1")
     assert (a[ST], a[HD]) == ("Failed", "snap1@uid-new")
-    assert a[MSG] == ("stale request: cuinterpose.io/checkpoint=snap1 was handled for pod uid "
-                      "uid-old, not this pod (uid-new); the annotations were copied from another "
-                      "pod. Not run: set a new snapshot name to request a checkpoint")
+    assert a[MSG] == (
+        "stale request: cuinterpose.io/checkpoint=snap1 was handled for pod uid "
+        "uid-old, not this pod (uid-new); the annotations were copied from another "
+        "pod. Not run: set a new snapshot name to request a checkpoint"
+    )
 
 
 def test_new_name_after_a_handled_one_runs(api, actions, make_watcher):
@@ -172,9 +206,11 @@ def test_invalid_name_and_terminal_pod(api, actions, make_watcher):
     assert actions.calls == []
     assert api.annotations("default", "p1")[MSG] == (
         "request: '../etc' is not a snapshot name (lower-case letters, digits, '.', '_', '-'; "
-        "one path component)")
+        "one path component)"
+    )
     assert api.annotations("default", "p2")[MSG] == (
-        "request: pod is Succeeded, not Running; nothing was done")
+        "request: pod is Succeeded, not Running; nothing was done"
+    )
 
 
 def test_pending_pod_waits_until_running(api, actions, make_watcher):
@@ -189,8 +225,9 @@ def test_pending_pod_waits_until_running(api, actions, make_watcher):
 
 def test_only_own_node_namespaces_and_labels(api, actions, make_watcher):
     api.add_pod(make_pod("other-node", node="node-b", annotations={CK: "s"}))
-    api.add_pod(make_pod("other-ns", namespace="kube-system", labels={"gpu": "yes"},
-                         annotations={CK: "s"}))
+    api.add_pod(
+        make_pod("other-ns", namespace="kube-system", labels={"gpu": "yes"}, annotations={CK: "s"})
+    )
     api.add_pod(make_pod("unlabelled", namespace="team", annotations={CK: "s"}))
     api.add_pod(make_pod("mine", namespace="team", labels={"gpu": "yes"}, annotations={CK: "s"}))
     make_watcher(namespaces=["team"], labelSelector="gpu=yes").relist()
@@ -224,13 +261,16 @@ def test_result_notes_and_warnings_reach_the_message(api, actions, make_watcher,
     api.add_pod(make_pod("p2", annotations={CK: "snap2"}))
     make_watcher().relist()
     assert api.annotations("default", "p1")[RMSG].endswith(
-        ": roots 4242; note: fd 1 is a pipe to outside; note: fd 0 reopened")
+        ": roots 4242; note: fd 1 is a pipe to outside; note: fd 0 reopened"
+    )
     assert api.annotations("default", "p2")[MSG].endswith(
-        "; the workload was stopped; note: fd 1 is a pipe to outside; note: fd 0 reopened")
+        "; the workload was stopped; note: fd 1 is a pipe to outside; note: fd 0 reopened"
+    )
 
 
-def test_restore_into_a_placeholder_without_processes_is_refused(api, actions, resolver,
-                                                                 make_watcher, tmp_path):
+def test_restore_into_a_placeholder_without_processes_is_refused(
+    api, actions, resolver, make_watcher, tmp_path
+):
     snap = tmp_path / "snap" / "default" / "snap1"
     snap.mkdir(parents=True)
     (snap / "manifest.json").write_text("{}")
@@ -239,15 +279,22 @@ def test_restore_into_a_placeholder_without_processes_is_refused(api, actions, r
     make_watcher().relist()
     assert actions.calls == []
     a = api.annotations("default", "p1")
-    assert (a[RST], a[RMSG]) == ("Failed", "restore: placeholder: no process of pod default/p1 "
-                                 "found; the restored processes join the cgroups and namespaces "
-                                 "of the placeholder's running container; nothing was done")
+    assert (a[RST], a[RMSG]) == (
+        "Failed",
+        "restore: placeholder: no process of pod default/p1 "
+        "found; the restored processes join the cgroups and namespaces "
+        "of the placeholder's running container; nothing was done",
+    )
     assert (snap / "manifest.json").read_text() == "{}"
 
 
-@pytest.mark.parametrize("kind,key,what", [
-    ("checkpoint", CK, "checkpointed"),
-    ("restore", "cuinterpose.io/restore-from", "restored into")])
+@pytest.mark.parametrize(
+    "kind,key,what",
+    [
+        ("checkpoint", CK, "checkpointed"),
+        ("restore", "cuinterpose.io/restore-from", "restored into"),
+    ],
+)
 def test_a_pod_without_host_pid_is_refused(api, actions, make_watcher, tmp_path, kind, key, what):
     snap = tmp_path / "snap" / "default" / "snap1"
     snap.mkdir(parents=True)
@@ -261,7 +308,8 @@ def test_a_pod_without_host_pid_is_refused(api, actions, make_watcher, tmp_path,
     assert a[f"cuinterpose.io/{kind}-message"] == (
         f"request: pod default/p1 does not set spec.hostPID: true; a pod with its own PID "
         f"namespace cannot be {what} (the agent, CRIU and the shim's control files use host "
-        "pids; see docs/kubernetes.md); nothing was done")
+        "pids; see docs/kubernetes.md); nothing was done"
+    )
 
 
 def test_restore_of_missing_snapshot_is_refused(api, actions, make_watcher, tmp_path):
@@ -270,8 +318,10 @@ def test_restore_of_missing_snapshot_is_refused(api, actions, make_watcher, tmp_
     assert actions.calls == []
     a = api.annotations("default", "p1")
     snap = tmp_path / "snap" / "default" / "nope"
-    assert (a[RST], a[RMSG]) == ("Failed", f"restore: no snapshot 'nope' on node {NODE} "
-                                 f"(no {snap}/manifest.json); nothing was done")
+    assert (a[RST], a[RMSG]) == (
+        "Failed",
+        f"restore: no snapshot 'nope' on node {NODE} (no {snap}/manifest.json); nothing was done",
+    )
 
 
 def test_watch_events_and_410_relist(api, actions, make_watcher, run_in_thread):
@@ -319,6 +369,7 @@ def test_result_write_is_retried(api, actions, make_watcher):
     def checkpoint(pod, name, **kw):
         api.fail_patches = 2  # the API server fails the next two writes
         return {"snapshot_id": "q1", "cuda_pids": [4243]}
+
     actions.checkpoint = checkpoint
     w.relist()
     a = api.annotations("default", "p1")
@@ -327,6 +378,7 @@ def test_result_write_is_retried(api, actions, make_watcher):
 
 def test_result_write_gives_up_after_retries(api, actions, make_watcher):
     from kubernetes.client.exceptions import ApiException
+
     api.add_pod(make_pod("p1", annotations={CK: "snap1"}))
     w = make_watcher()
     w.result_retries, w.result_retry_s = 1, 0.01
@@ -334,6 +386,7 @@ def test_result_write_gives_up_after_retries(api, actions, make_watcher):
     def checkpoint(pod, name, **kw):
         api.fail_patches = 2
         return {"snapshot_id": "q1", "cuda_pids": [4243]}
+
     actions.checkpoint = checkpoint
     with pytest.raises(ApiException) as e:
         w.relist()
@@ -352,6 +405,7 @@ def test_pod_deleted_before_the_result(api, actions, make_watcher):
         with api.lock:
             del api.pods[("default", "p1")]
         return {"snapshot_id": "q1", "cuda_pids": [4243]}
+
     actions.checkpoint = checkpoint
     w.relist()
     assert (w.stats["runs"], w.in_flight) == (1, set())
@@ -376,6 +430,7 @@ def test_bookmark_moves_the_resume_point(api, actions, make_watcher, run_in_thre
 def test_run_watcher_needs_enabled_and_a_node():
     from cuinterpose.agent.config import parse_config
     from cuinterpose.agent.kube import run_watcher
+
     with pytest.raises(ValueError) as e:
         run_watcher(parse_config({}, env={}))
     assert str(e.value) == "kubernetes.enabled is false: the pod watcher is off"
@@ -386,6 +441,7 @@ def test_close_cuts_the_watch_and_starts_no_request(api, actions, make_watcher):
     server timeout here is 300 s; the join's 30 s is a hang guard), and a pod handled after it
     is neither claimed nor run."""
     import threading
+
     w = make_watcher(watchTimeoutSeconds=300)
     stop = threading.Event()
     t = threading.Thread(target=w.run, args=(stop,), daemon=True)
@@ -397,13 +453,14 @@ def test_close_cuts_the_watch_and_starts_no_request(api, actions, make_watcher):
     api.add_pod(make_pod("p1", annotations={CK: "snap1"}))
     w.handle(api.pod("default", "p1"))
     assert (actions.calls, api.patches) == ([], [])
-    w.close()    # idempotent
+    w.close()  # idempotent
 
 
 def test_close_waits_for_the_running_request(api, actions, make_watcher):
     """A request running when ``close()`` is called finishes and its outcome is written
     before ``close()`` returns."""
     import threading
+
     entered, release = threading.Event(), threading.Event()
     orig = actions.checkpoint
 
@@ -411,6 +468,7 @@ def test_close_waits_for_the_running_request(api, actions, make_watcher):
         entered.set()
         release.wait(30)
         return orig(*a, **kw)
+
     actions.checkpoint = slow
     api.add_pod(make_pod("p1", annotations={CK: "snap1"}))
     w = make_watcher()
@@ -420,7 +478,7 @@ def test_close_waits_for_the_running_request(api, actions, make_watcher):
     closed = threading.Event()
     c = threading.Thread(target=lambda: (w.close(), closed.set()), daemon=True)
     c.start()
-    assert not closed.is_set()          # blocked on the running request
+    assert not closed.is_set()  # blocked on the running request
     release.set()
     c.join(30)
     assert closed.is_set()

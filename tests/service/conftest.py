@@ -3,6 +3,7 @@ subprocess on a Unix socket (or TCP loopback) and returns its ready line; killed
 ``pki(nodes=..., strangers=...)`` writes test certificates (tests/service/pki.py, made with
 the ``cryptography`` package) into a fresh directory; ``fake_job`` is the fake group job of
 tests/service/fakejob.py."""
+
 from __future__ import annotations
 
 import json
@@ -41,20 +42,36 @@ def daemon(tmp_path_factory):
             extra = (*extra, "--snapshot-dir", str(tmp_path_factory.getbasetemp()))
         env = {**{k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}, **(env or {})}
         err = open(os.path.join(d, "stderr"), "wb")
-        p = subprocess.Popen([sys.executable, "-m", "cuinterpose.agent.cli", "serve", *lopt,
-                              "--node", node, "--json", *extra],
-                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err,
-                             env=env, text=True)
+        p = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "cuinterpose.agent.cli",
+                "serve",
+                *lopt,
+                "--node",
+                node,
+                "--json",
+                *extra,
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            env=env,
+            text=True,
+        )
         procs.append(p)
         line = p.stdout.readline()
         if not line:
             p.wait(timeout=30)
-            raise AssertionError(f"serve exited {p.returncode}: "
-                                 + open(os.path.join(d, "stderr")).read())
+            raise AssertionError(
+                f"serve exited {p.returncode}: " + open(os.path.join(d, "stderr")).read()
+            )
         info = json.loads(line)
         info["proc"] = p
         info["stderr"] = os.path.join(d, "stderr")
         return info
+
     yield _start
     for p in procs:
         if p.poll() is None:
@@ -65,15 +82,18 @@ def daemon(tmp_path_factory):
                 p.kill()
                 p.wait()
     import shutil
+
     for d in dirs:
         shutil.rmtree(d, ignore_errors=True)
 
 
 def _load_helper(name):
     import importlib.util
+
     here = os.path.dirname(os.path.abspath(__file__))
-    spec = importlib.util.spec_from_file_location(f"_cui_test_{name}",
-                                                  os.path.join(here, f"{name}.py"))
+    spec = importlib.util.spec_from_file_location(
+        f"_cui_test_{name}", os.path.join(here, f"{name}.py")
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -96,6 +116,8 @@ def pki(tmp_path_factory):
     """pki(nodes=("server", "client"), strangers=("stranger",)) -> {file name: path}: a CA
     with one certificate per node, and another CA with one per stranger
     (:func:`pki.make_pki`), in a fresh directory."""
+
     def _make(nodes=("server", "client"), strangers=("stranger",)):
         return pki_mod.make_pki(tmp_path_factory.mktemp("pki"), nodes, strangers)
+
     return _make

@@ -1,5 +1,6 @@
 """A fake group job: stands for a member's ``Checkpoint``/``Restore`` (its ``run_phase`` and
 reporter ``r``) so that lease and leader tests run without workloads or CRIU."""
+
 from __future__ import annotations
 
 import time

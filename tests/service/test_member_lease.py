@@ -4,6 +4,7 @@ would have (checkpoint: rollback then release, or resume past finish; restore: a
 criu restore ran, else dropped), never while one of its phases runs; Renew keeps it alive;
 every later RunPhase of the request is refused naming the request, the phase and the expiry;
 the expiry is counted in the metrics. Leases are 1 s; the tests poll for the state."""
+
 from __future__ import annotations
 
 import threading
@@ -11,15 +12,24 @@ import time
 
 import pytest
 
-from cuinterpose.agent.snapshot import pb
+from cuinterpose.agent.errors import AgentError
 from cuinterpose.agent.rpc import service
 from cuinterpose.agent.rpc.member import DEFAULT_GROUP_LEASE_S
-from cuinterpose.agent.errors import AgentError
 from cuinterpose.agent.rpc.metrics import Metrics
 from cuinterpose.agent.run.report import Reporter
+from cuinterpose.agent.snapshot import pb
 
-CP = ["prepare", "quiesce", "capture", "native lock", "native checkpoint", "criu dump", "manifest", "finish",
-      "resume"]
+CP = [
+    "prepare",
+    "quiesce",
+    "capture",
+    "native lock",
+    "native checkpoint",
+    "criu dump",
+    "manifest",
+    "finish",
+    "resume",
+]
 RS = ["prepare", "stale sockets", "criu restore", "native restore", "restore shared", "resume"]
 LEASE_S = 1.0
 
@@ -31,11 +41,13 @@ def member(monkeypatch, fake_job):
 
     def _member(**kw):
         log = []
-        svc = service.AgentService(service.ServeOptions(node="node-m", group_lease_s=LEASE_S),
-                                   Metrics())
+        svc = service.AgentService(
+            service.ServeOptions(node="node-m", group_lease_s=LEASE_S), Metrics()
+        )
         monkeypatch.setattr(svc, "_make", lambda kind, req: fake_job(log, **kw))
         made.append(svc)
         return svc, log
+
     yield _member
     for svc in made:
         svc.close()
@@ -45,8 +57,10 @@ def member(monkeypatch, fake_job):
 
 def run(svc, rid, phase, kind="checkpoint"):
     apb, _, _ = pb.modules()
-    return svc.run_phase(apb.RunPhaseRequest(request_id=rid, kind=kind, phase=phase,
-                                             node="node-m", leader="node-l"), Reporter())[0]
+    return svc.run_phase(
+        apb.RunPhaseRequest(request_id=rid, kind=kind, phase=phase, node="node-m", leader="node-l"),
+        Reporter(),
+    )[0]
 
 
 def wait_expired(svc, rid):
@@ -70,9 +84,11 @@ def expired_counts(svc) -> dict:
 
 
 def refusal(rid, phase, after, undo):
-    return (f"request {rid}: phase {phase!r} refused: the request's lease of 1 s expired on "
-            f"node node-m after phase {after} with no Renew or RunPhase from leader node-l; "
-            f"this member {undo}; this call changed nothing")
+    return (
+        f"request {rid}: phase {phase!r} refused: the request's lease of 1 s expired on "
+        f"node node-m after phase {after} with no Renew or RunPhase from leader node-l; "
+        f"this member {undo}; this call changed nothing"
+    )
 
 
 def test_a_leader_that_stops_after_lock_leaves_a_member_that_rolls_back_and_releases(member):
@@ -83,8 +99,14 @@ def test_a_leader_that_stops_after_lock_leaves_a_member_that_rolls_back_and_rele
     assert log == CP[:4] + ["rollback", "release"]
     assert svc.jobs == {}
     undo = "rolled it back and released it (the workload continues with its memory intact)"
-    assert rec == {"kind": "checkpoint", "leader": "node-l", "phase": "'native lock'", "lease_s": 1.0,
-                   "result": "undone", "undo": undo}
+    assert rec == {
+        "kind": "checkpoint",
+        "leader": "node-l",
+        "phase": "'native lock'",
+        "lease_s": 1.0,
+        "result": "undone",
+        "undo": undo,
+    }
     assert expired_counts(svc) == {'kind="checkpoint",result="undone"': 1.0}
     # every later RunPhase of the request is refused and changes nothing
     for p in ("native checkpoint", "rollback", "prepare"):
@@ -96,13 +118,19 @@ def test_a_leader_that_stops_after_lock_leaves_a_member_that_rolls_back_and_rele
     # and Renew says so
     r = svc.renew("r1")
     assert (r["ok"], r["expired"], r["node"], r["lease_s"]) == (False, True, "node-m", 1.0)
-    assert r["reason"] == ("request r1: its lease of 1 s expired on node node-m after phase "
-                           f"'native lock' with no Renew or RunPhase from leader node-l; this member "
-                           f"{undo}")
+    assert r["reason"] == (
+        "request r1: its lease of 1 s expired on node node-m after phase "
+        f"'native lock' with no Renew or RunPhase from leader node-l; this member "
+        f"{undo}"
+    )
     assert svc.renew("nope") == {
-        "ok": False, "node": "node-m", "lease_s": 1.0, "expired": False,
+        "ok": False,
+        "node": "node-m",
+        "lease_s": 1.0,
+        "expired": False,
         "reason": "request nope: no such group request on node node-m (it finished, or never "
-                  "started here)"}
+        "started here)",
+    }
 
 
 def test_renewals_keep_the_job_through_several_leases(member):
@@ -133,8 +161,8 @@ def test_a_phase_longer_than_the_lease_is_never_undone_under_it(member):
     while svc.jobs["r3"].running != "criu dump":
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    time.sleep(3 * LEASE_S)              # three leases pass while the phase runs
-    assert svc.expire_due() == []        # a running phase is never expired
+    time.sleep(3 * LEASE_S)  # three leases pass while the phase runs
+    assert svc.expire_due() == []  # a running phase is never expired
     assert list(svc.jobs) == ["r3"] and svc.expired == {}
     r = svc.renew("r3")
     assert (r["ok"], r["phase"], r["running"]) == (True, "criu dump", True)
@@ -150,15 +178,15 @@ def test_a_failed_phase_or_a_rollback_the_leader_sent_is_finished_by_the_member(
     for p in CP[:5]:
         run(svc, "r4", p)
     with pytest.raises(AgentError):
-        run(svc, "r4", "criu dump")                          # the leader dies right after
+        run(svc, "r4", "criu dump")  # the leader dies right after
     rec = wait_expired(svc, "r4")
     assert log == CP[:6] + ["rollback", "release"]
     assert (rec["phase"], rec["result"]) == ("'criu dump' (which failed)", "undone")
     svc, log = member()
-    for p in CP[:3] + ["rollback"]:                     # the leader dies before release
+    for p in CP[:3] + ["rollback"]:  # the leader dies before release
         run(svc, "r5", p)
     rec = wait_expired(svc, "r5")
-    assert log == CP[:3] + ["rollback", "release"]      # rollback is not run twice
+    assert log == CP[:3] + ["rollback", "release"]  # rollback is not run twice
     assert (rec["phase"], rec["result"]) == ("'rollback'", "undone")
 
 
@@ -169,8 +197,9 @@ def test_past_finish_the_member_runs_resume(member):
     rec = wait_expired(svc, "r6")
     assert log == CP
     assert (rec["phase"], rec["result"]) == ("'finish'", "completed")
-    assert rec["undo"] == ("ran 'resume': every member's snapshot was complete ('finish' had "
-                           "run here)")
+    assert rec["undo"] == (
+        "ran 'resume': every member's snapshot was complete ('finish' had run here)"
+    )
     assert expired_counts(svc) == {'kind="checkpoint",result="completed"': 1.0}
 
 
@@ -179,14 +208,15 @@ def test_a_failed_self_undo_is_counted_and_refused_as_rollback_failed(member):
     for p in CP[:4]:
         run(svc, "r7", p)
     rec = wait_expired(svc, "r7")
-    assert log == CP[:4] + ["rollback"]                 # no release after a failed rollback
+    assert log == CP[:4] + ["rollback"]  # no release after a failed rollback
     assert rec["result"] == "undo_failed"
     assert rec["undo"] == "could not undo it: rollback: pid 4242 boom"
     with pytest.raises(AgentError) as e:
         run(svc, "r7", "native checkpoint")
     assert e.value.outcome == "rollback_failed"
-    assert e.value.reason == refusal("r7", "native checkpoint", "'native lock'",
-                                     "could not undo it: rollback: pid 4242 boom")
+    assert e.value.reason == refusal(
+        "r7", "native checkpoint", "'native lock'", "could not undo it: rollback: pid 4242 boom"
+    )
     assert expired_counts(svc) == {'kind="checkpoint",result="undo_failed"': 1.0}
 
 
@@ -197,7 +227,9 @@ def test_restore_is_aborted_only_once_criu_restore_ran(member):
     rec = wait_expired(svc, "s1")
     assert log == RS[:2]
     assert (rec["result"], rec["undo"]) == (
-        "dropped", "dropped it (it had not reached 'criu restore': nothing to undo)")
+        "dropped",
+        "dropped it (it had not reached 'criu restore': nothing to undo)",
+    )
     svc, log = member()
     for p in RS[:3]:
         run(svc, "s2", p, kind="restore")
@@ -207,9 +239,12 @@ def test_restore_is_aborted_only_once_criu_restore_ran(member):
     with pytest.raises(AgentError) as e:
         run(svc, "s2", "native restore", kind="restore")
     assert e.value.outcome == "lease_expired"
-    assert e.value.reason == refusal("s2", "native restore", "'criu restore'",
-                                     "aborted it (its restored trees were killed; the snapshot "
-                                     "is untouched)")
+    assert e.value.reason == refusal(
+        "s2",
+        "native restore",
+        "'criu restore'",
+        "aborted it (its restored trees were killed; the snapshot is untouched)",
+    )
     assert expired_counts(svc) == {'kind="restore",result="undone"': 1.0}
 
 
@@ -239,6 +274,7 @@ def test_the_expiry_waits_for_the_node_lock_and_a_renewal_meanwhile_cancels_it(m
 
 def test_config_and_serve_option():
     from cuinterpose.agent.config import ConfigError, load_config
+
     assert load_config("").group_lease_s == 30.0
     assert load_config("groupLeaseS: 2.5").group_lease_s == 2.5
     with pytest.raises(ConfigError) as e:

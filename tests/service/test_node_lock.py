@@ -1,6 +1,7 @@
 """One checkpoint or restore at a time per node: ``AgentService.node_lock`` is held by gRPC
 requests and by the pod watcher's (``run_local``), which count in the daemon's metrics. An
 in-process ``Server`` on a Unix socket; no CRIU (census refuses a process without the shim)."""
+
 from __future__ import annotations
 
 import queue
@@ -11,22 +12,24 @@ import threading
 
 import pytest
 
-from cuinterpose.agent.snapshot import pb
-from cuinterpose.agent.rpc import client, service
 from cuinterpose.agent.config import parse_config
 from cuinterpose.agent.errors import AgentError
 from cuinterpose.agent.kube.actions import AgentActions
+from cuinterpose.agent.rpc import client, service
+from cuinterpose.agent.snapshot import pb
 
 
 @pytest.fixture
 def server(monkeypatch, tmp_path_factory):
-    monkeypatch.setenv("CUINTERPOSE_DRIVER", "fake")   # the service sets it; restored after
+    monkeypatch.setenv("CUINTERPOSE_DRIVER", "fake")  # the service sets it; restored after
     d = tempfile.mkdtemp(prefix="cui-lock-")
     # request paths are confined to the snapshot dir: every test's tmp_path lies under it
     snaps = str(tmp_path_factory.getbasetemp())
-    srv = service.Server(f"unix:{d}/a.sock", service.ServeOptions(node="n1", driver="fake",
-                                                                  snapshot_dir=snaps),
-                         metrics_port=None).start()
+    srv = service.Server(
+        f"unix:{d}/a.sock",
+        service.ServeOptions(node="n1", driver="fake", snapshot_dir=snaps),
+        metrics_port=None,
+    ).start()
     yield srv
     srv.stop(0)
     shutil.rmtree(d, ignore_errors=True)
@@ -59,8 +62,12 @@ def test_a_grpc_checkpoint_waits_for_a_pod_request_and_both_are_counted(server, 
             release.wait(60)
             order.append("pod done")
         return {"snapshot_id": "x"}
-    pod = threading.Thread(target=lambda: order.append(server.service.run_local(
-        "checkpoint", "the checkpoint s1 of pod default/p", pod_work)))
+
+    pod = threading.Thread(
+        target=lambda: order.append(
+            server.service.run_local("checkpoint", "the checkpoint s1 of pod default/p", pod_work)
+        )
+    )
     pod.start()
     assert entered.wait(60)
     assert samples(server)['cuinterpose_requests_in_flight{kind="checkpoint"}'] == 1.0
@@ -70,20 +77,27 @@ def test_a_grpc_checkpoint_waits_for_a_pod_request_and_both_are_counted(server, 
 
     def grpc():
         ch = client.channel(server.address)
-        req = apb.CheckpointRequest(roots=[sleeper.pid], images_dir=str(tmp_path / "snap"),
-                                    options=apb.CheckpointOptions(control_dir=str(tmp_path)))
+        req = apb.CheckpointRequest(
+            roots=[sleeper.pid],
+            images_dir=str(tmp_path / "snap"),
+            options=apb.CheckpointOptions(control_dir=str(tmp_path)),
+        )
         for ev in agrpc.AgentStub(ch).Checkpoint(req, timeout=60):
             events.put(ev)
             if ev.seq == 2:
                 order.append("grpc running")
         ch.close()
         events.put(None)
+
     g = threading.Thread(target=grpc)
     g.start()
     first = events.get(timeout=60)
     assert (first.seq, first.progress.event, first.progress.text) == (
-        1, "note", "waiting for the node: the checkpoint s1 of pod default/p is running "
-                   "(one checkpoint or restore at a time per node)")
+        1,
+        "note",
+        "waiting for the node: the checkpoint s1 of pod default/p is running "
+        "(one checkpoint or restore at a time per node)",
+    )
     assert samples(server)['cuinterpose_requests_in_flight{kind="checkpoint"}'] == 2.0
     release.set()
     pod.join(60)
@@ -93,7 +107,11 @@ def test_a_grpc_checkpoint_waits_for_a_pod_request_and_both_are_counted(server, 
         rest.append(ev)
     assert order == ["pod done", {"snapshot_id": "x"}, "grpc running"]
     assert [(e.seq, e.progress.phase, e.progress.event) for e in rest[:-1]] == [
-        (2, "driver", "start"), (3, "driver", "end"), (4, "census", "start"), (5, "census", "end")]
+        (2, "driver", "start"),
+        (3, "driver", "end"),
+        (4, "census", "start"),
+        (5, "census", "end"),
+    ]
     assert (rest[-1].result.ok, rest[-1].result.error.phase) == (False, "census")
     m = samples(server)
     assert m['cuinterpose_requests_in_flight{kind="checkpoint"}'] == 0.0
@@ -122,6 +140,8 @@ def test_pod_actions_run_through_the_daemon(server, sleeper, tmp_path):
     assert m['cuinterpose_snapshots_total{kind="restore",result="failed"}'] == 1.0
     assert m['cuinterpose_phase_duration_seconds_count{kind="checkpoint",phase="driver"}'] == 1.0
     assert m['cuinterpose_phase_duration_seconds_count{kind="checkpoint",phase="census"}'] == 1.0
-    assert (m['cuinterpose_requests_in_flight{kind="checkpoint"}'],
-            m['cuinterpose_requests_in_flight{kind="restore"}']) == (0.0, 0.0)
+    assert (
+        m['cuinterpose_requests_in_flight{kind="checkpoint"}'],
+        m['cuinterpose_requests_in_flight{kind="restore"}'],
+    ) == (0.0, 0.0)
     assert not server.service.node_lock.locked()

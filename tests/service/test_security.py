@@ -3,52 +3,67 @@ TCP listener without mutual TLS unless ``--insecure-tcp`` (a loud warning, ``"in
 in the ready line); mutual TLS serves a client with a certificate and refuses one without; every
 request path (Checkpoint/Restore images dirs, group members' RunPhase, ListSnapshots) is
 confined to the daemon's snapshot dir(s). No CRIU."""
+
 from __future__ import annotations
 
 import json
 import os
 
 import pytest
+from test_service import cli
 
-from cuinterpose.agent.snapshot import pb
-from cuinterpose.agent.rpc import client, service
 from cuinterpose.agent.errors import AgentError
+from cuinterpose.agent.rpc import client, service
 from cuinterpose.agent.rpc.client import TLS
 from cuinterpose.agent.rpc.security import confine_path, listener_security
-from test_service import cli
+from cuinterpose.agent.snapshot import pb
 
 REASON_PLAIN = (
     "refusing to listen on {addr}: a non-loopback TCP address with plaintext without TLS or "
     "authentication; every RPC is a root action (a checkpoint kills the job's process tree, a "
     "restore runs CRIU images as root) and anyone who reaches the address could call it. Use "
     "mutual TLS (--tls-cert, --tls-key and --tls-client-ca), a unix: socket or a loopback "
-    "address, or pass --insecure-tcp to accept the risk")
+    "address, or pass --insecure-tcp to accept the risk"
+)
 REASON_TLS = (
     "refusing to listen on {addr}: a non-loopback TCP address with TLS without client "
     "certificates (--tls-client-ca): the server is authenticated, the caller is not; every RPC "
     "is a root action (a checkpoint kills the job's process tree, a restore runs CRIU images as "
     "root) and anyone who reaches the address could call it. Use mutual TLS (--tls-cert, "
     "--tls-key and --tls-client-ca), a unix: socket or a loopback address, or pass "
-    "--insecure-tcp to accept the risk")
+    "--insecure-tcp to accept the risk"
+)
 
 
 def outside(path, real, root):
-    return (f"images dir {path} resolves to {real}, outside the agent's snapshot directory "
-            f"{root}; refused, nothing was done (the agent only reads and writes under its "
-            "--snapshot-dir)")
+    return (
+        f"images dir {path} resolves to {real}, outside the agent's snapshot directory "
+        f"{root}; refused, nothing was done (the agent only reads and writes under its "
+        "--snapshot-dir)"
+    )
 
 
 # -- the listener ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("addr,kind", [
-    ("unix:/run/x.sock", "unix"), ("/run/x.sock", "unix"), ("127.0.0.1:7443", "loopback"),
-    ("127.9.8.7:1", "loopback"), ("[::1]:7443", "loopback"), ("localhost:7443", "loopback")])
+
+@pytest.mark.parametrize(
+    "addr,kind",
+    [
+        ("unix:/run/x.sock", "unix"),
+        ("/run/x.sock", "unix"),
+        ("127.0.0.1:7443", "loopback"),
+        ("127.9.8.7:1", "loopback"),
+        ("[::1]:7443", "loopback"),
+        ("localhost:7443", "loopback"),
+    ],
+)
 def test_unix_and_loopback_listeners_need_no_tls(addr, kind):
     assert listener_security(addr, None) == {"kind": kind, "insecure": False, "warning": ""}
 
 
-@pytest.mark.parametrize("addr", ["0.0.0.0:7443", "[::]:7443", "10.1.2.3:7443", ":7443",
-                                  "node-1.example:7443"])
+@pytest.mark.parametrize(
+    "addr", ["0.0.0.0:7443", "[::]:7443", "10.1.2.3:7443", ":7443", "node-1.example:7443"]
+)
 def test_non_loopback_tcp_without_mutual_tls_is_refused(addr):
     with pytest.raises(ValueError) as e:
         listener_security(addr, None)
@@ -56,8 +71,11 @@ def test_non_loopback_tcp_without_mutual_tls_is_refused(addr):
     with pytest.raises(ValueError) as e:
         listener_security(addr, TLS(cert="/c.pem", key="/k.pem"))
     assert str(e.value) == REASON_TLS.format(addr=addr)
-    assert listener_security(addr, TLS(cert="/c.pem", key="/k.pem", ca="/ca.pem")) == \
-        {"kind": "mtls", "insecure": False, "warning": ""}
+    assert listener_security(addr, TLS(cert="/c.pem", key="/k.pem", ca="/ca.pem")) == {
+        "kind": "mtls",
+        "insecure": False,
+        "warning": "",
+    }
     s = listener_security(addr, None, insecure_tcp=True)
     assert (s["kind"], s["insecure"]) == ("plaintext", True)
     assert s["warning"].startswith(f"WARNING: INSECURE: listening on {addr} with plaintext")
@@ -70,13 +88,24 @@ def test_serve_refuses_plaintext_and_server_only_tls_on_a_non_loopback_address(t
     assert rc == 2
     err = json.loads(out)["error"]
     assert (err["phase"], err["outcome"], err["reason"]) == (
-        "serve", "usage", REASON_PLAIN.format(addr="0.0.0.0:0"))
+        "serve",
+        "usage",
+        REASON_PLAIN.format(addr="0.0.0.0:0"),
+    )
     rc, _, stderr = cli("serve", "--listen", "0.0.0.0:0")
     assert rc == 2 and "error: serve: refusing to listen on 0.0.0.0:0: " in stderr
     assert "outcome: usage" in stderr
     ca = pki()
-    rc, out, _ = cli("serve", "--listen", "0.0.0.0:0", "--tls-cert", ca["server.crt"],
-                     "--tls-key", ca["server.key"], "--json")
+    rc, out, _ = cli(
+        "serve",
+        "--listen",
+        "0.0.0.0:0",
+        "--tls-cert",
+        ca["server.crt"],
+        "--tls-key",
+        ca["server.key"],
+        "--json",
+    )
     assert rc == 2
     assert json.loads(out)["error"]["reason"] == REASON_TLS.format(addr="0.0.0.0:0")
     # the config's listenAddress is refused the same way
@@ -97,8 +126,10 @@ def test_insecure_tcp_serves_with_a_loud_warning(daemon, tmp_path):
     a = daemon("n-insecure", "--insecure-tcp", listen="0.0.0.0:0")
     assert a["insecure"] is True
     warn = open(a["stderr"]).read()
-    assert "WARNING: INSECURE: listening on 0.0.0.0:0 with plaintext without TLS or " \
-           "authentication (--insecure-tcp)" in warn
+    assert (
+        "WARNING: INSECURE: listening on 0.0.0.0:0 with plaintext without TLS or "
+        "authentication (--insecure-tcp)" in warn
+    )
     port = a["listen"].rsplit(":", 1)[1]
     assert cli("health", "--agent", f"127.0.0.1:{port}")[:2] == (0, "SERVING\n")
     # the config's insecureTcp: true does the same
@@ -113,16 +144,36 @@ def test_insecure_tcp_serves_with_a_loud_warning(daemon, tmp_path):
 
 def test_mutual_tls_serves_a_client_with_a_certificate_and_refuses_one_without(daemon, pki):
     p = pki()
-    a = daemon("n-mtls", "--tls-cert", p["server.crt"], "--tls-key", p["server.key"],
-               "--tls-client-ca", p["ca.crt"], listen="0.0.0.0:0")
+    a = daemon(
+        "n-mtls",
+        "--tls-cert",
+        p["server.crt"],
+        "--tls-key",
+        p["server.key"],
+        "--tls-client-ca",
+        p["ca.crt"],
+        listen="0.0.0.0:0",
+    )
     assert a["insecure"] is False
     addr = "127.0.0.1:" + a["listen"].rsplit(":", 1)[1]
     good = ("--tls-ca", p["ca.crt"], "--tls-cert", p["client.crt"], "--tls-key", p["client.key"])
     assert cli("health", "--agent", addr, *good)[:2] == (0, "SERVING\n")
-    assert cli("health", "--agent", addr, "--tls-ca", p["ca.crt"])[0] == 6       # no client cert
-    assert cli("health", "--agent", addr, "--tls-ca", p["ca.crt"], "--tls-cert",
-               p["stranger.crt"], "--tls-key", p["stranger.key"])[0] == 6       # another CA
-    assert cli("health", "--agent", addr)[0] == 6                                # plaintext
+    assert cli("health", "--agent", addr, "--tls-ca", p["ca.crt"])[0] == 6  # no client cert
+    assert (
+        cli(
+            "health",
+            "--agent",
+            addr,
+            "--tls-ca",
+            p["ca.crt"],
+            "--tls-cert",
+            p["stranger.crt"],
+            "--tls-key",
+            p["stranger.key"],
+        )[0]
+        == 6
+    )  # another CA
+    assert cli("health", "--agent", addr)[0] == 6  # plaintext
     rc, out, _ = cli("snapshots", "--agent", addr, "--tls-ca", p["ca.crt"], "--json")
     assert rc == 6 and json.loads(out)["error"]["outcome"] == "unreachable"
     rc, out, _ = cli("snapshots", "--agent", addr, *good, "--json")
@@ -130,6 +181,7 @@ def test_mutual_tls_serves_a_client_with_a_certificate_and_refuses_one_without(d
 
 
 # -- path confinement --------------------------------------------------------------------------
+
 
 def test_confine_path(tmp_path):
     root = tmp_path / "snaps"
@@ -141,9 +193,13 @@ def test_confine_path(tmp_path):
     assert confine_path(r, [r]) == r
     other = tmp_path / "other"
     assert confine_path(str(other / "x"), [r, str(other)]) == str(other / "x")
-    for path, real in (("../d2", tmp_path / "d2"), (f"{r}/../d2", tmp_path / "d2"),
-                       ("/etc", "/etc"), (f"{r}-evil/x", f"{r}-evil/x"),
-                       ("link/x", tmp_path / "x")):
+    for path, real in (
+        ("../d2", tmp_path / "d2"),
+        (f"{r}/../d2", tmp_path / "d2"),
+        ("/etc", "/etc"),
+        (f"{r}-evil/x", f"{r}-evil/x"),
+        ("link/x", tmp_path / "x"),
+    ):
         with pytest.raises(AgentError) as e:
             confine_path(path, [r])
         assert (e.value.phase, e.value.outcome) == ("images dir", "refused")
@@ -157,26 +213,50 @@ def test_checkpoint_restore_and_snapshots_outside_the_snapshot_dir_are_refused(d
     a = daemon("n1", "--snapshot-dir", str(root), "--driver", "fake")
     assert a["snapshot_dirs"] == [str(root)]
     apb, _, _ = pb.modules()
-    for path, real in (("rel/../../d2", tmp_path / "d2"), (str(tmp_path / "d2"), tmp_path / "d2"),
-                       ("escape/d2", tmp_path / "d2"), ("/", "/")):
-        res = client.call(a["listen"], "Checkpoint", apb.CheckpointRequest(
-            roots=[os.getpid()], images_dir=path,
-            options=apb.CheckpointOptions(control_dir=str(tmp_path))))
+    for path, real in (
+        ("rel/../../d2", tmp_path / "d2"),
+        (str(tmp_path / "d2"), tmp_path / "d2"),
+        ("escape/d2", tmp_path / "d2"),
+        ("/", "/"),
+    ):
+        res = client.call(
+            a["listen"],
+            "Checkpoint",
+            apb.CheckpointRequest(
+                roots=[os.getpid()],
+                images_dir=path,
+                options=apb.CheckpointOptions(control_dir=str(tmp_path)),
+            ),
+        )
         assert (res.ok, res.error.phase, res.error.outcome) == (False, "images dir", "refused")
         assert res.error.reason == outside(path, real, root)
-        assert list(res.phases) == []                   # refused before any phase
+        assert list(res.phases) == []  # refused before any phase
         res = client.call(a["listen"], "Restore", apb.RestoreRequest(images_dir=path))
         assert (res.ok, res.error.reason) == (False, outside(path, real, root))
     assert not (tmp_path / "d2").exists()
     # a relative path is taken relative to the snapshot dir: it gets as far as the census
-    res = client.call(a["listen"], "Checkpoint", apb.CheckpointRequest(
-        roots=[os.getpid()], images_dir="rel/d2",
-        options=apb.CheckpointOptions(control_dir=str(tmp_path))))
+    res = client.call(
+        a["listen"],
+        "Checkpoint",
+        apb.CheckpointRequest(
+            roots=[os.getpid()],
+            images_dir="rel/d2",
+            options=apb.CheckpointOptions(control_dir=str(tmp_path)),
+        ),
+    )
     assert (res.ok, res.error.phase) == (False, "census")
     assert not (tmp_path / "rel").exists()
     # the CLI: an absolute path outside is refused (exit 3), nothing is created
-    rc, out, _ = cli("checkpoint", "--agent", a["listen"], "--pid", str(os.getpid()),
-                     "--images-dir", str(tmp_path / "d3"), "--json")
+    rc, out, _ = cli(
+        "checkpoint",
+        "--agent",
+        a["listen"],
+        "--pid",
+        str(os.getpid()),
+        "--images-dir",
+        str(tmp_path / "d3"),
+        "--json",
+    )
     assert rc == 3
     assert json.loads(out)["error"]["reason"] == outside(tmp_path / "d3", tmp_path / "d3", root)
     assert not (tmp_path / "d3").exists()
@@ -187,47 +267,77 @@ def test_checkpoint_restore_and_snapshots_outside_the_snapshot_dir_are_refused(d
     assert rc == 3
     err = json.loads(out)["error"]
     assert (err["phase"], err["outcome"]) == ("snapshots", "refused")
-    assert err["reason"] == (f"snapshot dir /etc resolves to /etc, outside the agent's snapshot "
-                             f"directory {root}; refused, nothing was done (the agent only reads "
-                             "and writes under its --snapshot-dir)")
+    assert err["reason"] == (
+        f"snapshot dir /etc resolves to /etc, outside the agent's snapshot "
+        f"directory {root}; refused, nothing was done (the agent only reads "
+        "and writes under its --snapshot-dir)"
+    )
     rc, out, _ = cli("snapshots", "--agent", a["listen"], "--json")
     assert rc == 0 and json.loads(out)["snapshots"] == []
 
 
-def test_a_group_member_refuses_an_images_dir_outside_and_the_group_is_released(daemon,
-                                                                               tmp_path):
+def test_a_group_member_refuses_an_images_dir_outside_and_the_group_is_released(daemon, tmp_path):
     """RunPhase prepare with an images dir outside the member's root: refused, nothing done;
     the leader's undo phases (rollback, release) still find the job and do nothing."""
     root = tmp_path / "snaps"
     root.mkdir()
     a = daemon("node-a", "--snapshot-dir", str(root), "--driver", "fake")
     apb, _, _ = pb.modules()
-    first = apb.RunPhaseRequest(request_id="r1", kind="checkpoint", phase="prepare", node="node-a",
-                                checkpoint=apb.CheckpointRequest(roots=[os.getpid()],
-                                                                 images_dir="/tmp/../etc/x"))
+    first = apb.RunPhaseRequest(
+        request_id="r1",
+        kind="checkpoint",
+        phase="prepare",
+        node="node-a",
+        checkpoint=apb.CheckpointRequest(roots=[os.getpid()], images_dir="/tmp/../etc/x"),
+    )
     res = client.call(a["listen"], "RunPhase", first)
-    assert (res.ok, res.error.phase, res.error.outcome, res.error.node) == \
-        (False, "images dir", "refused", "node-a")
+    assert (res.ok, res.error.phase, res.error.outcome, res.error.node) == (
+        False,
+        "images dir",
+        "refused",
+        "node-a",
+    )
     assert res.error.reason == outside("/tmp/../etc/x", "/etc/x", root)
     for phase in ("rollback", "release"):
-        res = client.call(a["listen"], "RunPhase", apb.RunPhaseRequest(
-            request_id="r1", kind="checkpoint", phase=phase, node="node-a"))
+        res = client.call(
+            a["listen"],
+            "RunPhase",
+            apb.RunPhaseRequest(request_id="r1", kind="checkpoint", phase=phase, node="node-a"),
+        )
         assert res.ok, res.error
         assert json.loads(res.json)["state"]["torn_down"] is False
-    res = client.call(a["listen"], "RunPhase", apb.RunPhaseRequest(
-        request_id="r2", kind="restore", phase="prepare", node="node-a",
-        restore=apb.RestoreRequest(images_dir="../x")))
+    res = client.call(
+        a["listen"],
+        "RunPhase",
+        apb.RunPhaseRequest(
+            request_id="r2",
+            kind="restore",
+            phase="prepare",
+            node="node-a",
+            restore=apb.RestoreRequest(images_dir="../x"),
+        ),
+    )
     assert (res.ok, res.error.reason) == (False, outside("../x", tmp_path / "x", root))
     # led by the daemon: the group is refused as a whole, no member was changed
     b = daemon("node-b", "--snapshot-dir", str(tmp_path / "b"), "--driver", "fake")
-    req = apb.CheckpointRequest(members=[
-        apb.Member(node="node-a", address=a["listen"], roots=[os.getpid()],
-                   images_dir=str(tmp_path / "evil")),
-        apb.Member(node="node-b", address=b["listen"], roots=[os.getpid()],
-                   images_dir="ok")])
+    req = apb.CheckpointRequest(
+        members=[
+            apb.Member(
+                node="node-a",
+                address=a["listen"],
+                roots=[os.getpid()],
+                images_dir=str(tmp_path / "evil"),
+            ),
+            apb.Member(node="node-b", address=b["listen"], roots=[os.getpid()], images_dir="ok"),
+        ]
+    )
     res = client.call(a["listen"], "Checkpoint", req)
-    assert (res.ok, res.error.node, res.error.phase, res.error.outcome) == \
-        (False, "node-a", "images dir", "refused")
+    assert (res.ok, res.error.node, res.error.phase, res.error.outcome) == (
+        False,
+        "node-a",
+        "images dir",
+        "refused",
+    )
     assert res.error.reason.startswith(outside(tmp_path / "evil", tmp_path / "evil", root))
     assert not (tmp_path / "evil").exists()
     assert not (tmp_path / "b" / "ok").exists()
@@ -235,6 +345,7 @@ def test_a_group_member_refuses_an_images_dir_outside_and_the_group_is_released(
 
 def test_config_insecure_tcp_key():
     from cuinterpose.agent.config import ConfigError, load_config
+
     assert load_config("insecureTcp: true").insecure_tcp is True
     assert load_config("").insecure_tcp is False
     with pytest.raises(ConfigError) as e:

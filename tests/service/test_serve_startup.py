@@ -2,6 +2,7 @@
 lists as empty, one that cannot be created stops the start (exit 2), the ready line's fields
 are those ``serve --help`` names, SIGHUP stops the daemon like SIGTERM, and the CLI sends a
 relative --dir/--images-dir as an absolute path of its own working directory. No CRIU."""
+
 from __future__ import annotations
 
 import json
@@ -42,8 +43,10 @@ def test_snapshot_dir_that_cannot_be_created_stops_the_start(tmp_path):
     d = tempfile.mkdtemp(prefix="cui-agent-")
     cfg = tmp_path / "agent.yaml"
     cfg.write_text(f"snapshotDir: {f}\n")
-    for args, bad, why in ((["--snapshot-dir", str(f / "snaps")], f / "snaps", "Not a directory"),
-                           (["--config", str(cfg)], f, "exists and is not a directory")):
+    for args, bad, why in (
+        (["--snapshot-dir", str(f / "snaps")], f / "snaps", "Not a directory"),
+        (["--config", str(cfg)], f, "exists and is not a directory"),
+    ):
         rc, out, err = cli("serve", "--listen", f"unix:{d}/agent.sock", *args, "--json")
         assert rc == 2, err
         e = json.loads(out)["error"]
@@ -57,21 +60,50 @@ def test_snapshot_dir_that_cannot_be_created_stops_the_start(tmp_path):
 def test_ready_line_fields_are_the_ones_help_names(daemon, tmp_path):
     a = daemon("n1")
     keys = sorted(k for k in a if k not in ("proc", "stderr"))
-    assert keys == sorted(["ok", "listen", "metrics_port", "node", "pid", "kubernetes",
-                           "insecure", "snapshot_dirs", "group_lease_s"])
+    assert keys == sorted(
+        [
+            "ok",
+            "listen",
+            "metrics_port",
+            "node",
+            "pid",
+            "kubernetes",
+            "insecure",
+            "snapshot_dirs",
+            "group_lease_s",
+        ]
+    )
     assert a["kubernetes"] is False
     rc, out, _ = cli("serve", "--help")
     assert rc == 0
     flat = " ".join(out.split())
-    assert "{" + ", ".join(['"ok": true'] + [f'"{k}"' for k in (
-        "listen", "metrics_port", "node", "pid", "kubernetes", "insecure", "snapshot_dirs",
-        "group_lease_s")]) + "}" in flat
+    assert (
+        "{"
+        + ", ".join(
+            ['"ok": true']
+            + [
+                f'"{k}"'
+                for k in (
+                    "listen",
+                    "metrics_port",
+                    "node",
+                    "pid",
+                    "kubernetes",
+                    "insecure",
+                    "snapshot_dirs",
+                    "group_lease_s",
+                )
+            ]
+        )
+        + "}"
+        in flat
+    )
 
 
 @pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM, signal.SIGINT])
 def test_serve_stops_on_sighup_sigterm_and_sigint(daemon, sig):
     a = daemon("n1")
-    sock = a["listen"][len("unix:"):]
+    sock = a["listen"][len("unix:") :]
     assert os.path.exists(sock)
     a["proc"].send_signal(sig)
     assert a["proc"].wait(timeout=60) == 0
@@ -89,14 +121,24 @@ def test_cli_sends_relative_paths_as_absolute_ones_of_its_working_directory(daem
     assert rc == 0, err
     assert json.loads(out)["dir"] == str(root / "sub")
     # from elsewhere it is elsewhere/sub (not root/sub): refused, naming that path
-    rc, out, _ = cli("snapshots", "--agent", a["listen"], "--dir", "sub", "--json",
-                     cwd=elsewhere)
+    rc, out, _ = cli("snapshots", "--agent", a["listen"], "--dir", "sub", "--json", cwd=elsewhere)
     e = json.loads(out)["error"]
     assert rc == 3 and e["outcome"] == "refused"
-    assert e["reason"].startswith(f"snapshot dir {elsewhere / 'sub'} resolves to "
-                                  f"{elsewhere / 'sub'}, outside the agent's snapshot directory")
-    rc, out, _ = cli("checkpoint", "--agent", a["listen"], "--pid", str(os.getpid()),
-                     "--images-dir", "job1", "--json", cwd=elsewhere)
+    assert e["reason"].startswith(
+        f"snapshot dir {elsewhere / 'sub'} resolves to "
+        f"{elsewhere / 'sub'}, outside the agent's snapshot directory"
+    )
+    rc, out, _ = cli(
+        "checkpoint",
+        "--agent",
+        a["listen"],
+        "--pid",
+        str(os.getpid()),
+        "--images-dir",
+        "job1",
+        "--json",
+        cwd=elsewhere,
+    )
     e = json.loads(out)["error"]
     assert rc == 3 and e["phase"] == "images dir"
     assert e["reason"].startswith(f"images dir {elsewhere / 'job1'} resolves to")

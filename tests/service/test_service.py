@@ -1,5 +1,6 @@
 """The agent daemon (``serve``) and ``--agent``: health checking, the same results as the
 in-process commands, progress streams, ListSnapshots, metrics, RunPhase refusals. No CRIU."""
+
 from __future__ import annotations
 
 import json
@@ -9,18 +10,24 @@ import sys
 import tempfile
 
 import pytest
-
-from cuinterpose.agent.snapshot import pb
-from cuinterpose.agent.rpc import client
 from metrics_kit import scrape, text
+
+from cuinterpose.agent.rpc import client
+from cuinterpose.agent.snapshot import pb
 
 
 def cli(*args, cwd=None):
     """(exit code, stdout, stderr) of ``cuinterpose-agent ARGS`` run in ``cwd``."""
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-    r = subprocess.run([sys.executable, "-m", "cuinterpose.agent.cli", *args],
-                       stdin=subprocess.DEVNULL, capture_output=True, text=True, env=env,
-                       timeout=120, cwd=cwd)
+    r = subprocess.run(
+        [sys.executable, "-m", "cuinterpose.agent.cli", *args],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=cwd,
+    )
     return r.returncode, r.stdout, r.stderr
 
 
@@ -41,20 +48,29 @@ def test_health_on_unix_socket_and_tcp_loopback(daemon):
     assert host == "127.0.0.1" and int(port) > 0
     for info in (a, b):
         assert cli("health", "--agent", info["listen"])[:2] == (0, "SERVING\n")
-        assert cli("health", "--agent", info["listen"], "--service",
-                   "cuinterpose.v1.Agent")[:2] == (0, "SERVING\n")
+        assert cli("health", "--agent", info["listen"], "--service", "cuinterpose.v1.Agent")[
+            :2
+        ] == (0, "SERVING\n")
     assert cli("health", "--agent", a["listen"], "--service", "nope")[0] == 6  # NOT_FOUND
     a["proc"].terminate()
     assert a["proc"].wait(timeout=30) == 0
-    assert not os.path.exists(a["listen"][len("unix:"):])
+    assert not os.path.exists(a["listen"][len("unix:") :])
     assert cli("health", "--agent", a["listen"])[0] == 6
 
 
 def test_inspect_through_the_agent_is_the_in_process_answer(daemon, tmp_path):
     a = daemon("n1")
     local = cli("inspect", "--pid", str(os.getpid()), "--control-dir", str(tmp_path), "--json")
-    remote = cli("inspect", "--pid", str(os.getpid()), "--control-dir", str(tmp_path), "--json",
-                 "--agent", a["listen"])
+    remote = cli(
+        "inspect",
+        "--pid",
+        str(os.getpid()),
+        "--control-dir",
+        str(tmp_path),
+        "--json",
+        "--agent",
+        a["listen"],
+    )
     assert local[0] == remote[0] == 3
     assert json.loads(local[1]) == json.loads(remote[1])
     err = json.loads(remote[1])["error"]
@@ -65,8 +81,18 @@ def test_checkpoint_refusal_through_the_agent_equals_in_process_and_is_counted(d
     a = daemon("n1", "--metrics-port", "0")
     f = tmp_path / "afile"
     f.write_text("x")
-    args = ("checkpoint", "--pid", str(os.getpid()), "--images-dir", str(f / "snap"),
-            "--driver", "fake", "--control-dir", str(tmp_path), "--json")
+    args = (
+        "checkpoint",
+        "--pid",
+        str(os.getpid()),
+        "--images-dir",
+        str(f / "snap"),
+        "--driver",
+        "fake",
+        "--control-dir",
+        str(tmp_path),
+        "--json",
+    )
     local, remote = cli(*args), cli(*args, "--agent", a["listen"])
     assert local[0] == remote[0] == 3
     assert json.loads(local[1]) == json.loads(remote[1])
@@ -81,20 +107,26 @@ def test_progress_stream_numbers_events_and_ends_with_the_result(daemon, tmp_pat
     result, seq 1..5; the metrics count the phases and the failed request."""
     a = daemon("n1", "--metrics-port", "0", "--driver", "fake")
     apb, agrpc, _ = pb.modules()
-    req = apb.CheckpointRequest(roots=[os.getpid()], images_dir=str(tmp_path / "snap"),
-                                options=apb.CheckpointOptions(control_dir=str(tmp_path)))
+    req = apb.CheckpointRequest(
+        roots=[os.getpid()],
+        images_dir=str(tmp_path / "snap"),
+        options=apb.CheckpointOptions(control_dir=str(tmp_path)),
+    )
     ch = client.channel(a["listen"])
     evs = list(agrpc.AgentStub(ch).Checkpoint(req, timeout=60))
     ch.close()
     assert [e.seq for e in evs] == [1, 2, 3, 4, 5]
     assert [e.WhichOneof("kind") for e in evs] == ["progress"] * 4 + ["result"]
     assert [(e.progress.event, e.progress.phase, e.progress.status) for e in evs[:4]] == [
-        ("start", "driver", "running"), ("end", "driver", "ok"),
-        ("start", "census", "running"), ("end", "census", "failed")]
+        ("start", "driver", "running"),
+        ("end", "driver", "ok"),
+        ("start", "census", "running"),
+        ("end", "census", "failed"),
+    ]
     res = evs[-1].result
     assert (res.ok, res.error.phase, res.error.outcome) == (False, "census", "refused")
     assert [(p.name, p.status) for p in res.phases] == [("driver", "ok"), ("census", "failed")]
-    assert not (tmp_path / "snap").exists()     # the directory it created was removed
+    assert not (tmp_path / "snap").exists()  # the directory it created was removed
     m = metrics(a)
     assert m['cuinterpose_snapshots_total{kind="checkpoint",result="failed"}'] == 1.0
     assert m['cuinterpose_phase_duration_seconds_count{kind="checkpoint",phase="driver"}'] == 1.0
@@ -104,12 +136,20 @@ def test_progress_stream_numbers_events_and_ends_with_the_result(daemon, tmp_pat
 def test_list_snapshots_local_and_through_the_agent(daemon, tmp_path):
     root = tmp_path / "snaps"
     (root / "a").mkdir(parents=True)
-    (root / "a" / "manifest.json").write_text(json.dumps({
-        "snapshot_id": "ab12", "created_at": "2026-11-30T08:00:00.000000Z", "roots": [41, 42],
-        "totals": {"image_bytes": 1000, "carrier_bytes": 4096}, "driver": {"kind": "fake"}}))
+    (root / "a" / "manifest.json").write_text(
+        json.dumps(
+            {
+                "snapshot_id": "ab12",
+                "created_at": "2026-11-30T08:00:00.000000Z",
+                "roots": [41, 42],
+                "totals": {"image_bytes": 1000, "carrier_bytes": 4096},
+                "driver": {"kind": "fake"},
+            }
+        )
+    )
     (root / "b").mkdir()
     (root / "b" / "manifest.json").write_text("{not json")
-    (root / "c").mkdir()                       # no manifest: not a snapshot
+    (root / "c").mkdir()  # no manifest: not a snapshot
     (root / "file").write_text("x")
     a = daemon("n1", "--snapshot-dir", str(root))
     rc, out, _ = cli("snapshots", "--dir", str(root), "--json")
@@ -118,9 +158,16 @@ def test_list_snapshots_local_and_through_the_agent(daemon, tmp_path):
     assert json.loads(out) == json.loads(out2)
     snaps = json.loads(out2)["snapshots"]
     assert [s["images_dir"] for s in snaps] == [str(root / "a"), str(root / "b")]
-    assert snaps[0] == {"images_dir": str(root / "a"), "snapshot_id": "ab12",
-                        "created_at": "2026-11-30T08:00:00.000000Z", "roots": [41, 42],
-                        "image_bytes": 1000, "carrier_bytes": 4096, "driver": "fake", "error": ""}
+    assert snaps[0] == {
+        "images_dir": str(root / "a"),
+        "snapshot_id": "ab12",
+        "created_at": "2026-11-30T08:00:00.000000Z",
+        "roots": [41, 42],
+        "image_bytes": 1000,
+        "carrier_bytes": 4096,
+        "driver": "fake",
+        "error": "",
+    }
     assert snaps[1]["error"].startswith("JSONDecodeError: ")
     rc, out, _ = cli("snapshots", "--agent", a["listen"], "--dir", str(tmp_path / "none"), "--json")
     assert rc == 3 and json.loads(out)["error"]["phase"] == "snapshots"
@@ -129,34 +176,62 @@ def test_list_snapshots_local_and_through_the_agent(daemon, tmp_path):
 def test_run_phase_for_an_unknown_request_or_out_of_order_is_refused(daemon, tmp_path):
     a = daemon("n1", "--driver", "fake")
     apb, _, _ = pb.modules()
-    res = client.call(a["listen"], "RunPhase",
-                      apb.RunPhaseRequest(request_id="r1", kind="checkpoint", phase="native lock"))
-    assert (res.ok, res.error.phase, res.error.outcome, res.error.node) == \
-        (False, "group", "refused", "n1")
-    assert res.error.reason == "request r1: phase 'native lock' for an unknown request (nothing was changed)"
+    res = client.call(
+        a["listen"],
+        "RunPhase",
+        apb.RunPhaseRequest(request_id="r1", kind="checkpoint", phase="native lock"),
+    )
+    assert (res.ok, res.error.phase, res.error.outcome, res.error.node) == (
+        False,
+        "group",
+        "refused",
+        "n1",
+    )
+    assert (
+        res.error.reason
+        == "request r1: phase 'native lock' for an unknown request (nothing was changed)"
+    )
     # a request whose prepare fails (directory not usable) keeps its job for the undo phases;
     # a retried prepare is refused (a mutating phase is never retried)
     f = tmp_path / "afile"
     f.write_text("x")
-    first = apb.RunPhaseRequest(request_id="r2", kind="checkpoint", phase="prepare", node="n1",
-                                checkpoint=apb.CheckpointRequest(roots=[os.getpid()],
-                                                                 images_dir=str(f / "s")))
+    first = apb.RunPhaseRequest(
+        request_id="r2",
+        kind="checkpoint",
+        phase="prepare",
+        node="n1",
+        checkpoint=apb.CheckpointRequest(roots=[os.getpid()], images_dir=str(f / "s")),
+    )
     res = client.call(a["listen"], "RunPhase", first)
     assert (res.ok, res.error.phase, res.error.node) == (False, "images dir", "n1")
     res = client.call(a["listen"], "RunPhase", first)
     assert (res.ok, res.error.phase) == (False, "group")
-    assert res.error.reason == ("request r2: phase 'prepare' out of order (expected 'rollback'); "
-                                "refused, nothing was changed")
+    assert res.error.reason == (
+        "request r2: phase 'prepare' out of order (expected 'rollback'); "
+        "refused, nothing was changed"
+    )
     for phase in ("rollback", "release"):
-        res = client.call(a["listen"], "RunPhase", apb.RunPhaseRequest(
-            request_id="r2", kind="checkpoint", phase=phase, node="n1"))
+        res = client.call(
+            a["listen"],
+            "RunPhase",
+            apb.RunPhaseRequest(request_id="r2", kind="checkpoint", phase=phase, node="n1"),
+        )
         assert res.ok, res.error
-        assert json.loads(res.json)["state"] == {"torn_down": False, "snapshot_id": None,
-                                                 "images_dir": str(f / "s"),
-                                                 "manifest_written": False}
-    res = client.call(a["listen"], "RunPhase", apb.RunPhaseRequest(
-        request_id="r2", kind="checkpoint", phase="release", node="n1"))
-    assert res.error.reason == "request r2: phase 'release' for an unknown request (nothing was changed)"
+        assert json.loads(res.json)["state"] == {
+            "torn_down": False,
+            "snapshot_id": None,
+            "images_dir": str(f / "s"),
+            "manifest_written": False,
+        }
+    res = client.call(
+        a["listen"],
+        "RunPhase",
+        apb.RunPhaseRequest(request_id="r2", kind="checkpoint", phase="release", node="n1"),
+    )
+    assert (
+        res.error.reason
+        == "request r2: phase 'release' for an unknown request (nothing was changed)"
+    )
 
 
 def test_unreachable_agent_exit_6(tmp_path):
@@ -172,23 +247,28 @@ def test_serve_with_a_config_file(daemon, tmp_path):
     win."""
     snaps = tmp_path / "snaps"
     (snaps / "s1").mkdir(parents=True)
-    (snaps / "s1" / "manifest.json").write_text(json.dumps({
-        "snapshot_id": "x1", "created_at": "t", "roots": [7], "driver": {"kind": "fake"}}))
-    sockdir = tempfile.mkdtemp(prefix="cui-cfg-")      # Unix socket paths stay short
+    (snaps / "s1" / "manifest.json").write_text(
+        json.dumps(
+            {"snapshot_id": "x1", "created_at": "t", "roots": [7], "driver": {"kind": "fake"}}
+        )
+    )
+    sockdir = tempfile.mkdtemp(prefix="cui-cfg-")  # Unix socket paths stay short
     sock = f"{sockdir}/c.sock"
     cfg = tmp_path / "agent.yaml"
-    cfg.write_text(f"listenAddress: unix:{sock}\nsnapshotDir: {snaps}\nmetricsPort: 0\n"
-                   "driver: fake\n")
+    cfg.write_text(
+        f"listenAddress: unix:{sock}\nsnapshotDir: {snaps}\nmetricsPort: 0\ndriver: fake\n"
+    )
     info = daemon("n-cfg", "--config", str(cfg), listen=None)
     assert (info["listen"], info["kubernetes"]) == (f"unix:{sock}", False)
     assert info["metrics_port"] > 0
     assert "# TYPE cuinterpose_requests_in_flight gauge" in metrics_text(info)
     rc, out, _ = cli("snapshots", "--agent", info["listen"], "--json")
     assert rc == 0 and [s["snapshot_id"] for s in json.loads(out)["snapshots"]] == ["x1"]
-    info2 = daemon("n-cfg2", "--config", str(cfg))      # --listen given by the fixture wins
+    info2 = daemon("n-cfg2", "--config", str(cfg))  # --listen given by the fixture wins
     assert info2["listen"] != f"unix:{sock}"
     assert info2["metrics_port"] > 0 and info2["metrics_port"] != info["metrics_port"]
     import shutil
+
     shutil.rmtree(sockdir, ignore_errors=True)
 
 
@@ -196,13 +276,22 @@ def test_tcp_with_tls(daemon, pki, tmp_path):
     """A TCP listener with a certificate: a client that trusts its CA is served, a plaintext
     client and one trusting another CA are not."""
     p = pki()
-    a = daemon("n-tls", "--tls-cert", p["server.crt"], "--tls-key", p["server.key"],
-               listen="127.0.0.1:0")
+    a = daemon(
+        "n-tls", "--tls-cert", p["server.crt"], "--tls-key", p["server.key"], listen="127.0.0.1:0"
+    )
     assert cli("health", "--agent", a["listen"], "--tls-ca", p["ca.crt"])[:2] == (0, "SERVING\n")
     assert cli("health", "--agent", a["listen"])[0] == 6
     assert cli("health", "--agent", a["listen"], "--tls-ca", p["other-ca.crt"])[0] == 6
-    rc, out, _ = cli("snapshots", "--agent", a["listen"], "--tls-ca", p["ca.crt"], "--dir",
-                     str(tmp_path), "--json")
+    rc, out, _ = cli(
+        "snapshots",
+        "--agent",
+        a["listen"],
+        "--tls-ca",
+        p["ca.crt"],
+        "--dir",
+        str(tmp_path),
+        "--json",
+    )
     assert rc == 0 and json.loads(out)["snapshots"] == []
 
 
@@ -212,8 +301,10 @@ def test_serve_config_errors_are_usage_errors(tmp_path):
     rc, out, _ = cli("serve", "--config", str(cfg), "--json")
     assert rc == 2
     assert json.loads(out)["error"]["reason"].startswith(f"--config {cfg}: metricsPort: ")
-    cfg.write_text(f"listenAddress: unix:{tmp_path}/k.sock\nkubernetes:\n  enabled: true\n"
-                   "  apiServer: http://127.0.0.1:9\n")
+    cfg.write_text(
+        f"listenAddress: unix:{tmp_path}/k.sock\nkubernetes:\n  enabled: true\n"
+        "  apiServer: http://127.0.0.1:9\n"
+    )
     env_node = os.environ.pop("NODE_NAME", None)
     try:
         rc, out, _ = cli("serve", "--config", str(cfg), "--json")
@@ -224,15 +315,19 @@ def test_serve_config_errors_are_usage_errors(tmp_path):
     assert "nodeName" in json.loads(out)["error"]["reason"]
 
 
-@pytest.mark.parametrize("doc,args,port", [
-    ("", (), None),                                   # neither: no metrics
-    ("metricsPort: null\n", (), None),                # null: no metrics
-    ("metricsPort: 0\n", (), "free"),                 # 0 in the file: a free port
-    ("", ("--metrics-port", "0"), "free"),            # 0 on the command line: the same
-    ("metricsPort: null\n", ("--metrics-port", "0"), "free"),   # the command line wins
-])
+@pytest.mark.parametrize(
+    "doc,args,port",
+    [
+        ("", (), None),  # neither: no metrics
+        ("metricsPort: null\n", (), None),  # null: no metrics
+        ("metricsPort: 0\n", (), "free"),  # 0 in the file: a free port
+        ("", ("--metrics-port", "0"), "free"),  # 0 on the command line: the same
+        ("metricsPort: null\n", ("--metrics-port", "0"), "free"),  # the command line wins
+    ],
+)
 def test_metrics_port_zero_means_a_free_port_in_the_config_and_on_the_command_line(
-        daemon, tmp_path, doc, args, port):
+    daemon, tmp_path, doc, args, port
+):
     cfg = tmp_path / "agent.yaml"
     cfg.write_text(doc + f"driver: fake\nsnapshotDir: {tmp_path / 'snap'}\n")
     info = daemon("n-m", "--config", str(cfg), *args)
@@ -247,6 +342,7 @@ def test_metrics_address_comes_from_the_config_unless_given(tmp_path):
     """``metricsAddress`` (the chart sets 0.0.0.0 so that Prometheus can scrape the pod) is
     what serve binds; ``--metrics-addr`` wins."""
     from cuinterpose.agent.cli import daemon as cli_mod
+
     cfg = tmp_path / "agent.yaml"
     cfg.write_text("metricsPort: 9464\nmetricsAddress: 0.0.0.0\n")
     v = cli_mod._config_values(str(cfg))

@@ -7,6 +7,7 @@
 - ``FakeLog``: the fakecuda call log parsed into (pid, function, args, result) tuples.
 - ``ctl``: ``ctl(app).request(op, txn_id=..., expected_phase=...)`` via the coordinator's client.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,11 +23,11 @@ from cuinterpose.coordinator.protocol import socket_path
 HERE = pathlib.Path(__file__).resolve().parent
 C_BUILD_DIR = HERE.parent.parent / "build" / "tests"
 C_DIR = HERE / "c"
-GRAN = 2 << 20          # fakecuda's default granularity (FAKECUDA_GRANULARITY)
-TAG = 0xC01E            # top 16 bits of a virtual allocation handle
-POSIX = 1               # CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+GRAN = 2 << 20  # fakecuda's default granularity (FAKECUDA_GRANULARITY)
+TAG = 0xC01E  # top 16 bits of a virtual allocation handle
+POSIX = 1  # CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
 FABRIC = 8
-RW = 3                  # CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+RW = 3  # CU_MEM_ACCESS_FLAGS_PROT_READWRITE
 
 
 @pytest.fixture
@@ -52,9 +53,17 @@ class App:
 
     def __init__(self, exe, env):
         import tempfile
+
         self.errfile = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen([str(exe)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.errfile, env=env, text=True, bufsize=1)
+        self.proc = subprocess.Popen(
+            [str(exe)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.errfile,
+            env=env,
+            text=True,
+            bufsize=1,
+        )
         self.env = env
         self.pid = self.proc.pid
 
@@ -163,6 +172,7 @@ def ctl(shim_env):
     def _client(app_or_pid) -> ShimClient:
         pid = app_or_pid.pid if isinstance(app_or_pid, App) else int(app_or_pid)
         return ShimClient(socket_path(shim_env["CUINTERPOSE_CONTROL_DIR"], pid), timeout_s=30)
+
     return _client
 
 
@@ -175,12 +185,18 @@ def build_shared(sources, out: pathlib.Path, flags, libs=("-ldl", "-lpthread")) 
     """Compile ``sources`` into the shared library ``out`` unless an identical build exists
     (inputs and flags hashed into ``out``.sha256). Headers (and hooks.def) are hashed too."""
     import hashlib
+
     key = hashlib.sha256()
     for s in sources:
         key.update(pathlib.Path(s).read_bytes())
-    for h in sorted((SHIM_SRC / "src").glob("*.h")) + sorted((SHIM_SRC / "src").glob("*.def")) \
-            + sorted((SHIM_SRC / "include").rglob("*.h")) + sorted((FAKECUDA_SRC / "src").glob("*.h")) \
-            + sorted((FAKECUDA_SRC / "src").glob("*.inc")) + sorted((FAKECUDA_SRC / "src").glob("*.def")):
+    for h in (
+        sorted((SHIM_SRC / "src").glob("*.h"))
+        + sorted((SHIM_SRC / "src").glob("*.def"))
+        + sorted((SHIM_SRC / "include").rglob("*.h"))
+        + sorted((FAKECUDA_SRC / "src").glob("*.h"))
+        + sorted((FAKECUDA_SRC / "src").glob("*.inc"))
+        + sorted((FAKECUDA_SRC / "src").glob("*.def"))
+    ):
         key.update(h.read_bytes())
     key.update(" ".join(map(str, flags)).encode())
     stamp = out.with_name(out.name + ".sha256")

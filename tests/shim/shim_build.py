@@ -4,6 +4,7 @@
 - ``object_files()``: the shim's object files in the CMake build dir (build/*/interposer/),
   one per source file of interposer/src, by source stem.
 """
+
 from __future__ import annotations
 
 import pathlib
@@ -38,8 +39,10 @@ def object_files() -> dict[str, pathlib.Path]:
     """Source stem -> object file of the newest CMake build of the shim (stale objects of
     removed sources are left out)."""
     found: dict[str, pathlib.Path] = {}
-    for obj in sorted(ROOT.glob("build/*/interposer/**/src/*.c.o"), key=lambda p: p.stat().st_mtime):
-        stem = obj.name[:-len(".c.o")]
+    for obj in sorted(
+        ROOT.glob("build/*/interposer/**/src/*.c.o"), key=lambda p: p.stat().st_mtime
+    ):
+        stem = obj.name[: -len(".c.o")]
         if (SRC / f"{stem}.c").exists():
             found[stem] = obj
     return found

@@ -6,6 +6,7 @@
   second allocation does not fit under the process's RLIMIT_AS) frees the carrier, answers
   FAILED with phase ACTIVE naming pid, allocation and driver call, and the workload's memory
   and sharing are untouched."""
+
 from __future__ import annotations
 
 import resource
@@ -50,23 +51,29 @@ def creator_and_importer(apps, sizes=(GRAN,), seed=11):
 
 def test_cancel_from_saved_returns_active_unchanged(apps, ctl, fake_log):
     c, i, allocs, vi = creator_and_importer(apps)
-    (va, size), = allocs
+    ((va, size),) = allocs
     before_c, before_i = inspect(ctl, c), inspect(ctl, i)
     for app in (c, i):
         r = ctl(app).request(Op.SAVE_ALLOCATIONS, txn_id=1, expected_phase=Phase.ACTIVE)
         assert (r.reply.status, r.reply.phase) == (Status.OK, Phase.SAVED), r.message
     saved = inspect(ctl, c, Phase.SAVED)
     carried = [r for r in saved if r.kind == RecordKind.ALLOCATION]
-    assert [(bool(r.flags & RecordFlag.CARRIED), r.carrier_bytes) for r in carried] == [(True, GRAN)]
-    assert c.err(f"create {GRAN} 0") == NOT_READY      # gated while SAVED
+    assert [(bool(r.flags & RecordFlag.CARRIED), r.carrier_bytes) for r in carried] == [
+        (True, GRAN)
+    ]
+    assert c.err(f"create {GRAN} 0") == NOT_READY  # gated while SAVED
 
     mark = fake_log.mark()
     r = ctl(c).request(Op.CANCEL_CAPTURE, txn_id=2, expected_phase=Phase.SAVED)
-    assert (r.reply.status, r.reply.phase, r.reply.records_changed, r.reply.bytes) == \
-        (Status.OK, Phase.ACTIVE, 1, 0), r.message
+    assert (r.reply.status, r.reply.phase, r.reply.records_changed, r.reply.bytes) == (
+        Status.OK,
+        Phase.ACTIVE,
+        1,
+        0,
+    ), r.message
     r = ctl(i).request(Op.CANCEL_CAPTURE, txn_id=2, expected_phase=Phase.SAVED)
     assert (r.reply.status, r.reply.phase, r.reply.records_changed) == (Status.OK, Phase.ACTIVE, 0)
-    assert fake_log.lines()[mark:] == []                # host memory only: no driver call
+    assert fake_log.lines()[mark:] == []  # host memory only: no driver call
     assert inspect(ctl, c) == before_c
     assert inspect(ctl, i) == before_i
     a = next(r for r in inspect(ctl, c) if r.kind == RecordKind.ALLOCATION)
@@ -80,9 +87,15 @@ def test_cancel_from_saved_returns_active_unchanged(apps, ctl, fake_log):
     h2 = c.val(f"create {GRAN} 0")
     c.ok(f"release {h2}")
     # and a later capture cycle still works (txn ids continue above the cancel's)
-    for txn, (op, exp) in enumerate(((Op.SAVE_ALLOCATIONS, Phase.ACTIVE), (Op.PREPARE_UNICAST, Phase.SAVED),
-                                     (Op.LOAD_ALLOCATIONS, Phase.PREPARED),
-                                     (Op.RESTORE_UNICAST, Phase.LOADED)), start=3):
+    for txn, (op, exp) in enumerate(
+        (
+            (Op.SAVE_ALLOCATIONS, Phase.ACTIVE),
+            (Op.PREPARE_UNICAST, Phase.SAVED),
+            (Op.LOAD_ALLOCATIONS, Phase.PREPARED),
+            (Op.RESTORE_UNICAST, Phase.LOADED),
+        ),
+        start=3,
+    ):
         for app in (c, i):
             r = ctl(app).request(op, txn_id=txn, expected_phase=exp)
             assert r.reply.status == Status.OK, r.message
@@ -93,22 +106,25 @@ def test_cancel_from_saved_returns_active_unchanged(apps, ctl, fake_log):
 
 def test_cancel_refused_outside_saved_changes_nothing(apps, ctl, fake_log):
     c, i, allocs, vi = creator_and_importer(apps)
-    (va, size), = allocs
+    ((va, size),) = allocs
     before = inspect(ctl, c)
     mark = fake_log.mark()
     cl = ctl(c)
     r = cl.request(Op.CANCEL_CAPTURE, txn_id=1, expected_phase=Phase.ACTIVE)
     assert (r.reply.status, r.reply.phase) == (Status.REFUSED_PHASE, Phase.ACTIVE)
-    assert r.message == (f"CANCEL_CAPTURE: pid {c.pid} is in phase ACTIVE (request expected ACTIVE; "
-                         "CANCEL_CAPTURE needs SAVED)")
+    assert r.message == (
+        f"CANCEL_CAPTURE: pid {c.pid} is in phase ACTIVE (request expected ACTIVE; "
+        "CANCEL_CAPTURE needs SAVED)"
+    )
     r = cl.request(Op.CANCEL_CAPTURE, txn_id=2, expected_phase=Phase.SAVED)
     assert (r.reply.status, r.reply.phase) == (Status.REFUSED_PHASE, Phase.ACTIVE)
     assert fake_log.lines()[mark:] == []
     assert inspect(ctl, c) == before
     c.ok(f"check {va} {size} 11")
 
-    for txn, (op, exp) in enumerate(((Op.SAVE_ALLOCATIONS, Phase.ACTIVE),
-                                     (Op.PREPARE_UNICAST, Phase.SAVED)), start=3):
+    for txn, (op, exp) in enumerate(
+        ((Op.SAVE_ALLOCATIONS, Phase.ACTIVE), (Op.PREPARE_UNICAST, Phase.SAVED)), start=3
+    ):
         for app in (c, i):
             assert ctl(app).request(op, txn_id=txn, expected_phase=exp).reply.status == Status.OK
     prepared = inspect(ctl, c, Phase.PREPARED)
@@ -120,9 +136,10 @@ def test_cancel_refused_outside_saved_changes_nothing(apps, ctl, fake_log):
     r = cl.request(Op.CANCEL_CAPTURE, txn_id=4, expected_phase=Phase.PREPARED)
     assert (r.reply.status, r.reply.phase) == (Status.REFUSED_DUPLICATE, Phase.PREPARED)
     assert fake_log.lines()[mark:] == []
-    assert inspect(ctl, c, Phase.PREPARED) == prepared   # the carrier is still held
-    for txn, (op, exp) in enumerate(((Op.LOAD_ALLOCATIONS, Phase.PREPARED),
-                                     (Op.RESTORE_UNICAST, Phase.LOADED)), start=11):
+    assert inspect(ctl, c, Phase.PREPARED) == prepared  # the carrier is still held
+    for txn, (op, exp) in enumerate(
+        ((Op.LOAD_ALLOCATIONS, Phase.PREPARED), (Op.RESTORE_UNICAST, Phase.LOADED)), start=11
+    ):
         for app in (c, i):
             r = ctl(app).request(op, txn_id=txn, expected_phase=exp)
             assert r.reply.status == Status.OK, r.message
@@ -167,17 +184,25 @@ def test_save_failure_part_way_leaves_active_and_memory_intact(apps, ctl, fake_l
         r = ctl(c).request(Op.SAVE_ALLOCATIONS, txn_id=1, expected_phase=Phase.ACTIVE)
     finally:
         resource.prlimit(c.pid, resource.RLIMIT_AS, old)
-    assert (r.reply.status, r.reply.phase, r.reply.bytes, r.reply.records_changed) == \
-        (Status.FAILED, Phase.ACTIVE, 0, 0), r.message
-    assert r.reply.cuda_result == 2                       # CUDA_ERROR_OUT_OF_MEMORY
-    assert r.message == (f"SAVE_ALLOCATIONS: pid {c.pid} allocation {ids[1].hex()}: cuMemAddressReserve "
-                         "(staging) failed: CUDA_ERROR_OUT_OF_MEMORY; the carrier was freed and "
-                         f"pid {c.pid} stays ACTIVE (nothing was torn down)")
+    assert (r.reply.status, r.reply.phase, r.reply.bytes, r.reply.records_changed) == (
+        Status.FAILED,
+        Phase.ACTIVE,
+        0,
+        0,
+    ), r.message
+    assert r.reply.cuda_result == 2  # CUDA_ERROR_OUT_OF_MEMORY
+    assert r.message == (
+        f"SAVE_ALLOCATIONS: pid {c.pid} allocation {ids[1].hex()}: cuMemAddressReserve "
+        "(staging) failed: CUDA_ERROR_OUT_OF_MEMORY; the carrier was freed and "
+        f"pid {c.pid} stays ACTIVE (nothing was torn down)"
+    )
     # the first allocation was copied (staging map, copy, unmap) before the second failed
     copied = [a for fn, a, res in fake_log.calls(c.pid, since=mark) if fn == "cuMemcpyDtoH_v2"]
     assert len(copied) == 1
-    assert not any(fn in ("cuMemRelease", "cuMemUnmap") and res != "CUDA_SUCCESS"
-                   for fn, _, res in fake_log.calls(c.pid, since=mark))
+    assert not any(
+        fn in ("cuMemRelease", "cuMemUnmap") and res != "CUDA_SUCCESS"
+        for fn, _, res in fake_log.calls(c.pid, since=mark)
+    )
     # nothing changed: records (no CARRIED), the app's memory and sharing, and the shim
     # accepts a new capture (the failed txn counted as accepted)
     assert inspect(ctl, c) == before_c
@@ -191,9 +216,11 @@ def test_save_failure_part_way_leaves_active_and_memory_intact(apps, ctl, fake_l
     r = ctl(c).request(Op.SAVE_ALLOCATIONS, txn_id=1, expected_phase=Phase.ACTIVE)
     assert r.reply.status == Status.REFUSED_DUPLICATE
     r = ctl(c).request(Op.SAVE_ALLOCATIONS, txn_id=2, expected_phase=Phase.ACTIVE)
-    assert (r.reply.status, r.reply.phase, r.reply.bytes) == (Status.OK, Phase.SAVED, sum(sizes)), r.message
-    assert len(_anon_rw_of_size(c.pid, sum(sizes))) == 1     # the arena, while SAVED
+    assert (r.reply.status, r.reply.phase, r.reply.bytes) == (Status.OK, Phase.SAVED, sum(sizes)), (
+        r.message
+    )
+    assert len(_anon_rw_of_size(c.pid, sum(sizes))) == 1  # the arena, while SAVED
     r = ctl(c).request(Op.CANCEL_CAPTURE, txn_id=3, expected_phase=Phase.SAVED)
     assert (r.reply.status, r.reply.phase, r.reply.records_changed) == (Status.OK, Phase.ACTIVE, 2)
-    assert _anon_rw_of_size(c.pid, sum(sizes)) == []       # CANCEL freed it
+    assert _anon_rw_of_size(c.pid, sum(sizes)) == []  # CANCEL freed it
     assert inspect(ctl, c) == before_c

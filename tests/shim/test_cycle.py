@@ -1,6 +1,7 @@
 """A full in-place unicast cycle across two processes, without CRIU or native checkpoint:
 SAVE_ALLOCATIONS -> PREPARE_UNICAST -> LOAD_ALLOCATIONS -> RESTORE_UNICAST.
 Afterwards: bytes identical, VAs identical, real handles changed, sharing works again."""
+
 from __future__ import annotations
 
 from cuinterpose.coordinator.protocol import Op, Phase, RecordFlag, RecordKind, Role, Status
@@ -47,13 +48,19 @@ def test_two_process_cycle(apps, ctl, fake_log):
     i.ok(f"access {vi} {SIZE} 1 {RW}")
     i.ok(f"check {vi} {SIZE} 7")
 
-    before = {a.pid: ctl(a).request(Op.INSPECT, txn_id=0, expected_phase=Phase.ACTIVE).records
-              for a in (c, i)}
+    before = {
+        a.pid: ctl(a).request(Op.INSPECT, txn_id=0, expected_phase=Phase.ACTIVE).records
+        for a in (c, i)
+    }
     cmaps = [r for r in before[c.pid] if r.kind == RecordKind.MAPPING]
-    assert [(r.va, r.size, r.role) for r in cmaps] == [(va, SIZE, Role.CREATOR),
-                                                       (va + SIZE, GRAN, Role.PRIVATE)]
+    assert [(r.va, r.size, r.role) for r in cmaps] == [
+        (va, SIZE, Role.CREATOR),
+        (va + SIZE, GRAN, Role.PRIVATE),
+    ]
     imaps = [r for r in before[i.pid] if r.kind == RecordKind.MAPPING]
-    assert [(r.va, r.size, r.role, r.creator_pid) for r in imaps] == [(vi, SIZE, Role.IMPORTER, c.pid)]
+    assert [(r.va, r.size, r.role, r.creator_pid) for r in imaps] == [
+        (vi, SIZE, Role.IMPORTER, c.pid)
+    ]
     assert [(x.location_id, x.flags) for x in imaps[0].access] == [(0, RW), (1, RW)]
 
     mark = fake_log.mark()
@@ -61,20 +68,26 @@ def test_two_process_cycle(apps, ctl, fake_log):
     assert [r.reply.bytes for r in save] == [SIZE, 0]
     assert [r.reply.records_changed for r in save] == [1, 0]
     assert all(r.reply.phase == Phase.SAVED for r in save)
-    carried = [r for r in ctl(c).request(Op.INSPECT, txn_id=0, expected_phase=Phase.SAVED).records
-               if r.kind == RecordKind.ALLOCATION and r.role == Role.CREATOR]
+    carried = [
+        r
+        for r in ctl(c).request(Op.INSPECT, txn_id=0, expected_phase=Phase.SAVED).records
+        if r.kind == RecordKind.ALLOCATION and r.role == Role.CREATOR
+    ]
     assert len(carried) == 1 and carried[0].carrier_bytes == SIZE
     assert carried[0].flags & RecordFlag.CARRIED
 
     prep = phase_all(ctl, (c, i), Op.PREPARE_UNICAST, 2, Phase.SAVED)
-    assert [r.reply.records_changed for r in prep] == [2, 2]   # one mapping + one handle each
+    assert [r.reply.records_changed for r in prep] == [2, 2]  # one mapping + one handle each
     # shared mappings are gone in both processes, the private one is untouched
-    unmaps = [(pid_args[1]["ptr"]) for pid_args in fake_log.calls(fn="cuMemUnmap", since=mark)
-              if pid_args[2] == "CUDA_SUCCESS"]
+    unmaps = [
+        (pid_args[1]["ptr"])
+        for pid_args in fake_log.calls(fn="cuMemUnmap", since=mark)
+        if pid_args[2] == "CUDA_SUCCESS"
+    ]
     assert hex(va) in unmaps and hex(vi) in unmaps and hex(va + SIZE) not in unmaps
     # while not ACTIVE, tracked calls are refused without reaching the driver
     m2 = fake_log.mark()
-    assert c.err(f"create {GRAN} {POSIX}") == 600   # CUDA_ERROR_NOT_READY
+    assert c.err(f"create {GRAN} {POSIX}") == 600  # CUDA_ERROR_NOT_READY
     assert fake_log.calls(pid=c.pid, fn="cuMemCreate", since=m2) == []
 
     load = phase_all(ctl, (c, i), Op.LOAD_ALLOCATIONS, 3, Phase.PREPARED)
@@ -83,13 +96,15 @@ def test_two_process_cycle(apps, ctl, fake_log):
     assert all(r.reply.phase == Phase.ACTIVE for r in rest)
     assert [r.reply.records_changed for r in rest] == [0, 2]
 
-    after = {a.pid: ctl(a).request(Op.INSPECT, txn_id=0, expected_phase=Phase.ACTIVE).records
-             for a in (c, i)}
-    assert after == before                       # same VAs, roles, ids, access lists
+    after = {
+        a.pid: ctl(a).request(Op.INSPECT, txn_id=0, expected_phase=Phase.ACTIVE).records
+        for a in (c, i)
+    }
+    assert after == before  # same VAs, roles, ids, access lists
 
     # real handles changed: the rebuilt mappings use other driver handles
     first = {}
-    for f, a, r in fake_log.calls(fn="cuMemMap"):
+    for _f, a, r in fake_log.calls(fn="cuMemMap"):
         if r == "CUDA_SUCCESS" and a["ptr"] in (hex(va), hex(vi)):
             first.setdefault(a["ptr"], []).append(a["handle"])
     assert len(first[hex(va)]) == 2 and first[hex(va)][0] != first[hex(va)][1]
@@ -132,20 +147,37 @@ def test_reciprocal_imports_concurrent_phases(apps, ctl):
         va = own[p.pid][1] + GRAN
         p.ok(f"map {va} {GRAN} 0 {hq}")
         p.ok(f"access {va} {GRAN} 0 {RW}")
-    before = [ctl(p).request(Op.INSPECT, txn_id=0, expected_phase=Phase.ACTIVE).records for p in (a, b)]
-    for txn, (op, exp) in enumerate(((Op.SAVE_ALLOCATIONS, Phase.ACTIVE), (Op.PREPARE_UNICAST, Phase.SAVED),
-                                     (Op.LOAD_ALLOCATIONS, Phase.PREPARED),
-                                     (Op.RESTORE_UNICAST, Phase.LOADED)), start=10):
+    before = [
+        ctl(p).request(Op.INSPECT, txn_id=0, expected_phase=Phase.ACTIVE).records for p in (a, b)
+    ]
+    for txn, (op, exp) in enumerate(
+        (
+            (Op.SAVE_ALLOCATIONS, Phase.ACTIVE),
+            (Op.PREPARE_UNICAST, Phase.SAVED),
+            (Op.LOAD_ALLOCATIONS, Phase.PREPARED),
+            (Op.RESTORE_UNICAST, Phase.LOADED),
+        ),
+        start=10,
+    ):
         out = {}
-        ths = [threading.Thread(target=lambda p=p: out.__setitem__(p.pid, ctl(p).request(
-            op, txn_id=txn, expected_phase=exp))) for p in (a, b)]
+        ths = [
+            threading.Thread(
+                target=lambda p=p, op=op, txn=txn, exp=exp, out=out: out.__setitem__(
+                    p.pid, ctl(p).request(op, txn_id=txn, expected_phase=exp)
+                )
+            )
+            for p in (a, b)
+        ]
         for t in ths:
             t.start()
         for t in ths:
             t.join(60)
-        assert [out[p.pid].reply.status for p in (a, b)] == [Status.OK, Status.OK], \
-            [out[p.pid].message for p in (a, b)]
-    after = [ctl(p).request(Op.INSPECT, txn_id=0, expected_phase=Phase.ACTIVE).records for p in (a, b)]
+        assert [out[p.pid].reply.status for p in (a, b)] == [Status.OK, Status.OK], [
+            out[p.pid].message for p in (a, b)
+        ]
+    after = [
+        ctl(p).request(Op.INSPECT, txn_id=0, expected_phase=Phase.ACTIVE).records for p in (a, b)
+    ]
     assert after == before
     a.ok(f"check {own[a.pid][1] + GRAN} {GRAN} 2")
     b.ok(f"check {own[b.pid][1] + GRAN} {GRAN} 1")

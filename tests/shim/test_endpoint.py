@@ -1,5 +1,6 @@
 """The control endpoint exists only after a successful cuInit, with the documented path and
 modes, and is removed when the process exits."""
+
 from __future__ import annotations
 
 import os
@@ -16,7 +17,7 @@ def test_socket_lifecycle(apps, shim_env, tmp_path):
     env["CUINTERPOSE_CONTROL_DIR"] = str(ctl_dir)
     a = apps(env=env)
     assert int(a.ok("pid")[0]) == a.pid
-    assert not ctl_dir.exists()                       # nothing before cuInit
+    assert not ctl_dir.exists()  # nothing before cuInit
     a.ok("init")
     sock = ctl_dir / f"cuinterpose-{a.pid}.sock"
     assert stat.S_IMODE(ctl_dir.stat().st_mode) == 0o700

@@ -6,6 +6,7 @@
 - a corrupted host carrier fails LOAD_ALLOCATIONS on the checksum.
 The "creator" here is a Python stand-in serving a real fakecuda export FD of an unshimmed
 process over that process's control-socket path."""
+
 from __future__ import annotations
 
 import array
@@ -67,12 +68,19 @@ class FakeCreator(threading.Thread):
                 self.release.wait(30)
                 if self.mode == "ok":
                     rep = Reply(op=Op.FETCH_FD, txn_id=req.txn_id, status=Status.OK, pid=self.pid)
-                    conn.sendmsg([rep.pack()], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                                                 array.array("i", [self.fd]))])
+                    conn.sendmsg(
+                        [rep.pack()],
+                        [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [self.fd]))],
+                    )
                 else:
                     msg = b"FETCH_FD: gone"
-                    rep = Reply(op=Op.FETCH_FD, txn_id=req.txn_id, status=Status.NOT_FOUND, pid=self.pid,
-                                message_len=len(msg))
+                    rep = Reply(
+                        op=Op.FETCH_FD,
+                        txn_id=req.txn_id,
+                        status=Status.NOT_FOUND,
+                        pid=self.pid,
+                        message_len=len(msg),
+                    )
                     conn.sendall(rep.pack() + msg)
 
     def stop(self):
@@ -114,16 +122,25 @@ def setup_importer(apps, ctl, fake_env, shim_env):
     a.ok(f"check {va} {GRAN} 31")
     own = a.val(f"create {GRAN} {POSIX}")
     a.val(f"export {own}")
-    own_id = [r.alloc_id for r in ctl(a).request(Op.INSPECT, txn_id=0, expected_phase=Phase.ACTIVE).records
-              if r.creator_pid == a.pid][0]
+    own_id = [
+        r.alloc_id
+        for r in ctl(a).request(Op.INSPECT, txn_id=0, expected_phase=Phase.ACTIVE).records
+        if r.creator_pid == a.pid
+    ][0]
     assert len(fc.requests) == 1 and fc.requests[0].alloc_id == alloc_id
     assert fc.requests[0].sender_pid == a.pid
     return p, vp, a, va, fc, raw, own_id, alloc_id
 
 
 def run_to_loaded(ctl, a):
-    for txn, (op, exp) in enumerate(((Op.SAVE_ALLOCATIONS, Phase.ACTIVE), (Op.PREPARE_UNICAST, Phase.SAVED),
-                                     (Op.LOAD_ALLOCATIONS, Phase.PREPARED)), start=1):
+    for txn, (op, exp) in enumerate(
+        (
+            (Op.SAVE_ALLOCATIONS, Phase.ACTIVE),
+            (Op.PREPARE_UNICAST, Phase.SAVED),
+            (Op.LOAD_ALLOCATIONS, Phase.PREPARED),
+        ),
+        start=1,
+    ):
         r = ctl(a).request(op, txn_id=txn, expected_phase=exp)
         assert r.reply.status == Status.OK, r.message
 
@@ -135,20 +152,29 @@ def test_busy_worker_and_fetch_while_waiting_on_peer(apps, ctl, fake_env, shim_e
         fc.release.clear()
         fc.asked.clear()
         result = {}
-        th = threading.Thread(target=lambda: result.setdefault(
-            "r", ctl(a).request(Op.RESTORE_UNICAST, txn_id=4, expected_phase=Phase.LOADED)))
+        th = threading.Thread(
+            target=lambda: result.setdefault(
+                "r", ctl(a).request(Op.RESTORE_UNICAST, txn_id=4, expected_phase=Phase.LOADED)
+            )
+        )
         th.start()
         assert fc.asked.wait(30)
         # the worker waits on the (fake) creator: another op is refused before any mutation
         busy = ctl(a).request(Op.INSPECT, txn_id=0, expected_phase=Phase.LOADED)
         assert busy.reply.status == Status.BAD_REQUEST and busy.message.startswith("busy")
         # ... while FETCH_FD is still served from the export cache (re-exported by LOAD)
-        with ctl(a).request(Op.FETCH_FD, txn_id=0, expected_phase=Phase.LOADED, alloc_id=own_id) as f:
+        with ctl(a).request(
+            Op.FETCH_FD, txn_id=0, expected_phase=Phase.LOADED, alloc_id=own_id
+        ) as f:
             assert f.reply.status == Status.OK and f.fd is not None
         fc.release.set()
         th.join(30)
         r = result["r"]
-        assert (r.reply.status, r.reply.phase, r.reply.records_changed) == (Status.OK, Phase.ACTIVE, 2), r.message
+        assert (r.reply.status, r.reply.phase, r.reply.records_changed) == (
+            Status.OK,
+            Phase.ACTIVE,
+            2,
+        ), r.message
         a.ok(f"check {va} {GRAN} 31")
         p.ok(f"fill {vp} {GRAN} 32")
         a.ok(f"check {va} {GRAN} 32")
@@ -164,12 +190,14 @@ def test_restore_failure_names_creator_and_fails(apps, ctl, fake_env, shim_env):
         fc.mode = "notfound"
         r = ctl(a).request(Op.RESTORE_UNICAST, txn_id=4, expected_phase=Phase.LOADED)
         assert (r.reply.status, r.reply.phase) == (Status.FAILED, Phase.FAILED)
-        assert r.message.startswith(f"RESTORE_UNICAST: pid {a.pid} could not import allocation "
-                                    f"{alloc_id.hex()} from creator pid {p.pid}: ")
+        assert r.message.startswith(
+            f"RESTORE_UNICAST: pid {a.pid} could not import allocation "
+            f"{alloc_id.hex()} from creator pid {p.pid}: "
+        )
         assert "FETCH_FD: gone" in r.message
         r = ctl(a).request(Op.INSPECT, txn_id=0, expected_phase=Phase.FAILED)
         assert r.reply.status == Status.REFUSED_PHASE
-        assert a.err(f"create {GRAN} 0") == 600    # NOT_READY: never ACTIVE again
+        assert a.err(f"create {GRAN} 0") == 600  # NOT_READY: never ACTIVE again
     finally:
         fc.stop()
         os.close(raw)
@@ -204,10 +232,15 @@ def test_corrupted_carrier_fails_load(apps, ctl):
     c.ok(f"access {va} {GRAN} 0 {RW}")
     c.ok(f"fill {va} {GRAN} 41")
     c.val(f"export {h}")
-    for txn, (op, exp) in enumerate(((Op.SAVE_ALLOCATIONS, Phase.ACTIVE), (Op.PREPARE_UNICAST, Phase.SAVED)), 1):
+    for txn, (op, exp) in enumerate(
+        ((Op.SAVE_ALLOCATIONS, Phase.ACTIVE), (Op.PREPARE_UNICAST, Phase.SAVED)), 1
+    ):
         assert ctl(c).request(op, txn_id=txn, expected_phase=exp).reply.status == Status.OK
-    rec = [r for r in ctl(c).request(Op.INSPECT, txn_id=0, expected_phase=Phase.PREPARED).records
-           if r.kind == 1][0]
+    rec = [
+        r
+        for r in ctl(c).request(Op.INSPECT, txn_id=0, expected_phase=Phase.PREPARED).records
+        if r.kind == 1
+    ][0]
     addr = find_in_memory(c.pid, pattern(GRAN, 41)[:4096])
     with open(f"/proc/{c.pid}/mem", "r+b", buffering=0) as mem:
         mem.seek(addr + 100)
@@ -216,6 +249,9 @@ def test_corrupted_carrier_fails_load(apps, ctl):
         mem.write(bytes([b[0] ^ 0xFF]))
     r = ctl(c).request(Op.LOAD_ALLOCATIONS, txn_id=3, expected_phase=Phase.PREPARED)
     assert (r.reply.status, r.reply.phase) == (Status.FAILED, Phase.FAILED)
-    m = re.fullmatch(rf"LOAD_ALLOCATIONS: pid {c.pid} allocation {rec.alloc_id.hex()}: host carrier checksum "
-                     rf"mismatch \(recorded ([0-9a-f]{{16}}), found ([0-9a-f]{{16}})\)", r.message)
+    m = re.fullmatch(
+        rf"LOAD_ALLOCATIONS: pid {c.pid} allocation {rec.alloc_id.hex()}: host carrier checksum "
+        rf"mismatch \(recorded ([0-9a-f]{{16}}), found ([0-9a-f]{{16}})\)",
+        r.message,
+    )
     assert m and int(m.group(1), 16) == rec.carrier_checksum and m.group(1) != m.group(2)

@@ -1,5 +1,6 @@
 """hooks.def is the one list of hooked names: libcuinterpose.map exports exactly its hooked rows
 (and dlsym), and the built library exports exactly the map."""
+
 from __future__ import annotations
 
 import subprocess
@@ -19,7 +20,8 @@ def test_map_exports_exactly_the_hooked_rows():
 
 
 def test_library_exports_exactly_the_map(shim_path):
-    out = subprocess.run(["nm", "-D", "--defined-only", str(shim_path)], capture_output=True, text=True,
-                         check=True).stdout
+    out = subprocess.run(
+        ["nm", "-D", "--defined-only", str(shim_path)], capture_output=True, text=True, check=True
+    ).stdout
     defined = sorted(line.split()[-1].split("@")[0] for line in out.splitlines() if line.strip())
     assert defined == sorted(map_globals())

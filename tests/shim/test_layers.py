@@ -12,6 +12,7 @@ include its own layer's header). The hook
 table in resolve.c takes the address of every exported wrapper (the hooked names of hooks.def);
 those references are the table's purpose, not calls, and are the one exemption.
 """
+
 from __future__ import annotations
 
 import re
@@ -74,15 +75,19 @@ def test_every_file_has_a_layer():
 
 
 def _symbols(obj, *flags) -> set[str]:
-    out = subprocess.run(["nm", *flags, str(obj)], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["nm", *flags, str(obj)], capture_output=True, text=True, check=True
+    ).stdout
     return {line.split()[-1] for line in out.splitlines() if line.strip()}
 
 
 def test_call_graph_follows_the_layers():
     objs = object_files()
     if set(objs) != {p.stem for p in SRC.glob("*.c")}:
-        pytest.fail(f"object files of the shim not found under build/*/interposer/ (got {sorted(objs)}); "
-                    "run `make build`")
+        pytest.fail(
+            f"object files of the shim not found under build/*/interposer/ (got {sorted(objs)}); "
+            "run `make build`"
+        )
     defined = {n: _symbols(o, "-g", "--defined-only") for n, o in objs.items()}
     used = {n: _symbols(o, "-u") for n, o in objs.items()}
     table_refs = set(hooked_names())

@@ -1,6 +1,7 @@
 """Every lookup path hands out the shim's wrapper (docs/shim.md section 1): the returned
 pointers lie in libcuinterpose.so, cuMemCreate returns a virtual handle (tag 0xC01E) and the
 driver saw the real call (fake log). Untracked functions resolve straight into libcuda."""
+
 from __future__ import annotations
 
 import subprocess
@@ -10,16 +11,33 @@ import pytest
 from .conftest import C_DIR, TAG, link_fakecuda
 
 SHIM = "libcuinterpose.so"
-PATHS = ["elf", "dlsym", "dlsym_default", "rtld_next", "gpa", "gpa2", "cudart", "cudart_ver", "cudart_default"]
+PATHS = [
+    "elf",
+    "dlsym",
+    "dlsym_default",
+    "rtld_next",
+    "gpa",
+    "gpa2",
+    "cudart",
+    "cudart_ver",
+    "cudart_default",
+]
 
 
 @pytest.fixture(scope="module")
 def lookup_bins(build_c, fakecuda_dir):
-    linked = build_c([C_DIR / "lookup.c"], "shim_lookup_linked", extra=("-DLINKED",),
-                     libs=link_fakecuda(fakecuda_dir))
+    linked = build_c(
+        [C_DIR / "lookup.c"],
+        "shim_lookup_linked",
+        extra=("-DLINKED",),
+        libs=link_fakecuda(fakecuda_dir),
+    )
     plain = build_c([C_DIR / "lookup.c"], "shim_lookup")
-    cudart = build_c([C_DIR / "fake_cudart.c"], "libcudart.so.13",
-                     extra=("-shared", "-fPIC", "-Wl,-soname,libcudart.so.13"))
+    cudart = build_c(
+        [C_DIR / "fake_cudart.c"],
+        "libcudart.so.13",
+        extra=("-shared", "-fPIC", "-Wl,-soname,libcudart.so.13"),
+    )
     return linked, plain, cudart.parent
 
 
@@ -55,13 +73,23 @@ def test_lookup_path_returns_wrapper(lookup_bins, shim_env, fake_log, path):
     assert handle >> 48 == TAG and handle & 0xFFFFFFFFFFFF == 1
     assert release == 0
     creates = fake_log.calls(fn="cuMemCreate")
-    assert [(a["size"], a["handle"], r) for _, a, r in creates] == [("2097152", "0", "CUDA_SUCCESS")]
+    assert [(a["size"], a["handle"], r) for _, a, r in creates] == [
+        ("2097152", "0", "CUDA_SUCCESS")
+    ]
     # the multicast hooks, the 13.1 device-explicit binds by their full names included
-    for name in ("cuMulticastCreate", "cuMulticastAddDevice", "cuMulticastBindMem",
-                 "cuMulticastBindAddr", "cuMulticastBindMem_v2", "cuMulticastBindAddr_v2",
-                 "cuMulticastUnbind"):
+    for name in (
+        "cuMulticastCreate",
+        "cuMulticastAddDevice",
+        "cuMulticastBindMem",
+        "cuMulticastBindAddr",
+        "cuMulticastBindMem_v2",
+        "cuMulticastBindAddr_v2",
+        "cuMulticastUnbind",
+    ):
         assert fns[name] == (SHIM, name), (path, name)
-    assert [(a["handle"], r) for _, a, r in fake_log.calls(fn="cuMemRelease")] == [("0", "CUDA_SUCCESS")]
+    assert [(a["handle"], r) for _, a, r in fake_log.calls(fn="cuMemRelease")] == [
+        ("0", "CUDA_SUCCESS")
+    ]
 
 
 def test_cuGetProcAddress_self_lookup_matches_arity(lookup_bins, shim_env, fake_log):

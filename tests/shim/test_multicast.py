@@ -5,15 +5,23 @@ Every team member is a vmm_app process on its device 0 (fakecuda's members are (
 pairs). A value written through the multicast VA by one rank is read back from every rank's own
 member mapping (fakecuda refuses reads through a multicast VA).
 """
+
 from __future__ import annotations
 
 import re
 
 import pytest
 
-from cuinterpose.coordinator.phases import Coordinator, Participant, PhaseError
-from cuinterpose.coordinator.protocol import (Op, Phase, RecordFlag, RecordKind, Role, Status,
-                                              socket_path)
+from cuinterpose.coordinator.phases import Coordinator, Participant
+from cuinterpose.coordinator.protocol import (
+    Op,
+    Phase,
+    RecordFlag,
+    RecordKind,
+    Role,
+    Status,
+    socket_path,
+)
 from cuinterpose.coordinator.topology import TopologyError
 
 from .conftest import GRAN, POSIX, RW, TAG
@@ -31,9 +39,17 @@ def inspect(ctl, app, phase=Phase.ACTIVE):
 
 
 def mc_records(records):
-    return [r for r in records if r.kind in (RecordKind.MULTICAST, RecordKind.MULTICAST_DEVICE,
-                                             RecordKind.MULTICAST_BINDING,
-                                             RecordKind.MULTICAST_MAPPING)]
+    return [
+        r
+        for r in records
+        if r.kind
+        in (
+            RecordKind.MULTICAST,
+            RecordKind.MULTICAST_DEVICE,
+            RecordKind.MULTICAST_BINDING,
+            RecordKind.MULTICAST_MAPPING,
+        )
+    ]
 
 
 def kinds(records, kind):
@@ -51,8 +67,8 @@ class Rank:
         self.va = app.val(f"reserve {size}")
         app.ok(f"map {self.va} {size} 0 {self.mem}")
         app.ok(f"access {self.va} {size} 0 {RW}")
-        self.mc = {}        # object name -> this rank's virtual handle
-        self.mcva = {}      # object name -> this rank's multicast VA
+        self.mc = {}  # object name -> this rank's virtual handle
+        self.mcva = {}  # object name -> this rank's multicast VA
 
 
 def share(creator: Rank, others, name, ndev, size=GRAN):
@@ -123,27 +139,49 @@ def test_inspect_records_the_topology(apps, ctl):
     recs0, recs1 = inspect(ctl, r0.app), inspect(ctl, r1.app)
     [o0], [o1] = kinds(recs0, RecordKind.MULTICAST), kinds(recs1, RecordKind.MULTICAST)
     assert o0.alloc_id == o1.alloc_id and o0.creator_pid == o1.creator_pid == r0.pid
-    assert (o0.role, o0.flags, o0.size, o0.offset, o0.prop_location_id, o0.prop_handle_types,
-            o0.handle_refs) == (Role.CREATOR, RecordFlag.EXPORTED | RecordFlag.SHARED, GRAN, GRAN, 2,
-                                POSIX, 1)
-    assert (o1.role, o1.flags, o1.size, o1.offset, o1.prop_location_id) == \
-        (Role.IMPORTER, RecordFlag.SHARED, GRAN, GRAN, 2)
+    assert (
+        o0.role,
+        o0.flags,
+        o0.size,
+        o0.offset,
+        o0.prop_location_id,
+        o0.prop_handle_types,
+        o0.handle_refs,
+    ) == (Role.CREATOR, RecordFlag.EXPORTED | RecordFlag.SHARED, GRAN, GRAN, 2, POSIX, 1)
+    assert (o1.role, o1.flags, o1.size, o1.offset, o1.prop_location_id) == (
+        Role.IMPORTER,
+        RecordFlag.SHARED,
+        GRAN,
+        GRAN,
+        2,
+    )
     for recs, r, flags, va in ((recs0, r0, 0, 0), (recs1, r1, RecordFlag.MC_BY_ADDR, r1.va)):
         [d] = kinds(recs, RecordKind.MULTICAST_DEVICE)
         assert (d.alloc_id, d.prop_location_type, d.prop_location_id) == (o0.alloc_id, 1, 0)
         [b] = kinds(recs, RecordKind.MULTICAST_BINDING)
         [mem] = kinds(recs, RecordKind.ALLOCATION)
         assert (b.prop_location_id, b.offset, b.size, b.va, b.flags) == (0, 0, GRAN, va, flags)
-        assert (b.member_alloc_id, b.member_creator_pid, b.member_offset) == (mem.alloc_id, r.pid, 0)
+        assert (b.member_alloc_id, b.member_creator_pid, b.member_offset) == (
+            mem.alloc_id,
+            r.pid,
+            0,
+        )
         # a bound allocation counts as shared: its creator carries it
         assert (mem.role, mem.flags & RecordFlag.SHARED) == (Role.CREATOR, RecordFlag.SHARED)
         [m] = kinds(recs, RecordKind.MULTICAST_MAPPING)
-        assert (m.va, m.size, m.offset, [(a.location_id, a.flags) for a in m.access]) == \
-            (r.mcva["A"], GRAN, 0, [(0, RW)])
+        assert (m.va, m.size, m.offset, [(a.location_id, a.flags) for a in m.access]) == (
+            r.mcva["A"],
+            GRAN,
+            0,
+            [(0, RW)],
+        )
     # the record order: object, its devices, bindings, mappings
-    assert [r.kind for r in mc_records(recs0)] == [RecordKind.MULTICAST, RecordKind.MULTICAST_DEVICE,
-                                                   RecordKind.MULTICAST_BINDING,
-                                                   RecordKind.MULTICAST_MAPPING]
+    assert [r.kind for r in mc_records(recs0)] == [
+        RecordKind.MULTICAST,
+        RecordKind.MULTICAST_DEVICE,
+        RecordKind.MULTICAST_BINDING,
+        RecordKind.MULTICAST_MAPPING,
+    ]
 
 
 def test_v2_abi_is_recorded_and_resolved_by_full_name(apps, ctl, fake_log):
@@ -181,8 +219,10 @@ def test_bind_of_untracked_memory_is_refused_nothing_recorded(apps, ctl, fake_lo
     nores = lambda rs: [r for r in rs if r.kind != RecordKind.RESERVATION]  # noqa: E731
     assert nores(inspect(ctl, r0.app)) == nores(before)
     err = r0.app.stderr()
-    assert f"memory handle 0x0 is not a tracked allocation; binding it into multicast object " \
-           f"{kinds(before, RecordKind.MULTICAST)[0].alloc_id_hex} could not be restored" in err
+    assert (
+        f"memory handle 0x0 is not a tracked allocation; binding it into multicast object "
+        f"{kinds(before, RecordKind.MULTICAST)[0].alloc_id_hex} could not be restored" in err
+    )
     # the tracked allocation still binds
     r0.app.ok(f"mc_bindmem {h} 0 {r0.mem} 0 {GRAN}")
     assert len(kinds(inspect(ctl, r0.app), RecordKind.MULTICAST_BINDING)) == 1
@@ -208,9 +248,11 @@ def test_passthrough_object_works_and_refuses_capture(apps, ctl, shim_env):
     co = coordinator(shim_env, [r0])
     with pytest.raises(TopologyError) as e:
         co.capture()
-    assert str(e.value) == (f"pid {r0.pid} multicast object {o.alloc_id_hex} has handle types 0x0; "
-                            "only exactly CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR can be rebuilt "
-                            "after a restore, so capture is refused")
+    assert str(e.value) == (
+        f"pid {r0.pid} multicast object {o.alloc_id_hex} has handle types 0x0; "
+        "only exactly CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR can be rebuilt "
+        "after a restore, so capture is refused"
+    )
     assert (e.value.pid, e.value.alloc_id, e.value.changed) == (r0.pid, o.alloc_id_hex, False)
     assert [p.phase for p in co.phases] == ["INSPECT"]
     # the shim refuses PREPARE_MULTICAST too (defence in depth), nothing changed
@@ -239,19 +281,32 @@ def test_capture_tears_multicast_down_before_unicast(apps, ctl, shim_env, fake_l
     co = coordinator(shim_env, [r0, r1])
     mark = len(fake_log.lines())
     cap = co.capture()
-    assert [p.phase for p in cap.phases] == ["INSPECT", "PREPARE_MULTICAST", "SAVE_ALLOCATIONS",
-                                             "PREPARE_UNICAST", "INSPECT"]
+    assert [p.phase for p in cap.phases] == [
+        "INSPECT",
+        "PREPARE_MULTICAST",
+        "SAVE_ALLOCATIONS",
+        "PREPARE_UNICAST",
+        "INSPECT",
+    ]
     pids = {r0.pid, r1.pid}
     uvas = {hex(r.va) for r in (r0, r1)}
-    u_unmaps = [n for n in log_index(fake_log, "cuMemUnmap", pids, lambda p, a: a["ptr"] in uvas)
-                if n >= mark]
+    u_unmaps = [
+        n
+        for n in log_index(fake_log, "cuMemUnmap", pids, lambda p, a: a["ptr"] in uvas)
+        if n >= mark
+    ]
     all_unbinds = [n for n in log_index(fake_log, "cuMulticastUnbind", pids) if n >= mark]
     assert (len(u_unmaps), len(all_unbinds)) == (2, 2)
     assert max(all_unbinds) < min(u_unmaps)
     for r in (r0, r1):
         mcva = hex(r.mcva["A"])
-        [mc_unmap] = [n for n in log_index(fake_log, "cuMemUnmap", {r.pid}, lambda p, a: a["ptr"] == mcva)
-                      if n >= mark]
+        [mc_unmap] = [
+            n
+            for n in log_index(
+                fake_log, "cuMemUnmap", {r.pid}, lambda p, a, mcva=mcva: a["ptr"] == mcva
+            )
+            if n >= mark
+        ]
         [unbind] = [n for n in log_index(fake_log, "cuMulticastUnbind", {r.pid}) if n >= mark]
         releases = [n for n in log_index(fake_log, "cuMemRelease", {r.pid}) if n >= mark]
         assert mc_unmap < unbind < releases[0]
@@ -279,23 +334,36 @@ def test_in_place_cycle_rebuilds_the_team(apps, ctl, shim_env, fake_log):
     mark = len(fake_log.lines())
     res = co.restore(cap)
     assert [p.phase for p in res.phases] == [
-        "INSPECT", "LOAD_ALLOCATIONS", "RESTORE_UNICAST", "RESTORE_MULTICAST_CREATORS",
-        "RESTORE_MULTICAST_IMPORTERS", "RESTORE_MULTICAST_DEVICES", "RESTORE_MULTICAST_BINDINGS",
-        "INSPECT"]
-    assert {x.phase: {p: y.records_changed for p, y in x.participants.items()}
-            for x in res.phases[3:7]} == {
+        "INSPECT",
+        "LOAD_ALLOCATIONS",
+        "RESTORE_UNICAST",
+        "RESTORE_MULTICAST_CREATORS",
+        "RESTORE_MULTICAST_IMPORTERS",
+        "RESTORE_MULTICAST_DEVICES",
+        "RESTORE_MULTICAST_BINDINGS",
+        "INSPECT",
+    ]
+    assert {
+        x.phase: {p: y.records_changed for p, y in x.participants.items()} for x in res.phases[3:7]
+    } == {
         "RESTORE_MULTICAST_CREATORS": {r0.pid: 1, r1.pid: 0},
         "RESTORE_MULTICAST_IMPORTERS": {r0.pid: 0, r1.pid: 1},
         "RESTORE_MULTICAST_DEVICES": {r0.pid: 1, r1.pid: 1},
-        "RESTORE_MULTICAST_BINDINGS": {r0.pid: 2, r1.pid: 2}}
+        "RESTORE_MULTICAST_BINDINGS": {r0.pid: 2, r1.pid: 2},
+    }
     after = {r.pid: inspect(ctl, r.app) for r in (r0, r1)}
-    assert {p: mc_records(rs) for p, rs in after.items()} == \
-        {p: mc_records(rs) for p, rs in before.items()}
+    assert {p: mc_records(rs) for p, rs in after.items()} == {
+        p: mc_records(rs) for p, rs in before.items()
+    }
     # the object was re-created with the requested size, once, by its creator
     creates = [c for c in fake_log.calls(fn="cuMulticastCreate", since=mark)]
-    assert [(c[1]["numDevices"], c[1]["size"], c[2]) for c in creates] == [("2", str(GRAN), "CUDA_SUCCESS")]
+    assert [(c[1]["numDevices"], c[1]["size"], c[2]) for c in creates] == [
+        ("2", str(GRAN), "CUDA_SUCCESS")
+    ]
     # the ABI of each bind is replayed: v1 for rank 0, v2 for rank 1
-    assert [c[0] for c in fake_log.calls(fn="cuMulticastBindMem", since=mark)] == ["cuMulticastBindMem"]
+    assert [c[0] for c in fake_log.calls(fn="cuMulticastBindMem", since=mark)] == [
+        "cuMulticastBindMem"
+    ]
     assert len(fake_log.calls(fn="cuMulticastBindMem_v2", since=mark)) == 1
     assert broadcast(r1, "A", (r0, r1), 0x2222) == [0x2222, 0x2222]
     assert broadcast(r0, "A", (r0, r1), 0x3333) == [0x3333, 0x3333]
@@ -319,14 +387,20 @@ def test_reciprocal_objects(apps, ctl, shim_env):
             r.app.ok(f"access {va} {GRAN} 0 {RW}")
             r.mcva[name] = va
     before = {r.pid: inspect(ctl, r.app) for r in (r0, r1)}
-    roles = {r.pid: sorted((o.creator_pid, o.role) for o in kinds(before[r.pid], RecordKind.MULTICAST))
-             for r in (r0, r1)}
-    assert roles == {r0.pid: sorted([(r0.pid, Role.CREATOR), (r1.pid, Role.IMPORTER)]),
-                     r1.pid: sorted([(r0.pid, Role.IMPORTER), (r1.pid, Role.CREATOR)])}
+    roles = {
+        r.pid: sorted((o.creator_pid, o.role) for o in kinds(before[r.pid], RecordKind.MULTICAST))
+        for r in (r0, r1)
+    }
+    assert roles == {
+        r0.pid: sorted([(r0.pid, Role.CREATOR), (r1.pid, Role.IMPORTER)]),
+        r1.pid: sorted([(r0.pid, Role.IMPORTER), (r1.pid, Role.CREATOR)]),
+    }
     co = coordinator(shim_env, [r0, r1])
     res = co.restore(co.capture())
-    for name, phase, want in (("A", "RESTORE_MULTICAST_CREATORS", {r0.pid: 1, r1.pid: 1}),
-                              ("B", "RESTORE_MULTICAST_IMPORTERS", {r0.pid: 1, r1.pid: 1})):
+    for _name, phase, want in (
+        ("A", "RESTORE_MULTICAST_CREATORS", {r0.pid: 1, r1.pid: 1}),
+        ("B", "RESTORE_MULTICAST_IMPORTERS", {r0.pid: 1, r1.pid: 1}),
+    ):
         assert {p: x.records_changed for p, x in res.phase(phase).participants.items()} == want
     r0.app.ok(f"memset32 {r0.mcva['A']} 0xA 4")
     r1.app.ok(f"memset32 {r1.mcva['B'] + 0} 0xB 4")
@@ -357,14 +431,15 @@ def test_effective_extent_beyond_requested(apps, ctl, shim_env, fake_log):
     validation passes (extent = largest range reported), restore recreates with the requested
     size and the binding into the slack still works."""
     import os
+
     env = dict(shim_env)
     env["FAKECUDA_MULTICAST_CAPACITY_ROUNDING"] = str(4 * GRAN)
     r0, r1 = Rank(apps(env)), Rank(apps(env))
-    share(r0, [r1], "A", 2, size=GRAN)          # requested GRAN, capacity 4 * GRAN
+    share(r0, [r1], "A", 2, size=GRAN)  # requested GRAN, capacity 4 * GRAN
     for r in (r0, r1):
         r.app.ok(f"mc_add {r.mc['A']} 0")
     for r in (r0, r1):
-        r.app.ok(f"mc_bindmem {r.mc['A']} {2 * GRAN} {r.mem} 0 {GRAN}")   # in the slack
+        r.app.ok(f"mc_bindmem {r.mc['A']} {2 * GRAN} {r.mem} 0 {GRAN}")  # in the slack
         va = r.app.val(f"reserve {GRAN}")
         r.app.ok(f"map {va} {GRAN} {2 * GRAN} {r.mc['A']}")
         r.app.ok(f"access {va} {GRAN} 0 {RW}")
@@ -394,8 +469,10 @@ def test_missing_barrier_is_caught_by_the_watchdog(apps, ctl, shim_env, fake_log
     r0.app.ok(f"mc_add {r0.mc['A']} 0")
     assert r0.app.err(f"mc_bindmem {r0.mc['A']} 0 {r0.mem} 0 {GRAN}") == TIMEOUT
     assert kinds(inspect(ctl, r0.app), RecordKind.MULTICAST_BINDING) == []
-    assert "multicast watchdog: cuMulticastBindMem waited 200 ms, but only 1 of 2 devices" in \
-        "\n".join(fake_log.lines())
+    assert (
+        "multicast watchdog: cuMulticastBindMem waited 200 ms, but only 1 of 2 devices"
+        in "\n".join(fake_log.lines())
+    )
     # the shim held no lock while blocked, and counts nothing in flight afterwards
     r1.app.ok(f"mc_add {r1.mc['A']} 0")
     bind_and_map(r0, "A")
@@ -412,9 +489,11 @@ def test_save_from_active_refused_while_multicast_held(apps, ctl):
     [o] = kinds(inspect(ctl, r0.app), RecordKind.MULTICAST)
     resp = ctl(r0.app).request(Op.SAVE_ALLOCATIONS, txn_id=1, expected_phase=Phase.ACTIVE)
     assert (resp.reply.status, resp.reply.phase) == (Status.REFUSED_STATE, Phase.ACTIVE)
-    assert resp.message == (f"SAVE_ALLOCATIONS: pid {r0.pid} holds multicast object {o.alloc_id_hex}; "
-                            "PREPARE_MULTICAST must run first (ACTIVE -> MULTICAST_RELEASED); nothing "
-                            "was changed")
+    assert resp.message == (
+        f"SAVE_ALLOCATIONS: pid {r0.pid} holds multicast object {o.alloc_id_hex}; "
+        "PREPARE_MULTICAST must run first (ACTIVE -> MULTICAST_RELEASED); nothing "
+        "was changed"
+    )
 
 
 def test_process_without_multicast_answers_every_op(apps, ctl, shim_env):
@@ -424,18 +503,25 @@ def test_process_without_multicast_answers_every_op(apps, ctl, shim_env):
     plain = apps()
     plain.ok("init")
     h = plain.val(f"create {GRAN} {POSIX}")
-    co = Coordinator([Participant(a.pid, socket_path(shim_env["CUINTERPOSE_CONTROL_DIR"], a.pid))
-                      for a in (r0.app, r1.app, plain)], timeout_s=30)
+    co = Coordinator(
+        [
+            Participant(a.pid, socket_path(shim_env["CUINTERPOSE_CONTROL_DIR"], a.pid))
+            for a in (r0.app, r1.app, plain)
+        ],
+        timeout_s=30,
+    )
     cap = co.capture()
     res = co.restore(cap)
     for name in ("PREPARE_MULTICAST",):
         p = cap.phase(name).participants[plain.pid]
         assert (p.status, p.phase, p.records_changed) == (Status.OK, Phase.MULTICAST_RELEASED, 0)
-    for name, ph in (("RESTORE_UNICAST", Phase.MULTICAST_RELEASED),
-                     ("RESTORE_MULTICAST_CREATORS", Phase.MULTICAST_CREATED),
-                     ("RESTORE_MULTICAST_IMPORTERS", Phase.MULTICAST_IMPORTED),
-                     ("RESTORE_MULTICAST_DEVICES", Phase.MULTICAST_DEVICES),
-                     ("RESTORE_MULTICAST_BINDINGS", Phase.ACTIVE)):
+    for name, ph in (
+        ("RESTORE_UNICAST", Phase.MULTICAST_RELEASED),
+        ("RESTORE_MULTICAST_CREATORS", Phase.MULTICAST_CREATED),
+        ("RESTORE_MULTICAST_IMPORTERS", Phase.MULTICAST_IMPORTED),
+        ("RESTORE_MULTICAST_DEVICES", Phase.MULTICAST_DEVICES),
+        ("RESTORE_MULTICAST_BINDINGS", Phase.ACTIVE),
+    ):
         p = res.phase(name).participants[plain.pid]
         assert (p.status, p.phase, p.records_changed) == (Status.OK, ph, 0), name
     plain.ok(f"release {h}")
@@ -453,8 +539,14 @@ def test_rollback_after_prepare_multicast_rebuilds_multicast(apps, ctl, shim_env
     rb = co.rollback(records)
     assert rb.found == {r0.pid: "MULTICAST_RELEASED", r1.pid: "SAVED"}
     assert [p.phase for p in rb.phases] == [
-        "INSPECT", "CANCEL_CAPTURE", "RESTORE_MULTICAST_CREATORS", "RESTORE_MULTICAST_IMPORTERS",
-        "RESTORE_MULTICAST_DEVICES", "RESTORE_MULTICAST_BINDINGS", "INSPECT"]
+        "INSPECT",
+        "CANCEL_CAPTURE",
+        "RESTORE_MULTICAST_CREATORS",
+        "RESTORE_MULTICAST_IMPORTERS",
+        "RESTORE_MULTICAST_DEVICES",
+        "RESTORE_MULTICAST_BINDINGS",
+        "INSPECT",
+    ]
     assert sorted(rb.phases[2].participants) == sorted([r0.pid, r1.pid])
     assert broadcast(r1, "A", (r0, r1), 0x0B) == [0x0B, 0x0B]
 
@@ -462,8 +554,11 @@ def test_rollback_after_prepare_multicast_rebuilds_multicast(apps, ctl, shim_env
 def test_multicast_calls_wait_while_a_phase_runs(apps, ctl):
     r0, r1 = team_of_two(apps)
     resp = ctl(r0.app).request(Op.PREPARE_MULTICAST, txn_id=1, expected_phase=Phase.ACTIVE)
-    assert (resp.reply.status, resp.reply.phase, resp.reply.records_changed) == \
-        (Status.OK, Phase.MULTICAST_RELEASED, 3)
+    assert (resp.reply.status, resp.reply.phase, resp.reply.records_changed) == (
+        Status.OK,
+        Phase.MULTICAST_RELEASED,
+        3,
+    )
     NOT_READY = 600
     assert r0.app.err(f"mc_add {r0.mc['A']} 0") == NOT_READY
     assert r0.app.err(f"mc_unbind {r0.mc['A']} 0 0 {GRAN}") == NOT_READY
@@ -475,13 +570,14 @@ def test_blocked_bind_holds_no_shim_lock(apps, ctl, fake_log):
     same process answers meanwhile, a phase op is refused (a tracked call is in flight, nothing
     changed), and the peer's add-device completes the team, releasing the bind."""
     import time
+
     r0, r1 = Rank(apps()), Rank(apps())
     share(r0, [r1], "A", 2)
     r0.app.ok(f"mc_add {r0.mc['A']} 0")
     r0.app.proc.stdin.write(f"mc_bindmem {r0.mc['A']} 0 {r0.mem} 0 {GRAN}\n")
     r0.app.proc.stdin.flush()
     want = f"{r0.pid} {r0.pid} fakecuda: cuMulticastBindMem blocks until every device was added"
-    for _ in range(2000):                       # until the fake logged the wait (no clock)
+    for _ in range(2000):  # until the fake logged the wait (no clock)
         if any(ln.startswith(want) for ln in fake_log.lines()):
             break
         time.sleep(0.005)
@@ -490,8 +586,9 @@ def test_blocked_bind_holds_no_shim_lock(apps, ctl, fake_log):
     assert kinds(inspect(ctl, r0.app), RecordKind.MULTICAST_BINDING) == []
     resp = ctl(r0.app).request(Op.PREPARE_MULTICAST, txn_id=1, expected_phase=Phase.ACTIVE)
     assert (resp.reply.status, resp.reply.phase) == (Status.REFUSED_STATE, Phase.ACTIVE)
-    assert resp.message == (f"PREPARE_MULTICAST: pid {r0.pid} has 1 tracked driver calls in flight; "
-                            "quiesce first")
+    assert resp.message == (
+        f"PREPARE_MULTICAST: pid {r0.pid} has 1 tracked driver calls in flight; quiesce first"
+    )
     r1.app.ok(f"mc_add {r1.mc['A']} 0")
     assert r0.app.proc.stdout.readline().split() == ["ok"]
     assert len(kinds(inspect(ctl, r0.app), RecordKind.MULTICAST_BINDING)) == 1
@@ -509,4 +606,4 @@ def test_retain_on_a_multicast_va_returns_the_virtual_handle(apps, ctl):
     assert kinds(inspect(ctl, r0.app), RecordKind.MULTICAST)[0].handle_refs == 1
     resp = ctl(r0.app).request(Op.PREPARE_MULTICAST, txn_id=1, expected_phase=Phase.ACTIVE)
     assert resp.reply.status == Status.OK
-    assert r0.app.err(f"retain {r0.mcva['A']}") == 600        # CUDA_ERROR_NOT_READY
+    assert r0.app.err(f"retain {r0.mcva['A']}") == 600  # CUDA_ERROR_NOT_READY

@@ -1,11 +1,20 @@
 """The object model: virtual handles, alias collapse, access merge, tickets, refusals, and
 phase-request rules (docs/shim.md)."""
+
 from __future__ import annotations
 
 import os
 
-from cuinterpose.coordinator.protocol import (Op, Phase, RecordFlag, RecordKind, Role, Status,
-                                              Ticket, TicketKind)
+from cuinterpose.coordinator.protocol import (
+    Op,
+    Phase,
+    RecordFlag,
+    RecordKind,
+    Role,
+    Status,
+    Ticket,
+    TicketKind,
+)
 
 from .conftest import FABRIC, GRAN, POSIX, RW, TAG
 
@@ -43,14 +52,18 @@ def test_alias_collapse_one_driver_reference(apps, ctl, fake_log):
     assert [r for _, _, r in imports] == ["CUDA_SUCCESS"]
     assert fake_log.calls(pid=i.pid, fn="cuMemRetainAllocationHandle") == []
     alloc = [r for r in inspect(ctl, i) if r.kind == RecordKind.ALLOCATION]
-    assert [(a.role, a.handle_refs, a.creator_pid, a.size) for a in alloc] == [(Role.IMPORTER, 3, c.pid, GRAN)]
+    assert [(a.role, a.handle_refs, a.creator_pid, a.size) for a in alloc] == [
+        (Role.IMPORTER, 3, c.pid, GRAN)
+    ]
 
     i.ok(f"release {h1}")
     i.ok(f"release {h2}")
     assert fake_log.calls(pid=i.pid, fn="cuMemRelease") == []
     i.ok(f"release {h3}")
     real = imports[0][1]["handle"]
-    assert [(a["handle"], r) for _, a, r in fake_log.calls(pid=i.pid, fn="cuMemRelease")] == [(real, "CUDA_SUCCESS")]
+    assert [(a["handle"], r) for _, a, r in fake_log.calls(pid=i.pid, fn="cuMemRelease")] == [
+        (real, "CUDA_SUCCESS")
+    ]
     # still mapped: the record stays with no handle refs; one more release is refused here
     assert i.err(f"release {h1}") == INVALID_VALUE
     assert len(fake_log.calls(pid=i.pid, fn="cuMemRelease")) == 1
@@ -74,7 +87,10 @@ def test_access_merged_per_location_and_limit(apps, ctl, fake_log):
     a.ok(f"access {va} {GRAN} 1 {RW}")
     a.ok(f"access {va} {GRAN} 0 1")
     m = [r for r in inspect(ctl, a) if r.kind == RecordKind.MAPPING]
-    assert [(x.location_type, x.location_id, x.flags) for x in m[0].access] == [(1, 0, 1), (1, 1, RW)]
+    assert [(x.location_type, x.location_id, x.flags) for x in m[0].access] == [
+        (1, 0, 1),
+        (1, 1, RW),
+    ]
     # 33 locations: refused before the driver sees the call
     mark = fake_log.mark()
     many = " ".join(f"{d} {RW}" for d in range(33))
@@ -90,10 +106,15 @@ def test_access_merged_per_location_and_limit(apps, ctl, fake_log):
 def test_ticket_is_sealed_memfd_and_importer_sees_writes(apps, ctl, fake_log):
     c, i, h, va, fd = shared_pair(apps)
     seals, size, raw = c.ok(f"ticket {fd}")
-    assert int(seals) == 0xF and int(size) == 64          # WRITE|GROW|SHRINK|SEAL, 64 bytes
+    assert int(seals) == 0xF and int(size) == 64  # WRITE|GROW|SHRINK|SEAL, 64 bytes
     t = Ticket.unpack(bytes.fromhex(raw))
     alloc = [r for r in inspect(ctl, c) if r.kind == RecordKind.ALLOCATION][0]
-    assert (t.kind, t.creator_pid, t.alloc_id, t.size) == (TicketKind.ALLOCATION, c.pid, alloc.alloc_id, GRAN)
+    assert (t.kind, t.creator_pid, t.alloc_id, t.size) == (
+        TicketKind.ALLOCATION,
+        c.pid,
+        alloc.alloc_id,
+        GRAN,
+    )
     assert t.reserved0 == 0 and t.reserved == (0, 0)
     assert alloc.role == Role.CREATOR and alloc.flags == RecordFlag.EXPORTED | RecordFlag.SHARED
     # a second export hands out another ticket; the driver exported exactly once (cache)
@@ -113,7 +134,9 @@ def test_ticket_is_sealed_memfd_and_importer_sees_writes(apps, ctl, fake_log):
     imp = fake_log.calls(pid=i.pid, fn="cuMemImportFromShareableHandle")
     assert [r for _, _, r in imp] == ["CUDA_SUCCESS"]
     # FETCH_FD: the export cache answers with an FD; an unknown id gets NOT_FOUND
-    with ctl(c).request(Op.FETCH_FD, txn_id=0, expected_phase=Phase.ACTIVE, alloc_id=t.alloc_id) as resp:
+    with ctl(c).request(
+        Op.FETCH_FD, txn_id=0, expected_phase=Phase.ACTIVE, alloc_id=t.alloc_id
+    ) as resp:
         assert resp.reply.status == Status.OK and resp.fd is not None
         assert os.fstat(resp.fd).st_size >= GRAN
     resp = ctl(c).request(Op.FETCH_FD, txn_id=0, expected_phase=Phase.ACTIVE, alloc_id=bytes(16))
@@ -169,7 +192,7 @@ def test_wrong_phase_and_duplicate_change_nothing(apps, ctl, fake_log):
 
 
 def test_raw_import_blocks_capture(apps, ctl, fake_env, fake_log):
-    plain = apps(env=fake_env)         # no shim: its export is a raw driver FD
+    plain = apps(env=fake_env)  # no shim: its export is a raw driver FD
     plain.ok("init")
     h = plain.val(f"create {GRAN} {POSIX}")
     fd = plain.val(f"export {h}")
@@ -179,12 +202,16 @@ def test_raw_import_blocks_capture(apps, ctl, fake_env, fake_log):
     assert ha >> 48 == TAG
     rec = [r for r in inspect(ctl, a) if r.kind == RecordKind.ALLOCATION]
     assert [(r.role, r.flags, r.creator_pid) for r in rec] == [
-        (Role.IMPORTER, RecordFlag.SHARED | RecordFlag.RAW_IMPORT, 0)]
+        (Role.IMPORTER, RecordFlag.SHARED | RecordFlag.RAW_IMPORT, 0)
+    ]
     before = inspect(ctl, a)
     mark = fake_log.mark()
     r = ctl(a).request(Op.SAVE_ALLOCATIONS, txn_id=1, expected_phase=Phase.ACTIVE)
     assert (r.reply.status, r.reply.phase) == (Status.REFUSED_STATE, Phase.ACTIVE)
-    assert f"SAVE_ALLOCATIONS: pid {a.pid} allocation {rec[0].alloc_id.hex()}: imported from a raw" in r.message
+    assert (
+        f"SAVE_ALLOCATIONS: pid {a.pid} allocation {rec[0].alloc_id.hex()}: imported from a raw"
+        in r.message
+    )
     assert fake_log.lines()[mark:] == []
     assert inspect(ctl, a) == before
     # once released, capture goes ahead (same txn: the refusal consumed nothing)
@@ -202,12 +229,20 @@ def test_private_allocations_left_alone(apps, ctl, fake_log):
     a.ok(f"access {va} {GRAN} 0 {RW}")
     a.ok(f"fill {va} {GRAN} 5")
     mark = fake_log.mark()
-    for txn, (op, exp) in enumerate(((Op.SAVE_ALLOCATIONS, Phase.ACTIVE), (Op.PREPARE_UNICAST, Phase.SAVED),
-                                     (Op.LOAD_ALLOCATIONS, Phase.PREPARED),
-                                     (Op.RESTORE_UNICAST, Phase.LOADED)), start=1):
+    for txn, (op, exp) in enumerate(
+        (
+            (Op.SAVE_ALLOCATIONS, Phase.ACTIVE),
+            (Op.PREPARE_UNICAST, Phase.SAVED),
+            (Op.LOAD_ALLOCATIONS, Phase.PREPARED),
+            (Op.RESTORE_UNICAST, Phase.LOADED),
+        ),
+        start=1,
+    ):
         r = ctl(a).request(op, txn_id=txn, expected_phase=exp)
-        assert (r.reply.status, r.reply.bytes, r.reply.records_changed) == (Status.OK, 0, 0), r.message
-    assert fake_log.lines()[mark:] == []     # no driver call at all
+        assert (r.reply.status, r.reply.bytes, r.reply.records_changed) == (Status.OK, 0, 0), (
+            r.message
+        )
+    assert fake_log.lines()[mark:] == []  # no driver call at all
     a.ok(f"check {va} {GRAN} 5")
     assert [r.role for r in inspect(ctl, a) if r.kind == RecordKind.ALLOCATION] == [Role.PRIVATE]
 

@@ -3,6 +3,7 @@ or cut mappings, retains inside mappings, releases while mapped and double relea
 whose creator died or released the allocation, context-less creates, concurrent cuInit, and
 control directories the shim cannot use. Every refusal is checked for what it does not do
 (no driver call, outputs and records untouched) and for its message (object, phase, pid)."""
+
 from __future__ import annotations
 
 import os
@@ -49,8 +50,10 @@ def test_partial_unmap_spanning_two_mappings_refused_before_driver(apps, ctl, fa
     assert inspect(ctl, a) == before
     a.ok(f"check {va} {4 * GRAN} 5")
     err = a.stderr()
-    assert f"cuMemUnmap: pid {a.pid} (phase ACTIVE): range {hex(va + GRAN)}+{hex(2 * GRAN)} covers only " \
-           f"part of the mapping {hex(va)}+{hex(2 * GRAN)} (virtual handle {hex(ha)})" in err
+    assert (
+        f"cuMemUnmap: pid {a.pid} (phase ACTIVE): range {hex(va + GRAN)}+{hex(2 * GRAN)} covers only "
+        f"part of the mapping {hex(va)}+{hex(2 * GRAN)} (virtual handle {hex(ha)})" in err
+    )
     # both whole mappings in one call: both records go, the allocations with them once released
     a.ok(f"unmap {va} {4 * GRAN}")
     assert kinds(inspect(ctl, a), RecordKind.MAPPING) == []
@@ -63,27 +66,37 @@ def test_set_access_spanning_several_mappings(apps, ctl, fake_log, shim_env):
     a = apps(env={**shim_env, "FAKECUDA_DEVICE_COUNT": "16"})
     a.ok("init")
     ha, hb, va = two_mappings(a)
-    a.ok(f"access {va} {4 * GRAN} 0 {RW}")          # one call over two whole mappings
+    a.ok(f"access {va} {4 * GRAN} 0 {RW}")  # one call over two whole mappings
     a.ok(f"access {va} {4 * GRAN} 1 1")
     maps = kinds(inspect(ctl, a), RecordKind.MAPPING)
-    assert [(m.va, [(x.location_id, x.flags) for x in m.access]) for m in maps] == \
-        [(va, [(0, RW), (1, 1)]), (va + 2 * GRAN, [(0, RW), (1, 1)])]
+    assert [(m.va, [(x.location_id, x.flags) for x in m.access]) for m in maps] == [
+        (va, [(0, RW), (1, 1)]),
+        (va + 2 * GRAN, [(0, RW), (1, 1)]),
+    ]
     # all of A and half of B: B's grant could not be replayed, refused before the driver
     mark = fake_log.mark()
     assert a.err(f"access {va} {3 * GRAN} 1 {RW}") == NOT_SUPPORTED
     assert fake_log.calls(pid=a.pid, fn="cuMemSetAccess", since=mark) == []
     assert kinds(inspect(ctl, a), RecordKind.MAPPING) == maps
-    assert f"cuMemSetAccess: pid {a.pid} (phase ACTIVE): range {hex(va)}+{hex(3 * GRAN)} covers only part " \
-           f"of the mapping {hex(va + 2 * GRAN)}+{hex(2 * GRAN)} (virtual handle {hex(hb)})" in a.stderr()
+    assert (
+        f"cuMemSetAccess: pid {a.pid} (phase ACTIVE): range {hex(va)}+{hex(3 * GRAN)} covers only part "
+        f"of the mapping {hex(va + 2 * GRAN)}+{hex(2 * GRAN)} (virtual handle {hex(hb)})"
+        in a.stderr()
+    )
     # A has 16 locations (all fakecuda devices); a call spanning A and B adds 17 more: A would
     # have 33, so the whole call is refused before the driver and B gets nothing either
     a.ok(f"access {va} {2 * GRAN} " + " ".join(f"{d} {RW}" for d in range(2, 16)))
     assert len(kinds(inspect(ctl, a), RecordKind.MAPPING)[0].access) == 16
     mark = fake_log.mark()
-    assert a.err(f"access {va} {4 * GRAN} " + " ".join(f"{d} {RW}" for d in range(16, 33))) == NOT_SUPPORTED
+    assert (
+        a.err(f"access {va} {4 * GRAN} " + " ".join(f"{d} {RW}" for d in range(16, 33)))
+        == NOT_SUPPORTED
+    )
     assert fake_log.calls(pid=a.pid, fn="cuMemSetAccess", since=mark) == []
-    assert f"mapping {hex(va)}+{hex(2 * GRAN)} (virtual handle {hex(ha)}) would have 33 access locations, " \
-           "more than the 32" in a.stderr()
+    assert (
+        f"mapping {hex(va)}+{hex(2 * GRAN)} (virtual handle {hex(ha)}) would have 33 access locations, "
+        "more than the 32" in a.stderr()
+    )
     assert [len(m.access) for m in kinds(inspect(ctl, a), RecordKind.MAPPING)] == [16, 2]
 
 
@@ -93,7 +106,7 @@ def test_retain_inside_a_mapping_and_with_offset(apps, ctl, fake_log):
     h = a.val(f"create {4 * GRAN} 0")
     va = a.val(f"reserve {4 * GRAN}")
     a.ok(f"map {va} {2 * GRAN} 0 {h}")
-    a.ok(f"map {va + 2 * GRAN} {2 * GRAN} {2 * GRAN} {h}")     # second half at offset 2 granules
+    a.ok(f"map {va + 2 * GRAN} {2 * GRAN} {2 * GRAN} {h}")  # second half at offset 2 granules
     for addr in (va, va + GRAN + 123, va + 2 * GRAN, va + 4 * GRAN - 1):
         assert a.val(f"retain {addr}") == h
     assert fake_log.calls(pid=a.pid, fn="cuMemRetainAllocationHandle") == []
@@ -104,7 +117,7 @@ def test_retain_inside_a_mapping_and_with_offset(apps, ctl, fake_log):
     assert len(fake_log.calls(pid=a.pid, fn="cuMemRetainAllocationHandle")) == 1
     for _ in range(4):
         a.ok(f"release {h}")
-    assert fake_log.calls(pid=a.pid, fn="cuMemRelease") == []          # references remain
+    assert fake_log.calls(pid=a.pid, fn="cuMemRelease") == []  # references remain
     a.ok(f"release {h}")
     assert [r for _, _, r in fake_log.calls(pid=a.pid, fn="cuMemRelease")] == ["CUDA_SUCCESS"]
 
@@ -117,7 +130,7 @@ def test_release_while_mapped_keeps_memory_until_unmap(apps, ctl, fake_log):
     a.ok(f"map {va} {GRAN} 0 {h}")
     a.ok(f"access {va} {GRAN} 0 {RW}")
     a.ok(f"fill {va} {GRAN} 17")
-    a.ok(f"release {h}")                              # legal while mapped: the memory stays
+    a.ok(f"release {h}")  # legal while mapped: the memory stays
     assert [r for _, _, r in fake_log.calls(pid=a.pid, fn="cuMemRelease")] == ["CUDA_SUCCESS"]
     a.ok(f"check {va} {GRAN} 17")
     a.ok(f"fill {va} {GRAN} 18")
@@ -131,7 +144,7 @@ def test_release_while_mapped_keeps_memory_until_unmap(apps, ctl, fake_log):
     assert len(fake_log.calls(pid=a.pid, fn="cuMemRelease")) == 1
     a.ok(f"unmap {va} {GRAN}")
     assert [r for r in inspect(ctl, a) if r.kind != RecordKind.RESERVATION] == []
-    assert a.err(f"release {h}") == INVALID_VALUE     # gone for good; still no driver call
+    assert a.err(f"release {h}") == INVALID_VALUE  # gone for good; still no driver call
     assert len(fake_log.calls(pid=a.pid, fn="cuMemRelease")) == 1
 
 
@@ -145,7 +158,10 @@ def test_double_release_is_an_error_not_a_driver_call(apps, ctl, fake_log):
     assert a.err(f"release {never}") == INVALID_VALUE
     assert len(fake_log.calls(pid=a.pid, fn="cuMemRelease")) == 1
     err = a.stderr()
-    assert f"cuMemRelease: pid {a.pid} (phase ACTIVE): virtual handle {hex(h)} has no references left" in err
+    assert (
+        f"cuMemRelease: pid {a.pid} (phase ACTIVE): virtual handle {hex(h)} has no references left"
+        in err
+    )
     assert f"virtual handle {hex(never)} has no references left" in err
     # the shim keeps working
     h2 = a.val(f"create {GRAN} 0")
@@ -170,14 +186,20 @@ def test_import_of_ticket_whose_creator_died(apps, ctl, fake_log):
     try:
         os.kill(c.pid, signal.SIGKILL)
         c.proc.wait()
-        assert i.cmd(f"import_sentinel {path}") == ["err", str(INVALID_VALUE), "0x99"]   # output untouched
+        assert i.cmd(f"import_sentinel {path}") == [
+            "err",
+            str(INVALID_VALUE),
+            "0x99",
+        ]  # output untouched
     finally:
         os.close(mine)
     assert fake_log.calls(pid=i.pid, fn="cuMemImportFromShareableHandle") == []
     assert inspect(ctl, i) == []
     err = i.stderr()
-    assert f"cuMemImportFromShareableHandle: pid {i.pid} (phase ACTIVE): cannot import allocation {alloc_id} " \
-           f"from creator pid {c.pid}: creator pid {c.pid} is not running" in err
+    assert (
+        f"cuMemImportFromShareableHandle: pid {i.pid} (phase ACTIVE): cannot import allocation {alloc_id} "
+        f"from creator pid {c.pid}: creator pid {c.pid} is not running" in err
+    )
 
 
 def test_import_of_dead_ticket(apps, ctl, fake_log):
@@ -193,12 +215,14 @@ def test_import_of_dead_ticket(apps, ctl, fake_log):
     # still mapped: the ticket is alive and imports
     hi = i.val(f"import /proc/{c.pid}/fd/{fd}")
     i.ok(f"release {hi}")
-    c.ok(f"unmap {va} {GRAN}")                      # last mapping gone: the ticket is dead
+    c.ok(f"unmap {va} {GRAN}")  # last mapping gone: the ticket is dead
     assert i.cmd(f"import_sentinel /proc/{c.pid}/fd/{fd}") == ["err", str(INVALID_VALUE), "0x99"]
     assert len(fake_log.calls(pid=i.pid, fn="cuMemImportFromShareableHandle")) == 1
     assert inspect(ctl, i) == [] and inspect(ctl, c)[0].kind == RecordKind.RESERVATION
-    assert f"cuMemImportFromShareableHandle: pid {i.pid} (phase ACTIVE): cannot import allocation {alloc_id} " \
-           f"from creator pid {c.pid}: dead ticket" in i.stderr()
+    assert (
+        f"cuMemImportFromShareableHandle: pid {i.pid} (phase ACTIVE): cannot import allocation {alloc_id} "
+        f"from creator pid {c.pid}: dead ticket" in i.stderr()
+    )
     # the creator's own dead ticket is refused too, without a driver call
     assert c.cmd(f"import_sentinel /proc/{c.pid}/fd/{fd}") == ["err", str(INVALID_VALUE), "0x99"]
     assert fake_log.calls(pid=c.pid, fn="cuMemImportFromShareableHandle") == []
@@ -206,7 +230,7 @@ def test_import_of_dead_ticket(apps, ctl, fake_log):
 
 def test_create_without_current_context_then_share_and_cycle(apps, ctl, fake_log):
     c, i = apps(), apps()
-    c.ok("cuinit")                                  # no context on the creator's thread, ever
+    c.ok("cuinit")  # no context on the creator's thread, ever
     i.ok("init")
     h = c.val(f"create {GRAN} {POSIX}")
     va = c.val(f"reserve {GRAN}")
@@ -218,9 +242,15 @@ def test_create_without_current_context_then_share_and_cycle(apps, ctl, fake_log
     i.ok(f"map {vi} {GRAN} 0 {hi}")
     i.ok(f"access {vi} {GRAN} 0 {RW}")
     i.ok(f"fill {vi} {GRAN} 31")
-    for txn, (op, phase) in enumerate([(Op.SAVE_ALLOCATIONS, Phase.ACTIVE), (Op.PREPARE_UNICAST, Phase.SAVED),
-                                       (Op.LOAD_ALLOCATIONS, Phase.PREPARED),
-                                       (Op.RESTORE_UNICAST, Phase.LOADED)], start=1):
+    for txn, (op, phase) in enumerate(
+        [
+            (Op.SAVE_ALLOCATIONS, Phase.ACTIVE),
+            (Op.PREPARE_UNICAST, Phase.SAVED),
+            (Op.LOAD_ALLOCATIONS, Phase.PREPARED),
+            (Op.RESTORE_UNICAST, Phase.LOADED),
+        ],
+        start=1,
+    ):
         for p in (c, i):
             r = ctl(p).request(op, txn_id=txn, expected_phase=phase)
             assert r.reply.status == Status.OK, r.message
@@ -236,8 +266,13 @@ def test_cuinit_from_many_threads_starts_one_endpoint(apps, shim_env):
     a.ok("init")
     a.ok("cuinit")
     ctl_dir = shim_env["CUINTERPOSE_CONTROL_DIR"]
-    assert [n for n in os.listdir(ctl_dir) if n.startswith(f"cuinterpose-{a.pid}")] == [f"cuinterpose-{a.pid}.sock"]
-    names = sorted(open(f"/proc/{a.pid}/task/{t}/comm").read().strip() for t in os.listdir(f"/proc/{a.pid}/task"))
+    assert [n for n in os.listdir(ctl_dir) if n.startswith(f"cuinterpose-{a.pid}")] == [
+        f"cuinterpose-{a.pid}.sock"
+    ]
+    names = sorted(
+        open(f"/proc/{a.pid}/task/{t}/comm").read().strip()
+        for t in os.listdir(f"/proc/{a.pid}/task")
+    )
     assert names.count("cui-accept") == 1 and names.count("cui-control") == 1
     assert "cuinterpose" not in a.stderr()
 
@@ -264,16 +299,21 @@ def test_control_dir_path_too_long(apps, shim_env, tmp_path):
     cuda_still_works(a)
     lines = [ln for ln in a.stderr().splitlines() if "control" in ln]
     assert len(lines) == 1, lines
-    assert f"cuinterpose[{a.pid}]: cuInit: pid {a.pid} (phase ACTIVE): control socket path " \
-           f"{long_dir}/cuinterpose-{a.pid}.sock (CUINTERPOSE_CONTROL_DIR) is longer than a UNIX socket path " \
-           f"may be (107 bytes); no control endpoint" in lines[0]
-    assert not long_dir.exists()                     # nothing created for an endpoint that cannot exist
+    assert (
+        f"cuinterpose[{a.pid}]: cuInit: pid {a.pid} (phase ACTIVE): control socket path "
+        f"{long_dir}/cuinterpose-{a.pid}.sock (CUINTERPOSE_CONTROL_DIR) is longer than a UNIX socket path "
+        f"may be (107 bytes); no control endpoint" in lines[0]
+    )
+    assert not long_dir.exists()  # nothing created for an endpoint that cannot exist
 
 
 def test_control_dir_unusable(apps, shim_env, tmp_path):
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("")
-    for d, why in ((not_a_dir, "Not a directory"), ("/proc/self/no-such/ctl", "No such file or directory")):
+    for d, why in (
+        (not_a_dir, "Not a directory"),
+        ("/proc/self/no-such/ctl", "No such file or directory"),
+    ):
         env = dict(shim_env)
         env["CUINTERPOSE_CONTROL_DIR"] = str(d)
         a = apps(env=env)
@@ -282,8 +322,15 @@ def test_control_dir_unusable(apps, shim_env, tmp_path):
         cuda_still_works(a)
         lines = [ln for ln in a.stderr().splitlines() if "control" in ln]
         assert len(lines) == 1, lines
-        assert f"cuInit: pid {a.pid} (phase ACTIVE): " in lines[0] and str(d) in lines[0] and why in lines[0]
-        assert "no control endpoint: CUDA keeps working, but this process cannot be inspected" in lines[0]
+        assert (
+            f"cuInit: pid {a.pid} (phase ACTIVE): " in lines[0]
+            and str(d) in lines[0]
+            and why in lines[0]
+        )
+        assert (
+            "no control endpoint: CUDA keeps working, but this process cannot be inspected"
+            in lines[0]
+        )
 
 
 def test_create_release_churn_reuses_slots_not_handles(apps, ctl):
@@ -295,7 +342,7 @@ def test_create_release_churn_reuses_slots_not_handles(apps, ctl):
     rss0 = a.val("rss")
     last = a.val(f"churn 200000 {GRAN}")
     grown_kb = a.val("rss") - rss0
-    assert last == (TAG << 48) | 201000              # every create got a new virtual handle
+    assert last == (TAG << 48) | 201000  # every create got a new virtual handle
     assert grown_kb < 4096, f"state grew by {grown_kb} kB over 200000 create/release pairs"
     h = a.val(f"create {GRAN} 0")
     assert h == last + 1
@@ -311,35 +358,51 @@ def test_import_from_creator_mid_checkpoint_names_its_phase(apps, ctl, fake_log)
     fd = c.val(f"export {h}")
     mine, path = held_ticket(c, fd)
     try:
-        for txn, (op, phase) in enumerate([(Op.SAVE_ALLOCATIONS, Phase.ACTIVE), (Op.PREPARE_UNICAST, Phase.SAVED)], 1):
+        for txn, (op, phase) in enumerate(
+            [(Op.SAVE_ALLOCATIONS, Phase.ACTIVE), (Op.PREPARE_UNICAST, Phase.SAVED)], 1
+        ):
             assert ctl(c).request(op, txn_id=txn, expected_phase=phase).reply.status == Status.OK
         assert i.cmd(f"import_sentinel {path}") == ["err", str(INVALID_VALUE), "0x99"]
     finally:
         os.close(mine)
     assert fake_log.calls(pid=i.pid, fn="cuMemImportFromShareableHandle") == []
-    assert f"from creator pid {c.pid}: creator pid {c.pid} is in phase PREPARED, its exports are closed" in i.stderr()
+    assert (
+        f"from creator pid {c.pid}: creator pid {c.pid} is in phase PREPARED, its exports are closed"
+        in i.stderr()
+    )
 
 
 def test_import_of_a_ticket_of_another_kind_or_version(apps, ctl, fake_log):
     import fcntl
 
     from cuinterpose.coordinator.protocol import CUI_PROTO_VERSION, Ticket, TicketKind
+
     seals = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
     i = apps()
     i.ok("init")
     v = CUI_PROTO_VERSION
     hexid = bytes(range(16)).hex()
     # a multicast ticket is a multicast import: its creator (pid 1) has no control socket
-    for t, what in ((Ticket(creator_pid=1, alloc_id=bytes(range(16)), size=GRAN, kind=TicketKind.MULTICAST),
-                     f"cannot import multicast object {hexid} from creator pid 1: "),
-                    (Ticket(creator_pid=1, alloc_id=bytes(range(16)), size=GRAN, version=99),
-                     f"ticket for allocation {hexid} of creator pid 1 has version 99 kind 1 (this shim reads "
-                     f"version {v} kind 1)")):
+    for t, what in (
+        (
+            Ticket(creator_pid=1, alloc_id=bytes(range(16)), size=GRAN, kind=TicketKind.MULTICAST),
+            f"cannot import multicast object {hexid} from creator pid 1: ",
+        ),
+        (
+            Ticket(creator_pid=1, alloc_id=bytes(range(16)), size=GRAN, version=99),
+            f"ticket for allocation {hexid} of creator pid 1 has version 99 kind 1 (this shim reads "
+            f"version {v} kind 1)",
+        ),
+    ):
         fd = os.memfd_create("ticket", os.MFD_ALLOW_SEALING)
         try:
             os.write(fd, t.pack())
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
-            assert i.cmd(f"import_sentinel /proc/{os.getpid()}/fd/{fd}") == ["err", str(INVALID_VALUE), "0x99"]
+            assert i.cmd(f"import_sentinel /proc/{os.getpid()}/fd/{fd}") == [
+                "err",
+                str(INVALID_VALUE),
+                "0x99",
+            ]
         finally:
             os.close(fd)
         assert f"cuMemImportFromShareableHandle: pid {i.pid} (phase ACTIVE): {what}" in i.stderr()

@@ -6,6 +6,7 @@ an uninstrumented helper):
 - c/stress.c: application threads creating/mapping/exporting while FETCH_FD and INSPECT are
   served (also run unsanitized, and under TSan where the kernel lets TSan start: it needs
   `setarch -R`, and is skipped when TSan refuses the memory layout)."""
+
 from __future__ import annotations
 
 import os
@@ -16,11 +17,19 @@ import pytest
 
 from .conftest import C_DIR, FAKECUDA_SRC, SHIM_SRC, build_shared, link_fakecuda
 
-SAN = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-O1", "-g"]
+SAN = [
+    "-fsanitize=address,undefined",
+    "-fno-sanitize-recover=all",
+    "-fno-omit-frame-pointer",
+    "-O1",
+    "-g",
+]
 
 
 def libasan() -> str:
-    path = subprocess.run(["cc", "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
+    path = subprocess.run(
+        ["cc", "-print-file-name=libasan.so"], capture_output=True, text=True
+    ).stdout.strip()
     if not os.path.isabs(path):
         pytest.skip("the compiler has no libasan.so")
     return path
@@ -29,17 +38,42 @@ def libasan() -> str:
 @pytest.fixture(scope="module")
 def asan_build(build_c, cuda_include):
     from .conftest import C_BUILD_DIR
+
     d = C_BUILD_DIR / "shim-asan"
-    shim = build_shared(sorted((SHIM_SRC / "src").glob("*.c")), d / "libcuinterpose.so",
-                        [*SAN, "-std=gnu11", "-fvisibility=hidden", f"-I{SHIM_SRC / 'include'}",
-                         f"-I{cuda_include}", f"-Wl,--version-script={SHIM_SRC / 'libcuinterpose.map'}",
-                         "-Wl,-Bsymbolic-functions"])
-    fake = build_shared(sorted((FAKECUDA_SRC / "src").glob("*.c")), d / "fakecuda" / "libcuda.so.1",
-                        [*SAN, "-std=gnu11", "-fvisibility=hidden", f"-I{cuda_include}",
-                         "-Wl,-Bsymbolic", "-Wl,-soname,libcuda.so.1"])
-    drv = build_c([C_DIR / "cycle_driver.c"], "shim_cycle_driver", sanitize=True,
-                  libs=link_fakecuda(fake.parent))
-    stress = build_c([C_DIR / "stress.c"], "shim_stress", sanitize=True, libs=link_fakecuda(fake.parent))
+    shim = build_shared(
+        sorted((SHIM_SRC / "src").glob("*.c")),
+        d / "libcuinterpose.so",
+        [
+            *SAN,
+            "-std=gnu11",
+            "-fvisibility=hidden",
+            f"-I{SHIM_SRC / 'include'}",
+            f"-I{cuda_include}",
+            f"-Wl,--version-script={SHIM_SRC / 'libcuinterpose.map'}",
+            "-Wl,-Bsymbolic-functions",
+        ],
+    )
+    fake = build_shared(
+        sorted((FAKECUDA_SRC / "src").glob("*.c")),
+        d / "fakecuda" / "libcuda.so.1",
+        [
+            *SAN,
+            "-std=gnu11",
+            "-fvisibility=hidden",
+            f"-I{cuda_include}",
+            "-Wl,-Bsymbolic",
+            "-Wl,-soname,libcuda.so.1",
+        ],
+    )
+    drv = build_c(
+        [C_DIR / "cycle_driver.c"],
+        "shim_cycle_driver",
+        sanitize=True,
+        libs=link_fakecuda(fake.parent),
+    )
+    stress = build_c(
+        [C_DIR / "stress.c"], "shim_stress", sanitize=True, libs=link_fakecuda(fake.parent)
+    )
     return shim, fake.parent, drv, stress
 
 
@@ -61,11 +95,18 @@ def sanitized_env(asan_build, fake_env):
 
 
 def test_cycle_asan_ubsan(asan_build, fake_env):
-    res = subprocess.run([str(asan_build[2])], env=sanitized_env(asan_build, fake_env), capture_output=True,
-                         text=True, timeout=300)
+    res = subprocess.run(
+        [str(asan_build[2])],
+        env=sanitized_env(asan_build, fake_env),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stdout + res.stderr[-6000:]
     assert res.stdout == "cycle ok\n"
-    assert "runtime error" not in res.stderr and "AddressSanitizer" not in res.stderr, res.stderr[-6000:]
+    assert "runtime error" not in res.stderr and "AddressSanitizer" not in res.stderr, res.stderr[
+        -6000:
+    ]
 
 
 def test_stress_plain(build_c, shim_env, fakecuda_dir):
@@ -77,32 +118,69 @@ def test_stress_plain(build_c, shim_env, fakecuda_dir):
 
 
 def test_stress_asan_ubsan(asan_build, fake_env):
-    res = subprocess.run([str(asan_build[3])], env=sanitized_env(asan_build, fake_env), capture_output=True,
-                         text=True, timeout=300)
+    res = subprocess.run(
+        [str(asan_build[3])],
+        env=sanitized_env(asan_build, fake_env),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stdout + res.stderr[-6000:]
     assert res.stdout == "stress ok 48\n"
-    assert "runtime error" not in res.stderr and "AddressSanitizer" not in res.stderr, res.stderr[-6000:]
+    assert "runtime error" not in res.stderr and "AddressSanitizer" not in res.stderr, res.stderr[
+        -6000:
+    ]
 
 
 def test_stress_tsan(build_c, cuda_include, fake_env):
     """Data races in the shim's locking (state lock, export cache, job slot, lock-free bounds)."""
     from .conftest import C_BUILD_DIR
-    libtsan = subprocess.run(["cc", "-print-file-name=libtsan.so"], capture_output=True, text=True).stdout.strip()
+
+    libtsan = subprocess.run(
+        ["cc", "-print-file-name=libtsan.so"], capture_output=True, text=True
+    ).stdout.strip()
     if not os.path.isabs(libtsan) or not shutil.which("setarch"):
         pytest.skip("no libtsan.so or no setarch")
     tsan = ["-fsanitize=thread", "-O1", "-g", "-std=gnu11"]
     d = C_BUILD_DIR / "shim-tsan"
-    shim = build_shared(sorted((SHIM_SRC / "src").glob("*.c")), d / "libcuinterpose.so",
-                        [*tsan, "-fvisibility=hidden", f"-I{SHIM_SRC / 'include'}", f"-I{cuda_include}",
-                         f"-Wl,--version-script={SHIM_SRC / 'libcuinterpose.map'}", "-Wl,-Bsymbolic-functions"])
-    fake = build_shared(sorted((FAKECUDA_SRC / "src").glob("*.c")), d / "fakecuda" / "libcuda.so.1",
-                        [*tsan, "-fvisibility=hidden", f"-I{cuda_include}", "-Wl,-Bsymbolic",
-                         "-Wl,-soname,libcuda.so.1"])
-    drv = build_c([C_DIR / "stress.c"], "shim_stress_tsan", extra=("-fsanitize=thread",),
-                  libs=link_fakecuda(fake.parent))
-    env = dict(fake_env, LD_LIBRARY_PATH=str(fake.parent), LD_PRELOAD=f"{libtsan} {shim}",
-               TSAN_OPTIONS="halt_on_error=1:exitcode=23")
-    res = subprocess.run(["setarch", "-R", str(drv)], env=env, capture_output=True, text=True, timeout=300)
+    shim = build_shared(
+        sorted((SHIM_SRC / "src").glob("*.c")),
+        d / "libcuinterpose.so",
+        [
+            *tsan,
+            "-fvisibility=hidden",
+            f"-I{SHIM_SRC / 'include'}",
+            f"-I{cuda_include}",
+            f"-Wl,--version-script={SHIM_SRC / 'libcuinterpose.map'}",
+            "-Wl,-Bsymbolic-functions",
+        ],
+    )
+    fake = build_shared(
+        sorted((FAKECUDA_SRC / "src").glob("*.c")),
+        d / "fakecuda" / "libcuda.so.1",
+        [
+            *tsan,
+            "-fvisibility=hidden",
+            f"-I{cuda_include}",
+            "-Wl,-Bsymbolic",
+            "-Wl,-soname,libcuda.so.1",
+        ],
+    )
+    drv = build_c(
+        [C_DIR / "stress.c"],
+        "shim_stress_tsan",
+        extra=("-fsanitize=thread",),
+        libs=link_fakecuda(fake.parent),
+    )
+    env = dict(
+        fake_env,
+        LD_LIBRARY_PATH=str(fake.parent),
+        LD_PRELOAD=f"{libtsan} {shim}",
+        TSAN_OPTIONS="halt_on_error=1:exitcode=23",
+    )
+    res = subprocess.run(
+        ["setarch", "-R", str(drv)], env=env, capture_output=True, text=True, timeout=300
+    )
     if "ThreadSanitizer" in res.stderr and "unexpected memory mapping" in res.stderr:
         pytest.skip("TSan cannot start with this kernel's memory layout")
     assert "WARNING: ThreadSanitizer" not in res.stderr, res.stderr[-6000:]

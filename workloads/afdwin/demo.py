@@ -16,6 +16,7 @@ The last line is ``demo: PASS ...`` (exit 0) or ``demo: FAIL <reason>`` (exit 1)
 The helpers here (:class:`Afdwin`, :func:`run_agent`, :func:`check_run`) are also what the
 end-to-end tests in tests/e2e use.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,8 +56,9 @@ def reap_zombies() -> list[tuple[int, int]]:
         out.append((pid, status))
 
 
-def workload_env(control_dir: os.PathLike | str, *, shim: bool = True,
-                 driver: str = "fake") -> dict:
+def workload_env(
+    control_dir: os.PathLike | str, *, shim: bool = True, driver: str = "fake"
+) -> dict:
     """Environment for a workload under the shim with a private control dir, on fakecuda
     (``driver="fake"``) or on the system's real ``libcuda.so.1`` (``driver="real"``)."""
     if driver not in ("fake", "real"):
@@ -77,21 +79,41 @@ class Afdwin:
     """One afdwin run: ``start()`` launches it (setsid, stdout to ``log``), ``events()`` parses
     the JSON lines so far, ``wait_for(pred)`` polls them."""
 
-    def __init__(self, run_dir: os.PathLike | str, *, ranks: int = 2, attention: int = 1,
-                 steps: int = 400, ring_depth: int = 2, step_delay_ms: float = 5.0,
-                 extra_args: tuple = (), driver: str = "fake"):
+    def __init__(
+        self,
+        run_dir: os.PathLike | str,
+        *,
+        ranks: int = 2,
+        attention: int = 1,
+        steps: int = 400,
+        ring_depth: int = 2,
+        step_delay_ms: float = 5.0,
+        extra_args: tuple = (),
+        driver: str = "fake",
+    ):
         self.run_dir = pathlib.Path(run_dir).resolve()
         self.ctl = self.run_dir / "ctl"
         if len(str(self.ctl)) > 80:  # keep <ctl>/cuinterpose-<pid>.sock under 108 bytes
             import tempfile
+
             self.ctl = pathlib.Path(tempfile.mkdtemp(prefix="cui-ctl-"))
         self.log = self.run_dir / "afdwin.log"
         self.err = self.run_dir / "afdwin.err"
         self.steps = steps
         self.driver = driver
-        self.args = ["--ranks", str(ranks), "--attention", str(attention), "--steps", str(steps),
-                     "--ring-depth", str(ring_depth), "--step-delay-ms", str(step_delay_ms),
-                     *extra_args]
+        self.args = [
+            "--ranks",
+            str(ranks),
+            "--attention",
+            str(attention),
+            "--steps",
+            str(steps),
+            "--ring-depth",
+            str(ring_depth),
+            "--step-delay-ms",
+            str(step_delay_ms),
+            *extra_args,
+        ]
         self.proc: Optional[subprocess.Popen] = None
 
     @property
@@ -107,8 +129,13 @@ class Afdwin:
         with open(self.log, "ab") as out, open(self.err, "ab") as err:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "cuinterpose.workloads.afdwin", *self.args],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=err, cwd=self.run_dir,
-                env=workload_env(self.ctl, driver=self.driver), start_new_session=True)
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                cwd=self.run_dir,
+                env=workload_env(self.ctl, driver=self.driver),
+                start_new_session=True,
+            )
         return self
 
     def events(self, offset: int = 0) -> list[dict]:
@@ -136,7 +163,9 @@ class Afdwin:
         except FileNotFoundError:
             return ""
 
-    def wait_for(self, pred: Callable[[list[dict]], bool], timeout_s: float, what: str) -> list[dict]:
+    def wait_for(
+        self, pred: Callable[[list[dict]], bool], timeout_s: float, what: str
+    ) -> list[dict]:
         """Poll ``events()`` until ``pred(events)``; raises ``RuntimeError`` naming ``what`` on
         timeout or if the tree exits first."""
         deadline = time.monotonic() + timeout_s
@@ -144,7 +173,9 @@ class Afdwin:
             ev = self.events()
             if pred(ev):
                 return ev
-            if not pid_alive(self.pid) and (self.proc.poll() is not None or not pid_alive(self.pid)):
+            if not pid_alive(self.pid) and (
+                self.proc.poll() is not None or not pid_alive(self.pid)
+            ):
                 ev = self.events()
                 if pred(ev):
                     return ev
@@ -168,8 +199,10 @@ class Afdwin:
             if not left:
                 return self.proc.returncode
             if time.monotonic() > deadline:
-                raise RuntimeError(f"rank pids {left} still present {timeout_s:g} s after the "
-                                   "dumped tree was killed")
+                raise RuntimeError(
+                    f"rank pids {left} still present {timeout_s:g} s after the "
+                    "dumped tree was killed"
+                )
             time.sleep(0.02)
 
     def wait_restored_exit(self, timeout_s: float) -> Optional[int]:
@@ -206,9 +239,14 @@ def run_agent(*args: str, timeout_s: float = 300) -> tuple[int, dict]:
     """Run ``cuinterpose-agent ARGS --json`` (as ``python -m cuinterpose.agent.cli``) without
     LD_PRELOAD; returns (exit code, parsed JSON or {"raw": stdout+stderr})."""
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-    res = subprocess.run([sys.executable, "-m", "cuinterpose.agent.cli", *args, "--json"],
-                         stdin=subprocess.DEVNULL, capture_output=True, text=True, env=env,
-                         timeout=timeout_s)
+    res = subprocess.run(
+        [sys.executable, "-m", "cuinterpose.agent.cli", *args, "--json"],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout_s,
+    )
     try:
         return res.returncode, json.loads(res.stdout)
     except ValueError:
@@ -247,13 +285,13 @@ def va_table(evs: list[dict], after_restore: bool) -> dict:
     out = {}
     for e in evs:
         if kind(e) == "window" and bool(e.get("after_restore")) == after_restore:
-            out[e.get("rank")] = (e.get("base_va"), list(e.get("peer_va") or []),
-                                  e.get("mc_va"))
+            out[e.get("rank")] = (e.get("base_va"), list(e.get("peer_va") or []), e.get("mc_va"))
     return out
 
 
-def check_run(evs: list[dict], steps: int, *, attention: int = 1, ffn: int = 1,
-              expect_restore: bool = True) -> list[str]:
+def check_run(
+    evs: list[dict], steps: int, *, attention: int = 1, ffn: int = 1, expect_restore: bool = True
+) -> list[str]:
     """Problems in a finished afdwin log (empty list = all good): every (sender, receiver) pair
     got seqs exactly 1..steps (count, distinct, first, last, no gaps/duplicates/torn), the
     launcher summary says lost=0 duplicated=0 torn=0, and (``expect_restore``) the VA table
@@ -277,11 +315,20 @@ def check_run(evs: list[dict], steps: int, *, attention: int = 1, ffn: int = 1,
             for p in e.get("pairs", e.get("per_pair", [])) or []:
                 pairs.append(p)
     if len(pairs) < attention * ffn:
-        problems.append(f"{len(pairs)} per-pair records in done events, expected >= {attention * ffn}")
+        problems.append(
+            f"{len(pairs)} per-pair records in done events, expected >= {attention * ffn}"
+        )
     for p in pairs:
         who = f"pair {p.get('src', p.get('sender'))}->{p.get('dst', p.get('receiver'))}"
-        want = {"count": steps, "distinct": steps, "first": 1, "last": steps, "gaps": 0,
-                "duplicates": 0, "torn": 0}
+        want = {
+            "count": steps,
+            "distinct": steps,
+            "first": 1,
+            "last": steps,
+            "gaps": 0,
+            "duplicates": 0,
+            "torn": 0,
+        }
         for k, v in want.items():
             if k in p and p[k] != v:
                 problems.append(f"{who}: {k}={p[k]}, expected {v}")
@@ -299,40 +346,60 @@ def check_run(evs: list[dict], steps: int, *, attention: int = 1, ffn: int = 1,
 
 def fmt_phases(phases: list[dict]) -> str:
     from cuinterpose.agent.run.report import fmt_ns
+
     return ", ".join(f"{p['name']} {fmt_ns(p['elapsed_ns'])}" for p in phases)
 
 
-GROUPS = {"INSPECT": "shim", "SAVE_ALLOCATIONS": "shim", "PREPARE_UNICAST": "shim",
-          "LOAD_ALLOCATIONS": "shim", "RESTORE_UNICAST": "shim", "CANCEL_CAPTURE": "shim",
-          "native lock": "native", "native checkpoint": "native", "native restore": "native",
-          "native unlock": "native", "criu dump": "criu", "criu restore": "criu",
-          "kill dumped": "criu", "resume trees": "criu",
-          "quiesce": "quiesce"}
+GROUPS = {
+    "INSPECT": "shim",
+    "SAVE_ALLOCATIONS": "shim",
+    "PREPARE_UNICAST": "shim",
+    "LOAD_ALLOCATIONS": "shim",
+    "RESTORE_UNICAST": "shim",
+    "CANCEL_CAPTURE": "shim",
+    "native lock": "native",
+    "native checkpoint": "native",
+    "native restore": "native",
+    "native unlock": "native",
+    "criu dump": "criu",
+    "criu restore": "criu",
+    "kill dumped": "criu",
+    "resume trees": "criu",
+    "quiesce": "quiesce",
+}
 
 
 def fmt_groups(phases: list[dict]) -> str:
-    """"total T (quiesce a, shim b, native c, criu d, other e)" from a phase list."""
+    """ "total T (quiesce a, shim b, native c, criu d, other e)" from a phase list."""
     from cuinterpose.agent.run.report import fmt_ns
+
     sums: dict[str, int] = {}
     for p in phases:
         g = GROUPS.get(p["name"], "other")
         sums[g] = sums.get(g, 0) + int(p["elapsed_ns"])
     order = [g for g in ("quiesce", "shim", "native", "criu", "other") if g in sums]
-    return f"{fmt_ns(sum(sums.values()))} (" + ", ".join(f"{g} {fmt_ns(sums[g])}" for g in order) + ")"
+    return (
+        f"{fmt_ns(sum(sums.values()))} (" + ", ".join(f"{g} {fmt_ns(sums[g])}" for g in order) + ")"
+    )
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m cuinterpose.workloads.afdwin.demo", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m cuinterpose.workloads.afdwin.demo", description=__doc__.split("\n")[0]
+    )
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--step-delay-ms", type=float, default=5.0)
-    ap.add_argument("--cut-after", type=int, default=60,
-                    help="checkpoint once this many messages were received")
+    ap.add_argument(
+        "--cut-after", type=int, default=60, help="checkpoint once this many messages were received"
+    )
     ap.add_argument("--run-dir", default=None)
     args = ap.parse_args(argv)
 
     os.environ.pop("LD_PRELOAD", None)
     repo = pathlib.Path(__file__).resolve().parents[2]
-    run_dir = pathlib.Path(args.run_dir or repo / "demo-run" / time.strftime("%Y%m%d-%H%M%S")).resolve()
+    run_dir = pathlib.Path(
+        args.run_dir or repo / "demo-run" / time.strftime("%Y%m%d-%H%M%S")
+    ).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     snap = run_dir / "snapshot"
     set_subreaper()
@@ -343,22 +410,36 @@ def main(argv=None) -> int:
 
     try:
         from cuinterpose.agent.mech import criu
+
         ok, out = criu.check()
         if not ok:
-            return fail(f"CRIU is not usable here (`make criu`): {out.strip().splitlines()[-1] if out.strip() else ''}")
+            return fail(
+                f"CRIU is not usable here (`make criu`): {out.strip().splitlines()[-1] if out.strip() else ''}"
+            )
     except Exception as e:
         return fail(f"CRIU is not usable here: {e}")
 
     afd = Afdwin(run_dir, steps=args.steps, step_delay_ms=args.step_delay_ms)
     print(f"demo: run dir {run_dir}")
-    print(f"demo: starting afdwin (1 attention + 1 FFN rank, {args.steps} steps) on fakecuda "
-          f"under {paths.shim_path()}")
+    print(
+        f"demo: starting afdwin (1 attention + 1 FFN rank, {args.steps} steps) on fakecuda "
+        f"under {paths.shim_path()}"
+    )
     afd.start()
     try:
         afd.wait_for(lambda ev: received(ev) >= args.cut_after, 120, f"{args.cut_after} messages")
         print(f"demo: afdwin pid {afd.pid} is streaming; checkpointing to {snap}")
-        rc, cp = run_agent("checkpoint", "--pid", str(afd.pid), "--images-dir", str(snap),
-                           "--driver", "fake", "--control-dir", str(afd.ctl))
+        rc, cp = run_agent(
+            "checkpoint",
+            "--pid",
+            str(afd.pid),
+            "--images-dir",
+            str(snap),
+            "--driver",
+            "fake",
+            "--control-dir",
+            str(afd.ctl),
+        )
         if rc != 0 or not cp.get("ok"):
             err = cp.get("error", {}).get("message") or cp.get("raw", "")
             return fail(f"checkpoint failed (exit {rc}): {err}")
@@ -369,9 +450,11 @@ def main(argv=None) -> int:
         if not cut or not 0 < before_cut < args.steps:
             return fail(f"the cut is not mid-stream: last seqs before the dump {cut}")
         print(f"demo: checkpoint done in {fmt_phases(cp['phases'])}")
-        print(f"demo: tree dumped, then killed once the snapshot was written (root exit status "
-              f"{status}); "
-              f"{before_cut} messages received before the cut")
+        print(
+            f"demo: tree dumped, then killed once the snapshot was written (root exit status "
+            f"{status}); "
+            f"{before_cut} messages received before the cut"
+        )
         rc, rs = run_agent("restore", "--images-dir", str(snap), "--driver", "fake")
         if rc != 0 or not rs.get("ok"):
             err = rs.get("error", {}).get("message") or rs.get("raw", "")
@@ -382,19 +465,34 @@ def main(argv=None) -> int:
         problems = check_run(evs, args.steps)
         if code not in (0, None):
             problems.insert(0, f"restored afdwin exited with {code}")
-        total = sum(int(p.get("count", 0)) for e in evs
-                    if kind(e) == "done" and e.get("role") == "ffn" for p in e.get("pairs", []))
+        total = sum(
+            int(p.get("count", 0))
+            for e in evs
+            if kind(e) == "done" and e.get("role") == "ffn"
+            for p in e.get("pairs", [])
+        )
         if problems:
             return fail("; ".join(problems[:5]))
         vas = va_table(evs, False)
-        print(f"demo: afdwin finished after restore: {total} messages in total, "
-              f"{total - before_cut} after the cut")
-        print("demo: VA table identical before/after: " + ", ".join(
-            f"rank {r}: base {v[0]:#x} peers {[hex(x) for x in v[1]]}" if isinstance(v[0], int)
-            else f"rank {r}: base {v[0]} peers {v[1]}" for r, v in sorted(vas.items(), key=lambda kv: str(kv[0]))))
-        print(f"demo: PASS messages before cut={before_cut} after cut={total - before_cut} "
-              f"lost=0 duplicated=0 torn=0 VAs identical; checkpoint {fmt_groups(cp['phases'])}; "
-              f"restore {fmt_groups(rs['phases'])}", flush=True)
+        print(
+            f"demo: afdwin finished after restore: {total} messages in total, "
+            f"{total - before_cut} after the cut"
+        )
+        print(
+            "demo: VA table identical before/after: "
+            + ", ".join(
+                f"rank {r}: base {v[0]:#x} peers {[hex(x) for x in v[1]]}"
+                if isinstance(v[0], int)
+                else f"rank {r}: base {v[0]} peers {v[1]}"
+                for r, v in sorted(vas.items(), key=lambda kv: str(kv[0]))
+            )
+        )
+        print(
+            f"demo: PASS messages before cut={before_cut} after cut={total - before_cut} "
+            f"lost=0 duplicated=0 torn=0 VAs identical; checkpoint {fmt_groups(cp['phases'])}; "
+            f"restore {fmt_groups(rs['phases'])}",
+            flush=True,
+        )
         return 0
     except Exception as e:
         return fail(f"{e}")

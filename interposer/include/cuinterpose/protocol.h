@@ -56,10 +56,10 @@
 
 #include <stdint.h>
 
-#define CUI_PROTO_MAGIC   0x50495543u /* "CUIP" as little-endian bytes */
-#define CUI_PROTO_VERSION 1u
+#define CUI_PROTO_MAGIC         0x50495543u /* "CUIP" as little-endian bytes */
+#define CUI_PROTO_VERSION       1u
 #define CUI_DEFAULT_CONTROL_DIR "/tmp/cuinterpose"
-#define CUI_SOCKET_PREFIX "cuinterpose-"   /* + decimal pid + ".sock" */
+#define CUI_SOCKET_PREFIX       "cuinterpose-"   /* + decimal pid + ".sock" */
 
 enum cui_op {
   CUI_OP_INSPECT = 1,                      /* read-only: return every record */
@@ -111,8 +111,8 @@ enum cui_phase_rule {
   CUI_PHASE_RULE_ANY = 256,       /* needs: every phase but FAILED (INSPECT) */
   CUI_PHASE_RULE_SAME = 257,      /* leaves: the phase does not change */
   CUI_PHASE_RULE_MULTICAST_RELEASED_OR_ACTIVE = 258,
-                                  /* needs: either; leaves: MULTICAST_RELEASED when this capture
-                                     ran PREPARE_MULTICAST, ACTIVE when it skipped it (Phases) */
+  /* needs: either; leaves: MULTICAST_RELEASED when this capture
+     ran PREPARE_MULTICAST, ACTIVE when it skipped it (Phases) */
   CUI_PHASE_RULE_UNCHECKED = 259  /* needs: no phase check (FETCH_FD, served by the accept
                                      thread from the export cache in every phase) */
 };
@@ -125,18 +125,18 @@ enum cui_phase_rule {
  * coordinator gives it the long carrier timeout). It drives the shim's admission, phase
  * transitions and op names; coordinator/protocol.py mirrors it (pinned by
  * tests/coordinator/test_protocol.py). */
-#define CUI_OPS(X)                                                                             \
-  X(INSPECT, RULE_ANY, RULE_SAME, 0, 0)                                                        \
-  X(PREPARE_MULTICAST, ACTIVE, MULTICAST_RELEASED, 1, 0)                                       \
-  X(SAVE_ALLOCATIONS, RULE_MULTICAST_RELEASED_OR_ACTIVE, SAVED, 1, 1)                          \
-  X(PREPARE_UNICAST, SAVED, PREPARED, 1, 0)                                                    \
-  X(LOAD_ALLOCATIONS, PREPARED, LOADED, 1, 1)                                                  \
-  X(RESTORE_UNICAST, LOADED, RULE_MULTICAST_RELEASED_OR_ACTIVE, 1, 0)                          \
-  X(RESTORE_MULTICAST_CREATORS, MULTICAST_RELEASED, MULTICAST_CREATED, 1, 0)                   \
-  X(RESTORE_MULTICAST_IMPORTERS, MULTICAST_CREATED, MULTICAST_IMPORTED, 1, 0)                  \
-  X(RESTORE_MULTICAST_DEVICES, MULTICAST_IMPORTED, MULTICAST_DEVICES, 1, 0)                    \
-  X(RESTORE_MULTICAST_BINDINGS, MULTICAST_DEVICES, ACTIVE, 1, 0)                               \
-  X(CANCEL_CAPTURE, SAVED, RULE_MULTICAST_RELEASED_OR_ACTIVE, 1, 0)                            \
+#define CUI_OPS(X)                                                            \
+  X(INSPECT, RULE_ANY, RULE_SAME, 0, 0)                                       \
+  X(PREPARE_MULTICAST, ACTIVE, MULTICAST_RELEASED, 1, 0)                      \
+  X(SAVE_ALLOCATIONS, RULE_MULTICAST_RELEASED_OR_ACTIVE, SAVED, 1, 1)         \
+  X(PREPARE_UNICAST, SAVED, PREPARED, 1, 0)                                   \
+  X(LOAD_ALLOCATIONS, PREPARED, LOADED, 1, 1)                                 \
+  X(RESTORE_UNICAST, LOADED, RULE_MULTICAST_RELEASED_OR_ACTIVE, 1, 0)         \
+  X(RESTORE_MULTICAST_CREATORS, MULTICAST_RELEASED, MULTICAST_CREATED, 1, 0)  \
+  X(RESTORE_MULTICAST_IMPORTERS, MULTICAST_CREATED, MULTICAST_IMPORTED, 1, 0) \
+  X(RESTORE_MULTICAST_DEVICES, MULTICAST_IMPORTED, MULTICAST_DEVICES, 1, 0)   \
+  X(RESTORE_MULTICAST_BINDINGS, MULTICAST_DEVICES, ACTIVE, 1, 0)              \
+  X(CANCEL_CAPTURE, SAVED, RULE_MULTICAST_RELEASED_OR_ACTIVE, 1, 0)           \
   X(FETCH_FD, RULE_UNCHECKED, RULE_SAME, 0, 0)
 
 /* cui_reply.status */
@@ -185,8 +185,9 @@ enum cui_role {
 #define CUI_REC_SHARED     0x2u  /* sticky: exported or imported at least once */
 #define CUI_REC_RAW_IMPORT 0x4u  /* imported from a non-ticket FD: blocks capture */
 #define CUI_REC_CARRIED    0x8u  /* creator bytes currently held in the host carrier */
-#define CUI_REC_PASSTHROUGH 0x10u /* multicast object with handle types other than exactly
-                                     POSIX_FILE_DESCRIPTOR (0, FABRIC): works, blocks capture */
+#define CUI_REC_PASSTHROUGH                                      \
+  0x10u /* multicast object with handle types other than exactly \
+           POSIX_FILE_DESCRIPTOR (0, FABRIC): works, blocks capture */
 #define CUI_REC_MC_BY_ADDR 0x20u  /* binding made by cuMulticastBindAddr[_v2] */
 #define CUI_REC_MC_V2_ABI  0x40u  /* binding made through the device-explicit _v2 ABI (13.1) */
 
@@ -199,7 +200,7 @@ struct cui_request {          /* 64 bytes */
   uint64_t txn_id;            /*  8 transaction id; mutating ops need it strictly increasing */
   uint32_t expected_phase;    /* 16 enum cui_phase the sender believes the shim is in */
   uint32_t sender_pid;        /* 20 for error messages */
-  uint8_t  alloc_id[16];      /* 24 FETCH_FD: the allocation wanted */
+  uint8_t alloc_id[16];      /* 24 FETCH_FD: the allocation wanted */
   uint64_t reserved[3];       /* 40 zero */
 };
 
@@ -208,7 +209,7 @@ struct cui_reply {            /* 128 bytes */
   uint16_t version;           /*   4 */
   uint16_t op;                /*   6 echoed */
   uint64_t txn_id;            /*   8 echoed */
-  int32_t  status;            /*  16 enum cui_status */
+  int32_t status;            /*  16 enum cui_status */
   uint32_t phase;             /*  20 shim phase after the request */
   uint32_t pid;               /*  24 replying process */
   uint32_t record_count;      /*  28 records that follow */
@@ -217,14 +218,14 @@ struct cui_reply {            /* 128 bytes */
   uint64_t bytes;             /*  40 carrier bytes moved by this op */
   uint64_t elapsed_ns;        /*  48 wall time of the op inside the shim, ns */
   uint64_t copy_ns;           /*  56 part of elapsed_ns spent copying bytes, ns */
-  int32_t  cuda_result;       /*  64 CUresult of the failing driver call, 0 if none */
+  int32_t cuda_result;       /*  64 CUresult of the failing driver call, 0 if none */
   uint32_t records_changed;   /*  68 objects torn down or rebuilt by this op */
   uint64_t reserved[7];       /*  72 zero */
 };
 
 struct cui_access {           /* 16 bytes (CUmemAccessDesc is 12; padded here) */
   uint32_t location_type;     /*  0 CUmemLocationType */
-  int32_t  location_id;       /*  4 */
+  int32_t location_id;       /*  4 */
   uint32_t flags;             /*  8 CUmemAccess_flags */
   uint32_t reserved;          /* 12 */
 };
@@ -233,7 +234,7 @@ struct cui_record {           /* 640 bytes */
   uint16_t kind;              /*   0 enum cui_record_kind */
   uint16_t role;              /*   2 enum cui_role (allocations and mappings) */
   uint32_t flags;             /*   4 CUI_REC_* */
-  uint8_t  alloc_id[16];      /*   8 128-bit allocation id (creator-assigned, random) */
+  uint8_t alloc_id[16];      /*   8 128-bit allocation id (creator-assigned, random) */
   uint32_t creator_pid;       /*  24 */
   uint32_t handle_refs;       /*  28 live virtual handles in this process */
   uint64_t size;              /*  32 allocation / mapping / reservation size, bytes */
@@ -241,7 +242,7 @@ struct cui_record {           /* 640 bytes */
   uint64_t offset;            /*  48 mapping: offset into the allocation; reservation: alignment */
   uint32_t prop_type;         /*  56 CUmemAllocationType */
   uint32_t prop_location_type;/*  60 CUmemLocationType */
-  int32_t  prop_location_id;  /*  64 */
+  int32_t prop_location_id;  /*  64 */
   uint32_t prop_handle_types; /*  68 CUmemAllocationHandleType bitmask */
   uint64_t carrier_checksum;  /*  72 cui_checksum64 of the carried bytes (creator, after SAVE) */
   uint64_t carrier_bytes;     /*  80 bytes held in the carrier */
@@ -258,12 +259,12 @@ struct cui_record {           /* 640 bytes */
 enum cui_ticket_kind { CUI_TICKET_ALLOCATION = 1, CUI_TICKET_MULTICAST = 2 };
 
 struct cui_ticket {           /* 64 bytes */
-  char     magic[8];          /*  0 CUI_TICKET_MAGIC, no NUL */
+  char magic[8];          /*  0 CUI_TICKET_MAGIC, no NUL */
   uint32_t version;           /*  8 CUI_PROTO_VERSION */
   uint32_t kind;              /* 12 enum cui_ticket_kind */
   uint32_t creator_pid;       /* 16 */
   uint32_t reserved0;         /* 20 zero (multicast: numDevices) */
-  uint8_t  alloc_id[16];      /* 24 */
+  uint8_t alloc_id[16];      /* 24 */
   uint64_t size;              /* 40 allocation size (multicast: requested size), bytes */
   uint64_t reserved[2];       /* 48 zero (multicast: reserved[0] = handleTypes, reserved0 =
                                  numDevices) */

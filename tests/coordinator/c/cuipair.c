@@ -35,13 +35,13 @@ static const char *errname(CUresult r) {
   return s;
 }
 
-#define CK(call)                                                   \
-  do {                                                             \
-    CUresult r_ = (call);                                          \
-    if (r_ != CUDA_SUCCESS) {                                      \
-      printf("err %s %s\n", #call, errname(r_));                   \
-      return -1;                                                   \
-    }                                                              \
+#define CK(call)                                 \
+  do {                                           \
+    CUresult r_ = (call);                        \
+    if (r_ != CUDA_SUCCESS) {                    \
+      printf("err %s %s\n", #call, errname(r_)); \
+      return -1;                                 \
+    }                                            \
   } while (0)
 
 static CUmemAllocationProp prop(void) {
@@ -187,10 +187,13 @@ int main(int argc, char **argv) {
     if (!strcmp(cmd, "create") && n == 3) create(a, b);
     else if (!strcmp(cmd, "send")) send_fds();
     else if (!strcmp(cmd, "recv") && n == 3) recv_fds(a, b);
-    else if (!strcmp(cmd, "fill") && n == 2) { if (fill((unsigned)a) == 0) printf("ok\n"); }
-    else if (!strcmp(cmd, "sum")) sum();
-    else if (!strcmp(cmd, "quit")) { printf("ok\n"); return 0; }
-    else printf("err unknown command\n");
+    else if (!strcmp(cmd, "fill") && n == 2) {
+      if (fill((unsigned)a) == 0) printf("ok\n");
+    } else if (!strcmp(cmd, "sum")) sum();
+    else if (!strcmp(cmd, "quit")) {
+      printf("ok\n");
+      return 0;
+    } else printf("err unknown command\n");
   }
   return 0;
 }

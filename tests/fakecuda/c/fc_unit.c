@@ -21,16 +21,16 @@
 #include <unistd.h>
 
 /* Other ELF spellings, bound by symbol name (cuda.h macros map the source names to _v2). */
-CUresult v1_cuMemGetAddressRange(unsigned int *pbase, unsigned int *psize, unsigned int dptr)
-    __asm__("cuMemGetAddressRange");
-CUresult v1_cuStreamWaitValue32(CUstream stream, CUdeviceptr addr, cuuint32_t value, unsigned int flags)
-    __asm__("cuStreamWaitValue32");
-CUresult ptsz_cuStreamWaitValue32_v2(CUstream stream, CUdeviceptr addr, cuuint32_t value, unsigned int flags)
-    __asm__("cuStreamWaitValue32_v2_ptsz");
-CUresult ptds_cuMemcpyHtoD_v2(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount)
-    __asm__("cuMemcpyHtoD_v2_ptds");
-CUresult legacy_cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags)
-    __asm__("cuGetProcAddress");
+CUresult v1_cuMemGetAddressRange(unsigned int *pbase, unsigned int *psize,
+                                 unsigned int dptr) __asm__("cuMemGetAddressRange");
+CUresult v1_cuStreamWaitValue32(CUstream stream, CUdeviceptr addr, cuuint32_t value,
+                                unsigned int flags) __asm__("cuStreamWaitValue32");
+CUresult ptsz_cuStreamWaitValue32_v2(CUstream stream, CUdeviceptr addr, cuuint32_t value,
+                                     unsigned int flags) __asm__("cuStreamWaitValue32_v2_ptsz");
+CUresult ptds_cuMemcpyHtoD_v2(CUdeviceptr dstDevice, const void *srcHost,
+                              size_t ByteCount) __asm__("cuMemcpyHtoD_v2_ptds");
+CUresult legacy_cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion,
+                                 cuuint64_t flags) __asm__("cuGetProcAddress");
 
 static int g_checks, g_fails;
 
@@ -42,23 +42,23 @@ static const char *nm(CUresult r)
     return s;
 }
 
-#define EXPECT(call, code)                                                                          \
-    do {                                                                                           \
-        CUresult r_ = (call);                                                                      \
-        g_checks++;                                                                                \
-        if (r_ != (code)) {                                                                        \
-            g_fails++;                                                                             \
-            printf("FAIL %d: %s = %s, expected %s\n", __LINE__, #call, nm(r_), nm(code));          \
-        }                                                                                          \
+#define EXPECT(call, code)                                                                \
+    do {                                                                                  \
+        CUresult r_ = (call);                                                             \
+        g_checks++;                                                                       \
+        if (r_ != (code)) {                                                               \
+            g_fails++;                                                                    \
+            printf("FAIL %d: %s = %s, expected %s\n", __LINE__, #call, nm(r_), nm(code)); \
+        }                                                                                 \
     } while (0)
 
-#define CHECK(cond)                                                                                \
-    do {                                                                                           \
-        g_checks++;                                                                                \
-        if (!(cond)) {                                                                             \
-            g_fails++;                                                                             \
-            printf("FAIL %d: %s\n", __LINE__, #cond);                                              \
-        }                                                                                          \
+#define CHECK(cond)                                   \
+    do {                                              \
+        g_checks++;                                   \
+        if (!(cond)) {                                \
+            g_fails++;                                \
+            printf("FAIL %d: %s\n", __LINE__, #cond); \
+        }                                             \
     } while (0)
 
 static size_t G;
@@ -166,8 +166,9 @@ static void devices(void)
     CHECK(memcmp(&u0, &u1, sizeof u0) != 0);
     EXPECT(cuDeviceTotalMem(&mem, 0), CUDA_SUCCESS);
     CHECK(mem == (16ull << 30));
-    static const struct { int attr, val; } want[] = {{102, 1}, {103, 1}, {110, 1}, {128, 0}, {132, 1},
-                                                    {122, 1}, {123, 1}, {98, 0}, {75, 9}, {76, 0}};
+    static const struct {
+        int attr, val;
+    } want[] = {{102, 1}, {103, 1}, {110, 1}, {128, 0}, {132, 1}, {122, 1}, {123, 1}, {98, 0}, {75, 9}, {76, 0}};
     for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
         EXPECT(cuDeviceGetAttribute(&v, (CUdevice_attribute)want[i].attr, 0), CUDA_SUCCESS);
         CHECK(v == want[i].val);
@@ -548,7 +549,13 @@ static void procaddr(void)
 {
     void *fn = (void *)1;
     CUdriverProcAddressQueryResult st = (CUdriverProcAddressQueryResult)9;
-    struct { const char *sym; int ver; unsigned long long flags; void *want; int status; } cases[] = {
+    struct {
+        const char *sym;
+        int ver;
+        unsigned long long flags;
+        void *want;
+        int status;
+    } cases[] = {
         {"cuMemGetAddressRange", 3000, 0, (void *)v1_cuMemGetAddressRange, 0},
         {"cuMemGetAddressRange", 3020, 0, (void *)cuMemGetAddressRange_v2, 0},
         {"cuMemGetAddressRange", 13010, 0, (void *)cuMemGetAddressRange_v2, 0},
@@ -586,8 +593,8 @@ static void procaddr(void)
         EXPECT(cuGetProcAddress_v2(cases[i].sym, &fn, cases[i].ver, cases[i].flags, &st), CUDA_SUCCESS);
         if (fn != cases[i].want || (int)st != cases[i].status) {
             g_fails++;
-            printf("FAIL %d: lookup %s %d %llu -> %p status %d, expected %p status %d\n", __LINE__,
-                   cases[i].sym, cases[i].ver, cases[i].flags, fn, (int)st, cases[i].want, cases[i].status);
+            printf("FAIL %d: lookup %s %d %llu -> %p status %d, expected %p status %d\n", __LINE__, cases[i].sym,
+                   cases[i].ver, cases[i].flags, fn, (int)st, cases[i].want, cases[i].status);
         }
     }
     EXPECT(cuGetProcAddress_v2("cuMemCreate", &fn, 13020, 0, &st), CUDA_ERROR_INVALID_VALUE);
@@ -873,7 +880,7 @@ static void gate_stress(void)
     EXPECT(cuMemAddressFree(g_stress_va, G), CUDA_SUCCESS);
 }
 
-/* ---- multicast (ref §3): team rules, blocking bind, broadcast writes, refusals ---- */
+/* ---- multicast (CUDA driver API "Multicast Object Management"): team rules, blocking bind, broadcast writes, refusals ---- */
 
 static CUmulticastObjectProp mcprop(unsigned ndev, size_t size, unsigned long long types)
 {

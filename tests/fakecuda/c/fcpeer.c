@@ -1,8 +1,8 @@
 /* fcpeer: a line-driven CUDA driver-API client for multi-process fakecuda tests.
  *
  * Reads one command per line on stdin and answers one line on stdout: "ok [values]" or
- * "err <CUresult name>". Up to six numeric arguments per command. argv[1] (optional) is a Unix socket fd used by sendfd/recvfd
- * (SCM_RIGHTS). Linked directly against libcuda.so.1 (the ELF names, no resolver).
+ * "err <CUresult name>". Up to six numeric arguments per command. argv[1] (optional) is a Unix socket fd used by
+ * sendfd/recvfd (SCM_RIGHTS). Linked directly against libcuda.so.1 (the ELF names, no resolver).
  */
 #include <cuda.h>
 #include <stdint.h>

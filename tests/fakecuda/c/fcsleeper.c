@@ -29,15 +29,15 @@ static void put(const char *name, const char *text)
     rename(tmp, dst);
 }
 
-#define TRY(call)                                                                     \
-    do {                                                                              \
-        CUresult r_ = (call);                                                         \
-        if (r_ != CUDA_SUCCESS) {                                                     \
-            char m[256];                                                              \
-            snprintf(m, sizeof m, "bad %s = %d\n", #call, (int)r_);                   \
-            put("error", m);                                                          \
-            exit(2);                                                                  \
-        }                                                                             \
+#define TRY(call)                                                   \
+    do {                                                            \
+        CUresult r_ = (call);                                       \
+        if (r_ != CUDA_SUCCESS) {                                   \
+            char m[256];                                            \
+            snprintf(m, sizeof m, "bad %s = %d\n", #call, (int)r_); \
+            put("error", m);                                        \
+            exit(2);                                                \
+        }                                                           \
     } while (0)
 
 int main(int argc, char **argv)
@@ -106,8 +106,8 @@ int main(int argc, char **argv)
         CUresult r6 = cuMemRetainAllocationHandle(&h, (void *)(uintptr_t)(va + 2 * G));
         int good = !r1 && !r2 && !r3 && !r4 && !r5 && !r6 && v[0] == 0xC0FFEE01u && v[1] == 0xC0FFEE02u &&
                    v[2] == 0xC0FFEE03u && v[3] == 7 && h == hp;
-        snprintf(buf, sizeof buf, "%s %d %d %d %d %d %d %x %x %x %u %llu\n", good ? "ok" : "bad", r1, r2, r3, r4,
-                 r5, r6, v[0], v[1], v[2], v[3], (unsigned long long)h);
+        snprintf(buf, sizeof buf, "%s %d %d %d %d %d %d %x %x %x %u %llu\n", good ? "ok" : "bad", r1, r2, r3, r4, r5,
+                 r6, v[0], v[1], v[2], v[3], (unsigned long long)h);
         if (!r6)
             cuMemRelease(h);
         char name[32];

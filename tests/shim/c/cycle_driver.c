@@ -5,12 +5,11 @@
  * through three lookup paths (ELF, dlsym, cuGetProcAddress_v2). The ticket travels from the
  * creator to the importer over a socketpair (SCM_RIGHTS), as NCCL and afdwin pass FDs.
  *
- * Steps: the parent INSPECTs the creator before it recorded anything; creator runs the object model's edge paths (spanning and partial ranges, retain inside a
- * mapping at an offset, release while mapped, double release) and cleans up, then
- * creates+maps+fills 2 granules, exports; importer imports the ticket twice,
- * maps, retains (alias collapse), checks bytes. Parent: INSPECT, SAVE_ALLOCATIONS,
- * PREPARE_UNICAST, LOAD_ALLOCATIONS, RESTORE_UNICAST on both, a refused duplicate, INSPECT
- * again (records must be identical). Then the creator writes a new pattern and the importer
+ * Steps: the parent INSPECTs the creator before it recorded anything; creator runs the object model's edge paths
+ * (spanning and partial ranges, retain inside a mapping at an offset, release while mapped, double release) and cleans
+ * up, then creates+maps+fills 2 granules, exports; importer imports the ticket twice, maps, retains (alias collapse),
+ * checks bytes. Parent: INSPECT, SAVE_ALLOCATIONS, PREPARE_UNICAST, LOAD_ALLOCATIONS, RESTORE_UNICAST on both, a
+ * refused duplicate, INSPECT again (records must be identical). Then the creator writes a new pattern and the importer
  * must see it; both tear everything down. Prints "cycle ok" and exits 0 on success.
  * Needs CUINTERPOSE_CONTROL_DIR set and libcuda.so.1 (fakecuda) on the library path.
  */
@@ -31,16 +30,20 @@
 #define GRAN (2u << 20)
 #define SIZE (2 * GRAN)
 
-#define CHECK(cond, ...)                                  \
-  do {                                                    \
-    if (!(cond)) {                                        \
+#define CHECK(cond, ...)                                                       \
+  do {                                                                         \
+    if (!(cond)) {                                                             \
       fprintf(stderr, "[%d] FAIL %s:%d: ", (int)getpid(), __FILE__, __LINE__); \
-      fprintf(stderr, __VA_ARGS__);                       \
-      fprintf(stderr, "\n");                              \
-      exit(1);                                            \
-    }                                                     \
+      fprintf(stderr, __VA_ARGS__);                                            \
+      fprintf(stderr, "\n");                                                   \
+      exit(1);                                                                 \
+    }                                                                          \
   } while (0)
-#define CU(call) do { CUresult r_ = (call); CHECK(r_ == CUDA_SUCCESS, "%s = %d", #call, (int)r_); } while (0)
+#define CU(call)                                          \
+  do {                                                    \
+    CUresult r_ = (call);                                 \
+    CHECK(r_ == CUDA_SUCCESS, "%s = %d", #call, (int)r_); \
+  } while (0)
 
 static void pattern(unsigned char *p, size_t n, unsigned seed) {
   unsigned x = seed * 2654435761u + 1;
@@ -61,7 +64,10 @@ static char get(int fd) {
 static void send_fd(int s, int fd) {
   char b = 't';
   struct iovec iov = {&b, 1};
-  union { char buf[CMSG_SPACE(sizeof(int))]; struct cmsghdr a; } cm;
+  union {
+    char buf[CMSG_SPACE(sizeof(int))];
+    struct cmsghdr a;
+  } cm;
   memset(&cm, 0, sizeof cm);
   struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cm.buf, .msg_controllen = sizeof cm.buf};
   struct cmsghdr *c = CMSG_FIRSTHDR(&mh);
@@ -75,7 +81,10 @@ static void send_fd(int s, int fd) {
 static int recv_fd(int s) {
   char b;
   struct iovec iov = {&b, 1};
-  union { char buf[CMSG_SPACE(sizeof(int))]; struct cmsghdr a; } cm;
+  union {
+    char buf[CMSG_SPACE(sizeof(int))];
+    struct cmsghdr a;
+  } cm;
   struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cm.buf, .msg_controllen = sizeof cm.buf};
   CHECK(recvmsg(s, &mh, 0) == 1, "recvmsg");
   int fd = -1;
@@ -305,9 +314,13 @@ int main(void) {
     nbefore[k] = rep.record_count;
   }
   CHECK(nbefore[0] == 5 && nbefore[1] == 3, "records %u %u", nbefore[0], nbefore[1]);
-  const struct { uint16_t op; uint32_t from; } steps[] = {
-    {CUI_OP_SAVE_ALLOCATIONS, CUI_PHASE_ACTIVE}, {CUI_OP_PREPARE_UNICAST, CUI_PHASE_SAVED},
-    {CUI_OP_LOAD_ALLOCATIONS, CUI_PHASE_PREPARED}, {CUI_OP_RESTORE_UNICAST, CUI_PHASE_LOADED}};
+  const struct {
+    uint16_t op;
+    uint32_t from;
+  } steps[] = {{CUI_OP_SAVE_ALLOCATIONS, CUI_PHASE_ACTIVE},
+               {CUI_OP_PREPARE_UNICAST, CUI_PHASE_SAVED},
+               {CUI_OP_LOAD_ALLOCATIONS, CUI_PHASE_PREPARED},
+               {CUI_OP_RESTORE_UNICAST, CUI_PHASE_LOADED}};
   for (unsigned s = 0; s < 4; s++)
     for (int k = 0; k < 2; k++) {
       CHECK(request(who[k], steps[s].op, s + 1, steps[s].from, &rep, NULL) == CUI_OK, "step %u", s);
@@ -316,8 +329,7 @@ int main(void) {
   CHECK(request(cp, CUI_OP_RESTORE_UNICAST, 4, CUI_PHASE_LOADED, &rep, NULL) == CUI_REFUSED_DUPLICATE, "dup");
   for (int k = 0; k < 2; k++) {
     CHECK(request(who[k], CUI_OP_INSPECT, 0, CUI_PHASE_ACTIVE, &rep, &after[k]) == CUI_OK, "inspect");
-    CHECK(rep.record_count == nbefore[k] &&
-              memcmp(before[k], after[k], nbefore[k] * sizeof(struct cui_record)) == 0,
+    CHECK(rep.record_count == nbefore[k] && memcmp(before[k], after[k], nbefore[k] * sizeof(struct cui_record)) == 0,
           "records changed across the cycle (pid %d)", (int)who[k]);
     free(before[k]);
     free(after[k]);

@@ -10,7 +10,7 @@
 typedef int (*gpa2_fn)(const char *, void **, int, unsigned long long, int *);
 
 #define CUDART_VERSION 13010
-#define EXPORT __attribute__((visibility("default")))
+#define EXPORT         __attribute__((visibility("default")))
 
 static gpa2_fn resolver(void) {
   static gpa2_fn gpa;
@@ -40,7 +40,7 @@ EXPORT int cudaGetDriverEntryPointByVersion(const char *s, void **fp, unsigned v
   return query(s, fp, (int)v, flags, st);
 }
 EXPORT int cudaGetDriverEntryPointByVersion_ptsz(const char *s, void **fp, unsigned v, unsigned long long flags,
-                                                  int *st) {
+                                                 int *st) {
   return query(s, fp, (int)v, flags ? flags : 2, st);
 }
 EXPORT int cudaRuntimeGetVersion(int *v) {

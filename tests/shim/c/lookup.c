@@ -46,7 +46,7 @@ static void where(const char *name, void *p) {
 static const char *k_names[4] = {"cuInit", "cuMemCreate", "cuMemRelease", "cuMemGetAllocationGranularity"};
 static const int k_versions[4] = {2000, 10020, 10020, 10020};
 
-static const char *k_mc[7] = {"cuMulticastCreate", "cuMulticastAddDevice", "cuMulticastBindMem",
+static const char *k_mc[7] = {"cuMulticastCreate",   "cuMulticastAddDevice",  "cuMulticastBindMem",
                               "cuMulticastBindAddr", "cuMulticastBindMem_v2", "cuMulticastBindAddr_v2",
                               "cuMulticastUnbind"};
 
@@ -54,7 +54,7 @@ static void *mc_lookup(const char *path, void *cuda, const char *name, int i) {
   void *f = NULL;
   if (!strcmp(path, "elf")) {
 #ifdef LINKED
-    void *direct[7] = {(void *)cuMulticastCreate, (void *)cuMulticastAddDevice, (void *)cuMulticastBindMem,
+    void *direct[7] = {(void *)cuMulticastCreate,   (void *)cuMulticastAddDevice,  (void *)cuMulticastBindMem,
                        (void *)cuMulticastBindAddr, (void *)cuMulticastBindMem_v2, (void *)cuMulticastBindAddr_v2,
                        (void *)cuMulticastUnbind};
     f = direct[i];
@@ -138,7 +138,8 @@ int main(int argc, char **argv) {
         if (i == 0) where("cudaGetDriverEntryPoint", (void *)f);
         if (f(k_names[i], &fns[i], 0, &st) != 0 || st != 0) fns[i] = NULL;
       } else {
-        gdepv_fn f = (gdepv_fn)dlsym(!strcmp(path, "cudart_ver") ? rt : RTLD_DEFAULT, "cudaGetDriverEntryPointByVersion");
+        gdepv_fn f = (gdepv_fn)dlsym(!strcmp(path, "cudart_ver") ? rt : RTLD_DEFAULT,
+                                     "cudaGetDriverEntryPointByVersion");
         if (i == 0) where("cudaGetDriverEntryPointByVersion", (void *)f);
         if (f(k_names[i], &fns[i], 12000, 0, &st) != 0 || st != 0) fns[i] = NULL;
       }

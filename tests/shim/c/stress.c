@@ -28,17 +28,21 @@
 #include "cuinterpose/protocol.h"
 
 #define THREADS 4
-#define ROUNDS 12
-#define CHECK(cond, ...)                                                          \
-  do {                                                                            \
-    if (!(cond)) {                                                                \
-      fprintf(stderr, "[%d] FAIL %s:%d: ", (int)getpid(), __FILE__, __LINE__);   \
-      fprintf(stderr, __VA_ARGS__);                                               \
-      fprintf(stderr, "\n");                                                      \
-      exit(1);                                                                    \
-    }                                                                             \
+#define ROUNDS  12
+#define CHECK(cond, ...)                                                       \
+  do {                                                                         \
+    if (!(cond)) {                                                             \
+      fprintf(stderr, "[%d] FAIL %s:%d: ", (int)getpid(), __FILE__, __LINE__); \
+      fprintf(stderr, __VA_ARGS__);                                            \
+      fprintf(stderr, "\n");                                                   \
+      exit(1);                                                                 \
+    }                                                                          \
   } while (0)
-#define CU(call) do { CUresult r_ = (call); CHECK(r_ == CUDA_SUCCESS, "%s = %d", #call, (int)r_); } while (0)
+#define CU(call)                                          \
+  do {                                                    \
+    CUresult r_ = (call);                                 \
+    CHECK(r_ == CUDA_SUCCESS, "%s = %d", #call, (int)r_); \
+  } while (0)
 
 static size_t g_gran;
 static CUcontext g_ctx;
@@ -93,7 +97,10 @@ static void unmap_free(CUdeviceptr va) {
   CU(cuMemAddressFree(va, g_gran));
 }
 
-struct shared { CUmemGenericAllocationHandle h; CUdeviceptr va; };
+struct shared {
+  CUmemGenericAllocationHandle h;
+  CUdeviceptr va;
+};
 static struct shared g_shared[THREADS][ROUNDS];
 
 static void *creator_thread(void *arg) {
@@ -110,7 +117,10 @@ static void *creator_thread(void *arg) {
     CU(cuMemExportToShareableHandle(&fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
     g_shared[t][r] = (struct shared){h, va};
     struct iovec iov = {&seed, sizeof seed};
-    union { char b[CMSG_SPACE(sizeof(int))]; struct cmsghdr a; } cm;
+    union {
+      char b[CMSG_SPACE(sizeof(int))];
+      struct cmsghdr a;
+    } cm;
     memset(&cm, 0, sizeof cm);
     struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cm.b, .msg_controllen = sizeof cm.b};
     struct cmsghdr *c = CMSG_FIRSTHDR(&mh);
@@ -164,7 +174,10 @@ static void *importer_thread(void *arg) {
     if (!mine) break;
     unsigned seed;
     struct iovec iov = {&seed, sizeof seed};
-    union { char b[CMSG_SPACE(sizeof(int))]; struct cmsghdr a; } cm;
+    union {
+      char b[CMSG_SPACE(sizeof(int))];
+      struct cmsghdr a;
+    } cm;
     struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cm.b, .msg_controllen = sizeof cm.b};
     CHECK(recvmsg(g_sock, &mh, MSG_CMSG_CLOEXEC) == (ssize_t)sizeof seed, "recvmsg");
     int fd = -1;
@@ -215,8 +228,7 @@ static void *inspect_thread(void *arg) {
     }
     CHECK(rep.status == CUI_OK || rep.status == CUI_BAD_REQUEST, "INSPECT status %d", rep.status);   /* or busy */
     char buf[4096];
-    while (read(s, buf, sizeof buf) > 0) {
-    }
+    while (read(s, buf, sizeof buf) > 0) {}
     close(s);
     n++;
   }

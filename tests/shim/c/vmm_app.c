@@ -252,7 +252,8 @@ int main(void) {
       if (report(cuMulticastBindAddr(num(argv[1]), num(argv[2]), num(argv[3]), num(argv[4]), 0))) continue;
       printf("ok\n");
     } else if (!strcmp(c, "mc_bindaddr2")) {
-      if (report(cuMulticastBindAddr_v2(num(argv[1]), (CUdevice)num(argv[2]), num(argv[3]), num(argv[4]), num(argv[5]), 0)))
+      if (report(cuMulticastBindAddr_v2(num(argv[1]), (CUdevice)num(argv[2]), num(argv[3]), num(argv[4]), num(argv[5]),
+                                        0)))
         continue;
       printf("ok\n");
     } else if (!strcmp(c, "mc_unbind")) {

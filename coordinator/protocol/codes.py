@@ -1,0 +1,224 @@
+"""protocol.h's #defines and enums, and the ``CUI_OPS`` table row for row (:data:`OPS`), from
+which the op sets the coordinator uses are derived. Part of :mod:`cuinterpose.coordinator.protocol`."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+__all__ = [
+    "CUI_PROTO_MAGIC",
+    "CUI_PROTO_VERSION",
+    "CUI_DEFAULT_CONTROL_DIR",
+    "CUI_SOCKET_PREFIX",
+    "CUI_SOCKET_SUFFIX",
+    "CUI_MAX_ACCESS",
+    "CUI_TICKET_MAGIC",
+    "CONTROL_DIR_ENV",
+    "Op",
+    "Phase",
+    "PhaseRule",
+    "OpRule",
+    "OPS",
+    "OP_RULES",
+    "Status",
+    "RecordKind",
+    "Role",
+    "RecordFlag",
+    "TicketKind",
+    "MUTATING_OPS",
+    "CARRIER_OPS",
+    "MULTICAST_KINDS",
+    "MULTICAST_RESTORE_OPS",
+    "ProtocolError",
+]
+
+# --- #defines -------------------------------------------------------------------------------
+CUI_PROTO_MAGIC = 0x50495543  # "CUIP" as little-endian bytes
+CUI_PROTO_VERSION = 1
+CUI_DEFAULT_CONTROL_DIR = "/tmp/cuinterpose"
+CUI_SOCKET_PREFIX = "cuinterpose-"  # + decimal pid + ".sock"
+CUI_SOCKET_SUFFIX = ".sock"
+CUI_MAX_ACCESS = 32
+CUI_TICKET_MAGIC = b"CUITKT01"  # 8 bytes, no NUL
+CONTROL_DIR_ENV = "CUINTERPOSE_CONTROL_DIR"
+
+
+class ProtocolError(ValueError):
+    """Bytes that do not match protocol.h (length, magic, version, limits)."""
+
+
+# --- enums ----------------------------------------------------------------------------------
+class Op(enum.IntEnum):
+    """``enum cui_op``."""
+
+    INSPECT = 1
+    PREPARE_MULTICAST = 2
+    SAVE_ALLOCATIONS = 3
+    PREPARE_UNICAST = 4
+    LOAD_ALLOCATIONS = 5
+    RESTORE_UNICAST = 6
+    RESTORE_MULTICAST_CREATORS = 7
+    RESTORE_MULTICAST_IMPORTERS = 8
+    RESTORE_MULTICAST_DEVICES = 9
+    RESTORE_MULTICAST_BINDINGS = 10
+    CANCEL_CAPTURE = 11
+    FETCH_FD = 32
+
+
+class Phase(enum.IntEnum):
+    """``enum cui_phase``."""
+
+    ACTIVE = 0
+    MULTICAST_RELEASED = 1
+    SAVED = 2
+    PREPARED = 3
+    LOADED = 4
+    MULTICAST_CREATED = 5
+    MULTICAST_IMPORTED = 6
+    MULTICAST_DEVICES = 7
+    FAILED = 255
+
+
+class PhaseRule(enum.IntEnum):
+    """``enum cui_phase_rule``: pseudo phases of the ops table (never a shim's phase)."""
+
+    ANY = 256  # needs: every phase but FAILED
+    SAME = 257  # leaves: the phase does not change
+    MULTICAST_RELEASED_OR_ACTIVE = 258  # MULTICAST_RELEASED if the capture ran PREPARE_MULTICAST
+    UNCHECKED = 259  # needs: no phase check (FETCH_FD)
+
+
+@dataclass(frozen=True)
+class OpRule:
+    """One row of ``CUI_OPS``: the phase an op needs and the phase a success leaves (a
+    :class:`Phase` or a :class:`PhaseRule`), whether it mutates (newer txn_id, never retried)
+    and whether it copies carrier bytes (the long carrier timeout)."""
+
+    op: Op
+    needs: Phase | PhaseRule
+    leaves: Phase | PhaseRule
+    mutating: bool
+    copies_bytes: bool
+
+
+_R = PhaseRule
+#: ``CUI_OPS`` of protocol.h, row for row and in its order (pinned by the protocol probe).
+OPS: tuple[OpRule, ...] = tuple(
+    OpRule(*row)
+    for row in (
+        (Op.INSPECT, _R.ANY, _R.SAME, False, False),
+        (Op.PREPARE_MULTICAST, Phase.ACTIVE, Phase.MULTICAST_RELEASED, True, False),
+        (Op.SAVE_ALLOCATIONS, _R.MULTICAST_RELEASED_OR_ACTIVE, Phase.SAVED, True, True),
+        (Op.PREPARE_UNICAST, Phase.SAVED, Phase.PREPARED, True, False),
+        (Op.LOAD_ALLOCATIONS, Phase.PREPARED, Phase.LOADED, True, True),
+        (Op.RESTORE_UNICAST, Phase.LOADED, _R.MULTICAST_RELEASED_OR_ACTIVE, True, False),
+        (
+            Op.RESTORE_MULTICAST_CREATORS,
+            Phase.MULTICAST_RELEASED,
+            Phase.MULTICAST_CREATED,
+            True,
+            False,
+        ),
+        (
+            Op.RESTORE_MULTICAST_IMPORTERS,
+            Phase.MULTICAST_CREATED,
+            Phase.MULTICAST_IMPORTED,
+            True,
+            False,
+        ),
+        (
+            Op.RESTORE_MULTICAST_DEVICES,
+            Phase.MULTICAST_IMPORTED,
+            Phase.MULTICAST_DEVICES,
+            True,
+            False,
+        ),
+        (Op.RESTORE_MULTICAST_BINDINGS, Phase.MULTICAST_DEVICES, Phase.ACTIVE, True, False),
+        (Op.CANCEL_CAPTURE, Phase.SAVED, _R.MULTICAST_RELEASED_OR_ACTIVE, True, False),
+        (Op.FETCH_FD, _R.UNCHECKED, _R.SAME, False, False),
+    )
+)
+#: op -> its row of :data:`OPS`
+OP_RULES: dict[Op, OpRule] = {r.op: r for r in OPS}
+#: Ops that change shim state: they need a strictly increasing txn_id and are never retried.
+MUTATING_OPS = frozenset(r.op for r in OPS if r.mutating)
+#: Ops that copy carrier bytes (they get the long carrier timeout).
+CARRIER_OPS = frozenset(r.op for r in OPS if r.copies_bytes)
+#: The multicast rebuild ops in order, each with the phase it needs.
+MULTICAST_RESTORE_OPS = tuple(
+    (r.op, r.needs) for r in OPS if r.op.name.startswith("RESTORE_MULTICAST_")
+)
+
+
+class Status(enum.IntEnum):
+    """``enum cui_status`` (``cui_reply.status``)."""
+
+    OK = 0
+    REFUSED_PHASE = 1
+    REFUSED_DUPLICATE = 2
+    REFUSED_STATE = 3
+    FAILED = 4
+    BAD_REQUEST = 5
+    NOT_FOUND = 6
+
+    @property
+    def is_refusal(self) -> bool:
+        """True for statuses that, per protocol.h, changed nothing in the shim."""
+        return self in (
+            Status.REFUSED_PHASE,
+            Status.REFUSED_DUPLICATE,
+            Status.REFUSED_STATE,
+            Status.BAD_REQUEST,
+            Status.NOT_FOUND,
+        )
+
+
+class RecordKind(enum.IntEnum):
+    """``enum cui_record_kind``."""
+
+    ALLOCATION = 1
+    MAPPING = 2
+    RESERVATION = 3
+    MULTICAST = 4
+    MULTICAST_DEVICE = 5
+    MULTICAST_BINDING = 6
+    MULTICAST_MAPPING = 7
+
+
+#: Record kinds that describe multicast state (protocol.h "Multicast records").
+MULTICAST_KINDS = frozenset(
+    {
+        RecordKind.MULTICAST,
+        RecordKind.MULTICAST_DEVICE,
+        RecordKind.MULTICAST_BINDING,
+        RecordKind.MULTICAST_MAPPING,
+    }
+)
+
+
+class Role(enum.IntEnum):
+    """``enum cui_role``."""
+
+    PRIVATE = 0
+    CREATOR = 1
+    IMPORTER = 2
+
+
+class RecordFlag(enum.IntFlag):
+    """``CUI_REC_*`` bits of ``cui_record.flags``."""
+
+    EXPORTED = 0x1
+    SHARED = 0x2
+    RAW_IMPORT = 0x4
+    CARRIED = 0x8
+    PASSTHROUGH = 0x10
+    MC_BY_ADDR = 0x20
+    MC_V2_ABI = 0x40
+
+
+class TicketKind(enum.IntEnum):
+    """``enum cui_ticket_kind``."""
+
+    ALLOCATION = 1
+    MULTICAST = 2
