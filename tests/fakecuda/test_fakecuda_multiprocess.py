@@ -180,7 +180,8 @@ def test_lock_blocks_api_calls_until_unlock(peer_pair, controller):
 
 def test_reserve_hint_modes(peer, fake_env):
     """FAKECUDA_RESERVE_HINT: honor (default), ignore, fail: what real drivers do with an
-    addr hint (cuMemAddressReserve: the address is a hint). A hint over a taken range is placed elsewhere in honor mode."""
+    addr hint (cuMemAddressReserve: the address is a hint). A hint over a taken range is
+    placed elsewhere in honor mode."""
     far = 0x100000000000  # free and far from where mmap places things
     got = {}
     for mode in ("honor", "ignore", "fail"):

@@ -880,7 +880,7 @@ static void gate_stress(void)
     EXPECT(cuMemAddressFree(g_stress_va, G), CUDA_SUCCESS);
 }
 
-/* ---- multicast (CUDA driver API "Multicast Object Management"): team rules, blocking bind, broadcast writes, refusals ---- */
+/* ---- multicast (driver API "Multicast Object Management"): team, blocking bind, broadcast, refusals ---- */
 
 static CUmulticastObjectProp mcprop(unsigned ndev, size_t size, unsigned long long types)
 {
