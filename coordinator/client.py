@@ -162,9 +162,25 @@ class ShimClient:
         ``op``: :class:`Op`; ``txn_id``: uint64; ``expected_phase``: :class:`Phase`;
         ``alloc_id``: up to 16 bytes (FETCH_FD); ``timeout_s`` overrides the client default.
         Raises :class:`ShimConnectError`, :class:`ShimTimeout`, :class:`ShimProtocolError`.
+        A BUSY reply (another mutating request runs; nothing changed, the txn was not
+        consumed) is retried with the same txn until the deadline; the last BUSY reply is
+        returned when the deadline passes.
         """
         timeout = self.timeout_s if timeout_s is None else float(timeout_s)
         deadline = time.monotonic() + timeout
+        pause = 0.002
+        while True:
+            resp = self._request_once(op, txn_id, expected_phase, alloc_id, deadline, timeout)
+            left = deadline - time.monotonic()
+            if resp.reply.status != Status.BUSY or left <= pause:
+                return resp
+            time.sleep(pause)  # back off: the running request finishes on its own
+            pause = min(pause * 2, 0.1)
+
+    def _request_once(
+        self, op: int, txn_id: int, expected_phase: int, alloc_id: bytes, deadline: float, total
+    ) -> Response:
+        timeout = max(deadline - time.monotonic(), 1e-3)
         op_name = _op_name(op)
         req = Request(
             op=op,
@@ -181,7 +197,7 @@ class ShimClient:
                 sock.connect(self.socket_path)
             except socket.timeout:
                 raise ShimTimeout(
-                    f"{op_name}: {self._who()}: connect timed out after {timeout:g} s",
+                    f"{op_name}: {self._who()}: connect timed out after {total:g} s",
                     socket_path=self.socket_path,
                     pid=self.pid,
                     op=op,
@@ -220,7 +236,7 @@ class ShimClient:
                 msg = self._read_exact(sock, reply.message_len, deadline, fds, "message", op)
             except socket.timeout:
                 raise ShimTimeout(
-                    f"{op_name}: {self._who()} did not reply within {timeout:g} s",
+                    f"{op_name}: {self._who()} did not reply within {total:g} s",
                     socket_path=self.socket_path,
                     pid=self.pid,
                     op=op,

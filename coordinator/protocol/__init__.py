@@ -47,6 +47,7 @@ from .codes import (
     RecordFlag,
     RecordKind,
     Role,
+    ShimFlag,
     Status,
     TicketKind,
 )
@@ -91,6 +92,7 @@ __all__ = [
     "OpRule",
     "OPS",
     "OP_RULES",
+    "ShimFlag",
     "Status",
     "RecordKind",
     "Role",

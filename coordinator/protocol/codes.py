@@ -161,6 +161,8 @@ class Status(enum.IntEnum):
     FAILED = 4
     BAD_REQUEST = 5
     NOT_FOUND = 6
+    BUSY = 7  # retryable: another mutating request runs; nothing changed, txn not consumed
+    REFUSED_PEER = 8  # SO_PEERCRED: a mutating op from neither root nor the shim's uid
 
     @property
     def is_refusal(self) -> bool:
@@ -171,7 +173,20 @@ class Status(enum.IntEnum):
             Status.REFUSED_STATE,
             Status.BAD_REQUEST,
             Status.NOT_FOUND,
+            Status.BUSY,
+            Status.REFUSED_PEER,
         )
+
+    @property
+    def is_retryable(self) -> bool:
+        """True for BUSY: the same request may be sent again unchanged."""
+        return self is Status.BUSY
+
+
+class ShimFlag(enum.IntFlag):
+    """``cui_reply.shim_flags`` (``CUI_SHIM_*``)."""
+
+    FOREIGN_DLSYM = 1  # another dlsym interposer preloaded before the shim: lookups untracked
 
 
 class RecordKind(enum.IntEnum):

@@ -69,7 +69,8 @@ _REPLY_FIELDS = [
     ("copy_ns", "Q"),
     ("cuda_result", "i"),
     ("records_changed", "I"),
-    ("reserved", "7Q"),
+    ("shim_flags", "Q"),
+    ("reserved", "6Q"),
 ]
 _ACCESS_FIELDS = [("location_type", "I"), ("location_id", "i"), ("flags", "I"), ("reserved", "I")]
 _RECORD_FIELDS = [
@@ -242,7 +243,8 @@ class Reply:
     records_changed: int = 0
     magic: int = CUI_PROTO_MAGIC
     version: int = CUI_PROTO_VERSION
-    reserved: tuple = (0,) * 7
+    shim_flags: int = 0  # ShimFlag bits
+    reserved: tuple = (0,) * 6
 
     SIZE: ClassVar[int] = REPLY_SIZE
 
@@ -264,6 +266,7 @@ class Reply:
             self.copy_ns,
             self.cuda_result,
             self.records_changed,
+            self.shim_flags,
             *self.reserved,
         )
 
@@ -286,7 +289,8 @@ class Reply:
             copy_ns=v[12],
             cuda_result=v[13],
             records_changed=v[14],
-            reserved=tuple(v[15:22]),
+            shim_flags=v[15],
+            reserved=tuple(v[16:22]),
         )
 
 

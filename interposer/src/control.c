@@ -59,6 +59,7 @@ static int send_reply(int conn, const struct cui_request *req, const struct cui_
   rep.copy_ns = res->copy_ns;
   rep.cuda_result = res->cuda_result;
   rep.records_changed = res->records_changed;
+  rep.shim_flags = __atomic_load_n(&cui_st.shim_flags, __ATOMIC_RELAXED);
 
   struct iovec iov = {&rep, sizeof rep};
   union {
@@ -107,6 +108,27 @@ static void serve_fetch_fd(int conn, const struct cui_request *req) {
   if (fd >= 0) close(fd);
 }
 
+/* Case 011: SO_PEERCRED. A mutating op is served only for root or the uid that owns this
+ * process (the agent runs as one of them); anything else is refused before it is queued. */
+static int peer_refused(int conn, const struct cui_request *req, struct cui_op_result *res) {
+  struct ucred cr;
+  socklen_t len = sizeof cr;
+  if (getsockopt(conn, SOL_SOCKET, SO_PEERCRED, &cr, &len) != 0) {
+    res->status = CUI_REFUSED_PEER;
+    snprintf(res->message, sizeof res->message, "%s: pid %u: cannot read the peer's credentials (%s); refused",
+             cui_op_name(req->op), (unsigned)getpid(), strerror(errno));
+    return 1;
+  }
+  uid_t own = geteuid();
+  if (cr.uid == 0 || cr.uid == own) return 0;
+  res->status = CUI_REFUSED_PEER;
+  snprintf(res->message, sizeof res->message,
+           "%s: pid %u: refused for pid %d uid %u: only root or uid %u (the owner of this process) may "
+           "send mutating ops; nothing was changed",
+           cui_op_name(req->op), (unsigned)getpid(), (int)cr.pid, (unsigned)cr.uid, (unsigned)own);
+  return 1;
+}
+
 static void *accept_main(void *arg) {
   for (;;) {
     int c = accept4(g_listen, NULL, NULL, SOCK_CLOEXEC);
@@ -143,11 +165,25 @@ static void *accept_main(void *arg) {
       close(c);
       continue;
     }
+    if (req.op == CUI_OP_INSPECT) {   /* read-only: never takes the worker slot (case 011) */
+      uint64_t t0 = cui_now_ns();
+      cui_run_op(&req, &res);
+      send_reply(c, &req, &res, cui_now_ns() - t0, -1);
+      free(res.records);
+      close(c);
+      continue;
+    }
+    if (peer_refused(c, &req, &res)) {
+      send_reply(c, &req, &res, 0, -1);
+      close(c);
+      continue;
+    }
     pthread_mutex_lock(&g_job_lock);
     if (g_job.pending || g_job.busy) {
       pthread_mutex_unlock(&g_job_lock);
-      res.status = CUI_BAD_REQUEST;
-      snprintf(res.message, sizeof res.message, "busy: pid %u is still running another control request",
+      res.status = CUI_BUSY;
+      snprintf(res.message, sizeof res.message,
+               "%s: pid %u is still running another control request; nothing was changed, retry", cui_op_name(req.op),
                (unsigned)getpid());
       send_reply(c, &req, &res, 0, -1);
       close(c);
@@ -194,8 +230,63 @@ static void *worker_main(void *arg) {
  * where, and that CUDA keeps working without INSPECT or checkpoint. */
 #define NO_ENDPOINT "; no control endpoint: CUDA keeps working, but this process cannot be inspected or checkpointed"
 
+/* Case 004: what is at our path is removed only when it is a socket nobody listens on
+ * (connect answers ECONNREFUSED: a stale socket of an earlier process with this pid). A live
+ * socket (another pid namespace's process with the same pid, sharing this directory) or any
+ * other file is left alone, and the process runs without an endpoint. Returns 0 when the path
+ * is free for bind. */
+static int reclaim_path(const struct sockaddr_un *sa, const char *dir) {
+  struct stat st;
+  if (lstat(sa->sun_path, &st) != 0) {
+    if (errno == ENOENT) return 0;
+    cui_api_warn("cuInit", "cannot inspect %s: %s" NO_ENDPOINT, sa->sun_path, strerror(errno));
+    return -1;
+  }
+  if (!S_ISSOCK(st.st_mode)) {
+    cui_api_warn("cuInit",
+                 "%s exists and is not a socket (mode 0%o, uid %u); left alone" NO_ENDPOINT
+                 ". Remove it if it is not needed, or set CUINTERPOSE_CONTROL_DIR to a directory of this job",
+                 sa->sun_path, (unsigned)st.st_mode, (unsigned)st.st_uid);
+    return -1;
+  }
+  int p = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (p < 0) {
+    cui_api_warn("cuInit", "socket: %s" NO_ENDPOINT, strerror(errno));
+    return -1;
+  }
+  int rc = connect(p, (const struct sockaddr *)sa, sizeof *sa);
+  int err = rc == 0 ? 0 : errno;
+  close(p);
+  if (rc != 0 && err == ECONNREFUSED) {
+    if (unlink(sa->sun_path) == 0 || errno == ENOENT) return 0;
+    cui_api_warn("cuInit", "cannot remove the stale socket %s: %s" NO_ENDPOINT, sa->sun_path, strerror(errno));
+    return -1;
+  }
+  if (rc == 0)
+    cui_api_warn("cuInit",
+                 "%s is a live socket of another process (a process with pid %u in another pid namespace "
+                 "sharing control directory %s?); left alone" NO_ENDPOINT
+                 ". Give each container its own CUINTERPOSE_CONTROL_DIR",
+                 sa->sun_path, (unsigned)cui_st.pid, dir);
+  else
+    cui_api_warn("cuInit", "%s is a socket that cannot be probed (connect: %s); left alone" NO_ENDPOINT, sa->sun_path,
+                 strerror(err));
+  return -1;
+}
+
 static void start_endpoint(void) {
   cui_st.pid = (uint32_t)getpid();
+  pthread_atfork(NULL, NULL, cui_fork_child);   /* case 003: a forked child uses no inherited state */
+  char who[256];
+  if (cui_dlsym_foreign(who, sizeof who)) {
+    __atomic_or_fetch(&cui_st.shim_flags, CUI_SHIM_FOREIGN_DLSYM, __ATOMIC_RELAXED);
+    cui_api_warn("cuInit",
+                 "dlsym resolves to %s, not to libcuinterpose: another dlsym interposer is preloaded "
+                 "before the shim, so dlsym, cuGetProcAddress and ctypes lookups through it bypass "
+                 "tracking and a checkpoint may be refused; put libcuinterpose.so first in LD_PRELOAD "
+                 "(docs/shim.md \"Preload order\")",
+                 who);
+  }
   const char *dir = cui_control_dir();
   struct sockaddr_un sa;
   memset(&sa, 0, sizeof sa);
@@ -216,8 +307,17 @@ static void start_endpoint(void) {
     cui_api_warn("cuInit", "socket: %s" NO_ENDPOINT, strerror(errno));
     return;
   }
-  unlink(sa.sun_path);   /* a stale socket of an earlier process with this pid */
-  if (bind(s, (struct sockaddr *)&sa, sizeof sa) != 0 || chmod(sa.sun_path, 0600) != 0 || listen(s, 64) != 0) {
+  if (reclaim_path(&sa, dir) != 0) {
+    close(s);
+    return;
+  }
+  if (bind(s, (struct sockaddr *)&sa, sizeof sa) != 0) {   /* never unlink what we did not bind */
+    cui_api_warn("cuInit", "cannot serve %s in control directory %s: %s" NO_ENDPOINT, sa.sun_path, dir,
+                 strerror(errno));
+    close(s);
+    return;
+  }
+  if (chmod(sa.sun_path, 0600) != 0 || listen(s, 64) != 0) {
     cui_api_warn("cuInit", "cannot serve %s in control directory %s: %s" NO_ENDPOINT, sa.sun_path, dir,
                  strerror(errno));
     close(s);
@@ -252,6 +352,7 @@ static void start_endpoint(void) {
 CUI_EXPORT CUresult cuInit(unsigned int flags) {
   cui_fn_cuInit real = REAL(cuInit);
   if (!real) return CUDA_ERROR_NOT_INITIALIZED;
+  CUI_FORK_FORWARD("cuInit", real(flags));
   CUresult r = real(flags);
   if (r == CUDA_SUCCESS) pthread_once(&g_once, start_endpoint);
   return r;

@@ -159,6 +159,7 @@ int cui_mc_retain(uint64_t p, CUmemGenericAllocationHandle *handle, CUresult *r)
 CUI_EXPORT CUresult cuMulticastCreate(CUmemGenericAllocationHandle *mcHandle, const CUmulticastObjectProp *prop) {
   cui_fn_cuMulticastCreate real = REAL(cuMulticastCreate);
   if (!real) return CUDA_ERROR_NOT_INITIALIZED;
+  CUI_FORK_FORWARD("cuMulticastCreate", real(mcHandle, prop));
   if (!mcHandle || !prop) return real(mcHandle, prop);
   pthread_mutex_lock(&cui_st.lock);
   if (!cui_gate_open()) {
@@ -203,6 +204,7 @@ CUI_EXPORT CUresult cuMulticastCreate(CUmemGenericAllocationHandle *mcHandle, co
 CUI_EXPORT CUresult cuMulticastAddDevice(CUmemGenericAllocationHandle mcHandle, CUdevice dev) {
   cui_fn_cuMulticastAddDevice real = REAL(cuMulticastAddDevice);
   if (!real) return CUDA_ERROR_NOT_INITIALIZED;
+  CUI_FORK_FORWARD("cuMulticastAddDevice", real(mcHandle, dev));
   if (!CUI_IS_VHANDLE(mcHandle)) return real(mcHandle, dev);
   pthread_mutex_lock(&cui_st.lock);
   struct cui_mc *m = mc_by_vhandle(mcHandle);
@@ -240,6 +242,11 @@ static CUresult do_bind(uint64_t mch, int v2, CUdevice dev, size_t mc_off, int b
   void *real = cui_real(by_addr ? (v2 ? CUI_ROW_cuMulticastBindAddr_v2 : CUI_ROW_cuMulticastBindAddr)
                                 : (v2 ? CUI_ROW_cuMulticastBindMem_v2 : CUI_ROW_cuMulticastBindMem));
   if (!real) return CUDA_ERROR_NOT_INITIALIZED;
+  if (by_addr && v2)
+    CUI_FORK_FORWARD(api, ((cui_fn_cuMulticastBindAddr_v2)real)(mch, dev, mc_off, memptr, size, flags));
+  if (by_addr) CUI_FORK_FORWARD(api, ((cui_fn_cuMulticastBindAddr)real)(mch, mc_off, memptr, size, flags));
+  if (v2) CUI_FORK_FORWARD(api, ((cui_fn_cuMulticastBindMem_v2)real)(mch, dev, mc_off, memh, mem_off, size, flags));
+  CUI_FORK_FORWARD(api, ((cui_fn_cuMulticastBindMem)real)(mch, mc_off, memh, mem_off, size, flags));
   pthread_mutex_lock(&cui_st.lock);
   struct cui_mc *m = CUI_IS_VHANDLE(mch) ? mc_by_vhandle(mch) : NULL;
   CUresult r = CUDA_SUCCESS;
@@ -389,6 +396,7 @@ CUI_EXPORT CUresult cuMulticastUnbind(CUmemGenericAllocationHandle mcHandle, CUd
                                       size_t size) {
   cui_fn_cuMulticastUnbind real = REAL(cuMulticastUnbind);
   if (!real) return CUDA_ERROR_NOT_INITIALIZED;
+  CUI_FORK_FORWARD("cuMulticastUnbind", real(mcHandle, dev, mcOffset, size));
   if (!CUI_IS_VHANDLE(mcHandle)) return real(mcHandle, dev, mcOffset, size);
   pthread_mutex_lock(&cui_st.lock);
   struct cui_mc *m = mc_by_vhandle(mcHandle);

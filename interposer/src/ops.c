@@ -171,6 +171,14 @@ static int admit(const struct cui_request *req, const struct cui_op_rule *rule, 
     snprintf(res->message, sizeof res->message, "%s: pid %u is FAILED; no request is accepted", op, pid);
     return -1;
   }
+  if (rule->mutating && req->txn_id >= UINT64_MAX - 1) {   /* case 011: no room for the undo op's txn */
+    res->status = CUI_BAD_REQUEST;
+    snprintf(res->message, sizeof res->message,
+             "%s: pid %u: txn %llu leaves no room for the txn of the op that undoes it (must be < %llu); "
+             "nothing was changed",
+             op, pid, (unsigned long long)req->txn_id, (unsigned long long)(UINT64_MAX - 1));
+    return -1;
+  }
   if (rule->mutating && req->txn_id <= cui_st.last_txn) {
     res->status = CUI_REFUSED_DUPLICATE;
     snprintf(res->message, sizeof res->message, "%s: pid %u: txn %llu is not newer than the last accepted txn %llu", op,

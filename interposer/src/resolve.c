@@ -226,6 +226,22 @@ CUI_EXPORT void *dlsym(void *handle, const char *name) {
 }
 #endif
 
+int cui_dlsym_foreign(char *who, size_t cap) {
+  void *first = real_dlsym(RTLD_DEFAULT, "dlsym");
+  Dl_info mine, theirs;
+  if (!first || !dladdr((void *)cui_dlsym_foreign, &mine) || !dladdr(first, &theirs)) return 0;
+  if (theirs.dli_fbase == mine.dli_fbase) return 0;
+  Dl_info libc;
+  if (dladdr((void *)dlvsym, &libc) && libc.dli_fbase == theirs.dli_fbase) return 0;   /* no preload at all */
+  if (who && cap) {
+    const char *n = theirs.dli_fname ? theirs.dli_fname : "?";
+    size_t l = strlen(n) < cap - 1 ? strlen(n) : cap - 1;
+    memcpy(who, n, l);
+    who[l] = 0;
+  }
+  return 1;
+}
+
 /* ---------- substitution for resolver results ---------- */
 
 int cui_substitute(const char *symbol, void **pfn) {

@@ -45,4 +45,8 @@ CUI_HIDDEN const char *cui_cu_error_name(CUresult r);   /* "CUDA_ERROR_INVALID_V
  * the caller refuses it, fail closed). */
 CUI_HIDDEN int cui_substitute(const char *symbol, void **pfn);
 
+/* Case 005: 1 when the dlsym the process resolves (RTLD_DEFAULT) is not the shim's own (another
+ * dlsym interposer was preloaded first); `who` gets that library's path. */
+CUI_HIDDEN int cui_dlsym_foreign(char *who, size_t cap);
+
 #endif

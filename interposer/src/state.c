@@ -22,6 +22,22 @@
 
 struct cui_state cui_st = {.lock = PTHREAD_MUTEX_INITIALIZER, .phase = CUI_PHASE_ACTIVE};
 
+/* ---------- fork after cuInit ---------- */
+
+int cui_forked;
+static int g_fork_warned;
+
+void cui_fork_child(void) { __atomic_store_n(&cui_forked, 1, __ATOMIC_RELAXED); }
+
+void cui_fork_warn(const char *api) {
+  if (__atomic_exchange_n(&g_fork_warned, 1, __ATOMIC_RELAXED)) return;
+  cui_api_warn_in(CUI_PHASE_ACTIVE, api,
+                  "this process was forked after cuInit in pid %u; fork after cuInit is unsupported: "
+                  "every CUDA call is forwarded to the driver untracked (use exec or the spawn start "
+                  "method)",
+                  (unsigned)cui_st.pid);
+}
+
 /* ---------- export cache ---------- */
 
 static pthread_mutex_t g_cache_lock = PTHREAD_MUTEX_INITIALIZER;

@@ -57,6 +57,7 @@ struct cui_state {
   int op_running;                  /* a phase op owns the state: app calls get NOT_READY */
   uint32_t inflight;               /* tracked app calls running with the lock dropped */
   uint64_t last_txn;
+  uint64_t shim_flags;             /* CUI_SHIM_* (protocol.h), set at cuInit, in every reply */
   struct cui_alloc *allocs;
   size_t nallocs, cap_allocs;   /* nallocs: slots ever used */
   uint32_t alloc_free;             /* first free slot (index + 1), 0 = none */
@@ -127,6 +128,21 @@ CUI_HIDDEN extern struct cui_state cui_st;
 
 /* "<api>: pid <pid> (phase <P>): <message>" on stderr, with the current phase. */
 #define cui_api_warn(api, ...) cui_api_warn_in(__atomic_load_n(&cui_st.phase, __ATOMIC_RELAXED), api, __VA_ARGS__)
+
+/* Fork after cuInit (docs/shim.md "Fork"): set in the child by the pthread_atfork handler that
+ * cuInit registers. In such a child every tracked wrapper forwards to the driver untouched (it
+ * answers CUDA_ERROR_NOT_INITIALIZED there) and uses none of the inherited records; the first
+ * such call says once on stderr that fork after cuInit is unsupported. */
+CUI_HIDDEN extern int cui_forked;
+CUI_HIDDEN void cui_fork_child(void);          /* the atfork child handler */
+CUI_HIDDEN void cui_fork_warn(const char *api); /* once per process */
+#define CUI_FORK_FORWARD(api, call)                                            \
+  do {                                                                         \
+    if (__builtin_expect(__atomic_load_n(&cui_forked, __ATOMIC_RELAXED), 0)) { \
+      cui_fork_warn(api);                                                      \
+      return call;                                                             \
+    }                                                                          \
+  } while (0)
 
 /* Tracked app calls run only while the gate is open: ACTIVE and no phase op owns the state. */
 static inline int cui_gate_open(void) { return cui_st.phase == CUI_PHASE_ACTIVE && !cui_st.op_running; }

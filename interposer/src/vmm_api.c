@@ -31,6 +31,7 @@
 CUI_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
                                 unsigned long long flags) {
   REAL_OR_FAIL(real, cuMemCreate);
+  CUI_FORK_FORWARD("cuMemCreate", real(handle, size, prop, flags));
   if (!prop || !handle) return real(handle, size, prop, flags);
   /* Only "no export" and POSIX FDs can be carried across a restore: refuse the rest (FABRIC,
    * combinations) before the driver sees the call, output untouched. */
@@ -77,6 +78,7 @@ CUI_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t siz
 
 CUI_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
   REAL_OR_FAIL(real, cuMemRelease);
+  CUI_FORK_FORWARD("cuMemRelease", real(handle));
   if (!CUI_IS_VHANDLE(handle)) return real(handle);
   if (cui_mc_is_handle(handle)) return cui_mc_release(handle);
   pthread_mutex_lock(&cui_st.lock);
@@ -108,6 +110,7 @@ CUI_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
 
 CUI_EXPORT CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *handle, void *addr) {
   REAL_OR_FAIL(real, cuMemRetainAllocationHandle);
+  CUI_FORK_FORWARD("cuMemRetainAllocationHandle", real(handle, addr));
   uint64_t p = (uint64_t)(uintptr_t)addr;
   CUresult mr;
   if (cui_mc_retain(p, handle, &mr)) return mr;   /* a multicast VA: the object's virtual handle */
@@ -162,6 +165,7 @@ CUI_EXPORT CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *ha
 CUI_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
                              unsigned long long flags) {
   REAL_OR_FAIL(real, cuMemMap);
+  CUI_FORK_FORWARD("cuMemMap", real(ptr, size, offset, handle, flags));
   if (!CUI_IS_VHANDLE(handle)) return real(ptr, size, offset, handle, flags);
   if (cui_mc_is_handle(handle)) return cui_mc_map(ptr, size, offset, handle, flags);
   pthread_mutex_lock(&cui_st.lock);
@@ -187,6 +191,7 @@ CUI_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemG
 
 CUI_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
   REAL_OR_FAIL(real, cuMemUnmap);
+  CUI_FORK_FORWARD("cuMemUnmap", real(ptr, size));
   if (__atomic_load_n(&cui_st.mc_maps, __ATOMIC_RELAXED) && cui_mc_range(ptr, size)) return cui_mc_unmap(ptr, size);
   if (!cui_maybe_tracked(ptr, size)) return real(ptr, size);
   pthread_mutex_lock(&cui_st.lock);
@@ -226,6 +231,7 @@ CUI_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
 
 CUI_EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count) {
   REAL_OR_FAIL(real, cuMemSetAccess);
+  CUI_FORK_FORWARD("cuMemSetAccess", real(ptr, size, desc, count));
   if (desc && count && __atomic_load_n(&cui_st.mc_maps, __ATOMIC_RELAXED) && cui_mc_range(ptr, size))
     return cui_mc_set_access(ptr, size, desc, count);
   if (!desc || count == 0 || !cui_maybe_tracked(ptr, size)) return real(ptr, size, desc, count);
@@ -273,6 +279,7 @@ CUI_EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAcce
 CUI_EXPORT CUresult cuMemExportToShareableHandle(void *shareableHandle, CUmemGenericAllocationHandle handle,
                                                  CUmemAllocationHandleType handleType, unsigned long long flags) {
   REAL_OR_FAIL(real, cuMemExportToShareableHandle);
+  CUI_FORK_FORWARD("cuMemExportToShareableHandle", real(shareableHandle, handle, handleType, flags));
   if (!CUI_IS_VHANDLE(handle)) return real(shareableHandle, handle, handleType, flags);
   if (cui_mc_is_handle(handle)) return cui_mc_export(shareableHandle, handle, handleType, flags);
   pthread_mutex_lock(&cui_st.lock);
@@ -417,6 +424,7 @@ static CUresult import_ticket(CUmemGenericAllocationHandle *handle, const struct
 CUI_EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle, void *osHandle,
                                                    CUmemAllocationHandleType shHandleType) {
   REAL_OR_FAIL(real, cuMemImportFromShareableHandle);
+  CUI_FORK_FORWARD("cuMemImportFromShareableHandle", real(handle, osHandle, shHandleType));
   if (shHandleType == CU_MEM_HANDLE_TYPE_FABRIC) return CUDA_ERROR_NOT_SUPPORTED;   /* untracked sharing */
   if (shHandleType != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR || !handle) return real(handle, osHandle, shHandleType);
   int fd = (int)(intptr_t)osHandle;
@@ -470,6 +478,7 @@ CUI_EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle 
 CUI_EXPORT CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *prop,
                                                            CUmemGenericAllocationHandle handle) {
   REAL_OR_FAIL(real, cuMemGetAllocationPropertiesFromHandle);
+  CUI_FORK_FORWARD("cuMemGetAllocationPropertiesFromHandle", real(prop, handle));
   if (!CUI_IS_VHANDLE(handle)) return real(prop, handle);
   pthread_mutex_lock(&cui_st.lock);
   CUresult r;
@@ -486,6 +495,7 @@ CUI_EXPORT CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *
 CUI_EXPORT CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment, CUdeviceptr addr,
                                         unsigned long long flags) {
   REAL_OR_FAIL(real, cuMemAddressReserve);
+  CUI_FORK_FORWARD("cuMemAddressReserve", real(ptr, size, alignment, addr, flags));
   pthread_mutex_lock(&cui_st.lock);
   if (!cui_gate_open()) {
     pthread_mutex_unlock(&cui_st.lock);
@@ -516,6 +526,7 @@ CUI_EXPORT CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t al
 
 CUI_EXPORT CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) {
   REAL_OR_FAIL(real, cuMemAddressFree);
+  CUI_FORK_FORWARD("cuMemAddressFree", real(ptr, size));
   pthread_mutex_lock(&cui_st.lock);
   if (!cui_gate_open()) {
     pthread_mutex_unlock(&cui_st.lock);

@@ -29,7 +29,7 @@ static void layout(void) {
   F(cui_reply, status); F(cui_reply, phase); F(cui_reply, pid); F(cui_reply, record_count);
   F(cui_reply, record_size); F(cui_reply, message_len); F(cui_reply, bytes);
   F(cui_reply, elapsed_ns); F(cui_reply, copy_ns); F(cui_reply, cuda_result);
-  F(cui_reply, records_changed); F(cui_reply, reserved);
+  F(cui_reply, records_changed); F(cui_reply, shim_flags); F(cui_reply, reserved);
   printf("sizeof cui_access %zu\n", sizeof(struct cui_access));
   F(cui_access, location_type); F(cui_access, location_id); F(cui_access, flags);
   F(cui_access, reserved);
@@ -57,7 +57,7 @@ static void layout(void) {
   K(CUI_PHASE_RULE_ANY); K(CUI_PHASE_RULE_SAME); K(CUI_PHASE_RULE_MULTICAST_RELEASED_OR_ACTIVE);
   K(CUI_PHASE_RULE_UNCHECKED);
   K(CUI_OK); K(CUI_REFUSED_PHASE); K(CUI_REFUSED_DUPLICATE); K(CUI_REFUSED_STATE);
-  K(CUI_FAILED); K(CUI_BAD_REQUEST); K(CUI_NOT_FOUND);
+  K(CUI_FAILED); K(CUI_BAD_REQUEST); K(CUI_NOT_FOUND); K(CUI_BUSY); K(CUI_REFUSED_PEER); K(CUI_SHIM_FOREIGN_DLSYM);
   K(CUI_RECORD_ALLOCATION); K(CUI_RECORD_MAPPING); K(CUI_RECORD_RESERVATION);
   K(CUI_RECORD_MULTICAST); K(CUI_RECORD_MULTICAST_DEVICE); K(CUI_RECORD_MULTICAST_BINDING);
   K(CUI_RECORD_MULTICAST_MAPPING);
@@ -90,7 +90,8 @@ static struct cui_reply known_reply(void) {
   r.record_count = 3; r.record_size = sizeof(struct cui_record); r.message_len = 77;
   r.bytes = 0x123456789ull; r.elapsed_ns = 987654321ull; r.copy_ns = 123456789ull;
   r.cuda_result = 1; r.records_changed = 42;
-  for (int i = 0; i < 7; i++) r.reserved[i] = (uint64_t)(i + 1) << 40;
+  r.shim_flags = CUI_SHIM_FOREIGN_DLSYM;
+  for (int i = 0; i < 6; i++) r.reserved[i] = (uint64_t)(i + 1) << 40;
   return r;
 }
 

@@ -26,6 +26,7 @@ from cuinterpose.coordinator.protocol import (
     Reply,
     Request,
     Role,
+    ShimFlag,
     Status,
     Ticket,
     TicketKind,
@@ -119,6 +120,7 @@ PY_CONSTANTS = {
     **{f"CUI_ROLE_{m.name}": m.value for m in Role},
     **{f"CUI_REC_{m.name}": m.value for m in RecordFlag},
     **{f"CUI_TICKET_{m.name}": m.value for m in TicketKind},
+    **{f"CUI_SHIM_{m.name}": m.value for m in ShimFlag},
 }
 PY_STRINGS = {
     "CUI_DEFAULT_CONTROL_DIR": P.CUI_DEFAULT_CONTROL_DIR,
@@ -192,7 +194,8 @@ KNOWN_REPLY = Reply(
     copy_ns=123456789,
     cuda_result=1,
     records_changed=42,
-    reserved=tuple((i + 1) << 40 for i in range(7)),
+    shim_flags=ShimFlag.FOREIGN_DLSYM,
+    reserved=tuple((i + 1) << 40 for i in range(6)),
 )
 KNOWN_RECORD = Record(
     kind=RecordKind.MAPPING,

@@ -1,5 +1,5 @@
 """Control-endpoint behaviour under contention and destructive failures:
-- while RESTORE_UNICAST waits on a creator, the worker refuses a second op with "busy" and
+- while RESTORE_UNICAST waits on a creator, INSPECT is answered, a second mutating op gets BUSY and
   the accept thread still answers FETCH_FD from the export cache;
 - a creator that cannot serve the FD makes RESTORE_UNICAST fail, naming pid, allocation and
   creator, and the shim turns FAILED;
@@ -159,9 +159,19 @@ def test_busy_worker_and_fetch_while_waiting_on_peer(apps, ctl, fake_env, shim_e
         )
         th.start()
         assert fc.asked.wait(30)
-        # the worker waits on the (fake) creator: another op is refused before any mutation
-        busy = ctl(a).request(Op.INSPECT, txn_id=0, expected_phase=Phase.LOADED)
-        assert busy.reply.status == Status.BAD_REQUEST and busy.message.startswith("busy")
+        # the worker waits on the (fake) creator: INSPECT (read-only) is still answered, outside
+        # the worker slot, and another mutating op gets the retryable BUSY before any mutation
+        # (the client retries it until its deadline, then returns the last BUSY reply)
+        ins = ctl(a).request(Op.INSPECT, txn_id=0, expected_phase=Phase.LOADED)
+        assert (ins.reply.status, ins.reply.phase) == (Status.OK, Phase.LOADED), ins.message
+        busy = ctl(a).request(
+            Op.CANCEL_CAPTURE, txn_id=5, expected_phase=Phase.LOADED, timeout_s=0.2
+        )
+        assert busy.reply.status == Status.BUSY, busy.message
+        assert busy.message == (
+            f"CANCEL_CAPTURE: pid {a.pid} is still running another control request; "
+            "nothing was changed, retry"
+        )
         # ... while FETCH_FD is still served from the export cache (re-exported by LOAD)
         with ctl(a).request(
             Op.FETCH_FD, txn_id=0, expected_phase=Phase.LOADED, alloc_id=own_id

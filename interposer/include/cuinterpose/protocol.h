@@ -150,8 +150,19 @@ enum cui_status {
                                  SAVE_ALLOCATIONS, which only copies: its failure frees the
                                  carrier and the phase stays ACTIVE (see reply.phase) */
   CUI_BAD_REQUEST = 5,        /* bad magic, version, op or size; nothing changed */
-  CUI_NOT_FOUND = 6           /* FETCH_FD: no such allocation, or not exported by this process */
+  CUI_NOT_FOUND = 6,          /* FETCH_FD: no such allocation, or not exported by this process */
+  CUI_BUSY = 7,               /* another mutating request is running; nothing changed and the
+                                 txn was not consumed: retry the same request */
+  CUI_REFUSED_PEER = 8        /* the connecting process may not send this op (SO_PEERCRED: a
+                                 mutating op from neither root nor the shim's uid); nothing
+                                 changed */
 };
+
+/* cui_reply.shim_flags: conditions of the replying process every reply carries */
+#define CUI_SHIM_FOREIGN_DLSYM                                     \
+  1u /* the dlsym this process resolves is not the shim's (another \
+        dlsym interposer preloaded first): lookups through it are  \
+        untracked (docs/shim.md "Preload order") */
 
 enum cui_record_kind {
   CUI_RECORD_ALLOCATION = 1,  /* one per allocation known to this process */
@@ -220,7 +231,8 @@ struct cui_reply {            /* 128 bytes */
   uint64_t copy_ns;           /*  56 part of elapsed_ns spent copying bytes, ns */
   int32_t cuda_result;       /*  64 CUresult of the failing driver call, 0 if none */
   uint32_t records_changed;   /*  68 objects torn down or rebuilt by this op */
-  uint64_t reserved[7];       /*  72 zero */
+  uint64_t shim_flags;        /*  72 CUI_SHIM_* */
+  uint64_t reserved[6];       /*  80 zero */
 };
 
 struct cui_access {           /* 16 bytes (CUmemAccessDesc is 12; padded here) */

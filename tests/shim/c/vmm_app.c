@@ -27,6 +27,9 @@
  *   check <va> <n> <seed>          cuMemcpyDtoH and compare          -> ok | err -1 mismatch@<i>
  *   ticket <fd>                    -> ok <seals> <hex of the first 64 bytes>
  *   pid                            -> ok <pid>
+ *   fork                           fork(): the child answers "ok <child pid>" and reads the
+ *                                  next commands; when it quits, the parent answers
+ *                                  "ok <exit status>" and reads on (case 003)
  * Multicast (docs/shim.md "Multicast"):
  *   mc_create <ndev> <size> <htypes>            cuMulticastCreate        -> ok <handle>
  *   mc_add <mc> <dev>                           cuMulticastAddDevice
@@ -47,6 +50,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 static unsigned long long num(const char *s) { return strtoull(s, NULL, 0); }
@@ -85,6 +89,18 @@ int main(void) {
     if (!strcmp(c, "quit")) {
       printf("ok\n");
       return 0;
+    } else if (!strcmp(c, "fork")) {
+      pid_t ch = fork();
+      if (ch == 0) {
+        printf("ok %d\n", (int)getpid());
+        continue;
+      }
+      int st = 0;
+      if (ch < 0 || waitpid(ch, &st, 0) != ch) {
+        printf("err -1 fork\n");
+        continue;
+      }
+      printf("ok %d\n", WIFEXITED(st) ? WEXITSTATUS(st) : -1);
     } else if (!strcmp(c, "pid")) {
       printf("ok %d\n", (int)getpid());
     } else if (!strcmp(c, "init")) {
