@@ -13,6 +13,7 @@ __all__ = [
     "CUI_SOCKET_PREFIX",
     "CUI_SOCKET_SUFFIX",
     "CUI_MAX_ACCESS",
+    "CUI_TXN_ROOM",
     "CUI_TICKET_MAGIC",
     "CONTROL_DIR_ENV",
     "Op",
@@ -40,6 +41,8 @@ CUI_DEFAULT_CONTROL_DIR = "/tmp/cuinterpose"
 CUI_SOCKET_PREFIX = "cuinterpose-"  # + decimal pid + ".sock"
 CUI_SOCKET_SUFFIX = ".sock"
 CUI_MAX_ACCESS = 32
+#: txn ids kept free after a capture op for the ops that undo or restore it (protocol.h).
+CUI_TXN_ROOM = 16
 CUI_TICKET_MAGIC = b"CUITKT01"  # 8 bytes, no NUL
 CONTROL_DIR_ENV = "CUINTERPOSE_CONTROL_DIR"
 

@@ -171,12 +171,15 @@ static int admit(const struct cui_request *req, const struct cui_op_rule *rule, 
     snprintf(res->message, sizeof res->message, "%s: pid %u is FAILED; no request is accepted", op, pid);
     return -1;
   }
-  if (rule->mutating && req->txn_id >= UINT64_MAX - 1) {   /* case 011: no room for the undo op's txn */
+  /* case 011: a capture op must leave txn ids for the ops that undo or restore it */
+  int capture = req->op == CUI_OP_PREPARE_MULTICAST || req->op == CUI_OP_SAVE_ALLOCATIONS ||
+                req->op == CUI_OP_PREPARE_UNICAST;
+  if (capture && req->txn_id > UINT64_MAX - CUI_TXN_ROOM) {
     res->status = CUI_BAD_REQUEST;
     snprintf(res->message, sizeof res->message,
-             "%s: pid %u: txn %llu leaves no room for the txn of the op that undoes it (must be < %llu); "
-             "nothing was changed",
-             op, pid, (unsigned long long)req->txn_id, (unsigned long long)(UINT64_MAX - 1));
+             "%s: pid %u: txn %llu leaves no room for the txns of the ops that undo it (a capture op's "
+             "txn must be <= %llu); nothing was changed",
+             op, pid, (unsigned long long)req->txn_id, (unsigned long long)(UINT64_MAX - CUI_TXN_ROOM));
     return -1;
   }
   if (rule->mutating && req->txn_id <= cui_st.last_txn) {

@@ -44,7 +44,7 @@ static void layout(void) {
   F(cui_ticket, magic); F(cui_ticket, version); F(cui_ticket, kind); F(cui_ticket, creator_pid);
   F(cui_ticket, reserved0); F(cui_ticket, alloc_id); F(cui_ticket, size); F(cui_ticket, reserved);
 
-  K(CUI_PROTO_MAGIC); K(CUI_PROTO_VERSION); K(CUI_MAX_ACCESS);
+  K(CUI_PROTO_MAGIC); K(CUI_PROTO_VERSION); K(CUI_MAX_ACCESS); K(CUI_TXN_ROOM);
   STR(CUI_DEFAULT_CONTROL_DIR); STR(CUI_SOCKET_PREFIX); STR(CUI_TICKET_MAGIC);
   K(CUI_OP_INSPECT); K(CUI_OP_PREPARE_MULTICAST); K(CUI_OP_SAVE_ALLOCATIONS);
   K(CUI_OP_PREPARE_UNICAST); K(CUI_OP_LOAD_ALLOCATIONS); K(CUI_OP_RESTORE_UNICAST);

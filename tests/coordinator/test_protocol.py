@@ -112,6 +112,7 @@ PY_CONSTANTS = {
     "CUI_PROTO_MAGIC": P.CUI_PROTO_MAGIC,
     "CUI_PROTO_VERSION": P.CUI_PROTO_VERSION,
     "CUI_MAX_ACCESS": P.CUI_MAX_ACCESS,
+    "CUI_TXN_ROOM": P.CUI_TXN_ROOM,
     **{f"CUI_OP_{m.name}": m.value for m in Op},
     **{f"CUI_PHASE_{m.name}": m.value for m in Phase},
     **{f"CUI_PHASE_RULE_{m.name}": m.value for m in PhaseRule},

@@ -204,6 +204,11 @@ enum cui_role {
 
 #define CUI_MAX_ACCESS 32
 
+/* txn ids kept free after a capture op (PREPARE_MULTICAST, SAVE_ALLOCATIONS, PREPARE_UNICAST)
+ * for the ops that undo or restore it (at most 6 follow): a capture op with txn_id above
+ * UINT64_MAX - CUI_TXN_ROOM is refused (CUI_BAD_REQUEST, nothing changed). */
+#define CUI_TXN_ROOM 16
+
 struct cui_request {          /* 64 bytes */
   uint32_t magic;             /*  0 CUI_PROTO_MAGIC */
   uint16_t version;           /*  4 CUI_PROTO_VERSION */

@@ -1,0 +1,60 @@
+"""Case 005 (shared/cases/005-dlsym-preload-order), kind: another dlsym-interposing library
+preloaded before the shim silently bypasses tracking.
+
+At cuInit the shim notices that the dlsym the process resolves is not its own, says so once on
+stderr (what to do: put libcuinterpose.so first), and every reply, INSPECT's included, carries
+CUI_SHIM_FOREIGN_DLSYM in shim_flags for the coordinator and agent to show. With the shim
+first, nothing is said and the flag is clear. (docs/shim.md "Preload order".)
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from shim.conftest import C_BUILD_DIR, apps, build_shared, ctl, shim_env, vmm_app  # noqa: E402, F401
+
+from cuinterpose.coordinator.protocol import Op, Phase, ShimFlag, Status  # noqa: E402
+
+HERE = pathlib.Path(__file__).resolve().parent
+
+
+def _libother():
+    return build_shared([HERE / "c" / "other_dlsym.c"], C_BUILD_DIR / "libother_dlsym.so", ["-O1"])
+
+
+def _inspect(ctl, a):  # noqa: F811
+    r = ctl(a).request(Op.INSPECT, txn_id=0, expected_phase=Phase.ACTIVE)
+    assert r.reply.status == Status.OK, r.message
+    return r.reply.shim_flags
+
+
+def test_foreign_dlsym_first_is_reported(apps, shim_env, ctl):  # noqa: F811
+    other = _libother()
+    env = dict(shim_env)
+    env["LD_PRELOAD"] = f"{other}:{shim_env['LD_PRELOAD']}"
+    a = apps(env=env)
+    a.ok("init")
+    a.ok("init")  # a second cuInit says nothing more
+    err = a.stderr()
+    want = (
+        f"cuinterpose[{a.pid}]: cuInit: pid {a.pid} (phase ACTIVE): dlsym resolves to {other}, "
+        "not to libcuinterpose: another dlsym interposer is preloaded before the shim, so dlsym, "
+        "cuGetProcAddress and ctypes lookups through it bypass tracking and a checkpoint may be "
+        'refused; put libcuinterpose.so first in LD_PRELOAD (docs/shim.md "Preload order")'
+    )
+    assert want in err, err
+    assert err.count("dlsym resolves to") == 1
+    assert _inspect(ctl, a) == ShimFlag.FOREIGN_DLSYM
+
+
+def test_shim_first_is_quiet(apps, shim_env, ctl):  # noqa: F811
+    other = _libother()
+    env = dict(shim_env)
+    env["LD_PRELOAD"] = f"{shim_env['LD_PRELOAD']}:{other}"
+    a = apps(env=env)
+    a.ok("init")
+    assert "dlsym resolves to" not in a.stderr()
+    assert _inspect(ctl, a) == 0
