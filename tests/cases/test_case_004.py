@@ -23,8 +23,8 @@ GRAN = 2 << 20
 NO_ENDPOINT = "; no control endpoint: CUDA keeps working, but this process cannot be inspected or checkpointed"
 
 
-def _path(shim_env, pid):
-    return pathlib.Path(shim_env["CUINTERPOSE_CONTROL_DIR"]) / f"cuinterpose-{pid}.sock"
+def _path(env, pid):
+    return pathlib.Path(env["CUINTERPOSE_CONTROL_DIR"]) / f"cuinterpose-{pid}.sock"
 
 
 def test_regular_file_is_left_alone(apps, shim_env):  # noqa: F811
