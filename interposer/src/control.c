@@ -5,16 +5,21 @@
  * Started once, after the first successful real cuInit (never from a constructor or a symbol
  * lookup): $CUINTERPOSE_CONTROL_DIR/cuinterpose-<pid>.sock, mode 0600, directory created 0700
  * when missing. Two threads, all signals blocked in both:
- *   cui-accept  accepts connections, reads the 64-byte request, serves CUI_OP_FETCH_FD inline
+ *   cui-accept  accepts connections and polls them (never blocking on one: each has one total
+ *               deadline from accept), takes each 64-byte request, serves CUI_OP_FETCH_FD
  *               from the export cache (cache mutex only: it answers while a phase op of this
  *               process waits on a peer), and hands every other op to the worker. When the
- *               worker is busy it replies CUI_BAD_REQUEST "busy" before anything is mutated.
+ *               worker is busy it replies CUI_BUSY (retryable) before anything is mutated.
+ *               INSPECT (read-only) is answered here too, under the state lock, never queued.
+ *               Mutating ops are refused (CUI_REFUSED_PEER) unless SO_PEERCRED names root or
+ *               this process's uid.
  *   cui-control the control worker: runs one op at a time (ops.c) and replies.
  * Every FD is CLOEXEC. Socket I/O has a 10 s timeout per call.
  */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -129,71 +134,147 @@ static int peer_refused(int conn, const struct cui_request *req, struct cui_op_r
   return 1;
 }
 
-static void *accept_main(void *arg) {
-  for (;;) {
-    int c = accept4(g_listen, NULL, NULL, SOCK_CLOEXEC);
+/* One whole request from `c`: answered here (bad header, FETCH_FD, INSPECT, refusals) or
+ * queued for the worker, which then owns `c`. */
+static void dispatch(int c, struct cui_request req) {
+  struct cui_op_result res;
+  memset(&res, 0, sizeof res);
+  if (req.magic != CUI_PROTO_MAGIC || req.version != CUI_PROTO_VERSION) {
+    res.status = CUI_BAD_REQUEST;
+    snprintf(res.message, sizeof res.message, "pid %u: bad request magic %08x or version %u (want %08x, %u)",
+             (unsigned)getpid(), req.magic, req.version, CUI_PROTO_MAGIC, CUI_PROTO_VERSION);
+    send_reply(c, &req, &res, 0, -1);
+    close(c);
+    return;
+  }
+  if (req.op == CUI_OP_FETCH_FD) {
+    serve_fetch_fd(c, &req);
+    close(c);
+    return;
+  }
+  if (req.op == CUI_OP_INSPECT) {   /* read-only: never takes the worker slot (case 011) */
+    uint64_t t0 = cui_now_ns();
+    cui_run_op(&req, &res);
+    send_reply(c, &req, &res, cui_now_ns() - t0, -1);
+    free(res.records);
+    close(c);
+    return;
+  }
+  if (peer_refused(c, &req, &res)) {
+    send_reply(c, &req, &res, 0, -1);
+    close(c);
+    return;
+  }
+  pthread_mutex_lock(&g_job_lock);
+  if (g_job.pending || g_job.busy) {
+    pthread_mutex_unlock(&g_job_lock);
+    res.status = CUI_BUSY;
+    snprintf(res.message, sizeof res.message,
+             "%s: pid %u is still running another control request; nothing was changed, retry", cui_op_name(req.op),
+             (unsigned)getpid());
+    send_reply(c, &req, &res, 0, -1);
+    close(c);
+    return;
+  }
+  g_job.pending = 1;
+  g_job.conn = c;
+  g_job.req = req;
+  pthread_cond_signal(&g_job_cond);
+  pthread_mutex_unlock(&g_job_lock);
+}
+
+/* Connections whose 64-byte request has not fully arrived: the accept thread polls them, never
+ * blocks on one, and drops each at its total deadline from accept (CUI_IO_TIMEOUT_S), so a
+ * trickling client or a crowd of idle ones never holds off another (case 011). */
+#define CUI_MAX_PENDING 256
+static struct {
+  int fd;
+  size_t got;
+  uint64_t deadline;
+  struct cui_request req;
+} g_pend[CUI_MAX_PENDING];
+static int g_npend;
+
+static void drop_pending(int i) {
+  close(g_pend[i].fd);
+  g_pend[i] = g_pend[--g_npend];
+}
+
+static void accept_ready(void) {
+  while (g_npend < CUI_MAX_PENDING) {
+    int c = accept4(g_listen, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
     if (c < 0) {
-      if (errno == EINTR || errno == ECONNABORTED || errno == EMFILE || errno == ENFILE || errno == ENOBUFS ||
-          errno == ENOMEM) {
-        if (errno == EMFILE || errno == ENFILE) usleep(10000);
-        continue;
+      if (errno == EINTR || errno == ECONNABORTED) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return;
+      if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+        usleep(10000); /* out of descriptors or memory: let the pending ones finish first */
+        return;
       }
       cui_api_warn("control endpoint",
                    "accept on the control socket failed: %s; endpoint stopped (no INSPECT, "
                    "FETCH_FD or checkpoint of this process from now on)",
                    strerror(errno));
-      return NULL;
+      close(g_listen);
+      g_listen = -1;
+      return;
     }
-    cui_set_io_timeouts(c);
-    struct cui_request req;
-    if (cui_read_full(c, &req, sizeof req) != 0) {
-      close(c);
-      continue;
+    g_pend[g_npend].fd = c;
+    g_pend[g_npend].got = 0;
+    g_pend[g_npend].deadline = cui_now_ns() + (uint64_t)CUI_IO_TIMEOUT_S * 1000000000ull;
+    g_npend++;
+  }
+}
+
+/* Reads what has arrived on pending connection i; returns 1 when it was dispatched or dropped. */
+static int read_pending(int i) {
+  ssize_t k = recv(g_pend[i].fd, (char *)&g_pend[i].req + g_pend[i].got, sizeof g_pend[i].req - g_pend[i].got,
+                   MSG_DONTWAIT);
+  if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return 0;
+  if (k <= 0) {
+    drop_pending(i);
+    return 1;
+  }
+  g_pend[i].got += (size_t)k;
+  if (g_pend[i].got < sizeof g_pend[i].req) return 0;
+  int c = g_pend[i].fd;
+  struct cui_request req = g_pend[i].req;
+  g_pend[i] = g_pend[--g_npend];
+  fcntl(c, F_SETFL, fcntl(c, F_GETFL) & ~O_NONBLOCK);
+  cui_set_io_timeouts(c);
+  dispatch(c, req);
+  return 1;
+}
+
+static void *accept_main(void *arg) {
+  struct pollfd pf[CUI_MAX_PENDING + 1];
+  int listening = 1;
+  while (listening || g_npend) {
+    uint64_t now = cui_now_ns();
+    for (int i = 0; i < g_npend;) {
+      if (g_pend[i].deadline <= now) drop_pending(i); /* slow or idle: no reply, it had its time */
+      else i++;
     }
-    struct cui_op_result res;
-    memset(&res, 0, sizeof res);
-    if (req.magic != CUI_PROTO_MAGIC || req.version != CUI_PROTO_VERSION) {
-      res.status = CUI_BAD_REQUEST;
-      snprintf(res.message, sizeof res.message, "pid %u: bad request magic %08x or version %u (want %08x, %u)",
-               (unsigned)getpid(), req.magic, req.version, CUI_PROTO_MAGIC, CUI_PROTO_VERSION);
-      send_reply(c, &req, &res, 0, -1);
-      close(c);
-      continue;
+    int n = 0, lst = -1;
+    if (g_listen >= 0 && g_npend < CUI_MAX_PENDING) {
+      pf[n] = (struct pollfd){g_listen, POLLIN, 0};
+      lst = n++;
     }
-    if (req.op == CUI_OP_FETCH_FD) {
-      serve_fetch_fd(c, &req);
-      close(c);
-      continue;
+    uint64_t next = UINT64_MAX;
+    for (int i = 0; i < g_npend; i++) {
+      pf[n++] = (struct pollfd){g_pend[i].fd, POLLIN, 0};
+      if (g_pend[i].deadline < next) next = g_pend[i].deadline;
     }
-    if (req.op == CUI_OP_INSPECT) {   /* read-only: never takes the worker slot (case 011) */
-      uint64_t t0 = cui_now_ns();
-      cui_run_op(&req, &res);
-      send_reply(c, &req, &res, cui_now_ns() - t0, -1);
-      free(res.records);
-      close(c);
-      continue;
+    int ms = next == UINT64_MAX ? -1 : (int)((next - now) / 1000000ull + 1);
+    int r = poll(pf, (nfds_t)n, ms);
+    if (r < 0) continue; /* EINTR (all signals are blocked here) or ENOMEM: try again */
+    /* pending connections first, from the back (a dispatch moves the last one into its slot) */
+    int np = g_npend;
+    for (int i = np - 1; i >= 0; i--) {
+      short ev = pf[n - np + i].revents;
+      if (ev && i < g_npend) read_pending(i);
     }
-    if (peer_refused(c, &req, &res)) {
-      send_reply(c, &req, &res, 0, -1);
-      close(c);
-      continue;
-    }
-    pthread_mutex_lock(&g_job_lock);
-    if (g_job.pending || g_job.busy) {
-      pthread_mutex_unlock(&g_job_lock);
-      res.status = CUI_BUSY;
-      snprintf(res.message, sizeof res.message,
-               "%s: pid %u is still running another control request; nothing was changed, retry", cui_op_name(req.op),
-               (unsigned)getpid());
-      send_reply(c, &req, &res, 0, -1);
-      close(c);
-      continue;
-    }
-    g_job.pending = 1;
-    g_job.conn = c;
-    g_job.req = req;
-    pthread_cond_signal(&g_job_cond);
-    pthread_mutex_unlock(&g_job_lock);
+    if (lst >= 0 && (pf[lst].revents & POLLIN)) accept_ready();
+    listening = g_listen >= 0;
   }
   return NULL;
 }
@@ -324,6 +405,7 @@ static void start_endpoint(void) {
     unlink(sa.sun_path);
     return;
   }
+  fcntl(s, F_SETFL, fcntl(s, F_GETFL) | O_NONBLOCK); /* accept_ready takes all that wait, then polls */
   g_listen = s;
 
   sigset_t all, old;

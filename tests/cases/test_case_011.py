@@ -115,3 +115,35 @@ def test_busy_is_a_retryable_refusal():
     assert Status.BUSY.is_refusal and Status.BUSY.is_retryable
     assert Status.REFUSED_PEER.is_refusal and not Status.REFUSED_PEER.is_retryable
     assert not Status.FAILED.is_retryable
+
+
+def test_idle_and_trickling_clients_block_nobody(apps, shim_env, ctl):  # noqa: F811
+    a = apps()
+    a.ok("init")
+    a.ok(f"create {GRAN} 0")
+    path = str(pathlib.Path(shim_env["CUINTERPOSE_CONTROL_DIR"]) / f"cuinterpose-{a.pid}.sock")
+    idle = []
+    try:
+        for _ in range(200):  # connected, silent
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(path)
+            idle.append(s)
+        trickle = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        trickle.connect(path)
+        idle.append(trickle)
+        req = Request(op=Op.INSPECT, txn_id=0, expected_phase=Phase.ACTIVE, sender_pid=1).pack()
+        trickle.sendall(req[:1])  # one byte of a request, the rest never comes
+        for _ in range(2):  # INSPECT, then a whole capture and rollback, are served meanwhile
+            r = ctl(a).request(Op.INSPECT, txn_id=0, expected_phase=Phase.ACTIVE)
+            assert (r.reply.status, r.reply.record_count) == (Status.OK, 1), r.message
+        r = ctl(a).request(Op.SAVE_ALLOCATIONS, txn_id=1, expected_phase=Phase.ACTIVE)
+        assert (r.reply.status, r.reply.phase) == (Status.OK, Phase.SAVED), r.message
+        r = ctl(a).request(Op.CANCEL_CAPTURE, txn_id=2, expected_phase=Phase.SAVED)
+        assert (r.reply.status, r.reply.phase) == (Status.OK, Phase.ACTIVE), r.message
+        # the trickler finishes its request late and is still answered
+        trickle.sendall(req[1:])
+        head = Reply.unpack(trickle.recv(REPLY_SIZE, socket.MSG_WAITALL))
+        assert (head.status, head.pid) == (Status.OK, a.pid)
+    finally:
+        for s in idle:
+            s.close()
