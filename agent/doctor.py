@@ -11,6 +11,7 @@ import os
 import pathlib
 import tempfile
 
+from cuinterpose.agent.mech import ctldir
 from cuinterpose.coordinator.protocol import default_control_dir
 
 #: what a failing real driver check adds (also in native.load's "could not load" error)
@@ -80,7 +81,7 @@ def run_checks(*, driver=None, control_dir=None) -> list[dict]:
 
     def ctl():
         d = pathlib.Path(control_dir or default_control_dir())
-        d.mkdir(parents=True, exist_ok=True)
+        ctldir.ensure(d)  # created 0700; refused when not trusted
         with tempfile.NamedTemporaryFile(dir=d, prefix=".doctor-"):
             pass
         return f"{d} writable"

@@ -10,6 +10,7 @@ import pathlib
 
 from cuinterpose.agent.errors import AgentError
 from cuinterpose.agent.mech import census as census_mod
+from cuinterpose.agent.mech import ctldir
 from cuinterpose.coordinator.protocol import default_control_dir
 
 
@@ -22,6 +23,7 @@ def inspect_pid(pid: int, *, control_dir=None, timeout_s: float = 10.0) -> dict:
     from cuinterpose.coordinator.protocol import Op, Phase, Status
 
     cdir = pathlib.Path(control_dir or default_control_dir())
+    ctldir.check(cdir, phase="INSPECT", pid=pid)
     sock = census_mod.socket_path(cdir, pid)
     if not os.path.exists(sock):
         if not census_mod.pid_alive(pid):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import secrets
 
 from .protocol import default_control_dir
 
@@ -36,14 +37,31 @@ def quiesce_path(control_dir: str | os.PathLike | None, root: int, kind: str) ->
 
 def write_atomic(path: str | os.PathLike, obj: dict) -> None:
     """Write ``obj`` as JSON to ``path`` so that a reader sees the old file or the whole new
-    one: ``<path>.tmp``, fsync, rename. OSError propagates; the temp file is removed then."""
+    one: a temp file ``.<name>.<random>.tmp`` beside it, created ``O_CREAT|O_EXCL|O_NOFOLLOW``
+    mode 0600 (a file or symlink planted at any name is never opened, so it never redirects the
+    write), fsync, rename over ``path`` (which replaces a symlink there, never follows it).
+    OSError propagates; the temp file is removed then."""
     path = os.fspath(path)
-    tmp = path + ".tmp"
+    head, name = os.path.split(path)
+    data = json.dumps(obj).encode()
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    for _ in range(16):
+        tmp = os.path.join(head, f".{name}.{secrets.token_hex(8)}.tmp")
+        try:
+            fd = os.open(tmp, flags, 0o600)
+            break
+        except FileExistsError:
+            continue  # someone planted this very name: draw another
+    else:
+        raise FileExistsError(17, "no free temporary name after 16 tries", path)
     try:
-        with open(tmp, "w") as f:
-            json.dump(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.rename(tmp, path)
     except BaseException:
         try:

@@ -401,10 +401,11 @@ def release_cmd(pid, force, control_dir, as_json):
     """Release a job parked by a quiesce request no live agent will answer (an agent killed
     mid-checkpoint, a stale .request): writes .resume {"id": <the request's id>, "restored":
     false, "cancelled": true}. Refused while a live agent owns the request."""
-    from cuinterpose.agent.mech import quiesce
+    from cuinterpose.agent.mech import ctldir, quiesce
 
     cdir = os.path.abspath(control_dir or default_control_dir())
     try:
+        ctldir.check(cdir, phase="release", pid=pid)
         res = quiesce.release(cdir, pid, force=force)
     except AgentError as e:
         e.hint = getattr(e, "hint", None) or "nothing was changed"

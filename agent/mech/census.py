@@ -26,10 +26,10 @@ from typing import Callable, Iterable, Optional
 
 from cuinterpose.agent import paths
 from cuinterpose.agent.errors import CensusError, NativeError
-from cuinterpose.agent.mech import procfs
+from cuinterpose.agent.mech import ctldir, procfs
 from cuinterpose.agent.snapshot.manifest import sha256_file
 from cuinterpose.coordinator import protocol
-from cuinterpose.coordinator.protocol import CUI_DEFAULT_CONTROL_DIR, default_control_dir
+from cuinterpose.coordinator.protocol import CUI_DEFAULT_CONTROL_DIR
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,7 +233,7 @@ def take_census(
         from cuinterpose.agent.mech import native
 
         get_state = native.get_state
-    control_dir = str(pathlib.Path(control_dir or default_control_dir()).resolve())
+    control_dir = str(pathlib.Path(ctldir.check(control_dir, phase="census")).resolve())
     shim = ShimFile.of(shim_path or paths.shim_path())
     check_roots(roots)
     procs = []

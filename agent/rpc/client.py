@@ -96,6 +96,34 @@ class TLS:
         return bool(self.cert or self.ca)
 
 
+def socket_access(addr: str) -> str:
+    """Why this process may not connect to the agent's Unix socket at ``addr`` (its owner and
+    mode keep other uids out), or "" when it may, or it is no Unix socket or absent."""
+    path = unix_path(normalize_address(addr))
+    if path is None or os.access(path, os.W_OK) or not os.path.exists(path):
+        return ""
+    st = os.stat(path)
+    return (
+        f"; the socket {path} (owner uid {st.st_uid}, mode {st.st_mode & 0o777:04o}) admits "
+        f"only root and uid {st.st_uid}, and this process is uid {os.geteuid()}: run the "
+        "command as one of them"
+    )
+
+
+def rpc_error(addr: str, method: str, e) -> AgentError:
+    """The ``AgentError`` (phase "agent") of a failed call: outcome "refused" when the daemon
+    refused the caller (``PERMISSION_DENIED``: nothing was done), else "unreachable"."""
+    code = e.code() if hasattr(e, "code") else None
+    details = e.details() if hasattr(e, "details") else str(e)
+    refused = code is not None and code.name == "PERMISSION_DENIED"
+    return AgentError(
+        "agent",
+        f"{addr}: {method}: {code.name if code else ''} {details}".strip()
+        + ("" if refused else socket_access(addr)),
+        outcome="refused" if refused else "unreachable",
+    )
+
+
 def channel(addr: str, tls: Optional[TLS] = None):
     """A gRPC channel to an agent (TLS for TCP when ``tls`` is enabled)."""
     import grpc
@@ -135,13 +163,7 @@ def call(
                 elif which == "result":
                     result = ev.result
         except grpc.RpcError as e:
-            code = e.code() if hasattr(e, "code") else None
-            raise AgentError(
-                "agent",
-                f"{addr}: {method}: {code.name if code else ''} "
-                f"{e.details() if hasattr(e, 'details') else e}".strip(),
-                outcome="unreachable",
-            ) from None
+            raise rpc_error(addr, method, e) from None
         if result is None:
             raise AgentError(
                 "agent",
@@ -164,13 +186,7 @@ def renew(addr: str, request, *, tls: Optional[TLS] = None, timeout_s: float = 1
     try:
         return agrpc.AgentStub(ch).Renew(request, timeout=timeout_s)
     except grpc.RpcError as e:
-        code = e.code() if hasattr(e, "code") else None
-        raise AgentError(
-            "agent",
-            f"{addr}: Renew: {code.name if code else ''} "
-            f"{e.details() if hasattr(e, 'details') else e}".strip(),
-            outcome="unreachable",
-        ) from None
+        raise rpc_error(addr, "Renew", e) from None
     finally:
         ch.close()
 

@@ -28,14 +28,13 @@ import dataclasses
 import json
 import logging
 import os
-import pathlib
 import queue
 import threading
 from concurrent import futures
 from typing import Callable, Iterator, Optional
 
 from cuinterpose.agent.errors import AgentError
-from cuinterpose.agent.rpc import group
+from cuinterpose.agent.rpc import group, unixsock
 from cuinterpose.agent.rpc.client import SERVICE_NAME, TLS, normalize_address, unix_path
 from cuinterpose.agent.rpc.member import DEFAULT_GROUP_LEASE_S, GroupMember
 from cuinterpose.agent.rpc.security import confine_path, listener_security
@@ -500,13 +499,12 @@ class Server:
         self.security = listener_security(listen, opts.tls, opts.insecure_tcp)
         target = normalize_address(listen)
         path = unix_path(target)
+        #: the public Unix socket in front of gRPC (bind in a 0700 dir, SO_PEERCRED check)
+        self.gate = None
         if path is not None:
-            p = pathlib.Path(path)
-            p.parent.mkdir(parents=True, exist_ok=True)
-            if p.is_socket():
-                p.unlink()  # a stale socket of an agent that died
-            port = self.server.add_insecure_port(target)
-            self.address = "unix:" + path
+            self.gate = unixsock.Gate(path)
+            port = self.server.add_insecure_port(self.gate.backend)
+            self.address = "unix:" + self.gate.path
         elif opts.tls is not None and opts.tls.cert:
             port = self.server.add_secure_port(target, opts.tls.server_credentials())
             self.address = f"{target.rsplit(':', 1)[0]}:{port}"
@@ -524,9 +522,8 @@ class Server:
 
     def start(self) -> "Server":
         self.server.start()
-        p = unix_path(self.address)
-        if p:
-            os.chmod(p, 0o600)  # same-UID trust domain, like the shim's sockets (decisions.md D2)
+        if self.gate is not None:
+            self.gate.start()  # 0600 since its bind, in place now (decisions.md D2)
         for name in ("", SERVICE_NAME):
             self.health.set(name, self._health_pb2.HealthCheckResponse.SERVING)
         return self
@@ -560,9 +557,5 @@ class Server:
         for t in list(self.service.active):
             t.join()
         self.metrics.close()
-        p = unix_path(self.address)
-        if p:
-            try:
-                os.unlink(p)
-            except OSError:
-                pass
+        if self.gate is not None:
+            self.gate.close()  # removes the public socket and the private directory

@@ -351,3 +351,35 @@ def test_config_insecure_tcp_key():
     with pytest.raises(ConfigError) as e:
         load_config("insecureTcp: 'yes please'")
     assert str(e.value) == "insecureTcp: expected true or false, got 'yes please' (string)"
+
+
+# -- the Unix socket (case 011, daemon side; tests/cases/test_case_011_daemon.py has the peers) --
+
+
+def test_unix_socket_is_0600_under_umask_0_and_a_regular_file_at_its_path_is_refused(tmp_path):
+    import stat
+
+    path = tmp_path / "agent.sock"
+    old = os.umask(0)
+    try:
+        srv = service.Server(
+            f"unix:{path}", service.ServeOptions(node="n", snapshot_dir=str(tmp_path))
+        )
+    finally:
+        os.umask(old)
+    srv.start()
+    try:
+        assert stat.S_IMODE(os.lstat(path).st_mode) == 0o600
+        assert client.health(srv.address) == "SERVING"
+    finally:
+        srv.stop(0)
+    assert not path.exists()
+    path.write_bytes(b"not a socket")
+    with pytest.raises(OSError) as e:
+        service.Server(f"unix:{path}", service.ServeOptions(node="n", snapshot_dir=str(tmp_path)))
+    assert (e.value.errno, e.value.strerror, e.value.filename) == (
+        17,
+        "exists and is neither a socket nor a symlink",
+        str(path),
+    )
+    assert path.read_bytes() == b"not a socket"
