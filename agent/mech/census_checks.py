@@ -85,15 +85,15 @@ def pid_max() -> int:
 
 def socket_dir_problem(control_dir: os.PathLike | str) -> Optional[str]:
     """Why ``control_dir`` cannot hold a shim's control socket for every pid, or None: the
-    path ``DIR/cuinterpose-<pid_max>.sock`` must fit in ``sun_path`` (at most 107 bytes)."""
-    longest = os.fsencode(str(socket_path(control_dir, pid_max())))
+    path ``DIR/cuinterpose-<pid_max - 1>.sock`` must fit in ``sun_path`` (at most 107 bytes)."""
+    longest = os.fsencode(str(socket_path(control_dir, max(pid_max() - 1, 1))))
     if len(longest) <= SUN_PATH_MAX:
         return None
     return (
         f"control dir {control_dir} is too long for a Unix socket: "
         f"{os.fsdecode(longest)} is {len(longest)} bytes, over the limit of {SUN_PATH_MAX} "
-        "(sockaddr_un.sun_path is 108 bytes with its NUL; pid_max "
-        f"{pid_max()}), so the shim cannot bind its control socket there; use a shorter "
+        "(sockaddr_un.sun_path is 108 bytes with its NUL; the longest pid is pid_max - 1, "
+        f"/proc/sys/kernel/pid_max {pid_max()}), so the shim cannot bind its control socket there; use a shorter "
         "CUINTERPOSE_CONTROL_DIR / --control-dir"
     )
 

@@ -321,7 +321,9 @@ def lock(pid: int, timeout_ms: int) -> None:
     args = _driver.CUcheckpointLockArgs()
     args.timeoutMs = int(timeout_ms)
     # the driver's own timeout bounds the lock; ours comes after it (0: the caller's "none")
-    _call("lock", pid, args, deadline_s=timeout_ms / 1000 + call_deadline_s() if timeout_ms else None)
+    _call(
+        "lock", pid, args, deadline_s=timeout_ms / 1000 + call_deadline_s() if timeout_ms else None
+    )
 
 
 def checkpoint(pid: int) -> None:
