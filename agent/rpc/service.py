@@ -34,6 +34,7 @@ import threading
 from concurrent import futures
 from typing import Callable, Iterator, Optional
 
+from cuinterpose.agent import validate
 from cuinterpose.agent.errors import AgentError
 from cuinterpose.agent.rpc import group
 from cuinterpose.agent.rpc.client import SERVICE_NAME, TLS, normalize_address, unix_path
@@ -380,6 +381,9 @@ class AgentService(GroupMember, _servicer_base()):
         self._env(kw["driver"])
 
         def work(rep, emit):
+            validate.checkpoint_request(
+                roots=list(request.roots), images_dir=request.images_dir, **kw
+            )
             images_dir = self.confine(request.images_dir)
             with self.exclusive(
                 rep, f"a gRPC checkpoint of root(s) {', '.join(map(str, request.roots)) or '-'}"
@@ -408,6 +412,7 @@ class AgentService(GroupMember, _servicer_base()):
         self._env(kw["driver"])
 
         def work(rep, emit):
+            validate.restore_request(images_dir=request.images_dir, **kw)
             images_dir = self.confine(request.images_dir)
             with self.exclusive(rep, f"a gRPC restore of {images_dir}"):
                 return ops.restore(rep, images_dir, **kw), None
