@@ -105,7 +105,18 @@ def restore_request(
     path("images_dir", images_dir)
     if placement:
         pids("into_pid", [placement])
+        from cuinterpose.agent.mech.census_checks import check_process_id
+
+        check_process_id(int(placement), "placement")
     if phase_timeout_s is not None:
         seconds("phase_timeout_s", phase_timeout_s)
     if carrier_timeout_s is not None:
         seconds("carrier_timeout_s", carrier_timeout_s)
+
+
+def inspect_request(*, pid, timeout_s=None, control_dir=None) -> None:
+    """Validate an inspect's fields; raises ``AgentError``."""
+    pids("pid", [pid])
+    path("control_dir", control_dir)
+    if timeout_s is not None:
+        seconds("timeout_s", timeout_s)

@@ -421,17 +421,13 @@ class AgentService(GroupMember, _servicer_base()):
 
     def Inspect(self, request, context):
         cd = request.control_dir or self.opts.control_dir
-        return iter(
-            self._stream(
-                "inspect",
-                lambda rep, emit: (
-                    ops.inspect(
-                        int(request.pid), control_dir=cd, timeout_s=request.timeout_s or 10.0
-                    ),
-                    None,
-                ),
-            )
-        )
+        timeout_s = request.timeout_s or 10.0
+
+        def work(rep, emit):
+            validate.inspect_request(pid=int(request.pid), timeout_s=timeout_s, control_dir=cd)
+            return ops.inspect(int(request.pid), control_dir=cd, timeout_s=timeout_s), None
+
+        return iter(self._stream("inspect", work))
 
     def ListSnapshots(self, request, context):
         d = request.dir or self.opts.snapshot_dir

@@ -90,3 +90,19 @@ def test_the_check_passes_a_process_and_a_missing_pid(thread_of):
     with pytest.raises(CensusError) as ei:
         census_checks.check_process_id(tid, "restore target")
     assert str(ei.value) == f"restore target: pid {tid} {want(pid, tid, name)}"
+
+
+def test_restore_into_a_thread_names_its_process(thread_of, tmp_path):
+    pid, tid, name = thread_of
+    rc, out = demo.run_agent(
+        "restore",
+        "--images-dir",
+        str(tmp_path / "snap"),
+        "--into-pid",
+        str(tid),
+        "--driver",
+        "fake",
+    )
+    assert rc == 3, out
+    e = out["error"]
+    assert (e["phase"], e["pid"], e["reason"]) == ("placement", tid, want(pid, tid, name))
