@@ -2,7 +2,8 @@
 
 Each check is ``{"name", "ok" (bool), "detail" (str)}``: CRIU version and ``criu check``, the
 driver's checkpoint API through cuda.bindings (and its version), the shim's path and SHA-256,
-fakecuda's path (when selected), and whether the control directory is writable.
+fakecuda's path (when selected), and whether the control directory is writable and short
+enough for ``DIR/cuinterpose-<pid_max>.sock`` to fit in a Unix socket address (107 bytes).
 """
 
 from __future__ import annotations
@@ -80,7 +81,12 @@ def run_checks(*, driver=None, control_dir=None) -> list[dict]:
         return f"{s.path} sha256 {s.sha256}"
 
     def ctl():
+        from cuinterpose.agent.mech.census_checks import socket_dir_problem
+
         d = pathlib.Path(control_dir or default_control_dir())
+        why = socket_dir_problem(d)
+        if why:
+            raise RuntimeError(why)
         ctldir.ensure(d)  # created 0700; refused when not trusted
         with tempfile.NamedTemporaryFile(dir=d, prefix=".doctor-"):
             pass

@@ -25,9 +25,12 @@ def inspect_pid(pid: int, *, control_dir=None, timeout_s: float = 10.0) -> dict:
     cdir = pathlib.Path(control_dir or default_control_dir())
     ctldir.check(cdir, phase="INSPECT", pid=pid)
     sock = census_mod.socket_path(cdir, pid)
+    census_mod.check_process_id(pid, "INSPECT")
+    census_mod.check_not_stopped(pid, "INSPECT")
     if not os.path.exists(sock):
         if not census_mod.pid_alive(pid):
             raise AgentError("INSPECT", "no such process", pid=pid)
+        census_mod.check_socket_dir(cdir, "INSPECT")
         with_socket = descendants_with_socket(pid, cdir)
         if with_socket:
             listed = ", ".join(f"{c} ({comm})" for c, comm in with_socket)
@@ -44,6 +47,7 @@ def inspect_pid(pid: int, *, control_dir=None, timeout_s: float = 10.0) -> dict:
             "no cuInit yet, or another --control-dir)",
             pid=pid,
         )
+    census_mod.check_socket_owner(sock, pid, "INSPECT")
     client = ShimClient(sock, timeout_s, pid=pid)
     try:
         resp = client.request(Op.INSPECT, txn_id=0, expected_phase=Phase.ACTIVE)

@@ -125,6 +125,9 @@ def checkpoint(
         leave_running=leave_running,
     )
     try:
+        from cuinterpose.agent import validate
+
+        validate.checkpoint_request(roots=pids, images_dir=images_dir, **kw)
         if agent_addr or group_file:
             from cuinterpose.agent.snapshot import pb
 
@@ -243,6 +246,14 @@ def restore(
         f"group restore {group_file}" if group_file else f"restore {images_dir}", as_json
     )
     try:
+        from cuinterpose.agent import validate
+
+        validate.restore_request(
+            images_dir=images_dir,
+            phase_timeout_s=phase_timeout_s,
+            carrier_timeout_s=carrier_timeout_s,
+            placement=into_pid,
+        )
         if agent_addr or group_file:
             from cuinterpose.agent.snapshot import pb
 

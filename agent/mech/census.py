@@ -27,6 +27,14 @@ from typing import Callable, Iterable, Optional
 from cuinterpose.agent import paths
 from cuinterpose.agent.errors import CensusError, NativeError
 from cuinterpose.agent.mech import ctldir, procfs
+from cuinterpose.agent.mech.census_checks import (  # noqa: F401 (re-exported for callers)
+    SUN_PATH_MAX,
+    check_not_stopped,
+    check_process_id,
+    check_socket_dir,
+    check_socket_owner,
+    socket_dir_problem,
+)
 from cuinterpose.agent.snapshot.manifest import sha256_file
 from cuinterpose.coordinator import protocol
 from cuinterpose.coordinator.protocol import CUI_DEFAULT_CONTROL_DIR
@@ -165,6 +173,7 @@ def walk_tree(roots: Iterable[int]) -> list[tuple[int, int, str]]:
         if r in zombies:
             raise CensusError("census", "has exited (zombie); nothing to checkpoint", pid=r)
         if r not in info:
+            check_process_id(r, "census")
             raise CensusError("census", "no such process (root)", pid=r)
     queue = [(r, info[r][0], info[r][1]) for r in roots]
     while queue:
@@ -235,17 +244,20 @@ def take_census(
         get_state = native.get_state
     control_dir = str(pathlib.Path(ctldir.check(control_dir, phase="census")).resolve())
     shim = ShimFile.of(shim_path or paths.shim_path())
+    check_socket_dir(control_dir, "census")
     check_roots(roots)
     procs = []
     for pid, ppid, comm in walk_tree(roots):
         if pid == os.getpid():
             continue
         p = Process(pid=pid, ppid=ppid, comm=comm)
+        check_not_stopped(pid, "census")
         p.shim, path = shim_mapping(pid, shim)
         if p.shim == "foreign":
             p.foreign_shim = path
         sock = socket_path(control_dir, pid)
         if is_socket(sock):
+            check_socket_owner(sock, pid, "census")
             p.socket_path = str(sock)
         try:
             p.sid, p.tty_nr = read_session(pid)

@@ -236,13 +236,69 @@ def in_netns(pid: int, fn: Callable[[], _T]) -> _T:
     return box["ret"]
 
 
-def _call(action: str, pid: int, *args):
+#: seconds a driver call about another process may take before the agent gives up on it
+#: (``$CUINTERPOSE_DRIVER_CALL_TIMEOUT_S``); a lock's own timeout is added to it
+CALL_DEADLINE_ENV = "CUINTERPOSE_DRIVER_CALL_TIMEOUT_S"
+CALL_DEADLINE_S = 60.0
+
+
+def call_deadline_s() -> float:
+    """The deadline of one driver call (:data:`CALL_DEADLINE_ENV`, else 60 s)."""
+    try:
+        v = float(os.environ.get(CALL_DEADLINE_ENV, CALL_DEADLINE_S))
+    except ValueError:
+        return CALL_DEADLINE_S
+    return v if 0 < v < 86400 else CALL_DEADLINE_S
+
+
+def with_deadline(action: str, pid: int, fn: Callable[[], _T], deadline_s: Optional[float]) -> _T:
+    """``fn()`` run in a worker thread that the caller waits for at most ``deadline_s``
+    seconds (None: no deadline); past it, ``NativeError`` CUDA_ERROR_TIMEOUT naming the pid
+    (the thread is left to finish on its own: a daemon thread). The wait is interruptible:
+    SIGINT/SIGTERM handlers run in the caller meanwhile."""
+    if deadline_s is None:
+        return fn()
+    box: dict = {}
+
+    def run():
+        try:
+            box["ret"] = fn()
+        except BaseException as e:  # handed to the caller
+            box["exc"] = e
+
+    t = threading.Thread(target=run, name=f"cuinterpose-driver-{pid}", daemon=True)
+    t.start()
+    t.join(deadline_s)
+    if t.is_alive():
+        st = _proc_state(pid)
+        raise NativeError(
+            action,
+            pid,
+            f"CUDA_ERROR_TIMEOUT (no answer from the driver within {deadline_s:g} s"
+            + (f"; the process is in state {st}" if st else "")
+            + "; a stopped process: `kill -CONT` it, or `cuinterpose-agent release`)",
+        )
+    if "exc" in box:
+        raise box["exc"]
+    return box["ret"]
+
+
+def _proc_state(pid: int) -> Optional[str]:
+    try:
+        return procfs.stat_fields(pid)[1][procfs.STAT_STATE]
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _call(action: str, pid: int, *args, deadline_s: Optional[float] = -1.0):
     drv = _driver if _driver is not None else (load() and _driver)
     fn = getattr(
         drv, "cuCheckpointProcess" + {"get_state": "GetState"}.get(action, action.capitalize())
     )
+    if deadline_s is not None and deadline_s < 0:
+        deadline_s = call_deadline_s()
     try:
-        res = in_netns(pid, lambda: fn(pid, *args))
+        res = with_deadline(action, pid, lambda: in_netns(pid, lambda: fn(pid, *args)), deadline_s)
     except KeyError as e:  # CUresult outside the enum
         raise NativeError(action, pid, f"CUresult {e} (outside the enum)") from None
     err = res[0]
@@ -264,7 +320,10 @@ def lock(pid: int, timeout_ms: int) -> None:
     """RUNNING -> LOCKED; ``timeout_ms`` = 0 waits forever. NOT_READY on timeout (stays RUNNING)."""
     args = _driver.CUcheckpointLockArgs()
     args.timeoutMs = int(timeout_ms)
-    _call("lock", pid, args)
+    # the driver's own timeout bounds the lock; ours comes after it (0: the caller's "none")
+    _call(
+        "lock", pid, args, deadline_s=timeout_ms / 1000 + call_deadline_s() if timeout_ms else None
+    )
 
 
 def checkpoint(pid: int) -> None:

@@ -33,6 +33,7 @@ import threading
 from concurrent import futures
 from typing import Callable, Iterator, Optional
 
+from cuinterpose.agent import validate
 from cuinterpose.agent.errors import AgentError
 from cuinterpose.agent.rpc import group, unixsock
 from cuinterpose.agent.rpc.client import SERVICE_NAME, TLS, normalize_address, unix_path
@@ -379,6 +380,9 @@ class AgentService(GroupMember, _servicer_base()):
         self._env(kw["driver"])
 
         def work(rep, emit):
+            validate.checkpoint_request(
+                roots=list(request.roots), images_dir=request.images_dir, **kw
+            )
             images_dir = self.confine(request.images_dir)
             with self.exclusive(
                 rep, f"a gRPC checkpoint of root(s) {', '.join(map(str, request.roots)) or '-'}"
@@ -407,6 +411,7 @@ class AgentService(GroupMember, _servicer_base()):
         self._env(kw["driver"])
 
         def work(rep, emit):
+            validate.restore_request(images_dir=request.images_dir, **kw)
             images_dir = self.confine(request.images_dir)
             with self.exclusive(rep, f"a gRPC restore of {images_dir}"):
                 return ops.restore(rep, images_dir, **kw), None
@@ -415,17 +420,13 @@ class AgentService(GroupMember, _servicer_base()):
 
     def Inspect(self, request, context):
         cd = request.control_dir or self.opts.control_dir
-        return iter(
-            self._stream(
-                "inspect",
-                lambda rep, emit: (
-                    ops.inspect(
-                        int(request.pid), control_dir=cd, timeout_s=request.timeout_s or 10.0
-                    ),
-                    None,
-                ),
-            )
-        )
+        timeout_s = request.timeout_s or 10.0
+
+        def work(rep, emit):
+            validate.inspect_request(pid=int(request.pid), timeout_s=timeout_s, control_dir=cd)
+            return ops.inspect(int(request.pid), control_dir=cd, timeout_s=timeout_s), None
+
+        return iter(self._stream("inspect", work))
 
     def ListSnapshots(self, request, context):
         d = request.dir or self.opts.snapshot_dir

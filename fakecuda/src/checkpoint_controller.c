@@ -7,6 +7,27 @@
  */
 #include "fc.h"
 
+#include <sys/time.h>
+
+/* How long the controller waits for the target's reply: FAKECUDA_CONTROLLER_TIMEOUT_MS
+ * (default 60000) plus, for a lock, its own timeout; a lock with timeout 0 (wait forever, as
+ * the API says) has no deadline. A target that does not answer in time (a stopped process)
+ * is CUDA_ERROR_TIMEOUT, and the controller's caller can go on. */
+static uint64_t ck_deadline_ms(uint32_t op, uint32_t timeout_ms)
+{
+    if (op == CK_LOCK && timeout_ms == 0)
+        return 0;
+    uint64_t ms = 60000;
+    const char *e = getenv("FAKECUDA_CONTROLLER_TIMEOUT_MS");
+    if (e && *e) {
+        char *end = NULL;
+        unsigned long long v = strtoull(e, &end, 10);
+        if (end && !*end && v > 0 && v < 86400000ULL)
+            ms = v;
+    }
+    return ms + (op == CK_LOCK ? timeout_ms : 0);
+}
+
 /* An unknown pid, or a pid that has no fakecuda control socket (never called cuInit, or no
  * fakecuda), is CUDA_ERROR_INVALID_VALUE. */
 static CUresult ck_call(int pid, uint32_t op, uint32_t timeout_ms, int *value)
@@ -22,6 +43,12 @@ static CUresult ck_call(int pid, uint32_t op, uint32_t timeout_ms, int *value)
         close(s);
         return CUDA_ERROR_INVALID_VALUE;
     }
+    uint64_t dl = ck_deadline_ms(op, timeout_ms);
+    if (dl) {
+        struct timeval tv = {(time_t)(dl / 1000), (suseconds_t)(dl % 1000) * 1000};
+        setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+        setsockopt(s, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+    }
     struct ck_req q = {CK_MAGIC, op, timeout_ms, 0};
     struct ck_rep p;
     CUresult r;
@@ -32,7 +59,9 @@ static CUresult ck_call(int pid, uint32_t op, uint32_t timeout_ms, int *value)
         do
             n = recv(s, &p, sizeof p, 0);
         while (n < 0 && errno == EINTR);
-        if (n != (ssize_t)sizeof p)
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+            r = CUDA_ERROR_TIMEOUT;
+        else if (n != (ssize_t)sizeof p)
             r = CUDA_ERROR_OPERATING_SYSTEM;
         else {
             r = (CUresult)p.result;

@@ -1,0 +1,150 @@
+"""Checks the census (and ``inspect``, ``doctor``, the restore target) makes about a pid or a
+control socket before any driver call or request: that a pid is a process, not one of its
+threads (case 002); that it is not stopped (state T/t: the driver would wait forever, case
+001); that a control dir can hold a socket path for every pid (case 007); and that a control
+socket belongs to the process it names, by owner uid and ``SO_PEERCRED`` (case 012). Each
+raises ``CensusError`` naming the pid, the cause and what to do.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+from typing import Optional
+
+from cuinterpose.agent.errors import CensusError
+from cuinterpose.agent.mech import procfs
+from cuinterpose.coordinator import protocol
+
+
+def socket_path(control_dir, pid: int) -> str:
+    """``<control_dir>/cuinterpose-<pid>.sock``."""
+    return protocol.socket_path(control_dir, pid)
+
+
+#: the bytes of ``sockaddr_un.sun_path`` a socket path may use (108 with its NUL, unix(7))
+SUN_PATH_MAX = 107
+STOPPED_HINT = (
+    "it is stopped (SIGSTOP, a debugger, or an interrupted checkpoint that left the tree "
+    "stopped): resume it with `kill -CONT {pid}`, or run `cuinterpose-agent release --pid "
+    "<job root>` to finish an interrupted checkpoint, then retry"
+)
+
+
+def check_process_id(pid: int, phase: str) -> None:
+    """Refuse (``CensusError``) a ``pid`` that is a thread of another process (its ``Tgid`` in
+    ``/proc/PID/status`` is not itself): every pid the agent takes must be a process id.
+    Nothing when it is a process or does not exist (the caller words that)."""
+    try:
+        st = procfs.status(pid)
+        tgid = int(st.get("Tgid", pid))
+    except (OSError, ValueError):
+        return
+    if tgid == pid:
+        return
+    try:
+        name = procfs.status(tgid).get("Name", "?")
+    except OSError:
+        name = "?"
+    raise CensusError(
+        phase,
+        f"is a thread of process {tgid} ({name}); pass a process id (the job's root)",
+        pid=pid,
+    )
+
+
+def check_not_stopped(pid: int, phase: str) -> None:
+    """Refuse (``CensusError``) a process in state T (stopped) or t (tracing stop) in
+    ``/proc/PID/stat``, before any driver call about it: the driver would wait for it forever.
+    Nothing when it is gone."""
+    try:
+        comm, fields = procfs.stat_fields(pid)
+    except (OSError, ValueError):
+        return
+    state = fields[procfs.STAT_STATE] if fields else ""
+    if state in ("T", "t"):
+        what = "stopped" if state == "T" else "stopped by a tracer"
+        raise CensusError(
+            phase,
+            f"({comm}) is {what} (state {state} in /proc/{pid}/stat): "
+            + STOPPED_HINT.format(pid=pid),
+            pid=pid,
+        )
+
+
+def pid_max() -> int:
+    """``/proc/sys/kernel/pid_max``, the largest pid the kernel hands out plus one (4194304
+    when it cannot be read, the kernel's upper bound on 64-bit)."""
+    try:
+        with open("/proc/sys/kernel/pid_max") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return 4194304
+
+
+def socket_dir_problem(control_dir: os.PathLike | str) -> Optional[str]:
+    """Why ``control_dir`` cannot hold a shim's control socket for every pid, or None: the
+    path ``DIR/cuinterpose-<pid_max - 1>.sock`` must fit in ``sun_path`` (at most 107 bytes)."""
+    longest = os.fsencode(str(socket_path(control_dir, max(pid_max() - 1, 1))))
+    if len(longest) <= SUN_PATH_MAX:
+        return None
+    return (
+        f"control dir {control_dir} is too long for a Unix socket: "
+        f"{os.fsdecode(longest)} is {len(longest)} bytes, over the limit of {SUN_PATH_MAX} "
+        "(sockaddr_un.sun_path is 108 bytes with its NUL; the longest pid is pid_max - 1, "
+        f"/proc/sys/kernel/pid_max {pid_max()}), so the shim cannot bind its control socket there; use a shorter "
+        "CUINTERPOSE_CONTROL_DIR / --control-dir"
+    )
+
+
+def check_socket_dir(control_dir: os.PathLike | str, phase: str) -> None:
+    """Raise ``CensusError`` with :func:`socket_dir_problem`'s reason."""
+    why = socket_dir_problem(control_dir)
+    if why:
+        raise CensusError(phase, why)
+
+
+def check_socket_owner(sock: os.PathLike | str, pid: int, phase: str) -> None:
+    """Refuse (``CensusError``) a control socket not owned by the effective uid of the
+    process its name claims (``/proc/PID/status`` ``Uid``): another user bound it (a forged
+    endpoint). Nothing when either is gone."""
+    try:
+        owner = os.lstat(sock).st_uid
+        euid = int(procfs.status(pid)["Uid"].split()[1])
+    except (OSError, KeyError, ValueError, IndexError):
+        return
+    if owner != euid:
+        raise CensusError(
+            phase,
+            f"control socket {sock} is owned by uid {owner}, but the process it names runs "
+            f"as uid {euid}: another user's socket, refused (remove it, or find who created "
+            "it)",
+            pid=pid,
+        )
+    peer = socket_peer(sock)
+    if peer is not None and (peer[0] not in (0, pid) or peer[1] != euid):
+        raise CensusError(
+            phase,
+            f"control socket {sock} is served by pid {peer[0]} uid {peer[1]} (SO_PEERCRED), "
+            f"not by the process it names (pid {pid} uid {euid}): a forged endpoint, refused "
+            "(remove it, or find who created it)",
+            pid=pid,
+        )
+
+
+def socket_peer(sock: os.PathLike | str, timeout_s: float = 5.0) -> Optional[tuple[int, int]]:
+    """(pid, uid) of the process that listens on the Unix socket ``sock`` (``SO_PEERCRED`` of
+    a connection to it, unix(7); pid 0 when it lies outside the agent's pid namespace); None
+    when it cannot be connected (a stale socket: the caller words that). The connection is
+    closed at once, without a request (the shim drops it)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        s.settimeout(timeout_s)
+        s.connect(str(sock))
+        pid, uid, _ = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        return pid, uid
+    except OSError:
+        return None
+    finally:
+        s.close()
