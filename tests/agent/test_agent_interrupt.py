@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 
 from cuinterpose.agent.run import interrupt
 
@@ -16,7 +17,9 @@ def test_shielded_helper_inherits_the_blocked_signals_and_the_guard_sees_them_af
             out = subprocess.run(
                 ["sh", "-c", "exec grep SigBlk /proc/self/status"], capture_output=True, text=True
             ).stdout
-            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the helper runs
+            # Ctrl-C while the helper runs, to this thread: a thread another test left behind (a
+            # driver call that hit its deadline) would otherwise take a process-directed signal
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
             assert g.pending() is None  # held back, not lost
         assert g.pending() == "SIGINT"
     blocked = int(out.split()[1], 16)
