@@ -139,7 +139,7 @@ def test_afdwin_multicast_2a2f_mid_stream(afdwin, tmp_path):
 def test_multicast_events_carry_mc_va(afdwin, tmp_path):
     """The window event names the multicast VA and the member VA (distinct, per rank)."""
     a = afdwin(steps=20, step_delay_ms=0, ranks=2, attention=1, extra_args=("--multicast",))
-    a.wait_for(lambda evs: any(demo.kind(e) == "summary" for e in evs), 120, "summary")
+    a.wait_for(lambda evs: any(demo.kind(e) == "summary" for e in evs), demo.HANG_S, "summary")
     w = windows(a.events(), False)
     assert sorted(w) == [0, 1]
     for e in w.values():

@@ -19,7 +19,7 @@ def start_jobs(afdwin, steps=STEPS):
 
 def wait_running(jobs):
     for j in jobs:
-        j.wait_for(lambda ev: demo.received(ev) >= 20, 120, "20 messages")
+        j.wait_for(lambda ev: demo.received(ev) >= 20, demo.HANG_S, "20 messages")
 
 
 def agents(daemon, jobs, *extra, listen=""):
@@ -33,7 +33,7 @@ def agents(daemon, jobs, *extra, listen=""):
 def reap_tree(m):
     """Reap every process of a killed tree (its ranks are re-parented to this subreaper and
     may die after the root): CRIU restores the same pids, so they must be free."""
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + demo.HANG_S
     pids = [p["pid"] for p in m["processes"]]
     while any(os.path.exists(f"/proc/{p}") for p in pids):
         assert time.monotonic() < deadline, pids

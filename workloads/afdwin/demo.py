@@ -209,7 +209,7 @@ class Afdwin:
             if kind(e) == "window" and attention and not e.get("after_restore"):
                 os.kill(e["pid"], signal.SIGUSR1)
 
-    def wait_dumped(self, timeout_s: float = 30) -> int:
+    def wait_dumped(self, timeout_s: float = HANG_S) -> int:
         """After the agent killed the dumped tree (once the snapshot was written): reap our child
         (the root), then keep reaping until every rank pid of the run is gone, so a restore
         finds the pids free (ranks re-parented to us as subreaper may die after the root and
