@@ -198,6 +198,9 @@ def _agent_popen(*args, new_session=False, env_extra=None):
         text=True,
         env=env,
         start_new_session=new_session,
+        # SIGINT as a terminal's job has it: a suite started in the background (`cmd &` in a
+        # script) inherits SIGINT ignored, and the agent keeps an ignored SIGINT ignored
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
 
 
