@@ -165,6 +165,7 @@ def test_failure_on_the_second_agent_rolls_back_both_and_both_jobs_finish(
     assert xp.wait(timeout=300) == 0
     assert conn.recv(64) == b"still here\n"
     for j in (ja, jb):
+        j.release_hold()  # a job whose quiesce never came
         assert j.proc.wait(timeout=300) == 0  # never killed: ran to the end
         evs = j.events()
         assert demo.check_run(evs, 2 * STEPS, expect_restore=False) == []
@@ -248,6 +249,7 @@ def test_manifest_failure_on_one_member_removes_the_others_snapshot_and_rebuilds
     for d in (snap_a, snap_b):
         assert not (d / "manifest.json").exists() and not (d / "criu").exists()
     for j in (ja, jb):
+        j.release_hold()  # a job whose quiesce never came
         assert j.proc.wait(timeout=300) == 0
         evs = j.events()
         assert demo.check_run(evs, 2 * STEPS, expect_restore=False) == []

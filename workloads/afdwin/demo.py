@@ -207,7 +207,10 @@ class Afdwin:
         for e in self.events():
             attention = e.get("rank", self.attention) < self.attention
             if kind(e) == "window" and attention and not e.get("after_restore"):
-                os.kill(e["pid"], signal.SIGUSR1)
+                try:  # after the hold was passed (a quiesce came), a SIGUSR1 changes nothing
+                    os.kill(e["pid"], signal.SIGUSR1)
+                except ProcessLookupError:
+                    pass
 
     def wait_dumped(self, timeout_s: float = HANG_S) -> int:
         """After the agent killed the dumped tree (once the snapshot was written): reap our child
