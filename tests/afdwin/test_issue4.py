@@ -77,7 +77,7 @@ def test_stages_own_disjoint_rings(afdwin):
 
 
 def quiesce(run, qid):
-    req = run.write_control("request", {"id": qid, "timeout_ms": 30000})
+    req = run.write_control("request", {"id": qid, "timeout_ms": 600000})
     ready = run.wait_file(req.with_suffix(".ready"), ".ready")
     q = run.wait_for(lambda e: e["event"] == "quiesced" and e["id"] == qid, "quiesced")
     return ready, q

@@ -43,7 +43,7 @@ def test_multicast_check_repeats_after_resume(afdwin):
         lambda e: e["event"] == "progress" and e["role"] == "attention" and e["sent"] >= 10,
         "10 dispatches",
     )
-    req = run.write_control("request", {"id": "ckpt-1", "timeout_ms": 30000})
+    req = run.write_control("request", {"id": "ckpt-1", "timeout_ms": 600000})
     run.wait_file(req.with_suffix(".ready"), ".ready")
     run.write_control("resume", {"id": "ckpt-1", "restored": True, "cancelled": False})
     run.wait_for(lambda e: e["event"] == "resumed", "resumed event")

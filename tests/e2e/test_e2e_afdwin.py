@@ -16,6 +16,7 @@ from cuinterpose.agent.snapshot import manifest
 from cuinterpose.workloads.afdwin import demo
 
 STEPS = 300
+HOLD = 30  # --hold-at: the cut of a mid-stream checkpoint, however slow the machine is
 
 
 def windows(evs):
@@ -58,8 +59,8 @@ def assert_exact_pairs(evs, steps, ranks=2, attention=1):
 @pytest.mark.parametrize("ranks,attention", [(2, 1), (4, 2)], ids=["1A1F", "2A2F"])
 def test_checkpoint_kill_restore_finish(afdwin, tmp_path, ranks, attention):
     ffn = ranks - attention
-    a = afdwin(steps=STEPS, step_delay_ms=5, ranks=ranks, attention=attention)
-    a.wait_for(lambda ev: demo.received(ev) >= 30 * attention * ffn, 120, "messages")
+    a = afdwin(steps=STEPS, step_delay_ms=5, ranks=ranks, attention=attention, hold_at=(HOLD,))
+    a.wait_hold()  # every step up to HOLD complete, HOLD + 1 waits for the checkpoint
     snap = tmp_path / "snap"
     rc, cp = demo.run_agent(
         "checkpoint",
@@ -77,7 +78,7 @@ def test_checkpoint_kill_restore_finish(afdwin, tmp_path, ranks, attention):
     evs = a.events()
     cut = demo.cut_seqs(evs)
     assert sorted(cut) == [(a_, f) for a_ in range(attention) for f in range(attention, ranks)]
-    assert all(0 < seq < STEPS for seq in cut.values()), cut  # mid-stream
+    assert set(cut.values()) == {HOLD}, cut  # mid-stream: exactly at the hold
     before = windows(evs)
     rank_pids = sorted(w["pid"] for w in before.values())
 
@@ -138,8 +139,9 @@ def test_checkpoint_kill_restore_finish(afdwin, tmp_path, ranks, attention):
 
 
 def test_second_restore_while_the_first_tree_lives_is_refused(afdwin, tmp_path):
-    a = afdwin(steps=STEPS, step_delay_ms=5)
-    a.wait_for(lambda ev: demo.received(ev) >= 20, 120, "20 messages")
+    # the restored tree holds at 2 * HOLD, so it still runs when the second restore comes
+    a = afdwin(steps=STEPS, step_delay_ms=5, hold_at=(HOLD, 2 * HOLD))
+    a.wait_hold()
     snap = tmp_path / "snap"
     rc, cp = demo.run_agent(
         "checkpoint",
@@ -156,6 +158,7 @@ def test_second_restore_while_the_first_tree_lives_is_refused(afdwin, tmp_path):
     a.wait_dumped()
     rc, rs = demo.run_agent("restore", "--images-dir", str(snap), "--driver", "fake")
     assert rc == 0 and rs["ok"], rs
+    a.wait_hold(2)
     digest = {
         str(p.relative_to(snap)): (sha256_file(p), p.stat().st_mtime_ns)
         for p in sorted(snap.rglob("*"))
@@ -175,16 +178,18 @@ def test_second_restore_while_the_first_tree_lives_is_refused(afdwin, tmp_path):
         for p in sorted(snap.rglob("*"))
         if p.is_file()
     }
+    a.release_hold()
     assert a.wait_restored_exit(300) in (0, None)  # the first restored tree is unharmed
     s = assert_exact_pairs(a.events(), STEPS)
     assert (s["restores_seen"], s["quiesces"]) == (1, 1)
 
 
-def _agent_popen(*args, new_session=False):
+def _agent_popen(*args, new_session=False, env_extra=None):
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    env.update(env_extra or {})
     return subprocess.Popen(
         [sys.executable, "-m", "cuinterpose.agent.cli", *args, "--json"],
         stdin=subprocess.DEVNULL,
@@ -193,14 +198,17 @@ def _agent_popen(*args, new_session=False):
         text=True,
         env=env,
         start_new_session=new_session,
+        # SIGINT as a terminal's job has it: a suite started in the background (`cmd &` in a
+        # script) inherits SIGINT ignored, and the agent keeps an ignored SIGINT ignored
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
 
 
 def test_sigterm_while_waiting_for_quiesce_cancels_and_the_workload_finishes(afdwin, tmp_path):
     """SIGTERM (or Ctrl-C) of the agent while the workload has not answered yet: the request is
     withdrawn (.resume cancelled), the JSON error says so, and the workload never parks."""
-    a = afdwin(steps=STEPS, step_delay_ms=5)
-    a.wait_for(lambda ev: demo.received(ev) >= 20, 120, "20 messages")
+    a = afdwin(steps=STEPS, step_delay_ms=5, hold_at=(HOLD,))
+    a.wait_hold()
     snap = tmp_path / "snap"
     os.kill(a.pid, signal.SIGSTOP)  # the launcher (which answers quiesce) cannot answer yet
     try:
@@ -217,12 +225,12 @@ def test_sigterm_while_waiting_for_quiesce_cancels_and_the_workload_finishes(afd
             "--quiesce-timeout-ms",
             "120000",
         )
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + demo.HANG_S
         while not (a.ctl / f"quiesce-{a.pid}.request").exists():
             assert agent.poll() is None and time.monotonic() < deadline, agent.communicate()
             time.sleep(0.01)
         agent.send_signal(signal.SIGTERM)
-        out, err = agent.communicate(timeout=60)
+        out, err = agent.communicate(timeout=300)
     finally:
         os.kill(a.pid, signal.SIGCONT)
     assert agent.returncode == 3, out + err
@@ -242,6 +250,7 @@ def test_sigterm_while_waiting_for_quiesce_cancels_and_the_workload_finishes(afd
     assert not (a.ctl / f"quiesce-{a.pid}.request").exists()
     assert json.loads((a.ctl / f"quiesce-{a.pid}.resume").read_text())["cancelled"] is True
     assert not snap.exists()
+    a.release_hold()  # it never saw a quiesce
     assert a.proc.wait(timeout=300) == 0
     s = assert_exact_pairs(a.events(), STEPS)
     assert (s["restores_seen"], s["quiesces"]) == (0, 0)
@@ -250,11 +259,31 @@ def test_sigterm_while_waiting_for_quiesce_cancels_and_the_workload_finishes(afd
 def test_ctrl_c_to_the_agents_process_group_during_the_dump_lets_criu_finish(afdwin, tmp_path):
     """A terminal's Ctrl-C reaches the agent and CRIU (one foreground process group). CRIU runs
     with the signals blocked, so the dump completes (no CRIU killed inside the workload); the
-    agent then stops at the phase boundary and rolls back; the workload finishes intact."""
-    from cuinterpose.agent.mech.census import walk_tree
+    agent then stops at the phase boundary and rolls back; the workload finishes intact.
 
-    a = afdwin(steps=STEPS, step_delay_ms=5)
-    a.wait_for(lambda ev: demo.received(ev) >= 20, 120, "20 messages")
+    The dump is gated (a wrapper around the real CRIU waits for a file), so the signal arrives
+    while it runs however fast the machine is: polling for a running dump and signalling
+    then raced the dump's end on a busy machine (the agent had written the snapshot: exit 0)."""
+    import sys
+
+    from cuinterpose.agent.mech import criu
+
+    # python, not sh: a shell unblocks SIGINT, this keeps the agent's mask (as CRIU does)
+    gate = tmp_path / "gate"
+    wrapper = tmp_path / "gated-criu"
+    wrapper.write_text(
+        f"#!{sys.executable}\n"
+        "import os, sys, time\n"
+        f"criu, gate = {criu.criu_command()!r}, {str(gate)!r}\n"
+        "if sys.argv[1:2] == ['dump']:\n"
+        "    open(gate + '.started', 'w').close()\n"
+        "    while not os.path.exists(gate + '.go'):\n"
+        "        time.sleep(0.01)\n"
+        "os.execv(criu[0], criu + sys.argv[1:])\n"
+    )
+    wrapper.chmod(0o755)
+    a = afdwin(steps=STEPS, step_delay_ms=5, hold_at=(HOLD,))
+    a.wait_hold()
     snap = tmp_path / "snap"
     agent = _agent_popen(
         "checkpoint",
@@ -267,28 +296,19 @@ def test_ctrl_c_to_the_agents_process_group_during_the_dump_lets_criu_finish(afd
         "--control-dir",
         str(a.ctl),
         new_session=True,
+        env_extra={criu.ENV_CRIU: str(wrapper)},
     )
-
-    def criu_dump_running():
-        for pid, _, _ in walk_tree([agent.pid])[1:]:
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    if b"\0dump\0" in f.read():
-                        return True
-            except OSError:
-                pass
-        return False
-
-    deadline = time.monotonic() + 120
-    while not criu_dump_running():
+    deadline = time.monotonic() + demo.HANG_S
+    while not (tmp_path / "gate.started").exists():
         assert agent.poll() is None and time.monotonic() < deadline, agent.communicate()
-        time.sleep(0.002)
-    os.killpg(agent.pid, signal.SIGINT)
+        time.sleep(0.01)
+    os.killpg(agent.pid, signal.SIGINT)  # pending in the agent (blocked around CRIU)
+    (tmp_path / "gate.go").touch()
     out, err = agent.communicate(timeout=300)
     assert agent.returncode == 4, out + err
     cp = json.loads(out)
     e = cp["error"]
-    assert (e["phase"], e["pid"], e["outcome"]) == ("criu dump", None, "rolled_back")
+    assert (e["phase"], e["pid"], e["outcome"]) == ("criu dump", None, "rolled_back"), e
     assert e["reason"] == (
         "interrupted by SIGINT after criu dump (rolled back: the workload "
         "continues with its memory intact)"
@@ -314,8 +334,8 @@ def test_ctrl_c_to_the_agents_process_group_during_the_dump_lets_criu_finish(afd
 
 
 def test_a_rank_pid_instead_of_the_root_is_refused_with_a_hint(afdwin, tmp_path):
-    a = afdwin(steps=STEPS, step_delay_ms=5)
-    a.wait_for(lambda ev: len(windows(ev)) == 2 and demo.received(ev) >= 20, 120, "20 messages")
+    a = afdwin(steps=STEPS, step_delay_ms=5, hold_at=(HOLD,))
+    a.wait_hold()
     rank = windows(a.events())[0]["pid"]
     rc, cp = demo.run_agent(
         "checkpoint",
@@ -347,14 +367,15 @@ def test_a_rank_pid_instead_of_the_root_is_refused_with_a_hint(afdwin, tmp_path)
         ("census", "failed"),
     ]
     assert not any(a.ctl.glob(f"quiesce-{rank}.*"))  # nothing asked, nothing left
+    a.release_hold()  # it never saw a quiesce
     assert a.proc.wait(timeout=300) == 0
     s = assert_exact_pairs(a.events(), STEPS)
     assert (s["restores_seen"], s["quiesces"]) == (0, 0)
 
 
 def test_refused_when_workload_does_not_answer(afdwin, tmp_path):
-    a = afdwin(steps=STEPS, step_delay_ms=5)
-    a.wait_for(lambda ev: demo.received(ev) >= 20, 120, "20 messages")
+    a = afdwin(steps=STEPS, step_delay_ms=5, hold_at=(HOLD,))
+    a.wait_hold()
     snap = tmp_path / "snap"
     os.kill(a.pid, signal.SIGSTOP)  # the launcher (which answers quiesce) hangs
     try:
@@ -381,6 +402,7 @@ def test_refused_when_workload_does_not_answer(afdwin, tmp_path):
     assert not (a.ctl / f"quiesce-{a.pid}.request").exists()
     assert json.loads((a.ctl / f"quiesce-{a.pid}.resume").read_text())["cancelled"] is True
     assert not (snap / "manifest.json").exists() and not (snap / "criu").exists()
+    a.release_hold()  # it never saw a quiesce
     assert a.proc.wait(timeout=300) == 0
     evs = a.events()
     s = assert_exact_pairs(evs, STEPS)
@@ -390,10 +412,10 @@ def test_refused_when_workload_does_not_answer(afdwin, tmp_path):
 def test_native_checkpoint_failure_rolls_back(afdwin, rogue, tmp_path):
     """A participant holds an exported FD outside the shim's knowledge: native checkpoint fails,
     the agent rolls everything back and afdwin finishes with every message intact."""
-    a = afdwin(steps=STEPS, step_delay_ms=5)
-    a.wait_for(lambda ev: len(windows(ev)) == 2 and demo.received(ev) >= 20, 120, "20 messages")
+    a = afdwin(steps=STEPS, step_delay_ms=5, hold_at=(HOLD,))
+    a.wait_hold()
     rp, rlog = rogue(a.ctl)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + demo.HANG_S
     while (
         '"exported"' not in rlog.read_text() or not (a.ctl / f"cuinterpose-{rp.pid}.sock").exists()
     ):
@@ -439,7 +461,7 @@ def test_native_checkpoint_failure_rolls_back(afdwin, rogue, tmp_path):
     want_state[rp.pid] = "LOCKED"
     assert rb == ", ".join(f"{p}:{s}" for p, s in sorted(want_state.items()))
     assert not (snap / "manifest.json").exists() and not (snap / "criu").exists()
-    assert rp.wait(timeout=60) == 0
+    assert rp.wait(timeout=300) == 0
     assert [json.loads(l) for l in rlog.read_text().splitlines()][1:] == [
         {"event": "resumed", "restored": False, "cancelled": False},
         {"event": "done", "ok": True},
@@ -453,7 +475,7 @@ def test_native_checkpoint_failure_rolls_back(afdwin, rogue, tmp_path):
 
 
 def _wait_ext_ready(p, log):
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + demo.HANG_S
     while '"ready"' not in log.read_text():
         assert p.poll() is None and time.monotonic() < deadline, (
             log.read_text() + open(str(log) + ".err").read()
@@ -467,8 +489,8 @@ def test_second_tree_dump_failure_keeps_both_trees_running(afdwin, ext_socket, t
     tree's dump fails (it holds a Unix socket connected outside its tree). The agent resumes
     afdwin, brings the native state back, rolls the shims back, and both trees finish with
     their memory intact: afdwin with every message exactly once."""
-    a = afdwin(steps=STEPS, step_delay_ms=5)
-    a.wait_for(lambda ev: len(windows(ev)) == 2 and demo.received(ev) >= 20, 120, "20 messages")
+    a = afdwin(steps=STEPS, step_delay_ms=5, hold_at=(HOLD,))
+    a.wait_hold()
     xp, xlog, conn = ext_socket(a.ctl)
     _wait_ext_ready(xp, xlog)
     snap = tmp_path / "snap"
@@ -514,7 +536,7 @@ def test_second_tree_dump_failure_keeps_both_trees_running(afdwin, ext_socket, t
     assert rb == ", ".join(f"{p}:CHECKPOINTED" for p in sorted(rank_pids + [xp.pid]))
     assert not (snap / "manifest.json").exists() and not (snap / "criu").exists()
 
-    assert xp.wait(timeout=60) == 0
+    assert xp.wait(timeout=300) == 0
     assert [json.loads(l) for l in xlog.read_text().splitlines()][1:] == [
         {"event": "resumed", "restored": False, "cancelled": False},
         {"event": "done", "ok": True, "intact": True},
@@ -532,8 +554,8 @@ def test_second_tree_dump_failure_keeps_both_trees_running(afdwin, ext_socket, t
 def test_manifest_write_failure_rolls_back_after_the_dump(afdwin, tmp_path):
     """The dump succeeds (tree left stopped) but the manifest cannot be written (its temp path
     is a directory): the tree is resumed and rebuilt instead of being lost."""
-    a = afdwin(steps=STEPS, step_delay_ms=5)
-    a.wait_for(lambda ev: len(windows(ev)) == 2 and demo.received(ev) >= 20, 120, "20 messages")
+    a = afdwin(steps=STEPS, step_delay_ms=5, hold_at=(HOLD,))
+    a.wait_hold()
     snap = tmp_path / "snap"
     # a non-empty --images-dir is refused, so block the manifest's temp path only once the
     # dump has started (CRIU's own check and dump take far longer than this poll)

@@ -188,15 +188,14 @@ def test_2a2f_two_checkpoint_restore_cycles_with_pending_flags(afdwin, tmp_path)
         attention=attention,
         ring_depth=2,
         extra_args=("--pending-at-cut",),
+        hold_at=(10, 40),  # each cut lands at its hold (+1: the pending step), however slow
     )
     for cycle in (1, 2):
-        base = demo.received(a.events())
-        # ~10 steps after the start / the previous resume: far from the end (600 steps)
-        a.wait_for(lambda ev, base=base: demo.received(ev) >= base + 40, 120, "messages")
+        a.wait_hold(cycle)
         m = checkpoint_restore(a, tmp_path / f"snap{cycle}")
         ready = m["quiesce"]["ready"][str(a.pid)]
         assert sum(len(r["pending"]) for r in ready["ranks"]) == attention * (ranks - attention)
-        a.wait_for(lambda ev, c=cycle: len([e for e in of(ev, "resumed")]) == c, 120, "resumed")
+        a.wait_for(lambda ev, c=cycle: len(of(ev, "resumed")) == c, demo.HANG_S, "resumed")
     assert a.wait_restored_exit(300) in (0, None)
     evs = a.events()
     done, s = assert_exact(evs, steps, ranks, attention)
@@ -223,8 +222,9 @@ def test_4a4f_eight_ranks_checkpoint_restore(afdwin, tmp_path):
         attention=attention,
         ring_depth=2,
         extra_args=("--pending-at-cut",),
+        hold_at=(4,),
     )
-    a.wait_for(lambda ev: demo.received(ev) >= 4 * 16, 120, "messages")
+    a.wait_hold()
     m = checkpoint_restore(a, tmp_path / "snap")
     assert m["totals"]["carrier_bytes"] == ranks * of(a.events(), "window")[0]["stride"]
     assert a.wait_restored_exit(300) in (0, None)
@@ -236,8 +236,8 @@ def test_4a4f_eight_ranks_checkpoint_restore(afdwin, tmp_path):
 
 
 def start_no_drain(afdwin):
-    a = afdwin(steps=300, step_delay_ms=4, extra_args=("--no-drain",))
-    a.wait_for(lambda ev: demo.received(ev) >= 20, 120, "20 messages")
+    a = afdwin(steps=300, step_delay_ms=4, extra_args=("--no-drain",), hold_at=(20,))
+    a.wait_hold()
     return a
 
 
@@ -299,8 +299,10 @@ def test_ring_depth_mismatch_on_one_rank_fails_at_setup(afdwin):
 @pytest.mark.parametrize("fenced", [False, True], ids=["no-fence", "fenced"])
 def test_delayed_zero_loses_first_message_only_without_fence(afdwin, fenced):
     steps = 10
-    extra = ("--delay-zero-ms", "1:1000", "--stall-timeout-s", "2") + (
-        () if fenced else ("--no-fence",)
+    # without the fence seq 1 is erased, the run stalls: the stall timeout ends it (it also
+    # runs during setup, so not shorter than a loaded machine's setup); fenced: the default
+    extra = ("--delay-zero-ms", "1:1000") + (
+        () if fenced else ("--no-fence", "--stall-timeout-s", "10")
     )
     a = afdwin(steps=steps, step_delay_ms=0, extra_args=extra)
     rc, evs = finished(a)

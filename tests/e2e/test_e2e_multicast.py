@@ -13,6 +13,7 @@ import signal
 from cuinterpose.workloads.afdwin import demo
 
 STEPS = 300
+HOLD = 30  # --hold-at: the cut, however slow the checkpoint is
 MC = 0x4D430000
 
 
@@ -32,10 +33,14 @@ def windows(evs, after):
 
 def checkpoint_and_restore(afdwin, tmp_path, ranks, attention):
     a = afdwin(
-        steps=STEPS, step_delay_ms=5, ranks=ranks, attention=attention, extra_args=("--multicast",)
+        steps=STEPS,
+        step_delay_ms=5,
+        ranks=ranks,
+        attention=attention,
+        extra_args=("--multicast",),
+        hold_at=(HOLD,),
     )
-    ffn = ranks - attention
-    a.wait_for(lambda ev: demo.received(ev) >= 30 * attention * ffn, 120, "messages")
+    a.wait_hold()
     before = a.events()
     assert mc_events(before) == [(r, 0, MC, True) for r in range(ranks)]
     snap = tmp_path / "snap"
@@ -53,7 +58,7 @@ def checkpoint_and_restore(afdwin, tmp_path, ranks, attention):
     assert rc == 0 and cp["ok"], cp
     assert a.wait_dumped() == -signal.SIGKILL
     cut = demo.cut_seqs(a.events())
-    assert all(0 < seq < STEPS for seq in cut.values()), cut  # mid-stream
+    assert set(cut.values()) == {HOLD}, cut  # mid-stream: exactly at the hold
     m = json.loads((snap / "manifest.json").read_text())
     rc, rs = demo.run_agent("restore", "--images-dir", str(snap), "--driver", "fake")
     assert rc == 0 and rs["ok"], rs
@@ -134,7 +139,7 @@ def test_afdwin_multicast_2a2f_mid_stream(afdwin, tmp_path):
 def test_multicast_events_carry_mc_va(afdwin, tmp_path):
     """The window event names the multicast VA and the member VA (distinct, per rank)."""
     a = afdwin(steps=20, step_delay_ms=0, ranks=2, attention=1, extra_args=("--multicast",))
-    a.wait_for(lambda evs: any(demo.kind(e) == "summary" for e in evs), 120, "summary")
+    a.wait_for(lambda evs: any(demo.kind(e) == "summary" for e in evs), demo.HANG_S, "summary")
     w = windows(a.events(), False)
     assert sorted(w) == [0, 1]
     for e in w.values():

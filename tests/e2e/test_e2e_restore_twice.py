@@ -9,6 +9,7 @@ from cuinterpose.agent.mech.census import sha256_file
 from cuinterpose.workloads.afdwin import demo
 
 STEPS = 200
+HOLD = 20
 
 
 def _summary_and_pairs(evs):
@@ -32,8 +33,8 @@ def _summary_and_pairs(evs):
 
 
 def test_same_snapshot_restores_twice(afdwin, tmp_path):
-    a = afdwin(steps=STEPS, step_delay_ms=5)
-    a.wait_for(lambda ev: demo.received(ev) >= 20, 120, "20 messages")
+    a = afdwin(steps=STEPS, step_delay_ms=5, hold_at=(HOLD,))
+    a.wait_hold()  # the dump cuts at HOLD, however slow it is
     snap = tmp_path / "snap"
     rc, cp = demo.run_agent(
         "checkpoint",
@@ -49,6 +50,7 @@ def test_same_snapshot_restores_twice(afdwin, tmp_path):
     assert rc == 0 and cp["ok"], cp
     assert a.wait_dumped() == -signal.SIGKILL
     cut = demo.cut_seqs(a.events())
+    assert cut == {(0, 1): HOLD}
     digest = {
         str(p.relative_to(snap)): sha256_file(p) for p in sorted(snap.rglob("*")) if p.is_file()
     }

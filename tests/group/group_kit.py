@@ -12,14 +12,25 @@ from cuinterpose.workloads.afdwin import demo
 STEPS = 300
 
 
+HOLD = 20
+
+
 def start_jobs(afdwin, steps=STEPS):
-    """Two afdwin jobs (5 ms a step)."""
-    return [afdwin(steps=steps, step_delay_ms=5), afdwin(steps=steps, step_delay_ms=5)]
+    """Two afdwin jobs (5 ms a step), each held at step HOLD until its first quiesce (or
+    :func:`release`), so a group checkpoint finds them mid-stream however slow it is."""
+    return [afdwin(steps=steps, step_delay_ms=5, hold_at=(HOLD,)) for _ in range(2)]
 
 
 def wait_running(jobs):
     for j in jobs:
-        j.wait_for(lambda ev: demo.received(ev) >= 20, 120, "20 messages")
+        j.wait_hold()
+
+
+def release(jobs):
+    """End the hold of jobs that may never have seen a quiesce (a group refused before it):
+    after a quiesce it changes nothing (one hold only)."""
+    for j in jobs:
+        j.release_hold()
 
 
 def agents(daemon, jobs, *extra, listen=""):
@@ -33,7 +44,7 @@ def agents(daemon, jobs, *extra, listen=""):
 def reap_tree(m):
     """Reap every process of a killed tree (its ranks are re-parented to this subreaper and
     may die after the root): CRIU restores the same pids, so they must be free."""
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + demo.HANG_S
     pids = [p["pid"] for p in m["processes"]]
     while any(os.path.exists(f"/proc/{p}") for p in pids):
         assert time.monotonic() < deadline, pids
@@ -53,6 +64,7 @@ def metrics(info) -> dict:
 def finished_intact(jobs, steps, *, restored=False):
     """Wait for each job to end; assert every message arrived exactly once (lost=0,
     duplicated=0, torn=0) and that it was resumed exactly once: restored, or rolled back."""
+    release(jobs)
     for j in jobs:
         if restored:
             assert j.wait_restored_exit(300) in (0, None)

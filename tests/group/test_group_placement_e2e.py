@@ -39,7 +39,7 @@ def test_group_restore_puts_each_member_into_its_own_placeholder(
 
     res = client.call(A["listen"], "Checkpoint", apb.CheckpointRequest(members=members()))
     assert res.ok, res.error
-    assert [j.proc.wait(timeout=30) for j in (ja, jb)] == [-signal.SIGKILL] * 2
+    assert [j.proc.wait(timeout=300) for j in (ja, jb)] == [-signal.SIGKILL] * 2
     for n in snaps:
         reap_tree(json.loads((snaps[n] / "manifest.json").read_text()))
 

@@ -121,10 +121,12 @@ def test_standalone_watcher_refuses_a_pod_without_cuda(api, tmp_path, watcher_pr
 def test_afdwin_checkpoint_and_restore_through_annotations(
     api, tmp_path, watcher_proc, criu_ok, subreaper, placeholder, cgroup_dir
 ):
-    steps = 1500  # ~7.5 s of traffic: the checkpoint lands mid-stream
-    a = demo.Afdwin(tmp_path / "run", steps=steps, step_delay_ms=5).start()
+    # the run holds at step 20 until the checkpoint's quiesce: the cut lands there, however
+    # long the watcher takes to act on the annotation
+    steps, hold = 300, 20
+    a = demo.Afdwin(tmp_path / "run", steps=steps, step_delay_ms=5, hold_at=(hold,)).start()
     try:
-        a.wait_for(lambda ev: demo.received(ev) >= 20, 120, "20 messages")
+        a.wait_hold()
         pids = [p for p, _, _ in walk_tree([a.pid])]
         lay_proc(tmp_path / "proc", CID, pids)
         watcher_proc(a.ctl)
@@ -143,6 +145,7 @@ def test_afdwin_checkpoint_and_restore_through_annotations(
         assert (ann[ST], ann["cuinterpose.io/snapshot"]) == ("Succeeded", str(snap)), ann[MSG]
         assert a.wait_dumped() == -signal.SIGKILL
         assert (snap / "manifest.json").is_file()
+        assert demo.cut_seqs(a.events()) == {(0, 1): hold}
 
         # a placeholder pod on the same node asks for the restore: its container's init runs
         # in namespaces of its own (the mount namespace a private copy of ours: same image,

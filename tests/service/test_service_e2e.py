@@ -11,12 +11,14 @@ import time
 from cuinterpose.workloads.afdwin import demo
 
 STEPS = 300
+HOLD = 20
 
 
 def test_checkpoint_and_restore_through_the_daemon(afdwin, daemon, tmp_path):
-    a = afdwin(steps=STEPS, step_delay_ms=5)
+    # held at HOLD until the checkpoint: the daemon may take long to start on a busy machine
+    a = afdwin(steps=STEPS, step_delay_ms=5, hold_at=(HOLD,))
     d = daemon("n1", "--driver", "fake", "--metrics-port", "0")
-    a.wait_for(lambda ev: demo.received(ev) >= 20, 120, "20 messages")
+    a.wait_hold()
     snap = tmp_path / "snap"
     rc, cp = demo.run_agent(
         "checkpoint",
@@ -47,8 +49,9 @@ def test_checkpoint_and_restore_through_the_daemon(afdwin, daemon, tmp_path):
     m = json.loads((snap / "manifest.json").read_text())
     assert [p["name"] for p in m["phases"]] == [p["name"] for p in cp["phases"]][: len(m["phases"])]
     assert a.wait_dumped() == -signal.SIGKILL
+    assert set(demo.cut_seqs(a.events()).values()) == {HOLD}
     # the ranks (re-parented to this subreaper) may die after the root: CRIU needs their pids
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + demo.HANG_S
     while any(os.path.exists(f"/proc/{p['pid']}") for p in m["processes"]):
         assert time.monotonic() < deadline
         demo.reap_zombies()

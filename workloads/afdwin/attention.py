@@ -4,6 +4,7 @@ own flags (docs/afdwin.md "Protocol"), and its part of the quiesce cut and the w
 
 from __future__ import annotations
 
+import signal
 import time
 
 from .evidence import PairEvidence
@@ -38,6 +39,13 @@ class AttentionRank(Rank):
         self.shutdown_seq = None
         self.next_issue_at = 0.0
         self.held: list[dict] = []  # pending_at_cut: replies landed, unread at a cut
+        self.holds_announced: set[int] = set()  # --hold-at steps whose "hold" event was sent
+        self.hold_releases = 0  # SIGUSR1s: each ends one hold without a quiesce
+        if self.cfg.hold_at:
+            signal.signal(signal.SIGUSR1, self._release_hold)
+
+    def _release_hold(self, signum, frame) -> None:
+        self.hold_releases += 1
 
     def issued_seq(self) -> int:
         return self.issued
@@ -184,7 +192,9 @@ class AttentionRank(Rank):
                 s = self.next_step
                 ring = (s - 1) % self.D
                 now = time.monotonic()
-                if ring not in self.inflight and now >= self.next_issue_at:
+                if self.holding(s):
+                    pass
+                elif ring not in self.inflight and now >= self.next_issue_at:
                     if s <= S:
                         self.issue(s)
                         self.next_step += 1
@@ -200,6 +210,26 @@ class AttentionRank(Rank):
             idle = 0 if progressed else idle + 1
             if idle:
                 time.sleep(min(0.002, 0.0001 * idle))
+
+    def holding(self, s: int) -> bool:
+        """--hold-at: step ``s`` waits for the next quiesce or SIGUSR1 (control is still
+        serviced, so the rank stops and parks when asked). The first time at a hold: a "hold" event, once every
+        step up to the hold is complete (the stream is idle at the hold)."""
+        h = self.cfg.hold_before(s, self.quiesces + self.hold_releases)
+        if h is None:
+            return False
+        if h not in self.holds_announced and not self.inflight:
+            self.holds_announced.add(h)
+            self.emit(
+                {
+                    "event": "hold",
+                    "rank": self.rank,
+                    "step": h,
+                    "quiesce": self.cfg.hold_at.index(h) + 1,
+                    "replied": self.replied,
+                }
+            )
+        return True
 
     def sync_all(self) -> None:
         for ring, st in enumerate(self.streams):

@@ -62,12 +62,15 @@ class Config:
     delay_zero_ms: float = 0.0  # delay this rank's window zeroing (fence test)
     multicast: int = 0  # 1: also a multicast region over the ranks (docs/afdwin.md
     # "--multicast"): written by rank 0, read back by every rank
+    hold_at: tuple = ()  # --hold-at: an attention rank issues step hold_at[k] + 1 only once it
+    # has seen quiesce k + 1 (docs/afdwin.md "--hold-at"); () = never hold
     # test-only knobs (set per rank with the launcher's hidden --test-override RANK:FIELD=N)
     corrupt_step: int = 0  # attention: write step N with magic 0 (expect torn, exit 1)
     no_fence: int = 0  # 1: skip the fence barrier (zero + sync only, as pre-review);
     # with delay_zero_ms on one rank a peer's first write is erased
 
     def __post_init__(self):
+        object.__setattr__(self, "hold_at", tuple(int(h) for h in self.hold_at))  # JSON: a list
         if self.profile not in PROFILES:
             raise ValueError(f"unknown profile {self.profile!r}; choose from {sorted(PROFILES)}")
         if not (1 <= self.attention < self.world):
@@ -95,6 +98,20 @@ class Config:
             raise ValueError("no_drain and pending_at_cut are exclusive")
         if self.delay_zero_ms < 0:
             raise ValueError(f"delay_zero_ms must be >= 0, got {self.delay_zero_ms}")
+        holds = self.hold_at
+        if any(not 1 <= h <= self.steps for h in holds) or list(holds) != sorted(set(holds)):
+            raise ValueError(
+                f"--hold-at needs increasing steps within 1..{self.steps} (the steps), "
+                f"got {','.join(map(str, holds))}"
+            )
+
+    def hold_before(self, s: int, quiesces: int) -> int | None:
+        """The hold step that keeps step ``s`` from being issued by a rank that has seen
+        ``quiesces`` quiesces: the first hold_at[k] < s with k >= quiesces; None if none."""
+        for k, h in enumerate(self.hold_at):
+            if h < s and quiesces <= k:
+                return h
+        return None
 
     @property
     def num_stages(self) -> int:

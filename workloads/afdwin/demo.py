@@ -34,6 +34,7 @@ from cuinterpose.agent import paths
 from cuinterpose.agent.mech.census import pid_alive  # noqa: F401  (tests use demo.pid_alive)
 
 PR_SET_CHILD_SUBREAPER = 36
+HANG_S = 600.0  # deadlines that only catch a hang: minutes, for a loaded machine
 
 
 def set_subreaper() -> bool:
@@ -90,6 +91,7 @@ class Afdwin:
         step_delay_ms: float = 5.0,
         extra_args: tuple = (),
         driver: str = "fake",
+        hold_at: tuple = (),
     ):
         self.run_dir = pathlib.Path(run_dir).resolve()
         self.ctl = self.run_dir / "ctl"
@@ -112,8 +114,11 @@ class Afdwin:
             str(ring_depth),
             "--step-delay-ms",
             str(step_delay_ms),
+            *(("--hold-at", ",".join(map(str, hold_at))) if hold_at else ()),
             *extra_args,
         ]
+        self.attention = attention
+        self.hold_at = tuple(hold_at)
         self.proc: Optional[subprocess.Popen] = None
 
     @property
@@ -184,7 +189,30 @@ class Afdwin:
                 raise RuntimeError(f"timed out after {timeout_s:g} s waiting for {what}")
             time.sleep(0.05)
 
-    def wait_dumped(self, timeout_s: float = 30) -> int:
+    def wait_hold(self, k: int = 1, timeout_s: float = HANG_S) -> int:
+        """(``hold_at``) Wait until every attention rank holds at ``hold_at[k - 1]`` (its
+        ``hold`` event: every step up to it complete, the next one waiting for quiesce ``k``),
+        so a checkpoint now cuts exactly there. Returns that step."""
+        step = self.hold_at[k - 1]
+        self.wait_for(
+            lambda ev: len(holds(ev, step)) == self.attention,
+            timeout_s,
+            f"every attention rank to hold at step {step}",
+        )
+        return step
+
+    def release_hold(self) -> None:
+        """End the current hold of every attention rank without a quiesce (SIGUSR1), for a run
+        whose checkpoint was refused before the workload saw it."""
+        for e in self.events():
+            attention = e.get("rank", self.attention) < self.attention
+            if kind(e) == "window" and attention and not e.get("after_restore"):
+                try:  # after the hold was passed (a quiesce came), a SIGUSR1 changes nothing
+                    os.kill(e["pid"], signal.SIGUSR1)
+                except ProcessLookupError:
+                    pass
+
+    def wait_dumped(self, timeout_s: float = HANG_S) -> int:
         """After the agent killed the dumped tree (once the snapshot was written): reap our child
         (the root), then keep reaping until every rank pid of the run is gone, so a restore
         finds the pids free (ranks re-parented to us as subreaper may die after the root and
@@ -251,6 +279,11 @@ def run_agent(*args: str, timeout_s: float = 300) -> tuple[int, dict]:
         return res.returncode, json.loads(res.stdout)
     except ValueError:
         return res.returncode, {"raw": res.stdout + res.stderr}
+
+
+def holds(evs: list[dict], step: int) -> set[int]:
+    """Attention ranks that sent a ``hold`` event for ``step`` (--hold-at)."""
+    return {e["rank"] for e in evs if kind(e) == "hold" and e.get("step") == step}
 
 
 def kind(ev: dict) -> Optional[str]:

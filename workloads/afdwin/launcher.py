@@ -443,6 +443,17 @@ def parse_delay(text: str) -> tuple[int, float]:
         raise argparse.ArgumentTypeError(f"expected RANK:MS, got {text!r}") from None
 
 
+def parse_hold_at(text: str) -> tuple:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected STEP or STEP,STEP,..., got {text!r}") from None
+
+
+STALL_TIMEOUT_S = 60.0
+HOLD_STALL_TIMEOUT_S = 900.0
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -482,8 +493,20 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--stall-timeout-s",
         type=float,
-        default=60.0,
-        help="fail when no rank makes progress for this long (not while parked)",
+        default=None,
+        help="fail when no rank makes progress for this long (not while parked); default "
+        f"{STALL_TIMEOUT_S:g} s, or {HOLD_STALL_TIMEOUT_S:g} s with --hold-at (a held rank "
+        "waits for a checkpoint, which a loaded machine may take minutes to send)",
+    )
+    ap.add_argument(
+        "--hold-at",
+        type=parse_hold_at,
+        default=(),
+        metavar="STEP[,STEP...]",
+        help="an attention rank issues step STEP+1 only after its k-th quiesce (k: the "
+        "position of STEP in the list, from 1); it still answers control messages (it "
+        "stops and parks when asked), so a checkpoint taken while it holds cuts exactly "
+        "at STEP; it says so with a 'hold' event",
     )
     diag = ap.add_argument_group("diagnostic flags (docs/afdwin.md)")
     diag.add_argument(
@@ -543,6 +566,7 @@ def main(argv=None) -> int:
             pending_at_cut=int(args.pending_at_cut),
             no_fence=int(args.no_fence),
             multicast=int(args.multicast),
+            hold_at=args.hold_at,
         )
         cfg.window_layout()
         overrides: dict[int, dict] = {}
@@ -561,7 +585,10 @@ def main(argv=None) -> int:
             overrides.setdefault(rank, {})[field] = value
     except ValueError as e:
         ap.error(str(e))
-    launcher = Launcher(cfg, overrides, args.host_memory, args.stall_timeout_s)
+    stall = args.stall_timeout_s
+    if stall is None:
+        stall = HOLD_STALL_TIMEOUT_S if cfg.hold_at else STALL_TIMEOUT_S
+    launcher = Launcher(cfg, overrides, args.host_memory, stall)
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         return launcher.run()
