@@ -127,7 +127,7 @@ class Afdwin:
 
     def start(self) -> "Afdwin":
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.ctl.mkdir(exist_ok=True)
+        self.ctl.mkdir(mode=0o700, exist_ok=True)  # a control dir is private (case 012)
         # O_APPEND: CRIU refuses to restore a file whose size changed since the dump unless it
         # is opened for appending, and the log grows while the restored run goes on, so
         # without it a snapshot could be restored only once (docs/criu.md).
