@@ -361,8 +361,37 @@ class Checkpoint(Rollback, StepRunner):
                 if isinstance(ns, dict):
                     self.tree_ns[root] = ns
                 self.stopped_roots.append(root)
+                self.check_dumped(root, d)
                 ph.bytes = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
                 ph.detail = f"tree {root} (left stopped)"
+
+    def check_dumped(self, root: int, d) -> None:
+        """Case 010: every census process of tree ``root`` must be in the dump's process tree
+        image (``pstree.img``) and still alive (not gone, not a zombie) once the dump ended;
+        a rank that died as CRIU started is otherwise missing from a snapshot whose manifest
+        lists it. Raises ``AgentError`` (phase "criu dump", the pid named): rolled back."""
+        from cuinterpose.agent.mech import criu_images
+
+        try:
+            dumped = set(criu_images.image_pids(d))
+        except Exception as e:
+            raise AgentError("criu dump", f"tree {root}: {e}", pid=root) from e
+        tree = set(self.tree_pids.get(root, [])) | {root}
+        for p in self.census.processes:
+            if p.pid not in tree:
+                continue
+            why = None
+            if p.pid not in dumped:
+                why = f"is not in the dump's process tree image {d / 'pstree.img'}"
+            elif not _alive(p.pid):
+                why = "exited during the dump"
+            if why:
+                raise AgentError(
+                    "criu dump",
+                    f"({p.comm}) of tree {root} {why}: the snapshot would miss it; "
+                    "checkpoint failed, rolling back what is left of the workload",
+                    pid=p.pid,
+                )
 
     def note_external(self, root: int) -> None:
         """Warnings (manifest ``warnings``, and notes) for the external pipes and files of
@@ -485,10 +514,14 @@ class Checkpoint(Rollback, StepRunner):
                 if self.manifest is None:
                     images.remove_empty(self.created_dirs)
                 if self.qid is not None:
+                    gone = [r for r in self.roots if not _alive(r)]
+                    if gone:  # case 010: no later process may take these files for its own
+                        quiesce.clear(self.control_dir, gone)
+                    left = [r for r in self.roots if r not in gone]
                     if e.outcome == "rollback_failed":
-                        quiesce.abandon_lock(self.control_dir, self.roots, self.qid)
+                        quiesce.abandon_lock(self.control_dir, left, self.qid)
                     else:
-                        quiesce.unlock(self.control_dir, self.roots, self.qid)
+                        quiesce.unlock(self.control_dir, left, self.qid)
                 raise
             except BaseException:
                 if self.manifest is None:
@@ -573,6 +606,15 @@ class Checkpoint(Rollback, StepRunner):
 
 def _kill(pid: int, sig: int) -> None:
     os.kill(pid, sig)
+
+
+def _alive(pid: int) -> bool:
+    """``pid`` exists and is not a zombie."""
+    try:
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[:1] != ["Z"]
 
 
 def _tree_pids(root: int) -> list[int]:
