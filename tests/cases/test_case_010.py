@@ -111,3 +111,20 @@ def test_the_quiesce_files_of_a_gone_tree_are_cleared(tmp_path):
     quiesce.clear(tmp_path, [gone.pid])
     for kind in ("request", "ready", "lock"):
         assert not quiesce_path(tmp_path, gone.pid, kind).exists()
+
+
+def test_afdwin_channel_reports_a_reset_as_closed():
+    """A rank killed with unread data in its socket resets the launcher's end: the launcher's
+    channel raises ``ChannelClosed`` (reported as "rank N (pid P) exited with status S before
+    finishing"), not ``ConnectionResetError``."""
+    import socket
+
+    from workloads.afdwin.wire import Channel, ChannelClosed
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    ch = Channel(a)
+    ch.send({"type": "quiesce"})  # unread by b
+    b.close()  # closed with unread data: a gets ECONNRESET
+    with pytest.raises(ChannelClosed) as ei:
+        ch.recv(timeout=None)
+    assert str(ei.value) == "peer reset the connection (killed?)" and ch.closed
