@@ -290,7 +290,18 @@ class Checkpoint(Rollback, StepRunner):
         A refusal or validation error before SAVE_ALLOCATIONS changed nothing (refused);
         from SAVE_ALLOCATIONS on, a failure means teardown started (rolled back)."""
         # from here a dead agent may leave torn-down memory: `release` then wants --force
-        quiesce.write_lock(self.control_dir, self.roots, self.qid, torn_down=True)
+        quiesce.write_lock(
+            self.control_dir,
+            self.roots,
+            self.qid,
+            torn_down=True,
+            record={
+                "roots": self.roots,
+                "participants": [[p.pid, str(p.socket_path)] for p in self.census.participants],
+                "cuda_pids": list(self.census.cuda_pids),
+                "steps": ["capture"],
+            },
+        )
         try:
             self.capture = self.coordinator.capture()
         except Exception as e:
@@ -308,13 +319,19 @@ class Checkpoint(Rollback, StepRunner):
             self.capture = partial
             raise as_agent_error(e, "capture") from e
         self.torn_down = True
+        self.mark("capture done")
+
+    def mark(self, step: str, **extra) -> None:  # in the .lock: what a dead agent had done
+        quiesce.mark_step(self.control_dir, self.roots, self.qid, step, **extra)
 
     def native_lock(self):
+        self.mark("native lock")
         with self.r.phase("native lock") as ph:
             native.lock_all(self.census.cuda_pids, self.lock_timeout_ms)
             ph.detail = f"pids {', '.join(map(str, self.census.cuda_pids))}"
 
     def native_checkpoint(self):
+        self.mark("native checkpoint")
         with self.r.phase("native checkpoint") as ph:
             native.checkpoint_all(self.census.cuda_pids)
             ph.detail = f"pids {', '.join(map(str, self.census.cuda_pids))}"
@@ -334,6 +351,9 @@ class Checkpoint(Rollback, StepRunner):
                 d = manifest_mod.criu_dir(self.images_dir, root)
                 d.mkdir(parents=True, exist_ok=True)
                 self.tree_pids[root] = _tree_pids(root)
+                self.mark(
+                    f"criu dump {root}", tree_pids={str(k): v for k, v in self.tree_pids.items()}
+                )
                 self.external_pipes = [p for p in self.external_pipes if p["root"] != root]
                 self.external_pipes += fds.external_pipes(root, self.tree_pids[root])
                 self.external_files = [p for p in self.external_files if p["root"] != root]

@@ -52,3 +52,46 @@ def test_criu_child_dies_with_its_agent():
     finally:
         os.close(fd)
     assert _state(child) in (None, "Z")
+
+
+def test_the_lock_records_what_the_dead_agent_had_done(tmp_path):
+    """The ``.lock`` holds the roots, participants, CUDA pids and the steps started; the
+    ``release`` of a dead agent's torn-down request names them."""
+    import json
+
+    import pytest
+
+    from cuinterpose.agent.errors import QuiesceRefused
+    from cuinterpose.agent.mech import quiesce
+    from cuinterpose.coordinator.contract import quiesce_path
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    root = os.getpid()  # a live root, never signalled here
+    quiesce.request(tmp_path, [root], "q9", 1000)
+    rec = {"roots": [root], "participants": [[root, "/s"]], "cuda_pids": [root]}
+    quiesce.write_lock(tmp_path, [root], "q9", torn_down=True, record={**rec, "steps": ["capture"]})
+    for step in ("capture done", "native lock", "native checkpoint"):
+        quiesce.mark_step(tmp_path, [root], "q9", step)
+    quiesce.mark_step(tmp_path, [root], "q9", f"criu dump {root}", tree_pids={str(root): [root]})
+    quiesce.mark_step(tmp_path, [root], "other", "never")  # another request's lock: untouched
+    path = quiesce_path(tmp_path, root, "lock")
+    lk = json.loads(path.read_text())
+    assert lk["steps"] == [
+        "capture",
+        "capture done",
+        "native lock",
+        "native checkpoint",
+        f"criu dump {root}",
+    ]
+    assert (lk["roots"], lk["cuda_pids"], lk["tree_pids"]) == ([root], [root], {str(root): [root]})
+    lk["pid"] = dead.pid  # the agent is gone
+    path.write_text(json.dumps(lk))
+    with pytest.raises(QuiesceRefused) as ei:
+        quiesce.release(tmp_path, root)
+    assert str(ei.value) == (
+        f"release: pid {root} the agent (pid {dead.pid}) that sent request q9 had started "
+        "tearing the shared memory down and never rebuilt it (steps it had started: capture, "
+        f"capture done, native lock, native checkpoint, criu dump {root}): resuming the workload "
+        "may run it on torn-down memory; pass --force to release it anyway"
+    )
