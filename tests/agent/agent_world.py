@@ -134,7 +134,9 @@ def world(tmp_path, monkeypatch):
                     201,
                     changed=True,
                 )
+            found = {p: w.coord_phase for p in PIDS}
             w.coord_phase = "ACTIVE"
+            return types.SimpleNamespace(found=found)
 
     fake_phases = types.SimpleNamespace(
         Participant=lambda pid, sock: types.SimpleNamespace(pid=pid, socket_path=sock),
