@@ -11,13 +11,14 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from cuinterpose.agent.mech import mntns
+from cuinterpose.agent.mech import libc, mntns
 from cuinterpose.agent.mech.criu_binary import CriuError, cache_dir, criu_command, env
 from cuinterpose.agent.mech.criu_child import ChildSetup, Opened
 
@@ -125,6 +126,28 @@ def bad_size_files(log_path: Path) -> list[dict]:
     return out
 
 
+#: prctl(2) option (include/uapi/linux/prctl.h): the signal sent when the parent thread dies
+PR_SET_PDEATHSIG = 1
+
+
+def _child_preexec(opened):
+    """The ``preexec_fn`` of CRIU's child: first PR_SET_PDEATHSIG(SIGKILL), so CRIU dies with
+    its agent instead of finishing a dump alone (case 009: a tree it leaves stopped is
+    resumed by ``release``), then ``opened``'s setup (cgroups, namespaces) when there is
+    one."""
+    prctl = libc.fn("prctl")
+    agent = os.getpid()
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != agent:  # the agent died before prctl: do not run orphaned
+            os._exit(137)
+        if opened:
+            opened.preexec()
+
+    return preexec
+
+
 def run(
     action: str,
     args: list[str],
@@ -168,7 +191,7 @@ def run(
                 capture_output=True,
                 text=True,
                 pass_fds=tuple(pass_fds),
-                preexec_fn=opened.preexec if opened else None,
+                preexec_fn=_child_preexec(opened),
             )
         except subprocess.SubprocessError as e:
             why = opened.failure() if opened else ""

@@ -109,7 +109,14 @@ def _busy(control_dir, root: int, rid: str) -> QuiesceRefused:
 # -- the agent's lock: which agent process owns the pending request of a root ------------------
 
 
-def write_lock(control_dir, roots: Iterable[int], qid: str, *, torn_down: bool = False) -> None:
+def write_lock(
+    control_dir,
+    roots: Iterable[int],
+    qid: str,
+    *,
+    torn_down: bool = False,
+    record: Optional[dict] = None,
+) -> None:
     """``quiesce-ROOT.lock``: {"id", "pid" (this agent), "starttime", "torn_down"} while this
     agent owns the request of ``root`` (removed by :func:`unlock`; a SIGKILLed agent leaves it
     with a dead pid, which :func:`lock_owner` ignores). ``torn_down`` is set once the capture
@@ -118,8 +125,29 @@ def write_lock(control_dir, roots: Iterable[int], qid: str, *, torn_down: bool =
     for r in roots:
         write_atomic(
             quiesce_path(control_dir, r, "lock"),
-            {"id": qid, "pid": me, "starttime": procfs.starttime(me), "torn_down": bool(torn_down)},
+            {
+                "id": qid,
+                "pid": me,
+                "starttime": procfs.starttime(me),
+                "torn_down": bool(torn_down),
+                **(record or {}),
+            },
         )
+
+
+def mark_step(control_dir, roots: Iterable[int], qid: str, step: str, **extra) -> None:
+    """Append ``step`` ("capture", "capture done", "native lock", ..., "criu dump TREE") to
+    the ``steps`` of this agent's ``.lock`` of every root (and merge ``extra``), so whoever
+    finds the lock of a dead agent knows what it had done (case 009). A root whose lock is
+    not this request's is left alone."""
+    for r in roots:
+        path = quiesce_path(control_dir, r, "lock")
+        lk = read_json(path)
+        if lk is None or lk.get("id") != qid:
+            continue
+        lk["steps"] = [*lk.get("steps", []), step]
+        lk.update(extra)
+        write_atomic(path, lk)
 
 
 def abandon_lock(control_dir, roots: Iterable[int], qid: str) -> None:
@@ -202,6 +230,9 @@ def release(control_dir, root: int, *, force: bool = False) -> dict:
                 else f"the checkpoint that sent request {rid} failed and so did its rollback: the "
                 "shared memory is torn down"
             )
+            steps = lk.get("steps") or []
+            if steps:
+                who += f" (steps it had started: {', '.join(map(str, steps))})"
             raise QuiesceRefused(
                 "release",
                 f"{who}: resuming the workload may run it on "

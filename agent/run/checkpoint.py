@@ -290,7 +290,18 @@ class Checkpoint(Rollback, StepRunner):
         A refusal or validation error before SAVE_ALLOCATIONS changed nothing (refused);
         from SAVE_ALLOCATIONS on, a failure means teardown started (rolled back)."""
         # from here a dead agent may leave torn-down memory: `release` then wants --force
-        quiesce.write_lock(self.control_dir, self.roots, self.qid, torn_down=True)
+        quiesce.write_lock(
+            self.control_dir,
+            self.roots,
+            self.qid,
+            torn_down=True,
+            record={
+                "roots": self.roots,
+                "participants": [[p.pid, str(p.socket_path)] for p in self.census.participants],
+                "cuda_pids": list(self.census.cuda_pids),
+                "steps": ["capture"],
+            },
+        )
         try:
             self.capture = self.coordinator.capture()
         except Exception as e:
@@ -308,13 +319,19 @@ class Checkpoint(Rollback, StepRunner):
             self.capture = partial
             raise as_agent_error(e, "capture") from e
         self.torn_down = True
+        self.mark("capture done")
+
+    def mark(self, step: str, **extra) -> None:  # in the .lock: what a dead agent had done
+        quiesce.mark_step(self.control_dir, self.roots, self.qid, step, **extra)
 
     def native_lock(self):
+        self.mark("native lock")
         with self.r.phase("native lock") as ph:
             native.lock_all(self.census.cuda_pids, self.lock_timeout_ms)
             ph.detail = f"pids {', '.join(map(str, self.census.cuda_pids))}"
 
     def native_checkpoint(self):
+        self.mark("native checkpoint")
         with self.r.phase("native checkpoint") as ph:
             native.checkpoint_all(self.census.cuda_pids)
             ph.detail = f"pids {', '.join(map(str, self.census.cuda_pids))}"
@@ -334,6 +351,9 @@ class Checkpoint(Rollback, StepRunner):
                 d = manifest_mod.criu_dir(self.images_dir, root)
                 d.mkdir(parents=True, exist_ok=True)
                 self.tree_pids[root] = _tree_pids(root)
+                self.mark(
+                    f"criu dump {root}", tree_pids={str(k): v for k, v in self.tree_pids.items()}
+                )
                 self.external_pipes = [p for p in self.external_pipes if p["root"] != root]
                 self.external_pipes += fds.external_pipes(root, self.tree_pids[root])
                 self.external_files = [p for p in self.external_files if p["root"] != root]
@@ -361,8 +381,37 @@ class Checkpoint(Rollback, StepRunner):
                 if isinstance(ns, dict):
                     self.tree_ns[root] = ns
                 self.stopped_roots.append(root)
+                self.check_dumped(root, d)
                 ph.bytes = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
                 ph.detail = f"tree {root} (left stopped)"
+
+    def check_dumped(self, root: int, d) -> None:
+        """Case 010: every census process of tree ``root`` must be in the dump's process tree
+        image (``pstree.img``) and still alive (not gone, not a zombie) once the dump ended;
+        a rank that died as CRIU started is otherwise missing from a snapshot whose manifest
+        lists it. Raises ``AgentError`` (phase "criu dump", the pid named): rolled back."""
+        from cuinterpose.agent.mech import criu_images
+
+        try:
+            dumped = set(criu_images.image_pids(d))
+        except Exception as e:
+            raise AgentError("criu dump", f"tree {root}: {e}", pid=root) from e
+        tree = set(self.tree_pids.get(root, [])) | {root}
+        for p in self.census.processes:
+            if p.pid not in tree:
+                continue
+            why = None
+            if p.pid not in dumped:
+                why = f"is not in the dump's process tree image {d / 'pstree.img'}"
+            elif not _alive(p.pid):
+                why = "exited during the dump"
+            if why:
+                raise AgentError(
+                    "criu dump",
+                    f"({p.comm}) of tree {root} {why}: the snapshot would miss it; "
+                    "checkpoint failed, rolling back what is left of the workload",
+                    pid=p.pid,
+                )
 
     def note_external(self, root: int) -> None:
         """Warnings (manifest ``warnings``, and notes) for the external pipes and files of
@@ -485,10 +534,14 @@ class Checkpoint(Rollback, StepRunner):
                 if self.manifest is None:
                     images.remove_empty(self.created_dirs)
                 if self.qid is not None:
+                    gone = [r for r in self.roots if not _alive(r)]
+                    if gone:  # case 010: no later process may take these files for its own
+                        quiesce.clear(self.control_dir, gone)
+                    left = [r for r in self.roots if r not in gone]
                     if e.outcome == "rollback_failed":
-                        quiesce.abandon_lock(self.control_dir, self.roots, self.qid)
+                        quiesce.abandon_lock(self.control_dir, left, self.qid)
                     else:
-                        quiesce.unlock(self.control_dir, self.roots, self.qid)
+                        quiesce.unlock(self.control_dir, left, self.qid)
                 raise
             except BaseException:
                 if self.manifest is None:
@@ -573,6 +626,15 @@ class Checkpoint(Rollback, StepRunner):
 
 def _kill(pid: int, sig: int) -> None:
     os.kill(pid, sig)
+
+
+def _alive(pid: int) -> bool:
+    """``pid`` exists and is not a zombie."""
+    try:
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[:1] != ["Z"]
 
 
 def _tree_pids(root: int) -> list[int]:

@@ -59,9 +59,16 @@ class Rollback:
                 "failed before its first INSPECT completed)",
             )
         try:
-            self.coordinator.rollback(self.capture)
+            res = self.coordinator.rollback(self.capture)
         except Exception as e:
             raise as_agent_error(e, "rollback") from e
+        found = getattr(res, "found", None)
+        if found:  # case 006: what state each process was in, and so what was undone
+            self.r.note(
+                "rollback: shims found in "
+                + ", ".join(f"pid {p} {ph}" for p, ph in sorted(found.items()))
+                + "; each brought back to ACTIVE, topology equal to the capture"
+            )
 
     def cleanup_images(self):
         images.cleanup(self.images_dir)

@@ -4,6 +4,7 @@ CRIU that log every call (``World.log``), and the ``world`` fixture (re-exported
 from __future__ import annotations
 
 import json
+import pathlib
 import signal
 import sys
 import types
@@ -133,7 +134,9 @@ def world(tmp_path, monkeypatch):
                     201,
                     changed=True,
                 )
+            found = {p: w.coord_phase for p in PIDS}
             w.coord_phase = "ACTIVE"
+            return types.SimpleNamespace(found=found)
 
     fake_phases = types.SimpleNamespace(
         Participant=lambda pid, sock: types.SimpleNamespace(pid=pid, socket_path=sock),
@@ -161,6 +164,12 @@ def world(tmp_path, monkeypatch):
 
     monkeypatch.setattr(cp_mod, "_kill", kill)
     monkeypatch.setattr(cp_mod, "_tree_pids", lambda root: [root])
+    # the fake trees are alive, and each dump's process tree image holds its root (case 010:
+    # checked before the manifest; tests/cases/test_case_010.py checks it on real CRIU)
+    from cuinterpose.agent.mech import criu_images
+
+    monkeypatch.setattr(cp_mod, "_alive", lambda pid: True)
+    monkeypatch.setattr(criu_images, "image_pids", lambda d: [int(pathlib.Path(d).name)])
     return w
 
 

@@ -14,6 +14,7 @@ from agent_world import PIDS, PROBE, ROOT, FakePhaseError, answer_quiesce, resum
 from cuinterpose.agent.errors import AgentError, CheckpointFailed, QuiesceRefused, SnapshotError
 from cuinterpose.agent.mech import native, quiesce
 from cuinterpose.agent.run import checkpoint as cp_mod
+from cuinterpose.agent.run.report import Reporter
 from cuinterpose.coordinator.contract import quiesce_path, write_atomic
 
 
@@ -121,6 +122,20 @@ def test_lock_failure_unlocks_the_locked_and_rolls_back(world, tmp_path, monkeyp
         ("coord", "rollback", None),
     ]
     assert world.state == {201: "RUNNING", 202: "RUNNING"}
+
+
+def test_rollback_says_what_state_each_shim_was_in(world, tmp_path, monkeypatch):
+    """Case 006: the rollback names the phase it found each shim in (the coordinator's
+    rollback INSPECTs first and undoes what that phase needs)."""
+    world.fail = {"lock": 202}
+    monkeypatch.setattr(quiesce, "request", answer_quiesce(world))
+    rep = Reporter()
+    with pytest.raises(CheckpointFailed):
+        cp_mod.Checkpoint([ROOT], tmp_path / "snap", control_dir=world.ctl, reporter=rep).run()
+    assert (
+        "rollback: shims found in pid 201 PREPARED, pid 202 PREPARED; each brought back to "
+        "ACTIVE, topology equal to the capture"
+    ) in rep.notes
 
 
 def test_quiescence_check_lock_timeout_refuses_before_any_teardown(world, tmp_path, monkeypatch):

@@ -20,7 +20,7 @@ MAX_FDS = 64
 
 
 class ChannelClosed(EOFError):
-    """The peer closed the socket."""
+    """The peer closed the socket, or it was reset (the peer died with data unread)."""
 
 
 class Channel:
@@ -57,9 +57,15 @@ class Channel:
             r, _, _ = select.select([self.sock], [], [], timeout)
             if not r:
                 return False
-        data, anc, _flags, _addr = self.sock.recvmsg(
-            1 << 16, socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
-        )
+        try:
+            data, anc, _flags, _addr = self.sock.recvmsg(
+                1 << 16, socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
+            )
+        except ConnectionResetError:
+            # a peer killed with unread data in its socket (a rank SIGKILLed at the quiesce
+            # request, case 010): the same as EOF, so the launcher reports the dead rank
+            self.closed = True
+            raise ChannelClosed("peer reset the connection (killed?)") from None
         for level, typ, cdata in anc:
             if level == socket.SOL_SOCKET and typ == socket.SCM_RIGHTS:
                 fds = array.array("i")
