@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import pathlib
 import socket
 
@@ -249,3 +250,23 @@ def test_key_from_the_environment(world, tmp_path, monkeypatch):
     with pytest.raises(SnapshotError, match="not signed with this node's key"):
         manifest.load(snap)
     monkeypatch.delenv(trust.KEY_ENV)
+
+
+def test_config_key_and_serve_option(tmp_path):
+    from click.testing import CliRunner
+
+    from cuinterpose.agent.cli.daemon import serve
+    from cuinterpose.agent.config import ConfigError, parse_config
+
+    assert parse_config({"manifestKeyFile": "/etc/cuinterpose/key"}).manifest_key_file == (
+        "/etc/cuinterpose/key"
+    )
+    with pytest.raises(ConfigError, match="manifestKeyFile"):
+        parse_config({"manifestKeyFile": "relative/key"})
+    empty = tmp_path / "empty.key"
+    empty.write_bytes(b"\n")
+    res = CliRunner().invoke(serve, ["--manifest-key", str(empty), "--listen", "127.0.0.1:1"])
+    assert res.exit_code == 2
+    assert f"--manifest-key: node key file {empty} is empty" in res.output
+    trust.set_key_file(None)
+    os.environ.pop(trust.KEY_ENV, None)
