@@ -270,3 +270,53 @@ def test_config_key_and_serve_option(tmp_path):
     assert f"--manifest-key: node key file {empty} is empty" in res.output
     trust.set_key_file(None)
     os.environ.pop(trust.KEY_ENV, None)
+
+
+def test_real_snapshot_tampered_then_restored_as_taken(afdwin, tmp_path, private_tmp, monkeypatch):
+    """A snapshot made by a real checkpoint (CRIU) and signed with a node key: an edited
+    socket_path is refused by the MAC, and without the key by the path check, the named file
+    and every byte of the snapshot kept; the snapshot as taken then restores, and the workload
+    completes with exact evidence."""
+    from cuinterpose.workloads.afdwin import demo
+
+    key = tmp_path / "node.key"
+    key.write_bytes(b"node key")
+    monkeypatch.setenv(trust.KEY_ENV, str(key))
+    a = afdwin(steps=300, step_delay_ms=5, ranks=2, attention=1)
+    a.wait_for(lambda ev: demo.received(ev) >= 20, 120, "messages")
+    snap = tmp_path / "snap"
+    rc, cp = demo.run_agent(
+        "checkpoint", "--pid", str(a.pid), "--images-dir", str(snap), "--driver", "fake",
+        "--control-dir", str(a.ctl),
+    )  # fmt: skip
+    assert (rc, cp["ok"]) == (0, True), cp
+    m0 = json.loads((snap / "manifest.json").read_bytes())
+    pids = {q["pid"] for q in m0["processes"]}
+    while any(os.path.exists(f"/proc/{p}") for p in pids):  # the dump killed them: reap
+        demo.reap_zombies()
+    original = (snap / "manifest.json").read_bytes()
+    m = json.loads(original)
+    assert m["mac"]["key_id"] == hashlib.sha256(b"node key").hexdigest()[:16]
+    victim = tmp_path / "precious.txt"
+    victim.write_bytes(b"keep me")
+    m["participants"][0]["socket_path"] = str(victim)
+    (snap / "manifest.json").write_text(json.dumps(m))
+    for with_key, want in (
+        (True, f"manifest of {snap} was modified or not signed with this node's key"),
+        (False, f"socket_path {str(victim)!r} is not"),
+    ):
+        if not with_key:
+            monkeypatch.delenv(trust.KEY_ENV)
+        before = digest(snap)
+        rc, rs = demo.run_agent("restore", "--images-dir", str(snap), "--driver", "fake")
+        err = rs["error"]
+        assert (rs["ok"], err["phase"], err["outcome"]) == (False, "manifest", "refused"), rs
+        assert rc != 0 and want in err["reason"]
+        assert digest(snap) == before and victim.read_bytes() == b"keep me"
+    monkeypatch.setenv(trust.KEY_ENV, str(key))
+    (snap / "manifest.json").write_bytes(original)
+    rc, rs = demo.run_agent("restore", "--images-dir", str(snap), "--driver", "fake")
+    assert (rc, rs["ok"]) == (0, True), rs["error"]["reason"]
+    assert a.wait_restored_exit(300) in (0, None)
+    (s,) = [e for e in a.events() if demo.kind(e) == "summary"]
+    assert (s["ok"], s["restores_seen"]) == (True, 1), s
