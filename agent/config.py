@@ -139,6 +139,7 @@ class AgentConfig:
     tls: TLSConfig = _field("tls", factory=TLSConfig)
     insecure_tcp: bool = _field("insecureTcp", False)
     control_dir: str = _field("controlDir", "", check=_absolute_or_empty)
+    manifest_key_file: str = _field("manifestKeyFile", "", check=_absolute_or_empty)
     snapshot_dir: str = _field("snapshotDir", "/var/lib/cuinterpose/snapshots", check=_absolute)
     metrics_port: Optional[int] = _field("metricsPort", None, check=_port_or_zero)
     metrics_address: str = _field("metricsAddress", "")

@@ -74,6 +74,7 @@ def _config_values(path) -> dict:
         "driver": cfg.driver,
         "tls_cert": cfg.tls.cert_file or None,
         "tls_key": cfg.tls.key_file or None,
+        "manifest_key": cfg.manifest_key_file or None,
         "tls_client_ca": cfg.tls.ca_file or None,
         "insecure_tcp": cfg.insecure_tcp or None,
         "group_lease_s": cfg.group_lease_s,
@@ -90,6 +91,22 @@ def _start_watcher(srv, cfg, stop):
         return srv.start_watcher(cfg, stop)
     except ValueError as e:
         raise click.UsageError(f"--config: {e}") from None
+
+
+def _use_manifest_key(path) -> None:
+    """Sign and check every manifest of this daemon with the node key in ``path`` (none:
+    nothing changes); an unreadable or empty key file is a usage error."""
+    from cuinterpose.agent.errors import SnapshotError
+    from cuinterpose.agent.snapshot import trust
+
+    if not path:
+        return
+    trust.set_key_file(str(path))
+    os.environ[trust.KEY_ENV] = os.path.abspath(str(path))
+    try:
+        trust.node_key()
+    except SnapshotError as e:
+        raise click.UsageError(f"--manifest-key: {e.reason}") from None
 
 
 def _make_snapshot_dir(d: str) -> bool:
@@ -160,6 +177,14 @@ def _make_snapshot_dir(d: str) -> bool:
 )
 @click.option("--tls-key", type=click.Path(dir_okay=False, exists=True), default=None)
 @click.option(
+    "--manifest-key",
+    type=click.Path(dir_okay=False, exists=True),
+    default=None,
+    help="node key file: every manifest written gets an HMAC-SHA256 (mac) and a restore "
+    "refuses a snapshot without a valid one (default: the config's manifestKeyFile, else "
+    "none; docs/snapshot-format.md).",
+)
+@click.option(
     "--tls-client-ca",
     type=click.Path(dir_okay=False, exists=True),
     default=None,
@@ -194,6 +219,7 @@ def serve(
     metrics_addr,
     tls_cert,
     tls_key,
+    manifest_key,
     tls_client_ca,
     insecure_tcp,
     group_lease_s,
@@ -227,6 +253,7 @@ def serve(
         metrics_addr=metrics_addr,
         tls_cert=tls_cert,
         tls_key=tls_key,
+        manifest_key=manifest_key,
         tls_client_ca=tls_client_ca,
         insecure_tcp=insecure_tcp or None,
         group_lease_s=group_lease_s,
@@ -244,6 +271,7 @@ def serve(
             "certificates are verified only on a TLS listener)"
         )
     set_env(v["driver"], v["control_dir"])
+    _use_manifest_key(v["manifest_key"])
     tls = TLS(cert=v["tls_cert"], key=v["tls_key"], ca=v["tls_client_ca"])
     sd = v["snapshot_dir"]
     roots = [

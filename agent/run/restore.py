@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import pathlib
 import signal
+import stat as stat_mod
 import time
 from typing import Optional
 
@@ -31,6 +32,7 @@ from cuinterpose.agent.run.steps import (
     strip_preload_env,
 )
 from cuinterpose.agent.snapshot import manifest as manifest_mod
+from cuinterpose.agent.snapshot import trust
 
 
 class Restore(StepRunner):
@@ -119,6 +121,7 @@ class Restore(StepRunner):
                 )
             self.driver_kind = kind
             ph.bytes = manifest_mod.verify_images(self.images_dir, m)
+            self.check_copies(m)
             for p in sorted(
                 {
                     *m["roots"],
@@ -137,6 +140,16 @@ class Restore(StepRunner):
                     )
             ph.detail = f"{m['snapshot_id']} taken {m['created_at']}"
             self.m = m
+
+    def check_copies(self, m: dict):
+        """Every copy of a checksum agrees, and the control dir is the one the images' shim
+        sockets are bound in (a manifest is untrusted input: agent/snapshot/trust.py)."""
+        from cuinterpose.coordinator import phases, topology
+
+        cap = phases.Capture.from_dict(m["capture"]) if m["capture"] else None
+        derived = topology.carriers(cap.records) if cap is not None else []
+        trust.check_carriers(self.images_dir, m, derived)
+        trust.check_control_dir(self.images_dir, m)
 
     def load_driver(self):
         with self.r.phase("driver") as ph:
@@ -253,18 +266,53 @@ class Restore(StepRunner):
             opts.close()
 
     def remove_stale(self):
+        """Phase "stale sockets": unlink each participant's old control socket, at the path
+        derived from the checked control dir, only if it is a socket (lstat); anything else
+        there refuses. The control dir is never created here (CRIU re-binds the sockets in
+        it: a missing one refuses, naming what to create)."""
         with self.r.phase("stale sockets") as ph:
-            # CRIU re-binds the sockets at their paths: the directory must exist (a new node)
-            pathlib.Path(self.m["control_dir"]).mkdir(mode=0o700, parents=True, exist_ok=True)
-            removed = []
+            cd = self.m["control_dir"]
+            try:
+                st = os.lstat(cd)
+            except FileNotFoundError:
+                raise SnapshotError(
+                    "stale sockets",
+                    f"control dir {cd} (recorded in the snapshot) does not exist; CRIU "
+                    "re-binds the shim sockets in it: create it (mode 0700, owned by the "
+                    "workload's user) and run restore again; nothing was changed",
+                ) from None
+            if not stat_mod.S_ISDIR(st.st_mode):
+                raise SnapshotError(
+                    "stale sockets",
+                    f"control dir {cd} is not a directory (a symlink?); restore refused, "
+                    "nothing was changed",
+                )
+            stale = []
             for p in self.m["participants"]:
-                sp = pathlib.Path(p["socket_path"])
-                if sp.exists() or sp.is_symlink():
-                    sp.unlink()
-                    removed.append(str(sp))
+                sp = trust.socket_path(cd, p["pid"])
+                try:
+                    mode = os.lstat(sp).st_mode
+                except FileNotFoundError:
+                    continue
+                if not stat_mod.S_ISSOCK(mode):
+                    raise SnapshotError(
+                        "stale sockets",
+                        f"{sp} is not a socket; restore refuses to remove it (CRIU binds "
+                        f"participant {p['pid']}'s control socket there): move it away and "
+                        "run restore again; nothing was changed",
+                        pid=p["pid"],
+                    )
+                stale.append(sp)
+            for sp in stale:
+                os.unlink(sp)
             for root in self.m["roots"]:
-                quiesce.quiesce_path(self.m["control_dir"], root, "resume").unlink(missing_ok=True)
-            ph.detail = f"removed {len(removed)}"
+                rp = quiesce.quiesce_path(cd, root, "resume")
+                try:
+                    if not stat_mod.S_ISDIR(os.lstat(rp).st_mode):
+                        os.unlink(rp)
+                except FileNotFoundError:
+                    pass
+            ph.detail = f"removed {len(stale)}"
 
     def criu_restore(self):
         from cuinterpose.agent.mech import criu
@@ -377,7 +425,11 @@ class Restore(StepRunner):
     def restore_shared(self):
         from cuinterpose.coordinator import phases
 
-        parts = [phases.Participant(p["pid"], p["socket_path"]) for p in self.m["participants"]]
+        cd = self.m["control_dir"]
+        parts = [
+            phases.Participant(p["pid"], trust.socket_path(cd, p["pid"]))
+            for p in self.m["participants"]
+        ]
         coord = phases.Coordinator(
             parts,
             timeout_s=self.phase_timeout_s,

@@ -26,6 +26,7 @@ import pathlib
 from typing import Any
 
 from cuinterpose.agent.errors import SnapshotError
+from cuinterpose.agent.snapshot import trust
 
 FORMAT = "cuinterpose-snapshot"
 FORMAT_VERSION = 1
@@ -90,6 +91,7 @@ def write(snapshot: os.PathLike | str, manifest: dict) -> pathlib.Path:
     base = pathlib.Path(snapshot)
     final = base / MANIFEST_NAME
     tmp = base / (MANIFEST_NAME + ".tmp")
+    manifest = trust.sign(manifest)
     data = json.dumps(manifest, indent=2, sort_keys=True).encode() + b"\n"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -133,16 +135,20 @@ def load(snapshot: os.PathLike | str) -> dict:
             f"{path}: format is {m.get('format') if isinstance(m, dict) else None!r}, "
             f"expected {FORMAT!r}",
         )
-    if m.get("format_version") != FORMAT_VERSION:
+    trust.check_mac(base, m)
+    fv = m.get("format_version")
+    if type(fv) is not int or fv != FORMAT_VERSION:
         raise SnapshotError(
             "manifest",
-            f"{path}: format_version {m.get('format_version')!r} is not "
+            f"{path}: format_version {fv!r}"
+            + ("" if type(fv) is int else f" ({type(fv).__name__}, not an integer)")
+            + " is not "
             f"supported (this agent reads version {FORMAT_VERSION})",
         )
     missing = [k for k in REQUIRED if k not in m]
     if missing:
         raise SnapshotError("manifest", f"{path}: missing field(s) {', '.join(missing)}")
-    problem = _shape_problem(m)
+    problem = _shape_problem(m) or trust.path_problem(m)
     if problem:
         raise SnapshotError("manifest", f"{path}: {problem}; restore refused, snapshot untouched")
     return m
@@ -195,7 +201,7 @@ def _shape_problem(m: dict):
             isinstance(k, str)
             and isinstance(v, dict)
             and isinstance(v.get("sha256"), str)
-            and _is_pid(v.get("bytes") + 1 if isinstance(v.get("bytes"), int) else None)
+            and _is_uint(v.get("bytes"))
             for k, v in files.items()
         )
     ):
@@ -292,10 +298,11 @@ def verify_images(snapshot: os.PathLike | str, m: dict) -> int:
     """Check every CRIU image listed in the manifest (SHA-256 and size) and that no listed file is
     missing; returns the total image bytes. Raises ``SnapshotError`` naming the file."""
     base = pathlib.Path(snapshot)
+    trust.check_image_set(base, m)
     total = 0
     for rel, meta in sorted(m["criu"].get("files", {}).items()):
         p = base / rel
-        if not p.is_file():
+        if not p.is_file() or p.is_symlink():
             raise SnapshotError("manifest", f"CRIU image {p} listed in the manifest is missing")
         size = p.stat().st_size
         if size != meta["bytes"] or sha256_file(p) != meta["sha256"]:

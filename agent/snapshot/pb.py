@@ -116,13 +116,14 @@ def message_to_dict(msg) -> dict:
 
 
 def manifest_from_proto(msg) -> dict:
-    """The manifest dict (the JSON written to disk) for a ``Manifest``; ``group`` only when
-    set."""
+    """The manifest dict (the JSON written to disk) for a ``Manifest``; ``group`` and ``mac`` only
+    when set."""
     import json
 
     d = message_to_dict(msg)
-    if not msg.HasField("group"):
-        d.pop("group", None)
+    for opt in ("group", "mac"):
+        if not msg.HasField(opt):
+            d.pop(opt, None)
     d["capture"] = json.loads(d.pop("capture_json") or "null")
     q = d.get("quiesce") or {}
     q["ready"] = {k: json.loads(v) for k, v in q.pop("ready_json", {}).items()}

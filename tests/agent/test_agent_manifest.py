@@ -31,6 +31,8 @@ def sample(
     img = manifest.criu_dir(snapshot, 100)
     img.mkdir(parents=True)
     (img / "core-100.img").write_bytes(b"core" * 100)
+    # the file table binds participant 101's shim socket in the control dir (trust.py)
+    (img / "files.img").write_bytes(b"\x00unixsk/tmp/ctl/cuinterpose-101.sock\x00")
     (img / "pages-1.img").write_bytes(bytes(range(256)) * 16)
     return {
         "format": manifest.FORMAT,
@@ -71,8 +73,12 @@ def test_write_is_atomic_and_round_trips(tmp_path):
             "sha256": hashlib.sha256(bytes(range(256)) * 16).hexdigest(),
             "bytes": 4096,
         },
+        "criu/100/files.img": {
+            "sha256": hashlib.sha256(b"\x00unixsk/tmp/ctl/cuinterpose-101.sock\x00").hexdigest(),
+            "bytes": 37,
+        },
     }
-    assert manifest.verify_images(tmp_path, m) == 4496
+    assert manifest.verify_images(tmp_path, m) == 4533
 
 
 def test_interrupted_write_leaves_no_manifest(tmp_path, monkeypatch):

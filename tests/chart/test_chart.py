@@ -213,12 +213,12 @@ def test_probes_present_the_tls_secret_on_tcp():
 
 def test_schema_config_keys_match_the_loader():
     """The chart's `config` section plus what the chart writes itself (controlDir,
-    snapshotDir, tls) and insecureTcp (never set by the chart) is exactly the loader's set of
+    snapshotDir, tls, manifestKeyFile) and insecureTcp (never set by the chart) is exactly the loader's set of
     keys, section by section."""
     schema = json.loads((CHART / "values.schema.json").read_text())
     cfg = schema["properties"]["config"]["properties"]
     top = {f.metadata["key"] for f in dataclasses.fields(AgentConfig)}
-    assert set(cfg) | {"controlDir", "snapshotDir", "tls", "insecureTcp"} == top
+    assert set(cfg) | {"controlDir", "snapshotDir", "tls", "manifestKeyFile", "insecureTcp"} == top
     from cuinterpose.agent.config import KubernetesConfig
 
     assert set(cfg["kubernetes"]["properties"]) == {
@@ -439,3 +439,37 @@ def test_minihelm_refuses_what_it_does_not_implement():
     with pytest.raises(minihelm.TemplateError) as e:
         r.render("t.yaml", {"Values": {"x": 1}})
     assert str(e.value) == "t.yaml: function 'sha1sum' not supported by minihelm"
+
+
+def test_manifest_key_secret_is_mounted_and_named_in_the_config():
+    """Case 008: the node key that signs manifests comes from a Secret, mounted read-only,
+    and the config's manifestKeyFile names it; without the value nothing is mounted."""
+    import yaml
+
+    from cuinterpose.agent.config import parse_config
+
+    docs = render({"manifestKey": {"secretName": "node-key", "key": "k"}})
+    (ds,) = docs["DaemonSet"]
+    spec = ds["spec"]["template"]["spec"]
+    assert {
+        "name": "manifest-key",
+        "secret": {
+            "secretName": "node-key",
+            "defaultMode": 0o400,
+            "items": [{"key": "k", "path": "k"}],
+        },
+    } in spec["volumes"]
+    (agent,) = spec["containers"]
+    assert {
+        "name": "manifest-key",
+        "mountPath": "/etc/cuinterpose/manifest-key",
+        "readOnly": True,
+    } in agent["volumeMounts"]
+    env = {"NODE_NAME": "n1"}
+    cfg = parse_config(yaml.safe_load(configmap_document(docs)), env=env)
+    assert cfg.manifest_key_file == "/etc/cuinterpose/manifest-key/k"
+    plain = render()
+    (ds,) = plain["DaemonSet"]
+    assert all(v["name"] != "manifest-key" for v in ds["spec"]["template"]["spec"]["volumes"])
+    cfg = parse_config(yaml.safe_load(configmap_document(plain)), env=env)
+    assert cfg.manifest_key_file == ""

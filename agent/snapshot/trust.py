@@ -1,0 +1,254 @@
+"""A manifest is untrusted input (docs/snapshot-format.md "What restore trusts").
+
+Everything a restore takes from ``manifest.json`` is checked or derived here before anything
+on the node changes:
+
+* paths: ``control_dir`` is absolute and normal; every participant's socket is
+  ``<control_dir>/cuinterpose-<pid>.sock`` (:func:`socket_path`, derived: the recorded
+  ``socket_path`` must equal it); ``criu.trees`` and ``criu.files`` name only
+  ``criu/<root>/...`` (no ``..``, no absolute path);
+* the files: the set of entries under ``criu/`` equals ``criu.files`` (an extra, a missing
+  or a symlinked entry refuses) (:func:`check_image_set`);
+* copies: the top-level ``carriers`` equal the capture's ``carriers`` and the ones its
+  records give (:func:`check_carriers`);
+* the MAC: with a node key, HMAC-SHA256 over :func:`canonical_bytes` in the ``mac`` field
+  (:func:`sign`, :func:`check_mac`).
+
+Every refusal is a ``SnapshotError`` (phase "manifest") naming the snapshot and the field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import pathlib
+import stat
+from typing import Optional
+
+from cuinterpose.agent.errors import SnapshotError
+
+CRIU_DIR = "criu"
+MAC_ALG = "hmac-sha256"
+#: the environment variable naming the node key file (set by ``--manifest-key`` and
+#: ``manifestKeyFile``; read by every manifest write and load of this process)
+KEY_ENV = "CUINTERPOSE_MANIFEST_KEY_FILE"
+_KEY_FILE: Optional[str] = None
+
+
+def set_key_file(path: Optional[str]) -> None:
+    """Use the node key in ``path`` (None: the environment's :data:`KEY_ENV`, else no key)."""
+    global _KEY_FILE
+    _KEY_FILE = os.path.abspath(path) if path else None
+
+
+def key_file() -> Optional[str]:
+    return _KEY_FILE or os.environ.get(KEY_ENV) or None
+
+
+def node_key() -> Optional[bytes]:
+    """The node key's bytes (surrounding whitespace stripped), None without a key. Raises
+    ``SnapshotError`` naming the file when it cannot be read or is empty."""
+    path = key_file()
+    if not path:
+        return None
+    try:
+        key = pathlib.Path(path).read_bytes().strip()
+    except OSError as e:
+        raise SnapshotError(
+            "manifest key", f"node key file {path} cannot be read: {e.strerror or e}"
+        ) from None
+    if not key:
+        raise SnapshotError("manifest key", f"node key file {path} is empty")
+    return key
+
+
+def canonical_bytes(m: dict) -> bytes:
+    """The bytes the MAC covers: the manifest without ``mac`` as compact JSON, keys sorted,
+    ASCII only."""
+    body = {k: v for k, v in m.items() if k != "mac"}
+    return json.dumps(
+        body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
+    ).encode()
+
+
+def _mac(key: bytes, m: dict) -> str:
+    return hmac.new(key, canonical_bytes(m), hashlib.sha256).hexdigest()
+
+
+def key_id(key: bytes) -> str:
+    """First 16 hex digits of SHA-256(key): which key signed, without revealing it."""
+    return hashlib.sha256(key).hexdigest()[:16]
+
+
+def sign(m: dict) -> dict:
+    """``m`` with ``mac`` set when a node key is configured (``m`` unchanged without one)."""
+    key = node_key()
+    if key is None:
+        return m
+    out = {k: v for k, v in m.items() if k != "mac"}
+    out["mac"] = {"alg": MAC_ALG, "key_id": key_id(key), "value": _mac(key, out)}
+    return out
+
+
+def check_mac(snapshot, m: dict) -> None:
+    """With a node key: refuse a manifest without a valid ``mac``. Without one: nothing."""
+    key = node_key()
+    if key is None:
+        return
+    mac = m.get("mac")
+    ok = (
+        isinstance(mac, dict)
+        and mac.get("alg") == MAC_ALG
+        and isinstance(mac.get("value"), str)
+        and hmac.compare_digest(mac["value"], _mac(key, m))
+    )
+    if not ok:
+        raise SnapshotError(
+            "manifest",
+            f"manifest of {snapshot} was modified or not signed with this node's key "
+            f"({key_file()}, key id {key_id(key)}); restore refused, snapshot untouched",
+        )
+
+
+def socket_path(control_dir: str, pid: int) -> str:
+    """``<control_dir>/cuinterpose-<pid>.sock``: the only socket path a restore uses."""
+    from cuinterpose.coordinator.protocol import socket_path as sp
+
+    return sp(control_dir, pid)
+
+
+def _bad_rel(rel) -> bool:
+    if not isinstance(rel, str) or not rel or rel.startswith("/") or "\\" in rel:
+        return True
+    parts = rel.split("/")
+    return any(p in ("", ".", "..") for p in parts) or "\0" in rel
+
+
+def path_problem(m: dict) -> Optional[str]:
+    """What is wrong with a path the manifest names (None if nothing)."""
+    cd = m["control_dir"]
+    if not os.path.isabs(cd) or os.path.normpath(cd) != cd or "\0" in cd:
+        return f"field control_dir {cd!r} must be an absolute, normalized path"
+    for p in m["participants"]:
+        want = socket_path(cd, p["pid"])
+        if p["socket_path"] != want:
+            return (
+                f"participant {p['pid']}: socket_path {p['socket_path']!r} is not {want!r} "
+                "(<control_dir>/cuinterpose-<pid>.sock)"
+            )
+    roots = {str(r) for r in m["roots"]}
+    trees = m["criu"].get("trees", {})
+    if not isinstance(trees, dict) or any(
+        k not in roots or v != f"{CRIU_DIR}/{k}" for k, v in trees.items()
+    ):
+        return f"field criu.trees must map each root to {CRIU_DIR}/<root>"
+    for rel in m["criu"]["files"]:
+        parts = rel.split("/") if isinstance(rel, str) else []
+        if _bad_rel(rel) or len(parts) < 3 or parts[0] != CRIU_DIR or parts[1] not in roots:
+            return (
+                f"field criu.files names {rel!r}, not a file under {CRIU_DIR}/<root>/ "
+                "(no '..', no absolute path)"
+            )
+    return None
+
+
+def check_image_set(snapshot, m: dict) -> None:
+    """The entries under ``criu/`` (walked without following links) must be exactly the
+    directories of ``criu.files`` and its regular files; refuses naming the first extra or
+    missing entry, a symlink, or a ``criu`` that is not a directory."""
+    base = pathlib.Path(snapshot)
+    listed = set(m["criu"]["files"])
+    dirs = {"/".join(r.split("/")[:i]) for r in listed for i in range(1, r.count("/") + 1)}
+    top = base / CRIU_DIR
+    try:
+        st = os.lstat(top)
+    except FileNotFoundError:
+        raise SnapshotError("manifest", f"{top} is missing") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise SnapshotError("manifest", f"{top} is not a directory (a symlink?); restore refused")
+    found_files, found_dirs = set(), {CRIU_DIR}
+    for d, subdirs, files in os.walk(top, followlinks=False):
+        for name in subdirs + files:
+            p = os.path.join(d, name)
+            rel = os.path.relpath(p, base)
+            mode = os.lstat(p).st_mode
+            if stat.S_ISDIR(mode):
+                found_dirs.add(rel)
+            elif stat.S_ISREG(mode):
+                found_files.add(rel)
+            else:
+                raise SnapshotError(
+                    "manifest",
+                    f"{p} is not a regular file or directory (a symlink or special file "
+                    "in the CRIU images); restore refused, snapshot untouched",
+                )
+    extra = sorted((found_files - listed) | (found_dirs - dirs))
+    if extra:
+        raise SnapshotError(
+            "manifest",
+            f"{base / extra[0]} is not listed in the manifest's criu.files "
+            f"({len(extra)} unlisted entr{'y' if len(extra) == 1 else 'ies'} under "
+            f"{CRIU_DIR}/); restore refused, snapshot untouched",
+        )
+    missing = sorted(listed - found_files)
+    if missing:
+        raise SnapshotError(
+            "manifest",
+            f"CRIU image {base / missing[0]} listed in the manifest is missing",
+        )
+
+
+def _carrier_key(c) -> tuple:
+    if not isinstance(c, dict):
+        return ("?", repr(c))
+    return (c.get("pid"), c.get("alloc_id"), c.get("bytes"), c.get("checksum"))
+
+
+def check_carriers(snapshot, m: dict, from_records: list[dict]) -> None:
+    """Every copy of the carrier checksums agrees: the top-level ``carriers``, the capture's
+    ``carriers`` and ``from_records`` (what the capture's records give)."""
+    top = m["carriers"]
+    if not isinstance(top, list):
+        raise SnapshotError("manifest", f"{snapshot}: field carriers must be a list")
+    want = sorted(map(_carrier_key, top), key=repr)
+    copies = {"the records of capture": from_records}
+    cap = m["capture"]
+    if isinstance(cap, dict) and "carriers" in cap:
+        copies["capture.carriers"] = cap["carriers"]
+    for where, other in copies.items():
+        got = sorted(map(_carrier_key, other if isinstance(other, list) else [other]), key=repr)
+        if got != want:
+            diff = sorted(set(want) ^ set(got), key=repr)
+            raise SnapshotError(
+                "manifest",
+                f"{snapshot}: the carrier checksums in field carriers and in {where} differ"
+                + (f" (first: pid {diff[0][0]} alloc {diff[0][1]})" if diff else "")
+                + "; restore refused, snapshot untouched",
+            )
+
+
+def check_control_dir(snapshot, m: dict) -> None:
+    """The manifest's ``control_dir`` is the one the restored processes use: the CRIU images
+    (their file tables, not memory pages) bind each participant's shim socket at
+    ``<control_dir>/cuinterpose-<pid>.sock``, so that path must be in them. Skipped for trees
+    checkpointed in a foreign mount namespace (the images hold that namespace's paths)."""
+    if not m["participants"] or any(n.get("foreign_mnt") for n in m.get("namespaces", [])):
+        return
+    base = pathlib.Path(snapshot)
+    blobs = [
+        (base / rel).read_bytes()
+        for rel in sorted(m["criu"]["files"])
+        if not rel.rsplit("/", 1)[-1].startswith("pages-")
+    ]
+    for p in m["participants"]:
+        want = socket_path(m["control_dir"], p["pid"]).encode()
+        if not any(want in b for b in blobs):
+            raise SnapshotError(
+                "manifest",
+                f"{snapshot}: field control_dir {m['control_dir']} is not the control dir of "
+                f"participant {p['pid']} (its CRIU images bind no socket at "
+                f"{want.decode()}); restore refused, snapshot untouched",
+                pid=p["pid"],
+            )
