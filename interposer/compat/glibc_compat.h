@@ -27,10 +27,10 @@
 
 #if defined(__x86_64__)
 #define CUI_GLIBC_OLD(name, x86_64_version) __asm__(".symver " #name "," #name "@GLIBC_" x86_64_version);
-#define CUI_GLIBC_STAT_VER 1 /* _STAT_VER_LINUX */
+#define CUI_GLIBC_STAT_VER                  1 /* _STAT_VER_LINUX */
 #elif defined(__aarch64__)
 #define CUI_GLIBC_OLD(name, x86_64_version) __asm__(".symver " #name "," #name "@GLIBC_2.17");
-#define CUI_GLIBC_STAT_VER 0 /* _STAT_VER_KERNEL */
+#define CUI_GLIBC_STAT_VER                  0 /* _STAT_VER_KERNEL */
 #else /* another architecture: no table of its versions; test_glibc.py says what is needed */
 #define CUI_GLIBC_OLD(name, x86_64_version)
 #endif
@@ -81,9 +81,9 @@ static inline __attribute__((unused)) int cui_compat_lstat(const char *path, str
 static inline __attribute__((unused)) int cui_compat_fstatat(int dirfd, const char *path, struct stat *buf, int flags) {
   return __fxstatat(CUI_GLIBC_STAT_VER, dirfd, path, buf, flags);
 }
-#define stat(path, buf) cui_compat_stat(path, buf)
-#define fstat(fd, buf) cui_compat_fstat(fd, buf)
-#define lstat(path, buf) cui_compat_lstat(path, buf)
+#define stat(path, buf)                  cui_compat_stat(path, buf)
+#define fstat(fd, buf)                   cui_compat_fstat(fd, buf)
+#define lstat(path, buf)                 cui_compat_lstat(path, buf)
 #define fstatat(dirfd, path, buf, flags) cui_compat_fstatat(dirfd, path, buf, flags)
 #endif
 

@@ -45,6 +45,8 @@ def test_no_glibc_symbol_above_2_17(which):
 def test_old_pthread_and_dl_libraries_are_needed():
     """On glibc < 2.34 the old pthread_* and dl* versions live in libpthread.so.0 and libdl.so.2."""
     for lib in (paths.shim_path(), paths.fakecuda_dir() / paths.FAKECUDA_NAME):
-        out = subprocess.run(["objdump", "-p", str(lib)], capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            ["objdump", "-p", str(lib)], capture_output=True, text=True, check=True
+        )
         needed = set(re.findall(r"NEEDED\s+(\S+)", out.stdout))
         assert {"libdl.so.2", "libpthread.so.0", "libc.so.6"} <= needed, (lib, needed)
