@@ -8,6 +8,7 @@ have_pkg() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q 'install ok
 have_cmd cc     || need+=(gcc)
 have_cmd make   || need+=(make)
 have_cmd cmake  || need+=(cmake)
+have_cmd objdump || need+=(binutils)   # tests/shim/test_glibc.py reads objdump -T
 have_cmd ninja  || need+=(ninja-build)
 have_pkg libc6-dev || need+=(libc6-dev)
 have_cmd python3 || need+=(python3)
