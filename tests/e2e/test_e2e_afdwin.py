@@ -207,32 +207,31 @@ def _agent_popen(*args, new_session=False, env_extra=None):
 def test_sigterm_while_waiting_for_quiesce_cancels_and_the_workload_finishes(afdwin, tmp_path):
     """SIGTERM (or Ctrl-C) of the agent while the workload has not answered yet: the request is
     withdrawn (.resume cancelled), the JSON error says so, and the workload never parks."""
-    a = afdwin(steps=STEPS, step_delay_ms=5, hold_at=(HOLD,))
+    a = afdwin(
+        steps=STEPS, step_delay_ms=5, hold_at=(HOLD,), extra_args=("--test-no-quiesce-answer",)
+    )
     a.wait_hold()
     snap = tmp_path / "snap"
-    os.kill(a.pid, signal.SIGSTOP)  # the launcher (which answers quiesce) cannot answer yet
-    try:
-        agent = _agent_popen(
-            "checkpoint",
-            "--pid",
-            str(a.pid),
-            "--images-dir",
-            str(snap),
-            "--driver",
-            "fake",
-            "--control-dir",
-            str(a.ctl),
-            "--quiesce-timeout-ms",
-            "120000",
-        )
-        deadline = time.monotonic() + demo.HANG_S
-        while not (a.ctl / f"quiesce-{a.pid}.request").exists():
-            assert agent.poll() is None and time.monotonic() < deadline, agent.communicate()
-            time.sleep(0.01)
-        agent.send_signal(signal.SIGTERM)
-        out, err = agent.communicate(timeout=300)
-    finally:
-        os.kill(a.pid, signal.SIGCONT)
+    # the launcher (which answers quiesce) never reads the request
+    agent = _agent_popen(
+        "checkpoint",
+        "--pid",
+        str(a.pid),
+        "--images-dir",
+        str(snap),
+        "--driver",
+        "fake",
+        "--control-dir",
+        str(a.ctl),
+        "--quiesce-timeout-ms",
+        "120000",
+    )
+    deadline = time.monotonic() + demo.HANG_S
+    while not (a.ctl / f"quiesce-{a.pid}.request").exists():
+        assert agent.poll() is None and time.monotonic() < deadline, agent.communicate()
+        time.sleep(0.01)
+    agent.send_signal(signal.SIGTERM)
+    out, err = agent.communicate(timeout=300)
     assert agent.returncode == 3, out + err
     cp = json.loads(out)
     e = cp["error"]
@@ -374,26 +373,25 @@ def test_a_rank_pid_instead_of_the_root_is_refused_with_a_hint(afdwin, tmp_path)
 
 
 def test_refused_when_workload_does_not_answer(afdwin, tmp_path):
-    a = afdwin(steps=STEPS, step_delay_ms=5, hold_at=(HOLD,))
+    a = afdwin(
+        steps=STEPS, step_delay_ms=5, hold_at=(HOLD,), extra_args=("--test-no-quiesce-answer",)
+    )
     a.wait_hold()
     snap = tmp_path / "snap"
-    os.kill(a.pid, signal.SIGSTOP)  # the launcher (which answers quiesce) hangs
-    try:
-        rc, cp = demo.run_agent(
-            "checkpoint",
-            "--pid",
-            str(a.pid),
-            "--images-dir",
-            str(snap),
-            "--driver",
-            "fake",
-            "--control-dir",
-            str(a.ctl),
-            "--quiesce-timeout-ms",
-            "300",
-        )
-    finally:
-        os.kill(a.pid, signal.SIGCONT)
+    # the launcher (which answers quiesce) never reads the request
+    rc, cp = demo.run_agent(
+        "checkpoint",
+        "--pid",
+        str(a.pid),
+        "--images-dir",
+        str(snap),
+        "--driver",
+        "fake",
+        "--control-dir",
+        str(a.ctl),
+        "--quiesce-timeout-ms",
+        "300",
+    )
     assert rc == 3 and not cp["ok"]
     err = cp["error"]
     assert (err["phase"], err["pid"], err["outcome"]) == ("quiesce", a.pid, "refused")

@@ -25,7 +25,7 @@ class RunFailed(Exception):
 class QuiesceSide:
     def poll_control(self) -> None:
         if self.q is None:
-            if self.phase != "running":
+            if self.phase != "running" or self.ignore_quiesce:
                 return
             req = read_json(self.req_path)
             if req is None or "id" not in req:

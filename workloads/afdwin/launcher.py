@@ -60,6 +60,9 @@ class Launcher(QuiesceSide):
         self.overrides = overrides
         self.host_memory = host_memory
         self.stall_timeout_s = stall_timeout_s
+        #: test-only (--test-no-quiesce-answer): never read a quiesce request, as a workload
+        #: that does not honour the contract would (the agent must refuse after its timeout)
+        self.ignore_quiesce = False
         self.pid = os.getpid()
         self.t_wall = time.time()  # "t" of events: wall seconds (monotonic jumps at restore)
         self.procs: list[subprocess.Popen] = []
@@ -545,6 +548,9 @@ def main(argv=None) -> int:
     )
     ap.add_argument(
         "--test-override", action="append", default=[], type=parse_override, help=argparse.SUPPRESS
+    )
+    ap.add_argument(
+        "--test-no-quiesce-answer", action="store_true", help=argparse.SUPPRESS
     )  # RANK:FIELD=VALUE, tests only
     args = ap.parse_args(argv)
     try:
@@ -589,6 +595,7 @@ def main(argv=None) -> int:
     if stall is None:
         stall = HOLD_STALL_TIMEOUT_S if cfg.hold_at else STALL_TIMEOUT_S
     launcher = Launcher(cfg, overrides, args.host_memory, stall)
+    launcher.ignore_quiesce = args.test_no_quiesce_answer
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         return launcher.run()
