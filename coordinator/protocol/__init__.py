@@ -21,107 +21,12 @@ field that does not fit (``struct.error`` is converted).
 
 from __future__ import annotations
 
-from .checksum import (
-    cui_checksum64,
-)
-from .codes import (
-    CARRIER_OPS,
-    CONTROL_DIR_ENV,
-    CUI_DEFAULT_CONTROL_DIR,
-    CUI_MAX_ACCESS,
-    CUI_PROTO_MAGIC,
-    CUI_PROTO_VERSION,
-    CUI_SOCKET_PREFIX,
-    CUI_SOCKET_SUFFIX,
-    CUI_TICKET_MAGIC,
-    CUI_TXN_ROOM,
-    MULTICAST_KINDS,
-    MULTICAST_RESTORE_OPS,
-    MUTATING_OPS,
-    OP_RULES,
-    OPS,
-    Op,
-    OpRule,
-    Phase,
-    PhaseRule,
-    ProtocolError,
-    RecordFlag,
-    RecordKind,
-    Role,
-    ShimFlag,
-    Status,
-    TicketKind,
-)
-from .sockets import (
-    cuda_result_name,
-    default_control_dir,
-    pid_from_socket_path,
-    socket_path,
-)
-from .structs import (
-    _LAYOUTS,  # noqa: F401 (test_protocol.py compares it with the C layout)
-    ACCESS_SIZE,
-    FORMATS,
-    OFFSETS,
-    RECORD_SIZE,
-    REPLY_SIZE,
-    REQUEST_SIZE,
-    SIZES,
-    TICKET_SIZE,
-    Access,
-    Record,
-    Reply,
-    Request,
-    Ticket,
-    alloc_id_bytes,
-    alloc_id_hex,
-)
+from . import checksum, codes, sockets, structs
+from .checksum import *  # noqa: F403
+from .codes import *  # noqa: F403
+from .sockets import *  # noqa: F403
+from .structs import *  # noqa: F403
+from .structs import _LAYOUTS  # noqa: F401 (test_protocol.py compares it with the C layout)
 
-__all__ = [
-    "cui_checksum64",
-    "CUI_PROTO_MAGIC",
-    "CUI_PROTO_VERSION",
-    "CUI_DEFAULT_CONTROL_DIR",
-    "CUI_SOCKET_PREFIX",
-    "CUI_SOCKET_SUFFIX",
-    "CUI_MAX_ACCESS",
-    "CUI_TXN_ROOM",
-    "CUI_TICKET_MAGIC",
-    "CONTROL_DIR_ENV",
-    "Op",
-    "Phase",
-    "PhaseRule",
-    "OpRule",
-    "OPS",
-    "OP_RULES",
-    "ShimFlag",
-    "Status",
-    "RecordKind",
-    "Role",
-    "RecordFlag",
-    "TicketKind",
-    "MUTATING_OPS",
-    "CARRIER_OPS",
-    "MULTICAST_KINDS",
-    "MULTICAST_RESTORE_OPS",
-    "ProtocolError",
-    "socket_path",
-    "default_control_dir",
-    "pid_from_socket_path",
-    "cuda_result_name",
-    "Request",
-    "Reply",
-    "Access",
-    "Record",
-    "Ticket",
-    "SIZES",
-    "OFFSETS",
-    "FORMATS",
-    "REQUEST_SIZE",
-    "REPLY_SIZE",
-    "ACCESS_SIZE",
-    "RECORD_SIZE",
-    "TICKET_SIZE",
-    "alloc_id_hex",
-    "alloc_id_bytes",
-]
+#: every name of the mirror: each module's ``__all__``
+__all__ = [*checksum.__all__, *codes.__all__, *sockets.__all__, *structs.__all__]

@@ -27,6 +27,8 @@ __all__ = [
     "Role",
     "RecordFlag",
     "TicketKind",
+    "ShimFlag",
+    "CUI_TXN_ROOM",
     "MUTATING_OPS",
     "CARRIER_OPS",
     "MULTICAST_KINDS",
