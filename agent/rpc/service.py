@@ -359,23 +359,27 @@ class AgentService(GroupMember, _servicer_base()):
         if driver:
             os.environ["CUINTERPOSE_DRIVER"] = driver
 
+    def _lead(self, kind: str, request):
+        """A request with ``members``: this agent leads the group (rpc/group.py)."""
+        return iter(
+            self._stream(
+                kind,
+                lambda rep, emit: group.lead(
+                    kind,
+                    request,
+                    rep,
+                    emit,
+                    tls=self.opts.tls,
+                    leader=self.opts.node,
+                    lease_s=self.opts.group_lease_s,
+                ),
+            )
+        )
+
     # RPCs
     def Checkpoint(self, request, context):
         if request.members:
-            return iter(
-                self._stream(
-                    "checkpoint",
-                    lambda rep, emit: group.lead(
-                        "checkpoint",
-                        request,
-                        rep,
-                        emit,
-                        tls=self.opts.tls,
-                        leader=self.opts.node,
-                        lease_s=self.opts.group_lease_s,
-                    ),
-                )
-            )
+            return self._lead("checkpoint", request)
         kw = self.checkpoint_kwargs(request)
         self._env(kw["driver"])
 
@@ -393,20 +397,7 @@ class AgentService(GroupMember, _servicer_base()):
 
     def Restore(self, request, context):
         if request.members:
-            return iter(
-                self._stream(
-                    "restore",
-                    lambda rep, emit: group.lead(
-                        "restore",
-                        request,
-                        rep,
-                        emit,
-                        tls=self.opts.tls,
-                        leader=self.opts.node,
-                        lease_s=self.opts.group_lease_s,
-                    ),
-                )
-            )
+            return self._lead("restore", request)
         kw = self.restore_kwargs(request)
         self._env(kw["driver"])
 
