@@ -356,17 +356,7 @@ def job(tmp_path, criu_ok, subreaper):
 def _checkpoint(j, snap):
     a = j.a
     a.wait_for(lambda ev: demo.received(ev) >= 30, 120, "30 messages")
-    rc, cp = demo.run_agent(
-        "checkpoint",
-        "--pid",
-        str(a.pid),
-        "--images-dir",
-        str(snap),
-        "--driver",
-        "fake",
-        "--control-dir",
-        str(a.ctl),
-    )
+    rc, cp = a.checkpoint(snap)
     assert rc == 0 and cp["ok"], cp
     assert a.wait_dumped() == -signal.SIGKILL
     for r in j.readers:
@@ -819,17 +809,7 @@ def test_checkpoint_of_a_job_whose_cwd_is_outside_its_mount_namespace_is_refused
     a.wait_for(lambda ev: demo.received(ev) >= 30, 120, "30 messages")
     assert os.stat(f"/proc/{a.pid}/ns/mnt").st_ino != os.stat("/proc/self/ns/mnt").st_ino
     snap = tmp_path / "snap"
-    rc, out = demo.run_agent(
-        "checkpoint",
-        "--pid",
-        str(a.pid),
-        "--images-dir",
-        str(snap),
-        "--driver",
-        "fake",
-        "--control-dir",
-        str(a.ctl),
-    )
+    rc, out = a.checkpoint(snap)
     assert rc == 3 and not out["ok"], out
     err = out["error"]
     tree = sorted(p for p, _, _ in walk_tree([a.pid]))

@@ -285,10 +285,7 @@ def test_real_snapshot_tampered_then_restored_as_taken(afdwin, tmp_path, private
     a = afdwin(steps=300, step_delay_ms=5, ranks=2, attention=1)
     a.wait_for(lambda ev: demo.received(ev) >= 20, 120, "messages")
     snap = tmp_path / "snap"
-    rc, cp = demo.run_agent(
-        "checkpoint", "--pid", str(a.pid), "--images-dir", str(snap), "--driver", "fake",
-        "--control-dir", str(a.ctl),
-    )  # fmt: skip
+    rc, cp = a.checkpoint(snap)
     assert (rc, cp["ok"]) == (0, True), cp
     m0 = json.loads((snap / "manifest.json").read_bytes())
     pids = {q["pid"] for q in m0["processes"]}

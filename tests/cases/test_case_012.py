@@ -105,10 +105,7 @@ def test_symlinks_at_every_name_never_redirect_a_leave_running_checkpoint(afdwin
     for name, data in planted.items():
         (victims / name).write_bytes(data)
         os.symlink(victims / name, a.ctl / name)
-    rc, cp = demo.run_agent(
-        "checkpoint", "--pid", str(a.pid), "--images-dir", str(tmp_path / "snap"),
-        "--driver", "fake", "--control-dir", str(a.ctl), "--leave-running",
-    )  # fmt: skip
+    rc, cp = a.checkpoint(tmp_path / "snap", "--leave-running")
     assert rc == 0 and cp["ok"], cp
     assert {n: (victims / n).read_bytes() for n in planted} == planted
     assert sorted(p.name for p in victims.iterdir()) == sorted(planted)

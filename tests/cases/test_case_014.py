@@ -44,16 +44,8 @@ def test_mid_stream_cut_lands_exactly_at_the_hold(afdwin, tmp_path):
         (r, HOLD, 1) for r in range(ATTENTION)
     ]
     snap = tmp_path / "snap"
-    rc, cp = demo.run_agent(
-        "checkpoint",
-        "--pid",
-        str(a.pid),
-        "--images-dir",
-        str(snap),
-        "--driver",
-        "fake",
-        "--control-dir",
-        str(a.ctl),
+    rc, cp = a.checkpoint(
+        snap,
         "--quiesce-timeout-ms",
         str(int(demo.HANG_S * 1000)),
     )

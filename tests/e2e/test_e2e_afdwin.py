@@ -62,17 +62,7 @@ def test_checkpoint_kill_restore_finish(afdwin, tmp_path, ranks, attention):
     a = afdwin(steps=STEPS, step_delay_ms=5, ranks=ranks, attention=attention, hold_at=(HOLD,))
     a.wait_hold()  # every step up to HOLD complete, HOLD + 1 waits for the checkpoint
     snap = tmp_path / "snap"
-    rc, cp = demo.run_agent(
-        "checkpoint",
-        "--pid",
-        str(a.pid),
-        "--images-dir",
-        str(snap),
-        "--driver",
-        "fake",
-        "--control-dir",
-        str(a.ctl),
-    )
+    rc, cp = a.checkpoint(snap)
     assert rc == 0 and cp["ok"], cp
     assert a.wait_dumped() == -signal.SIGKILL
     evs = a.events()
@@ -143,17 +133,7 @@ def test_second_restore_while_the_first_tree_lives_is_refused(afdwin, tmp_path):
     a = afdwin(steps=STEPS, step_delay_ms=5, hold_at=(HOLD, 2 * HOLD))
     a.wait_hold()
     snap = tmp_path / "snap"
-    rc, cp = demo.run_agent(
-        "checkpoint",
-        "--pid",
-        str(a.pid),
-        "--images-dir",
-        str(snap),
-        "--driver",
-        "fake",
-        "--control-dir",
-        str(a.ctl),
-    )
+    rc, cp = a.checkpoint(snap)
     assert rc == 0 and cp["ok"], cp
     a.wait_dumped()
     rc, rs = demo.run_agent("restore", "--images-dir", str(snap), "--driver", "fake")
@@ -379,16 +359,8 @@ def test_refused_when_workload_does_not_answer(afdwin, tmp_path):
     a.wait_hold()
     snap = tmp_path / "snap"
     # the launcher (which answers quiesce) never reads the request
-    rc, cp = demo.run_agent(
-        "checkpoint",
-        "--pid",
-        str(a.pid),
-        "--images-dir",
-        str(snap),
-        "--driver",
-        "fake",
-        "--control-dir",
-        str(a.ctl),
+    rc, cp = a.checkpoint(
+        snap,
         "--quiesce-timeout-ms",
         "300",
     )

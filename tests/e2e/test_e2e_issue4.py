@@ -54,16 +54,8 @@ def wait_gone(pid, timeout_s=60):
 
 
 def checkpoint(a, snap, *extra):
-    return demo.run_agent(
-        "checkpoint",
-        "--pid",
-        str(a.pid),
-        "--images-dir",
-        str(snap),
-        "--driver",
-        "fake",
-        "--control-dir",
-        str(a.ctl),
+    return a.checkpoint(
+        snap,
         *extra,
     )
 

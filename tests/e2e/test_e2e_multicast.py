@@ -44,17 +44,7 @@ def checkpoint_and_restore(afdwin, tmp_path, ranks, attention):
     before = a.events()
     assert mc_events(before) == [(r, 0, MC, True) for r in range(ranks)]
     snap = tmp_path / "snap"
-    rc, cp = demo.run_agent(
-        "checkpoint",
-        "--pid",
-        str(a.pid),
-        "--images-dir",
-        str(snap),
-        "--driver",
-        "fake",
-        "--control-dir",
-        str(a.ctl),
-    )
+    rc, cp = a.checkpoint(snap)
     assert rc == 0 and cp["ok"], cp
     assert a.wait_dumped() == -signal.SIGKILL
     cut = demo.cut_seqs(a.events())

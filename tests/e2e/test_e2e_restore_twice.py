@@ -36,17 +36,7 @@ def test_same_snapshot_restores_twice(afdwin, tmp_path):
     a = afdwin(steps=STEPS, step_delay_ms=5, hold_at=(HOLD,))
     a.wait_hold()  # the dump cuts at HOLD, however slow it is
     snap = tmp_path / "snap"
-    rc, cp = demo.run_agent(
-        "checkpoint",
-        "--pid",
-        str(a.pid),
-        "--images-dir",
-        str(snap),
-        "--driver",
-        "fake",
-        "--control-dir",
-        str(a.ctl),
-    )
+    rc, cp = a.checkpoint(snap)
     assert rc == 0 and cp["ok"], cp
     assert a.wait_dumped() == -signal.SIGKILL
     cut = demo.cut_seqs(a.events())

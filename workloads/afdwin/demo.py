@@ -201,6 +201,23 @@ class Afdwin:
         )
         return step
 
+    def checkpoint(self, images_dir, *extra: str, timeout_s: float = 300) -> tuple[int, dict]:
+        """``cuinterpose-agent checkpoint`` of this job on fakecuda into ``images_dir`` (its
+        control dir; ``extra``: more options): :func:`run_agent`'s (exit code, JSON)."""
+        return run_agent(
+            "checkpoint",
+            "--pid",
+            str(self.pid),
+            "--images-dir",
+            str(images_dir),
+            "--driver",
+            "fake",
+            "--control-dir",
+            str(self.ctl),
+            *extra,
+            timeout_s=timeout_s,
+        )
+
     def release_hold(self) -> None:
         """End the current hold of every attention rank without a quiesce (SIGUSR1), for a run
         whose checkpoint was refused before the workload saw it."""
