@@ -310,6 +310,13 @@ def test_launch_job_mode_checkpoints_private_copies(peer, fake_env):
     b.cmd(f"write {vb + 4096} 12")
     assert a.cmd(f"read {va + 4096}") == ["11"]
     assert perms_at(pathlib.Path(f"/proc/{b.pid}/maps").read_text(), vb) == "rw-p"  # private
+    # a new handle of the restored buffer is a new import, shared again; the old copy stays
+    vb2 = send_open(a, b, va)
+    assert vb2 != vb
+    b.cmd(f"write {vb2 + 4096} 13")
+    assert a.cmd(f"read {va + 4096}") == ["13"]
+    assert b.cmd(f"read {vb + 4096}") == ["12"]
+    b.cmd(f"ipcclose {vb2}")
     b.cmd(f"ipcclose {vb}")
     assert b.err(f"read {vb}") == "CUDA_ERROR_INVALID_VALUE"
 
