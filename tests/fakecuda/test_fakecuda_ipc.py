@@ -250,6 +250,7 @@ def test_native_checkpoint_refused_with_a_live_import(pair, peer, fake_env):
         for l in log
     )
     # after the close both checkpoint and restore; the exporter keeps its bytes at its VA
+    old_handle = a.cmd(f"ipcget {va}")[0]
     b.cmd(f"ipcclose {vb}")
     for pid in (a.pid, b.pid):
         ctl.cmd(f"lock {pid} 0")
@@ -258,7 +259,9 @@ def test_native_checkpoint_refused_with_a_live_import(pair, peer, fake_env):
         ctl.cmd(f"unlock {pid}")
     assert a.cmd(f"read {va}") == ["4242"]
     assert a.cmd(f"read {va + 4096}") == [str(PATTERN + 1)]
-    # the buffer has a new memfd: a new handle shares it again
+    # the buffer has a new memfd: the old handle is stale, a new one shares it again
+    assert b.err(f"ipcopen {old_handle} 1") == "CUDA_ERROR_INVALID_HANDLE"
+    assert a.cmd(f"ipcget {va}") != [old_handle]
     vb2 = send_open(a, b, va)
     assert b.cmd(f"read {vb2 + 4096}") == [str(PATTERN + 1)]
     b.cmd(f"ipcclose {vb2}")
