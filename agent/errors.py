@@ -76,7 +76,8 @@ NATIVE_HINTS = {
         "checkpoint",
         "CUDA_ERROR_NOT_SUPPORTED",
     ): "the process holds sharing the driver cannot checkpoint: an exported FD still open "
-    "outside the shim's knowledge, or a multicast object",
+    "outside the shim's knowledge, a multicast object, or a legacy CUDA IPC export or import "
+    "(drivers before r610 refuse those; run under the shim with CUINTERPOSE_IPC_ADAPTER on)",
     (
         "lock",
         "CUDA_ERROR_NOT_READY",
