@@ -110,7 +110,15 @@ def world(tmp_path, monkeypatch):
             if int(expected_phase) != {"ACTIVE": 0, "PREPARED": 3}[w.coord_phase]:
                 raise RuntimeError(f"INSPECT: pid 201 is in phase {w.coord_phase}")
 
+        last_txn_id = 0
+
+        def validate(self, records_by_pid=None):
+            """What the real capture validates first (its first INSPECT): no records here."""
+            return {p: [] for p in PIDS}
+
         def capture(self):
+            self.validate()  # the real capture's first INSPECT (the .lock records it)
+            self.last_txn_id = 7
             w.captured = True
             w.coord_phase = "PREPARED"
             w.log.append(("coord", "capture", None))

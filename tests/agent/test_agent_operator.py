@@ -511,17 +511,28 @@ def test_after_a_failed_rollback_release_wants_force_even_from_a_live_agent(
     with pytest.raises(AgentError) as ei:
         cp.run()
     assert ei.value.outcome == "rollback_failed"
-    assert json.loads(quiesce_path(world.ctl, ROOT, "lock").read_text()) == {
+    lk = json.loads(quiesce_path(world.ctl, ROOT, "lock").read_text())
+    assert {k: lk[k] for k in ("id", "pid", "starttime", "torn_down", "rollback_failed")} == {
         "id": cp.qid,
         "pid": None,
         "starttime": None,
         "torn_down": True,
+        "rollback_failed": True,
     }
+    # the record stays (what was tried), but release does not try the same rollback again
+    assert (lk["roots"], lk["cuda_pids"], lk["steps"]) == (
+        [ROOT],
+        [201, 202],
+        ["quiescence check", "quiescence check done", "capture"],
+    )
+    from cuinterpose.agent.run import recover
+
     with pytest.raises(QuiesceRefused) as ei:
-        quiesce.release(world.ctl, ROOT)
+        recover.release(world.ctl, ROOT)
     assert ei.value.reason == (
         f"the checkpoint that sent request {cp.qid} failed and so did its rollback: the shared "
-        "memory is torn down: resuming the workload may run it on torn-down memory; pass --force "
+        "memory is torn down (steps it had started: quiescence check, quiescence check done, "
+        "capture): resuming the workload may run it on torn-down memory; pass --force "
         "to release it anyway"
     )
     assert quiesce.release(world.ctl, ROOT, force=True)["request_id"] == cp.qid
