@@ -59,6 +59,7 @@ def test_release_brings_back_a_job_whose_agent_died_with_a_save_reply_outstandin
     import json
     import os
     import signal
+    import threading
 
     from cuinterpose.agent.mech import signal_at
     from cuinterpose.agent.run import recover
@@ -73,13 +74,18 @@ def test_release_brings_back_a_job_whose_agent_died_with_a_save_reply_outstandin
         for p, rs in creator_importer_records().items()
     }
 
+    # 201 answers SAVE only once 202 has saved (so the agent dies with both SAVED)
+    both_saved = threading.Barrier(2)
+
     def save_and_lose_the_reply(conn, req):
         # 202 saves, and its reply is never read: it waits until the agent's end closes
         m = mocks[202]
         m.phase, m.last_txn = Phase.SAVED, req.txn_id
+        both_saved.wait()
         conn.recv(1)
 
     mocks[202].raw[Op.SAVE_ALLOCATIONS] = save_and_lose_the_reply
+    mocks[201].gate[Op.SAVE_ALLOCATIONS] = both_saved
     monkeypatch.setattr(cp_mod, "_coordinator_module", lambda: real_phases)
     monkeypatch.setattr(quiesce, "request", answer_quiesce(world))
     root = os.getpid()  # alive (the census is the world's; only quiesce files name it)
