@@ -536,3 +536,60 @@ def test_after_a_failed_rollback_release_wants_force_even_from_a_live_agent(
         "to release it anyway"
     )
     assert quiesce.release(world.ctl, ROOT, force=True)["request_id"] == cp.qid
+
+
+def test_the_lock_after_each_step_holds_what_a_release_needs(world, tmp_path, monkeypatch):
+    """Case 009: read right after each step, the ``.lock`` says what the agent had started and
+    done, and from the capture on holds the record to undo it from (roots, CUDA pids,
+    participants and their sockets, the capture's first INSPECT records, the last txn id)."""
+    from cuinterpose.agent.run import recover
+
+    monkeypatch.setattr(quiesce, "request", answer_quiesce(world))
+    cp = cp_mod.Checkpoint([ROOT], tmp_path / "snap", control_dir=world.ctl)
+    seen = []
+    real_done = cp_mod.Checkpoint.step_done
+
+    def step_done(self, step):
+        real_done(self, step)
+        lk = quiesce_path(world.ctl, ROOT, "lock")
+        seen.append((step.name, json.loads(lk.read_text()) if lk.exists() else None))
+
+    monkeypatch.setattr(cp_mod.Checkpoint, "step_done", step_done)
+    cp.run()
+    by_step = dict(seen)
+    assert [n for n, _ in seen] == [s.name for s in cp.STEPS]
+    assert [by_step[n] for n in ("images dir", "driver", "census", "coordinator")] == [None] * 4
+    assert "steps" not in by_step["quiesce"]
+    assert {k: by_step["quiesce"][k] for k in ("id", "pid", "torn_down")} == {
+        "id": cp.qid,
+        "pid": os.getpid(),
+        "torn_down": False,
+    }
+    assert by_step["quiescence check"]["steps"] == ["quiescence check", "quiescence check done"]
+    assert by_step["quiescence check"]["cuda_pids"] == [201, 202]
+    cap = by_step["capture"]
+    assert cap["torn_down"] is True
+    assert cap["steps"] == [
+        "quiescence check",
+        "quiescence check done",
+        "capture",
+        "first INSPECT",
+        "capture done",
+    ]
+    assert {k: cap[k] for k in ("roots", "cuda_pids", "participants", "images_dir")} == {
+        "roots": [ROOT],
+        "cuda_pids": [201, 202],
+        "participants": [[p, str(world.ctl / f"cuinterpose-{p}.sock")] for p in (201, 202)],
+        "images_dir": str(tmp_path / "snap"),
+    }
+    # the stand-in coordinator's first INSPECT has no records; its last txn id is 7
+    assert cap["records"] == recover.encode_records({201: [], 202: []})
+    assert cap["last_txn_id"] == 7
+    tail = ["native lock", "native lock done", "native checkpoint", "native checkpoint done"]
+    assert by_step["native checkpoint"]["steps"] == cap["steps"] + tail
+    dump = by_step["criu dump"]
+    assert dump["steps"][-3:] == ["criu dump", f"criu dump {ROOT}", "criu dump done"]
+    assert dump["tree_pids"] == {str(ROOT): [ROOT]}
+    assert by_step["manifest"]["steps"][-2:] == ["manifest", "manifest done"]
+    # finish killed the dumped tree and removed its quiesce files, the lock with them
+    assert (by_step["finish"], by_step["resume"]) == (None, None)
