@@ -13,6 +13,9 @@ The variable is a comma-separated list of ``WHEN:STEP[=SIGNAL]``:
   "criu dump", ...): the step runner registers its tables with :func:`register_steps`;
 - ``SIGNAL``: ``SIGKILL`` (the default), ``SIGINT``, ``SIGTERM`` or ``SIGHUP``.
 
+``during`` is accepted only for the steps of :data:`DURING` (the ones with such a call), so an
+entry that could never fire is refused instead of passing vacuously.
+
 Each entry fires at most once per process: ``os.kill(os.getpid(), SIGNAL)``. An entry naming
 an unknown step, an unknown ``WHEN`` or signal raises ``AgentError`` naming the variable and the
 known names (so a typo never makes a test pass vacuously).
@@ -30,6 +33,18 @@ from cuinterpose.agent.errors import AgentError
 ENV = "CUINTERPOSE_TEST_SIGNAL_AT"
 WHENS = ("before", "after", "during")
 SIGNALS = ("SIGKILL", "SIGINT", "SIGTERM", "SIGHUP")
+
+#: the steps with a ``during`` point, and where it is
+DURING = {
+    "quiesce": "quiesce.wait_ready, once the .request is written",
+    "quiescence check": "native lock_all/unlock_all, after the first pid's call",
+    "capture": "the coordinator's first reply of a phase other than INSPECT",
+    "native lock": "native lock_all, after the first pid's call",
+    "native checkpoint": "native checkpoint_all, after the first pid's call",
+    "criu dump": "criu_run.run, once CRIU's child has exec'd",
+    "criu restore": "criu_run.run, once CRIU's child has exec'd",
+    "native restore": "native restore_all/unlock_all, after the first pid's call",
+}
 
 #: every step name a step table registered (agent/run/steps.py: each StepRunner subclass)
 _known: dict[str, None] = {}
@@ -83,6 +98,12 @@ def parse(value: str) -> list[tuple[str, str, int]]:
                 ENV,
                 f"entry {entry!r} names unknown step {step!r}; the known steps are "
                 + ", ".join(repr(n) for n in _known),
+            )
+        if when == "during" and step not in DURING:
+            raise AgentError(
+                ENV,
+                f"entry {entry!r}: step {step!r} has no during point; the steps with one are "
+                + ", ".join(repr(n) for n in DURING),
             )
         if sig not in SIGNALS:
             raise AgentError(

@@ -56,6 +56,7 @@ def recorded(monkeypatch):
     variable's parsed entries start afresh."""
     log: list[str] = []
     monkeypatch.setattr(signal_at, "_parsed", (None, []))
+    monkeypatch.setitem(signal_at.DURING, "beta", "_Seq.b")  # the test table's during point
     old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     for s in old:
         signal.signal(s, lambda n, f: log.append(signal.Signals(n).name))
@@ -112,6 +113,12 @@ def test_an_unknown_step_is_refused_naming_the_variable_and_every_known_step(rec
             "capture",
             "CUINTERPOSE_TEST_SIGNAL_AT: entry 'capture' is not WHEN:STEP[=SIGNAL] with WHEN "
             "one of before, after, during (test only: unset it for a real run)",
+        ),
+        (
+            "during:manifest",
+            "CUINTERPOSE_TEST_SIGNAL_AT: entry 'during:manifest': step 'manifest' has no during "
+            "point; the steps with one are 'quiesce', 'quiescence check', 'capture', 'native "
+            "lock', 'native checkpoint', 'criu dump', 'criu restore', 'native restore'",
         ),
         (
             "after:capture=SIGUSR1",
