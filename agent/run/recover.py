@@ -432,7 +432,9 @@ def render(rep: dict) -> str:
             )
         )
         sh = f.get("shims")
-        if sh is not None:
+        if sh == {}:
+            lines.append("  shims: no participant")
+        elif sh is not None:
             lines.append(
                 "  shims: "
                 + ", ".join(f"pid {p} {ph}" for p, ph in sorted(sh.items()))

@@ -593,3 +593,57 @@ def test_the_lock_after_each_step_holds_what_a_release_needs(world, tmp_path, mo
     assert by_step["manifest"]["steps"][-2:] == ["manifest", "manifest done"]
     # finish killed the dumped tree and removed its quiesce files, the lock with them
     assert (by_step["finish"], by_step["resume"]) == (None, None)
+
+
+def test_release_prints_what_it_found_and_undid(ctl, tmp_path):
+    """The CLI's text for a dead agent's torn-down checkpoint (here one without CUDA processes
+    or shims to rebuild): what was found, what was undone, the partial images removed."""
+    snap = tmp_path / "snap"
+    (snap / "criu" / "1").mkdir(parents=True)
+    job = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    try:
+        write_atomic(quiesce_path(ctl, job.pid, "request"), {"id": "q8", "timeout_ms": 9})
+        write_atomic(
+            quiesce_path(ctl, job.pid, "lock"),
+            {
+                "id": "q8",
+                "pid": dead.pid,
+                "starttime": 1,
+                "torn_down": True,
+                "roots": [job.pid],
+                "participants": [],
+                "cuda_pids": [],
+                "images_dir": str(snap),
+                "created_dirs": [str(snap)],
+                "steps": ["capture"],
+            },
+        )
+        res = subprocess.run(
+            [sys.executable, "-m", "cuinterpose.agent.cli", "release", "--pid", str(job.pid)]
+            + ["--control-dir", str(ctl)],
+            capture_output=True,
+            text=True,
+        )
+    finally:
+        job.kill()
+        job.wait()
+    assert (res.returncode, res.stderr) == (0, "")
+    assert res.stdout.splitlines() == [
+        f"released pid {job.pid}: the agent (pid {dead.pid}) that sent request q8 died after: "
+        "capture",
+        "  criu: none running",
+        "  trees: none stopped",
+        "  native: no CUDA process",
+        "  shims: no participant",
+        f"  resumed: wrote {quiesce_path(ctl, job.pid, 'resume')} (restored=false)",
+        f"  snapshot: none (no manifest was written); the partial images in {snap} removed",
+    ]
+    assert not snap.exists()
+    assert json.loads(quiesce_path(ctl, job.pid, "resume").read_text()) == {
+        "id": "q8",
+        "restored": False,
+        "cancelled": False,
+    }
+    assert sorted(p.name for p in ctl.iterdir()) == [f"quiesce-{job.pid}.resume"]
