@@ -125,7 +125,8 @@ def signal_point(when: str, step: Optional[str] = None, *, after_exec: bool = Fa
     """Send the signal of the first unfired entry ``when:step`` (``step`` defaults to the
     running step; nothing happens outside a step) to this process. ``after_exec``: the caller
     is about to start a helper (CRIU): the signal is sent from a thread once a child of this
-    process has exec'd (its ``/proc/PID/exe`` is no longer this process's). Raises
+    process has exec'd (its ``/proc/PID/exe`` is no longer this process's) and traces a
+    process (CRIU has seized the tree it dumps or restores), or has exited. Raises
     ``AgentError`` for a malformed variable (see :func:`parse`); a no-op when it is unset."""
     if not os.environ.get(ENV):
         return
@@ -155,19 +156,43 @@ def _children() -> list[int]:
     return out
 
 
+def _tracees(tracer: int) -> list[int]:
+    """Every process whose ``TracerPid`` is ``tracer``."""
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/status") as f:
+                for line in f:
+                    if line.startswith("TracerPid:"):
+                        if int(line.split()[1]) == tracer:
+                            out.append(int(name))
+                        break
+        except (OSError, ValueError):
+            pass
+    return out
+
+
 def _kill_after_exec(sig: int, step: str) -> None:
-    """Poll this process's children until one runs another program, then signal ourselves;
-    give up once ``step`` is no longer the running step (the helper never started: the step
-    failed or ended)."""
+    """Poll this process's children until one runs another program and then either traces a
+    process (CRIU has seized the tree it dumps: the middle of its work) or is gone, then signal
+    ourselves; give up once ``step`` is no longer the running step (the helper never started:
+    the step failed or ended)."""
     import time
 
     me = os.readlink("/proc/self/exe")
+    helper = None
     while _current == step:
-        for child in _children():
-            try:
-                if os.readlink(f"/proc/{child}/exe") != me:
-                    os.kill(os.getpid(), sig)
-                    return
-            except OSError:
-                pass
+        if helper is None:
+            for child in _children():
+                try:
+                    if os.readlink(f"/proc/{child}/exe") != me:
+                        helper = child
+                        break
+                except OSError:
+                    pass
+        if helper is not None and (helper not in _children() or _tracees(helper)):
+            os.kill(os.getpid(), sig)
+            return
         time.sleep(0.002)

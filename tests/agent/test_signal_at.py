@@ -191,10 +191,19 @@ def test_during_the_quiesce_wait_fires_once_the_request_is_out(recorded, monkeyp
     assert not (tmp_path / "quiesce-77.request").exists()
 
 
-def test_during_a_helper_fires_once_the_child_has_execd(recorded, monkeypatch):
-    """``after_exec``: the signal comes while the helper runs (here ``cat`` on a pipe that the
-    signal handler closes, so the helper ends only because the signal came)."""
+def test_during_a_helper_fires_once_the_child_has_execd_and_traces(recorded, monkeypatch):
+    """``after_exec``: the signal comes while the helper runs, once it has exec'd and traces a
+    process (here ``cat`` on a pipe that the signal handler closes, so the helper ends only
+    because the signal came; its tracing is what ``_tracees`` says: pid 1 once asked about
+    the child that exec'd ``cat``)."""
     monkeypatch.setenv(ENV, "during:criu dump=SIGTERM")
+    asked = []
+
+    def tracees(pid):
+        asked.append(os.readlink(f"/proc/{pid}/exe"))
+        return [1]
+
+    monkeypatch.setattr(signal_at, "_tracees", tracees)
     r, w = os.pipe()
 
     def on_term(n, f):
@@ -210,6 +219,7 @@ def test_during_a_helper_fires_once_the_child_has_execd(recorded, monkeypatch):
         signal_at.set_current(None)
         os.close(r)
     assert (res.returncode, recorded) == (0, ["SIGTERM"])
+    assert [os.path.basename(x) for x in asked] == ["cat"]
 
 
 def test_coordinator_events_fire_at_the_first_reply_of_a_mutating_phase(recorded, monkeypatch):

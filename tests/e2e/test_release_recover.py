@@ -74,8 +74,8 @@ def test_release_rolls_back_a_dead_agents_checkpoint(
     if trigger != "during:capture":
         want_steps += teardown[: upto[step]]
     assert lock["steps"] == want_steps
-    # a dump had begun: its directory is there (release removes it)
-    assert (snap / "criu").exists() is dumped
+    # killed mid-dump: CRIU had seized the tree and written its log (release removes it all)
+    assert (snap / "criu" / str(a.pid) / "dump.log").is_file() is dumped
 
     rc, rel = demo.run_agent("release", "--pid", str(a.pid), "--control-dir", str(a.ctl))
     assert rc == 0 and rel["ok"], rel
