@@ -101,8 +101,9 @@ def test_release_rolls_back_a_dead_agents_checkpoint(
     if not dumped:
         assert (found["criu"], found["stopped"]) == ([], [])
     assert not (snap / "criu").exists() and not (snap / "manifest.json").exists()
-    # no lock, no request: only the sockets (and the .resume until the workload takes it)
-    assert set(os.listdir(a.ctl)) - {f"quiesce-{a.pid}.resume"} == {
+    # no lock, no request: only the sockets (and the workload's .ready and the .resume until
+    # the workload has read it and removed both)
+    assert set(os.listdir(a.ctl)) - {f"quiesce-{a.pid}.resume", f"quiesce-{a.pid}.ready"} == {
         f"cuinterpose-{p}.sock" for p in ranks
     }
 
