@@ -272,12 +272,17 @@ class Recovery:
         )
         # txn ids above every one the dead agent sent (they are wall-clock based as well)
         coord.txn_floor = max(coord.txn_floor, int(self.lk.get("last_txn_id") or 0))
-        try:
-            if "records" not in self.lk:
-                # the lock gets the records before SAVE_ALLOCATIONS goes out: nothing was
-                # torn down, every shim must still be ACTIVE
+        if "records" not in self.lk:
+            # the lock gets the records before SAVE_ALLOCATIONS goes out: nothing was torn
+            # down, every shim must still be ACTIVE (else: an older agent's lock)
+            try:
                 coord.inspect(check_phase=True)
-                return {p.pid: "ACTIVE" for p in parts}
+            except Exception as e:
+                raise self.fail(
+                    "the lock holds no records of the capture to rebuild from", e
+                ) from e
+            return {p.pid: "ACTIVE" for p in parts}
+        try:
             res = coord.rollback(decode_records(self.lk["records"], self.root))
         except AgentError:
             raise
@@ -348,11 +353,15 @@ def needs_recovery(lk: Optional[dict]) -> bool:
 def release(control_dir, root: int, *, force: bool = False) -> dict:
     """``cuinterpose-agent release``: the pending request of ``root`` whose agent is dead.
     When its lock says the checkpoint had started changing the workload (:func:`needs_recovery`)
-    :class:`Recovery` undoes it; otherwise (or with ``force`` after a failed rollback) the
-    request is answered as before (``quiesce.release``). Raises ``AgentError`` (phase
-    "release", the pid named): refused (no pending request, a live agent owns it, a torn-down
-    lock without records and no ``force``) or ``rollback_failed``."""
+    :class:`Recovery` undoes it; otherwise the request is answered as before
+    (``quiesce.release``). ``force``: for a lock without records (an older agent's) or whose
+    rollback failed, resume without rebuilding (``quiesce.release(force=True)``); a lock with
+    records is always rolled back. Raises ``AgentError`` (phase "release", the pid named):
+    refused (no pending request, a live agent owns it, a failed rollback without ``force``)
+    or ``rollback_failed``."""
     rid, lk = quiesce.release_check(control_dir, root)
+    if force and lk is not None and "records" not in lk:
+        return quiesce.release(control_dir, root, force=True)
     if lk is not None and needs_recovery(lk):
         return Recovery(control_dir, root, rid, lk).run()
     return quiesce.release(control_dir, root, force=force)

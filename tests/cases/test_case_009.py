@@ -373,3 +373,31 @@ def test_the_next_checkpoint_refuses_naming_release(world, tmp_path):
         f"`cuinterpose-agent release --pid {ROOT} --control-dir {world.ctl}` (it rolls that "
         "checkpoint back first)"
     )
+
+
+def test_a_lock_without_records_is_checked_and_force_resumes_it_without_rebuilding(world, shims):
+    """An older agent's torn-down lock (no records): release only INSPECTs; shims not ACTIVE
+    cannot be rebuilt without the records, so it is refused and the workload stays parked;
+    ``--force`` then resumes it without rebuilding (its old meaning)."""
+    mocks, log = shims
+    for m in mocks.values():
+        m.phase = Phase.PREPARED
+    root = os.getpid()
+    dead_agent_lock(world.ctl, root, "q10", torn_down=True, steps=BEFORE, **_record(world, root))
+    with pytest.raises(AgentError) as ei:
+        recover.release(world.ctl, root)
+    assert (ei.value.phase, ei.value.pid, ei.value.outcome) == ("release", 201, "rollback_failed")
+    assert str(ei.value).startswith(
+        "release: pid 201 the lock holds no records of the capture to rebuild from: INSPECT: "
+        "pid 201 is in phase PREPARED, expected ACTIVE"
+    )
+    assert {p: _recv(log, p) for p in PIDS} == {p: ["INSPECT"] for p in PIDS}
+    assert not quiesce_path(world.ctl, root, "resume").exists()
+    assert recover.release(world.ctl, root, force=True) == {
+        "pid": root,
+        "request_id": "q10",
+        "resume": str(quiesce_path(world.ctl, root, "resume")),
+        "removed_lock": True,
+    }
+    assert {p: _recv(log, p) for p in PIDS} == {p: ["INSPECT"] for p in PIDS}  # no rebuild
+    assert {p: m.phase for p, m in mocks.items()} == {p: Phase.PREPARED for p in PIDS}
