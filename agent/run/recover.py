@@ -295,10 +295,15 @@ class Recovery:
         self.found["criu"] = self.kill_criu()
         gone = [r for r in self.roots if not census_mod.pid_alive(r)]
         if gone and len(gone) < len(self.roots):
+            left = ", ".join(str(r) for r in self.roots if r not in gone)
+            todo = (
+                f"the snapshot in {snap['images_dir']} is complete: end trees {left} and restore it"
+                if snap["complete"]
+                else f"trees {left} cannot be rebuilt without it"
+            )
             raise self.fail(
-                f"tree {gone[0]} is gone but "
-                f"{', '.join(str(r) for r in self.roots if r not in gone)} still run",
-                OSError("a cut of several trees cannot be resumed in part"),
+                f"tree {gone[0]} of the checkpointed cut is gone but {left} still run",
+                OSError(f"a cut of several trees cannot be resumed in part ({todo})"),
                 pid=gone[0],
             )
         resume = None

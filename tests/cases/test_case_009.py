@@ -401,3 +401,22 @@ def test_a_lock_without_records_is_checked_and_force_resumes_it_without_rebuildi
     }
     assert {p: _recv(log, p) for p in PIDS} == {p: ["INSPECT"] for p in PIDS}  # no rebuild
     assert {p: m.phase for p, m in mocks.items()} == {p: Phase.PREPARED for p in PIDS}
+
+
+def test_a_cut_with_one_tree_gone_is_not_resumed_in_part(world, shims):
+    """Two roots, one of them gone: resuming the other alone would break the cut; refused
+    naming both, the workload left parked."""
+    mocks, log = shims
+    root, gone = os.getpid(), dead_pid()
+    rec = _record(world, root, roots=[gone, root])
+    rec["records"] = recover.encode_records(creator_importer_records())
+    dead_agent_lock(world.ctl, root, "q11", torn_down=True, steps=BEFORE, **rec)
+    with pytest.raises(AgentError) as ei:
+        recover.release(world.ctl, root)
+    assert (ei.value.pid, ei.value.outcome) == (gone, "rollback_failed")
+    assert str(ei.value).startswith(
+        f"release: pid {gone} tree {gone} of the checkpointed cut is gone but {root} still run: "
+        f"a cut of several trees cannot be resumed in part (trees {root} cannot be rebuilt "
+        "without it); the workload stays parked"
+    )
+    assert log.of("recv") == [] and not quiesce_path(world.ctl, root, "resume").exists()
