@@ -420,3 +420,61 @@ def test_a_cut_with_one_tree_gone_is_not_resumed_in_part(world, shims):
         "without it); the workload stays parked"
     )
     assert log.of("recv") == [] and not quiesce_path(world.ctl, root, "resume").exists()
+
+
+FAKE_CRIU = r"""
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+child = os.fork()
+if child == 0:
+    os.setsid()
+    sys.stdin.read()  # until the test ends it
+    os._exit(0)
+PTRACE_SEIZE = 0x4206  # include/uapi/linux/ptrace.h
+assert libc.ptrace(PTRACE_SEIZE, child, 0, 0) == 0, ctypes.get_errno()
+print(child, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_release_kills_a_criu_still_tracing_the_tree(ctl, tmp_path):
+    """A CRIU that outlived its agent and still traces the tree (here a stand-in whose command
+    line names ``criu``, seizing the root with PTRACE_SEIZE) is SIGKILLed and waited for
+    before anything else; the tree is then no longer traced."""
+    script = tmp_path / "criu"  # its command line names "criu"
+    script.write_text(FAKE_CRIU)
+    fake = subprocess.Popen(
+        [sys.executable, str(script), "dump"], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    root = int(fake.stdout.readline())
+    try:
+        lk = dead_agent_lock(
+            ctl,
+            root,
+            "q12",
+            torn_down=True,
+            roots=[root],
+            participants=[],
+            cuda_pids=[],
+            tree_pids={str(root): [root]},
+            steps=["capture", "criu dump", f"criu dump {root}"],
+        )
+        with open(f"/proc/{root}/status") as f:
+            assert f"TracerPid:\t{fake.pid}\n" in f.readlines()
+        rep = recover.release(ctl, root)
+        assert fake.wait() == -signal.SIGKILL
+        assert rep["found"] == {"criu": [fake.pid], "stopped": [], "native": {}, "shims": {}}
+        assert recover.render(rep).splitlines()[:2] == [
+            f"released pid {root}: the agent (pid {lk['pid']}) that sent request q12 died after: "
+            f"capture, criu dump, criu dump {root}",
+            f"  criu: pid {fake.pid} killed",
+        ]
+        with open(f"/proc/{root}/status") as f:
+            assert "TracerPid:\t0\n" in f.readlines()
+    finally:
+        for p in (root, fake.pid):
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        fake.wait()
