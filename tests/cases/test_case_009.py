@@ -478,3 +478,34 @@ def test_release_kills_a_criu_still_tracing_the_tree(ctl, tmp_path):
             except ProcessLookupError:
                 pass
         fake.wait()
+
+
+def test_serve_rolls_back_a_dead_lock_before_it_serves(world, shims, capfd):
+    """The daemon's start (``Server.start``): a dead agent's checkpoint in its control dir is
+    rolled back first; the report is kept (``Server.recovered``) and logged on stderr."""
+    import shutil
+    import tempfile
+
+    from cuinterpose.agent.rpc import service
+
+    mocks, log = shims
+    for m in mocks.values():
+        m.phase = Phase.PREPARED
+    root = os.getpid()
+    rec = _record(world, root, records=recover.encode_records(creator_importer_records()))
+    dead_agent_lock(world.ctl, root, "q13", torn_down=True, steps=BEFORE, **rec)
+    d = tempfile.mkdtemp(prefix="cui-serve-")
+    srv = service.Server(
+        f"unix:{d}/a.sock", service.ServeOptions(node="n1", control_dir=str(world.ctl))
+    ).start()
+    try:
+        assert [(r["pid"], r["outcome"], r["found"]["shims"]) for r in srv.recovered] == [
+            (root, "rolled_back", {201: "PREPARED", 202: "PREPARED"})
+        ]
+    finally:
+        srv.stop(0)
+        shutil.rmtree(d, ignore_errors=True)
+    assert {p: m.phase for p, m in mocks.items()} == {p: Phase.ACTIVE for p in PIDS}
+    assert (
+        f"cuinterpose-agent serve: released pid {root}: the agent (pid " in capfd.readouterr().err
+    )
