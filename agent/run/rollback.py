@@ -28,8 +28,16 @@ class Rollback:
 
     def mark(self, step: str, **extra) -> None:
         """Append ``step`` to the ``.lock``'s ``steps`` (and merge ``extra``): what a dead
-        agent had done."""
-        quiesce.mark_step(self.control_dir, self.roots, self.qid, step, **extra)
+        agent had done. Best effort (a note when the write fails, e.g. ENOSPC): what a release
+        needs (participants, records) is written before the capture's first mutating request,
+        and that write is not (Rollback.step_started, recover.watch_first_inspect); a later
+        mark only tells a release what it will find anyway (driver states, shim phases, the
+        manifest on disk), and failing a step over it could, after the manifest, leave a
+        manifest without its images."""
+        try:
+            quiesce.mark_step(self.control_dir, self.roots, self.qid, step, **extra)
+        except OSError as e:
+            self.r.note(f"warning: could not record step {step!r} in the .lock: {e}")
 
     def step_started(self, step: Step) -> None:
         """From the quiescence check on (it locks every CUDA process), each step is in the

@@ -647,3 +647,29 @@ def test_release_prints_what_it_found_and_undid(ctl, tmp_path):
         "cancelled": False,
     }
     assert sorted(p.name for p in ctl.iterdir()) == [f"quiesce-{job.pid}.resume"]
+
+
+def test_a_lock_mark_that_cannot_be_written_does_not_fail_the_checkpoint(
+    world, tmp_path, monkeypatch
+):
+    """ENOSPC on a step mark after the capture: a note, and the checkpoint completes (the record
+    a release needs was written before the capture's first mutating request)."""
+    import errno
+
+    monkeypatch.setattr(quiesce, "request", answer_quiesce(world))
+    real = quiesce.mark_step
+
+    def mark_step(ctl, roots, qid, step, **extra):
+        if step.startswith("manifest"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(ctl, roots, qid, step, **extra)
+
+    monkeypatch.setattr(quiesce, "mark_step", mark_step)
+    rep = Reporter()
+    m = cp_mod.Checkpoint([ROOT], tmp_path / "snap", control_dir=world.ctl, reporter=rep).run()
+    assert m["roots"] == [ROOT] and (tmp_path / "snap" / "manifest.json").is_file()
+    assert [n for n in rep.notes if "could not record" in n] == [
+        "warning: could not record step 'manifest' in the .lock: [Errno 28] No space left on device",
+        "warning: could not record step 'manifest done' in the .lock: [Errno 28] No space left "
+        "on device",
+    ]
