@@ -39,6 +39,8 @@ __all__ = [
 #: seconds a leftover CRIU gets to exit after SIGKILL (it is killed, so this only catches a
 #: process stuck in the kernel)
 CRIU_EXIT_S = 30.0
+#: the snapshot ``why`` of a checkpoint that never wrote its manifest
+NO_MANIFEST = "no manifest was written"
 
 
 # -- what the checkpoint records ---------------------------------------------------------------
@@ -171,7 +173,6 @@ class Recovery:
         self.roots = list(dict.fromkeys([*roots, self.root]))
         self.steps = [str(s) for s in lock.get("steps") or []]
         self.found: dict = {}
-        self.undone: list[str] = []
 
     def tree_pids(self) -> list[int]:
         """The recorded pids of every tree (read before each dump) and what is under each
@@ -223,9 +224,11 @@ class Recovery:
 
     def snapshot(self) -> dict:
         """{"images_dir", "complete", "why"}: complete when the manifest was written and it and
-        every image it lists check out (manifest.load, verify_images)."""
+        every image it lists check out (manifest.load, verify_images). A manifest that does not
+        check out (e.g. signed with a node key this process does not have) is never removed:
+        it is written last, so the dump had completed."""
         d = self.lk.get("images_dir")
-        out = {"images_dir": d, "complete": False, "why": "no manifest was written"}
+        out = {"images_dir": d, "complete": False, "why": NO_MANIFEST}
         if d and (pathlib.Path(d) / manifest_mod.MANIFEST_NAME).is_file():
             try:
                 m = manifest_mod.load(d)
@@ -309,7 +312,6 @@ class Recovery:
         resume = None
         if gone:  # the workload is gone (killed after a complete dump, or it died)
             quiesce.clear(self.cdir, self.roots)
-            self.undone.append("the workload is gone: nothing to resume; its quiesce files removed")
         else:
             self.found["stopped"] = self.continue_stopped()
             self.found["native"] = self.native()
@@ -320,7 +322,8 @@ class Recovery:
             for r in self.roots:
                 quiesce_path(self.cdir, r, "request").unlink(missing_ok=True)
             resume = str(quiesce_path(self.cdir, self.root, "resume"))
-        if not snap["complete"] and snap["images_dir"]:
+        partial = snap["images_dir"] and not snap["complete"]
+        if partial and not (pathlib.Path(snap["images_dir"]) / manifest_mod.MANIFEST_NAME).exists():
             images.cleanup(snap["images_dir"])
             images.remove_empty([pathlib.Path(d) for d in self.lk.get("created_dirs") or []])
         return {
@@ -461,8 +464,13 @@ def render(rep: dict) -> str:
             f"  snapshot: complete in {s['images_dir']}, kept: `{s['restore']}` restores it"
             + (" once the workload is gone" if rep.get("outcome") != "workload_gone" else "")
         )
-    elif s.get("images_dir"):
+    elif s.get("images_dir") and s.get("why") == NO_MANIFEST:
         lines.append(
             f"  snapshot: none ({s['why']}); the partial images in {s['images_dir']} removed"
+        )
+    elif s.get("images_dir"):
+        lines.append(
+            f"  snapshot: {s['images_dir']} has a manifest that does not check out ({s['why']}); "
+            "kept as it is: check it before you restore or remove it"
         )
     return "\n".join(lines)

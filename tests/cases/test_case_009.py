@@ -509,3 +509,30 @@ def test_serve_rolls_back_a_dead_lock_before_it_serves(world, shims, capfd):
     assert (
         f"cuinterpose-agent serve: released pid {root}: the agent (pid " in capfd.readouterr().err
     )
+
+
+def test_a_manifest_that_does_not_check_out_is_kept_with_its_images(world, shims):
+    """The manifest is written last, so one on disk means the dump completed; when it does not
+    check out here (another node key, an edit) release still rolls the workload back but
+    removes nothing, and says so."""
+    mocks, log = shims
+    root = os.getpid()
+    snap = world.ctl.parent / "snap"
+    (snap / "criu" / str(root)).mkdir(parents=True)
+    (snap / "criu" / str(root) / "core-1.img").write_bytes(b"image")
+    (snap / "manifest.json").write_text("{}")
+    rec = _record(world, root)
+    dead_agent_lock(world.ctl, root, "q14", torn_down=True, steps=["capture"], **rec)
+    rep = recover.release(world.ctl, root)
+    why = f"manifest: {snap / 'manifest.json'}: format is None, expected 'cuinterpose-snapshot'"
+    assert (rep["outcome"], rep["snapshot"]["complete"], rep["snapshot"]["why"]) == (
+        "rolled_back",
+        False,
+        why,
+    )
+    assert (snap / "manifest.json").read_text() == "{}"
+    assert (snap / "criu" / str(root) / "core-1.img").read_bytes() == b"image"
+    assert recover.render(rep).splitlines()[-1] == (
+        f"  snapshot: {snap} has a manifest that does not check out ({why}); kept as it is: "
+        "check it before you restore or remove it"
+    )
