@@ -350,12 +350,15 @@ class Recovery:
 
 
 def needs_recovery(lk: Optional[dict]) -> bool:
-    """A dead agent's lock whose checkpoint left something to undo: the capture started
-    (``torn_down``) or a native lock was taken (``cuda_pids`` recorded), and no rollback of it
-    failed already (``rollback_failed``: ``release --force``)."""
+    """A dead agent's lock whose checkpoint left something to undo and that says how: the
+    capture started (``torn_down``, with its record: ``participants``; a torn-down lock
+    without one is an older agent's, which only ``release --force`` resumes) or a native lock
+    was taken (``cuda_pids``), and no rollback of it failed already (``rollback_failed``)."""
     if not isinstance(lk, dict) or lk.get("rollback_failed"):
         return False
-    return bool(lk.get("torn_down") or lk.get("cuda_pids"))
+    if lk.get("torn_down"):
+        return "participants" in lk
+    return bool(lk.get("cuda_pids"))
 
 
 def release(control_dir, root: int, *, force: bool = False) -> dict:

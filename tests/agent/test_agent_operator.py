@@ -291,13 +291,17 @@ def test_release_after_teardown_wants_force(ctl):
         quiesce_path(ctl, 9, "lock"),
         {"id": "q1", "pid": 999999999, "starttime": 1, "torn_down": True},
     )
-    with pytest.raises(QuiesceRefused) as ei:
-        quiesce.release(ctl, 9)
-    assert ei.value.reason == (
-        "the agent (pid 999999999) that sent request q1 had started tearing the shared memory "
-        "down and never rebuilt it: resuming the workload may run it on torn-down memory; pass "
-        "--force to release it anyway"
-    )
+    from cuinterpose.agent.run import recover
+
+    # an older agent's lock (no record to rebuild from): release does not guess, it refuses
+    for release in (quiesce.release, recover.release):
+        with pytest.raises(QuiesceRefused) as ei:
+            release(ctl, 9)
+        assert ei.value.reason == (
+            "the agent (pid 999999999) that sent request q1 had started tearing the shared "
+            "memory down and never rebuilt it: resuming the workload may run it on torn-down "
+            "memory; pass --force to release it anyway"
+        )
     assert quiesce.release(ctl, 9, force=True)["request_id"] == "q1"
 
 
