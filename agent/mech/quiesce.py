@@ -20,7 +20,7 @@ import uuid
 from typing import Callable, Iterable, Optional
 
 from cuinterpose.agent.errors import QuiesceRefused
-from cuinterpose.agent.mech import procfs
+from cuinterpose.agent.mech import procfs, signal_at
 from cuinterpose.coordinator.contract import quiesce_path, read_json, write_atomic
 
 POLL_S = 0.02
@@ -279,6 +279,7 @@ def wait_ready(
     roots = list(roots)
     deadline = time.monotonic() + timeout_ms / 1000.0
     ready: dict[int, dict] = {}
+    signal_at.signal_point("during")  # test only: the request is out, the wait begins
     while True:
         for r in roots:
             if r not in ready:

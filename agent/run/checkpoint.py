@@ -26,6 +26,7 @@ from cuinterpose.agent.run.steps import (
     Step,
     StepRunner,
     as_agent_error,
+    coordinator_events,
     group_phases,
     helper_env,
     strip_preload_env,
@@ -206,7 +207,7 @@ class Checkpoint(Rollback, StepRunner):
             parts,
             timeout_s=self.phase_timeout_s,
             carrier_timeout_s=self.carrier_timeout_s,
-            on_event=self.r.coordinator_event,
+            on_event=coordinator_events(self.r.coordinator_event),
         )
 
     def quiesce(self):
@@ -289,7 +290,6 @@ class Checkpoint(Rollback, StepRunner):
         """Coordinator capture: INSPECT, validate, SAVE_ALLOCATIONS, PREPARE_UNICAST, INSPECT.
         A refusal or validation error before SAVE_ALLOCATIONS changed nothing (refused);
         from SAVE_ALLOCATIONS on, a failure means teardown started (rolled back)."""
-        # from here a dead agent may leave torn-down memory: `release` then wants --force
         quiesce.write_lock(
             self.control_dir,
             self.roots,
