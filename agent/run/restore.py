@@ -28,6 +28,7 @@ from cuinterpose.agent.run.steps import (
     Step,
     StepRunner,
     as_agent_error,
+    coordinator_events,
     group_phases,
     strip_preload_env,
 )
@@ -440,7 +441,7 @@ class Restore(StepRunner):
             parts,
             timeout_s=self.phase_timeout_s,
             carrier_timeout_s=self.carrier_timeout_s,
-            on_event=self.r.coordinator_event,
+            on_event=coordinator_events(self.r.coordinator_event),
         )
         try:
             capture = phases.Capture.from_dict(self.m["capture"])
