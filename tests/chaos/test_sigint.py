@@ -82,6 +82,17 @@ CHECKPOINT = [
     ("before:resume=SIGINT", "snapshot", None, None),
 ]
 EXIT = {"refused": 3, "rolled_back": 4, "snapshot": 0}
+# Before the guard: agent/run/checkpoint.py runs its "images" stage before it enters the guard,
+# so a signal there is a KeyboardInterrupt (exit 1, "usage: aborted") or kills the agent
+# (SIGTERM); it should stop after "driver" like the next boundary. Outside this area: the
+# fix is to run that stage inside ``with self.guard`` (reported; strict, so it shows once fixed).
+BEFORE_GUARD = pytest.mark.xfail(
+    strict=True, reason="checkpoint.py: the images stage runs before the interrupt guard"
+)
+CHECKPOINT[:0] = [
+    pytest.param(f"before:images dir={s}", "refused", "driver", REFUSED_AFTER, marks=BEFORE_GUARD)
+    for s in ("SIGINT", "SIGTERM")
+]
 
 RESTORE_REFUSED = (
     "interrupted by {sig} after {phase}; restore cancelled, nothing was changed, the snapshot "
@@ -207,7 +218,11 @@ def checkpoint(a: demo.Afdwin, snap, trigger: str):
     )
 
 
-@pytest.mark.parametrize("trigger,outcome,phase,reason", CHECKPOINT, ids=[c[0] for c in CHECKPOINT])
+@pytest.mark.parametrize(
+    "trigger,outcome,phase,reason",
+    CHECKPOINT,
+    ids=[c.values[0] if hasattr(c, "values") else c[0] for c in CHECKPOINT],
+)
 def test_checkpoint_interrupted(afdwin, tmp_path, trigger, outcome, phase, reason):
     sig = sig_of(trigger)
     kind = f"{sig.lower()} checkpoint {trigger}"
