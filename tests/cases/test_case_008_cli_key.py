@@ -45,7 +45,9 @@ def test_checkpoint_signs_and_restore_verifies_with_the_key_option(afdwin, tmp_p
     a = afdwin(steps=STEPS, step_delay_ms=0, hold_at=(HOLD,))
     assert a.wait_hold(1) == HOLD
     snap = tmp_path / "snap"
-    rc, cp = a.checkpoint(snap, "--manifest-key", str(key))
+    rc, cp = a.checkpoint(
+        snap, "--manifest-key", str(key), "--quiesce-timeout-ms", str(int(demo.HANG_S * 1000))
+    )
     assert (rc, cp["ok"]) == (0, True), cp
     assert a.wait_dumped(demo.HANG_S) == -signal.SIGKILL
     original = (snap / "manifest.json").read_bytes()

@@ -51,7 +51,7 @@ def test_restore_creates_a_missing_control_dir_and_refuses_an_unsafe_one(afdwin,
     a = afdwin(steps=STEPS, step_delay_ms=0, hold_at=(HOLD,))
     assert a.wait_hold(1) == HOLD
     snap = tmp_path / "snap"
-    rc, cp = a.checkpoint(snap)
+    rc, cp = a.checkpoint(snap, "--quiesce-timeout-ms", str(int(demo.HANG_S * 1000)))
     assert (rc, cp["ok"]) == (0, True), cp
     assert a.wait_dumped(demo.HANG_S) == -signal.SIGKILL
     ctl = a.ctl

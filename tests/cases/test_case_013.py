@@ -138,6 +138,8 @@ def test_enospc_at_the_final_rewrite_leaves_no_tmp_and_warns_in_json(afdwin, tmp
         "fake",
         "--control-dir",
         str(a.ctl),
+        "--quiesce-timeout-ms",
+        str(int(demo.HANG_S * 1000)),
     )
     assert (rc, cp.get("ok")) == (0, True), cp
     assert a.wait_dumped(demo.HANG_S) == -signal.SIGKILL

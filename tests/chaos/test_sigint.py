@@ -259,7 +259,7 @@ def test_checkpoint_interrupted(afdwin, tmp_path, trigger, outcome, phase, reaso
 def test_restore_interrupted_at_every_step_keeps_the_snapshot(afdwin, tmp_path):
     a = start(afdwin)
     snap = tmp_path / "snap"
-    rc, cp = a.checkpoint(snap)
+    rc, cp = a.checkpoint(snap, "--quiesce-timeout-ms", str(int(demo.HANG_S * 1000)))
     assert (rc, cp["ok"]) == (0, True), cp
     assert a.wait_dumped(demo.HANG_S) == -signal.SIGKILL
     m = json.loads((snap / "manifest.json").read_text())
