@@ -13,6 +13,9 @@ The variable is a comma-separated list of ``WHEN:STEP[=SIGNAL]``:
   "criu dump", ...): the step runner registers its tables with :func:`register_steps`;
 - ``SIGNAL``: ``SIGKILL`` (the default), ``SIGINT``, ``SIGTERM`` or ``SIGHUP``.
 
+``during`` is accepted only for the steps of :data:`DURING` (the ones with such a call), so an
+entry that could never fire is refused instead of passing vacuously.
+
 Each entry fires at most once per process: ``os.kill(os.getpid(), SIGNAL)``. An entry naming
 an unknown step, an unknown ``WHEN`` or signal raises ``AgentError`` naming the variable and the
 known names (so a typo never makes a test pass vacuously).
@@ -30,6 +33,18 @@ from cuinterpose.agent.errors import AgentError
 ENV = "CUINTERPOSE_TEST_SIGNAL_AT"
 WHENS = ("before", "after", "during")
 SIGNALS = ("SIGKILL", "SIGINT", "SIGTERM", "SIGHUP")
+
+#: the steps with a ``during`` point, and where it is
+DURING = {
+    "quiesce": "quiesce.wait_ready, once the .request is written",
+    "quiescence check": "native lock_all/unlock_all, after the first pid's call",
+    "capture": "the coordinator's first reply of a phase other than INSPECT",
+    "native lock": "native lock_all, after the first pid's call",
+    "native checkpoint": "native checkpoint_all, after the first pid's call",
+    "criu dump": "criu_run.run, once CRIU's child has exec'd",
+    "criu restore": "criu_run.run, once CRIU's child has exec'd",
+    "native restore": "native restore_all/unlock_all, after the first pid's call",
+}
 
 #: every step name a step table registered (agent/run/steps.py: each StepRunner subclass)
 _known: dict[str, None] = {}
@@ -84,6 +99,12 @@ def parse(value: str) -> list[tuple[str, str, int]]:
                 f"entry {entry!r} names unknown step {step!r}; the known steps are "
                 + ", ".join(repr(n) for n in _known),
             )
+        if when == "during" and step not in DURING:
+            raise AgentError(
+                ENV,
+                f"entry {entry!r}: step {step!r} has no during point; the steps with one are "
+                + ", ".join(repr(n) for n in DURING),
+            )
         if sig not in SIGNALS:
             raise AgentError(
                 ENV, f"entry {entry!r} names signal {sig!r}; use one of {', '.join(SIGNALS)}"
@@ -104,7 +125,8 @@ def signal_point(when: str, step: Optional[str] = None, *, after_exec: bool = Fa
     """Send the signal of the first unfired entry ``when:step`` (``step`` defaults to the
     running step; nothing happens outside a step) to this process. ``after_exec``: the caller
     is about to start a helper (CRIU): the signal is sent from a thread once a child of this
-    process has exec'd (its ``/proc/PID/exe`` is no longer this process's). Raises
+    process has exec'd (its ``/proc/PID/exe`` is no longer this process's) and traces a
+    process (CRIU has seized the tree it dumps or restores), or has exited. Raises
     ``AgentError`` for a malformed variable (see :func:`parse`); a no-op when it is unset."""
     if not os.environ.get(ENV):
         return
@@ -134,19 +156,43 @@ def _children() -> list[int]:
     return out
 
 
+def _tracees(tracer: int) -> list[int]:
+    """Every process whose ``TracerPid`` is ``tracer``."""
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/status") as f:
+                for line in f:
+                    if line.startswith("TracerPid:"):
+                        if int(line.split()[1]) == tracer:
+                            out.append(int(name))
+                        break
+        except (OSError, ValueError):
+            pass
+    return out
+
+
 def _kill_after_exec(sig: int, step: str) -> None:
-    """Poll this process's children until one runs another program, then signal ourselves;
-    give up once ``step`` is no longer the running step (the helper never started: the step
-    failed or ended)."""
+    """Poll this process's children until one runs another program and then either traces a
+    process (CRIU has seized the tree it dumps: the middle of its work) or is gone, then signal
+    ourselves; give up once ``step`` is no longer the running step (the helper never started:
+    the step failed or ended)."""
     import time
 
     me = os.readlink("/proc/self/exe")
+    helper = None
     while _current == step:
-        for child in _children():
-            try:
-                if os.readlink(f"/proc/{child}/exe") != me:
-                    os.kill(os.getpid(), sig)
-                    return
-            except OSError:
-                pass
+        if helper is None:
+            for child in _children():
+                try:
+                    if os.readlink(f"/proc/{child}/exe") != me:
+                        helper = child
+                        break
+                except OSError:
+                    pass
+        if helper is not None and (helper not in _children() or _tracees(helper)):
+            os.kill(os.getpid(), sig)
+            return
         time.sleep(0.002)

@@ -152,16 +152,24 @@ class StepRunner:
         ``AgentError`` for a malformed ``CUINTERPOSE_TEST_SIGNAL_AT``)."""
         for s in steps:
             signal_point("before", s.name)
+            self.step_started(s)
             signal_at.set_current(s.name)
             try:
                 getattr(self, s.method)()
             finally:
                 signal_at.set_current(None)
+            self.step_done(s)
             signal_point("after", s.name)
             if s.check:
                 sig = self.guard.pending()
                 if sig:
                     raise self.interrupted(s, sig)
+
+    def step_started(self, step: Step) -> None:
+        """Called right before ``step`` runs (a checkpoint records it in its ``.lock``)."""
+
+    def step_done(self, step: Step) -> None:
+        """Called right after ``step`` returned (not when it raised)."""
 
     def interrupted(self, step: Step, sig: str) -> AgentError:
         """The error a signal that arrived during ``step`` stops the run with."""

@@ -56,6 +56,7 @@ def recorded(monkeypatch):
     variable's parsed entries start afresh."""
     log: list[str] = []
     monkeypatch.setattr(signal_at, "_parsed", (None, []))
+    monkeypatch.setitem(signal_at.DURING, "beta", "_Seq.b")  # the test table's during point
     old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     for s in old:
         signal.signal(s, lambda n, f: log.append(signal.Signals(n).name))
@@ -112,6 +113,12 @@ def test_an_unknown_step_is_refused_naming_the_variable_and_every_known_step(rec
             "capture",
             "CUINTERPOSE_TEST_SIGNAL_AT: entry 'capture' is not WHEN:STEP[=SIGNAL] with WHEN "
             "one of before, after, during (test only: unset it for a real run)",
+        ),
+        (
+            "during:manifest",
+            "CUINTERPOSE_TEST_SIGNAL_AT: entry 'during:manifest': step 'manifest' has no during "
+            "point; the steps with one are 'quiesce', 'quiescence check', 'capture', 'native "
+            "lock', 'native checkpoint', 'criu dump', 'criu restore', 'native restore'",
         ),
         (
             "after:capture=SIGUSR1",
@@ -184,10 +191,19 @@ def test_during_the_quiesce_wait_fires_once_the_request_is_out(recorded, monkeyp
     assert not (tmp_path / "quiesce-77.request").exists()
 
 
-def test_during_a_helper_fires_once_the_child_has_execd(recorded, monkeypatch):
-    """``after_exec``: the signal comes while the helper runs (here ``cat`` on a pipe that the
-    signal handler closes, so the helper ends only because the signal came)."""
+def test_during_a_helper_fires_once_the_child_has_execd_and_traces(recorded, monkeypatch):
+    """``after_exec``: the signal comes while the helper runs, once it has exec'd and traces a
+    process (here ``cat`` on a pipe that the signal handler closes, so the helper ends only
+    because the signal came; its tracing is what ``_tracees`` says: pid 1 once asked about
+    the child that exec'd ``cat``)."""
     monkeypatch.setenv(ENV, "during:criu dump=SIGTERM")
+    asked = []
+
+    def tracees(pid):
+        asked.append(os.readlink(f"/proc/{pid}/exe"))
+        return [1]
+
+    monkeypatch.setattr(signal_at, "_tracees", tracees)
     r, w = os.pipe()
 
     def on_term(n, f):
@@ -203,6 +219,7 @@ def test_during_a_helper_fires_once_the_child_has_execd(recorded, monkeypatch):
         signal_at.set_current(None)
         os.close(r)
     assert (res.returncode, recorded) == (0, ["SIGTERM"])
+    assert [os.path.basename(x) for x in asked] == ["cat"]
 
 
 def test_coordinator_events_fire_at_the_first_reply_of_a_mutating_phase(recorded, monkeypatch):
