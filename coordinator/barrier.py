@@ -49,6 +49,28 @@ def next_txn_id(floor: int = 0) -> int:
         return _txn_last
 
 
+#: the phases a capture or restore leaves a shim in (every phase but ACTIVE and FAILED)
+CAPTURE_PHASES = frozenset(p for p in Phase if p not in (Phase.ACTIVE, Phase.FAILED))
+
+
+def _wrong_phase_text(pid: int, phase: int, expected: Phase) -> str:
+    """What INSPECT found: ``pid`` in ``phase`` where ``expected`` was due. A shim found in a
+    capture phase where ACTIVE was expected is held by a capture nobody finished (an agent
+    that died mid-checkpoint): the text points to ``cuinterpose-agent release``, which rolls
+    it back (docs/agent.md)."""
+    text = (
+        f"INSPECT: pid {pid} is in phase {enum_name(Phase, phase)}, expected "
+        f"{enum_name(Phase, expected)}"
+    )
+    if expected == Phase.ACTIVE and phase in CAPTURE_PHASES:
+        text += (
+            f": a capture that was not finished holds it (an agent that died mid-checkpoint); "
+            f"roll it back with `cuinterpose-agent release --pid ROOT` (ROOT: the root pid of "
+            f"pid {pid}'s job), then retry"
+        )
+    return text
+
+
 # --- the runner ------------------------------------------------------------------------------
 class Barrier:
     """Sends phases to ``participants`` (list of :class:`Participant`, unique pids), each phase
@@ -97,8 +119,7 @@ class Barrier:
             if wrong:
                 r = wrong[0]
                 raise PhaseError(
-                    f"INSPECT: pid {r.pid} is in phase {enum_name(Phase, r.phase)}, expected "
-                    f"{enum_name(Phase, expected_phase)}"
+                    _wrong_phase_text(r.pid, r.phase, expected_phase)
                     + ("" if changed_before else "; nothing was changed"),
                     phase=Op.INSPECT.name,
                     pid=r.pid,

@@ -71,6 +71,44 @@ def set_env(driver, control_dir):
 
 POSITIVE = click.FloatRange(min=0, min_open=True)
 
+
+def manifest_key_opt(help_text: str):
+    """``--manifest-key FILE`` of the one-shot ``checkpoint``/``restore`` (the daemon's is
+    ``serve --manifest-key``); ``help_text`` says what the command does with the key."""
+    return click.option(
+        "--manifest-key",
+        "manifest_key",
+        type=click.Path(dir_okay=False, exists=True),
+        default=None,
+        help=help_text + " (default: $CUINTERPOSE_MANIFEST_KEY_FILE, else no key; "
+        "docs/snapshot-format.md). Not with --agent/--group: a daemon uses its own "
+        "`serve --manifest-key`.",
+    )
+
+
+def use_manifest_key(path, *, remote: bool) -> None:
+    """Sign and check the manifests of this process with the node key in ``path`` (None:
+    nothing changes, the environment's key if any applies). Raises ``click.UsageError``
+    (exit 2, before anything is done) when ``path`` is given with ``--agent``/``--group``
+    (the daemons sign with their own key) or the key file cannot be read or is empty."""
+    if not path:
+        return
+    if remote:
+        raise click.UsageError(
+            "--manifest-key signs and checks in this process; with --agent or --group each "
+            "daemon uses its own `serve --manifest-key`: do not pass it here"
+        )
+    from cuinterpose.agent.errors import SnapshotError
+    from cuinterpose.agent.snapshot import trust
+
+    trust.set_key_file(str(path))
+    os.environ[trust.KEY_ENV] = os.path.abspath(str(path))
+    try:
+        trust.node_key()
+    except SnapshotError as e:
+        raise click.UsageError(f"--manifest-key: {e.reason}") from None
+
+
 driver_opt = click.option(
     "--driver",
     type=click.Choice(["real", "fake"]),

@@ -21,12 +21,14 @@ from cuinterpose.agent.cli.common import (
     json_opt,
     live,
     load_members,
+    manifest_key_opt,
     remote,
     reporter,
     set_env,
     tls_ca_opt,
     tls_cert_opt,
     tls_key_opt,
+    use_manifest_key,
 )
 from cuinterpose.agent.errors import AgentError
 from cuinterpose.coordinator.protocol import default_control_dir
@@ -70,6 +72,7 @@ from cuinterpose.coordinator.protocol import default_control_dir
     help="deadline of SAVE_ALLOCATIONS (copying shared bytes to host carriers).",
 )
 @click.option("--leave-running", is_flag=True, help="keep the workload running after the dump.")
+@manifest_key_opt("node key file: the manifest gets an HMAC-SHA256 (mac) with it")
 @driver_opt
 @control_opt
 @agent_opt
@@ -86,6 +89,7 @@ def checkpoint(
     phase_timeout_s,
     carrier_timeout_s,
     leave_running,
+    manifest_key,
     driver,
     control_dir,
     agent_addr,
@@ -108,6 +112,7 @@ def checkpoint(
         raise click.UsageError("Missing option '--pid'.")
     elif not images_dir:
         raise click.UsageError("Missing option '--images-dir'.")
+    use_manifest_key(manifest_key, remote=bool(agent_addr or group_file))
     tls = client_tls(tls_ca, tls_cert, tls_key)
     title = (
         f"group checkpoint {group_file}"
@@ -209,6 +214,9 @@ def checkpoint(
     help="libcuda.so.1 to use: real or fakecuda (default: $CUINTERPOSE_DRIVER, else "
     "the driver the manifest records).",
 )
+@manifest_key_opt(
+    "node key file: a snapshot whose manifest has no valid HMAC-SHA256 (mac) with it is refused"
+)
 @agent_opt
 @group_opt
 @tls_ca_opt
@@ -221,6 +229,7 @@ def restore(
     carrier_timeout_s,
     into_pid,
     driver,
+    manifest_key,
     agent_addr,
     group_file,
     tls_ca,
@@ -241,6 +250,7 @@ def restore(
         )
     if not group_file and not images_dir:
         raise click.UsageError("Missing option '--images-dir'.")
+    use_manifest_key(manifest_key, remote=bool(agent_addr or group_file))
     tls = client_tls(tls_ca, tls_cert, tls_key)
     rep, sink = reporter(
         f"group restore {group_file}" if group_file else f"restore {images_dir}", as_json

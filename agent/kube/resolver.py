@@ -11,7 +11,11 @@ container (the container's init, whose parent is the runtime shim, and processes
 
 Both the agent and the pod must share the host's PID namespace: a process whose
 ``/proc/PID/status`` ``NSpid:`` line lists more than one pid lives in a nested PID namespace
-(proc(5)) and is refused here, naming the container and the pid.
+(proc(5)) and is refused here, naming the container and the pid. Each pid also goes through
+``agent.mech.census_checks.check_process_id``, the check the census makes (case 002): a pid
+that is a thread of another process (``Tgid:`` of ``/proc/PID/status`` differs) is refused
+by name. That check reads the agent's own ``/proc``, so it applies when ``proc_root`` shows
+the agent's pid namespace (``host_pids``; by default when ``proc_root`` is ``/proc``).
 
 A restore goes into a *placeholder* pod: :meth:`CgroupResolver.placeholder` picks the process
 whose cgroups and namespaces the restored trees join — the init of the pod's first running
@@ -27,7 +31,8 @@ import os
 import pathlib
 from typing import Iterable, Optional
 
-from cuinterpose.agent.mech import procfs
+from cuinterpose.agent.errors import CensusError
+from cuinterpose.agent.mech import census_checks, procfs
 
 
 class ResolveError(Exception):
@@ -59,10 +64,16 @@ def container_ids(pod: dict) -> list[tuple[str, str]]:
 
 class CgroupResolver:
     """Reads ``<proc_root>/<pid>/cgroup`` and ``<proc_root>/<pid>/stat``. ``proc_root`` is the
-    host's /proc for the DaemonSet (hostPID); tests point it at a directory they lay out."""
+    host's /proc for the DaemonSet (hostPID); tests point it at a directory they lay out.
+    ``host_pids``: the pids under ``proc_root`` are those of the agent's pid namespace, so
+    :meth:`check_pid` applies the census's process-id check (None: when ``proc_root`` is
+    ``/proc``)."""
 
-    def __init__(self, proc_root: str | os.PathLike = "/proc"):
+    def __init__(self, proc_root: str | os.PathLike = "/proc", *, host_pids: Optional[bool] = None):
         self.proc_root = pathlib.Path(proc_root)
+        if host_pids is None:
+            host_pids = os.path.realpath(self.proc_root) == "/proc"
+        self.host_pids = host_pids
 
     def _pids(self) -> Iterable[int]:
         return procfs.pids(str(self.proc_root))
@@ -97,6 +108,23 @@ class CgroupResolver:
             return None
         return ns if ns and len(ns) > 1 else None
 
+    def check_pid(self, who: str, pid: int) -> None:
+        """Refuse (``ResolveError`` naming ``who`` and the pid) a pid in a nested PID namespace
+        (``NSpid:``) and, with ``host_pids``, one that is not a process id
+        (``census_checks.check_process_id``: a thread of another process)."""
+        ns = self.nested_pid(pid)
+        if ns:
+            raise ResolveError(
+                f"{who}: pid {pid} runs in its own PID namespace (NSpid "
+                f"{' '.join(map(str, ns))}); the pod needs spec.hostPID: true"
+            )
+        if not self.host_pids:
+            return
+        try:
+            census_checks.check_process_id(pid, "resolve")
+        except CensusError as e:
+            raise ResolveError(f"{who}: pid {pid} {e.reason}") from None
+
     def pids_of(self, container_id: str) -> list[int]:
         """Sorted pids whose cgroup path has a component containing ``container_id``."""
         if len(container_id) < 12:  # a prefix that short could match unrelated cgroups
@@ -120,12 +148,7 @@ class CgroupResolver:
         for name, cid in ids:
             pids = self.pids_of(cid)
             for p in pids:
-                ns = self.nested_pid(p)
-                if ns:
-                    raise ResolveError(
-                        f"{who} container {name}: pid {p} runs in its own PID namespace (NSpid "
-                        f"{' '.join(map(str, ns))}); the pod needs spec.hostPID: true"
-                    )
+                self.check_pid(f"{who} container {name}", p)
             inside = set(pids)
             roots = [p for p in pids if self._ppid(p) not in inside]
             if pids:

@@ -29,14 +29,20 @@ def _owners() -> str:
     return " or ".join("root (uid 0)" if u == 0 else f"uid {u}" for u in trusted_uids())
 
 
-def check(control_dir=None, *, phase: str = "control dir", pid=None, missing_ok=True) -> str:
+def check(
+    control_dir=None, *, phase: str = "control dir", pid=None, missing_ok=True, retry=None
+) -> str:
     """The absolute path of ``control_dir`` (None: the default) when it is trusted (or missing,
     with ``missing_ok``: there is nothing in it to believe); raises ``AgentError`` (outcome
     refused, nothing was done) naming the directory, its owner or mode, and what to do, when it
     is not a directory, a symlink or directory owned by another uid, or writable by group or
-    other."""
+    other. ``retry``: the second half of what to do (default: "or pass another
+    --control-dir"; a restore, whose control dir the snapshot records, says "and run restore
+    again")."""
     d = os.path.abspath(os.fspath(control_dir) if control_dir else default_control_dir())
-    todo = f"; make it yours with `chown {os.geteuid()} {d} && chmod 0700 {d}` or pass another --control-dir"
+    todo = f"; make it yours with `chown {os.geteuid()} {d} && chmod 0700 {d}` " + (
+        retry or "or pass another --control-dir"
+    )
 
     def refuse(why: str) -> AgentError:
         return AgentError(
@@ -70,9 +76,10 @@ def check(control_dir=None, *, phase: str = "control dir", pid=None, missing_ok=
     return d
 
 
-def ensure(control_dir=None, *, phase: str = "control dir", pid=None) -> str:
+def ensure(control_dir=None, *, phase: str = "control dir", pid=None, retry=None) -> str:
     """:func:`check` after creating a missing ``control_dir`` (and missing parents) with mode
-    0700 (exactly: the umask is not trusted to narrow it). Returns the absolute path."""
+    0700 (exactly: the umask is not trusted to narrow it). Returns the absolute path; raises
+    ``AgentError`` (refused) when it cannot be created or is not trusted."""
     d = os.path.abspath(os.fspath(control_dir) if control_dir else default_control_dir())
     if not os.path.lexists(d):
         try:
@@ -87,4 +94,4 @@ def ensure(control_dir=None, *, phase: str = "control dir", pid=None) -> str:
                 pid=pid,
                 outcome="refused",
             ) from None
-    return check(d, phase=phase, pid=pid, missing_ok=False)
+    return check(d, phase=phase, pid=pid, missing_ok=False, retry=retry)

@@ -317,13 +317,18 @@ def get_state(pid: int) -> str:
 
 
 def lock(pid: int, timeout_ms: int) -> None:
-    """RUNNING -> LOCKED; ``timeout_ms`` = 0 waits forever. NOT_READY on timeout (stays RUNNING)."""
+    """RUNNING -> LOCKED within ``timeout_ms`` (the driver's ``CUcheckpointLockArgs.timeoutMs``;
+    NOT_READY/TIMEOUT on timeout, the process stays RUNNING). ``timeout_ms`` = 0 (the CLI's
+    "none") does not wait forever: the driver gets the driver-call deadline
+    (:func:`call_deadline_s`) as its timeout, so that the driver itself gives up and no lock
+    completes after the agent stopped waiting (a lock that did would leave the process
+    LOCKED behind a rollback). The agent waits for the call at most that timeout plus
+    :func:`call_deadline_s`, then raises ``NativeError`` CUDA_ERROR_TIMEOUT."""
     args = _driver.CUcheckpointLockArgs()
-    args.timeoutMs = int(timeout_ms)
-    # the driver's own timeout bounds the lock; ours comes after it (0: the caller's "none")
-    _call(
-        "lock", pid, args, deadline_s=timeout_ms / 1000 + call_deadline_s() if timeout_ms else None
-    )
+    ms = int(timeout_ms) or int(call_deadline_s() * 1000)
+    args.timeoutMs = ms
+    # the driver's own timeout bounds the lock; ours comes after it
+    _call("lock", pid, args, deadline_s=ms / 1000 + call_deadline_s())
 
 
 def checkpoint(pid: int) -> None:

@@ -19,7 +19,7 @@ from typing import Optional
 from cuinterpose.agent import paths
 from cuinterpose.agent.errors import AgentError, PlacementError, RestoreFailed, SnapshotError
 from cuinterpose.agent.mech import census as census_mod
-from cuinterpose.agent.mech import criu_bad_size, inherit, native, quiesce
+from cuinterpose.agent.mech import criu_bad_size, ctldir, inherit, native, quiesce
 from cuinterpose.agent.mech.census import pid_alive
 from cuinterpose.agent.mech.placement import Placement
 from cuinterpose.agent.run import interrupt
@@ -28,6 +28,7 @@ from cuinterpose.agent.run.steps import (
     Step,
     StepRunner,
     as_agent_error,
+    coordinator_events,
     group_phases,
     strip_preload_env,
 )
@@ -92,6 +93,8 @@ class Restore(StepRunner):
         self.shim_path = shim_path
         self.m: Optional[dict] = None
         self.restored_roots: list[int] = []
+        #: directories "stale sockets" created (the control dir and missing parents, top first)
+        self.created_dirs: list[str] = []
         self.guard = interrupt.Guard("restore")
         self.t0_ns = time.monotonic_ns()
 
@@ -266,27 +269,31 @@ class Restore(StepRunner):
             opts.close()
 
     def remove_stale(self):
-        """Phase "stale sockets": unlink each participant's old control socket, at the path
-        derived from the checked control dir, only if it is a socket (lstat); anything else
-        there refuses. The control dir is never created here (CRIU re-binds the sockets in
-        it: a missing one refuses, naming what to create)."""
+        """Phase "stale sockets": make sure the recorded control dir is there and trusted,
+        then unlink each participant's old control socket, at the path derived from the
+        checked control dir, only if it is a socket (lstat); anything else there refuses.
+
+        A missing control dir (a new node, a cleaned /tmp) is created as the checkpoint's
+        census does (``ctldir.ensure``: mode 0700, missing parents too; CRIU re-binds the
+        shim sockets in it); one that is there must pass ``ctldir.check`` (owned by root or
+        the agent's uid, not writable by group or other, no symlink of another uid): a
+        planted or unsafe one refuses, nothing changed. What this restore created is removed
+        again when the restore fails (:meth:`remove_created_dirs`). The recorded path itself
+        was checked against the CRIU images (``trust.check_control_dir``, phase manifest)."""
         with self.r.phase("stale sockets") as ph:
             cd = self.m["control_dir"]
+            missing = _missing_dirs(cd)
             try:
-                st = os.lstat(cd)
-            except FileNotFoundError:
-                raise SnapshotError(
-                    "stale sockets",
-                    f"control dir {cd} (recorded in the snapshot) does not exist; CRIU "
-                    "re-binds the shim sockets in it: create it (mode 0700, owned by the "
-                    "workload's user) and run restore again; nothing was changed",
-                ) from None
-            if not stat_mod.S_ISDIR(st.st_mode):
-                raise SnapshotError(
-                    "stale sockets",
-                    f"control dir {cd} is not a directory (a symlink?); restore refused, "
-                    "nothing was changed",
+                ctldir.ensure(
+                    cd,
+                    phase="stale sockets",
+                    retry="(the restored shims bind their sockets in it) and run restore again",
                 )
+            except AgentError as e:
+                raise SnapshotError(e.phase, f"{e.reason}; the snapshot is untouched") from None
+            self.created_dirs = missing
+            if missing:
+                self.r.note(f"created control dir {cd} (mode 0700): the snapshot's was missing")
             stale = []
             for p in self.m["participants"]:
                 sp = trust.socket_path(cd, p["pid"])
@@ -434,7 +441,7 @@ class Restore(StepRunner):
             parts,
             timeout_s=self.phase_timeout_s,
             carrier_timeout_s=self.carrier_timeout_s,
-            on_event=self.r.coordinator_event,
+            on_event=coordinator_events(self.r.coordinator_event),
         )
         try:
             capture = phases.Capture.from_dict(self.m["capture"])
@@ -448,8 +455,19 @@ class Restore(StepRunner):
                 self.m["control_dir"], self.m["roots"], self.m["quiesce"]["id"], restored=True
             )
 
+    def remove_created_dirs(self):
+        """Remove the control dir (and parents) this restore created, where still empty (a
+        failed restore leaves the node as it found it); a non-empty one stays."""
+        for d in reversed(self.created_dirs):
+            try:
+                os.rmdir(d)
+            except OSError:
+                break
+        self.created_dirs = []
+
     def kill_restored(self):
-        """SIGKILL every process of the restored trees (leaves first is unnecessary: KILL)."""
+        """SIGKILL every process of the restored trees (leaves first is unnecessary: KILL);
+        then :meth:`remove_created_dirs`."""
         try:
             procs = census_mod.walk_tree([r for r in self.restored_roots if pid_alive(r)])
         except AgentError:
@@ -459,6 +477,7 @@ class Restore(StepRunner):
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        self.remove_created_dirs()
 
     def phase_state(self) -> dict:
         """{"restored": [roots]}."""
@@ -530,6 +549,7 @@ class Restore(StepRunner):
             self.run_steps(self.stage("refusal"))
         except BaseException:
             self.close_fds()
+            self.remove_created_dirs()
             raise
         try:
             self.run_steps(self.stage("restore"))
@@ -568,6 +588,19 @@ class Restore(StepRunner):
                 f"snapshot ({type(e).__name__}: {e}); restore refused, "
                 "snapshot untouched",
             ) from e
+
+
+def _missing_dirs(path: str) -> list[str]:
+    """The components of absolute ``path`` that do not exist yet, outermost first."""
+    out = []
+    p = os.path.abspath(path)
+    while not os.path.lexists(p):
+        out.append(p)
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    return out[::-1]
 
 
 def _first_line(e: BaseException) -> str:

@@ -84,30 +84,70 @@ def image_files(snapshot: os.PathLike | str) -> dict[str, dict]:
 def write(snapshot: os.PathLike | str, manifest: dict) -> pathlib.Path:
     """Write ``manifest`` (must contain every :data:`REQUIRED` key) atomically as
     ``DIR/manifest.json``; returns its path. Raises ``SnapshotError`` on a missing key and
-    ``OSError`` on I/O failure (then no ``manifest.json`` exists)."""
+    ``OSError`` on I/O failure (ENOSPC, EIO, ...).
+
+    A failed write leaves no ``manifest.json.tmp`` behind and the previous ``manifest.json``
+    (if any) as it was: none for a first write, the earlier complete one for a rewrite (the
+    checkpoint's final rewrite with the totals). A failed *rewrite* also appends a warning
+    ``{"path", "message"}`` to ``manifest["warnings"]`` (the caller's dict, which the
+    ``--json`` output reports), saying that the snapshot on disk is complete but lacks what
+    the rewrite would have added."""
     missing = [k for k in REQUIRED if k not in manifest]
     if missing:
         raise SnapshotError("manifest", f"manifest lacks {', '.join(missing)}")
     base = pathlib.Path(snapshot)
     final = base / MANIFEST_NAME
     tmp = base / (MANIFEST_NAME + ".tmp")
-    manifest = trust.sign(manifest)
-    data = json.dumps(manifest, indent=2, sort_keys=True).encode() + b"\n"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    rewrite = final.is_file()
+    data = json.dumps(trust.sign(manifest), indent=2, sort_keys=True).encode() + b"\n"
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.rename(tmp, final)
+        _write_atomically(base, tmp, final, data)
+    except OSError as e:
+        if rewrite:
+            manifest.setdefault("warnings", []).append(
+                {
+                    "path": str(final),
+                    "message": (
+                        f"could not rewrite {final} ({e.strerror or e}): the snapshot is "
+                        "complete and restorable, but its manifest keeps the totals of its "
+                        "first write (wall_ms/paused_ms up to the manifest, not the final "
+                        "ones); nothing else is missing"
+                    ),
+                }
+            )
+        raise
+    return final
+
+
+def _write_atomically(base: pathlib.Path, tmp: pathlib.Path, final: pathlib.Path, data: bytes):
+    """``data`` into ``tmp``, fsync, rename onto ``final``, fsync of ``base``. On a failure
+    before the rename ``tmp`` is removed (``O_EXCL`` after removing a stale one: no other
+    file is written through a planted ``tmp``) and the ``OSError`` raised."""
+    try:
+        os.unlink(tmp)
+    except FileNotFoundError:
+        pass
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, final)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
     dfd = os.open(base, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(dfd)
     finally:
         os.close(dfd)
-    return final
 
 
 def load(snapshot: os.PathLike | str) -> dict:

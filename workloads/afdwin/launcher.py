@@ -81,6 +81,9 @@ class Launcher(QuiesceSide):
         self.restores_seen = 0
         self.last_change = time.monotonic()
         self.counters: dict[int, tuple] = {}
+        #: --hold-at: attention rank -> its ``replied`` count at its "hold" event, while it
+        #: has not moved past the hold (at a hold nothing is in flight: sent == replied)
+        self.held: dict[int, int] = {}
         self.exited: set[int] = set()
         self.req_path = str(quiesce_path(None, self.pid, "request"))
         self.ready_path = str(quiesce_path(None, self.pid, "ready"))
@@ -235,8 +238,15 @@ class Launcher(QuiesceSide):
             if self.counters.get(rank) != c:
                 self.counters[rank] = c
                 self.last_change = time.monotonic()
+            # a progress event sent before the hold may arrive after it: only a step past the
+            # hold (a send, or a reply, beyond the count at the hold) ends it
+            if rank in self.held and max(c[0] or 0, c[2] or 0) > self.held[rank]:
+                del self.held[rank]
+        elif kind == "hold":
+            self.held[rank] = int(ev.get("replied") or 0)
         elif kind == "done":
             self.done[rank] = ev
+            self.held.pop(rank, None)
             self.last_change = time.monotonic()
         self.emit(ev)
 
@@ -267,17 +277,28 @@ class Launcher(QuiesceSide):
                     self.on_message(rank, msg, fds)
             # every iteration (<= CONTROL_POLL_S apart): no deadline that a clock jump could strand
             self.poll_control()
-            now = time.monotonic()
-            parked = self.q is not None and self.q["stage"] in ("parked", "ready")
-            if not parked and now - self.last_change > self.stall_timeout_s:
-                stage = (
-                    "setup"
-                    if self.phase == "setup"
-                    else f"quiesce {self.q['stage']}"
-                    if self.q
-                    else "running"
-                )
-                raise RunFailed("stall", f"no progress for {self.stall_timeout_s:g} s ({stage})")
+            self.check_stall(time.monotonic())
+
+    def check_stall(self, now: float) -> None:
+        """Raise ``RunFailed`` (stage "stall") when no rank's counters moved for
+        ``stall_timeout_s`` seconds up to ``now`` (monotonic). The clock does not run while
+        the workload is parked (a quiesce) or held (--hold-at: every attention rank still
+        running has sent its "hold" event and made no progress since; the FFN ranks wait on
+        them): that time is not counted, so a hold of any length is never a stall."""
+        parked = self.q is not None and self.q["stage"] in ("parked", "ready")
+        senders = {r for r in range(self.cfg.attention) if r not in self.done}
+        if senders and senders <= self.held.keys():
+            self.last_change = now  # held on purpose: the stall clock starts at the release
+            return
+        if not parked and now - self.last_change > self.stall_timeout_s:
+            stage = (
+                "setup"
+                if self.phase == "setup"
+                else f"quiesce {self.q['stage']}"
+                if self.q
+                else "running"
+            )
+            raise RunFailed("stall", f"no progress for {self.stall_timeout_s:g} s ({stage})")
 
     def finish(self) -> int:
         self.broadcast({"type": "exit"})
@@ -454,7 +475,6 @@ def parse_hold_at(text: str) -> tuple:
 
 
 STALL_TIMEOUT_S = 60.0
-HOLD_STALL_TIMEOUT_S = 900.0
 
 
 def _interrupt(signum, frame):
@@ -496,10 +516,10 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--stall-timeout-s",
         type=float,
-        default=None,
-        help="fail when no rank makes progress for this long (not while parked); default "
-        f"{STALL_TIMEOUT_S:g} s, or {HOLD_STALL_TIMEOUT_S:g} s with --hold-at (a held rank "
-        "waits for a checkpoint, which a loaded machine may take minutes to send)",
+        default=STALL_TIMEOUT_S,
+        help=f"fail when no rank makes progress for this long (default {STALL_TIMEOUT_S:g} s); "
+        "the time the workload is parked (a quiesce) or held (--hold-at: a held rank waits "
+        "for a checkpoint) does not count",
     )
     ap.add_argument(
         "--hold-at",
@@ -591,10 +611,7 @@ def main(argv=None) -> int:
             overrides.setdefault(rank, {})[field] = value
     except ValueError as e:
         ap.error(str(e))
-    stall = args.stall_timeout_s
-    if stall is None:
-        stall = HOLD_STALL_TIMEOUT_S if cfg.hold_at else STALL_TIMEOUT_S
-    launcher = Launcher(cfg, overrides, args.host_memory, stall)
+    launcher = Launcher(cfg, overrides, args.host_memory, args.stall_timeout_s)
     launcher.ignore_quiesce = args.test_no_quiesce_answer
     signal.signal(signal.SIGTERM, _interrupt)
     try:
