@@ -38,10 +38,10 @@ def seconds(field: str, value, *, allow_zero: bool = False) -> None:
 
 def milliseconds(field: str, value, *, allow_zero: bool = False) -> None:
     """A timeout in milliseconds: an integer in [1, MAX_TIMEOUT_S * 1000] ([0, ...] with
-    ``allow_zero``: 0 = none)."""
+    ``allow_zero``: 0 = no timeout of its own: the driver-call deadline applies)."""
     hi = int(MAX_TIMEOUT_S * 1000)
     lo = 0 if allow_zero else 1
-    rng = f"must be an integer from {lo} to {hi} (milliseconds{'; 0 = none' if lo == 0 else ''})"
+    rng = f"must be an integer from {lo} to {hi} (milliseconds{'; 0 = the driver-call deadline' if lo == 0 else ''})"
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
         raise refuse(field, f"{value!r} is out of range: {rng}")
 

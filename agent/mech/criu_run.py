@@ -129,6 +129,27 @@ def bad_size_files(log_path: Path) -> list[dict]:
 #: prctl(2) option (include/uapi/linux/prctl.h): the signal sent when the parent thread dies
 PR_SET_PDEATHSIG = 1
 
+#: the deadline of one CRIU run, in seconds (``$CUINTERPOSE_CRIU_TIMEOUT_S``, default 3600: a
+#: dump writes every page of the trees); past it CRIU is killed and the step fails (a dump is
+#: rolled back: the tree CRIU had seized is detached by the kill and resumed by the rollback)
+CRIU_TIMEOUT_ENV = "CUINTERPOSE_CRIU_TIMEOUT_S"
+CRIU_TIMEOUT_S = 3600.0
+
+
+def criu_timeout_s() -> float:
+    """``$CUINTERPOSE_CRIU_TIMEOUT_S`` as seconds (> 0, finite), else :data:`CRIU_TIMEOUT_S`.
+    Raises ``CriuError`` naming the variable for a value that is not such a number."""
+    raw = os.environ.get(CRIU_TIMEOUT_ENV)
+    if raw is None or raw == "":
+        return CRIU_TIMEOUT_S
+    try:
+        v = float(raw)
+    except ValueError:
+        v = float("nan")
+    if not (v > 0 and v < float("inf")):
+        raise CriuError(f"{CRIU_TIMEOUT_ENV}={raw!r}: must be a finite number of seconds above 0")
+    return v
+
 
 def _child_preexec(opened):
     """The ``preexec_fn`` of CRIU's child: first PR_SET_PDEATHSIG(SIGKILL), so CRIU dies with
@@ -162,6 +183,7 @@ def run(
     process's root, agent/mech/mntns.py), passing it ``pass_fds``. Raises ``CriuError``: not
     started (naming what the child could not do), or failed (exit code, the tail of
     ``log_path``, which :func:`keep_log` copies out of ``images_dir``, and ``bad_size``)."""
+    deadline_s = criu_timeout_s()
     cmd = [*criu_command(), action, *args]
     root_fd = -1
     if setup and any(kind == "mnt" for kind, _ in setup.namespaces):
@@ -193,7 +215,18 @@ def run(
                 text=True,
                 pass_fds=tuple(pass_fds),
                 preexec_fn=_child_preexec(opened),
+                timeout=deadline_s,
             )
+        except subprocess.TimeoutExpired:  # subprocess.run killed and reaped CRIU
+            log_path = keep_log(action, log_path, images_dir)
+            raise CriuError(
+                f"criu {action} did not finish within {deadline_s:g} s ({CRIU_TIMEOUT_ENV}) "
+                f"for images dir {images_dir}: it was killed",
+                cmd=cmd,
+                images_dir=images_dir,
+                log_path=log_path,
+                log_tail=log_tail(log_path),
+            ) from None
         except subprocess.SubprocessError as e:
             why = opened.failure() if opened else ""
             raise CriuError(

@@ -44,6 +44,7 @@ DURING = {
     "criu dump": "criu_run.run, once CRIU's child has exec'd",
     "criu restore": "criu_run.run, once CRIU's child has exec'd",
     "native restore": "native restore_all/unlock_all, after the first pid's call",
+    "restore shared": "the coordinator's first reply of a phase other than INSPECT",
 }
 
 #: every step name a step table registered (agent/run/steps.py: each StepRunner subclass)

@@ -21,6 +21,46 @@ from cuinterpose.agent.snapshot import pb
 DEFAULT_ADDRESS_ENV = "CUINTERPOSE_AGENT_ADDR"
 SERVICE_NAME = "cuinterpose.v1.Agent"
 
+#: the deadline of one streaming call (Checkpoint, Restore, RunPhase, ...) when the caller
+#: gives none, in seconds: ``$CUINTERPOSE_RPC_TIMEOUT_S``, default 7200 (the daemon enforces
+#: each step's own deadlines; this one bounds a daemon that stopped answering altogether)
+RPC_TIMEOUT_ENV = "CUINTERPOSE_RPC_TIMEOUT_S"
+RPC_TIMEOUT_S = 7200.0
+#: HTTP/2 keepalive pings on every channel, so a dead daemon or a cut connection ends a call
+#: with UNAVAILABLE within ``keepalive_time_ms + keepalive_timeout_ms`` instead of waiting out
+#: the whole deadline (gRPC core channel arguments, grpc/grpc doc/keepalive.md)
+KEEPALIVE_OPTIONS = [
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 0),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+#: the daemon's side: accept those pings during a long call (by default a gRPC server
+#: answers pings more frequent than every 5 min without data with GOAWAY too_many_pings)
+SERVER_KEEPALIVE_OPTIONS = [
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.max_ping_strikes", 0),
+]
+
+
+def rpc_timeout_s() -> float:
+    """``$CUINTERPOSE_RPC_TIMEOUT_S`` (a finite number of seconds above 0) or
+    :data:`RPC_TIMEOUT_S`. Raises ``AgentError`` (phase "agent", refused) naming the variable."""
+    raw = os.environ.get(RPC_TIMEOUT_ENV, "")
+    if not raw:
+        return RPC_TIMEOUT_S
+    try:
+        v = float(raw)
+    except ValueError:
+        v = float("nan")
+    if not (0 < v < float("inf")):
+        raise AgentError(
+            "agent",
+            f"{RPC_TIMEOUT_ENV}={raw!r}: must be a finite number of seconds above 0",
+            outcome="refused",
+        )
+    return v
+
 
 def default_address() -> str:
     """``$CUINTERPOSE_AGENT_ADDR`` or ``unix:/tmp/cuinterpose-agent.sock``."""
@@ -129,7 +169,7 @@ def channel(addr: str, tls: Optional[TLS] = None):
     import grpc
 
     target = normalize_address(addr)
-    opts = [("grpc.max_receive_message_length", 64 << 20)]
+    opts = [("grpc.max_receive_message_length", 64 << 20), *KEEPALIVE_OPTIONS]
     if tls is not None and tls.enabled and unix_path(target) is None:
         return grpc.secure_channel(target, tls.channel_credentials(), options=opts)
     return grpc.insecure_channel(target, options=opts)
@@ -147,9 +187,13 @@ def call(
     """Call streaming RPC ``method`` of the agent at ``addr``; ``on_progress(row_dict)`` for
     each Progress. Returns the final ``Result`` message. Raises ``AgentError`` (phase "agent",
     outcome "unreachable") when the agent cannot be reached or the stream ends without a
-    result; the workload state is then unknown only if the request had started."""
+    result; the workload state is then unknown only if the request had started.
+    ``timeout_s``: the call's deadline in seconds, default :func:`rpc_timeout_s` (past it:
+    DEADLINE_EXCEEDED, outcome "unreachable")."""
     import grpc
 
+    if timeout_s is None:
+        timeout_s = rpc_timeout_s()
     _, agrpc, _ = pb.modules()
     ch = channel(addr, tls)
     try:

@@ -36,7 +36,13 @@ from typing import Callable, Iterator, Optional
 from cuinterpose.agent import validate
 from cuinterpose.agent.errors import AgentError
 from cuinterpose.agent.rpc import group, unixsock
-from cuinterpose.agent.rpc.client import SERVICE_NAME, TLS, normalize_address, unix_path
+from cuinterpose.agent.rpc.client import (
+    SERVER_KEEPALIVE_OPTIONS,
+    SERVICE_NAME,
+    TLS,
+    normalize_address,
+    unix_path,
+)
 from cuinterpose.agent.rpc.member import DEFAULT_GROUP_LEASE_S, GroupMember
 from cuinterpose.agent.rpc.security import confine_path, listener_security
 from cuinterpose.agent.run import ops
@@ -481,7 +487,8 @@ class Server:
         self.metrics = Metrics()
         self.service = AgentService(opts, self.metrics)
         self.server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="cui-grpc")
+            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="cui-grpc"),
+            options=SERVER_KEEPALIVE_OPTIONS,
         )
         agrpc.add_AgentServicer_to_server(self.service, self.server)
         self.health = health.HealthServicer()

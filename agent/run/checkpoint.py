@@ -509,9 +509,9 @@ class Checkpoint(Rollback, StepRunner):
         and then handled like a failure there: cancelled before teardown, rolled back after;
         once the manifest is written the checkpoint simply finishes."""
         self.t0_ns = time.monotonic_ns()
-        self.run_steps(self.stage("images"))
         with self.guard:
             try:
+                self.run_steps(self.stage("images"))
                 return self._run()
             except CheckpointFailed as e:
                 if self.manifest is None:

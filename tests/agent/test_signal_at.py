@@ -118,7 +118,8 @@ def test_an_unknown_step_is_refused_naming_the_variable_and_every_known_step(rec
             "during:manifest",
             "CUINTERPOSE_TEST_SIGNAL_AT: entry 'during:manifest': step 'manifest' has no during "
             "point; the steps with one are 'quiesce', 'quiescence check', 'capture', 'native "
-            "lock', 'native checkpoint', 'criu dump', 'criu restore', 'native restore'",
+            "lock', 'native checkpoint', 'criu dump', 'criu restore', 'native restore', "
+            "'restore shared'",
         ),
         (
             "after:capture=SIGUSR1",

@@ -142,7 +142,7 @@ def test_release_rolls_back_a_torn_down_checkpoint(world, shims, steps, native_s
     mocks, log = shims
     for m in mocks.values():
         m.phase = Phase.PREPARED
-        m.last_txn = 10**19  # the dead agent's last txn id: the rollback must go above it
+        m.last_txn = (1 << 40)  # the dead agent's last txn id: the rollback must go above it
     world.state = {p: native_state for p in PIDS}
     root = os.getpid()  # a live root (only quiesce files name it here)
     snap = world.ctl.parent / "snap"
@@ -155,7 +155,7 @@ def test_release_rolls_back_a_torn_down_checkpoint(world, shims, steps, native_s
         torn_down=True,
         steps=steps,
         records=recover.encode_records(creator_importer_records()),
-        last_txn_id=10**19,
+        last_txn_id=(1 << 40),
         **_record(world, root),
     )
     rep = recover.release(world.ctl, root)
@@ -173,7 +173,7 @@ def test_release_rolls_back_a_torn_down_checkpoint(world, shims, steps, native_s
     )
     assert {p: m.phase for p, m in mocks.items()} == {p: Phase.ACTIVE for p in PIDS}
     assert {p: _recv(log, p) for p in PIDS} == {p: ops for p in PIDS}
-    assert all(t > 10**19 for m in mocks.values() for t in m.txns_seen)
+    assert all(t > (1 << 40) for m in mocks.values() for t in m.txns_seen)
     native_calls = [x for x in world.log if x[0] == "native"]
     if native_state == "CHECKPOINTED":
         assert native_calls == [

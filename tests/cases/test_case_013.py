@@ -66,13 +66,13 @@ def test_an_images_dir_over_path_max_is_refused_and_nothing_is_created(tmp_path)
             "lock_timeout_ms",
             -1,
             "lock_timeout_ms -1 is out of range: must be an integer from 0 to 86400000 "
-            "(milliseconds; 0 = none)",
+            "(milliseconds; 0 = the driver-call deadline)",
         ),
         (
             "lock_timeout_ms",
             2**62,
             f"lock_timeout_ms {2**62} is out of range: must be an integer from 0 to 86400000 "
-            "(milliseconds; 0 = none)",
+            "(milliseconds; 0 = the driver-call deadline)",
         ),
     ],
 )
@@ -90,7 +90,7 @@ def test_cli_nan_and_huge_numbers_are_refused_exit_3(tmp_path):
         (
             ("--lock-timeout-ms", str(2**62)),
             f"lock_timeout_ms {2**62} is out of range: must be an integer from 0 to 86400000 "
-            "(milliseconds; 0 = none)",
+            "(milliseconds; 0 = the driver-call deadline)",
         ),
     ):
         rc, out = checkpoint(tmp_path, snap, *extra)

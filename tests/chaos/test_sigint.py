@@ -90,16 +90,10 @@ LATE = {
     "during:criu dump=SIGINT": ("snapshot", None, None),
     "during:criu dump=SIGTERM": ("snapshot", None, None),
 }
-# Before the guard: agent/run/checkpoint.py runs its "images" stage before it enters the guard,
-# so a signal there is a KeyboardInterrupt (exit 1, "usage: aborted") or kills the agent
-# (SIGTERM); it should stop after "driver" like the next boundary. Outside this area: the
-# fix is to run that stage inside ``with self.guard`` (reported; strict, so it shows once fixed).
-BEFORE_GUARD = pytest.mark.xfail(
-    strict=True, reason="checkpoint.py: the images stage runs before the interrupt guard"
-)
+# Before the first step: the "images" stage runs inside the interrupt guard too, so a signal
+# there stops at the next boundary like any other refusal.
 CHECKPOINT[:0] = [
-    pytest.param(f"before:images dir={s}", "refused", "driver", REFUSED_AFTER, marks=BEFORE_GUARD)
-    for s in ("SIGINT", "SIGTERM")
+    (f"before:images dir={s}", "refused", "driver", REFUSED_AFTER) for s in ("SIGINT", "SIGTERM")
 ]
 
 RESTORE_REFUSED = (
@@ -125,9 +119,7 @@ RESTORE = [
     ("during:native restore=SIGTERM", 5, "native restore", RESTORE_FAILED),
     ("during:native restore=SIGINT", 5, "native restore", RESTORE_FAILED),
     ("before:restore shared=SIGINT", 5, "restore shared", RESTORE_FAILED),
-    # "during:restore shared": restore.py's coordinator reports its first reply to the trigger
-    # (steps.coordinator_events), but signal_at.DURING does not list the step yet, so the
-    # variable refuses the entry (reported: one line in agent/mech/signal_at.py)
+    ("during:restore shared=SIGINT", 5, "restore shared", RESTORE_FAILED),
 ]
 
 

@@ -161,7 +161,10 @@ def test_restore_txn_ids_stay_above_the_capture(ctl):
 def test_next_txn_id_strictly_increasing():
     ids = [next_txn_id() for _ in range(1000)]
     assert ids == sorted(set(ids))
-    assert next_txn_id(floor=2**63) == 2**63 + 1
+    # the counter is process-wide (other tests may have raised it): a floor above it wins
+    floor = max(ids[-1], 2**62) + 1000
+    assert next_txn_id(floor=floor) == floor + 1
+    assert next_txn_id() == floor + 2
 
 
 def test_on_event_per_reply_and_per_phase(ctl):
@@ -228,7 +231,10 @@ def test_participant_in_wrong_phase_refused_before_mutation(ctl, strict):
             )
         else:
             assert str(ei.value) == (
-                "INSPECT: pid 4123 is in phase SAVED, expected ACTIVE; nothing was changed"
+                "INSPECT: pid 4123 is in phase SAVED, expected ACTIVE: a capture that was not "
+                "finished holds it (an agent that died mid-checkpoint); roll it back with "
+                "`cuinterpose-agent release --pid ROOT` (ROOT: the root pid of pid 4123's job), "
+                "then retry; nothing was changed"
             )
         assert ei.value.pid == 4123 and not ei.value.changed
         assert {name for _, name in g.ops_received()} == {"INSPECT"}
