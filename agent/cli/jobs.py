@@ -55,7 +55,8 @@ from cuinterpose.coordinator.protocol import default_control_dir
     type=click.IntRange(0),
     default=10_000,
     show_default=True,
-    help="cuCheckpointProcessLock timeout per process (0 = the driver-call deadline, $CUINTERPOSE_DRIVER_CALL_TIMEOUT_S).",
+    help="cuCheckpointProcessLock timeout per process "
+    "(0 = the driver-call deadline, $CUINTERPOSE_DRIVER_CALL_TIMEOUT_S).",
 )
 @click.option(
     "--phase-timeout-s",

@@ -142,7 +142,7 @@ def test_release_rolls_back_a_torn_down_checkpoint(world, shims, steps, native_s
     mocks, log = shims
     for m in mocks.values():
         m.phase = Phase.PREPARED
-        m.last_txn = (1 << 40)  # the dead agent's last txn id: the rollback must go above it
+        m.last_txn = 1 << 40  # the dead agent's last txn id: the rollback must go above it
     world.state = {p: native_state for p in PIDS}
     root = os.getpid()  # a live root (only quiesce files name it here)
     snap = world.ctl.parent / "snap"
