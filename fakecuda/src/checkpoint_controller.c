@@ -30,8 +30,9 @@ static uint64_t ck_deadline_ms(uint32_t op, uint32_t timeout_ms)
 
 /* An unknown pid, or a pid that has no fakecuda control socket (never called cuInit, or no
  * fakecuda), is CUDA_ERROR_INVALID_VALUE. */
-static CUresult ck_call(int pid, uint32_t op, uint32_t timeout_ms, int *value)
+static CUresult ck_send(int pid, const struct ck_req *q, size_t qlen, int *value)
 {
+    uint32_t op = q->op, timeout_ms = q->timeout_ms;
     if (pid <= 0)
         return CUDA_ERROR_INVALID_VALUE;
     int s = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
@@ -49,10 +50,9 @@ static CUresult ck_call(int pid, uint32_t op, uint32_t timeout_ms, int *value)
         setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
         setsockopt(s, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
     }
-    struct ck_req q = {CK_MAGIC, op, timeout_ms, 0};
     struct ck_rep p;
     CUresult r;
-    if (send(s, &q, sizeof q, MSG_NOSIGNAL) != (ssize_t)sizeof q) {
+    if (send(s, q, qlen, MSG_NOSIGNAL) != (ssize_t)qlen) {
         r = CUDA_ERROR_OPERATING_SYSTEM;
     } else {
         ssize_t n;
@@ -71,6 +71,12 @@ static CUresult ck_call(int pid, uint32_t op, uint32_t timeout_ms, int *value)
     }
     close(s);
     return r;
+}
+
+static CUresult ck_call(int pid, uint32_t op, uint32_t timeout_ms, int *value)
+{
+    struct ck_req q = {CK_MAGIC, op, timeout_ms, 0};
+    return ck_send(pid, &q, sizeof q, value);
 }
 
 static int all_zero(const void *p, size_t n)
@@ -129,26 +135,57 @@ FC_EXPORT CUresult cuCheckpointProcessCheckpoint(int pid, CUcheckpointCheckpoint
         "pid=%d", pid);
 }
 
+/* gpuPairs (cuda.h CUcheckpointRestoreArgs, CUDA 13.0): more than FC_MAX_DEVICES pairs, a
+ * repeated old or new UUID, or a new UUID this controller does not see is
+ * CUDA_ERROR_INVALID_VALUE here; the target checks the old ones against what it checkpointed
+ * (checkpoint_target.c). */
 static CUresult ck_restore_call(int pid, CUcheckpointRestoreArgs *args)
 {
+    static struct ck_restore_req q; /* 3.5 KiB: not on a caller's stack; serialised by g_ck_mu */
+    static pthread_mutex_t g_ck_mu = PTHREAD_MUTEX_INITIALIZER;
+    unsigned np = args ? args->gpuPairsCount : 0;
     if (args) {
         if (!all_zero(args->reserved, sizeof args->reserved) || args->reserved1)
             return CUDA_ERROR_INVALID_VALUE;
-        if (args->gpuPairsCount && !args->gpuPairs)
+        if (np && !args->gpuPairs)
             return CUDA_ERROR_INVALID_VALUE;
-        for (unsigned i = 0; i < args->gpuPairsCount; i++) {
-            int okold = 0, oknew = 0;
-            for (int d = 0; d < g_ndev; d++) {
-                CUuuid u;
-                dev_uuid(d, &u);
-                okold |= !memcmp(u.bytes, args->gpuPairs[i].oldUuid.bytes, 16);
-                oknew |= !memcmp(u.bytes, args->gpuPairs[i].newUuid.bytes, 16);
-            }
-            if (!okold || !oknew)
-                return CUDA_ERROR_INVALID_VALUE;
-        }
+        if (np > FC_MAX_DEVICES)
+            return CUDA_ERROR_INVALID_VALUE;
     }
-    return ck_call(pid, CK_RESTORE, 0, NULL);
+    pthread_mutex_lock(&g_ck_mu);
+    memset(&q, 0, sizeof q);
+    q.hdr = (struct ck_req){CK_MAGIC, CK_RESTORE, 0, 0};
+    for (int d = 0; d < g_ndev; d++)
+        q.present[q.npresent++] = *dev_get(d);
+    CUresult r = CUDA_SUCCESS;
+    for (unsigned i = 0; i < np && r == CUDA_SUCCESS; i++) {
+        const CUcheckpointGpuPair *gp = &args->gpuPairs[i];
+        int hit = -1;
+        for (unsigned k = 0; k < q.npresent; k++)
+            if (!memcmp(q.present[k].uuid.bytes, gp->newUuid.bytes, 16))
+                hit = (int)k;
+        for (unsigned k = 0; k < i; k++)
+            if (!memcmp(args->gpuPairs[k].oldUuid.bytes, gp->oldUuid.bytes, 16) ||
+                !memcmp(args->gpuPairs[k].newUuid.bytes, gp->newUuid.bytes, 16))
+                hit = -1;
+        if (hit < 0) {
+            char o[41], n[41];
+            uuid_str(&gp->oldUuid, o);
+            uuid_str(&gp->newUuid, n);
+            fc_loud("restore of pid %d refused: gpuPairs[%u] %s -> %s: the new GPU is not visible to this "
+                    "controller, or a UUID repeats -> CUDA_ERROR_INVALID_VALUE",
+                    pid, i, o, n);
+            r = CUDA_ERROR_INVALID_VALUE;
+            break;
+        }
+        q.pairs[i].old_uuid = gp->oldUuid;
+        q.pairs[i].new_dev = q.present[hit];
+        q.npairs = i + 1;
+    }
+    if (r == CUDA_SUCCESS)
+        r = ck_send(pid, &q.hdr, sizeof q, NULL);
+    pthread_mutex_unlock(&g_ck_mu);
+    return r;
 }
 
 FC_EXPORT CUresult cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *args)

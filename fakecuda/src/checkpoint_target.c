@@ -4,8 +4,8 @@
  * abstract socket "\0fakecuda-<pid>" (SOCK_SEQPACKET, one request per connection, fc.h has
  * the protocol); its tid is the restore thread id. Lock closes the entry gate and drains it,
  * Checkpoint copies device memory out and leaves reservations, Restore maps it back at the
- * same VAs, Unlock opens the gate. It owns the process state; it touches the gate and every
- * VMM table, and calls vmm_table.c and core.c.
+ * same VAs (on the GPUs its gpuPairs name), Unlock opens the gate. It owns the process state;
+ * it touches the gate and every VMM table, and calls vmm_table.c, device.c and core.c.
  */
 #include "fc.h"
 
@@ -190,12 +190,87 @@ static CUresult ck_checkpoint(void)
     return CUDA_SUCCESS;
 }
 
-static CUresult ck_restore(void)
+/* Where a restore puts this process's devices (cuda.h CUcheckpointRestoreArgs.gpuPairs; the
+ * rules of cuda-checkpoint --device-map: every checkpointed GPU listed, the same chip, enough
+ * memory). Fills to[d] for every ordinal; nothing changes on a refusal, which leaves the
+ * process CHECKPOINTED. The codes are the fake's pick (none is documented): a pair naming no
+ * GPU of this process, a checkpointed GPU left out, or another model -> INVALID_VALUE; less
+ * memory than the process holds on it -> OUT_OF_MEMORY; without pairs, a checkpointed GPU the
+ * controller does not see -> INVALID_DEVICE. Call with g_mu held. */
+static CUresult ck_place(const struct ck_restore_req *rq, struct fc_dev *to, int *nmoved)
+{
+    int mapped[FC_MAX_DEVICES] = {0};
+    char o[41], n[41];
+    *nmoved = 0;
+    for (int d = 0; d < g_ndev; d++)
+        to[d] = *dev_get(d);
+    for (unsigned i = 0; i < rq->npairs && i < FC_MAX_DEVICES; i++) {
+        const struct ck_gpu_pair *gp = &rq->pairs[i];
+        uuid_str(&gp->old_uuid, o);
+        uuid_str(&gp->new_dev.uuid, n);
+        int d = 0;
+        while (d < g_ndev && memcmp(dev_get(d)->uuid.bytes, gp->old_uuid.bytes, 16))
+            d++;
+        if (d == g_ndev) {
+            fc_loud("restore refused: gpuPairs[%u] old GPU %s is not a GPU of pid %d (nothing was changed; "
+                    "the process stays checkpointed) -> CUDA_ERROR_INVALID_VALUE",
+                    i, o, (int)getpid());
+            return CUDA_ERROR_INVALID_VALUE;
+        }
+        if (strcmp(dev_get(d)->name, gp->new_dev.name)) {
+            fc_loud("restore refused: gpuPairs[%u] %s (%s) -> %s (%s): another model (nothing was changed; "
+                    "the process stays checkpointed) -> CUDA_ERROR_INVALID_VALUE",
+                    i, o, dev_get(d)->name, n, gp->new_dev.name);
+            return CUDA_ERROR_INVALID_VALUE;
+        }
+        if (gp->new_dev.mem < g_used[d]) {
+            fc_loud("restore refused: gpuPairs[%u] %s -> %s: pid %d holds %llu bytes on it, the new GPU has %llu "
+                    "(nothing was changed; the process stays checkpointed) -> CUDA_ERROR_OUT_OF_MEMORY",
+                    i, o, n, (int)getpid(), g_used[d], (unsigned long long)gp->new_dev.mem);
+            return CUDA_ERROR_OUT_OF_MEMORY;
+        }
+        to[d] = gp->new_dev;
+        mapped[d] = 1;
+    }
+    for (int d = 0; d < g_ndev; d++) {
+        if (!g_used[d] && !dev_has_ctx(d))
+            continue;
+        uuid_str(&dev_get(d)->uuid, o);
+        if (rq->npairs && !mapped[d]) {
+            fc_loud("restore refused: pid %d used GPU %s (ordinal %d) and gpuPairs does not list it: every "
+                    "checkpointed GPU must be listed (nothing was changed; the process stays checkpointed) -> "
+                    "CUDA_ERROR_INVALID_VALUE",
+                    (int)getpid(), o, d);
+            return CUDA_ERROR_INVALID_VALUE;
+        }
+        int seen = 0;
+        for (unsigned k = 0; k < rq->npresent && k < FC_MAX_DEVICES; k++)
+            seen |= !memcmp(rq->present[k].uuid.bytes, to[d].uuid.bytes, 16);
+        if (!seen) {
+            uuid_str(&to[d].uuid, n);
+            fc_loud("restore refused: pid %d used GPU %s (ordinal %d) and it is missing here; pass gpuPairs "
+                    "mapping it onto a GPU present (nothing was changed; the process stays checkpointed) -> "
+                    "CUDA_ERROR_INVALID_DEVICE",
+                    (int)getpid(), n, d);
+            return CUDA_ERROR_INVALID_DEVICE;
+        }
+        *nmoved += mapped[d] && memcmp(to[d].uuid.bytes, dev_get(d)->uuid.bytes, 16);
+    }
+    return CUDA_SUCCESS;
+}
+
+static CUresult ck_restore(const struct ck_restore_req *rq)
 {
     if (g_ck_state != CU_PROCESS_STATE_CHECKPOINTED)
         return CUDA_ERROR_ILLEGAL_STATE;
     pthread_mutex_lock(&g_mu);
-    CUresult r = CUDA_SUCCESS;
+    struct fc_dev to[FC_MAX_DEVICES];
+    int nmoved = 0;
+    CUresult r = ck_place(rq, to, &nmoved);
+    if (r != CUDA_SUCCESS) {
+        pthread_mutex_unlock(&g_mu);
+        return r;
+    }
     for (struct fc_alloc *a = g_allocs; a && r == CUDA_SUCCESS; a = a->next) {
         int fd = new_memfd(a->size);
         struct stat st;
@@ -240,6 +315,16 @@ static CUresult ck_restore(void)
         free(d->saved);
         d->saved = NULL;
     }
+    /* the memory is now on the new GPUs: the same ordinals name them from here on */
+    for (int d = 0; d < g_ndev && r == CUDA_SUCCESS && nmoved; d++) {
+        if (!memcmp(to[d].uuid.bytes, dev_get(d)->uuid.bytes, 16))
+            continue;
+        char o[41], n[41];
+        uuid_str(&dev_get(d)->uuid, o);
+        uuid_str(&to[d].uuid, n);
+        fc_logline("fakecuda: restore moved ordinal %d from %s to %s (%llu bytes)", d, o, n, g_used[d]);
+        dev_set(d, &to[d]);
+    }
     pthread_mutex_unlock(&g_mu);
     if (r != CUDA_SUCCESS) {
         g_ck_state = CU_PROCESS_STATE_FAILED;
@@ -281,10 +366,13 @@ static void *ck_thread(void *arg)
             nanosleep(&ts, NULL);
             continue;
         }
-        struct ck_req q;
+        static struct ck_restore_req rq; /* only this thread uses it */
         struct ck_rep p = {CUDA_ERROR_INVALID_VALUE, 0};
-        ssize_t n = recv(c, &q, sizeof q, 0);
-        if (n == (ssize_t)sizeof q && q.magic == CK_MAGIC) {
+        memset(&rq, 0, sizeof rq);
+        ssize_t n = recv(c, &rq, sizeof rq, 0);
+        const struct ck_req q = rq.hdr;
+        int full = q.op == CK_RESTORE ? n == (ssize_t)sizeof rq : n == (ssize_t)sizeof q;
+        if (full && q.magic == CK_MAGIC) {
             switch (q.op) {
             case CK_GETSTATE:
                 p.result = CUDA_SUCCESS;
@@ -296,7 +384,7 @@ static void *ck_thread(void *arg)
                 break;
             case CK_LOCK: p.result = ck_lock(q.timeout_ms); break;
             case CK_CHECKPOINT: p.result = ck_checkpoint(); break;
-            case CK_RESTORE: p.result = ck_restore(); break;
+            case CK_RESTORE: p.result = ck_restore(&rq); break;
             case CK_UNLOCK: p.result = ck_unlock(); break;
             }
             fc_logline("fakecuda: control %s = %s (state %d)", ck_opname(q.op), fc_errname(p.result), g_ck_state);

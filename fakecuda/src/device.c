@@ -1,21 +1,213 @@
 /*
  * device.c: devices and contexts. The device table (ordinals, UUIDs, attributes), the
  * contexts (primary and created, the per-thread context stack) and their API: cuDevice*,
- * cuDevicePrimaryCtx*, cuCtx*. It touches the context list and the calling thread's stack,
- * and calls only core.c.
+ * cuDevicePrimaryCtx*, cuCtx*. The node's devices come from FAKECUDA_DEVICES (or
+ * FAKECUDA_DEVICE_COUNT alike ones), this process's ordinals from CUDA_VISIBLE_DEVICES (see
+ * dev_config and docs/fakecuda.md "Devices"). It touches the device tables, the context list
+ * and the calling thread's stack, and calls only core.c.
  */
 #include "fc.h"
 
 /* ------------------------------------------------------------------ devices */
 
+struct fc_ctx g_prim[FC_MAX_DEVICES];
+static struct fc_ctx *g_ctxs; /* every context, primary or created (never freed) */
+
 int dev_ok(CUdevice d) { return d >= 0 && d < g_ndev; }
 
-void dev_uuid(int d, CUuuid *u)
+/* The node's devices (FAKECUDA_DEVICES, else FAKECUDA_DEVICE_COUNT alike ones) by physical index,
+ * and this process's view of them by ordinal (CUDA_VISIBLE_DEVICES). A native restore with
+ * gpuPairs rewrites an ordinal's entry (checkpoint_target.c), so the same ordinal then names the
+ * new GPU. */
+static struct fc_dev g_phys[FC_MAX_DEVICES];
+static int g_nphys;
+struct fc_dev g_dev[FC_MAX_DEVICES];
+
+static void id_uuid(unsigned id, CUuuid *u)
 {
     static const char base[16] = "fakecudaGPU-uuid";
     memcpy(u->bytes, base, 16);
-    u->bytes[15] = (char)d;
-    u->bytes[14] = (char)(d >> 8);
+    u->bytes[15] = (char)id;
+    u->bytes[14] = (char)(id >> 8);
+}
+
+void dev_uuid(int d, CUuuid *u)
+{
+    if (dev_ok(d))
+        *u = g_dev[d].uuid;
+    else
+        id_uuid((unsigned)d, u);
+}
+
+const struct fc_dev *dev_get(int d) { return dev_ok(d) ? &g_dev[d] : NULL; }
+
+void dev_set(int d, const struct fc_dev *nd)
+{
+    if (dev_ok(d))
+        g_dev[d] = *nd;
+}
+
+/* "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx", as nvidia-smi -L and CUDA_VISIBLE_DEVICES write it. */
+void uuid_str(const CUuuid *u, char out[41])
+{
+    const unsigned char *b = (const unsigned char *)u->bytes;
+    snprintf(out, 41, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0], b[1], b[2],
+             b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]);
+}
+
+/* "123", "80G", "512M", "4K", "1T" (binary units) -> bytes; 0 on a malformed value. */
+static unsigned long long parse_mem(const char *s, const char *end)
+{
+    char *e = NULL;
+    unsigned long long v = strtoull(s, &e, 10);
+    if (e == s)
+        return 0;
+    int shift = 0;
+    if (e < end) {
+        switch (*e) {
+        case 'K': shift = 10; break;
+        case 'M': shift = 20; break;
+        case 'G': shift = 30; break;
+        case 'T': shift = 40; break;
+        default: return 0;
+        }
+        e++;
+    }
+    return e == end ? v << shift : 0;
+}
+
+/* FAKECUDA_DEVICES="name:mem[:id],...": one entry per physical device; id (0-65535, default the
+ * entry's position) seeds its UUID, so two "nodes" can hold distinct GPUs. Returns the count,
+ * or -1 (with a loud line naming the entry) when malformed. */
+static int parse_devices(const char *spec)
+{
+    int n = 0;
+    const char *p = spec;
+    while (*p) {
+        const char *end = strchr(p, ',');
+        if (!end)
+            end = p + strlen(p);
+        const char *c1 = memchr(p, ':', (size_t)(end - p));
+        const char *c2 = c1 ? memchr(c1 + 1, ':', (size_t)(end - c1 - 1)) : NULL;
+        unsigned long long mem = c1 ? parse_mem(c1 + 1, c2 ? c2 : end) : 0;
+        unsigned long long id = (unsigned long long)n;
+        if (c2) {
+            char *e = NULL;
+            id = strtoull(c2 + 1, &e, 10);
+            if (e != end || e == c2 + 1 || id > 65535)
+                mem = 0;
+        }
+        size_t nl = c1 ? (size_t)(c1 - p) : 0;
+        if (n >= FC_MAX_DEVICES || !c1 || nl == 0 || nl >= sizeof g_phys[0].name || !mem) {
+            fc_loud("FAKECUDA_DEVICES entry %d (\"%.*s\") is not name:bytes[K|M|G|T][:id] "
+                    "(at most %d entries, id 0-65535): no devices",
+                    n, (int)(end - p), p, FC_MAX_DEVICES);
+            return -1;
+        }
+        struct fc_dev *d = &g_phys[n];
+        memset(d, 0, sizeof *d);
+        memcpy(d->name, p, nl);
+        d->mem = mem;
+        d->phys = n;
+        id_uuid((unsigned)id, &d->uuid);
+        n++;
+        p = *end ? end + 1 : end;
+    }
+    return n;
+}
+
+/* One CUDA_VISIBLE_DEVICES entry: an ordinal of the node's devices, or a UUID ("GPU-..." as
+ * uuid_str writes it, or a unique prefix of it). The physical index, or -1. */
+static int visible_entry(const char *s, size_t n)
+{
+    while (n && (*s == ' ' || *s == '\t'))
+        s++, n--;
+    while (n && (s[n - 1] == ' ' || s[n - 1] == '\t'))
+        n--;
+    if (n == 0)
+        return -1;
+    if (n >= 4 && !strncmp(s, "GPU-", 4)) {
+        int hit = -1;
+        for (int i = 0; i < g_nphys; i++) {
+            char u[41];
+            uuid_str(&g_phys[i].uuid, u);
+            if (n <= 40 && !strncmp(u, s, n)) {
+                if (hit >= 0)
+                    return -1; /* an ambiguous prefix */
+                hit = i;
+            }
+        }
+        return hit;
+    }
+    int v = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (s[i] < '0' || s[i] > '9' || v > 1000)
+            return -1;
+        v = v * 10 + (s[i] - '0');
+    }
+    return v < g_nphys ? v : -1;
+}
+
+/* Build the tables (cuInit, once): the node's devices, then the visible ones. As the driver
+ * documents for CUDA_VISIBLE_DEVICES (CUDA C++ Programming Guide, "CUDA Environment
+ * Variables"): the listed devices in that order; an invalid, unknown or repeated entry hides it
+ * and every entry after it; set but empty hides all. */
+void dev_config(void)
+{
+    static int done;
+    if (done)
+        return;
+    done = 1;
+    const char *spec = getenv("FAKECUDA_DEVICES");
+    if (spec && *spec) {
+        g_nphys = parse_devices(spec);
+        if (g_nphys < 0)
+            g_nphys = 0;
+    } else {
+        g_nphys = g_ndev;
+        for (int i = 0; i < g_nphys; i++) {
+            memset(&g_phys[i], 0, sizeof g_phys[i]);
+            snprintf(g_phys[i].name, sizeof g_phys[i].name, "fakecuda GPU %d", i);
+            g_phys[i].mem = g_totalmem;
+            g_phys[i].phys = i;
+            id_uuid((unsigned)i, &g_phys[i].uuid);
+        }
+    }
+    const char *vis = getenv("CUDA_VISIBLE_DEVICES");
+    int n = 0;
+    if (!vis) {
+        for (; n < g_nphys; n++)
+            g_dev[n] = g_phys[n];
+    } else {
+        const char *p = vis;
+        while (*p && n < FC_MAX_DEVICES) {
+            const char *end = strchr(p, ',');
+            if (!end)
+                end = p + strlen(p);
+            int i = visible_entry(p, (size_t)(end - p));
+            for (int k = 0; k < n && i >= 0; k++)
+                if (g_dev[k].phys == i)
+                    i = -1;
+            if (i < 0)
+                break;
+            g_dev[n++] = g_phys[i];
+            p = *end ? end + 1 : end;
+        }
+    }
+    g_ndev = n;
+}
+
+/* Has this process a context on device d (a retained primary context or a created one)? */
+int dev_has_ctx(int d)
+{
+    if (!dev_ok(d))
+        return 0;
+    if (g_prim[d].prim_refs > 0)
+        return 1;
+    for (struct fc_ctx *c = g_ctxs; c; c = c->next)
+        if (c->dev == d && !c->primary && c->magic == FC_CTX_MAGIC)
+            return 1;
+    return 0;
 }
 
 static int dev_attr(CUdevice_attribute a)
@@ -54,9 +246,6 @@ static int dev_attr(CUdevice_attribute a)
 }
 
 /* ------------------------------------------------------------------ contexts */
-
-struct fc_ctx g_prim[FC_MAX_DEVICES];
-static struct fc_ctx *g_ctxs;           /* every context, primary or created (never freed) */
 
 static __thread struct fc_ctx *tls_ctxstack[32];
 static __thread int tls_ctxdepth;
@@ -131,7 +320,7 @@ static CUresult device_name(char *name, int len, CUdevice d)
         return CUDA_ERROR_INVALID_VALUE;
     if (!dev_ok(d))
         return CUDA_ERROR_INVALID_DEVICE;
-    snprintf(name, (size_t)len, "fakecuda GPU %d", d);
+    snprintf(name, (size_t)len, "%s", g_dev[d].name);
     return CUDA_SUCCESS;
 }
 
@@ -146,7 +335,7 @@ static CUresult device_uuid(CUuuid *u, CUdevice d)
         return CUDA_ERROR_INVALID_VALUE;
     if (!dev_ok(d))
         return CUDA_ERROR_INVALID_DEVICE;
-    dev_uuid(d, u);
+    *u = g_dev[d].uuid;
     return CUDA_SUCCESS;
 }
 
@@ -160,7 +349,7 @@ static CUresult device_totalmem(size_t *b, CUdevice d)
         return CUDA_ERROR_INVALID_VALUE;
     if (!dev_ok(d))
         return CUDA_ERROR_INVALID_DEVICE;
-    *b = (size_t)g_totalmem;
+    *b = (size_t)g_dev[d].mem;
     return CUDA_SUCCESS;
 }
 

@@ -66,7 +66,7 @@
 /* ------------------------------------------------------------------ configuration (core.c) */
 
 extern atomic_int g_inited;
-extern int g_ndev;              /* FAKECUDA_DEVICE_COUNT */
+extern int g_ndev;              /* FAKECUDA_DEVICE_COUNT; after cuInit the visible devices */
 extern size_t g_gran;           /* FAKECUDA_GRANULARITY */
 extern size_t g_page;
 extern unsigned long long g_totalmem; /* FAKECUDA_TOTAL_MEM */
@@ -182,8 +182,23 @@ struct fc_ctx {
 
 extern struct fc_ctx g_prim[FC_MAX_DEVICES];
 
+/* One GPU: its physical index on the node, UUID, name (cuDeviceGetName) and total memory in
+ * bytes (cuDeviceTotalMem). Also the wire form of a device in the restore request. */
+struct fc_dev {
+    int32_t phys;
+    uint32_t pad;
+    CUuuid uuid;
+    char name[64];
+    uint64_t mem;
+};
+
 int dev_ok(CUdevice d);
-void dev_uuid(int d, CUuuid *u);
+void dev_uuid(int d, CUuuid *u);               /* ordinal d's UUID as this process sees it */
+const struct fc_dev *dev_get(int d);           /* ordinal d's entry, or NULL */
+void dev_set(int d, const struct fc_dev *nd);  /* ordinal d now names GPU nd (a gpuPairs restore) */
+void uuid_str(const CUuuid *u, char out[41]);  /* "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" */
+void dev_config(void);                         /* FAKECUDA_DEVICES, CUDA_VISIBLE_DEVICES (cuInit) */
+int dev_has_ctx(int d);                        /* a context on ordinal d (g_mu held) */
 struct fc_ctx *cur_ctx(void);
 void ctx_init(struct fc_ctx *c, int dev, int primary);
 int ctx_valid(struct fc_ctx *c);
@@ -418,6 +433,20 @@ struct ck_rep {
     int32_t value;
 };
 #define CK_MAGIC 0xfcc4ec01u
+
+/* CK_RESTORE carries more: the gpuPairs (each old UUID with the controller's entry for the new
+ * one) and the devices the controller sees (the node's GPUs as far as the fake knows: a GPU
+ * the controller does not see is missing). */
+struct ck_gpu_pair {
+    CUuuid old_uuid;
+    struct fc_dev new_dev;
+};
+struct ck_restore_req {
+    struct ck_req hdr;
+    uint32_t npairs, npresent;
+    struct ck_gpu_pair pairs[FC_MAX_DEVICES];
+    struct fc_dev present[FC_MAX_DEVICES];
+};
 
 static inline socklen_t ck_addr(struct sockaddr_un *a, int pid)
 {

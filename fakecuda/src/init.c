@@ -1,7 +1,8 @@
 /*
- * init.c: cuInit (creates the primary contexts and starts the checkpoint target's control
- * thread), cuDriverGetVersion, cuGetErrorName and cuGetErrorString; all but cuInit answer
- * before cuInit, as on the real driver. It calls device.c, checkpoint_target.c and core.c.
+ * init.c: cuInit (builds the device tables from FAKECUDA_DEVICES and CUDA_VISIBLE_DEVICES,
+ * creates the primary contexts and starts the checkpoint target's control thread), cuDriverGetVersion, cuGetErrorName
+ * and cuGetErrorString; all but cuInit answer before cuInit, as on the real driver. It calls device.c,
+ * checkpoint_target.c and core.c.
  */
 #include "fc.h"
 
@@ -16,11 +17,11 @@ FC_EXPORT CUresult cuInit(unsigned int Flags)
         r = CUDA_ERROR_INVALID_VALUE;
     else if (g_forked_child)
         r = CUDA_ERROR_NOT_INITIALIZED;
-    else if (g_ndev == 0)
-        r = CUDA_ERROR_NO_DEVICE;
     else {
         pthread_mutex_lock(&g_init_mu);
-        if (!atomic_load(&g_inited)) {
+        if (!atomic_load(&g_inited) && (dev_config(), g_ndev == 0))
+            r = CUDA_ERROR_NO_DEVICE;
+        else if (!atomic_load(&g_inited)) {
             pthread_mutex_lock(&g_mu);
             for (int d = 0; d < g_ndev; d++)
                 ctx_init(&g_prim[d], d, 1);
