@@ -84,6 +84,10 @@ class Process:
     #: session id and controlling tty (``tty_nr``, 0 = none) from ``/proc/PID/stat``
     sid: Optional[int] = None
     tty_nr: int = 0
+    #: a CUDA process's GPU records by the ordinals it sees (agent/mech/devicemap.py), None
+    #: when the agent did not list the node's GPUs; its ``CUDA_VISIBLE_DEVICES`` (None: unset)
+    gpus: Optional[list] = None
+    cuda_visible_devices: Optional[str] = None
 
     @property
     def is_participant(self) -> bool:
@@ -232,16 +236,22 @@ def take_census(
     control_dir: os.PathLike | str | None = None,
     shim_path: os.PathLike | str | None = None,
     get_state: Optional[Callable[[int], str]] = None,
+    node_gpus: Optional[Callable[[], list]] = None,
 ) -> Census:
     """Walk the trees under ``roots`` and classify every process (see the module docstring).
 
     ``get_state(pid) -> state name`` raises ``NativeError`` for a non-CUDA process; it defaults to
-    :func:`cuinterpose.agent.mech.native.get_state` (the driver must be loaded). Raises ``CensusError``
-    naming the pid for every refusal."""
+    :func:`cuinterpose.agent.mech.native.get_state` (the driver must be loaded). ``node_gpus()``
+    lists the GPUs the agent sees (default with the default ``get_state``:
+    :func:`cuinterpose.agent.mech.devicemap.node_gpus`); each CUDA process then gets its GPU
+    records (``gpus``, ``cuda_visible_devices``: :func:`devicemap.process_gpus`). Raises
+    ``CensusError`` naming the pid for every refusal."""
     if get_state is None:
-        from cuinterpose.agent.mech import native
+        from cuinterpose.agent.mech import devicemap, native
 
         get_state = native.get_state
+        node_gpus = node_gpus or devicemap.node_gpus
+    node: Optional[list] = None
     control_dir = str(pathlib.Path(ctldir.check(control_dir, phase="census")).resolve())
     shim = ShimFile.of(shim_path or paths.shim_path())
     check_socket_dir(control_dir, "census")
@@ -267,6 +277,11 @@ def take_census(
             p.cuda_state = get_state(pid)
         except NativeError as e:
             p.cuda_error = e.result
+        if p.cuda_state is not None and node_gpus is not None:
+            from cuinterpose.agent.mech import devicemap
+
+            node = node_gpus() if node is None else node
+            p.gpus, p.cuda_visible_devices = devicemap.process_gpus(pid, node)
         procs.append(p)
     census = Census(
         roots=list(dict.fromkeys(int(r) for r in roots)),

@@ -145,6 +145,7 @@ def build_manifest(cp) -> dict:
                 "socket_path": p.socket_path,
                 "cuda_state": p.cuda_state,
                 "roles": manifest_mod.role_counts(records.get(p.pid, [])),
+                **manifest_mod.gpu_fields(p),
             }
             for p in cp.census.participants
         ],

@@ -194,6 +194,39 @@ def load(snapshot: os.PathLike | str) -> dict:
     return m
 
 
+GPU_KEYS = ("ordinal", "uuid", "name", "total_memory", "compute_capability")
+
+
+def gpu_fields(p) -> dict:
+    """A participant's GPU fields for the manifest, from a census ``Process``: ``gpus`` (GPU
+    records, agent/mech/devicemap.py: ordinal as the process saw it, uuid, name, total_memory
+    in bytes, compute_capability; [] when the census listed no GPUs, as the protobuf form
+    reads an absent list) and ``cuda_visible_devices`` (only when it was set)."""
+    out: dict = {"gpus": [{k: g[k] for k in GPU_KEYS} for g in getattr(p, "gpus", None) or []]}
+    if getattr(p, "cuda_visible_devices", None) is not None:
+        out["cuda_visible_devices"] = p.cuda_visible_devices
+    return out
+
+
+def gpus_problem(p: dict) -> bool:
+    """Whether a manifest participant's optional GPU fields have the wrong shape."""
+    if "cuda_visible_devices" in p and not isinstance(p["cuda_visible_devices"], str):
+        return True
+    if "gpus" not in p:
+        return False
+    g = p["gpus"]
+    return not (
+        isinstance(g, list)
+        and all(
+            isinstance(x, dict)
+            and _is_uint(x.get("ordinal"))
+            and _is_uint(x.get("total_memory"))
+            and all(isinstance(x.get(k), str) for k in ("uuid", "name", "compute_capability"))
+            for x in g
+        )
+    )
+
+
 def _is_pid(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v > 0
 
@@ -222,6 +255,13 @@ def _shape_problem(m: dict):
     ):
         return (
             "field participants must be a list of objects with pid (int) and socket_path (string)"
+        )
+    bad_gpus = [p["pid"] for p in m["participants"] if gpus_problem(p)]
+    if bad_gpus:
+        return (
+            f"field participants[pid {bad_gpus[0]}].gpus must be a list of objects with ordinal "
+            "(int), uuid, name, compute_capability (strings) and total_memory (int), and "
+            "cuda_visible_devices a string"
         )
     if "processes" in m and not (
         isinstance(m["processes"], list)
