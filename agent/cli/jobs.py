@@ -209,6 +209,16 @@ def checkpoint(
     "(else their recorded path, reopened).",
 )
 @click.option(
+    "--device-map",
+    default=None,
+    metavar="OLD=NEW[,...]",
+    help="restore onto other GPUs: each GPU of the snapshot (UUID, or the ordinal its "
+    "processes saw) onto a GPU this agent sees (UUID or ordinal); every checkpointed GPU "
+    "must be listed, each onto one of the same model with at least its memory. Default: "
+    "the processes' own GPUs, or when those are absent an automatic mapping "
+    '(docs/agent.md "Restore onto other GPUs").',
+)
+@click.option(
     "--driver",
     type=click.Choice(["real", "fake"]),
     default=None,
@@ -229,6 +239,7 @@ def restore(
     phase_timeout_s,
     carrier_timeout_s,
     into_pid,
+    device_map,
     driver,
     manifest_key,
     agent_addr,
@@ -251,6 +262,11 @@ def restore(
         )
     if not group_file and not images_dir:
         raise click.UsageError("Missing option '--images-dir'.")
+    if device_map and (agent_addr or group_file):
+        raise click.UsageError(
+            "--device-map applies to a local restore only (the RestoreRequest of --agent and "
+            "--group carries no device map yet); the automatic mapping runs on each node"
+        )
     use_manifest_key(manifest_key, remote=bool(agent_addr or group_file))
     tls = client_tls(tls_ca, tls_cert, tls_key)
     rep, sink = reporter(
@@ -298,6 +314,7 @@ def restore(
                     phase_timeout_s=phase_timeout_s,
                     carrier_timeout_s=carrier_timeout_s,
                     placement=into_pid,
+                    device_map=device_map,
                 ),
             )
     except AgentError as e:

@@ -19,7 +19,7 @@ from typing import Optional
 from cuinterpose.agent import paths
 from cuinterpose.agent.errors import AgentError, PlacementError, RestoreFailed, SnapshotError
 from cuinterpose.agent.mech import census as census_mod
-from cuinterpose.agent.mech import criu_bad_size, ctldir, inherit, native, quiesce
+from cuinterpose.agent.mech import criu_bad_size, ctldir, devicemap, inherit, native, quiesce
 from cuinterpose.agent.mech.census import pid_alive
 from cuinterpose.agent.mech.placement import Placement
 from cuinterpose.agent.run import interrupt
@@ -73,8 +73,13 @@ class Restore(StepRunner):
         reporter: Optional[Reporter] = None,
         shim_path=None,
         placement: "Placement | int | None" = None,
+        device_map: Optional[str] = None,
     ):
         self.images_dir = pathlib.Path(images_dir).resolve()
+        #: ``--device-map OLD=NEW[,...]`` as given (None: automatic); resolved in "driver" into
+        #: ``gpu_map`` {old UUID: new UUID} ({}: every process goes back onto its own GPUs)
+        self.device_map = device_map
+        self.gpu_map: dict[str, str] = {}
         #: what was asked: a Placement, a pid (read in the "placement" phase) or None
         self.placement_arg = placement
         self.placement: Optional[Placement] = None
@@ -158,6 +163,18 @@ class Restore(StepRunner):
         with self.r.phase("driver") as ph:
             self.driver = native.load(self.driver_kind)
             ph.detail = f"{self.driver.kind} {self.driver.version}"
+            moved = self.map_devices()
+            if moved:
+                ph.detail += "; GPUs " + ", ".join(f"{o}={n}" for o, n in moved.items())
+
+    def map_devices(self) -> dict[str, str]:
+        """Part of "driver" (read-only): the GPUs the agent sees, and ``--device-map`` or the
+        automatic mapping (agent/mech/devicemap.py) checked against the snapshot's GPU records;
+        returns the moved GPUs {old UUID: new UUID}. Raises ``DeviceMapError`` (phase "device
+        map") naming both GPUs, nothing touched."""
+        self.node_gpus = devicemap.node_gpus()
+        self.gpu_map = devicemap.resolve(self.m, self.node_gpus, self.device_map)
+        return {o: n for o, n in self.gpu_map.items() if o != n}
 
     def place(self):
         """Phase "placement" (read-only): resolve the placement, check it is still the same
@@ -423,8 +440,12 @@ class Restore(StepRunner):
                         f"is {st} after CRIU restore, expected CHECKPOINTED",
                         pid=pid,
                     )
-            native.restore_all(pids)
+            by_pid = {p["pid"]: p for p in self.m["participants"]}
+            pairs = {p: devicemap.pairs_for(by_pid.get(p, {}), self.gpu_map) for p in pids}
+            devicemap.native_restore(pids, pairs)
             ph.detail = f"pids {', '.join(map(str, pids))}"
+            if self.gpu_map:
+                ph.detail += f" onto {len({n for n in self.gpu_map.values()})} mapped GPUs"
         with self.r.phase("native unlock") as ph:
             native.unlock_all(pids)
             ph.detail = f"pids {', '.join(map(str, pids))}"
@@ -496,6 +517,11 @@ class Restore(StepRunner):
             "totals": {"wall_ms": round((time.monotonic_ns() - self.t0_ns) / 1e6, 3)},
             "notes": list(self.r.notes),
         }
+        if self.gpu_map:
+            out["gpus"] = {
+                str(p["pid"]): devicemap.mapped_gpus(p, self.gpu_map, self.node_gpus)
+                for p in self.m["participants"]
+            }
         if self.files:
             out["external_files"] = [
                 {
