@@ -129,14 +129,34 @@ def visible(cvd: Optional[str], node: Sequence[dict]) -> list[dict]:
 def process_gpus(pid: int, node: Sequence[dict]) -> tuple[list[dict], Optional[str]]:
     """(GPU records of ``pid`` by its ordinals, its ``CUDA_VISIBLE_DEVICES`` or None), from
     ``/proc/PID/environ`` (the value it was started with) against ``node``."""
+    cvd = _environ(pid, "CUDA_VISIBLE_DEVICES")
+    return visible(cvd, node), cvd
+
+
+def _environ(pid: int, name: str) -> Optional[str]:
     from cuinterpose.agent.mech import procfs
 
     try:
-        raw = procfs.environ_value(pid, "CUDA_VISIBLE_DEVICES")
+        raw = procfs.environ_value(pid, name)
     except OSError:
-        raw = None
-    cvd = raw.decode(errors="replace") if raw is not None else None
-    return visible(cvd, node), cvd
+        return None
+    return raw.decode(errors="replace") if raw is not None else None
+
+
+def placement_gpus(pid: int, node: Sequence[dict]) -> list[dict]:
+    """The GPUs a placement process (a placeholder container's init, ``restore --into-pid``)
+    sees, renumbered as it sees them: its ``NVIDIA_VISIBLE_DEVICES`` (the NVIDIA container
+    runtime's: unset or ``all``: every GPU; ``none``, ``void`` or empty: none; else indices or
+    UUIDs, as ``CUDA_VISIBLE_DEVICES``), then its ``CUDA_VISIBLE_DEVICES`` on top (both from
+    ``/proc/PID/environ``)."""
+    nv = _environ(pid, "NVIDIA_VISIBLE_DEVICES")
+    if nv is None or nv.strip() == "all":
+        seen = visible(None, node)
+    elif nv.strip() in ("none", "void", ""):
+        seen = []
+    else:
+        seen = visible(nv, node)
+    return visible(_environ(pid, "CUDA_VISIBLE_DEVICES"), seen)
 
 
 def snapshot_gpus(m: dict) -> Optional[list[dict]]:

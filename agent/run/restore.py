@@ -168,11 +168,15 @@ class Restore(StepRunner):
                 ph.detail += "; GPUs " + ", ".join(f"{o}={n}" for o, n in moved.items())
 
     def map_devices(self) -> dict[str, str]:
-        """Part of "driver" (read-only): the GPUs the agent sees, and ``--device-map`` or the
+        """Part of "driver" (read-only): the GPUs the agent sees (with a placement: those the
+        placement process sees, :func:`devicemap.placement_gpus`), and ``--device-map`` or the
         automatic mapping (agent/mech/devicemap.py) checked against the snapshot's GPU records;
         returns the moved GPUs {old UUID: new UUID}. Raises ``DeviceMapError`` (phase "device
         map") naming both GPUs, nothing touched."""
         self.node_gpus = devicemap.node_gpus()
+        into = getattr(self.placement_arg, "pid", self.placement_arg)
+        if into:  # the placeholder's GPUs: what the restored trees will see (NEW ordinals too)
+            self.node_gpus = devicemap.placement_gpus(int(into), self.node_gpus)
         self.gpu_map = devicemap.resolve(self.m, self.node_gpus, self.device_map)
         return {o: n for o, n in self.gpu_map.items() if o != n}
 

@@ -240,3 +240,37 @@ def test_node_gpus_on_fakecuda(fake_env):
             "compute_capability": "9.0",
         },
     ]
+
+
+@pytest.mark.parametrize(
+    "env, want",
+    [
+        ({}, [0, 1, 2, 3]),
+        ({"NVIDIA_VISIBLE_DEVICES": "all"}, [0, 1, 2, 3]),
+        ({"NVIDIA_VISIBLE_DEVICES": "none"}, []),
+        ({"NVIDIA_VISIBLE_DEVICES": "void"}, []),
+        ({"NVIDIA_VISIBLE_DEVICES": f"{uuid(3)},{uuid(2)}"}, [3, 2]),
+        ({"NVIDIA_VISIBLE_DEVICES": "2,3", "CUDA_VISIBLE_DEVICES": "1"}, [3]),
+        ({"CUDA_VISIBLE_DEVICES": "2,3"}, [2, 3]),
+    ],
+)
+def test_placement_gpus_are_what_the_placeholder_sees(env, want):
+    """A placeholder's GPUs from its /proc/PID/environ: the container runtime's
+    NVIDIA_VISIBLE_DEVICES, then CUDA_VISIBLE_DEVICES; renumbered as it sees them."""
+    base = {k: v for k, v in __import__("os").environ.items() if "VISIBLE_DEVICES" not in k}
+    p = subprocess.Popen(
+        [sys.executable, "-c", "import sys; print('up', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env={**base, **env},
+    )
+    try:
+        assert p.stdout.readline() == b"up\n"  # past exec: its environ is the new one
+        got = devicemap.placement_gpus(p.pid, NODE4)
+    finally:
+        p.stdin.close()
+        p.wait(timeout=60)
+    assert [(g["ordinal"], g["uuid"]) for g in got] == [(i, uuid(w)) for i, w in enumerate(want)]
+    # a snapshot on {0,1} restored into it maps onto what it sees
+    if len(want) >= 2 and 0 not in want[:2]:
+        assert devicemap.automatic(M01, got) == {uuid(0): uuid(want[0]), uuid(1): uuid(want[1])}
