@@ -11,8 +11,11 @@
  * ops. cuMemFree_v2 unmaps, releases and frees the reservation. cuMemGetAddressRange_v2 and
  * cuPointerGetAttribute[s] answer for adapter ranges as the driver does for cuMemAlloc memory:
  * base = the returned pointer, size = the bytes requested (CUDA driver API,
- * cuMemGetAddressRange), IS_LEGACY_CUDA_IPC_CAPABLE = 1, MEMORY_TYPE = DEVICE; every other
- * pointer and attribute goes to the driver.
+ * cuMemGetAddressRange; also RANGE_* and MAPPING_* attributes), IS_LEGACY_CUDA_IPC_CAPABLE = 1
+ * (0 for memory opened from another process, as the driver), MEMORY_TYPE = DEVICE, CONTEXT and
+ * DEVICE_ORDINAL of the context current at the allocation (or open), MAPPED 1, IS_MANAGED 0,
+ * ALLOWED_HANDLE_TYPES 0 (cuMemAlloc memory has none); every other pointer and attribute goes
+ * to the driver.
  *
  * Also here: the driver IPC handles that pass through (ipc_api.c records them; a live one makes
  * INSPECT refuse the checkpoint, cui_ipc_inspect_fixup) and the INSPECT fields of adapter and
@@ -128,25 +131,29 @@ void cui_ipc_inspect_fixup(struct cui_record *recs, uint32_t n, int32_t *status,
   pthread_mutex_unlock(&cui_st.lock);
   pthread_mutex_lock(&g_foreign_lock);
   if ((g_nforeign || g_foreign_lost) && *status == CUI_OK) {
-    unsigned pid = (unsigned)getpid();
+    unsigned pid = (unsigned)getpid(), others = g_nforeign ? g_nforeign - 1 + g_foreign_lost : g_foreign_lost;
+    char more[64] = "";
+    if (others && g_nforeign) snprintf(more, sizeof more, " (and %u more driver IPC handles)", others);
     *status = CUI_REFUSED_STATE;
     if (!g_nforeign) {
-      snprintf(msg, cap, "INSPECT: pid %u holds %u driver CUDA IPC handles (not the shim's); refusing the checkpoint",
-               pid, g_foreign_lost);
+      snprintf(msg, cap,
+               "INSPECT: pid %u used %u driver CUDA IPC handles (not the shim's; more than %d, no longer "
+               "counted one by one): native checkpoint cannot carry IPC memory; restart it with "
+               "CUINTERPOSE_IPC_ADAPTER=all",
+               pid, others, FOREIGN_MAX);
     } else if (g_foreign[0].import) {
       const uint8_t *h = g_foreign[0].head;
       snprintf(msg, cap,
-               "INSPECT: pid %u opened a driver CUDA IPC handle %02x%02x%02x%02x%02x%02x%02x%02x... at 0x%llx (not a "
-               "cuinterpose handle: its memory was not allocated under the IPC adapter) and %u more; native checkpoint "
-               "cannot carry IPC memory: close it, or run the exporter with the shim and CUINTERPOSE_IPC_ADAPTER=all",
-               pid, h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7], (unsigned long long)g_foreign[0].ptr,
-               g_nforeign - 1 + g_foreign_lost);
+               "INSPECT: pid %u opened a driver CUDA IPC handle %02x%02x%02x%02x%02x%02x%02x%02x... at 0x%llx%s (not a "
+               "cuinterpose handle: its memory was not allocated under the IPC adapter); native checkpoint cannot "
+               "carry IPC memory: close it, or run the exporter with the shim and CUINTERPOSE_IPC_ADAPTER=all",
+               pid, h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7], (unsigned long long)g_foreign[0].ptr, more);
     } else {
       snprintf(msg, cap,
-               "INSPECT: pid %u exported pointer 0x%llx through the driver's cuIpcGetMemHandle (memory not allocated "
-               "under the IPC adapter) and %u more; native checkpoint cannot carry IPC memory: free it, or allocate it "
-               "with CUINTERPOSE_IPC_ADAPTER covering its size",
-               pid, (unsigned long long)g_foreign[0].ptr, g_nforeign - 1 + g_foreign_lost);
+               "INSPECT: pid %u exported pointer 0x%llx%s through the driver's cuIpcGetMemHandle (memory not "
+               "allocated under the IPC adapter); native checkpoint cannot carry IPC memory: free it, or allocate "
+               "it with CUINTERPOSE_IPC_ADAPTER covering its size",
+               pid, (unsigned long long)g_foreign[0].ptr, more);
     }
   }
   pthread_mutex_unlock(&g_foreign_lock);
@@ -166,7 +173,8 @@ int cui_adapter_find(uint64_t p, struct cui_adapter_range *out) {
       out->mapped = m->size;
       out->requested = a->req_size;
       out->vhandle = a->vhandle;
-      out->device = a->prop.location.id;
+      out->ctx = a->adapter_ctx;
+      out->device = a->adapter_dev;
       out->importer = a->role == CUI_ROLE_IMPORTER;
       found = 1;
     }
@@ -181,6 +189,25 @@ int cui_current_device(int *dev) {
   CUresult r = get ? get(&d) : CUDA_ERROR_NOT_INITIALIZED;
   if (r == CUDA_SUCCESS) *dev = (int)d;
   return (int)r;
+}
+
+void cui_adapter_mark(uint64_t vh, uint64_t requested, int dev, uint64_t ipc_va) {
+  CUcontext ctx = NULL;
+  cui_fn_cuCtxGetCurrent cur = REAL(cuCtxGetCurrent);
+  if (cur) cur(&ctx);
+  pthread_mutex_lock(&cui_st.lock);
+  struct cui_alloc *a = cui_alloc_by_vhandle(vh);
+  if (a) {
+    a->flags |= CUI_REC_ADAPTER | (ipc_va ? CUI_REC_IPC : 0);
+    a->req_size = requested;
+    a->adapter_ctx = ctx;
+    a->adapter_dev = dev;
+    if (ipc_va) {
+      a->ipc_va = ipc_va;
+      a->ipc_opens = 1;
+    }
+  }
+  pthread_mutex_unlock(&cui_st.lock);
 }
 
 /* Reserve `size` bytes, map `vh` there and grant read-write access to `dev`; undoes itself on
@@ -244,13 +271,7 @@ CUI_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize) {
     cuMemRelease(vh);
     return r;
   }
-  pthread_mutex_lock(&cui_st.lock);
-  struct cui_alloc *a = cui_alloc_by_vhandle(vh);
-  if (a) {
-    a->flags |= CUI_REC_ADAPTER;
-    a->req_size = bytesize;
-  }
-  pthread_mutex_unlock(&cui_st.lock);
+  cui_adapter_mark(vh, bytesize, dev, 0);
   *dptr = va;
   return CUDA_SUCCESS;
 }
@@ -292,9 +313,15 @@ CUI_EXPORT CUresult cuMemGetAddressRange_v2(CUdeviceptr *pbase, size_t *psize, C
 static int adapter_attribute(void *data, CUpointer_attribute attr, CUdeviceptr ptr,
                              const struct cui_adapter_range *ar) {
   switch (attr) {
-    case CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE: *(int *)data = 1; return 1;
-    case CU_POINTER_ATTRIBUTE_RANGE_START_ADDR: *(CUdeviceptr *)data = ar->va; return 1;
-    case CU_POINTER_ATTRIBUTE_RANGE_SIZE: *(size_t *)data = (size_t)ar->requested; return 1;
+    case CU_POINTER_ATTRIBUTE_CONTEXT:
+      if (!ar->ctx) return 0;
+      *(CUcontext *)data = (CUcontext)ar->ctx;
+      return 1;
+    case CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE: *(int *)data = !ar->importer; return 1;
+    case CU_POINTER_ATTRIBUTE_RANGE_START_ADDR:
+    case CU_POINTER_ATTRIBUTE_MAPPING_BASE_ADDR: *(CUdeviceptr *)data = ar->va; return 1;
+    case CU_POINTER_ATTRIBUTE_RANGE_SIZE:
+    case CU_POINTER_ATTRIBUTE_MAPPING_SIZE: *(size_t *)data = (size_t)ar->requested; return 1;
     case CU_POINTER_ATTRIBUTE_MEMORY_TYPE: *(unsigned int *)data = CU_MEMORYTYPE_DEVICE; return 1;
     case CU_POINTER_ATTRIBUTE_DEVICE_POINTER: *(CUdeviceptr *)data = ptr; return 1;
     case CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL: *(int *)data = ar->device; return 1;

@@ -132,15 +132,7 @@ static CUresult open_virtual(CUdeviceptr *pdptr, const struct cui_ipc_handle *h)
     cuMemRelease(vh);
     return r;
   }
-  pthread_mutex_lock(&cui_st.lock);
-  a = cui_alloc_by_vhandle(vh);
-  if (a) {
-    a->flags |= CUI_REC_ADAPTER | CUI_REC_IPC;
-    a->req_size = h->size;
-    a->ipc_va = va;
-    a->ipc_opens = 1;
-  }
-  pthread_mutex_unlock(&cui_st.lock);
+  cui_adapter_mark(vh, h->size, dev, va);
   *pdptr = va;
   return CUDA_SUCCESS;
 }

@@ -36,6 +36,8 @@ struct cui_alloc {
   uint64_t req_size;               /* adapter: bytes the app asked cuMemAlloc_v2 for */
   uint64_t ipc_va;                 /* IPC importer: the VA cuIpcOpenMemHandle returned */
   uint32_t ipc_opens;              /* IPC importer: opens not yet closed */
+  void *adapter_ctx;               /* the CUcontext current at cuMemAlloc_v2 / cuIpcOpenMemHandle */
+  int adapter_dev;                 /* its device ordinal */
 };
 
 /* Mapping records live in stable slots of cui_st.maps; a "ref" is slot index + 1 (0 = none).

@@ -292,3 +292,133 @@ def test_ipc_driver_asan_ubsan(build_c, asan_build, fake_env):  # noqa: F811
     assert "runtime error" not in res.stderr and "AddressSanitizer" not in res.stderr, res.stderr[
         -6000:
     ]
+
+
+def test_driver_ipc_handles_make_inspect_refuse(ipc_apps, ctl):
+    """Memory the adapter did not allocate (policy off) shared through the driver's own IPC:
+    INSPECT (and so the coordinator's capture) refuses naming pid, pointer / handle and why,
+    with the records still sent; closing and freeing lift the refusal."""
+    c = ipc_apps(CUINTERPOSE_IPC_ADAPTER="off")
+    i = ipc_apps()
+    va = c.val(f"alloc {REQ}")
+    assert inspect(ctl, c) == []
+    hx = c.ok(f"gethandle {va}")[0]
+    assert not bytes.fromhex(hx).startswith(b"CUIIPC01")
+    r = ctl(c).request(Op.INSPECT, txn_id=0, expected_phase=Phase.ACTIVE)
+    assert r.reply.status == Status.REFUSED_STATE
+    assert r.message == (
+        f"INSPECT: pid {c.pid} exported pointer {va:#x} through the driver's cuIpcGetMemHandle "
+        "(memory not allocated under the IPC adapter); native checkpoint cannot carry IPC "
+        "memory: free it, or allocate it with CUINTERPOSE_IPC_ADAPTER covering its size"
+    )
+    vi = i.val(f"open {hx}")
+    c.ok(f"fill {va} {REQ} 4")
+    i.ok(f"check {vi} {REQ} 4")
+    r = ctl(i).request(Op.INSPECT, txn_id=0, expected_phase=Phase.ACTIVE)
+    assert r.reply.status == Status.REFUSED_STATE
+    assert r.message == (
+        f"INSPECT: pid {i.pid} opened a driver CUDA IPC handle {hx[:16]}... at {vi:#x} (not a "
+        "cuinterpose handle: its memory was not allocated under the IPC adapter); native "
+        "checkpoint cannot carry IPC memory: close it, or run the exporter with the shim and "
+        "CUINTERPOSE_IPC_ADAPTER=all"
+    )
+    # the shim's own objects still come with the refusal
+    own = i.val(f"alloc {GRAN}")
+    r = ctl(i).request(Op.INSPECT, txn_id=0, expected_phase=Phase.ACTIVE)
+    assert r.reply.status == Status.REFUSED_STATE
+    assert [m.va for m in of_kind(r.records, RecordKind.MAPPING)] == [own]
+    i.ok(f"close {vi}")
+    assert [m.va for m in of_kind(inspect(ctl, i), RecordKind.MAPPING)] == [own]
+    c.ok(f"free {va}")
+    assert inspect(ctl, c) == []
+
+
+def test_agent_inspect_shows_adapter_stats(ipc_apps, shim_env):
+    from cuinterpose.agent.inspect import inspect_pid
+
+    c, i, va, hx, h, vi = shared(ipc_apps)
+    c.val(f"alloc {GRAN}")  # exact: no rounding waste
+    cdir = shim_env["CUINTERPOSE_CONTROL_DIR"]
+    assert inspect_pid(c.pid, control_dir=cdir, timeout_s=30)["adapter"] == {
+        "allocations": 2,
+        "requested": REQ + GRAN,
+        "mapped": MAPPED + GRAN,
+        "waste": MAPPED - REQ,
+        "ipc_exported": 1,
+        "ipc_imports": 0,
+        "ipc_opens": 0,
+    }
+    assert i.val(f"open {hx}") == vi
+    assert inspect_pid(i.pid, control_dir=cdir, timeout_s=30)["adapter"] == {
+        "allocations": 0,
+        "requested": 0,
+        "mapped": 0,
+        "waste": 0,
+        "ipc_exported": 0,
+        "ipc_imports": 1,
+        "ipc_opens": 2,
+    }
+
+
+def test_importer_attributes_as_the_driver(ipc_apps):
+    c, i, va, hx, h, vi = shared(ipc_apps)
+    assert i.ok(f"attrs {vi + 8}") == [hex(vi), hex(REQ), "0x0", hex(MEMORYTYPE_DEVICE)]
+    assert c.val(f"attr {va} {IPC_CAPABLE}") == 1
+    # MAPPING_BASE_ADDR / MAPPING_SIZE answer the buffer, as for cuMemAlloc memory
+    assert c.val(f"attr {va + 100} 19") == va
+    assert c.val(f"attr {va + 100} 18") == REQ
+
+
+LOOKUPS = {
+    "cuMemAlloc@3020": "cuMemAlloc_v2",
+    "cuMemFree@3020": "cuMemFree_v2",
+    "cuMemGetAddressRange@3020": "cuMemGetAddressRange_v2",
+    "cuPointerGetAttribute@4000": "cuPointerGetAttribute",
+    "cuPointerGetAttributes@7000": "cuPointerGetAttributes",
+    "cuIpcGetMemHandle@4010": "cuIpcGetMemHandle",
+    "cuIpcOpenMemHandle@11000": "cuIpcOpenMemHandle_v2",
+    "cuIpcOpenMemHandle@4010": "cuIpcOpenMemHandle",
+    "cuIpcCloseMemHandle@4010": "cuIpcCloseMemHandle",
+}
+
+
+@pytest.fixture(scope="module")
+def ipc_lookup_bins(build_c, fakecuda_dir):
+    linked = build_c(
+        [C_DIR / "ipc_lookup.c"],
+        "shim_ipc_lookup_linked",
+        extra=("-DLINKED",),
+        libs=link_fakecuda(fakecuda_dir),
+    )
+    plain = build_c([C_DIR / "ipc_lookup.c"], "shim_ipc_lookup")
+    cudart = build_c(
+        [C_DIR / "fake_cudart.c"],
+        "libcudart.so.13",
+        extra=("-shared", "-fPIC", "-Wl,-soname,libcudart.so.13"),
+    )
+    return linked, plain, cudart.parent
+
+
+def ipc_lookup(bins, env, path):
+    linked, plain, cudart_dir = bins
+    env = dict(env, LD_LIBRARY_PATH=f"{env['LD_LIBRARY_PATH']}:{cudart_dir}")
+    exe = linked if path == "elf" else plain
+    res = subprocess.run([str(exe), path], env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return {t[1]: (t[2], t[3]) for t in (ln.split() for ln in res.stdout.splitlines())}
+
+
+@pytest.mark.parametrize(
+    "path", ["elf", "dlsym", "dlsym_default", "gpa", "gpa2", "cudart", "cudart_ver"]
+)
+def test_adapter_lookups_reach_the_wrappers(ipc_lookup_bins, shim_env, path):
+    got = ipc_lookup(ipc_lookup_bins, shim_env, path)
+    want = {k: ("libcuinterpose.so", v) for k, v in LOOKUPS.items()}
+    if path == "cudart":  # one version: the runtime's own; the v1 open is not asked for
+        del want["cuIpcOpenMemHandle@4010"]
+    assert got == want
+
+
+def test_adapter_lookups_without_shim_are_the_drivers(ipc_lookup_bins, fake_env):
+    got = ipc_lookup(ipc_lookup_bins, fake_env, "gpa2")
+    assert got == {k: ("libcuda.so.1", v) for k, v in LOOKUPS.items()}
