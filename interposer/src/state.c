@@ -351,9 +351,11 @@ int cui_alloc_ticket(const struct cui_alloc *a) {
   t.creator_pid = a->creator_pid;
   memcpy(t.alloc_id, a->id, 16);
   t.size = a->size;
-  /* the creator's secret; an importer re-exporting passes on the one it learnt */
-  t.reserved[1] = a->creator_pid == (uint32_t)getpid() ? cui_secret_make(a->id) : cui_secret_of(a->id, a->creator_pid);
-  if (!t.reserved[1]) return -1;
+  /* the creator's secret (0 only when out of memory: no ticket); an importer re-exporting passes
+   * on the one it learnt (0 when its own ticket had none: the creator then refuses the fetch) */
+  int own = a->creator_pid == (uint32_t)getpid();
+  t.reserved[1] = own ? cui_secret_make(a->id) : cui_secret_of(a->id, a->creator_pid);
+  if (own && !t.reserved[1]) return -1;
   return cui_make_ticket(&t);
 }
 
