@@ -86,7 +86,21 @@ CUI_EXPORT CUresult cuIpcGetMemHandle(CUipcMemHandle *pHandle, CUdeviceptr dptr)
 
 /* ---------- cuIpcOpenMemHandle[_v2] / cuIpcCloseMemHandle ---------- */
 
+/* Serializes this process's opens of virtual handles, so two threads opening one handle get one
+ * mapping and a count of 2 (the FETCH_FD round trip runs under it; the creator serves FETCH_FD
+ * from its accept thread without any lock of this process). */
+static pthread_mutex_t g_open_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static CUresult open_locked(CUdeviceptr *pdptr, const struct cui_ipc_handle *h);
+
 static CUresult open_virtual(CUdeviceptr *pdptr, const struct cui_ipc_handle *h) {
+  pthread_mutex_lock(&g_open_lock);
+  CUresult r = open_locked(pdptr, h);
+  pthread_mutex_unlock(&g_open_lock);
+  return r;
+}
+
+static CUresult open_locked(CUdeviceptr *pdptr, const struct cui_ipc_handle *h) {
   char hex[33];
   cui_hex_id(h->alloc_id, hex);
   if (h->version != CUI_PROTO_VERSION) {

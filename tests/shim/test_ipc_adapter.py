@@ -422,3 +422,21 @@ def test_adapter_lookups_reach_the_wrappers(ipc_lookup_bins, shim_env, path):
 def test_adapter_lookups_without_shim_are_the_drivers(ipc_lookup_bins, fake_env):
     got = ipc_lookup(ipc_lookup_bins, fake_env, "gpa2")
     assert got == {k: ("libcuda.so.1", v) for k, v in LOOKUPS.items()}
+
+
+def test_concurrent_opens_share_one_mapping(ipc_apps, ctl):
+    c = ipc_apps()
+    i = ipc_apps()
+    va = c.val(f"alloc {REQ}")
+    c.ok(f"fill {va} {REQ} 8")
+    hx = c.ok(f"gethandle {va}")[0]
+    vas = {int(v, 16) for v in i.ok(f"open_threads {hx} 8")}
+    assert len(vas) == 1
+    (vi,) = vas
+    (imp,) = of_kind(inspect(ctl, i), RecordKind.ALLOCATION)
+    assert imp.reserved[1] == 8
+    assert [m.va for m in of_kind(inspect(ctl, i), RecordKind.MAPPING)] == [vi]
+    i.ok(f"check {vi} {REQ} 8")
+    for _ in range(8):
+        i.ok(f"close {vi}")
+    assert inspect(ctl, i) == []

@@ -16,6 +16,7 @@
  *   gethandle <ptr>               cuIpcGetMemHandle                   -> ok <128 hex digits>
  *   open <hex> [flags]            cuIpcOpenMemHandle_v2               -> ok <va>
  *   open1 <hex>                   the ELF v1 cuIpcOpenMemHandle       -> ok <va>
+ *   open_threads <hex> <n>        n threads (this context current) open at once -> ok <n VAs>
  *   close <va>                    cuIpcCloseMemHandle
  *   fill <va> <n> <seed>          cuMemcpyHtoD of pattern(seed)
  *   check <va> <n> <seed>         cuMemcpyDtoH and compare           -> ok | err -1 mismatch@<i>
@@ -25,6 +26,7 @@
 #define _GNU_SOURCE
 #include <cuda.h>
 #include <dlfcn.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -58,6 +60,21 @@ static void *sym(const char *name) {
   void *p = dlsym(RTLD_DEFAULT, name);
   if (!p) fprintf(stderr, "ipc_app: %s not found\n", name);
   return p;
+}
+
+struct opener {
+  open_fn f;
+  CUipcMemHandle h;
+  CUcontext ctx;
+  CUdeviceptr va;
+  CUresult r;
+};
+
+static void *open_thread(void *arg) {
+  struct opener *o = arg;
+  o->r = cuCtxSetCurrent(o->ctx);
+  if (o->r == CUDA_SUCCESS) o->r = o->f(&o->va, o->h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+  return NULL;
 }
 
 static int parse_handle(const char *hx, CUipcMemHandle *h) {
@@ -135,6 +152,29 @@ int main(void) {
       if (parse_handle(argv[1], &h) != 0 || !f) printf("err -2 bad-handle\n");
       else if (!report(f(&p, h, argc > 2 ? (unsigned)num(argv[2]) : CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)))
         printf("ok 0x%llx\n", (unsigned long long)p);
+    } else if (!strcmp(c, "open_threads")) {
+      struct opener o[16];
+      int n = (int)num(argv[2]);
+      pthread_t t[16];
+      if (n < 1 || n > 16 || !open2 || parse_handle(argv[1], &o[0].h) != 0) {
+        printf("err -2 bad-args\n");
+        continue;
+      }
+      for (int k = 0; k < n; k++) {
+        o[k].f = open2;
+        o[k].h = o[0].h;
+        cuCtxGetCurrent(&o[k].ctx);
+        pthread_create(&t[k], NULL, open_thread, &o[k]);
+      }
+      CUresult r = CUDA_SUCCESS;
+      for (int k = 0; k < n; k++) {
+        pthread_join(t[k], NULL);
+        if (o[k].r != CUDA_SUCCESS) r = o[k].r;
+      }
+      if (report(r)) continue;
+      printf("ok");
+      for (int k = 0; k < n; k++) printf(" 0x%llx", (unsigned long long)o[k].va);
+      printf("\n");
     } else if (!strcmp(c, "close")) {
       if (!closeh) printf("err -2 missing\n");
       else if (!report(closeh(num(argv[1])))) printf("ok\n");
