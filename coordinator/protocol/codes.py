@@ -93,7 +93,7 @@ class PhaseRule(enum.IntEnum):
     ANY = 256  # needs: every phase but FAILED
     SAME = 257  # leaves: the phase does not change
     MULTICAST_RELEASED_OR_ACTIVE = 258  # MULTICAST_RELEASED if the capture ran PREPARE_MULTICAST
-    UNCHECKED = 259  # needs: no phase check (FETCH_FD)
+    UNCHECKED = 259  # needs: no expected_phase check (FETCH_FD: refuses SAVED/PREPARED/FAILED)
 
 
 @dataclass(frozen=True)

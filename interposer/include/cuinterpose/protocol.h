@@ -91,7 +91,8 @@ enum cui_op {
                                               skipped PREPARE_MULTICAST): free the host carrier arena, clear
                                               CUI_REC_CARRIED and the carrier fields; nothing else
                                               changes (mappings and handles were never touched) */
-  CUI_OP_FETCH_FD = 32                     /* peer: send the real export FD of alloc_id (SCM_RIGHTS) */
+  CUI_OP_FETCH_FD = 32                     /* peer: send the real export FD of alloc_id (SCM_RIGHTS);
+                                              needs the allocation's secret (Secrets) */
 };
 
 enum cui_phase {
@@ -113,8 +114,9 @@ enum cui_phase_rule {
   CUI_PHASE_RULE_MULTICAST_RELEASED_OR_ACTIVE = 258,
   /* needs: either; leaves: MULTICAST_RELEASED when this capture
      ran PREPARE_MULTICAST, ACTIVE when it skipped it (Phases) */
-  CUI_PHASE_RULE_UNCHECKED = 259  /* needs: no phase check (FETCH_FD, served by the accept
-                                     thread from the export cache in every phase) */
+  CUI_PHASE_RULE_UNCHECKED = 259  /* needs: no expected_phase check (FETCH_FD, served by the
+                                     accept thread from the export cache; it refuses SAVED,
+                                     PREPARED and FAILED itself: Secrets below) */
 };
 
 /* The ops table, one row per enum cui_op member in capture/restore order:
