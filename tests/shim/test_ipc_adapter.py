@@ -116,8 +116,13 @@ def test_two_processes_share_through_virtual_handle(ipc_apps, ctl, fake_log):
     i.ok(f"check {vi} {REQ} 5")
     i.ok(f"fill {vi} {REQ} 6")
     c.ok(f"check {va} {REQ} 6")
-    # the importer's range answers too
+    # the importer's range answers too; opened memory cannot be exported again (the driver's
+    # INVALID_VALUE), and that refusal is no driver IPC handle for INSPECT
     assert i.ok(f"range {vi + 5}") == [hex(vi), hex(REQ)]
+    assert i.err(f"gethandle {vi}") == INVALID_VALUE
+    assert ctl(i).request(Op.INSPECT, txn_id=0, expected_phase=Phase.ACTIVE).reply.status == (
+        Status.OK
+    )
     # a second open returns the same VA and counts; the first close keeps the mapping
     assert i.val(f"open {hx}") == vi
     assert i.val(f"open1 {hx}") == vi
