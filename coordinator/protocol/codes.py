@@ -169,7 +169,8 @@ class Status(enum.IntEnum):
     BAD_REQUEST = 5
     NOT_FOUND = 6
     BUSY = 7  # retryable: another mutating request runs; nothing changed, txn not consumed
-    REFUSED_PEER = 8  # SO_PEERCRED: a mutating op from neither root nor the shim's uid
+    REFUSED_PEER = 8  # SO_PEERCRED: mutating op from neither root nor the shim's uid;
+    # or FETCH_FD without the allocation's secret
 
     @property
     def is_refusal(self) -> bool:

@@ -156,8 +156,8 @@ enum cui_status {
   CUI_BUSY = 7,               /* another mutating request is running; nothing changed and the
                                  txn was not consumed: retry the same request */
   CUI_REFUSED_PEER = 8        /* the connecting process may not send this op (SO_PEERCRED: a
-                                 mutating op from neither root nor the shim's uid); nothing
-                                 changed */
+                                 mutating op from neither root nor the shim's uid; FETCH_FD
+                                 without the allocation's secret, Secrets); nothing changed */
 };
 
 /* cui_reply.shim_flags: conditions of the replying process every reply carries */
