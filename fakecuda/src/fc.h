@@ -16,7 +16,7 @@
  *   ipc.c                   legacy CUDA IPC of cuMemAlloc memory (cuIpc*MemHandle)
  *   multicast.c             multicast objects (cuMulticast*)
  *   vmm.c                   the VMM API (cuMemCreate, cuMemMap, cuMemSetAccess, export, ...)
- *   pointer.c               cuPointerGetAttribute[s] over every kind of device memory
+ *   pointer.c               cuPointerGetAttribute[s] (device and page-locked host memory)
  *   checkpoint_target.c     the control thread serving this process's checkpoint requests
  *   checkpoint_controller.c cuCheckpointProcess* (the client of another process's target)
  *   init.c                  cuInit, cuDriverGetVersion, cuGetErrorName/String
@@ -391,6 +391,10 @@ CUresult op_exec(const struct fc_op *op, int dev);
 CUresult stream_enqueue(CUstream hs, const struct fc_op *tmpl);
 CUresult stream_sync(CUstream hs, int query);
 CUresult sync_op(const struct fc_op *op);
+
+/* ------------------------------------------------------------------ host memory (memory.c) */
+
+int hostmem_find(uintptr_t p, uintptr_t *va, size_t *size, struct fc_ctx **ctx, uint64_t *buffer_id);
 
 /* ------------------------------------------------------------------ multicast (multicast.c) */
 
