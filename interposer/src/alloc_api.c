@@ -12,8 +12,9 @@
  * cuPointerGetAttribute[s] answer for adapter ranges as the driver does for cuMemAlloc memory:
  * base = the returned pointer, size = the bytes requested (CUDA driver API,
  * cuMemGetAddressRange; also RANGE_* and MAPPING_* attributes), IS_LEGACY_CUDA_IPC_CAPABLE = 1
- * (0 for memory opened from another process, as the driver), MEMORY_TYPE = DEVICE, CONTEXT and
- * DEVICE_ORDINAL of the context current at the allocation (or open), MAPPED 1, IS_MANAGED 0,
+ * (0 for memory opened from another process, as the driver), MEMORY_TYPE = DEVICE, CONTEXT of
+ * the context current at the allocation (or open), DEVICE_ORDINAL of the allocation's device (an
+ * import: the exporter's, as the driver reports), MAPPED 1, IS_MANAGED 0,
  * ALLOWED_HANDLE_TYPES 0 (cuMemAlloc memory has none); every other pointer and attribute goes
  * to the driver.
  *
@@ -201,7 +202,7 @@ void cui_adapter_mark(uint64_t vh, uint64_t requested, int dev, uint64_t ipc_va)
     a->flags |= CUI_REC_ADAPTER | (ipc_va ? CUI_REC_IPC : 0);
     a->req_size = requested;
     a->adapter_ctx = ctx;
-    a->adapter_dev = dev;
+    a->adapter_dev = ipc_va ? a->prop.location.id : dev;   /* an import: the exporter's device */
     if (ipc_va) {
       a->ipc_va = ipc_va;
       a->ipc_opens = 1;

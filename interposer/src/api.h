@@ -48,7 +48,7 @@ struct cui_adapter_range {
   uint64_t va, mapped, requested;  /* start; bytes mapped; bytes requested (cuMemAlloc_v2) */
   uint64_t vhandle;
   void *ctx;                       /* CUcontext current at cuMemAlloc_v2 / cuIpcOpenMemHandle */
-  int device;                      /* its device ordinal */
+  int device;                      /* the allocation's device ordinal (an import: the exporter's) */
   int importer;                    /* opened by cuIpcOpenMemHandle (not this process's memory) */
 };
 /* 1 and the range when `p` lies in one; 0 otherwise. Takes the state lock. */
@@ -56,7 +56,8 @@ CUI_HIDDEN int cui_adapter_find(uint64_t p, struct cui_adapter_range *out);
 /* The current context's device ordinal: a CUresult (CUDA_ERROR_INVALID_CONTEXT without one). */
 CUI_HIDDEN int cui_current_device(int *dev);
 /* Marks the allocation of virtual handle `vh` as adapter memory (and IPC importer memory when
- * `ipc_va` is not 0): flags, bytes requested, the current context and `dev`. Takes the lock. */
+ * `ipc_va` is not 0): flags, bytes requested, the current context, and `dev` (an import: the
+ * allocation's own device, the exporter's). Takes the lock. */
 CUI_HIDDEN void cui_adapter_mark(uint64_t vh, uint64_t requested, int dev, uint64_t ipc_va);
 /* Reserve `size` bytes (alignment `align`, 0 = default), map virtual handle `vh` there, grant
  * read-write access to `dev`, through the tracked wrappers; undone on failure. */

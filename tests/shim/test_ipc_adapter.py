@@ -40,12 +40,12 @@ def ipc_app(build_c, fakecuda_dir):
 def ipc_apps(ipc_app, shim_env):
     started: list[App] = []
 
-    def start(env=None, **extra):
+    def start(env=None, dev=0, **extra):
         e = dict(env or shim_env)
         e.update(extra)
         a = App(ipc_app, e)
         started.append(a)
-        a.ok("init")
+        a.ok(f"init {dev}")
         return a
 
     yield start
@@ -369,6 +369,12 @@ def test_importer_attributes_as_the_driver(ipc_apps):
     c, i, va, hx, h, vi = shared(ipc_apps)
     assert i.ok(f"attrs {vi + 8}") == [hex(vi), hex(REQ), "0x0", hex(MEMORYTYPE_DEVICE)]
     assert c.val(f"attr {va} {IPC_CAPABLE}") == 1
+    # an importer on device 1: DEVICE_ORDINAL is the exporter's (as the driver reports),
+    # access was granted to the opener's device
+    i1 = ipc_apps(dev=1)
+    v1 = i1.val(f"open {hx}")
+    assert i1.val(f"attr {v1} {DEVICE_ORDINAL}") == 0
+    i1.ok(f"check {v1} {REQ} 5")
     # MAPPING_BASE_ADDR / MAPPING_SIZE answer the buffer, as for cuMemAlloc memory
     assert c.val(f"attr {va + 100} 19") == va
     assert c.val(f"attr {va + 100} 18") == REQ

@@ -6,7 +6,7 @@
  * the rest binds by ELF name. One command per line on stdin, one line on stdout:
  *   "ok [values...]"  or  "err <CUresult> <name>".
  *
- *   init                          cuInit(0); primary context of device 0 current
+ *   init [dev]                    cuInit(0); primary context of dev (default 0) current
  *   alloc <bytes>                 cuMemAlloc_v2                       -> ok <va>
  *   free <va>                     cuMemFree_v2
  *   range <ptr>                   cuMemGetAddressRange_v2             -> ok <base> <size>
@@ -109,8 +109,8 @@ int main(void) {
     } else if (!strcmp(c, "init")) {
       CUdevice d;
       CUcontext ctx;
-      if (report(cuInit(0)) || report(cuDeviceGet(&d, 0)) || report(cuDevicePrimaryCtxRetain(&ctx, d)) ||
-          report(cuCtxSetCurrent(ctx)))
+      if (report(cuInit(0)) || report(cuDeviceGet(&d, argc > 1 ? (int)num(argv[1]) : 0)) ||
+          report(cuDevicePrimaryCtxRetain(&ctx, d)) || report(cuCtxSetCurrent(ctx)))
         continue;
       printf("ok\n");
     } else if (!strcmp(c, "alloc")) {
