@@ -451,3 +451,62 @@ def test_concurrent_opens_share_one_mapping(ipc_apps, ctl):
     for _ in range(8):
         i.ok(f"close {vi}")
     assert inspect(ctl, i) == []
+
+
+def test_ipc_driver_tsan(build_c, cuda_include, fake_env):
+    """Races between the importer's 4 opening threads, the accept thread serving FETCH_FD (the
+    secret table, the export cache) and INSPECT's fix-up (the state and foreign-handle locks)."""
+    import shutil
+
+    from .conftest import C_BUILD_DIR, FAKECUDA_SRC, SHIM_SRC, build_shared
+
+    libtsan = subprocess.run(
+        ["cc", "-print-file-name=libtsan.so"], capture_output=True, text=True
+    ).stdout.strip()
+    if not os.path.isabs(libtsan) or not shutil.which("setarch"):
+        pytest.skip("no libtsan.so or no setarch")
+    tsan = ["-fsanitize=thread", "-O1", "-g", "-std=gnu11"]
+    d = C_BUILD_DIR / "shim-tsan"  # the same build as test_sanitize.py's (hashed inputs)
+    shim = build_shared(
+        sorted((SHIM_SRC / "src").glob("*.c")),
+        d / "libcuinterpose.so",
+        [
+            *tsan,
+            "-fvisibility=hidden",
+            f"-I{SHIM_SRC / 'include'}",
+            f"-I{cuda_include}",
+            f"-Wl,--version-script={SHIM_SRC / 'libcuinterpose.map'}",
+            "-Wl,-Bsymbolic-functions",
+        ],
+    )
+    fake = build_shared(
+        sorted((FAKECUDA_SRC / "src").glob("*.c")),
+        d / "fakecuda" / "libcuda.so.1",
+        [
+            *tsan,
+            "-fvisibility=hidden",
+            f"-I{cuda_include}",
+            "-Wl,-Bsymbolic",
+            "-Wl,-soname,libcuda.so.1",
+        ],
+    )
+    drv = build_c(
+        [C_DIR / "ipc_driver.c"],
+        "shim_ipc_driver_tsan",
+        extra=("-fsanitize=thread",),
+        libs=link_fakecuda(fake.parent),
+    )
+    env = dict(
+        fake_env,
+        LD_LIBRARY_PATH=str(fake.parent),
+        LD_PRELOAD=f"{libtsan} {shim}",
+        TSAN_OPTIONS="halt_on_error=1:exitcode=23",
+    )
+    res = subprocess.run(
+        ["setarch", "-R", str(drv)], env=env, capture_output=True, text=True, timeout=300
+    )
+    if "ThreadSanitizer" in res.stderr and "unexpected memory mapping" in res.stderr:
+        pytest.skip("TSan cannot start with this kernel's memory layout")
+    assert "WARNING: ThreadSanitizer" not in res.stderr, res.stderr[-6000:]
+    assert res.returncode == 0, res.stdout + res.stderr[-6000:]
+    assert res.stdout == "ipc ok\n"

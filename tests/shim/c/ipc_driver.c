@@ -4,12 +4,12 @@
  * coordinator over the control sockets (protocol.h).
  *
  * Creator: cuMemAlloc_v2 of 3 MiB (ELF), fill, cuIpcGetMemHandle at an offset (dlsym), the
- * 64 bytes to the importer and the parent over pipes. Importer: cuIpcOpenMemHandle_v2 twice
- * (same VA), check the bytes, write another pattern. Parent: FETCH_FD with a wrong secret
+ * 64 bytes to the importer and the parent over pipes. Importer: cuIpcOpenMemHandle_v2 from 4
+ * threads at once (one VA), check the bytes, write another pattern. Parent: FETCH_FD with a wrong secret
  * (CUI_REFUSED_PEER) and the right one (an FD), INSPECT both, SAVE_ALLOCATIONS,
  * PREPARE_UNICAST, LOAD_ALLOCATIONS, RESTORE_UNICAST on both, INSPECT again (records identical,
  * so the importer's VA is too). Then the importer checks the bytes after the restore and
- * writes a third pattern the creator must see; the importer closes twice, the creator frees.
+ * writes a third pattern the creator must see; the importer closes 4 times, the creator frees.
  * Prints "ipc ok" and exits 0 on success. Needs CUINTERPOSE_CONTROL_DIR and libcuda.so.1
  * (fakecuda) on the library path.
  */
@@ -17,6 +17,7 @@
 #include <cuda.h>
 #include <dlfcn.h>
 #include <errno.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -108,15 +109,42 @@ static int creator(int in, int out, int to_importer) {
   return 0;
 }
 
+#define OPENERS 4
+struct opener {
+  open_fn op;
+  CUipcMemHandle h;
+  CUcontext ctx;
+  CUdeviceptr va;
+  CUresult r;
+};
+
+static void *open_thread(void *arg) {
+  struct opener *o = arg;
+  o->r = cuCtxSetCurrent(o->ctx);
+  if (o->r == CUDA_SUCCESS) o->r = o->op(&o->va, o->h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+  return NULL;
+}
+
 static int importer(int in, int out, int from_creator) {
   init();
   CUipcMemHandle h;
   get_all(from_creator, &h, sizeof h);
   open_fn op = (open_fn)dlsym(RTLD_DEFAULT, "cuIpcOpenMemHandle_v2");
   close_fn cl = (close_fn)dlsym(RTLD_DEFAULT, "cuIpcCloseMemHandle");
-  CUdeviceptr v1 = 0, v2 = 0;
-  CHECK(op && op(&v1, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS) == CUDA_SUCCESS, "open");
-  CHECK(op(&v2, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS) == CUDA_SUCCESS && v2 == v1, "second open");
+  CHECK(op && cl, "dlsym");
+  struct opener o[OPENERS];
+  pthread_t t[OPENERS];
+  for (int k = 0; k < OPENERS; k++) {
+    o[k].op = op;
+    o[k].h = h;
+    cuCtxGetCurrent(&o[k].ctx);
+    CHECK(pthread_create(&t[k], NULL, open_thread, &o[k]) == 0, "pthread_create");
+  }
+  for (int k = 0; k < OPENERS; k++) {
+    pthread_join(t[k], NULL);
+    CHECK(o[k].r == CUDA_SUCCESS && o[k].va == o[0].va, "open %d: %d", k, (int)o[k].r);
+  }
+  CUdeviceptr v1 = o[0].va;
   check(v1, 1);
   fill(v1, 2);
   put_all(out, &v1, sizeof v1);
@@ -125,7 +153,8 @@ static int importer(int in, int out, int from_creator) {
   fill(v1, 3);
   put(out, 'd');
   CHECK(get(in) == 'q', "wait");
-  CHECK(cl && cl(v1) == CUDA_SUCCESS && cl(v1) == CUDA_SUCCESS, "close twice");
+  for (int k = 0; k < OPENERS; k++) CHECK(cl(v1) == CUDA_SUCCESS, "close %d", k);
+  CHECK(cl(v1) != CUDA_SUCCESS, "a close more than opened must fail");
   put(out, 'x');
   return 0;
 }
