@@ -10,7 +10,9 @@
  * exactly POSIX_FILE_DESCRIPTOR (0, FABRIC) is created and used normally but flagged
  * CUI_REC_PASSTHROUGH: it cannot be rebuilt, so PREPARE_MULTICAST refuses and the coordinator's
  * validation names it. Binding memory the shim does not track into a tracked object is refused
- * before the driver sees the call (CUDA_ERROR_NOT_SUPPORTED, nothing recorded).
+ * before the driver sees the call (CUDA_ERROR_NOT_SUPPORTED, nothing recorded). A creator's
+ * exported object outlives the app's release of the create handle as the team's anchor
+ * (mc_maybe_destroy; docs/shim.md "Creator lets go", decisions.md D19).
  *
  * Locking: create, add-device, bind and map are collective (bind and map block until every
  * device of the team was added, in every process), so they run with cui_st.lock dropped and
