@@ -107,8 +107,8 @@ static size_t attr_size(CUpointer_attribute a)
  * MEMORY_TYPE: DEVICE, or HOST for a host-located VMM allocation.
  * DEVICE_POINTER: p if the current context's device may access it (no context: INVALID_CONTEXT).
  * HOST_POINTER: p for host-located VMM memory; device memory -> INVALID_VALUE.
- * DEVICE_ORDINAL: the owning device (an import: the opening context's); host memory ->
- *   INVALID_VALUE.
+ * DEVICE_ORDINAL: the owning device (an import: the exporter's, which every fake process
+ *   numbers alike); host memory -> INVALID_VALUE.
  * RANGE_START_ADDR/RANGE_SIZE: the buffer, or the whole reservation (also unmapped);
  * MAPPING_BASE_ADDR/MAPPING_SIZE: the buffer or the single mapping; MAPPED 1/0.
  * IS_LEGACY_CUDA_IPC_CAPABLE: 1 only for an own cuMemAlloc buffer. ALLOWED_HANDLE_TYPES: the

@@ -25,11 +25,13 @@ MEMORYTYPE_HOST, MEMORYTYPE_DEVICE = 1, 2
 
 
 @pytest.fixture
-def pair(peer, fake_env):
-    """Exporter a (malloc'd SIZE bytes with a pattern) and importer b, joined by a socketpair."""
+def pair(any_peer):
+    """Exporter a (malloc'd SIZE bytes with a pattern) and importer b, joined by a socketpair;
+    both on the installed libcuda.so.1, or both fcpeer builds with fakecuda compiled in under
+    ASan/UBSan."""
     sa, sb = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    a = peer(sa.fileno())
-    b = peer(sb.fileno())
+    a = any_peer(sa.fileno())
+    b = any_peer(sb.fileno())
     sa.close()
     sb.close()
     a.cmd("init 0")
@@ -126,7 +128,7 @@ def test_exporter_frees_while_imported(pair):
     assert b.err(f"ipcopen {h} 1") == "CUDA_ERROR_INVALID_HANDLE"
 
 
-def test_pointer_attributes(pair):
+def test_pointer_attributes(pair, any_peer):
     a, b, va = pair
     h = a.cmd(f"ipcget {va}")[0]
     vb = int(b.cmd(f"ipcopen {h} 1")[0], 16)
@@ -157,6 +159,15 @@ def test_pointer_attributes(pair):
     assert b.cmd(f"attr {IPC_CAPABLE} {vb}") == ["0"]
     assert b.cmd(f"attr {RANGE_START} {vb + SIZE - 1}") == [str(vb)]
     assert b.cmd(f"attr {RANGE_SIZE} {vb}") == [str(SIZE)]
+    # opened from a context on device 1: the memory still lives on the exporter's device 0, the
+    # context is the opener's
+    c = any_peer()
+    c.cmd("init 1")
+    vc = int(c.cmd(f"ipcopen {h} 1")[0], 16)
+    assert c.cmd(f"attr {DEVICE_ORDINAL} {vc}") == ["0"]
+    assert c.cmd(f"attr {CONTEXT} {vc}") != ["0"]
+    assert c.cmd(f"read {vc + 4096}") == [str(PATTERN + 1)]
+    c.cmd(f"ipcclose {vc}")
     # cuPointerGetAttributes: CONTEXT!=0, type, devptr, hostptr, managed, ordinal, ipc, start,
     # size, mapped, handle types, mempool; HOST_POINTER of device memory is zero, not an error
     assert a.cmd(f"attrs {va + 8}") == ["1", "0x2", hex(va + 8), "0", "0", "0", "0x1"] + [
