@@ -7,6 +7,8 @@ the close; FAKECUDA_LAUNCH_JOB=1 models cuda-checkpoint --launch-job (private co
 
 from __future__ import annotations
 
+import os
+import pathlib
 import socket
 
 import pytest
@@ -248,6 +250,7 @@ def test_native_checkpoint_refused_with_a_live_import(pair, peer, fake_env):
         for l in log
     )
     # after the close both checkpoint and restore; the exporter keeps its bytes at its VA
+    old_handle = a.cmd(f"ipcget {va}")[0]
     b.cmd(f"ipcclose {vb}")
     for pid in (a.pid, b.pid):
         ctl.cmd(f"lock {pid} 0")
@@ -256,7 +259,9 @@ def test_native_checkpoint_refused_with_a_live_import(pair, peer, fake_env):
         ctl.cmd(f"unlock {pid}")
     assert a.cmd(f"read {va}") == ["4242"]
     assert a.cmd(f"read {va + 4096}") == [str(PATTERN + 1)]
-    # the buffer has a new memfd: a new handle shares it again
+    # the buffer has a new memfd: the old handle is stale, a new one shares it again
+    assert b.err(f"ipcopen {old_handle} 1") == "CUDA_ERROR_INVALID_HANDLE"
+    assert a.cmd(f"ipcget {va}") != [old_handle]
     vb2 = send_open(a, b, va)
     assert b.cmd(f"read {vb2 + 4096}") == [str(PATTERN + 1)]
     b.cmd(f"ipcclose {vb2}")
@@ -292,6 +297,13 @@ def test_launch_job_mode_checkpoints_private_copies(peer, fake_env):
     for pid in (a.pid, b.pid):
         ctl.cmd(f"lock {pid} 0")
         ctl.cmd(f"checkpoint {pid}")
+    # checkpointed: nothing CRIU could carry as sharing, both ranges bare reservations
+    for pid, v in ((a.pid, va), (b.pid, vb)):
+        maps = pathlib.Path(f"/proc/{pid}/maps").read_text()
+        assert "memfd:fakecuda-" not in maps
+        fds = [os.readlink(f"/proc/{pid}/fd/{f}") for f in os.listdir(f"/proc/{pid}/fd")]
+        assert not [f for f in fds if "memfd:fakecuda-" in f]
+        assert perms_at(maps, v) == "---p"
     for pid in (a.pid, b.pid):
         ctl.cmd(f"restore {pid}")
         ctl.cmd(f"unlock {pid}")
@@ -300,8 +312,24 @@ def test_launch_job_mode_checkpoints_private_copies(peer, fake_env):
     assert b.cmd(f"read {vb + 4096}") == ["11"]
     b.cmd(f"write {vb + 4096} 12")
     assert a.cmd(f"read {va + 4096}") == ["11"]
+    assert perms_at(pathlib.Path(f"/proc/{b.pid}/maps").read_text(), vb) == "rw-p"  # private
+    # a new handle of the restored buffer is a new import, shared again; the old copy stays
+    vb2 = send_open(a, b, va)
+    assert vb2 != vb
+    b.cmd(f"write {vb2 + 4096} 13")
+    assert a.cmd(f"read {va + 4096}") == ["13"]
+    assert b.cmd(f"read {vb + 4096}") == ["12"]
+    b.cmd(f"ipcclose {vb2}")
     b.cmd(f"ipcclose {vb}")
     assert b.err(f"read {vb}") == "CUDA_ERROR_INVALID_VALUE"
+
+
+def perms_at(maps: str, va: int) -> str | None:
+    for line in maps.splitlines():
+        lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+        if lo <= va < hi:
+            return line.split()[1]
+    return None
 
 
 @pytest.mark.parametrize(
