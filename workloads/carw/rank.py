@@ -1,0 +1,363 @@
+"""One carw rank: legacy CUDA IPC setup, then the all-reduce loop (docs/carw.md).
+
+Started by the launcher as ``python -m cuinterpose.workloads.carw.rank --fd FD --rank R``
+(FD: its end of an ``AF_UNIX`` socketpair, framed as :mod:`cuinterpose.workloads.afdwin.wire`);
+the ``config`` message brings the rest. It never writes stdout: events go to the launcher.
+Exit status 0 when every check it made held, 1 on a failed check or error, 2 when the launcher
+went away.
+
+Driver calls (cuda-python, the same on fakecuda and on a real GPU): ``cuMemAlloc`` for the data,
+signal and table ranges; ``cuIpcGetMemHandle`` (64 bytes) of data and signal, sent to the
+launcher, which hands every rank its peers' handles; ``cuIpcOpenMemHandle`` (flag
+``CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS``, the one the driver API documents) of each peer's two
+ranges at VAs the driver picks; the table of peer VAs written with ``cuMemcpyHtoD``. Every step
+reads the table back with ``cuMemcpyDtoH`` and reaches the peers' signal and data only through
+the VAs read from it, as a kernel reading vLLM's rank data would.
+
+Single-threaded: control messages are read between driver calls, so a parked rank is not
+inside CUDA (docs/workload-contract.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+import traceback
+
+from cuda.bindings import driver as cu
+
+from ..afdwin.cudrv import call
+from ..afdwin.wire import Channel, ChannelClosed
+from . import layout as L
+from .evidence import StepLog
+
+POLL_S = 0.002  # how long a waiting rank sleeps in select() on its channel between polls
+
+
+class Abort(RuntimeError):
+    """The launcher told this rank to stop, or a wait ran past its deadline."""
+
+
+class Deadline:
+    """A deadline that counts only time spent waiting, at most ``POLL_S * 50`` per poll, so a
+    CLOCK_MONOTONIC jump across a checkpoint/restore does not expire it."""
+
+    def __init__(self, seconds: float):
+        self.left = seconds
+        self.last = time.monotonic()
+
+    def tick(self) -> bool:
+        now = time.monotonic()
+        self.left -= min(now - self.last, POLL_S * 50)
+        self.last = now
+        return self.left > 0
+
+
+def dptr(va: int) -> cu.CUdeviceptr:
+    return cu.CUdeviceptr(va)
+
+
+class CarwRank:
+    """State of one rank. ``cfg``: the launcher's config (world, steps, elems, step_delay_ms,
+    hold_at, peer_timeout_s)."""
+
+    def __init__(self, chan: Channel, rank: int, cfg: dict):
+        self.chan = chan
+        self.rank = rank
+        self.world = int(cfg["world"])
+        self.steps = int(cfg["steps"])
+        self.elems = int(cfg["elems"])
+        self.delay_s = float(cfg.get("step_delay_ms", 0)) / 1000.0
+        self.hold_at = sorted(int(h) for h in cfg.get("hold_at", ()))
+        self.peer_timeout_s = float(cfg.get("peer_timeout_s", 300))
+        self.pid = os.getpid()
+        self.log = StepLog(rank)
+        self.started = 0  # last step whose signal this rank wrote
+        self.limit: int | None = None  # during a quiesce: start no step above this
+        self.park_at: int | None = None
+        self.quiesce_id: str | None = None
+        self.held: set[int] = set()  # --hold-at steps a quiesce released
+        self.hold_sent: set[int] = set()
+        self.restores_seen = 0
+
+    # ---- messages -------------------------------------------------------------------------
+    def send(self, msg: dict) -> None:
+        self.chan.send(msg)
+
+    def where(self) -> str:
+        return f"carw rank {self.rank} (pid {self.pid})"
+
+    def service(self, timeout: float = 0) -> None:
+        """Handle pending launcher messages, waiting up to ``timeout`` s for the first."""
+        got = self.chan.recv(timeout=timeout)
+        while got is not None:
+            self.on_control(got[0])
+            got = self.chan.recv(timeout=0)
+
+    def on_control(self, msg: dict) -> None:
+        t = msg["type"]
+        if t == "abort":
+            raise Abort(msg.get("message", "aborted by the launcher"))
+        if t == "quiesce":  # start no new step; say where we are
+            self.quiesce_id = msg["id"]
+            self.limit = self.started
+            self.held.update(h for h in self.hold_at if h <= self.started)
+            self.send({"type": "at", "id": msg["id"], "rank": self.rank, "step": self.started})
+        elif t == "park":  # finish steps up to msg["step"], then park
+            self.park_at = int(msg["step"])
+            self.limit = self.park_at
+        else:
+            raise RuntimeError(f"{self.where()}: unexpected message {t!r} (step {self.started})")
+
+    # ---- setup ----------------------------------------------------------------------------
+    def setup(self) -> None:
+        call(cu.cuInit, 0)
+        ndev = call(cu.cuDeviceGetCount)
+        self.device_ordinal = self.rank % ndev
+        dev = call(cu.cuDeviceGet, self.device_ordinal)
+        self.ctx = call(cu.cuDevicePrimaryCtxRetain, dev)
+        call(cu.cuCtxSetCurrent, self.ctx)
+        nbytes = L.data_bytes(self.elems)
+        self.data_va = int(call(cu.cuMemAlloc, nbytes, detail=f"data, {nbytes} bytes"))
+        self.signal_va = int(call(cu.cuMemAlloc, L.SIGNAL_BYTES, detail="signal"))
+        tbytes = L.ROW_BYTES * self.world
+        self.table_va = int(call(cu.cuMemAlloc, tbytes, detail=f"table, {tbytes} bytes"))
+        call(cu.cuMemsetD8, dptr(self.data_va), 0, nbytes)
+        self.htod(self.signal_va, L.encode_signal(0))
+        handles = {
+            "data": bytes(call(cu.cuIpcGetMemHandle, dptr(self.data_va)).reserved).hex(),
+            "signal": bytes(call(cu.cuIpcGetMemHandle, dptr(self.signal_va)).reserved).hex(),
+        }
+        self.send({"type": "handles", "rank": self.rank, "pid": self.pid, **handles})
+        msg = self.expect("peers")
+        rows = []
+        self.opened: list[int] = []
+        for r in range(self.world):
+            if r == self.rank:
+                rows.append((self.data_va, self.signal_va))
+                continue
+            h = msg["handles"][str(r)]
+            rows.append((self.open(h["data"], r, "data"), self.open(h["signal"], r, "signal")))
+        self.rows = rows
+        self.table_bytes = L.encode_table(rows)
+        self.htod(self.table_va, self.table_bytes)
+        self.emit_vas(after_restore=False)
+        self.send({"type": "ready", "rank": self.rank})
+        self.expect("start")
+
+    def open(self, hexhandle: str, peer: int, what: str) -> int:
+        h = cu.CUipcMemHandle()
+        raw = bytes.fromhex(hexhandle)
+        if len(raw) != L.IPC_HANDLE_BYTES:
+            raise RuntimeError(f"{self.where()}: rank {peer}'s {what} handle is {len(raw)} bytes")
+        h.reserved = raw
+        flags = cu.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+        va = int(call(cu.cuIpcOpenMemHandle, h, flags, detail=f"rank {peer}'s {what}"))
+        self.opened.append(va)
+        return va
+
+    def expect(self, mtype: str) -> dict:
+        deadline = Deadline(self.peer_timeout_s)
+        while True:
+            got = self.chan.recv(timeout=POLL_S * 50)
+            if got is not None:
+                msg = got[0]
+                if msg["type"] == "abort":
+                    raise Abort(msg.get("message", "aborted by the launcher"))
+                if msg["type"] != mtype:
+                    raise RuntimeError(f"{self.where()}: expected {mtype!r}, got {msg['type']!r}")
+                return msg
+            if not deadline.tick():
+                raise Abort(f"{self.where()}: no {mtype!r} from the launcher in time")
+
+    def emit_vas(self, after_restore: bool) -> None:
+        table = L.decode_table(self.dtoh(self.table_va, len(self.table_bytes)))
+        self.send(
+            {
+                "type": "event",
+                "event": {
+                    "event": "vas",
+                    "rank": self.rank,
+                    "pid": self.pid,
+                    "after_restore": after_restore,
+                    "device": self.device_ordinal,
+                    "data_va": self.data_va,
+                    "signal_va": self.signal_va,
+                    "table_va": self.table_va,
+                    "table": [list(row) for row in table],
+                    "step": self.started,
+                },
+            }
+        )
+
+    # ---- memory ---------------------------------------------------------------------------
+    def htod(self, va: int, data: bytes) -> None:
+        call(cu.cuMemcpyHtoD, dptr(va), data, len(data), detail=f"{len(data)} bytes to {va:#x}")
+
+    def dtoh(self, va: int, n: int) -> bytes:
+        buf = bytearray(n)
+        call(cu.cuMemcpyDtoH, buf, dptr(va), n, detail=f"{n} bytes from {va:#x}")
+        return bytes(buf)
+
+    # ---- the loop -------------------------------------------------------------------------
+    def run(self) -> None:
+        """Steps 1..steps; parks at the cut a quiesce names (between steps)."""
+        s = 1
+        while s <= self.steps:
+            self.service()
+            if self.park_at is not None and s > self.park_at:
+                self.park()
+                continue
+            if (self.limit is not None and s > self.limit) or self.holding(s):
+                self.service(timeout=POLL_S * 10)
+                continue
+            self.one_step(s)
+            s += 1
+            if self.delay_s:
+                self.service(timeout=self.delay_s)
+
+    def holding(self, s: int) -> bool:
+        """--hold-at h: after step h, start h + 1 only once a quiesce came (the cut is then h).
+        Sends one ``hold`` event per h."""
+        for h in self.hold_at:
+            if s == h + 1 and h not in self.held:
+                if h not in self.hold_sent:
+                    self.hold_sent.add(h)
+                    ev = {"event": "hold", "rank": self.rank, "pid": self.pid, "step": h}
+                    self.send({"type": "event", "event": ev})
+                return True
+        return False
+
+    def one_step(self, s: int) -> None:
+        off = L.slot_offset(s, self.elems)
+        n = L.slot_bytes(self.elems)
+        self.htod(self.data_va + off, L.encode_slot(self.rank, s, self.elems))
+        self.htod(self.signal_va, L.encode_signal(s))
+        self.started = s
+        raw = self.dtoh(self.table_va, len(self.table_bytes))
+        self.log.table(raw == self.table_bytes, f"step {s}: {L.decode_table(raw)} != {self.rows}")
+        rows = L.decode_table(raw)
+        total = None
+        for r in range(self.world):
+            data_va, signal_va = rows[r]
+            if r != self.rank:
+                self.wait_signal(r, signal_va, s)
+            seq, check, vals = L.decode_slot(self.dtoh(data_va + off, n), self.elems)
+            if seq != s or check != L.checksum(vals, s, r):
+                self.log.fail(f"step {s}: rank {r}'s slot at {data_va + off:#x} holds seq {seq}")
+            if total is None:
+                total = vals
+            else:
+                for i in range(self.elems):
+                    total[i] += vals[i]
+        exact = total == L.expected_sum(self.world, s, self.elems)
+        if not exact:
+            self.log.fail(f"step {s}: all-reduce sum differs from the expected one")
+        self.log.step(s, exact)
+
+    def wait_signal(self, peer: int, signal_va: int, s: int) -> None:
+        deadline = Deadline(self.peer_timeout_s)
+        while True:
+            got = L.decode_signal(self.dtoh(signal_va, 8))
+            if got >= s:
+                return
+            self.service(timeout=POLL_S)
+            if not deadline.tick():
+                raise Abort(
+                    f"{self.where()}: step {s}: rank {peer}'s signal at {signal_va:#x} stayed at "
+                    f"{got} for {self.peer_timeout_s:g} s (peer dead or stuck?); stopping"
+                )
+
+    # ---- quiesce --------------------------------------------------------------------------
+    def park(self) -> None:
+        """Every step up to the cut is complete and synchronous: ack, then wait (no CUDA) for
+        the launcher's resume."""
+        call(cu.cuCtxSynchronize)
+        cut = self.park_at
+        self.send(
+            {
+                "type": "parked",
+                "id": self.quiesce_id,
+                "rank": self.rank,
+                "pid": self.pid,
+                "step": cut,
+            }
+        )
+        while True:
+            got = self.chan.recv(timeout=None)
+            msg = got[0]
+            if msg["type"] == "abort":
+                raise Abort(msg.get("message", "aborted by the launcher"))
+            if msg["type"] != "resume":
+                raise RuntimeError(f"{self.where()}: unexpected {msg['type']!r} while parked")
+            break
+        if msg.get("restored"):
+            self.restores_seen += 1
+            self.emit_vas(after_restore=True)
+        self.park_at = self.limit = self.quiesce_id = None
+        self.send({"type": "resumed", "rank": self.rank})
+
+    def finish(self) -> None:
+        """Report, then serve the launcher until ``exit`` (a quiesce now cuts after the last
+        step); close the peers' ranges and free ours."""
+        self.log.table(
+            self.dtoh(self.table_va, len(self.table_bytes)) == self.table_bytes, "at the end"
+        )
+        self.send({"type": "done", "rank": self.rank, "report": self.log.report()})
+        deadline = Deadline(self.peer_timeout_s)
+        while True:
+            got = self.chan.recv(timeout=POLL_S * 50)
+            if got is None:
+                if not deadline.tick():
+                    raise Abort(f"{self.where()}: no 'exit' from the launcher in time")
+                continue
+            if got[0]["type"] == "exit":
+                break
+            self.on_control(got[0])
+            if self.park_at is not None:
+                self.park()
+                deadline = Deadline(self.peer_timeout_s)
+        for va in self.opened:
+            call(cu.cuIpcCloseMemHandle, dptr(va))
+        for va in (self.table_va, self.signal_va, self.data_va):
+            call(cu.cuMemFree, dptr(va))
+
+    def ok(self) -> bool:
+        return self.log.failed == 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="cuinterpose.workloads.carw.rank")
+    ap.add_argument("--fd", type=int, required=True, help="this rank's socketpair end")
+    ap.add_argument("--rank", type=int, required=True)
+    args = ap.parse_args(argv)
+    chan = Channel(socket.socket(fileno=args.fd))
+    try:
+        msg, _ = chan.recv()
+        if msg["type"] != "config":
+            raise RuntimeError(f"expected config, got {msg['type']!r}")
+        r = CarwRank(chan, args.rank, msg["config"])
+        r.setup()
+        r.run()
+        r.finish()
+        return 0 if r.ok() else 1
+    except ChannelClosed:
+        print(f"carw rank {args.rank}: launcher went away", file=sys.stderr)
+        return 2
+    except Abort as e:
+        print(f"carw rank {args.rank}: {e}", file=sys.stderr)
+        return 1
+    except BaseException as e:  # noqa: BLE001 - report every failure to the launcher
+        traceback.print_exc()
+        try:
+            chan.send({"type": "error", "rank": args.rank, "message": f"{type(e).__name__}: {e}"})
+        except OSError:
+            pass
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
