@@ -36,6 +36,7 @@ class Carw:
         step_delay_ms: float = 0,
         elems: int = 64,
         shim: bool = True,
+        share: str = "ipc",
         env: Optional[dict] = None,
     ):
         self.run_dir = pathlib.Path(run_dir).resolve()
@@ -44,7 +45,7 @@ class Carw:
             self.ctl = pathlib.Path(tempfile.mkdtemp(prefix="cui-ctl-"))
         self.log = self.run_dir / "carw.log"
         self.err = self.run_dir / "carw.err"
-        self.ranks, self.steps, self.shim = ranks, steps, shim
+        self.ranks, self.steps, self.shim, self.share = ranks, steps, shim, share
         self.extra_env = dict(env or {})
         self.args = [
             "--ranks",
@@ -55,6 +56,8 @@ class Carw:
             str(elems),
             "--step-delay-ms",
             str(step_delay_ms),
+            "--share",
+            share,
             *(("--hold-at", ",".join(map(str, hold_at))) if hold_at else ()),
         ]
         self.proc: Optional[subprocess.Popen] = None

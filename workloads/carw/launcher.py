@@ -32,6 +32,7 @@ from cuinterpose.coordinator.contract import quiesce_path, read_json, write_atom
 
 from ..afdwin.wire import Channel, ChannelClosed
 from .evidence import summarize
+from .layout import SHARES
 
 REQUEST_POLL_S = 0.05
 
@@ -72,6 +73,7 @@ class Launcher:
             "step_delay_ms": a.step_delay_ms,
             "hold_at": a.hold_at,
             "peer_timeout_s": a.peer_timeout_s,
+            "share": a.share,
         }
 
     # ---- ranks ----------------------------------------------------------------------------
@@ -113,8 +115,10 @@ class Launcher:
                 msgs = c.pump()
             except ChannelClosed:
                 raise self.rank_gone(i) from None
-            for msg, _fds in msgs:
+            for msg, fds in msgs:
                 t = msg["type"]
+                if fds:  # only ``handles`` carries fds (--share host): relayed in setup()
+                    msg["_fds"] = fds
                 if t == "event":
                     ev = msg["event"]
                     if ev.get("event") == "vas":
@@ -153,9 +157,23 @@ class Launcher:
 
     # ---- phases ---------------------------------------------------------------------------
     def setup(self) -> None:
+        """Relay every rank's share info (IPC handles, pid + FD numbers, or FDs) to all ranks:
+        each gets its peers' FDs (SCM_RIGHTS) in rank order, named by ``fd_ranks``; the
+        launcher closes its copies once sent."""
         got = self.gather("handles", "IPC handles")
         handles = {str(m["rank"]): {"data": m["data"], "signal": m["signal"]} for m in got}
-        self.broadcast({"type": "peers", "handles": handles})
+        try:
+            for i, c in enumerate(self.chans):
+                peers = [m for m in got if m["rank"] != i and m.get("_fds")]
+                fds = [fd for m in peers for fd in m["_fds"]]
+                c.send(
+                    {"type": "peers", "handles": handles, "fd_ranks": [m["rank"] for m in peers]},
+                    fds,
+                )
+        finally:
+            for m in got:
+                for fd in m.pop("_fds", ()):
+                    os.close(fd)
         self.gather("ready", "ready (peers opened)")
         self.emit(
             {
@@ -163,7 +181,8 @@ class Launcher:
                 "pid": self.pid,
                 "world": self.world,
                 "ranks": [{"rank": m["rank"], "pid": m["pid"]} for m in got],
-                "handle_bytes": [len(bytes.fromhex(m["data"])) for m in got],
+                "share": self.args.share,
+                "shared": {str(m["rank"]): {"data": m["data"], "signal": m["signal"]} for m in got},
                 "config": self.config(),
             }
         )
@@ -274,6 +293,13 @@ def parse(argv=None) -> argparse.Namespace:
         type=lambda v: [int(x) for x in v.split(",") if x],
         default=[],
         help="after these steps, wait for a quiesce before going on (a deterministic cut)",
+    )
+    ap.add_argument(
+        "--share",
+        choices=SHARES,
+        default="ipc",
+        help="how ranks share memory: legacy CUDA IPC, cuMem FDs taken with pidfd_getfd, "
+        "or host (HOST_NUMA) cuMem FDs sent over the socket (docs/carw.md)",
     )
     ap.add_argument("--peer-timeout-s", type=float, default=300.0)
     ap.add_argument("--park-timeout-s", type=float, default=600.0)

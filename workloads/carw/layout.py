@@ -28,6 +28,7 @@ ROW_BYTES = 16  # table row: data VA u64, signal VA u64
 MASK32 = 0xFFFFFFFF
 MASK64 = (1 << 64) - 1
 IPC_HANDLE_BYTES = 64  # CU_IPC_HANDLE_SIZE (cuda.h)
+SHARES = ("ipc", "pidfd", "host")  # --share: see share.py
 
 
 def slot_bytes(elems: int) -> int:

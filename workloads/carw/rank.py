@@ -32,6 +32,7 @@ from cuda.bindings import driver as cu
 from ..afdwin.cudrv import call
 from ..afdwin.wire import Channel, ChannelClosed
 from . import layout as L
+from . import share
 from .evidence import StepLog
 
 POLL_S = 0.002  # how long a waiting rank sleeps in select() on its channel between polls
@@ -73,6 +74,7 @@ class CarwRank:
         self.delay_s = float(cfg.get("step_delay_ms", 0)) / 1000.0
         self.hold_at = sorted(int(h) for h in cfg.get("hold_at", ()))
         self.peer_timeout_s = float(cfg.get("peer_timeout_s", 300))
+        self.share_name = cfg.get("share", "ipc")
         self.pid = os.getpid()
         self.log = StepLog(rank)
         self.started = 0  # last step whose signal this rank wrote
@@ -120,46 +122,56 @@ class CarwRank:
         dev = call(cu.cuDeviceGet, self.device_ordinal)
         self.ctx = call(cu.cuDevicePrimaryCtxRetain, dev)
         call(cu.cuCtxSetCurrent, self.ctx)
+        self.share = share.make(self.share_name, self.device_ordinal)
         nbytes = L.data_bytes(self.elems)
-        self.data_va = int(call(cu.cuMemAlloc, nbytes, detail=f"data, {nbytes} bytes"))
-        self.signal_va = int(call(cu.cuMemAlloc, L.SIGNAL_BYTES, detail="signal"))
+        self.data_va = self.share.alloc(nbytes, "data")
+        self.signal_va = self.share.alloc(L.SIGNAL_BYTES, "signal")
         tbytes = L.ROW_BYTES * self.world
         self.table_va = int(call(cu.cuMemAlloc, tbytes, detail=f"table, {tbytes} bytes"))
-        call(cu.cuMemsetD8, dptr(self.data_va), 0, nbytes)
-        self.htod(self.signal_va, L.encode_signal(0))
-        handles = {
-            "data": bytes(call(cu.cuIpcGetMemHandle, dptr(self.data_va)).reserved).hex(),
-            "signal": bytes(call(cu.cuIpcGetMemHandle, dptr(self.signal_va)).reserved).hex(),
-        }
-        self.send({"type": "handles", "rank": self.rank, "pid": self.pid, **handles})
-        msg = self.expect("peers")
+        self.share.write(self.signal_va, L.encode_signal(0))
+        data, data_fds = self.share.export(self.data_va)
+        signal, signal_fds = self.share.export(self.signal_va)
+        fds = data_fds + signal_fds
+        try:
+            msg = {"type": "handles", "rank": self.rank, "pid": self.pid}
+            self.chan.send(dict(msg, data=data, signal=signal), fds)
+        finally:
+            for fd in fds:
+                os.close(fd)  # sent (SCM_RIGHTS): the receiver has its own
+        msg, fds = self.expect("peers")
+        got = dict(zip([(r, w) for r in msg["fd_ranks"] for w in ("data", "signal")], fds))
         rows = []
         self.opened: list[int] = []
-        for r in range(self.world):
-            if r == self.rank:
-                rows.append((self.data_va, self.signal_va))
-                continue
-            h = msg["handles"][str(r)]
-            rows.append((self.open(h["data"], r, "data"), self.open(h["signal"], r, "signal")))
+        try:
+            for r in range(self.world):
+                if r == self.rank:
+                    rows.append((self.data_va, self.signal_va))
+                    continue
+                h = msg["handles"][str(r)]
+                rows.append(
+                    (
+                        self.open(h["data"], got.pop((r, "data"), None), r, "data"),
+                        self.open(h["signal"], got.pop((r, "signal"), None), r, "signal"),
+                    )
+                )
+        finally:
+            for fd in got.values():  # our own, relayed back; or left by a failed open
+                os.close(fd)
         self.rows = rows
         self.table_bytes = L.encode_table(rows)
         self.htod(self.table_va, self.table_bytes)
         self.emit_vas(after_restore=False)
         self.send({"type": "ready", "rank": self.rank})
         self.expect("start")
+        self.share.after_start()
 
-    def open(self, hexhandle: str, peer: int, what: str) -> int:
-        h = cu.CUipcMemHandle()
-        raw = bytes.fromhex(hexhandle)
-        if len(raw) != L.IPC_HANDLE_BYTES:
-            raise RuntimeError(f"{self.where()}: rank {peer}'s {what} handle is {len(raw)} bytes")
-        h.reserved = raw
-        flags = cu.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
-        va = int(call(cu.cuIpcOpenMemHandle, h, flags, detail=f"rank {peer}'s {what}"))
+    def open(self, info: dict, fd: int | None, peer: int, what: str) -> int:
+        va = self.share.open(info, fd, peer, what)
         self.opened.append(va)
         return va
 
-    def expect(self, mtype: str) -> dict:
+    def expect(self, mtype: str) -> tuple[dict, list[int]]:
+        """The next launcher message, which must be ``mtype`` (``abort`` raises), and its fds."""
         deadline = Deadline(self.peer_timeout_s)
         while True:
             got = self.chan.recv(timeout=POLL_S * 50)
@@ -169,7 +181,7 @@ class CarwRank:
                     raise Abort(msg.get("message", "aborted by the launcher"))
                 if msg["type"] != mtype:
                     raise RuntimeError(f"{self.where()}: expected {mtype!r}, got {msg['type']!r}")
-                return msg
+                return msg, got[1]
             if not deadline.tick():
                 raise Abort(f"{self.where()}: no {mtype!r} from the launcher in time")
 
@@ -184,6 +196,7 @@ class CarwRank:
                     "pid": self.pid,
                     "after_restore": after_restore,
                     "device": self.device_ordinal,
+                    "share": self.share.name,
                     "data_va": self.data_va,
                     "signal_va": self.signal_va,
                     "table_va": self.table_va,
@@ -234,8 +247,8 @@ class CarwRank:
     def one_step(self, s: int) -> None:
         off = L.slot_offset(s, self.elems)
         n = L.slot_bytes(self.elems)
-        self.htod(self.data_va + off, L.encode_slot(self.rank, s, self.elems))
-        self.htod(self.signal_va, L.encode_signal(s))
+        self.share.write(self.data_va + off, L.encode_slot(self.rank, s, self.elems))
+        self.share.write(self.signal_va, L.encode_signal(s))
         self.started = s
         raw = self.dtoh(self.table_va, len(self.table_bytes))
         self.log.table(raw == self.table_bytes, f"step {s}: {L.decode_table(raw)} != {self.rows}")
@@ -245,7 +258,7 @@ class CarwRank:
             data_va, signal_va = rows[r]
             if r != self.rank:
                 self.wait_signal(r, signal_va, s)
-            seq, check, vals = L.decode_slot(self.dtoh(data_va + off, n), self.elems)
+            seq, check, vals = L.decode_slot(self.share.read(data_va + off, n), self.elems)
             if seq != s or check != L.checksum(vals, s, r):
                 self.log.fail(f"step {s}: rank {r}'s slot at {data_va + off:#x} holds seq {seq}")
             if total is None:
@@ -261,7 +274,7 @@ class CarwRank:
     def wait_signal(self, peer: int, signal_va: int, s: int) -> None:
         deadline = Deadline(self.peer_timeout_s)
         while True:
-            got = L.decode_signal(self.dtoh(signal_va, 8))
+            got = L.decode_signal(self.share.read(signal_va, 8))
             if got >= s:
                 return
             self.service(timeout=POLL_S)
@@ -321,9 +334,10 @@ class CarwRank:
                 self.park()
                 deadline = Deadline(self.peer_timeout_s)
         for va in self.opened:
-            call(cu.cuIpcCloseMemHandle, dptr(va))
-        for va in (self.table_va, self.signal_va, self.data_va):
-            call(cu.cuMemFree, dptr(va))
+            self.share.close_peer(va)
+        call(cu.cuMemFree, dptr(self.table_va))
+        for va in (self.signal_va, self.data_va):
+            self.share.free(va)
 
     def ok(self) -> bool:
         return self.log.failed == 0
