@@ -51,6 +51,47 @@ static CUresult ck_lock(unsigned timeout_ms)
     return CUDA_SUCCESS;
 }
 
+/* Legacy CUDA IPC: the driver before r610 cannot checkpoint a process that uses IPC memory
+ * (cuda-checkpoint README restrictions, "no IPC memory"; from r610 only under
+ * `cuda-checkpoint --launch-job`: NVIDIA/cuda-checkpoint #56). The code is not documented; the
+ * fake returns CUDA_ERROR_NOT_SUPPORTED (as for its other refusals) when this process holds a
+ * live import, or another live process holds one of its cuMemAlloc buffers open. Under
+ * FAKECUDA_LAUNCH_JOB=1 it passes (each side then keeps a private copy). Call with g_mu held. */
+static CUresult ck_ipc_check(void)
+{
+    if (g_launch_job)
+        return CUDA_SUCCESS;
+    int nimp = 0, nexp = 0, pid = 0;
+    struct fc_dmem *imp = NULL, *exp = NULL;
+    for (struct fc_dmem *d = g_dmems; d; d = d->next) {
+        if (d->ipc_refs) {
+            if (nimp++ == 0)
+                imp = d;
+        } else if (!exp && dmem_importers(d, &pid)) {
+            exp = d;
+            nexp++;
+        } else if (exp && dmem_importers(d, NULL)) {
+            nexp++;
+        }
+    }
+    if (imp) {
+        fc_loud("checkpoint refused: pid %d holds %d live CUDA IPC import(s) (0x%llx, %zu bytes, buffer of pid %d, "
+                "%d reference(s)); the driver before r610 cannot checkpoint CUDA IPC memory: cuIpcCloseMemHandle "
+                "every import first (nothing was changed; unlock resumes) -> CUDA_ERROR_NOT_SUPPORTED",
+                (int)getpid(), nimp, (unsigned long long)imp->va, imp->size, imp->ipc_pid, imp->ipc_refs);
+        return CUDA_ERROR_NOT_SUPPORTED;
+    }
+    if (exp) {
+        fc_loud("checkpoint refused: %d cuMemAlloc buffer(s) of pid %d are open in other processes through CUDA "
+                "IPC (0x%llx, %zu bytes, opened by pid %d); the driver before r610 cannot checkpoint CUDA IPC "
+                "memory: the importers must cuIpcCloseMemHandle first (nothing was changed; unlock resumes) -> "
+                "CUDA_ERROR_NOT_SUPPORTED",
+                nexp, (int)getpid(), (unsigned long long)exp->va, exp->size, pid);
+        return CUDA_ERROR_NOT_SUPPORTED;
+    }
+    return CUDA_SUCCESS;
+}
+
 static CUresult ck_checkpoint(void)
 {
     if (g_ck_state != CU_PROCESS_STATE_LOCKED)
@@ -73,6 +114,11 @@ static CUresult ck_checkpoint(void)
                 "refs, %d mappings, %d bindings); the real driver hangs on them -> CUDA_ERROR_NOT_SUPPORTED",
                 nmc, id, handles, maps, binds);
         return CUDA_ERROR_NOT_SUPPORTED;
+    }
+    CUresult ipc = ck_ipc_check();
+    if (ipc != CUDA_SUCCESS) {
+        pthread_mutex_unlock(&g_mu);
+        return ipc;
     }
     /* An exported fd still open in this process carries the sharing: the real driver cannot
      * dump it. */
@@ -113,6 +159,14 @@ static CUresult ck_checkpoint(void)
     for (struct fc_dmem *d = g_dmems; d; d = d->next) {
         memcpy(d->saved, (const void *)d->va, d->mapped);
         make_reserved(d->va, d->mapped);
+        if (d->fd >= 0)
+            close(d->fd);
+        d->fd = -1;
+        if (d->ipc_page) { /* an import (FAKECUDA_LAUNCH_JOB): a private copy from now on */
+            __atomic_store_n(&d->ipc_page->importers[d->ipc_slot], 0, __ATOMIC_SEQ_CST);
+            munmap(d->ipc_page, g_page);
+            d->ipc_page = NULL;
+        }
     }
     for (struct fc_alloc *a = g_allocs; a; a = a->next) {
         size_t got = 0;
@@ -172,8 +226,11 @@ static CUresult ck_restore(void)
     for (struct fc_dmem *d = g_dmems; d && r == CUDA_SUCCESS; d = d->next) {
         if (!d->saved)
             continue;
-        if (mmap((void *)d->va, d->mapped, PROT_READ | PROT_WRITE,
-                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0) == MAP_FAILED) {
+        /* an own buffer gets a fresh memfd (handles from before the checkpoint are stale: a new
+         * cuIpcGetMemHandle shares it again); an import comes back as private anonymous memory */
+        if (d->ipc_refs ? mmap((void *)d->va, d->mapped, PROT_READ | PROT_WRITE,
+                               MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0) == MAP_FAILED
+                        : dmem_back(d, d->va) != 0) {
             r = CUDA_ERROR_OUT_OF_MEMORY;
             break;
         }

@@ -13,8 +13,10 @@
  *   copy.c                  the copy engine (runs one op; multicast writes reach the members)
  *   stream.c                streams and stream memory operations
  *   memory.c                cuMemAlloc memory, page-locked host memory, copies and sets
+ *   ipc.c                   legacy CUDA IPC of cuMemAlloc memory (cuIpc*MemHandle)
  *   multicast.c             multicast objects (cuMulticast*)
  *   vmm.c                   the VMM API (cuMemCreate, cuMemMap, cuMemSetAccess, export, ...)
+ *   pointer.c               cuPointerGetAttribute[s] over every kind of device memory
  *   checkpoint_target.c     the control thread serving this process's checkpoint requests
  *   checkpoint_controller.c cuCheckpointProcess* (the client of another process's target)
  *   init.c                  cuInit, cuDriverGetVersion, cuGetErrorName/String
@@ -33,6 +35,7 @@
 #include <fcntl.h>
 #include <inttypes.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stddef.h>
@@ -55,6 +58,7 @@
 #define FC_META_VERSION 1u
 #define FC_KIND_ALLOCATION 1u
 #define FC_KIND_MULTICAST 2u
+#define FC_KIND_MEMALLOC 3u /* a cuMemAlloc buffer's memfd: shared by CUDA IPC, never a VMM import */
 #define FC_SHIM_TAG 0xC01Eull
 
 #pragma GCC visibility push(hidden)
@@ -70,6 +74,7 @@ enum { HINT_HONOR, HINT_IGNORE, HINT_FAIL };
 extern int g_hint_mode;         /* FAKECUDA_RESERVE_HINT */
 extern unsigned long long g_mc_watchdog_ms; /* FAKECUDA_MULTICAST_WATCHDOG_MS (0: wait forever) */
 extern unsigned long long g_mc_rounding;    /* FAKECUDA_MULTICAST_CAPACITY_ROUNDING (0: none) */
+extern int g_launch_job;        /* FAKECUDA_LAUNCH_JOB (cuda-checkpoint --launch-job, r610+) */
 extern int g_forked_child;      /* a child forked after cuInit (the driver is unusable there) */
 extern int g_ck_listen;         /* the checkpoint control socket (checkpoint_target.c) */
 
@@ -230,6 +235,7 @@ struct fc_team {
 
 struct fc_alloc {
     struct fc_alloc *next;
+    uint64_t block_id;           /* CU_POINTER_ATTRIBUTE_MEMORY_BLOCK_ID (unique in this process) */
     int fd;                      /* memfd (-1 while checkpointed) */
     dev_t st_dev;
     ino_t st_ino;
@@ -259,8 +265,20 @@ struct fc_map {
     size_t size, offset;
     struct fc_alloc *alloc;
     unsigned long long handle;   /* the value passed to cuMemMap */
-    unsigned char *acc;          /* [granule][device] CUmemAccess_flags */
+    uint64_t buffer_id;          /* CU_POINTER_ATTRIBUTE_BUFFER_ID */
+    unsigned char *acc;          /* [granule][FC_ACC_SLOTS] CUmemAccess_flags: devices, then the host */
 };
+
+/* The access table has one slot per device and one for the host (a HOST or HOST_NUMA location,
+ * only for host-located allocations: cuda.h, cuMemSetAccess). */
+#define FC_ACC_SLOTS (FC_MAX_DEVICES + 1)
+#define FC_ACC_HOST FC_MAX_DEVICES
+/* A host-located allocation (cuMemCreate with CU_MEM_LOCATION_TYPE_HOST or _HOST_NUMA) has
+ * device -1. */
+static inline int prop_is_host(const CUmemAllocationProp *p)
+{
+    return p->location.type == CU_MEM_LOCATION_TYPE_HOST || p->location.type == CU_MEM_LOCATION_TYPE_HOST_NUMA;
+}
 
 struct fc_resv {
     struct fc_resv *next;
@@ -268,13 +286,48 @@ struct fc_resv {
     size_t size;
 };
 
-struct fc_dmem {                 /* cuMemAlloc memory */
+struct fc_ipc_page;
+struct fc_dmem {                 /* cuMemAlloc memory, and memory opened by cuIpcOpenMemHandle */
     struct fc_dmem *next;
     uintptr_t va;
-    size_t size, mapped;
+    size_t size, mapped;         /* bytes asked for; bytes mapped (whole pages) */
     int dev;
+    struct fc_ctx *ctx;          /* the context it was allocated (opened) in */
     void *saved;                 /* bytes while checkpointed (the range is then a reservation) */
+    int fd;                      /* own buffer: its memfd (mapped + one metadata page); -1 for an
+                                  * import and while checkpointed */
+    dev_t st_dev;
+    ino_t st_ino;                /* the memfd's identity (an import: the exporter's memfd) */
+    uint64_t buffer_id;          /* CU_POINTER_ATTRIBUTE_BUFFER_ID */
+    int ipc_refs;                /* an import: cuIpcOpenMemHandle count (0: an own buffer) */
+    int ipc_pid;                 /* an import: the exporter's pid */
+    int ipc_slot;                /* an import: this process's slot in ipc_page->importers */
+    struct fc_ipc_page *ipc_page; /* an import: the exporter's metadata page, mapped shared */
 };
+
+/* The trailing page of a cuMemAlloc memfd: the usual metadata (kind FC_KIND_MEMALLOC, size =
+ * the mapped bytes, object_id = the exporter's buffer id), then the pids of the processes that
+ * hold it open through cuIpcOpenMemHandle (0 = a free slot; each importer claims and clears its
+ * own with atomic operations), so that the exporter's native checkpoint can refuse. */
+#define FC_IPC_SLOTS 128
+struct fc_ipc_page {
+    struct fc_meta meta;
+    int32_t importers[FC_IPC_SLOTS];
+};
+
+/* CUipcMemHandle (64 bytes, CU_IPC_HANDLE_SIZE in cuda.h) as fakecuda fills it: which memfd of
+ * which process backs the buffer (the importer opens /proc/<pid>/fd/<fd> and checks the inode). */
+#define FC_IPC_MAGIC "FCIPCMH"
+struct fc_ipc_wire {
+    char magic[8];               /* FC_IPC_MAGIC, NUL-terminated */
+    int32_t pid, fd;             /* the exporter and its memfd's number */
+    uint64_t st_dev, st_ino;     /* the memfd's identity */
+    uint64_t va;                 /* the exporter's base address (informative) */
+    uint64_t size;               /* the cuMemAlloc bytesize */
+    uint64_t buffer_id;          /* the exporter's CU_POINTER_ATTRIBUTE_BUFFER_ID */
+    int32_t device, pad;         /* the exporter's device ordinal */
+};
+_Static_assert(sizeof(struct fc_ipc_wire) == CU_IPC_HANDLE_SIZE, "CUipcMemHandle is 64 bytes");
 
 struct fc_export {               /* fds handed out by cuMemExportToShareableHandle */
     struct fc_export *next;
@@ -293,6 +346,7 @@ extern struct fc_resv *g_resvs;
 extern struct fc_dmem *g_dmems;
 extern struct fc_export *g_exports;
 extern uint64_t g_next_object;
+extern uint64_t g_next_buffer;   /* buffer and memory block ids (never reused) */
 extern unsigned long long g_used[FC_MAX_DEVICES];
 
 size_t team_len(void);
@@ -308,6 +362,8 @@ int new_memfd(size_t size);
 void map_apply_prot(const struct fc_map *m);
 int make_reserved(uintptr_t va, size_t size);
 CUresult dev_check(uintptr_t va, size_t len, int dev, int write);
+int dmem_back(struct fc_dmem *d, uintptr_t fixed);
+int dmem_importers(const struct fc_dmem *d, int *first_pid);
 void team_lock(struct fc_team *t);
 void team_unlock(struct fc_team *t);
 

@@ -19,28 +19,25 @@ static CUresult mem_alloc(CUdeviceptr *dp, size_t size)
     size_t mapped = (size + g_page - 1) & ~(g_page - 1);
     pthread_mutex_lock(&g_mu);
     CUresult r = CUDA_SUCCESS;
-    if (g_used[c->dev] + mapped > g_totalmem)
-        r = CUDA_ERROR_OUT_OF_MEMORY;
-    void *p = MAP_FAILED;
-    if (r == CUDA_SUCCESS) {
-        p = mmap(NULL, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-        if (p == MAP_FAILED)
-            r = CUDA_ERROR_OUT_OF_MEMORY;
-    }
     struct fc_dmem *d = NULL;
-    if (r == CUDA_SUCCESS && !(d = calloc(1, sizeof *d))) {
-        munmap(p, mapped);
+    if (g_used[c->dev] + mapped > g_totalmem || !(d = calloc(1, sizeof *d)))
         r = CUDA_ERROR_OUT_OF_MEMORY;
-    }
     if (r == CUDA_SUCCESS) {
-        d->va = (uintptr_t)p;
         d->size = size;
         d->mapped = mapped;
         d->dev = c->dev;
+        d->ctx = c;
+        d->buffer_id = g_next_buffer++;
+        if (dmem_back(d, 0) != 0) /* a memfd, so that cuIpcGetMemHandle can share it */
+            r = CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    if (r == CUDA_SUCCESS) {
         d->next = g_dmems;
         g_dmems = d;
         g_used[c->dev] += mapped;
         *dp = (CUdeviceptr)d->va;
+    } else {
+        free(d);
     }
     pthread_mutex_unlock(&g_mu);
     return r;
@@ -51,6 +48,10 @@ FC_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
     API(mem_alloc(dptr, bytesize), "bytesize=%zu dptr=0x%llx", bytesize, OUT64(dptr));
 }
 
+/* cuMemFree of an own buffer. A pointer from cuIpcOpenMemHandle is refused (INVALID_VALUE: it
+ * is released by cuIpcCloseMemHandle, cuda.h). Freeing a buffer another process has open keeps
+ * the bytes for that importer until it closes (its mapping holds the memfd; cuda.h calls this
+ * undefined behaviour); new opens of the old handle fail. */
 static CUresult mem_free(CUdeviceptr p)
 {
     if (p == 0)
@@ -60,11 +61,17 @@ static CUresult mem_free(CUdeviceptr p)
     while (*pp && (*pp)->va != (uintptr_t)p)
         pp = &(*pp)->next;
     CUresult r = CUDA_ERROR_INVALID_VALUE;
-    if (*pp) {
+    if (*pp && (*pp)->ipc_refs) {
+        fc_logline("fakecuda: cuMemFree(0x%llx): memory opened by cuIpcOpenMemHandle; close it with "
+                   "cuIpcCloseMemHandle -> CUDA_ERROR_INVALID_VALUE",
+                   (unsigned long long)p);
+    } else if (*pp) {
         struct fc_dmem *d = *pp;
         *pp = d->next;
         g_used[d->dev] -= d->mapped;
         munmap((void *)d->va, d->mapped);
+        if (d->fd >= 0)
+            close(d->fd);
         free(d);
         r = CUDA_SUCCESS;
     }

@@ -11,18 +11,42 @@
 
 /* ------------------------------------------------------------------ VMM API */
 
+/* A host NUMA node id: 0, or a node the kernel lists (/sys/devices/system/node/node<id>). cuda.h:
+ * "On systems where NUMA is not available ... id must be set to 0". */
+static int numa_node_ok(int id)
+{
+    if (id == 0)
+        return 1;
+    char path[64];
+    snprintf(path, sizeof path, "/sys/devices/system/node/node%d", id);
+    return id > 0 && access(path, F_OK) == 0;
+}
+
+/* cuda.h (cuMemCreate): a DEVICE location names a device; HOST ignores the id and is "not IPC
+ * capable": requestedHandleTypes must be 0, else INVALID_VALUE; HOST_NUMA names a NUMA node
+ * (POSIX FD allowed: NCCL's SHM transport, driver >= 12.6); HOST_NUMA_CURRENT "will result in
+ * CUDA_ERROR_INVALID_VALUE". */
 static CUresult check_prop(const CUmemAllocationProp *p, int for_create)
 {
     if (!p)
         return CUDA_ERROR_INVALID_VALUE;
     if (p->type != CU_MEM_ALLOCATION_TYPE_PINNED)
         return CUDA_ERROR_INVALID_VALUE;
-    if (p->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
-        return p->location.type == CU_MEM_LOCATION_TYPE_HOST || p->location.type == CU_MEM_LOCATION_TYPE_HOST_NUMA
-                   ? CUDA_ERROR_NOT_SUPPORTED
-                   : CUDA_ERROR_INVALID_VALUE;
-    if (!dev_ok(p->location.id))
-        return CUDA_ERROR_INVALID_DEVICE;
+    switch (p->location.type) {
+    case CU_MEM_LOCATION_TYPE_DEVICE:
+        if (!dev_ok(p->location.id))
+            return CUDA_ERROR_INVALID_DEVICE;
+        break;
+    case CU_MEM_LOCATION_TYPE_HOST:
+        if (p->requestedHandleTypes != CU_MEM_HANDLE_TYPE_NONE)
+            return CUDA_ERROR_INVALID_VALUE;
+        break;
+    case CU_MEM_LOCATION_TYPE_HOST_NUMA:
+        if (!numa_node_ok(p->location.id))
+            return CUDA_ERROR_INVALID_VALUE;
+        break;
+    default: return CUDA_ERROR_INVALID_VALUE; /* HOST_NUMA_CURRENT, NONE, unknown */
+    }
     if (p->requestedHandleTypes & CU_MEM_HANDLE_TYPE_FABRIC)
         return CUDA_ERROR_NOT_SUPPORTED;
     if (p->requestedHandleTypes & ~(unsigned)CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
@@ -59,9 +83,9 @@ static CUresult mem_create(CUmemGenericAllocationHandle *h, size_t size, const C
         return r;
     if (size == 0 || size % g_gran)
         return CUDA_ERROR_INVALID_VALUE;
-    int dev = p->location.id;
+    int dev = prop_is_host(p) ? -1 : p->location.id; /* host memory does not count against a device */
     pthread_mutex_lock(&g_mu);
-    if (g_used[dev] + size > g_totalmem) {
+    if (dev >= 0 && g_used[dev] + size > g_totalmem) {
         pthread_mutex_unlock(&g_mu);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
@@ -84,6 +108,7 @@ static CUresult mem_create(CUmemGenericAllocationHandle *h, size_t size, const C
     a->creator_pid = (int)getpid();
     a->object_id = g_next_object++;
     a->created_here = 1;
+    a->block_id = g_next_buffer++;
     a->kind = FC_KIND_ALLOCATION;
     if (write_meta(fd, a) != 0 || handle_new(a, h) != 0) {
         close(fd);
@@ -91,7 +116,8 @@ static CUresult mem_create(CUmemGenericAllocationHandle *h, size_t size, const C
         pthread_mutex_unlock(&g_mu);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
-    g_used[dev] += size;
+    if (dev >= 0)
+        g_used[dev] += size;
     a->next = g_allocs;
     g_allocs = a;
     pthread_mutex_unlock(&g_mu);
@@ -234,7 +260,7 @@ static CUresult mem_map(CUdeviceptr ptr, size_t size, size_t offset, CUmemGeneri
     if (r == CUDA_SUCCESS) {
         m = calloc(1, sizeof *m);
         if (m)
-            m->acc = calloc(size / g_gran, FC_MAX_DEVICES);
+            m->acc = calloc(size / g_gran, FC_ACC_SLOTS);
         if (!m || !m->acc)
             r = CUDA_ERROR_OUT_OF_MEMORY;
     }
@@ -257,6 +283,7 @@ static CUresult mem_map(CUdeviceptr ptr, size_t size, size_t offset, CUmemGeneri
     m->offset = offset;
     m->alloc = e->alloc;
     m->handle = h;
+    m->buffer_id = g_next_buffer++;
     e->alloc->maps++;
     m->next = g_maps;
     g_maps = m;
@@ -318,10 +345,14 @@ static CUresult set_access(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *
 {
     if (!desc || count == 0 || size == 0 || ptr % g_gran || size % g_gran)
         return CUDA_ERROR_INVALID_VALUE;
+    int host_loc = 0;
     for (size_t i = 0; i < count; i++) {
-        if (desc[i].location.type != CU_MEM_LOCATION_TYPE_DEVICE)
+        int t = desc[i].location.type;
+        if (t == CU_MEM_LOCATION_TYPE_HOST || t == CU_MEM_LOCATION_TYPE_HOST_NUMA)
+            host_loc = 1; /* the id is ignored (cuda.h) */
+        else if (t != CU_MEM_LOCATION_TYPE_DEVICE)
             return CUDA_ERROR_INVALID_VALUE;
-        if (!dev_ok(desc[i].location.id))
+        else if (!dev_ok(desc[i].location.id))
             return CUDA_ERROR_INVALID_DEVICE;
         unsigned f = (unsigned)desc[i].flags;
         if (f != CU_MEM_ACCESS_FLAGS_PROT_NONE && f != CU_MEM_ACCESS_FLAGS_PROT_READ &&
@@ -330,11 +361,16 @@ static CUresult set_access(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *
     }
     uintptr_t lo = (uintptr_t)ptr, hi = lo + size;
     pthread_mutex_lock(&g_mu);
-    for (uintptr_t p = lo; p < hi; p += g_gran)
-        if (!map_find(p)) {
+    for (uintptr_t p = lo; p < hi; p += g_gran) {
+        struct fc_map *m = map_find(p);
+        /* range not fully mapped; or a host location for memory that is not host-located
+         * (cuda.h: "Users cannot specify CU_MEM_LOCATION_TYPE_HOST_NUMA accessibility for
+         * allocations created on with other location types") */
+        if (!m || (host_loc && (m->alloc->kind != FC_KIND_ALLOCATION || !prop_is_host(&m->alloc->prop)))) {
             pthread_mutex_unlock(&g_mu);
-            return CUDA_ERROR_INVALID_VALUE; /* range not fully mapped */
+            return CUDA_ERROR_INVALID_VALUE;
         }
+    }
     for (struct fc_map *m = g_maps; m; m = m->next) {
         if (!(m->va < hi && lo < m->va + m->size))
             continue;
@@ -342,8 +378,11 @@ static CUresult set_access(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *
             uintptr_t gva = m->va + g * g_gran;
             if (gva < lo || gva >= hi)
                 continue;
-            for (size_t i = 0; i < count; i++)
-                m->acc[g * FC_MAX_DEVICES + (size_t)desc[i].location.id] = (unsigned char)desc[i].flags;
+            for (size_t i = 0; i < count; i++) {
+                size_t slot = desc[i].location.type == CU_MEM_LOCATION_TYPE_DEVICE ? (size_t)desc[i].location.id
+                                                                                   : FC_ACC_HOST;
+                m->acc[g * FC_ACC_SLOTS + slot] = (unsigned char)desc[i].flags;
+            }
         }
         map_apply_prot(m);
     }
@@ -359,14 +398,15 @@ FC_EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAcces
 
 static CUresult get_access(unsigned long long *flags, const CUmemLocation *loc, CUdeviceptr ptr)
 {
-    if (!flags || !loc || loc->type != CU_MEM_LOCATION_TYPE_DEVICE)
+    int host = loc && (loc->type == CU_MEM_LOCATION_TYPE_HOST || loc->type == CU_MEM_LOCATION_TYPE_HOST_NUMA);
+    if (!flags || !loc || (!host && loc->type != CU_MEM_LOCATION_TYPE_DEVICE))
         return CUDA_ERROR_INVALID_VALUE;
-    if (!dev_ok(loc->id))
+    if (!host && !dev_ok(loc->id))
         return CUDA_ERROR_INVALID_DEVICE;
     pthread_mutex_lock(&g_mu);
     struct fc_map *m = map_find((uintptr_t)ptr);
     if (m)
-        *flags = m->acc[((uintptr_t)ptr - m->va) / g_gran * FC_MAX_DEVICES + (size_t)loc->id];
+        *flags = m->acc[((uintptr_t)ptr - m->va) / g_gran * FC_ACC_SLOTS + (host ? FC_ACC_HOST : (size_t)loc->id)];
     pthread_mutex_unlock(&g_mu);
     return m ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
@@ -475,6 +515,7 @@ static CUresult mem_import(CUmemGenericAllocationHandle *h, void *os, CUmemAlloc
             a->device = meta.device;
             a->creator_pid = meta.creator_pid;
             a->object_id = meta.object_id;
+            a->block_id = g_next_buffer++;
         }
     }
     if (r == CUDA_SUCCESS && handle_new(a, h) != 0)

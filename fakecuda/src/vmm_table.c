@@ -20,6 +20,7 @@ struct fc_resv *g_resvs;
 struct fc_dmem *g_dmems;
 struct fc_export *g_exports;
 uint64_t g_next_object = 1;
+uint64_t g_next_buffer = 1;
 unsigned long long g_used[FC_MAX_DEVICES];
 
 struct fc_handle *handle_get(unsigned long long h)
@@ -124,8 +125,10 @@ int new_memfd(size_t size)
 static int prot_of(const struct fc_map *m, size_t g)
 {
     int prot = PROT_NONE;
-    for (int d = 0; d < g_ndev; d++) {
-        unsigned char f = m->acc[g * FC_MAX_DEVICES + (size_t)d];
+    for (int d = 0; d <= FC_ACC_HOST; d++) {
+        if (d >= g_ndev && d != FC_ACC_HOST)
+            continue;
+        unsigned char f = m->acc[g * FC_ACC_SLOTS + (size_t)d];
         if (f == CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
             return PROT_READ | PROT_WRITE;
         if (f == CU_MEM_ACCESS_FLAGS_PROT_READ)
@@ -173,12 +176,71 @@ CUresult dev_check(uintptr_t va, size_t len, int dev, int write)
         if (!m)
             return CUDA_ERROR_ILLEGAL_ADDRESS;
         size_t g = (p - m->va) / g_gran;
-        unsigned char f = (dev >= 0 && dev < g_ndev) ? m->acc[g * FC_MAX_DEVICES + (size_t)dev] : 0;
+        unsigned char f = (dev >= 0 && dev < g_ndev) ? m->acc[g * FC_ACC_SLOTS + (size_t)dev] : 0;
         if (write ? f != CU_MEM_ACCESS_FLAGS_PROT_READWRITE : f == CU_MEM_ACCESS_FLAGS_PROT_NONE)
             return CUDA_ERROR_ILLEGAL_ADDRESS;
         p = m->va + (g + 1) * g_gran;
     }
     return CUDA_SUCCESS;
+}
+
+/* ------------------------------------------------------------------ cuMemAlloc backing */
+
+/* Back cuMemAlloc buffer d (d->mapped bytes) with a fresh memfd plus its metadata page
+ * (struct fc_ipc_page, no importers), mapped MAP_SHARED read-write at `fixed` (0: anywhere; the
+ * address goes to d->va). A memfd, not anonymous memory, so that cuIpcOpenMemHandle in another
+ * process maps the same bytes. Returns 0, or -1 (nothing changed, errno set). */
+int dmem_back(struct fc_dmem *d, uintptr_t fixed)
+{
+    int fd = memfd_create("fakecuda-memalloc", MFD_CLOEXEC);
+    if (fd >= 0 && ftruncate(fd, (off_t)(d->mapped + g_page)) != 0) {
+        close(fd);
+        fd = -1;
+    }
+    struct stat st;
+    struct fc_ipc_page pg;
+    memset(&pg, 0, sizeof pg);
+    memcpy(pg.meta.magic, FC_META_MAGIC, 8);
+    pg.meta.version = FC_META_VERSION;
+    pg.meta.kind = FC_KIND_MEMALLOC;
+    pg.meta.size = d->mapped;
+    pg.meta.device = d->dev;
+    pg.meta.creator_pid = (int32_t)getpid();
+    pg.meta.object_id = d->buffer_id;
+    if (fd < 0 || fstat(fd, &st) != 0 || pwrite(fd, &pg, sizeof pg, (off_t)d->mapped) != (ssize_t)sizeof pg) {
+        if (fd >= 0)
+            close(fd);
+        return -1;
+    }
+    void *p = mmap((void *)fixed, d->mapped, PROT_READ | PROT_WRITE, MAP_SHARED | (fixed ? MAP_FIXED : 0), fd, 0);
+    if (p == MAP_FAILED) {
+        close(fd);
+        return -1;
+    }
+    d->va = (uintptr_t)p;
+    d->fd = fd;
+    d->st_dev = st.st_dev;
+    d->st_ino = st.st_ino;
+    return 0;
+}
+
+/* How many live processes (other than this one) hold own buffer d open through
+ * cuIpcOpenMemHandle, read from its memfd's metadata page; *first_pid names one. A slot whose
+ * process has exited (kill(pid, 0) fails with ESRCH) does not count. */
+int dmem_importers(const struct fc_dmem *d, int *first_pid)
+{
+    struct fc_ipc_page pg;
+    if (d->ipc_refs || d->fd < 0 || pread(d->fd, &pg, sizeof pg, (off_t)d->mapped) != (ssize_t)sizeof pg)
+        return 0;
+    int n = 0;
+    for (int i = 0; i < FC_IPC_SLOTS; i++) {
+        int pid = __atomic_load_n(&pg.importers[i], __ATOMIC_RELAXED);
+        if (pid <= 0 || pid == (int)getpid() || (kill(pid, 0) != 0 && errno == ESRCH))
+            continue;
+        if (n++ == 0 && first_pid)
+            *first_pid = pid;
+    }
+    return n;
 }
 
 /* ------------------------------------------------------------------ multicast team, extent */

@@ -62,7 +62,7 @@ def test_native_checkpoint_then_criu_roundtrip(
         dptr = int(ready.split()[1])  # the cuMemAlloc buffer
         assert controller([f"lock:{pid}", f"checkpoint:{pid}"]) == ["CUDA_SUCCESS"] * 2
         maps = pathlib.Path(f"/proc/{pid}/maps").read_text()
-        assert "fakecuda-allocation" not in maps
+        assert "memfd:fakecuda-" not in maps
         # the cuMemAlloc buffer is a bare PROT_NONE reservation: its bytes sit in host buffers
         perms = [
             l.split()[1]
@@ -71,7 +71,7 @@ def test_native_checkpoint_then_criu_roundtrip(
         ]
         assert perms == ["---p"], perms
         fds = [os.readlink(f"/proc/{pid}/fd/{f}") for f in os.listdir(f"/proc/{pid}/fd")]
-        assert not [f for f in fds if "fakecuda-allocation" in f]
+        assert not [f for f in fds if "memfd:fakecuda-" in f]
         criu_mod.dump(pid, tmp_path / "images")
         proc.wait(timeout=30)
         restored = criu_mod.restore(tmp_path / "images", work_dir=tmp_path / "restore")

@@ -227,7 +227,7 @@ def maps_perms(pid, va):
 def test_native_checkpoint_carries_private_memory(peer, controller):
     """cuMemAlloc memory: Checkpoint copies it to host buffers and leaves a bare PROT_NONE
     reservation (CRIU never sees device memory as such); Restore brings the same bytes back at
-    the same VA."""
+    the same VA. The buffer is a shared memfd mapping before and after (CUDA IPC can share it)."""
     a = peer()
     a.cmd("init 0")
     size = 3 * 4096 + 100
@@ -235,13 +235,13 @@ def test_native_checkpoint_carries_private_memory(peer, controller):
     offsets = [0, 4096, 8192 + 12, size - 4]
     for i, off in enumerate(offsets):
         a.cmd(f"write {va + off} {PATTERN + i}")
-    assert maps_perms(a.pid, va) == "rw-p"
+    assert maps_perms(a.pid, va) == "rw-s"
     pa = a.pid
     assert controller([f"lock:{pa}", f"checkpoint:{pa}"]) == ["CUDA_SUCCESS", "CUDA_SUCCESS"]
     assert maps_perms(pa, va) == "---p"
     assert maps_perms(pa, va + size - 1) == "---p"
     assert controller([f"restore:{pa}", f"unlock:{pa}"]) == ["CUDA_SUCCESS", "CUDA_SUCCESS"]
-    assert maps_perms(pa, va) == "rw-p"
+    assert maps_perms(pa, va) == "rw-s"
     for i, off in enumerate(offsets):
         assert a.cmd(f"read {va + off}") == [str(PATTERN + i)]
         assert a.cmd(f"hostread {va + off}") == [str(PATTERN + i)]

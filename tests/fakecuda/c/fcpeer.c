@@ -2,14 +2,18 @@
  *
  * Reads one command per line on stdin and answers one line on stdout: "ok [values]" or
  * "err <CUresult name>". Up to six numeric arguments per command. argv[1] (optional) is a Unix socket fd used by
- * sendfd/recvfd (SCM_RIGHTS). Linked directly against libcuda.so.1 (the ELF names, no resolver).
+ * sendfd/recvfd (SCM_RIGHTS) and ipcsend/ipcrecv (the 64-byte CUipcMemHandle as plain bytes). Linked directly
+ * against libcuda.so.1 (the ELF names; `lookup` asks cuGetProcAddress_v2).
  */
+#define _GNU_SOURCE
+#include <dlfcn.h>
 #include <cuda.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <errno.h>
 #include <unistd.h>
 
 static int g_sock = -1;
@@ -67,6 +71,83 @@ static int recv_fd(int sock)
     int fd;
     memcpy(&fd, CMSG_DATA(cm), sizeof fd);
     return fd;
+}
+
+static int write_all(int fd, const void *p, size_t n)
+{
+    const char *c = p;
+    while (n) {
+        ssize_t k = write(fd, c, n);
+        if (k <= 0)
+            return -1;
+        c += k;
+        n -= (size_t)k;
+    }
+    return 0;
+}
+
+static int read_all(int fd, void *p, size_t n)
+{
+    char *c = p;
+    while (n) {
+        ssize_t k = read(fd, c, n);
+        if (k <= 0)
+            return -1;
+        c += k;
+        n -= (size_t)k;
+    }
+    return 0;
+}
+
+static void hex_of(const void *p, size_t n, char *out)
+{
+    for (size_t i = 0; i < n; i++)
+        sprintf(out + 2 * i, "%02x", ((const unsigned char *)p)[i]);
+}
+
+static int unhex(const char *s, void *p, size_t n)
+{
+    if (strlen(s) != 2 * n)
+        return -1;
+    for (size_t i = 0; i < n; i++) {
+        unsigned v;
+        if (sscanf(s + 2 * i, "%2x", &v) != 1)
+            return -1;
+        ((unsigned char *)p)[i] = (unsigned char)v;
+    }
+    return 0;
+}
+
+static void reply_attrs(CUdeviceptr va)
+{
+    /* the values in this order, zero-filled where the attribute does not apply */
+    CUpointer_attribute at[] = {CU_POINTER_ATTRIBUTE_CONTEXT,
+                                CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                                CU_POINTER_ATTRIBUTE_DEVICE_POINTER,
+                                CU_POINTER_ATTRIBUTE_HOST_POINTER,
+                                CU_POINTER_ATTRIBUTE_IS_MANAGED,
+                                CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                                CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
+                                CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+                                CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+                                CU_POINTER_ATTRIBUTE_MAPPED,
+                                CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES,
+                                CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE};
+    enum { N = sizeof at / sizeof at[0] };
+    unsigned long long v[N];
+    void *data[N];
+    memset(v, 0xab, sizeof v);
+    for (int i = 0; i < N; i++)
+        data[i] = &v[i];
+    CUresult r = cuPointerGetAttributes(N, at, data, va);
+    /* 4-byte attributes wrote 4 bytes only: keep the low half */
+    v[1] &= 0xffffffffull;
+    v[4] &= 0xffffffffull;
+    v[5] &= 0xffffffffull;
+    v[6] &= 0xffffffffull;
+    v[9] &= 0xffffffffull;
+    reply(r, "%d 0x%llx 0x%llx %llu %llu %lld 0x%llx %llu %llu %llu %llu %llu", v[0] != 0, v[1], v[2], v[3], v[4],
+          (long long)(int)v[5], v[6], v[7], v[8], v[9], v[10], v[11]);
 }
 
 int main(int argc, char **argv)
@@ -212,6 +293,105 @@ int main(int argc, char **argv)
             reply(cuCheckpointProcessRestore((int)a, NULL), NULL);
         } else if (!strcmp(cmd, "unlock")) {
             reply(cuCheckpointProcessUnlock((int)a, NULL), NULL);
+        } else if (!strcmp(cmd, "ipcget")) { /* ipcget VA -> the 64 bytes in hex */
+            CUipcMemHandle h;
+            char hx[2 * sizeof h + 1];
+            memset(&h, 0, sizeof h);
+            CUresult r = cuIpcGetMemHandle(&h, (CUdeviceptr)a);
+            hex_of(&h, sizeof h, hx);
+            reply(r, "%s", hx);
+        } else if (!strcmp(cmd, "ipcopen")) { /* ipcopen HEX FLAGS */
+            char hx[160] = "";
+            unsigned flags = 0;
+            CUipcMemHandle h;
+            CUdeviceptr p = 0;
+            CUresult r = CUDA_ERROR_INVALID_VALUE;
+            if (sscanf(line, "%*s %159s %u", hx, &flags) == 2 && unhex(hx, &h, sizeof h) == 0)
+                r = cuIpcOpenMemHandle(&p, h, flags);
+            reply(r, "0x%llx", (unsigned long long)p);
+        } else if (!strcmp(cmd, "ipcopen1")) { /* ipcopen1 HEX: through the v1 ELF name */
+            char hx[160] = "";
+            CUipcMemHandle h;
+            CUdeviceptr p = 0;
+            CUresult r = CUDA_ERROR_INVALID_VALUE;
+            CUresult (*v1)(CUdeviceptr *, CUipcMemHandle, unsigned) = (CUresult (*)(
+                CUdeviceptr *, CUipcMemHandle, unsigned))dlsym(RTLD_DEFAULT, "cuIpcOpenMemHandle");
+            if (v1 && sscanf(line, "%*s %159s", hx) == 1 && unhex(hx, &h, sizeof h) == 0)
+                r = v1(&p, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+            reply(r, "0x%llx", (unsigned long long)p);
+        } else if (!strcmp(cmd, "ipcsend")) { /* ipcsend VA: cuIpcGetMemHandle, 64 bytes to the socket */
+            CUipcMemHandle h;
+            CUresult r = cuIpcGetMemHandle(&h, (CUdeviceptr)a);
+            if (r == CUDA_SUCCESS && write_all(g_sock, &h, sizeof h) != 0)
+                r = CUDA_ERROR_OPERATING_SYSTEM;
+            reply(r, NULL);
+        } else if (!strcmp(cmd, "ipcrecv")) { /* ipcrecv: 64 bytes from the socket, cuIpcOpenMemHandle */
+            CUipcMemHandle h;
+            CUdeviceptr p = 0;
+            CUresult r = read_all(g_sock, &h, sizeof h) == 0
+                             ? cuIpcOpenMemHandle(&p, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
+                             : CUDA_ERROR_OPERATING_SYSTEM;
+            reply(r, "0x%llx", (unsigned long long)p);
+        } else if (!strcmp(cmd, "ipcclose")) {
+            reply(cuIpcCloseMemHandle((CUdeviceptr)a), NULL);
+        } else if (!strcmp(cmd, "free")) {
+            reply(cuMemFree((CUdeviceptr)a), NULL);
+        } else if (!strcmp(cmd, "range")) { /* range VA -> base size */
+            CUdeviceptr base = 0;
+            size_t size = 0;
+            CUresult r = cuMemGetAddressRange(&base, &size, (CUdeviceptr)a);
+            reply(r, "0x%llx %zu", (unsigned long long)base, size);
+        } else if (!strcmp(cmd, "attr")) { /* attr ATTR VA -> the value (8 zeroed bytes read back) */
+            unsigned long long v = 0;
+            CUresult r = cuPointerGetAttribute(&v, (CUpointer_attribute)a, (CUdeviceptr)b);
+            reply(r, "%llu", v);
+        } else if (!strcmp(cmd, "attrs")) { /* attrs VA: cuPointerGetAttributes of a fixed list */
+            reply_attrs((CUdeviceptr)a);
+        } else if (!strcmp(cmd, "hcreate")) { /* hcreate SIZE LOCTYPE LOCID POSIX */
+            CUmemAllocationProp p;
+            memset(&p, 0, sizeof p);
+            p.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+            p.location.type = (CUmemLocationType)b;
+            p.location.id = (int)c;
+            p.requestedHandleTypes = d ? CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR : CU_MEM_HANDLE_TYPE_NONE;
+            CUmemGenericAllocationHandle h = 0;
+            CUresult r = cuMemCreate(&h, (size_t)a, &p, 0);
+            reply(r, "%llu", h);
+        } else if (!strcmp(cmd, "laccess")) { /* laccess VA SIZE LOCTYPE LOCID FLAGS */
+            CUmemAccessDesc ad;
+            memset(&ad, 0, sizeof ad);
+            ad.location.type = (CUmemLocationType)c;
+            ad.location.id = (int)d;
+            ad.flags = (CUmemAccess_flags)e;
+            reply(cuMemSetAccess((CUdeviceptr)a, (size_t)b, &ad, 1), NULL);
+        } else if (!strcmp(cmd, "lgetaccess")) { /* lgetaccess VA LOCTYPE LOCID */
+            CUmemLocation loc = {(CUmemLocationType)b, (int)c};
+            unsigned long long fl = 99;
+            CUresult r = cuMemGetAccess(&fl, &loc, (CUdeviceptr)a);
+            reply(r, "%llu", fl);
+        } else if (!strcmp(cmd, "lprops")) { /* lprops H -> type loctype locid handletypes */
+            CUmemAllocationProp p;
+            memset(&p, 0, sizeof p);
+            CUresult r = cuMemGetAllocationPropertiesFromHandle(&p, a);
+            reply(r, "%d %d %d %d", (int)p.type, (int)p.location.type, p.location.id, (int)p.requestedHandleTypes);
+        } else if (!strcmp(cmd, "hostwrite")) { /* hostwrite VA VALUE: a plain CPU store */
+            *(volatile uint32_t *)(uintptr_t)a = (uint32_t)b;
+            reply(CUDA_SUCCESS, NULL);
+        } else if (!strcmp(cmd, "devattr")) { /* devattr ATTR DEV */
+            int v = -1;
+            CUresult r = cuDeviceGetAttribute(&v, (CUdevice_attribute)a, (CUdevice)b);
+            reply(r, "%d", v);
+        } else if (!strcmp(cmd, "lookup")) { /* lookup NAME VERSION -> status ELF-name-of-the-pointer */
+            char name[64] = "";
+            int ver = 0;
+            void *fn = NULL;
+            CUdriverProcAddressQueryResult st = CU_GET_PROC_ADDRESS_SUCCESS;
+            CUresult r = CUDA_ERROR_INVALID_VALUE;
+            if (sscanf(line, "%*s %63s %d", name, &ver) == 2)
+                r = cuGetProcAddress(name, &fn, ver, 0, &st);
+            Dl_info di;
+            memset(&di, 0, sizeof di);
+            reply(r, "%d %s", (int)st, fn && dladdr(fn, &di) && di.dli_sname ? di.dli_sname : "NULL");
         } else {
             printf("bad command %s\n", cmd);
             fflush(stdout);
