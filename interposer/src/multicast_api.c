@@ -60,9 +60,15 @@ static struct cui_mc *mc_new(const uint8_t id[16], uint32_t creator_pid) {
   return m;
 }
 
-/* The driver reference goes when nothing refers to the object any more. */
+/* The driver reference goes when nothing refers to the object any more. A creator's exported
+ * object is the exception: it stays as the team's *anchor* after the app released its create
+ * handle and dropped its bindings and mappings (PyTorch SymmetricMemory's rank 0 does; the
+ * importers keep theirs), with its driver reference, its cached export FD (FETCH_FD keeps
+ * answering) and the devices it added, so importers can still fetch it and
+ * RESTORE_MULTICAST_CREATORS rebuilds it. It goes with the process. */
 static void mc_maybe_destroy(struct cui_mc *m) {
   if (!m->live || m->vrefs || m->nbinds || m->nmaps) return;
+  if (m->role == CUI_ROLE_CREATOR && (m->flags & CUI_REC_EXPORTED) && !(m->flags & CUI_REC_PASSTHROUGH)) return;
   if (m->role == CUI_ROLE_CREATOR) cui_cache_close(m->id);   /* first: an open export FD is a reference */
   if (m->has_real) {
     REAL(cuMemRelease)(m->real);
