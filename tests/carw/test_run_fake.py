@@ -1,0 +1,162 @@
+"""carw on fakecuda without the shim: the all-reduce over legacy CUDA IPC, exact; the quiesce
+contract answered by hand (no agent, no CRIU); and fakecuda's native checkpoint refusing a
+process that holds live IPC imports, as the pre-r610 driver does."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+from carw_kit import check_finished
+
+from cuinterpose.coordinator.contract import quiesce_path, read_json, write_atomic
+from cuinterpose.workloads.carw import layout as L
+
+
+def wait_file(path) -> dict:
+    """The JSON object of a file the workload writes atomically (rename), once it is there."""
+    deadline = time.monotonic() + 600  # only catches a hang
+    while (obj := read_json(path)) is None:
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.02)
+    return obj
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_all_reduce_exact_over_ipc(carw, ranks):
+    run = carw(ranks=ranks, steps=25, shim=False)
+    assert run.wait_exit() == 0, run.stderr_tail()
+    check_finished(run, restores=0)
+    setup = run.of("setup")[0]
+    assert setup["share"] == "ipc" and sorted(setup["shared"]) == [str(r) for r in range(ranks)]
+    for h in setup["shared"].values():  # CU_IPC_HANDLE_SIZE bytes each, as hex
+        assert (len(h["data"]["handle"]), len(h["signal"]["handle"])) == (128, 128)
+    # each rank's table: its own VAs in its own row, the VAs it opened its peers' ranges at in
+    # theirs, all distinct
+    for r, e in {e["rank"]: e for e in run.of("vas")}.items():
+        rows = [tuple(row) for row in e["table"]]
+        assert rows[r] == (e["data_va"], e["signal_va"])
+        assert len({va for row in rows for va in row}) == 2 * ranks and 0 not in rows[0], rows
+
+
+@pytest.mark.parametrize("restored", [False, True], ids=["cancelled", "restored"])
+def test_quiesce_parks_every_rank_at_the_hold(carw, restored):
+    run = carw(ranks=3, steps=20, hold_at=(8,), shim=False)
+    run.wait_hold(8)
+    pids = run.rank_pids()
+    write_atomic(quiesce_path(run.ctl, run.pid, "request"), {"id": "q1", "timeout_ms": 60000})
+    ready = wait_file(quiesce_path(run.ctl, run.pid, "ready"))
+    assert ready["id"] == "q1" and ready["step"] == 8
+    assert sorted((r["rank"], r["pid"], r["step"]) for r in ready["ranks"]) == sorted(
+        zip(range(3), [e["pid"] for e in sorted(run.of("hold"), key=lambda e: e["rank"])], [8] * 3)
+    )
+    assert sorted(r["pid"] for r in ready["ranks"]) == pids
+    resume = {"id": "q1", "restored": restored, "cancelled": not restored}
+    write_atomic(quiesce_path(run.ctl, run.pid, "resume"), resume)
+    assert run.wait_exit() == 0, run.stderr_tail()
+    check_finished(run, restores=1 if restored else 0)
+    assert [(e["id"], e["step"], e["restored"], e["cancelled"]) for e in run.of("resumed")] == [
+        ("q1", 8, restored, not restored)
+    ]
+    assert [e["step"] for e in run.of("quiesced")] == [8]
+    for kind in ("request", "ready", "resume"):
+        assert not quiesce_path(run.ctl, run.pid, kind).exists()
+
+
+def test_quiesce_mid_run_cuts_every_rank_at_one_step(carw):
+    """No hold: the cut is wherever the ranks are; every rank parks after the same step."""
+    run = carw(ranks=2, steps=400, shim=False)
+    run.wait_for(lambda ev: any(e.get("event") == "vas" for e in ev), "the ranks' VAs")
+    write_atomic(quiesce_path(run.ctl, run.pid, "request"), {"id": "mid", "timeout_ms": 60000})
+    ready = wait_file(quiesce_path(run.ctl, run.pid, "ready"))
+    assert {r["step"] for r in ready["ranks"]} == {ready["step"]}
+    write_atomic(
+        quiesce_path(run.ctl, run.pid, "resume"),
+        {"id": "mid", "restored": False, "cancelled": True},
+    )
+    assert run.wait_exit() == 0, run.stderr_tail()
+    check_finished(run, restores=0)
+
+
+NATIVE = """
+import json, sys
+from cuinterpose.agent.mech import native
+from cuinterpose.agent.errors import AgentError
+native.load("fake")
+pids = [int(p) for p in sys.argv[1:]]
+out = {"lock": native.lock_all(pids, 10000)}
+try:
+    native.checkpoint_all(pids)
+    out["checkpoint"] = "ok"
+except AgentError as e:
+    out["checkpoint"] = str(e)
+out["states_after"] = {p: native.get_state(p) for p in pids}
+out["rollback"] = native.rollback_all(pids)
+out["states"] = {p: native.get_state(p) for p in pids}
+print(json.dumps(out))
+"""
+
+
+def test_native_checkpoint_refuses_live_ipc_imports(carw, fakecuda_dir):
+    """Without the shim, the driver's own checkpoint is all there is, and fakecuda, as the
+    driver before r610, refuses a process holding live IPC imports; rolled back, the run goes
+    on and finishes exact."""
+    run = carw(ranks=2, steps=20, hold_at=(5,), shim=False)
+    run.wait_hold(5)
+    pids = run.rank_pids()
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    res = subprocess.run(
+        [sys.executable, "-c", NATIVE, *map(str, pids)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    # the agent's NativeError: phase, pid, driver function, CUresult (then the agent's hint)
+    assert out["checkpoint"].startswith(
+        f"native checkpoint: pid {pids[0]} cuCheckpointProcessCheckpoint: "
+        "CUDA_ERROR_NOT_SUPPORTED ("
+    ), out
+    assert out["states_after"] == {str(p): "LOCKED" for p in pids}, out
+    assert out["states"] == {str(p): "RUNNING" for p in pids}, out
+    # fakecuda's own words on the refused process's stderr: its two live imports, rank 1's
+    vas = {e["rank"]: e for e in run.of("vas")}
+    lines = [ln for ln in run.stderr_tail(200).splitlines() if "checkpoint refused" in ln]
+    assert len(lines) == 1, run.stderr_tail()
+    m = REFUSAL.fullmatch(lines[0])
+    assert m, lines[0]
+    va, size = int(m["va"], 16), int(m["size"])
+    assert (int(m["pid"]), int(m["pid2"]), int(m["n"]), int(m["peer"])) == (
+        pids[0],
+        pids[0],
+        2,
+        pids[1],
+    )
+    assert (va, size) in {
+        (vas[0]["table"][1][0], L.data_bytes(64)),
+        (vas[0]["table"][1][1], L.SIGNAL_BYTES),
+    }
+    write_atomic(quiesce_path(run.ctl, run.pid, "request"), {"id": "n", "timeout_ms": 60000})
+    wait_file(quiesce_path(run.ctl, run.pid, "ready"))
+    write_atomic(
+        quiesce_path(run.ctl, run.pid, "resume"), {"id": "n", "restored": False, "cancelled": True}
+    )
+    assert run.wait_exit() == 0, run.stderr_tail()
+    check_finished(run, restores=0)
+
+
+# fakecuda's refusal of a native checkpoint with live IPC imports (fakecuda/src/checkpoint_target.c)
+REFUSAL = re.compile(
+    r"fakecuda\[(?P<pid>\d+)\]: checkpoint refused: pid (?P<pid2>\d+) holds (?P<n>\d+) live CUDA "
+    r"IPC import\(s\) \(0x(?P<va>[0-9a-f]+), (?P<size>\d+) bytes, buffer of pid (?P<peer>\d+), "
+    r"1 reference\(s\)\); the driver before r610 cannot checkpoint CUDA IPC memory: "
+    r"cuIpcCloseMemHandle every import first \(nothing was changed; unlock resumes\) -> "
+    r"CUDA_ERROR_NOT_SUPPORTED"
+)
