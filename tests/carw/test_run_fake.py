@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -42,6 +43,40 @@ def test_all_reduce_exact_over_ipc(carw, ranks):
         rows = [tuple(row) for row in e["table"]]
         assert rows[r] == (e["data_va"], e["signal_va"])
         assert len({va for row in rows for va in row}) == 2 * ranks and 0 not in rows[0], rows
+
+
+@pytest.mark.parametrize("share", ["pidfd", "host"])
+def test_all_reduce_exact_over_cumem_fds(carw, share):
+    """``pidfd``: device cuMem FDs taken with pidfd_getfd (PyTorch expandable segments);
+    ``host``: HOST_NUMA cuMem FDs sent with SCM_RIGHTS and read/written by the CPU (NCCL SHM)."""
+    run = carw(ranks=2, steps=25, shim=False, share=share)
+    assert run.wait_exit() == 0, run.stderr_tail()
+    check_finished(run, restores=0)
+    setup = run.of("setup")[0]
+    pids = run.rank_pids()
+    for r, h in setup["shared"].items():
+        for what in ("data", "signal"):
+            assert h[what]["size"] == 2 << 20  # fakecuda's granularity, both locations
+            if share == "pidfd":  # the creator's pid and FD number, nothing else
+                assert h[what]["pid"] == pids[int(r)] and h[what]["fd"] > 2
+            else:
+                assert sorted(h[what]) == ["size"]  # the FD itself went with SCM_RIGHTS
+
+
+def test_a_killed_rank_stops_the_run_naming_it(carw):
+    run = carw(ranks=2, steps=20, hold_at=(3,), shim=False)
+    run.wait_hold(3)
+    pids = run.rank_pids()
+    os.kill(pids[1], signal.SIGKILL)
+    assert run.wait_exit() == 1
+    assert [e["message"] for e in run.of("failed")] == [
+        f"rank 1 (pid {pids[1]}) exited with status -9 before finishing"
+    ]
+    assert run.of("summary") == []
+    assert run.stderr_tail(1) == (
+        f"carw rank 0 (pid {pids[0]}): stopped by the launcher: rank 1 (pid {pids[1]}) exited "
+        "with status -9 before finishing"
+    )
 
 
 @pytest.mark.parametrize("restored", [False, True], ids=["cancelled", "restored"])

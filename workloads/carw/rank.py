@@ -39,7 +39,10 @@ POLL_S = 0.002  # how long a waiting rank sleeps in select() on its channel betw
 
 
 class Abort(RuntimeError):
-    """The launcher told this rank to stop, or a wait ran past its deadline."""
+    """A wait ran past its deadline (reported to the launcher), or the launcher told this rank
+    to stop (``from_launcher``: not reported back)."""
+
+    from_launcher = False
 
 
 class Deadline:
@@ -55,6 +58,13 @@ class Deadline:
         self.left -= min(now - self.last, POLL_S * 50)
         self.last = now
         return self.left > 0
+
+
+def stopped(msg: dict) -> Abort:
+    """The launcher's ``abort``: the run stops (another rank failed or died)."""
+    e = Abort(f"stopped by the launcher: {msg.get('message', 'no reason given')}")
+    e.from_launcher = True
+    return e
 
 
 def dptr(va: int) -> cu.CUdeviceptr:
@@ -89,9 +99,6 @@ class CarwRank:
     def send(self, msg: dict) -> None:
         self.chan.send(msg)
 
-    def where(self) -> str:
-        return f"carw rank {self.rank} (pid {self.pid})"
-
     def service(self, timeout: float = 0) -> None:
         """Handle pending launcher messages, waiting up to ``timeout`` s for the first."""
         got = self.chan.recv(timeout=timeout)
@@ -102,7 +109,7 @@ class CarwRank:
     def on_control(self, msg: dict) -> None:
         t = msg["type"]
         if t == "abort":
-            raise Abort(msg.get("message", "aborted by the launcher"))
+            raise stopped(msg)
         if t == "quiesce":  # start no new step; say where we are
             self.quiesce_id = msg["id"]
             self.limit = self.started
@@ -112,7 +119,7 @@ class CarwRank:
             self.park_at = int(msg["step"])
             self.limit = self.park_at
         else:
-            raise RuntimeError(f"{self.where()}: unexpected message {t!r} (step {self.started})")
+            raise RuntimeError(f"unexpected message {t!r} (step {self.started})")
 
     # ---- setup ----------------------------------------------------------------------------
     def setup(self) -> None:
@@ -178,12 +185,12 @@ class CarwRank:
             if got is not None:
                 msg = got[0]
                 if msg["type"] == "abort":
-                    raise Abort(msg.get("message", "aborted by the launcher"))
+                    raise stopped(msg)
                 if msg["type"] != mtype:
-                    raise RuntimeError(f"{self.where()}: expected {mtype!r}, got {msg['type']!r}")
+                    raise RuntimeError(f"expected {mtype!r}, got {msg['type']!r}")
                 return msg, got[1]
             if not deadline.tick():
-                raise Abort(f"{self.where()}: no {mtype!r} from the launcher in time")
+                raise Abort(f"no {mtype!r} from the launcher in time")
 
     def emit_vas(self, after_restore: bool) -> None:
         table = L.decode_table(self.dtoh(self.table_va, len(self.table_bytes)))
@@ -280,7 +287,7 @@ class CarwRank:
             self.service(timeout=POLL_S)
             if not deadline.tick():
                 raise Abort(
-                    f"{self.where()}: step {s}: rank {peer}'s signal at {signal_va:#x} stayed at "
+                    f"step {s}: rank {peer}'s signal at {signal_va:#x} stayed at "
                     f"{got} for {self.peer_timeout_s:g} s (peer dead or stuck?); stopping"
                 )
 
@@ -303,9 +310,9 @@ class CarwRank:
             got = self.chan.recv(timeout=None)
             msg = got[0]
             if msg["type"] == "abort":
-                raise Abort(msg.get("message", "aborted by the launcher"))
+                raise stopped(msg)
             if msg["type"] != "resume":
-                raise RuntimeError(f"{self.where()}: unexpected {msg['type']!r} while parked")
+                raise RuntimeError(f"unexpected {msg['type']!r} while parked")
             break
         if msg.get("restored"):
             self.restores_seen += 1
@@ -325,7 +332,7 @@ class CarwRank:
             got = self.chan.recv(timeout=POLL_S * 50)
             if got is None:
                 if not deadline.tick():
-                    raise Abort(f"{self.where()}: no 'exit' from the launcher in time")
+                    raise Abort("no 'exit' from the launcher in time")
                 continue
             if got[0]["type"] == "exit":
                 break
@@ -362,7 +369,12 @@ def main(argv=None) -> int:
         print(f"carw rank {args.rank}: launcher went away", file=sys.stderr)
         return 2
     except Abort as e:
-        print(f"carw rank {args.rank}: {e}", file=sys.stderr)
+        print(f"carw rank {args.rank} (pid {os.getpid()}): {e}", file=sys.stderr)
+        if not e.from_launcher:
+            try:
+                chan.send({"type": "error", "rank": args.rank, "message": str(e)})
+            except OSError:
+                pass
         return 1
     except BaseException as e:  # noqa: BLE001 - report every failure to the launcher
         traceback.print_exc()
