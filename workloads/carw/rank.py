@@ -6,13 +6,13 @@ the ``config`` message brings the rest. It never writes stdout: events go to the
 Exit status 0 when every check it made held, 1 on a failed check or error, 2 when the launcher
 went away.
 
-Driver calls (cuda-python, the same on fakecuda and on a real GPU): ``cuMemAlloc`` for the data,
-signal and table ranges; ``cuIpcGetMemHandle`` (64 bytes) of data and signal, sent to the
-launcher, which hands every rank its peers' handles; ``cuIpcOpenMemHandle`` (flag
-``CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS``, the one the driver API documents) of each peer's two
-ranges at VAs the driver picks; the table of peer VAs written with ``cuMemcpyHtoD``. Every step
-reads the table back with ``cuMemcpyDtoH`` and reaches the peers' signal and data only through
-the VAs read from it, as a kernel reading vLLM's rank data would.
+Driver calls (cuda-python, the same on fakecuda and on a real GPU): the data and signal ranges
+come from the share (``share.py``, ``--share``: by default ``cuMemAlloc`` and 64-byte
+``cuIpcGetMemHandle`` handles sent to the launcher, which hands every rank its peers' to open
+with ``cuIpcOpenMemHandle`` at VAs the driver picks); the table of peer VAs is a ``cuMemAlloc``
+range written with ``cuMemcpyHtoD``. Every step reads the table back with ``cuMemcpyDtoH`` and
+reaches the peers' signal and data only through the VAs read from it, as a kernel reading
+vLLM's rank data would.
 
 Single-threaded: control messages are read between driver calls, so a parked rank is not
 inside CUDA (docs/workload-contract.md).
