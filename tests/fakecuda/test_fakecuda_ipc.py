@@ -7,10 +7,11 @@ the close; FAKECUDA_LAUNCH_JOB=1 models cuda-checkpoint --launch-job (private co
 
 from __future__ import annotations
 
+import pathlib
 import socket
 
 import pytest
-from fakecuda_helpers import GRAN, read_log
+from fakecuda_helpers import GRAN, Peer, read_log
 
 PATTERN = 0x5EED0000
 SIZE = 3 * 4096 + 100  # not a page multiple: the handle carries the exact bytesize
@@ -24,12 +25,42 @@ RDMA, ACCESS_FLAGS, MEMPOOL, MAPPING_SIZE, MAPPING_BASE, BLOCK_ID = 15, 16, 17, 
 MEMORYTYPE_HOST, MEMORYTYPE_DEVICE = 1, 2
 
 
-@pytest.fixture
-def pair(peer, fake_env):
-    """Exporter a (malloc'd SIZE bytes with a pattern) and importer b, joined by a socketpair."""
+HERE = pathlib.Path(__file__).resolve().parent
+FAKECUDA_SRC = sorted((HERE.parent.parent / "fakecuda" / "src").glob("*.c"))
+
+
+@pytest.fixture(scope="module")
+def fcpeer_asan_exe(build_c):
+    """fcpeer compiled together with fakecuda's sources under ASan/UBSan (-rdynamic: dlsym and
+    dladdr find the cu* names in the executable)."""
+    return build_c(
+        [*FAKECUDA_SRC, HERE / "c" / "fcpeer.c"],
+        "fcpeer-static",
+        sanitize=True,
+        extra=("-rdynamic",),
+    )
+
+
+@pytest.fixture(params=["libcuda", "asan"])
+def pair(request, peer, fake_env):
+    """Exporter a (malloc'd SIZE bytes with a pattern) and importer b, joined by a socketpair;
+    both on the installed libcuda.so.1, or both fcpeer builds with fakecuda compiled in under
+    ASan/UBSan."""
     sa, sb = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    a = peer(sa.fileno())
-    b = peer(sb.fileno())
+    if request.param == "asan":
+        exe = request.getfixturevalue("fcpeer_asan_exe")
+        env = dict(
+            fake_env,
+            ASAN_OPTIONS="detect_leaks=0:abort_on_error=1",
+            UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1",
+        )
+        env.pop("LD_LIBRARY_PATH")
+        a, b = Peer(exe, env, sa.fileno()), Peer(exe, env, sb.fileno())
+        request.addfinalizer(a.close)
+        request.addfinalizer(b.close)
+    else:
+        a = peer(sa.fileno())
+        b = peer(sb.fileno())
     sa.close()
     sb.close()
     a.cmd("init 0")

@@ -1214,6 +1214,124 @@ static int mc_knobs(void)
     return g_fails ? 1 : 0;
 }
 
+/* Legacy CUDA IPC as far as one process can go, pointer attributes, host-located VMM
+ * (tests/fakecuda/test_fakecuda_ipc.py and _hostvmm.py do the two-process half). */
+static void ipc_pointer_host(void)
+{
+    CUdeviceptr dm = 0, vv = 0, got = 0;
+    const size_t n = 2 * 4096 + 8;
+    EXPECT(cuMemAlloc(&dm, n), CUDA_SUCCESS);
+    CUipcMemHandle h, h2, zero;
+    memset(&zero, 0, sizeof zero);
+    EXPECT(cuIpcGetMemHandle(NULL, dm), CUDA_ERROR_INVALID_VALUE);
+    EXPECT(cuIpcGetMemHandle(&h, dm + 4096), CUDA_ERROR_INVALID_VALUE); /* not the base */
+    EXPECT(cuIpcGetMemHandle(&h, 4096), CUDA_ERROR_INVALID_VALUE);
+    EXPECT(cuIpcGetMemHandle(&h, dm), CUDA_SUCCESS);
+    EXPECT(cuIpcGetMemHandle(&h2, dm), CUDA_SUCCESS);
+    CHECK(memcmp(&h, &h2, sizeof h) == 0);
+    EXPECT(cuIpcOpenMemHandle(&got, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS), CUDA_ERROR_INVALID_CONTEXT);
+    EXPECT(cuIpcOpenMemHandle(&got, h, 0), CUDA_ERROR_INVALID_VALUE);
+    EXPECT(cuIpcOpenMemHandle(NULL, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS), CUDA_ERROR_INVALID_VALUE);
+    EXPECT(cuIpcOpenMemHandle(&got, zero, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS), CUDA_ERROR_INVALID_HANDLE);
+    CHECK(got == 0);
+    EXPECT(cuIpcCloseMemHandle(dm), CUDA_ERROR_INVALID_VALUE); /* not opened by cuIpcOpenMemHandle */
+    /* cuMemAlloc memory */
+    unsigned int mt = 0;
+    int iv = -1;
+    unsigned long long ull = 7;
+    size_t sz = 0;
+    CUdeviceptr p = 0;
+    CUcontext cx = NULL, cur = NULL;
+    EXPECT(cuCtxGetCurrent(&cur), CUDA_SUCCESS);
+    EXPECT(cuPointerGetAttribute(&cx, CU_POINTER_ATTRIBUTE_CONTEXT, dm + 5), CUDA_SUCCESS);
+    CHECK(cx == cur);
+    EXPECT(cuPointerGetAttribute(&mt, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, dm + 5), CUDA_SUCCESS);
+    CHECK(mt == CU_MEMORYTYPE_DEVICE);
+    EXPECT(cuPointerGetAttribute(&iv, CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, dm + 5), CUDA_SUCCESS);
+    CHECK(iv == 1);
+    EXPECT(cuPointerGetAttribute(&p, CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, dm + n - 1), CUDA_SUCCESS);
+    CHECK(p == dm);
+    EXPECT(cuPointerGetAttribute(&sz, CU_POINTER_ATTRIBUTE_RANGE_SIZE, dm), CUDA_SUCCESS);
+    CHECK(sz == n);
+    EXPECT(cuPointerGetAttribute(&ull, CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES, dm), CUDA_SUCCESS);
+    CHECK(ull == 0);
+    void *hp = (void *)1;
+    EXPECT(cuPointerGetAttribute(&hp, CU_POINTER_ATTRIBUTE_HOST_POINTER, dm), CUDA_ERROR_INVALID_VALUE);
+    EXPECT(cuPointerGetAttribute(&hp, CU_POINTER_ATTRIBUTE_P2P_TOKENS, dm), CUDA_ERROR_INVALID_VALUE);
+    EXPECT(cuPointerGetAttribute(&hp, (CUpointer_attribute)0, dm), CUDA_ERROR_INVALID_VALUE);
+    EXPECT(cuPointerGetAttribute(NULL, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, dm), CUDA_ERROR_INVALID_VALUE);
+    EXPECT(cuPointerGetAttribute(&mt, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, 4096), CUDA_ERROR_INVALID_VALUE);
+    /* cuPointerGetAttributes: inapplicable ones are zero, not an error */
+    CUpointer_attribute at[3] = {CU_POINTER_ATTRIBUTE_HOST_POINTER, CU_POINTER_ATTRIBUTE_DEVICE_POINTER,
+                                 CU_POINTER_ATTRIBUTE_MAPPED};
+    void *hv = (void *)1;
+    CUdeviceptr dv = 0;
+    int mapped = 5;
+    void *data[3] = {&hv, &dv, &mapped};
+    EXPECT(cuPointerGetAttributes(3, at, data, dm + 8), CUDA_SUCCESS);
+    CHECK(hv == NULL && dv == dm + 8 && mapped == 1);
+    EXPECT(cuPointerGetAttributes(0, at, data, dm), CUDA_ERROR_INVALID_VALUE);
+    CUpointer_attribute bad[1] = {CU_POINTER_ATTRIBUTE_P2P_TOKENS};
+    EXPECT(cuPointerGetAttributes(1, bad, data, dm), CUDA_ERROR_INVALID_VALUE);
+    EXPECT(cuPointerGetAttributes(3, at, data, 4096), CUDA_SUCCESS); /* no CUDA pointer: NULL values */
+    CHECK(hv == NULL && dv == 0 && mapped == 0);
+    /* VMM: refused by cuIpcGetMemHandle, the reservation is the range */
+    CUmemAllocationProp pr = prop(0, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+    CUmemGenericAllocationHandle hv1;
+    EXPECT(cuMemCreate(&hv1, G, &pr, 0), CUDA_SUCCESS);
+    EXPECT(cuMemAddressReserve(&vv, 2 * G, 0, 0, 0), CUDA_SUCCESS);
+    EXPECT(cuMemMap(vv, G, 0, hv1, 0), CUDA_SUCCESS);
+    EXPECT(cuIpcGetMemHandle(&h, vv), CUDA_ERROR_INVALID_VALUE);
+    EXPECT(cuPointerGetAttribute(&iv, CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, vv), CUDA_SUCCESS);
+    CHECK(iv == 0);
+    EXPECT(cuPointerGetAttribute(&sz, CU_POINTER_ATTRIBUTE_RANGE_SIZE, vv + G), CUDA_SUCCESS);
+    CHECK(sz == 2 * G);
+    EXPECT(cuPointerGetAttribute(&iv, CU_POINTER_ATTRIBUTE_MAPPED, vv + G), CUDA_SUCCESS);
+    CHECK(iv == 0);
+    EXPECT(cuPointerGetAttribute(&sz, CU_POINTER_ATTRIBUTE_MAPPING_SIZE, vv + 4), CUDA_SUCCESS);
+    CHECK(sz == G);
+    EXPECT(cuPointerGetAttribute(&cx, CU_POINTER_ATTRIBUTE_CONTEXT, vv), CUDA_ERROR_INVALID_VALUE);
+    EXPECT(cuMemUnmap(vv, G), CUDA_SUCCESS);
+    EXPECT(cuMemRelease(hv1), CUDA_SUCCESS);
+    /* host-located VMM: creation rules, host access, CPU through the mapping */
+    CUmemAllocationProp ph = prop(0, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+    ph.location.type = CU_MEM_LOCATION_TYPE_HOST;
+    CUmemGenericAllocationHandle hh = 77;
+    EXPECT(cuMemCreate(&hh, G, &ph, 0), CUDA_ERROR_INVALID_VALUE); /* HOST: handle types must be 0 */
+    ph.location.type = CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT;
+    EXPECT(cuMemCreate(&hh, G, &ph, 0), CUDA_ERROR_INVALID_VALUE);
+    CHECK(hh == 77);
+    ph.location.type = CU_MEM_LOCATION_TYPE_HOST_NUMA;
+    size_t g = 0;
+    EXPECT(cuMemGetAllocationGranularity(&g, &ph, CU_MEM_ALLOC_GRANULARITY_MINIMUM), CUDA_SUCCESS);
+    CHECK(g == G);
+    EXPECT(cuMemCreate(&hh, G, &ph, 0), CUDA_SUCCESS);
+    EXPECT(cuMemMap(vv, G, 0, hh, 0), CUDA_SUCCESS);
+    CUmemAccessDesc ad = acc(0, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+    ad.location.type = CU_MEM_LOCATION_TYPE_HOST_NUMA;
+    ad.location.id = 3; /* ignored */
+    EXPECT(cuMemSetAccess(vv, G, &ad, 1), CUDA_SUCCESS);
+    *(volatile uint32_t *)(uintptr_t)(vv + 12) = 0xabcd;
+    CHECK(*(volatile uint32_t *)(uintptr_t)(vv + 12) == 0xabcd);
+    CUmemLocation lh = {CU_MEM_LOCATION_TYPE_HOST, 0}, l0 = {CU_MEM_LOCATION_TYPE_DEVICE, 0};
+    EXPECT(cuMemGetAccess(&ull, &lh, vv), CUDA_SUCCESS);
+    CHECK(ull == CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+    EXPECT(cuMemGetAccess(&ull, &l0, vv), CUDA_SUCCESS);
+    CHECK(ull == 0);
+    EXPECT(cuPointerGetAttribute(&mt, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, vv + 12), CUDA_SUCCESS);
+    CHECK(mt == CU_MEMORYTYPE_HOST);
+    EXPECT(cuPointerGetAttribute(&hp, CU_POINTER_ATTRIBUTE_HOST_POINTER, vv + 12), CUDA_SUCCESS);
+    CHECK(hp == (void *)(uintptr_t)(vv + 12));
+    CUmemAllocationProp back;
+    EXPECT(cuMemGetAllocationPropertiesFromHandle(&back, hh), CUDA_SUCCESS);
+    CHECK(back.location.type == CU_MEM_LOCATION_TYPE_HOST_NUMA && back.location.id == 0);
+    EXPECT(cuMemUnmap(vv, G), CUDA_SUCCESS);
+    EXPECT(cuMemRelease(hh), CUDA_SUCCESS);
+    EXPECT(cuMemAddressFree(vv, 2 * G), CUDA_SUCCESS);
+    EXPECT(cuMemFree(dm), CUDA_SUCCESS);
+    EXPECT(cuIpcGetMemHandle(&h, dm), CUDA_ERROR_INVALID_VALUE); /* freed */
+}
+
 int main(int argc, char **argv)
 {
     G = argc > 1 ? strtoull(argv[1], NULL, 0) : (2u << 20);
@@ -1231,6 +1349,7 @@ int main(int argc, char **argv)
     procaddr();
     private_memory();
     host_memory();
+    ipc_pointer_host();
     forked_child();
     multicast();
     multicast_teardown();
