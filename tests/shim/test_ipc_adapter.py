@@ -6,6 +6,7 @@ policy knob, and the refusal of driver IPC handles by INSPECT."""
 from __future__ import annotations
 
 import os
+import subprocess
 
 import pytest
 
@@ -21,6 +22,7 @@ from cuinterpose.coordinator.protocol import (
 
 from .conftest import C_DIR, GRAN, App, link_fakecuda
 from .fetch import fetch_fd
+from .test_sanitize import asan_build, sanitized_env  # noqa: F401 (asan_build is a fixture)
 
 INVALID_VALUE, INVALID_CONTEXT = 1, 201
 IPC_CAPABLE, RANGE_START, RANGE_SIZE, MEMORY_TYPE, DEVICE_ORDINAL = 10, 11, 12, 2, 9
@@ -262,3 +264,31 @@ def test_bad_policy_refused_loud(ipc_apps, fake_log):
     assert a.stderr().count(line) == 1
     assert fake_log.calls(pid=a.pid, fn="cuMemAlloc_v2") == []
     assert fake_log.calls(pid=a.pid, fn="cuMemCreate") == []
+
+
+def test_ipc_driver_plain(build_c, shim_env, fakecuda_dir):
+    drv = build_c([C_DIR / "ipc_driver.c"], "shim_ipc_driver", libs=link_fakecuda(fakecuda_dir))
+    res = subprocess.run([str(drv)], env=shim_env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout == "ipc ok\n"
+
+
+def test_ipc_driver_asan_ubsan(build_c, asan_build, fake_env):  # noqa: F811
+    drv = build_c(
+        [C_DIR / "ipc_driver.c"],
+        "shim_ipc_driver_asan",
+        sanitize=True,
+        libs=link_fakecuda(asan_build[1]),
+    )
+    res = subprocess.run(
+        [str(drv)],
+        env=sanitized_env(asan_build, fake_env),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr[-6000:]
+    assert res.stdout == "ipc ok\n"
+    assert "runtime error" not in res.stderr and "AddressSanitizer" not in res.stderr, res.stderr[
+        -6000:
+    ]
