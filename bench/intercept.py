@@ -31,11 +31,14 @@ cuMemAlloc_v2 and cuMemFree_v2 (K buffers of S bytes per round, K = min(--alloc-
 256 MiB / S)) in three configurations, measured in the same run:
 
   base       no preload (the driver's cuMemAlloc)
+  vmm        no preload, the program itself making the driver calls the adapter makes (POSIX
+             cuMemCreate of the size rounded up to the granularity, reserve, map, access;
+             unmap, free the range, release): the adapter's floor on this driver
   adapter    under the shim with CUINTERPOSE_IPC_ADAPTER unset (default: every cuMemAlloc is
              backed by a POSIX-exportable cuMemCreate + reservation + mapping + access)
   off        under the shim with CUINTERPOSE_IPC_ADAPTER=off (cuMemAlloc passes through)
 
-and prints per-call ns (fastest round) and the ratios adapter/base, off/base, adapter/off.
+and prints per-call ns (fastest round) and the ratios adapter/base, adapter/vmm, off/base.
 
     .venv/bin/python bench/intercept.py --n 10 --alloc-sizes 4096,1048576,33554432 [--alloc-count 64]
 
@@ -143,6 +146,7 @@ ALLOC_C = r"""
 #include <cuda.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 #define CU(x) do { CUresult r_ = (x); if (r_ != CUDA_SUCCESS) { \
@@ -152,20 +156,40 @@ static unsigned long long now(void) {
   return (unsigned long long)t.tv_sec * 1000000000ull + (unsigned long long)t.tv_nsec;
 }
 
+/* argv[4] "vmm": instead of cuMemAlloc/cuMemFree, the driver calls the adapter makes (a POSIX
+ * cuMemCreate of the size rounded up to the granularity, reserve, map, access on device 0;
+ * unmap, free the range, release), called directly: the adapter's floor. */
 int main(int argc, char **argv) {
   size_t k = strtoull(argv[1], NULL, 0), rounds = strtoull(argv[2], NULL, 0);
   size_t size = strtoull(argv[3], NULL, 0);
+  int vmm = argc > 4 && argv[4][0] == 'v';
   CUdevice dev; CUcontext ctx;
   CU(cuInit(0)); CU(cuDeviceGet(&dev, 0)); CU(cuDevicePrimaryCtxRetain(&ctx, dev)); CU(cuCtxSetCurrent(ctx));
+  CUmemAllocationProp prop; memset(&prop, 0, sizeof prop);
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED; prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  size_t g; CU(cuMemGetAllocationGranularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+  size_t rs = (size + g - 1) / g * g;
+  CUmemAccessDesc d; memset(&d, 0, sizeof d);
+  d.location = prop.location; d.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
   CUdeviceptr *p = calloc(k, sizeof *p);
+  CUmemGenericAllocationHandle *h = calloc(k, sizeof *h);
   for (size_t r = 0; r < rounds; r++) {
     unsigned long long t0 = now();
-    for (size_t i = 0; i < k; i++) CU(cuMemAlloc(&p[i], size));
+    for (size_t i = 0; i < k; i++) {
+      if (!vmm) { CU(cuMemAlloc(&p[i], size)); continue; }
+      CU(cuMemCreate(&h[i], rs, &prop, 0)); CU(cuMemAddressReserve(&p[i], rs, 0, 0, 0));
+      CU(cuMemMap(p[i], rs, 0, h[i], 0)); CU(cuMemSetAccess(p[i], rs, &d, 1));
+    }
     unsigned long long t1 = now();
-    for (size_t i = 0; i < k; i++) CU(cuMemFree(p[i]));
+    for (size_t i = 0; i < k; i++) {
+      if (!vmm) { CU(cuMemFree(p[i])); continue; }
+      CU(cuMemUnmap(p[i], rs)); CU(cuMemAddressFree(p[i], rs)); CU(cuMemRelease(h[i]));
+    }
     unsigned long long t2 = now();
     printf("%llu %llu\n", t1 - t0, t2 - t1);
   }
+  free(h);
   free(p);
   return 0;
 }
@@ -200,7 +224,7 @@ def build_program(driver: str, name: str, source: str) -> pathlib.Path:
     return exe
 
 
-ALLOC_CONFIGS = ("base", "adapter", "off")
+ALLOC_CONFIGS = ("base", "vmm", "adapter", "off")
 
 
 def run_alloc(exe, k, rounds, size, config, shim, granularity, ctl, driver) -> dict:
@@ -214,12 +238,12 @@ def run_alloc(exe, k, rounds, size, config, shim, granularity, ctl, driver) -> d
         env["LD_LIBRARY_PATH"] = str(paths.fakecuda_dir())
         env["FAKECUDA_GRANULARITY"] = str(granularity)
     env["CUINTERPOSE_CONTROL_DIR"] = ctl
-    if config != "base":
+    if config in ("adapter", "off"):
         env["LD_PRELOAD"] = shim
     if config == "off":
         env["CUINTERPOSE_IPC_ADAPTER"] = "off"
     res = subprocess.run(
-        [str(exe), str(k), str(rounds), str(size)],
+        [str(exe), str(k), str(rounds), str(size), config],
         env=env,
         capture_output=True,
         text=True,
@@ -236,8 +260,8 @@ def alloc_table(args, shim: str, ctl: str) -> None:
     print(f"\ncuMemAlloc_v2 / cuMemFree_v2, shim {shim}; per-call ns, fastest round")
     if not args.json:
         print(
-            f"{'bytes':>10} {'K':>5} {'op':>6} {'base':>10} {'adapter':>10} {'off':>10}"
-            f" {'adapter/base':>12} {'off/base':>9} {'adapter/off':>11}"
+            f"{'bytes':>10} {'K':>5} {'op':>6} {'base':>10} {'vmm':>10} {'adapter':>10}"
+            f" {'off':>10} {'adapter/base':>12} {'adapter/vmm':>11} {'off/base':>9}"
         )
     for size in (int(x) for x in args.alloc_sizes.split(",") if x):
         k = max(1, min(args.alloc_count, (256 << 20) // size))
@@ -247,15 +271,16 @@ def alloc_table(args, shim: str, ctl: str) -> None:
             for c in ALLOC_CONFIGS
         }
         for op in ("alloc", "free"):
-            b, a, o = (got[c][op] for c in ALLOC_CONFIGS)
+            b, v, a, o = (got[c][op] for c in ALLOC_CONFIGS)
             if args.json:
-                row = {"bytes": size, "k": k, "op": op, "base_ns": b, "adapter_ns": a, "off_ns": o}
-                row.update(adapter_ratio=a / b, off_ratio=o / b, adapter_over_off=a / o)
+                row = {"bytes": size, "k": k, "op": op}
+                row.update({f"{c}_ns": got[c][op] for c in ALLOC_CONFIGS})
+                row.update(adapter_ratio=a / b, adapter_over_vmm=a / v, off_ratio=o / b)
                 print(json.dumps(row))
                 continue
             print(
-                f"{size:>10} {k:>5} {op:>6} {b:>10.0f} {a:>10.0f} {o:>10.0f}"
-                f" {a / b:>12.2f} {o / b:>9.2f} {a / o:>11.2f}"
+                f"{size:>10} {k:>5} {op:>6} {b:>10.0f} {v:>10.0f} {a:>10.0f} {o:>10.0f}"
+                f" {a / b:>12.2f} {a / v:>11.2f} {o / b:>9.2f}"
             )
 
 

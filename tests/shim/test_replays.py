@@ -13,7 +13,9 @@ import subprocess
 
 import pytest
 
-from .conftest import C_DIR, HERE, TAG, link_fakecuda
+from cuinterpose.coordinator.protocol.ipc import IpcHandle
+
+from .conftest import C_DIR, GRAN, HERE, TAG, link_fakecuda
 
 SHIM = "libcuinterpose.so"
 REPLAYS = HERE / "replays"
@@ -51,7 +53,9 @@ def replay(build_c, fakecuda_dir):
         fns, calls, handles = {}, [], {}
         for ln in res.stdout.splitlines():
             t = ln.split()
-            if t[0] == "fn":
+            if t[0] in ("pid", "ptr", "range", "ipc"):
+                handles[t[0]] = t[1:]
+            elif t[0] == "fn":
                 fns[t[1]] = (t[2], t[3], int(t[4]))
             elif t[0] == "call":
                 calls.append((t[1], int(t[2])))
@@ -175,3 +179,44 @@ def test_pytorch_rtld_default_entry_point_at_12030(replay, shim_env, fake_log):
     check_v1_bind(fake_log, 12030, {("cuGetProcAddress_v2", n, 12030) for n in MC})
     assert calls == MC_CALLS
     assert handles["cuMulticastCreate"] >> 48 == TAG and handles["cuMemCreate"] >> 48 == TAG
+
+
+IPC = {
+    "cuInit": "cuInit",
+    "cuMemAlloc": "cuMemAlloc_v2",
+    "cuMemFree": "cuMemFree_v2",
+    "cuMemGetAddressRange": "cuMemGetAddressRange_v2",
+    "cuIpcGetMemHandle": "cuIpcGetMemHandle",
+    "cuIpcOpenMemHandle": "cuIpcOpenMemHandle_v2",
+    "cuIpcCloseMemHandle": "cuIpcCloseMemHandle",
+}
+
+
+def test_cudart_ipc_through_cuGetProcAddress_v2(replay, shim_env, fake_log):
+    """libcudart's way to cudaMalloc/cudaFree/cudaIpc*: the driver answers each base name with
+    its newest ABI at 13010, and the shim hands out its wrapper of exactly that ELF name; the
+    IPC adapter backs the allocation (the driver sees cuMemCreate with a POSIX handle type, no
+    cuMemAlloc_v2) and cuIpcGetMemHandle returns the shim's virtual handle for it."""
+    res, fns, calls, out = replay("cudart_ipc", shim_env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert fns["cuGetProcAddress_v2"] == (SHIM, "cuGetProcAddress_v2", 1)
+    assert wrapped(fns, list(IPC), IPC) == {}
+    looks = {(r, s, v) for r, s, v, _f, _e in fake_log.lookups()}
+    assert {("cuGetProcAddress_v2", n, 13010) for n in IPC} <= looks
+    assert calls == [
+        ("cuInit", 0),
+        ("cuMemAlloc", 0),
+        ("cuMemGetAddressRange", 0),
+        ("cuIpcGetMemHandle", 0),
+        ("cuMemFree", 0),
+    ]
+    pid, ptr = int(out["pid"][0]), int(out["ptr"][0], 16)
+    assert [int(x, 16) for x in out["range"]] == [ptr, 1 << 20]
+    h = IpcHandle.unpack(bytes.fromhex(out["ipc"][0]))
+    assert (h.creator_pid, h.size, h.mapped, h.offset) == (pid, 1 << 20, GRAN, 0)
+    assert fake_log.calls(fn="cuMemAlloc_v2") == []
+    creates = fake_log.calls(fn="cuMemCreate")
+    assert [(a["size"], a["types"], r) for _f, a, r in creates] == [
+        (str(GRAN), "1", "CUDA_SUCCESS")
+    ]
+    assert [a["ptr"] for _f, a, _r in fake_log.calls(fn="cuMemUnmap")] == [hex(ptr)]

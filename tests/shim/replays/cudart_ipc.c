@@ -5,10 +5,12 @@
  * answers the newest ABI of each base name up to that version (cuMemAlloc -> cuMemAlloc_v2,
  * cuIpcOpenMemHandle -> cuIpcOpenMemHandle_v2; cuda.h's #defines). Then cuInit, cuMemAlloc of
  * 1 MiB, cuMemGetAddressRange of an address inside it, cuIpcGetMemHandle (64 bytes) and cuMemFree
- * through the pointers. Output: replay.h, plus "range 0x<base> 0x<size>" and
- * "ipc <hex of the 64 handle bytes>".
+ * through the pointers. Output: replay.h, plus "pid <pid>", "ptr 0x<va>", "range 0x<base> 0x<size>"
+ * and "ipc <hex of the 64 handle bytes>".
  */
 #include "replay.h"
+
+#include <unistd.h>
 
 typedef CUresult (*gpa2_fn)(const char *, void **, int, cuuint64_t, CUdriverProcAddressQueryResult *);
 
@@ -30,6 +32,7 @@ static const char *k_elf[F_N] = {"cuInit",
 
 int main(void) {
   setvbuf(stdout, NULL, _IOLBF, 0);
+  printf("pid %d\n", (int)getpid());
   void *cuda = dlopen("libcuda.so.1", RTLD_NOW);
   if (!cuda) return 2;
   gpa2_fn gpa = (gpa2_fn)dlsym(cuda, "cuGetProcAddress_v2");

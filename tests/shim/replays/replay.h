@@ -38,7 +38,7 @@ static void called(const char *name, CUresult r) {
 }
 
 /* A POSIX-exportable PINNED allocation property on device 0. */
-static CUmemAllocationProp device_prop(void) {
+__attribute__((unused)) static CUmemAllocationProp device_prop(void) {
   CUmemAllocationProp p;
   memset(&p, 0, sizeof p);
   p.type = CU_MEM_ALLOCATION_TYPE_PINNED;
