@@ -38,6 +38,7 @@ class Carw:
         shim: bool = True,
         share: str = "ipc",
         env: Optional[dict] = None,
+        extra: tuple = (),
     ):
         self.run_dir = pathlib.Path(run_dir).resolve()
         self.ctl = self.run_dir / "ctl"
@@ -59,6 +60,7 @@ class Carw:
             "--share",
             share,
             *(("--hold-at", ",".join(map(str, hold_at))) if hold_at else ()),
+            *extra,
         ]
         self.proc: Optional[subprocess.Popen] = None
 
@@ -152,15 +154,20 @@ class Carw:
         )
 
     def wait_dumped(self) -> int:
-        """After the dump killed the tree: reap the root and wait until every rank pid is gone
-        (so a restore finds them free). Returns the root's wait status."""
-        self.proc.wait(timeout=HANG_S)
-        pids = self.rank_pids()
+        """After the dump killed the tree: reap the root (our child, or a restored root the
+        subreaper adopted) and wait until every pid of the tree is gone (so a restore finds them
+        free). Returns the root's wait status (None if it was reaped elsewhere)."""
+        status = None
+        if self.proc.returncode is None:  # our child (the first run)
+            status = self.proc.wait(timeout=HANG_S)
+        pids = [self.pid, *self.rank_pids()]
         deadline = time.monotonic() + HANG_S
         while True:
-            demo.reap_zombies()
+            for pid, st in demo.reap_zombies():  # a restored tree, re-parented to us
+                if pid == self.pid:
+                    status = os.waitstatus_to_exitcode(st)
             if not [p for p in pids if os.path.exists(f"/proc/{p}")]:
-                return self.proc.returncode
+                return status
             if time.monotonic() > deadline:
                 raise RuntimeError(f"rank pids {pids} still present after the dump")
             time.sleep(0.02)
@@ -229,12 +236,12 @@ def check_finished(run: Carw, *, restores: int) -> dict:
         assert (d["sums_exact"], d["failed"], d["table_changed"]) == (run.steps, 0, 0), d
         assert d["table_reads"] == run.steps + 1
     before = {e["rank"]: e for e in run.of("vas", after_restore=False)}
-    after = {e["rank"]: e for e in run.of("vas", after_restore=True)}
+    after = run.of("vas", after_restore=True)
     assert sorted(before) == list(range(run.ranks))
-    assert len(run.of("vas", after_restore=True)) == restores * run.ranks
+    assert sorted(e["rank"] for e in after) == sorted(list(range(run.ranks)) * restores)
     keys = ("pid", "data_va", "signal_va", "table_va", "table")
-    for r, e in after.items():
-        assert {k: e[k] for k in keys} == {k: before[r][k] for k in keys}
+    for e in after:
+        assert {k: e[k] for k in keys} == {k: before[e["rank"]][k] for k in keys}
     # every table row r holds rank r's data and signal VAs as that rank opened them: its own
     # row is its own VAs, and no two ranks' rows for a peer name the same VA twice
     for r, e in before.items():

@@ -63,6 +63,35 @@ def test_all_reduce_exact_over_cumem_fds(carw, share):
                 assert sorted(h[what]) == ["size"]  # the FD itself went with SCM_RIGHTS
 
 
+def test_a_wrong_peer_va_shows_as_wrong_sums_and_a_changed_table(carw):
+    """What a VA that moved across a restore would look like: at step 5 rank 0's table row 1
+    names rank 0's own ranges; every later step reports it, and the summary is not ok."""
+    run = carw(ranks=2, steps=8, shim=False, extra=("--test-corrupt-table-at", "5"))
+    assert run.wait_exit() == 1
+    done = {d["rank"]: d for d in run.of("done")}
+    assert (done[1]["sums_exact"], done[1]["failed"], done[1]["table_changed"]) == (8, 0, 0)
+    d0 = done[0]
+    assert (d0["sums_exact"], d0["failed"], d0["table_changed"]) == (4, 4 * 3 + 1, 5)
+    assert d0["sequence"]["count"] == 8  # the steps still ran: only the values are wrong
+    v0 = run.of("vas")[0] if run.of("vas")[0]["rank"] == 0 else run.of("vas")[1]
+    own, peer = v0["table"][0], v0["table"][1]
+    vals = L.contribution(0, 5, 64)
+    assert d0["failures"][:3] == [
+        f"pointer table changed: step 5: [({own[0]:#x}, {own[1]:#x}), ({own[0]:#x}, "
+        f"{own[1]:#x})], set up [({own[0]:#x}, {own[1]:#x}), ({peer[0]:#x}, {peer[1]:#x})]",
+        f"step 5: rank 1's slot at {own[0] + L.slot_offset(5, 64):#x} holds seq 5, check "
+        f"{L.checksum(vals, 5, 0):#018x} (expected seq 5, check {L.checksum(vals, 5, 1):#018x})",
+        "step 5: all-reduce sum differs from the expected one",
+    ]
+    s = run.of("summary")[0]
+    assert s["ok"] is False and s["rank_exit"] == [1, 0]
+    assert [p for p in s["problems"] if not p.startswith("rank 0: 13 failed checks")] == [
+        "rank 0: 4 exact sums of 8",
+        "rank 0: pointer table changed 5 times",
+        "rank exit statuses [1, 0]",
+    ]
+
+
 def test_a_killed_rank_stops_the_run_naming_it(carw):
     run = carw(ranks=2, steps=20, hold_at=(3,), shim=False)
     run.wait_hold(3)

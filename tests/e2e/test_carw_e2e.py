@@ -90,6 +90,29 @@ def test_carw_checkpoint_kill_restore_finish(carw, tmp_path, share, ranks):
     assert [(e["step"], e["restored"]) for e in run.of("resumed")] == [(HOLD, True)]
 
 
+def test_carw_two_cuts(carw, tmp_path):
+    """Checkpointed, killed and restored twice (the second time from the restored tree): the
+    IPC adapter's imports come back at the same VAs both times."""
+    holds = (6, 15)
+    run = carw(ranks=2, steps=STEPS, hold_at=holds)
+    for k, hold in enumerate(holds, 1):
+        run.wait_hold(hold)
+        pids = run.rank_pids()
+        rc, cp = run.checkpoint(tmp_path / f"snap{k}")
+        assert rc == 0 and cp["ok"], cp
+        assert run.wait_dumped() in (-signal.SIGKILL, None)
+        assert [e["step"] for e in run.of("quiesced")] == list(holds[:k])
+        rc, rs = demo.run_agent(
+            "restore", "--images-dir", str(tmp_path / f"snap{k}"), "--driver", "fake"
+        )
+        assert rc == 0 and rs["ok"], rs
+        assert rs["cuda_pids"] == pids
+    assert run.wait_exit() in (0, None), run.stderr_tail()
+    s = check_finished(run, restores=2)
+    assert s["quiesces"] == 2
+    assert [(e["step"], e["restored"]) for e in run.of("resumed")] == [(6, True), (15, True)]
+
+
 def test_carw_without_the_adapter_is_refused_and_keeps_running(carw, tmp_path):
     """CUINTERPOSE_IPC_ADAPTER=off: carw's cuMemAlloc and cuIpc* pass through to the driver,
     which cannot carry IPC memory; INSPECT refuses before anything is torn down, naming the pid

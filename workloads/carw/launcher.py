@@ -74,6 +74,7 @@ class Launcher:
             "hold_at": a.hold_at,
             "peer_timeout_s": a.peer_timeout_s,
             "share": a.share,
+            "test_corrupt_table_at": a.test_corrupt_table_at,
         }
 
     # ---- ranks ----------------------------------------------------------------------------
@@ -300,6 +301,14 @@ def parse(argv=None) -> argparse.Namespace:
         default="ipc",
         help="how ranks share memory: legacy CUDA IPC, cuMem FDs taken with pidfd_getfd, "
         "or host (HOST_NUMA) cuMem FDs sent over the socket (docs/carw.md)",
+    )
+    ap.add_argument(
+        "--test-corrupt-table-at",
+        type=int,
+        default=0,
+        metavar="STEP",
+        help="test only: at STEP, rank 0 points its table's row 1 at its own ranges (a wrong "
+        "peer VA), which every later step must report",
     )
     ap.add_argument("--peer-timeout-s", type=float, default=300.0)
     ap.add_argument("--park-timeout-s", type=float, default=600.0)

@@ -67,6 +67,10 @@ def stopped(msg: dict) -> Abort:
     return e
 
 
+def hexrows(rows) -> str:
+    return "[" + ", ".join(f"({d:#x}, {g:#x})" for d, g in rows) + "]"
+
+
 def dptr(va: int) -> cu.CUdeviceptr:
     return cu.CUdeviceptr(va)
 
@@ -83,6 +87,7 @@ class CarwRank:
         self.elems = int(cfg["elems"])
         self.delay_s = float(cfg.get("step_delay_ms", 0)) / 1000.0
         self.hold_at = sorted(int(h) for h in cfg.get("hold_at", ()))
+        self.corrupt_at = int(cfg.get("test_corrupt_table_at", 0))
         self.peer_timeout_s = float(cfg.get("peer_timeout_s", 300))
         self.share_name = cfg.get("share", "ipc")
         self.pid = os.getpid()
@@ -252,13 +257,22 @@ class CarwRank:
         return False
 
     def one_step(self, s: int) -> None:
+        if s == self.corrupt_at and self.rank == 0:  # test only: what a moved VA looks like
+            rows = list(self.rows)
+            rows[1] = rows[0]
+            self.htod(self.table_va, L.encode_table(rows))
         off = L.slot_offset(s, self.elems)
         n = L.slot_bytes(self.elems)
         self.share.write(self.data_va + off, L.encode_slot(self.rank, s, self.elems))
         self.share.write(self.signal_va, L.encode_signal(s))
         self.started = s
         raw = self.dtoh(self.table_va, len(self.table_bytes))
-        self.log.table(raw == self.table_bytes, f"step {s}: {L.decode_table(raw)} != {self.rows}")
+        if raw != self.table_bytes:
+            self.log.table(
+                False, f"step {s}: {hexrows(L.decode_table(raw))}, set up {hexrows(self.rows)}"
+            )
+        else:
+            self.log.table(True)
         rows = L.decode_table(raw)
         total = None
         for r in range(self.world):
@@ -266,8 +280,12 @@ class CarwRank:
             if r != self.rank:
                 self.wait_signal(r, signal_va, s)
             seq, check, vals = L.decode_slot(self.share.read(data_va + off, n), self.elems)
-            if seq != s or check != L.checksum(vals, s, r):
-                self.log.fail(f"step {s}: rank {r}'s slot at {data_va + off:#x} holds seq {seq}")
+            want = L.checksum(vals, s, r)
+            if seq != s or check != want:
+                self.log.fail(
+                    f"step {s}: rank {r}'s slot at {data_va + off:#x} holds seq {seq}, check "
+                    f"{check:#018x} (expected seq {s}, check {want:#018x})"
+                )
             if total is None:
                 total = vals
             else:
