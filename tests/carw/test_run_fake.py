@@ -42,7 +42,8 @@ def test_all_reduce_exact_over_ipc(carw, ranks):
     for r, e in {e["rank"]: e for e in run.of("vas")}.items():
         rows = [tuple(row) for row in e["table"]]
         assert rows[r] == (e["data_va"], e["signal_va"])
-        assert len({va for row in rows for va in row}) == 2 * ranks and 0 not in rows[0], rows
+        vas = {va for row in rows for va in row}
+        assert len(vas) == 2 * ranks and 0 not in vas, rows
 
 
 @pytest.mark.parametrize("share", ["pidfd", "host"])
@@ -65,7 +66,8 @@ def test_all_reduce_exact_over_cumem_fds(carw, share):
 
 def test_a_wrong_peer_va_shows_as_wrong_sums_and_a_changed_table(carw):
     """What a VA that moved across a restore would look like: at step 5 rank 0's table row 1
-    names rank 0's own ranges; every later step reports it, and the summary is not ok."""
+    names rank 0's own data (rank 1's signal kept, so the ranks stay in step); every later step
+    reports it, and the summary is not ok."""
     run = carw(ranks=2, steps=8, shim=False, extra=("--test-corrupt-table-at", "5"))
     assert run.wait_exit() == 1
     done = {d["rank"]: d for d in run.of("done")}
@@ -78,7 +80,7 @@ def test_a_wrong_peer_va_shows_as_wrong_sums_and_a_changed_table(carw):
     vals = L.contribution(0, 5, 64)
     assert d0["failures"][:3] == [
         f"pointer table changed: step 5: [({own[0]:#x}, {own[1]:#x}), ({own[0]:#x}, "
-        f"{own[1]:#x})], set up [({own[0]:#x}, {own[1]:#x}), ({peer[0]:#x}, {peer[1]:#x})]",
+        f"{peer[1]:#x})], set up [({own[0]:#x}, {own[1]:#x}), ({peer[0]:#x}, {peer[1]:#x})]",
         f"step 5: rank 1's slot at {own[0] + L.slot_offset(5, 64):#x} holds seq 5, check "
         f"{L.checksum(vals, 5, 0):#018x} (expected seq 5, check {L.checksum(vals, 5, 1):#018x})",
         "step 5: all-reduce sum differs from the expected one",
@@ -214,6 +216,63 @@ def test_native_checkpoint_refuses_live_ipc_imports(carw, fakecuda_dir):
     )
     assert run.wait_exit() == 0, run.stderr_tail()
     check_finished(run, restores=0)
+
+
+CYCLE = """
+import json, sys
+from cuinterpose.agent.mech import native
+native.load("fake")
+pids = [int(p) for p in sys.argv[1:]]
+native.lock_all(pids, 10000)
+native.checkpoint_all(pids)
+out = {"checkpointed": {p: native.get_state(p) for p in pids}}
+native.restore_all(pids)
+native.unlock_all(pids)
+out["states"] = {p: native.get_state(p) for p in pids}
+print(json.dumps(out))
+"""
+
+
+def test_launch_job_native_checkpoint_loses_the_sharing(carw):
+    """FAKECUDA_LAUNCH_JOB=1 (a job under ``cuda-checkpoint --launch-job``, driver r610+): the
+    driver's own checkpoint passes, but each process comes back with private copies; carw's
+    probe after the resume sees every peer's word stale and stops the run, naming each."""
+    run = carw(ranks=2, steps=20, hold_at=(5,), shim=False, env={"FAKECUDA_LAUNCH_JOB": "1"})
+    run.wait_hold(5)
+    pids = run.rank_pids()
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    env["FAKECUDA_LAUNCH_JOB"] = "1"
+    res = subprocess.run(
+        [sys.executable, "-c", CYCLE, *map(str, pids)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out == {
+        "checkpointed": {str(p): "CHECKPOINTED" for p in pids},
+        "states": {str(p): "RUNNING" for p in pids},
+    }
+    write_atomic(quiesce_path(run.ctl, run.pid, "request"), {"id": "lj", "timeout_ms": 60000})
+    wait_file(quiesce_path(run.ctl, run.pid, "ready"))
+    write_atomic(
+        quiesce_path(run.ctl, run.pid, "resume"), {"id": "lj", "restored": True, "cancelled": False}
+    )
+    assert run.wait_exit() == 1
+    vas = {e["rank"]: e["table"] for e in run.of("vas", after_restore=False)}
+    why = [
+        f"rank {r}: rank {p}'s probe word at {vas[r][p][1] + L.PROBE_OFFSET:#x} reads 0x0, "
+        f"expected {L.probe_value(1, p):#x}"
+        for r, p in ((0, 1), (1, 0))
+    ]
+    assert [e["message"] for e in run.of("failed")] == [
+        "quiesce lj: after the restore at step 5 the ranks no longer share their memory "
+        "(private copies?): " + "; ".join(why)
+    ]
+    # the VAs themselves came back (private memory at the same VA): only the sharing is gone
+    assert {e["rank"]: e["table"] for e in run.of("vas", after_restore=True)} == vas
 
 
 # fakecuda's refusal of a native checkpoint with live IPC imports (fakecuda/src/checkpoint_target.c)

@@ -216,7 +216,15 @@ class Launcher:
                 pass
         restored = bool(resume.get("restored"))
         self.broadcast({"type": "resume", "restored": restored})
-        self.gather("resumed", "resumed")
+        self.gather("probed", "its probe word")
+        self.broadcast({"type": "probe"})
+        lost = [(m["rank"], m["lost"]) for m in self.gather("resumed", "resumed") if m["lost"]]
+        if lost:
+            raise RunFailed(
+                f"quiesce {qid}: after the {'restore' if restored else 'resume'} at step {cut} "
+                "the ranks no longer share their memory (private copies?): "
+                + "; ".join(f"rank {r}: {', '.join(why)}" for r, why in lost)
+            )
         self.emit(
             {
                 "event": "resumed",
@@ -307,8 +315,8 @@ def parse(argv=None) -> argparse.Namespace:
         type=int,
         default=0,
         metavar="STEP",
-        help="test only: at STEP, rank 0 points its table's row 1 at its own ranges (a wrong "
-        "peer VA), which every later step must report",
+        help="test only: at STEP, rank 0 points its table's row 1 data VA at its own data (a "
+        "wrong peer VA), which every later step must report",
     )
     ap.add_argument("--peer-timeout-s", type=float, default=300.0)
     ap.add_argument("--park-timeout-s", type=float, default=600.0)

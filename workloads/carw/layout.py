@@ -7,7 +7,8 @@ Every rank allocates three ranges with ``cuMemAlloc`` (the driver call behind ``
   ``s + 2`` into slot ``s % 2`` only after every peer signalled ``s + 1``, which a peer does
   only after it finished reading step ``s``.
 - **signal**: one u64, the last step whose contribution this rank has written (0 before the
-  first), padded to :data:`SIGNAL_BYTES`.
+  first), then at :data:`PROBE_OFFSET` the probe word (:func:`probe_value`, written after each
+  resume), padded to :data:`SIGNAL_BYTES`.
 - **table** (private, not exported): the rank-data table, ``world`` rows of two u64 (the data
   VA and the signal VA of rank r, this rank's own at its own row), as vLLM's custom
   all-reduce keeps its peers' pointers on the device. Every step reads it to find the peers.
@@ -24,6 +25,7 @@ from array import array
 
 HEADER_BYTES = 16
 SIGNAL_BYTES = 64
+PROBE_OFFSET = 8  # in the signal range: the probe word written after each resume
 ROW_BYTES = 16  # table row: data VA u64, signal VA u64
 MASK32 = 0xFFFFFFFF
 MASK64 = (1 << 64) - 1
@@ -97,6 +99,19 @@ def decode_table(buf: bytes) -> list[tuple[int, int]]:
     if len(buf) % ROW_BYTES:
         raise ValueError(f"table is {len(buf)} bytes, not a multiple of {ROW_BYTES}")
     return [struct.unpack_from("<QQ", buf, o) for o in range(0, len(buf), ROW_BYTES)]
+
+
+def probe_value(resumes: int, rank: int) -> int:
+    """The probe word rank ``rank`` writes after its ``resumes``-th resume (never 0)."""
+    return (resumes << 16) | (rank + 1)
+
+
+def encode_u64(v: int) -> bytes:
+    return struct.pack("<Q", v)
+
+
+def decode_u64(buf: bytes) -> int:
+    return struct.unpack_from("<Q", buf)[0]
 
 
 def encode_signal(step: int) -> bytes:

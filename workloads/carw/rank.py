@@ -99,6 +99,7 @@ class CarwRank:
         self.held: set[int] = set()  # --hold-at steps a quiesce released
         self.hold_sent: set[int] = set()
         self.restores_seen = 0
+        self.resumes = 0
 
     # ---- messages -------------------------------------------------------------------------
     def send(self, msg: dict) -> None:
@@ -259,12 +260,12 @@ class CarwRank:
     def one_step(self, s: int) -> None:
         if s == self.corrupt_at and self.rank == 0:  # test only: what a moved VA looks like
             rows = list(self.rows)
-            rows[1] = rows[0]
+            rows[1] = (rows[0][0], rows[1][1])  # rank 1's data VA -> ours; its signal kept
             self.htod(self.table_va, L.encode_table(rows))
         off = L.slot_offset(s, self.elems)
         n = L.slot_bytes(self.elems)
         self.share.write(self.data_va + off, L.encode_slot(self.rank, s, self.elems))
-        self.share.write(self.signal_va, L.encode_signal(s))
+        self.share.write(self.signal_va, L.encode_u64(s))  # the step word only, not the probe
         self.started = s
         raw = self.dtoh(self.table_va, len(self.table_bytes))
         if raw != self.table_bytes:
@@ -335,8 +336,37 @@ class CarwRank:
         if msg.get("restored"):
             self.restores_seen += 1
             self.emit_vas(after_restore=True)
+        self.resumes += 1
+        lost = self.probe()
         self.park_at = self.limit = self.quiesce_id = None
-        self.send({"type": "resumed", "rank": self.rank})
+        self.send({"type": "resumed", "rank": self.rank, "lost": lost})
+
+    def probe(self) -> list[str]:
+        """After a resume, before any step: is the memory still shared? Each rank writes
+        ``layout.probe_value(resumes, rank)`` into its signal range's probe word, the launcher
+        barriers (``probed`` -> ``probe``), and each reads every peer's word through its table.
+        Returns the mismatches (each also a failed check): a restore that gave the peers
+        private copies (what the driver's own checkpoint does to IPC memory) shows here, before
+        a step waits forever on a signal that cannot arrive."""
+        self.share.write(
+            self.signal_va + L.PROBE_OFFSET, L.encode_u64(L.probe_value(self.resumes, self.rank))
+        )
+        # a cuMemcpyHtoD from pageable memory may return before the bytes reach the device
+        # (driver API, "API synchronization behavior"): the peers read it only after this
+        call(cu.cuCtxSynchronize)
+        self.send({"type": "probed", "rank": self.rank})
+        self.expect("probe")
+        lost = []
+        for r, (_data_va, signal_va) in enumerate(self.rows):
+            if r == self.rank:
+                continue
+            va = signal_va + L.PROBE_OFFSET
+            got = L.decode_u64(self.share.read(va, 8))
+            want = L.probe_value(self.resumes, r)
+            if got != want:
+                lost.append(f"rank {r}'s probe word at {va:#x} reads {got:#x}, expected {want:#x}")
+                self.log.fail(f"after resume {self.resumes}: {lost[-1]}")
+        return lost
 
     def finish(self) -> None:
         """Report, then serve the launcher until ``exit`` (a quiesce now cuts after the last
