@@ -24,7 +24,8 @@ HANG_S = 600.0
 class Carw:
     """``python -m cuinterpose.workloads.carw ARGS`` in its own session, stdout (JSON lines) to
     ``run_dir/carw.log`` opened for appending (a restored tree keeps writing it), under the shim
-    (``shim=True``) on fakecuda, with a private control directory."""
+    (``shim=True``) on fakecuda (``driver="fake"``) or the real driver (``"real"``), with a
+    private control directory."""
 
     def __init__(
         self,
@@ -39,6 +40,7 @@ class Carw:
         share: str = "ipc",
         env: Optional[dict] = None,
         extra: tuple = (),
+        driver: str = "fake",
     ):
         self.run_dir = pathlib.Path(run_dir).resolve()
         self.ctl = self.run_dir / "ctl"
@@ -48,6 +50,7 @@ class Carw:
         self.err = self.run_dir / "carw.err"
         self.ranks, self.steps, self.shim, self.share = ranks, steps, shim, share
         self.extra_env = dict(env or {})
+        self.driver = driver
         self.args = [
             "--ranks",
             str(ranks),
@@ -71,7 +74,7 @@ class Carw:
     def start(self) -> "Carw":
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.ctl.mkdir(mode=0o700, exist_ok=True)
-        env = demo.workload_env(self.ctl, shim=self.shim)
+        env = demo.workload_env(self.ctl, shim=self.shim, driver=self.driver)
         env.update(self.extra_env)
         with open(self.log, "ab") as out, open(self.err, "ab") as err:
             self.proc = subprocess.Popen(
@@ -140,6 +143,7 @@ class Carw:
         return sorted(r["pid"] for r in setup[0]["ranks"]) if setup else []
 
     def checkpoint(self, images_dir, *extra: str) -> tuple[int, dict]:
+        """``cuinterpose-agent checkpoint --pid ROOT`` of this run into ``images_dir``."""
         return demo.run_agent(
             "checkpoint",
             "--pid",
@@ -147,7 +151,7 @@ class Carw:
             "--images-dir",
             str(images_dir),
             "--driver",
-            "fake",
+            self.driver,
             "--control-dir",
             str(self.ctl),
             *extra,
