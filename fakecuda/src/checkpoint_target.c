@@ -166,6 +166,8 @@ static CUresult ck_checkpoint(void)
             __atomic_store_n(&d->ipc_page->importers[d->ipc_slot], 0, __ATOMIC_SEQ_CST);
             munmap(d->ipc_page, g_page);
             d->ipc_page = NULL;
+            d->st_dev = 0; /* no longer the exporter's memfd: a new open maps afresh */
+            d->st_ino = 0;
         }
     }
     for (struct fc_alloc *a = g_allocs; a; a = a->next) {

@@ -392,6 +392,10 @@ CUresult stream_enqueue(CUstream hs, const struct fc_op *tmpl);
 CUresult stream_sync(CUstream hs, int query);
 CUresult sync_op(const struct fc_op *op);
 
+/* ------------------------------------------------------------------ host memory (memory.c) */
+
+int hostmem_find(uintptr_t p, uintptr_t *va, size_t *size, struct fc_ctx **ctx, uint64_t *buffer_id);
+
 /* ------------------------------------------------------------------ multicast (multicast.c) */
 
 CUresult mc_wait_handle(CUmemGenericAllocationHandle h, uintptr_t va, uint64_t off, uint64_t size, const char *what);

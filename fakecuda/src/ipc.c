@@ -115,7 +115,7 @@ static CUresult import_map(int fd, const struct fc_ipc_wire *w, struct fc_ctx *c
     d->va = (uintptr_t)va;
     d->size = (size_t)w->size;
     d->mapped = mapped;
-    d->dev = c->dev;
+    d->dev = dev_ok(w->device) ? w->device : c->dev; /* the memory lives on the exporter's device */
     d->ctx = c;
     d->fd = -1; /* the mapping holds the memfd */
     d->st_dev = st.st_dev;

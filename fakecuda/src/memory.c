@@ -152,8 +152,25 @@ struct fc_hostmem {
     uintptr_t va;
     size_t size;
     int allocated;               /* cuMemAllocHost (1) or cuMemHostRegister (0) */
+    struct fc_ctx *ctx;          /* the context it was allocated or registered in */
+    uint64_t buffer_id;          /* CU_POINTER_ATTRIBUTE_BUFFER_ID */
 };
 static struct fc_hostmem *g_hostmem;
+
+/* Page-locked host memory containing p: 1 with its range, context and buffer id, else 0.
+ * Call with g_mu held. */
+int hostmem_find(uintptr_t p, uintptr_t *va, size_t *size, struct fc_ctx **ctx, uint64_t *buffer_id)
+{
+    for (struct fc_hostmem *h = g_hostmem; h; h = h->next)
+        if (p >= h->va && p - h->va < h->size) {
+            *va = h->va;
+            *size = h->size;
+            *ctx = h->ctx;
+            *buffer_id = h->buffer_id;
+            return 1;
+        }
+    return 0;
+}
 
 static CUresult host_register(void *p, size_t size, unsigned flags)
 {
@@ -175,6 +192,8 @@ static CUresult host_register(void *p, size_t size, unsigned flags)
     if (h) {
         h->va = lo;
         h->size = size;
+        h->ctx = cur_ctx();
+        h->buffer_id = g_next_buffer++;
         h->next = g_hostmem;
         g_hostmem = h;
     }
@@ -216,7 +235,9 @@ static CUresult host_alloc(void **pp, size_t size)
     h->va = (uintptr_t)p;
     h->size = size;
     h->allocated = 1;
+    h->ctx = cur_ctx();
     pthread_mutex_lock(&g_mu);
+    h->buffer_id = g_next_buffer++;
     h->next = g_hostmem;
     g_hostmem = h;
     pthread_mutex_unlock(&g_mu);

@@ -2,16 +2,16 @@
  * pointer.c: cuPointerGetAttribute and cuPointerGetAttributes (CUDA driver API, "Unified
  * Addressing"; cuda.h 13.1 and
  * https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__UNIFIED.html) for cuMemAlloc
- * buffers, memory opened by cuIpcOpenMemHandle, and VMM reservations and mappings (device- or
- * host-located). Page-locked host memory and plain host memory are not described
- * (CUDA_ERROR_INVALID_VALUE). It reads the device-memory tables, and calls vmm_table.c,
- * device.c and core.c.
+ * buffers, memory opened by cuIpcOpenMemHandle, VMM reservations and mappings (device- or
+ * host-located) and page-locked host memory (cuMemAllocHost, cuMemHostRegister); plain host
+ * memory is not described (CUDA_ERROR_INVALID_VALUE). It reads the memory tables, and calls
+ * memory.c, vmm_table.c, device.c and core.c.
  */
 #include "fc.h"
 
 /* ------------------------------------------------------------------ what a pointer is */
 
-enum { PK_NONE, PK_DMEM, PK_IMPORT, PK_MAPPED, PK_RESERVED };
+enum { PK_NONE, PK_DMEM, PK_IMPORT, PK_MAPPED, PK_RESERVED, PK_HOSTMEM };
 
 struct ptr_info {
     int kind;
@@ -38,6 +38,14 @@ static void ptr_classify(uintptr_t p, struct ptr_info *pi)
         pi->dev = d->dev;
         pi->ctx = d->ctx;
         pi->buffer_id = pi->block_id = d->buffer_id;
+        return;
+    }
+    if (hostmem_find(p, &pi->range_va, &pi->range_size, &pi->ctx, &pi->buffer_id)) {
+        pi->kind = PK_HOSTMEM;
+        pi->map_va = pi->range_va;
+        pi->map_size = pi->range_size;
+        pi->block_id = pi->buffer_id;
+        pi->dev = pi->ctx ? pi->ctx->dev : -1;
         return;
     }
     struct fc_resv *r = NULL;
@@ -102,13 +110,13 @@ static size_t attr_size(CUpointer_attribute a)
     } while (0)
 
 /* One attribute of a classified pointer (cuda.h's text for cuPointerGetAttribute):
- * CONTEXT: the cuMemAlloc/IPC context; VMM memory was not allocated by, mapped by or registered
- *   with a context -> INVALID_VALUE.
- * MEMORY_TYPE: DEVICE, or HOST for a host-located VMM allocation.
+ * CONTEXT: the cuMemAlloc/IPC/page-locked memory's context; VMM memory was not allocated by,
+ *   mapped by or registered with a context -> INVALID_VALUE.
+ * MEMORY_TYPE: DEVICE, or HOST for host-located VMM and page-locked memory.
  * DEVICE_POINTER: p if the current context's device may access it (no context: INVALID_CONTEXT).
- * HOST_POINTER: p for host-located VMM memory; device memory -> INVALID_VALUE.
- * DEVICE_ORDINAL: the owning device (an import: the opening context's); host memory ->
- *   INVALID_VALUE.
+ * HOST_POINTER: p for host-located VMM and page-locked memory; device memory -> INVALID_VALUE.
+ * DEVICE_ORDINAL: the owning device (an import: the exporter's, which every fake process
+ *   numbers alike); host memory -> INVALID_VALUE.
  * RANGE_START_ADDR/RANGE_SIZE: the buffer, or the whole reservation (also unmapped);
  * MAPPING_BASE_ADDR/MAPPING_SIZE: the buffer or the single mapping; MAPPED 1/0.
  * IS_LEGACY_CUDA_IPC_CAPABLE: 1 only for an own cuMemAlloc buffer. ALLOWED_HANDLE_TYPES: the
@@ -123,7 +131,8 @@ static CUresult attr_get(void *data, CUpointer_attribute a, uintptr_t p, const s
     if (pi->kind == PK_RESERVED && a != CU_POINTER_ATTRIBUTE_RANGE_START_ADDR && a != CU_POINTER_ATTRIBUTE_RANGE_SIZE &&
         a != CU_POINTER_ATTRIBUTE_MAPPED)
         return CUDA_ERROR_INVALID_VALUE;
-    int vmm = pi->kind == PK_MAPPED, host = vmm && pi->dev < 0 && !pi->multicast;
+    int vmm = pi->kind == PK_MAPPED;
+    int host = (vmm && pi->dev < 0 && !pi->multicast) || pi->kind == PK_HOSTMEM;
     struct fc_ctx *c = cur_ctx();
     int cdev = c ? c->dev : -1;
     unsigned char acc = CU_MEM_ACCESS_FLAGS_PROT_READWRITE; /* cuMemAlloc memory: every device */
@@ -147,7 +156,7 @@ static CUresult attr_get(void *data, CUpointer_attribute a, uintptr_t p, const s
         PUT(void *, p);
     case CU_POINTER_ATTRIBUTE_BUFFER_ID: PUT(unsigned long long, pi->buffer_id);
     case CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL:
-        if (pi->dev < 0)
+        if (pi->dev < 0) /* host-located VMM (page-locked memory: its context's device) */
             return CUDA_ERROR_INVALID_VALUE;
         PUT(int, pi->dev);
     case CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE: PUT(int, pi->kind == PK_DMEM);

@@ -10,7 +10,9 @@
  * exactly POSIX_FILE_DESCRIPTOR (0, FABRIC) is created and used normally but flagged
  * CUI_REC_PASSTHROUGH: it cannot be rebuilt, so PREPARE_MULTICAST refuses and the coordinator's
  * validation names it. Binding memory the shim does not track into a tracked object is refused
- * before the driver sees the call (CUDA_ERROR_NOT_SUPPORTED, nothing recorded).
+ * before the driver sees the call (CUDA_ERROR_NOT_SUPPORTED, nothing recorded). A creator's
+ * exported object outlives the app's release of the create handle as the team's anchor
+ * (mc_maybe_destroy; docs/shim.md "Creator lets go", decisions.md D19).
  *
  * Locking: create, add-device, bind and map are collective (bind and map block until every
  * device of the team was added, in every process), so they run with cui_st.lock dropped and
@@ -60,12 +62,9 @@ static struct cui_mc *mc_new(const uint8_t id[16], uint32_t creator_pid) {
   return m;
 }
 
-/* The driver reference goes when nothing refers to the object any more. A creator's exported
- * object is the exception: it stays as the team's *anchor* after the app released its create
- * handle and dropped its bindings and mappings (PyTorch SymmetricMemory's rank 0 does; the
- * importers keep theirs), with its driver reference, its cached export FD (FETCH_FD keeps
- * answering) and the devices it added, so importers can still fetch it and
- * RESTORE_MULTICAST_CREATORS rebuilds it. It goes with the process. */
+/* The driver reference goes when nothing refers to the object any more, except in the creator
+ * of an exported object: its anchor keeps the reference, the cached export FD and the devices
+ * (importers fetch it, the restore rebuilds it) until the process exits. */
 static void mc_maybe_destroy(struct cui_mc *m) {
   if (!m->live || m->vrefs || m->nbinds || m->nmaps) return;
   if (m->role == CUI_ROLE_CREATOR && (m->flags & CUI_REC_EXPORTED) && !(m->flags & CUI_REC_PASSTHROUGH)) return;

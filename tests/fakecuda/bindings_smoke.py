@@ -3,15 +3,41 @@ Asserts exact results; prints "bindings smoke ok" at the end."""
 
 import ctypes
 import os
+import subprocess
+import sys
 
 from cuda.bindings import driver as d
 
 S = d.CUresult.CUDA_SUCCESS
+LAZY = d.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
 
 
 def ok(ret):
     assert ret[0] == S, ret
     return ret[1] if len(ret) == 2 else ret[1:]
+
+
+if sys.argv[1:2] == ["ipc-child"]:  # the importer: open the handle, check and write, close
+    assert d.cuInit(0) == (S,)
+    assert d.cuCtxSetCurrent(ok(d.cuDevicePrimaryCtxRetain(ok(d.cuDeviceGet(0))))) == (S,)
+    handle = d.CUipcMemHandle()
+    handle.reserved = bytes.fromhex(sys.argv[2])
+    p = ok(d.cuIpcOpenMemHandle(handle, LAZY))
+    assert int(ok(d.cuIpcOpenMemHandle(handle, LAZY))) == int(p)  # same VA, two references
+    got = bytearray(64)
+    assert d.cuMemcpyDtoH(got, p, 64) == (S,)
+    assert bytes(got) == bytes(range(64)), bytes(got)
+    assert d.cuMemcpyHtoD(int(p) + 64, b"from the importer", 17) == (S,)
+    A = d.CUpointer_attribute
+    assert d.cuPointerGetAttribute(A.CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, p) == (
+        S,
+        False,
+    )
+    assert d.cuPointerGetAttribute(A.CU_POINTER_ATTRIBUTE_RANGE_SIZE, p) == (S, 10000)
+    assert d.cuIpcCloseMemHandle(p) == (S,) and d.cuIpcCloseMemHandle(p) == (S,)
+    assert d.cuIpcCloseMemHandle(p) == (d.CUresult.CUDA_ERROR_INVALID_VALUE,)
+    print("ipc child ok")
+    sys.exit(0)
 
 
 assert d.cuCheckpointProcessGetState(os.getpid())[0] == d.CUresult.CUDA_ERROR_NOT_INITIALIZED
@@ -84,6 +110,36 @@ assert d.cuStreamWriteValue32(0, flag, 3, 0) == (S,)  # legacy stream
 assert d.cuStreamSynchronize(s) == (S,)
 assert d.cuCtxSynchronize() == (S,)
 assert ctypes.c_uint32.from_address(flag).value == 3
+
+# legacy CUDA IPC of cuMemAlloc memory, with a second process opening the 64-byte handle
+dm = ok(d.cuMemAlloc(10000))
+assert d.cuMemcpyHtoD(dm, buf, 64) == (S,)
+ipc = ok(d.cuIpcGetMemHandle(dm))
+assert bytes(ipc.reserved) == bytes(ok(d.cuIpcGetMemHandle(dm)).reserved)
+assert d.cuIpcOpenMemHandle(ipc, LAZY) == (d.CUresult.CUDA_ERROR_INVALID_CONTEXT, None)
+assert d.cuIpcGetMemHandle(int(dm) + 8)[0] == d.CUresult.CUDA_ERROR_INVALID_VALUE
+assert d.cuIpcGetMemHandle(va)[0] == d.CUresult.CUDA_ERROR_INVALID_VALUE  # VMM memory
+child = subprocess.run(
+    [sys.executable, __file__, "ipc-child", bytes(ipc.reserved).hex()],
+    capture_output=True,
+    text=True,
+    timeout=120,
+)
+assert child.returncode == 0 and "ipc child ok" in child.stdout, child.stdout + child.stderr
+got = bytearray(17)
+assert d.cuMemcpyDtoH(got, int(dm) + 64, 17) == (S,)
+assert bytes(got) == b"from the importer"
+PA = d.CUpointer_attribute
+assert d.cuPointerGetAttribute(PA.CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, dm) == (S, True)
+assert d.cuPointerGetAttribute(PA.CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, va) == (S, False)
+assert int(
+    ok(d.cuPointerGetAttribute(PA.CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, int(dm) + 9))
+) == int(dm)
+assert ok(d.cuPointerGetAttribute(PA.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, va)) == 2  # DEVICE
+assert d.cuPointerGetAttributes(
+    2, [PA.CU_POINTER_ATTRIBUTE_RANGE_SIZE, PA.CU_POINTER_ATTRIBUTE_HOST_POINTER], dm
+) == (S, [10000, 0])
+assert d.cuMemFree(dm) == (S,)
 
 me = os.getpid()
 assert d.cuCheckpointProcessGetState(me) == (S, d.CUprocessState.CU_PROCESS_STATE_RUNNING)

@@ -3,6 +3,8 @@
 - ``peer``: factory starting ``fcpeer`` (tests/fakecuda/c/fcpeer.c, linked against fakecuda's
   libcuda.so.1) as a line-driven child; ``p.cmd("write 0x... 7")`` returns the reply words
   after "ok", or raises ``CudaError`` carrying the CUresult name.
+- ``asan_peer``: the same, with ``fcpeer`` compiled together with fakecuda's sources under
+  ASan/UBSan (fakecuda's C runs sanitized in a multi-process test).
 - ``controller``: runs tests/fakecuda/controller.py (cuda.bindings) on fakecuda; returns
   the CUresult name per requested operation.
 """
@@ -42,6 +44,46 @@ def peer(fcpeer_exe, fake_env):
     yield start
     for p in peers:
         p.close()
+
+
+FAKECUDA_SRC = sorted((HERE.parent.parent / "fakecuda" / "src").glob("*.c"))
+
+
+@pytest.fixture(scope="session")
+def fcpeer_asan_exe(build_c):
+    """-rdynamic: dlsym and dladdr find the cu* names in the executable."""
+    return build_c(
+        [*FAKECUDA_SRC, HERE / "c" / "fcpeer.c"],
+        "fcpeer-static",
+        sanitize=True,
+        extra=("-rdynamic",),
+    )
+
+
+@pytest.fixture
+def asan_peer(fcpeer_asan_exe, fake_env):
+    env = dict(
+        fake_env,
+        ASAN_OPTIONS="detect_leaks=0:abort_on_error=1",
+        UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1",
+    )
+    env.pop("LD_LIBRARY_PATH")  # fakecuda is compiled in
+    peers = []
+
+    def start(sock_fd=None):
+        p = Peer(fcpeer_asan_exe, env, sock_fd)
+        peers.append(p)
+        return p
+
+    yield start
+    for p in peers:
+        p.close()
+
+
+@pytest.fixture(params=["libcuda", "asan"])
+def any_peer(request):
+    """``peer`` or ``asan_peer``: a test taking it runs both ways."""
+    return request.getfixturevalue("peer" if request.param == "libcuda" else "asan_peer")
 
 
 @pytest.fixture

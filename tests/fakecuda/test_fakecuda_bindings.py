@@ -33,6 +33,14 @@ def test_bindings_smoke(fake_env, ptds):
     assert all(l.startswith("lookup cuGetProcAddress_v2 ") for l in lookups)
     assert "lookup cuGetProcAddress_v2 cuMemcpyPeer 4000 0 -> NULL" in lines or ptds
     assert "lookup cuGetProcAddress_v2 cuMemCreate 10020 0 -> cuMemCreate" in lines
+    for lookup in [
+        "cuIpcGetMemHandle 4010 0 -> cuIpcGetMemHandle",
+        "cuIpcOpenMemHandle 11000 0 -> cuIpcOpenMemHandle_v2",
+        "cuIpcCloseMemHandle 4010 0 -> cuIpcCloseMemHandle",
+        "cuPointerGetAttribute 4000 0 -> cuPointerGetAttribute",
+        "cuPointerGetAttributes 7000 0 -> cuPointerGetAttributes",
+    ]:
+        assert f"lookup cuGetProcAddress_v2 {lookup}" in lines, lookup
     assert "lookup cuGetProcAddress_v2 cuGetProcAddress 12000 0 -> cuGetProcAddress_v2" in lines
     assert (
         "lookup cuGetProcAddress_v2 cuCheckpointProcessGetState 12080 0 -> cuCheckpointProcessGetState"

@@ -5,6 +5,8 @@ shared between two processes as a POSIX FD (bytes written by either seen by the 
 
 from __future__ import annotations
 
+import socket
+
 from fakecuda_helpers import GRAN
 
 # cuda.h CUmemLocationType
@@ -65,8 +67,13 @@ def test_access_and_cpu_through_the_mapping(peer):
     assert a.cmd(f"attr {RANGE_SIZE} {va}") == [str(2 * GRAN)]
 
 
-def test_shared_as_a_posix_fd_between_two_processes(peer_pair, peer):
-    a, b = peer_pair
+def test_shared_as_a_posix_fd_between_two_processes(any_peer, peer):
+    sa, sb = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    a, b = any_peer(sa.fileno()), any_peer(sb.fileno())
+    sa.close()
+    sb.close()
+    a.cmd("init 0")
+    b.cmd("init 0")
     size = 2 * GRAN
     h_a = int(a.cmd(f"hcreate {size} {HOST_NUMA} 0 1")[0])
     va_a = int(a.cmd(f"reserve {size}")[0], 16)

@@ -7,11 +7,12 @@ the close; FAKECUDA_LAUNCH_JOB=1 models cuda-checkpoint --launch-job (private co
 
 from __future__ import annotations
 
+import os
 import pathlib
 import socket
 
 import pytest
-from fakecuda_helpers import GRAN, Peer, read_log
+from fakecuda_helpers import GRAN, read_log
 
 PATTERN = 0x5EED0000
 SIZE = 3 * 4096 + 100  # not a page multiple: the handle carries the exact bytesize
@@ -25,42 +26,14 @@ RDMA, ACCESS_FLAGS, MEMPOOL, MAPPING_SIZE, MAPPING_BASE, BLOCK_ID = 15, 16, 17, 
 MEMORYTYPE_HOST, MEMORYTYPE_DEVICE = 1, 2
 
 
-HERE = pathlib.Path(__file__).resolve().parent
-FAKECUDA_SRC = sorted((HERE.parent.parent / "fakecuda" / "src").glob("*.c"))
-
-
-@pytest.fixture(scope="module")
-def fcpeer_asan_exe(build_c):
-    """fcpeer compiled together with fakecuda's sources under ASan/UBSan (-rdynamic: dlsym and
-    dladdr find the cu* names in the executable)."""
-    return build_c(
-        [*FAKECUDA_SRC, HERE / "c" / "fcpeer.c"],
-        "fcpeer-static",
-        sanitize=True,
-        extra=("-rdynamic",),
-    )
-
-
-@pytest.fixture(params=["libcuda", "asan"])
-def pair(request, peer, fake_env):
+@pytest.fixture
+def pair(any_peer):
     """Exporter a (malloc'd SIZE bytes with a pattern) and importer b, joined by a socketpair;
     both on the installed libcuda.so.1, or both fcpeer builds with fakecuda compiled in under
     ASan/UBSan."""
     sa, sb = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    if request.param == "asan":
-        exe = request.getfixturevalue("fcpeer_asan_exe")
-        env = dict(
-            fake_env,
-            ASAN_OPTIONS="detect_leaks=0:abort_on_error=1",
-            UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1",
-        )
-        env.pop("LD_LIBRARY_PATH")
-        a, b = Peer(exe, env, sa.fileno()), Peer(exe, env, sb.fileno())
-        request.addfinalizer(a.close)
-        request.addfinalizer(b.close)
-    else:
-        a = peer(sa.fileno())
-        b = peer(sb.fileno())
+    a = any_peer(sa.fileno())
+    b = any_peer(sb.fileno())
     sa.close()
     sb.close()
     a.cmd("init 0")
@@ -157,7 +130,7 @@ def test_exporter_frees_while_imported(pair):
     assert b.err(f"ipcopen {h} 1") == "CUDA_ERROR_INVALID_HANDLE"
 
 
-def test_pointer_attributes(pair):
+def test_pointer_attributes(pair, any_peer):
     a, b, va = pair
     h = a.cmd(f"ipcget {va}")[0]
     vb = int(b.cmd(f"ipcopen {h} 1")[0], 16)
@@ -188,6 +161,15 @@ def test_pointer_attributes(pair):
     assert b.cmd(f"attr {IPC_CAPABLE} {vb}") == ["0"]
     assert b.cmd(f"attr {RANGE_START} {vb + SIZE - 1}") == [str(vb)]
     assert b.cmd(f"attr {RANGE_SIZE} {vb}") == [str(SIZE)]
+    # opened from a context on device 1: the memory still lives on the exporter's device 0, the
+    # context is the opener's
+    c = any_peer()
+    c.cmd("init 1")
+    vc = int(c.cmd(f"ipcopen {h} 1")[0], 16)
+    assert c.cmd(f"attr {DEVICE_ORDINAL} {vc}") == ["0"]
+    assert c.cmd(f"attr {CONTEXT} {vc}") != ["0"]
+    assert c.cmd(f"read {vc + 4096}") == [str(PATTERN + 1)]
+    c.cmd(f"ipcclose {vc}")
     # cuPointerGetAttributes: CONTEXT!=0, type, devptr, hostptr, managed, ordinal, ipc, start,
     # size, mapped, handle types, mempool; HOST_POINTER of device memory is zero, not an error
     assert a.cmd(f"attrs {va + 8}") == ["1", "0x2", hex(va + 8), "0", "0", "0", "0x1"] + [
@@ -268,6 +250,7 @@ def test_native_checkpoint_refused_with_a_live_import(pair, peer, fake_env):
         for l in log
     )
     # after the close both checkpoint and restore; the exporter keeps its bytes at its VA
+    old_handle = a.cmd(f"ipcget {va}")[0]
     b.cmd(f"ipcclose {vb}")
     for pid in (a.pid, b.pid):
         ctl.cmd(f"lock {pid} 0")
@@ -276,7 +259,9 @@ def test_native_checkpoint_refused_with_a_live_import(pair, peer, fake_env):
         ctl.cmd(f"unlock {pid}")
     assert a.cmd(f"read {va}") == ["4242"]
     assert a.cmd(f"read {va + 4096}") == [str(PATTERN + 1)]
-    # the buffer has a new memfd: a new handle shares it again
+    # the buffer has a new memfd: the old handle is stale, a new one shares it again
+    assert b.err(f"ipcopen {old_handle} 1") == "CUDA_ERROR_INVALID_HANDLE"
+    assert a.cmd(f"ipcget {va}") != [old_handle]
     vb2 = send_open(a, b, va)
     assert b.cmd(f"read {vb2 + 4096}") == [str(PATTERN + 1)]
     b.cmd(f"ipcclose {vb2}")
@@ -312,6 +297,13 @@ def test_launch_job_mode_checkpoints_private_copies(peer, fake_env):
     for pid in (a.pid, b.pid):
         ctl.cmd(f"lock {pid} 0")
         ctl.cmd(f"checkpoint {pid}")
+    # checkpointed: nothing CRIU could carry as sharing, both ranges bare reservations
+    for pid, v in ((a.pid, va), (b.pid, vb)):
+        maps = pathlib.Path(f"/proc/{pid}/maps").read_text()
+        assert "memfd:fakecuda-" not in maps
+        fds = [os.readlink(f"/proc/{pid}/fd/{f}") for f in os.listdir(f"/proc/{pid}/fd")]
+        assert not [f for f in fds if "memfd:fakecuda-" in f]
+        assert perms_at(maps, v) == "---p"
     for pid in (a.pid, b.pid):
         ctl.cmd(f"restore {pid}")
         ctl.cmd(f"unlock {pid}")
@@ -320,8 +312,24 @@ def test_launch_job_mode_checkpoints_private_copies(peer, fake_env):
     assert b.cmd(f"read {vb + 4096}") == ["11"]
     b.cmd(f"write {vb + 4096} 12")
     assert a.cmd(f"read {va + 4096}") == ["11"]
+    assert perms_at(pathlib.Path(f"/proc/{b.pid}/maps").read_text(), vb) == "rw-p"  # private
+    # a new handle of the restored buffer is a new import, shared again; the old copy stays
+    vb2 = send_open(a, b, va)
+    assert vb2 != vb
+    b.cmd(f"write {vb2 + 4096} 13")
+    assert a.cmd(f"read {va + 4096}") == ["13"]
+    assert b.cmd(f"read {vb + 4096}") == ["12"]
+    b.cmd(f"ipcclose {vb2}")
     b.cmd(f"ipcclose {vb}")
     assert b.err(f"read {vb}") == "CUDA_ERROR_INVALID_VALUE"
+
+
+def perms_at(maps: str, va: int) -> str | None:
+    for line in maps.splitlines():
+        lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+        if lo <= va < hi:
+            return line.split()[1]
+    return None
 
 
 @pytest.mark.parametrize(

@@ -61,8 +61,7 @@ def test_released_multicast_creator_anchors_the_team(sapps, ctl, shim_env, fake_
         RecordFlag.EXPORTED | RecordFlag.SHARED
     )
 
-    mi = i.val(f"import_fd {tfd}")
-    i.ok(f"close {tfd}")
+    mi = i.val(f"import_fd {tfd}")  # the importer keeps its ticket FD for a late joiner
     assert mi >> 48 == TAG
     i.ok(f"mc_add {mi} 0")
     mem, va = member(i)
@@ -89,6 +88,15 @@ def test_released_multicast_creator_anchors_the_team(sapps, ctl, shim_env, fake_
     assert i.val(f"read32 {va}") == 0x1111
     i.ok(f"memset32 {mcva} 0x2222 4")
     assert i.val(f"read32 {va}") == 0x2222
+    # a late joiner takes the ticket from the importer: the anchor re-exported at restore
+    # answers its FETCH_FD
+    j = sapps()
+    j.ok("init")
+    jfd = j.val(f"getfd {i.pid} {tfd}")
+    assert j.val(f"import_fd {jfd}") >> 48 == TAG
+    assert [(r.role, r.creator_pid, bytes(r.alloc_id)) for r in multicast(inspect(ctl, j))] == [
+        (Role.IMPORTER, c.pid, bytes(anchor[0].alloc_id))
+    ]
 
 
 def test_creator_releases_create_handle_keeps_binding(sapps, ctl, shim_env):  # noqa: F811

@@ -1330,6 +1330,29 @@ static void ipc_pointer_host(void)
     EXPECT(cuMemAddressFree(vv, 2 * G), CUDA_SUCCESS);
     EXPECT(cuMemFree(dm), CUDA_SUCCESS);
     EXPECT(cuIpcGetMemHandle(&h, dm), CUDA_ERROR_INVALID_VALUE); /* freed */
+    /* page-locked host memory: host memory of its context, host pointer = device pointer */
+    void *ph2 = NULL;
+    EXPECT(cuMemAllocHost(&ph2, 3 * 4096), CUDA_SUCCESS);
+    CUdeviceptr hptr = (CUdeviceptr)(uintptr_t)ph2;
+    EXPECT(cuPointerGetAttribute(&mt, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, hptr + 9), CUDA_SUCCESS);
+    CHECK(mt == CU_MEMORYTYPE_HOST);
+    EXPECT(cuPointerGetAttribute(&hp, CU_POINTER_ATTRIBUTE_HOST_POINTER, hptr + 9), CUDA_SUCCESS);
+    CHECK(hp == (char *)ph2 + 9);
+    EXPECT(cuPointerGetAttribute(&p, CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, hptr + 4096), CUDA_SUCCESS);
+    CHECK(p == hptr);
+    EXPECT(cuPointerGetAttribute(&cx, CU_POINTER_ATTRIBUTE_CONTEXT, hptr), CUDA_SUCCESS);
+    CHECK(cx == cur);
+    EXPECT(cuPointerGetAttribute(&iv, CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, hptr), CUDA_SUCCESS);
+    CHECK(iv == 0);
+    EXPECT(cuIpcGetMemHandle(&h, hptr), CUDA_ERROR_INVALID_VALUE);
+    EXPECT(cuMemFreeHost(ph2), CUDA_SUCCESS);
+    EXPECT(cuPointerGetAttribute(&mt, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, hptr), CUDA_ERROR_INVALID_VALUE);
+    static char reg[2 * 4096] __attribute__((aligned(4096)));
+    EXPECT(cuMemHostRegister(reg, sizeof reg, 0), CUDA_SUCCESS);
+    EXPECT(cuPointerGetAttribute(&sz, CU_POINTER_ATTRIBUTE_RANGE_SIZE, (CUdeviceptr)(uintptr_t)(reg + 5)),
+           CUDA_SUCCESS);
+    CHECK(sz == sizeof reg);
+    EXPECT(cuMemHostUnregister(reg), CUDA_SUCCESS);
 }
 
 int main(int argc, char **argv)
