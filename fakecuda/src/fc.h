@@ -16,7 +16,7 @@
  *   ipc.c                   legacy CUDA IPC of cuMemAlloc memory (cuIpc*MemHandle)
  *   multicast.c             multicast objects (cuMulticast*)
  *   vmm.c                   the VMM API (cuMemCreate, cuMemMap, cuMemSetAccess, export, ...)
- *   pointer.c               cuPointerGetAttribute[s] over every kind of device memory
+ *   pointer.c               cuPointerGetAttribute[s] (device and page-locked host memory)
  *   checkpoint_target.c     the control thread serving this process's checkpoint requests
  *   checkpoint_controller.c cuCheckpointProcess* (the client of another process's target)
  *   init.c                  cuInit, cuDriverGetVersion, cuGetErrorName/String
