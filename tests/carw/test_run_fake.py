@@ -135,18 +135,34 @@ def test_quiesce_parks_every_rank_at_the_hold(carw, restored):
 
 
 def test_quiesce_mid_run_cuts_every_rank_at_one_step(carw):
-    """No hold: the cut is wherever the ranks are; every rank parks after the same step."""
-    run = carw(ranks=2, steps=400, shim=False)
-    run.wait_for(lambda ev: any(e.get("event") == "vas" for e in ev), "the ranks' VAs")
-    write_atomic(quiesce_path(run.ctl, run.pid, "request"), {"id": "mid", "timeout_ms": 60000})
-    ready = wait_file(quiesce_path(run.ctl, run.pid, "ready"))
-    assert {r["step"] for r in ready["ranks"]} == {ready["step"]}
-    write_atomic(
-        quiesce_path(run.ctl, run.pid, "resume"),
-        {"id": "mid", "restored": False, "cancelled": True},
-    )
+    """The first quiesce comes wherever the ranks are (at the latest at the hold, which they
+    cannot pass without one), and every rank parks after the same step; if that was before the
+    hold, a second one, once every rank holds, cuts exactly there."""
+    run = carw(ranks=4, steps=60, hold_at=(40,), shim=False)
+    run.wait_for(lambda ev: any(e.get("event") == "setup" for e in ev), "setup")
+
+    def cut(qid: str) -> int:
+        write_atomic(quiesce_path(run.ctl, run.pid, "request"), {"id": qid, "timeout_ms": 60000})
+        ready = wait_file(quiesce_path(run.ctl, run.pid, "ready"))
+        assert ready["id"] == qid
+        assert [r["step"] for r in ready["ranks"]] == [ready["step"]] * 4
+        resume = {"id": qid, "restored": False, "cancelled": True}
+        write_atomic(quiesce_path(run.ctl, run.pid, "resume"), resume)
+        run.wait_for(
+            lambda ev: [e.get("id") for e in ev if e.get("event") == "resumed"][-1:] == [qid],
+            f"resumed {qid}",
+        )
+        return ready["step"]
+
+    cuts = [cut("mid")]
+    assert 0 <= cuts[0] <= 40
+    if cuts[0] < 40:
+        run.wait_hold(40)
+        cuts.append(cut("hold"))
+        assert cuts[1] == 40
     assert run.wait_exit() == 0, run.stderr_tail()
     check_finished(run, restores=0)
+    assert [e["step"] for e in run.of("quiesced")] == cuts
 
 
 NATIVE = """
