@@ -64,6 +64,38 @@ def test_all_reduce_exact_over_cumem_fds(carw, share):
                 assert sorted(h[what]) == ["size"]  # the FD itself went with SCM_RIGHTS
 
 
+def test_parked_without_resume_stops_at_the_park_deadline(carw):
+    run = carw(ranks=2, steps=10, hold_at=(2,), shim=False, extra=("--park-timeout-s", "0.5"))
+    run.wait_hold(2)
+    write_atomic(quiesce_path(run.ctl, run.pid, "request"), {"id": "orphan", "timeout_ms": 1})
+    wait_file(quiesce_path(run.ctl, run.pid, "ready"))
+    assert run.wait_exit() == 1
+    resume = quiesce_path(run.ctl, run.pid, "resume")
+    assert [e["message"] for e in run.of("failed")] == [
+        f"quiesce orphan: parked for 0.5 s with no {resume} (the agent died, or its checkpoint "
+        "takes longer than --park-timeout-s); stopping the run"
+    ]
+
+
+def test_a_stuck_rank_is_named_at_the_quiesce_deadline(carw):
+    """A rank that cannot answer (SIGSTOPped) does not hang the launcher: the quiesce names it
+    once --answer-timeout-s of waiting passed."""
+    run = carw(ranks=3, steps=10, hold_at=(2,), shim=False, extra=("--answer-timeout-s", "0.5"))
+    run.wait_hold(2)
+    pids = run.rank_pids()
+    os.kill(pids[2], signal.SIGSTOP)
+    try:
+        write_atomic(quiesce_path(run.ctl, run.pid, "request"), {"id": "q", "timeout_ms": 1})
+        run.wait_for(lambda ev: any(e.get("event") == "failed" for e in ev), "the failed event")
+    finally:
+        os.kill(pids[2], signal.SIGCONT)  # it then reads the launcher's abort and exits
+    assert run.wait_exit() == 1
+    assert [e["message"] for e in run.of("failed")] == [
+        "ranks [2] sent no its step at the quiesce in 0.5 s"
+    ]
+    assert not quiesce_path(run.ctl, run.pid, "ready").exists()
+
+
 def test_a_wrong_peer_va_shows_as_wrong_sums_and_a_changed_table(carw):
     """What a VA that moved across a restore would look like: at step 5 rank 0's table row 1
     names rank 0's own data (rank 1's signal kept, so the ranks stay in step); every later step

@@ -1,10 +1,12 @@
 """The carw launcher: process-tree root, IPC-handle exchange, quiesce contract, stdout writer.
 
 ``python -m cuinterpose.workloads.carw [--ranks N] [--steps S] [--elems E] [--step-delay-ms MS]
-[--hold-at H[,H...]] [--peer-timeout-s S] [--park-timeout-s S]``
+[--share ipc|pidfd|host] [--hold-at H[,H...]] [--peer-timeout-s S] [--setup-timeout-s S]
+[--answer-timeout-s S] [--park-timeout-s S]`` (docs/carw.md, "Command line")
 
 Starts N rank processes (``rank.py``), each on its end of an ``AF_UNIX`` socketpair; relays the
-ranks' 64-byte IPC handles (hex in the frames) so that each opens its peers'; starts the loop;
+ranks' share info (``ipc``: 64-byte IPC handles as hex; ``pidfd``: pid and FD numbers;
+``host``: the FDs, SCM_RIGHTS) so that each opens its peers'; starts the loop;
 watches ``quiesce-<pid>.request`` in ``$CUINTERPOSE_CONTROL_DIR`` every 50 ms
 (docs/workload-contract.md, through ``cuinterpose.coordinator.contract``). On a request it asks
 every rank where it is, picks the cut T (the highest step any rank has started), lets every
@@ -133,10 +135,11 @@ class Launcher:
                 else:
                     self.inbox[i].append(msg)
 
-    def gather(self, mtype: str, what: str) -> list[dict]:
+    def gather(self, mtype: str, what: str, timeout_s: float | None = None) -> list[dict]:
         """One ``mtype`` message from every rank (serving the request file meanwhile is not
         needed: this runs inside setup or a quiesce). Deadline: --peer-timeout-s of waiting."""
-        left = self.args.peer_timeout_s
+        limit = self.args.answer_timeout_s if timeout_s is None else timeout_s
+        left = limit
         while True:
             for i, box in enumerate(self.inbox):
                 bad = [m for m in box if m["type"] != mtype]
@@ -150,7 +153,7 @@ class Launcher:
             left -= min(time.monotonic() - t, 10 * REQUEST_POLL_S)
             if left <= 0:
                 missing = [i for i, b in enumerate(self.inbox) if not b]
-                raise RunFailed(f"ranks {missing} sent no {what} in {self.args.peer_timeout_s:g} s")
+                raise RunFailed(f"ranks {missing} sent no {what} in {limit:g} s")
 
     def broadcast(self, msg: dict) -> None:
         for c in self.chans:
@@ -161,7 +164,7 @@ class Launcher:
         """Relay every rank's share info (IPC handles, pid + FD numbers, or FDs) to all ranks:
         each gets its peers' FDs (SCM_RIGHTS) in rank order, named by ``fd_ranks``; the
         launcher closes its copies once sent."""
-        got = self.gather("handles", "IPC handles")
+        got = self.gather("handles", "IPC handles", self.args.setup_timeout_s)
         handles = {str(m["rank"]): {"data": m["data"], "signal": m["signal"]} for m in got}
         try:
             for i, c in enumerate(self.chans):
@@ -175,7 +178,7 @@ class Launcher:
             for m in got:
                 for fd in m.pop("_fds", ()):
                     os.close(fd)
-        self.gather("ready", "ready (peers opened)")
+        self.gather("ready", "ready (peers opened)", self.args.setup_timeout_s)
         self.emit(
             {
                 "event": "setup",
@@ -249,8 +252,8 @@ class Launcher:
             if left <= 0:
                 raise RunFailed(
                     f"quiesce {qid}: parked for {self.args.park_timeout_s:g} s with no "
-                    f"{self.paths['resume']} (agent gone?); answer it with "
-                    f"`cuinterpose-agent release --pid {self.pid}`"
+                    f"{self.paths['resume']} (the agent died, or its checkpoint takes longer "
+                    "than --park-timeout-s); stopping the run"
                 )
 
     def run(self) -> dict:
@@ -268,7 +271,7 @@ class Launcher:
         codes = []
         for p in self.procs:
             try:
-                codes.append(p.wait(timeout=self.args.peer_timeout_s))
+                codes.append(p.wait(timeout=self.args.answer_timeout_s))
             except subprocess.TimeoutExpired:
                 codes.append(None)
         summary["rank_exit"] = codes
@@ -319,6 +322,8 @@ def parse(argv=None) -> argparse.Namespace:
         "wrong peer VA), which every later step must report",
     )
     ap.add_argument("--peer-timeout-s", type=float, default=300.0)
+    ap.add_argument("--setup-timeout-s", type=float, default=300.0)
+    ap.add_argument("--answer-timeout-s", type=float, default=300.0)
     ap.add_argument("--park-timeout-s", type=float, default=600.0)
     args = ap.parse_args(argv)
     if args.ranks < 2 or args.steps < 1 or args.elems < 1:

@@ -77,7 +77,7 @@ def dptr(va: int) -> cu.CUdeviceptr:
 
 class CarwRank:
     """State of one rank. ``cfg``: the launcher's config (world, steps, elems, step_delay_ms,
-    hold_at, peer_timeout_s)."""
+    hold_at, peer_timeout_s, share, test_corrupt_table_at; launcher.py ``config``)."""
 
     def __init__(self, chan: Channel, rank: int, cfg: dict):
         self.chan = chan
