@@ -26,7 +26,7 @@ shim holds and does not reach the driver, so its ratio may be below 1. No thresh
 
 --shim may be repeated to compare builds in one run (e.g. before=/tmp/old.so after=<installed>).
 
-Then the IPC adapter (docs/shim.md "The IPC adapter"): a second C program times loops of
+Then the IPC adapter (docs/shim.md section 10, "IPC adapter"): a second C program times loops of
 cuMemAlloc_v2 and cuMemFree_v2 (K buffers of S bytes per round, K = min(--alloc-count,
 256 MiB / S)) in three configurations, measured in the same run:
 
