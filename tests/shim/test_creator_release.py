@@ -9,9 +9,12 @@ the importer imports."""
 
 from __future__ import annotations
 
-from cuinterpose.coordinator.protocol import RecordFlag, RecordKind, Role
+import os
+
+from cuinterpose.coordinator.protocol import RecordFlag, RecordKind, Role, Status
 
 from .conftest import GRAN, POSIX, RW, TAG
+from .fetch import fetch_fd, ticket_secret
 from .share_helpers import changed, cycle, inspect, sapps, share_app  # noqa: F401
 
 DEVICE = 1  # CU_MEM_LOCATION_TYPE_DEVICE
@@ -174,3 +177,37 @@ def test_allocation_fetchable_after_creator_closed_fd_and_released(sapps, ctl, s
     i.ok(f"check {vi} {2 * GRAN} 5")
     i.ok(f"fill {vi} {GRAN} 8")
     c.ok(f"check {va} {GRAN} 8")
+
+
+def test_multicast_fetch_fd_needs_the_objects_secret(sapps, ctl, shim_env):  # noqa: F811
+    """Case 011's kind for multicast objects: a multicast ticket carries its object's secret
+    (protocol.h "Secrets", ``reserved[1]``, never 0); FETCH_FD of the object without it is
+    refused naming the pid and object (never the secret), with it the FD is served, and an
+    importer holding the ticket imports through the shim (which sends the secret it learnt)."""
+    c, i = sapps(), sapps()
+    for p in (c, i):
+        p.ok("init")
+    c.ok("ptracer")
+    mc = c.val(f"mc_create 1 {GRAN} {POSIX}")
+    fd = c.val(f"export {mc}")
+    secret = ticket_secret(c.pid, fd)
+    assert secret != 0
+    anchor = multicast(inspect(ctl, c))
+    oid = bytes(anchor[0].alloc_id)
+    cdir = shim_env["CUINTERPOSE_CONTROL_DIR"]
+    for wrong in (0, secret ^ 1):
+        rep, msg, got = fetch_fd(cdir, c.pid, oid, wrong)
+        assert (rep.status, got) == (Status.REFUSED_PEER, None)
+        assert msg == (
+            f"FETCH_FD: pid {c.pid} refused allocation {oid.hex()} to pid {os.getpid()} "
+            f"(request names pid {os.getpid()}): the request does not carry the allocation's "
+            "secret; only holders of its ticket or IPC handle may fetch it"
+        )
+        assert str(secret) not in msg and f"{secret:x}" not in msg
+    rep, msg, got = fetch_fd(cdir, c.pid, oid, secret)
+    assert rep.status == Status.OK and got is not None, msg
+    os.close(got)
+    tfd = i.val(f"getfd {c.pid} {fd}")
+    mi = i.val(f"import_fd {tfd}")
+    assert mi >> 48 == TAG
+    assert ticket_secret(i.pid, tfd) == secret

@@ -294,8 +294,8 @@ struct cui_ticket {           /* 64 bytes */
   uint32_t reserved0;         /* 20 zero (multicast: numDevices) */
   uint8_t alloc_id[16];      /* 24 */
   uint64_t size;              /* 40 allocation size (multicast: requested size), bytes */
-  uint64_t reserved[2];       /* 48 zero (multicast: reserved[0] = handleTypes, reserved0 =
-                                 numDevices); allocation: reserved[1] = the allocation's secret */
+  uint64_t reserved[2];       /* 48 reserved[1] = the object's secret (Secrets below);
+                                 reserved[0] zero (multicast: handleTypes; reserved0 numDevices) */
 };
 
 /* Secrets (case 011: FETCH_FD only for those the creator handed a ticket to). Each allocation a
@@ -307,7 +307,7 @@ struct cui_ticket {           /* 64 bytes */
  * served in ACTIVE (imports), LOADED and the restore phases after it (a peer's RESTORE_UNICAST,
  * RESTORE_MULTICAST_IMPORTERS), MULTICAST_RELEASED; refused with CUI_REFUSED_PHASE in SAVED,
  * PREPARED and FAILED (nothing to import then: the bytes are being carried). Multicast tickets
- * carry no secret yet (their FETCH_FD is served without one). */
+ * carry their object's secret the same way. */
 
 /* Virtual IPC handle: what cuIpcGetMemHandle of an adapter allocation returns in the 64 bytes of
  * CUipcMemHandle (CUDA driver API: CU_IPC_HANDLE_SIZE 64, opaque). cuIpcOpenMemHandle[_v2] of
