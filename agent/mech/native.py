@@ -456,9 +456,9 @@ def choose(kind: Optional[str] = None) -> Backend:
         missing = missing_api_symbols(inf.library)
         if not missing:
             why = (
-                f"{inf.library} exports cuCheckpointProcess*"
+                f"auto: {inf.library} exports cuCheckpointProcess*"
                 if k == "auto"
-                else "--native-backend driver-api"
+                else f"--native-backend driver-api ({inf.library})"
             )
             return _api_backend(why, f"{inf.kind} driver {inf.version} at {inf.library}")
         why_not = f"{inf.library} lacks {', '.join(missing)}"
