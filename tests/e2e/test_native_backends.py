@@ -43,8 +43,18 @@ def cli_log(tmp_path, monkeypatch):
     return read
 
 
-@pytest.mark.parametrize("backend", ["driver-api", "cuda-checkpoint"])
-def test_afdwin_checkpoint_restore_with_each_backend(afdwin, tmp_path, cli_log, backend):
+@pytest.mark.parametrize(
+    "backend,restore_with",
+    [
+        ("driver-api", "driver-api"),
+        ("cuda-checkpoint", "cuda-checkpoint"),
+        ("driver-api", "cuda-checkpoint"),
+    ],
+    ids=["api", "cli", "api-then-cli"],
+)
+def test_afdwin_checkpoint_restore_with_each_backend(
+    afdwin, tmp_path, cli_log, backend, restore_with
+):
     a = afdwin(steps=STEPS, step_delay_ms=5, hold_at=(HOLD,))
     a.wait_hold()
     snap = tmp_path / "snap"
@@ -61,7 +71,7 @@ def test_afdwin_checkpoint_restore_with_each_backend(afdwin, tmp_path, cli_log, 
     dumped = cli_log()
 
     rc, rs = demo.run_agent(
-        "restore", "--images-dir", str(snap), "--driver", "fake", "--native-backend", backend
+        "restore", "--images-dir", str(snap), "--driver", "fake", "--native-backend", restore_with
     )
     assert rc == 0 and rs["ok"], rs
     assert a.wait_restored_exit(300) in (0, None)
@@ -83,8 +93,16 @@ def test_afdwin_checkpoint_restore_with_each_backend(afdwin, tmp_path, cli_log, 
     assert demo.check_run(evs, STEPS, attention=1, ffn=1) == []
 
     runs = cli_log()
-    if backend == "driver-api":
+    order_s = [str(p) for p in order]
+    if restore_with == "driver-api":
         assert runs == []
+        return
+    if backend == "driver-api":  # a snapshot of the API backend restores through the CLI
+        assert dumped == []
+        assert [r for r in runs if r[0] == "--action"] == [
+            *(["--action", "restore", "--pid", p] for p in order_s),
+            *(["--action", "unlock", "--pid", p] for p in order_s),
+        ]
         return
     actions = [r for r in runs if r[0] == "--action"]
     lock = [["--action", "lock", "--pid", str(p), "--timeout", "10000"] for p in order]
@@ -103,3 +121,37 @@ def test_afdwin_checkpoint_restore_with_each_backend(afdwin, tmp_path, cli_log, 
     assert states >= {str(p) for p in order}
     # nothing else was run: only --get-state and --action lines
     assert [r for r in runs if r[0] not in ("--action", "--get-state")] == []
+
+
+def test_a_cli_lock_timeout_refuses_the_checkpoint_and_the_workload_finishes(
+    afdwin, tmp_path, cli_log
+):
+    """--no-drain: a stream still waits on an owed reply, so the quiescence check's lock times
+    out in the utility; the refusal names the command and the driver's answer with its hint,
+    nothing was torn down and the workload finishes with every message exactly once."""
+    a = afdwin(steps=150, step_delay_ms=4, extra_args=("--no-drain",), hold_at=(20,))
+    a.wait_hold()
+    snap = tmp_path / "snap"
+    rc, cp = a.checkpoint(snap, "--native-backend", "cuda-checkpoint", "--lock-timeout-ms", "300")
+    assert rc == 3 and not cp["ok"], cp
+    err = cp["error"]
+    assert [p["name"] for p in cp["phases"]] == ["driver", "census", "quiesce", "quiescence check"]
+    assert (err["phase"], err["outcome"]) == ("quiescence check", "refused")
+    assert err["reason"] == (
+        "cuda-checkpoint --action lock: CUDA_ERROR_NOT_READY (work was still in flight when the "
+        "lock timed out: the workload is not quiescent)"
+    )
+    assert ["--action", "lock", "--pid", str(err["pid"]), "--timeout", "300"] in cli_log()
+    assert not (snap / "manifest.json").exists()
+    assert a.proc.wait(timeout=300) == 0
+    evs = a.events()
+    s = [e for e in evs if demo.kind(e) == "summary"][-1]
+    assert (s["ok"], s["lost"], s["duplicated"], s["torn"], s["restores_seen"]) == (
+        True,
+        0,
+        0,
+        0,
+        0,
+    ), s
+    resumed = [e for e in evs if demo.kind(e) == "resumed"]
+    assert [(e["restored"], e["cancelled"]) for e in resumed] == [(False, True)]
