@@ -235,3 +235,27 @@ def test_fake_cli_is_installed_next_to_fakecuda():
     p = pathlib.Path(native_cli.fake_cli())
     assert p == paths.fakecuda_dir() / "bin" / "cuda-checkpoint"
     assert native_cli.find(fake=True) == (str(p), f"fakecuda's {p}")
+
+
+@pytest.mark.parametrize("command", ["checkpoint", "restore", "serve"])
+def test_each_command_takes_the_option_and_refuses_an_unknown_backend(command):
+    from click.testing import CliRunner
+
+    from cuinterpose.agent.cli import main
+
+    r = CliRunner()
+    res = r.invoke(main, [command, "--help"])
+    assert res.exit_code == 0 and "--native-backend [auto|driver-api|cuda-checkpoint]" in res.output
+    res = r.invoke(main, [command, "--native-backend", "cli"])
+    assert res.exit_code == 2
+    assert "'cli' is not one of 'auto', 'driver-api', 'cuda-checkpoint'" in res.output
+
+
+def test_serve_reads_native_backend_from_the_config(tmp_path):
+    from cuinterpose.agent.cli.daemon import _config_values
+
+    f = tmp_path / "config.yaml"
+    f.write_text("nativeBackend: cuda-checkpoint\n")
+    assert _config_values(str(f))["native_backend"] == "cuda-checkpoint"
+    f.write_text("driver: fake\n")
+    assert _config_values(str(f))["native_backend"] is None
