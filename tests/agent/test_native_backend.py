@@ -259,3 +259,92 @@ def test_serve_reads_native_backend_from_the_config(tmp_path):
     assert _config_values(str(f))["native_backend"] == "cuda-checkpoint"
     f.write_text("driver: fake\n")
     assert _config_values(str(f))["native_backend"] is None
+
+
+GPU_TARGET = """
+import sys
+from cuda.bindings import driver as cu
+assert cu.cuInit(0)[0] == cu.CUresult.CUDA_SUCCESS
+err, ctx = cu.cuDevicePrimaryCtxRetain(cu.cuDeviceGet(0)[1])
+assert int(err) == 0 and int(cu.cuCtxSetCurrent(ctx)[0]) == 0
+err, dptr = cu.cuMemAlloc(4096)
+assert int(err) == 0
+assert int(cu.cuMemsetD8(dptr, 0x5A, 4096)[0]) == 0
+print("up", int(dptr), flush=True)
+sys.stdin.readline()  # until the test asks: read the bytes back
+buf = bytearray(4096)
+assert int(cu.cuMemcpyDtoH(buf, dptr, 4096)[0]) == 0
+print(buf.count(0x5A), flush=True)
+"""
+
+GPU_CONTROLLER = """
+import json, os, sys
+from cuinterpose.agent.mech import native
+from cuinterpose.agent.errors import NativeError
+native.load("fake")
+pid, kind, old, new, bogus = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5]
+os.environ[native.BACKEND_ENV] = kind
+out = {"backend": native.backend().name}
+native.lock_all([pid], 5000)
+native.checkpoint_all([pid])
+try:
+    native.restore_all([pid], [(old, bogus)])
+except NativeError as e:
+    out["bogus"] = str(e)
+out["after_bogus"] = native.get_state(pid)
+native.restore_all([pid], [(old, new)])
+out["restored"] = native.get_state(pid)
+native.unlock_all([pid])
+out["end"] = native.get_state(pid)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("kind", ["driver-api", "cuda-checkpoint"])
+def test_restore_onto_another_gpu_through_each_backend(tmp_path, kind):
+    """gpu_pairs reach the driver: CUcheckpointRestoreArgs.gpuPairs (driver API) or
+    --device-map (CLI); an unknown new GPU is the driver's INVALID_VALUE in phase "native
+    restore" and leaves the process CHECKPOINTED; the right pair restores it, bytes intact."""
+    from cuinterpose.workloads.afdwin import demo
+
+    env = dict(demo.workload_env(tmp_path, shim=False), FAKECUDA_DEVICE_COUNT="2")
+    t = subprocess.Popen(
+        [sys.executable, "-c", GPU_TARGET],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert t.stdout.readline().split()[0] == "up"
+        cenv = {k: v for k, v in env.items() if k not in ("LD_LIBRARY_PATH",)}
+        cenv.pop(native_cli.CLI_ENV, None)
+        cenv["CUINTERPOSE_DRIVER"] = "fake"
+        bogus = G0[:-2] + "ff"
+        res = subprocess.run(
+            [sys.executable, "-c", GPU_CONTROLLER, str(t.pid), kind, G0, G0[:-1] + "1", bogus],
+            capture_output=True,
+            text=True,
+            env=cenv,
+            timeout=120,
+        )
+        assert res.returncode == 0, res.stderr
+        out = json.loads(res.stdout)
+        fn = (
+            "cuCheckpointProcessRestore"
+            if kind == "driver-api"
+            else "cuda-checkpoint --action restore"
+        )
+        assert out == {
+            "backend": kind,
+            "bogus": f"native restore: pid {t.pid} {fn}: CUDA_ERROR_INVALID_VALUE",
+            "after_bogus": "CHECKPOINTED",
+            "restored": "LOCKED",
+            "end": "RUNNING",
+        }
+        t.stdin.write("\n")
+        t.stdin.flush()
+        assert t.stdout.readline().strip() == "4096"
+    finally:
+        t.kill()
+        t.wait()
