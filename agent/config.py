@@ -144,6 +144,9 @@ class AgentConfig:
     metrics_port: Optional[int] = _field("metricsPort", None, check=_port_or_zero)
     metrics_address: str = _field("metricsAddress", "")
     driver: str = _field("driver", "", check=_one_of("", "real", "fake"))
+    native_backend: str = _field(
+        "nativeBackend", "", check=_one_of("", "auto", "driver-api", "cuda-checkpoint")
+    )
     quiesce_timeout_ms: int = _field("quiesceTimeoutMs", 10_000, check=_positive)
     lock_timeout_ms: int = _field("lockTimeoutMs", 10_000, check=_non_negative)
     phase_timeout_s: float = _field("phaseTimeoutS", 60.0, check=_positive)

@@ -2,7 +2,9 @@
 
 Each check is ``{"name", "ok" (bool), "detail" (str)}``: CRIU version and ``criu check``, the
 driver's checkpoint API through cuda.bindings (and its version), the shim's path and SHA-256,
-fakecuda's path (when selected), and whether the control directory is writable and short
+fakecuda's path (when selected), the native-checkpoint backend that will be used and why
+(``$CUINTERPOSE_NATIVE_BACKEND``: auto | driver-api | cuda-checkpoint; agent/mech/native.py
+``choose``), and whether the control directory is writable and short
 enough for ``DIR/cuinterpose-<pid_max>.sock`` to fit in a Unix socket address (107 bytes).
 """
 
@@ -27,8 +29,10 @@ def _check(name, fn) -> dict:
         return {"name": name, "ok": False, "detail": str(e)}
 
 
-def run_checks(*, driver=None, control_dir=None) -> list[dict]:
-    """Run every check; never raises."""
+def run_checks(*, driver=None, control_dir=None, native_backend=None) -> list[dict]:
+    """Run every check; never raises. ``native_backend``: the kind to report (default
+    ``$CUINTERPOSE_NATIVE_BACKEND``, else auto)."""
+    native_kind = native_backend
     from cuinterpose.agent import paths
     from cuinterpose.agent.mech import native
     from cuinterpose.agent.mech.census import ShimFile
@@ -76,6 +80,10 @@ def run_checks(*, driver=None, control_dir=None) -> list[dict]:
             f"{info.kind} driver {info.version} at {info.library}; cuCheckpointProcess* reachable"
         )
 
+    def backend():
+        b = native.choose(native_kind)
+        return f"{b.name}: {b.why}"
+
     def shim():
         s = ShimFile.of(paths.shim_path())
         return f"{s.path} sha256 {s.sha256}"
@@ -96,6 +104,7 @@ def run_checks(*, driver=None, control_dir=None) -> list[dict]:
         _check("criu version", criu_version),
         _check("criu check", criu_check),
         _check("driver", drv),
+        _check("native backend", backend),
         _check("shim", shim),
         _check("control dir", ctl),
     ]

@@ -16,8 +16,10 @@ from cuinterpose.coordinator.protocol import default_control_dir
 
 def inspect_pid(pid: int, *, control_dir=None, timeout_s: float = 10.0) -> dict:
     """INSPECT ``pid``; returns ``{"pid", "socket_path", "phase" (name), "records" [Record dicts],
-    "roles" {"private","creator","importer": n}, "message"}``. Raises ``AgentError`` (phase
-    "INSPECT") naming the pid when the socket is missing, the shim does not answer, or refuses."""
+    "roles" {"private","creator","importer": n}, "adapter" (:func:`adapter_stats`),
+    "message"}``. Raises ``AgentError`` (phase "INSPECT") naming the pid when the socket is
+    missing, the shim does not answer, or refuses (a driver CUDA IPC handle in the process
+    makes the shim refuse: the message names it)."""
     from cuinterpose.agent.snapshot.manifest import role_counts
     from cuinterpose.coordinator.client import ShimClient, ShimClientError
     from cuinterpose.coordinator.protocol import Op, Phase, Status
@@ -70,8 +72,37 @@ def inspect_pid(pid: int, *, control_dir=None, timeout_s: float = 10.0) -> dict:
         "phase": phase,
         "records": [r.to_dict() for r in resp.records],
         "roles": role_counts(resp.records),
+        "adapter": adapter_stats(resp.records),
         "message": resp.message,
     }
+
+
+def adapter_stats(records) -> dict:
+    """The IPC adapter's share of one INSPECT (docs/shim.md "IPC adapter"), from its allocation
+    records (``Record``): ``allocations`` (cuMemAlloc_v2 backed by cuMemCreate in this process),
+    ``requested`` and ``mapped`` bytes of those and ``waste`` (mapped - requested: the rounding
+    up to the granularity), ``ipc_exported`` (of them, shared by cuIpcGetMemHandle),
+    ``ipc_imports`` (allocations opened from other processes) and ``ipc_opens`` (their open
+    handles: reserved[1])."""
+    from cuinterpose.coordinator.protocol import RecordFlag, RecordKind, Role
+
+    out = dict.fromkeys(
+        ("allocations", "requested", "mapped", "waste", "ipc_exported", "ipc_imports", "ipc_opens"),
+        0,
+    )
+    for r in records:
+        if r.kind != RecordKind.ALLOCATION or not r.flags & RecordFlag.ADAPTER:
+            continue
+        if r.role == Role.IMPORTER:
+            out["ipc_imports"] += 1
+            out["ipc_opens"] += r.reserved[1]
+            continue
+        out["allocations"] += 1
+        out["requested"] += r.reserved[0]
+        out["mapped"] += r.size
+        out["ipc_exported"] += bool(r.flags & RecordFlag.IPC)
+    out["waste"] = out["mapped"] - out["requested"]
+    return out
 
 
 def descendants_with_socket(pid: int, control_dir) -> list[tuple[int, str]]:
@@ -124,3 +155,12 @@ def render_table(res: dict) -> None:
         f"allocations: {roles['private']} private, {roles['creator']} creator, "
         f"{roles['importer']} importer"
     )
+    ad = res.get("adapter") or {}
+    if ad.get("allocations") or ad.get("ipc_imports"):
+        c.print(
+            f"IPC adapter: {ad['allocations']} cuMemAlloc allocations "
+            f"({ad['ipc_exported']} shared by cuIpcGetMemHandle), "
+            f"{fmt_bytes(ad['requested'])} requested, {fmt_bytes(ad['mapped'])} mapped "
+            f"({fmt_bytes(ad['waste'])} rounding waste); {ad['ipc_imports']} IPC imports "
+            f"({ad['ipc_opens']} open handles)"
+        )

@@ -25,6 +25,24 @@ shim holds and does not reach the driver, so its ratio may be below 1. No thresh
                                         [--driver fake|real]
 
 --shim may be repeated to compare builds in one run (e.g. before=/tmp/old.so after=<installed>).
+
+Then the IPC adapter (docs/shim.md section 10, "IPC adapter"): a second C program times loops of
+cuMemAlloc_v2 and cuMemFree_v2 (K buffers of S bytes per round, K = min(--alloc-count,
+256 MiB / S)) in three configurations, measured in the same run:
+
+  base       no preload (the driver's cuMemAlloc)
+  vmm        no preload, the program itself making the driver calls the adapter makes (POSIX
+             cuMemCreate of the size rounded up to the granularity, reserve, map, access;
+             unmap, free the range, release): the adapter's floor on this driver
+  adapter    under the shim with CUINTERPOSE_IPC_ADAPTER unset (default: every cuMemAlloc is
+             backed by a POSIX-exportable cuMemCreate + reservation + mapping + access)
+  off        under the shim with CUINTERPOSE_IPC_ADAPTER=off (cuMemAlloc passes through)
+
+and prints per-call ns (fastest round) and the ratios adapter/base, adapter/vmm, off/base.
+
+    .venv/bin/python bench/intercept.py --n 10 --alloc-sizes 4096,1048576,33554432 [--alloc-count 64]
+
+--alloc-sizes "" skips it; --n "" skips the VMM table.
 """
 
 from __future__ import annotations
@@ -123,11 +141,66 @@ int main(int argc, char **argv) {
 """
 
 
-def build_driver(driver: str) -> pathlib.Path:
+ALLOC_C = r"""
+#define _GNU_SOURCE
+#include <cuda.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define CU(x) do { CUresult r_ = (x); if (r_ != CUDA_SUCCESS) { \
+    fprintf(stderr, "%s = %d\n", #x, (int)r_); exit(1); } } while (0)
+static unsigned long long now(void) {
+  struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t);
+  return (unsigned long long)t.tv_sec * 1000000000ull + (unsigned long long)t.tv_nsec;
+}
+
+/* argv[4] "vmm": instead of cuMemAlloc/cuMemFree, the driver calls the adapter makes (a POSIX
+ * cuMemCreate of the size rounded up to the granularity, reserve, map, access on device 0;
+ * unmap, free the range, release), called directly: the adapter's floor. */
+int main(int argc, char **argv) {
+  size_t k = strtoull(argv[1], NULL, 0), rounds = strtoull(argv[2], NULL, 0);
+  size_t size = strtoull(argv[3], NULL, 0);
+  int vmm = argc > 4 && argv[4][0] == 'v';
+  CUdevice dev; CUcontext ctx;
+  CU(cuInit(0)); CU(cuDeviceGet(&dev, 0)); CU(cuDevicePrimaryCtxRetain(&ctx, dev)); CU(cuCtxSetCurrent(ctx));
+  CUmemAllocationProp prop; memset(&prop, 0, sizeof prop);
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED; prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  size_t g; CU(cuMemGetAllocationGranularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+  size_t rs = (size + g - 1) / g * g;
+  CUmemAccessDesc d; memset(&d, 0, sizeof d);
+  d.location = prop.location; d.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  CUdeviceptr *p = calloc(k, sizeof *p);
+  CUmemGenericAllocationHandle *h = calloc(k, sizeof *h);
+  for (size_t r = 0; r < rounds; r++) {
+    unsigned long long t0 = now();
+    for (size_t i = 0; i < k; i++) {
+      if (!vmm) { CU(cuMemAlloc(&p[i], size)); continue; }
+      CU(cuMemCreate(&h[i], rs, &prop, 0)); CU(cuMemAddressReserve(&p[i], rs, 0, 0, 0));
+      CU(cuMemMap(p[i], rs, 0, h[i], 0)); CU(cuMemSetAccess(p[i], rs, &d, 1));
+    }
+    unsigned long long t1 = now();
+    for (size_t i = 0; i < k; i++) {
+      if (!vmm) { CU(cuMemFree(p[i])); continue; }
+      CU(cuMemUnmap(p[i], rs)); CU(cuMemAddressFree(p[i], rs)); CU(cuMemRelease(h[i]));
+    }
+    unsigned long long t2 = now();
+    printf("%llu %llu\n", t1 - t0, t2 - t1);
+  }
+  free(h);
+  free(p);
+  return 0;
+}
+"""
+
+
+def build_program(driver: str, name: str, source: str) -> pathlib.Path:
     out_dir = REPO / "build" / "bench"
     out_dir.mkdir(parents=True, exist_ok=True)
-    exe = out_dir / f"intercept-driver-{driver}"
-    src = out_dir / "intercept-driver.c"
+    exe = out_dir / f"{name}-{driver}"
+    src = out_dir / f"{name}.c"
     link = [f"-L{paths.fakecuda_dir()}"] if driver == "fake" else []
     cmd = [
         "cc",
@@ -141,14 +214,78 @@ def build_driver(driver: str) -> pathlib.Path:
         "-l:libcuda.so.1",
         "-ldl",
     ]
-    key = hashlib.sha256((DRIVER_C + " ".join(cmd)).encode()).hexdigest()
-    stamp = out_dir / f"intercept-driver-{driver}.sha256"
+    key = hashlib.sha256((source + " ".join(cmd)).encode()).hexdigest()
+    stamp = out_dir / f"{name}-{driver}.sha256"
     if exe.exists() and stamp.exists() and stamp.read_text() == key:
         return exe
-    src.write_text(DRIVER_C)
+    src.write_text(source)
     subprocess.run(cmd, check=True)
     stamp.write_text(key)
     return exe
+
+
+ALLOC_CONFIGS = ("base", "vmm", "adapter", "off")
+
+
+def run_alloc(exe, k, rounds, size, config, shim, granularity, ctl, driver) -> dict:
+    """Per-call ns of cuMemAlloc and cuMemFree (fastest round) in one configuration."""
+    env = {
+        k_: v
+        for k_, v in os.environ.items()
+        if k_ not in ("LD_PRELOAD", "FAKECUDA_LOG", "CUINTERPOSE_IPC_ADAPTER")
+    }
+    if driver == "fake":
+        env["LD_LIBRARY_PATH"] = str(paths.fakecuda_dir())
+        env["FAKECUDA_GRANULARITY"] = str(granularity)
+    env["CUINTERPOSE_CONTROL_DIR"] = ctl
+    if config in ("adapter", "off"):
+        env["LD_PRELOAD"] = shim
+    if config == "off":
+        env["CUINTERPOSE_IPC_ADAPTER"] = "off"
+    res = subprocess.run(
+        [str(exe), str(k), str(rounds), str(size), config],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if res.returncode != 0:
+        raise SystemExit(f"alloc driver failed (size {size}, {config}): {res.stderr.strip()}")
+    cols = list(zip(*[[int(x) for x in ln.split()] for ln in res.stdout.splitlines()]))
+    return {"alloc": min(cols[0]) / k, "free": min(cols[1]) / k}
+
+
+def alloc_table(args, shim: str, ctl: str) -> None:
+    exe = build_program(args.driver, "intercept-alloc", ALLOC_C)
+    print(f"\ncuMemAlloc_v2 / cuMemFree_v2, shim {shim}; per-call ns, fastest round")
+    if not args.json:
+        print(
+            f"{'bytes':>10} {'K':>5} {'op':>6} {'base':>10} {'vmm':>10} {'adapter':>10}"
+            f" {'off':>10} {'adapter/base':>12} {'adapter/vmm':>11} {'off/base':>9}"
+        )
+    for size in (int(x) for x in args.alloc_sizes.split(",") if x):
+        k = max(1, min(args.alloc_count, (256 << 20) // size))
+        rounds = max(5, args.calls // (10 * k))
+        got = {
+            c: run_alloc(exe, k, rounds, size, c, shim, args.granularity, ctl, args.driver)
+            for c in ALLOC_CONFIGS
+        }
+        for op in ("alloc", "free"):
+            b, v, a, o = (got[c][op] for c in ALLOC_CONFIGS)
+            if args.json:
+                row = {"bytes": size, "k": k, "op": op}
+                row.update({f"{c}_ns": got[c][op] for c in ALLOC_CONFIGS})
+                row.update(adapter_ratio=a / b, adapter_over_vmm=a / v, off_ratio=o / b)
+                print(json.dumps(row))
+                continue
+            print(
+                f"{size:>10} {k:>5} {op:>6} {b:>10.0f} {v:>10.0f} {a:>10.0f} {o:>10.0f}"
+                f" {a / b:>12.2f} {a / v:>11.2f} {o / b:>9.2f}"
+            )
+
+
+def build_driver(driver: str) -> pathlib.Path:
+    return build_program(driver, "intercept-driver", DRIVER_C)
 
 
 def run(
@@ -195,6 +332,14 @@ def main(argv=None) -> int:
         help="LABEL=PATH of a shim build to measure (repeatable); default: the installed one",
     )
     ap.add_argument(
+        "--alloc-sizes",
+        default="4096,1048576,33554432",
+        help="cuMemAlloc sizes in bytes for the IPC adapter table, comma separated ('' skips)",
+    )
+    ap.add_argument(
+        "--alloc-count", type=int, default=64, help="buffers allocated per round (at most 256 MiB)"
+    )
+    ap.add_argument(
         "--json", action="store_true", help="print one JSON object per row instead of a table"
     )
     args = ap.parse_args(argv)
@@ -206,7 +351,7 @@ def main(argv=None) -> int:
         else "the real libcuda.so.1"
     )
     print(f"{where}; per-call ns, fastest round; ratio = configuration / base")
-    if not args.json:
+    if not args.json and args.n:
         cols = "".join(
             f" {lab + ' ' + m:>22} {'ratio':>6}"
             for lab, _ in shims
@@ -214,7 +359,7 @@ def main(argv=None) -> int:
         )
         print(f"{'N':>6} {'op':>8} {'base':>10}{cols}")
     with tempfile.TemporaryDirectory(prefix="cui-bench-") as ctl:
-        for n in (int(x) for x in args.n.split(",")):
+        for n in (int(x) for x in args.n.split(",") if x):
             rounds = max(5, args.calls // n)
             base = run(exe, n, rounds, "tracked", None, args.granularity, ctl, args.driver)
             got = {
@@ -236,6 +381,8 @@ def main(argv=None) -> int:
                     for m in ("tracked", "untracked")
                 )
                 print(f"{n:>6} {op:>8} {base[op]:>10.0f}{cells}")
+        if args.alloc_sizes:
+            alloc_table(args, shims[-1][1], ctl)
     return 0
 
 

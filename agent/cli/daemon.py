@@ -72,6 +72,7 @@ def _config_values(path) -> dict:
         "metrics_port": cfg.metrics_port,
         "metrics_addr": cfg.metrics_address or None,
         "driver": cfg.driver,
+        "native_backend": cfg.native_backend or None,
         "tls_cert": cfg.tls.cert_file or None,
         "tls_key": cfg.tls.key_file or None,
         "manifest_key": cfg.manifest_key_file or None,
@@ -208,6 +209,13 @@ def _make_snapshot_dir(d: str) -> bool:
     "groupLeaseS, else 30).",
 )
 @driver_opt
+@click.option(
+    "--native-backend",
+    type=click.Choice(["auto", "driver-api", "cuda-checkpoint"]),
+    default=None,
+    help="how native checkpoint is driven: the driver API, the cuda-checkpoint CLI, or auto "
+    "(default: the config's nativeBackend, else $CUINTERPOSE_NATIVE_BACKEND, else auto).",
+)
 @control_opt
 @json_opt
 def serve(
@@ -224,6 +232,7 @@ def serve(
     insecure_tcp,
     group_lease_s,
     driver,
+    native_backend,
     control_dir,
     as_json,
 ):
@@ -258,6 +267,7 @@ def serve(
         insecure_tcp=insecure_tcp or None,
         group_lease_s=group_lease_s,
         driver=driver,
+        native_backend=native_backend,
         control_dir=control_dir,
     )
     conf = _config_values(config_file) if config_file else {}
@@ -271,6 +281,8 @@ def serve(
             "certificates are verified only on a TLS listener)"
         )
     set_env(v["driver"], v["control_dir"])
+    if v["native_backend"]:  # read by agent/mech/native.py when it picks the backend
+        os.environ["CUINTERPOSE_NATIVE_BACKEND"] = v["native_backend"]
     _use_manifest_key(v["manifest_key"])
     tls = TLS(cert=v["tls_cert"], key=v["tls_key"], ca=v["tls_client_ca"])
     sd = v["snapshot_dir"]

@@ -33,6 +33,23 @@ from cuinterpose.agent.cli.common import (
 from cuinterpose.agent.errors import AgentError
 from cuinterpose.coordinator.protocol import default_control_dir
 
+NATIVE_BACKEND_OPT = click.option(
+    "--native-backend",
+    type=click.Choice(["auto", "driver-api", "cuda-checkpoint"]),
+    default=None,
+    help="how native checkpoint is driven: the driver API (cuCheckpointProcess*), the "
+    "cuda-checkpoint CLI, or auto (the API when libcuda.so.1 has it, else a cuda-checkpoint "
+    "on $PATH; default: $CUINTERPOSE_NATIVE_BACKEND, else auto). In-process only: a daemon "
+    "(--agent) uses its own.",
+)
+
+
+def _use_native_backend(kind) -> None:
+    """Put ``--native-backend`` into ``$CUINTERPOSE_NATIVE_BACKEND`` (agent/mech/native.py
+    reads it when it picks the backend)."""
+    if kind:
+        os.environ["CUINTERPOSE_NATIVE_BACKEND"] = kind
+
 
 @click.command()
 @click.option(
@@ -75,6 +92,7 @@ from cuinterpose.coordinator.protocol import default_control_dir
 @click.option("--leave-running", is_flag=True, help="keep the workload running after the dump.")
 @manifest_key_opt("node key file: the manifest gets an HMAC-SHA256 (mac) with it")
 @driver_opt
+@NATIVE_BACKEND_OPT
 @control_opt
 @agent_opt
 @group_opt
@@ -92,6 +110,7 @@ def checkpoint(
     leave_running,
     manifest_key,
     driver,
+    native_backend,
     control_dir,
     agent_addr,
     group_file,
@@ -160,6 +179,7 @@ def checkpoint(
                 out = live(sink, lambda: lead("checkpoint", req, rep, RemoteRows(rep), tls=tls)[0])
         else:
             set_env(driver, control_dir)
+            _use_native_backend(native_backend)
             out = live(sink, lambda: ops.checkpoint(rep, pids, images_dir, **kw)[0])
     except AgentError as e:
         fail(e, as_json, {"phases": getattr(e, "remote_phases", None) or rep.to_list()})
@@ -225,6 +245,7 @@ def checkpoint(
     help="libcuda.so.1 to use: real or fakecuda (default: $CUINTERPOSE_DRIVER, else "
     "the driver the manifest records).",
 )
+@NATIVE_BACKEND_OPT
 @manifest_key_opt(
     "node key file: a snapshot whose manifest has no valid HMAC-SHA256 (mac) with it is refused"
 )
@@ -241,6 +262,7 @@ def restore(
     into_pid,
     device_map,
     driver,
+    native_backend,
     manifest_key,
     agent_addr,
     group_file,
@@ -305,6 +327,7 @@ def restore(
 
                 raise SnapshotError("manifest", f"{images_dir} does not exist")
             set_env(driver, None)
+            _use_native_backend(native_backend)
             res = live(
                 sink,
                 lambda: ops.restore(

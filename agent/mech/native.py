@@ -18,6 +18,15 @@ each process back to RUNNING from whatever state a failed checkpoint left it in.
 Every failure raises :class:`~cuinterpose.agent.errors.NativeError` naming the pid, the driver
 function and the CUresult name.
 
+Backends: :func:`lock`, :func:`checkpoint`, :func:`restore`, :func:`unlock` and
+:func:`get_state` go through one table of hook functions, :class:`Backend` (as CRIU's cuda
+plugin has one), chosen once per process by :func:`backend` from ``--native-backend`` /
+``$CUINTERPOSE_NATIVE_BACKEND``: ``driver-api`` (the ``cuCheckpointProcess*`` calls below),
+``cuda-checkpoint`` (NVIDIA's CLI, or fakecuda's, run per pid: agent/mech/native_cli.py) or
+``auto`` (the default: the driver API when the loaded ``libcuda.so.1`` exports every
+``cuCheckpointProcess*`` entry point, else a ``cuda-checkpoint`` found by
+:func:`native_cli.find`, else ``AgentError`` phase "native backend").
+
 Network namespaces: a driver call about a process in another network namespace than the agent
 (a container, or a tree restored into a placement, agent/mech/placement.py) is made from a
 short-lived thread that first joins that process's network namespace (``setns(2)`` on
@@ -35,11 +44,11 @@ import os
 import pathlib
 import threading
 import time
-from typing import Callable, Iterable, Optional, TypeVar
+from typing import Callable, Iterable, Optional, Sequence, TypeVar
 
 from cuinterpose.agent import paths
 from cuinterpose.agent.errors import AgentError, NativeError
-from cuinterpose.agent.mech import libc, procfs, signal_at
+from cuinterpose.agent.mech import libc, native_cli, procfs, signal_at
 
 DRIVER_ENV = "CUINTERPOSE_DRIVER"
 DRIVER_KINDS = ("real", "fake")
@@ -307,23 +316,13 @@ def _call(action: str, pid: int, *args, deadline_s: Optional[float] = -1.0):
     return res[1] if len(res) > 1 else None
 
 
-def get_state(pid: int) -> str:
-    """``cuCheckpointProcessGetState(pid)`` as a name: "RUNNING", "LOCKED", "CHECKPOINTED",
-    "FAILED" (``CU_PROCESS_STATE_`` stripped). Raises ``NativeError`` (e.g. for a process that
-    never initialised CUDA)."""
+def _api_get_state(pid: int) -> str:
     st = _call("get_state", pid)
     name = getattr(st, "name", None) or str(int(st))
     return name.replace("CU_PROCESS_STATE_", "")
 
 
-def lock(pid: int, timeout_ms: int) -> None:
-    """RUNNING -> LOCKED within ``timeout_ms`` (the driver's ``CUcheckpointLockArgs.timeoutMs``;
-    NOT_READY/TIMEOUT on timeout, the process stays RUNNING). ``timeout_ms`` = 0 (the CLI's
-    "none") does not wait forever: the driver gets the driver-call deadline
-    (:func:`call_deadline_s`) as its timeout, so that the driver itself gives up and no lock
-    completes after the agent stopped waiting (a lock that did would leave the process
-    LOCKED behind a rollback). The agent waits for the call at most that timeout plus
-    :func:`call_deadline_s`, then raises ``NativeError`` CUDA_ERROR_TIMEOUT."""
+def _api_lock(pid: int, timeout_ms: int) -> None:
     args = _driver.CUcheckpointLockArgs()
     ms = int(timeout_ms) or int(call_deadline_s() * 1000)
     args.timeoutMs = ms
@@ -331,19 +330,213 @@ def lock(pid: int, timeout_ms: int) -> None:
     _call("lock", pid, args, deadline_s=ms / 1000 + call_deadline_s())
 
 
-def checkpoint(pid: int) -> None:
-    """LOCKED -> CHECKPOINTED (device memory moves to driver-owned host memory)."""
+def _api_checkpoint(pid: int) -> None:
     _call("checkpoint", pid, None)
 
 
-def restore(pid: int) -> None:
-    """CHECKPOINTED -> LOCKED (mappings come back at their original VAs)."""
-    _call("restore", pid, None)
+def _restore_args(gpu_pairs: Sequence[tuple[str, str]]):
+    """``CUcheckpointRestoreArgs`` with ``gpuPairs`` (``CUcheckpointGpuPair{oldUuid,
+    newUuid}``, cuda.h 13.0) for ``gpu_pairs``; None when there are none."""
+    if not gpu_pairs:
+        return None
+    pairs = []
+    for old, new in gpu_pairs:
+        p = _driver.CUcheckpointGpuPair()
+        # CUuuid.bytes is read-only in the bindings: write the 32 bytes of the struct
+        ctypes.memmove(p.getPtr(), native_cli.uuid_bytes(old) + native_cli.uuid_bytes(new), 32)
+        pairs.append(p)
+    args = _driver.CUcheckpointRestoreArgs()
+    args.gpuPairs = pairs
+    args.gpuPairsCount = len(pairs)
+    return args
+
+
+def _api_restore(pid: int, gpu_pairs: Sequence[tuple[str, str]] = ()) -> None:
+    _call("restore", pid, _restore_args(gpu_pairs))
+
+
+def _api_unlock(pid: int) -> None:
+    _call("unlock", pid, None)
+
+
+API_SYMBOLS = (
+    "cuCheckpointProcessGetState",
+    "cuCheckpointProcessLock",
+    "cuCheckpointProcessCheckpoint",
+    "cuCheckpointProcessRestore",
+    "cuCheckpointProcessUnlock",
+)
+BACKEND_ENV = "CUINTERPOSE_NATIVE_BACKEND"
+BACKEND_KINDS = ("auto", "driver-api", "cuda-checkpoint")
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """One native-checkpoint backend: ``name`` ("driver-api"|"cuda-checkpoint"), ``why`` (one
+    sentence: why it was chosen), ``detail`` (the library or the CLI's path) and its hooks,
+    each raising ``NativeError`` naming the pid: ``get_state(pid) -> str``, ``lock(pid,
+    timeout_ms)``, ``checkpoint(pid)``, ``restore(pid, gpu_pairs)``, ``unlock(pid)``."""
+
+    name: str
+    why: str
+    detail: str
+    get_state: Callable[[int], str]
+    lock: Callable[[int, int], None]
+    checkpoint: Callable[[int], None]
+    restore: Callable[[int, Sequence[tuple[str, str]]], None]
+    unlock: Callable[[int], None]
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "why": self.why, "detail": self.detail}
+
+
+def _api_backend(why: str, detail: str) -> Backend:
+    return Backend(
+        "driver-api",
+        why,
+        detail,
+        _api_get_state,
+        _api_lock,
+        _api_checkpoint,
+        _api_restore,
+        _api_unlock,
+    )
+
+
+def backend_kind(kind: Optional[str] = None) -> str:
+    """``kind`` if given, else ``$CUINTERPOSE_NATIVE_BACKEND``, else "auto". Raises
+    ``AgentError`` (phase "native backend") for an unknown kind."""
+    k = (kind or os.environ.get(BACKEND_ENV) or "auto").strip().lower()
+    if k not in BACKEND_KINDS:
+        raise AgentError(
+            "native backend", f"unknown native backend {k!r} (expected one of {BACKEND_KINDS})"
+        )
+    return k
+
+
+def missing_api_symbols(library: str) -> list[str]:
+    """The :data:`API_SYMBOLS` that ``library`` (a loaded ``libcuda.so.1``) does not export
+    (``dlsym``); all of them when it cannot be opened."""
+    try:
+        lib = ctypes.CDLL(library, mode=os.RTLD_NOLOAD | os.RTLD_NOW)
+    except OSError:
+        try:
+            lib = ctypes.CDLL(library)
+        except OSError:
+            return list(API_SYMBOLS)
+    return [s for s in API_SYMBOLS if not hasattr(lib, s)]
+
+
+_backends: dict[str, Backend] = {}
+
+
+def choose(kind: Optional[str] = None) -> Backend:
+    """Pick the backend for ``kind`` (see :func:`backend_kind`) without caching it.
+
+    ``driver-api`` loads the driver (:func:`load`); ``cuda-checkpoint`` finds the CLI
+    (:func:`native_cli.find`); ``auto`` takes the driver API when the loaded library exports
+    every :data:`API_SYMBOLS` entry, else the CLI. Raises ``AgentError`` (phase "native
+    backend") naming what is missing and what to do."""
+    k = backend_kind(kind)
+    if k == "cuda-checkpoint":
+        path, how = native_cli.find(_fake())
+        if path is None:
+            raise AgentError("native backend", f"--native-backend cuda-checkpoint: {how}")
+        return _cli_backend(path, f"--native-backend cuda-checkpoint ({how})")
+    why_not = ""
+    if _info is None and _driver is not None:  # bindings loaded without load(): tests
+        return _api_backend(f"--native-backend {k} (cuda.bindings already loaded)", "")
+    try:
+        inf = info()
+    except AgentError as e:
+        if k == "driver-api":
+            raise
+        why_not = f"the driver did not load ({e.reason})"
+    else:
+        missing = missing_api_symbols(inf.library)
+        if not missing:
+            why = (
+                f"auto: {inf.library} exports cuCheckpointProcess*"
+                if k == "auto"
+                else f"--native-backend driver-api ({inf.library})"
+            )
+            return _api_backend(why, f"{inf.kind} driver {inf.version} at {inf.library}")
+        why_not = f"{inf.library} lacks {', '.join(missing)}"
+        if k == "driver-api":
+            raise AgentError(
+                "native backend",
+                f"--native-backend driver-api: {why_not} (a driver older than r570?); "
+                "use --native-backend cuda-checkpoint",
+            )
+    path, how = native_cli.find(_fake())
+    if path is None:
+        raise AgentError(
+            "native backend",
+            f"no native checkpoint backend: {why_not}, and {how}; install NVIDIA's "
+            "cuda-checkpoint (or point $CUINTERPOSE_CUDA_CHECKPOINT at it)",
+        )
+    return _cli_backend(path, f"auto: {why_not}; using {how}")
+
+
+def _fake() -> bool:
+    try:
+        return (_info.kind if _info is not None else driver_kind()) == "fake"
+    except AgentError:
+        return False
+
+
+def _cli_backend(path: str, why: str) -> Backend:
+    return Backend(
+        "cuda-checkpoint", why, path, **native_cli.hooks(path, call_deadline_s, in_netns)
+    )
+
+
+def backend(kind: Optional[str] = None) -> Backend:
+    """The backend of this process for ``kind`` (or ``$CUINTERPOSE_NATIVE_BACKEND``): chosen
+    once by :func:`choose` once the driver is loaded, then kept (one choice per kind)."""
+    k = backend_kind(kind)
+    b = _backends.get(k)
+    if b is None:
+        b = choose(k)
+        if _info is not None:  # decided with the driver loaded: keep it
+            _backends[k] = b
+    return b
+
+
+def get_state(pid: int) -> str:
+    """The checkpoint state of ``pid`` as a name: "RUNNING", "LOCKED", "CHECKPOINTED",
+    "FAILED" (``CU_PROCESS_STATE_`` stripped; the CLI's lower-case word upper-cased). Raises
+    ``NativeError`` (e.g. for a process that never initialised CUDA)."""
+    return backend().get_state(pid)
+
+
+def lock(pid: int, timeout_ms: int) -> None:
+    """RUNNING -> LOCKED within ``timeout_ms`` (the driver's ``CUcheckpointLockArgs.timeoutMs``,
+    the CLI's ``--timeout``; NOT_READY/TIMEOUT on timeout, the process stays RUNNING).
+    ``timeout_ms`` = 0 (the CLI's "none") does not wait forever: the driver gets the
+    driver-call deadline (:func:`call_deadline_s`) as its timeout, so that the driver itself
+    gives up and no lock completes after the agent stopped waiting (a lock that did would
+    leave the process LOCKED behind a rollback). The agent waits for the call at most that
+    timeout plus :func:`call_deadline_s`, then raises ``NativeError`` CUDA_ERROR_TIMEOUT."""
+    backend().lock(pid, timeout_ms)
+
+
+def checkpoint(pid: int) -> None:
+    """LOCKED -> CHECKPOINTED (device memory moves to driver-owned host memory)."""
+    backend().checkpoint(pid)
+
+
+def restore(pid: int, gpu_pairs: Sequence[tuple[str, str]] = ()) -> None:
+    """CHECKPOINTED -> LOCKED (mappings come back at their original VAs). ``gpu_pairs``:
+    (old UUID, new UUID) as ``"GPU-xxxxxxxx-..."`` strings, every checkpointed GPU listed
+    (driver API: ``CUcheckpointRestoreArgs.gpuPairs``; CLI: ``--device-map OLD=NEW,...``);
+    empty: the GPUs it had."""
+    backend().restore(pid, tuple(gpu_pairs))
 
 
 def unlock(pid: int) -> None:
     """LOCKED -> RUNNING."""
-    _call("unlock", pid, None)
+    backend().unlock(pid)
 
 
 def _each(action, pids: Iterable[int], fn, phase: str) -> dict[int, int]:
@@ -390,9 +583,13 @@ def checkpoint_all(pids: Iterable[int]) -> dict[int, int]:
     return _each("checkpoint", pids, checkpoint, "native checkpoint")
 
 
-def restore_all(pids: Iterable[int]) -> dict[int, int]:
-    """Native-restore every pid (CHECKPOINTED -> LOCKED); returns {pid: elapsed_ns}."""
-    return _each("restore", pids, restore, "native restore")
+def restore_all(pids: Iterable[int], gpu_pairs: Sequence[tuple[str, str]] = ()) -> dict[int, int]:
+    """Native-restore every pid (CHECKPOINTED -> LOCKED) with ``gpu_pairs`` (see
+    :func:`restore`); returns {pid: elapsed_ns}."""
+    pairs = tuple(gpu_pairs)
+    if not pairs:
+        return _each("restore", pids, restore, "native restore")
+    return _each("restore", pids, lambda p: restore(p, pairs), "native restore")
 
 
 def unlock_all(pids: Iterable[int]) -> dict[int, int]:

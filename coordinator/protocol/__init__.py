@@ -6,9 +6,10 @@ protocol.h is the single definition; this package mirrors it field for field (an
 ``tests/coordinator/test_protocol.py`` pins every offset, size and constant against the C
 header (compiled), and round-trips bytes in both directions. Change both together.
 
-The definitions live in four modules (``codes``: #defines, enums, the ops table;
+The definitions live in five modules (``codes``: #defines, enums, the ops table;
 ``structs``: the struct layouts and the dataclasses that pack them; ``checksum``;
-``sockets``: socket names and the default control dir); every name is importable from here.
+``sockets``: socket names and the default control dir; ``ipc``: the virtual IPC handle
+and the FETCH_FD secret fields); every name is importable from here.
 
 All structs are packed with explicit little-endian ``struct`` formats (``<``); the C structs
 are naturally aligned with no implicit padding, so the formats need no pad bytes.
@@ -21,12 +22,19 @@ field that does not fit (``struct.error`` is converted).
 
 from __future__ import annotations
 
-from . import checksum, codes, sockets, structs
+from . import checksum, codes, ipc, sockets, structs
 from .checksum import *  # noqa: F403
 from .codes import *  # noqa: F403
+from .ipc import *  # noqa: F403
 from .sockets import *  # noqa: F403
 from .structs import *  # noqa: F403
 from .structs import _LAYOUTS  # noqa: F401 (test_protocol.py compares it with the C layout)
 
 #: every name of the mirror: each module's ``__all__``
-__all__ = [*checksum.__all__, *codes.__all__, *sockets.__all__, *structs.__all__]
+__all__ = [
+    *checksum.__all__,
+    *codes.__all__,
+    *ipc.__all__,
+    *sockets.__all__,
+    *structs.__all__,
+]

@@ -15,6 +15,7 @@ __all__ = [
     "CUI_MAX_ACCESS",
     "CUI_TXN_ROOM",
     "CUI_TICKET_MAGIC",
+    "CUI_IPC_MAGIC",
     "CONTROL_DIR_ENV",
     "Op",
     "Phase",
@@ -46,6 +47,7 @@ CUI_MAX_ACCESS = 32
 #: txn ids kept free after a capture op for the ops that undo or restore it (protocol.h).
 CUI_TXN_ROOM = 16
 CUI_TICKET_MAGIC = b"CUITKT01"  # 8 bytes, no NUL
+CUI_IPC_MAGIC = b"CUIIPC01"  # 8 bytes, no NUL: a virtual IPC handle (struct cui_ipc_handle)
 CONTROL_DIR_ENV = "CUINTERPOSE_CONTROL_DIR"
 
 
@@ -91,7 +93,7 @@ class PhaseRule(enum.IntEnum):
     ANY = 256  # needs: every phase but FAILED
     SAME = 257  # leaves: the phase does not change
     MULTICAST_RELEASED_OR_ACTIVE = 258  # MULTICAST_RELEASED if the capture ran PREPARE_MULTICAST
-    UNCHECKED = 259  # needs: no phase check (FETCH_FD)
+    UNCHECKED = 259  # needs: no expected_phase check (FETCH_FD: refuses SAVED/PREPARED/FAILED)
 
 
 @dataclass(frozen=True)
@@ -167,7 +169,8 @@ class Status(enum.IntEnum):
     BAD_REQUEST = 5
     NOT_FOUND = 6
     BUSY = 7  # retryable: another mutating request runs; nothing changed, txn not consumed
-    REFUSED_PEER = 8  # SO_PEERCRED: a mutating op from neither root nor the shim's uid
+    REFUSED_PEER = 8  # SO_PEERCRED: mutating op from neither root nor the shim's uid;
+    # or FETCH_FD without the allocation's secret
 
     @property
     def is_refusal(self) -> bool:
@@ -235,6 +238,8 @@ class RecordFlag(enum.IntFlag):
     PASSTHROUGH = 0x10
     MC_BY_ADDR = 0x20
     MC_V2_ABI = 0x40
+    ADAPTER = 0x80  # IPC adapter allocation: reserved[0] = bytes requested, size = bytes mapped
+    IPC = 0x100  # creator: virtual IPC handle handed out; importer: opened (reserved[1] = opens)
 
 
 class TicketKind(enum.IntEnum):

@@ -6,7 +6,10 @@
  *                   the multicast object tables
  *   peer.c          the FETCH_FD client (importers ask a creator's control socket)
  *   proc_address.c  cuGetProcAddress[_v2] and cudaGetDriverEntryPoint* (resolver wrappers)
- * Arrows inside the layer: vmm_api -> multicast_api -> peer, vmm_api -> peer.
+ *   alloc_api.c     the IPC adapter: cuMemAlloc_v2, cuMemFree_v2, address range, attributes
+ *   ipc_api.c       the IPC adapter: cuIpcGetMemHandle, cuIpcOpenMemHandle[_v2], cuIpcCloseMemHandle
+ * Arrows inside the layer: vmm_api -> multicast_api -> peer, vmm_api -> peer; alloc_api ->
+ * vmm_api; ipc_api -> alloc_api, vmm_api.
  */
 #ifndef CUI_API_H
 #define CUI_API_H
@@ -37,5 +40,36 @@ CUI_HIDDEN const char *cui_mc_bind_api(int by_addr, int v2);
 /* Asks the creator's control socket for the real export FD of `id`. Returns the FD (CLOEXEC)
  * or -1 with a reason in `why`. Never touches the state lock. */
 CUI_HIDDEN int cui_fetch_fd(uint32_t creator_pid, const uint8_t id[16], char *why, size_t cap);
+
+/* ---------- alloc_api.c (the IPC adapter) ---------- */
+
+/* An adapter allocation's mapping (creator) or an IPC importer's mapping, by any address in it. */
+struct cui_adapter_range {
+  uint64_t va, mapped, requested;  /* start; bytes mapped; bytes requested (cuMemAlloc_v2) */
+  uint64_t vhandle;
+  void *ctx;                       /* CUcontext current at cuMemAlloc_v2 / cuIpcOpenMemHandle */
+  int device;                      /* the allocation's device ordinal (an import: the exporter's) */
+  int importer;                    /* opened by cuIpcOpenMemHandle (not this process's memory) */
+};
+/* 1 and the range when `p` lies in one; 0 otherwise. Takes the state lock. */
+CUI_HIDDEN int cui_adapter_find(uint64_t p, struct cui_adapter_range *out);
+/* The current context's device ordinal: a CUresult (CUDA_ERROR_INVALID_CONTEXT without one). */
+CUI_HIDDEN int cui_current_device(int *dev);
+/* Marks the allocation of virtual handle `vh` as adapter memory (and IPC importer memory when
+ * `ipc_va` is not 0): flags, bytes requested, the current context, and `dev` (an import: the
+ * allocation's own device, the exporter's). Takes the lock. */
+CUI_HIDDEN void cui_adapter_mark(uint64_t vh, uint64_t requested, int dev, uint64_t ipc_va);
+/* Reserve `size` bytes (alignment `align`, 0 = default), map virtual handle `vh` there, grant
+ * read-write access to `dev`, through the tracked wrappers; undone on failure. */
+CUI_HIDDEN CUresult cui_adapter_map(uint64_t vh, size_t size, size_t align, int dev, CUdeviceptr *va);
+/* Driver IPC handles that passed through: an export of `ptr` (import = 0) or an import at VA
+ * `ptr` with the handle's first 8 bytes `head` (import = 1); dropped when freed or closed. */
+CUI_HIDDEN void cui_ipc_foreign_add(uint64_t ptr, const uint8_t *head, int import);
+CUI_HIDDEN void cui_ipc_foreign_drop(uint64_t ptr, int import);
+/* After INSPECT built its records (control.c): allocation records of adapter and IPC
+ * allocations get reserved[0] = bytes requested and reserved[1] = IPC opens; while a driver IPC
+ * handle is live, an OK status becomes CUI_REFUSED_STATE with `msg` naming pid, pointer or
+ * handle bytes and why. Takes the state lock, then the foreign handles' own. */
+CUI_HIDDEN void cui_ipc_inspect_fixup(struct cui_record *recs, uint32_t n, int32_t *status, char *msg, size_t cap);
 
 #endif

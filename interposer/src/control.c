@@ -10,7 +10,11 @@
  *               from the export cache (cache mutex only: it answers while a phase op of this
  *               process waits on a peer), and hands every other op to the worker. When the
  *               worker is busy it replies CUI_BUSY (retryable) before anything is mutated.
- *               INSPECT (read-only) is answered here too, under the state lock, never queued.
+ *               INSPECT (read-only) is answered here too, under the state lock, never queued;
+ *               the IPC adapter fills its record fields and refuses it (CUI_REFUSED_STATE,
+ *               records still sent) while a driver IPC handle is live (alloc_api.c).
+ *               FETCH_FD needs the allocation's secret (protocol.h "Secrets") and is refused
+ *               in SAVED, PREPARED and FAILED.
  *               Mutating ops are refused (CUI_REFUSED_PEER) unless SO_PEERCRED names root or
  *               this process's uid.
  *   cui-control the control worker: runs one op at a time (ops.c) and replies.
@@ -97,17 +101,38 @@ static int send_reply(int conn, const struct cui_request *req, const struct cui_
   return 0;
 }
 
+/* FETCH_FD (protocol.h "Secrets"): served from the export cache in the phases an import needs
+ * (not SAVED, PREPARED, FAILED), and only with the allocation's secret when it has one. */
 static void serve_fetch_fd(int conn, const struct cui_request *req) {
   struct cui_op_result res;
   memset(&res, 0, sizeof res);
-  int fd = cui_cache_dup(req->alloc_id);
-  if (fd < 0) {
-    char hex[33];
-    cui_hex_id(req->alloc_id, hex);
-    res.status = CUI_NOT_FOUND;
+  char hex[33];
+  cui_hex_id(req->alloc_id, hex);
+  uint32_t self = (uint32_t)getpid(), phase = __atomic_load_n(&cui_st.phase, __ATOMIC_ACQUIRE);
+  int fd = -1;
+  if (phase == CUI_PHASE_SAVED || phase == CUI_PHASE_PREPARED || phase == CUI_PHASE_FAILED) {
+    res.status = CUI_REFUSED_PHASE;
     snprintf(res.message, sizeof res.message,
-             "FETCH_FD: pid %u (phase %s) has no exported allocation %s (requested by pid %u)", (unsigned)getpid(),
-             cui_phase_name(__atomic_load_n(&cui_st.phase, __ATOMIC_ACQUIRE)), hex, (unsigned)req->sender_pid);
+             "FETCH_FD: pid %u is in phase %s: allocation %s is not served to pid %u until the process is "
+             "restored (FETCH_FD is served in ACTIVE and the restore phases); nothing was sent",
+             (unsigned)self, cui_phase_name(phase), hex, (unsigned)req->sender_pid);
+  } else {
+    uint64_t want = cui_secret_of(req->alloc_id, self);
+    if (want && req->reserved[0] != want) {
+      struct ucred cr;
+      socklen_t len = sizeof cr;
+      int peer = getsockopt(conn, SOL_SOCKET, SO_PEERCRED, &cr, &len) == 0 ? (int)cr.pid : -1;
+      res.status = CUI_REFUSED_PEER;
+      snprintf(res.message, sizeof res.message,
+               "FETCH_FD: pid %u refused allocation %s to pid %d (request names pid %u): the request does "
+               "not carry the allocation's secret; only holders of its ticket or IPC handle may fetch it",
+               (unsigned)self, hex, peer, (unsigned)req->sender_pid);
+    } else if ((fd = cui_cache_dup(req->alloc_id)) < 0) {
+      res.status = CUI_NOT_FOUND;
+      snprintf(res.message, sizeof res.message,
+               "FETCH_FD: pid %u (phase %s) has no exported allocation %s (requested by pid %u)", (unsigned)self,
+               cui_phase_name(phase), hex, (unsigned)req->sender_pid);
+    }
   }
   send_reply(conn, req, &res, 0, fd);
   if (fd >= 0) close(fd);
@@ -155,6 +180,9 @@ static void dispatch(int c, struct cui_request req) {
   if (req.op == CUI_OP_INSPECT) {   /* read-only: never takes the worker slot (case 011) */
     uint64_t t0 = cui_now_ns();
     cui_run_op(&req, &res);
+    /* the IPC adapter's record fields, and its refusal while a driver IPC handle is live */
+    if (res.status == CUI_OK)
+      cui_ipc_inspect_fixup(res.records, res.record_count, &res.status, res.message, sizeof res.message);
     send_reply(c, &req, &res, cui_now_ns() - t0, -1);
     free(res.records);
     close(c);

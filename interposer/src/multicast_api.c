@@ -2,15 +2,15 @@
  * multicast_api.c: multicast objects and their wrappers (docs/shim.md "Multicast"), on the
  * state layer; the phase ops that tear them down and rebuild them are in ops_multicast.c.
  *
- * The app sees virtual handles for multicast objects too (same tag and counter as allocations).
- * Per object the shim records the requested properties, the effective extent (largest
- * mcOffset + size bound or mapped in this process), the devices this process added, its
- * bindings (by handle or by address, v1 or device-explicit _v2 ABI: the wrapper the app
- * reached), its mappings of the object and their access. An object whose handle types are not
- * exactly POSIX_FILE_DESCRIPTOR (0, FABRIC) is created and used normally but flagged
- * CUI_REC_PASSTHROUGH: it cannot be rebuilt, so PREPARE_MULTICAST refuses and the coordinator's
- * validation names it. Binding memory the shim does not track into a tracked object is refused
- * before the driver sees the call (CUDA_ERROR_NOT_SUPPORTED, nothing recorded).
+ * The app sees virtual handles for multicast objects too (same tag and counter as allocations). Per object the shim
+ * records the requested properties, the effective extent (largest mcOffset + size bound or mapped in this process),
+ * the devices this process added, its bindings (by handle or by address, v1 or device-explicit _v2 ABI: the wrapper
+ * the app reached), its mappings of the object and their access. An object whose handle types are not exactly
+ * POSIX_FILE_DESCRIPTOR (0, FABRIC) is created and used normally but flagged CUI_REC_PASSTHROUGH: it cannot be
+ * rebuilt, so PREPARE_MULTICAST refuses and the coordinator's validation names it. Binding memory the shim does not
+ * track into a tracked object is refused before the driver sees the call (CUDA_ERROR_NOT_SUPPORTED, nothing
+ * recorded). A creator's exported object outlives the app's release of the create handle as the team's anchor
+ * (mc_maybe_destroy; docs/shim.md "Creator lets go", decisions.md D23).
  *
  * Locking: create, add-device, bind and map are collective (bind and map block until every
  * device of the team was added, in every process), so they run with cui_st.lock dropped and
@@ -35,10 +35,8 @@ static struct cui_mc *mc_by_vhandle(uint64_t vh) {
 }
 
 static struct cui_mc *mc_by_id(uint32_t creator_pid, const uint8_t id[16]) {
-  for (size_t i = 0; i < cui_st.nmcs; i++) {
-    struct cui_mc *m = &cui_st.mcs[i];
+  for (struct cui_mc *m = cui_st.mcs; m < cui_st.mcs + cui_st.nmcs; m++)
     if (m->live && m->creator_pid == creator_pid && memcmp(m->id, id, 16) == 0) return m;
-  }
   return NULL;
 }
 
@@ -60,9 +58,12 @@ static struct cui_mc *mc_new(const uint8_t id[16], uint32_t creator_pid) {
   return m;
 }
 
-/* The driver reference goes when nothing refers to the object any more. */
+/* The driver reference goes when nothing refers to the object any more, except in the creator
+ * of an exported object: its anchor keeps the reference, the cached export FD and the devices
+ * (importers fetch it, the restore rebuilds it) until the process exits. */
 static void mc_maybe_destroy(struct cui_mc *m) {
   if (!m->live || m->vrefs || m->nbinds || m->nmaps) return;
+  if (m->role == CUI_ROLE_CREATOR && (m->flags & CUI_REC_EXPORTED) && !(m->flags & CUI_REC_PASSTHROUGH)) return;
   if (m->role == CUI_ROLE_CREATOR) cui_cache_close(m->id);   /* first: an open export FD is a reference */
   if (m->has_real) {
     REAL(cuMemRelease)(m->real);
@@ -531,7 +532,8 @@ CUresult cui_mc_set_access(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *
 
 /* ---------- export / import ---------- */
 
-static void fill_ticket(struct cui_ticket *t, const struct cui_mc *m) {
+/* The ticket of `m`, reserved[1] its secret (protocol.h "Secrets"); -1: none made (no memory). */
+static int fill_ticket(struct cui_ticket *t, const struct cui_mc *m) {
   memset(t, 0, sizeof *t);
   t->kind = CUI_TICKET_MULTICAST;
   t->creator_pid = m->creator_pid;
@@ -539,6 +541,9 @@ static void fill_ticket(struct cui_ticket *t, const struct cui_mc *m) {
   t->size = m->prop.size;
   t->reserved0 = m->prop.numDevices;
   t->reserved[0] = m->prop.handleTypes;
+  int own = m->creator_pid == (uint32_t)getpid();
+  t->reserved[1] = own ? cui_secret_make(m->id) : cui_secret_of(m->id, m->creator_pid);
+  return own && !t->reserved[1] ? -1 : 0;
 }
 
 CUresult cui_mc_export(void *shareableHandle, uint64_t vh, CUmemAllocationHandleType type, unsigned long long flags) {
@@ -562,8 +567,7 @@ CUresult cui_mc_export(void *shareableHandle, uint64_t vh, CUmemAllocationHandle
     }
     if (r == CUDA_SUCCESS) {
       struct cui_ticket t;
-      fill_ticket(&t, m);
-      int fd = cui_make_ticket(&t);
+      int fd = fill_ticket(&t, m) == 0 ? cui_make_ticket(&t) : -1;
       if (fd < 0) r = CUDA_ERROR_OUT_OF_MEMORY;
       else {
         *(int *)shareableHandle = fd;
@@ -576,6 +580,7 @@ CUresult cui_mc_export(void *shareableHandle, uint64_t vh, CUmemAllocationHandle
 }
 
 CUresult cui_mc_import_ticket(CUmemGenericAllocationHandle *handle, const struct cui_ticket *t) {
+  cui_secret_learn(t->alloc_id, t->creator_pid, t->reserved[1]); /* FETCH_FD sends it (peer.c) */
   pthread_mutex_lock(&cui_st.lock);
   if (!cui_gate_open()) {
     pthread_mutex_unlock(&cui_st.lock);

@@ -29,8 +29,18 @@ static void fail_driver(struct cui_op_result *res, uint32_t op, const struct cui
 
 /* ---------- helpers for the byte-moving phases ---------- */
 
+/* Is the allocation's memory on the host (CUDA driver API cuMemCreate: location HOST,
+ * HOST_NUMA or HOST_NUMA_CURRENT; NCCL's SHM transport uses HOST_NUMA with POSIX FDs)? */
+static int host_located(const CUmemAllocationProp *p) {
+  return p->location.type == CU_MEM_LOCATION_TYPE_HOST || p->location.type == CU_MEM_LOCATION_TYPE_HOST_NUMA ||
+         p->location.type == CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT;
+}
+
 /* A temporary full-size staging mapping of `h` with read-write access, so partial or
- * read-only app mappings do not limit the copy. */
+ * read-only app mappings do not limit the copy. Device memory: access for its own device.
+ * Host memory: access for the device of the current context (the copy engine reads it), plus
+ * its host location for HOST and HOST_NUMA (the CPU's grant; HOST_NUMA_CURRENT names no
+ * location an access descriptor can carry). */
 static CUresult staging_map(const struct cui_alloc *a, CUmemGenericAllocationHandle h, CUdeviceptr *va,
                             const char **what) {
   *va = 0;
@@ -47,11 +57,21 @@ static CUresult staging_map(const struct cui_alloc *a, CUmemGenericAllocationHan
     *va = 0;
     return r;
   }
-  CUmemAccessDesc d;
-  memset(&d, 0, sizeof d);
-  d.location = a->prop.location;
-  d.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  r = REAL(cuMemSetAccess)(*va, a->size, &d, 1);
+  CUmemAccessDesc d[2];
+  memset(d, 0, sizeof d);
+  size_t n = 1;
+  d[0].location = a->prop.location;
+  d[0].flags = d[1].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  if (host_located(&a->prop)) {
+    CUdevice dev = 0;
+    cui_fn_cuCtxGetDevice getdev = REAL(cuCtxGetDevice);
+    if (!getdev || getdev(&dev) != CUDA_SUCCESS) dev = 0;
+    d[1] = d[0];
+    d[0].location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    d[0].location.id = (int)dev;
+    n = a->prop.location.type == CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT ? 1 : 2;
+  }
+  r = REAL(cuMemSetAccess)(*va, a->size, d, n);
   if (r != CUDA_SUCCESS) {
     *what = "cuMemSetAccess (staging)";
     REAL(cuMemUnmap)(*va, a->size);

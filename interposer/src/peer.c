@@ -2,8 +2,9 @@
  * peer.c: the FETCH_FD client (protocol.h "Transport"; docs/shim.md "Threads"): an importer
  * asks the creator's control socket for the real export FD of an allocation or multicast
  * object, which arrives as SCM_RIGHTS on the reply. Used by the import wrappers and the
- * RESTORE_UNICAST / RESTORE_MULTICAST_IMPORTERS ops; never touches the state lock. Calls only
- * util.
+ * RESTORE_UNICAST / RESTORE_MULTICAST_IMPORTERS ops; never touches the state lock. The request
+ * carries the allocation's secret learnt from its ticket or virtual IPC handle (protocol.h
+ * "Secrets"; the secrets' own mutex). Calls util and state.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -46,6 +47,7 @@ int cui_fetch_fd(uint32_t creator_pid, const uint8_t id[16], char *why, size_t c
   req.op = CUI_OP_FETCH_FD;
   req.sender_pid = (uint32_t)getpid();
   memcpy(req.alloc_id, id, 16);
+  req.reserved[0] = cui_secret_of(id, creator_pid);   /* protocol.h "Secrets"; 0: none known */
   if (cui_write_full(s, &req, sizeof req) != 0) {
     snprintf(why, cap, "send to %s: %s", sa.sun_path, strerror(errno));
     close(s);
@@ -82,7 +84,7 @@ int cui_fetch_fd(uint32_t creator_pid, const uint8_t id[16], char *why, size_t c
     if (n && cui_read_full(s, msg, n) == 0) msg[n] = 0;
     if (rep.status == CUI_NOT_FOUND && rep.phase == CUI_PHASE_ACTIVE)
       snprintf(why, cap, "dead ticket: the creator holds no handle or mapping of the allocation any more (%s)", msg);
-    else if (rep.status == CUI_NOT_FOUND)
+    else if (rep.status == CUI_NOT_FOUND || rep.status == CUI_REFUSED_PHASE)
       snprintf(why, cap, "creator pid %u is in phase %s, its exports are closed until it is restored (%s)", creator_pid,
                cui_phase_name(rep.phase), msg);
     else snprintf(why, cap, "creator replied status %d: %s", rep.status, msg);

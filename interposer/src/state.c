@@ -93,6 +93,85 @@ unsigned cui_cache_close_all(void) {
   return n;
 }
 
+/* ---------- secrets (protocol.h "Secrets"; own mutex) ---------- */
+
+static pthread_mutex_t g_secret_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct cui_tab g_secret_ix;   /* (id, creator pid) -> index into g_secrets */
+static uint64_t *g_secrets;          /* values; a free slot holds the next free index + 1 */
+static uint32_t g_nsecrets, g_cap_secrets, g_secret_free;
+
+uint64_t cui_secret_of(const uint8_t id[16], uint32_t creator_pid) {
+  pthread_mutex_lock(&g_secret_lock);
+  uint32_t *at = cui_tab_get(&g_secret_ix, cui_id_key(id, creator_pid));
+  uint64_t v = at ? g_secrets[*at] : 0;
+  pthread_mutex_unlock(&g_secret_lock);
+  return v;
+}
+
+/* Lock held. 0 when out of memory. */
+static int secret_put(const uint8_t id[16], uint32_t creator_pid, uint64_t secret) {
+  uint32_t *at = cui_tab_get(&g_secret_ix, cui_id_key(id, creator_pid));
+  if (at) {
+    g_secrets[*at] = secret;
+    return 1;
+  }
+  uint32_t i;
+  if (g_secret_free) {
+    i = g_secret_free - 1;
+    g_secret_free = (uint32_t)g_secrets[i];
+  } else {
+    if (g_nsecrets == g_cap_secrets) {
+      uint32_t cap = g_cap_secrets ? 2 * g_cap_secrets : 64;
+      uint64_t *n = realloc(g_secrets, cap * sizeof *n);
+      if (!n) return 0;
+      g_secrets = n;
+      g_cap_secrets = cap;
+    }
+    i = g_nsecrets++;
+  }
+  if (cui_tab_put(&g_secret_ix, cui_id_key(id, creator_pid), i) != 0) {
+    g_secrets[i] = g_secret_free;
+    g_secret_free = i + 1;
+    return 0;
+  }
+  g_secrets[i] = secret;
+  return 1;
+}
+
+uint64_t cui_secret_make(const uint8_t id[16]) {
+  uint32_t self = (uint32_t)getpid();
+  pthread_mutex_lock(&g_secret_lock);
+  uint32_t *at = cui_tab_get(&g_secret_ix, cui_id_key(id, self));
+  uint64_t v = at ? g_secrets[*at] : 0;
+  while (!v) {   /* getrandom(2) through cui_random_id; 0 means "none" */
+    uint8_t r[16];
+    cui_random_id(r);
+    memcpy(&v, r, sizeof v);
+  }
+  if (!at && !secret_put(id, self, v)) v = 0;
+  pthread_mutex_unlock(&g_secret_lock);
+  return v;
+}
+
+void cui_secret_learn(const uint8_t id[16], uint32_t creator_pid, uint64_t secret) {
+  if (!secret) return;
+  pthread_mutex_lock(&g_secret_lock);
+  secret_put(id, creator_pid, secret);
+  pthread_mutex_unlock(&g_secret_lock);
+}
+
+void cui_secret_forget(const uint8_t id[16], uint32_t creator_pid) {
+  pthread_mutex_lock(&g_secret_lock);
+  uint32_t *at = cui_tab_get(&g_secret_ix, cui_id_key(id, creator_pid));
+  if (at) {
+    uint32_t i = *at;
+    cui_tab_del(&g_secret_ix, cui_id_key(id, creator_pid));
+    g_secrets[i] = g_secret_free;
+    g_secret_free = i + 1;
+  }
+  pthread_mutex_unlock(&g_secret_lock);
+}
+
 /* ---------- tables (lock held) ---------- */
 
 uint64_t cui_new_vhandle(void) { return (CUI_VHANDLE_TAG << CUI_VHANDLE_SHIFT) | ++cui_st.last_vhandle; }
@@ -138,6 +217,7 @@ struct cui_alloc *cui_alloc_new(const uint8_t id[16], uint32_t creator_pid) {
 void cui_maybe_destroy(struct cui_alloc *a) {
   if (!a->live || a->vrefs || a->nmaps || a->nbinds) return;
   if (a->role == CUI_ROLE_CREATOR || (a->flags & CUI_REC_EXPORTED)) cui_cache_close(a->id);
+  cui_secret_forget(a->id, a->creator_pid);
   cui_tab_del(&cui_st.alloc_ids, cui_id_key(a->id, a->creator_pid));
   cui_tab_del(&cui_st.alloc_vh, (struct cui_key){a->vhandle, 0, 0});
   a->live = 0;   /* the slot is reused, the virtual handle never */
@@ -271,6 +351,11 @@ int cui_alloc_ticket(const struct cui_alloc *a) {
   t.creator_pid = a->creator_pid;
   memcpy(t.alloc_id, a->id, 16);
   t.size = a->size;
+  /* the creator's secret (0 only when out of memory: no ticket); an importer re-exporting passes
+   * on the one it learnt (0 when its own ticket had none: the creator then refuses the fetch) */
+  int own = a->creator_pid == (uint32_t)getpid();
+  t.reserved[1] = own ? cui_secret_make(a->id) : cui_secret_of(a->id, a->creator_pid);
+  if (own && !t.reserved[1]) return -1;
   return cui_make_ticket(&t);
 }
 
@@ -280,7 +365,10 @@ int cui_read_ticket(int fd, struct cui_ticket *t) {
   const int want = F_SEAL_WRITE | F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL;
   if (seals < 0 || (seals & want) != want) return 0;
   if (pread(fd, t, sizeof *t, 0) != (ssize_t)sizeof *t) return 0;
-  return memcmp(t->magic, CUI_TICKET_MAGIC, 8) == 0;
+  if (memcmp(t->magic, CUI_TICKET_MAGIC, 8) != 0) return 0;
+  if (t->version == CUI_PROTO_VERSION && t->kind == CUI_TICKET_ALLOCATION)
+    cui_secret_learn(t->alloc_id, t->creator_pid, t->reserved[1]);
+  return 1;
 }
 
 /* ---------- access lists (merged per location; unicast and multicast records) ---------- */

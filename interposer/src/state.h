@@ -32,6 +32,12 @@ struct cui_alloc {
   uint32_t maps_head;              /* its mapping records: a list through cui_mapping.next (ref) */
   uint32_t next_free;              /* free-slot list (index + 1) while not live */
   uint64_t carrier_off, carrier_bytes, checksum;
+  /* IPC adapter (alloc_api.c, ipc_api.c): flags CUI_REC_ADAPTER / CUI_REC_IPC */
+  uint64_t req_size;               /* adapter: bytes the app asked cuMemAlloc_v2 for */
+  uint64_t ipc_va;                 /* IPC importer: the VA cuIpcOpenMemHandle returned */
+  uint32_t ipc_opens;              /* IPC importer: opens not yet closed */
+  void *adapter_ctx;               /* the CUcontext current at cuMemAlloc_v2 / cuIpcOpenMemHandle */
+  int adapter_dev;                 /* its device ordinal */
 };
 
 /* Mapping records live in stable slots of cui_st.maps; a "ref" is slot index + 1 (0 = none).
@@ -157,10 +163,22 @@ CUI_HIDDEN void cui_cache_close(const uint8_t id[16]);
 CUI_HIDDEN unsigned cui_cache_close_all(void);
 
 /* Tickets: cui_make_ticket seals `t` into a memfd (or -1); cui_alloc_ticket is the ticket of
- * an allocation; cui_read_ticket returns 1 and the ticket when `fd` is a cuinterpose ticket. */
+ * an allocation (carrying its secret: reserved[1]); cui_read_ticket returns 1 and the ticket
+ * when `fd` is a cuinterpose ticket (and learns an allocation ticket's secret). */
 CUI_HIDDEN int cui_make_ticket(const struct cui_ticket *t);
 CUI_HIDDEN int cui_alloc_ticket(const struct cui_alloc *a);
 CUI_HIDDEN int cui_read_ticket(int fd, struct cui_ticket *t);
+
+/* Secrets (protocol.h "Secrets"): 64 bits, never 0, by (allocation id, creator pid), under
+ * their own mutex (FETCH_FD is served without the state lock). cui_secret_of: the secret known
+ * for the allocation, 0 when none. cui_secret_make: this process's own allocation's secret (an
+ * existing one, else a new one from getrandom(2)); 0 when out of memory. cui_secret_learn:
+ * remember a secret read from a ticket or virtual IPC handle. cui_secret_forget: drop it (the
+ * allocation is destroyed). */
+CUI_HIDDEN uint64_t cui_secret_of(const uint8_t id[16], uint32_t creator_pid);
+CUI_HIDDEN uint64_t cui_secret_make(const uint8_t id[16]);
+CUI_HIDDEN void cui_secret_learn(const uint8_t id[16], uint32_t creator_pid, uint64_t secret);
+CUI_HIDDEN void cui_secret_forget(const uint8_t id[16], uint32_t creator_pid);
 
 /* Access lists, merged per location (PyTorch grants one GPU per cuMemSetAccess call).
  * cui_access_count_after: locations the list would hold after merging `desc[0..n)`.

@@ -429,6 +429,10 @@ CUI_EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle 
   if (shHandleType != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR || !handle) return real(handle, osHandle, shHandleType);
   int fd = (int)(intptr_t)osHandle;
   struct cui_ticket t;
+  /* The FD may be a pidfd_getfd(2) duplicate of the exporter's ticket (PyTorch expandable
+   * segments) sharing its file offset: cui_read_ticket preads at 0 and never moves it, and the
+   * real FD comes from the creator's export cache, whatever either side did with its ticket FD
+   * (docs/shim.md "pidfd importers"). */
   if (cui_read_ticket(fd, &t)) {
     if (t.version == CUI_PROTO_VERSION && t.kind == CUI_TICKET_MULTICAST) return cui_mc_import_ticket(handle, &t);
     if (t.version != CUI_PROTO_VERSION || t.kind != CUI_TICKET_ALLOCATION) {

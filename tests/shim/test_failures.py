@@ -19,6 +19,7 @@ import threading
 from cuinterpose.coordinator.protocol import Op, Phase, Reply, Request, Status, Ticket
 
 from .conftest import GRAN, POSIX, RW
+from .fetch import fetch_fd, ticket_secret
 
 SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
@@ -121,7 +122,7 @@ def setup_importer(apps, ctl, fake_env, shim_env):
     a.ok(f"access {va} {GRAN} 0 {RW}")
     a.ok(f"check {va} {GRAN} 31")
     own = a.val(f"create {GRAN} {POSIX}")
-    a.val(f"export {own}")
+    own_secret = ticket_secret(a.pid, a.val(f"export {own}"))
     own_id = [
         r.alloc_id
         for r in ctl(a).request(Op.INSPECT, txn_id=0, expected_phase=Phase.ACTIVE).records
@@ -129,7 +130,7 @@ def setup_importer(apps, ctl, fake_env, shim_env):
     ][0]
     assert len(fc.requests) == 1 and fc.requests[0].alloc_id == alloc_id
     assert fc.requests[0].sender_pid == a.pid
-    return p, vp, a, va, fc, raw, own_id, alloc_id
+    return p, vp, a, va, fc, raw, (own_id, own_secret), alloc_id
 
 
 def run_to_loaded(ctl, a):
@@ -146,7 +147,7 @@ def run_to_loaded(ctl, a):
 
 
 def test_busy_worker_and_fetch_while_waiting_on_peer(apps, ctl, fake_env, shim_env):
-    p, vp, a, va, fc, raw, own_id, _ = setup_importer(apps, ctl, fake_env, shim_env)
+    p, vp, a, va, fc, raw, (own_id, own_secret), _ = setup_importer(apps, ctl, fake_env, shim_env)
     try:
         run_to_loaded(ctl, a)
         fc.release.clear()
@@ -172,11 +173,11 @@ def test_busy_worker_and_fetch_while_waiting_on_peer(apps, ctl, fake_env, shim_e
             f"CANCEL_CAPTURE: pid {a.pid} is still running another control request; "
             "nothing was changed, retry"
         )
-        # ... while FETCH_FD is still served from the export cache (re-exported by LOAD)
-        with ctl(a).request(
-            Op.FETCH_FD, txn_id=0, expected_phase=Phase.LOADED, alloc_id=own_id
-        ) as f:
-            assert f.reply.status == Status.OK and f.fd is not None
+        # ... while FETCH_FD (with the secret) is still served from the export cache (re-exported
+        # by LOAD)
+        rep, msg, got = fetch_fd(shim_env["CUINTERPOSE_CONTROL_DIR"], a.pid, own_id, own_secret)
+        assert rep.status == Status.OK and got is not None, msg
+        os.close(got)
         fc.release.set()
         th.join(30)
         r = result["r"]

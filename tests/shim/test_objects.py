@@ -17,6 +17,7 @@ from cuinterpose.coordinator.protocol import (
 )
 
 from .conftest import FABRIC, GRAN, POSIX, RW, TAG
+from .fetch import fetch_fd, ticket_secret
 
 NOT_READY, NOT_SUPPORTED, INVALID_VALUE = 600, 801, 1
 
@@ -103,7 +104,7 @@ def test_access_merged_per_location_and_limit(apps, ctl, fake_log):
     assert m2 == m
 
 
-def test_ticket_is_sealed_memfd_and_importer_sees_writes(apps, ctl, fake_log):
+def test_ticket_is_sealed_memfd_and_importer_sees_writes(apps, ctl, fake_log, shim_env):
     c, i, h, va, fd = shared_pair(apps)
     seals, size, raw = c.ok(f"ticket {fd}")
     assert int(seals) == 0xF and int(size) == 64  # WRITE|GROW|SHRINK|SEAL, 64 bytes
@@ -115,7 +116,8 @@ def test_ticket_is_sealed_memfd_and_importer_sees_writes(apps, ctl, fake_log):
         alloc.alloc_id,
         GRAN,
     )
-    assert t.reserved0 == 0 and t.reserved == (0, 0)
+    # reserved[1]: the allocation's secret (protocol.h "Secrets"), the same in every ticket
+    assert t.reserved0 == 0 and t.reserved[0] == 0 and t.reserved[1] != 0
     assert alloc.role == Role.CREATOR and alloc.flags == RecordFlag.EXPORTED | RecordFlag.SHARED
     # a second export hands out another ticket; the driver exported exactly once (cache)
     fd2 = c.val(f"export {h}")
@@ -133,15 +135,17 @@ def test_ticket_is_sealed_memfd_and_importer_sees_writes(apps, ctl, fake_log):
     # the importer's real import used the creator's export FD, fetched over the control socket
     imp = fake_log.calls(pid=i.pid, fn="cuMemImportFromShareableHandle")
     assert [r for _, _, r in imp] == ["CUDA_SUCCESS"]
-    # FETCH_FD: the export cache answers with an FD; an unknown id gets NOT_FOUND
-    with ctl(c).request(
-        Op.FETCH_FD, txn_id=0, expected_phase=Phase.ACTIVE, alloc_id=t.alloc_id
-    ) as resp:
-        assert resp.reply.status == Status.OK and resp.fd is not None
-        assert os.fstat(resp.fd).st_size >= GRAN
-    resp = ctl(c).request(Op.FETCH_FD, txn_id=0, expected_phase=Phase.ACTIVE, alloc_id=bytes(16))
-    assert resp.reply.status == Status.NOT_FOUND and resp.fd is None
-    assert f"pid {c.pid} (phase ACTIVE) has no exported allocation {'0' * 32}" in resp.message
+    # FETCH_FD with the ticket's secret: the export cache answers with an FD; an unknown id
+    # gets NOT_FOUND
+    assert ticket_secret(c.pid, fd2) == t.reserved[1]
+    cdir = shim_env["CUINTERPOSE_CONTROL_DIR"]
+    rep, _, got = fetch_fd(cdir, c.pid, t.alloc_id, t.reserved[1])
+    assert rep.status == Status.OK and got is not None
+    assert os.fstat(got).st_size >= GRAN
+    os.close(got)
+    rep, msg, got = fetch_fd(cdir, c.pid, bytes(16), 0)
+    assert rep.status == Status.NOT_FOUND and got is None
+    assert f"pid {c.pid} (phase ACTIVE) has no exported allocation {'0' * 32}" in msg
 
 
 def test_fabric_create_refused_output_untouched(apps, ctl, fake_log):

@@ -91,7 +91,8 @@ enum cui_op {
                                               skipped PREPARE_MULTICAST): free the host carrier arena, clear
                                               CUI_REC_CARRIED and the carrier fields; nothing else
                                               changes (mappings and handles were never touched) */
-  CUI_OP_FETCH_FD = 32                     /* peer: send the real export FD of alloc_id (SCM_RIGHTS) */
+  CUI_OP_FETCH_FD = 32                     /* peer: send the real export FD of alloc_id (SCM_RIGHTS);
+                                              needs the allocation's secret (Secrets) */
 };
 
 enum cui_phase {
@@ -113,8 +114,9 @@ enum cui_phase_rule {
   CUI_PHASE_RULE_MULTICAST_RELEASED_OR_ACTIVE = 258,
   /* needs: either; leaves: MULTICAST_RELEASED when this capture
      ran PREPARE_MULTICAST, ACTIVE when it skipped it (Phases) */
-  CUI_PHASE_RULE_UNCHECKED = 259  /* needs: no phase check (FETCH_FD, served by the accept
-                                     thread from the export cache in every phase) */
+  CUI_PHASE_RULE_UNCHECKED = 259  /* needs: no expected_phase check (FETCH_FD, served by the
+                                     accept thread from the export cache; it refuses SAVED,
+                                     PREPARED and FAILED itself: Secrets below) */
 };
 
 /* The ops table, one row per enum cui_op member in capture/restore order:
@@ -154,8 +156,8 @@ enum cui_status {
   CUI_BUSY = 7,               /* another mutating request is running; nothing changed and the
                                  txn was not consumed: retry the same request */
   CUI_REFUSED_PEER = 8        /* the connecting process may not send this op (SO_PEERCRED: a
-                                 mutating op from neither root nor the shim's uid); nothing
-                                 changed */
+                                 mutating op from neither root nor the shim's uid; FETCH_FD
+                                 without the allocation's secret, Secrets); nothing changed */
 };
 
 /* cui_reply.shim_flags: conditions of the replying process every reply carries */
@@ -201,6 +203,14 @@ enum cui_role {
            POSIX_FILE_DESCRIPTOR (0, FABRIC): works, blocks capture */
 #define CUI_REC_MC_BY_ADDR 0x20u  /* binding made by cuMulticastBindAddr[_v2] */
 #define CUI_REC_MC_V2_ABI  0x40u  /* binding made through the device-explicit _v2 ABI (13.1) */
+#define CUI_REC_ADAPTER                                               \
+  0x80u  /* allocation of the IPC adapter (a cuMemAlloc_v2 backed by  \
+            cuMemCreate): reserved[0] = bytes requested, size = bytes \
+            created and mapped (rounded up to the granularity) */
+#define CUI_REC_IPC                                                     \
+  0x100u /* creator: a virtual IPC handle was handed out                \
+            (cuIpcGetMemHandle); importer: opened by cuIpcOpenMemHandle \
+            (reserved[1] = its open count in this process) */
 
 #define CUI_MAX_ACCESS 32
 
@@ -217,7 +227,8 @@ struct cui_request {          /* 64 bytes */
   uint32_t expected_phase;    /* 16 enum cui_phase the sender believes the shim is in */
   uint32_t sender_pid;        /* 20 for error messages */
   uint8_t alloc_id[16];      /* 24 FETCH_FD: the allocation wanted */
-  uint64_t reserved[3];       /* 40 zero */
+  uint64_t reserved[3];       /* 40 zero; FETCH_FD: reserved[0] = the allocation's secret, from
+                                 its ticket or virtual IPC handle (Secrets below) */
 };
 
 struct cui_reply {            /* 128 bytes */
@@ -283,8 +294,36 @@ struct cui_ticket {           /* 64 bytes */
   uint32_t reserved0;         /* 20 zero (multicast: numDevices) */
   uint8_t alloc_id[16];      /* 24 */
   uint64_t size;              /* 40 allocation size (multicast: requested size), bytes */
-  uint64_t reserved[2];       /* 48 zero (multicast: reserved[0] = handleTypes, reserved0 =
-                                 numDevices) */
+  uint64_t reserved[2];       /* 48 reserved[1] = the object's secret (Secrets below);
+                                 reserved[0] zero (multicast: handleTypes; reserved0 numDevices) */
+};
+
+/* Secrets (case 011: FETCH_FD only for those the creator handed a ticket to). Each allocation a
+ * creator exports (ticket or virtual IPC handle) gets a 64-bit secret from getrandom(2), never
+ * 0, kept in the creator and in every ticket and virtual IPC handle of the allocation (the
+ * tickets are sealed memfds: only a process holding one can read it). FETCH_FD sends it in
+ * cui_request.reserved[0]; the creator serves the FD only when it equals the allocation's secret,
+ * else CUI_REFUSED_PEER (message: pid, allocation, requesting pid; never the secret). FETCH_FD is
+ * served in ACTIVE (imports), LOADED and the restore phases after it (a peer's RESTORE_UNICAST,
+ * RESTORE_MULTICAST_IMPORTERS), MULTICAST_RELEASED; refused with CUI_REFUSED_PHASE in SAVED,
+ * PREPARED and FAILED (nothing to import then: the bytes are being carried). Multicast tickets
+ * carry their object's secret the same way. */
+
+/* Virtual IPC handle: what cuIpcGetMemHandle of an adapter allocation returns in the 64 bytes of
+ * CUipcMemHandle (CUDA driver API: CU_IPC_HANDLE_SIZE 64, opaque). cuIpcOpenMemHandle[_v2] of
+ * these bytes fetches the creator's FD (FETCH_FD with the secret) and maps it at a VA the shim
+ * picks; any other 64 bytes are a driver handle and pass through. */
+#define CUI_IPC_MAGIC "CUIIPC01"
+
+struct cui_ipc_handle {       /* 64 bytes */
+  char magic[8];          /*  0 CUI_IPC_MAGIC, no NUL */
+  uint32_t version;           /*  8 CUI_PROTO_VERSION */
+  uint32_t creator_pid;       /* 12 */
+  uint8_t alloc_id[16];      /* 16 */
+  uint64_t size;              /* 32 bytes the creator asked cuMemAlloc_v2 for */
+  uint64_t offset;            /* 40 offset of the handle's pointer in the allocation, bytes */
+  uint64_t secret;            /* 48 the allocation's secret (Secrets above) */
+  uint64_t mapped;            /* 56 bytes created and mapped (size rounded up to the granularity) */
 };
 
 /* cui_checksum64: the carrier checksum. Over the bytes as little-endian uint64 words w[i]
@@ -303,5 +342,6 @@ CUI_STATIC_ASSERT(sizeof(struct cui_reply) == 128, "cui_reply is 128 bytes");
 CUI_STATIC_ASSERT(sizeof(struct cui_access) == 16, "cui_access is 16 bytes");
 CUI_STATIC_ASSERT(sizeof(struct cui_record) == 640, "cui_record is 640 bytes");
 CUI_STATIC_ASSERT(sizeof(struct cui_ticket) == 64, "cui_ticket is 64 bytes");
+CUI_STATIC_ASSERT(sizeof(struct cui_ipc_handle) == 64, "cui_ipc_handle is 64 bytes");
 
 #endif /* CUINTERPOSE_PROTOCOL_H */
