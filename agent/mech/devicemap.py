@@ -22,8 +22,6 @@ anything of the snapshot or the node is touched.
 
 from __future__ import annotations
 
-import ctypes
-import inspect
 from typing import Iterable, Optional, Sequence
 
 from cuinterpose.agent.errors import AgentError
@@ -45,16 +43,6 @@ def uuid_str(b: bytes) -> str:
     """16 UUID bytes as ``nvidia-smi -L`` writes them: ``GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx``."""
     h = bytes(b).hex()
     return f"GPU-{h[0:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
-
-
-def uuid_bytes(uuid: str) -> bytes:
-    """The 16 bytes of ``GPU-xxxxxxxx-...`` (prefix and dashes optional). ``ValueError`` else."""
-    t = uuid.strip()
-    h = (t[4:] if t.upper().startswith("GPU-") else t).replace("-", "")
-    b = bytes.fromhex(h)
-    if len(b) != 16:
-        raise ValueError(f"{uuid!r} is not a GPU UUID (32 hex digits)")
-    return b
 
 
 def describe(g: dict) -> str:
@@ -329,40 +317,12 @@ def mapped_gpus(participant: dict, mapping: dict[str, str], node: Sequence[dict]
 # ------------------------------------------------------------------ native restore with pairs
 
 
-def restore_args(driver, pairs: Sequence[tuple[str, str]]):
-    """``CUcheckpointRestoreArgs`` with ``gpuPairs`` (``CUcheckpointGpuPair{oldUuid, newUuid}``,
-    cuda.h 13.0) for ``pairs``; None when there are none."""
-    if not pairs:
-        return None
-    gp = []
-    for old, new in pairs:
-        p = driver.CUcheckpointGpuPair()
-        # CUuuid.bytes is read-only in cuda.bindings: write the struct's 32 bytes
-        ctypes.memmove(p.getPtr(), uuid_bytes(old) + uuid_bytes(new), 32)
-        gp.append(p)
-    args = driver.CUcheckpointRestoreArgs()
-    args.gpuPairs = gp
-    args.gpuPairsCount = len(gp)
-    return args
-
-
 def native_restore(pids: Iterable[int], pairs_of: dict[int, list[tuple[str, str]]]) -> None:
-    """Native-restore every pid with its own pairs (``pairs_of[pid]``, [] = its own GPUs).
-    Adapter until the native backends (branch ``backend``) are merged: their
-    ``native.restore_all(pids, gpu_pairs)`` when it has the parameter, else the driver API
-    here. Raises ``NativeError`` (phase "native restore")."""
+    """Native-restore every pid (in order) with its own pairs (``pairs_of[pid]``, [] = its own
+    GPUs) through the chosen native backend (``native.restore_all(pids, gpu_pairs)``: the
+    driver API's ``CUcheckpointRestoreArgs.gpuPairs`` or ``cuda-checkpoint --device-map``).
+    Raises ``NativeError`` (phase "native restore")."""
     from cuinterpose.agent.mech import native
 
-    has = "gpu_pairs" in inspect.signature(native.restore_all).parameters
     for pid in pids:
-        pairs = list(pairs_of.get(pid) or [])
-        if not pairs:
-            native.restore_all([pid])
-        elif has:
-            native.restore_all([pid], gpu_pairs=pairs)
-        else:
-            native.info()
-            args = restore_args(native._driver, pairs)
-            native._each(
-                "restore", [pid], lambda p, a=args: native._call("restore", p, a), "native restore"
-            )
+        native.restore_all([pid], gpu_pairs=tuple(pairs_of.get(pid) or ()))
