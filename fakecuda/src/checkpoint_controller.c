@@ -172,9 +172,9 @@ static CUresult ck_restore_call(int pid, CUcheckpointRestoreArgs *args)
             char o[41], n[41];
             uuid_str(&gp->oldUuid, o);
             uuid_str(&gp->newUuid, n);
-            fc_loud("restore of pid %d refused: gpuPairs[%u] %s -> %s: the new GPU is not visible to this "
-                    "controller, or a UUID repeats -> CUDA_ERROR_INVALID_VALUE",
-                    pid, i, o, n);
+            fc_logline("fakecuda: restore of pid %d refused: gpuPairs[%u] %s -> %s: the new GPU is not visible to this "
+                       "controller, or a UUID repeats -> CUDA_ERROR_INVALID_VALUE",
+                       pid, i, o, n);
             r = CUDA_ERROR_INVALID_VALUE;
             break;
         }

@@ -217,7 +217,9 @@ static CUresult ck_place(const struct ck_restore_req *rq, struct fc_dev *to, int
                     i, o, (int)getpid());
             return CUDA_ERROR_INVALID_VALUE;
         }
-        if (strcmp(dev_get(d)->name, gp->new_dev.name)) {
+        /* the FAKECUDA_DEVICE_COUNT devices are all one model ("fakecuda GPU N" by index) */
+        int named = (dev_get(d)->flags | gp->new_dev.flags) & FC_DEV_NAMED;
+        if (named && strcmp(dev_get(d)->name, gp->new_dev.name)) {
             fc_loud("restore refused: gpuPairs[%u] %s (%s) -> %s (%s): another model (nothing was changed; "
                     "the process stays checkpointed) -> CUDA_ERROR_INVALID_VALUE",
                     i, o, dev_get(d)->name, n, gp->new_dev.name);

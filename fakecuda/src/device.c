@@ -109,6 +109,7 @@ static int parse_devices(const char *spec)
         memcpy(d->name, p, nl);
         d->mem = mem;
         d->phys = n;
+        d->flags = FC_DEV_NAMED;
         id_uuid((unsigned)id, &d->uuid);
         n++;
         p = *end ? end + 1 : end;

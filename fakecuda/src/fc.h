@@ -184,9 +184,10 @@ extern struct fc_ctx g_prim[FC_MAX_DEVICES];
 
 /* One GPU: its physical index on the node, UUID, name (cuDeviceGetName) and total memory in
  * bytes (cuDeviceTotalMem). Also the wire form of a device in the restore request. */
+#define FC_DEV_NAMED 1u /* from FAKECUDA_DEVICES: its name is its model */
 struct fc_dev {
     int32_t phys;
-    uint32_t pad;
+    uint32_t flags;           /* FC_DEV_NAMED */
     CUuuid uuid;
     char name[64];
     uint64_t mem;

@@ -197,3 +197,21 @@ def test_restore_in_place_without_pairs(proc):
         assert ctl(f"{op} {t.pid}") == {"result": "CUDA_SUCCESS"}
     assert [d["uuid"] for d in t("devices")] == [uuid(1)]
     assert t(f"read {va} 4") == {"hex": "09" * 4}
+
+
+def test_default_devices_are_one_model(proc):
+    """The FAKECUDA_DEVICE_COUNT devices ("fakecuda GPU N" by index) may swap places."""
+    t = proc()
+    va = t("alloc 0 4096 7")["va"]
+    ctl = proc()
+    assert ctl(f"lock {t.pid}")["result"] == "CUDA_SUCCESS"
+    assert ctl(f"checkpoint {t.pid}")["result"] == "CUDA_SUCCESS"
+    assert ctl(f"restore {t.pid} {uuid(0)}={uuid(1)} {uuid(1)}={uuid(0)}") == {
+        "result": "CUDA_SUCCESS"
+    }
+    assert ctl(f"unlock {t.pid}")["result"] == "CUDA_SUCCESS"
+    assert [(d["name"], d["uuid"]) for d in t("devices")] == [
+        ("fakecuda GPU 1", uuid(1)),
+        ("fakecuda GPU 0", uuid(0)),
+    ]
+    assert t(f"read {va} 4") == {"hex": "07" * 4}
