@@ -119,13 +119,15 @@ def test_manifest_records_the_gpus(afdwin, tmp_path, monkeypatch):
         ]
 
 
+@pytest.mark.parametrize("backend", ["driver-api", "cuda-checkpoint"])
 @pytest.mark.parametrize("how", ["explicit", "automatic"])
 @pytest.mark.parametrize("extra", [(), ("--multicast",)], ids=["unicast", "multicast"])
-def test_restore_onto_other_gpus(afdwin, tmp_path, monkeypatch, how, extra):
+def test_restore_onto_other_gpus(afdwin, tmp_path, monkeypatch, how, extra, backend):
+    """gpuPairs through the driver API, or --device-map through fakecuda's cuda-checkpoint."""
     a, before, snap, m, log = checkpointed(afdwin, tmp_path, monkeypatch, extra)
     d0 = digest(snap)
     offset = log.stat().st_size
-    args = ["restore", "--images-dir", str(snap), "--driver", "fake"]
+    args = ["restore", "--images-dir", str(snap), "--driver", "fake", "--native-backend", backend]
     if how == "explicit":
         args += ["--device-map", f"0=2,{uuid(1)}={uuid(3)}"]
     else:
