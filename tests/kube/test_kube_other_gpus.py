@@ -27,7 +27,14 @@ def uuid(i: int) -> str:
 
 
 def test_restore_from_onto_a_placeholder_with_other_gpus(
-    api, tmp_path, watcher_proc, criu_ok, subreaper, placeholder, cgroup_dir, monkeypatch
+    api,
+    tmp_path,
+    watcher_proc,  # noqa: F811 (the fixture imported above)
+    criu_ok,
+    subreaper,
+    placeholder,
+    cgroup_dir,
+    monkeypatch,
 ):
     log = tmp_path / "fakecuda.log"
     monkeypatch.setenv("FAKECUDA_DEVICES", NODE4)
