@@ -215,3 +215,34 @@ def test_default_devices_are_one_model(proc):
         ("fakecuda GPU 0", uuid(0)),
     ]
     assert t(f"read {va} 4") == {"hex": "07" * 4}
+
+
+def test_gpu_pairs_restore_under_asan(fcpeer_asan_exe, fake_env, proc):
+    """The target's side (device tables, ck_place, the move) compiled with fakecuda's sources
+    under ASan/UBSan: fcpeer on {0,1}, restored onto {2,3}."""
+    from fakecuda_helpers import Peer
+
+    env = dict(
+        fake_env,
+        FAKECUDA_DEVICES=NODE4,
+        CUDA_VISIBLE_DEVICES="0,1",
+        ASAN_OPTIONS="detect_leaks=0:abort_on_error=1",
+        UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1",
+    )
+    env.pop("LD_LIBRARY_PATH")  # fakecuda is compiled in
+    t = Peer(fcpeer_asan_exe, env)
+    try:
+        t.cmd("init 1")
+        va = t.cmd("malloc 4096")[0]
+        t.cmd(f"write {va} 91")
+        ctl = proc(FAKECUDA_DEVICES=NODE4, CUDA_VISIBLE_DEVICES="2,3")
+        assert ctl(f"lock {t.pid}") == {"result": "CUDA_SUCCESS"}
+        assert ctl(f"checkpoint {t.pid}") == {"result": "CUDA_SUCCESS"}
+        assert ctl(f"restore {t.pid}") == {"result": "CUDA_ERROR_INVALID_DEVICE"}
+        assert ctl(f"restore {t.pid} {uuid(0)}={uuid(2)}") == {"result": "CUDA_ERROR_INVALID_VALUE"}
+        assert ctl(f"restore {t.pid} {uuid(1)}={uuid(3)}") == {"result": "CUDA_SUCCESS"}
+        assert ctl(f"unlock {t.pid}") == {"result": "CUDA_SUCCESS"}
+        assert t.cmd(f"read {va}") == ["91"]
+    finally:
+        t.close()
+    assert t.proc.returncode == 0
