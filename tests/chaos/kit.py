@@ -111,7 +111,7 @@ def snapshot_problem(snap: pathlib.Path) -> str:
     return ""
 
 
-def finish(a, *, restored: bool = False) -> list[str]:
+def finish(a, *, restored: bool = False, deadline_s: float | None = None) -> list[str]:
     """Let the job run to its end (held ranks released) and return the problems in its
     evidence (``demo.check_run``), [] when every pair's seqs are exactly 1..STEPS. The hold is
     released by SIGUSR1 only when no quiesce reached the job (a quiesce passes it; a SIGUSR1
@@ -123,12 +123,11 @@ def finish(a, *, restored: bool = False) -> list[str]:
         if code not in (0, None):
             return [f"restored afdwin exit {code}"]
     else:
+        limit = deadline_s or DEADLINE_S
         try:
-            code = a.proc.wait(timeout=DEADLINE_S)
+            code = a.proc.wait(timeout=limit)
         except subprocess.TimeoutExpired:
-            raise Hang(
-                f"afdwin pid {a.pid} still running {DEADLINE_S:g} s after the fault"
-            ) from None
+            raise Hang(f"afdwin pid {a.pid} still running {limit:g} s after the fault") from None
         if code != 0:
             return [f"afdwin exit {code}; stderr:\n{a.stderr_tail()}"]
     return demo.check_run(a.events(), STEPS, expect_restore=restored)
@@ -168,7 +167,9 @@ def lost_bytes(a) -> int:
     return MESSAGE_BYTES * sum(int(s[-1].get(k) or 0) for k in ("lost", "torn", "duplicated"))
 
 
-def judge(kind: str, a, snap: pathlib.Path, rc: int, out: dict, err: str = "") -> str:
+def judge(
+    kind: str, a, snap: pathlib.Path, rc: int, out: dict, *, deadline_s: float | None = None
+) -> str:
     """Decide and record the outcome of one faulted checkpoint of job ``a`` into ``snap``;
     fails the test on a defect. Returns "snapshot" or "rolled_back"."""
     if rc == 0:
@@ -190,7 +191,11 @@ def judge(kind: str, a, snap: pathlib.Path, rc: int, out: dict, err: str = "") -
     if stuck:
         tally.record(kind, "hang")
         pytest.fail(f"{kind}: exit {rc} ({out['error']['message']}); the job is stuck: {stuck}")
-    problems = finish(a)
+    try:
+        problems = finish(a, deadline_s=deadline_s)
+    except Hang:
+        tally.record(kind, "hang")
+        raise
     if problems:
         tally.record(kind, "lost", lost_bytes(a) or MESSAGE_BYTES)
         pytest.fail(f"{kind}: exit {rc} ({out['error']}); the workload did not survive: {problems}")
