@@ -71,12 +71,10 @@ static int count(const char *op) {
   syscall(SYS_pwrite64, fd, &n, sizeof n, 0);
   const char *lf = getenv("CHAOS_ENOSPC_LOG");
   if (lf) {
-    int lfd = (int)syscall(SYS_openat, AT_FDCWD, lf, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC,
-                           0600);
+    int lfd = (int)syscall(SYS_openat, AT_FDCWD, lf, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
     if (lfd >= 0) {
       char line[128];
-      int len = snprintf(line, sizeof line, "%llu %s %d\n", (unsigned long long)n, op,
-                         (int)getpid());
+      int len = snprintf(line, sizeof line, "%llu %s %d\n", (unsigned long long)n, op, (int)getpid());
       syscall(SYS_write, lfd, line, (size_t)len);
       syscall(SYS_close, lfd);
     }
@@ -103,8 +101,8 @@ static int on_fd(int fd, const char *op, unsigned cls) {
   return 0;
 }
 
-#define REAL(name, type)                   \
-  static type real_##name;                 \
+#define REAL(name, type)   \
+  static type real_##name; \
   if (!real_##name) real_##name = (type)dlsym(RTLD_NEXT, #name)
 
 static int opened(int fd, int dirfd, const char *path) {
@@ -122,9 +120,7 @@ static int open_common(const char *name, int dirfd, const char *path, int flags,
   return opened(real_openat(dirfd, path, flags, mode), dirfd, path);
 }
 
-static mode_t mode_arg(int flags, va_list ap) {
-  return (flags & (O_CREAT | O_TMPFILE)) ? (mode_t)va_arg(ap, int) : 0;
-}
+static mode_t mode_arg(int flags, va_list ap) { return (flags & (O_CREAT | O_TMPFILE)) ? (mode_t)va_arg(ap, int) : 0; }
 
 int open(const char *path, int flags, ...) {
   va_list ap;
@@ -155,12 +151,8 @@ int openat64(int dirfd, const char *path, int flags, ...) {
   return open_common("openat", dirfd, path, flags, m);
 }
 int __open_2(const char *path, int flags) { return open_common("open", AT_FDCWD, path, flags, 0); }
-int __open64_2(const char *path, int flags) {
-  return open_common("open", AT_FDCWD, path, flags, 0);
-}
-int __openat_2(int dirfd, const char *path, int flags) {
-  return open_common("openat", dirfd, path, flags, 0);
-}
+int __open64_2(const char *path, int flags) { return open_common("open", AT_FDCWD, path, flags, 0); }
+int __openat_2(int dirfd, const char *path, int flags) { return open_common("openat", dirfd, path, flags, 0); }
 int creat(const char *path, mode_t mode) {
   return open_common("creat", AT_FDCWD, path, O_CREAT | O_WRONLY | O_TRUNC, mode);
 }
