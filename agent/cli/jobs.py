@@ -403,26 +403,34 @@ def snapshots_cmd(path, directory, agent_addr, tls_ca, tls_cert, tls_key, as_jso
 @click.option(
     "--force",
     is_flag=True,
-    help="release even though the agent that sent the "
-    "request had started tearing shared memory down.",
+    help="resume without rebuilding: for a lock without records (an older agent's) or one "
+    "whose rollback already failed, where the shared memory may be torn down.",
 )
 @control_opt
 @json_opt
 def release_cmd(pid, force, control_dir, as_json):
     """Release a job parked by a quiesce request no live agent will answer (an agent killed
-    mid-checkpoint, a stale .request): writes .resume {"id": <the request's id>, "restored":
-    false, "cancelled": true}. Refused while a live agent owns the request."""
-    from cuinterpose.agent.mech import ctldir, quiesce
+    mid-checkpoint, a stale .request). When the dead agent's lock says its checkpoint had
+    started (native lock, capture, dump), first finish the rollback it would have done (kill a
+    leftover CRIU, SIGCONT, native restore + unlock, the shims back to ACTIVE) and remove the
+    partial images (a complete snapshot is kept); then write .resume {"id": <the request's
+    id>, "restored": false, ...}. Refused while a live agent owns the request."""
+    from cuinterpose.agent.mech import ctldir
+    from cuinterpose.agent.run import recover
 
     cdir = os.path.abspath(control_dir or default_control_dir())
     try:
         ctldir.check(cdir, phase="release", pid=pid)
-        res = quiesce.release(cdir, pid, force=force)
+        res = recover.release(cdir, pid, force=force)
     except AgentError as e:
-        e.hint = getattr(e, "hint", None) or "nothing was changed"
+        e.hint = getattr(e, "hint", None) or (
+            "the workload stays parked" if e.outcome == "rollback_failed" else "nothing was changed"
+        )
         fail(e, as_json, command="release")
     if as_json:
         emit_json({"ok": True, **res})
+    elif res.get("recovered"):
+        click.echo(recover.render(res))
     else:
         click.echo(
             f"released pid {pid}: wrote {res['resume']} answering request "

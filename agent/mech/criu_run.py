@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from cuinterpose.agent.mech import libc, mntns
+from cuinterpose.agent.mech import libc, mntns, signal_at
 from cuinterpose.agent.mech.criu_binary import CriuError, cache_dir, criu_command, env
 from cuinterpose.agent.mech.criu_child import ChildSetup, Opened
 
@@ -184,6 +184,7 @@ def run(
         raise
     try:
         try:
+            signal_at.signal_point("during", after_exec=True)  # test only: once CRIU runs
             res = subprocess.run(
                 cmd,
                 env=env(),

@@ -39,7 +39,7 @@ from typing import Callable, Iterable, Optional, TypeVar
 
 from cuinterpose.agent import paths
 from cuinterpose.agent.errors import AgentError, NativeError
-from cuinterpose.agent.mech import libc, procfs
+from cuinterpose.agent.mech import libc, procfs, signal_at
 
 DRIVER_ENV = "CUINTERPOSE_DRIVER"
 DRIVER_KINDS = ("real", "fake")
@@ -354,6 +354,7 @@ def _each(action, pids: Iterable[int], fn, phase: str) -> dict[int, int]:
             e.args = (f"{phase}: pid {pid} {e.reason}",)
             raise
         out[pid] = time.monotonic_ns() - t0
+        signal_at.signal_point("during")  # test only: the first call was issued
     return out
 
 

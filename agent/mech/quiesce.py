@@ -7,8 +7,10 @@ shared with the workload side):
 - ``quiesce-ROOT.request`` (agent): ``{"id": str, "timeout_ms": int}``
 - ``quiesce-ROOT.ready`` (workload): ``{"id": str, "ranks": [{"pid": int, ...}], ...}``
 - ``quiesce-ROOT.resume`` (agent): ``{"id": str, "restored": bool, "cancelled": bool}``
-- ``quiesce-ROOT.lock`` (agent): ``{"id": str, "pid": int, "starttime": int}``: the agent process
-  that owns the pending request (so ``release`` can refuse while that agent is alive)
+- ``quiesce-ROOT.lock`` (agent): ``{"id": str, "pid": int, "starttime": int, "torn_down": bool,
+  ...}``: the agent process that owns the pending request (so ``release`` can refuse while that
+  agent is alive), and what that agent had done: the record agent/run/recover.py reads to undo
+  the checkpoint of an agent that died (its fields: :func:`write_lock`)
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import uuid
 from typing import Callable, Iterable, Optional
 
 from cuinterpose.agent.errors import QuiesceRefused
-from cuinterpose.agent.mech import procfs
+from cuinterpose.agent.mech import procfs, signal_at
 from cuinterpose.coordinator.contract import quiesce_path, read_json, write_atomic
 
 POLL_S = 0.02
@@ -82,11 +84,18 @@ def request(control_dir, roots: Iterable[int], qid: str, timeout_ms: int) -> Non
 
 def _busy(control_dir, root: int, rid: str) -> QuiesceRefused:
     owner = lock_owner(control_dir, root)
-    who = (
-        f"a checkpoint of this tree is in progress in agent pid {owner['pid']}"
-        if owner
-        else "another checkpoint of this tree is in progress, or an agent died during one"
-    )
+    lk = read_json(quiesce_path(control_dir, root, "lock"))
+    dead = lk if not owner and isinstance(lk, dict) and lk.get("id") == rid else None
+    if owner:
+        who = f"a checkpoint of this tree is in progress in agent pid {owner['pid']}"
+    elif dead is not None and dead.get("torn_down"):
+        # case 009: `release` rolls that checkpoint back (agent/run/recover.py)
+        who = (
+            f"the agent (pid {dead.get('pid')}) that sent it died after it had started tearing "
+            "the shared memory down (steps: " + ", ".join(map(str, dead.get("steps") or [])) + ")"
+        )
+    else:
+        who = "another checkpoint of this tree is in progress, or an agent died during one"
     e = QuiesceRefused(
         "quiesce",
         f"{quiesce_path(control_dir, root, 'request')} already exists (id {rid}): {who}; "
@@ -97,6 +106,7 @@ def _busy(control_dir, root: int, rid: str) -> QuiesceRefused:
             if owner
             else f". If no agent is checkpointing this tree, release it with "
             f"`cuinterpose-agent release --pid {root} --control-dir {control_dir}`"
+            + (" (it rolls that checkpoint back first)" if dead and dead.get("torn_down") else "")
         ),
         pid=root,
     )
@@ -120,12 +130,21 @@ def write_lock(
     """``quiesce-ROOT.lock``: {"id", "pid" (this agent), "starttime", "torn_down"} while this
     agent owns the request of ``root`` (removed by :func:`unlock`; a SIGKILLed agent leaves it
     with a dead pid, which :func:`lock_owner` ignores). ``torn_down`` is set once the capture
-    started tearing shared memory down: ``release`` then wants ``--force``."""
+    started tearing shared memory down. ``record`` (merged into the lock of the same ``qid``,
+    whose other fields, e.g. ``steps``, stay): what a dead agent's checkpoint is undone from,
+    (agent/run/recover.py ``lock_record``): "roots", "cuda_pids", "participants" [[pid, socket
+    path]], "driver", "images_dir", "created_dirs", "phase_timeout_s", "carrier_timeout_s";
+    :func:`mark_step` adds "steps", "records" {"proto", "by_pid": {pid: hex of the packed
+    ``struct cui_record``s of the capture's first INSPECT}}, "last_txn_id", "tree_pids"."""
     me = os.getpid()
     for r in roots:
+        path = quiesce_path(control_dir, r, "lock")
+        old = read_json(path)
+        keep = old if isinstance(old, dict) and old.get("id") == qid else {}
         write_atomic(
-            quiesce_path(control_dir, r, "lock"),
+            path,
             {
+                **keep,
                 "id": qid,
                 "pid": me,
                 "starttime": procfs.starttime(me),
@@ -153,11 +172,23 @@ def mark_step(control_dir, roots: Iterable[int], qid: str, step: str, **extra) -
 def abandon_lock(control_dir, roots: Iterable[int], qid: str) -> None:
     """After a failed rollback the agent gives up the request but the workload stays parked on
     torn-down memory: the ``.lock`` names no owner any more (``release`` no longer waits for
-    this agent, e.g. a daemon) and keeps ``torn_down`` (``release`` wants ``--force``)."""
+    this agent, e.g. a daemon), keeps ``torn_down`` and its record, and says
+    ``rollback_failed`` (``release`` does not try the same rollback again: it wants
+    ``--force``)."""
     for r in roots:
+        path = quiesce_path(control_dir, r, "lock")
+        old = read_json(path)
+        keep = old if isinstance(old, dict) and old.get("id") == qid else {}
         write_atomic(
-            quiesce_path(control_dir, r, "lock"),
-            {"id": qid, "pid": None, "starttime": None, "torn_down": True},
+            path,
+            {
+                **keep,
+                "id": qid,
+                "pid": None,
+                "starttime": None,
+                "torn_down": True,
+                "rollback_failed": True,
+            },
         )
 
 
@@ -186,13 +217,10 @@ def lock_owner(control_dir, root: int) -> Optional[dict]:
     return lk
 
 
-def release(control_dir, root: int, *, force: bool = False) -> dict:
-    """``cuinterpose-agent release``: answer the pending ``.request`` of ``root`` with
-    ``.resume`` {"id": its id, "restored": false, "cancelled": true} (atomically) and remove the
-    request, so a workload parked by a request no live agent will answer continues. Returns
-    {"pid", "request_id", "resume", "removed_lock"}. Refused (``QuiesceRefused`` naming the pid)
-    when there is no pending request, its id cannot be read, a live agent owns it, or (without
-    ``force``) its agent died after tearing shared memory down."""
+def release_check(control_dir, root: int) -> tuple[str, Optional[dict]]:
+    """What ``release`` of ``root`` finds: (the pending request's id, the ``.lock`` payload of
+    that request or None). Refused (``QuiesceRefused``, phase "release", naming the pid) when
+    there is no pending request, its id cannot be read, or a live agent owns it."""
     req = quiesce_path(control_dir, root, "request")
     rid = pending_request(control_dir, root)
     if rid is None:
@@ -220,9 +248,22 @@ def release(control_dir, root: int, *, force: bool = False) -> dict:
             "resume the workload under a running checkpoint",
             pid=root,
         )
+    lk = read_json(quiesce_path(control_dir, root, "lock"))
+    return rid, (lk if isinstance(lk, dict) and lk.get("id") == rid else None)
+
+
+def release(control_dir, root: int, *, force: bool = False) -> dict:
+    """Answer the pending ``.request`` of ``root`` with ``.resume`` {"id": its id, "restored":
+    false, "cancelled": true} (atomically) and remove the request and the lock, so a workload
+    parked by a request no live agent will answer continues; nothing is rebuilt (the rollback
+    of a dead agent's checkpoint is agent/run/recover.py's, which ``cuinterpose-agent
+    release`` runs first). Returns {"pid", "request_id", "resume", "removed_lock"}. Refused
+    (``QuiesceRefused`` naming the pid) as :func:`release_check`, or (without ``force``) when
+    its agent died after tearing shared memory down."""
+    req = quiesce_path(control_dir, root, "request")
+    rid, lk = release_check(control_dir, root)
     if not force:
-        lk = read_json(quiesce_path(control_dir, root, "lock"))
-        if lk is not None and lk.get("id") == rid and lk.get("torn_down"):
+        if lk is not None and lk.get("torn_down"):
             who = (
                 f"the agent (pid {lk['pid']}) that sent request {rid} had started tearing the "
                 "shared memory down and never rebuilt it"
@@ -279,6 +320,7 @@ def wait_ready(
     roots = list(roots)
     deadline = time.monotonic() + timeout_ms / 1000.0
     ready: dict[int, dict] = {}
+    signal_at.signal_point("during")  # test only: the request is out, the wait begins
     while True:
         for r in roots:
             if r not in ready:

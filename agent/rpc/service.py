@@ -513,6 +513,10 @@ class Server:
         self.watcher_thread: Optional[threading.Thread] = None
 
     def start(self) -> "Server":
+        from cuinterpose.agent.run import recover
+
+        # case 009: a dead agent's checkpoint in the control dir is rolled back first
+        self.recovered = recover.recover_dead(self.opts.control_dir)
         self.server.start()
         if self.gate is not None:
             self.gate.start()  # 0600 since its bind, in place now (decisions.md D2)

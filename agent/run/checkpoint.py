@@ -26,6 +26,7 @@ from cuinterpose.agent.run.steps import (
     Step,
     StepRunner,
     as_agent_error,
+    coordinator_events,
     group_phases,
     helper_env,
     strip_preload_env,
@@ -206,7 +207,7 @@ class Checkpoint(Rollback, StepRunner):
             parts,
             timeout_s=self.phase_timeout_s,
             carrier_timeout_s=self.carrier_timeout_s,
-            on_event=self.r.coordinator_event,
+            on_event=coordinator_events(self.r.coordinator_event),
         )
 
     def quiesce(self):
@@ -289,19 +290,7 @@ class Checkpoint(Rollback, StepRunner):
         """Coordinator capture: INSPECT, validate, SAVE_ALLOCATIONS, PREPARE_UNICAST, INSPECT.
         A refusal or validation error before SAVE_ALLOCATIONS changed nothing (refused);
         from SAVE_ALLOCATIONS on, a failure means teardown started (rolled back)."""
-        # from here a dead agent may leave torn-down memory: `release` then wants --force
-        quiesce.write_lock(
-            self.control_dir,
-            self.roots,
-            self.qid,
-            torn_down=True,
-            record={
-                "roots": self.roots,
-                "participants": [[p.pid, str(p.socket_path)] for p in self.census.participants],
-                "cuda_pids": list(self.census.cuda_pids),
-                "steps": ["capture"],
-            },
-        )
+        # the .lock turned torn_down with its record before this (Rollback.step_started)
         try:
             self.capture = self.coordinator.capture()
         except Exception as e:
@@ -319,19 +308,13 @@ class Checkpoint(Rollback, StepRunner):
             self.capture = partial
             raise as_agent_error(e, "capture") from e
         self.torn_down = True
-        self.mark("capture done")
-
-    def mark(self, step: str, **extra) -> None:  # in the .lock: what a dead agent had done
-        quiesce.mark_step(self.control_dir, self.roots, self.qid, step, **extra)
 
     def native_lock(self):
-        self.mark("native lock")
         with self.r.phase("native lock") as ph:
             native.lock_all(self.census.cuda_pids, self.lock_timeout_ms)
             ph.detail = f"pids {', '.join(map(str, self.census.cuda_pids))}"
 
     def native_checkpoint(self):
-        self.mark("native checkpoint")
         with self.r.phase("native checkpoint") as ph:
             native.checkpoint_all(self.census.cuda_pids)
             ph.detail = f"pids {', '.join(map(str, self.census.cuda_pids))}"

@@ -1,7 +1,9 @@
 """Undoing a checkpoint that did not complete: the rebuild of a torn-down workload (trees CRIU
 left stopped continued, native state back to RUNNING, the coordinator's rollback, ``.resume``
-with ``restored=false``) and the group undo phases ``rollback`` and ``release``. Which failure
-is refused, rolled back or rollback_failed: docs/agent.md "What each failure leaves behind".
+with ``restored=false``) and the group undo phases ``rollback`` and ``release``; and what the
+``.lock`` records step by step so that the same undo can be done from outside once this agent
+is dead (agent/run/recover.py). Which failure is refused, rolled back or rollback_failed:
+docs/agent.md "What each failure leaves behind".
 """
 
 from __future__ import annotations
@@ -11,14 +13,61 @@ import signal
 
 from cuinterpose.agent.errors import AgentError, CheckpointFailed
 from cuinterpose.agent.mech import native, quiesce
-from cuinterpose.agent.run import images
-from cuinterpose.agent.run.steps import as_agent_error
+from cuinterpose.agent.run import images, recover
+from cuinterpose.agent.run.steps import Step, as_agent_error
 from cuinterpose.agent.snapshot import manifest as manifest_mod
 
 
 class Rollback:
     """The undo half of :class:`~cuinterpose.agent.run.checkpoint.Checkpoint` (a mixin: it
     works on the checkpoint's state)."""
+
+    # -- the .lock record (case 009) --------------------------------------------------------
+    #: steps before the capture that the lock records (the others change nothing outside)
+    LOCKED_BEFORE_CAPTURE = ("quiescence check",)
+
+    def mark(self, step: str, **extra) -> None:
+        """Append ``step`` to the ``.lock``'s ``steps`` (and merge ``extra``): what a dead
+        agent had done. Best effort (a note when the write fails, e.g. ENOSPC): what a release
+        needs (participants, records) is written before the capture's first mutating request,
+        and that write is not (Rollback.step_started, recover.watch_first_inspect); a later
+        mark only tells a release what it will find anyway (driver states, shim phases, the
+        manifest on disk), and failing a step over it could, after the manifest, leave a
+        manifest without its images."""
+        try:
+            quiesce.mark_step(self.control_dir, self.roots, self.qid, step, **extra)
+        except OSError as e:
+            self.r.note(f"warning: could not record step {step!r} in the .lock: {e}")
+
+    def step_started(self, step: Step) -> None:
+        """From the quiescence check on (it locks every CUDA process), each step is in the
+        lock before it runs; the capture writes the lock's record (``torn_down``)."""
+        if self.qid is None:
+            return
+        if step.name == "capture":
+            self.mark("capture")
+            quiesce.write_lock(
+                self.control_dir,
+                self.roots,
+                self.qid,
+                torn_down=True,
+                record=recover.lock_record(self),
+            )
+            recover.watch_first_inspect(self)
+        elif step.name in self.LOCKED_BEFORE_CAPTURE:
+            self.mark(step.name, cuda_pids=list(self.census.cuda_pids))
+        elif step.stage == "teardown":
+            self.mark(step.name)
+
+    def step_done(self, step: Step) -> None:
+        """``STEP done`` in the lock (``manifest done``: the snapshot is complete on disk)."""
+        if self.qid is not None and (
+            step.stage == "teardown" or step.name in self.LOCKED_BEFORE_CAPTURE
+        ):
+            self.mark(
+                f"{step.name} done",
+                last_txn_id=recover.last_txn_id(getattr(self, "coordinator", None)),
+            )
 
     def roll_back(self, cause: BaseException) -> CheckpointFailed:
         """A teardown step failed (``cause``): remove the CRIU images and rebuild the

@@ -2,7 +2,8 @@
 :class:`~cuinterpose.agent.run.restore.Restore`: a :class:`Step` table declared once per
 sequence, iterated by the one-shot run (a *stage* at a time) and by the group phases (a named
 slice at a time); the interrupt check between steps and the wrapping of unexpected exceptions
-live here (docs/agent.md "Steps").
+live here (docs/agent.md "Steps"), and so does the test trigger around each step
+(:func:`signal_point`, ``CUINTERPOSE_TEST_SIGNAL_AT``: agent/mech/signal_at.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,26 @@ import os
 from typing import Optional
 
 from cuinterpose.agent.errors import AgentError
+from cuinterpose.agent.mech import signal_at
+
+#: the modules whose step tables CUINTERPOSE_TEST_SIGNAL_AT may name (each registers its table
+#: when its class is defined; :func:`signal_point` loads them by name, at run time, so that a
+#: checkpoint process also knows the restore's names: a typo is never mistaken for a step the
+#: process merely has not loaded)
+SEQUENCE_MODULES = ("cuinterpose.agent.run.checkpoint", "cuinterpose.agent.run.restore")
+
+
+def signal_point(when: str, step: Optional[str] = None) -> None:
+    """The test trigger (agent/mech/signal_at.py, docs/agent.md "Test trigger"): when
+    ``CUINTERPOSE_TEST_SIGNAL_AT`` has an unfired entry ``when:step`` (``step``: the running
+    step when None), the agent sends its signal to itself. Raises ``AgentError`` (phase
+    ``CUINTERPOSE_TEST_SIGNAL_AT``) naming the known steps for an entry naming none of them."""
+    if os.environ.get(signal_at.ENV):
+        import importlib
+
+        for m in SEQUENCE_MODULES:
+            importlib.import_module(m)
+    signal_at.signal_point(when, step)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +97,20 @@ def as_agent_error(e: BaseException, phase: str) -> AgentError:
     return AgentError(phase, reason, pid=pid)
 
 
+def coordinator_events(on_event):
+    """Wrap a coordinator ``on_event`` callback: the first reply of a phase other than INSPECT
+    (a request of the running step went out and one shim answered it) is the running step's
+    ``during`` point (:func:`signal_point`), then ``on_event`` gets the event."""
+
+    def wrapped(ev) -> None:
+        if getattr(ev, "kind", None) == "reply" and getattr(ev, "phase", "") != "INSPECT":
+            signal_point("during")
+        if on_event is not None:
+            on_event(ev)
+
+    return wrapped
+
+
 def strip_preload_env() -> None:
     """Remove ``LD_PRELOAD`` from this process's environment so that every helper the agent
     runs (CRIU, ...) starts without the shim."""
@@ -101,19 +136,40 @@ class StepRunner:
     UNDO: dict[str, str] = {}
     GROUP_UNDO: tuple[str, ...] = ()
 
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        # the names CUINTERPOSE_TEST_SIGNAL_AT may use
+        signal_at.register_steps(s.name for s in cls.STEPS)
+
     def stage(self, stage: str) -> list[Step]:
         """The steps of one stage of the one-shot run, in order."""
         return [s for s in self.STEPS if s.stage == stage]
 
     def run_steps(self, steps) -> None:
         """Run ``steps`` in order, asking the interrupt guard after each that says so. (A
-        group member runs without an active guard: the check never fires there.)"""
+        group member runs without an active guard: the check never fires there.) Around each
+        step: the test trigger's ``before``/``after`` points (:func:`signal_point`; raises
+        ``AgentError`` for a malformed ``CUINTERPOSE_TEST_SIGNAL_AT``)."""
         for s in steps:
-            getattr(self, s.method)()
+            signal_point("before", s.name)
+            self.step_started(s)
+            signal_at.set_current(s.name)
+            try:
+                getattr(self, s.method)()
+            finally:
+                signal_at.set_current(None)
+            self.step_done(s)
+            signal_point("after", s.name)
             if s.check:
                 sig = self.guard.pending()
                 if sig:
                     raise self.interrupted(s, sig)
+
+    def step_started(self, step: Step) -> None:
+        """Called right before ``step`` runs (a checkpoint records it in its ``.lock``)."""
+
+    def step_done(self, step: Step) -> None:
+        """Called right after ``step`` returned (not when it raised)."""
 
     def interrupted(self, step: Step, sig: str) -> AgentError:
         """The error a signal that arrived during ``step`` stops the run with."""

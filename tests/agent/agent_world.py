@@ -110,7 +110,15 @@ def world(tmp_path, monkeypatch):
             if int(expected_phase) != {"ACTIVE": 0, "PREPARED": 3}[w.coord_phase]:
                 raise RuntimeError(f"INSPECT: pid 201 is in phase {w.coord_phase}")
 
+        last_txn_id = 0
+
+        def validate(self, records_by_pid=None):
+            """What the real capture validates first (its first INSPECT): no records here."""
+            return {p: [] for p in PIDS}
+
         def capture(self):
+            self.validate()  # the real capture's first INSPECT (the .lock records it)
+            self.last_txn_id = 7
             w.captured = True
             w.coord_phase = "PREPARED"
             w.log.append(("coord", "capture", None))
@@ -196,3 +204,57 @@ class FakePhaseError(Exception):
     def __init__(self, text, phase, pid, changed, capture=None):
         super().__init__(text)
         self.phase, self.pid, self.changed, self.capture = phase, pid, changed, capture
+
+
+# -- a dead agent's checkpoint, for agent/run/recover.py ----------------------------------------
+def mockshim_module():
+    """tests/coordinator/mockshim.py (shims that answer the protocol from a record list)."""
+    import importlib.util
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "coordinator" / "mockshim.py"
+    spec = importlib.util.spec_from_file_location("cuinterpose_test_mockshim", path)
+    mod = sys.modules.get(spec.name)
+    if mod is None:
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod
+        spec.loader.exec_module(mod)
+    return mod
+
+
+def creator_importer_records() -> dict:
+    """201 creates allocation A (2 MiB, exported) and maps it; 202 imports and maps it."""
+    from cuinterpose.coordinator.protocol import Record, RecordFlag, RecordKind, Role
+
+    aid, shared = bytes(range(16)), RecordFlag.SHARED
+    alloc = dict(alloc_id=aid, creator_pid=201, size=2 << 20)
+    props = dict(handle_refs=1, prop_type=1, prop_location_type=1, prop_handle_types=1)
+    return {
+        201: [
+            Record(
+                RecordKind.ALLOCATION, Role.CREATOR, shared | RecordFlag.EXPORTED, **alloc, **props
+            ),
+            Record(RecordKind.MAPPING, Role.CREATOR, shared, **alloc, va=0x7F0000000000),
+        ],
+        202: [
+            Record(RecordKind.ALLOCATION, Role.IMPORTER, shared, **alloc, **props),
+            Record(RecordKind.MAPPING, Role.IMPORTER, shared, **alloc, va=0x7F0000400000),
+        ],
+    }
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited (and was reaped)."""
+    import subprocess
+
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
+def dead_agent_lock(ctl, root: int, qid: str, **fields) -> dict:
+    """The pending ``.request`` of ``root`` and the ``.lock`` an agent left when it died
+    (``fields``: the record, steps, ...). Returns the lock."""
+    write_atomic(quiesce_path(ctl, root, "request"), {"id": qid, "timeout_ms": 1000})
+    lk = {"id": qid, "pid": dead_pid(), "starttime": 1, "torn_down": False, **fields}
+    write_atomic(quiesce_path(ctl, root, "lock"), lk)
+    return lk

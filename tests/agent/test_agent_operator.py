@@ -291,13 +291,17 @@ def test_release_after_teardown_wants_force(ctl):
         quiesce_path(ctl, 9, "lock"),
         {"id": "q1", "pid": 999999999, "starttime": 1, "torn_down": True},
     )
-    with pytest.raises(QuiesceRefused) as ei:
-        quiesce.release(ctl, 9)
-    assert ei.value.reason == (
-        "the agent (pid 999999999) that sent request q1 had started tearing the shared memory "
-        "down and never rebuilt it: resuming the workload may run it on torn-down memory; pass "
-        "--force to release it anyway"
-    )
+    from cuinterpose.agent.run import recover
+
+    # an older agent's lock (no record to rebuild from): release does not guess, it refuses
+    for release in (quiesce.release, recover.release):
+        with pytest.raises(QuiesceRefused) as ei:
+            release(ctl, 9)
+        assert ei.value.reason == (
+            "the agent (pid 999999999) that sent request q1 had started tearing the shared "
+            "memory down and never rebuilt it: resuming the workload may run it on torn-down "
+            "memory; pass --force to release it anyway"
+        )
     assert quiesce.release(ctl, 9, force=True)["request_id"] == "q1"
 
 
@@ -511,17 +515,165 @@ def test_after_a_failed_rollback_release_wants_force_even_from_a_live_agent(
     with pytest.raises(AgentError) as ei:
         cp.run()
     assert ei.value.outcome == "rollback_failed"
-    assert json.loads(quiesce_path(world.ctl, ROOT, "lock").read_text()) == {
+    lk = json.loads(quiesce_path(world.ctl, ROOT, "lock").read_text())
+    assert {k: lk[k] for k in ("id", "pid", "starttime", "torn_down", "rollback_failed")} == {
         "id": cp.qid,
         "pid": None,
         "starttime": None,
         "torn_down": True,
+        "rollback_failed": True,
     }
+    # the record stays (what was tried), but release does not try the same rollback again
+    assert (lk["roots"], lk["cuda_pids"], lk["steps"]) == (
+        [ROOT],
+        [201, 202],
+        ["quiescence check", "quiescence check done", "capture"],
+    )
+    from cuinterpose.agent.run import recover
+
     with pytest.raises(QuiesceRefused) as ei:
-        quiesce.release(world.ctl, ROOT)
+        recover.release(world.ctl, ROOT)
     assert ei.value.reason == (
         f"the checkpoint that sent request {cp.qid} failed and so did its rollback: the shared "
-        "memory is torn down: resuming the workload may run it on torn-down memory; pass --force "
+        "memory is torn down (steps it had started: quiescence check, quiescence check done, "
+        "capture): resuming the workload may run it on torn-down memory; pass --force "
         "to release it anyway"
     )
     assert quiesce.release(world.ctl, ROOT, force=True)["request_id"] == cp.qid
+
+
+def test_the_lock_after_each_step_holds_what_a_release_needs(world, tmp_path, monkeypatch):
+    """Case 009: read right after each step, the ``.lock`` says what the agent had started and
+    done, and from the capture on holds the record to undo it from (roots, CUDA pids,
+    participants and their sockets, the capture's first INSPECT records, the last txn id)."""
+    from cuinterpose.agent.run import recover
+
+    monkeypatch.setattr(quiesce, "request", answer_quiesce(world))
+    cp = cp_mod.Checkpoint([ROOT], tmp_path / "snap", control_dir=world.ctl)
+    seen = []
+    real_done = cp_mod.Checkpoint.step_done
+
+    def step_done(self, step):
+        real_done(self, step)
+        lk = quiesce_path(world.ctl, ROOT, "lock")
+        seen.append((step.name, json.loads(lk.read_text()) if lk.exists() else None))
+
+    monkeypatch.setattr(cp_mod.Checkpoint, "step_done", step_done)
+    cp.run()
+    by_step = dict(seen)
+    assert [n for n, _ in seen] == [s.name for s in cp.STEPS]
+    assert [by_step[n] for n in ("images dir", "driver", "census", "coordinator")] == [None] * 4
+    assert "steps" not in by_step["quiesce"]
+    assert {k: by_step["quiesce"][k] for k in ("id", "pid", "torn_down")} == {
+        "id": cp.qid,
+        "pid": os.getpid(),
+        "torn_down": False,
+    }
+    assert by_step["quiescence check"]["steps"] == ["quiescence check", "quiescence check done"]
+    assert by_step["quiescence check"]["cuda_pids"] == [201, 202]
+    cap = by_step["capture"]
+    assert cap["torn_down"] is True
+    assert cap["steps"] == [
+        "quiescence check",
+        "quiescence check done",
+        "capture",
+        "first INSPECT",
+        "capture done",
+    ]
+    assert {k: cap[k] for k in ("roots", "cuda_pids", "participants", "images_dir")} == {
+        "roots": [ROOT],
+        "cuda_pids": [201, 202],
+        "participants": [[p, str(world.ctl / f"cuinterpose-{p}.sock")] for p in (201, 202)],
+        "images_dir": str(tmp_path / "snap"),
+    }
+    # the stand-in coordinator's first INSPECT has no records; its last txn id is 7
+    assert cap["records"] == recover.encode_records({201: [], 202: []})
+    assert cap["last_txn_id"] == 7
+    tail = ["native lock", "native lock done", "native checkpoint", "native checkpoint done"]
+    assert by_step["native checkpoint"]["steps"] == cap["steps"] + tail
+    dump = by_step["criu dump"]
+    assert dump["steps"][-3:] == ["criu dump", f"criu dump {ROOT}", "criu dump done"]
+    assert dump["tree_pids"] == {str(ROOT): [ROOT]}
+    assert by_step["manifest"]["steps"][-2:] == ["manifest", "manifest done"]
+    # finish killed the dumped tree and removed its quiesce files, the lock with them
+    assert (by_step["finish"], by_step["resume"]) == (None, None)
+
+
+def test_release_prints_what_it_found_and_undid(ctl, tmp_path):
+    """The CLI's text for a dead agent's torn-down checkpoint (here one without CUDA processes
+    or shims to rebuild): what was found, what was undone, the partial images removed."""
+    snap = tmp_path / "snap"
+    (snap / "criu" / "1").mkdir(parents=True)
+    job = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    try:
+        write_atomic(quiesce_path(ctl, job.pid, "request"), {"id": "q8", "timeout_ms": 9})
+        write_atomic(
+            quiesce_path(ctl, job.pid, "lock"),
+            {
+                "id": "q8",
+                "pid": dead.pid,
+                "starttime": 1,
+                "torn_down": True,
+                "roots": [job.pid],
+                "participants": [],
+                "cuda_pids": [],
+                "images_dir": str(snap),
+                "created_dirs": [str(snap)],
+                "steps": ["capture"],
+            },
+        )
+        res = subprocess.run(
+            [sys.executable, "-m", "cuinterpose.agent.cli", "release", "--pid", str(job.pid)]
+            + ["--control-dir", str(ctl)],
+            capture_output=True,
+            text=True,
+        )
+    finally:
+        job.kill()
+        job.wait()
+    assert (res.returncode, res.stderr) == (0, "")
+    assert res.stdout.splitlines() == [
+        f"released pid {job.pid}: the agent (pid {dead.pid}) that sent request q8 died after: "
+        "capture",
+        "  criu: none running",
+        "  trees: none stopped",
+        "  native: no CUDA process",
+        "  shims: no participant",
+        f"  resumed: wrote {quiesce_path(ctl, job.pid, 'resume')} (restored=false)",
+        f"  snapshot: none (no manifest was written); the partial images in {snap} removed",
+    ]
+    assert not snap.exists()
+    assert json.loads(quiesce_path(ctl, job.pid, "resume").read_text()) == {
+        "id": "q8",
+        "restored": False,
+        "cancelled": False,
+    }
+    assert sorted(p.name for p in ctl.iterdir()) == [f"quiesce-{job.pid}.resume"]
+
+
+def test_a_lock_mark_that_cannot_be_written_does_not_fail_the_checkpoint(
+    world, tmp_path, monkeypatch
+):
+    """ENOSPC on a step mark after the capture: a note, and the checkpoint completes (the record
+    a release needs was written before the capture's first mutating request)."""
+    import errno
+
+    monkeypatch.setattr(quiesce, "request", answer_quiesce(world))
+    real = quiesce.mark_step
+
+    def mark_step(ctl, roots, qid, step, **extra):
+        if step.startswith("manifest"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(ctl, roots, qid, step, **extra)
+
+    monkeypatch.setattr(quiesce, "mark_step", mark_step)
+    rep = Reporter()
+    m = cp_mod.Checkpoint([ROOT], tmp_path / "snap", control_dir=world.ctl, reporter=rep).run()
+    assert m["roots"] == [ROOT] and (tmp_path / "snap" / "manifest.json").is_file()
+    assert [n for n in rep.notes if "could not record" in n] == [
+        "warning: could not record step 'manifest' in the .lock: [Errno 28] No space left on device",
+        "warning: could not record step 'manifest done' in the .lock: [Errno 28] No space left "
+        "on device",
+    ]
