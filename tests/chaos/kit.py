@@ -49,13 +49,14 @@ def job(afdwin, **kw):
     return a
 
 
-def agent(*args: str, env: dict | None = None, timeout_s: float = DEADLINE_S):
-    """``cuinterpose-agent ARGS --json`` with ``env`` added; returns (exit code, JSON or
-    {"raw": ...}, stderr). Raises ``Hang`` past ``timeout_s`` (the agent is killed)."""
+def agent(*args: str, env: dict | None = None, timeout_s: float = DEADLINE_S, hook: bool = False):
+    """``cuinterpose-agent ARGS --json`` with ``env`` added (``hook``: through
+    tests/chaos/agent_hook.py); returns (exit code, JSON or {"raw": ...}, stderr). Raises
+    ``Hang`` past ``timeout_s`` (the agent is killed)."""
     e = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     e.update(env or {})
     p = subprocess.Popen(
-        [sys.executable, "-m", "cuinterpose.agent.cli", *args, "--json"],
+        [sys.executable, *(HOOK if hook else ("-m", "cuinterpose.agent.cli")), *args, "--json"],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -81,7 +82,10 @@ class Hang(AssertionError):
     """A wait passed its deadline."""
 
 
-def checkpoint(a, snap, *extra, env=None):
+HOOK = (str(pathlib.Path(__file__).resolve().parent / "agent_hook.py"),)
+
+
+def checkpoint(a, snap, *extra, env=None, hook=False):
     return agent(
         "checkpoint",
         "--pid",
@@ -94,6 +98,7 @@ def checkpoint(a, snap, *extra, env=None):
         str(a.ctl),
         *extra,
         env=env,
+        hook=hook,
     )
 
 
