@@ -73,8 +73,11 @@ def test_sigstop_of_a_rank_during_a_checkpoint(afdwin, tmp_path, point):
     t.start()
     try:
         stopped = kit.wait_until(lambda: POINTS[point](a, snap) or "r" in result, point)
+        late = False
         if stopped is True and "r" not in result:
             os.kill(rank, signal.SIGSTOP)
+            # the job was already quiesced: the stop lands where LOCKED_LATE is
+            late = point == "request" and quiesce_path(a.ctl, a.pid, "ready").exists()
         t.join(kit.DEADLINE_S)
         assert not t.is_alive(), f"checkpoint still running {kit.DEADLINE_S:g} s after SIGSTOP"
     finally:
@@ -87,6 +90,10 @@ def test_sigstop_of_a_rank_during_a_checkpoint(afdwin, tmp_path, point):
     if rc != 0 and kit.stuck_shims(a) == [] and quiesce_path(a.ctl, a.pid, "request").exists():
         kit.agent("release", "--pid", str(a.pid), "--control-dir", str(a.ctl))
     # the known defect (LOCKED_LATE) would cost the whole hang deadline: a shorter one there
-    kit.judge(
-        f"SIGSTOP rank at {point}", a, snap, rc, out, deadline_s=30 if point == "ready" else None
-    )
+    known = point == "ready" or late
+    try:
+        kit.judge(f"SIGSTOP rank at {point}", a, snap, rc, out, deadline_s=30 if known else None)
+    except kit.Hang:
+        if late:  # the stop at the .request came once the job was quiesced already
+            pytest.xfail(LOCKED_LATE.kwargs["reason"])
+        raise
