@@ -128,13 +128,9 @@ def test_enospc_at_every_write(afdwin, tmp_path, enospc):
             _one(afdwin, tmp_path, enospc, "agent", k, total["agent"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="found by this suite: ENOSPC (any error) on the fsync of the snapshot directory "
-    "after manifest.json was renamed into place: the checkpoint is rolled back, the workload "
-    "goes on, and manifest.json stays: a snapshot that looks complete of a job that continued "
-    "(agent/snapshot/manifest.py write(), whose docstring says no manifest.json exists then)",
-)
 def test_enospc_at_the_fsync_of_the_snapshot_directory(afdwin, tmp_path, enospc):
+    """The fsync of the snapshot directory after manifest.json was renamed into place fails:
+    the checkpoint rolls back and no manifest.json is left (manifest.write removes it), so no
+    snapshot looks complete of a job that continued."""
     total = _count(afdwin, tmp_path, enospc)
     _one(afdwin, tmp_path, enospc, "agent", total["dir_fsync"][0], total["agent"])
