@@ -16,6 +16,14 @@ Errors (all subclass :class:`ShimClientError`, each names the socket and the pid
 - :class:`ShimTimeout`: no complete reply within ``timeout_s``.
 - :class:`ShimProtocolError`: short read (peer closed early), bad magic/version, a reply for
   another op or txn, an unexpected record size, too many bytes, or a stray descriptor.
+
+Test only: ``CUINTERPOSE_TEST_DROP_REPLY=OP[@PID][:N][,...]`` (``OP`` an :class:`Op` name;
+``PID`` the shim's pid; ``N`` >= 1, default 1) makes this process close the connection after
+sending its N-th request of ``OP`` (to ``PID``, when given), before reading the reply: the shim
+runs the op, the client raises :class:`ShimProtocolError` ("reply dropped by
+CUINTERPOSE_TEST_DROP_REPLY") as a lost reply would (shared/cases/006), and says so on stderr.
+Without ``PID`` the count is in send order, which parallel sends make racy. The chaos suite
+(tests/chaos, docs/testing.md) uses it; unset, it costs one environment lookup.
 """
 
 from __future__ import annotations
@@ -23,6 +31,8 @@ from __future__ import annotations
 import array
 import os
 import socket
+import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -53,6 +63,42 @@ __all__ = [
 
 #: Upper bound on records + message in one reply (32 MiB), a guard against garbage lengths.
 MAX_REPLY_BYTES = 32 << 20
+
+#: Test only (module docstring): the variable, and the requests of each op sent so far.
+DROP_REPLY_ENV = "CUINTERPOSE_TEST_DROP_REPLY"
+_sent: dict[tuple, int] = {}
+_sent_lock = threading.Lock()
+
+
+def _drop_reply(op_name: str, pid: int | None) -> bool:
+    """Count one sent request of ``op_name`` to ``pid``; True when ``CUINTERPOSE_TEST_DROP_REPLY``
+    names this one (its op, pid and count). A malformed value raises ValueError naming it."""
+    spec = os.environ.get(DROP_REPLY_ENV)
+    if not spec:
+        return False
+    wanted = set()
+    for entry in spec.split(","):
+        head, _, count = entry.strip().partition(":")
+        want, _, at = head.partition("@")
+        count = count or "1"
+        if (
+            want not in Op.__members__
+            or not count.isdigit()
+            or int(count) < 1
+            or not (at == "" or at.isdigit())
+        ):
+            raise ValueError(
+                f"{DROP_REPLY_ENV}={spec!r}: {entry!r} is not OP[@PID][:N] (OP an op name such "
+                "as SAVE_ALLOCATIONS, N >= 1); unset it outside tests"
+            )
+        wanted.add((want, int(at) if at else None, int(count)))
+    with _sent_lock:
+        _sent[(op_name, None)] = n = _sent.get((op_name, None), 0) + 1
+        _sent[(op_name, pid)] = k = _sent.get((op_name, pid), 0) + 1
+    if (op_name, None, n) not in wanted and (op_name, pid, k) not in wanted:
+        return False
+    sys.stderr.write(f"{DROP_REPLY_ENV}: dropping the reply of {op_name} request {n} (pid {pid})\n")
+    return True
 
 
 def _op_name(op) -> str:
@@ -212,6 +258,10 @@ class ShimClient:
             try:
                 self._set_deadline(sock, deadline)
                 sock.sendall(req.pack())
+                if _drop_reply(op_name, self.pid):
+                    raise self._proto(
+                        op, f"reply dropped by {DROP_REPLY_ENV} (test only): connection closed"
+                    )
                 head = self._read_exact(sock, REPLY_SIZE, deadline, fds, "reply header", op)
                 try:
                     reply = Reply.unpack(head)

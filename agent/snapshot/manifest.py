@@ -87,7 +87,9 @@ def write(snapshot: os.PathLike | str, manifest: dict) -> pathlib.Path:
     ``OSError`` on I/O failure (ENOSPC, EIO, ...).
 
     A failed write leaves no ``manifest.json.tmp`` behind and the previous ``manifest.json``
-    (if any) as it was: none for a first write, the earlier complete one for a rewrite (the
+    (if any) as it was: none for a first write (also when only the fsync of the directory after
+    the rename failed: the renamed file is removed again), the earlier complete one for a
+    rewrite (the
     checkpoint's final rewrite with the totals). A failed *rewrite* also appends a warning
     ``{"path", "message"}`` to ``manifest["warnings"]`` (the caller's dict, which the
     ``--json`` output reports), saying that the snapshot on disk is complete but lacks what
@@ -103,6 +105,14 @@ def write(snapshot: os.PathLike | str, manifest: dict) -> pathlib.Path:
     try:
         _write_atomically(base, tmp, final, data)
     except OSError as e:
+        if not rewrite:
+            # the rename may have happened and only the directory's fsync failed: a first
+            # manifest that is not known to be durable is no manifest (the checkpoint fails and
+            # rolls back, so no manifest.json may say the snapshot is complete)
+            try:
+                os.unlink(final)
+            except OSError:
+                pass
         if rewrite:
             manifest.setdefault("warnings", []).append(
                 {

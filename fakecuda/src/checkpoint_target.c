@@ -9,6 +9,8 @@
  */
 #include "fc.h"
 
+#include <poll.h>
+
 /* ------------------------------------------------------------------ checkpoint target */
 
 static int g_ck_state = CU_PROCESS_STATE_RUNNING; /* owned by the control thread */
@@ -355,6 +357,13 @@ static const char *ck_opname(uint32_t op)
     return op < sizeof n / sizeof n[0] ? n[op] : "?";
 }
 
+/* 1 when the controller on `c` has closed its end (it stopped waiting for the reply). */
+static int ck_abandoned(int c)
+{
+    struct pollfd pf = {c, POLLRDHUP, 0};
+    return poll(&pf, 1, 0) == 1 && (pf.revents & (POLLHUP | POLLRDHUP | POLLERR));
+}
+
 static void *ck_thread(void *arg)
 {
     (void)arg;
@@ -374,6 +383,15 @@ static void *ck_thread(void *arg)
         ssize_t n = recv(c, &rq, sizeof rq, 0);
         const struct ck_req q = rq.hdr;
         int full = q.op == CK_RESTORE ? n == (ssize_t)sizeof rq : n == (ssize_t)sizeof q;
+        if (full && q.magic == CK_MAGIC && q.op != CK_GETSTATE && q.op != CK_GETTID && ck_abandoned(c)) {
+            /* the controller gave up waiting (this process was stopped past its deadline): a
+             * request nobody waits for any more is not applied, so a late lock cannot park
+             * the process after the caller was told CUDA_ERROR_TIMEOUT */
+            fc_logline("fakecuda: control %s abandoned by its controller before it was served: not applied",
+                       ck_opname(q.op));
+            close(c);
+            continue;
+        }
         if (full && q.magic == CK_MAGIC) {
             switch (q.op) {
             case CK_GETSTATE:
@@ -392,7 +410,11 @@ static void *ck_thread(void *arg)
             fc_logline("fakecuda: control %s = %s (state %d)", ck_opname(q.op), fc_errname(p.result), g_ck_state);
         }
         ssize_t w = send(c, &p, sizeof p, MSG_NOSIGNAL);
-        (void)w;
+        if (w != (ssize_t)sizeof p && full && q.op == CK_LOCK && p.result == CUDA_SUCCESS) {
+            /* the controller left while the lock was being taken: undo it (as above) */
+            fc_logline("fakecuda: control Lock abandoned by its controller while it was served: unlocked again (%s)",
+                       fc_errname(ck_unlock()));
+        }
         close(c);
     }
     return NULL;

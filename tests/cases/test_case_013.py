@@ -197,3 +197,24 @@ def test_a_failed_first_write_leaves_neither_file(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json"]
     assert (tmp_path / "manifest.json").read_bytes() == before
     assert [w["path"] for w in m["warnings"]] == [str(tmp_path / "manifest.json")]
+
+
+def test_a_failed_directory_fsync_after_the_first_rename_leaves_no_manifest(tmp_path, monkeypatch):
+    """The rename happened and only the fsync of the snapshot directory failed (found by the
+    chaos suite): a first manifest not known to be durable is removed again, so no
+    manifest.json says the snapshot is complete of a checkpoint that then rolls back."""
+    from cuinterpose.agent.snapshot import manifest
+
+    real = os.fsync
+
+    def eio_on_dirs(fd):
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(fd)
+
+    m = {k: {} for k in manifest.REQUIRED}
+    monkeypatch.setattr(os, "fsync", eio_on_dirs)
+    with pytest.raises(OSError) as ei:
+        manifest.write(tmp_path, m)
+    assert ei.value.errno == errno.EIO
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

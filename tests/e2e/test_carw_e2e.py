@@ -124,8 +124,9 @@ def test_carw_without_the_adapter_is_refused_and_keeps_running(carw, tmp_path):
     rc, cp = run.checkpoint(tmp_path / "snap")
     assert rc != 0 and cp["ok"] is False, cp
     why = (
-        f"exported pointer {va[pids[0]]:#x} through the driver's cuIpcGetMemHandle (memory not "
-        "allocated under the IPC adapter) and 3 more; native checkpoint cannot carry IPC memory: "
+        f"exported pointer {va[pids[0]]:#x} (and 3 more driver IPC handles) through the driver's "
+        "cuIpcGetMemHandle (memory not allocated under the IPC adapter); native checkpoint "
+        "cannot carry IPC memory: "
         "free it, or allocate it with CUINTERPOSE_IPC_ADAPTER covering its size (refused: "
         f"REFUSED_STATE); nothing was changed (and 1 more: pids {pids[1]})"
     )

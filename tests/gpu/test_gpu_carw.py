@@ -3,7 +3,7 @@
 Without the shim every share must be exact (what fakecuda models is what the driver does);
 under the shim, ``ipc`` with 2 ranks is checkpointed at a hold with the driver's native
 checkpoint and CRIU, killed, restored and finished exact. Without a usable GPU (or, for the
-cut, CRIU and the checkpoint API) each test is skipped and the reason printed, as in tests/gpu.
+cut, CRIU and the checkpoint API) each test is skipped and the reason printed.
 """
 
 from __future__ import annotations
@@ -13,11 +13,14 @@ import signal
 import sys
 
 import pytest
-from carw_kit import check_finished
 
 from cuinterpose.workloads.afdwin import demo
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tests/: tests/gpu
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "carw"))  # carw_kit
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tests/: carw, gpu
+from carw.conftest import carw  # noqa: E402,F401 (the fixture)
+from carw_kit import check_finished  # noqa: E402
+
 from gpu.conftest import _probe  # noqa: E402
 
 
@@ -25,22 +28,22 @@ from gpu.conftest import _probe  # noqa: E402
 def gpu_info():
     ok, why, info = _probe()
     if not ok:
-        print(f"tests/carw GPU tests skipped: {why}")
+        print(f"tests/gpu carw tests skipped: {why}")
         pytest.skip(why)
     return info
 
 
 @pytest.mark.parametrize("share", ["ipc", "pidfd", "host"])
-def test_real_gpu_all_reduce_exact(carw, gpu_info, share):
+def test_real_gpu_all_reduce_exact(carw, gpu_info, share):  # noqa: F811
     run = carw(ranks=2, steps=40, shim=False, share=share, driver="real")
     assert run.wait_exit() == 0, run.stderr_tail()
     check_finished(run, restores=0)
 
 
-def test_real_gpu_ipc_checkpoint_kill_restore_finish(carw, gpu_info, criu_ok, tmp_path):
+def test_real_gpu_ipc_checkpoint_kill_restore_finish(carw, gpu_info, criu_ok, tmp_path):  # noqa: F811
     if gpu_info.get("checkpoint_api") != 0:
         why = f"the driver ({gpu_info.get('driver_version')}) has no usable cuCheckpointProcess*"
-        print(f"tests/carw GPU tests skipped: {why}")
+        print(f"tests/gpu carw tests skipped: {why}")
         pytest.skip(why)
     run = carw(ranks=2, steps=40, hold_at=(12,), driver="real")
     run.wait_hold(12)

@@ -1,0 +1,147 @@
+"""Chaos kind 1: SIGKILL of the agent at every step boundary of a checkpoint and of a restore.
+
+``CUINTERPOSE_TEST_SIGNAL_AT=WHEN:STEP`` (agent/mech/signal_at.py) makes the agent SIGKILL
+itself before and after every step of ``Checkpoint.STEPS`` and inside each step's blocking call
+(``DURING``). Then ``cuinterpose-agent release --pid ROOT --json`` finishes what the dead agent
+left, and the run must end in one of the two outcomes (tests/chaos/kit.py): the job completes
+with exact evidence, or a complete snapshot exists (the tree is gone). For a restore killed at
+each point of ``Restore.STEPS``: whatever it started is killed, the snapshot must still be
+intact (manifest and image checksums) and a restore of it again succeeds and finishes exactly.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import kit
+import pytest
+import tally
+
+from cuinterpose.agent.mech import signal_at
+from cuinterpose.agent.run.checkpoint import Checkpoint
+from cuinterpose.agent.run.restore import Restore
+from cuinterpose.workloads.afdwin import demo
+
+
+def _points(steps) -> list[str]:
+    out = []
+    for s in steps:
+        out.append(f"before:{s.name}")
+        if s.name in signal_at.DURING:
+            out.append(f"during:{s.name}")
+        out.append(f"after:{s.name}")
+    return out
+
+
+#: found by this suite: killed between the quiescence check's native lock and the capture,
+#: `release` answers and the job still never resumes (it stays parked)
+PARKED = pytest.mark.xfail(
+    strict=True,
+    reason="found by this suite: the agent SIGKILLed during or after the quiescence check (or "
+    "before the capture): `release --pid` exits 0 but the job never completes (agent/run/"
+    "recover.py: what the quiescence check's lock/unlock left is not undone)",
+)
+#: the points after the finish step, which kills the dumped tree (no --leave-running)
+TREE_KILLED = ("after:finish", "before:resume", "after:resume")
+PARKED_AT = ("during:quiescence check", "after:quiescence check", "before:capture")
+CHECKPOINT_POINTS = [
+    pytest.param(p, marks=PARKED) if p in PARKED_AT else p for p in _points(Checkpoint.STEPS)
+]
+RESTORE_POINTS = _points(Restore.STEPS)
+
+
+@pytest.fixture(autouse=True)
+def _private_tmp(private_tmp):
+    return private_tmp
+
+
+@pytest.mark.parametrize("point", CHECKPOINT_POINTS)
+def test_agent_sigkill_during_checkpoint(afdwin, tmp_path, point):
+    kind = f"agent-SIGKILL checkpoint {point}"
+    a = kit.job(afdwin)
+    snap = tmp_path / "snap"
+    rc, out, _ = kit.checkpoint(a, snap, env={signal_at.ENV: point})
+    if rc == 0:
+        # the step came after the agent's last signal point (nothing to kill): a snapshot
+        assert kit.judge(kind, a, snap, rc, out) == "snapshot"
+        return
+    assert rc == -signal.SIGKILL, f"{point}: exit {rc}: {out}"
+    if point in TREE_KILLED:
+        # the finish step killed the dumped tree: the snapshot must be complete
+        try:
+            a.wait_dumped(kit.DEADLINE_S)
+        except Exception:
+            tally.record(kind, "hang")
+            raise
+        problem = kit.snapshot_problem(snap)
+        tally.record(kind, "false_success" if problem else "snapshot")
+        assert problem == "", f"{point}: the tree is gone and the snapshot is not complete"
+        rrc, rel, _ = kit.agent("release", "--pid", str(a.pid), "--control-dir", str(a.ctl))
+        assert rrc != 0 and "no pending quiesce request" in rel["error"]["message"], rel
+        return
+    rrc, rel, _ = kit.agent("release", "--pid", str(a.pid), "--control-dir", str(a.ctl))
+    if rrc != 0 and kit.stuck_shims(a) == []:
+        # nothing to release (killed before any quiesce request): the job goes on as it was
+        assert "error" in rel, rel
+    elif rrc != 0:
+        tally.record(kind, "hang")
+        pytest.fail(f"{point}: release exit {rrc}: {rel.get('error', rel)}")
+    if rel.get("snapshot", {}).get("complete"):
+        assert kit.snapshot_problem(snap) == "", rel
+    try:  # the known defect (PARKED) would cost the whole hang deadline: a shorter one there
+        problems = kit.finish(a, deadline_s=15 if point in PARKED_AT else None)
+    except kit.Hang:
+        tally.record(kind, "hang")
+        raise
+    tally.record(kind, "lost" if problems else "rolled_back", kit.lost_bytes(a))
+    assert problems == [], f"{point}: after release {rel}: {problems}"
+
+
+@pytest.fixture
+def snapshot(afdwin, tmp_path):
+    """(job, a complete snapshot of it): the job's tree is gone."""
+    a = kit.job(afdwin)
+    snap = tmp_path / "snap"
+    rc, out, _ = kit.checkpoint(a, snap)
+    assert kit.judge("agent-SIGKILL restore: the snapshot", a, snap, rc, out) == "snapshot"
+    return a, snap
+
+
+def _kill_restored(a, ranks) -> None:
+    for pid in [a.pid, *ranks]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    kit.wait_until(
+        lambda: (
+            (demo.reap_zombies() or True)
+            and not any(os.path.exists(f"/proc/{p}") for p in [a.pid, *ranks])
+        ),
+        "the restored tree to be gone",
+    )
+
+
+def test_agent_sigkill_during_restore(snapshot, subreaper):
+    a, snap = snapshot
+    ranks = kit.rank_pids(a)
+    for point in RESTORE_POINTS:
+        kind = f"agent-SIGKILL restore {point}"
+        rc, out, _ = kit.agent(
+            "restore", "--images-dir", str(snap), "--driver", "fake", env={signal_at.ENV: point}
+        )
+        if rc == 0:  # after the last point: the restored job runs
+            assert kit.finish(a, restored=True) == [], point
+        else:
+            assert rc == -signal.SIGKILL, f"{point}: exit {rc}: {out}"
+            _kill_restored(a, ranks)
+        problem = kit.snapshot_problem(snap)
+        if problem:
+            tally.record(kind, "lost")
+            pytest.fail(f"restore killed {point}: the snapshot is no longer intact: {problem}")
+        rc, out, _ = kit.agent("restore", "--images-dir", str(snap), "--driver", "fake")
+        assert (rc, out.get("ok")) == (0, True), f"restore again after {point}: {out}"
+        problems = kit.finish(a, restored=True)
+        tally.record(kind, "lost" if problems else "snapshot", kit.lost_bytes(a))
+        assert problems == [], f"restore again after {point}: {problems}"
