@@ -20,7 +20,7 @@ static CUresult mem_alloc(CUdeviceptr *dp, size_t size)
     pthread_mutex_lock(&g_mu);
     CUresult r = CUDA_SUCCESS;
     struct fc_dmem *d = NULL;
-    if (g_used[c->dev] + mapped > g_totalmem || !(d = calloc(1, sizeof *d)))
+    if (g_used[c->dev] + mapped > dev_get(c->dev)->mem || !(d = calloc(1, sizeof *d)))
         r = CUDA_ERROR_OUT_OF_MEMORY;
     if (r == CUDA_SUCCESS) {
         d->size = size;
@@ -93,8 +93,8 @@ static CUresult mem_getinfo(size_t *fr, size_t *tot)
     if (!fr || !tot)
         return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&g_mu);
-    *tot = (size_t)g_totalmem;
-    *fr = (size_t)(g_totalmem - g_used[c->dev]);
+    *tot = (size_t)dev_get(c->dev)->mem;
+    *fr = (size_t)(dev_get(c->dev)->mem - g_used[c->dev]);
     pthread_mutex_unlock(&g_mu);
     return CUDA_SUCCESS;
 }

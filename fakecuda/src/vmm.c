@@ -85,7 +85,7 @@ static CUresult mem_create(CUmemGenericAllocationHandle *h, size_t size, const C
         return CUDA_ERROR_INVALID_VALUE;
     int dev = prop_is_host(p) ? -1 : p->location.id; /* host memory does not count against a device */
     pthread_mutex_lock(&g_mu);
-    if (dev >= 0 && g_used[dev] + size > g_totalmem) {
+    if (dev >= 0 && g_used[dev] + size > dev_get(dev)->mem) { /* the device's own size */
         pthread_mutex_unlock(&g_mu);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }

@@ -246,3 +246,12 @@ def test_gpu_pairs_restore_under_asan(fcpeer_asan_exe, fake_env, proc):
     finally:
         t.close()
     assert t.proc.returncode == 0
+
+
+def test_each_configured_device_allocates_up_to_its_own_size(proc):
+    """Under FAKECUDA_DEVICES a device's capacity is its own size (cuDeviceTotalMem,
+    cuMemGetInfo and the allocation limit agree), not FAKECUDA_TOTAL_MEM."""
+    p = proc(FAKECUDA_DEVICES="small:4M,big:64M", FAKECUDA_TOTAL_MEM=str(1 << 40))
+    assert p("alloc 0 8388608 1") == {"error": "CUDA_ERROR_OUT_OF_MEMORY"}
+    assert "va" in p("alloc 1 8388608 1")
+    assert "va" in p("alloc 0 2097152 1")
