@@ -19,6 +19,11 @@ __all__ = ["rollback"]
 
 #: The shim phases of a multicast teardown/rebuild (rollback resumes from any of them).
 MULTICAST_PHASES = tuple(src for _, src in MULTICAST_RESTORE_OPS)
+#: every phase rollback brings back to ACTIVE
+ROLLBACK_PHASES = (Phase.ACTIVE, Phase.SAVED, Phase.PREPARED, Phase.LOADED, *MULTICAST_PHASES)
+#: how often a rollback re-INSPECTs and re-plans after a shim moved under it (docs/coordinator.md
+#: "Rollback": one op in flight per lost connection; a bound, never an endless retry)
+MAX_REPLANS = 3
 
 
 def rollback(
@@ -29,8 +34,11 @@ def rollback(
     ``capture_or_records``: the :class:`Capture` (also the partial one on
     ``PhaseError.capture``) or pid -> the records of the capture's first INSPECT. A FAILED or
     silent participant raises :class:`PhaseError` before anything is sent (fail-stop); a
-    phase with nobody to ask is skipped; any failing phase raises PhaseError (``changed``
-    True; stop there, no retry); a final INSPECT unequal to the capture raises TopologyError.
+    phase with nobody to ask is skipped. A phase failing only with lost replies or with
+    shims found in another phase than planned (an op in flight on a lost connection ran
+    meanwhile) is settled by a new INSPECT and plan, at most ``MAX_REPLANS`` times; any other
+    failing phase raises PhaseError (``changed`` True; stop there); a final INSPECT unequal to
+    the capture raises TopologyError.
     """
     if isinstance(capture_or_records, Capture):
         records = capture_or_records.records
@@ -41,8 +49,51 @@ def rollback(
     if missing:
         raise ValueError(f"rollback: no captured records for participant pid {missing[0]}")
     start = len(coord.phases)
-    found, now = _inspect_phases(coord)
-    found_first = {pid: enum_name(Phase, ph) for pid, ph in found.items()}
+    found_first: dict[int, str] | None = None
+    for attempt in range(MAX_REPLANS + 1):
+        found, now = _inspect_phases(coord)
+        if found_first is None:
+            found_first = {pid: enum_name(Phase, ph) for pid, ph in found.items()}
+        try:
+            _undo(coord, records, found, now)
+            after = coord._inspect(Phase.ACTIVE, True, changed_before=True)
+        except PhaseError as e:
+            if attempt < MAX_REPLANS and _moved(e):
+                continue  # an op in flight on a lost connection ran after that INSPECT
+            raise
+        break
+    topology.compare(records, after)
+    return RollbackResult(found=found_first, phases=coord.phases[start:], records=after)
+
+
+def _moved(e: PhaseError) -> bool:
+    """True when ``e`` is settled by a new INSPECT and plan: every failure is either a reply
+    that never came (``error``: the op may or may not have run; the next INSPECT tells, and a
+    resent op carries a higher txn, so the late one is refused as a duplicate or for its
+    phase), or a shim that answered from another phase than the plan assumed, one rollback
+    handles (``REFUSED_PHASE``, which changes nothing, or the final INSPECT's wrong phase):
+    an op sent on a lost connection ran after the rollback's INSPECT. FAILED, BUSY or
+    otherwise refusing shims are not (and a shim that is gone fails the next INSPECT)."""
+    inspect = e.phase == Op.INSPECT.name
+    return bool(e.failures) and all(
+        f.error is not None
+        or (
+            f.phase in ROLLBACK_PHASES
+            and (f.status == Status.REFUSED_PHASE or (inspect and f.status == Status.OK))
+        )
+        for f in e.failures
+    )
+
+
+def _undo(
+    coord: Barrier,
+    records: Mapping[int, list[Record]],
+    found: dict[int, Phase],
+    now: Mapping[int, list[Record]],
+) -> None:
+    """Steps 2-4b of docs/coordinator.md "Rollback" from the phases ``found`` (pid -> Phase of
+    this round's INSPECT, updated in place) and its records ``now``; raises PhaseError from
+    the first failing phase."""
 
     # step 2: SAVED importers of an allocation whose creator already tore it down
     torn = {Phase.PREPARED, Phase.LOADED}
@@ -139,9 +190,6 @@ def rollback(
         if plan:
             res, _ = coord._run_plan(plan, changed_before=True)
             cur.update({pid: Phase(r.phase) for pid, r in res.participants.items()})
-    after = coord._inspect(Phase.ACTIVE, True, changed_before=True)
-    topology.compare(records, after)
-    return RollbackResult(found=found_first, phases=coord.phases[start:], records=after)
 
 
 def _inspect_phases(coord: Barrier) -> tuple[dict[int, Phase], dict[int, list[Record]]]:
@@ -181,13 +229,7 @@ def _inspect_phases(coord: Barrier) -> tuple[dict[int, Phase], dict[int, list[Re
                 f"is FAILED (a destructive op failed part-way){why}; it "
                 "cannot be brought back to ACTIVE",
             )
-        if not r.ok or r.phase not in (
-            Phase.ACTIVE,
-            Phase.SAVED,
-            Phase.PREPARED,
-            Phase.LOADED,
-            *MULTICAST_PHASES,
-        ):
+        if not r.ok or r.phase not in ROLLBACK_PHASES:
             raise _refusal(
                 pid,
                 r,
