@@ -306,11 +306,14 @@ def test_a_failed_recovery_keeps_the_workload_parked_and_says_so(world, shims):
     lk = json.loads(quiesce_path(world.ctl, root, "lock").read_text())
     assert (lk["rollback_failed"], lk["records"], lk["steps"]) == (True, rec["records"], BEFORE)
     assert lk["abandoned"] == {"pid": os.getpid(), "by": "release", "why": str(e)}
+    # the failed rollback's txn ids are the lock's floor: the next one's go above them
+    assert lk["last_txn_id"] == max(x.txn_id for x in log.of("recv")) > 0
     sent = len(log.of("recv"))
     with pytest.raises(AgentError) as again:
         recover.release(world.ctl, root)
     assert (again.value.pid, again.value.outcome, str(again.value)) == (201, *(e.outcome, str(e)))
-    assert len(log.of("recv")) > sent  # the rollback ran again
+    assert len(log.of("recv")) > sent  # the rollback ran again, above the floor
+    assert min(x.txn_id for x in log.of("recv")[sent:]) > lk["last_txn_id"]
     assert recover.release(world.ctl, root, force=True)["request_id"] == "q4"
 
 
