@@ -169,12 +169,24 @@ def mark_step(control_dir, roots: Iterable[int], qid: str, step: str, **extra) -
         write_atomic(path, lk)
 
 
-def abandon_lock(control_dir, roots: Iterable[int], qid: str) -> None:
+def abandon_lock(
+    control_dir,
+    roots: Iterable[int],
+    qid: str,
+    *,
+    by: str = "checkpoint",
+    why: str = "",
+    last_txn_id: int = 0,
+) -> None:
     """After a failed rollback the agent gives up the request but the workload stays parked on
     torn-down memory: the ``.lock`` names no owner any more (``release`` no longer waits for
-    this agent, e.g. a daemon), keeps ``torn_down`` and its record, and says
-    ``rollback_failed`` (``release`` does not try the same rollback again: it wants
-    ``--force``)."""
+    this agent, e.g. a daemon), keeps ``torn_down`` and everything a release continues the
+    rollback from (the record, ``records``, ``steps``), raises ``last_txn_id`` to ``last_txn_id``
+    (the failed rollback's highest txn id, so the next rollback's ids stay above it), says
+    ``rollback_failed`` and adds ``abandoned`` {"pid": this process, "by": ``by``
+    ("checkpoint", "release"), "why": ``why`` (the rollback's error)}. ``release`` of a lock
+    with ``records`` runs the rollback again (agent/run/recover.py); without them it wants
+    ``--force``."""
     for r in roots:
         path = quiesce_path(control_dir, r, "lock")
         old = read_json(path)
@@ -188,6 +200,8 @@ def abandon_lock(control_dir, roots: Iterable[int], qid: str) -> None:
                 "starttime": None,
                 "torn_down": True,
                 "rollback_failed": True,
+                "last_txn_id": max(int(keep.get("last_txn_id") or 0), int(last_txn_id or 0)),
+                "abandoned": {"pid": os.getpid(), "by": str(by), "why": str(why)},
             },
         )
 

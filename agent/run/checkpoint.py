@@ -19,7 +19,7 @@ from cuinterpose.agent.errors import AgentError, CensusError, CheckpointFailed, 
 from cuinterpose.agent.mech import census as census_mod
 from cuinterpose.agent.mech import fds, native, quiesce
 from cuinterpose.agent.mech.inherit import external_file_key
-from cuinterpose.agent.run import images, interrupt
+from cuinterpose.agent.run import images, interrupt, recover
 from cuinterpose.agent.run.report import Reporter
 from cuinterpose.agent.run.rollback import Rollback
 from cuinterpose.agent.run.steps import (
@@ -522,7 +522,14 @@ class Checkpoint(Rollback, StepRunner):
                         quiesce.clear(self.control_dir, gone)
                     left = [r for r in self.roots if r not in gone]
                     if e.outcome == "rollback_failed":
-                        quiesce.abandon_lock(self.control_dir, left, self.qid)
+                        quiesce.abandon_lock(
+                            self.control_dir,
+                            left,
+                            self.qid,
+                            by="checkpoint",
+                            why=e.rollback_error or str(e),
+                            last_txn_id=recover.last_txn_id(getattr(self, "coordinator", None)),
+                        )
                     else:
                         quiesce.unlock(self.control_dir, left, self.qid)
                 raise

@@ -49,6 +49,12 @@ def last_txn_id(coordinator) -> int:
     return int(getattr(coordinator, "last_txn_id", 0) or 0)
 
 
+def driver_of(cp) -> Optional[str]:
+    """The driver kind ``cp`` loaded ("fake", "real"), else the one it was asked for (None: the
+    release resolves ``$CUINTERPOSE_DRIVER``)."""
+    return getattr(getattr(cp, "driver", None), "kind", None) or cp.driver_kind
+
+
 def lock_record(cp) -> dict:
     """The ``.lock`` fields the checkpoint ``cp`` writes when its capture starts (the lock
     turns ``torn_down``): whatever :class:`Recovery` needs that is known then."""
@@ -56,7 +62,7 @@ def lock_record(cp) -> dict:
         "roots": list(cp.roots),
         "participants": [[p.pid, str(p.socket_path)] for p in cp.census.participants],
         "cuda_pids": list(cp.census.cuda_pids),
-        "driver": cp.driver_kind,
+        "driver": driver_of(cp),
         "images_dir": str(cp.images_dir),
         "created_dirs": [str(d) for d in cp.created_dirs],
         "phase_timeout_s": cp.phase_timeout_s,
@@ -161,8 +167,9 @@ class Recovery:
     """Undo the checkpoint of the dead agent whose ``.lock`` ``lock`` (request ``rid``) holds
     ``root``. :meth:`run` returns the report (:func:`render` prints it); raises ``AgentError``
     (phase "release", the process named, outcome ``rollback_failed``) when a step fails: the
-    workload then stays parked (no ``.resume``) and the lock says ``rollback_failed``
-    (``release --force`` then resumes it without rebuilding)."""
+    workload then stays parked (no ``.resume``) and the lock says ``rollback_failed`` (a
+    later ``release`` runs it again where the lock holds the records, :func:`needs_recovery`;
+    ``release --force`` resumes it without rebuilding)."""
 
     def __init__(self, control_dir, root: int, rid: str, lock: dict):
         self.cdir = str(control_dir)
@@ -173,6 +180,7 @@ class Recovery:
         self.roots = list(dict.fromkeys([*roots, self.root]))
         self.steps = [str(s) for s in lock.get("steps") or []]
         self.found: dict = {}
+        self.coord = None  # the coordinator of the shims' rollback, once made
 
     def tree_pids(self) -> list[int]:
         """The recorded pids of every tree (read before each dump) and what is under each
@@ -191,11 +199,23 @@ class Recovery:
             "release",
             f"{what}: {reason}; the workload stays parked (no .resume written) and "
             f"{quiesce_path(self.cdir, self.root, 'lock')} is kept with rollback_failed: "
-            "fix the cause and `release --force` resumes it without rebuilding",
+            + (
+                "fix the cause and `release` continues the rollback (`release --force` resumes "
+                "it without rebuilding)"
+                if needs_recovery({**self.lk, "rollback_failed": True})
+                else "fix the cause and `release --force` resumes it without rebuilding"
+            ),
             pid=pid if pid is not None else getattr(e, "pid", None),
             outcome="rollback_failed",
         )
-        quiesce.abandon_lock(self.cdir, self.roots, self.rid)
+        quiesce.abandon_lock(
+            self.cdir,
+            self.roots,
+            self.rid,
+            by="release",
+            why=str(err),
+            last_txn_id=last_txn_id(self.coord),
+        )
         return err
 
     # -- the steps --------------------------------------------------------------------------
@@ -268,12 +288,13 @@ class Recovery:
         parts = [phases.Participant(int(p), s) for p, s in self.lk.get("participants") or []]
         if not parts:
             return {}
-        coord = phases.Coordinator(
+        coord = self.coord = phases.Coordinator(
             parts,
             timeout_s=float(self.lk.get("phase_timeout_s") or 60.0),
             carrier_timeout_s=float(self.lk.get("carrier_timeout_s") or 3600.0),
         )
-        # txn ids above every one the dead agent sent (they are wall-clock based as well)
+        # txn ids above every one the dead agent (and any failed rollback) sent (they are
+        # wall-clock based as well)
         coord.txn_floor = max(coord.txn_floor, int(self.lk.get("last_txn_id") or 0))
         if "records" not in self.lk:
             # the lock gets the records before SAVE_ALLOCATIONS goes out: nothing was torn
@@ -353,25 +374,32 @@ def needs_recovery(lk: Optional[dict]) -> bool:
     """A dead agent's lock whose checkpoint left something to undo and that says how: the
     capture started (``torn_down``, with its record: ``participants``; a torn-down lock
     without one is an older agent's, which only ``release --force`` resumes) or a native lock
-    was taken (``cuda_pids``), and no rollback of it failed already (``rollback_failed``)."""
-    if not isinstance(lk, dict) or lk.get("rollback_failed"):
+    was taken (``cuda_pids``: the quiescence check locks and unlocks every CUDA process). A
+    lock whose rollback failed already (``rollback_failed``, by the checkpoint or an earlier
+    release) is rolled back again when it holds what that needs: the capture's ``records``
+    (the coordinator's rollback INSPECTs first and continues from whatever phase each shim is
+    in), or, not torn down, its ``cuda_pids``."""
+    if not isinstance(lk, dict):
         return False
     if lk.get("torn_down"):
+        if lk.get("rollback_failed"):
+            return "participants" in lk and "records" in lk
         return "participants" in lk
     return bool(lk.get("cuda_pids"))
 
 
 def release(control_dir, root: int, *, force: bool = False) -> dict:
     """``cuinterpose-agent release``: the pending request of ``root`` whose agent is dead.
-    When its lock says the checkpoint had started changing the workload (:func:`needs_recovery`)
-    :class:`Recovery` undoes it; otherwise the request is answered as before
-    (``quiesce.release``). ``force``: for a lock without records (an older agent's) or whose
-    rollback failed, resume without rebuilding (``quiesce.release(force=True)``); a lock with
-    records is always rolled back. Raises ``AgentError`` (phase "release", the pid named):
-    refused (no pending request, a live agent owns it, a failed rollback without ``force``)
-    or ``rollback_failed``."""
+    When its lock says the checkpoint had started changing the workload (:func:`needs_recovery`,
+    also after a failed rollback: it continues from where each shim is now) :class:`Recovery`
+    undoes it; otherwise the request is answered as before (``quiesce.release``). ``force``:
+    for a lock without records (an older agent's) or whose rollback failed, resume without
+    rebuilding (``quiesce.release(force=True)``); any other lock with records is rolled back.
+    Raises ``AgentError`` (phase "release", the pid named): refused (no pending request, a
+    live agent owns it, a torn-down lock without records and without ``force``) or
+    ``rollback_failed``."""
     rid, lk = quiesce.release_check(control_dir, root)
-    if force and lk is not None and "records" not in lk:
+    if force and lk is not None and ("records" not in lk or lk.get("rollback_failed")):
         return quiesce.release(control_dir, root, force=True)
     if lk is not None and needs_recovery(lk):
         return Recovery(control_dir, root, rid, lk).run()

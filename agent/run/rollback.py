@@ -55,7 +55,11 @@ class Rollback:
             )
             recover.watch_first_inspect(self)
         elif step.name in self.LOCKED_BEFORE_CAPTURE:
-            self.mark(step.name, cuda_pids=list(self.census.cuda_pids))
+            # the check locks and unlocks every CUDA process: a release of an agent killed in
+            # between must unlock them, with the same driver
+            self.mark(
+                step.name, cuda_pids=list(self.census.cuda_pids), driver=recover.driver_of(self)
+            )
         elif step.stage == "teardown":
             self.mark(step.name)
 
@@ -78,7 +82,14 @@ class Rollback:
             self.rebuild(restored=False)
         except BaseException as rb:
             self.r.note(f"rollback failed: {rb}")
-            return CheckpointFailed(cause, "rollback_failed", rollback_error=str(rb))
+            way_out = f"{rb}; the workload stays parked: once the cause is fixed, " + (
+                f"`cuinterpose-agent release --pid {self.roots[0]}` continues the rollback "
+                "from the .lock"
+                if self.capture is not None  # the lock holds the first INSPECT's records
+                else f"`cuinterpose-agent release --pid {self.roots[0]} --force` resumes it "
+                "without rebuilding"
+            )
+            return CheckpointFailed(cause, "rollback_failed", rollback_error=way_out)
         return CheckpointFailed(cause, "rolled_back")
 
     def rebuild(self, restored: bool = False, native_phase: str = "rollback native"):

@@ -283,8 +283,9 @@ def test_release_after_a_complete_snapshot_of_a_gone_workload_keeps_it(world, sh
 
 
 def test_a_failed_recovery_keeps_the_workload_parked_and_says_so(world, shims):
-    """A shim FAILED part-way cannot be rebuilt: no .resume, the lock says rollback_failed (a
-    second release wants --force), the error names the process and the phase."""
+    """A shim FAILED part-way cannot be rebuilt: no .resume, the lock says rollback_failed and
+    who gave it up, the error names the process and the phase; a second release runs the
+    rollback again (it INSPECTs first) and fails the same way; --force resumes it."""
     mocks, log = shims
     mocks[201].phase = Phase.FAILED
     mocks[202].phase = Phase.PREPARED
@@ -299,12 +300,20 @@ def test_a_failed_recovery_keeps_the_workload_parked_and_says_so(world, shims):
     assert str(e).endswith(
         f"; the workload stays parked (no .resume written) and "
         f"{quiesce_path(world.ctl, root, 'lock')} is kept with rollback_failed: fix the cause "
-        "and `release --force` resumes it without rebuilding"
+        "and `release` continues the rollback (`release --force` resumes it without rebuilding)"
     )
     assert not quiesce_path(world.ctl, root, "resume").exists()
-    assert json.loads(quiesce_path(world.ctl, root, "lock").read_text())["rollback_failed"] is True
-    with pytest.raises(QuiesceRefused, match="pass --force to release it anyway"):
+    lk = json.loads(quiesce_path(world.ctl, root, "lock").read_text())
+    assert (lk["rollback_failed"], lk["records"], lk["steps"]) == (True, rec["records"], BEFORE)
+    assert lk["abandoned"] == {"pid": os.getpid(), "by": "release", "why": str(e)}
+    # the failed rollback's txn ids are the lock's floor: the next one's go above them
+    assert lk["last_txn_id"] == max(x.txn_id for x in log.of("recv")) > 0
+    sent = len(log.of("recv"))
+    with pytest.raises(AgentError) as again:
         recover.release(world.ctl, root)
+    assert (again.value.pid, again.value.outcome, str(again.value)) == (201, *(e.outcome, str(e)))
+    assert len(log.of("recv")) > sent  # the rollback ran again, above the floor
+    assert min(x.txn_id for x in log.of("recv")[sent:]) > lk["last_txn_id"]
     assert recover.release(world.ctl, root, force=True)["request_id"] == "q4"
 
 

@@ -109,19 +109,7 @@ def test_lost_load_reply_in_the_leave_running_finish(afdwin, tmp_path):
 
 #: (first lost reply, lost reply of an undo op) whose rollback does not send the undo op
 NOT_SENT = {("PREPARE_UNICAST", "CANCEL_CAPTURE")}
-#: found by this suite (docs/testing.md "Found"): a lost reply of an op the rollback sends
-#: leaves shims out of ACTIVE, and `release` does not finish the rollback
-STUCK = pytest.mark.xfail(
-    strict=True,
-    reason="a lost reply inside the rollback fails the rollback (exit 5), leaves the job parked, "
-    "and `release --pid` refuses it (torn down, --force) instead of finishing the rollback "
-    "(issue 11 item 3: agent/run/rollback.py, release)",
-)
-DOUBLE = [
-    pytest.param(first, undo, marks=() if (first, undo) in NOT_SENT else STUCK)
-    for first in FIRST
-    for undo in ROLLBACK_OPS
-]
+DOUBLE = [(first, undo) for first in FIRST for undo in ROLLBACK_OPS]
 
 
 @pytest.mark.parametrize("first,undo", DOUBLE)
@@ -131,8 +119,15 @@ def test_lost_reply_inside_the_rollback(afdwin, tmp_path, first, undo):
     )
     assert rc != 0 and dropped == (1 if (first, undo) in NOT_SENT else 2), (spec, dropped, out)
     if dropped == 2:
-        # the rollback lost a reply too: `release` finishes what it left (case 006)
+        # the rollback lost a reply too: exit 5 (rollback_failed) naming the way out, and
+        # `release` finishes what it left (case 006)
+        assert (rc, out["error"]["outcome"]) == (5, "rollback_failed"), out
+        assert (
+            f"`cuinterpose-agent release --pid {a.pid}` continues the rollback"
+            in (out["error"]["message"])
+        ), out
         rrc, rel, _ = kit.agent("release", "--pid", str(a.pid), "--control-dir", str(a.ctl))
+        assert rrc != 0 or (rel["outcome"], rel["resume"] is not None) == ("rolled_back", True)
         if rrc != 0:
             tally.record(f"lost-reply {first}+{undo}", "hang")
             pytest.fail(
