@@ -20,6 +20,7 @@ from cuinterpose.agent.cli.common import (
     tls_ca_opt,
     tls_cert_opt,
     tls_key_opt,
+    use_manifest_key,
 )
 from cuinterpose.agent.errors import AgentError
 
@@ -92,22 +93,6 @@ def _start_watcher(srv, cfg, stop):
         return srv.start_watcher(cfg, stop)
     except ValueError as e:
         raise click.UsageError(f"--config: {e}") from None
-
-
-def _use_manifest_key(path) -> None:
-    """Sign and check every manifest of this daemon with the node key in ``path`` (none:
-    nothing changes); an unreadable or empty key file is a usage error."""
-    from cuinterpose.agent.errors import SnapshotError
-    from cuinterpose.agent.snapshot import trust
-
-    if not path:
-        return
-    trust.set_key_file(str(path))
-    os.environ[trust.KEY_ENV] = os.path.abspath(str(path))
-    try:
-        trust.node_key()
-    except SnapshotError as e:
-        raise click.UsageError(f"--manifest-key: {e.reason}") from None
 
 
 def _make_snapshot_dir(d: str) -> bool:
@@ -283,7 +268,7 @@ def serve(
     set_env(v["driver"], v["control_dir"])
     if v["native_backend"]:  # read by agent/mech/native.py when it picks the backend
         os.environ["CUINTERPOSE_NATIVE_BACKEND"] = v["native_backend"]
-    _use_manifest_key(v["manifest_key"])
+    use_manifest_key(v["manifest_key"], remote=False)
     tls = TLS(cert=v["tls_cert"], key=v["tls_key"], ca=v["tls_client_ca"])
     sd = v["snapshot_dir"]
     roots = [
