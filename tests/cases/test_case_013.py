@@ -128,18 +128,7 @@ def test_enospc_at_the_final_rewrite_leaves_no_tmp_and_warns_in_json(afdwin, tmp
     assert a.wait_hold(1) == HOLD
     snap = tmp_path / "snap"
     rc, cp = _agent_enospc_at(
-        2,
-        "checkpoint",
-        "--pid",
-        str(a.pid),
-        "--images-dir",
-        str(snap),
-        "--driver",
-        "fake",
-        "--control-dir",
-        str(a.ctl),
-        "--quiesce-timeout-ms",
-        str(int(demo.HANG_S * 1000)),
+        2, *a.checkpoint_args(snap), "--quiesce-timeout-ms", str(int(demo.HANG_S * 1000))
     )
     assert (rc, cp.get("ok")) == (0, True), cp
     assert a.wait_dumped(demo.HANG_S) == -signal.SIGKILL

@@ -86,20 +86,7 @@ HOOK = (str(pathlib.Path(__file__).resolve().parent / "agent_hook.py"),)
 
 
 def checkpoint(a, snap, *extra, env=None, hook=False):
-    return agent(
-        "checkpoint",
-        "--pid",
-        str(a.pid),
-        "--images-dir",
-        str(snap),
-        "--driver",
-        "fake",
-        "--control-dir",
-        str(a.ctl),
-        *extra,
-        env=env,
-        hook=hook,
-    )
+    return agent(*a.checkpoint_args(snap), *extra, env=env, hook=hook)
 
 
 def snapshot_problem(snap: pathlib.Path) -> str:

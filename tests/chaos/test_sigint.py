@@ -208,18 +208,7 @@ def start(afdwin) -> demo.Afdwin:
 
 def checkpoint(a: demo.Afdwin, snap, trigger: str):
     return run_agent(
-        trigger,
-        "checkpoint",
-        "--pid",
-        str(a.pid),
-        "--images-dir",
-        str(snap),
-        "--driver",
-        "fake",
-        "--control-dir",
-        str(a.ctl),
-        "--quiesce-timeout-ms",
-        str(int(demo.HANG_S * 1000)),
+        trigger, *a.checkpoint_args(snap), "--quiesce-timeout-ms", str(int(demo.HANG_S * 1000))
     )
 
 

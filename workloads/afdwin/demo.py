@@ -201,10 +201,10 @@ class Afdwin:
         )
         return step
 
-    def checkpoint(self, images_dir, *extra: str, timeout_s: float = 300) -> tuple[int, dict]:
-        """``cuinterpose-agent checkpoint`` of this job on fakecuda into ``images_dir`` (its
-        control dir; ``extra``: more options): :func:`run_agent`'s (exit code, JSON)."""
-        return run_agent(
+    def checkpoint_args(self, images_dir) -> list[str]:
+        """The ``cuinterpose-agent`` arguments that checkpoint this job on fakecuda into
+        ``images_dir`` through its control dir (for runners other than :meth:`checkpoint`)."""
+        return [
             "checkpoint",
             "--pid",
             str(self.pid),
@@ -214,9 +214,12 @@ class Afdwin:
             "fake",
             "--control-dir",
             str(self.ctl),
-            *extra,
-            timeout_s=timeout_s,
-        )
+        ]
+
+    def checkpoint(self, images_dir, *extra: str, timeout_s: float = 300) -> tuple[int, dict]:
+        """``cuinterpose-agent checkpoint`` of this job on fakecuda into ``images_dir`` (its
+        control dir; ``extra``: more options): :func:`run_agent`'s (exit code, JSON)."""
+        return run_agent(*self.checkpoint_args(images_dir), *extra, timeout_s=timeout_s)
 
     def release_hold(self) -> None:
         """End the current hold of every attention rank without a quiesce (SIGUSR1), for a run
