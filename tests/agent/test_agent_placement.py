@@ -831,7 +831,7 @@ def test_checkpoint_of_a_job_whose_cwd_is_outside_its_mount_namespace_is_refused
     ]
     assert not snap.exists()
     # untouched: it was never asked to quiesce, and finishes with nothing lost
-    assert a.proc.wait(timeout=300) == 0
+    a.wait_ok(300)
     evs = a.events()
     assert demo.check_run(evs, STEPS, expect_restore=False) == []
     s = [e for e in evs if demo.kind(e) == "summary"][-1]

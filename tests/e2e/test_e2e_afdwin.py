@@ -230,7 +230,7 @@ def test_sigterm_while_waiting_for_quiesce_cancels_and_the_workload_finishes(afd
     assert json.loads((a.ctl / f"quiesce-{a.pid}.resume").read_text())["cancelled"] is True
     assert not snap.exists()
     a.release_hold()  # it never saw a quiesce
-    assert a.proc.wait(timeout=300) == 0
+    a.wait_ok(300)
     s = assert_exact_pairs(a.events(), STEPS)
     assert (s["restores_seen"], s["quiesces"]) == (0, 0)
 
@@ -303,7 +303,7 @@ def test_ctrl_c_to_the_agents_process_group_during_the_dump_lets_criu_finish(afd
         ("INSPECT", "ok"),
     ]
     assert not snap.exists()
-    assert a.proc.wait(timeout=300) == 0
+    a.wait_ok(300)
     evs = a.events()
     s = assert_exact_pairs(evs, STEPS)
     assert (s["restores_seen"], s["quiesces"]) == (0, 1)
@@ -347,7 +347,7 @@ def test_a_rank_pid_instead_of_the_root_is_refused_with_a_hint(afdwin, tmp_path)
     ]
     assert not any(a.ctl.glob(f"quiesce-{rank}.*"))  # nothing asked, nothing left
     a.release_hold()  # it never saw a quiesce
-    assert a.proc.wait(timeout=300) == 0
+    a.wait_ok(300)
     s = assert_exact_pairs(a.events(), STEPS)
     assert (s["restores_seen"], s["quiesces"]) == (0, 0)
 
@@ -373,7 +373,7 @@ def test_refused_when_workload_does_not_answer(afdwin, tmp_path):
     assert json.loads((a.ctl / f"quiesce-{a.pid}.resume").read_text())["cancelled"] is True
     assert not (snap / "manifest.json").exists() and not (snap / "criu").exists()
     a.release_hold()  # it never saw a quiesce
-    assert a.proc.wait(timeout=300) == 0
+    a.wait_ok(300)
     evs = a.events()
     s = assert_exact_pairs(evs, STEPS)
     assert (s["restores_seen"], s["quiesces"]) == (0, 0)
@@ -436,7 +436,7 @@ def test_native_checkpoint_failure_rolls_back(afdwin, rogue, tmp_path):
         {"event": "resumed", "restored": False, "cancelled": False},
         {"event": "done", "ok": True},
     ]
-    assert a.proc.wait(timeout=300) == 0
+    a.wait_ok(300)
     evs = a.events()
     s = assert_exact_pairs(evs, STEPS)
     assert (s["restores_seen"], s["quiesces"]) == (0, 1)
@@ -512,7 +512,7 @@ def test_second_tree_dump_failure_keeps_both_trees_running(afdwin, ext_socket, t
         {"event": "done", "ok": True, "intact": True},
     ]
     assert conn.recv(64) == b"still here\n"
-    assert a.proc.wait(timeout=300) == 0  # not killed: it ran to the end
+    a.wait_ok(300)  # not killed: it ran to the end
     evs = a.events()
     s = assert_exact_pairs(evs, STEPS)
     assert (s["restores_seen"], s["quiesces"]) == (0, 1)
@@ -563,7 +563,7 @@ def test_manifest_write_failure_rolls_back_after_the_dump(afdwin, tmp_path):
         "INSPECT",
     ]
     assert not (snap / "manifest.json").exists() and not (snap / "criu").exists()
-    assert a.proc.wait(timeout=300) == 0
+    a.wait_ok(300)
     evs = a.events()
     s = assert_exact_pairs(evs, STEPS)
     assert (s["restores_seen"], s["quiesces"]) == (0, 1)

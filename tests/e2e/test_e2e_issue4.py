@@ -245,7 +245,7 @@ def check_no_drain_refused(a, rc, cp, snap):
         "flight when the lock timed out: the workload is not quiescent)"
     )
     assert not (snap / "manifest.json").exists()
-    assert a.proc.wait(timeout=300) == 0  # never torn down: it ran to the end
+    a.wait_ok(300)  # never torn down: it ran to the end
     evs = a.events()
     (q,) = of(evs, "quiesced")
     assert q["drained"] is False and q["pending"]["reply_owed"] >= 1

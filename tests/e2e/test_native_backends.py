@@ -143,7 +143,7 @@ def test_a_cli_lock_timeout_refuses_the_checkpoint_and_the_workload_finishes(
     )
     assert ["--action", "lock", "--pid", str(err["pid"]), "--timeout", "300"] in cli_log()
     assert not (snap / "manifest.json").exists()
-    assert a.proc.wait(timeout=300) == 0
+    a.wait_ok(300)
     evs = a.events()
     s = [e for e in evs if demo.kind(e) == "summary"][-1]
     assert (s["ok"], s["lost"], s["duplicated"], s["torn"], s["restores_seen"]) == (

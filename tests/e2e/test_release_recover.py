@@ -117,7 +117,7 @@ def test_release_rolls_back_a_dead_agents_checkpoint(
         "  native: " + ", ".join(f"pid {p} {native_state}" for p in ranks) + " -> RUNNING"
     )
 
-    assert a.proc.wait(timeout=300) == 0, a.stderr_tail()
+    a.wait_ok(300), a.stderr_tail()
     evs = a.events()
     s = assert_exact_pairs(evs, STEPS)
     assert (s["restores_seen"], s["quiesces"]) == (0, 1)
@@ -168,6 +168,6 @@ def test_release_after_the_manifest_keeps_the_snapshot_and_resumes_the_workload(
         f"  snapshot: complete in {snap}, kept: `cuinterpose-agent restore --images-dir {snap}` "
         "restores it once the workload is gone"
     )
-    assert a.proc.wait(timeout=300) == 0, a.stderr_tail()
+    a.wait_ok(300), a.stderr_tail()
     s = assert_exact_pairs(a.events(), STEPS)
     assert (s["restores_seen"], s["quiesces"]) == (0, 1)

@@ -69,7 +69,7 @@ def finished_intact(jobs, steps, *, restored=False):
         if restored:
             assert j.wait_restored_exit(300) in (0, None)
         else:
-            assert j.proc.wait(timeout=300) == 0  # never killed: ran to the end
+            j.wait_ok(300)  # never killed: ran to the end
         evs = j.events()
         assert demo.check_run(evs, steps, expect_restore=restored) == []
         assert [(e["restored"], e["cancelled"]) for e in evs if demo.kind(e) == "resumed"] == [

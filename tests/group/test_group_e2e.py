@@ -166,7 +166,7 @@ def test_failure_on_the_second_agent_rolls_back_both_and_both_jobs_finish(
     assert conn.recv(64) == b"still here\n"
     for j in (ja, jb):
         j.release_hold()  # a job whose quiesce never came
-        assert j.proc.wait(timeout=300) == 0  # never killed: ran to the end
+        j.wait_ok(300)  # never killed: ran to the end
         evs = j.events()
         assert demo.check_run(evs, 2 * STEPS, expect_restore=False) == []
         assert [(e["restored"], e["cancelled"]) for e in evs if demo.kind(e) == "resumed"] == [
@@ -250,7 +250,7 @@ def test_manifest_failure_on_one_member_removes_the_others_snapshot_and_rebuilds
         assert not (d / "manifest.json").exists() and not (d / "criu").exists()
     for j in (ja, jb):
         j.release_hold()  # a job whose quiesce never came
-        assert j.proc.wait(timeout=300) == 0
+        j.wait_ok(300)
         evs = j.events()
         assert demo.check_run(evs, 2 * STEPS, expect_restore=False) == []
         assert [(e["restored"], e["cancelled"]) for e in evs if demo.kind(e) == "resumed"] == [

@@ -162,6 +162,30 @@ class Afdwin:
                     pass
         return out
 
+    def explain(self) -> str:
+        """Why a run ended as it did: its ``error`` events, the summary's ``problems`` and
+        ``exit_codes``, each rank's ``done`` verdict, and the stderr tail (text for an assertion
+        message)."""
+        lines = []
+        for e in self.events():
+            k = kind(e)
+            if k == "error":
+                lines.append(f"error: {json.dumps(e, sort_keys=True)}")
+            elif k == "summary":
+                lines.append(
+                    f"summary: ok={e.get('ok')} problems={e.get('problems')} "
+                    f"exit_codes={e.get('exit_codes')}"
+                )
+            elif k == "done" and not e.get("ok", True):
+                lines.append(f"rank {e.get('rank')} not ok: {json.dumps(e, sort_keys=True)[:2000]}")
+        return "\n".join(lines + ["stderr:", self.stderr_tail(40)])
+
+    def wait_ok(self, timeout_s: float = 300) -> None:
+        """Wait for the launcher (our child) to exit; ``AssertionError`` carrying
+        :meth:`explain` unless it exited 0 (``subprocess.TimeoutExpired`` after ``timeout_s``)."""
+        rc = self.proc.wait(timeout=timeout_s)
+        assert rc == 0, f"afdwin (pid {self.pid}) exited {rc}:\n{self.explain()}"
+
     def stderr_tail(self, n: int = 15) -> str:
         try:
             return "\n".join(self.err.read_text(errors="replace").splitlines()[-n:])
