@@ -11,7 +11,8 @@ The variable is a comma-separated list of ``WHEN:STEP[=SIGNAL]``:
   reply of a phase other than INSPECT);
 - ``STEP``: a step name of ``Checkpoint.STEPS`` or ``Restore.STEPS`` ("capture", "native lock",
   "criu dump", ...): the step runner registers its tables with :func:`register_steps`;
-- ``SIGNAL``: ``SIGKILL`` (the default), ``SIGINT``, ``SIGTERM`` or ``SIGHUP``.
+- ``SIGNAL``: ``SIGKILL`` (the default), ``SIGINT``, ``SIGTERM``, ``SIGHUP`` or ``SIGSTOP``
+  (the agent stops there until the test has changed what it wants and sends ``SIGCONT``).
 
 ``during`` is accepted only for the steps of :data:`DURING` (the ones with such a call), so an
 entry that could never fire is refused instead of passing vacuously.
@@ -32,7 +33,7 @@ from cuinterpose.agent.errors import AgentError
 
 ENV = "CUINTERPOSE_TEST_SIGNAL_AT"
 WHENS = ("before", "after", "during")
-SIGNALS = ("SIGKILL", "SIGINT", "SIGTERM", "SIGHUP")
+SIGNALS = ("SIGKILL", "SIGINT", "SIGTERM", "SIGHUP", "SIGSTOP")
 
 #: the steps with a ``during`` point, and where it is
 DURING = {

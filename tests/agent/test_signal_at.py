@@ -124,7 +124,7 @@ def test_an_unknown_step_is_refused_naming_the_variable_and_every_known_step(rec
         (
             "after:capture=SIGUSR1",
             "CUINTERPOSE_TEST_SIGNAL_AT: entry 'after:capture=SIGUSR1' names signal 'SIGUSR1'; "
-            "use one of SIGKILL, SIGINT, SIGTERM, SIGHUP",
+            "use one of SIGKILL, SIGINT, SIGTERM, SIGHUP, SIGSTOP",
         ),
     ],
 )

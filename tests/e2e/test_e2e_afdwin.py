@@ -11,6 +11,7 @@ import time
 import pytest
 
 from cuinterpose.agent import paths
+from cuinterpose.agent.mech import signal_at
 from cuinterpose.agent.mech.census import sha256_file
 from cuinterpose.agent.snapshot import manifest
 from cuinterpose.workloads.afdwin import demo
@@ -527,8 +528,8 @@ def test_manifest_write_failure_rolls_back_after_the_dump(afdwin, tmp_path):
     a = afdwin(steps=STEPS, step_delay_ms=5, hold_at=(HOLD,))
     a.wait_hold()
     snap = tmp_path / "snap"
-    # a non-empty --images-dir is refused, so block the manifest's temp path only once the
-    # dump has started (CRIU's own check and dump take far longer than this poll)
+    # a non-empty --images-dir is refused, so block the manifest's temp path while the agent
+    # is stopped just before its manifest step (an event: no race with how fast CRIU is)
     agent = _agent_popen(
         "checkpoint",
         "--pid",
@@ -539,12 +540,12 @@ def test_manifest_write_failure_rolls_back_after_the_dump(afdwin, tmp_path):
         "fake",
         "--control-dir",
         str(a.ctl),
+        env_extra={signal_at.ENV: "before:manifest=SIGSTOP"},
     )
-    deadline = time.monotonic() + 120
-    while not (snap / "criu" / str(a.pid)).exists():
-        assert agent.poll() is None and time.monotonic() < deadline, agent.communicate()
-        time.sleep(0.001)
+    demo.wait_stopped(agent.pid, lambda: agent.poll() is None)
+    assert (snap / "criu" / str(a.pid)).is_dir() and not (snap / "manifest.json").exists()
     (snap / "manifest.json.tmp").mkdir()
+    os.kill(agent.pid, signal.SIGCONT)
     out, _ = agent.communicate(timeout=300)
     rc, cp = agent.returncode, json.loads(out)
     assert rc == 4 and not cp["ok"], cp

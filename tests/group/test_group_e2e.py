@@ -13,6 +13,7 @@ import time
 
 from group_kit import STEPS, agents, idx, reap_tree, start_jobs, wait_running
 
+from cuinterpose.agent.mech import signal_at
 from cuinterpose.agent.rpc import client
 from cuinterpose.agent.snapshot import pb
 from cuinterpose.workloads.afdwin import demo
@@ -177,14 +178,23 @@ def test_failure_on_the_second_agent_rolls_back_both_and_both_jobs_finish(
 def test_manifest_failure_on_one_member_removes_the_others_snapshot_and_rebuilds_both(
     afdwin, daemon, tmp_path
 ):
-    """Member b's manifest cannot be written (its temp path is made a directory while the
-    dumps run) after member a wrote its own: a's snapshot alone is no consistent cut, so the
-    group rollback removes it too and both jobs are rebuilt and finish."""
+    """Member b's manifest cannot be written (its temp path is made a directory while b's
+    daemon is stopped just before its manifest step) after member a wrote its own: a's
+    snapshot alone is no consistent cut, so the group rollback removes it too and both jobs
+    are rebuilt and finish."""
     import subprocess
     import sys
 
     ja, jb = start_jobs(afdwin, steps=2 * STEPS)
-    A, B = agents(daemon, (ja, jb))
+    A = agents(daemon, (ja,))[0]
+    B = daemon(
+        "node-b",
+        "--driver",
+        "fake",
+        "--control-dir",
+        str(jb.ctl),
+        env={signal_at.ENV: "before:manifest=SIGSTOP"},
+    )
     wait_running((ja, jb))
     snap_a, snap_b = tmp_path / "snap-a", tmp_path / "snap-b"
     spec = tmp_path / "group.json"
@@ -227,11 +237,11 @@ def test_manifest_failure_on_one_member_removes_the_others_snapshot_and_rebuilds
         text=True,
         env=env,
     )
-    deadline = time.monotonic() + 120
-    while not (snap_b / "criu" / str(jb.pid)).exists():  # CRIU's dump takes far longer
-        assert p.poll() is None and time.monotonic() < deadline, p.communicate()
-        time.sleep(0.001)
+    # an event, not a race with CRIU: b's daemon stops itself before its manifest step
+    demo.wait_stopped(B["pid"], lambda: p.poll() is None)
+    assert (snap_b / "criu" / str(jb.pid)).is_dir() and not (snap_b / "manifest.json").exists()
     (snap_b / "manifest.json.tmp").mkdir()
+    os.kill(B["pid"], signal.SIGCONT)
     out, _ = p.communicate(timeout=300)
     assert p.returncode == 4, out
     err = json.loads(out)["error"]

@@ -325,6 +325,22 @@ def run_agent(*args: str, timeout_s: float = 300) -> tuple[int, dict]:
         return res.returncode, {"raw": res.stdout + res.stderr}
 
 
+def wait_stopped(pid: int, alive: Callable[[], bool], timeout_s: float = HANG_S) -> None:
+    """Wait until ``pid`` is stopped by a signal (state ``T`` in /proc/PID/stat: an agent run
+    with ``CUINTERPOSE_TEST_SIGNAL_AT=WHEN:STEP=SIGSTOP`` reached that point); while
+    ``alive()`` holds. ``RuntimeError`` when ``alive()`` turns false or after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        if not alive():
+            raise RuntimeError(f"pid {pid} ended its run before it stopped itself")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"pid {pid} did not stop itself within {timeout_s:g} s")
+        time.sleep(0.01)
+
+
 def holds(evs: list[dict], step: int) -> set[int]:
     """Attention ranks that sent a ``hold`` event for ``step`` (--hold-at)."""
     return {e["rank"] for e in evs if kind(e) == "hold" and e.get("step") == step}
