@@ -104,11 +104,10 @@ def sync_snapshot(
     done = [0]
 
     def add(n: int) -> None:
-        with lock:
+        with lock:  # under the lock: the callback sees the count grow, never go back
             done[0] += n
-            now = done[0]
-        if progress is not None:
-            progress(now, total)
+            if progress is not None:
+                progress(done[0], total)
 
     def one(p: pathlib.Path) -> Optional[str]:
         op = "open"
@@ -205,8 +204,7 @@ def verify_snapshot(rs) -> None:
         def add(n: int) -> None:
             with lock:
                 done[0] += n
-                now = done[0]
-            rs.r.progress(ph, now, total)
+                rs.r.progress(ph, done[0], total)
 
         ph.bytes = manifest_mod.verify_images(rs.images_dir, rs.m, on_bytes=add, phase="verify")
         rs.r.progress(ph, ph.bytes, ph.bytes, final=True)

@@ -422,7 +422,10 @@ def verify_images(
     from concurrent.futures import ThreadPoolExecutor
 
     base = pathlib.Path(snapshot)
-    trust.check_image_set(base, m)
+    try:
+        trust.check_image_set(base, m)
+    except SnapshotError as e:
+        raise SnapshotError(phase, e.reason, pid=e.pid) from None
     listed = sorted(m["criu"].get("files", {}).items())
     for rel, meta in listed:
         p = base / rel
