@@ -361,3 +361,25 @@ def test_phase_rows_without_begin_time_their_own_block():
     ph = rep.record("b", 1234)
     assert rep.cursor_ns is None and isinstance(a, Phase)
     assert ph.elapsed_ns == 1234  # timed elsewhere: kept as given
+
+
+def test_the_capture_step_reports_the_chunk_files_progress(world, tmp_path, monkeypatch):
+    """The step runner polls DIR/chunks/ around ``capture``: whatever the poller thread saw
+    meanwhile, the step's end gives the last event, the streams' total (chunk 1 is zero)."""
+    monkeypatch.setattr(quiesce, "request", answer_quiesce(world))
+    world.images_dir = tmp_path / "snap"
+    _files_written_by_the_dump(world, monkeypatch)
+    seen = []
+    rep = Reporter(
+        [lambda ev, ph: ev == "progress" and seen.append((ph.name, ph.bytes, ph.total_bytes))]
+    )
+    cp_mod.Checkpoint([ROOT], world.images_dir, control_dir=world.ctl, reporter=rep).run()
+    polled = [s for s in seen if s[0] == "SAVE_ALLOCATIONS"]
+    assert polled[-1] == ("SAVE_ALLOCATIONS", 3 * CHUNK, 3 * CHUNK)
+    assert [b for _, b, _ in polled] == sorted(b for _, b, _ in polled)
+    assert {t for *_, t in polled} == {3 * CHUNK}
+    assert "SAVE_ALLOCATIONS" not in [p.name for p in rep.phases]  # transient: no manifest row
+    sync = [s for s in seen if s[0] == "sync"]
+    assert (
+        sync[-1][1] == sync[-1][2] == rep.phases[[p.name for p in rep.phases].index("sync")].bytes
+    )
