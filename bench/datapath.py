@@ -14,7 +14,9 @@ Measured in the same run, one case after the other:
   (``phases``: name -> {"seconds", "bytes"}, summed over rows of one name);
 - ``creator_peak_rss_bytes``: the creator's VmHWM (/proc/PID/status), sampled from job start
   until the dump killed it (the high-water mark only grows, so the last sample is the peak of
-  everything before it);
+  everything before it); ``creator_rss_at_ready_bytes``: its VmRSS once parked, before the
+  checkpoint (the job's own memory: fakecuda's backing of the allocation, the interpreter), so
+  that the difference is what the checkpoint added;
 - ``snapshot_disk_bytes``: Σ st_blocks * 512 over the snapshot's files (what it holds on disk,
   sparse files counted as allocated); ``image_bytes``: the manifest's CRIU image bytes;
 - baselines: ``dd_s``: ``dd`` of B bytes from /dev/zero into a file beside the snapshot with
@@ -218,6 +220,7 @@ def run_job(work: pathlib.Path, nbytes: int, zero: float, timeout_s: float) -> d
         "checkpoint_s": round(cp_s, 6),
         "restore_s": round(rs_s, 6),
         "creator_peak_rss_bytes": peak,
+        "creator_rss_at_ready_bytes": ready["rss_bytes"],
         "snapshot_disk_bytes": on_disk,
         "image_bytes": m["totals"]["image_bytes"],
         "verified": bool(res.get("verified")),
@@ -305,6 +308,9 @@ def run_case(base: pathlib.Path, nbytes: int, zero: float, timeout_s: float) -> 
         ),
         "disk_over_bytes": round(out["snapshot_disk_bytes"] / nbytes, 3),
         "peak_rss_over_bytes": round(out["creator_peak_rss_bytes"] / nbytes, 3),
+        "checkpoint_rss_over_bytes": round(
+            (out["creator_peak_rss_bytes"] - out["creator_rss_at_ready_bytes"]) / nbytes, 3
+        ),
     }
     return out
 

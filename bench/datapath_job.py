@@ -11,7 +11,8 @@ contract (docs/workload-contract.md: ``.request`` -> ``.ready`` naming both pids
 (``cuMemcpyDtoH``) and compares it with the SHA-256 of what was written; the creator writes
 ``OUT/result.json`` (``verified``, ``bytes_compared``) and both exit.
 
-``OUT/ready.json`` ({"creator", "importer", "bytes", "zero_bytes", "sha256"}) says that the
+``OUT/ready.json`` ({"creator", "importer", "bytes", "zero_bytes", "sha256", "rss_bytes": the
+creator's VmRSS once parked}) says that the
 job is parked and may be checkpointed. Files are written atomically (contract.write_atomic).
 The waits poll the contract's files every 5 ms (the contract has no other signal), each with
 a deadline (``--timeout-s``).
@@ -80,6 +81,14 @@ def digest(va: int, size: int) -> str:
     return h.hexdigest()
 
 
+def status_bytes(key: str) -> int:
+    """``key`` (VmRSS, VmHWM) of /proc/self/status in bytes."""
+    for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 def wait_file(path: pathlib.Path, pred, deadline: float, what: str) -> dict:
     while True:
         obj = read_json(path)
@@ -124,7 +133,14 @@ def creator(args) -> int:
     root = os.getpid()
     write_atomic(
         out / "ready.json",
-        {"creator": root, "importer": imp.pid, "bytes": size, "zero_bytes": zero, "sha256": want},
+        {
+            "creator": root,
+            "importer": imp.pid,
+            "bytes": size,
+            "zero_bytes": zero,
+            "sha256": want,
+            "rss_bytes": status_bytes("VmRSS"),  # before any checkpoint: the job's own memory
+        },
     )
     deadline = time.monotonic() + args.timeout_s
     req = wait_file(
