@@ -95,10 +95,13 @@ def sync_snapshot(
     hashed and files synced. Raises ``AgentError`` (phase ``sync``) naming the file or
     directory and the errno."""
     base = pathlib.Path(base)
-    files, dirs = snapshot_tree(base)
     images = base / manifest_mod.CRIU_DIR
-    hashed = {p for p in files if images in p.parents}
-    weights = {p: _weight(p, p in hashed) for p in files}
+    try:
+        files, dirs = snapshot_tree(base)
+        hashed = {p for p in files if images in p.parents}
+        weights = {p: _weight(p, p in hashed) for p in files}
+    except OSError as e:  # a file that went away or cannot be read while listing
+        raise _failed(base, e.filename or base, "listing", e) from e
     total = sum(weights.values())
     lock = threading.Lock()
     done = [0]

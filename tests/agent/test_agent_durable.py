@@ -383,3 +383,24 @@ def test_the_capture_step_reports_the_chunk_files_progress(world, tmp_path, monk
     assert (
         sync[-1][1] == sync[-1][2] == rep.phases[[p.name for p in rep.phases].index("sync")].bytes
     )
+
+
+def test_a_snapshot_that_cannot_be_listed_fails_the_sync_naming_it(tmp_path, monkeypatch):
+    snap = tmp_path / "snap"
+    (snap / "criu" / "1").mkdir(parents=True)
+    img = snap / "criu" / "1" / "core.img"
+    img.write_bytes(b"x")
+    real = os.lstat
+
+    def lstat(p, *a, **kw):
+        if str(p) == str(img):
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(p))
+        return real(p, *a, **kw)
+
+    monkeypatch.setattr(durable.os, "lstat", lstat)
+    with pytest.raises(AgentError) as ei:
+        durable.sync_snapshot(snap)
+    assert (ei.value.phase, ei.value.reason.split(";")[0]) == (
+        "sync",
+        f"listing of {img} failed: No such file or directory (errno 2)",
+    )
