@@ -202,7 +202,9 @@ def load_members(group_file, kind: str):
 
 class RemoteRows:
     """Feeds Progress rows from the service into a local Reporter (and its live table):
-    a "start" row opens a Phase, the matching "end" row completes it."""
+    a "start" row opens a Phase, "progress" rows update its bytes (and its total, rate and
+    ETA where the row carries them; else their text is the row's ``detail``), the matching
+    "end" row completes it."""
 
     def __init__(self, rep):
         self.rep = rep
@@ -222,8 +224,19 @@ class RemoteRows:
             self.open[key] = ph
             self.rep._emit("start", ph)
             return
+        if row["event"] == "progress":
+            ph = self.open.get(key)
+            if ph is None:  # a poller's row (SAVE_ALLOCATIONS): shown until its end row
+                ph = self.open[key] = Phase(name=name)
+                ph.transient = True
+            ph.bytes, ph.detail = row["bytes"], row["detail"]
+            if "total_bytes" in row:
+                ph.total_bytes, ph.rate_bps = row["total_bytes"], row["rate_bytes_per_s"]
+                ph.eta_ns = row["eta_ns"]
+            self.rep._emit("progress", ph)
+            return
         ph = self.open.pop(key, None)
-        if ph is None:
+        if ph is None or getattr(ph, "transient", False):
             ph = Phase(name=name)
             self.rep.phases.append(ph)
             self.rep._emit("start", ph)

@@ -5,7 +5,10 @@ Metric families (one registry per daemon; labels in brackets):
 - ``cuinterpose_phase_duration_seconds`` histogram [kind, phase]: wall time of each agent
   phase (census, SAVE_ALLOCATIONS, native lock, criu dump, ...) in seconds;
 - ``cuinterpose_phase_bytes_total`` counter [kind, phase]: bytes a phase carried (carrier
-  copies, CRIU images);
+  copies, CRIU images, the ``sync`` phase's fsynced and hashed bytes, restore's ``verify``);
+- ``cuinterpose_phase_seconds_total`` counter [kind, phase]: seconds spent in each phase (the
+  histogram's sum, as a counter: ``rate(bytes_total) / rate(seconds_total)`` is a phase's
+  throughput in bytes/s);
 - ``cuinterpose_snapshots_total`` counter [kind, result]: finished requests, ``kind`` in
   checkpoint/restore, ``result`` in succeeded/failed;
 - ``cuinterpose_requests_in_flight`` gauge [kind];
@@ -41,6 +44,12 @@ class Metrics:
             ["kind", "phase"],
             registry=self.registry,
         )
+        self.phase_seconds_total = Counter(
+            "cuinterpose_phase_seconds",
+            "Seconds spent in agent phases",
+            ["kind", "phase"],
+            registry=self.registry,
+        )
         self.snapshots = Counter(
             "cuinterpose_snapshots",
             "Finished checkpoint/restore requests",
@@ -62,7 +71,11 @@ class Metrics:
         self.server = None
 
     def phase_done(self, kind: str, phase: str, elapsed_ns: int, nbytes: int) -> None:
-        self.phase_seconds.labels(kind, phase).observe(max(0, int(elapsed_ns)) / 1e9)
+        """One finished phase row of a ``kind`` request: ``elapsed_ns`` (ns) into the duration
+        histogram and the seconds counter, ``nbytes`` into the bytes counter."""
+        seconds = max(0, int(elapsed_ns)) / 1e9
+        self.phase_seconds.labels(kind, phase).observe(seconds)
+        self.phase_seconds_total.labels(kind, phase).inc(seconds)
         if nbytes:
             self.phase_bytes.labels(kind, phase).inc(int(nbytes))
 

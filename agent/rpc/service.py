@@ -58,8 +58,28 @@ DEFAULT_SNAPSHOT_DIR = "/var/lib/cuinterpose/snapshots"
 # -- events ------------------------------------------------------------------------------------
 
 
+#: the progress fields a ``Progress`` row carries when the schema has them (bytes done are
+#: ``bytes``): total bytes, rate in bytes/s, ETA in ns (-1: unknown)
+PROGRESS_FIELDS = ("total_bytes", "rate_bytes_per_s", "eta_ns")
+
+
+def _progress_fields() -> tuple:
+    """The :data:`PROGRESS_FIELDS` that ``cuinterpose.v1.Progress`` has (none with today's
+    agent.proto: a progress row then says them in ``detail``)."""
+    try:
+        apb, _, _ = pb.modules()
+        have = apb.Progress.DESCRIPTOR.fields_by_name
+    except ImportError:
+        return ()
+    return tuple(f for f in PROGRESS_FIELDS if f in have)
+
+
 def progress_dict(event: str, ph: Optional[Phase] = None, text: str = "", **extra) -> dict:
-    """A Progress row as a dict (the fields of ``cuinterpose.v1.Progress``)."""
+    """A Progress row as a dict (the fields of ``cuinterpose.v1.Progress``). ``event``:
+    start, progress, end, note. A ``progress`` row (a phase moving bytes, while it runs):
+    ``bytes`` done so far, ``elapsed_ns`` since the phase started, ``detail`` "D of T (P%),
+    R/s, ETA E" (``Phase.progress_text``), and total/rate/ETA in their own fields where the
+    schema has them (:func:`_progress_fields`)."""
     d = {
         "event": event,
         "phase": "",
@@ -80,6 +100,19 @@ def progress_dict(event: str, ph: Optional[Phase] = None, text: str = "", **extr
             elapsed_ns=int(ph.elapsed_ns),
             detail=ph.detail,
         )
+        if event == "progress":
+            import time
+
+            d.update(
+                elapsed_ns=max(0, time.monotonic_ns() - ph.start_ns) if ph.start_ns else 0,
+                detail=ph.progress_text(),
+            )
+            vals = {
+                "total_bytes": int(ph.total_bytes),
+                "rate_bytes_per_s": float(ph.rate_bps),
+                "eta_ns": int(ph.eta_ns),
+            }
+            d.update({k: vals[k] for k in _progress_fields()})
     d.update({k: v for k, v in extra.items() if v is not None})
     return d
 

@@ -19,7 +19,7 @@ from cuinterpose.agent.errors import AgentError, CensusError, CheckpointFailed, 
 from cuinterpose.agent.mech import census as census_mod
 from cuinterpose.agent.mech import fds, native, quiesce
 from cuinterpose.agent.mech.inherit import external_file_key
-from cuinterpose.agent.run import images, interrupt, recover
+from cuinterpose.agent.run import durable, images, interrupt, recover
 from cuinterpose.agent.run.report import Reporter
 from cuinterpose.agent.run.rollback import Rollback
 from cuinterpose.agent.run.steps import (
@@ -67,6 +67,8 @@ class Checkpoint(Rollback, StepRunner):
         Step("native lock", "native_lock", "native lock", "teardown"),
         Step("native checkpoint", "native_checkpoint", "native checkpoint", "teardown"),
         Step("criu dump", "criu_dump", "criu dump", "teardown"),
+        # every file under DIR and every directory on stable storage, images hashed (once)
+        Step("sync", "sync_snapshot", "manifest", "teardown"),
         # the point of no return: once the manifest is on disk a signal no longer stops it
         Step("manifest", "write_manifest", "manifest", "teardown", check=False),
         Step("finish", "finish", "finish", "finish", check=False),
@@ -469,12 +471,14 @@ class Checkpoint(Rollback, StepRunner):
         self.signal_trees(self.stopped_roots, signal.SIGKILL, "kill dumped")
         self.stopped_roots = []
 
+    sync_snapshot = durable.sync_step  # every file and directory fsynced, images hashed once
+
     def write_manifest(self):
         """``DIR/manifest.json``, written last and atomically; any failure is the
         ``manifest`` step's (rolled back)."""
         try:
-            m = images.build_manifest(self)
             with self.r.phase("manifest") as ph:
+                m = images.build_manifest(self)
                 path = manifest_mod.write(self.images_dir, m)
                 self.manifest = m
                 ph.detail = str(path)
@@ -498,7 +502,8 @@ class Checkpoint(Rollback, StepRunner):
         """``--leave-running``: ``.resume`` with ``restored=false`` (after a group's every
         member is rebuilt)."""
         if self.leave_running:
-            quiesce.resume(self.control_dir, self.roots, self.qid, restored=False)
+            with self.r.phase("resume"):
+                quiesce.resume(self.control_dir, self.roots, self.qid, restored=False)
 
     # -- the one-shot run -----------------------------------------------------------------
     def run(self) -> dict:
@@ -508,7 +513,7 @@ class Checkpoint(Rollback, StepRunner):
         SIGINT/SIGTERM/SIGHUP are deferred to the next step boundary (``interrupt.Guard``)
         and then handled like a failure there: cancelled before teardown, rolled back after;
         once the manifest is written the checkpoint simply finishes."""
-        self.t0_ns = time.monotonic_ns()
+        self.t0_ns = self.r.begin()
         with self.guard:
             try:
                 self.run_steps(self.stage("images"))
@@ -564,7 +569,7 @@ class Checkpoint(Rollback, StepRunner):
             if not self.leave_running:
                 raise
             raise CheckpointFailed(rb, "rollback_failed", rollback_error=str(rb)) from rb
-        self.t_end_ns = time.monotonic_ns()
+        self.t_end_ns = self.r.cursor_ns  # the rows tile the run: its wall is their sum
         self.finish_totals()
         t = self.totals_times()
         self.r.total(
@@ -608,6 +613,7 @@ class Checkpoint(Rollback, StepRunner):
         if self.manifest is None:
             return
         self.manifest["totals"].update(self.totals_times())
+        self.manifest["phases"] = self.r.to_list()
         try:
             manifest_mod.write(self.images_dir, self.manifest)
         except (OSError, AgentError) as e:

@@ -106,7 +106,12 @@ def cleanup(images_dir) -> None:
 
 def build_manifest(cp) -> dict:
     """The manifest of :class:`~cuinterpose.agent.run.checkpoint.Checkpoint` ``cp`` once every
-    tree is dumped."""
+    tree is dumped and the ``sync`` phase ran: ``criu.files`` are the digests that phase
+    computed (``cp.image_files``: each image hashed once; one serial pass here only when the
+    phase did not run), ``phases`` the rows that ended."""
+    files = getattr(cp, "image_files", None)
+    if files is None:
+        files = manifest_mod.image_files(cp.images_dir)
     cap = cp.capture.to_dict() if hasattr(cp.capture, "to_dict") else cp.capture
     records = _records_by_pid_from_capture(cp.capture)
     criu_version = None
@@ -133,7 +138,7 @@ def build_manifest(cp) -> dict:
             "version": criu_version,
             "leave_running": cp.leave_running,
             "trees": {str(r): str(manifest_mod.criu_dir("", r)) for r in cp.roots},
-            "files": manifest_mod.image_files(cp.images_dir),
+            "files": files,
         },
         "roots": cp.roots,
         "control_dir": cp.control_dir,
@@ -159,12 +164,10 @@ def build_manifest(cp) -> dict:
         "carriers": list(
             getattr(cp.capture, "carriers", None) or manifest_mod.carriers_from_capture(cap)
         ),
-        "phases": cp.r.to_list(),
+        "phases": [p for p in cp.r.to_list() if p["status"] != "running"],
         "totals": {
             "carrier_bytes": _capture_bytes(cp.capture),
-            "image_bytes": sum(
-                f["bytes"] for f in manifest_mod.image_files(cp.images_dir).values()
-            ),
+            "image_bytes": sum(f["bytes"] for f in files.values()),
             **cp.totals_times(),
         },
         "warnings": list(cp.warnings)

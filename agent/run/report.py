@@ -3,12 +3,20 @@
 :class:`Reporter` records every phase in ``phases`` (what goes into the manifest and the
 ``--json`` output) and forwards events to optional sinks. :class:`RichSink` renders a live
 table on stderr for humans; the ``--json`` mode uses no sink.
+
+Tiling (docs/agent.md "Every second in a phase"): once a run called :meth:`Reporter.begin`,
+each row starts where the previous row ended (``Phase.start_ns``, monotonic ns), so the rows
+cover the run without a gap and the run's wall time is their sum (:meth:`Reporter.covered_ns`).
+Time a step spends before its first row (a step with no row of its own: ``images dir``,
+``coordinator``) is the next row's. A row that moves bytes may report ``progress`` events
+while it runs: bytes done of ``total_bytes``, the rate (bytes/s) and the ETA (ns).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 import time
 from typing import Callable, Optional
 
@@ -23,6 +31,22 @@ class Phase:
     bytes: int = 0
     status: str = "running"
     detail: str = ""
+    #: monotonic ns at which the row starts (the previous row's end once the run began)
+    start_ns: int = 0
+    #: for a row that reports progress: the bytes it will have moved when done (0: unknown),
+    #: the rate so far (bytes/s) and the estimated time left (ns; -1 while the rate is 0)
+    total_bytes: int = 0
+    rate_bps: float = 0.0
+    eta_ns: int = -1
+
+    def progress_text(self) -> str:
+        """``"12.0 MiB of 48.0 MiB (25%), 96.0 MiB/s, ETA 375.0 ms"`` (no ETA while 0 B/s)."""
+        pct = f" ({100 * self.bytes // self.total_bytes}%)" if self.total_bytes else ""
+        eta = f", ETA {fmt_ns(self.eta_ns)}" if self.eta_ns >= 0 else ""
+        return (
+            f"{fmt_bytes(self.bytes)} of {fmt_bytes(self.total_bytes)}{pct}, "
+            f"{fmt_bytes(int(self.rate_bps))}/s{eta}"
+        )
 
     def to_dict(self) -> dict:
         return {
@@ -36,12 +60,63 @@ class Phase:
 
 class Reporter:
     """Collects phases; ``sinks`` are callables ``sink(event: str, phase_or_text)`` with event
-    in ("start", "end", "note")."""
+    in ("start", "progress", "end", "note", "total")."""
+
+    #: at most one ``progress`` event per row per this many ns (the last one always goes out)
+    PROGRESS_EVERY_NS = 100_000_000
 
     def __init__(self, sinks: Optional[list[Callable]] = None):
         self.phases: list[Phase] = []
         self.notes: list[str] = []
         self.sinks = list(sinks or [])
+        #: where the next row starts (monotonic ns); None until :meth:`begin` (rows then start
+        #: when their block starts, as before)
+        self.cursor_ns: Optional[int] = None
+        self.begun_ns: Optional[int] = None
+        self._lock = threading.Lock()
+
+    def begin(self, t0_ns: Optional[int] = None) -> int:
+        """Start tiling at ``t0_ns`` (monotonic ns; default now): the next row starts there.
+        A group member calls it at each of its phases (the wait between two is the leader's).
+        Returns the start."""
+        self.cursor_ns = time.monotonic_ns() if t0_ns is None else int(t0_ns)
+        if self.begun_ns is None:
+            self.begun_ns = self.cursor_ns
+        return self.cursor_ns
+
+    def wall_ns(self) -> int:
+        """From the first :meth:`begin` to the end of the last row (ns): the rows' sum for a
+        one-shot run (a group member's also holds the waits between its phases)."""
+        now = time.monotonic_ns()
+        return (self.cursor_ns or now) - (self.begun_ns or now)
+
+    def covered_ns(self) -> int:
+        """The sum of every row's ``elapsed_ns``: the run's wall time once it began (ns)."""
+        return sum(p.elapsed_ns for p in self.phases)
+
+    def _start(self, now: int) -> int:
+        return now if self.cursor_ns is None else min(self.cursor_ns, now)
+
+    def progress(self, ph: Phase, done: int, total: int, *, final: bool = False) -> None:
+        """Row ``ph`` has moved ``done`` of ``total`` bytes: set its ``bytes``,
+        ``total_bytes``, ``rate_bps`` and ``eta_ns`` and emit a ``progress`` event (at most
+        one per :data:`PROGRESS_EVERY_NS`, except ``final`` and the first). Thread-safe;
+        ``done`` never goes backwards."""
+        now = time.monotonic_ns()
+        with self._lock:
+            done = max(int(done), ph.bytes)
+            ph.bytes, ph.total_bytes = done, max(int(total), done)
+            ran = max(now - ph.start_ns, 1)
+            ph.rate_bps = done * 1e9 / ran
+            left = ph.total_bytes - done
+            ph.eta_ns = (
+                int(left * 1e9 / ph.rate_bps) if ph.rate_bps > 0 else (0 if not left else -1)
+            )
+            last = getattr(ph, "_last_progress_ns", None)
+            if not final and last is not None and now - last < self.PROGRESS_EVERY_NS:
+                return
+            ph._last_progress_ns = now
+            self._emit("progress", ph)
 
     def _emit(self, event: str, obj) -> None:
         for s in self.sinks:
@@ -53,28 +128,43 @@ class Reporter:
     @contextlib.contextmanager
     def phase(self, name: str, detail: str = ""):
         """Time a block; yields the :class:`Phase` so the block can set ``bytes``/``detail``."""
-        ph = Phase(name=name, detail=detail)
+        t0 = self._start(time.monotonic_ns())
+        ph = Phase(name=name, detail=detail, start_ns=t0)
         self.phases.append(ph)
         self._emit("start", ph)
-        t0 = time.monotonic_ns()
         try:
             yield ph
         except BaseException:
-            ph.elapsed_ns = time.monotonic_ns() - t0
-            ph.status = "failed"
-            self._emit("end", ph)
+            self._end(ph, "failed")
             raise
-        ph.elapsed_ns = time.monotonic_ns() - t0
-        ph.status = "ok"
+        self._end(ph, "ok")
+
+    def _end(self, ph: Phase, status: str) -> None:
+        now = time.monotonic_ns()
+        ph.elapsed_ns = now - ph.start_ns
+        ph.status = status
+        if self.cursor_ns is not None:
+            self.cursor_ns = now
         self._emit("end", ph)
 
     def record(
         self, name: str, elapsed_ns: int, nbytes: int = 0, status: str = "ok", detail: str = ""
     ) -> Phase:
-        """Add a phase that was timed elsewhere (e.g. a coordinator phase)."""
+        """Add a phase that was timed elsewhere (e.g. a coordinator phase) and ended now. Once
+        the run began (:meth:`begin`) the row starts where the previous one ended and lasts
+        until now (at least ``elapsed_ns``)."""
+        now = time.monotonic_ns()
+        start = now - int(elapsed_ns) if self.cursor_ns is None else self._start(now)
         ph = Phase(
-            name=name, elapsed_ns=int(elapsed_ns), bytes=int(nbytes), status=status, detail=detail
+            name=name,
+            elapsed_ns=now - start,
+            bytes=int(nbytes),
+            status=status,
+            detail=detail,
+            start_ns=start,
         )
+        if self.cursor_ns is not None:
+            self.cursor_ns = now
         self.phases.append(ph)
         self._emit("start", ph)
         self._emit("end", ph)
@@ -165,7 +255,7 @@ class RichSink:
                 marks.get(p.status, p.status),
                 fmt_ns(p.elapsed_ns) if p.status != "running" else "",
                 fmt_bytes(p.bytes) if p.bytes else "",
-                p.detail,
+                p.progress_text() if p.status == "running" and p.total_bytes else p.detail,
                 end_section=(i == len(self.rows) - 1 and self.total_row is not None),
             )
         if self.total_row is not None:
@@ -192,12 +282,23 @@ class RichSink:
 
     def __call__(self, event: str, obj) -> None:
         if event == "start":
+            # a poller's transient row of the same name (agent/run/durable.py) gives way
+            same = [i for i, r in enumerate(self.rows) if r.name == obj.name and _transient(r)]
+            if same:
+                self.rows[same[-1]] = obj
+            else:
+                self.rows.append(obj)
+        elif event == "progress" and not any(r is obj for r in self.rows):
             self.rows.append(obj)
         elif event == "note":
             self.notes.append(obj)
         elif event == "total":
             self.total_row = obj
         self.live.update(self._render())
+
+
+def _transient(ph: Phase) -> bool:
+    return bool(getattr(ph, "transient", False))
 
 
 SNAPSHOT_COLUMNS = (

@@ -22,7 +22,7 @@ from cuinterpose.agent.mech import census as census_mod
 from cuinterpose.agent.mech import criu_bad_size, ctldir, devicemap, inherit, native, quiesce
 from cuinterpose.agent.mech.census import pid_alive
 from cuinterpose.agent.mech.placement import Placement
-from cuinterpose.agent.run import interrupt
+from cuinterpose.agent.run import durable, interrupt
 from cuinterpose.agent.run.report import Reporter
 from cuinterpose.agent.run.steps import (
     Step,
@@ -47,6 +47,7 @@ class Restore(StepRunner):
     #: shared memory.
     STEPS = (
         Step("manifest", "read_manifest_checked", "prepare", "refusal"),
+        Step("verify", "verify_images", "prepare", "refusal"),
         Step("driver", "load_driver", "prepare", "refusal"),
         Step("placement", "place", "prepare", "refusal"),
         Step("stale sockets", "remove_stale", "stale sockets", "refusal", check=False),
@@ -128,7 +129,6 @@ class Restore(StepRunner):
                     "manifest", f"snapshot was taken on the {want} driver, restore asked for {kind}"
                 )
             self.driver_kind = kind
-            ph.bytes = manifest_mod.verify_images(self.images_dir, m)
             self.check_copies(m)
             for p in sorted(
                 {
@@ -148,6 +148,8 @@ class Restore(StepRunner):
                     )
             ph.detail = f"{m['snapshot_id']} taken {m['created_at']}"
             self.m = m
+
+    verify_images = durable.verify_snapshot  # each image's SHA-256, in parallel, own phase
 
     def check_copies(self, m: dict):
         """Every copy of a checksum agrees, and the control dir is the one the images' shim
@@ -518,7 +520,7 @@ class Restore(StepRunner):
             "roots": self.m["roots"],
             "cuda_pids": self.m["cuda_pids"],
             "phases": self.r.to_list(),
-            "totals": {"wall_ms": round((time.monotonic_ns() - self.t0_ns) / 1e6, 3)},
+            "totals": {"wall_ms": round(self.r.wall_ns() / 1e6, 3)},
             "notes": list(self.r.notes),
         }
         if self.gpu_map:
@@ -570,7 +572,7 @@ class Restore(StepRunner):
         SIGINT/SIGTERM/SIGHUP are deferred to the next step boundary (``interrupt.Guard``):
         before CRIU restore the restore is cancelled (refused); after it the restored trees
         are killed (``RestoreFailed``); the snapshot is never touched."""
-        self.t0_ns = time.monotonic_ns()
+        self.t0_ns = self.r.begin()
         with self.guard:
             return self._run()
 
@@ -583,7 +585,7 @@ class Restore(StepRunner):
             raise
         try:
             self.run_steps(self.stage("restore"))
-            self.r.total(time.monotonic_ns() - self.t0_ns)
+            self.r.total(self.r.wall_ns())
         except BaseException as e:
             self.close_fds()
             self.kill_restored()

@@ -14,6 +14,7 @@ from typing import Optional
 
 from cuinterpose.agent.errors import AgentError
 from cuinterpose.agent.mech import signal_at
+from cuinterpose.agent.run import durable
 
 #: the modules whose step tables CUINTERPOSE_TEST_SIGNAL_AT may name (each registers its table
 #: when its class is defined; :func:`signal_point` loads them by name, at run time, so that a
@@ -155,7 +156,8 @@ class StepRunner:
             self.step_started(s)
             signal_at.set_current(s.name)
             try:
-                getattr(self, s.method)()
+                with durable.polled(self, s.name):  # chunk-file progress, where it applies
+                    getattr(self, s.method)()
             finally:
                 signal_at.set_current(None)
             self.step_done(s)
@@ -186,6 +188,7 @@ class StepRunner:
         steps = [s for s in self.STEPS if s.group == name]
         if not steps and name not in self.UNDO:
             raise AgentError("group", f"unknown {self.KIND} phase {name!r}")
+        self.r.begin()  # the wait since the last group phase is the leader's, not a row's
         try:
             if steps:
                 self.run_steps(steps)

@@ -64,21 +64,48 @@ def criu_dir(snapshot: os.PathLike | str, root: int) -> pathlib.Path:
 def sha256_file(path: os.PathLike | str) -> str:
     """SHA-256 (hex) of a file's bytes: the digest a snapshot records of the shim and of each
     CRIU image."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return sha256_fd(fd)
+    finally:
+        os.close(fd)
+
+
+#: bytes read per ``readv`` while hashing (hashlib releases the GIL on buffers this large, so
+#: the threads of :func:`verify_images` and agent/run/durable.py hash in parallel)
+HASH_BLOCK = 1 << 20
+
+
+def sha256_fd(fd: int, on_bytes=None) -> str:
+    """SHA-256 (hex) of what is left to read on ``fd``, read in :data:`HASH_BLOCK` pieces;
+    ``on_bytes(n)`` after each piece of ``n`` bytes. Raises ``OSError`` from the reads."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    buf = bytearray(HASH_BLOCK)
+    view = memoryview(buf)
+    while True:
+        n = os.readv(fd, [buf])
+        if not n:
+            return h.hexdigest()
+        h.update(view[:n])
+        if on_bytes is not None:
+            on_bytes(n)
 
 
 def image_files(snapshot: os.PathLike | str) -> dict[str, dict]:
-    """{relative path under DIR: {"sha256": hex, "bytes": size}} for every file under ``criu/``."""
+    """{relative path under DIR: {"sha256": hex, "bytes": size}} for every file under ``criu/``
+    (one serial pass; a checkpoint gets these from its ``sync`` phase instead, where each image
+    is hashed once, in parallel, as it is fsynced: agent/run/durable.py)."""
     base = pathlib.Path(snapshot)
     out = {}
-    for p in sorted((base / CRIU_DIR).rglob("*")):
-        if p.is_file() and not p.is_symlink():
-            out[str(p.relative_to(base))] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+    for p in image_paths(base):
+        out[str(p.relative_to(base))] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
     return out
+
+
+def image_paths(snapshot: os.PathLike | str) -> list[pathlib.Path]:
+    """Every regular file (no symlink) under ``DIR/criu/``, sorted."""
+    base = pathlib.Path(snapshot) / CRIU_DIR
+    return [p for p in sorted(base.rglob("*")) if p.is_file() and not p.is_symlink()]
 
 
 def write(snapshot: os.PathLike | str, manifest: dict) -> pathlib.Path:
@@ -384,25 +411,59 @@ def check_shim(m: dict, installed_path: str, installed_sha256: str) -> None:
         )
 
 
-def verify_images(snapshot: os.PathLike | str, m: dict) -> int:
+def verify_images(
+    snapshot: os.PathLike | str, m: dict, *, on_bytes=None, threads=None, phase: str = "manifest"
+) -> int:
     """Check every CRIU image listed in the manifest (SHA-256 and size) and that no listed file is
-    missing; returns the total image bytes. Raises ``SnapshotError`` naming the file."""
+    missing; returns the total image bytes. The images are hashed in parallel (``threads``,
+    default :func:`hash_threads`), each once; ``on_bytes(n)`` (from the hashing threads) after
+    every ``n`` bytes read. Raises ``SnapshotError`` (``phase``: restore's ``verify``) naming
+    the file (the first in path order that is wrong); reads only."""
+    from concurrent.futures import ThreadPoolExecutor
+
     base = pathlib.Path(snapshot)
-    trust.check_image_set(base, m)
-    total = 0
-    for rel, meta in sorted(m["criu"].get("files", {}).items()):
+    try:
+        trust.check_image_set(base, m)
+    except SnapshotError as e:
+        raise SnapshotError(phase, e.reason, pid=e.pid) from None
+    listed = sorted(m["criu"].get("files", {}).items())
+    for rel, meta in listed:
         p = base / rel
         if not p.is_file() or p.is_symlink():
-            raise SnapshotError("manifest", f"CRIU image {p} listed in the manifest is missing")
-        size = p.stat().st_size
-        if size != meta["bytes"] or sha256_file(p) != meta["sha256"]:
-            raise SnapshotError(
-                "manifest",
-                f"CRIU image {p} has a bad checksum (sha256/size differ "
-                "from the manifest); restore refused, snapshot untouched",
-            )
-        total += size
-    return total
+            raise SnapshotError(phase, f"CRIU image {p} listed in the manifest is missing")
+        if p.stat().st_size != meta["bytes"]:
+            raise _bad_image(p, phase)
+
+    def digest(rel: str) -> str:
+        fd = os.open(base / rel, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            return sha256_fd(fd, on_bytes)
+        finally:
+            os.close(fd)
+
+    with ThreadPoolExecutor(max_workers=threads or hash_threads()) as pool:
+        got = list(pool.map(digest, [rel for rel, _ in listed]))
+    for (rel, meta), sha in zip(listed, got):
+        if sha != meta["sha256"]:
+            raise _bad_image(base / rel, phase)
+    return sum(meta["bytes"] for _, meta in listed)
+
+
+def hash_threads() -> int:
+    """Threads that hash (and fsync) snapshot files: the CPUs this process may run on, 2..8."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 2
+    return max(2, min(8, n))
+
+
+def _bad_image(p: pathlib.Path, phase: str) -> SnapshotError:
+    return SnapshotError(
+        phase,
+        f"CRIU image {p} has a bad checksum (sha256/size differ "
+        "from the manifest); restore refused, snapshot untouched",
+    )
 
 
 def carriers_from_capture(capture: Any) -> list[dict]:

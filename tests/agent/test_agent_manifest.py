@@ -161,9 +161,13 @@ def test_restore_refuses_bad_image_checksum_and_leaves_snapshot_untouched(tmp_pa
     data[7] ^= 0xFF
     img.write_bytes(bytes(data))
     before = tree_digest(snap)
+    rs = Restore(snap, shim_path=installed_shim, driver="fake")
+    rs.read_manifest()  # the manifest itself is fine: the images are the verify phase's
     with pytest.raises(SnapshotError) as ei:
-        Restore(snap, shim_path=installed_shim, driver="fake").read_manifest()
+        rs.verify_images()
+    assert ei.value.phase == "verify"
     assert str(img) in str(ei.value) and "bad checksum" in str(ei.value)
+    assert [(p.name, p.status) for p in rs.r.phases] == [("manifest", "ok"), ("verify", "failed")]
     assert tree_digest(snap) == before
 
 
@@ -288,6 +292,7 @@ def _restore_world(tmp_path, monkeypatch, calls, interrupt_after):
             lambda s: setattr(s, "m", {"roots": [100], "snapshot_id": "s1", "cuda_pids": [101]}),
         ),
     )
+    monkeypatch.setattr(rs_mod.Restore, "verify_images", step("verify"))
     monkeypatch.setattr(rs_mod.Restore, "load_driver", step("driver"))
     monkeypatch.setattr(rs_mod.Restore, "remove_stale", step("stale sockets"))
     monkeypatch.setattr(
@@ -328,7 +333,14 @@ def test_sigint_after_criu_restore_kills_the_restored_tree(tmp_path, monkeypatch
         "interrupted by SIGINT after criu restore; the restored tree was killed, "
         "the snapshot is untouched"
     )
-    assert calls == ["manifest", "driver", "stale sockets", "criu restore", "kill restored"]
+    assert calls == [
+        "manifest",
+        "verify",
+        "driver",
+        "stale sockets",
+        "criu restore",
+        "kill restored",
+    ]
 
 
 @pytest.mark.parametrize(

@@ -44,6 +44,9 @@ def test_order_lock_every_process_then_checkpoint_each(world, tmp_path, monkeypa
         "native lock",
         "native checkpoint",
         "criu dump",
+        "sync",
+        "manifest",
+        "kill dumped",
     ]
     assert not (world.ctl / f"quiesce-{ROOT}.resume").exists()  # only after restore
 
@@ -654,6 +657,7 @@ def test_group_phases_run_the_steps_of_the_one_shot_run(world, tmp_path, monkeyp
         "native lock",
         "native checkpoint",
         "criu dump",
+        "sync",
         "manifest",
         "kill dumped",
     ]

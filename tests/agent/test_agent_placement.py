@@ -419,8 +419,9 @@ def test_job_in_its_own_netns_checkpointed_and_restored_into_a_placeholder(
         "restore", "--images-dir", str(snap), "--driver", "fake", "--into-pid", str(ph)
     )
     assert rc == 0 and rs["ok"], rs
-    assert [(p["name"], p["status"]) for p in rs["phases"]][:4] == [
+    assert [(p["name"], p["status"]) for p in rs["phases"]][:5] == [
         ("manifest", "ok"),
+        ("verify", "ok"),
         ("driver", "ok"),
         ("placement", "ok"),
         ("stale sockets", "ok"),
@@ -491,6 +492,7 @@ def test_bad_placements_are_refused_before_criu_and_leave_the_snapshot(
             assert r in err["reason"], err
         assert [(p["name"], p["status"]) for p in out["phases"]] == [
             ("manifest", "ok"),
+            ("verify", "ok"),
             ("driver", "ok"),
             ("placement", "failed"),
         ]
@@ -549,7 +551,7 @@ def test_bad_placements_are_refused_before_criu_and_leave_the_snapshot(
         "(exited, or its pid was reused) since the placement phase, so CRIU could not "
         "restore into it (CRIU: " in e.reason
     ), e.reason
-    assert [(p.name, p.status) for p in rs.r.phases][2:] == [
+    assert [(p.name, p.status) for p in rs.r.phases][3:] == [
         ("placement", "ok"),
         ("stale sockets", "ok"),
         ("criu restore", "failed"),
@@ -596,6 +598,7 @@ def test_a_cgroup_the_kernel_refuses_is_refused_before_criu(cgroup_dir, placehol
     assert f"to {cpu}/cgroup.procs refused: Invalid argument" in err["reason"], err
     assert [(p["name"], p["status"]) for p in out["phases"]] == [
         ("manifest", "ok"),
+        ("verify", "ok"),
         ("driver", "ok"),
         ("placement", "failed"),
     ]

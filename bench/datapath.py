@@ -1,0 +1,374 @@
+#!/usr/bin/env python3
+"""The data path of a checkpoint and a restore against the same run's disk and CRIU baselines.
+
+For each B (``--bytes N``, repeatable; default 256 MiB, 1 GiB, 4 GiB) and each zero fraction
+(``--zero-fraction F``, repeatable; default 0 = dense and 0.9): two processes sharing B bytes
+of VMM memory (bench/datapath_job.py: a creator's ``cuMemCreate`` allocation exported as a
+POSIX FD, imported and mapped by its child) under the shim on fakecuda, ``cuinterpose-agent
+checkpoint`` (the tree killed after the dump) then ``cuinterpose-agent restore``; after the
+restore both processes compare every byte of the mapping with what was written (``verified``).
+
+Measured in the same run, one case after the other:
+
+- ``checkpoint_s``, ``restore_s``: the agent commands' wall time (s); the agent's own phases
+  (``phases``: name -> {"seconds", "bytes"}, summed over rows of one name);
+- ``creator_peak_rss_bytes``: the creator's VmHWM (/proc/PID/status), sampled from job start
+  until the dump killed it (the high-water mark only grows, so the last sample is the peak of
+  everything before it); ``creator_rss_at_ready_bytes``: its VmRSS once parked, before the
+  checkpoint (the job's own memory: fakecuda's backing of the allocation, the interpreter), so
+  that the difference is what the checkpoint added;
+- ``snapshot_disk_bytes``: Σ st_blocks * 512 over the snapshot's files (what it holds on disk,
+  sparse files counted as allocated); ``image_bytes``: the manifest's CRIU image bytes;
+- baselines: ``dd_s``: ``dd`` of B bytes from /dev/zero into a file beside the snapshot with
+  ``conv=fdatasync``; ``read_s``: reading that file back after ``posix_fadvise(DONTNEED)``
+  dropped its (clean) pages; ``criu_only_s`` / ``criu_only_restore_s``: CRIU alone dumping and
+  restoring a plain process that holds B dense anonymous bytes;
+- ratios: checkpoint / dd, restore / (read + CRIU-only restore), disk bytes / B, and a sparse
+  case's checkpoint / the dense checkpoint of the same B.
+
+No thresholds: this prints, it does not judge. ``--json``: one JSON object per case, one line
+each.
+
+    .venv/bin/python bench/datapath.py [--bytes N]... [--zero-fraction F]... [--json]
+        [--dir DIR] [--timeout-s S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+JOB = REPO / "bench" / "datapath_job.py"
+DEFAULT_BYTES = (256 << 20, 1 << 30, 4 << 30)
+DEFAULT_ZERO = (0.0, 0.9)
+
+from cuinterpose.agent.mech import criu  # noqa: E402
+from cuinterpose.coordinator.contract import read_json  # noqa: E402
+from cuinterpose.workloads.afdwin import demo  # noqa: E402
+
+# a plain process holding B dense anonymous bytes, parked in pause() (CRIU alone)
+ANON = r"""
+import mmap, os, random, signal, sys
+n, ready = int(sys.argv[1]), sys.argv[2]
+m = mmap.mmap(-1, n)
+block = random.Random(n).randbytes(1 << 20)
+for off in range(0, n, len(block)):
+    m[off:off + min(len(block), n - off)] = block[:min(len(block), n - off)]
+fd = os.open(ready + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+os.write(fd, b"{}")
+os.close(fd)
+os.rename(ready + ".tmp", ready)
+while True:
+    signal.pause()
+"""
+
+
+class Failed(RuntimeError):
+    pass
+
+
+def wait_json(path: pathlib.Path, deadline: float, what: str, alive=None) -> dict:
+    """The JSON object at ``path`` once written (atomically); raises ``Failed`` past
+    ``deadline`` or when ``alive()`` says the writer is gone first."""
+    while True:
+        obj = read_json(path)
+        if obj is not None:
+            return obj
+        if alive is not None and not alive():
+            obj = read_json(path)
+            if obj is not None:
+                return obj
+            raise Failed(f"{what}: the process that writes {path} exited first")
+        if time.monotonic() > deadline:
+            raise Failed(f"{what}: {path} not written before the deadline")
+        time.sleep(0.005)
+
+
+def vm_hwm(pid: int) -> int:
+    """VmHWM of ``pid`` in bytes, 0 when gone."""
+    try:
+        for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+class HwmSampler:
+    """Samples ``vm_hwm(pid)`` every 10 ms on a thread; ``peak``: the largest seen."""
+
+    def __init__(self, pid: int):
+        self.pid, self.peak = pid, 0
+        self.stop = threading.Event()
+        self.t = threading.Thread(target=self._run, daemon=True)
+        self.t.start()
+
+    def _run(self):
+        while True:
+            self.peak = max(self.peak, vm_hwm(self.pid))
+            if self.stop.wait(0.01):
+                return
+
+    def close(self) -> int:
+        self.stop.set()
+        self.t.join()
+        return self.peak
+
+
+def disk_bytes(d: pathlib.Path) -> int:
+    return sum(p.lstat().st_blocks * 512 for p in d.rglob("*") if p.is_file())
+
+
+def phase_seconds(rows: list) -> dict:
+    out: dict = {}
+    for r in rows:
+        x = out.setdefault(r["name"], {"seconds": 0.0, "bytes": 0})
+        x["seconds"] = round(x["seconds"] + r["elapsed_ns"] / 1e9, 6)
+        x["bytes"] += int(r["bytes"])
+    return out
+
+
+def gone(pids) -> bool:
+    demo.reap_zombies()
+    return not any(os.path.exists(f"/proc/{p}") for p in pids)
+
+
+def wait_gone(pids, deadline: float) -> None:
+    while not gone(pids):
+        if time.monotonic() > deadline:
+            raise Failed(f"processes {sorted(pids)} still there after the deadline")
+        time.sleep(0.01)
+
+
+def agent(*args, timeout_s: float) -> tuple[float, dict]:
+    t0 = time.perf_counter()
+    rc, out = demo.run_agent(*args, timeout_s=timeout_s)
+    dt = time.perf_counter() - t0
+    if rc != 0 or not out.get("ok"):
+        raise Failed(f"cuinterpose-agent {args[0]} exited {rc}: {json.dumps(out)[:2000]}")
+    return dt, out
+
+
+def run_job(work: pathlib.Path, nbytes: int, zero: float, timeout_s: float) -> dict:
+    """One checkpoint + restore of the job; the case's job fields."""
+    run, snap = work / "run", work / "snap"
+    run.mkdir()
+    ctl = pathlib.Path(tempfile.mkdtemp(prefix="cui-dp-"))  # short: socket paths
+    deadline = time.monotonic() + timeout_s
+    env = demo.workload_env(ctl)
+    with open(run / "job.err", "wb") as err:
+        job = subprocess.Popen(
+            [sys.executable, str(JOB), "creator", "--bytes", str(nbytes)]
+            + ["--zero-fraction", str(zero), "--out", str(run), "--ctl", str(ctl)]
+            + ["--timeout-s", str(timeout_s)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            cwd=run,
+            env=env,
+            start_new_session=True,
+        )
+    hwm = HwmSampler(job.pid)
+    pids = [job.pid]
+    try:
+        ready = wait_json(run / "ready.json", deadline, "job setup", lambda: job.poll() is None)
+        pids = [ready["creator"], ready["importer"]]
+        cp_s, cp = agent(
+            "checkpoint",
+            *("--pid", str(job.pid), "--images-dir", str(snap)),
+            *("--driver", "fake", "--control-dir", str(ctl)),
+            timeout_s=timeout_s,
+        )
+        job.wait(timeout=max(1.0, deadline - time.monotonic()))
+        peak = hwm.close()
+        wait_gone(pids, deadline)
+        m = json.loads((snap / "manifest.json").read_text())
+        on_disk = disk_bytes(snap)
+        rs_s, rs = agent(
+            "restore", "--images-dir", str(snap), "--driver", "fake", timeout_s=timeout_s
+        )
+        res = wait_json(run / "result.json", deadline, "the restored job's result")
+        wait_gone(pids, deadline)
+    except BaseException:
+        hwm.close()
+        for p in pids:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        job.poll()
+        sys.stderr.write((run / "job.err").read_text(errors="replace")[-2000:])
+        raise
+    finally:
+        shutil.rmtree(ctl, ignore_errors=True)
+    return {
+        "bytes": nbytes,
+        "zero_fraction": zero,
+        "allocated_bytes": ready["bytes"],
+        "zero_bytes": ready["zero_bytes"],
+        "checkpoint_s": round(cp_s, 6),
+        "restore_s": round(rs_s, 6),
+        "creator_peak_rss_bytes": peak,
+        "creator_rss_at_ready_bytes": ready["rss_bytes"],
+        "snapshot_disk_bytes": on_disk,
+        "image_bytes": m["totals"]["image_bytes"],
+        "verified": bool(res.get("verified")),
+        "bytes_compared": int(res.get("bytes_compared", 0)),
+        "checkpoint_phases": phase_seconds(cp.get("phases", [])),
+        "restore_phases": phase_seconds(rs.get("phases", [])),
+    }
+
+
+def dd_and_read(work: pathlib.Path, nbytes: int) -> tuple[float, float]:
+    f = work / "dd.bin"
+    t0 = time.perf_counter()
+    subprocess.run(
+        ["dd", "if=/dev/zero", f"of={f}", "bs=1M", f"count={nbytes}", "iflag=count_bytes"]
+        + ["conv=fdatasync", "status=none"],
+        check=True,
+    )
+    dd_s = time.perf_counter() - t0
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean pages: dropped
+        buf = bytearray(1 << 20)
+        got = 0
+        t0 = time.perf_counter()
+        while True:
+            n = os.readv(fd, [buf])
+            if not n:
+                break
+            got += n
+        read_s = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+    f.unlink()
+    if got != nbytes:
+        raise Failed(f"read {got} of {nbytes} bytes back")
+    return dd_s, read_s
+
+
+def criu_only(work: pathlib.Path, nbytes: int, timeout_s: float) -> tuple[float, float]:
+    d, ready = work / "criu-only", work / "anon-ready.json"
+    deadline = time.monotonic() + timeout_s
+    p = subprocess.Popen(
+        [sys.executable, "-c", ANON, str(nbytes), str(ready)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    restored = None
+    try:
+        wait_json(ready, deadline, "the anonymous-memory process", lambda: p.poll() is None)
+        t0 = time.perf_counter()
+        criu.dump(p.pid, d)
+        dump_s = time.perf_counter() - t0
+        p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        t0 = time.perf_counter()
+        restored = criu.restore(d)
+        restore_s = time.perf_counter() - t0
+    finally:
+        for pid in (restored, p.pid):
+            if pid:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        p.poll()
+        wait_gone([p.pid], deadline)
+        shutil.rmtree(d, ignore_errors=True)
+    return dump_s, restore_s
+
+
+def run_case(base: pathlib.Path, nbytes: int, zero: float, timeout_s: float) -> dict:
+    work = pathlib.Path(tempfile.mkdtemp(prefix=f"datapath-{nbytes}-", dir=base))
+    try:
+        out = run_job(work, nbytes, zero, timeout_s)
+        out["dd_s"], out["read_s"] = (round(x, 6) for x in dd_and_read(work, nbytes))
+        dump_s, restore_s = criu_only(work, nbytes, timeout_s)
+        out["criu_only_s"], out["criu_only_restore_s"] = round(dump_s, 6), round(restore_s, 6)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    out["ratios"] = {
+        "checkpoint_over_dd": round(out["checkpoint_s"] / max(out["dd_s"], 1e-9), 3),
+        "restore_over_read_plus_criu": round(
+            out["restore_s"] / max(out["read_s"] + out["criu_only_restore_s"], 1e-9), 3
+        ),
+        "disk_over_bytes": round(out["snapshot_disk_bytes"] / nbytes, 3),
+        "peak_rss_over_bytes": round(out["creator_peak_rss_bytes"] / nbytes, 3),
+        "checkpoint_rss_over_bytes": round(
+            (out["creator_peak_rss_bytes"] - out["creator_rss_at_ready_bytes"]) / nbytes, 3
+        ),
+    }
+    return out
+
+
+def fmt_b(n: int) -> str:
+    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{n} B"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--bytes", type=int, action="append", help="B (repeatable)")
+    ap.add_argument("--zero-fraction", type=float, action="append", help="0 or 0.9 (repeatable)")
+    ap.add_argument("--json", action="store_true", help="one JSON object per case")
+    ap.add_argument("--dir", default=None, help="where snapshots and baseline files go")
+    ap.add_argument("--timeout-s", type=float, default=3600.0, help="deadline of each step")
+    args = ap.parse_args(argv)
+    sizes = args.bytes or list(DEFAULT_BYTES)
+    zeros = args.zero_fraction or list(DEFAULT_ZERO)
+    if any(n <= 0 for n in sizes) or any(not 0 <= z < 1 for z in zeros):
+        ap.error("--bytes must be > 0 and --zero-fraction in [0, 1)")
+    demo.set_subreaper()  # the restored trees are re-parented to us
+    ok, why = criu.check()
+    if not ok:
+        print(f"datapath: CRIU is not usable here (`make criu`): {why.strip()}", file=sys.stderr)
+        return 2
+    base = pathlib.Path(args.dir or tempfile.gettempdir())
+    dense: dict = {}
+    if not args.json:
+        print(
+            f"{'B':>10} {'zero':>5} {'ckpt s':>8} {'restore s':>9} {'dd s':>7} {'read s':>7} "
+            f"{'criu s':>7} {'peak RSS':>10} {'on disk':>10} {'ok':>3}  ratios"
+        )
+    for nbytes in sizes:
+        for zero in zeros:
+            out = run_case(base, nbytes, zero, args.timeout_s)
+            if zero == 0:
+                dense[nbytes] = out["checkpoint_s"]
+            elif nbytes in dense:
+                out["ratios"]["checkpoint_over_dense"] = round(
+                    out["checkpoint_s"] / max(dense[nbytes], 1e-9), 3
+                )
+            if args.json:
+                print(json.dumps(out, sort_keys=True), flush=True)
+                continue
+            r = out["ratios"]
+            print(
+                f"{fmt_b(nbytes):>10} {zero:>5.2f} {out['checkpoint_s']:>8.3f} "
+                f"{out['restore_s']:>9.3f} {out['dd_s']:>7.3f} {out['read_s']:>7.3f} "
+                f"{out['criu_only_s']:>7.3f} {fmt_b(out['creator_peak_rss_bytes']):>10} "
+                f"{fmt_b(out['snapshot_disk_bytes']):>10} {'yes' if out['verified'] else 'NO':>3}  "
+                + ", ".join(f"{k} {v}" for k, v in r.items()),
+                flush=True,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

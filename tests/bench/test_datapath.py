@@ -1,0 +1,68 @@
+"""bench/datapath.py at a tiny size: one JSON object per case with the issue's fields, the
+bytes verified after the restore, the job's phases summed per name. No thresholds."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+B = 4 << 20
+FIELDS = {
+    "bytes",
+    "zero_fraction",
+    "checkpoint_s",
+    "restore_s",
+    "dd_s",
+    "read_s",
+    "criu_only_s",
+    "criu_only_restore_s",
+    "creator_peak_rss_bytes",
+    "creator_rss_at_ready_bytes",
+    "snapshot_disk_bytes",
+    "image_bytes",
+    "verified",
+    "bytes_compared",
+    "allocated_bytes",
+    "zero_bytes",
+    "checkpoint_phases",
+    "restore_phases",
+    "ratios",
+}
+
+
+def test_datapath_json_at_4_mib_dense_and_sparse(criu_ok, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    r = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "datapath.py"), "--bytes", str(B)]
+        + ["--zero-fraction", "0", "--zero-fraction", "0.9", "--json", "--dir", str(tmp_path)]
+        + ["--timeout-s", "600"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1200,
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    cases = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [(c["bytes"], c["zero_fraction"]) for c in cases] == [(B, 0.0), (B, 0.9)]
+    for c in cases:
+        assert set(c) == FIELDS
+        assert c["verified"] is True and c["bytes_compared"] == 2 * B  # creator and importer
+        assert c["allocated_bytes"] == B  # a multiple of fakecuda's 2 MiB granularity
+        for k in ("checkpoint_s", "restore_s", "dd_s", "read_s", "criu_only_s"):
+            assert isinstance(c[k], float) and c[k] > 0, k
+        # fakecuda backs the allocation in host memory; the high-water mark covers the ready RSS
+        assert c["creator_peak_rss_bytes"] >= c["creator_rss_at_ready_bytes"] >= B
+        assert c["snapshot_disk_bytes"] > 0 and c["image_bytes"] > 0
+        # the agent's named phases, summed per name: the carrier and the sync/verify passes
+        cp, rs = c["checkpoint_phases"], c["restore_phases"]
+        assert cp["SAVE_ALLOCATIONS"]["bytes"] == B and rs["LOAD_ALLOCATIONS"]["bytes"] == B
+        assert cp["sync"]["bytes"] >= c["image_bytes"]  # the images, hashed as they were synced
+        assert rs["verify"]["bytes"] == c["image_bytes"]
+        assert set(c["ratios"]) >= {"checkpoint_over_dd", "restore_over_read_plus_criu"}
+    # the 90 %-zero job: nine fill units of ten are zero (unit 384 KiB at 4 MiB: 9 of 11 zero)
+    assert cases[0]["zero_bytes"] == 0 and cases[1]["zero_bytes"] == 9 * 393216
+    assert "checkpoint_over_dense" in cases[1]["ratios"]
