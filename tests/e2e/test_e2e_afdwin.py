@@ -555,6 +555,7 @@ def test_manifest_write_failure_rolls_back_after_the_dump(afdwin, tmp_path):
     names = [p["name"] for p in cp["phases"]]
     assert names[names.index("criu dump") :] == [
         "criu dump",
+        "sync",
         "manifest",
         "resume trees",
         "rollback native",

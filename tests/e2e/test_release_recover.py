@@ -140,10 +140,12 @@ def test_release_after_the_manifest_keeps_the_snapshot_and_resumes_the_workload(
     monkeypatch.delenv(signal_at.ENV)
     assert rc == -signal.SIGKILL, out
     lock = json.loads((a.ctl / f"quiesce-{a.pid}.lock").read_text())
-    assert lock["steps"][-5:] == [
+    assert lock["steps"][-7:] == [
         "criu dump",
         f"criu dump {a.pid}",
         "criu dump done",
+        "sync",
+        "sync done",
         "manifest",
         "manifest done",
     ]
