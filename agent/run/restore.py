@@ -470,7 +470,7 @@ class Restore(StepRunner):
         )
         try:
             capture = phases.Capture.from_dict(self.m["capture"])
-            self.restore_result = coord.restore(capture)
+            self.restore_result = coord.restore(capture, device_map=self.gpu_map)
         except Exception as e:
             raise as_agent_error(e, "restore shared") from e
 
