@@ -501,6 +501,12 @@ def _has_devices(rs) -> bool:
     return any(int(r.kind) == RecordKind.DEVICE for r in rs)
 
 
+def _kept(r: Record, devices: bool) -> bool:
+    if int(r.kind) != RecordKind.DEVICE:
+        return True
+    return devices and bool(int(r.device_uses) & ~int(DeviceUse.CONTEXT))
+
+
 def _uses(bits: int) -> str:
     return "|".join(u.name for u in DeviceUse if bits & u) or "none"
 
@@ -556,16 +562,19 @@ def compare(
     same GPUs): ``INSPECT after restore: pid 4121 device ordinal 0: uuid differs (captured
     GPU-a..., which the device map moves to GPU-c...; restored GPU-d...)``. They are compared
     for a pid when both sides carry some (an INSPECT without ``CUI_INSPECT_DEVICES``, or a shim
-    before CUI_RECORD_DEVICE, sends none)."""
+    before CUI_RECORD_DEVICE, sends none), and only those with a use besides ``CONTEXT`` (the
+    shim's restore ops retain primary contexts themselves)."""
     head = f"{phase} after restore"
     dmap = dict(device_map or {})
     cap = {int(p): list(rs) for p, rs in captured.items()}
     res = {int(p): list(rs) for p, rs in restored.items()}
     for pid in set(cap) & set(res):
-        # compared when both INSPECTs carry them (CUI_INSPECT_DEVICES; a shim before them)
-        if not (_has_devices(cap[pid]) and _has_devices(res[pid])):
-            cap[pid] = [r for r in cap[pid] if int(r.kind) != RecordKind.DEVICE]
-            res[pid] = [r for r in res[pid] if int(r.kind) != RecordKind.DEVICE]
+        # compared when both INSPECTs carry them (CUI_INSPECT_DEVICES; a shim before them),
+        # and only ordinals used by more than a context: the shim's restore ops retain the
+        # primary context of the device they rebuild on (ordinal 0 for host memory) themselves
+        both = _has_devices(cap[pid]) and _has_devices(res[pid])
+        cap[pid] = [r for r in cap[pid] if _kept(r, both)]
+        res[pid] = [r for r in res[pid] if _kept(r, both)]
     for pid in sorted(set(cap) | set(res)):
         if pid not in res:
             raise TopologyError(

@@ -104,10 +104,15 @@ def test_other_model_less_memory_and_other_uses_are_refused():
 
 
 def test_context_use_alone_may_change():
-    """The shim's restore ops retain primary contexts themselves: CONTEXT is not compared."""
+    """The shim's restore ops retain primary contexts themselves (ordinal 0 for host memory):
+    CONTEXT is not compared, and an ordinal used by a context only is left out."""
     compare(
         recs(dev(0, U0, uses=DeviceUse.ALLOCATION)),
         recs(dev(0, U0, uses=DeviceUse.ALLOCATION | DeviceUse.CONTEXT)),
+    )
+    compare(
+        recs(dev(1, U1, uses=DeviceUse.ALLOCATION)),
+        recs(dev(0, U2, uses=DeviceUse.CONTEXT), dev(1, U1, uses=DeviceUse.ALLOCATION)),
     )
 
 
