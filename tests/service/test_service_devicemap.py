@@ -163,3 +163,18 @@ def test_group_file_member_device_map_reaches_the_member_request(tmp_path):
     with pytest.raises(AgentError):
         lead("restore", apb.RestoreRequest(members=members), Reporter(), lambda r: None, call=call)
     assert sent == {"a": "0=2", "b": ""}
+
+
+def test_cli_device_map_with_group_is_a_usage_error(tmp_path):
+    from click.testing import CliRunner
+
+    from cuinterpose.agent.cli import main
+
+    f = tmp_path / "group.json"
+    f.write_text(json.dumps({"members": [{"node": "a", "address": "unix:/a", "images_dir": "/s"}]}))
+    res = CliRunner().invoke(main, ["restore", "--group", str(f), "--device-map", "0=1"])
+    assert res.exit_code == 2, res.output
+    assert (
+        "--device-map maps one node's GPUs; in a group restore each member of the --group file "
+        'names its own "device_map"'
+    ) in " ".join(res.output.split())
