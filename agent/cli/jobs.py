@@ -236,7 +236,8 @@ def checkpoint(
     "processes saw) onto a GPU this agent sees (UUID or ordinal); every checkpointed GPU "
     "must be listed, each onto one of the same model with at least its memory. Default: "
     "the processes' own GPUs, or when those are absent an automatic mapping "
-    '(docs/agent.md "Restore onto other GPUs").',
+    '(docs/agent.md "Restore onto other GPUs"). With --agent the daemon\'s GPUs; with '
+    '--group each member names its own "device_map" instead.',
 )
 @click.option(
     "--driver",
