@@ -110,7 +110,7 @@ static size_t fill_device_records(const struct cui_record *recs, size_t n, struc
  * the multicast records (ops_multicast.c), then (when the request asked, CUI_INSPECT_DEVICES)
  * one device record per ordinal used. Lock held. */
 static int build_records(struct cui_op_result *res) {
-  size_t n = cui_st.nmaps + cui_st.nresv + cui_mc_record_count() + CUI_INSPECT_MAX_DEVICES;
+  size_t n = cui_st.nmaps + cui_st.nresv + cui_mc_record_count() + (g_inspect_devices ? CUI_INSPECT_MAX_DEVICES : 0);
   for (size_t i = 0; i < cui_st.nallocs; i++) n += cui_st.allocs[i].live;
   struct cui_record *recs = calloc(n ? n : 1, sizeof *recs);
   const struct cui_mapping **maps = calloc(cui_st.nmaps ? cui_st.nmaps : 1, sizeof *maps);
