@@ -17,9 +17,9 @@ from cuinterpose.coordinator.protocol import default_control_dir
 def inspect_pid(pid: int, *, control_dir=None, timeout_s: float = 10.0) -> dict:
     """INSPECT ``pid``; returns ``{"pid", "socket_path", "phase" (name), "records" [Record dicts],
     "roles" {"private","creator","importer": n}, "adapter" (:func:`adapter_stats`),
-    "message"}``. Raises ``AgentError`` (phase "INSPECT") naming the pid when the socket is
-    missing, the shim does not answer, or refuses (a driver CUDA IPC handle in the process
-    makes the shim refuse: the message names it)."""
+    "devices" (:func:`device_table`), "message"}``. Raises ``AgentError`` (phase "INSPECT")
+    naming the pid when the socket is missing, the shim does not answer, or refuses (a driver
+    CUDA IPC handle in the process makes the shim refuse: the message names it)."""
     from cuinterpose.agent.snapshot.manifest import role_counts
     from cuinterpose.coordinator.client import ShimClient, ShimClientError
     from cuinterpose.coordinator.protocol import Op, Phase, Status
@@ -50,7 +50,7 @@ def inspect_pid(pid: int, *, control_dir=None, timeout_s: float = 10.0) -> dict:
             pid=pid,
         )
     census_mod.check_socket_owner(sock, pid, "INSPECT")
-    client = ShimClient(sock, timeout_s, pid=pid)
+    client = ShimClient(sock, timeout_s, pid=pid, inspect_devices=True)
     try:
         resp = client.request(Op.INSPECT, txn_id=0, expected_phase=Phase.ACTIVE)
         if resp.reply.status == Status.REFUSED_PHASE:
@@ -73,8 +73,35 @@ def inspect_pid(pid: int, *, control_dir=None, timeout_s: float = 10.0) -> dict:
         "records": [r.to_dict() for r in resp.records],
         "roles": role_counts(resp.records),
         "adapter": adapter_stats(resp.records),
+        "devices": device_table(resp.records),
         "message": resp.message,
     }
+
+
+def device_table(records) -> list[dict]:
+    """The GPUs one INSPECT says the process uses, from its DEVICE records (``Record``;
+    protocol.h ``CUI_RECORD_DEVICE``), ordinal order: ``[{"ordinal" (the process's),
+    "uuid" ("GPU-..." as the driver names the ordinal now), "total_memory" (bytes),
+    "name_hash" (16 hex digits: cui_checksum64 of cuDeviceGetName), "uses" (["CONTEXT",
+    "ALLOCATION", "ACCESS", "MULTICAST"], those set)}]``. Empty for a shim without DEVICE
+    records."""
+    from cuinterpose.coordinator.protocol import DeviceUse, RecordKind
+
+    out = []
+    for r in records:
+        if int(r.kind) != RecordKind.DEVICE:
+            continue
+        out.append(
+            {
+                "ordinal": int(r.prop_location_id),
+                "uuid": r.device_uuid,
+                "total_memory": int(r.size),
+                "name_hash": f"{r.device_name_hash:016x}",
+                "uses": [u.name for u in DeviceUse if r.reserved0 & u],
+            }
+        )
+    out.sort(key=lambda d: d["ordinal"])
+    return out
 
 
 def adapter_stats(records) -> dict:
@@ -127,13 +154,14 @@ def render_table(res: dict) -> None:
     from cuinterpose.agent.run.report import fmt_bytes
 
     short = {"ALLOCATION": "alloc", "MAPPING": "map", "RESERVATION": "resv"}
+    recs = [r for r in res["records"] if r["kind"] != "DEVICE"]
     t = Table(
         title=f"pid {res['pid']}  phase {res['phase']}  ({res['socket_path']})",
         title_justify="left",
     )
     for col in ("kind", "role", "allocation", "creator", "va", "size", "flags", "access"):
         t.add_column(col, justify="right" if col == "size" else "left", no_wrap=True)
-    for r in res["records"]:
+    for r in recs:
         acc = ",".join(f"{a.get('location_id')}:{a.get('flags')}" for a in r.get("access", []))
         is_resv = r["kind"] == "RESERVATION"
         t.add_row(
@@ -150,6 +178,16 @@ def render_table(res: dict) -> None:
     if not c.is_terminal:
         c = Console(width=120)
     c.print(t)
+    devices = res.get("devices") or []
+    if devices:
+        d = Table(title=f"pid {res['pid']}  devices", title_justify="left")
+        for col in ("ordinal", "uuid", "memory", "uses"):
+            d.add_column(col, no_wrap=True)
+        for g in devices:
+            d.add_row(
+                str(g["ordinal"]), g["uuid"], fmt_bytes(g["total_memory"]), ",".join(g["uses"])
+            )
+        c.print(d)
     roles = res["roles"]
     c.print(
         f"allocations: {roles['private']} private, {roles['creator']} creator, "

@@ -103,7 +103,8 @@ class Barrier:
         self.last_txn_id = 0
         self.phases: list[PhaseResult] = []
         self._clients = {
-            p.pid: ShimClient(p.socket_path, self.timeout_s, pid=p.pid) for p in self.participants
+            p.pid: ShimClient(p.socket_path, self.timeout_s, pid=p.pid, inspect_devices=True)
+            for p in self.participants
         }
 
     @property

@@ -37,6 +37,7 @@ import time
 from dataclasses import dataclass, field
 
 from .protocol import (
+    CUI_INSPECT_DEVICES,
     CUI_PROTO_MAGIC,
     CUI_PROTO_VERSION,
     RECORD_SIZE,
@@ -172,6 +173,8 @@ class ShimClient:
 
     ``socket_path``: ``<control dir>/cuinterpose-<pid>.sock``. ``timeout_s``: seconds for a whole
     request. ``pid``: for error messages; defaults to the pid in the socket name.
+    ``inspect_devices``: INSPECT requests set ``CUI_INSPECT_DEVICES`` (the shim then also sends
+    one DEVICE record per device ordinal the process uses: protocol.h).
     """
 
     def __init__(
@@ -181,8 +184,11 @@ class ShimClient:
         *,
         pid: int | None = None,
         sender_pid: int | None = None,
+        inspect_devices: bool = False,
     ):
         self.socket_path = os.fspath(socket_path)
+        #: INSPECT requests ask for the DEVICE records (CUI_INSPECT_DEVICES, protocol.h)
+        self.inspect_devices = bool(inspect_devices)
         self.timeout_s = float(timeout_s)
         self.pid = pid if pid is not None else pid_from_socket_path(self.socket_path)
         self.sender_pid = sender_pid if sender_pid is not None else os.getpid()
@@ -234,6 +240,11 @@ class ShimClient:
             expected_phase=expected_phase,
             sender_pid=self.sender_pid,
             alloc_id=alloc_id_bytes(alloc_id or None),
+            reserved=(
+                CUI_INSPECT_DEVICES if op == Op.INSPECT and self.inspect_devices else 0,
+                0,
+                0,
+            ),
         )
         fds: list[int] = []
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)

@@ -135,7 +135,7 @@ class Coordinator(Barrier):
         cap.last_txn_id = self.last_txn_id
         return cap
 
-    def restore(self, capture: Capture) -> RestoreResult:
+    def restore(self, capture: Capture, device_map: dict[str, str] | None = None) -> RestoreResult:
         """INSPECT (every shim PREPARED, carriers as captured) -> LOAD_ALLOCATIONS ->
         RESTORE_UNICAST -> INSPECT equal to ``capture.records`` (modulo
         topology.COMPARE_IGNORED).
@@ -143,7 +143,8 @@ class Coordinator(Barrier):
         Raises ValueError if the participants differ from the capture's; PhaseError (nothing
         changed) if a shim is not PREPARED or a carrier checksum differs; PhaseError from a
         mutating phase (stop there, no retry); TopologyError naming pid and object when the
-        final INSPECT differs from the capture.
+        final INSPECT differs from the capture (its DEVICE records under ``device_map``, {old
+        GPU UUID: new}: topology.compare).
         """
         want = sorted(p.pid for p in capture.participants)
         if sorted(self.pids) != want:
@@ -159,7 +160,7 @@ class Coordinator(Barrier):
         if topology.has_multicast(capture.records):
             self.restore_multicast()
         after = self._inspect(Phase.ACTIVE, True, changed_before=True)
-        topology.compare(capture.records, after)
+        topology.compare(capture.records, after, device_map=device_map)
         return RestoreResult(phases=self.phases[start:], records=after)
 
     def rollback(

@@ -15,7 +15,16 @@ from collections import defaultdict
 from typing import Iterable, Mapping
 
 from .errors import CoordinatorError
-from .protocol import MULTICAST_KINDS, Op, Record, RecordFlag, RecordKind, Role, alloc_id_hex
+from .protocol import (
+    MULTICAST_KINDS,
+    DeviceUse,
+    Op,
+    Record,
+    RecordFlag,
+    RecordKind,
+    Role,
+    alloc_id_hex,
+)
 
 __all__ = [
     "TopologyError",
@@ -452,6 +461,8 @@ def _normal(r: Record) -> Record:
 
 def _key(r: Record):
     kind = int(r.kind)
+    if kind == RecordKind.DEVICE:
+        return (kind, int(r.prop_location_id))
     if kind == RecordKind.ALLOCATION:
         return (kind, bytes(r.alloc_id))
     if kind == RecordKind.MAPPING:
@@ -486,20 +497,84 @@ def _fmt(name, value):
     return str(value)
 
 
+def _has_devices(rs) -> bool:
+    return any(int(r.kind) == RecordKind.DEVICE for r in rs)
+
+
+def _kept(r: Record, devices: bool) -> bool:
+    if int(r.kind) != RecordKind.DEVICE:
+        return True
+    return devices and bool(int(r.device_uses) & ~int(DeviceUse.CONTEXT))
+
+
+def _uses(bits: int) -> str:
+    return "|".join(u.name for u in DeviceUse if bits & u) or "none"
+
+
+def _compare_device(
+    head: str, pid: int, c: Record, r: Record, device_map: Mapping[str, str], phase: str
+) -> None:
+    """One DEVICE record pair (same ordinal) under the device map: the restored UUID is the
+    captured one mapped (unmapped: the same), the name hash equal, the total memory equal (at
+    least the captured one when the ordinal moved: the map's targets may be larger), the uses
+    equal but for CONTEXT (the shim's restore ops retain primary contexts itself)."""
+    old, new = c.device_uuid, r.device_uuid
+    want = device_map.get(old, old)
+    moved = want != old
+    what = f"pid {pid} device ordinal {c.prop_location_id}"
+    problem = None
+    if new != want:
+        mapped = f", which the device map moves to {want}" if moved else ""
+        problem = f"uuid differs (captured {old}{mapped}; restored {new})"
+    elif c.device_name_hash != r.device_name_hash:
+        problem = (
+            f"name differs on {new} (name hash captured {c.device_name_hash:#018x}, restored "
+            f"{r.device_name_hash:#018x}): not the same GPU model"
+        )
+    elif (r.size < c.size) if moved else (r.size != c.size):
+        problem = (
+            f"total memory differs (captured {c.size} bytes on {old}, restored {r.size} on {new})"
+        )
+    else:
+        uses_c = int(c.device_uses) & ~int(DeviceUse.CONTEXT)
+        uses_r = int(r.device_uses) & ~int(DeviceUse.CONTEXT)
+        if uses_c != uses_r:
+            problem = f"uses differ (captured {_uses(uses_c)}, restored {_uses(uses_r)})"
+    if problem:
+        raise TopologyError(f"{head}: {what}: {problem}", pid=pid, phase=phase, changed=True)
+
+
 def compare(
     captured: Mapping[int, Iterable[Record]],
     restored: Mapping[int, Iterable[Record]],
     *,
     phase: str = Op.INSPECT.name,
+    device_map: Mapping[str, str] | None = None,
 ) -> None:
     """Raise :class:`TopologyError` unless ``restored`` equals ``captured`` per participant,
     modulo :data:`COMPARE_IGNORED`. Record order does not matter. The message names the pid,
     the object and the first differing field, e.g. ``INSPECT after restore: pid 4121 mapping of
     allocation 9f3c... at va 0x7f0000200000: va differs (captured 0x7f0000200000, restored
-    0x7f0000400000)``."""
+    0x7f0000400000)``.
+
+    DEVICE records (one per ordinal) are compared under ``device_map`` ({old UUID: new UUID},
+    ``GPU-xxxxxxxx-...`` strings as agent/mech/devicemap.py writes them; None or empty: the
+    same GPUs): ``INSPECT after restore: pid 4121 device ordinal 0: uuid differs (captured
+    GPU-a..., which the device map moves to GPU-c...; restored GPU-d...)``. They are compared
+    for a pid when both sides carry some (an INSPECT without ``CUI_INSPECT_DEVICES``, or a shim
+    before CUI_RECORD_DEVICE, sends none), and only those with a use besides ``CONTEXT`` (the
+    shim's restore ops retain primary contexts themselves)."""
     head = f"{phase} after restore"
+    dmap = dict(device_map or {})
     cap = {int(p): list(rs) for p, rs in captured.items()}
     res = {int(p): list(rs) for p, rs in restored.items()}
+    for pid in set(cap) & set(res):
+        # compared when both INSPECTs carry them (CUI_INSPECT_DEVICES; a shim before them),
+        # and only ordinals used by more than a context: the shim's restore ops retain the
+        # primary context of the device they rebuild on (ordinal 0 for host memory) themselves
+        both = _has_devices(cap[pid]) and _has_devices(res[pid])
+        cap[pid] = [r for r in cap[pid] if _kept(r, both)]
+        res[pid] = [r for r in res[pid] if _kept(r, both)]
     for pid in sorted(set(cap) | set(res)):
         if pid not in res:
             raise TopologyError(
@@ -518,6 +593,9 @@ def compare(
             cs = sorted(groups_c.get(key, []), key=lambda r: r.va)
             rs = sorted(groups_r.get(key, []), key=lambda r: r.va)
             for c, r in zip(cs, rs):
+                if int(c.kind) == RecordKind.DEVICE:
+                    _compare_device(head, pid, c, r, dmap, phase)
+                    continue
                 nc, nr = _normal(c), _normal(r)
                 if nc == nr:
                     continue

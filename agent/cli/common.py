@@ -154,7 +154,8 @@ group_opt = click.option(
     default=None,
     help='JSON file {"members": [{"node", "address", '
     '"images_dir", "roots" (checkpoint), "into_pid" (restore, '
-    "optional: a placement on that node)}]}: one group request across these "
+    'optional: a placement on that node), "device_map" (restore, optional: '
+    '"OLD=NEW,..." of that node\'s GPUs)}]}: one group request across these '
     "agents, led by --agent (or by this process).",
 )
 
@@ -184,6 +185,13 @@ def load_members(group_file, kind: str):
                 raise ValueError(f"member {m.get('node')!r}: into_pid is for a restore")
             if into < 0:
                 raise ValueError(f"member {m.get('node')!r}: into_pid {into} is not a pid")
+            dmap = m.get("device_map") or ""
+            if dmap and kind != "restore":
+                raise ValueError(f"member {m.get('node')!r}: device_map is for a restore")
+            if not isinstance(dmap, str):
+                raise ValueError(
+                    f'member {m.get("node")!r}: device_map must be a string "OLD=NEW[,...]"'
+                )
             out.append(
                 apb.Member(
                     node=str(m["node"]),
@@ -191,6 +199,7 @@ def load_members(group_file, kind: str):
                     images_dir=str(m["images_dir"]),
                     roots=roots,
                     into_pid=into,
+                    device_map=dmap,
                 )
             )
         if not out:

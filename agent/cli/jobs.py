@@ -236,7 +236,8 @@ def checkpoint(
     "processes saw) onto a GPU this agent sees (UUID or ordinal); every checkpointed GPU "
     "must be listed, each onto one of the same model with at least its memory. Default: "
     "the processes' own GPUs, or when those are absent an automatic mapping "
-    '(docs/agent.md "Restore onto other GPUs").',
+    '(docs/agent.md "Restore onto other GPUs"). With --agent the daemon\'s GPUs; with '
+    '--group each member names its own "device_map" instead.',
 )
 @click.option(
     "--driver",
@@ -284,10 +285,10 @@ def restore(
         )
     if not group_file and not images_dir:
         raise click.UsageError("Missing option '--images-dir'.")
-    if device_map and (agent_addr or group_file):
+    if device_map and group_file:
         raise click.UsageError(
-            "--device-map applies to a local restore only (the RestoreRequest of --agent and "
-            "--group carries no device map yet); the automatic mapping runs on each node"
+            "--device-map maps one node's GPUs; in a group restore each member of the --group "
+            'file names its own "device_map"'
         )
     use_manifest_key(manifest_key, remote=bool(agent_addr or group_file))
     tls = client_tls(tls_ca, tls_cert, tls_key)
@@ -314,6 +315,7 @@ def restore(
                 carrier_timeout_s=carrier_timeout_s,
                 members=load_members(group_file, "restore") if group_file else [],
                 into_pid=into_pid or 0,
+                device_map=device_map or "",
             )
             if agent_addr:
                 res = remote(agent_addr, "Restore", req, rep, sink, tls)

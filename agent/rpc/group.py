@@ -269,6 +269,13 @@ def lead(
             "each member names its own into_pid (a pid on its node)",
             outcome="usage",
         )
+    if kind == "restore" and request.device_map:
+        raise AgentError(
+            "group",
+            "device_map maps one node's GPUs; in a group restore each member names its own "
+            "device_map (the GPUs of its node)",
+            outcome="usage",
+        )
     cls = Checkpoint if kind == "checkpoint" else Restore
     rid = request_id or uuid.uuid4().hex
     leader = leader or f"pid {os.getpid()} on {socket.gethostname()}"
@@ -301,6 +308,7 @@ def lead(
                         images_dir=m.images_dir,
                         driver=request.driver,
                         into_pid=m.into_pid,
+                        device_map=m.device_map,
                         phase_timeout_s=request.phase_timeout_s,
                         carrier_timeout_s=request.carrier_timeout_s,
                     )

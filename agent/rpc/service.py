@@ -391,6 +391,9 @@ class AgentService(GroupMember, _servicer_base()):
             "carrier_timeout_s": req.carrier_timeout_s or self.opts.carrier_timeout_s,
             # a pid: read and checked in the restore's "placement" phase
             "placement": req.into_pid or None,
+            # "OLD=NEW[,...]": parsed and checked against the snapshot in "placement"
+            # (agent/mech/devicemap.py), before anything is restored
+            "device_map": req.device_map or None,
         }
 
     def _env(self, driver: Optional[str]):

@@ -449,7 +449,7 @@ class Restore(StepRunner):
             by_pid = {p["pid"]: p for p in self.m["participants"]}
             pairs = {p: devicemap.pairs_for(by_pid.get(p, {}), self.gpu_map) for p in pids}
             devicemap.native_restore(pids, pairs)
-            ph.detail = f"pids {', '.join(map(str, pids))}"
+            ph.detail = f"pids {', '.join(map(str, pids))} by {native.backend().name}"
             if self.gpu_map:
                 ph.detail += f" onto {len({n for n in self.gpu_map.values()})} mapped GPUs"
         with self.r.phase("native unlock") as ph:
@@ -472,7 +472,7 @@ class Restore(StepRunner):
         )
         try:
             capture = phases.Capture.from_dict(self.m["capture"])
-            self.restore_result = coord.restore(capture)
+            self.restore_result = coord.restore(capture, device_map=self.gpu_map)
         except Exception as e:
             raise as_agent_error(e, "restore shared") from e
 
@@ -523,6 +523,9 @@ class Restore(StepRunner):
             "totals": {"wall_ms": round(self.r.wall_ns() / 1e6, 3)},
             "notes": list(self.r.notes),
         }
+        used = manifest_mod.native_record()  # the backend this restore's native steps used
+        if used is not None:
+            out["native"] = {**used, "snapshot": self.m.get("native")}
         if self.gpu_map:
             out["gpus"] = {
                 str(p["pid"]): devicemap.mapped_gpus(p, self.gpu_map, self.node_gpus)

@@ -25,7 +25,7 @@ import os
 import pathlib
 from typing import Any
 
-from cuinterpose.agent.errors import SnapshotError
+from cuinterpose.agent.errors import AgentError, SnapshotError
 from cuinterpose.agent.snapshot import trust
 
 FORMAT = "cuinterpose-snapshot"
@@ -124,6 +124,10 @@ def write(snapshot: os.PathLike | str, manifest: dict) -> pathlib.Path:
     missing = [k for k in REQUIRED if k not in manifest]
     if missing:
         raise SnapshotError("manifest", f"manifest lacks {', '.join(missing)}")
+    if "native" not in manifest:
+        rec = native_record()
+        if rec is not None:
+            manifest["native"] = rec
     base = pathlib.Path(snapshot)
     final = base / MANIFEST_NAME
     tmp = base / (MANIFEST_NAME + ".tmp")
@@ -154,6 +158,46 @@ def write(snapshot: os.PathLike | str, manifest: dict) -> pathlib.Path:
             )
         raise
     return final
+
+
+def native_record() -> dict | None:
+    """``{"backend": "driver-api"|"cuda-checkpoint", "driver_version": int (cuDriverGetVersion),
+    "detail": the driver (``"fake driver 13010 at LIB"``) or the utility's path}``: the native
+    backend this process uses (``agent/mech/native.py`` :func:`backend`, chosen once per
+    process) with the loaded driver;
+    None while no driver is loaded (nothing native ran, nothing is loaded here either).
+    :func:`write` records it in a manifest that lacks ``native``; a restore reports it.
+    Raises nothing: a backend that cannot be chosen is reported as ``"backend": "none"`` with
+    the reason in ``detail``."""
+    from cuinterpose.agent.mech import native
+
+    # the driver native.load() loaded, if any (native.info() would load one)
+    inf = getattr(native, "_info", None)
+    if inf is None:
+        return None
+    try:
+        b = native.backend()
+    except AgentError as e:  # the checkpoint would have failed before writing: keep the reason
+        return {"backend": "none", "driver_version": int(inf.version), "detail": e.reason}
+    return {"backend": b.name, "driver_version": int(inf.version), "detail": b.detail}
+
+
+def native_problem(m: dict) -> str | None:
+    """What is wrong with a manifest's ``native`` record (None when absent or well formed)."""
+    n = m.get("native")
+    if n is None:
+        return None
+    if not (
+        isinstance(n, dict)
+        and isinstance(n.get("backend"), str)
+        and isinstance(n.get("detail", ""), str)
+        and _is_uint(n.get("driver_version"))
+    ):
+        return (
+            "field native must be an object with backend (string), driver_version (int) and "
+            "detail (string)"
+        )
+    return None
 
 
 def _write_atomically(base: pathlib.Path, tmp: pathlib.Path, final: pathlib.Path, data: bytes):
@@ -307,6 +351,8 @@ def _shape_problem(m: dict):
         return "field processes must be a list of objects with pid (int)"
     if not (isinstance(m.get("cuda_pids", []), list) and all(map(_is_pid, m.get("cuda_pids", [])))):
         return "field cuda_pids must be a list of pids"
+    if native_problem(m):
+        return native_problem(m)
     if not obj(m["quiesce"], "id"):
         return "field quiesce must be an object with id (string)"
     if not isinstance(m["capture"], dict):

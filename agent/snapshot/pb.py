@@ -116,12 +116,12 @@ def message_to_dict(msg) -> dict:
 
 
 def manifest_from_proto(msg) -> dict:
-    """The manifest dict (the JSON written to disk) for a ``Manifest``; ``group`` and ``mac`` only
-    when set."""
+    """The manifest dict (the JSON written to disk) for a ``Manifest``; ``group``, ``mac`` and
+    ``native`` only when set."""
     import json
 
     d = message_to_dict(msg)
-    for opt in ("group", "mac"):
+    for opt in ("group", "mac", "native"):
         if not msg.HasField(opt):
             d.pop(opt, None)
     d["capture"] = json.loads(d.pop("capture_json") or "null")

@@ -27,6 +27,8 @@ __all__ = [
     "RecordKind",
     "Role",
     "RecordFlag",
+    "DeviceUse",
+    "CUI_INSPECT_DEVICES",
     "TicketKind",
     "ShimFlag",
     "CUI_TXN_ROOM",
@@ -207,6 +209,7 @@ class RecordKind(enum.IntEnum):
     MULTICAST_DEVICE = 5
     MULTICAST_BINDING = 6
     MULTICAST_MAPPING = 7
+    DEVICE = 8  # one per device ordinal used: alloc_id = CUuuid now, size = total memory
 
 
 #: Record kinds that describe multicast state (protocol.h "Multicast records").
@@ -240,6 +243,20 @@ class RecordFlag(enum.IntFlag):
     MC_V2_ABI = 0x40
     ADAPTER = 0x80  # IPC adapter allocation: reserved[0] = bytes requested, size = bytes mapped
     IPC = 0x100  # creator: virtual IPC handle handed out; importer: opened (reserved[1] = opens)
+
+
+#: ``cui_request.reserved[0]`` of an INSPECT: also send the DEVICE records (protocol.h).
+CUI_INSPECT_DEVICES = 0x1
+
+
+class DeviceUse(enum.IntFlag):
+    """``CUI_DEV_USE_*`` bits of a DEVICE record's ``reserved0``: why the process uses the
+    ordinal (protocol.h ``CUI_RECORD_DEVICE``)."""
+
+    CONTEXT = 0x1  # its primary context is active (cuDevicePrimaryCtxGetState)
+    ALLOCATION = 0x2  # an allocation's location (or the IPC adapter's device)
+    ACCESS = 0x4  # named by an access descriptor of a mapping
+    MULTICAST = 0x8  # added to a multicast object, or a binding's device
 
 
 class TicketKind(enum.IntEnum):

@@ -14,6 +14,7 @@ from .codes import (
     CUI_PROTO_MAGIC,
     CUI_PROTO_VERSION,
     CUI_TICKET_MAGIC,
+    DeviceUse,
     Op,
     Phase,
     ProtocolError,
@@ -462,7 +463,27 @@ class Record:
             )
         if kind == RecordKind.MULTICAST_MAPPING:
             return f"mapping of multicast object {aid} at va {self.va:#x}"
+        if kind == RecordKind.DEVICE:
+            return f"device ordinal {self.prop_location_id} ({self.device_uuid})"
         return f"record kind {int(kind)} (allocation {aid})"
+
+    # DEVICE records (protocol.h CUI_RECORD_DEVICE)
+    @property
+    def device_uuid(self) -> str:
+        """The GPU of a DEVICE record as ``nvidia-smi -L`` writes it:
+        ``GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`` (the 16 bytes of ``CUuuid``)."""
+        h = bytes(self.alloc_id).hex()
+        return f"GPU-{h[0:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
+    @property
+    def device_uses(self) -> "DeviceUse":
+        """A DEVICE record's ``CUI_DEV_USE_*`` bits (``reserved0``)."""
+        return DeviceUse(self.reserved0 & 0xF)
+
+    @property
+    def device_name_hash(self) -> int:
+        """A DEVICE record's cui_checksum64 of ``cuDeviceGetName`` (``reserved[0]``)."""
+        return self.reserved[0]
 
     # MULTICAST_BINDING records: the bound member (protocol.h "Multicast records")
     @property

@@ -42,10 +42,75 @@ static int cmp_va_resv(const void *x, const void *y) {
   return a->va < b->va ? -1 : a->va > b->va;
 }
 
+/* ---------- INSPECT device records (protocol.h CUI_RECORD_DEVICE) ---------- */
+
+#define CUI_INSPECT_MAX_DEVICES 64
+
+/* The request's CUI_INSPECT_DEVICES bit, for the INSPECT running now (set and read under the
+ * state lock: INSPECT runs under it). */
+static int g_inspect_devices;
+
+static void device_use(uint32_t *uses, uint32_t location_type, int32_t ordinal, uint32_t use) {
+  if (location_type == CU_MEM_LOCATION_TYPE_DEVICE && ordinal >= 0 && ordinal < CUI_INSPECT_MAX_DEVICES)
+    uses[ordinal] |= use;
+}
+
+/* One CUI_RECORD_DEVICE per ordinal the records before it name (allocation locations, access
+ * grants, multicast devices and bindings, the adapter's device) or whose primary context is
+ * active, ordinal order. The GPU is asked of the driver now (never cached: after a native
+ * restore with gpuPairs the ordinal may be another GPU). Lock held. Returns records written. */
+static size_t fill_device_records(const struct cui_record *recs, size_t n, struct cui_record *out) {
+  uint32_t uses[CUI_INSPECT_MAX_DEVICES] = {0};
+  for (size_t i = 0; i < n; i++) {
+    const struct cui_record *r = &recs[i];
+    if (r->kind == CUI_RECORD_ALLOCATION)
+      device_use(uses, r->prop_location_type, r->prop_location_id, CUI_DEV_USE_ALLOCATION);
+    else if (r->kind == CUI_RECORD_MULTICAST_DEVICE || r->kind == CUI_RECORD_MULTICAST_BINDING)
+      device_use(uses, r->prop_location_type, r->prop_location_id, CUI_DEV_USE_MULTICAST);
+    for (uint32_t a = 0; a < r->access_count && a < CUI_MAX_ACCESS; a++)
+      device_use(uses, r->access[a].location_type, r->access[a].location_id, CUI_DEV_USE_ACCESS);
+  }
+  for (size_t i = 0; i < cui_st.nallocs; i++)
+    if (cui_st.allocs[i].live && (cui_st.allocs[i].flags & CUI_REC_ADAPTER))
+      device_use(uses, CU_MEM_LOCATION_TYPE_DEVICE, cui_st.allocs[i].adapter_dev, CUI_DEV_USE_ALLOCATION);
+  int count = 0;
+  if (REAL(cuDeviceGetCount) && REAL(cuDeviceGetCount)(&count) != CUDA_SUCCESS) count = 0;
+  for (int d = 0; d < count && d < CUI_INSPECT_MAX_DEVICES; d++) {
+    unsigned flags = 0;
+    int active = 0;
+    if (REAL(cuDevicePrimaryCtxGetState) && REAL(cuDevicePrimaryCtxGetState)(d, &flags, &active) == CUDA_SUCCESS &&
+        active)
+      uses[d] |= CUI_DEV_USE_CONTEXT;
+  }
+  size_t k = 0;
+  for (int d = 0; d < CUI_INSPECT_MAX_DEVICES; d++) {
+    if (!uses[d]) continue;
+    struct cui_record *r = &out[k++];
+    r->kind = CUI_RECORD_DEVICE;
+    r->prop_location_type = CU_MEM_LOCATION_TYPE_DEVICE;
+    r->prop_location_id = d;
+    r->reserved0 = uses[d];
+    CUuuid uuid;
+    memset(&uuid, 0, sizeof uuid);
+    CUresult rc = CUDA_ERROR_NOT_SUPPORTED;
+    if (REAL(cuDeviceGetUuid_v2)) rc = REAL(cuDeviceGetUuid_v2)(&uuid, d);
+    if (rc != CUDA_SUCCESS && REAL(cuDeviceGetUuid)) rc = REAL(cuDeviceGetUuid)(&uuid, d);
+    if (rc == CUDA_SUCCESS) memcpy(r->alloc_id, uuid.bytes, 16);
+    size_t total = 0;
+    if (REAL(cuDeviceTotalMem_v2) && REAL(cuDeviceTotalMem_v2)(&total, d) == CUDA_SUCCESS) r->size = total;
+    char name[256];
+    memset(name, 0, sizeof name);
+    if (REAL(cuDeviceGetName) && REAL(cuDeviceGetName)(name, (int)sizeof name - 1, d) == CUDA_SUCCESS)
+      r->reserved[0] = cui_checksum64(name, strlen(name));
+  }
+  return k;
+}
+
 /* Records: allocations in creation order, then mappings by VA, then reservations by VA, then
- * the multicast records (ops_multicast.c). Lock held. */
+ * the multicast records (ops_multicast.c), then (when the request asked, CUI_INSPECT_DEVICES)
+ * one device record per ordinal used. Lock held. */
 static int build_records(struct cui_op_result *res) {
-  size_t n = cui_st.nmaps + cui_st.nresv + cui_mc_record_count();
+  size_t n = cui_st.nmaps + cui_st.nresv + cui_mc_record_count() + (g_inspect_devices ? CUI_INSPECT_MAX_DEVICES : 0);
   for (size_t i = 0; i < cui_st.nallocs; i++) n += cui_st.allocs[i].live;
   struct cui_record *recs = calloc(n ? n : 1, sizeof *recs);
   const struct cui_mapping **maps = calloc(cui_st.nmaps ? cui_st.nmaps : 1, sizeof *maps);
@@ -97,6 +162,7 @@ static int build_records(struct cui_op_result *res) {
     r->offset = resv[i].align;
   }
   k += cui_mc_fill_records(&recs[k]);
+  if (g_inspect_devices) k += fill_device_records(recs, k, &recs[k]);
   free(allocs);
   free(maps);
   free(resv);
@@ -261,6 +327,7 @@ void cui_run_op(const struct cui_request *req, struct cui_op_result *res) {
     return;
   }
   if (!rule->mutating) {   /* read-only (INSPECT): under the lock, nothing changes */
+    g_inspect_devices = req->op == CUI_OP_INSPECT && (req->reserved[0] & CUI_INSPECT_DEVICES);
     run(res);
     pthread_mutex_unlock(&cui_st.lock);
     res->records_changed = 0;

@@ -17,6 +17,7 @@ import pytest
 from cuinterpose.coordinator import protocol as P
 from cuinterpose.coordinator.protocol import (
     Access,
+    DeviceUse,
     Op,
     Phase,
     PhaseRule,
@@ -113,6 +114,7 @@ PY_CONSTANTS = {
     "CUI_PROTO_VERSION": P.CUI_PROTO_VERSION,
     "CUI_MAX_ACCESS": P.CUI_MAX_ACCESS,
     "CUI_TXN_ROOM": P.CUI_TXN_ROOM,
+    "CUI_INSPECT_DEVICES": P.CUI_INSPECT_DEVICES,
     **{f"CUI_OP_{m.name}": m.value for m in Op},
     **{f"CUI_PHASE_{m.name}": m.value for m in Phase},
     **{f"CUI_PHASE_RULE_{m.name}": m.value for m in PhaseRule},
@@ -120,6 +122,7 @@ PY_CONSTANTS = {
     **{f"CUI_RECORD_{m.name}": m.value for m in RecordKind},
     **{f"CUI_ROLE_{m.name}": m.value for m in Role},
     **{f"CUI_REC_{m.name}": m.value for m in RecordFlag},
+    **{f"CUI_DEV_USE_{m.name}": m.value for m in DeviceUse},
     **{f"CUI_TICKET_{m.name}": m.value for m in TicketKind},
     **{f"CUI_SHIM_{m.name}": m.value for m in ShimFlag},
 }

@@ -183,9 +183,33 @@ enum cui_record_kind {
                                        reserved[0..1] = its alloc_id (16 bytes), reserved0 = its
                                        creator pid, reserved[2] = memOffset; all zero when the
                                        memory is not a tracked allocation */
-  CUI_RECORD_MULTICAST_MAPPING = 7  /* one per cuMemMap of a multicast object: va, size,
+  CUI_RECORD_MULTICAST_MAPPING = 7, /* one per cuMemMap of a multicast object: va, size,
                                        offset, access (merged per location) */
+  CUI_RECORD_DEVICE = 8             /* one per device ordinal the process uses, when the
+                                       INSPECT asked (CUI_INSPECT_DEVICES; after every other
+                                       record, ordinal order): prop_location_type =
+                                       CU_MEM_LOCATION_TYPE_DEVICE, prop_location_id = ordinal,
+                                       alloc_id = the 16 bytes of CUuuid the driver gives for
+                                       it now (cuDeviceGetUuid_v2, else cuDeviceGetUuid; zero
+                                       when both fail), size = cuDeviceTotalMem_v2 bytes (0 if
+                                       it fails), reserved[0] = cui_checksum64 of the
+                                       cuDeviceGetName string (0 if it fails), reserved0 =
+                                       CUI_DEV_USE_* bits; flags 0. Asked at each INSPECT,
+                                       never cached: after a native restore with gpuPairs an
+                                       ordinal names another GPU (docs/protocol.md) */
 };
+
+/* cui_request.reserved[0] of an INSPECT: CUI_INSPECT_DEVICES asks for the CUI_RECORD_DEVICE
+ * records (without it none are sent: an older sender sees the records it knows). The device
+ * queries are driver calls: while a native checkpoint lock holds the process they wait for the
+ * unlock, as every driver call does, so only an INSPECT outside a lock should ask. */
+#define CUI_INSPECT_DEVICES 0x1u
+
+/* cui_record.reserved0 of a CUI_RECORD_DEVICE: why the process uses the ordinal */
+#define CUI_DEV_USE_CONTEXT    0x1u /* its primary context is active (cuDevicePrimaryCtxGetState) */
+#define CUI_DEV_USE_ALLOCATION 0x2u /* an allocation's location (or the IPC adapter's device) */
+#define CUI_DEV_USE_ACCESS     0x4u /* named by an access descriptor of a mapping */
+#define CUI_DEV_USE_MULTICAST  0x8u /* added to a multicast object, or a binding's device */
 
 enum cui_role {
   CUI_ROLE_PRIVATE = 0,       /* never exported nor imported: native checkpoint carries it */
