@@ -97,6 +97,9 @@ def write(snapshot: os.PathLike | str, manifest: dict) -> pathlib.Path:
     missing = [k for k in REQUIRED if k not in manifest]
     if missing:
         raise SnapshotError("manifest", f"manifest lacks {', '.join(missing)}")
+    from cuinterpose.agent.snapshot import chunks
+
+    chunks.normalize(manifest)  # the top-level "chunks" object from the capture
     base = pathlib.Path(snapshot)
     final = base / MANIFEST_NAME
     tmp = base / (MANIFEST_NAME + ".tmp")
