@@ -210,8 +210,8 @@ class Checkpoint(Rollback, StepRunner):
             timeout_s=self.phase_timeout_s,
             carrier_timeout_s=self.carrier_timeout_s,
             on_event=coordinator_events(self.r.coordinator_event),
-            carriers=carriers.checkpoint_files(self.images_dir, **self.chunks),
         )
+        self.coordinator.carriers = carriers.checkpoint_files(self.images_dir, **self.chunks)
 
     def quiesce(self):
         try:

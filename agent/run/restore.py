@@ -468,8 +468,8 @@ class Restore(StepRunner):
             timeout_s=self.phase_timeout_s,
             carrier_timeout_s=self.carrier_timeout_s,
             on_event=coordinator_events(self.r.coordinator_event),
-            carriers=carriers.restore_files(self.images_dir, self.m),
         )
+        coord.carriers = carriers.restore_files(self.images_dir, self.m)
         try:
             capture = phases.Capture.from_dict(self.m["capture"])
             self.restore_result = coord.restore(capture)
