@@ -38,7 +38,8 @@ def test_chunk_write_enospc_rolls_back_and_removes_chunks(afdwin, tmp_path):
     script = (
         f"set -e; mount -t tmpfs -o size=1m tmpfs {full}; "
         f"dd if=/dev/zero of={full}/filler bs=4096 2>/dev/null || true; set +e; "
-        f"{args} > {out}; echo $? > {rc}; (test -e {snap}/chunks && echo chunks; test -e {snap}/criu && echo criu; true) > {listing}"
+        f"{args} > {out}; echo $? > {rc}; "
+        f"(test -e {snap}/chunks && echo chunks; test -e {snap}/criu && echo criu; true) > {listing}"
     )
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     subprocess.run(
