@@ -191,20 +191,25 @@ class CarryingClient(ShimClient):
 
 
 @pytest.fixture
-def chunk_files(tmp_path):
-    """The chunk files of the ``ctl`` clients (one directory per test)."""
-    return CarrierFiles(tmp_path / "chunks", chunk_bytes=64 << 10, staging_bytes=256 << 10)
+def ctl(shim_env, tmp_path):
+    """ShimClient factory (app or pid); SAVE/LOAD_ALLOCATIONS bring chunk files from
+    ``ctl.files`` (one directory per test, 64 KiB chunks, a 256 KiB ring)."""
+    files = CarrierFiles(tmp_path / "chunks", chunk_bytes=64 << 10, staging_bytes=256 << 10)
 
-
-@pytest.fixture
-def ctl(shim_env, chunk_files):
     def _client(app_or_pid) -> ShimClient:
         pid = app_or_pid.pid if isinstance(app_or_pid, App) else int(app_or_pid)
         return CarryingClient(
-            socket_path(shim_env["CUINTERPOSE_CONTROL_DIR"], pid), chunk_files, timeout_s=30
+            socket_path(shim_env["CUINTERPOSE_CONTROL_DIR"], pid), files, timeout_s=30
         )
 
+    _client.files = files
     return _client
+
+
+@pytest.fixture
+def chunk_files(ctl):
+    """The chunk files of the ``ctl`` clients."""
+    return ctl.files
 
 
 REPO = HERE.parent.parent
