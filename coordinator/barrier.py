@@ -14,8 +14,18 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Callable, Iterable, Mapping
 
+from .carrierfiles import CarrierFiles
 from .client import ShimClient, ShimClientError
-from .protocol import CARRIER_OPS, MUTATING_OPS, Op, Phase, Record, Status
+from .protocol import (
+    CARRIER_OPS,
+    MUTATING_OPS,
+    Op,
+    Phase,
+    ProtocolError,
+    Record,
+    Status,
+    parse_chunk_table,
+)
 from .results import (
     Participant,
     ParticipantResult,
@@ -75,7 +85,9 @@ def _wrong_phase_text(pid: int, phase: int, expected: Phase) -> str:
 class Barrier:
     """Sends phases to ``participants`` (list of :class:`Participant`, unique pids), each phase
     as one barrier; :class:`~cuinterpose.coordinator.phases.Coordinator` builds the sequences
-    on it. ``timeout_s``, ``carrier_timeout_s``, ``on_event``: see Coordinator. ``phases``:
+    on it. ``timeout_s``, ``carrier_timeout_s``, ``on_event``, ``carriers``: see Coordinator.
+    ``carried``: pid -> (alloc_id, size) of the allocations its shim carries (set by the
+    sequences from the capture's records; the chunk files of SAVE/LOAD name them). ``phases``:
     every PhaseResult so far; ``last_txn_id``: the highest txn id sent; ``txn_floor``: txn ids
     stay above it (a capture's ``last_txn_id``).
     """
@@ -87,6 +99,7 @@ class Barrier:
         timeout_s: float = 10.0,
         carrier_timeout_s: float = 3600.0,
         on_event: Callable[[PhaseEvent], None] | None = None,
+        carriers: CarrierFiles | None = None,
     ):
         self.participants = [
             p if isinstance(p, Participant) else Participant(*p) for p in participants
@@ -99,6 +112,8 @@ class Barrier:
         self.timeout_s = float(timeout_s)
         self.carrier_timeout_s = float(carrier_timeout_s)
         self.on_event = on_event
+        self.carriers = carriers
+        self.carried: dict[int, list[tuple[bytes, int]]] = {}
         self.txn_floor = 0
         self.last_txn_id = 0
         self.phases: list[PhaseResult] = []
@@ -145,12 +160,21 @@ class Barrier:
         self, pid: int, op: Op, txn_id: int, expected_phase: Phase, timeout_s: float
     ) -> tuple[ParticipantResult, list[Record]]:
         t0 = time.monotonic_ns()
+        files = None
         try:
+            if op in CARRIER_OPS:
+                files = self.carrier_files().request(op, pid, self.carried.get(pid, []))
             resp = self._clients[pid].request(
-                op, txn_id=txn_id, expected_phase=expected_phase, timeout_s=timeout_s
+                op,
+                txn_id=txn_id,
+                expected_phase=expected_phase,
+                timeout_s=timeout_s,
+                carriers=files,
             )
-        except ShimClientError as e:
+        except (ShimClientError, OSError) as e:
             return ParticipantResult(pid=pid, wall_ns=time.monotonic_ns() - t0, error=str(e)), []
+        finally:
+            CarrierFiles.close(files)
         resp.close()
         y = resp.reply
         r = ParticipantResult(
@@ -171,7 +195,33 @@ class Barrier:
                 f"{op.name}: pid {pid}: reply comes from pid {y.pid} (socket "
                 f"{self._clients[pid].socket_path})"
             )
+        if op == Op.SAVE_ALLOCATIONS and r.status == Status.OK and r.error is None:
+            r.error = self._keep_tables(pid, y.reserved[1], resp.chunk_table)
         return r, resp.records
+
+    def carrier_files(self) -> CarrierFiles:
+        """The chunk files of this capture (a private directory when none was given)."""
+        if self.carriers is None:
+            self.carriers = CarrierFiles.private()
+        return self.carriers
+
+    def _keep_tables(self, pid: int, chunk_bytes: int, raw: bytes) -> str | None:
+        """Parse and keep ``pid``'s SAVE_ALLOCATIONS chunk table; the error text when it does
+        not name exactly the streams sent, with the request's chunk_bytes."""
+        files = self.carrier_files()
+        sent = sorted(a.hex() for a, _ in self.carried.get(pid, []))
+        try:
+            if sent and chunk_bytes != files.chunk_bytes:
+                raise ProtocolError(f"chunk_bytes {chunk_bytes} != requested {files.chunk_bytes}")
+            tables = parse_chunk_table(raw, files.chunk_bytes)
+            if sorted(t.alloc_id for t in tables) != sent:
+                raise ProtocolError(
+                    f"the chunk table names {sorted(t.alloc_id for t in tables)}, sent {sent}"
+                )
+        except ProtocolError as e:
+            return f"SAVE_ALLOCATIONS: pid {pid}: bad chunk table in the reply: {e}"
+        files.saved(pid, tables)
+        return None
 
     def _run(
         self, op: Op, expected_phase: Phase, *, changed_before: bool
@@ -194,6 +244,8 @@ class Barrier:
         txn = next_txn_id(max(self.txn_floor, self.last_txn_id))
         self.last_txn_id = txn
         total = len(pids)
+        if any(plan[pid][0] in CARRIER_OPS for pid in pids):
+            self.carrier_files()  # one directory for all threads
         res = PhaseResult(phase=name, txn_id=txn, expected_phase=expected, wall_ns=0)
         records: dict[int, list[Record]] = {}
         t0 = time.monotonic_ns()

@@ -7,6 +7,13 @@ and returns a :class:`Response`. A FETCH_FD reply's SCM_RIGHTS descriptor is ret
 
 ``timeout_s`` bounds the whole request (connect + send + every read), not each syscall.
 
+SAVE_ALLOCATIONS and LOAD_ALLOCATIONS take ``carriers`` (:class:`CarrierRequest`: chunk_bytes,
+staging_bytes, writers and one (:class:`StreamEntry`, fd) per carried allocation; protocol.h
+"Carriers"): the entries follow the request in groups, each group's descriptors as SCM_RIGHTS.
+The caller keeps owning those descriptors (the shim receives duplicates). A SAVE_ALLOCATIONS
+reply's chunk table comes back in ``Response.chunk_table`` (raw bytes, parse it with
+:func:`~cuinterpose.coordinator.protocol.parse_chunk_table`).
+
 The client never retries: a mutating op whose reply is lost cannot tell whether the
 mutation happened (protocol.h, "Request rules"). It does not interpret ``status`` either;
 refusals and failures come back as a normal :class:`Response` for the caller to judge.
@@ -48,13 +55,17 @@ from .protocol import (
     Reply,
     Request,
     Status,
+    StreamEntry,
     alloc_id_bytes,
+    carrier_reserved,
+    entry_groups,
     pid_from_socket_path,
 )
 
 __all__ = [
     "ShimClient",
     "Response",
+    "CarrierRequest",
     "ShimClientError",
     "ShimConnectError",
     "ShimTimeout",
@@ -139,13 +150,27 @@ class ShimProtocolError(ShimClientError):
 
 
 @dataclass
+class CarrierRequest:
+    """The chunk files of one SAVE_ALLOCATIONS / LOAD_ALLOCATIONS request (protocol.h
+    "Carriers"): ``chunk_bytes``, ``staging_bytes`` (bytes), ``writers`` (threads) and
+    ``streams``, one (StreamEntry, open fd) per carried allocation."""
+
+    chunk_bytes: int
+    staging_bytes: int
+    writers: int
+    streams: list[tuple[StreamEntry, int]] = field(default_factory=list)
+
+
+@dataclass
 class Response:
-    """One shim reply: header, records, UTF-8 message, and the FETCH_FD descriptor (or None)."""
+    """One shim reply: header, records, UTF-8 message, the FETCH_FD descriptor (or None) and
+    the SAVE_ALLOCATIONS chunk table (raw bytes, empty otherwise)."""
 
     reply: Reply
     records: list[Record] = field(default_factory=list)
     message: str = ""
     fd: int | None = None
+    chunk_table: bytes = b""
 
     @property
     def status(self):
@@ -208,6 +233,7 @@ class ShimClient:
         expected_phase: int,
         alloc_id: bytes = b"",
         timeout_s: float | None = None,
+        carriers: CarrierRequest | None = None,
     ) -> Response:
         """Send one request and return the shim's :class:`Response`.
 
@@ -222,7 +248,9 @@ class ShimClient:
         deadline = time.monotonic() + timeout
         pause = 0.002
         while True:
-            resp = self._request_once(op, txn_id, expected_phase, alloc_id, deadline, timeout)
+            resp = self._request_once(
+                op, txn_id, expected_phase, alloc_id, deadline, timeout, carriers
+            )
             left = deadline - time.monotonic()
             if resp.reply.status != Status.BUSY or left <= pause:
                 return resp
@@ -230,7 +258,14 @@ class ShimClient:
             pause = min(pause * 2, 0.1)
 
     def _request_once(
-        self, op: int, txn_id: int, expected_phase: int, alloc_id: bytes, deadline: float, total
+        self,
+        op: int,
+        txn_id: int,
+        expected_phase: int,
+        alloc_id: bytes,
+        deadline: float,
+        total,
+        carriers: CarrierRequest | None = None,
     ) -> Response:
         timeout = max(deadline - time.monotonic(), 1e-3)
         op_name = _op_name(op)
@@ -244,6 +279,13 @@ class ShimClient:
                 CUI_INSPECT_DEVICES if op == Op.INSPECT and self.inspect_devices else 0,
                 0,
                 0,
+            )
+            if carriers is None
+            else carrier_reserved(
+                carriers.chunk_bytes,
+                carriers.staging_bytes,
+                carriers.writers,
+                len(carriers.streams),
             ),
         )
         fds: list[int] = []
@@ -269,6 +311,21 @@ class ShimClient:
             try:
                 self._set_deadline(sock, deadline)
                 sock.sendall(req.pack())
+                if carriers is not None:
+                    entries = [e for e, _ in carriers.streams]
+                    fdlist = [fd for _, fd in carriers.streams]
+                    for data, first, count in entry_groups(entries):
+                        self._set_deadline(sock, deadline)
+                        anc = [
+                            (
+                                socket.SOL_SOCKET,
+                                socket.SCM_RIGHTS,
+                                array.array("i", fdlist[first : first + count]).tobytes(),
+                            )
+                        ]
+                        sent = sock.sendmsg([data], anc)
+                        if sent < len(data):
+                            sock.sendall(data[sent:])
                 if _drop_reply(op_name, self.pid):
                     raise self._proto(
                         op, f"reply dropped by {DROP_REPLY_ENV} (test only): connection closed"
@@ -295,6 +352,12 @@ class ShimClient:
                     op,
                 )
                 msg = self._read_exact(sock, reply.message_len, deadline, fds, "message", op)
+                table = b""
+                if op == Op.SAVE_ALLOCATIONS and reply.status == Status.OK and reply.reserved[0]:
+                    tlen = reply.reserved[0]
+                    if tlen > 8 * MAX_REPLY_BYTES:
+                        raise self._proto(op, f"reply announces a chunk table of {tlen} bytes")
+                    table = self._read_exact(sock, tlen, deadline, fds, "chunk table", op)
             except socket.timeout:
                 raise ShimTimeout(
                     f"{op_name}: {self._who()} did not reply within {total:g} s",
@@ -321,7 +384,11 @@ class ShimClient:
                 )
             fd = fds.pop() if fds else None
             return Response(
-                reply=reply, records=records, message=msg.decode("utf-8", errors="replace"), fd=fd
+                reply=reply,
+                records=records,
+                message=msg.decode("utf-8", errors="replace"),
+                fd=fd,
+                chunk_table=table,
             )
         finally:
             for fd in fds:

@@ -18,6 +18,7 @@ from typing import Iterable, Mapping
 
 from . import topology
 from .barrier import Barrier
+from .carrierfiles import CarrierFiles, streams_of
 from .protocol import MULTICAST_RESTORE_OPS, Op, Phase, Record, RecordFlag, RecordKind, Role
 from .results import Capture, Participant, PhaseError, PhaseResult, RestoreResult, RollbackResult
 from .rollback import rollback
@@ -30,7 +31,9 @@ class Coordinator(Barrier):
     """Runs phases across ``participants`` (list of :class:`Participant`, unique pids).
 
     ``timeout_s``: deadline of one request (seconds); ``carrier_timeout_s``: the deadline for
-    the byte-copy ops SAVE_ALLOCATIONS and LOAD_ALLOCATIONS; ``on_event``: called with a
+    the byte-copy ops SAVE_ALLOCATIONS and LOAD_ALLOCATIONS; ``carriers``: the
+    :class:`~cuinterpose.coordinator.carrierfiles.CarrierFiles` those ops write and read (None:
+    a private directory, removed after a restore or rollback); ``on_event``: called with a
     :class:`~cuinterpose.coordinator.results.PhaseEvent` per participant reply and per phase
     completion, from the calling thread (exceptions it raises are logged and ignored).
     """
@@ -109,6 +112,7 @@ class Coordinator(Barrier):
         """
         start = len(self.phases)
         records = self.validate(self.inspect(check_phase=True))
+        self.carried = streams_of(records)
         cap = Capture(participants=list(self.participants), records=records)
         try:
             if topology.has_multicast(records):
@@ -117,9 +121,11 @@ class Coordinator(Barrier):
                 self.save_allocations(Phase.MULTICAST_RELEASED, changed_before=True)
             else:
                 self.save_allocations()
+            cap.chunks = self._chunks_json()
             self.prepare_unicast()
             after = self._inspect(Phase.PREPARED, True, changed_before=True)
             cap.records = self._merge_carriers(records, after)
+            self._check_tables(cap.records)
         except BaseException as e:
             # whatever stopped the capture here (a PhaseError, a bug, Ctrl-C), SAVE_ALLOCATIONS
             # may have gone out: hand the caller the partial capture so it can roll back
@@ -152,10 +158,13 @@ class Coordinator(Barrier):
                 f"restore: participants {sorted(self.pids)} differ from the captured {want}"
             )
         self.txn_floor = max(self.txn_floor, capture.last_txn_id)
+        self.carried = streams_of(capture.records)
+        self._adopt_files(capture)
         start = len(self.phases)
         before = self.inspect(expected_phase=Phase.PREPARED, check_phase=True)
         self._check_carriers(capture, before)
         self.load_allocations()
+        self._drop_private()
         self.restore_unicast()
         if topology.has_multicast(capture.records):
             self.restore_multicast()
@@ -174,9 +183,64 @@ class Coordinator(Barrier):
         before anything is sent (fail-stop). Raises PhaseError from any failing phase
         (``changed`` True; stop there, no retry).
         """
-        return rollback(self, capture_or_records)
+        if isinstance(capture_or_records, Capture):
+            self._adopt_files(capture_or_records)
+        result = rollback(self, capture_or_records)
+        self._drop_private()
+        return result
 
     # --- helpers --------------------------------------------------------------------------------
+    def _chunks_json(self) -> dict:
+        """The capture's ``chunks`` object (issue 12 chunk format) from the SAVE replies."""
+        files = self.carrier_files()
+        return {
+            "chunk_bytes": files.chunk_bytes,
+            "checksum": "blake2b-256",
+            "streams": files.streams_json(),
+            "directory": files.directory,  # where this capture's files are (not in a manifest)
+            "private": files.owned,
+        }
+
+    def _adopt_files(self, capture: Capture) -> None:
+        """Without ``carriers``, read the chunk files where ``capture`` wrote them."""
+        if self.carriers is None and capture.chunks.get("directory"):
+            self.carriers = CarrierFiles(
+                capture.chunks["directory"],
+                chunk_bytes=capture.chunks["chunk_bytes"],
+                owned=bool(capture.chunks.get("private")),
+            )
+
+    def _drop_private(self) -> None:
+        """Remove a private chunk directory once the shims loaded (or dropped) their bytes."""
+        if self.carriers is not None and self.carriers.owned:
+            self.carriers.remove()
+
+    def _check_tables(self, records: dict[int, list[Record]]) -> None:
+        """Each SAVE reply's chunk table agrees with the carrier record the shim reports
+        (carrier_bytes, carrier_checksum = cui_checksum64 of the digests); PhaseError else."""
+        tables = self.carrier_files().tables
+        for pid, rs in records.items():
+            for r in rs:
+                if not (int(r.kind) == RecordKind.ALLOCATION and r.flags & RecordFlag.CARRIED):
+                    continue
+                t = tables.get((pid, r.alloc_id_hex))
+                if t is not None and (
+                    t.bytes == r.carrier_bytes and t.carrier_checksum == r.carrier_checksum
+                ):
+                    continue
+                raise PhaseError(
+                    f"SAVE_ALLOCATIONS: pid {pid} allocation {r.alloc_id_hex}: the chunk table of "
+                    f"the reply does not match the carrier record (carrier_checksum "
+                    f"{r.carrier_checksum:016x}, {r.carrier_bytes} bytes)",
+                    phase=Op.SAVE_ALLOCATIONS.name,
+                    pid=pid,
+                    status=None,
+                    cuda_result=0,
+                    message="chunk table mismatch",
+                    failures=[],
+                    changed=True,
+                )
+
     @staticmethod
     def _merge_carriers(
         records: dict[int, list[Record]], after: dict[int, list[Record]]
@@ -197,7 +261,7 @@ class Coordinator(Barrier):
                     if a is None or not (a.flags & RecordFlag.CARRIED):
                         raise PhaseError(
                             f"SAVE_ALLOCATIONS: pid {pid} allocation {r.alloc_id_hex} is not "
-                            "held in a host carrier after PREPARE_UNICAST",
+                            "saved to its chunk file after PREPARE_UNICAST",
                             phase=Op.SAVE_ALLOCATIONS.name,
                             pid=pid,
                             status=None,
@@ -230,7 +294,7 @@ class Coordinator(Barrier):
             )
             problem = None
             if now is None or not (now.flags & RecordFlag.CARRIED):
-                problem = "is no longer held in its host carrier"
+                problem = "no longer holds the chunk table of its chunk file"
             elif f"{now.carrier_checksum:016x}" != c["checksum"] or now.carrier_bytes != c["bytes"]:
                 problem = (
                     f"carrier checksum {now.carrier_checksum:016x} ({now.carrier_bytes} "

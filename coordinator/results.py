@@ -284,6 +284,8 @@ class Capture:
     (``CUI_REC_CARRIED``, ``carrier_checksum``, ``carrier_bytes``) filled in from the INSPECT
     after PREPARE_UNICAST. ``phases``: every phase run. ``carriers``: per carried allocation
     ``{"pid", "alloc_id", "bytes", "checksum"}``. ``last_txn_id``: the highest txn id used.
+    ``chunks``: the chunk files of the carriers (issue 12 chunk format): ``{"chunk_bytes",
+    "checksum": "blake2b-256", "streams": [stream record]}`` (CarrierFiles.streams_json).
     """
 
     participants: list[Participant]
@@ -291,6 +293,7 @@ class Capture:
     phases: list[PhaseResult] = field(default_factory=list)
     carriers: list[dict] = field(default_factory=list)
     last_txn_id: int = 0
+    chunks: dict = field(default_factory=dict)
 
     @property
     def carrier_bytes(self) -> int:
@@ -318,6 +321,7 @@ class Capture:
             "carriers": [dict(c) for c in self.carriers],
             "carrier_bytes": self.carrier_bytes,
             "last_txn_id": self.last_txn_id,
+            "chunks": self.chunks,
         }
 
     @classmethod
@@ -343,6 +347,7 @@ class Capture:
             phases=[PhaseResult.from_dict(p) for p in d.get("phases", [])],
             carriers=[dict(c) for c in d.get("carriers", [])],
             last_txn_id=int(d.get("last_txn_id", 0)),
+            chunks=dict(d.get("chunks", {})),
         )
 
 

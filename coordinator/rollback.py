@@ -12,6 +12,7 @@ from typing import Iterable, Mapping
 
 from . import topology
 from .barrier import Barrier
+from .carrierfiles import streams_of
 from .protocol import MULTICAST_RESTORE_OPS, Op, Phase, Record, RecordKind, Role, Status
 from .results import Capture, ParticipantResult, PhaseError, RollbackResult, enum_name
 
@@ -48,6 +49,7 @@ def rollback(
     missing = [pid for pid in coord.pids if pid not in records]
     if missing:
         raise ValueError(f"rollback: no captured records for participant pid {missing[0]}")
+    coord.carried = streams_of(records)  # a PREPARED shim loads its chunk files back
     start = len(coord.phases)
     found_first: dict[int, str] | None = None
     for attempt in range(MAX_REPLANS + 1):

@@ -87,7 +87,27 @@ def _use_native_backend(kind) -> None:
     type=POSITIVE,
     default=3600.0,
     show_default=True,
-    help="deadline of SAVE_ALLOCATIONS (copying shared bytes to host carriers).",
+    help="deadline of SAVE_ALLOCATIONS (writing shared bytes to the chunk files).",
+)
+@click.option(
+    "--chunk-bytes",
+    type=click.IntRange(64 << 10, 1 << 30),
+    default=None,
+    help="chunk size of the shared carriers' chunk files, a power of two [default: 8 MiB, "
+    "or $CUINTERPOSE_CHUNK_BYTES].",
+)
+@click.option(
+    "--staging-bytes",
+    type=click.IntRange(64 << 10),
+    default=None,
+    help="staging ring per process for the chunk writers [default: 256 MiB, or "
+    "$CUINTERPOSE_STAGING_BYTES].",
+)
+@click.option(
+    "--writers",
+    type=click.IntRange(1, 64),
+    default=None,
+    help="chunk writer threads per process [default: 4, or $CUINTERPOSE_WRITERS].",
 )
 @click.option("--leave-running", is_flag=True, help="keep the workload running after the dump.")
 @manifest_key_opt("node key file: the manifest gets an HMAC-SHA256 (mac) with it")
@@ -107,6 +127,9 @@ def checkpoint(
     lock_timeout_ms,
     phase_timeout_s,
     carrier_timeout_s,
+    chunk_bytes,
+    staging_bytes,
+    writers,
     leave_running,
     manifest_key,
     driver,
@@ -120,7 +143,20 @@ def checkpoint(
     as_json,
 ):
     """Checkpoint the process tree(s) rooted at --pid into --images-dir."""
-    from cuinterpose.agent.run import ops
+    from cuinterpose.agent.run import carriers, ops
+
+    # the chunk file settings travel as the variables agent/run/carriers.py reads
+    for name, value in (
+        ("chunk_bytes", chunk_bytes),
+        ("staging_bytes", staging_bytes),
+        ("writers", writers),
+    ):
+        if value is not None:
+            os.environ[carriers.ENV[name]] = str(value)
+    try:
+        carriers.settings()
+    except Exception as e:
+        raise click.UsageError(str(e)) from None
 
     if group_file:
         if pids or images_dir:

@@ -19,7 +19,7 @@ from cuinterpose.agent.errors import AgentError, CensusError, CheckpointFailed, 
 from cuinterpose.agent.mech import census as census_mod
 from cuinterpose.agent.mech import fds, native, quiesce
 from cuinterpose.agent.mech.inherit import external_file_key
-from cuinterpose.agent.run import durable, images, interrupt, recover
+from cuinterpose.agent.run import carriers, durable, images, interrupt, recover
 from cuinterpose.agent.run.report import Reporter
 from cuinterpose.agent.run.rollback import Rollback
 from cuinterpose.agent.run.steps import (
@@ -96,7 +96,9 @@ class Checkpoint(Rollback, StepRunner):
         leave_running: bool = False,
         reporter: Optional[Reporter] = None,
         shim_path=None,
+        chunks: Optional[dict] = None,
     ):
+        self.chunks = dict(chunks or {})  # chunk_bytes, staging_bytes, writers (run/carriers.py)
         self.roots = list(dict.fromkeys(int(r) for r in roots))
         self.images_dir = images_dir
         self.control_dir = str(pathlib.Path(control_dir or default_control_dir()).resolve())
@@ -211,6 +213,7 @@ class Checkpoint(Rollback, StepRunner):
             carrier_timeout_s=self.carrier_timeout_s,
             on_event=coordinator_events(self.r.coordinator_event),
         )
+        self.coordinator.carriers = carriers.checkpoint_files(self.images_dir, **self.chunks)
 
     def quiesce(self):
         try:

@@ -22,7 +22,7 @@ from cuinterpose.agent.mech import census as census_mod
 from cuinterpose.agent.mech import criu_bad_size, ctldir, devicemap, inherit, native, quiesce
 from cuinterpose.agent.mech.census import pid_alive
 from cuinterpose.agent.mech.placement import Placement
-from cuinterpose.agent.run import durable, interrupt
+from cuinterpose.agent.run import carriers, durable, interrupt
 from cuinterpose.agent.run.report import Reporter
 from cuinterpose.agent.run.steps import (
     Step,
@@ -159,6 +159,7 @@ class Restore(StepRunner):
         cap = phases.Capture.from_dict(m["capture"]) if m["capture"] else None
         derived = topology.carriers(cap.records) if cap is not None else []
         trust.check_carriers(self.images_dir, m, derived)
+        trust.check_chunks(self.images_dir, m, derived)
         trust.check_control_dir(self.images_dir, m)
 
     def load_driver(self):
@@ -470,6 +471,7 @@ class Restore(StepRunner):
             carrier_timeout_s=self.carrier_timeout_s,
             on_event=coordinator_events(self.r.coordinator_event),
         )
+        coord.carriers = carriers.restore_files(self.images_dir, self.m)
         try:
             capture = phases.Capture.from_dict(self.m["capture"])
             self.restore_result = coord.restore(capture, device_map=self.gpu_map)

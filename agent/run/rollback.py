@@ -13,7 +13,7 @@ import signal
 
 from cuinterpose.agent.errors import AgentError, CheckpointFailed
 from cuinterpose.agent.mech import native, quiesce
-from cuinterpose.agent.run import images, recover
+from cuinterpose.agent.run import carriers, images, recover
 from cuinterpose.agent.run.steps import Step, as_agent_error
 from cuinterpose.agent.snapshot import manifest as manifest_mod
 
@@ -90,6 +90,7 @@ class Rollback:
                 "without rebuilding"
             )
             return CheckpointFailed(cause, "rollback_failed", rollback_error=way_out)
+        carriers.remove_chunks(self.images_dir)  # the bytes are back on the device
         return CheckpointFailed(cause, "rolled_back")
 
     def rebuild(self, restored: bool = False, native_phase: str = "rollback native"):
@@ -149,6 +150,7 @@ class Rollback:
                 self.manifest = None
             self.cleanup_images()
             self.rebuild_state()
+            carriers.remove_chunks(self.images_dir)
 
     def group_release(self):
         """``.resume`` after a group rollback (restored=false; cancelled when nothing was torn

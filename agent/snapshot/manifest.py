@@ -128,6 +128,10 @@ def write(snapshot: os.PathLike | str, manifest: dict) -> pathlib.Path:
         rec = native_record()
         if rec is not None:
             manifest["native"] = rec
+
+    from cuinterpose.agent.snapshot import chunks
+
+    chunks.normalize(manifest)  # the top-level "chunks" object from the capture
     base = pathlib.Path(snapshot)
     final = base / MANIFEST_NAME
     tmp = base / (MANIFEST_NAME + ".tmp")

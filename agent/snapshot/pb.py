@@ -55,6 +55,8 @@ def manifest_to_proto(m: dict):
     d = dict(m)
     if "capture" in d:
         d["capture_json"] = json.dumps(d.pop("capture"), sort_keys=True)
+    if "chunks" in d:
+        d["chunks_json"] = json.dumps(d.pop("chunks"), sort_keys=True)
     if isinstance(d.get("quiesce"), dict):
         q = dict(d["quiesce"])
         if "ready" in q:
@@ -125,6 +127,9 @@ def manifest_from_proto(msg) -> dict:
         if not msg.HasField(opt):
             d.pop(opt, None)
     d["capture"] = json.loads(d.pop("capture_json") or "null")
+    chunks = d.pop("chunks_json", "")
+    if chunks:
+        d["chunks"] = json.loads(chunks)
     q = d.get("quiesce") or {}
     q["ready"] = {k: json.loads(v) for k, v in q.pop("ready_json", {}).items()}
     return d

@@ -11,6 +11,8 @@ on the node changes:
   or a symlinked entry refuses) (:func:`check_image_set`);
 * copies: the top-level ``carriers`` equal the capture's ``carriers`` and the ones its
   records give (:func:`check_carriers`);
+* the chunk files: ``chunks`` names one stream per carrier of the capture, each file under
+  ``chunks/`` is listed, regular and of the listed size (:func:`check_chunks`);
 * the MAC: with a node key, HMAC-SHA256 over :func:`canonical_bytes` in the ``mac`` field
   (:func:`sign`, :func:`check_mac`).
 
@@ -252,3 +254,11 @@ def check_control_dir(snapshot, m: dict) -> None:
                 f"{want.decode()}); restore refused, snapshot untouched",
                 pid=p["pid"],
             )
+
+
+def check_chunks(snapshot, m: dict, from_records: list[dict]) -> None:
+    """The ``chunks`` object and ``DIR/chunks/`` against the capture's carriers
+    (agent/snapshot/chunks.py ``check``)."""
+    from cuinterpose.agent.snapshot import chunks
+
+    chunks.check(snapshot, m, from_records)

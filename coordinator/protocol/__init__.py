@@ -6,7 +6,8 @@ protocol.h is the single definition; this package mirrors it field for field (an
 ``tests/coordinator/test_protocol.py`` pins every offset, size and constant against the C
 header (compiled), and round-trips bytes in both directions. Change both together.
 
-The definitions live in five modules (``codes``: #defines, enums, the ops table;
+The definitions live in six modules (``carriers``: the chunk file table of SAVE/LOAD_ALLOCATIONS;
+``codes``: #defines, enums, the ops table;
 ``structs``: the struct layouts and the dataclasses that pack them; ``checksum``;
 ``sockets``: socket names and the default control dir; ``ipc``: the virtual IPC handle
 and the FETCH_FD secret fields); every name is importable from here.
@@ -22,7 +23,8 @@ field that does not fit (``struct.error`` is converted).
 
 from __future__ import annotations
 
-from . import checksum, codes, ipc, sockets, structs
+from . import carriers, checksum, codes, ipc, sockets, structs
+from .carriers import *  # noqa: F403
 from .checksum import *  # noqa: F403
 from .codes import *  # noqa: F403
 from .ipc import *  # noqa: F403
@@ -32,6 +34,7 @@ from .structs import _LAYOUTS  # noqa: F401 (test_protocol.py compares it with t
 
 #: every name of the mirror: each module's ``__all__``
 __all__ = [
+    *carriers.__all__,
     *checksum.__all__,
     *codes.__all__,
     *ipc.__all__,

@@ -41,7 +41,7 @@ __all__ = [
 
 # --- #defines -------------------------------------------------------------------------------
 CUI_PROTO_MAGIC = 0x50495543  # "CUIP" as little-endian bytes
-CUI_PROTO_VERSION = 1
+CUI_PROTO_VERSION = 2  # 2: SAVE/LOAD_ALLOCATIONS carry chunk files (protocol.h "Carriers")
 CUI_DEFAULT_CONTROL_DIR = "/tmp/cuinterpose"
 CUI_SOCKET_PREFIX = "cuinterpose-"  # + decimal pid + ".sock"
 CUI_SOCKET_SUFFIX = ".sock"

@@ -117,12 +117,22 @@ def _layout(fields):
     return fmt, offsets
 
 
+_STREAM_ENTRY_FIELDS = [("alloc_id", "16s"), ("bytes", "Q"), ("reserved", "Q")]
+_STREAM_HEAD_FIELDS = [
+    ("alloc_id", "16s"),
+    ("bytes", "Q"),
+    ("chunk_count", "I"),
+    ("zero_count", "I"),
+]
+
 _LAYOUTS = {
     "cui_request": _REQUEST_FIELDS,
     "cui_reply": _REPLY_FIELDS,
     "cui_access": _ACCESS_FIELDS,
     "cui_record": _RECORD_FIELDS,
     "cui_ticket": _TICKET_FIELDS,
+    "cui_stream_entry": _STREAM_ENTRY_FIELDS,  # carriers.py packs these two
+    "cui_stream_head": _STREAM_HEAD_FIELDS,
 }
 #: struct name -> little-endian struct format
 FORMATS: dict[str, str] = {}

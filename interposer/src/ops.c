@@ -345,20 +345,9 @@ void cui_run_op(const struct cui_request *req, struct cui_op_result *res) {
     cui_st.phase = left_phase(rule, from);
   } else if (res->status == CUI_FAILED) {
     cui_st.last_txn = req->txn_id;
-    /* SAVE_ALLOCATIONS only copied and dropped its carrier on failure: still where it was. */
+    /* SAVE_ALLOCATIONS only copied and dropped its chunk table on failure: still where it was. */
     cui_st.phase = req->op == CUI_OP_SAVE_ALLOCATIONS ? from : CUI_PHASE_FAILED;
   }
   cui_st.op_running = 0;
-  pthread_mutex_unlock(&cui_st.lock);
-}
-
-void cui_after_reply(void) {
-  pthread_mutex_lock(&cui_st.lock);
-  if (cui_st.arena_release_pending) {
-    munmap(cui_st.arena, cui_st.arena_size);
-    cui_st.arena = NULL;
-    cui_st.arena_size = 0;
-    cui_st.arena_release_pending = 0;
-  }
   pthread_mutex_unlock(&cui_st.lock);
 }

@@ -10,7 +10,5 @@
 
 /* Runs one request on the control worker. Fills `res`; the caller sends the reply. */
 CUI_HIDDEN void cui_run_op(const struct cui_request *req, struct cui_op_result *res);
-/* Work deferred until after the reply was sent (carrier arena release). */
-CUI_HIDDEN void cui_after_reply(void);
 
 #endif

@@ -11,7 +11,20 @@
 
 #include "api.h"
 
+/* The chunk files of a SAVE_ALLOCATIONS / LOAD_ALLOCATIONS request (protocol.h "Carriers"),
+ * received by control.c after the request; it closes the fds after the op. */
+struct cui_carry_in {
+  uint64_t chunk_bytes, staging_bytes;
+  uint32_t writers, count;
+  struct cui_stream_entry *entries;   /* count entries */
+  int *fds;                           /* one per entry */
+};
+
 struct cui_op_result {
+  const struct cui_carry_in *carry;   /* in: SAVE/LOAD_ALLOCATIONS only */
+  uint64_t reply_reserved[3];         /* out: cui_reply.reserved[0..2] */
+  unsigned char *payload;             /* out: malloc'd bytes sent after the message (SAVE: the
+                                         chunk table), payload_len = reply_reserved[0] */
   int32_t status;                  /* enum cui_status */
   uint64_t bytes, copy_ns;
   int32_t cuda_result;
@@ -23,10 +36,25 @@ struct cui_op_result {
 
 /* ---------- ops_unicast.c ---------- */
 
-CUI_HIDDEN int cui_op_save_allocations(struct cui_op_result *res);
 CUI_HIDDEN int cui_op_prepare_unicast(struct cui_op_result *res);
-CUI_HIDDEN int cui_op_load_allocations(struct cui_op_result *res);
 CUI_HIDDEN int cui_op_restore_unicast(struct cui_op_result *res);
+/* helpers of the byte-moving ops (ops_carriers.c): "<OP>: pid <pid> allocation <hex>: <what>
+ * failed: <CUDA_ERROR_...>" with status FAILED; a temporary full-size read-write staging
+ * mapping of `h` (and its removal); map every recorded mapping of `a` again with `h`; is `a`
+ * an allocation this process carries (live creator, not a raw import). */
+CUI_HIDDEN void cui_fail_driver(struct cui_op_result *res, uint32_t op, const struct cui_alloc *a, const char *what,
+                                CUresult r);
+CUI_HIDDEN CUresult cui_staging_map(const struct cui_alloc *a, CUmemGenericAllocationHandle h, CUdeviceptr *va,
+                                    const char **what);
+CUI_HIDDEN CUresult cui_staging_unmap(const struct cui_alloc *a, CUdeviceptr va, const char **what);
+CUI_HIDDEN CUresult cui_remap(struct cui_alloc *a, CUmemGenericAllocationHandle h, uint32_t *changed,
+                              const char **what);
+CUI_HIDDEN int cui_is_carried_role(const struct cui_alloc *a);
+
+/* ---------- ops_carriers.c ---------- */
+
+CUI_HIDDEN int cui_op_save_allocations(struct cui_op_result *res);
+CUI_HIDDEN int cui_op_load_allocations(struct cui_op_result *res);
 CUI_HIDDEN int cui_op_cancel_capture(struct cui_op_result *res);
 
 /* ---------- ops_multicast.c ---------- */

@@ -31,7 +31,12 @@ struct cui_alloc {
   uint32_t nbinds;                 /* multicast bindings of this allocation (keep it live) */
   uint32_t maps_head;              /* its mapping records: a list through cui_mapping.next (ref) */
   uint32_t next_free;              /* free-slot list (index + 1) while not live */
-  uint64_t carrier_off, carrier_bytes, checksum;
+  /* chunk files (ops_carriers.c; protocol.h "Carriers"), SAVED..LOADED: the stream's digest
+   * table (nchunks * 32 bytes, malloc'd: it rides in the CRIU image), its size and the
+   * cui_checksum64 of the table */
+  uint8_t (*digests)[CUI_DIGEST_BYTES];
+  uint32_t nchunks;
+  uint64_t carrier_bytes, checksum;
   /* IPC adapter (alloc_api.c, ipc_api.c): flags CUI_REC_ADAPTER / CUI_REC_IPC */
   uint64_t req_size;               /* adapter: bytes the app asked cuMemAlloc_v2 for */
   uint64_t ipc_va;                 /* IPC importer: the VA cuIpcOpenMemHandle returned */
@@ -79,9 +84,7 @@ struct cui_state {
   struct cui_reservation *resv;
   size_t nresv, cap_resv;
   struct cui_tab resv_va;          /* va -> index into resv */
-  unsigned char *arena;
-  size_t arena_size;   /* host carrier arena (creators, SAVED..LOADED) */
-  int arena_release_pending;
+  uint64_t chunk_bytes;             /* the chunk size of the saved digest tables (SAVED..LOADED) */
   /* multicast (multicast_api.c) */
   struct cui_mc *mcs;
   size_t nmcs, cap_mcs;  /* objects; slots are never reused */

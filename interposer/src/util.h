@@ -67,4 +67,56 @@ CUI_HIDDEN void cui_tab_del(struct cui_tab *t, struct cui_key k);
 
 CUI_HIDDEN uint64_t cui_checksum64(const void *data, size_t length);
 
+/* ---------- blake2b.c ---------- */
+
+/* BLAKE2b-256 of `length` bytes, no key (RFC 7693): the chunk checksum (protocol.h "Carriers"). */
+CUI_HIDDEN void cui_blake2b_256(const void *data, size_t length, uint8_t out[CUI_DIGEST_BYTES]);
+
+/* ---------- chunkio.c ---------- */
+
+/* One chunk file (protocol.h "Carriers"): `fd`, `bytes`, and its `nchunks` digests (SAVE:
+ * filled by the writers, all-zero for a zero chunk; LOAD: the expected ones). */
+struct cui_cio_stream {
+  int fd;
+  uint64_t bytes;
+  uint32_t nchunks;
+  uint8_t (*digests)[CUI_DIGEST_BYTES];
+};
+
+enum cui_cio_err { CUI_CIO_OK = 0, CUI_CIO_WRITE, CUI_CIO_READ, CUI_CIO_SHORT, CUI_CIO_CHECKSUM };
+
+/* The staging ring and its threads. Writers (SAVE): the caller fills a slot (cui_cio_slot) and
+ * submits it; a writer tests it for zeros, hashes and pwrites it, frees the slot. Readers
+ * (LOAD): the caller queues every non-zero chunk (cui_cio_queue_read), readers pread each into
+ * a free slot and verify its digest; the caller takes verified slots (cui_cio_next_ready),
+ * uses them and frees them (cui_cio_release). The first error stops every thread. */
+struct cui_cio;
+struct cui_cio_error {
+  enum cui_cio_err kind;
+  int err;                          /* errno (WRITE, READ) */
+  struct cui_cio_stream *stream;
+  uint32_t chunk;
+  uint8_t found[CUI_DIGEST_BYTES];  /* CHECKSUM: the digest of the bytes read */
+};
+/* Allocates the ring (staging_bytes / chunk_bytes slots, at least one) and starts `threads`
+ * threads (writers when !reading). Returns NULL on out of memory or a thread that cannot start
+ * (errno set). */
+CUI_HIDDEN struct cui_cio *cui_cio_start(size_t chunk_bytes, size_t staging_bytes, unsigned threads, int reading);
+CUI_HIDDEN void *cui_cio_ring(struct cui_cio *io, size_t *bytes);
+/* SAVE: a free slot to fill (blocks until one is free), -1 once an error stopped the ring. */
+CUI_HIDDEN int cui_cio_slot(struct cui_cio *io, unsigned char **buf);
+CUI_HIDDEN void cui_cio_submit(struct cui_cio *io, int slot, struct cui_cio_stream *s, uint32_t chunk, size_t len);
+/* LOAD: queue a read of chunk `chunk` of `s` (`len` bytes); cui_cio_next_ready blocks for a
+ * verified chunk and returns its slot (buffer, stream, chunk, len), or -1 when all queued
+ * reads were taken or an error stopped the ring. */
+CUI_HIDDEN int cui_cio_queue_read(struct cui_cio *io, struct cui_cio_stream *s, uint32_t chunk, size_t len);
+CUI_HIDDEN int cui_cio_next_ready(struct cui_cio *io, unsigned char **buf, struct cui_cio_stream **s, uint32_t *chunk,
+                                  size_t *len);
+CUI_HIDDEN void cui_cio_release(struct cui_cio *io, int slot);
+/* Stops the ring because the caller failed (its own error is reported by the caller). */
+CUI_HIDDEN void cui_cio_abort(struct cui_cio *io);
+/* Waits for every submitted chunk, joins the threads, frees the ring; returns the first
+ * error's kind (details in *e) and, for SAVE, the bytes written to the files in *written. */
+CUI_HIDDEN enum cui_cio_err cui_cio_finish(struct cui_cio *io, struct cui_cio_error *e, uint64_t *written);
+
 #endif

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import pathlib
 import threading
 
+from cuinterpose.coordinator.carrierfiles import CarrierFiles, carried_streams
 from cuinterpose.coordinator.phases import Participant
 from cuinterpose.coordinator.protocol import Access, Op, Record, RecordFlag, RecordKind, Role
 
@@ -91,6 +94,7 @@ class Group:
     """Mocks for group_records() sharing one EventLog."""
 
     def __init__(self, ctl, records=None, **knobs):
+        self.ctl = pathlib.Path(ctl)
         self.log = EventLog()
         records = records if records is not None else group_records()
         self.mocks = {
@@ -114,6 +118,16 @@ class Group:
             b = threading.Barrier(len(self.mocks))
             for m in self.mocks.values():
                 m.gate[op] = b
+
+    def chunk_files(self) -> CarrierFiles:
+        """Chunk files (empty: the mocks carry no bytes) for every creator allocation of every
+        mock, as a capture would have left them, for a rollback or restore from records."""
+        files = CarrierFiles(self.ctl.parent / "chunks")
+        os.makedirs(files.directory, exist_ok=True)
+        for pid, m in self.mocks.items():
+            for aid, _ in carried_streams(m.records):
+                open(files.path(pid, aid), "ab").close()
+        return files
 
     def ops_received(self, pid=None):
         return [(e.pid, Op(e.op).name) for e in self.log.of("recv", pid=pid)]

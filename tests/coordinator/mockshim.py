@@ -1,7 +1,10 @@
 """An in-process mock shim: the protocol.h control socket over a real Unix socket.
 
 A test double for coordinator logic only (phase state machine, txn/phase refusals,
-records, failures, hangs); it carries no bytes. Every received request and sent reply is
+records, failures, hangs); it carries no bytes: SAVE_ALLOCATIONS / LOAD_ALLOCATIONS receive the
+chunk file table and its descriptors (protocol.h "Carriers", kept in ``carrier_requests`` as
+(op, chunk_bytes, [alloc_id hex])), close them, and SAVE answers a chunk table whose chunks are
+all zero (the creators' carrier_checksum matches it). Every received request and sent reply is
 appended to a shared :class:`EventLog` with a global sequence number, so tests can prove
 ordering (the barrier) across mocks.
 """
@@ -12,6 +15,7 @@ import array
 import dataclasses
 import os
 import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -21,6 +25,7 @@ from cuinterpose.coordinator.protocol import (
     CUI_PROTO_VERSION,
     MUTATING_OPS,
     REQUEST_SIZE,
+    STREAM_ENTRY_SIZE,
     Op,
     Phase,
     ProtocolError,
@@ -31,7 +36,8 @@ from cuinterpose.coordinator.protocol import (
     Request,
     Role,
     Status,
-    cui_checksum64,
+    StreamTable,
+    alloc_id_hex,
     socket_path,
 )
 
@@ -129,6 +135,7 @@ class MockShim:
     last_txn: int = 0
     txns_seen: list = field(default_factory=list)
     mc_cycle: bool = False  # the capture ran PREPARE_MULTICAST (as in the shim)
+    carrier_requests: list = field(default_factory=list)
 
     def __post_init__(self):
         self.path = socket_path(self.control_dir, self.pid)
@@ -183,6 +190,8 @@ class MockShim:
                     return
                 data += chunk
             req = Request.unpack(data)
+            if req.op in (Op.SAVE_ALLOCATIONS, Op.LOAD_ALLOCATIONS):
+                self._recv_carriers(conn, req)
             self.log.add("recv", self.pid, req)
             if req.op in self.raw:
                 self.raw[req.op](conn, req)
@@ -220,11 +229,53 @@ class MockShim:
             conn.sendmsg([head], anc)
             if fd is not None:
                 os.close(fd)
-            conn.sendall(b"".join(r.pack() for r in records) + body_msg)
+            table = self._table(req, reply)
+            conn.sendall(b"".join(r.pack() for r in records) + body_msg + table)
         except (OSError, ProtocolError):
             pass
         finally:
             conn.close()
+
+    def _recv_carriers(self, conn: socket.socket, req: Request) -> None:
+        count = req.reserved[2] >> 32
+        want, got, ids = count * STREAM_ENTRY_SIZE, b"", []
+        while len(got) < want:
+            data, anc, _, _ = conn.recvmsg(want - len(got), socket.CMSG_SPACE(4 * 64))
+            for level, ctype, cdata in anc:
+                if level == socket.SOL_SOCKET and ctype == socket.SCM_RIGHTS:
+                    fds = array.array("i")
+                    fds.frombytes(cdata[: len(cdata) - len(cdata) % fds.itemsize])
+                    for fd in fds:
+                        os.close(fd)
+            if not data:
+                raise OSError("connection closed in the chunk file table")
+            got += data
+        for i in range(count):
+            ids.append(alloc_id_hex(got[i * STREAM_ENTRY_SIZE : i * STREAM_ENTRY_SIZE + 16]))
+        self.carrier_requests.append((Op(req.op), req.reserved[0], ids))
+
+    def _streams(self, chunk_bytes: int) -> list[tuple[Record, StreamTable]]:
+        out = []
+        for r in self.records:
+            if r.kind == RecordKind.ALLOCATION and r.role == Role.CREATOR:
+                n = -(-r.size // chunk_bytes)
+                out.append((r, StreamTable(r.alloc_id_hex, r.size, [None] * n)))
+        return out
+
+    def _table(self, req: Request, reply: Reply) -> bytes:
+        """The SAVE_ALLOCATIONS chunk table (all chunks zero); sets reply.reserved first, so
+        call it before packing: here it is sent after the message, its length is in the
+        header already packed by the caller via _answer."""
+        if req.op != Op.SAVE_ALLOCATIONS or reply.status != Status.OK:
+            return b""
+        return self._table_bytes(req.reserved[0])
+
+    def _table_bytes(self, chunk_bytes: int) -> bytes:
+        out = b""
+        for r, t in self._streams(chunk_bytes):
+            n = len(t.checksums)
+            out += bytes(r.alloc_id) + struct.pack("<QII", r.size, n, n) + bytes(32 * n)
+        return out
 
     def _reply(self, req, status=Status.OK, **kw) -> Reply:
         return Reply(
@@ -283,7 +334,7 @@ class MockShim:
                     msg,
                     None,
                 )
-            changed = self._mutate(op)
+            changed = self._mutate(op, req.reserved[0])
             self.phase = after
             if op == Op.PREPARE_MULTICAST:
                 self.mc_cycle = True
@@ -292,6 +343,10 @@ class MockShim:
             if op in self.after:
                 self.after[op](self)
             nbytes = self.bytes_per_op.get(op, 0)
+            reserved = (0,) * 6
+            if op == Op.SAVE_ALLOCATIONS:
+                cb = req.reserved[0]
+                reserved = (len(self._table_bytes(cb)), cb, 0, 0, 0, 0)
             return (
                 self._reply(
                     req,
@@ -299,6 +354,7 @@ class MockShim:
                     elapsed_ns=self.elapsed_ns,
                     copy_ns=self.copy_ns if nbytes else 0,
                     records_changed=changed,
+                    reserved=reserved,
                 ),
                 [],
                 "",
@@ -316,7 +372,7 @@ class MockShim:
                 after = Phase.MULTICAST_RELEASED
         return need, after
 
-    def _mutate(self, op) -> int:
+    def _mutate(self, op, chunk_bytes: int = 8 << 20) -> int:
         """Model the visible record changes: CARRIED + checksum on creators after SAVE."""
         changed = 0
         for i, r in enumerate(self.records):
@@ -327,7 +383,9 @@ class MockShim:
                     r,
                     flags=r.flags | RecordFlag.CARRIED,
                     carrier_bytes=r.size,
-                    carrier_checksum=cui_checksum64(r.alloc_id * 4),
+                    carrier_checksum=StreamTable(
+                        r.alloc_id_hex, r.size, [None] * -(-r.size // chunk_bytes)
+                    ).carrier_checksum,
                 )
                 changed += 1
             elif op in (Op.LOAD_ALLOCATIONS, Op.CANCEL_CAPTURE):

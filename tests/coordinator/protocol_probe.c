@@ -43,6 +43,13 @@ static void layout(void) {
   printf("sizeof cui_ticket %zu\n", sizeof(struct cui_ticket));
   F(cui_ticket, magic); F(cui_ticket, version); F(cui_ticket, kind); F(cui_ticket, creator_pid);
   F(cui_ticket, reserved0); F(cui_ticket, alloc_id); F(cui_ticket, size); F(cui_ticket, reserved);
+  printf("sizeof cui_stream_entry %zu\n", sizeof(struct cui_stream_entry));
+  F(cui_stream_entry, alloc_id); F(cui_stream_entry, bytes); F(cui_stream_entry, reserved);
+  printf("sizeof cui_stream_head %zu\n", sizeof(struct cui_stream_head));
+  F(cui_stream_head, alloc_id); F(cui_stream_head, bytes); F(cui_stream_head, chunk_count);
+  F(cui_stream_head, zero_count);
+  K(CUI_STREAM_FDS_PER_MSG); K(CUI_CHUNK_MIN); K(CUI_CHUNK_MAX); K(CUI_STAGING_MAX);
+  K(CUI_WRITERS_MAX); K(CUI_DIGEST_BYTES);
 
   K(CUI_PROTO_MAGIC); K(CUI_PROTO_VERSION); K(CUI_MAX_ACCESS); K(CUI_TXN_ROOM);
   STR(CUI_DEFAULT_CONTROL_DIR); STR(CUI_SOCKET_PREFIX); STR(CUI_TICKET_MAGIC);

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from cuinterpose.coordinator.barrier import next_txn_id
+from cuinterpose.coordinator.carrierfiles import streams_of
 from cuinterpose.coordinator.errors import CoordinatorError
 from cuinterpose.coordinator.phases import (
     Capture,
@@ -30,6 +31,10 @@ from .helpers import BASE, A, MiB, group, group_records
 
 CAPTURE_OPS = ["INSPECT", "SAVE_ALLOCATIONS", "PREPARE_UNICAST", "INSPECT"]
 RESTORE_OPS = ["INSPECT", "LOAD_ALLOCATIONS", "RESTORE_UNICAST", "INSPECT"]
+
+#: the mock saves every creator as one all-zero chunk (2 and 4 MiB < 8 MiB): the carrier
+#: checksum is cui_checksum64 of one zero digest (protocol.h "Carriers")
+ZERO_TABLE_SUM = cui_checksum64(bytes(32))
 
 
 def _phase_order(g):
@@ -94,7 +99,7 @@ def test_capture_records_and_carriers(ctl):
     )
     assert creator_a.flags == RecordFlag.SHARED | RecordFlag.EXPORTED | RecordFlag.CARRIED
     assert creator_a.carrier_bytes == 2 * MiB
-    assert creator_a.carrier_checksum == cui_checksum64(A * 4)
+    assert creator_a.carrier_checksum == ZERO_TABLE_SUM
     # everything except the carrier fields is what the first INSPECT returned
     assert [
         r.replace(flags=r.flags & ~RecordFlag.CARRIED, carrier_bytes=0, carrier_checksum=0)
@@ -106,13 +111,13 @@ def test_capture_records_and_carriers(ctl):
             "pid": 4119,
             "alloc_id": A.hex(),
             "bytes": 2 * MiB,
-            "checksum": f"{cui_checksum64(A * 4):016x}",
+            "checksum": f"{ZERO_TABLE_SUM:016x}",
         },
         {
             "pid": 4121,
             "alloc_id": want[4121][1].alloc_id_hex,
             "bytes": 4 * MiB,
-            "checksum": f"{cui_checksum64(want[4121][1].alloc_id * 4):016x}",
+            "checksum": f"{ZERO_TABLE_SUM:016x}",
         },
     ]
     assert cap.carrier_bytes == 6 * MiB
@@ -122,7 +127,7 @@ def test_capture_json_round_trip_and_restore_in_a_new_coordinator(ctl):
     with group(ctl) as g:
         cap = Coordinator(g.participants).capture()
         d = json.loads(json.dumps(cap.to_dict()))
-        assert d["format"] == 1 and d["protocol_version"] == 1
+        assert d["format"] == 1 and d["protocol_version"] == 2
         assert [p["pid"] for p in d["participants"]] == [4119, 4121, 4123]
         assert d["participants"][0]["records"][1]["alloc_id"] == A.hex()
         assert d["carrier_bytes"] == 6 * MiB
@@ -336,7 +341,9 @@ def test_carrier_ops_use_the_carrier_timeout(ctl):
     with group(ctl) as g:
         g.mocks[4119].delay_s[Op.SAVE_ALLOCATIONS] = 0.5
         # 0.2 s would be too short for the SAVE copy; the carrier timeout applies instead
-        Coordinator(g.participants, timeout_s=0.2, carrier_timeout_s=5).save_allocations()
+        c = Coordinator(g.participants, timeout_s=0.2, carrier_timeout_s=5)
+        c.carried = streams_of(c.inspect())  # the chunk files of the creators (capture does it)
+        c.save_allocations()
     with group(ctl) as g:
         g.mocks[4119].hang.add(Op.SAVE_ALLOCATIONS)
         with pytest.raises(
@@ -393,7 +400,7 @@ def test_restore_refuses_bad_carrier_checksum_before_load(ctl):
         m.records[i] = m.records[i].replace(carrier_checksum=1)
         with pytest.raises(PhaseError) as ei:
             Coordinator(g.participants).restore(cap)
-        want = f"{cui_checksum64(A * 4):016x}"
+        want = f"{ZERO_TABLE_SUM:016x}"
         assert str(ei.value) == (
             f"INSPECT: pid 4119 allocation {A.hex()} carrier checksum "
             f"0000000000000001 ({2 * MiB} bytes) differs from the captured "
@@ -429,12 +436,12 @@ def test_restore_needs_the_captured_participants(ctl):
 def test_capture_refuses_uncarried_creator(ctl):
     with group(ctl) as g:
         for m in g.mocks.values():
-            m._mutate = lambda op: 0  # a shim that "forgot" to carry the bytes
+            m._mutate = lambda op, chunk_bytes=0: 0  # a shim that "forgot" to carry the bytes
         with pytest.raises(PhaseError) as ei:
             Coordinator(g.participants).capture()
         assert str(ei.value) == (
-            f"SAVE_ALLOCATIONS: pid 4119 allocation {A.hex()} is not held "
-            "in a host carrier after PREPARE_UNICAST"
+            f"SAVE_ALLOCATIONS: pid 4119 allocation {A.hex()} is not saved "
+            "to its chunk file after PREPARE_UNICAST"
         )
         assert ei.value.capture is not None
 

@@ -77,6 +77,8 @@ def test_sizes_match_header(layout):
         "cui_access": 16,
         "cui_record": 640,
         "cui_ticket": 64,
+        "cui_stream_entry": 32,
+        "cui_stream_head": 32,
     }
     assert P.SIZES == sizes
     assert (P.REQUEST_SIZE, P.REPLY_SIZE, P.ACCESS_SIZE, P.RECORD_SIZE, P.TICKET_SIZE) == (
@@ -115,6 +117,12 @@ PY_CONSTANTS = {
     "CUI_MAX_ACCESS": P.CUI_MAX_ACCESS,
     "CUI_TXN_ROOM": P.CUI_TXN_ROOM,
     "CUI_INSPECT_DEVICES": P.CUI_INSPECT_DEVICES,
+    "CUI_STREAM_FDS_PER_MSG": P.CUI_STREAM_FDS_PER_MSG,
+    "CUI_CHUNK_MIN": P.CUI_CHUNK_MIN,
+    "CUI_CHUNK_MAX": P.CUI_CHUNK_MAX,
+    "CUI_STAGING_MAX": P.CUI_STAGING_MAX,
+    "CUI_WRITERS_MAX": P.CUI_WRITERS_MAX,
+    "CUI_DIGEST_BYTES": P.CUI_DIGEST_BYTES,
     **{f"CUI_OP_{m.name}": m.value for m in Op},
     **{f"CUI_PHASE_{m.name}": m.value for m in Phase},
     **{f"CUI_PHASE_RULE_{m.name}": m.value for m in PhaseRule},

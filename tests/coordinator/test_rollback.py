@@ -137,7 +137,7 @@ def test_saved_importer_of_a_torn_down_creator_is_prepared_first(ctl):
         g.mocks[4119].phase = Phase.PREPARED
         carried(g.mocks[4119])
         g.mocks[4121].phase = Phase.SAVED
-        res = Coordinator(g.participants).rollback(recs)
+        res = Coordinator(g.participants, carriers=g.chunk_files()).rollback(recs)
         assert res.found == {4119: "PREPARED", 4121: "SAVED"}
         assert phases_of(res) == [
             ("INSPECT", [4119, 4121]),
@@ -217,7 +217,7 @@ def test_failure_during_rollback_stops_there(ctl):
             "cuMemCreate failed: CUDA_ERROR_OUT_OF_MEMORY",
         )
         with pytest.raises(PhaseError) as ei:
-            Coordinator(g.participants).rollback(group_records())
+            Coordinator(g.participants, carriers=g.chunk_files()).rollback(group_records())
         e = ei.value
         assert (e.phase, e.pid, e.changed) == ("LOAD_ALLOCATIONS", 4121, True)
         assert (

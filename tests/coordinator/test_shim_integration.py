@@ -6,10 +6,13 @@ shared memory down to the host carriers and rebuild it, and the bytes and VAs mu
 
 from __future__ import annotations
 
+import hashlib
 import json
+import pathlib
 
 import pytest
 
+from cuinterpose.coordinator.carrierfiles import streams_of
 from cuinterpose.coordinator.phases import Capture, Coordinator, Participant
 from cuinterpose.coordinator.protocol import (
     RecordFlag,
@@ -78,10 +81,23 @@ def test_capture_and_restore_two_processes(pair, pair_env):
     allocs = _by_kind(cap.records[cpid], RecordKind.ALLOCATION)
     assert [(r.role, r.size, r.creator_pid) for r in allocs] == [(Role.CREATOR, SIZE, cpid)] * K
     assert all(r.flags & RecordFlag.CARRIED and r.carrier_bytes == SIZE for r in allocs)
-    # the shim's carrier checksum is protocol.h's cui_checksum64 of the bytes written
-    assert [r.carrier_checksum for r in allocs] == [
-        cui_checksum64(pattern(1, i, SIZE)) for i in range(K)
-    ]
+    # each allocation is one chunk file of one chunk (SIZE < 8 MiB) holding the bytes written;
+    # the carrier checksum is cui_checksum64 of its BLAKE2b-256 digest (protocol.h "Carriers")
+    digests = [hashlib.blake2b(pattern(1, i, SIZE), digest_size=32).digest() for i in range(K)]
+    assert sorted(r.carrier_checksum for r in allocs) == sorted(cui_checksum64(d) for d in digests)
+    streams = cap.chunks["streams"]
+    assert (cap.chunks["chunk_bytes"], cap.chunks["checksum"]) == (8 << 20, "blake2b-256")
+    assert sorted(s["checksums"][0] for s in streams) == sorted(d.hex() for d in digests)
+    for s in streams:
+        data = (pathlib.Path(cap.chunks["directory"]) / s["file"].split("/", 1)[1]).read_bytes()
+        assert hashlib.blake2b(data, digest_size=32).hexdigest() == s["checksums"][0]
+        assert (s["kind"], s["pid"], s["bytes"], s["zero"], len(data)) == (
+            "shared",
+            cpid,
+            SIZE,
+            [],
+            SIZE,
+        )
     maps_c = _by_kind(cap.records[cpid], RecordKind.MAPPING)
     maps_i = _by_kind(cap.records[ipid], RecordKind.MAPPING)
     assert sorted(m.va for m in maps_c) == [pair.creator_base + i * SIZE for i in range(K)]
@@ -140,6 +156,7 @@ def test_rollback_mixed_phases_on_real_shims(pair, pair_env):
     before = pair.sums()
     coord = Coordinator(parts, timeout_s=30)
     records = coord.validate(coord.inspect(check_phase=True))
+    coord.carried = streams_of(records)  # capture() names the chunk files so
     coord.save_allocations()
     r = ShimClient(socket_path(ctl, ipid), 30).request(
         Op.PREPARE_UNICAST, txn_id=coord.last_txn_id + 1, expected_phase=Phase.SAVED

@@ -4,6 +4,7 @@ steps 1..N once each, VAs and the device-side pointer table identical). Real age
 
 from __future__ import annotations
 
+import hashlib
 import json
 import pathlib
 import signal
@@ -75,11 +76,20 @@ def test_carw_checkpoint_kill_restore_finish(carw, tmp_path, share, ranks):
     assert [p["roles"] for p in m["participants"]] == [
         {"creator": 2, "importer": 2 * (ranks - 1), "private": 1}
     ] * ranks
+    # each carrier is one chunk file of one chunk (GRANULARITY < chunk_bytes): its checksum is
+    # cui_checksum64 of the BLAKE2b-256 digest of the bytes (protocol.h "Carriers"), and the
+    # file under chunks/ holds exactly the bytes
+    digest = {}
+    for rank, pid in enumerate(pids):
+        for blob in cut_bytes(rank, HOLD):
+            d = hashlib.blake2b(blob, digest_size=32).digest()
+            digest[(pid, d.hex())] = blob
     assert sorted((c["pid"], c["bytes"], c["checksum"]) for c in m["carriers"]) == sorted(
-        (pid, GRANULARITY, f"{cui_checksum64(blob):016x}")
-        for rank, pid in enumerate(pids)
-        for blob in cut_bytes(rank, HOLD)
+        (pid, GRANULARITY, f"{cui_checksum64(bytes.fromhex(d)):016x}") for pid, d in digest
     )
+    assert sorted((s["pid"], s["checksums"][0]) for s in m["chunks"]["streams"]) == sorted(digest)
+    for s in m["chunks"]["streams"]:
+        assert (snap / s["file"]).read_bytes() == digest[(s["pid"], s["checksums"][0])]
 
     rc, rs = demo.run_agent("restore", "--images-dir", str(snap), "--driver", "fake")
     assert rc == 0 and rs["ok"], rs

@@ -3,6 +3,7 @@ finished; plus the refused and rolled-back checkpoints. Uses the real agent CLI 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -18,6 +19,10 @@ from cuinterpose.workloads.afdwin import demo
 
 STEPS = 300
 HOLD = 30  # --hold-at: the cut of a mid-stream checkpoint, however slow the machine is
+
+
+def blake2b_hex(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=32).hexdigest()
 
 
 def windows(evs):
@@ -108,6 +113,23 @@ def test_checkpoint_kill_restore_finish(afdwin, tmp_path, ranks, attention):
     }
     assert [p["bytes"] for p in m["phases"] if p["name"] == "SAVE_ALLOCATIONS"] == [ranks * stride]
     manifest.verify_images(snap, m)
+    # the windows are chunk files (issue 12 chunk format), not CRIU pages: one per rank, its
+    # name derived from pid and alloc_id, the stride bytes, every chunk's BLAKE2b-256 listed
+    ch = m["chunks"]
+    assert (ch["chunk_bytes"], ch["checksum"]) == (8 << 20, "blake2b-256")
+    assert sorted(s["pid"] for s in ch["streams"]) == rank_pids
+    chunk_bytes = {}
+    for s in ch["streams"]:
+        assert s["file"] == f"chunks/shared-{s['pid']}-{s['alloc_id']}.bin"
+        data = (snap / s["file"]).read_bytes()
+        chunk_bytes[s["file"]] = data
+        assert len(data) == s["bytes"] == stride
+        for i, c in enumerate(s["checksums"]):
+            part = data[i * ch["chunk_bytes"] : (i + 1) * ch["chunk_bytes"]]
+            assert c == (None if part == bytes(len(part)) else blake2b_hex(part))
+    assert sorted(p.name for p in (snap / "chunks").iterdir()) == sorted(
+        f.split("/")[1] for f in chunk_bytes
+    )
 
     rc, rs = demo.run_agent("restore", "--images-dir", str(snap), "--driver", "fake")
     assert rc == 0 and rs["ok"], rs
@@ -127,6 +149,7 @@ def test_checkpoint_kill_restore_finish(afdwin, tmp_path, ranks, attention):
     assert demo.check_run(evs, STEPS, attention=attention, ffn=ffn) == []
     # the snapshot is left as it was: a second restore would be possible
     manifest.verify_images(snap, m)
+    assert {f: (snap / f).read_bytes() for f in chunk_bytes} == chunk_bytes
 
 
 def test_second_restore_while_the_first_tree_lives_is_refused(afdwin, tmp_path):

@@ -17,8 +17,9 @@ import subprocess
 
 import pytest
 
+from cuinterpose.coordinator.carrierfiles import CarrierFiles, carried_streams
 from cuinterpose.coordinator.client import ShimClient
-from cuinterpose.coordinator.protocol import socket_path
+from cuinterpose.coordinator.protocol import Op, Phase, socket_path
 
 HERE = pathlib.Path(__file__).resolve().parent
 C_BUILD_DIR = HERE.parent.parent / "build" / "tests"
@@ -167,13 +168,48 @@ def fake_log(shim_env):
     return FakeLog(shim_env["FAKECUDA_LOG"])
 
 
+class CarryingClient(ShimClient):
+    """A ShimClient that brings the chunk files (protocol.h "Carriers") to SAVE_ALLOCATIONS and
+    LOAD_ALLOCATIONS when the caller passes none: it INSPECTs the process, and opens one file per
+    carried allocation in ``files`` (SAVE: the pid's old files are removed first)."""
+
+    def __init__(self, path, files: CarrierFiles, **kw):
+        super().__init__(path, **kw)
+        self.files = files
+
+    def request(self, op, *, carriers=None, **kw):
+        if carriers is None and op in (Op.SAVE_ALLOCATIONS, Op.LOAD_ALLOCATIONS):
+            recs = super().request(Op.INSPECT, txn_id=0, expected_phase=Phase.ACTIVE).records
+            if op == Op.SAVE_ALLOCATIONS:
+                self.files.remove([self.pid])
+            carriers = self.files.request(op, self.pid, carried_streams(recs))
+            try:
+                return super().request(op, carriers=carriers, **kw)
+            finally:
+                CarrierFiles.close(carriers)
+        return super().request(op, carriers=carriers, **kw)
+
+
 @pytest.fixture
-def ctl(shim_env):
+def ctl(shim_env, tmp_path):
+    """ShimClient factory (app or pid); SAVE/LOAD_ALLOCATIONS bring chunk files from
+    ``ctl.files`` (one directory per test, 64 KiB chunks, a 256 KiB ring)."""
+    files = CarrierFiles(tmp_path / "chunks", chunk_bytes=64 << 10, staging_bytes=256 << 10)
+
     def _client(app_or_pid) -> ShimClient:
         pid = app_or_pid.pid if isinstance(app_or_pid, App) else int(app_or_pid)
-        return ShimClient(socket_path(shim_env["CUINTERPOSE_CONTROL_DIR"], pid), timeout_s=30)
+        return CarryingClient(
+            socket_path(shim_env["CUINTERPOSE_CONTROL_DIR"], pid), files, timeout_s=30
+        )
 
+    _client.files = files
     return _client
+
+
+@pytest.fixture
+def chunk_files(ctl):
+    """The chunk files of the ``ctl`` clients."""
+    return ctl.files
 
 
 REPO = HERE.parent.parent

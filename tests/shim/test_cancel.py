@@ -168,9 +168,9 @@ def _vm_size(pid: int) -> int:
     raise AssertionError("no VmSize")
 
 
-def test_save_failure_part_way_leaves_active_and_memory_intact(apps, ctl, fake_log):
-    # two carried allocations: GRAN, then 4*GRAN. The host carrier arena (5*GRAN) fits under
-    # the limit set below, and so does the first staging reservation (fakecuda reserves
+def test_save_failure_part_way_leaves_active_and_memory_intact(apps, ctl, fake_log, chunk_files):
+    # two carried allocations: GRAN, then 4*GRAN. The staging ring fits under the limit set
+    # below, and so does the first staging reservation (fakecuda reserves
     # size + alignment = 2*GRAN, then trims), but the second (5*GRAN) does not: a real
     # CUDA_ERROR_OUT_OF_MEMORY from cuMemAddressReserve after the first copy was carried.
     sizes = (GRAN, 4 * GRAN)
@@ -178,7 +178,12 @@ def test_save_failure_part_way_leaves_active_and_memory_intact(apps, ctl, fake_l
     before_c, before_i = inspect(ctl, c), inspect(ctl, i)
     ids = [r.alloc_id for r in before_c if r.kind == RecordKind.ALLOCATION]
     old = resource.prlimit(c.pid, resource.RLIMIT_AS)
-    resource.prlimit(c.pid, resource.RLIMIT_AS, (_vm_size(c.pid) + sum(sizes) + 3 * GRAN, old[1]))
+    # room for the staging ring and its one writer thread (stack: RLIMIT_STACK, plus a guard
+    # page) as well, which the shim maps before the first staging reservation
+    chunk_files.writers = 1
+    stack = resource.getrlimit(resource.RLIMIT_STACK)[0]
+    ring = chunk_files.staging_bytes + stack + 2 * 4096
+    resource.prlimit(c.pid, resource.RLIMIT_AS, (_vm_size(c.pid) + 3 * GRAN + ring, old[1]))
     mark = fake_log.mark()
     try:
         r = ctl(c).request(Op.SAVE_ALLOCATIONS, txn_id=1, expected_phase=Phase.ACTIVE)
@@ -193,12 +198,14 @@ def test_save_failure_part_way_leaves_active_and_memory_intact(apps, ctl, fake_l
     assert r.reply.cuda_result == 2  # CUDA_ERROR_OUT_OF_MEMORY
     assert r.message == (
         f"SAVE_ALLOCATIONS: pid {c.pid} allocation {ids[1].hex()}: cuMemAddressReserve "
-        "(staging) failed: CUDA_ERROR_OUT_OF_MEMORY; the carrier was freed and "
+        "(staging) failed: CUDA_ERROR_OUT_OF_MEMORY; the chunk table was dropped and "
         f"pid {c.pid} stays ACTIVE (nothing was torn down)"
     )
-    # the first allocation was copied (staging map, copy, unmap) before the second failed
+    # the first allocation was copied chunk by chunk (staging map, copies, unmap) before the
+    # second failed
     copied = [a for fn, a, res in fake_log.calls(c.pid, since=mark) if fn == "cuMemcpyDtoH_v2"]
-    assert len(copied) == 1
+    cb = chunk_files.chunk_bytes
+    assert [int(a["bytes"]) for a in copied] == [cb] * (GRAN // cb)
     assert not any(
         fn in ("cuMemRelease", "cuMemUnmap") and res != "CUDA_SUCCESS"
         for fn, _, res in fake_log.calls(c.pid, since=mark)
@@ -207,7 +214,7 @@ def test_save_failure_part_way_leaves_active_and_memory_intact(apps, ctl, fake_l
     # accepts a new capture (the failed txn counted as accepted)
     assert inspect(ctl, c) == before_c
     assert inspect(ctl, i) == before_i
-    assert _anon_rw_of_size(c.pid, sum(sizes)) == [], "the carrier arena is still mapped"
+    assert _anon_rw_of_size(c.pid, sum(sizes)) == [], "a host copy is still mapped"
     for k, (va, size) in enumerate(allocs):
         c.ok(f"check {va} {size} {11 + k}")
     i.ok(f"check {vi} {GRAN} 11")
@@ -219,8 +226,12 @@ def test_save_failure_part_way_leaves_active_and_memory_intact(apps, ctl, fake_l
     assert (r.reply.status, r.reply.phase, r.reply.bytes) == (Status.OK, Phase.SAVED, sum(sizes)), (
         r.message
     )
-    assert len(_anon_rw_of_size(c.pid, sum(sizes))) == 1  # the arena, while SAVED
+    # no host copy while SAVED: the bytes are in the chunk files
+    assert _anon_rw_of_size(c.pid, sum(sizes)) == []
+    for k, rid in enumerate(ids):
+        data = open(chunk_files.path(c.pid, rid), "rb").read()
+        assert len(data) == sizes[k] and data[:16] != bytes(16)
     r = ctl(c).request(Op.CANCEL_CAPTURE, txn_id=3, expected_phase=Phase.SAVED)
     assert (r.reply.status, r.reply.phase, r.reply.records_changed) == (Status.OK, Phase.ACTIVE, 2)
-    assert _anon_rw_of_size(c.pid, sum(sizes)) == []  # CANCEL freed it
+    assert _anon_rw_of_size(c.pid, sum(sizes)) == []
     assert inspect(ctl, c) == before_c

@@ -4,9 +4,9 @@ Two graphs over interposer/src: calls (from the object files of the CMake build:
 A -> B when A.o uses a global symbol that B.o defines) and includes (``#include "..."``).
 Both must be acyclic, and every arrow must go down the layer order:
 
-    util (util, checksum) -> resolve -> state -> vmm_api | multicast_api | peer | proc_address
+    util (util, checksum, blake2b, chunkio) -> resolve -> state -> vmm_api | multicast_api | peer | proc_address
       | alloc_api | ipc_api
-      -> ops_unicast | ops_multicast -> ops -> control
+      -> ops_unicast | ops_carriers | ops_multicast -> ops -> control
 
 read "may be used by". Inside a layer only the calls in SAME_LAYER are allowed (a file may
 include its own layer's header). The hook
@@ -24,11 +24,11 @@ import pytest
 from .shim_build import SRC, hooked_names, object_files
 
 LAYERS = [
-    {"util", "checksum", "util.h"},
+    {"util", "checksum", "blake2b", "chunkio", "util.h"},
     {"resolve", "resolve.h", "hooks.def"},
     {"state", "state.h"},
     {"vmm_api", "multicast_api", "peer", "proc_address", "alloc_api", "ipc_api", "api.h"},
-    {"ops_unicast", "ops_multicast", "phase_ops.h"},
+    {"ops_unicast", "ops_carriers", "ops_multicast", "phase_ops.h"},
     {"ops", "ops.h"},
     {"control"},
 ]
@@ -37,6 +37,8 @@ RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 #: multicast_api; the import wrappers and the multicast import use the FETCH_FD client.
 #: The IPC adapter builds on the tracked VMM wrappers (docs/shim.md "IPC adapter").
 SAME_LAYER = {
+    ("chunkio", "blake2b"),  # the writers and readers hash each chunk in its slot
+    ("ops_carriers", "ops_unicast"),  # the staging mapping and remap helpers
     ("vmm_api", "multicast_api"),
     ("vmm_api", "peer"),
     ("multicast_api", "peer"),

@@ -12,6 +12,7 @@ import re
 
 import pytest
 
+from cuinterpose.coordinator.carrierfiles import streams_of
 from cuinterpose.coordinator.phases import Coordinator, Participant
 from cuinterpose.coordinator.protocol import (
     Op,
@@ -535,6 +536,7 @@ def test_rollback_after_prepare_multicast_rebuilds_multicast(apps, ctl, shim_env
     records = co.validate()
     co.prepare_multicast()
     # r1 takes SAVE_ALLOCATIONS, r0 does not (as if the phase failed part-way)
+    co.carried = streams_of(records)  # the chunk files capture() would name
     co._run_plan({r1.pid: (Op.SAVE_ALLOCATIONS, Phase.MULTICAST_RELEASED)}, changed_before=True)
     rb = co.rollback(records)
     assert rb.found == {r0.pid: "MULTICAST_RELEASED", r1.pid: "SAVED"}

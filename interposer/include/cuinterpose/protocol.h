@@ -35,7 +35,7 @@
  *   multicast state answers every multicast op with CUI_OK and records_changed 0.
  *   INSPECT is read-only and accepted in every phase except FAILED.
  *   SAVE_ALLOCATIONS and CANCEL_CAPTURE only copy or free host memory: a SAVE_ALLOCATIONS that
- *   fails part-way frees its carrier and leaves the shim ACTIVE (status CUI_FAILED, reply phase
+ *   fails part-way frees its chunk table and leaves the shim ACTIVE (status CUI_FAILED, reply phase
  *   ACTIVE, the txn counts as accepted). A destructive op (PREPARE_UNICAST, LOAD_ALLOCATIONS,
  *   RESTORE_UNICAST, PREPARE_MULTICAST, RESTORE_MULTICAST_*) that fails part-way moves the
  *   shim to FAILED; nothing is rolled back. A failed SAVE_ALLOCATIONS leaves the shim in the
@@ -57,7 +57,7 @@
 #include <stdint.h>
 
 #define CUI_PROTO_MAGIC         0x50495543u /* "CUIP" as little-endian bytes */
-#define CUI_PROTO_VERSION       1u
+#define CUI_PROTO_VERSION       2u  /* 2: SAVE/LOAD_ALLOCATIONS carry chunk files (Carriers) */
 #define CUI_DEFAULT_CONTROL_DIR "/tmp/cuinterpose"
 #define CUI_SOCKET_PREFIX       "cuinterpose-"   /* + decimal pid + ".sock" */
 
@@ -68,9 +68,9 @@ enum cui_op {
                                               FDs, release objects; refused (CUI_REFUSED_STATE,
                                               nothing changed) while a pass-through object lives */
   CUI_OP_SAVE_ALLOCATIONS = 3,             /* MULTICAST_RELEASED (or ACTIVE, see Phases) -> SAVED:
-                                              shared creator bytes -> host carrier;
-                                              on failure the carrier is freed and the shim stays
-                                              ACTIVE (status CUI_FAILED, phase ACTIVE) */
+                                              shared creator bytes -> chunk files (Carriers);
+                                              on failure the table is freed and the shim stays
+                                              where it was (status CUI_FAILED) */
   CUI_OP_PREPARE_UNICAST = 4,              /* SAVED -> PREPARED: unmap shared mappings, release driver
                                               handles, close cached export FDs */
   CUI_OP_LOAD_ALLOCATIONS = 5,             /* PREPARED -> LOADED: creators re-create at the original VA,
@@ -88,7 +88,7 @@ enum cui_op {
   CUI_OP_RESTORE_MULTICAST_BINDINGS = 10,  /* MULTICAST_DEVICES -> ACTIVE: bind (same ABI form),
                                               map at the original VAs, set access */
   CUI_OP_CANCEL_CAPTURE = 11,              /* SAVED -> MULTICAST_RELEASED (ACTIVE when the capture
-                                              skipped PREPARE_MULTICAST): free the host carrier arena, clear
+                                              skipped PREPARE_MULTICAST): drop the chunk table, clear
                                               CUI_REC_CARRIED and the carrier fields; nothing else
                                               changes (mappings and handles were never touched) */
   CUI_OP_FETCH_FD = 32                     /* peer: send the real export FD of alloc_id (SCM_RIGHTS);
@@ -150,7 +150,7 @@ enum cui_status {
                                  nothing changed; message names the object */
   CUI_FAILED = 4,             /* a driver call failed mid-op; phase is now FAILED, except for
                                  SAVE_ALLOCATIONS, which only copies: its failure frees the
-                                 carrier and the phase stays ACTIVE (see reply.phase) */
+                                 chunk table and the phase stays (see reply.phase) */
   CUI_BAD_REQUEST = 5,        /* bad magic, version, op or size; nothing changed */
   CUI_NOT_FOUND = 6,          /* FETCH_FD: no such allocation, or not exported by this process */
   CUI_BUSY = 7,               /* another mutating request is running; nothing changed and the
@@ -221,7 +221,7 @@ enum cui_role {
 #define CUI_REC_EXPORTED   0x1u  /* a ticket was handed out for this allocation */
 #define CUI_REC_SHARED     0x2u  /* sticky: exported or imported at least once */
 #define CUI_REC_RAW_IMPORT 0x4u  /* imported from a non-ticket FD: blocks capture */
-#define CUI_REC_CARRIED    0x8u  /* creator bytes currently held in the host carrier */
+#define CUI_REC_CARRIED    0x8u  /* creator bytes saved to a chunk file (table held) */
 #define CUI_REC_PASSTHROUGH                                      \
   0x10u /* multicast object with handle types other than exactly \
            POSIX_FILE_DESCRIPTOR (0, FABRIC): works, blocks capture */
@@ -252,7 +252,10 @@ struct cui_request {          /* 64 bytes */
   uint32_t sender_pid;        /* 20 for error messages */
   uint8_t alloc_id[16];      /* 24 FETCH_FD: the allocation wanted */
   uint64_t reserved[3];       /* 40 zero; FETCH_FD: reserved[0] = the allocation's secret, from
-                                 its ticket or virtual IPC handle (Secrets below) */
+                                 its ticket or virtual IPC handle (Secrets below);
+                                 SAVE_ALLOCATIONS / LOAD_ALLOCATIONS: reserved[0] = chunk_bytes,
+                                 reserved[1] = staging_bytes, reserved[2] = writers (bits 0-31)
+                                 | stream count (bits 32-63) (Carriers below) */
 };
 
 struct cui_reply {            /* 128 bytes */
@@ -296,12 +299,58 @@ struct cui_record {           /* 640 bytes */
   uint32_t prop_location_type;/*  60 CUmemLocationType */
   int32_t prop_location_id;  /*  64 */
   uint32_t prop_handle_types; /*  68 CUmemAllocationHandleType bitmask */
-  uint64_t carrier_checksum;  /*  72 cui_checksum64 of the carried bytes (creator, after SAVE) */
-  uint64_t carrier_bytes;     /*  80 bytes held in the carrier */
+  uint64_t carrier_checksum;  /*  72 cui_checksum64 of the stream's digest table (creator, after
+                                 SAVE; Carriers) */
+  uint64_t carrier_bytes;     /*  80 bytes of the carried stream (the allocation's size) */
   uint32_t access_count;      /*  88 entries used in access[] (mappings) */
   uint32_t reserved0;         /*  92 zero (MULTICAST_BINDING: the member's creator pid) */
   uint64_t reserved[4];       /*  96 zero (MULTICAST_BINDING: the member, see above) */
   struct cui_access access[CUI_MAX_ACCESS]; /* 128 merged per location */
+};
+
+/* Carriers (decisions D31, chunk files; docs/protocol.md "Carriers"). SAVE_ALLOCATIONS writes
+ * every creator allocation the shim carries (live, role CREATOR, not a raw import) into one
+ * file, LOAD_ALLOCATIONS reads it back. The sender opens the files (SAVE: writable, LOAD:
+ * read-only) and passes them after the 64-byte request:
+ *   stream count * struct cui_stream_entry, sent in groups of at most CUI_STREAM_FDS_PER_MSG
+ *   entries, each group on one sendmsg() whose SCM_RIGHTS carry one descriptor per entry of
+ *   the group, in entry order.
+ * The entries name every carried allocation exactly once (else CUI_BAD_REQUEST, nothing
+ * changed); the shim closes every received descriptor before it replies. chunk_bytes: a power
+ * of two in [CUI_CHUNK_MIN, CUI_CHUNK_MAX]; staging_bytes >= chunk_bytes (the ring: staging_bytes
+ * / chunk_bytes slots, at most CUI_STAGING_MAX bytes); writers in [1, CUI_WRITERS_MAX].
+ * File layout: size = the allocation's size (the shim ftruncates it); chunk i at offset
+ * i * chunk_bytes, the last chunk may be short; an all-zero chunk is not written (sparse).
+ * Checksum: BLAKE2b, 32-byte digest, no key (RFC 7693), of each non-zero chunk's bytes.
+ * A SAVE_ALLOCATIONS reply with status CUI_OK is followed (after the message) by the chunk
+ * table, reply.reserved[0] bytes: per stream in request order one struct cui_stream_head,
+ * then chunk_count digests of 32 bytes (32 zero bytes for an all-zero chunk). The shim keeps
+ * the table (it rides in the CRIU image); the allocation record's carrier_checksum is then
+ * cui_checksum64 of the stream's chunk_count * 32 digest bytes, carrier_bytes its size.
+ * LOAD_ALLOCATIONS needs the chunk_bytes of the SAVE; each non-zero chunk is read into a
+ * staging slot and its digest compared before it is copied to the device (zero chunks:
+ * cuMemsetD8). A read error, short file or digest mismatch refuses (CUI_REFUSED_STATE): every
+ * allocation created so far is released and the shim stays PREPARED. A SAVE_ALLOCATIONS write
+ * error (ENOSPC, EIO, short write) fails (CUI_FAILED) naming pid, allocation, chunk, errno;
+ * the shim stays where it was, as any failed SAVE_ALLOCATIONS. CANCEL_CAPTURE drops the table. */
+#define CUI_STREAM_FDS_PER_MSG 64
+#define CUI_CHUNK_MIN          (64ull << 10)
+#define CUI_CHUNK_MAX          (1ull << 30)
+#define CUI_STAGING_MAX        (64ull << 30)
+#define CUI_WRITERS_MAX        64u
+#define CUI_DIGEST_BYTES       32u
+
+struct cui_stream_entry {     /* 32 bytes */
+  uint8_t alloc_id[16];       /*  0 the carried allocation */
+  uint64_t bytes;             /* 16 its size, bytes (must equal the shim's) */
+  uint64_t reserved;          /* 24 zero */
+};
+
+struct cui_stream_head {      /* 32 bytes */
+  uint8_t alloc_id[16];       /*  0 */
+  uint64_t bytes;             /* 16 the stream's size, bytes */
+  uint32_t chunk_count;       /* 24 ceil(bytes / chunk_bytes) */
+  uint32_t zero_count;        /* 28 chunks not written (all zero) */
 };
 
 /* Export ticket: what cuMemExportToShareableHandle(POSIX_FILE_DESCRIPTOR) hands the app
@@ -367,5 +416,7 @@ CUI_STATIC_ASSERT(sizeof(struct cui_access) == 16, "cui_access is 16 bytes");
 CUI_STATIC_ASSERT(sizeof(struct cui_record) == 640, "cui_record is 640 bytes");
 CUI_STATIC_ASSERT(sizeof(struct cui_ticket) == 64, "cui_ticket is 64 bytes");
 CUI_STATIC_ASSERT(sizeof(struct cui_ipc_handle) == 64, "cui_ipc_handle is 64 bytes");
+CUI_STATIC_ASSERT(sizeof(struct cui_stream_entry) == 32, "cui_stream_entry is 32 bytes");
+CUI_STATIC_ASSERT(sizeof(struct cui_stream_head) == 32, "cui_stream_head is 32 bytes");
 
 #endif /* CUINTERPOSE_PROTOCOL_H */

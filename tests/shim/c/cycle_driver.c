@@ -20,6 +20,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -252,6 +253,46 @@ static int importer(int ctl_in, int ctl_out, int peer) {
 
 /* ---- coordinator side ---- */
 
+/* The chunk files of SAVE/LOAD_ALLOCATIONS (protocol.h "Carriers"): one memfd per carried
+ * allocation of g_carry_recs (the creator's INSPECT records), kept from SAVE to LOAD. */
+static const struct cui_record *g_carry_recs;
+static uint32_t g_carry_n;
+static int g_carry_fd[8] = {-1, -1, -1, -1, -1, -1, -1, -1};
+
+static void send_carriers(int s, struct cui_request *q) {
+  struct cui_stream_entry e[8];
+  int fds[8];
+  uint32_t n = 0;
+  for (uint32_t i = 0; i < g_carry_n && n < 8; i++) {
+    const struct cui_record *r = &g_carry_recs[i];
+    if (r->kind != CUI_RECORD_ALLOCATION || r->role != CUI_ROLE_CREATOR) continue;
+    if (g_carry_fd[n] < 0) g_carry_fd[n] = memfd_create("chunks", MFD_CLOEXEC);
+    memset(&e[n], 0, sizeof e[n]);
+    memcpy(e[n].alloc_id, r->alloc_id, 16);
+    e[n].bytes = r->size;
+    fds[n] = g_carry_fd[n];
+    n++;
+  }
+  q->reserved[0] = 64 << 10; /* chunk_bytes */
+  q->reserved[1] = 128 << 10; /* staging_bytes: two slots */
+  q->reserved[2] = 3u | (uint64_t)n << 32; /* three writers */
+  CHECK(write(s, q, sizeof *q) == sizeof *q, "send");
+  if (!n) return;
+  union {
+    char buf[CMSG_SPACE(sizeof fds)];
+    struct cmsghdr align;
+  } cm;
+  struct iovec iov = {e, n * sizeof e[0]};
+  struct msghdr mh = {
+    .msg_iov = &iov, .msg_iovlen = 1, .msg_control = cm.buf, .msg_controllen = CMSG_SPACE(n * sizeof(int))};
+  struct cmsghdr *c = CMSG_FIRSTHDR(&mh);
+  c->cmsg_level = SOL_SOCKET;
+  c->cmsg_type = SCM_RIGHTS;
+  c->cmsg_len = CMSG_LEN(n * sizeof(int));
+  memcpy(CMSG_DATA(c), fds, n * sizeof(int));
+  CHECK(sendmsg(s, &mh, 0) == (ssize_t)(n * sizeof e[0]), "send carriers");
+}
+
 static int request(pid_t pid, uint16_t op, uint64_t txn, uint32_t phase, struct cui_reply *rep,
                    struct cui_record **recs) {
   struct sockaddr_un sa = {.sun_family = AF_UNIX};
@@ -266,7 +307,8 @@ static int request(pid_t pid, uint16_t op, uint64_t txn, uint32_t phase, struct 
   q.txn_id = txn;
   q.expected_phase = phase;
   q.sender_pid = (uint32_t)getpid();
-  CHECK(write(s, &q, sizeof q) == sizeof q, "send");
+  if (op == CUI_OP_SAVE_ALLOCATIONS || op == CUI_OP_LOAD_ALLOCATIONS) send_carriers(s, &q);
+  else CHECK(write(s, &q, sizeof q) == sizeof q, "send");
   size_t got = 0;
   while (got < sizeof *rep) {
     ssize_t k = read(s, (char *)rep + got, sizeof *rep - got);
@@ -274,6 +316,7 @@ static int request(pid_t pid, uint16_t op, uint64_t txn, uint32_t phase, struct 
     got += (size_t)k;
   }
   size_t n = (size_t)rep->record_count * rep->record_size + rep->message_len;
+  if (op == CUI_OP_SAVE_ALLOCATIONS) n += rep->reserved[0]; /* the chunk table */
   char *body = malloc(n + 1);
   got = 0;
   while (got < n) {
@@ -323,6 +366,7 @@ int main(void) {
                {CUI_OP_RESTORE_UNICAST, CUI_PHASE_LOADED}};
   for (unsigned s = 0; s < 4; s++)
     for (int k = 0; k < 2; k++) {
+      g_carry_recs = before[k], g_carry_n = k == 0 ? nbefore[k] : 0;   /* only the creator carries */
       CHECK(request(who[k], steps[s].op, s + 1, steps[s].from, &rep, NULL) == CUI_OK, "step %u", s);
       if (s == 0 || s == 2) CHECK(rep.bytes == (k == 0 ? SIZE : 0), "bytes %llu", (unsigned long long)rep.bytes);
     }

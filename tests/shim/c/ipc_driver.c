@@ -14,6 +14,7 @@
  * (fakecuda) on the library path.
  */
 #define _GNU_SOURCE
+#include "carry.h"
 #include <cuda.h>
 #include <dlfcn.h>
 #include <errno.h>
@@ -171,9 +172,18 @@ static int connect_to(pid_t pid) {
 
 /* One request; the reply header in `rep`, the records (malloc'd) in *recs, an SCM_RIGHTS FD in
  * *fd (or -1). */
+static const struct cui_record *g_carry_recs; /* the creator's records (carry.h) */
+static uint32_t g_carry_n;
+static int g_carry_fd[8] = {-1, -1, -1, -1, -1, -1, -1, -1};
+
 static int request(pid_t pid, const struct cui_request *q, struct cui_reply *rep, struct cui_record **recs, int *fd) {
   int s = connect_to(pid);
-  put_all(s, q, sizeof *q);
+  if (q->op == CUI_OP_SAVE_ALLOCATIONS || q->op == CUI_OP_LOAD_ALLOCATIONS) {
+    struct cui_request qq = *q;
+    CHECK(cui_test_send_carriers(s, &qq, g_carry_recs, g_carry_n, g_carry_fd) == 0, "send carriers");
+  } else {
+    put_all(s, q, sizeof *q);
+  }
   union {
     char buf[CMSG_SPACE(sizeof(int))];
     struct cmsghdr align;
@@ -192,6 +202,7 @@ static int request(pid_t pid, const struct cui_request *q, struct cui_reply *rep
     }
   if ((size_t)k < sizeof *rep) get_all(s, (char *)rep + k, sizeof *rep - (size_t)k);
   size_t n = (size_t)rep->record_count * rep->record_size + rep->message_len;
+  if (q->op == CUI_OP_SAVE_ALLOCATIONS) n += rep->reserved[0]; /* the chunk table */
   char *body = malloc(n + 1);
   get_all(s, body, n);
   body[n] = 0;
@@ -266,8 +277,10 @@ int main(void) {
                {CUI_OP_LOAD_ALLOCATIONS, CUI_PHASE_PREPARED},
                {CUI_OP_RESTORE_UNICAST, CUI_PHASE_LOADED}};
   for (unsigned s = 0; s < 4; s++)
-    for (int k = 0; k < 2; k++)
+    for (int k = 0; k < 2; k++) {
+      g_carry_recs = before[k], g_carry_n = nbefore[k];
       CHECK(op(who[k], steps[s].op, s + 1, steps[s].from, &rep, NULL) == CUI_OK, "step %u", s);
+    }
   for (int k = 0; k < 2; k++) {
     CHECK(op(who[k], CUI_OP_INSPECT, 0, CUI_PHASE_ACTIVE, &rep, &after[k]) == CUI_OK, "inspect");
     CHECK(rep.record_count == nbefore[k] && memcmp(before[k], after[k], nbefore[k] * sizeof(struct cui_record)) == 0,

@@ -1,0 +1,196 @@
+"""The chunk files SAVE_ALLOCATIONS writes and LOAD_ALLOCATIONS reads (protocol.h "Carriers";
+issue 12 chunk format; docs/coordinator.md "Chunk files").
+
+:class:`CarrierFiles` names, opens and removes the files of one capture in one directory:
+``<dir>/shared-<pid>-<alloc_id as 32 hex>.bin``, one per carried allocation (a live creator
+allocation that is not a raw import). SAVE opens each ``O_WRONLY | O_CREAT | O_EXCL |
+O_NOFOLLOW``, mode 0600 (a file already there is refused, never overwritten); LOAD opens them
+``O_RDONLY | O_NOFOLLOW``. The shim receives duplicates of the descriptors and closes them
+before it replies; this class closes its own right after the request. The chunk tables of the
+SAVE replies are kept per (pid, alloc_id) in :attr:`CarrierFiles.tables` for the manifest.
+
+:meth:`CarrierFiles.private` makes a private directory (``mkdtemp``, mode 0700) for a capture
+that has no snapshot directory (tests, a coordinator used alone); :meth:`remove` deletes the
+files and that directory. Errors: OSError from open, naming the file.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+from typing import Iterable, Mapping
+
+from .client import CarrierRequest
+from .protocol import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_STAGING_BYTES,
+    DEFAULT_WRITERS,
+    Op,
+    Record,
+    RecordFlag,
+    RecordKind,
+    Role,
+    StreamEntry,
+    StreamTable,
+    alloc_id_hex,
+    check_carrier_params,
+)
+
+__all__ = ["CarrierFiles", "carried_streams", "stream_file_name"]
+
+
+def stream_file_name(pid: int, alloc_id: str | bytes) -> str:
+    """``shared-<pid>-<alloc_id as 32 hex>.bin`` (the chunk format's name of a shim carrier)."""
+    aid = alloc_id if isinstance(alloc_id, str) else alloc_id_hex(alloc_id)
+    return f"shared-{int(pid)}-{aid}.bin"
+
+
+def carried_streams(records: Iterable[Record]) -> list[tuple[bytes, int]]:
+    """(alloc_id bytes, size) of every allocation the shim carries, in record order: the live
+    creator allocations that are not raw imports (ops_carriers.c, cui_is_carried_role)."""
+    out = []
+    for r in records:
+        if (
+            int(r.kind) == RecordKind.ALLOCATION
+            and int(r.role) == Role.CREATOR
+            and not int(r.flags) & RecordFlag.RAW_IMPORT
+        ):
+            out.append((bytes(r.alloc_id), int(r.size)))
+    return out
+
+
+class CarrierFiles:
+    """The chunk files of one capture in ``directory`` (created 0700 when missing).
+
+    ``chunk_bytes``, ``staging_bytes`` (bytes) and ``writers`` go to every SAVE/LOAD request
+    (ValueError outside protocol.h's limits). ``owned``: :meth:`remove` also deletes the
+    directory.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
+        writers: int = DEFAULT_WRITERS,
+        owned: bool = False,
+    ):
+        check_carrier_params(chunk_bytes, staging_bytes, writers)
+        self.directory = os.fspath(directory)
+        self.chunk_bytes = int(chunk_bytes)
+        self.staging_bytes = int(staging_bytes)
+        self.writers = int(writers)
+        self.owned = owned
+        self.tables: dict[tuple[int, str], StreamTable] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def private(cls, **kw) -> "CarrierFiles":
+        """A fresh private directory (mode 0700) under $TMPDIR, removed by :meth:`remove`."""
+        return cls(tempfile.mkdtemp(prefix="cuinterpose-chunks-"), owned=True, **kw)
+
+    def path(self, pid: int, alloc_id: str | bytes) -> str:
+        return os.path.join(self.directory, stream_file_name(pid, alloc_id))
+
+    def request(self, op: Op, pid: int, streams: list[tuple[bytes, int]]) -> CarrierRequest:
+        """Open the files of ``pid``'s ``streams`` for ``op`` (SAVE_ALLOCATIONS: create,
+        LOAD_ALLOCATIONS: read) and return the request's carriers; close them with
+        :meth:`close`. Raises OSError naming the file (what was opened is closed)."""
+        if op == Op.SAVE_ALLOCATIONS:
+            os.makedirs(self.directory, mode=0o700, exist_ok=True)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        else:
+            flags = os.O_RDONLY
+        flags |= os.O_NOFOLLOW | os.O_CLOEXEC
+        req = CarrierRequest(self.chunk_bytes, self.staging_bytes, self.writers)
+        try:
+            for aid, size in streams:
+                path = self.path(pid, aid)
+                try:
+                    fd = os.open(path, flags, 0o600)
+                except OSError as e:
+                    raise OSError(
+                        e.errno,
+                        f"{op.name}: pid {pid} allocation {alloc_id_hex(aid)}: cannot open "
+                        f"chunk file {path}: {e.strerror}",
+                    ) from None
+                req.streams.append((StreamEntry(aid, size), fd))
+        except BaseException:
+            self.close(req)
+            raise
+        return req
+
+    @staticmethod
+    def close(req: CarrierRequest | None) -> None:
+        """Close the descriptors of ``req`` (idempotent)."""
+        if req is None:
+            return
+        for _, fd in req.streams:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        req.streams = []
+
+    def saved(self, pid: int, tables: list[StreamTable]) -> None:
+        """Keep the chunk tables of ``pid``'s SAVE_ALLOCATIONS reply."""
+        with self._lock:
+            for t in tables:
+                self.tables[(int(pid), t.alloc_id)] = t
+
+    def streams_json(self) -> list[dict]:
+        """The manifest's stream records (issue 12 chunk format), sorted by pid, alloc_id:
+        ``{"file": "chunks/<name>", "kind": "shared", "pid", "alloc_id", "bytes", "zero":
+        [indices], "checksums": [64 hex or None]}``."""
+        out = []
+        for (pid, aid), t in sorted(self.tables.items()):
+            out.append(
+                {
+                    "file": f"chunks/{stream_file_name(pid, aid)}",
+                    "kind": "shared",
+                    "pid": pid,
+                    "alloc_id": aid,
+                    "bytes": t.bytes,
+                    "zero": t.zero,
+                    "checksums": [None if c is None else c.hex() for c in t.checksums],
+                }
+            )
+        return out
+
+    def remove(self, pids: Iterable[int] | None = None) -> None:
+        """Delete the chunk files (of ``pids``, or all) and, when owned and emptied, the
+        directory. Missing files are fine."""
+        want = None if pids is None else {int(p) for p in pids}
+        try:
+            names = os.listdir(self.directory)
+        except FileNotFoundError:
+            return
+        for name in names:
+            parts = name.split("-")
+            if not (name.startswith("shared-") and name.endswith(".bin") and len(parts) == 3):
+                continue
+            if want is not None and (not parts[1].isdigit() or int(parts[1]) not in want):
+                continue
+            try:
+                os.unlink(os.path.join(self.directory, name))
+            except FileNotFoundError:
+                pass
+        if want is None:
+            self.tables.clear()
+            if self.owned:
+                shutil.rmtree(self.directory, ignore_errors=True)
+            else:
+                try:
+                    os.rmdir(self.directory)
+                except OSError:
+                    pass
+
+
+def streams_of(
+    records_by_pid: Mapping[int, Iterable[Record]],
+) -> dict[int, list[tuple[bytes, int]]]:
+    """pid -> :func:`carried_streams` of its records."""
+    return {int(p): carried_streams(rs) for p, rs in records_by_pid.items()}

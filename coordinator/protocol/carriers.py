@@ -1,0 +1,158 @@
+"""protocol.h "Carriers": the chunk files of SAVE_ALLOCATIONS / LOAD_ALLOCATIONS on the wire.
+
+A request carries ``chunk_bytes``, ``staging_bytes``, ``writers`` and the stream count in
+``cui_request.reserved`` (:func:`carrier_reserved`), then the entries (:class:`StreamEntry`,
+32 bytes each) in groups of at most :data:`CUI_STREAM_FDS_PER_MSG`, each group on one
+``sendmsg`` whose SCM_RIGHTS carry one descriptor per entry (:func:`entry_groups`). A
+SAVE_ALLOCATIONS reply with status OK is followed, after its message, by the chunk table of
+``reply.reserved[0]`` bytes (:func:`parse_chunk_table`): per stream one ``cui_stream_head``
+then ``chunk_count`` BLAKE2b-256 digests of 32 bytes (32 zero bytes: an all-zero chunk, not
+written). Sizes are bytes. Part of :mod:`cuinterpose.coordinator.protocol`.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+
+from .checksum import cui_checksum64
+from .codes import ProtocolError
+from .structs import FORMATS, SIZES, alloc_id_bytes, alloc_id_hex
+
+__all__ = [
+    "CUI_STREAM_FDS_PER_MSG",
+    "CUI_CHUNK_MIN",
+    "CUI_CHUNK_MAX",
+    "CUI_STAGING_MAX",
+    "CUI_WRITERS_MAX",
+    "CUI_DIGEST_BYTES",
+    "DEFAULT_CHUNK_BYTES",
+    "DEFAULT_STAGING_BYTES",
+    "DEFAULT_WRITERS",
+    "STREAM_ENTRY_SIZE",
+    "STREAM_HEAD_SIZE",
+    "StreamEntry",
+    "StreamTable",
+    "carrier_reserved",
+    "entry_groups",
+    "parse_chunk_table",
+    "check_carrier_params",
+]
+
+CUI_STREAM_FDS_PER_MSG = 64
+CUI_CHUNK_MIN = 64 << 10
+CUI_CHUNK_MAX = 1 << 30
+CUI_STAGING_MAX = 64 << 30
+CUI_WRITERS_MAX = 64
+CUI_DIGEST_BYTES = 32
+#: the agent's defaults (docs/snapshot-format.md "chunks"; issue 12 chunk format)
+DEFAULT_CHUNK_BYTES = 8 << 20
+DEFAULT_STAGING_BYTES = 256 << 20
+DEFAULT_WRITERS = 4
+
+STREAM_ENTRY_SIZE = SIZES["cui_stream_entry"]  # 32
+STREAM_HEAD_SIZE = SIZES["cui_stream_head"]  # 32
+_ENTRY = struct.Struct(FORMATS["cui_stream_entry"])
+_HEAD = struct.Struct(FORMATS["cui_stream_head"])
+_ZERO = bytes(CUI_DIGEST_BYTES)
+
+
+def check_carrier_params(chunk_bytes: int, staging_bytes: int, writers: int) -> None:
+    """Raise ValueError naming the bad value unless protocol.h's limits hold: chunk_bytes a
+    power of two in [64 KiB, 1 GiB], chunk_bytes <= staging_bytes <= 64 GiB, 1..64 writers."""
+    cb = int(chunk_bytes)
+    if cb < CUI_CHUNK_MIN or cb > CUI_CHUNK_MAX or cb & (cb - 1):
+        raise ValueError(
+            f"chunk_bytes {cb} must be a power of two from {CUI_CHUNK_MIN} to {CUI_CHUNK_MAX} bytes"
+        )
+    if not cb <= int(staging_bytes) <= CUI_STAGING_MAX:
+        raise ValueError(
+            f"staging_bytes {staging_bytes} must be at least chunk_bytes ({cb}) and at most "
+            f"{CUI_STAGING_MAX} bytes"
+        )
+    if not 1 <= int(writers) <= CUI_WRITERS_MAX:
+        raise ValueError(f"writers {writers} must be 1..{CUI_WRITERS_MAX}")
+
+
+@dataclass(frozen=True)
+class StreamEntry:
+    """``struct cui_stream_entry``: one carried allocation (16-byte id) and its size, bytes."""
+
+    alloc_id: bytes
+    bytes: int
+
+    def pack(self) -> bytes:
+        try:
+            return _ENTRY.pack(alloc_id_bytes(self.alloc_id), int(self.bytes), 0)
+        except struct.error as exc:
+            raise ProtocolError(f"cannot pack struct cui_stream_entry: {exc}") from None
+
+
+def carrier_reserved(chunk_bytes: int, staging_bytes: int, writers: int, count: int) -> tuple:
+    """``cui_request.reserved`` of SAVE/LOAD_ALLOCATIONS: (chunk_bytes, staging_bytes,
+    writers | count << 32)."""
+    return (int(chunk_bytes), int(staging_bytes), (int(writers) & 0xFFFFFFFF) | int(count) << 32)
+
+
+def entry_groups(entries: list[StreamEntry]) -> list[tuple[bytes, int, int]]:
+    """The entries as (bytes, first index, count) groups of at most CUI_STREAM_FDS_PER_MSG,
+    one ``sendmsg`` each with that many descriptors."""
+    out = []
+    for i in range(0, len(entries), CUI_STREAM_FDS_PER_MSG):
+        part = entries[i : i + CUI_STREAM_FDS_PER_MSG]
+        out.append((b"".join(e.pack() for e in part), i, len(part)))
+    return out
+
+
+@dataclass
+class StreamTable:
+    """One stream of a chunk table: allocation id (hex), size (bytes) and its digests (32-byte
+    bytes, ``None`` for a zero chunk)."""
+
+    alloc_id: str
+    bytes: int
+    checksums: list = field(default_factory=list)
+
+    @property
+    def zero(self) -> list[int]:
+        """Indices of the all-zero chunks (not written)."""
+        return [i for i, c in enumerate(self.checksums) if c is None]
+
+    @property
+    def carrier_checksum(self) -> int:
+        """cui_checksum64 of the digest table (zero chunks as 32 zero bytes): the allocation
+        record's ``carrier_checksum`` after SAVE_ALLOCATIONS."""
+        return cui_checksum64(b"".join(c if c is not None else _ZERO for c in self.checksums))
+
+
+def parse_chunk_table(data: bytes, chunk_bytes: int) -> list[StreamTable]:
+    """Parse a SAVE_ALLOCATIONS chunk table. Raises ProtocolError on a truncated table, a
+    chunk count that is not ceil(bytes / chunk_bytes), or a zero count that disagrees."""
+    out: list[StreamTable] = []
+    off, n = 0, len(data)
+    while off < n:
+        if n - off < STREAM_HEAD_SIZE:
+            raise ProtocolError(f"chunk table truncated at byte {off} of {n} (stream header)")
+        aid, size, count, zeros = _HEAD.unpack_from(data, off)
+        off += STREAM_HEAD_SIZE
+        want = -(-size // chunk_bytes) if chunk_bytes else 0
+        if count != want:
+            raise ProtocolError(
+                f"chunk table: allocation {alloc_id_hex(aid)} of {size} bytes has {count} "
+                f"chunks, not ceil({size} / {chunk_bytes}) = {want}"
+            )
+        if n - off < count * CUI_DIGEST_BYTES:
+            raise ProtocolError(f"chunk table truncated in allocation {alloc_id_hex(aid)}")
+        sums = []
+        for i in range(count):
+            d = bytes(data[off + i * CUI_DIGEST_BYTES : off + (i + 1) * CUI_DIGEST_BYTES])
+            sums.append(None if d == _ZERO else d)
+        off += count * CUI_DIGEST_BYTES
+        t = StreamTable(alloc_id=alloc_id_hex(aid), bytes=size, checksums=sums)
+        if len(t.zero) != zeros:
+            raise ProtocolError(
+                f"chunk table: allocation {t.alloc_id} announces {zeros} zero chunks, has "
+                f"{len(t.zero)}"
+            )
+        out.append(t)
+    return out

@@ -1,0 +1,275 @@
+/*
+ * chunkio.c: the staging ring and its writer / reader threads of the chunk files (util layer;
+ * protocol.h "Carriers", docs/shim.md "Chunk files"). No driver call here: ops_unicast.c fills
+ * and drains the slots (cuMemcpyDtoH / cuMemcpyHtoD) and pins the ring. A chunk is hashed
+ * once, while it sits in its slot (writers: before pwrite; readers: after pread, before the
+ * caller may use it). Memory: the ring only (staging_bytes rounded down to whole chunks, at
+ * least one chunk), unmapped by cui_cio_finish. All threads have every signal blocked and are
+ * joined before cui_cio_finish returns.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "util.h"
+
+struct cio_item {
+  struct cui_cio_stream *s;
+  uint32_t chunk;
+  int slot;
+  size_t len;
+};
+
+struct cui_cio {
+  size_t chunk_bytes, nslots, ring_bytes;
+  unsigned char *ring;
+  int reading;
+  unsigned nthreads;
+  pthread_t *threads;
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  int *free_slots;
+  size_t nfree;
+  struct cio_item *q;   /* writers: submitted slots; readers: verified slots (both FIFO, <= nslots) */
+  size_t qhead, qlen;
+  struct cio_item *tasks;   /* readers: queued reads */
+  size_t ntasks, cap_tasks, next_task, consumed;
+  int stop, finishing;
+  uint64_t written;
+  struct cui_cio_error err;
+};
+
+static void set_error(struct cui_cio *io, enum cui_cio_err kind, int e, const struct cio_item *it,
+                      const uint8_t *found) {   /* lock held */
+  if (io->err.kind == CUI_CIO_OK) {
+    io->err.kind = kind;
+    io->err.err = e;
+    io->err.stream = it->s;
+    io->err.chunk = it->chunk;
+    if (found) memcpy(io->err.found, found, CUI_DIGEST_BYTES);
+  }
+  io->stop = 1;
+  pthread_cond_broadcast(&io->cv);
+}
+
+static int all_zero(const unsigned char *p, size_t n) { return n == 0 || (p[0] == 0 && memcmp(p, p + 1, n - 1) == 0); }
+
+/* pwrite/pread the whole range; returns 0, or the errno (EIO for a write that wrote nothing;
+ * -1 for a read that hit the end of the file). */
+static int pwrite_full(int fd, const unsigned char *p, size_t n, off_t off) {
+  while (n) {
+    ssize_t k = pwrite(fd, p, n, off);
+    if (k < 0 && errno == EINTR) continue;
+    if (k < 0) return errno;
+    if (k == 0) return EIO;
+    p += k, n -= (size_t)k, off += k;
+  }
+  return 0;
+}
+
+static int pread_full(int fd, unsigned char *p, size_t n, off_t off) {
+  while (n) {
+    ssize_t k = pread(fd, p, n, off);
+    if (k < 0 && errno == EINTR) continue;
+    if (k < 0) return errno;
+    if (k == 0) return -1;
+    p += k, n -= (size_t)k, off += k;
+  }
+  return 0;
+}
+
+static void *writer_main(void *arg) {
+  struct cui_cio *io = arg;
+  pthread_mutex_lock(&io->mu);
+  for (;;) {
+    while (!io->qlen && !io->finishing && !io->stop) pthread_cond_wait(&io->cv, &io->mu);
+    if (io->stop || !io->qlen) break;
+    struct cio_item it = io->q[io->qhead];
+    io->qhead = (io->qhead + 1) % io->nslots;
+    io->qlen--;
+    pthread_mutex_unlock(&io->mu);
+    unsigned char *buf = io->ring + (size_t)it.slot * io->chunk_bytes;
+    int e = 0, zero = all_zero(buf, it.len);
+    if (zero) memset(it.s->digests[it.chunk], 0, CUI_DIGEST_BYTES);
+    else {
+      cui_blake2b_256(buf, it.len, it.s->digests[it.chunk]);
+      e = pwrite_full(it.s->fd, buf, it.len, (off_t)((uint64_t)it.chunk * io->chunk_bytes));
+    }
+    pthread_mutex_lock(&io->mu);
+    if (e) set_error(io, CUI_CIO_WRITE, e, &it, NULL);
+    else if (!zero) io->written += it.len;
+    io->free_slots[io->nfree++] = it.slot;
+    pthread_cond_broadcast(&io->cv);
+  }
+  pthread_mutex_unlock(&io->mu);
+  return NULL;
+}
+
+static void *reader_main(void *arg) {
+  struct cui_cio *io = arg;
+  pthread_mutex_lock(&io->mu);
+  for (;;) {
+    while ((io->next_task == io->ntasks || !io->nfree) && !io->finishing && !io->stop)
+      pthread_cond_wait(&io->cv, &io->mu);
+    if (io->stop || io->next_task == io->ntasks || !io->nfree) break;
+    struct cio_item it = io->tasks[io->next_task++];
+    it.slot = io->free_slots[--io->nfree];
+    pthread_mutex_unlock(&io->mu);
+    unsigned char *buf = io->ring + (size_t)it.slot * io->chunk_bytes;
+    uint8_t got[CUI_DIGEST_BYTES];
+    int e = pread_full(it.s->fd, buf, it.len, (off_t)((uint64_t)it.chunk * io->chunk_bytes));
+    if (e == 0) cui_blake2b_256(buf, it.len, got);
+    pthread_mutex_lock(&io->mu);
+    if (e == 0 && memcmp(got, it.s->digests[it.chunk], CUI_DIGEST_BYTES) != 0)
+      set_error(io, CUI_CIO_CHECKSUM, 0, &it, got);
+    else if (e) set_error(io, e < 0 ? CUI_CIO_SHORT : CUI_CIO_READ, e < 0 ? 0 : e, &it, NULL);
+    if (e || io->stop) {
+      io->free_slots[io->nfree++] = it.slot;
+    } else {
+      io->q[(io->qhead + io->qlen) % io->nslots] = it;
+      io->qlen++;
+    }
+    pthread_cond_broadcast(&io->cv);
+  }
+  pthread_mutex_unlock(&io->mu);
+  return NULL;
+}
+
+static void cio_free(struct cui_cio *io) {
+  if (io->ring) munmap(io->ring, io->ring_bytes);
+  free(io->threads);
+  free(io->free_slots);
+  free(io->q);
+  free(io->tasks);
+  pthread_cond_destroy(&io->cv);
+  pthread_mutex_destroy(&io->mu);
+  free(io);
+}
+
+struct cui_cio *cui_cio_start(size_t chunk_bytes, size_t staging_bytes, unsigned threads, int reading) {
+  struct cui_cio *io = calloc(1, sizeof *io);
+  if (!io) return NULL;
+  pthread_mutex_init(&io->mu, NULL);
+  pthread_cond_init(&io->cv, NULL);
+  io->chunk_bytes = chunk_bytes;
+  io->nslots = staging_bytes / chunk_bytes ? staging_bytes / chunk_bytes : 1;
+  io->ring_bytes = io->nslots * chunk_bytes;
+  io->reading = reading;
+  io->threads = calloc(threads, sizeof *io->threads);
+  io->free_slots = calloc(io->nslots, sizeof *io->free_slots);
+  io->q = calloc(io->nslots, sizeof *io->q);
+  void *ring = mmap(NULL, io->ring_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  io->ring = ring == MAP_FAILED ? NULL : ring;
+  if (!io->threads || !io->free_slots || !io->q || !io->ring) {
+    cio_free(io);
+    errno = ENOMEM;
+    return NULL;
+  }
+  for (size_t i = 0; i < io->nslots; i++) io->free_slots[io->nfree++] = (int)(io->nslots - 1 - i);
+  sigset_t all, old;
+  sigfillset(&all);
+  pthread_sigmask(SIG_SETMASK, &all, &old);
+  int e = 0;
+  for (unsigned i = 0; i < threads && !e; i++) {
+    e = pthread_create(&io->threads[i], NULL, reading ? reader_main : writer_main, io);
+    if (!e) io->nthreads++;
+  }
+  pthread_sigmask(SIG_SETMASK, &old, NULL);
+  if (e) {
+    cui_cio_finish(io, NULL, NULL);
+    errno = e;
+    return NULL;
+  }
+  return io;
+}
+
+void *cui_cio_ring(struct cui_cio *io, size_t *bytes) {
+  *bytes = io->ring_bytes;
+  return io->ring;
+}
+
+int cui_cio_slot(struct cui_cio *io, unsigned char **buf) {
+  pthread_mutex_lock(&io->mu);
+  while (!io->nfree && !io->stop) pthread_cond_wait(&io->cv, &io->mu);
+  int slot = io->stop ? -1 : io->free_slots[--io->nfree];
+  pthread_mutex_unlock(&io->mu);
+  if (slot >= 0) *buf = io->ring + (size_t)slot * io->chunk_bytes;
+  return slot;
+}
+
+void cui_cio_submit(struct cui_cio *io, int slot, struct cui_cio_stream *s, uint32_t chunk, size_t len) {
+  pthread_mutex_lock(&io->mu);
+  io->q[(io->qhead + io->qlen) % io->nslots] = (struct cio_item){s, chunk, slot, len};
+  io->qlen++;
+  pthread_cond_broadcast(&io->cv);
+  pthread_mutex_unlock(&io->mu);
+}
+
+int cui_cio_queue_read(struct cui_cio *io, struct cui_cio_stream *s, uint32_t chunk, size_t len) {
+  pthread_mutex_lock(&io->mu);
+  if (io->ntasks == io->cap_tasks) {
+    size_t cap = io->cap_tasks ? 2 * io->cap_tasks : 64;
+    struct cio_item *t = realloc(io->tasks, cap * sizeof *t);
+    if (!t) {
+      pthread_mutex_unlock(&io->mu);
+      return -1;
+    }
+    io->tasks = t;
+    io->cap_tasks = cap;
+  }
+  io->tasks[io->ntasks++] = (struct cio_item){s, chunk, -1, len};
+  pthread_cond_broadcast(&io->cv);
+  pthread_mutex_unlock(&io->mu);
+  return 0;
+}
+
+int cui_cio_next_ready(struct cui_cio *io, unsigned char **buf, struct cui_cio_stream **s, uint32_t *chunk,
+                       size_t *len) {
+  pthread_mutex_lock(&io->mu);
+  while (!io->qlen && !io->stop && io->consumed < io->ntasks) pthread_cond_wait(&io->cv, &io->mu);
+  int slot = -1;
+  if (!io->stop && io->qlen) {
+    struct cio_item it = io->q[io->qhead];
+    io->qhead = (io->qhead + 1) % io->nslots;
+    io->qlen--;
+    io->consumed++;
+    slot = it.slot;
+    *buf = io->ring + (size_t)slot * io->chunk_bytes;
+    *s = it.s;
+    *chunk = it.chunk;
+    *len = it.len;
+  }
+  pthread_mutex_unlock(&io->mu);
+  return slot;
+}
+
+void cui_cio_release(struct cui_cio *io, int slot) {
+  pthread_mutex_lock(&io->mu);
+  io->free_slots[io->nfree++] = slot;
+  pthread_cond_broadcast(&io->cv);
+  pthread_mutex_unlock(&io->mu);
+}
+
+void cui_cio_abort(struct cui_cio *io) {
+  pthread_mutex_lock(&io->mu);
+  io->stop = 1;
+  pthread_cond_broadcast(&io->cv);
+  pthread_mutex_unlock(&io->mu);
+}
+
+enum cui_cio_err cui_cio_finish(struct cui_cio *io, struct cui_cio_error *e, uint64_t *written) {
+  pthread_mutex_lock(&io->mu);
+  io->finishing = 1;
+  pthread_cond_broadcast(&io->cv);
+  pthread_mutex_unlock(&io->mu);
+  for (unsigned i = 0; i < io->nthreads; i++) pthread_join(io->threads[i], NULL);
+  enum cui_cio_err kind = io->err.kind;
+  if (e) *e = io->err;
+  if (written) *written = io->written;
+  cio_free(io);
+  return kind;
+}

@@ -1,0 +1,503 @@
+/*
+ * ops_carriers.c: the byte-moving phase ops (protocol.h "Carriers"; docs/shim.md "Chunk
+ * files"): SAVE_ALLOCATIONS writes every carried allocation into its chunk file through the
+ * staging ring (chunkio.c), LOAD_ALLOCATIONS reads it back and verifies each chunk before its
+ * bytes reach the device, CANCEL_CAPTURE drops the digest tables. The descriptors come with
+ * the request (control.c receives and closes them); no host copy of the bytes outlives the op
+ * (the ring is unmapped before the reply). Runs on the control worker with op_running set.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "phase_ops.h"
+
+static const uint8_t k_zero_digest[CUI_DIGEST_BYTES];
+
+static void hex_digest(const uint8_t d[CUI_DIGEST_BYTES], char out[2 * CUI_DIGEST_BYTES + 1]) {
+  for (unsigned i = 0; i < CUI_DIGEST_BYTES; i++) snprintf(out + 2 * i, 3, "%02x", d[i]);
+}
+
+static uint32_t chunks_of(uint64_t bytes, uint64_t cb) { return (uint32_t)((bytes + cb - 1) / cb); }
+
+/* Forget every digest table: clear CUI_REC_CARRIED and the carrier fields. Returns how many
+ * allocations were carried. Only host memory is touched. */
+static uint32_t drop_tables(void) {
+  uint32_t n = 0;
+  for (size_t i = 0; i < cui_st.nallocs; i++) {
+    struct cui_alloc *a = &cui_st.allocs[i];
+    if (a->flags & CUI_REC_CARRIED) n++;
+    a->flags &= ~CUI_REC_CARRIED;
+    free(a->digests);
+    a->digests = NULL;
+    a->nchunks = 0;
+    a->carrier_bytes = 0;
+    a->checksum = 0;
+  }
+  cui_st.chunk_bytes = 0;
+  return n;
+}
+
+/* The request's parameters and its table against the allocations this process carries (SAVE:
+ * cui_is_carried_role; LOAD: those with CUI_REC_CARRIED). Fills which[] (entry -> allocation).
+ * CUI_BAD_REQUEST naming what is wrong; nothing changed. */
+static int match_entries(const char *op, const struct cui_carry_in *in, int load, struct cui_alloc **which,
+                         struct cui_op_result *res) {
+  unsigned pid = (unsigned)getpid();
+  char hex[33];
+  res->status = CUI_BAD_REQUEST;
+  uint64_t cb = in->chunk_bytes;
+  if (cb < CUI_CHUNK_MIN || cb > CUI_CHUNK_MAX || (cb & (cb - 1)) || in->staging_bytes < cb ||
+      in->staging_bytes > CUI_STAGING_MAX || in->writers < 1 || in->writers > CUI_WRITERS_MAX) {
+    snprintf(res->message, sizeof res->message,
+             "%s: pid %u: chunk_bytes %llu (a power of two in [%llu, %llu]), staging_bytes %llu (>= chunk_bytes, <= "
+             "%llu) or writers %u (1..%u) out of range; nothing was changed",
+             op, pid, (unsigned long long)cb, CUI_CHUNK_MIN, CUI_CHUNK_MAX, (unsigned long long)in->staging_bytes,
+             CUI_STAGING_MAX, in->writers, CUI_WRITERS_MAX);
+    return -1;
+  }
+  if (load && cui_st.chunk_bytes && cb != cui_st.chunk_bytes) {
+    snprintf(res->message, sizeof res->message,
+             "%s: pid %u: chunk_bytes %llu differs from the %llu the chunk files were saved with; nothing was changed",
+             op, pid, (unsigned long long)cb, (unsigned long long)cui_st.chunk_bytes);
+    return -1;
+  }
+  size_t carried = 0;
+  for (size_t i = 0; i < cui_st.nallocs; i++) {
+    const struct cui_alloc *a = &cui_st.allocs[i];
+    carried += cui_is_carried_role(a) && (!load || (a->flags & CUI_REC_CARRIED));
+  }
+  for (uint32_t j = 0; j < in->count; j++) {
+    const struct cui_stream_entry *e = &in->entries[j];
+    cui_hex_id(e->alloc_id, hex);
+    which[j] = NULL;
+    for (size_t i = 0; i < cui_st.nallocs && !which[j]; i++) {
+      struct cui_alloc *a = &cui_st.allocs[i];
+      if (cui_is_carried_role(a) && (!load || (a->flags & CUI_REC_CARRIED)) && !memcmp(a->id, e->alloc_id, 16))
+        which[j] = a;
+    }
+    for (uint32_t k = 0; k < j && which[j]; k++)
+      if (which[k] == which[j]) {
+        snprintf(res->message, sizeof res->message,
+                 "%s: pid %u: allocation %s is named twice in the chunk file table; nothing was changed", op, pid, hex);
+        return -1;
+      }
+    if (!which[j] || e->bytes != which[j]->size) {
+      snprintf(res->message, sizeof res->message,
+               "%s: pid %u: the chunk file table names allocation %s (%llu bytes), which this process does not "
+               "carry%s; nothing was changed",
+               op, pid, hex, (unsigned long long)e->bytes, which[j] ? " with that size" : "");
+      return -1;
+    }
+  }
+  if (in->count != carried) {
+    snprintf(res->message, sizeof res->message,
+             "%s: pid %u carries %zu allocations but the request brings %u chunk files (one per carried "
+             "allocation, protocol.h \"Carriers\"); nothing was changed",
+             op, pid, carried, in->count);
+    return -1;
+  }
+  res->status = CUI_OK;
+  return 0;
+}
+
+/* ---------- SAVE_ALLOCATIONS: MULTICAST_RELEASED (or ACTIVE) -> SAVED ---------- */
+
+/* The chunk table of the reply (protocol.h "Carriers"). */
+static int build_table(struct cui_op_result *res, struct cui_alloc **which, const struct cui_cio_stream *st,
+                       uint32_t n) {
+  size_t len = 0;
+  for (uint32_t j = 0; j < n; j++) len += sizeof(struct cui_stream_head) + (size_t)st[j].nchunks * CUI_DIGEST_BYTES;
+  unsigned char *p = malloc(len ? len : 1);
+  if (!p) return -1;
+  size_t off = 0;
+  for (uint32_t j = 0; j < n; j++) {
+    struct cui_stream_head h;
+    memset(&h, 0, sizeof h);
+    memcpy(h.alloc_id, which[j]->id, 16);
+    h.bytes = st[j].bytes;
+    h.chunk_count = st[j].nchunks;
+    for (uint32_t i = 0; i < st[j].nchunks; i++) h.zero_count += !memcmp(st[j].digests[i], k_zero_digest, 32);
+    memcpy(p + off, &h, sizeof h);
+    off += sizeof h;
+    memcpy(p + off, st[j].digests, (size_t)st[j].nchunks * CUI_DIGEST_BYTES);
+    off += (size_t)st[j].nchunks * CUI_DIGEST_BYTES;
+  }
+  res->payload = p;
+  res->reply_reserved[0] = len;
+  return 0;
+}
+
+/* Copies one allocation chunk by chunk into ring slots and hands each to the writers. */
+static int save_one(struct cui_op_result *res, struct cui_alloc *a, struct cui_cio_stream *s, struct cui_cio *io,
+                    uint64_t cb) {
+  cui_ensure_context(&a->prop);
+  const char *what = NULL;
+  CUmemGenericAllocationHandle h;
+  int temporary;
+  CUdeviceptr va = 0;
+  CUresult r = cui_alloc_driver_handle(a, &h, &temporary);
+  int held = r == CUDA_SUCCESS, stopped = 0;
+  if (r != CUDA_SUCCESS) what = "cuMemRetainAllocationHandle";
+  if (r == CUDA_SUCCESS) r = cui_staging_map(a, h, &va, &what);
+  if (r == CUDA_SUCCESS) {
+    for (uint32_t i = 0; i < s->nchunks && r == CUDA_SUCCESS; i++) {
+      unsigned char *buf;
+      int slot = cui_cio_slot(io, &buf);
+      if (slot < 0) {
+        stopped = 1;   /* a writer failed: cui_cio_finish reports it */
+        break;
+      }
+      uint64_t off = (uint64_t)i * cb, len = s->bytes - off < cb ? s->bytes - off : cb;
+      uint64_t t0 = cui_now_ns();
+      r = REAL(cuMemcpyDtoH_v2)(buf, va + off, len);
+      res->copy_ns += cui_now_ns() - t0;
+      if (r != CUDA_SUCCESS) {
+        what = "cuMemcpyDtoH_v2";
+        cui_cio_submit(io, slot, s, i, 0);   /* give the slot back (an empty chunk) */
+        break;
+      }
+      cui_cio_submit(io, slot, s, i, len);
+    }
+    const char *w2 = NULL;
+    CUresult r2 = cui_staging_unmap(a, va, &w2);
+    if (r == CUDA_SUCCESS && r2 != CUDA_SUCCESS) r = r2, what = w2;
+  }
+  if (temporary && held) REAL(cuMemRelease)(h);
+  if (r != CUDA_SUCCESS) {
+    cui_cio_abort(io);
+    cui_fail_driver(res, CUI_OP_SAVE_ALLOCATIONS, a, what, r);
+    return -1;
+  }
+  return stopped ? -1 : 0;
+}
+
+int cui_op_save_allocations(struct cui_op_result *res) {
+  const struct cui_carry_in *in = res->carry;
+  static const struct cui_carry_in none;
+  if (!in) in = &none;
+  unsigned pid = (unsigned)getpid();
+  uint32_t n = in->count;
+  struct cui_alloc **which = calloc(n ? n : 1, sizeof *which);
+  struct cui_cio_stream *st = calloc(n ? n : 1, sizeof *st);
+  int rc = -1;
+  char hex[33];
+  if (!which || !st) {
+    res->status = CUI_REFUSED_STATE;
+    snprintf(res->message, sizeof res->message, "SAVE_ALLOCATIONS: pid %u: out of memory; nothing was changed", pid);
+    goto out;
+  }
+  if (match_entries("SAVE_ALLOCATIONS", in, 0, which, res) != 0) goto out;
+  uint64_t cb = in->chunk_bytes;
+  for (uint32_t j = 0; j < n; j++) {
+    st[j].fd = in->fds[j];
+    st[j].bytes = which[j]->size;
+    st[j].nchunks = chunks_of(st[j].bytes, cb);
+    st[j].digests = calloc(st[j].nchunks ? st[j].nchunks : 1, CUI_DIGEST_BYTES);
+    struct stat sb;   /* a regular file is sized first (its zero chunks stay holes) */
+    int e = !st[j].digests                                 ? ENOMEM
+            : fstat(st[j].fd, &sb) != 0                    ? errno
+            : !S_ISREG(sb.st_mode)                         ? 0
+            : ftruncate(st[j].fd, (off_t)st[j].bytes) != 0 ? errno
+                                                           : 0;
+    if (e) {
+      cui_hex_id(which[j]->id, hex);
+      res->status = CUI_FAILED;
+      snprintf(res->message, sizeof res->message,
+               "SAVE_ALLOCATIONS: pid %u allocation %s: cannot size its chunk file to %llu bytes: %s (errno %d)", pid,
+               hex, (unsigned long long)st[j].bytes, strerror(e), e);
+      goto out;
+    }
+  }
+  struct cui_cio *io = n ? cui_cio_start(cb, in->staging_bytes, in->writers, 0) : NULL;
+  if (n && !io) {
+    res->status = CUI_FAILED;
+    snprintf(res->message, sizeof res->message,
+             "SAVE_ALLOCATIONS: pid %u: cannot start the staging ring (%llu bytes, %u writers): %s", pid,
+             (unsigned long long)in->staging_bytes, in->writers, strerror(errno));
+    goto out;
+  }
+  size_t ring_bytes = 0;
+  void *ring = io ? cui_cio_ring(io, &ring_bytes) : NULL;
+  cui_fn_cuMemHostRegister_v2 reg = REAL(cuMemHostRegister_v2);
+  int pinned = ring && reg && reg(ring, ring_bytes, CU_MEMHOSTREGISTER_PORTABLE) == CUDA_SUCCESS;
+  int failed = 0;
+  for (uint32_t j = 0; j < n && !failed; j++) failed = save_one(res, which[j], &st[j], io, cb) != 0;
+  if (pinned) REAL(cuMemHostUnregister)(ring);
+  struct cui_cio_error e;
+  uint64_t written = 0;
+  if (io && cui_cio_finish(io, &e, &written) != CUI_CIO_OK && res->status != CUI_FAILED) {
+    uint32_t j = (uint32_t)(e.stream - st);
+    cui_hex_id(which[j]->id, hex);
+    res->status = CUI_FAILED;
+    snprintf(res->message, sizeof res->message,
+             "SAVE_ALLOCATIONS: pid %u allocation %s: writing chunk %u of %u (offset %llu) to its chunk file failed: "
+             "%s (errno %d)",
+             pid, hex, e.chunk, st[j].nchunks, (unsigned long long)e.chunk * cb, strerror(e.err), e.err);
+    failed = 1;
+  }
+  if (failed || build_table(res, which, st, n) != 0) {
+    if (!failed) {
+      res->status = CUI_FAILED;
+      snprintf(res->message, sizeof res->message, "SAVE_ALLOCATIONS: pid %u: out of memory for the chunk table", pid);
+    }
+    goto out;
+  }
+  for (uint32_t j = 0; j < n; j++) {
+    struct cui_alloc *a = which[j];
+    free(a->digests);
+    a->digests = st[j].digests;
+    st[j].digests = NULL;
+    a->nchunks = st[j].nchunks;
+    a->carrier_bytes = st[j].bytes;
+    a->checksum = cui_checksum64(a->digests, (size_t)a->nchunks * CUI_DIGEST_BYTES);
+    a->flags |= CUI_REC_CARRIED;
+    res->bytes += a->size;
+    res->records_changed++;
+  }
+  cui_st.chunk_bytes = cb;
+  res->reply_reserved[1] = cb;
+  res->reply_reserved[2] = written;
+  rc = 0;
+out:
+  for (uint32_t j = 0; st && j < n; j++) free(st[j].digests);
+  free(st);
+  free(which);
+  if (rc != 0) {
+    res->bytes = 0;
+    res->records_changed = 0;
+    free(res->payload);
+    res->payload = NULL;
+    res->reply_reserved[0] = 0;
+    if (res->status == CUI_FAILED) {
+      drop_tables();
+      size_t len = strlen(res->message);
+      snprintf(res->message + len, sizeof res->message - len,
+               "; the chunk table was dropped and pid %u stays %s (nothing was torn down)", pid,
+               cui_phase_name(cui_st.phase));
+    }
+  }
+  return rc;
+}
+
+/* ---------- CANCEL_CAPTURE: SAVED -> MULTICAST_RELEASED (or ACTIVE) ---------- */
+
+/* SAVED differs from ACTIVE only by the digest tables (SAVE_ALLOCATIONS only copied): drop them. */
+int cui_op_cancel_capture(struct cui_op_result *res) {
+  res->records_changed = drop_tables();
+  return 0;
+}
+
+/* ---------- LOAD_ALLOCATIONS: PREPARED -> LOADED ---------- */
+
+/* Fills the fresh allocation behind staging mapping `va` from stream `s`: zero chunks with
+ * cuMemsetD8, the others through the readers (each verified before cuMemcpyHtoD). Returns 0;
+ * -1 with a driver failure in res (FAILED) or 1 when the ring stopped (the caller reads why). */
+static int load_one(struct cui_op_result *res, struct cui_alloc *a, struct cui_cio_stream *s, struct cui_cio *io,
+                    CUdeviceptr va, uint64_t cb) {
+  uint32_t queued = 0;
+  for (uint32_t i = 0; i < s->nchunks; i++) {
+    uint64_t off = (uint64_t)i * cb, len = s->bytes - off < cb ? s->bytes - off : cb;
+    if (!memcmp(s->digests[i], k_zero_digest, CUI_DIGEST_BYTES)) {
+      CUresult r = REAL(cuMemsetD8_v2)(va + off, 0, len);   /* a fresh allocation is not zeroed */
+      if (r != CUDA_SUCCESS) {
+        cui_fail_driver(res, CUI_OP_LOAD_ALLOCATIONS, a, "cuMemsetD8_v2", r);
+        return -1;
+      }
+    } else if (cui_cio_queue_read(io, s, i, len) == 0) {
+      queued++;
+    } else {
+      cui_fail_driver(res, CUI_OP_LOAD_ALLOCATIONS, a, "queueing a chunk read (out of memory)",
+                      CUDA_ERROR_OUT_OF_MEMORY);
+      return -1;
+    }
+  }
+  for (uint32_t k = 0; k < queued; k++) {
+    unsigned char *buf;
+    struct cui_cio_stream *got;
+    uint32_t chunk;
+    size_t len;
+    int slot = cui_cio_next_ready(io, &buf, &got, &chunk, &len);
+    if (slot < 0) return 1;
+    uint64_t t0 = cui_now_ns();
+    CUresult r = REAL(cuMemcpyHtoD_v2)(va + (uint64_t)chunk * cb, buf, len);
+    res->copy_ns += cui_now_ns() - t0;
+    cui_cio_release(io, slot);
+    if (r != CUDA_SUCCESS) {
+      cui_fail_driver(res, CUI_OP_LOAD_ALLOCATIONS, a, "cuMemcpyHtoD_v2", r);
+      return -1;
+    }
+  }
+  return 0;
+}
+
+/* A refused load: why (the ring's error, or a file of the wrong size), naming pid, allocation,
+ * chunk, both checksums. */
+static void refuse_load(struct cui_op_result *res, const struct cui_alloc *a, const struct cui_cio_error *e,
+                        const struct cui_cio_stream *s) {
+  char hex[33], want[65], got[65];
+  cui_hex_id(a->id, hex);
+  unsigned pid = (unsigned)getpid();
+  int n = 0;
+  res->status = CUI_REFUSED_STATE;
+  if (e->kind == CUI_CIO_CHECKSUM) {
+    hex_digest(s->digests[e->chunk], want);
+    hex_digest(e->found, got);
+    n = snprintf(res->message, sizeof res->message,
+                 "LOAD_ALLOCATIONS: pid %u allocation %s: chunk %u of its chunk file has checksum blake2b-256 %s, "
+                 "recorded %s",
+                 pid, hex, e->chunk, got, want);
+  } else if (e->kind == CUI_CIO_SHORT) {
+    n = snprintf(res->message, sizeof res->message,
+                 "LOAD_ALLOCATIONS: pid %u allocation %s: its chunk file ends inside chunk %u (shorter than the %llu "
+                 "bytes saved)",
+                 pid, hex, e->chunk, (unsigned long long)s->bytes);
+  } else {
+    n = snprintf(res->message, sizeof res->message,
+                 "LOAD_ALLOCATIONS: pid %u allocation %s: reading chunk %u of its chunk file failed: %s (errno %d)",
+                 pid, hex, e->chunk, strerror(e->err), e->err);
+  }
+  if (n > 0 && (size_t)n < sizeof res->message)
+    snprintf(res->message + n, sizeof res->message - (size_t)n,
+             "; nothing was loaded (the allocations created were released) and pid %u stays PREPARED", pid);
+}
+
+int cui_op_load_allocations(struct cui_op_result *res) {
+  const struct cui_carry_in *in = res->carry;
+  static const struct cui_carry_in none = {.chunk_bytes = CUI_CHUNK_MIN, .staging_bytes = CUI_CHUNK_MIN, .writers = 1};
+  if (!in) in = &none;
+  unsigned pid = (unsigned)getpid();
+  uint32_t n = in->count;
+  struct cui_alloc **which = calloc(n ? n : 1, sizeof *which);
+  struct cui_cio_stream *st = calloc(n ? n : 1, sizeof *st);
+  CUmemGenericAllocationHandle *hs = calloc(n ? n : 1, sizeof *hs);
+  CUdeviceptr *vas = calloc(n ? n : 1, sizeof *vas);
+  uint32_t made = 0;   /* allocations created (and staging-mapped) so far */
+  int rc = -1;
+  if (!which || !st || !hs || !vas) {
+    res->status = CUI_REFUSED_STATE;
+    snprintf(res->message, sizeof res->message, "LOAD_ALLOCATIONS: pid %u: out of memory; nothing was changed", pid);
+    goto out;
+  }
+  if (match_entries("LOAD_ALLOCATIONS", in, 1, which, res) != 0) goto out;
+  uint64_t cb = in->chunk_bytes;
+  for (uint32_t j = 0; j < n; j++) {
+    struct stat sb;
+    st[j] = (struct cui_cio_stream){in->fds[j], which[j]->carrier_bytes, which[j]->nchunks, which[j]->digests};
+    if (fstat(st[j].fd, &sb) != 0 || !S_ISREG(sb.st_mode) || (uint64_t)sb.st_size != st[j].bytes) {
+      char hex[33];
+      cui_hex_id(which[j]->id, hex);
+      res->status = CUI_REFUSED_STATE;
+      snprintf(res->message, sizeof res->message,
+               "LOAD_ALLOCATIONS: pid %u allocation %s: its chunk file is not a regular file of %llu bytes (found "
+               "%lld bytes); nothing was changed and pid %u stays PREPARED",
+               pid, hex, (unsigned long long)st[j].bytes, (long long)sb.st_size, pid);
+      goto out;
+    }
+  }
+  struct cui_cio *io = n ? cui_cio_start(cb, in->staging_bytes, in->writers, 1) : NULL;
+  if (n && !io) {
+    res->status = CUI_REFUSED_STATE;
+    snprintf(res->message, sizeof res->message,
+             "LOAD_ALLOCATIONS: pid %u: cannot start the staging ring (%llu bytes, %u readers): %s; nothing was "
+             "changed",
+             pid, (unsigned long long)in->staging_bytes, in->writers, strerror(errno));
+    goto out;
+  }
+  size_t ring_bytes = 0;
+  void *ring = io ? cui_cio_ring(io, &ring_bytes) : NULL;
+  cui_fn_cuMemHostRegister_v2 reg = REAL(cuMemHostRegister_v2);
+  int pinned = ring && reg && reg(ring, ring_bytes, CU_MEMHOSTREGISTER_PORTABLE) == CUDA_SUCCESS;
+  int got = 0;   /* 0 ok, -1 driver failure (res filled), 1 the ring stopped */
+  for (uint32_t j = 0; j < n && got == 0; j++) {
+    struct cui_alloc *a = which[j];
+    cui_ensure_context(&a->prop);
+    const char *what = "cuMemCreate";
+    CUresult r = REAL(cuMemCreate)(&hs[j], a->size, &a->prop, 0);
+    if (r == CUDA_SUCCESS) {
+      r = cui_staging_map(a, hs[j], &vas[j], &what);
+      if (r != CUDA_SUCCESS) REAL(cuMemRelease)(hs[j]);
+    }
+    if (r != CUDA_SUCCESS) {
+      cui_fail_driver(res, CUI_OP_LOAD_ALLOCATIONS, a, what, r);
+      got = -1;
+      break;
+    }
+    made++;
+    got = load_one(res, a, &st[j], io, vas[j], cb);
+    if (got == 0) res->bytes += a->size;
+  }
+  if (got != 0 && io) cui_cio_abort(io);
+  if (pinned) REAL(cuMemHostUnregister)(ring);
+  struct cui_cio_error e;
+  enum cui_cio_err kind = io ? cui_cio_finish(io, &e, NULL) : CUI_CIO_OK;
+  if (got == 1 || (got == 0 && kind != CUI_CIO_OK)) {
+    uint32_t j = (uint32_t)(e.stream - st);
+    refuse_load(res, which[j], &e, &st[j]);
+    got = 1;
+  }
+  if (got != 0) {   /* refused or failed: release what was created; the app's state is untouched */
+    for (uint32_t j = 0; j < made; j++) {
+      const char *w = NULL;
+      cui_staging_unmap(which[j], vas[j], &w);
+      REAL(cuMemRelease)(hs[j]);
+    }
+    made = 0;
+    res->bytes = 0;
+    if (got == -1) {   /* a driver call failed: the tables stay, the phase stays (nothing was torn down) */
+      res->status = CUI_REFUSED_STATE;
+      size_t len = strlen(res->message);
+      snprintf(res->message + len, sizeof res->message - len,
+               "; the allocations created were released and pid %u stays PREPARED", pid);
+    }
+    goto out;
+  }
+  /* every byte is on the device and verified: map, export, keep the handles (destructive from
+   * here: a failure moves the shim to FAILED) */
+  for (uint32_t j = 0; j < n; j++) {
+    struct cui_alloc *a = which[j];
+    const char *what = NULL;
+    CUresult r = cui_staging_unmap(a, vas[j], &what);
+    vas[j] = 0;
+    if (r == CUDA_SUCCESS) r = cui_remap(a, hs[j], &res->records_changed, &what);
+    if (r == CUDA_SUCCESS && (a->flags & CUI_REC_EXPORTED)) {
+      int fd = -1;
+      r = REAL(cuMemExportToShareableHandle)(&fd, hs[j], CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+      if (r != CUDA_SUCCESS) what = "cuMemExportToShareableHandle";
+      else if (cui_cache_put(a->id, fd) != 0) {
+        close(fd);
+        r = CUDA_ERROR_OUT_OF_MEMORY;
+        what = "export cache insert";
+      }
+    }
+    if (r != CUDA_SUCCESS) {
+      cui_fail_driver(res, CUI_OP_LOAD_ALLOCATIONS, a, what, r);   /* FAILED: nothing is rolled back */
+      for (uint32_t k = j + 1; k < n; k++) {
+        cui_staging_unmap(which[k], vas[k], &what);
+        REAL(cuMemRelease)(hs[k]);
+      }
+      made = 0;
+      goto out;
+    }
+    if (a->vrefs > 0) {
+      a->real = hs[j];
+      a->has_real = 1;
+    } else {
+      REAL(cuMemRelease)(hs[j]);   /* the app only kept mappings */
+    }
+    res->records_changed++;
+  }
+  made = 0;
+  drop_tables();
+  rc = 0;
+out:
+  free(which);
+  free(st);
+  free(hs);
+  free(vas);
+  return rc;
+}

@@ -1,0 +1,115 @@
+"""What restore trusts of ``chunks`` and ``DIR/chunks/`` (agent/snapshot/chunks.py;
+docs/snapshot-format.md): a good snapshot passes; every other case refuses naming the file or
+field, and nothing under the snapshot changes."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+
+from cuinterpose.agent.errors import SnapshotError
+from cuinterpose.agent.snapshot import chunks
+from cuinterpose.coordinator.protocol import cui_checksum64
+
+CB = 64 << 10
+AID = "9f3c" + "11" * 14
+
+
+def _snapshot(tmp_path):
+    data = os.urandom(CB) + bytes(CB) + os.urandom(100)  # dense, zero, short last chunk
+    sums = [
+        hashlib.blake2b(data[i * CB : (i + 1) * CB], digest_size=32).hexdigest() for i in (0, 2)
+    ]
+    checksums = [sums[0], None, sums[1]]
+    (tmp_path / "chunks").mkdir()
+    f = tmp_path / "chunks" / f"shared-4119-{AID}.bin"
+    f.write_bytes(data)
+    stream = {
+        "file": f"chunks/shared-4119-{AID}.bin",
+        "kind": "shared",
+        "pid": 4119,
+        "alloc_id": AID,
+        "bytes": len(data),
+        "zero": [1],
+        "checksums": checksums,
+    }
+    digest = b"".join(bytes(32) if c is None else bytes.fromhex(c) for c in checksums)
+    carrier = {
+        "pid": 4119,
+        "alloc_id": AID,
+        "bytes": len(data),
+        "checksum": f"{cui_checksum64(digest):016x}",
+    }
+    m = {"chunks": {"chunk_bytes": CB, "checksum": "blake2b-256", "streams": [stream]}}
+    return m, [carrier], f
+
+
+def _files(tmp_path):
+    return {p.name: p.read_bytes() for p in (tmp_path / "chunks").iterdir() if p.is_file()}
+
+
+def test_good_snapshot_passes(tmp_path):
+    m, carriers, _ = _snapshot(tmp_path)
+    chunks.check(tmp_path, m, carriers)
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("unlisted", "chunks/stray.bin is not listed in the manifest's chunks.streams"),
+        ("symlink", "chunks/link.bin is not a regular file"),
+        ("missing", "listed in the manifest is missing"),
+        ("size", "bytes, the manifest says"),
+        ("name", "is not chunks/shared-4119-"),
+        ("carrier", "disagrees with the carrier record of pid 4119"),
+        ("zero", "field zero differs from the null checksums"),
+        ("count", "3 checksums expected"),
+        ("absent", "the capture carries 1 allocations but the manifest has no field chunks"),
+    ],
+)
+def test_refusals_name_the_file_and_change_nothing(tmp_path, case, message):
+    m, carriers, f = _snapshot(tmp_path)
+    s = m["chunks"]["streams"][0]
+    if case == "unlisted":
+        (tmp_path / "chunks" / "stray.bin").write_bytes(b"x")
+    elif case == "symlink":
+        os.symlink(f, tmp_path / "chunks" / "link.bin")
+    elif case == "missing":
+        f.unlink()
+    elif case == "size":
+        with open(f, "ab") as fh:
+            fh.write(b"!")
+    elif case == "name":
+        s["file"] = "chunks/other.bin"
+    elif case == "carrier":
+        carriers[0]["checksum"] = "0" * 16
+    elif case == "zero":
+        s["zero"] = []
+    elif case == "count":
+        s["checksums"] = s["checksums"][:2]
+    elif case == "absent":
+        del m["chunks"]
+    before = _files(tmp_path)
+    with pytest.raises(SnapshotError) as ei:
+        chunks.check(tmp_path, m, carriers)
+    assert message in str(ei.value)
+    assert str(ei.value).endswith("restore refused, snapshot untouched")
+    assert _files(tmp_path) == before
+
+
+def test_normalize_lifts_the_capture_chunks(tmp_path):
+    cap = {
+        "chunks": {
+            "chunk_bytes": CB,
+            "checksum": "blake2b-256",
+            "streams": [],
+            "directory": "/x",
+            "private": True,
+        }
+    }
+    m = {"capture": cap}
+    chunks.normalize(m)
+    assert m["chunks"] == {"chunk_bytes": CB, "checksum": "blake2b-256", "streams": []}
+    assert m["capture"]["chunks"] == m["chunks"]

@@ -1,0 +1,152 @@
+"""Chunk files of the shim carriers (protocol.h "Carriers"; issue 12 item 1), on fakecuda:
+- the cycle brings the bytes back for a dense allocation, a 90 %-zero one (its file mostly
+  holes, by st_blocks), one whose last chunk is short and one smaller than a chunk, and the
+  files hold exactly the bytes with zero chunks unwritten;
+- a write error (ENOSPC from /dev/full) fails SAVE_ALLOCATIONS naming pid, allocation, chunk and
+  errno; the shim stays ACTIVE with its bytes intact and a new SAVE works;
+- SAVE leaves no host copy: the creator's VmRSS grows by less than the ring, not by the bytes,
+  and once PREPARED it no longer holds them (what CRIU would dump), yet LOAD brings them back."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+from cuinterpose.coordinator.carrierfiles import carried_streams
+from cuinterpose.coordinator.protocol import Op, Phase, RecordKind, Status
+
+from .conftest import GRAN, POSIX, RW
+
+MiB = 1 << 20
+
+
+def _alloc(c, size, seed, zero_from=None):
+    """A shared (exported) allocation of ``size`` bytes filled with pattern(seed); from byte
+    ``zero_from`` on it is zeroed (cuMemsetD32)."""
+    h = c.val(f"create {size} {POSIX}")
+    va = c.val(f"reserve {size}")
+    c.ok(f"map {va} {size} 0 {h}")
+    c.ok(f"access {va} {size} 0 {RW}")
+    c.ok(f"fill {va} {size} {seed}")
+    if zero_from is not None:
+        c.ok(f"memset32 {va + zero_from} 0 {(size - zero_from) // 4}")
+    c.val(f"export {h}")
+    return va
+
+
+def _records(ctl, c):
+    return ctl(c).request(Op.INSPECT, txn_id=0, expected_phase=Phase.ACTIVE).records
+
+
+def _cycle(ctl, c, start):
+    for k, (op, exp) in enumerate(
+        (
+            (Op.SAVE_ALLOCATIONS, Phase.ACTIVE),
+            (Op.PREPARE_UNICAST, Phase.SAVED),
+            (Op.LOAD_ALLOCATIONS, Phase.PREPARED),
+            (Op.RESTORE_UNICAST, Phase.LOADED),
+        )
+    ):
+        r = ctl(c).request(op, txn_id=start + k, expected_phase=exp)
+        assert r.reply.status == Status.OK, r.message
+        if op == Op.SAVE_ALLOCATIONS:
+            save = r
+    return save
+
+
+def test_cycle_dense_sparse_short_and_small(apps, ctl, chunk_files):
+    chunk_files.chunk_bytes, chunk_files.staging_bytes = 4 * MiB, 8 * MiB
+    c = apps()
+    c.ok("init")
+    dense = _alloc(c, 8 * MiB, 3)
+    sparse = _alloc(c, 40 * MiB, 4, zero_from=4 * MiB)  # 9 of 10 chunks zero
+    short = _alloc(c, 3 * GRAN, 5)  # 6 MiB: a 4 MiB chunk and a 2 MiB one
+    small = _alloc(c, GRAN, 6)  # smaller than one chunk
+    recs = _records(ctl, c)
+    save = _cycle(ctl, c, 1)
+    assert save.reply.reserved[1] == 4 * MiB
+    assert save.reply.reserved[2] == 8 * MiB + 4 * MiB + 6 * MiB + 2 * MiB  # non-zero bytes
+    for va, size, seed in ((dense, 8, 3), (short, 6, 5), (small, 2, 6)):
+        c.ok(f"check {va} {size * MiB} {seed}")
+    c.ok(f"check {sparse} {4 * MiB} 4")
+    assert (
+        c.val(f"read32 {sparse + 4 * MiB}") == 0 and c.val(f"read32 {sparse + 40 * MiB - 4}") == 0
+    )
+    # the files: exactly the bytes, holes where the chunks are zero
+    files = {size: chunk_files.path(c.pid, aid) for aid, size in carried_streams(recs)}
+    assert sorted(files) == [2 * MiB, 6 * MiB, 8 * MiB, 40 * MiB]
+    sp = files[40 * MiB]
+    with open(sp, "rb") as f:
+        head = f.read(4 * MiB)
+        rest = f.read()
+    assert len(head) == 4 * MiB and rest == bytes(36 * MiB)
+    assert os.stat(sp).st_blocks * 512 <= 0.15 * 40 * MiB  # ~10 % on disk
+    assert os.path.getsize(files[6 * MiB]) == 6 * MiB
+
+
+def test_save_write_error_keeps_active_and_bytes(apps, ctl):
+    c = apps()
+    c.ok("init")
+    va = _alloc(c, 4 * GRAN, 9)
+    recs = _records(ctl, c)
+    [(aid, size)] = carried_streams(recs)
+    fd = os.open("/dev/full", os.O_WRONLY)
+    try:
+        from cuinterpose.coordinator.client import CarrierRequest
+        from cuinterpose.coordinator.protocol import StreamEntry
+
+        req = CarrierRequest(MiB, 2 * MiB, 2, [(StreamEntry(aid, size), fd)])
+        r = ctl(c).request(Op.SAVE_ALLOCATIONS, txn_id=1, expected_phase=Phase.ACTIVE, carriers=req)
+    finally:
+        os.close(fd)
+    assert (r.reply.status, r.reply.phase, r.reply.bytes) == (Status.FAILED, Phase.ACTIVE, 0)
+    head, _, tail = r.message.partition(" of 8 (offset ")
+    assert head.startswith(f"SAVE_ALLOCATIONS: pid {c.pid} allocation {aid.hex()}: writing chunk ")
+    assert tail.endswith(
+        "to its chunk file failed: No space left on device (errno 28); the chunk table was "
+        f"dropped and pid {c.pid} stays ACTIVE (nothing was torn down)"
+    )
+    assert [r for r in _records(ctl, c) if r.kind == RecordKind.ALLOCATION] == [
+        r for r in recs if r.kind == RecordKind.ALLOCATION
+    ]
+    c.ok(f"check {va} {4 * GRAN} 9")
+    _cycle(ctl, c, 2)  # a new capture works
+    c.ok(f"check {va} {4 * GRAN} 9")
+
+
+def _rss(pid) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for ln in f:
+            if ln.startswith("VmRSS:"):
+                return int(ln.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_save_keeps_no_host_copy(apps, ctl, chunk_files):
+    size = 32 * GRAN  # 64 MiB
+    c = apps()
+    c.ok("init")
+    va = _alloc(c, size, 12)
+    before = _rss(c.pid)
+    r = ctl(c).request(Op.SAVE_ALLOCATIONS, txn_id=1, expected_phase=Phase.ACTIVE)
+    assert (r.reply.status, r.reply.bytes) == (Status.OK, size), r.message
+    grown = _rss(c.pid) - before
+    # the ring (256 KiB here) and thread stacks at most; a host carrier would add 64 MiB
+    assert grown < 8 * MiB, grown
+    [(aid, _)] = carried_streams(_records(ctl, c))
+    with open(chunk_files.path(c.pid, aid), "rb") as f:
+        data = f.read()
+    assert len(data) == size
+    assert hashlib.blake2b(data[:65536], digest_size=32).digest() == r.chunk_table[32:64]
+    # PREPARED: the creator's memory no longer holds the 64 MiB at all (fakecuda's device
+    # memory is host memory of the process): a CRIU dump here finds no carrier bytes, they
+    # are only in the chunk file
+    r = ctl(c).request(Op.PREPARE_UNICAST, txn_id=2, expected_phase=Phase.SAVED)
+    assert r.reply.status == Status.OK, r.message
+    assert before - _rss(c.pid) > size - 8 * MiB
+    for k, (op, exp) in enumerate(
+        ((Op.LOAD_ALLOCATIONS, Phase.PREPARED), (Op.RESTORE_UNICAST, Phase.LOADED)), 3
+    ):
+        r = ctl(c).request(op, txn_id=k, expected_phase=exp)
+        assert r.reply.status == Status.OK, r.message
+    c.ok(f"check {va} {size} 12")
