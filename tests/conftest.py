@@ -63,7 +63,9 @@ def fakecuda_dir() -> pathlib.Path:
 def compile_c(
     sources, out_name, *, cuda_include, sanitize=False, extra=(), libs=("-ldl", "-lpthread")
 ):
-    """Compile ``sources`` (paths) into build/tests/<out_name>[-asan]; rebuild when inputs change."""
+    """Compile ``sources`` (paths) into build/tests/<out_name>[-asan]; rebuild when the sources,
+    the headers they may include (interposer/include, the tests' .h files, cuda.h) or
+    the flags change."""
     sources = [pathlib.Path(s) for s in sources]
     flags = [
         "-std=gnu11",
@@ -80,8 +82,13 @@ def compile_c(
         flags += SANITIZE_FLAGS
         out_name += "-asan"
     key = hashlib.sha256()
-    for s in sources:
-        key.update(s.read_bytes())
+    # the sources and every header they can include (protocol.h, the drivers' own .h, cuda.h):
+    # a changed header rebuilds too
+    headers = sorted((REPO / "interposer" / "include").rglob("*.h"))
+    headers += sorted((REPO / "tests").rglob("*.h"))
+    headers.append(pathlib.Path(cuda_include) / "cuda.h")
+    for s in [*sources, *headers]:
+        key.update(str(s).encode() + b"\0" + s.read_bytes())
     key.update(" ".join(flags + list(libs)).encode())
     C_BUILD.mkdir(parents=True, exist_ok=True)
     exe = C_BUILD / out_name

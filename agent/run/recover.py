@@ -21,7 +21,7 @@ from typing import Callable, Optional
 from cuinterpose.agent.errors import AgentError
 from cuinterpose.agent.mech import census as census_mod
 from cuinterpose.agent.mech import native, procfs, quiesce
-from cuinterpose.agent.run import images
+from cuinterpose.agent.run import carriers, images
 from cuinterpose.agent.snapshot import manifest as manifest_mod
 from cuinterpose.coordinator.contract import quiesce_path
 
@@ -68,7 +68,17 @@ def lock_record(cp) -> dict:
         "phase_timeout_s": cp.phase_timeout_s,
         "carrier_timeout_s": cp.carrier_timeout_s,
         "last_txn_id": last_txn_id(cp.coordinator),
+        "chunks": chunk_settings(getattr(cp.coordinator, "carriers", None)),
     }
+
+
+def chunk_settings(files) -> dict:
+    """{"chunk_bytes", "staging_bytes", "writers"} of a capture's carrier chunk files
+    (coordinator/carrierfiles.py ``CarrierFiles``; {} without): a release loads the shims back
+    from the files with the chunk size they were written with (the shim refuses another)."""
+    if files is None:
+        return {}
+    return {k: int(getattr(files, k)) for k in ("chunk_bytes", "staging_bytes", "writers")}
 
 
 def encode_records(records) -> dict:
@@ -293,6 +303,10 @@ class Recovery:
             timeout_s=float(self.lk.get("phase_timeout_s") or 60.0),
             carrier_timeout_s=float(self.lk.get("carrier_timeout_s") or 3600.0),
         )
+        if self.lk.get("images_dir"):  # the carried bytes live in the snapshot's chunk files
+            coord.carriers = carriers.checkpoint_files(
+                self.lk["images_dir"], **(self.lk.get("chunks") or {})
+            )
         # txn ids above every one the dead agent (and any failed rollback) sent (they are
         # wall-clock based as well)
         coord.txn_floor = max(coord.txn_floor, int(self.lk.get("last_txn_id") or 0))
@@ -346,6 +360,7 @@ class Recovery:
         partial = snap["images_dir"] and not snap["complete"]
         if partial and not (pathlib.Path(snap["images_dir"]) / manifest_mod.MANIFEST_NAME).exists():
             images.cleanup(snap["images_dir"])
+            carriers.remove_chunks(snap["images_dir"])
             images.remove_empty([pathlib.Path(d) for d in self.lk.get("created_dirs") or []])
         return {
             "pid": self.root,

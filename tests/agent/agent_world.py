@@ -242,6 +242,20 @@ def creator_importer_records() -> dict:
     }
 
 
+def creator_chunk_files(images_dir) -> list:
+    """The chunk file a finished SAVE_ALLOCATIONS of :func:`creator_importer_records` left in
+    ``images_dir`` (``chunks/shared-201-<alloc_id>.bin``, 2 MiB, sparse: all zero): what a
+    release's rollback hands the creator's LOAD_ALLOCATIONS. Returns the paths."""
+    import pathlib
+
+    d = pathlib.Path(images_dir) / "chunks"
+    d.mkdir(parents=True, exist_ok=True)
+    f = d / f"shared-201-{bytes(range(16)).hex()}.bin"
+    with open(f, "wb") as out:
+        out.truncate(2 << 20)
+    return [f]
+
+
 def dead_pid() -> int:
     """The pid of a process that has exited (and was reaped)."""
     import subprocess

@@ -29,6 +29,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "agent"))
 
 from agent_world import (  # noqa: E402
     PIDS,
+    creator_chunk_files,
     creator_importer_records,
     dead_agent_lock,
     dead_pid,
@@ -101,7 +102,9 @@ def shims(world):
 
 
 def _record(world, root, **extra):
-    """The .lock record of a checkpoint of ``root`` whose participants are the mock shims."""
+    """The .lock record of a checkpoint of ``root`` whose participants are the mock shims
+    (with the creator's chunk file in its images dir, as a SAVE_ALLOCATIONS leaves it)."""
+    creator_chunk_files(world.ctl.parent / "snap")
     return {
         "roots": [root],
         "participants": [[p, str(world.ctl / f"cuinterpose-{p}.sock")] for p in PIDS],

@@ -133,7 +133,7 @@ def test_enospc_at_the_final_rewrite_leaves_no_tmp_and_warns_in_json(afdwin, tmp
     assert (rc, cp.get("ok")) == (0, True), cp
     assert a.wait_dumped(demo.HANG_S) == -signal.SIGKILL
     # the first manifest stays, complete; no temp file is left
-    assert sorted(p.name for p in snap.iterdir()) == ["criu", "manifest.json"]
+    assert sorted(p.name for p in snap.iterdir()) == ["chunks", "criu", "manifest.json"]
     final = snap / "manifest.json"
     assert cp["warnings"] == [
         {
@@ -153,7 +153,7 @@ def test_enospc_at_the_final_rewrite_leaves_no_tmp_and_warns_in_json(afdwin, tmp
     assert (rc, rs.get("ok")) == (0, True), rs
     assert a.wait_restored_exit(demo.HANG_S) in (0, None)
     assert demo.check_run(a.events(), STEPS) == []
-    assert sorted(p.name for p in snap.iterdir()) == ["criu", "manifest.json"]
+    assert sorted(p.name for p in snap.iterdir()) == ["chunks", "criu", "manifest.json"]
 
 
 def test_a_failed_first_write_leaves_neither_file(tmp_path, monkeypatch):

@@ -11,9 +11,11 @@
  * well-formed cui_reply (magic, version, lengths within 32 MiB, the op echoed unless
  * CUI_BAD_REQUEST) or the connection closed. Afterwards INSPECT must answer CUI_OK with the
  * records, and a full cycle SAVE_ALLOCATIONS -> PREPARE_UNICAST -> LOAD_ALLOCATIONS ->
- * RESTORE_UNICAST must succeed with the allocation's bytes equal to the pattern.
+ * RESTORE_UNICAST (the carriers in memfd chunk files, tests/shim/c/carry.h) must succeed with
+ * the allocation's bytes equal to the pattern.
  * Prints "fuzz: seed S requests N replies R closed C" and exits 0, or names the failure
  * (exit 1). Every socket wait has a 120 s deadline (SO_RCVTIMEO). */
+#define _GNU_SOURCE /* memfd_create (carry.h) */
 #include <cuda.h>
 #include <errno.h>
 #include <stdint.h>
@@ -26,6 +28,8 @@
 #include <unistd.h>
 
 #include "cuinterpose/protocol.h"
+
+#include "../../shim/c/carry.h" /* SAVE/LOAD carry memfd chunk files (protocol.h "Carriers") */
 
 #define CHECK(cond, ...)                                         \
   do {                                                           \
@@ -66,7 +70,14 @@ static size_t read_n(int s, void *buf, size_t n) {
   return got;
 }
 
-/* 1: a well-formed reply read whole; 0: the connection closed before a header. */
+/* The records of the last INSPECT that request() made (its carriers for SAVE/LOAD) */
+static struct cui_record g_recs[64];
+static uint32_t g_nrecs;
+static int g_keep_records;
+static int g_carry_fds[8] = {-1, -1, -1, -1, -1, -1, -1, -1};
+
+/* 1: a well-formed reply read whole; 0: the connection closed before a header. With
+ * g_keep_records, its records (up to 64) are kept in g_recs. */
 static int check_reply(int s, uint16_t op, struct cui_reply *out) {
   struct cui_reply r;
   size_t got = read_n(s, &r, sizeof r);
@@ -77,6 +88,12 @@ static int check_reply(int s, uint16_t op, struct cui_reply *out) {
   uint64_t body = (uint64_t)r.record_count * r.record_size + r.message_len;
   CHECK(body <= (32u << 20), "reply announces %llu bytes", (unsigned long long)body);
   static char sink[1 << 16];
+  if (g_keep_records && r.record_size == sizeof(struct cui_record)) {
+    g_nrecs = r.record_count < 64 ? r.record_count : 64;
+    size_t k = (size_t)g_nrecs * sizeof(struct cui_record);
+    CHECK(read_n(s, g_recs, k) == k, "reply records cut");
+    body -= k;
+  }
   while (body) {
     size_t k = body < sizeof sink ? (size_t)body : sizeof sink;
     CHECK(read_n(s, sink, k) == k, "reply body cut");
@@ -96,9 +113,13 @@ static struct cui_reply request(uint16_t op, uint64_t txn, uint32_t phase) {
   q.expected_phase = phase;
   q.sender_pid = (uint32_t)getpid();
   int s = connect_self();
-  CHECK(send(s, &q, sizeof q, MSG_NOSIGNAL) == (ssize_t)sizeof q, "send: %s", strerror(errno));
+  if (op == CUI_OP_SAVE_ALLOCATIONS || op == CUI_OP_LOAD_ALLOCATIONS)
+    CHECK(cui_test_send_carriers(s, &q, g_recs, g_nrecs, g_carry_fds) == 0, "send carriers: %s", strerror(errno));
+  else CHECK(send(s, &q, sizeof q, MSG_NOSIGNAL) == (ssize_t)sizeof q, "send: %s", strerror(errno));
   struct cui_reply r;
+  g_keep_records = op == CUI_OP_INSPECT;
   CHECK(check_reply(s, op, &r), "op %u: connection closed without a reply", op);
+  g_keep_records = 0;
   close(s);
   return r;
 }
