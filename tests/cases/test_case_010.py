@@ -119,7 +119,7 @@ def test_afdwin_channel_reports_a_reset_as_closed():
     finishing"), not ``ConnectionResetError``."""
     import socket
 
-    from workloads.afdwin.wire import Channel, ChannelClosed
+    from cuinterpose.workloads.afdwin.wire import Channel, ChannelClosed
 
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     ch = Channel(a)
