@@ -145,7 +145,7 @@ static CUresult ck_restore_call(int pid, CUcheckpointRestoreArgs *args)
     static pthread_mutex_t g_ck_mu = PTHREAD_MUTEX_INITIALIZER;
     unsigned np = args ? args->gpuPairsCount : 0;
     if (args) {
-        if (!all_zero(args->reserved, sizeof args->reserved) || args->reserved1)
+        if (!all_zero(args->reserved, sizeof args->reserved) || args->padding0 || args->customStorageInfo_out)
             return CUDA_ERROR_INVALID_VALUE;
         if (np && !args->gpuPairs)
             return CUDA_ERROR_INVALID_VALUE;
