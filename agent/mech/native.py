@@ -48,7 +48,7 @@ from typing import Callable, Iterable, Optional, Sequence, TypeVar
 
 from cuinterpose.agent import paths
 from cuinterpose.agent.errors import AgentError, NativeError
-from cuinterpose.agent.mech import libc, native_cli, procfs, signal_at
+from cuinterpose.agent.mech import libc, native_cli, native_storage, procfs, signal_at
 
 DRIVER_ENV = "CUINTERPOSE_DRIVER"
 DRIVER_KINDS = ("real", "fake")
@@ -331,6 +331,9 @@ def _api_lock(pid: int, timeout_ms: int) -> None:
 
 
 def _api_checkpoint(pid: int) -> None:
+    if native_storage.wants_checkpoint(pid):  # custom storage (agent/mech/native_storage.py)
+        native_storage.checkpoint(_driver, pid, _call, lambda: _driver.CUcheckpointRestoreArgs())
+        return
     _call("checkpoint", pid, None)
 
 
@@ -352,6 +355,10 @@ def _restore_args(gpu_pairs: Sequence[tuple[str, str]]):
 
 
 def _api_restore(pid: int, gpu_pairs: Sequence[tuple[str, str]] = ()) -> None:
+    if native_storage.wants_restore(pid):  # its GPU memory is in chunk files
+        args = _restore_args(gpu_pairs) or _driver.CUcheckpointRestoreArgs()
+        native_storage.restore(_driver, pid, _call, args)
+        return
     _call("restore", pid, _restore_args(gpu_pairs))
 
 

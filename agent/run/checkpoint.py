@@ -19,7 +19,7 @@ from cuinterpose.agent.errors import AgentError, CensusError, CheckpointFailed, 
 from cuinterpose.agent.mech import census as census_mod
 from cuinterpose.agent.mech import fds, native, quiesce
 from cuinterpose.agent.mech.inherit import external_file_key
-from cuinterpose.agent.run import images, interrupt, recover
+from cuinterpose.agent.run import gpustore_step, images, interrupt, recover
 from cuinterpose.agent.run.report import Reporter
 from cuinterpose.agent.run.rollback import Rollback
 from cuinterpose.agent.run.steps import (
@@ -315,9 +315,7 @@ class Checkpoint(Rollback, StepRunner):
             ph.detail = f"pids {', '.join(map(str, self.census.cuda_pids))}"
 
     def native_checkpoint(self):
-        with self.r.phase("native checkpoint") as ph:
-            native.checkpoint_all(self.census.cuda_pids)
-            ph.detail = f"pids {', '.join(map(str, self.census.cuda_pids))}"
+        gpustore_step.native_checkpoint(self)  # custom storage or host staging (issue 12)
 
     def criu_dump(self):
         """Dump every tree with ``--leave-stopped``: CRIU writes the images and leaves the
@@ -474,6 +472,7 @@ class Checkpoint(Rollback, StepRunner):
         ``manifest`` step's (rolled back)."""
         try:
             m = images.build_manifest(self)
+            gpustore_step.annotate(self, m)
             with self.r.phase("manifest") as ph:
                 path = manifest_mod.write(self.images_dir, m)
                 self.manifest = m
