@@ -211,3 +211,32 @@ def test_doctor_row(tmp_path):
         "host (auto): driver 13010 predates custom storage (needs 13040); "
         "GPU memory staged in host memory, CRIU dumps it"
     )
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 16 MiB tmpfs (the job's 32 MiB of non-zero chunks do not fit), unmounted at teardown."""
+    d = tmp_path / "full"
+    d.mkdir()
+    res = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(d)], capture_output=True, text=True
+    )
+    assert res.returncode == 0, f"mount tmpfs (the test needs root, as CRIU does): {res.stderr}"
+    yield d
+    subprocess.run(["umount", "-l", str(d)], check=True)
+
+
+def test_a_full_disk_while_streaming_rolls_back_with_the_memory_intact(job, small_tmpfs):
+    j = job()
+    snap = small_tmpfs / "snap"
+    rc, out = j.checkpoint(snap, "custom")
+    assert rc != 0 and not out["ok"], out
+    err = out["error"]
+    assert err["outcome"] == "rolled_back", err
+    assert err["phase"] == "native checkpoint" and err["pid"] == j.pid, err
+    msg = err["message"]
+    assert "GPU ordinal 0: write chunk " in msg and f"of chunks/gpu-{j.pid}-0.bin failed: " in msg
+    assert "ENOSPC (No space left on device)" in msg, msg
+    # the partial stream is removed; the job resumes with its bytes
+    assert not (snap / "chunks").exists() or list((snap / "chunks").iterdir()) == []
+    assert j.after() == {"restored": False, "blake2b": j.up["blake2b"]}
