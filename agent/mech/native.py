@@ -537,7 +537,10 @@ def restore(pid: int, gpu_pairs: Sequence[tuple[str, str]] = ()) -> None:
     """CHECKPOINTED -> LOCKED (mappings come back at their original VAs). ``gpu_pairs``:
     (old UUID, new UUID) as ``"GPU-xxxxxxxx-..."`` strings, every checkpointed GPU listed
     (driver API: ``CUcheckpointRestoreArgs.gpuPairs``; CLI: ``--device-map OLD=NEW,...``);
-    empty: the GPUs it had."""
+    empty: the GPUs it had. A process checkpointed to custom storage is restored from its
+    streams through the driver API whatever the backend (agent/mech/native_storage.py)."""
+    if native_storage.wants_restore(pid):
+        return _api_restore(pid, tuple(gpu_pairs))
     backend().restore(pid, tuple(gpu_pairs))
 
 

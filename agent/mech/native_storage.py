@@ -99,9 +99,7 @@ def begin_checkpoint(directory, opts: gpustore.Options) -> None:
     previous checkpoint are closed."""
     global _sink
     forget()
-    d = pathlib.Path(directory) / gpustore.CHUNKS_DIR
-    d.mkdir(mode=0o700, exist_ok=True)
-    _sink = Sink(pathlib.Path(directory), opts)
+    _sink = Sink(pathlib.Path(directory), opts)  # chunks/ is made by the first stream
 
 
 def end_checkpoint() -> list[dict]:
@@ -109,6 +107,11 @@ def end_checkpoint() -> list[dict]:
     global _sink
     _sink = None
     return [rec for pid in sorted(_held) for rec, _fd in _held[pid]]
+
+
+def held_files() -> list[str]:
+    """The stream files (relative paths) of this process's last checkpoint."""
+    return [rec["file"] for pid in sorted(_held) for rec, _fd in _held[pid] if rec]
 
 
 def forget() -> None:
@@ -147,7 +150,9 @@ def wants_checkpoint(pid: int) -> bool:
 
 
 def wants_restore(pid: int) -> bool:
-    return pid in _held or pid in _sources
+    """The pid's GPU memory is in streams (a pid checkpointed to custom storage without any GPU
+    memory restores through the chosen backend like a host checkpoint)."""
+    return bool(_held.get(pid) or _sources.get(pid))
 
 
 def retain_contexts(drv) -> None:
@@ -255,6 +260,8 @@ def checkpoint(drv, pid: int, call: Call, restore_args: Callable[[], object]) ->
     written: list[tuple[dict, int]] = []
     paths: list[pathlib.Path] = []
     try:
+        if regions:
+            (_sink.directory / gpustore.CHUNKS_DIR).mkdir(mode=0o700, exist_ok=True)
         for r in regions:
             rel = gpustore.stream_file(pid, r.ordinal)
             path = _sink.directory / rel

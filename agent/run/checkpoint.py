@@ -514,6 +514,7 @@ class Checkpoint(Rollback, StepRunner):
                 return self._run()
             except CheckpointFailed as e:
                 if self.manifest is None:
+                    gpustore_step.discard(self)
                     images.remove_empty(self.created_dirs)
                 if self.qid is not None:
                     gone = [r for r in self.roots if not _alive(r)]
@@ -534,6 +535,7 @@ class Checkpoint(Rollback, StepRunner):
                 raise
             except BaseException:
                 if self.manifest is None:
+                    gpustore_step.discard(self)
                     images.remove_empty(self.created_dirs)
                 if self.qid is not None:
                     quiesce.unlock(self.control_dir, self.roots, self.qid)

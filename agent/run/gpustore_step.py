@@ -111,6 +111,14 @@ def native_checkpoint(ck) -> None:
     }
 
 
+def discard(ck) -> None:
+    """A checkpoint that ends without its manifest: remove its ``chunks/gpu-*.bin`` files (the
+    agent still holds them open, so a rollback that has yet to read them back still can)."""
+    files = native_storage.held_files()
+    if files:
+        _remove(pathlib.Path(ck.images_dir), [{"file": f} for f in files])
+
+
 def annotate(ck, manifest: dict) -> None:
     """Put the GPU storage record into ``manifest`` (before it is written)."""
     rec = getattr(ck, "gpu_storage", None)
@@ -127,13 +135,14 @@ def prepare_restore(rs) -> None:
     if not rec or rec.get("mode") != "custom":
         return
     trust.check_gpu_storage(rs.images_dir, rs.m)
-    b = native.backend()
-    if b.name != "driver-api":
+    inf = native.info()
+    avail, why = native_storage.probe("driver-api", inf.library, inf.version)
+    if not avail:
         raise AgentError(
             "native restore",
             f"the snapshot's GPU memory is in custom storage ({len(rec['streams'])} stream(s) "
-            f"under {gpustore.CHUNKS_DIR}/), which the {b.name} backend cannot restore; use "
-            "--native-backend driver-api on a driver with custom storage",
+            f"under {gpustore.CHUNKS_DIR}/), and {why}; restore it on a driver with custom "
+            "storage (the driver API restores it, whatever --native-backend)",
         )
     opts = gpustore.Options(
         chunk_bytes=int(rec["chunk_bytes"]),

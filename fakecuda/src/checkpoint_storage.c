@@ -116,3 +116,25 @@ const unsigned char *cs_src(int dev, size_t off, size_t n)
         return NULL;
     return g_cs_map[dev] + off;
 }
+
+/* 1 when the current streams hold any bytes (a checkpoint that moved GPU memory). */
+int cs_staged(void)
+{
+    for (int d = 0; d < FC_MAX_DEVICES; d++)
+        if (g_cs_size[d])
+            return 1;
+    return 0;
+}
+
+/* 1 when a host checkpoint saved GPU memory in this process (a custom restore cannot bring it
+ * back). g_mu held. */
+int cs_host_bytes(void)
+{
+    for (struct fc_alloc *a = g_allocs; a; a = a->next)
+        if (a->saved && a->kind == FC_KIND_ALLOCATION && a->device >= 0)
+            return 1;
+    for (struct fc_dmem *d = g_dmems; d; d = d->next)
+        if (d->saved)
+            return 1;
+    return 0;
+}

@@ -214,14 +214,15 @@ static CUresult ck_restored(CUresult r)
 
 /* A host restore (CHECKPOINTED -> LOCKED), or with custom storage (rep/fds non-NULL) zeroed
  * streams for the controller to fill (CHECKPOINTED -> RESTORING; copied back at complete). The
- * mode must be the checkpoint's: GPU bytes checkpointed to custom storage are not in this
- * process, and a host checkpoint's are not in the controller's storage (ILLEGAL_STATE, the
- * fake's pick: nothing is changed). */
+ * mode must be the checkpoint's where GPU bytes are involved: GPU bytes checkpointed to custom
+ * storage are not in this process, and a host checkpoint's are not in the controller's storage
+ * (ILLEGAL_STATE, the fake's pick: nothing is changed). A process that had no GPU memory
+ * restores either way. */
 static CUresult ck_restore(const struct ck_restore_req *rq, struct ck_cs_rep *rep, int *fds)
 {
     if (g_ck_state != CU_PROCESS_STATE_CHECKPOINTED)
         return CUDA_ERROR_ILLEGAL_STATE;
-    if (!!rep != cs_pending()) {
+    if (rep ? cs_host_bytes() : cs_pending()) {
         fc_loud("restore refused: pid %d was checkpointed %s, and this restore is %s: restore the way it was "
                 "checkpointed (nothing was changed; the process stays checkpointed) -> CUDA_ERROR_ILLEGAL_STATE",
                 (int)getpid(), cs_pending() ? "to custom storage" : "to host memory",
@@ -259,8 +260,8 @@ static CUresult ck_complete(void)
         r = ck_save(1);
         if (r == CUDA_SUCCESS)
             ck_release();
+        cs_set_pending(r == CUDA_SUCCESS && cs_staged());
         cs_end();
-        cs_set_pending(r == CUDA_SUCCESS);
         pthread_mutex_unlock(&g_mu);
         g_ck_state = r == CUDA_SUCCESS ? CU_PROCESS_STATE_CHECKPOINTED : CU_PROCESS_STATE_LOCKED;
         return r;

@@ -491,6 +491,9 @@ void cs_end(void);                                                 /* close and 
 int cs_pending(void);                                              /* 1 while a checkpoint's bytes
                                                                     * are only in custom storage */
 void cs_set_pending(int on);
+int cs_staged(void);                                               /* the streams hold bytes */
+int cs_host_bytes(void);                                           /* a host checkpoint saved GPU
+                                                                    * memory here */
 
 static inline socklen_t ck_addr(struct sockaddr_un *a, int pid)
 {
