@@ -158,6 +158,7 @@ class Restore(StepRunner):
         derived = topology.carriers(cap.records) if cap is not None else []
         trust.check_carriers(self.images_dir, m, derived)
         trust.check_control_dir(self.images_dir, m)
+        trust.check_gpu_storage(self.images_dir, m)  # before CRIU runs (issue 12)
 
     def load_driver(self):
         with self.r.phase("driver") as ph:

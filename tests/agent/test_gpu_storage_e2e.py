@@ -240,3 +240,25 @@ def test_a_full_disk_while_streaming_rolls_back_with_the_memory_intact(job, smal
     # the partial stream is removed; the job resumes with its bytes
     assert not (snap / "chunks").exists() or list((snap / "chunks").iterdir()) == []
     assert j.after() == {"restored": False, "blake2b": j.up["blake2b"]}
+
+
+def test_a_tampered_stream_record_is_refused_before_criu(job, tmp_path):
+    j = job()
+    snap = tmp_path / "snap"
+    rc, out = j.checkpoint(snap, "custom")
+    assert rc == 0 and out["ok"], out
+    j.wait_gone()
+    mpath = snap / "manifest.json"
+    m = json.loads(mpath.read_text())
+    m["gpu_storage"]["streams"][0]["file"] = "chunks/../../elsewhere.bin"
+    mpath.write_text(json.dumps(m))
+    before = tree_digest(snap)
+    rc, out = j.restore(snap)
+    assert rc != 0 and out["error"]["phase"] == "manifest", out
+    assert (
+        f"gpu_storage streams[0] file 'chunks/../../elsewhere.bin' is not "
+        f"'chunks/gpu-{j.pid}-0.bin'; restore refused"
+    ) in out["error"]["message"]
+    assert "criu restore" not in [p["name"] for p in out.get("phases", [])]
+    assert not demo.pid_alive(j.pid)
+    assert tree_digest(snap) == before
