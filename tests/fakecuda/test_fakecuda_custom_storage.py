@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import struct
+import subprocess
 
 from fakecuda_helpers import GRAN
 
@@ -155,12 +156,27 @@ def test_documented_errors(peer, tmp_path, fake_env):
     old.cmd(f"unlock {t.pid}")
 
 
-def test_abandoned_operations_do_not_leave_the_target_stuck(peer, tmp_path):
+def cli_state(pid: int, env) -> str:
+    from cuinterpose.agent.mech import native_cli
+
+    res = subprocess.run(
+        [native_cli.fake_cli(), "--get-state", "--pid", str(pid)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert res.returncode == 0, res.stderr
+    return res.stdout.strip()
+
+
+def test_abandoned_operations_do_not_leave_the_target_stuck(peer, tmp_path, fake_env):
     t, va0, dm, va1 = target_with_memory(peer)
     c = controller(peer)
     c.cmd(f"lock {t.pid}")
     c.cmd(f"cscheckpoint {t.pid}")
     assert state(c, t.pid) == CHECKPOINTING
+    assert cli_state(t.pid, fake_env) == "checkpointing"  # fakecuda's cuda-checkpoint
     c.proc.kill()  # dies before cuCheckpointOperationComplete
     c.proc.wait()
     c2 = controller(peer)
@@ -180,6 +196,7 @@ def test_abandoned_operations_do_not_leave_the_target_stuck(peer, tmp_path):
     c3 = controller(peer)
     c3.cmd(f"csrestore {t.pid}")
     assert state(c3, t.pid) == RESTORING
+    assert cli_state(t.pid, fake_env) == "restoring"
     c3.proc.kill()  # dies before completing the restore
     c3.proc.wait()
     assert state(c2, t.pid) == CHECKPOINTED  # restore again
