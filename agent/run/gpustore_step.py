@@ -119,10 +119,24 @@ def discard(ck) -> None:
         _remove(pathlib.Path(ck.images_dir), [{"file": f} for f in files])
 
 
+def schema_has_record() -> bool:
+    """Does ``cuinterpose.v1.Manifest`` carry ``gpu_storage`` (``gpu_storage_json``)? The gRPC
+    replies hand the manifest over in that schema; without the field a record would not travel."""
+    from cuinterpose.agent.snapshot import pb
+
+    try:
+        _, _, mpb = pb.modules()
+    except ImportError:
+        return False
+    return pb.GPU_STORAGE_FIELD in mpb.Manifest.DESCRIPTOR.fields_by_name
+
+
 def annotate(ck, manifest: dict) -> None:
-    """Put the GPU storage record into ``manifest`` (before it is written)."""
+    """Put the GPU storage record into ``manifest`` (before it is written): always where the
+    manifest schema has it, else only when it lists streams (a restore needs those; the mode
+    and why of a checkpoint without streams are then in the phase's detail only)."""
     rec = getattr(ck, "gpu_storage", None)
-    if rec is not None:
+    if rec is not None and (rec["streams"] or schema_has_record()):
         manifest["gpu_storage"] = rec
 
 

@@ -63,7 +63,23 @@ def manifest_to_proto(m: dict):
                 raise ValueError("quiesce.ready: expected an object")
             q["ready_json"] = {str(k): json.dumps(v, sort_keys=True) for k, v in ready.items()}
         d["quiesce"] = q
+    _gpu_storage_to_proto(d, mpb)
     return json_format.ParseDict(d, mpb.Manifest())
+
+
+#: the Manifest field carrying ``gpu_storage`` as JSON text (issue 12, native custom storage)
+GPU_STORAGE_FIELD = "gpu_storage_json"
+
+
+def _gpu_storage_to_proto(d: dict, mpb) -> None:
+    """``gpu_storage`` travels as JSON text in ``gpu_storage_json`` where the schema has that
+    field; with a schema from before it (proto/cuinterpose/v1/manifest.proto lacks it) it is
+    left out of the message (the manifest on disk keeps it; restore reads the file)."""
+    import json
+
+    g = d.pop("gpu_storage", None)
+    if g is not None and GPU_STORAGE_FIELD in mpb.Manifest.DESCRIPTOR.fields_by_name:
+        d[GPU_STORAGE_FIELD] = json.dumps(g, sort_keys=True)
 
 
 _INT64 = None
@@ -127,4 +143,7 @@ def manifest_from_proto(msg) -> dict:
     d["capture"] = json.loads(d.pop("capture_json") or "null")
     q = d.get("quiesce") or {}
     q["ready"] = {k: json.loads(v) for k, v in q.pop("ready_json", {}).items()}
+    g = d.pop(GPU_STORAGE_FIELD, "")
+    if g:
+        d["gpu_storage"] = json.loads(g)
     return d
