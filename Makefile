@@ -33,7 +33,7 @@ $(STAMP)/system: scripts/bootstrap-debian.sh
 $(STAMP)/venv: pyproject.toml $(STAMP)/system
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet scikit-build-core==1.1.2 nvidia-cuda-runtime==13.1.80 grpcio-tools==1.85.1
+	$(PY) -m pip install --quiet scikit-build-core==1.1.2 nvidia-cuda-runtime==13.5.37 grpcio-tools==1.85.1
 	$(PY) -m pip install --quiet --no-build-isolation --editable '.[test]'
 	@mkdir -p $(STAMP) && touch $@
 

@@ -4,8 +4,10 @@ Each check is ``{"name", "ok" (bool), "detail" (str)}``: CRIU version and ``criu
 driver's checkpoint API through cuda.bindings (and its version), the shim's path and SHA-256,
 fakecuda's path (when selected), the native-checkpoint backend that will be used and why
 (``$CUINTERPOSE_NATIVE_BACKEND``: auto | driver-api | cuda-checkpoint; agent/mech/native.py
-``choose``), and whether the control directory is writable and short
-enough for ``DIR/cuinterpose-<pid_max>.sock`` to fit in a Unix socket address (107 bytes).
+``choose``), the GPU storage a native checkpoint would use (custom storage where the driver
+has it, else host staging, and why: ``$CUINTERPOSE_GPU_STORAGE``), and whether the control
+directory is writable and short enough for ``DIR/cuinterpose-<pid_max>.sock`` to fit in a
+Unix socket address (107 bytes).
 """
 
 from __future__ import annotations
@@ -84,6 +86,24 @@ def run_checks(*, driver=None, control_dir=None, native_backend=None) -> list[di
         b = native.choose(native_kind)
         return f"{b.name}: {b.why}"
 
+    def gpu_storage():
+        from cuinterpose.agent.mech import native_storage
+
+        requested = native_storage.mode()
+        b = native.choose(native_kind)
+        if b.name == "driver-api":
+            inf = native.load(driver)
+            avail, why = native_storage.probe(b.name, inf.library, inf.version)
+        else:
+            avail, why = native_storage.probe(b.name, "", 0)
+        if requested == "custom" and not avail:
+            raise RuntimeError(f"--gpu-storage custom: {why}")
+        if requested == "host":
+            return "host (--gpu-storage host): GPU memory staged in host memory, CRIU dumps it"
+        if avail:
+            return f"custom ({requested}): {why}; GPU memory streamed to chunks/, not into CRIU"
+        return f"host ({requested}): {why}; GPU memory staged in host memory, CRIU dumps it"
+
     def shim():
         s = ShimFile.of(paths.shim_path())
         return f"{s.path} sha256 {s.sha256}"
@@ -105,6 +125,7 @@ def run_checks(*, driver=None, control_dir=None, native_backend=None) -> list[di
         _check("criu check", criu_check),
         _check("driver", drv),
         _check("native backend", backend),
+        _check("gpu storage", gpu_storage),
         _check("shim", shim),
         _check("control dir", ctl),
     ]

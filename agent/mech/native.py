@@ -48,7 +48,7 @@ from typing import Callable, Iterable, Optional, Sequence, TypeVar
 
 from cuinterpose.agent import paths
 from cuinterpose.agent.errors import AgentError, NativeError
-from cuinterpose.agent.mech import libc, native_cli, procfs, signal_at
+from cuinterpose.agent.mech import libc, native_cli, native_storage, procfs, signal_at
 
 DRIVER_ENV = "CUINTERPOSE_DRIVER"
 DRIVER_KINDS = ("real", "fake")
@@ -331,6 +331,9 @@ def _api_lock(pid: int, timeout_ms: int) -> None:
 
 
 def _api_checkpoint(pid: int) -> None:
+    if native_storage.wants_checkpoint(pid):  # custom storage (agent/mech/native_storage.py)
+        native_storage.checkpoint(_driver, pid, _call, lambda: _driver.CUcheckpointRestoreArgs())
+        return
     _call("checkpoint", pid, None)
 
 
@@ -352,6 +355,10 @@ def _restore_args(gpu_pairs: Sequence[tuple[str, str]]):
 
 
 def _api_restore(pid: int, gpu_pairs: Sequence[tuple[str, str]] = ()) -> None:
+    if native_storage.wants_restore(pid):  # its GPU memory is in chunk files
+        args = _restore_args(gpu_pairs) or _driver.CUcheckpointRestoreArgs()
+        native_storage.restore(_driver, pid, _call, args)
+        return
     _call("restore", pid, _restore_args(gpu_pairs))
 
 
@@ -530,7 +537,10 @@ def restore(pid: int, gpu_pairs: Sequence[tuple[str, str]] = ()) -> None:
     """CHECKPOINTED -> LOCKED (mappings come back at their original VAs). ``gpu_pairs``:
     (old UUID, new UUID) as ``"GPU-xxxxxxxx-..."`` strings, every checkpointed GPU listed
     (driver API: ``CUcheckpointRestoreArgs.gpuPairs``; CLI: ``--device-map OLD=NEW,...``);
-    empty: the GPUs it had."""
+    empty: the GPUs it had. A process checkpointed to custom storage is restored from its
+    streams through the driver API whatever the backend (agent/mech/native_storage.py)."""
+    if native_storage.wants_restore(pid):
+        return _api_restore(pid, tuple(gpu_pairs))
     backend().restore(pid, tuple(gpu_pairs))
 
 

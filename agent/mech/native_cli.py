@@ -40,6 +40,8 @@ STATES = {
     "locked": "LOCKED",
     "checkpointed": "CHECKPOINTED",
     "failed": "FAILED",
+    "checkpointing": "CHECKPOINTING",  # custom storage in progress (cuda.h 13.4+)
+    "restoring": "RESTORING",
 }
 _RESULT = re.compile(r"\bCUDA_(?:SUCCESS|ERROR_[A-Z0-9_]+)\b")
 

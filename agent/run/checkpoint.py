@@ -19,7 +19,7 @@ from cuinterpose.agent.errors import AgentError, CensusError, CheckpointFailed, 
 from cuinterpose.agent.mech import census as census_mod
 from cuinterpose.agent.mech import fds, native, quiesce
 from cuinterpose.agent.mech.inherit import external_file_key
-from cuinterpose.agent.run import carriers, durable, images, interrupt, recover
+from cuinterpose.agent.run import carriers, durable, gpustore_step, images, interrupt, recover
 from cuinterpose.agent.run.report import Reporter
 from cuinterpose.agent.run.rollback import Rollback
 from cuinterpose.agent.run.steps import (
@@ -320,9 +320,7 @@ class Checkpoint(Rollback, StepRunner):
             ph.detail = f"pids {', '.join(map(str, self.census.cuda_pids))}"
 
     def native_checkpoint(self):
-        with self.r.phase("native checkpoint") as ph:
-            native.checkpoint_all(self.census.cuda_pids)
-            ph.detail = f"pids {', '.join(map(str, self.census.cuda_pids))}"
+        gpustore_step.native_checkpoint(self)  # custom storage or host staging (issue 12)
 
     def criu_dump(self):
         """Dump every tree with ``--leave-stopped``: CRIU writes the images and leaves the
@@ -482,6 +480,7 @@ class Checkpoint(Rollback, StepRunner):
         try:
             with self.r.phase("manifest") as ph:
                 m = images.build_manifest(self)
+                gpustore_step.annotate(self, m)
                 path = manifest_mod.write(self.images_dir, m)
                 self.manifest = m
                 ph.detail = str(path)
@@ -523,6 +522,7 @@ class Checkpoint(Rollback, StepRunner):
                 return self._run()
             except CheckpointFailed as e:
                 if self.manifest is None:
+                    gpustore_step.discard(self)
                     images.remove_empty(self.created_dirs)
                 if self.qid is not None:
                     gone = [r for r in self.roots if not _alive(r)]
@@ -543,6 +543,7 @@ class Checkpoint(Rollback, StepRunner):
                 raise
             except BaseException:
                 if self.manifest is None:
+                    gpustore_step.discard(self)
                     images.remove_empty(self.created_dirs)
                 if self.qid is not None:
                     quiesce.unlock(self.control_dir, self.roots, self.qid)

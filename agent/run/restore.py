@@ -22,7 +22,7 @@ from cuinterpose.agent.mech import census as census_mod
 from cuinterpose.agent.mech import criu_bad_size, ctldir, devicemap, inherit, native, quiesce
 from cuinterpose.agent.mech.census import pid_alive
 from cuinterpose.agent.mech.placement import Placement
-from cuinterpose.agent.run import carriers, durable, interrupt
+from cuinterpose.agent.run import carriers, durable, gpustore_step, interrupt
 from cuinterpose.agent.run.report import Reporter
 from cuinterpose.agent.run.steps import (
     Step,
@@ -161,6 +161,7 @@ class Restore(StepRunner):
         trust.check_carriers(self.images_dir, m, derived)
         trust.check_chunks(self.images_dir, m, derived)
         trust.check_control_dir(self.images_dir, m)
+        trust.check_gpu_storage(self.images_dir, m)  # before CRIU runs (issue 12)
 
     def load_driver(self):
         with self.r.phase("driver") as ph:
@@ -449,6 +450,7 @@ class Restore(StepRunner):
                     )
             by_pid = {p["pid"]: p for p in self.m["participants"]}
             pairs = {p: devicemap.pairs_for(by_pid.get(p, {}), self.gpu_map) for p in pids}
+            gpustore_step.prepare_restore(self)  # streams in custom storage (issue 12)
             devicemap.native_restore(pids, pairs)
             ph.detail = f"pids {', '.join(map(str, pids))} by {native.backend().name}"
             if self.gpu_map:

@@ -65,7 +65,21 @@ def manifest_to_proto(m: dict):
                 raise ValueError("quiesce.ready: expected an object")
             q["ready_json"] = {str(k): json.dumps(v, sort_keys=True) for k, v in ready.items()}
         d["quiesce"] = q
+    _gpu_storage_to_proto(d, mpb)
     return json_format.ParseDict(d, mpb.Manifest())
+
+
+#: the Manifest field carrying ``gpu_storage`` as JSON text (issue 12, native custom storage)
+GPU_STORAGE_FIELD = "gpu_storage_json"
+
+
+def _gpu_storage_to_proto(d: dict, mpb) -> None:
+    """``gpu_storage`` travels as JSON text in ``gpu_storage_json``."""
+    import json
+
+    g = d.pop("gpu_storage", None)
+    if g is not None:
+        d[GPU_STORAGE_FIELD] = json.dumps(g, sort_keys=True)
 
 
 _INT64 = None
@@ -132,4 +146,7 @@ def manifest_from_proto(msg) -> dict:
         d["chunks"] = json.loads(chunks)
     q = d.get("quiesce") or {}
     q["ready"] = {k: json.loads(v) for k, v in q.pop("ready_json", {}).items()}
+    g = d.pop(GPU_STORAGE_FIELD, "")
+    if g:
+        d["gpu_storage"] = json.loads(g)
     return d

@@ -262,3 +262,68 @@ def check_chunks(snapshot, m: dict, from_records: list[dict]) -> None:
     from cuinterpose.agent.snapshot import chunks
 
     chunks.check(snapshot, m, from_records)
+
+
+#: ``gpu_storage`` (native custom storage, agent/mech/gpustore.py): its checksum algorithm
+GPU_CHECKSUM = "blake2b-256"
+
+
+def check_gpu_storage(base: os.PathLike | str, m: dict) -> None:
+    """The manifest's ``gpu_storage`` record is well formed and its files are there: mode
+    "custom" or "host"; ``chunk_bytes`` a power of two ≥ 64 KiB; ``checksum`` "blake2b-256";
+    each stream ``{"file", "kind": "gpu", "pid", "ordinal", "bytes", "zero", "checksums"}`` with
+    ``file`` derived (``chunks/gpu-<pid>-<ordinal>.bin``), ``pid`` one of ``cuda_pids``, one
+    stream per (pid, ordinal), ``ceil(bytes / chunk_bytes)`` checksums (64 hex digits, null
+    exactly at ``zero``), and the file a regular file (no symlink) of ``bytes`` bytes. Raises
+    ``SnapshotError`` (phase "manifest") naming the field or the file."""
+    rec = m.get("gpu_storage")
+    if rec is None:
+        return
+
+    def bad(what: str) -> SnapshotError:
+        return SnapshotError("manifest", f"{base}: gpu_storage {what}; restore refused")
+
+    if not isinstance(rec, dict) or rec.get("mode") not in ("custom", "host"):
+        raise bad("is not a record with mode custom or host")
+    cb = rec.get("chunk_bytes")
+    if not isinstance(cb, int) or cb < (64 << 10) or cb & (cb - 1):
+        raise bad(f"chunk_bytes {cb!r} is not a power of two >= 65536")
+    if rec.get("checksum") != GPU_CHECKSUM:
+        raise bad(f"checksum {rec.get('checksum')!r} is not {GPU_CHECKSUM}")
+    streams = rec.get("streams")
+    if not isinstance(streams, list) or (rec["mode"] == "host" and streams):
+        raise bad("streams is not a list (or a host record lists streams)")
+    pids = set(m.get("cuda_pids") or [])
+    seen = set()
+    for i, s in enumerate(streams):
+        if not isinstance(s, dict) or s.get("kind") != "gpu":
+            raise bad(f"streams[{i}] is not a gpu stream record")
+        pid, ordinal, nbytes = s.get("pid"), s.get("ordinal"), s.get("bytes")
+        if not all(isinstance(v, int) and v >= 0 for v in (pid, ordinal, nbytes)):
+            raise bad(f"streams[{i}] pid/ordinal/bytes are not integers")
+        if pid not in pids:
+            raise bad(f"streams[{i}] pid {pid} is not one of cuda_pids")
+        if (pid, ordinal) in seen:
+            raise bad(f"streams[{i}] repeats pid {pid} ordinal {ordinal}")
+        seen.add((pid, ordinal))
+        want = f"chunks/gpu-{pid}-{ordinal}.bin"
+        if s.get("file") != want:
+            raise bad(f"streams[{i}] file {s.get('file')!r} is not {want!r}")
+        sums, zero = s.get("checksums"), s.get("zero")
+        n = -(-nbytes // cb)
+        if not isinstance(sums, list) or len(sums) != n or not isinstance(zero, list):
+            raise bad(f"streams[{i}] ({want}) has no {n} checksums")
+        if [j for j, c in enumerate(sums) if c is None] != zero:
+            raise bad(f"streams[{i}] ({want}) zero chunks differ from its null checksums")
+        for j, c in enumerate(sums):
+            if c is not None and (
+                not isinstance(c, str) or len(c) != 64 or c.strip("0123456789abcdef")
+            ):
+                raise bad(f"streams[{i}] ({want}) checksum {j} is not 64 hex digits")
+        p = pathlib.Path(base) / want
+        try:
+            st = os.lstat(p)
+        except OSError:
+            raise bad(f"stream file {p} is missing") from None
+        if not stat.S_ISREG(st.st_mode) or st.st_size != nbytes:
+            raise bad(f"stream file {p} is not a regular file of {nbytes} bytes")

@@ -53,113 +53,40 @@ static CUresult ck_lock(unsigned timeout_ms)
     return CUDA_SUCCESS;
 }
 
-/* Legacy CUDA IPC: the driver before r610 cannot checkpoint a process that uses IPC memory
- * (cuda-checkpoint README restrictions, "no IPC memory"; from r610 only under
- * `cuda-checkpoint --launch-job`: NVIDIA/cuda-checkpoint #56). The code is not documented; the
- * fake returns CUDA_ERROR_NOT_SUPPORTED (as for its other refusals) when this process holds a
- * live import, or another live process holds one of its cuMemAlloc buffers open. Under
- * FAKECUDA_LAUNCH_JOB=1 it passes (each side then keeps a private copy). Call with g_mu held. */
-static CUresult ck_ipc_check(void)
+/* Host buffers for what stays in this process, or nothing changes: every VMM allocation and
+ * cuMemAlloc buffer (a host checkpoint), only host-located allocations (custom storage holds
+ * the GPU memory). Call with g_mu held. */
+static CUresult ck_save(int custom)
 {
-    if (g_launch_job)
-        return CUDA_SUCCESS;
-    int nimp = 0, nexp = 0, pid = 0;
-    struct fc_dmem *imp = NULL, *exp = NULL;
-    for (struct fc_dmem *d = g_dmems; d; d = d->next) {
-        if (d->ipc_refs) {
-            if (nimp++ == 0)
-                imp = d;
-        } else if (!exp && dmem_importers(d, &pid)) {
-            exp = d;
-            nexp++;
-        } else if (exp && dmem_importers(d, NULL)) {
-            nexp++;
-        }
-    }
-    if (imp) {
-        fc_loud("checkpoint refused: pid %d holds %d live CUDA IPC import(s) (0x%llx, %zu bytes, buffer of pid %d, "
-                "%d reference(s)); the driver before r610 cannot checkpoint CUDA IPC memory: cuIpcCloseMemHandle "
-                "every import first (nothing was changed; unlock resumes) -> CUDA_ERROR_NOT_SUPPORTED",
-                (int)getpid(), nimp, (unsigned long long)imp->va, imp->size, imp->ipc_pid, imp->ipc_refs);
-        return CUDA_ERROR_NOT_SUPPORTED;
-    }
-    if (exp) {
-        fc_loud("checkpoint refused: %d cuMemAlloc buffer(s) of pid %d are open in other processes through CUDA "
-                "IPC (0x%llx, %zu bytes, opened by pid %d); the driver before r610 cannot checkpoint CUDA IPC "
-                "memory: the importers must cuIpcCloseMemHandle first (nothing was changed; unlock resumes) -> "
-                "CUDA_ERROR_NOT_SUPPORTED",
-                nexp, (int)getpid(), (unsigned long long)exp->va, exp->size, pid);
-        return CUDA_ERROR_NOT_SUPPORTED;
-    }
-    return CUDA_SUCCESS;
-}
-
-static CUresult ck_checkpoint(void)
-{
-    if (g_ck_state != CU_PROCESS_STATE_LOCKED)
-        return CUDA_ERROR_ILLEGAL_STATE;
-    pthread_mutex_lock(&g_mu);
-    /* A multicast object held in any way (handle, mapping, binding): the real driver hangs
-     * (nccl PR #2340); the fake refuses instead. */
-    int nmc = 0;
-    struct fc_alloc *mc1 = NULL;
-    for (struct fc_alloc *a = g_allocs; a; a = a->next)
-        if (a->kind == FC_KIND_MULTICAST) {
-            nmc++;
-            mc1 = a;
-        }
-    if (nmc) {
-        int handles = mc1->handles, maps = mc1->maps, binds = mc1->binds;
-        uint64_t id = mc1->object_id;
-        pthread_mutex_unlock(&g_mu);
-        fc_loud("checkpoint refused: the process holds %d multicast object(s) (object %" PRIu64 ": %d handle "
-                "refs, %d mappings, %d bindings); the real driver hangs on them -> CUDA_ERROR_NOT_SUPPORTED",
-                nmc, id, handles, maps, binds);
-        return CUDA_ERROR_NOT_SUPPORTED;
-    }
-    CUresult ipc = ck_ipc_check();
-    if (ipc != CUDA_SUCCESS) {
-        pthread_mutex_unlock(&g_mu);
-        return ipc;
-    }
-    /* An exported fd still open in this process carries the sharing: the real driver cannot
-     * dump it. */
-    struct fc_export **pp = &g_exports;
-    while (*pp) {
-        struct fc_export *x = *pp;
-        struct stat st;
-        if (fstat(x->fd, &st) == 0 && st.st_dev == x->st_dev && st.st_ino == x->st_ino) {
-            pthread_mutex_unlock(&g_mu);
-            fc_loud("checkpoint refused: exported fd %d of allocation handle %llu (object %" PRIu64
-                    ") is still open -> CUDA_ERROR_NOT_SUPPORTED",
-                    x->fd, x->handle, x->object_id);
-            return CUDA_ERROR_NOT_SUPPORTED;
-        }
-        *pp = x->next; /* closed (or the number was reused): forget it */
-        free(x);
-    }
-    /* host buffers for every VMM allocation and every cuMemAlloc buffer, or nothing changes */
     int nomem = 0;
     for (struct fc_alloc *a = g_allocs; a; a = a->next)
-        nomem |= !(a->saved = malloc(a->size ? a->size : 1));
-    for (struct fc_dmem *d = g_dmems; d; d = d->next)
+        if (!custom || a->kind != FC_KIND_ALLOCATION || a->device < 0)
+            nomem |= !(a->saved = malloc(a->size ? a->size : 1));
+    for (struct fc_dmem *d = g_dmems; d && !custom; d = d->next)
         nomem |= !(d->saved = malloc(d->mapped));
-    if (nomem) {
-        for (struct fc_alloc *a = g_allocs; a; a = a->next) {
-            free(a->saved);
-            a->saved = NULL;
-        }
-        for (struct fc_dmem *d = g_dmems; d; d = d->next) {
-            free(d->saved);
-            d->saved = NULL;
-        }
-        pthread_mutex_unlock(&g_mu);
-        return CUDA_ERROR_OUT_OF_MEMORY;
+    if (!nomem)
+        return CUDA_SUCCESS;
+    for (struct fc_alloc *a = g_allocs; a; a = a->next) {
+        free(a->saved);
+        a->saved = NULL;
     }
-    /* cuMemAlloc memory: copied out, its range becomes a PROT_NONE reservation (CRIU sees no
-     * device memory), Restore maps it back at the same VA */
     for (struct fc_dmem *d = g_dmems; d; d = d->next) {
-        memcpy(d->saved, (const void *)d->va, d->mapped);
+        free(d->saved);
+        d->saved = NULL;
+    }
+    return CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+/* Copy into the saved buffers (where there are some), then release the device memory: every
+ * mapping and cuMemAlloc range becomes a PROT_NONE reservation (CRIU sees no device memory),
+ * every allocation memfd is closed. Call with g_mu held. */
+static void ck_release(void)
+{
+    for (struct fc_dmem *d = g_dmems; d; d = d->next) {
+        if (d->cs_op)
+            continue;
+        if (d->saved)
+            memcpy(d->saved, (const void *)d->va, d->mapped);
         make_reserved(d->va, d->mapped);
         if (d->fd >= 0)
             close(d->fd);
@@ -174,7 +101,7 @@ static CUresult ck_checkpoint(void)
     }
     for (struct fc_alloc *a = g_allocs; a; a = a->next) {
         size_t got = 0;
-        while (got < a->size) {
+        while (a->saved && got < a->size) {
             ssize_t n = pread(a->fd, (char *)a->saved + got, a->size - got, (off_t)got);
             if (n <= 0)
                 break;
@@ -187,96 +114,34 @@ static CUresult ck_checkpoint(void)
         close(a->fd);
         a->fd = -1;
     }
-    pthread_mutex_unlock(&g_mu);
-    g_ck_state = CU_PROCESS_STATE_CHECKPOINTED;
-    return CUDA_SUCCESS;
 }
 
-/* Where a restore puts this process's devices (cuda.h CUcheckpointRestoreArgs.gpuPairs; the
- * rules of cuda-checkpoint --device-map: every checkpointed GPU listed, the same chip, enough
- * memory). Fills to[d] for every ordinal; nothing changes on a refusal, which leaves the
- * process CHECKPOINTED. The codes are the fake's pick (none is documented): a pair naming no
- * GPU of this process, a checkpointed GPU left out, or another model -> INVALID_VALUE; less
- * memory than the process holds on it -> OUT_OF_MEMORY; without pairs, a checkpointed GPU the
- * controller does not see -> INVALID_DEVICE. Call with g_mu held. */
-static CUresult ck_place(const struct ck_restore_req *rq, struct fc_dev *to, int *nmoved)
+/* A host checkpoint (LOCKED -> CHECKPOINTED), or with custom storage (rep/fds non-NULL) the
+ * streams for the controller (LOCKED -> CHECKPOINTING; the memory is released at complete). */
+static CUresult ck_checkpoint(struct ck_cs_rep *rep, int *fds)
 {
-    int mapped[FC_MAX_DEVICES] = {0};
-    char o[41], n[41];
-    *nmoved = 0;
-    for (int d = 0; d < g_ndev; d++)
-        to[d] = *dev_get(d);
-    for (unsigned i = 0; i < rq->npairs && i < FC_MAX_DEVICES; i++) {
-        const struct ck_gpu_pair *gp = &rq->pairs[i];
-        uuid_str(&gp->old_uuid, o);
-        uuid_str(&gp->new_dev.uuid, n);
-        int d = 0;
-        while (d < g_ndev && memcmp(dev_get(d)->uuid.bytes, gp->old_uuid.bytes, 16))
-            d++;
-        if (d == g_ndev) {
-            fc_loud("restore refused: gpuPairs[%u] old GPU %s is not a GPU of pid %d (nothing was changed; "
-                    "the process stays checkpointed) -> CUDA_ERROR_INVALID_VALUE",
-                    i, o, (int)getpid());
-            return CUDA_ERROR_INVALID_VALUE;
-        }
-        /* the FAKECUDA_DEVICE_COUNT devices are all one model ("fakecuda GPU N" by index) */
-        int named = (dev_get(d)->flags | gp->new_dev.flags) & FC_DEV_NAMED;
-        if (named && strcmp(dev_get(d)->name, gp->new_dev.name)) {
-            fc_loud("restore refused: gpuPairs[%u] %s (%s) -> %s (%s): another model (nothing was changed; "
-                    "the process stays checkpointed) -> CUDA_ERROR_INVALID_VALUE",
-                    i, o, dev_get(d)->name, n, gp->new_dev.name);
-            return CUDA_ERROR_INVALID_VALUE;
-        }
-        if (gp->new_dev.mem < g_used[d]) {
-            fc_loud("restore refused: gpuPairs[%u] %s -> %s: pid %d holds %llu bytes on it, the new GPU has %llu "
-                    "(nothing was changed; the process stays checkpointed) -> CUDA_ERROR_OUT_OF_MEMORY",
-                    i, o, n, (int)getpid(), g_used[d], (unsigned long long)gp->new_dev.mem);
-            return CUDA_ERROR_OUT_OF_MEMORY;
-        }
-        to[d] = gp->new_dev;
-        mapped[d] = 1;
-    }
-    for (int d = 0; d < g_ndev; d++) {
-        if (!g_used[d] && !dev_has_ctx(d))
-            continue;
-        uuid_str(&dev_get(d)->uuid, o);
-        if (rq->npairs && !mapped[d]) {
-            fc_loud("restore refused: pid %d used GPU %s (ordinal %d) and gpuPairs does not list it: every "
-                    "checkpointed GPU must be listed (nothing was changed; the process stays checkpointed) -> "
-                    "CUDA_ERROR_INVALID_VALUE",
-                    (int)getpid(), o, d);
-            return CUDA_ERROR_INVALID_VALUE;
-        }
-        int seen = 0;
-        for (unsigned k = 0; k < rq->npresent && k < FC_MAX_DEVICES; k++)
-            seen |= !memcmp(rq->present[k].uuid.bytes, to[d].uuid.bytes, 16);
-        if (!seen) {
-            uuid_str(&to[d].uuid, n);
-            fc_loud("restore refused: pid %d used GPU %s (ordinal %d) and it is missing here; pass gpuPairs "
-                    "mapping it onto a GPU present (nothing was changed; the process stays checkpointed) -> "
-                    "CUDA_ERROR_INVALID_DEVICE",
-                    (int)getpid(), n, d);
-            return CUDA_ERROR_INVALID_DEVICE;
-        }
-        *nmoved += mapped[d] && memcmp(to[d].uuid.bytes, dev_get(d)->uuid.bytes, 16);
-    }
-    return CUDA_SUCCESS;
-}
-
-static CUresult ck_restore(const struct ck_restore_req *rq)
-{
-    if (g_ck_state != CU_PROCESS_STATE_CHECKPOINTED)
+    if (g_ck_state != CU_PROCESS_STATE_LOCKED)
         return CUDA_ERROR_ILLEGAL_STATE;
     pthread_mutex_lock(&g_mu);
-    struct fc_dev to[FC_MAX_DEVICES];
-    int nmoved = 0;
-    CUresult r = ck_place(rq, to, &nmoved);
-    if (r != CUDA_SUCCESS) {
-        pthread_mutex_unlock(&g_mu);
-        return r;
-    }
+    CUresult r = ck_refusals();
+    if (r == CUDA_SUCCESS && rep)
+        r = cs_begin(0, NULL, rep, fds);
+    else if (r == CUDA_SUCCESS && (r = ck_save(0)) == CUDA_SUCCESS)
+        ck_release();
+    pthread_mutex_unlock(&g_mu);
+    if (r == CUDA_SUCCESS)
+        g_ck_state = rep ? CU_PROCESS_STATE_CHECKPOINTING : CU_PROCESS_STATE_CHECKPOINTED;
+    return r;
+}
+
+/* Put the memory back at the same VAs from the saved buffers (a host checkpoint) or the
+ * staged streams (custom storage), then rename the ordinals that moved. Call with g_mu held. */
+static CUresult ck_apply_restore(const struct fc_dev *to, int nmoved)
+{
+    CUresult r = CUDA_SUCCESS;
     for (struct fc_alloc *a = g_allocs; a && r == CUDA_SUCCESS; a = a->next) {
-        int fd = new_memfd(a->size);
+        const unsigned char *src = a->saved ? a->saved : cs_src(a->device, a->cs_off, a->size);
+        int fd = src ? new_memfd(a->size) : -1;
         struct stat st;
         if (fd < 0 || fstat(fd, &st) != 0) {
             r = CUDA_ERROR_OUT_OF_MEMORY;
@@ -284,7 +149,7 @@ static CUresult ck_restore(const struct ck_restore_req *rq)
         }
         size_t put = 0;
         while (put < a->size) {
-            ssize_t n = pwrite(fd, (char *)a->saved + put, a->size - put, (off_t)put);
+            ssize_t n = pwrite(fd, src + put, a->size - put, (off_t)put);
             if (n <= 0)
                 break;
             put += (size_t)n;
@@ -305,7 +170,8 @@ static CUresult ck_restore(const struct ck_restore_req *rq)
             map_apply_prot(m);
     }
     for (struct fc_dmem *d = g_dmems; d && r == CUDA_SUCCESS; d = d->next) {
-        if (!d->saved)
+        const void *src = d->saved ? d->saved : (d->cs_op ? NULL : cs_src(d->dev, d->cs_off, d->mapped));
+        if (!src)
             continue;
         /* an own buffer gets a fresh memfd (handles from before the checkpoint are stale: a new
          * cuIpcGetMemHandle shares it again); an import comes back as private anonymous memory */
@@ -315,7 +181,7 @@ static CUresult ck_restore(const struct ck_restore_req *rq)
             r = CUDA_ERROR_OUT_OF_MEMORY;
             break;
         }
-        memcpy((void *)d->va, d->saved, d->mapped);
+        memcpy((void *)d->va, src, d->mapped);
         free(d->saved);
         d->saved = NULL;
     }
@@ -329,7 +195,14 @@ static CUresult ck_restore(const struct ck_restore_req *rq)
         fc_logline("fakecuda: restore moved ordinal %d from %s to %s (%llu bytes)", d, o, n, g_used[d]);
         dev_set(d, &to[d]);
     }
-    pthread_mutex_unlock(&g_mu);
+    return r;
+}
+
+static struct fc_dev g_rs_to[FC_MAX_DEVICES]; /* a custom-storage restore's placement */
+static int g_rs_nmoved;
+
+static CUresult ck_restored(CUresult r)
+{
     if (r != CUDA_SUCCESS) {
         g_ck_state = CU_PROCESS_STATE_FAILED;
         fc_loud("restore failed: %s", fc_errname(r));
@@ -337,6 +210,83 @@ static CUresult ck_restore(const struct ck_restore_req *rq)
     }
     g_ck_state = CU_PROCESS_STATE_LOCKED;
     return CUDA_SUCCESS;
+}
+
+/* A host restore (CHECKPOINTED -> LOCKED), or with custom storage (rep/fds non-NULL) zeroed
+ * streams for the controller to fill (CHECKPOINTED -> RESTORING; copied back at complete). The
+ * mode must be the checkpoint's where GPU bytes are involved: GPU bytes checkpointed to custom
+ * storage are not in this process, and a host checkpoint's are not in the controller's storage
+ * (ILLEGAL_STATE, the fake's pick: nothing is changed). A process that had no GPU memory
+ * restores either way. */
+static CUresult ck_restore(const struct ck_restore_req *rq, struct ck_cs_rep *rep, int *fds)
+{
+    if (g_ck_state != CU_PROCESS_STATE_CHECKPOINTED)
+        return CUDA_ERROR_ILLEGAL_STATE;
+    if (rep ? cs_host_bytes() : cs_pending()) {
+        fc_loud("restore refused: pid %d was checkpointed %s, and this restore is %s: restore the way it was "
+                "checkpointed (nothing was changed; the process stays checkpointed) -> CUDA_ERROR_ILLEGAL_STATE",
+                (int)getpid(), cs_pending() ? "to custom storage" : "to host memory",
+                rep ? "from custom storage" : "from host memory");
+        return CUDA_ERROR_ILLEGAL_STATE;
+    }
+    pthread_mutex_lock(&g_mu);
+    CUresult r = ck_place(rq, g_rs_to, &g_rs_nmoved);
+    if (r == CUDA_SUCCESS && rep) {
+        r = cs_begin(1, g_rs_to, rep, fds);
+        pthread_mutex_unlock(&g_mu);
+        if (r == CUDA_SUCCESS)
+            g_ck_state = CU_PROCESS_STATE_RESTORING;
+        return r;
+    }
+    if (r == CUDA_SUCCESS)
+        r = ck_apply_restore(g_rs_to, g_rs_nmoved);
+    else {
+        pthread_mutex_unlock(&g_mu);
+        return r;
+    }
+    pthread_mutex_unlock(&g_mu);
+    return ck_restored(r);
+}
+
+/* cuCheckpointOperationComplete, served: a checkpoint releases the memory (host-located
+ * allocations saved as usual) -> CHECKPOINTED; a restore copies the streams back -> LOCKED
+ * (FAILED if that fails). Out of host memory for a checkpoint: the operation is dropped, the
+ * process LOCKED with its memory intact, CUDA_ERROR_OUT_OF_MEMORY. */
+static CUresult ck_complete(void)
+{
+    pthread_mutex_lock(&g_mu);
+    CUresult r;
+    if (g_ck_state == CU_PROCESS_STATE_CHECKPOINTING) {
+        r = ck_save(1);
+        if (r == CUDA_SUCCESS)
+            ck_release();
+        cs_set_pending(r == CUDA_SUCCESS && cs_staged());
+        cs_end();
+        pthread_mutex_unlock(&g_mu);
+        g_ck_state = r == CUDA_SUCCESS ? CU_PROCESS_STATE_CHECKPOINTED : CU_PROCESS_STATE_LOCKED;
+        return r;
+    }
+    r = ck_apply_restore(g_rs_to, g_rs_nmoved);
+    cs_end();
+    if (r == CUDA_SUCCESS)
+        cs_set_pending(0);
+    pthread_mutex_unlock(&g_mu);
+    return ck_restored(r);
+}
+
+/* An operation not completed (CK_ABORT, the controller's connection closed, or the deadline):
+ * a checkpoint is dropped (LOCKED, memory intact: unlock resumes, or checkpoint again); a
+ * restore returns to CHECKPOINTED (restore again). */
+static void ck_abort(const char *why)
+{
+    int ck = g_ck_state == CU_PROCESS_STATE_CHECKPOINTING;
+    pthread_mutex_lock(&g_mu);
+    cs_end();
+    pthread_mutex_unlock(&g_mu);
+    g_ck_state = ck ? CU_PROCESS_STATE_LOCKED : CU_PROCESS_STATE_CHECKPOINTED;
+    fc_loud("custom-storage %s of pid %d abandoned (%s): %s", ck ? "checkpoint" : "restore", (int)getpid(), why,
+            ck ? "the process is LOCKED with its GPU memory intact (unlock resumes it)"
+               : "the process stays CHECKPOINTED (restore again)");
 }
 
 static CUresult ck_unlock(void)
@@ -353,7 +303,8 @@ static CUresult ck_unlock(void)
 
 static const char *ck_opname(uint32_t op)
 {
-    static const char *n[] = {"?", "GetState", "Lock", "Checkpoint", "Restore", "Unlock", "GetRestoreThreadId"};
+    static const char *n[] = {"?",      "GetState",           "Lock",     "Checkpoint", "Restore",
+                              "Unlock", "GetRestoreThreadId", "Complete", "Abort"};
     return op < sizeof n / sizeof n[0] ? n[op] : "?";
 }
 
@@ -364,58 +315,172 @@ static int ck_abandoned(int c)
     return poll(&pf, 1, 0) == 1 && (pf.revents & (POLLHUP | POLLRDHUP | POLLERR));
 }
 
+/* The custom-storage operation in progress: its controller's connection (-1: none) and when it
+ * must be completed by (CLOCK_MONOTONIC ms; 0: no deadline). */
+static int g_op_conn = -1;
+static uint64_t g_op_deadline_ms;
+
+static uint64_t mono_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+static void op_close(void)
+{
+    close(g_op_conn);
+    g_op_conn = -1;
+}
+
+/* One message on the operation's connection: CK_COMPLETE or CK_ABORT, answered; anything else
+ * (EOF: the controller died) abandons the operation. */
+static void op_serve(void)
+{
+    struct ck_req q;
+    ssize_t n = recv(g_op_conn, &q, sizeof q, 0);
+    struct ck_rep p = {CUDA_ERROR_INVALID_VALUE, 0};
+    if (n != (ssize_t)sizeof q || q.magic != CK_MAGIC || (q.op != CK_COMPLETE && q.op != CK_ABORT)) {
+        ck_abort(n == 0 ? "its controller closed the connection before cuCheckpointOperationComplete"
+                        : "a malformed message from its controller");
+        op_close();
+        return;
+    }
+    if (q.op == CK_COMPLETE) {
+        p.result = ck_complete();
+    } else {
+        ck_abort("the controller aborted it");
+        p.result = CUDA_SUCCESS;
+    }
+    fc_logline("fakecuda: control %s = %s (state %d)", ck_opname(q.op), fc_errname(p.result), g_ck_state);
+    send(g_op_conn, &p, sizeof p, MSG_NOSIGNAL);
+    op_close();
+}
+
+/* The reply to a custom-storage checkpoint/restore: the streams' memfds ride along
+ * (SCM_RIGHTS). If the controller is gone the operation is abandoned at once. */
+static void cs_reply(int c, struct ck_cs_rep *rep, int *fds)
+{
+    struct iovec iov = {rep, sizeof *rep};
+    union {
+        char buf[CMSG_SPACE(sizeof(int) * FC_MAX_DEVICES)];
+        struct cmsghdr align;
+    } u;
+    struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1};
+    int ok = rep->rep.result == CUDA_SUCCESS;
+    if (ok && rep->ndev) {
+        memset(&u, 0, sizeof u);
+        mh.msg_control = u.buf;
+        mh.msg_controllen = CMSG_SPACE(sizeof(int) * rep->ndev);
+        struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
+        cm->cmsg_level = SOL_SOCKET;
+        cm->cmsg_type = SCM_RIGHTS;
+        cm->cmsg_len = CMSG_LEN(sizeof(int) * rep->ndev);
+        memcpy(CMSG_DATA(cm), fds, sizeof(int) * rep->ndev);
+    }
+    if (sendmsg(c, &mh, MSG_NOSIGNAL) != (ssize_t)sizeof *rep) {
+        if (ok)
+            ck_abort("its controller left before the reply");
+        close(c);
+        return;
+    }
+    if (!ok) {
+        close(c);
+        return;
+    }
+    g_op_conn = c;
+    g_op_deadline_ms = g_cs_timeout_ms ? mono_ms() + g_cs_timeout_ms : 0;
+}
+
+/* One request on a fresh connection `c` (closed here, or kept as the operation's). */
+static void ck_serve(int c)
+{
+    static struct ck_restore_req rq; /* only this thread uses it */
+    static struct ck_cs_rep cs;
+    int fds[FC_MAX_DEVICES];
+    struct ck_rep p = {CUDA_ERROR_INVALID_VALUE, 0};
+    memset(&rq, 0, sizeof rq);
+    ssize_t n = recv(c, &rq, sizeof rq, 0);
+    const struct ck_req q = rq.hdr;
+    int full = q.op == CK_RESTORE ? n == (ssize_t)sizeof rq : n == (ssize_t)sizeof q;
+    int custom = full && (q.op == CK_CHECKPOINT || q.op == CK_RESTORE) && (q.flags & CK_F_CUSTOM);
+    if (full && q.magic == CK_MAGIC && q.op != CK_GETSTATE && q.op != CK_GETTID && ck_abandoned(c)) {
+        /* the controller gave up waiting (this process was stopped past its deadline): a
+         * request nobody waits for any more is not applied, so a late lock cannot park
+         * the process after the caller was told CUDA_ERROR_TIMEOUT */
+        fc_logline("fakecuda: control %s abandoned by its controller before it was served: not applied",
+                   ck_opname(q.op));
+        close(c);
+        return;
+    }
+    memset(&cs, 0, sizeof cs);
+    if (full && q.magic == CK_MAGIC) {
+        switch (q.op) {
+        case CK_GETSTATE:
+            p.result = CUDA_SUCCESS;
+            p.value = g_ck_state;
+            break;
+        case CK_GETTID:
+            p.result = CUDA_SUCCESS;
+            p.value = g_ck_tid;
+            break;
+        case CK_LOCK: p.result = ck_lock(q.timeout_ms); break;
+        case CK_CHECKPOINT: p.result = ck_checkpoint(custom ? &cs : NULL, fds); break;
+        case CK_RESTORE: p.result = ck_restore(&rq, custom ? &cs : NULL, fds); break;
+        case CK_UNLOCK: p.result = ck_unlock(); break;
+        default: p.result = CUDA_ERROR_ILLEGAL_STATE; break; /* Complete/Abort: no operation here */
+        }
+        fc_logline("fakecuda: control %s%s = %s (state %d)", ck_opname(q.op), custom ? " (custom storage)" : "",
+                   fc_errname(p.result), g_ck_state);
+    }
+    if (custom) {
+        cs.rep = p;
+        cs_reply(c, &cs, fds);
+        return;
+    }
+    ssize_t w = send(c, &p, sizeof p, MSG_NOSIGNAL);
+    if (w != (ssize_t)sizeof p && full && q.op == CK_LOCK && p.result == CUDA_SUCCESS) {
+        /* the controller left while the lock was being taken: undo it (as above) */
+        fc_logline("fakecuda: control Lock abandoned by its controller while it was served: unlocked again (%s)",
+                   fc_errname(ck_unlock()));
+    }
+    close(c);
+}
+
 static void *ck_thread(void *arg)
 {
     (void)arg;
     g_ck_tid = fc_tid();
     for (;;) {
-        int c = accept4(g_ck_listen, NULL, NULL, SOCK_CLOEXEC);
-        if (c < 0) {
-            if (errno == EINTR || errno == ECONNABORTED)
-                continue;
+        struct pollfd pf[2] = {{g_ck_listen, POLLIN, 0}, {g_op_conn, POLLIN, 0}};
+        int timeout = -1;
+        if (g_op_conn >= 0 && g_op_deadline_ms) {
+            uint64_t now = mono_ms();
+            timeout = now >= g_op_deadline_ms
+                          ? 0
+                          : (int)(g_op_deadline_ms - now > 3600000 ? 3600000 : g_op_deadline_ms - now);
+        }
+        int k = poll(pf, g_op_conn >= 0 ? 2 : 1, timeout);
+        if (k < 0) {
             struct timespec ts = {0, 10000000};
             nanosleep(&ts, NULL);
             continue;
         }
-        static struct ck_restore_req rq; /* only this thread uses it */
-        struct ck_rep p = {CUDA_ERROR_INVALID_VALUE, 0};
-        memset(&rq, 0, sizeof rq);
-        ssize_t n = recv(c, &rq, sizeof rq, 0);
-        const struct ck_req q = rq.hdr;
-        int full = q.op == CK_RESTORE ? n == (ssize_t)sizeof rq : n == (ssize_t)sizeof q;
-        if (full && q.magic == CK_MAGIC && q.op != CK_GETSTATE && q.op != CK_GETTID && ck_abandoned(c)) {
-            /* the controller gave up waiting (this process was stopped past its deadline): a
-             * request nobody waits for any more is not applied, so a late lock cannot park
-             * the process after the caller was told CUDA_ERROR_TIMEOUT */
-            fc_logline("fakecuda: control %s abandoned by its controller before it was served: not applied",
-                       ck_opname(q.op));
-            close(c);
+        if (g_op_conn >= 0 && g_op_deadline_ms && mono_ms() >= g_op_deadline_ms && !(pf[1].revents & POLLIN)) {
+            char why[96];
+            snprintf(why, sizeof why, "not completed within FAKECUDA_CUSTOM_STORAGE_TIMEOUT_MS=%llu", g_cs_timeout_ms);
+            ck_abort(why);
+            op_close();
             continue;
         }
-        if (full && q.magic == CK_MAGIC) {
-            switch (q.op) {
-            case CK_GETSTATE:
-                p.result = CUDA_SUCCESS;
-                p.value = g_ck_state;
-                break;
-            case CK_GETTID:
-                p.result = CUDA_SUCCESS;
-                p.value = g_ck_tid;
-                break;
-            case CK_LOCK: p.result = ck_lock(q.timeout_ms); break;
-            case CK_CHECKPOINT: p.result = ck_checkpoint(); break;
-            case CK_RESTORE: p.result = ck_restore(&rq); break;
-            case CK_UNLOCK: p.result = ck_unlock(); break;
-            }
-            fc_logline("fakecuda: control %s = %s (state %d)", ck_opname(q.op), fc_errname(p.result), g_ck_state);
-        }
-        ssize_t w = send(c, &p, sizeof p, MSG_NOSIGNAL);
-        if (w != (ssize_t)sizeof p && full && q.op == CK_LOCK && p.result == CUDA_SUCCESS) {
-            /* the controller left while the lock was being taken: undo it (as above) */
-            fc_logline("fakecuda: control Lock abandoned by its controller while it was served: unlocked again (%s)",
-                       fc_errname(ck_unlock()));
-        }
-        close(c);
+        if (g_op_conn >= 0 && pf[1].revents)
+            op_serve();
+        if (!(pf[0].revents & POLLIN))
+            continue;
+        int c = accept4(g_ck_listen, NULL, NULL, SOCK_CLOEXEC);
+        if (c < 0)
+            continue;
+        ck_serve(c);
     }
     return NULL;
 }

@@ -94,6 +94,8 @@ static unsigned long long env_ull(const char *name, unsigned long long dflt)
  * cuInit included, returns CUDA_ERROR_NOT_INITIALIZED there. */
 int g_forked_child;
 int g_ck_listen = -1; /* the checkpoint control socket (checkpoint_target.c serves it) */
+int g_driver_version = FC_DRIVER_VERSION;
+unsigned long long g_cs_timeout_ms;
 static void fc_atfork_child(void)
 {
     if (atomic_load(&g_inited)) {
@@ -128,6 +130,10 @@ __attribute__((constructor)) static void fc_load(void)
     g_mc_watchdog_ms = env_ull("FAKECUDA_MULTICAST_WATCHDOG_MS", 10000);
     g_mc_rounding = env_ull("FAKECUDA_MULTICAST_CAPACITY_ROUNDING", 0);
     g_launch_job = env_ull("FAKECUDA_LAUNCH_JOB", 0) != 0;
+    /* an older driver (e.g. 13010: no custom storage, no cuCheckpointOperationComplete) */
+    unsigned long long ver = env_ull("FAKECUDA_DRIVER_VERSION", FC_DRIVER_VERSION);
+    g_driver_version = ver >= 12080 && ver <= FC_DRIVER_VERSION ? (int)ver : FC_DRIVER_VERSION;
+    g_cs_timeout_ms = env_ull("FAKECUDA_CUSTOM_STORAGE_TIMEOUT_MS", 600000);
     if (g_mc_rounding % g_gran) /* a capacity is always a multiple of the granularity */
         g_mc_rounding += g_gran - g_mc_rounding % g_gran;
     const char *hint = getenv("FAKECUDA_RESERVE_HINT");

@@ -17,6 +17,8 @@
  *   multicast.c             multicast objects (cuMulticast*)
  *   vmm.c                   the VMM API (cuMemCreate, cuMemMap, cuMemSetAccess, export, ...)
  *   pointer.c               cuPointerGetAttribute[s] (device and page-locked host memory)
+ *   checkpoint_checks.c     what a checkpoint refuses; where a restore puts the devices (gpuPairs)
+ *   checkpoint_storage.c    the target's custom-storage staging (one memfd per GPU, cuda.h 13.4+)
  *   checkpoint_target.c     the control thread serving this process's checkpoint requests
  *   checkpoint_controller.c cuCheckpointProcess* (the client of another process's target)
  *   init.c                  cuInit, cuDriverGetVersion, cuGetErrorName/String
@@ -52,7 +54,8 @@
 #include <unistd.h>
 
 #define FC_EXPORT __attribute__((visibility("default")))
-#define FC_DRIVER_VERSION 13010
+#define FC_DRIVER_VERSION 13050          /* default of FAKECUDA_DRIVER_VERSION */
+#define FC_CUSTOM_STORAGE_VERSION 13040  /* customStorageInfo_out, cuCheckpointOperationComplete */
 #define FC_MAX_DEVICES 16
 #define FC_META_MAGIC "FAKECUDA"
 #define FC_META_VERSION 1u
@@ -77,6 +80,8 @@ extern unsigned long long g_mc_rounding;    /* FAKECUDA_MULTICAST_CAPACITY_ROUND
 extern int g_launch_job;        /* FAKECUDA_LAUNCH_JOB (cuda-checkpoint --launch-job, r610+) */
 extern int g_forked_child;      /* a child forked after cuInit (the driver is unusable there) */
 extern int g_ck_listen;         /* the checkpoint control socket (checkpoint_target.c) */
+extern int g_driver_version;    /* FAKECUDA_DRIVER_VERSION (cuDriverGetVersion; lookups above it fail) */
+extern unsigned long long g_cs_timeout_ms; /* FAKECUDA_CUSTOM_STORAGE_TIMEOUT_MS (0: wait forever) */
 
 /* ------------------------------------------------------------------ call log (core.c) */
 
@@ -268,6 +273,7 @@ struct fc_alloc {
     void *saved;                 /* bytes while checkpointed */
     uint32_t kind;               /* FC_KIND_ALLOCATION or FC_KIND_MULTICAST */
     struct fc_team *team;        /* multicast: the shared team state (mapped from the memfd) */
+    size_t cs_off;               /* custom storage: offset in its GPU's stream (checkpoint_storage.c) */
 };
 
 struct fc_handle {               /* indexed by handle value */
@@ -319,6 +325,9 @@ struct fc_dmem {                 /* cuMemAlloc memory, and memory opened by cuIp
     int ipc_pid;                 /* an import: the exporter's pid */
     int ipc_slot;                /* an import: this process's slot in ipc_page->importers */
     struct fc_ipc_page *ipc_page; /* an import: the exporter's metadata page, mapped shared */
+    size_t cs_off;               /* custom storage: offset in its GPU's stream (checkpoint_storage.c) */
+    int cs_op;                   /* a controller's custom-storage mapping of another process's GPU
+                                  * memory (checkpoint_controller.c): cuMemFree refuses it */
 };
 
 /* The trailing page of a cuMemAlloc memfd: the usual metadata (kind FC_KIND_MEMALLOC, size =
@@ -405,6 +414,8 @@ CUresult op_exec(const struct fc_op *op, int dev);
 /* ------------------------------------------------------------------ streams (stream.c) */
 
 CUresult stream_enqueue(CUstream hs, const struct fc_op *tmpl);
+CUresult stream_create_in(struct fc_ctx *c, CUstream *out); /* a stream of context c (g_mu not held) */
+CUresult stream_release(CUstream hs);                       /* cuStreamDestroy's body */
 CUresult stream_sync(CUstream hs, int query);
 CUresult sync_op(const struct fc_op *op);
 
@@ -421,14 +432,15 @@ CUresult mc_wait_handle(CUmemGenericAllocationHandle h, uintptr_t va, uint64_t o
  * (SOCK_SEQPACKET, one request per connection); the controller (checkpoint_controller.c)
  * connects to it. */
 
-enum { CK_GETSTATE = 1, CK_LOCK, CK_CHECKPOINT, CK_RESTORE, CK_UNLOCK, CK_GETTID };
+enum { CK_GETSTATE = 1, CK_LOCK, CK_CHECKPOINT, CK_RESTORE, CK_UNLOCK, CK_GETTID, CK_COMPLETE, CK_ABORT };
 
 struct ck_req {
     uint32_t magic;
     uint32_t op;
     uint32_t timeout_ms;
-    uint32_t pad;
+    uint32_t flags;              /* CK_F_CUSTOM on CK_CHECKPOINT / CK_RESTORE */
 };
+#define CK_F_CUSTOM 1u
 struct ck_rep {
     int32_t result;
     int32_t value;
@@ -448,6 +460,40 @@ struct ck_restore_req {
     struct ck_gpu_pair pairs[FC_MAX_DEVICES];
     struct fc_dev present[FC_MAX_DEVICES];
 };
+
+/* Custom storage (cuda.h 13.4+: customStorageInfo_out). A CK_CHECKPOINT or CK_RESTORE with
+ * CK_F_CUSTOM is answered with ck_cs_rep and, in one SCM_RIGHTS message, one memfd per GPU
+ * holding data (dev[i] <-> fd i): the GPU's memory laid out contiguously (checkpoint), or a
+ * zeroed region of the same layout for the controller to fill (restore). The connection stays
+ * open: the controller sends CK_COMPLETE (or CK_ABORT) on it and reads one ck_rep. Its closing
+ * before that (the controller died) abandons the operation (checkpoint_storage.c). */
+struct ck_cs_dev {
+    int32_t ordinal;             /* the target's ordinal */
+    uint32_t pad;
+    CUuuid uuid;                 /* the GPU (a restore: the one it is restored onto) */
+    uint64_t size;               /* bytes of the stream */
+};
+struct ck_cs_rep {
+    struct ck_rep rep;
+    uint32_t ndev, pad;
+    struct ck_cs_dev dev[FC_MAX_DEVICES];
+};
+
+/* Target side (checkpoint_checks.c, g_mu held): refusals; restore placement (fills to[d] for
+ * every ordinal, *nmoved = ordinals moved onto another GPU). */
+CUresult ck_refusals(void);
+CUresult ck_place(const struct ck_restore_req *rq, struct fc_dev *to, int *nmoved);
+
+/* Target side (checkpoint_storage.c; g_mu held for begin/complete). */
+CUresult cs_begin(int restore, const struct fc_dev *to, struct ck_cs_rep *rep, int *fds); /* the streams */
+const unsigned char *cs_src(int dev, size_t off, size_t n);        /* restore: bytes staged for dev */
+void cs_end(void);                                                 /* close and unmap the staging */
+int cs_pending(void);                                              /* 1 while a checkpoint's bytes
+                                                                    * are only in custom storage */
+void cs_set_pending(int on);
+int cs_staged(void);                                               /* the streams hold bytes */
+int cs_host_bytes(void);                                           /* a host checkpoint saved GPU
+                                                                    * memory here */
 
 static inline socklen_t ck_addr(struct sockaddr_un *a, int pid)
 {

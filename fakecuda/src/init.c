@@ -37,7 +37,7 @@ FC_EXPORT CUresult cuInit(unsigned int Flags)
 
 FC_EXPORT CUresult cuDriverGetVersion(int *v)
 {
-    API_NOGATE(0, v ? (*v = FC_DRIVER_VERSION, CUDA_SUCCESS) : CUDA_ERROR_INVALID_VALUE, "");
+    API_NOGATE(0, v ? (*v = g_driver_version, CUDA_SUCCESS) : CUDA_ERROR_INVALID_VALUE, "");
 }
 
 static CUresult get_error_name(CUresult e, const char **s)

@@ -61,7 +61,11 @@ static CUresult mem_free(CUdeviceptr p)
     while (*pp && (*pp)->va != (uintptr_t)p)
         pp = &(*pp)->next;
     CUresult r = CUDA_ERROR_INVALID_VALUE;
-    if (*pp && (*pp)->ipc_refs) {
+    if (*pp && (*pp)->cs_op) {
+        fc_logline("fakecuda: cuMemFree(0x%llx): a custom-storage mapping of another process's GPU memory; "
+                   "cuCheckpointOperationComplete unmaps it -> CUDA_ERROR_INVALID_VALUE",
+                   (unsigned long long)p);
+    } else if (*pp && (*pp)->ipc_refs) {
         fc_logline("fakecuda: cuMemFree(0x%llx): memory opened by cuIpcOpenMemHandle; close it with "
                    "cuIpcCloseMemHandle -> CUDA_ERROR_INVALID_VALUE",
                    (unsigned long long)p);

@@ -45,7 +45,7 @@ static CUdriverProcAddressQueryResult proc_lookup(const char *sym, int ver, cuui
         if (strcmp(e->name, sym) != 0)
             continue;
         known = 1;
-        if (e->version <= ver && (!best || e->version > best->version))
+        if (e->version <= ver && e->version <= g_driver_version && (!best || e->version > best->version))
             best = e;
     }
     *pfn = NULL;

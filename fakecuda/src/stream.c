@@ -2,7 +2,7 @@
  * stream.c: streams and stream memory operations. A stream is a worker thread running its
  * queued ops through the copy engine; the context's default stream stands for NULL,
  * CU_STREAM_LEGACY and CU_STREAM_PER_THREAD. API: cuStreamCreate/Destroy/Synchronize/Query,
- * cuStream{Wait,Write}Value{32,64}. It touches the stream list and the queues, the context's
+ * cuStreamGetDevice, cuStream{Wait,Write}Value{32,64}. It touches the stream list and the queues, the context's
  * pending count and the gate's pending-op count, and calls copy.c, device.c and core.c.
  */
 #include "fc.h"
@@ -222,6 +222,21 @@ FC_EXPORT CUresult cuStreamCreate(CUstream *phStream, unsigned int Flags)
     API(stream_create(phStream, Flags), "flags=%u", Flags);
 }
 
+/* A non-blocking stream of context c, for a driver-made stream (the custom-storage stream of
+ * cuCheckpointProcessCheckpoint/Restore, cuda.h 13.4+). */
+CUresult stream_create_in(struct fc_ctx *c, CUstream *out)
+{
+    pthread_mutex_lock(&g_mu);
+    struct fc_stream *s = ctx_valid(c) ? stream_new(c, CU_STREAM_NON_BLOCKING) : NULL;
+    if (s) {
+        s->next = g_streams;
+        g_streams = s;
+        *out = (CUstream)s;
+    }
+    pthread_mutex_unlock(&g_mu);
+    return s ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+}
+
 static CUresult stream_destroy(CUstream hs)
 {
     pthread_mutex_lock(&g_mu);
@@ -240,6 +255,31 @@ static CUresult stream_destroy(CUstream hs)
     pthread_mutex_unlock(&s->mu);
     pthread_mutex_unlock(&g_mu);
     return CUDA_SUCCESS;
+}
+
+CUresult stream_release(CUstream hs) { return stream_destroy(hs); }
+
+/* cuStreamGetDevice (CUDA 12.8): the device of the stream's context. */
+static CUresult stream_device(CUstream hs, CUdevice *dev)
+{
+    if (!dev)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_mu);
+    struct fc_stream *s;
+    CUresult r = stream_resolve(hs, &s);
+    if (r == CUDA_SUCCESS)
+        *dev = s->ctx->dev;
+    pthread_mutex_unlock(&g_mu);
+    return r;
+}
+
+FC_EXPORT CUresult cuStreamGetDevice(CUstream hStream, CUdevice *device)
+{
+    API(stream_device(hStream, device), "stream=%p dev=%d", (void *)hStream, OUTI(device));
+}
+FC_EXPORT CUresult cuStreamGetDevice_ptsz(CUstream hStream, CUdevice *device)
+{
+    API(stream_device(hStream, device), "stream=%p dev=%d", (void *)hStream, OUTI(device));
 }
 
 FC_EXPORT CUresult cuStreamDestroy(CUstream hStream) { API(stream_destroy(hStream), "stream=%p", (void *)hStream); }

@@ -163,6 +163,8 @@ static const char *state_word(CUprocessState s)
     case CU_PROCESS_STATE_RUNNING: return "running";
     case CU_PROCESS_STATE_LOCKED: return "locked";
     case CU_PROCESS_STATE_CHECKPOINTED: return "checkpointed";
+    case CU_PROCESS_STATE_CHECKPOINTING: return "checkpointing"; /* custom storage (13.4+) */
+    case CU_PROCESS_STATE_RESTORING: return "restoring";
     default: return "failed";
     }
 }

@@ -12,6 +12,11 @@ S = d.CUresult.CUDA_SUCCESS
 LAZY = d.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
 
 
+def ipc_bytes(h) -> bytes:
+    """The 64 bytes of a CUipcMemHandle (cuda-bindings 13.5 no longer exposes `reserved`)."""
+    return ctypes.string_at(h.getPtr(), 64)  # CU_IPC_HANDLE_SIZE
+
+
 def ok(ret):
     assert ret[0] == S, ret
     return ret[1] if len(ret) == 2 else ret[1:]
@@ -21,7 +26,7 @@ if sys.argv[1:2] == ["ipc-child"]:  # the importer: open the handle, check and w
     assert d.cuInit(0) == (S,)
     assert d.cuCtxSetCurrent(ok(d.cuDevicePrimaryCtxRetain(ok(d.cuDeviceGet(0))))) == (S,)
     handle = d.CUipcMemHandle()
-    handle.reserved = bytes.fromhex(sys.argv[2])
+    ctypes.memmove(handle.getPtr(), bytes.fromhex(sys.argv[2]), 64)
     p = ok(d.cuIpcOpenMemHandle(handle, LAZY))
     assert int(ok(d.cuIpcOpenMemHandle(handle, LAZY))) == int(p)  # same VA, two references
     got = bytearray(64)
@@ -43,7 +48,7 @@ if sys.argv[1:2] == ["ipc-child"]:  # the importer: open the handle, check and w
 assert d.cuCheckpointProcessGetState(os.getpid())[0] == d.CUresult.CUDA_ERROR_NOT_INITIALIZED
 assert d.cuDeviceGetCount()[0] == d.CUresult.CUDA_ERROR_NOT_INITIALIZED
 assert d.cuInit(0) == (S,)
-assert ok(d.cuDriverGetVersion()) == 13010
+assert ok(d.cuDriverGetVersion()) == 13050
 assert ok(d.cuDeviceGetCount()) == 2
 dev = ok(d.cuDeviceGet(1))
 assert ok(d.cuDeviceGetName(32, dev)).rstrip(b"\0 ") == b"fakecuda GPU 1"
@@ -115,12 +120,12 @@ assert ctypes.c_uint32.from_address(flag).value == 3
 dm = ok(d.cuMemAlloc(10000))
 assert d.cuMemcpyHtoD(dm, buf, 64) == (S,)
 ipc = ok(d.cuIpcGetMemHandle(dm))
-assert bytes(ipc.reserved) == bytes(ok(d.cuIpcGetMemHandle(dm)).reserved)
+assert ipc_bytes(ipc) == ipc_bytes(ok(d.cuIpcGetMemHandle(dm)))
 assert d.cuIpcOpenMemHandle(ipc, LAZY) == (d.CUresult.CUDA_ERROR_INVALID_CONTEXT, None)
 assert d.cuIpcGetMemHandle(int(dm) + 8)[0] == d.CUresult.CUDA_ERROR_INVALID_VALUE
 assert d.cuIpcGetMemHandle(va)[0] == d.CUresult.CUDA_ERROR_INVALID_VALUE  # VMM memory
 child = subprocess.run(
-    [sys.executable, __file__, "ipc-child", bytes(ipc.reserved).hex()],
+    [sys.executable, __file__, "ipc-child", ipc_bytes(ipc).hex()],
     capture_output=True,
     text=True,
     timeout=120,

@@ -32,20 +32,20 @@ def test_bindings_smoke(fake_env, ptds):
     assert len(lookups) > 400
     assert all(l.startswith("lookup cuGetProcAddress_v2 ") for l in lookups)
     assert "lookup cuGetProcAddress_v2 cuMemcpyPeer 4000 0 -> NULL" in lines or ptds
-    assert "lookup cuGetProcAddress_v2 cuMemCreate 10020 0 -> cuMemCreate" in lines
+    # cuda-bindings 13.5 passes CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM (2) on every
+    # lookup when PTDS is on (13.1 passed it only for the stream-ordered names)
+    fl = 2 if ptds else 0
     for lookup in [
-        "cuIpcGetMemHandle 4010 0 -> cuIpcGetMemHandle",
-        "cuIpcOpenMemHandle 11000 0 -> cuIpcOpenMemHandle_v2",
-        "cuIpcCloseMemHandle 4010 0 -> cuIpcCloseMemHandle",
-        "cuPointerGetAttribute 4000 0 -> cuPointerGetAttribute",
-        "cuPointerGetAttributes 7000 0 -> cuPointerGetAttributes",
+        "cuMemCreate 10020 {} -> cuMemCreate",
+        "cuIpcGetMemHandle 4010 {} -> cuIpcGetMemHandle",
+        "cuIpcOpenMemHandle 11000 {} -> cuIpcOpenMemHandle_v2",
+        "cuIpcCloseMemHandle 4010 {} -> cuIpcCloseMemHandle",
+        "cuPointerGetAttribute 4000 {} -> cuPointerGetAttribute",
+        "cuPointerGetAttributes 7000 {} -> cuPointerGetAttributes",
+        "cuGetProcAddress 12000 {} -> cuGetProcAddress_v2",
+        "cuCheckpointProcessGetState 12080 {} -> cuCheckpointProcessGetState",
     ]:
-        assert f"lookup cuGetProcAddress_v2 {lookup}" in lines, lookup
-    assert "lookup cuGetProcAddress_v2 cuGetProcAddress 12000 0 -> cuGetProcAddress_v2" in lines
-    assert (
-        "lookup cuGetProcAddress_v2 cuCheckpointProcessGetState 12080 0 -> cuCheckpointProcessGetState"
-        in lines
-    )
+        assert f"lookup cuGetProcAddress_v2 {lookup.format(fl)}" in lines, lookup
     if ptds:
         assert (
             "lookup cuGetProcAddress_v2 cuStreamWaitValue32 11070 2 -> cuStreamWaitValue32_v2_ptsz"

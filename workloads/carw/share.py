@@ -78,14 +78,14 @@ class IpcShare:
 
     def export(self, va: int) -> tuple[dict, list[int]]:
         h = call(cu.cuIpcGetMemHandle, dptr(va))
-        return {"handle": bytes(h.reserved).hex()}, []
+        return {"handle": ctypes.string_at(h.getPtr(), 64).hex()}, []
 
     def open(self, info: dict, fd: int | None, peer: int, what: str) -> int:
         raw = bytes.fromhex(info["handle"])
         if len(raw) != 64:  # CU_IPC_HANDLE_SIZE
             raise ValueError(f"rank {peer}'s {what} IPC handle is {len(raw)} bytes, not 64")
         h = cu.CUipcMemHandle()
-        h.reserved = raw
+        ctypes.memmove(h.getPtr(), raw, 64)
         flags = cu.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
         return int(call(cu.cuIpcOpenMemHandle, h, flags, detail=f"rank {peer}'s {what}"))
 

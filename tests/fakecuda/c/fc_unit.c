@@ -141,7 +141,7 @@ static void before_init(void)
     EXPECT(cuCheckpointProcessGetState(getpid(), &st), CUDA_ERROR_NOT_INITIALIZED);
     EXPECT(cuStreamSynchronize(NULL), CUDA_ERROR_NOT_INITIALIZED);
     EXPECT(cuDriverGetVersion(&v), CUDA_SUCCESS);
-    CHECK(v == 13010);
+    CHECK(v == 13050);
     EXPECT(cuInit(1), CUDA_ERROR_INVALID_VALUE);
     EXPECT(cuInit(0), CUDA_SUCCESS);
     EXPECT(cuInit(0), CUDA_SUCCESS);
@@ -597,7 +597,7 @@ static void procaddr(void)
                    cases[i].ver, cases[i].flags, fn, (int)st, cases[i].want, cases[i].status);
         }
     }
-    EXPECT(cuGetProcAddress_v2("cuMemCreate", &fn, 13020, 0, &st), CUDA_ERROR_INVALID_VALUE);
+    EXPECT(cuGetProcAddress_v2("cuMemCreate", &fn, 13060, 0, &st), CUDA_ERROR_INVALID_VALUE);
     EXPECT(cuGetProcAddress_v2("cuMemCreate", &fn, 12000, 4, &st), CUDA_ERROR_INVALID_VALUE);
     EXPECT(cuGetProcAddress_v2(NULL, &fn, 12000, 0, &st), CUDA_ERROR_INVALID_VALUE);
     EXPECT(cuGetProcAddress_v2("cuMemCreate", &fn, 12000, 0, NULL), CUDA_SUCCESS);
@@ -606,7 +606,7 @@ static void procaddr(void)
     CHECK(fn == (void *)cuMemMap);
     EXPECT(legacy_cuGetProcAddress("cuNoSuchFunction", &fn, 11030, 0), CUDA_ERROR_NOT_FOUND);
     CHECK(fn == NULL);
-    EXPECT(legacy_cuGetProcAddress("cuMemMap", &fn, 13020, 0), CUDA_ERROR_INVALID_VALUE);
+    EXPECT(legacy_cuGetProcAddress("cuMemMap", &fn, 13060, 0), CUDA_ERROR_INVALID_VALUE);
 }
 
 static volatile int g_blocked_done;

@@ -19,7 +19,6 @@
 static int g_sock = -1;
 static CUstream g_streams[16];
 static int g_nstreams;
-
 static void reply(CUresult r, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 #include <stdarg.h>
 static void reply(CUresult r, const char *fmt, ...)
@@ -40,6 +39,63 @@ static void reply(CUresult r, const char *fmt, ...)
         putchar('\n');
     }
     fflush(stdout);
+}
+
+static CUcheckpointCustomStorageInfo *g_cs; /* the custom-storage operation in flight */
+static CUcheckpointOperationHandle g_cs_handle; /* its handle (kept: the info dies at complete) */
+static unsigned char *g_csbuf[16];          /* csload's host bytes, alive until cscomplete */
+
+/* cscheckpoint/csrestore: "N devPtr0 size0 ..." of the CUcheckpointCustomStorageInfo */
+static void reply_cs(CUresult r)
+{
+    char out[1024] = "";
+    size_t n = 0;
+    if (r == CUDA_SUCCESS) {
+        g_cs_handle = g_cs->handle;
+        n += (size_t)snprintf(out + n, sizeof out - n, "%u", g_cs->deviceCount);
+        for (unsigned i = 0; i < g_cs->deviceCount && n < sizeof out - 64; i++) {
+            CUdevice dev = -1;
+            cuStreamGetDevice(g_cs->perDeviceData[i].stream, &dev);
+            n += (size_t)snprintf(out + n, sizeof out - n, " 0x%llx %zu %d",
+                                  (unsigned long long)g_cs->perDeviceData[i].devPtr, g_cs->perDeviceData[i].size, dev);
+        }
+    }
+    reply(r, "%s", out);
+}
+
+/* csdump I PATH: the whole region of GPU entry I, DtoH on its stream, into PATH */
+static CUresult cs_dump(unsigned i, const char *path)
+{
+    if (!g_cs || i >= g_cs->deviceCount)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUcheckpointCustomStoragePerDeviceData *e = &g_cs->perDeviceData[i];
+    unsigned char *b = malloc(e->size ? e->size : 1);
+    CUresult r = b ? cuMemcpyDtoHAsync(b, e->devPtr, e->size, e->stream) : CUDA_ERROR_OUT_OF_MEMORY;
+    if (r == CUDA_SUCCESS)
+        r = cuStreamSynchronize(e->stream);
+    FILE *f = r == CUDA_SUCCESS ? fopen(path, "wb") : NULL;
+    if (r == CUDA_SUCCESS && (!f || fwrite(b, 1, e->size, f) != e->size))
+        r = CUDA_ERROR_OPERATING_SYSTEM;
+    if (f)
+        fclose(f);
+    free(b);
+    return r;
+}
+
+/* csload I PATH: PATH's bytes HtoD on entry I's stream, not synchronized (complete does) */
+static CUresult cs_load(unsigned i, const char *path)
+{
+    if (!g_cs || i >= g_cs->deviceCount || i >= 16)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUcheckpointCustomStoragePerDeviceData *e = &g_cs->perDeviceData[i];
+    free(g_csbuf[i]);
+    g_csbuf[i] = malloc(e->size ? e->size : 1);
+    FILE *f = fopen(path, "rb");
+    CUresult r = f && g_csbuf[i] && fread(g_csbuf[i], 1, e->size, f) == e->size ? CUDA_SUCCESS
+                                                                                : CUDA_ERROR_OPERATING_SYSTEM;
+    if (f)
+        fclose(f);
+    return r == CUDA_SUCCESS ? cuMemcpyHtoDAsync(e->devPtr, g_csbuf[i], e->size, e->stream) : r;
 }
 
 static int send_fd(int sock, int fd)
@@ -293,6 +349,30 @@ int main(int argc, char **argv)
             reply(cuCheckpointProcessRestore((int)a, NULL), NULL);
         } else if (!strcmp(cmd, "unlock")) {
             reply(cuCheckpointProcessUnlock((int)a, NULL), NULL);
+        } else if (!strcmp(cmd, "cscheckpoint")) { /* cscheckpoint PID [RESERVED_BYTE] */
+            CUcheckpointCheckpointArgs ca;
+            memset(&ca, 0, sizeof ca);
+            ca.customStorageInfo_out = &g_cs;
+            ca.reserved[0] = (char)b;
+            reply_cs(cuCheckpointProcessCheckpoint((int)a, &ca));
+        } else if (!strcmp(cmd, "csrestore")) { /* csrestore PID [PADDING0] */
+            CUcheckpointRestoreArgs ra;
+            memset(&ra, 0, sizeof ra);
+            ra.customStorageInfo_out = &g_cs;
+            ra.padding0 = (unsigned)b;
+            reply_cs(cuCheckpointProcessRestore((int)a, &ra));
+        } else if (!strcmp(cmd, "csdump") || !strcmp(cmd, "csload")) { /* csdump|csload I PATH */
+            char path[512] = "";
+            unsigned i = 0;
+            CUresult r = sscanf(line, "%*s %u %511s", &i, path) == 2
+                             ? (cmd[2] == 'd' ? cs_dump(i, path) : cs_load(i, path))
+                             : CUDA_ERROR_INVALID_VALUE;
+            reply(r, NULL);
+        } else if (!strcmp(cmd, "cscomplete")) { /* cscomplete [BOGUS]: 1 = a made-up handle */
+            CUresult r = cuCheckpointOperationComplete(a ? (CUcheckpointOperationHandle)&g_sock : g_cs_handle);
+            if (r == CUDA_SUCCESS)
+                g_cs = NULL; /* the driver freed the CUcheckpointCustomStorageInfo */
+            reply(r, NULL);
         } else if (!strcmp(cmd, "ipcget")) { /* ipcget VA -> the 64 bytes in hex */
             CUipcMemHandle h;
             char hx[2 * sizeof h + 1];

@@ -1,0 +1,158 @@
+"""The native checkpoint/restore steps' GPU storage: custom storage where the driver has it.
+
+``native_checkpoint(ck)`` is :class:`~cuinterpose.agent.run.checkpoint.Checkpoint`'s native
+checkpoint step. The mode comes from ``ck.gpu_storage_mode`` / ``--gpu-storage`` /
+``$CUINTERPOSE_GPU_STORAGE`` (auto | custom | host, default auto): ``auto`` streams each
+process's GPU memory to ``chunks/gpu-<pid>-<ordinal>.bin`` when the driver has custom storage
+(agent/mech/native_storage.py ``probe``), else stages it in host memory as before (CRIU then
+dumps it) and says why; ``custom`` on a driver without it fails the step (rolled back). The
+record goes to the manifest (:func:`annotate`): ``"gpu_storage": {"mode", "why",
+"chunk_bytes", "checksum": "blake2b-256", "streams": [...]}`` (agent/mech/gpustore.py has the
+stream record). A failed write (ENOSPC, EIO) rolls back: the workload keeps its memory and
+every file under ``chunks/`` this checkpoint wrote is removed.
+
+``prepare_restore(rs)`` (restore, before the native restore) checks the record
+(``trust.check_gpu_storage``) and opens the streams the driver-API restore reads back.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+from cuinterpose.agent.errors import AgentError
+from cuinterpose.agent.mech import gpustore, native, native_storage
+from cuinterpose.agent.snapshot import trust
+
+
+def choose(requested: str) -> tuple[bool, str]:
+    """(custom storage used, why) for ``requested`` (auto | custom | host) and the backend and
+    driver of this process. Raises ``AgentError`` phase "gpu storage" for ``custom`` where the
+    driver has no custom storage."""
+    if requested == "host":
+        return False, "--gpu-storage host: GPU memory staged in host memory by the driver"
+    try:
+        b = native.backend()
+        if b.name == "driver-api":
+            inf = native.info()
+            avail, why = native_storage.probe(b.name, inf.library, inf.version)
+        else:
+            avail, why = native_storage.probe(b.name, "", 0)
+    except AgentError as e:
+        avail, why = False, f"no driver-API backend to probe ({e.reason})"
+    if requested == "custom" and not avail:
+        raise AgentError(
+            "gpu storage", f"--gpu-storage custom: {why}; use --gpu-storage host (or auto)"
+        )
+    if avail:
+        return True, f"{requested}: {why}"
+    return False, f"{requested}: {why}; GPU memory staged in host memory (CRIU dumps it)"
+
+
+def _pinned_alloc(n: int):
+    """A page-locked staging slot (``cuMemAllocHost``) on the real driver."""
+    from cuda.bindings import driver as d
+
+    err, p = d.cuMemAllocHost(n)
+    if int(err) != 0:
+        raise AgentError("gpu storage", f"cuMemAllocHost({n}): {err.name}")
+    return int(p), lambda: d.cuMemFreeHost(p)
+
+
+def options(ck) -> gpustore.Options:
+    real = native.info().kind == "real"
+    return gpustore.Options(
+        chunk_bytes=gpustore.chunk_bytes(getattr(ck, "chunk_bytes", None)),
+        staging_bytes=gpustore.staging_bytes(getattr(ck, "staging_bytes", None)),
+        alloc=_pinned_alloc if real else None,
+    )
+
+
+def _remove(base: pathlib.Path, streams: list[dict]) -> None:
+    for rec in streams:
+        (base / rec["file"]).unlink(missing_ok=True)
+    try:
+        (base / gpustore.CHUNKS_DIR).rmdir()
+    except OSError:
+        pass
+
+
+def native_checkpoint(ck) -> None:
+    """LOCKED -> CHECKPOINTED for every CUDA pid, GPU memory to custom storage or host staging;
+    sets ``ck.gpu_storage`` (the manifest record)."""
+    pids = ck.census.cuda_pids
+    requested = native_storage.mode(getattr(ck, "gpu_storage_mode", None))
+    with ck.r.phase("native checkpoint") as ph:
+        use, why = choose(requested)
+        opts = options(ck) if use else gpustore.Options()
+        base = pathlib.Path(ck.images_dir)
+        if use:
+            native_storage.begin_checkpoint(base, opts)
+        streams: list[dict] = []
+        try:
+            native.checkpoint_all(pids)
+        except BaseException:
+            streams = native_storage.end_checkpoint() if use else []
+            _remove(base, streams)  # still readable by the rollback through the held fds
+            raise
+        streams = native_storage.end_checkpoint() if use else []
+        ph.detail = f"pids {', '.join(map(str, pids))}; GPU storage {why}"
+        ph.bytes = sum(
+            (base / s["file"]).stat().st_blocks * 512
+            for s in streams
+            if (base / s["file"]).exists()
+        )
+    ck.gpu_storage = {
+        "mode": "custom" if use else "host",
+        "why": why,
+        "chunk_bytes": opts.chunk_bytes,
+        "checksum": gpustore.CHECKSUM,
+        "streams": streams,
+    }
+
+
+def discard(ck) -> None:
+    """A checkpoint that ends without its manifest: remove its ``chunks/gpu-*.bin`` files (the
+    agent still holds them open, so a rollback that has yet to read them back still can)."""
+    files = native_storage.held_files()
+    if files:
+        _remove(pathlib.Path(ck.images_dir), [{"file": f} for f in files])
+
+
+def annotate(ck, manifest: dict) -> None:
+    """Put the GPU storage record (mode, why, streams) into ``manifest`` before it is written
+    (``cuinterpose.v1.Manifest.gpu_storage_json`` carries it over gRPC)."""
+    rec = getattr(ck, "gpu_storage", None)
+    if rec is not None:
+        manifest["gpu_storage"] = rec
+
+
+def prepare_restore(rs) -> None:
+    """Before the native restore: a snapshot with ``gpu_storage.mode == "custom"`` is checked
+    (``trust.check_gpu_storage``) and its streams opened for the driver-API restore. Raises
+    ``SnapshotError`` (a bad record; nothing changed yet by this step) or ``AgentError`` phase
+    "native restore" (a backend without custom storage)."""
+    rec = rs.m.get("gpu_storage")
+    if not rec or rec.get("mode") != "custom":
+        return
+    trust.check_gpu_storage(rs.images_dir, rs.m)
+    inf = native.info()
+    avail, why = native_storage.probe("driver-api", inf.library, inf.version)
+    if not avail:
+        raise AgentError(
+            "native restore",
+            f"the snapshot's GPU memory is in custom storage ({len(rec['streams'])} stream(s) "
+            f"under {gpustore.CHUNKS_DIR}/), and {why}; restore it on a driver with custom "
+            "storage (the driver API restores it, whatever --native-backend)",
+        )
+    opts = gpustore.Options(
+        chunk_bytes=int(rec["chunk_bytes"]),
+        staging_bytes=gpustore.staging_bytes(None),
+        alloc=_pinned_alloc if native.info().kind == "real" else None,
+    )
+    native_storage.register_sources(rs.images_dir, rs.m["cuda_pids"], rec["streams"], opts)
+
+
+def gpu_bytes(directory: os.PathLike | str, rec: dict) -> int:
+    """Bytes the streams of ``rec`` hold (their sizes: the GPU regions)."""
+    return sum(int(s["bytes"]) for s in rec.get("streams", []))

@@ -1,0 +1,175 @@
+"""agent/mech/gpustore.py (the chunk writer/reader) over host memory, and
+trust.check_gpu_storage on the records it makes: zero chunks skipped (sparse, null checksums),
+BLAKE2b-256 per chunk equal to hashlib's, the short last chunk, several writer threads within
+the staging bound, verify-before-use at read, exact error messages (ENOSPC on /dev/full, a bad
+checksum), and the manifest checks."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+
+from cuinterpose.agent.errors import AgentError, SnapshotError
+from cuinterpose.agent.mech import gpustore
+from cuinterpose.agent.snapshot import trust
+
+CB = 64 << 10
+
+
+def sample(nchunks_dense: int = 3) -> bytearray:
+    """chunks: dense, zero, dense, zero, dense..., then a short dense tail of 1000 bytes."""
+    out = bytearray()
+    for i in range(2 * nchunks_dense - 1):
+        out += bytes((j * 31 + i) & 0xFF for j in range(CB)) if i % 2 == 0 else bytes(CB)
+    out += b"\x01" * 1000
+    return out
+
+
+def write(tmp_path, data: bytearray, **kw):
+    path = tmp_path / "chunks" / "gpu-7-0.bin"
+    path.parent.mkdir(exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    opts = gpustore.Options(chunk_bytes=CB, staging_bytes=kw.pop("staging", 2 * CB), threads=4)
+    try:
+        rec = gpustore.write_stream(
+            gpustore.MemoryRegion(data),
+            fd,
+            pid=7,
+            ordinal=0,
+            file="chunks/gpu-7-0.bin",
+            opts=opts,
+            phase="native checkpoint",
+        )
+    finally:
+        os.close(fd)
+    return path, rec, opts
+
+
+def test_write_then_read_back(tmp_path):
+    data = sample()
+    path, rec, opts = write(tmp_path, data)
+    n = len(data)
+    assert (rec["file"], rec["kind"], rec["pid"], rec["ordinal"], rec["bytes"]) == (
+        "chunks/gpu-7-0.bin",
+        "gpu",
+        7,
+        0,
+        n,
+    )
+    assert rec["zero"] == [1, 3]
+    assert len(rec["checksums"]) == 6
+    for i, c in enumerate(rec["checksums"]):
+        chunk = bytes(data[i * CB : (i + 1) * CB])
+        want = None if i in (1, 3) else hashlib.blake2b(chunk, digest_size=32).hexdigest()
+        assert c == want, i
+    assert path.read_bytes() == bytes(data)
+    assert path.stat().st_size == n
+    assert path.stat().st_blocks * 512 < n  # the zero chunks were not written
+    assert opts.slots() == 2  # 2 chunks of staging in all: two writers at a time
+    back = bytearray(b"\xee" * n)  # a fresh region is not zeroed
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        gpustore.read_stream(
+            gpustore.MemoryRegion(back), fd, rec, opts=opts, phase="native restore"
+        )
+    finally:
+        os.close(fd)
+    assert back == data
+
+
+def test_a_bad_chunk_is_refused_before_use(tmp_path):
+    data = sample()
+    path, rec, opts = write(tmp_path, data)
+    raw = bytearray(path.read_bytes())
+    raw[2 * CB + 9] ^= 0x40
+    path.write_bytes(raw)
+    have = hashlib.blake2b(bytes(raw[2 * CB : 3 * CB]), digest_size=32).hexdigest()
+    back = bytearray(len(data))
+    fd = os.open(path, os.O_RDONLY)
+    opts.threads = 1
+    try:
+        with pytest.raises(gpustore.GpuStoreError) as ei:
+            gpustore.read_stream(
+                gpustore.MemoryRegion(back), fd, rec, opts=opts, phase="native restore"
+            )
+    finally:
+        os.close(fd)
+    e = ei.value
+    assert (e.phase, e.pid) == ("native restore", 7)
+    assert e.reason == (
+        f"GPU ordinal 0: chunk 2 of chunks/gpu-7-0.bin has a bad checksum: manifest "
+        f"{rec['checksums'][2]}, file {have}; restore refused, snapshot untouched"
+    )
+    assert back[2 * CB : 3 * CB] == bytes(CB)  # the bad bytes never reached the region
+
+
+def test_a_failed_write_names_the_stream_and_errno():
+    """/dev/full cannot be sized (EINVAL); a chunk write there fails ENOSPC
+    (test_gpu_storage_e2e.py has the full disk end to end)."""
+    fd = os.open("/dev/full", os.O_WRONLY)
+    opts = gpustore.Options(chunk_bytes=CB, staging_bytes=CB, threads=1)
+    try:
+        with pytest.raises(gpustore.GpuStoreError) as ei:
+            gpustore.write_stream(
+                gpustore.MemoryRegion(bytearray(b"\x05" * CB)),
+                fd,
+                pid=7,
+                ordinal=1,
+                file="chunks/gpu-7-1.bin",
+                opts=opts,
+                phase="native checkpoint",
+            )
+    finally:
+        os.close(fd)
+    assert (ei.value.phase, ei.value.pid) == ("native checkpoint", 7)
+    assert ei.value.reason == (
+        "GPU ordinal 1: sizing of chunks/gpu-7-1.bin failed: EINVAL (Invalid argument); the "
+        "checkpoint rolls back, free space or fix the disk and checkpoint again"
+    )
+
+
+def test_chunk_and_staging_sizes(monkeypatch):
+    assert gpustore.chunk_bytes() == 8 << 20
+    monkeypatch.setenv(gpustore.CHUNK_BYTES_ENV, str(1 << 20))
+    assert gpustore.chunk_bytes() == 1 << 20
+    with pytest.raises(AgentError) as ei:
+        gpustore.chunk_bytes(3 << 20)
+    assert ei.value.reason == f"chunk size {3 << 20} bytes: must be a power of two >= 65536"
+    monkeypatch.setenv(gpustore.STAGING_BYTES_ENV, "lots")
+    with pytest.raises(AgentError) as ei:
+        gpustore.staging_bytes()
+    assert ei.value.reason == "$CUINTERPOSE_STAGING_BYTES='lots' is not a byte count"
+
+
+def manifest_with(rec, **over):
+    g = {"mode": "custom", "why": "t", "chunk_bytes": CB, "checksum": "blake2b-256"}
+    g.update(over)
+    g.setdefault("streams", [rec])
+    return {"cuda_pids": [7], "gpu_storage": g}
+
+
+def test_trust_checks_the_record(tmp_path):
+    _path, rec, _ = write(tmp_path, sample())
+    trust.check_gpu_storage(tmp_path, manifest_with(rec))
+    cases = [
+        (manifest_with(rec, chunk_bytes=CB + 1), f"chunk_bytes {CB + 1} is not a power of two"),
+        (manifest_with(rec, checksum="sha256"), "checksum 'sha256' is not blake2b-256"),
+        (manifest_with(dict(rec, file="chunks/../x.bin")), "is not 'chunks/gpu-7-0.bin'"),
+        (manifest_with(dict(rec, pid=8, file="chunks/gpu-8-0.bin")), "pid 8 is not one of"),
+        (manifest_with(dict(rec, zero=[1])), "zero chunks differ from its null checksums"),
+        (manifest_with(dict(rec, checksums=rec["checksums"][:-1])), "has no 6 checksums"),
+        (manifest_with(rec, streams=[rec, rec]), "repeats pid 7 ordinal 0"),
+        (manifest_with(dict(rec, bytes=rec["bytes"] - 1)), "is not a regular file of"),
+    ]
+    for m, want in cases:
+        with pytest.raises(SnapshotError) as ei:
+            trust.check_gpu_storage(tmp_path, m)
+        assert want in ei.value.reason, (want, ei.value.reason)
+    (tmp_path / rec["file"]).unlink()
+    with pytest.raises(SnapshotError) as ei:
+        trust.check_gpu_storage(tmp_path, manifest_with(rec))
+    assert ei.value.reason.endswith(
+        f"stream file {tmp_path / rec['file']} is missing; restore refused"
+    )
