@@ -22,7 +22,7 @@ from cuinterpose.agent.mech import census as census_mod
 from cuinterpose.agent.mech import criu_bad_size, ctldir, devicemap, inherit, native, quiesce
 from cuinterpose.agent.mech.census import pid_alive
 from cuinterpose.agent.mech.placement import Placement
-from cuinterpose.agent.run import carriers, durable, gpustore_step, interrupt
+from cuinterpose.agent.run import carriers, durable, gpustore_step, interrupt, placing
 from cuinterpose.agent.run.report import Reporter
 from cuinterpose.agent.run.steps import (
     Step,
@@ -198,30 +198,8 @@ class Restore(StepRunner):
         ]
         ext_files = self.m.get("external_files", [])
         if want is None:
-            ext = self.m.get("external_pipes", [])
-            if ext:
-                self.r.note(
-                    "without a placement (--into-pid) these pipe fds come back with no "
-                    "process at their other end (a writer gets EPIPE): "
-                    + ", ".join(
-                        f"pid {p['pid']} fd {p['fd']} ({p['direction']}s pipe:[{p['inode']}])"
-                        for p in ext
-                    )
-                )
-            foreign = [
-                r
-                for r in self.m["roots"]
-                if manifest_mod.tree_namespaces(self.m, r).get("foreign_mnt")
-            ]
-            if foreign:
-                self.r.note(
-                    "tree(s) " + ", ".join(map(str, foreign)) + " were checkpointed in a mount "
-                    "namespace other than the agent's (a container's); without a placement "
-                    "(--into-pid) CRIU runs in the agent's mount namespace and reopens their "
-                    "files by the paths that namespace showed, so those paths must exist here "
-                    "(restore into the placeholder container with --into-pid to get the "
-                    "container's view)"
-                )
+            for note in placing.unplaced_notes(self.m):
+                self.r.note(note)
             if not ext_net and not ext_files:
                 return
         with self.r.phase("placement") as ph:
@@ -249,22 +227,8 @@ class Restore(StepRunner):
                     )
                 )
             )
-        for f in self.files:
-            self.r.note(
-                f"tree {f['root']}: pid {f['pid']} fd {f['fd']} ({f['path']}, opened "
-                f"outside its mount namespace) gets {f['handed']}"
-            )
-        for fx in self.fixups_planned():
-            self.r.note(
-                f"tree {fx['root']}: pid {fx['pid']} fd {fx['fd']} gets the "
-                f"placement's regular file {fx['target']}, set O_APPEND before the "
-                "tree runs (CRIU reopens it at offset 0)"
-            )
-        if pl is not None and "external_pipes" not in self.m:
-            self.r.note(
-                "the snapshot predates external-pipe records: its trees' pipes to "
-                "outside them, if any, come back without their outside end"
-            )
+        for note in placing.placed_notes(self.m, pl, self.files, self.fixups_planned()):
+            self.r.note(note)
 
     def _place(self, want):
         pl = want

@@ -27,7 +27,6 @@ import sys
 import pytest
 
 from cuinterpose.agent.mech import gpustore
-from cuinterpose.agent.run import gpustore_step
 from cuinterpose.coordinator import contract
 from cuinterpose.workloads.afdwin import demo
 
