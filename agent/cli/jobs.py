@@ -44,6 +44,18 @@ NATIVE_BACKEND_OPT = click.option(
 )
 
 
+GPU_STORAGE_OPT = click.option(
+    "--gpu-storage",
+    type=click.Choice(["auto", "custom", "host"]),
+    default=None,
+    help="where native checkpoint puts each process's GPU memory: custom (the driver's custom "
+    "storage, CUDA 13.4+: streamed by the agent to chunks/gpu-<pid>-<ordinal>.bin, outside "
+    "CRIU's images), host (the driver stages it in the process's host memory, which CRIU "
+    "dumps), or auto (custom where the driver has it) [default: $CUINTERPOSE_GPU_STORAGE, "
+    "else auto].",
+)
+
+
 def _use_native_backend(kind) -> None:
     """Put ``--native-backend`` into ``$CUINTERPOSE_NATIVE_BACKEND`` (agent/mech/native.py
     reads it when it picks the backend)."""
@@ -113,6 +125,7 @@ def _use_native_backend(kind) -> None:
 @manifest_key_opt("node key file: the manifest gets an HMAC-SHA256 (mac) with it")
 @driver_opt
 @NATIVE_BACKEND_OPT
+@GPU_STORAGE_OPT
 @control_opt
 @agent_opt
 @group_opt
@@ -134,6 +147,7 @@ def checkpoint(
     manifest_key,
     driver,
     native_backend,
+    gpu_storage,
     control_dir,
     agent_addr,
     group_file,
@@ -145,16 +159,17 @@ def checkpoint(
     """Checkpoint the process tree(s) rooted at --pid into --images-dir."""
     from cuinterpose.agent.run import carriers, ops
 
-    # the chunk file settings travel as the variables agent/run/carriers.py reads
-    for name, value in (
-        ("chunk_bytes", chunk_bytes),
-        ("staging_bytes", staging_bytes),
-        ("writers", writers),
-    ):
-        if value is not None:
-            os.environ[carriers.ENV[name]] = str(value)
+    chunks = {
+        k: v
+        for k, v in (
+            ("chunk_bytes", chunk_bytes),
+            ("staging_bytes", staging_bytes),
+            ("writers", writers),
+        )
+        if v is not None
+    }
     try:
-        carriers.settings()
+        carriers.settings(**chunks)
     except Exception as e:
         raise click.UsageError(str(e)) from None
 
@@ -204,6 +219,10 @@ def checkpoint(
                     leave_running=leave_running,
                     driver=driver or "",
                     control_dir=os.path.abspath(control_dir) if control_dir else "",
+                    chunk_bytes=chunks.get("chunk_bytes", 0),
+                    staging_bytes=chunks.get("staging_bytes", 0),
+                    writers=chunks.get("writers", 0),
+                    gpu_storage=gpu_storage or "",
                 ),
                 members=load_members(group_file, "checkpoint") if group_file else [],
             )
@@ -216,7 +235,12 @@ def checkpoint(
         else:
             set_env(driver, control_dir)
             _use_native_backend(native_backend)
-            out = live(sink, lambda: ops.checkpoint(rep, pids, images_dir, **kw)[0])
+            out = live(
+                sink,
+                lambda: ops.checkpoint(
+                    rep, pids, images_dir, chunks=chunks, gpu_storage=gpu_storage, **kw
+                )[0],
+            )
     except AgentError as e:
         fail(e, as_json, {"phases": getattr(e, "remote_phases", None) or rep.to_list()})
     if as_json:

@@ -58,22 +58,6 @@ DEFAULT_SNAPSHOT_DIR = "/var/lib/cuinterpose/snapshots"
 # -- events ------------------------------------------------------------------------------------
 
 
-#: the progress fields a ``Progress`` row carries when the schema has them (bytes done are
-#: ``bytes``): total bytes, rate in bytes/s, ETA in ns (-1: unknown)
-PROGRESS_FIELDS = ("total_bytes", "rate_bytes_per_s", "eta_ns")
-
-
-def _progress_fields() -> tuple:
-    """The :data:`PROGRESS_FIELDS` that ``cuinterpose.v1.Progress`` has (none with today's
-    agent.proto: a progress row then says them in ``detail``)."""
-    try:
-        apb, _, _ = pb.modules()
-        have = apb.Progress.DESCRIPTOR.fields_by_name
-    except ImportError:
-        return ()
-    return tuple(f for f in PROGRESS_FIELDS if f in have)
-
-
 def progress_dict(event: str, ph: Optional[Phase] = None, text: str = "", **extra) -> dict:
     """A Progress row as a dict (the fields of ``cuinterpose.v1.Progress``). ``event``:
     start, progress, end, note. A ``progress`` row (a phase moving bytes, while it runs):
@@ -107,12 +91,11 @@ def progress_dict(event: str, ph: Optional[Phase] = None, text: str = "", **extr
                 elapsed_ns=max(0, time.monotonic_ns() - ph.start_ns) if ph.start_ns else 0,
                 detail=ph.progress_text(),
             )
-            vals = {
-                "total_bytes": int(ph.total_bytes),
-                "rate_bytes_per_s": float(ph.rate_bps),
-                "eta_ns": int(ph.eta_ns),
-            }
-            d.update({k: vals[k] for k in _progress_fields()})
+            d.update(
+                total_bytes=int(ph.total_bytes),
+                rate_bytes_per_s=float(ph.rate_bps),
+                eta_ns=int(ph.eta_ns),
+            )
     d.update({k: v for k, v in extra.items() if v is not None})
     return d
 
@@ -382,6 +365,18 @@ class AgentService(GroupMember, _servicer_base()):
             "carrier_timeout_s": o.carrier_timeout_s or d.carrier_timeout_s,
             "driver": driver or None,
             "leave_running": o.leave_running,
+            # the data path per request (run/carriers.py, run/gpustore_step.py); unset: the
+            # daemon's environment, else the defaults
+            "chunks": {
+                k: int(v)
+                for k, v in (
+                    ("chunk_bytes", o.chunk_bytes),
+                    ("staging_bytes", o.staging_bytes),
+                    ("writers", o.writers),
+                )
+                if v
+            },
+            "gpu_storage": o.gpu_storage or None,
         }
 
     def restore_kwargs(self, req) -> dict:

@@ -19,7 +19,15 @@ from cuinterpose.agent.errors import AgentError, CensusError, CheckpointFailed, 
 from cuinterpose.agent.mech import census as census_mod
 from cuinterpose.agent.mech import fds, native, quiesce
 from cuinterpose.agent.mech.inherit import external_file_key
-from cuinterpose.agent.run import carriers, durable, gpustore_step, images, interrupt, recover
+from cuinterpose.agent.run import (
+    carriers,
+    durable,
+    gpustore_step,
+    images,
+    interrupt,
+    placing,
+    recover,
+)
 from cuinterpose.agent.run.report import Reporter
 from cuinterpose.agent.run.rollback import Rollback
 from cuinterpose.agent.run.steps import (
@@ -97,8 +105,10 @@ class Checkpoint(Rollback, StepRunner):
         reporter: Optional[Reporter] = None,
         shim_path=None,
         chunks: Optional[dict] = None,
+        gpu_storage: Optional[str] = None,
     ):
         self.chunks = dict(chunks or {})  # chunk_bytes, staging_bytes, writers (run/carriers.py)
+        self.gpu_storage_mode = gpu_storage  # auto|custom|host (run/gpustore_step.py), None: env
         self.roots = list(dict.fromkeys(int(r) for r in roots))
         self.images_dir = images_dir
         self.control_dir = str(pathlib.Path(control_dir or default_control_dir()).resolve())
@@ -403,47 +413,7 @@ class Checkpoint(Rollback, StepRunner):
         """Warnings (manifest ``warnings``, and notes) for the external pipes and files of
         tree ``root``: what a restore does with them, with and without a placement."""
         comms = {p.pid: p.comm for p in self.census.processes} if self.census else {}
-        out = []
-        for p in self.external_pipes:
-            if p["root"] != root:
-                continue
-            comm = comms.get(p["pid"], "?")
-            out.append(
-                {
-                    "pid": p["pid"],
-                    "comm": comm,
-                    "fd": p["fd"],
-                    "path": f"pipe:[{p['inode']}]",
-                    "message": (
-                        f"pid {p['pid']} ({comm}) fd {p['fd']} {p['direction']}s pipe:[{p['inode']}], "
-                        "whose other end is outside the checkpointed tree (a container's stdio, a "
-                        "pipe to a logger): a restore into a placement (--into-pid) hands it the "
-                        "placement's stdio; a restore without a placement brings it back with nothing "
-                        "at the other end (a writer gets EPIPE/SIGPIPE at its next write, a reader "
-                        "end-of-file)"
-                    ),
-                }
-            )
-        for f in self.external_files:
-            if f["root"] != root:
-                continue
-            comm = comms.get(f["pid"], "?")
-            out.append(
-                {
-                    "pid": f["pid"],
-                    "comm": comm,
-                    "fd": f["fd"],
-                    "path": f["path"],
-                    "message": (
-                        f"pid {f['pid']} ({comm}) fd {f['fd']} holds {f['path']}, opened outside the "
-                        f"tree's mount namespace (mount {f['mnt_id']} is not in it): CRIU records it "
-                        "as external, and a restore hands it the placement's fd "
-                        f"{f['fd']} when that is the same kind of file, else reopens {f['path']} in "
-                        "the agent's mount namespace (a restore without a placement always does); it "
-                        "is refused when that path does not exist there"
-                    ),
-                }
-            )
+        out = placing.external_warnings(root, self.external_pipes, self.external_files, comms)
         self.external_warnings[root] = out
         for w in out:
             self.r.note(f"warning: {w['message']}")

@@ -62,8 +62,9 @@ def _pinned_alloc(n: int):
 def options(ck) -> gpustore.Options:
     real = native.info().kind == "real"
     return gpustore.Options(
-        chunk_bytes=gpustore.chunk_bytes(getattr(ck, "chunk_bytes", None)),
-        staging_bytes=gpustore.staging_bytes(getattr(ck, "staging_bytes", None)),
+        # the same settings as the shim carriers' chunk files (--chunk-bytes, --staging-bytes)
+        chunk_bytes=gpustore.chunk_bytes(getattr(ck, "chunks", {}).get("chunk_bytes")),
+        staging_bytes=gpustore.staging_bytes(getattr(ck, "chunks", {}).get("staging_bytes")),
         alloc=_pinned_alloc if real else None,
     )
 

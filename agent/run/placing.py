@@ -55,3 +55,53 @@ def placed_notes(m: dict, placement, files: list[dict], fixups: list[dict]) -> l
             "outside them, if any, come back without their outside end"
         )
     return out
+
+
+def external_warnings(root: int, pipes: list[dict], files: list[dict], comms: dict) -> list[dict]:
+    """The checkpoint's warnings (``{"pid", "comm", "fd", "path", "message"}``, manifest
+    ``warnings``) for tree ``root``'s external pipes (``pipes``: ``{"root", "pid", "fd",
+    "inode", "direction"}``) and files opened outside its mount namespace (``files``:
+    ``{"root", "pid", "fd", "path", "mnt_id"}``): what a restore does with each, with and
+    without a placement. ``comms``: pid -> command name."""
+    out = []
+    for p in pipes:
+        if p["root"] != root:
+            continue
+        comm = comms.get(p["pid"], "?")
+        out.append(
+            {
+                "pid": p["pid"],
+                "comm": comm,
+                "fd": p["fd"],
+                "path": f"pipe:[{p['inode']}]",
+                "message": (
+                    f"pid {p['pid']} ({comm}) fd {p['fd']} {p['direction']}s pipe:[{p['inode']}], "
+                    "whose other end is outside the checkpointed tree (a container's stdio, a "
+                    "pipe to a logger): a restore into a placement (--into-pid) hands it the "
+                    "placement's stdio; a restore without a placement brings it back with nothing "
+                    "at the other end (a writer gets EPIPE/SIGPIPE at its next write, a reader "
+                    "end-of-file)"
+                ),
+            }
+        )
+    for f in files:
+        if f["root"] != root:
+            continue
+        comm = comms.get(f["pid"], "?")
+        out.append(
+            {
+                "pid": f["pid"],
+                "comm": comm,
+                "fd": f["fd"],
+                "path": f["path"],
+                "message": (
+                    f"pid {f['pid']} ({comm}) fd {f['fd']} holds {f['path']}, opened outside the "
+                    f"tree's mount namespace (mount {f['mnt_id']} is not in it): CRIU records it "
+                    "as external, and a restore hands it the placement's fd "
+                    f"{f['fd']} when that is the same kind of file, else reopens {f['path']} in "
+                    "the agent's mount namespace (a restore without a placement always does); it "
+                    "is refused when that path does not exist there"
+                ),
+            }
+        )
+    return out

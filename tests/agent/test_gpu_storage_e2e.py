@@ -70,25 +70,21 @@ class Job:
         self.pid = self.up["pid"]
 
     def checkpoint(self, snap: pathlib.Path, mode: str):
-        env_before = os.environ.get("CUINTERPOSE_GPU_STORAGE")
-        os.environ["CUINTERPOSE_GPU_STORAGE"] = mode
-        try:
-            return demo.run_agent(
-                "checkpoint",
-                "--pid",
-                str(self.pid),
-                "--images-dir",
-                str(snap),
-                "--driver",
-                "fake",
-                "--control-dir",
-                str(self.ctl),
-            )
-        finally:
-            if env_before is None:
-                os.environ.pop("CUINTERPOSE_GPU_STORAGE")
-            else:
-                os.environ["CUINTERPOSE_GPU_STORAGE"] = env_before
+        """``checkpoint --gpu-storage MODE`` (the flag; $CUINTERPOSE_GPU_STORAGE unset)."""
+        assert "CUINTERPOSE_GPU_STORAGE" not in os.environ
+        return demo.run_agent(
+            "checkpoint",
+            "--pid",
+            str(self.pid),
+            "--images-dir",
+            str(snap),
+            "--driver",
+            "fake",
+            "--control-dir",
+            str(self.ctl),
+            "--gpu-storage",
+            mode,
+        )
 
     def wait_gone(self):
         wait_until(lambda: not demo.pid_alive(self.pid), f"dumped job {self.pid} gone")

@@ -50,10 +50,10 @@ def test_progress_rows_carry_bytes_done_of_the_total_with_rate_and_eta():
     assert [m["pct"] for m in parsed] == ["0", "33", "33", "66", "100"]
     assert parsed[0]["eta"] is None  # nothing moved yet: no rate, so no ETA
     assert all(m["eta"] is not None for m in parsed[1:]) and parsed[-1]["eta"] == "0 us"
-    # the schema's own fields, where agent.proto has them
-    fields = service._progress_fields()
-    if fields:
-        assert [r.total_bytes for r in prog] == [TOTAL] * len(STEPS)
+    # the schema's own fields: the total, a rate once bytes moved, the ETA (-1 before)
+    assert [r.total_bytes for r in prog] == [TOTAL] * len(STEPS)
+    assert prog[0].eta_ns == -1 and all(r.rate_bytes_per_s > 0 for r in prog[1:])
+    assert prog[-1].eta_ns == 0
     end = rows[-1]
     assert (end.status, end.bytes, end.detail) == ("ok", TOTAL, "3 files fsynced")
     res = evs[-1].result
