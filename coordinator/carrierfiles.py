@@ -100,7 +100,8 @@ class CarrierFiles:
         LOAD_ALLOCATIONS: read) and return the request's carriers; close them with
         :meth:`close`. Raises OSError naming the file (what was opened is closed)."""
         if op == Op.SAVE_ALLOCATIONS:
-            os.makedirs(self.directory, mode=0o700, exist_ok=True)
+            if streams:  # a snapshot without carriers gets no chunks/ directory
+                os.makedirs(self.directory, mode=0o700, exist_ok=True)
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
         else:
             flags = os.O_RDONLY

@@ -231,7 +231,7 @@ def test_checkpoint_interrupted(afdwin, tmp_path, trigger, outcome, phase, reaso
     assert rc == EXIT[outcome], out
     if outcome == "snapshot":
         assert out["ok"] is True
-        assert sorted(p.name for p in snap.iterdir()) == ["criu", "manifest.json"]
+        assert sorted(p.name for p in snap.iterdir()) == ["chunks", "criu", "manifest.json"]
         assert a.wait_dumped(demo.HANG_S) == -signal.SIGKILL
         rc, rs = demo.run_agent("restore", "--images-dir", str(snap), "--driver", "fake")
         assert (rc, rs.get("ok")) == (0, True), rs
