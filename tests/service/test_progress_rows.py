@@ -137,3 +137,24 @@ def test_progress_dict_has_only_the_schemas_fields():
         d = service.progress_dict("progress", ph)
     assert set(d) <= set(apb.Progress.DESCRIPTOR.fields_by_name)
     assert apb.Progress(**d).bytes == 10
+
+
+def test_checkpoint_options_carry_the_data_path_to_the_daemons_checkpoint(tmp_path):
+    """CheckpointOptions.chunk_bytes/staging_bytes/writers/gpu_storage become the daemon's
+    Checkpoint arguments (unset: {} and None, the daemon's environment decides)."""
+    apb, _, _ = pb.modules()
+    svc = service.AgentService(service.ServeOptions(node="n", snapshot_dir=str(tmp_path)))
+    req = apb.CheckpointRequest(
+        roots=[1],
+        images_dir=str(tmp_path / "s"),
+        options=apb.CheckpointOptions(
+            chunk_bytes=1 << 20, staging_bytes=4 << 20, writers=2, gpu_storage="host"
+        ),
+    )
+    kw = svc.checkpoint_kwargs(req)
+    assert (kw["chunks"], kw["gpu_storage"]) == (
+        {"chunk_bytes": 1 << 20, "staging_bytes": 4 << 20, "writers": 2},
+        "host",
+    )
+    kw = svc.checkpoint_kwargs(apb.CheckpointRequest(roots=[1], images_dir=str(tmp_path)))
+    assert (kw["chunks"], kw["gpu_storage"]) == ({}, None)
