@@ -68,6 +68,14 @@ class DriverInfo:
 
 
 _info: Optional[DriverInfo] = None
+
+
+def loaded_info() -> Optional[DriverInfo]:
+    """The driver :func:`load` loaded in this process (None: none yet; unlike :func:`info`,
+    loads nothing)."""
+    return _info
+
+
 _driver = None
 
 

@@ -82,9 +82,10 @@ def list_snapshots(directory) -> dict:
     """Snapshots directly under ``directory`` (sub-directories holding ``manifest.json``,
     sorted by name; ``directory`` itself when it holds one): {"ok": true, "dir",
     "snapshots": [{"images_dir", "snapshot_id", "created_at", "roots", "image_bytes",
-    "carrier_bytes", "driver", "error"}]}. A manifest that cannot be read is listed with
-    ``error`` set. Raises ``AgentError`` (phase
-    "snapshots") when ``directory`` cannot be read."""
+    "carrier_bytes", "driver", "native", "error"}]}; ``native``: the native backend that took
+    it ("driver-api", "cuda-checkpoint"; "" for a manifest from before the record). A manifest
+    that cannot be read is listed with ``error`` set. Raises ``AgentError`` (phase "snapshots")
+    when ``directory`` cannot be read."""
     d = pathlib.Path(directory)
     try:
         if (d / manifest_mod.MANIFEST_NAME).is_file():
@@ -106,6 +107,7 @@ def list_snapshots(directory) -> dict:
             "image_bytes": 0,
             "carrier_bytes": 0,
             "driver": "",
+            "native": "",
             "error": "",
         }
         try:
@@ -117,6 +119,7 @@ def list_snapshots(directory) -> dict:
                 image_bytes=int(m.get("totals", {}).get("image_bytes", 0)),
                 carrier_bytes=int(m.get("totals", {}).get("carrier_bytes", 0)),
                 driver=str(m["driver"]["kind"]),
+                native=str((m.get("native") or {}).get("backend", "")),
             )
         except (OSError, ValueError, KeyError, TypeError) as e:
             row["error"] = f"{type(e).__name__}: {e}"

@@ -309,6 +309,7 @@ SNAPSHOT_COLUMNS = (
     "carrier bytes",
     "image bytes",
     "leave-running",
+    "native",
 )
 
 
@@ -339,6 +340,7 @@ def snapshot_rows(res: dict) -> list[tuple[str, ...]]:
                     "-",
                     "-",
                     leave,
+                    "-",
                 )
             )
             continue
@@ -351,6 +353,7 @@ def snapshot_rows(res: dict) -> list[tuple[str, ...]]:
                 str(s["carrier_bytes"]),
                 str(s["image_bytes"]),
                 leave,
+                s.get("native") or "-",
             )
         )
     return rows

@@ -176,7 +176,7 @@ def native_record() -> dict | None:
     from cuinterpose.agent.mech import native
 
     # the driver native.load() loaded, if any (native.info() would load one)
-    inf = getattr(native, "_info", None)
+    inf = native.loaded_info()
     if inf is None:
         return None
     try:

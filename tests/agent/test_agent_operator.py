@@ -451,7 +451,7 @@ def test_inspect_of_a_launcher_lists_the_children_with_a_socket(spawn_tree, ctl)
 
 
 # --- 8. snapshots ---------------------------------------------------------------------------------
-def _snap(d: pathlib.Path, sid: str, leave: bool):
+def _snap(d: pathlib.Path, sid: str, leave: bool, native: str = ""):
     d.mkdir(parents=True)
     (d / "manifest.json").write_text(
         json.dumps(
@@ -463,6 +463,7 @@ def _snap(d: pathlib.Path, sid: str, leave: bool):
                 "criu": {"leave_running": leave},
                 "totals": {"image_bytes": 1000, "carrier_bytes": 4096},
                 "driver": {"kind": "fake"},
+                **({"native": {"backend": native, "driver_version": 13050}} if native else {}),
             }
         )
     )
@@ -479,15 +480,18 @@ def _cli(*args):
 
 
 def test_snapshots_takes_the_directory_as_an_argument_and_prints_columns(tmp_path):
-    _snap(tmp_path / "snaps" / "job1", "ab12", False)
-    _snap(tmp_path / "snaps" / "job2", "cd34", True)
+    _snap(tmp_path / "snaps" / "job1", "ab12", False)  # before manifests named the backend
+    _snap(tmp_path / "snaps" / "job2", "cd34", True, native="cuda-checkpoint")
     res = _cli("snapshots", str(tmp_path / "snaps"))
     assert res.returncode == 0, res.stderr
     assert res.stdout.splitlines() == [
         f"2 snapshots in {tmp_path / 'snaps'}",
-        "name  created                      roots  processes  carrier bytes  image bytes  leave-running",
-        "job1  2026-11-30T08:00:00.000000Z  41,42          3           4096         1000  no",
-        "job2  2026-11-30T08:00:00.000000Z  41,42          3           4096         1000  yes",
+        "name  created                      roots  processes  carrier bytes  image bytes  "
+        "leave-running  native",
+        "job1  2026-11-30T08:00:00.000000Z  41,42          3           4096         1000  "
+        "no             -",
+        "job2  2026-11-30T08:00:00.000000Z  41,42          3           4096         1000  "
+        "yes            cuda-checkpoint",
     ]
     one = _cli("snapshots", str(tmp_path / "snaps" / "job2"), "--json")
     assert [s["snapshot_id"] for s in json.loads(one.stdout)["snapshots"]] == ["cd34"]

@@ -144,6 +144,7 @@ def test_list_snapshots_local_and_through_the_agent(daemon, tmp_path):
                 "roots": [41, 42],
                 "totals": {"image_bytes": 1000, "carrier_bytes": 4096},
                 "driver": {"kind": "fake"},
+                "native": {"backend": "cuda-checkpoint", "driver_version": 13050, "detail": "x"},
             }
         )
     )
@@ -166,6 +167,7 @@ def test_list_snapshots_local_and_through_the_agent(daemon, tmp_path):
         "image_bytes": 1000,
         "carrier_bytes": 4096,
         "driver": "fake",
+        "native": "cuda-checkpoint",
         "error": "",
     }
     assert snaps[1]["error"].startswith("JSONDecodeError: ")
