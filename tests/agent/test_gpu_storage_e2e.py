@@ -17,7 +17,6 @@ agent CLI, real CRIU.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pathlib
@@ -43,12 +42,7 @@ def pages_bytes(snap: pathlib.Path) -> int:
     return sum(p.stat().st_size for p in (snap / "criu").rglob("pages-*.img"))
 
 
-def tree_digest(snap: pathlib.Path) -> dict[str, str]:
-    return {
-        str(p.relative_to(snap)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(snap.rglob("*"))
-        if p.is_file()
-    }
+tree_digest = demo.snapshot_digest
 
 
 class Job:

@@ -10,7 +10,6 @@ import signal
 
 import pytest
 
-from cuinterpose.agent.mech.census import sha256_file
 from cuinterpose.workloads.afdwin import demo
 
 STEPS = 120
@@ -19,15 +18,8 @@ HOLD = 12
 NODE = "H100 80GB:80G,H100 80GB:80G,H100 80GB:80G,H100 80GB:80G,A100 40GB:40G"
 
 
-def uuid(i: int) -> str:
-    h = (b"fakecudaGPU-uu" + bytes([i >> 8, i & 0xFF])).hex()
-    return f"GPU-{h[0:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
-
-
-def digest(snap):
-    return {
-        str(p.relative_to(snap)): sha256_file(p) for p in sorted(snap.rglob("*")) if p.is_file()
-    }
+uuid = demo.fake_gpu_uuid
+digest = demo.snapshot_digest
 
 
 def windows(evs, after):

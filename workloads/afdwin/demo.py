@@ -341,6 +341,27 @@ def wait_stopped(pid: int, alive: Callable[[], bool], timeout_s: float = HANG_S)
         time.sleep(0.01)
 
 
+def fake_gpu_uuid(i: int) -> str:
+    """The UUID fakecuda gives device ``i`` of ``FAKECUDA_DEVICES`` (docs/fakecuda.md: the
+    bytes ``fakecudaGPU-uu`` + ``i`` big-endian in two bytes), as nvidia-smi writes it."""
+    from cuinterpose.agent.mech.devicemap import uuid_str
+
+    return uuid_str(b"fakecudaGPU-uu" + i.to_bytes(2, "big"))
+
+
+def snapshot_digest(d) -> dict:
+    """{relative path: (sha256 or "dir", mode, mtime_ns)} for every file and directory under
+    ``d`` (links not followed): equal before and after means the snapshot was not touched."""
+    import hashlib
+
+    out = {}
+    for p in sorted(pathlib.Path(d).rglob("*")):
+        st = p.lstat()
+        h = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+        out[str(p.relative_to(d))] = (h, st.st_mode, st.st_mtime_ns)
+    return out
+
+
 def holds(evs: list[dict], step: int) -> set[int]:
     """Attention ranks that sent a ``hold`` event for ``step`` (--hold-at)."""
     return {e["rank"] for e in evs if kind(e) == "hold" and e.get("step") == step}
