@@ -269,11 +269,16 @@ class Recovery:
         return out
 
     def continue_stopped(self) -> list[int]:
-        """SIGCONT every process of the trees in state T (CRIU's ``--leave-stopped``):
-        a stopped process cannot answer the driver's checkpoint calls."""
+        """SIGCONT every process of the trees in state T (CRIU's ``--leave-stopped``), and
+        every process of the trees once the lock shows a dump began: CRIU sends SIGSTOP just
+        before it detaches, so a task not yet scheduled since shows R or S with the stop
+        still pending, and would stop for good after a release that skipped it (SIGCONT
+        discards a pending stop). A stopped process cannot answer the driver's checkpoint
+        calls. Returns the pids signalled."""
+        dumped = any(s.startswith("criu dump") for s in self.steps)
         done = []
         for pid in self.tree_pids():
-            if _state(pid) in ("T", "t"):
+            if dumped or _state(pid) in ("T", "t"):
                 try:
                     os.kill(pid, signal.SIGCONT)
                     done.append(pid)

@@ -591,8 +591,14 @@ def test_placeholder_stdout_a_regular_file_keeps_its_bytes(tmp_path, pipe_tree, 
         assert opts.kwargs()["leave_stopped"] is True
         assert criu.restore(imgs, **opts.kwargs()) == root.pid
         pipe_tree.track(tree)
-        for p in tree:  # stopped until the fds are fixed
-            assert open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] == "T", p
+        # stopped until the fds are fixed (CRIU's SIGSTOP takes effect when the task is
+        # next scheduled, which may be after criu exits)
+        wait_until(
+            lambda: all(
+                open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] == "T" for p in tree
+            ),
+            "every restored process to show state T",
+        )
         done = opts.after_restore(criu.image_pids(imgs))
     finally:
         opts.close()
