@@ -3,8 +3,9 @@
  * protocol.h "Carriers", docs/shim.md "Chunk files"). No driver call here: ops_unicast.c fills
  * and drains the slots (cuMemcpyDtoH / cuMemcpyHtoD) and pins the ring. A chunk is hashed
  * once, while it sits in its slot (writers: before pwrite; readers: after pread, before the
- * caller may use it). Memory: the ring only (staging_bytes rounded down to whole chunks, at
- * least one chunk), unmapped by cui_cio_finish. All threads have every signal blocked and are
+ * caller may use it); a written chunk's writeback is started at once (sync_file_range).
+ * Memory: the ring only (staging_bytes rounded down to whole chunks, at least one chunk),
+ * unmapped by cui_cio_finish. All threads have every signal blocked and are
  * joined before cui_cio_finish returns.
  */
 #define _GNU_SOURCE
@@ -12,6 +13,7 @@
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -97,7 +99,13 @@ static void *writer_main(void *arg) {
     if (zero) memset(it.s->digests[it.chunk], 0, CUI_DIGEST_BYTES);
     else {
       cui_blake2b_256(buf, it.len, it.s->digests[it.chunk]);
-      e = pwrite_full(it.s->fd, buf, it.len, (off_t)((uint64_t)it.chunk * io->chunk_bytes));
+      off_t off = (off_t)((uint64_t)it.chunk * io->chunk_bytes);
+      e = pwrite_full(it.s->fd, buf, it.len, off);
+      /* start the writeback of this chunk now (it does not wait), so that the disk works
+       * while later chunks are copied and hashed and the agent's sync step (agent/run/
+       * durable.py) finds little left to write; not a regular file (a pipe, /dev/full):
+       * the call fails and that is fine */
+      if (!e) (void)sync_file_range(it.s->fd, off, (off_t)it.len, SYNC_FILE_RANGE_WRITE);
     }
     pthread_mutex_lock(&io->mu);
     if (e) set_error(io, CUI_CIO_WRITE, e, &it, NULL);

@@ -143,7 +143,11 @@ static int save_one(struct cui_op_result *res, struct cui_alloc *a, struct cui_c
   CUresult r = cui_alloc_driver_handle(a, &h, &temporary);
   int held = r == CUDA_SUCCESS, stopped = 0;
   if (r != CUDA_SUCCESS) what = "cuMemRetainAllocationHandle";
-  if (r == CUDA_SUCCESS) r = cui_staging_map(a, h, &va, &what);
+  int staged = 0;   /* copy from the app's own mapping where one covers the allocation */
+  if (r == CUDA_SUCCESS && !(va = cui_whole_mapping(a))) {
+    r = cui_staging_map(a, h, &va, &what);
+    staged = r == CUDA_SUCCESS;
+  }
   if (r == CUDA_SUCCESS) {
     for (uint32_t i = 0; i < s->nchunks && r == CUDA_SUCCESS; i++) {
       unsigned char *buf;
@@ -164,7 +168,7 @@ static int save_one(struct cui_op_result *res, struct cui_alloc *a, struct cui_c
       cui_cio_submit(io, slot, s, i, len);
     }
     const char *w2 = NULL;
-    CUresult r2 = cui_staging_unmap(a, va, &w2);
+    CUresult r2 = staged ? cui_staging_unmap(a, va, &w2) : CUDA_SUCCESS;
     if (r == CUDA_SUCCESS && r2 != CUDA_SUCCESS) r = r2, what = w2;
   }
   if (temporary && held) REAL(cuMemRelease)(h);

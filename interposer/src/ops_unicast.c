@@ -35,6 +35,24 @@ static int host_located(const CUmemAllocationProp *p) {
          p->location.type == CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT;
 }
 
+/* The VA of a live mapping of the whole of device allocation `a` in this process with read
+ * access for the allocation's own device, or 0. SAVE_ALLOCATIONS copies from it (the workload
+ * is quiesced) instead of mapping the allocation a second time: no second VA range, and on
+ * fakecuda, whose device memory is a host memfd, no second fault of every page (VmRSS would
+ * count the allocation twice). Host-located memory always takes the staging mapping. */
+CUdeviceptr cui_whole_mapping(const struct cui_alloc *a) {
+  if (host_located(&a->prop) || a->prop.location.type != CU_MEM_LOCATION_TYPE_DEVICE) return 0;
+  for (uint32_t ref = a->maps_head; ref; ref = CUI_MAP(ref)->next) {
+    const struct cui_mapping *m = CUI_MAP(ref);
+    if (!m->mapped || m->offset != 0 || m->size != a->size) continue;
+    for (uint32_t k = 0; k < m->access_count && k < CUI_MAX_ACCESS; k++)
+      if (m->access[k].location_type == CU_MEM_LOCATION_TYPE_DEVICE &&
+          m->access[k].location_id == a->prop.location.id && (m->access[k].flags & CU_MEM_ACCESS_FLAGS_PROT_READ))
+        return (CUdeviceptr)m->va;
+  }
+  return 0;
+}
+
 /* A temporary full-size staging mapping of `h` with read-write access, so partial or
  * read-only app mappings do not limit the copy. Device memory: access for its own device.
  * Host memory: access for the device of the current context (the copy engine reads it), plus

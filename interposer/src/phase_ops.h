@@ -40,13 +40,15 @@ CUI_HIDDEN int cui_op_prepare_unicast(struct cui_op_result *res);
 CUI_HIDDEN int cui_op_restore_unicast(struct cui_op_result *res);
 /* helpers of the byte-moving ops (ops_carriers.c): "<OP>: pid <pid> allocation <hex>: <what>
  * failed: <CUDA_ERROR_...>" with status FAILED; a temporary full-size read-write staging
- * mapping of `h` (and its removal); map every recorded mapping of `a` again with `h`; is `a`
+ * mapping of `h` (and its removal); the VA of an app mapping of the whole of `a` that SAVE
+ * may copy from instead; map every recorded mapping of `a` again with `h`; is `a`
  * an allocation this process carries (live creator, not a raw import). */
 CUI_HIDDEN void cui_fail_driver(struct cui_op_result *res, uint32_t op, const struct cui_alloc *a, const char *what,
                                 CUresult r);
 CUI_HIDDEN CUresult cui_staging_map(const struct cui_alloc *a, CUmemGenericAllocationHandle h, CUdeviceptr *va,
                                     const char **what);
 CUI_HIDDEN CUresult cui_staging_unmap(const struct cui_alloc *a, CUdeviceptr va, const char **what);
+CUI_HIDDEN CUdeviceptr cui_whole_mapping(const struct cui_alloc *a);
 CUI_HIDDEN CUresult cui_remap(struct cui_alloc *a, CUmemGenericAllocationHandle h, uint32_t *changed,
                               const char **what);
 CUI_HIDDEN int cui_is_carried_role(const struct cui_alloc *a);

@@ -25,9 +25,11 @@ def inspect(ctl, app, phase=Phase.ACTIVE):
     return resp.records
 
 
-def creator_and_importer(apps, sizes=(GRAN,), seed=11):
-    """c creates, maps and fills one exported allocation per size; i imports the first through
-    its ticket and maps it. Returns (c, i, [(va, size)] of c, va of i)."""
+def creator_and_importer(apps, sizes=(GRAN,), seed=11, halves=()):
+    """c creates, maps and fills one exported allocation per size (those whose index is in
+    ``halves`` as two mappings of half the size each, so that SAVE_ALLOCATIONS finds no app
+    mapping of the whole allocation to copy from and takes a staging mapping); i imports the
+    first through its ticket and maps it. Returns (c, i, [(va, size)] of c, va of i)."""
     c, i = apps(), apps()
     c.ok("init")
     i.ok("init")
@@ -36,8 +38,10 @@ def creator_and_importer(apps, sizes=(GRAN,), seed=11):
     for k, size in enumerate(sizes):
         h = c.val(f"create {size} {POSIX}")
         va = c.val(f"reserve {size}")
-        c.ok(f"map {va} {size} 0 {h}")
-        c.ok(f"access {va} {size} 0 {RW}")
+        parts = [(0, size // 2), (size // 2, size // 2)] if k in halves else [(0, size)]
+        for off, n in parts:
+            c.ok(f"map {va + off} {n} {off} {h}")
+            c.ok(f"access {va + off} {n} 0 {RW}")
         c.ok(f"fill {va} {size} {seed + k}")
         fds.append(c.val(f"export {h}"))
         out.append((va, size))
@@ -169,12 +173,13 @@ def _vm_size(pid: int) -> int:
 
 
 def test_save_failure_part_way_leaves_active_and_memory_intact(apps, ctl, fake_log, chunk_files):
-    # two carried allocations: GRAN, then 4*GRAN. The staging ring fits under the limit set
-    # below, and so does the first staging reservation (fakecuda reserves
-    # size + alignment = 2*GRAN, then trims), but the second (5*GRAN) does not: a real
+    # two carried allocations: GRAN, then 4*GRAN, both staging-mapped (each is mapped by the
+    # app in two halves, so no app mapping covers it). The staging ring fits under the limit
+    # set below, and so does the first staging reservation (fakecuda reserves
+    # size + alignment = 3*GRAN, then trims), but the second (5*GRAN) does not: a real
     # CUDA_ERROR_OUT_OF_MEMORY from cuMemAddressReserve after the first copy was carried.
-    sizes = (GRAN, 4 * GRAN)
-    c, i, allocs, vi = creator_and_importer(apps, sizes)
+    sizes = (2 * GRAN, 4 * GRAN)
+    c, i, allocs, vi = creator_and_importer(apps, sizes, halves=(0, 1))
     before_c, before_i = inspect(ctl, c), inspect(ctl, i)
     ids = [r.alloc_id for r in before_c if r.kind == RecordKind.ALLOCATION]
     old = resource.prlimit(c.pid, resource.RLIMIT_AS)
@@ -183,7 +188,7 @@ def test_save_failure_part_way_leaves_active_and_memory_intact(apps, ctl, fake_l
     chunk_files.writers = 1
     stack = resource.getrlimit(resource.RLIMIT_STACK)[0]
     ring = chunk_files.staging_bytes + stack + 2 * 4096
-    resource.prlimit(c.pid, resource.RLIMIT_AS, (_vm_size(c.pid) + 3 * GRAN + ring, old[1]))
+    resource.prlimit(c.pid, resource.RLIMIT_AS, (_vm_size(c.pid) + 4 * GRAN + ring, old[1]))
     mark = fake_log.mark()
     try:
         r = ctl(c).request(Op.SAVE_ALLOCATIONS, txn_id=1, expected_phase=Phase.ACTIVE)
@@ -205,7 +210,7 @@ def test_save_failure_part_way_leaves_active_and_memory_intact(apps, ctl, fake_l
     # second failed
     copied = [a for fn, a, res in fake_log.calls(c.pid, since=mark) if fn == "cuMemcpyDtoH_v2"]
     cb = chunk_files.chunk_bytes
-    assert [int(a["bytes"]) for a in copied] == [cb] * (GRAN // cb)
+    assert [int(a["bytes"]) for a in copied] == [cb] * (sizes[0] // cb)
     assert not any(
         fn in ("cuMemRelease", "cuMemUnmap") and res != "CUDA_SUCCESS"
         for fn, _, res in fake_log.calls(c.pid, since=mark)

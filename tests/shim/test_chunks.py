@@ -5,7 +5,11 @@
 - a write error (ENOSPC from /dev/full) fails SAVE_ALLOCATIONS naming pid, allocation, chunk and
   errno; the shim stays ACTIVE with its bytes intact and a new SAVE works;
 - SAVE leaves no host copy: the creator's VmRSS grows by less than the ring, not by the bytes,
-  and once PREPARED it no longer holds them (what CRIU would dump), yet LOAD brings them back."""
+  and once PREPARED it no longer holds them (what CRIU would dump), yet LOAD brings them back;
+- SAVE copies from the app's own mapping where one covers the whole allocation (no staging
+  reservation or mapping: no second VA range, no second fault of its pages on fakecuda), and
+  through a staging mapping where the app maps it only in parts; the files hold the same bytes
+  either way."""
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from cuinterpose.coordinator.carrierfiles import carried_streams
 from cuinterpose.coordinator.protocol import Op, Phase, RecordKind, Status
 
 from .conftest import GRAN, POSIX, RW
+from .test_failures import pattern
 
 MiB = 1 << 20
 
@@ -150,3 +155,40 @@ def test_save_keeps_no_host_copy(apps, ctl, chunk_files):
         r = ctl(c).request(op, txn_id=k, expected_phase=exp)
         assert r.reply.status == Status.OK, r.message
     c.ok(f"check {va} {size} 12")
+
+
+def test_save_copies_from_the_apps_whole_mapping(apps, ctl, chunk_files, fake_log):
+    chunk_files.chunk_bytes, chunk_files.staging_bytes = 2 * MiB, 4 * MiB
+    size = 32 * GRAN  # 64 MiB
+    c = apps()
+    c.ok("init")
+    whole = _alloc(c, size, 21)
+    # the second: mapped by the app as two halves, so no one mapping covers it
+    h = c.val(f"create {size} {POSIX}")
+    parts = c.val(f"reserve {size}")
+    for off in (0, size // 2):
+        c.ok(f"map {parts + off} {size // 2} {off} {h}")
+        c.ok(f"access {parts + off} {size // 2} 0 {RW}")
+    c.ok(f"fill {parts} {size} 22")
+    c.val(f"export {h}")
+    recs = _records(ctl, c)
+    mark = fake_log.mark()
+    r = ctl(c).request(Op.SAVE_ALLOCATIONS, txn_id=1, expected_phase=Phase.ACTIVE)
+    assert (r.reply.status, r.reply.bytes) == (Status.OK, 2 * size), r.message
+    calls = fake_log.calls(c.pid, since=mark)
+    srcs = [int(a["src"], 16) for fn, a, _ in calls if fn == "cuMemcpyDtoH_v2"]
+    assert len(srcs) == 2 * size // (2 * MiB)
+    # the first allocation's chunks were read at the app's VAs, in order
+    assert srcs[: len(srcs) // 2] == [whole + k * 2 * MiB for k in range(len(srcs) // 2)]
+    # the second through one staging mapping of the whole allocation, taken and removed
+    staged = [fn for fn, _, _ in calls if fn in ("cuMemAddressReserve", "cuMemMap", "cuMemUnmap")]
+    assert staged == ["cuMemAddressReserve", "cuMemMap", "cuMemUnmap"]
+    (smap,) = [int(a["ptr"], 16) for fn, a, _ in calls if fn == "cuMemMap"]
+    assert srcs[len(srcs) // 2 :] == [smap + k * 2 * MiB for k in range(len(srcs) // 2)]
+    assert smap not in (whole, parts)
+    files = [chunk_files.path(c.pid, aid) for aid, _ in carried_streams(recs)]
+    for path, seed in zip(files, (21, 22)):
+        with open(path, "rb") as f:
+            data = f.read()
+        assert len(data) == size and data[: 64 << 10] == pattern(64 << 10, seed)
+        assert hashlib.blake2b(data[: 2 * MiB], digest_size=32).digest() != bytes(32)
