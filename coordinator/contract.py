@@ -35,12 +35,18 @@ def quiesce_path(control_dir: str | os.PathLike | None, root: int, kind: str) ->
     return pathlib.Path(base) / f"quiesce-{int(root)}.{kind}"
 
 
-def write_atomic(path: str | os.PathLike, obj: dict) -> None:
+def write_atomic(path: str | os.PathLike, obj: dict, durable: bool = False) -> None:
     """Write ``obj`` as JSON to ``path`` so that a reader sees the old file or the whole new
     one: a temp file ``.<name>.<random>.tmp`` beside it, created ``O_CREAT|O_EXCL|O_NOFOLLOW``
     mode 0600 (a file or symlink planted at any name is never opened, so it never redirects the
-    write), fsync, rename over ``path`` (which replaces a symlink there, never follows it).
-    OSError propagates; the temp file is removed then."""
+    write), fsync only when ``durable``, rename over ``path`` (which replaces a symlink there,
+    never follows it). OSError propagates; the temp file is removed then.
+
+    The control directory's files describe live processes: a reader sees a renamed file at
+    once through the page cache, an agent that dies leaves it for ``release``, and after a
+    power loss there is no process left to coordinate. So they are not fsynced (decisions
+    D33): an fsync there waits for the journal commit, which on ext4 (data=ordered) first
+    writes back the dirty data of the snapshot being written (seconds at GiB sizes)."""
     path = os.fspath(path)
     head, name = os.path.split(path)
     data = json.dumps(obj).encode()
@@ -59,7 +65,8 @@ def write_atomic(path: str | os.PathLike, obj: dict) -> None:
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view) :]
-            os.fsync(fd)
+            if durable:
+                os.fsync(fd)
         finally:
             os.close(fd)
         os.rename(tmp, path)

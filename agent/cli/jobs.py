@@ -112,7 +112,7 @@ def _use_native_backend(kind) -> None:
     "--staging-bytes",
     type=click.IntRange(64 << 10),
     default=None,
-    help="staging ring per process for the chunk writers [default: 256 MiB, or "
+    help="staging ring per process for the chunk writers [default: 64 MiB, or "
     "$CUINTERPOSE_STAGING_BYTES].",
 )
 @click.option(

@@ -5,7 +5,7 @@ and rollback) through descriptors the agent opens and passes (SCM_RIGHTS), so th
 access to the agent's mount namespace.
 
 Settings: ``chunk_bytes`` (default 8 MiB, a power of two from 64 KiB to 1 GiB; environment
-``CUINTERPOSE_CHUNK_BYTES``), ``staging_bytes`` (the staging ring per process, default 256 MiB;
+``CUINTERPOSE_CHUNK_BYTES``), ``staging_bytes`` (the staging ring per process, default 64 MiB;
 ``CUINTERPOSE_STAGING_BYTES``), ``writers`` (threads per process, default 4;
 ``CUINTERPOSE_WRITERS``). Errors: :class:`~cuinterpose.agent.errors.AgentError` naming the
 value and its source. Durability (fsync of the files and of ``chunks/``) is the sync phase's

@@ -47,7 +47,7 @@ CUI_WRITERS_MAX = 64
 CUI_DIGEST_BYTES = 32
 #: the agent's defaults (docs/snapshot-format.md "chunks"; issue 12 chunk format)
 DEFAULT_CHUNK_BYTES = 8 << 20
-DEFAULT_STAGING_BYTES = 256 << 20
+DEFAULT_STAGING_BYTES = 64 << 20  # 8 slots of 8 MiB: 2 per writer (bench/datapath.py)
 DEFAULT_WRITERS = 4
 
 STREAM_ENTRY_SIZE = SIZES["cui_stream_entry"]  # 32
