@@ -11,7 +11,9 @@ restore both processes compare every byte of the mapping with what was written (
 Measured in the same run, one case after the other:
 
 - ``checkpoint_s``, ``restore_s``: the agent commands' wall time (s); the agent's own phases
-  (``phases``: name -> {"seconds", "bytes"}, summed over rows of one name);
+  (``checkpoint_phases``, ``restore_phases``: name -> {"seconds", "bytes"}, summed over rows of
+  one name); ``checkpoint_outside_rows_s``, ``restore_outside_rows_s``: the wall time in no row
+  (the CLI's start-up, imports and exit). The text table prints the largest phases of each;
 - ``creator_peak_rss_bytes``: the creator's VmHWM (/proc/PID/status), sampled from job start
   until the dump killed it (the high-water mark only grows, so the last sample is the peak of
   everything before it); ``creator_rss_at_ready_bytes``: its VmRSS once parked, before the
@@ -301,6 +303,9 @@ def run_case(base: pathlib.Path, nbytes: int, zero: float, timeout_s: float) -> 
         out["criu_only_s"], out["criu_only_restore_s"] = round(dump_s, 6), round(restore_s, 6)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    for what in ("checkpoint", "restore"):  # CLI start-up, imports and exit: in no row
+        rows = sum(v["seconds"] for v in out[f"{what}_phases"].values())
+        out[f"{what}_outside_rows_s"] = round(out[f"{what}_s"] - rows, 6)
     out["ratios"] = {
         "checkpoint_over_dd": round(out["checkpoint_s"] / max(out["dd_s"], 1e-9), 3),
         "restore_over_read_plus_criu": round(
@@ -313,6 +318,15 @@ def run_case(base: pathlib.Path, nbytes: int, zero: float, timeout_s: float) -> 
         ),
     }
     return out
+
+
+def where(out: dict, what: str, most: int = 4) -> str:
+    """``what``'s largest phases (s) and the time outside every row, for the text table."""
+    ph = sorted(out[f"{what}_phases"].items(), key=lambda kv: -kv[1]["seconds"])[:most]
+    parts = [f"{name} {v['seconds']:.2f}" for name, v in ph]
+    return f"{what}: " + ", ".join(
+        parts + [f"outside the rows {out[f'{what}_outside_rows_s']:.2f}"]
+    )
 
 
 def fmt_b(n: int) -> str:
@@ -366,6 +380,9 @@ def main(argv=None) -> int:
                 f"{fmt_b(out['snapshot_disk_bytes']):>10} {'yes' if out['verified'] else 'NO':>3}  "
                 + ", ".join(f"{k} {v}" for k, v in r.items()),
                 flush=True,
+            )
+            print(
+                f"{'':>17}{where(out, 'checkpoint')}\n{'':>17}{where(out, 'restore')}", flush=True
             )
     return 0
 

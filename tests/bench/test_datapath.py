@@ -24,6 +24,8 @@ FIELDS = {
     "creator_rss_at_ready_bytes",
     "snapshot_disk_bytes",
     "image_bytes",
+    "checkpoint_outside_rows_s",
+    "restore_outside_rows_s",
     "verified",
     "bytes_compared",
     "allocated_bytes",
@@ -63,6 +65,11 @@ def test_datapath_json_at_4_mib_dense_and_sparse(criu_ok, tmp_path):
         assert cp["sync"]["bytes"] >= c["image_bytes"]  # the images, hashed as they were synced
         assert rs["verify"]["bytes"] == c["image_bytes"]
         assert set(c["ratios"]) >= {"checkpoint_over_dd", "restore_over_read_plus_criu"}
+        # the rows tile the agent's run inside the command's wall time
+        for what in ("checkpoint", "restore"):
+            rows = sum(v["seconds"] for v in c[f"{what}_phases"].values())
+            assert c[f"{what}_outside_rows_s"] == round(c[f"{what}_s"] - rows, 6)
+            assert c[f"{what}_outside_rows_s"] > 0
     # the 90 %-zero job: nine fill units of ten are zero (unit 384 KiB at 4 MiB: 9 of 11 zero)
     assert cases[0]["zero_bytes"] == 0 and cases[1]["zero_bytes"] == 9 * 393216
     assert "checkpoint_over_dense" in cases[1]["ratios"]
