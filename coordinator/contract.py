@@ -35,12 +35,12 @@ def quiesce_path(control_dir: str | os.PathLike | None, root: int, kind: str) ->
     return pathlib.Path(base) / f"quiesce-{int(root)}.{kind}"
 
 
-def write_atomic(path: str | os.PathLike, obj: dict, durable: bool = False) -> None:
+def write_atomic(path: str | os.PathLike, obj: dict) -> None:
     """Write ``obj`` as JSON to ``path`` so that a reader sees the old file or the whole new
     one: a temp file ``.<name>.<random>.tmp`` beside it, created ``O_CREAT|O_EXCL|O_NOFOLLOW``
     mode 0600 (a file or symlink planted at any name is never opened, so it never redirects the
-    write), fsync only when ``durable``, rename over ``path`` (which replaces a symlink there,
-    never follows it). OSError propagates; the temp file is removed then.
+    write), rename over ``path`` (which replaces a symlink there, never follows it); no fsync.
+    OSError propagates; the temp file is removed then.
 
     The control directory's files describe live processes: a reader sees a renamed file at
     once through the page cache, an agent that dies leaves it for ``release``, and after a
@@ -65,8 +65,6 @@ def write_atomic(path: str | os.PathLike, obj: dict, durable: bool = False) -> N
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view) :]
-            if durable:
-                os.fsync(fd)
         finally:
             os.close(fd)
         os.rename(tmp, path)

@@ -173,7 +173,7 @@ def _vm_size(pid: int) -> int:
 
 
 def test_save_failure_part_way_leaves_active_and_memory_intact(apps, ctl, fake_log, chunk_files):
-    # two carried allocations: GRAN, then 4*GRAN, both staging-mapped (each is mapped by the
+    # two carried allocations: 2*GRAN, then 4*GRAN, both staging-mapped (each is mapped by the
     # app in two halves, so no app mapping covers it). The staging ring fits under the limit
     # set below, and so does the first staging reservation (fakecuda reserves
     # size + alignment = 3*GRAN, then trims), but the second (5*GRAN) does not: a real
