@@ -49,6 +49,8 @@ from .protocol import (
     CUI_PROTO_VERSION,
     RECORD_SIZE,
     REPLY_SIZE,
+    CarryFlag,
+    ChunkRef,
     Op,
     ProtocolError,
     Record,
@@ -59,7 +61,9 @@ from .protocol import (
     alloc_id_bytes,
     carrier_reserved,
     entry_groups,
+    known_table,
     pid_from_socket_path,
+    source_table,
 )
 
 __all__ = [
@@ -159,6 +163,21 @@ class CarrierRequest:
     staging_bytes: int
     writers: int
     streams: list[tuple[StreamEntry, int]] = field(default_factory=list)
+    #: SAVE (chunk store): digests of chunks already stored, not written (None: no table)
+    known: list[bytes] | None = None
+    #: LOAD (chunk store): (size in bytes, open fd) per source file, and the chunk refs
+    sources: list[tuple[int, int]] = field(default_factory=list)
+    refs: list[ChunkRef] = field(default_factory=list)
+
+    @property
+    def flags(self) -> int:
+        """The request's :class:`CarryFlag` bits."""
+        f = CarryFlag(0)
+        if self.known is not None:
+            f |= CarryFlag.KNOWN
+        if self.sources or self.refs:
+            f |= CarryFlag.SOURCES
+        return int(f)
 
 
 @dataclass
@@ -257,6 +276,30 @@ class ShimClient:
             time.sleep(pause)  # back off: the running request finishes on its own
             pause = min(pause * 2, 0.1)
 
+    def _send_carriers(self, sock, carriers: CarrierRequest, deadline: float) -> None:
+        """The entries with their descriptors, then the chunk store's table, if any."""
+
+        def groups(groups, fdlist):
+            for data, first, count in groups:
+                self._set_deadline(sock, deadline)
+                fds = array.array("i", fdlist[first : first + count]).tobytes()
+                sent = sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+                if sent < len(data):
+                    sock.sendall(data[sent:])
+
+        groups(entry_groups([e for e, _ in carriers.streams]), [fd for _, fd in carriers.streams])
+        flags = carriers.flags
+        if flags & CarryFlag.KNOWN:
+            self._set_deadline(sock, deadline)
+            sock.sendall(known_table(carriers.known or []))
+        if flags & CarryFlag.SOURCES:
+            head, src_groups, refs = source_table([b for b, _ in carriers.sources], carriers.refs)
+            self._set_deadline(sock, deadline)
+            sock.sendall(head)
+            groups(src_groups, [fd for _, fd in carriers.sources])
+            self._set_deadline(sock, deadline)
+            sock.sendall(refs)
+
     def _request_once(
         self,
         op: int,
@@ -286,6 +329,7 @@ class ShimClient:
                 carriers.staging_bytes,
                 carriers.writers,
                 len(carriers.streams),
+                carriers.flags,
             ),
         )
         fds: list[int] = []
@@ -312,20 +356,7 @@ class ShimClient:
                 self._set_deadline(sock, deadline)
                 sock.sendall(req.pack())
                 if carriers is not None:
-                    entries = [e for e, _ in carriers.streams]
-                    fdlist = [fd for _, fd in carriers.streams]
-                    for data, first, count in entry_groups(entries):
-                        self._set_deadline(sock, deadline)
-                        anc = [
-                            (
-                                socket.SOL_SOCKET,
-                                socket.SCM_RIGHTS,
-                                array.array("i", fdlist[first : first + count]).tobytes(),
-                            )
-                        ]
-                        sent = sock.sendmsg([data], anc)
-                        if sent < len(data):
-                            sock.sendall(data[sent:])
+                    self._send_carriers(sock, carriers, deadline)
                 if _drop_reply(op_name, self.pid):
                     raise self._proto(
                         op, f"reply dropped by {DROP_REPLY_ENV} (test only): connection closed"

@@ -8,10 +8,17 @@ SAVE_ALLOCATIONS reply with status OK is followed, after its message, by the chu
 ``reply.reserved[0]`` bytes (:func:`parse_chunk_table`): per stream one ``cui_stream_head``
 then ``chunk_count`` BLAKE2b-256 digests of 32 bytes (32 zero bytes: an all-zero chunk, not
 written). Sizes are bytes. Part of :mod:`cuinterpose.coordinator.protocol`.
+
+Chunk store (protocol.h "Chunk store"; decisions D34): the request's :class:`CarryFlag` bits
+add one table after the entries. SAVE with ``KNOWN``: :func:`known_table` (a
+``cui_table_head`` and the ascending digests of chunks the store holds; those chunks are not
+written). LOAD with ``SOURCES``: :func:`source_table` (the head, then the source entries in
+groups with one descriptor each, as the streams, then the :class:`ChunkRef` rows).
 """
 
 from __future__ import annotations
 
+import enum
 import struct
 from dataclasses import dataclass, field
 
@@ -29,6 +36,12 @@ __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "DEFAULT_STAGING_BYTES",
     "DEFAULT_WRITERS",
+    "CUI_KNOWN_MAX",
+    "CUI_REFS_MAX",
+    "CarryFlag",
+    "ChunkRef",
+    "known_table",
+    "source_table",
     "STREAM_ENTRY_SIZE",
     "STREAM_HEAD_SIZE",
     "StreamEntry",
@@ -45,6 +58,17 @@ CUI_CHUNK_MAX = 1 << 30
 CUI_STAGING_MAX = 64 << 30
 CUI_WRITERS_MAX = 64
 CUI_DIGEST_BYTES = 32
+CUI_KNOWN_MAX = 1 << 22
+CUI_REFS_MAX = 1 << 22
+
+
+class CarryFlag(enum.IntFlag):
+    """``CUI_CARRY_*``: bits 16-31 of ``cui_request.reserved[2]`` (protocol.h "Chunk store")."""
+
+    KNOWN = 0x1  # SAVE_ALLOCATIONS: a known-digest table follows the entries
+    SOURCES = 0x2  # LOAD_ALLOCATIONS: source files and chunk refs follow the entries
+
+
 #: the agent's defaults (docs/snapshot-format.md "chunks"; issue 12 chunk format)
 DEFAULT_CHUNK_BYTES = 8 << 20
 DEFAULT_STAGING_BYTES = 64 << 20  # 8 slots of 8 MiB: 2 per writer (bench/datapath.py)
@@ -55,6 +79,9 @@ STREAM_HEAD_SIZE = SIZES["cui_stream_head"]  # 32
 _ENTRY = struct.Struct(FORMATS["cui_stream_entry"])
 _HEAD = struct.Struct(FORMATS["cui_stream_head"])
 _ZERO = bytes(CUI_DIGEST_BYTES)
+_TABLE_HEAD = struct.Struct(FORMATS["cui_table_head"])
+_SOURCE = struct.Struct(FORMATS["cui_source_entry"])
+_REF = struct.Struct(FORMATS["cui_chunk_ref"])
 
 
 def check_carrier_params(chunk_bytes: int, staging_bytes: int, writers: int) -> None:
@@ -88,10 +115,55 @@ class StreamEntry:
             raise ProtocolError(f"cannot pack struct cui_stream_entry: {exc}") from None
 
 
-def carrier_reserved(chunk_bytes: int, staging_bytes: int, writers: int, count: int) -> tuple:
+def carrier_reserved(
+    chunk_bytes: int, staging_bytes: int, writers: int, count: int, flags: int = 0
+) -> tuple:
     """``cui_request.reserved`` of SAVE/LOAD_ALLOCATIONS: (chunk_bytes, staging_bytes,
-    writers | count << 32)."""
-    return (int(chunk_bytes), int(staging_bytes), (int(writers) & 0xFFFFFFFF) | int(count) << 32)
+    writers | flags << 16 | count << 32); ``flags``: :class:`CarryFlag` bits."""
+    low = (int(writers) & 0xFFFF) | (int(flags) & 0xFFFF) << 16
+    return (int(chunk_bytes), int(staging_bytes), low | int(count) << 32)
+
+
+def known_table(digests) -> bytes:
+    """The CUI_CARRY_KNOWN table: a ``cui_table_head`` and the distinct non-zero 32-byte
+    ``digests``, sorted. Raises ProtocolError on a digest that is not 32 bytes or more than
+    CUI_KNOWN_MAX."""
+    ds = sorted({bytes(d) for d in digests} - {_ZERO})
+    if any(len(d) != CUI_DIGEST_BYTES for d in ds) or len(ds) > CUI_KNOWN_MAX:
+        raise ProtocolError(
+            f"known-digest table: {len(ds)} digests (32 bytes each, at most {CUI_KNOWN_MAX})"
+        )
+    return _TABLE_HEAD.pack(len(ds), 0, 0) + b"".join(ds)
+
+
+@dataclass(frozen=True, order=True)
+class ChunkRef:
+    """``struct cui_chunk_ref``: chunk ``chunk`` of stream ``stream`` is read from source
+    ``source`` at byte ``offset``."""
+
+    stream: int
+    chunk: int
+    source: int
+    offset: int
+
+    def pack(self) -> bytes:
+        return _REF.pack(self.stream, self.chunk, self.source, 0, self.offset)
+
+
+def source_table(source_sizes: list[int], refs: list[ChunkRef]) -> tuple[bytes, list, bytes]:
+    """The CUI_CARRY_SOURCES table as (head bytes, source groups as :func:`entry_groups`
+    gives them (bytes, first, count), ref bytes); ``source_sizes``: each source file's size,
+    bytes; ``refs`` sorted by (stream, chunk). Raises ProtocolError on unsorted or too many
+    refs."""
+    keys = [(r.stream, r.chunk) for r in refs]
+    if keys != sorted(set(keys)) or len(refs) > CUI_REFS_MAX:
+        raise ProtocolError(f"chunk refs: {len(refs)} refs, not strictly ascending or too many")
+    groups = []
+    for i in range(0, len(source_sizes), CUI_STREAM_FDS_PER_MSG):
+        part = source_sizes[i : i + CUI_STREAM_FDS_PER_MSG]
+        groups.append((b"".join(_SOURCE.pack(int(b), 0) for b in part), i, len(part)))
+    head = _TABLE_HEAD.pack(len(refs), len(source_sizes), 0)
+    return head, groups, b"".join(r.pack() for r in refs)
 
 
 def entry_groups(entries: list[StreamEntry]) -> list[tuple[bytes, int, int]]:

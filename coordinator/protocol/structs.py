@@ -125,6 +125,16 @@ _STREAM_HEAD_FIELDS = [
     ("zero_count", "I"),
 ]
 
+_TABLE_HEAD_FIELDS = [("count", "I"), ("sources", "I"), ("reserved", "Q")]
+_SOURCE_ENTRY_FIELDS = [("bytes", "Q"), ("reserved", "Q")]
+_CHUNK_REF_FIELDS = [
+    ("stream", "I"),
+    ("chunk", "I"),
+    ("source", "I"),
+    ("reserved", "I"),
+    ("offset", "Q"),
+]
+
 _LAYOUTS = {
     "cui_request": _REQUEST_FIELDS,
     "cui_reply": _REPLY_FIELDS,
@@ -133,6 +143,9 @@ _LAYOUTS = {
     "cui_ticket": _TICKET_FIELDS,
     "cui_stream_entry": _STREAM_ENTRY_FIELDS,  # carriers.py packs these two
     "cui_stream_head": _STREAM_HEAD_FIELDS,
+    "cui_table_head": _TABLE_HEAD_FIELDS,  # carriers.py: the chunk store's tables
+    "cui_source_entry": _SOURCE_ENTRY_FIELDS,
+    "cui_chunk_ref": _CHUNK_REF_FIELDS,
 }
 #: struct name -> little-endian struct format
 FORMATS: dict[str, str] = {}

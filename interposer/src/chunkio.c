@@ -3,7 +3,9 @@
  * protocol.h "Carriers", docs/shim.md "Chunk files"). No driver call here: ops_unicast.c fills
  * and drains the slots (cuMemcpyDtoH / cuMemcpyHtoD) and pins the ring. A chunk is hashed
  * once, while it sits in its slot (writers: before pwrite; readers: after pread, before the
- * caller may use it); a written chunk's writeback is started at once (sync_file_range).
+ * caller may use it); a written chunk's writeback is started at once (sync_file_range). A
+ * writer does not write a chunk whose digest is in the known set (protocol.h "Chunk store");
+ * a reader reads each chunk from the descriptor and offset it was queued with.
  * Memory: the ring only (staging_bytes rounded down to whole chunks, at least one chunk),
  * unmapped by cui_cio_finish. All threads have every signal blocked and are
  * joined before cui_cio_finish returns.
@@ -24,6 +26,8 @@ struct cio_item {
   uint32_t chunk;
   int slot;
   size_t len;
+  int fd;       /* readers: the file and offset the chunk is read from */
+  off_t off;
 };
 
 struct cui_cio {
@@ -41,7 +45,9 @@ struct cui_cio {
   struct cio_item *tasks;   /* readers: queued reads */
   size_t ntasks, cap_tasks, next_task, consumed;
   int stop, finishing;
-  uint64_t written;
+  uint64_t written, reused;
+  const uint8_t (*known)[CUI_DIGEST_BYTES];   /* writers: digests not to write, ascending */
+  size_t nknown;
   struct cui_cio_error err;
 };
 
@@ -57,6 +63,8 @@ static void set_error(struct cui_cio *io, enum cui_cio_err kind, int e, const st
   io->stop = 1;
   pthread_cond_broadcast(&io->cv);
 }
+
+static int cmp_digest(const void *a, const void *b) { return memcmp(a, b, CUI_DIGEST_BYTES); }
 
 static int all_zero(const unsigned char *p, size_t n) { return n == 0 || (p[0] == 0 && memcmp(p, p + 1, n - 1) == 0); }
 
@@ -95,10 +103,13 @@ static void *writer_main(void *arg) {
     io->qlen--;
     pthread_mutex_unlock(&io->mu);
     unsigned char *buf = io->ring + (size_t)it.slot * io->chunk_bytes;
-    int e = 0, zero = all_zero(buf, it.len);
+    int e = 0, zero = all_zero(buf, it.len), known = 0;
     if (zero) memset(it.s->digests[it.chunk], 0, CUI_DIGEST_BYTES);
     else {
       cui_blake2b_256(buf, it.len, it.s->digests[it.chunk]);
+      known = io->nknown && bsearch(it.s->digests[it.chunk], io->known, io->nknown, CUI_DIGEST_BYTES, cmp_digest);
+    }
+    if (!zero && !known) {
       off_t off = (off_t)((uint64_t)it.chunk * io->chunk_bytes);
       e = pwrite_full(it.s->fd, buf, it.len, off);
       /* start the writeback of this chunk now (it does not wait), so that the disk works
@@ -109,6 +120,7 @@ static void *writer_main(void *arg) {
     }
     pthread_mutex_lock(&io->mu);
     if (e) set_error(io, CUI_CIO_WRITE, e, &it, NULL);
+    else if (known) io->reused += it.len;
     else if (!zero) io->written += it.len;
     io->free_slots[io->nfree++] = it.slot;
     pthread_cond_broadcast(&io->cv);
@@ -129,7 +141,7 @@ static void *reader_main(void *arg) {
     pthread_mutex_unlock(&io->mu);
     unsigned char *buf = io->ring + (size_t)it.slot * io->chunk_bytes;
     uint8_t got[CUI_DIGEST_BYTES];
-    int e = pread_full(it.s->fd, buf, it.len, (off_t)((uint64_t)it.chunk * io->chunk_bytes));
+    int e = pread_full(it.fd, buf, it.len, it.off);
     if (e == 0) cui_blake2b_256(buf, it.len, got);
     pthread_mutex_lock(&io->mu);
     if (e == 0 && memcmp(got, it.s->digests[it.chunk], CUI_DIGEST_BYTES) != 0)
@@ -188,7 +200,7 @@ struct cui_cio *cui_cio_start(size_t chunk_bytes, size_t staging_bytes, unsigned
   }
   pthread_sigmask(SIG_SETMASK, &old, NULL);
   if (e) {
-    cui_cio_finish(io, NULL, NULL);
+    cui_cio_finish(io, NULL, NULL, NULL);
     errno = e;
     return NULL;
   }
@@ -211,13 +223,20 @@ int cui_cio_slot(struct cui_cio *io, unsigned char **buf) {
 
 void cui_cio_submit(struct cui_cio *io, int slot, struct cui_cio_stream *s, uint32_t chunk, size_t len) {
   pthread_mutex_lock(&io->mu);
-  io->q[(io->qhead + io->qlen) % io->nslots] = (struct cio_item){s, chunk, slot, len};
+  io->q[(io->qhead + io->qlen) % io->nslots] = (struct cio_item){s, chunk, slot, len, s ? s->fd : -1, 0};
   io->qlen++;
   pthread_cond_broadcast(&io->cv);
   pthread_mutex_unlock(&io->mu);
 }
 
-int cui_cio_queue_read(struct cui_cio *io, struct cui_cio_stream *s, uint32_t chunk, size_t len) {
+void cui_cio_set_known(struct cui_cio *io, const uint8_t (*known)[CUI_DIGEST_BYTES], size_t n) {
+  pthread_mutex_lock(&io->mu);
+  io->known = known;
+  io->nknown = n;
+  pthread_mutex_unlock(&io->mu);
+}
+
+int cui_cio_queue_read(struct cui_cio *io, struct cui_cio_stream *s, uint32_t chunk, size_t len, int fd, uint64_t off) {
   pthread_mutex_lock(&io->mu);
   if (io->ntasks == io->cap_tasks) {
     size_t cap = io->cap_tasks ? 2 * io->cap_tasks : 64;
@@ -229,7 +248,7 @@ int cui_cio_queue_read(struct cui_cio *io, struct cui_cio_stream *s, uint32_t ch
     io->tasks = t;
     io->cap_tasks = cap;
   }
-  io->tasks[io->ntasks++] = (struct cio_item){s, chunk, -1, len};
+  io->tasks[io->ntasks++] = (struct cio_item){s, chunk, -1, len, fd, (off_t)off};
   pthread_cond_broadcast(&io->cv);
   pthread_mutex_unlock(&io->mu);
   return 0;
@@ -269,7 +288,7 @@ void cui_cio_abort(struct cui_cio *io) {
   pthread_mutex_unlock(&io->mu);
 }
 
-enum cui_cio_err cui_cio_finish(struct cui_cio *io, struct cui_cio_error *e, uint64_t *written) {
+enum cui_cio_err cui_cio_finish(struct cui_cio *io, struct cui_cio_error *e, uint64_t *written, uint64_t *reused) {
   pthread_mutex_lock(&io->mu);
   io->finishing = 1;
   pthread_cond_broadcast(&io->cv);
@@ -278,6 +297,7 @@ enum cui_cio_err cui_cio_finish(struct cui_cio *io, struct cui_cio_error *e, uin
   enum cui_cio_err kind = io->err.kind;
   if (e) *e = io->err;
   if (written) *written = io->written;
+  if (reused) *reused = io->reused;
   cio_free(io);
   return kind;
 }

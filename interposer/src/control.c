@@ -104,75 +104,6 @@ static int send_reply(int conn, const struct cui_request *req, const struct cui_
   return 0;
 }
 
-/* The chunk files of SAVE_ALLOCATIONS / LOAD_ALLOCATIONS (protocol.h "Carriers"): count entries
- * after the request, in groups with one SCM_RIGHTS descriptor per entry. Returns 0, or -1 with
- * a CUI_BAD_REQUEST message (every descriptor received is closed then). */
-static int recv_carriers(int conn, const struct cui_request *req, struct cui_carry_in *in, struct cui_op_result *res) {
-  memset(in, 0, sizeof *in);
-  in->chunk_bytes = req->reserved[0];
-  in->staging_bytes = req->reserved[1];
-  in->writers = (uint32_t)req->reserved[2];
-  in->count = (uint32_t)(req->reserved[2] >> 32);
-  const char *op = cui_op_name(req->op);
-  unsigned pid = (unsigned)getpid();
-  if (in->count > (1u << 20)) {
-    res->status = CUI_BAD_REQUEST;
-    snprintf(res->message, sizeof res->message, "%s: pid %u: %u chunk files announced (at most %u)", op, pid, in->count,
-             1u << 20);
-    return -1;
-  }
-  size_t want = (size_t)in->count * sizeof(struct cui_stream_entry), got = 0;
-  uint32_t nfd = 0;
-  in->entries = calloc(in->count ? in->count : 1, sizeof *in->entries);
-  in->fds = calloc(in->count ? in->count : 1, sizeof *in->fds);
-  if (!in->entries || !in->fds) {
-    res->status = CUI_BAD_REQUEST;
-    snprintf(res->message, sizeof res->message, "%s: pid %u: out of memory for %u chunk files", op, pid, in->count);
-    return -1;
-  }
-  const char *why = NULL;
-  while (got < want && !why) {
-    union {
-      char buf[CMSG_SPACE(sizeof(int) * CUI_STREAM_FDS_PER_MSG)];
-      struct cmsghdr align;
-    } cm;
-    struct iovec iov = {(char *)in->entries + got, want - got};
-    struct msghdr mh;
-    memset(&mh, 0, sizeof mh);
-    mh.msg_iov = &iov;
-    mh.msg_iovlen = 1;
-    mh.msg_control = cm.buf;
-    mh.msg_controllen = sizeof cm.buf;
-    ssize_t k = recvmsg(conn, &mh, MSG_CMSG_CLOEXEC);
-    if (k < 0 && errno == EINTR) continue;
-    for (struct cmsghdr *c = k >= 0 ? CMSG_FIRSTHDR(&mh) : NULL; c; c = CMSG_NXTHDR(&mh, c)) {
-      if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
-      size_t m = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-      for (size_t i = 0; i < m; i++) {
-        int fd;
-        memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
-        if (nfd < in->count) in->fds[nfd++] = fd;
-        else close(fd), why = "more descriptors than entries";
-      }
-    }
-    if (k < 0) why = strerror(errno);
-    else if (k == 0) why = "connection closed before the chunk file table";
-    else if (mh.msg_flags & MSG_CTRUNC) why = "descriptors truncated (more than CUI_STREAM_FDS_PER_MSG in a group)";
-    else got += (size_t)k;
-  }
-  if (!why && nfd != in->count) why = "fewer descriptors than entries";
-  if (why) {
-    for (uint32_t i = 0; i < nfd; i++) close(in->fds[i]);
-    in->count = 0;
-    res->status = CUI_BAD_REQUEST;
-    snprintf(res->message, sizeof res->message,
-             "%s: pid %u: bad chunk file table (%u entries, %u descriptors received): %s; nothing was changed", op, pid,
-             (unsigned)(want / sizeof(struct cui_stream_entry)), nfd, why);
-    return -1;
-  }
-  return 0;
-}
-
 /* FETCH_FD (protocol.h "Secrets"): served from the export cache in the phases an import needs
  * (not SAVED, PREPARED, FAILED), and only with the allocation's secret when it has one. */
 static void serve_fetch_fd(int conn, const struct cui_request *req) {
@@ -395,13 +326,11 @@ static void *worker_main(void *arg) {
     struct cui_carry_in carry;
     memset(&carry, 0, sizeof carry);
     int carries = req.op == CUI_OP_SAVE_ALLOCATIONS || req.op == CUI_OP_LOAD_ALLOCATIONS;
-    if (!carries || recv_carriers(c, &req, &carry, &res) == 0) {
+    if (!carries || cui_carry_recv(c, &req, &carry, &res) == 0) {
       res.carry = carries ? &carry : NULL;
       cui_run_op(&req, &res);
     }
-    for (uint32_t i = 0; i < carry.count; i++) close(carry.fds[i]);   /* before the reply */
-    free(carry.entries);
-    free(carry.fds);
+    cui_carry_free(&carry);   /* every descriptor is closed before the reply */
     res.carry = NULL;
     uint64_t elapsed = cui_now_ns() - t0;
     /* Not busy from here: a client that got this reply may send the next op at once. It is

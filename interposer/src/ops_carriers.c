@@ -229,12 +229,13 @@ int cui_op_save_allocations(struct cui_op_result *res) {
   void *ring = io ? cui_cio_ring(io, &ring_bytes) : NULL;
   cui_fn_cuMemHostRegister_v2 reg = REAL(cuMemHostRegister_v2);
   int pinned = ring && reg && reg(ring, ring_bytes, CU_MEMHOSTREGISTER_PORTABLE) == CUDA_SUCCESS;
+  if (io && in->nknown) cui_cio_set_known(io, (const uint8_t (*)[CUI_DIGEST_BYTES])in->known, in->nknown);
   int failed = 0;
   for (uint32_t j = 0; j < n && !failed; j++) failed = save_one(res, which[j], &st[j], io, cb) != 0;
   if (pinned) REAL(cuMemHostUnregister)(ring);
   struct cui_cio_error e;
   uint64_t written = 0;
-  if (io && cui_cio_finish(io, &e, &written) != CUI_CIO_OK && res->status != CUI_FAILED) {
+  if (io && cui_cio_finish(io, &e, &written, NULL) != CUI_CIO_OK && res->status != CUI_FAILED) {
     uint32_t j = (uint32_t)(e.stream - st);
     cui_hex_id(which[j]->id, hex);
     res->status = CUI_FAILED;
@@ -298,21 +299,29 @@ int cui_op_cancel_capture(struct cui_op_result *res) {
 
 /* ---------- LOAD_ALLOCATIONS: PREPARED -> LOADED ---------- */
 
-/* Fills the fresh allocation behind staging mapping `va` from stream `s`: zero chunks with
- * cuMemsetD8, the others through the readers (each verified before cuMemcpyHtoD). Returns 0;
- * -1 with a driver failure in res (FAILED) or 1 when the ring stopped (the caller reads why). */
-static int load_one(struct cui_op_result *res, struct cui_alloc *a, struct cui_cio_stream *s, struct cui_cio *io,
-                    CUdeviceptr va, uint64_t cb) {
+/* Fills the fresh allocation behind staging mapping `va` from stream `j` (`s`): zero chunks
+ * with cuMemsetD8, the others through the readers (each verified before cuMemcpyHtoD), from
+ * the stream's file or, for a chunk with a ref (protocol.h "Chunk store"; *ref: the cursor
+ * into the ascending refs), from its source. Returns 0; -1 with a driver failure in res
+ * (FAILED) or 1 when the ring stopped (the caller reads why). */
+static int load_one(struct cui_op_result *res, struct cui_alloc *a, uint32_t j, struct cui_cio_stream *s,
+                    struct cui_cio *io, CUdeviceptr va, uint64_t cb, uint32_t *ref) {
+  const struct cui_carry_in *in = res->carry;
   uint32_t queued = 0;
   for (uint32_t i = 0; i < s->nchunks; i++) {
-    uint64_t off = (uint64_t)i * cb, len = s->bytes - off < cb ? s->bytes - off : cb;
+    uint64_t off = (uint64_t)i * cb, len = s->bytes - off < cb ? s->bytes - off : cb, from = off;
+    int fd = s->fd;
+    if (in && *ref < in->nrefs && in->refs[*ref].stream == j && in->refs[*ref].chunk == i) {
+      fd = in->src_fds[in->refs[*ref].source];
+      from = in->refs[(*ref)++].offset;
+    }
     if (!memcmp(s->digests[i], k_zero_digest, CUI_DIGEST_BYTES)) {
       CUresult r = REAL(cuMemsetD8_v2)(va + off, 0, len);   /* a fresh allocation is not zeroed */
       if (r != CUDA_SUCCESS) {
         cui_fail_driver(res, CUI_OP_LOAD_ALLOCATIONS, a, "cuMemsetD8_v2", r);
         return -1;
       }
-    } else if (cui_cio_queue_read(io, s, i, len) == 0) {
+    } else if (cui_cio_queue_read(io, s, i, len, fd, from) == 0) {
       queued++;
     } else {
       cui_fail_driver(res, CUI_OP_LOAD_ALLOCATIONS, a, "queueing a chunk read (out of memory)",
@@ -342,8 +351,13 @@ static int load_one(struct cui_op_result *res, struct cui_alloc *a, struct cui_c
 /* A refused load: why (the ring's error, or a file of the wrong size), naming pid, allocation,
  * chunk, both checksums. */
 static void refuse_load(struct cui_op_result *res, const struct cui_alloc *a, const struct cui_cio_error *e,
-                        const struct cui_cio_stream *s) {
-  char hex[33], want[65], got[65];
+                        const struct cui_cio_stream *s, uint32_t j) {
+  char hex[33], want[65], got[65], where[64] = "its chunk file";
+  const struct cui_carry_in *in = res->carry;
+  for (uint32_t k = 0; in && k < in->nrefs; k++)
+    if (in->refs[k].stream == j && in->refs[k].chunk == e->chunk)
+      snprintf(where, sizeof where, "chunk store source %u at offset %llu", in->refs[k].source,
+               (unsigned long long)in->refs[k].offset);
   cui_hex_id(a->id, hex);
   unsigned pid = (unsigned)getpid();
   int n = 0;
@@ -352,22 +366,60 @@ static void refuse_load(struct cui_op_result *res, const struct cui_alloc *a, co
     hex_digest(s->digests[e->chunk], want);
     hex_digest(e->found, got);
     n = snprintf(res->message, sizeof res->message,
-                 "LOAD_ALLOCATIONS: pid %u allocation %s: chunk %u of its chunk file has checksum blake2b-256 %s, "
+                 "LOAD_ALLOCATIONS: pid %u allocation %s: chunk %u of %s has checksum blake2b-256 %s, "
                  "recorded %s",
-                 pid, hex, e->chunk, got, want);
+                 pid, hex, e->chunk, where, got, want);
   } else if (e->kind == CUI_CIO_SHORT) {
     n = snprintf(res->message, sizeof res->message,
-                 "LOAD_ALLOCATIONS: pid %u allocation %s: its chunk file ends inside chunk %u (shorter than the %llu "
+                 "LOAD_ALLOCATIONS: pid %u allocation %s: %s ends inside chunk %u (shorter than the %llu "
                  "bytes saved)",
-                 pid, hex, e->chunk, (unsigned long long)s->bytes);
+                 pid, hex, where, e->chunk, (unsigned long long)s->bytes);
   } else {
     n = snprintf(res->message, sizeof res->message,
-                 "LOAD_ALLOCATIONS: pid %u allocation %s: reading chunk %u of its chunk file failed: %s (errno %d)",
-                 pid, hex, e->chunk, strerror(e->err), e->err);
+                 "LOAD_ALLOCATIONS: pid %u allocation %s: reading chunk %u of %s failed: %s (errno %d)", pid, hex,
+                 e->chunk, where, strerror(e->err), e->err);
   }
   if (n > 0 && (size_t)n < sizeof res->message)
     snprintf(res->message + n, sizeof res->message - (size_t)n,
              "; nothing was loaded (the allocations created were released) and pid %u stays PREPARED", pid);
+}
+
+/* The chunk store's sources and refs against the files and the digest tables (protocol.h
+ * "Chunk store"): each source a regular file of its entry's size, each ref inside its stream
+ * and its source. CUI_REFUSED_STATE naming the source or ref; nothing changed. */
+static int check_sources(struct cui_op_result *res, const struct cui_carry_in *in, struct cui_alloc **which,
+                         const struct cui_cio_stream *st) {
+  unsigned pid = (unsigned)getpid();
+  char hex[33];
+  for (uint32_t k = 0; k < in->nsources; k++) {
+    struct stat sb;
+    if (fstat(in->src_fds[k], &sb) != 0 || !S_ISREG(sb.st_mode) || (uint64_t)sb.st_size != in->sources[k].bytes) {
+      res->status = CUI_REFUSED_STATE;
+      snprintf(res->message, sizeof res->message,
+               "LOAD_ALLOCATIONS: pid %u: chunk store source %u is not a regular file of %llu bytes (found %lld "
+               "bytes); nothing was changed and pid %u stays PREPARED",
+               pid, k, (unsigned long long)in->sources[k].bytes, (long long)sb.st_size, pid);
+      return -1;
+    }
+  }
+  uint64_t cb = in->chunk_bytes;
+  for (uint32_t k = 0; k < in->nrefs; k++) {
+    const struct cui_chunk_ref *r = &in->refs[k];
+    const struct cui_cio_stream *s = &st[r->stream];
+    uint64_t off = (uint64_t)r->chunk * cb, len = off < s->bytes ? (s->bytes - off < cb ? s->bytes - off : cb) : 0;
+    if (r->chunk >= s->nchunks || r->offset > in->sources[r->source].bytes ||
+        len > in->sources[r->source].bytes - r->offset) {
+      cui_hex_id(which[r->stream]->id, hex);
+      res->status = CUI_REFUSED_STATE;
+      snprintf(res->message, sizeof res->message,
+               "LOAD_ALLOCATIONS: pid %u allocation %s: the ref of chunk %u (source %u, offset %llu) lies outside "
+               "the allocation (%u chunks) or its source (%llu bytes); nothing was changed and pid %u stays PREPARED",
+               pid, hex, r->chunk, r->source, (unsigned long long)r->offset, s->nchunks,
+               (unsigned long long)in->sources[r->source].bytes, pid);
+      return -1;
+    }
+  }
+  return 0;
 }
 
 int cui_op_load_allocations(struct cui_op_result *res) {
@@ -403,6 +455,7 @@ int cui_op_load_allocations(struct cui_op_result *res) {
       goto out;
     }
   }
+  if (check_sources(res, in, which, st) != 0) goto out;
   struct cui_cio *io = n ? cui_cio_start(cb, in->staging_bytes, in->writers, 1) : NULL;
   if (n && !io) {
     res->status = CUI_REFUSED_STATE;
@@ -417,6 +470,7 @@ int cui_op_load_allocations(struct cui_op_result *res) {
   cui_fn_cuMemHostRegister_v2 reg = REAL(cuMemHostRegister_v2);
   int pinned = ring && reg && reg(ring, ring_bytes, CU_MEMHOSTREGISTER_PORTABLE) == CUDA_SUCCESS;
   int got = 0;   /* 0 ok, -1 driver failure (res filled), 1 the ring stopped */
+  uint32_t ref = 0;
   for (uint32_t j = 0; j < n && got == 0; j++) {
     struct cui_alloc *a = which[j];
     cui_ensure_context(&a->prop);
@@ -432,16 +486,16 @@ int cui_op_load_allocations(struct cui_op_result *res) {
       break;
     }
     made++;
-    got = load_one(res, a, &st[j], io, vas[j], cb);
+    got = load_one(res, a, j, &st[j], io, vas[j], cb, &ref);
     if (got == 0) res->bytes += a->size;
   }
   if (got != 0 && io) cui_cio_abort(io);
   if (pinned) REAL(cuMemHostUnregister)(ring);
   struct cui_cio_error e;
-  enum cui_cio_err kind = io ? cui_cio_finish(io, &e, NULL) : CUI_CIO_OK;
+  enum cui_cio_err kind = io ? cui_cio_finish(io, &e, NULL, NULL) : CUI_CIO_OK;
   if (got == 1 || (got == 0 && kind != CUI_CIO_OK)) {
     uint32_t j = (uint32_t)(e.stream - st);
-    refuse_load(res, which[j], &e, &st[j]);
+    refuse_load(res, which[j], &e, &st[j], j);
     got = 1;
   }
   if (got != 0) {   /* refused or failed: release what was created; the app's state is untouched */

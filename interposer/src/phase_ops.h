@@ -15,10 +15,23 @@
  * received by control.c after the request; it closes the fds after the op. */
 struct cui_carry_in {
   uint64_t chunk_bytes, staging_bytes;
-  uint32_t writers, count;
+  uint32_t writers, count, flags;     /* flags: CUI_CARRY_* */
   struct cui_stream_entry *entries;   /* count entries */
   int *fds;                           /* one per entry */
+  uint32_t nknown;                    /* CUI_CARRY_KNOWN: ascending digests of stored chunks */
+  uint8_t (*known)[CUI_DIGEST_BYTES];
+  uint32_t nsources, nrefs;           /* CUI_CARRY_SOURCES (protocol.h "Chunk store") */
+  struct cui_source_entry *sources;   /* nsources entries, one descriptor each in src_fds */
+  int *src_fds;
+  struct cui_chunk_ref *refs;         /* nrefs, ascending by (stream, chunk) */
 };
+
+struct cui_op_result;
+/* carry_in.c: receive what follows the request (0, or -1 with CUI_BAD_REQUEST in res and
+ * everything received closed and freed); cui_carry_free closes and frees it (idempotent). */
+CUI_HIDDEN int cui_carry_recv(int conn, const struct cui_request *req, struct cui_carry_in *in,
+                              struct cui_op_result *res);
+CUI_HIDDEN void cui_carry_free(struct cui_carry_in *in);
 
 struct cui_op_result {
   const struct cui_carry_in *carry;   /* in: SAVE/LOAD_ALLOCATIONS only */

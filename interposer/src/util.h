@@ -106,17 +106,24 @@ CUI_HIDDEN void *cui_cio_ring(struct cui_cio *io, size_t *bytes);
 /* SAVE: a free slot to fill (blocks until one is free), -1 once an error stopped the ring. */
 CUI_HIDDEN int cui_cio_slot(struct cui_cio *io, unsigned char **buf);
 CUI_HIDDEN void cui_cio_submit(struct cui_cio *io, int slot, struct cui_cio_stream *s, uint32_t chunk, size_t len);
-/* LOAD: queue a read of chunk `chunk` of `s` (`len` bytes); cui_cio_next_ready blocks for a
+/* LOAD: queue a read of chunk `chunk` of `s` (`len` bytes at offset `off` of `fd`: its own
+ * file at chunk * chunk_bytes, or a source of the chunk store); cui_cio_next_ready blocks for a
  * verified chunk and returns its slot (buffer, stream, chunk, len), or -1 when all queued
  * reads were taken or an error stopped the ring. */
-CUI_HIDDEN int cui_cio_queue_read(struct cui_cio *io, struct cui_cio_stream *s, uint32_t chunk, size_t len);
+CUI_HIDDEN int cui_cio_queue_read(struct cui_cio *io, struct cui_cio_stream *s, uint32_t chunk, size_t len, int fd,
+                                  uint64_t off);
+/* SAVE: chunks whose digest is among these `n` (ascending, memcmp order; kept by the caller
+ * until cui_cio_finish) are hashed but not written (protocol.h "Chunk store"). */
+CUI_HIDDEN void cui_cio_set_known(struct cui_cio *io, const uint8_t (*known)[CUI_DIGEST_BYTES], size_t n);
 CUI_HIDDEN int cui_cio_next_ready(struct cui_cio *io, unsigned char **buf, struct cui_cio_stream **s, uint32_t *chunk,
                                   size_t *len);
 CUI_HIDDEN void cui_cio_release(struct cui_cio *io, int slot);
 /* Stops the ring because the caller failed (its own error is reported by the caller). */
 CUI_HIDDEN void cui_cio_abort(struct cui_cio *io);
 /* Waits for every submitted chunk, joins the threads, frees the ring; returns the first
- * error's kind (details in *e) and, for SAVE, the bytes written to the files in *written. */
-CUI_HIDDEN enum cui_cio_err cui_cio_finish(struct cui_cio *io, struct cui_cio_error *e, uint64_t *written);
+ * error's kind (details in *e) and, for SAVE, the bytes written to the files in *written and
+ * the bytes of known chunks not written in *reused. */
+CUI_HIDDEN enum cui_cio_err cui_cio_finish(struct cui_cio *io, struct cui_cio_error *e, uint64_t *written,
+                                           uint64_t *reused);
 
 #endif

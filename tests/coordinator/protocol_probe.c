@@ -50,6 +50,14 @@ static void layout(void) {
   F(cui_stream_head, zero_count);
   K(CUI_STREAM_FDS_PER_MSG); K(CUI_CHUNK_MIN); K(CUI_CHUNK_MAX); K(CUI_STAGING_MAX);
   K(CUI_WRITERS_MAX); K(CUI_DIGEST_BYTES);
+  printf("sizeof cui_table_head %zu\n", sizeof(struct cui_table_head));
+  F(cui_table_head, count); F(cui_table_head, sources); F(cui_table_head, reserved);
+  printf("sizeof cui_source_entry %zu\n", sizeof(struct cui_source_entry));
+  F(cui_source_entry, bytes); F(cui_source_entry, reserved);
+  printf("sizeof cui_chunk_ref %zu\n", sizeof(struct cui_chunk_ref));
+  F(cui_chunk_ref, stream); F(cui_chunk_ref, chunk); F(cui_chunk_ref, source);
+  F(cui_chunk_ref, reserved); F(cui_chunk_ref, offset);
+  K(CUI_CARRY_KNOWN); K(CUI_CARRY_SOURCES); K(CUI_KNOWN_MAX); K(CUI_REFS_MAX);
 
   K(CUI_PROTO_MAGIC); K(CUI_PROTO_VERSION); K(CUI_MAX_ACCESS); K(CUI_TXN_ROOM);
   STR(CUI_DEFAULT_CONTROL_DIR); STR(CUI_SOCKET_PREFIX); STR(CUI_TICKET_MAGIC);

@@ -79,6 +79,9 @@ def test_sizes_match_header(layout):
         "cui_ticket": 64,
         "cui_stream_entry": 32,
         "cui_stream_head": 32,
+        "cui_table_head": 16,
+        "cui_source_entry": 16,
+        "cui_chunk_ref": 24,
     }
     assert P.SIZES == sizes
     assert (P.REQUEST_SIZE, P.REPLY_SIZE, P.ACCESS_SIZE, P.RECORD_SIZE, P.TICKET_SIZE) == (
@@ -123,6 +126,9 @@ PY_CONSTANTS = {
     "CUI_STAGING_MAX": P.CUI_STAGING_MAX,
     "CUI_WRITERS_MAX": P.CUI_WRITERS_MAX,
     "CUI_DIGEST_BYTES": P.CUI_DIGEST_BYTES,
+    "CUI_KNOWN_MAX": P.CUI_KNOWN_MAX,
+    "CUI_REFS_MAX": P.CUI_REFS_MAX,
+    **{f"CUI_CARRY_{m.name}": m.value for m in P.CarryFlag},
     **{f"CUI_OP_{m.name}": m.value for m in Op},
     **{f"CUI_PHASE_{m.name}": m.value for m in Phase},
     **{f"CUI_PHASE_RULE_{m.name}": m.value for m in PhaseRule},

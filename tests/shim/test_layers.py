@@ -6,7 +6,7 @@ Both must be acyclic, and every arrow must go down the layer order:
 
     util (util, checksum, blake2b, chunkio) -> resolve -> state -> vmm_api | multicast_api | peer | proc_address
       | alloc_api | ipc_api
-      -> ops_unicast | ops_carriers | ops_multicast -> ops -> control
+      -> ops_unicast | ops_carriers | ops_multicast -> ops -> control | carry_in
 
 read "may be used by". Inside a layer only the calls in SAME_LAYER are allowed (a file may
 include its own layer's header). The hook
@@ -30,7 +30,7 @@ LAYERS = [
     {"vmm_api", "multicast_api", "peer", "proc_address", "alloc_api", "ipc_api", "api.h"},
     {"ops_unicast", "ops_carriers", "ops_multicast", "phase_ops.h"},
     {"ops", "ops.h"},
-    {"control"},
+    {"control", "carry_in"},
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 #: (user, used) pairs allowed inside one layer: the VMM wrappers' multicast branches live in
@@ -39,6 +39,7 @@ RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 SAME_LAYER = {
     ("chunkio", "blake2b"),  # the writers and readers hash each chunk in its slot
     ("ops_carriers", "ops_unicast"),  # the staging mapping and remap helpers
+    ("control", "carry_in"),  # the worker receives the carriers' tables
     ("vmm_api", "multicast_api"),
     ("vmm_api", "peer"),
     ("multicast_api", "peer"),

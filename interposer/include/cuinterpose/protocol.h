@@ -254,8 +254,9 @@ struct cui_request {          /* 64 bytes */
   uint64_t reserved[3];       /* 40 zero; FETCH_FD: reserved[0] = the allocation's secret, from
                                  its ticket or virtual IPC handle (Secrets below);
                                  SAVE_ALLOCATIONS / LOAD_ALLOCATIONS: reserved[0] = chunk_bytes,
-                                 reserved[1] = staging_bytes, reserved[2] = writers (bits 0-31)
-                                 | stream count (bits 32-63) (Carriers below) */
+                                 reserved[1] = staging_bytes, reserved[2] = writers (bits 0-15)
+                                 | CUI_CARRY_* flags (bits 16-31) | stream count (bits 32-63)
+                                 (Carriers below) */
 };
 
 struct cui_reply {            /* 128 bytes */
@@ -333,6 +334,26 @@ struct cui_record {           /* 640 bytes */
  * allocation created so far is released and the shim stays PREPARED. A SAVE_ALLOCATIONS write
  * error (ENOSPC, EIO, short write) fails (CUI_FAILED) naming pid, allocation, chunk, errno;
  * the shim stays where it was, as any failed SAVE_ALLOCATIONS. CANCEL_CAPTURE drops the table. */
+/* Chunk store (decisions D34, incremental snapshots; docs/protocol.md "Chunk store"): two flags
+ * of cui_request.reserved[2] (bits 16-31) add a table after the stream groups.
+ * CUI_CARRY_KNOWN (SAVE_ALLOCATIONS): one struct cui_table_head (count = digests, sources 0),
+ *   then count digests of 32 bytes, strictly ascending in memcmp order, none all-zero: chunks
+ *   the store already holds. A chunk whose digest is in the table is hashed but not written
+ *   (its range of the file stays a hole); the reply's chunk table lists its digest as any
+ *   other; reply.reserved[2] counts only the bytes written.
+ * CUI_CARRY_SOURCES (LOAD_ALLOCATIONS): one struct cui_table_head (count = refs, sources =
+ *   source files), then sources * struct cui_source_entry in groups of at most
+ *   CUI_STREAM_FDS_PER_MSG with one descriptor each (as the streams), then count struct
+ *   cui_chunk_ref, strictly ascending by (stream, chunk): that chunk is read from that source at
+ *   that offset (length: the chunk's own) instead of from its stream's file. The digest check
+ *   is the same wherever the bytes come from.
+ * A table that breaks these rules (order, an index or range outside its file, a source whose
+ * size is not its entry's, more than CUI_KNOWN_MAX digests or CUI_REFS_MAX refs) is
+ * CUI_BAD_REQUEST (SAVE) or CUI_REFUSED_STATE (LOAD, a source's size), nothing changed. */
+#define CUI_CARRY_KNOWN        0x1u
+#define CUI_CARRY_SOURCES      0x2u
+#define CUI_KNOWN_MAX          (1u << 22)
+#define CUI_REFS_MAX           (1u << 22)
 #define CUI_STREAM_FDS_PER_MSG 64
 #define CUI_CHUNK_MIN          (64ull << 10)
 #define CUI_CHUNK_MAX          (1ull << 30)
@@ -351,6 +372,25 @@ struct cui_stream_head {      /* 32 bytes */
   uint64_t bytes;             /* 16 the stream's size, bytes */
   uint32_t chunk_count;       /* 24 ceil(bytes / chunk_bytes) */
   uint32_t zero_count;        /* 28 chunks not written (all zero) */
+};
+
+struct cui_table_head {        /* 16 bytes */
+  uint32_t count;             /*  0 digests (KNOWN) or refs (SOURCES) that follow */
+  uint32_t sources;           /*  4 source files (SOURCES; 0 for KNOWN) */
+  uint64_t reserved;          /*  8 zero */
+};
+
+struct cui_source_entry {     /* 16 bytes */
+  uint64_t bytes;             /*  0 the source file's size, bytes (the shim checks it) */
+  uint64_t reserved;          /*  8 zero */
+};
+
+struct cui_chunk_ref {        /* 24 bytes */
+  uint32_t stream;            /*  0 index of the stream entry */
+  uint32_t chunk;             /*  4 chunk index in that stream */
+  uint32_t source;            /*  8 index of the source entry */
+  uint32_t reserved;          /* 12 zero */
+  uint64_t offset;            /* 16 where the chunk's bytes start in the source, bytes */
 };
 
 /* Export ticket: what cuMemExportToShareableHandle(POSIX_FILE_DESCRIPTOR) hands the app
@@ -418,5 +458,8 @@ CUI_STATIC_ASSERT(sizeof(struct cui_ticket) == 64, "cui_ticket is 64 bytes");
 CUI_STATIC_ASSERT(sizeof(struct cui_ipc_handle) == 64, "cui_ipc_handle is 64 bytes");
 CUI_STATIC_ASSERT(sizeof(struct cui_stream_entry) == 32, "cui_stream_entry is 32 bytes");
 CUI_STATIC_ASSERT(sizeof(struct cui_stream_head) == 32, "cui_stream_head is 32 bytes");
+CUI_STATIC_ASSERT(sizeof(struct cui_table_head) == 16, "cui_table_head is 16 bytes");
+CUI_STATIC_ASSERT(sizeof(struct cui_source_entry) == 16, "cui_source_entry is 16 bytes");
+CUI_STATIC_ASSERT(sizeof(struct cui_chunk_ref) == 24, "cui_chunk_ref is 24 bytes");
 
 #endif /* CUINTERPOSE_PROTOCOL_H */

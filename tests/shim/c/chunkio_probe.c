@@ -88,7 +88,7 @@ int main(int argc, char **argv) {
       memcpy(buf, data + (size_t)i * cb, len);
       cui_cio_submit(io, slot, &s, i, len);
     }
-    if (cui_cio_finish(io, &e, &written) != CUI_CIO_OK) {
+    if (cui_cio_finish(io, &e, &written, NULL) != CUI_CIO_OK) {
       printf("error %d %u %d\n", (int)e.kind, e.chunk, e.err);
       free(data), free(s.digests), close(s.fd);
       return 1;
@@ -106,7 +106,7 @@ int main(int argc, char **argv) {
   static const uint8_t z[32];
   for (uint32_t i = 0; i < s.nchunks; i++) {
     size_t len = n - (size_t)i * cb < cb ? n - (size_t)i * cb : cb;
-    if (memcmp(s.digests[i], z, 32)) cui_cio_queue_read(io, &s, i, len);
+    if (memcmp(s.digests[i], z, 32)) cui_cio_queue_read(io, &s, i, len, s.fd, (uint64_t)i * cb);
   }
   unsigned char *buf;
   struct cui_cio_stream *got;
@@ -117,7 +117,7 @@ int main(int argc, char **argv) {
     memcpy(out + (size_t)chunk * cb, buf, len);
     cui_cio_release(io, slot);
   }
-  if (cui_cio_finish(io, &e, NULL) != CUI_CIO_OK) {
+  if (cui_cio_finish(io, &e, NULL, NULL) != CUI_CIO_OK) {
     fprintf(stderr, "error %d %u %d ", (int)e.kind, e.chunk, e.err);
     for (int k = 0; k < 32; k++) fprintf(stderr, "%02x", e.found[k]);
     fprintf(stderr, "\n");
