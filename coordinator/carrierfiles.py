@@ -9,6 +9,14 @@ O_NOFOLLOW``, mode 0600 (a file already there is refused, never overwritten); LO
 before it replies; this class closes its own right after the request. The chunk tables of the
 SAVE replies are kept per (pid, alloc_id) in :attr:`CarrierFiles.tables` for the manifest.
 
+Chunk store (protocol.h "Chunk store"; decisions D34): with ``store`` set, the files are
+packs of a content-addressed store shared by several snapshots, named ``<prefix>shared-<pid>-
+<alloc_id>.bin``. ``known`` (digest -> (pack name, offset)) goes with every SAVE: a chunk
+whose digest is there is not written, and :meth:`saved` records a ref to where its bytes are.
+``names`` and ``refs`` (restore: from the manifest) say which pack each stream and each
+chunk is read from; LOAD sends the other packs as sources. The caller (agent/snapshot/store.py)
+keeps the packs it refers to from being deleted while it runs.
+
 :meth:`CarrierFiles.private` makes a private directory (``mkdtemp``, mode 0700) for a capture
 that has no snapshot directory (tests, a coordinator used alone); :meth:`remove` deletes the
 files and that directory. Errors: OSError from open, naming the file.
@@ -27,6 +35,7 @@ from .protocol import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_STAGING_BYTES,
     DEFAULT_WRITERS,
+    ChunkRef,
     Op,
     Record,
     RecordFlag,
@@ -77,6 +86,9 @@ class CarrierFiles:
         staging_bytes: int = DEFAULT_STAGING_BYTES,
         writers: int = DEFAULT_WRITERS,
         owned: bool = False,
+        store: str | None = None,
+        prefix: str = "",
+        known: Mapping[bytes, tuple[str, int]] | None = None,
     ):
         check_carrier_params(chunk_bytes, staging_bytes, writers)
         self.directory = os.fspath(directory)
@@ -84,7 +96,18 @@ class CarrierFiles:
         self.staging_bytes = int(staging_bytes)
         self.writers = int(writers)
         self.owned = owned
+        #: the manifest's ``chunks.store`` (where the packs are, relative to the snapshot)
+        self.store = store
+        self.prefix = prefix
+        self.known = dict(known) if known is not None else None
+        #: what the caller keeps alive as long as these files are in use (the agent: the
+        #: chunk store's lock); released by the caller
+        self.holder = None
         self.tables: dict[tuple[int, str], StreamTable] = {}
+        #: (pid, alloc_id hex) -> file name in ``directory`` (restore: the manifest's pack)
+        self.names: dict[tuple[int, str], str] = {}
+        #: (pid, alloc_id hex) -> {chunk index: (file name in ``directory``, offset in bytes)}
+        self.refs: dict[tuple[int, str], dict[int, tuple[str, int]]] = {}
         self._lock = threading.Lock()
 
     @classmethod
@@ -92,8 +115,33 @@ class CarrierFiles:
         """A fresh private directory (mode 0700) under $TMPDIR, removed by :meth:`remove`."""
         return cls(tempfile.mkdtemp(prefix="cuinterpose-chunks-"), owned=True, **kw)
 
+    def name(self, pid: int, alloc_id: str | bytes) -> str:
+        """The file name of ``pid``'s stream of ``alloc_id`` in :attr:`directory`."""
+        aid = alloc_id if isinstance(alloc_id, str) else alloc_id_hex(alloc_id)
+        return self.names.get((int(pid), aid)) or self.prefix + stream_file_name(pid, aid)
+
     def path(self, pid: int, alloc_id: str | bytes) -> str:
-        return os.path.join(self.directory, stream_file_name(pid, alloc_id))
+        return os.path.join(self.directory, self.name(pid, alloc_id))
+
+    def _open_sources(self, req: CarrierRequest, op: Op, pid: int, streams) -> None:
+        """LOAD: the chunk refs of ``streams`` and the files they name, opened read-only."""
+        opened: dict[str, int] = {}
+        for j, (aid, _) in enumerate(streams):
+            key = (int(pid), alloc_id_hex(aid))
+            for chunk, (name, off) in sorted(self.refs.get(key, {}).items()):
+                if name not in opened:
+                    path = os.path.join(self.directory, name)
+                    try:
+                        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                    except OSError as e:
+                        raise OSError(
+                            e.errno,
+                            f"{op.name}: pid {pid} allocation {key[1]}: cannot open chunk store "
+                            f"pack {path} (chunk {chunk}): {e.strerror}",
+                        ) from None
+                    opened[name] = len(req.sources)
+                    req.sources.append((os.fstat(fd).st_size, fd))
+                req.refs.append(ChunkRef(j, int(chunk), opened[name], int(off)))
 
     def request(self, op: Op, pid: int, streams: list[tuple[bytes, int]]) -> CarrierRequest:
         """Open the files of ``pid``'s ``streams`` for ``op`` (SAVE_ALLOCATIONS: create,
@@ -107,7 +155,11 @@ class CarrierFiles:
             flags = os.O_RDONLY
         flags |= os.O_NOFOLLOW | os.O_CLOEXEC
         req = CarrierRequest(self.chunk_bytes, self.staging_bytes, self.writers)
+        if op == Op.SAVE_ALLOCATIONS and self.known is not None:
+            req.known = list(self.known)
         try:
+            if op == Op.LOAD_ALLOCATIONS:
+                self._open_sources(req, op, pid, streams)
             for aid, size in streams:
                 path = self.path(pid, aid)
                 try:
@@ -129,36 +181,55 @@ class CarrierFiles:
         """Close the descriptors of ``req`` (idempotent)."""
         if req is None:
             return
-        for _, fd in req.streams:
+        for _, fd in req.streams + req.sources:
             try:
                 os.close(fd)
             except OSError:
                 pass
-        req.streams = []
+        req.streams, req.sources = [], []
 
     def saved(self, pid: int, tables: list[StreamTable]) -> None:
         """Keep the chunk tables of ``pid``'s SAVE_ALLOCATIONS reply."""
         with self._lock:
             for t in tables:
                 self.tables[(int(pid), t.alloc_id)] = t
+                if self.known is not None:  # the chunks the shim did not write
+                    self.refs[(int(pid), t.alloc_id)] = {
+                        i: self.known[c] for i, c in enumerate(t.checksums) if c in self.known
+                    }
+
+    def written_bytes(self) -> int:
+        """Bytes of the non-zero chunks the shims wrote (not found in ``known``)."""
+        total = 0
+        for key, t in self.tables.items():
+            refs = self.refs.get(key, {})
+            for i, c in enumerate(t.checksums):
+                if c is not None and i not in refs:
+                    total += min(self.chunk_bytes, t.bytes - i * self.chunk_bytes)
+        return total
 
     def streams_json(self) -> list[dict]:
         """The manifest's stream records (issue 12 chunk format), sorted by pid, alloc_id:
         ``{"file": "chunks/<name>", "kind": "shared", "pid", "alloc_id", "bytes", "zero":
-        [indices], "checksums": [64 hex or None]}``."""
+        [indices], "checksums": [64 hex or None]}``; with a chunk store ``"pack": <file name>``
+        and ``"refs": [[chunk, pack, offset]]`` instead of ``file``."""
         out = []
         for (pid, aid), t in sorted(self.tables.items()):
-            out.append(
-                {
-                    "file": f"chunks/{stream_file_name(pid, aid)}",
-                    "kind": "shared",
-                    "pid": pid,
-                    "alloc_id": aid,
-                    "bytes": t.bytes,
-                    "zero": t.zero,
-                    "checksums": [None if c is None else c.hex() for c in t.checksums],
-                }
-            )
+            rec = {
+                "file": f"chunks/{stream_file_name(pid, aid)}",
+                "kind": "shared",
+                "pid": pid,
+                "alloc_id": aid,
+                "bytes": t.bytes,
+                "zero": t.zero,
+                "checksums": [None if c is None else c.hex() for c in t.checksums],
+            }
+            if self.store is not None:  # a pack of the chunk store, and where reused chunks are
+                del rec["file"]
+                rec["pack"] = self.name(pid, aid)
+                refs = self.refs.get((pid, aid), {})
+                rec["refs"] = [[i, n, o] for i, (n, o) in sorted(refs.items())]
+            out.append(rec)
         return out
 
     def remove(self, pids: Iterable[int] | None = None) -> None:
@@ -170,7 +241,9 @@ class CarrierFiles:
         except FileNotFoundError:
             return
         for name in names:
-            parts = name.split("-")
+            if not name.startswith(self.prefix):
+                continue  # another snapshot's pack of the chunk store
+            parts = name[len(self.prefix) :].split("-")
             if not (name.startswith("shared-") and name.endswith(".bin") and len(parts) == 3):
                 continue
             if want is not None and (not parts[1].isdigit() or int(parts[1]) not in want):

@@ -193,13 +193,17 @@ class Coordinator(Barrier):
     def _chunks_json(self) -> dict:
         """The capture's ``chunks`` object (issue 12 chunk format) from the SAVE replies."""
         files = self.carrier_files()
-        return {
+        out = {
             "chunk_bytes": files.chunk_bytes,
             "checksum": "blake2b-256",
             "streams": files.streams_json(),
             "directory": files.directory,  # where this capture's files are (not in a manifest)
             "private": files.owned,
         }
+        if files.store is not None:  # a chunk store: what this capture wrote of its chunks
+            out["store"] = files.store
+            out["written_bytes"] = files.written_bytes()
+        return out
 
     def _adopt_files(self, capture: Capture) -> None:
         """Without ``carriers``, read the chunk files where ``capture`` wrote them."""

@@ -116,6 +116,7 @@ for _cmd in (
     jobs.restore,
     jobs.inspect,
     jobs.snapshots_cmd,
+    jobs.delete_cmd,
     jobs.release_cmd,
     daemon.serve,
     daemon.health_cmd,

@@ -121,6 +121,13 @@ def _use_native_backend(kind) -> None:
     default=None,
     help="chunk writer threads per process [default: 4, or $CUINTERPOSE_WRITERS].",
 )
+@click.option(
+    "--incremental",
+    is_flag=True,
+    help="write the shared carriers into the chunk store of the snapshot root (the images "
+    "dir's parent): only chunks no snapshot there holds yet are written; delete snapshots "
+    "with `cuinterpose-agent delete`.",
+)
 @click.option("--leave-running", is_flag=True, help="keep the workload running after the dump.")
 @manifest_key_opt("node key file: the manifest gets an HMAC-SHA256 (mac) with it")
 @driver_opt
@@ -143,6 +150,7 @@ def checkpoint(
     chunk_bytes,
     staging_bytes,
     writers,
+    incremental,
     leave_running,
     manifest_key,
     driver,
@@ -172,6 +180,8 @@ def checkpoint(
         carriers.settings(**chunks)
     except Exception as e:
         raise click.UsageError(str(e)) from None
+    if incremental:
+        chunks["incremental"] = True
 
     if group_file:
         if pids or images_dir:
@@ -223,6 +233,7 @@ def checkpoint(
                     staging_bytes=chunks.get("staging_bytes", 0),
                     writers=chunks.get("writers", 0),
                     gpu_storage=gpu_storage or "",
+                    incremental=incremental,
                 ),
                 members=load_members(group_file, "checkpoint") if group_file else [],
             )
@@ -509,6 +520,27 @@ def snapshots_cmd(path, directory, agent_addr, tls_ca, tls_cert, tls_key, as_jso
     from cuinterpose.agent.run.report import render_snapshots
 
     render_snapshots(res)
+
+
+@click.command("delete")
+@click.argument("images_dir", type=click.Path(file_okay=False))
+@json_opt
+def delete_cmd(images_dir, as_json):
+    """Delete the snapshot IMAGES_DIR and free the chunk store packs of its root that no
+    other snapshot there uses (incremental snapshots; a plain snapshot is just removed)."""
+    from cuinterpose.agent.snapshot import store
+
+    try:
+        res = store.delete(images_dir)
+    except AgentError as e:
+        fail(e, as_json, command="delete")
+    if as_json:
+        emit_json({"ok": True, **res})
+    else:
+        click.echo(
+            f"deleted {res['deleted']}; chunk store: {res['packs_removed']} packs removed, "
+            f"{res['packs_kept']} kept, {res['pack_bytes_freed']} bytes freed"
+        )
 
 
 @click.command("release")

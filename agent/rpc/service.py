@@ -375,7 +375,8 @@ class AgentService(GroupMember, _servicer_base()):
                     ("writers", o.writers),
                 )
                 if v
-            },
+            }
+            | ({"incremental": True} if o.incremental else {}),
             "gpu_storage": o.gpu_storage or None,
         }
 

@@ -107,7 +107,8 @@ class Checkpoint(Rollback, StepRunner):
         chunks: Optional[dict] = None,
         gpu_storage: Optional[str] = None,
     ):
-        self.chunks = dict(chunks or {})  # chunk_bytes, staging_bytes, writers (run/carriers.py)
+        # chunk_bytes, staging_bytes, writers, incremental (run/carriers.py)
+        self.chunks = dict(chunks or {})
         self.gpu_storage_mode = gpu_storage  # auto|custom|host (run/gpustore_step.py), None: env
         self.roots = list(dict.fromkeys(int(r) for r in roots))
         self.images_dir = images_dir
@@ -454,6 +455,8 @@ class Checkpoint(Rollback, StepRunner):
                 path = manifest_mod.write(self.images_dir, m)
                 self.manifest = m
                 ph.detail = str(path)
+            # the manifest refers to the packs now: a delete may collect around them
+            carriers.release(getattr(self.coordinator, "carriers", None))
         except AgentError:
             raise
         except BaseException as e:
@@ -491,6 +494,7 @@ class Checkpoint(Rollback, StepRunner):
                 self.run_steps(self.stage("images"))
                 return self._run()
             except CheckpointFailed as e:
+                carriers.release(getattr(self.coordinator, "carriers", None))
                 if self.manifest is None:
                     gpustore_step.discard(self)
                     images.remove_empty(self.created_dirs)
@@ -512,6 +516,7 @@ class Checkpoint(Rollback, StepRunner):
                         quiesce.unlock(self.control_dir, left, self.qid)
                 raise
             except BaseException:
+                carriers.release(getattr(self.coordinator, "carriers", None))
                 if self.manifest is None:
                     gpustore_step.discard(self)
                     images.remove_empty(self.created_dirs)

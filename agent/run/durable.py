@@ -35,6 +35,7 @@ from typing import Callable, Optional
 from cuinterpose.agent.errors import AgentError
 from cuinterpose.agent.run.report import Phase, Reporter
 from cuinterpose.agent.snapshot import manifest as manifest_mod
+from cuinterpose.agent.snapshot import store as store_mod
 
 SYNC_PHASE = "sync"
 VERIFY_PHASE = "verify"
@@ -86,18 +87,21 @@ def sync_snapshot(
     base: os.PathLike | str,
     *,
     parents: tuple = (),
+    outside: tuple = (),
     progress: Optional[Callable[[int, int], None]] = None,
     threads: Optional[int] = None,
 ) -> Synced:
     """Make the snapshot at ``base`` durable (see the module docstring); ``parents``: further
     directories to fsync last (those holding ``base``'s entry and the ones a checkpoint
-    created). ``progress(done, total)`` (bytes, called from the pool's threads) as bytes are
+    created); ``outside``: further files to fsync (the chunk store packs the checkpoint
+    wrote). ``progress(done, total)`` (bytes, called from the pool's threads) as bytes are
     hashed and files synced. Raises ``AgentError`` (phase ``sync``) naming the file or
     directory and the errno."""
     base = pathlib.Path(base)
     images = base / manifest_mod.CRIU_DIR
     try:
         files, dirs = snapshot_tree(base)
+        files += [pathlib.Path(p) for p in outside]
         hashed = {p for p in files if images in p.parents}
         weights = {p: _weight(p, p in hashed) for p in files}
     except OSError as e:  # a file that went away or cannot be read while listing
@@ -181,10 +185,14 @@ def sync_step(cp) -> None:
     and of the snapshot directory; sets ``cp.image_files`` (the manifest's ``criu.files``)."""
     base = pathlib.Path(cp.images_dir)
     parents = [p.parent for p in reversed(getattr(cp, "created_dirs", []) or [])]
-    parents = list(dict.fromkeys(parents + [base.parent]))
+    packs, pack_dirs = store_packs(getattr(getattr(cp, "coordinator", None), "carriers", None))
+    parents = list(dict.fromkeys(parents + [base.parent] + pack_dirs))
     with cp.r.phase(SYNC_PHASE) as ph:
         res = sync_snapshot(
-            base, parents=tuple(parents), progress=lambda d, t: cp.r.progress(ph, d, t)
+            base,
+            parents=tuple(parents),
+            outside=tuple(packs),
+            progress=lambda d, t: cp.r.progress(ph, d, t),
         )
         cp.r.progress(ph, res.bytes, res.bytes, final=True)
         cp.image_files = res.images
@@ -192,6 +200,17 @@ def sync_step(cp) -> None:
             f"{len(res.files)} files, {len(res.dirs)} directories fsynced; "
             f"{len(res.images)} CRIU images hashed (sha256)"
         )
+
+
+def store_packs(files) -> tuple[list[pathlib.Path], list[pathlib.Path]]:
+    """(the chunk store packs a checkpoint wrote, the directories holding their entries:
+    packs/, the store, its root) for ``files`` (a CarrierFiles with ``store``); ([], [])
+    otherwise."""
+    if files is None or getattr(files, "store", None) is None:
+        return [], []
+    d = pathlib.Path(files.directory)
+    packs = sorted(p for p in d.glob(f"{files.prefix}*") if p.is_file() and not p.is_symlink())
+    return packs, [d, d.parent, d.parent.parent]
 
 
 def verify_snapshot(rs) -> None:
@@ -226,9 +245,16 @@ class ChunkProgress:
     replaces by the real one); :meth:`close` the last one, with ``done == total`` when the
     phase succeeded (every chunk written, or skipped as zero)."""
 
-    def __init__(self, rep: Reporter, name: str, images_dir, *, mode: str = "write", pids=()):
+    def __init__(
+        self, rep: Reporter, name: str, images_dir, *, mode: str = "write", pids=(), packs=None
+    ):
         self.rep, self.name, self.mode = rep, name, mode
         self.dir = pathlib.Path(images_dir) / CHUNKS_DIR
+        #: a capture of the chunk store: (packs directory, the names of its streams' packs
+        #: or the prefix they start with); the streams are those files, not DIR/chunks/
+        self.packs = packs
+        if packs is not None:
+            self.dir = pathlib.Path(packs[0])
         self.pids = list(pids)
         self.row: Optional[Phase] = None
         self.t0 = time.monotonic_ns()
@@ -242,6 +268,8 @@ class ChunkProgress:
         except OSError:
             return 0, 0
         for e in entries:
+            if self.packs is not None and not _is_stream(e.name, self.packs[1]):
+                continue  # another snapshot's pack
             try:
                 st = e.stat(follow_symlinks=False)
             except OSError:
@@ -252,7 +280,8 @@ class ChunkProgress:
         if self.mode == "write":
             return alloc, size
         read = sum(max(0, _rchar(p) - r0) for p, r0 in self.rchar0.items() if r0 >= 0)
-        return min(read, alloc), size
+        # a store snapshot also reads the chunks it refers to in older packs
+        return min(read, size if self.packs is not None else alloc), size
 
     def _target(self) -> Phase:
         if self.row is None:
@@ -280,6 +309,23 @@ class ChunkProgress:
             if self.row is not None and getattr(self.row, "transient", False):
                 self.row.status = "ok" if ok else "failed"
                 self.row.elapsed_ns = time.monotonic_ns() - self.t0
+
+
+def _is_stream(name: str, which) -> bool:
+    return name.startswith(which) if isinstance(which, str) else name in which
+
+
+def _store_packs(run, mode: str):
+    """(packs dir, prefix or pack names) of a checkpoint into / restore from the chunk
+    store, None otherwise."""
+    files = getattr(getattr(run, "coordinator", None), "carriers", None)
+    if mode == "write" and getattr(files, "store", None) is not None:
+        return files.directory, files.prefix
+    ch = (getattr(run, "m", None) or {}).get("chunks") or {}
+    if mode == "read" and ch.get("store") == store_mod.STORE_REL:
+        root = store_mod.root_of(run.images_dir)
+        return store_mod.packs_dir(root), {s.get("pack") for s in ch.get("streams") or []}
+    return None
 
 
 def _rchar(pid: int) -> int:
@@ -316,7 +362,10 @@ def polled(run, step_name: str):
     pids = []
     if what[1] == "read" and getattr(run, "m", None):
         pids = [p["pid"] for p in run.m.get("participants", [])]
-    poller = ChunkProgress(run.r, what[0], run.images_dir, mode=what[1], pids=pids)
+    packs = (
+        _store_packs(run, what[1]) if what[0] in ("SAVE_ALLOCATIONS", "LOAD_ALLOCATIONS") else None
+    )
+    poller = ChunkProgress(run.r, what[0], run.images_dir, mode=what[1], pids=pids, packs=packs)
     stop = threading.Event()
 
     def loop():

@@ -309,9 +309,7 @@ class Recovery:
             carrier_timeout_s=float(self.lk.get("carrier_timeout_s") or 3600.0),
         )
         if self.lk.get("images_dir"):  # the carried bytes live in the snapshot's chunk files
-            coord.carriers = carriers.checkpoint_files(
-                self.lk["images_dir"], **(self.lk.get("chunks") or {})
-            )
+            coord.carriers = carriers.release_files(self.lk["images_dir"], self.lk)
         # txn ids above every one the dead agent (and any failed rollback) sent (they are
         # wall-clock based as well)
         coord.txn_floor = max(coord.txn_floor, int(self.lk.get("last_txn_id") or 0))
@@ -365,7 +363,9 @@ class Recovery:
         partial = snap["images_dir"] and not snap["complete"]
         if partial and not (pathlib.Path(snap["images_dir"]) / manifest_mod.MANIFEST_NAME).exists():
             images.cleanup(snap["images_dir"])
-            carriers.remove_chunks(snap["images_dir"])
+            carriers.remove_chunks(
+                snap["images_dir"], getattr(getattr(self, "coord", None), "carriers", None)
+            )
             images.remove_empty([pathlib.Path(d) for d in self.lk.get("created_dirs") or []])
         return {
             "pid": self.root,

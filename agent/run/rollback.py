@@ -68,9 +68,16 @@ class Rollback:
         if self.qid is not None and (
             step.stage == "teardown" or step.name in self.LOCKED_BEFORE_CAPTURE
         ):
+            extra = {}
+            rec = carriers.store_record(
+                getattr(getattr(self, "coordinator", None), "carriers", None)
+            )
+            if step.name == "capture" and rec is not None:
+                extra["store"] = rec  # a release loads the shims back through these refs
             self.mark(
                 f"{step.name} done",
                 last_txn_id=recover.last_txn_id(getattr(self, "coordinator", None)),
+                **extra,
             )
 
     def roll_back(self, cause: BaseException) -> CheckpointFailed:
@@ -90,7 +97,9 @@ class Rollback:
                 "without rebuilding"
             )
             return CheckpointFailed(cause, "rollback_failed", rollback_error=way_out)
-        carriers.remove_chunks(self.images_dir)  # the bytes are back on the device
+        files = getattr(self.coordinator, "carriers", None)
+        carriers.remove_chunks(self.images_dir, files)  # the bytes are back on the device
+        carriers.release(files)
         return CheckpointFailed(cause, "rolled_back")
 
     def rebuild(self, restored: bool = False, native_phase: str = "rollback native"):
@@ -150,7 +159,9 @@ class Rollback:
                 self.manifest = None
             self.cleanup_images()
             self.rebuild_state()
-            carriers.remove_chunks(self.images_dir)
+            files = getattr(self.coordinator, "carriers", None)
+            carriers.remove_chunks(self.images_dir, files)
+            carriers.release(files)
 
     def group_release(self):
         """``.resume`` after a group rollback (restored=false; cancelled when nothing was torn

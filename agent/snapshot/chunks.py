@@ -13,7 +13,11 @@ each file name is derived from its pid and alloc_id; the streams are exactly the
 capture's records (pid, alloc_id, bytes, and carrier_checksum == cui_checksum64 of the
 digests); and every entry under ``chunks/`` (walked without following links) is a regular file
 that is listed, with the listed size. ``gpu-*.bin`` entries belong to the native backend's
-streams and are left to its check. Nothing is modified.
+streams and are left to its check. A snapshot of the chunk store (``chunks.store`` ==
+``store.STORE_REL``; agent/snapshot/store.py) has ``pack`` and ``refs`` instead of ``file``:
+each pack name is derived from pid and alloc_id, the refs are ascending and name non-zero
+chunks, and each pack is a regular file of the store (its own: the stream's size; the others:
+long enough for each ref); ``chunks/`` then holds no shared file. Nothing is modified.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import re
 import stat
 
 from cuinterpose.agent.errors import SnapshotError
+from cuinterpose.agent.snapshot import store
 
 CHUNKS_DIR = "chunks"
 LOCAL_KEYS = ("directory", "private")
@@ -58,6 +63,73 @@ def _digest_sum(checksums) -> int:
     return cui_checksum64(b"".join(bytes(32) if c is None else bytes.fromhex(c) for c in checksums))
 
 
+def _name(s: dict) -> str:
+    return str(s.get("file") or s.get("pack"))
+
+
+def _store_shape(snapshot, s: dict, cb: int) -> None:
+    """A stream of the chunk store: its own pack derived from pid and alloc_id, and refs
+    [[chunk, pack, offset]] strictly ascending by chunk, each pack name of the store's form."""
+    pack, refs = s.get("pack"), s.get("refs")
+    tail = f"-shared-{s['pid']}-{s['alloc_id']}.bin"
+    if "file" in s or not (
+        isinstance(pack, str) and store.PACK_RE.match(pack) and pack.endswith(tail)
+    ):
+        raise _refuse(
+            snapshot,
+            f"stream pack {pack!r} is not <16 hex>{tail} (derived from its pid and alloc_id), "
+            "or the stream also names a file",
+        )
+    ok = isinstance(refs, list) and all(
+        isinstance(r, list)
+        and len(r) == 3
+        and type(r[0]) is int
+        and r[0] >= 0
+        and isinstance(r[1], str)
+        and store.PACK_RE.match(r[1])
+        and type(r[2]) is int
+        and r[2] >= 0
+        for r in refs
+    )
+    if not ok or [r[0] for r in refs] != sorted({r[0] for r in refs}):
+        raise _refuse(
+            snapshot,
+            f"stream {pack}: field refs must be [[chunk, pack, offset]] strictly ascending by "
+            "chunk, each pack a name of the chunk store",
+        )
+
+
+def _check_packs(snapshot, ch: dict, streams: list[dict]) -> None:
+    """Every pack a store snapshot reads is a regular file in the store: its own packs of
+    the stream's size, the others long enough for each ref."""
+    pd = store.packs_dir(store.root_of(snapshot))
+    cb = ch["chunk_bytes"]
+    own = {s["pack"]: s["bytes"] for s in streams}
+    ends: dict[str, int] = {}
+    for s in streams:
+        for i, name, off in s["refs"]:
+            ends[name] = max(ends.get(name, 0), off + min(cb, s["bytes"] - i * cb))
+    for name in sorted(set(own) | set(ends)):
+        p = pd / name
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            raise _refuse(snapshot, f"chunk store pack {p} is missing") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise _refuse(snapshot, f"chunk store pack {p} is not a regular file (a symlink?)")
+        if name in own and st.st_size != own[name]:
+            raise _refuse(
+                snapshot,
+                f"chunk store pack {p} is {st.st_size} bytes, the manifest says {own[name]}",
+            )
+        if st.st_size < ends.get(name, 0):
+            raise _refuse(
+                snapshot,
+                f"chunk store pack {p} is {st.st_size} bytes, a ref of the manifest ends at byte "
+                f"{ends[name]}",
+            )
+
+
 def _shape(snapshot, ch) -> list[dict]:
     if not isinstance(ch, dict) or ch.get("checksum") != "blake2b-256":
         raise _refuse(
@@ -69,6 +141,9 @@ def _shape(snapshot, ch) -> list[dict]:
             snapshot, f"field chunks.chunk_bytes {cb!r} is not a power of two from 64 KiB to 1 GiB"
         )
     streams = ch.get("streams")
+    store_mode = "store" in ch
+    if store_mode and ch["store"] != store.STORE_REL:
+        raise _refuse(snapshot, f"field chunks.store {ch['store']!r} is not {store.STORE_REL!r}")
     if not isinstance(streams, list):
         raise _refuse(snapshot, "field chunks.streams must be a list")
     for s in streams:
@@ -79,7 +154,9 @@ def _shape(snapshot, ch) -> list[dict]:
         ok = ok and type(size) is int and size >= 0 and s.get("kind") == "shared"
         if not ok:
             raise _refuse(snapshot, f"stream {s.get('file')!r}: bad kind, pid, alloc_id or bytes")
-        if s.get("file") != f"{CHUNKS_DIR}/shared-{pid}-{aid}.bin":
+        if store_mode:
+            _store_shape(snapshot, s, cb)
+        elif s.get("file") != f"{CHUNKS_DIR}/shared-{pid}-{aid}.bin":
             raise _refuse(
                 snapshot,
                 f"stream file {s.get('file')!r} is not {CHUNKS_DIR}/shared-{pid}-{aid}.bin "
@@ -89,14 +166,18 @@ def _shape(snapshot, ch) -> list[dict]:
         n = -(-size // cb)
         if not isinstance(sums, list) or len(sums) != n or not isinstance(zero, list):
             raise _refuse(
-                snapshot, f"stream {s['file']}: {n} checksums expected (ceil(bytes / chunk_bytes))"
+                snapshot, f"stream {_name(s)}: {n} checksums expected (ceil(bytes / chunk_bytes))"
             )
         if any(not (c is None or (isinstance(c, str) and _HEX64.match(c))) for c in sums):
-            raise _refuse(snapshot, f"stream {s['file']}: a checksum is not 64 hex digits or null")
+            raise _refuse(snapshot, f"stream {_name(s)}: a checksum is not 64 hex digits or null")
         if zero != [i for i, c in enumerate(sums) if c is None]:
             raise _refuse(
-                snapshot, f"stream {s['file']}: field zero differs from the null checksums"
+                snapshot, f"stream {_name(s)}: field zero differs from the null checksums"
             )
+        if store_mode and any(sums[r[0]] is None for r in s["refs"] if r[0] < n):
+            raise _refuse(snapshot, f"stream {_name(s)}: a ref names an all-zero chunk")
+        if store_mode and any(r[0] >= n for r in s["refs"]):
+            raise _refuse(snapshot, f"stream {_name(s)}: a ref names a chunk past its {n} chunks")
     return streams
 
 
@@ -123,10 +204,12 @@ def check(snapshot, m: dict, carriers: list[dict]) -> None:
         if s["bytes"] != c["bytes"] or f"{_digest_sum(s['checksums']):016x}" != c["checksum"]:
             raise _refuse(
                 snapshot,
-                f"stream {s['file']} ({s['bytes']} bytes) disagrees with the carrier record of "
+                f"stream {_name(s)} ({s['bytes']} bytes) disagrees with the carrier record of "
                 f"pid {key[0]} allocation {key[1]} ({c['bytes']} bytes, checksum {c['checksum']})",
             )
-    listed = {s["file"]: s["bytes"] for s in streams}
+    if "store" in ch:
+        _check_packs(snapshot, ch, streams)
+    listed = {s["file"]: s["bytes"] for s in streams if "file" in s}
     top = base / CHUNKS_DIR
     try:
         st = os.lstat(top)
