@@ -26,13 +26,20 @@ Measured in the same run, one case after the other:
   dropped its (clean) pages; ``criu_only_s`` / ``criu_only_restore_s``: CRIU alone dumping and
   restoring a plain process that holds B dense anonymous bytes;
 - ratios: checkpoint / dd, restore / (read + CRIU-only restore), disk bytes / B, and a sparse
-  case's checkpoint / the dense checkpoint of the same B.
+  case's checkpoint / the dense checkpoint of the same B;
+- ``--incremental F`` (repeatable) adds, per B, a dense case of the chunk store (decisions D34):
+  ``checkpoint --incremental --leave-running`` (``first_checkpoint_s``), the job rewrites F of B,
+  then the measured ``checkpoint --incremental`` into a second snapshot of the same root and
+  its restore. ``written_bytes``: what the second wrote (the manifest's
+  ``chunks.written_bytes``); ``snapshot_disk_bytes`` counts its directory and its own packs;
+  ratios ``second_over_first``, ``written_over_bytes``, and ``checkpoint_over_dense`` against
+  the same run's plain dense checkpoint of B.
 
 No thresholds: this prints, it does not judge. ``--json``: one JSON object per case, one line
 each.
 
     .venv/bin/python bench/datapath.py [--bytes N]... [--zero-fraction F]... [--json]
-        [--dir DIR] [--timeout-s S]
+        [--dir DIR] [--timeout-s S] [--incremental F]...
 """
 
 from __future__ import annotations
@@ -128,6 +135,10 @@ class HwmSampler:
         return self.peak
 
 
+def disk_bytes_of(p: pathlib.Path) -> int:
+    return p.lstat().st_blocks * 512
+
+
 def disk_bytes(d: pathlib.Path) -> int:
     return sum(p.lstat().st_blocks * 512 for p in d.rglob("*") if p.is_file())
 
@@ -162,9 +173,16 @@ def agent(*args, timeout_s: float) -> tuple[float, dict]:
     return dt, out
 
 
-def run_job(work: pathlib.Path, nbytes: int, zero: float, timeout_s: float) -> dict:
-    """One checkpoint + restore of the job; the case's job fields."""
+def run_job(
+    work: pathlib.Path, nbytes: int, zero: float, timeout_s: float, change: float | None = None
+) -> dict:
+    """One checkpoint + restore of the job; the case's job fields. ``change`` (incremental
+    case): a first ``checkpoint --incremental --leave-running``, then the job rewrites that
+    fraction of B, then the measured ``checkpoint --incremental`` and the restore of it."""
     run, snap = work / "run", work / "snap"
+    if change is not None:
+        snap = work / "root" / "s2"
+        snap.parent.mkdir()
     run.mkdir()
     ctl = pathlib.Path(tempfile.mkdtemp(prefix="cui-dp-"))  # short: socket paths
     deadline = time.monotonic() + timeout_s
@@ -173,7 +191,12 @@ def run_job(work: pathlib.Path, nbytes: int, zero: float, timeout_s: float) -> d
         job = subprocess.Popen(
             [sys.executable, str(JOB), "creator", "--bytes", str(nbytes)]
             + ["--zero-fraction", str(zero), "--out", str(run), "--ctl", str(ctl)]
-            + ["--timeout-s", str(timeout_s)],
+            + ["--timeout-s", str(timeout_s)]
+            + (
+                []
+                if change is None
+                else ["--cuts", "2", "--change-bytes", str(int(change * nbytes))]
+            ),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=err,
@@ -186,17 +209,30 @@ def run_job(work: pathlib.Path, nbytes: int, zero: float, timeout_s: float) -> d
     try:
         ready = wait_json(run / "ready.json", deadline, "job setup", lambda: job.poll() is None)
         pids = [ready["creator"], ready["importer"]]
-        cp_s, cp = agent(
-            "checkpoint",
-            *("--pid", str(job.pid), "--images-dir", str(snap)),
-            *("--driver", "fake", "--control-dir", str(ctl)),
-            timeout_s=timeout_s,
-        )
+        opts = ("--pid", str(job.pid), "--driver", "fake", "--control-dir", str(ctl))
+        first_s = None
+        if change is not None:
+            opts += ("--incremental",)
+            first_s, _ = agent(
+                "checkpoint",
+                "--images-dir",
+                str(snap.parent / "s1"),
+                *opts,
+                "--leave-running",
+                timeout_s=timeout_s,
+            )
+            wait_json(
+                run / "changed-1.json", deadline, "the job's change", lambda: job.poll() is None
+            )
+        cp_s, cp = agent("checkpoint", "--images-dir", str(snap), *opts, timeout_s=timeout_s)
         job.wait(timeout=max(1.0, deadline - time.monotonic()))
         peak = hwm.close()
         wait_gone(pids, deadline)
         m = json.loads((snap / "manifest.json").read_text())
         on_disk = disk_bytes(snap)
+        if change is not None:  # and its own packs in the chunk store
+            packs = snap.parent / ".cuinterpose-store" / "packs"
+            on_disk += sum(disk_bytes_of(packs / s["pack"]) for s in m["chunks"]["streams"])
         rs_s, rs = agent(
             "restore", "--images-dir", str(snap), "--driver", "fake", timeout_s=timeout_s
         )
@@ -228,6 +264,15 @@ def run_job(work: pathlib.Path, nbytes: int, zero: float, timeout_s: float) -> d
         "verified": bool(res.get("verified")),
         "bytes_compared": int(res.get("bytes_compared", 0)),
         "checkpoint_phases": phase_seconds(cp.get("phases", [])),
+        **(
+            {}
+            if change is None
+            else {
+                "change_fraction": change,
+                "first_checkpoint_s": round(first_s, 6),
+                "written_bytes": int(m["chunks"]["written_bytes"]),
+            }
+        ),
         "restore_phases": phase_seconds(rs.get("phases", [])),
     }
 
@@ -294,10 +339,12 @@ def criu_only(work: pathlib.Path, nbytes: int, timeout_s: float) -> tuple[float,
     return dump_s, restore_s
 
 
-def run_case(base: pathlib.Path, nbytes: int, zero: float, timeout_s: float) -> dict:
+def run_case(
+    base: pathlib.Path, nbytes: int, zero: float, timeout_s: float, change: float | None = None
+) -> dict:
     work = pathlib.Path(tempfile.mkdtemp(prefix=f"datapath-{nbytes}-", dir=base))
     try:
-        out = run_job(work, nbytes, zero, timeout_s)
+        out = run_job(work, nbytes, zero, timeout_s, change)
         out["dd_s"], out["read_s"] = (round(x, 6) for x in dd_and_read(work, nbytes))
         dump_s, restore_s = criu_only(work, nbytes, timeout_s)
         out["criu_only_s"], out["criu_only_restore_s"] = round(dump_s, 6), round(restore_s, 6)
@@ -317,6 +364,11 @@ def run_case(base: pathlib.Path, nbytes: int, zero: float, timeout_s: float) -> 
             (out["creator_peak_rss_bytes"] - out["creator_rss_at_ready_bytes"]) / nbytes, 3
         ),
     }
+    if change is not None:
+        out["ratios"]["second_over_first"] = round(
+            out["checkpoint_s"] / max(out["first_checkpoint_s"], 1e-9), 3
+        )
+        out["ratios"]["written_over_bytes"] = round(out["written_bytes"] / nbytes, 3)
     return out
 
 
@@ -343,6 +395,14 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="one JSON object per case")
     ap.add_argument("--dir", default=None, help="where snapshots and baseline files go")
     ap.add_argument("--timeout-s", type=float, default=3600.0, help="deadline of each step")
+    ap.add_argument(
+        "--incremental",
+        type=float,
+        action="append",
+        metavar="F",
+        help="also an incremental case per B: dense, two checkpoints --incremental with F of B "
+        "rewritten between them (repeatable)",
+    )
     args = ap.parse_args(argv)
     sizes = args.bytes or list(DEFAULT_BYTES)
     zeros = args.zero_fraction or list(DEFAULT_ZERO)
@@ -360,30 +420,38 @@ def main(argv=None) -> int:
             f"{'B':>10} {'zero':>5} {'ckpt s':>8} {'restore s':>9} {'dd s':>7} {'read s':>7} "
             f"{'criu s':>7} {'peak RSS':>10} {'on disk':>10} {'ok':>3}  ratios"
         )
-    for nbytes in sizes:
-        for zero in zeros:
-            out = run_case(base, nbytes, zero, args.timeout_s)
-            if zero == 0:
-                dense[nbytes] = out["checkpoint_s"]
-            elif nbytes in dense:
-                out["ratios"]["checkpoint_over_dense"] = round(
-                    out["checkpoint_s"] / max(dense[nbytes], 1e-9), 3
-                )
-            if args.json:
-                print(json.dumps(out, sort_keys=True), flush=True)
-                continue
-            r = out["ratios"]
+    cases = [(n, z, None) for n in sizes for z in zeros]
+    cases += [(n, 0.0, f) for n in sizes for f in args.incremental or []]
+    if any(not 0 <= f <= 1 for _, _, f in cases if f is not None):
+        ap.error("--incremental F must be in [0, 1]")
+    for nbytes, zero, change in cases:
+        out = run_case(base, nbytes, zero, args.timeout_s, change)
+        if zero == 0 and change is None:
+            dense[nbytes] = out["checkpoint_s"]
+        elif nbytes in dense:
+            out["ratios"]["checkpoint_over_dense"] = round(
+                out["checkpoint_s"] / max(dense[nbytes], 1e-9), 3
+            )
+        if args.json:
+            print(json.dumps(out, sort_keys=True), flush=True)
+            continue
+        r = out["ratios"]
+        if change is not None:
             print(
-                f"{fmt_b(nbytes):>10} {zero:>5.2f} {out['checkpoint_s']:>8.3f} "
-                f"{out['restore_s']:>9.3f} {out['dd_s']:>7.3f} {out['read_s']:>7.3f} "
-                f"{out['criu_only_s']:>7.3f} {fmt_b(out['creator_peak_rss_bytes']):>10} "
-                f"{fmt_b(out['snapshot_disk_bytes']):>10} {'yes' if out['verified'] else 'NO':>3}  "
-                + ", ".join(f"{k} {v}" for k, v in r.items()),
+                f"{'':>17}incremental, {change:g} of B rewritten: first checkpoint "
+                f"{out['first_checkpoint_s']:.3f} s, second (below) wrote "
+                f"{fmt_b(out['written_bytes'])}",
                 flush=True,
             )
-            print(
-                f"{'':>17}{where(out, 'checkpoint')}\n{'':>17}{where(out, 'restore')}", flush=True
-            )
+        print(
+            f"{fmt_b(nbytes):>10} {zero:>5.2f} {out['checkpoint_s']:>8.3f} "
+            f"{out['restore_s']:>9.3f} {out['dd_s']:>7.3f} {out['read_s']:>7.3f} "
+            f"{out['criu_only_s']:>7.3f} {fmt_b(out['creator_peak_rss_bytes']):>10} "
+            f"{fmt_b(out['snapshot_disk_bytes']):>10} {'yes' if out['verified'] else 'NO':>3}  "
+            + ", ".join(f"{k} {v}" for k, v in r.items()),
+            flush=True,
+        )
+        print(f"{'':>17}{where(out, 'checkpoint')}\n{'':>17}{where(out, 'restore')}", flush=True)
     return 0
 
 

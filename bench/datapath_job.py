@@ -11,6 +11,11 @@ contract (docs/workload-contract.md: ``.request`` -> ``.ready`` naming both pids
 (``cuMemcpyDtoH``) and compares it with the SHA-256 of what was written; the creator writes
 ``OUT/result.json`` (``verified``, ``bytes_compared``) and both exit.
 
+With ``--cuts N`` the creator answers N quiesces: after each one that resumes without a
+restore (``checkpoint --leave-running``) it rewrites the first ``--change-bytes`` bytes with
+new random bytes, writes ``OUT/changed-K.json`` ({"bytes", "sha256" of the whole allocation})
+and waits for the next request (the incremental case of bench/datapath.py).
+
 ``OUT/ready.json`` ({"creator", "importer", "bytes", "zero_bytes", "sha256", "rss_bytes": the
 creator's VmRSS once parked}) says that the
 job is parked and may be checkpointed. Files are written atomically (contract.write_atomic).
@@ -143,22 +148,35 @@ def creator(args) -> int:
         },
     )
     deadline = time.monotonic() + args.timeout_s
-    req = wait_file(
-        quiesce_path(args.ctl, root, "request"), lambda o: "id" in o, deadline, "request"
-    )
-    write_atomic(
-        quiesce_path(args.ctl, root, "ready"),
-        {"id": req["id"], "ranks": [{"pid": root}, {"pid": imp.pid}]},
-    )
-    # dumped and killed here; a restored tree goes on from this wait (CLOCK_MONOTONIC is the
-    # node's, so the deadline still holds after a restore on the same boot)
-    resume = wait_file(
-        quiesce_path(args.ctl, root, "resume"),
-        lambda o: o.get("id") == req["id"],
-        deadline,
-        "resume",
-    )
-    result = {"restored": bool(resume.get("restored")), "bytes": size}
+    last = None
+    for cut in range(1, args.cuts + 1):
+        req = wait_file(
+            quiesce_path(args.ctl, root, "request"),
+            lambda o, last=last: "id" in o and o["id"] != last,
+            deadline,
+            "request",
+        )
+        last = req["id"]
+        write_atomic(
+            quiesce_path(args.ctl, root, "ready"),
+            {"id": req["id"], "ranks": [{"pid": root}, {"pid": imp.pid}]},
+        )
+        # dumped and killed here; a restored tree goes on from this wait (CLOCK_MONOTONIC is
+        # the node's, so the deadline still holds after a restore on the same boot)
+        resume = wait_file(
+            quiesce_path(args.ctl, root, "resume"),
+            lambda o, rid=req["id"]: o.get("id") == rid,
+            deadline,
+            "resume",
+        )
+        if resume.get("restored") or cut == args.cuts:
+            break
+        # left running: the first --change-bytes change before the next cut
+        n = min(args.change_bytes, size)
+        call(cu.cuMemcpyHtoD, cu.CUdeviceptr(va), random.Random(cut).randbytes(n), n)
+        want = digest(va, size)
+        write_atomic(out / f"changed-{cut}.json", {"bytes": n, "sha256": want})
+    result = {"restored": bool(resume.get("restored")), "bytes": size, "cuts": cut}
     if result["restored"]:
         got = digest(va, size)
         imp.stdin.write("verify\n")
@@ -204,6 +222,15 @@ def main(argv=None) -> int:
     ap.add_argument("--sha256", default="")
     ap.add_argument("--fd", type=int, default=-1, help="importer: the exported FD it inherited")
     ap.add_argument("--timeout-s", type=float, default=3600.0)
+    ap.add_argument(
+        "--cuts", type=int, default=1, help="quiesces answered (each but the last left running)"
+    )
+    ap.add_argument(
+        "--change-bytes",
+        type=int,
+        default=0,
+        help="bytes at the start of the allocation rewritten after each left-running cut",
+    )
     args = ap.parse_args(argv)
     return creator(args) if args.role == "creator" else importer(args)
 

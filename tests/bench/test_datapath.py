@@ -36,19 +36,23 @@ FIELDS = {
 }
 
 
-def test_datapath_json_at_4_mib_dense_and_sparse(criu_ok, tmp_path):
+def _datapath(tmp_path, *args) -> list[dict]:
+    """bench/datapath.py ARGS --json (no LD_PRELOAD): its cases."""
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     r = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "datapath.py"), "--bytes", str(B)]
-        + ["--zero-fraction", "0", "--zero-fraction", "0.9", "--json", "--dir", str(tmp_path)]
-        + ["--timeout-s", "600"],
+        [sys.executable, str(REPO / "bench" / "datapath.py"), *args]
+        + ["--json", "--dir", str(tmp_path), "--timeout-s", "600"],
         capture_output=True,
         text=True,
         env=env,
         timeout=1200,
     )
     assert r.returncode == 0, r.stderr[-4000:]
-    cases = [json.loads(line) for line in r.stdout.splitlines()]
+    return [json.loads(line) for line in r.stdout.splitlines()]
+
+
+def test_datapath_json_at_4_mib_dense_and_sparse(criu_ok, tmp_path):
+    cases = _datapath(tmp_path, "--bytes", str(B), "--zero-fraction", "0", "--zero-fraction", "0.9")
     assert [(c["bytes"], c["zero_fraction"]) for c in cases] == [(B, 0.0), (B, 0.9)]
     for c in cases:
         assert set(c) == FIELDS
@@ -73,3 +77,29 @@ def test_datapath_json_at_4_mib_dense_and_sparse(criu_ok, tmp_path):
     # the 90 %-zero job: nine fill units of ten are zero (unit 384 KiB at 4 MiB: 9 of 11 zero)
     assert cases[0]["zero_bytes"] == 0 and cases[1]["zero_bytes"] == 9 * 393216
     assert "checkpoint_over_dense" in cases[1]["ratios"]
+
+
+def test_datapath_incremental_case_writes_only_the_changed_chunk(criu_ok, tmp_path):
+    """16 MiB dense (two 8 MiB chunks), the job rewrites its first 4 MiB between the two
+    incremental checkpoints: the second writes exactly the first chunk, the restored job
+    compares every byte of the second cut."""
+    big = 16 << 20
+    plain, incr = _datapath(
+        tmp_path, "--bytes", str(big), "--zero-fraction", "0", "--incremental", "0.25"
+    )
+    assert set(plain) == FIELDS
+    assert set(incr) == FIELDS | {"change_fraction", "first_checkpoint_s", "written_bytes"}
+    assert (incr["bytes"], incr["zero_fraction"], incr["change_fraction"]) == (big, 0.0, 0.25)
+    assert incr["verified"] is True and incr["bytes_compared"] == 2 * big
+    assert incr["written_bytes"] == 8 << 20  # chunk 0 changed, chunk 1 refers to the first pack
+    # the second snapshot holds its images and one 8 MiB chunk, not the 16 MiB
+    assert (
+        incr["image_bytes"] + (8 << 20)
+        <= incr["snapshot_disk_bytes"]
+        < plain["snapshot_disk_bytes"]
+    )
+    assert incr["checkpoint_phases"]["SAVE_ALLOCATIONS"]["bytes"] == big
+    assert {"second_over_first", "written_over_bytes", "checkpoint_over_dense"} <= set(
+        incr["ratios"]
+    )
+    assert incr["ratios"]["written_over_bytes"] == 0.5
