@@ -173,7 +173,7 @@ def creator(args) -> int:
             break
         # left running: the first --change-bytes change before the next cut
         n = min(args.change_bytes, size)
-        call(cu.cuMemcpyHtoD, cu.CUdeviceptr(va), random.Random(cut).randbytes(n), n)
+        call(cu.cuMemcpyHtoD, cu.CUdeviceptr(va), os.urandom(n), n)
         want = digest(va, size)
         write_atomic(out / f"changed-{cut}.json", {"bytes": n, "sha256": want})
     result = {"restored": bool(resume.get("restored")), "bytes": size, "cuts": cut}
