@@ -524,14 +524,35 @@ def snapshots_cmd(path, directory, agent_addr, tls_ca, tls_cert, tls_key, as_jso
 
 @click.command("delete")
 @click.argument("images_dir", type=click.Path(file_okay=False))
+@agent_opt
+@tls_ca_opt
+@tls_cert_opt
+@tls_key_opt
 @json_opt
-def delete_cmd(images_dir, as_json):
+def delete_cmd(images_dir, agent_addr, tls_ca, tls_cert, tls_key, as_json):
     """Delete the snapshot IMAGES_DIR and free the chunk store packs of its root that no
-    other snapshot there uses (incremental snapshots; a plain snapshot is just removed)."""
+    other snapshot there uses (incremental snapshots; a plain snapshot is just removed).
+    With --agent, the daemon deletes it (IMAGES_DIR must lie under its --snapshot-dir)."""
     from cuinterpose.agent.snapshot import store
 
     try:
-        res = store.delete(images_dir)
+        if agent_addr:
+            from cuinterpose.agent.run.report import Reporter
+            from cuinterpose.agent.snapshot import pb
+
+            apb, _, _ = pb.modules()
+            req = apb.DeleteSnapshotRequest(images_dir=os.path.abspath(images_dir))
+            res = remote(
+                agent_addr,
+                "DeleteSnapshot",
+                req,
+                Reporter(),
+                None,
+                client_tls(tls_ca, tls_cert, tls_key),
+            )
+            res.pop("ok", None)
+        else:
+            res = store.delete(images_dir)
     except AgentError as e:
         fail(e, as_json, command="delete")
     if as_json:

@@ -1,7 +1,8 @@
 """The agent's gRPC service (``cuinterpose-agent serve``; docs/service.md).
 
 ``Agent`` (proto/cuinterpose/v1/agent.proto) exposes ``Checkpoint``, ``Restore``, ``Inspect``,
-``ListSnapshots`` and, for group requests, ``RunPhase`` and ``Renew``. Every RPC but ``Renew``
+``ListSnapshots``, ``DeleteSnapshot`` (its images dir confined to the snapshot roots) and, for
+group requests, ``RunPhase`` and ``Renew``. Every RPC but ``Renew``
 streams ``Event``s (:class:`Stream`): one ``Progress`` per phase start/end (the
 :class:`~cuinterpose.agent.run.report.Reporter` events of the same code the CLI runs,
 :mod:`cuinterpose.agent.run.ops`) and finally exactly one ``Result`` (``ok``, ``error`` with
@@ -470,6 +471,17 @@ class AgentService(GroupMember, _servicer_base()):
             return ops.list_snapshots(self.confine(d, what="snapshot dir", phase="snapshots")), None
 
         return iter(self._stream("list", work))
+
+    def DeleteSnapshot(self, request, context):
+        def work(rep, emit):
+            if not request.images_dir:
+                raise AgentError("chunk store", "no images_dir given", outcome="usage")
+            d = self.confine(request.images_dir, what="images dir", phase="chunk store")
+            from cuinterpose.agent.snapshot import store
+
+            return {"ok": True, **store.delete(d)}, None
+
+        return iter(self._stream("delete", work))
 
     def RunPhase(self, request, context):
         peer = context.peer() if context is not None else ""

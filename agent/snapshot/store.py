@@ -276,22 +276,22 @@ def delete(images_dir) -> dict:
     if not (d / MANIFEST_NAME).is_file() or (d / MANIFEST_NAME).is_symlink():
         raise AgentError(PHASE, f"{d} holds no manifest.json: not a snapshot; nothing removed")
     root = d.parent
+    if not (root / STORE_DIR).is_dir():  # no chunk store: nothing can refer to its bytes
+        _remove(d)
+        return {"deleted": str(d), "packs_removed": 0, "packs_kept": 0, "pack_bytes_freed": 0}
     with Lock(root, exclusive=True) as lk:
-        try:
-            (d / MANIFEST_NAME).unlink()
-            _fsync_dir(d)
-            shutil.rmtree(d)
-            _fsync_dir(root)
-        except OSError as e:
-            raise AgentError(
-                PHASE, f"removing {d} failed: {e.strerror} (errno {e.errno})"
-            ) from None
-        out = {"deleted": str(d)}
-        if (root / STORE_DIR).is_dir():
-            out.update(collect(root, lock=lk))
-        else:
-            out.update(packs_removed=0, packs_kept=0, pack_bytes_freed=0)
-        return out
+        _remove(d)
+        return {"deleted": str(d), **collect(root, lock=lk)}
+
+
+def _remove(d: pathlib.Path) -> None:
+    try:
+        (d / MANIFEST_NAME).unlink()
+        _fsync_dir(d)
+        shutil.rmtree(d)
+        _fsync_dir(d.parent)
+    except OSError as e:
+        raise AgentError(PHASE, f"removing {d} failed: {e.strerror} (errno {e.errno})") from None
 
 
 def _fsync_dir(d) -> None:

@@ -175,6 +175,35 @@ def test_list_snapshots_local_and_through_the_agent(daemon, tmp_path):
     assert rc == 3 and json.loads(out)["error"]["phase"] == "snapshots"
 
 
+def test_delete_snapshot_through_the_agent_is_confined_to_its_snapshot_dir(daemon, tmp_path):
+    root, outside = tmp_path / "snaps", tmp_path / "elsewhere"
+    for d in (root / "a", root / "b", outside):
+        d.mkdir(parents=True)
+        (d / "manifest.json").write_text("{}")
+    (root / "c").mkdir()  # no manifest: not a snapshot
+    a = daemon("n1", "--snapshot-dir", str(root))
+    rc, out, _ = cli("delete", "--agent", a["listen"], str(outside), "--json")
+    err = json.loads(out)["error"]
+    assert rc != 0 and "snapshot dir" in err["message"] and (outside / "manifest.json").exists()
+    rc, out, _ = cli("delete", "--agent", a["listen"], str(root / "c"), "--json")
+    assert rc != 0 and json.loads(out)["error"]["message"].endswith(
+        "holds no manifest.json: not a snapshot; nothing removed"
+    )
+    rc, out, _ = cli("delete", "--agent", a["listen"], str(root / "a"), "--json")
+    assert rc == 0, out
+    assert json.loads(out) == {
+        "ok": True,
+        "deleted": str(root / "a"),
+        "packs_removed": 0,
+        "packs_kept": 0,
+        "pack_bytes_freed": 0,
+    }
+    assert sorted(p.name for p in root.iterdir()) == ["b", "c"]
+    rc, out, _ = cli("delete", str(root / "b"), "--json")  # the same without the agent
+    assert rc == 0 and json.loads(out)["deleted"] == str(root / "b")
+    assert sorted(p.name for p in root.iterdir()) == ["c"]
+
+
 def test_run_phase_for_an_unknown_request_or_out_of_order_is_refused(daemon, tmp_path):
     a = daemon("n1", "--driver", "fake")
     apb, _, _ = pb.modules()
