@@ -7,7 +7,9 @@ the granularity) exportable as a POSIX file descriptor, maps it, fills it (``--z
 fresh allocation is not guaranteed zeroed), starts the ``importer`` with the exported FD
 (inherited, its number in ``--fd``), which imports, maps and checks it. Both then park; the creator answers the quiesce
 contract (docs/workload-contract.md: ``.request`` -> ``.ready`` naming both pids, then waits for
-``.resume``). After a restore (``"restored": true``) each process hashes the whole mapping
+``.resume``). After a restore (``"restored": true``; with ``--cuts`` above 1 also after a
+last cut resumed without one: a rollback or a release rebuilt the job) each process hashes the
+whole mapping
 (``cuMemcpyDtoH``) and compares it with the SHA-256 of what was written; the creator writes
 ``OUT/result.json`` (``verified``, ``bytes_compared``) and both exit.
 
@@ -177,7 +179,7 @@ def creator(args) -> int:
         want = digest(va, size)
         write_atomic(out / f"changed-{cut}.json", {"bytes": n, "sha256": want})
     result = {"restored": bool(resume.get("restored")), "bytes": size, "cuts": cut}
-    if result["restored"]:
+    if result["restored"] or args.cuts > 1:  # restored, or rebuilt by a rollback or release
         got = digest(va, size)
         imp.stdin.write("verify\n")
         imp.stdin.flush()

@@ -103,6 +103,9 @@ class CarrierFiles:
         #: what the caller keeps alive as long as these files are in use (the agent: the
         #: chunk store's lock); released by the caller
         self.holder = None
+        #: called (no arguments) after :meth:`saved` recorded a SAVE reply's refs (the agent
+        #: writes them to its .lock at once: a release after its death needs them)
+        self.on_saved = None
         self.tables: dict[tuple[int, str], StreamTable] = {}
         #: (pid, alloc_id hex) -> file name in ``directory`` (restore: the manifest's pack)
         self.names: dict[tuple[int, str], str] = {}
@@ -197,6 +200,8 @@ class CarrierFiles:
                     self.refs[(int(pid), t.alloc_id)] = {
                         i: self.known[c] for i, c in enumerate(t.checksums) if c in self.known
                     }
+            if self.on_saved is not None:
+                self.on_saved()
 
     def written_bytes(self) -> int:
         """Bytes of the non-zero chunks the shims wrote (not found in ``known``)."""
@@ -243,8 +248,9 @@ class CarrierFiles:
         for name in names:
             if not name.startswith(self.prefix):
                 continue  # another snapshot's pack of the chunk store
-            parts = name[len(self.prefix) :].split("-")
-            if not (name.startswith("shared-") and name.endswith(".bin") and len(parts) == 3):
+            base = name[len(self.prefix) :]
+            parts = base.split("-")
+            if not (base.startswith("shared-") and base.endswith(".bin") and len(parts) == 3):
                 continue
             if want is not None and (not parts[1].isdigit() or int(parts[1]) not in want):
                 continue

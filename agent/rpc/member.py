@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import sys
 import threading
 import time
 from typing import Optional
@@ -227,6 +228,7 @@ class GroupMember:
                     rec["phase"],
                 )
                 result, undo = self._undo_expired(job, rep)
+                _release_store(job.obj, keep_pin=result == "undo_failed")
                 with self.jobs_lock:
                     rec.update(result=result, undo=undo)
         (log.warning if result != "undo_failed" else log.error)(
@@ -409,6 +411,9 @@ class GroupMember:
                     job.deadline = time.monotonic() + job.lease_s
                     if done:
                         self.jobs.pop(rid, None)
+                        # the job's last phase: a checkpoint into the chunk store lets go of
+                        # it (its pin stays when that phase failed: a release needs the packs)
+                        _release_store(job.obj, keep_pin=sys.exc_info()[0] is not None)
         return {
             "ok": True,
             "node": self.opts.node,
@@ -465,3 +470,10 @@ class _Refused:
                 "manifest_written": False,
             }
         return {}
+
+
+def _release_store(obj, keep_pin: bool) -> None:
+    """A finished group job's hold on the chunk store (a checkpoint's; nothing otherwise)."""
+    release = getattr(obj, "release_store", None)
+    if release is not None:
+        release(keep_pin=keep_pin)

@@ -68,25 +68,19 @@ def checkpoint_files(images_dir, incremental: bool = False, **kw) -> CarrierFile
     """The chunk files a checkpoint into ``images_dir`` writes (``kw``: :func:`settings`).
     ``incremental`` (or ``$CUINTERPOSE_INCREMENTAL=1``): packs of the chunk store of the
     snapshot root (agent/snapshot/store.py),
-    with the chunks it already holds as ``known``; the store's shared lock is taken (AgentError
-    when it is not free in time) and kept in ``holder`` until :func:`release`."""
+    with the chunks it already holds as ``known``; the store's shared lock and a pin
+    (agent/snapshot/store.py ``Hold``; AgentError when the lock is not free in time) are kept
+    in ``holder`` until :func:`release`."""
     if not (incremental or os.environ.get(INCREMENTAL_ENV) == "1"):
         return CarrierFiles(pathlib.Path(images_dir) / CHUNKS_DIR, **settings(**kw))
     s = settings(**kw)
     root = store.root_of(images_dir)
-    lock = store.Lock(root, exclusive=False)
-    try:
-        files = CarrierFiles(
-            store.packs_dir(root),
-            store=store.STORE_REL,
-            prefix=store.new_prefix(),
-            known=store.known_chunks(root),
-            **s,
-        )
-    except BaseException:
-        lock.release()
-        raise
-    files.holder = lock
+    prefix = store.new_prefix()
+    hold = store.Hold(root, prefix, None, images_dir)  # the lock, the known chunks, the pin
+    files = CarrierFiles(
+        store.packs_dir(root), store=store.STORE_REL, prefix=prefix, known=hold.known, **s
+    )
+    files.holder = hold
     return files
 
 
@@ -120,12 +114,16 @@ def release_files(images_dir, lock_fields: dict) -> CarrierFiles:
 def restore_files(images_dir, manifest: dict, **kw) -> CarrierFiles:
     """The chunk files a restore from ``images_dir`` reads, with the manifest's chunk_bytes
     (``kw``: staging_bytes, writers); for a snapshot of the chunk store, each stream's pack
-    and refs from ``chunks.streams``."""
+    and refs from ``chunks.streams``, and the store's shared lock in ``holder`` (:func:`release`
+    it once the shims have loaded)."""
     chunks = manifest.get("chunks") or {}
     s = settings(chunk_bytes=chunks.get("chunk_bytes", DEFAULT_CHUNK_BYTES), **kw)
     if chunks.get("store") != store.STORE_REL:
         return CarrierFiles(pathlib.Path(images_dir) / CHUNKS_DIR, **s)
-    files = CarrierFiles(store.packs_dir(store.root_of(images_dir)), store=store.STORE_REL, **s)
+    root = store.root_of(images_dir)
+    files = CarrierFiles(store.packs_dir(root), store=store.STORE_REL, **s)
+    # no delete may collect a pack while the shims read it (released by the caller)
+    files.holder = store.Lock(root, exclusive=False)
     for st in chunks.get("streams") or []:
         key = (int(st["pid"]), str(st["alloc_id"]))
         files.names[key] = str(st["pack"])
@@ -133,12 +131,21 @@ def restore_files(images_dir, manifest: dict, **kw) -> CarrierFiles:
     return files
 
 
-def release(files) -> None:
-    """Release what ``files`` holds (the chunk store's lock); idempotent."""
+def release(files, *, keep_pin: bool = False) -> None:
+    """Release what ``files`` holds (the chunk store's pin and lock; ``keep_pin``: a release
+    after a failed rollback still needs the packs); idempotent."""
     holder = getattr(files, "holder", None)
     if holder is not None:
         files.holder = None
-        holder.release()
+        holder.release(**({"keep_pin": True} if keep_pin else {}))
+
+
+def unpin(lock_fields: dict) -> None:
+    """A release is done with a dead agent's checkpoint: remove its pin (``.lock`` field
+    ``store``), so a delete may collect around its packs again."""
+    rec = lock_fields.get("store")
+    if rec and rec.get("prefix"):
+        store.unpin(pathlib.Path(rec["dir"]).parent.parent, rec["prefix"])
 
 
 def remove_chunks(images_dir, files=None) -> None:

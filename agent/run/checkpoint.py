@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import pathlib
 import signal
+import threading
 import time
 from typing import Iterable, Optional
 
@@ -224,7 +225,17 @@ class Checkpoint(Rollback, StepRunner):
             carrier_timeout_s=self.carrier_timeout_s,
             on_event=coordinator_events(self.r.coordinator_event),
         )
-        self.coordinator.carriers = carriers.checkpoint_files(self.images_dir, **self.chunks)
+        files = self.coordinator.carriers = carriers.checkpoint_files(
+            self.images_dir, **self.chunks
+        )
+        if files.store is not None:  # each SAVE reply's refs go to the .lock at once
+            lock = threading.Lock()
+
+            def record():
+                with lock:
+                    self.mark("chunk store refs", store=carriers.store_record(files))
+
+            files.on_saved = record
 
     def quiesce(self):
         try:
@@ -455,8 +466,6 @@ class Checkpoint(Rollback, StepRunner):
                 path = manifest_mod.write(self.images_dir, m)
                 self.manifest = m
                 ph.detail = str(path)
-            # the manifest refers to the packs now: a delete may collect around them
-            carriers.release(getattr(self.coordinator, "carriers", None))
         except AgentError:
             raise
         except BaseException as e:
@@ -480,6 +489,11 @@ class Checkpoint(Rollback, StepRunner):
             with self.r.phase("resume"):
                 quiesce.resume(self.control_dir, self.roots, self.qid, restored=False)
 
+    def release_store(self, keep_pin: bool = False) -> None:
+        """Done with the chunk store (incremental): its pin and shared lock go (the pin stays
+        with ``keep_pin``: a later release needs the packs). A no-op otherwise; idempotent."""
+        carriers.release(getattr(self.coordinator, "carriers", None), keep_pin=keep_pin)
+
     # -- the one-shot run -----------------------------------------------------------------
     def run(self) -> dict:
         """Run every step; returns the manifest. Raises ``AgentError`` (refused, nothing torn
@@ -492,9 +506,13 @@ class Checkpoint(Rollback, StepRunner):
         with self.guard:
             try:
                 self.run_steps(self.stage("images"))
-                return self._run()
+                out = self._run()
+                self.release_store()  # the manifest refers to the packs now
+                return out
             except CheckpointFailed as e:
-                carriers.release(getattr(self.coordinator, "carriers", None))
+                # a failed rollback leaves the workload parked on the packs: the pin stays
+                # until a release has rebuilt it
+                self.release_store(keep_pin=e.outcome == "rollback_failed")
                 if self.manifest is None:
                     gpustore_step.discard(self)
                     images.remove_empty(self.created_dirs)
@@ -516,7 +534,7 @@ class Checkpoint(Rollback, StepRunner):
                         quiesce.unlock(self.control_dir, left, self.qid)
                 raise
             except BaseException:
-                carriers.release(getattr(self.coordinator, "carriers", None))
+                self.release_store()
                 if self.manifest is None:
                     gpustore_step.discard(self)
                     images.remove_empty(self.created_dirs)

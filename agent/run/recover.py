@@ -69,6 +69,8 @@ def lock_record(cp) -> dict:
         "carrier_timeout_s": cp.carrier_timeout_s,
         "last_txn_id": last_txn_id(cp.coordinator),
         "chunks": chunk_settings(getattr(cp.coordinator, "carriers", None)),
+        # the chunk store (incremental): its packs and, once each SAVE reply is in, the refs
+        "store": carriers.store_record(getattr(cp.coordinator, "carriers", None)),
     }
 
 
@@ -363,10 +365,12 @@ class Recovery:
         partial = snap["images_dir"] and not snap["complete"]
         if partial and not (pathlib.Path(snap["images_dir"]) / manifest_mod.MANIFEST_NAME).exists():
             images.cleanup(snap["images_dir"])
-            carriers.remove_chunks(
-                snap["images_dir"], getattr(getattr(self, "coord", None), "carriers", None)
-            )
+            files = getattr(getattr(self, "coord", None), "carriers", None)
+            if files is None and self.lk.get("store"):  # this checkpoint's packs go too
+                files = carriers.release_files(snap["images_dir"], self.lk)
+            carriers.remove_chunks(snap["images_dir"], files)
             images.remove_empty([pathlib.Path(d) for d in self.lk.get("created_dirs") or []])
+        carriers.unpin(self.lk)  # the packs are back on the device, gone, or in a manifest
         return {
             "pid": self.root,
             "request_id": self.rid,

@@ -443,6 +443,8 @@ class Restore(StepRunner):
             self.restore_result = coord.restore(capture, device_map=self.gpu_map)
         except Exception as e:
             raise as_agent_error(e, "restore shared") from e
+        finally:
+            carriers.release(coord.carriers)  # the chunk store's shared lock, if any
 
     def resume(self):
         with self.r.phase("resume"):

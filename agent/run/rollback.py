@@ -68,16 +68,9 @@ class Rollback:
         if self.qid is not None and (
             step.stage == "teardown" or step.name in self.LOCKED_BEFORE_CAPTURE
         ):
-            extra = {}
-            rec = carriers.store_record(
-                getattr(getattr(self, "coordinator", None), "carriers", None)
-            )
-            if step.name == "capture" and rec is not None:
-                extra["store"] = rec  # a release loads the shims back through these refs
             self.mark(
                 f"{step.name} done",
                 last_txn_id=recover.last_txn_id(getattr(self, "coordinator", None)),
-                **extra,
             )
 
     def roll_back(self, cause: BaseException) -> CheckpointFailed:
@@ -97,9 +90,8 @@ class Rollback:
                 "without rebuilding"
             )
             return CheckpointFailed(cause, "rollback_failed", rollback_error=way_out)
-        files = getattr(self.coordinator, "carriers", None)
-        carriers.remove_chunks(self.images_dir, files)  # the bytes are back on the device
-        carriers.release(files)
+        # the bytes are back on the device
+        carriers.remove_chunks(self.images_dir, getattr(self.coordinator, "carriers", None))
         return CheckpointFailed(cause, "rolled_back")
 
     def rebuild(self, restored: bool = False, native_phase: str = "rollback native"):
@@ -159,9 +151,7 @@ class Rollback:
                 self.manifest = None
             self.cleanup_images()
             self.rebuild_state()
-            files = getattr(self.coordinator, "carriers", None)
-            carriers.remove_chunks(self.images_dir, files)
-            carriers.release(files)
+            carriers.remove_chunks(self.images_dir, getattr(self.coordinator, "carriers", None))
 
     def group_release(self):
         """``.resume`` after a group rollback (restored=false; cancelled when nothing was torn

@@ -18,6 +18,12 @@ under ROOT say (:func:`live`); a chunk is addressed by its BLAKE2b-256 digest (t
 checksum) when a checkpoint looks for it (:func:`known_chunks`), and the shim verifies every
 chunk against its own digest table when it loads it, wherever the bytes come from.
 
+A checkpoint also writes a **pin** (``.cuinterpose-store/pins/<prefix>json``, :class:`Hold`):
+until it is removed (the checkpoint done, or a release after a dead agent), collect keeps whole
+the checkpoint's own packs and every pack it may refer to. The directories must be real
+directories owned by the agent's uid (:func:`make_dirs`), and collect touches only regular
+files named like a pack.
+
 :func:`collect` (under the exclusive lock) unlinks every pack no manifest refers to and punches
 holes (``fallocate(FALLOC_FL_PUNCH_HOLE)``, Linux fallocate(2)) over the ranges of the others
 that no manifest refers to; :func:`delete` removes one snapshot and then collects. Errors:
@@ -34,6 +40,7 @@ import pathlib
 import re
 import secrets
 import shutil
+import stat
 import time
 from typing import Iterator
 
@@ -43,6 +50,7 @@ PHASE = "chunk store"
 STORE_DIR = ".cuinterpose-store"
 PACKS_DIR = "packs"
 LOCK_NAME = "lock"
+PINS_DIR = "pins"
 #: ``chunks.store`` of a manifest whose streams are packs: the packs directory, relative to
 #: the snapshot directory
 STORE_REL = f"../{STORE_DIR}/{PACKS_DIR}"
@@ -61,6 +69,27 @@ def packs_dir(root) -> pathlib.Path:
     return pathlib.Path(root) / STORE_DIR / PACKS_DIR
 
 
+def make_dirs(root) -> None:
+    """Create ROOT/.cuinterpose-store/{packs,pins} (0700) when missing and check that each is
+    a real directory (not a symlink) owned by this process's uid; AgentError naming it
+    otherwise (nothing is written through it)."""
+    top = pathlib.Path(root) / STORE_DIR
+    for d in (top, top / PACKS_DIR, top / PINS_DIR):
+        try:
+            d.mkdir(mode=0o700, exist_ok=True)
+            st = os.lstat(d)
+        except OSError as e:
+            raise AgentError(
+                PHASE, f"cannot create the chunk store directory {d}: {e.strerror}"
+            ) from None
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            raise AgentError(
+                PHASE,
+                f"{d} is not a directory owned by uid {os.geteuid()} (a symlink, or another "
+                "user's): the chunk store is not used; nothing was changed",
+            )
+
+
 def new_prefix() -> str:
     """The pack-name prefix of one checkpoint: 16 random hex digits and ``-``."""
     return secrets.token_hex(8) + "-"
@@ -74,8 +103,8 @@ class Lock:
     def __init__(self, root, *, exclusive: bool, timeout_s: float = LOCK_TIMEOUT_S):
         self.fd = -1
         self.path = pathlib.Path(root) / STORE_DIR / LOCK_NAME
+        make_dirs(root)
         try:
-            packs_dir(root).mkdir(mode=0o700, parents=True, exist_ok=True)
             self.fd = os.open(
                 self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
             )
@@ -117,16 +146,16 @@ class Lock:
         self.release()
 
 
-def manifests(root) -> Iterator[tuple[pathlib.Path, dict | None]]:
+def manifests(root, skip=None) -> Iterator[tuple[pathlib.Path, dict | None]]:
     """(snapshot directory, its manifest, or None when it cannot be read) for every
-    sub-directory of ``root`` holding ``manifest.json``, by name."""
+    sub-directory of ``root`` holding ``manifest.json`` but ``skip``, by name."""
     try:
         subs = sorted(p for p in pathlib.Path(root).iterdir() if p.is_dir() and p.name != STORE_DIR)
     except OSError as e:
         raise AgentError(PHASE, f"{root} cannot be read: {e.strerror or e}") from None
     for d in subs:
         f = d / MANIFEST_NAME
-        if not f.is_file():
+        if not f.is_file() or (skip is not None and d == skip):
             continue
         try:
             yield d, json.loads(f.read_text())
@@ -134,8 +163,13 @@ def manifests(root) -> Iterator[tuple[pathlib.Path, dict | None]]:
             yield d, None
 
 
-def uses_store(m: dict | None) -> bool:
-    return isinstance(m, dict) and (m.get("chunks") or {}).get("store") == STORE_REL
+def uses_store(m) -> bool:
+    ch = m.get("chunks") if isinstance(m, dict) else None
+    return isinstance(ch, dict) and ch.get("store") == STORE_REL
+
+
+#: what a malformed ``chunks`` object raises while it is walked
+BAD_SHAPE = (KeyError, TypeError, ValueError, AttributeError, IndexError)
 
 
 def chunk_locations(m: dict) -> Iterator[tuple[bytes, str, int, int]]:
@@ -153,12 +187,12 @@ def chunk_locations(m: dict) -> Iterator[tuple[bytes, str, int, int]]:
             yield bytes.fromhex(c), pack, off, min(cb, size - i * cb)
 
 
-def live(root) -> dict[str, list[tuple[int, int]]]:
-    """pack -> [(offset, length)] that the manifests under ``root`` refer to. Raises
+def live(root, skip=None) -> dict[str, list[tuple[int, int]]]:
+    """pack -> [(offset, length)] that the manifests under ``root`` (but ``skip``) refer to. Raises
     AgentError when a manifest cannot be read or has a bad ``chunks`` object (it might refer
     to any pack: nothing may be collected)."""
     out: dict[str, list[tuple[int, int]]] = {}
-    for d, m in manifests(root):
+    for d, m in manifests(root, skip):
         if m is None:
             raise AgentError(
                 PHASE,
@@ -172,7 +206,7 @@ def live(root) -> dict[str, list[tuple[int, int]]]:
                 out.setdefault(str(s["pack"]), [])  # its own pack stays, even all holes
             for _, pack, off, n in chunk_locations(m):
                 out.setdefault(pack, []).append((off, n))
-        except (KeyError, TypeError, ValueError) as e:
+        except BAD_SHAPE as e:
             raise AgentError(
                 PHASE,
                 f"{d / MANIFEST_NAME}: bad chunks object ({type(e).__name__}: {e}); no pack is "
@@ -183,18 +217,18 @@ def live(root) -> dict[str, list[tuple[int, int]]]:
 
 def known_chunks(root) -> dict[bytes, tuple[str, int]]:
     """digest -> (pack, offset) of the chunks the store holds, for a checkpoint (call it under
-    a shared :class:`Lock`): from every readable store manifest under ``root``, only where the
-    pack is a regular file that covers the chunk. A manifest that cannot be read is skipped
-    (its chunks are simply written again)."""
+    a shared :class:`Lock`): from every readable, trusted (:func:`_trusted`) store manifest
+    under ``root``, only where the pack is a regular file that covers the chunk. Any other
+    manifest is skipped (its chunks are simply written again)."""
     out: dict[bytes, tuple[str, int]] = {}
     sizes: dict[str, int] = {}
     pd = packs_dir(root)
-    for _, m in manifests(root):
-        if not uses_store(m):
+    for d, m in manifests(root):
+        if not uses_store(m) or not _trusted(d, m):
             continue
         try:
             locs = list(chunk_locations(m))
-        except (KeyError, TypeError, ValueError):
+        except BAD_SHAPE:
             continue
         for digest, pack, off, n in locs:
             if digest in out or not PACK_RE.match(pack):
@@ -208,6 +242,27 @@ def known_chunks(root) -> dict[bytes, tuple[str, int]]:
             if off + n <= sizes[pack]:
                 out[digest] = (pack, off)
     return out
+
+
+def _trusted(d: pathlib.Path, m: dict) -> bool:
+    """A manifest whose chunks a checkpoint may refer to: it and its directory are owned by
+    this uid and writable by nobody else, and with a node key its MAC is valid
+    (agent/snapshot/trust.py). Another is simply not used (its chunks are written again)."""
+    from cuinterpose.agent.errors import SnapshotError
+    from cuinterpose.agent.snapshot import trust
+
+    for p in (d, d / MANIFEST_NAME):
+        try:
+            st = os.lstat(p)
+        except OSError:
+            return False
+        if st.st_uid != os.geteuid() or st.st_mode & 0o022 or stat.S_ISLNK(st.st_mode):
+            return False
+    try:
+        trust.check_mac(d, m)
+    except SnapshotError:
+        return False
+    return True
 
 
 _libc = None
@@ -224,62 +279,176 @@ def _punch(fd: int, off: int, n: int) -> None:
 
 
 def collect(root, *, lock: Lock | None = None) -> dict:
-    """Free what no manifest under ``root`` refers to (module docstring): {"packs_removed",
-    "packs_kept", "pack_bytes_freed"} (bytes: the drop of allocated bytes, st_blocks * 512). Takes
-    the exclusive lock unless ``lock`` (held exclusive) is given."""
+    """Free what no manifest under ``root`` refers to and no pin holds (module docstring):
+    {"packs_removed", "packs_kept", "pack_bytes_freed" (the drop of allocated bytes,
+    st_blocks * 512), "pinned": [the images dirs of the checkpoints whose pins held packs
+    whole]}. Only entries named like a pack (:data:`PACK_RE`) that are regular files are
+    touched, through descriptors of the packs directory (no link followed). Takes the
+    exclusive lock unless ``lock`` (held exclusive) is given."""
     own = lock is None
     lk = lock or Lock(root, exclusive=True)
     try:
         keep = live(root)
+        whole, prefixes, pinned = pinned_packs(root)
         pd = packs_dir(root)
-        removed = kept = freed = 0
-        for e in sorted(os.scandir(pd), key=lambda e: e.name):
-            if not e.is_file(follow_symlinks=False):
-                continue
-            before = e.stat(follow_symlinks=False).st_blocks * 512
-            try:
-                if e.name not in keep:
-                    os.unlink(e.path)
-                    removed += 1
-                    freed += before
+        dfd = os.open(pd, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            removed = kept = freed = 0
+            for e in sorted(os.scandir(dfd), key=lambda e: e.name):
+                if not PACK_RE.match(e.name) or not e.is_file(follow_symlinks=False):
+                    continue  # not a pack: never touched
+                if e.name in whole or e.name.startswith(prefixes):
+                    kept += 1
                     continue
-                kept += 1
-                size = e.stat(follow_symlinks=False).st_size
-                fd = os.open(e.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
                 try:
-                    pos = 0
-                    for off, n in sorted(keep[e.name]) + [(size, 0)]:
-                        if off > pos:
-                            _punch(fd, pos, off - pos)
-                        pos = max(pos, off + n)
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-                freed += before - os.stat(e.path).st_blocks * 512
-            except OSError as err:
-                raise AgentError(
-                    PHASE, f"collecting pack {e.path} failed: {err.strerror} (errno {err.errno})"
-                ) from None
-        _fsync_dir(pd)
-        return {"packs_removed": removed, "packs_kept": kept, "pack_bytes_freed": max(freed, 0)}
+                    freed += _collect_one(dfd, e, keep.get(e.name))
+                except OSError as err:
+                    raise AgentError(
+                        PHASE,
+                        f"collecting pack {pd / e.name} failed: {err.strerror} (errno {err.errno})",
+                    ) from None
+                removed += e.name not in keep
+                kept += e.name in keep
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+        return {
+            "packs_removed": removed,
+            "packs_kept": kept,
+            "pack_bytes_freed": max(freed, 0),
+            "pinned": pinned,
+        }
     finally:
         if own:
             lk.release()
 
 
+def _collect_one(dfd: int, e: os.DirEntry, ranges) -> int:
+    """Unlink the pack ``e`` (``ranges`` None) or punch out what lies outside ``ranges``
+    [(offset, length)]; returns the bytes freed."""
+    before = e.stat(follow_symlinks=False)
+    if ranges is None:
+        os.unlink(e.name, dir_fd=dfd)
+        return before.st_blocks * 512
+    fd = os.open(e.name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+    try:
+        pos = 0
+        for off, n in sorted(ranges) + [(before.st_size, 0)]:
+            if off > pos:
+                _punch(fd, pos, off - pos)
+            pos = max(pos, off + n)
+        os.fsync(fd)
+        return (before.st_blocks - os.fstat(fd).st_blocks) * 512
+    finally:
+        os.close(fd)
+
+
+class Hold:
+    """What a checkpoint into the store holds until it is done: the shared :class:`Lock` and
+    its pin (:func:`pin`). :meth:`release` (idempotent) removes the pin, then the lock."""
+
+    def __init__(self, root, prefix: str, known: dict, images_dir):
+        self.root, self.prefix = root, prefix
+        self.lock = Lock(root, exclusive=False)
+        self.pinned = False
+        try:
+            self.known = known_chunks(root) if known is None else known
+            pin(root, prefix, {p for p, _ in self.known.values()}, images_dir)
+            self.pinned = True
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def release(self, *, keep_pin: bool = False) -> None:
+        """Remove the pin (unless ``keep_pin``: a rollback failed and a release still needs the
+        packs) and release the lock."""
+        if self.pinned and not keep_pin:
+            unpin(self.root, self.prefix)
+        self.pinned = False
+        self.lock.release()
+
+
+def pin(root, prefix: str, packs, images_dir) -> pathlib.Path:
+    """Write ROOT/.cuinterpose-store/pins/<prefix>json (fsynced): while it exists, collect
+    keeps whole the packs of ``prefix`` (a checkpoint's own) and ``packs`` (those its refs
+    may point into). It outlives a dead agent: a release removes it (:func:`unpin`)."""
+    d = packs_dir(root).parent / PINS_DIR
+    path = d / f"{prefix}json"
+    body = {
+        "prefix": prefix,
+        "packs": sorted(packs),
+        "images_dir": str(images_dir),
+        "pid": os.getpid(),
+    }
+    tmp = d / f".{prefix}tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, json.dumps(body).encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, path)
+    _fsync_dir(d)
+    return path
+
+
+def unpin(root, prefix: str) -> None:
+    """Remove the pin of ``prefix`` (missing is fine)."""
+    d = packs_dir(root).parent / PINS_DIR
+    try:
+        os.unlink(d / f"{prefix}json")
+        _fsync_dir(d)
+    except FileNotFoundError:
+        pass
+
+
+def pinned_packs(root) -> tuple[set, tuple, list]:
+    """(packs held whole, prefixes held, images dirs of the pins). A pin that cannot be read
+    raises AgentError (what it holds is unknown: nothing may be collected)."""
+    d = packs_dir(root).parent / PINS_DIR
+    whole, prefixes, dirs = set(), [], []
+    try:
+        names = sorted(n for n in os.listdir(d) if n.endswith("json") and not n.startswith("."))
+    except FileNotFoundError:
+        return whole, (), dirs
+    for n in names:
+        try:
+            rec = json.loads((d / n).read_text())
+            whole.update(str(p) for p in rec["packs"])
+            prefixes.append(str(rec["prefix"]))
+            dirs.append(str(rec.get("images_dir", "")))
+        except (OSError, *BAD_SHAPE) as e:
+            raise AgentError(
+                PHASE,
+                f"pin {d / n} cannot be read ({type(e).__name__}); no pack is collected; remove "
+                "it once no checkpoint or release needs it",
+            ) from None
+    return whole, tuple(prefixes), dirs
+
+
 def delete(images_dir) -> dict:
     """Remove the snapshot ``images_dir`` (a directory holding manifest.json) and collect its
-    root's store: {"deleted": path, **collect()}. The manifest goes first (fsynced), so a
-    crash part-way leaves a directory that is no longer a snapshot. Raises AgentError
-    (nothing removed) when ``images_dir`` is not a snapshot or the lock is not free."""
+    root's store: {"deleted": path, **collect()}. Checks first that the store can be
+    collected (every manifest and pin readable), then removes the manifest (fsynced, so a
+    crash part-way leaves a directory that is no longer a snapshot) and the directory. Raises
+    AgentError (nothing removed) when ``images_dir`` is not a snapshot, the lock is not free
+    or the store cannot be collected."""
     d = pathlib.Path(os.path.abspath(images_dir))
     if not (d / MANIFEST_NAME).is_file() or (d / MANIFEST_NAME).is_symlink():
         raise AgentError(PHASE, f"{d} holds no manifest.json: not a snapshot; nothing removed")
     root = d.parent
-    if not (root / STORE_DIR).is_dir():  # no chunk store: nothing can refer to its bytes
+    if not os.path.lexists(root / STORE_DIR):  # no chunk store: nothing refers to its bytes
         _remove(d)
-        return {"deleted": str(d), "packs_removed": 0, "packs_kept": 0, "pack_bytes_freed": 0}
+        return {
+            "deleted": str(d),
+            "packs_removed": 0,
+            "packs_kept": 0,
+            "pack_bytes_freed": 0,
+            "pinned": [],
+        }
     with Lock(root, exclusive=True) as lk:
+        live(root, skip=d)  # refuses before anything is removed
+        pinned_packs(root)
         _remove(d)
         return {"deleted": str(d), **collect(root, lock=lk)}
 

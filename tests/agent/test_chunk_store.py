@@ -212,3 +212,77 @@ def test_release_gets_the_refs_the_checkpoint_recorded(tmp_path):
     )
     assert back.refs == files.refs
     assert carriers.store_record(CarrierFiles(tmp_path / "chunks")) is None
+
+
+def test_a_symlinked_store_or_packs_dir_is_refused_and_nothing_outside_is_touched(tmp_path):
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "passwd").write_text("keep me")
+    root = tmp_path / "root"
+    (root / "x").mkdir(parents=True)
+    (root / "x" / "manifest.json").write_text("{}")
+    (root / store.STORE_DIR).mkdir()
+    (root / store.STORE_DIR / store.PACKS_DIR).symlink_to(victim)
+    with pytest.raises(AgentError, match=r"packs is not a directory owned by uid 0 \(a symlink"):
+        store.delete(root / "x")
+    assert (root / "x" / "manifest.json").exists() and (victim / "passwd").read_text() == "keep me"
+    (root / store.STORE_DIR / store.PACKS_DIR).unlink()
+    (root / store.STORE_DIR).rmdir()
+    (root / store.STORE_DIR).symlink_to(victim)
+    with pytest.raises(AgentError, match=r"\.cuinterpose-store is not a directory owned by uid"):
+        store.delete(root / "x")
+    assert sorted(os.listdir(victim)) == ["passwd"]
+
+
+def test_collect_touches_only_regular_files_named_like_packs(tmp_path):
+    _two(tmp_path)
+    pd = store.packs_dir(tmp_path)
+    (pd / "notes.txt").write_text("mine")
+    (pd / _pack("4" * 16)).symlink_to(tmp_path / "s1" / "manifest.json")
+    store.collect(tmp_path)
+    assert (pd / "notes.txt").read_text() == "mine"
+    assert (pd / _pack("4" * 16)).is_symlink() and (tmp_path / "s1" / "manifest.json").exists()
+
+
+def test_known_chunks_come_only_from_trusted_manifests(tmp_path, monkeypatch):
+    p1, p2, (d1, m1, _), (d2, _, _) = _two(tmp_path)
+    assert {p for p, _ in store.known_chunks(tmp_path).values()} == {p1, p2}
+    os.chmod(d2 / "manifest.json", 0o666)  # writable by anyone: not used
+    assert {p for p, _ in store.known_chunks(tmp_path).values()} == {p1}
+    os.chmod(d2 / "manifest.json", 0o644)
+    # with a node key, a manifest without a valid MAC is not used (a forged one in the root)
+    from cuinterpose.agent.snapshot import trust
+
+    key = tmp_path / "node.key"
+    key.write_bytes(os.urandom(32))
+    monkeypatch.setattr(trust, "key_file", lambda: str(key))
+    assert store.known_chunks(tmp_path) == {}
+    (d1 / "manifest.json").write_text(json.dumps(trust.sign(m1)))
+    assert {p for p, _ in store.known_chunks(tmp_path).values()} == {p1}
+
+
+@pytest.mark.parametrize("bad", [{"chunks": [1]}, {"chunks": "x"}, {"chunks": None}, [], 7])
+def test_a_manifest_whose_chunks_are_not_an_object_is_not_a_store_manifest(tmp_path, bad):
+    p1, p2, (d1, _, _), _ = _two(tmp_path)
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "manifest.json").write_text(json.dumps(bad))
+    assert {p for p, _ in store.known_chunks(tmp_path).values()} == {p1, p2}
+    assert store.delete(d1)["packs_removed"] == 0  # s2 refers to p1
+
+
+def test_a_store_manifest_with_bad_streams_stops_the_delete_before_anything_is_removed(tmp_path):
+    p1, p2, (d1, _, _), _ = _two(tmp_path)
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "manifest.json").write_text(
+        json.dumps({"chunks": {"store": store.STORE_REL, "chunk_bytes": CB, "streams": [1]}})
+    )
+    assert {p for p, _ in store.known_chunks(tmp_path).values()} == {p1, p2}
+    with pytest.raises(
+        AgentError, match=r"bad/manifest.json: bad chunks object .*no pack is collected"
+    ):
+        store.delete(d1)
+    assert (d1 / "manifest.json").exists() and sorted(
+        os.listdir(store.packs_dir(tmp_path))
+    ) == sorted([p1, p2])
+    # the broken snapshot itself can be deleted
+    assert store.delete(tmp_path / "bad")["deleted"] == str(tmp_path / "bad")

@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import tempfile
@@ -35,6 +36,123 @@ CB = 64 << 10
 SIZE = 4 << 20
 CHANGED = 2 * CB
 JOB = pathlib.Path(__file__).resolve().parents[2] / "bench" / "datapath_job.py"
+
+
+def _start(run, cuts=2):
+    """The job (``cuts`` quiesces, the first 128 KiB rewritten after each left-running one)
+    and its control dir."""
+    ctl = pathlib.Path(tempfile.mkdtemp(prefix="cui-cs-"))  # short: socket paths
+    job = subprocess.Popen(
+        [sys.executable, str(JOB), "creator", "--bytes", str(SIZE), "--out", str(run)]
+        + ["--ctl", str(ctl), "--cuts", str(cuts), "--change-bytes", str(CHANGED)]
+        + ["--timeout-s", "600"],
+        stdin=subprocess.DEVNULL,
+        env=demo.workload_env(ctl),
+        cwd=run,
+        start_new_session=True,
+    )
+    return job, ctl
+
+
+def _opts(job, ctl) -> list[str]:
+    return ["--pid", str(job.pid), "--driver", "fake", "--control-dir", str(ctl)] + [
+        "--incremental",
+        "--chunk-bytes",
+        str(CB),
+    ]
+
+
+def _first_cut(tmp_path):
+    """(job, ctl, root, run, the first snapshot's manifest, its pack's bytes): the job
+    checkpointed once (left running) and changed."""
+    root, run = tmp_path / "snapshots", tmp_path / "run"
+    root.mkdir()
+    run.mkdir()
+    job, ctl = _start(run)
+    _wait(run / "ready.json", "ready.json", job)
+    rc, cp1 = demo.run_agent(
+        "checkpoint", "--images-dir", str(root / "s1"), *_opts(job, ctl), "--leave-running"
+    )
+    assert rc == 0 and cp1["ok"], cp1
+    _wait(run / "changed-1.json", "the change after the first cut", job)
+    m1 = json.loads((root / "s1" / "manifest.json").read_text())
+    [s1] = m1["chunks"]["streams"]
+    return job, ctl, root, run, m1, (store.packs_dir(root) / s1["pack"]).read_bytes()
+
+
+def _store_listing(root) -> dict:
+    top = root / store.STORE_DIR
+    return {d: sorted(os.listdir(top / d)) for d in (store.PACKS_DIR, store.PINS_DIR)}
+
+
+def test_a_failed_incremental_checkpoint_removes_only_its_own_packs(tmp_path):
+    """Rolled back (SIGINT before the dump): its packs and pin go, the first snapshot's pack
+    is byte for byte what it was, and the rebuilt job holds the bytes of the second cut."""
+    job, ctl, root, run, m1, pack1 = _first_cut(tmp_path)
+    try:
+        env = {"CUINTERPOSE_TEST_SIGNAL_AT": "before:criu dump=SIGINT"}
+        rc, cp2 = _agent_env(env, "checkpoint", "--images-dir", str(root / "s2"), *_opts(job, ctl))
+        assert rc != 0 and cp2["error"]["outcome"] == "rolled_back", cp2
+        res = _wait(run / "result.json", "the rebuilt job's result", job)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    [s1] = m1["chunks"]["streams"]
+    assert _store_listing(root) == {store.PACKS_DIR: [s1["pack"]], store.PINS_DIR: []}
+    assert (store.packs_dir(root) / s1["pack"]).read_bytes() == pack1
+    changed = read_json(run / "changed-1.json")
+    assert (res["restored"], res["verified"]) == (False, True)
+    assert res["creator_sha256"] == res["importer_sha256"] == changed["sha256"]
+
+
+def test_a_dead_agents_packs_stay_pinned_through_a_delete_until_release(tmp_path):
+    """The agent is SIGKILLed after the dump of the second (incremental) checkpoint: no
+    manifest names its packs, yet a delete of the first snapshot (whose pack the second's refs
+    use) frees nothing of either; ``release`` then loads the shims back through those packs,
+    the job holds the bytes of the second cut, and the pin and the second's packs are gone."""
+    job, ctl, root, run, m1, pack1 = _first_cut(tmp_path)
+    [s1] = m1["chunks"]["streams"]
+    try:
+        env = {"CUINTERPOSE_TEST_SIGNAL_AT": "after:criu dump"}
+        rc, _ = _agent_env(env, "checkpoint", "--images-dir", str(root / "s2"), *_opts(job, ctl))
+        assert rc == -9
+        listing = _store_listing(root)
+        assert len(listing[store.PACKS_DIR]) == 2 and len(listing[store.PINS_DIR]) == 1
+        rc, out = demo.run_agent("delete", str(root / "s1"))
+        assert rc == 0 and out["ok"], out
+        assert (out["packs_removed"], out["pack_bytes_freed"]) == (0, 0)
+        assert out["pinned"] == [str(root / "s2")]
+        assert (store.packs_dir(root) / s1["pack"]).read_bytes() == pack1
+        rc, rel = demo.run_agent("release", "--pid", str(job.pid), "--control-dir", str(ctl))
+        assert rc == 0 and rel["ok"] and rel["outcome"] == "rolled_back", rel
+        res = _wait(run / "result.json", "the released job's result", job)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    changed = read_json(run / "changed-1.json")
+    assert (res["restored"], res["verified"]) == (False, True)
+    assert res["creator_sha256"] == res["importer_sha256"] == changed["sha256"]
+    # s1 is deleted and s2 never completed: the next collect may free s1's pack
+    assert _store_listing(root) == {store.PACKS_DIR: [s1["pack"]], store.PINS_DIR: []}
+    assert store.collect(root)["packs_removed"] == 1
+    assert _store_listing(root)[store.PACKS_DIR] == []
+
+
+def _agent_env(env, *args):
+    """``cuinterpose-agent ARGS --json`` with ``env`` added: (exit code, JSON or {"raw"})."""
+    e = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"} | env
+    r = subprocess.run(
+        [sys.executable, "-m", "cuinterpose.agent.cli", *args, "--json"],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        env=e,
+        timeout=300,
+    )
+    try:
+        return r.returncode, json.loads(r.stdout)
+    except ValueError:
+        return r.returncode, {"raw": r.stdout + r.stderr}
 
 
 def _wait(path, what, proc, timeout_s=120.0):
@@ -83,20 +201,11 @@ def test_second_checkpoint_writes_only_changed_chunks_delete_frees_only_unshared
     root, run = tmp_path / "snapshots", tmp_path / "run"
     root.mkdir()
     run.mkdir()
-    ctl = pathlib.Path(tempfile.mkdtemp(prefix="cui-cs-"))  # short: socket paths
     packs = store.packs_dir(root)
-    job = subprocess.Popen(
-        [sys.executable, str(JOB), "creator", "--bytes", str(SIZE), "--out", str(run)]
-        + ["--ctl", str(ctl), "--cuts", "2", "--change-bytes", str(CHANGED), "--timeout-s", "600"],
-        stdin=subprocess.DEVNULL,
-        env=demo.workload_env(ctl),
-        cwd=run,
-        start_new_session=True,
-    )
+    job, ctl = _start(run)
     try:
         ready = _wait(run / "ready.json", "ready.json", job)
-        opts = ["--pid", str(job.pid), "--driver", "fake", "--control-dir", str(ctl)]
-        opts += ["--incremental", "--chunk-bytes", str(CB)]
+        opts = _opts(job, ctl)
         rc, cp1 = demo.run_agent(
             "checkpoint", "--images-dir", str(root / "s1"), *opts, "--leave-running"
         )
@@ -155,14 +264,19 @@ def test_second_checkpoint_writes_only_changed_chunks_delete_frees_only_unshared
     # a chunk that no longer matches refuses the restore; the snapshot stays as it was
     victim = packs / s1["pack"]
     saved = victim.read_bytes()
-    i, _, off = s2["refs"][3]
+    _, _, off = s2["refs"][3]
     with open(victim, "r+b") as f:
         f.seek(off + 3)
         f.write(bytes([saved[off + 3] ^ 0xFF]))
     rc, bad = demo.run_agent("restore", "--images-dir", str(root / "s2"), "--driver", "fake")
     assert rc != 0 and not bad["ok"], bad
     msg = bad["error"]["message"]
-    assert f"allocation {s2['alloc_id']}: chunk {i} of chunk store source 0 at offset {off} " in msg
+    # every chunk whose ref points at the damaged bytes fails; the readers report the first
+    found = re.search(
+        rf"allocation {s2['alloc_id']}: chunk (\d+) of chunk store source 0 at offset {off} has checksum",
+        msg,
+    )
+    assert found and [int(found[1]), s1["pack"], off] in s2["refs"], msg
     assert json.loads((root / "s2" / "manifest.json").read_text()) == m2
     victim.write_bytes(saved)
 

@@ -197,6 +197,7 @@ def test_delete_snapshot_through_the_agent_is_confined_to_its_snapshot_dir(daemo
         "packs_removed": 0,
         "packs_kept": 0,
         "pack_bytes_freed": 0,
+        "pinned": [],
     }
     assert sorted(p.name for p in root.iterdir()) == ["b", "c"]
     rc, out, _ = cli("delete", str(root / "b"), "--json")  # the same without the agent

@@ -23,6 +23,9 @@ CB = 64 << 10
 
 
 def _request(ctl, c, files, op, txn, phase):
+    """``op``, with ``files``' carriers when it is SAVE/LOAD_ALLOCATIONS."""
+    if op not in (Op.SAVE_ALLOCATIONS, Op.LOAD_ALLOCATIONS):
+        return ctl(c).request(op, txn_id=txn, expected_phase=phase), None
     recs = _records(ctl, c) if op == Op.SAVE_ALLOCATIONS else None
     streams = carried_streams(recs) if recs is not None else files.streams_seen
     req = files.request(op, c.pid, streams)
