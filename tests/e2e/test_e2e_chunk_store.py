@@ -91,7 +91,9 @@ def test_a_failed_incremental_checkpoint_removes_only_its_own_packs(tmp_path):
     job, ctl, root, run, m1, pack1 = _first_cut(tmp_path)
     try:
         env = {"CUINTERPOSE_TEST_SIGNAL_AT": "before:criu dump=SIGINT"}
-        rc, cp2 = _agent_env(env, "checkpoint", "--images-dir", str(root / "s2"), *_opts(job, ctl))
+        rc, cp2 = demo.run_agent(
+            "checkpoint", "--images-dir", str(root / "s2"), *_opts(job, ctl), env=env
+        )
         assert rc != 0 and cp2["error"]["outcome"] == "rolled_back", cp2
         res = _wait(run / "result.json", "the rebuilt job's result", job)
     finally:
@@ -114,7 +116,9 @@ def test_a_dead_agents_packs_stay_pinned_through_a_delete_until_release(tmp_path
     [s1] = m1["chunks"]["streams"]
     try:
         env = {"CUINTERPOSE_TEST_SIGNAL_AT": "after:criu dump"}
-        rc, _ = _agent_env(env, "checkpoint", "--images-dir", str(root / "s2"), *_opts(job, ctl))
+        rc, _ = demo.run_agent(
+            "checkpoint", "--images-dir", str(root / "s2"), *_opts(job, ctl), env=env
+        )
         assert rc == -9
         listing = _store_listing(root)
         assert len(listing[store.PACKS_DIR]) == 2 and len(listing[store.PINS_DIR]) == 1
@@ -136,23 +140,6 @@ def test_a_dead_agents_packs_stay_pinned_through_a_delete_until_release(tmp_path
     assert _store_listing(root) == {store.PACKS_DIR: [s1["pack"]], store.PINS_DIR: []}
     assert store.collect(root)["packs_removed"] == 1
     assert _store_listing(root)[store.PACKS_DIR] == []
-
-
-def _agent_env(env, *args):
-    """``cuinterpose-agent ARGS --json`` with ``env`` added: (exit code, JSON or {"raw"})."""
-    e = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"} | env
-    r = subprocess.run(
-        [sys.executable, "-m", "cuinterpose.agent.cli", *args, "--json"],
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        env=e,
-        timeout=300,
-    )
-    try:
-        return r.returncode, json.loads(r.stdout)
-    except ValueError:
-        return r.returncode, {"raw": r.stdout + r.stderr}
 
 
 def _wait(path, what, proc, timeout_s=120.0):

@@ -307,10 +307,11 @@ class Afdwin:
         reap_zombies()
 
 
-def run_agent(*args: str, timeout_s: float = 300) -> tuple[int, dict]:
+def run_agent(*args: str, timeout_s: float = 300, env: dict | None = None) -> tuple[int, dict]:
     """Run ``cuinterpose-agent ARGS --json`` (as ``python -m cuinterpose.agent.cli``) without
-    LD_PRELOAD; returns (exit code, parsed JSON or {"raw": stdout+stderr})."""
-    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    LD_PRELOAD, with ``env`` added to the environment; returns (exit code, parsed JSON or
+    {"raw": stdout+stderr})."""
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"} | (env or {})
     res = subprocess.run(
         [sys.executable, "-m", "cuinterpose.agent.cli", *args, "--json"],
         stdin=subprocess.DEVNULL,
