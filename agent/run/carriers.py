@@ -20,7 +20,7 @@ import pathlib
 import shutil
 
 from cuinterpose.agent.errors import AgentError
-from cuinterpose.agent.snapshot import store
+from cuinterpose.agent.snapshot import store, trust
 from cuinterpose.coordinator.carrierfiles import CarrierFiles
 from cuinterpose.coordinator.protocol import (
     DEFAULT_CHUNK_BYTES,
@@ -76,7 +76,8 @@ def checkpoint_files(images_dir, incremental: bool = False, **kw) -> CarrierFile
     s = settings(**kw)
     root = store.root_of(images_dir)
     prefix = store.new_prefix()
-    hold = store.Hold(root, prefix, None, images_dir)  # the lock, the known chunks, the pin
+    # the lock, the chunks of trusted manifests (with a node key: MAC-valid), the pin
+    hold = store.Hold(root, prefix, lambda: store.known_chunks(root, trust.check_mac), images_dir)
     files = CarrierFiles(
         store.packs_dir(root), store=store.STORE_REL, prefix=prefix, known=hold.known, **s
     )

@@ -215,7 +215,7 @@ def live(root, skip=None) -> dict[str, list[tuple[int, int]]]:
     return out
 
 
-def known_chunks(root) -> dict[bytes, tuple[str, int]]:
+def known_chunks(root, check_mac=lambda d, m: None) -> dict[bytes, tuple[str, int]]:
     """digest -> (pack, offset) of the chunks the store holds, for a checkpoint (call it under
     a shared :class:`Lock`): from every readable, trusted (:func:`_trusted`) store manifest
     under ``root``, only where the pack is a regular file that covers the chunk. Any other
@@ -224,7 +224,7 @@ def known_chunks(root) -> dict[bytes, tuple[str, int]]:
     sizes: dict[str, int] = {}
     pd = packs_dir(root)
     for d, m in manifests(root):
-        if not uses_store(m) or not _trusted(d, m):
+        if not uses_store(m) or not _trusted(d, m, check_mac):
             continue
         try:
             locs = list(chunk_locations(m))
@@ -244,13 +244,11 @@ def known_chunks(root) -> dict[bytes, tuple[str, int]]:
     return out
 
 
-def _trusted(d: pathlib.Path, m: dict) -> bool:
+def _trusted(d: pathlib.Path, m: dict, check_mac) -> bool:
     """A manifest whose chunks a checkpoint may refer to: it and its directory are owned by
-    this uid and writable by nobody else, and with a node key its MAC is valid
-    (agent/snapshot/trust.py). Another is simply not used (its chunks are written again)."""
-    from cuinterpose.agent.errors import SnapshotError
-    from cuinterpose.agent.snapshot import trust
-
+    this uid and writable by nobody else, and ``check_mac(d, m)`` (agent/snapshot/trust.py
+    ``check_mac``: with a node key, a valid MAC) does not raise. Another is simply not used
+    (its chunks are written again)."""
     for p in (d, d / MANIFEST_NAME):
         try:
             st = os.lstat(p)
@@ -259,8 +257,8 @@ def _trusted(d: pathlib.Path, m: dict) -> bool:
         if st.st_uid != os.geteuid() or st.st_mode & 0o022 or stat.S_ISLNK(st.st_mode):
             return False
     try:
-        trust.check_mac(d, m)
-    except SnapshotError:
+        check_mac(d, m)
+    except AgentError:  # SnapshotError
         return False
     return True
 
@@ -347,12 +345,13 @@ class Hold:
     """What a checkpoint into the store holds until it is done: the shared :class:`Lock` and
     its pin (:func:`pin`). :meth:`release` (idempotent) removes the pin, then the lock."""
 
-    def __init__(self, root, prefix: str, known: dict, images_dir):
+    def __init__(self, root, prefix: str, known, images_dir):
+        """``known()``: the known chunks (:func:`known_chunks`), taken under the lock."""
         self.root, self.prefix = root, prefix
         self.lock = Lock(root, exclusive=False)
         self.pinned = False
         try:
-            self.known = known_chunks(root) if known is None else known
+            self.known = known()
             pin(root, prefix, {p for p, _ in self.known.values()}, images_dir)
             self.pinned = True
         except BaseException:

@@ -256,9 +256,9 @@ def test_known_chunks_come_only_from_trusted_manifests(tmp_path, monkeypatch):
     key = tmp_path / "node.key"
     key.write_bytes(os.urandom(32))
     monkeypatch.setattr(trust, "key_file", lambda: str(key))
-    assert store.known_chunks(tmp_path) == {}
+    assert store.known_chunks(tmp_path, trust.check_mac) == {}
     (d1 / "manifest.json").write_text(json.dumps(trust.sign(m1)))
-    assert {p for p, _ in store.known_chunks(tmp_path).values()} == {p1}
+    assert {p for p, _ in store.known_chunks(tmp_path, trust.check_mac).values()} == {p1}
 
 
 @pytest.mark.parametrize("bad", [{"chunks": [1]}, {"chunks": "x"}, {"chunks": None}, [], 7])
