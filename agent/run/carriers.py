@@ -67,10 +67,9 @@ def settings(chunk_bytes=None, staging_bytes=None, writers=None) -> dict:
 def checkpoint_files(images_dir, incremental: bool = False, **kw) -> CarrierFiles:
     """The chunk files a checkpoint into ``images_dir`` writes (``kw``: :func:`settings`).
     ``incremental`` (or ``$CUINTERPOSE_INCREMENTAL=1``): packs of the chunk store of the
-    snapshot root (agent/snapshot/store.py),
-    with the chunks it already holds as ``known``; the store's shared lock and a pin
-    (agent/snapshot/store.py ``Hold``; AgentError when the lock is not free in time) are kept
-    in ``holder`` until :func:`release`."""
+    snapshot root (agent/snapshot/store.py), with the chunks it already holds as ``known``;
+    the store's shared lock and a pin (``store.Hold``; AgentError when the lock is not free in
+    time) are kept in ``holder`` until :func:`release`."""
     if not (incremental or os.environ.get(INCREMENTAL_ENV) == "1"):
         return CarrierFiles(pathlib.Path(images_dir) / CHUNKS_DIR, **settings(**kw))
     s = settings(**kw)
