@@ -291,6 +291,34 @@ def test_the_chunk_poller_reports_written_bytes_of_the_streams(tmp_path):
     assert poller.row.transient and poller.row.status == "ok" and rep.phases == []
 
 
+def test_the_chunk_poller_of_a_store_checkpoint_counts_only_its_own_packs(tmp_path):
+    """Incremental (chunk store): the streams are the packs of this checkpoint's prefix; an
+    older snapshot's pack in the same directory and DIR/chunks/ are not counted."""
+    packs = tmp_path / "packs"
+    packs.mkdir()
+    mine, older = "a" * 16 + "-", "b" * 16 + "-"
+    with open(packs / f"{mine}shared-1-{ALLOC}.bin", "wb") as f:
+        f.truncate(4 * CHUNK)
+        os.pwrite(f.fileno(), b"\x07" * CHUNK, 0)
+    (packs / f"{older}shared-1-{ALLOC}.bin").write_bytes(b"\x05" * 3 * CHUNK)
+    (tmp_path / "chunks").mkdir()
+    (tmp_path / "chunks" / f"shared-1-{ALLOC}.bin").write_bytes(b"\x01" * CHUNK)
+    poller = durable.ChunkProgress(
+        Reporter(), "SAVE_ALLOCATIONS", tmp_path, packs=(str(packs), mine)
+    )
+    done, total = poller.measure()
+    assert total == 4 * CHUNK and CHUNK <= done < 2 * CHUNK
+    # restore: the named packs (its own, the others it refers to are read but not listed)
+    poller = durable.ChunkProgress(
+        Reporter(),
+        "LOAD_ALLOCATIONS",
+        tmp_path,
+        mode="read",
+        packs=(str(packs), {f"{older}shared-1-{ALLOC}.bin"}),
+    )
+    assert poller.measure() == (0, 3 * CHUNK)
+
+
 def test_the_chunk_poller_in_read_mode_counts_what_the_processes_read(tmp_path):
     d = tmp_path / "chunks"
     d.mkdir()
