@@ -118,10 +118,10 @@ class Coordinator(Barrier):
             if topology.has_multicast(records):
                 # outer objects first: no unicast mapping goes while a binding on it exists
                 self.prepare_multicast()
-                self.save_allocations(Phase.MULTICAST_RELEASED, changed_before=True)
+                save = self.save_allocations(Phase.MULTICAST_RELEASED, changed_before=True)
             else:
-                self.save_allocations()
-            cap.chunks = self._chunks_json()
+                save = self.save_allocations()
+            cap.chunks = self._chunks_json(save)
             self.prepare_unicast()
             after = self._inspect(Phase.PREPARED, True, changed_before=True)
             cap.records = self._merge_carriers(records, after)
@@ -190,12 +190,14 @@ class Coordinator(Barrier):
         return result
 
     # --- helpers --------------------------------------------------------------------------------
-    def _chunks_json(self) -> dict:
-        """The capture's ``chunks`` object (issue 12 chunk format) from the SAVE replies."""
+    def _chunks_json(self, save: PhaseResult) -> dict:
+        """The capture's ``chunks`` object (issue 12 chunk format) from the SAVE replies
+        (``save``); ``direct_bytes``: the chunk bytes the shims wrote with O_DIRECT."""
         files = self.carrier_files()
         out = {
             "chunk_bytes": files.chunk_bytes,
             "checksum": "blake2b-256",
+            "direct_bytes": save.direct_bytes,
             "streams": files.streams_json(),
             "directory": files.directory,  # where this capture's files are (not in a manifest)
             "private": files.owned,

@@ -62,7 +62,8 @@ class ParticipantResult:
 
     ``status``/``phase`` are None when no reply arrived (``error`` says why). ``bytes``:
     carrier bytes moved; ``elapsed_ns``/``copy_ns``: reported by the shim; ``wall_ns``: the
-    request's round trip seen by the coordinator.
+    request's round trip seen by the coordinator; ``direct_bytes`` (SAVE_ALLOCATIONS,
+    ``reply.reserved[3]``): the chunk bytes the shim wrote with O_DIRECT.
     """
 
     pid: int
@@ -77,6 +78,7 @@ class ParticipantResult:
     record_count: int = 0
     wall_ns: int = 0
     error: str | None = None
+    direct_bytes: int = 0
 
     @property
     def ok(self) -> bool:
@@ -96,6 +98,7 @@ class ParticipantResult:
             "record_count": self.record_count,
             "wall_ns": self.wall_ns,
             "error": self.error,
+            "direct_bytes": self.direct_bytes,
         }
 
     @classmethod
@@ -118,6 +121,7 @@ class ParticipantResult:
             record_count=int(d.get("record_count", 0)),
             wall_ns=int(d.get("wall_ns", 0)),
             error=d.get("error"),
+            direct_bytes=int(d.get("direct_bytes", 0)),
         )
 
 
@@ -153,6 +157,11 @@ class PhaseResult:
     def records_changed(self) -> int:
         return sum(p.records_changed for p in self.participants.values())
 
+    @property
+    def direct_bytes(self) -> int:
+        """Chunk bytes all participants wrote with O_DIRECT (SAVE_ALLOCATIONS)."""
+        return sum(p.direct_bytes for p in self.participants.values())
+
     def to_dict(self) -> dict:
         return {
             "phase": self.phase,
@@ -162,6 +171,7 @@ class PhaseResult:
             "bytes": self.bytes,
             "copy_ns": self.copy_ns,
             "records_changed": self.records_changed,
+            "direct_bytes": self.direct_bytes,
             "participants": [p.to_dict() for _, p in sorted(self.participants.items())],
         }
 

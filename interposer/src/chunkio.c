@@ -6,6 +6,17 @@
  * caller may use it); a written chunk's writeback is started at once (sync_file_range). A
  * writer does not write a chunk whose digest is in the known set (protocol.h "Chunk store");
  * a reader reads each chunk from the descriptor and offset it was queued with.
+ * Direct I/O (docs/shim.md "Chunk files"): a SAVE descriptor given to cui_cio_direct gets
+ * O_DIRECT (open(2) "O_DIRECT") for the op, so that a chunk goes from its slot to the disk
+ * without a second copy in the page cache; its flags are put back by cui_cio_finish. Readers
+ * read through the page cache (its readahead keeps the disk busy while chunks are hashed; on
+ * this project's bench direct reads were not faster) and drop each chunk's pages once it is
+ * in its slot (POSIX_FADV_DONTNEED). Slots are page
+ * aligned (mmap), chunks sit at multiples of chunk_bytes (a power of two >= 64 KiB) and
+ * streams are whole multiples of the allocation granularity, so every transfer is aligned. A
+ * descriptor that refuses O_DIRECT (EINVAL: tmpfs before Linux 6.6, a pipe, /dev/full), a
+ * transfer with an unaligned offset or length, or a direct one that fails with EINVAL (a
+ * device wanting a larger alignment) falls back to the page cache for the rest of the op.
  * Memory: the ring only (staging_bytes rounded down to whole chunks, at least one chunk),
  * unmapped by cui_cio_finish. All threads have every signal blocked and are
  * joined before cui_cio_finish returns.
@@ -20,6 +31,11 @@
 #include <unistd.h>
 
 #include "util.h"
+
+/* open(2) "O_DIRECT": buffer, offset and length multiples of the logical block size;
+ * 4096 covers every common block device (statx STATX_DIOALIGN gives the exact value). */
+#define CIO_DIRECT_ALIGN 4096u
+#define CIO_DIRECT_MAX 64u   /* descriptors one op switches to O_DIRECT; more stay buffered */
 
 struct cio_item {
   struct cui_cio_stream *s;
@@ -48,6 +64,9 @@ struct cui_cio {
   uint64_t written, reused;
   const uint8_t (*known)[CUI_DIGEST_BYTES];   /* writers: digests not to write, ascending */
   size_t nknown;
+  int direct_fd[CIO_DIRECT_MAX], direct_flags[CIO_DIRECT_MAX];   /* switched to O_DIRECT; old flags */
+  unsigned ndirect;
+  uint64_t direct_bytes;   /* writers: bytes written with O_DIRECT */
   struct cui_cio_error err;
 };
 
@@ -92,6 +111,33 @@ static int pread_full(int fd, unsigned char *p, size_t n, off_t off) {
   return 0;
 }
 
+/* Whether a write of `len` bytes at `off` of `fd` goes direct: the descriptor has O_DIRECT
+ * and both are aligned (the slot always is). Anything else turns O_DIRECT off for the
+ * descriptor (our own streams are whole multiples of the allocation granularity; a short last
+ * chunk would fall back). */
+static int use_direct(int fd, size_t len, off_t off) {
+  int fl = fcntl(fd, F_GETFL);
+  if (fl < 0 || !(fl & O_DIRECT)) return 0;
+  if (off % CIO_DIRECT_ALIGN == 0 && len % CIO_DIRECT_ALIGN == 0) return 1;
+  (void)fcntl(fd, F_SETFL, fl & ~O_DIRECT);
+  return 0;
+}
+
+/* Writes one chunk at `off` of `fd`, direct where it can (a direct write that fails with
+ * EINVAL, the device wanting a larger alignment, is redone through the page cache and the
+ * descriptor stays there). Returns 0 or the errno; *direct tells how it went. */
+static int write_chunk(int fd, const unsigned char *buf, size_t len, off_t off, int *direct) {
+  *direct = use_direct(fd, len, off);
+  int e = pwrite_full(fd, buf, len, off);
+  if (*direct && e == EINVAL) {
+    int fl = fcntl(fd, F_GETFL);
+    if (fl >= 0) (void)fcntl(fd, F_SETFL, fl & ~O_DIRECT);
+    *direct = 0;
+    e = pwrite_full(fd, buf, len, off);
+  }
+  return e;
+}
+
 static void *writer_main(void *arg) {
   struct cui_cio *io = arg;
   pthread_mutex_lock(&io->mu);
@@ -103,7 +149,7 @@ static void *writer_main(void *arg) {
     io->qlen--;
     pthread_mutex_unlock(&io->mu);
     unsigned char *buf = io->ring + (size_t)it.slot * io->chunk_bytes;
-    int e = 0, zero = all_zero(buf, it.len), known = 0;
+    int e = 0, zero = all_zero(buf, it.len), known = 0, direct = 0;
     if (zero) memset(it.s->digests[it.chunk], 0, CUI_DIGEST_BYTES);
     else {
       cui_blake2b_256(buf, it.len, it.s->digests[it.chunk]);
@@ -111,17 +157,18 @@ static void *writer_main(void *arg) {
     }
     if (!zero && !known) {
       off_t off = (off_t)((uint64_t)it.chunk * io->chunk_bytes);
-      e = pwrite_full(it.s->fd, buf, it.len, off);
-      /* start the writeback of this chunk now (it does not wait), so that the disk works
-       * while later chunks are copied and hashed and the agent's sync step (agent/run/
-       * durable.py) finds little left to write; not a regular file (a pipe, /dev/full):
-       * the call fails and that is fine */
-      if (!e) (void)sync_file_range(it.s->fd, off, (off_t)it.len, SYNC_FILE_RANGE_WRITE);
+      e = write_chunk(it.s->fd, buf, it.len, off, &direct);
+      /* through the page cache: start the writeback of this chunk now (it does not wait), so
+       * that the disk works while later chunks are copied and hashed and the agent's sync step
+       * (agent/run/durable.py) finds little left to write; not a regular file (a pipe,
+       * /dev/full): the call fails and that is fine */
+      if (!e && !direct) (void)sync_file_range(it.s->fd, off, (off_t)it.len, SYNC_FILE_RANGE_WRITE);
     }
     pthread_mutex_lock(&io->mu);
     if (e) set_error(io, CUI_CIO_WRITE, e, &it, NULL);
     else if (known) io->reused += it.len;
     else if (!zero) io->written += it.len;
+    if (!e && direct) io->direct_bytes += it.len;
     io->free_slots[io->nfree++] = it.slot;
     pthread_cond_broadcast(&io->cv);
   }
@@ -142,6 +189,9 @@ static void *reader_main(void *arg) {
     unsigned char *buf = io->ring + (size_t)it.slot * io->chunk_bytes;
     uint8_t got[CUI_DIGEST_BYTES];
     int e = pread_full(it.fd, buf, it.len, it.off);
+    /* the bytes are in the slot: their clean pages leave the page cache (no second host copy
+     * stays behind; a failure of the advice changes nothing) */
+    if (e == 0) (void)posix_fadvise(it.fd, it.off, (off_t)it.len, POSIX_FADV_DONTNEED);
     if (e == 0) cui_blake2b_256(buf, it.len, got);
     pthread_mutex_lock(&io->mu);
     if (e == 0 && memcmp(got, it.s->digests[it.chunk], CUI_DIGEST_BYTES) != 0)
@@ -200,7 +250,7 @@ struct cui_cio *cui_cio_start(size_t chunk_bytes, size_t staging_bytes, unsigned
   }
   pthread_sigmask(SIG_SETMASK, &old, NULL);
   if (e) {
-    cui_cio_finish(io, NULL, NULL, NULL);
+    cui_cio_finish(io, NULL, NULL);
     errno = e;
     return NULL;
   }
@@ -227,6 +277,17 @@ void cui_cio_submit(struct cui_cio *io, int slot, struct cui_cio_stream *s, uint
   io->qlen++;
   pthread_cond_broadcast(&io->cv);
   pthread_mutex_unlock(&io->mu);
+}
+
+int cui_cio_direct(struct cui_cio *io, int fd) {
+  for (unsigned i = 0; i < io->ndirect; i++)
+    if (io->direct_fd[i] == fd) return 1;
+  int fl = fcntl(fd, F_GETFL);
+  if (fl < 0 || (fl & O_DIRECT) || io->ndirect == CIO_DIRECT_MAX) return fl >= 0 && (fl & O_DIRECT);
+  if (fcntl(fd, F_SETFL, fl | O_DIRECT) != 0) return 0;
+  io->direct_fd[io->ndirect] = fd;
+  io->direct_flags[io->ndirect++] = fl;
+  return 1;
 }
 
 void cui_cio_set_known(struct cui_cio *io, const uint8_t (*known)[CUI_DIGEST_BYTES], size_t n) {
@@ -288,16 +349,16 @@ void cui_cio_abort(struct cui_cio *io) {
   pthread_mutex_unlock(&io->mu);
 }
 
-enum cui_cio_err cui_cio_finish(struct cui_cio *io, struct cui_cio_error *e, uint64_t *written, uint64_t *reused) {
+enum cui_cio_err cui_cio_finish(struct cui_cio *io, struct cui_cio_error *e, struct cui_cio_counts *counts) {
   pthread_mutex_lock(&io->mu);
   io->finishing = 1;
   pthread_cond_broadcast(&io->cv);
   pthread_mutex_unlock(&io->mu);
   for (unsigned i = 0; i < io->nthreads; i++) pthread_join(io->threads[i], NULL);
+  for (unsigned i = 0; i < io->ndirect; i++) (void)fcntl(io->direct_fd[i], F_SETFL, io->direct_flags[i]);
   enum cui_cio_err kind = io->err.kind;
   if (e) *e = io->err;
-  if (written) *written = io->written;
-  if (reused) *reused = io->reused;
+  if (counts) *counts = (struct cui_cio_counts){io->written, io->reused, io->direct_bytes};
   cio_free(io);
   return kind;
 }

@@ -230,12 +230,13 @@ int cui_op_save_allocations(struct cui_op_result *res) {
   cui_fn_cuMemHostRegister_v2 reg = REAL(cuMemHostRegister_v2);
   int pinned = ring && reg && reg(ring, ring_bytes, CU_MEMHOSTREGISTER_PORTABLE) == CUDA_SUCCESS;
   if (io && in->nknown) cui_cio_set_known(io, (const uint8_t (*)[CUI_DIGEST_BYTES])in->known, in->nknown);
+  for (uint32_t j = 0; io && j < n; j++) (void)cui_cio_direct(io, st[j].fd);
   int failed = 0;
   for (uint32_t j = 0; j < n && !failed; j++) failed = save_one(res, which[j], &st[j], io, cb) != 0;
   if (pinned) REAL(cuMemHostUnregister)(ring);
   struct cui_cio_error e;
-  uint64_t written = 0;
-  if (io && cui_cio_finish(io, &e, &written, NULL) != CUI_CIO_OK && res->status != CUI_FAILED) {
+  struct cui_cio_counts counts = {0};
+  if (io && cui_cio_finish(io, &e, &counts) != CUI_CIO_OK && res->status != CUI_FAILED) {
     uint32_t j = (uint32_t)(e.stream - st);
     cui_hex_id(which[j]->id, hex);
     res->status = CUI_FAILED;
@@ -266,7 +267,8 @@ int cui_op_save_allocations(struct cui_op_result *res) {
   }
   cui_st.chunk_bytes = cb;
   res->reply_reserved[1] = cb;
-  res->reply_reserved[2] = written;
+  res->reply_reserved[2] = counts.written;
+  res->reply_reserved[3] = counts.direct;
   rc = 0;
 out:
   for (uint32_t j = 0; st && j < n; j++) free(st[j].digests);
@@ -492,7 +494,7 @@ int cui_op_load_allocations(struct cui_op_result *res) {
   if (got != 0 && io) cui_cio_abort(io);
   if (pinned) REAL(cuMemHostUnregister)(ring);
   struct cui_cio_error e;
-  enum cui_cio_err kind = io ? cui_cio_finish(io, &e, NULL, NULL) : CUI_CIO_OK;
+  enum cui_cio_err kind = io ? cui_cio_finish(io, &e, NULL) : CUI_CIO_OK;
   if (got == 1 || (got == 0 && kind != CUI_CIO_OK)) {
     uint32_t j = (uint32_t)(e.stream - st);
     refuse_load(res, which[j], &e, &st[j], j);

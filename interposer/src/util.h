@@ -120,10 +120,18 @@ CUI_HIDDEN int cui_cio_next_ready(struct cui_cio *io, unsigned char **buf, struc
 CUI_HIDDEN void cui_cio_release(struct cui_cio *io, int slot);
 /* Stops the ring because the caller failed (its own error is reported by the caller). */
 CUI_HIDDEN void cui_cio_abort(struct cui_cio *io);
-/* Waits for every submitted chunk, joins the threads, frees the ring; returns the first
- * error's kind (details in *e) and, for SAVE, the bytes written to the files in *written and
- * the bytes of known chunks not written in *reused. */
-CUI_HIDDEN enum cui_cio_err cui_cio_finish(struct cui_cio *io, struct cui_cio_error *e, uint64_t *written,
-                                           uint64_t *reused);
+/* SAVE: switches `fd` to O_DIRECT until cui_cio_finish (before its chunks are submitted). Returns 1
+ * when its transfers go direct, 0 when it stays buffered (it refused, or the op already
+ * switched CIO_DIRECT_MAX descriptors). */
+CUI_HIDDEN int cui_cio_direct(struct cui_cio *io, int fd);
+/* What a SAVE moved, in bytes: `written` to the files, `reused` (known chunks not written),
+ * `direct` (of `written`, with O_DIRECT). */
+struct cui_cio_counts {
+  uint64_t written, reused, direct;
+};
+/* Waits for every submitted chunk, joins the threads, puts back the flags of the descriptors
+ * cui_cio_direct switched, frees the ring; returns the first error's kind (details in *e) and
+ * the counts (either may be NULL). */
+CUI_HIDDEN enum cui_cio_err cui_cio_finish(struct cui_cio *io, struct cui_cio_error *e, struct cui_cio_counts *counts);
 
 #endif

@@ -17,6 +17,7 @@ FIELDS = {
     "checkpoint_s",
     "restore_s",
     "dd_s",
+    "dd_direct_s",
     "read_s",
     "criu_only_s",
     "criu_only_restore_s",
@@ -24,6 +25,7 @@ FIELDS = {
     "creator_rss_at_ready_bytes",
     "snapshot_disk_bytes",
     "image_bytes",
+    "direct_bytes",
     "checkpoint_outside_rows_s",
     "restore_outside_rows_s",
     "verified",
@@ -58,17 +60,19 @@ def test_datapath_json_at_4_mib_dense_and_sparse(criu_ok, tmp_path):
         assert set(c) == FIELDS
         assert c["verified"] is True and c["bytes_compared"] == 2 * B  # creator and importer
         assert c["allocated_bytes"] == B  # a multiple of fakecuda's 2 MiB granularity
-        for k in ("checkpoint_s", "restore_s", "dd_s", "read_s", "criu_only_s"):
+        for k in ("checkpoint_s", "restore_s", "dd_s", "dd_direct_s", "read_s", "criu_only_s"):
             assert isinstance(c[k], float) and c[k] > 0, k
         # fakecuda backs the allocation in host memory; the high-water mark covers the ready RSS
         assert c["creator_peak_rss_bytes"] >= c["creator_rss_at_ready_bytes"] >= B
         assert c["snapshot_disk_bytes"] > 0 and c["image_bytes"] > 0
+        # B is one 4 MiB chunk, not all zero in either case: written with O_DIRECT
+        assert c["direct_bytes"] == B
         # the agent's named phases, summed per name: the carrier and the sync/verify passes
         cp, rs = c["checkpoint_phases"], c["restore_phases"]
         assert cp["SAVE_ALLOCATIONS"]["bytes"] == B and rs["LOAD_ALLOCATIONS"]["bytes"] == B
         assert cp["sync"]["bytes"] >= c["image_bytes"]  # the images, hashed as they were synced
         assert rs["verify"]["bytes"] == c["image_bytes"]
-        assert set(c["ratios"]) >= {"checkpoint_over_dd", "restore_over_read_plus_criu"}
+        assert set(c["ratios"]) >= {"checkpoint_over_dd", "checkpoint_over_dd_direct", "restore_over_read_plus_criu"}
         # the rows tile the agent's run inside the command's wall time
         for what in ("checkpoint", "restore"):
             rows = sum(v["seconds"] for v in c[f"{what}_phases"].values())
@@ -92,6 +96,7 @@ def test_datapath_incremental_case_writes_only_the_changed_chunk(criu_ok, tmp_pa
     assert (incr["bytes"], incr["zero_fraction"], incr["change_fraction"]) == (big, 0.0, 0.25)
     assert incr["verified"] is True and incr["bytes_compared"] == 2 * big
     assert incr["written_bytes"] == 8 << 20  # chunk 0 changed, chunk 1 refers to the first pack
+    assert (plain["direct_bytes"], incr["direct_bytes"]) == (big, 8 << 20)
     # the second snapshot holds its images and one 8 MiB chunk, not the 16 MiB
     assert (
         incr["image_bytes"] + (8 << 20)

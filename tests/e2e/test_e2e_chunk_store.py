@@ -226,6 +226,7 @@ def test_second_checkpoint_writes_only_changed_chunks_delete_frees_only_unshared
     unused = [k for k in range(n) if k not in used]
     assert unused  # the delete below frees these
     assert ch2["written_bytes"] == CHANGED
+    assert (ch1["direct_bytes"], ch2["direct_bytes"]) == (SIZE, CHANGED)  # O_DIRECT, all of it
     assert [p["bytes"] for p in m2["phases"] if p["name"] == "SAVE_ALLOCATIONS"] == [SIZE]
     assert _allocated(packs / s2["pack"]) == CHANGED
     assert sorted(os.listdir(packs)) == sorted([s1["pack"], s2["pack"]])

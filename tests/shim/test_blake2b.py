@@ -4,11 +4,16 @@ back verified, built plain and under ASan/UBSan (c/chunkio_probe.c):
 - every chunk at offset i * chunk_bytes, the last one short, all-zero chunks not written (the
   file stays sparse there), one digest per non-zero chunk equal to hashlib's;
 - a read returns the bytes; a flipped byte is refused naming the chunk and the digest found;
-- a write to a full device (/dev/full) stops every writer with ENOSPC naming the chunk."""
+- a write to a full device (/dev/full) stops every writer with ENOSPC naming the chunk;
+- direct I/O: a file given to cui_cio_direct gets every aligned chunk with O_DIRECT (counted; its
+  pages are not left in the page cache), a short last chunk falls back to the page cache, the
+  bytes are the same either way and the descriptor's flags are put back; /dev/full refuses
+  O_DIRECT and still fails with ENOSPC."""
 
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import random
 import subprocess
@@ -81,7 +86,7 @@ def test_ring_writes_and_reads_chunk_files(build_c, tmp_path, sanitize):
     n = -(-len(data) // CHUNK)
     want = ["zero" if i in zero else b2(data[i * CHUNK : (i + 1) * CHUNK]) for i in range(n)]
     assert lines[:n] == want
-    assert lines[n] == f"written {len(data) - len(zero) * CHUNK}"
+    assert lines[n] == f"written {len(data) - len(zero) * CHUNK} direct 0 flags same"
     assert out.read_bytes() == data
     st = os.stat(out)
     assert st.st_size == len(data)
@@ -123,3 +128,79 @@ def test_ring_write_error_stops_the_writers(build_c, sanitize):
     kind, chunk, err = w.stdout.decode().split()[1:]
     assert (w.returncode, int(kind), int(err)) == (1, KIND_WRITE, 28)  # ENOSPC
     assert int(chunk) not in (3, 4, *range(10, 18))  # a zero chunk is never written
+
+
+def _resident(path) -> int:
+    """Pages of ``path`` in the page cache (mincore(2) of a shared read-only mapping)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+    libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+    size = os.path.getsize(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+        try:
+            vec = ctypes.create_string_buffer(-(-size // mmap.PAGESIZE))
+            assert libc.mincore(addr, size, vec) == 0, os.strerror(ctypes.get_errno())
+            return sum(b & 1 for b in vec.raw)
+        finally:
+            libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+
+
+def _is_tmpfs(path) -> bool:
+    """tmpfs keeps every file in the page cache, O_DIRECT or not (statfs f_type TMPFS_MAGIC)."""
+    out = subprocess.run(["stat", "-f", "-c", "%t", str(path)], capture_output=True, text=True, check=True)
+    return int(out.stdout, 16) == 0x01021994
+
+
+@pytest.mark.parametrize("sanitize", [False, True], ids=["plain", "asan"])
+def test_ring_writes_direct_and_falls_back_for_a_short_chunk(build_c, tmp_path, sanitize):
+    exe = _probe(build_c, sanitize)
+    data, zero = _data()
+    aligned = data[: 20 * CHUNK]  # whole chunks only
+    nonzero = (20 - len(zero)) * CHUNK
+    out = tmp_path / "direct.bin"
+    w = subprocess.run(
+        [str(exe), "write", str(out), str(CHUNK), str(2 * CHUNK), "3", "direct"],
+        input=aligned,
+        capture_output=True,
+        check=True,
+    )
+    assert w.stdout.decode().split("\n")[20] == f"written {nonzero} direct {nonzero} flags same"
+    # O_DIRECT bypassed the page cache: none of the file's pages are there (on a disk; tmpfs
+    # is the page cache), while a buffered write leaves them all
+    if not _is_tmpfs(tmp_path):
+        assert _resident(out) == 0
+        plain = tmp_path / "plain.bin"
+        subprocess.run(
+            [str(exe), "write", str(plain), str(CHUNK), str(2 * CHUNK), "3"], input=aligned, capture_output=True, check=True
+        )
+        assert _resident(plain) == nonzero // mmap.PAGESIZE
+    assert out.read_bytes() == aligned
+    # one writer thread: the chunks go in order, the short last one turns O_DIRECT off
+    tail = tmp_path / "tail.bin"
+    w = subprocess.run(
+        [str(exe), "write", str(tail), str(CHUNK), str(2 * CHUNK), "1", "direct"],
+        input=data,
+        capture_output=True,
+        check=True,
+    )
+    written = len(data) - len(zero) * CHUNK
+    assert w.stdout.decode().split("\n")[21] == f"written {written} direct {written - 1234} flags same"
+    assert tail.read_bytes() == data and os.path.getsize(tail) == len(data)
+    # a device that refuses O_DIRECT: buffered, and the error is the same
+    w = subprocess.run(
+        [str(exe), "write", "/dev/full", str(CHUNK), str(4 * CHUNK), "2", "direct"],
+        input=data,
+        capture_output=True,
+    )
+    kind, _, err = w.stdout.decode().split()[1:]
+    assert (w.returncode, int(kind), int(err)) == (1, KIND_WRITE, 28)

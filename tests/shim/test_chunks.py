@@ -1,7 +1,7 @@
 """Chunk files of the shim carriers (protocol.h "Carriers"; issue 12 item 1), on fakecuda:
 - the cycle brings the bytes back for a dense allocation, a 90 %-zero one (its file mostly
   holes, by st_blocks), one whose last chunk is short and one smaller than a chunk, and the
-  files hold exactly the bytes with zero chunks unwritten;
+  files hold exactly the bytes with zero chunks unwritten, every chunk written with O_DIRECT;
 - a write error (ENOSPC from /dev/full) fails SAVE_ALLOCATIONS naming pid, allocation, chunk and
   errno; the shim stays ACTIVE with its bytes intact and a new SAVE works;
 - SAVE leaves no host copy: the creator's VmRSS grows by less than the ring, not by the bytes,
@@ -71,6 +71,7 @@ def test_cycle_dense_sparse_short_and_small(apps, ctl, chunk_files):
     save = _cycle(ctl, c, 1)
     assert save.reply.reserved[1] == 4 * MiB
     assert save.reply.reserved[2] == 8 * MiB + 4 * MiB + 6 * MiB + 2 * MiB  # non-zero bytes
+    assert save.reply.reserved[3] == save.reply.reserved[2]  # every one written with O_DIRECT
     for va, size, seed in ((dense, 8, 3), (short, 6, 5), (small, 2, 6)):
         c.ok(f"check {va} {size * MiB} {seed}")
     c.ok(f"check {sparse} {4 * MiB} 4")

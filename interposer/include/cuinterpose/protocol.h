@@ -323,6 +323,11 @@ struct cui_record {           /* 640 bytes */
  * File layout: size = the allocation's size (the shim ftruncates it); chunk i at offset
  * i * chunk_bytes, the last chunk may be short; an all-zero chunk is not written (sparse).
  * Checksum: BLAKE2b, 32-byte digest, no key (RFC 7693), of each non-zero chunk's bytes.
+ * SAVE writes chunks with O_DIRECT where a file allows it (open(2); the shim sets the flag on
+ * the received descriptors for the op and puts their flags back before it replies) and through
+ * the page cache elsewhere; reply.reserved[3] of an OK SAVE_ALLOCATIONS counts the chunk bytes
+ * written direct (0: none were). LOAD reads through the page cache and drops each chunk's
+ * pages once it is in the ring (POSIX_FADV_DONTNEED).
  * A SAVE_ALLOCATIONS reply with status CUI_OK is followed (after the message) by the chunk
  * table, reply.reserved[0] bytes: per stream in request order one struct cui_stream_head,
  * then chunk_count digests of 32 bytes (32 zero bytes for an all-zero chunk). The shim keeps

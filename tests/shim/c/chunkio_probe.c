@@ -1,9 +1,13 @@
 /* Probe of interposer/src/blake2b.c and chunkio.c (tests/shim/test_blake2b.py), built with and
  * without ASan/UBSan:
  *   chunkio_probe hash FILE...                 BLAKE2b-256 of each file, 64 hex per line
- *   chunkio_probe write OUT CHUNK STAGING N    stdin -> OUT through the writers (N threads):
- *                                               one line per chunk (64 hex, or "zero"), then
- *                                               "written <bytes>", or "error <kind> <chunk> <errno>"
+ *   chunkio_probe write OUT CHUNK STAGING N [direct]
+ *                                              stdin -> OUT through the writers (N threads;
+ *                                               "direct": OUT given to cui_cio_direct): one line
+ *                                               per chunk (64 hex, or "zero"), then "written
+ *                                               <bytes> direct <bytes> flags <same|changed>"
+ *                                               (OUT's F_GETFL after cui_cio_finish against
+ *                                               before), or "error <kind> <chunk> <errno>"
  *   chunkio_probe read IN CHUNK STAGING N      IN through the readers, verified against the
  *                                               digests on stdin (the write mode's lines): the
  *                                               bytes on stdout (zero chunks as zeros), or
@@ -48,7 +52,7 @@ int main(int argc, char **argv) {
     }
     return 0;
   }
-  if (argc != 6) return 2;
+  if (argc != 6 && argc != 7) return 2;
   size_t cb = strtoull(argv[3], NULL, 0), staging = strtoull(argv[4], NULL, 0);
   unsigned threads = (unsigned)atoi(argv[5]);
   int reading = !strcmp(argv[1], "read");
@@ -78,7 +82,9 @@ int main(int argc, char **argv) {
   struct cui_cio *io = cui_cio_start(cb, staging, threads, reading);
   if (!io) return 4;
   struct cui_cio_error e;
-  uint64_t written = 0;
+  struct cui_cio_counts counts = {0};
+  int flags = fcntl(s.fd, F_GETFL);
+  if (!reading && argc == 7 && !strcmp(argv[6], "direct")) (void)cui_cio_direct(io, s.fd);
   if (!reading) {
     for (uint32_t i = 0; i < s.nchunks; i++) {
       unsigned char *buf;
@@ -88,7 +94,7 @@ int main(int argc, char **argv) {
       memcpy(buf, data + (size_t)i * cb, len);
       cui_cio_submit(io, slot, &s, i, len);
     }
-    if (cui_cio_finish(io, &e, &written, NULL) != CUI_CIO_OK) {
+    if (cui_cio_finish(io, &e, &counts) != CUI_CIO_OK) {
       printf("error %d %u %d\n", (int)e.kind, e.chunk, e.err);
       free(data), free(s.digests), close(s.fd);
       return 1;
@@ -98,7 +104,8 @@ int main(int argc, char **argv) {
       if (!memcmp(s.digests[i], z, 32)) printf("zero\n");
       else hex(s.digests[i]), printf("\n");
     }
-    printf("written %llu\n", (unsigned long long)written);
+    printf("written %llu direct %llu flags %s\n", (unsigned long long)counts.written,
+           (unsigned long long)counts.direct, fcntl(s.fd, F_GETFL) == flags ? "same" : "changed");
     free(data), free(s.digests), close(s.fd);
     return 0;
   }
@@ -117,7 +124,7 @@ int main(int argc, char **argv) {
     memcpy(out + (size_t)chunk * cb, buf, len);
     cui_cio_release(io, slot);
   }
-  if (cui_cio_finish(io, &e, NULL, NULL) != CUI_CIO_OK) {
+  if (cui_cio_finish(io, &e, NULL) != CUI_CIO_OK) {
     fprintf(stderr, "error %d %u %d ", (int)e.kind, e.chunk, e.err);
     for (int k = 0; k < 32; k++) fprintf(stderr, "%02x", e.found[k]);
     fprintf(stderr, "\n");
