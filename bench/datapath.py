@@ -25,11 +25,11 @@ Measured in the same run, one case after the other:
   ``chunks.direct_bytes``; decisions D35);
 - baselines: ``dd_s``: ``dd`` of B bytes from /dev/zero into a file beside the snapshot with
   ``conv=fdatasync`` (through the page cache, as the issue's target is stated);
-  ``dd_direct_s``: the same with ``oflag=direct bs=8M`` (how the shim writes chunks); ``read_s``: reading that file back after ``posix_fadvise(DONTNEED)``
-  dropped its (clean) pages; ``criu_only_s`` / ``criu_only_restore_s``: CRIU alone dumping and
+  ``dd_direct_s``: the same with ``oflag=direct bs=8M`` (how the shim writes chunks);
+  ``read_s``: reading that file back after ``posix_fadvise(DONTNEED)`` dropped its (clean) pages; ``criu_only_s`` / ``criu_only_restore_s``: CRIU alone dumping and
   restoring a plain process that holds B dense anonymous bytes;
-- ratios: checkpoint / dd, checkpoint / dd direct, restore / (read + CRIU-only restore), disk bytes / B, and a sparse
-  case's checkpoint / the dense checkpoint of the same B;
+- ratios: checkpoint / dd, checkpoint / dd direct, restore / (read + CRIU-only restore), disk
+  bytes / B, and a sparse case's checkpoint / the dense checkpoint of the same B;
 - ``--incremental F`` (repeatable) adds, per B, a dense case of the chunk store (decisions D34):
   ``checkpoint --incremental --leave-running`` (``first_checkpoint_s``), the job rewrites F of B,
   then the measured ``checkpoint --incremental`` into a second snapshot of the same root and
@@ -358,7 +358,9 @@ def run_case(
     work = pathlib.Path(tempfile.mkdtemp(prefix=f"datapath-{nbytes}-", dir=base))
     try:
         out = run_job(work, nbytes, zero, timeout_s, change)
-        out["dd_s"], out["read_s"], out["dd_direct_s"] = (round(x, 6) for x in dd_and_read(work, nbytes))
+        out["dd_s"], out["read_s"], out["dd_direct_s"] = (
+            round(x, 6) for x in dd_and_read(work, nbytes)
+        )
         dump_s, restore_s = criu_only(work, nbytes, timeout_s)
         out["criu_only_s"], out["criu_only_restore_s"] = round(dump_s, 6), round(restore_s, 6)
     finally:

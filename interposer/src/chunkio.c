@@ -35,7 +35,7 @@
 /* open(2) "O_DIRECT": buffer, offset and length multiples of the logical block size;
  * 4096 covers every common block device (statx STATX_DIOALIGN gives the exact value). */
 #define CIO_DIRECT_ALIGN 4096u
-#define CIO_DIRECT_MAX 64u   /* descriptors one op switches to O_DIRECT; more stay buffered */
+#define CIO_DIRECT_MAX   64u   /* descriptors one op switches to O_DIRECT; more stay buffered */
 
 struct cio_item {
   struct cui_cio_stream *s;

@@ -126,9 +126,7 @@ CUI_HIDDEN void cui_cio_abort(struct cui_cio *io);
 CUI_HIDDEN int cui_cio_direct(struct cui_cio *io, int fd);
 /* What a SAVE moved, in bytes: `written` to the files, `reused` (known chunks not written),
  * `direct` (of `written`, with O_DIRECT). */
-struct cui_cio_counts {
-  uint64_t written, reused, direct;
-};
+struct cui_cio_counts { uint64_t written, reused, direct; };
 /* Waits for every submitted chunk, joins the threads, puts back the flags of the descriptors
  * cui_cio_direct switched, frees the ring; returns the first error's kind (details in *e) and
  * the counts (either may be NULL). */

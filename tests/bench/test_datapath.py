@@ -72,7 +72,11 @@ def test_datapath_json_at_4_mib_dense_and_sparse(criu_ok, tmp_path):
         assert cp["SAVE_ALLOCATIONS"]["bytes"] == B and rs["LOAD_ALLOCATIONS"]["bytes"] == B
         assert cp["sync"]["bytes"] >= c["image_bytes"]  # the images, hashed as they were synced
         assert rs["verify"]["bytes"] == c["image_bytes"]
-        assert set(c["ratios"]) >= {"checkpoint_over_dd", "checkpoint_over_dd_direct", "restore_over_read_plus_criu"}
+        assert set(c["ratios"]) >= {
+            "checkpoint_over_dd",
+            "checkpoint_over_dd_direct",
+            "restore_over_read_plus_criu",
+        }
         # the rows tile the agent's run inside the command's wall time
         for what in ("checkpoint", "restore"):
             rows = sum(v["seconds"] for v in c[f"{what}_phases"].values())

@@ -137,7 +137,14 @@ def _resident(path) -> int:
 
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+    libc.mmap.argtypes = (
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    )
     libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
     libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
     size = os.path.getsize(path)
@@ -157,7 +164,9 @@ def _resident(path) -> int:
 
 def _is_tmpfs(path) -> bool:
     """tmpfs keeps every file in the page cache, O_DIRECT or not (statfs f_type TMPFS_MAGIC)."""
-    out = subprocess.run(["stat", "-f", "-c", "%t", str(path)], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        ["stat", "-f", "-c", "%t", str(path)], capture_output=True, text=True, check=True
+    )
     return int(out.stdout, 16) == 0x01021994
 
 
@@ -181,7 +190,10 @@ def test_ring_writes_direct_and_falls_back_for_a_short_chunk(build_c, tmp_path, 
         assert _resident(out) == 0
         plain = tmp_path / "plain.bin"
         subprocess.run(
-            [str(exe), "write", str(plain), str(CHUNK), str(2 * CHUNK), "3"], input=aligned, capture_output=True, check=True
+            [str(exe), "write", str(plain), str(CHUNK), str(2 * CHUNK), "3"],
+            input=aligned,
+            capture_output=True,
+            check=True,
         )
         assert _resident(plain) == nonzero // mmap.PAGESIZE
     assert out.read_bytes() == aligned
@@ -194,7 +206,9 @@ def test_ring_writes_direct_and_falls_back_for_a_short_chunk(build_c, tmp_path, 
         check=True,
     )
     written = len(data) - len(zero) * CHUNK
-    assert w.stdout.decode().split("\n")[21] == f"written {written} direct {written - 1234} flags same"
+    assert (
+        w.stdout.decode().split("\n")[21] == f"written {written} direct {written - 1234} flags same"
+    )
     assert tail.read_bytes() == data and os.path.getsize(tail) == len(data)
     # a device that refuses O_DIRECT: buffered, and the error is the same
     w = subprocess.run(

@@ -104,8 +104,8 @@ int main(int argc, char **argv) {
       if (!memcmp(s.digests[i], z, 32)) printf("zero\n");
       else hex(s.digests[i]), printf("\n");
     }
-    printf("written %llu direct %llu flags %s\n", (unsigned long long)counts.written,
-           (unsigned long long)counts.direct, fcntl(s.fd, F_GETFL) == flags ? "same" : "changed");
+    printf("written %llu direct %llu flags %s\n", (unsigned long long)counts.written, (unsigned long long)counts.direct,
+           fcntl(s.fd, F_GETFL) == flags ? "same" : "changed");
     free(data), free(s.digests), close(s.fd);
     return 0;
   }
