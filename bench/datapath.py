@@ -26,7 +26,8 @@ Measured in the same run, one case after the other:
 - baselines: ``dd_s``: ``dd`` of B bytes from /dev/zero into a file beside the snapshot with
   ``conv=fdatasync`` (through the page cache, as the issue's target is stated);
   ``dd_direct_s``: the same with ``oflag=direct bs=8M`` (how the shim writes chunks);
-  ``read_s``: reading that file back after ``posix_fadvise(DONTNEED)`` dropped its (clean) pages; ``criu_only_s`` / ``criu_only_restore_s``: CRIU alone dumping and
+  ``read_s``: reading that file back after ``posix_fadvise(DONTNEED)`` dropped its (clean) pages;
+  ``criu_only_s`` / ``criu_only_restore_s``: CRIU alone dumping and
   restoring a plain process that holds B dense anonymous bytes;
 - ratios: checkpoint / dd, checkpoint / dd direct, restore / (read + CRIU-only restore), disk
   bytes / B, and a sparse case's checkpoint / the dense checkpoint of the same B;
