@@ -33,6 +33,7 @@ from typing import Iterable, Mapping
 from .client import CarrierRequest
 from .protocol import (
     DEFAULT_CHUNK_BYTES,
+    DEFAULT_CHUNK_CHECKSUM,
     DEFAULT_STAGING_BYTES,
     DEFAULT_WRITERS,
     ChunkRef,
@@ -45,6 +46,7 @@ from .protocol import (
     StreamTable,
     alloc_id_hex,
     check_carrier_params,
+    chunk_checksum_flag,
 )
 
 __all__ = ["CarrierFiles", "carried_streams", "stream_file_name"]
@@ -73,9 +75,9 @@ def carried_streams(records: Iterable[Record]) -> list[tuple[bytes, int]]:
 class CarrierFiles:
     """The chunk files of one capture in ``directory`` (created 0700 when missing).
 
-    ``chunk_bytes``, ``staging_bytes`` (bytes) and ``writers`` go to every SAVE/LOAD request
-    (ValueError outside protocol.h's limits). ``owned``: :meth:`remove` also deletes the
-    directory.
+    ``chunk_bytes``, ``staging_bytes`` (bytes), ``writers`` and ``checksum`` (a key of
+    CHUNK_CHECKSUMS) go to every SAVE/LOAD request (ValueError outside protocol.h's limits).
+    ``owned``: :meth:`remove` also deletes the directory.
     """
 
     def __init__(
@@ -89,8 +91,12 @@ class CarrierFiles:
         store: str | None = None,
         prefix: str = "",
         known: Mapping[bytes, tuple[str, int]] | None = None,
+        checksum: str = DEFAULT_CHUNK_CHECKSUM,
     ):
         check_carrier_params(chunk_bytes, staging_bytes, writers)
+        chunk_checksum_flag(checksum)
+        #: the chunk checksum of every request (the manifest's ``chunks.checksum``)
+        self.checksum = checksum
         self.directory = os.fspath(directory)
         self.chunk_bytes = int(chunk_bytes)
         self.staging_bytes = int(staging_bytes)
@@ -157,7 +163,9 @@ class CarrierFiles:
         else:
             flags = os.O_RDONLY
         flags |= os.O_NOFOLLOW | os.O_CLOEXEC
-        req = CarrierRequest(self.chunk_bytes, self.staging_bytes, self.writers)
+        req = CarrierRequest(
+            self.chunk_bytes, self.staging_bytes, self.writers, checksum=self.checksum
+        )
         if op == Op.SAVE_ALLOCATIONS and self.known is not None:
             req.known = list(self.known)
         try:

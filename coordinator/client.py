@@ -47,6 +47,7 @@ from .protocol import (
     CUI_INSPECT_DEVICES,
     CUI_PROTO_MAGIC,
     CUI_PROTO_VERSION,
+    DEFAULT_CHUNK_CHECKSUM,
     RECORD_SIZE,
     REPLY_SIZE,
     CarryFlag,
@@ -60,6 +61,7 @@ from .protocol import (
     StreamEntry,
     alloc_id_bytes,
     carrier_reserved,
+    chunk_checksum_flag,
     entry_groups,
     known_table,
     pid_from_socket_path,
@@ -168,11 +170,13 @@ class CarrierRequest:
     #: LOAD (chunk store): (size in bytes, open fd) per source file, and the chunk refs
     sources: list[tuple[int, int]] = field(default_factory=list)
     refs: list[ChunkRef] = field(default_factory=list)
+    #: the chunk checksum (a key of CHUNK_CHECKSUMS): SAVE computes it, LOAD verifies it
+    checksum: str = DEFAULT_CHUNK_CHECKSUM
 
     @property
     def flags(self) -> int:
         """The request's :class:`CarryFlag` bits."""
-        f = CarryFlag(0)
+        f = chunk_checksum_flag(self.checksum)
         if self.known is not None:
             f |= CarryFlag.KNOWN
         if self.sources or self.refs:

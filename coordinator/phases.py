@@ -19,7 +19,16 @@ from typing import Iterable, Mapping
 from . import topology
 from .barrier import Barrier
 from .carrierfiles import CarrierFiles, streams_of
-from .protocol import MULTICAST_RESTORE_OPS, Op, Phase, Record, RecordFlag, RecordKind, Role
+from .protocol import (
+    DEFAULT_CHUNK_CHECKSUM,
+    MULTICAST_RESTORE_OPS,
+    Op,
+    Phase,
+    Record,
+    RecordFlag,
+    RecordKind,
+    Role,
+)
 from .results import Capture, Participant, PhaseError, PhaseResult, RestoreResult, RollbackResult
 from .rollback import rollback
 from .topology import TopologyError
@@ -196,7 +205,7 @@ class Coordinator(Barrier):
         files = self.carrier_files()
         out = {
             "chunk_bytes": files.chunk_bytes,
-            "checksum": "blake2b-256",
+            "checksum": files.checksum,
             "direct_bytes": save.direct_bytes,
             "streams": files.streams_json(),
             "directory": files.directory,  # where this capture's files are (not in a manifest)
@@ -214,6 +223,7 @@ class Coordinator(Barrier):
                 capture.chunks["directory"],
                 chunk_bytes=capture.chunks["chunk_bytes"],
                 owned=bool(capture.chunks.get("private")),
+                checksum=capture.chunks.get("checksum", DEFAULT_CHUNK_CHECKSUM),
             )
 
     def _drop_private(self) -> None:

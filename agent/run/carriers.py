@@ -7,7 +7,10 @@ access to the agent's mount namespace.
 Settings: ``chunk_bytes`` (default 8 MiB, a power of two from 64 KiB to 1 GiB; environment
 ``CUINTERPOSE_CHUNK_BYTES``), ``staging_bytes`` (the staging ring per process, default 64 MiB;
 ``CUINTERPOSE_STAGING_BYTES``), ``writers`` (threads per process, default 4;
-``CUINTERPOSE_WRITERS``). Errors: :class:`~cuinterpose.agent.errors.AgentError` naming the
+``CUINTERPOSE_WRITERS``), ``checksum`` (the chunk checksum of a checkpoint, decisions D36:
+"sha256" where the shim can use the CPU's SHA extensions, x86-64 with ``sha_ni``, else
+"blake2b-256"; ``CUINTERPOSE_CHUNK_CHECKSUM``; a restore or release uses the one its snapshot
+was written with). Errors: :class:`~cuinterpose.agent.errors.AgentError` naming the
 value and its source. Durability (fsync of the files and of ``chunks/``) is the sync phase's
 job, not this module's. ``--incremental``: the streams are packs of the snapshot root's chunk
 store instead (agent/snapshot/store.py; decisions D34), and only chunks it lacks are written.
@@ -24,9 +27,11 @@ from cuinterpose.agent.snapshot import store, trust
 from cuinterpose.coordinator.carrierfiles import CarrierFiles
 from cuinterpose.coordinator.protocol import (
     DEFAULT_CHUNK_BYTES,
+    DEFAULT_CHUNK_CHECKSUM,
     DEFAULT_STAGING_BYTES,
     DEFAULT_WRITERS,
     check_carrier_params,
+    chunk_checksum_flag,
 )
 
 CHUNKS_DIR = "chunks"
@@ -36,6 +41,7 @@ ENV = {
     "chunk_bytes": "CUINTERPOSE_CHUNK_BYTES",
     "staging_bytes": "CUINTERPOSE_STAGING_BYTES",
     "writers": "CUINTERPOSE_WRITERS",
+    "checksum": "CUINTERPOSE_CHUNK_CHECKSUM",
 }
 DEFAULTS = {
     "chunk_bytes": DEFAULT_CHUNK_BYTES,
@@ -44,9 +50,25 @@ DEFAULTS = {
 }
 
 
-def settings(chunk_bytes=None, staging_bytes=None, writers=None) -> dict:
-    """{"chunk_bytes", "staging_bytes", "writers"}: each the argument, else its environment
-    variable, else the default. Raises AgentError (phase "images dir") naming a bad value."""
+def node_checksum(cpuinfo: str = "/proc/cpuinfo", machine: str | None = None) -> str:
+    """The chunk checksum the shims of this node compute fastest: "sha256" on x86-64
+    (``machine``, default ``uname -m``) when ``cpuinfo``'s flags have sha_ni, ssse3 and sse4_1
+    (the test interposer/src/sha256.c makes with CPUID), else "blake2b-256" (the shim has no
+    other accelerated SHA-256)."""
+    if (machine or os.uname().machine) != "x86_64":
+        return "blake2b-256"
+    try:
+        with open(cpuinfo) as f:
+            flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), [])
+    except OSError:
+        return "blake2b-256"
+    return "sha256" if {"sha_ni", "ssse3", "sse4_1"} <= set(flags) else "blake2b-256"
+
+
+def settings(chunk_bytes=None, staging_bytes=None, writers=None, checksum=None) -> dict:
+    """{"chunk_bytes", "staging_bytes", "writers", "checksum"}: each the argument, else its
+    environment variable, else the default (``checksum``: :func:`node_checksum`). Raises
+    AgentError (phase "images dir") naming a bad value and where it came from."""
     given = {"chunk_bytes": chunk_bytes, "staging_bytes": staging_bytes, "writers": writers}
     out = {}
     for k, v in given.items():
@@ -61,6 +83,14 @@ def settings(chunk_bytes=None, staging_bytes=None, writers=None) -> dict:
         check_carrier_params(out["chunk_bytes"], out["staging_bytes"], out["writers"])
     except ValueError as e:
         raise AgentError("images dir", f"carrier chunk files: {e}") from None
+    where = "the snapshot's chunks.checksum"
+    if checksum is None and os.environ.get(ENV["checksum"]):
+        checksum, where = os.environ[ENV["checksum"]], ENV["checksum"]
+    out["checksum"] = node_checksum() if checksum is None else checksum
+    try:
+        chunk_checksum_flag(out["checksum"])
+    except ValueError as e:
+        raise AgentError("images dir", f"carrier chunk files: {where}: {e}") from None
     return out
 
 
@@ -76,7 +106,9 @@ def checkpoint_files(images_dir, incremental: bool = False, **kw) -> CarrierFile
     root = store.root_of(images_dir)
     prefix = store.new_prefix()
     # the lock, the chunks of trusted manifests (with a node key: MAC-valid), the pin
-    hold = store.Hold(root, prefix, lambda: store.known_chunks(root, trust.check_mac), images_dir)
+    hold = store.Hold(
+        root, prefix, lambda: store.known_chunks(root, trust.check_mac, s["checksum"]), images_dir
+    )
     files = CarrierFiles(
         store.packs_dir(root), store=store.STORE_REL, prefix=prefix, known=hold.known, **s
     )
@@ -101,7 +133,9 @@ def release_files(images_dir, lock_fields: dict) -> CarrierFiles:
     """The chunk files a release (a dead agent's checkpoint) loads the shims back from:
     ``lock_fields`` are the ``.lock``'s ``chunks`` and ``store`` (:func:`store_record`)."""
     rec = lock_fields.get("store")
-    s = settings(**(lock_fields.get("chunks") or {}))
+    ch = dict(lock_fields.get("chunks") or {})
+    ch.setdefault("checksum", DEFAULT_CHUNK_CHECKSUM)  # a .lock from before D36
+    s = settings(**ch)
     if not rec:
         return CarrierFiles(pathlib.Path(images_dir) / CHUNKS_DIR, **s)
     files = CarrierFiles(rec["dir"], store=store.STORE_REL, prefix=rec["prefix"], **s)
@@ -117,7 +151,11 @@ def restore_files(images_dir, manifest: dict, **kw) -> CarrierFiles:
     and refs from ``chunks.streams``, and the store's shared lock in ``holder`` (:func:`release`
     it once the shims have loaded)."""
     chunks = manifest.get("chunks") or {}
-    s = settings(chunk_bytes=chunks.get("chunk_bytes", DEFAULT_CHUNK_BYTES), **kw)
+    s = settings(
+        chunk_bytes=chunks.get("chunk_bytes", DEFAULT_CHUNK_BYTES),
+        checksum=chunks.get("checksum", DEFAULT_CHUNK_CHECKSUM),
+        **kw,
+    )
     if chunks.get("store") != store.STORE_REL:
         return CarrierFiles(pathlib.Path(images_dir) / CHUNKS_DIR, **s)
     root = store.root_of(images_dir)

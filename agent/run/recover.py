@@ -75,12 +75,15 @@ def lock_record(cp) -> dict:
 
 
 def chunk_settings(files) -> dict:
-    """{"chunk_bytes", "staging_bytes", "writers"} of a capture's carrier chunk files
-    (coordinator/carrierfiles.py ``CarrierFiles``; {} without): a release loads the shims back
-    from the files with the chunk size they were written with (the shim refuses another)."""
+    """{"chunk_bytes", "staging_bytes", "writers", "checksum"} of a capture's carrier chunk
+    files (coordinator/carrierfiles.py ``CarrierFiles``; {} without): a release loads the shims
+    back from the files with the chunk size and checksum they were written with (the shim
+    refuses another size; another checksum would fail every chunk)."""
     if files is None:
         return {}
-    return {k: int(getattr(files, k)) for k in ("chunk_bytes", "staging_bytes", "writers")}
+    out = {k: int(getattr(files, k)) for k in ("chunk_bytes", "staging_bytes", "writers")}
+    out["checksum"] = str(files.checksum)
+    return out
 
 
 def encode_records(records) -> dict:

@@ -1,7 +1,7 @@
 """The ``chunks`` object of a manifest and what restore trusts of ``DIR/chunks/``
 (docs/snapshot-format.md "chunks"; issue 12 chunk format).
 
-``{"chunk_bytes": N, "checksum": "blake2b-256", "streams": [{"file":
+``{"chunk_bytes": N, "checksum": "blake2b-256" or "sha256", "streams": [{"file":
 "chunks/shared-<pid>-<alloc_id>.bin", "kind": "shared", "pid", "alloc_id" (32 hex), "bytes",
 "zero": [indices], "checksums": [64 hex or null per chunk]}]}``: one stream per shim carrier.
 
@@ -29,6 +29,7 @@ import stat
 
 from cuinterpose.agent.errors import SnapshotError
 from cuinterpose.agent.snapshot import store
+from cuinterpose.coordinator.protocol import CHUNK_CHECKSUMS
 
 CHUNKS_DIR = "chunks"
 LOCAL_KEYS = ("directory", "private")
@@ -131,9 +132,12 @@ def _check_packs(snapshot, ch: dict, streams: list[dict]) -> None:
 
 
 def _shape(snapshot, ch) -> list[dict]:
-    if not isinstance(ch, dict) or ch.get("checksum") != "blake2b-256":
+    if not isinstance(ch, dict) or ch.get("checksum") not in CHUNK_CHECKSUMS:
         raise _refuse(
-            snapshot, 'field chunks must be {"chunk_bytes", "checksum": "blake2b-256", ...}'
+            snapshot,
+            'field chunks must be {"chunk_bytes", "checksum": '
+            + " or ".join(f'"{c}"' for c in sorted(CHUNK_CHECKSUMS))
+            + ", ...}",
         )
     cb = ch.get("chunk_bytes")
     if type(cb) is not int or cb < 1 << 16 or cb > 1 << 30 or cb & (cb - 1):

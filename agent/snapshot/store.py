@@ -215,16 +215,21 @@ def live(root, skip=None) -> dict[str, list[tuple[int, int]]]:
     return out
 
 
-def known_chunks(root, check_mac=lambda d, m: None) -> dict[bytes, tuple[str, int]]:
+def known_chunks(
+    root, check_mac=lambda d, m: None, checksum: str = "blake2b-256"
+) -> dict[bytes, tuple[str, int]]:
     """digest -> (pack, offset) of the chunks the store holds, for a checkpoint (call it under
     a shared :class:`Lock`): from every readable, trusted (:func:`_trusted`) store manifest
-    under ``root``, only where the pack is a regular file that covers the chunk. Any other
+    under ``root`` whose ``chunks.checksum`` is ``checksum`` (a digest of another algorithm
+    names other bytes), only where the pack is a regular file that covers the chunk. Any other
     manifest is skipped (its chunks are simply written again)."""
     out: dict[bytes, tuple[str, int]] = {}
     sizes: dict[str, int] = {}
     pd = packs_dir(root)
     for d, m in manifests(root):
         if not uses_store(m) or not _trusted(d, m, check_mac):
+            continue
+        if (m.get("chunks") or {}).get("checksum", "blake2b-256") != checksum:
             continue
         try:
             locs = list(chunk_locations(m))

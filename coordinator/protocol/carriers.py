@@ -19,6 +19,7 @@ groups with one descriptor each, as the streams, then the :class:`ChunkRef` rows
 from __future__ import annotations
 
 import enum
+import hashlib
 import struct
 from dataclasses import dataclass, field
 
@@ -39,6 +40,10 @@ __all__ = [
     "CUI_KNOWN_MAX",
     "CUI_REFS_MAX",
     "CarryFlag",
+    "CHUNK_CHECKSUMS",
+    "DEFAULT_CHUNK_CHECKSUM",
+    "chunk_checksum_flag",
+    "chunk_digest",
     "ChunkRef",
     "known_table",
     "source_table",
@@ -67,6 +72,33 @@ class CarryFlag(enum.IntFlag):
 
     KNOWN = 0x1  # SAVE_ALLOCATIONS: a known-digest table follows the entries
     SOURCES = 0x2  # LOAD_ALLOCATIONS: source files and chunk refs follow the entries
+    SHA256 = 0x4  # SAVE and LOAD: the chunk checksum is SHA-256, not BLAKE2b-256
+
+
+#: the chunk checksums (the manifest's ``chunks.checksum``; protocol.h "Carriers", decisions
+#: D36) -> the request flag that selects it in the shim
+CHUNK_CHECKSUMS = {"blake2b-256": CarryFlag(0), "sha256": CarryFlag.SHA256}
+#: what a request without the flag means (every snapshot before D36)
+DEFAULT_CHUNK_CHECKSUM = "blake2b-256"
+
+
+def chunk_checksum_flag(name: str) -> CarryFlag:
+    """The :class:`CarryFlag` bit of chunk checksum ``name``; ValueError naming the known ones."""
+    try:
+        return CHUNK_CHECKSUMS[name]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"chunk checksum {name!r} is not one of {sorted(CHUNK_CHECKSUMS)}"
+        ) from None
+
+
+def chunk_digest(name: str, data) -> bytes:
+    """The 32-byte digest of ``data`` under chunk checksum ``name`` (hashlib: BLAKE2b with
+    digest_size 32, or SHA-256); ValueError for another name."""
+    chunk_checksum_flag(name)
+    if name == "sha256":
+        return hashlib.sha256(data).digest()
+    return hashlib.blake2b(data, digest_size=32).digest()
 
 
 #: the agent's defaults (docs/snapshot-format.md "chunks"; issue 12 chunk format)

@@ -2,7 +2,7 @@
  * blake2b.c: BLAKE2b with a 32-byte digest and no key (RFC 7693, sections 2.1-3.3; util layer),
  * the chunk checksum of protocol.h "Carriers". One-shot: the chunk is whole in its staging slot.
  * Tested byte-for-byte against Python's hashlib.blake2b(data, digest_size=32) by
- * tests/shim/test_blake2b.py (lengths 0, 1, 127, 128, 129, ... and chunk sizes).
+ * tests/shim/test_chunkio.py (lengths 0, 1, 127, 128, 129, ... and chunk sizes).
  */
 #include <string.h>
 

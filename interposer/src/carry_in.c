@@ -104,9 +104,11 @@ int cui_carry_recv(int conn, const struct cui_request *req, struct cui_carry_in 
   const char *op = cui_op_name(req->op);
   unsigned pid = (unsigned)getpid();
   const char *why = NULL;
-  uint32_t allowed = load ? CUI_CARRY_SOURCES : CUI_CARRY_KNOWN;
+  uint32_t allowed = (load ? CUI_CARRY_SOURCES : CUI_CARRY_KNOWN) | CUI_CARRY_SHA256;
   if (count > (1u << 20)) why = "more than 1048576 chunk files announced";
-  else if (in->flags & ~allowed) why = load ? "flags other than CUI_CARRY_SOURCES" : "flags other than CUI_CARRY_KNOWN";
+  else if (in->flags & ~allowed)
+    why = load ? "flags other than CUI_CARRY_SOURCES and CUI_CARRY_SHA256"
+               : "flags other than CUI_CARRY_KNOWN and CUI_CARRY_SHA256";
   if (!why) {
     in->entries = calloc(count ? count : 1, sizeof *in->entries);
     in->fds = calloc(count ? count : 1, sizeof *in->fds);
@@ -118,7 +120,7 @@ int cui_carry_recv(int conn, const struct cui_request *req, struct cui_carry_in 
     why = recv_group(conn, in->entries, (size_t)count * sizeof *in->entries, in->fds, count, &nfd);
     if (!why && nfd != count) why = "fewer descriptors than entries";
     in->count = nfd;
-    if (!why && in->flags) why = recv_store_tables(conn, in, load);
+    if (!why && (in->flags & (CUI_CARRY_KNOWN | CUI_CARRY_SOURCES))) why = recv_store_tables(conn, in, load);
   }
   if (!why) return 0;
   res->status = CUI_BAD_REQUEST;

@@ -62,6 +62,7 @@ struct cui_cio {
   size_t ntasks, cap_tasks, next_task, consumed;
   int stop, finishing;
   uint64_t written, reused;
+  cui_digest_fn digest;
   const uint8_t (*known)[CUI_DIGEST_BYTES];   /* writers: digests not to write, ascending */
   size_t nknown;
   int direct_fd[CIO_DIRECT_MAX], direct_flags[CIO_DIRECT_MAX];   /* switched to O_DIRECT; old flags */
@@ -152,7 +153,7 @@ static void *writer_main(void *arg) {
     int e = 0, zero = all_zero(buf, it.len), known = 0, direct = 0;
     if (zero) memset(it.s->digests[it.chunk], 0, CUI_DIGEST_BYTES);
     else {
-      cui_blake2b_256(buf, it.len, it.s->digests[it.chunk]);
+      io->digest(buf, it.len, it.s->digests[it.chunk]);
       known = io->nknown && bsearch(it.s->digests[it.chunk], io->known, io->nknown, CUI_DIGEST_BYTES, cmp_digest);
     }
     if (!zero && !known) {
@@ -192,7 +193,7 @@ static void *reader_main(void *arg) {
     /* the bytes are in the slot: their clean pages leave the page cache (no second host copy
      * stays behind; a failure of the advice changes nothing) */
     if (e == 0) (void)posix_fadvise(it.fd, it.off, (off_t)it.len, POSIX_FADV_DONTNEED);
-    if (e == 0) cui_blake2b_256(buf, it.len, got);
+    if (e == 0) io->digest(buf, it.len, got);
     pthread_mutex_lock(&io->mu);
     if (e == 0 && memcmp(got, it.s->digests[it.chunk], CUI_DIGEST_BYTES) != 0)
       set_error(io, CUI_CIO_CHECKSUM, 0, &it, got);
@@ -220,9 +221,11 @@ static void cio_free(struct cui_cio *io) {
   free(io);
 }
 
-struct cui_cio *cui_cio_start(size_t chunk_bytes, size_t staging_bytes, unsigned threads, int reading) {
+struct cui_cio *cui_cio_start(size_t chunk_bytes, size_t staging_bytes, unsigned threads, int reading,
+                              cui_digest_fn digest) {
   struct cui_cio *io = calloc(1, sizeof *io);
   if (!io) return NULL;
+  io->digest = digest;
   pthread_mutex_init(&io->mu, NULL);
   pthread_cond_init(&io->cv, NULL);
   io->chunk_bytes = chunk_bytes;

@@ -24,6 +24,11 @@ static void hex_digest(const uint8_t d[CUI_DIGEST_BYTES], char out[2 * CUI_DIGES
 
 static uint32_t chunks_of(uint64_t bytes, uint64_t cb) { return (uint32_t)((bytes + cb - 1) / cb); }
 
+/* The request's chunk checksum (protocol.h "Carriers"): SHA-256 with CUI_CARRY_SHA256, else BLAKE2b-256. */
+static cui_digest_fn digest_of(const struct cui_carry_in *in) {
+  return (in->flags & CUI_CARRY_SHA256) ? cui_sha256 : cui_blake2b_256;
+}
+
 /* Forget every digest table: clear CUI_REC_CARRIED and the carrier fields. Returns how many
  * allocations were carried. Only host memory is touched. */
 static uint32_t drop_tables(void) {
@@ -217,7 +222,7 @@ int cui_op_save_allocations(struct cui_op_result *res) {
       goto out;
     }
   }
-  struct cui_cio *io = n ? cui_cio_start(cb, in->staging_bytes, in->writers, 0) : NULL;
+  struct cui_cio *io = n ? cui_cio_start(cb, in->staging_bytes, in->writers, 0, digest_of(in)) : NULL;
   if (n && !io) {
     res->status = CUI_FAILED;
     snprintf(res->message, sizeof res->message,
@@ -368,9 +373,8 @@ static void refuse_load(struct cui_op_result *res, const struct cui_alloc *a, co
     hex_digest(s->digests[e->chunk], want);
     hex_digest(e->found, got);
     n = snprintf(res->message, sizeof res->message,
-                 "LOAD_ALLOCATIONS: pid %u allocation %s: chunk %u of %s has checksum blake2b-256 %s, "
-                 "recorded %s",
-                 pid, hex, e->chunk, where, got, want);
+                 "LOAD_ALLOCATIONS: pid %u allocation %s: chunk %u of %s has checksum %s %s, recorded %s", pid, hex,
+                 e->chunk, where, in && (in->flags & CUI_CARRY_SHA256) ? "sha256" : "blake2b-256", got, want);
   } else if (e->kind == CUI_CIO_SHORT) {
     n = snprintf(res->message, sizeof res->message,
                  "LOAD_ALLOCATIONS: pid %u allocation %s: %s ends inside chunk %u (shorter than the %llu "
@@ -458,7 +462,7 @@ int cui_op_load_allocations(struct cui_op_result *res) {
     }
   }
   if (check_sources(res, in, which, st) != 0) goto out;
-  struct cui_cio *io = n ? cui_cio_start(cb, in->staging_bytes, in->writers, 1) : NULL;
+  struct cui_cio *io = n ? cui_cio_start(cb, in->staging_bytes, in->writers, 1, digest_of(in)) : NULL;
   if (n && !io) {
     res->status = CUI_REFUSED_STATE;
     snprintf(res->message, sizeof res->message,

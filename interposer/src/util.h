@@ -69,8 +69,20 @@ CUI_HIDDEN uint64_t cui_checksum64(const void *data, size_t length);
 
 /* ---------- blake2b.c ---------- */
 
-/* BLAKE2b-256 of `length` bytes, no key (RFC 7693): the chunk checksum (protocol.h "Carriers"). */
+/* A chunk checksum: the 32-byte digest of `length` bytes (protocol.h "Carriers"). */
+typedef void (*cui_digest_fn)(const void *data, size_t length, uint8_t out[CUI_DIGEST_BYTES]);
+
+/* BLAKE2b-256 of `length` bytes, no key (RFC 7693): the chunk checksum unless the request sets
+ * CUI_CARRY_SHA256. */
 CUI_HIDDEN void cui_blake2b_256(const void *data, size_t length, uint8_t out[CUI_DIGEST_BYTES]);
+
+/* ---------- sha256.c ---------- */
+
+/* SHA-256 of `length` bytes (FIPS 180-4), with the x86-64 SHA extensions where the CPU has them
+ * (cui_sha256_accelerated() == 1), else portable (cui_sha256_portable, also for the tests). */
+CUI_HIDDEN void cui_sha256(const void *data, size_t length, uint8_t out[CUI_DIGEST_BYTES]);
+CUI_HIDDEN void cui_sha256_portable(const void *data, size_t length, uint8_t out[CUI_DIGEST_BYTES]);
+CUI_HIDDEN int cui_sha256_accelerated(void);
 
 /* ---------- chunkio.c ---------- */
 
@@ -99,9 +111,10 @@ struct cui_cio_error {
   uint8_t found[CUI_DIGEST_BYTES];  /* CHECKSUM: the digest of the bytes read */
 };
 /* Allocates the ring (staging_bytes / chunk_bytes slots, at least one) and starts `threads`
- * threads (writers when !reading). Returns NULL on out of memory or a thread that cannot start
- * (errno set). */
-CUI_HIDDEN struct cui_cio *cui_cio_start(size_t chunk_bytes, size_t staging_bytes, unsigned threads, int reading);
+ * threads (writers when !reading) that hash each chunk with `digest`. Returns NULL on out of memory or a thread that
+ * cannot start (errno set). */
+CUI_HIDDEN struct cui_cio *cui_cio_start(size_t chunk_bytes, size_t staging_bytes, unsigned threads, int reading,
+                                         cui_digest_fn digest);
 CUI_HIDDEN void *cui_cio_ring(struct cui_cio *io, size_t *bytes);
 /* SAVE: a free slot to fill (blocks until one is free), -1 once an error stopped the ring. */
 CUI_HIDDEN int cui_cio_slot(struct cui_cio *io, unsigned char **buf);

@@ -108,6 +108,28 @@ def test_known_chunks_are_where_the_manifests_put_them(tmp_path):
     assert set(store.known_chunks(tmp_path).values()) == {(p1, 0), (p1, CB), (p1, 3 * CB)}
 
 
+def test_known_chunks_come_only_from_manifests_of_the_same_checksum(tmp_path):
+    """A BLAKE2b-256 digest says nothing of a chunk's SHA-256 (decisions D36): a checkpoint
+    with one checksum refers only to chunks stored under it; the default is BLAKE2b-256, the
+    checksum of every snapshot before D36."""
+    p1, p2, (d1, m1, _), _ = _two(tmp_path)
+    assert (
+        len(store.known_chunks(tmp_path))
+        == len(store.known_chunks(tmp_path, checksum="blake2b-256"))
+        == 4
+    )
+    assert store.known_chunks(tmp_path, checksum="sha256") == {}
+    m1["chunks"]["checksum"] = "sha256"  # s1 claims SHA-256: its chunks serve only SHA-256
+    (d1 / "manifest.json").write_text(json.dumps(m1))
+    assert set(store.known_chunks(tmp_path, checksum="sha256").values()) == {
+        (p1, 0),
+        (p1, CB),
+        (p1, 3 * CB),
+    }
+    # s2 (BLAKE2b-256) still names its own chunk 3 and the two it refers to in p1
+    assert set(store.known_chunks(tmp_path).values()) == {(p1, 0), (p1, CB), (p2, 3 * CB)}
+
+
 def test_collect_keeps_used_ranges_zeroes_the_rest_and_unlinks_orphans(tmp_path):
     p1, p2, (d1, _, _), (d2, m2, c2) = _two(tmp_path)
     pd = store.packs_dir(tmp_path)
@@ -211,7 +233,45 @@ def test_release_gets_the_refs_the_checkpoint_recorded(tmp_path):
         CB,
     )
     assert back.refs == files.refs
+    assert back.checksum == "blake2b-256"  # a .lock from before D36 names none: BLAKE2b-256
+    lock["chunks"]["checksum"] = "sha256"  # recover.chunk_settings records it now
+    assert carriers.release_files(tmp_path / "s9", lock).checksum == "sha256"
     assert carriers.store_record(CarrierFiles(tmp_path / "chunks")) is None
+
+
+def test_the_chunk_checksum_comes_from_the_cpu_the_environment_or_the_snapshot(
+    tmp_path, monkeypatch
+):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse2 ssse3 sse4_1 sha_ni avx2\n")
+    assert carriers.node_checksum(str(info), "x86_64") == "sha256"
+    assert (
+        carriers.node_checksum(str(info), "aarch64") == "blake2b-256"
+    )  # no accelerated path there
+    info.write_text("flags\t\t: fpu sse2 ssse3 sse4_1 avx2\n")
+    assert carriers.node_checksum(str(info), "x86_64") == "blake2b-256"
+    assert carriers.node_checksum(str(tmp_path / "absent"), "x86_64") == "blake2b-256"
+    monkeypatch.delenv("CUINTERPOSE_CHUNK_CHECKSUM", raising=False)
+    monkeypatch.delenv("CUINTERPOSE_INCREMENTAL", raising=False)
+    assert carriers.settings()["checksum"] == carriers.node_checksum()
+    for name in ("sha256", "blake2b-256"):
+        monkeypatch.setenv("CUINTERPOSE_CHUNK_CHECKSUM", name)
+        assert carriers.checkpoint_files(tmp_path / "s1").checksum == name
+    monkeypatch.setenv("CUINTERPOSE_CHUNK_CHECKSUM", "md5")
+    with pytest.raises(AgentError) as e:
+        carriers.settings()
+    assert str(e.value).endswith(
+        "carrier chunk files: CUINTERPOSE_CHUNK_CHECKSUM: chunk checksum 'md5' is not one of "
+        "['blake2b-256', 'sha256']"
+    )
+    # a restore reads with the snapshot's checksum, whatever the node or the environment says
+    m = {"chunks": {"chunk_bytes": CB, "checksum": "blake2b-256"}}
+    assert carriers.restore_files(tmp_path / "s1", m).checksum == "blake2b-256"
+    m["chunks"]["checksum"] = "sha256"
+    assert carriers.restore_files(tmp_path / "s1", m).checksum == "sha256"
+    m["chunks"]["checksum"] = "crc32"
+    with pytest.raises(AgentError, match="the snapshot's chunks.checksum: chunk checksum 'crc32'"):
+        carriers.restore_files(tmp_path / "s1", m)
 
 
 def test_a_symlinked_store_or_packs_dir_is_refused_and_nothing_outside_is_touched(tmp_path):

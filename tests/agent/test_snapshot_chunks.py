@@ -67,6 +67,10 @@ def test_good_snapshot_passes(tmp_path):
         ("zero", "field zero differs from the null checksums"),
         ("count", "3 checksums expected"),
         ("absent", "the capture carries 1 allocations but the manifest has no field chunks"),
+        (
+            "checksum",
+            'field chunks must be {"chunk_bytes", "checksum": "blake2b-256" or "sha256", ...}',
+        ),
     ],
 )
 def test_refusals_name_the_file_and_change_nothing(tmp_path, case, message):
@@ -91,6 +95,8 @@ def test_refusals_name_the_file_and_change_nothing(tmp_path, case, message):
         s["checksums"] = s["checksums"][:2]
     elif case == "absent":
         del m["chunks"]
+    elif case == "checksum":
+        m["chunks"]["checksum"] = "md5"
     before = _files(tmp_path)
     with pytest.raises(SnapshotError) as ei:
         chunks.check(tmp_path, m, carriers)

@@ -57,7 +57,7 @@ static void layout(void) {
   printf("sizeof cui_chunk_ref %zu\n", sizeof(struct cui_chunk_ref));
   F(cui_chunk_ref, stream); F(cui_chunk_ref, chunk); F(cui_chunk_ref, source);
   F(cui_chunk_ref, reserved); F(cui_chunk_ref, offset);
-  K(CUI_CARRY_KNOWN); K(CUI_CARRY_SOURCES); K(CUI_KNOWN_MAX); K(CUI_REFS_MAX);
+  K(CUI_CARRY_KNOWN); K(CUI_CARRY_SOURCES); K(CUI_CARRY_SHA256); K(CUI_KNOWN_MAX); K(CUI_REFS_MAX);
 
   K(CUI_PROTO_MAGIC); K(CUI_PROTO_VERSION); K(CUI_MAX_ACCESS); K(CUI_TXN_ROOM);
   STR(CUI_DEFAULT_CONTROL_DIR); STR(CUI_SOCKET_PREFIX); STR(CUI_TICKET_MAGIC);

@@ -4,7 +4,6 @@ steps 1..N once each, VAs and the device-side pointer table identical). Real age
 
 from __future__ import annotations
 
-import hashlib
 import json
 import pathlib
 import signal
@@ -15,7 +14,7 @@ import pytest
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "carw"))
 from carw_kit import Carw, check_finished  # noqa: E402
 
-from cuinterpose.coordinator.protocol import cui_checksum64  # noqa: E402
+from cuinterpose.coordinator.protocol import chunk_digest, cui_checksum64  # noqa: E402
 from cuinterpose.workloads.afdwin import demo  # noqa: E402
 from cuinterpose.workloads.carw import layout as L  # noqa: E402
 
@@ -77,12 +76,12 @@ def test_carw_checkpoint_kill_restore_finish(carw, tmp_path, share, ranks):
         {"creator": 2, "importer": 2 * (ranks - 1), "private": 1}
     ] * ranks
     # each carrier is one chunk file of one chunk (GRANULARITY < chunk_bytes): its checksum is
-    # cui_checksum64 of the BLAKE2b-256 digest of the bytes (protocol.h "Carriers"), and the
-    # file under chunks/ holds exactly the bytes
+    # cui_checksum64 of the chunk digest of the bytes (protocol.h "Carriers"; the node's
+    # checksum, decisions D36), and the file under chunks/ holds exactly the bytes
     digest = {}
     for rank, pid in enumerate(pids):
         for blob in cut_bytes(rank, HOLD):
-            d = hashlib.blake2b(blob, digest_size=32).digest()
+            d = chunk_digest(m["chunks"]["checksum"], blob)
             digest[(pid, d.hex())] = blob
     assert sorted((c["pid"], c["bytes"], c["checksum"]) for c in m["carriers"]) == sorted(
         (pid, GRANULARITY, f"{cui_checksum64(bytes.fromhex(d)):016x}") for pid, d in digest

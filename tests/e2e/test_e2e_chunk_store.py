@@ -14,7 +14,6 @@ creator and an importer):
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pathlib
@@ -28,6 +27,7 @@ import pytest
 
 from cuinterpose.agent.snapshot import store
 from cuinterpose.coordinator.contract import read_json
+from cuinterpose.coordinator.protocol import chunk_digest
 from cuinterpose.workloads.afdwin import demo
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="CRIU needs root")
@@ -167,11 +167,10 @@ def _stream_bytes(packs, s) -> bytes:
     return bytes(out)
 
 
-def _digest(b: bytes) -> str:
-    return hashlib.blake2b(b, digest_size=32).hexdigest()
-
-
 def _check_streams(packs, m) -> None:
+    def _digest(b: bytes) -> str:
+        return chunk_digest(m["chunks"]["checksum"], b).hex()
+
     for s in m["chunks"]["streams"]:
         data = _stream_bytes(packs, s)
         assert len(data) == s["bytes"]
@@ -246,7 +245,11 @@ def test_second_checkpoint_writes_only_changed_chunks_delete_frees_only_unshared
     data = (packs / s1["pack"]).read_bytes()
     for k in range(n):  # freed chunks read as zeros (holes), the used ones are intact
         part = data[k * CB : (k + 1) * CB]
-        assert part == bytes(CB) if k in unused else _digest(part) == s1["checksums"][k]
+        assert (
+            part == bytes(CB)
+            if k in unused
+            else chunk_digest(ch1["checksum"], part).hex() == s1["checksums"][k]
+        )
     _check_streams(packs, m2)  # every byte of s2 is still there
 
     # a chunk that no longer matches refuses the restore; the snapshot stays as it was

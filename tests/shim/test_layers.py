@@ -4,7 +4,7 @@ Two graphs over interposer/src: calls (from the object files of the CMake build:
 A -> B when A.o uses a global symbol that B.o defines) and includes (``#include "..."``).
 Both must be acyclic, and every arrow must go down the layer order:
 
-    util (util, checksum, blake2b, chunkio) -> resolve -> state -> vmm_api | multicast_api | peer | proc_address
+    util (util, checksum, blake2b, sha256, chunkio) -> resolve -> state -> vmm_api | multicast_api | peer | proc_address
       | alloc_api | ipc_api
       -> ops_unicast | ops_carriers | ops_multicast -> ops -> control | carry_in
 
@@ -24,7 +24,7 @@ import pytest
 from .shim_build import SRC, hooked_names, object_files
 
 LAYERS = [
-    {"util", "checksum", "blake2b", "chunkio", "util.h"},
+    {"util", "checksum", "blake2b", "sha256", "chunkio", "util.h"},
     {"resolve", "resolve.h", "hooks.def"},
     {"state", "state.h"},
     {"vmm_api", "multicast_api", "peer", "proc_address", "alloc_api", "ipc_api", "api.h"},
@@ -37,7 +37,6 @@ RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 #: multicast_api; the import wrappers and the multicast import use the FETCH_FD client.
 #: The IPC adapter builds on the tracked VMM wrappers (docs/shim.md "IPC adapter").
 SAME_LAYER = {
-    ("chunkio", "blake2b"),  # the writers and readers hash each chunk in its slot
     ("ops_carriers", "ops_unicast"),  # the staging mapping and remap helpers
     ("control", "carry_in"),  # the worker receives the carriers' tables
     ("vmm_api", "multicast_api"),

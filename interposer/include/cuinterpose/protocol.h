@@ -322,7 +322,9 @@ struct cui_record {           /* 640 bytes */
  * / chunk_bytes slots, at most CUI_STAGING_MAX bytes); writers in [1, CUI_WRITERS_MAX].
  * File layout: size = the allocation's size (the shim ftruncates it); chunk i at offset
  * i * chunk_bytes, the last chunk may be short; an all-zero chunk is not written (sparse).
- * Checksum: BLAKE2b, 32-byte digest, no key (RFC 7693), of each non-zero chunk's bytes.
+ * Checksum of each non-zero chunk's bytes, 32 bytes: BLAKE2b-256, no key (RFC 7693), or SHA-256
+ * (FIPS 180-4) when cui_request.reserved[2] has the flag CUI_CARRY_SHA256 (decisions D36; the
+ * LOAD must name the SAVE's algorithm; the known digests of CUI_CARRY_KNOWN are of it too).
  * SAVE writes chunks with O_DIRECT where a file allows it (open(2); the shim sets the flag on
  * the received descriptors for the op and puts their flags back before it replies) and through
  * the page cache elsewhere; reply.reserved[3] of an OK SAVE_ALLOCATIONS counts the chunk bytes
@@ -357,6 +359,7 @@ struct cui_record {           /* 640 bytes */
  * CUI_BAD_REQUEST (SAVE) or CUI_REFUSED_STATE (LOAD, a source's size), nothing changed. */
 #define CUI_CARRY_KNOWN        0x1u
 #define CUI_CARRY_SOURCES      0x2u
+#define CUI_CARRY_SHA256       0x4u   /* SAVE and LOAD: the chunk checksum is SHA-256 ("Carriers") */
 #define CUI_KNOWN_MAX          (1u << 22)
 #define CUI_REFS_MAX           (1u << 22)
 #define CUI_STREAM_FDS_PER_MSG 64

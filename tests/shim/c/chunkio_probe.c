@@ -1,6 +1,10 @@
-/* Probe of interposer/src/blake2b.c and chunkio.c (tests/shim/test_blake2b.py), built with and
- * without ASan/UBSan:
+/* Probe of interposer/src/blake2b.c, sha256.c and chunkio.c (tests/shim/test_chunkio.py), built
+ * with and without ASan/UBSan:
  *   chunkio_probe hash FILE...                 BLAKE2b-256 of each file, 64 hex per line
+ *   chunkio_probe sha256 FILE...               SHA-256 (accelerated where the CPU allows)
+ *   chunkio_probe sha256-portable FILE...      SHA-256, portable compression
+ *   chunkio_probe accelerated                  "1" when cui_sha256 uses the SHA extensions
+ * write and read hash with BLAKE2b-256, or SHA-256 when $PROBE_SHA256 is set.
  *   chunkio_probe write OUT CHUNK STAGING N [direct]
  *                                              stdin -> OUT through the writers (N threads;
  *                                               "direct": OUT given to cui_cio_direct): one line
@@ -38,14 +42,22 @@ static void hex(const uint8_t *d) {
 }
 
 int main(int argc, char **argv) {
-  if (argc >= 2 && !strcmp(argv[1], "hash")) {
+  if (argc == 2 && !strcmp(argv[1], "accelerated")) {
+    printf("%d\n", cui_sha256_accelerated());
+    return 0;
+  }
+  cui_digest_fn fn = argc >= 2 && !strcmp(argv[1], "hash")              ? cui_blake2b_256
+                     : argc >= 2 && !strcmp(argv[1], "sha256")          ? cui_sha256
+                     : argc >= 2 && !strcmp(argv[1], "sha256-portable") ? cui_sha256_portable
+                                                                        : NULL;
+  if (fn) {
     for (int i = 2; i < argc; i++) {
       FILE *f = fopen(argv[i], "rb");
       size_t n;
       unsigned char *b = slurp(f, &n);
       fclose(f);
       uint8_t d[32];
-      cui_blake2b_256(b, n, d);
+      fn(b, n, d);
       hex(d);
       printf("\n");
       free(b);
@@ -79,7 +91,8 @@ int main(int argc, char **argv) {
       if (strncmp(line, "zero", 4))
         for (int k = 0; k < 32; k++) sscanf(line + 2 * k, "%2hhx", &s.digests[i][k]);
   }
-  struct cui_cio *io = cui_cio_start(cb, staging, threads, reading);
+  struct cui_cio *io = cui_cio_start(cb, staging, threads, reading,
+                                     getenv("PROBE_SHA256") ? cui_sha256 : cui_blake2b_256);
   if (!io) return 4;
   struct cui_cio_error e;
   struct cui_cio_counts counts = {0};

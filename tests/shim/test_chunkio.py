@@ -28,7 +28,8 @@ KIND_WRITE, KIND_CHECKSUM = 1, 4
 
 def _probe(build_c, sanitize):
     return build_c(
-        [C_DIR / "chunkio_probe.c", SHIM_SRC / "src" / "chunkio.c", SHIM_SRC / "src" / "blake2b.c"],
+        [C_DIR / "chunkio_probe.c"]
+        + [SHIM_SRC / "src" / f for f in ("chunkio.c", "blake2b.c", "sha256.c")],
         "shim_chunkio_probe",
         sanitize=sanitize,
         extra=(f"-I{SHIM_SRC / 'src'}", f"-I{SHIM_SRC / 'include'}"),
@@ -62,6 +63,48 @@ def test_blake2b_matches_hashlib(build_c, tmp_path):
     assert got == ["bddd813c634239723171ef3fee98579b94964e3bb1cb3e427262c8c068d52319"]
 
 
+def _blobs(tmp_path) -> tuple[list[bytes], list[str]]:
+    """Random inputs at every padding edge of both hashes (64- and 128-byte blocks) and chunk
+    sizes, and two constant ones; written to files."""
+    rng = random.Random(7)
+    lengths = [0, 1, 2, 55, 56, 57, 63, 64, 65, 119, 120, 127, 128, 129, 255, 256, 257, 1000, 4096]
+    lengths += [CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 5, 1 << 20]
+    blobs = [rng.randbytes(n) for n in lengths] + [bytes(128), b"\xff" * 129]
+    paths = []
+    for k, b in enumerate(blobs):
+        p = tmp_path / f"blob{k}"
+        p.write_bytes(b)
+        paths.append(str(p))
+    return blobs, paths
+
+
+@pytest.mark.parametrize("sanitize", [False, True], ids=["plain", "asan"])
+def test_sha256_matches_hashlib_both_compressions(build_c, tmp_path, sanitize):
+    exe = _probe(build_c, sanitize)
+    blobs, paths = _blobs(tmp_path)
+    want = [hashlib.sha256(b).hexdigest() for b in blobs]
+    for mode in ("sha256", "sha256-portable"):
+        out = subprocess.run(
+            [str(exe), mode, *paths], capture_output=True, text=True, check=True
+        ).stdout.split()
+        assert out == want, mode
+    # FIPS 180-2 appendix B.1's "abc"
+    (tmp_path / "abc").write_bytes(b"abc")
+    got = subprocess.run(
+        [str(exe), "sha256", str(tmp_path / "abc")], capture_output=True, text=True, check=True
+    )
+    assert got.stdout.split() == [
+        "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+    ]
+    # the accelerated compression is the one in use exactly when the CPU reports SHA-NI
+    accel = subprocess.run(
+        [str(exe), "accelerated"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    with open("/proc/cpuinfo") as f:
+        flags = {w for ln in f if ln.startswith("flags") for w in ln.split(":", 1)[1].split()}
+    assert accel == ("1" if {"sha_ni", "ssse3", "sse4_1"} <= flags else "0")
+
+
 def _data() -> tuple[bytes, list[int]]:
     """20 chunks and a short one: chunks 3, 4 and 10..17 all zero (10 of 21), the rest random."""
     rng = random.Random(99)
@@ -71,9 +114,19 @@ def _data() -> tuple[bytes, list[int]]:
     return b"".join(parts), zero
 
 
+@pytest.mark.parametrize("algo", ["blake2b-256", "sha256"])
 @pytest.mark.parametrize("sanitize", [False, True], ids=["plain", "asan"])
-def test_ring_writes_and_reads_chunk_files(build_c, tmp_path, sanitize):
+def test_ring_writes_and_reads_chunk_files(build_c, tmp_path, sanitize, algo):
     exe = _probe(build_c, sanitize)
+    env = dict(os.environ, **({"PROBE_SHA256": "1"} if algo == "sha256" else {}))
+
+    def b2(data: bytes) -> str:  # the chunk digest of this run's algorithm
+        return (
+            hashlib.sha256(data).hexdigest()
+            if algo == "sha256"
+            else hashlib.blake2b(data, digest_size=32).hexdigest()
+        )
+
     data, zero = _data()
     out = tmp_path / "stream.bin"
     w = subprocess.run(
@@ -81,6 +134,7 @@ def test_ring_writes_and_reads_chunk_files(build_c, tmp_path, sanitize):
         input=data,
         capture_output=True,
         check=True,
+        env=env,
     )
     lines = w.stdout.decode().split("\n")[:-1]
     n = -(-len(data) // CHUNK)
@@ -99,6 +153,7 @@ def test_ring_writes_and_reads_chunk_files(build_c, tmp_path, sanitize):
         input=digests,
         capture_output=True,
         check=True,
+        env=env,
     )
     assert r.stdout == data
 
@@ -110,6 +165,7 @@ def test_ring_writes_and_reads_chunk_files(build_c, tmp_path, sanitize):
         [str(exe), "read", str(out), str(CHUNK), str(2 * CHUNK), "3"],
         input=digests,
         capture_output=True,
+        env=env,
     )
     assert r.returncode == 1 and r.stdout == b""
     found = b2(bytes(bad[7 * CHUNK : 8 * CHUNK]))
