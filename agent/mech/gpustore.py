@@ -3,9 +3,10 @@
 A *stream* is one GPU's custom-storage region of one process: one file
 ``DIR/chunks/gpu-<pid>-<ordinal>.bin`` whose size is the region's (``ftruncate`` first); chunk
 ``i`` lies at ``i * chunk_bytes``, the last one may be short; an all-zero chunk is not written
-(the file stays sparse there) and has no checksum. Checksums: BLAKE2b, 32-byte digest, no key
-(RFC 7693; ``hashlib.blake2b(data, digest_size=32)``), computed once while the chunk sits in its
-staging slot.
+(the file stays sparse there) and has no checksum. Checksums: 32-byte digests, the
+checkpoint's chunk checksum (``Options.checksum``, decisions D36: "sha256", FIPS 180-4, where
+the node's CPU has SHA extensions, else "blake2b-256", RFC 7693 with no key; hashlib), computed
+once while the chunk sits in its staging slot.
 
 The device side is a :class:`Region` (``to_host``/``from_host``/``zero`` on a byte range): the
 driver's mapped ``devPtr`` and stream (agent/mech/native_storage.py), or plain memory in tests.
@@ -25,12 +26,12 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import errno as errno_mod
-import hashlib
 import os
 import threading
 from typing import Callable, Optional, Protocol
 
 from cuinterpose.agent.errors import AgentError
+from cuinterpose.coordinator.protocol import chunk_digest
 
 CHUNK_BYTES_ENV = "CUINTERPOSE_CHUNK_BYTES"
 STAGING_BYTES_ENV = "CUINTERPOSE_STAGING_BYTES"
@@ -60,9 +61,10 @@ class Region(Protocol):
     def zero(self, off: int, n: int) -> None: ...
 
 
-def checksum(data) -> str:
-    """BLAKE2b-256 (RFC 7693, no key) of ``data`` as 64 hex digits."""
-    return hashlib.blake2b(data, digest_size=32).hexdigest()
+def checksum(data, name: str = CHECKSUM) -> str:
+    """The chunk checksum ``name`` (coordinator/protocol ``CHUNK_CHECKSUMS``: "blake2b-256",
+    RFC 7693 with no key, or "sha256", FIPS 180-4) of ``data`` as 64 hex digits."""
+    return chunk_digest(name, data).hex()
 
 
 def stream_file(pid: int, ordinal: int) -> str:
@@ -103,13 +105,15 @@ def staging_bytes(value: Optional[int] = None) -> int:
 
 @dataclasses.dataclass
 class Options:
-    """``chunk_bytes`` (bytes), ``staging_bytes`` (bytes in all per stream), ``threads``, and
-    ``alloc(n) -> (addr, free)``: a staging slot of n bytes (default: a ctypes buffer)."""
+    """``chunk_bytes`` (bytes), ``staging_bytes`` (bytes in all per stream), ``threads``,
+    ``alloc(n) -> (addr, free)``: a staging slot of n bytes (default: a ctypes buffer), and
+    ``checksum``: the chunk checksum written, or verified (the snapshot's)."""
 
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     staging_bytes: int = DEFAULT_STAGING_BYTES
     threads: int = DEFAULT_THREADS
     alloc: Optional[Callable[[int], tuple[int, Callable[[], None]]]] = None
+    checksum: str = CHECKSUM
 
     def slots(self) -> int:
         return max(1, min(self.threads, self.staging_bytes // self.chunk_bytes or 1))
@@ -203,7 +207,7 @@ def write_stream(
         data = view[:k]
         if data == zeros[:k]:
             return
-        sums[i] = checksum(data)
+        sums[i] = checksum(data, opts.checksum)
         put = 0
         while put < k:
             try:
@@ -264,7 +268,7 @@ def read_stream(region: Region, fd: int, record: dict, *, opts: Options, phase: 
                     phase, f"GPU ordinal {ordinal}: {file} ends inside chunk {i}", pid=pid
                 )
             got += b
-        have = checksum(view[:k])
+        have = checksum(view[:k], opts.checksum)
         if have != sums[i]:
             raise GpuStoreError(
                 phase,

@@ -7,7 +7,7 @@ process's GPU memory to ``chunks/gpu-<pid>-<ordinal>.bin`` when the driver has c
 (agent/mech/native_storage.py ``probe``), else stages it in host memory as before (CRIU then
 dumps it) and says why; ``custom`` on a driver without it fails the step (rolled back). The
 record goes to the manifest (:func:`annotate`): ``"gpu_storage": {"mode", "why",
-"chunk_bytes", "checksum": "blake2b-256", "streams": [...]}`` (agent/mech/gpustore.py has the
+"chunk_bytes", "checksum" (the chunk checksum), "streams": [...]}`` (agent/mech/gpustore.py has the
 stream record). A failed write (ENOSPC, EIO) rolls back: the workload keeps its memory and
 every file under ``chunks/`` this checkpoint wrote is removed.
 
@@ -22,6 +22,7 @@ import pathlib
 
 from cuinterpose.agent.errors import AgentError
 from cuinterpose.agent.mech import gpustore, native, native_storage
+from cuinterpose.agent.run import carriers
 from cuinterpose.agent.snapshot import trust
 
 
@@ -62,10 +63,12 @@ def _pinned_alloc(n: int):
 def options(ck) -> gpustore.Options:
     real = native.info().kind == "real"
     return gpustore.Options(
-        # the same settings as the shim carriers' chunk files (--chunk-bytes, --staging-bytes)
+        # the same settings as the shim carriers' chunk files (--chunk-bytes, --staging-bytes,
+        # the node's chunk checksum)
         chunk_bytes=gpustore.chunk_bytes(getattr(ck, "chunks", {}).get("chunk_bytes")),
         staging_bytes=gpustore.staging_bytes(getattr(ck, "chunks", {}).get("staging_bytes")),
         alloc=_pinned_alloc if real else None,
+        checksum=carriers.settings(**(getattr(ck, "chunks", None) or {}))["checksum"],
     )
 
 
@@ -107,7 +110,7 @@ def native_checkpoint(ck) -> None:
         "mode": "custom" if use else "host",
         "why": why,
         "chunk_bytes": opts.chunk_bytes,
-        "checksum": gpustore.CHECKSUM,
+        "checksum": opts.checksum,
         "streams": streams,
     }
 
@@ -150,6 +153,7 @@ def prepare_restore(rs) -> None:
         chunk_bytes=int(rec["chunk_bytes"]),
         staging_bytes=gpustore.staging_bytes(None),
         alloc=_pinned_alloc if native.info().kind == "real" else None,
+        checksum=str(rec.get("checksum", gpustore.CHECKSUM)),
     )
     native_storage.register_sources(rs.images_dir, rs.m["cuda_pids"], rec["streams"], opts)
 

@@ -30,6 +30,7 @@ import stat
 from typing import Optional
 
 from cuinterpose.agent.errors import SnapshotError
+from cuinterpose.coordinator.protocol import CHUNK_CHECKSUMS
 
 CRIU_DIR = "criu"
 MAC_ALG = "hmac-sha256"
@@ -264,13 +265,13 @@ def check_chunks(snapshot, m: dict, from_records: list[dict]) -> None:
     chunks.check(snapshot, m, from_records)
 
 
-#: ``gpu_storage`` (native custom storage, agent/mech/gpustore.py): its checksum algorithm
-GPU_CHECKSUM = "blake2b-256"
+#: ``gpu_storage`` (native custom storage, agent/mech/gpustore.py): its checksum algorithms are
+#: the chunk checksums (decisions D36)
 
 
 def check_gpu_storage(base: os.PathLike | str, m: dict) -> None:
     """The manifest's ``gpu_storage`` record is well formed and its files are there: mode
-    "custom" or "host"; ``chunk_bytes`` a power of two ≥ 64 KiB; ``checksum`` "blake2b-256";
+    "custom" or "host"; ``chunk_bytes`` a power of two ≥ 64 KiB; ``checksum`` "blake2b-256" or "sha256";
     each stream ``{"file", "kind": "gpu", "pid", "ordinal", "bytes", "zero", "checksums"}`` with
     ``file`` derived (``chunks/gpu-<pid>-<ordinal>.bin``), ``pid`` one of ``cuda_pids``, one
     stream per (pid, ordinal), ``ceil(bytes / chunk_bytes)`` checksums (64 hex digits, null
@@ -288,8 +289,8 @@ def check_gpu_storage(base: os.PathLike | str, m: dict) -> None:
     cb = rec.get("chunk_bytes")
     if not isinstance(cb, int) or cb < (64 << 10) or cb & (cb - 1):
         raise bad(f"chunk_bytes {cb!r} is not a power of two >= 65536")
-    if rec.get("checksum") != GPU_CHECKSUM:
-        raise bad(f"checksum {rec.get('checksum')!r} is not {GPU_CHECKSUM}")
+    if rec.get("checksum") not in CHUNK_CHECKSUMS:
+        raise bad(f"checksum {rec.get('checksum')!r} is not one of {sorted(CHUNK_CHECKSUMS)}")
     streams = rec.get("streams")
     if not isinstance(streams, list) or (rec["mode"] == "host" and streams):
         raise bad("streams is not a list (or a host record lists streams)")

@@ -26,6 +26,7 @@ import sys
 import pytest
 
 from cuinterpose.agent.mech import gpustore
+from cuinterpose.agent.run import carriers
 from cuinterpose.coordinator import contract
 from cuinterpose.workloads.afdwin import demo
 
@@ -139,7 +140,8 @@ def test_custom_storage_keeps_gpu_memory_out_of_criu_images(job, tmp_path):
     rc, out = j.checkpoint(snap, "auto")
     assert rc == 0 and out["ok"], out
     g = json.loads((snap / "manifest.json").read_text())["gpu_storage"]
-    assert (g["mode"], g["checksum"], g["chunk_bytes"]) == ("custom", "blake2b-256", CB)
+    # the node's chunk checksum (decisions D36), the same as the shim carriers'
+    assert (g["mode"], g["checksum"], g["chunk_bytes"]) == ("custom", carriers.node_checksum(), CB)
     assert "has custom storage (cuCheckpointOperationComplete)" in g["why"]
     [s] = g["streams"]
     assert (s["file"], s["kind"], s["pid"], s["ordinal"]) == (
@@ -158,7 +160,7 @@ def test_custom_storage_keeps_gpu_memory_out_of_criu_images(job, tmp_path):
     data = f.read_bytes()
     for i, c in enumerate(s["checksums"]):
         chunk = data[i * CB : (i + 1) * CB]
-        assert c == (None if not any(chunk) else gpustore.checksum(chunk)), i
+        assert c == (None if not any(chunk) else gpustore.checksum(chunk, g["checksum"])), i
     custom_pages = pages_bytes(snap)
     assert host_pages - custom_pages >= N and custom_pages < N // 2, (host_pages, custom_pages)
     j.wait_gone()
@@ -170,14 +172,15 @@ def test_custom_storage_keeps_gpu_memory_out_of_criu_images(job, tmp_path):
     bad = tmp_path / "bad"
     rc, out = j.checkpoint(bad, "custom")
     assert rc == 0 and out["ok"], out
-    [s] = json.loads((bad / "manifest.json").read_text())["gpu_storage"]["streams"]
+    g = json.loads((bad / "manifest.json").read_text())["gpu_storage"]
+    [s] = g["streams"]
     f = bad / s["file"]
     with open(f, "r+b") as fh:
         fh.seek(CB + 5)
         b = fh.read(1)
         fh.seek(CB + 5)
         fh.write(bytes([b[0] ^ 0xFF]))
-    have = gpustore.checksum(f.read_bytes()[CB : 2 * CB])
+    have = gpustore.checksum(f.read_bytes()[CB : 2 * CB], g["checksum"])
     before = tree_digest(bad)
     j.wait_gone()
     rc, out = j.restore(bad)

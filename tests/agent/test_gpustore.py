@@ -31,7 +31,12 @@ def write(tmp_path, data: bytearray, **kw):
     path = tmp_path / "chunks" / "gpu-7-0.bin"
     path.parent.mkdir(exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    opts = gpustore.Options(chunk_bytes=CB, staging_bytes=kw.pop("staging", 2 * CB), threads=4)
+    opts = gpustore.Options(
+        chunk_bytes=CB,
+        staging_bytes=kw.pop("staging", 2 * CB),
+        threads=4,
+        checksum=kw.pop("checksum", "blake2b-256"),
+    )
     try:
         rec = gpustore.write_stream(
             gpustore.MemoryRegion(data),
@@ -77,6 +82,40 @@ def test_write_then_read_back(tmp_path):
     finally:
         os.close(fd)
     assert back == data
+
+
+def test_a_sha256_stream_round_trips_and_the_other_checksum_refuses(tmp_path):
+    """Options.checksum "sha256" (decisions D36): every non-zero chunk's hashlib.sha256; read
+    back with it the bytes return, read as BLAKE2b-256 the first dense chunk is refused with
+    both digests and the region untouched."""
+    data = sample()
+    path, rec, opts = write(tmp_path, data, checksum="sha256")
+    for i, c in enumerate(rec["checksums"]):
+        chunk = bytes(data[i * CB : (i + 1) * CB])
+        assert c == (None if i in (1, 3) else hashlib.sha256(chunk).hexdigest()), i
+    back = bytearray(b"\xee" * len(data))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        gpustore.read_stream(
+            gpustore.MemoryRegion(back), fd, rec, opts=opts, phase="native restore"
+        )
+        assert back == data
+        other = gpustore.Options(
+            chunk_bytes=CB, staging_bytes=CB, threads=1, checksum="blake2b-256"
+        )
+        fresh = bytearray(b"\xee" * len(data))
+        with pytest.raises(gpustore.GpuStoreError) as ei:
+            gpustore.read_stream(
+                gpustore.MemoryRegion(fresh), fd, rec, opts=other, phase="native restore"
+            )
+    finally:
+        os.close(fd)
+    b2 = hashlib.blake2b(bytes(data[:CB]), digest_size=32).hexdigest()
+    assert (
+        f"chunk 0 of chunks/gpu-7-0.bin has a bad checksum: manifest {rec['checksums'][0]}, file {b2}"
+        in str(ei.value)
+    )
+    assert fresh == b"\xee" * len(data)  # nothing reached the region
 
 
 def test_a_bad_chunk_is_refused_before_use(tmp_path):
@@ -155,7 +194,10 @@ def test_trust_checks_the_record(tmp_path):
     trust.check_gpu_storage(tmp_path, manifest_with(rec))
     cases = [
         (manifest_with(rec, chunk_bytes=CB + 1), f"chunk_bytes {CB + 1} is not a power of two"),
-        (manifest_with(rec, checksum="sha256"), "checksum 'sha256' is not blake2b-256"),
+        (
+            manifest_with(rec, checksum="md5"),
+            "checksum 'md5' is not one of ['blake2b-256', 'sha256']",
+        ),
         (manifest_with(dict(rec, file="chunks/../x.bin")), "is not 'chunks/gpu-7-0.bin'"),
         (manifest_with(dict(rec, pid=8, file="chunks/gpu-8-0.bin")), "pid 8 is not one of"),
         (manifest_with(dict(rec, zero=[1])), "zero chunks differ from its null checksums"),
