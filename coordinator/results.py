@@ -295,7 +295,8 @@ class Capture:
     after PREPARE_UNICAST. ``phases``: every phase run. ``carriers``: per carried allocation
     ``{"pid", "alloc_id", "bytes", "checksum"}``. ``last_txn_id``: the highest txn id used.
     ``chunks``: the chunk files of the carriers (issue 12 chunk format): ``{"chunk_bytes",
-    "checksum": "blake2b-256", "streams": [stream record]}`` (CarrierFiles.streams_json).
+    "checksum": "sha256" or "blake2b-256", "direct_bytes", "streams": [stream record]}``
+    (CarrierFiles.streams_json; decisions D35, D36).
     """
 
     participants: list[Participant]

@@ -68,8 +68,20 @@ def options(ck) -> gpustore.Options:
         chunk_bytes=gpustore.chunk_bytes(getattr(ck, "chunks", {}).get("chunk_bytes")),
         staging_bytes=gpustore.staging_bytes(getattr(ck, "chunks", {}).get("staging_bytes")),
         alloc=_pinned_alloc if real else None,
-        checksum=carriers.settings(**(getattr(ck, "chunks", None) or {}))["checksum"],
+        checksum=checksum_of(ck),
     )
+
+
+def checksum_of(ck) -> str:
+    """The chunk checksum of the checkpoint ``ck``: its shim carriers' (the coordinator's
+    CarrierFiles), else what :func:`carriers.settings` picks for this node."""
+    files = getattr(getattr(ck, "coordinator", None), "carriers", None)
+    if getattr(files, "checksum", None):
+        return str(files.checksum)
+    given = getattr(ck, "chunks", None) or {}
+    return carriers.settings(
+        **{k: given[k] for k in ("chunk_bytes", "staging_bytes", "writers") if k in given}
+    )["checksum"]
 
 
 def _remove(base: pathlib.Path, streams: list[dict]) -> None:

@@ -14,8 +14,9 @@ Layout, under the snapshot root ROOT (the parent of each snapshot directory)::
 A snapshot of the store lists, per stream, its ``pack`` and ``refs`` ([chunk, pack, offset]:
 chunks whose bytes are in an older pack) in ``chunks.streams``, and ``chunks.store`` is
 :data:`STORE_REL`. The store has no index of its own: what it holds is what the manifests
-under ROOT say (:func:`live`); a chunk is addressed by its BLAKE2b-256 digest (the shim's chunk
-checksum) when a checkpoint looks for it (:func:`known_chunks`), and the shim verifies every
+under ROOT say (:func:`live`); a chunk is addressed by its digest (the shim's chunk checksum,
+BLAKE2b-256 or SHA-256 as the manifest's ``chunks.checksum`` says; decisions D36) when a
+checkpoint looks for it (:func:`known_chunks`), and the shim verifies every
 chunk against its own digest table when it loads it, wherever the bytes come from.
 
 A checkpoint also writes a **pin** (``.cuinterpose-store/pins/<prefix>json``, :class:`Hold`):

@@ -6,8 +6,9 @@ A request carries ``chunk_bytes``, ``staging_bytes``, ``writers`` and the stream
 ``sendmsg`` whose SCM_RIGHTS carry one descriptor per entry (:func:`entry_groups`). A
 SAVE_ALLOCATIONS reply with status OK is followed, after its message, by the chunk table of
 ``reply.reserved[0]`` bytes (:func:`parse_chunk_table`): per stream one ``cui_stream_head``
-then ``chunk_count`` BLAKE2b-256 digests of 32 bytes (32 zero bytes: an all-zero chunk, not
-written). Sizes are bytes. Part of :mod:`cuinterpose.coordinator.protocol`.
+then ``chunk_count`` digests of 32 bytes (BLAKE2b-256, or SHA-256 with
+:attr:`CarryFlag.SHA256`; 32 zero bytes: an all-zero chunk, not written). Sizes are bytes.
+Part of :mod:`cuinterpose.coordinator.protocol`.
 
 Chunk store (protocol.h "Chunk store"; decisions D34): the request's :class:`CarryFlag` bits
 add one table after the entries. SAVE with ``KNOWN``: :func:`known_table` (a

@@ -14,7 +14,7 @@
  * in its slot (POSIX_FADV_DONTNEED). Slots are page
  * aligned (mmap), chunks sit at multiples of chunk_bytes (a power of two >= 64 KiB) and
  * streams are whole multiples of the allocation granularity, so every transfer is aligned. A
- * descriptor that refuses O_DIRECT (EINVAL: tmpfs before Linux 6.6, a pipe, /dev/full), a
+ * descriptor that refuses O_DIRECT (EINVAL: tmpfs before Linux 6.6, /dev/full), a
  * transfer with an unaligned offset or length, or a direct one that fails with EINVAL (a
  * device wanting a larger alignment) falls back to the page cache for the rest of the op.
  * Memory: the ring only (staging_bytes rounded down to whole chunks, at least one chunk),
@@ -28,6 +28,7 @@
 #include <string.h>
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "util.h"
@@ -35,7 +36,6 @@
 /* open(2) "O_DIRECT": buffer, offset and length multiples of the logical block size;
  * 4096 covers every common block device (statx STATX_DIOALIGN gives the exact value). */
 #define CIO_DIRECT_ALIGN 4096u
-#define CIO_DIRECT_MAX   64u   /* descriptors one op switches to O_DIRECT; more stay buffered */
 
 struct cio_item {
   struct cui_cio_stream *s;
@@ -65,8 +65,8 @@ struct cui_cio {
   cui_digest_fn digest;
   const uint8_t (*known)[CUI_DIGEST_BYTES];   /* writers: digests not to write, ascending */
   size_t nknown;
-  int direct_fd[CIO_DIRECT_MAX], direct_flags[CIO_DIRECT_MAX];   /* switched to O_DIRECT; old flags */
-  unsigned ndirect;
+  struct cio_direct { int fd, flags; } *direct;   /* switched to O_DIRECT, and their old flags */
+  size_t ndirect, cap_direct;
   uint64_t direct_bytes;   /* writers: bytes written with O_DIRECT */
   struct cui_cio_error err;
 };
@@ -126,7 +126,10 @@ static int use_direct(int fd, size_t len, off_t off) {
 
 /* Writes one chunk at `off` of `fd`, direct where it can (a direct write that fails with
  * EINVAL, the device wanting a larger alignment, is redone through the page cache and the
- * descriptor stays there). Returns 0 or the errno; *direct tells how it went. */
+ * descriptor stays there). Returns 0 or the errno; *direct: the descriptor had O_DIRECT
+ * before and after the write. Another writer may turn the flag off in between (it is never
+ * turned on again during the op), so a write it overlapped counts as buffered: the count
+ * never claims a buffered write, at worst it misses a direct one. */
 static int write_chunk(int fd, const unsigned char *buf, size_t len, off_t off, int *direct) {
   *direct = use_direct(fd, len, off);
   int e = pwrite_full(fd, buf, len, off);
@@ -135,6 +138,10 @@ static int write_chunk(int fd, const unsigned char *buf, size_t len, off_t off, 
     if (fl >= 0) (void)fcntl(fd, F_SETFL, fl & ~O_DIRECT);
     *direct = 0;
     e = pwrite_full(fd, buf, len, off);
+  }
+  if (*direct) {
+    int fl = fcntl(fd, F_GETFL);
+    *direct = fl >= 0 && (fl & O_DIRECT);
   }
   return e;
 }
@@ -216,6 +223,7 @@ static void cio_free(struct cui_cio *io) {
   free(io->free_slots);
   free(io->q);
   free(io->tasks);
+  free(io->direct);
   pthread_cond_destroy(&io->cv);
   pthread_mutex_destroy(&io->mu);
   free(io);
@@ -283,13 +291,21 @@ void cui_cio_submit(struct cui_cio *io, int slot, struct cui_cio_stream *s, uint
 }
 
 int cui_cio_direct(struct cui_cio *io, int fd) {
-  for (unsigned i = 0; i < io->ndirect; i++)
-    if (io->direct_fd[i] == fd) return 1;
+  for (size_t i = 0; i < io->ndirect; i++)
+    if (io->direct[i].fd == fd) return 1;
+  struct stat sb;   /* regular files only: O_DIRECT on a pipe means packet mode */
   int fl = fcntl(fd, F_GETFL);
-  if (fl < 0 || (fl & O_DIRECT) || io->ndirect == CIO_DIRECT_MAX) return fl >= 0 && (fl & O_DIRECT);
+  if (fl < 0 || fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) return 0;
+  if (fl & O_DIRECT) return 1;   /* the sender's choice: left as it is */
+  if (io->ndirect == io->cap_direct) {
+    size_t cap = io->cap_direct ? 2 * io->cap_direct : 16;
+    struct cio_direct *d = realloc(io->direct, cap * sizeof *d);
+    if (!d) return 0;   /* out of memory: this file stays buffered */
+    io->direct = d;
+    io->cap_direct = cap;
+  }
   if (fcntl(fd, F_SETFL, fl | O_DIRECT) != 0) return 0;
-  io->direct_fd[io->ndirect] = fd;
-  io->direct_flags[io->ndirect++] = fl;
+  io->direct[io->ndirect++] = (struct cio_direct){fd, fl};
   return 1;
 }
 
@@ -358,7 +374,7 @@ enum cui_cio_err cui_cio_finish(struct cui_cio *io, struct cui_cio_error *e, str
   pthread_cond_broadcast(&io->cv);
   pthread_mutex_unlock(&io->mu);
   for (unsigned i = 0; i < io->nthreads; i++) pthread_join(io->threads[i], NULL);
-  for (unsigned i = 0; i < io->ndirect; i++) (void)fcntl(io->direct_fd[i], F_SETFL, io->direct_flags[i]);
+  for (size_t i = 0; i < io->ndirect; i++) (void)fcntl(io->direct[i].fd, F_SETFL, io->direct[i].flags);
   enum cui_cio_err kind = io->err.kind;
   if (e) *e = io->err;
   if (counts) *counts = (struct cui_cio_counts){io->written, io->reused, io->direct_bytes};

@@ -29,6 +29,9 @@ static cui_digest_fn digest_of(const struct cui_carry_in *in) {
   return (in->flags & CUI_CARRY_SHA256) ? cui_sha256 : cui_blake2b_256;
 }
 
+/* Its name, as the manifest's chunks.checksum spells it. */
+static const char *checksum_name(uint32_t flags) { return (flags & CUI_CARRY_SHA256) ? "sha256" : "blake2b-256"; }
+
 /* Forget every digest table: clear CUI_REC_CARRIED and the carrier fields. Returns how many
  * allocations were carried. Only host memory is touched. */
 static uint32_t drop_tables(void) {
@@ -44,6 +47,7 @@ static uint32_t drop_tables(void) {
     a->checksum = 0;
   }
   cui_st.chunk_bytes = 0;
+  cui_st.chunk_sha256 = 0;
   return n;
 }
 
@@ -69,6 +73,12 @@ static int match_entries(const char *op, const struct cui_carry_in *in, int load
     snprintf(res->message, sizeof res->message,
              "%s: pid %u: chunk_bytes %llu differs from the %llu the chunk files were saved with; nothing was changed",
              op, pid, (unsigned long long)cb, (unsigned long long)cui_st.chunk_bytes);
+    return -1;
+  }
+  if (load && cui_st.chunk_bytes && !(in->flags & CUI_CARRY_SHA256) != !cui_st.chunk_sha256) {
+    snprintf(res->message, sizeof res->message,
+             "%s: pid %u: checksum %s differs from the %s the chunk files were saved with; nothing was changed", op,
+             pid, checksum_name(in->flags), checksum_name(cui_st.chunk_sha256 ? CUI_CARRY_SHA256 : 0));
     return -1;
   }
   size_t carried = 0;
@@ -271,6 +281,7 @@ int cui_op_save_allocations(struct cui_op_result *res) {
     res->records_changed++;
   }
   cui_st.chunk_bytes = cb;
+  cui_st.chunk_sha256 = (in->flags & CUI_CARRY_SHA256) != 0;
   res->reply_reserved[1] = cb;
   res->reply_reserved[2] = counts.written;
   res->reply_reserved[3] = counts.direct;
@@ -374,7 +385,7 @@ static void refuse_load(struct cui_op_result *res, const struct cui_alloc *a, co
     hex_digest(e->found, got);
     n = snprintf(res->message, sizeof res->message,
                  "LOAD_ALLOCATIONS: pid %u allocation %s: chunk %u of %s has checksum %s %s, recorded %s", pid, hex,
-                 e->chunk, where, in && (in->flags & CUI_CARRY_SHA256) ? "sha256" : "blake2b-256", got, want);
+                 e->chunk, where, checksum_name(in ? in->flags : 0), got, want);
   } else if (e->kind == CUI_CIO_SHORT) {
     n = snprintf(res->message, sizeof res->message,
                  "LOAD_ALLOCATIONS: pid %u allocation %s: %s ends inside chunk %u (shorter than the %llu "

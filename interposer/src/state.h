@@ -85,6 +85,7 @@ struct cui_state {
   size_t nresv, cap_resv;
   struct cui_tab resv_va;          /* va -> index into resv */
   uint64_t chunk_bytes;             /* the chunk size of the saved digest tables (SAVED..LOADED) */
+  uint32_t chunk_sha256;            /* 1: those digests are SHA-256 (CUI_CARRY_SHA256), 0: BLAKE2b-256 */
   /* multicast (multicast_api.c) */
   struct cui_mc *mcs;
   size_t nmcs, cap_mcs;  /* objects; slots are never reused */

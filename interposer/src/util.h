@@ -133,9 +133,9 @@ CUI_HIDDEN int cui_cio_next_ready(struct cui_cio *io, unsigned char **buf, struc
 CUI_HIDDEN void cui_cio_release(struct cui_cio *io, int slot);
 /* Stops the ring because the caller failed (its own error is reported by the caller). */
 CUI_HIDDEN void cui_cio_abort(struct cui_cio *io);
-/* SAVE: switches `fd` to O_DIRECT until cui_cio_finish (before its chunks are submitted). Returns 1
- * when its transfers go direct, 0 when it stays buffered (it refused, or the op already
- * switched CIO_DIRECT_MAX descriptors). */
+/* SAVE: switches the regular file `fd` to O_DIRECT until cui_cio_finish (before its chunks
+ * are submitted). Returns 1 when its writes go direct, 0 when it stays buffered (not a regular
+ * file, it refused the flag, or out of memory). */
 CUI_HIDDEN int cui_cio_direct(struct cui_cio *io, int fd);
 /* What a SAVE moved, in bytes: `written` to the files, `reused` (known chunks not written),
  * `direct` (of `written`, with O_DIRECT). */

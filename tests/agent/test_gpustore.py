@@ -215,3 +215,23 @@ def test_trust_checks_the_record(tmp_path):
     assert ei.value.reason.endswith(
         f"stream file {tmp_path / rec['file']} is missing; restore refused"
     )
+
+
+@pytest.mark.parametrize("checksum", ["sha256", "blake2b-256"])
+def test_gpu_storage_takes_the_checkpoints_chunk_checksum(monkeypatch, checksum):
+    """The GPU streams hash with the shim carriers' checksum (the coordinator's CarrierFiles),
+    else with the node's setting; an incremental checkpoint's ``chunks`` (it holds
+    "incremental", which carriers.settings does not take) works as any other."""
+    import types
+
+    from cuinterpose.agent.run import carriers, gpustore_step
+
+    monkeypatch.setattr(gpustore_step.native, "info", lambda: types.SimpleNamespace(kind="fake"))
+    monkeypatch.setenv("CUINTERPOSE_CHUNK_CHECKSUM", checksum)
+    ck = types.SimpleNamespace(chunks={"chunk_bytes": 1 << 20, "incremental": True})
+    opts = gpustore_step.options(ck)
+    assert (opts.checksum, opts.chunk_bytes) == (checksum, 1 << 20)
+    assert opts.checksum == carriers.settings(chunk_bytes=1 << 20)["checksum"]
+    other = "blake2b-256" if checksum == "sha256" else "sha256"
+    ck.coordinator = types.SimpleNamespace(carriers=types.SimpleNamespace(checksum=other))
+    assert gpustore_step.options(ck).checksum == other  # what the shims of this capture used

@@ -274,3 +274,40 @@ def test_ring_writes_direct_and_falls_back_for_a_short_chunk(build_c, tmp_path, 
     )
     kind, _, err = w.stdout.decode().split()[1:]
     assert (w.returncode, int(kind), int(err)) == (1, KIND_WRITE, 28)
+
+
+@pytest.mark.parametrize("sanitize", [False, True], ids=["plain", "asan"])
+def test_a_device_that_refuses_direct_writes_gets_them_buffered_and_none_counted(
+    build_c, tmp_path, sanitize
+):
+    """Every O_DIRECT write fails with EINVAL (c/einval_pwrite.c, a device wanting a larger
+    alignment): each writer redoes its chunk through the page cache, the first failure turns
+    the flag off for all, and no write counts as direct, however the four writers interleave."""
+    exe = build_c(
+        [C_DIR / "chunkio_probe.c", C_DIR / "einval_pwrite.c"]
+        + [SHIM_SRC / "src" / f for f in ("chunkio.c", "blake2b.c", "sha256.c")],
+        "shim_chunkio_probe_einval",
+        sanitize=sanitize,
+        extra=(
+            f"-I{SHIM_SRC / 'src'}",
+            f"-I{SHIM_SRC / 'include'}",
+            f"-I{C_DIR}",
+            "-include",
+            "einval_pwrite.h",
+            "-Dpwrite=einval_pwrite",
+        ),
+    )
+    data, zero = _data()
+    aligned = data[: 20 * CHUNK]
+    out = tmp_path / "einval.bin"
+    w = subprocess.run(
+        [str(exe), "write", str(out), str(CHUNK), str(4 * CHUNK), "4", "direct"],
+        input=aligned,
+        capture_output=True,
+        check=True,
+    )
+    assert (
+        w.stdout.decode().split("\n")[20]
+        == f"written {(20 - len(zero)) * CHUNK} direct 0 flags same"
+    )
+    assert out.read_bytes() == aligned
