@@ -97,18 +97,32 @@ def test_mixed_checksum_store_and_restore_uses_the_snapshots(tmp_path):
     assert res["creator_sha256"] == res["importer_sha256"] == changed["sha256"]
 
 
-@pytest.mark.parametrize("incremental", [False, True], ids=["dir", "store"])
-def test_release_after_a_killed_agent_uses_the_locks_checksum(tmp_path, incremental):
-    node = node_checksum()
+def _after_a_first_cut(tmp_path):
+    """The job, checkpointed once (``s0``, left running) and changed since: (root, run, job,
+    ctl, node checksum)."""
     root, run = _dirs(tmp_path)
     job, ctl = cs._start(run, cuts=2)
+    cs._wait(run / "ready.json", "ready.json", job)
+    rc, cp0 = demo.run_agent(
+        "checkpoint", "--images-dir", str(root / "s0"), *_base(job, ctl), "--leave-running"
+    )
+    assert rc == 0 and cp0["ok"], cp0
+    cs._wait(run / "changed-1.json", "the change", job)
+    return root, run, job, ctl, node_checksum()
+
+
+def _rebuilt_with_the_change(run, res) -> None:
+    """The job was rebuilt in place (not restored) and both processes see the changed bytes."""
+    changed = read_json(run / "changed-1.json")
+    assert (res["restored"], res["verified"]) == (False, True)
+    assert res["creator_sha256"] == res["importer_sha256"] == changed["sha256"]
+
+
+@pytest.mark.parametrize("incremental", [False, True], ids=["dir", "store"])
+def test_release_after_a_killed_agent_uses_the_locks_checksum(tmp_path, incremental):
+    job = None
     try:
-        cs._wait(run / "ready.json", "ready.json", job)
-        rc, cp0 = demo.run_agent(
-            "checkpoint", "--images-dir", str(root / "s0"), *_base(job, ctl), "--leave-running"
-        )
-        assert rc == 0 and cp0["ok"], cp0
-        cs._wait(run / "changed-1.json", "the change", job)
+        root, run, job, ctl, node = _after_a_first_cut(tmp_path)
         env = {
             "CUINTERPOSE_CHUNK_CHECKSUM": OTHER[node],
             "CUINTERPOSE_TEST_SIGNAL_AT": "after:criu dump",
@@ -133,24 +147,15 @@ def test_release_after_a_killed_agent_uses_the_locks_checksum(tmp_path, incremen
         assert rc == 0 and rel["ok"] and rel["outcome"] == "rolled_back", rel
         res = cs._wait(run / "result.json", "the released job's result", job)
     finally:
-        if job.poll() is None:
+        if job is not None and job.poll() is None:
             job.kill()
-    changed = read_json(run / "changed-1.json")
-    assert (res["restored"], res["verified"]) == (False, True)
-    assert res["creator_sha256"] == res["importer_sha256"] == changed["sha256"]
+    _rebuilt_with_the_change(run, res)
 
 
 def test_rollback_of_a_failed_checkpoint_with_the_other_checksum(tmp_path):
-    node = node_checksum()
-    root, run = _dirs(tmp_path)
-    job, ctl = cs._start(run, cuts=2)
+    job = None
     try:
-        cs._wait(run / "ready.json", "ready.json", job)
-        rc, cp0 = demo.run_agent(
-            "checkpoint", "--images-dir", str(root / "s0"), *_base(job, ctl), "--leave-running"
-        )
-        assert rc == 0 and cp0["ok"], cp0
-        cs._wait(run / "changed-1.json", "the change", job)
+        root, run, job, ctl, node = _after_a_first_cut(tmp_path)
         env = {
             "CUINTERPOSE_CHUNK_CHECKSUM": OTHER[node],
             "CUINTERPOSE_TEST_SIGNAL_AT": "before:criu dump=SIGINT",
@@ -161,8 +166,6 @@ def test_rollback_of_a_failed_checkpoint_with_the_other_checksum(tmp_path):
         assert rc != 0 and cp["error"]["outcome"] == "rolled_back", cp
         res = cs._wait(run / "result.json", "the rebuilt job's result", job)
     finally:
-        if job.poll() is None:
+        if job is not None and job.poll() is None:
             job.kill()
-    changed = read_json(run / "changed-1.json")
-    assert (res["restored"], res["verified"]) == (False, True)
-    assert res["creator_sha256"] == res["importer_sha256"] == changed["sha256"]
+    _rebuilt_with_the_change(run, res)
