@@ -190,6 +190,7 @@ class Barrier:
             record_count=y.record_count,
             wall_ns=time.monotonic_ns() - t0,
             direct_bytes=y.reserved[3] if op == Op.SAVE_ALLOCATIONS else 0,
+            shim_flags=y.shim_flags,
         )
         if y.pid and y.pid != pid and r.status == Status.OK:
             r.error = (

@@ -14,6 +14,7 @@ results.py; sequences, failure semantics and results are described in docs/coord
 
 from __future__ import annotations
 
+import logging
 from typing import Iterable, Mapping
 
 from . import topology
@@ -28,12 +29,15 @@ from .protocol import (
     RecordFlag,
     RecordKind,
     Role,
+    ShimFlag,
 )
 from .results import Capture, Participant, PhaseError, PhaseResult, RestoreResult, RollbackResult
 from .rollback import rollback
 from .topology import TopologyError
 
 __all__ = ["Coordinator", "Participant", "Capture", "PhaseError", "TopologyError"]
+
+log = logging.getLogger(__name__)
 
 
 class Coordinator(Barrier):
@@ -120,7 +124,9 @@ class Coordinator(Barrier):
         ``capture`` attribute: SAVE_ALLOCATIONS may have gone out, so roll back with it.
         """
         start = len(self.phases)
-        records = self.validate(self.inspect(check_phase=True))
+        inspected = self.inspect(check_phase=True)
+        self._fit_checksum(self.phases[start])
+        records = self.validate(inspected)
         self.carried = streams_of(records)
         cap = Capture(participants=list(self.participants), records=records)
         try:
@@ -199,6 +205,25 @@ class Coordinator(Barrier):
         return result
 
     # --- helpers --------------------------------------------------------------------------------
+    def _fit_checksum(self, inspect: PhaseResult) -> None:
+        """A capture asked for SHA-256 chunks (decisions D36) whose INSPECT replies show a shim
+        without ``ShimFlag.CARRY_SHA256`` (loaded before D36: it would refuse the flag) uses
+        BLAKE2b-256 instead, and no chunk store digests (they are SHA-256 ones)."""
+        files = self.carrier_files()
+        old = sorted(
+            p.pid for p in inspect.participants.values() if not p.shim_flags & ShimFlag.CARRY_SHA256
+        )
+        if files.checksum != DEFAULT_CHUNK_CHECKSUM and old:
+            log.info(
+                "chunk checksum %s -> %s: the shim of pid %s predates it",
+                files.checksum,
+                DEFAULT_CHUNK_CHECKSUM,
+                old[0],
+            )
+            files.checksum = DEFAULT_CHUNK_CHECKSUM
+            if files.known is not None:
+                files.known = {}
+
     def _chunks_json(self, save: PhaseResult) -> dict:
         """The capture's ``chunks`` object (issue 12 chunk format) from the SAVE replies
         (``save``); ``direct_bytes``: the chunk bytes the shims wrote with O_DIRECT."""

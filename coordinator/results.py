@@ -63,7 +63,8 @@ class ParticipantResult:
     ``status``/``phase`` are None when no reply arrived (``error`` says why). ``bytes``:
     carrier bytes moved; ``elapsed_ns``/``copy_ns``: reported by the shim; ``wall_ns``: the
     request's round trip seen by the coordinator; ``direct_bytes`` (SAVE_ALLOCATIONS,
-    ``reply.reserved[3]``): the chunk bytes the shim wrote with O_DIRECT.
+    ``reply.reserved[3]``): the chunk bytes the shim wrote with O_DIRECT; ``shim_flags``: the
+    reply's ``ShimFlag`` bits.
     """
 
     pid: int
@@ -79,6 +80,7 @@ class ParticipantResult:
     wall_ns: int = 0
     error: str | None = None
     direct_bytes: int = 0
+    shim_flags: int = 0
 
     @property
     def ok(self) -> bool:
@@ -99,6 +101,7 @@ class ParticipantResult:
             "wall_ns": self.wall_ns,
             "error": self.error,
             "direct_bytes": self.direct_bytes,
+            "shim_flags": self.shim_flags,
         }
 
     @classmethod
@@ -122,6 +125,7 @@ class ParticipantResult:
             wall_ns=int(d.get("wall_ns", 0)),
             error=d.get("error"),
             direct_bytes=int(d.get("direct_bytes", 0)),
+            shim_flags=int(d.get("shim_flags", 0)),
         )
 
 

@@ -139,6 +139,8 @@ def watch_first_inspect(cp) -> None:
             "first INSPECT",
             records=encode_records(out),
             last_txn_id=last_txn_id(coord),
+            # the chunk checksum the capture settled on (a shim from before D36: BLAKE2b-256)
+            chunks=chunk_settings(getattr(coord, "carriers", None)),
         )
         return out
 

@@ -197,6 +197,7 @@ class ShimFlag(enum.IntFlag):
     """``cui_reply.shim_flags`` (``CUI_SHIM_*``)."""
 
     FOREIGN_DLSYM = 1  # another dlsym interposer preloaded before the shim: lookups untracked
+    CARRY_SHA256 = 2  # the shim takes CarryFlag.SHA256 (a shim from before D36 does not)
 
 
 class RecordKind(enum.IntEnum):

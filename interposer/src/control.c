@@ -68,7 +68,7 @@ static int send_reply(int conn, const struct cui_request *req, const struct cui_
   rep.copy_ns = res->copy_ns;
   rep.cuda_result = res->cuda_result;
   rep.records_changed = res->records_changed;
-  rep.shim_flags = __atomic_load_n(&cui_st.shim_flags, __ATOMIC_RELAXED);
+  rep.shim_flags = __atomic_load_n(&cui_st.shim_flags, __ATOMIC_RELAXED) | CUI_SHIM_CARRY_SHA256;
   memcpy(rep.reserved, res->reply_reserved, sizeof res->reply_reserved);
 
   struct iovec iov = {&rep, sizeof rep};

@@ -136,6 +136,8 @@ class MockShim:
     txns_seen: list = field(default_factory=list)
     mc_cycle: bool = False  # the capture ran PREPARE_MULTICAST (as in the shim)
     carrier_requests: list = field(default_factory=list)
+    carrier_flags: list = field(default_factory=list)  # CarryFlag bits of each carrier request
+    shim_flags: int = 0  # every reply's (0: a shim from before ShimFlag.CARRY_SHA256)
 
     def __post_init__(self):
         self.path = socket_path(self.control_dir, self.pid)
@@ -253,6 +255,7 @@ class MockShim:
         for i in range(count):
             ids.append(alloc_id_hex(got[i * STREAM_ENTRY_SIZE : i * STREAM_ENTRY_SIZE + 16]))
         self.carrier_requests.append((Op(req.op), req.reserved[0], ids))
+        self.carrier_flags.append((req.reserved[2] >> 16) & 0xFFFF)
 
     def _streams(self, chunk_bytes: int) -> list[tuple[Record, StreamTable]]:
         out = []
@@ -279,7 +282,13 @@ class MockShim:
 
     def _reply(self, req, status=Status.OK, **kw) -> Reply:
         return Reply(
-            op=req.op, txn_id=req.txn_id, status=status, phase=self.phase, pid=self.pid, **kw
+            op=req.op,
+            txn_id=req.txn_id,
+            status=status,
+            phase=self.phase,
+            pid=self.pid,
+            shim_flags=self.shim_flags,
+            **kw,
         )
 
     def _answer(self, req: Request):

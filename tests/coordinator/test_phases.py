@@ -89,6 +89,43 @@ def test_capture_runs_phases_in_order_with_a_barrier(ctl):
         assert save.wall_ns > 0 and all(r.wall_ns > 0 for r in save.participants.values())
 
 
+@pytest.mark.parametrize("old", [None, 4121], ids=["all-new", "one-old-shim"])
+def test_capture_uses_sha256_only_where_every_shim_takes_it(ctl, old):
+    """A capture asked for SHA-256 chunks (decisions D36) sends CarryFlag.SHA256 with every
+    SAVE when every INSPECT reply has ShimFlag.CARRY_SHA256; one shim without it (loaded
+    before D36: it would refuse the flag) makes the whole capture BLAKE2b-256, named in its
+    chunks, and drops a chunk store's (SHA-256) known digests."""
+    from cuinterpose.coordinator.carrierfiles import CarrierFiles
+    from cuinterpose.coordinator.protocol import CarryFlag, ShimFlag
+    from cuinterpose.coordinator.results import PhaseResult
+
+    with group(ctl, shim_flags=ShimFlag.CARRY_SHA256) as g:
+        if old is not None:
+            g.mocks[old].shim_flags = 0
+        coord = Coordinator(g.participants)
+        coord.carriers = CarrierFiles(ctl.parent / "chunks", checksum="sha256")
+        cap = coord.capture()
+    want = "sha256" if old is None else "blake2b-256"
+    assert cap.chunks["checksum"] == coord.carriers.checksum == want
+    sha = CarryFlag.SHA256 if old is None else 0
+    assert {pid: m.carrier_flags for pid, m in g.mocks.items()} == {
+        4119: [sha],
+        4121: [sha],
+        4123: [sha],
+    }
+    # the chunk store's digests of the other checksum name nothing this capture can refer to
+    files = CarrierFiles(ctl.parent / "store", checksum="sha256", known={b"\x01" * 32: ("p", 0)})
+    coord.carriers = files
+    inspect = PhaseResult(
+        "INSPECT", 1, 0, 0, {7: ParticipantResult(pid=7, shim_flags=ShimFlag.CARRY_SHA256)}
+    )
+    coord._fit_checksum(inspect)
+    assert (files.checksum, files.known) == ("sha256", {b"\x01" * 32: ("p", 0)})
+    inspect.participants[8] = ParticipantResult(pid=8)
+    coord._fit_checksum(inspect)
+    assert (files.checksum, files.known) == ("blake2b-256", {})
+
+
 def test_capture_records_and_carriers(ctl):
     with group(ctl) as g:
         cap = Coordinator(g.participants).capture()

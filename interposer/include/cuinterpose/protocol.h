@@ -165,6 +165,10 @@ enum cui_status {
   1u /* the dlsym this process resolves is not the shim's (another \
         dlsym interposer preloaded first): lookups through it are  \
         untracked (docs/shim.md "Preload order") */
+#define CUI_SHIM_CARRY_SHA256                                      \
+  2u /* this shim takes CUI_CARRY_SHA256 ("Carriers"; decisions    \
+        D36): a sender that does not see it in the INSPECT replies \
+        of a capture (a shim loaded before D36) uses BLAKE2b-256 */
 
 enum cui_record_kind {
   CUI_RECORD_ALLOCATION = 1,  /* one per allocation known to this process */
