@@ -11,12 +11,12 @@
  * without a second copy in the page cache; its flags are put back by cui_cio_finish. Readers
  * read through the page cache (its readahead keeps the disk busy while chunks are hashed; on
  * this project's bench direct reads were not faster) and drop each chunk's pages once it is
- * in its slot (POSIX_FADV_DONTNEED). Slots are page
- * aligned (mmap), chunks sit at multiples of chunk_bytes (a power of two >= 64 KiB) and
- * streams are whole multiples of the allocation granularity, so every transfer is aligned. A
- * descriptor that refuses O_DIRECT (EINVAL: tmpfs before Linux 6.6, /dev/full), a
- * transfer with an unaligned offset or length, or a direct one that fails with EINVAL (a
- * device wanting a larger alignment) falls back to the page cache for the rest of the op.
+ * in its slot (POSIX_FADV_DONTNEED). Slots are page aligned (mmap), chunks sit at multiples
+ * of chunk_bytes (a power of two >= 64 KiB) and streams are whole multiples of the allocation
+ * granularity, so every write is aligned. A descriptor that is not a regular file or refuses
+ * O_DIRECT (EINVAL: tmpfs before Linux 6.6, /dev/full), a write with an unaligned offset or
+ * length, or a direct one that fails with EINVAL (a device wanting a larger alignment) falls
+ * back to the page cache for the rest of the op.
  * Memory: the ring only (staging_bytes rounded down to whole chunks, at least one chunk),
  * unmapped by cui_cio_finish. All threads have every signal blocked and are
  * joined before cui_cio_finish returns.
