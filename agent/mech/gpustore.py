@@ -31,14 +31,14 @@ import threading
 from typing import Callable, Optional, Protocol
 
 from cuinterpose.agent.errors import AgentError
-from cuinterpose.coordinator.protocol import chunk_digest
+from cuinterpose.coordinator.protocol import DEFAULT_CHUNK_CHECKSUM, chunk_digest
 
 CHUNK_BYTES_ENV = "CUINTERPOSE_CHUNK_BYTES"
 STAGING_BYTES_ENV = "CUINTERPOSE_STAGING_BYTES"
 DEFAULT_CHUNK_BYTES = 8 << 20
 DEFAULT_STAGING_BYTES = 256 << 20
 DEFAULT_THREADS = 4
-CHECKSUM = "blake2b-256"
+CHECKSUM = DEFAULT_CHUNK_CHECKSUM  # a record without one (before decisions D36)
 CHUNKS_DIR = "chunks"
 
 

@@ -56,13 +56,13 @@ def node_checksum(cpuinfo: str = "/proc/cpuinfo", machine: str | None = None) ->
     (the test interposer/src/sha256.c makes with CPUID), else "blake2b-256" (the shim has no
     other accelerated SHA-256)."""
     if (machine or os.uname().machine) != "x86_64":
-        return "blake2b-256"
+        return DEFAULT_CHUNK_CHECKSUM
     try:
         with open(cpuinfo) as f:
             flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), [])
     except OSError:
-        return "blake2b-256"
-    return "sha256" if {"sha_ni", "ssse3", "sse4_1"} <= set(flags) else "blake2b-256"
+        return DEFAULT_CHUNK_CHECKSUM
+    return "sha256" if {"sha_ni", "ssse3", "sse4_1"} <= set(flags) else DEFAULT_CHUNK_CHECKSUM
 
 
 def settings(chunk_bytes=None, staging_bytes=None, writers=None, checksum=None) -> dict:

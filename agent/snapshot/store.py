@@ -46,6 +46,7 @@ import time
 from typing import Iterator
 
 from cuinterpose.agent.errors import AgentError
+from cuinterpose.coordinator.protocol import DEFAULT_CHUNK_CHECKSUM
 
 PHASE = "chunk store"
 STORE_DIR = ".cuinterpose-store"
@@ -217,7 +218,7 @@ def live(root, skip=None) -> dict[str, list[tuple[int, int]]]:
 
 
 def known_chunks(
-    root, check_mac=lambda d, m: None, checksum: str = "blake2b-256"
+    root, check_mac=lambda d, m: None, checksum: str = DEFAULT_CHUNK_CHECKSUM
 ) -> dict[bytes, tuple[str, int]]:
     """digest -> (pack, offset) of the chunks the store holds, for a checkpoint (call it under
     a shared :class:`Lock`): from every readable, trusted (:func:`_trusted`) store manifest
@@ -230,7 +231,7 @@ def known_chunks(
     for d, m in manifests(root):
         if not uses_store(m) or not _trusted(d, m, check_mac):
             continue
-        if (m.get("chunks") or {}).get("checksum", "blake2b-256") != checksum:
+        if (m.get("chunks") or {}).get("checksum", DEFAULT_CHUNK_CHECKSUM) != checksum:
             continue
         try:
             locs = list(chunk_locations(m))
