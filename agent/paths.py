@@ -42,3 +42,18 @@ def fakecuda_dir() -> pathlib.Path:
     if not (d / FAKECUDA_NAME).is_file():
         raise FileNotFoundError(f"fakecuda {FAKECUDA_NAME} not found in {d}; run `make build`")
     return d
+
+
+def without_fakecuda(value: str | None) -> str | None:
+    """``value`` (an ``LD_LIBRARY_PATH``) without fakecuda's directory and empty entries, for a
+    child on the real driver: a GPU image may reach its ``libcuda.so.1`` only through
+    ``LD_LIBRARY_PATH`` (e.g. ``/usr/local/nvidia/lib64``), so it must not be dropped whole.
+    Returns None when nothing is left."""
+    if not value:
+        return None
+    try:
+        fake = os.path.realpath(lib_dir() / "fakecuda")
+    except FileNotFoundError:
+        fake = None
+    keep = [p for p in value.split(":") if p and os.path.realpath(p) != fake]
+    return ":".join(keep) or None

@@ -15,6 +15,8 @@ import sys
 
 import pytest
 
+from cuinterpose.agent import paths
+
 PROBE = r"""
 import json, sys
 from cuda.bindings import driver as d
@@ -30,12 +32,19 @@ print(json.dumps(out))
 """
 
 
+def real_driver_env() -> dict:
+    """This process's environment for a child on the real driver: no preload, no
+    ``CUINTERPOSE_DRIVER``, and ``LD_LIBRARY_PATH`` without fakecuda's directory (kept
+    otherwise: a GPU image may reach ``libcuda.so.1`` only through it)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "CUINTERPOSE_DRIVER")}
+    keep = paths.without_fakecuda(env.pop("LD_LIBRARY_PATH", None))
+    if keep:
+        env["LD_LIBRARY_PATH"] = keep
+    return env
+
+
 def _probe() -> tuple[bool, str, dict]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("LD_PRELOAD", "LD_LIBRARY_PATH", "CUINTERPOSE_DRIVER")
-    }
+    env = real_driver_env()
     try:
         res = subprocess.run(
             [sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, timeout=120
@@ -69,11 +78,7 @@ def real_env(tmp_path, shim_path):
     """A child's environment on the real driver, under the shim, with a private control dir."""
     ctl = tmp_path / "ctl"
     ctl.mkdir()
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("LD_PRELOAD", "LD_LIBRARY_PATH", "CUINTERPOSE_DRIVER")
-    }
+    env = real_driver_env()
     env["LD_PRELOAD"] = str(shim_path)
     env["CUINTERPOSE_CONTROL_DIR"] = str(ctl)
     env["PYTHONUNBUFFERED"] = "1"

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import subprocess
 import sys
 
 import pytest
+
+from gpu.conftest import real_driver_env
 
 N = 64 << 20
 
@@ -59,11 +60,7 @@ def test_custom_storage_round_trip_on_the_real_driver(real_gpu, tmp_path):
         why = f"driver {real_gpu.get('driver_version')} has no custom storage (needs 13040)"
         print(f"tests/gpu skipped: {why}")
         pytest.skip(why)
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("LD_PRELOAD", "LD_LIBRARY_PATH", "CUINTERPOSE_DRIVER")
-    }
+    env = real_driver_env()
     t = subprocess.Popen(
         [sys.executable, "-c", TARGET, str(N)],
         stdin=subprocess.PIPE,

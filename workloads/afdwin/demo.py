@@ -61,7 +61,8 @@ def workload_env(
     control_dir: os.PathLike | str, *, shim: bool = True, driver: str = "fake"
 ) -> dict:
     """Environment for a workload under the shim with a private control dir, on fakecuda
-    (``driver="fake"``) or on the system's real ``libcuda.so.1`` (``driver="real"``)."""
+    (``driver="fake"``) or on the system's real ``libcuda.so.1`` (``driver="real"``: the
+    inherited ``LD_LIBRARY_PATH`` is kept, fakecuda's directory removed from it)."""
     if driver not in ("fake", "real"):
         raise ValueError(f"driver must be 'fake' or 'real', not {driver!r}")
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "CUINTERPOSE_DRIVER")}
@@ -69,6 +70,8 @@ def workload_env(
         env["LD_PRELOAD"] = str(paths.shim_path())
     if driver == "fake":
         env["LD_LIBRARY_PATH"] = str(paths.fakecuda_dir())
+    elif paths.without_fakecuda(env.get("LD_LIBRARY_PATH")):
+        env["LD_LIBRARY_PATH"] = paths.without_fakecuda(env["LD_LIBRARY_PATH"])
     else:
         env.pop("LD_LIBRARY_PATH", None)
     env["CUINTERPOSE_CONTROL_DIR"] = str(control_dir)

@@ -1,0 +1,297 @@
+#!/usr/bin/env python3
+"""The checks of scripts/gpu-check.sh, one child process each, each with its own deadline.
+
+    python3 scripts/gpu_check.py --driver real|fake --out DIR --work DIR [--budget-s S]
+        [--only NAME,...] [--skip NAME,...] [--setup FILE]
+
+Runs :data:`CHECKS` in order (the order of issue 14: the driver and the machine, the GPU
+tests, the benches, afdwin under the shim's phases, native checkpoint). Each check runs as
+``gpu_check.py --one NAME`` in a new session with stdout and stderr in ``WORK/logs/NAME.log``;
+past its timeout (seconds, capped by what is left of ``--budget-s``) it gets SIGTERM (its
+``finally`` blocks kill the workloads it started), then SIGKILL 10 s later, and counts FAIL.
+A check whose prerequisite fact is missing (no checkpoint API, CRIU unusable) is SKIP with the
+reason; when the budget is spent every check left is SKIP.
+
+Prints one line per check as it ends, ``gpu-check: NAME PASS|FAIL|SKIP (reason) key=value…
+t=SECONDS``, and rewrites after each check ``OUT/gpu-check.json`` (``{"driver", "host",
+"started", "setup", "checks": [{"name", "status", "reason", "keys", "seconds", "detail"}],
+"elapsed_s", "done"}``) and ``OUT/gpu-check.log`` (every check's log, the last
+:data:`LOG_TAIL` bytes of each), so a run cut short still reports everything before the cut.
+``--setup FILE``: a JSON list of results gpu-check.sh produced before (deps, build), put
+first in the report. Exit status: 0 when no check failed, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import pathlib
+import platform
+import signal
+import subprocess
+import sys
+import time
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import gpu_check_jobs as jobs  # noqa: E402
+import gpu_check_steps as steps  # noqa: E402
+
+LOG_TAIL = 64 << 10  # bytes of each check's log kept in OUT/gpu-check.log
+KILL_GRACE_S = 10.0  # SIGTERM -> SIGKILL
+T0 = time.monotonic()  # the run's start: budgets and the +S offsets count from here
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """``name`` (the report's key), ``fn`` (in gpu_check_steps: ctx -> Result), ``timeout_s``."""
+
+    name: str
+    fn: object
+    timeout_s: float
+
+
+CHECKS = (
+    Check("driver", steps.driver, 60),
+    Check("driver-semantics", steps.driver_semantics, 90),
+    Check("kernel", steps.kernel, 20),
+    Check("criu", steps.criu, 60),
+    Check("doctor", steps.doctor, 60),
+    Check("gpu-tests", steps.gpu_tests, 240),
+    Check("bench-intercept", steps.bench_intercept, 90),
+    Check("bench-phases", steps.bench_phases, 90),
+    Check("carrier-copy", jobs.carrier_copy, 180),
+    Check("afdwin-live", jobs.afdwin_live, 150),
+    Check("native-cycle", jobs.native_cycle, 150),
+    Check("agent-leave-running", jobs.agent_leave_running, 150),
+)
+BY_NAME = {c.name: c for c in CHECKS}
+
+
+def fmt_value(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    s = str(v)
+    return s.replace(" ", "_") if s else "''"
+
+
+def line(res: dict) -> str:
+    """``gpu-check: NAME STATUS (reason) k=v… t=S``: the one line a check prints."""
+    parts = [f"gpu-check: {res['name']} {res['status']}"]
+    if res.get("reason"):
+        parts.append(f"({res['reason']})")
+    parts += [f"{k}={fmt_value(v)}" for k, v in res.get("keys", {}).items()]
+    parts.append(f"t={res.get('seconds', 0):.1f}s")
+    return " ".join(parts)
+
+
+def tail_of(path: pathlib.Path, n: int) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - n))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def last_line(path: pathlib.Path) -> str:
+    lines = [ln for ln in tail_of(path, 4096).splitlines() if ln.strip()]
+    return lines[-1].strip()[:200] if lines else "no output"
+
+
+def run_child(check: Check, args, timeout_s: float, facts_path: pathlib.Path) -> dict:
+    """Run one check in its own session; returns its result dict (FAIL on timeout or crash)."""
+    work = pathlib.Path(args.work)
+    log = work / "logs" / f"{check.name}.log"
+    result_path = work / "results" / f"{check.name}.json"
+    result_path.unlink(missing_ok=True)
+    cmd = [
+        sys.executable,
+        str(pathlib.Path(__file__).resolve()),
+        "--one",
+        check.name,
+        "--driver",
+        args.driver,
+        "--work",
+        args.work,
+        "--out",
+        args.out,
+        "--facts",
+        str(facts_path),
+        "--timeout-s",
+        f"{timeout_s:.0f}",
+    ]
+    t0 = time.monotonic()
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True
+        )
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=KILL_GRACE_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            return {
+                "name": check.name,
+                "status": "FAIL",
+                "seconds": time.monotonic() - t0,
+                "reason": f"timed out after {timeout_s:.0f} s; last log line: {last_line(log)}",
+                "keys": {},
+                "detail": {},
+            }
+    try:
+        res = json.loads(result_path.read_text())
+    except (OSError, ValueError):
+        res = {
+            "name": check.name,
+            "status": "FAIL",
+            "keys": {},
+            "detail": {},
+            "reason": f"the check exited {proc.returncode} without a result; "
+            f"last log line: {last_line(log)}",
+        }
+    res["seconds"] = time.monotonic() - t0
+    return res
+
+
+def write_report(args, report: dict, results: list[dict]) -> None:
+    out = pathlib.Path(args.out)
+    report["checks"] = results
+    report["elapsed_s"] = round(time.monotonic() - T0, 1)
+    tmp = out / "gpu-check.json.tmp"
+    tmp.write_text(json.dumps(report, indent=1, default=str))
+    os.replace(tmp, out / "gpu-check.json")
+    logs = pathlib.Path(args.work) / "logs"
+    with open(out / "gpu-check.log", "w") as f:
+        for res in report["setup"] + results:
+            f.write(f"===== {res['name']} {res['status']} =====\n")
+            f.write(tail_of(logs / f"{res['name']}.log", LOG_TAIL))
+            f.write("\n")
+
+
+def run_all(args) -> int:
+    out, work = pathlib.Path(args.out), pathlib.Path(args.work)
+    for d in (out, work / "logs", work / "results"):
+        d.mkdir(parents=True, exist_ok=True)
+    setup = json.loads(pathlib.Path(args.setup).read_text()) if args.setup else []
+    report = {
+        "driver": args.driver,
+        "host": platform.node(),
+        "done": False,
+        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "budget_s": args.budget_s,
+        "setup": setup,
+    }
+    only = set(filter(None, args.only.split(","))) if args.only else None
+    skip = set(filter(None, args.skip.split(",")))
+    for name in (only or set()) | skip:
+        if name not in BY_NAME:
+            raise SystemExit(f"gpu_check: no check {name!r} (checks: {', '.join(BY_NAME)})")
+    facts: dict = {"setup": {r["name"]: r.get("facts", {}) for r in setup}}
+    facts_path = work / "facts.json"
+    results: list[dict] = []
+    failed = any(r["status"] == "FAIL" for r in setup)
+    for check in CHECKS:
+        if (only is not None and check.name not in only) or check.name in skip:
+            continue
+        left = args.budget_s - (time.monotonic() - T0)
+        if left < 15:
+            res = {
+                "name": check.name,
+                "status": "SKIP",
+                "seconds": 0.0,
+                "keys": {},
+                "detail": {},
+                "reason": f"budget of {args.budget_s:.0f} s spent",
+            }
+        else:
+            timeout = min(check.timeout_s, left - 5)
+            print(
+                f"# {check.name}: start at +{time.monotonic() - T0:.1f} s "
+                f"(deadline {timeout:.0f} s)",
+                flush=True,
+            )
+            facts_path.write_text(json.dumps(facts))
+            res = run_child(check, args, timeout, facts_path)
+        facts[check.name] = res.pop("facts", {})
+        failed |= res["status"] == "FAIL"
+        results.append(res)
+        print(line(res), flush=True)
+        write_report(args, report, results)
+    report["done"] = True
+    write_report(args, report, results)
+    print(f"# summary ({time.monotonic() - T0:.1f} s; report {out / 'gpu-check.json'})")
+    for res in setup + results:
+        print(line(res))
+    return 1 if failed else 0
+
+
+def run_one(args) -> int:
+    """Child side: run one check, write WORK/results/NAME.json."""
+    check = BY_NAME[args.one]
+    facts = json.loads(pathlib.Path(args.facts).read_text()) if args.facts else {}
+    ctx = steps.Ctx(
+        driver=args.driver,
+        work=pathlib.Path(args.work),
+        out=pathlib.Path(args.out),
+        facts=facts,
+        deadline=time.monotonic() + args.timeout_s - 5,
+    )
+
+    def on_term(signum, frame):
+        raise steps.Interrupted(f"stopped by {signal.Signals(signum).name} at the deadline")
+
+    signal.signal(signal.SIGTERM, on_term)
+    t0 = time.monotonic()
+    try:
+        res = check.fn(ctx)
+    except steps.Skip as e:
+        res = steps.Result("SKIP", str(e))
+    except BaseException as e:  # every failure is a FAIL line with its reason, never a crash
+        import traceback
+
+        traceback.print_exc()
+        last = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+        res = steps.Result("FAIL", f"{type(e).__name__}: {last}"[:300])
+    body = {
+        "name": check.name,
+        "status": res.status,
+        "reason": res.reason,
+        "keys": res.keys,
+        "detail": res.detail,
+        "facts": res.facts,
+        "seconds": time.monotonic() - t0,
+    }
+    path = pathlib.Path(args.work) / "results" / f"{check.name}.json"
+    path.write_text(json.dumps(body, default=str))
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--driver", choices=("real", "fake"), default="real")
+    ap.add_argument("--out", required=True, help="where gpu-check.json and gpu-check.log go")
+    ap.add_argument("--work", required=True, help="scratch directory (logs, snapshots)")
+    ap.add_argument("--budget-s", type=float, default=420.0, help="wall time for all checks")
+    ap.add_argument("--only", default="", help="run only these checks (comma separated)")
+    ap.add_argument("--skip", default="", help="leave these checks out (comma separated)")
+    ap.add_argument("--setup", default="", help="JSON list of setup results to report first")
+    ap.add_argument("--one", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--facts", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--timeout-s", type=float, default=60.0, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    return run_one(args) if args.one else run_all(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
