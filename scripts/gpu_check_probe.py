@@ -24,7 +24,8 @@ warm-up copy each way.
 values), for the VMM, export/import, IPC, multicast and checkpoint behaviours fakecuda models
 (:data:`EXPERIMENTS`). scripts/gpu_check.py runs it on the real driver and on fakecuda in the
 same run and reports every experiment whose results differ; keys starting with ``info_`` are
-reported, not compared (paths, inode numbers).
+reported, not compared (paths, inode numbers), and a key only one side has (an experiment
+keyed by a device attribute the two report differently) is listed, not compared.
 
 Exit status 0 with the JSON, or 1 with the failing call on stderr.
 """
@@ -271,9 +272,53 @@ def x_vmm(gran: int) -> dict:
     out["set_access_unmapped"] = name_of(access(va, gran))
     h = call(cu.cuMemCreate, 2 * gran, fd_prop(), 0)
     out["map_unaligned_offset"] = name_of(cu.cuMemMap(va, gran, 4096, h, 0))
+    r = cu.cuMemMap(va, gran, gran, h, 0)
+    out["map_aligned_offset"] = name_of(r)
+    if name_of(r) == "CUDA_SUCCESS":
+        cu.cuMemUnmap(va, gran)
     cu.cuMemRelease(h)
     cu.cuMemAddressFree(va, gran)
     return out
+
+
+def props_of(h) -> list:
+    err, p = cu.cuMemGetAllocationPropertiesFromHandle(h)
+    if err != 0:
+        return [err.name]
+    return [err.name, int(p.type), int(p.location.type), p.location.id, int(p.requestedHandleTypes)]
+
+
+IMPORTER = r"""
+import json, sys
+from cuda.bindings import driver as cu
+cu.cuInit(0)
+err, dev = cu.cuDeviceGet(0)
+err, ctx = cu.cuDevicePrimaryCtxRetain(dev)
+cu.cuCtxSetCurrent(ctx)
+POSIX_FD = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+err, h = cu.cuMemImportFromShareableHandle(int(sys.argv[1]), POSIX_FD)
+out = [err.name]
+if err == 0:
+    e, p = cu.cuMemGetAllocationPropertiesFromHandle(h)
+    out += [e.name] + ([int(p.type), int(p.location.type), p.location.id,
+                        int(p.requestedHandleTypes)] if e == 0 else [])
+print(json.dumps(out))
+"""
+
+
+def import_elsewhere(fd: int) -> list:
+    """Import ``fd`` in a child process (inherited) and read the properties there."""
+    res = subprocess.run(
+        [sys.executable, "-c", IMPORTER, str(fd)],
+        pass_fds=(fd,),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    lines = res.stdout.strip().splitlines()
+    return (
+        json.loads(lines[-1]) if lines else [f"exit {res.returncode}: {res.stderr.strip()[-150:]}"]
+    )
 
 
 def x_export(gran: int) -> dict:
@@ -296,10 +341,23 @@ def x_export(gran: int) -> dict:
         err, h3 = cu.cuMemImportFromShareableHandle(int(fd), POSIX_FD)
         out["import_own_export"] = [err.name, err == 0 and int(h3) == int(h)]
         if err == 0:
+            out["import_props_same_process"] = props_of(h3)
+            e2, fd3 = cu.cuMemExportToShareableHandle(h3, POSIX_FD, 0)
+            out["export_of_import"] = e2.name
+            if e2 == 0:
+                os.close(int(fd3))
             cu.cuMemRelease(h3)
+        out["import_props_other_process"] = import_elsewhere(int(fd))
         os.close(int(fd))
         os.close(int(fd2))
     out["import_bad_fd"] = name_of(cu.cuMemImportFromShareableHandle(9999, POSIX_FD))
+    plain = os.memfd_create("gpu-check-not-a-driver-fd")
+    os.ftruncate(plain, 3 * 4096)
+    err, h4 = cu.cuMemImportFromShareableHandle(plain, POSIX_FD)
+    out["import_memfd"] = err.name
+    if err == 0:
+        cu.cuMemRelease(h4)
+    os.close(plain)
     out["release"] = name_of(cu.cuMemRelease(h))
     host = fd_prop(loc_type=cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST_NUMA, loc_id=0)
     err, g = cu.cuMemGetAllocationGranularity(
@@ -327,6 +385,10 @@ def x_ipc() -> dict:
 
 
 def x_multicast(gran: int) -> dict:
+    """Keyed by the device's MULTICAST_SUPPORTED, so that only like devices are compared."""
+    err, dev = cu.cuDeviceGet(0)
+    attr = cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED
+    supported = cu.cuDeviceGetAttribute(attr, dev)[1] == 1
     mc = cu.CUmulticastObjectProp()
     mc.numDevices = 1
     mc.size = gran
@@ -334,7 +396,9 @@ def x_multicast(gran: int) -> dict:
     err, h = cu.cuMulticastCreate(mc)
     if err == 0:
         cu.cuMemRelease(h)
-    return {"multicast_create_1dev": err.name}
+    return {
+        "multicast_create_1dev" if supported else "multicast_create_unsupported_device": err.name
+    }
 
 
 def x_checkpoint() -> dict:
@@ -355,7 +419,9 @@ def x_checkpoint() -> dict:
 def x_last(gran: int) -> dict:
     """Last, since a fault here may poison the context for every later call."""
     va = int(call(cu.cuMemAddressReserve, gran, gran, 0, 0))
-    out = {"memset_unmapped": name_of(cu.cuMemsetD8(va, 0, 16))}
+    buf = bytearray(16)
+    out = {"memcpy_dtoh_unmapped": name_of(cu.cuMemcpyDtoH(buf, va, 16))}
+    out["memset_unmapped"] = name_of(cu.cuMemsetD8(va, 0, 16))
     out["after_memset_unmapped"] = name_of(cu.cuCtxSynchronize())
     cu.cuMemAddressFree(va, gran)
     return out

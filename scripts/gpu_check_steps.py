@@ -193,6 +193,7 @@ def driver(ctx: Ctx) -> Result:
         "checkpoint_api": ckpt,
         "custom_storage": custom,
         "libcuda": info["library"],
+        "granularity": g.get("minimum"),
         "driver_version": info["driver_version"],
         "multicast": a.get("MULTICAST_SUPPORTED") == 1,
     }
@@ -234,8 +235,10 @@ def driver_semantics(ctx: Ctx) -> Result:
         got[label] = flat(last_json(res.stdout))
     real, fake = got["driver"], got["fakecuda"]
     compared = [
-        k for k in sorted(set(real) | set(fake)) if not k.split(".")[-1].startswith("info_")
+        k for k in sorted(set(real) & set(fake)) if not k.split(".")[-1].startswith("info_")
     ]
+    got["only_driver"] = sorted(set(real) - set(fake))
+    got["only_fakecuda"] = sorted(set(fake) - set(real))
     diff = {
         k: {"driver": real.get(k), "fakecuda": fake.get(k)}
         for k in compared
@@ -453,8 +456,11 @@ COPY_ROW = re.compile(
 
 
 def bench_phases(ctx: Ctx) -> Result:
+    # one allocation per granule: 64 KiB on fakecuda, the driver's minimum (2 MiB on an H200)
+    size = ctx.fact("driver", "granularity") if ctx.driver == "real" else 64 << 10
     res = run(
-        [sys.executable, "bench/phases.py", "--driver", ctx.driver, "--k", "10,1000"],
+        [sys.executable, "bench/phases.py", "--driver", ctx.driver, "--k", "10,1000"]
+        + ["--size", str(size)],
         ctx,
         env=bench_env(ctx),
     )

@@ -32,14 +32,21 @@ static uint64_t ck_deadline_ms(uint32_t op, uint32_t timeout_ms)
     return ms + (op == CK_LOCK ? timeout_ms : 0);
 }
 
-/* Connect to pid's control socket with the deadline of op; -1 and *r set when that fails. An
- * unknown pid, or a pid that has no fakecuda control socket (never called cuInit, or no
- * fakecuda), is CUDA_ERROR_INVALID_VALUE. */
+/* Connect to pid's control socket with the deadline of op; -1 and *r set when that fails.
+ * As the real driver answers (R580 on an H200, docs/gpu-validation.md): a pid with no process
+ * is CUDA_ERROR_OPERATING_SYSTEM, a live process without a fakecuda control socket (it never
+ * called cuInit, or runs without fakecuda) CUDA_ERROR_NOT_INITIALIZED; pid <= 0 is
+ * CUDA_ERROR_INVALID_VALUE. */
 static int ck_connect(int pid, uint32_t op, uint32_t timeout_ms, CUresult *r)
 {
     *r = CUDA_ERROR_INVALID_VALUE;
     if (pid <= 0)
         return -1;
+    if (kill(pid, 0) != 0 && errno == ESRCH) {
+        *r = CUDA_ERROR_OPERATING_SYSTEM;
+        return -1;
+    }
+    *r = CUDA_ERROR_NOT_INITIALIZED;
     int s = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
     if (s < 0) {
         *r = CUDA_ERROR_OPERATING_SYSTEM;

@@ -279,6 +279,9 @@ struct fc_alloc {
 struct fc_handle {               /* indexed by handle value */
     struct fc_alloc *alloc;
     int refs;                    /* 0: released (stale) */
+    int imported;                /* from cuMemImportFromShareableHandle: its properties report
+                                  * requestedHandleTypes 0, as the real driver's do (R580,
+                                  * docs/gpu-validation.md) */
 };
 
 struct fc_map {

@@ -470,7 +470,9 @@ static CUresult mem_import(CUmemGenericAllocationHandle *h, void *os, CUmemAlloc
     int fd = (int)(intptr_t)os;
     struct stat st;
     struct fc_meta meta;
-    if (fd < 0 || fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || (size_t)st.st_size < g_page)
+    if (fd < 0 || fstat(fd, &st) != 0)
+        return CUDA_ERROR_UNKNOWN; /* a closed or bad descriptor: the real driver's (R580) answer */
+    if (!S_ISREG(st.st_mode) || (size_t)st.st_size < g_page)
         return CUDA_ERROR_INVALID_VALUE;
     if (pread(fd, &meta, sizeof meta, st.st_size - (off_t)g_page) != (ssize_t)sizeof meta ||
         memcmp(meta.magic, FC_META_MAGIC, 8) != 0 || meta.version != FC_META_VERSION ||
@@ -520,6 +522,8 @@ static CUresult mem_import(CUmemGenericAllocationHandle *h, void *os, CUmemAlloc
     }
     if (r == CUDA_SUCCESS && handle_new(a, h) != 0)
         r = CUDA_ERROR_OUT_OF_MEMORY;
+    if (r == CUDA_SUCCESS)
+        g_handles[*h].imported = 1;
     if (fresh) {
         if (r == CUDA_SUCCESS) {
             a->next = g_allocs;
@@ -571,8 +575,11 @@ static CUresult mem_props(CUmemAllocationProp *prop, CUmemGenericAllocationHandl
     struct fc_handle *e = handle_get(h);
     if (e && e->alloc->kind != FC_KIND_ALLOCATION)
         e = NULL; /* a multicast object has no allocation properties */
-    if (e)
+    if (e) {
         *prop = e->alloc->prop;
+        if (e->imported) /* the real driver (R580) reports no requested handle types for an import */
+            prop->requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;
+    }
     pthread_mutex_unlock(&g_mu);
     return e ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }

@@ -45,6 +45,7 @@ int handle_new(struct fc_alloc *a, unsigned long long *out)
     }
     g_handles[v].alloc = a;
     g_handles[v].refs = 1;
+    g_handles[v].imported = 0;
     g_nhandles++;
     a->handles++;
     *out = v;

@@ -318,6 +318,16 @@ CUI_EXPORT CUresult cuMemExportToShareableHandle(void *shareableHandle, CUmemGen
 }
 
 /* Imports `fd` (a real driver FD) and records or joins the allocation. Lock held. */
+/* The properties of h, an allocation imported from a POSIX FD. The real driver (R580 on an
+ * H200, docs/gpu-validation.md) reports requestedHandleTypes 0 for an imported handle; the
+ * allocation was shared as a POSIX FD, so that is its handle type in our records (the
+ * coordinator refuses a shared record with any other). */
+static CUresult imported_prop(CUmemAllocationProp *prop, CUmemGenericAllocationHandle h) {
+  CUresult r = REAL(cuMemGetAllocationPropertiesFromHandle)(prop, h);
+  if (r == CUDA_SUCCESS) prop->requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  return r;
+}
+
 static CUresult import_real(int fd, CUmemGenericAllocationHandle *out) {
   cui_fn_cuMemImportFromShareableHandle real = REAL(cuMemImportFromShareableHandle);
   CUresult r = real(out, (void *)(uintptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
@@ -387,7 +397,7 @@ static CUresult import_ticket(CUmemGenericAllocationHandle *handle, const struct
     pthread_mutex_unlock(&cui_st.lock);
     close(fd);
     if (r == CUDA_SUCCESS) {
-      r = REAL(cuMemGetAllocationPropertiesFromHandle)(&prop, h);
+      r = imported_prop(&prop, h);
       if (r != CUDA_SUCCESS) rel(h);   /* nothing published */
     }
   }
@@ -458,7 +468,7 @@ CUI_EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle 
   if (r == CUDA_SUCCESS) {
     CUmemAllocationProp prop;
     memset(&prop, 0, sizeof prop);
-    REAL(cuMemGetAllocationPropertiesFromHandle)(&prop, h);
+    imported_prop(&prop, h);
     uint8_t id[16];
     cui_random_id(id);
     struct cui_alloc *a = cui_alloc_new(id, 0);   /* creator unknown */

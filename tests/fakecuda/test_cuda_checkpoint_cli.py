@@ -102,12 +102,12 @@ def test_refusals_name_the_operation_pid_and_curesult(peer, cli):
         f"cuda-checkpoint: checkpoint of pid {p} failed: CUDA_ERROR_ILLEGAL_STATE\n",
     )
     assert cli("--action", "unlock", "--pid", p)[0] == 1
-    # a pid above pid_max: no process, no fakecuda control socket: the driver's INVALID_VALUE
+    # a pid above pid_max: no process: the real driver's OPERATING_SYSTEM (docs/gpu-validation.md)
     none = int(pathlib.Path("/proc/sys/kernel/pid_max").read_text()) + 1
     assert cli("--get-state", "--pid", none) == (
         1,
         "",
-        f"cuda-checkpoint: get-state of pid {none} failed: CUDA_ERROR_INVALID_VALUE\n",
+        f"cuda-checkpoint: get-state of pid {none} failed: CUDA_ERROR_OPERATING_SYSTEM\n",
     )
     assert cli("--get-state", "--pid", p) == (0, "running\n", "")
 

@@ -14,6 +14,7 @@ import pytest
 from cuinterpose.workloads.afdwin import demo
 
 STEPS = 200
+HOLD = 20
 
 
 @pytest.fixture
@@ -46,8 +47,13 @@ def real_afdwin(tmp_path, real_gpu, subreaper):
 
 @pytest.mark.parametrize("profile", ["ci", "gpu"])
 def test_real_gpu_checkpoint_kill_restore_finish(real_afdwin, tmp_path, profile):
-    a = real_afdwin(steps=STEPS, step_delay_ms=2, extra_args=("--profile", profile))
-    a.wait_for(lambda ev: demo.received(ev) >= 20, 300, "20 messages")
+    # The attention ranks hold after step HOLD until the checkpoint's quiesce: the cut lands
+    # there however fast the GPU runs (the first H200 run finished all steps before the agent
+    # started, docs/gpu-validation.md).
+    a = real_afdwin(
+        steps=STEPS, step_delay_ms=2, hold_at=(HOLD,), extra_args=("--profile", profile)
+    )
+    a.wait_hold(1, 300)
     snap = tmp_path / "snap"
     rc, cp = demo.run_agent(
         "checkpoint",

@@ -192,7 +192,7 @@ def test_wrong_phase_and_duplicate_change_nothing(apps, ctl, fake_log):
     assert fake_log.lines()[mark:] == []
     assert inspect(ctl, c, Phase.SAVED) == saved
     # the importer was never asked: still ACTIVE and usable
-    assert i.ok(f"props {hi}") == ["1", "1", "1", "0"]
+    assert i.ok(f"props {hi}") == ["1", "0", "1", "0"]  # an import: no handle types (R580)
 
 
 def test_raw_import_blocks_capture(apps, ctl, fake_env, fake_log):
