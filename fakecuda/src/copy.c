@@ -32,6 +32,21 @@ CUresult precheck(uintptr_t p, int kind)
     return r == CUDA_ERROR_NOT_FOUND ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
 }
 
+/* precheck for a copy or a memset: a reserved VA must also have a mapping where the range
+ * starts (CUDA_ERROR_INVALID_VALUE now: R580 answers a cuMemcpyDtoH or cuMemsetD8 at
+ * reserved, unmapped VA so, docs/gpu-validation.md). Stream memops keep precheck: what the
+ * driver does with one there was not measured. */
+CUresult precheck_copy(uintptr_t p, int kind)
+{
+    CUresult r = precheck(p, kind);
+    if (r != CUDA_SUCCESS || kind != PTR_DEVICE)
+        return r;
+    pthread_mutex_lock(&g_mu);
+    int unmapped = !dmem_find(p) && !map_find(p);
+    pthread_mutex_unlock(&g_mu);
+    return unmapped ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
+}
+
 static int wait_done(uint64_t cur, uint64_t ref, unsigned flags, int is64)
 {
     switch (flags & ~(unsigned)CU_STREAM_WAIT_VALUE_FLUSH) {

@@ -412,6 +412,7 @@ struct fc_op {
 
 /* At enqueue: is a pointer passed as device memory device memory at all? */
 CUresult precheck(uintptr_t p, int kind);
+CUresult precheck_copy(uintptr_t p, int kind);
 CUresult op_exec(const struct fc_op *op, int dev);
 
 /* ------------------------------------------------------------------ streams (stream.c) */

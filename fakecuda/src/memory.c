@@ -279,9 +279,9 @@ static CUresult do_copy(uintptr_t dst, int dk, uintptr_t src, int sk, size_t n, 
     struct fc_op op = {.kind = OP_COPY, .dst = dst, .src = src, .dkind = dk, .skind = sk, .n = n};
     if (n == 0)
         return CUDA_SUCCESS;
-    CUresult r = precheck(dst, dk);
+    CUresult r = precheck_copy(dst, dk);
     if (r == CUDA_SUCCESS)
-        r = precheck(src, sk);
+        r = precheck_copy(src, sk);
     if (r != CUDA_SUCCESS)
         return r;
     return async ? stream_enqueue(hs, &op) : sync_op(&op);
@@ -299,7 +299,7 @@ static CUresult do_set(uintptr_t dst, int kind, uint32_t v, size_t n, CUstream h
     struct fc_op op = {.kind = kind, .dst = dst, .dkind = PTR_DEVICE, .n = n, .val = v};
     if (n == 0)
         return CUDA_SUCCESS;
-    CUresult r = precheck(dst, PTR_DEVICE);
+    CUresult r = precheck_copy(dst, PTR_DEVICE);
     if (r != CUDA_SUCCESS)
         return r;
     return async ? stream_enqueue(hs, &op) : sync_op(&op);

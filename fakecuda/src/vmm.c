@@ -242,6 +242,15 @@ FC_EXPORT CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size)
 static CUresult mem_map(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle h,
                         unsigned long long flags)
 {
+    if (offset != 0) { /* an allocation maps from offset 0 only (cuda.h: "currently must be
+                        * zero"; R580 answers CUDA_ERROR_NOT_SUPPORTED, docs/gpu-validation.md) */
+        pthread_mutex_lock(&g_mu);
+        struct fc_handle *e0 = handle_get(h);
+        int allocation = e0 && e0->alloc->kind == FC_KIND_ALLOCATION;
+        pthread_mutex_unlock(&g_mu);
+        if (allocation)
+            return CUDA_ERROR_NOT_SUPPORTED;
+    }
     if (flags != 0 || size == 0 || ptr % g_gran || size % g_gran || offset % g_gran)
         return CUDA_ERROR_INVALID_VALUE;
     CUresult r = mc_wait_handle(h, (uintptr_t)ptr, offset, size, "cuMemMap"); /* multicast: team complete */
@@ -428,6 +437,8 @@ static CUresult mem_export(void *out, CUmemGenericAllocationHandle h, CUmemAlloc
     if (!e || type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR ||
         !(e->alloc->prop.requestedHandleTypes & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR))
         r = CUDA_ERROR_INVALID_VALUE;
+    else if (e->imported && e->alloc->kind == FC_KIND_ALLOCATION)
+        r = CUDA_ERROR_INVALID_VALUE; /* R580: an imported allocation cannot be exported again */
     else if (e->alloc->fd < 0)
         r = CUDA_ERROR_ILLEGAL_STATE;
     struct fc_export *x = NULL;
@@ -472,13 +483,15 @@ static CUresult mem_import(CUmemGenericAllocationHandle *h, void *os, CUmemAlloc
     struct fc_meta meta;
     if (fd < 0 || fstat(fd, &st) != 0)
         return CUDA_ERROR_UNKNOWN; /* a closed or bad descriptor: the real driver's (R580) answer */
+    /* Not a fakecuda allocation or multicast memfd (any other file): the real driver's answer
+     * to a descriptor it did not export is CUDA_ERROR_UNKNOWN (R580, a memfd). */
     if (!S_ISREG(st.st_mode) || (size_t)st.st_size < g_page)
-        return CUDA_ERROR_INVALID_VALUE;
+        return CUDA_ERROR_UNKNOWN;
     if (pread(fd, &meta, sizeof meta, st.st_size - (off_t)g_page) != (ssize_t)sizeof meta ||
         memcmp(meta.magic, FC_META_MAGIC, 8) != 0 || meta.version != FC_META_VERSION ||
         (meta.kind != FC_KIND_ALLOCATION && meta.kind != FC_KIND_MULTICAST) ||
         meta.size + g_page != (uint64_t)st.st_size || (meta.kind == FC_KIND_MULTICAST && meta.size != team_len()))
-        return CUDA_ERROR_INVALID_VALUE; /* not a fakecuda allocation or multicast memfd */
+        return CUDA_ERROR_UNKNOWN;
     if (!(meta.prop.requestedHandleTypes & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR))
         return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&g_mu);
