@@ -153,7 +153,12 @@ def fmt_ms(ns):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--k", default="10,100,1000", help="allocation counts, comma separated")
-    ap.add_argument("--size", type=int, default=64 << 10, help="bytes per allocation")
+    ap.add_argument(
+        "--size",
+        type=int,
+        default=64 << 10,
+        help="bytes per allocation, a multiple of the granularity (2 MiB on an H200)",
+    )
     ap.add_argument(
         "--granularity", type=int, default=64 << 10, help="FAKECUDA_GRANULARITY (fakecuda only)"
     )
@@ -165,9 +170,10 @@ def main(argv=None) -> int:
     exe = build_cuipair(args.driver)
     ks = [int(x) for x in args.k.split(",") if x]
 
+    gran = f"{args.granularity} B" if args.driver == "fake" else "the driver's"
     print(
-        f"driver={args.driver} size={args.size} B per allocation, "
-        f"granularity={args.granularity} B, two processes (creator + importer)"
+        f"driver={args.driver} size={args.size} B per allocation (a multiple of the "
+        f"granularity: {gran}), two processes (creator + importer)"
     )
     head = (
         f"{'K':>5} {'seq':<8} {'phase':<17} {'wall ms':>9} {'shim ms':>9} {'changed':>7} "

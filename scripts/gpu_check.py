@@ -69,7 +69,10 @@ CHECKS = (
     Check("native-cycle", jobs.native_cycle, 150),
     Check("agent-leave-running", jobs.agent_leave_running, 150),
 )
-BY_NAME = {c.name: c for c in CHECKS}
+#: not run by run_all: it starts a sleeper in its own session and blocks, so that a test can
+#: stop it as a deadline would (tests/scripts/test_gpu_check.py)
+SELFTEST = Check("selftest-hang", steps.selftest_hang, 600)
+BY_NAME = {c.name: c for c in CHECKS + (SELFTEST,)}
 
 
 def fmt_value(v) -> str:
@@ -105,12 +108,11 @@ def last_line(path: pathlib.Path) -> str:
     return lines[-1].strip()[:200] if lines else "no output"
 
 
-def run_child(check: Check, args, timeout_s: float, facts_path: pathlib.Path) -> dict:
-    """Run one check in its own session; returns its result dict (FAIL on timeout or crash)."""
-    work = pathlib.Path(args.work)
-    log = work / "logs" / f"{check.name}.log"
-    result_path = work / "results" / f"{check.name}.json"
-    result_path.unlink(missing_ok=True)
+def start_child(check: Check, args, timeout_s: float, facts_path: pathlib.Path):
+    """Start ``gpu_check.py --one NAME`` in a new session, output appended to its log;
+    returns (Popen, log path)."""
+    log = pathlib.Path(args.work) / "logs" / f"{check.name}.log"
+    (pathlib.Path(args.work) / "results" / f"{check.name}.json").unlink(missing_ok=True)
     cmd = [
         sys.executable,
         str(pathlib.Path(__file__).resolve()),
@@ -127,28 +129,41 @@ def run_child(check: Check, args, timeout_s: float, facts_path: pathlib.Path) ->
         "--timeout-s",
         f"{timeout_s:.0f}",
     ]
-    t0 = time.monotonic()
     with open(log, "ab") as out:
         proc = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True
         )
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=KILL_GRACE_S)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            return {
-                "name": check.name,
-                "status": "FAIL",
-                "seconds": time.monotonic() - t0,
-                "reason": f"timed out after {timeout_s:.0f} s; last log line: {last_line(log)}",
-                "keys": {},
-                "detail": {},
-            }
+    return proc, log
+
+
+def stop_child(proc: subprocess.Popen) -> None:
+    """SIGTERM the check's session (its ``finally`` blocks kill what it started), SIGKILL it
+    :data:`KILL_GRACE_S` later if it is still there; reaps it."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=KILL_GRACE_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def run_child(check: Check, args, timeout_s: float, facts_path: pathlib.Path) -> dict:
+    """Run one check in its own session; returns its result dict (FAIL on timeout or crash)."""
+    result_path = pathlib.Path(args.work) / "results" / f"{check.name}.json"
+    t0 = time.monotonic()
+    proc, log = start_child(check, args, timeout_s, facts_path)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        stop_child(proc)
+        return {
+            "name": check.name,
+            "status": "FAIL",
+            "seconds": time.monotonic() - t0,
+            "reason": f"timed out after {timeout_s:.0f} s; last log line: {last_line(log)}",
+            "keys": {},
+            "detail": {},
+        }
     try:
         res = json.loads(result_path.read_text())
     except (OSError, ValueError):

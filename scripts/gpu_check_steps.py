@@ -18,6 +18,7 @@ import json
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -140,6 +141,21 @@ def last_json(text: str):
 def tail_reason(res: subprocess.CompletedProcess) -> str:
     lines = (res.stderr or res.stdout or "").strip().splitlines() or ["no output"]
     return f"exit {res.returncode}: {lines[-1][:200]}"
+
+
+def selftest_hang(ctx: Ctx) -> Result:
+    """Never returns: starts ``sleep`` in its own session, as a workload, says its pid, and
+    blocks; its ``finally`` kills it when the deadline's SIGTERM comes (gpu_check.SELFTEST)."""
+    p = None
+    try:
+        p = subprocess.Popen(["sleep", "600"], start_new_session=True)
+        say(f"selftest: sleeper pid {p.pid}")
+        while True:
+            time.sleep(0.05)
+    finally:
+        if p is not None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
 
 
 # ---- 1. the driver and the machine ---------------------------------------------------------

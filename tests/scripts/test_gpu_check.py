@@ -1,0 +1,261 @@
+"""scripts/gpu-check.sh's checks, rehearsed on fakecuda, as they would run on a GPU machine.
+
+The run itself (``gpu_check.py --driver fake``, every check) must report PASS with the values
+each check promises: the driver probe and the semantics experiments agree (fakecuda against
+itself), the carriers verify byte for byte, afdwin 2A2F keeps its VAs and loses nothing across
+the cut, with and without the native checkpoint steps, and the agent's ``--leave-running``
+checkpoint succeeds. Also: a check past its deadline is a FAIL line and leaves no workload
+running; the deps step installs only what the interpreter lacks; CRIU travels as an archive.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import time
+import zipfile
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+SCRIPTS = REPO / "scripts"
+LINE = re.compile(
+    r"^gpu-check: (?P<name>[a-z-]+) (?P<status>PASS|FAIL|SKIP)( \(.*\))?( \S+=\S+)* t=[\d.]+s$"
+)
+
+
+@pytest.fixture(scope="module")
+def fake_run(tmp_path_factory, criu_ok):
+    work = tmp_path_factory.mktemp("gpu-check")
+    out = work / "out"
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPTS / "gpu_check.py"),
+            "--driver",
+            "fake",
+            "--out",
+            str(out),
+            "--work",
+            str(work),
+            "--budget-s",
+            "900",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        cwd=REPO,
+    )
+    report = json.loads((out / "gpu-check.json").read_text())
+    return res, report, out
+
+
+def by_name(report) -> dict:
+    return {c["name"]: c for c in report["checks"]}
+
+
+def test_every_check_runs_in_order_with_one_line_each(fake_run):
+    res, report, out = fake_run
+    names = [c["name"] for c in report["checks"]]
+    assert names == [
+        "driver",
+        "driver-semantics",
+        "kernel",
+        "criu",
+        "doctor",
+        "gpu-tests",
+        "bench-intercept",
+        "bench-phases",
+        "carrier-copy",
+        "afdwin-live",
+        "native-cycle",
+        "agent-leave-running",
+    ]
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("gpu-check: ")]
+    assert len(lines) == 2 * len(names)  # as each check ends, then the summary
+    assert all(LINE.match(ln) for ln in lines), [ln for ln in lines if not LINE.match(ln)]
+    assert report["done"] is True and report["driver"] == "fake"
+    # no GPU here: the GPU tests skip, saying why; everything else passes
+    c = by_name(report)
+    assert c["gpu-tests"]["status"] == "SKIP" and "skipped" in c["gpu-tests"]["reason"]
+    assert {n: c[n]["status"] for n in names if n != "gpu-tests"} == {
+        n: "PASS" for n in names if n != "gpu-tests"
+    }, {n: c[n].get("reason") for n in names}
+    assert res.returncode == 0
+    assert "===== afdwin-live PASS =====" in (out / "gpu-check.log").read_text()
+
+
+def test_driver_facts_and_semantics(fake_run):
+    _, report, _ = fake_run
+    c = by_name(report)
+    k = c["driver"]["keys"]
+    assert (k["vmm"], k["posix_fd"], k["checkpoint_api"], k["gran_min"]) == (1, 1, 1, 2 << 20)
+    s = c["driver-semantics"]
+    assert s["keys"]["differ"] == 0 and s["keys"]["experiments"] >= 30
+    d = s["detail"]["fakecuda"]
+    # the answers R580 gave on an H200 (docs/gpu-validation.md), now fakecuda's
+    assert d["import_props_other_process"] == ["CUDA_SUCCESS", "CUDA_SUCCESS", 1, 1, 0, 0]
+    assert d["export_of_import"] == "CUDA_ERROR_INVALID_VALUE"
+    assert d["map_aligned_offset"] == d["map_unaligned_offset"] == "CUDA_ERROR_NOT_SUPPORTED"
+    assert d["import_bad_fd"] == d["import_memfd"] == "CUDA_ERROR_UNKNOWN"
+    assert d["memcpy_dtoh_unmapped"] == d["memset_unmapped"] == "CUDA_ERROR_INVALID_VALUE"
+    assert d["state_non_cuda_pid"] == d["lock_non_cuda_pid"] == "CUDA_ERROR_NOT_INITIALIZED"
+    assert d["state_no_such_pid"] == "CUDA_ERROR_OPERATING_SYSTEM"
+
+
+def test_carriers_verify_and_count_every_byte(fake_run):
+    _, report, _ = fake_run
+    rows = by_name(report)["carrier-copy"]["detail"]["rows"]
+    assert [r["bytes"] for r in rows] == [64 << 20, 256 << 20]
+    for r in rows:
+        assert r["verified"] is True and r["bytes_compared"] == 2 * r["bytes"]
+        assert r["save_bytes"] == r["load_bytes"] == r["bytes"]
+
+
+@pytest.mark.parametrize("name", ["afdwin-live", "native-cycle"])
+def test_afdwin_cut_keeps_vas_and_messages(fake_run, name):
+    _, report, _ = fake_run
+    c = by_name(report)[name]
+    k = c["keys"]
+    assert (k["ranks"], k["vas_equal"], k["lost"], k["duplicated"], k["torn"]) == (4, 1, 0, 0, 0)
+    assert k["messages"] == 120 * 8  # 120 steps, 2 attention x 2 FFN ranks, both directions
+    assert c["detail"]["before"] == c["detail"]["after"] and k["records"] > 0
+    if name == "native-cycle":
+        assert c["detail"]["states"] == {
+            "lock": ["LOCKED"],
+            "checkpoint": ["CHECKPOINTED"],
+            "restore": ["LOCKED"],
+            "unlock": ["RUNNING"],
+        }
+
+
+def test_agent_leave_running(fake_run):
+    _, report, _ = fake_run
+    k = by_name(report)["agent-leave-running"]["keys"]
+    assert (k["agent_exit"], k["ok"], k["messages"], k["lost"]) == (0, 1, 960, 0)
+
+
+def gpu_check_module():
+    sys.path.insert(0, str(SCRIPTS))
+    import gpu_check
+
+    return gpu_check
+
+
+def child_args(tmp_path):
+    for d in ("logs", "results", "out"):
+        (tmp_path / d).mkdir(exist_ok=True)
+    (tmp_path / "facts.json").write_text("{}")
+    return argparse.Namespace(work=str(tmp_path), out=str(tmp_path / "out"), driver="fake")
+
+
+def test_a_stopped_check_kills_what_it_started(tmp_path):
+    g = gpu_check_module()
+    args = child_args(tmp_path)
+    proc, log = g.start_child(g.SELFTEST, args, 600, tmp_path / "facts.json")
+    try:
+        pid = None
+        while pid is None and proc.poll() is None:  # the check says its workload's pid
+            m = re.search(r"selftest: sleeper pid (\d+)", log.read_text())
+            pid = int(m.group(1)) if m else time.sleep(0.02)
+        assert pid is not None, log.read_text()
+        assert pathlib.Path(f"/proc/{pid}").exists()
+    finally:
+        g.stop_child(proc)  # what a deadline does
+    assert not pathlib.Path(f"/proc/{pid}").exists()
+    assert "Interrupted: stopped by SIGTERM at the deadline" in log.read_text()
+    res = json.loads((tmp_path / "results" / "selftest-hang.json").read_text())
+    assert res["status"] == "FAIL" and "stopped by SIGTERM at the deadline" in res["reason"]
+
+
+def test_a_check_past_its_deadline_is_a_fail_line(tmp_path):
+    g = gpu_check_module()
+    res = g.run_child(g.SELFTEST, child_args(tmp_path), 1.0, tmp_path / "facts.json")
+    assert res["status"] == "FAIL" and res["reason"].startswith(
+        "timed out after 1 s; last log line:"
+    )
+    assert LINE.match(g.line(res))
+
+
+def wheel(directory: pathlib.Path, name: str, version: str) -> pathlib.Path:
+    """A minimal pure-Python wheel of ``name`` ``version`` holding one module."""
+    path = directory / f"{name}-{version}-py3-none-any.whl"
+    info = f"{name}-{version}.dist-info"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(f"{name}.py", "VALUE = 1\n")
+        z.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        z.writestr(
+            f"{info}/WHEEL",
+            "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        )
+        z.writestr(f"{info}/RECORD", "")
+    return path
+
+
+def test_deps_installs_only_what_is_missing_or_different(tmp_path):
+    import importlib.metadata
+
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    have = importlib.metadata.version("click")
+    wheel(wheels, "click", have)  # same version: kept, not installed
+    wheel(wheels, "gpu_check_probe_dist", "1.0")  # missing: installed
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPTS / "gpu_check_deps.py"),
+            str(wheels),
+            str(tmp_path / "site"),
+            str(tmp_path / "deps.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr
+    out = json.loads((tmp_path / "deps.json").read_text())
+    assert out["detail"]["kept"] == {"click": have}
+    assert out["detail"]["installed"] == {"gpu-check-probe-dist": [None, "1.0"]}
+    assert (tmp_path / "site" / "gpu_check_probe_dist.py").is_file()
+    assert not (tmp_path / "site" / "click").exists()
+    assert res.stdout.startswith("gpu-check: deps PASS kept=1 installed=1 ")
+
+
+def test_criu_travels_as_an_archive(tmp_path, criu_ok):
+    env = {k: v for k, v in os.environ.items() if k != "CUINTERPOSE_CRIU_CACHE"}
+    packed = subprocess.run(
+        ["bash", str(SCRIPTS / "install-criu.sh"), "--pack", str(tmp_path / "c.tgz")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    if packed.returncode != 0 and "no working" in packed.stderr:
+        pytest.skip(f"CRIU here is not the cached one: {packed.stderr.strip()}")
+    assert packed.returncode == 0, packed.stderr
+    env["CUINTERPOSE_CRIU_CACHE"] = str(tmp_path / "cache")
+    res = subprocess.run(
+        ["bash", str(SCRIPTS / "install-criu.sh"), "--from-archive", str(tmp_path / "c.tgz")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr
+    wrapper = tmp_path / "cache" / "bin" / "criu"
+    assert str(tmp_path / "cache" / "root") in wrapper.read_text()
+    ver = subprocess.run([str(wrapper), "--version"], capture_output=True, text=True, timeout=60)
+    assert re.search(r"Version: ([4-9])\.", ver.stdout), ver.stdout + ver.stderr
+    bad = subprocess.run(
+        ["bash", str(SCRIPTS / "install-criu.sh"), "--from-archive", str(tmp_path / "none.tgz")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert bad.returncode == 1 and "--from-archive needs an existing FILE" in bad.stderr
