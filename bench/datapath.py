@@ -4,7 +4,8 @@
 For each B (``--bytes N``, repeatable; default 256 MiB, 1 GiB, 4 GiB) and each zero fraction
 (``--zero-fraction F``, repeatable; default 0 = dense and 0.9): two processes sharing B bytes
 of VMM memory (bench/datapath_job.py: a creator's ``cuMemCreate`` allocation exported as a
-POSIX FD, imported and mapped by its child) under the shim on fakecuda, ``cuinterpose-agent
+POSIX FD, imported and mapped by its child) under the shim on fakecuda (``--driver real``: the
+machine's driver, as scripts/gpu-check.sh runs it), ``cuinterpose-agent
 checkpoint`` (the tree killed after the dump) then ``cuinterpose-agent restore``; after the
 restore both processes compare every byte of the mapping with what was written (``verified``).
 
@@ -43,7 +44,7 @@ No thresholds: this prints, it does not judge. ``--json``: one JSON object per c
 each.
 
     .venv/bin/python bench/datapath.py [--bytes N]... [--zero-fraction F]... [--json]
-        [--dir DIR] [--timeout-s S] [--incremental F]...
+        [--dir DIR] [--timeout-s S] [--incremental F]... [--driver fake|real]
 """
 
 from __future__ import annotations
@@ -178,7 +179,12 @@ def agent(*args, timeout_s: float) -> tuple[float, dict]:
 
 
 def run_job(
-    work: pathlib.Path, nbytes: int, zero: float, timeout_s: float, change: float | None = None
+    work: pathlib.Path,
+    nbytes: int,
+    zero: float,
+    timeout_s: float,
+    change: float | None = None,
+    driver: str = "fake",
 ) -> dict:
     """One checkpoint + restore of the job; the case's job fields. ``change`` (incremental
     case): a first ``checkpoint --incremental --leave-running``, then the job rewrites that
@@ -190,7 +196,7 @@ def run_job(
     run.mkdir()
     ctl = pathlib.Path(tempfile.mkdtemp(prefix="cui-dp-"))  # short: socket paths
     deadline = time.monotonic() + timeout_s
-    env = demo.workload_env(ctl)
+    env = demo.workload_env(ctl, driver=driver)
     with open(run / "job.err", "wb") as err:
         job = subprocess.Popen(
             [sys.executable, str(JOB), "creator", "--bytes", str(nbytes)]
@@ -213,7 +219,7 @@ def run_job(
     try:
         ready = wait_json(run / "ready.json", deadline, "job setup", lambda: job.poll() is None)
         pids = [ready["creator"], ready["importer"]]
-        opts = ("--pid", str(job.pid), "--driver", "fake", "--control-dir", str(ctl))
+        opts = ("--pid", str(job.pid), "--driver", driver, "--control-dir", str(ctl))
         first_s = None
         if change is not None:
             opts += ("--incremental",)
@@ -238,7 +244,7 @@ def run_job(
             packs = snap.parent / ".cuinterpose-store" / "packs"
             on_disk += sum(disk_bytes_of(packs / s["pack"]) for s in m["chunks"]["streams"])
         rs_s, rs = agent(
-            "restore", "--images-dir", str(snap), "--driver", "fake", timeout_s=timeout_s
+            "restore", "--images-dir", str(snap), "--driver", driver, timeout_s=timeout_s
         )
         res = wait_json(run / "result.json", deadline, "the restored job's result")
         wait_gone(pids, deadline)
@@ -354,11 +360,16 @@ def criu_only(work: pathlib.Path, nbytes: int, timeout_s: float) -> tuple[float,
 
 
 def run_case(
-    base: pathlib.Path, nbytes: int, zero: float, timeout_s: float, change: float | None = None
+    base: pathlib.Path,
+    nbytes: int,
+    zero: float,
+    timeout_s: float,
+    change: float | None = None,
+    driver: str = "fake",
 ) -> dict:
     work = pathlib.Path(tempfile.mkdtemp(prefix=f"datapath-{nbytes}-", dir=base))
     try:
-        out = run_job(work, nbytes, zero, timeout_s, change)
+        out = run_job(work, nbytes, zero, timeout_s, change, driver)
         out["dd_s"], out["read_s"], out["dd_direct_s"] = (
             round(x, 6) for x in dd_and_read(work, nbytes)
         )
@@ -413,6 +424,12 @@ def main(argv=None) -> int:
     ap.add_argument("--dir", default=None, help="where snapshots and baseline files go")
     ap.add_argument("--timeout-s", type=float, default=3600.0, help="deadline of each step")
     ap.add_argument(
+        "--driver",
+        choices=("fake", "real"),
+        default="fake",
+        help="fakecuda, or the libcuda.so.1 the loader finds (a GPU node)",
+    )
+    ap.add_argument(
         "--incremental",
         type=float,
         action="append",
@@ -442,7 +459,7 @@ def main(argv=None) -> int:
     if any(not 0 <= f <= 1 for _, _, f in cases if f is not None):
         ap.error("--incremental F must be in [0, 1]")
     for nbytes, zero, change in cases:
-        out = run_case(base, nbytes, zero, args.timeout_s, change)
+        out = run_case(base, nbytes, zero, args.timeout_s, change, args.driver)
         if zero == 0 and change is None:
             dense[nbytes] = out["checkpoint_s"]
         elif nbytes in dense:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import importlib
 import json
 import os
 import pathlib
@@ -38,8 +39,7 @@ import time
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import gpu_check_jobs as jobs  # noqa: E402
-import gpu_check_steps as steps  # noqa: E402
+import gpu_check_steps as steps  # noqa: E402 (stdlib only at import: --help works anywhere)
 
 LOG_TAIL = 64 << 10  # bytes of each check's log kept in OUT/gpu-check.log
 KILL_GRACE_S = 10.0  # SIGTERM -> SIGKILL
@@ -48,30 +48,37 @@ T0 = time.monotonic()  # the run's start: budgets and the +S offsets count from 
 
 @dataclasses.dataclass(frozen=True)
 class Check:
-    """``name`` (the report's key), ``fn`` (in gpu_check_steps: ctx -> Result), ``timeout_s``."""
+    """``name`` (the report's key), ``fn`` ("steps.NAME" or "jobs.NAME": a function ctx ->
+    Result in gpu_check_steps.py or gpu_check_jobs.py, imported by the check's own child, so a
+    broken build fails that check, not the runner), ``timeout_s``."""
 
     name: str
-    fn: object
+    fn: str
     timeout_s: float
+
+    def resolve(self):
+        module, name = self.fn.split(".")
+        return getattr(importlib.import_module(f"gpu_check_{module}"), name)
 
 
 CHECKS = (
-    Check("driver", steps.driver, 60),
-    Check("driver-semantics", steps.driver_semantics, 90),
-    Check("kernel", steps.kernel, 20),
-    Check("criu", steps.criu, 60),
-    Check("doctor", steps.doctor, 60),
-    Check("gpu-tests", steps.gpu_tests, 240),
-    Check("bench-intercept", steps.bench_intercept, 90),
-    Check("bench-phases", steps.bench_phases, 90),
-    Check("carrier-copy", jobs.carrier_copy, 180),
-    Check("afdwin-live", jobs.afdwin_live, 150),
-    Check("native-cycle", jobs.native_cycle, 150),
-    Check("agent-leave-running", jobs.agent_leave_running, 150),
+    Check("driver", "steps.driver", 60),
+    Check("driver-semantics", "steps.driver_semantics", 90),
+    Check("kernel", "steps.kernel", 20),
+    Check("criu", "steps.criu", 60),
+    Check("doctor", "steps.doctor", 60),
+    Check("gpu-tests", "steps.gpu_tests", 240),
+    Check("bench-intercept", "steps.bench_intercept", 90),
+    Check("bench-phases", "steps.bench_phases", 90),
+    Check("carrier-copy", "jobs.carrier_copy", 180),
+    Check("afdwin-live", "jobs.afdwin_live", 150),
+    Check("native-cycle", "jobs.native_cycle", 150),
+    Check("agent-leave-running", "jobs.agent_leave_running", 150),
+    Check("bench-datapath", "jobs.bench_datapath", 240),
 )
 #: not run by run_all: it starts a sleeper in its own session and blocks, so that a test can
 #: stop it as a deadline would (tests/scripts/test_gpu_check.py)
-SELFTEST = Check("selftest-hang", steps.selftest_hang, 600)
+SELFTEST = Check("selftest-hang", "steps.selftest_hang", 600)
 BY_NAME = {c.name: c for c in CHECKS + (SELFTEST,)}
 
 
@@ -86,7 +93,8 @@ def line(res: dict) -> str:
     """``gpu-check: NAME STATUS (reason) k=v… t=S``: the one line a check prints."""
     parts = [f"gpu-check: {res['name']} {res['status']}"]
     if res.get("reason"):
-        parts.append(f"({res['reason']})")
+        reason = " | ".join(ln.strip() for ln in str(res["reason"]).splitlines() if ln.strip())
+        parts.append(f"({reason})")
     parts += [f"{k}={fmt_value(v)}" for k, v in res.get("keys", {}).items()]
     parts.append(f"t={res.get('seconds', 0):.1f}s")
     return " ".join(parts)
@@ -147,11 +155,15 @@ def stop_child(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+CURRENT: list = []  # the check's child process while it runs (for an interrupt)
+
+
 def run_child(check: Check, args, timeout_s: float, facts_path: pathlib.Path) -> dict:
     """Run one check in its own session; returns its result dict (FAIL on timeout or crash)."""
     result_path = pathlib.Path(args.work) / "results" / f"{check.name}.json"
     t0 = time.monotonic()
     proc, log = start_child(check, args, timeout_s, facts_path)
+    CURRENT[:] = [proc]
     try:
         proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -179,6 +191,56 @@ def run_child(check: Check, args, timeout_s: float, facts_path: pathlib.Path) ->
     return res
 
 
+PR_SET_CHILD_SUBREAPER = 36  # prctl(2)
+
+
+def become_subreaper() -> None:
+    """Orphans of the checks (a workload whose starter died) are re-parented to this process,
+    so that :func:`sweep` finds them."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def children() -> list[int]:
+    me, out = os.getpid(), []
+    for p in pathlib.Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                if int((p / "stat").read_text().rsplit(")", 1)[1].split()[1]) == me:
+                    out.append(int(p.name))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def sweep() -> int:
+    """SIGKILL (with its process group) and reap every process a check left behind; returns
+    how many there were. Bounded: at most :data:`KILL_GRACE_S` of retries."""
+    seen: set[int] = set()
+    deadline = time.monotonic() + KILL_GRACE_S
+    while time.monotonic() < deadline:
+        left = children()
+        if not left:
+            break
+        for pid in left:
+            seen.add(pid)
+            try:  # its group (a session of its own, never ours), then it
+                if os.getpgid(pid) != os.getpgrp():
+                    os.killpg(os.getpgid(pid), signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        while True:
+            try:
+                if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                    break
+            except ChildProcessError:
+                break
+        time.sleep(0.05)
+    return len(seen)
+
+
 def write_report(args, report: dict, results: list[dict]) -> None:
     out = pathlib.Path(args.out)
     report["checks"] = results
@@ -200,6 +262,7 @@ def run_all(args) -> int:
         d.mkdir(parents=True, exist_ok=True)
     setup = json.loads(pathlib.Path(args.setup).read_text()) if args.setup else []
     report = {
+        "commit": os.environ.get("GPU_CHECK_COMMIT", "unknown"),
         "driver": args.driver,
         "host": platform.node(),
         "done": False,
@@ -216,11 +279,36 @@ def run_all(args) -> int:
     facts_path = work / "facts.json"
     results: list[dict] = []
     failed = any(r["status"] == "FAIL" for r in setup)
+    become_subreaper()
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        return run_checks(args, report, setup, results, only, skip, facts, facts_path, failed)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: stop the check, kill what it started, report
+        if CURRENT:
+            stop_child(CURRENT[0])
+        swept = sweep()
+        report["interrupted"] = True
+        write_report(args, report, results)
+        print(
+            f"# interrupted: the check running was stopped, {swept} processes killed; "
+            f"report {out / 'gpu-check.json'}",
+            flush=True,
+        )
+        return 130
+
+
+def run_checks(args, report, setup, results, only, skip, facts, facts_path, failed) -> int:
+    """run_all's loop over :data:`CHECKS`."""
+    out = pathlib.Path(args.out)
     for check in CHECKS:
         if (only is not None and check.name not in only) or check.name in skip:
             continue
         left = args.budget_s - (time.monotonic() - T0)
-        if left < 15:
+        if left < 15 + KILL_GRACE_S:
             res = {
                 "name": check.name,
                 "status": "SKIP",
@@ -230,7 +318,7 @@ def run_all(args) -> int:
                 "reason": f"budget of {args.budget_s:.0f} s spent",
             }
         else:
-            timeout = min(check.timeout_s, left - 5)
+            timeout = min(check.timeout_s, left - 5 - KILL_GRACE_S)
             print(
                 f"# {check.name}: start at +{time.monotonic() - T0:.1f} s "
                 f"(deadline {timeout:.0f} s)",
@@ -238,6 +326,9 @@ def run_all(args) -> int:
             )
             facts_path.write_text(json.dumps(facts))
             res = run_child(check, args, timeout, facts_path)
+            res["left_running"] = sweep()
+            if res["left_running"]:
+                print(f"# {check.name}: killed {res['left_running']} processes it left running")
         facts[check.name] = res.pop("facts", {})
         failed |= res["status"] == "FAIL"
         results.append(res)
@@ -269,7 +360,7 @@ def run_one(args) -> int:
     signal.signal(signal.SIGTERM, on_term)
     t0 = time.monotonic()
     try:
-        res = check.fn(ctx)
+        res = check.resolve()(ctx)
     except steps.Skip as e:
         res = steps.Result("SKIP", str(e))
     except BaseException as e:  # every failure is a FAIL line with its reason, never a crash
@@ -293,7 +384,10 @@ def run_one(args) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="checks, in order: " + ", ".join(c.name for c in CHECKS),
+    )
     ap.add_argument("--driver", choices=("real", "fake"), default="real")
     ap.add_argument("--out", required=True, help="where gpu-check.json and gpu-check.log go")
     ap.add_argument("--work", required=True, help="scratch directory (logs, snapshots)")

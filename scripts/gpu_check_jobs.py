@@ -107,8 +107,9 @@ def gbps(n: int, ns: int) -> float:
 
 
 # ---- carrier copy --------------------------------------------------------------------------
-def dd_direct(path: pathlib.Path, n: int, ctx: Ctx) -> float:
-    """Seconds of ``dd`` writing n zero bytes with O_DIRECT and a final fdatasync."""
+def dd_direct(path: pathlib.Path, n: int, ctx: Ctx) -> float | None:
+    """Seconds of ``dd`` writing n zero bytes with O_DIRECT and a final fdatasync (None where
+    dd refused O_DIRECT, e.g. on a tmpfs)."""
     t0 = time.monotonic()
     res = run(
         [
@@ -126,7 +127,7 @@ def dd_direct(path: pathlib.Path, n: int, ctx: Ctx) -> float:
     )
     dt = time.monotonic() - t0
     path.unlink(missing_ok=True)
-    return dt if res.returncode == 0 else float("nan")
+    return dt if res.returncode == 0 else None  # dd refused O_DIRECT there (a tmpfs)
 
 
 def carrier_cycle(n: int, ctx: Ctx) -> dict:
@@ -196,7 +197,7 @@ def carrier_copy(ctx: Ctx) -> Result:
     keys = {
         "pinned_dtoh_gbps": base["dtoh"]["best_gbps"],
         "pinned_htod_gbps": base["htod"]["best_gbps"],
-        "dd_direct_gbps": round(base_n / dd_s / 1e9, 3),
+        "dd_direct_gbps": round(base_n / dd_s / 1e9, 3) if dd_s else "n/a",
     }
     rows, problems = [], []
     for n in CARRIER_BYTES[ctx.driver]:
@@ -379,15 +380,7 @@ def agent_leave_running(ctx: Ctx) -> Result:
         a.wait_hold(1, ctx.left())
         t0 = time.monotonic()
         rc, cp = demo.run_agent(
-            "checkpoint",
-            "--pid",
-            str(a.pid),
-            "--images-dir",
-            str(snap),
-            "--driver",
-            ctx.driver,
-            "--control-dir",
-            str(a.ctl),
+            *a.checkpoint_args(snap),
             "--leave-running",
             timeout_s=ctx.left(),
         )
@@ -416,3 +409,56 @@ def agent_leave_running(ctx: Ctx) -> Result:
         keys,
         {"agent": cp, "finish": end},
     )
+
+
+# ---- the data path of issue 12 (bench/datapath.py) ----------------------------------------
+DATAPATH_BYTES = {"real": (1 * GIB, 4 * GIB), "fake": (64 << 20,)}
+SHORT = {
+    "checkpoint_over_dd": "ckpt_over_dd",
+    "checkpoint_over_dd_direct": "ckpt_over_dd_direct",
+    "restore_over_read_plus_criu": "restore_over_read_criu",
+    "disk_over_bytes": "disk_over_b",
+    "checkpoint_rss_over_bytes": "ckpt_rss_over_b",
+    "checkpoint_over_dense": "ckpt_over_dense",
+}
+
+
+def bench_datapath(ctx: Ctx) -> Result:
+    """``bench/datapath.py --json``: checkpoint and restore of B shared bytes, dense and 90 %
+    zero, against ``dd``, a read and CRIU alone in the same run; keys ``<B>m[_z90]_<ratio>``."""
+    if not ctx.fact("criu", "ok"):
+        raise Skip("CRIU is not usable here (see the criu check)")
+    if ctx.driver == "real" and not ctx.fact("driver", "checkpoint_api"):
+        raise Skip("the driver exports no cuCheckpointProcess* API")
+    d = ctx.work / "datapath"
+    d.mkdir(exist_ok=True)
+    sizes = [a for n in DATAPATH_BYTES[ctx.driver] for a in ("--bytes", str(n))]
+    res = run(
+        [
+            sys.executable,
+            "bench/datapath.py",
+            "--driver",
+            ctx.driver,
+            "--json",
+            "--dir",
+            str(d),
+            "--timeout-s",
+            f"{ctx.left():.0f}",
+            *sizes,
+        ],
+        ctx,
+    )
+    rows = [json.loads(ln) for ln in res.stdout.splitlines() if ln.startswith("{")]
+    if res.returncode != 0 or not rows:
+        return Result("FAIL", tail_reason(res), {}, {"rows": rows})
+    keys, problems = {}, []
+    for r in rows:
+        tag = f"{r['bytes'] >> 20}m" + (
+            "" if r["zero_fraction"] == 0 else f"_z{round(r['zero_fraction'] * 100)}"
+        )
+        keys[f"{tag}_ckpt_s"] = r["checkpoint_s"]
+        keys[f"{tag}_restore_s"] = r["restore_s"]
+        keys.update({f"{tag}_{SHORT[k]}": v for k, v in r["ratios"].items() if k in SHORT})
+        if not r["verified"]:
+            problems.append(f"{tag}: the restored bytes differ")
+    return Result("FAIL" if problems else "PASS", "; ".join(problems), keys, {"rows": rows})

@@ -41,6 +41,7 @@ import sys
 import time
 
 from cuda.bindings import driver as cu
+from gpu_check_steps import CHECKPOINT_API
 
 #: the device attributes the shim, the coordinator and the agent depend on (cuda.h 13.x)
 ATTRIBUTES = (
@@ -60,15 +61,7 @@ ATTRIBUTES = (
     "MULTIPROCESSOR_COUNT",
 )
 #: every native-checkpoint entry point (cuda.h 12.8+; OperationComplete is 13.4+)
-CHECKPOINT_EXPORTS = (
-    "cuCheckpointProcessGetState",
-    "cuCheckpointProcessGetRestoreThreadId",
-    "cuCheckpointProcessLock",
-    "cuCheckpointProcessCheckpoint",
-    "cuCheckpointProcessRestore",
-    "cuCheckpointProcessUnlock",
-    "cuCheckpointOperationComplete",
-)
+CHECKPOINT_EXPORTS = CHECKPOINT_API + ("cuCheckpointOperationComplete",)
 ROUNDS = 3
 
 

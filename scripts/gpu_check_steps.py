@@ -256,24 +256,35 @@ def driver_semantics(ctx: Ctx) -> Result:
         if res.returncode != 0:
             return Result("FAIL", f"semantics on {label}: {tail_reason(res)}")
         got[label] = flat(last_json(res.stdout))
-    real, fake = got["driver"], got["fakecuda"]
-    compared = [
-        k for k in sorted(set(real) & set(fake)) if not k.split(".")[-1].startswith("info_")
-    ]
-    got["only_driver"] = sorted(set(real) - set(fake))
-    got["only_fakecuda"] = sorted(set(fake) - set(real))
-    every = {
-        k: {"driver": real.get(k), "fakecuda": fake.get(k)}
-        for k in compared
-        if real.get(k) != fake.get(k)
+    cmp = compare(got["driver"], got["fakecuda"])
+    diff = cmp["differ"]
+    keys = {
+        "experiments": len(cmp["compared"]),
+        "differ": len(diff),
+        "accepted": len(cmp["accepted"]),
     }
-    diff = {k: v for k, v in every.items() if k not in ACCEPTED}
-    got["accepted"] = {k: {**v, "why": ACCEPTED[k]} for k, v in every.items() if k in ACCEPTED}
-    keys = {"experiments": len(compared), "differ": len(diff), "accepted": len(got["accepted"])}
     reason = "; ".join(
         f"{k}: driver {v['driver']} fakecuda {v['fakecuda']}" for k, v in diff.items()
     )
-    return Result("FAIL" if diff else "PASS", reason[:600], keys, {**got, "differ": diff})
+    return Result("FAIL" if diff else "PASS", reason[:600], keys, {**got, **cmp})
+
+
+def compare(real: dict, fake: dict) -> dict:
+    """Two flat ``semantics`` results compared: ``compared`` (the keys both have, ``info_``
+    keys left out), ``differ`` and ``accepted`` (key -> {"driver", "fakecuda"}; accepted:
+    :data:`ACCEPTED`, with its "why"), ``only_driver`` / ``only_fakecuda`` (keys one side
+    lacks: listed, not compared)."""
+    compared = [
+        k for k in sorted(set(real) & set(fake)) if not k.split(".")[-1].startswith("info_")
+    ]
+    every = {k: {"driver": real[k], "fakecuda": fake[k]} for k in compared if real[k] != fake[k]}
+    return {
+        "compared": compared,
+        "differ": {k: v for k, v in every.items() if k not in ACCEPTED},
+        "accepted": {k: {**v, "why": ACCEPTED[k]} for k, v in every.items() if k in ACCEPTED},
+        "only_driver": sorted(set(real) - set(fake)),
+        "only_fakecuda": sorted(set(fake) - set(real)),
+    }
 
 
 def _read(path: str) -> str:
@@ -356,6 +367,8 @@ def doctor(ctx: Ctx) -> Result:
         timeout_s=50,
     )
     checks = last_json_block(res.stdout).get("checks", [])
+    if not checks:
+        return Result("FAIL", f"doctor printed no checks: {tail_reason(res)}")
     bad = [c["name"] for c in checks if not c.get("ok")]
     keys = {"ok": sum(1 for c in checks if c.get("ok")), "of": len(checks)}
     reason = "; ".join(f"{c['name']}: {c['detail'][:120]}" for c in checks if not c.get("ok"))
@@ -483,6 +496,8 @@ COPY_ROW = re.compile(
 def bench_phases(ctx: Ctx) -> Result:
     # one allocation per granule: 64 KiB on fakecuda, the driver's minimum (2 MiB on an H200)
     size = ctx.fact("driver", "granularity") if ctx.driver == "real" else 64 << 10
+    if not size:
+        raise Skip("no allocation granularity: the driver check did not pass")
     res = run(
         [sys.executable, "bench/phases.py", "--driver", ctx.driver, "--k", "10,1000"]
         + ["--size", str(size)],

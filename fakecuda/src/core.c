@@ -17,6 +17,7 @@ static int g_logfd = -1;
 int g_hint_mode = HINT_HONOR; /* FAKECUDA_RESERVE_HINT */
 unsigned long long g_mc_watchdog_ms = 10000; /* FAKECUDA_MULTICAST_WATCHDOG_MS (0: wait forever) */
 unsigned long long g_mc_rounding;           /* FAKECUDA_MULTICAST_CAPACITY_ROUNDING (0: none) */
+unsigned long long g_map_offsets;           /* FAKECUDA_MAP_OFFSETS (0: offset 0 only, as R580) */
 int g_launch_job; /* FAKECUDA_LAUNCH_JOB: native checkpoint carries CUDA IPC as private copies */
 
 pid_t fc_tid(void) { return (pid_t)syscall(SYS_gettid); }
@@ -129,6 +130,7 @@ __attribute__((constructor)) static void fc_load(void)
     g_totalmem = env_ull("FAKECUDA_TOTAL_MEM", 16ull << 30);
     g_mc_watchdog_ms = env_ull("FAKECUDA_MULTICAST_WATCHDOG_MS", 10000);
     g_mc_rounding = env_ull("FAKECUDA_MULTICAST_CAPACITY_ROUNDING", 0);
+    g_map_offsets = env_ull("FAKECUDA_MAP_OFFSETS", 0);
     g_launch_job = env_ull("FAKECUDA_LAUNCH_JOB", 0) != 0;
     /* an older driver (e.g. 13010: no custom storage, no cuCheckpointOperationComplete) */
     unsigned long long ver = env_ull("FAKECUDA_DRIVER_VERSION", FC_DRIVER_VERSION);

@@ -77,6 +77,7 @@ enum { HINT_HONOR, HINT_IGNORE, HINT_FAIL };
 extern int g_hint_mode;         /* FAKECUDA_RESERVE_HINT */
 extern unsigned long long g_mc_watchdog_ms; /* FAKECUDA_MULTICAST_WATCHDOG_MS (0: wait forever) */
 extern unsigned long long g_mc_rounding;    /* FAKECUDA_MULTICAST_CAPACITY_ROUNDING (0: none) */
+extern unsigned long long g_map_offsets;    /* FAKECUDA_MAP_OFFSETS (0: offset 0 only, as R580) */
 extern int g_launch_job;        /* FAKECUDA_LAUNCH_JOB (cuda-checkpoint --launch-job, r610+) */
 extern int g_forked_child;      /* a child forked after cuInit (the driver is unusable there) */
 extern int g_ck_listen;         /* the checkpoint control socket (checkpoint_target.c) */

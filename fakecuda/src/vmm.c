@@ -242,8 +242,9 @@ FC_EXPORT CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size)
 static CUresult mem_map(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle h,
                         unsigned long long flags)
 {
-    if (offset != 0) { /* an allocation maps from offset 0 only (cuda.h: "currently must be
-                        * zero"; R580 answers CUDA_ERROR_NOT_SUPPORTED, docs/gpu-validation.md) */
+    if (offset != 0 && !g_map_offsets) { /* an allocation maps from offset 0 only (cuda.h:
+                                          * "currently must be zero"; R580 answers
+                                          * CUDA_ERROR_NOT_SUPPORTED, docs/gpu-validation.md) */
         pthread_mutex_lock(&g_mu);
         struct fc_handle *e0 = handle_get(h);
         int allocation = e0 && e0->alloc->kind == FC_KIND_ALLOCATION;

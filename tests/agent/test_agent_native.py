@@ -88,9 +88,10 @@ def test_native_cycle_on_fakecuda(target):
         f"native lock: pid {target.pid} cuCheckpointProcessLock: CUDA_ERROR_ILLEGAL_STATE"
     )
     assert out["rollback"] == {str(target.pid): "CHECKPOINTED"}
-    assert out["bogus"][:3] == [2**22 + 3, "get_state", "CUDA_ERROR_INVALID_VALUE"]
+    assert out["bogus"][:3] == [2**22 + 3, "get_state", "CUDA_ERROR_OPERATING_SYSTEM"]
     assert (
-        f"pid {2**22 + 3} cuCheckpointProcessGetState: CUDA_ERROR_INVALID_VALUE" in out["bogus"][3]
+        f"pid {2**22 + 3} cuCheckpointProcessGetState: CUDA_ERROR_OPERATING_SYSTEM"
+        in out["bogus"][3]
     )
     assert "cannot switch to 'real'" in out["switch"]
 

@@ -56,15 +56,7 @@ def test_real_gpu_checkpoint_kill_restore_finish(real_afdwin, tmp_path, profile)
     a.wait_hold(1, 300)
     snap = tmp_path / "snap"
     rc, cp = demo.run_agent(
-        "checkpoint",
-        "--pid",
-        str(a.pid),
-        "--images-dir",
-        str(snap),
-        "--driver",
-        "real",
-        "--control-dir",
-        str(a.ctl),
+        *a.checkpoint_args(snap),
         timeout_s=600,
     )
     assert rc == 0 and cp["ok"], cp

@@ -51,6 +51,7 @@ def fake_run(tmp_path_factory, criu_ok):
         timeout=1200,
         cwd=REPO,
     )
+    assert (out / "gpu-check.json").exists(), res.stdout[-3000:] + res.stderr[-3000:]
     report = json.loads((out / "gpu-check.json").read_text())
     return res, report, out
 
@@ -75,6 +76,7 @@ def test_every_check_runs_in_order_with_one_line_each(fake_run):
         "afdwin-live",
         "native-cycle",
         "agent-leave-running",
+        "bench-datapath",
     ]
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("gpu-check: ")]
     assert len(lines) == 2 * len(names)  # as each check ends, then the summary
@@ -108,6 +110,19 @@ def test_driver_facts_and_semantics(fake_run):
     assert d["state_no_such_pid"] == "CUDA_ERROR_OPERATING_SYSTEM"
 
 
+def test_semantics_comparison_lists_differences_accepted_and_one_sided_keys():
+    sys.path.insert(0, str(SCRIPTS))
+    import gpu_check_steps as steps
+
+    real = {"a": "X", "b": "Y", "export_fd.kind": "chr", "export_fd.info_ino": 1, "m_unsupp": "N"}
+    fake = {"a": "X", "b": "Z", "export_fd.kind": "reg", "export_fd.info_ino": 2, "m_supp": "S"}
+    cmp = steps.compare(real, fake)
+    assert cmp["compared"] == ["a", "b", "export_fd.kind"]
+    assert cmp["differ"] == {"b": {"driver": "Y", "fakecuda": "Z"}}
+    assert list(cmp["accepted"]) == ["export_fd.kind"] and cmp["accepted"]["export_fd.kind"]["why"]
+    assert (cmp["only_driver"], cmp["only_fakecuda"]) == (["m_unsupp"], ["m_supp"])
+
+
 def test_carriers_verify_and_count_every_byte(fake_run):
     _, report, _ = fake_run
     rows = by_name(report)["carrier-copy"]["detail"]["rows"]
@@ -132,6 +147,14 @@ def test_afdwin_cut_keeps_vas_and_messages(fake_run, name):
             "restore": ["LOCKED"],
             "unlock": ["RUNNING"],
         }
+
+
+def test_datapath_bench_verifies_dense_and_sparse(fake_run):
+    _, report, _ = fake_run
+    rows = by_name(report)["bench-datapath"]["detail"]["rows"]
+    assert [(r["bytes"], r["zero_fraction"]) for r in rows] == [(64 << 20, 0.0), (64 << 20, 0.9)]
+    assert all(r["verified"] and r["bytes_compared"] == 2 * r["allocated_bytes"] for r in rows)
+    assert "64m_z90_ckpt_over_dense" in by_name(report)["bench-datapath"]["keys"]
 
 
 def test_agent_leave_running(fake_run):
@@ -259,3 +282,67 @@ def test_criu_travels_as_an_archive(tmp_path, criu_ok):
         timeout=60,
     )
     assert bad.returncode == 1 and "--from-archive needs an existing FILE" in bad.stderr
+
+
+def test_gpu_check_sh_runs_from_a_kit(tmp_path, criu_ok):
+    """The whole of ``gpu-check.sh run`` on fakecuda: a kit with no wheels (this interpreter has
+    every dependency), its CRIU archive, the CMake build into the private site, whose libraries
+    the checks then use; the set-up entries and the check lines in the report."""
+    kit = tmp_path / "kit"
+    (kit / "wheels").mkdir(parents=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("CUINTERPOSE_CRIU_CACHE", "OUT")}
+    packed = subprocess.run(
+        ["bash", str(SCRIPTS / "install-criu.sh"), "--pack", str(kit / "criu-root.tgz")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    if packed.returncode != 0:
+        pytest.skip(f"no cached CRIU to pack here: {packed.stderr.strip()}")
+    work, out = tmp_path / "work", tmp_path / "out"
+    env |= {
+        "GPU_CHECK_PYTHON": sys.executable,
+        "GPU_CHECK_KIT": str(kit),
+        "GPU_CHECK_WORK": str(work),
+    }
+    sh = ["bash", str(SCRIPTS / "gpu-check.sh"), "run", "--driver", "fake"]
+    res = subprocess.run(
+        sh + ["--only", "driver,criu", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1200,
+    )
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    report = json.loads((out / "gpu-check.json").read_text())
+    assert [(s["name"], s["status"]) for s in report["setup"]] == [
+        ("deps", "PASS"),
+        ("build", "PASS"),
+        ("criu-install", "PASS"),
+    ]
+    assert report["setup"][0]["keys"] == {"kept": 0, "installed": 0, "from_kit": "none"}
+    assert [(c["name"], c["status"]) for c in report["checks"]] == [
+        ("driver", "PASS"),
+        ("criu", "PASS"),
+    ]
+    site = work / "site" / "cuinterpose"
+    assert by_name(report)["driver"]["detail"]["library"] == str(
+        site / "lib" / "fakecuda" / "libcuda.so.1"
+    )
+    assert by_name(report)["criu"]["keys"]["binary"] == str(work / "criu" / "bin" / "criu")
+    assert report["commit"] != "" and report["done"] is True
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("gpu-check: ")]
+    assert all(LINE.match(ln) for ln in lines), lines
+    assert len(lines) == 3 + 2 + 5  # set-up and checks as each ends, then the summary of all
+    # bad usage: exit 2, the option named; a work dir holding anything else is not emptied
+    bad = subprocess.run(sh + ["--out"], capture_output=True, text=True, env=env, timeout=60)
+    assert (bad.returncode, bad.stderr.strip()) == (2, "gpu-check: error: --out needs a value")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "keep.txt").write_text("mine")
+    refused = subprocess.run(
+        sh, capture_output=True, text=True, timeout=60, env=env | {"GPU_CHECK_WORK": str(other)}
+    )
+    assert refused.returncode == 2 and "holds files of something else" in refused.stderr
+    assert (other / "keep.txt").read_text() == "mine"

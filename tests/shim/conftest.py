@@ -1,5 +1,6 @@
 """Fixtures for the shim (libcuinterpose.so) tests.
 
+- ``_map_offsets`` (autouse): ``FAKECUDA_MAP_OFFSETS=1``, so mappings at an offset work.
 - ``shim_env``: ``fake_env`` plus ``LD_PRELOAD=<shim>`` ($CUI_TEST_SHIM overrides the path).
 - ``vmm_app``: path of tests/shim/c/vmm_app.c built against fakecuda's libcuda.so.1.
 - ``App``: a running vmm_app driven line by line (see the command list in vmm_app.c);
@@ -29,6 +30,13 @@ TAG = 0xC01E  # top 16 bits of a virtual allocation handle
 POSIX = 1  # CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
 FABRIC = 8
 RW = 3  # CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+
+
+@pytest.fixture(autouse=True)
+def _map_offsets(monkeypatch):
+    """The shim keeps each mapping's offset into its allocation, so its tests map at offsets:
+    FAKECUDA_MAP_OFFSETS=1 (R580 itself refuses a non-zero offset, docs/fakecuda.md)."""
+    monkeypatch.setenv("FAKECUDA_MAP_OFFSETS", "1")
 
 
 @pytest.fixture

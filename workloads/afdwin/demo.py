@@ -229,7 +229,7 @@ class Afdwin:
         return step
 
     def checkpoint_args(self, images_dir) -> list[str]:
-        """The ``cuinterpose-agent`` arguments that checkpoint this job on fakecuda into
+        """The ``cuinterpose-agent`` arguments that checkpoint this job on its driver into
         ``images_dir`` through its control dir (for runners other than :meth:`checkpoint`)."""
         return [
             "checkpoint",
@@ -238,13 +238,13 @@ class Afdwin:
             "--images-dir",
             str(images_dir),
             "--driver",
-            "fake",
+            self.driver,
             "--control-dir",
             str(self.ctl),
         ]
 
     def checkpoint(self, images_dir, *extra: str, timeout_s: float = 300) -> tuple[int, dict]:
-        """``cuinterpose-agent checkpoint`` of this job on fakecuda into ``images_dir`` (its
+        """``cuinterpose-agent checkpoint`` of this job on its driver into ``images_dir`` (its
         control dir; ``extra``: more options): :func:`run_agent`'s (exit code, JSON)."""
         return run_agent(*self.checkpoint_args(images_dir), *extra, timeout_s=timeout_s)
 
