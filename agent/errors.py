@@ -82,7 +82,10 @@ NATIVE_HINTS = {
         "lock",
         "CUDA_ERROR_NOT_READY",
     ): "work was still in flight when the lock timed out: the workload is not quiescent",
-    ("get_state", "CUDA_ERROR_INVALID_VALUE"): "not a CUDA process, or it has exited",
+    # What R580 answers for a pid that is not a CUDA process (docs/gpu-validation.md)
+    ("get_state", "CUDA_ERROR_NOT_INITIALIZED"): "not a CUDA process: it never called cuInit",
+    ("lock", "CUDA_ERROR_NOT_INITIALIZED"): "not a CUDA process: it never called cuInit",
+    ("get_state", "CUDA_ERROR_OPERATING_SYSTEM"): "no such process: it has exited",
 }
 
 
