@@ -93,6 +93,7 @@ def test_native_cycle_on_fakecuda(target):
         f"pid {2**22 + 3} cuCheckpointProcessGetState: CUDA_ERROR_OPERATING_SYSTEM"
         in out["bogus"][3]
     )
+    assert "(no such process: it has exited)" in out["bogus"][3]
     assert "cannot switch to 'real'" in out["switch"]
 
 
