@@ -317,7 +317,6 @@ CUI_EXPORT CUresult cuMemExportToShareableHandle(void *shareableHandle, CUmemGen
   return r;
 }
 
-/* Imports `fd` (a real driver FD) and records or joins the allocation. Lock held. */
 /* The properties of h, an allocation imported from a POSIX FD. The real driver (R580 on an
  * H200, docs/gpu-validation.md) reports requestedHandleTypes 0 for an imported handle; the
  * allocation was shared as a POSIX FD, so that is its handle type in our records (the
@@ -328,6 +327,7 @@ static CUresult imported_prop(CUmemAllocationProp *prop, CUmemGenericAllocationH
   return r;
 }
 
+/* Imports `fd` (a real driver FD) and records or joins the allocation. Lock held. */
 static CUresult import_real(int fd, CUmemGenericAllocationHandle *out) {
   cui_fn_cuMemImportFromShareableHandle real = REAL(cuMemImportFromShareableHandle);
   CUresult r = real(out, (void *)(uintptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
