@@ -13,7 +13,7 @@ shim's elapsed_ns, records changed, carrier bytes, the shim's copy time and rate
 (bytes / copy_ns), a plain memcpy of the same number of bytes measured in the same run, and
 the ratio carrier rate / memcpy rate. No thresholds: this prints, it does not judge.
 
-    .venv/bin/python bench/phases.py [--k 10,100,1000] [--size 65536] [--driver fake|real]
+    .venv/bin/python bench/phases.py [--k 10,100,1000] [--size BYTES] [--driver fake|real]
 """
 
 from __future__ import annotations
@@ -97,6 +97,18 @@ def memcpy_ns(nbytes: int, repeat: int = 3) -> int:
     return max(best, 1)
 
 
+def driver_granularity() -> int:
+    """The real driver's minimum granularity (bytes) of a POSIX-FD device allocation on device
+    0 (cuMemGetAllocationGranularity), in this process, without the shim."""
+    from cuda.bindings import driver as cu
+
+    from cuinterpose.workloads.afdwin.cudrv import alloc_prop, call
+
+    call(cu.cuInit, 0)
+    flag = cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+    return int(call(cu.cuMemGetAllocationGranularity, alloc_prop(0), flag))
+
+
 def env_for(driver: str, ctl: str, granularity: int) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     env["LD_PRELOAD"] = str(paths.shim_path())
@@ -156,8 +168,9 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--size",
         type=int,
-        default=64 << 10,
-        help="bytes per allocation, a multiple of the granularity (2 MiB on an H200)",
+        default=None,
+        help="bytes per allocation, a multiple of the granularity (default: 65536 on fakecuda, "
+        "the driver's minimum granularity on a GPU: 2 MiB on an H200)",
     )
     ap.add_argument(
         "--granularity", type=int, default=64 << 10, help="FAKECUDA_GRANULARITY (fakecuda only)"
@@ -165,6 +178,8 @@ def main(argv=None) -> int:
     ap.add_argument("--driver", choices=("fake", "real"), default="fake")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
     args = ap.parse_args(argv)
+    if args.size is None:
+        args.size = 64 << 10 if args.driver == "fake" else driver_granularity()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # K exported FDs per process
     exe = build_cuipair(args.driver)
