@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+from collections.abc import Mapping
 
 import cuinterpose
 
@@ -44,16 +45,23 @@ def fakecuda_dir() -> pathlib.Path:
     return d
 
 
-def without_fakecuda(value: str | None) -> str | None:
-    """``value`` (an ``LD_LIBRARY_PATH``) without fakecuda's directory and empty entries, for a
-    child on the real driver: a GPU image may reach its ``libcuda.so.1`` only through
-    ``LD_LIBRARY_PATH`` (e.g. ``/usr/local/nvidia/lib64``), so it must not be dropped whole.
-    Returns None when nothing is left."""
-    if not value:
-        return None
+def real_driver_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``base`` (default: this process's environment) for a child on the real driver: no
+    ``LD_PRELOAD``, no ``CUINTERPOSE_DRIVER``, and ``LD_LIBRARY_PATH`` without fakecuda's
+    directory and empty entries. The rest of ``LD_LIBRARY_PATH`` is kept: a GPU image may reach
+    its ``libcuda.so.1`` only through it (e.g. ``/usr/local/nvidia/lib64``)."""
+    env = {
+        k: v
+        for k, v in (os.environ if base is None else base).items()
+        if k not in ("LD_PRELOAD", "CUINTERPOSE_DRIVER")
+    }
     try:
         fake = os.path.realpath(lib_dir() / "fakecuda")
     except FileNotFoundError:
         fake = None
-    keep = [p for p in value.split(":") if p and os.path.realpath(p) != fake]
-    return ":".join(keep) or None
+    keep = [
+        p for p in env.pop("LD_LIBRARY_PATH", "").split(":") if p and os.path.realpath(p) != fake
+    ]
+    if keep:
+        env["LD_LIBRARY_PATH"] = ":".join(keep)
+    return env

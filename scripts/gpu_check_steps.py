@@ -37,7 +37,6 @@ CHECKPOINT_API = (
 )
 CUSTOM_STORAGE_VERSION = 13040  # cuda.h 13.4: customStorageInfo_out, cuCheckpointOperationComplete
 GPU_TEST_TIMEOUT_S = 90  # pytest-timeout per test in tests/gpu
-DROPPED_ENV = ("LD_PRELOAD", "CUINTERPOSE_DRIVER")
 
 
 class Skip(Exception):
@@ -83,27 +82,14 @@ class Ctx:
     def env(self, **extra) -> dict:
         """A child's environment without the shim, on the chosen driver (fakecuda on
         ``LD_LIBRARY_PATH`` and ``CUINTERPOSE_DRIVER=fake`` when fake)."""
-        env = real_driver_env()
-        if self.driver == "fake":
-            from cuinterpose.agent import paths
+        from cuinterpose.agent import paths
 
+        env = paths.real_driver_env()
+        if self.driver == "fake":
             env["LD_LIBRARY_PATH"] = str(paths.fakecuda_dir())
             env["CUINTERPOSE_DRIVER"] = "fake"
         env["PYTHONUNBUFFERED"] = "1"
         return env | extra
-
-
-def real_driver_env() -> dict:
-    """This process's environment without the shim, ``CUINTERPOSE_DRIVER`` and fakecuda's
-    directory on ``LD_LIBRARY_PATH`` (the rest of it kept: the image may need it for
-    ``libcuda.so.1``)."""
-    from cuinterpose.agent import paths
-
-    env = {k: v for k, v in os.environ.items() if k not in DROPPED_ENV}
-    keep = paths.without_fakecuda(env.pop("LD_LIBRARY_PATH", None))
-    if keep:
-        env["LD_LIBRARY_PATH"] = keep
-    return env
 
 
 def say(msg: str) -> None:
@@ -385,7 +371,9 @@ def last_json_block(text: str) -> dict:
 def gpu_tests(ctx: Ctx) -> Result:
     xml = ctx.work / "gpu-tests.xml"
     xml.unlink(missing_ok=True)
-    env = real_driver_env()
+    from cuinterpose.agent import paths
+
+    env = paths.real_driver_env()
     cmd = [
         sys.executable,
         "-m",

@@ -9,7 +9,6 @@ checkpoint/restore path works on the real ``libcuda.so.1`` with its native check
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -33,14 +32,8 @@ print(json.dumps(out))
 
 
 def real_driver_env() -> dict:
-    """This process's environment for a child on the real driver: no preload, no
-    ``CUINTERPOSE_DRIVER``, and ``LD_LIBRARY_PATH`` without fakecuda's directory (kept
-    otherwise: a GPU image may reach ``libcuda.so.1`` only through it)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "CUINTERPOSE_DRIVER")}
-    keep = paths.without_fakecuda(env.pop("LD_LIBRARY_PATH", None))
-    if keep:
-        env["LD_LIBRARY_PATH"] = keep
-    return env
+    """This process's environment for a child on the real driver (agent/paths.py)."""
+    return paths.real_driver_env()
 
 
 def _probe() -> tuple[bool, str, dict]:

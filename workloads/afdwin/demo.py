@@ -65,15 +65,11 @@ def workload_env(
     inherited ``LD_LIBRARY_PATH`` is kept, fakecuda's directory removed from it)."""
     if driver not in ("fake", "real"):
         raise ValueError(f"driver must be 'fake' or 'real', not {driver!r}")
-    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "CUINTERPOSE_DRIVER")}
+    env = paths.real_driver_env()
     if shim:
         env["LD_PRELOAD"] = str(paths.shim_path())
     if driver == "fake":
         env["LD_LIBRARY_PATH"] = str(paths.fakecuda_dir())
-    elif paths.without_fakecuda(env.get("LD_LIBRARY_PATH")):
-        env["LD_LIBRARY_PATH"] = paths.without_fakecuda(env["LD_LIBRARY_PATH"])
-    else:
-        env.pop("LD_LIBRARY_PATH", None)
     env["CUINTERPOSE_CONTROL_DIR"] = str(control_dir)
     env["PYTHONUNBUFFERED"] = "1"
     return env
