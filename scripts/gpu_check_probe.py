@@ -43,6 +43,8 @@ import time
 from cuda.bindings import driver as cu
 from gpu_check_steps import CHECKPOINT_API
 
+from cuinterpose.workloads.afdwin.cudrv import alloc_prop, rw_access
+
 #: the device attributes the shim, the coordinator and the agent depend on (cuda.h 13.x)
 ATTRIBUTES = (
     "VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED",  # cuMemCreate/Map: every share we track
@@ -82,13 +84,7 @@ def mapped_libcuda() -> str:
 
 
 def granularities(dev_ordinal: int) -> dict:
-    prop = cu.CUmemAllocationProp()
-    prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-    prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-    prop.location.id = dev_ordinal
-    prop.requestedHandleTypes = (
-        cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-    )
+    prop = alloc_prop(dev_ordinal)
     flags = cu.CUmemAllocationGranularity_flags
     out = {}
     for label, flag in (
@@ -189,20 +185,17 @@ def name_of(res) -> str:
 
 
 def fd_prop(handle_types=POSIX_FD, loc_type=None, loc_id=0) -> cu.CUmemAllocationProp:
-    prop = cu.CUmemAllocationProp()
-    prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-    prop.location.type = loc_type or cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-    prop.location.id = loc_id
+    """afdwin's POSIX-FD device allocation (cudrv.alloc_prop), with other handle types or
+    another location where an experiment needs them."""
+    prop = alloc_prop(loc_id)
+    if loc_type is not None:
+        prop.location.type = loc_type
     prop.requestedHandleTypes = handle_types
     return prop
 
 
 def access(n_va: int, size: int):
-    desc = cu.CUmemAccessDesc()
-    desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-    desc.location.id = 0
-    desc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-    return cu.cuMemSetAccess(n_va, size, [desc], 1)
+    return cu.cuMemSetAccess(n_va, size, [rw_access(0)], 1)
 
 
 class Mapped:
