@@ -191,6 +191,8 @@ class Barrier:
             wall_ns=time.monotonic_ns() - t0,
             direct_bytes=y.reserved[3] if op == Op.SAVE_ALLOCATIONS else 0,
             shim_flags=y.shim_flags,
+            staging_pinned_bytes=y.reserved[4] if op in CARRIER_OPS else 0,
+            staging_pin_result=y.reserved[5] & 0xFFFFFFFF if op in CARRIER_OPS else 0,
         )
         if y.pid and y.pid != pid and r.status == Status.OK:
             r.error = (

@@ -63,8 +63,12 @@ class ParticipantResult:
     ``status``/``phase`` are None when no reply arrived (``error`` says why). ``bytes``:
     carrier bytes moved; ``elapsed_ns``/``copy_ns``: reported by the shim; ``wall_ns``: the
     request's round trip seen by the coordinator; ``direct_bytes`` (SAVE_ALLOCATIONS,
-    ``reply.reserved[3]``): the chunk bytes the shim wrote with O_DIRECT; ``shim_flags``: the
-    reply's ``ShimFlag`` bits.
+    ``reply.reserved[3]``): the chunk bytes the shim wrote with O_DIRECT;
+    ``staging_pinned_bytes`` / ``staging_pin_result`` (SAVE_ALLOCATIONS and LOAD_ALLOCATIONS,
+    ``reply.reserved[4]`` / ``[5]``): the bytes of the shim's staging ring that
+    ``cuMemHostRegister`` page-locked (0: none, or the process carried nothing), and that call's
+    CUresult when it failed (0 otherwise; the ring then stays pageable and the copies run at
+    pageable speed); ``shim_flags``: the reply's ``ShimFlag`` bits.
     """
 
     pid: int
@@ -81,6 +85,8 @@ class ParticipantResult:
     error: str | None = None
     direct_bytes: int = 0
     shim_flags: int = 0
+    staging_pinned_bytes: int = 0
+    staging_pin_result: int = 0
 
     @property
     def ok(self) -> bool:
@@ -102,6 +108,8 @@ class ParticipantResult:
             "error": self.error,
             "direct_bytes": self.direct_bytes,
             "shim_flags": self.shim_flags,
+            "staging_pinned_bytes": self.staging_pinned_bytes,
+            "staging_pin_result": self.staging_pin_result,
         }
 
     @classmethod
@@ -126,6 +134,8 @@ class ParticipantResult:
             error=d.get("error"),
             direct_bytes=int(d.get("direct_bytes", 0)),
             shim_flags=int(d.get("shim_flags", 0)),
+            staging_pinned_bytes=int(d.get("staging_pinned_bytes", 0)),
+            staging_pin_result=int(d.get("staging_pin_result", 0)),
         )
 
 
@@ -165,6 +175,16 @@ class PhaseResult:
     def direct_bytes(self) -> int:
         """Chunk bytes all participants wrote with O_DIRECT (SAVE_ALLOCATIONS)."""
         return sum(p.direct_bytes for p in self.participants.values())
+
+    @property
+    def pageable_staging(self) -> dict[int, str]:
+        """pid -> the CUresult name of each participant whose staging ring could not be
+        page-locked (SAVE_ALLOCATIONS, LOAD_ALLOCATIONS): its copies ran at pageable speed."""
+        return {
+            pid: cuda_result_name(p.staging_pin_result)
+            for pid, p in sorted(self.participants.items())
+            if p.staging_pin_result
+        }
 
     def to_dict(self) -> dict:
         return {

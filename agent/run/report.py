@@ -184,6 +184,11 @@ class Reporter:
             f"{len(pr.participants)} pids, slowest shim {fmt_ns(pr.max_elapsed_ns)}"
             + (f", copy {fmt_ns(pr.max_copy_ns)}" if pr.max_copy_ns else ""),
         )
+        for pid, why in pr.pageable_staging.items():
+            self.note(
+                f"{pr.phase}: pid {pid}: its staging ring could not be page-locked "
+                f"(cuMemHostRegister: {why}); its copies ran at pageable speed"
+            )
 
     def note(self, text: str) -> None:
         self.notes.append(text)

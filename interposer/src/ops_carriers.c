@@ -147,6 +147,26 @@ static int build_table(struct cui_op_result *res, struct cui_alloc **which, cons
   return 0;
 }
 
+/* Page-locks the staging ring of `io` (cuMemHostRegister, PORTABLE: pinned for every context)
+ * so that the driver copies it by DMA; a pageable ring still works, at pageable speed (on an
+ * H200, R580: 14.4 GB/s against 55.2 GB/s pinned, docs/gpu-validation.md). The register needs
+ * a current context (CUDA_ERROR_INVALID_CONTEXT otherwise, cuda.h), and the control worker has
+ * none before its first op: `first`'s device's primary context is made current. Reports
+ * reply.reserved[4] = the bytes page-locked (0: the ring is pageable) and reserved[5] = the
+ * register's CUresult when it failed (protocol.h "Carriers"). Returns the ring when it was
+ * page-locked (the caller unregisters it), else NULL. */
+static void *pin_ring(struct cui_op_result *res, struct cui_cio *io, const struct cui_alloc *first) {
+  if (!io) return NULL;
+  size_t ring_bytes = 0;
+  void *ring = cui_cio_ring(io, &ring_bytes);
+  cui_fn_cuMemHostRegister_v2 reg = REAL(cuMemHostRegister_v2);
+  cui_ensure_context(&first->prop);
+  CUresult r = reg ? reg(ring, ring_bytes, CU_MEMHOSTREGISTER_PORTABLE) : CUDA_ERROR_NOT_SUPPORTED;
+  res->reply_reserved[4] = r == CUDA_SUCCESS ? ring_bytes : 0;
+  res->reply_reserved[5] = r == CUDA_SUCCESS ? 0 : (uint64_t)(uint32_t)r;
+  return r == CUDA_SUCCESS ? ring : NULL;
+}
+
 /* Copies one allocation chunk by chunk into ring slots and hands each to the writers. */
 static int save_one(struct cui_op_result *res, struct cui_alloc *a, struct cui_cio_stream *s, struct cui_cio *io,
                     uint64_t cb) {
@@ -240,15 +260,12 @@ int cui_op_save_allocations(struct cui_op_result *res) {
              (unsigned long long)in->staging_bytes, in->writers, strerror(errno));
     goto out;
   }
-  size_t ring_bytes = 0;
-  void *ring = io ? cui_cio_ring(io, &ring_bytes) : NULL;
-  cui_fn_cuMemHostRegister_v2 reg = REAL(cuMemHostRegister_v2);
-  int pinned = ring && reg && reg(ring, ring_bytes, CU_MEMHOSTREGISTER_PORTABLE) == CUDA_SUCCESS;
+  void *ring = pin_ring(res, io, which[0]);
   if (io && in->nknown) cui_cio_set_known(io, (const uint8_t (*)[CUI_DIGEST_BYTES])in->known, in->nknown);
   for (uint32_t j = 0; io && j < n; j++) (void)cui_cio_direct(io, st[j].fd);
   int failed = 0;
   for (uint32_t j = 0; j < n && !failed; j++) failed = save_one(res, which[j], &st[j], io, cb) != 0;
-  if (pinned) REAL(cuMemHostUnregister)(ring);
+  if (ring) REAL(cuMemHostUnregister)(ring);
   struct cui_cio_error e;
   struct cui_cio_counts counts = {0};
   if (io && cui_cio_finish(io, &e, &counts) != CUI_CIO_OK && res->status != CUI_FAILED) {
@@ -482,10 +499,7 @@ int cui_op_load_allocations(struct cui_op_result *res) {
              pid, (unsigned long long)in->staging_bytes, in->writers, strerror(errno));
     goto out;
   }
-  size_t ring_bytes = 0;
-  void *ring = io ? cui_cio_ring(io, &ring_bytes) : NULL;
-  cui_fn_cuMemHostRegister_v2 reg = REAL(cuMemHostRegister_v2);
-  int pinned = ring && reg && reg(ring, ring_bytes, CU_MEMHOSTREGISTER_PORTABLE) == CUDA_SUCCESS;
+  void *ring = pin_ring(res, io, which[0]);
   int got = 0;   /* 0 ok, -1 driver failure (res filled), 1 the ring stopped */
   uint32_t ref = 0;
   for (uint32_t j = 0; j < n && got == 0; j++) {
@@ -507,7 +521,7 @@ int cui_op_load_allocations(struct cui_op_result *res) {
     if (got == 0) res->bytes += a->size;
   }
   if (got != 0 && io) cui_cio_abort(io);
-  if (pinned) REAL(cuMemHostUnregister)(ring);
+  if (ring) REAL(cuMemHostUnregister)(ring);
   struct cui_cio_error e;
   enum cui_cio_err kind = io ? cui_cio_finish(io, &e, NULL) : CUI_CIO_OK;
   if (got == 1 || (got == 0 && kind != CUI_CIO_OK)) {

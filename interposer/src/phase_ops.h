@@ -35,7 +35,7 @@ CUI_HIDDEN void cui_carry_free(struct cui_carry_in *in);
 
 struct cui_op_result {
   const struct cui_carry_in *carry;   /* in: SAVE/LOAD_ALLOCATIONS only */
-  uint64_t reply_reserved[4];         /* out: cui_reply.reserved[0..3] */
+  uint64_t reply_reserved[6];         /* out: cui_reply.reserved[0..5] */
   unsigned char *payload;             /* out: malloc'd bytes sent after the message (SAVE: the
                                          chunk table), payload_len = reply_reserved[0] */
   int32_t status;                  /* enum cui_status */

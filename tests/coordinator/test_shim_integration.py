@@ -12,7 +12,7 @@ import pathlib
 
 import pytest
 
-from cuinterpose.coordinator.carrierfiles import streams_of
+from cuinterpose.coordinator.carrierfiles import DEFAULT_STAGING_BYTES, streams_of
 from cuinterpose.coordinator.phases import Capture, Coordinator, Participant
 from cuinterpose.coordinator.protocol import (
     RecordFlag,
@@ -110,13 +110,27 @@ def test_capture_and_restore_two_processes(pair, pair_env):
     assert save.participants[cpid].bytes == K * SIZE
     assert save.participants[ipid].bytes == 0
     assert save.participants[cpid].records_changed == K
+    # the creator's staging ring was page-locked for its first SAVE (the control worker has no
+    # context of its own until the shim makes one current: the H200's 14.4 GB/s pageable copy);
+    # the importer carries nothing and starts no ring
+    ring = (DEFAULT_STAGING_BYTES // (8 << 20)) * (8 << 20)
+    pinned = {
+        p: (r.staging_pinned_bytes, r.staging_pin_result) for p, r in save.participants.items()
+    }
+    assert pinned == {cpid: (ring, 0), ipid: (0, 0)}
+    assert save.pageable_staging == {}
     assert len(cap.carriers) == K and cap.carrier_bytes == K * SIZE
     assert [e.kind for e in events].count("phase") == 4
 
     # the capture survives JSON; a new coordinator restores from it
     back = Capture.from_dict(json.loads(json.dumps(cap.to_dict())))
     res = Coordinator(parts, timeout_s=30).restore(back)
-    assert res.phase("LOAD_ALLOCATIONS").participants[cpid].bytes == K * SIZE
+    load = res.phase("LOAD_ALLOCATIONS")
+    assert load.participants[cpid].bytes == K * SIZE
+    pinned = {
+        p: (r.staging_pinned_bytes, r.staging_pin_result) for p, r in load.participants.items()
+    }
+    assert pinned == {cpid: (ring, 0), ipid: (0, 0)}
     assert [p.phase for p in res.phases] == [
         "INSPECT",
         "LOAD_ALLOCATIONS",

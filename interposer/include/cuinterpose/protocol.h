@@ -333,7 +333,10 @@ struct cui_record {           /* 640 bytes */
  * the received descriptors for the op and puts their flags back before it replies) and through
  * the page cache elsewhere; reply.reserved[3] of an OK SAVE_ALLOCATIONS counts the chunk bytes
  * written direct (0: none were). LOAD reads through the page cache and drops each chunk's
- * pages once it is in the ring (POSIX_FADV_DONTNEED).
+ * pages once it is in the ring (POSIX_FADV_DONTNEED). The ring is page-locked for the op
+ * (cuMemHostRegister PORTABLE, in a context of the first allocation's device); reply.reserved[4]
+ * of a SAVE or LOAD counts its bytes page-locked (0: pageable, or nothing was carried) and
+ * reserved[5] holds the register's CUresult when it failed (0 otherwise).
  * A SAVE_ALLOCATIONS reply with status CUI_OK is followed (after the message) by the chunk
  * table, reply.reserved[0] bytes: per stream in request order one struct cui_stream_head,
  * then chunk_count digests of 32 bytes (32 zero bytes for an all-zero chunk). The shim keeps
