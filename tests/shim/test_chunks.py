@@ -9,7 +9,10 @@
 - SAVE copies from the app's own mapping where one covers the whole allocation (no staging
   reservation or mapping: no second VA range, no second fault of its pages on fakecuda), and
   through a staging mapping where the app maps it only in parts; the files hold the same bytes
-  either way."""
+  either way;
+- LOAD queues every read before it creates the first allocation (every cuMemCreate precedes the
+  first cuMemcpyHtoD), zeroes each run of zero chunks with one cuMemsetD8 and copies each
+  non-zero chunk to its offset (fake log)."""
 
 from __future__ import annotations
 
@@ -241,3 +244,62 @@ def test_sha256_chunks_round_trip_and_the_other_checksum_refuses(apps, ctl, chun
         r = ctl(c).request(op, txn_id=t, expected_phase=exp)
         assert r.reply.status == Status.OK, r.message
     c.ok(f"check {va} {size} 21")
+
+
+def test_load_queues_every_read_first_and_zeroes_each_run_once(apps, ctl, chunk_files, fake_log):
+    """LOAD_ALLOCATIONS (protocol.h "Carriers"): every allocation is created before the first
+    chunk reaches the device (the readers got every read at once, not one allocation's at a
+    time); each run of consecutive zero chunks is one cuMemsetD8 at the run's offset; each
+    non-zero chunk one cuMemcpyHtoD at its offset of its allocation's staging mapping."""
+    chunk_files.chunk_bytes, chunk_files.staging_bytes = 4 * MiB, 8 * MiB
+    c = apps()
+    c.ok("init")
+    dense = _alloc(c, 8 * MiB, 31)  # 2 chunks, no zero run
+    sparse = _alloc(c, 40 * MiB, 32, zero_from=4 * MiB)  # chunk 0, then one run of 9
+    gaps = _alloc(c, 24 * MiB, 33)  # chunks 0 and 3 kept, runs 1-2 and 4-5 zeroed
+    for off in (4 * MiB, 16 * MiB):
+        c.ok(f"memset32 {gaps + off} 0 {(8 * MiB) // 4}")
+    for k, (op, exp) in enumerate(
+        ((Op.SAVE_ALLOCATIONS, Phase.ACTIVE), (Op.PREPARE_UNICAST, Phase.SAVED))
+    ):
+        r = ctl(c).request(op, txn_id=1 + k, expected_phase=exp)
+        assert r.reply.status == Status.OK, r.message
+    mark = fake_log.mark()
+    r = ctl(c).request(Op.LOAD_ALLOCATIONS, txn_id=3, expected_phase=Phase.PREPARED)
+    assert (r.reply.status, r.reply.bytes) == (Status.OK, 72 * MiB), r.message
+    calls = fake_log.calls(c.pid, since=mark)
+    names = [fn for fn, _, _ in calls]
+    creates = [i for i, fn in enumerate(names) if fn == "cuMemCreate"]
+    copies = [i for i, fn in enumerate(names) if fn == "cuMemcpyHtoD_v2"]
+    assert (len(creates), len(copies)) == (3, 2 + 1 + 2)
+    assert max(creates) < min(copies)
+    # each allocation's staging mapping, in request order (sizes tell them apart)
+    maps = [(int(a["size"]), int(a["ptr"], 16)) for fn, a, _ in calls if fn == "cuMemMap"]
+    base = {size: ptr for size, ptr in maps[:3]}
+    assert sorted(base) == [8 * MiB, 24 * MiB, 40 * MiB]
+
+    def where(a):
+        d = int(a["dst"], 16)
+        (size,) = [s for s, b in base.items() if b <= d < b + s]
+        return size, d - base[size]
+
+    sets = sorted((where(a), int(a["count"])) for fn, a, _ in calls if fn == "cuMemsetD8_v2")
+    assert sets == [
+        ((24 * MiB, 4 * MiB), 8 * MiB),
+        ((24 * MiB, 16 * MiB), 8 * MiB),
+        ((40 * MiB, 4 * MiB), 36 * MiB),
+    ]
+    got = sorted((where(a), int(a["bytes"])) for fn, a, _ in calls if fn == "cuMemcpyHtoD_v2")
+    assert got == [
+        ((8 * MiB, 0), 4 * MiB),
+        ((8 * MiB, 4 * MiB), 4 * MiB),
+        ((24 * MiB, 0), 4 * MiB),
+        ((24 * MiB, 12 * MiB), 4 * MiB),
+        ((40 * MiB, 0), 4 * MiB),
+    ]
+    r = ctl(c).request(Op.RESTORE_UNICAST, txn_id=4, expected_phase=Phase.LOADED)
+    assert r.reply.status == Status.OK, r.message
+    c.ok(f"check {dense} {8 * MiB} 31")
+    c.ok(f"check {sparse} {4 * MiB} 32")
+    assert c.val(f"read32 {sparse + 40 * MiB - 4}") == 0
+    assert (c.val(f"read32 {gaps + 4 * MiB}"), c.val(f"read32 {gaps + 24 * MiB - 4}")) == (0, 0)
