@@ -6,7 +6,8 @@
   (LOAD_ALLOCATIONS reads them); then both processes hash the whole mapping against what was
   written (``verified``). GB/s = 10^9 bytes/s: the phase's bytes over its wall time and over
   the shim's ``copy_ns`` (device <-> staging ring), against a pinned ``cuMemcpy`` of 1 GiB and
-  a ``dd oflag=direct`` of 1 GiB measured in the same run.
+  a ``dd oflag=direct`` of 1 GiB measured in the same run. It fails when a creator's staging
+  ring was not page-locked (reply.reserved[4..5], protocol.h "Carriers").
 - ``afdwin-live``: afdwin 2A2F (4 ranks, 2 attention) run to the end without a checkpoint;
   then a second run quiesced mid-stream, captured and restored by the shim's phases on the
   live processes, resumed and run to the end. The mapping VAs and sizes of every record
@@ -178,6 +179,8 @@ def carrier_cycle(n: int, ctx: Ctx) -> dict:
             row[f"{label}_gbps"] = gbps(creator.bytes, p.wall_ns)
             row[f"{label}_copy_gbps"] = gbps(creator.bytes, creator.copy_ns)
             row[f"{label}_direct_bytes"] = creator.direct_bytes
+            row[f"{label}_staging_pinned_bytes"] = creator.staging_pinned_bytes
+            row[f"{label}_pageable"] = p.pageable_staging  # pid -> CUresult name
         say(f"carrier {n} B: {row}")
         return row
     finally:
@@ -214,6 +217,12 @@ def carrier_copy(ctx: Ctx) -> Result:
                 f"{n} B: verified={row['verified']} saved {row['save_bytes']} "
                 f"loaded {row['load_bytes']}"
             )
+        for label in ("save", "load"):  # a pageable ring copies at a quarter of the speed
+            if row[f"{label}_pageable"] or not row[f"{label}_staging_pinned_bytes"]:
+                problems.append(
+                    f"{n} B: the {label} staging ring was not page-locked "
+                    f"({row[f'{label}_pageable'] or 'no bytes locked'})"
+                )
     detail = {"baseline": base, "dd_direct_s": dd_s, "rows": rows}
     return Result("FAIL" if problems else "PASS", "; ".join(problems), keys, detail)
 

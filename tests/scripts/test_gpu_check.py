@@ -130,6 +130,9 @@ def test_carriers_verify_and_count_every_byte(fake_run):
     for r in rows:
         assert r["verified"] is True and r["bytes_compared"] == 2 * r["bytes"]
         assert r["save_bytes"] == r["load_bytes"] == r["bytes"]
+        # both staging rings page-locked: the agent's 64 MiB default, none left pageable
+        assert (r["save_staging_pinned_bytes"], r["load_staging_pinned_bytes"]) == (64 << 20,) * 2
+        assert (r["save_pageable"], r["load_pageable"]) == ({}, {})
 
 
 @pytest.mark.parametrize("name", ["afdwin-live", "native-cycle"])
