@@ -67,6 +67,7 @@ DEFAULT_BYTES = (256 << 20, 1 << 30, 4 << 30)
 DEFAULT_ZERO = (0.0, 0.9)
 
 from cuinterpose.agent.mech import criu  # noqa: E402
+from cuinterpose.agent.units import arg_bytes  # noqa: E402
 from cuinterpose.coordinator.contract import read_json  # noqa: E402
 from cuinterpose.workloads.afdwin import demo  # noqa: E402
 
@@ -418,7 +419,9 @@ def fmt_b(n: int) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--bytes", type=int, action="append", help="B (repeatable)")
+    ap.add_argument(
+        "--bytes", type=arg_bytes, action="append", help="B: bytes, or 1GiB (repeatable)"
+    )
     ap.add_argument("--zero-fraction", type=float, action="append", help="0 or 0.9 (repeatable)")
     ap.add_argument("--json", action="store_true", help="one JSON object per case")
     ap.add_argument("--dir", default=None, help="where snapshots and baseline files go")

@@ -35,6 +35,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 from cuda_include_dir import cuda_include_dir  # noqa: E402
 
 from cuinterpose.agent import paths  # noqa: E402
+from cuinterpose.agent.units import arg_bytes  # noqa: E402
 from cuinterpose.coordinator.phases import Coordinator, Participant  # noqa: E402
 from cuinterpose.coordinator.protocol import socket_path  # noqa: E402
 
@@ -167,13 +168,16 @@ def main(argv=None) -> int:
     ap.add_argument("--k", default="10,100,1000", help="allocation counts, comma separated")
     ap.add_argument(
         "--size",
-        type=int,
+        type=arg_bytes,
         default=None,
         help="bytes per allocation, a multiple of the granularity (default: 65536 on fakecuda, "
         "the driver's minimum granularity on a GPU: 2 MiB on an H200)",
     )
     ap.add_argument(
-        "--granularity", type=int, default=64 << 10, help="FAKECUDA_GRANULARITY (fakecuda only)"
+        "--granularity",
+        type=arg_bytes,
+        default=64 << 10,
+        help="FAKECUDA_GRANULARITY (fakecuda only)",
     )
     ap.add_argument("--driver", choices=("fake", "real"), default="fake")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per request")

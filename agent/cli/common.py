@@ -11,6 +11,7 @@ import sys
 import click
 
 from cuinterpose.agent.errors import AgentError
+from cuinterpose.agent.units import parse_bytes
 
 EXIT = {
     "refused": 3,
@@ -70,6 +71,25 @@ def set_env(driver, control_dir):
 
 
 POSITIVE = click.FloatRange(min=0, min_open=True)
+
+
+class BytesType(click.ParamType):
+    """A click option type for byte counts (:func:`parse_bytes`) within [min, max] bytes."""
+
+    name = "bytes"
+
+    def __init__(self, min: int = 0, max: int | None = None):
+        self.min, self.max = min, max
+
+    def convert(self, value, param, ctx):
+        try:
+            n = parse_bytes(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+        if n < self.min or (self.max is not None and n > self.max):
+            upper = f" and at most {self.max}" if self.max is not None else ""
+            self.fail(f"{n} bytes: must be at least {self.min}{upper} bytes", param, ctx)
+        return n
 
 
 def manifest_key_opt(help_text: str):

@@ -10,6 +10,7 @@ import click
 
 from cuinterpose.agent.cli.common import (
     POSITIVE,
+    BytesType,
     RemoteRows,
     agent_opt,
     client_tls,
@@ -103,16 +104,18 @@ def _use_native_backend(kind) -> None:
 )
 @click.option(
     "--chunk-bytes",
-    type=click.IntRange(64 << 10, 1 << 30),
+    type=BytesType(64 << 10, 1 << 30),
     default=None,
-    help="chunk size of the shared carriers' chunk files, a power of two [default: 8 MiB, "
+    help="chunk size of the shared carriers' chunk files, a power of two, in bytes or with "
+    "KiB/MiB/GiB (8MiB) [default: 8 MiB, "
     "or $CUINTERPOSE_CHUNK_BYTES].",
 )
 @click.option(
     "--staging-bytes",
-    type=click.IntRange(64 << 10),
+    type=BytesType(64 << 10),
     default=None,
-    help="staging ring per process for the chunk writers [default: 64 MiB, or "
+    help="staging ring per process for the chunk writers, in bytes or with KiB/MiB/GiB "
+    "[default: 64 MiB, or "
     "$CUINTERPOSE_STAGING_BYTES].",
 )
 @click.option(

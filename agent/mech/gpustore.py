@@ -31,6 +31,7 @@ import threading
 from typing import Callable, Optional, Protocol
 
 from cuinterpose.agent.errors import AgentError
+from cuinterpose.agent.units import parse_bytes
 from cuinterpose.coordinator.protocol import DEFAULT_CHUNK_CHECKSUM, chunk_digest
 
 CHUNK_BYTES_ENV = "CUINTERPOSE_CHUNK_BYTES"
@@ -81,9 +82,9 @@ def _env_int(name: str, default: int) -> int:
     if not raw:
         return default
     try:
-        return int(raw, 0)
-    except ValueError:
-        raise AgentError("gpu storage", f"${name}={raw!r} is not a byte count") from None
+        return parse_bytes(raw)
+    except ValueError as e:
+        raise AgentError("gpu storage", f"${name}={e}") from None
 
 
 def chunk_bytes(value: Optional[int] = None) -> int:

@@ -24,6 +24,7 @@ import shutil
 
 from cuinterpose.agent.errors import AgentError
 from cuinterpose.agent.snapshot import store, trust
+from cuinterpose.agent.units import parse_bytes
 from cuinterpose.coordinator.carrierfiles import CarrierFiles
 from cuinterpose.coordinator.protocol import (
     DEFAULT_CHUNK_BYTES,
@@ -76,9 +77,10 @@ def settings(chunk_bytes=None, staging_bytes=None, writers=None, checksum=None) 
         if v is None and os.environ.get(ENV[k]):
             v, where = os.environ[ENV[k]], ENV[k]
         try:
-            out[k] = DEFAULTS[k] if v is None else int(v)
-        except ValueError:
-            raise AgentError("images dir", f"{where}={v!r} is not an integer") from None
+            out[k] = DEFAULTS[k] if v is None else (int(v) if k == "writers" else parse_bytes(v))
+        except ValueError as e:  # parse_bytes names the text: "'8MB' is not a byte count: ..."
+            why = f"{where}={v!r} is not an integer" if k == "writers" else f"{where}={e}"
+            raise AgentError("images dir", why) from None
     try:
         check_carrier_params(out["chunk_bytes"], out["staging_bytes"], out["writers"])
     except ValueError as e:

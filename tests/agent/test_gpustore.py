@@ -179,7 +179,12 @@ def test_chunk_and_staging_sizes(monkeypatch):
     monkeypatch.setenv(gpustore.STAGING_BYTES_ENV, "lots")
     with pytest.raises(AgentError) as ei:
         gpustore.staging_bytes()
-    assert ei.value.reason == "$CUINTERPOSE_STAGING_BYTES='lots' is not a byte count"
+    assert ei.value.reason == (
+        "$CUINTERPOSE_STAGING_BYTES='lots' is not a byte count: write a number of bytes, or one "
+        "with KiB, MiB, GiB or TiB (e.g. 256MiB)"
+    )
+    monkeypatch.setenv(gpustore.STAGING_BYTES_ENV, "128MiB")
+    assert gpustore.staging_bytes() == 128 << 20
 
 
 def manifest_with(rec, **over):

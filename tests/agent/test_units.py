@@ -1,0 +1,118 @@
+"""agent/units.py: the one byte-count parser of the command line, the environment and the
+benches; every accepted spelling gives its exact value, every refusal says what is accepted."""
+
+from __future__ import annotations
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from cuinterpose.agent.cli.common import BytesType
+from cuinterpose.agent.units import arg_bytes, parse_bytes
+
+
+@pytest.mark.parametrize(
+    "text,value",
+    [
+        ("8388608", 8 << 20),
+        ("0x800000", 8 << 20),
+        ("64KiB", 64 << 10),
+        ("64 KiB", 64 << 10),
+        ("64k", 64 << 10),
+        ("256MiB", 256 << 20),
+        ("256mib", 256 << 20),
+        ("4GiB", 4 << 30),
+        ("4G", 4 << 30),
+        ("1TiB", 1 << 40),
+        ("0", 0),
+        (" 12 B ", 12),
+        (4096, 4096),
+    ],
+)
+def test_accepted_spellings(text, value):
+    assert parse_bytes(text) == value
+
+
+@pytest.mark.parametrize(
+    "text,why",
+    [
+        ("8MB", "MB is ambiguous (10^3 or 2^10?): write MiB or bytes"),
+        ("1gb", "gb is ambiguous (10^3 or 2^10?): write GiB or bytes"),
+        ("1.5GiB", "write a number of bytes, or one with KiB, MiB, GiB or TiB (e.g. 256MiB)"),
+        ("-1", "write a number of bytes, or one with KiB, MiB, GiB or TiB (e.g. 256MiB)"),
+        ("lots", "write a number of bytes, or one with KiB, MiB, GiB or TiB (e.g. 256MiB)"),
+        ("", "write a number of bytes, or one with KiB, MiB, GiB or TiB (e.g. 256MiB)"),
+        ("0xZZ", "write a number of bytes, or one with KiB, MiB, GiB or TiB (e.g. 256MiB)"),
+    ],
+)
+def test_refusals_name_the_text_and_what_is_accepted(text, why):
+    with pytest.raises(ValueError) as e:
+        parse_bytes(text)
+    assert str(e.value) == f"{text!r} is not a byte count: {why}"
+
+
+def test_negative_int_refused():
+    with pytest.raises(ValueError, match="^-5 is not a byte count: it is negative$"):
+        parse_bytes(-5)
+
+
+def test_click_type_range_and_message():
+    @click.command()
+    @click.option("--staging-bytes", type=BytesType(64 << 10, 1 << 30))
+    def cmd(staging_bytes):
+        click.echo(staging_bytes)
+
+    r = CliRunner()
+    assert r.invoke(cmd, ["--staging-bytes", "256MiB"]).output == f"{256 << 20}\n"
+    low = r.invoke(cmd, ["--staging-bytes", "4KiB"])
+    assert low.exit_code == 2
+    assert "4096 bytes: must be at least 65536 and at most 1073741824 bytes" in low.output
+    bad = r.invoke(cmd, ["--staging-bytes", "8MB"])
+    assert bad.exit_code == 2
+    assert "'8MB' is not a byte count: MB is ambiguous" in bad.output
+
+
+def test_argparse_type_shows_the_refusal(capsys):
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="bench")
+    ap.add_argument("--bytes", type=arg_bytes, action="append")
+    assert ap.parse_args(["--bytes", "1GiB", "--bytes", "4096"]).bytes == [1 << 30, 4096]
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--bytes", "4GB"])
+    assert capsys.readouterr().err.endswith(
+        "bench: error: argument --bytes: '4GB' is not a byte count: GB is ambiguous (10^3 or "
+        "2^10?): write GiB or bytes\n"
+    )
+
+
+def test_the_carrier_settings_read_units_from_the_environment(monkeypatch):
+    from cuinterpose.agent.errors import AgentError
+    from cuinterpose.agent.run import carriers
+
+    monkeypatch.setenv("CUINTERPOSE_STAGING_BYTES", "128MiB")
+    monkeypatch.setenv("CUINTERPOSE_CHUNK_BYTES", "4 MiB")
+    got = carriers.settings(checksum="sha256")
+    assert (got["chunk_bytes"], got["staging_bytes"]) == (4 << 20, 128 << 20)
+    assert carriers.settings(staging_bytes=1 << 30, checksum="sha256")["staging_bytes"] == 1 << 30
+    monkeypatch.setenv("CUINTERPOSE_STAGING_BYTES", "8MB")
+    with pytest.raises(AgentError) as e:
+        carriers.settings(checksum="sha256")
+    assert (e.value.phase, e.value.reason) == (
+        "images dir",
+        "CUINTERPOSE_STAGING_BYTES='8MB' is not a byte count: MB is ambiguous (10^3 or 2^10?): "
+        "write MiB or bytes",
+    )
+    monkeypatch.delenv("CUINTERPOSE_STAGING_BYTES")
+    monkeypatch.setenv("CUINTERPOSE_WRITERS", "many")
+    with pytest.raises(AgentError) as e:
+        carriers.settings(checksum="sha256")
+    assert e.value.reason == "CUINTERPOSE_WRITERS='many' is not an integer"
+
+
+def test_checkpoint_takes_a_unit_on_the_command_line():
+    from cuinterpose.agent.cli import main
+
+    r = CliRunner().invoke(main, ["checkpoint", "--staging-bytes", "8MB", "1"])
+    assert r.exit_code == 2
+    assert "'8MB' is not a byte count: MB is ambiguous" in r.output
