@@ -17,15 +17,12 @@ from cuinterpose.coordinator.phases import Coordinator, Participant
 from cuinterpose.coordinator.protocol import Op, Phase, Status, socket_path
 
 from .conftest import (
-    C_BUILD_DIR,
     C_DIR,
-    FAKECUDA_SRC,
-    SHIM_SRC,
     App,
-    build_shared,
     link_fakecuda,
 )
-from .test_sanitize import SAN, libasan
+from .sanitize_build import SAN, build_libs
+from .test_sanitize import libasan
 
 
 @pytest.fixture(scope="session")
@@ -35,33 +32,7 @@ def share_app(build_c, fakecuda_dir):
 
 def asan_libs(cuda_include):
     """(shim, fakecuda dir) built with ASan/UBSan exactly as test_sanitize.asan_build does."""
-    d = C_BUILD_DIR / "shim-asan"
-    shim = build_shared(
-        sorted((SHIM_SRC / "src").glob("*.c")),
-        d / "libcuinterpose.so",
-        [
-            *SAN,
-            "-std=gnu11",
-            "-fvisibility=hidden",
-            f"-I{SHIM_SRC / 'include'}",
-            f"-I{cuda_include}",
-            f"-Wl,--version-script={SHIM_SRC / 'libcuinterpose.map'}",
-            "-Wl,-Bsymbolic-functions",
-        ],
-    )
-    fake = build_shared(
-        sorted((FAKECUDA_SRC / "src").glob("*.c")),
-        d / "fakecuda" / "libcuda.so.1",
-        [
-            *SAN,
-            "-std=gnu11",
-            "-fvisibility=hidden",
-            f"-I{cuda_include}",
-            "-Wl,-Bsymbolic",
-            "-Wl,-soname,libcuda.so.1",
-        ],
-    )
-    return shim, fake.parent
+    return build_libs(SAN, "shim-asan", cuda_include)
 
 
 @pytest.fixture(params=["plain", "asan"])

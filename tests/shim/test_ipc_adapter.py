@@ -458,47 +458,21 @@ def test_ipc_driver_tsan(build_c, cuda_include, fake_env):
     secret table, the export cache) and INSPECT's fix-up (the state and foreign-handle locks)."""
     import shutil
 
-    from .conftest import C_BUILD_DIR, FAKECUDA_SRC, SHIM_SRC, build_shared
+    from .sanitize_build import TSAN, build_libs, runtime
 
-    libtsan = subprocess.run(
-        ["cc", "-print-file-name=libtsan.so"], capture_output=True, text=True
-    ).stdout.strip()
-    if not os.path.isabs(libtsan) or not shutil.which("setarch"):
-        pytest.skip("no libtsan.so or no setarch")
-    tsan = ["-fsanitize=thread", "-O1", "-g", "-std=gnu11"]
-    d = C_BUILD_DIR / "shim-tsan"  # the same build as test_sanitize.py's (hashed inputs)
-    shim = build_shared(
-        sorted((SHIM_SRC / "src").glob("*.c")),
-        d / "libcuinterpose.so",
-        [
-            *tsan,
-            "-fvisibility=hidden",
-            f"-I{SHIM_SRC / 'include'}",
-            f"-I{cuda_include}",
-            f"-Wl,--version-script={SHIM_SRC / 'libcuinterpose.map'}",
-            "-Wl,-Bsymbolic-functions",
-        ],
-    )
-    fake = build_shared(
-        sorted((FAKECUDA_SRC / "src").glob("*.c")),
-        d / "fakecuda" / "libcuda.so.1",
-        [
-            *tsan,
-            "-fvisibility=hidden",
-            f"-I{cuda_include}",
-            "-Wl,-Bsymbolic",
-            "-Wl,-soname,libcuda.so.1",
-        ],
-    )
+    libtsan = runtime("libtsan.so")
+    if not shutil.which("setarch"):
+        pytest.skip("no setarch")
+    shim, fake_dir = build_libs(TSAN, "shim-tsan", cuda_include)  # test_sanitize.py's build
     drv = build_c(
         [C_DIR / "ipc_driver.c"],
         "shim_ipc_driver_tsan",
         extra=("-fsanitize=thread",),
-        libs=link_fakecuda(fake.parent),
+        libs=link_fakecuda(fake_dir),
     )
     env = dict(
         fake_env,
-        LD_LIBRARY_PATH=str(fake.parent),
+        LD_LIBRARY_PATH=str(fake_dir),
         LD_PRELOAD=f"{libtsan} {shim}",
         TSAN_OPTIONS="halt_on_error=1:exitcode=23",
     )

@@ -9,72 +9,32 @@ an uninstrumented helper):
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 
 import pytest
 
-from .conftest import C_DIR, FAKECUDA_SRC, SHIM_SRC, build_shared, link_fakecuda
-
-SAN = [
-    "-fsanitize=address,undefined",
-    "-fno-sanitize-recover=all",
-    "-fno-omit-frame-pointer",
-    "-O1",
-    "-g",
-]
+from .conftest import C_DIR, link_fakecuda
+from .sanitize_build import SAN, TSAN, build_libs, runtime
 
 
 def libasan() -> str:
-    path = subprocess.run(
-        ["cc", "-print-file-name=libasan.so"], capture_output=True, text=True
-    ).stdout.strip()
-    if not os.path.isabs(path):
-        pytest.skip("the compiler has no libasan.so")
-    return path
+    return runtime("libasan.so")
 
 
 @pytest.fixture(scope="module")
 def asan_build(build_c, cuda_include):
-    from .conftest import C_BUILD_DIR
-
-    d = C_BUILD_DIR / "shim-asan"
-    shim = build_shared(
-        sorted((SHIM_SRC / "src").glob("*.c")),
-        d / "libcuinterpose.so",
-        [
-            *SAN,
-            "-std=gnu11",
-            "-fvisibility=hidden",
-            f"-I{SHIM_SRC / 'include'}",
-            f"-I{cuda_include}",
-            f"-Wl,--version-script={SHIM_SRC / 'libcuinterpose.map'}",
-            "-Wl,-Bsymbolic-functions",
-        ],
-    )
-    fake = build_shared(
-        sorted((FAKECUDA_SRC / "src").glob("*.c")),
-        d / "fakecuda" / "libcuda.so.1",
-        [
-            *SAN,
-            "-std=gnu11",
-            "-fvisibility=hidden",
-            f"-I{cuda_include}",
-            "-Wl,-Bsymbolic",
-            "-Wl,-soname,libcuda.so.1",
-        ],
-    )
+    shim, fake_dir = build_libs(SAN, "shim-asan", cuda_include)
     drv = build_c(
         [C_DIR / "cycle_driver.c"],
         "shim_cycle_driver",
         sanitize=True,
-        libs=link_fakecuda(fake.parent),
+        libs=link_fakecuda(fake_dir),
     )
     stress = build_c(
-        [C_DIR / "stress.c"], "shim_stress", sanitize=True, libs=link_fakecuda(fake.parent)
+        [C_DIR / "stress.c"], "shim_stress", sanitize=True, libs=link_fakecuda(fake_dir)
     )
-    return shim, fake.parent, drv, stress
+    return shim, fake_dir, drv, stress
 
 
 def test_cycle_plain(build_c, shim_env, fakecuda_dir):
@@ -134,47 +94,19 @@ def test_stress_asan_ubsan(asan_build, fake_env):
 
 def test_stress_tsan(build_c, cuda_include, fake_env):
     """Data races in the shim's locking (state lock, export cache, job slot, lock-free bounds)."""
-    from .conftest import C_BUILD_DIR
-
-    libtsan = subprocess.run(
-        ["cc", "-print-file-name=libtsan.so"], capture_output=True, text=True
-    ).stdout.strip()
-    if not os.path.isabs(libtsan) or not shutil.which("setarch"):
-        pytest.skip("no libtsan.so or no setarch")
-    tsan = ["-fsanitize=thread", "-O1", "-g", "-std=gnu11"]
-    d = C_BUILD_DIR / "shim-tsan"
-    shim = build_shared(
-        sorted((SHIM_SRC / "src").glob("*.c")),
-        d / "libcuinterpose.so",
-        [
-            *tsan,
-            "-fvisibility=hidden",
-            f"-I{SHIM_SRC / 'include'}",
-            f"-I{cuda_include}",
-            f"-Wl,--version-script={SHIM_SRC / 'libcuinterpose.map'}",
-            "-Wl,-Bsymbolic-functions",
-        ],
-    )
-    fake = build_shared(
-        sorted((FAKECUDA_SRC / "src").glob("*.c")),
-        d / "fakecuda" / "libcuda.so.1",
-        [
-            *tsan,
-            "-fvisibility=hidden",
-            f"-I{cuda_include}",
-            "-Wl,-Bsymbolic",
-            "-Wl,-soname,libcuda.so.1",
-        ],
-    )
+    libtsan = runtime("libtsan.so")
+    if not shutil.which("setarch"):
+        pytest.skip("no setarch")
+    shim, fake_dir = build_libs(TSAN, "shim-tsan", cuda_include)
     drv = build_c(
         [C_DIR / "stress.c"],
         "shim_stress_tsan",
         extra=("-fsanitize=thread",),
-        libs=link_fakecuda(fake.parent),
+        libs=link_fakecuda(fake_dir),
     )
     env = dict(
         fake_env,
-        LD_LIBRARY_PATH=str(fake.parent),
+        LD_LIBRARY_PATH=str(fake_dir),
         LD_PRELOAD=f"{libtsan} {shim}",
         TSAN_OPTIONS="halt_on_error=1:exitcode=23",
     )
