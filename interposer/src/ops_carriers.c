@@ -402,6 +402,7 @@ static int drain_reads(struct cui_op_result *res, struct cui_alloc **which, stru
     int slot = cui_cio_next_ready(io, &buf, &got, &chunk, &len);
     if (slot < 0) return 1;
     uint32_t j = (uint32_t)(got - st);
+    cui_ensure_context(&which[j]->prop);   /* its device's context: the chunks of several GPUs interleave */
     uint64_t t0 = cui_now_ns();
     CUresult r = REAL(cuMemcpyHtoD_v2)(vas[j] + (uint64_t)chunk * cb, buf, len);
     res->copy_ns += cui_now_ns() - t0;

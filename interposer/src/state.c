@@ -419,20 +419,21 @@ CUresult cui_access_replay(CUdeviceptr va, size_t size, const struct cui_access 
 
 /* ---------- device contexts and driver handles (the phase ops) ---------- */
 
-/* Best effort: make a context current on the worker thread for the allocation's device (the
- * real driver needs one for cuMemcpy*). Failures surface at the copy itself. */
+/* state.h. Failures surface at the copy itself (the driver's error names the call). */
 void cui_ensure_context(const CUmemAllocationProp *prop) {
   cui_fn_cuCtxGetCurrent get = REAL(cuCtxGetCurrent);
-  CUcontext cur = NULL;
-  if (!get || get(&cur) != CUDA_SUCCESS || cur) return;
+  cui_fn_cuCtxGetDevice getdev = REAL(cuCtxGetDevice);
   cui_fn_cuDeviceGet devget = REAL(cuDeviceGet);
-  cui_fn_cuDevicePrimaryCtxRetain pretain = REAL(cuDevicePrimaryCtxRetain);
-  cui_fn_cuCtxSetCurrent set = REAL(cuCtxSetCurrent);
-  if (!devget || !pretain || !set) return;
-  int ordinal = prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE ? prop->location.id : 0;
-  CUdevice dev;
-  CUcontext ctx;
-  if (devget(&dev, ordinal) == CUDA_SUCCESS && pretain(&ctx, dev) == CUDA_SUCCESS) set(ctx);
+  CUcontext cur = NULL;
+  if (!get || get(&cur) != CUDA_SUCCESS) return;
+  int on_device = prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE;
+  if (cur && !on_device) return;   /* host memory: any context copies it */
+  int ordinal = on_device ? prop->location.id : 0;
+  CUdevice want, have;
+  if (cur && getdev && devget && getdev(&have) == CUDA_SUCCESS && devget(&want, ordinal) == CUDA_SUCCESS &&
+      have == want)
+    return;
+  (void)cui_set_device_context(ordinal);
 }
 
 CUresult cui_set_device_context(int ordinal) {

@@ -210,8 +210,12 @@ static inline uint32_t cui_alloc_index(const struct cui_alloc *a) { return (uint
 /* The driver handle of `a`: the held one, else a temporary retain through one of its mappings
  * (*temporary = 1: the caller releases it). CUDA_ERROR_INVALID_VALUE if neither exists. */
 CUI_HIDDEN CUresult cui_alloc_driver_handle(struct cui_alloc *a, CUmemGenericAllocationHandle *h, int *temporary);
-/* Make a context current on this thread: cui_ensure_context (best effort, only when none is)
- * for the allocation's device; cui_set_device_context: the primary context of `ordinal`. */
+/* Make a context current on this thread. cui_ensure_context (best effort): for a
+ * device-located allocation, its device's primary context unless a context of that device is
+ * current already (a copy to or from VMM memory runs on the current context's device, which
+ * needs access to the mapping: a process may own allocations on several GPUs); for a
+ * host-located one, device 0's when none is current. cui_set_device_context: the primary
+ * context of `ordinal`. */
 CUI_HIDDEN void cui_ensure_context(const CUmemAllocationProp *prop);
 CUI_HIDDEN CUresult cui_set_device_context(int ordinal);
 
