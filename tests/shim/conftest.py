@@ -58,14 +58,15 @@ def vmm_app(build_c, fakecuda_dir):
 
 
 class App:
-    """One vmm_app process. ``cmd`` returns the reply tokens; ``ok`` asserts success."""
+    """One vmm_app process, started through ``prefix`` (e.g. ``setarch -R`` for TSan) when one
+    is given. ``cmd`` returns the reply tokens; ``ok`` asserts success."""
 
-    def __init__(self, exe, env):
+    def __init__(self, exe, env, prefix=()):
         import tempfile
 
         self.errfile = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
-            [str(exe)],
+            [*prefix, str(exe)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.errfile,

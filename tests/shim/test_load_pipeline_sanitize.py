@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import tempfile
 
 import pytest
 
@@ -18,26 +16,8 @@ from .sanitize_build import SAN, TSAN, build_libs, runtime
 from .test_load_pipeline import _pipeline_scenario
 
 
-class _Prefixed(App):
-    """An App started through ``prefix`` (setarch -R for TSan)."""
-
-    def __init__(self, exe, env, prefix):
-        self.errfile = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(
-            [*prefix, str(exe)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.errfile,
-            env=env,
-            text=True,
-            bufsize=1,
-        )
-        self.env = env
-        self.pid = self.proc.pid
-
-
 def _run_sanitized(vmm_app, env, ctl, chunk_files, prefix=()):
-    c = _Prefixed(vmm_app, env, prefix)
+    c = App(vmm_app, env, prefix)
     try:
         try:
             _pipeline_scenario(c, ctl, chunk_files)
