@@ -436,15 +436,24 @@ void cui_ensure_context(const CUmemAllocationProp *prop) {
   (void)cui_set_device_context(ordinal);
 }
 
+/* The primary context the shim retained for each device ordinal, retained once per process and
+ * kept (a retain per op, or per chunk when the copies alternate between GPUs, would raise the
+ * context's reference count without end; cuDevicePrimaryCtxRetain, driver API docs). Only the
+ * control worker sets contexts; the atomics keep a stray caller from reading a torn pointer. */
+static CUcontext g_primary[CUI_MC_MAX_DEVICES];
+
 CUresult cui_set_device_context(int ordinal) {
   cui_fn_cuDeviceGet devget = REAL(cuDeviceGet);
   cui_fn_cuDevicePrimaryCtxRetain pretain = REAL(cuDevicePrimaryCtxRetain);
   cui_fn_cuCtxSetCurrent set = REAL(cuCtxSetCurrent);
   if (!devget || !pretain || !set) return CUDA_ERROR_NOT_INITIALIZED;
-  CUdevice dev;
-  CUcontext ctx;
+  int cached = ordinal >= 0 && ordinal < CUI_MC_MAX_DEVICES;
+  CUcontext ctx = cached ? __atomic_load_n(&g_primary[ordinal], __ATOMIC_ACQUIRE) : NULL;
+  if (ctx && set(ctx) == CUDA_SUCCESS) return CUDA_SUCCESS;
+  CUdevice dev;   /* none yet, or the kept one no longer works: retain (again) */
   CUresult r = devget(&dev, ordinal);
-  if (r == CUDA_SUCCESS) r = pretain(&ctx, dev);   /* kept: the worker reuses it */
+  if (r == CUDA_SUCCESS) r = pretain(&ctx, dev);
+  if (r == CUDA_SUCCESS && cached) __atomic_store_n(&g_primary[ordinal], ctx, __ATOMIC_RELEASE);
   if (r == CUDA_SUCCESS) r = set(ctx);
   return r;
 }

@@ -215,7 +215,7 @@ CUI_HIDDEN CUresult cui_alloc_driver_handle(struct cui_alloc *a, CUmemGenericAll
  * current already (a copy to or from VMM memory runs on the current context's device, which
  * needs access to the mapping: a process may own allocations on several GPUs); for a
  * host-located one, device 0's when none is current. cui_set_device_context: the primary
- * context of `ordinal`. */
+ * context of `ordinal`, retained once per process and kept (state.c g_primary). */
 CUI_HIDDEN void cui_ensure_context(const CUmemAllocationProp *prop);
 CUI_HIDDEN CUresult cui_set_device_context(int ordinal);
 

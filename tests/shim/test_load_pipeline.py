@@ -504,11 +504,14 @@ def test_cumemcreate_fails_for_the_middle_allocation(ipc_app, shim_env, ctl, chu
 # --------------------------------------------------------------------------- two devices
 
 
-def test_two_devices_in_one_process(apps, ctl):
+def test_two_devices_in_one_process(apps, ctl, chunk_files, fake_log):
     """One process driving two GPUs: a shared allocation on device 0 (device 0 current), then
     one on device 1 (device 1 current), each accessible from its own device only. The control
     worker makes each allocation's device current for its copies (cui_ensure_context), so the
-    cycle brings both back (before: CUDA_ERROR_ILLEGAL_ADDRESS at SAVE's cuMemcpyDtoH)."""
+    cycle brings both back (before: CUDA_ERROR_ILLEGAL_ADDRESS at SAVE's cuMemcpyDtoH). With
+    64 KiB chunks and three readers the two allocations' chunks interleave in LOAD, yet the
+    shim retains each device's primary context once (state.c g_primary), not per switch."""
+    chunk_files.chunk_bytes, chunk_files.staging_bytes, chunk_files.writers = CB, 4 * CB, 3
     c = apps()
     c.ok("init 0")
     a = _alloc(c, 2 * GRAN, 71)
@@ -519,8 +522,13 @@ def test_two_devices_in_one_process(apps, ctl):
     c.ok(f"access {b} {2 * GRAN} 1 {RW}")
     c.ok(f"fill {b} {2 * GRAN} 72")
     c.val(f"export {h}")
+    mark = fake_log.mark()
     _save_prepare(ctl, c)
     _load_restore(ctl, c, 3, 4 * GRAN)
+    calls = fake_log.calls(c.pid, since=mark)
+    assert sum(fn == "cuMemcpyHtoD_v2" for fn, _, _ in calls) == 2 * (2 * GRAN // CB)
+    retained = [a["dev"] for fn, a, _ in calls if fn == "cuDevicePrimaryCtxRetain"]
+    assert sorted(retained) == ["0", "1"], retained
     c.ok(f"check {b} {2 * GRAN} 72")
     c.ok("init 0")
     c.ok(f"check {a} {2 * GRAN} 71")
