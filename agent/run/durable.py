@@ -246,9 +246,17 @@ class ChunkProgress:
     phase succeeded (every chunk written, or skipped as zero)."""
 
     def __init__(
-        self, rep: Reporter, name: str, images_dir, *, mode: str = "write", pids=(), packs=None
+        self,
+        rep: Reporter,
+        name: str,
+        images_dir,
+        *,
+        mode: str = "write",
+        pids=(),
+        packs=None,
+        prefix: str = "",
     ):
-        self.rep, self.name, self.mode = rep, name, mode
+        self.rep, self.name, self.mode, self.prefix = rep, name, mode, prefix
         self.dir = pathlib.Path(images_dir) / CHUNKS_DIR
         #: a capture of the chunk store: (packs directory, the names of its streams' packs
         #: or the prefix they start with); the streams are those files, not DIR/chunks/
@@ -258,6 +266,7 @@ class ChunkProgress:
         self.pids = list(pids)
         self.row: Optional[Phase] = None
         self.t0 = time.monotonic_ns()
+        self.n0 = len(rep.phases)  # rows before this step's: never its own
         self.rchar0 = {p: _rchar(p) for p in self.pids} if mode == "read" else {}
 
     def measure(self) -> tuple[int, int]:
@@ -270,6 +279,8 @@ class ChunkProgress:
         for e in entries:
             if self.packs is not None and not _is_stream(e.name, self.packs[1]):
                 continue  # another snapshot's pack
+            if self.packs is None and not e.name.startswith(self.prefix):
+                continue  # another step's streams (SAVE's shared-*, GPU storage's gpu-*)
             try:
                 st = e.stat(follow_symlinks=False)
             except OSError:
@@ -284,11 +295,19 @@ class ChunkProgress:
         return min(read, size if self.packs is not None else alloc), size
 
     def _target(self) -> Phase:
-        if self.row is None:
-            last = self.rep.phases[-1] if self.rep.phases else None
-            if last is not None and last.name == self.name and last.status == "running":
-                self.row = last
-            else:
+        """The step's own row of this name once the reporter has one (added since this poller
+        started: the coordinator records its phase rows as they end), else a transient
+        row; a transient row gives way to the real one as soon as that exists, so the
+        table never shows both."""
+        if self.row is None or getattr(self.row, "transient", False):
+            rows = self.rep.phases
+            last = rows[-1] if rows else None
+            real = next((p for p in reversed(rows[self.n0 :]) if p.name == self.name), None)
+            if real is None and last is not None and last.name == self.name:
+                real = last if last.status == "running" else None  # the step's own, open row
+            if real is not None:
+                self.row = real
+            elif self.row is None:
                 self.row = Phase(name=self.name, start_ns=self.t0)
                 self.row.transient = True
         return self.row
@@ -339,12 +358,14 @@ def _rchar(pid: int) -> int:
     return -1
 
 
-#: (sequence KIND, step name) -> (row name, mode) of the steps that move chunk bytes
+#: (sequence KIND, step name) -> (row name, mode, the name prefix of the step's own stream
+#: files under chunks/: the shim carriers' "shared-", GPU storage's "gpu-") of the steps that
+#: move chunk bytes
 POLLED = {
-    ("checkpoint", "capture"): ("SAVE_ALLOCATIONS", "write"),
-    ("checkpoint", "native checkpoint"): ("native checkpoint", "write"),
-    ("restore", "restore shared"): ("LOAD_ALLOCATIONS", "read"),
-    ("restore", "native restore"): ("native restore", "read"),
+    ("checkpoint", "capture"): ("SAVE_ALLOCATIONS", "write", "shared-"),
+    ("checkpoint", "native checkpoint"): ("native checkpoint", "write", "gpu-"),
+    ("restore", "restore shared"): ("LOAD_ALLOCATIONS", "read", "shared-"),
+    ("restore", "native restore"): ("native restore", "read", "gpu-"),
 }
 #: seconds between two polls
 POLL_EVERY_S = 0.2
@@ -365,7 +386,9 @@ def polled(run, step_name: str):
     packs = (
         _store_packs(run, what[1]) if what[0] in ("SAVE_ALLOCATIONS", "LOAD_ALLOCATIONS") else None
     )
-    poller = ChunkProgress(run.r, what[0], run.images_dir, mode=what[1], pids=pids, packs=packs)
+    poller = ChunkProgress(
+        run.r, what[0], run.images_dir, mode=what[1], pids=pids, packs=packs, prefix=what[2]
+    )
     stop = threading.Event()
 
     def loop():

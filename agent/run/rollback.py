@@ -124,10 +124,14 @@ class Rollback:
             res = self.coordinator.rollback(self.capture)
         except Exception as e:
             raise as_agent_error(e, "rollback") from e
-        found = getattr(res, "found", None)
-        if found:  # case 006: what state each process was in, and so what was undone
+        found = getattr(res, "found", None) or {}
+        rebuilt = native_phase == "native restore"  # after a successful --leave-running dump
+        if found and not (rebuilt and set(found.values()) == {"PREPARED"}):
+            # case 006: what state each process was in, and so what was undone (a rebuild
+            # after --leave-running finds every shim PREPARED: only another phase is news)
             self.r.note(
-                "rollback: shims found in "
+                ("rebuild after the dump" if rebuilt else "rollback")
+                + ": shims found in "
                 + ", ".join(f"pid {p} {ph}" for p, ph in sorted(found.items()))
                 + "; each brought back to ACTIVE, topology equal to the capture"
             )

@@ -346,6 +346,30 @@ def test_a_running_row_of_the_polled_name_gets_the_progress(tmp_path):
     assert poller.row is ph and (ph.bytes, ph.total_bytes) == (CHUNK, CHUNK)
 
 
+def test_the_poller_counts_only_its_steps_streams_and_gives_way_to_the_real_row(tmp_path):
+    """Helper review, stop 21: a step shorter than one poll showed its row twice (the
+    coordinator's SAVE_ALLOCATIONS row, then the poller's transient one from its last poll),
+    and "native checkpoint" got the shim carriers' bytes. Each poller counts its own prefix
+    (POLLED) and reports into the real row once the reporter has one."""
+    d = tmp_path / "chunks"
+    d.mkdir()
+    (d / f"shared-1-{ALLOC}.bin").write_bytes(b"\x07" * CHUNK)
+    rep = Reporter()
+    events = []
+    rep.sinks.append(lambda ev, ph: events.append((ev, ph.name, id(ph))))
+    native = durable.ChunkProgress(rep, "native checkpoint", tmp_path, prefix="gpu-")
+    assert native.measure() == (0, 0)  # the carriers' file is SAVE's, not the native step's
+    save = durable.ChunkProgress(rep, "SAVE_ALLOCATIONS", tmp_path, prefix="shared-")
+    rep.record("INSPECT", 1000)
+    real = rep.record("SAVE_ALLOCATIONS", 2000, CHUNK)  # the coordinator's row, at its end
+    save.close(ok=True)
+    assert save.row is real and (real.bytes, real.total_bytes) == (CHUNK, CHUNK)
+    assert [p.name for p in rep.phases] == ["INSPECT", "SAVE_ALLOCATIONS"]
+    assert {i for ev, n, i in events if n == "SAVE_ALLOCATIONS"} == {id(real)}
+    assert durable.POLLED[("checkpoint", "capture")][2] == "shared-"
+    assert durable.POLLED[("checkpoint", "native checkpoint")][2] == "gpu-"
+
+
 def test_restore_verify_is_its_own_phase_with_progress(tmp_path):
     snap = tmp_path / "snap"
     d = manifest_mod.criu_dir(snap, 5)

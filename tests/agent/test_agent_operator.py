@@ -407,6 +407,9 @@ def test_leave_running_names_its_native_step_native_restore(world, tmp_path, mon
         "resume",  # the .resume files (--leave-running): a row too, so every second has one
     ]
     assert "rollback native" not in names
+    # a successful dump finds every shim PREPARED, as planned: no "rollback:" note (helper
+    # review, stop 21: an operator read it as a failed checkpoint)
+    assert [n for n in rep.notes if "shims found in" in n] == []
 
 
 def test_the_table_ends_with_a_total_row(capsys):
