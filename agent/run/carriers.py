@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import shutil
 
 from cuinterpose.agent.errors import AgentError
@@ -169,6 +170,29 @@ def restore_files(images_dir, manifest: dict, **kw) -> CarrierFiles:
         files.names[key] = str(st["pack"])
         files.refs[key] = {int(i): (str(n), int(o)) for i, n, o in st.get("refs") or []}
     return files
+
+
+_BAD_CHUNK = re.compile(r"allocation ([0-9a-f]{32}): chunk (\d+) of its chunk file ")
+
+
+def bad_chunk_where(message: str, manifest: dict) -> str:
+    """Where on disk the chunk a LOAD_ALLOCATIONS refusal names (its shim message: "allocation
+    <32 hex>: chunk <k> of its chunk file has checksum ...") lies: ``"; the chunk is bytes
+    O..O+N-1 of chunks/shared-P-A.bin in the snapshot directory"`` from the manifest's
+    ``chunks`` streams; "" when the message names no such chunk or the manifest has no file
+    for it (a chunk store's pack is named by the shim's own message)."""
+    m = _BAD_CHUNK.search(message or "")
+    ch = (manifest or {}).get("chunks") or {}
+    if not m or not ch.get("chunk_bytes"):
+        return ""
+    aid, k, cb = m.group(1), int(m.group(2)), int(ch["chunk_bytes"])
+    for s in ch.get("streams") or []:
+        if s.get("alloc_id") == aid and s.get("file"):
+            end = min((k + 1) * cb, int(s.get("bytes", (k + 1) * cb)))
+            return (
+                f"; the chunk is bytes {k * cb}..{end - 1} of {s['file']} in the snapshot directory"
+            )
+    return ""
 
 
 def release(files, *, keep_pin: bool = False) -> None:

@@ -442,7 +442,11 @@ class Restore(StepRunner):
             capture = phases.Capture.from_dict(self.m["capture"])
             self.restore_result = coord.restore(capture, device_map=self.gpu_map)
         except Exception as e:
-            raise as_agent_error(e, "restore shared") from e
+            err = as_agent_error(e, "restore shared")
+            where = carriers.bad_chunk_where(err.reason, self.m)  # the file, for the operator
+            if where:
+                err = AgentError(err.phase, err.reason + where, pid=err.pid, outcome=err.outcome)
+            raise err from e
         finally:
             carriers.release(coord.carriers)  # the chunk store's shared lock, if any
 

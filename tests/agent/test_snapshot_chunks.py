@@ -119,3 +119,32 @@ def test_normalize_lifts_the_capture_chunks(tmp_path):
     chunks.normalize(m)
     assert m["chunks"] == {"chunk_bytes": CB, "checksum": "blake2b-256", "streams": []}
     assert m["capture"]["chunks"] == m["chunks"]
+
+
+def test_bad_chunk_where_names_the_file_and_the_byte_range():
+    from cuinterpose.agent.run.carriers import bad_chunk_where
+
+    aid = "ab" * 16
+    m = {
+        "chunks": {
+            "chunk_bytes": 65536,
+            "streams": [
+                {"alloc_id": "cd" * 16, "file": "chunks/shared-7-" + "cd" * 16 + ".bin"},
+                {"alloc_id": aid, "file": f"chunks/shared-7-{aid}.bin", "bytes": 3 * 65536 + 10},
+            ],
+        }
+    }
+    msg = f"pid 7 allocation {aid}: chunk 3 of its chunk file has checksum sha256 00, recorded 11"
+    assert bad_chunk_where(msg, m) == (
+        f"; the chunk is bytes 196608..196617 of chunks/shared-7-{aid}.bin in the snapshot "
+        "directory"
+    )
+    assert bad_chunk_where(msg.replace("chunk 3", "chunk 1"), m).startswith(
+        "; the chunk is bytes 65536..131071 of"
+    )
+    # a chunk store source is named by the shim itself; other messages get nothing
+    assert (
+        bad_chunk_where(f"allocation {aid}: chunk 3 of chunk store source 0 at offset 0", m) == ""
+    )
+    assert bad_chunk_where("LOAD_ALLOCATIONS: pid 7: out of memory", m) == ""
+    assert bad_chunk_where(msg, {"chunks": {"chunk_bytes": 65536, "streams": []}}) == ""
