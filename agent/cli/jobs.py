@@ -106,16 +106,16 @@ def _use_native_backend(kind) -> None:
     "--chunk-bytes",
     type=BytesType(64 << 10, 1 << 30),
     default=None,
-    help="chunk size of the shared carriers' chunk files, a power of two, in bytes or with "
-    "KiB/MiB/GiB (8MiB) [default: 8 MiB, "
+    help="chunk size of the shared carriers' chunk files, a power of two from 64 KiB to 1 GiB, "
+    "in bytes or with KiB/MiB/GiB (8MiB) [default: 8 MiB, "
     "or $CUINTERPOSE_CHUNK_BYTES].",
 )
 @click.option(
     "--staging-bytes",
     type=BytesType(64 << 10),
     default=None,
-    help="staging ring per process for the chunk writers, in bytes or with KiB/MiB/GiB "
-    "[default: 64 MiB, or "
+    help="staging ring per process for the chunk writers, at least the chunk size and at most "
+    "64 GiB, in bytes or with KiB/MiB/GiB [default: 64 MiB, or "
     "$CUINTERPOSE_STAGING_BYTES].",
 )
 @click.option(

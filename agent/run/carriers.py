@@ -67,25 +67,33 @@ def node_checksum(cpuinfo: str = "/proc/cpuinfo", machine: str | None = None) ->
     return "sha256" if {"sha_ni", "ssse3", "sse4_1"} <= set(flags) else DEFAULT_CHUNK_CHECKSUM
 
 
+#: the phase of a bad carrier setting (an option, an environment variable, a request field)
+SETTINGS_PHASE = "carrier settings"
+
+
 def settings(chunk_bytes=None, staging_bytes=None, writers=None, checksum=None) -> dict:
     """{"chunk_bytes", "staging_bytes", "writers", "checksum"}: each the argument, else its
     environment variable, else the default (``checksum``: :func:`node_checksum`). Raises
-    AgentError (phase "images dir") naming a bad value and where it came from."""
+    AgentError (phase :data:`SETTINGS_PHASE`) naming each bad value and where it came from
+    (``--staging-bytes``, ``CUINTERPOSE_STAGING_BYTES``, or the default), against protocol.h's
+    limits: chunk_bytes a power of two from 64 KiB to 1 GiB, chunk_bytes <= staging_bytes <=
+    64 GiB (the ring holds whole chunks), 1..64 writers."""
     given = {"chunk_bytes": chunk_bytes, "staging_bytes": staging_bytes, "writers": writers}
-    out = {}
+    out, names = {}, {}
     for k, v in given.items():
         where = f"--{k.replace('_', '-')}"
         if v is None and os.environ.get(ENV[k]):
             v, where = os.environ[ENV[k]], ENV[k]
+        names[k] = where if v is not None else f"{where} (the default)"
         try:
             out[k] = DEFAULTS[k] if v is None else (int(v) if k == "writers" else parse_bytes(v))
         except ValueError as e:  # parse_bytes names the text: "'8MB' is not a byte count: ..."
             why = f"{where}={v!r} is not an integer" if k == "writers" else f"{where}={e}"
-            raise AgentError("images dir", why) from None
+            raise AgentError(SETTINGS_PHASE, why) from None
     try:
-        check_carrier_params(out["chunk_bytes"], out["staging_bytes"], out["writers"])
+        check_carrier_params(out["chunk_bytes"], out["staging_bytes"], out["writers"], names)
     except ValueError as e:
-        raise AgentError("images dir", f"carrier chunk files: {e}") from None
+        raise AgentError(SETTINGS_PHASE, str(e)) from None
     where = "the snapshot's chunks.checksum"
     if checksum is None and os.environ.get(ENV["checksum"]):
         checksum, where = os.environ[ENV["checksum"]], ENV["checksum"]
@@ -93,7 +101,7 @@ def settings(chunk_bytes=None, staging_bytes=None, writers=None, checksum=None) 
     try:
         chunk_checksum_flag(out["checksum"])
     except ValueError as e:
-        raise AgentError("images dir", f"carrier chunk files: {where}: {e}") from None
+        raise AgentError(SETTINGS_PHASE, f"{where}: {e}") from None
     return out
 
 

@@ -117,21 +117,27 @@ _SOURCE = struct.Struct(FORMATS["cui_source_entry"])
 _REF = struct.Struct(FORMATS["cui_chunk_ref"])
 
 
-def check_carrier_params(chunk_bytes: int, staging_bytes: int, writers: int) -> None:
+def check_carrier_params(
+    chunk_bytes: int, staging_bytes: int, writers: int, names: dict | None = None
+) -> None:
     """Raise ValueError naming the bad value unless protocol.h's limits hold: chunk_bytes a
-    power of two in [64 KiB, 1 GiB], chunk_bytes <= staging_bytes <= 64 GiB, 1..64 writers."""
-    cb = int(chunk_bytes)
+    power of two in [64 KiB, 1 GiB], chunk_bytes <= staging_bytes <= 64 GiB (the ring holds
+    whole chunks), 1..64 writers. ``names``: how the caller's user spells each of the three
+    keys (e.g. ``{"staging_bytes": "--staging-bytes (the default)"}``); default the keys."""
+    n = {k: k for k in ("chunk_bytes", "staging_bytes", "writers")} | (names or {})
+    cb, sb = int(chunk_bytes), int(staging_bytes)
     if cb < CUI_CHUNK_MIN or cb > CUI_CHUNK_MAX or cb & (cb - 1):
         raise ValueError(
-            f"chunk_bytes {cb} must be a power of two from {CUI_CHUNK_MIN} to {CUI_CHUNK_MAX} bytes"
+            f"{n['chunk_bytes']} {cb} must be a power of two from {CUI_CHUNK_MIN} to "
+            f"{CUI_CHUNK_MAX} bytes (64 KiB to 1 GiB)"
         )
-    if not cb <= int(staging_bytes) <= CUI_STAGING_MAX:
+    if not cb <= sb <= CUI_STAGING_MAX:
         raise ValueError(
-            f"staging_bytes {staging_bytes} must be at least chunk_bytes ({cb}) and at most "
-            f"{CUI_STAGING_MAX} bytes"
+            f"{n['staging_bytes']} {sb} must be at least {n['chunk_bytes']} ({cb}: the staging "
+            f"ring holds whole chunks) and at most {CUI_STAGING_MAX} bytes (64 GiB)"
         )
     if not 1 <= int(writers) <= CUI_WRITERS_MAX:
-        raise ValueError(f"writers {writers} must be 1..{CUI_WRITERS_MAX}")
+        raise ValueError(f"{n['writers']} {writers} must be 1..{CUI_WRITERS_MAX}")
 
 
 @dataclass(frozen=True)

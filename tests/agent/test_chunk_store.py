@@ -260,8 +260,8 @@ def test_the_chunk_checksum_comes_from_the_cpu_the_environment_or_the_snapshot(
     monkeypatch.setenv("CUINTERPOSE_CHUNK_CHECKSUM", "md5")
     with pytest.raises(AgentError) as e:
         carriers.settings()
-    assert str(e.value).endswith(
-        "carrier chunk files: CUINTERPOSE_CHUNK_CHECKSUM: chunk checksum 'md5' is not one of "
+    assert str(e.value) == (
+        "carrier settings: CUINTERPOSE_CHUNK_CHECKSUM: chunk checksum 'md5' is not one of "
         "['blake2b-256', 'sha256']"
     )
     # a restore reads with the snapshot's checksum, whatever the node or the environment says

@@ -99,7 +99,7 @@ def test_the_carrier_settings_read_units_from_the_environment(monkeypatch):
     with pytest.raises(AgentError) as e:
         carriers.settings(checksum="sha256")
     assert (e.value.phase, e.value.reason) == (
-        "images dir",
+        "carrier settings",
         "CUINTERPOSE_STAGING_BYTES='8MB' is not a byte count: MB is ambiguous (10^3 or 2^10?): "
         "write MiB or bytes",
     )
@@ -116,3 +116,31 @@ def test_checkpoint_takes_a_unit_on_the_command_line():
     r = CliRunner().invoke(main, ["checkpoint", "--staging-bytes", "8MB", "1"])
     assert r.exit_code == 2
     assert "'8MB' is not a byte count: MB is ambiguous" in r.output
+
+
+def test_conflicting_sizes_name_each_value_and_where_it_came_from(monkeypatch):
+    """Helper review, stop 21: --chunk-bytes 1GiB alone failed as "images dir: staging_bytes
+    67108864 must be at least chunk_bytes", naming neither option."""
+    from cuinterpose.agent.errors import AgentError
+    from cuinterpose.agent.run import carriers
+
+    for k in ("CUINTERPOSE_CHUNK_BYTES", "CUINTERPOSE_STAGING_BYTES", "CUINTERPOSE_WRITERS"):
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(AgentError) as e:
+        carriers.settings(chunk_bytes=1 << 30, checksum="sha256")
+    assert str(e.value) == (
+        "carrier settings: --staging-bytes (the default) 67108864 must be at least --chunk-bytes "
+        "(1073741824: the staging ring holds whole chunks) and at most 68719476736 bytes (64 GiB)"
+    )
+    monkeypatch.setenv("CUINTERPOSE_STAGING_BYTES", "1MiB")
+    with pytest.raises(AgentError) as e:
+        carriers.settings(checksum="sha256")
+    assert e.value.reason.startswith(
+        "CUINTERPOSE_STAGING_BYTES 1048576 must be at least --chunk-bytes (the default) (8388608:"
+    )
+    with pytest.raises(AgentError) as e:
+        carriers.settings(chunk_bytes="3MiB", staging_bytes="64MiB", checksum="sha256")
+    assert e.value.reason == (
+        "--chunk-bytes 3145728 must be a power of two from 65536 to 1073741824 bytes "
+        "(64 KiB to 1 GiB)"
+    )
