@@ -115,7 +115,15 @@ def run_checks(*, driver=None, control_dir=None, native_backend=None) -> list[di
         why = socket_dir_problem(d)
         if why:
             raise RuntimeError(why)
-        ctldir.ensure(d)  # created 0700; refused when not trusted
+        if not os.path.lexists(d):  # a diagnostic changes nothing: say what a checkpoint does
+            parent = next(p for p in d.absolute().parents if p.exists())
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise RuntimeError(f"{d} does not exist, and {parent} is not writable to create it")
+            return (
+                f"{d} does not exist: no shim has bound a socket there yet (a shim creates it, "
+                f"0700, at its cuInit; so does a restore); {parent} is writable"
+            )
+        ctldir.check(d)  # refused when not trusted
         with tempfile.NamedTemporaryFile(dir=d, prefix=".doctor-"):
             pass
         return f"{d} writable"

@@ -147,7 +147,14 @@ def test_doctor_lines_are_not_wrapped_when_stdout_is_not_a_tty(tmp_path):
     s = ShimFile.of(paths.shim_path())
     lines = res.stdout.splitlines()
     assert f"ok   shim: {s.path} sha256 {s.sha256}" in lines
-    assert f"ok   control dir: {tmp_path / 'ctl'} writable" in lines
+    # a diagnostic creates nothing (helper review, stop 21: it made the directory it checked)
+    assert f"ok   control dir: {tmp_path / 'ctl'} does not exist: no shim has bound a socket " in (
+        "\n".join(lines)
+    )
+    assert not (tmp_path / "ctl").exists()
+    (tmp_path / "ctl").mkdir(mode=0o700)
+    res = subprocess.run(res.args, capture_output=True, text=True, env=env, timeout=120)
+    assert f"ok   control dir: {tmp_path / 'ctl'} writable" in res.stdout.splitlines()
     assert lines[0] == (
         "FAIL criu version: no working CRIU; install one with `make criu` (bash "
         "scripts/install-criu.sh):"
