@@ -41,6 +41,7 @@ def fail(e: AgentError, as_json: bool, extra: dict | None = None, command: str =
             "restore": "nothing was changed; the snapshot is untouched",
             "inspect": "nothing was changed (INSPECT is read-only)",
             "snapshots": "nothing was changed (read-only)",
+            "delete": "nothing was removed",
             "serve": "the agent did not start",
         }.get(command, "")
         hint = {

@@ -440,8 +440,12 @@ def delete(images_dir) -> dict:
     AgentError (nothing removed) when ``images_dir`` is not a snapshot, the lock is not free
     or the store cannot be collected."""
     d = pathlib.Path(os.path.abspath(images_dir))
+    if not os.path.lexists(d):
+        raise AgentError("delete", f"{d} does not exist; nothing removed")
+    if not d.is_dir() or d.is_symlink():
+        raise AgentError("delete", f"{d} is not a snapshot directory; nothing removed")
     if not (d / MANIFEST_NAME).is_file() or (d / MANIFEST_NAME).is_symlink():
-        raise AgentError(PHASE, f"{d} holds no manifest.json: not a snapshot; nothing removed")
+        raise AgentError("delete", f"{d} holds no manifest.json: not a snapshot; nothing removed")
     root = d.parent
     if not os.path.lexists(root / STORE_DIR):  # no chunk store: nothing refers to its bytes
         _remove(d)

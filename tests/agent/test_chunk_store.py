@@ -154,10 +154,18 @@ def test_collect_keeps_used_ranges_zeroes_the_rest_and_unlinks_orphans(tmp_path)
 
 def test_delete_refuses_a_non_snapshot_and_waits_for_the_lock_at_most_its_deadline(tmp_path):
     p1, p2, (d1, _, _), _ = _two(tmp_path)
-    with pytest.raises(
-        AgentError, match=r"holds no manifest.json: not a snapshot; nothing removed"
-    ):
+    with pytest.raises(AgentError) as e:
         store.delete(tmp_path / "nope")
+    assert str(e.value) == f"delete: {tmp_path / 'nope'} does not exist; nothing removed"
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(AgentError) as e:
+        store.delete(tmp_path / "plain")
+    assert str(e.value) == (
+        f"delete: {tmp_path / 'plain'} holds no manifest.json: not a snapshot; nothing removed"
+    )
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(AgentError, match=r"afile is not a snapshot directory; nothing removed$"):
+        store.delete(tmp_path / "afile")
     held = store.Lock(tmp_path, exclusive=False)  # a checkpoint of this root is running
     try:
         with pytest.raises(AgentError, match=r"was not free for an exclusive lock within 0.1 s"):
