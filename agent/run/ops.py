@@ -22,6 +22,14 @@ from cuinterpose.agent.run.steps import unexpected
 from cuinterpose.agent.snapshot import manifest as manifest_mod
 
 
+def _failed_total(rep: Reporter) -> None:
+    """A run that stopped still ends its table with a total that is the sum of its rows
+    (docs/agent.md: every second belongs to a row; without it the live table showed its own
+    wall time, start-up included)."""
+    if rep.phases:
+        rep.total(rep.covered_ns(), "stopped: see the error")
+
+
 def checkpoint(rep: Reporter, roots, images_dir, **kw) -> tuple[dict, dict]:
     """Checkpoint ``roots`` into ``images_dir`` (``kw``: ``Checkpoint``'s options). Returns
     (the CLI's JSON object, the manifest dict)."""
@@ -31,6 +39,7 @@ def checkpoint(rep: Reporter, roots, images_dir, **kw) -> tuple[dict, dict]:
     try:
         m = cp.run()
     except AgentError:
+        _failed_total(rep)
         raise
     except Exception as e:
         raise unexpected(
@@ -65,6 +74,7 @@ def restore(rep: Reporter, images_dir, **kw) -> dict:
     try:
         res = rs.run()
     except AgentError:
+        _failed_total(rep)
         raise
     except Exception as e:
         raise unexpected(rep, e, "restore", prefix="unexpected ", outcome="restore_failed") from e

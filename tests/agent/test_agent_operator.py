@@ -412,6 +412,19 @@ def test_leave_running_names_its_native_step_native_restore(world, tmp_path, mon
     assert [n for n in rep.notes if "shims found in" in n] == []
 
 
+def test_a_refused_run_ends_with_a_total_that_is_the_sum_of_its_rows(world, tmp_path):
+    """Helper review, stop 21: a refused checkpoint's table showed the sink's own wall time."""
+    from cuinterpose.agent.errors import AgentError
+    from cuinterpose.agent.run import ops
+
+    totals = []
+    rep = Reporter([lambda ev, ph: ev == "total" and totals.append((ph.elapsed_ns, ph.detail))])
+    with pytest.raises(AgentError):
+        ops.checkpoint(rep, [999999], tmp_path / "snap", control_dir=world.ctl)
+    assert [p.status for p in rep.phases][-1] == "failed"
+    assert totals == [(sum(p.elapsed_ns for p in rep.phases), "stopped: see the error")]
+
+
 def test_the_table_ends_with_a_total_row(capsys):
     sink = RichSink("checkpoint")
     rep = Reporter([sink])

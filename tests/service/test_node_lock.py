@@ -111,6 +111,7 @@ def test_a_grpc_checkpoint_waits_for_a_pod_request_and_both_are_counted(server, 
         (3, "driver", "end"),
         (4, "census", "start"),
         (5, "census", "end"),
+        (6, "total", "total"),  # a stopped run's total too: the sum of its rows
     ]
     assert (rest[-1].result.ok, rest[-1].result.error.phase) == (False, "census")
     m = samples(server)

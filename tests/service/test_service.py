@@ -103,8 +103,9 @@ def test_checkpoint_refusal_through_the_agent_equals_in_process_and_is_counted(d
 
 
 def test_progress_stream_numbers_events_and_ends_with_the_result(daemon, tmp_path):
-    """A census refusal (this test process maps no shim): driver and census rows, then the
-    result, seq 1..5; the metrics count the phases and the failed request."""
+    """A census refusal (this test process maps no shim): driver and census rows, the total
+    (the rows' sum), then the result, seq 1..6; the metrics count the phases and the failed
+    request."""
     a = daemon("n1", "--metrics-port", "0", "--driver", "fake")
     apb, agrpc, _ = pb.modules()
     req = apb.CheckpointRequest(
@@ -115,14 +116,16 @@ def test_progress_stream_numbers_events_and_ends_with_the_result(daemon, tmp_pat
     ch = client.channel(a["listen"])
     evs = list(agrpc.AgentStub(ch).Checkpoint(req, timeout=60))
     ch.close()
-    assert [e.seq for e in evs] == [1, 2, 3, 4, 5]
-    assert [e.WhichOneof("kind") for e in evs] == ["progress"] * 4 + ["result"]
-    assert [(e.progress.event, e.progress.phase, e.progress.status) for e in evs[:4]] == [
+    assert [e.seq for e in evs] == [1, 2, 3, 4, 5, 6]
+    assert [e.WhichOneof("kind") for e in evs] == ["progress"] * 5 + ["result"]
+    assert [(e.progress.event, e.progress.phase, e.progress.status) for e in evs[:5]] == [
         ("start", "driver", "running"),
         ("end", "driver", "ok"),
         ("start", "census", "running"),
         ("end", "census", "failed"),
+        ("total", "total", "ok"),
     ]
+    assert evs[4].progress.elapsed_ns == evs[1].progress.elapsed_ns + evs[3].progress.elapsed_ns
     res = evs[-1].result
     assert (res.ok, res.error.phase, res.error.outcome) == (False, "census", "refused")
     assert [(p.name, p.status) for p in res.phases] == [("driver", "ok"), ("census", "failed")]
