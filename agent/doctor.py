@@ -28,7 +28,8 @@ def _check(name, fn) -> dict:
         detail = fn()
         return {"name": name, "ok": True, "detail": detail}
     except Exception as e:
-        return {"name": name, "ok": False, "detail": str(e)}
+        why = str(e)
+        return {"name": name, "ok": False, "detail": why.removeprefix(f"{name}: ")}
 
 
 def run_checks(*, driver=None, control_dir=None, native_backend=None) -> list[dict]:
@@ -128,7 +129,7 @@ def run_checks(*, driver=None, control_dir=None, native_backend=None) -> list[di
             pass
         return f"{d} writable"
 
-    return [
+    rows = [
         _check("criu version", criu_version),
         _check("criu check", criu_check),
         _check("driver", drv),
@@ -137,6 +138,22 @@ def run_checks(*, driver=None, control_dir=None, native_backend=None) -> list[di
         _check("shim", shim),
         _check("control dir", ctl),
     ]
+    return _said_once(rows)
+
+
+def _said_once(rows: list[dict]) -> list[dict]:
+    """A failure another row already states in full (the driver's load error inside the
+    native backend's and the GPU storage's) is named by that row instead of repeated."""
+    for i, r in enumerate(rows):
+        for earlier in rows[:i]:
+            cause = earlier["detail"]
+            if r["ok"] or earlier["ok"] or len(cause) < 40 or r is earlier:
+                continue
+            for rest in (cause, cause.split(": ", 1)[-1]):
+                if len(rest) >= 40 and rest in r["detail"]:
+                    r["detail"] = r["detail"].replace(rest, f"see the {earlier['name']} line")
+                    break
+    return rows
 
 
 def render(checks: list[dict]) -> None:

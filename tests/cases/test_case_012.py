@@ -59,20 +59,36 @@ def test_checkpoint_inspect_and_release_refuse_an_untrusted_dir(bad_dir, tmp_pat
     assert os.listdir(d) == []  # nothing was written
 
 
-def test_doctor_refuses_an_untrusted_dir_and_creates_a_missing_one_0700(bad_dir, tmp_path):
+def test_doctor_refuses_an_untrusted_dir_and_leaves_a_missing_one_to_its_creators(
+    bad_dir, tmp_path
+):
+    """doctor made a missing dir 0755; it now creates nothing (a diagnostic changes nothing,
+    stop 21) and says who will: the shim at cuInit and the agent's restore (ctldir.ensure),
+    each making it 0700 whatever the umask."""
+    from cuinterpose.agent.mech import ctldir
+
     d, why = bad_dir
     rc, doc = demo.run_agent("doctor", "--control-dir", str(d))
     ctl = {c["name"]: c for c in doc["checks"]}["control dir"]
-    assert (ctl["ok"], ctl["detail"]) == (False, f"control dir: {why}")
+    assert (ctl["ok"], ctl["detail"]) == (False, why)
     fresh = tmp_path / "new" / "ctl"
+    rc, doc = demo.run_agent("doctor", "--control-dir", str(fresh))
+    ctl = {c["name"]: c for c in doc["checks"]}["control dir"]
+    assert (ctl["ok"], ctl["detail"]) == (
+        True,
+        f"{fresh} does not exist: no shim has bound a socket there yet (a shim creates it, "
+        f"0700, at its cuInit; so does a restore); {tmp_path} is writable",
+    )
+    assert not (tmp_path / "new").exists()
     old = os.umask(0)
     try:
-        rc, doc = demo.run_agent("doctor", "--control-dir", str(fresh))
+        ctldir.ensure(fresh)
     finally:
         os.umask(old)
+    assert stat.S_IMODE(os.stat(fresh).st_mode) == 0o700
+    rc, doc = demo.run_agent("doctor", "--control-dir", str(fresh))
     ctl = {c["name"]: c for c in doc["checks"]}["control dir"]
     assert (ctl["ok"], ctl["detail"]) == (True, f"{fresh} writable")
-    assert stat.S_IMODE(os.stat(fresh).st_mode) == 0o700
 
 
 def test_write_atomic_never_follows_a_planted_symlink(tmp_path):
