@@ -375,10 +375,11 @@ def _grpc_waits_then_sigterm(api, a, d, errlog, addr, snaps, w, sleeper):
         ("end", "driver", "ok"),
         ("start", "census", "running"),
         ("end", "census", "failed"),
+        ("total", "total", "ok"),  # a stopped run's total: the sum of its rows
     ]
     res = rest[-1].result
     assert (rest[-1].seq, res.ok, res.error.phase, res.error.outcome) == (
-        6,
+        7,
         False,
         "census",
         "refused",
