@@ -477,7 +477,7 @@ class Checkpoint(Rollback, StepRunner):
         ``.resume`` is the next step). From here on a group cannot be rolled back."""
         self.finishing = True
         if self.leave_running:
-            self.rebuild_state("native restore")
+            self.rebuild_state("native restore", after_dump=True)
         else:
             self.kill_dumped()
             quiesce.clear(self.control_dir, self.roots)

@@ -103,10 +103,11 @@ class Rollback:
         self.rebuild_state(native_phase)
         quiesce.resume(self.control_dir, self.roots, self.qid, restored=restored)
 
-    def rebuild_state(self, native_phase: str = "rollback native"):
+    def rebuild_state(self, native_phase: str = "rollback native", after_dump: bool = False):
         """:meth:`rebuild` without the final ``.resume`` (a group writes it only once every
         member is rebuilt). ``native_phase`` names the native step's row: "rollback native"
-        after a failure, "native restore" after a successful ``--leave-running`` dump."""
+        after a failure, "native restore" after a successful ``--leave-running`` dump
+        (``after_dump``: every shim is PREPARED by plan, so only another phase is noted)."""
         if self.stopped_roots:
             # first: a stopped process cannot answer the driver's checkpoint calls
             self.signal_trees(self.stopped_roots, signal.SIGCONT, "resume trees")
@@ -125,12 +126,10 @@ class Rollback:
         except Exception as e:
             raise as_agent_error(e, "rollback") from e
         found = getattr(res, "found", None) or {}
-        rebuilt = native_phase == "native restore"  # after a successful --leave-running dump
-        if found and not (rebuilt and set(found.values()) == {"PREPARED"}):
-            # case 006: what state each process was in, and so what was undone (a rebuild
-            # after --leave-running finds every shim PREPARED: only another phase is news)
+        if found and not (after_dump and set(found.values()) == {"PREPARED"}):
+            # case 006: what state each process was in, and so what was undone
             self.r.note(
-                ("rebuild after the dump" if rebuilt else "rollback")
+                ("rebuild after the dump" if after_dump else "rollback")
                 + ": shims found in "
                 + ", ".join(f"pid {p} {ph}" for p, ph in sorted(found.items()))
                 + "; each brought back to ACTIVE, topology equal to the capture"
