@@ -116,7 +116,7 @@ def run_checks(*, driver=None, control_dir=None, native_backend=None) -> list[di
         why = socket_dir_problem(d)
         if why:
             raise RuntimeError(why)
-        if not os.path.lexists(d):  # a diagnostic changes nothing: say what a checkpoint does
+        if not os.path.lexists(d):  # a diagnostic changes nothing: say who creates it
             parent = next(p for p in d.absolute().parents if p.exists())
             if not os.access(parent, os.W_OK | os.X_OK):
                 raise RuntimeError(f"{d} does not exist, and {parent} is not writable to create it")
@@ -147,7 +147,7 @@ def _said_once(rows: list[dict]) -> list[dict]:
     for i, r in enumerate(rows):
         for earlier in rows[:i]:
             cause = earlier["detail"]
-            if r["ok"] or earlier["ok"] or len(cause) < 40 or r is earlier:
+            if r["ok"] or earlier["ok"] or len(cause) < 40:
                 continue
             for rest in (cause, cause.split(": ", 1)[-1]):
                 if len(rest) >= 40 and rest in r["detail"]:
