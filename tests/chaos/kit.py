@@ -19,6 +19,7 @@ Every wait has a deadline that only catches a hang (``DEADLINE_S``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -54,6 +55,7 @@ def agent(*args: str, env: dict | None = None, timeout_s: float = DEADLINE_S, ho
     tests/chaos/agent_hook.py); returns (exit code, JSON or {"raw": ...}, stderr). Raises
     ``Hang`` past ``timeout_s`` (the agent is killed)."""
     e = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    e["PYTHONFAULTHANDLER"] = "1"  # SIGABRT at a hang prints every thread's stack
     e.update(env or {})
     p = subprocess.Popen(
         [sys.executable, *(HOOK if hook else ("-m", "cuinterpose.agent.cli")), *args, "--json"],
@@ -67,15 +69,39 @@ def agent(*args: str, env: dict | None = None, timeout_s: float = DEADLINE_S, ho
     try:
         out, err = p.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
+        tree = _process_group(p.pid)
+        os.kill(p.pid, signal.SIGABRT)  # faulthandler writes the stacks to stderr, then dies
+        try:
+            _, err = p.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            err = "(no stacks: the agent did not die on SIGABRT)"
+        with contextlib.suppress(ProcessLookupError):  # the whole group may be gone
+            os.killpg(p.pid, signal.SIGKILL)
         p.communicate()
         raise Hang(
-            f"cuinterpose-agent {' '.join(args)} still running after {timeout_s:g} s"
+            f"cuinterpose-agent {' '.join(args)} still running after {timeout_s:g} s\n"
+            f"its process group:\n{tree}\nits stderr (last 8000 chars):\n{(err or '')[-8000:]}"
         ) from None
     try:
         return p.returncode, json.loads(out), err
     except ValueError:
         return p.returncode, {"raw": out + err}, err
+
+
+def _process_group(pgid: int) -> str:
+    """pid, state, wchan and command of every process in group ``pgid`` (what a hang waits on)."""
+    rows = []
+    for d in pathlib.Path("/proc").iterdir():
+        try:
+            if not d.name.isdigit() or os.getpgid(int(d.name)) != pgid:
+                continue
+            state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            wchan = (d / "wchan").read_text()
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, IndexError):
+            continue
+        rows.append(f"  {d.name} {state} {wchan or '-'} {cmd[:200]}")
+    return "\n".join(rows) or "  (empty)"
 
 
 class Hang(AssertionError):
