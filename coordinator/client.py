@@ -6,6 +6,13 @@ and returns a :class:`Response`. A FETCH_FD reply's SCM_RIGHTS descriptor is ret
 ``Response.fd`` (the caller owns it; ``Response.close()`` or ``with`` closes it).
 
 ``timeout_s`` bounds the whole request (connect + send + every read), not each syscall.
+A request may be given a longer deadline than the client's (SAVE_ALLOCATIONS and
+LOAD_ALLOCATIONS get the carrier timeout, an hour by default), but a peer that is stopped
+(``/proc/PID/stat`` state T or t: SIGSTOP, a job-control stop, a debugger) cannot reply at
+all: while a reply is awaited the client looks at the peer's state every
+:data:`PEER_CHECK_S` and raises :class:`ShimTimeout` once the peer has stayed stopped for the
+client's ``timeout_s`` (shared/cases/001's kind: nothing waits on a stopped process past the
+phase timeout).
 
 SAVE_ALLOCATIONS and LOAD_ALLOCATIONS take ``carriers`` (:class:`CarrierRequest`: chunk_bytes,
 staging_bytes, writers and one (:class:`StreamEntry`, fd) per carried allocation; protocol.h
@@ -214,6 +221,21 @@ class Response:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+#: seconds between two looks at the peer's process state while a reply is awaited
+PEER_CHECK_S = 0.25
+
+
+def _proc_state(pid: int | None) -> str | None:
+    """The state letter of ``pid`` in ``/proc/PID/stat`` (None: no pid, or unreadable)."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0].decode()
+    except (OSError, IndexError, UnicodeDecodeError):
+        return None
 
 
 class ShimClient:
@@ -460,15 +482,47 @@ class ShimClient:
             raise socket.timeout("deadline passed")
         sock.settimeout(left)
 
+    def _recvmsg(self, sock: socket.socket, n: int, anc: int, deadline: float, op, stopped):
+        """``sock.recvmsg(n, anc)`` by the ``deadline``, in slices of :data:`PEER_CHECK_S`
+        between which the peer's state is read: ``ShimTimeout`` once it stayed stopped (T/t)
+        for the client's ``timeout_s`` (``stopped``: [monotonic time it was first seen stopped, or
+        None], kept across the slices of one read)."""
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout("deadline passed")
+            sock.settimeout(min(left, PEER_CHECK_S))
+            try:
+                return sock.recvmsg(n, anc)
+            except socket.timeout:
+                pass
+            st = _proc_state(self.pid)
+            if st not in ("T", "t"):
+                stopped[0] = None
+                continue
+            now = time.monotonic()
+            stopped[0] = stopped[0] if stopped[0] is not None else now
+            if now - stopped[0] >= self.timeout_s:
+                raise ShimTimeout(
+                    f"{_op_name(op)}: {self._who()} is stopped (state {st}) and did not "
+                    f"reply within {self.timeout_s:g} s: a stopped process cannot serve the "
+                    f"request (`kill -CONT {self.pid}` it)",
+                    socket_path=self.socket_path,
+                    pid=self.pid,
+                    op=op,
+                )
+
     def _read_exact(
         self, sock: socket.socket, n: int, deadline: float, fds: list[int], what: str, op
     ) -> bytes:
         """Read exactly ``n`` bytes, collecting SCM_RIGHTS descriptors into ``fds``."""
         buf = bytearray()
         fd_size = array.array("i").itemsize
+        stopped: list = [None]
         while len(buf) < n:
-            self._set_deadline(sock, deadline)
-            data, ancdata, flags, _ = sock.recvmsg(n - len(buf), socket.CMSG_SPACE(4 * fd_size))
+            data, ancdata, flags, _ = self._recvmsg(
+                sock, n - len(buf), socket.CMSG_SPACE(4 * fd_size), deadline, op, stopped
+            )
             for level, ctype, cdata in ancdata:
                 if level == socket.SOL_SOCKET and ctype == socket.SCM_RIGHTS:
                     got = array.array("i")

@@ -100,7 +100,8 @@ def _use_native_backend(kind) -> None:
     type=POSITIVE,
     default=3600.0,
     show_default=True,
-    help="deadline of SAVE_ALLOCATIONS (writing shared bytes to the chunk files).",
+    help="deadline of SAVE_ALLOCATIONS (writing shared bytes to the chunk files); a stopped "
+    "participant fails it after --phase-timeout-s.",
 )
 @click.option(
     "--chunk-bytes",
@@ -288,7 +289,8 @@ def checkpoint(
     type=POSITIVE,
     default=3600.0,
     show_default=True,
-    help="deadline of LOAD_ALLOCATIONS (copying the carried bytes back).",
+    help="deadline of LOAD_ALLOCATIONS (copying the carried bytes back); a stopped "
+    "participant fails it after --phase-timeout-s.",
 )
 @click.option(
     "--into-pid",

@@ -203,3 +203,42 @@ def test_a_shim_closing_mid_message_is_a_short_read(shim):
         f"INSPECT: pid 4119 (socket {shim.path}): short read: connection "
         "closed after 11 of 50 bytes of message"
     )
+
+
+@pytest.fixture
+def peer():
+    """A real process to stand for the shim's pid (its state is what the client reads)."""
+    import subprocess
+
+    p = subprocess.Popen(["sleep", "600"])
+    yield p
+    p.kill()
+    p.wait()
+
+
+def test_a_stopped_peer_ends_a_long_carrier_wait_after_the_client_timeout(shim, peer):
+    """SAVE_ALLOCATIONS gets the carrier deadline (here 600 s), but a peer that is stopped
+    cannot reply: once it stayed stopped for the client's timeout the request fails, naming
+    the pid, its state and the way out."""
+    import signal
+
+    shim.hang.add(Op.INSPECT)
+    os.kill(peer.pid, signal.SIGSTOP)
+    c = ShimClient(shim.path, 0.3, pid=peer.pid)
+    with pytest.raises(ShimTimeout) as ei:
+        c.request(Op.INSPECT, txn_id=1, expected_phase=Phase.ACTIVE, timeout_s=600)
+    assert str(ei.value) == (
+        f"INSPECT: pid {peer.pid} (socket {shim.path}) is stopped (state T) and did not reply "
+        f"within 0.3 s: a stopped process cannot serve the request (`kill -CONT {peer.pid}` it)"
+    )
+    assert (ei.value.pid, ei.value.op) == (peer.pid, Op.INSPECT)
+
+
+def test_a_running_peer_gets_the_whole_request_deadline(shim, peer):
+    shim.hang.add(Op.INSPECT)
+    c = ShimClient(shim.path, 0.1, pid=peer.pid)
+    with pytest.raises(ShimTimeout) as ei:
+        c.request(Op.INSPECT, txn_id=1, expected_phase=Phase.ACTIVE, timeout_s=0.8)
+    assert str(ei.value) == (
+        f"INSPECT: pid {peer.pid} (socket {shim.path}) did not reply within 0.8 s"
+    )

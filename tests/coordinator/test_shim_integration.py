@@ -208,3 +208,41 @@ def test_rollback_mixed_phases_on_real_shims(pair, pair_env):
     assert pair.sums() == after
     pair.creator.cmd("fill 10")
     assert pair.sums()[0] == pair.sums()[1] != after[0]
+
+
+def test_a_creator_stopped_during_save_allocations_fails_it_within_the_phase_timeout(
+    pair, pair_env
+):
+    """SAVE_ALLOCATIONS waits up to the carrier timeout (60 s here), but the creator is
+    stopped (SIGSTOP) when the request goes out: the phase fails once it stayed stopped for
+    the phase timeout, naming it; continued, the rollback brings both back to ACTIVE with
+    the same bytes."""
+    import os
+    import signal
+
+    from cuinterpose.coordinator.results import PhaseError
+
+    ctl = pair_env["CUINTERPOSE_CONTROL_DIR"]
+    parts = [Participant(pid, socket_path(ctl, pid)) for pid in pair.pids]
+    wait_sockets([p.socket_path for p in parts])
+    cpid, _ = pair.pids
+    before = pair.sums()
+    first = Coordinator(parts, timeout_s=30)
+    records = first.validate(first.inspect(check_phase=True))
+    # a short phase timeout only for the request that meets the stopped creator
+    coord = Coordinator(parts, timeout_s=0.5, carrier_timeout_s=60)
+    coord.txn_floor = first.last_txn_id
+    coord.carried = streams_of(records)
+    os.kill(cpid, signal.SIGSTOP)
+    try:
+        with pytest.raises(PhaseError) as ei:
+            coord.save_allocations()
+    finally:
+        os.kill(cpid, signal.SIGCONT)
+    assert ei.value.pid == cpid
+    assert f"pid {cpid} (socket {socket_path(ctl, cpid)}) is stopped (state T)" in str(ei.value)
+    again = Coordinator(parts, timeout_s=30)  # the deadlines of a release's rollback
+    again.txn_floor = coord.last_txn_id
+    res = again.rollback(records)
+    assert set(res.found.values()) <= {"ACTIVE", "SAVED"}, res.found
+    assert pair.sums() == before
