@@ -101,6 +101,29 @@ class SnapshotError(AgentError):
     """A snapshot directory is missing, malformed, or incompatible (it is left untouched)."""
 
 
+class LeftLocked(AgentError):
+    """A refusal before teardown that could not give the processes back: the quiescence check
+    locked them and the unlock of ``left_locked`` (sorted pids) got no answer (a process
+    stopped meanwhile cannot answer the driver). Nothing was torn down, but the driver holds
+    those pids LOCKED, so their CUDA calls block: outcome ``rollback_failed``. The workload
+    stays parked and the ``.lock`` is kept without an owner, so that ``cuinterpose-agent
+    release`` (SIGCONT, native unlock, ``.resume``) finishes it (agent/run/recover.py)."""
+
+    outcome = "rollback_failed"
+
+    def __init__(self, phase: str, cause: "NativeError", left_locked, root: int):
+        self.left_locked = sorted(int(p) for p in left_locked)
+        pids = ", ".join(map(str, self.left_locked))
+        super().__init__(
+            phase,
+            f"{cause.reason}; nothing was torn down, but the driver still holds pid(s) {pids} "
+            "LOCKED (their CUDA calls block), so the workload stays parked: `kill -CONT` any "
+            f"stopped one, then `cuinterpose-agent release --pid {root}` unlocks them and "
+            "resumes the workload",
+            pid=cause.pid,
+        )
+
+
 class CheckpointFailed(AgentError):
     """A checkpoint failed after teardown started. ``cause`` is the original error;
     ``outcome`` says whether the rollback succeeded."""

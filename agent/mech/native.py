@@ -576,8 +576,10 @@ def _each(action, pids: Iterable[int], fn, phase: str) -> dict[int, int]:
 
 def lock_all(pids: Iterable[int], timeout_ms: int) -> dict[int, int]:
     """Lock every pid (in order) with ``timeout_ms`` each; returns {pid: elapsed_ns}.
-    If one fails, the ones already locked are unlocked again (best effort) and the
-    ``NativeError`` for the failing pid is raised (phase "native lock")."""
+    If one fails, the ones already locked are unlocked again (:func:`unlock_each`) and the
+    ``NativeError`` for the failing pid is raised (phase "native lock") with ``left_locked``:
+    the sorted pids whose unlock failed too (a process stopped meanwhile), which the driver
+    still holds LOCKED."""
     pids = list(pids)
     locked = []
     try:
@@ -586,12 +588,8 @@ def lock_all(pids: Iterable[int], timeout_ms: int) -> dict[int, int]:
             out.update(_each("lock", [pid], lambda p: lock(p, timeout_ms), "native lock"))
             locked.append(pid)
         return out
-    except NativeError:
-        for pid in reversed(locked):
-            try:
-                unlock(pid)
-            except NativeError:
-                pass
+    except NativeError as e:
+        e.left_locked = sorted(unlock_each(reversed(locked)))
         raise
 
 
@@ -613,6 +611,20 @@ def restore_all(pids: Iterable[int], gpu_pairs: Sequence[tuple[str, str]] = ()) 
 def unlock_all(pids: Iterable[int]) -> dict[int, int]:
     """Unlock every pid (LOCKED -> RUNNING); returns {pid: elapsed_ns}."""
     return _each("unlock", pids, unlock, "native unlock")
+
+
+def unlock_each(pids: Iterable[int]) -> dict[int, NativeError]:
+    """Unlock every pid (LOCKED -> RUNNING), each one tried even when another fails; returns
+    {pid: its ``NativeError`` (phase "native unlock")} of those the driver still holds LOCKED,
+    {} when every unlock succeeded (an unlock past its deadline, e.g. of a stopped process,
+    is among them: the stopped process never saw it)."""
+    failed: dict[int, NativeError] = {}
+    for pid in pids:
+        try:
+            _each("unlock", [pid], unlock, "native unlock")
+        except NativeError as e:
+            failed[pid] = e
+    return failed
 
 
 def rollback_all(pids: Iterable[int]) -> dict[int, str]:

@@ -177,6 +177,7 @@ def abandon_lock(
     by: str = "checkpoint",
     why: str = "",
     last_txn_id: int = 0,
+    torn_down: bool = True,
 ) -> None:
     """After a failed rollback the agent gives up the request but the workload stays parked on
     torn-down memory: the ``.lock`` names no owner any more (``release`` no longer waits for
@@ -186,7 +187,8 @@ def abandon_lock(
     ``rollback_failed`` and adds ``abandoned`` {"pid": this process, "by": ``by``
     ("checkpoint", "release"), "why": ``why`` (the rollback's error)}. ``release`` of a lock
     with ``records`` runs the rollback again (agent/run/recover.py); without them it wants
-    ``--force``."""
+    ``--force``. ``torn_down=False``: nothing was torn down but processes were left natively
+    LOCKED (``LeftLocked``); ``release`` unlocks the lock's ``cuda_pids`` and resumes."""
     for r in roots:
         path = quiesce_path(control_dir, r, "lock")
         old = read_json(path)
@@ -198,7 +200,7 @@ def abandon_lock(
                 "id": qid,
                 "pid": None,
                 "starttime": None,
-                "torn_down": True,
+                "torn_down": bool(torn_down) or bool(keep.get("torn_down")),
                 "rollback_failed": True,
                 "last_txn_id": max(int(keep.get("last_txn_id") or 0), int(last_txn_id or 0)),
                 "abandoned": {"pid": os.getpid(), "by": str(by), "why": str(why)},

@@ -16,7 +16,13 @@ import threading
 import time
 from typing import Iterable, Optional
 
-from cuinterpose.agent.errors import AgentError, CensusError, CheckpointFailed, QuiesceRefused
+from cuinterpose.agent.errors import (
+    AgentError,
+    CensusError,
+    CheckpointFailed,
+    LeftLocked,
+    QuiesceRefused,
+)
 from cuinterpose.agent.mech import census as census_mod
 from cuinterpose.agent.mech import fds, native, quiesce
 from cuinterpose.agent.mech.inherit import external_file_key
@@ -144,6 +150,8 @@ class Checkpoint(Rollback, StepRunner):
         self.finishing = False
         #: the quiesce refusal already withdrew the request (group undo must not repeat it)
         self.quiesce_cancelled = False
+        #: pids the quiescence check locked and could not unlock (``LeftLocked``)
+        self.left_locked: list[int] = []
         #: open-file warnings (see :func:`census.open_file_warnings`), in the manifest too
         self.warnings: list[dict] = []
         #: pipe fds of the dumped trees whose other end is outside them (manifest
@@ -280,13 +288,21 @@ class Checkpoint(Rollback, StepRunner):
         waits on something (a peer's reply the workload did not drain): tearing the shared
         memory down under it would fault that stream and snapshot a dead context, so the
         checkpoint is refused here, with nothing torn down. Raises ``AgentError`` (phase
-        "quiescence check") naming the pid and the driver's answer."""
+        "quiescence check") naming the pid and the driver's answer, or ``LeftLocked`` when a
+        process it locked could not be unlocked again (it stopped meanwhile)."""
         with self.r.phase("quiescence check") as ph:
             try:
                 native.lock_all(self.census.cuda_pids, self.lock_timeout_ms)
             except native.NativeError as e:
+                if e.left_locked:
+                    self.left_locked = list(e.left_locked)
+                    raise LeftLocked("quiescence check", e, e.left_locked, self.roots[0]) from e
                 raise AgentError("quiescence check", e.reason, pid=e.pid) from e
-            native.unlock_all(self.census.cuda_pids)
+            failed = native.unlock_each(self.census.cuda_pids)
+            if failed:
+                self.left_locked = sorted(failed)
+                first = failed[min(failed)]
+                raise LeftLocked("quiescence check", first, failed, self.roots[0]) from first
             ph.detail = (
                 f"{len(self.census.cuda_pids)} processes locked and unlocked: every stream drained"
             )
@@ -533,12 +549,12 @@ class Checkpoint(Rollback, StepRunner):
                     else:
                         quiesce.unlock(self.control_dir, left, self.qid)
                 raise
-            except BaseException:
+            except BaseException as e:
                 self.release_store()
                 if self.manifest is None:
                     gpustore_step.discard(self)
                     images.remove_empty(self.created_dirs)
-                if self.qid is not None:
+                if self.qid is not None and not isinstance(e, LeftLocked):  # its .lock stays
                     quiesce.unlock(self.control_dir, self.roots, self.qid)
                 raise
 
@@ -546,6 +562,13 @@ class Checkpoint(Rollback, StepRunner):
         try:
             self.run_steps(self.stage("refusal"))
         except BaseException as e:  # nothing was torn down yet: a refusal
+            if isinstance(e, LeftLocked):
+                # the workload stays parked on the native lock: no .resume; the .lock (its
+                # cuda_pids, driver, steps) is what `release` unlocks it from
+                quiesce.abandon_lock(
+                    self.control_dir, self.roots, self.qid, why=str(e), torn_down=False
+                )
+                raise
             # wait_ready cancels its own refusals; everything after the request is cancelled here
             if self.qid is not None and not isinstance(e, QuiesceRefused):
                 quiesce.cancel(self.control_dir, self.roots, self.qid)

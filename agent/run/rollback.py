@@ -11,7 +11,7 @@ from __future__ import annotations
 import pathlib
 import signal
 
-from cuinterpose.agent.errors import AgentError, CheckpointFailed
+from cuinterpose.agent.errors import AgentError, CheckpointFailed, LeftLocked
 from cuinterpose.agent.mech import native, quiesce
 from cuinterpose.agent.run import carriers, images, recover
 from cuinterpose.agent.run.steps import Step, as_agent_error
@@ -148,6 +148,16 @@ class Rollback:
                 "rollback",
                 "the group had reached finish (trees killed or resumed): nothing to roll back",
             )
+        if self.left_locked:  # the quiescence check's unlock got no answer: try it again
+            failed = native.unlock_each(self.left_locked)
+            if failed:
+                self.left_locked = sorted(failed)
+                quiesce.abandon_lock(
+                    self.control_dir, self.roots, self.qid, by="group rollback", torn_down=False
+                )
+                first = failed[min(failed)]
+                raise LeftLocked("rollback", first, failed, self.roots[0]) from first
+            self.left_locked = []
         if self.torn_down:
             if self.manifest is not None:
                 (pathlib.Path(self.images_dir) / manifest_mod.MANIFEST_NAME).unlink(missing_ok=True)

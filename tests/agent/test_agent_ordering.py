@@ -11,7 +11,13 @@ import sys
 import pytest
 from agent_world import PIDS, PROBE, ROOT, FakePhaseError, answer_quiesce, resume_of
 
-from cuinterpose.agent.errors import AgentError, CheckpointFailed, QuiesceRefused, SnapshotError
+from cuinterpose.agent.errors import (
+    AgentError,
+    CheckpointFailed,
+    LeftLocked,
+    QuiesceRefused,
+    SnapshotError,
+)
 from cuinterpose.agent.mech import native, quiesce
 from cuinterpose.agent.run import checkpoint as cp_mod
 from cuinterpose.agent.run.report import Reporter
@@ -707,3 +713,89 @@ def test_a_group_member_refused_by_a_pending_request_leaves_it_alone_on_release(
     assert json.loads(req.read_text()) == {"id": "other-agent", "timeout_ms": 10000}
     assert sorted(p.name for p in world.ctl.iterdir()) == [req.name]
     assert not (tmp_path / "snap").exists()
+
+
+def _left_locked_lock(world) -> dict:
+    return json.loads(quiesce_path(world.ctl, ROOT, "lock").read_text())
+
+
+def test_an_unlock_without_answer_in_the_quiescence_check_keeps_the_workload_parked(
+    world, tmp_path, monkeypatch
+):
+    """Process 201 locks, then its unlock fails (it stopped): every pid is still tried, the
+    refusal says 201 is left LOCKED (outcome rollback_failed), no .resume is written and the
+    .lock stays, ownerless, with what `release` unlocks from."""
+    world.fail = {"unlock": 201}
+    monkeypatch.setattr(quiesce, "request", answer_quiesce(world))
+    with pytest.raises(LeftLocked) as ei:
+        cp_mod.Checkpoint([ROOT], tmp_path / "snap", control_dir=world.ctl).run()
+    e = ei.value
+    assert (e.phase, e.pid, e.outcome, e.left_locked) == (
+        "quiescence check",
+        201,
+        "rollback_failed",
+        [201],
+    )
+    assert e.reason.startswith("cuCheckpointProcessUnlock: CUDA_ERROR_INVALID_VALUE; nothing")
+    assert f"`cuinterpose-agent release --pid {ROOT}`" in e.reason
+    assert world.log[-4:] == [
+        ("native", "lock", 201),
+        ("native", "lock", 202),
+        ("native", "unlock", 201),
+        ("native", "unlock", 202),
+    ]
+    assert world.state == {201: "LOCKED", 202: "RUNNING"}
+    assert not quiesce_path(world.ctl, ROOT, "resume").exists()
+    assert quiesce_path(world.ctl, ROOT, "request").exists()
+    lk = _left_locked_lock(world)
+    assert (lk["pid"], lk["torn_down"], lk["rollback_failed"], lk["cuda_pids"]) == (
+        None,
+        False,
+        True,
+        PIDS,
+    )
+    assert lk["abandoned"]["by"] == "checkpoint"
+
+
+def test_a_lock_failure_whose_cleanup_unlock_fails_names_the_pid_left_locked(
+    world, tmp_path, monkeypatch
+):
+    world.fail = {"probe_lock": 202, "unlock": 201}
+    monkeypatch.setattr(quiesce, "request", answer_quiesce(world))
+    with pytest.raises(LeftLocked) as ei:
+        cp_mod.Checkpoint([ROOT], tmp_path / "snap", control_dir=world.ctl).run()
+    assert (ei.value.pid, ei.value.left_locked) == (202, [201])
+    assert ei.value.reason.startswith("cuCheckpointProcessLock: CUDA_ERROR_INVALID_VALUE;")
+    assert world.state == {201: "LOCKED", 202: "RUNNING"}
+    assert _left_locked_lock(world)["rollback_failed"] is True
+
+
+@pytest.mark.parametrize("answers_later", (True, False))
+def test_a_group_rollback_unlocks_what_the_quiescence_check_left_locked(
+    world, tmp_path, monkeypatch, answers_later
+):
+    """A group member: the leader's rollback unlocks the pid again; once it answers, release
+    resumes the workload; while it still does not, the rollback fails and the workload stays
+    parked on the .lock."""
+    world.fail = {"unlock": 201}
+    monkeypatch.setattr(quiesce, "request", answer_quiesce(world))
+    cp = cp_mod.Checkpoint([ROOT], tmp_path / "snap", control_dir=world.ctl)
+    cp.run_phase("prepare")
+    with pytest.raises(LeftLocked):
+        cp.run_phase("quiesce")
+    if answers_later:
+        world.fail = {}
+        for p in cp.GROUP_UNDO:
+            assert cp.run_phase(p)["torn_down"] is False
+        assert world.log[-1] == ("native", "unlock", 201)
+        assert world.state == {201: "RUNNING", 202: "RUNNING"}
+        assert resume_of(world) == {"id": cp.qid, "restored": False, "cancelled": True}
+        assert not quiesce_path(world.ctl, ROOT, "lock").exists()
+        return
+    with pytest.raises(LeftLocked) as ei:
+        cp.run_phase("rollback")
+    assert (ei.value.phase, ei.value.pid, ei.value.outcome) == ("rollback", 201, "rollback_failed")
+    assert world.state == {201: "LOCKED", 202: "RUNNING"}
+    assert not quiesce_path(world.ctl, ROOT, "resume").exists()
+    lk = _left_locked_lock(world)
+    assert (lk["torn_down"], lk["abandoned"]["by"]) == (False, "group rollback")
