@@ -41,7 +41,7 @@ def test_rank_sigkill_at_every_step(afdwin, tmp_path, rank):
         snap = tmp_path / f"snap-{point.replace(':', '-').replace(' ', '-')}"
         env = {signal_at.ENV: f"{point}=SIGHUP", "CHAOS_KILL_PID": str(victim)}
         rc, out, err = kit.checkpoint(a, snap, env=env, hook=True)
-        killed = f"agent_hook: killed pid {victim}" in err
+        killed = f"agent_hook: sent SIGKILL to pid {victim}" in err
         if rc == 0:
             assert kit.judge(kind, a, snap, rc, out) == "snapshot"
             if killed and point != "after:resume":
