@@ -70,7 +70,8 @@ def agent(*args: str, env: dict | None = None, timeout_s: float = DEADLINE_S, ho
         out, err = p.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         tree = _process_group(p.pid)
-        os.kill(p.pid, signal.SIGABRT)  # faulthandler writes the stacks to stderr, then dies
+        with contextlib.suppress(ProcessLookupError):  # faulthandler prints the stacks, then dies
+            os.kill(p.pid, signal.SIGABRT)
         try:
             _, err = p.communicate(timeout=10)
         except subprocess.TimeoutExpired:
