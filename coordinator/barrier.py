@@ -8,6 +8,7 @@ docs/coordinator.md "Barrier" and "Failure semantics".
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -88,8 +89,9 @@ class Barrier:
     on it. ``timeout_s``, ``carrier_timeout_s``, ``on_event``, ``carriers``: see Coordinator.
     ``carried``: pid -> (alloc_id, size) of the allocations its shim carries (set by the
     sequences from the capture's records; the chunk files of SAVE/LOAD name them). ``phases``:
-    every PhaseResult so far; ``last_txn_id``: the highest txn id sent; ``txn_floor``: txn ids
-    stay above it (a capture's ``last_txn_id``).
+    every PhaseResult so far; ``steps``: the coordinator's own rows so far (:meth:`_step`);
+    ``last_txn_id``: the highest txn id sent; ``txn_floor``: txn ids stay above it (a capture's
+    ``last_txn_id``).
     """
 
     def __init__(
@@ -117,6 +119,8 @@ class Barrier:
         self.txn_floor = 0
         self.last_txn_id = 0
         self.phases: list[PhaseResult] = []
+        #: the coordinator's own work between barriers, one row each (:meth:`_step`)
+        self.steps: list[PhaseResult] = []
         self._clients = {
             p.pid: ShimClient(p.socket_path, self.timeout_s, pid=p.pid, inspect_devices=True)
             for p in self.participants
@@ -147,6 +151,21 @@ class Barrier:
                     result=res,
                 )
         return records
+
+    @contextlib.contextmanager
+    def _step(self, name: str):
+        """Time the coordinator's own work between two barriers as the row ``name``: a
+        PhaseResult without participants (txn id 0; the block may set its ``detail``) appended
+        to :attr:`steps` and sent as a "phase" event (``ok`` False when the block raised)."""
+        row = PhaseResult(phase=name, txn_id=0, expected_phase=0, wall_ns=0)
+        t0, ok = time.monotonic_ns(), False
+        try:
+            yield row
+            ok = True
+        finally:
+            row.wall_ns = time.monotonic_ns() - t0
+            self.steps.append(row)
+            self._emit(PhaseEvent("phase", name, 0, 0, 0, phase_result=row, ok=ok))
 
     def _emit(self, event: PhaseEvent) -> None:
         if self.on_event is None:

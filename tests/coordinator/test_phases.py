@@ -213,6 +213,21 @@ def test_on_event_per_reply_and_per_phase(ctl):
     events = []
     with group(ctl) as g:
         Coordinator(g.participants, on_event=events.append).capture()
+    # the coordinator's own work between barriers is a row of its own (no participants)
+    assert [(e.phase, e.txn_id > 0) for e in events if e.kind == "phase"] == [
+        ("INSPECT", True),
+        ("validate", False),
+        ("SAVE_ALLOCATIONS", True),
+        ("PREPARE_UNICAST", True),
+        ("INSPECT", True),
+        ("check carriers", False),
+    ]
+    steps = [e.phase_result for e in events if e.txn_id == 0]
+    assert [(s.participants, s.detail) for s in steps] == [
+        ({}, "14 records of 3 pids"),
+        ({}, "2 carriers"),
+    ]
+    events = [e for e in events if e.txn_id]
     assert len(events) == 4 * 4
     for i, name in enumerate(CAPTURE_OPS):
         chunk = events[4 * i : 4 * i + 4]
