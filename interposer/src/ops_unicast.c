@@ -1,7 +1,7 @@
 /*
  * ops_unicast.c: the unicast phase ops (protocol.h "Phases"; docs/shim.md "Phases"), one
  * function per op, named after it: PREPARE_UNICAST, RESTORE_UNICAST, and the helpers of the
- * byte-moving ops SAVE_ALLOCATIONS, LOAD_ALLOCATIONS, CANCEL_CAPTURE (ops_carriers.c). They run on the control worker
+ * byte-moving ops SAVE_ALLOCATIONS, CANCEL_CAPTURE (ops_carriers.c) and LOAD_ALLOCATIONS (ops_load.c). They run on the control worker
  * with op_running set (ops.c): app calls on tracked objects return CUDA_ERROR_NOT_READY without touching the state, so
  * an op works on the tables without holding the lock across driver calls, in particular not across the FETCH_FD round
  * trips of RESTORE_UNICAST (a peer may be fetching from us at the same time; our accept thread answers it from the
@@ -35,19 +35,21 @@ static int host_located(const CUmemAllocationProp *p) {
          p->location.type == CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT;
 }
 
-/* The VA of a live mapping of the whole of device allocation `a` in this process with read
- * access for the allocation's own device, or 0. SAVE_ALLOCATIONS copies from it (the workload
- * is quiesced) instead of mapping the allocation a second time: no second VA range, and on
- * fakecuda, whose device memory is a host memfd, no second fault of every page (VmRSS would
- * count the allocation twice). Host-located memory always takes the staging mapping. */
-CUdeviceptr cui_whole_mapping(const struct cui_alloc *a) {
+/* The VA of a mapping record of the whole of device allocation `a` in this process whose access
+ * grants `need` (CU_MEM_ACCESS_FLAGS_PROT_READ or _READWRITE) to the allocation's own device, mapped
+ * now (`mapped` 1) or to be mapped again (0), or 0. SAVE_ALLOCATIONS copies from it (the workload
+ * is quiesced) and LOAD_ALLOCATIONS into it, instead of mapping the allocation a second time: no
+ * second VA range, and on fakecuda, whose device memory is a host memfd, no second fault of every
+ * page (VmRSS would count the allocation twice). Host-located memory always takes the staging
+ * mapping. */
+CUdeviceptr cui_whole_mapping(const struct cui_alloc *a, unsigned need, int mapped) {
   if (host_located(&a->prop) || a->prop.location.type != CU_MEM_LOCATION_TYPE_DEVICE) return 0;
   for (uint32_t ref = a->maps_head; ref; ref = CUI_MAP(ref)->next) {
     const struct cui_mapping *m = CUI_MAP(ref);
-    if (!m->mapped || m->offset != 0 || m->size != a->size) continue;
+    if (!m->mapped != !mapped || m->offset != 0 || m->size != a->size) continue;
     for (uint32_t k = 0; k < m->access_count && k < CUI_MAX_ACCESS; k++)
       if (m->access[k].location_type == CU_MEM_LOCATION_TYPE_DEVICE &&
-          m->access[k].location_id == a->prop.location.id && (m->access[k].flags & CU_MEM_ACCESS_FLAGS_PROT_READ))
+          m->access[k].location_id == a->prop.location.id && (m->access[k].flags & need) == need)
         return (CUdeviceptr)m->va;
   }
   return 0;
@@ -134,24 +136,36 @@ CUresult cui_remap(struct cui_alloc *a, CUmemGenericAllocationHandle h, uint32_t
   return CUDA_SUCCESS;
 }
 
+/* Unmaps every mapped record of `a` (PREPARE_UNICAST; a refused LOAD_ALLOCATIONS undoing its
+ * mappings). */
+CUresult cui_unmap_all(struct cui_alloc *a, uint32_t *changed, const char **what) {
+  CUI_FOR_MAPS_OF(m, a) {
+    if (!m->mapped) continue;
+    CUresult r = REAL(cuMemUnmap)(m->va, m->size);
+    if (r != CUDA_SUCCESS) {
+      *what = "cuMemUnmap";
+      return r;
+    }
+    m->mapped = 0;
+    (*changed)++;
+  }
+  return CUDA_SUCCESS;
+}
+
 /* ---------- PREPARE_UNICAST: SAVED -> PREPARED ---------- */
 
 int cui_op_prepare_unicast(struct cui_op_result *res) {
   for (size_t i = 0; i < cui_st.nallocs; i++) {
     struct cui_alloc *a = &cui_st.allocs[i];
     if (!a->live || !(a->flags & CUI_REC_SHARED)) continue;   /* private: native checkpoint */
-    CUI_FOR_MAPS_OF(m, a) {
-      if (!m->mapped) continue;
-      CUresult r = REAL(cuMemUnmap)(m->va, m->size);
-      if (r != CUDA_SUCCESS) {
-        cui_fail_driver(res, CUI_OP_PREPARE_UNICAST, a, "cuMemUnmap", r);
-        return -1;
-      }
-      m->mapped = 0;
-      res->records_changed++;
+    const char *what = NULL;
+    CUresult r = cui_unmap_all(a, &res->records_changed, &what);
+    if (r != CUDA_SUCCESS) {
+      cui_fail_driver(res, CUI_OP_PREPARE_UNICAST, a, what, r);
+      return -1;
     }
     if (a->has_real) {
-      CUresult r = REAL(cuMemRelease)(a->real);
+      r = REAL(cuMemRelease)(a->real);
       if (r != CUDA_SUCCESS) {
         cui_fail_driver(res, CUI_OP_PREPARE_UNICAST, a, "cuMemRelease", r);
         return -1;

@@ -180,7 +180,7 @@ def test_save_copies_from_the_apps_whole_mapping(apps, ctl, chunk_files, fake_lo
     r = ctl(c).request(Op.SAVE_ALLOCATIONS, txn_id=1, expected_phase=Phase.ACTIVE)
     assert (r.reply.status, r.reply.bytes) == (Status.OK, 2 * size), r.message
     calls = fake_log.calls(c.pid, since=mark)
-    srcs = [int(a["src"], 16) for fn, a, _ in calls if fn == "cuMemcpyDtoH_v2"]
+    srcs = [int(a["src"], 16) for fn, a, _ in calls if fn == "cuMemcpyDtoHAsync_v2"]
     assert len(srcs) == 2 * size // (2 * MiB)
     # the first allocation's chunks were read at the app's VAs, in order
     assert srcs[: len(srcs) // 2] == [whole + k * 2 * MiB for k in range(len(srcs) // 2)]
@@ -270,7 +270,7 @@ def test_load_queues_every_read_first_and_zeroes_each_run_once(apps, ctl, chunk_
     calls = fake_log.calls(c.pid, since=mark)
     names = [fn for fn, _, _ in calls]
     creates = [i for i, fn in enumerate(names) if fn == "cuMemCreate"]
-    copies = [i for i, fn in enumerate(names) if fn == "cuMemcpyHtoD_v2"]
+    copies = [i for i, fn in enumerate(names) if fn == "cuMemcpyHtoDAsync_v2"]
     assert (len(creates), len(copies)) == (3, 2 + 1 + 2)
     assert max(creates) < min(copies)
     # each allocation's staging mapping, in request order (sizes tell them apart)
@@ -289,7 +289,7 @@ def test_load_queues_every_read_first_and_zeroes_each_run_once(apps, ctl, chunk_
         ((24 * MiB, 16 * MiB), 8 * MiB),
         ((40 * MiB, 4 * MiB), 36 * MiB),
     ]
-    got = sorted((where(a), int(a["bytes"])) for fn, a, _ in calls if fn == "cuMemcpyHtoD_v2")
+    got = sorted((where(a), int(a["bytes"])) for fn, a, _ in calls if fn == "cuMemcpyHtoDAsync_v2")
     assert got == [
         ((8 * MiB, 0), 4 * MiB),
         ((8 * MiB, 4 * MiB), 4 * MiB),
