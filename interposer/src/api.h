@@ -40,6 +40,10 @@ CUI_HIDDEN const char *cui_mc_bind_api(int by_addr, int v2);
 /* Asks the creator's control socket for the real export FD of `id`. Returns the FD (CLOEXEC)
  * or -1 with a reason in `why`. Never touches the state lock. */
 CUI_HIDDEN int cui_fetch_fd(uint32_t creator_pid, const uint8_t id[16], char *why, size_t cap);
+/* The same in two halves: cui_fetch_send connects and sends the request (the socket, or -1 with
+ * `why`); cui_fetch_recv reads the reply and closes the socket (the FD, or -1 with `why`). */
+CUI_HIDDEN int cui_fetch_send(uint32_t creator_pid, const uint8_t id[16], char *why, size_t cap);
+CUI_HIDDEN int cui_fetch_recv(int s, uint32_t creator_pid, char *why, size_t cap);
 
 /* ---------- alloc_api.c (the IPC adapter) ---------- */
 

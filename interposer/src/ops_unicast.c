@@ -180,45 +180,73 @@ int cui_op_prepare_unicast(struct cui_op_result *res) {
 
 /* ---------- RESTORE_UNICAST: LOADED -> MULTICAST_RELEASED (or ACTIVE) ---------- */
 
-int cui_op_restore_unicast(struct cui_op_result *res) {
-  for (size_t i = 0; i < cui_st.nallocs; i++) {
-    struct cui_alloc *a = &cui_st.allocs[i];
-    if (!a->live || a->role != CUI_ROLE_IMPORTER || (a->flags & CUI_REC_RAW_IMPORT)) continue;
-    char hex[33], why[256];
-    cui_hex_id(a->id, hex);
-    int fd = cui_fetch_fd(a->creator_pid, a->id, why, sizeof why);
-    if (fd < 0) {
-      res->status = CUI_FAILED;
-      snprintf(res->message, sizeof res->message,
-               "RESTORE_UNICAST: pid %u could not import allocation %s from creator pid %u: %s", (unsigned)getpid(),
-               hex, a->creator_pid, why);
-      return -1;
-    }
-    CUmemGenericAllocationHandle h;
-    CUresult r = REAL(cuMemImportFromShareableHandle)(&h, (void *)(uintptr_t)fd,
-                                                      CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
-    close(fd);
-    if (r != CUDA_SUCCESS) {
-      res->status = CUI_FAILED;
-      res->cuda_result = (int32_t)r;
-      snprintf(res->message, sizeof res->message,
-               "RESTORE_UNICAST: pid %u could not import allocation %s from creator pid %u: %s", (unsigned)getpid(),
-               hex, a->creator_pid, cui_cu_error_name(r));
-      return -1;
-    }
-    const char *what = NULL;
-    r = cui_remap(a, h, &res->records_changed, &what);
-    if (r != CUDA_SUCCESS) {
-      cui_fail_driver(res, CUI_OP_RESTORE_UNICAST, a, what, r);
-      return -1;
-    }
-    if (a->vrefs > 0) {
-      a->real = h;
-      a->has_real = 1;
-    } else {
-      REAL(cuMemRelease)(h);
-    }
-    res->records_changed++;
+/* FETCH_FD requests RESTORE_UNICAST keeps in flight: each its own connection (protocol.h: one
+ * request per connection), sent ahead of the replies so that the creator's accept thread serves
+ * them back to back instead of one round trip, and two wake-ups, per allocation; well under the
+ * control socket's listen backlog (64). */
+#define CUI_FETCH_WINDOW 16
+
+static int restore_one(struct cui_op_result *res, struct cui_alloc *a, int fd, const char *why) {
+  char hex[33];
+  cui_hex_id(a->id, hex);
+  if (fd < 0) {
+    res->status = CUI_FAILED;
+    snprintf(res->message, sizeof res->message,
+             "RESTORE_UNICAST: pid %u could not import allocation %s from creator pid %u: %s", (unsigned)getpid(), hex,
+             a->creator_pid, why);
+    return -1;
   }
+  CUmemGenericAllocationHandle h;
+  CUresult r =
+      REAL(cuMemImportFromShareableHandle)(&h, (void *)(uintptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+  close(fd);
+  if (r != CUDA_SUCCESS) {
+    res->status = CUI_FAILED;
+    res->cuda_result = (int32_t)r;
+    snprintf(res->message, sizeof res->message,
+             "RESTORE_UNICAST: pid %u could not import allocation %s from creator pid %u: %s", (unsigned)getpid(), hex,
+             a->creator_pid, cui_cu_error_name(r));
+    return -1;
+  }
+  const char *what = NULL;
+  r = cui_remap(a, h, &res->records_changed, &what);
+  if (r != CUDA_SUCCESS) {
+    cui_fail_driver(res, CUI_OP_RESTORE_UNICAST, a, what, r);
+    return -1;
+  }
+  if (a->vrefs > 0) {
+    a->real = h;
+    a->has_real = 1;
+  } else {
+    REAL(cuMemRelease)(h);
+  }
+  res->records_changed++;
   return 0;
+}
+
+static int imported_again(const struct cui_alloc *a) {
+  return a->live && a->role == CUI_ROLE_IMPORTER && !(a->flags & CUI_REC_RAW_IMPORT);
+}
+
+int cui_op_restore_unicast(struct cui_op_result *res) {
+  int socks[CUI_FETCH_WINDOW];
+  char why[CUI_FETCH_WINDOW][256];
+  size_t sent = 0, done = 0, next = 0;   /* requests sent, allocations restored; the next to send */
+  int rc = 0;
+  for (size_t i = 0; i < cui_st.nallocs && rc == 0; i++) {
+    struct cui_alloc *a = &cui_st.allocs[i];
+    if (!imported_again(a)) continue;
+    for (; next < cui_st.nallocs && sent < done + CUI_FETCH_WINDOW; next++) {   /* keep the window full */
+      const struct cui_alloc *b = &cui_st.allocs[next];
+      if (next < i || !imported_again(b)) continue;
+      size_t w = sent++ % CUI_FETCH_WINDOW;
+      socks[w] = cui_fetch_send(b->creator_pid, b->id, why[w], sizeof why[w]);
+    }
+    size_t w = done++ % CUI_FETCH_WINDOW;
+    int fd = socks[w] < 0 ? -1 : cui_fetch_recv(socks[w], a->creator_pid, why[w], sizeof why[w]);
+    rc = restore_one(res, a, fd, why[w]);
+  }
+  for (; done < sent; done++)   /* a failure: the requests still in flight are dropped */
+    if (socks[done % CUI_FETCH_WINDOW] >= 0) close(socks[done % CUI_FETCH_WINDOW]);
+  return rc;
 }
