@@ -462,6 +462,33 @@ def test_restore_refuses_bad_carrier_checksum_before_load(ctl):
         assert "LOAD_ALLOCATIONS" not in {name for _, name in g.ops_received()}
 
 
+def test_restore_refuses_a_carrier_no_longer_held_before_load(ctl):
+    """The restore's carrier check finds each captured carrier by (pid, allocation) in one index
+    of the INSPECT records: a creator record without CUI_REC_CARRIED is named, nothing sent."""
+    with group(ctl) as g:
+        cap = Coordinator(g.participants).capture()
+        m = g.mocks[4121]
+        i = next(
+            i
+            for i, r in enumerate(m.records)
+            if r.kind == RecordKind.ALLOCATION and r.role == Role.CREATOR
+        )
+        m.records[i] = m.records[i].replace(flags=int(m.records[i].flags) & ~RecordFlag.CARRIED)
+        events = []
+        with pytest.raises(PhaseError) as ei:
+            Coordinator(g.participants, on_event=events.append).restore(cap)
+        assert str(ei.value) == (
+            f"INSPECT: pid 4121 allocation {m.records[i].alloc_id_hex} no longer holds the chunk "
+            "table of its chunk file; restore refused, nothing was changed"
+        )
+        assert (ei.value.pid, ei.value.changed) == (4121, False)
+        assert [(e.phase, e.ok) for e in events if e.kind == "phase"] == [
+            ("INSPECT", True),
+            ("check carriers", False),
+        ]
+        assert "LOAD_ALLOCATIONS" not in {name for _, name in g.ops_received()}
+
+
 def test_restore_refuses_shim_not_prepared(ctl):
     with group(ctl) as g:
         cap = Coordinator(g.participants).capture()
