@@ -221,8 +221,7 @@ static CUresult addr_free(CUdeviceptr ptr, size_t size)
     struct fc_map *inside = map_at(map_lower((uintptr_t)ptr)); /* the first mapping at or above ptr */
     if (inside && inside->va - (uintptr_t)ptr < size) {
         pthread_mutex_unlock(&g_mu);
-        fc_loud("cuMemAddressFree(0x%llx, %zu): range still has mappings (unmap first)", (unsigned long long)ptr,
-                size);
+        fc_loud("cuMemAddressFree(0x%llx, %zu): range still has mappings (unmap first)", (unsigned long long)ptr, size);
         return CUDA_ERROR_INVALID_VALUE;
     }
     struct fc_resv *r = *pp;

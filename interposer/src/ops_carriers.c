@@ -75,7 +75,8 @@ int cui_carry_match(const char *op, const struct cui_carry_in *in, int load, str
   if (load && cui_st.chunk_bytes && !(in->flags & CUI_CARRY_SHA256) != !cui_st.chunk_sha256) {
     snprintf(res->message, sizeof res->message,
              "%s: pid %u: checksum %s differs from the %s the chunk files were saved with; nothing was changed", op,
-             pid, cui_carry_checksum_name(in->flags), cui_carry_checksum_name(cui_st.chunk_sha256 ? CUI_CARRY_SHA256 : 0));
+             pid, cui_carry_checksum_name(in->flags),
+             cui_carry_checksum_name(cui_st.chunk_sha256 ? CUI_CARRY_SHA256 : 0));
     return -1;
   }
   size_t carried = 0;
@@ -282,7 +283,8 @@ int cui_op_save_allocations(struct cui_op_result *res) {
   uint32_t at = 0;   /* the allocation being copied when something failed */
   const char *what = "copy pipeline (out of memory)";
   CUresult r = io && !cp ? CUDA_ERROR_OUT_OF_MEMORY : CUDA_SUCCESS;
-  for (; cp && at < n && r == CUDA_SUCCESS && !stopped; at++) r = save_one(which[at], &st[at], io, cp, cb, &what, &stopped);
+  for (; cp && at < n && r == CUDA_SUCCESS && !stopped; at++)
+    r = save_one(which[at], &st[at], io, cp, cb, &what, &stopped);
   const char *w2 = NULL;
   CUresult r2 = cui_copies_finish(cp, &res->copy_ns, &w2);   /* every copy done before the ring goes */
   if (r == CUDA_SUCCESS && r2 != CUDA_SUCCESS) r = r2, what = w2;

@@ -1,11 +1,11 @@
 /*
  * ops_unicast.c: the unicast phase ops (protocol.h "Phases"; docs/shim.md "Phases"), one
  * function per op, named after it: PREPARE_UNICAST, RESTORE_UNICAST, and the helpers of the
- * byte-moving ops SAVE_ALLOCATIONS, CANCEL_CAPTURE (ops_carriers.c) and LOAD_ALLOCATIONS (ops_load.c). They run on the control worker
- * with op_running set (ops.c): app calls on tracked objects return CUDA_ERROR_NOT_READY without touching the state, so
- * an op works on the tables without holding the lock across driver calls, in particular not across the FETCH_FD round
- * trips of RESTORE_UNICAST (a peer may be fetching from us at the same time; our accept thread answers it from the
- * export cache).
+ * byte-moving ops SAVE_ALLOCATIONS, CANCEL_CAPTURE (ops_carriers.c) and LOAD_ALLOCATIONS (ops_load.c). They run on the
+ * control worker with op_running set (ops.c): app calls on tracked objects return CUDA_ERROR_NOT_READY without touching
+ * the state, so an op works on the tables without holding the lock across driver calls, in particular not across the
+ * FETCH_FD round trips of RESTORE_UNICAST (a peer may be fetching from us at the same time; our accept thread answers
+ * it from the export cache).
  */
 #define _GNU_SOURCE
 #include <stdio.h>
@@ -197,8 +197,8 @@ static int restore_one(struct cui_op_result *res, struct cui_alloc *a, int fd, c
     return -1;
   }
   CUmemGenericAllocationHandle h;
-  CUresult r =
-      REAL(cuMemImportFromShareableHandle)(&h, (void *)(uintptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+  CUresult r = REAL(cuMemImportFromShareableHandle)(&h, (void *)(uintptr_t)fd,
+                                                    CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
   close(fd);
   if (r != CUDA_SUCCESS) {
     res->status = CUI_FAILED;

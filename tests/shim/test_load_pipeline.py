@@ -1,13 +1,11 @@
 """LOAD_ALLOCATIONS's pipeline (ops_load.c queue_reads / zero_chunks / drain_reads, the copies
 on ops_copies.c's lanes; docs/shim.md "Chunk files") and the page-locked ring (pin_ring), driven
-adversarially on
-fakecuda (written by a reviewer trying to break them):
+adversarially on fakecuda (written by a reviewer trying to break them):
 - a bad chunk (checksum) or an unreadable chunk file (EBADF) in the LAST allocation, while the
   earlier ones are created: refused naming that allocation and chunk, every allocation the LOAD
   created is unmapped from the app's VAs and released (fake log), the records are unchanged, the
-  shim stays
-  PREPARED, and the next LOAD brings the bytes back; with a one-slot ring and one reader, and
-  with a wider ring and several readers;
+  shim stays PREPARED, and the next LOAD brings the bytes back; with a one-slot ring and one
+  reader, and with a wider ring and several readers;
 - many allocations through a one-slot ring and one reader, and through a ring whose
   staging_bytes is not a whole number of chunks (reply.reserved[4] says the whole chunks locked,
   on SAVE and on LOAD);
@@ -101,7 +99,9 @@ def _assert_released(fake_log, pid, mark, vas):
     assert len(made) == len(vas)
     released = [a["handle"] for fn, a, _ in calls if fn == "cuMemRelease"]
     assert sorted(released) == sorted(made)
-    mapped = [int(a["ptr"], 16) for fn, a, res in calls if fn == "cuMemMap" and res == "CUDA_SUCCESS"]
+    mapped = [
+        int(a["ptr"], 16) for fn, a, res in calls if fn == "cuMemMap" and res == "CUDA_SUCCESS"
+    ]
     assert mapped == vas
     assert sorted(int(a["ptr"], 16) for fn, a, _ in calls if fn == "cuMemUnmap") == sorted(vas)
     assert [fn for fn, _, _ in calls if fn in ("cuMemAddressReserve", "cuMemAddressFree")] == []
