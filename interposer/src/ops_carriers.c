@@ -169,12 +169,6 @@ void *cui_carry_pin_ring(struct cui_op_result *res, struct cui_cio *io, const st
   return r == CUDA_SUCCESS ? ring : NULL;
 }
 
-int cui_copy_device(const struct cui_alloc *a) {
-  int dev = 0;
-  if (a->prop.location.type == CU_MEM_LOCATION_TYPE_DEVICE) return a->prop.location.id;
-  return cui_current_device(&dev) == CUDA_SUCCESS ? dev : 0;   /* host memory: the current context's */
-}
-
 /* The hand-off of SAVE's copies (ops_copies.c): a copied slot goes to the writers (an empty
  * chunk when the copy failed); the first failed copy's stream names the allocation at fault. */
 struct save_copies {
@@ -198,7 +192,7 @@ static CUresult save_one(struct cui_alloc *a, struct cui_cio_stream *s, struct c
   int temporary;
   CUdeviceptr va = 0;
   CUresult r = cui_alloc_driver_handle(a, &h, &temporary);
-  int held = r == CUDA_SUCCESS, dev = cui_copy_device(a);
+  int held = r == CUDA_SUCCESS;
   if (r != CUDA_SUCCESS) *what = "cuMemRetainAllocationHandle";
   int staged = 0;   /* copy from the app's own mapping where one covers the allocation */
   if (r == CUDA_SUCCESS && !(va = cui_whole_mapping(a, CU_MEM_ACCESS_FLAGS_PROT_READ, 1))) {
@@ -214,7 +208,7 @@ static CUresult save_one(struct cui_alloc *a, struct cui_cio_stream *s, struct c
     }
     uint64_t off = (uint64_t)i * cb, len = s->bytes - off < cb ? s->bytes - off : cb;
     struct cui_copy c = {slot, s, i, len};
-    r = cui_copies_put(cp, dev, 0, va + off, buf, &c, what);
+    r = cui_copies_put(cp, 0, va + off, buf, &c, what);
   }
   if (staged) {   /* its copies read the staging mapping: done before it goes */
     const char *w2 = NULL;

@@ -110,7 +110,6 @@ static int drain_reads(struct cui_op_result *res, struct cui_alloc **which, stru
                        const CUdeviceptr *vas, struct load_copies *lc, struct cui_copies *cp, uint64_t cb,
                        int64_t queued) {
   const struct cui_alloc *last = NULL;
-  int dev = 0;
   for (int64_t k = 0; k < queued; k++) {
     unsigned char *buf;
     struct cui_cio_stream *got;
@@ -122,12 +121,11 @@ static int drain_reads(struct cui_op_result *res, struct cui_alloc **which, stru
     if (!last || last->prop.location.type != which[j]->prop.location.type ||
         last->prop.location.id != which[j]->prop.location.id) {
       cui_ensure_context(&which[j]->prop);   /* its device's context: the chunks of several GPUs interleave */
-      dev = cui_copy_device(which[j]);
     }
     last = which[j];
     const char *what = NULL;
     struct cui_copy c = {slot, got, chunk, len};
-    CUresult r = cui_copies_put(cp, dev, 1, vas[j] + (uint64_t)chunk * cb, buf, &c, &what);
+    CUresult r = cui_copies_put(cp, 1, vas[j] + (uint64_t)chunk * cb, buf, &c, &what);
     if (r != CUDA_SUCCESS) {
       cui_fail_driver(res, CUI_OP_LOAD_ALLOCATIONS, which[lc->failed ? lc->failed - st : j], what, r);
       return -1;

@@ -86,10 +86,10 @@ struct cui_copies;
 /* `lanes` copies in flight at most (0: each waited for at once; at most CUI_COPY_LANES_MAX);
  * NULL out of memory. */
 CUI_HIDDEN struct cui_copies *cui_copies_start(unsigned lanes, cui_copy_done_fn done, void *ctx);
-/* Issue copy `c` on a stream of device `dev` (the current context's device): HtoD from `host` to
- * `dptr` (to_device) or DtoH from `dptr` to `host`, after waiting for the copy that used the lane
+/* Issue copy `c` on the next lane's stream of the current context: HtoD from `host` to `dptr`
+ * (to_device) or DtoH from `dptr` to `host`, after waiting for the copy that used the lane
  * before. A failure (*what names the call) has handed `c` on already. */
-CUI_HIDDEN CUresult cui_copies_put(struct cui_copies *p, int dev, int to_device, CUdeviceptr dptr, void *host,
+CUI_HIDDEN CUresult cui_copies_put(struct cui_copies *p, int to_device, CUdeviceptr dptr, void *host,
                                    const struct cui_copy *c, const char **what);
 /* Wait for every copy in flight (drain), or that and destroy the streams and free `p` (finish;
  * adds the time spent issuing and waiting to *ns). The first failure, *what naming the call. */
@@ -116,7 +116,6 @@ CUI_HIDDEN cui_digest_fn cui_carry_digest(const struct cui_carry_in *in);
 CUI_HIDDEN const char *cui_carry_checksum_name(uint32_t flags);
 CUI_HIDDEN void *cui_carry_pin_ring(struct cui_op_result *res, struct cui_cio *io, const struct cui_alloc *first);
 CUI_HIDDEN uint32_t cui_carry_drop_tables(void);
-CUI_HIDDEN int cui_copy_device(const struct cui_alloc *a);   /* the device a copy of `a` runs on */
 
 /* ---------- ops_load.c ---------- */
 
