@@ -15,21 +15,11 @@ import pytest
 
 from cuinterpose.coordinator.protocol import Op, Phase, Status
 
-from .conftest import POSIX, RW
+from .test_chunks import _alloc
 
 MiB = 1 << 20
 CB = 64 << 10
 COPIES = ("cuMemcpyDtoHAsync_v2", "cuMemcpyHtoDAsync_v2")
-
-
-def _alloc(c, size, seed):
-    h = c.val(f"create {size} {POSIX}")
-    va = c.val(f"reserve {size}")
-    c.ok(f"map {va} {size} 0 {h}")
-    c.ok(f"access {va} {size} 0 {RW}")
-    c.ok(f"fill {va} {size} {seed}")
-    c.val(f"export {h}")
-    return va
 
 
 def _op(ctl, c, fake_log, op, txn, phase):
