@@ -338,12 +338,12 @@ int cui_cio_queue_read(struct cui_cio *io, struct cui_cio_stream *s, uint32_t ch
   return 0;
 }
 
-int cui_cio_next_ready(struct cui_cio *io, unsigned char **buf, struct cui_cio_stream **s, uint32_t *chunk,
-                       size_t *len) {
+int cui_cio_take_ready(struct cui_cio *io, const struct cui_cio_stream *below, unsigned char **buf,
+                       struct cui_cio_stream **s, uint32_t *chunk, size_t *len) {
   pthread_mutex_lock(&io->mu);
-  while (!io->qlen && !io->stop && io->consumed < io->ntasks) pthread_cond_wait(&io->cv_caller, &io->mu);
+  while (!below && !io->qlen && !io->stop && io->consumed < io->ntasks) pthread_cond_wait(&io->cv_caller, &io->mu);
   int slot = -1;
-  if (!io->stop && io->qlen) {
+  if (!io->stop && io->qlen && (!below || io->q[io->qhead].s < below)) {
     struct cio_item it = io->q[io->qhead];
     io->qhead = (io->qhead + 1) % io->nslots;
     io->qlen--;
@@ -356,6 +356,11 @@ int cui_cio_next_ready(struct cui_cio *io, unsigned char **buf, struct cui_cio_s
   }
   pthread_mutex_unlock(&io->mu);
   return slot;
+}
+
+int cui_cio_next_ready(struct cui_cio *io, unsigned char **buf, struct cui_cio_stream **s, uint32_t *chunk,
+                       size_t *len) {
+  return cui_cio_take_ready(io, NULL, buf, s, chunk, len);
 }
 
 void cui_cio_release(struct cui_cio *io, int slot) {

@@ -102,27 +102,30 @@ static void loaded_copy(void *ctx, const struct cui_copy *c, CUresult r) {
   if (r != CUDA_SUCCESS && !lc->failed) lc->failed = c->s;
 }
 
-/* Puts the copies of the `queued` verified chunks to their allocations (vas[j]: where stream j's
- * allocation is mapped) on the pipeline as the readers deliver them. Returns 0; -1 with a driver
- * failure in res (naming the chunk's allocation) or 1 when the ring stopped (the caller reads
- * why). */
+/* Puts the copies of verified chunks to their allocations (vas[j]: where stream j's allocation is
+ * mapped) on the pipeline as the readers deliver them: `n` of them, waiting for each; or, with
+ * `below`, those of the streams before it that are verified already, without waiting (while the
+ * later allocations are still being created, so that the readers never stall on a full ring).
+ * *taken counts them; *last: the allocation whose device's context is current. Returns 0; -1
+ * with a driver failure in res (naming the chunk's allocation) or 1 when the ring stopped (the
+ * caller reads why). */
 static int drain_reads(struct cui_op_result *res, struct cui_alloc **which, struct cui_cio_stream *st,
                        const CUdeviceptr *vas, struct load_copies *lc, struct cui_copies *cp, uint64_t cb,
-                       int64_t queued) {
-  const struct cui_alloc *last = NULL;
-  for (int64_t k = 0; k < queued; k++) {
+                       const struct cui_cio_stream *below, int64_t n, int64_t *taken, const struct cui_alloc **last) {
+  for (int64_t k = 0; below || k < n; k++) {
     unsigned char *buf;
     struct cui_cio_stream *got;
     uint32_t chunk;
     size_t len;
-    int slot = cui_cio_next_ready(lc->io, &buf, &got, &chunk, &len);
-    if (slot < 0) return 1;
+    int slot = cui_cio_take_ready(lc->io, below, &buf, &got, &chunk, &len);
+    if (slot < 0) return below ? 0 : 1;
+    ++*taken;
     uint32_t j = (uint32_t)(got - st);
-    if (!last || last->prop.location.type != which[j]->prop.location.type ||
-        last->prop.location.id != which[j]->prop.location.id) {
+    if (!*last || (*last)->prop.location.type != which[j]->prop.location.type ||
+        (*last)->prop.location.id != which[j]->prop.location.id) {
       cui_ensure_context(&which[j]->prop);   /* its device's context: the chunks of several GPUs interleave */
     }
-    last = which[j];
+    *last = which[j];
     const char *what = NULL;
     struct cui_copy c = {slot, got, chunk, len};
     CUresult r = cui_copies_put(cp, 1, vas[j] + (uint64_t)chunk * cb, buf, &c, &what);
@@ -293,12 +296,16 @@ int cui_op_load_allocations(struct cui_op_result *res) {
                     CUDA_ERROR_OUT_OF_MEMORY);
     got = -1;
   }
+  int64_t taken = 0;   /* verified chunks put on the pipeline */
+  const struct cui_alloc *last = NULL;
   for (uint32_t j = 0; j < n && got == 0; j++) {   /* while the readers read and verify */
     got = make(res, which[j], &hs[j], &vas[j], &placed[j], &remapped);
     made += got == 0;
+    last = which[j];   /* make() made its device's context current */
     if (got == 0) got = zero_chunks(res, which[j], &st[j], vas[j], cb);
+    if (got == 0) got = drain_reads(res, which, st, vas, &lc, cp, cb, &st[j + 1], 0, &taken, &last);
   }
-  if (got == 0) got = drain_reads(res, which, st, vas, &lc, cp, cb, queued);
+  if (got == 0) got = drain_reads(res, which, st, vas, &lc, cp, cb, NULL, queued - taken, &taken, &last);
   const char *what = NULL;   /* every copy done before the ring or a mapping goes */
   CUresult r = cui_copies_finish(cp, &res->copy_ns, &what);
   if (got == 0 && r != CUDA_SUCCESS) {

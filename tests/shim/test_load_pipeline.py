@@ -222,9 +222,10 @@ def test_unreadable_chunk_file_of_the_last_allocation(apps, ctl, chunk_files, fa
 
 def test_many_allocations_through_a_one_slot_ring(apps, ctl, chunk_files, fake_log):
     """24 allocations (every third all zero, every third with a zero hole in the middle) through
-    a ring of one slot and one reader: the reader holds the slot with the first verified chunk
-    until the worker has created all 24, then one chunk at a time. Every byte comes back; each
-    non-zero chunk is one cuMemcpyHtoD, each zero run one cuMemsetD8."""
+    a ring of one slot and one reader: the worker takes each verified chunk once its allocation
+    exists (between the creates of later ones, or after the last), one chunk at a time. Every
+    byte comes back; each non-zero chunk is one copy, after its allocation was mapped, each zero
+    run one cuMemsetD8."""
     chunk_files.staging_bytes, chunk_files.writers = CB, 1
     c = apps()
     c.ok("init")
@@ -248,7 +249,12 @@ def test_many_allocations_through_a_one_slot_ring(apps, ctl, chunk_files, fake_l
     creates = [i for i, fn in enumerate(names) if fn == "cuMemCreate"]
     copies = [i for i, fn in enumerate(names) if fn == "cuMemcpyHtoDAsync_v2"]
     assert (len(creates), len(copies)) == (24, 8 * 32 + 8 * 16)
-    assert max(creates) < min(copies)
+    mapped = {int(a["ptr"], 16): i for i, (fn, a, _) in enumerate(calls) if fn == "cuMemMap"}
+    assert sorted(mapped) == sorted(vas)  # where the app maps them
+    for i in copies:  # each chunk after its own allocation was mapped
+        dst = int(calls[i][1]["dst"], 16)
+        (va,) = [v for v in vas if v <= dst < v + size]
+        assert mapped[va] < i
     sets = [int(a["count"]) for fn, a, _ in calls if fn == "cuMemsetD8_v2"]
     assert sorted(sets) == [16 * CB] * 8 + [size] * 8
     for i, (kind, va) in enumerate(zip(kinds, vas)):
