@@ -27,7 +27,7 @@ and LOAD: its memfd, its export, its chunk file); the pairs of each K are printe
 scaling ratio between two K of different P says so.
 
     .venv/bin/python bench/phases.py [--k 10,1000,10000] [--size BYTES] [--pairs N|auto]
-        [--driver fake|real] [--json]
+        [--driver fake|real] [--json] [--dir DIR]
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ def rows_of(events: list) -> list:
 def run_one(exe, args, k: int, npairs: int) -> dict:
     """Capture and restore K allocations over ``npairs`` pairs; the rows and totals (ns)."""
     shares = [k // npairs + (1 if i < k % npairs else 0) for i in range(npairs)]
-    with tempfile.TemporaryDirectory(prefix="cui-bench-") as ctl:
+    with tempfile.TemporaryDirectory(prefix="cui-bench-", dir=args.dir) as ctl:
         pairs = []
         try:
             for n in shares:
@@ -337,6 +337,13 @@ def main(argv=None) -> int:
         help="creator/importer pairs sharing the K allocations, or auto (see the description)",
     )
     ap.add_argument("--json", action="store_true", help="the summary as one JSON object, last")
+    ap.add_argument(
+        "--dir",
+        default=None,
+        help="where the control sockets and chunk files go (default: $TMPDIR); the coordinator "
+        "creates one chunk file per allocation inside SAVE_ALLOCATIONS, at the speed of this "
+        "file system's creates",
+    )
     args = ap.parse_args(argv)
     if args.size is None:
         args.size = 64 << 10 if args.driver == "fake" else driver_granularity()
@@ -351,7 +358,8 @@ def main(argv=None) -> int:
     print(
         f"driver={args.driver} size={args.size} B per allocation (a multiple of the "
         f"granularity: {gran}), pairs of processes (creator + importer), RLIMIT_NOFILE {hard}, "
-        f"chunk checksum {node_checksum()} (the agent's on this node)"
+        f"chunk checksum {node_checksum()} (the agent's on this node), chunk files under "
+        f"{args.dir or tempfile.gettempdir()}"
     )
     head = (
         f"{'K':>5} {'seq':<8} {'phase':<17} {'wall ms':>9} {'shim ms':>9} {'changed':>7} "
