@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import json
 
 import pytest
 
-from cuinterpose.coordinator.barrier import next_txn_id
+from cuinterpose.coordinator.barrier import gc_paused, next_txn_id
 from cuinterpose.coordinator.carrierfiles import streams_of
 from cuinterpose.coordinator.errors import CoordinatorError
 from cuinterpose.coordinator.phases import (
@@ -239,6 +240,27 @@ def test_on_event_per_reply_and_per_phase(ctl):
         assert chunk[3].phase_result.phase == name
     save_phase = events[7]
     assert save_phase.bytes == 12 * MiB
+
+
+def test_gc_paused_nests_and_leaves_the_collector_as_it_found_it(ctl):
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+        with gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with group(ctl) as g:  # every pause of a capture and a restore ended
+        co = Coordinator(g.participants)
+        co.restore(co.capture())
+    assert gc.isenabled()
+    gc.disable()
+    try:  # a caller that runs without the collector keeps it off
+        with gc_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_on_event_exception_does_not_break_the_barrier(ctl):
