@@ -73,9 +73,10 @@ def gc_paused():
     Records and their tuples hold no cycles (their reference counts free them), but each
     collection that their allocation triggers walks every live object: at 40000 records the
     collections cost as much as the work itself, and more as the records of a capture and of
-    its restore pile up (K = 10000 cost 17x to 77x K = 1000 in INSPECT, ``check carriers`` and
-    ``compare``). Nested and concurrent blocks (the barrier's threads) share one pause; the
-    collector is enabled again after the last only if it was enabled before the first."""
+    its restore pile up (K = 10000 cost up to 77x K = 1000 in ``check carriers`` and
+    ``compare``; decisions D40). Nested and concurrent blocks (the barrier's threads) share one
+    pause; the collector is enabled again after the last only if it was enabled before the
+    first."""
     with _gc_lock:
         if _gc_state["depth"] == 0:
             _gc_state["was_enabled"] = gc.isenabled()
