@@ -218,7 +218,7 @@ def x_cli() -> dict:
         out["job_file"] = {
             "proc_fd_of_program": len(words) >= 3 and words[1].startswith(f"/proc/{words[0]}/fd/"),
             "memfd": len(words) >= 3 and words[2].startswith("/memfd:"),
-            "info": j["info_out"],
+            "info_seen": j["info_out"],
         }
         out.update(x_job_ipc())
     return out
