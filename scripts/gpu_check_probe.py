@@ -22,7 +22,9 @@ warm-up copy each way.
 
 ``semantics``: one JSON object, experiment name -> what the driver did (CUresult names,
 values), for the VMM, export/import, IPC, multicast and checkpoint behaviours fakecuda models
-(:data:`EXPERIMENTS`). scripts/gpu_check.py runs it on the real driver and on fakecuda in the
+(:data:`EXPERIMENTS`), and what the documents leave open about controllers and the
+``cuda-checkpoint`` utility (scripts/gpu_check_open.py). scripts/gpu_check.py runs it on the
+real driver and on fakecuda in the
 same run and reports every experiment whose results differ; keys starting with ``info_`` are
 reported, not compared (paths, inode numbers), and a key only one side has (an experiment
 keyed by a device attribute the two report differently) is listed, not compared.
@@ -41,6 +43,7 @@ import sys
 import time
 
 from cuda.bindings import driver as cu
+from gpu_check_open import x_cli, x_controller  # noqa: E402 (issue 25's open questions)
 from gpu_check_steps import CHECKPOINT_API
 
 from cuinterpose.workloads.afdwin.cudrv import alloc_prop, rw_access
@@ -413,7 +416,7 @@ def x_last(gran: int) -> dict:
     return out
 
 
-EXPERIMENTS = ("vmm", "export", "ipc", "multicast", "checkpoint", "last")
+EXPERIMENTS = ("vmm", "export", "ipc", "multicast", "checkpoint", "controller", "cli", "last")
 
 
 def semantics() -> dict:
@@ -428,6 +431,8 @@ def semantics() -> dict:
         ("ipc", x_ipc),
         ("multicast", lambda: x_multicast(gran)),
         ("checkpoint", x_checkpoint),
+        ("controller", x_controller),
+        ("cli", x_cli),
         ("last", lambda: x_last(gran)),
     ):
         try:

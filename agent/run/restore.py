@@ -413,7 +413,10 @@ class Restore(StepRunner):
                         pid=pid,
                     )
             by_pid = {p["pid"]: p for p in self.m["participants"]}
-            pairs = {p: devicemap.pairs_for(by_pid.get(p, {}), self.gpu_map) for p in pids}
+            pairs = {
+                p: devicemap.pairs_for(by_pid.get(p, {}), self.gpu_map, self.node_gpus)
+                for p in pids
+            }
             gpustore_step.prepare_restore(self)  # streams in custom storage (issue 12)
             devicemap.native_restore(pids, pairs)
             ph.detail = f"pids {', '.join(map(str, pids))} by {native.backend().name}"

@@ -18,7 +18,8 @@ int g_hint_mode = HINT_HONOR; /* FAKECUDA_RESERVE_HINT */
 unsigned long long g_mc_watchdog_ms = 10000; /* FAKECUDA_MULTICAST_WATCHDOG_MS (0: wait forever) */
 unsigned long long g_mc_rounding;           /* FAKECUDA_MULTICAST_CAPACITY_ROUNDING (0: none) */
 unsigned long long g_map_offsets;           /* FAKECUDA_MAP_OFFSETS (0: offset 0 only, as R580) */
-int g_launch_job; /* FAKECUDA_LAUNCH_JOB: native checkpoint carries CUDA IPC as private copies */
+int g_launch_job;  /* a job of cuda-checkpoint --launch-job: native checkpoint carries CUDA IPC (init.c) */
+int g_persistence; /* FAKECUDA_PERSISTENCE_MODE (default 1): restore needs no cuInit in the caller */
 
 pid_t fc_tid(void) { return (pid_t)syscall(SYS_gettid); }
 
@@ -132,6 +133,7 @@ __attribute__((constructor)) static void fc_load(void)
     g_mc_rounding = env_ull("FAKECUDA_MULTICAST_CAPACITY_ROUNDING", 0);
     g_map_offsets = env_ull("FAKECUDA_MAP_OFFSETS", 0);
     g_launch_job = env_ull("FAKECUDA_LAUNCH_JOB", 0) != 0;
+    g_persistence = env_ull("FAKECUDA_PERSISTENCE_MODE", 1) != 0;
     /* an older driver (e.g. 13010: no custom storage, no cuCheckpointOperationComplete) */
     unsigned long long ver = env_ull("FAKECUDA_DRIVER_VERSION", FC_DRIVER_VERSION);
     g_driver_version = ver >= 12080 && ver <= FC_DRIVER_VERSION ? (int)ver : FC_DRIVER_VERSION;

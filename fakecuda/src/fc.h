@@ -78,7 +78,9 @@ extern int g_hint_mode;         /* FAKECUDA_RESERVE_HINT */
 extern unsigned long long g_mc_watchdog_ms; /* FAKECUDA_MULTICAST_WATCHDOG_MS (0: wait forever) */
 extern unsigned long long g_mc_rounding;    /* FAKECUDA_MULTICAST_CAPACITY_ROUNDING (0: none) */
 extern unsigned long long g_map_offsets;    /* FAKECUDA_MAP_OFFSETS (0: offset 0 only, as R580) */
-extern int g_launch_job;        /* FAKECUDA_LAUNCH_JOB (cuda-checkpoint --launch-job, r610+) */
+extern int g_launch_job;        /* a job of cuda-checkpoint --launch-job (CUDA_CHECKPOINT_JOB_FILE at
+                                 * cuInit, or FAKECUDA_LAUNCH_JOB): native checkpoint carries CUDA IPC */
+extern int g_persistence;       /* FAKECUDA_PERSISTENCE_MODE: a restore needs no cuInit in the caller */
 extern int g_forked_child;      /* a child forked after cuInit (the driver is unusable there) */
 extern int g_ck_listen;         /* the checkpoint control socket (checkpoint_target.c) */
 extern int g_driver_version;    /* FAKECUDA_DRIVER_VERSION (cuDriverGetVersion; lookups above it fail) */
@@ -188,12 +190,12 @@ struct fc_ctx {
 
 extern struct fc_ctx g_prim[FC_MAX_DEVICES];
 
-/* One GPU: its physical index on the node, UUID, name (cuDeviceGetName) and total memory in
- * bytes (cuDeviceTotalMem). Also the wire form of a device in the restore request. */
-#define FC_DEV_NAMED 1u /* from FAKECUDA_DEVICES: its name is its model */
+/* One GPU: its physical index on the node, UUID, name (cuDeviceGetName: its model; two GPUs
+ * of one model have one name) and total memory in bytes (cuDeviceTotalMem). Also the wire form
+ * of a device in the restore request. */
 struct fc_dev {
     int32_t phys;
-    uint32_t flags;           /* FC_DEV_NAMED */
+    uint32_t flags;           /* 0 (reserved) */
     CUuuid uuid;
     char name[64];
     uint64_t mem;
@@ -203,6 +205,10 @@ int dev_ok(CUdevice d);
 void dev_uuid(int d, CUuuid *u);               /* ordinal d's UUID as this process sees it */
 const struct fc_dev *dev_get(int d);           /* ordinal d's entry, or NULL */
 void dev_set(int d, const struct fc_dev *nd);  /* ordinal d now names GPU nd (a gpuPairs restore) */
+int node_count(void);                          /* the node's GPUs (the kernel-mode view: whatever
+                                                * CUDA_VISIBLE_DEVICES says); needs no cuInit */
+const struct fc_dev *node_get(int i);          /* node GPU i, or NULL */
+void node_set(int i, const struct fc_dev *nd); /* node GPU i is now nd (a gpuPairs restore) */
 void uuid_str(const CUuuid *u, char out[41]);  /* "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" */
 void dev_config(void);                         /* FAKECUDA_DEVICES, CUDA_VISIBLE_DEVICES (cuInit) */
 int dev_has_ctx(int d);                        /* a context on ordinal d (g_mu held) */
@@ -453,8 +459,8 @@ struct ck_rep {
 #define CK_MAGIC 0xfcc4ec01u
 
 /* CK_RESTORE carries more: the gpuPairs (each old UUID with the controller's entry for the new
- * one) and the devices the controller sees (the node's GPUs as far as the fake knows: a GPU
- * the controller does not see is missing). */
+ * one) and the node's GPUs as the controller's driver knows them (its FAKECUDA_DEVICES, not
+ * narrowed by its CUDA_VISIBLE_DEVICES: the kernel-mode driver's view). */
 struct ck_gpu_pair {
     CUuuid old_uuid;
     struct fc_dev new_dev;
@@ -484,10 +490,17 @@ struct ck_cs_rep {
     struct ck_cs_dev dev[FC_MAX_DEVICES];
 };
 
-/* Target side (checkpoint_checks.c, g_mu held): refusals; restore placement (fills to[d] for
- * every ordinal, *nmoved = ordinals moved onto another GPU). */
+/* Where a restore puts the process: ord[d] the GPU of each ordinal, node[i] of each node entry
+ * (node_get), nmoved the ordinals that move onto another GPU. */
+struct ck_placement {
+    struct fc_dev ord[FC_MAX_DEVICES];
+    struct fc_dev node[FC_MAX_DEVICES];
+    int nmoved;
+};
+
+/* Target side (checkpoint_checks.c, g_mu held): refusals; restore placement. */
 CUresult ck_refusals(void);
-CUresult ck_place(const struct ck_restore_req *rq, struct fc_dev *to, int *nmoved);
+CUresult ck_place(const struct ck_restore_req *rq, struct ck_placement *pl);
 
 /* Target side (checkpoint_storage.c; g_mu held for begin/complete). */
 CUresult cs_begin(int restore, const struct fc_dev *to, struct ck_cs_rep *rep, int *fds); /* the streams */

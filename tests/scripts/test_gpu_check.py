@@ -70,6 +70,7 @@ def test_every_check_runs_in_order_with_one_line_each(fake_run):
         "criu",
         "doctor",
         "gpu-tests",
+        "conformance",
         "bench-intercept",
         "bench-phases",
         "carrier-copy",
