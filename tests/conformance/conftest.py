@@ -29,7 +29,8 @@ import pytest
 from cuinterpose.agent import paths
 
 HERE = pathlib.Path(__file__).resolve().parent
-DRIVER = os.environ.get("CONFORMANCE_DRIVER", "fake")
+from conformance_driver import DRIVER  # noqa: E402
+
 SHIM_MODES = {"both": ("plain", "shim"), "plain": ("plain",), "shim": ("shim",)}[
     os.environ.get("CONFORMANCE_SHIM", "both")
 ]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pathlib
 
 import pytest
-from conftest import DRIVER
+from conformance_driver import DRIVER
 
 
 @pytest.mark.skipif(DRIVER == "real", reason="r610 job mode is recorded by gpu_check_probe.py")
