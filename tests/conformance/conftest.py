@@ -25,11 +25,11 @@ import subprocess
 import sys
 
 import pytest
+from conformance_driver import DRIVER
 
 from cuinterpose.agent import paths
 
 HERE = pathlib.Path(__file__).resolve().parent
-from conformance_driver import DRIVER  # noqa: E402
 
 SHIM_MODES = {"both": ("plain", "shim"), "plain": ("plain",), "shim": ("shim",)}[
     os.environ.get("CONFORMANCE_SHIM", "both")
