@@ -31,6 +31,7 @@ RUN bash scripts/install-criu.sh \
 
 # the package: C libraries (shim, fakecuda) built by scikit-build-core, protobuf stubs
 COPY pyproject.toml CMakeLists.txt README.md ./
+COPY compat/ compat/
 COPY interposer/ interposer/
 COPY fakecuda/ fakecuda/
 COPY proto/ proto/
