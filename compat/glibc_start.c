@@ -23,8 +23,8 @@ typedef int (*cui_main_fn)(int, char **, char **);
 typedef void (*cui_init_fn)(int, char **, char **);
 
 /* The old version, bound under its own name so that --wrap does not rename it. */
-extern int cui_glibc_start_main_old(cui_main_fn main, int argc, char **argv, cui_init_fn init,
-                                    void (*fini)(void), void (*rtld_fini)(void), void *stack_end);
+extern int cui_glibc_start_main_old(cui_main_fn main, int argc, char **argv, cui_init_fn init, void (*fini)(void),
+                                    void (*rtld_fini)(void), void *stack_end);
 #if defined(__x86_64__)
 __asm__(".symver cui_glibc_start_main_old,__libc_start_main@GLIBC_2.2.5");
 #elif defined(__aarch64__)
@@ -43,10 +43,10 @@ static void cui_glibc_run_init(int argc, char **argv, char **envp) {
   for (cui_init_fn *f = __init_array_start; f < __init_array_end; f++) (*f)(argc, argv, envp);
 }
 
-int __wrap___libc_start_main(cui_main_fn main, int argc, char **argv, cui_init_fn init,
-                             void (*fini)(void), void (*rtld_fini)(void), void *stack_end);
-int __wrap___libc_start_main(cui_main_fn main, int argc, char **argv, cui_init_fn init,
-                             void (*fini)(void), void (*rtld_fini)(void), void *stack_end) {
+int __wrap___libc_start_main(cui_main_fn main, int argc, char **argv, cui_init_fn init, void (*fini)(void),
+                             void (*rtld_fini)(void), void *stack_end);
+int __wrap___libc_start_main(cui_main_fn main, int argc, char **argv, cui_init_fn init, void (*fini)(void),
+                             void (*rtld_fini)(void), void *stack_end) {
   (void)init; /* null from a 2.34+ Scrt1.o; an older one passed __libc_csu_init, the same */
   (void)fini;
   return cui_glibc_start_main_old(main, argc, argv, cui_glibc_run_init, 0, rtld_fini, stack_end);

@@ -4,9 +4,9 @@
 # status is 1 when any of them reports a finding.
 #
 #   Python  ruff check, ruff format --check ([tool.ruff] in pyproject.toml)
-#   C       clang-format --dry-run --Werror over interposer/, fakecuda/, tests/*/c/
+#   C       clang-format --dry-run --Werror over compat/, interposer/, fakecuda/, tests/*/c/
 #           (.clang-format, fakecuda/.clang-format)
-#   shell   shellcheck over scripts/*.sh and .ci/run
+#   shell   shellcheck over scripts/*.sh, agent/mech/*.sh (the CRIU installer) and .ci/run
 #
 # scripts/lint.sh --fix (what scripts/format.sh runs) applies what can be applied instead:
 # ruff check --fix, ruff format, clang-format -i; then runs the checks again to show what is
@@ -29,14 +29,14 @@ done
 c_sources() {
   if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
     git ls-files --cached --others --exclude-standard -- \
-      'interposer/*.c' 'interposer/*.h' 'fakecuda/*.c' 'fakecuda/*.h' \
+      'compat/*.c' 'compat/*.h' 'interposer/*.c' 'interposer/*.h' 'fakecuda/*.c' 'fakecuda/*.h' \
       'tests/*/c/*.c' 'tests/*/c/*.h' \
       | while IFS= read -r f; do if [ -f "$f" ]; then printf '%s\n' "$f"; fi; done
   else   # an unpacked source tree without git
-    find interposer fakecuda tests/*/c -type f \( -name '*.c' -o -name '*.h' \) | sort
+    find compat interposer fakecuda tests/*/c -type f \( -name '*.c' -o -name '*.h' \) | sort
   fi
 }
-shell_scripts() { printf '%s\n' scripts/*.sh .ci/run; }
+shell_scripts() { printf '%s\n' scripts/*.sh agent/mech/*.sh .ci/run; }
 
 if [ "${1:-}" = --fix ]; then
   echo "lint --fix: ruff check --fix"
