@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := .cache/stamps
 
-.PHONY: demo test lint build setup system criu bench clean
+.PHONY: demo test lint build setup system criu bench wheel clean
 demo: build criu
 	$(PY) -m cuinterpose.workloads.afdwin.demo
 
@@ -24,6 +24,10 @@ build: setup
 	$(PY) -m pip install --quiet --no-build-isolation --no-deps --editable .
 
 setup: $(STAMP)/venv
+
+# The manylinux_2_17 wheel users install, into dist/ (scripts/build-wheel.sh).
+wheel: setup
+	bash scripts/build-wheel.sh dist
 
 system: $(STAMP)/system
 $(STAMP)/system: scripts/bootstrap-debian.sh
