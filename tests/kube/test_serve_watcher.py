@@ -1,7 +1,7 @@
 """The DaemonSet's code path: ``cuinterpose-agent serve --config FILE`` with the Helm chart's
 ConfigMap document, the pod watcher running inside the daemon, against the fake API server.
 
-The chart is rendered (tests/chart/minihelm.py) with values that only point it at this test's
+The chart is rendered by helm (tests/chart/helm_kit.py) with values that only point it at this test's
 world: the control and snapshot directories, a Unix socket, metrics on a free loopback port,
 fakecuda, and the ``kubernetes`` settings (``apiServer`` = the fake API server, ``procRoot`` = a
 laid-out /proc that puts the test's processes into the pods' containers, as in
@@ -31,7 +31,6 @@ import tempfile
 import threading
 
 import pytest
-import yaml
 from fakeapi import NODE, make_pod
 from metrics_kit import scrape
 from placement_kit import not_placed
@@ -44,9 +43,8 @@ from cuinterpose.agent.snapshot import pb
 from cuinterpose.workloads.afdwin import demo
 
 HERE = pathlib.Path(__file__).resolve().parent
-CHART = HERE.parents[1] / "charts" / "cuinterpose"
 sys.path.insert(0, str(HERE.parent / "chart"))
-import minihelm  # noqa: E402
+import helm_kit  # noqa: E402
 
 CID_JOB = "c0ffee" * 10 + "abcd"
 CID_STUCK = "5bad" * 16
@@ -58,13 +56,7 @@ CONFIG_PATH = "/etc/cuinterpose/config.yaml"  # where the DaemonSet mounts the C
 
 def render(values: dict) -> tuple[dict, str]:
     """(the DaemonSet's agent container, the ConfigMap's config.yaml) of the chart."""
-    docs = {}
-    for name, text in minihelm.render_chart(CHART, values).items():
-        if name == "NOTES.txt":
-            continue
-        for d in yaml.safe_load_all(text):
-            if isinstance(d, dict) and "kind" in d:
-                docs.setdefault(d["kind"], []).append(d)
+    docs = helm_kit.render(values)
     (ds,) = docs["DaemonSet"]
     (agent,) = ds["spec"]["template"]["spec"]["containers"]
     (cm,) = docs["ConfigMap"]
