@@ -126,8 +126,10 @@ def stuck(subreaper):
 def test_serve_config_from_the_chart_runs_the_pod_watcher(
     api, tmp_path, afdwin, stuck, agent_dir, placeholder, cgroup_dir
 ):
-    steps = 1500  # ~7.5 s of traffic: the checkpoint lands mid-stream
-    a = afdwin(steps=steps, step_delay_ms=5)
+    steps = 1500
+    # held at step 20 until the annotation's quiesce: the checkpoint lands mid-stream however
+    # long the chart's rendering and the daemon's start take on a busy machine (case 014)
+    a = afdwin(steps=steps, step_delay_ms=5, hold_at=(20,))
     a.wait_for(lambda ev: demo.received(ev) >= 20, 120, "20 messages")
     proc_root, snaps = tmp_path / "proc", tmp_path / "snap"
     lay_proc(proc_root, CID_JOB, [p for p, _, _ in walk_tree([a.pid])])
