@@ -25,8 +25,9 @@ values), for the VMM, export/import, IPC, multicast and checkpoint behaviours fa
 (:data:`EXPERIMENTS`; events, peer access and the native checkpoint of IPC events, pools shared
 by IPC and registered shared memory are in gpu_check_share.py). scripts/gpu_check.py runs it
 on the real driver and on fakecuda in the same run and reports every experiment whose results
-differ; keys starting with ``info_`` are reported, not compared (paths, inode numbers), and a key only one side has (an experiment
-keyed by a device attribute the two report differently) is listed, not compared.
+differ; keys starting with ``info_`` are reported, not compared (paths, inode numbers), and a
+key only one side has (an experiment keyed by a device attribute the two report differently) is
+listed, not compared.
 
 Exit status 0 with the JSON, or 1 with the failing call on stderr.
 """
