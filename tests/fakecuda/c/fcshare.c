@@ -72,6 +72,20 @@ static int run(const char *cmd, u64 a, u64 b, u64 c, u64 d, const char *w)
         if (r == CUDA_SUCCESS)
             r = cuMemSetAccess(va, (size_t)a, &ad, 1);
         reply(r, "0x%llx", (u64)va);
+    } else if (!strcmp(cmd, "vmmtypes")) { /* vmmtypes SIZE TYPES: cuMemCreate with requestedHandleTypes */
+        CUmemAllocationProp pr;
+        memset(&pr, 0, sizeof pr);
+        pr.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+        pr.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+        pr.requestedHandleTypes = (CUmemAllocationHandleType)b;
+        CUmemGenericAllocationHandle h = 0;
+        CUresult r = cuMemCreate(&h, (size_t)a, &pr, 0);
+        reply(r, "0x%llx", (u64)h);
+    } else if (!strcmp(cmd, "importfabric")) { /* importfabric: a made-up FABRIC handle */
+        CUmemFabricHandle fh;
+        memset(&fh, 0x5a, sizeof fh);
+        CUmemGenericAllocationHandle h = 0;
+        reply(cuMemImportFromShareableHandle(&h, &fh, CU_MEM_HANDLE_TYPE_FABRIC), "0x%llx", (u64)h);
     } else if (!strcmp(cmd, "write")) { /* write VA VALUE: 4 bytes, cuMemcpyHtoD */
         uint32_t v = (uint32_t)b;
         reply(cuMemcpyHtoD((CUdeviceptr)a, &v, 4), NULL);
@@ -92,6 +106,13 @@ static int run(const char *cmd, u64 a, u64 b, u64 c, u64 d, const char *w)
         reply(cuStreamSynchronize(g_streams[a]), NULL);
     } else if (!strcmp(cmd, "query")) {
         reply(cuStreamQuery(g_streams[a]), NULL);
+    } else if (!strcmp(cmd, "memget")) { /* memget VA: cuIpcGetMemHandle -> the 64 bytes in hex */
+        CUipcMemHandle h;
+        char hex[2 * CU_IPC_HANDLE_SIZE + 1] = "";
+        CUresult r = cuIpcGetMemHandle(&h, (CUdeviceptr)a);
+        if (r == CUDA_SUCCESS)
+            hex_of(&h, sizeof h, hex);
+        reply(r, "%s", hex);
     } else if (!strcmp(cmd, "evcreate")) { /* evcreate FLAGS */
         CUevent e = NULL;
         CUresult r = cuEventCreate(&e, (unsigned)a);
