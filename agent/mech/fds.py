@@ -258,7 +258,8 @@ def unlinked_files(pids: Iterable[int], proc_root: str = "/proc") -> list[dict]:
     whose target ends ``" (deleted)"``: NCCL's SHM fallback maps ``/dev/shm/nccl-*`` and
     unlinks it once its peer attached, src/misc/shmutils.cc), which CRIU dumps as *ghost files*
     into the images, and only up to ``--ghost-limit`` bytes. ``[{"pid", "path", "bytes",
-    "links", "dev", "inode", "via"}]`` (``via``: ``"fd N"`` or ``"map 0xSTART-0xEND"``; ``links``: the inode's
+    "allocated", "links", "dev", "inode", "via"}]`` (``allocated``: bytes in blocks, ``st_blocks``
+    times 512, what CRIU holds against its limit, criu/files-reg.c ``dump_ghost_remap``) (``via``: ``"fd N"`` or ``"map 0xSTART-0xEND"``; ``links``: the inode's
     link count, > 0 when only the name the process used is gone, as for glibc's ``sem_open``,
     which links a temporary file to the semaphore's name and unlinks the temporary one: CRIU
     then needs ``--link-remap``), by pid; from ``fstat`` of ``/proc/PID/fd/N`` or
@@ -301,6 +302,7 @@ def _add_ghost(out: list[dict], pid: int, path: str, link: str, via: str) -> Non
                 "pid": pid,
                 "path": path,
                 "bytes": st.st_size,
+                "allocated": st.st_blocks * 512,  # what CRIU compares with --ghost-limit
                 "links": st.st_nlink,
                 "dev": st.st_dev,
                 "inode": st.st_ino,
@@ -313,11 +315,11 @@ def ghost_limit_args(files: list[dict]) -> tuple[str, ...]:
     """What CRIU's dump needs for the deleted files the tree holds (:func:`unlinked_files`):
     ``--ghost-limit BYTES`` when the largest file without any link left is over CRIU's default
     limit, so that CRIU carries it instead of failing the dump ("Can't dump ghost file ... of N
-    size, increase limit"; BYTES is that file's size: the images then hold each such file's
-    bytes), and ``--link-remap`` when a deleted name's inode still has links (a
+    size, increase limit"; BYTES is the bytes that file has allocated, which CRIU compares: the
+    images then hold each such file's bytes), and ``--link-remap`` when a deleted name's inode still has links (a
     ``multiprocessing`` semaphore, which ``torch.multiprocessing`` queues hold: "Can't create
     link remap ... Use link-remap option"; agent/mech/criu_remap.py keeps the links CRIU then
     makes). ``()`` when neither applies. ``files``: :func:`unlinked_files` of the tree."""
-    largest = max((f["bytes"] for f in files if f["links"] == 0), default=0)
+    largest = max((f["allocated"] for f in files if f["links"] == 0), default=0)
     args: tuple[str, ...] = ("--ghost-limit", str(largest)) if largest > CRIU_GHOST_LIMIT else ()
     return args + (("--link-remap",) if any(f["links"] > 0 for f in files) else ())
