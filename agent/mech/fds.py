@@ -257,14 +257,16 @@ def unlinked_files(pids: Iterable[int], proc_root: str = "/proc") -> list[dict]:
     """The unlinked regular files the processes ``pids`` hold open or map (an fd or a mapping
     whose target ends ``" (deleted)"``: NCCL's SHM fallback maps ``/dev/shm/nccl-*`` and
     unlinks it once its peer attached, src/misc/shmutils.cc), which CRIU dumps as *ghost files*
-    into the images, and only up to ``--ghost-limit`` bytes. ``[{"pid", "path", "bytes",
-    "allocated", "links", "dev", "inode", "via"}]`` (``allocated``: bytes in blocks, ``st_blocks``
-    times 512, what CRIU holds against its limit, criu/files-reg.c ``dump_ghost_remap``) (``via``: ``"fd N"`` or ``"map 0xSTART-0xEND"``; ``links``: the inode's
-    link count, > 0 when only the name the process used is gone, as for glibc's ``sem_open``,
-    which links a temporary file to the semaphore's name and unlinks the temporary one: CRIU
-    then needs ``--link-remap``), by pid; from ``fstat`` of ``/proc/PID/fd/N`` or
-    ``/proc/PID/map_files/RANGE``. A process, fd or mapping that vanishes while being read is
-    skipped."""
+    into the images, and only up to ``--ghost-limit`` bytes.
+
+    ``[{"pid", "path", "bytes", "allocated", "links", "dev", "inode", "via"}]`` by pid, from
+    ``fstat`` of ``/proc/PID/fd/N`` or ``/proc/PID/map_files/RANGE``: ``allocated`` is
+    ``st_blocks`` times 512, what CRIU holds against its limit (criu/files-reg.c
+    ``dump_ghost_remap``); ``via`` is ``"fd N"`` or ``"map 0xSTART-0xEND"``; ``links`` is the
+    inode's link count, > 0 when only the name the process used is gone, as for glibc's
+    ``sem_open``, which links a temporary file to the semaphore's name and unlinks the temporary
+    one (CRIU then needs ``--link-remap``). A process, fd or mapping that vanishes while being
+    read is skipped."""
     out = []
     for pid in pids:
         for fd, target in fd_targets(pid, proc_root):
