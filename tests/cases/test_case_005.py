@@ -12,6 +12,7 @@ memory). With the shim first, nothing is said, the flag is clear and INSPECT ans
 from __future__ import annotations
 
 import pathlib
+import subprocess
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
@@ -19,6 +20,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from shim.conftest import C_BUILD_DIR, apps, build_shared, ctl, shim_env, vmm_app  # noqa: E402, F401
 
 from cuinterpose.coordinator.protocol import Op, Phase, ShimFlag, Status  # noqa: E402
+from cuinterpose.workloads.afdwin import demo  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve().parent
 
@@ -66,3 +68,56 @@ def test_shim_first_is_quiet(apps, shim_env, ctl):  # noqa: F811
     a.ok("init")
     assert "dlsym resolves to" not in a.stderr()
     assert _inspect(ctl, a) == (Status.OK, "", ShimFlag.CARRY_SHA256)  # no FOREIGN_DLSYM
+
+
+PY_CTYPES_APP = """
+import ctypes, sys
+cuda = ctypes.CDLL("libcuda.so.1")          # ctypes: dlsym(handle, name) for every function
+assert cuda.cuInit(0) == 0
+print("ready", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_python_ctypes_behind_a_foreign_dlsym_is_refused_by_the_census(shim_env, tmp_path):
+    """From Python the other dlsym hands ctypes the driver's cuInit too: the shim never starts,
+    nothing can warn inside the process. The agent's census refuses the CUDA process without a
+    control socket and names the library ahead of the shim in its LD_PRELOAD."""
+    other = _libother()
+    env = dict(shim_env, LD_PRELOAD=f"{other}:{shim_env['LD_PRELOAD']}")
+    p = subprocess.Popen(
+        [sys.executable, "-c", PY_CTYPES_APP],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        ctl = shim_env["CUINTERPOSE_CONTROL_DIR"]
+        rc, cp = demo.run_agent(
+            "checkpoint",
+            "--pid",
+            str(p.pid),
+            "--images-dir",
+            str(tmp_path / "snap"),
+            "--driver",
+            "fake",
+            "--control-dir",
+            ctl,
+        )
+        assert rc != 0 and cp["ok"] is False
+        msg = cp["error"]["message"]
+        assert (
+            f"is a CUDA process with the shim mapped but no control socket {ctl}/cuinterpose-{p.pid}.sock"
+            in msg
+        )
+        assert (
+            f"its LD_PRELOAD puts {other} before the shim: a library there that overrides dlsym lets cuInit "
+            'and every lookup bypass it (put libcuinterpose.so first, docs/shim.md "Preload order")'
+        ) in msg
+    finally:
+        p.kill()
+        p.wait()
