@@ -79,7 +79,7 @@ sys.stdin.readline()
 """
 
 
-def test_python_ctypes_behind_a_foreign_dlsym_is_refused_by_the_census(shim_env, tmp_path):
+def test_python_ctypes_behind_a_foreign_dlsym_is_refused_by_the_census(shim_env, tmp_path):  # noqa: F811
     """From Python the other dlsym hands ctypes the driver's cuInit too: the shim never starts,
     nothing can warn inside the process. The agent's census refuses the CUDA process without a
     control socket and names the library ahead of the shim in its LD_PRELOAD."""
