@@ -271,12 +271,14 @@ static CUresult event_enqueue(CUstream hs, struct fc_event *e, int record, CUres
     return r;
 }
 
-/* cuda.h: hEvent and hStream must be of the same context, else INVALID_HANDLE; flags
- * CU_EVENT_RECORD_DEFAULT or _EXTERNAL (the latter matters only under stream capture, which
- * the fake does not have), else INVALID_VALUE. */
-static CUresult event_record(CUevent h, CUstream hs, unsigned flags)
+/* A record (cuda.h: hEvent and hStream must be of the same context, else INVALID_HANDLE; flags
+ * CU_EVENT_RECORD_DEFAULT or _EXTERNAL, the latter mattering only under stream capture, which
+ * the fake does not have) or a stream wait (cuda.h: "The event may be from a different context
+ * or device than the stream"; flags CU_EVENT_WAIT_DEFAULT or _EXTERNAL). Other flag bits ->
+ * INVALID_VALUE. */
+static CUresult event_on_stream(CUevent h, CUstream hs, unsigned flags, unsigned allowed, int record)
 {
-    if (flags & ~(unsigned)CU_EVENT_RECORD_EXTERNAL)
+    if (flags & ~allowed)
         return CUDA_ERROR_INVALID_VALUE;
     struct fc_ctx *sc = NULL;
     CUresult r = stream_ctx(hs, &sc);
@@ -285,11 +287,16 @@ static CUresult event_record(CUevent h, CUstream hs, unsigned flags)
     struct fc_event *e = event_hold(h);
     if (!e)
         return CUDA_ERROR_INVALID_HANDLE;
-    if (e->ctx != sc) {
+    if (record && e->ctx != sc) {
         event_drop(e);
         return CUDA_ERROR_INVALID_HANDLE;
     }
-    return event_enqueue(hs, e, 1, record_run);
+    return event_enqueue(hs, e, record, record ? record_run : wait_run);
+}
+
+static CUresult event_record(CUevent h, CUstream hs, unsigned flags)
+{
+    return event_on_stream(h, hs, flags, CU_EVENT_RECORD_EXTERNAL, 1);
 }
 
 #define RECORD_FMT "event=%p stream=%p flags=%u"
@@ -310,18 +317,9 @@ FC_EXPORT CUresult cuEventRecordWithFlags_ptsz(CUevent hEvent, CUstream hStream,
     API(event_record(hEvent, hStream, flags), RECORD_FMT, (void *)hEvent, (void *)hStream, flags);
 }
 
-/* cuda.h: "The event may be from a different context or device than the stream"; Flags
- * CU_EVENT_WAIT_DEFAULT or _EXTERNAL, else INVALID_VALUE. */
 static CUresult stream_wait_event(CUstream hs, CUevent h, unsigned flags)
 {
-    if (flags & ~(unsigned)CU_EVENT_WAIT_EXTERNAL)
-        return CUDA_ERROR_INVALID_VALUE;
-    struct fc_ctx *sc = NULL;
-    CUresult r = stream_ctx(hs, &sc);
-    if (r != CUDA_SUCCESS)
-        return r;
-    struct fc_event *e = event_hold(h);
-    return e ? event_enqueue(hs, e, 0, wait_run) : CUDA_ERROR_INVALID_HANDLE;
+    return event_on_stream(h, hs, flags, CU_EVENT_WAIT_EXTERNAL, 0);
 }
 
 #define WAIT_FMT "stream=%p event=%p flags=%u"

@@ -278,14 +278,10 @@ CUresult stream_release(CUstream hs) { return stream_destroy(hs); }
 /* cuStreamGetDevice (CUDA 12.8): the device of the stream's context. */
 static CUresult stream_device(CUstream hs, CUdevice *dev)
 {
-    if (!dev)
-        return CUDA_ERROR_INVALID_VALUE;
-    pthread_mutex_lock(&g_mu);
-    struct fc_stream *s;
-    CUresult r = stream_resolve(hs, &s);
+    struct fc_ctx *c = NULL;
+    CUresult r = dev ? stream_ctx(hs, &c) : CUDA_ERROR_INVALID_VALUE;
     if (r == CUDA_SUCCESS)
-        *dev = s->ctx->dev;
-    pthread_mutex_unlock(&g_mu);
+        *dev = c->dev;
     return r;
 }
 

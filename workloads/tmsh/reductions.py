@@ -64,31 +64,12 @@ class Sent:
 
 
 class SharedStorage:
-    """A storage as the producer puts it on the queue: the fields ``_share_cuda_`` returns."""
+    """A storage as the producer puts it on the queue: ``args`` are the fields ``_share_cuda_``
+    returns (seq, device, handle, size, offset, ref_name, ref_slot, event_handle,
+    event_sync_required), what :func:`rebuild_storage` takes."""
 
-    def __init__(
-        self,
-        seq,
-        device,
-        handle,
-        size,
-        offset,
-        ref_name,
-        ref_slot,
-        event_handle,
-        event_sync_required,
-    ):
-        self.args = (
-            seq,
-            device,
-            handle,
-            size,
-            offset,
-            ref_name,
-            ref_slot,
-            event_handle,
-            event_sync_required,
-        )
+    def __init__(self, *args):
+        self.args = args
 
 
 def _reduce_storage(s: SharedStorage):
