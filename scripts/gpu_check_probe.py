@@ -43,7 +43,7 @@ import sys
 import time
 
 from cuda.bindings import driver as cu
-from gpu_check_share import x_events, x_peer, x_share_checkpoint
+from gpu_check_share import x_event_orphan, x_events, x_peer, x_share_checkpoint
 from gpu_check_steps import CHECKPOINT_API
 
 from cuinterpose.workloads.afdwin.cudrv import alloc_prop, rw_access
@@ -421,6 +421,7 @@ EXPERIMENTS = (
     "export",
     "ipc",
     "events",
+    "event_orphan",
     "multicast",
     "checkpoint",
     "share_checkpoint",
@@ -440,6 +441,7 @@ def semantics() -> dict:
         ("export", lambda: x_export(gran)),
         ("ipc", x_ipc),
         ("events", x_events),  # gpu_check_share.py: issue 24's questions
+        ("event_orphan", x_event_orphan),
         ("multicast", lambda: x_multicast(gran)),
         ("checkpoint", x_checkpoint),
         ("share_checkpoint", x_share_checkpoint),

@@ -10,6 +10,10 @@ and these record what the real driver does, so that the next device run settles 
 - :func:`x_peer`: with two devices, a copy from device 1's context of device 0's VMM memory
   granted to device 0 only, and of its ``cuMemAlloc`` memory without peer access (fakecuda:
   ILLEGAL_ADDRESS, SUCCESS); ``cuCtxEnablePeerAccess`` codes. With one device: the device count.
+- :func:`x_event_orphan`: an event opened from a child that then destroys its own (PyTorch's
+  producer frees the event once the consumer dropped the storage; the consumer keeps its opened
+  one, and the shim's capture synchronizes and destroys it): ``cuEventSynchronize`` and
+  ``cuEventDestroy`` of the opened event after that (the documentation calls any use undefined).
 - :func:`x_share_checkpoint`: native checkpoint (lock, checkpoint, restore, unlock) of a child
   process holding an interprocess event (``ipc_event_checkpoint``), a memory pool exported by
   IPC (``pool_ipc_checkpoint``), and a ``cuMemHostRegister`` over an unlinked /dev/shm mapping
@@ -32,6 +36,8 @@ import sys
 from cuda.bindings import driver as cu
 
 KINDS = ("ipc_event", "pool_ipc", "hostregister_shared")
+#: the exporter child of :func:`x_event_orphan` (not a checkpoint target)
+EXPORTER = "ipc_event_exporter"
 EV_FLAGS = cu.CUevent_flags
 POSIX_FD = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
 
@@ -111,6 +117,51 @@ def _shm(size: int):
     os.close(fd)
     os.unlink(path)  # as NCCL does once its peer attached (src/misc/shmutils.cc)
     return m
+
+
+def exporter() -> int:
+    """The child of x_event_orphan: an interprocess event, its handle in hex on stdout; on
+    "destroy" it destroys the event and says "destroyed"; on "exit" it exits."""
+    cu.cuInit(0)
+    _ctx(0)
+    err, stream = cu.cuStreamCreate(0)
+    err, ev = cu.cuEventCreate(EV_FLAGS.CU_EVENT_INTERPROCESS | EV_FLAGS.CU_EVENT_DISABLE_TIMING)
+    cu.cuEventRecord(ev, stream)
+    err, h = cu.cuIpcGetEventHandle(ev)
+    print(bytes(ctypes.string_at(h.getPtr(), 64)).hex(), flush=True)
+    for line in sys.stdin:
+        if line.strip() == "destroy":
+            cu.cuEventDestroy(ev)
+            print("destroyed", flush=True)
+        elif line.strip() == "exit":
+            break
+    return 0
+
+
+def x_event_orphan() -> dict:
+    child = subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), EXPORTER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        raw = bytes.fromhex(child.stdout.readline().strip())
+        h = cu.CUipcEventHandle()
+        ctypes.memmove(h.getPtr(), raw, 64)
+        err, ev = cu.cuIpcOpenEventHandle(h)
+        out = {"orphan_open": err.name}
+        if err == 0:
+            child.stdin.write("destroy\n")
+            child.stdin.flush()
+            child.stdout.readline()
+            out["orphan_sync_after_creator_destroyed"] = name_of(cu.cuEventSynchronize(ev))
+            out["orphan_destroy_after_creator_destroyed"] = name_of(cu.cuEventDestroy(ev))
+        child.stdin.write("exit\n")
+        child.stdin.flush()
+        return out
+    finally:
+        child.wait(timeout=60)
 
 
 def target(kind: str) -> int:
@@ -203,5 +254,7 @@ def x_share_checkpoint() -> dict:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["target"] and len(sys.argv) == 3 and sys.argv[2] in KINDS:
         sys.exit(target(sys.argv[2]))
+    if sys.argv[1:] == [EXPORTER]:
+        sys.exit(exporter())
     print(f"usage: gpu_check_share.py target {'|'.join(KINDS)}", file=sys.stderr)
     sys.exit(2)

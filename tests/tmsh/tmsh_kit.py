@@ -29,8 +29,9 @@ class Tmsh(Carw):
         max_events: int = 1000,
         shim: bool = True,
         env: dict | None = None,
+        driver: str = "fake",
     ):
-        super().__init__(run_dir, ranks=procs, steps=steps, shim=shim, env=env)
+        super().__init__(run_dir, ranks=procs, steps=steps, shim=shim, env=env, driver=driver)
         self.log = self.run_dir / "tmsh.log"
         self.err = self.run_dir / "tmsh.err"
         self.procs, self.variant = procs, variant
