@@ -390,6 +390,7 @@ class Checkpoint(Rollback, StepRunner):
                             root,
                             d,
                             extra_args=("--leave-stopped",),
+                            deleted_files=fds.unlinked_files(self.tree_pids[root]),
                             **(
                                 {
                                     "external_files": list(

@@ -16,6 +16,7 @@ __all__ = [
     "CUI_TXN_ROOM",
     "CUI_TICKET_MAGIC",
     "CUI_IPC_MAGIC",
+    "CUI_IPC_EVENT_MAGIC",
     "CONTROL_DIR_ENV",
     "Op",
     "Phase",
@@ -50,6 +51,8 @@ CUI_MAX_ACCESS = 32
 CUI_TXN_ROOM = 16
 CUI_TICKET_MAGIC = b"CUITKT01"  # 8 bytes, no NUL
 CUI_IPC_MAGIC = b"CUIIPC01"  # 8 bytes, no NUL: a virtual IPC handle (struct cui_ipc_handle)
+#: 8 bytes, no NUL: a virtual IPC event handle (struct cui_ipc_event_handle)
+CUI_IPC_EVENT_MAGIC = b"CUIIPCEV"
 CONTROL_DIR_ENV = "CUINTERPOSE_CONTROL_DIR"
 
 

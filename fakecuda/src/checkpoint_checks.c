@@ -2,7 +2,8 @@
  * checkpoint_checks.c: what the target's checkpoint refuses before anything changes
  * (multicast objects, legacy CUDA IPC, exported fds still open) and where a restore puts the
  * process's devices (CUcheckpointRestoreArgs.gpuPairs). checkpoint_target.c calls these with
- * g_mu held; they read the VMM and cuMemAlloc tables and call vmm_table.c, device.c and core.c.
+ * g_mu held; they read the VMM and cuMemAlloc tables and call pool.c, memory.c, event.c, vmm_table.c,
+ * device.c and core.c.
  */
 #include "fc.h"
 
@@ -68,6 +69,12 @@ CUresult ck_refusals(void)
         return CUDA_ERROR_NOT_SUPPORTED;
     }
     CUresult ipc = ck_ipc_check();
+    if (ipc == CUDA_SUCCESS)
+        ipc = event_ck_refusal(); /* interprocess events, pools shared by IPC, registered shared memory */
+    if (ipc == CUDA_SUCCESS)
+        ipc = pool_ck_refusal();
+    if (ipc == CUDA_SUCCESS)
+        ipc = hostmem_ck_refusal();
     if (ipc != CUDA_SUCCESS)
         return ipc;
     /* An exported fd still open in this process carries the sharing: the real driver cannot

@@ -10,9 +10,12 @@
  *   core.c                  configuration, call log, entry gate, fork handling
  *   device.c                devices and contexts (cuDevice*, cuDevicePrimaryCtx*, cuCtx*)
  *   vmm_table.c             the tables every kind of device memory lives in
+ *   peer.c                  peer context access (cuDeviceCanAccessPeer, cuCtx{En,Dis}ablePeerAccess)
  *   copy.c                  the copy engine (runs one op; multicast writes reach the members)
  *   stream.c                streams and stream memory operations
+ *   event.c                 events and IPC events (cuEvent*, cuStreamWaitEvent, cuIpc*EventHandle)
  *   memory.c                cuMemAlloc memory, page-locked host memory, copies and sets
+ *   pool.c                  stream-ordered memory pools and their IPC (cuMemPool*, cuMem*Async)
  *   ipc.c                   legacy CUDA IPC of cuMemAlloc memory (cuIpc*MemHandle)
  *   multicast.c             multicast objects (cuMulticast*)
  *   vmm.c                   the VMM API (cuMemCreate, cuMemMap, cuMemSetAccess, export, ...)
@@ -338,6 +341,8 @@ struct fc_dmem {                 /* cuMemAlloc memory, and memory opened by cuIp
     size_t cs_off;               /* custom storage: offset in its GPU's stream (checkpoint_storage.c) */
     int cs_op;                   /* a controller's custom-storage mapping of another process's GPU
                                   * memory (checkpoint_controller.c): cuMemFree refuses it */
+    int pool;                    /* a memory pool's arena (pool.c): 1 own, 2 imported; cuMemFree
+                                  * and cuIpcGetMemHandle refuse it */
 };
 
 /* The trailing page of a cuMemAlloc memfd: the usual metadata (kind FC_KIND_MEMALLOC, size =
@@ -405,7 +410,9 @@ void team_unlock(struct fc_team *t);
 /* ------------------------------------------------------------------ copy engine (copy.c) */
 
 enum { PTR_HOST = 0, PTR_DEVICE = 1, PTR_UNIFIED = 2 };
-enum { OP_COPY, OP_SET8, OP_SET16, OP_SET32, OP_WAIT32, OP_WRITE32, OP_WAIT64, OP_WRITE64 };
+/* OP_HOSTFN: the stream worker calls fn(arg, ctx) in stream order (event records and waits,
+ * event.c; pool frees, pool.c); fn owns arg and returns the op's CUresult. */
+enum { OP_COPY, OP_SET8, OP_SET16, OP_SET32, OP_WAIT32, OP_WRITE32, OP_WAIT64, OP_WRITE64, OP_HOSTFN };
 
 struct fc_op {
     struct fc_op *next;
@@ -415,12 +422,14 @@ struct fc_op {
     size_t n;
     uint64_t val;
     unsigned flags;
+    CUresult (*fn)(void *arg, struct fc_ctx *c); /* OP_HOSTFN */
+    void *arg;
 };
 
 /* At enqueue: is a pointer passed as device memory device memory at all? */
 CUresult precheck(uintptr_t p, int kind);
 CUresult precheck_copy(uintptr_t p, int kind);
-CUresult op_exec(const struct fc_op *op, int dev);
+CUresult op_exec(const struct fc_op *op, struct fc_ctx *c); /* run by (the device of) context c */
 
 /* ------------------------------------------------------------------ streams (stream.c) */
 
@@ -429,10 +438,27 @@ CUresult stream_create_in(struct fc_ctx *c, CUstream *out); /* a stream of conte
 CUresult stream_release(CUstream hs);                       /* cuStreamDestroy's body */
 CUresult stream_sync(CUstream hs, int query);
 CUresult sync_op(const struct fc_op *op);
+CUresult stream_ctx(CUstream hs, struct fc_ctx **out);      /* the stream's context (g_mu not held) */
+
+/* ------------------------------------------------------------------ peer access (peer.c) */
+
+/* Legacy (cuMemAlloc, IPC-opened) memory at p accessed on the device by context c: its own
+ * device, the device it was opened on, or a context c enabled peer access to (g_mu held).
+ * CUDA_SUCCESS or CUDA_ERROR_ILLEGAL_ADDRESS; NOT_FOUND when p is no legacy memory. */
+CUresult peer_legacy_check(uintptr_t p, struct fc_ctx *c);
+
+/* ------------------------------------------------------------------ events (event.c) */
+
+CUresult event_ck_refusal(void);  /* checkpoint: IPC events held (g_mu held); CUDA_SUCCESS when none */
 
 /* ------------------------------------------------------------------ host memory (memory.c) */
 
 int hostmem_find(uintptr_t p, uintptr_t *va, size_t *size, struct fc_ctx **ctx, uint64_t *buffer_id);
+CUresult hostmem_ck_refusal(void); /* checkpoint: a registration over a shared file mapping (g_mu held) */
+
+/* ------------------------------------------------------------------ pools (pool.c) */
+
+CUresult pool_ck_refusal(void);   /* checkpoint: a pool shared by IPC (g_mu held); CUDA_SUCCESS when none */
 
 /* ------------------------------------------------------------------ multicast (multicast.c) */
 

@@ -288,6 +288,13 @@ CUI_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize) {
     return r;
   }
   cui_adapter_mark(vh, bytesize, dev, 0);
+  CUcontext ctx = NULL;
+  if (REAL(cuCtxGetCurrent)) REAL(cuCtxGetCurrent)(&ctx);
+  r = cui_peer_grant_new(va, size, ctx);   /* devices with peer access to this context (peer_access.c) */
+  if (r != CUDA_SUCCESS) {
+    cuMemFree_v2(va);
+    return r;
+  }
   *dptr = va;
   return CUDA_SUCCESS;
 }

@@ -186,6 +186,7 @@ static void dispatch(int c, struct cui_request req) {
     /* the IPC adapter's record fields, and its refusal while a driver IPC handle is live */
     if (res.status == CUI_OK)
       cui_ipc_inspect_fixup(res.records, res.record_count, &res.status, res.message, sizeof res.message);
+    cui_share_inspect_fixup(&res.status, res.message, sizeof res.message);   /* pools, IPC events, dlsym */
     send_reply(c, &req, &res, cui_now_ns() - t0, -1);
     free(res.records);
     close(c);

@@ -454,6 +454,26 @@ struct cui_ipc_handle {       /* 64 bytes */
   uint64_t mapped;            /* 56 bytes created and mapped (size rounded up to the granularity) */
 };
 
+/* ---------- Virtual IPC event handles (issue 24; docs/shim.md "IPC events") ----------
+ * CUipcEventHandle (CUDA driver API: 64 bytes, opaque). cuIpcGetEventHandle of an event created
+ * with CU_EVENT_INTERPROCESS under the shim returns these bytes; cuIpcOpenEventHandle of them
+ * fetches the creator's current driver handle (FETCH_FD of event_id with the secret: the FD is
+ * a sealed memfd holding the driver's 64 bytes) and opens it. The handle stays valid across a
+ * checkpoint: the creator re-creates the event and re-exports it at LOAD_ALLOCATIONS. Any other
+ * 64 bytes are a driver handle and pass through (INSPECT then refuses). */
+#define CUI_IPC_EVENT_MAGIC "CUIIPCEV"
+
+struct cui_ipc_event_handle { /* 64 bytes */
+  char magic[8];              /*  0 CUI_IPC_EVENT_MAGIC, no NUL */
+  uint32_t version;           /*  8 CUI_PROTO_VERSION */
+  uint32_t creator_pid;       /* 12 */
+  uint8_t event_id[16];       /* 16 creator-assigned, random (a FETCH_FD key, like an allocation id) */
+  uint64_t secret;            /* 32 the event's secret (Secrets above) */
+  uint32_t flags;             /* 40 CU_EVENT_* the event was created with */
+  uint32_t reserved0;         /* 44 0 */
+  uint64_t reserved[2];       /* 48 0 */
+};
+
 /* cui_checksum64: the carrier checksum. Over the bytes as little-endian uint64 words w[i]
  * (a trailing partial word is zero-padded), h0 = 0x9E3779B97F4A7C15 ^ length_in_bytes,
  * h = rotl64(h ^ (w[i] * 0xC2B2AE3D27D4EB4F), 31) * 0x9E3779B97F4A7C15 for each word,
@@ -471,6 +491,7 @@ CUI_STATIC_ASSERT(sizeof(struct cui_access) == 16, "cui_access is 16 bytes");
 CUI_STATIC_ASSERT(sizeof(struct cui_record) == 640, "cui_record is 640 bytes");
 CUI_STATIC_ASSERT(sizeof(struct cui_ticket) == 64, "cui_ticket is 64 bytes");
 CUI_STATIC_ASSERT(sizeof(struct cui_ipc_handle) == 64, "cui_ipc_handle is 64 bytes");
+CUI_STATIC_ASSERT(sizeof(struct cui_ipc_event_handle) == 64, "cui_ipc_event_handle is 64 bytes");
 CUI_STATIC_ASSERT(sizeof(struct cui_stream_entry) == 32, "cui_stream_entry is 32 bytes");
 CUI_STATIC_ASSERT(sizeof(struct cui_stream_head) == 32, "cui_stream_head is 32 bytes");
 CUI_STATIC_ASSERT(sizeof(struct cui_table_head) == 16, "cui_table_head is 16 bytes");
