@@ -289,8 +289,7 @@ def check_mac(m: dict, key: Optional[bytes], where: str, phase: str) -> None:
     if key is not None and not mac_ok(m, key):
         raise StorageError(
             phase,
-            f"{where} was modified or not signed with this node's key (key id "
-            f"{trust.key_id(key)}); nothing was transferred",
+            f"{where} was modified or not signed with this node's key (key id {trust.key_id(key)})",
         )
 
 

@@ -207,10 +207,13 @@ def push(snapshot_dir, location: str, opts: StorageOptions) -> PushResult:
     t0 = time.monotonic_ns()
     loc = parse_location(location)
     d = pathlib.Path(os.path.abspath(snapshot_dir))
-    data, m = layout.local_manifest(d, "upload")
-    layout.check_mac(m, opts.node_key, str(d / layout.MANIFEST_NAME), "upload")
-    p = layout.plan(m, phase="upload", allow_store=True)
-    layout.check_local(d, m, "upload")
+    try:
+        data, m = layout.local_manifest(d, "upload")
+        layout.check_mac(m, opts.node_key, str(d / layout.MANIFEST_NAME), "upload")
+        p = layout.plan(m, phase="upload", allow_store=True)
+        layout.check_local(d, m, "upload")
+    except StorageError as e:
+        raise e.again("upload", f"; {d} is not pushed, nothing was uploaded") from None
     out, rewritten = layout.plain(m)
     body = layout.dumps(layout.signed(out, opts.node_key)) if rewritten else data
     c = s3gc.client_for(opts, "upload")
@@ -419,9 +422,14 @@ def pull(location: str, target_dir, opts: StorageOptions) -> PullResult:
     c = s3gc.client_for(opts, "download")
     mkey = f"{loc.key}/{layout.MANIFEST_NAME}"
     data = _get_manifest(c, loc.bucket, mkey, "download")
-    m = layout.loads(data, f"s3://{loc.bucket}/{mkey}", "download")
-    layout.check_mac(m, opts.node_key, f"s3://{loc.bucket}/{mkey}", "download")
-    p = layout.plan(m, phase="download")
+    try:
+        m = layout.loads(data, "the manifest", "download")
+        layout.check_mac(m, opts.node_key, "the manifest", "download")
+        p = layout.plan(m, phase="download")
+    except StorageError as e:  # name the object
+        raise StorageError(
+            "download", f"{e.detail}; nothing was written", bucket=loc.bucket, key=mkey
+        ) from None
     uses = p.chunk_uses()
     chunk_bytes = sum(s.length(i) for s, i in (u[0] for u in uses.values()))
     total = sum(i.bytes for i in p.images) + chunk_bytes
