@@ -298,9 +298,9 @@ def test_an_upload_refuses_when_a_collection_outlives_its_deadline(
 ):
     sample_snapshot(tmp_path / "s1", big=1 << 20)
     before = tree_digest(tmp_path / "s1")
-    monkeypatch.setattr(s3gc, "WAIT_POLL_S", 0.01)
+    monkeypatch.setattr(s3gc, "WAIT_POLL_S", 0.05)
     _lock(raw, bucket, time.time())
-    o = dataclasses.replace(opts, transfer=dataclasses.replace(opts.transfer, deadline_s=0.5))
+    o = dataclasses.replace(opts, transfer=dataclasses.replace(opts.transfer, deadline_s=2.0))
     with pytest.raises(StorageError) as e:
         backends.push(tmp_path / "s1", f"s3://{bucket}/r/s1", o)
     assert e.value.phase == "upload" and "a chunk collection is running" in e.value.reason

@@ -120,7 +120,8 @@ class PushResult:
     those the bucket lacked, ``chunks_present``/``chunk_bytes_present`` those it had,
     ``zero_chunks`` (never stored); ``images``/``image_bytes`` CRIU images (and other files
     under the prefix) uploaded; ``manifest_rewritten``: the manifest in the bucket is the
-    chunk store's converted to file streams; ``elapsed_ns``."""
+    chunk store's converted to file streams; ``elapsed_ns``; ``notes``: what the operator
+    should know (a pin that could not be removed after the commit)."""
 
     location: str
     manifest_key: str
@@ -134,6 +135,7 @@ class PushResult:
     image_bytes: int
     manifest_rewritten: bool
     elapsed_ns: int
+    notes: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,7 +32,12 @@ from typing import Optional
 
 from cuinterpose.agent.errors import SnapshotError
 from cuinterpose.agent.snapshot import chunks, store, trust
-from cuinterpose.agent.snapshot.backends.api import SnapshotInfo, StorageError
+from cuinterpose.agent.snapshot.backends.api import (
+    PullResult,
+    PushResult,
+    SnapshotInfo,
+    StorageError,
+)
 from cuinterpose.coordinator.protocol import CHUNK_CHECKSUMS
 
 MANIFEST_NAME = "manifest.json"
@@ -94,6 +99,43 @@ class Plan:
 
     def zero_chunks(self) -> int:
         return sum(c is None for s in self.streams for c in s.checksums)
+
+    def chunk_bytes(self) -> int:
+        """Bytes of the distinct non-zero chunks (what moves when none is present yet)."""
+        return sum(s.length(i) for s, i in (u[0] for u in self.chunk_uses().values()))
+
+    def image_bytes(self) -> int:
+        return sum(i.bytes for i in self.images)
+
+    def pushed(
+        self, location: str, manifest_key: str, counts: tuple, rewritten: bool, elapsed_ns: int
+    ) -> PushResult:
+        """The :class:`~.api.PushResult` of a push of this plan; ``counts``: (chunks
+        uploaded, their bytes, chunks present, their bytes)."""
+        return PushResult(
+            location,
+            manifest_key,
+            len(self.chunk_uses()),
+            *counts,
+            self.zero_chunks(),
+            len(self.images),
+            self.image_bytes(),
+            rewritten,
+            elapsed_ns,
+        )
+
+    def pulled(self, location: str, target, elapsed_ns: int) -> PullResult:
+        """The :class:`~.api.PullResult` of a pull of this plan into ``target``."""
+        return PullResult(
+            location=location,
+            target=str(target),
+            chunks=len(self.chunk_uses()),
+            chunk_bytes=self.chunk_bytes(),
+            zero_chunks=self.zero_chunks(),
+            images=len(self.images),
+            image_bytes=self.image_bytes(),
+            elapsed_ns=elapsed_ns,
+        )
 
 
 def hasher(checksum: str):

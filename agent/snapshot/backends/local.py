@@ -31,7 +31,7 @@ from cuinterpose.agent.snapshot.backends.api import (
     StorageOptions,
     parse_location,
 )
-from cuinterpose.agent.snapshot.backends.s3io import PIECE, Meter, run_jobs
+from cuinterpose.agent.snapshot.backends.transfer import PIECE, Meter, run_jobs
 
 
 def _read(path: pathlib.Path, off: int, n: int, h, sink, phase: str) -> str:
@@ -64,10 +64,7 @@ def _copy(src, dst, opts: StorageOptions, phase: str):
     out, rewritten = layout.plain(m)
     body = layout.dumps(layout.signed(out, opts.node_key)) if rewritten else data
     uses = p.chunk_uses()
-    total = sum(i.bytes for i in p.images) + sum(
-        s.length(i) for s, i in (u[0] for u in uses.values())
-    )
-    meter = Meter(phase, str(dst), total, opts.progress)
+    meter = Meter(phase, str(dst), p.image_bytes() + p.chunk_bytes(), opts.progress)
     t = layout.Target(dst, phase)
 
     def chunk_job(alg, hexd, where):
@@ -130,20 +127,13 @@ def push(snapshot_dir, location: str, opts: StorageOptions) -> PushResult:
     if os.path.abspath(snapshot_dir) == loc.key:
         raise StorageError("upload", f"{loc.key} is the snapshot itself; nothing to copy")
     p, rewritten, path = _copy(snapshot_dir, loc.key, opts, "upload")
-    n = sum(s.length(i) for s, i in (u[0] for u in p.chunk_uses().values()))
-    return PushResult(
-        location=str(path),
-        manifest_key=str(path / layout.MANIFEST_NAME),
-        chunks=len(p.chunk_uses()),
-        chunks_uploaded=len(p.chunk_uses()),
-        chunk_bytes_uploaded=n,
-        chunks_present=0,
-        chunk_bytes_present=0,
-        zero_chunks=p.zero_chunks(),
-        images=len(p.images),
-        image_bytes=sum(i.bytes for i in p.images),
-        manifest_rewritten=rewritten,
-        elapsed_ns=time.monotonic_ns() - t0,
+    n = len(p.chunk_uses())
+    return p.pushed(
+        str(path),
+        str(path / layout.MANIFEST_NAME),
+        (n, p.chunk_bytes(), 0, 0),
+        rewritten,
+        time.monotonic_ns() - t0,
     )
 
 
@@ -152,16 +142,7 @@ def pull(location: str, target_dir, opts: StorageOptions) -> PullResult:
     t0 = time.monotonic_ns()
     loc = parse_location(location)
     p, _, path = _copy(loc.key, target_dir, opts, "download")
-    return PullResult(
-        location=loc.key,
-        target=str(path),
-        chunks=len(p.chunk_uses()),
-        chunk_bytes=sum(s.length(i) for s, i in (u[0] for u in p.chunk_uses().values())),
-        zero_chunks=p.zero_chunks(),
-        images=len(p.images),
-        image_bytes=sum(i.bytes for i in p.images),
-        elapsed_ns=time.monotonic_ns() - t0,
-    )
+    return p.pulled(loc.key, path, time.monotonic_ns() - t0)
 
 
 def stat(location: str, opts: StorageOptions) -> SnapshotInfo:

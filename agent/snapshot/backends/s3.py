@@ -51,7 +51,8 @@ from cuinterpose.agent.snapshot.backends.api import (
     StorageOptions,
     parse_location,
 )
-from cuinterpose.agent.snapshot.backends.s3io import PIECE, Client, Meter, NotFound, Retry, run_jobs
+from cuinterpose.agent.snapshot.backends.s3io import Client, NotFound, Retry
+from cuinterpose.agent.snapshot.backends.transfer import PIECE, Meter, run_jobs
 
 MAX_PARTS = 10_000  # S3 multipart limit
 
@@ -109,8 +110,8 @@ class _Upload:
 
     def _put_object(self, key: str, path: pathlib.Path, off: int, n: int, check) -> None:
         """``n`` bytes of ``path`` from ``off`` as object ``key``: one PUT up to a part, else
-        a multipart upload whose parts are read one at a time; ``check(path, off, n)``
-        verifies the bytes first (raises)."""
+        a multipart upload whose parts are read one at a time. ``check(data)`` verifies the
+        bytes first and raises when they are wrong (``data`` None: it reads the file itself)."""
         if n <= self.part:
             data = _pread(path, off, n)
             check(data)
@@ -185,15 +186,15 @@ class _Upload:
     def undo(self, pin_key) -> list[str]:
         """After a failure: abort open multipart uploads, remove what was put under the prefix
         and the pin (best effort); returns what could not be removed."""
-        self.c.cancel.clear()
         left = []
-        for key, uid in list(self.uploads.items()):
-            self.c.multipart_abort(self.bucket, key, uid)
-        for key in self.put_keys:
-            try:
-                self.c.remove("upload", self.bucket, key)
-            except StorageError:
-                left.append(key)
+        with self.c.cleanup():
+            for key, uid in list(self.uploads.items()):
+                self.c.multipart_abort(self.bucket, key, uid)
+            for key in self.put_keys:
+                try:
+                    self.c.remove("upload", self.bucket, key)
+                except StorageError:
+                    left.append(key)
         if pin_key is not None and s3gc.unpin(self.c, self.bucket, pin_key) is not None:
             left.append(pin_key)
         return left
@@ -230,9 +231,7 @@ def push(snapshot_dir, location: str, opts: StorageOptions) -> PushResult:
         if not is_dir:
             c.remove("upload", loc.bucket, name)
     uses = p.chunk_uses()
-    total = sum(i.bytes for i in p.images) + sum(
-        s.length(i) for s, i in (u[0] for u in uses.values())
-    )
+    total = p.image_bytes() + p.chunk_bytes()
     up = _Upload(c, loc.bucket, loc.key, d, Meter("upload", str(loc), total, opts.progress))
     pin_key = None
     try:
@@ -255,23 +254,18 @@ def push(snapshot_dir, location: str, opts: StorageOptions) -> PushResult:
                 f"unchanged{note}",
             ) from None
         raise
-    s3gc.unpin(c, loc.bucket, pin_key)
+    why = s3gc.unpin(c, loc.bucket, pin_key)
     up.meter.finish()
     k = up.counts
-    return PushResult(
-        location=str(loc),
-        manifest_key=mkey,
-        chunks=len(uses),
-        chunks_uploaded=k.uploaded,
-        chunk_bytes_uploaded=k.uploaded_bytes,
-        chunks_present=k.present,
-        chunk_bytes_present=k.present_bytes,
-        zero_chunks=p.zero_chunks(),
-        images=len(p.images),
-        image_bytes=sum(i.bytes for i in p.images),
-        manifest_rewritten=rewritten,
-        elapsed_ns=time.monotonic_ns() - t0,
+    counts = (k.uploaded, k.uploaded_bytes, k.present, k.present_bytes)
+    res = p.pushed(str(loc), mkey, counts, rewritten, time.monotonic_ns() - t0)
+    if why is None:
+        return res
+    note = (
+        f"the snapshot is committed, but its pin s3://{loc.bucket}/{pin_key} could not be "
+        f"removed ({why}): collections keep its chunks until it is removed"
     )
+    return dataclasses.replace(res, notes=(note,))
 
 
 def _get_manifest(c: Client, bucket: str, key: str, phase: str) -> bytes:
@@ -431,8 +425,7 @@ def pull(location: str, target_dir, opts: StorageOptions) -> PullResult:
             "download", f"{e.detail}; nothing was written", bucket=loc.bucket, key=mkey
         ) from None
     uses = p.chunk_uses()
-    chunk_bytes = sum(s.length(i) for s, i in (u[0] for u in uses.values()))
-    total = sum(i.bytes for i in p.images) + chunk_bytes
+    total = p.image_bytes() + p.chunk_bytes()
     t = layout.Target(target_dir, "download")
     try:
         t.open_files(p)
@@ -449,16 +442,7 @@ def pull(location: str, target_dir, opts: StorageOptions) -> PullResult:
             raise e.again("download", f"; {t.path} was removed, the bucket is untouched") from None
         raise
     dl.meter.finish()
-    return PullResult(
-        location=str(loc),
-        target=str(t.path),
-        chunks=len(uses),
-        chunk_bytes=chunk_bytes,
-        zero_chunks=p.zero_chunks(),
-        images=len(p.images),
-        image_bytes=sum(i.bytes for i in p.images),
-        elapsed_ns=time.monotonic_ns() - t0,
-    )
+    return p.pulled(str(loc), t.path, time.monotonic_ns() - t0)
 
 
 def stat(location: str, opts: StorageOptions) -> SnapshotInfo:

@@ -48,7 +48,8 @@ from cuinterpose.agent.snapshot.backends.api import (
     StorageOptions,
     parse_location,
 )
-from cuinterpose.agent.snapshot.backends.s3io import Client, NotFound, run_jobs
+from cuinterpose.agent.snapshot.backends.s3io import Client, NotFound
+from cuinterpose.agent.snapshot.backends.transfer import run_jobs
 
 CHUNKS = f"{RESERVED}/chunks/"
 PINS = f"{RESERVED}/pins/"
@@ -107,16 +108,12 @@ def pin(client: Client, bucket: str, location: str, digests, phase: str = "uploa
 
 def unpin(client: Client, bucket: str, key: str) -> Optional[str]:
     """Remove a pin (best effort, also after a cancel); returns why it failed, None if done."""
-    was = client.cancel.is_set()
-    client.cancel.clear()
-    try:
-        client.remove("upload", bucket, key)
-        return None
-    except StorageError as e:
-        return e.reason
-    finally:
-        if was:
-            client.cancel.set()
+    with client.cleanup():
+        try:
+            client.remove("upload", bucket, key)
+            return None
+        except StorageError as e:
+            return e.reason
 
 
 def _live_locks(client: Client, bucket: str, phase: str) -> list[tuple[str, dict]]:
@@ -305,14 +302,11 @@ def collect_bucket(
             "pins": tuple(pins),
         }
     finally:
-        was = client.cancel.is_set()
-        client.cancel.clear()
-        try:
-            client.remove(phase, bucket, lock)
-        except StorageError:
-            pass  # stale after its lease: uploads then ignore it
-        if was:
-            client.cancel.set()
+        with client.cleanup():
+            try:
+                client.remove(phase, bucket, lock)
+            except StorageError:
+                pass  # stale after its lease: uploads then ignore it
 
 
 def remove_prefix(client: Client, bucket: str, prefix: str, phase: str) -> int:

@@ -1,5 +1,4 @@
-"""Requests to an S3-compatible object store, each bounded and retried where safe; the
-bounded worker pool and the progress meter of a transfer.
+"""Requests to an S3-compatible object store, each bounded and retried where safe.
 
 :class:`Client` wraps the ``minio`` client (PyPI ``minio``, pinned in pyproject.toml; imported
 on first use) with one urllib3 pool: per-request connect/read timeouts, no retries of its own.
@@ -25,17 +24,16 @@ endpoint that ignores ranges is refused.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
+import contextlib
 import random
 import re
 import threading
 import time
-from typing import Callable, Iterable, Optional
+from typing import Callable, Optional
 
-from cuinterpose.agent.snapshot.backends.api import Progress, StorageError, TransferOptions
+from cuinterpose.agent.snapshot.backends.api import StorageError, TransferOptions
+from cuinterpose.agent.snapshot.backends.transfer import PIECE
 
-#: bytes read from a response body per read call
-PIECE = 1 << 20
 _RETRY_CODES = {"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout", "ServerError"}
 
 
@@ -94,18 +92,19 @@ def _short(exc) -> str:
 
 class Client:
     """One endpoint's client for one operation: ``settings`` (awsconf.S3Settings),
-    ``transfer`` (api.TransferOptions), ``cancel`` (threading.Event; set: stop), the
-    operation's ``deadline`` (time.monotonic() value or None)."""
+    ``transfer`` (api.TransferOptions; its ``deadline_s`` starts counting here), ``cancel``
+    (threading.Event; set: stop)."""
 
-    def __init__(self, settings, transfer: TransferOptions, cancel=None, deadline=None):
+    def __init__(self, settings, transfer: TransferOptions, cancel=None):
         import certifi
         import urllib3
         from minio import Minio
 
         self.settings, self.transfer = settings, transfer
         self.cancel = cancel or threading.Event()
-        self.deadline = deadline
-        if self.deadline is None and transfer.deadline_s is not None:
+        #: time.monotonic() past which no request is sent (None: no deadline)
+        self.deadline = None
+        if transfer.deadline_s is not None:
             self.deadline = time.monotonic() + transfer.deadline_s
         pool = urllib3.PoolManager(
             num_pools=4,
@@ -141,6 +140,13 @@ class Client:
         for n in range(1, t.attempts + 1):
             if self.cancel.is_set():
                 raise StorageError(phase, f"{what} cancelled", bucket=bucket, key=key)
+            if self.deadline is not None and time.monotonic() > self.deadline:
+                raise StorageError(
+                    phase,
+                    f"{what} not sent: the operation's deadline ({t.deadline_s:g} s) passed",
+                    bucket=bucket,
+                    key=key,
+                )
             try:
                 return attempt()
             except MinioException as e:
@@ -174,6 +180,21 @@ class Client:
                 self.retries += 1
             if self.cancel.wait(delay):
                 raise StorageError(phase, f"{what} cancelled", bucket=bucket, key=key)
+
+    @contextlib.contextmanager
+    def cleanup(self):
+        """Requests that undo a failed operation (remove its objects, its pin, its lock): not
+        stopped by the cancel event or the deadline, still bounded by the per-request
+        timeouts and attempts."""
+        was, deadline = self.cancel.is_set(), self.deadline
+        self.cancel.clear()
+        self.deadline = None
+        try:
+            yield self
+        finally:
+            self.deadline = deadline
+            if was:
+                self.cancel.set()
 
     def _refusal(self, what: str, why: str) -> str:
         if why.startswith("HTTP 403"):
@@ -338,89 +359,3 @@ class Client:
             self.call(phase, bucket, key, "DELETE", lambda: self.mc.remove_object(bucket, key))
         except NotFound:
             pass
-
-
-class Meter:
-    """Progress of one transfer: ``total`` bytes to account; :meth:`add` from any thread;
-    calls ``callback(Progress)`` at most every 100 ms, and :meth:`finish` once at the end."""
-
-    EVERY_NS = 100_000_000
-
-    def __init__(self, phase: str, location: str, total: int, callback=None):
-        self.phase, self.location, self.total, self.callback = phase, location, total, callback
-        self.transferred = self.present = 0
-        self.t0 = time.monotonic_ns()
-        self._last = 0
-        self._lock = threading.Lock()
-
-    def row(self, final: bool = False) -> Progress:
-        el = max(time.monotonic_ns() - self.t0, 1)
-        return Progress(
-            self.phase,
-            self.location,
-            self.transferred + self.present,
-            self.total,
-            self.transferred,
-            self.present,
-            self.transferred * 1e9 / el,
-            el,
-            final,
-        )
-
-    def add(self, transferred: int = 0, present: int = 0) -> None:
-        with self._lock:
-            self.transferred += transferred
-            self.present += present
-            now = time.monotonic_ns()
-            if self.callback is None or (self._last and now - self._last < self.EVERY_NS):
-                return
-            self._last = now
-            row = self.row()
-        self.callback(row)
-
-    def finish(self) -> Progress:
-        with self._lock:
-            row = self.row(final=True)
-        if self.callback is not None:
-            self.callback(row)
-        return row
-
-
-def run_jobs(jobs: Iterable[Callable[[], None]], threads: int, cancel: threading.Event) -> None:
-    """Run every job on ``threads`` workers, at most ``2 * threads`` queued (jobs are made as
-    the pool frees up, so memory stays bounded). The first failure sets ``cancel`` (the other
-    jobs stop at their next request) and is raised once the running jobs returned; so is a
-    KeyboardInterrupt in the caller's thread."""
-    first: list[BaseException] = []
-
-    def harvest(done):
-        for f in done:
-            e = f.exception()
-            if e is not None:
-                cancel.set()
-                # the cause, not a sibling's "cancelled" that it provoked
-                if not first or ("cancelled" in str(first[0]) and "cancelled" not in str(e)):
-                    first[:1] = [e]
-
-    with cf.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="s3") as ex:
-        pending: set = set()
-        try:
-            for job in jobs:
-                if cancel.is_set():
-                    break
-                while len(pending) >= 2 * threads:
-                    done, pending = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
-                    harvest(done)
-                if cancel.is_set():
-                    break
-                pending.add(ex.submit(job))
-            while pending:
-                done, pending = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
-                harvest(done)
-        except BaseException:
-            cancel.set()
-            for f in pending:
-                f.cancel()
-            raise
-    if first:
-        raise first[0]
