@@ -39,6 +39,8 @@ CB = 64 << 10
 PID, AID, AID2 = 4100, "0123456789abcdef0123456789abcdef", "fedcba9876543210fedcba9876543210"
 #: small parts, so that the multi-MiB images of the tests go through multipart and ranged GETs
 TRANSFER = TransferOptions(threads=4, part_bytes=5 << 20, backoff_s=0.01)
+#: an image size that TRANSFER moves as a multipart upload and two ranged GETs
+MULTIPART = (5 << 20) + 1000
 KEY, SECRET = "cuinterpose-test-key", "cuinterpose-test-secret"
 HANG_GUARD_S = 120  # only catches a hang
 
@@ -356,8 +358,9 @@ def _rand(n: int, seed: int) -> bytes:
     return random.Random(seed).randbytes(n)
 
 
-def sample_snapshot(d, *, seed=1, changed=(), big=12 << 20) -> dict:
-    """Images: a few small files and one of ``big`` bytes (multipart at 5 MiB parts); stream A:
+def sample_snapshot(d, *, seed=1, changed=(), big=1 << 20) -> dict:
+    """Images: a few small files and one of ``big`` bytes (:data:`MULTIPART`: two parts of
+    TRANSFER's 5 MiB, the second short); stream A:
     17 chunks, chunk 3 all zero, chunk 5 a copy of chunk 1, the last one 1000 bytes; stream B:
     3 zero chunks; a GPU stream of 5 chunks with chunk 2 zero. ``changed``: chunk indices of A
     whose bytes differ (another seed)."""

@@ -126,3 +126,18 @@ def test_bad_settings_are_refused_naming_the_source(home, env, message):
     with pytest.raises(StorageError) as e:
         resolve(env, home=home)
     assert e.value.phase == "stat" and message in e.value.reason
+
+
+def test_only_the_resolver_reads_the_environment():
+    """No module of agent/snapshot/backends but awsconf.py (its ``resolve``) reads the
+    environment: the settings arrive as one value from the caller."""
+    import pathlib
+    import re
+
+    import cuinterpose.agent.snapshot.backends as pkg
+
+    readers = {
+        p.name: re.findall(r"os\.environ|getenv\(|environ\[", p.read_text())
+        for p in sorted(pathlib.Path(pkg.__file__).parent.glob("*.py"))
+    }
+    assert {k: len(v) for k, v in readers.items() if v} == {"awsconf.py": 2}  # doc + code

@@ -34,7 +34,7 @@ def test_the_table_has_one_row_per_scheme_and_refuses_others(tmp_path):
 
 
 def test_a_local_push_and_pull_copy_the_snapshot_with_its_holes(tmp_path):
-    m = sample_snapshot(tmp_path / "root" / "s1", big=1 << 20)
+    m = sample_snapshot(tmp_path / "root" / "s1")
     rows = []
     (tmp_path / "other").mkdir()
     r = backends.push(
@@ -59,8 +59,8 @@ def test_a_local_push_and_pull_copy_the_snapshot_with_its_holes(tmp_path):
 
 def test_list_stat_and_delete_of_a_snapshot_root(tmp_path):
     root = tmp_path / "root"
-    m1 = sample_snapshot(root / "s1", big=1 << 20)
-    sample_snapshot(root / "s2", seed=2, big=1 << 20)
+    m1 = sample_snapshot(root / "s1")
+    sample_snapshot(root / "s2", seed=2)
     (root / "half" / "criu").mkdir(parents=True)  # an interrupted checkpoint: no manifest
     infos = backends.list_snapshots(str(root), OPTS)
     assert [i.location for i in infos] == [str(root / "s1"), str(root / "s2")]

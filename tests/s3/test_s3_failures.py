@@ -12,6 +12,7 @@ import socket
 
 import pytest
 from s3_kit import (
+    MULTIPART,
     TRANSFER,
     Rclone,
     bucket_files,
@@ -32,7 +33,7 @@ def _via(endpoint: str, **kw) -> StorageOptions:
 
 
 def test_an_endpoint_that_is_down_refuses_push_and_pull_and_names_the_key(tmp_path):
-    sample_snapshot(tmp_path / "s1", big=1 << 20)
+    sample_snapshot(tmp_path / "s1")
     before = tree_digest(tmp_path / "s1")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))  # bound and never listening: every connection is refused
@@ -57,7 +58,7 @@ def test_an_endpoint_that_is_down_refuses_push_and_pull_and_names_the_key(tmp_pa
 
 
 def test_wrong_keys_are_refused_at_the_first_request_without_a_retry(tmp_path, bucket, opts, proxy):
-    sample_snapshot(tmp_path / "s1", big=1 << 20)
+    sample_snapshot(tmp_path / "s1")
     backends.push(tmp_path / "s1", f"s3://{bucket}/r/s1", opts)
     bad = _via(proxy.endpoint, secret="not-the-secret")
     for what, call in [
@@ -79,14 +80,14 @@ def test_wrong_keys_are_refused_at_the_first_request_without_a_retry(tmp_path, b
 def test_5xx_answers_are_retried_and_a_lasting_one_refuses_the_commit(
     tmp_path, bucket, opts, proxy, rclone
 ):
-    sample_snapshot(tmp_path / "s1", big=1 << 20)
+    sample_snapshot(tmp_path / "s1")
     o = _via(proxy.endpoint)
     first = proxy.add("PUT", r"/\.cuinterpose/chunks/", "503", times=2)
     r = backends.push(tmp_path / "s1", f"s3://{bucket}/r/s1", o)
     assert first["hits"] == 2 and r.chunks_uploaded == r.chunks
     backends.pull(f"s3://{bucket}/r/s1", tmp_path / "p1", o)
 
-    m2 = sample_snapshot(tmp_path / "s2", seed=3, changed=(4,), big=1 << 20)
+    m2 = sample_snapshot(tmp_path / "s2", seed=3, changed=(4,))
     before = tree_digest(tmp_path / "s2")
     always = proxy.add("PUT", r"/r/s2/manifest\.json", "503", times=100)
     with pytest.raises(StorageError) as e:
@@ -111,7 +112,7 @@ def test_5xx_answers_are_retried_and_a_lasting_one_refuses_the_commit(
 def test_truncated_bodies_are_retried_and_a_lasting_one_refuses_the_pull(
     tmp_path, bucket, opts, proxy, rclone
 ):
-    m = sample_snapshot(tmp_path / "s1")  # a 12 MiB image: three ranged GETs
+    m = sample_snapshot(tmp_path / "s1", big=MULTIPART)  # two ranged GETs
     backends.push(tmp_path / "s1", f"s3://{bucket}/r/s1", opts)
     o = _via(proxy.endpoint)
     chunk = proxy.add("GET", r"/\.cuinterpose/chunks/", "truncate", times=1)
@@ -147,7 +148,7 @@ def _flip(path, at: int) -> None:
 def test_an_object_damaged_at_rest_refuses_the_pull_and_leaves_no_target(
     tmp_path, bucket, opts, rclone, what
 ):
-    m = sample_snapshot(tmp_path / "s1")
+    m = sample_snapshot(tmp_path / "s1", big=MULTIPART)
     backends.push(tmp_path / "s1", f"s3://{bucket}/r/s1", opts)
     key = {
         "chunk": s3gc.chunk_key("sha256", m["chunks"]["streams"][0]["checksums"][9]),
@@ -178,7 +179,7 @@ def test_the_server_killed_mid_upload_and_mid_download(tmp_path):
     srv = Rclone(root, tmp_path / "rclone1.log").start()
     try:
         raw_client(srv.endpoint).make_bucket("bkt")
-        sample_snapshot(tmp_path / "s1")
+        sample_snapshot(tmp_path / "s1", big=MULTIPART)
         before = tree_digest(tmp_path / "s1")
         o = dataclasses.replace(
             _via(srv.endpoint), transfer=dataclasses.replace(TRANSFER, attempts=2)

@@ -11,7 +11,7 @@ import threading
 import time
 
 import pytest
-from s3_kit import CB, bucket_files, put_object, sample_snapshot, tree_digest
+from s3_kit import CB, MULTIPART, bucket_files, put_object, sample_snapshot, tree_digest
 
 from cuinterpose.agent.snapshot import backends
 from cuinterpose.agent.snapshot.backends import s3gc
@@ -41,7 +41,7 @@ def test_push_then_pull_rebuilds_the_snapshot_and_the_bucket_holds_what_the_layo
     tmp_path, bucket, opts, rclone
 ):
     src = tmp_path / "a" / "s1"
-    m = sample_snapshot(src)
+    m = sample_snapshot(src, big=MULTIPART)
     rows = []
     res = backends.push(
         src, f"s3://{bucket}/nodeA/s1", dataclasses.replace(opts, progress=rows.append)
@@ -55,7 +55,7 @@ def test_push_then_pull_rebuilds_the_snapshot_and_the_bucket_holds_what_the_layo
         0,
     )
     assert res.zero_chunks == 1 + 3 + 1
-    assert (res.images, res.image_bytes) == (3, 3000 + (12 << 20))
+    assert (res.images, res.image_bytes) == (3, 3000 + MULTIPART)
     assert not res.manifest_rewritten
     # the bucket: the images under the prefix, one object per distinct chunk, the manifest
     objs = bucket_files(rclone.root, bucket)
@@ -119,8 +119,8 @@ def test_a_second_push_uploads_only_the_chunks_the_bucket_lacks(tmp_path, bucket
 
 
 def test_list_and_stat_see_only_committed_snapshots(tmp_path, bucket, opts, rclone, raw):
-    m1 = sample_snapshot(tmp_path / "s1", big=1 << 20)
-    sample_snapshot(tmp_path / "s2", seed=9, big=1 << 20)
+    m1 = sample_snapshot(tmp_path / "s1")
+    sample_snapshot(tmp_path / "s2", seed=9)
     backends.push(tmp_path / "s1", f"s3://{bucket}/root/s1", opts)
     backends.push(tmp_path / "s2", f"s3://{bucket}/root/s2", opts)
     # an upload that never committed: objects under a prefix, no manifest
@@ -159,8 +159,8 @@ def _keys(m) -> set:
 def test_delete_removes_the_snapshot_and_exactly_the_chunks_no_other_manifest_names(
     tmp_path, bucket, opts, rclone
 ):
-    m1 = sample_snapshot(tmp_path / "s1", big=1 << 20)
-    m2 = sample_snapshot(tmp_path / "s2", seed=3, changed=(2, 9), big=1 << 20)
+    m1 = sample_snapshot(tmp_path / "s1")
+    m2 = sample_snapshot(tmp_path / "s2", seed=3, changed=(2, 9))
     backends.push(tmp_path / "s1", f"s3://{bucket}/r/s1", opts)
     backends.push(tmp_path / "s2", f"s3://{bucket}/r/s2", opts)
     assert _chunk_objects(rclone, bucket) == _keys(m1) | _keys(m2)
@@ -185,7 +185,7 @@ def test_delete_removes_the_snapshot_and_exactly_the_chunks_no_other_manifest_na
 def test_an_unreadable_manifest_elsewhere_refuses_the_delete_before_anything_is_removed(
     tmp_path, bucket, opts, rclone, raw
 ):
-    sample_snapshot(tmp_path / "s1", big=1 << 20)
+    sample_snapshot(tmp_path / "s1")
     backends.push(tmp_path / "s1", f"s3://{bucket}/r/s1", opts)
     put_object(raw, bucket, "other/x/manifest.json", b'{"format": "cuinterpose-snapshot", ')
     before = bucket_files(rclone.root, bucket)
@@ -215,8 +215,8 @@ def test_a_delete_during_an_upload_keeps_every_chunk_the_upload_pinned(
     """push s2 (sharing all but two chunks with s1) has found the shared chunks present and
     sent the others when s1 is deleted: the collection keeps the shared chunks (the pin names
     them), the push commits, and s2 pulls whole."""
-    m1 = sample_snapshot(tmp_path / "s1", big=1 << 20)
-    m2 = sample_snapshot(tmp_path / "s2", seed=3, changed=(2, 9), big=1 << 20)
+    m1 = sample_snapshot(tmp_path / "s1")
+    m2 = sample_snapshot(tmp_path / "s2", seed=3, changed=(2, 9))
     backends.push(tmp_path / "s1", f"s3://{bucket}/r/s1", opts)
     deleted = []
     hook("upload sent", lambda: deleted.append(backends.delete(f"s3://{bucket}/r/s1", opts)))
@@ -236,8 +236,8 @@ def test_without_the_pin_the_same_race_loses_chunks(
     """The scenario above with the pins ignored by the collection: it removes the shared
     chunks the push found present, and the committed s2 cannot be pulled (what the pin is
     for; this proves the test above can fail)."""
-    sample_snapshot(tmp_path / "s1", big=1 << 20)
-    sample_snapshot(tmp_path / "s2", seed=3, changed=(2, 9), big=1 << 20)
+    sample_snapshot(tmp_path / "s1")
+    sample_snapshot(tmp_path / "s2", seed=3, changed=(2, 9))
     backends.push(tmp_path / "s1", f"s3://{bucket}/r/s1", opts)
     monkeypatch.setattr(s3gc, "_read_pins", lambda *a: (set(), []))
     hook("upload sent", lambda: backends.delete(f"s3://{bucket}/r/s1", opts))
@@ -264,7 +264,7 @@ def _lock(raw, bucket, started_unix, name="feed", lease_s=600.0) -> str:
 def test_an_upload_waits_for_a_live_collection_and_ignores_a_stale_one(
     tmp_path, bucket, opts, rclone, raw, hook, monkeypatch
 ):
-    sample_snapshot(tmp_path / "s1", big=1 << 20)
+    sample_snapshot(tmp_path / "s1")
     monkeypatch.setattr(s3gc, "WAIT_POLL_S", 0.01)
     lock = _lock(raw, bucket, time.time())
     seen, checks = [], []
@@ -285,7 +285,7 @@ def test_an_upload_waits_for_a_live_collection_and_ignores_a_stale_one(
     backends.push(tmp_path / "s1", f"s3://{bucket}/r/s1", opts)
     assert checks == [1, 1, 1, 0] and seen == [False]  # no chunk was checked while it lived
 
-    sample_snapshot(tmp_path / "s2", seed=4, big=1 << 20)
+    sample_snapshot(tmp_path / "s2", seed=4)
     stale = _lock(raw, bucket, time.time() - 600 - 120 - 60, name="dead")
     checks.clear()
     hook("upload pinned", lambda: seen.append(exists(stale)))
@@ -296,7 +296,7 @@ def test_an_upload_waits_for_a_live_collection_and_ignores_a_stale_one(
 def test_an_upload_refuses_when_a_collection_outlives_its_deadline(
     tmp_path, bucket, opts, rclone, raw, monkeypatch
 ):
-    sample_snapshot(tmp_path / "s1", big=1 << 20)
+    sample_snapshot(tmp_path / "s1")
     before = tree_digest(tmp_path / "s1")
     monkeypatch.setattr(s3gc, "WAIT_POLL_S", 0.05)
     _lock(raw, bucket, time.time())
@@ -312,8 +312,8 @@ def test_an_upload_refuses_when_a_collection_outlives_its_deadline(
 
 def test_concurrent_pushes_of_the_same_chunks_both_commit(tmp_path, bucket, opts):
     """Two nodes push snapshots of the same model at once: both commit, both pull."""
-    sample_snapshot(tmp_path / "s1", big=1 << 20)
-    sample_snapshot(tmp_path / "s2", seed=11, big=1 << 20)
+    sample_snapshot(tmp_path / "s1")
+    sample_snapshot(tmp_path / "s2", seed=11)
     out, errs = {}, []
 
     def go(name):

@@ -27,7 +27,7 @@ def _sign(d, key) -> dict:
 def test_with_a_node_key_push_and_pull_accept_only_manifests_signed_with_it(
     tmp_path, bucket, opts, rclone, raw
 ):
-    sample_snapshot(tmp_path / "s1", big=1 << 20)
+    sample_snapshot(tmp_path / "s1")
     m = _sign(tmp_path / "s1", KEY)
     keyed = dataclasses.replace(opts, node_key=KEY)
     with pytest.raises(StorageError) as e:
@@ -78,7 +78,7 @@ def test_with_a_node_key_push_and_pull_accept_only_manifests_signed_with_it(
 def test_a_malformed_bucket_manifest_is_refused_before_anything_is_written(
     tmp_path, bucket, opts, raw, change, message
 ):
-    m = sample_snapshot(tmp_path / "s1", big=1 << 20)
+    m = sample_snapshot(tmp_path / "s1")
     backends.push(tmp_path / "s1", f"s3://{bucket}/r/s1", opts)
     change(m)
     put_object(raw, bucket, "r/s1/manifest.json", layout.dumps(m))
@@ -93,7 +93,7 @@ def test_a_malformed_bucket_manifest_is_refused_before_anything_is_written(
 def test_a_pull_whose_result_fails_restores_checks_is_refused(tmp_path, bucket, opts, raw):
     """The capture's carrier record disagrees with the stream: the files all verify against
     their digests, but restore's chunk check would refuse the snapshot, so the pull does."""
-    m = sample_snapshot(tmp_path / "s1", big=1 << 20)
+    m = sample_snapshot(tmp_path / "s1")
     backends.push(tmp_path / "s1", f"s3://{bucket}/r/s1", opts)
     m["capture"]["participants"][0]["records"][0]["carrier_checksum"] = "0" * 16
     put_object(raw, bucket, "r/s1/manifest.json", layout.dumps(m))
@@ -106,7 +106,7 @@ def test_a_pull_whose_result_fails_restores_checks_is_refused(tmp_path, bucket, 
 def test_a_chunk_object_under_another_digest_is_refused(tmp_path, bucket, opts, rclone, raw):
     """Someone with write access to the bucket replaces a shared chunk object: every pull of a
     snapshot that uses it refuses (the key is the digest), naming the key."""
-    m = sample_snapshot(tmp_path / "s1", big=1 << 20)
+    m = sample_snapshot(tmp_path / "s1")
     backends.push(tmp_path / "s1", f"s3://{bucket}/r/s1", opts)
     key = s3gc.chunk_key("sha256", m["chunks"]["streams"][0]["checksums"][0])
     put_object(raw, bucket, key, bytes(64 << 10))
