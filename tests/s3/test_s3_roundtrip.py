@@ -90,6 +90,11 @@ def test_push_then_pull_rebuilds_the_snapshot_and_the_bucket_holds_what_the_layo
     )
     for s in m["chunks"]["streams"] + m["gpu_storage"]["streams"]:
         assert _holes(dst / s["file"], CB, s["zero"]), s["file"]
+    # private to the agent's user (case 016)
+    modes = {p.stat().st_mode & 0o777 for p in [dst, *dst.rglob("*")] if p.is_dir()}
+    assert modes == {0o700} and {
+        p.stat().st_mode & 0o777 for p in dst.rglob("*") if p.is_file()
+    } == {0o600}
     assert bucket_files(rclone.root, bucket) == objs  # a pull writes nothing to the bucket
 
 

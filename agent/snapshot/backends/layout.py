@@ -44,6 +44,8 @@ MANIFEST_NAME = "manifest.json"
 CHUNKS_DIR = chunks.CHUNKS_DIR
 CRIU_DIR = trust.CRIU_DIR
 FORMAT = "cuinterpose-snapshot"
+#: a snapshot is private to the agent's user (case 016): directories 0700, files 0600
+DIR_MODE, FILE_MODE = 0o700, 0o600
 #: a manifest larger than this is refused before it is read (bytes)
 MANIFEST_MAX_BYTES = 256 << 20
 _HEX32 = re.compile(r"^[0-9a-f]{32}$")
@@ -371,7 +373,8 @@ class Target:
     :meth:`open_files` creates every image and stream file at its final size (streams
     sparse), :meth:`pwrite` writes into one, :meth:`commit` fsyncs everything and writes
     the manifest last (atomically), :meth:`discard` removes what was written (the
-    directory too when this created it). Files are created ``O_EXCL|O_NOFOLLOW``."""
+    directory too when this created it). Files are created ``O_EXCL|O_NOFOLLOW``, 0600, in
+    directories 0700 (the target itself too)."""
 
     def __init__(self, path, phase: str):
         self.path = pathlib.Path(os.path.abspath(path))
@@ -385,8 +388,9 @@ class Target:
                         phase, f"{self.path} is not an empty directory; nothing was written"
                     )
             else:
-                self.path.mkdir(mode=0o755)
+                self.path.mkdir(mode=DIR_MODE)
                 self.created = True
+            os.chmod(self.path, DIR_MODE)
         except OSError as e:
             raise StorageError(phase, f"{self.path} cannot be created: {e.strerror}") from None
 
@@ -396,9 +400,10 @@ class Target:
                 (s.rel, s.bytes) for s in p.streams
             ]:
                 f = self.path / rel
-                f.parent.mkdir(parents=True, exist_ok=True)
+                for d in reversed(f.relative_to(self.path).parents[:-1]):
+                    (self.path / d).mkdir(mode=DIR_MODE, exist_ok=True)
                 fd = os.open(
-                    f, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644
+                    f, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE
                 )
                 self.fds[rel] = fd
                 os.ftruncate(fd, size)
@@ -428,7 +433,7 @@ class Target:
                 _fsync_dir(d)
             tmp = self.path / (MANIFEST_NAME + ".tmp")
             fd = os.open(
-                tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644
+                tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE
             )
             try:
                 self.pwrite_fd(fd, manifest_bytes)
