@@ -413,10 +413,17 @@ class Target:
             ) from None
 
     def pwrite(self, rel: str, data, offset: int) -> None:
+        """``data`` into file ``rel`` at ``offset``; ``StorageError`` naming the file on a
+        write error (ENOSPC, EIO)."""
         view = memoryview(data)
-        while view:
-            n = os.pwrite(self.fds[rel], view, offset)
-            view, offset = view[n:], offset + n
+        try:
+            while view:
+                n = os.pwrite(self.fds[rel], view, offset)
+                view, offset = view[n:], offset + n
+        except OSError as e:
+            raise StorageError(
+                self.phase, f"writing {self.path / rel} failed: {e.strerror} (errno {e.errno})"
+            ) from None
 
     def fd(self, rel: str) -> int:
         return self.fds[rel]

@@ -48,6 +48,8 @@ def _read(path: pathlib.Path, off: int, n: int, h, sink, phase: str) -> str:
                 raise StorageError(phase, f"{path} ends before byte {off + n}")
             h.update(piece)
             sink(pos, piece)
+    except OSError as e:
+        raise StorageError(phase, f"{path} cannot be read: {e.strerror}") from None
     finally:
         os.close(fd)
     return h.hexdigest()

@@ -65,17 +65,22 @@ def _part_bytes(size: int, part: int) -> int:
 
 
 def _pread(path: pathlib.Path, off: int, n: int) -> bytes:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    """``n`` bytes of the local file ``path`` from ``off``; ``StorageError`` (phase "upload")
+    naming the file when it cannot be read or is shorter."""
     try:
-        out = bytearray()
-        while len(out) < n:
-            piece = os.pread(fd, n - len(out), off + len(out))
-            if not piece:
-                raise StorageError("upload", f"{path} ends before byte {off + n}")
-            out += piece
-        return bytes(out)
-    finally:
-        os.close(fd)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            out = bytearray()
+            while len(out) < n:
+                piece = os.pread(fd, n - len(out), off + len(out))
+                if not piece:
+                    raise StorageError("upload", f"{path} ends before byte {off + n}")
+                out += piece
+            return bytes(out)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise StorageError("upload", f"{path} cannot be read: {e.strerror}") from None
 
 
 def _digest(h, data, path: pathlib.Path, off: int, n: int) -> str:
@@ -393,8 +398,13 @@ class _Download:
     def _verify_image(self, key: str, img: layout.Image) -> None:
         h = hashlib.sha256()
         fd = self.t.fd(img.rel)
-        for pos in range(0, img.bytes, PIECE):
-            h.update(os.pread(fd, min(PIECE, img.bytes - pos), pos))
+        try:
+            for pos in range(0, img.bytes, PIECE):
+                h.update(os.pread(fd, min(PIECE, img.bytes - pos), pos))
+        except OSError as e:
+            raise StorageError(
+                "download", f"reading {self.t.path / img.rel} back failed: {e.strerror}"
+            ) from None
         if h.hexdigest() != img.sha256:
             raise StorageError(
                 "download",
