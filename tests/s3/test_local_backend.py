@@ -68,6 +68,10 @@ def test_list_stat_and_delete_of_a_snapshot_root(tmp_path):
     d = backends.delete(str(root / "s1"), OPTS)
     assert (d.location, d.objects_removed, d.chunks_removed) == (str(root / "s1"), 1, 0)
     assert sorted(p.name for p in root.iterdir()) == ["half", "s2"]
+    # a root without a chunk store: nothing to collect, and no store is created
+    c = backends.collect(str(root), OPTS)
+    assert (c.chunks_removed, c.chunks_kept) == (0, 0)
+    assert sorted(p.name for p in root.iterdir()) == ["half", "s2"]
 
 
 def test_a_damaged_chunk_refuses_the_copy_and_removes_what_it_wrote(tmp_path):

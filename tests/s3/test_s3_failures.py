@@ -104,7 +104,7 @@ def test_5xx_answers_are_retried_and_a_lasting_one_refuses_the_commit(
     # the chunk s2 sent is nobody's: the next collection removes exactly it
     new = s3gc.chunk_key("sha256", m2["chunks"]["streams"][0]["checksums"][4])
     assert new in objs
-    res = s3gc.collect(f"s3://{bucket}", opts)
+    res = backends.collect(f"s3://{bucket}", opts)
     assert (res.chunks_removed, res.chunk_bytes_freed) == (1, 64 << 10)
     assert new not in bucket_files(rclone.root, bucket)
 

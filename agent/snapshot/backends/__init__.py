@@ -3,7 +3,7 @@
 
 One table, :data:`BACKENDS`, keyed by a location's scheme; each row
 (:class:`~.api.Backend`) is a small set of hooks — ``push``, ``pull``, ``list``, ``delete``,
-``stat`` — in the style of CRIU's backend tables. Adding a backend is a module with those
+``stat``, ``collect`` — in the style of CRIU's backend tables. Adding a backend is a module with those
 hooks and one line in the table.
 
 - ``file`` (agent/snapshot/backends/local.py): a local directory, the default (a location
@@ -12,7 +12,7 @@ hooks and one line in the table.
   S3-compatible object store; settings from agent/snapshot/backends/awsconf.py ``resolve``.
 
 The functions below dispatch on the location: :func:`push`, :func:`pull`,
-:func:`list_snapshots`, :func:`delete`, :func:`stat`; each takes one
+:func:`list_snapshots`, :func:`delete`, :func:`stat`, :func:`collect`; each takes one
 :class:`~.api.StorageOptions` and returns one result value (agent/snapshot/backends/api.py)
 or raises :class:`~.api.StorageError` naming phase, bucket and key.
 """
@@ -41,6 +41,7 @@ __all__ = [
     "StorageError",
     "StorageOptions",
     "backend",
+    "collect",
     "delete",
     "list_snapshots",
     "pull",
@@ -79,6 +80,11 @@ def list_snapshots(root: str, opts: StorageOptions) -> list[SnapshotInfo]:
 def delete(location: str, opts: StorageOptions) -> DeleteResult:
     """Remove the snapshot at ``location`` and collect the chunks nothing refers to anymore."""
     return backend(location).delete(location, opts)
+
+
+def collect(root: str, opts: StorageOptions) -> DeleteResult:
+    """Free the chunks under ``root`` (S3: the whole bucket) that nothing refers to."""
+    return backend(root, root=True).collect(root, opts)
 
 
 def stat(location: str, opts: StorageOptions) -> SnapshotInfo:

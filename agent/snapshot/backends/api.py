@@ -196,7 +196,10 @@ class Backend(NamedTuple):
       directory, as a plain snapshot directory (chunk files, no chunk store);
     - ``list(root, opts) -> list[SnapshotInfo]``: the snapshots directly under ``root``;
     - ``delete(location, opts) -> DeleteResult``: one snapshot, then collect its chunks;
-    - ``stat(location, opts) -> SnapshotInfo``."""
+    - ``stat(location, opts) -> SnapshotInfo``;
+    - ``collect(root, opts) -> DeleteResult``: free the chunks no snapshot (or running
+      upload) refers to, deleting no snapshot (after an interrupted upload, or a snapshot
+      removed by other means)."""
 
     scheme: str
     push: Callable
@@ -204,6 +207,7 @@ class Backend(NamedTuple):
     list: Callable
     delete: Callable
     stat: Callable
+    collect: Callable
 
 
 class Location(NamedTuple):

@@ -184,6 +184,24 @@ def delete(location: str, opts: StorageOptions) -> DeleteResult:
     )
 
 
+def collect(root: str, opts: StorageOptions) -> DeleteResult:
+    """agent/snapshot/store.py ``collect`` of the snapshot root ``root`` (nothing to do, and
+    nothing created, when it has no chunk store)."""
+    base = parse_location(root, root=True).key
+    if not os.path.lexists(os.path.join(base, store.STORE_DIR)):
+        return DeleteResult(base, 0, 0, 0, 0, ())
+    r = store.collect(base)
+    return DeleteResult(
+        base, 0, r["packs_removed"], r["pack_bytes_freed"], r["packs_kept"], tuple(r["pinned"])
+    )
+
+
 BACKEND = Backend(
-    scheme="file", push=push, pull=pull, list=list_snapshots, delete=delete, stat=stat
+    scheme="file",
+    push=push,
+    pull=pull,
+    list=list_snapshots,
+    delete=delete,
+    stat=stat,
+    collect=collect,
 )

@@ -488,5 +488,11 @@ def list_snapshots(root: str, opts: StorageOptions) -> list[SnapshotInfo]:
 
 
 BACKEND = Backend(
-    scheme="s3", push=push, pull=pull, list=list_snapshots, delete=s3gc.delete, stat=stat
+    scheme="s3",
+    push=push,
+    pull=pull,
+    list=list_snapshots,
+    delete=s3gc.delete,
+    stat=stat,
+    collect=s3gc.collect,
 )
