@@ -188,7 +188,9 @@ class Coordinator(Barrier):
         return RestoreResult(phases=self.phases[start:], records=after)
 
     def rollback(
-        self, capture_or_records: "Capture | Mapping[int, Iterable[Record]]"
+        self,
+        capture_or_records: "Capture | Mapping[int, Iterable[Record]]",
+        device_map: dict[str, str] | None = None,
     ) -> RollbackResult:
         """Bring every participant of a failed or abandoned capture back to ACTIVE.
 
@@ -196,11 +198,13 @@ class Coordinator(Barrier):
         ``PhaseError.capture``) or pid -> the records of the capture's first INSPECT. Steps in
         docs/coordinator.md "Rollback"; a FAILED or silent participant raises PhaseError
         before anything is sent (fail-stop). Raises PhaseError from any failing phase
-        (``changed`` True; stop there, no retry).
+        (``changed`` True; stop there, no retry). ``device_map`` ({old GPU UUID: new}): the
+        final compare's, for the rollback that finishes a restore onto other GPUs (an agent
+        that died mid-restore, docs/agent.md).
         """
         if isinstance(capture_or_records, Capture):
             self._adopt_files(capture_or_records)
-        result = rollback(self, capture_or_records)
+        result = rollback(self, capture_or_records, device_map=device_map)
         self._drop_private()
         return result
 

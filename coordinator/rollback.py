@@ -28,7 +28,9 @@ MAX_REPLANS = 3
 
 
 def rollback(
-    coord: Barrier, capture_or_records: "Capture | Mapping[int, Iterable[Record]]"
+    coord: Barrier,
+    capture_or_records: "Capture | Mapping[int, Iterable[Record]]",
+    device_map: dict[str, str] | None = None,
 ) -> RollbackResult:
     """Bring every participant of ``coord`` back to ACTIVE (docs/coordinator.md "Rollback").
 
@@ -64,7 +66,7 @@ def rollback(
                 continue  # an op in flight on a lost connection ran after that INSPECT
             raise
         break
-    topology.compare(records, after)
+    topology.compare(records, after, device_map=device_map)
     return RollbackResult(found=found_first, phases=coord.phases[start:], records=after)
 
 

@@ -36,6 +36,7 @@ from gpu_check_steps import PROBE, REPO, Ctx, Result, Skip, last_json, run, say,
 
 from cuinterpose.agent.mech import quiesce
 from cuinterpose.coordinator.carrierfiles import CarrierFiles
+from cuinterpose.coordinator.claim import Claim
 from cuinterpose.coordinator.phases import Coordinator
 from cuinterpose.coordinator.results import Participant
 from cuinterpose.workloads.afdwin import demo
@@ -96,7 +97,13 @@ def coordinator(pids, ctl, chunks: pathlib.Path, ctx: Ctx) -> Coordinator:
         timeout_s=min(60.0, ctx.left()),
         carrier_timeout_s=ctx.left(),
         carriers=CarrierFiles(chunks),
+        # the check drives the shims as the agent does: holding a claim (protocol.h "Claims")
+        claim=Claim.take(ctl, list(pids), kind="gpu-check", token=_CLAIM_TOKEN),
     )
+
+
+#: one claim token for every coordinator of this check (a later one must not revoke an earlier)
+_CLAIM_TOKEN = os.urandom(16)
 
 
 def phase(results, name: str):

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import pathlib
 
+import claim_kit
 import pytest
 
 from cuinterpose.coordinator.carrierfiles import DEFAULT_STAGING_BYTES, streams_of
@@ -26,6 +28,12 @@ from .pair import CUIPAIR_C, Pair, wait_sockets
 
 K = 4
 SIZE = 64 << 10  # FAKECUDA_GRANULARITY below
+
+
+def _coord(parts, **kw) -> Coordinator:
+    """A coordinator of ``parts`` holding a claim on them, as the agent's does."""
+    ctl = str(pathlib.Path(parts[0].socket_path).parent)
+    return Coordinator(parts, claim=claim_kit.take(ctl, [p.pid for p in parts]), **kw)
 
 
 def pattern(seed: int, idx: int, n: int) -> bytes:
@@ -75,7 +83,7 @@ def test_capture_and_restore_two_processes(pair, pair_env):
     cpid, ipid = pair.pids
 
     events = []
-    cap = Coordinator(parts, timeout_s=30, on_event=events.append).capture()
+    cap = _coord(parts, timeout_s=30, on_event=events.append).capture()
 
     # records: K creator allocations + K mappings at base + i*SIZE, the importer's mirror
     allocs = _by_kind(cap.records[cpid], RecordKind.ALLOCATION)
@@ -124,7 +132,7 @@ def test_capture_and_restore_two_processes(pair, pair_env):
 
     # the capture survives JSON; a new coordinator restores from it
     back = Capture.from_dict(json.loads(json.dumps(cap.to_dict())))
-    res = Coordinator(parts, timeout_s=30).restore(back)
+    res = _coord(parts, timeout_s=30).restore(back)
     load = res.phase("LOAD_ALLOCATIONS")
     assert load.participants[cpid].bytes == K * SIZE
     pinned = {
@@ -151,8 +159,8 @@ def test_capture_and_restore_two_processes(pair, pair_env):
     assert after[0] == after[1] != before[0]
 
     # a second cycle works (txn ids keep increasing, carriers re-made)
-    cap2 = Coordinator(parts, timeout_s=30).capture()
-    Coordinator(parts, timeout_s=30).restore(cap2)
+    cap2 = _coord(parts, timeout_s=30).capture()
+    _coord(parts, timeout_s=30).restore(cap2)
     assert pair.sums() == after
 
 
@@ -168,11 +176,11 @@ def test_rollback_mixed_phases_on_real_shims(pair, pair_env):
     wait_sockets([p.socket_path for p in parts])
     cpid, ipid = pair.pids
     before = pair.sums()
-    coord = Coordinator(parts, timeout_s=30)
+    coord = _coord(parts, timeout_s=30)
     records = coord.validate(coord.inspect(check_phase=True))
     coord.carried = streams_of(records)  # capture() names the chunk files so
     coord.save_allocations()
-    r = ShimClient(socket_path(ctl, ipid), 30).request(
+    r = ShimClient(socket_path(ctl, ipid), 30, claim=claim_kit.TOKEN).request(
         Op.PREPARE_UNICAST, txn_id=coord.last_txn_id + 1, expected_phase=Phase.SAVED
     )
     assert (r.reply.status, r.reply.phase, r.reply.records_changed) == (
@@ -227,10 +235,10 @@ def test_a_creator_stopped_during_save_allocations_fails_it_within_the_phase_tim
     wait_sockets([p.socket_path for p in parts])
     cpid, _ = pair.pids
     before = pair.sums()
-    first = Coordinator(parts, timeout_s=30)
+    first = _coord(parts, timeout_s=30)
     records = first.validate(first.inspect(check_phase=True))
     # a short phase timeout only for the request that meets the stopped creator
-    coord = Coordinator(parts, timeout_s=0.5, carrier_timeout_s=60)
+    coord = _coord(parts, timeout_s=0.5, carrier_timeout_s=60)
     coord.txn_floor = first.last_txn_id
     coord.carried = streams_of(records)
     os.kill(cpid, signal.SIGSTOP)
@@ -241,8 +249,97 @@ def test_a_creator_stopped_during_save_allocations_fails_it_within_the_phase_tim
         os.kill(cpid, signal.SIGCONT)
     assert ei.value.pid == cpid
     assert f"pid {cpid} (socket {socket_path(ctl, cpid)}) is stopped (state T)" in str(ei.value)
-    again = Coordinator(parts, timeout_s=30)  # the deadlines of a release's rollback
+    again = _coord(parts, timeout_s=30)  # the deadlines of a release's rollback
     again.txn_floor = coord.last_txn_id
     res = again.rollback(records)
     assert set(res.found.values()) <= {"ACTIVE", "SAVED"}, res.found
     assert pair.sums() == before
+
+
+def test_a_caller_without_the_claim_is_refused_and_changes_nothing(pair, pair_env):
+    """Issue 23 (a same-uid process outside the job tore it down): a coordinator that holds no
+    claim, or another holder's token, gets CUI_REFUSED_PEER for every mutating op and the shims
+    stay ACTIVE with their bytes, mappings and txn floor untouched; INSPECT stays open. The
+    claim's holder then captures and restores as usual, and a dropped claim refuses again."""
+    import secrets
+
+    from cuinterpose.coordinator.claim import Claim, ClaimError, read_claim
+    from cuinterpose.coordinator.client import ShimClient
+    from cuinterpose.coordinator.protocol import Op, Phase, Status, claim_path
+    from cuinterpose.coordinator.results import PhaseError
+
+    ctl = pair_env["CUINTERPOSE_CONTROL_DIR"]
+    parts = [Participant(pid, socket_path(ctl, pid)) for pid in pair.pids]
+    wait_sockets([p.socket_path for p in parts])
+    cpid, ipid = pair.pids
+    before = pair.sums()
+    stray = Coordinator(parts, timeout_s=30)
+    records_before = stray.inspect(check_phase=True)  # INSPECT needs no claim
+    for claim in (None, Claim(ctl, list(pair.pids), secrets.token_bytes(16))):
+        # no claim file at all, then a claim file whose token the stray does not carry
+        if claim is not None:
+            owner = claim_kit.take(ctl, pair.pids)
+        stray = Coordinator(parts, timeout_s=30, claim=claim)
+        with pytest.raises(PhaseError) as e:
+            stray.capture()
+        assert e.value.phase == "SAVE_ALLOCATIONS" and e.value.changed is False
+        for p in e.value.failures:
+            assert (p.status, p.phase) == (Status.REFUSED_PEER, Phase.ACTIVE)
+            why = (
+                "no such file: no checkpoint holds this process"
+                if claim is None
+                else "the request does not carry the token of the claim held by"
+            )
+            assert p.message.startswith(
+                f"SAVE_ALLOCATIONS: pid {p.pid} refused the request of pid {os.getpid()} "
+                f"(it names pid {os.getpid()}): {claim_path(ctl, p.pid)}: {why}"
+            ), p.message
+            assert claim_kit.TOKEN.hex() not in p.message
+        # every other mutating op too, whatever phase it names
+        for op, phase in ((Op.PREPARE_UNICAST, Phase.SAVED), (Op.CANCEL_CAPTURE, Phase.SAVED)):
+            r = ShimClient(socket_path(ctl, ipid), 30).request(
+                op, txn_id=2**60, expected_phase=phase
+            )
+            assert (r.reply.status, r.reply.phase) == (Status.REFUSED_PEER, Phase.ACTIVE)
+        assert stray.inspect(check_phase=True) == records_before
+        assert pair.sums() == before
+    # the holder's token is accepted (txn ids above the refused 2**60 were never consumed)
+    assert read_claim(claim_path(ctl, cpid))[1:] == (os.getpid(), "test")
+    coord = Coordinator(parts, timeout_s=30, claim=owner)
+    cap = coord.capture()
+    coord.restore(cap)
+    assert pair.sums() == before
+    # a second holder cannot take a claim a live one holds; a dropped claim refuses again
+    with pytest.raises(ClaimError, match=f"pid {cpid} is claimed by test pid {os.getpid()}"):
+        _take_from_child(ctl, cpid)
+    owner.drop()
+    assert not os.path.exists(claim_path(ctl, cpid))
+    with pytest.raises(PhaseError, match="no checkpoint holds this process"):
+        Coordinator(parts, timeout_s=30, claim=owner).capture()
+    assert pair.sums() == before
+
+
+def _take_from_child(ctl: str, pid: int):
+    """``Claim.take`` of ``pid`` in a forked child (another holder pid); re-raises its
+    ClaimError here."""
+    import pickle
+
+    from cuinterpose.coordinator.claim import Claim, ClaimError
+
+    r, w = os.pipe()
+    child = os.fork()
+    if child == 0:
+        os.close(r)
+        try:
+            Claim.take(ctl, [pid], kind="checkpoint")
+            out = None
+        except ClaimError as e:
+            out = str(e)
+        os.write(w, pickle.dumps(out))
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        out = pickle.loads(f.read())
+    os.waitpid(child, 0)
+    if out is not None:
+        raise ClaimError(out, pid=pid, path="")
