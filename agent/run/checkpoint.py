@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import secrets
 import signal
 import threading
 import time
@@ -233,6 +234,9 @@ class Checkpoint(Rollback, StepRunner):
             carrier_timeout_s=self.carrier_timeout_s,
             on_event=coordinator_events(self.r.coordinator_event),
         )
+        # the token of this checkpoint's claim on the shims (protocol.h "Claims"): in the .lock
+        # record before the claim files are written (capture), so a release finds it again
+        self.claim_token = secrets.token_bytes(16)
         files = self.coordinator.carriers = carriers.checkpoint_files(
             self.images_dir, **self.chunks
         )
@@ -334,6 +338,7 @@ class Checkpoint(Rollback, StepRunner):
         A refusal or validation error before SAVE_ALLOCATIONS changed nothing (refused);
         from SAVE_ALLOCATIONS on, a failure means teardown started (rolled back)."""
         # the .lock turned torn_down with its record before this (Rollback.step_started)
+        self.take_claim()
         try:
             self.capture = self.coordinator.capture()
         except Exception as e:
@@ -507,8 +512,12 @@ class Checkpoint(Rollback, StepRunner):
 
     def release_store(self, keep_pin: bool = False) -> None:
         """Done with the chunk store (incremental): its pin and shared lock go (the pin stays
-        with ``keep_pin``: a later release needs the packs). A no-op otherwise; idempotent."""
+        with ``keep_pin``: a later release needs the packs), and so does the claim on the shims
+        (kept with ``keep_pin`` too: the workload stays parked for a release, which takes it
+        over). Idempotent."""
         carriers.release(getattr(self.coordinator, "carriers", None), keep_pin=keep_pin)
+        if not keep_pin:
+            self.drop_claim()
 
     # -- the one-shot run -----------------------------------------------------------------
     def run(self) -> dict:

@@ -138,6 +138,33 @@ class Rollback:
     def cleanup_images(self):
         images.cleanup(self.images_dir)
 
+    # -- the claim on the shims (protocol.h "Claims", decisions D45) ----------------------
+    def take_claim(self) -> None:
+        """Before the capture's first request: write the claim file of every participant with
+        this checkpoint's token (recorded in the ``.lock`` already) and hand it to the
+        coordinator, whose mutating requests then carry it. A claim that cannot be taken (a
+        live holder of another checkpoint, an unwritable control dir) refuses the capture:
+        ``AgentError`` phase "capture", nothing torn down."""
+        from cuinterpose.coordinator.claim import Claim, ClaimError
+
+        try:
+            self.coordinator.claim = Claim.take(
+                self.control_dir,
+                [p.pid for p in self.census.participants],
+                kind="checkpoint",
+                token=self.claim_token,
+            )
+        except ClaimError as e:
+            raise AgentError(
+                "capture", f"{e}; checkpoint refused, nothing was torn down", pid=e.pid
+            ) from e
+
+    def drop_claim(self) -> None:
+        """Remove this checkpoint's claim files (idempotent; a no-op before the capture)."""
+        claim = getattr(getattr(self, "coordinator", None), "claim", None)
+        if claim is not None:
+            claim.drop()
+
     # -- group undo phases ----------------------------------------------------------------
     def group_rollback(self):
         """Undo this member's part of a failed group checkpoint: its own snapshot, even when
