@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import pathlib
+import time
 
 import claim_kit
 import pytest
@@ -343,3 +344,95 @@ def _take_from_child(ctl: str, pid: int):
     os.waitpid(child, 0)
     if out is not None:
         raise ClaimError(out, pid=pid, path="")
+
+
+@pytest.fixture
+def held_pair(cuipair, pair_env, tmp_path):
+    """A pair whose driver holds a cuMemcpyHtoD_v2 (LOAD_ALLOCATIONS's copy) while
+    ``HOLD/hold`` exists (FAKECUDA_HOLD, docs/fakecuda.md): (pair, HOLD)."""
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    p = Pair(cuipair, dict(pair_env, FAKECUDA_HOLD=f"cuMemcpyHtoD_v2:{hold}"), K, SIZE)
+    yield p, hold
+    (hold / "hold").unlink(missing_ok=True)
+    p.close()
+
+
+def test_a_rollback_that_lost_its_load_reply_waits_for_the_shim_and_finishes(
+    held_pair, pair_env, monkeypatch
+):
+    """Issue 23, case 006 one level deeper: the rollback's LOAD_ALLOCATIONS reply is lost
+    (CUINTERPOSE_TEST_DROP_REPLY) while the creator is still loading (held in its copy). A LOAD
+    sent meanwhile gets BUSY (not "Broken pipe"), INSPECT says an op runs (OP_RUNNING) and the
+    phase is still PREPARED; the rollback waits for the shim's own answer (a "wait" event) for
+    as long as the shim works, then re-plans from LOADED and finishes: bytes and VAs back."""
+    import threading
+
+    from cuinterpose.coordinator.carrierfiles import CarrierFiles
+    from cuinterpose.coordinator.client import ShimClient
+    from cuinterpose.coordinator.protocol import Op, Phase, ShimFlag, Status
+    from cuinterpose.workloads.afdwin import demo
+
+    pair, hold = held_pair
+    ctl = pair_env["CUINTERPOSE_CONTROL_DIR"]
+    parts = [Participant(pid, socket_path(ctl, pid)) for pid in pair.pids]
+    wait_sockets([p.socket_path for p in parts])
+    cpid, ipid = pair.pids
+    before = pair.sums()
+    coord = _coord(parts, timeout_s=30)
+    cap = coord.capture()
+    (hold / "hold").touch()
+    monkeypatch.setenv("CUINTERPOSE_TEST_DROP_REPLY", f"LOAD_ALLOCATIONS@{cpid}")
+    waited = threading.Event()
+    coord.on_event = lambda ev: ev.kind == "wait" and ev.pid == cpid and waited.set()
+    out: dict = {}
+
+    def roll():
+        try:
+            out["result"] = coord.rollback(cap)
+        except Exception as e:  # noqa: BLE001 - the test reports it
+            out["error"] = e
+
+    t = threading.Thread(target=roll)
+    t.start()
+    try:
+        deadline = time.monotonic() + demo.HANG_S  # catches a hang only
+        while not (hold / "held").exists():
+            assert t.is_alive() and time.monotonic() < deadline, out
+            time.sleep(0.01)
+        files = coord.carrier_files().request(Op.LOAD_ALLOCATIONS, cpid, coord.carried[cpid])
+        try:
+            busy = ShimClient(socket_path(ctl, cpid), 30, claim=claim_kit.TOKEN).request(
+                Op.LOAD_ALLOCATIONS,
+                txn_id=coord.last_txn_id + 1000,
+                expected_phase=Phase.PREPARED,
+                timeout_s=0.2,  # the last BUSY reply comes back at this deadline
+                carriers=files,
+            )
+        finally:
+            CarrierFiles.close(files)
+        assert (busy.status, busy.reply.phase) == (Status.BUSY, Phase.PREPARED), busy.message
+        seen = ShimClient(socket_path(ctl, cpid), 30).request(
+            Op.INSPECT, txn_id=0, expected_phase=Phase.ACTIVE
+        )
+        assert seen.reply.phase == Phase.PREPARED
+        assert seen.reply.shim_flags & ShimFlag.OP_RUNNING
+        while not waited.is_set():  # the rollback waits for the shim (or gave up: a failure)
+            assert t.is_alive() and time.monotonic() < deadline, out
+            time.sleep(0.01)
+        assert t.is_alive()  # the shim is still held: the rollback cannot have finished
+    finally:
+        (hold / "hold").unlink(missing_ok=True)
+        t.join(demo.HANG_S)
+    assert "error" not in out, out["error"]
+    rb = out["result"]
+    assert rb.found == {cpid: "PREPARED", ipid: "PREPARED"}
+    assert [(p.phase, sorted(p.participants)) for p in rb.phases] == [
+        ("INSPECT", sorted(pair.pids)),
+        ("LOAD_ALLOCATIONS", sorted(pair.pids)),  # the creator's reply lost
+        ("INSPECT", sorted(pair.pids)),  # OP_RUNNING: waited, then again
+        ("INSPECT", sorted(pair.pids)),  # both LOADED: the held LOAD answered meanwhile
+        ("RESTORE_UNICAST", sorted(pair.pids)),
+        ("INSPECT", sorted(pair.pids)),
+    ]
+    assert pair.sums() == before
