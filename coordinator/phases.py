@@ -208,6 +208,22 @@ class Coordinator(Barrier):
         self._drop_private()
         return result
 
+    def survivors(self, gone) -> "Coordinator":
+        """A coordinator of the participants but ``gone`` (processes of the job that died
+        during a checkpoint), with this one's timeouts, ``on_event``, chunk files and claim and
+        its txn ids as the floor: what the agent rolls back of a job that lost a process."""
+        gone = set(gone)
+        out = Coordinator(
+            [p for p in self.participants if p.pid not in gone],
+            timeout_s=self.timeout_s,
+            carrier_timeout_s=self.carrier_timeout_s,
+            on_event=self.on_event,
+            carriers=self.carriers,
+            claim=self.claim,
+        )
+        out.txn_floor = max(self.txn_floor, self.last_txn_id)
+        return out
+
     # --- helpers --------------------------------------------------------------------------------
     def _fit_checksum(self, inspect: PhaseResult) -> None:
         """A capture asked for SHA-256 chunks (decisions D36) whose INSPECT replies show a shim

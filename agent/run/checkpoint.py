@@ -298,11 +298,21 @@ class Checkpoint(Rollback, StepRunner):
             try:
                 native.lock_all(self.census.cuda_pids, self.lock_timeout_ms)
             except native.NativeError as e:
-                if e.left_locked:
-                    self.left_locked = list(e.left_locked)
-                    raise LeftLocked("quiescence check", e, e.left_locked, self.roots[0]) from e
+                left = [p for p in e.left_locked or () if _alive(p)]
+                if left:  # (a process that died meanwhile holds no lock)
+                    self.left_locked = left
+                    raise LeftLocked("quiescence check", e, left, self.roots[0]) from e
                 raise AgentError("quiescence check", e.reason, pid=e.pid) from e
-            failed = native.unlock_each(self.census.cuda_pids)
+            unlocked = native.unlock_each(self.census.cuda_pids)
+            dead = sorted(p for p in unlocked if not _alive(p))
+            failed = {p: e for p, e in unlocked.items() if p not in dead}
+            if dead and not failed:  # it died during the check: no lock is left there
+                raise AgentError(
+                    "quiescence check",
+                    f"exited during the check ({unlocked[dead[0]].reason}); checkpoint "
+                    "refused, nothing was torn down",
+                    pid=dead[0],
+                )
             if failed:
                 self.left_locked = sorted(failed)
                 first = failed[min(failed)]
@@ -310,6 +320,11 @@ class Checkpoint(Rollback, StepRunner):
             ph.detail = (
                 f"{len(self.census.cuda_pids)} processes locked and unlocked: every stream drained"
             )
+
+    @staticmethod
+    def alive(pid: int) -> bool:
+        """``pid`` exists and is not a zombie (the rollback's question about the job)."""
+        return _alive(pid)
 
     def check_parked(self):
         """Every participant must be among the ranks the workload reported parked (when it lists
@@ -542,6 +557,8 @@ class Checkpoint(Rollback, StepRunner):
                     gpustore_step.discard(self)
                     images.remove_empty(self.created_dirs)
                 if self.qid is not None:
+                    if e.lost:  # a process of the job died: wait for the rest to end or resume
+                        self.settle_lost()
                     gone = [r for r in self.roots if not _alive(r)]
                     if gone:  # case 010: no later process may take these files for its own
                         quiesce.clear(self.control_dir, gone)
