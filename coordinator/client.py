@@ -99,14 +99,11 @@ _sent: dict[tuple, int] = {}
 _sent_lock = threading.Lock()
 
 
-def _drop_reply(op_name: str, pid: int | None) -> bool:
-    """Count one sent request of ``op_name`` to ``pid``; True when ``CUINTERPOSE_TEST_DROP_REPLY``
-    names this one (its op, pid and count). A malformed value raises ValueError naming it."""
-    spec = os.environ.get(DROP_REPLY_ENV)
-    if not spec:
-        return False
-    wanted = set()
-    for entry in spec.split(","):
+def parse_drop_reply(spec: str) -> set[tuple[str, int | None, int]]:
+    """The entries of a ``CUINTERPOSE_TEST_DROP_REPLY`` value: {(op name, pid or None, N)}
+    (empty for ""). A malformed value raises ValueError naming it."""
+    wanted: set[tuple[str, int | None, int]] = set()
+    for entry in spec.split(",") if spec else ():
         head, _, count = entry.strip().partition(":")
         want, _, at = head.partition("@")
         count = count or "1"
@@ -121,6 +118,16 @@ def _drop_reply(op_name: str, pid: int | None) -> bool:
                 "as SAVE_ALLOCATIONS, N >= 1); unset it outside tests"
             )
         wanted.add((want, int(at) if at else None, int(count)))
+    return wanted
+
+
+def _drop_reply(op_name: str, pid: int | None) -> bool:
+    """Count one sent request of ``op_name`` to ``pid``; True when ``CUINTERPOSE_TEST_DROP_REPLY``
+    names this one (its op, pid and count). A malformed value raises ValueError naming it."""
+    spec = os.environ.get(DROP_REPLY_ENV)
+    if not spec:
+        return False
+    wanted = parse_drop_reply(spec)
     with _sent_lock:
         _sent[(op_name, None)] = n = _sent.get((op_name, None), 0) + 1
         _sent[(op_name, pid)] = k = _sent.get((op_name, pid), 0) + 1

@@ -33,6 +33,7 @@ from cuinterpose.agent.run import (
     gpustore_step,
     images,
     interrupt,
+    options,
     placing,
     recover,
 )
@@ -172,6 +173,7 @@ class Checkpoint(Rollback, StepRunner):
 
     # -- steps ---------------------------------------------------------------------------
     def prepare_images_dir(self):
+        options.check_checkpoint(self)  # every option and variable, before anything changes
         self.images_dir, self.created_dirs = images.prepare_dir(self.images_dir)
 
     def load_driver(self):
