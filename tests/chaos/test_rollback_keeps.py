@@ -23,35 +23,10 @@ from cuinterpose.agent.mech import signal_at
 from cuinterpose.coordinator.contract import quiesce_path, read_json, write_atomic
 from cuinterpose.workloads.afdwin import demo
 
-#: fakecuda's memfd behind each device allocation (fakecuda/src/vmm.c): rebuilt with it
-DEVICE_MEMORY = "/memfd:fakecuda-allocation (deleted)"
-
 
 @pytest.fixture(autouse=True)
 def _private_tmp(private_tmp):
     return private_tmp
-
-
-def held(pid: int) -> dict:
-    """What a rollback must not change in process ``pid``."""
-    status = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            k, _, v = line.partition(":")
-            if k in ("SigCgt", "SigBlk", "SigIgn"):
-                status[k] = v.strip()
-    fds = {}
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            fds[int(fd)] = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            pass
-    return {
-        **status,
-        "threads": sorted(int(t) for t in os.listdir(f"/proc/{pid}/task")),
-        "fds": {fd: t for fd, t in fds.items() if t != DEVICE_MEMORY},
-        "device memory fds": sum(t == DEVICE_MEMORY for t in fds.values()),
-    }
 
 
 def test_a_rollback_at_each_step_keeps_dispositions_threads_and_fds(afdwin, tmp_path, enospc):
@@ -76,7 +51,7 @@ def test_a_rollback_at_each_step_keeps_dispositions_threads_and_fds(afdwin, tmp_
     holds = tuple(20 + 10 * i for i in range(len(faults) + 1))  # one more after the last
     a = kit.job(afdwin, steps=holds[-1] + 20, hold_at=holds)
     pids = [a.pid, *kit.rank_pids(a)]
-    before = {p: held(p) for p in pids}
+    before = {p: demo.process_state(p) for p in pids}
     for k, (what, env) in enumerate(faults, start=1):
         rc, out, _ = kit.checkpoint(a, tmp_path / f"snap{k}", env=env)
         assert (rc, out["error"]["outcome"]) == (4, "rolled_back"), f"{what}: {out}"
@@ -84,7 +59,7 @@ def test_a_rollback_at_each_step_keeps_dispositions_threads_and_fds(afdwin, tmp_
             assert out["error"]["phase"] == "criu dump", out
         a.wait_hold(k + 1, timeout_s=kit.DEADLINE_S)  # resumed, and parked at the next hold
         for p in pids:
-            assert held(p) == before[p], f"{what}: pid {p} changed"
+            assert demo.process_state(p) == before[p], f"{what}: pid {p} changed"
     assert a.release_hold() != []  # the last hold: no quiesce came for it
     a.wait_ok(kit.DEADLINE_S)
     assert demo.check_run(a.events(), holds[-1] + 20, expect_restore=False) == []
