@@ -501,30 +501,29 @@ def recover_dead(control_dir, log: Optional[Callable[[str], None]] = None) -> li
         except AgentError:
             continue  # a live agent's restore
         if parked is not None:
-            try:
-                rep = parked.run()
-                done.update(rep["roots"])
-                out.append(rep)
-                log(f"cuinterpose-agent serve: {render(rep)}")
-            except AgentError as e:
-                out.append({"pid": root, "error": e.to_dict()})
-                log(f"cuinterpose-agent serve: could not finish a dead agent's restore: {e}")
+            _recover_one(parked, root, "finish a dead agent's restore", out, done, log)
             continue
         try:
             rid, lk = quiesce.release_check(control_dir, root)
         except AgentError:
             continue  # no pending request, or a live agent's: not ours to touch
-        if not needs_recovery(lk):
-            continue
-        try:
-            rep = Recovery(control_dir, root, rid, lk).run()
-            done.update(rep["roots"])
-            out.append(rep)
-            log(f"cuinterpose-agent serve: {render(rep)}")
-        except AgentError as e:
-            out.append({"pid": root, "error": e.to_dict()})
-            log(f"cuinterpose-agent serve: could not release a dead agent's checkpoint: {e}")
+        if needs_recovery(lk):
+            rec = Recovery(control_dir, root, rid, lk)
+            _recover_one(rec, root, "release a dead agent's checkpoint", out, done, log)
     return out
+
+
+def _recover_one(rec, root: int, what: str, out: list, done: set, log) -> None:
+    """Run ``rec`` (a :class:`Recovery` or a restore's) for the daemon: its report, or the
+    error, appended to ``out`` and logged; the roots it covered added to ``done``."""
+    try:
+        rep = rec.run()
+        done.update(rep["roots"])
+        out.append(rep)
+        log(f"cuinterpose-agent serve: {render(rep)}")
+    except AgentError as e:
+        out.append({"pid": root, "error": e.to_dict()})
+        log(f"cuinterpose-agent serve: could not {what}: {e}")
 
 
 def render(rep: dict) -> str:

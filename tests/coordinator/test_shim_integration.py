@@ -37,6 +37,14 @@ def _coord(parts, **kw) -> Coordinator:
     return Coordinator(parts, claim=claim_kit.take(ctl, [p.pid for p in parts]), **kw)
 
 
+def _setup(pair, pair_env):
+    """(control dir, participants) of ``pair``, once both sockets are bound."""
+    ctl = pair_env["CUINTERPOSE_CONTROL_DIR"]
+    parts = [Participant(pid, socket_path(ctl, pid)) for pid in pair.pids]
+    wait_sockets([p.socket_path for p in parts])
+    return ctl, parts
+
+
 def pattern(seed: int, idx: int, n: int) -> bytes:
     """cuipair.c's pattern(seed, idx): what the creator wrote into allocation idx."""
     x = (seed * 2654435761 + idx * 40503 + 1) & 0xFFFFFFFF
@@ -76,9 +84,7 @@ def _by_kind(records, kind):
 
 
 def test_capture_and_restore_two_processes(pair, pair_env):
-    ctl = pair_env["CUINTERPOSE_CONTROL_DIR"]
-    parts = [Participant(pid, socket_path(ctl, pid)) for pid in pair.pids]
-    wait_sockets([p.socket_path for p in parts])
+    ctl, parts = _setup(pair, pair_env)
     before = pair.sums()
     assert before[0] == before[1]
     cpid, ipid = pair.pids
@@ -172,9 +178,7 @@ def test_rollback_mixed_phases_on_real_shims(pair, pair_env):
     from cuinterpose.coordinator.client import ShimClient
     from cuinterpose.coordinator.protocol import Op, Phase, Status
 
-    ctl = pair_env["CUINTERPOSE_CONTROL_DIR"]
-    parts = [Participant(pid, socket_path(ctl, pid)) for pid in pair.pids]
-    wait_sockets([p.socket_path for p in parts])
+    ctl, parts = _setup(pair, pair_env)
     cpid, ipid = pair.pids
     before = pair.sums()
     coord = _coord(parts, timeout_s=30)
@@ -231,9 +235,7 @@ def test_a_creator_stopped_during_save_allocations_fails_it_within_the_phase_tim
 
     from cuinterpose.coordinator.results import PhaseError
 
-    ctl = pair_env["CUINTERPOSE_CONTROL_DIR"]
-    parts = [Participant(pid, socket_path(ctl, pid)) for pid in pair.pids]
-    wait_sockets([p.socket_path for p in parts])
+    ctl, parts = _setup(pair, pair_env)
     cpid, _ = pair.pids
     before = pair.sums()
     first = _coord(parts, timeout_s=30)
@@ -269,9 +271,7 @@ def test_a_caller_without_the_claim_is_refused_and_changes_nothing(pair, pair_en
     from cuinterpose.coordinator.protocol import Op, Phase, Status, claim_path
     from cuinterpose.coordinator.results import PhaseError
 
-    ctl = pair_env["CUINTERPOSE_CONTROL_DIR"]
-    parts = [Participant(pid, socket_path(ctl, pid)) for pid in pair.pids]
-    wait_sockets([p.socket_path for p in parts])
+    ctl, parts = _setup(pair, pair_env)
     cpid, ipid = pair.pids
     before = pair.sums()
     stray = Coordinator(parts, timeout_s=30)
@@ -374,9 +374,7 @@ def test_a_rollback_that_lost_its_load_reply_waits_for_the_shim_and_finishes(
     from cuinterpose.workloads.afdwin import demo
 
     pair, hold = held_pair
-    ctl = pair_env["CUINTERPOSE_CONTROL_DIR"]
-    parts = [Participant(pid, socket_path(ctl, pid)) for pid in pair.pids]
-    wait_sockets([p.socket_path for p in parts])
+    ctl, parts = _setup(pair, pair_env)
     cpid, ipid = pair.pids
     before = pair.sums()
     coord = _coord(parts, timeout_s=30)
