@@ -1,11 +1,11 @@
 """Issue 23: a same-uid process outside the job cannot tear it down (protocol.h "Claims").
 
-A script in another process runs ``Coordinator(...).capture()`` against a running (not parked)
-afdwin, as an operator's stray tool would: every mutating op is refused (CUI_REFUSED_PEER,
-naming the claim file) and the job finishes with exact evidence (every message's bytes
-checked: lost=0 duplicated=0 torn=0). INSPECT stays open. While the agent's own checkpoint
-holds the claim (``--leave-running``), the claim files carry its token and pid; they are gone
-once it finished.
+A script in another process runs ``Coordinator(...).capture()`` against a running afdwin (not
+parked: held at a step, its shims ACTIVE), as an operator's stray tool would: every mutating op
+is refused (CUI_REFUSED_PEER, naming the claim file) and the job finishes with exact evidence
+(every message's bytes checked: lost=0 duplicated=0 torn=0). INSPECT stays open. While the
+agent's own checkpoint holds the claim (``--leave-running``), the claim files carry its token
+and pid; they are gone once it finished.
 """
 
 from __future__ import annotations
@@ -47,7 +47,9 @@ def _ranks(a) -> list[int]:
 
 
 def test_a_stray_capture_of_a_running_job_is_refused_and_the_job_finishes_exactly(afdwin):
-    a = afdwin(steps=STEPS, step_delay_ms=5, ranks=2, attention=1)
+    # held at step 20 (running, its shims ACTIVE, never asked to park) however slow the machine
+    a = afdwin(steps=STEPS, step_delay_ms=5, ranks=2, attention=1, hold_at=(20,))
+    a.wait_hold(1)
     ranks = _ranks(a)
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     out = subprocess.run(
@@ -67,6 +69,7 @@ def test_a_stray_capture_of_a_running_job_is_refused_and_the_job_finishes_exactl
             message
         )
     assert sorted(map(int, res["inspect_after"])) == ranks  # INSPECT stays open, all ACTIVE
+    assert a.release_hold() != []
     a.wait_ok(300)
     assert demo.check_run(a.events(), STEPS, expect_restore=False) == []
 
