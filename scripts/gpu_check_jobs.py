@@ -40,6 +40,7 @@ from cuinterpose.coordinator.claim import Claim
 from cuinterpose.coordinator.phases import Coordinator
 from cuinterpose.coordinator.results import Participant
 from cuinterpose.workloads.afdwin import demo
+from cuinterpose.workloads.afdwin.process_state import process_state
 
 GIB = 1 << 30
 CARRIER_BYTES = {"real": (1 * GIB, 8 * GIB), "fake": (64 << 20, 256 << 20)}
@@ -397,7 +398,7 @@ def agent_leave_running(ctx: Ctx) -> Result:
     try:
         a.wait_hold(1, ctx.left())
         pids = [a.pid, *sorted(e["pid"] for e in a.events() if demo.kind(e) == "window")]
-        before = {p: demo.process_state(p) for p in pids}
+        before = {p: process_state(p) for p in pids}
         t0 = time.monotonic()
         rc, cp = demo.run_agent(
             *a.checkpoint_args(snap),
@@ -408,7 +409,7 @@ def agent_leave_running(ctx: Ctx) -> Result:
         say(f"agent checkpoint exit {rc} in {wall:.1f} s: {json.dumps(cp)[:2000]}")
         if rc == 0:  # rebuilt as after a rollback: the same signals, threads, fds (issue 23)
             a.wait_hold(2, ctx.left())
-            kept = process_kept(before, {p: demo.process_state(p) for p in pids})
+            kept = process_kept(before, {p: process_state(p) for p in pids})
         a.release_hold()
         end = finish(a, CUT_STEPS, ctx)
     finally:
@@ -440,7 +441,7 @@ def agent_leave_running(ctx: Ctx) -> Result:
 
 def process_kept(before: dict, after: dict) -> dict:
     """{"signals_kept", "threads_kept", "fds_kept": [pid: what differs] (empty: kept)} of two
-    ``demo.process_state`` maps. Threads and fds are reported, not failed: a real driver may
+    ``process_state`` maps. Threads and fds are reported, not failed: a real driver may
     start threads or reopen descriptors in its native restore (this check settles it)."""
     out: dict = {"signals_kept": [], "threads_kept": [], "fds_kept": []}
     for p, b in before.items():

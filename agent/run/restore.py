@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import secrets
 import signal
 import stat as stat_mod
 import time
@@ -317,70 +316,16 @@ class Restore(StepRunner):
                 except FileNotFoundError:
                     pass
             ph.detail = f"removed {len(stale)}"
-        self.record_restore()
+        restore_recover.record(self)
 
-    # -- the restore in progress (decisions D46): what a release finishes once this agent died
-    def record_restore(self) -> None:
-        """Before CRIU restore: ``quiesce-ROOT.lock`` of every root says a restore of this
-        snapshot is in progress in this agent (its pid and start time; ``restore``: images
-        dir, snapshot id, claim token, device map, driver, timeouts), and each later step is
-        marked in its ``steps`` ("criu restore ROOT done" once a tree is back). If this agent
-        dies before the ``.resume``, ``cuinterpose-agent release --pid ROOT`` finishes the
-        restore from there (agent/run/restore_recover.py). A record that cannot be written
-        refuses the restore (nothing was started)."""
-        self.claim_token = secrets.token_bytes(16)
-        self.recording = True  # from here on end_record() removes what was written
-        try:
-            quiesce.write_lock(
-                self.m["control_dir"],
-                self.m["roots"],
-                self.m["quiesce"]["id"],
-                record={
-                    "restore": {
-                        "images_dir": str(self.images_dir),
-                        "snapshot_id": self.m["snapshot_id"],
-                        "claim": self.claim_token.hex(),
-                        "device_map": dict(self.gpu_map),
-                        "driver": self.driver_kind,
-                        "phase_timeout_s": self.phase_timeout_s,
-                        "carrier_timeout_s": self.carrier_timeout_s,
-                    },
-                    "steps": [],
-                },
-            )
-        except OSError as e:
-            self.end_record()
-            raise SnapshotError(
-                "stale sockets",
-                f"cannot record the restore in {self.m['control_dir']}: {e}; restore refused, "
-                "nothing was changed, the snapshot is untouched",
-            ) from e
-
-    def mark(self, step: str) -> None:
-        """Append ``step`` to the restore's ``.lock`` (best effort: a note when it fails)."""
-        if not getattr(self, "recording", False):
-            return
-        try:
-            quiesce.mark_step(self.m["control_dir"], self.m["roots"], self.m["quiesce"]["id"], step)
-        except OSError as e:
-            self.r.note(f"warning: could not record step {step!r} in the .lock: {e}")
-
+    # -- the restore in progress (decisions D46; agent/run/restore_recover.py keeps the record)
     def step_started(self, step: Step) -> None:
         if step.stage == "restore":
-            self.mark(step.name)
+            restore_recover.mark(self, step.name)
 
     def step_done(self, step: Step) -> None:
         if step.stage == "restore":
-            self.mark(f"{step.name} done")
-
-    def end_record(self) -> None:
-        """The restore ended (resumed, or its trees killed): its ``.lock`` and claim go."""
-        if getattr(self, "recording", False):
-            quiesce.unlock(self.m["control_dir"], self.m["roots"], self.m["quiesce"]["id"])
-            self.recording = False
-        claim = getattr(self, "claim", None)
-        if claim is not None:
-            claim.drop()
+            restore_recover.mark(self, f"{step.name} done")
 
     def criu_restore(self):
         from cuinterpose.agent.mech import criu
@@ -422,7 +367,7 @@ class Restore(StepRunner):
                         "criu restore", f"tree {root} from {d}{into}: {e}", pid=root
                     ) from e
                 self.restored_roots.append(root)
-                self.mark(f"criu restore {root} done")
+                restore_recover.mark(self, f"criu restore {root} done")
                 if int(pid) != int(root):
                     raise AgentError(
                         "criu restore", f"tree {root} came back as pid {pid}", pid=root
@@ -512,7 +457,7 @@ class Restore(StepRunner):
         )
         coord.carriers = carriers.restore_files(self.images_dir, self.m)
         try:
-            self.take_claim(coord)
+            restore_recover.take_claim(self, coord)
             capture = phases.Capture.from_dict(self.m["capture"])
             self.restore_result = coord.restore(capture, device_map=self.gpu_map)
         except Exception as e:
@@ -524,27 +469,12 @@ class Restore(StepRunner):
         finally:
             carriers.release(coord.carriers)  # the chunk store's shared lock, if any
 
-    def take_claim(self, coord) -> None:
-        """The restore's claim on the restored shims (protocol.h "Claims"), with the token the
-        ``.lock`` recorded; ``AgentError`` phase "restore shared" when it cannot be taken."""
-        from cuinterpose.coordinator.claim import Claim, ClaimError
-
-        try:
-            self.claim = coord.claim = Claim.take(
-                self.m["control_dir"],
-                [p.pid for p in coord.participants],
-                kind="restore",
-                token=getattr(self, "claim_token", None),
-            )
-        except ClaimError as e:
-            raise AgentError("restore shared", str(e), pid=e.pid) from e
-
     def resume(self):
         with self.r.phase("resume"):
             quiesce.resume(
                 self.m["control_dir"], self.m["roots"], self.m["quiesce"]["id"], restored=True
             )
-        self.end_record()
+        restore_recover.end(self)
 
     def remove_created_dirs(self):
         """Remove the control dir (and parents) this restore created, where still empty (a
@@ -568,7 +498,7 @@ class Restore(StepRunner):
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        self.end_record()
+        restore_recover.end(self)
         self.remove_created_dirs()
 
     def phase_state(self) -> dict:

@@ -1,8 +1,9 @@
-"""Finishing a restore whose agent died (issue 23, decisions D46): a restore records itself in
-``quiesce-ROOT.lock`` before CRIU restore (agent/run/restore.py ``record_restore``: the request
-id the restored workload waits on, ``restore`` {images dir, snapshot id, claim token, device
-map, driver, timeouts} and the ``steps`` it finished). ``cuinterpose-agent release --pid ROOT``
-(and the daemon at start) finds such a lock of a dead agent and:
+"""A restore's record of itself and finishing a restore whose agent died (issue 23, decisions
+D46): a restore records itself in ``quiesce-ROOT.lock`` before CRIU restore (:func:`record`,
+:func:`mark`, :func:`end`, called by agent/run/restore.py): the request id the restored workload
+waits on, ``restore`` {images dir, snapshot id, claim token, device map, driver, timeouts} and
+the ``steps`` it finished. ``cuinterpose-agent release --pid ROOT`` (and the daemon at start)
+finds such a lock of a dead agent and:
 
 - every tree back from CRIU ("criu restore ROOT done" for each root) and alive: finishes the
   restore: native restore (with the recorded device map, custom storage streams too) and unlock
@@ -21,20 +22,104 @@ and says what to do: release again once the cause is fixed, or kill the tree and
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import types
 from typing import Optional
 
-from cuinterpose.agent.errors import AgentError, QuiesceRefused
+from cuinterpose.agent.errors import AgentError, QuiesceRefused, SnapshotError
 from cuinterpose.agent.mech import census as census_mod
 from cuinterpose.agent.mech import devicemap, native, quiesce
 from cuinterpose.agent.run import carriers, gpustore_step
 from cuinterpose.agent.snapshot import manifest as manifest_mod
 from cuinterpose.coordinator.contract import quiesce_path, read_json
 
-__all__ = ["restore_lock", "parked_hint", "find", "RestoreRecovery", "render"]
+__all__ = [
+    "record",
+    "mark",
+    "take_claim",
+    "end",
+    "restore_lock",
+    "parked_hint",
+    "find",
+    "RestoreRecovery",
+    "render",
+]
 
 
+# -- what a restore records (agent/run/restore.py calls these) ---------------------------------
+def record(rs) -> None:
+    """Before CRIU restore (the end of ``stale sockets``): ``quiesce-ROOT.lock`` of every root of
+    the restore ``rs`` says a restore of this snapshot is in progress in this agent (its pid and
+    start time; ``restore``: images dir, snapshot id, claim token, device map, driver, timeouts;
+    ``steps``, then marked by :func:`mark`). A record that cannot be written refuses the restore
+    (``SnapshotError``, nothing was started)."""
+    rs.claim_token = secrets.token_bytes(16)
+    rs.recording = True  # from here on end() removes what was written
+    try:
+        quiesce.write_lock(
+            rs.m["control_dir"],
+            rs.m["roots"],
+            rs.m["quiesce"]["id"],
+            record={
+                "restore": {
+                    "images_dir": str(rs.images_dir),
+                    "snapshot_id": rs.m["snapshot_id"],
+                    "claim": rs.claim_token.hex(),
+                    "device_map": dict(rs.gpu_map),
+                    "driver": rs.driver_kind,
+                    "phase_timeout_s": rs.phase_timeout_s,
+                    "carrier_timeout_s": rs.carrier_timeout_s,
+                },
+                "steps": [],
+            },
+        )
+    except OSError as e:
+        end(rs)
+        raise SnapshotError(
+            "stale sockets",
+            f"cannot record the restore in {rs.m['control_dir']}: {e}; restore refused, "
+            "nothing was changed, the snapshot is untouched",
+        ) from e
+
+
+def mark(rs, step: str) -> None:
+    """Append ``step`` to the restore's ``.lock`` (best effort: a note when it fails)."""
+    if not getattr(rs, "recording", False):
+        return
+    try:
+        quiesce.mark_step(rs.m["control_dir"], rs.m["roots"], rs.m["quiesce"]["id"], step)
+    except OSError as e:
+        rs.r.note(f"warning: could not record step {step!r} in the .lock: {e}")
+
+
+def take_claim(rs, coord) -> None:
+    """The restore's claim on the restored shims (protocol.h "Claims"), with the token the
+    ``.lock`` recorded; ``AgentError`` phase "restore shared" when it cannot be taken."""
+    from cuinterpose.coordinator.claim import Claim, ClaimError
+
+    try:
+        rs.claim = coord.claim = Claim.take(
+            rs.m["control_dir"],
+            [p.pid for p in coord.participants],
+            kind="restore",
+            token=getattr(rs, "claim_token", None),
+        )
+    except ClaimError as e:
+        raise AgentError("restore shared", str(e), pid=e.pid) from e
+
+
+def end(rs) -> None:
+    """The restore ended (resumed, or its trees killed): its ``.lock`` and claim go."""
+    if getattr(rs, "recording", False):
+        quiesce.unlock(rs.m["control_dir"], rs.m["roots"], rs.m["quiesce"]["id"])
+        rs.recording = False
+    claim = getattr(rs, "claim", None)
+    if claim is not None:
+        claim.drop()
+
+
+# -- what release finds ------------------------------------------------------------------------
 def restore_lock(control_dir, root: int) -> Optional[dict]:
     """The ``.lock`` of ``root`` when it records a restore (its ``restore`` field), else None."""
     lk = read_json(quiesce_path(control_dir, root, "lock"))

@@ -22,6 +22,7 @@ import pytest
 from cuinterpose.agent.mech import signal_at
 from cuinterpose.coordinator.contract import quiesce_path, read_json, write_atomic
 from cuinterpose.workloads.afdwin import demo
+from cuinterpose.workloads.afdwin.process_state import process_state
 
 
 @pytest.fixture(autouse=True)
@@ -51,7 +52,7 @@ def test_a_rollback_at_each_step_keeps_dispositions_threads_and_fds(afdwin, tmp_
     holds = tuple(20 + 10 * i for i in range(len(faults) + 1))  # one more after the last
     a = kit.job(afdwin, steps=holds[-1] + 20, hold_at=holds)
     pids = [a.pid, *kit.rank_pids(a)]
-    before = {p: demo.process_state(p) for p in pids}
+    before = {p: process_state(p) for p in pids}
     for k, (what, env) in enumerate(faults, start=1):
         rc, out, _ = kit.checkpoint(a, tmp_path / f"snap{k}", env=env)
         assert (rc, out["error"]["outcome"]) == (4, "rolled_back"), f"{what}: {out}"
@@ -59,7 +60,7 @@ def test_a_rollback_at_each_step_keeps_dispositions_threads_and_fds(afdwin, tmp_
             assert out["error"]["phase"] == "criu dump", out
         a.wait_hold(k + 1, timeout_s=kit.DEADLINE_S)  # resumed, and parked at the next hold
         for p in pids:
-            assert demo.process_state(p) == before[p], f"{what}: pid {p} changed"
+            assert process_state(p) == before[p], f"{what}: pid {p} changed"
     assert a.release_hold() != []  # the last hold: no quiesce came for it
     a.wait_ok(kit.DEADLINE_S)
     assert demo.check_run(a.events(), holds[-1] + 20, expect_restore=False) == []
