@@ -88,6 +88,8 @@ extern int g_forked_child;      /* a child forked after cuInit (the driver is un
 extern int g_ck_listen;         /* the checkpoint control socket (checkpoint_target.c) */
 extern int g_driver_version;    /* FAKECUDA_DRIVER_VERSION (cuDriverGetVersion; lookups above it fail) */
 extern unsigned long long g_cs_timeout_ms; /* FAKECUDA_CUSTOM_STORAGE_TIMEOUT_MS (0: wait forever) */
+extern const char *g_hold_fn;   /* FAKECUDA_HOLD=FN:DIR (test only): the function that may hold */
+void fc_hold(const char *fn);   /* FN while DIR/hold exists: creates DIR/held, waits for hold to go */
 
 /* ------------------------------------------------------------------ call log (core.c) */
 
@@ -147,6 +149,8 @@ static inline CUresult api_initonly(void)
 /* Gated API body: run `call` inside the gate, log, return. */
 #define API(call, fmt, ...)                            \
     do {                                               \
+        if (g_hold_fn)                                 \
+            fc_hold(__func__);                         \
         CUresult r_ = api_enter();                     \
         if (r_ == CUDA_SUCCESS) {                      \
             r_ = (call);                               \

@@ -187,10 +187,17 @@ CUresult stream_sync(CUstream hs, int query)
 }
 
 /* A synchronous copy/set: ordered after the context's default stream, runs in the caller;
- * an access fault is returned (not sticky). */
+ * an access fault is returned (not sticky). A context whose default stream was never used has
+ * nothing to wait for: the op does not create it (its worker thread would outlive the op, a
+ * thread the process never asked for: the shim's LOAD_ALLOCATIONS copies this way, and a
+ * rolled-back process must keep exactly the threads it had, issue 23). */
 CUresult sync_op(const struct fc_op *op)
 {
-    CUresult r = stream_sync(NULL, 0);
+    pthread_mutex_lock(&g_mu);
+    struct fc_ctx *c = cur_ctx();
+    int unused = c && ctx_valid(c) && !c->dflt;
+    pthread_mutex_unlock(&g_mu);
+    CUresult r = unused ? (CUresult)atomic_load(&c->sticky) : stream_sync(NULL, 0);
     if (r != CUDA_SUCCESS)
         return r;
     return op_exec(op, cur_ctx());
