@@ -12,6 +12,7 @@ import pathlib
 import subprocess
 import tempfile
 
+import claim_kit
 import pytest
 
 from cuinterpose.coordinator.phases import Coordinator, Participant
@@ -146,7 +147,11 @@ def checkpoint_cycle(shim_env, procs, ctl_proc: Proc):
     """Capture (INSPECT .. PREPARE_UNICAST), native checkpoint and restore of every process,
     restore (LOAD_ALLOCATIONS, RESTORE_UNICAST, INSPECT equal); returns (capture, result)."""
     ctl_dir = shim_env["CUINTERPOSE_CONTROL_DIR"]
-    co = Coordinator([Participant(p.pid, socket_path(ctl_dir, p.pid)) for p in procs], timeout_s=60)
+    co = Coordinator(
+        [Participant(p.pid, socket_path(ctl_dir, p.pid)) for p in procs],
+        timeout_s=60,
+        claim=claim_kit.take(ctl_dir, [p.pid for p in procs]),
+    )
     cap = co.capture()
     native_cycle(ctl_proc, procs)
     return cap, co.restore(cap)
