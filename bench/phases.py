@@ -53,6 +53,7 @@ from cuinterpose.agent import paths  # noqa: E402
 from cuinterpose.agent.run.carriers import node_checksum  # noqa: E402
 from cuinterpose.agent.units import arg_bytes  # noqa: E402
 from cuinterpose.coordinator.carrierfiles import CarrierFiles  # noqa: E402
+from cuinterpose.coordinator.claim import Claim  # noqa: E402
 from cuinterpose.coordinator.phases import Coordinator, Participant  # noqa: E402
 from cuinterpose.coordinator.protocol import socket_path  # noqa: E402
 
@@ -173,11 +174,17 @@ def run_one(exe, args, k: int, npairs: int) -> dict:
             cap_ev, res_ev = [], []
             # as the agent's snapshot directory holds them, with this node's chunk checksum
             files = CarrierFiles(os.path.join(ctl, "chunks"), checksum=node_checksum())
-            co = Coordinator(parts, timeout_s=args.timeout, on_event=cap_ev.append, carriers=files)
+            # the bench drives the shims as the agent does: holding a claim (protocol.h "Claims")
+            claim = Claim.take(ctl, [p.pid for p in parts], kind="bench")
+            co = Coordinator(
+                parts, timeout_s=args.timeout, on_event=cap_ev.append, carriers=files, claim=claim
+            )
             t0 = time.perf_counter_ns()
             cap = co.capture()
             t1 = time.perf_counter_ns()
-            co = Coordinator(parts, timeout_s=args.timeout, on_event=res_ev.append, carriers=files)
+            co = Coordinator(
+                parts, timeout_s=args.timeout, on_event=res_ev.append, carriers=files, claim=claim
+            )
             co.restore(cap)
             t2 = time.perf_counter_ns()
             after = [p.sums() for p in pairs]

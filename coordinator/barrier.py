@@ -74,7 +74,7 @@ def gc_paused():
     collection that their allocation triggers walks every live object: at 40000 records the
     collections cost as much as the work itself, and more as the records of a capture and of
     its restore pile up (K = 10000 cost up to 77x K = 1000 in ``check carriers`` and
-    ``compare``; decisions D40). Nested and concurrent blocks (the barrier's threads) share one
+    ``compare``; decisions D55). Nested and concurrent blocks (the barrier's threads) share one
     pause; the collector is enabled again after the last only if it was enabled before the
     first."""
     with _gc_lock:
@@ -122,7 +122,9 @@ class Barrier:
     sequences from the capture's records; the chunk files of SAVE/LOAD name them). ``phases``:
     every PhaseResult so far; ``steps``: the coordinator's own rows so far (:meth:`_step`);
     ``last_txn_id``: the highest txn id sent; ``txn_floor``: txn ids stay above it (a capture's
-    ``last_txn_id``).
+    ``last_txn_id``). ``claim``: the :class:`~cuinterpose.coordinator.claim.Claim` whose token
+    every mutating request carries (protocol.h "Claims"; settable later, e.g. once the capture
+    takes it; None: a shim refuses every mutating request).
     """
 
     def __init__(
@@ -133,6 +135,7 @@ class Barrier:
         carrier_timeout_s: float = 3600.0,
         on_event: Callable[[PhaseEvent], None] | None = None,
         carriers: CarrierFiles | None = None,
+        claim=None,
     ):
         self.participants = [
             p if isinstance(p, Participant) else Participant(*p) for p in participants
@@ -156,6 +159,18 @@ class Barrier:
             p.pid: ShimClient(p.socket_path, self.timeout_s, pid=p.pid, inspect_devices=True)
             for p in self.participants
         }
+        self.claim = claim
+
+    @property
+    def claim(self):
+        """The :class:`~cuinterpose.coordinator.claim.Claim` of the mutating requests (or None)."""
+        return self._claim
+
+    @claim.setter
+    def claim(self, claim) -> None:
+        self._claim = claim
+        for c in self._clients.values():
+            c.claim = claim.token if claim is not None else None
 
     @property
     def pids(self) -> list[int]:

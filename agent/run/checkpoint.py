@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import secrets
 import signal
 import threading
 import time
@@ -32,6 +33,7 @@ from cuinterpose.agent.run import (
     gpustore_step,
     images,
     interrupt,
+    options,
     placing,
     recover,
 )
@@ -171,6 +173,7 @@ class Checkpoint(Rollback, StepRunner):
 
     # -- steps ---------------------------------------------------------------------------
     def prepare_images_dir(self):
+        options.check_checkpoint(self)  # every option and variable, before anything changes
         self.images_dir, self.created_dirs = images.prepare_dir(self.images_dir)
 
     def load_driver(self):
@@ -233,6 +236,9 @@ class Checkpoint(Rollback, StepRunner):
             carrier_timeout_s=self.carrier_timeout_s,
             on_event=coordinator_events(self.r.coordinator_event),
         )
+        # the token of this checkpoint's claim on the shims (protocol.h "Claims"): in the .lock
+        # record before the claim files are written (capture), so a release finds it again
+        self.claim_token = secrets.token_bytes(16)
         files = self.coordinator.carriers = carriers.checkpoint_files(
             self.images_dir, **self.chunks
         )
@@ -294,11 +300,21 @@ class Checkpoint(Rollback, StepRunner):
             try:
                 native.lock_all(self.census.cuda_pids, self.lock_timeout_ms)
             except native.NativeError as e:
-                if e.left_locked:
-                    self.left_locked = list(e.left_locked)
-                    raise LeftLocked("quiescence check", e, e.left_locked, self.roots[0]) from e
+                left = [p for p in e.left_locked or () if _alive(p)]
+                if left:  # (a process that died meanwhile holds no lock)
+                    self.left_locked = left
+                    raise LeftLocked("quiescence check", e, left, self.roots[0]) from e
                 raise AgentError("quiescence check", e.reason, pid=e.pid) from e
-            failed = native.unlock_each(self.census.cuda_pids)
+            unlocked = native.unlock_each(self.census.cuda_pids)
+            dead = sorted(p for p in unlocked if not _alive(p))
+            failed = {p: e for p, e in unlocked.items() if p not in dead}
+            if dead and not failed:  # it died during the check: no lock is left there
+                raise AgentError(
+                    "quiescence check",
+                    f"exited during the check ({unlocked[dead[0]].reason}); checkpoint "
+                    "refused, nothing was torn down",
+                    pid=dead[0],
+                )
             if failed:
                 self.left_locked = sorted(failed)
                 first = failed[min(failed)]
@@ -306,6 +322,11 @@ class Checkpoint(Rollback, StepRunner):
             ph.detail = (
                 f"{len(self.census.cuda_pids)} processes locked and unlocked: every stream drained"
             )
+
+    @staticmethod
+    def alive(pid: int) -> bool:
+        """``pid`` exists and is not a zombie (the rollback's question about the job)."""
+        return _alive(pid)
 
     def check_parked(self):
         """Every participant must be among the ranks the workload reported parked (when it lists
@@ -334,6 +355,7 @@ class Checkpoint(Rollback, StepRunner):
         A refusal or validation error before SAVE_ALLOCATIONS changed nothing (refused);
         from SAVE_ALLOCATIONS on, a failure means teardown started (rolled back)."""
         # the .lock turned torn_down with its record before this (Rollback.step_started)
+        self.take_claim()
         try:
             self.capture = self.coordinator.capture()
         except Exception as e:
@@ -390,6 +412,7 @@ class Checkpoint(Rollback, StepRunner):
                             root,
                             d,
                             extra_args=("--leave-stopped",),
+                            deleted_files=fds.unlinked_files(self.tree_pids[root]),
                             **(
                                 {
                                     "external_files": list(
@@ -507,8 +530,12 @@ class Checkpoint(Rollback, StepRunner):
 
     def release_store(self, keep_pin: bool = False) -> None:
         """Done with the chunk store (incremental): its pin and shared lock go (the pin stays
-        with ``keep_pin``: a later release needs the packs). A no-op otherwise; idempotent."""
+        with ``keep_pin``: a later release needs the packs), and so does the claim on the shims
+        (kept with ``keep_pin`` too: the workload stays parked for a release, which takes it
+        over). Idempotent."""
         carriers.release(getattr(self.coordinator, "carriers", None), keep_pin=keep_pin)
+        if not keep_pin:
+            self.drop_claim()
 
     # -- the one-shot run -----------------------------------------------------------------
     def run(self) -> dict:
@@ -533,6 +560,8 @@ class Checkpoint(Rollback, StepRunner):
                     gpustore_step.discard(self)
                     images.remove_empty(self.created_dirs)
                 if self.qid is not None:
+                    if e.lost:  # a process of the job died: wait for the rest to end or resume
+                        self.settle_lost()
                     gone = [r for r in self.roots if not _alive(r)]
                     if gone:  # case 010: no later process may take these files for its own
                         quiesce.clear(self.control_dir, gone)

@@ -243,7 +243,8 @@ int cui_op_restore_unicast(struct cui_op_result *res) {
       socks[w] = cui_fetch_send(b->creator_pid, b->id, why[w], sizeof why[w]);
     }
     size_t w = done++ % CUI_FETCH_WINDOW;
-    int fd = socks[w] < 0 ? -1 : cui_fetch_recv(socks[w], a->creator_pid, why[w], sizeof why[w]);
+    int32_t status;
+    int fd = socks[w] < 0 ? -1 : cui_fetch_recv(socks[w], a->creator_pid, why[w], sizeof why[w], &status);
     rc = restore_one(res, a, fd, why[w]);
   }
   for (; done < sent; done++)   /* a failure: the requests still in flight are dropped */

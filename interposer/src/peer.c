@@ -57,7 +57,8 @@ int cui_fetch_send(uint32_t creator_pid, const uint8_t id[16], char *why, size_t
   return s;
 }
 
-int cui_fetch_recv(int s, uint32_t creator_pid, char *why, size_t cap) {
+int cui_fetch_recv(int s, uint32_t creator_pid, char *why, size_t cap, int32_t *status) {
+  *status = -1;
   struct cui_reply rep;
   union {
     char buf[CMSG_SPACE(sizeof(int))];
@@ -86,6 +87,7 @@ int cui_fetch_recv(int s, uint32_t creator_pid, char *why, size_t cap) {
     close(s);
     return -1;
   }
+  *status = rep.status;
   if (rep.status != CUI_OK || fd < 0) {
     char msg[256] = "";
     size_t n = rep.message_len < sizeof msg - 1 ? rep.message_len : sizeof msg - 1;
@@ -104,7 +106,13 @@ int cui_fetch_recv(int s, uint32_t creator_pid, char *why, size_t cap) {
   return fd;
 }
 
-int cui_fetch_fd(uint32_t creator_pid, const uint8_t id[16], char *why, size_t cap) {
+int cui_fetch_fd_status(uint32_t creator_pid, const uint8_t id[16], char *why, size_t cap, int32_t *status) {
+  *status = -1;
   int s = cui_fetch_send(creator_pid, id, why, cap);
-  return s < 0 ? -1 : cui_fetch_recv(s, creator_pid, why, cap);
+  return s < 0 ? -1 : cui_fetch_recv(s, creator_pid, why, cap, status);
+}
+
+int cui_fetch_fd(uint32_t creator_pid, const uint8_t id[16], char *why, size_t cap) {
+  int32_t status;
+  return cui_fetch_fd_status(creator_pid, id, why, cap, &status);
 }
