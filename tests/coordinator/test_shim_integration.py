@@ -356,11 +356,11 @@ def _take_from_child(ctl: str, pid: int):
 
 @pytest.fixture
 def held_pair(cuipair, pair_env, tmp_path):
-    """A pair whose driver holds a cuMemcpyHtoD_v2 (LOAD_ALLOCATIONS's copy) while
+    """A pair whose driver holds a cuMemcpyHtoDAsync_v2 (LOAD_ALLOCATIONS's copy) while
     ``HOLD/hold`` exists (FAKECUDA_HOLD, docs/fakecuda.md): (pair, HOLD)."""
     hold = tmp_path / "hold"
     hold.mkdir()
-    p = Pair(cuipair, dict(pair_env, FAKECUDA_HOLD=f"cuMemcpyHtoD_v2:{hold}"), K, SIZE)
+    p = Pair(cuipair, dict(pair_env, FAKECUDA_HOLD=f"cuMemcpyHtoDAsync_v2:{hold}"), K, SIZE)
     yield p, hold
     (hold / "hold").unlink(missing_ok=True)
     p.close()
