@@ -23,7 +23,7 @@ from cuinterpose.agent.mech import census as census_mod
 from cuinterpose.agent.mech import native, procfs, quiesce
 from cuinterpose.agent.run import carriers, images
 from cuinterpose.agent.snapshot import manifest as manifest_mod
-from cuinterpose.coordinator.contract import quiesce_path
+from cuinterpose.coordinator.contract import quiesce_path, remove_if_id
 
 __all__ = [
     "lock_record",
@@ -364,8 +364,8 @@ class Recovery:
                 self.found["shims"] = self.shims()
             torn = bool(self.lk.get("torn_down"))
             quiesce.resume(self.cdir, self.roots, self.rid, restored=False, cancelled=not torn)
-            for r in self.roots:
-                quiesce_path(self.cdir, r, "request").unlink(missing_ok=True)
+            for r in self.roots:  # withdrawn: the workload may never have read it
+                remove_if_id(quiesce_path(self.cdir, r, "request"), self.rid)
             resume = str(quiesce_path(self.cdir, self.root, "resume"))
         partial = snap["images_dir"] and not snap["complete"]
         if partial and not (pathlib.Path(snap["images_dir"]) / manifest_mod.MANIFEST_NAME).exists():
