@@ -76,7 +76,7 @@ class Restore(StepRunner):
         placement: "Placement | int | None" = None,
         device_map: Optional[str] = None,
     ):
-        self.images_dir = pathlib.Path(images_dir).resolve()
+        self.images_dir = pathlib.Path(paths.canonical(images_dir))
         #: ``--device-map OLD=NEW[,...]`` as given (None: automatic); resolved in "driver" into
         #: ``gpu_map`` {old UUID: new UUID} ({}: every process goes back onto its own GPUs)
         self.device_map = device_map
