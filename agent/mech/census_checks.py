@@ -14,7 +14,7 @@ import struct
 from typing import Optional
 
 from cuinterpose.agent.errors import CensusError
-from cuinterpose.agent.mech import procfs
+from cuinterpose.agent.mech import fds, procfs
 from cuinterpose.coordinator import protocol
 
 
@@ -148,3 +148,35 @@ def socket_peer(sock: os.PathLike | str, timeout_s: float = 5.0) -> Optional[tup
         return None
     finally:
         s.close()
+
+
+def check_mounts(census, roots, tree_pids) -> None:
+    """Refuse (``CensusError``, phase "census", nothing torn down) a tree with a working
+    directory, root directory or file mapping on a mount outside its mount namespace
+    (:func:`~cuinterpose.agent.mech.fds.outside_mounts`): CRIU fails such a dump ("Can't lookup
+    mount=N for fd=-3"), and only open fds can be dumped as external files.
+    ``tree_pids(root)``: the pids of a tree."""
+    comms = {p.pid: p.comm for p in census.processes}
+    for root in roots:
+        found = fds.outside_mounts(root, tree_pids(root))
+        if not found:
+            continue
+        f0 = found[0]
+        others = "".join(
+            f"; also pid {f['pid']} ({comms.get(f['pid'], '?')}) {f['what']}" for f in found[1:6]
+        )
+        if len(found) > 6:
+            others += f"; and {len(found) - 6} more"
+        raise CensusError(
+            "census",
+            (
+                f"({comms.get(f0['pid'], '?')}) of tree {root} {f0['what']}, which is not a "
+                "mount of the tree's mount namespace (reached from outside it, e.g. through an "
+                "inherited fd or another process's /proc/PID/root): CRIU, run in that "
+                f'namespace, cannot dump it ("Can\'t lookup mount={f0["mnt_id"]} for fd=-3"), '
+                "and only open fds can be recorded as external files"
+                f"{others}; checkpoint refused, nothing was torn down, the workload keeps "
+                "running"
+            ),
+            pid=f0["pid"],
+        )

@@ -77,7 +77,9 @@ class Rollback:
         """A teardown step failed (``cause``): remove the CRIU images and rebuild the
         workload. Returns the error to raise: outcome ``rolled_back``, or ``rollback_failed``
         when the rebuild failed too."""
-        self.cleanup_images()
+        own = self.owns_images_dir()
+        if own:
+            self.cleanup_images()
         try:
             self.rebuild(restored=False)
         except BaseException as rb:
@@ -91,7 +93,8 @@ class Rollback:
             )
             return CheckpointFailed(cause, "rollback_failed", rollback_error=way_out)
         # the bytes are back on the device
-        carriers.remove_chunks(self.images_dir, getattr(self.coordinator, "carriers", None))
+        if own:
+            carriers.remove_chunks(self.images_dir, getattr(self.coordinator, "carriers", None))
         return CheckpointFailed(cause, "rolled_back")
 
     def rebuild(self, restored: bool = False, native_phase: str = "rollback native"):
@@ -138,6 +141,19 @@ class Rollback:
     def cleanup_images(self):
         images.cleanup(self.images_dir)
 
+    def owns_images_dir(self) -> bool:
+        """This run still holds its claim on the images dir (case 015): only then does its
+        rollback remove what lies there (``criu/``, ``chunks/``), which is then its own."""
+        claim = getattr(self, "claim", None)
+        if claim is None:
+            return True  # no claim taken (a test's bare Checkpoint)
+        try:
+            claim.check()
+        except AgentError as e:
+            self.r.note(f"rollback: {e.reason}; nothing in {self.images_dir} is removed")
+            return False
+        return True
+
     # -- group undo phases ----------------------------------------------------------------
     def group_rollback(self):
         """Undo this member's part of a failed group checkpoint: its own snapshot, even when
@@ -159,12 +175,15 @@ class Rollback:
                 raise LeftLocked("rollback", first, failed, self.roots[0]) from first
             self.left_locked = []
         if self.torn_down:
-            if self.manifest is not None:
+            own = self.owns_images_dir()
+            if self.manifest is not None and own:
                 (pathlib.Path(self.images_dir) / manifest_mod.MANIFEST_NAME).unlink(missing_ok=True)
                 self.manifest = None
-            self.cleanup_images()
+            if own:
+                self.cleanup_images()
             self.rebuild_state()
-            carriers.remove_chunks(self.images_dir, getattr(self.coordinator, "carriers", None))
+            if own:
+                carriers.remove_chunks(self.images_dir, getattr(self.coordinator, "carriers", None))
 
     def group_release(self):
         """``.resume`` after a group rollback (restored=false; cancelled when nothing was torn
@@ -173,4 +192,5 @@ class Rollback:
             quiesce.resume(self.control_dir, self.roots, self.qid, restored=False)
         elif self.qid is not None and not self.quiesce_cancelled:
             quiesce.cancel(self.control_dir, self.roots, self.qid)
+        self.release_claim()
         images.remove_empty(self.created_dirs)
