@@ -176,7 +176,7 @@ def test_racing_requests_one_wins_and_the_others_name_it(tmp_path):
         p.join()
     won = [g for g in got if g[1] == "ok"]
     assert len(won) == 1, got
-    for qid, how, _, reason in got:
+    for _, how, _, reason in got:
         if how != "ok":
             assert how == "refused" and f"already exists (id {won[0][0]})" in reason, got
             assert f"in progress in agent pid {won[0][2]}" in reason, got
