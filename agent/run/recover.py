@@ -213,6 +213,8 @@ class Recovery:
 
     def fail(self, what: str, e: BaseException, pid=None) -> AgentError:
         reason = getattr(e, "reason", None) or str(e)
+        files = getattr(getattr(self, "coord", None), "carriers", None)
+        reason += carriers.bad_chunk_where(reason, files, getattr(e, "pid", None))
         err = AgentError(
             "release",
             f"{what}: {reason}; the workload stays parked (no .resume written) and "

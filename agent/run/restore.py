@@ -443,10 +443,8 @@ class Restore(StepRunner):
             self.restore_result = coord.restore(capture, device_map=self.gpu_map)
         except Exception as e:
             err = as_agent_error(e, "restore shared")
-            where = carriers.bad_chunk_where(err.reason, self.m)  # the file, for the operator
-            if where:
-                err = AgentError(err.phase, err.reason + where, pid=err.pid, outcome=err.outcome)
-            raise err from e
+            # a damaged chunk: its file and byte range, for the operator
+            raise carriers.name_bad_chunk(err, coord.carriers, self.m) from e
         finally:
             carriers.release(coord.carriers)  # the chunk store's shared lock, if any
 

@@ -127,7 +127,8 @@ class Rollback:
         try:
             res = self.coordinator.rollback(self.capture)
         except Exception as e:
-            raise as_agent_error(e, "rollback") from e
+            err = as_agent_error(e, "rollback")  # a damaged chunk: its file and byte range
+            raise carriers.name_bad_chunk(err, getattr(self.coordinator, "carriers", None)) from e
         found = getattr(res, "found", None) or {}
         if found and not (after_dump and set(found.values()) == {"PREPARED"}):
             # case 006: what state each process was in, and so what was undone
