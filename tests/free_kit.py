@@ -39,7 +39,10 @@ def free_pids(n: int = 1, avoid=()) -> list[int]:
     last = _read_int("/proc/sys/kernel/ns_last_pid", pid_max - 1)
     avoid = {int(p) for p in avoid}
     out: list[int] = []
-    for pid in [*range(min(last, pid_max) - 1, RESERVED_PIDS - 1, -1), *range(pid_max - 1, last, -1)]:
+    for pid in [
+        *range(min(last, pid_max) - 1, RESERVED_PIDS - 1, -1),
+        *range(pid_max - 1, last, -1),
+    ]:
         if pid not in avoid and not pid_in_use(pid):
             out.append(pid)
             if len(out) == n:
