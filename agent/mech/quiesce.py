@@ -486,13 +486,22 @@ def wait_ready(
         + ", ".join(str(quiesce_path(control_dir, r, "ready")) for r in missing)
         + f" within {timeout_ms} ms"
     )
-    if len(alive) < len(missing):
-        why += f" (exited: {', '.join(str(r) for r in missing if r not in alive)})"
-    raise QuiesceRefused(
+    gone = [r for r in missing if r not in alive]
+    if gone:
+        why += f" (exited: {', '.join(map(str, gone))})"
+    e = QuiesceRefused(
         "quiesce",
-        f"workload {why}; checkpoint refused, nothing was torn down, the workload keeps running",
+        f"workload {why}; checkpoint refused, nothing was torn down, "
+        + (
+            "the workload keeps running"
+            if not gone
+            else f"the job of root {', '.join(map(str, gone))} has exited"
+        ),
         pid=missing[0],
     )
+    if gone:
+        e.hint = f"nothing was torn down; the job of root {', '.join(map(str, gone))} has exited"
+    raise e
 
 
 @_serialized
