@@ -62,20 +62,36 @@ def foreign(names) -> list[str]:
     )
 
 
+def _try_lock(path, how: int) -> tuple[int, bool]:
+    """Open the claim ``path`` (never through a symlink) and try its flock ``how``
+    (``LOCK_SH``/``LOCK_EX``) without waiting: (fd, True) when taken (its run is gone), (fd,
+    False) when a live run holds it. OSError when it cannot be opened; the caller closes fd."""
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, how | fcntl.LOCK_NB)
+        return fd, True
+    except BlockingIOError:
+        return fd, False
+
+
+def _same_file(fd: int, path) -> bool:
+    """``path`` is still the file open at ``fd`` (same device and inode)."""
+    try:
+        st, now = os.fstat(fd), os.lstat(path)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino)
+
+
 def holder(images_dir) -> Optional[dict]:
     """The record of the live run that holds a claim on ``images_dir`` (its flock is taken),
     else None (no claim, or a stale one). Takes nothing."""
-    path = pathlib.Path(images_dir) / CLAIM_NAME
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd, free = _try_lock(pathlib.Path(images_dir) / CLAIM_NAME, fcntl.LOCK_SH)
     except OSError:
         return None
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return _read(fd)
-        return None
+        return None if free else _read(fd)
     finally:
         os.close(fd)
 
@@ -100,7 +116,6 @@ class Claim:
             ),
         }
         self.fd = -1
-        self.ident: Optional[tuple[int, int]] = None
         for _ in range(16):  # a stale claim taken over; another run may race for it
             if self._try_link():
                 return
@@ -132,8 +147,7 @@ class Claim:
                 os.close(fd)
         if not linked:
             return False
-        st = os.fstat(fd)
-        self.fd, self.ident = fd, (st.st_dev, st.st_ino)
+        self.fd = fd
         return True
 
     def _take_stale(self) -> None:
@@ -141,7 +155,7 @@ class Claim:
         remove it when it is stale and alone (under its own lock, checked to still be the
         file at the name, so a racing run never removes a fresh claim)."""
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd, free = _try_lock(self.path, fcntl.LOCK_EX)
         except FileNotFoundError:
             return  # released meanwhile: try again
         except OSError as e:
@@ -149,21 +163,15 @@ class Claim:
                 self.phase, f"{self.path} cannot be opened: {e.strerror or e}"
             ) from None
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+            if not free:
                 raise SnapshotError(
                     self.phase,
                     f"{self.dir} is being written by another checkpoint: "
                     f"{describe(_read(fd))}; one run at a time writes a snapshot directory: "
                     "checkpoint refused, nothing was changed; choose another --images-dir",
-                ) from None
-            try:
-                st, now = os.fstat(fd), os.lstat(self.path)
-            except FileNotFoundError:
-                return
-            if (st.st_dev, st.st_ino) != (now.st_dev, now.st_ino):
-                return  # replaced meanwhile: look again
+                )
+            if not _same_file(fd, self.path):
+                return  # removed or replaced meanwhile: look again
             others = foreign(os.listdir(self.dir))
             if others:
                 raise SnapshotError(
@@ -181,12 +189,7 @@ class Claim:
         """Before writing: the claim file at the name must still be this run's (same device
         and inode). Raises ``SnapshotError`` (``phase``) when it was removed or replaced:
         something else changed the directory, so nothing more is written there."""
-        try:
-            st = os.lstat(self.path)
-            ok = self.fd >= 0 and (st.st_dev, st.st_ino) == self.ident
-        except OSError:
-            ok = False
-        if not ok:
+        if self.fd < 0 or not _same_file(self.fd, self.path):
             raise SnapshotError(
                 phase or self.phase,
                 f"the claim {self.path} of this checkpoint was removed or replaced while it ran: "
@@ -199,8 +202,7 @@ class Claim:
         if self.fd < 0:
             return
         try:
-            st = os.lstat(self.path)
-            if (st.st_dev, st.st_ino) == self.ident:
+            if _same_file(self.fd, self.path):
                 os.unlink(self.path)
         except OSError:
             pass
@@ -214,18 +216,11 @@ def remove_stale(images_dir, run_id: str) -> bool:
     when one was removed."""
     path = pathlib.Path(images_dir) / CLAIM_NAME
     try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd, free = _try_lock(path, fcntl.LOCK_EX)
     except OSError:
         return False
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
-        if _read(fd).get("run_id") != run_id:
-            return False
-        st, now = os.fstat(fd), os.lstat(path)
-        if (st.st_dev, st.st_ino) != (now.st_dev, now.st_ino):
+        if not free or _read(fd).get("run_id") != run_id or not _same_file(fd, path):
             return False
         os.unlink(path)
         return True
