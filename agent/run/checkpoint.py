@@ -132,8 +132,9 @@ class Checkpoint(Rollback, StepRunner):
         self.census = None
         #: this run's id: its claim on the images dir, its quiesce request, the snapshot id
         self.run_id = quiesce.new_id()
-        #: the claim on the images dir (agent/snapshot/claim.py), held until the run ends
-        self.claim = None
+        #: the claim on the images dir (agent/snapshot/dirclaim.py), held until the run ends
+        #: (not the capture's claim on the shims, protocol.h "Claims")
+        self.dir_claim = None
         self.qid: Optional[str] = None
         self.ready: dict = {}
         self.coordinator = None
@@ -177,21 +178,21 @@ class Checkpoint(Rollback, StepRunner):
     # -- steps ---------------------------------------------------------------------------
     def prepare_images_dir(self):
         group = (self.group or {}).get("request_id", "")
-        self.images_dir, self.created_dirs, self.claim, notes = images.prepare_dir(
+        self.images_dir, self.created_dirs, self.dir_claim, notes = images.prepare_dir(
             self.images_dir, run_id=self.run_id, group=group
         )
         for n in notes:  # also in the manifest's and the --json output's warnings
             self.r.note(n)
             self.warnings.append({"path": str(self.images_dir), "message": n})
 
-    def check_claim(self, phase: str) -> None:
+    def check_dir_claim(self, phase: str) -> None:
         """Before a step writes into the images dir: it is still this run's (case 015)."""
-        if self.claim is not None:
-            self.claim.check(phase)
+        if self.dir_claim is not None:
+            self.dir_claim.check(phase)
 
-    def release_claim(self) -> None:
-        if self.claim is not None:
-            self.claim.release()
+    def release_dir_claim(self) -> None:
+        if self.dir_claim is not None:
+            self.dir_claim.release()
 
     def load_driver(self):
         with self.r.phase("driver") as ph:
@@ -328,7 +329,7 @@ class Checkpoint(Rollback, StepRunner):
         A refusal or validation error before SAVE_ALLOCATIONS changed nothing (refused);
         from SAVE_ALLOCATIONS on, a failure means teardown started (rolled back)."""
         # the .lock turned torn_down with its record before this (Rollback.step_started)
-        self.check_claim("capture")  # SAVE_ALLOCATIONS writes the chunk files
+        self.check_dir_claim("capture")  # SAVE_ALLOCATIONS writes the chunk files
         try:
             self.capture = self.coordinator.capture()
         except Exception as e:
@@ -353,7 +354,7 @@ class Checkpoint(Rollback, StepRunner):
             ph.detail = f"pids {', '.join(map(str, self.census.cuda_pids))}"
 
     def native_checkpoint(self):
-        self.check_claim("native checkpoint")
+        self.check_dir_claim("native checkpoint")
         gpustore_step.native_checkpoint(self)  # custom storage or host staging (issue 12)
 
     def criu_dump(self):
@@ -368,7 +369,7 @@ class Checkpoint(Rollback, StepRunner):
             if i:
                 self.guard.check("criu dump")  # between trees, never inside CRIU
             with self.r.phase("criu dump") as ph:
-                self.check_claim("criu dump")
+                self.check_dir_claim("criu dump")
                 d = manifest_mod.criu_dir(self.images_dir, root)
                 for p in (d.parent, d):  # private, as the whole snapshot (case 016)
                     p.mkdir(mode=images.DIR_MODE, exist_ok=True)
@@ -451,7 +452,7 @@ class Checkpoint(Rollback, StepRunner):
         ``manifest`` step's (rolled back)."""
         try:
             with self.r.phase("manifest") as ph:
-                self.check_claim("manifest")
+                self.check_dir_claim("manifest")
                 m = images.build_manifest(self)
                 gpustore_step.annotate(self, m)
                 path = manifest_mod.write(self.images_dir, m)
@@ -485,7 +486,7 @@ class Checkpoint(Rollback, StepRunner):
         keep the directory non-empty), and so does the chunk store (incremental): its pin and
         shared lock (the pin stays with ``keep_pin``: a later release needs the packs).
         Idempotent."""
-        self.release_claim()
+        self.release_dir_claim()
         carriers.release(getattr(self.coordinator, "carriers", None), keep_pin=keep_pin)
 
     # -- the one-shot run -----------------------------------------------------------------

@@ -35,7 +35,7 @@ from typing import Callable, Optional
 
 from cuinterpose.agent.errors import AgentError
 from cuinterpose.agent.run.report import Phase, Reporter
-from cuinterpose.agent.snapshot import claim as claim_mod
+from cuinterpose.agent.snapshot import dirclaim
 from cuinterpose.agent.snapshot import manifest as manifest_mod
 from cuinterpose.agent.snapshot import store as store_mod
 
@@ -72,7 +72,7 @@ class Synced:
 
 def snapshot_tree(base: os.PathLike | str) -> tuple[list[pathlib.Path], list[pathlib.Path]]:
     """(every regular file under ``base`` but the manifest and its temporary file and the
-    run's claim (agent/snapshot/claim.py), in path order; every directory under it and
+    run's claim (agent/snapshot/dirclaim.py), in path order; every directory under it and
     ``base`` itself, children before parents). Symlinks are neither followed nor listed."""
     base = pathlib.Path(base)
     files, dirs = [], []
@@ -82,7 +82,7 @@ def snapshot_tree(base: os.PathLike | str) -> tuple[list[pathlib.Path], list[pat
         dirs.append(d)
         for n in names:
             p = d / n
-            if d == base and (n in skip or n not in claim_mod.foreign([n])):
+            if d == base and (n in skip or n not in dirclaim.foreign([n])):
                 continue
             if stat_mod.S_ISREG(os.lstat(p).st_mode):
                 files.append(p)

@@ -13,7 +13,7 @@ import stat
 
 from cuinterpose.agent import paths
 from cuinterpose.agent.errors import AgentError, SnapshotError
-from cuinterpose.agent.snapshot import claim as claim_mod
+from cuinterpose.agent.snapshot import dirclaim
 from cuinterpose.agent.snapshot import manifest as manifest_mod
 
 
@@ -40,14 +40,15 @@ DIR_MODE = 0o700
 
 def prepare_dir(
     images_dir: os.PathLike | str, *, run_id: str = "", group: str = ""
-) -> tuple[pathlib.Path, list[pathlib.Path], claim_mod.Claim, list[str]]:
+) -> tuple[pathlib.Path, list[pathlib.Path], dirclaim.DirClaim, list[str]]:
     """Create and claim the snapshot directory; returns (its canonical path
     (``paths.canonical``), the directories this call created, outermost first, so that a
-    refused checkpoint can remove them again, this run's :class:`~cuinterpose.agent.snapshot.
-    claim.Claim` (``run_id``, ``group``: the run it names), notes for the operator).
+    refused checkpoint can remove them again, this run's
+    :class:`~cuinterpose.agent.snapshot.dirclaim.DirClaim` (``run_id``, ``group``: the run it
+    names), notes for the operator).
 
     Missing directories are created 0700. Only a new or empty directory is accepted, and it is
-    claimed before it is judged empty (agent/snapshot/claim.py), so two runs racing for one
+    claimed before it is judged empty (agent/snapshot/dirclaim.py), so two runs racing for one
     directory cannot both pass. An existing directory open to group or other is made 0700
     (a note says so). Refused (``SnapshotError``, phase "images dir", before anything is asked
     of the workload, what this call created removed again): a directory that already holds a
@@ -66,9 +67,9 @@ def prepare_dir(
     created = _make_dirs(d)
     notes = []
     try:
-        claim = claim_mod.Claim(d, run_id=run_id, group=group)
+        claim = dirclaim.DirClaim(d, run_id=run_id, group=group)
         try:
-            names = claim_mod.foreign(os.listdir(d))
+            names = dirclaim.foreign(os.listdir(d))
             if names:
                 shown = ", ".join(names[:5]) + (
                     f", … ({len(names)} entries)" if len(names) > 5 else ""

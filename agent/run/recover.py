@@ -22,7 +22,7 @@ from cuinterpose.agent.errors import AgentError
 from cuinterpose.agent.mech import census as census_mod
 from cuinterpose.agent.mech import native, procfs, quiesce
 from cuinterpose.agent.run import carriers, images
-from cuinterpose.agent.snapshot import claim as claim_mod
+from cuinterpose.agent.snapshot import dirclaim
 from cuinterpose.agent.snapshot import manifest as manifest_mod
 from cuinterpose.coordinator.contract import quiesce_path, remove_if_id
 
@@ -372,7 +372,7 @@ class Recovery:
             resume = str(quiesce_path(self.cdir, self.root, "resume"))
         partial = snap["images_dir"] and not snap["complete"]
         if snap["images_dir"]:  # the dead run's claim (its flock died with it)
-            claim_mod.remove_stale(snap["images_dir"], self.rid)
+            dirclaim.remove_stale(snap["images_dir"], self.rid)
         if partial and not (pathlib.Path(snap["images_dir"]) / manifest_mod.MANIFEST_NAME).exists():
             images.cleanup(snap["images_dir"])
             files = getattr(getattr(self, "coord", None), "carriers", None)

@@ -145,7 +145,7 @@ class Rollback:
     def owns_images_dir(self) -> bool:
         """This run still holds its claim on the images dir (case 015): only then does its
         rollback remove what lies there (``criu/``, ``chunks/``), which is then its own."""
-        claim = getattr(self, "claim", None)
+        claim = getattr(self, "dir_claim", None)
         if claim is None:
             return True  # no claim taken (a test's bare Checkpoint)
         try:
@@ -193,5 +193,5 @@ class Rollback:
             quiesce.resume(self.control_dir, self.roots, self.qid, restored=False)
         elif self.qid is not None and not self.quiesce_cancelled:
             quiesce.cancel(self.control_dir, self.roots, self.qid)
-        self.release_claim()
+        self.release_dir_claim()
         images.remove_empty(self.created_dirs)

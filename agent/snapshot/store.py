@@ -47,7 +47,7 @@ from typing import Iterator
 
 from cuinterpose.agent import paths
 from cuinterpose.agent.errors import AgentError
-from cuinterpose.agent.snapshot import claim
+from cuinterpose.agent.snapshot import dirclaim
 from cuinterpose.coordinator.protocol import DEFAULT_CHUNK_CHECKSUM
 
 PHASE = "chunk store"
@@ -445,11 +445,11 @@ def delete(images_dir) -> dict:
     d = pathlib.Path(paths.canonical(images_dir))
     if not os.path.lexists(d):
         raise AgentError("delete", f"{d} does not exist; nothing removed")
-    busy = claim.holder(d)
+    busy = dirclaim.holder(d)
     if busy is not None:
         raise AgentError(
             "delete",
-            f"{d} is being written by a checkpoint: {claim.describe(busy)}; nothing removed",
+            f"{d} is being written by a checkpoint: {dirclaim.describe(busy)}; nothing removed",
         )
     if not d.is_dir() or d.is_symlink():
         raise AgentError("delete", f"{d} is not a snapshot directory; nothing removed")

@@ -2,7 +2,7 @@
 both exited 0, both jobs were lost, and a rollback removed the other run's files.
 
 Kind: two runs claim one directory. A checkpoint claims its images dir for its whole life
-(agent/snapshot/claim.py: a linked, flocked ``.cuinterpose-claim``, checked again before each
+(agent/snapshot/dirclaim.py: a linked, flocked ``.cuinterpose-claim``, checked again before each
 step that writes there); a second one is refused up front (exit 3, naming the other run's
 agent pid and request id) and its job keeps running; a rollback removes only what its own run
 wrote; a group leader refuses two members naming one directory. The race itself: two afdwin
@@ -33,7 +33,7 @@ from cuinterpose.agent.rpc import group  # noqa: E402
 from cuinterpose.agent.run import checkpoint as cp_mod  # noqa: E402
 from cuinterpose.agent.run import images  # noqa: E402
 from cuinterpose.agent.run.report import Reporter  # noqa: E402
-from cuinterpose.agent.snapshot import claim, pb  # noqa: E402
+from cuinterpose.agent.snapshot import dirclaim, pb  # noqa: E402
 from cuinterpose.workloads.afdwin import demo  # noqa: E402
 
 ROUNDS = 10
@@ -150,7 +150,7 @@ def test_a_claimed_dir_is_refused_by_any_path_to_it_naming_the_run(tmp_path):
             f"{d} is being written by another checkpoint: agent pid {os.getpid()} on "
         )
         assert "(request id r1, group request g1, started at " in ei.value.reason
-    assert os.listdir(d) == [claim.CLAIM_NAME]
+    assert os.listdir(d) == [dirclaim.CLAIM_NAME]
     c1.release()
     assert os.listdir(d) == []
     got, created, c2, _ = images.prepare_dir(tmp_path / "y" / ".." / "link", run_id="r3")
@@ -163,19 +163,19 @@ def test_a_stale_claim_is_taken_over_alone_and_refused_beside_a_dead_runs_files(
     d.mkdir()
     pid = os.fork()
     if pid == 0:  # a run that claims and dies without releasing (SIGKILL-like: no cleanup)
-        claim.Claim(d, run_id="dead")
+        dirclaim.DirClaim(d, run_id="dead")
         os._exit(0)
     os.waitpid(pid, 0)
-    assert claim.holder(d) is None  # its flock died with it
+    assert dirclaim.holder(d) is None  # its flock died with it
     (d / "criu").mkdir()
     with pytest.raises(SnapshotError) as ei:
         images.prepare_dir(d, run_id="new")
     assert ei.value.reason.startswith(f"{d} holds what a checkpoint left when its agent died")
-    assert sorted(os.listdir(d)) == [claim.CLAIM_NAME, "criu"]
+    assert sorted(os.listdir(d)) == [dirclaim.CLAIM_NAME, "criu"]
     (d / "criu").rmdir()
     _, _, c, _ = images.prepare_dir(d, run_id="new")
-    assert json.loads((d / claim.CLAIM_NAME).read_text())["run_id"] == "new"
-    assert claim.holder(d)["run_id"] == "new"
+    assert json.loads((d / dirclaim.CLAIM_NAME).read_text())["run_id"] == "new"
+    assert dirclaim.holder(d)["run_id"] == "new"
     c.release()
 
 
@@ -200,8 +200,8 @@ def test_a_rollback_whose_claim_was_taken_removes_nothing(world, tmp_path, monke
     fake = sys.modules["cuinterpose.agent.mech.criu"]
 
     def dump(root, d, **kw):
-        (snap / claim.CLAIM_NAME).unlink()  # another run's claim and its images now
-        (snap / claim.CLAIM_NAME).write_text('{"run_id": "other"}')
+        (snap / dirclaim.CLAIM_NAME).unlink()  # another run's claim and its images now
+        (snap / dirclaim.CLAIM_NAME).write_text('{"run_id": "other"}')
         (d / "core-other.img").write_bytes(b"other run")
         raise RuntimeError("criu dump failed")
 
@@ -211,7 +211,7 @@ def test_a_rollback_whose_claim_was_taken_removes_nothing(world, tmp_path, monke
         c.run()
     assert ei.value.outcome == "rolled_back"
     assert (snap / "criu" / str(ROOT) / "core-other.img").read_bytes() == b"other run"
-    assert json.loads((snap / claim.CLAIM_NAME).read_text()) == {"run_id": "other"}
+    assert json.loads((snap / dirclaim.CLAIM_NAME).read_text()) == {"run_id": "other"}
     assert any("nothing in" in n and "is removed" in n for n in c.r.notes), c.r.notes
 
 

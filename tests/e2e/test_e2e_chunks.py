@@ -4,8 +4,9 @@ the workload keeps running with its memory intact (it runs to the end with every
 no restore), and ``DIR/chunks/`` is removed.
 
 The full filesystem is a small tmpfs mounted in a private mount namespace of the agent only
-(``unshare -m``) and filled before the checkpoint but for 16 KiB (the images dir's claim); the shims write through the descriptors the
-agent passes, so they hit it too. Needs root (the suite's e2e tests run as root)."""
+(``unshare -m``) and filled before the checkpoint but for 16 KiB (the images dir's claim); the
+shims write through the descriptors the agent passes, so they hit it too. Needs root (the
+suite's e2e tests run as root)."""
 
 from __future__ import annotations
 

@@ -96,7 +96,7 @@ def holder(images_dir) -> Optional[dict]:
         os.close(fd)
 
 
-class Claim:
+class DirClaim:
     """This run's claim on ``images_dir`` (an existing directory). ``run_id``: the run's
     request id (the quiesce request and snapshot id); ``group``: its group request id, if any.
     Raises ``SnapshotError`` (phase :data:`PHASE`) when another live run holds the directory,
