@@ -18,8 +18,10 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONDONTWRITEBYTECODE=1
 WORKDIR /src
 
-# compilers, cmake, ninja, python3 + venv, iproute2 (what `make build` needs on Debian)
+# compilers, cmake, ninja, python3 + venv, iproute2 (what `make build` needs on Debian); the
+# CRIU installer the package ships (scripts/install-criu.sh runs it)
 COPY scripts/ scripts/
+COPY agent/mech/criu_install.sh agent/mech/criu_install.sh
 RUN bash scripts/bootstrap-debian.sh && rm -rf /var/lib/apt/lists/*
 
 # CRIU 4.x and its libraries from Debian trixie, unpacked into /opt/criu. `criu check` needs
@@ -31,6 +33,7 @@ RUN bash scripts/install-criu.sh \
 
 # the package: C libraries (shim, fakecuda) built by scikit-build-core, protobuf stubs
 COPY pyproject.toml CMakeLists.txt README.md ./
+COPY compat/ compat/
 COPY interposer/ interposer/
 COPY fakecuda/ fakecuda/
 COPY proto/ proto/

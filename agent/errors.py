@@ -126,15 +126,27 @@ class LeftLocked(AgentError):
 
 class CheckpointFailed(AgentError):
     """A checkpoint failed after teardown started. ``cause`` is the original error;
-    ``outcome`` says whether the rollback succeeded."""
+    ``outcome`` says whether the rollback succeeded; ``lost``: what a job that lost a process
+    during the checkpoint was left with (a rolled_back that is not intact)."""
 
-    def __init__(self, cause: BaseException, outcome: str, rollback_error: Optional[str] = None):
+    def __init__(
+        self,
+        cause: BaseException,
+        outcome: str,
+        rollback_error: Optional[str] = None,
+        lost: Optional[str] = None,
+    ):
         self.cause = cause
         self.rollback_error = rollback_error
+        self.lost = lost
         phase = getattr(cause, "phase", "checkpoint")
         pid = getattr(cause, "pid", None)
         reason = getattr(cause, "reason", None) or str(cause)
-        if outcome == "rolled_back":
+        if outcome == "rolled_back" and lost:
+            # a process of the job died during the checkpoint (not by the agent): what is
+            # left was rolled back as far as it could be, and resumed
+            reason += f" (rolled back what is left of the workload: {lost})"
+        elif outcome == "rolled_back":
             reason += " (rolled back: the workload continues with its memory intact)"
         elif rollback_error:
             reason += f"; rollback failed too: {rollback_error}"

@@ -43,6 +43,18 @@ and prints per-call ns (fastest round) and the ratios adapter/base, adapter/vmm,
     .venv/bin/python bench/intercept.py --n 10 --alloc-sizes 4096,1048576,33554432 [--alloc-count 64]
 
 --alloc-sizes "" skips it; --n "" skips the VMM table.
+
+Then IPC events (docs/shim.md "IPC events"): a third C program forks (before cuInit) a creator
+and an opener. Per round the creator creates K events with PyTorch's flags (INTERPROCESS |
+DISABLE_TIMING | BLOCKING_SYNC), records each on a stream, takes each one's IPC handle and sends
+the K handles over a pipe; the opener opens each, makes its stream wait on it and destroys it;
+the creator then destroys its K. Per event: ns of each step (fastest round), without the shim
+(base) and under it (the events virtual, each handle fetched from the creator's control socket
+on open), and the ratio.
+
+    .venv/bin/python bench/intercept.py --n "" --alloc-sizes "" --events 256
+
+--events 0 skips it.
 """
 
 from __future__ import annotations
@@ -224,6 +236,108 @@ def build_program(driver: str, name: str, source: str) -> pathlib.Path:
     return exe
 
 
+EVENT_OPS = ("create", "record", "get", "open", "wait", "odestroy", "destroy")
+
+EVENTS_C = r"""
+#define _GNU_SOURCE
+#include <cuda.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+#include <sys/wait.h>
+
+#define CU(x) do { CUresult r_ = (x); if (r_ != CUDA_SUCCESS) { \
+    fprintf(stderr, "%s = %d\n", #x, (int)r_); exit(1); } } while (0)
+static unsigned long long now(void) {
+  struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t);
+  return (unsigned long long)t.tv_sec * 1000000000ull + (unsigned long long)t.tv_nsec;
+}
+static void io(int fd, void *p, size_t n, int wr) {
+  char *c = p;
+  while (n) {
+    ssize_t k = wr ? write(fd, c, n) : read(fd, c, n);
+    if (k <= 0) { perror("pipe"); exit(1); }
+    c += k; n -= (size_t)k;
+  }
+}
+static CUstream init(void) {
+  CUdevice d; CUcontext c; CUstream s;
+  CU(cuInit(0)); CU(cuDeviceGet(&d, 0)); CU(cuDevicePrimaryCtxRetain(&c, d)); CU(cuCtxSetCurrent(c));
+  CU(cuStreamCreate(&s, 0));
+  return s;
+}
+int main(int argc, char **argv) {
+  int k = atoi(argv[1]), rounds = atoi(argv[2]);
+  int to_opener[2], to_creator[2];
+  if (pipe(to_opener) || pipe(to_creator)) return 1;
+  CUipcEventHandle *h = calloc((size_t)k, sizeof *h);
+  CUevent *ev = calloc((size_t)k, sizeof *ev);
+  pid_t child = fork();
+  CUstream s = init();
+  for (int r = 0; r < rounds; r++) {
+    unsigned long long t[7] = {0}, t0;
+    if (child == 0) {                       /* the opener */
+      io(to_opener[0], h, (size_t)k * sizeof *h, 0);
+      t0 = now(); for (int i = 0; i < k; i++) CU(cuIpcOpenEventHandle(&ev[i], h[i])); t[3] = now() - t0;
+      t0 = now(); for (int i = 0; i < k; i++) CU(cuStreamWaitEvent(s, ev[i], 0)); t[4] = now() - t0;
+      CU(cuStreamSynchronize(s));
+      t0 = now(); for (int i = 0; i < k; i++) CU(cuEventDestroy(ev[i])); t[5] = now() - t0;
+      io(to_creator[1], t, sizeof t, 1);
+      continue;
+    }
+    unsigned flags = CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING | CU_EVENT_BLOCKING_SYNC;
+    t0 = now(); for (int i = 0; i < k; i++) CU(cuEventCreate(&ev[i], flags)); t[0] = now() - t0;
+    t0 = now(); for (int i = 0; i < k; i++) CU(cuEventRecord(ev[i], s)); t[1] = now() - t0;
+    t0 = now(); for (int i = 0; i < k; i++) CU(cuIpcGetEventHandle(&h[i], ev[i])); t[2] = now() - t0;
+    io(to_opener[1], h, (size_t)k * sizeof *h, 1);
+    unsigned long long o[7];
+    io(to_creator[0], o, sizeof o, 0);
+    CU(cuStreamSynchronize(s));
+    t0 = now(); for (int i = 0; i < k; i++) CU(cuEventDestroy(ev[i])); t[6] = now() - t0;
+    printf("%llu %llu %llu %llu %llu %llu %llu\n", t[0], t[1], t[2], o[3], o[4], o[5], t[6]);
+  }
+  if (child > 0) { int st; waitpid(child, &st, 0); if (!WIFEXITED(st) || WEXITSTATUS(st)) return 1; }
+  return 0;
+}
+"""
+
+
+def run_events(exe, k: int, rounds: int, shim: str | None, ctl: str, driver: str) -> dict:
+    """Per-event ns of each step of EVENT_OPS (fastest round)."""
+    env = {k_: v for k_, v in os.environ.items() if k_ not in ("LD_PRELOAD", "FAKECUDA_LOG")}
+    if driver == "fake":
+        env["LD_LIBRARY_PATH"] = str(paths.fakecuda_dir())
+    env["CUINTERPOSE_CONTROL_DIR"] = ctl
+    if shim:
+        env["LD_PRELOAD"] = shim
+    res = subprocess.run(
+        [str(exe), str(k), str(rounds)], env=env, capture_output=True, text=True, timeout=600
+    )
+    if res.returncode != 0:
+        raise SystemExit(f"events driver failed (shim={shim}): {res.stderr.strip()}")
+    cols = list(zip(*[[int(x) for x in ln.split()] for ln in res.stdout.splitlines()]))
+    return {op: min(c) / k for op, c in zip(EVENT_OPS, cols)}
+
+
+def events_table(args, shim: str, ctl: str) -> None:
+    exe = build_program(args.driver, "intercept-events", EVENTS_C)
+    rounds = max(5, args.calls // (10 * args.events))
+    base = run_events(exe, args.events, rounds, None, ctl, args.driver)
+    got = run_events(exe, args.events, rounds, shim, ctl, args.driver)
+    print(f"\nIPC events, {args.events} per round, shim {shim}; per-event ns, fastest round")
+    if not args.json:
+        print(f"{'step':>9} {'base':>10} {'shim':>10} {'ratio':>6}")
+    for op in (*EVENT_OPS, "record+get+open"):
+        b = sum(base[x] for x in ("record", "get", "open")) if op == "record+get+open" else base[op]
+        g = sum(got[x] for x in ("record", "get", "open")) if op == "record+get+open" else got[op]
+        if args.json:
+            print(json.dumps({"events_step": op, "base_ns": b, "shim_ns": g, "ratio": g / b}))
+        else:
+            print(f"{op:>9} {b:>10.0f} {g:>10.0f} {g / b:>6.2f}")
+
+
 ALLOC_CONFIGS = ("base", "vmm", "adapter", "off")
 
 
@@ -340,6 +454,12 @@ def main(argv=None) -> int:
         "--alloc-count", type=int, default=64, help="buffers allocated per round (at most 256 MiB)"
     )
     ap.add_argument(
+        "--events",
+        type=int,
+        default=256,
+        help="IPC events per round for the events table (0 skips)",
+    )
+    ap.add_argument(
         "--json", action="store_true", help="print one JSON object per row instead of a table"
     )
     args = ap.parse_args(argv)
@@ -383,6 +503,8 @@ def main(argv=None) -> int:
                 print(f"{n:>6} {op:>8} {base[op]:>10.0f}{cells}")
         if args.alloc_sizes:
             alloc_table(args, shims[-1][1], ctl)
+        if args.events:
+            events_table(args, shims[-1][1], ctl)
     return 0
 
 

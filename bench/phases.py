@@ -36,6 +36,7 @@ from cuda_include_dir import cuda_include_dir  # noqa: E402
 
 from cuinterpose.agent import paths  # noqa: E402
 from cuinterpose.agent.units import arg_bytes  # noqa: E402
+from cuinterpose.coordinator.claim import Claim  # noqa: E402
 from cuinterpose.coordinator.phases import Coordinator, Participant  # noqa: E402
 from cuinterpose.coordinator.protocol import socket_path  # noqa: E402
 
@@ -127,10 +128,12 @@ def run_one(exe, driver: str, k: int, size: int, granularity: int, timeout_s: fl
             parts = [Participant(pid, socket_path(ctl, pid)) for pid in pair.pids]
             pair_mod.wait_sockets([p.socket_path for p in parts])
             before = pair.sums()
+            # the bench drives the shims as the agent does: holding a claim (protocol.h "Claims")
+            claim = Claim.take(ctl, pair.pids, kind="bench")
             t0 = time.perf_counter_ns()
-            cap = Coordinator(parts, timeout_s=timeout_s).capture()
+            cap = Coordinator(parts, timeout_s=timeout_s, claim=claim).capture()
             t1 = time.perf_counter_ns()
-            res = Coordinator(parts, timeout_s=timeout_s).restore(cap)
+            res = Coordinator(parts, timeout_s=timeout_s, claim=claim).restore(cap)
             t2 = time.perf_counter_ns()
             after = pair.sums()
             if after != before or before[0] != before[1]:

@@ -89,7 +89,10 @@ class Barrier:
     ``carried``: pid -> (alloc_id, size) of the allocations its shim carries (set by the
     sequences from the capture's records; the chunk files of SAVE/LOAD name them). ``phases``:
     every PhaseResult so far; ``last_txn_id``: the highest txn id sent; ``txn_floor``: txn ids
-    stay above it (a capture's ``last_txn_id``).
+    stay above it (a capture's ``last_txn_id``). ``claim``: the
+    :class:`~cuinterpose.coordinator.claim.Claim` whose token every mutating request carries
+    (protocol.h "Claims"; settable later, e.g. once the capture takes it; None: a shim refuses
+    every mutating request).
     """
 
     def __init__(
@@ -100,6 +103,7 @@ class Barrier:
         carrier_timeout_s: float = 3600.0,
         on_event: Callable[[PhaseEvent], None] | None = None,
         carriers: CarrierFiles | None = None,
+        claim=None,
     ):
         self.participants = [
             p if isinstance(p, Participant) else Participant(*p) for p in participants
@@ -121,6 +125,18 @@ class Barrier:
             p.pid: ShimClient(p.socket_path, self.timeout_s, pid=p.pid, inspect_devices=True)
             for p in self.participants
         }
+        self.claim = claim
+
+    @property
+    def claim(self):
+        """The :class:`~cuinterpose.coordinator.claim.Claim` of the mutating requests (or None)."""
+        return self._claim
+
+    @claim.setter
+    def claim(self, claim) -> None:
+        self._claim = claim
+        for c in self._clients.values():
+            c.claim = claim.token if claim is not None else None
 
     @property
     def pids(self) -> list[int]:

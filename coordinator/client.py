@@ -22,7 +22,10 @@ reply's chunk table comes back in ``Response.chunk_table`` (raw bytes, parse it 
 :func:`~cuinterpose.coordinator.protocol.parse_chunk_table`).
 
 The client never retries: a mutating op whose reply is lost cannot tell whether the
-mutation happened (protocol.h, "Request rules"). It does not interpret ``status`` either;
+mutation happened (protocol.h, "Request rules"). A shim may answer a SAVE/LOAD request before
+it read the chunk files' entries (``CUI_BUSY`` while another op runs, a refusal) and close the
+connection: a send that fails then (EPIPE, ECONNRESET) reads that answer instead of failing
+("Broken pipe" would hide a retryable BUSY). It does not interpret ``status`` either;
 refusals and failures come back as a normal :class:`Response` for the caller to judge.
 
 Errors (all subclass :class:`ShimClientError`, each names the socket and the pid):
@@ -55,6 +58,7 @@ from .protocol import (
     CUI_PROTO_MAGIC,
     CUI_PROTO_VERSION,
     DEFAULT_CHUNK_CHECKSUM,
+    MUTATING_OPS,
     RECORD_SIZE,
     REPLY_SIZE,
     CarryFlag,
@@ -95,14 +99,11 @@ _sent: dict[tuple, int] = {}
 _sent_lock = threading.Lock()
 
 
-def _drop_reply(op_name: str, pid: int | None) -> bool:
-    """Count one sent request of ``op_name`` to ``pid``; True when ``CUINTERPOSE_TEST_DROP_REPLY``
-    names this one (its op, pid and count). A malformed value raises ValueError naming it."""
-    spec = os.environ.get(DROP_REPLY_ENV)
-    if not spec:
-        return False
-    wanted = set()
-    for entry in spec.split(","):
+def parse_drop_reply(spec: str) -> set[tuple[str, int | None, int]]:
+    """The entries of a ``CUINTERPOSE_TEST_DROP_REPLY`` value: {(op name, pid or None, N)}
+    (empty for ""). A malformed value raises ValueError naming it."""
+    wanted: set[tuple[str, int | None, int]] = set()
+    for entry in spec.split(",") if spec else ():
         head, _, count = entry.strip().partition(":")
         want, _, at = head.partition("@")
         count = count or "1"
@@ -117,6 +118,16 @@ def _drop_reply(op_name: str, pid: int | None) -> bool:
                 "as SAVE_ALLOCATIONS, N >= 1); unset it outside tests"
             )
         wanted.add((want, int(at) if at else None, int(count)))
+    return wanted
+
+
+def _drop_reply(op_name: str, pid: int | None) -> bool:
+    """Count one sent request of ``op_name`` to ``pid``; True when ``CUINTERPOSE_TEST_DROP_REPLY``
+    names this one (its op, pid and count). A malformed value raises ValueError naming it."""
+    spec = os.environ.get(DROP_REPLY_ENV)
+    if not spec:
+        return False
+    wanted = parse_drop_reply(spec)
     with _sent_lock:
         _sent[(op_name, None)] = n = _sent.get((op_name, None), 0) + 1
         _sent[(op_name, pid)] = k = _sent.get((op_name, pid), 0) + 1
@@ -244,7 +255,9 @@ class ShimClient:
     ``socket_path``: ``<control dir>/cuinterpose-<pid>.sock``. ``timeout_s``: seconds for a whole
     request. ``pid``: for error messages; defaults to the pid in the socket name.
     ``inspect_devices``: INSPECT requests set ``CUI_INSPECT_DEVICES`` (the shim then also sends
-    one DEVICE record per device ordinal the process uses: protocol.h).
+    one DEVICE record per device ordinal the process uses: protocol.h). ``claim``: the 16-byte
+    claim token every mutating request carries (protocol.h "Claims"; None: zeros, which a shim
+    refuses with ``CUI_REFUSED_PEER``).
     """
 
     def __init__(
@@ -255,8 +268,11 @@ class ShimClient:
         pid: int | None = None,
         sender_pid: int | None = None,
         inspect_devices: bool = False,
+        claim: bytes | None = None,
     ):
         self.socket_path = os.fspath(socket_path)
+        #: the claim token of mutating requests (protocol.h "Claims")
+        self.claim = claim
         #: INSPECT requests ask for the DEVICE records (CUI_INSPECT_DEVICES, protocol.h)
         self.inspect_devices = bool(inspect_devices)
         self.timeout_s = float(timeout_s)
@@ -343,7 +359,9 @@ class ShimClient:
             txn_id=txn_id,
             expected_phase=expected_phase,
             sender_pid=self.sender_pid,
-            alloc_id=alloc_id_bytes(alloc_id or None),
+            alloc_id=alloc_id_bytes(
+                alloc_id or (self.claim if op in MUTATING_OPS else None) or None
+            ),
             reserved=(
                 CUI_INSPECT_DEVICES if op == Op.INSPECT and self.inspect_devices else 0,
                 0,
@@ -381,13 +399,24 @@ class ShimClient:
             try:
                 self._set_deadline(sock, deadline)
                 sock.sendall(req.pack())
+                cut = None
                 if carriers is not None:
-                    self._send_carriers(sock, carriers, deadline)
+                    try:
+                        self._send_carriers(sock, carriers, deadline)
+                    except (BrokenPipeError, ConnectionResetError) as exc:
+                        # the shim answered the 64-byte request before it read the rest (BUSY
+                        # while another op runs, a refusal) and closed: that answer is readable
+                        cut = exc
                 if _drop_reply(op_name, self.pid):
                     raise self._proto(
                         op, f"reply dropped by {DROP_REPLY_ENV} (test only): connection closed"
                     )
-                head = self._read_exact(sock, REPLY_SIZE, deadline, fds, "reply header", op)
+                try:
+                    head = self._read_exact(sock, REPLY_SIZE, deadline, fds, "reply header", op)
+                except ShimProtocolError:
+                    if cut is None:
+                        raise
+                    raise cut from None  # no early answer: the send's own error
                 try:
                     reply = Reply.unpack(head)
                 except ProtocolError as exc:

@@ -188,7 +188,9 @@ class Coordinator(Barrier):
         return RestoreResult(phases=self.phases[start:], records=after)
 
     def rollback(
-        self, capture_or_records: "Capture | Mapping[int, Iterable[Record]]"
+        self,
+        capture_or_records: "Capture | Mapping[int, Iterable[Record]]",
+        device_map: dict[str, str] | None = None,
     ) -> RollbackResult:
         """Bring every participant of a failed or abandoned capture back to ACTIVE.
 
@@ -196,13 +198,31 @@ class Coordinator(Barrier):
         ``PhaseError.capture``) or pid -> the records of the capture's first INSPECT. Steps in
         docs/coordinator.md "Rollback"; a FAILED or silent participant raises PhaseError
         before anything is sent (fail-stop). Raises PhaseError from any failing phase
-        (``changed`` True; stop there, no retry).
+        (``changed`` True; stop there, no retry). ``device_map`` ({old GPU UUID: new}): the
+        final compare's, for the rollback that finishes a restore onto other GPUs (an agent
+        that died mid-restore, docs/agent.md).
         """
         if isinstance(capture_or_records, Capture):
             self._adopt_files(capture_or_records)
-        result = rollback(self, capture_or_records)
+        result = rollback(self, capture_or_records, device_map=device_map)
         self._drop_private()
         return result
+
+    def survivors(self, gone) -> "Coordinator":
+        """A coordinator of the participants but ``gone`` (processes of the job that died
+        during a checkpoint), with this one's timeouts, ``on_event``, chunk files and claim and
+        its txn ids as the floor: what the agent rolls back of a job that lost a process."""
+        gone = set(gone)
+        out = Coordinator(
+            [p for p in self.participants if p.pid not in gone],
+            timeout_s=self.timeout_s,
+            carrier_timeout_s=self.carrier_timeout_s,
+            on_event=self.on_event,
+            carriers=self.carriers,
+            claim=self.claim,
+        )
+        out.txn_floor = max(self.txn_floor, self.last_txn_id)
+        return out
 
     # --- helpers --------------------------------------------------------------------------------
     def _fit_checksum(self, inspect: PhaseResult) -> None:

@@ -217,9 +217,11 @@ class PhaseResult:
 class PhaseEvent:
     """Progress notification passed to ``on_event``.
 
-    ``kind`` is ``"reply"`` (one participant answered; ``pid`` and ``result`` set) or
+    ``kind`` is ``"reply"`` (one participant answered; ``pid`` and ``result`` set),
     ``"phase"`` (the phase finished for everyone, ``ok`` False if it failed; ``result`` None,
-    ``phase_result`` set). ``done``/``total``: replies so far / participants.
+    ``phase_result`` set) or ``"wait"`` (a rollback waits for ``pid``, whose INSPECT says a
+    mutating op is still running there: coordinator/rollback.py). ``done``/``total``: replies
+    so far / participants.
     """
 
     kind: str

@@ -8,13 +8,22 @@ INSPECT) are described in docs/coordinator.md "Rollback".
 
 from __future__ import annotations
 
+import time
 from typing import Iterable, Mapping
 
 from . import topology
 from .barrier import Barrier
 from .carrierfiles import streams_of
-from .protocol import MULTICAST_RESTORE_OPS, Op, Phase, Record, RecordKind, Role, Status
-from .results import Capture, ParticipantResult, PhaseError, RollbackResult, enum_name
+from .client import ShimClientError
+from .protocol import MULTICAST_RESTORE_OPS, Op, Phase, Record, RecordKind, Role, ShimFlag, Status
+from .results import (
+    Capture,
+    ParticipantResult,
+    PhaseError,
+    PhaseEvent,
+    RollbackResult,
+    enum_name,
+)
 
 __all__ = ["rollback"]
 
@@ -28,7 +37,9 @@ MAX_REPLANS = 3
 
 
 def rollback(
-    coord: Barrier, capture_or_records: "Capture | Mapping[int, Iterable[Record]]"
+    coord: Barrier,
+    capture_or_records: "Capture | Mapping[int, Iterable[Record]]",
+    device_map: dict[str, str] | None = None,
 ) -> RollbackResult:
     """Bring every participant of ``coord`` back to ACTIVE (docs/coordinator.md "Rollback").
 
@@ -64,7 +75,7 @@ def rollback(
                 continue  # an op in flight on a lost connection ran after that INSPECT
             raise
         break
-    topology.compare(records, after)
+    topology.compare(records, after, device_map=device_map)
     return RollbackResult(found=found_first, phases=coord.phases[start:], records=after)
 
 
@@ -195,8 +206,57 @@ def _undo(
 
 
 def _inspect_phases(coord: Barrier) -> tuple[dict[int, Phase], dict[int, list[Record]]]:
-    """INSPECT every participant; returns (pid -> Phase, pid -> records). Raises PhaseError
-    naming the first participant that is FAILED, silent, or in an unknown phase."""
+    """INSPECT every participant; returns (pid -> Phase, pid -> records). A shim whose reply
+    says a mutating op is still queued or running (``ShimFlag.OP_RUNNING``: one sent on a lost
+    connection, the op of a dead agent) is waited for (:func:`_wait_idle`), then every
+    participant is INSPECTed again: its phase is only known once that op answered. Raises
+    PhaseError naming the first participant that is FAILED, silent, or in an unknown phase."""
+    while True:
+        found, records, busy = _inspect_once(coord)
+        if not busy:
+            return found, records
+        _wait_idle(coord, busy)
+
+
+def _wait_idle(coord: Barrier, pids: list[int]) -> None:
+    """Wait until none of ``pids`` runs a mutating op (an INSPECT reply without
+    ``ShimFlag.OP_RUNNING``; INSPECT is answered while the op runs), polling every 5 ms doubling
+    to 100 ms, each wait announced as a ``PhaseEvent`` of kind "wait". The bound is the carrier
+    timeout, the longest any op may run: a shim still working is never given up on earlier
+    (issue 23: a rollback that lost its own LOAD_ALLOCATIONS reply re-planned while the shim was
+    still loading and gave up). Raises PhaseError (phase "rollback") for a shim that stops
+    answering or is still busy at that bound; nothing was sent then."""
+    deadline = time.monotonic() + coord.carrier_timeout_s
+    for pid in pids:
+        coord._emit(PhaseEvent("wait", Op.INSPECT.name, 0, 0, len(pids), pid=pid))
+        pause = 0.005
+        while True:
+            try:
+                r = coord._clients[pid].request(Op.INSPECT, txn_id=0, expected_phase=Phase.ACTIVE)
+            except ShimClientError as e:
+                raise _refusal(
+                    pid,
+                    ParticipantResult(pid=pid, wall_ns=0, error=str(e)),
+                    f"did not answer INSPECT while its op ran ({e}); its phase is unknown",
+                ) from e
+            if not r.reply.shim_flags & ShimFlag.OP_RUNNING:
+                break
+            if time.monotonic() >= deadline:
+                raise _refusal(
+                    pid,
+                    ParticipantResult(pid=pid, status=r.reply.status, phase=r.reply.phase),
+                    f"still runs a mutating op after the carrier timeout "
+                    f"({coord.carrier_timeout_s:g} s)",
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 0.1)
+
+
+def _inspect_once(
+    coord: Barrier,
+) -> tuple[dict[int, Phase], dict[int, list[Record]], list[int]]:
+    """One INSPECT of every participant: (pid -> Phase, pid -> records, pids whose reply says a
+    mutating op is still queued or running)."""
     try:
         res, records = coord._run(Op.INSPECT, Phase.ACTIVE, changed_before=True)
         results = dict(res.participants)
@@ -240,7 +300,8 @@ def _inspect_phases(coord: Barrier) -> tuple[dict[int, Phase], dict[int, list[Re
                 f"{enum_name(Phase, r.phase)}",
             )
         found[pid] = Phase(r.phase)
-    return found, records
+    busy = [pid for pid in coord.pids if results[pid].shim_flags & ShimFlag.OP_RUNNING]
+    return found, records, busy
 
 
 def _refusal(pid: int, r: ParticipantResult, why: str) -> PhaseError:

@@ -36,9 +36,11 @@ from gpu_check_steps import PROBE, REPO, Ctx, Result, Skip, last_json, run, say,
 
 from cuinterpose.agent.mech import quiesce
 from cuinterpose.coordinator.carrierfiles import CarrierFiles
+from cuinterpose.coordinator.claim import Claim
 from cuinterpose.coordinator.phases import Coordinator
 from cuinterpose.coordinator.results import Participant
 from cuinterpose.workloads.afdwin import demo
+from cuinterpose.workloads.afdwin.process_state import process_state
 
 GIB = 1 << 30
 CARRIER_BYTES = {"real": (1 * GIB, 8 * GIB), "fake": (64 << 20, 256 << 20)}
@@ -96,7 +98,13 @@ def coordinator(pids, ctl, chunks: pathlib.Path, ctx: Ctx) -> Coordinator:
         timeout_s=min(60.0, ctx.left()),
         carrier_timeout_s=ctx.left(),
         carriers=CarrierFiles(chunks),
+        # the check drives the shims as the agent does: holding a claim (protocol.h "Claims")
+        claim=Claim.take(ctl, list(pids), kind="gpu-check", token=_CLAIM_TOKEN),
     )
+
+
+#: one claim token for every coordinator of this check (a later one must not revoke an earlier)
+_CLAIM_TOKEN = os.urandom(16)
 
 
 def phase(results, name: str):
@@ -228,10 +236,11 @@ def carrier_copy(ctx: Ctx) -> Result:
 
 
 # ---- afdwin --------------------------------------------------------------------------------
-def start_afdwin(ctx: Ctx, name: str, steps: int, hold: bool = True) -> demo.Afdwin:
+def start_afdwin(ctx: Ctx, name: str, steps: int, hold: bool = True, holds: int = 1) -> demo.Afdwin:
     """afdwin 2A2F under the shim; with ``hold`` its attention ranks stop after
-    :data:`HOLD_STEP` until a quiesce comes (the cut lands there however fast the run is)."""
-    hold_at = (HOLD_STEP,) if hold else ()
+    :data:`HOLD_STEP` (and each further ``holds`` multiple of it) until a quiesce comes (the
+    cut lands there however fast the run is)."""
+    hold_at = tuple(HOLD_STEP * (i + 1) for i in range(holds)) if hold else ()
     a = demo.Afdwin(ctx.work / name, steps=steps, driver=ctx.driver, hold_at=hold_at, **AFDWIN)
     a.ctl = control_dir()
     return a.start()
@@ -383,10 +392,13 @@ def agent_leave_running(ctx: Ctx) -> Result:
         raise Skip("the driver exports no cuCheckpointProcess* API")
     if not ctx.fact("criu", "ok"):
         raise Skip("CRIU is not usable here (see the criu check)")
-    a = start_afdwin(ctx, "afdwin-agent", CUT_STEPS)
+    a = start_afdwin(ctx, "afdwin-agent", CUT_STEPS, holds=2)
     snap = ctx.work / "afdwin-agent" / "snap"
+    kept: dict = {}
     try:
         a.wait_hold(1, ctx.left())
+        pids = [a.pid, *sorted(e["pid"] for e in a.events() if demo.kind(e) == "window")]
+        before = {p: process_state(p) for p in pids}
         t0 = time.monotonic()
         rc, cp = demo.run_agent(
             *a.checkpoint_args(snap),
@@ -395,6 +407,10 @@ def agent_leave_running(ctx: Ctx) -> Result:
         )
         wall = time.monotonic() - t0
         say(f"agent checkpoint exit {rc} in {wall:.1f} s: {json.dumps(cp)[:2000]}")
+        if rc == 0:  # rebuilt as after a rollback: the same signals, threads, fds (issue 23)
+            a.wait_hold(2, ctx.left())
+            kept = process_kept(before, {p: process_state(p) for p in pids})
+        a.release_hold()
         end = finish(a, CUT_STEPS, ctx)
     finally:
         a.kill()
@@ -402,12 +418,15 @@ def agent_leave_running(ctx: Ctx) -> Result:
         "agent_exit": rc,
         "ok": int(bool(cp.get("ok"))),
         "checkpoint_s": round(wall, 2),
+        **{k: int(not v) for k, v in kept.items()},
         "messages": end["messages"],
         "lost": end["lost"],
         "duplicated": end["duplicated"],
         "torn": end["torn"],
     }
     problems = list(end["problems"])
+    if kept.get("signals_kept"):  # dispositions and masks must be kept on every driver
+        problems.append(f"signal dispositions changed: {kept['signals_kept']}")
     if rc != 0 or not cp.get("ok"):
         problems.insert(0, f"agent: {cp.get('error') or cp.get('raw', '')[-300:]}")
     if end["exit"] != 0:
@@ -416,8 +435,27 @@ def agent_leave_running(ctx: Ctx) -> Result:
         "FAIL" if problems else "PASS",
         "; ".join(map(str, problems))[:400],
         keys,
-        {"agent": cp, "finish": end},
+        {"agent": cp, "finish": end, "kept": kept},
     )
+
+
+def process_kept(before: dict, after: dict) -> dict:
+    """{"signals_kept", "threads_kept", "fds_kept": [pid: what differs] (empty: kept)} of two
+    ``process_state`` maps. Threads and fds are reported, not failed: a real driver may
+    start threads or reopen descriptors in its native restore (this check settles it)."""
+    out: dict = {"signals_kept": [], "threads_kept": [], "fds_kept": []}
+    for p, b in before.items():
+        a = after[p]
+        sig = {k: (b[k], a[k]) for k in ("SigCgt", "SigBlk", "SigIgn") if b[k] != a[k]}
+        if sig:
+            out["signals_kept"].append({p: sig})
+        if b["threads"] != a["threads"]:
+            out["threads_kept"].append({p: [len(b["threads"]), len(a["threads"])]})
+        fds = {f: (b["fds"].get(f), a["fds"].get(f)) for f in set(b["fds"]) | set(a["fds"])}
+        fds = {f: v for f, v in fds.items() if v[0] != v[1]}
+        if fds or b["device memory fds"] != a["device memory fds"]:
+            out["fds_kept"].append({p: fds})
+    return out
 
 
 # ---- the data path of issue 12 (bench/datapath.py) ----------------------------------------

@@ -22,10 +22,13 @@ warm-up copy each way.
 
 ``semantics``: one JSON object, experiment name -> what the driver did (CUresult names,
 values), for the VMM, export/import, IPC, multicast and checkpoint behaviours fakecuda models
-(:data:`EXPERIMENTS`). scripts/gpu_check.py runs it on the real driver and on fakecuda in the
-same run and reports every experiment whose results differ; keys starting with ``info_`` are
-reported, not compared (paths, inode numbers), and a key only one side has (an experiment
-keyed by a device attribute the two report differently) is listed, not compared.
+(:data:`EXPERIMENTS`; events, peer access and the native checkpoint of IPC events, pools shared
+by IPC and registered shared memory are in gpu_check_share.py), and what the documents leave
+open about controllers and the ``cuda-checkpoint`` utility (scripts/gpu_check_open.py).
+scripts/gpu_check.py runs it on the real driver and on fakecuda in the same run and reports
+every experiment whose results differ; keys starting with ``info_`` are reported, not compared
+(paths, inode numbers), and a key only one side has (an experiment keyed by a device attribute
+the two report differently) is listed, not compared.
 
 Exit status 0 with the JSON, or 1 with the failing call on stderr.
 """
@@ -41,6 +44,8 @@ import sys
 import time
 
 from cuda.bindings import driver as cu
+from gpu_check_open import x_cli, x_controller  # noqa: E402 (issue 25's open questions)
+from gpu_check_share import x_event_orphan, x_events, x_peer, x_share_checkpoint
 from gpu_check_steps import CHECKPOINT_API
 
 from cuinterpose.workloads.afdwin.cudrv import alloc_prop, rw_access
@@ -413,7 +418,20 @@ def x_last(gran: int) -> dict:
     return out
 
 
-EXPERIMENTS = ("vmm", "export", "ipc", "multicast", "checkpoint", "last")
+EXPERIMENTS = (
+    "vmm",
+    "export",
+    "ipc",
+    "events",
+    "event_orphan",
+    "multicast",
+    "checkpoint",
+    "share_checkpoint",
+    "peer",
+    "controller",
+    "cli",
+    "last",
+)
 
 
 def semantics() -> dict:
@@ -426,8 +444,14 @@ def semantics() -> dict:
         ("vmm", lambda: x_vmm(gran)),
         ("export", lambda: x_export(gran)),
         ("ipc", x_ipc),
+        ("events", x_events),  # gpu_check_share.py: issue 24's questions
+        ("event_orphan", x_event_orphan),
         ("multicast", lambda: x_multicast(gran)),
         ("checkpoint", x_checkpoint),
+        ("share_checkpoint", x_share_checkpoint),
+        ("peer", x_peer),
+        ("controller", x_controller),
+        ("cli", x_cli),
         ("last", lambda: x_last(gran)),
     ):
         try:

@@ -367,18 +367,17 @@ def last_json_block(text: str) -> dict:
     return json.loads(text[start:]) if start >= 0 else {}
 
 
-# ---- 2. the GPU tests ----------------------------------------------------------------------
-def gpu_tests(ctx: Ctx) -> Result:
-    xml = ctx.work / "gpu-tests.xml"
+# ---- 2. the GPU tests and the conformance suite ----------------------------------------------
+def pytest_check(ctx: Ctx, tests: str, env: dict, xml_name: str) -> Result:
+    """Run the pytest suite ``tests`` in ``env`` (junit XML in WORK/``xml_name``); PASS when
+    nothing failed and something passed, SKIP when everything skipped (with the first reason)."""
+    xml = ctx.work / xml_name
     xml.unlink(missing_ok=True)
-    from cuinterpose.agent import paths
-
-    env = paths.real_driver_env()
     cmd = [
         sys.executable,
         "-m",
         "pytest",
-        "tests/gpu",
+        tests,
         "-v",
         "-rA",
         "-p",
@@ -392,20 +391,17 @@ def gpu_tests(ctx: Ctx) -> Result:
     say(f"pytest exit {proc.returncode}")
     if not xml.exists():
         return Result("FAIL", f"pytest exited {proc.returncode} without a report")
-    tests = []
+    tests_run = []
     for tc in ET.parse(xml).getroot().iter("testcase"):
         outcome, msg = "passed", ""
         for tag in ("failure", "error", "skipped"):
             el = tc.find(tag)
             if el is not None:
                 outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
-                msg = (
-                    (el.get("message") or el.text or "").strip().splitlines()[0][:300]
-                    if (el.get("message") or el.text)
-                    else ""
-                )
+                text = el.get("message") or el.text or ""
+                msg = text.strip().splitlines()[0][:300] if text.strip() else ""
                 break
-        tests.append(
+        tests_run.append(
             {
                 "test": f"{tc.get('classname', '').split('.')[-1]}::{tc.get('name')}",
                 "outcome": outcome,
@@ -414,22 +410,38 @@ def gpu_tests(ctx: Ctx) -> Result:
             }
         )
     count = {
-        k: sum(1 for t in tests if t["outcome"] == k)
+        k: sum(1 for t in tests_run if t["outcome"] == k)
         for k in ("passed", "failed", "error", "skipped")
     }
-    bad = [t for t in tests if t["outcome"] in ("failed", "error")]
-    skipped = [t for t in tests if t["outcome"] == "skipped"]
+    bad = [t for t in tests_run if t["outcome"] in ("failed", "error")]
+    skipped = [t for t in tests_run if t["outcome"] == "skipped"]
     if bad:
         status, reason = "FAIL", "; ".join(f"{t['test']}: {t['message'][:150]}" for t in bad)
     elif not count["passed"]:
         status, reason = (
             "SKIP",
-            f"all {len(tests)} skipped: {skipped[0]['message'] if skipped else ''}",
+            f"all {len(tests_run)} skipped: {skipped[0]['message'] if skipped else ''}",
         )
     else:
         status = "PASS"
         reason = "; ".join(sorted({f"skipped {t['test']}: {t['message'][:100]}" for t in skipped}))
-    return Result(status, reason, count, {"tests": tests})
+    return Result(status, reason, count, {"tests": tests_run})
+
+
+def gpu_tests(ctx: Ctx) -> Result:
+    from cuinterpose.agent import paths
+
+    return pytest_check(ctx, "tests/gpu", paths.real_driver_env(), "gpu-tests.xml")
+
+
+def conformance(ctx: Ctx) -> Result:
+    """tests/conformance (NVIDIA's documented checkpoint behaviour, targets plain and under the
+    shim) on the chosen driver: ``CONFORMANCE_DRIVER=real`` uses the machine's libcuda.so.1 and
+    the ``cuda-checkpoint`` on $PATH."""
+    from cuinterpose.agent import paths
+
+    env = dict(paths.real_driver_env(), CONFORMANCE_DRIVER=ctx.driver)
+    return pytest_check(ctx, "tests/conformance", env, "conformance.xml")
 
 
 # ---- 3. the benches ------------------------------------------------------------------------

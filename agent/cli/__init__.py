@@ -12,6 +12,7 @@ restored tree was killed / the manifest could not be written (read the message).
 from __future__ import annotations
 
 import os
+import pathlib
 import sys
 
 import click
@@ -109,6 +110,42 @@ def doctor(driver, control_dir, as_json):
     else:
         render(checks)
     sys.exit(0 if ok else 1)
+
+
+@main.command("install-criu")
+@click.option(
+    "--dir",
+    "target",
+    type=click.Path(file_okay=False, path_type=pathlib.Path),
+    default=None,
+    help="install folder (default: where the agent looks, $CUINTERPOSE_CRIU_CACHE, else "
+    "<python prefix>/share/cuinterpose/criu)",
+)
+@click.option("--suite", default=None, help="release to take CRIU from (trixie; Ubuntu: resolute)")
+@click.option("--force", is_flag=True, help="install even when the system's CRIU works")
+def install_criu(target, suite, force):
+    """Install CRIU 4.x where the agent finds it (Debian, Ubuntu; run as root).
+
+    Unpacks CRIU and its libraries from the next Debian or Ubuntu release into a private
+    folder (the system is not changed), then runs `criu check`. Exit status 0 when a working
+    CRIU is there, 1 otherwise (the reason, or the manual way on other distributions)."""
+    from cuinterpose.agent.mech import criu_binary as criu
+
+    rc = criu.install(target, suite=suite, force=force)
+    if rc == 0 and target is not None and target.resolve() != criu.cache_dir().resolve():
+        click.echo(
+            f"install-criu: the agent looks in {criu.cache_dir()}; to use {target}, set "
+            f"{criu.ENV_CACHE}={target}",
+            err=True,
+        )
+    elif rc == 0:
+        try:
+            found = " ".join(criu.criu_command())
+            click.echo(f"install-criu: the agent uses {found} (criu {criu.version()})", err=True)
+        except criu.CriuError as e:
+            click.echo(f"install-criu: installed, but the agent finds no CRIU: {e}", err=True)
+            rc = 1
+    sys.exit(rc)
 
 
 for _cmd in (

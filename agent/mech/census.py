@@ -155,6 +155,23 @@ def read_session(pid: int) -> tuple[int, int]:
     return int(fields[procfs.STAT_SESSION]), int(fields[procfs.STAT_TTY_NR])
 
 
+def preload_ahead(pid: int, shim: str) -> str:
+    """Case 005 from Python: when ``pid``'s LD_PRELOAD lists libraries before the shim, one
+    that overrides ``dlsym`` makes every lookup (ctypes, cuda-python, cudart) resolve to the
+    driver, ``cuInit`` included, so the shim never binds its socket. A note naming them, or ""."""
+    raw = procfs.environ_value(pid, "LD_PRELOAD")
+    entries = [e for e in (raw or b"").decode(errors="replace").replace(":", " ").split() if e]
+    names = [os.path.basename(e) for e in entries]
+    if os.path.basename(shim) not in names or names.index(os.path.basename(shim)) == 0:
+        return ""
+    ahead = entries[: names.index(os.path.basename(shim))]
+    return (
+        f"; its LD_PRELOAD puts {', '.join(ahead)} before the shim: a library there that overrides "
+        "dlsym lets cuInit and every lookup bypass it (put libcuinterpose.so first, docs/shim.md "
+        '"Preload order")'
+    )
+
+
 def walk_tree(roots: Iterable[int]) -> list[tuple[int, int, str]]:
     """Every process under ``roots`` as (pid, ppid, comm): the roots first, then their
     descendants breadth-first. Raises ``CensusError`` for a root that does not exist."""
@@ -475,7 +492,9 @@ def check(census: Census) -> None:
                     f"environment); pass --control-dir {theirs}"
                 )
             else:
-                why = " (wrong --control-dir? or no cuInit yet)"
+                why = " (wrong --control-dir? or no cuInit yet)" + preload_ahead(
+                    p.pid, census.shim.path
+                )
             raise CensusError(
                 "census",
                 f"{what} is a CUDA process with the shim mapped but no "

@@ -3,7 +3,9 @@ control socket before any driver call or request: that a pid is a process, not o
 threads (case 002); that it is not stopped (state T/t: the driver would wait forever, case
 001); that a control dir can hold a socket path for every pid (case 007); and that a control
 socket belongs to the process it names, by owner uid and ``SO_PEERCRED`` (case 012). Each
-raises ``CensusError`` naming the pid, the cause and what to do.
+raises ``CensusError`` naming the pid, the cause and what to do. Also the checkpoint's checks of
+its census: no tree reaches a mount outside its namespace (:func:`check_mounts`), and every
+participant is among the ranks the workload parked (:func:`check_parked`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import socket
 import struct
 from typing import Optional
 
-from cuinterpose.agent.errors import CensusError
+from cuinterpose.agent.errors import AgentError, CensusError
 from cuinterpose.agent.mech import fds, procfs
 from cuinterpose.coordinator import protocol
 
@@ -180,3 +182,27 @@ def check_mounts(census, roots, tree_pids) -> None:
             ),
             pid=f0["pid"],
         )
+
+
+def check_parked(census, ready: dict) -> None:
+    """Every participant must be among the ranks the workload reported parked (when it lists
+    pids): a CUDA process that is still running cannot be torn down safely. Raises
+    ``AgentError`` (phase "quiesce") naming the first unparked participant. ``ready``: {root:
+    the workload's ``.ready`` payload}."""
+    parked = set()
+    for payload in ready.values():
+        ranks = payload.get("ranks")
+        if not isinstance(ranks, list) or not all(
+            isinstance(r, dict) and "pid" in r for r in ranks
+        ):
+            return  # the workload does not list pids: nothing to check against
+        parked.update(int(r["pid"]) for r in ranks)
+    for p in census.participants:
+        if p.pid not in parked:
+            raise AgentError(
+                "quiesce",
+                f"({p.comm}) is a participant but the workload's ready "
+                f"lists only pids {sorted(parked)} as parked; checkpoint refused, "
+                "nothing was torn down",
+                pid=p.pid,
+            )

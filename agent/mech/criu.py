@@ -18,6 +18,7 @@ import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from cuinterpose.agent.mech import criu_remap, fds
 from cuinterpose.agent.mech.criu_binary import (
     ENV_CRIU,
     CriuError,
@@ -103,6 +104,7 @@ def dump(
     log_name: str = "dump.log",
     extra_args: Iterable[str] = (),
     external_files: Iterable[str] = (),
+    deleted_files: Sequence[dict] = (),
 ) -> dict:
     """Dump the process tree rooted at ``root_pid`` into ``images_dir`` (created if missing).
 
@@ -124,6 +126,11 @@ def dump(
     otherwise CRIU fails "Can't lookup mount=N for fd=M"); their images restore only with an
     fd for each (``inherit_fds=[(fd, "file[MNT_ID:INODE]")]``). ``fds.external_files``
     finds them.
+
+    ``deleted_files``: ``fds.unlinked_files`` of the tree, the deleted files it holds: CRIU gets
+    ``--ghost-limit`` to carry the largest one without a link left (NCCL's SHM fallback, several
+    MiB) and ``--link-remap`` for one with a link left (a ``multiprocessing`` semaphore), whose
+    links are then kept with the images (agent/mech/criu_remap.py).
 
     Raises ``CriuError`` when ``root_pid`` does not exist, ``images_dir`` already holds
     images (``*.img``; images of two dumps must not mix), or CRIU fails (message: command,
@@ -147,9 +154,17 @@ def dump(
         args += ["--external", key]
     if leave_running:
         args.append("--leave-running")
-    args += list(extra_args)
+    deleted = list(deleted_files)
+    args += [*fds.ghost_limit_args(deleted), *extra_args]
     setup = ChildSetup(namespaces=tuple((k, f"/proc/{root_pid}/ns/{k}") for k in ns["enter"]))
     run("dump", args, images_dir=images_dir, log_path=images_dir / log_name, setup=setup)
+    if "--link-remap" in args:
+        try:
+            criu_remap.collect(images_dir, deleted)
+        except OSError as e:
+            raise CriuError(
+                f"dump of {root_pid}: keeping the linked remaps: {e}", images_dir=images_dir
+            ) from e
     return ns
 
 
@@ -213,6 +228,7 @@ def restore(
             f"cannot restore images dir {images_dir}: PIDs still in use: {desc}",
             images_dir=images_dir,
         )
+    criu_remap.put_back(images_dir)
     own_work_dir = work_dir is None
     if own_work_dir:
         work_dir = Path(tempfile.mkdtemp(prefix="cuinterpose-criu-restore-"))

@@ -1,15 +1,17 @@
 """Which CRIU the agent runs, and how: :func:`criu_command` picks one, in order,
 
-1. ``$CUINTERPOSE_CRIU`` (an executable), if set: used when its ``criu check`` passes, else
-   an error (an explicit choice never falls back silently);
-2. the system ``criu`` on ``PATH``, if its ``criu check`` passes;
-3. ``<repo>/.cache/criu/bin/criu`` (``$CUINTERPOSE_CRIU_CACHE/bin/criu``), the CRIU 4.x that
-   ``scripts/install-criu.sh`` (``make criu``) unpacks from Debian trixie and runs through
-   its own ld.so; used when its ``criu check`` passes.
+1. ``$CUINTERPOSE_CRIU`` (an executable), if set: used when it is CRIU 4.x or later and its
+   ``criu check`` passes, else an error (an explicit choice never falls back silently);
+2. the system ``criu`` on ``PATH``, if it is 4.x or later and its ``criu check`` passes;
+3. ``<cache_dir()>/bin/criu``, the CRIU 4.x that ``criu_install.sh`` (``cuinterpose-agent
+   install-criu``, or ``make criu`` from a checkout) unpacks from the next Debian or Ubuntu
+   release and runs through its own ld.so; used when its ``criu check`` passes.
 
-The choice is made once per process (:func:`reset` forgets it). Every CRIU the agent runs
-gets :func:`env`: ``LD_PRELOAD``, ``LD_LIBRARY_PATH``, ``LD_AUDIT`` and ``CRIU_CONFIG_FILE``
-removed. :class:`CriuError` is the error of every ``criu*`` module.
+A CRIU older than :data:`MIN_MAJOR` is passed over (bookworm's 3.17 fails ``criu check`` on
+6.x kernels, docs/criu.md). The choice is made once per process (:func:`reset` forgets it).
+Every CRIU the agent runs gets :func:`env`: ``LD_PRELOAD``, ``LD_LIBRARY_PATH``, ``LD_AUDIT``
+and ``CRIU_CONFIG_FILE`` removed. :class:`CriuError` is the error of every ``criu*`` module;
+without a usable CRIU its message ends with :func:`install_hint`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import pathlib
 import shlex
 import shutil
 import subprocess
+import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,15 +33,21 @@ __all__ = [
     "check",
     "reset",
     "cache_dir",
+    "installer",
+    "install",
+    "install_hint",
     "env",
     "ENV_CRIU",
     "ENV_CACHE",
     "STRIPPED_ENV",
+    "MIN_MAJOR",
 ]
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 ENV_CRIU = "CUINTERPOSE_CRIU"
 ENV_CACHE = "CUINTERPOSE_CRIU_CACHE"
+#: the oldest CRIU major version the agent runs (criu_install.sh's MIN_MAJOR)
+MIN_MAJOR = 4
 # Removed from CRIU's environment: a preload (e.g. the shim) would be injected into CRIU
 # itself; a library path would mix the caller's libraries into CRIU's; CRIU_CONFIG_FILE
 # would add options we did not choose.
@@ -94,8 +103,64 @@ def env() -> dict[str, str]:
 
 
 def cache_dir() -> Path:
-    """The folder scripts/install-criu.sh installs into (``$CUINTERPOSE_CRIU_CACHE``)."""
-    return Path(os.environ.get(ENV_CACHE) or REPO / ".cache" / "criu")
+    """The folder ``install-criu`` installs CRIU into and the agent looks in:
+    ``$CUINTERPOSE_CRIU_CACHE``; else, run from a checkout (``make build``: an editable
+    install), ``<repo>/.cache/criu``; else ``<sys.prefix>/share/cuinterpose/criu``, beside the
+    installed package (a virtual environment's own folder, or e.g. /usr/local/share)."""
+    if os.environ.get(ENV_CACHE):
+        return Path(os.environ[ENV_CACHE])
+    if (REPO / "pyproject.toml").is_file() and (REPO / "agent" / "mech").is_dir():
+        return REPO / ".cache" / "criu"
+    return Path(sys.prefix) / "share" / "cuinterpose" / "criu"
+
+
+def installer() -> Path:
+    """The CRIU installer the package ships (``criu_install.sh`` beside this module)."""
+    return Path(__file__).with_name("criu_install.sh")
+
+
+def install(target: Path | None = None, *, suite: str | None = None, force: bool = False) -> int:
+    """Run :func:`installer` into ``target`` (default :func:`cache_dir`, where the agent looks),
+    its progress and errors on this process's stderr; ``suite`` overrides the release CRIU comes
+    from, ``force`` installs even when the system's CRIU works. Returns its exit status: 0 when a
+    CRIU >= MIN_MAJOR passes ``criu check``, 1 otherwise (the reason printed). Downloads are
+    bounded by apt's own timeouts; Ctrl-C stops them. Forgets the chosen CRIU (:func:`reset`)."""
+    run_env = {k: v for k, v in os.environ.items() if k not in STRIPPED_ENV}
+    run_env[ENV_CACHE] = str(target or cache_dir())
+    if suite:
+        run_env["CRIU_SUITE"] = suite
+    if force:
+        run_env["CRIU_FORCE_CACHE"] = "1"
+    try:
+        return subprocess.run(
+            ["bash", str(installer())], env=run_env, stdin=subprocess.DEVNULL
+        ).returncode
+    finally:
+        reset()
+
+
+def install_hint() -> str:
+    """How to get a CRIU the agent uses, for this machine: ``cuinterpose-agent install-criu``
+    on Debian and Ubuntu (``make criu`` from a checkout), the manual way elsewhere."""
+    ids = ""
+    try:  # CRIU_OS_RELEASE: as criu_install.sh reads it
+        with open(os.environ.get("CRIU_OS_RELEASE") or "/etc/os-release") as f:
+            for line in f:
+                k, _, v = line.strip().partition("=")
+                if k in ("ID", "ID_LIKE"):
+                    ids += " " + v.strip("\"'")
+    except OSError:
+        pass
+    manual = (
+        f"install CRIU >= {MIN_MAJOR}.0 yourself (your distribution's criu package where it is "
+        f"{MIN_MAJOR}.x, else built from CRIU's source release), then put it on PATH or set "
+        f"{ENV_CRIU}=/path/to/criu"
+    )
+    if not {"debian", "ubuntu"} & set(ids.split()):
+        return manual
+    where = cache_dir()
+    how = "make criu" if where == REPO / ".cache" / "criu" else "cuinterpose-agent install-criu"
+    return f"run `{how}` (CRIU {MIN_MAJOR}.x into {where}, found there by the agent); or {manual}"
 
 
 def _run_check(prefix: list[str]) -> tuple[bool, str]:
@@ -126,6 +191,30 @@ def _candidates() -> list[tuple[str, list[str] | None]]:
     ]
 
 
+def _version_of(prefix: list[str]) -> str:
+    """``criu --version``'s version (e.g. ``"4.1.1"``), or "" when it does not say one."""
+    try:
+        res = subprocess.run(
+            [*prefix, "--version"],
+            env=env(),
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    for line in (res.stdout + res.stderr).splitlines():
+        if line.startswith("Version:"):
+            return line.split(":", 1)[1].strip()
+    return ""
+
+
+def _too_old(version: str) -> bool:
+    major = version.split(".", 1)[0]
+    return not major.isdigit() or int(major) < MIN_MAJOR
+
+
 def _choose() -> tuple[list[str], str]:
     global _chosen
     with _lock:
@@ -136,6 +225,10 @@ def _choose() -> tuple[list[str], str]:
             if prefix is None:
                 reasons.append(f"{name}: not found")
                 continue
+            ver = _version_of(prefix)
+            if _too_old(ver):
+                reasons.append(f"{name}: version {ver or '?'} is older than {MIN_MAJOR}.0")
+                continue
             ok, out = _run_check(prefix)
             if ok:
                 _chosen = (prefix, out)
@@ -143,8 +236,7 @@ def _choose() -> tuple[list[str], str]:
             tail = "\n    ".join(out.splitlines()[-5:])
             reasons.append(f"{name}: `criu check` failed:\n    {tail}")
         raise CriuError(
-            "no working CRIU; install one with `make criu` "
-            "(bash scripts/install-criu.sh):\n" + "\n".join(reasons)
+            "no working CRIU:\n" + "\n".join(reasons) + f"\nTo install one: {install_hint()}"
         )
 
 

@@ -295,13 +295,34 @@ def resolve(m: dict, node: Sequence[dict], device_map: Optional[str]) -> dict[st
     return mapping
 
 
-def pairs_for(participant: dict, mapping: dict[str, str]) -> list[tuple[str, str]]:
-    """The (old UUID, new UUID) pairs of one participant's own GPUs (every one of them; the
-    unmoved ones map onto themselves); [] when ``mapping`` is empty."""
+def pairs_for(
+    participant: dict, mapping: dict[str, str], node: Sequence[dict] = ()
+) -> list[tuple[str, str]]:
+    """The (old UUID, new UUID) pairs passed to one participant's restore; [] when ``mapping``
+    is empty. The driver wants every GPU of the node listed, not only the process's own
+    (cuda.core ``Process.restore``: "provide mappings for every GPU visible to the kernel-mode
+    driver. User-space masking such as CUDA_VISIBLE_DEVICES does not reduce this mapping
+    requirement"), so the pairs are a permutation of every GPU known here: the participant's
+    own (unmoved ones onto themselves), the rest of the snapshot's by ``mapping``, and the GPUs
+    of ``node`` (GPU records, :func:`node_gpus`) neither covers, each onto a GPU left free (one
+    of the same model first). A node the agent sees only in part (its own
+    ``CUDA_VISIBLE_DEVICES``) or a restore on another node leaves GPUs of the checkpoint node
+    unknown: the driver then refuses the pairs (INVALID_VALUE), nothing restored."""
     if not mapping:
         return []
     gpus = sorted(participant.get("gpus") or [], key=lambda g: g["ordinal"])
-    return [(g["uuid"], mapping.get(g["uuid"], g["uuid"])) for g in gpus]
+    pairs = {g["uuid"]: mapping.get(g["uuid"], g["uuid"]) for g in gpus}
+    for old, new in mapping.items():
+        pairs.setdefault(old, new)
+    name = {g["uuid"]: g.get("name") for g in node}
+    known = list(dict.fromkeys([*pairs, *pairs.values(), *name]))
+    free = [u for u in known if u not in set(pairs.values())]
+    for old in (u for u in known if u not in pairs):
+        same = [u for u in free if name.get(u) is not None and name.get(u) == name.get(old)]
+        new = (same or free)[0]
+        free.remove(new)
+        pairs[old] = new
+    return list(pairs.items())
 
 
 def mapped_gpus(participant: dict, mapping: dict[str, str], node: Sequence[dict]) -> list[dict]:

@@ -2,7 +2,9 @@
 
 - :func:`external_pipes`: pipes with one end outside the tree (manifest ``external_pipes``);
 - :func:`external_files`: files opened outside the tree's mount namespace (``external_files``);
-- :func:`outside_mounts`: cwd, root or mapped files that lie outside it (CRIU cannot dump them).
+- :func:`outside_mounts`: cwd, root or mapped files that lie outside it (CRIU cannot dump them);
+- :func:`unlinked_files`, :func:`ghost_limit_args`: unlinked files it holds, which CRIU dumps as
+  ghost files up to ``--ghost-limit``.
 
 All read ``/proc/PID/fd``, ``fdinfo``, ``mountinfo`` and ``maps`` (proc(5)); a process or fd
 that vanishes while being read is skipped.
@@ -11,6 +13,7 @@ that vanishes while being read is skipped.
 from __future__ import annotations
 
 import os
+import stat
 from typing import Iterable, Optional
 
 from cuinterpose.agent.mech.inherit import external_file_key
@@ -230,3 +233,95 @@ def outside_mounts(root: int, pids: Iterable[int], proc_root: str = "/proc") -> 
                 }
             )
     return out
+
+
+#: CRIU's default ``--ghost-limit`` (criu(8): "By default, up to 1M file is allowed")
+CRIU_GHOST_LIMIT = 1 << 20
+#: deleted targets CRIU carries by other means than a ghost file: a memfd (its own image), shared
+#: anonymous memory (``/dev/zero``), System V shared memory (``/SYSV...``)
+_NOT_GHOSTS = ("/memfd:", "/dev/zero", "/SYSV")
+_DELETED = " (deleted)"
+
+
+def _ghost_path(target: str) -> Optional[str]:
+    if (
+        not target.startswith("/")
+        or not target.endswith(_DELETED)
+        or target.startswith(_NOT_GHOSTS)
+    ):
+        return None
+    return target[: -len(_DELETED)]
+
+
+def unlinked_files(pids: Iterable[int], proc_root: str = "/proc") -> list[dict]:
+    """The unlinked regular files the processes ``pids`` hold open or map (an fd or a mapping
+    whose target ends ``" (deleted)"``: NCCL's SHM fallback maps ``/dev/shm/nccl-*`` and
+    unlinks it once its peer attached, src/misc/shmutils.cc), which CRIU dumps as *ghost files*
+    into the images, and only up to ``--ghost-limit`` bytes.
+
+    ``[{"pid", "path", "bytes", "allocated", "links", "dev", "inode", "via"}]`` by pid, from
+    ``fstat`` of ``/proc/PID/fd/N`` or ``/proc/PID/map_files/RANGE``: ``allocated`` is
+    ``st_blocks`` times 512, what CRIU holds against its limit (criu/files-reg.c
+    ``dump_ghost_remap``); ``via`` is ``"fd N"`` or ``"map 0xSTART-0xEND"``; ``links`` is the
+    inode's link count, > 0 when only the name the process used is gone, as for glibc's
+    ``sem_open``, which links a temporary file to the semaphore's name and unlinks the temporary
+    one (CRIU then needs ``--link-remap``). A process, fd or mapping that vanishes while being
+    read is skipped."""
+    out = []
+    for pid in pids:
+        for fd, target in fd_targets(pid, proc_root):
+            path = _ghost_path(target)
+            if path:
+                _add_ghost(out, pid, path, f"{proc_root}/{pid}/fd/{fd}", f"fd {fd}")
+        try:
+            with open(f"{proc_root}/{pid}/maps") as f:
+                lines = f.readlines()
+        except OSError:
+            continue
+        for line in lines:
+            parts = line.split(maxsplit=5)
+            path = _ghost_path(parts[5].strip()) if len(parts) == 6 else None
+            if path:
+                start, end = parts[0].split("-")
+                _add_ghost(
+                    out,
+                    pid,
+                    path,
+                    f"{proc_root}/{pid}/map_files/{start}-{end}",
+                    f"map 0x{start}-0x{end}",
+                )
+    return out
+
+
+def _add_ghost(out: list[dict], pid: int, path: str, link: str, via: str) -> None:
+    try:
+        st = os.stat(link)
+    except OSError:
+        return
+    if stat.S_ISREG(st.st_mode):
+        out.append(
+            {
+                "pid": pid,
+                "path": path,
+                "bytes": st.st_size,
+                "allocated": st.st_blocks * 512,  # what CRIU compares with --ghost-limit
+                "links": st.st_nlink,
+                "dev": st.st_dev,
+                "inode": st.st_ino,
+                "via": via,
+            }
+        )
+
+
+def ghost_limit_args(files: list[dict]) -> tuple[str, ...]:
+    """What CRIU's dump needs for the deleted files the tree holds (:func:`unlinked_files`):
+    ``--ghost-limit BYTES`` when the largest file without any link left is over CRIU's default
+    limit, so that CRIU carries it instead of failing the dump ("Can't dump ghost file ... of N
+    size, increase limit"; BYTES is the bytes that file has allocated, which CRIU compares: the
+    images then hold each such file's bytes), and ``--link-remap`` when a deleted name's inode still has links (a
+    ``multiprocessing`` semaphore, which ``torch.multiprocessing`` queues hold: "Can't create
+    link remap ... Use link-remap option"; agent/mech/criu_remap.py keeps the links CRIU then
+    makes). ``()`` when neither applies. ``files``: :func:`unlinked_files` of the tree."""
+    largest = max((f["allocated"] for f in files if f["links"] == 0), default=0)
+    args: tuple[str, ...] = ("--ghost-limit", str(largest)) if largest > CRIU_GHOST_LIMIT else ()
+    return args + (("--link-remap",) if any(f["links"] > 0 for f in files) else ())

@@ -85,7 +85,7 @@ def _library_dirs(interp: str, binary: str) -> list[str]:
 
 def _exec_argv(prefix: Sequence[str]) -> list[str]:
     """Host argv that starts CRIU through its loader, no ``#!`` script and no PATH lookup: the
-    generated wrapper of scripts/install-criu.sh is read for its ``exec`` line; an ELF binary
+    generated wrapper of criu_install.sh is read for its ``exec`` line; an ELF binary
     gets its ``PT_INTERP`` loader with ``--inhibit-cache --library-path <its libraries' dirs>``."""
     if len(prefix) != 1:
         raise MountNsError(

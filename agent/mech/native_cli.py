@@ -12,9 +12,13 @@ pid, the way CRIU's cuda plugin does (criu plugins/cuda/cuda_plugin.c):
 - ``cuda-checkpoint --action restore --pid P [--device-map OLD=NEW,...]`` (GPU UUIDs, every
   checkpointed GPU listed; r580+, cuda-checkpoint issues #18 and #46).
 
-Exit status 0 is success; anything else is a failure whose output names the CUresult
-(``CUDA_ERROR_...``) when the utility prints one, which becomes the ``NativeError`` result, so
-the hints of ``errors.NATIVE_HINTS`` apply as for the driver API. Each run has the driver-call
+Exit status 0 is success; anything else is a failure. NVIDIA's utility (and fakecuda's) then
+prints ``Could not <operation> on process ID <pid>: "<cuGetErrorString text>"`` (or ``Error
+initializing CUDA: "<text>"``) and exits with the CUresult as its status, of which the kernel
+keeps the low 8 bits (criu PR #2540; NVIDIA/cuda-checkpoint #35, #47): the CUresult is read back
+from the status (:func:`result_of_status`). An output that names the CUresult
+(``CUDA_ERROR_...``) is taken as it is. It becomes the ``NativeError`` result, so the hints of
+``errors.NATIVE_HINTS`` apply as for the driver API. Each run has the driver-call
 deadline (``native.call_deadline_s()``; a lock its timeout plus that): past it the utility is
 killed and the call fails CUDA_ERROR_TIMEOUT. The utility runs with ``LD_PRELOAD`` removed
 (never under the shim), in the network namespace of the target (fakecuda's controller reaches
@@ -44,6 +48,41 @@ STATES = {
     "restoring": "RESTORING",
 }
 _RESULT = re.compile(r"\bCUDA_(?:SUCCESS|ERROR_[A-Z0-9_]+)\b")
+#: the refusal line of the utility: `Could not lock on process ID 42: "device not ready"`
+_REFUSAL = re.compile(r'^(?:Could not .+ on process ID \d+|Error initializing CUDA): "(.*)"$', re.M)
+#: where two CUresults share an exit status, the one the checkpoint functions return (cuda.h
+#: "Checkpointing": 401 and 913 both exit 145, 400 and 912 both 144, 201 and 713 both 201)
+_CHECKPOINT_RESULTS = frozenset(
+    {
+        "CUDA_ERROR_INVALID_VALUE",
+        "CUDA_ERROR_OUT_OF_MEMORY",
+        "CUDA_ERROR_NOT_INITIALIZED",
+        "CUDA_ERROR_NO_DEVICE",
+        "CUDA_ERROR_INVALID_DEVICE",
+        "CUDA_ERROR_INVALID_CONTEXT",
+        "CUDA_ERROR_INVALID_HANDLE",
+        "CUDA_ERROR_ILLEGAL_STATE",
+        "CUDA_ERROR_NOT_FOUND",
+        "CUDA_ERROR_NOT_READY",
+        "CUDA_ERROR_OPERATING_SYSTEM",
+        "CUDA_ERROR_NOT_PERMITTED",
+        "CUDA_ERROR_NOT_SUPPORTED",
+        "CUDA_ERROR_TIMEOUT",
+        "CUDA_ERROR_UNKNOWN",
+    }
+)
+
+
+def result_of_status(status: int) -> str:
+    """The CUresult name behind the utility's exit status ``status`` (1-255: the CUresult's low
+    8 bits). Ambiguous statuses resolve to the checkpoint functions' result; a status no CUresult
+    ends in is ``"exit status N"``."""
+    from cuda.bindings import driver  # the enum only: libcuda is not loaded
+
+    names = [r.name for r in driver.CUresult if r.value and (r.value & 0xFF) == status]
+    if len(names) > 1:
+        names = [n for n in names if n in _CHECKPOINT_RESULTS] or names
+    return " or ".join(names) if names else f"exit status {status}"
 
 
 def fake_cli() -> Optional[str]:
@@ -161,6 +200,9 @@ def run(cmd: list[str], action: str, pid: int, deadline_s: float, in_netns=None)
     m = _RESULT.search(text)
     if m and m.group(0) != "CUDA_SUCCESS":
         raise _error(action, pid, cmd, m.group(0))
+    said = _REFUSAL.search(text)
+    if said and 0 < res.returncode < 256:
+        raise _error(action, pid, cmd, result_of_status(res.returncode))
     last = text.splitlines()[-1] if text else "no output"
     how = (
         f"killed by signal {-res.returncode}"

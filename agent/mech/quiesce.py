@@ -13,7 +13,7 @@ shared with the workload side):
   the checkpoint of an agent that died (its fields: :func:`write_lock`)
 
 One request per root at a time, and no file of one request is ever removed or overwritten on
-behalf of another (case 017, decisions D40): every read-then-change of these files by an agent
+behalf of another (case 017, decisions D55): every read-then-change of these files by an agent
 runs under :func:`serial` (the control directory's ``flock``); a new request waits until the
 workload took the answer to the previous one (it removes ``.request`` last, once it read
 ``.resume``); the agent removes a ``.request`` only while it carries its own id (a refused
@@ -163,6 +163,16 @@ def _try_request(control_dir, root: int, qid: str, timeout_ms: int) -> bool:
             if rid is None:
                 return False  # answered: the workload has not removed it yet
             raise _busy(control_dir, root, rid)
+        owner = lock_owner(control_dir, root)
+        if owner is not None and owner.get("id") != qid:  # e.g. a restore of this tree
+            lock = quiesce_path(control_dir, root, "lock")
+            raise QuiesceRefused(
+                "quiesce",
+                f"{lock} names agent pid {owner['pid']} (id {owner.get('id')}), which is alive: a "
+                "restore or checkpoint of this tree is in progress there; checkpoint refused, "
+                "nothing was changed by this request",
+                pid=root,
+            )
         tmp = path.with_name(f"{path.name}.{qid}.tmp")
         write_atomic(tmp, {"id": qid, "timeout_ms": int(timeout_ms)})
         try:
@@ -529,14 +539,16 @@ def cancel(control_dir, roots: Iterable[int], qid: str) -> None:
 
 
 def _answer(control_dir, root: int, qid: str, *, restored: bool, cancelled: bool) -> None:
-    """``.resume`` {"id": ``qid``, "restored", "cancelled"} of ``root``, unless this id was
-    answered already (by this process, or a ``.resume`` that carries it): a request id is
-    answered exactly once. Call under :func:`serial`."""
+    """``.resume`` {"id": ``qid``, "restored", "cancelled"} of ``root``. A checkpoint's answer
+    (``restored`` false: done, cancelled, rolled back, released) is written once per id: not
+    again when this process wrote it already or a ``.resume`` carries that id. A restore's
+    (``restored`` true) is always written: the restored tree is a new incarnation parked on the
+    snapshot's id, which its checkpoint may have answered long ago. Call under :func:`serial`."""
     key = (os.fspath(control_dir), int(root), qid)
-    if key in _ANSWERED:
-        return
     path = quiesce_path(control_dir, root, "resume")
-    old = read_json(path)
-    if old is None or old.get("id") != qid:
-        write_atomic(path, {"id": qid, "restored": bool(restored), "cancelled": bool(cancelled)})
+    if not restored:
+        old = read_json(path)
+        if key in _ANSWERED or (old is not None and old.get("id") == qid):
+            return
+    write_atomic(path, {"id": qid, "restored": bool(restored), "cancelled": bool(cancelled)})
     _ANSWERED.add(key)

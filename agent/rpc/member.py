@@ -83,6 +83,15 @@ class Job:
         return repr(self.last) + ("" if self.last_ok else " (which failed)")
 
 
+def job_key(rid: str, member: str = "", own: str = "") -> str:
+    """The key of a group job: the request id, and the member (the node name the leader gave
+    this daemon in ``RunPhaseRequest.node``/``RenewRequest.node``) unless it is this daemon's
+    own node name ``own`` (or empty), so that two members of one group that are the same
+    daemon (two roots, two images dirs) are two jobs, not one whose second ``prepare`` is
+    refused and whose undo phases then find nothing (issue 23)."""
+    return f"{rid}@{member}" if member and member != own else rid
+
+
 class GroupMember:
     """The member side of :class:`~cuinterpose.agent.rpc.service.AgentService`: its group
     jobs and their leases. The service calls :meth:`init_member` in its ``__init__`` and
@@ -100,15 +109,17 @@ class GroupMember:
         self._reaper: Optional[threading.Thread] = None
 
     # leases
-    def renew(self, rid: str) -> dict:
-        """Extend the lease of group request ``rid`` to ``lease_s`` seconds from now. Takes no
+    def renew(self, rid: str, member: str = "") -> dict:
+        """Extend the lease of group request ``rid`` (its member ``member``: the node name the
+        leader gave this daemon, :func:`job_key`) to ``lease_s`` seconds from now. Takes no
         node lock (a long phase of this or another request does not delay it) and changes
         nothing else. Returns the ``RenewResponse`` fields: {"ok", "node", "lease_s", "phase",
         "running"} or, when this member holds no live job for ``rid``, ok false with
         ``expired`` and ``reason`` (naming the request and the node)."""
         node = self.opts.node
+        key = job_key(rid, member, self.opts.node)
         with self.jobs_lock:
-            job = self.jobs.get(rid)
+            job = self.jobs.get(key)
             if job is not None and not job.expired:
                 job.renew()
                 return {
@@ -118,7 +129,7 @@ class GroupMember:
                     "phase": job.last,
                     "running": bool(job.running),
                 }
-            rec = self.expired.get(rid)
+            rec = self.expired.get(key)
         if rec is not None:
             reason = (
                 f"request {rid}: its lease of {rec['lease_s']:g} s expired on node {node} "
@@ -322,10 +333,11 @@ class GroupMember:
         if kind not in ("checkpoint", "restore") or not rid:
             raise AgentError("group", f"bad RunPhase: kind {kind!r}, request id {rid!r}")
         cls = Checkpoint if kind == "checkpoint" else Restore
+        key = job_key(rid, req.node, self.opts.node)  # one job per member (two: one daemon)
         with self.jobs_lock:
-            job = self.jobs.get(rid)
+            job = self.jobs.get(key)
             if job is None:
-                rec = self.expired.get(rid)
+                rec = self.expired.get(key)
                 if rec is not None:
                     raise self._expired_refusal(rid, name, rec)
                 if name != cls.GROUP_PHASES[0]:
@@ -345,13 +357,13 @@ class GroupMember:
                     lease_s=self.opts.group_lease_s,
                     leader=req.leader or (f"at {peer}" if peer else ""),
                 )
-                self.jobs[rid] = job
+                self.jobs[key] = job
                 self._start_reaper()
         with job.lock:
             if job.expired:  # expired while this call waited (the expiry holds the lock)
                 with self.jobs_lock:
                     rec = dict(
-                        self.expired.get(rid)
+                        self.expired.get(key)
                         or {
                             "kind": job.kind,
                             "leader": job.leader,
@@ -410,7 +422,7 @@ class GroupMember:
                     job.running = ""
                     job.deadline = time.monotonic() + job.lease_s
                     if done:
-                        self.jobs.pop(rid, None)
+                        self.jobs.pop(key, None)
                         # the job's last phase: a checkpoint into the chunk store lets go of
                         # it (its pin stays when that phase failed: a release needs the packs)
                         _release_store(job.obj, keep_pin=sys.exc_info()[0] is not None)

@@ -501,7 +501,7 @@ class AgentService(GroupMember, _servicer_base()):
 
     def Renew(self, request, context):
         apb, _, _ = pb.modules()
-        return apb.RenewResponse(**self.renew(request.request_id))
+        return apb.RenewResponse(**self.renew(request.request_id, request.node))
 
 
 # -- server ------------------------------------------------------------------------------------

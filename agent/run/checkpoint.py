@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import secrets
 import signal
 import threading
 import time
@@ -32,6 +33,7 @@ from cuinterpose.agent.run import (
     gpustore_step,
     images,
     interrupt,
+    options,
     placing,
     recover,
 )
@@ -177,6 +179,7 @@ class Checkpoint(Rollback, StepRunner):
 
     # -- steps ---------------------------------------------------------------------------
     def prepare_images_dir(self):
+        options.check_checkpoint(self)  # every option and variable, before anything changes
         group = (self.group or {}).get("request_id", "")
         self.images_dir, self.created_dirs, self.dir_claim, notes = images.prepare_dir(
             self.images_dir, run_id=self.run_id, group=group
@@ -184,15 +187,6 @@ class Checkpoint(Rollback, StepRunner):
         for n in notes:  # also in the manifest's and the --json output's warnings
             self.r.note(n)
             self.warnings.append({"path": str(self.images_dir), "message": n})
-
-    def check_dir_claim(self, phase: str) -> None:
-        """Before a step writes into the images dir: it is still this run's (case 015)."""
-        if self.dir_claim is not None:
-            self.dir_claim.check(phase)
-
-    def release_dir_claim(self) -> None:
-        if self.dir_claim is not None:
-            self.dir_claim.release()
 
     def load_driver(self):
         with self.r.phase("driver") as ph:
@@ -229,6 +223,9 @@ class Checkpoint(Rollback, StepRunner):
             carrier_timeout_s=self.carrier_timeout_s,
             on_event=coordinator_events(self.r.coordinator_event),
         )
+        # the token of this checkpoint's claim on the shims (protocol.h "Claims"): in the .lock
+        # record before the claim files are written (capture), so a release finds it again
+        self.claim_token = secrets.token_bytes(16)
         files = self.coordinator.carriers = carriers.checkpoint_files(
             self.images_dir, **self.chunks
         )
@@ -289,11 +286,21 @@ class Checkpoint(Rollback, StepRunner):
             try:
                 native.lock_all(self.census.cuda_pids, self.lock_timeout_ms)
             except native.NativeError as e:
-                if e.left_locked:
-                    self.left_locked = list(e.left_locked)
-                    raise LeftLocked("quiescence check", e, e.left_locked, self.roots[0]) from e
+                left = [p for p in e.left_locked or () if _alive(p)]
+                if left:  # (a process that died meanwhile holds no lock)
+                    self.left_locked = left
+                    raise LeftLocked("quiescence check", e, left, self.roots[0]) from e
                 raise AgentError("quiescence check", e.reason, pid=e.pid) from e
-            failed = native.unlock_each(self.census.cuda_pids)
+            unlocked = native.unlock_each(self.census.cuda_pids)
+            dead = sorted(p for p in unlocked if not _alive(p))
+            failed = {p: e for p, e in unlocked.items() if p not in dead}
+            if dead and not failed:  # it died during the check: no lock is left there
+                raise AgentError(
+                    "quiescence check",
+                    f"exited during the check ({unlocked[dead[0]].reason}); checkpoint "
+                    "refused, nothing was torn down",
+                    pid=dead[0],
+                )
             if failed:
                 self.left_locked = sorted(failed)
                 first = failed[min(failed)]
@@ -302,27 +309,15 @@ class Checkpoint(Rollback, StepRunner):
                 f"{len(self.census.cuda_pids)} processes locked and unlocked: every stream drained"
             )
 
+    @staticmethod
+    def alive(pid: int) -> bool:
+        """``pid`` exists and is not a zombie (the rollback's question about the job)."""
+        return _alive(pid)
+
     def check_parked(self):
-        """Every participant must be among the ranks the workload reported parked (when it lists
-        pids): a CUDA process that is still running cannot be torn down safely. Raises
-        ``AgentError`` (phase "quiesce") naming the first unparked participant."""
-        parked = set()
-        for payload in self.ready.values():
-            ranks = payload.get("ranks")
-            if not isinstance(ranks, list) or not all(
-                isinstance(r, dict) and "pid" in r for r in ranks
-            ):
-                return  # the workload does not list pids: nothing to check against
-            parked.update(int(r["pid"]) for r in ranks)
-        for p in self.census.participants:
-            if p.pid not in parked:
-                raise AgentError(
-                    "quiesce",
-                    f"({p.comm}) is a participant but the workload's ready "
-                    f"lists only pids {sorted(parked)} as parked; checkpoint refused, "
-                    "nothing was torn down",
-                    pid=p.pid,
-                )
+        """Every participant is among the ranks the workload reported parked
+        (:func:`~cuinterpose.agent.mech.census_checks.check_parked`)."""
+        census_checks.check_parked(self.census, self.ready)
 
     def capture_shared(self):
         """Coordinator capture: INSPECT, validate, SAVE_ALLOCATIONS, PREPARE_UNICAST, INSPECT.
@@ -330,6 +325,7 @@ class Checkpoint(Rollback, StepRunner):
         from SAVE_ALLOCATIONS on, a failure means teardown started (rolled back)."""
         # the .lock turned torn_down with its record before this (Rollback.step_started)
         self.check_dir_claim("capture")  # SAVE_ALLOCATIONS writes the chunk files
+        self.take_claim()
         try:
             self.capture = self.coordinator.capture()
         except Exception as e:
@@ -389,6 +385,7 @@ class Checkpoint(Rollback, StepRunner):
                             root,
                             d,
                             extra_args=("--leave-stopped",),
+                            deleted_files=fds.unlinked_files(self.tree_pids[root]),
                             **(
                                 {
                                     "external_files": list(
@@ -484,10 +481,13 @@ class Checkpoint(Rollback, StepRunner):
     def release_store(self, keep_pin: bool = False) -> None:
         """The run is over: the claim on the images dir goes (a failed rollback's leftovers
         keep the directory non-empty), and so does the chunk store (incremental): its pin and
-        shared lock (the pin stays with ``keep_pin``: a later release needs the packs).
-        Idempotent."""
+        shared lock (the pin stays with ``keep_pin``: a later release needs the packs), and the
+        claim on the shims (kept with ``keep_pin`` too: the workload stays parked for a release,
+        which takes it over). Idempotent."""
         self.release_dir_claim()
         carriers.release(getattr(self.coordinator, "carriers", None), keep_pin=keep_pin)
+        if not keep_pin:
+            self.drop_claim()
 
     # -- the one-shot run -----------------------------------------------------------------
     def run(self) -> dict:
@@ -512,6 +512,8 @@ class Checkpoint(Rollback, StepRunner):
                     gpustore_step.discard(self)
                     images.remove_empty(self.created_dirs)
                 if self.qid is not None:
+                    if e.lost:  # a process of the job died: wait for the rest to end or resume
+                        self.settle_lost()
                     gone = [r for r in self.roots if not _alive(r)]
                     if gone:  # case 010: no later process may take these files for its own
                         quiesce.clear(self.control_dir, gone)

@@ -69,6 +69,9 @@ def lock_record(cp) -> dict:
         "phase_timeout_s": cp.phase_timeout_s,
         "carrier_timeout_s": cp.carrier_timeout_s,
         "last_txn_id": last_txn_id(cp.coordinator),
+        # the token of the checkpoint's claim on the shims (protocol.h "Claims"): a release
+        # takes the claim over with it
+        "claim": getattr(cp, "claim_token", b"").hex() or None,
         "chunks": chunk_settings(getattr(cp.coordinator, "carriers", None)),
         # the chunk store (incremental): its packs and, once each SAVE reply is in, the refs
         "store": carriers.store_record(getattr(cp.coordinator, "carriers", None)),
@@ -333,6 +336,7 @@ class Recovery:
                     "the lock holds no records of the capture to rebuild from", e
                 ) from e
             return {p.pid: "ACTIVE" for p in parts}
+        self.claim(coord)
         try:
             res = coord.rollback(decode_records(self.lk["records"], self.root))
         except AgentError:
@@ -340,6 +344,30 @@ class Recovery:
         except Exception as e:
             raise self.fail("coordinator rollback", e) from e
         return dict(res.found or {})
+
+    def claim(self, coord) -> None:
+        """Take the dead agent's claim on the shims over (protocol.h "Claims"): its token from
+        the lock (a lock without one, an older agent's: a new token), written again with this
+        process as the holder, so the rollback's mutating requests are accepted."""
+        from cuinterpose.coordinator.claim import Claim, ClaimError
+
+        try:
+            coord.claim = Claim.take(
+                self.cdir, coord.pids, kind="release", token=self.lk.get("claim") or None
+            )
+        except (ClaimError, ValueError) as e:
+            raise self.fail("the claim on the shims", e, pid=getattr(e, "pid", None)) from e
+
+    def drop_claim(self) -> None:
+        """Remove the claim files that hold the lock's token (or the one this release took)."""
+        from cuinterpose.coordinator.claim import Claim
+
+        claim = getattr(self.coord, "claim", None)
+        if claim is None and self.lk.get("claim"):
+            pids = [int(p) for p, _ in self.lk.get("participants") or []]
+            claim = Claim(self.cdir, pids, bytes.fromhex(self.lk["claim"]))
+        if claim is not None:
+            claim.drop()
 
     def run(self) -> dict:
         snap = self.snapshot()
@@ -381,6 +409,7 @@ class Recovery:
             carriers.remove_chunks(snap["images_dir"], files)
             images.remove_empty([pathlib.Path(d) for d in self.lk.get("created_dirs") or []])
         carriers.unpin(self.lk)  # the packs are back on the device, gone, or in a manifest
+        self.drop_claim()
         return {
             "pid": self.root,
             "request_id": self.rid,
@@ -432,6 +461,11 @@ def release(control_dir, root: int, *, force: bool = False) -> dict:
     Raises ``AgentError`` (phase "release", the pid named): refused (no pending request, a
     live agent owns it, a torn-down lock without records and without ``force``) or
     ``rollback_failed``."""
+    from cuinterpose.agent.run import restore_recover
+
+    parked = restore_recover.find(control_dir, root)  # a restore whose agent died (D49)
+    if parked is not None:
+        return parked.run()
     rid, lk = quiesce.release_check(control_dir, root)
     if force and lk is not None and ("records" not in lk or lk.get("rollback_failed")):
         return quiesce.release(control_dir, root, force=True)
@@ -445,6 +479,7 @@ def recover_dead(control_dir, log: Optional[Callable[[str], None]] = None) -> li
     that needs one (a live agent's lock is left alone). Returns one entry per lock: the report,
     or {"pid", "error": AgentError.to_dict()}; ``log`` (default: stderr) gets one line each."""
     from cuinterpose.agent.mech import ctldir
+    from cuinterpose.agent.run import restore_recover
 
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     out: list[dict] = []
@@ -467,24 +502,41 @@ def recover_dead(control_dir, log: Optional[Callable[[str], None]] = None) -> li
         if root in done:
             continue
         try:
+            parked = restore_recover.find(control_dir, root)  # a dead agent's restore (D49)
+        except AgentError:
+            continue  # a live agent's restore
+        if parked is not None:
+            _recover_one(parked, root, "finish a dead agent's restore", out, done, log)
+            continue
+        try:
             rid, lk = quiesce.release_check(control_dir, root)
         except AgentError:
             continue  # no pending request, or a live agent's: not ours to touch
-        if not needs_recovery(lk):
-            continue
-        try:
-            rep = Recovery(control_dir, root, rid, lk).run()
-            done.update(rep["roots"])
-            out.append(rep)
-            log(f"cuinterpose-agent serve: {render(rep)}")
-        except AgentError as e:
-            out.append({"pid": root, "error": e.to_dict()})
-            log(f"cuinterpose-agent serve: could not release a dead agent's checkpoint: {e}")
+        if needs_recovery(lk):
+            rec = Recovery(control_dir, root, rid, lk)
+            _recover_one(rec, root, "release a dead agent's checkpoint", out, done, log)
     return out
+
+
+def _recover_one(rec, root: int, what: str, out: list, done: set, log) -> None:
+    """Run ``rec`` (a :class:`Recovery` or a restore's) for the daemon: its report, or the
+    error, appended to ``out`` and logged; the roots it covered added to ``done``."""
+    try:
+        rep = rec.run()
+        done.update(rep["roots"])
+        out.append(rep)
+        log(f"cuinterpose-agent serve: {render(rep)}")
+    except AgentError as e:
+        out.append({"pid": root, "error": e.to_dict()})
+        log(f"cuinterpose-agent serve: could not {what}: {e}")
 
 
 def render(rep: dict) -> str:
     """The report of :class:`Recovery` in words (the CLI's text, the daemon's log line)."""
+    if rep.get("kind") == "restore":  # a dead agent's restore finished or undone
+        from cuinterpose.agent.run import restore_recover
+
+        return restore_recover.render(rep)
     f = rep.get("found", {})
     lines = [
         f"released pid {rep['pid']}: the agent (pid {rep.get('agent_pid')}) that sent request "

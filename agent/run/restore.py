@@ -22,7 +22,14 @@ from cuinterpose.agent.mech import census as census_mod
 from cuinterpose.agent.mech import criu_bad_size, ctldir, devicemap, inherit, native, quiesce
 from cuinterpose.agent.mech.census import pid_alive
 from cuinterpose.agent.mech.placement import Placement
-from cuinterpose.agent.run import carriers, durable, gpustore_step, interrupt, placing
+from cuinterpose.agent.run import (
+    carriers,
+    durable,
+    gpustore_step,
+    interrupt,
+    placing,
+    restore_recover,
+)
 from cuinterpose.agent.run.report import Reporter
 from cuinterpose.agent.run.steps import (
     Step,
@@ -143,7 +150,7 @@ class Restore(StepRunner):
                         "manifest",
                         f"({comm}) is running with a pid the snapshot "
                         "needs (CRIU restores the original pids); restore refused, "
-                        "snapshot untouched",
+                        "snapshot untouched" + restore_recover.parked_hint(m),
                         pid=p,
                     )
             ph.detail = f"{m['snapshot_id']} taken {m['created_at']}"
@@ -309,6 +316,16 @@ class Restore(StepRunner):
                 except FileNotFoundError:
                     pass
             ph.detail = f"removed {len(stale)}"
+        restore_recover.record(self)
+
+    # -- the restore in progress (decisions D49; agent/run/restore_recover.py keeps the record)
+    def step_started(self, step: Step) -> None:
+        if step.stage == "restore":
+            restore_recover.mark(self, step.name)
+
+    def step_done(self, step: Step) -> None:
+        if step.stage == "restore":
+            restore_recover.mark(self, f"{step.name} done")
 
     def criu_restore(self):
         from cuinterpose.agent.mech import criu
@@ -350,6 +367,7 @@ class Restore(StepRunner):
                         "criu restore", f"tree {root} from {d}{into}: {e}", pid=root
                     ) from e
                 self.restored_roots.append(root)
+                restore_recover.mark(self, f"criu restore {root} done")
                 if int(pid) != int(root):
                     raise AgentError(
                         "criu restore", f"tree {root} came back as pid {pid}", pid=root
@@ -413,7 +431,10 @@ class Restore(StepRunner):
                         pid=pid,
                     )
             by_pid = {p["pid"]: p for p in self.m["participants"]}
-            pairs = {p: devicemap.pairs_for(by_pid.get(p, {}), self.gpu_map) for p in pids}
+            pairs = {
+                p: devicemap.pairs_for(by_pid.get(p, {}), self.gpu_map, self.node_gpus)
+                for p in pids
+            }
             gpustore_step.prepare_restore(self)  # streams in custom storage (issue 12)
             devicemap.native_restore(pids, pairs)
             ph.detail = f"pids {', '.join(map(str, pids))} by {native.backend().name}"
@@ -439,6 +460,7 @@ class Restore(StepRunner):
         )
         coord.carriers = carriers.restore_files(self.images_dir, self.m)
         try:
+            restore_recover.take_claim(self, coord)
             capture = phases.Capture.from_dict(self.m["capture"])
             self.restore_result = coord.restore(capture, device_map=self.gpu_map)
         except Exception as e:
@@ -453,6 +475,7 @@ class Restore(StepRunner):
             quiesce.resume(
                 self.m["control_dir"], self.m["roots"], self.m["quiesce"]["id"], restored=True
             )
+        restore_recover.end(self)
 
     def remove_created_dirs(self):
         """Remove the control dir (and parents) this restore created, where still empty (a
@@ -476,6 +499,7 @@ class Restore(StepRunner):
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        restore_recover.end(self)
         self.remove_created_dirs()
 
     def phase_state(self) -> dict:

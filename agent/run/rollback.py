@@ -8,14 +8,17 @@ docs/agent.md "What each failure leaves behind".
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import signal
+import time
 
 from cuinterpose.agent.errors import AgentError, CheckpointFailed, LeftLocked
 from cuinterpose.agent.mech import native, quiesce
 from cuinterpose.agent.run import carriers, images, recover
 from cuinterpose.agent.run.steps import Step, as_agent_error
 from cuinterpose.agent.snapshot import manifest as manifest_mod
+from cuinterpose.coordinator.contract import quiesce_path, read_json
 
 
 class Rollback:
@@ -83,6 +86,13 @@ class Rollback:
         try:
             self.rebuild(restored=False)
         except BaseException as rb:
+            lost = self.lost_text(rb)
+            if lost:  # the job lost a process: no release could rebuild it either
+                if own:
+                    carriers.remove_chunks(
+                        self.images_dir, getattr(self.coordinator, "carriers", None)
+                    )
+                return CheckpointFailed(cause, "rolled_back", lost=lost)
             self.r.note(f"rollback failed: {rb}")
             way_out = f"{rb}; the workload stays parked: once the cause is fixed, " + (
                 f"`cuinterpose-agent release --pid {self.roots[0]}` continues the rollback "
@@ -95,7 +105,61 @@ class Rollback:
         # the bytes are back on the device
         if own:
             carriers.remove_chunks(self.images_dir, getattr(self.coordinator, "carriers", None))
-        return CheckpointFailed(cause, "rolled_back")
+        return CheckpointFailed(cause, "rolled_back", lost=self.lost_text())
+
+    # -- a job that lost a process during the checkpoint (issue 23) ------------------------
+    def settle_lost(self) -> None:
+        """After a rollback of a job that lost a process: wait (up to the quiesce timeout)
+        until each root took its ``.resume`` (the workload removes its ``.request``) or exited
+        (a job whose rank died usually ends itself), then remove the quiesce files this request
+        left for a root that is gone (``.request``, ``.ready``, ``.lock``, and its ``.resume``),
+        so no later process with that pid takes them for its own."""
+        deadline = time.monotonic() + self.quiesce_timeout_ms / 1000.0
+        for r in self.roots:
+            while self.alive(r) and quiesce_path(self.control_dir, r, "request").exists():
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(quiesce.POLL_S)
+        gone = [r for r in self.roots if not self.alive(r)]
+        quiesce.clear(self.control_dir, gone)
+        for r in gone:
+            res = quiesce_path(self.control_dir, r, "resume")
+            if (read_json(res) or {}).get("id") == self.qid:
+                res.unlink(missing_ok=True)
+
+    def lost_pids(self) -> list[int]:
+        """The census processes that are gone or zombies now: they died during the
+        checkpoint (the agent kills nothing before the manifest), e.g. a rank killed as CRIU
+        dumped. Their peers are rolled back without them (:meth:`rebuild_state`)."""
+        procs = getattr(getattr(self, "census", None), "processes", None) or []
+        return [p.pid for p in procs if not self.alive(p.pid)]
+
+    def lost_text(self, failed: BaseException | None = None) -> str:
+        """'' when no process of the job died; else what the rollback left (the outcome
+        stays ``rolled_back``: the loss is not the agent's, and a ``release`` could not bring a
+        dead process back either). ``failed``: the survivors' rebuild failed with it: they were
+        resumed as they are (``.resume``, so the workload sees its loss; the shim refuses their
+        CUDA calls on torn-down memory with CUDA_ERROR_NOT_READY, it never runs on it)."""
+        lost = self.lost_pids()
+        if not lost:
+            return ""
+        comms = {p.pid: p.comm for p in self.census.processes}
+        who = ", ".join(f"pid {p} ({comms.get(p, '?')})" for p in lost)
+        text = f"{who} died during the checkpoint, not by the agent: the job cannot finish intact"
+        left = [r for r in self.roots if self.alive(r)]
+        if failed is not None and left and self.qid is not None:
+            if getattr(self, "group", None) is None:  # a group member's release phase writes it
+                quiesce.resume(self.control_dir, left, self.qid, restored=False)
+            text += (
+                f"; the rest could not be rebuilt without it ({failed}) and was resumed as it "
+                "is: its CUDA calls on the torn-down memory get CUDA_ERROR_NOT_READY"
+            )
+        elif left:
+            text += "; the rest was rebuilt and resumed"
+        else:
+            text += "; no process of it is left"
+        self.r.note(f"rollback: {text}")
+        return text
 
     def rebuild(self, restored: bool = False, native_phase: str = "rollback native"):
         """Undo the teardown in a live workload: SIGCONT the trees CRIU left stopped, native
@@ -115,8 +179,9 @@ class Rollback:
             # first: a stopped process cannot answer the driver's checkpoint calls
             self.signal_trees(self.stopped_roots, signal.SIGCONT, "resume trees")
             self.stopped_roots = []
+        lost = set(self.lost_pids())  # died during the checkpoint: rolled back without them
         with self.r.phase(native_phase) as ph:
-            found = native.rollback_all(self.census.cuda_pids)
+            found = native.rollback_all([p for p in self.census.cuda_pids if p not in lost])
             ph.detail = ", ".join(f"{p}:{s}" for p, s in found.items())
         if self.capture is None:
             raise AgentError(
@@ -124,8 +189,18 @@ class Rollback:
                 "no capture to roll the shims back to (the capture "
                 "failed before its first INSPECT completed)",
             )
+        coord, capture = self.coordinator, self.capture
+        if lost and lost & set(coord.pids):
+            if not set(coord.pids) - lost:
+                return  # no participant is left to roll back
+            coord = coord.survivors(lost)
+            capture = dataclasses.replace(
+                capture,
+                participants=[p for p in capture.participants if p.pid not in lost],
+                records={p: rs for p, rs in capture.records.items() if p not in lost},
+            )
         try:
-            res = self.coordinator.rollback(self.capture)
+            res = coord.rollback(capture)
         except Exception as e:
             err = as_agent_error(e, "rollback")  # a damaged chunk: its file and byte range
             raise carriers.name_bad_chunk(err, getattr(self.coordinator, "carriers", None)) from e
@@ -142,6 +217,15 @@ class Rollback:
     def cleanup_images(self):
         images.cleanup(self.images_dir)
 
+    def check_dir_claim(self, phase: str) -> None:
+        """Before a step writes into the images dir: it is still this run's (case 015)."""
+        if self.dir_claim is not None:
+            self.dir_claim.check(phase)
+
+    def release_dir_claim(self) -> None:
+        if self.dir_claim is not None:
+            self.dir_claim.release()
+
     def owns_images_dir(self) -> bool:
         """This run still holds its claim on the images dir (case 015): only then does its
         rollback remove what lies there (``criu/``, ``chunks/``), which is then its own."""
@@ -154,6 +238,33 @@ class Rollback:
             self.r.note(f"rollback: {e.reason}; nothing in {self.images_dir} is removed")
             return False
         return True
+
+    # -- the claim on the shims (protocol.h "Claims", decisions D48) ----------------------
+    def take_claim(self) -> None:
+        """Before the capture's first request: write the claim file of every participant with
+        this checkpoint's token (recorded in the ``.lock`` already) and hand it to the
+        coordinator, whose mutating requests then carry it. A claim that cannot be taken (a
+        live holder of another checkpoint, an unwritable control dir) refuses the capture:
+        ``AgentError`` phase "capture", nothing torn down."""
+        from cuinterpose.coordinator.claim import Claim, ClaimError
+
+        try:
+            self.coordinator.claim = Claim.take(
+                self.control_dir,
+                [p.pid for p in self.census.participants],
+                kind="checkpoint",
+                token=self.claim_token,
+            )
+        except ClaimError as e:
+            raise AgentError(
+                "capture", f"{e}; checkpoint refused, nothing was torn down", pid=e.pid
+            ) from e
+
+    def drop_claim(self) -> None:
+        """Remove this checkpoint's claim files (idempotent; a no-op before the capture)."""
+        claim = getattr(getattr(self, "coordinator", None), "claim", None)
+        if claim is not None:
+            claim.drop()
 
     # -- group undo phases ----------------------------------------------------------------
     def group_rollback(self):
@@ -182,7 +293,11 @@ class Rollback:
                 self.manifest = None
             if own:
                 self.cleanup_images()
-            self.rebuild_state()
+            try:
+                self.rebuild_state()
+            except BaseException as rb:
+                if not self.lost_text(rb):  # a job that lost a process: resumed as it is
+                    raise
             if own:
                 carriers.remove_chunks(self.images_dir, getattr(self.coordinator, "carriers", None))
 

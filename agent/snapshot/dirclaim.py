@@ -1,4 +1,4 @@
-"""One run at a time writes a snapshot directory (case 015; decisions D41).
+"""One run at a time writes a snapshot directory (case 015; decisions D56).
 
 A checkpoint claims its images directory before it writes anything there and holds the claim
 for its whole life: ``DIR/.cuinterpose-claim``, a 0600 file holding {"pid", "host",

@@ -12,10 +12,13 @@ __all__ = [
     "CUI_DEFAULT_CONTROL_DIR",
     "CUI_SOCKET_PREFIX",
     "CUI_SOCKET_SUFFIX",
+    "CUI_CLAIM_SUFFIX",
+    "CLAIM_TOKEN_BYTES",
     "CUI_MAX_ACCESS",
     "CUI_TXN_ROOM",
     "CUI_TICKET_MAGIC",
     "CUI_IPC_MAGIC",
+    "CUI_IPC_EVENT_MAGIC",
     "CONTROL_DIR_ENV",
     "Op",
     "Phase",
@@ -45,11 +48,17 @@ CUI_PROTO_VERSION = 2  # 2: SAVE/LOAD_ALLOCATIONS carry chunk files (protocol.h 
 CUI_DEFAULT_CONTROL_DIR = "/tmp/cuinterpose"
 CUI_SOCKET_PREFIX = "cuinterpose-"  # + decimal pid + ".sock"
 CUI_SOCKET_SUFFIX = ".sock"
+#: CUI_SOCKET_PREFIX + pid + this: the claim file of a process (protocol.h "Claims")
+CUI_CLAIM_SUFFIX = ".claim"
+#: bytes of a claim token (``cui_request.claim``)
+CLAIM_TOKEN_BYTES = 16
 CUI_MAX_ACCESS = 32
 #: txn ids kept free after a capture op for the ops that undo or restore it (protocol.h).
 CUI_TXN_ROOM = 16
 CUI_TICKET_MAGIC = b"CUITKT01"  # 8 bytes, no NUL
 CUI_IPC_MAGIC = b"CUIIPC01"  # 8 bytes, no NUL: a virtual IPC handle (struct cui_ipc_handle)
+#: 8 bytes, no NUL: a virtual IPC event handle (struct cui_ipc_event_handle)
+CUI_IPC_EVENT_MAGIC = b"CUIIPCEV"
 CONTROL_DIR_ENV = "CUINTERPOSE_CONTROL_DIR"
 
 
@@ -198,6 +207,7 @@ class ShimFlag(enum.IntFlag):
 
     FOREIGN_DLSYM = 1  # another dlsym interposer preloaded before the shim: lookups untracked
     CARRY_SHA256 = 2  # the shim takes CarryFlag.SHA256 (a shim from before D36 does not)
+    OP_RUNNING = 4  # a mutating op is queued or running: a lost reply is still being worked on
 
 
 class RecordKind(enum.IntEnum):

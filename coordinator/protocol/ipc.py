@@ -13,9 +13,11 @@ import struct
 from dataclasses import dataclass
 from typing import ClassVar
 
-from .codes import CUI_IPC_MAGIC, CUI_PROTO_VERSION, ProtocolError
+from .codes import CUI_IPC_EVENT_MAGIC, CUI_IPC_MAGIC, CUI_PROTO_VERSION, ProtocolError
 
 __all__ = [
+    "IpcEventHandle",
+    "IPC_EVENT_HANDLE_FORMAT",
     "IpcHandle",
     "IPC_HANDLE_FORMAT",
     "IPC_HANDLE_SIZE",
@@ -74,3 +76,50 @@ class IpcHandle:
         if version != CUI_PROTO_VERSION:
             raise ProtocolError(f"IPC handle version {version} != {CUI_PROTO_VERSION}")
         return cls(pid, aid, size, offset, secret, mapped, magic, version)
+
+
+#: magic 8s, version, creator_pid, event_id 16s, secret, flags, reserved0, reserved 2Q (64 bytes)
+IPC_EVENT_HANDLE_FORMAT = "<8sII16sQII2Q"
+
+
+@dataclass
+class IpcEventHandle:
+    """``struct cui_ipc_event_handle`` (64 bytes): what the shim's ``cuIpcGetEventHandle`` returns
+    for an event created with CU_EVENT_INTERPROCESS. ``flags``: its CU_EVENT_* flags."""
+
+    creator_pid: int
+    event_id: bytes
+    secret: int
+    flags: int
+    magic: bytes = CUI_IPC_EVENT_MAGIC
+    version: int = CUI_PROTO_VERSION
+
+    SIZE: ClassVar[int] = IPC_HANDLE_SIZE
+
+    def pack(self) -> bytes:
+        return struct.pack(
+            IPC_EVENT_HANDLE_FORMAT,
+            bytes(self.magic),
+            self.version,
+            self.creator_pid,
+            bytes(self.event_id),
+            self.secret,
+            self.flags,
+            0,
+            0,
+            0,
+        )
+
+    @classmethod
+    def unpack(cls, data: bytes) -> IpcEventHandle:
+        """Decode 64 bytes; raise ProtocolError on a wrong length, magic or version."""
+        if len(data) != IPC_HANDLE_SIZE:
+            raise ProtocolError(f"IPC event handle is {len(data)} bytes, want {IPC_HANDLE_SIZE}")
+        magic, version, pid, eid, secret, flags, _r0, _r1, _r2 = struct.unpack(
+            IPC_EVENT_HANDLE_FORMAT, data
+        )
+        if magic != CUI_IPC_EVENT_MAGIC:
+            raise ProtocolError(f"IPC event handle magic {magic!r} != {CUI_IPC_EVENT_MAGIC!r}")
+        if version != CUI_PROTO_VERSION:
+            raise ProtocolError(f"IPC event handle version {version} != {CUI_PROTO_VERSION}")
+        return cls(pid, eid, secret, flags, magic, version)

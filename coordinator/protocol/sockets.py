@@ -5,10 +5,17 @@ from __future__ import annotations
 
 import os
 
-from .codes import CONTROL_DIR_ENV, CUI_DEFAULT_CONTROL_DIR, CUI_SOCKET_PREFIX, CUI_SOCKET_SUFFIX
+from .codes import (
+    CONTROL_DIR_ENV,
+    CUI_CLAIM_SUFFIX,
+    CUI_DEFAULT_CONTROL_DIR,
+    CUI_SOCKET_PREFIX,
+    CUI_SOCKET_SUFFIX,
+)
 
 __all__ = [
     "socket_path",
+    "claim_path",
     "default_control_dir",
     "pid_from_socket_path",
     "cuda_result_name",
@@ -25,6 +32,13 @@ def socket_path(control_dir: str | os.PathLike | None, pid: int) -> str:
     """``<control_dir>/cuinterpose-<pid>.sock``; ``None`` means :func:`default_control_dir`."""
     base = os.fspath(control_dir) if control_dir is not None else default_control_dir()
     return os.path.join(base, f"{CUI_SOCKET_PREFIX}{int(pid)}{CUI_SOCKET_SUFFIX}")
+
+
+def claim_path(control_dir: str | os.PathLike | None, pid: int) -> str:
+    """``<control_dir>/cuinterpose-<pid>.claim`` (protocol.h "Claims"); ``None`` means
+    :func:`default_control_dir`."""
+    base = os.fspath(control_dir) if control_dir is not None else default_control_dir()
+    return os.path.join(base, f"{CUI_SOCKET_PREFIX}{int(pid)}{CUI_CLAIM_SUFFIX}")
 
 
 def pid_from_socket_path(path: str | os.PathLike) -> int | None:

@@ -204,7 +204,8 @@ def alloc_id_hex(value: bytes) -> str:
 # --- dataclasses ----------------------------------------------------------------------------
 @dataclass
 class Request:
-    """``struct cui_request`` (64 bytes). ``alloc_id``: 16 bytes (FETCH_FD only)."""
+    """``struct cui_request`` (64 bytes). ``alloc_id``: 16 bytes, by op (a union in protocol.h):
+    FETCH_FD's allocation id, or a mutating op's claim token (:attr:`claim`, protocol.h "Claims")."""
 
     op: int
     txn_id: int = 0
@@ -219,6 +220,15 @@ class Request:
 
     def __post_init__(self):
         self.alloc_id = alloc_id_bytes(self.alloc_id)
+
+    @property
+    def claim(self) -> bytes:
+        """``cui_request.claim``: the same 16 bytes as :attr:`alloc_id` (protocol.h's union)."""
+        return self.alloc_id
+
+    @claim.setter
+    def claim(self, token: bytes) -> None:
+        self.alloc_id = alloc_id_bytes(token)
 
     def pack(self) -> bytes:
         return _pack(

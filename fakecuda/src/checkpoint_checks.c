@@ -2,7 +2,8 @@
  * checkpoint_checks.c: what the target's checkpoint refuses before anything changes
  * (multicast objects, legacy CUDA IPC, exported fds still open) and where a restore puts the
  * process's devices (CUcheckpointRestoreArgs.gpuPairs). checkpoint_target.c calls these with
- * g_mu held; they read the VMM and cuMemAlloc tables and call vmm_table.c, device.c and core.c.
+ * g_mu held; they read the VMM and cuMemAlloc tables and call pool.c, memory.c, event.c, vmm_table.c,
+ * device.c and core.c.
  */
 #include "fc.h"
 
@@ -11,7 +12,8 @@
  * `cuda-checkpoint --launch-job`: NVIDIA/cuda-checkpoint #56). The code is not documented; the
  * fake returns CUDA_ERROR_NOT_SUPPORTED (as for its other refusals) when this process holds a
  * live import, or another live process holds one of its cuMemAlloc buffers open. Under
- * FAKECUDA_LAUNCH_JOB=1 it passes (each side then keeps a private copy). Call with g_mu held. */
+ * a launch job (g_launch_job: CUDA_CHECKPOINT_JOB_FILE at cuInit, init.c) it passes (each side
+ * then keeps a private copy). Call with g_mu held. */
 static CUresult ck_ipc_check(void)
 {
     if (g_launch_job)
@@ -67,6 +69,12 @@ CUresult ck_refusals(void)
         return CUDA_ERROR_NOT_SUPPORTED;
     }
     CUresult ipc = ck_ipc_check();
+    if (ipc == CUDA_SUCCESS)
+        ipc = event_ck_refusal(); /* interprocess events, pools shared by IPC, registered shared memory */
+    if (ipc == CUDA_SUCCESS)
+        ipc = pool_ck_refusal();
+    if (ipc == CUDA_SUCCESS)
+        ipc = hostmem_ck_refusal();
     if (ipc != CUDA_SUCCESS)
         return ipc;
     /* An exported fd still open in this process carries the sharing: the real driver cannot
@@ -87,73 +95,99 @@ CUresult ck_refusals(void)
     return CUDA_SUCCESS;
 }
 
-/* Where a restore puts this process's devices (cuda.h CUcheckpointRestoreArgs.gpuPairs; the
- * rules of cuda-checkpoint --device-map: every checkpointed GPU listed, the same chip, enough
- * memory). Fills to[d] for every ordinal; nothing changes on a refusal, which leaves the
- * process CHECKPOINTED. The codes are the fake's pick (none is documented): a pair naming no
- * GPU of this process, a checkpointed GPU left out, or another model -> INVALID_VALUE; less
- * memory than the process holds on it -> OUT_OF_MEMORY; without pairs, a checkpointed GPU the
- * controller does not see -> INVALID_DEVICE. Call with g_mu held. */
-CUresult ck_place(const struct ck_restore_req *rq, struct fc_dev *to, int *nmoved)
+/* Index of the node entry (node_get) with this UUID, or -1. */
+static int node_index(const CUuuid *u)
 {
-    int mapped[FC_MAX_DEVICES] = {0};
+    for (int i = 0; i < node_count(); i++)
+        if (!memcmp(node_get(i)->uuid.bytes, u->bytes, 16))
+            return i;
+    return -1;
+}
+
+/* gpuPairs given: every GPU of the node this process was checkpointed on listed once (the
+ * kernel-mode driver's view: cuda.core's Process.restore says "provide mappings for every GPU
+ * visible to the kernel-mode driver. User-space masking such as CUDA_VISIBLE_DEVICES does not
+ * reduce this mapping requirement"; the driver API: "it must contain every checkpointed GPU"),
+ * each onto a GPU "of the same chip type" (name) with "enough memory" (what the process holds
+ * on it). So the map is a permutation of whole GPUs, and no two ordinals ever name one GPU. */
+static CUresult place_pairs(const struct ck_restore_req *rq, struct ck_placement *pl)
+{
+    int listed[FC_MAX_DEVICES] = {0};
     char o[41], n[41];
-    *nmoved = 0;
-    for (int d = 0; d < g_ndev; d++)
-        to[d] = *dev_get(d);
     for (unsigned i = 0; i < rq->npairs && i < FC_MAX_DEVICES; i++) {
         const struct ck_gpu_pair *gp = &rq->pairs[i];
         uuid_str(&gp->old_uuid, o);
         uuid_str(&gp->new_dev.uuid, n);
-        int d = 0;
-        while (d < g_ndev && memcmp(dev_get(d)->uuid.bytes, gp->old_uuid.bytes, 16))
-            d++;
-        if (d == g_ndev) {
-            fc_loud("restore refused: gpuPairs[%u] old GPU %s is not a GPU of pid %d (nothing was changed; "
-                    "the process stays checkpointed) -> CUDA_ERROR_INVALID_VALUE",
+        int k = node_index(&gp->old_uuid);
+        if (k < 0) {
+            fc_loud("restore refused: gpuPairs[%u] old GPU %s is no GPU of the node pid %d was checkpointed on "
+                    "(nothing was changed; the process stays checkpointed) -> CUDA_ERROR_INVALID_VALUE",
                     i, o, (int)getpid());
             return CUDA_ERROR_INVALID_VALUE;
         }
-        /* the FAKECUDA_DEVICE_COUNT devices are all one model ("fakecuda GPU N" by index) */
-        int named = (dev_get(d)->flags | gp->new_dev.flags) & FC_DEV_NAMED;
-        if (named && strcmp(dev_get(d)->name, gp->new_dev.name)) {
-            fc_loud("restore refused: gpuPairs[%u] %s (%s) -> %s (%s): another model (nothing was changed; "
+        if (strcmp(node_get(k)->name, gp->new_dev.name)) {
+            fc_loud("restore refused: gpuPairs[%u] %s (%s) -> %s (%s): another chip type (nothing was changed; "
                     "the process stays checkpointed) -> CUDA_ERROR_INVALID_VALUE",
-                    i, o, dev_get(d)->name, n, gp->new_dev.name);
+                    i, o, node_get(k)->name, n, gp->new_dev.name);
             return CUDA_ERROR_INVALID_VALUE;
         }
-        if (gp->new_dev.mem < g_used[d]) {
-            fc_loud("restore refused: gpuPairs[%u] %s -> %s: pid %d holds %llu bytes on it, the new GPU has %llu "
-                    "(nothing was changed; the process stays checkpointed) -> CUDA_ERROR_OUT_OF_MEMORY",
-                    i, o, n, (int)getpid(), g_used[d], (unsigned long long)gp->new_dev.mem);
+        pl->node[k] = gp->new_dev;
+        listed[k] = 1;
+    }
+    for (int k = 0; k < node_count(); k++)
+        if (!listed[k]) {
+            uuid_str(&node_get(k)->uuid, o);
+            fc_loud("restore refused: gpuPairs lists %u GPU(s) but not %s, a GPU of the node pid %d was checkpointed "
+                    "on: map every GPU the kernel-mode driver saw, whatever CUDA_VISIBLE_DEVICES hid (nothing was "
+                    "changed; the process stays checkpointed) -> CUDA_ERROR_INVALID_VALUE",
+                    rq->npairs, o, (int)getpid());
+            return CUDA_ERROR_INVALID_VALUE;
+        }
+    for (int d = 0; d < g_ndev; d++) {
+        int k = node_index(&dev_get(d)->uuid);
+        pl->ord[d] = k < 0 ? *dev_get(d) : pl->node[k];
+        if (pl->ord[d].mem < g_used[d]) {
+            uuid_str(&dev_get(d)->uuid, o);
+            uuid_str(&pl->ord[d].uuid, n);
+            fc_loud("restore refused: %s -> %s: pid %d holds %llu bytes on it, the new GPU has %llu (nothing was "
+                    "changed; the process stays checkpointed) -> CUDA_ERROR_OUT_OF_MEMORY",
+                    o, n, (int)getpid(), g_used[d], (unsigned long long)pl->ord[d].mem);
             return CUDA_ERROR_OUT_OF_MEMORY;
         }
-        to[d] = gp->new_dev;
-        mapped[d] = 1;
+        pl->nmoved += memcmp(pl->ord[d].uuid.bytes, dev_get(d)->uuid.bytes, 16) != 0;
     }
+    return CUDA_SUCCESS;
+}
+
+/* Where a restore puts this process's devices (cuda.h CUcheckpointRestoreArgs.gpuPairs; the
+ * driver API's cuCheckpointProcessRestore). Fills *pl; nothing changes on a refusal, which
+ * leaves the process CHECKPOINTED. The codes are the fake's pick (none is documented): with
+ * gpuPairs see place_pairs (INVALID_VALUE, OUT_OF_MEMORY); without, a GPU the process used that
+ * is not on this node -> INVALID_DEVICE. Call with g_mu held. */
+CUresult ck_place(const struct ck_restore_req *rq, struct ck_placement *pl)
+{
+    memset(pl, 0, sizeof *pl);
+    for (int d = 0; d < g_ndev; d++)
+        pl->ord[d] = *dev_get(d);
+    for (int k = 0; k < node_count(); k++)
+        pl->node[k] = *node_get(k);
+    if (rq->npairs)
+        return place_pairs(rq, pl);
     for (int d = 0; d < g_ndev; d++) {
         if (!g_used[d] && !dev_has_ctx(d))
             continue;
-        uuid_str(&dev_get(d)->uuid, o);
-        if (rq->npairs && !mapped[d]) {
-            fc_loud("restore refused: pid %d used GPU %s (ordinal %d) and gpuPairs does not list it: every "
-                    "checkpointed GPU must be listed (nothing was changed; the process stays checkpointed) -> "
-                    "CUDA_ERROR_INVALID_VALUE",
-                    (int)getpid(), o, d);
-            return CUDA_ERROR_INVALID_VALUE;
-        }
         int seen = 0;
         for (unsigned k = 0; k < rq->npresent && k < FC_MAX_DEVICES; k++)
-            seen |= !memcmp(rq->present[k].uuid.bytes, to[d].uuid.bytes, 16);
+            seen |= !memcmp(rq->present[k].uuid.bytes, pl->ord[d].uuid.bytes, 16);
         if (!seen) {
-            uuid_str(&to[d].uuid, n);
+            char n[41];
+            uuid_str(&pl->ord[d].uuid, n);
             fc_loud("restore refused: pid %d used GPU %s (ordinal %d) and it is missing here; pass gpuPairs "
-                    "mapping it onto a GPU present (nothing was changed; the process stays checkpointed) -> "
-                    "CUDA_ERROR_INVALID_DEVICE",
+                    "mapping every GPU of its node onto GPUs present (nothing was changed; the process stays "
+                    "checkpointed) -> CUDA_ERROR_INVALID_DEVICE",
                     (int)getpid(), n, d);
             return CUDA_ERROR_INVALID_DEVICE;
         }
-        *nmoved += mapped[d] && memcmp(to[d].uuid.bytes, dev_get(d)->uuid.bytes, 16);
     }
     return CUDA_SUCCESS;
 }

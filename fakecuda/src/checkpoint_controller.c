@@ -7,6 +7,15 @@
  * out the CUcheckpointCustomStorageInfo and completes the operation in
  * cuCheckpointOperationComplete; the operations in flight are its only state. It calls stream.c,
  * vmm_table.c, device.c and core.c.
+ *
+ * Which calls need cuInit in the caller (CUDA driver API, "Checkpointing"): only Restore, and
+ * only without persistence mode ("CUDA process restore requires persistence mode to be enabled
+ * or cuInit to have been called before execution"); GetState, GetRestoreThreadId, Lock,
+ * Checkpoint and Unlock document no such need, and NVIDIA's r570-features sample and CRIU's
+ * driver-API cuda plugin call them from a process that never called cuInit. Custom storage
+ * needs it (cuda.h: the caller retains the primary contexts). A pid may name any thread of the
+ * target: it stands for its process, as /proc does (NVIDIA/cuda-checkpoint #41), and CRIU's
+ * CLI plugin asks the state of the restore thread's id.
  */
 #include "fc.h"
 
@@ -37,11 +46,32 @@ static uint64_t ck_deadline_ms(uint32_t op, uint32_t timeout_ms)
  * is CUDA_ERROR_OPERATING_SYSTEM, a live process without a fakecuda control socket (it never
  * called cuInit, or runs without fakecuda) CUDA_ERROR_NOT_INITIALIZED; pid <= 0 is
  * CUDA_ERROR_INVALID_VALUE. */
+/* The process (thread group) a pid names: a thread's id stands for its process, as in /proc. */
+static int ck_tgid(int pid)
+{
+    char path[64], line[128];
+    snprintf(path, sizeof path, "/proc/%d/status", pid);
+    FILE *f = fopen(path, "re");
+    int tgid = pid;
+    while (f && fgets(line, sizeof line, f))
+        if (!strncmp(line, "Tgid:", 5)) {
+            int t = atoi(line + 5);
+            tgid = t > 0 ? t : pid;
+            break;
+        }
+    if (f)
+        fclose(f);
+    if (tgid != pid)
+        fc_logline("fakecuda: pid %d is a thread of process %d: the request goes to %d", pid, tgid, tgid);
+    return tgid;
+}
+
 static int ck_connect(int pid, uint32_t op, uint32_t timeout_ms, CUresult *r)
 {
-    *r = CUDA_ERROR_INVALID_VALUE;
-    if (pid <= 0)
+    *r = g_forked_child ? CUDA_ERROR_NOT_INITIALIZED : CUDA_ERROR_INVALID_VALUE; /* no driver after fork */
+    if (pid <= 0 || g_forked_child)
         return -1;
+    pid = ck_tgid(pid);
     if (kill(pid, 0) != 0 && errno == ESRCH) {
         *r = CUDA_ERROR_OPERATING_SYSTEM;
         return -1;
@@ -126,7 +156,7 @@ static CUresult ck_getstate(int pid, CUprocessState *st)
 
 FC_EXPORT CUresult cuCheckpointProcessGetState(int pid, CUprocessState *state)
 {
-    API_NOGATE(1, ck_getstate(pid, state), "pid=%d state=%d", pid, OUTI(state));
+    API_NOGATE(0, ck_getstate(pid, state), "pid=%d state=%d", pid, OUTI(state));
 }
 
 static CUresult ck_gettid(int pid, int *tid)
@@ -138,7 +168,7 @@ static CUresult ck_gettid(int pid, int *tid)
 
 FC_EXPORT CUresult cuCheckpointProcessGetRestoreThreadId(int pid, int *tid)
 {
-    API_NOGATE(1, ck_gettid(pid, tid), "pid=%d tid=%d", pid, OUTI(tid));
+    API_NOGATE(0, ck_gettid(pid, tid), "pid=%d tid=%d", pid, OUTI(tid));
 }
 
 static CUresult ck_lock_call(int pid, CUcheckpointLockArgs *args)
@@ -150,7 +180,7 @@ static CUresult ck_lock_call(int pid, CUcheckpointLockArgs *args)
 
 FC_EXPORT CUresult cuCheckpointProcessLock(int pid, CUcheckpointLockArgs *args)
 {
-    API_NOGATE(1, ck_lock_call(pid, args), "pid=%d timeoutMs=%u", pid, args ? args->timeoutMs : 0);
+    API_NOGATE(0, ck_lock_call(pid, args), "pid=%d timeoutMs=%u", pid, args ? args->timeoutMs : 0);
 }
 
 /* ------------------------------------------------------------------ custom storage */
@@ -295,6 +325,8 @@ static CUresult cs_map(struct CUIcheckpointOperation_st *op, unsigned i, const s
  * below FC_CUSTOM_STORAGE_VERSION (FAKECUDA_DRIVER_VERSION), is CUDA_ERROR_NOT_SUPPORTED. */
 static CUresult cs_call(int pid, int restore, struct ck_req *q, size_t qlen, CUcheckpointCustomStorageInfo **out)
 {
+    if (!atomic_load(&g_inited))
+        return CUDA_ERROR_NOT_INITIALIZED; /* its streams belong to this process's primary contexts */
     if (g_driver_version < FC_CUSTOM_STORAGE_VERSION) {
         fc_logline("fakecuda: custom storage needs driver %d, this one is %d -> CUDA_ERROR_NOT_SUPPORTED",
                    FC_CUSTOM_STORAGE_VERSION, g_driver_version);
@@ -408,13 +440,15 @@ static CUresult ck_checkpoint_call(int pid, CUcheckpointCheckpointArgs *args)
 
 FC_EXPORT CUresult cuCheckpointProcessCheckpoint(int pid, CUcheckpointCheckpointArgs *args)
 {
-    API_NOGATE(1, ck_checkpoint_call(pid, args), "pid=%d custom=%d", pid, args && args->customStorageInfo_out);
+    API_NOGATE(0, ck_checkpoint_call(pid, args), "pid=%d custom=%d", pid, args && args->customStorageInfo_out);
 }
 
 /* gpuPairs (cuda.h CUcheckpointRestoreArgs, CUDA 13.0): more than FC_MAX_DEVICES pairs, a
- * repeated old or new UUID, or a new UUID this controller does not see is
- * CUDA_ERROR_INVALID_VALUE here; the target checks the old ones against what it checkpointed
- * (checkpoint_target.c). */
+ * repeated old or new UUID, or a new UUID that is no GPU of this node (node_get: the kernel-mode
+ * view, which CUDA_VISIBLE_DEVICES does not narrow) is CUDA_ERROR_INVALID_VALUE here; the
+ * target checks the old ones against the GPUs it was checkpointed with (checkpoint_checks.c).
+ * Without cuInit in this process and without persistence mode (FAKECUDA_PERSISTENCE_MODE=0):
+ * CUDA_ERROR_NOT_INITIALIZED (the code is the fake's pick), nothing sent. */
 static CUresult ck_restore_call(int pid, CUcheckpointRestoreArgs *args)
 {
     static struct ck_restore_req q; /* 3.5 KiB: not on a caller's stack; serialised by g_ck_mu */
@@ -428,11 +462,19 @@ static CUresult ck_restore_call(int pid, CUcheckpointRestoreArgs *args)
         if (np > FC_MAX_DEVICES)
             return CUDA_ERROR_INVALID_VALUE;
     }
+    if (!g_persistence && !atomic_load(&g_inited)) {
+        fc_logline(
+            "fakecuda: restore of pid %d refused: the calling process (pid %d) never called cuInit and persistence mode "
+            "is off (FAKECUDA_PERSISTENCE_MODE=0); the driver API requires one of them for a restore "
+            "(nothing was sent; the process stays checkpointed) -> CUDA_ERROR_NOT_INITIALIZED",
+            pid, (int)getpid());
+        return CUDA_ERROR_NOT_INITIALIZED;
+    }
     pthread_mutex_lock(&g_ck_mu);
     memset(&q, 0, sizeof q);
     q.hdr = (struct ck_req){CK_MAGIC, CK_RESTORE, 0, 0};
-    for (int d = 0; d < g_ndev; d++)
-        q.present[q.npresent++] = *dev_get(d);
+    for (int i = 0; i < node_count() && i < FC_MAX_DEVICES; i++)
+        q.present[q.npresent++] = *node_get(i);
     CUresult r = CUDA_SUCCESS;
     for (unsigned i = 0; i < np && r == CUDA_SUCCESS; i++) {
         const CUcheckpointGpuPair *gp = &args->gpuPairs[i];
@@ -448,9 +490,10 @@ static CUresult ck_restore_call(int pid, CUcheckpointRestoreArgs *args)
             char o[41], n[41];
             uuid_str(&gp->oldUuid, o);
             uuid_str(&gp->newUuid, n);
-            fc_logline("fakecuda: restore of pid %d refused: gpuPairs[%u] %s -> %s: the new GPU is not visible to this "
-                       "controller, or a UUID repeats -> CUDA_ERROR_INVALID_VALUE",
-                       pid, i, o, n);
+            fc_logline(
+                "fakecuda: restore of pid %d refused: gpuPairs[%u] %s -> %s: the new GPU is no GPU of this node, or a "
+                "UUID repeats (nothing was sent; the process stays checkpointed) -> CUDA_ERROR_INVALID_VALUE",
+                pid, i, o, n);
             r = CUDA_ERROR_INVALID_VALUE;
             break;
         }
@@ -468,12 +511,12 @@ static CUresult ck_restore_call(int pid, CUcheckpointRestoreArgs *args)
 
 FC_EXPORT CUresult cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *args)
 {
-    API_NOGATE(1, ck_restore_call(pid, args), "pid=%d pairs=%u custom=%d", pid, args ? args->gpuPairsCount : 0,
+    API_NOGATE(0, ck_restore_call(pid, args), "pid=%d pairs=%u custom=%d", pid, args ? args->gpuPairsCount : 0,
                args && args->customStorageInfo_out);
 }
 
 FC_EXPORT CUresult cuCheckpointProcessUnlock(int pid, CUcheckpointUnlockArgs *args)
 {
-    API_NOGATE(1, (args && !all_zero(args, sizeof *args)) ? CUDA_ERROR_INVALID_VALUE : ck_call(pid, CK_UNLOCK, 0, NULL),
+    API_NOGATE(0, (args && !all_zero(args, sizeof *args)) ? CUDA_ERROR_INVALID_VALUE : ck_call(pid, CK_UNLOCK, 0, NULL),
                "pid=%d", pid);
 }

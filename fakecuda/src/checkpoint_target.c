@@ -91,7 +91,7 @@ static void ck_release(void)
         if (d->fd >= 0)
             close(d->fd);
         d->fd = -1;
-        if (d->ipc_page) { /* an import (FAKECUDA_LAUNCH_JOB): a private copy from now on */
+        if (d->ipc_page) { /* an import (a launch job): a private copy from now on */
             __atomic_store_n(&d->ipc_page->importers[d->ipc_slot], 0, __ATOMIC_SEQ_CST);
             munmap(d->ipc_page, g_page);
             d->ipc_page = NULL;
@@ -136,7 +136,7 @@ static CUresult ck_checkpoint(struct ck_cs_rep *rep, int *fds)
 
 /* Put the memory back at the same VAs from the saved buffers (a host checkpoint) or the
  * staged streams (custom storage), then rename the ordinals that moved. Call with g_mu held. */
-static CUresult ck_apply_restore(const struct fc_dev *to, int nmoved)
+static CUresult ck_apply_restore(const struct ck_placement *pl)
 {
     CUresult r = CUDA_SUCCESS;
     for (struct fc_alloc *a = g_allocs; a && r == CUDA_SUCCESS; a = a->next) {
@@ -185,21 +185,23 @@ static CUresult ck_apply_restore(const struct fc_dev *to, int nmoved)
         free(d->saved);
         d->saved = NULL;
     }
-    /* the memory is now on the new GPUs: the same ordinals name them from here on */
-    for (int d = 0; d < g_ndev && r == CUDA_SUCCESS && nmoved; d++) {
-        if (!memcmp(to[d].uuid.bytes, dev_get(d)->uuid.bytes, 16))
+    /* the memory is now on the new GPUs: the same ordinals name them from here on, and the
+     * node this process knows is the new one */
+    for (int d = 0; d < g_ndev && r == CUDA_SUCCESS && pl->nmoved; d++) {
+        if (!memcmp(pl->ord[d].uuid.bytes, dev_get(d)->uuid.bytes, 16))
             continue;
         char o[41], n[41];
         uuid_str(&dev_get(d)->uuid, o);
-        uuid_str(&to[d].uuid, n);
+        uuid_str(&pl->ord[d].uuid, n);
         fc_logline("fakecuda: restore moved ordinal %d from %s to %s (%llu bytes)", d, o, n, g_used[d]);
-        dev_set(d, &to[d]);
+        dev_set(d, &pl->ord[d]);
     }
+    for (int k = 0; k < node_count() && r == CUDA_SUCCESS; k++)
+        node_set(k, &pl->node[k]);
     return r;
 }
 
-static struct fc_dev g_rs_to[FC_MAX_DEVICES]; /* a custom-storage restore's placement */
-static int g_rs_nmoved;
+static struct ck_placement g_rs; /* a restore's placement (kept for a custom-storage complete) */
 
 static CUresult ck_restored(CUresult r)
 {
@@ -230,16 +232,16 @@ static CUresult ck_restore(const struct ck_restore_req *rq, struct ck_cs_rep *re
         return CUDA_ERROR_ILLEGAL_STATE;
     }
     pthread_mutex_lock(&g_mu);
-    CUresult r = ck_place(rq, g_rs_to, &g_rs_nmoved);
+    CUresult r = ck_place(rq, &g_rs);
     if (r == CUDA_SUCCESS && rep) {
-        r = cs_begin(1, g_rs_to, rep, fds);
+        r = cs_begin(1, g_rs.ord, rep, fds);
         pthread_mutex_unlock(&g_mu);
         if (r == CUDA_SUCCESS)
             g_ck_state = CU_PROCESS_STATE_RESTORING;
         return r;
     }
     if (r == CUDA_SUCCESS)
-        r = ck_apply_restore(g_rs_to, g_rs_nmoved);
+        r = ck_apply_restore(&g_rs);
     else {
         pthread_mutex_unlock(&g_mu);
         return r;
@@ -266,7 +268,7 @@ static CUresult ck_complete(void)
         g_ck_state = r == CUDA_SUCCESS ? CU_PROCESS_STATE_CHECKPOINTED : CU_PROCESS_STATE_LOCKED;
         return r;
     }
-    r = ck_apply_restore(g_rs_to, g_rs_nmoved);
+    r = ck_apply_restore(&g_rs);
     cs_end();
     if (r == CUDA_SUCCESS)
         cs_set_pending(0);

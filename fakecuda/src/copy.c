@@ -3,7 +3,10 @@
  * device, after checking the device's access to both sides; a write through a multicast VA
  * is sent to every bound member's memfd, a read through one is refused. Stream workers and
  * synchronous callers (stream.c) run it. It reads the VMM tables and the multicast team
- * (under g_mu and the team lock) and calls only vmm_table.c and core.c.
+ * (under g_mu and the team lock) and calls only peer.c, vmm_table.c and core.c. A stream memory
+ * operation is the device's own access (what a kernel does): on legacy memory (cuMemAlloc, IPC
+ * opened) of another device it needs peer access (peer.c); a copy of legacy memory works from
+ * any context (unified addressing: the driver stages it), VMM memory only with access.
  */
 #include "fc.h"
 
@@ -188,16 +191,29 @@ static CUresult mc_write(const struct fc_op *op, size_t dlen)
     return CUDA_SUCCESS;
 }
 
-/* Execute one op (stream worker or synchronous caller) from device `dev`. */
-CUresult op_exec(const struct fc_op *op, int dev)
+/* A stream memory operation on legacy memory needs the device's access (peer.c); other memory
+ * passes (its own checks follow). g_mu held. */
+static CUresult memop_check(uintptr_t p, struct fc_ctx *c)
+{
+    CUresult r = peer_legacy_check(p, c);
+    return r == CUDA_ERROR_NOT_FOUND ? CUDA_SUCCESS : r;
+}
+
+/* Execute one op (stream worker or synchronous caller) from context c's device. */
+CUresult op_exec(const struct fc_op *op, struct fc_ctx *c)
 {
     CUresult r;
+    int dev = c->dev;
+    if (op->kind == OP_HOSTFN)
+        return op->fn(op->arg, c);
     if (op->kind == OP_WAIT32 || op->kind == OP_WAIT64) {
         int is64 = op->kind == OP_WAIT64;
         unsigned sleep_ns = 20000;
         for (;;) {
             pthread_mutex_lock(&g_mu);
             r = side_check(op->dst, is64 ? 8 : 4, PTR_DEVICE, dev, 0);
+            if (r == CUDA_SUCCESS)
+                r = memop_check(op->dst, c);
             if (r == CUDA_SUCCESS && mc_overlaps(op->dst, is64 ? 8 : 4))
                 r = mc_read_refused(op->dst, is64 ? 8 : 4);
             uint64_t cur = 0;
@@ -226,6 +242,8 @@ CUresult op_exec(const struct fc_op *op, int dev)
     if (op->kind == OP_WRITE64)
         dlen = 8;
     r = side_check(op->dst, dlen, op->dkind, dev, 1);
+    if (r == CUDA_SUCCESS && (op->kind == OP_WRITE32 || op->kind == OP_WRITE64))
+        r = memop_check(op->dst, c);
     if (r == CUDA_SUCCESS && op->kind == OP_COPY)
         r = side_check(op->src, op->n, op->skind, dev, 0);
     if (r == CUDA_SUCCESS && op->kind == OP_COPY && op->skind != PTR_HOST && mc_overlaps(op->src, op->n))

@@ -18,7 +18,10 @@ int g_hint_mode = HINT_HONOR; /* FAKECUDA_RESERVE_HINT */
 unsigned long long g_mc_watchdog_ms = 10000; /* FAKECUDA_MULTICAST_WATCHDOG_MS (0: wait forever) */
 unsigned long long g_mc_rounding;           /* FAKECUDA_MULTICAST_CAPACITY_ROUNDING (0: none) */
 unsigned long long g_map_offsets;           /* FAKECUDA_MAP_OFFSETS (0: offset 0 only, as R580) */
-int g_launch_job; /* FAKECUDA_LAUNCH_JOB: native checkpoint carries CUDA IPC as private copies */
+int g_launch_job;  /* a job of cuda-checkpoint --launch-job: native checkpoint carries CUDA IPC (init.c) */
+int g_persistence; /* FAKECUDA_PERSISTENCE_MODE (default 1): restore needs no cuInit in the caller */
+const char *g_hold_fn; /* FAKECUDA_HOLD=FN:DIR (test only) */
+static char g_hold_dir[512];
 
 pid_t fc_tid(void) { return (pid_t)syscall(SYS_gettid); }
 
@@ -132,17 +135,46 @@ __attribute__((constructor)) static void fc_load(void)
     g_mc_rounding = env_ull("FAKECUDA_MULTICAST_CAPACITY_ROUNDING", 0);
     g_map_offsets = env_ull("FAKECUDA_MAP_OFFSETS", 0);
     g_launch_job = env_ull("FAKECUDA_LAUNCH_JOB", 0) != 0;
+    g_persistence = env_ull("FAKECUDA_PERSISTENCE_MODE", 1) != 0;
     /* an older driver (e.g. 13010: no custom storage, no cuCheckpointOperationComplete) */
     unsigned long long ver = env_ull("FAKECUDA_DRIVER_VERSION", FC_DRIVER_VERSION);
     g_driver_version = ver >= 12080 && ver <= FC_DRIVER_VERSION ? (int)ver : FC_DRIVER_VERSION;
     g_cs_timeout_ms = env_ull("FAKECUDA_CUSTOM_STORAGE_TIMEOUT_MS", 600000);
     if (g_mc_rounding % g_gran) /* a capacity is always a multiple of the granularity */
         g_mc_rounding += g_gran - g_mc_rounding % g_gran;
+    const char *hold = getenv("FAKECUDA_HOLD");
+    const char *colon = hold ? strchr(hold, ':') : NULL;
+    static char hold_fn[128];
+    if (colon && colon > hold && (size_t)(colon - hold) < sizeof hold_fn && strlen(colon + 1) < sizeof g_hold_dir - 8) {
+        memcpy(hold_fn, hold, (size_t)(colon - hold));
+        strcpy(g_hold_dir, colon + 1);
+        g_hold_fn = hold_fn;
+    }
     const char *hint = getenv("FAKECUDA_RESERVE_HINT");
     if (hint && !strcmp(hint, "ignore"))
         g_hint_mode = HINT_IGNORE;
     else if (hint && !strcmp(hint, "fail"))
         g_hint_mode = HINT_FAIL;
+}
+
+/* FAKECUDA_HOLD=FN:DIR (test only: a test holds one driver call where it wants, without timing).
+ * A call of FN made while DIR/hold exists creates DIR/held and waits, polling every ms, until
+ * DIR/hold is gone; then it runs as usual. Outside the entry gate (a lock does not wait for it). */
+void fc_hold(const char *fn)
+{
+    if (strcmp(fn, g_hold_fn) != 0)
+        return;
+    char hold[sizeof g_hold_dir + 8], held[sizeof g_hold_dir + 8];
+    snprintf(hold, sizeof hold, "%s/hold", g_hold_dir);
+    snprintf(held, sizeof held, "%s/held", g_hold_dir);
+    if (access(hold, F_OK) != 0)
+        return;
+    int fd = open(held, O_WRONLY | O_CREAT | O_CLOEXEC, 0600);
+    if (fd >= 0)
+        close(fd);
+    fc_logline("fakecuda: %s held (FAKECUDA_HOLD)", fn);
+    while (access(hold, F_OK) == 0)
+        usleep(1000);
 }
 
 /* ------------------------------------------------------------------ entry gate (fc.h: struct fc_gate) */

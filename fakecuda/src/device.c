@@ -15,12 +15,13 @@ static struct fc_ctx *g_ctxs; /* every context, primary or created (never freed)
 
 int dev_ok(CUdevice d) { return d >= 0 && d < g_ndev; }
 
-/* The node's devices (FAKECUDA_DEVICES, else FAKECUDA_DEVICE_COUNT alike ones) by physical index,
- * and this process's view of them by ordinal (CUDA_VISIBLE_DEVICES). A native restore with
- * gpuPairs rewrites an ordinal's entry (checkpoint_target.c), so the same ordinal then names the
- * new GPU. */
+/* The node's devices (FAKECUDA_DEVICES, else FAKECUDA_DEVICE_COUNT alike ones) by physical index:
+ * what the kernel-mode driver sees, whatever CUDA_VISIBLE_DEVICES says; and this process's view of
+ * them by ordinal (CUDA_VISIBLE_DEVICES). A native restore with gpuPairs rewrites both (every node
+ * entry and every ordinal, checkpoint_target.c), so the same ordinal then names the new GPU. */
 static struct fc_dev g_phys[FC_MAX_DEVICES];
 static int g_nphys;
+static pthread_once_t g_node_once = PTHREAD_ONCE_INIT;
 struct fc_dev g_dev[FC_MAX_DEVICES];
 
 static void id_uuid(unsigned id, CUuuid *u)
@@ -40,6 +41,33 @@ void dev_uuid(int d, CUuuid *u)
 }
 
 const struct fc_dev *dev_get(int d) { return dev_ok(d) ? &g_dev[d] : NULL; }
+
+static void node_build(void);
+
+int node_count(void)
+{
+    pthread_once(&g_node_once, node_build);
+    return g_nphys;
+}
+
+const struct fc_dev *node_get(int i) { return i >= 0 && i < node_count() ? &g_phys[i] : NULL; }
+
+void node_set(int i, const struct fc_dev *nd)
+{
+    if (i >= 0 && i < node_count())
+        g_phys[i] = *nd;
+}
+
+/* The PCI location of a GPU (CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID / _BUS_ID / _DEVICE_ID): from its
+ * UUID id (uuid bytes 14-15), so each GPU of a node has its own bus, never bus 0:
+ * domain id / 255, bus 1 + id % 255, device 0. */
+static int pci_of(const struct fc_dev *d, CUdevice_attribute a)
+{
+    unsigned id = ((unsigned)(unsigned char)d->uuid.bytes[14] << 8) | (unsigned char)d->uuid.bytes[15];
+    if (a == CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID)
+        return (int)(id / 255);
+    return a == CU_DEVICE_ATTRIBUTE_PCI_BUS_ID ? (int)(1 + id % 255) : 0;
+}
 
 void dev_set(int d, const struct fc_dev *nd)
 {
@@ -109,7 +137,6 @@ static int parse_devices(const char *spec)
         memcpy(d->name, p, nl);
         d->mem = mem;
         d->phys = n;
-        d->flags = FC_DEV_NAMED;
         id_uuid((unsigned)id, &d->uuid);
         n++;
         p = *end ? end + 1 : end;
@@ -149,31 +176,39 @@ static int visible_entry(const char *s, size_t n)
     return v < g_nphys ? v : -1;
 }
 
-/* Build the tables (cuInit, once): the node's devices, then the visible ones. As the driver
- * documents for CUDA_VISIBLE_DEVICES (CUDA C++ Programming Guide, "CUDA Environment
- * Variables"): the listed devices in that order; an invalid, unknown or repeated entry hides it
- * and every entry after it; set but empty hides all. */
+/* The node's devices (once, at the first cuInit or checkpoint call, whichever comes first):
+ * FAKECUDA_DEVICES, else FAKECUDA_DEVICE_COUNT devices of one model, all named "fakecuda GPU"
+ * (devices of one model have one name, as cuDeviceGetName answers on the driver). */
+static void node_build(void)
+{
+    const char *spec = getenv("FAKECUDA_DEVICES");
+    if (spec && *spec) {
+        g_nphys = parse_devices(spec);
+        if (g_nphys < 0)
+            g_nphys = 0;
+        return;
+    }
+    g_nphys = g_ndev;
+    for (int i = 0; i < g_nphys; i++) {
+        memset(&g_phys[i], 0, sizeof g_phys[i]);
+        snprintf(g_phys[i].name, sizeof g_phys[i].name, "fakecuda GPU");
+        g_phys[i].mem = g_totalmem;
+        g_phys[i].phys = i;
+        id_uuid((unsigned)i, &g_phys[i].uuid);
+    }
+}
+
+/* Build this process's ordinals (cuInit, once). As the driver documents for
+ * CUDA_VISIBLE_DEVICES (CUDA C++ Programming Guide, "CUDA Environment Variables"): the listed
+ * devices in that order; an invalid, unknown or repeated entry hides it and every entry after
+ * it; set but empty hides all. */
 void dev_config(void)
 {
     static int done;
     if (done)
         return;
     done = 1;
-    const char *spec = getenv("FAKECUDA_DEVICES");
-    if (spec && *spec) {
-        g_nphys = parse_devices(spec);
-        if (g_nphys < 0)
-            g_nphys = 0;
-    } else {
-        g_nphys = g_ndev;
-        for (int i = 0; i < g_nphys; i++) {
-            memset(&g_phys[i], 0, sizeof g_phys[i]);
-            snprintf(g_phys[i].name, sizeof g_phys[i].name, "fakecuda GPU %d", i);
-            g_phys[i].mem = g_totalmem;
-            g_phys[i].phys = i;
-            id_uuid((unsigned)i, &g_phys[i].uuid);
-        }
-    }
+    node_count();
     const char *vis = getenv("CUDA_VISIBLE_DEVICES");
     int n = 0;
     if (!vis) {
@@ -241,7 +276,10 @@ static int dev_attr(CUdevice_attribute a)
     case CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED: return 1;
     case CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: return 1;
     case CU_DEVICE_ATTRIBUTE_HOST_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: return 1;
-    case CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED: return 0;
+    case CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED: return 1;
+    case CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED: return 1; /* pool.c */
+    case CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES: return CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    case CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED: return 1; /* event.c */
     default: return 0;
     }
 }
@@ -362,7 +400,11 @@ static CUresult device_attr(int *pi, CUdevice_attribute a, CUdevice d)
         return CUDA_ERROR_INVALID_VALUE;
     if (!dev_ok(d))
         return CUDA_ERROR_INVALID_DEVICE;
-    *pi = dev_attr(a);
+    if (a == CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID || a == CU_DEVICE_ATTRIBUTE_PCI_BUS_ID ||
+        a == CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID)
+        *pi = pci_of(&g_dev[d], a);
+    else
+        *pi = dev_attr(a);
     return CUDA_SUCCESS;
 }
 

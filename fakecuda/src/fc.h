@@ -10,9 +10,12 @@
  *   core.c                  configuration, call log, entry gate, fork handling
  *   device.c                devices and contexts (cuDevice*, cuDevicePrimaryCtx*, cuCtx*)
  *   vmm_table.c             the tables every kind of device memory lives in
+ *   peer.c                  peer context access (cuDeviceCanAccessPeer, cuCtx{En,Dis}ablePeerAccess)
  *   copy.c                  the copy engine (runs one op; multicast writes reach the members)
  *   stream.c                streams and stream memory operations
+ *   event.c                 events and IPC events (cuEvent*, cuStreamWaitEvent, cuIpc*EventHandle)
  *   memory.c                cuMemAlloc memory, page-locked host memory, copies and sets
+ *   pool.c                  stream-ordered memory pools and their IPC (cuMemPool*, cuMem*Async)
  *   ipc.c                   legacy CUDA IPC of cuMemAlloc memory (cuIpc*MemHandle)
  *   multicast.c             multicast objects (cuMulticast*)
  *   vmm.c                   the VMM API (cuMemCreate, cuMemMap, cuMemSetAccess, export, ...)
@@ -78,11 +81,15 @@ extern int g_hint_mode;         /* FAKECUDA_RESERVE_HINT */
 extern unsigned long long g_mc_watchdog_ms; /* FAKECUDA_MULTICAST_WATCHDOG_MS (0: wait forever) */
 extern unsigned long long g_mc_rounding;    /* FAKECUDA_MULTICAST_CAPACITY_ROUNDING (0: none) */
 extern unsigned long long g_map_offsets;    /* FAKECUDA_MAP_OFFSETS (0: offset 0 only, as R580) */
-extern int g_launch_job;        /* FAKECUDA_LAUNCH_JOB (cuda-checkpoint --launch-job, r610+) */
+extern int g_launch_job;        /* a job of cuda-checkpoint --launch-job (CUDA_CHECKPOINT_JOB_FILE at
+                                 * cuInit, or FAKECUDA_LAUNCH_JOB): native checkpoint carries CUDA IPC */
+extern int g_persistence;       /* FAKECUDA_PERSISTENCE_MODE: a restore needs no cuInit in the caller */
 extern int g_forked_child;      /* a child forked after cuInit (the driver is unusable there) */
 extern int g_ck_listen;         /* the checkpoint control socket (checkpoint_target.c) */
 extern int g_driver_version;    /* FAKECUDA_DRIVER_VERSION (cuDriverGetVersion; lookups above it fail) */
 extern unsigned long long g_cs_timeout_ms; /* FAKECUDA_CUSTOM_STORAGE_TIMEOUT_MS (0: wait forever) */
+extern const char *g_hold_fn;   /* FAKECUDA_HOLD=FN:DIR (test only): the function that may hold */
+void fc_hold(const char *fn);   /* FN while DIR/hold exists: creates DIR/held, waits for hold to go */
 
 /* ------------------------------------------------------------------ call log (core.c) */
 
@@ -142,6 +149,8 @@ static inline CUresult api_initonly(void)
 /* Gated API body: run `call` inside the gate, log, return. */
 #define API(call, fmt, ...)                            \
     do {                                               \
+        if (g_hold_fn)                                 \
+            fc_hold(__func__);                         \
         CUresult r_ = api_enter();                     \
         if (r_ == CUDA_SUCCESS) {                      \
             r_ = (call);                               \
@@ -188,12 +197,12 @@ struct fc_ctx {
 
 extern struct fc_ctx g_prim[FC_MAX_DEVICES];
 
-/* One GPU: its physical index on the node, UUID, name (cuDeviceGetName) and total memory in
- * bytes (cuDeviceTotalMem). Also the wire form of a device in the restore request. */
-#define FC_DEV_NAMED 1u /* from FAKECUDA_DEVICES: its name is its model */
+/* One GPU: its physical index on the node, UUID, name (cuDeviceGetName: its model; two GPUs
+ * of one model have one name) and total memory in bytes (cuDeviceTotalMem). Also the wire form
+ * of a device in the restore request. */
 struct fc_dev {
     int32_t phys;
-    uint32_t flags;           /* FC_DEV_NAMED */
+    uint32_t flags;           /* 0 (reserved) */
     CUuuid uuid;
     char name[64];
     uint64_t mem;
@@ -203,6 +212,10 @@ int dev_ok(CUdevice d);
 void dev_uuid(int d, CUuuid *u);               /* ordinal d's UUID as this process sees it */
 const struct fc_dev *dev_get(int d);           /* ordinal d's entry, or NULL */
 void dev_set(int d, const struct fc_dev *nd);  /* ordinal d now names GPU nd (a gpuPairs restore) */
+int node_count(void);                          /* the node's GPUs (the kernel-mode view: whatever
+                                                * CUDA_VISIBLE_DEVICES says); needs no cuInit */
+const struct fc_dev *node_get(int i);          /* node GPU i, or NULL */
+void node_set(int i, const struct fc_dev *nd); /* node GPU i is now nd (a gpuPairs restore) */
 void uuid_str(const CUuuid *u, char out[41]);  /* "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" */
 void dev_config(void);                         /* FAKECUDA_DEVICES, CUDA_VISIBLE_DEVICES (cuInit) */
 int dev_has_ctx(int d);                        /* a context on ordinal d (g_mu held) */
@@ -332,6 +345,8 @@ struct fc_dmem {                 /* cuMemAlloc memory, and memory opened by cuIp
     size_t cs_off;               /* custom storage: offset in its GPU's stream (checkpoint_storage.c) */
     int cs_op;                   /* a controller's custom-storage mapping of another process's GPU
                                   * memory (checkpoint_controller.c): cuMemFree refuses it */
+    int pool;                    /* a memory pool's arena (pool.c): 1 own, 2 imported; cuMemFree
+                                  * and cuIpcGetMemHandle refuse it */
 };
 
 /* The trailing page of a cuMemAlloc memfd: the usual metadata (kind FC_KIND_MEMALLOC, size =
@@ -399,7 +414,9 @@ void team_unlock(struct fc_team *t);
 /* ------------------------------------------------------------------ copy engine (copy.c) */
 
 enum { PTR_HOST = 0, PTR_DEVICE = 1, PTR_UNIFIED = 2 };
-enum { OP_COPY, OP_SET8, OP_SET16, OP_SET32, OP_WAIT32, OP_WRITE32, OP_WAIT64, OP_WRITE64 };
+/* OP_HOSTFN: the stream worker calls fn(arg, ctx) in stream order (event records and waits,
+ * event.c; pool frees, pool.c); fn owns arg and returns the op's CUresult. */
+enum { OP_COPY, OP_SET8, OP_SET16, OP_SET32, OP_WAIT32, OP_WRITE32, OP_WAIT64, OP_WRITE64, OP_HOSTFN };
 
 struct fc_op {
     struct fc_op *next;
@@ -409,12 +426,14 @@ struct fc_op {
     size_t n;
     uint64_t val;
     unsigned flags;
+    CUresult (*fn)(void *arg, struct fc_ctx *c); /* OP_HOSTFN */
+    void *arg;
 };
 
 /* At enqueue: is a pointer passed as device memory device memory at all? */
 CUresult precheck(uintptr_t p, int kind);
 CUresult precheck_copy(uintptr_t p, int kind);
-CUresult op_exec(const struct fc_op *op, int dev);
+CUresult op_exec(const struct fc_op *op, struct fc_ctx *c); /* run by (the device of) context c */
 
 /* ------------------------------------------------------------------ streams (stream.c) */
 
@@ -423,10 +442,27 @@ CUresult stream_create_in(struct fc_ctx *c, CUstream *out); /* a stream of conte
 CUresult stream_release(CUstream hs);                       /* cuStreamDestroy's body */
 CUresult stream_sync(CUstream hs, int query);
 CUresult sync_op(const struct fc_op *op);
+CUresult stream_ctx(CUstream hs, struct fc_ctx **out);      /* the stream's context (g_mu not held) */
+
+/* ------------------------------------------------------------------ peer access (peer.c) */
+
+/* Legacy (cuMemAlloc, IPC-opened) memory at p accessed on the device by context c: its own
+ * device, the device it was opened on, or a context c enabled peer access to (g_mu held).
+ * CUDA_SUCCESS or CUDA_ERROR_ILLEGAL_ADDRESS; NOT_FOUND when p is no legacy memory. */
+CUresult peer_legacy_check(uintptr_t p, struct fc_ctx *c);
+
+/* ------------------------------------------------------------------ events (event.c) */
+
+CUresult event_ck_refusal(void);  /* checkpoint: IPC events held (g_mu held); CUDA_SUCCESS when none */
 
 /* ------------------------------------------------------------------ host memory (memory.c) */
 
 int hostmem_find(uintptr_t p, uintptr_t *va, size_t *size, struct fc_ctx **ctx, uint64_t *buffer_id);
+CUresult hostmem_ck_refusal(void); /* checkpoint: a registration over a shared file mapping (g_mu held) */
+
+/* ------------------------------------------------------------------ pools (pool.c) */
+
+CUresult pool_ck_refusal(void);   /* checkpoint: a pool shared by IPC (g_mu held); CUDA_SUCCESS when none */
 
 /* ------------------------------------------------------------------ multicast (multicast.c) */
 
@@ -453,8 +489,8 @@ struct ck_rep {
 #define CK_MAGIC 0xfcc4ec01u
 
 /* CK_RESTORE carries more: the gpuPairs (each old UUID with the controller's entry for the new
- * one) and the devices the controller sees (the node's GPUs as far as the fake knows: a GPU
- * the controller does not see is missing). */
+ * one) and the node's GPUs as the controller's driver knows them (its FAKECUDA_DEVICES, not
+ * narrowed by its CUDA_VISIBLE_DEVICES: the kernel-mode driver's view). */
 struct ck_gpu_pair {
     CUuuid old_uuid;
     struct fc_dev new_dev;
@@ -484,10 +520,17 @@ struct ck_cs_rep {
     struct ck_cs_dev dev[FC_MAX_DEVICES];
 };
 
-/* Target side (checkpoint_checks.c, g_mu held): refusals; restore placement (fills to[d] for
- * every ordinal, *nmoved = ordinals moved onto another GPU). */
+/* Where a restore puts the process: ord[d] the GPU of each ordinal, node[i] of each node entry
+ * (node_get), nmoved the ordinals that move onto another GPU. */
+struct ck_placement {
+    struct fc_dev ord[FC_MAX_DEVICES];
+    struct fc_dev node[FC_MAX_DEVICES];
+    int nmoved;
+};
+
+/* Target side (checkpoint_checks.c, g_mu held): refusals; restore placement. */
 CUresult ck_refusals(void);
-CUresult ck_place(const struct ck_restore_req *rq, struct fc_dev *to, int *nmoved);
+CUresult ck_place(const struct ck_restore_req *rq, struct ck_placement *pl);
 
 /* Target side (checkpoint_storage.c; g_mu held for begin/complete). */
 CUresult cs_begin(int restore, const struct fc_dev *to, struct ck_cs_rep *rep, int *fds); /* the streams */

@@ -30,6 +30,8 @@ static CUresult ipc_get(CUipcMemHandle *h, CUdeviceptr p)
     if (!d)
         why = map_find((uintptr_t)p) ? "VMM memory (cuMemCreate/cuMemMap) is shared with cuMemExportToShareableHandle"
                                      : "not device memory allocated with cuMemAlloc";
+    else if (d->pool)
+        why = "memory pool memory is shared with cuMemPoolExportPointer";
     else if (d->ipc_refs)
         why = "memory opened by cuIpcOpenMemHandle cannot be exported again";
     else if (d->va != (uintptr_t)p)

@@ -65,6 +65,10 @@ static CUresult mem_free(CUdeviceptr p)
         fc_logline("fakecuda: cuMemFree(0x%llx): a custom-storage mapping of another process's GPU memory; "
                    "cuCheckpointOperationComplete unmaps it -> CUDA_ERROR_INVALID_VALUE",
                    (unsigned long long)p);
+    } else if (*pp && (*pp)->pool) {
+        fc_logline("fakecuda: cuMemFree(0x%llx): a memory pool's memory; free its allocations with cuMemFreeAsync "
+                   "-> CUDA_ERROR_INVALID_VALUE",
+                   (unsigned long long)p);
     } else if (*pp && (*pp)->ipc_refs) {
         fc_logline("fakecuda: cuMemFree(0x%llx): memory opened by cuIpcOpenMemHandle; close it with "
                    "cuIpcCloseMemHandle -> CUDA_ERROR_INVALID_VALUE",
@@ -205,6 +209,52 @@ static CUresult host_register(void *p, size_t size, unsigned flags)
     return r;
 }
 
+/* The first shared mapping (MAP_SHARED: a file, /dev/shm or memfd) overlapping [lo, hi) in
+ * /proc/self/maps: 1 with its line's path, else 0. */
+static int shared_mapping_in(uintptr_t lo, uintptr_t hi, char *path, size_t cap)
+{
+    FILE *f = fopen("/proc/self/maps", "re");
+    char line[512];
+    int found = 0;
+    while (f && !found && fgets(line, sizeof line, f)) {
+        unsigned long a, b;
+        char perms[8] = "";
+        int off = 0;
+        if (sscanf(line, "%lx-%lx %7s %*s %*s %*s%n", &a, &b, perms, &off) < 3 || perms[3] != 's' || b <= lo || a >= hi)
+            continue;
+        const char *q = line + off;
+        while (*q == ' ')
+            q++;
+        snprintf(path, cap, "%s", q);
+        path[strcspn(path, "\n")] = 0;
+        found = 1;
+    }
+    if (f)
+        fclose(f);
+    return found;
+}
+
+/* Native checkpoint of a process with cuMemHostRegister over shared memory (NCCL's SHM
+ * transport registers its /dev/shm/nccl-* mappings PORTABLE|MAPPED, src/misc/shmutils.cc): the
+ * driver documentation does not say whether a restore pins the pages the mapping then holds (a
+ * file CRIU recreated) or keeps another process's view, so the fake refuses (fail closed;
+ * scripts/gpu_check_probe.py "hostregister_shared_checkpoint"). g_mu held. */
+CUresult hostmem_ck_refusal(void)
+{
+    for (struct fc_hostmem *h = g_hostmem; h; h = h->next) {
+        char path[256] = "";
+        if (h->allocated || !shared_mapping_in(h->va, h->va + h->size, path, sizeof path))
+            continue;
+        fc_loud("checkpoint refused: pid %d registered 0x%" PRIxPTR " (%zu bytes) with cuMemHostRegister over a shared "
+                "mapping (%s); what native checkpoint does with a registration of shared memory is undocumented, the "
+                "fake refuses it (scripts/gpu_check_probe.py hostregister_shared_checkpoint): cuMemHostUnregister it "
+                "first (nothing was changed; unlock resumes) -> CUDA_ERROR_NOT_SUPPORTED",
+                (int)getpid(), h->va, h->size, path[0] ? path : "anonymous");
+        return CUDA_ERROR_NOT_SUPPORTED;
+    }
+    return CUDA_SUCCESS;
+}
+
 static CUresult host_release(void *p, int allocated)
 {
     pthread_mutex_lock(&g_mu);
@@ -256,6 +306,31 @@ FC_EXPORT CUresult cuMemHostRegister(void *p, size_t bytesize, unsigned int Flag
 FC_EXPORT CUresult cuMemHostRegister_v2(void *p, size_t bytesize, unsigned int Flags)
 {
     API(host_register(p, bytesize, Flags), "p=%p bytesize=%zu flags=%u", p, bytesize, Flags);
+}
+/* cuda.h, cuMemHostGetDevicePointer: the device pointer of page-locked host memory (fakecuda:
+ * the host pointer, as the driver gives on devices with
+ * CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM); Flags must be 0 and p inside memory that
+ * cuMemHostRegister or cuMemAllocHost made, else INVALID_VALUE. NCCL's SHM transport asks it
+ * for its registered /dev/shm buffers (src/misc/shmutils.cc). */
+static CUresult host_device_pointer(CUdeviceptr *out, void *p, unsigned flags)
+{
+    if (!out || flags)
+        return CUDA_ERROR_INVALID_VALUE;
+    uintptr_t va;
+    size_t size;
+    struct fc_ctx *ctx;
+    uint64_t id;
+    pthread_mutex_lock(&g_mu);
+    int found = hostmem_find((uintptr_t)p, &va, &size, &ctx, &id);
+    pthread_mutex_unlock(&g_mu);
+    if (found)
+        *out = (CUdeviceptr)(uintptr_t)p;
+    return found ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+FC_EXPORT CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr *pdptr, void *p, unsigned int Flags)
+{
+    API(host_device_pointer(pdptr, p, Flags), "p=%p flags=%u dptr=0x%llx", p, Flags, OUT64(pdptr));
 }
 FC_EXPORT CUresult cuMemHostUnregister(void *p) { API(host_release(p, 0), "p=%p", p); }
 FC_EXPORT CUresult cuMemAllocHost(void **pp, unsigned int bytesize)

@@ -55,7 +55,11 @@ static void *stream_worker(void *arg)
             s->tail = NULL;
         pthread_mutex_unlock(&s->mu);
 
-        CUresult r = atomic_load(&s->ctx->sticky) ? (CUresult)atomic_load(&s->ctx->sticky) : op_exec(op, s->ctx->dev);
+        CUresult r = (CUresult)atomic_load(&s->ctx->sticky);
+        if (r == CUDA_SUCCESS)
+            r = op_exec(op, s->ctx);
+        else if (op->kind == OP_HOSTFN)
+            op->fn(op->arg, NULL); /* dropped with the context's work: the function only lets go of arg */
         if (r == CUDA_ERROR_INVALID_VALUE)
             r = CUDA_ERROR_ILLEGAL_ADDRESS; /* device memory vanished after the op was queued */
         if (r != CUDA_SUCCESS) {
@@ -183,13 +187,32 @@ CUresult stream_sync(CUstream hs, int query)
 }
 
 /* A synchronous copy/set: ordered after the context's default stream, runs in the caller;
- * an access fault is returned (not sticky). */
+ * an access fault is returned (not sticky). A context whose default stream was never used has
+ * nothing to wait for: the op does not create it (its worker thread would outlive the op, a
+ * thread the process never asked for: the shim's LOAD_ALLOCATIONS copies this way, and a
+ * rolled-back process must keep exactly the threads it had, issue 23). */
 CUresult sync_op(const struct fc_op *op)
 {
-    CUresult r = stream_sync(NULL, 0);
+    pthread_mutex_lock(&g_mu);
+    struct fc_ctx *c = cur_ctx();
+    int unused = c && ctx_valid(c) && !c->dflt;
+    pthread_mutex_unlock(&g_mu);
+    CUresult r = unused ? (CUresult)atomic_load(&c->sticky) : stream_sync(NULL, 0);
     if (r != CUDA_SUCCESS)
         return r;
-    return op_exec(op, cur_ctx()->dev);
+    return op_exec(op, cur_ctx());
+}
+
+/* The context of a CUstream (NULL, CU_STREAM_LEGACY, CU_STREAM_PER_THREAD: the current one). */
+CUresult stream_ctx(CUstream hs, struct fc_ctx **out)
+{
+    pthread_mutex_lock(&g_mu);
+    struct fc_stream *s;
+    CUresult r = stream_resolve(hs, &s);
+    if (r == CUDA_SUCCESS)
+        *out = s->ctx;
+    pthread_mutex_unlock(&g_mu);
+    return r;
 }
 
 /* ------------------------------------------------------------------ streams API */
@@ -262,14 +285,10 @@ CUresult stream_release(CUstream hs) { return stream_destroy(hs); }
 /* cuStreamGetDevice (CUDA 12.8): the device of the stream's context. */
 static CUresult stream_device(CUstream hs, CUdevice *dev)
 {
-    if (!dev)
-        return CUDA_ERROR_INVALID_VALUE;
-    pthread_mutex_lock(&g_mu);
-    struct fc_stream *s;
-    CUresult r = stream_resolve(hs, &s);
+    struct fc_ctx *c = NULL;
+    CUresult r = dev ? stream_ctx(hs, &c) : CUDA_ERROR_INVALID_VALUE;
     if (r == CUDA_SUCCESS)
-        *dev = s->ctx->dev;
-    pthread_mutex_unlock(&g_mu);
+        *dev = c->dev;
     return r;
 }
 

@@ -25,7 +25,12 @@
  * Policy: CUINTERPOSE_IPC_ADAPTER = all (default) | off | MIN_BYTES (decimal: only allocations of
  * at least that many bytes), read once at the first cuMemAlloc_v2. Any other value is refused
  * loud (docs/decisions.md): every cuMemAlloc_v2 fails with CUDA_ERROR_INVALID_VALUE, and stderr
- * says once which variable and value, and what is accepted.
+ * says once which variable and value, and what is accepted. Unset in a job of
+ * `cuda-checkpoint --launch-job` (CUDA_CHECKPOINT_JOB_FILE set: from r610 the driver itself
+ * checkpoints such a job's CUDA IPC, NVIDIA/cuda-checkpoint #56) the default is off, said once
+ * on stderr: the adapter's cached export FD would make NVIDIA's own checkpoint of the job fail
+ * (an open exported FD) and leave it locked. CUINTERPOSE_IPC_ADAPTER=all keeps the adapter there
+ * (for a job checkpointed by cuinterpose-agent).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -50,6 +55,16 @@ static char g_policy_text[64];
 
 static void policy_read(void) {
   const char *v = getenv("CUINTERPOSE_IPC_ADAPTER");
+  const char *job = getenv("CUDA_CHECKPOINT_JOB_FILE");
+  if ((!v || !*v) && job && *job) {
+    g_policy = POLICY_OFF;
+    cui_api_warn("cuMemAlloc_v2",
+                 "this process runs under cuda-checkpoint --launch-job (CUDA_CHECKPOINT_JOB_FILE=%s), whose driver "
+                 "(r610+) checkpoints legacy CUDA IPC itself: the IPC adapter is off, so cuda-checkpoint can "
+                 "checkpoint the job; set CUINTERPOSE_IPC_ADAPTER=all to checkpoint it with cuinterpose-agent instead",
+                 job);
+    return;
+  }
   if (!v || !*v || !strcmp(v, "all")) {
     g_policy = POLICY_ALL;
     return;
@@ -273,6 +288,13 @@ CUI_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize) {
     return r;
   }
   cui_adapter_mark(vh, bytesize, dev, 0);
+  CUcontext ctx = NULL;
+  if (REAL(cuCtxGetCurrent)) REAL(cuCtxGetCurrent)(&ctx);
+  r = cui_peer_grant_new(va, size, ctx);   /* devices with peer access to this context (peer_access.c) */
+  if (r != CUDA_SUCCESS) {
+    cuMemFree_v2(va);
+    return r;
+  }
   *dptr = va;
   return CUDA_SUCCESS;
 }

@@ -8,8 +8,13 @@
  *   proc_address.c  cuGetProcAddress[_v2] and cudaGetDriverEntryPoint* (resolver wrappers)
  *   alloc_api.c     the IPC adapter: cuMemAlloc_v2, cuMemFree_v2, address range, attributes
  *   ipc_api.c       the IPC adapter: cuIpcGetMemHandle, cuIpcOpenMemHandle[_v2], cuIpcCloseMemHandle
- * Arrows inside the layer: vmm_api -> multicast_api -> peer, vmm_api -> peer; alloc_api ->
- * vmm_api; ipc_api -> alloc_api, vmm_api.
+ *   event_api.c     IPC events: virtual CUevent values and IPC event handles (cuEvent*, cuIpc*EventHandle)
+ *   peer_access.c   cuCtxEnablePeerAccess / cuCtxDisablePeerAccess under the IPC adapter
+ *   share_api.c     what is refused or carried besides memory: pool IPC, FABRIC, registrations of
+ *                   shared host memory (cuMemHostRegister), INSPECT's refusals for them
+ * Arrows inside the layer: vmm_api -> multicast_api -> peer, vmm_api -> peer, vmm_api ->
+ * share_api; alloc_api -> vmm_api, alloc_api -> peer_access; ipc_api -> alloc_api, vmm_api,
+ * peer_access; peer_access -> vmm_api; event_api -> peer.
  */
 #ifndef CUI_API_H
 #define CUI_API_H
@@ -40,6 +45,8 @@ CUI_HIDDEN const char *cui_mc_bind_api(int by_addr, int v2);
 /* Asks the creator's control socket for the real export FD of `id`. Returns the FD (CLOEXEC)
  * or -1 with a reason in `why`. Never touches the state lock. */
 CUI_HIDDEN int cui_fetch_fd(uint32_t creator_pid, const uint8_t id[16], char *why, size_t cap);
+/* The same, with the creator's reply status in *status (enum cui_status; -1 when no reply came). */
+CUI_HIDDEN int cui_fetch_fd_status(uint32_t creator_pid, const uint8_t id[16], char *why, size_t cap, int32_t *status);
 
 /* ---------- alloc_api.c (the IPC adapter) ---------- */
 
@@ -71,5 +78,37 @@ CUI_HIDDEN void cui_ipc_foreign_drop(uint64_t ptr, int import);
  * handle is live, an OK status becomes CUI_REFUSED_STATE with `msg` naming pid, pointer or
  * handle bytes and why. Takes the state lock, then the foreign handles' own. */
 CUI_HIDDEN void cui_ipc_inspect_fixup(struct cui_record *recs, uint32_t n, int32_t *status, char *msg, size_t cap);
+
+/* ---------- event_api.c (IPC events; the phase ops call these with op_running set) ---------- */
+
+/* PREPARE_UNICAST: drain (cuEventSynchronize) and destroy every driver event behind a virtual
+ * one; LOAD_ALLOCATIONS: re-create the created ones with their flags and re-export them;
+ * RESTORE_UNICAST: re-open the opened ones from their creators. 0, or -1 with `msg` naming the
+ * op, pid, event id and driver call; `changed` counts the events touched. */
+CUI_HIDDEN int cui_events_teardown(char *msg, size_t cap, uint32_t *changed);
+CUI_HIDDEN int cui_events_recreate(char *msg, size_t cap, uint32_t *changed);
+CUI_HIDDEN int cui_events_reopen(char *msg, size_t cap, uint32_t *changed);
+/* INSPECT: virtual events live and opened; an OK status becomes CUI_REFUSED_STATE with `msg`
+ * while a driver IPC event handle (not the shim's) is live. */
+CUI_HIDDEN void cui_events_inspect(int32_t *status, char *msg, size_t cap, uint32_t *live, uint32_t *opened);
+
+/* ---------- peer_access.c ---------- */
+
+/* A new adapter mapping [va, va+size) of context `ctx` (cuMemAlloc_v2, cuIpcOpenMemHandle):
+ * grant read-write access to the device of every context that enabled peer access to `ctx`. */
+CUI_HIDDEN CUresult cui_peer_grant_new(CUdeviceptr va, size_t size, void *ctx);
+
+/* ---------- share_api.c ---------- */
+
+/* A FABRIC request refused with CUDA_ERROR_NOT_SUPPORTED: one line on stderr naming pid, call
+ * and the fallback, at the 1st, 10th, 100th, ... refusal of that call (rate-limited). */
+CUI_HIDDEN void cui_fabric_refused(const char *api, const char *what);
+/* PREPARE_UNICAST: cuMemHostUnregister every registration over shared host memory;
+ * LOAD_ALLOCATIONS: register them again with their flags. 0, or -1 with `msg`. */
+CUI_HIDDEN int cui_hostreg_teardown(char *msg, size_t cap, uint32_t *changed);
+CUI_HIDDEN int cui_hostreg_restore(char *msg, size_t cap, uint32_t *changed);
+/* INSPECT (control.c): refusals for what cannot be carried (pool IPC, driver IPC events, a
+ * lookup path that bypasses the shim); an OK status becomes CUI_REFUSED_STATE with `msg`. */
+CUI_HIDDEN void cui_share_inspect_fixup(int32_t *status, char *msg, size_t cap);
 
 #endif

@@ -16,7 +16,9 @@
  *               FETCH_FD needs the allocation's secret (protocol.h "Secrets") and is refused
  *               in SAVED, PREPARED and FAILED.
  *               Mutating ops are refused (CUI_REFUSED_PEER) unless SO_PEERCRED names root or
- *               this process's uid.
+ *               this process's uid and the request carries the token of this process's claim
+ *               file (protocol.h "Claims"). Every reply says whether a mutating op is queued
+ *               or running (CUI_SHIM_OP_RUNNING).
  *   cui-control the control worker: runs one op at a time (ops.c) and replies.
  * Every FD is CLOEXEC. Socket I/O has a 10 s timeout per call.
  */
@@ -69,6 +71,9 @@ static int send_reply(int conn, const struct cui_request *req, const struct cui_
   rep.cuda_result = res->cuda_result;
   rep.records_changed = res->records_changed;
   rep.shim_flags = __atomic_load_n(&cui_st.shim_flags, __ATOMIC_RELAXED) | CUI_SHIM_CARRY_SHA256;
+  pthread_mutex_lock(&g_job_lock);
+  if (g_job.pending || g_job.busy) rep.shim_flags |= CUI_SHIM_OP_RUNNING; /* (the worker clears busy first) */
+  pthread_mutex_unlock(&g_job_lock);
   memcpy(rep.reserved, res->reply_reserved, sizeof res->reply_reserved);
 
   struct iovec iov = {&rep, sizeof rep};
@@ -141,8 +146,64 @@ static void serve_fetch_fd(int conn, const struct cui_request *req) {
   if (fd >= 0) close(fd);
 }
 
+/* Claims (protocol.h): reads this process's claim file into `token` (and "PID KIND" of its
+ * holder into `holder`). Returns 0, or -1 with `why` (missing, unsafe, unreadable, malformed). */
+static int read_claim(const char *path, uint8_t token[16], char *holder, size_t hcap, char *why, size_t wcap) {
+  int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) {
+    snprintf(why, wcap, "%s", errno == ENOENT ? "no such file: no checkpoint holds this process" : strerror(errno));
+    return -1;
+  }
+  struct stat st;
+  char buf[128];
+  ssize_t n = -1;
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || (st.st_uid != 0 && st.st_uid != geteuid()) || (st.st_mode & 022)) {
+    snprintf(why, wcap, "not a regular file of uid %u or root that only its owner may write (mode 0%o, uid %u)",
+             (unsigned)geteuid(), (unsigned)(st.st_mode & 07777), (unsigned)st.st_uid);
+  } else if ((n = read(fd, buf, sizeof buf - 1)) < 0) {
+    snprintf(why, wcap, "%s", strerror(errno));
+  }
+  close(fd);
+  if (n < 0) return -1;
+  buf[n] = 0;
+  for (int i = 0; i < 32; i++) {
+    int c = buf[i], v = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+    if (v < 0 || (i == 31 && buf[32] != ' ' && buf[32] != '\n')) {
+      snprintf(why, wcap, "malformed: the first line is not \"<32 hex digits> <pid> <kind>\"");
+      return -1;
+    }
+    if (i % 2 == 0) token[i / 2] = (uint8_t)(v << 4);
+    else token[i / 2] |= (uint8_t)v;
+  }
+  const char *rest = buf[32] == ' ' ? buf + 33 : "";
+  snprintf(holder, hcap, "%.*s", (int)strcspn(rest, "\n"), rest);
+  return 0;
+}
+
+/* A mutating op must carry the token of this process's claim file (protocol.h "Claims"):
+ * refused (CUI_REFUSED_PEER, before the request is queued) otherwise; `peer`: SO_PEERCRED pid. */
+static int claim_refused(const struct cui_request *req, struct cui_op_result *res, int peer) {
+  char path[4096], why[200], holder[64] = "";
+  uint8_t token[16];
+  unsigned self = (unsigned)getpid();
+  if (cui_claim_path(self, path, sizeof path) != 0) {
+    snprintf(why, sizeof why, "the claim path is too long");
+  } else if (read_claim(path, token, holder, sizeof holder, why, sizeof why) == 0) {
+    if (memcmp(token, req->claim, sizeof token) == 0) return 0;
+    snprintf(why, sizeof why, "the request does not carry the token of the claim held by %s",
+             holder[0] ? holder : "an unnamed holder");
+  }
+  res->status = CUI_REFUSED_PEER;
+  snprintf(res->message, sizeof res->message,
+           "%s: pid %u refused the request of pid %d (it names pid %u): %s: %s; mutating ops are accepted "
+           "only from the agent that holds the job's checkpoint (docs/protocol.md \"Claims\"); nothing was changed",
+           cui_op_name(req->op), self, peer, (unsigned)req->sender_pid, path, why);
+  return 1;
+}
+
 /* Case 011: SO_PEERCRED. A mutating op is served only for root or the uid that owns this
- * process (the agent runs as one of them); anything else is refused before it is queued. */
+ * process (the agent runs as one of them), and only with the claim token of the checkpoint
+ * that holds this process (claim_refused); anything else is refused before it is queued. */
 static int peer_refused(int conn, const struct cui_request *req, struct cui_op_result *res) {
   struct ucred cr;
   socklen_t len = sizeof cr;
@@ -153,7 +214,7 @@ static int peer_refused(int conn, const struct cui_request *req, struct cui_op_r
     return 1;
   }
   uid_t own = geteuid();
-  if (cr.uid == 0 || cr.uid == own) return 0;
+  if (cr.uid == 0 || cr.uid == own) return claim_refused(req, res, (int)cr.pid);
   res->status = CUI_REFUSED_PEER;
   snprintf(res->message, sizeof res->message,
            "%s: pid %u: refused for pid %d uid %u: only root or uid %u (the owner of this process) may "
@@ -186,6 +247,7 @@ static void dispatch(int c, struct cui_request req) {
     /* the IPC adapter's record fields, and its refusal while a driver IPC handle is live */
     if (res.status == CUI_OK)
       cui_ipc_inspect_fixup(res.records, res.record_count, &res.status, res.message, sizeof res.message);
+    cui_share_inspect_fixup(&res.status, res.message, sizeof res.message);   /* pools, IPC events, dlsym */
     send_reply(c, &req, &res, cui_now_ns() - t0, -1);
     free(res.records);
     close(c);

@@ -147,6 +147,13 @@ static CUresult open_locked(CUdeviceptr *pdptr, const struct cui_ipc_handle *h) 
     return r;
   }
   cui_adapter_mark(vh, h->size, dev, va);
+  CUcontext ctx = NULL;
+  if (REAL(cuCtxGetCurrent)) REAL(cuCtxGetCurrent)(&ctx);
+  r = cui_peer_grant_new(va, h->mapped, ctx);   /* devices with peer access to this context */
+  if (r != CUDA_SUCCESS) {
+    cuIpcCloseMemHandle(va);
+    return r;
+  }
   *pdptr = va;
   return CUDA_SUCCESS;
 }

@@ -18,6 +18,12 @@
 #include "api.h"
 
 int cui_fetch_fd(uint32_t creator_pid, const uint8_t id[16], char *why, size_t cap) {
+  int32_t status;
+  return cui_fetch_fd_status(creator_pid, id, why, cap, &status);
+}
+
+int cui_fetch_fd_status(uint32_t creator_pid, const uint8_t id[16], char *why, size_t cap, int32_t *status) {
+  *status = -1;
   struct sockaddr_un sa;
   memset(&sa, 0, sizeof sa);
   sa.sun_family = AF_UNIX;
@@ -78,6 +84,7 @@ int cui_fetch_fd(uint32_t creator_pid, const uint8_t id[16], char *why, size_t c
     close(s);
     return -1;
   }
+  *status = rep.status;
   if (rep.status != CUI_OK || fd < 0) {
     char msg[256] = "";
     size_t n = rep.message_len < sizeof msg - 1 ? rep.message_len : sizeof msg - 1;

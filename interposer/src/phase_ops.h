@@ -2,7 +2,8 @@
  * phase_ops.h: the phase-op layer (above api.h; docs/shim.md "Files and layers"): one
  * function per op of the CUI_OPS table (protocol.h), named after it, and the result they
  * fill. ops_unicast.c holds the unicast ops, ops_multicast.c the multicast ones and their
- * INSPECT records; ops.c admits and dispatches them. Each runs on the control worker with
+ * INSPECT records, ops_share.c the unicast ops with IPC events and registered shared host
+ * memory around them; ops.c admits and dispatches them. Each runs on the control worker with
  * op_running set and the lock not held (INSPECT: lock held); it returns 0, or -1 with
  * `res` saying why.
  */
@@ -71,6 +72,12 @@ CUI_HIDDEN int cui_is_carried_role(const struct cui_alloc *a);
 CUI_HIDDEN int cui_op_save_allocations(struct cui_op_result *res);
 CUI_HIDDEN int cui_op_load_allocations(struct cui_op_result *res);
 CUI_HIDDEN int cui_op_cancel_capture(struct cui_op_result *res);
+
+/* ---------- ops_share.c (ops.c's table names these for the three ops) ---------- */
+
+CUI_HIDDEN int cui_share_prepare_unicast(struct cui_op_result *res);
+CUI_HIDDEN int cui_share_load_allocations(struct cui_op_result *res);
+CUI_HIDDEN int cui_share_restore_unicast(struct cui_op_result *res);
 
 /* ---------- ops_multicast.c ---------- */
 

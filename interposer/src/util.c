@@ -105,6 +105,11 @@ int cui_socket_path(uint32_t pid, char *out, size_t cap) {
   return (n < 0 || (size_t)n >= lim) ? -1 : 0;
 }
 
+int cui_claim_path(uint32_t pid, char *out, size_t cap) {
+  int n = snprintf(out, cap, "%s/" CUI_SOCKET_PREFIX "%u" CUI_CLAIM_SUFFIX, cui_control_dir(), pid);
+  return (n < 0 || (size_t)n >= cap) ? -1 : 0;
+}
+
 const char *cui_phase_name(uint32_t p) {
   switch (p) {
     case CUI_PHASE_ACTIVE: return "ACTIVE";

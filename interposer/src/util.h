@@ -32,6 +32,8 @@ CUI_HIDDEN void cui_api_warn_in(uint32_t phase, const char *api, const char *fmt
  * path of `pid` in it. Returns -1 when the path does not fit sockaddr_un.sun_path. */
 CUI_HIDDEN const char *cui_control_dir(void);
 CUI_HIDDEN int cui_socket_path(uint32_t pid, char *out, size_t cap);
+/* <control dir>/cuinterpose-<pid>.claim (protocol.h "Claims"); -1 when it does not fit `cap`. */
+CUI_HIDDEN int cui_claim_path(uint32_t pid, char *out, size_t cap);
 /* Names from protocol.h: "ACTIVE", "SAVE_ALLOCATIONS" (CUI_OPS); "UNKNOWN" otherwise. */
 CUI_HIDDEN const char *cui_phase_name(uint32_t phase);
 CUI_HIDDEN const char *cui_op_name(uint32_t op);

@@ -16,6 +16,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <stddef.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -37,10 +38,15 @@ CUI_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t siz
    * combinations) before the driver sees the call, output untouched. */
   if (prop->requestedHandleTypes != CU_MEM_HANDLE_TYPE_NONE &&
       prop->requestedHandleTypes != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) {
-    cui_api_warn("cuMemCreate",
-                 "requested handle types 0x%x refused (only 0 or POSIX_FILE_DESCRIPTOR can be "
-                 "rebuilt after a checkpoint): CUDA_ERROR_NOT_SUPPORTED",
-                 (unsigned)prop->requestedHandleTypes);
+    char what[96];
+    snprintf(what, sizeof what, "requested handle types 0x%x", (unsigned)prop->requestedHandleTypes);
+    if (prop->requestedHandleTypes & CU_MEM_HANDLE_TYPE_FABRIC)
+      cui_fabric_refused("cuMemCreate", what);   /* rate-limited, names the fallback */
+    else
+      cui_api_warn("cuMemCreate",
+                   "%s refused (only 0 or POSIX_FILE_DESCRIPTOR can be rebuilt after a checkpoint): "
+                   "CUDA_ERROR_NOT_SUPPORTED",
+                   what);
     return CUDA_ERROR_NOT_SUPPORTED;
   }
   pthread_mutex_lock(&cui_st.lock);
@@ -287,8 +293,11 @@ CUI_EXPORT CUresult cuMemExportToShareableHandle(void *shareableHandle, CUmemGen
   struct cui_alloc *a = cui_alloc_by_vhandle(handle);
   if (!cui_gate_open()) r = CUDA_ERROR_NOT_READY;
   else if (!a || a->vrefs == 0 || !a->has_real || !shareableHandle) r = CUDA_ERROR_INVALID_VALUE;
-  else if (handleType != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) r = CUDA_ERROR_NOT_SUPPORTED;
-  else if (flags != 0) r = CUDA_ERROR_INVALID_VALUE;
+  else if (handleType != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) {
+    r = CUDA_ERROR_NOT_SUPPORTED;
+    if (handleType == CU_MEM_HANDLE_TYPE_FABRIC)
+      cui_fabric_refused("cuMemExportToShareableHandle", "export as a FABRIC handle");
+  } else if (flags != 0) r = CUDA_ERROR_INVALID_VALUE;
   else if (a->flags & CUI_REC_RAW_IMPORT) {
     r = real(shareableHandle, a->real, handleType, flags);   /* untracked sharing: passes through */
   } else {
@@ -435,7 +444,10 @@ CUI_EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle 
                                                    CUmemAllocationHandleType shHandleType) {
   REAL_OR_FAIL(real, cuMemImportFromShareableHandle);
   CUI_FORK_FORWARD("cuMemImportFromShareableHandle", real(handle, osHandle, shHandleType));
-  if (shHandleType == CU_MEM_HANDLE_TYPE_FABRIC) return CUDA_ERROR_NOT_SUPPORTED;   /* untracked sharing */
+  if (shHandleType == CU_MEM_HANDLE_TYPE_FABRIC) {   /* untracked sharing */
+    cui_fabric_refused("cuMemImportFromShareableHandle", "import of a FABRIC handle");
+    return CUDA_ERROR_NOT_SUPPORTED;
+  }
   if (shHandleType != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR || !handle) return real(handle, osHandle, shHandleType);
   int fd = (int)(intptr_t)osHandle;
   struct cui_ticket t;

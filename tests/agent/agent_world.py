@@ -152,7 +152,7 @@ def world(tmp_path, monkeypatch):
     )
     monkeypatch.setattr(cp_mod, "_coordinator_module", lambda: fake_phases)
 
-    def dump(root, d, leave_running=False, extra_args=()):
+    def dump(root, d, leave_running=False, extra_args=(), deleted_files=()):
         assert (leave_running, tuple(extra_args)) == (False, ("--leave-stopped",))
         w.log.append(("criu", "dump", root))
         if w.fail.get("dump") == root:

@@ -155,10 +155,7 @@ def test_doctor_lines_are_not_wrapped_when_stdout_is_not_a_tty(tmp_path):
     (tmp_path / "ctl").mkdir(mode=0o700)
     res = subprocess.run(res.args, capture_output=True, text=True, env=env, timeout=120)
     assert f"ok   control dir: {tmp_path / 'ctl'} writable" in res.stdout.splitlines()
-    assert lines[0] == (
-        "FAIL criu version: no working CRIU; install one with `make criu` (bash "
-        "scripts/install-criu.sh):"
-    )
+    assert lines[0] == "FAIL criu version: no working CRIU:"
 
 
 def test_non_positive_timeouts_are_usage_errors(tmp_path):

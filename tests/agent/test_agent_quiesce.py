@@ -141,8 +141,13 @@ def test_a_request_id_is_answered_once(tmp_path):
     quiesce.cancel(tmp_path, [9], "one")  # a second answer of the same id: nothing written
     assert (tmp_path / "quiesce-9.resume").read_bytes() == first
     (tmp_path / "quiesce-9.resume").unlink()  # the workload took it
-    quiesce.resume(tmp_path, [9], "one", restored=True)
+    quiesce.resume(tmp_path, [9], "one", restored=False)
     assert not (tmp_path / "quiesce-9.resume").exists()
+    # a restore answers its snapshot's id again (restored: true): a new incarnation of the tree
+    quiesce.resume(tmp_path, [9], "one", restored=True)
+    assert json.loads((tmp_path / "quiesce-9.resume").read_text()) == {
+        "id": "one", "restored": True, "cancelled": False,
+    }  # fmt: skip
 
 
 def test_cancel_withdraws_only_its_own_request(tmp_path):

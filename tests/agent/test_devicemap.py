@@ -161,9 +161,20 @@ def test_automatic_mapping():
     # one present stays, the absent one takes a free GPU of its model with enough memory
     n = node(gpu(5, name="L4"), gpu(1), gpu(6, mem=1 << 30), gpu(7))
     assert devicemap.automatic(M01, n) == {uuid(0): uuid(7), uuid(1): uuid(1)}
+    # a permutation even without the node: GPU 7, taken, gives its place to GPU 0
     assert devicemap.pairs_for(M01["participants"][0], devicemap.resolve(M01, n, None)) == [
         (uuid(0), uuid(7)),
         (uuid(1), uuid(1)),
+        (uuid(7), uuid(0)),
+    ]
+    # with the node: a permutation of every GPU known (the driver wants the whole node), each
+    # GPU left over onto a free one of its model first
+    assert devicemap.pairs_for(M01["participants"][0], devicemap.resolve(M01, n, None), n) == [
+        (uuid(0), uuid(7)),
+        (uuid(1), uuid(1)),
+        (uuid(7), uuid(6)),
+        (uuid(5), uuid(5)),
+        (uuid(6), uuid(0)),
     ]
     # an identity map given explicitly is no remap
     assert devicemap.resolve(M01, NODE4, "0=0,1=1") == {}

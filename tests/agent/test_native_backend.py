@@ -292,7 +292,7 @@ try:
 except NativeError as e:
     out["bogus"] = str(e)
 out["after_bogus"] = native.get_state(pid)
-native.restore_all([pid], [(old, new)])
+native.restore_all([pid], [(old, new), (new, old)])  # every GPU of the node, permuted
 out["restored"] = native.get_state(pid)
 native.unlock_all([pid])
 out["end"] = native.get_state(pid)

@@ -25,7 +25,10 @@ class Carw:
     """``python -m cuinterpose.workloads.carw ARGS`` in its own session, stdout (JSON lines) to
     ``run_dir/carw.log`` opened for appending (a restored tree keeps writing it), under the shim
     (``shim=True``) on fakecuda (``driver="fake"``) or the real driver (``"real"``), with a
-    private control directory."""
+    private control directory. Subclasses (tests/tmsh/tmsh_kit.py) run another workload module
+    with the same harness."""
+
+    module = "cuinterpose.workloads.carw"
 
     def __init__(
         self,
@@ -78,7 +81,7 @@ class Carw:
         env.update(self.extra_env)
         with open(self.log, "ab") as out, open(self.err, "ab") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "cuinterpose.workloads.carw", *self.args],
+                [sys.executable, "-m", self.module, *self.args],
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=err,

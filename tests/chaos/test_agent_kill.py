@@ -6,7 +6,9 @@ itself before and after every step of ``Checkpoint.STEPS`` and inside each step'
 left, and the run must end in one of the two outcomes (tests/chaos/kit.py): the job completes
 with exact evidence, or a complete snapshot exists (the tree is gone). For a restore killed at
 each point of ``Restore.STEPS``: whatever it started is killed, the snapshot must still be
-intact (manifest and image checksums) and a restore of it again succeeds and finishes exactly.
+intact (manifest and image checksums); ``release`` finishes a restore whose trees CRIU had
+brought back (the job finishes exactly), else a restore of it again succeeds and finishes
+exactly (issue 23).
 """
 
 from __future__ import annotations
@@ -118,7 +120,22 @@ def _kill_restored(a, ranks) -> None:
     )
 
 
+#: restore points after which every tree is back from CRIU: release finishes the restore
+RESTORED_AT = [
+    p
+    for p in RESTORE_POINTS
+    if p in ("after:criu restore", "before:resume")
+    or p.split(":", 1)[1] in ("native restore", "restore shared")
+]
+
+
 def test_agent_sigkill_during_restore(snapshot, subreaper):
+    """Issue 23: the agent SIGKILLed at each point of a restore. ``release --pid ROOT`` then
+    finishes the restore when CRIU had brought every tree back (native restore + unlock, the
+    shims' restore phases from wherever they are, ``.resume`` restored: the job finishes
+    exactly, restores_seen 1), or kills what CRIU restored and says to restore again (the
+    snapshot untouched: that restore finishes exactly); before CRIU restore and after the
+    resume there is nothing to release."""
     a, snap = snapshot
     ranks = kit.rank_pids(a)
     for point in RESTORE_POINTS:
@@ -128,9 +145,35 @@ def test_agent_sigkill_during_restore(snapshot, subreaper):
         )
         if rc == 0:  # after the last point: the restored job runs
             assert kit.finish(a, restored=True) == [], point
-        else:
-            assert rc == -signal.SIGKILL, f"{point}: exit {rc}: {out}"
-            _kill_restored(a, ranks)
+            tally.record(kind, "snapshot")
+            continue
+        assert rc == -signal.SIGKILL, f"{point}: exit {rc}: {out}"
+        if point == RESTORED_AT[0]:  # a restore again is refused, naming the way out
+            rc, out, _ = kit.agent("restore", "--images-dir", str(snap), "--driver", "fake")
+            msg = out["error"]["message"]
+            assert rc == 3 and f"`cuinterpose-agent release --pid {a.pid} --control-dir" in msg, out
+        rrc, rel, _ = kit.agent("release", "--pid", str(a.pid), "--control-dir", str(a.ctl))
+        if point in RESTORED_AT or point == "after:resume":
+            if point in RESTORED_AT:
+                assert (rrc, rel.get("outcome")) == (0, "restored"), f"{point}: {rel}"
+                assert set(rel["found"]["native"].values()) <= {
+                    "CHECKPOINTED",
+                    "LOCKED",
+                    "RUNNING",
+                }, rel
+            else:  # the restore had finished: nothing left to release
+                assert rrc == 3 and "nothing to release" in rel["error"]["message"], rel
+            problems = kit.finish(a, restored=True)
+            tally.record(kind, "lost" if problems else "snapshot", kit.lost_bytes(a))
+            assert problems == [], f"{point}: after release {rel}: {problems}"
+            assert not list(a.ctl.glob("*.claim")) and not list(a.ctl.glob("*.lock")), point
+            continue
+        if rrc == 0:  # CRIU had not brought every tree back: undone, restore again
+            assert rel["outcome"] == "restore_undone", f"{point}: {rel}"
+            assert rel["restore"] == f"cuinterpose-agent restore --images-dir {snap}", rel
+        else:  # before the restore recorded itself: nothing to release
+            assert "nothing to release" in rel["error"]["message"], f"{point}: {rel}"
+        _kill_restored(a, ranks)
         problem = kit.snapshot_problem(snap)
         if problem:
             tally.record(kind, "lost")

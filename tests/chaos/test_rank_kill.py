@@ -50,6 +50,9 @@ def test_rank_sigkill_at_every_step(afdwin, tmp_path, rank):
             continue
         assert killed, f"{point}: exit {rc} without the kill: {out}"
         assert out.get("error", {}).get("phase"), f"{point}: exit {rc}: {out}"
+        # issue 23: refused before the teardown, rolled back after it; never rollback_failed
+        # (no release could bring the dead rank back: nothing is left parked for one)
+        assert (rc, out["error"]["outcome"]) in ((3, "refused"), (4, "rolled_back")), out
         assert not (snap / "manifest.json").exists(), f"{point}: {out}"
         try:
             code = a.proc.wait(timeout=kit.DEADLINE_S)
@@ -58,4 +61,14 @@ def test_rank_sigkill_at_every_step(afdwin, tmp_path, rank):
             raise
         (s,) = [e for e in a.events() if demo.kind(e) == "summary"] or [{}]
         assert code != 0 and any(f"rank {rank}" in p for p in s.get("problems", [])), (code, s)
+        # the job is gone: no claim, lock or pending request of it is left behind, and after a
+        # rollback (case 010's kind) none of its quiesce files (a refusal's cancelling
+        # .resume and the workload's .ready are the quiesce protocol's: docs/workload-contract.md)
+        left = sorted(
+            f.name
+            for f in a.ctl.iterdir()
+            if f.name.endswith((".claim", ".lock", ".request"))
+            or (rc == 4 and f.name.startswith("quiesce-"))
+        )
+        assert left == [], f"{point}: exit {rc}: {left}"
         tally.record(kind, "rolled_back")

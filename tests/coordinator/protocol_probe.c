@@ -24,6 +24,8 @@ static void layout(void) {
   F(cui_request, magic); F(cui_request, version); F(cui_request, op); F(cui_request, txn_id);
   F(cui_request, expected_phase); F(cui_request, sender_pid); F(cui_request, alloc_id);
   F(cui_request, reserved);
+  /* the union's other member: the same bytes as alloc_id (protocol.h "Claims") */
+  printf("alias cui_request claim %zu %zu\n", offsetof(struct cui_request, claim), FSIZE(cui_request, claim));
   printf("sizeof cui_reply %zu\n", sizeof(struct cui_reply));
   F(cui_reply, magic); F(cui_reply, version); F(cui_reply, op); F(cui_reply, txn_id);
   F(cui_reply, status); F(cui_reply, phase); F(cui_reply, pid); F(cui_reply, record_count);
@@ -60,8 +62,9 @@ static void layout(void) {
   K(CUI_CARRY_KNOWN); K(CUI_CARRY_SOURCES); K(CUI_CARRY_SHA256); K(CUI_KNOWN_MAX); K(CUI_REFS_MAX);
 
   K(CUI_PROTO_MAGIC); K(CUI_PROTO_VERSION); K(CUI_MAX_ACCESS); K(CUI_TXN_ROOM);
-  STR(CUI_DEFAULT_CONTROL_DIR); STR(CUI_SOCKET_PREFIX); STR(CUI_TICKET_MAGIC);
+  STR(CUI_DEFAULT_CONTROL_DIR); STR(CUI_SOCKET_PREFIX); STR(CUI_CLAIM_SUFFIX); STR(CUI_TICKET_MAGIC);
   STR(CUI_IPC_MAGIC);
+  STR(CUI_IPC_EVENT_MAGIC);
   K(CUI_OP_INSPECT); K(CUI_OP_PREPARE_MULTICAST); K(CUI_OP_SAVE_ALLOCATIONS);
   K(CUI_OP_PREPARE_UNICAST); K(CUI_OP_LOAD_ALLOCATIONS); K(CUI_OP_RESTORE_UNICAST);
   K(CUI_OP_RESTORE_MULTICAST_CREATORS); K(CUI_OP_RESTORE_MULTICAST_IMPORTERS);
@@ -73,7 +76,7 @@ static void layout(void) {
   K(CUI_PHASE_RULE_ANY); K(CUI_PHASE_RULE_SAME); K(CUI_PHASE_RULE_MULTICAST_RELEASED_OR_ACTIVE);
   K(CUI_PHASE_RULE_UNCHECKED);
   K(CUI_OK); K(CUI_REFUSED_PHASE); K(CUI_REFUSED_DUPLICATE); K(CUI_REFUSED_STATE);
-  K(CUI_FAILED); K(CUI_BAD_REQUEST); K(CUI_NOT_FOUND); K(CUI_BUSY); K(CUI_REFUSED_PEER); K(CUI_SHIM_FOREIGN_DLSYM); K(CUI_SHIM_CARRY_SHA256);
+  K(CUI_FAILED); K(CUI_BAD_REQUEST); K(CUI_NOT_FOUND); K(CUI_BUSY); K(CUI_REFUSED_PEER); K(CUI_SHIM_FOREIGN_DLSYM); K(CUI_SHIM_CARRY_SHA256); K(CUI_SHIM_OP_RUNNING);
   K(CUI_RECORD_ALLOCATION); K(CUI_RECORD_MAPPING); K(CUI_RECORD_RESERVATION);
   K(CUI_RECORD_MULTICAST); K(CUI_RECORD_MULTICAST_DEVICE); K(CUI_RECORD_MULTICAST_BINDING);
   K(CUI_RECORD_MULTICAST_MAPPING); K(CUI_RECORD_DEVICE);

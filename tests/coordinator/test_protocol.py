@@ -103,6 +103,21 @@ def test_every_field_offset_and_size_matches_header(layout):
             assert _field_size(py_layout[field_]) == size, f"{name}.{field_} size"
 
 
+def test_request_claim_is_the_alloc_id_bytes(probe, layout):
+    """protocol.h's union: ``cui_request.claim`` (a mutating op's claim token) is the same 16
+    bytes at the same offset as ``alloc_id``; the mirror's ``Request.claim`` packs there."""
+    (alias,) = [ln.split() for ln in probe("layout").splitlines() if ln.startswith("alias ")]
+    _, fields, _, _ = layout
+    assert alias == ["alias", "cui_request", "claim", "24", "16"]
+    assert fields["cui_request"]["alloc_id"] == (24, 16)
+    token = bytes(range(0x40, 0x50))
+    req = Request(op=Op.SAVE_ALLOCATIONS, txn_id=7)
+    req.claim = token
+    raw = req.pack()
+    assert raw[24:40] == token and Request.unpack(raw).claim == token
+    assert P.claim_path("/c", 41) == "/c/cuinterpose-41.claim"
+
+
 def _header_names():
     """Every CUI_* enum member and #define in protocol.h (so the probe cannot miss one)."""
     text = HEADER.read_text()
@@ -143,8 +158,10 @@ PY_CONSTANTS = {
 PY_STRINGS = {
     "CUI_DEFAULT_CONTROL_DIR": P.CUI_DEFAULT_CONTROL_DIR,
     "CUI_SOCKET_PREFIX": P.CUI_SOCKET_PREFIX,
+    "CUI_CLAIM_SUFFIX": P.CUI_CLAIM_SUFFIX,
     "CUI_TICKET_MAGIC": P.CUI_TICKET_MAGIC.decode(),
     "CUI_IPC_MAGIC": P.CUI_IPC_MAGIC.decode(),
+    "CUI_IPC_EVENT_MAGIC": P.CUI_IPC_EVENT_MAGIC.decode(),
 }
 
 

@@ -13,6 +13,8 @@ import pytest
 HERE = pathlib.Path(__file__).resolve().parent
 GIB = 1 << 30
 NODE4 = "H100 80GB:80G,H100 80GB:80G,H100 80GB:80G,H100 80GB:80G"
+#: another node: four more H100s, ids 4-7
+NODE_B = "H100 80GB:80G:4,H100 80GB:80G:5,H100 80GB:80G:6,H100 80GB:80G:7"
 
 
 def uuid(i: int) -> str:
@@ -69,8 +71,8 @@ def proc(fake_env):
 def test_default_devices_unchanged(proc):
     p = proc()
     assert p("devices") == [
-        {"ordinal": 0, "name": "fakecuda GPU 0", "uuid": uuid(0), "mem": 16 * GIB},
-        {"ordinal": 1, "name": "fakecuda GPU 1", "uuid": uuid(1), "mem": 16 * GIB},
+        {"ordinal": 0, "name": "fakecuda GPU", "uuid": uuid(0), "mem": 16 * GIB},
+        {"ordinal": 1, "name": "fakecuda GPU", "uuid": uuid(1), "mem": 16 * GIB},
     ]
 
 
@@ -111,21 +113,30 @@ def test_nothing_visible_is_no_device(proc, visible):
     assert proc(FAKECUDA_DEVICES=NODE4, CUDA_VISIBLE_DEVICES=visible).init == "CUDA_ERROR_NO_DEVICE"
 
 
-def checkpointed_on_01(proc):
-    """A target on physical {0,1} of a 4-GPU node with 1 MiB on each, natively checkpointed."""
+def pairs_arg(pairs) -> str:
+    return " ".join(f"{uuid(a)}={uuid(b)}" for a, b in pairs)
+
+
+def checkpointed_on_01(proc, controller_node=NODE4, controller_visible="2,3"):
+    """A target on physical {0,1} of a 4-GPU node with 1 MiB on each, natively checkpointed by
+    a controller of ``controller_node`` that sees ``controller_visible`` of it."""
     t = proc(FAKECUDA_DEVICES=NODE4, CUDA_VISIBLE_DEVICES="0,1")
     va0 = t("alloc 0 1048576 171")["va"]
     va1 = t("alloc 1 1048576 205")["va"]
-    ctl = proc(FAKECUDA_DEVICES=NODE4, CUDA_VISIBLE_DEVICES="2,3")
+    ctl = proc(FAKECUDA_DEVICES=controller_node, CUDA_VISIBLE_DEVICES=controller_visible)
     assert ctl(f"lock {t.pid}") == {"result": "CUDA_SUCCESS"}
     assert ctl(f"checkpoint {t.pid}") == {"result": "CUDA_SUCCESS"}
     return t, ctl, va0, va1
 
 
 def test_restore_with_gpu_pairs_moves_the_memory(proc, fake_env):
+    """The full map (every GPU of the node, cuda.core Process.restore: "provide mappings for every
+    GPU visible to the kernel-mode driver"): accepted although the controller's
+    CUDA_VISIBLE_DEVICES hides GPUs 0 and 1 of the node."""
     t, ctl, va0, va1 = checkpointed_on_01(proc)
-    pairs = f"{uuid(0)}={uuid(2)} {uuid(1)}={uuid(3)}"
-    assert ctl(f"restore {t.pid} {pairs}") == {"result": "CUDA_SUCCESS"}
+    assert ctl(f"restore {t.pid} {pairs_arg([(0, 2), (1, 3), (2, 0), (3, 1)])}") == {
+        "result": "CUDA_SUCCESS"
+    }
     assert ctl(f"unlock {t.pid}") == {"result": "CUDA_SUCCESS"}
     # the same ordinals now name the new GPUs; the bytes are where they were
     assert [d["uuid"] for d in t("devices")] == [uuid(2), uuid(3)]
@@ -138,34 +149,44 @@ def test_restore_with_gpu_pairs_moves_the_memory(proc, fake_env):
         f"fakecuda: restore moved ordinal 0 from {uuid(0)} to {uuid(2)} (1048576 bytes)",
         f"fakecuda: restore moved ordinal 1 from {uuid(1)} to {uuid(3)} (1048576 bytes)",
     ]
+    # a second migration maps from the node as it is now, back home
+    assert ctl(f"lock {t.pid}")["result"] == "CUDA_SUCCESS"
+    assert ctl(f"checkpoint {t.pid}")["result"] == "CUDA_SUCCESS"
+    assert ctl(f"restore {t.pid} {pairs_arg([(2, 0), (3, 1), (0, 2), (1, 3)])}") == {
+        "result": "CUDA_SUCCESS"
+    }
+    assert ctl(f"unlock {t.pid}")["result"] == "CUDA_SUCCESS"
+    assert [d["uuid"] for d in t("devices")] == [uuid(0), uuid(1)]
 
 
 def test_restore_onto_a_missing_gpu_without_pairs_fails(proc):
-    t, ctl, va0, _ = checkpointed_on_01(proc)
+    """Restored on another node (GPUs 4-7): without pairs the GPUs it used are missing."""
+    t, ctl, va0, _ = checkpointed_on_01(proc, controller_node=NODE_B, controller_visible="0,1")
     assert ctl(f"restore {t.pid}") == {"result": "CUDA_ERROR_INVALID_DEVICE"}
     # refused before anything changed: still checkpointed, a restore with pairs then works
     assert ctl(f"state {t.pid}") == {"result": "CUDA_SUCCESS", "state": 2}
-    assert ctl(f"restore {t.pid} {uuid(0)}={uuid(3)} {uuid(1)}={uuid(2)}") == {
+    assert ctl(f"restore {t.pid} {pairs_arg([(0, 7), (1, 6), (2, 5), (3, 4)])}") == {
         "result": "CUDA_SUCCESS"
     }
     assert ctl(f"unlock {t.pid}") == {"result": "CUDA_SUCCESS"}
-    assert [d["uuid"] for d in t("devices")] == [uuid(3), uuid(2)]
+    assert [d["uuid"] for d in t("devices")] == [uuid(7), uuid(6)]
     assert t(f"read {va0} 4") == {"hex": "ab" * 4}
 
 
 @pytest.mark.parametrize(
-    "pairs, result",
+    "pairs",
     [
-        ([(0, 2)], "CUDA_ERROR_INVALID_VALUE"),  # GPU 1 left out
-        ([(0, 2), (1, 2)], "CUDA_ERROR_INVALID_VALUE"),  # a new GPU twice
-        ([(0, 2), (3, 3)], "CUDA_ERROR_INVALID_VALUE"),  # 3 is no GPU of the target
-        ([(0, 2), (1, 0)], "CUDA_ERROR_INVALID_VALUE"),  # 0 is not visible to the controller
+        # partial: GPUs 2 and 3 of the node left out (ordinal 0 and a hidden GPU would be one)
+        [(0, 2), (1, 3)],
+        [(0, 2), (1, 3), (2, 0)],  # GPU 3 left out
+        [(0, 2), (1, 2), (2, 0), (3, 1)],  # a new GPU twice
+        [(0, 2), (1, 3), (2, 0), (9, 1)],  # 9 is no GPU of the target's node
+        [(0, 9), (1, 3), (2, 0), (3, 1)],  # 9 is no GPU of this node
     ],
 )
-def test_refused_pairs_leave_the_process_checkpointed(proc, pairs, result):
+def test_refused_pairs_leave_the_process_checkpointed(proc, pairs):
     t, ctl, _, _ = checkpointed_on_01(proc)
-    arg = " ".join(f"{uuid(a)}={uuid(b)}" for a, b in pairs)
-    assert ctl(f"restore {t.pid} {arg}") == {"result": result}
+    assert ctl(f"restore {t.pid} {pairs_arg(pairs)}") == {"result": "CUDA_ERROR_INVALID_VALUE"}
     assert ctl(f"state {t.pid}") == {"result": "CUDA_SUCCESS", "state": 2}
 
 
@@ -177,12 +198,12 @@ def test_another_model_or_less_memory_is_refused(proc):
     ctl = proc(FAKECUDA_DEVICES=node)
     assert ctl(f"lock {t.pid}")["result"] == "CUDA_SUCCESS"
     assert ctl(f"checkpoint {t.pid}")["result"] == "CUDA_SUCCESS"
-    other_model = f"restore {t.pid} {uuid(0)}={uuid(2)} {uuid(1)}={uuid(1)}"
+    other_model = f"restore {t.pid} {pairs_arg([(0, 2), (1, 1), (2, 0), (3, 3)])}"
     assert ctl(other_model) == {"result": "CUDA_ERROR_INVALID_VALUE"}
-    too_small = f"restore {t.pid} {uuid(0)}={uuid(3)} {uuid(1)}={uuid(1)}"
+    too_small = f"restore {t.pid} {pairs_arg([(0, 3), (1, 1), (2, 2), (3, 0)])}"
     assert ctl(too_small) == {"result": "CUDA_ERROR_OUT_OF_MEMORY"}
     assert ctl(f"state {t.pid}") == {"result": "CUDA_SUCCESS", "state": 2}
-    assert ctl(f"restore {t.pid} {uuid(0)}={uuid(1)} {uuid(1)}={uuid(0)}") == {
+    assert ctl(f"restore {t.pid} {pairs_arg([(0, 1), (1, 0), (2, 2), (3, 3)])}") == {
         "result": "CUDA_SUCCESS"
     }
     assert ctl(f"unlock {t.pid}")["result"] == "CUDA_SUCCESS"
@@ -200,7 +221,8 @@ def test_restore_in_place_without_pairs(proc):
 
 
 def test_default_devices_are_one_model(proc):
-    """The FAKECUDA_DEVICE_COUNT devices ("fakecuda GPU N" by index) may swap places."""
+    """The FAKECUDA_DEVICE_COUNT devices are one model, one name ("fakecuda GPU"): they may swap
+    places."""
     t = proc()
     va = t("alloc 0 4096 7")["va"]
     ctl = proc()
@@ -211,15 +233,15 @@ def test_default_devices_are_one_model(proc):
     }
     assert ctl(f"unlock {t.pid}")["result"] == "CUDA_SUCCESS"
     assert [(d["name"], d["uuid"]) for d in t("devices")] == [
-        ("fakecuda GPU 1", uuid(1)),
-        ("fakecuda GPU 0", uuid(0)),
+        ("fakecuda GPU", uuid(1)),
+        ("fakecuda GPU", uuid(0)),
     ]
     assert t(f"read {va} 4") == {"hex": "07" * 4}
 
 
 def test_gpu_pairs_restore_under_asan(fcpeer_asan_exe, fake_env, proc):
     """The target's side (device tables, ck_place, the move) compiled with fakecuda's sources
-    under ASan/UBSan: fcpeer on {0,1}, restored onto {2,3}."""
+    under ASan/UBSan: fcpeer on {0,1} of one node, restored on another (GPUs 4-7)."""
     from fakecuda_helpers import Peer
 
     env = dict(
@@ -235,12 +257,13 @@ def test_gpu_pairs_restore_under_asan(fcpeer_asan_exe, fake_env, proc):
         t.cmd("init 1")
         va = t.cmd("malloc 4096")[0]
         t.cmd(f"write {va} 91")
-        ctl = proc(FAKECUDA_DEVICES=NODE4, CUDA_VISIBLE_DEVICES="2,3")
+        ctl = proc(FAKECUDA_DEVICES=NODE_B)
         assert ctl(f"lock {t.pid}") == {"result": "CUDA_SUCCESS"}
         assert ctl(f"checkpoint {t.pid}") == {"result": "CUDA_SUCCESS"}
         assert ctl(f"restore {t.pid}") == {"result": "CUDA_ERROR_INVALID_DEVICE"}
-        assert ctl(f"restore {t.pid} {uuid(0)}={uuid(2)}") == {"result": "CUDA_ERROR_INVALID_VALUE"}
-        assert ctl(f"restore {t.pid} {uuid(1)}={uuid(3)}") == {"result": "CUDA_SUCCESS"}
+        assert ctl(f"restore {t.pid} {uuid(1)}={uuid(5)}") == {"result": "CUDA_ERROR_INVALID_VALUE"}
+        full = pairs_arg([(0, 4), (1, 5), (2, 6), (3, 7)])
+        assert ctl(f"restore {t.pid} {full}") == {"result": "CUDA_SUCCESS"}
         assert ctl(f"unlock {t.pid}") == {"result": "CUDA_SUCCESS"}
         assert t.cmd(f"read {va}") == ["91"]
     finally:

@@ -19,7 +19,8 @@ def def_rows():
 
 def test_def_rows_are_well_formed():
     rows = def_rows()
-    assert len(rows) == 98  # 13.5: cuStreamGetDevice, cuCheckpointOperationComplete
+    # 13.5: cuStreamGetDevice, cuCheckpointOperationComplete; events, peer access, pools (issue 24)
+    assert len(rows) == 120
     for pt, _base, _version, _fn, pt_fn in rows:
         assert bool(pt) == bool(pt_fn)
     keys = [(base, int(version)) for _pt, base, version, _fn, _ptfn in rows]
@@ -36,7 +37,7 @@ def test_exports_equal_the_def(fakecuda_dir):
     exported = {name for _addr, _kind, name in syms}
     listed = {fn for _pt, _base, _v, fn, _ptfn in def_rows()} | {p for *_, p in def_rows() if p}
     assert exported == listed, (sorted(exported - listed), sorted(listed - exported))
-    assert len(exported) == 119
+    assert len(exported) == 146
 
 
 def test_sources_are_small_and_say_what_they_hold():

@@ -348,7 +348,8 @@ def perms_at(maps: str, va: int) -> str | None:
         ("cuMemGetAddressRange", 3020, "0", "cuMemGetAddressRange_v2"),
         ("cuMemAlloc", 3020, "0", "cuMemAlloc_v2"),
         ("cuMemFree", 3020, "0", "cuMemFree_v2"),
-        ("cuIpcGetEventHandle", 4010, "1", "NULL"),  # no events in fakecuda
+        ("cuIpcGetEventHandle", 4010, "0", "cuIpcGetEventHandle"),  # event.c (issue 24)
+        ("cuIpcGetEventHandle", 4000, "2", "NULL"),  # VERSION_NOT_SUFFICIENT
     ],
 )
 def test_lookups(peer, name, version, status, elf):

@@ -1,7 +1,7 @@
 """The DaemonSet's code path: ``cuinterpose-agent serve --config FILE`` with the Helm chart's
 ConfigMap document, the pod watcher running inside the daemon, against the fake API server.
 
-The chart is rendered (tests/chart/minihelm.py) with values that only point it at this test's
+The chart is rendered by helm (tests/chart/helm_kit.py) with values that only point it at this test's
 world: the control and snapshot directories, a Unix socket, metrics on a free loopback port,
 fakecuda, and the ``kubernetes`` settings (``apiServer`` = the fake API server, ``procRoot`` = a
 laid-out /proc that puts the test's processes into the pods' containers, as in
@@ -31,7 +31,6 @@ import tempfile
 import threading
 
 import pytest
-import yaml
 from fakeapi import NODE, make_pod
 from metrics_kit import scrape
 from placement_kit import not_placed
@@ -44,9 +43,8 @@ from cuinterpose.agent.snapshot import pb
 from cuinterpose.workloads.afdwin import demo
 
 HERE = pathlib.Path(__file__).resolve().parent
-CHART = HERE.parents[1] / "charts" / "cuinterpose"
 sys.path.insert(0, str(HERE.parent / "chart"))
-import minihelm  # noqa: E402
+import helm_kit  # noqa: E402
 
 CID_JOB = "c0ffee" * 10 + "abcd"
 CID_STUCK = "5bad" * 16
@@ -58,13 +56,7 @@ CONFIG_PATH = "/etc/cuinterpose/config.yaml"  # where the DaemonSet mounts the C
 
 def render(values: dict) -> tuple[dict, str]:
     """(the DaemonSet's agent container, the ConfigMap's config.yaml) of the chart."""
-    docs = {}
-    for name, text in minihelm.render_chart(CHART, values).items():
-        if name == "NOTES.txt":
-            continue
-        for d in yaml.safe_load_all(text):
-            if isinstance(d, dict) and "kind" in d:
-                docs.setdefault(d["kind"], []).append(d)
+    docs = helm_kit.render(values)
     (ds,) = docs["DaemonSet"]
     (agent,) = ds["spec"]["template"]["spec"]["containers"]
     (cm,) = docs["ConfigMap"]
@@ -134,8 +126,10 @@ def stuck(subreaper):
 def test_serve_config_from_the_chart_runs_the_pod_watcher(
     api, tmp_path, afdwin, stuck, agent_dir, placeholder, cgroup_dir
 ):
-    steps = 1500  # ~7.5 s of traffic: the checkpoint lands mid-stream
-    a = afdwin(steps=steps, step_delay_ms=5)
+    steps = 1500
+    # held at step 20 until the annotation's quiesce: the checkpoint lands mid-stream however
+    # long the chart's rendering and the daemon's start take on a busy machine (case 014)
+    a = afdwin(steps=steps, step_delay_ms=5, hold_at=(20,))
     a.wait_for(lambda ev: demo.received(ev) >= 20, 120, "20 messages")
     proc_root, snaps = tmp_path / "proc", tmp_path / "snap"
     lay_proc(proc_root, CID_JOB, [p for p, _, _ in walk_tree([a.pid])])

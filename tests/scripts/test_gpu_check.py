@@ -70,6 +70,7 @@ def test_every_check_runs_in_order_with_one_line_each(fake_run):
         "criu",
         "doctor",
         "gpu-tests",
+        "conformance",
         "bench-intercept",
         "bench-phases",
         "carrier-copy",
@@ -164,6 +165,8 @@ def test_agent_leave_running(fake_run):
     _, report, _ = fake_run
     k = by_name(report)["agent-leave-running"]["keys"]
     assert (k["agent_exit"], k["ok"], k["messages"], k["lost"]) == (0, 1, 960, 0)
+    # issue 23: the rebuilt processes kept their signal dispositions, threads and fds
+    assert (k["signals_kept"], k["threads_kept"], k["fds_kept"]) == (1, 1, 1)
 
 
 def gpu_check_module():

@@ -16,11 +16,12 @@ import pathlib
 import re
 import subprocess
 
+import claim_kit
 import pytest
 
 from cuinterpose.coordinator.carrierfiles import CarrierFiles, carried_streams
 from cuinterpose.coordinator.client import ShimClient
-from cuinterpose.coordinator.protocol import Op, Phase, socket_path
+from cuinterpose.coordinator.protocol import MUTATING_OPS, Op, Phase, socket_path
 
 HERE = pathlib.Path(__file__).resolve().parent
 C_BUILD_DIR = HERE.parent.parent / "build" / "tests"
@@ -183,10 +184,12 @@ class CarryingClient(ShimClient):
     carried allocation in ``files`` (SAVE: the pid's old files are removed first)."""
 
     def __init__(self, path, files: CarrierFiles, **kw):
-        super().__init__(path, **kw)
+        super().__init__(path, claim=claim_kit.TOKEN, **kw)
         self.files = files
 
     def request(self, op, *, carriers=None, **kw):
+        if op in MUTATING_OPS:  # the test drives the shim as an agent does: it holds a claim
+            claim_kit.take(os.path.dirname(self.socket_path), [self.pid])
         if carriers is None and op in (Op.SAVE_ALLOCATIONS, Op.LOAD_ALLOCATIONS):
             recs = super().request(Op.INSPECT, txn_id=0, expected_phase=Phase.ACTIVE).records
             if op == Op.SAVE_ALLOCATIONS:

@@ -11,6 +11,7 @@ with no sanitizer report on stderr."""
 
 from __future__ import annotations
 
+import claim_kit
 import pytest
 
 from cuinterpose.coordinator.phases import Coordinator, Participant
@@ -79,7 +80,11 @@ def inspect(ctl, app, phase=Phase.ACTIVE):
 def cycle(shim_env, procs):
     """One in-place capture and restore of ``procs``; returns (capture, restore result)."""
     ctl_dir = shim_env["CUINTERPOSE_CONTROL_DIR"]
-    co = Coordinator([Participant(p.pid, socket_path(ctl_dir, p.pid)) for p in procs], timeout_s=30)
+    co = Coordinator(
+        [Participant(p.pid, socket_path(ctl_dir, p.pid)) for p in procs],
+        timeout_s=30,
+        claim=claim_kit.take(ctl_dir, [p.pid for p in procs]),
+    )
     cap = co.capture()
     return cap, co.restore(cap)
 

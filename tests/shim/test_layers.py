@@ -5,8 +5,8 @@ A -> B when A.o uses a global symbol that B.o defines) and includes (``#include 
 Both must be acyclic, and every arrow must go down the layer order:
 
     util (util, checksum, blake2b, sha256, chunkio) -> resolve -> state -> vmm_api | multicast_api | peer | proc_address
-      | alloc_api | ipc_api
-      -> ops_unicast | ops_carriers | ops_multicast -> ops -> control | carry_in
+      | alloc_api | ipc_api | event_api | peer_access | share_api
+      -> ops_unicast | ops_carriers | ops_multicast | ops_share -> ops -> control | carry_in
 
 read "may be used by". Inside a layer only the calls in SAME_LAYER are allowed (a file may
 include its own layer's header). The hook
@@ -27,8 +27,19 @@ LAYERS = [
     {"util", "checksum", "blake2b", "sha256", "chunkio", "util.h"},
     {"resolve", "resolve.h", "hooks.def"},
     {"state", "state.h"},
-    {"vmm_api", "multicast_api", "peer", "proc_address", "alloc_api", "ipc_api", "api.h"},
-    {"ops_unicast", "ops_carriers", "ops_multicast", "phase_ops.h"},
+    {
+        "vmm_api",
+        "multicast_api",
+        "peer",
+        "proc_address",
+        "alloc_api",
+        "ipc_api",
+        "event_api",
+        "peer_access",
+        "share_api",
+        "api.h",
+    },
+    {"ops_unicast", "ops_carriers", "ops_multicast", "ops_share", "phase_ops.h"},
     {"ops", "ops.h"},
     {"control", "carry_in"},
 ]
@@ -45,6 +56,16 @@ SAME_LAYER = {
     ("alloc_api", "vmm_api"),
     ("ipc_api", "alloc_api"),
     ("ipc_api", "vmm_api"),
+    # issue 24: IPC events fetch their creator's handle; peer access grants through the tracked
+    # cuMemSetAccess, for adapter memory made later too; FABRIC refusals say one line
+    ("event_api", "peer"),
+    ("peer_access", "vmm_api"),
+    ("alloc_api", "peer_access"),
+    ("ipc_api", "peer_access"),
+    ("vmm_api", "share_api"),
+    ("share_api", "event_api"),
+    ("ops_share", "ops_unicast"),  # the unicast ops with the events and registrations around them
+    ("ops_share", "ops_carriers"),
 }
 
 

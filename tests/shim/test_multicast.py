@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 
+import claim_kit
 import pytest
 
 from cuinterpose.coordinator.carrierfiles import streams_of
@@ -115,7 +116,11 @@ def broadcast(writer: Rank, name, ranks, value):
 
 def coordinator(shim_env, ranks):
     ctl = shim_env["CUINTERPOSE_CONTROL_DIR"]
-    return Coordinator([Participant(r.pid, socket_path(ctl, r.pid)) for r in ranks], timeout_s=30)
+    return Coordinator(
+        [Participant(r.pid, socket_path(ctl, r.pid)) for r in ranks],
+        timeout_s=30,
+        claim=claim_kit.take(ctl, [r.pid for r in ranks]),
+    )
 
 
 def log_index(fake_log, fn, pids=None, pred=None):
@@ -510,6 +515,9 @@ def test_process_without_multicast_answers_every_op(apps, ctl, shim_env):
             for a in (r0.app, r1.app, plain)
         ],
         timeout_s=30,
+        claim=claim_kit.take(
+            shim_env["CUINTERPOSE_CONTROL_DIR"], [a.pid for a in (r0.app, r1.app, plain)]
+        ),
     )
     cap = co.capture()
     res = co.restore(cap)

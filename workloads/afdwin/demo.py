@@ -118,6 +118,8 @@ class Afdwin:
         ]
         self.attention = attention
         self.hold_at = tuple(hold_at)
+        #: holds ended by :meth:`release_hold` (SIGUSR1) so far
+        self.holds_released = 0
         self.proc: Optional[subprocess.Popen] = None
 
     @property
@@ -244,16 +246,30 @@ class Afdwin:
         control dir; ``extra``: more options): :func:`run_agent`'s (exit code, JSON)."""
         return run_agent(*self.checkpoint_args(images_dir), *extra, timeout_s=timeout_s)
 
-    def release_hold(self) -> None:
+    def release_hold(self) -> list[int]:
         """End the current hold of every attention rank without a quiesce (SIGUSR1), for a run
-        whose checkpoint was refused before the workload saw it."""
-        for e in self.events():
+        whose checkpoint was refused before the workload saw it. Once every hold is consumed
+        (by quiesces the job saw, ``quiesce_requested`` events, and earlier releases) nothing is
+        sent: a rank past its last hold may be finishing, and a Python process resets its
+        handlers to SIG_DFL during interpreter shutdown, so a SIGUSR1 then kills it (issue 23:
+        a group test's rank 0 died of one, status -10, after a rollback). A rank with a hold
+        still ahead cannot have finished, so it still has the handler. Returns the pids
+        signalled."""
+        evs = self.events()
+        quiesces = sum(1 for e in evs if kind(e) == "quiesce_requested")
+        if quiesces + self.holds_released >= len(self.hold_at):
+            return []
+        sent = []
+        for e in evs:
             attention = e.get("rank", self.attention) < self.attention
             if kind(e) == "window" and attention and not e.get("after_restore"):
-                try:  # after the hold was passed (a quiesce came), a SIGUSR1 changes nothing
+                try:
                     os.kill(e["pid"], signal.SIGUSR1)
+                    sent.append(e["pid"])
                 except ProcessLookupError:
                     pass
+        self.holds_released += 1
+        return sent
 
     def wait_dumped(self, timeout_s: float = HANG_S) -> int:
         """After the agent killed the dumped tree (once the snapshot was written): reap our child

@@ -50,6 +50,8 @@
  *   Both refusals change nothing (the phase stays, no driver call is made). A mutating op is
  *   never retried by the coordinator: a lost reply cannot tell whether the mutation happened.
  *   INSPECT and FETCH_FD carry no txn ordering (txn_id is echoed only).
+ *   - Mutating ops need the claim token of the checkpoint that holds the process (Claims below),
+ *     else CUI_REFUSED_PEER; INSPECT stays open to the same uid.
  */
 #ifndef CUINTERPOSE_PROTOCOL_H
 #define CUINTERPOSE_PROTOCOL_H
@@ -60,6 +62,7 @@
 #define CUI_PROTO_VERSION       2u  /* 2: SAVE/LOAD_ALLOCATIONS carry chunk files (Carriers) */
 #define CUI_DEFAULT_CONTROL_DIR "/tmp/cuinterpose"
 #define CUI_SOCKET_PREFIX       "cuinterpose-"   /* + decimal pid + ".sock" */
+#define CUI_CLAIM_SUFFIX        ".claim"         /* CUI_SOCKET_PREFIX + pid + this: Claims below */
 
 enum cui_op {
   CUI_OP_INSPECT = 1,                      /* read-only: return every record */
@@ -156,8 +159,10 @@ enum cui_status {
   CUI_BUSY = 7,               /* another mutating request is running; nothing changed and the
                                  txn was not consumed: retry the same request */
   CUI_REFUSED_PEER = 8        /* the connecting process may not send this op (SO_PEERCRED: a
-                                 mutating op from neither root nor the shim's uid; FETCH_FD
-                                 without the allocation's secret, Secrets); nothing changed */
+                                 mutating op from neither root nor the shim's uid; a mutating op
+                                 without the claim token of the checkpoint that holds the
+                                 process, Claims; FETCH_FD without the allocation's secret,
+                                 Secrets); nothing changed */
 };
 
 /* cui_reply.shim_flags: conditions of the replying process every reply carries */
@@ -169,6 +174,11 @@ enum cui_status {
   2u /* this shim takes CUI_CARRY_SHA256 ("Carriers"; decisions    \
         D36): a sender that does not see it in the INSPECT replies \
         of a capture (a shim loaded before D36) uses BLAKE2b-256 */
+#define CUI_SHIM_OP_RUNNING                                         \
+  4u /* a mutating op of this process is queued or running (its     \
+        reply is not sent yet): another one gets CUI_BUSY. A sender \
+        whose reply was lost waits for this bit to clear before it  \
+        reads the phase (docs/coordinator.md "Rollback") */
 
 enum cui_record_kind {
   CUI_RECORD_ALLOCATION = 1,  /* one per allocation known to this process */
@@ -254,7 +264,11 @@ struct cui_request {          /* 64 bytes */
   uint64_t txn_id;            /*  8 transaction id; mutating ops need it strictly increasing */
   uint32_t expected_phase;    /* 16 enum cui_phase the sender believes the shim is in */
   uint32_t sender_pid;        /* 20 for error messages */
-  uint8_t alloc_id[16];      /* 24 FETCH_FD: the allocation wanted */
+  union {                     /* 24 16 bytes, by op: */
+    uint8_t alloc_id[16];     /*    FETCH_FD: the allocation wanted */
+    uint8_t claim[16];        /*    a mutating op: the claim token of the checkpoint that holds
+                                    this process (Claims below); INSPECT: zero */
+  };
   uint64_t reserved[3];       /* 40 zero; FETCH_FD: reserved[0] = the allocation's secret, from
                                  its ticket or virtual IPC handle (Secrets below);
                                  SAVE_ALLOCATIONS / LOAD_ALLOCATIONS: reserved[0] = chunk_bytes,
@@ -437,6 +451,22 @@ struct cui_ticket {           /* 64 bytes */
  * PREPARED and FAILED (nothing to import then: the bytes are being carried). Multicast tickets
  * carry their object's secret the same way. */
 
+/* Claims (a mutating op only from the agent that holds the job's checkpoint; decisions D48).
+ * The agent that starts a capture (or a restore's shared phases, or the release of a dead
+ * agent's checkpoint) draws a 16-byte token from a CSPRNG, writes it into
+ *   <control dir>/CUI_SOCKET_PREFIX<pid>CUI_CLAIM_SUFFIX   (one file per participant pid)
+ * as one line "<32 lowercase hex digits of the token> <holder pid> <holder kind>\n" (a regular
+ * file, owned by the process's uid or root, not writable by group or other; written atomically)
+ * and puts the token in cui_request.claim of every mutating request. The shim reads the file at
+ * each mutating request, before the request is queued: a missing, unsafe or unreadable file,
+ * or a request whose claim differs, is refused with CUI_REFUSED_PEER (message: the op, this
+ * pid, the peer's pid from SO_PEERCRED, the file and why; the token is never echoed), nothing
+ * changed. INSPECT and FETCH_FD take no claim. The file is removed when the holder is done;
+ * one left by a holder that died is taken over by `cuinterpose-agent release`, which finds the
+ * token again in the checkpoint's .lock record. This guards against a stray or buggy caller
+ * of the same uid (a script running Coordinator.capture() against a running job), not a
+ * hostile one: any process of that uid can read the file, or ptrace the job. */
+
 /* Virtual IPC handle: what cuIpcGetMemHandle of an adapter allocation returns in the 64 bytes of
  * CUipcMemHandle (CUDA driver API: CU_IPC_HANDLE_SIZE 64, opaque). cuIpcOpenMemHandle[_v2] of
  * these bytes fetches the creator's FD (FETCH_FD with the secret) and maps it at a VA the shim
@@ -452,6 +482,26 @@ struct cui_ipc_handle {       /* 64 bytes */
   uint64_t offset;            /* 40 offset of the handle's pointer in the allocation, bytes */
   uint64_t secret;            /* 48 the allocation's secret (Secrets above) */
   uint64_t mapped;            /* 56 bytes created and mapped (size rounded up to the granularity) */
+};
+
+/* ---------- Virtual IPC event handles (issue 24; docs/shim.md "IPC events") ----------
+ * CUipcEventHandle (CUDA driver API: 64 bytes, opaque). cuIpcGetEventHandle of an event created
+ * with CU_EVENT_INTERPROCESS under the shim returns these bytes; cuIpcOpenEventHandle of them
+ * fetches the creator's current driver handle (FETCH_FD of event_id with the secret: the FD is
+ * a sealed memfd holding the driver's 64 bytes) and opens it. The handle stays valid across a
+ * checkpoint: the creator re-creates the event and re-exports it at LOAD_ALLOCATIONS. Any other
+ * 64 bytes are a driver handle and pass through (INSPECT then refuses). */
+#define CUI_IPC_EVENT_MAGIC "CUIIPCEV"
+
+struct cui_ipc_event_handle { /* 64 bytes */
+  char magic[8];              /*  0 CUI_IPC_EVENT_MAGIC, no NUL */
+  uint32_t version;           /*  8 CUI_PROTO_VERSION */
+  uint32_t creator_pid;       /* 12 */
+  uint8_t event_id[16];       /* 16 creator-assigned, random (a FETCH_FD key, like an allocation id) */
+  uint64_t secret;            /* 32 the event's secret (Secrets above) */
+  uint32_t flags;             /* 40 CU_EVENT_* the event was created with */
+  uint32_t reserved0;         /* 44 0 */
+  uint64_t reserved[2];       /* 48 0 */
 };
 
 /* cui_checksum64: the carrier checksum. Over the bytes as little-endian uint64 words w[i]
@@ -471,6 +521,7 @@ CUI_STATIC_ASSERT(sizeof(struct cui_access) == 16, "cui_access is 16 bytes");
 CUI_STATIC_ASSERT(sizeof(struct cui_record) == 640, "cui_record is 640 bytes");
 CUI_STATIC_ASSERT(sizeof(struct cui_ticket) == 64, "cui_ticket is 64 bytes");
 CUI_STATIC_ASSERT(sizeof(struct cui_ipc_handle) == 64, "cui_ipc_handle is 64 bytes");
+CUI_STATIC_ASSERT(sizeof(struct cui_ipc_event_handle) == 64, "cui_ipc_event_handle is 64 bytes");
 CUI_STATIC_ASSERT(sizeof(struct cui_stream_entry) == 32, "cui_stream_entry is 32 bytes");
 CUI_STATIC_ASSERT(sizeof(struct cui_stream_head) == 32, "cui_stream_head is 32 bytes");
 CUI_STATIC_ASSERT(sizeof(struct cui_table_head) == 16, "cui_table_head is 16 bytes");

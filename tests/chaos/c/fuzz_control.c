@@ -112,6 +112,7 @@ static struct cui_reply request(uint16_t op, uint64_t txn, uint32_t phase) {
   q.txn_id = txn;
   q.expected_phase = phase;
   q.sender_pid = (uint32_t)getpid();
+  memcpy(q.claim, CUI_TEST_CLAIM, sizeof q.claim); /* the claim main() took (carry.h) */
   int s = connect_self();
   if (op == CUI_OP_SAVE_ALLOCATIONS || op == CUI_OP_LOAD_ALLOCATIONS)
     CHECK(cui_test_send_carriers(s, &q, g_recs, g_nrecs, g_carry_fds) == 0, "send carriers: %s", strerror(errno));
@@ -161,6 +162,7 @@ int main(int argc, char **argv) {
   g_sa.sun_family = AF_UNIX;
   snprintf(g_sa.sun_path, sizeof g_sa.sun_path, "%s/cuinterpose-%d.sock", getenv("CUINTERPOSE_CONTROL_DIR"),
            (int)getpid());
+  CHECK(cui_test_claim((int)getpid()) == 0, "claim: %s", strerror(errno));
   long replies = 0, closed = 0;
   for (long i = 0; i < n; i++) {
     unsigned char buf[64 + 256];
@@ -190,6 +192,7 @@ int main(int argc, char **argv) {
     }
     struct cui_request *w = (struct cui_request *)buf;
     if (w->magic == CUI_PROTO_MAGIC && w->version == CUI_PROTO_VERSION && w->op != CUI_OP_INSPECT) {
+      if (next(&st) % 2) memcpy(w->claim, CUI_TEST_CLAIM, sizeof w->claim); /* past the claim check */
       w->expected_phase = 0xdead0000u; /* impossible: the fuzz never moves the shim */
       w->txn_id &= 0xffffffffu;
     }

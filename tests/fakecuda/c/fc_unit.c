@@ -160,7 +160,7 @@ static void devices(void)
     EXPECT(cuDeviceGet(&d, 1), CUDA_SUCCESS);
     CHECK(d == 1);
     EXPECT(cuDeviceGetName(name, sizeof name, 0), CUDA_SUCCESS);
-    CHECK(strcmp(name, "fakecuda GPU 0") == 0);
+    CHECK(strcmp(name, "fakecuda GPU") == 0); /* one model, one name */
     EXPECT(cuDeviceGetUuid(&u0, 0), CUDA_SUCCESS);
     EXPECT(cuDeviceGetUuid(&u1, 1), CUDA_SUCCESS);
     CHECK(memcmp(&u0, &u1, sizeof u0) != 0);
@@ -172,6 +172,17 @@ static void devices(void)
     for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
         EXPECT(cuDeviceGetAttribute(&v, (CUdevice_attribute)want[i].attr, 0), CUDA_SUCCESS);
         CHECK(v == want[i].val);
+    }
+    /* each GPU on its own PCI bus (1 + its UUID id), domain 0, device 0; GPUDirect RDMA 1 */
+    for (int k = 0; k < 2; k++) {
+        EXPECT(cuDeviceGetAttribute(&v, CU_DEVICE_ATTRIBUTE_PCI_BUS_ID, k), CUDA_SUCCESS);
+        CHECK(v == 1 + k);
+        EXPECT(cuDeviceGetAttribute(&v, CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID, k), CUDA_SUCCESS);
+        CHECK(v == 0);
+        EXPECT(cuDeviceGetAttribute(&v, CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID, k), CUDA_SUCCESS);
+        CHECK(v == 0);
+        EXPECT(cuDeviceGetAttribute(&v, CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED, k), CUDA_SUCCESS);
+        CHECK(v == 1);
     }
     EXPECT(cuDeviceGetAttribute(&v, (CUdevice_attribute)0, 0), CUDA_ERROR_INVALID_VALUE);
     EXPECT(cuDeviceGetAttribute(&v, CU_DEVICE_ATTRIBUTE_MAX, 0), CUDA_ERROR_INVALID_VALUE);

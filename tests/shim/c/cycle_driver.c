@@ -28,6 +28,8 @@
 
 #include "cuinterpose/protocol.h"
 
+#include "carry.h" /* cui_test_claim (protocol.h "Claims") */
+
 #define GRAN (2u << 20)
 #define SIZE (2 * GRAN)
 
@@ -307,6 +309,7 @@ static int request(pid_t pid, uint16_t op, uint64_t txn, uint32_t phase, struct 
   q.txn_id = txn;
   q.expected_phase = phase;
   q.sender_pid = (uint32_t)getpid();
+  memcpy(q.claim, CUI_TEST_CLAIM, sizeof q.claim); /* main() claimed both (carry.h) */
   if (op == CUI_OP_SAVE_ALLOCATIONS || op == CUI_OP_LOAD_ALLOCATIONS) send_carriers(s, &q);
   else CHECK(write(s, &q, sizeof q) == sizeof q, "send");
   size_t got = 0;
@@ -345,6 +348,7 @@ int main(void) {
   if (ip == 0) exit((alarm(240), importer(i_in[0], i_out[1], sp[1])));
   pid_t who[2] = {cp, ip};
   struct cui_reply rep;
+  CHECK(cui_test_claim(cp) == 0 && cui_test_claim(ip) == 0, "claim: %s", strerror(errno));
   CHECK(get(c_out[0]) == 'i', "creator not initialised");
   CHECK(request(cp, CUI_OP_INSPECT, 0, CUI_PHASE_ACTIVE, &rep, NULL) == CUI_OK && rep.record_count == 0, "empty");
   put(c_in[1], 'g');

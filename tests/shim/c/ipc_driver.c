@@ -221,6 +221,7 @@ static int op(pid_t pid, uint16_t code, uint64_t txn, uint32_t phase, struct cui
   q.txn_id = txn;
   q.expected_phase = phase;
   q.sender_pid = (uint32_t)getpid();
+  memcpy(q.claim, CUI_TEST_CLAIM, sizeof q.claim); /* main() claimed both (carry.h) */
   return request(pid, &q, rep, recs, NULL);
 }
 
@@ -246,6 +247,7 @@ int main(void) {
   pid_t ip = fork();
   if (ip == 0) exit((alarm(240), importer(i_in[0], i_out[1], ci[0])));
   pid_t who[2] = {cp, ip};
+  CHECK(cui_test_claim(cp) == 0 && cui_test_claim(ip) == 0, "claim: %s", strerror(errno));
 
   struct cui_ipc_handle h;
   get_all(c_out[0], &h, sizeof h);
