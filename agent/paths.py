@@ -18,6 +18,24 @@ SHIM_NAME = "libcuinterpose.so"
 FAKECUDA_NAME = "libcuda.so.1"
 
 
+def canonical(path: os.PathLike | str) -> str:
+    """The one canonical form of a path the operator gives (images dir, snapshot dir, control
+    dir), used by every command and the daemon alike: absolute (relative to the working
+    directory), symlinks and ``..`` resolved as the kernel does (``os.path.realpath``: a
+    symlink is followed before the ``..`` after it; components that do not exist yet are kept
+    as written). So ``p/a/../b/snap`` names the same directory for ``checkpoint``, ``restore``,
+    ``snapshots``, ``delete`` and the daemon."""
+    return os.path.realpath(os.fspath(path))
+
+
+def absolute(path: os.PathLike | str) -> str:
+    """``path`` made absolute against the working directory, nothing resolved (``..`` and
+    symlinks left as written): what the CLI sends to a daemon, which resolves it on its own
+    node with :func:`canonical`."""
+    p = os.fspath(path)
+    return p if os.path.isabs(p) else os.path.join(os.getcwd(), p)
+
+
 def lib_dir() -> pathlib.Path:
     """Directory holding ``libcuinterpose.so`` (and ``fakecuda/libcuda.so.1``)."""
     override = os.environ.get("CUINTERPOSE_LIB_DIR")

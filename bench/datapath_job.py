@@ -38,7 +38,7 @@ import time
 
 from cuda.bindings import driver as cu
 
-from cuinterpose.coordinator.contract import quiesce_path, read_json, write_atomic
+from cuinterpose.coordinator.contract import quiesce_path, read_json, remove_if_id, write_atomic
 from cuinterpose.workloads.afdwin.cudrv import alloc_prop, call, rw_access
 
 POSIX_FD = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
@@ -171,6 +171,9 @@ def creator(args) -> int:
             deadline,
             "resume",
         )
+        # its own files, .request last: the agent's next request waits for that (the contract)
+        for kind in ("ready", "resume", "request"):
+            remove_if_id(quiesce_path(args.ctl, root, kind), req["id"])
         if resume.get("restored") or cut == args.cuts:
             break
         # left running: the first --change-bytes change before the next cut

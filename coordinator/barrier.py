@@ -74,7 +74,7 @@ def gc_paused():
     collection that their allocation triggers walks every live object: at 40000 records the
     collections cost as much as the work itself, and more as the records of a capture and of
     its restore pile up (K = 10000 cost up to 77x K = 1000 in ``check carriers`` and
-    ``compare``; decisions D55). Nested and concurrent blocks (the barrier's threads) share one
+    ``compare``; decisions D60). Nested and concurrent blocks (the barrier's threads) share one
     pause; the collector is enabled again after the last only if it was enabled before the
     first."""
     with _gc_lock:

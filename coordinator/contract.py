@@ -10,6 +10,10 @@ pid ``ROOT``, each a JSON object:
 - ``quiesce-ROOT.ready`` (workload): ``{"id": str, "ranks": [{"pid": int, ...}], ...}``
 - ``quiesce-ROOT.resume`` (agent): ``{"id": str, "restored": bool, "cancelled": bool}``
 - ``quiesce-ROOT.lock`` (agent): which agent process owns the pending request
+
+Each side removes only files that carry the id of the request it is handling
+(:func:`remove_if_id`); the workload, once it read ``.resume``, removes ``.ready`` and
+``.resume`` and then ``.request`` last: the agent's next request waits for that (case 017).
 """
 
 from __future__ import annotations
@@ -21,7 +25,14 @@ import secrets
 
 from .protocol import default_control_dir
 
-__all__ = ["KINDS", "quiesce_path", "write_atomic", "read_json", "default_control_dir"]
+__all__ = [
+    "KINDS",
+    "quiesce_path",
+    "write_atomic",
+    "read_json",
+    "remove_if_id",
+    "default_control_dir",
+]
 
 KINDS = ("request", "ready", "resume", "lock")
 
@@ -84,3 +95,17 @@ def read_json(path: str | os.PathLike) -> dict | None:
         return obj if isinstance(obj, dict) else None
     except (OSError, ValueError):
         return None
+
+
+def remove_if_id(path: str | os.PathLike, qid: str) -> bool:
+    """Remove ``path`` when it holds a JSON object whose ``"id"`` is ``qid``; True when it was
+    removed. A file of another request, an unreadable one or none is left as it is: neither
+    side ever removes a file that belongs to another request (case 017)."""
+    got = read_json(path)
+    if got is None or str(got.get("id")) != str(qid):
+        return False
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True

@@ -15,6 +15,7 @@ have_cmd python3 || need+=(python3)
 python3 -c 'import ensurepip, venv' 2>/dev/null || need+=(python3-venv)
 have_cmd ip     || need+=(iproute2)
 have_cmd nsenter || need+=(util-linux)   # unshare, nsenter: the placement tests' namespaces
+have_cmd useradd || need+=(passwd)      # useradd, userdel: tests/cases/test_case_016.py adds a user
 have_cmd npm    || need+=(npm)           # npm pack: scripts/install-helm.sh's pinned helm
 have_cmd apt-get >/dev/null
 # libasan/libubsan come with gcc on Debian; CRIU 4.x is fetched by scripts/install-criu.sh.

@@ -9,6 +9,7 @@ import sys
 
 import click
 
+from cuinterpose.agent import paths
 from cuinterpose.agent.cli.common import (
     POSITIVE,
     client_tls,
@@ -272,7 +273,7 @@ def serve(
     tls = TLS(cert=v["tls_cert"], key=v["tls_key"], ca=v["tls_client_ca"])
     sd = v["snapshot_dir"]
     roots = [
-        os.path.abspath(str(d))
+        paths.canonical(str(d))
         for d in (sd if isinstance(sd, list) else [sd] if sd else [DEFAULT_SNAPSHOT_DIR])
     ]
     addr = v["listen"] or default_address()

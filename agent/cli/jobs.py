@@ -8,6 +8,7 @@ import os
 
 import click
 
+from cuinterpose.agent import paths
 from cuinterpose.agent.cli.common import (
     POSITIVE,
     BytesType,
@@ -224,7 +225,7 @@ def checkpoint(
             apb, _, _ = pb.modules()
             req = apb.CheckpointRequest(
                 roots=list(pids),
-                images_dir=os.path.abspath(images_dir) if images_dir else "",
+                images_dir=paths.absolute(images_dir) if images_dir else "",
                 options=apb.CheckpointOptions(
                     quiesce_timeout_ms=quiesce_timeout_ms,
                     lock_timeout_ms=lock_timeout_ms,
@@ -232,7 +233,7 @@ def checkpoint(
                     carrier_timeout_s=carrier_timeout_s,
                     leave_running=leave_running,
                     driver=driver or "",
-                    control_dir=os.path.abspath(control_dir) if control_dir else "",
+                    control_dir=paths.absolute(control_dir) if control_dir else "",
                     chunk_bytes=chunks.get("chunk_bytes", 0),
                     staging_bytes=chunks.get("staging_bytes", 0),
                     writers=chunks.get("writers", 0),
@@ -385,7 +386,7 @@ def restore(
 
             apb, _, _ = pb.modules()
             req = apb.RestoreRequest(
-                images_dir=os.path.abspath(images_dir) if images_dir else "",
+                images_dir=paths.absolute(images_dir) if images_dir else "",
                 driver=driver or "",
                 phase_timeout_s=phase_timeout_s,
                 carrier_timeout_s=carrier_timeout_s,
@@ -400,10 +401,10 @@ def restore(
 
                 res = live(sink, lambda: lead("restore", req, rep, RemoteRows(rep), tls=tls)[0])
         else:
-            if not os.path.exists(images_dir):
+            if not os.path.exists(paths.canonical(images_dir)):
                 from cuinterpose.agent.errors import SnapshotError
 
-                raise SnapshotError("manifest", f"{images_dir} does not exist")
+                raise SnapshotError("manifest", f"{paths.canonical(images_dir)} does not exist")
             set_env(driver, None)
             _use_native_backend(native_backend)
             res = live(
@@ -458,7 +459,7 @@ def inspect(pid, phase_timeout_s, control_dir, agent_addr, tls_ca, tls_cert, tls
             req = apb.InspectRequest(
                 pid=pid,
                 timeout_s=phase_timeout_s,
-                control_dir=os.path.abspath(control_dir) if control_dir else "",
+                control_dir=paths.absolute(control_dir) if control_dir else "",
             )
             res = remote(
                 agent_addr, "Inspect", req, Reporter(), None, client_tls(tls_ca, tls_cert, tls_key)
@@ -495,7 +496,7 @@ def snapshots_cmd(path, directory, agent_addr, tls_ca, tls_cert, tls_key, as_jso
     itself when it is a snapshot."""
     from cuinterpose.agent.run import ops
 
-    if path and directory and os.path.abspath(path) != os.path.abspath(directory):
+    if path and directory and paths.canonical(path) != paths.canonical(directory):
         raise click.UsageError("give the directory either as PATH or as --dir, not both")
     directory = directory or path
     try:
@@ -504,7 +505,7 @@ def snapshots_cmd(path, directory, agent_addr, tls_ca, tls_cert, tls_key, as_jso
             from cuinterpose.agent.snapshot import pb
 
             apb, _, _ = pb.modules()
-            req = apb.ListSnapshotsRequest(dir=os.path.abspath(directory) if directory else "")
+            req = apb.ListSnapshotsRequest(dir=paths.absolute(directory) if directory else "")
             res = remote(
                 agent_addr,
                 "ListSnapshots",
@@ -546,7 +547,7 @@ def delete_cmd(images_dir, agent_addr, tls_ca, tls_cert, tls_key, as_json):
             from cuinterpose.agent.snapshot import pb
 
             apb, _, _ = pb.modules()
-            req = apb.DeleteSnapshotRequest(images_dir=os.path.abspath(images_dir))
+            req = apb.DeleteSnapshotRequest(images_dir=paths.absolute(images_dir))
             res = remote(
                 agent_addr,
                 "DeleteSnapshot",
@@ -589,7 +590,7 @@ def release_cmd(pid, force, control_dir, as_json):
     from cuinterpose.agent.mech import ctldir
     from cuinterpose.agent.run import recover
 
-    cdir = os.path.abspath(control_dir or default_control_dir())
+    cdir = paths.canonical(control_dir or default_control_dir())
     try:
         ctldir.check(cdir, phase="release", pid=pid)
         res = recover.release(cdir, pid, force=force)

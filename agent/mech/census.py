@@ -192,10 +192,20 @@ def walk_tree(roots: Iterable[int]) -> list[tuple[int, int, str]]:
     out, seen = [], set()
     for r in roots:
         if r in zombies:
-            raise CensusError("census", "has exited (zombie); nothing to checkpoint", pid=r)
+            e = CensusError("census", "has exited (zombie); nothing to checkpoint", pid=r)
+            e.hint = f"nothing was done; the job has exited (pid {r} is a zombie)"
+            raise e
         if r not in info:
             check_process_id(r, "census")
-            raise CensusError("census", "no such process (root)", pid=r)
+            e = CensusError(
+                "census",
+                "no such process (root): the job has exited, or this is not its pid (in an "
+                "interactive shell `setsid CMD &` forks, so $! is setsid's own pid, which exits "
+                "at once; README, 'Using it on a job')",
+                pid=r,
+            )
+            e.hint = f"nothing was done; no process has pid {r}"
+            raise e
     queue = [(r, info[r][0], info[r][1]) for r in roots]
     while queue:
         pid, ppid, comm = queue.pop(0)

@@ -3,7 +3,9 @@ control socket before any driver call or request: that a pid is a process, not o
 threads (case 002); that it is not stopped (state T/t: the driver would wait forever, case
 001); that a control dir can hold a socket path for every pid (case 007); and that a control
 socket belongs to the process it names, by owner uid and ``SO_PEERCRED`` (case 012). Each
-raises ``CensusError`` naming the pid, the cause and what to do.
+raises ``CensusError`` naming the pid, the cause and what to do. Also the checkpoint's checks of
+its census: no tree reaches a mount outside its namespace (:func:`check_mounts`), and every
+participant is among the ranks the workload parked (:func:`check_parked`).
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ import socket
 import struct
 from typing import Optional
 
-from cuinterpose.agent.errors import CensusError
-from cuinterpose.agent.mech import procfs
+from cuinterpose.agent.errors import AgentError, CensusError
+from cuinterpose.agent.mech import fds, procfs
 from cuinterpose.coordinator import protocol
 
 
@@ -148,3 +150,59 @@ def socket_peer(sock: os.PathLike | str, timeout_s: float = 5.0) -> Optional[tup
         return None
     finally:
         s.close()
+
+
+def check_mounts(census, roots, tree_pids) -> None:
+    """Refuse (``CensusError``, phase "census", nothing torn down) a tree with a working
+    directory, root directory or file mapping on a mount outside its mount namespace
+    (:func:`~cuinterpose.agent.mech.fds.outside_mounts`): CRIU fails such a dump ("Can't lookup
+    mount=N for fd=-3"), and only open fds can be dumped as external files.
+    ``tree_pids(root)``: the pids of a tree."""
+    comms = {p.pid: p.comm for p in census.processes}
+    for root in roots:
+        found = fds.outside_mounts(root, tree_pids(root))
+        if not found:
+            continue
+        f0 = found[0]
+        others = "".join(
+            f"; also pid {f['pid']} ({comms.get(f['pid'], '?')}) {f['what']}" for f in found[1:6]
+        )
+        if len(found) > 6:
+            others += f"; and {len(found) - 6} more"
+        raise CensusError(
+            "census",
+            (
+                f"({comms.get(f0['pid'], '?')}) of tree {root} {f0['what']}, which is not a "
+                "mount of the tree's mount namespace (reached from outside it, e.g. through an "
+                "inherited fd or another process's /proc/PID/root): CRIU, run in that "
+                f'namespace, cannot dump it ("Can\'t lookup mount={f0["mnt_id"]} for fd=-3"), '
+                "and only open fds can be recorded as external files"
+                f"{others}; checkpoint refused, nothing was torn down, the workload keeps "
+                "running"
+            ),
+            pid=f0["pid"],
+        )
+
+
+def check_parked(census, ready: dict) -> None:
+    """Every participant must be among the ranks the workload reported parked (when it lists
+    pids): a CUDA process that is still running cannot be torn down safely. Raises
+    ``AgentError`` (phase "quiesce") naming the first unparked participant. ``ready``: {root:
+    the workload's ``.ready`` payload}."""
+    parked = set()
+    for payload in ready.values():
+        ranks = payload.get("ranks")
+        if not isinstance(ranks, list) or not all(
+            isinstance(r, dict) and "pid" in r for r in ranks
+        ):
+            return  # the workload does not list pids: nothing to check against
+        parked.update(int(r["pid"]) for r in ranks)
+    for p in census.participants:
+        if p.pid not in parked:
+            raise AgentError(
+                "quiesce",
+                f"({p.comm}) is a participant but the workload's ready "
+                f"lists only pids {sorted(parked)} as parked; checkpoint refused, "
+                "nothing was torn down",
+                pid=p.pid,
+            )

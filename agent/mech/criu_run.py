@@ -34,6 +34,9 @@ __all__ = [
     "log_tail",
 ]
 
+#: the umask of a CRIU dump: its images and log are created 0600 (a restore's CRIU keeps its
+#: own: it gives each restored task the umask recorded in its images)
+PRIVATE_UMASK = 0o077
 LOG_LEVEL = "-v4"  # full debug log in the log file; CRIU prints nothing to stdout
 LOG_TAIL_LINES = 25
 
@@ -90,7 +93,7 @@ def keep_log(action: str, log_path: Path, images_dir: Path) -> Path:
         if not Path(log_path).resolve().is_relative_to(Path(images_dir).resolve()):
             return log_path
         d = kept_logs_dir()
-        d.mkdir(parents=True, exist_ok=True)
+        d.mkdir(mode=0o700, parents=True, exist_ok=True)
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
         dst = d / f"{action}-{stamp}-{os.getpid()}-{Path(images_dir).name}.log"
         n = 1
@@ -98,6 +101,7 @@ def keep_log(action: str, log_path: Path, images_dir: Path) -> Path:
             n += 1
             dst = d / f"{action}-{stamp}-{os.getpid()}-{Path(images_dir).name}.{n}.log"
         shutil.copyfile(log_path, dst)
+        os.chmod(dst, 0o600)  # a CRIU log names the job's files and sockets
         return dst
     except OSError:
         return log_path
@@ -151,16 +155,19 @@ def criu_timeout_s() -> float:
     return v
 
 
-def _child_preexec(opened):
+def _child_preexec(opened, umask=None):
     """The ``preexec_fn`` of CRIU's child: first PR_SET_PDEATHSIG(SIGKILL), so CRIU dies with
     its agent instead of finishing a dump alone (case 009: a tree it leaves stopped is
-    resumed by ``release``), then ``opened``'s setup (cgroups, namespaces) when there is
-    one."""
+    resumed by ``release``), ``umask`` when given (a dump: 077, so CRIU creates its images and
+    log 0600, private as the whole snapshot, case 016), then ``opened``'s setup (cgroups,
+    namespaces) when there is one."""
     prctl = libc.fn("prctl")
     agent = os.getpid()
 
     def preexec() -> None:
         prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if umask is not None:
+            os.umask(umask)
         if os.getppid() != agent:  # the agent died before prctl: do not run orphaned
             os._exit(137)
         if opened:
@@ -214,7 +221,7 @@ def run(
                 capture_output=True,
                 text=True,
                 pass_fds=tuple(pass_fds),
-                preexec_fn=_child_preexec(opened),
+                preexec_fn=_child_preexec(opened, PRIVATE_UMASK if action == "dump" else None),
                 timeout=deadline_s,
             )
         except subprocess.TimeoutExpired:  # subprocess.run killed and reaped CRIU

@@ -235,7 +235,8 @@ def read_stream(region: Region, fd: int, record: dict, *, opts: Options, phase: 
     """Read the stream ``record`` (its chunks at ``opts.chunk_bytes``) from ``fd`` into
     ``region``: each chunk is verified before its bytes are copied to the device; zero chunks
     are zeroed on the device. Raises :class:`GpuStoreError` naming the file, pid, ordinal, chunk
-    and both checksums (a bad chunk), or the errno (a failed read); the file is only read."""
+    and its byte range in the file, and both checksums (a bad chunk), or the errno (a failed
+    read); the file is only read."""
     size, cb = int(record["bytes"]), opts.chunk_bytes
     pid, ordinal, file = record["pid"], record["ordinal"], record["file"]
     if size != region.size:
@@ -260,20 +261,22 @@ def read_stream(region: Region, fd: int, record: dict, *, opts: Options, phase: 
             except OSError as e:
                 raise GpuStoreError(
                     phase,
-                    f"GPU ordinal {ordinal}: read of chunk {i} of {file} failed: "
+                    f"GPU ordinal {ordinal}: read of chunk {i} (bytes {off}..{off + k - 1}) of {file} failed: "
                     f"{errno_mod.errorcode.get(e.errno, e.errno)} ({e.strerror})",
                     pid=pid,
                 ) from e
             if b <= 0:
                 raise GpuStoreError(
-                    phase, f"GPU ordinal {ordinal}: {file} ends inside chunk {i}", pid=pid
+                    phase,
+                    f"GPU ordinal {ordinal}: {file} ends inside chunk {i} (bytes {off}..{off + k - 1})",
+                    pid=pid,
                 )
             got += b
         have = checksum(view[:k], opts.checksum)
         if have != sums[i]:
             raise GpuStoreError(
                 phase,
-                f"GPU ordinal {ordinal}: chunk {i} of {file} has a bad checksum: manifest "
+                f"GPU ordinal {ordinal}: chunk {i} (bytes {off}..{off + k - 1}) of {file} has a bad checksum: manifest "
                 f"{sums[i]}, file {have}; restore refused, snapshot untouched",
                 pid=pid,
             )

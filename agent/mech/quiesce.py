@@ -11,21 +11,91 @@ shared with the workload side):
   ...}``: the agent process that owns the pending request (so ``release`` can refuse while that
   agent is alive), and what that agent had done: the record agent/run/recover.py reads to undo
   the checkpoint of an agent that died (its fields: :func:`write_lock`)
+
+One request per root at a time, and no file of one request is ever removed or overwritten on
+behalf of another (case 017, decisions D55): every read-then-change of these files by an agent
+runs under :func:`serial` (the control directory's ``flock``); a new request waits until the
+workload took the answer to the previous one (it removes ``.request`` last, once it read
+``.resume``); the agent removes a ``.request`` only while it carries its own id (a refused
+request withdrawn, a dead tree's files cleared) and never removes a ``.ready`` or ``.resume``
+of another id; each id is answered by one ``.resume`` write.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import functools
 import json
 import os
+import threading
 import time
 import uuid
 from typing import Callable, Iterable, Optional
 
 from cuinterpose.agent.errors import QuiesceRefused
 from cuinterpose.agent.mech import procfs, signal_at
-from cuinterpose.coordinator.contract import quiesce_path, read_json, write_atomic
+from cuinterpose.coordinator.contract import quiesce_path, read_json, remove_if_id, write_atomic
 
 POLL_S = 0.02
+#: seconds an agent waits for the control directory's lock (:func:`serial`); its holders keep it
+#: for a few file operations, so only a holder stopped by a signal makes anyone wait this long
+SERIAL_TIMEOUT_S = 10.0
+_held = threading.local()
+#: (control dir, root, request id) this process has answered (:func:`_answer`): never a second
+#: ``.resume`` for one id
+_ANSWERED: set = set()
+
+
+@contextlib.contextmanager
+def serial(control_dir, timeout_s: float = SERIAL_TIMEOUT_S):
+    """Hold ``flock(LOCK_EX)`` on a descriptor of ``control_dir`` (flock(2): it dies with the
+    holder) while this agent reads and changes quiesce files there, so what it checked is still
+    true when it writes. Re-entrant within a thread. Raises ``TimeoutError`` naming the
+    directory when it stays taken for ``timeout_s`` seconds (polled every :data:`POLL_S`)."""
+    key = os.fspath(control_dir)
+    depth = getattr(_held, "depth", None)
+    if depth is None:
+        depth = _held.depth = {}
+    if depth.get(key):
+        depth[key] += 1
+        try:
+            yield
+        finally:
+            depth[key] -= 1
+        return
+    fd = os.open(key, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"the lock of control directory {key} (flock) stayed taken for "
+                        f"{timeout_s:g} s: another agent holding it is stopped or hung"
+                    ) from None
+                time.sleep(POLL_S)
+        depth[key] = 1
+        try:
+            yield
+        finally:
+            depth[key] = 0
+    finally:
+        os.close(fd)  # releases the flock
+
+
+def _serialized(fn):
+    """Run ``fn(control_dir, ...)`` under :func:`serial` of its ``control_dir``."""
+
+    @functools.wraps(fn)
+    def run(control_dir, *a, **kw):
+        with serial(control_dir):
+            return fn(control_dir, *a, **kw)
+
+    return run
 
 
 def new_id() -> str:
@@ -49,37 +119,93 @@ def pending_request(control_dir, root: int) -> Optional[str]:
 
 
 def request(control_dir, roots: Iterable[int], qid: str, timeout_ms: int) -> None:
-    """Write ``.request`` for every root (a stale ``.ready``/``.resume`` of the root is removed
-    first so an old answer cannot be mistaken for this one).
+    """Write ``.request`` {"id": ``qid``, "timeout_ms"} and this agent's ``.lock``
+    (:func:`write_lock`) for every root, each under :func:`serial`.
 
-    One checkpoint at a time: a ``.request`` that no ``.resume`` answers yet (another agent's,
-    or one left by an agent that died) is never overwritten: ``QuiesceRefused`` naming it, and
-    nothing is written. The request is created with ``link`` (fails if it exists), so two
-    agents cannot both win."""
+    One request per root at a time, and nothing of another request is removed:
+
+    - a ``.request`` no ``.resume`` answers yet (pending: another agent's, or one left by an
+      agent that died) refuses at once: ``QuiesceRefused`` naming it and its owner;
+    - a ``.request`` its ``.resume`` answers is the previous checkpoint's, whose answer the
+      workload has not taken yet (it removes the request last, once it read ``.resume``):
+      waited for, up to ``timeout_ms``, then ``QuiesceRefused`` saying so;
+    - a ``.ready`` or ``.resume`` without a ``.request`` is left alone: it carries an older id
+      (which the workload and :func:`wait_ready` ignore), and a workload may still read it (a
+      cancelled request it had seen, a restored tree's answer).
+
+    The request is created with ``link`` (fails if it exists). On a refusal the requests
+    already written for earlier roots are withdrawn; nothing else was changed."""
     roots = list(roots)
-    for r in roots:
-        rid = pending_request(control_dir, r)
-        if rid is not None:
-            raise _busy(control_dir, r, rid)
+    deadline = time.monotonic() + timeout_ms / 1000.0
     written = []
     try:
         for r in roots:
-            for kind in ("ready", "resume", "request"):  # a request here was answered
-                quiesce_path(control_dir, r, kind).unlink(missing_ok=True)
-            path = quiesce_path(control_dir, r, "request")
-            tmp = path.with_name(f"{path.name}.{qid}.tmp")
-            write_atomic(tmp, {"id": qid, "timeout_ms": int(timeout_ms)})
-            try:
-                os.link(tmp, path)
-            except FileExistsError:
-                raise _busy(control_dir, r, pending_request(control_dir, r) or "?") from None
-            finally:
-                tmp.unlink(missing_ok=True)
+            while not _try_request(control_dir, r, qid, timeout_ms):
+                if time.monotonic() >= deadline:
+                    raise _untaken(control_dir, r, timeout_ms)
+                time.sleep(POLL_S)
             written.append(r)
+    except TimeoutError as e:
+        _withdraw(control_dir, written, qid)
+        raise QuiesceRefused("quiesce", f"{e}; checkpoint refused, nothing was changed") from None
     except BaseException:
-        for r in written:
-            quiesce_path(control_dir, r, "request").unlink(missing_ok=True)
+        _withdraw(control_dir, written, qid)
         raise
+
+
+def _try_request(control_dir, root: int, qid: str, timeout_ms: int) -> bool:
+    """Under :func:`serial`: create ``root``'s request and lock (True), or False while the
+    previous request is answered but not yet taken; ``QuiesceRefused`` while one is pending."""
+    with serial(control_dir):
+        path = quiesce_path(control_dir, root, "request")
+        if os.path.lexists(path):
+            rid = pending_request(control_dir, root)
+            if rid is None:
+                return False  # answered: the workload has not removed it yet
+            raise _busy(control_dir, root, rid)
+        owner = lock_owner(control_dir, root)
+        if owner is not None and owner.get("id") != qid:  # e.g. a restore of this tree
+            lock = quiesce_path(control_dir, root, "lock")
+            raise QuiesceRefused(
+                "quiesce",
+                f"{lock} names agent pid {owner['pid']} (id {owner.get('id')}), which is alive: a "
+                "restore or checkpoint of this tree is in progress there; checkpoint refused, "
+                "nothing was changed by this request",
+                pid=root,
+            )
+        tmp = path.with_name(f"{path.name}.{qid}.tmp")
+        write_atomic(tmp, {"id": qid, "timeout_ms": int(timeout_ms)})
+        try:
+            os.link(tmp, path)
+        except FileExistsError:  # a writer that does not take the lock (not an agent)
+            raise _busy(control_dir, root, pending_request(control_dir, root) or "?") from None
+        finally:
+            tmp.unlink(missing_ok=True)
+        write_lock(control_dir, [root], qid)
+        return True
+
+
+def _withdraw(control_dir, roots: Iterable[int], qid: str) -> None:
+    """Remove the ``.request`` and ``.lock`` of ``roots`` that carry ``qid`` (a request refused
+    before any workload answered it)."""
+    with serial(control_dir):
+        for r in roots:
+            remove_if_id(quiesce_path(control_dir, r, "request"), qid)
+        unlock(control_dir, roots, qid)
+
+
+def _untaken(control_dir, root: int, timeout_ms: int) -> QuiesceRefused:
+    req = quiesce_path(control_dir, root, "request")
+    got = read_json(req) or {}
+    return QuiesceRefused(
+        "quiesce",
+        f"{req} (id {got.get('id', '?')}) was answered by "
+        f"{quiesce_path(control_dir, root, 'resume')}, but the workload has not taken that answer "
+        f"within {timeout_ms} ms (a workload removes the request once it read its .resume): it is "
+        "busy resuming, hung, or does not follow docs/workload-contract.md; checkpoint refused, "
+        "nothing was changed by this request",
+        pid=root,
+    )
 
 
 def _busy(control_dir, root: int, rid: str) -> QuiesceRefused:
@@ -119,6 +245,7 @@ def _busy(control_dir, root: int, rid: str) -> QuiesceRefused:
 # -- the agent's lock: which agent process owns the pending request of a root ------------------
 
 
+@_serialized
 def write_lock(
     control_dir,
     roots: Iterable[int],
@@ -154,6 +281,7 @@ def write_lock(
         )
 
 
+@_serialized
 def mark_step(control_dir, roots: Iterable[int], qid: str, step: str, **extra) -> None:
     """Append ``step`` ("capture", "capture done", "native lock", ..., "criu dump TREE") to
     the ``steps`` of this agent's ``.lock`` of every root (and merge ``extra``), so whoever
@@ -169,6 +297,7 @@ def mark_step(control_dir, roots: Iterable[int], qid: str, step: str, **extra) -
         write_atomic(path, lk)
 
 
+@_serialized
 def abandon_lock(
     control_dir,
     roots: Iterable[int],
@@ -208,6 +337,7 @@ def abandon_lock(
         )
 
 
+@_serialized
 def unlock(control_dir, roots: Iterable[int], qid: Optional[str] = None) -> None:
     """Remove this agent's ``.lock`` of every root (only one carrying ``qid`` when given)."""
     for r in roots:
@@ -268,6 +398,7 @@ def release_check(control_dir, root: int) -> tuple[str, Optional[dict]]:
     return rid, (lk if isinstance(lk, dict) and lk.get("id") == rid else None)
 
 
+@_serialized
 def release(control_dir, root: int, *, force: bool = False) -> dict:
     """Answer the pending ``.request`` of ``root`` with ``.resume`` {"id": its id, "restored":
     false, "cancelled": true} (atomically) and remove the request and the lock, so a workload
@@ -297,14 +428,15 @@ def release(control_dir, root: int, *, force: bool = False) -> dict:
                 pid=root,
             )
     resume_path = quiesce_path(control_dir, root, "resume")
-    write_atomic(resume_path, {"id": rid, "restored": False, "cancelled": True})
-    req.unlink(missing_ok=True)
+    _answer(control_dir, root, rid, restored=False, cancelled=True)
+    remove_if_id(req, rid)  # withdrawn: its workload may never have read it
     lock = quiesce_path(control_dir, root, "lock")
     had_lock = lock.exists()
     lock.unlink(missing_ok=True)
     return {"pid": root, "request_id": rid, "resume": str(resume_path), "removed_lock": had_lock}
 
 
+@_serialized
 def clear(control_dir, roots: Iterable[int]) -> None:
     """Remove ``.request`` and ``.ready`` of trees that are gone (killed after their dump): a
     later process reusing the root pid must not take them for a request."""
@@ -364,31 +496,59 @@ def wait_ready(
         + ", ".join(str(quiesce_path(control_dir, r, "ready")) for r in missing)
         + f" within {timeout_ms} ms"
     )
-    if len(alive) < len(missing):
-        why += f" (exited: {', '.join(str(r) for r in missing if r not in alive)})"
-    raise QuiesceRefused(
+    gone = [r for r in missing if r not in alive]
+    if gone:
+        why += f" (exited: {', '.join(map(str, gone))})"
+    e = QuiesceRefused(
         "quiesce",
-        f"workload {why}; checkpoint refused, nothing was torn down, the workload keeps running",
+        f"workload {why}; checkpoint refused, nothing was torn down, "
+        + (
+            "the workload keeps running"
+            if not gone
+            else f"the job of root {', '.join(map(str, gone))} has exited"
+        ),
         pid=missing[0],
     )
+    if gone:
+        e.hint = f"nothing was torn down; the job of root {', '.join(map(str, gone))} has exited"
+    raise e
 
 
+@_serialized
 def resume(
     control_dir, roots: Iterable[int], qid: str, *, restored: bool, cancelled: bool = False
 ) -> None:
-    """Write ``.resume`` for every root: the workload may continue."""
+    """Write ``.resume`` for every root (:func:`_answer`: once per id): the workload may
+    continue. The ``.request`` stays: the workload removes it once it took the answer, and
+    the next :func:`request` waits for that."""
     roots = list(roots)
     for r in roots:
-        write_atomic(
-            quiesce_path(control_dir, r, "resume"),
-            {"id": qid, "restored": bool(restored), "cancelled": bool(cancelled)},
-        )
+        _answer(control_dir, r, qid, restored=restored, cancelled=cancelled)
     unlock(control_dir, roots, qid)
 
 
+@_serialized
 def cancel(control_dir, roots: Iterable[int], qid: str) -> None:
-    """Refuse a checkpoint before teardown: ``.resume`` with ``cancelled=true`` and remove ``.request``."""
+    """Refuse a checkpoint before teardown: withdraw ``.request`` (while it still carries
+    ``qid``: its workload may never have read it), then answer it with ``.resume``
+    ``cancelled=true`` (a workload that had read it and parks takes that answer)."""
     roots = list(roots)
-    resume(control_dir, roots, qid, restored=False, cancelled=True)
     for r in roots:
-        quiesce_path(control_dir, r, "request").unlink(missing_ok=True)
+        remove_if_id(quiesce_path(control_dir, r, "request"), qid)
+    resume(control_dir, roots, qid, restored=False, cancelled=True)
+
+
+def _answer(control_dir, root: int, qid: str, *, restored: bool, cancelled: bool) -> None:
+    """``.resume`` {"id": ``qid``, "restored", "cancelled"} of ``root``. A checkpoint's answer
+    (``restored`` false: done, cancelled, rolled back, released) is written once per id: not
+    again when this process wrote it already or a ``.resume`` carries that id. A restore's
+    (``restored`` true) is always written: the restored tree is a new incarnation parked on the
+    snapshot's id, which its checkpoint may have answered long ago. Call under :func:`serial`."""
+    key = (os.fspath(control_dir), int(root), qid)
+    path = quiesce_path(control_dir, root, "resume")
+    if not restored:
+        old = read_json(path)
+        if key in _ANSWERED or (old is not None and old.get("id") == qid):
+            return
+    write_atomic(path, {"id": qid, "restored": bool(restored), "cancelled": bool(cancelled)})
+    _ANSWERED.add(key)

@@ -22,6 +22,7 @@ import uuid
 from concurrent import futures
 from typing import Callable, Optional
 
+from cuinterpose.agent import paths
 from cuinterpose.agent.errors import AgentError
 from cuinterpose.agent.rpc import client
 from cuinterpose.agent.rpc.member import DEFAULT_GROUP_LEASE_S, LEASE_EXPIRED
@@ -217,6 +218,29 @@ def _members(request) -> list:
     return out
 
 
+def _distinct_images_dirs(members) -> None:
+    """Refuse (``AgentError``, phase "group", refused) a group checkpoint two of whose members
+    name one images dir: the same path once symlinks and ``..`` are resolved as this leader
+    sees them (``paths.canonical``; a relative path, which each member takes against its own
+    snapshot root, only normalized), whatever their addresses: two daemons may share a
+    directory (NFS). Each member also claims its directory (agent/snapshot/claim.py), which
+    catches one directory reached through different paths on different nodes."""
+    seen: dict = {}
+    for m in members:
+        d = m.images_dir
+        key = paths.canonical(d) if os.path.isabs(d) else os.path.normpath(d)
+        if key in seen:
+            o = seen[key]
+            raise AgentError(
+                "group",
+                f"members {o.node} ({o.address}) and {m.node} ({m.address}) name the same images "
+                f"dir {key}: one run at a time writes a snapshot directory; give each member its "
+                "own images_dir; nothing was done",
+                outcome="refused",
+            )
+        seen[key] = m
+
+
 def lead(
     kind: str,
     request,
@@ -262,6 +286,8 @@ def lead(
             return call(addr, "Renew", req, None)
 
     members = _members(request)
+    if kind == "checkpoint":
+        _distinct_images_dirs(members)
     if kind == "restore" and request.into_pid:
         raise AgentError(
             "group",

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+from cuinterpose.agent import paths
 from cuinterpose.agent.errors import AgentError
 from cuinterpose.agent.rpc.client import TLS, tcp_host
 
@@ -81,13 +82,13 @@ def confine_path(
         raise AgentError(
             phase, f"{what} {path!r}: the agent has no snapshot directory", outcome="refused"
         )
-    real_roots = [os.path.realpath(r) for r in roots]
+    real_roots = [paths.canonical(r) for r in roots]
     if not path:
         raise AgentError(phase, f"no {what} given", outcome="usage")
     if "\0" in path:
         raise AgentError(phase, f"{what} {path!r}: contains a NUL byte", outcome="refused")
     joined = path if os.path.isabs(path) else os.path.join(roots[0], path)
-    real = os.path.realpath(joined)
+    real = paths.canonical(joined)
     for r in real_roots:
         if real == r or real.startswith(r.rstrip("/") + "/"):
             return real

@@ -34,7 +34,7 @@ import threading
 from concurrent import futures
 from typing import Callable, Iterator, Optional
 
-from cuinterpose.agent import validate
+from cuinterpose.agent import paths, validate
 from cuinterpose.agent.errors import AgentError
 from cuinterpose.agent.rpc import group, unixsock
 from cuinterpose.agent.rpc.client import (
@@ -274,7 +274,7 @@ class AgentService(GroupMember, _servicer_base()):
         roots = list(o.snapshot_roots) or [o.snapshot_dir or DEFAULT_SNAPSHOT_DIR]
         if o.snapshot_dir and o.snapshot_dir not in roots:
             roots.insert(0, o.snapshot_dir)
-        return [os.path.abspath(r) for r in roots]
+        return [paths.canonical(r) for r in roots]
 
     def confine(self, path: str, *, what: str = "images dir", phase: str = "images dir") -> str:
         """:func:`confine_path` against :meth:`roots`; logs a refusal."""

@@ -180,27 +180,56 @@ def restore_files(images_dir, manifest: dict, **kw) -> CarrierFiles:
     return files
 
 
-_BAD_CHUNK = re.compile(r"allocation ([0-9a-f]{32}): chunk (\d+) of its chunk file ")
+_BAD_ALLOC = re.compile(r"allocation ([0-9a-f]{32}): ")
+_BAD_CHUNK = re.compile(r"chunk (\d+)")
+_BAD_SOURCE = re.compile(r"chunk store source \d+ at offset (\d+)")
 
 
-def bad_chunk_where(message: str, manifest: dict) -> str:
-    """Where on disk the chunk a LOAD_ALLOCATIONS refusal names (its shim message: "allocation
-    <32 hex>: chunk <k> of its chunk file has checksum ...") lies: ``"; the chunk is bytes
-    O..O+N-1 of chunks/shared-P-A.bin in the snapshot directory"`` from the manifest's
-    ``chunks`` streams; "" when the message names no such chunk or the manifest has no file
-    for it (a chunk store's pack is named by the shim's own message)."""
-    m = _BAD_CHUNK.search(message or "")
-    ch = (manifest or {}).get("chunks") or {}
-    if not m or not ch.get("chunk_bytes"):
+def bad_chunk_where(message: str, files, pid=None, manifest: dict | None = None) -> str:
+    """Where on disk lies the chunk that a LOAD_ALLOCATIONS refusal of a shim names (the shim's
+    messages: "allocation <32 hex>: chunk <k> of its chunk file has checksum ...", "... of chunk
+    store source <s> at offset <o> ...", "<where> ends inside chunk <k>", "reading chunk <k> of
+    <where> failed"): ``"; the chunk is bytes A..B of FILE"``, FILE the absolute path of the
+    stream's chunk file or of the chunk store pack holding that chunk. ``files``: the
+    ``CarrierFiles`` the load read from; ``pid``: the process (the error's); the stream's size
+    from ``manifest``'s ``chunks.streams`` (restore) or the capture's tables (rollback,
+    release), else a whole chunk. "" when the message names no chunk or ``files`` no stream of
+    that allocation."""
+    a, k = _BAD_ALLOC.search(message or ""), None
+    if a and (c := _BAD_CHUNK.search(message, a.end())):
+        k = int(c.group(1))
+    if files is None or k is None:
         return ""
-    aid, k, cb = m.group(1), int(m.group(2)), int(ch["chunk_bytes"])
-    for s in ch.get("streams") or []:
-        if s.get("alloc_id") == aid and s.get("file"):
-            end = min((k + 1) * cb, int(s.get("bytes", (k + 1) * cb)))
-            return (
-                f"; the chunk is bytes {k * cb}..{end - 1} of {s['file']} in the snapshot directory"
-            )
-    return ""
+    aid = a.group(1)
+    keys = [key for key in {*files.names, *files.refs, *files.tables} if key[1] == aid]
+    keys = [key for key in keys if pid is None or key[0] == int(pid)] or keys
+    if not keys and pid is None:
+        return ""
+    key = keys[0] if keys else (int(pid), aid)
+    cb = files.chunk_bytes
+    size = None
+    for st in ((manifest or {}).get("chunks") or {}).get("streams") or []:
+        if (int(st.get("pid", -1)), st.get("alloc_id")) == key:
+            size = int(st.get("bytes", 0))
+    if size is None and key in files.tables:
+        size = files.tables[key].bytes
+    n = cb if size is None else max(1, min(cb, size - k * cb))
+    ref = files.refs.get(key, {}).get(k)
+    src = _BAD_SOURCE.search(message)
+    if ref is not None:
+        path, off = os.path.join(files.directory, ref[0]), int(src.group(1)) if src else ref[1]
+    else:
+        path, off = files.path(*key), k * cb
+    return f"; the chunk is bytes {off}..{off + n - 1} of {path}"
+
+
+def name_bad_chunk(err: AgentError, files, manifest: dict | None = None) -> AgentError:
+    """``err`` with :func:`bad_chunk_where` appended to its reason when it refuses a damaged
+    chunk (every such refusal names the file and the byte range), else ``err`` itself."""
+    where = bad_chunk_where(err.reason, files, err.pid, manifest)
+    if not where:
+        return err
+    return AgentError(err.phase, err.reason + where, pid=err.pid, outcome=err.outcome)
 
 
 def release(files, *, keep_pin: bool = False) -> None:

@@ -17,15 +17,15 @@ import threading
 import time
 from typing import Iterable, Optional
 
+from cuinterpose.agent import paths
 from cuinterpose.agent.errors import (
     AgentError,
-    CensusError,
     CheckpointFailed,
     LeftLocked,
     QuiesceRefused,
 )
 from cuinterpose.agent.mech import census as census_mod
-from cuinterpose.agent.mech import fds, native, quiesce
+from cuinterpose.agent.mech import census_checks, fds, native, quiesce
 from cuinterpose.agent.mech.inherit import external_file_key
 from cuinterpose.agent.run import (
     carriers,
@@ -50,6 +50,7 @@ from cuinterpose.agent.run.steps import (
     unexpected,
 )
 from cuinterpose.agent.snapshot import manifest as manifest_mod
+from cuinterpose.coordinator.contract import remove_if_id
 from cuinterpose.coordinator.protocol import default_control_dir
 
 __all__ = ["Checkpoint", "checkpoint", "as_agent_error", "strip_preload_env", "helper_env"]
@@ -121,7 +122,7 @@ class Checkpoint(Rollback, StepRunner):
         self.gpu_storage_mode = gpu_storage  # auto|custom|host (run/gpustore_step.py), None: env
         self.roots = list(dict.fromkeys(int(r) for r in roots))
         self.images_dir = images_dir
-        self.control_dir = str(pathlib.Path(control_dir or default_control_dir()).resolve())
+        self.control_dir = paths.canonical(control_dir or default_control_dir())
         self.quiesce_timeout_ms = int(quiesce_timeout_ms)
         self.lock_timeout_ms = int(lock_timeout_ms)
         self.phase_timeout_s = float(phase_timeout_s)
@@ -131,6 +132,11 @@ class Checkpoint(Rollback, StepRunner):
         self.r = reporter or Reporter()
         self.shim_path = shim_path
         self.census = None
+        #: this run's id: its claim on the images dir, its quiesce request, the snapshot id
+        self.run_id = quiesce.new_id()
+        #: the claim on the images dir (agent/snapshot/dirclaim.py), held until the run ends
+        #: (not the capture's claim on the shims, protocol.h "Claims")
+        self.dir_claim = None
         self.qid: Optional[str] = None
         self.ready: dict = {}
         self.coordinator = None
@@ -174,7 +180,13 @@ class Checkpoint(Rollback, StepRunner):
     # -- steps ---------------------------------------------------------------------------
     def prepare_images_dir(self):
         options.check_checkpoint(self)  # every option and variable, before anything changes
-        self.images_dir, self.created_dirs = images.prepare_dir(self.images_dir)
+        group = (self.group or {}).get("request_id", "")
+        self.images_dir, self.created_dirs, self.dir_claim, notes = images.prepare_dir(
+            self.images_dir, run_id=self.run_id, group=group
+        )
+        for n in notes:  # also in the manifest's and the --json output's warnings
+            self.r.note(n)
+            self.warnings.append({"path": str(self.images_dir), "message": n})
 
     def load_driver(self):
         with self.r.phase("driver") as ph:
@@ -192,40 +204,15 @@ class Checkpoint(Rollback, StepRunner):
                 f"{len(self.census.processes)} processes, participants "
                 f"{', '.join(str(p.pid) for p in parts)}"
             )
-        self.warnings = census_mod.open_file_warnings(self.census)
-        for w in self.warnings:
+        found = census_mod.open_file_warnings(self.census)
+        self.warnings += found
+        for w in found:
             self.r.note(f"warning: {w['message']}")
 
     def check_mounts(self):
-        """Refuse (``CensusError``, phase "census", nothing torn down) a tree with a working
-        directory, root directory or file mapping on a mount outside its mount namespace
-        (:func:`~cuinterpose.agent.mech.fds.outside_mounts`): CRIU fails such a dump ("Can't lookup mount=N for fd=-3"),
-        and only open fds can be dumped as external files."""
-        comms = {p.pid: p.comm for p in self.census.processes}
-        for root in self.roots:
-            found = fds.outside_mounts(root, _tree_pids(root))
-            if not found:
-                continue
-            f0 = found[0]
-            others = "".join(
-                f"; also pid {f['pid']} ({comms.get(f['pid'], '?')}) {f['what']}"
-                for f in found[1:6]
-            )
-            if len(found) > 6:
-                others += f"; and {len(found) - 6} more"
-            raise CensusError(
-                "census",
-                (
-                    f"({comms.get(f0['pid'], '?')}) of tree {root} {f0['what']}, which is not a "
-                    "mount of the tree's mount namespace (reached from outside it, e.g. through an "
-                    "inherited fd or another process's /proc/PID/root): CRIU, run in that "
-                    f'namespace, cannot dump it ("Can\'t lookup mount={f0["mnt_id"]} for fd=-3"), '
-                    "and only open fds can be recorded as external files"
-                    f"{others}; checkpoint refused, nothing was torn down, the workload keeps "
-                    "running"
-                ),
-                pid=f0["pid"],
-            )
+        """Case: a tree reaching a mount outside its namespace is refused at the census
+        (:func:`~cuinterpose.agent.mech.census_checks.check_mounts`)."""
+        census_checks.check_mounts(self.census, self.roots, _tree_pids)
 
     def make_coordinator(self):
         ph = _coordinator_module()
@@ -262,9 +249,8 @@ class Checkpoint(Rollback, StepRunner):
 
     def request_quiesce(self):
         with self.r.phase("quiesce") as ph:
-            self.qid = quiesce.new_id()
+            self.qid = self.run_id
             quiesce.request(self.control_dir, self.roots, self.qid, self.quiesce_timeout_ms)
-            quiesce.write_lock(self.control_dir, self.roots, self.qid)
             try:
                 self.ready = quiesce.wait_ready(
                     self.control_dir,
@@ -279,7 +265,7 @@ class Checkpoint(Rollback, StepRunner):
                 )
                 if hint:
                     # a rank never reads its .request: no .resume left behind for it
-                    quiesce.quiesce_path(self.control_dir, e.pid, "resume").unlink(missing_ok=True)
+                    remove_if_id(quiesce.quiesce_path(self.control_dir, e.pid, "resume"), self.qid)
                     raise QuiesceRefused("quiesce", f"{e.reason}; {hint}", pid=e.pid) from e
                 raise
             self.t_ready_ns = time.monotonic_ns()
@@ -329,32 +315,16 @@ class Checkpoint(Rollback, StepRunner):
         return _alive(pid)
 
     def check_parked(self):
-        """Every participant must be among the ranks the workload reported parked (when it lists
-        pids): a CUDA process that is still running cannot be torn down safely. Raises
-        ``AgentError`` (phase "quiesce") naming the first unparked participant."""
-        parked = set()
-        for payload in self.ready.values():
-            ranks = payload.get("ranks")
-            if not isinstance(ranks, list) or not all(
-                isinstance(r, dict) and "pid" in r for r in ranks
-            ):
-                return  # the workload does not list pids: nothing to check against
-            parked.update(int(r["pid"]) for r in ranks)
-        for p in self.census.participants:
-            if p.pid not in parked:
-                raise AgentError(
-                    "quiesce",
-                    f"({p.comm}) is a participant but the workload's ready "
-                    f"lists only pids {sorted(parked)} as parked; checkpoint refused, "
-                    "nothing was torn down",
-                    pid=p.pid,
-                )
+        """Every participant is among the ranks the workload reported parked
+        (:func:`~cuinterpose.agent.mech.census_checks.check_parked`)."""
+        census_checks.check_parked(self.census, self.ready)
 
     def capture_shared(self):
         """Coordinator capture: INSPECT, validate, SAVE_ALLOCATIONS, PREPARE_UNICAST, INSPECT.
         A refusal or validation error before SAVE_ALLOCATIONS changed nothing (refused);
         from SAVE_ALLOCATIONS on, a failure means teardown started (rolled back)."""
         # the .lock turned torn_down with its record before this (Rollback.step_started)
+        self.check_dir_claim("capture")  # SAVE_ALLOCATIONS writes the chunk files
         self.take_claim()
         try:
             self.capture = self.coordinator.capture()
@@ -380,6 +350,7 @@ class Checkpoint(Rollback, StepRunner):
             ph.detail = f"pids {', '.join(map(str, self.census.cuda_pids))}"
 
     def native_checkpoint(self):
+        self.check_dir_claim("native checkpoint")
         gpustore_step.native_checkpoint(self)  # custom storage or host staging (issue 12)
 
     def criu_dump(self):
@@ -394,8 +365,10 @@ class Checkpoint(Rollback, StepRunner):
             if i:
                 self.guard.check("criu dump")  # between trees, never inside CRIU
             with self.r.phase("criu dump") as ph:
+                self.check_dir_claim("criu dump")
                 d = manifest_mod.criu_dir(self.images_dir, root)
-                d.mkdir(parents=True, exist_ok=True)
+                for p in (d.parent, d):  # private, as the whole snapshot (case 016)
+                    p.mkdir(mode=images.DIR_MODE, exist_ok=True)
                 self.tree_pids[root] = _tree_pids(root)
                 self.mark(
                     f"criu dump {root}", tree_pids={str(k): v for k, v in self.tree_pids.items()}
@@ -433,32 +406,8 @@ class Checkpoint(Rollback, StepRunner):
                 ph.detail = f"tree {root} (left stopped)"
 
     def check_dumped(self, root: int, d) -> None:
-        """Case 010: every census process of tree ``root`` must be in the dump's process tree
-        image (``pstree.img``) and still alive (not gone, not a zombie) once the dump ended;
-        a rank that died as CRIU started is otherwise missing from a snapshot whose manifest
-        lists it. Raises ``AgentError`` (phase "criu dump", the pid named): rolled back."""
-        from cuinterpose.agent.mech import criu_images
-
-        try:
-            dumped = set(criu_images.image_pids(d))
-        except Exception as e:
-            raise AgentError("criu dump", f"tree {root}: {e}", pid=root) from e
-        tree = set(self.tree_pids.get(root, [])) | {root}
-        for p in self.census.processes:
-            if p.pid not in tree:
-                continue
-            why = None
-            if p.pid not in dumped:
-                why = f"is not in the dump's process tree image {d / 'pstree.img'}"
-            elif not _alive(p.pid):
-                why = "exited during the dump"
-            if why:
-                raise AgentError(
-                    "criu dump",
-                    f"({p.comm}) of tree {root} {why}: the snapshot would miss it; "
-                    "checkpoint failed, rolling back what is left of the workload",
-                    pid=p.pid,
-                )
+        """Case 010: :func:`images.check_dumped` of tree ``root`` dumped into ``d``."""
+        images.check_dumped(self.census, self.tree_pids, root, d, _alive)
 
     def note_external(self, root: int) -> None:
         """Warnings (manifest ``warnings``, and notes) for the external pipes and files of
@@ -500,6 +449,7 @@ class Checkpoint(Rollback, StepRunner):
         ``manifest`` step's (rolled back)."""
         try:
             with self.r.phase("manifest") as ph:
+                self.check_dir_claim("manifest")
                 m = images.build_manifest(self)
                 gpustore_step.annotate(self, m)
                 path = manifest_mod.write(self.images_dir, m)
@@ -529,10 +479,12 @@ class Checkpoint(Rollback, StepRunner):
                 quiesce.resume(self.control_dir, self.roots, self.qid, restored=False)
 
     def release_store(self, keep_pin: bool = False) -> None:
-        """Done with the chunk store (incremental): its pin and shared lock go (the pin stays
-        with ``keep_pin``: a later release needs the packs), and so does the claim on the shims
-        (kept with ``keep_pin`` too: the workload stays parked for a release, which takes it
-        over). Idempotent."""
+        """The run is over: the claim on the images dir goes (a failed rollback's leftovers
+        keep the directory non-empty), and so does the chunk store (incremental): its pin and
+        shared lock (the pin stays with ``keep_pin``: a later release needs the packs), and the
+        claim on the shims (kept with ``keep_pin`` too: the workload stays parked for a release,
+        which takes it over). Idempotent."""
+        self.release_dir_claim()
         carriers.release(getattr(self.coordinator, "carriers", None), keep_pin=keep_pin)
         if not keep_pin:
             self.drop_claim()

@@ -2,7 +2,8 @@
 
 - :func:`sync_snapshot`: the checkpoint's ``sync`` phase, after every tree is dumped (and
   every chunk file written) and before ``manifest.json``: every regular file under the
-  snapshot directory is fsynced (``fsync(2)``: data and the metadata needed to read it back),
+  snapshot directory is made 0600 and fsynced (``fsync(2)``: data and the metadata needed to
+  read it back; each of its directories 0700: a snapshot is private to the agent's user),
   each CRIU image hashed (SHA-256) in the same pass, while its pages are still in the page
   cache, by a pool of threads (hashlib releases the GIL); then every directory, bottom-up,
   and the parents that hold the snapshot's entry. A failure (EIO, ENOSPC on a delayed
@@ -34,6 +35,7 @@ from typing import Callable, Optional
 
 from cuinterpose.agent.errors import AgentError
 from cuinterpose.agent.run.report import Phase, Reporter
+from cuinterpose.agent.snapshot import dirclaim
 from cuinterpose.agent.snapshot import manifest as manifest_mod
 from cuinterpose.agent.snapshot import store as store_mod
 
@@ -44,6 +46,15 @@ CHUNKS_DIR = "chunks"
 
 #: every file and directory of a snapshot is made durable through this call (tests record it)
 _fsync = os.fsync
+#: what the sync pass leaves on every file and directory under the snapshot: private to the
+#: agent's user (case 016; CRIU's images are already created so, under its umask)
+FILE_MODE, DIR_MODE = 0o600, 0o700
+
+
+def _private(fd: int, mode: int) -> None:
+    """``fchmod(fd, mode)`` when its permission bits differ (group or other could read)."""
+    if stat_mod.S_IMODE(os.fstat(fd).st_mode) != mode:
+        os.fchmod(fd, mode)
 
 
 @dataclasses.dataclass
@@ -60,9 +71,9 @@ class Synced:
 
 
 def snapshot_tree(base: os.PathLike | str) -> tuple[list[pathlib.Path], list[pathlib.Path]]:
-    """(every regular file under ``base`` but the manifest and its temporary file, in path
-    order; every directory under it and ``base`` itself, children before parents). Symlinks
-    are neither followed nor listed."""
+    """(every regular file under ``base`` but the manifest and its temporary file and the
+    run's claim (agent/snapshot/dirclaim.py), in path order; every directory under it and
+    ``base`` itself, children before parents). Symlinks are neither followed nor listed."""
     base = pathlib.Path(base)
     files, dirs = [], []
     skip = {manifest_mod.MANIFEST_NAME, manifest_mod.MANIFEST_NAME + ".tmp"}
@@ -71,7 +82,7 @@ def snapshot_tree(base: os.PathLike | str) -> tuple[list[pathlib.Path], list[pat
         dirs.append(d)
         for n in names:
             p = d / n
-            if d == base and n in skip:
+            if d == base and (n in skip or n not in dirclaim.foreign([n])):
                 continue
             if stat_mod.S_ISREG(os.lstat(p).st_mode):
                 files.append(p)
@@ -121,6 +132,8 @@ def sync_snapshot(
         try:
             fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
+                op = "chmod"
+                _private(fd, FILE_MODE)
                 op = "read (sha256)"
                 sha = manifest_mod.sha256_fd(fd, add) if p in hashed else None
                 op = "fsync"
@@ -149,6 +162,8 @@ def sync_snapshot(
         try:
             fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             try:
+                if d in dirs:  # the snapshot's own directories (not the parents)
+                    _private(fd, DIR_MODE)
                 _fsync(fd)
             finally:
                 os.close(fd)

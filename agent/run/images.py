@@ -1,4 +1,4 @@
-"""What a checkpoint writes into its images directory: the directory's acceptance
+"""What a checkpoint writes into its images directory: the directory's acceptance and claim
 (:func:`prepare_dir`), the manifest's contents (:func:`build_manifest`, written last by the
 ``manifest`` step) and the removal of a rolled-back dump (:func:`cleanup`). The format is in
 docs/snapshot-format.md.
@@ -9,9 +9,11 @@ from __future__ import annotations
 import os
 import pathlib
 import shutil
-import tempfile
+import stat
 
-from cuinterpose.agent.errors import SnapshotError
+from cuinterpose.agent import paths
+from cuinterpose.agent.errors import AgentError, SnapshotError
+from cuinterpose.agent.snapshot import dirclaim
 from cuinterpose.agent.snapshot import manifest as manifest_mod
 
 
@@ -32,54 +34,91 @@ def shim_version() -> dict:
     return {"package": pkg, "protocol": proto}
 
 
-def prepare_dir(images_dir: os.PathLike | str) -> tuple[pathlib.Path, list[pathlib.Path]]:
-    """Create the snapshot directory; returns (its absolute path, the directories this call
-    created, outermost first, so that a refused checkpoint can remove them again).
+#: directories of a snapshot: private to the agent's user (case 016)
+DIR_MODE = 0o700
 
-    Only a missing or an empty, writable directory is accepted. Refused (``SnapshotError``,
-    phase "images dir", before anything is asked of the workload): a directory that already
-    holds a snapshot (``manifest.json``) or anything else (a checkpoint never writes among
-    other files, and a rollback removes ``criu/``), a path that is not a directory, one that
-    cannot be created or written."""
-    d = pathlib.Path(os.path.abspath(images_dir))
-    if d.exists() or d.is_symlink():
-        if not d.is_dir():
-            raise SnapshotError("images dir", f"{d} is not a directory")
-        if (d / manifest_mod.MANIFEST_NAME).exists():
-            raise SnapshotError(
-                "images dir",
-                f"{d} already holds a snapshot "
-                f"({manifest_mod.MANIFEST_NAME}); choose a new --images-dir",
-            )
+
+def prepare_dir(
+    images_dir: os.PathLike | str, *, run_id: str = "", group: str = ""
+) -> tuple[pathlib.Path, list[pathlib.Path], dirclaim.DirClaim, list[str]]:
+    """Create and claim the snapshot directory; returns (its canonical path
+    (``paths.canonical``), the directories this call created, outermost first, so that a
+    refused checkpoint can remove them again, this run's
+    :class:`~cuinterpose.agent.snapshot.dirclaim.DirClaim` (``run_id``, ``group``: the run it
+    names), notes for the operator).
+
+    Missing directories are created 0700. Only a new or empty directory is accepted, and it is
+    claimed before it is judged empty (agent/snapshot/dirclaim.py), so two runs racing for one
+    directory cannot both pass. An existing directory open to group or other is made 0700
+    (a note says so). Refused (``SnapshotError``, phase "images dir", before anything is asked
+    of the workload, what this call created removed again): a directory that already holds a
+    snapshot (``manifest.json``) or anything else (a checkpoint never writes among other
+    files, and a rollback removes ``criu/``), one another live run has claimed (naming it), a
+    path that is not a directory, one that cannot be created or written."""
+    d = pathlib.Path(paths.canonical(images_dir))
+    if os.path.lexists(d) and not d.is_dir():
+        raise SnapshotError("images dir", f"{d} is not a directory")
+    if (d / manifest_mod.MANIFEST_NAME).exists():
+        raise SnapshotError(
+            "images dir",
+            f"{d} already holds a snapshot "
+            f"({manifest_mod.MANIFEST_NAME}); choose a new --images-dir",
+        )
+    created = _make_dirs(d)
+    notes = []
+    try:
+        claim = dirclaim.DirClaim(d, run_id=run_id, group=group)
         try:
-            names = sorted(p.name for p in d.iterdir())
-        except OSError as e:
-            raise SnapshotError("images dir", f"{d} cannot be read: {e.strerror}") from None
-        if names:
-            shown = ", ".join(names[:5]) + (f", … ({len(names)} entries)" if len(names) > 5 else "")
-            raise SnapshotError(
-                "images dir",
-                f"{d} is not empty ({shown}); a checkpoint writes "
-                "only into a new or empty directory: choose a new --images-dir",
-            )
-        created = []
-    else:
-        created = []
-        p = d
-        while not (p.exists() or p.is_symlink()) and p != p.parent:
-            created.insert(0, p)
-            p = p.parent
+            names = dirclaim.foreign(os.listdir(d))
+            if names:
+                shown = ", ".join(names[:5]) + (
+                    f", … ({len(names)} entries)" if len(names) > 5 else ""
+                )
+                raise SnapshotError(
+                    "images dir",
+                    f"{d} is not empty ({shown}); a checkpoint writes "
+                    "only into a new or empty directory: choose a new --images-dir",
+                )
+            st = os.stat(d)
+            if st.st_mode & 0o077:
+                os.chmod(d, DIR_MODE)
+                notes.append(
+                    f"images dir {d} had mode {stat.S_IMODE(st.st_mode):04o}: made "
+                    f"{DIR_MODE:04o} (a snapshot holds the memory of the processes: it is "
+                    "private to the agent's user)"
+                )
+        except BaseException:
+            claim.release()
+            raise
+    except OSError as e:
+        remove_empty(created)
+        raise SnapshotError("images dir", f"{d} cannot be read: {e.strerror or e}") from None
+    except BaseException:
+        remove_empty(created)
+        raise
+    return d, created, claim, notes
+
+
+def _make_dirs(d: pathlib.Path) -> list[pathlib.Path]:
+    """Create ``d`` and its missing parents, each ``DIR_MODE`` (``mkdir`` one at a time, so
+    only those this call made are returned, outermost first); ``SnapshotError`` when one
+    cannot be created (those made are removed again)."""
+    todo = []
+    p = d
+    while not os.path.lexists(p) and p != p.parent:
+        todo.insert(0, p)
+        p = p.parent
+    created = []
+    for p in todo:
         try:
-            d.mkdir(parents=True)
+            os.mkdir(p, DIR_MODE)
+            created.append(p)
+        except FileExistsError:
+            continue  # another run made it meanwhile: not ours to remove
         except OSError as e:
             remove_empty(created)
             raise SnapshotError("images dir", f"{d} cannot be created: {e.strerror or e}") from None
-    try:
-        tempfile.TemporaryFile(dir=d).close()
-    except OSError as e:
-        remove_empty(created)
-        raise SnapshotError("images dir", f"{d} is not writable: {e.strerror or e}") from None
-    return d, created
+    return created
 
 
 def remove_empty(dirs: list[pathlib.Path]) -> None:
@@ -214,3 +253,33 @@ def _capture_bytes(capture) -> int:
             return v
     d = capture.to_dict() if hasattr(capture, "to_dict") else capture
     return sum(c["bytes"] for c in manifest_mod.carriers_from_capture(d))
+
+
+def check_dumped(census, tree_pids: dict, root: int, d, alive) -> None:
+    """Case 010: every census process of tree ``root`` must be in the dump's process tree
+    image (``pstree.img``) and still alive (not gone, not a zombie) once the dump ended;
+    a rank that died as CRIU started is otherwise missing from a snapshot whose manifest
+    lists it. ``tree_pids``: {root: pids read before its dump}; ``alive(pid)``: not gone, not a
+    zombie. Raises ``AgentError`` (phase "criu dump", the pid named): rolled back."""
+    from cuinterpose.agent.mech import criu_images
+
+    try:
+        dumped = set(criu_images.image_pids(d))
+    except Exception as e:
+        raise AgentError("criu dump", f"tree {root}: {e}", pid=root) from e
+    tree = set(tree_pids.get(root, [])) | {root}
+    for p in census.processes:
+        if p.pid not in tree:
+            continue
+        why = None
+        if p.pid not in dumped:
+            why = f"is not in the dump's process tree image {d / 'pstree.img'}"
+        elif not alive(p.pid):
+            why = "exited during the dump"
+        if why:
+            raise AgentError(
+                "criu dump",
+                f"({p.comm}) of tree {root} {why}: the snapshot would miss it; "
+                "checkpoint failed, rolling back what is left of the workload",
+                pid=p.pid,
+            )

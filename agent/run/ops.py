@@ -16,6 +16,7 @@ import json
 import pathlib
 from typing import Optional
 
+from cuinterpose.agent import paths
 from cuinterpose.agent.errors import AgentError
 from cuinterpose.agent.run.report import Reporter
 from cuinterpose.agent.run.steps import unexpected
@@ -96,7 +97,7 @@ def list_snapshots(directory) -> dict:
     it ("driver-api", "cuda-checkpoint"; "" for a manifest from before the record). A manifest
     that cannot be read is listed with ``error`` set. Raises ``AgentError`` (phase "snapshots")
     when ``directory`` cannot be read."""
-    d = pathlib.Path(directory)
+    d = pathlib.Path(paths.canonical(directory))
     try:
         if (d / manifest_mod.MANIFEST_NAME).is_file():
             subs = [d]  # the path is itself a snapshot: list that one

@@ -22,8 +22,9 @@ from cuinterpose.agent.errors import AgentError
 from cuinterpose.agent.mech import census as census_mod
 from cuinterpose.agent.mech import native, procfs, quiesce
 from cuinterpose.agent.run import carriers, images
+from cuinterpose.agent.snapshot import dirclaim
 from cuinterpose.agent.snapshot import manifest as manifest_mod
-from cuinterpose.coordinator.contract import quiesce_path
+from cuinterpose.coordinator.contract import quiesce_path, remove_if_id
 
 __all__ = [
     "lock_record",
@@ -215,6 +216,8 @@ class Recovery:
 
     def fail(self, what: str, e: BaseException, pid=None) -> AgentError:
         reason = getattr(e, "reason", None) or str(e)
+        files = getattr(getattr(self, "coord", None), "carriers", None)
+        reason += carriers.bad_chunk_where(reason, files, getattr(e, "pid", None))
         err = AgentError(
             "release",
             f"{what}: {reason}; the workload stays parked (no .resume written) and "
@@ -392,10 +395,12 @@ class Recovery:
                 self.found["shims"] = self.shims()
             torn = bool(self.lk.get("torn_down"))
             quiesce.resume(self.cdir, self.roots, self.rid, restored=False, cancelled=not torn)
-            for r in self.roots:
-                quiesce_path(self.cdir, r, "request").unlink(missing_ok=True)
+            for r in self.roots:  # withdrawn: the workload may never have read it
+                remove_if_id(quiesce_path(self.cdir, r, "request"), self.rid)
             resume = str(quiesce_path(self.cdir, self.root, "resume"))
         partial = snap["images_dir"] and not snap["complete"]
+        if snap["images_dir"]:  # the dead run's claim (its flock died with it)
+            dirclaim.remove_stale(snap["images_dir"], self.rid)
         if partial and not (pathlib.Path(snap["images_dir"]) / manifest_mod.MANIFEST_NAME).exists():
             images.cleanup(snap["images_dir"])
             files = getattr(getattr(self, "coord", None), "carriers", None)

@@ -83,7 +83,7 @@ class Restore(StepRunner):
         placement: "Placement | int | None" = None,
         device_map: Optional[str] = None,
     ):
-        self.images_dir = pathlib.Path(images_dir).resolve()
+        self.images_dir = pathlib.Path(paths.canonical(images_dir))
         #: ``--device-map OLD=NEW[,...]`` as given (None: automatic); resolved in "driver" into
         #: ``gpu_map`` {old UUID: new UUID} ({}: every process goes back onto its own GPUs)
         self.device_map = device_map
@@ -465,10 +465,8 @@ class Restore(StepRunner):
             self.restore_result = coord.restore(capture, device_map=self.gpu_map)
         except Exception as e:
             err = as_agent_error(e, "restore shared")
-            where = carriers.bad_chunk_where(err.reason, self.m)  # the file, for the operator
-            if where:
-                err = AgentError(err.phase, err.reason + where, pid=err.pid, outcome=err.outcome)
-            raise err from e
+            # a damaged chunk: its file and byte range, for the operator
+            raise carriers.name_bad_chunk(err, coord.carriers, self.m) from e
         finally:
             carriers.release(coord.carriers)  # the chunk store's shared lock, if any
 

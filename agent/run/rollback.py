@@ -80,13 +80,18 @@ class Rollback:
         """A teardown step failed (``cause``): remove the CRIU images and rebuild the
         workload. Returns the error to raise: outcome ``rolled_back``, or ``rollback_failed``
         when the rebuild failed too."""
-        self.cleanup_images()
+        own = self.owns_images_dir()
+        if own:
+            self.cleanup_images()
         try:
             self.rebuild(restored=False)
         except BaseException as rb:
             lost = self.lost_text(rb)
             if lost:  # the job lost a process: no release could rebuild it either
-                carriers.remove_chunks(self.images_dir, getattr(self.coordinator, "carriers", None))
+                if own:
+                    carriers.remove_chunks(
+                        self.images_dir, getattr(self.coordinator, "carriers", None)
+                    )
                 return CheckpointFailed(cause, "rolled_back", lost=lost)
             self.r.note(f"rollback failed: {rb}")
             way_out = f"{rb}; the workload stays parked: once the cause is fixed, " + (
@@ -98,7 +103,8 @@ class Rollback:
             )
             return CheckpointFailed(cause, "rollback_failed", rollback_error=way_out)
         # the bytes are back on the device
-        carriers.remove_chunks(self.images_dir, getattr(self.coordinator, "carriers", None))
+        if own:
+            carriers.remove_chunks(self.images_dir, getattr(self.coordinator, "carriers", None))
         return CheckpointFailed(cause, "rolled_back", lost=self.lost_text())
 
     # -- a job that lost a process during the checkpoint (issue 23) ------------------------
@@ -196,7 +202,8 @@ class Rollback:
         try:
             res = coord.rollback(capture)
         except Exception as e:
-            raise as_agent_error(e, "rollback") from e
+            err = as_agent_error(e, "rollback")  # a damaged chunk: its file and byte range
+            raise carriers.name_bad_chunk(err, getattr(self.coordinator, "carriers", None)) from e
         found = getattr(res, "found", None) or {}
         if found and not (after_dump and set(found.values()) == {"PREPARED"}):
             # case 006: what state each process was in, and so what was undone
@@ -209,6 +216,28 @@ class Rollback:
 
     def cleanup_images(self):
         images.cleanup(self.images_dir)
+
+    def check_dir_claim(self, phase: str) -> None:
+        """Before a step writes into the images dir: it is still this run's (case 015)."""
+        if self.dir_claim is not None:
+            self.dir_claim.check(phase)
+
+    def release_dir_claim(self) -> None:
+        if self.dir_claim is not None:
+            self.dir_claim.release()
+
+    def owns_images_dir(self) -> bool:
+        """This run still holds its claim on the images dir (case 015): only then does its
+        rollback remove what lies there (``criu/``, ``chunks/``), which is then its own."""
+        claim = getattr(self, "dir_claim", None)
+        if claim is None:
+            return True  # no claim taken (a test's bare Checkpoint)
+        try:
+            claim.check()
+        except AgentError as e:
+            self.r.note(f"rollback: {e.reason}; nothing in {self.images_dir} is removed")
+            return False
+        return True
 
     # -- the claim on the shims (protocol.h "Claims", decisions D48) ----------------------
     def take_claim(self) -> None:
@@ -258,16 +287,19 @@ class Rollback:
                 raise LeftLocked("rollback", first, failed, self.roots[0]) from first
             self.left_locked = []
         if self.torn_down:
-            if self.manifest is not None:
+            own = self.owns_images_dir()
+            if self.manifest is not None and own:
                 (pathlib.Path(self.images_dir) / manifest_mod.MANIFEST_NAME).unlink(missing_ok=True)
                 self.manifest = None
-            self.cleanup_images()
+            if own:
+                self.cleanup_images()
             try:
                 self.rebuild_state()
             except BaseException as rb:
                 if not self.lost_text(rb):  # a job that lost a process: resumed as it is
                     raise
-            carriers.remove_chunks(self.images_dir, getattr(self.coordinator, "carriers", None))
+            if own:
+                carriers.remove_chunks(self.images_dir, getattr(self.coordinator, "carriers", None))
 
     def group_release(self):
         """``.resume`` after a group rollback (restored=false; cancelled when nothing was torn
@@ -276,4 +308,5 @@ class Rollback:
             quiesce.resume(self.control_dir, self.roots, self.qid, restored=False)
         elif self.qid is not None and not self.quiesce_cancelled:
             quiesce.cancel(self.control_dir, self.roots, self.qid)
+        self.release_dir_claim()
         images.remove_empty(self.created_dirs)

@@ -212,7 +212,8 @@ def _write_atomically(base: pathlib.Path, tmp: pathlib.Path, final: pathlib.Path
         os.unlink(tmp)
     except FileNotFoundError:
         pass
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    # 0600: a snapshot is private to the agent's user (case 016)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         try:
             view = memoryview(data)

@@ -45,7 +45,9 @@ import stat
 import time
 from typing import Iterator
 
+from cuinterpose.agent import paths
 from cuinterpose.agent.errors import AgentError
+from cuinterpose.agent.snapshot import dirclaim
 from cuinterpose.coordinator.protocol import DEFAULT_CHUNK_CHECKSUM
 
 PHASE = "chunk store"
@@ -63,8 +65,9 @@ LOCK_TIMEOUT_S = 60.0
 
 
 def root_of(images_dir) -> pathlib.Path:
-    """The snapshot root of ``images_dir``: its parent directory (absolute)."""
-    return pathlib.Path(os.path.abspath(images_dir)).parent
+    """The snapshot root of ``images_dir``: the parent of its canonical path
+    (``paths.canonical``)."""
+    return pathlib.Path(paths.canonical(images_dir)).parent
 
 
 def packs_dir(root) -> pathlib.Path:
@@ -439,9 +442,15 @@ def delete(images_dir) -> dict:
     crash part-way leaves a directory that is no longer a snapshot) and the directory. Raises
     AgentError (nothing removed) when ``images_dir`` is not a snapshot, the lock is not free
     or the store cannot be collected."""
-    d = pathlib.Path(os.path.abspath(images_dir))
+    d = pathlib.Path(paths.canonical(images_dir))
     if not os.path.lexists(d):
         raise AgentError("delete", f"{d} does not exist; nothing removed")
+    busy = dirclaim.holder(d)
+    if busy is not None:
+        raise AgentError(
+            "delete",
+            f"{d} is being written by a checkpoint: {dirclaim.describe(busy)}; nothing removed",
+        )
     if not d.is_dir() or d.is_symlink():
         raise AgentError("delete", f"{d} is not a snapshot directory; nothing removed")
     if not (d / MANIFEST_NAME).is_file() or (d / MANIFEST_NAME).is_symlink():

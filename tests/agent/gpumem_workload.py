@@ -55,8 +55,8 @@ def main(ctl: str, out: str, mib: int) -> None:
         contract.write_atomic(ready, {"id": q["id"], "ranks": [{"pid": pid}]})
         while not (r := contract.read_json(resume)) or r.get("id") != q["id"]:
             time.sleep(0.02)
-        for p in (req, ready, resume):
-            p.unlink(missing_ok=True)
+        for p in (ready, resume, req):  # its own files, .request last (the contract)
+            contract.remove_if_id(p, q["id"])
         buf = bytearray(n)
         ok(cu.cuMemcpyDtoH(buf, dptr, n))
         got = hashlib.blake2b(buf, digest_size=32).hexdigest()

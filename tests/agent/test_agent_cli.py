@@ -305,3 +305,32 @@ def test_help_texts_match_the_code():
     assert "net, ipc and uts namespaces (--join-ns)" in restore
     assert "uses the control dir recorded in the snapshot's manifest" in restore
     assert "--control-dir" not in restore.split("Options:")[1]
+
+
+def test_a_checkpoint_of_a_job_that_exited_says_so(tmp_path):
+    """README: a job that exited before the checkpoint (a zombie root, or no process at the
+    pid) is refused saying it exited, never "the workload keeps running"."""
+    import free_kit
+
+    ctl = tmp_path / "ctl"
+    ctl.mkdir(mode=0o700)
+    zombie = subprocess.Popen(["true"], start_new_session=True)
+    while not open(f"/proc/{zombie.pid}/stat").read().rpartition(")")[2].split()[0] == "Z":
+        os.sched_yield()
+    [gone] = free_kit.free_pids(1)
+    try:
+        for pid, want in (
+            (zombie.pid, f"nothing was done; the job has exited (pid {zombie.pid} is a zombie)"),
+            (gone, f"nothing was done; no process has pid {gone}"),
+        ):
+            res = subprocess.run(
+                [sys.executable, "-m", "cuinterpose.agent.cli", "checkpoint", "--pid", str(pid),
+                 "--images-dir", str(tmp_path / f"s{pid}"), "--driver", "fake",
+                 "--control-dir", str(ctl)],
+                capture_output=True, text=True, env=_env(),
+            )  # fmt: skip
+            assert res.returncode == 3, res.stderr
+            assert res.stderr.splitlines()[-1] == f"outcome: refused: {want}", res.stderr
+            assert "keeps running" not in res.stderr
+    finally:
+        zombie.wait()

@@ -8,6 +8,7 @@ import os
 import pathlib
 import signal
 
+import free_kit
 import pytest
 
 from cuinterpose.agent.errors import SnapshotError
@@ -26,13 +27,20 @@ def tree_digest(d: pathlib.Path) -> dict:
 
 
 def sample(
-    snapshot: pathlib.Path, shim_sha: str = "ab" * 32, shim_path: str = "/x/libcuinterpose.so"
+    snapshot: pathlib.Path,
+    shim_sha: str = "ab" * 32,
+    shim_path: str = "/x/libcuinterpose.so",
+    pids: tuple | None = None,
 ) -> dict:
-    img = manifest.criu_dir(snapshot, 100)
+    """A manifest of tree ``pids[0]`` with participant ``pids[1]``, and its images; ``pids``
+    default: two pids shown free (case 018: a restore refuses a pid in use, and pid 100 may be
+    a live thread on the machine that runs the suite)."""
+    root, rank = pids or free_kit.free_pids(2)
+    img = manifest.criu_dir(snapshot, root)
     img.mkdir(parents=True)
-    (img / "core-100.img").write_bytes(b"core" * 100)
-    # the file table binds participant 101's shim socket in the control dir (trust.py)
-    (img / "files.img").write_bytes(b"\x00unixsk/tmp/ctl/cuinterpose-101.sock\x00")
+    (img / f"core-{root}.img").write_bytes(b"core" * 100)
+    # the file table binds participant rank's shim socket in the control dir (trust.py)
+    (img / "files.img").write_bytes(f"\x00unixsk/tmp/ctl/cuinterpose-{rank}.sock\x00".encode())
     (img / "pages-1.img").write_bytes(bytes(range(256)) * 16)
     return {
         "format": manifest.FORMAT,
@@ -43,13 +51,13 @@ def sample(
         "driver": {"kind": "fake", "version": 13000, "library": "/x/libcuda.so.1"},
         "criu": {
             "version": "4.1",
-            "trees": {"100": "criu/100"},
+            "trees": {str(root): f"criu/{root}"},
             "files": manifest.image_files(snapshot),
         },
-        "roots": [100],
+        "roots": [root],
         "control_dir": "/tmp/ctl",
-        "cuda_pids": [101],
-        "participants": [{"pid": 101, "socket_path": "/tmp/ctl/cuinterpose-101.sock"}],
+        "cuda_pids": [rank],
+        "participants": [{"pid": rank, "socket_path": f"/tmp/ctl/cuinterpose-{rank}.sock"}],
         "capture": {},
         "carriers": [],
         "phases": [],
@@ -59,7 +67,7 @@ def sample(
 
 
 def test_write_is_atomic_and_round_trips(tmp_path):
-    m = sample(tmp_path)
+    m = sample(tmp_path, pids=(100, 101))  # no restore: any pid will do
     path = manifest.write(tmp_path, m)
     assert path == tmp_path / "manifest.json"
     assert not (tmp_path / "manifest.json.tmp").exists()
@@ -156,7 +164,7 @@ def test_restore_refuses_bad_image_checksum_and_leaves_snapshot_untouched(tmp_pa
     sha = hashlib.sha256(b"shim v2").hexdigest()
     m = sample(snap, shim_sha=sha, shim_path=str(installed_shim))
     manifest.write(snap, m)
-    img = manifest.criu_dir(snap, 100) / "pages-1.img"
+    img = manifest.criu_dir(snap, m["roots"][0]) / "pages-1.img"
     data = bytearray(img.read_bytes())
     data[7] ^= 0xFF
     img.write_bytes(bytes(data))
@@ -272,6 +280,7 @@ def test_restore_refusals_name_the_manifest_phase(tmp_path, installed_shim):
 
 
 def _restore_world(tmp_path, monkeypatch, calls, interrupt_after):
+    root, rank = free_kit.free_pids(2)  # every step is a stand-in; no pid is signalled
     from cuinterpose.agent.run import restore as rs_mod
 
     def step(name, fn=None):
@@ -289,14 +298,16 @@ def _restore_world(tmp_path, monkeypatch, calls, interrupt_after):
         "read_manifest",
         step(
             "manifest",
-            lambda s: setattr(s, "m", {"roots": [100], "snapshot_id": "s1", "cuda_pids": [101]}),
+            lambda s: setattr(s, "m", {"roots": [root], "snapshot_id": "s1", "cuda_pids": [rank]}),
         ),
     )
     monkeypatch.setattr(rs_mod.Restore, "verify_images", step("verify"))
     monkeypatch.setattr(rs_mod.Restore, "load_driver", step("driver"))
     monkeypatch.setattr(rs_mod.Restore, "remove_stale", step("stale sockets"))
     monkeypatch.setattr(
-        rs_mod.Restore, "criu_restore", step("criu restore", lambda s: s.restored_roots.append(100))
+        rs_mod.Restore,
+        "criu_restore",
+        step("criu restore", lambda s: s.restored_roots.append(root)),
     )
     monkeypatch.setattr(rs_mod.Restore, "native_restore", step("native restore"))
     monkeypatch.setattr(rs_mod.Restore, "restore_shared", step("restore shared"))
@@ -362,10 +373,13 @@ def test_sigint_after_criu_restore_kills_the_restored_tree(tmp_path, monkeypatch
         ),
         (lambda m: m.update(cuda_pids=[1.5]), "field cuda_pids must be a list of pids"),
         (
-            lambda m: m["criu"]["files"]["criu/100/pages-1.img"].pop("sha256"),
+            lambda m: m["criu"]["files"][f"criu/{m['roots'][0]}/pages-1.img"].pop("sha256"),
             "field criu.files must map each image path to {sha256 (string), bytes (int)}",
         ),
-        (lambda m: m["criu"].update(files={}), "field criu.files lists no CRIU image of tree 100"),
+        (
+            lambda m: m["criu"].update(files={}),
+            "field criu.files lists no CRIU image of tree {root}",
+        ),
         (lambda m: m.update(quiesce={}), "field quiesce must be an object with id (string)"),
         (lambda m: m.update(driver=[]), "field driver must be an object with kind (string)"),
         (lambda m: m.update(control_dir=3), "field control_dir must be a string"),
@@ -376,7 +390,8 @@ def test_restore_refuses_a_corrupted_manifest_by_field(tmp_path, installed_shim,
     snap = tmp_path / "snap"
     snap.mkdir()
     m = sample(snap, shim_sha=hashlib.sha256(b"shim v2").hexdigest(), shim_path=str(installed_shim))
-    m["processes"] = [{"pid": 100, "ppid": 1, "comm": "x"}]
+    root = m["roots"][0]
+    m["processes"] = [{"pid": root, "ppid": 1, "comm": "x"}]
     mutate(m)
     (snap / "manifest.json").write_text(json.dumps(m))
     before = tree_digest(snap)
@@ -384,5 +399,6 @@ def test_restore_refuses_a_corrupted_manifest_by_field(tmp_path, installed_shim,
         Restore(snap, shim_path=installed_shim, driver="fake").run()
     e = ei.value
     assert (e.phase, e.pid, e.outcome) == ("manifest", None, "refused")
+    reason = reason.replace("{root}", str(root))
     assert e.reason == f"{snap / 'manifest.json'}: {reason}; restore refused, snapshot untouched"
     assert tree_digest(snap) == before

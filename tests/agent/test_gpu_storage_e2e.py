@@ -187,7 +187,8 @@ def test_custom_storage_keeps_gpu_memory_out_of_criu_images(job, tmp_path):
     assert rc != 0 and not out["ok"], out
     msg = out["error"]["message"]
     assert (
-        f"GPU ordinal 0: chunk 1 of {s['file']} has a bad checksum: manifest "
+        f"GPU ordinal 0: chunk 1 (bytes {CB}..{2 * CB - 1}) of {s['file']} has a bad checksum: "
+        "manifest "
         f"{s['checksums'][1]}, file {have}; restore refused, snapshot untouched"
     ) in msg, msg
     assert str(j.pid) in msg

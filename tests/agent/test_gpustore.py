@@ -112,8 +112,8 @@ def test_a_sha256_stream_round_trips_and_the_other_checksum_refuses(tmp_path):
         os.close(fd)
     b2 = hashlib.blake2b(bytes(data[:CB]), digest_size=32).hexdigest()
     assert (
-        f"chunk 0 of chunks/gpu-7-0.bin has a bad checksum: manifest {rec['checksums'][0]}, file {b2}"
-        in str(ei.value)
+        f"chunk 0 (bytes 0..{CB - 1}) of chunks/gpu-7-0.bin has a bad checksum: manifest "
+        f"{rec['checksums'][0]}, file {b2}" in str(ei.value)
     )
     assert fresh == b"\xee" * len(data)  # nothing reached the region
 
@@ -138,7 +138,8 @@ def test_a_bad_chunk_is_refused_before_use(tmp_path):
     e = ei.value
     assert (e.phase, e.pid) == ("native restore", 7)
     assert e.reason == (
-        f"GPU ordinal 0: chunk 2 of chunks/gpu-7-0.bin has a bad checksum: manifest "
+        f"GPU ordinal 0: chunk 2 (bytes {2 * CB}..{3 * CB - 1}) of chunks/gpu-7-0.bin has a "
+        "bad checksum: manifest "
         f"{rec['checksums'][2]}, file {have}; restore refused, snapshot untouched"
     )
     assert back[2 * CB : 3 * CB] == bytes(CB)  # the bad bytes never reached the region

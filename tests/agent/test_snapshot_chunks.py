@@ -121,30 +121,54 @@ def test_normalize_lifts_the_capture_chunks(tmp_path):
     assert m["capture"]["chunks"] == m["chunks"]
 
 
-def test_bad_chunk_where_names_the_file_and_the_byte_range():
+def test_bad_chunk_where_names_the_file_and_the_byte_range(tmp_path):
+    """Every refusal of a damaged chunk names the file (chunk file, or chunk store pack) and
+    the byte range: the shim's checksum, short-file and read-failure messages alike, for a
+    chunk of the stream's own file and for a chunk a store snapshot refers to."""
     from cuinterpose.agent.run.carriers import bad_chunk_where
+    from cuinterpose.coordinator.carrierfiles import CarrierFiles
 
-    aid = "ab" * 16
+    aid, other = "ab" * 16, "cd" * 16
     m = {
         "chunks": {
             "chunk_bytes": 65536,
             "streams": [
-                {"alloc_id": "cd" * 16, "file": "chunks/shared-7-" + "cd" * 16 + ".bin"},
-                {"alloc_id": aid, "file": f"chunks/shared-7-{aid}.bin", "bytes": 3 * 65536 + 10},
+                {"pid": 7, "alloc_id": other, "file": f"chunks/shared-7-{other}.bin"},
+                {
+                    "pid": 7,
+                    "alloc_id": aid,
+                    "file": f"chunks/shared-7-{aid}.bin",
+                    "bytes": 3 * 65536 + 10,
+                },
             ],
         }
     }
-    msg = f"pid 7 allocation {aid}: chunk 3 of its chunk file has checksum sha256 00, recorded 11"
-    assert bad_chunk_where(msg, m) == (
-        f"; the chunk is bytes 196608..196617 of chunks/shared-7-{aid}.bin in the snapshot "
-        "directory"
+    plain = CarrierFiles(tmp_path / "chunks", chunk_bytes=65536)
+    plain.names[(7, aid)] = f"shared-7-{aid}.bin"
+    own = f"{tmp_path}/chunks/shared-7-{aid}.bin"
+    msg = f"allocation {aid}: chunk 3 of its chunk file has checksum sha256 00, recorded 11"
+    assert bad_chunk_where(msg, plain, 7, m) == f"; the chunk is bytes 196608..196617 of {own}"
+    assert bad_chunk_where(msg.replace("chunk 3", "chunk 1"), plain, 7, m) == (
+        f"; the chunk is bytes 65536..131071 of {own}"
     )
-    assert bad_chunk_where(msg.replace("chunk 3", "chunk 1"), m).startswith(
-        "; the chunk is bytes 65536..131071 of"
+    short = (
+        f"allocation {aid}: its chunk file ends inside chunk 2 (shorter than the 10 bytes saved)"
     )
-    # a chunk store source is named by the shim itself; other messages get nothing
-    assert (
-        bad_chunk_where(f"allocation {aid}: chunk 3 of chunk store source 0 at offset 0", m) == ""
+    assert bad_chunk_where(short, plain, 7, m) == f"; the chunk is bytes 131072..196607 of {own}"
+    # a store snapshot: chunk 2 refers to bytes of an older pack, chunk 0 is in its own pack
+    packs = CarrierFiles(tmp_path / "packs", chunk_bytes=65536, store="../s/packs")
+    packs.names[(7, aid)] = "p2-shared.bin"
+    packs.refs[(7, aid)] = {2: ("p1-shared.bin", 5 * 65536)}
+    ref = f"allocation {aid}: chunk 2 of chunk store source 0 at offset 327680 has checksum x"
+    assert bad_chunk_where(ref, packs, 7, m) == (
+        f"; the chunk is bytes 327680..393215 of {tmp_path}/packs/p1-shared.bin"
     )
-    assert bad_chunk_where("LOAD_ALLOCATIONS: pid 7: out of memory", m) == ""
-    assert bad_chunk_where(msg, {"chunks": {"chunk_bytes": 65536, "streams": []}}) == ""
+    read = (
+        f"allocation {aid}: reading chunk 0 of its chunk file failed: Input/output error (errno 5)"
+    )
+    assert bad_chunk_where(read, packs, 7, m) == (
+        f"; the chunk is bytes 0..65535 of {tmp_path}/packs/p2-shared.bin"
+    )
+    # other messages, or no carriers: nothing
+    assert bad_chunk_where("LOAD_ALLOCATIONS: pid 7: out of memory", plain, 7, m) == ""
+    assert bad_chunk_where(msg, None, 7, m) == ""

@@ -109,8 +109,10 @@ def test_write_atomic_never_follows_a_planted_symlink(tmp_path):
 
 
 def test_symlinks_at_every_name_never_redirect_a_leave_running_checkpoint(afdwin, tmp_path):
-    a = afdwin(steps=300, step_delay_ms=5)
-    a.wait_for(lambda ev: demo.received(ev) >= 20, 120, "20 messages")
+    # held at step 20 until the checkpoint's quiesce: a busy machine must not let the job end
+    # before the checkpoint reaches it (case 014)
+    a = afdwin(steps=300, step_delay_ms=5, hold_at=(20,))
+    a.wait_hold()
     victims = tmp_path / "victims"
     victims.mkdir()
     planted = {}

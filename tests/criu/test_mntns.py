@@ -25,8 +25,11 @@ from cuinterpose.agent.mech import criu, criu_run, mntns
 from cuinterpose.agent.mech.inherit import restore_options
 from cuinterpose.agent.mech.placement import Placement
 
-# appends 1, 2, 3 ... to DATA/log every 20 ms through fd 4, opened inside the namespace
+# appends 1, 2, 3 ... to DATA/log every 20 ms through fd 4, opened inside the namespace; its
+# /dev/shm is a tmpfs of its own, as a container's is: a dump that images the namespace's tmpfs
+# contents must not read the host's, which other processes change meanwhile (case 014)
 LOOP = (
+    "mount -t tmpfs -o size=1m tmpfs /dev/shm && "
     "mount --bind {vol} {mnt} && cd / && exec </dev/null >/dev/null 2>&1 4>>{mnt}/log && "
     "i=0; while :; do i=$((i+1)); echo $i >&4; sleep 0.02; done"
 )

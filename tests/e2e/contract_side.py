@@ -29,7 +29,8 @@ def check(res, what: str):
 
 def park_on_request(ctl: str, root: int, deadline: float) -> dict | None:
     """Wait (until ``deadline``, time.monotonic()) for ``quiesce-ROOT.request``; answer `.ready`
-    with this process as the only rank, wait for `.resume`, remove the three files, and return
+    with this process as the only rank, wait for the `.resume` of its id, remove the three files
+    (`.request` last), and return
     the resume object. None when no request came before the deadline."""
     req, ready, resume = (
         os.path.join(ctl, f"quiesce-{root}.{k}") for k in ("request", "ready", "resume")
@@ -49,13 +50,18 @@ def park_on_request(ctl: str, root: int, deadline: float) -> dict | None:
             try:
                 with open(resume) as f:
                     res = json.load(f)
-                break
+                if res.get("id") == rid:
+                    break
             except (OSError, ValueError):
-                time.sleep(0.02)
-        for p in (req, ready, resume):
+                pass
+            time.sleep(0.02)
+        for p in (ready, resume, req):  # its own files, .request last (the contract)
             try:
-                os.unlink(p)
-            except FileNotFoundError:
+                with open(p) as f:
+                    mine = json.load(f).get("id") == rid
+                if mine:
+                    os.unlink(p)
+            except (OSError, ValueError):
                 pass
         return res
     return None

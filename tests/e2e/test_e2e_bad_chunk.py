@@ -74,8 +74,7 @@ def test_a_damaged_chunk_fails_the_restore_naming_its_file_and_leaves_the_snapsh
         f"allocation {s['alloc_id']}: chunk {BAD} of its chunk file has checksum" in err["reason"]
     )
     assert (
-        f"; the chunk is bytes {BAD * cs.CB}..{(BAD + 1) * cs.CB - 1} of {s['file']} in the "
-        "snapshot directory"
+        f"; the chunk is bytes {BAD * cs.CB}..{(BAD + 1) * cs.CB - 1} of {snap / s['file']}; "
     ) in err["reason"], err["reason"]
     assert _listing(snap) == before  # nothing of the snapshot changed
 

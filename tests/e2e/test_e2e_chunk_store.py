@@ -8,8 +8,9 @@ creator and an importer):
   its pack and refs hashes to its checksums;
 - ``delete`` of the first snapshot removes its directory and frees exactly the chunks of its
   pack the second does not refer to (they read back as zeros); the pack stays;
-- a pack chunk that no longer matches its digest refuses the restore naming the allocation
-  and chunk, the snapshot untouched; repaired, the second snapshot restores and both
+- a pack chunk that no longer matches its digest refuses the restore naming the allocation,
+  the chunk, the pack file and its byte range (a ref's, and the snapshot's own pack's), the
+  snapshot untouched; repaired, the second snapshot restores and both
   processes find the bytes of the second cut (SHA-256 of the whole mapping compared)."""
 
 from __future__ import annotations
@@ -268,8 +269,25 @@ def test_second_checkpoint_writes_only_changed_chunks_delete_frees_only_unshared
         msg,
     )
     assert found and [int(found[1]), s1["pack"], off] in s2["refs"], msg
+    # the refusal names the pack file and the byte range (issue 23)
+    assert f"; the chunk is bytes {off}..{off + CB - 1} of {victim}; " in msg, msg
     assert json.loads((root / "s2" / "manifest.json").read_text()) == m2
     victim.write_bytes(saved)
+    # a damaged chunk of the snapshot's own pack (chunk 1: rewritten after the first cut)
+    own = packs / s2["pack"]
+    with open(own, "r+b") as f:
+        f.seek(CB + 7)
+        byte = f.read(1)
+        f.seek(CB + 7)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    rc, bad = demo.run_agent("restore", "--images-dir", str(root / "s2"), "--driver", "fake")
+    assert rc != 0 and not bad["ok"], bad
+    msg = bad["error"]["message"]
+    assert f"allocation {s2['alloc_id']}: chunk 1 of its chunk file has checksum" in msg, msg
+    assert f"; the chunk is bytes {CB}..{2 * CB - 1} of {own}; " in msg, msg
+    with open(own, "r+b") as f:
+        f.seek(CB + 7)
+        f.write(byte)
 
     rc, rs = demo.run_agent("restore", "--images-dir", str(root / "s2"), "--driver", "fake")
     assert rc == 0 and rs["ok"], rs

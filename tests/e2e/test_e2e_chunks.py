@@ -4,8 +4,9 @@ the workload keeps running with its memory intact (it runs to the end with every
 no restore), and ``DIR/chunks/`` is removed.
 
 The full filesystem is a small tmpfs mounted in a private mount namespace of the agent only
-(``unshare -m``) and filled before the checkpoint; the shims write through the descriptors the
-agent passes, so they hit it too. Needs root (the suite's e2e tests run as root)."""
+(``unshare -m``) and filled before the checkpoint but for 16 KiB (the images dir's claim); the
+shims write through the descriptors the agent passes, so they hit it too. Needs root (the
+suite's e2e tests run as root)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,10 @@ def test_chunk_write_enospc_rolls_back_and_removes_chunks(afdwin, tmp_path):
     )
     script = (
         f"set -e; mount -t tmpfs -o size=1m tmpfs {full}; "
-        f"dd if=/dev/zero of={full}/filler bs=4096 2>/dev/null || true; set +e; "
+        # 16 KiB left: the images dir and its claim fit (a checkpoint into a filesystem with
+        # no room at all is refused before it asks the workload anything), the chunks do not
+        f"dd if=/dev/zero of={full}/room bs=4096 count=4 2>/dev/null; "
+        f"dd if=/dev/zero of={full}/filler bs=4096 2>/dev/null || true; rm {full}/room; set +e; "
         f"{args} > {out}; echo $? > {rc}; "
         f"(test -e {snap}/chunks && echo chunks; test -e {snap}/criu && echo criu; true) > {listing}"
     )

@@ -8,10 +8,9 @@ paths and channels); file names and writes come from :mod:`cuinterpose.coordinat
 
 from __future__ import annotations
 
-import os
 import time
 
-from cuinterpose.coordinator.contract import read_json, write_atomic
+from cuinterpose.coordinator.contract import read_json, remove_if_id, write_atomic
 
 
 class RunFailed(Exception):
@@ -28,11 +27,11 @@ class QuiesceSide:
             if self.phase != "running" or self.ignore_quiesce:
                 return
             req = read_json(self.req_path)
-            if req is None or "id" not in req:
+            if req is None or "id" not in req or str(req["id"]) in self.handled:
                 return
-            stale = read_json(self.resume_path)
-            if stale is not None and stale.get("id") != str(req["id"]):
-                os.unlink(self.resume_path)  # left over from an older request
+            # a .resume of an older id may lie there: it answers another request, which this
+            # one's id tells apart; it is never removed here (case 017)
+            self.handled.add(str(req["id"]))
             self.quiesces += 1
             self.q = {
                 "id": str(req["id"]),
@@ -67,11 +66,9 @@ class QuiesceSide:
             self.last_change = time.monotonic()  # CLOCK_MONOTONIC may jump across a restore
             restored = bool(res.get("restored", False))
             cancelled = bool(res.get("cancelled", False))
-            for p in (self.req_path, self.ready_path, self.resume_path):
-                try:
-                    os.unlink(p)
-                except FileNotFoundError:
-                    pass
+            # this request's files only, .request last: the agent's next request waits for it
+            for p in (self.ready_path, self.resume_path, self.req_path):
+                remove_if_id(p, self.q["id"])
             self.q.update(
                 stage="resuming", restored=restored, cancelled=cancelled, resume_id=res.get("id")
             )

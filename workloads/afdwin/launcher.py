@@ -77,6 +77,8 @@ class Launcher(QuiesceSide):
         self.errors: list[str] = []
         self.phase = "setup"
         self.q: dict | None = None
+        #: quiesce request ids taken already: one answered request is never handled twice
+        self.handled: set[str] = set()
         self.quiesces = 0
         self.restores_seen = 0
         self.last_change = time.monotonic()

@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 
-from cuinterpose.coordinator.contract import quiesce_path, read_json, write_atomic
+from cuinterpose.coordinator.contract import quiesce_path, read_json, remove_if_id, write_atomic
 
 from ..afdwin.wire import Channel, ChannelClosed
 from .evidence import summarize
@@ -212,11 +212,9 @@ class Launcher:
         write_atomic(self.paths["ready"], {"id": qid, "step": cut, "ranks": ranks})
         self.emit({"event": "quiesced", "id": qid, "step": cut, "ranks": ranks})
         resume = self.wait_resume(qid)
-        for k in ("request", "ready", "resume"):
-            try:
-                os.unlink(self.paths[k])
-            except FileNotFoundError:
-                pass
+        # this request's files only, .request last: the agent's next request waits for it
+        for k in ("ready", "resume", "request"):
+            remove_if_id(self.paths[k], qid)
         restored = bool(resume.get("restored"))
         self.broadcast({"type": "resume", "restored": restored})
         self.gather("probed", "its probe word")
