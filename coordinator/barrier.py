@@ -8,6 +8,8 @@ docs/coordinator.md "Barrier" and "Failure semantics".
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import threading
 import time
@@ -36,7 +38,7 @@ from .results import (
     failure_text,
 )
 
-__all__ = ["Barrier", "next_txn_id"]
+__all__ = ["Barrier", "next_txn_id", "gc_paused"]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,36 @@ def next_txn_id(floor: int = 0) -> int:
     with _txn_lock:
         _txn_last = max(time.time_ns(), _txn_last + 1, int(floor) + 1)
         return _txn_last
+
+
+# --- the garbage collector ---------------------------------------------------------------------
+_gc_lock = threading.Lock()
+_gc_state = {"depth": 0, "was_enabled": False}
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """Pause Python's cyclic garbage collector while a block builds or walks many records.
+
+    Records and their tuples hold no cycles (their reference counts free them), but each
+    collection that their allocation triggers walks every live object: at 40000 records the
+    collections cost as much as the work itself, and more as the records of a capture and of
+    its restore pile up (K = 10000 cost up to 77x K = 1000 in ``check carriers`` and
+    ``compare``; decisions D60). Nested and concurrent blocks (the barrier's threads) share one
+    pause; the collector is enabled again after the last only if it was enabled before the
+    first."""
+    with _gc_lock:
+        if _gc_state["depth"] == 0:
+            _gc_state["was_enabled"] = gc.isenabled()
+            gc.disable()
+        _gc_state["depth"] += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_state["depth"] -= 1
+            if _gc_state["depth"] == 0 and _gc_state["was_enabled"]:
+                gc.enable()
 
 
 #: the phases a capture or restore leaves a shim in (every phase but ACTIVE and FAILED)
@@ -88,11 +120,11 @@ class Barrier:
     on it. ``timeout_s``, ``carrier_timeout_s``, ``on_event``, ``carriers``: see Coordinator.
     ``carried``: pid -> (alloc_id, size) of the allocations its shim carries (set by the
     sequences from the capture's records; the chunk files of SAVE/LOAD name them). ``phases``:
-    every PhaseResult so far; ``last_txn_id``: the highest txn id sent; ``txn_floor``: txn ids
-    stay above it (a capture's ``last_txn_id``). ``claim``: the
-    :class:`~cuinterpose.coordinator.claim.Claim` whose token every mutating request carries
-    (protocol.h "Claims"; settable later, e.g. once the capture takes it; None: a shim refuses
-    every mutating request).
+    every PhaseResult so far; ``steps``: the coordinator's own rows so far (:meth:`_step`);
+    ``last_txn_id``: the highest txn id sent; ``txn_floor``: txn ids stay above it (a capture's
+    ``last_txn_id``). ``claim``: the :class:`~cuinterpose.coordinator.claim.Claim` whose token
+    every mutating request carries (protocol.h "Claims"; settable later, e.g. once the capture
+    takes it; None: a shim refuses every mutating request).
     """
 
     def __init__(
@@ -121,6 +153,8 @@ class Barrier:
         self.txn_floor = 0
         self.last_txn_id = 0
         self.phases: list[PhaseResult] = []
+        #: the coordinator's own work between barriers, one row each (:meth:`_step`)
+        self.steps: list[PhaseResult] = []
         self._clients = {
             p.pid: ShimClient(p.socket_path, self.timeout_s, pid=p.pid, inspect_devices=True)
             for p in self.participants
@@ -164,6 +198,22 @@ class Barrier:
                 )
         return records
 
+    @contextlib.contextmanager
+    def _step(self, name: str):
+        """Time the coordinator's own work between two barriers as the row ``name``: a
+        PhaseResult without participants (txn id 0; the block may set its ``detail``) appended
+        to :attr:`steps` and sent as a "phase" event (``ok`` False when the block raised)."""
+        row = PhaseResult(phase=name, txn_id=0, expected_phase=0, wall_ns=0)
+        t0, ok = time.monotonic_ns(), False
+        try:
+            with gc_paused():
+                yield row
+            ok = True
+        finally:
+            row.wall_ns = time.monotonic_ns() - t0
+            self.steps.append(row)
+            self._emit(PhaseEvent("phase", name, 0, 0, 0, phase_result=row, ok=ok))
+
     def _emit(self, event: PhaseEvent) -> None:
         if self.on_event is None:
             return
@@ -180,13 +230,15 @@ class Barrier:
         try:
             if op in CARRIER_OPS:
                 files = self.carrier_files().request(op, pid, self.carried.get(pid, []))
-            resp = self._clients[pid].request(
-                op,
-                txn_id=txn_id,
-                expected_phase=expected_phase,
-                timeout_s=timeout_s,
-                carriers=files,
-            )
+            # an INSPECT reply is parsed into a record per object (see gc_paused)
+            with gc_paused() if op == Op.INSPECT else contextlib.nullcontext():
+                resp = self._clients[pid].request(
+                    op,
+                    txn_id=txn_id,
+                    expected_phase=expected_phase,
+                    timeout_s=timeout_s,
+                    carriers=files,
+                )
         except (ShimClientError, OSError) as e:
             return ParticipantResult(pid=pid, wall_ns=time.monotonic_ns() - t0, error=str(e)), []
         finally:
@@ -216,7 +268,8 @@ class Barrier:
                 f"{self._clients[pid].socket_path})"
             )
         if op == Op.SAVE_ALLOCATIONS and r.status == Status.OK and r.error is None:
-            r.error = self._keep_tables(pid, y.reserved[1], resp.chunk_table)
+            with gc_paused():  # a table per carried allocation
+                r.error = self._keep_tables(pid, y.reserved[1], resp.chunk_table)
         return r, resp.records
 
     def carrier_files(self) -> CarrierFiles:

@@ -61,15 +61,12 @@ def stream_file_name(pid: int, alloc_id: str | bytes) -> str:
 def carried_streams(records: Iterable[Record]) -> list[tuple[bytes, int]]:
     """(alloc_id bytes, size) of every allocation the shim carries, in record order: the live
     creator allocations that are not raw imports (ops_carriers.c, cui_is_carried_role)."""
-    out = []
-    for r in records:
-        if (
-            int(r.kind) == RecordKind.ALLOCATION
-            and int(r.role) == Role.CREATOR
-            and not int(r.flags) & RecordFlag.RAW_IMPORT
-        ):
-            out.append((bytes(r.alloc_id), int(r.size)))
-    return out
+    kind, role, raw = int(RecordKind.ALLOCATION), int(Role.CREATOR), int(RecordFlag.RAW_IMPORT)
+    return [
+        (bytes(r.alloc_id), int(r.size))
+        for r in records
+        if r.kind == kind and r.role == role and not r.flags & raw
+    ]
 
 
 class CarrierFiles:

@@ -39,6 +39,15 @@ __all__ = ["Coordinator", "Participant", "Capture", "PhaseError", "TopologyError
 
 log = logging.getLogger(__name__)
 
+# plain ints: a record's fields compare with them without an enum operator per record
+_ALLOCATION, _CREATOR = int(RecordKind.ALLOCATION), int(Role.CREATOR)
+_CARRIED = int(RecordFlag.CARRIED)
+
+
+def _records_text(records: dict[int, list[Record]]) -> str:
+    """``"4002 records of 2 pids"``: the detail of a row that walked ``records``."""
+    return f"{sum(map(len, records.values()))} records of {len(records)} pids"
+
 
 class Coordinator(Barrier):
     """Runs phases across ``participants`` (list of :class:`Participant`, unique pids).
@@ -115,57 +124,69 @@ class Coordinator(Barrier):
 
     # --- sequences ----------------------------------------------------------------------------
     def capture(self) -> Capture:
-        """INSPECT -> validate -> SAVE_ALLOCATIONS -> PREPARE_UNICAST -> INSPECT.
+        """INSPECT -> validate -> SAVE_ALLOCATIONS -> PREPARE_UNICAST -> INSPECT -> check carriers.
 
         Returns the :class:`Capture`. Raises PhaseError/TopologyError with ``changed`` False
         (nothing changed) up to validation; PhaseError (``capture`` attribute: the partial
         Capture) from the mutating phases on, or if a creator's bytes were not carried. Any
         other exception raised after validation (a KeyboardInterrupt, a bug) carries the same
         ``capture`` attribute: SAVE_ALLOCATIONS may have gone out, so roll back with it.
+        The coordinator's own work between the barriers is timed in the rows ``validate`` and
+        ``check carriers`` (:attr:`Capture.steps`, and "phase" events).
         """
-        start = len(self.phases)
+        start, first_step = len(self.phases), len(self.steps)
         inspected = self.inspect(check_phase=True)
-        self._fit_checksum(self.phases[start])
-        records = self.validate(inspected)
-        self.carried = streams_of(records)
+        with self._step("validate") as row:
+            self._fit_checksum(self.phases[start])
+            records = self.validate(inspected)
+            self.carried = streams_of(records)
+            multicast = topology.has_multicast(records)
+            row.detail = _records_text(records)
         cap = Capture(participants=list(self.participants), records=records)
+        save = None
         try:
-            if topology.has_multicast(records):
+            if multicast:
                 # outer objects first: no unicast mapping goes while a binding on it exists
                 self.prepare_multicast()
                 save = self.save_allocations(Phase.MULTICAST_RELEASED, changed_before=True)
             else:
                 save = self.save_allocations()
-            cap.chunks = self._chunks_json(save)
             self.prepare_unicast()
             after = self._inspect(Phase.PREPARED, True, changed_before=True)
-            cap.records = self._merge_carriers(records, after)
-            self._check_tables(cap.records)
+            with self._step("check carriers") as row:
+                cap.chunks = self._chunks_json(save)
+                cap.records = self._merge_carriers(records, after)
+                self._check_tables(cap.records)
+                cap.carriers = topology.carriers(cap.records)
+                row.detail = f"{len(cap.carriers)} carriers"
         except BaseException as e:
             # whatever stopped the capture here (a PhaseError, a bug, Ctrl-C), SAVE_ALLOCATIONS
             # may have gone out: hand the caller the partial capture so it can roll back
-            cap.phases = self.phases[start:]
+            if save is not None and not cap.chunks:
+                cap.chunks = self._chunks_json(save)
+            cap.phases, cap.steps = self.phases[start:], self.steps[first_step:]
             cap.last_txn_id = self.last_txn_id
             try:
                 e.capture = cap
             except AttributeError:
                 pass
             raise
-        cap.phases = self.phases[start:]
-        cap.carriers = topology.carriers(cap.records)
+        cap.phases, cap.steps = self.phases[start:], self.steps[first_step:]
         cap.last_txn_id = self.last_txn_id
         return cap
 
     def restore(self, capture: Capture, device_map: dict[str, str] | None = None) -> RestoreResult:
-        """INSPECT (every shim PREPARED, carriers as captured) -> LOAD_ALLOCATIONS ->
-        RESTORE_UNICAST -> INSPECT equal to ``capture.records`` (modulo
+        """INSPECT (every shim PREPARED) -> check carriers (as captured) -> LOAD_ALLOCATIONS ->
+        RESTORE_UNICAST -> INSPECT -> compare (equal to ``capture.records`` modulo
         topology.COMPARE_IGNORED).
 
         Raises ValueError if the participants differ from the capture's; PhaseError (nothing
         changed) if a shim is not PREPARED or a carrier checksum differs; PhaseError from a
         mutating phase (stop there, no retry); TopologyError naming pid and object when the
         final INSPECT differs from the capture (its DEVICE records under ``device_map``, {old
-        GPU UUID: new}: topology.compare).
+        GPU UUID: new}: topology.compare). The coordinator's own work is timed in the rows
+        ``check carriers``, ``compare`` and, for a private chunk directory, ``remove chunks``
+        (:attr:`RestoreResult.steps`, and "phase" events).
         """
         want = sorted(p.pid for p in capture.participants)
         if sorted(self.pids) != want:
@@ -173,19 +194,26 @@ class Coordinator(Barrier):
                 f"restore: participants {sorted(self.pids)} differ from the captured {want}"
             )
         self.txn_floor = max(self.txn_floor, capture.last_txn_id)
-        self.carried = streams_of(capture.records)
-        self._adopt_files(capture)
-        start = len(self.phases)
+        start, first_step = len(self.phases), len(self.steps)
         before = self.inspect(expected_phase=Phase.PREPARED, check_phase=True)
-        self._check_carriers(capture, before)
+        with self._step("check carriers") as row:
+            self.carried = streams_of(capture.records)
+            self._adopt_files(capture)
+            self._check_carriers(capture, before)
+            multicast = topology.has_multicast(capture.records)
+            row.detail = f"{len(capture.carriers)} carriers"
         self.load_allocations()
         self._drop_private()
         self.restore_unicast()
-        if topology.has_multicast(capture.records):
+        if multicast:
             self.restore_multicast()
         after = self._inspect(Phase.ACTIVE, True, changed_before=True)
-        topology.compare(capture.records, after, device_map=device_map)
-        return RestoreResult(phases=self.phases[start:], records=after)
+        with self._step("compare") as row:
+            topology.compare(capture.records, after, device_map=device_map)
+            row.detail = _records_text(after)
+        return RestoreResult(
+            phases=self.phases[start:], records=after, steps=self.steps[first_step:]
+        )
 
     def rollback(
         self,
@@ -272,9 +300,11 @@ class Coordinator(Barrier):
             )
 
     def _drop_private(self) -> None:
-        """Remove a private chunk directory once the shims loaded (or dropped) their bytes."""
+        """Remove a private chunk directory once the shims loaded (or dropped) their bytes
+        (row ``remove chunks``)."""
         if self.carriers is not None and self.carriers.owned:
-            self.carriers.remove()
+            with self._step("remove chunks"):
+                self.carriers.remove()
 
     def _check_tables(self, records: dict[int, list[Record]]) -> None:
         """Each SAVE reply's chunk table agrees with the carrier record the shim reports
@@ -282,7 +312,7 @@ class Coordinator(Barrier):
         tables = self.carrier_files().tables
         for pid, rs in records.items():
             for r in rs:
-                if not (int(r.kind) == RecordKind.ALLOCATION and r.flags & RecordFlag.CARRIED):
+                if not (r.kind == _ALLOCATION and r.flags & _CARRIED):
                     continue
                 t = tables.get((pid, r.alloc_id_hex))
                 if t is not None and (
@@ -310,16 +340,12 @@ class Coordinator(Barrier):
         allocation records; raise PhaseError if a creator's bytes are not carried."""
         merged: dict[int, list[Record]] = {}
         for pid, rs in records.items():
-            carried = {
-                bytes(r.alloc_id): r
-                for r in after.get(pid, [])
-                if int(r.kind) == RecordKind.ALLOCATION
-            }
+            carried = {bytes(r.alloc_id): r for r in after.get(pid, []) if r.kind == _ALLOCATION}
             out = []
             for r in rs:
-                if int(r.kind) == RecordKind.ALLOCATION and int(r.role) == Role.CREATOR:
+                if r.kind == _ALLOCATION and r.role == _CREATOR:
                     a = carried.get(bytes(r.alloc_id))
-                    if a is None or not (a.flags & RecordFlag.CARRIED):
+                    if a is None or not (a.flags & _CARRIED):
                         raise PhaseError(
                             f"SAVE_ALLOCATIONS: pid {pid} allocation {r.alloc_id_hex} is not "
                             "saved to its chunk file after PREPARE_UNICAST",
@@ -332,7 +358,7 @@ class Coordinator(Barrier):
                             changed=True,
                         )
                     r = r.replace(
-                        flags=int(r.flags) | RecordFlag.CARRIED,
+                        flags=int(r.flags) | _CARRIED,
                         carrier_checksum=a.carrier_checksum,
                         carrier_bytes=a.carrier_bytes,
                     )
@@ -343,18 +369,14 @@ class Coordinator(Barrier):
     @staticmethod
     def _check_carriers(capture: Capture, before: dict[int, list[Record]]) -> None:
         """Every carrier of the capture is still held, with the same checksum and size."""
+        held = {
+            (pid, r.alloc_id): r for pid, rs in before.items() for r in rs if r.kind == _ALLOCATION
+        }
         for c in capture.carriers:
             pid, aid = c["pid"], c["alloc_id"]
-            now = next(
-                (
-                    r
-                    for r in before.get(pid, [])
-                    if int(r.kind) == RecordKind.ALLOCATION and r.alloc_id_hex == aid
-                ),
-                None,
-            )
+            now = held.get((pid, bytes.fromhex(aid)))
             problem = None
-            if now is None or not (now.flags & RecordFlag.CARRIED):
+            if now is None or not (now.flags & _CARRIED):
                 problem = "no longer holds the chunk table of its chunk file"
             elif f"{now.carrier_checksum:016x}" != c["checksum"] or now.carrier_bytes != c["bytes"]:
                 problem = (

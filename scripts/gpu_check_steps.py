@@ -499,7 +499,7 @@ def bench_phases(ctx: Ctx) -> Result:
     if not size:
         raise Skip("no allocation granularity: the driver check did not pass")
     res = run(
-        [sys.executable, "bench/phases.py", "--driver", ctx.driver, "--k", "10,1000"]
+        [sys.executable, "bench/phases.py", "--driver", ctx.driver, "--k", "10,1000", "--json"]
         + ["--size", str(size)],
         ctx,
         env=bench_env(ctx),
@@ -507,6 +507,11 @@ def bench_phases(ctx: Ctx) -> Result:
     if res.returncode != 0:
         return Result("FAIL", tail_reason(res))
     keys = {}
+    # issue 26: restore over capture, the rows' share of each total, LOAD over SAVE per allocation
+    for s in (last_json(res.stdout) or {}).get("summary", []):
+        if s["k"] == 1000:
+            for k in ("restore_over_capture", "capture_rows", "restore_rows", "load_over_save"):
+                keys[f"{k}_k1000"] = s[k]
     for ln in res.stdout.splitlines():
         m = TOTAL_ROW.match(ln)
         if m:

@@ -172,18 +172,19 @@ class Reporter:
 
     def coordinator_event(self, ev) -> None:
         """``on_event`` for the coordinator: one phase row per completed coordinator phase
-        (barrier wall time, carrier bytes, the slowest shim's own time)."""
+        (barrier wall time, carrier bytes, the slowest shim's own time), and one per piece of
+        the coordinator's own work between them (``validate``, ``check carriers``,
+        ``compare``: a PhaseResult without participants, its ``detail`` as it is)."""
         if getattr(ev, "kind", None) != "phase" or ev.phase_result is None:
             return
         pr = ev.phase_result
-        self.record(
-            pr.phase,
-            pr.wall_ns,
-            pr.bytes,
-            "ok" if ev.ok else "failed",
+        detail = (
             f"{len(pr.participants)} pids, slowest shim {fmt_ns(pr.max_elapsed_ns)}"
-            + (f", copy {fmt_ns(pr.max_copy_ns)}" if pr.max_copy_ns else ""),
+            + (f", copy {fmt_ns(pr.max_copy_ns)}" if pr.max_copy_ns else "")
+            if pr.participants
+            else f"coordinator: {getattr(pr, 'detail', '')}"
         )
+        self.record(pr.phase, pr.wall_ns, pr.bytes, "ok" if ev.ok else "failed", detail)
         for pid, why in pr.pageable_staging.items():
             self.note(
                 f"{pr.phase}: pid {pid}: its staging ring could not be page-locked "

@@ -363,6 +363,20 @@ class Access:
         )
 
 
+_ACCESS_STRUCT, _ACCESS_SEEN = _STRUCTS["cui_access"], {}
+_KINDS, _ROLES = {int(m): m for m in RecordKind}, {int(m): m for m in Role}
+
+
+def _access_of(v: tuple) -> Access:
+    """The (frozen, shared) Access of an unpacked ``cui_access`` tuple."""
+    a = _ACCESS_SEEN.get(v)
+    if a is None:
+        if len(_ACCESS_SEEN) >= 4096:
+            _ACCESS_SEEN.clear()
+        a = _ACCESS_SEEN[v] = Access(*v)
+    return a
+
+
 @dataclass
 class Record:
     """``struct cui_record`` (640 bytes).
@@ -394,8 +408,10 @@ class Record:
     SIZE: ClassVar[int] = RECORD_SIZE
 
     def __post_init__(self):
-        self.alloc_id = alloc_id_bytes(self.alloc_id)
-        self.access = tuple(self.access)
+        if self.alloc_id.__class__ is not bytes or len(self.alloc_id) != 16:
+            self.alloc_id = alloc_id_bytes(self.alloc_id)
+        if self.access.__class__ is not tuple:
+            self.access = tuple(self.access)
 
     @property
     def access_count(self) -> int:
@@ -403,7 +419,7 @@ class Record:
 
     @property
     def alloc_id_hex(self) -> str:
-        return alloc_id_hex(self.alloc_id)
+        return self.alloc_id.hex()  # 16 bytes (__post_init__)
 
     def pack(self) -> bytes:
         if len(self.access) > CUI_MAX_ACCESS:
@@ -411,59 +427,26 @@ class Record:
                 f"record has {len(self.access)} access entries, CUI_MAX_ACCESS is {CUI_MAX_ACCESS}"
             )
         acc = b"".join(a.pack() for a in self.access).ljust(ACCESS_SIZE * CUI_MAX_ACCESS, b"\0")
-        return _pack(
-            "cui_record",
-            int(self.kind),
-            int(self.role),
-            int(self.flags),
-            alloc_id_bytes(self.alloc_id),
-            self.creator_pid,
-            self.handle_refs,
-            self.size,
-            self.va,
-            self.offset,
-            self.prop_type,
-            self.prop_location_type,
-            self.prop_location_id,
-            self.prop_handle_types,
-            self.carrier_checksum,
-            self.carrier_bytes,
-            len(self.access),
-            self.reserved0,
-            *self.reserved,
-            acc,
-        )
+        head = (int(self.kind), int(self.role), int(self.flags), alloc_id_bytes(self.alloc_id))
+        mid = (self.creator_pid, self.handle_refs, self.size, self.va, self.offset, self.prop_type)
+        props = (self.prop_location_type, self.prop_location_id, self.prop_handle_types)
+        tail = (self.carrier_checksum, self.carrier_bytes, len(self.access), self.reserved0)
+        return _pack("cui_record", *head, *mid, *props, *tail, *self.reserved, acc)
 
     @classmethod
     def unpack(cls, data: bytes) -> "Record":
-        v = _unpack("cui_record", data)
+        return cls._of(_unpack("cui_record", data))
+
+    @classmethod
+    def _of(cls, v: tuple) -> "Record":
+        """The record of one unpacked ``cui_record`` tuple (enum codes through dict lookups and
+        equal access entries shared: INSPECT replies carry ~2 records per allocation)."""
         count = v[15]
         if count > CUI_MAX_ACCESS:
             raise ProtocolError(f"record access_count {count} > CUI_MAX_ACCESS {CUI_MAX_ACCESS}")
-        raw = v[21]
-        access = tuple(
-            Access.unpack(raw[i * ACCESS_SIZE : (i + 1) * ACCESS_SIZE]) for i in range(count)
-        )
-        return cls(
-            kind=_enum(RecordKind, v[0]),
-            role=_enum(Role, v[1]),
-            flags=v[2],
-            alloc_id=v[3],
-            creator_pid=v[4],
-            handle_refs=v[5],
-            size=v[6],
-            va=v[7],
-            offset=v[8],
-            prop_type=v[9],
-            prop_location_type=v[10],
-            prop_location_id=v[11],
-            prop_handle_types=v[12],
-            carrier_checksum=v[13],
-            carrier_bytes=v[14],
-            access=access,
-            reserved0=v[16],
-            reserved=tuple(v[17:21]),
-        )
+        access = tuple(map(_access_of, _ACCESS_STRUCT.iter_unpack(v[21][: count * ACCESS_SIZE])))
+        k, r = v[0], v[1]
+        return cls(_KINDS.get(k, k), _ROLES.get(r, r), *v[2:15], access, v[16], v[17:21])
 
     @classmethod
     def unpack_many(cls, data: bytes, count: int) -> list["Record"]:
@@ -472,7 +455,7 @@ class Record:
             raise ProtocolError(
                 f"{count} records need {count * RECORD_SIZE} bytes, got {len(data)}"
             )
-        return [cls.unpack(data[i * RECORD_SIZE : (i + 1) * RECORD_SIZE]) for i in range(count)]
+        return [cls._of(v) for v in _STRUCTS["cui_record"].iter_unpack(data)]
 
     def describe(self) -> str:
         """Human name of the object for error messages, e.g. 'mapping of allocation 9f3c… at
@@ -589,7 +572,16 @@ class Record:
         )
 
     def replace(self, **changes) -> "Record":
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes`` (field names; TypeError for another name)."""
+        if not changes.keys() <= _RECORD_NAMES:
+            return dataclasses.replace(self, **changes)
+        new = object.__new__(Record)
+        new.__dict__ = {**self.__dict__, **changes}
+        new.__post_init__()
+        return new
+
+
+_RECORD_NAMES = frozenset(f.name for f in dataclasses.fields(Record))
 
 
 def _name(cls, value) -> str | int:

@@ -66,13 +66,7 @@ static int wait_done(uint64_t cur, uint64_t ref, unsigned flags, int is64)
  * (in every process); reads through one are refused (see docs/fakecuda.md). */
 
 /* Does [va, va+len) touch a multicast mapping? (g_mu held) */
-static int mc_overlaps(uintptr_t va, size_t len)
-{
-    for (struct fc_map *m = g_maps; m; m = m->next)
-        if (m->alloc->kind == FC_KIND_MULTICAST && m->va < va + len && va < m->va + m->size)
-            return 1;
-    return 0;
-}
+static int mc_overlaps(uintptr_t va, size_t len) { return map_touches(va, len, FC_KIND_MULTICAST); }
 
 static CUresult mc_read_refused(uintptr_t va, size_t len)
 {

@@ -269,7 +269,7 @@ struct fc_team {
 };
 
 struct fc_alloc {
-    struct fc_alloc *next;
+    struct fc_alloc *next, *prev; /* g_allocs (alloc_link) */
     uint64_t block_id;           /* CU_POINTER_ATTRIBUTE_MEMORY_BLOCK_ID (unique in this process) */
     int fd;                      /* memfd (-1 while checkpointed) */
     dev_t st_dev;
@@ -299,7 +299,7 @@ struct fc_handle {               /* indexed by handle value */
 };
 
 struct fc_map {
-    struct fc_map *next;
+    struct fc_map *next, *prev;  /* g_maps, and the VA index (map_link) */
     uintptr_t va;
     size_t size, offset;
     struct fc_alloc *alloc;
@@ -398,6 +398,21 @@ struct fc_handle *handle_get(unsigned long long h);
 int handle_new(struct fc_alloc *a, unsigned long long *out);
 struct fc_resv *resv_find(uintptr_t va, size_t size);
 struct fc_map *map_find(uintptr_t va);
+/* Mappings by VA: g_maps (newest first, for whole-table walks) and a sorted index of the same
+ * records for lookups in O(log n) (mappings never overlap, so their start VAs are distinct).
+ * map_link adds a new mapping to both (-1: out of memory, nothing added), map_unlink takes it out;
+ * map_lower: the index position of the first mapping starting at or above va, map_count and
+ * map_at walk the index; map_overlapping: the lowest mapping overlapping [va, va+len), or NULL;
+ * map_touches: whether one of `kind` (FC_KIND_*) does. alloc_link adds to g_allocs (the unlink is
+ * alloc_maybe_free's, O(1)). */
+int map_link(struct fc_map *m);
+void map_unlink(struct fc_map *m);
+size_t map_lower(uintptr_t va);
+size_t map_count(void);
+struct fc_map *map_at(size_t i);
+struct fc_map *map_overlapping(uintptr_t va, size_t len);
+int map_touches(uintptr_t va, size_t len, uint32_t kind);
+void alloc_link(struct fc_alloc *a);
 struct fc_dmem *dmem_find(uintptr_t va);
 void alloc_maybe_free(struct fc_alloc *a);
 uint64_t alloc_extent(const struct fc_alloc *a);

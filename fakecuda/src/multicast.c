@@ -185,8 +185,7 @@ static CUresult mc_create(CUmemGenericAllocationHandle *h, const CUmulticastObje
         free(a);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
-    a->next = g_allocs;
-    g_allocs = a;
+    alloc_link(a);
     pthread_mutex_unlock(&g_mu);
     if (cap != p->size)
         fc_logline("fakecuda: multicast object %" PRIu64 ": capacity %" PRIu64 " for a requested %zu "

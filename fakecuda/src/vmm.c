@@ -118,8 +118,7 @@ static CUresult mem_create(CUmemGenericAllocationHandle *h, size_t size, const C
     }
     if (dev >= 0)
         g_used[dev] += size;
-    a->next = g_allocs;
-    g_allocs = a;
+    alloc_link(a);
     pthread_mutex_unlock(&g_mu);
     return CUDA_SUCCESS;
 }
@@ -219,13 +218,12 @@ static CUresult addr_free(CUdeviceptr ptr, size_t size)
         pthread_mutex_unlock(&g_mu);
         return CUDA_ERROR_INVALID_VALUE;
     }
-    for (struct fc_map *m = g_maps; m; m = m->next)
-        if (m->va >= (uintptr_t)ptr && m->va - (uintptr_t)ptr < size) {
-            pthread_mutex_unlock(&g_mu);
-            fc_loud("cuMemAddressFree(0x%llx, %zu): range still has mappings (unmap first)", (unsigned long long)ptr,
-                    size);
-            return CUDA_ERROR_INVALID_VALUE;
-        }
+    struct fc_map *inside = map_at(map_lower((uintptr_t)ptr)); /* the first mapping at or above ptr */
+    if (inside && inside->va - (uintptr_t)ptr < size) {
+        pthread_mutex_unlock(&g_mu);
+        fc_loud("cuMemAddressFree(0x%llx, %zu): range still has mappings (unmap first)", (unsigned long long)ptr, size);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
     struct fc_resv *r = *pp;
     *pp = r->next;
     munmap((void *)r->va, r->size);
@@ -262,9 +260,8 @@ static CUresult mem_map(CUdeviceptr ptr, size_t size, size_t offset, CUmemGeneri
     struct fc_map *m = NULL;
     if (!e || offset > alloc_extent(e->alloc) || size > alloc_extent(e->alloc) - offset || !resv_find(ptr, size))
         r = CUDA_ERROR_INVALID_VALUE;
-    for (struct fc_map *o = g_maps; r == CUDA_SUCCESS && o; o = o->next)
-        if (o->va < ptr + size && ptr < o->va + o->size)
-            r = CUDA_ERROR_INVALID_VALUE; /* mapping over a mapping */
+    if (r == CUDA_SUCCESS && map_overlapping(ptr, size))
+        r = CUDA_ERROR_INVALID_VALUE; /* mapping over a mapping */
     if (r == CUDA_SUCCESS && e->alloc->fd < 0)
         r = CUDA_ERROR_ILLEGAL_STATE;
     if (r == CUDA_SUCCESS) {
@@ -274,11 +271,21 @@ static CUresult mem_map(CUdeviceptr ptr, size_t size, size_t offset, CUmemGeneri
         if (!m || !m->acc)
             r = CUDA_ERROR_OUT_OF_MEMORY;
     }
+    if (r == CUDA_SUCCESS) {
+        m->va = (uintptr_t)ptr;
+        m->size = size;
+        m->offset = offset;
+        m->alloc = e->alloc;
+        m->handle = h;
+        if (map_link(m) != 0)
+            r = CUDA_ERROR_OUT_OF_MEMORY;
+    }
     if (r == CUDA_SUCCESS && e->alloc->kind == FC_KIND_MULTICAST) {
         /* a multicast VA has no memory of its own: it stays a PROT_NONE reservation and the
          * copy engine sends writes to the bound members */
     } else if (r == CUDA_SUCCESS &&
                mmap((void *)ptr, size, PROT_NONE, MAP_SHARED | MAP_FIXED, e->alloc->fd, (off_t)offset) == MAP_FAILED) {
+        map_unlink(m);
         r = CUDA_ERROR_OUT_OF_MEMORY;
     }
     if (r != CUDA_SUCCESS) {
@@ -288,15 +295,8 @@ static CUresult mem_map(CUdeviceptr ptr, size_t size, size_t offset, CUmemGeneri
         pthread_mutex_unlock(&g_mu);
         return r;
     }
-    m->va = (uintptr_t)ptr;
-    m->size = size;
-    m->offset = offset;
-    m->alloc = e->alloc;
-    m->handle = h;
     m->buffer_id = g_next_buffer++;
     e->alloc->maps++;
-    m->next = g_maps;
-    g_maps = m;
     pthread_mutex_unlock(&g_mu);
     return CUDA_SUCCESS;
 }
@@ -314,33 +314,25 @@ static CUresult mem_unmap(CUdeviceptr ptr, size_t size)
         return CUDA_ERROR_INVALID_VALUE;
     uintptr_t lo = (uintptr_t)ptr, hi = lo + size;
     pthread_mutex_lock(&g_mu);
-    int n = 0;
     CUresult r = resv_find(lo, size) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
-    for (struct fc_map *m = g_maps; r == CUDA_SUCCESS && m; m = m->next) {
-        if (m->va < hi && lo < m->va + m->size) {
-            if (m->va < lo || m->va + m->size > hi)
-                r = CUDA_ERROR_INVALID_VALUE; /* would split a mapping */
-            n++;
-        }
-    }
-    if (r == CUDA_SUCCESS && n == 0)
+    size_t first = map_lower(lo), end = first;
+    struct fc_map *before = first ? map_at(first - 1) : NULL;
+    if (before && before->va + before->size > lo)
+        r = CUDA_ERROR_INVALID_VALUE; /* would split a mapping */
+    for (; r == CUDA_SUCCESS && end < map_count() && map_at(end)->va < hi; end++)
+        if (map_at(end)->va + map_at(end)->size > hi)
+            r = CUDA_ERROR_INVALID_VALUE; /* would split a mapping */
+    if (r == CUDA_SUCCESS && end == first)
         r = CUDA_ERROR_INVALID_VALUE;
-    if (r == CUDA_SUCCESS) {
-        struct fc_map **pp = &g_maps;
-        while (*pp) {
-            struct fc_map *m = *pp;
-            if (m->va >= lo && m->va + m->size <= hi) {
-                *pp = m->next;
-                make_reserved(m->va, m->size);
-                struct fc_alloc *a = m->alloc;
-                a->maps--;
-                free(m->acc);
-                free(m);
-                alloc_maybe_free(a);
-            } else {
-                pp = &m->next;
-            }
-        }
+    for (size_t n = r == CUDA_SUCCESS ? end - first : 0; n; n--) {
+        struct fc_map *m = map_at(first);
+        map_unlink(m);
+        make_reserved(m->va, m->size);
+        struct fc_alloc *a = m->alloc;
+        a->maps--;
+        free(m->acc);
+        free(m);
+        alloc_maybe_free(a);
     }
     pthread_mutex_unlock(&g_mu);
     return r;
@@ -381,9 +373,9 @@ static CUresult set_access(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *
             return CUDA_ERROR_INVALID_VALUE;
         }
     }
-    for (struct fc_map *m = g_maps; m; m = m->next) {
-        if (!(m->va < hi && lo < m->va + m->size))
-            continue;
+    struct fc_map *m0 = map_overlapping(lo, size);
+    for (size_t k = m0 ? map_lower(m0->va) : map_count(); k < map_count() && map_at(k)->va < hi; k++) {
+        struct fc_map *m = map_at(k);
         for (size_t g = 0; g < m->size / g_gran; g++) {
             uintptr_t gva = m->va + g * g_gran;
             if (gva < lo || gva >= hi)
@@ -540,8 +532,7 @@ static CUresult mem_import(CUmemGenericAllocationHandle *h, void *os, CUmemAlloc
         g_handles[*h].imported = 1;
     if (fresh) {
         if (r == CUDA_SUCCESS) {
-            a->next = g_allocs;
-            g_allocs = a;
+            alloc_link(a);
         } else {
             close(a->fd);
             if (a->team)

@@ -60,12 +60,97 @@ struct fc_resv *resv_find(uintptr_t va, size_t size)
     return NULL;
 }
 
+/* The VA index of the mappings (fc.h "Mappings by VA"). */
+static struct fc_map **g_ix;
+static size_t g_nix, g_capix;
+
+size_t map_lower(uintptr_t va)
+{
+    size_t lo = 0, hi = g_nix;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (g_ix[mid]->va < va)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+size_t map_count(void) { return g_nix; }
+
+struct fc_map *map_at(size_t i) { return i < g_nix ? g_ix[i] : NULL; }
+
 struct fc_map *map_find(uintptr_t va)
 {
-    for (struct fc_map *m = g_maps; m; m = m->next)
-        if (va >= m->va && va - m->va < m->size)
-            return m;
-    return NULL;
+    size_t i = map_lower(va);
+    if (i < g_nix && g_ix[i]->va == va)
+        return g_ix[i];
+    return i && va - g_ix[i - 1]->va < g_ix[i - 1]->size ? g_ix[i - 1] : NULL;
+}
+
+struct fc_map *map_overlapping(uintptr_t va, size_t len)
+{
+    size_t i = map_lower(va);
+    if (i && va - g_ix[i - 1]->va < g_ix[i - 1]->size)
+        return g_ix[i - 1];
+    return i < g_nix && g_ix[i]->va - va < len ? g_ix[i] : NULL;
+}
+
+int map_touches(uintptr_t va, size_t len, uint32_t kind)
+{
+    size_t i = map_lower(va);
+    for (i = i ? i - 1 : 0; i < g_nix && g_ix[i]->va < va + len; i++)
+        if (g_ix[i]->alloc->kind == kind && g_ix[i]->va + g_ix[i]->size > va)
+            return 1;
+    return 0;
+}
+
+int map_link(struct fc_map *m)
+{
+    if (g_nix == g_capix) {
+        size_t cap = g_capix ? 2 * g_capix : 64;
+        struct fc_map **n = realloc(g_ix, cap * sizeof *n);
+        if (!n)
+            return -1;
+        g_ix = n;
+        g_capix = cap;
+    }
+    size_t i = map_lower(m->va);
+    memmove(&g_ix[i + 1], &g_ix[i], (g_nix - i) * sizeof *g_ix);
+    g_ix[i] = m;
+    g_nix++;
+    m->prev = NULL;
+    m->next = g_maps;
+    if (g_maps)
+        g_maps->prev = m;
+    g_maps = m;
+    return 0;
+}
+
+void map_unlink(struct fc_map *m)
+{
+    size_t i = map_lower(m->va);
+    if (i < g_nix && g_ix[i] == m) {
+        memmove(&g_ix[i], &g_ix[i + 1], (g_nix - i - 1) * sizeof *g_ix);
+        g_nix--;
+    }
+    if (m->prev)
+        m->prev->next = m->next;
+    else
+        g_maps = m->next;
+    if (m->next)
+        m->next->prev = m->prev;
+    m->next = m->prev = NULL;
+}
+
+void alloc_link(struct fc_alloc *a)
+{
+    a->prev = NULL;
+    a->next = g_allocs;
+    if (g_allocs)
+        g_allocs->prev = a;
+    g_allocs = a;
 }
 
 struct fc_dmem *dmem_find(uintptr_t va)
@@ -80,11 +165,12 @@ void alloc_maybe_free(struct fc_alloc *a)
 {
     if (a->handles > 0 || a->maps > 0 || a->binds > 0 || a->pins > 0)
         return;
-    struct fc_alloc **pp = &g_allocs;
-    while (*pp && *pp != a)
-        pp = &(*pp)->next;
-    if (*pp)
-        *pp = a->next;
+    if (a->prev)
+        a->prev->next = a->next;
+    else if (g_allocs == a)
+        g_allocs = a->next;
+    if (a->next)
+        a->next->prev = a->prev;
     if (a->created_here && a->device >= 0 && a->device < FC_MAX_DEVICES)
         g_used[a->device] -= a->size;
     if (a->fd >= 0)

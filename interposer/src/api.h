@@ -47,6 +47,11 @@ CUI_HIDDEN const char *cui_mc_bind_api(int by_addr, int v2);
 CUI_HIDDEN int cui_fetch_fd(uint32_t creator_pid, const uint8_t id[16], char *why, size_t cap);
 /* The same, with the creator's reply status in *status (enum cui_status; -1 when no reply came). */
 CUI_HIDDEN int cui_fetch_fd_status(uint32_t creator_pid, const uint8_t id[16], char *why, size_t cap, int32_t *status);
+/* The same in two halves: cui_fetch_send connects and sends the request (the socket, or -1 with
+ * `why`); cui_fetch_recv reads the reply and closes the socket (the FD, or -1 with `why`; the
+ * reply's status in *status). */
+CUI_HIDDEN int cui_fetch_send(uint32_t creator_pid, const uint8_t id[16], char *why, size_t cap);
+CUI_HIDDEN int cui_fetch_recv(int s, uint32_t creator_pid, char *why, size_t cap, int32_t *status);
 
 /* ---------- alloc_api.c (the IPC adapter) ---------- */
 

@@ -3,7 +3,7 @@
  * layer; protocol.h "Carriers" and "Chunk store"): the stream entries with their descriptors,
  * then, when the request's flags say so, the known-digest table (SAVE, CUI_CARRY_KNOWN) or the
  * source files and chunk refs (LOAD, CUI_CARRY_SOURCES). Checks what needs no allocation table
- * (counts, order, source indices); ops_carriers.c checks the rest against the allocations.
+ * (counts, order, source indices); ops_carriers.c and ops_load.c check the rest against the allocations.
  * Every descriptor received is CLOEXEC and is closed by cui_carry_free.
  */
 #define _GNU_SOURCE

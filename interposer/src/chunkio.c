@@ -53,7 +53,7 @@ struct cui_cio {
   unsigned nthreads;
   pthread_t *threads;
   pthread_mutex_t mu;
-  pthread_cond_t cv;
+  pthread_cond_t cv_io, cv_caller; /* the I/O threads wait on the one, the op's caller on the other */
   int *free_slots;
   size_t nfree;
   struct cio_item *q;   /* writers: submitted slots; readers: verified slots (both FIFO, <= nslots) */
@@ -81,7 +81,8 @@ static void set_error(struct cui_cio *io, enum cui_cio_err kind, int e, const st
     if (found) memcpy(io->err.found, found, CUI_DIGEST_BYTES);
   }
   io->stop = 1;
-  pthread_cond_broadcast(&io->cv);
+  pthread_cond_broadcast(&io->cv_io);
+  pthread_cond_broadcast(&io->cv_caller);
 }
 
 static int cmp_digest(const void *a, const void *b) { return memcmp(a, b, CUI_DIGEST_BYTES); }
@@ -150,7 +151,7 @@ static void *writer_main(void *arg) {
   struct cui_cio *io = arg;
   pthread_mutex_lock(&io->mu);
   for (;;) {
-    while (!io->qlen && !io->finishing && !io->stop) pthread_cond_wait(&io->cv, &io->mu);
+    while (!io->qlen && !io->finishing && !io->stop) pthread_cond_wait(&io->cv_io, &io->mu);
     if (io->stop || !io->qlen) break;
     struct cio_item it = io->q[io->qhead];
     io->qhead = (io->qhead + 1) % io->nslots;
@@ -178,7 +179,7 @@ static void *writer_main(void *arg) {
     else if (!zero) io->written += it.len;
     if (!e && direct) io->direct_bytes += it.len;
     io->free_slots[io->nfree++] = it.slot;
-    pthread_cond_broadcast(&io->cv);
+    pthread_cond_signal(&io->cv_caller); /* a slot is free */
   }
   pthread_mutex_unlock(&io->mu);
   return NULL;
@@ -189,7 +190,7 @@ static void *reader_main(void *arg) {
   pthread_mutex_lock(&io->mu);
   for (;;) {
     while ((io->next_task == io->ntasks || !io->nfree) && !io->finishing && !io->stop)
-      pthread_cond_wait(&io->cv, &io->mu);
+      pthread_cond_wait(&io->cv_io, &io->mu);
     if (io->stop || io->next_task == io->ntasks || !io->nfree) break;
     struct cio_item it = io->tasks[io->next_task++];
     it.slot = io->free_slots[--io->nfree];
@@ -211,7 +212,8 @@ static void *reader_main(void *arg) {
       io->q[(io->qhead + io->qlen) % io->nslots] = it;
       io->qlen++;
     }
-    pthread_cond_broadcast(&io->cv);
+    pthread_cond_signal(&io->cv_caller); /* a chunk is ready */
+    if (e || io->stop) pthread_cond_signal(&io->cv_io); /* its slot is free again */
   }
   pthread_mutex_unlock(&io->mu);
   return NULL;
@@ -224,7 +226,8 @@ static void cio_free(struct cui_cio *io) {
   free(io->q);
   free(io->tasks);
   free(io->direct);
-  pthread_cond_destroy(&io->cv);
+  pthread_cond_destroy(&io->cv_io);
+  pthread_cond_destroy(&io->cv_caller);
   pthread_mutex_destroy(&io->mu);
   free(io);
 }
@@ -235,7 +238,8 @@ struct cui_cio *cui_cio_start(size_t chunk_bytes, size_t staging_bytes, unsigned
   if (!io) return NULL;
   io->digest = digest;
   pthread_mutex_init(&io->mu, NULL);
-  pthread_cond_init(&io->cv, NULL);
+  pthread_cond_init(&io->cv_io, NULL);
+  pthread_cond_init(&io->cv_caller, NULL);
   io->chunk_bytes = chunk_bytes;
   io->nslots = staging_bytes / chunk_bytes ? staging_bytes / chunk_bytes : 1;
   io->ring_bytes = io->nslots * chunk_bytes;
@@ -275,7 +279,7 @@ void *cui_cio_ring(struct cui_cio *io, size_t *bytes) {
 
 int cui_cio_slot(struct cui_cio *io, unsigned char **buf) {
   pthread_mutex_lock(&io->mu);
-  while (!io->nfree && !io->stop) pthread_cond_wait(&io->cv, &io->mu);
+  while (!io->nfree && !io->stop) pthread_cond_wait(&io->cv_caller, &io->mu);
   int slot = io->stop ? -1 : io->free_slots[--io->nfree];
   pthread_mutex_unlock(&io->mu);
   if (slot >= 0) *buf = io->ring + (size_t)slot * io->chunk_bytes;
@@ -286,7 +290,7 @@ void cui_cio_submit(struct cui_cio *io, int slot, struct cui_cio_stream *s, uint
   pthread_mutex_lock(&io->mu);
   io->q[(io->qhead + io->qlen) % io->nslots] = (struct cio_item){s, chunk, slot, len, s ? s->fd : -1, 0};
   io->qlen++;
-  pthread_cond_broadcast(&io->cv);
+  pthread_cond_signal(&io->cv_io); /* one writer takes it */
   pthread_mutex_unlock(&io->mu);
 }
 
@@ -329,17 +333,17 @@ int cui_cio_queue_read(struct cui_cio *io, struct cui_cio_stream *s, uint32_t ch
     io->cap_tasks = cap;
   }
   io->tasks[io->ntasks++] = (struct cio_item){s, chunk, -1, len, fd, (off_t)off};
-  pthread_cond_broadcast(&io->cv);
+  pthread_cond_signal(&io->cv_io); /* one reader takes it */
   pthread_mutex_unlock(&io->mu);
   return 0;
 }
 
-int cui_cio_next_ready(struct cui_cio *io, unsigned char **buf, struct cui_cio_stream **s, uint32_t *chunk,
-                       size_t *len) {
+int cui_cio_take_ready(struct cui_cio *io, const struct cui_cio_stream *below, unsigned char **buf,
+                       struct cui_cio_stream **s, uint32_t *chunk, size_t *len) {
   pthread_mutex_lock(&io->mu);
-  while (!io->qlen && !io->stop && io->consumed < io->ntasks) pthread_cond_wait(&io->cv, &io->mu);
+  while (!below && !io->qlen && !io->stop && io->consumed < io->ntasks) pthread_cond_wait(&io->cv_caller, &io->mu);
   int slot = -1;
-  if (!io->stop && io->qlen) {
+  if (!io->stop && io->qlen && (!below || io->q[io->qhead].s < below)) {
     struct cio_item it = io->q[io->qhead];
     io->qhead = (io->qhead + 1) % io->nslots;
     io->qlen--;
@@ -354,24 +358,31 @@ int cui_cio_next_ready(struct cui_cio *io, unsigned char **buf, struct cui_cio_s
   return slot;
 }
 
+int cui_cio_next_ready(struct cui_cio *io, unsigned char **buf, struct cui_cio_stream **s, uint32_t *chunk,
+                       size_t *len) {
+  return cui_cio_take_ready(io, NULL, buf, s, chunk, len);
+}
+
 void cui_cio_release(struct cui_cio *io, int slot) {
   pthread_mutex_lock(&io->mu);
   io->free_slots[io->nfree++] = slot;
-  pthread_cond_broadcast(&io->cv);
+  pthread_cond_signal(&io->cv_io); /* a reader waiting for a slot */
   pthread_mutex_unlock(&io->mu);
 }
 
 void cui_cio_abort(struct cui_cio *io) {
   pthread_mutex_lock(&io->mu);
   io->stop = 1;
-  pthread_cond_broadcast(&io->cv);
+  pthread_cond_broadcast(&io->cv_io);
+  pthread_cond_broadcast(&io->cv_caller);
   pthread_mutex_unlock(&io->mu);
 }
 
 enum cui_cio_err cui_cio_finish(struct cui_cio *io, struct cui_cio_error *e, struct cui_cio_counts *counts) {
   pthread_mutex_lock(&io->mu);
   io->finishing = 1;
-  pthread_cond_broadcast(&io->cv);
+  pthread_cond_broadcast(&io->cv_io);
+  pthread_cond_broadcast(&io->cv_caller);
   pthread_mutex_unlock(&io->mu);
   for (unsigned i = 0; i < io->nthreads; i++) pthread_join(io->threads[i], NULL);
   for (size_t i = 0; i < io->ndirect; i++) (void)fcntl(io->direct[i].fd, F_SETFL, io->direct[i].flags);

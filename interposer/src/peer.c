@@ -4,7 +4,8 @@
  * object, which arrives as SCM_RIGHTS on the reply. Used by the import wrappers and the
  * RESTORE_UNICAST / RESTORE_MULTICAST_IMPORTERS ops; never touches the state lock. The request
  * carries the allocation's secret learnt from its ticket or virtual IPC handle (protocol.h
- * "Secrets"; the secrets' own mutex). Calls util and state.
+ * "Secrets"; the secrets' own mutex). In two halves as well (send, then receive), so that
+ * RESTORE_UNICAST keeps several requests in flight. Calls util and state.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -17,13 +18,7 @@
 
 #include "api.h"
 
-int cui_fetch_fd(uint32_t creator_pid, const uint8_t id[16], char *why, size_t cap) {
-  int32_t status;
-  return cui_fetch_fd_status(creator_pid, id, why, cap, &status);
-}
-
-int cui_fetch_fd_status(uint32_t creator_pid, const uint8_t id[16], char *why, size_t cap, int32_t *status) {
-  *status = -1;
+int cui_fetch_send(uint32_t creator_pid, const uint8_t id[16], char *why, size_t cap) {
   struct sockaddr_un sa;
   memset(&sa, 0, sizeof sa);
   sa.sun_family = AF_UNIX;
@@ -59,6 +54,11 @@ int cui_fetch_fd_status(uint32_t creator_pid, const uint8_t id[16], char *why, s
     close(s);
     return -1;
   }
+  return s;
+}
+
+int cui_fetch_recv(int s, uint32_t creator_pid, char *why, size_t cap, int32_t *status) {
+  *status = -1;
   struct cui_reply rep;
   union {
     char buf[CMSG_SPACE(sizeof(int))];
@@ -79,7 +79,10 @@ int cui_fetch_fd_status(uint32_t creator_pid, const uint8_t id[16], char *why, s
     for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c))
       if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) memcpy(&fd, CMSG_DATA(c), sizeof(int));
   if (k <= 0 || ((size_t)k < sizeof rep && cui_read_full(s, (char *)&rep + k, sizeof rep - (size_t)k) != 0)) {
-    snprintf(why, cap, "no reply from %s: %s", sa.sun_path, k == 0 ? "connection closed" : strerror(errno));
+    char path[sizeof(((struct sockaddr_un *)0)->sun_path)] = "";
+    int e = errno;
+    cui_socket_path(creator_pid, path, sizeof path);
+    snprintf(why, cap, "no reply from %s: %s", path, k == 0 ? "connection closed" : strerror(e));
     if (fd >= 0) close(fd);
     close(s);
     return -1;
@@ -101,4 +104,15 @@ int cui_fetch_fd_status(uint32_t creator_pid, const uint8_t id[16], char *why, s
   }
   close(s);
   return fd;
+}
+
+int cui_fetch_fd_status(uint32_t creator_pid, const uint8_t id[16], char *why, size_t cap, int32_t *status) {
+  *status = -1;
+  int s = cui_fetch_send(creator_pid, id, why, cap);
+  return s < 0 ? -1 : cui_fetch_recv(s, creator_pid, why, cap, status);
+}
+
+int cui_fetch_fd(uint32_t creator_pid, const uint8_t id[16], char *why, size_t cap) {
+  int32_t status;
+  return cui_fetch_fd_status(creator_pid, id, why, cap, &status);
 }

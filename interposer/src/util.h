@@ -132,6 +132,11 @@ CUI_HIDDEN int cui_cio_queue_read(struct cui_cio *io, struct cui_cio_stream *s, 
 CUI_HIDDEN void cui_cio_set_known(struct cui_cio *io, const uint8_t (*known)[CUI_DIGEST_BYTES], size_t n);
 CUI_HIDDEN int cui_cio_next_ready(struct cui_cio *io, unsigned char **buf, struct cui_cio_stream **s, uint32_t *chunk,
                                   size_t *len);
+/* LOAD: the same without waiting, and only when the verified chunk at the head of the queue
+ * belongs to a stream before `below` (an element of the caller's stream array): -1 otherwise
+ * (none verified yet, a later stream's, or the ring stopped). With `below` NULL: next_ready. */
+CUI_HIDDEN int cui_cio_take_ready(struct cui_cio *io, const struct cui_cio_stream *below, unsigned char **buf,
+                                  struct cui_cio_stream **s, uint32_t *chunk, size_t *len);
 CUI_HIDDEN void cui_cio_release(struct cui_cio *io, int slot);
 /* Stops the ring because the caller failed (its own error is reported by the caller). */
 CUI_HIDDEN void cui_cio_abort(struct cui_cio *io);

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import json
 
 import pytest
 
-from cuinterpose.coordinator.barrier import next_txn_id
+from cuinterpose.coordinator.barrier import gc_paused, next_txn_id
 from cuinterpose.coordinator.carrierfiles import streams_of
 from cuinterpose.coordinator.errors import CoordinatorError
 from cuinterpose.coordinator.phases import (
@@ -213,6 +214,21 @@ def test_on_event_per_reply_and_per_phase(ctl):
     events = []
     with group(ctl) as g:
         Coordinator(g.participants, on_event=events.append).capture()
+    # the coordinator's own work between barriers is a row of its own (no participants)
+    assert [(e.phase, e.txn_id > 0) for e in events if e.kind == "phase"] == [
+        ("INSPECT", True),
+        ("validate", False),
+        ("SAVE_ALLOCATIONS", True),
+        ("PREPARE_UNICAST", True),
+        ("INSPECT", True),
+        ("check carriers", False),
+    ]
+    steps = [e.phase_result for e in events if e.txn_id == 0]
+    assert [(s.participants, s.detail) for s in steps] == [
+        ({}, "14 records of 3 pids"),
+        ({}, "2 carriers"),
+    ]
+    events = [e for e in events if e.txn_id]
     assert len(events) == 4 * 4
     for i, name in enumerate(CAPTURE_OPS):
         chunk = events[4 * i : 4 * i + 4]
@@ -224,6 +240,27 @@ def test_on_event_per_reply_and_per_phase(ctl):
         assert chunk[3].phase_result.phase == name
     save_phase = events[7]
     assert save_phase.bytes == 12 * MiB
+
+
+def test_gc_paused_nests_and_leaves_the_collector_as_it_found_it(ctl):
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+        with gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with group(ctl) as g:  # every pause of a capture and a restore ended
+        co = Coordinator(g.participants)
+        co.restore(co.capture())
+    assert gc.isenabled()
+    gc.disable()
+    try:  # a caller that runs without the collector keeps it off
+        with gc_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_on_event_exception_does_not_break_the_barrier(ctl):
@@ -444,6 +481,33 @@ def test_restore_refuses_bad_carrier_checksum_before_load(ctl):
             f"{want} ({2 * MiB} bytes); restore refused, nothing was "
             "changed"
         )
+        assert "LOAD_ALLOCATIONS" not in {name for _, name in g.ops_received()}
+
+
+def test_restore_refuses_a_carrier_no_longer_held_before_load(ctl):
+    """The restore's carrier check finds each captured carrier by (pid, allocation) in one index
+    of the INSPECT records: a creator record without CUI_REC_CARRIED is named, nothing sent."""
+    with group(ctl) as g:
+        cap = Coordinator(g.participants).capture()
+        m = g.mocks[4121]
+        i = next(
+            i
+            for i, r in enumerate(m.records)
+            if r.kind == RecordKind.ALLOCATION and r.role == Role.CREATOR
+        )
+        m.records[i] = m.records[i].replace(flags=int(m.records[i].flags) & ~RecordFlag.CARRIED)
+        events = []
+        with pytest.raises(PhaseError) as ei:
+            Coordinator(g.participants, on_event=events.append).restore(cap)
+        assert str(ei.value) == (
+            f"INSPECT: pid 4121 allocation {m.records[i].alloc_id_hex} no longer holds the chunk "
+            "table of its chunk file; restore refused, nothing was changed"
+        )
+        assert (ei.value.pid, ei.value.changed) == (4121, False)
+        assert [(e.phase, e.ok) for e in events if e.kind == "phase"] == [
+            ("INSPECT", True),
+            ("check carriers", False),
+        ]
         assert "LOAD_ALLOCATIONS" not in {name for _, name in g.ops_received()}
 
 

@@ -135,7 +135,15 @@ def test_capture_and_restore_two_processes(pair, pair_env):
     assert pinned == {cpid: (ring, 0), ipid: (0, 0)}
     assert save.pageable_staging == {}
     assert len(cap.carriers) == K and cap.carrier_bytes == K * SIZE
-    assert [e.kind for e in events].count("phase") == 4
+    assert [e.phase for e in events if e.kind == "phase"] == [
+        "INSPECT",
+        "validate",
+        "SAVE_ALLOCATIONS",
+        "PREPARE_UNICAST",
+        "INSPECT",
+        "check carriers",
+    ]
+    assert [s.phase for s in cap.steps] == ["validate", "check carriers"]
 
     # the capture survives JSON; a new coordinator restores from it
     back = Capture.from_dict(json.loads(json.dumps(cap.to_dict())))
@@ -348,11 +356,11 @@ def _take_from_child(ctl: str, pid: int):
 
 @pytest.fixture
 def held_pair(cuipair, pair_env, tmp_path):
-    """A pair whose driver holds a cuMemcpyHtoD_v2 (LOAD_ALLOCATIONS's copy) while
+    """A pair whose driver holds a cuMemcpyHtoDAsync_v2 (LOAD_ALLOCATIONS's copy) while
     ``HOLD/hold`` exists (FAKECUDA_HOLD, docs/fakecuda.md): (pair, HOLD)."""
     hold = tmp_path / "hold"
     hold.mkdir()
-    p = Pair(cuipair, dict(pair_env, FAKECUDA_HOLD=f"cuMemcpyHtoD_v2:{hold}"), K, SIZE)
+    p = Pair(cuipair, dict(pair_env, FAKECUDA_HOLD=f"cuMemcpyHtoDAsync_v2:{hold}"), K, SIZE)
     yield p, hold
     (hold / "hold").unlink(missing_ok=True)
     p.close()

@@ -106,6 +106,8 @@ def test_checkpoint_kill_restore_finish(afdwin, tmp_path, ranks, attention):
     assert {p["name"] for p in m["phases"]} >= {
         "census",
         "quiesce",
+        "validate",  # the coordinator's own work between its barriers: rows of their own
+        "check carriers",
         "SAVE_ALLOCATIONS",
         "PREPARE_UNICAST",
         "native lock",
@@ -137,6 +139,7 @@ def test_checkpoint_kill_restore_finish(afdwin, tmp_path, ranks, attention):
     assert rc == 0 and rs["ok"], rs
     assert rs["roots"] == [a.pid] and rs["cuda_pids"] == rank_pids
     assert [p["bytes"] for p in rs["phases"] if p["name"] == "LOAD_ALLOCATIONS"] == [ranks * stride]
+    assert {"check carriers", "compare"} <= {p["name"] for p in rs["phases"]}
     assert a.wait_restored_exit(300) in (0, None)
     evs = a.events()
     s = assert_exact_pairs(evs, STEPS, ranks, attention)

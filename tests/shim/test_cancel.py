@@ -208,7 +208,7 @@ def test_save_failure_part_way_leaves_active_and_memory_intact(apps, ctl, fake_l
     )
     # the first allocation was copied chunk by chunk (staging map, copies, unmap) before the
     # second failed
-    copied = [a for fn, a, res in fake_log.calls(c.pid, since=mark) if fn == "cuMemcpyDtoH_v2"]
+    copied = [a for fn, a, res in fake_log.calls(c.pid, since=mark) if fn == "cuMemcpyDtoHAsync_v2"]
     cb = chunk_files.chunk_bytes
     assert [int(a["bytes"]) for a in copied] == [cb] * (sizes[0] // cb)
     assert not any(

@@ -10,9 +10,9 @@
   reservation or mapping: no second VA range, no second fault of its pages on fakecuda), and
   through a staging mapping where the app maps it only in parts; the files hold the same bytes
   either way;
-- LOAD queues every read before it creates the first allocation (every cuMemCreate precedes the
-  first cuMemcpyHtoD), zeroes each run of zero chunks with one cuMemsetD8 and copies each
-  non-zero chunk to its offset (fake log)."""
+- LOAD maps each allocation where the app maps it, zeroes each run of zero chunks with one
+  cuMemsetD8 and copies each non-zero chunk to its offset after its allocation was mapped (fake
+  log)."""
 
 from __future__ import annotations
 
@@ -180,7 +180,7 @@ def test_save_copies_from_the_apps_whole_mapping(apps, ctl, chunk_files, fake_lo
     r = ctl(c).request(Op.SAVE_ALLOCATIONS, txn_id=1, expected_phase=Phase.ACTIVE)
     assert (r.reply.status, r.reply.bytes) == (Status.OK, 2 * size), r.message
     calls = fake_log.calls(c.pid, since=mark)
-    srcs = [int(a["src"], 16) for fn, a, _ in calls if fn == "cuMemcpyDtoH_v2"]
+    srcs = [int(a["src"], 16) for fn, a, _ in calls if fn == "cuMemcpyDtoHAsync_v2"]
     assert len(srcs) == 2 * size // (2 * MiB)
     # the first allocation's chunks were read at the app's VAs, in order
     assert srcs[: len(srcs) // 2] == [whole + k * 2 * MiB for k in range(len(srcs) // 2)]
@@ -247,10 +247,9 @@ def test_sha256_chunks_round_trip_and_the_other_checksum_refuses(apps, ctl, chun
 
 
 def test_load_queues_every_read_first_and_zeroes_each_run_once(apps, ctl, chunk_files, fake_log):
-    """LOAD_ALLOCATIONS (protocol.h "Carriers"): every allocation is created before the first
-    chunk reaches the device (the readers got every read at once, not one allocation's at a
-    time); each run of consecutive zero chunks is one cuMemsetD8 at the run's offset; each
-    non-zero chunk one cuMemcpyHtoD at its offset of its allocation's staging mapping."""
+    """LOAD_ALLOCATIONS (protocol.h "Carriers"): each allocation is mapped where the app maps it
+    (no staging reservation), each run of consecutive zero chunks is one cuMemsetD8 at the run's
+    offset, each non-zero chunk one copy at its offset, after its own allocation was mapped."""
     chunk_files.chunk_bytes, chunk_files.staging_bytes = 4 * MiB, 8 * MiB
     c = apps()
     c.ok("init")
@@ -270,13 +269,23 @@ def test_load_queues_every_read_first_and_zeroes_each_run_once(apps, ctl, chunk_
     calls = fake_log.calls(c.pid, since=mark)
     names = [fn for fn, _, _ in calls]
     creates = [i for i, fn in enumerate(names) if fn == "cuMemCreate"]
-    copies = [i for i, fn in enumerate(names) if fn == "cuMemcpyHtoD_v2"]
+    copies = [i for i, fn in enumerate(names) if fn == "cuMemcpyHtoDAsync_v2"]
     assert (len(creates), len(copies)) == (3, 2 + 1 + 2)
-    assert max(creates) < min(copies)
-    # each allocation's staging mapping, in request order (sizes tell them apart)
+    # each allocation mapped where the app maps it, in request order (sizes tell them apart)
     maps = [(int(a["size"]), int(a["ptr"], 16)) for fn, a, _ in calls if fn == "cuMemMap"]
     base = {size: ptr for size, ptr in maps[:3]}
-    assert sorted(base) == [8 * MiB, 24 * MiB, 40 * MiB]
+    assert base == {8 * MiB: dense, 40 * MiB: sparse, 24 * MiB: gaps}
+    assert [fn for fn in names if fn in ("cuMemAddressReserve", "cuMemAddressFree")] == []
+    at = {
+        ptr: i
+        for i, (fn, a, _) in enumerate(calls)
+        if fn == "cuMemMap"
+        for ptr in [int(a["ptr"], 16)]
+    }
+    for i in copies:
+        dst = int(calls[i][1]["dst"], 16)
+        (ptr,) = [b for s_, b in base.items() if b <= dst < b + s_]
+        assert at[ptr] < i
 
     def where(a):
         d = int(a["dst"], 16)
@@ -289,7 +298,7 @@ def test_load_queues_every_read_first_and_zeroes_each_run_once(apps, ctl, chunk_
         ((24 * MiB, 16 * MiB), 8 * MiB),
         ((40 * MiB, 4 * MiB), 36 * MiB),
     ]
-    got = sorted((where(a), int(a["bytes"])) for fn, a, _ in calls if fn == "cuMemcpyHtoD_v2")
+    got = sorted((where(a), int(a["bytes"])) for fn, a, _ in calls if fn == "cuMemcpyHtoDAsync_v2")
     assert got == [
         ((8 * MiB, 0), 4 * MiB),
         ((8 * MiB, 4 * MiB), 4 * MiB),

@@ -6,7 +6,8 @@ Both must be acyclic, and every arrow must go down the layer order:
 
     util (util, checksum, blake2b, sha256, chunkio) -> resolve -> state -> vmm_api | multicast_api | peer | proc_address
       | alloc_api | ipc_api | event_api | peer_access | share_api
-      -> ops_unicast | ops_carriers | ops_multicast | ops_share -> ops -> control | carry_in
+      -> ops_unicast | ops_copies | ops_carriers | ops_load | ops_multicast | ops_share -> ops
+      -> control | carry_in
 
 read "may be used by". Inside a layer only the calls in SAME_LAYER are allowed (a file may
 include its own layer's header). The hook
@@ -39,7 +40,15 @@ LAYERS = [
         "share_api",
         "api.h",
     },
-    {"ops_unicast", "ops_carriers", "ops_multicast", "ops_share", "phase_ops.h"},
+    {
+        "ops_unicast",
+        "ops_copies",
+        "ops_carriers",
+        "ops_load",
+        "ops_multicast",
+        "ops_share",
+        "phase_ops.h",
+    },
     {"ops", "ops.h"},
     {"control", "carry_in"},
 ]
@@ -49,6 +58,10 @@ RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 #: The IPC adapter builds on the tracked VMM wrappers (docs/shim.md "IPC adapter").
 SAME_LAYER = {
     ("ops_carriers", "ops_unicast"),  # the staging mapping and remap helpers
+    ("ops_carriers", "ops_copies"),  # the copy pipeline
+    ("ops_load", "ops_unicast"),
+    ("ops_load", "ops_copies"),
+    ("ops_load", "ops_carriers"),  # the helpers SAVE and LOAD share
     ("control", "carry_in"),  # the worker receives the carriers' tables
     ("vmm_api", "multicast_api"),
     ("vmm_api", "peer"),
@@ -65,7 +78,7 @@ SAME_LAYER = {
     ("vmm_api", "share_api"),
     ("share_api", "event_api"),
     ("ops_share", "ops_unicast"),  # the unicast ops with the events and registrations around them
-    ("ops_share", "ops_carriers"),
+    ("ops_share", "ops_load"),
 }
 
 

@@ -1,11 +1,11 @@
-"""LOAD_ALLOCATIONS's pipeline (ops_carriers.c queue_reads / zero_chunks / drain_reads;
-docs/shim.md "Chunk files") and the page-locked ring (pin_ring), driven adversarially on
-fakecuda (written by a reviewer trying to break them):
+"""LOAD_ALLOCATIONS's pipeline (ops_load.c queue_reads / zero_chunks / drain_reads, the copies
+on ops_copies.c's lanes; docs/shim.md "Chunk files") and the page-locked ring (pin_ring), driven
+adversarially on fakecuda (written by a reviewer trying to break them):
 - a bad chunk (checksum) or an unreadable chunk file (EBADF) in the LAST allocation, while the
   earlier ones are created: refused naming that allocation and chunk, every allocation the LOAD
-  created is unmapped, freed and released (fake log), the records are unchanged, the shim stays
-  PREPARED, and the next LOAD brings the bytes back; with a one-slot ring and one reader, and
-  with a wider ring and several readers;
+  created is unmapped from the app's VAs and released (fake log), the records are unchanged, the
+  shim stays PREPARED, and the next LOAD brings the bytes back; with a one-slot ring and one
+  reader, and with a wider ring and several readers;
 - many allocations through a one-slot ring and one reader, and through a ring whose
   staging_bytes is not a whole number of chunks (reply.reserved[4] says the whole chunks locked,
   on SAVE and on LOAD);
@@ -90,18 +90,21 @@ def _load_restore(ctl, c, txn, total):
     return r
 
 
-def _assert_released(fake_log, pid, mark, created):
-    """Every allocation the refused LOAD created (``created`` of them) was unmapped from its
-    staging VA, the VA freed and the handle released, each exactly once; nothing exported."""
+def _assert_released(fake_log, pid, mark, vas):
+    """Every allocation the refused LOAD created was mapped where the app maps it (``vas``, in
+    request order: the app maps each whole with read-write access, so no staging mapping), then
+    unmapped and its handle released, each exactly once; nothing exported."""
     calls = fake_log.calls(pid, since=mark)
     made = [a["handle"] for fn, a, res in calls if fn == "cuMemCreate" and res == "CUDA_SUCCESS"]
-    assert len(made) == created
+    assert len(made) == len(vas)
     released = [a["handle"] for fn, a, _ in calls if fn == "cuMemRelease"]
     assert sorted(released) == sorted(made)
-    mapped = sorted(a["ptr"] for fn, a, res in calls if fn == "cuMemMap" and res == "CUDA_SUCCESS")
-    assert len(mapped) == created
-    assert sorted(a["ptr"] for fn, a, _ in calls if fn == "cuMemUnmap") == mapped
-    assert sorted(a["ptr"] for fn, a, _ in calls if fn == "cuMemAddressFree") == mapped
+    mapped = [
+        int(a["ptr"], 16) for fn, a, res in calls if fn == "cuMemMap" and res == "CUDA_SUCCESS"
+    ]
+    assert mapped == vas
+    assert sorted(int(a["ptr"], 16) for fn, a, _ in calls if fn == "cuMemUnmap") == sorted(vas)
+    assert [fn for fn, _, _ in calls if fn in ("cuMemAddressReserve", "cuMemAddressFree")] == []
     assert [fn for fn, _, _ in calls if fn == "cuMemExportToShareableHandle"] == []
 
 
@@ -160,7 +163,7 @@ def test_bad_chunk_in_the_last_allocation(apps, ctl, chunk_files, fake_log, stag
         f"checksum blake2b-256 {b2(bytes(bad[k * CB :]))}, recorded {b2(good[k * CB :])}"
         + _refused_tail(c.pid)
     )
-    _assert_released(fake_log, c.pid, mark, len(layout))
+    _assert_released(fake_log, c.pid, mark, vas)
     assert _allocs(ctl, c, Phase.PREPARED) == before
     assert c.err(f"create {GRAN} 0") == 600  # still PREPARED: NOT_READY
     with open(path, "r+b") as f:
@@ -203,7 +206,7 @@ def test_unreadable_chunk_file_of_the_last_allocation(apps, ctl, chunk_files, fa
         f"LOAD_ALLOCATIONS: pid {c.pid} allocation {streams[1][0].hex()}: reading chunk 3 of its "
         "chunk file failed: Bad file descriptor (errno 9)" + _refused_tail(c.pid)
     )
-    _assert_released(fake_log, c.pid, mark, 2)
+    _assert_released(fake_log, c.pid, mark, [a, b])
     _load_restore(ctl, c, 4, 6 * MiB)
     c.ok(f"check {a} {2 * MiB} 7")
     assert c.val(f"read32 {b + 3 * CB - 4}") == 0
@@ -219,9 +222,10 @@ def test_unreadable_chunk_file_of_the_last_allocation(apps, ctl, chunk_files, fa
 
 def test_many_allocations_through_a_one_slot_ring(apps, ctl, chunk_files, fake_log):
     """24 allocations (every third all zero, every third with a zero hole in the middle) through
-    a ring of one slot and one reader: the reader holds the slot with the first verified chunk
-    until the worker has created all 24, then one chunk at a time. Every byte comes back; each
-    non-zero chunk is one cuMemcpyHtoD, each zero run one cuMemsetD8."""
+    a ring of one slot and one reader: the worker takes each verified chunk once its allocation
+    exists (between the creates of later ones, or after the last), one chunk at a time. Every
+    byte comes back; each non-zero chunk is one copy, after its allocation was mapped, each zero
+    run one cuMemsetD8."""
     chunk_files.staging_bytes, chunk_files.writers = CB, 1
     c = apps()
     c.ok("init")
@@ -243,9 +247,14 @@ def test_many_allocations_through_a_one_slot_ring(apps, ctl, chunk_files, fake_l
     calls = fake_log.calls(c.pid, since=mark)
     names = [fn for fn, _, _ in calls]
     creates = [i for i, fn in enumerate(names) if fn == "cuMemCreate"]
-    copies = [i for i, fn in enumerate(names) if fn == "cuMemcpyHtoD_v2"]
+    copies = [i for i, fn in enumerate(names) if fn == "cuMemcpyHtoDAsync_v2"]
     assert (len(creates), len(copies)) == (24, 8 * 32 + 8 * 16)
-    assert max(creates) < min(copies)
+    mapped = {int(a["ptr"], 16): i for i, (fn, a, _) in enumerate(calls) if fn == "cuMemMap"}
+    assert sorted(mapped) == sorted(vas)  # where the app maps them
+    for i in copies:  # each chunk after its own allocation was mapped
+        dst = int(calls[i][1]["dst"], 16)
+        (va,) = [v for v in vas if v <= dst < v + size]
+        assert mapped[va] < i
     sets = [int(a["count"]) for fn, a, _ in calls if fn == "cuMemsetD8_v2"]
     assert sorted(sets) == [16 * CB] * 8 + [size] * 8
     for i, (kind, va) in enumerate(zip(kinds, vas)):
@@ -388,7 +397,7 @@ def test_zero_runs_at_the_end_of_allocations_not_a_multiple_of_a_chunk(
         ((4, 0), 6 * MiB),
     ]
     copies = sorted(
-        (where(a, "dst"), int(a["bytes"])) for fn, a, _ in calls if fn == "cuMemcpyHtoD_v2"
+        (where(a, "dst"), int(a["bytes"])) for fn, a, _ in calls if fn == "cuMemcpyHtoDAsync_v2"
     )
     assert copies == [
         ((0, 0), 4 * MiB),
@@ -417,7 +426,7 @@ def test_load_with_only_zero_chunks_reads_nothing(apps, ctl, chunk_files, fake_l
     mark = fake_log.mark()
     _load_restore(ctl, c, 3, 4 * GRAN)
     calls = fake_log.calls(c.pid, since=mark)
-    assert [fn for fn, _, _ in calls if fn == "cuMemcpyHtoD_v2"] == []
+    assert [fn for fn, _, _ in calls if fn == "cuMemcpyHtoDAsync_v2"] == []
     assert sorted(int(a["count"]) for fn, a, _ in calls if fn == "cuMemsetD8_v2") == [
         GRAN,
         3 * GRAN,
@@ -481,7 +490,7 @@ def test_cumemcreate_fails_for_the_middle_allocation(ipc_app, shim_env, ctl, chu
             "CUDA_SUCCESS",
             "CUDA_ERROR_OUT_OF_MEMORY",
         ]
-        _assert_released(fake_log, c.pid, mark, 1)
+        _assert_released(fake_log, c.pid, mark, vas[:1])
         for va in raw:
             c.ok(f"free {va}")
         mark = fake_log.mark()
@@ -491,7 +500,7 @@ def test_cumemcreate_fails_for_the_middle_allocation(ipc_app, shim_env, ctl, chu
             f"LOAD_ALLOCATIONS: pid {c.pid} allocation {streams[2][0].hex()}: chunk 5 of its chunk file "
             "has checksum blake2b-256 "
         ), r.message
-        _assert_released(fake_log, c.pid, mark, 3)
+        _assert_released(fake_log, c.pid, mark, vas)
         with open(path, "r+b") as f:
             f.write(good)
         _load_restore(ctl, c, 5, 24 * MiB)
@@ -526,7 +535,7 @@ def test_two_devices_in_one_process(apps, ctl, chunk_files, fake_log):
     _save_prepare(ctl, c)
     _load_restore(ctl, c, 3, 4 * GRAN)
     calls = fake_log.calls(c.pid, since=mark)
-    assert sum(fn == "cuMemcpyHtoD_v2" for fn, _, _ in calls) == 2 * (2 * GRAN // CB)
+    assert sum(fn == "cuMemcpyHtoDAsync_v2" for fn, _, _ in calls) == 2 * (2 * GRAN // CB)
     retained = [a["dev"] for fn, a, _ in calls if fn == "cuDevicePrimaryCtxRetain"]
     assert sorted(retained) == ["0", "1"], retained
     c.ok(f"check {b} {2 * GRAN} 72")
