@@ -152,12 +152,24 @@ class CarrierFiles:
                     req.sources.append((os.fstat(fd).st_size, fd))
                 req.refs.append(ChunkRef(j, int(chunk), opened[name], int(off)))
 
-    def _open(self, op: Op, pid: int, aid: bytes, flags: int) -> int:
-        """Open ``pid``'s chunk file of ``aid`` for ``op``; OSError naming op, pid, allocation
-        and file."""
+    def _open_dir(self, op: Op, pid: int) -> int:
+        """The directory, opened for the request's files (one path walk for all of them, and
+        all of them in the same directory); OSError naming it."""
+        try:
+            return os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as e:
+            raise OSError(
+                e.errno,
+                f"{op.name}: pid {pid}: cannot open the chunk directory {self.directory}: "
+                f"{e.strerror}",
+            ) from None
+
+    def _open(self, op: Op, pid: int, aid: bytes, flags: int, dir_fd: int) -> int:
+        """Open ``pid``'s chunk file of ``aid`` for ``op`` in ``dir_fd``; OSError naming op,
+        pid, allocation and file."""
         path = self.path(pid, aid)
         try:
-            return os.open(path, flags, 0o600)
+            return os.open(self.name(pid, aid), flags, 0o600, dir_fd=dir_fd)
         except OSError as e:
             raise OSError(
                 e.errno,
@@ -183,15 +195,17 @@ class CarrierFiles:
             if self.known is not None:
                 req.known = list(self.known)
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-            if streamed:
-                req.streams = [(StreamEntry(aid, size), -1) for aid, size in streams]
-                req.opener = lambda i: self._open(op, pid, streams[i][0], flags)
-                return req
+        req.dir_fd = self._open_dir(op, pid) if streams else -1
+        if op == Op.SAVE_ALLOCATIONS and streamed:
+            req.streams = [(StreamEntry(aid, size), -1) for aid, size in streams]
+            req.opener = lambda i: self._open(op, pid, streams[i][0], flags, req.dir_fd)
+            return req
         try:
             if op == Op.LOAD_ALLOCATIONS:
                 self._open_sources(req, op, pid, streams)
             for aid, size in streams:
-                req.streams.append((StreamEntry(aid, size), self._open(op, pid, aid, flags)))
+                fd = self._open(op, pid, aid, flags, req.dir_fd)
+                req.streams.append((StreamEntry(aid, size), fd))
         except BaseException:
             self.close(req)
             raise
@@ -199,16 +213,16 @@ class CarrierFiles:
 
     @staticmethod
     def close(req: CarrierRequest | None) -> None:
-        """Close the descriptors of ``req`` (idempotent)."""
+        """Close the descriptors of ``req`` and its directory's (idempotent)."""
         if req is None:
             return
-        for _, fd in req.streams + req.sources:
+        for fd in [fd for _, fd in req.streams + req.sources] + [req.dir_fd]:
             try:
-                if fd >= 0:  # -1: a SAVE file not opened
+                if fd >= 0:  # -1: a SAVE file not opened, no directory
                     os.close(fd)
             except OSError:
                 pass
-        req.streams, req.sources = [], []
+        req.streams, req.sources, req.dir_fd = [], [], -1
 
     def saved(self, pid: int, tables: list[StreamTable]) -> None:
         """Keep the chunk tables of ``pid``'s SAVE_ALLOCATIONS reply."""

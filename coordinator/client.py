@@ -201,6 +201,8 @@ class CarrierRequest:
     checksum: str = DEFAULT_CHUNK_CHECKSUM
     #: SAVE: opens entry i's file and returns its fd (OSError naming it): CUI_CARRY_STREAMED
     opener: Callable[[int], int] | None = None
+    #: the directory the files are opened in (CarrierFiles; never sent), or -1
+    dir_fd: int = -1
 
     @property
     def flags(self) -> int:
