@@ -125,6 +125,7 @@ _STREAM_HEAD_FIELDS = [
     ("zero_count", "I"),
 ]
 
+_FD_GROUP_FIELDS = [("count", "I"), ("error", "i")]
 _TABLE_HEAD_FIELDS = [("count", "I"), ("sources", "I"), ("reserved", "Q")]
 _SOURCE_ENTRY_FIELDS = [("bytes", "Q"), ("reserved", "Q")]
 _CHUNK_REF_FIELDS = [
@@ -143,6 +144,7 @@ _LAYOUTS = {
     "cui_ticket": _TICKET_FIELDS,
     "cui_stream_entry": _STREAM_ENTRY_FIELDS,  # carriers.py packs these two
     "cui_stream_head": _STREAM_HEAD_FIELDS,
+    "cui_fd_group": _FD_GROUP_FIELDS,  # carriers.py: CUI_CARRY_STREAMED's descriptor groups
     "cui_table_head": _TABLE_HEAD_FIELDS,  # carriers.py: the chunk store's tables
     "cui_source_entry": _SOURCE_ENTRY_FIELDS,
     "cui_chunk_ref": _CHUNK_REF_FIELDS,
