@@ -96,8 +96,7 @@ class GroupMember:
     """The member side of :class:`~cuinterpose.agent.rpc.service.AgentService`: its group
     jobs and their leases. The service calls :meth:`init_member` in its ``__init__`` and
     provides ``opts`` (``ServeOptions``), ``metrics``, ``active`` (the running work threads),
-    ``exclusive()`` (the node lock), ``confine()``, ``checkpoint_kwargs()``,
-    ``restore_kwargs()`` and ``_env()``."""
+    ``exclusive()`` (the node lock), ``confine()`` and ``request_options()``."""
 
     def init_member(self) -> None:
         self.jobs: dict[str, Job] = {}
@@ -437,22 +436,22 @@ class GroupMember:
     def _make(self, kind, req):
         """The member's Checkpoint/Restore for the first phase of a group request; its images
         dir confined to the snapshot roots (``AgentError`` when outside)."""
+        from cuinterpose.agent.rpc.service import _options_of, restore_targets
         from cuinterpose.agent.run.checkpoint import Checkpoint
         from cuinterpose.agent.run.restore import Restore
 
         if kind == "checkpoint":
             c = req.checkpoint
             images_dir = self.confine(c.images_dir)
-            kw = self.checkpoint_kwargs(c)
-            self._env(kw["driver"])
-            obj = Checkpoint(list(c.roots), images_dir, reporter=Reporter(), **kw)
+            opts = self.request_options("checkpoint", _options_of(c))
+            obj = Checkpoint(list(c.roots), images_dir, opts, reporter=Reporter())
             if req.HasField("group"):
                 obj.group = pb.message_to_dict(req.group)
             return obj
-        images_dir = self.confine(req.restore.images_dir)
-        kw = self.restore_kwargs(req.restore)
-        self._env(kw["driver"])
-        return Restore(images_dir, reporter=Reporter(), **kw)
+        r = req.restore
+        images_dir = self.confine(r.images_dir)
+        opts = self.request_options("restore", _options_of(r))
+        return Restore(images_dir, opts, reporter=Reporter(), **restore_targets(r))
 
 
 class _Refused:
