@@ -42,6 +42,7 @@ def fail(e: AgentError, as_json: bool, extra: dict | None = None, command: str =
             "inspect": "nothing was changed (INSPECT is read-only)",
             "snapshots": "nothing was changed (read-only)",
             "delete": "nothing was removed",
+            "doctor": "nothing was changed",
             "serve": "the agent did not start",
         }.get(command, "")
         hint = {
@@ -184,12 +185,6 @@ def use_manifest_key(path, *, remote: bool) -> None:
         raise click.UsageError(f"--manifest-key: {e.reason}") from None
 
 
-driver_opt = click.option(
-    "--driver",
-    type=click.Choice(["real", "fake"]),
-    default=None,
-    help="libcuda.so.1 to use: real (default) or fakecuda (also $CUINTERPOSE_DRIVER).",
-)
 control_opt = click.option(
     "--control-dir",
     type=click.Path(file_okay=False),
