@@ -1,6 +1,6 @@
-"""The options of a checkpoint and of a restore: :class:`CheckpointOptions` and
-:class:`RestoreOptions`, frozen dataclasses holding every option once, with its one default
-and its one check (docs/agent.md "Options"; decisions D61).
+"""The options of a checkpoint, a restore and an inspect: :class:`CheckpointOptions`,
+:class:`RestoreOptions` and :class:`InspectOptions`, frozen dataclasses holding every option
+once, with its one default and its one check (docs/agent.md "Options"; decisions D61).
 
 Each field is one option under one name everywhere: the field (``carrier_timeout_s``), the
 command line's flag (``--carrier-timeout-s``, agent/cli/common.py ``option_flags``), the field of
@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import typing
 from typing import Any, Callable, Mapping, Optional, TypeVar
 
 from cuinterpose.agent.errors import AgentError
@@ -41,13 +40,18 @@ from cuinterpose.coordinator.protocol import (
 )
 
 __all__ = [
+    "BY_KIND",
     "CheckpointOptions",
     "DriverOptions",
     "InspectOptions",
     "OptionError",
     "Options",
     "RestoreOptions",
+    "RunOptions",
     "Spec",
+    "annotated_fields",
+    "for_kinds",
+    "given_of",
     "spec",
 ]
 
@@ -487,13 +491,6 @@ BY_KIND: dict[str, type] = {
 def annotated_fields(cls) -> tuple:
     """The fields of ``cls`` a pod annotation may set."""
     return tuple(f.name for f in dataclasses.fields(cls) if f.metadata["spec"].pod)
-
-
-def field_type(cls, name: str):
-    """The Python type of option ``name`` (``Optional[X]`` as X)."""
-    tp = typing.get_type_hints(cls)[name]
-    args = [a for a in typing.get_args(tp) if a is not type(None)]
-    return args[0] if args else tp
 
 
 def given_of(cls, kw: Mapping[str, Any]) -> dict:

@@ -436,21 +436,20 @@ class GroupMember:
     def _make(self, kind, req):
         """The member's Checkpoint/Restore for the first phase of a group request; its images
         dir confined to the snapshot roots (``AgentError`` when outside)."""
-        from cuinterpose.agent.rpc.service import _options_of, restore_targets
         from cuinterpose.agent.run.checkpoint import Checkpoint
         from cuinterpose.agent.run.restore import Restore
 
         if kind == "checkpoint":
             c = req.checkpoint
             images_dir = self.confine(c.images_dir)
-            opts = self.request_options("checkpoint", _options_of(c))
+            opts = self.request_options("checkpoint", options_of(c))
             obj = Checkpoint(list(c.roots), images_dir, opts, reporter=Reporter())
             if req.HasField("group"):
                 obj.group = pb.message_to_dict(req.group)
             return obj
         r = req.restore
         images_dir = self.confine(r.images_dir)
-        opts = self.request_options("restore", _options_of(r))
+        opts = self.request_options("restore", options_of(r))
         return Restore(images_dir, opts, reporter=Reporter(), **restore_targets(r))
 
 
@@ -481,6 +480,18 @@ class _Refused:
                 "manifest_written": False,
             }
         return {}
+
+
+def options_of(request):
+    """The options message of a request (None when it carries none)."""
+    return request.options if request.HasField("options") else None
+
+
+def restore_targets(request) -> dict:
+    """What a RestoreRequest restores into, as ``Restore`` takes it: ``placement`` (a pid,
+    read and checked in the restore's "placement" phase) and ``device_map`` ("OLD=NEW[,...]",
+    checked against the snapshot in "driver", agent/mech/devicemap.py)."""
+    return {"placement": request.into_pid or None, "device_map": request.device_map or None}
 
 
 def _release_store(obj, keep_pin: bool) -> None:

@@ -45,7 +45,12 @@ from cuinterpose.agent.rpc.client import (
     normalize_address,
     unix_path,
 )
-from cuinterpose.agent.rpc.member import DEFAULT_GROUP_LEASE_S, GroupMember
+from cuinterpose.agent.rpc.member import (
+    DEFAULT_GROUP_LEASE_S,
+    GroupMember,
+    options_of,
+    restore_targets,
+)
 from cuinterpose.agent.rpc.security import confine_path, listener_security
 from cuinterpose.agent.run import ops
 from cuinterpose.agent.run.report import Phase, Reporter
@@ -378,7 +383,7 @@ class AgentService(GroupMember, _servicer_base()):
             return self._lead("checkpoint", request)
 
         def work(rep, emit):
-            opts = self.request_options("checkpoint", _options_of(request))
+            opts = self.request_options("checkpoint", options_of(request))
             validate.checkpoint_request(roots=list(request.roots), images_dir=request.images_dir)
             images_dir = self.confine(request.images_dir)
             with self.exclusive(
@@ -393,7 +398,7 @@ class AgentService(GroupMember, _servicer_base()):
             return self._lead("restore", request)
 
         def work(rep, emit):
-            opts = self.request_options("restore", _options_of(request))
+            opts = self.request_options("restore", options_of(request))
             kw = restore_targets(request)
             validate.restore_request(images_dir=request.images_dir, **kw)
             images_dir = self.confine(request.images_dir)
@@ -404,7 +409,7 @@ class AgentService(GroupMember, _servicer_base()):
 
     def Inspect(self, request, context):
         def work(rep, emit):
-            opts = self.request_options("inspect", _options_of(request))
+            opts = self.request_options("inspect", options_of(request))
             validate.inspect_request(pid=int(request.pid))
             return ops.inspect(int(request.pid), opts), None
 
@@ -454,18 +459,6 @@ class AgentService(GroupMember, _servicer_base()):
     def Renew(self, request, context):
         apb, _, _ = pb.modules()
         return apb.RenewResponse(**self.renew(request.request_id, request.node))
-
-
-def _options_of(request):
-    """The options message of a request (None when it carries none)."""
-    return request.options if request.HasField("options") else None
-
-
-def restore_targets(request) -> dict:
-    """What a RestoreRequest restores into, as ``Restore`` takes it: ``placement`` (a pid,
-    read and checked in the restore's "placement" phase) and ``device_map`` ("OLD=NEW[,...]",
-    checked against the snapshot in "driver", agent/mech/devicemap.py)."""
-    return {"placement": request.into_pid or None, "device_map": request.device_map or None}
 
 
 # -- server ------------------------------------------------------------------------------------
