@@ -19,7 +19,14 @@ import click
 
 from cuinterpose.agent import paths
 from cuinterpose.agent.cli import daemon, jobs
-from cuinterpose.agent.cli.common import build_options, emit_json, fail, json_opt, option_flags
+from cuinterpose.agent.cli.common import (
+    build_options,
+    emit_json,
+    fail,
+    json_opt,
+    option_flags,
+    refuse_empty,
+)
 from cuinterpose.agent.errors import AgentError
 from cuinterpose.agent.options import CheckpointOptions
 
@@ -164,3 +171,5 @@ for _cmd in (
     daemon.health_cmd,
 ):
     main.add_command(_cmd)
+for _cmd in main.commands.values():
+    refuse_empty(_cmd)

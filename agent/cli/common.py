@@ -129,6 +129,32 @@ def remote_options(cls, flags: dict, msg):
 POSITIVE = click.FloatRange(min=0, min_open=True)
 
 
+def refuse_empty(cmd: click.Command) -> click.Command:
+    """Make an empty value (``""``, e.g. an unset shell variable in ``--agent "$ADDR"`` or
+    ``delete "$SNAP"``) a usage error (exit 2) for every option and argument of ``cmd`` that
+    takes a value, naming it: an empty path, address or pid never means "the default" or "the
+    current directory". Returns ``cmd``."""
+
+    def check(inner):
+        def cb(ctx, param, value):
+            vals = value if isinstance(value, (tuple, list)) else (value,)
+            if any(isinstance(v, str) and v == "" for v in vals):
+                out = "" if isinstance(param, click.Argument) else ", or leave the option out"
+                raise click.BadParameter(
+                    f"an empty value is not accepted (an unset variable?): give one{out}",
+                    ctx=ctx,
+                    param=param,
+                )
+            return inner(ctx, param, value) if inner else value
+
+        return cb
+
+    for p in cmd.params:
+        if not getattr(p, "is_flag", False) and not getattr(p, "count", False):
+            p.callback = check(p.callback)
+    return cmd
+
+
 class BytesType(click.ParamType):
     """A click option type for byte counts (:func:`parse_bytes`) within [min, max] bytes."""
 

@@ -440,8 +440,10 @@ def delete(images_dir) -> dict:
     root's store: {"deleted": path, **collect()}. Checks first that the store can be
     collected (every manifest and pin readable), then removes the manifest (fsynced, so a
     crash part-way leaves a directory that is no longer a snapshot) and the directory. Raises
-    AgentError (nothing removed) when ``images_dir`` is not a snapshot, the lock is not free
-    or the store cannot be collected."""
+    AgentError (nothing removed) when ``images_dir`` is empty or not a snapshot, the lock is
+    not free or the store cannot be collected."""
+    if not str(images_dir or ""):
+        raise AgentError("delete", "no snapshot directory given (an empty path); nothing removed")
     d = pathlib.Path(paths.canonical(images_dir))
     if not os.path.lexists(d):
         raise AgentError("delete", f"{d} does not exist; nothing removed")
