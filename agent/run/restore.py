@@ -281,7 +281,7 @@ class Restore(StepRunner):
         was checked against the CRIU images (``trust.check_control_dir``, phase manifest)."""
         with self.r.phase("stale sockets") as ph:
             cd = self.m["control_dir"]
-            missing = _missing_dirs(cd)
+            missing = paths.missing_dirs(cd)
             try:
                 ctldir.ensure(
                     cd,
@@ -576,7 +576,13 @@ class Restore(StepRunner):
         are killed (``RestoreFailed``); the snapshot is never touched."""
         self.t0_ns = self.r.begin()
         with self.guard, native.using(self.options):
-            return self._run()
+            try:
+                return self._run()
+            finally:
+                self.release_store()
+
+    #: the claim on the snapshot dir goes (the one-shot run's end, a group job's last phase)
+    release_store = restore_recover.release_dir
 
     def _run(self) -> dict:
         try:
@@ -610,7 +616,9 @@ class Restore(StepRunner):
         return interrupt.Interrupted(step.name, sig)
 
     def read_manifest_checked(self):
-        """:meth:`read_manifest`, a malformed manifest refused as ``SnapshotError``."""
+        """:meth:`read_manifest` once this run claimed the snapshot dir (a ``delete`` or another
+        restore of it is refused meanwhile), a malformed manifest refused as ``SnapshotError``."""
+        restore_recover.claim_dir(self)
         try:
             self.read_manifest()
         except AgentError:
@@ -622,19 +630,6 @@ class Restore(StepRunner):
                 f"snapshot ({type(e).__name__}: {e}); restore refused, "
                 "snapshot untouched",
             ) from e
-
-
-def _missing_dirs(path: str) -> list[str]:
-    """The components of absolute ``path`` that do not exist yet, outermost first."""
-    out = []
-    p = os.path.abspath(path)
-    while not os.path.lexists(p):
-        out.append(p)
-        parent = os.path.dirname(p)
-        if parent == p:
-            break
-        p = parent
-    return out[::-1]
 
 
 def _first_line(e: BaseException) -> str:

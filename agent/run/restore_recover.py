@@ -36,6 +36,8 @@ from cuinterpose.agent.snapshot import manifest as manifest_mod
 from cuinterpose.coordinator.contract import quiesce_path, read_json
 
 __all__ = [
+    "claim_dir",
+    "release_dir",
     "record",
     "mark",
     "take_claim",
@@ -49,6 +51,31 @@ __all__ = [
 
 
 # -- what a restore records (agent/run/restore.py calls these) ---------------------------------
+def claim_dir(rs) -> None:
+    """The restore ``rs`` claims its snapshot dir (agent/snapshot/dirclaim.py, kind "restore")
+    until :func:`release_dir`: a ``delete`` or another restore of it is refused meanwhile,
+    naming this one (decisions D72). Raises ``SnapshotError`` (phase "manifest", nothing
+    changed) naming the live run that holds it. A directory that is missing (refused by the
+    manifest read) or that this agent cannot write (a read-only mount: nobody deletes it from
+    here either) is not claimed; the latter gets a note."""
+    from cuinterpose.agent.snapshot import dirclaim
+
+    if getattr(rs, "dir_claim", None) is not None or not os.path.isdir(rs.images_dir):
+        return
+    if not os.access(rs.images_dir, os.W_OK):
+        rs.r.note(f"{rs.images_dir} is not writable here: restored without claiming it")
+        return
+    rs.dir_claim = dirclaim.DirClaim(rs.images_dir, phase="manifest", kind="restore")
+
+
+def release_dir(rs, keep_pin: bool = False) -> None:
+    """The restore ``rs`` ended: its claim on the snapshot dir goes. Idempotent."""
+    claim = getattr(rs, "dir_claim", None)
+    if claim is not None:
+        claim.release()
+        rs.dir_claim = None
+
+
 def record(rs) -> None:
     """Before CRIU restore (the end of ``stale sockets``): ``quiesce-ROOT.lock`` of every root of
     the restore ``rs`` says a restore of this snapshot is in progress in this agent (its pid and
