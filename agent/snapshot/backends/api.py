@@ -199,7 +199,12 @@ class Backend(NamedTuple):
     - ``stat(location, opts) -> SnapshotInfo``;
     - ``collect(root, opts) -> DeleteResult``: free the chunks no snapshot (or running
       upload) refers to, deleting no snapshot (after an interrupted upload, or a snapshot
-      removed by other means)."""
+      removed by other means);
+    - ``begin_push(location, opts) -> session`` (optional): a push in two halves, the session's
+      ``check_free()``, ``begin(snapshot_dir, streams)`` (send the chunk streams before the
+      manifest exists), ``commit(snapshot_dir) -> PushResult`` and ``abort()``
+      (agent/snapshot/backends/s3push.py ``Push``); a row without it is pushed whole at
+      commit (agent/snapshot/backends/__init__.py ``begin_push``)."""
 
     scheme: str
     push: Callable
@@ -208,6 +213,7 @@ class Backend(NamedTuple):
     delete: Callable
     stat: Callable
     collect: Callable
+    begin_push: Optional[Callable] = None
 
 
 class Location(NamedTuple):
