@@ -18,7 +18,7 @@ import sys
 import click
 
 from cuinterpose.agent import paths
-from cuinterpose.agent.cli import daemon, jobs
+from cuinterpose.agent.cli import daemon, jobs, snapshots
 from cuinterpose.agent.cli.common import control_opt, driver_opt, emit_json, json_opt, set_env
 
 
@@ -152,8 +152,8 @@ for _cmd in (
     jobs.checkpoint,
     jobs.restore,
     jobs.inspect,
-    jobs.snapshots_cmd,
-    jobs.delete_cmd,
+    snapshots.snapshots_cmd,
+    snapshots.delete_cmd,
     jobs.release_cmd,
     daemon.serve,
     daemon.health_cmd,

@@ -1,6 +1,7 @@
-"""The one-shot commands of ``cuinterpose-agent``: ``checkpoint``, ``restore``, ``inspect``,
-``snapshots`` and ``release``: in-process, through an agent daemon (``--agent``), or leading a
-group (``--group``) (docs/agent.md, docs/service.md)."""
+"""The one-shot commands of ``cuinterpose-agent``: ``checkpoint``, ``restore``, ``inspect`` and
+``release``: in-process, through an agent daemon (``--agent``), or leading a group
+(``--group``) (docs/agent.md, docs/service.md). ``snapshots`` and ``delete``:
+agent/cli/snapshots.py."""
 
 from __future__ import annotations
 
@@ -20,13 +21,17 @@ from cuinterpose.agent.cli.common import (
     emit_json,
     fail,
     group_opt,
+    images_dir_arg,
     json_opt,
+    keep_local_opt,
     live,
     load_members,
+    local_dir_opt,
     manifest_key_opt,
     remote,
     reporter,
     set_env,
+    storage_options,
     tls_ca_opt,
     tls_cert_opt,
     tls_key_opt,
@@ -77,8 +82,10 @@ def _use_native_backend(kind) -> None:
     "--images-dir",
     type=click.Path(file_okay=False),
     default=None,
-    help="new snapshot directory (not with --group; with --agent: sent as an "
-    "absolute path, which must lie under the daemon's --snapshot-dir).",
+    help="new snapshot directory, or s3://BUCKET/PREFIX: the snapshot goes into that object "
+    "store (written locally first, see --local-dir; endpoint and keys from the standard AWS "
+    "variables and files). Not with --group; with --agent: sent as an absolute path (an "
+    "s3:// location as written), which must lie under the daemon's --snapshot-dir.",
 )
 @click.option("--quiesce-timeout-ms", type=click.IntRange(1), default=10_000, show_default=True)
 @click.option(
@@ -134,6 +141,8 @@ def _use_native_backend(kind) -> None:
     "with `cuinterpose-agent delete`.",
 )
 @click.option("--leave-running", is_flag=True, help="keep the workload running after the dump.")
+@local_dir_opt("checkpoint")
+@keep_local_opt("checkpoint")
 @manifest_key_opt("node key file: the manifest gets an HMAC-SHA256 (mac) with it")
 @driver_opt
 @NATIVE_BACKEND_OPT
@@ -157,6 +166,8 @@ def checkpoint(
     writers,
     incremental,
     leave_running,
+    local_dir,
+    keep_local,
     manifest_key,
     driver,
     native_backend,
@@ -171,6 +182,7 @@ def checkpoint(
 ):
     """Checkpoint the process tree(s) rooted at --pid into --images-dir."""
     from cuinterpose.agent.run import carriers, ops
+    from cuinterpose.agent.run import remote as remote_mod
 
     chunks = {
         k: v
@@ -198,6 +210,8 @@ def checkpoint(
         raise click.UsageError("Missing option '--pid'.")
     elif not images_dir:
         raise click.UsageError("Missing option '--images-dir'.")
+    if (local_dir or keep_local) and (agent_addr or group_file):
+        raise click.UsageError("--local-dir and --keep-local are in-process only")
     use_manifest_key(manifest_key, remote=bool(agent_addr or group_file))
     tls = client_tls(tls_ca, tls_cert, tls_key)
     title = (
@@ -225,7 +239,7 @@ def checkpoint(
             apb, _, _ = pb.modules()
             req = apb.CheckpointRequest(
                 roots=list(pids),
-                images_dir=paths.absolute(images_dir) if images_dir else "",
+                images_dir=images_dir_arg(images_dir),
                 options=apb.CheckpointOptions(
                     quiesce_timeout_ms=quiesce_timeout_ms,
                     lock_timeout_ms=lock_timeout_ms,
@@ -251,10 +265,23 @@ def checkpoint(
         else:
             set_env(driver, control_dir)
             _use_native_backend(native_backend)
+            where = remote_mod.make(
+                images_dir,
+                storage_options(images_dir),
+                kind="checkpoint",
+                local_dir=local_dir,
+                keep_local=keep_local,
+            )
             out = live(
                 sink,
                 lambda: ops.checkpoint(
-                    rep, pids, images_dir, chunks=chunks, gpu_storage=gpu_storage, **kw
+                    rep,
+                    pids,
+                    images_dir,
+                    remote=where,
+                    chunks=chunks,
+                    gpu_storage=gpu_storage,
+                    **kw,
                 )[0],
             )
     except AgentError as e:
@@ -266,6 +293,14 @@ def checkpoint(
             f"group checkpoint {out['request_id']}: "
             + ", ".join(f"{m['node']} -> {m['images_dir']}" for m in out["members"])
         )
+    elif "upload" in out:
+        u = out["upload"]
+        click.echo(
+            f"snapshot {out['snapshot_id']} uploaded to {out['images_dir']}: "
+            f"{u['chunks_uploaded']} chunks ({u['chunk_bytes_uploaded']} bytes) sent, "
+            f"{u['chunks_present']} already there, {u['images']} images ({u['image_bytes']} "
+            f"bytes); local copy {out['local_dir']} " + ("kept" if out["local_kept"] else "removed")
+        )
     else:
         click.echo(f"snapshot {out['snapshot_id']} written to {out['images_dir']}")
 
@@ -275,8 +310,10 @@ def checkpoint(
     "--images-dir",
     type=click.Path(file_okay=False),
     default=None,
-    help="the snapshot directory (with --agent: sent as an absolute path, which must "
-    "lie under the daemon's --snapshot-dir).",
+    help="the snapshot directory, or s3://BUCKET/PREFIX: a snapshot in that object store, "
+    "downloaded first (see --local-dir; endpoint and keys from the standard AWS variables and "
+    "files). With --agent: sent as an absolute path (an s3:// location as written), which "
+    "must lie under the daemon's --snapshot-dir.",
 )
 @click.option(
     "--phase-timeout-s",
@@ -324,6 +361,8 @@ def checkpoint(
     "the driver the manifest records).",
 )
 @NATIVE_BACKEND_OPT
+@local_dir_opt("restore")
+@keep_local_opt("restore")
 @manifest_key_opt(
     "node key file: a snapshot whose manifest has no valid HMAC-SHA256 (mac) with it is refused"
 )
@@ -341,6 +380,8 @@ def restore(
     device_map,
     driver,
     native_backend,
+    local_dir,
+    keep_local,
     manifest_key,
     agent_addr,
     group_file,
@@ -367,6 +408,8 @@ def restore(
             "--device-map maps one node's GPUs; in a group restore each member of the --group "
             'file names its own "device_map"'
         )
+    if (local_dir or keep_local) and (agent_addr or group_file):
+        raise click.UsageError("--local-dir and --keep-local are in-process only")
     use_manifest_key(manifest_key, remote=bool(agent_addr or group_file))
     tls = client_tls(tls_ca, tls_cert, tls_key)
     rep, sink = reporter(
@@ -386,7 +429,7 @@ def restore(
 
             apb, _, _ = pb.modules()
             req = apb.RestoreRequest(
-                images_dir=paths.absolute(images_dir) if images_dir else "",
+                images_dir=images_dir_arg(images_dir),
                 driver=driver or "",
                 phase_timeout_s=phase_timeout_s,
                 carrier_timeout_s=carrier_timeout_s,
@@ -401,7 +444,16 @@ def restore(
 
                 res = live(sink, lambda: lead("restore", req, rep, RemoteRows(rep), tls=tls)[0])
         else:
-            if not os.path.exists(paths.canonical(images_dir)):
+            from cuinterpose.agent.run import remote as remote_mod
+
+            where = remote_mod.make(
+                images_dir,
+                storage_options(images_dir),
+                kind="restore",
+                local_dir=local_dir,
+                keep_local=keep_local,
+            )
+            if where is None and not os.path.exists(paths.canonical(images_dir)):
                 from cuinterpose.agent.errors import SnapshotError
 
                 raise SnapshotError("manifest", f"{paths.canonical(images_dir)} does not exist")
@@ -412,6 +464,7 @@ def restore(
                 lambda: ops.restore(
                     rep,
                     images_dir,
+                    remote=where,
                     driver=driver,
                     phase_timeout_s=phase_timeout_s,
                     carrier_timeout_s=carrier_timeout_s,
@@ -474,100 +527,6 @@ def inspect(pid, phase_timeout_s, control_dir, agent_addr, tls_ca, tls_cert, tls
         emit_json({"ok": True, **res})
     else:
         render_table(res)
-
-
-@click.command("snapshots")
-@click.argument("path", required=False, type=click.Path(file_okay=False))
-@click.option(
-    "--dir",
-    "directory",
-    type=click.Path(file_okay=False),
-    default=None,
-    help="directory whose sub-directories are snapshots (with --agent: default the "
-    "agent's --snapshot-dir); also accepted as the argument PATH.",
-)
-@agent_opt
-@tls_ca_opt
-@tls_cert_opt
-@tls_key_opt
-@json_opt
-def snapshots_cmd(path, directory, agent_addr, tls_ca, tls_cert, tls_key, as_json):
-    """List the snapshots (directories holding manifest.json) under PATH / --dir, or PATH
-    itself when it is a snapshot."""
-    from cuinterpose.agent.run import ops
-
-    if path and directory and paths.canonical(path) != paths.canonical(directory):
-        raise click.UsageError("give the directory either as PATH or as --dir, not both")
-    directory = directory or path
-    try:
-        if agent_addr:
-            from cuinterpose.agent.run.report import Reporter
-            from cuinterpose.agent.snapshot import pb
-
-            apb, _, _ = pb.modules()
-            req = apb.ListSnapshotsRequest(dir=paths.absolute(directory) if directory else "")
-            res = remote(
-                agent_addr,
-                "ListSnapshots",
-                req,
-                Reporter(),
-                None,
-                client_tls(tls_ca, tls_cert, tls_key),
-            )
-        else:
-            if not directory:
-                raise click.UsageError("--dir is required without --agent")
-            res = ops.list_snapshots(directory)
-    except AgentError as e:
-        fail(e, as_json, command="snapshots")
-    if as_json:
-        emit_json(res)
-        return
-    from cuinterpose.agent.run.report import render_snapshots
-
-    render_snapshots(res)
-
-
-@click.command("delete")
-@click.argument("images_dir", type=click.Path(file_okay=False))
-@agent_opt
-@tls_ca_opt
-@tls_cert_opt
-@tls_key_opt
-@json_opt
-def delete_cmd(images_dir, agent_addr, tls_ca, tls_cert, tls_key, as_json):
-    """Delete the snapshot IMAGES_DIR and free the chunk store packs of its root that no
-    other snapshot there uses (incremental snapshots; a plain snapshot is just removed).
-    With --agent, the daemon deletes it (IMAGES_DIR must lie under its --snapshot-dir)."""
-    from cuinterpose.agent.snapshot import store
-
-    try:
-        if agent_addr:
-            from cuinterpose.agent.run.report import Reporter
-            from cuinterpose.agent.snapshot import pb
-
-            apb, _, _ = pb.modules()
-            req = apb.DeleteSnapshotRequest(images_dir=paths.absolute(images_dir))
-            res = remote(
-                agent_addr,
-                "DeleteSnapshot",
-                req,
-                Reporter(),
-                None,
-                client_tls(tls_ca, tls_cert, tls_key),
-            )
-            res.pop("ok", None)
-        else:
-            res = store.delete(images_dir)
-    except AgentError as e:
-        fail(e, as_json, command="delete")
-    if as_json:
-        emit_json({"ok": True, **res})
-    else:
-        click.echo(
-            f"deleted {res['deleted']}; chunk store: {res['packs_removed']} packs removed, "
-            f"{res['packs_kept']} kept, {res['pack_bytes_freed']} bytes freed"
-        )
 
 
 @click.command("release")

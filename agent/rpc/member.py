@@ -96,7 +96,7 @@ class GroupMember:
     """The member side of :class:`~cuinterpose.agent.rpc.service.AgentService`: its group
     jobs and their leases. The service calls :meth:`init_member` in its ``__init__`` and
     provides ``opts`` (``ServeOptions``), ``metrics``, ``active`` (the running work threads),
-    ``exclusive()`` (the node lock), ``confine()``, ``checkpoint_kwargs()``,
+    ``exclusive()`` (the node lock), ``confine()``, ``remote_for()``, ``checkpoint_kwargs()``,
     ``restore_kwargs()`` and ``_env()``."""
 
     def init_member(self) -> None:
@@ -445,14 +445,18 @@ class GroupMember:
             images_dir = self.confine(c.images_dir)
             kw = self.checkpoint_kwargs(c)
             self._env(kw["driver"])
-            obj = Checkpoint(list(c.roots), images_dir, reporter=Reporter(), **kw)
+            where = self.remote_for(images_dir, "checkpoint")
+            local = where.local_dir if where is not None else images_dir
+            obj = Checkpoint(list(c.roots), local, reporter=Reporter(), remote=where, **kw)
             if req.HasField("group"):
                 obj.group = pb.message_to_dict(req.group)
             return obj
         images_dir = self.confine(req.restore.images_dir)
         kw = self.restore_kwargs(req.restore)
         self._env(kw["driver"])
-        return Restore(images_dir, reporter=Reporter(), **kw)
+        where = self.remote_for(images_dir, "restore")
+        local = where.local_dir if where is not None else images_dir
+        return Restore(local, reporter=Reporter(), remote=where, **kw)
 
 
 class _Refused:

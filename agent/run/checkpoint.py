@@ -18,24 +18,19 @@ import time
 from typing import Iterable, Optional
 
 from cuinterpose.agent import paths
-from cuinterpose.agent.errors import (
-    AgentError,
-    CheckpointFailed,
-    LeftLocked,
-    QuiesceRefused,
-)
+from cuinterpose.agent.errors import AgentError, CheckpointFailed, LeftLocked, QuiesceRefused
 from cuinterpose.agent.mech import census as census_mod
 from cuinterpose.agent.mech import census_checks, fds, native, quiesce
 from cuinterpose.agent.mech.inherit import external_file_key
 from cuinterpose.agent.run import (
     carriers,
-    durable,
     gpustore_step,
     images,
     interrupt,
     options,
     placing,
     recover,
+    upload,
 )
 from cuinterpose.agent.run.report import Reporter
 from cuinterpose.agent.run.rollback import Rollback
@@ -89,6 +84,7 @@ class Checkpoint(Rollback, StepRunner):
         Step("sync", "sync_snapshot", "manifest", "teardown"),
         # the point of no return: once the manifest is on disk a signal no longer stops it
         Step("manifest", "write_manifest", "manifest", "teardown", check=False),
+        Step("upload", "upload_snapshot", "upload", "finish", check=False),  # s3://: run/upload.py
         Step("finish", "finish", "finish", "finish", check=False),
         Step("resume", "resume", "resume", "finish", check=False),
     )
@@ -116,12 +112,14 @@ class Checkpoint(Rollback, StepRunner):
         shim_path=None,
         chunks: Optional[dict] = None,
         gpu_storage: Optional[str] = None,
+        remote=None,
     ):
         # chunk_bytes, staging_bytes, writers, incremental (run/carriers.py)
         self.chunks = dict(chunks or {})
         self.gpu_storage_mode = gpu_storage  # auto|custom|host (run/gpustore_step.py), None: env
         self.roots = list(dict.fromkeys(int(r) for r in roots))
         self.images_dir = images_dir
+        self.remote = remote  # run/remote.py Remote: an s3:// images dir (images_dir its copy)
         self.control_dir = paths.canonical(control_dir or default_control_dir())
         self.quiesce_timeout_ms = int(quiesce_timeout_ms)
         self.lock_timeout_ms = int(lock_timeout_ms)
@@ -180,6 +178,7 @@ class Checkpoint(Rollback, StepRunner):
     # -- steps ---------------------------------------------------------------------------
     def prepare_images_dir(self):
         options.check_checkpoint(self)  # every option and variable, before anything changes
+        upload.prepare(self)  # an s3:// images dir: the store answers, no snapshot there yet
         group = (self.group or {}).get("request_id", "")
         self.images_dir, self.created_dirs, self.dir_claim, notes = images.prepare_dir(
             self.images_dir, run_id=self.run_id, group=group
@@ -442,7 +441,8 @@ class Checkpoint(Rollback, StepRunner):
         self.signal_trees(self.stopped_roots, signal.SIGKILL, "kill dumped")
         self.stopped_roots = []
 
-    sync_snapshot = durable.sync_step  # every file and directory fsynced, images hashed once
+    sync_snapshot = upload.sync_step  # run/durable.py's; an upload's chunks go meanwhile
+    upload_snapshot = upload.upload_step
 
     def write_manifest(self):
         """``DIR/manifest.json``, written last and atomically; any failure is the
@@ -488,6 +488,7 @@ class Checkpoint(Rollback, StepRunner):
         carriers.release(getattr(self.coordinator, "carriers", None), keep_pin=keep_pin)
         if not keep_pin:
             self.drop_claim()
+        upload.end(self, keep_pin)  # an upload that did not commit undone; the local copy
 
     # -- the one-shot run -----------------------------------------------------------------
     def run(self) -> dict:
@@ -567,7 +568,7 @@ class Checkpoint(Rollback, StepRunner):
         try:
             self.run_steps(self.stage("finish"))
         except BaseException as rb:
-            if not self.leave_running:
+            if not self.leave_running or isinstance(rb, CheckpointFailed):  # (a failed upload)
                 raise
             raise CheckpointFailed(rb, "rollback_failed", rollback_error=str(rb)) from rb
         self.t_end_ns = self.r.cursor_ns  # the rows tile the run: its wall is their sum

@@ -2,9 +2,8 @@
 reasons of a CRIU restore refused for a file whose size changed (:func:`~cuinterpose.agent.mech.criu_bad_size.reason`).
 
 The one-shot :meth:`Restore.run` and the group phases (:meth:`Restore.run_phase`, a named
-slice of the table) both run :data:`Restore.STEPS` through the step runner
-(agent/run/steps.py). The ordering, placements and what each failure leaves behind:
-docs/agent.md "Restore ordering" and "Restoring into a placement".
+slice of the table) both run :data:`Restore.STEPS` through the step runner (agent/run/steps.py).
+Ordering, placements, failures: docs/agent.md "Restore ordering", "Restoring into a placement".
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ from cuinterpose.agent.mech.census import pid_alive
 from cuinterpose.agent.mech.placement import Placement
 from cuinterpose.agent.run import (
     carriers,
+    download,
     durable,
     gpustore_step,
     interrupt,
@@ -53,6 +53,7 @@ class Restore(StepRunner):
     #: to (docs/service.md): no member resumes its workload before every member restored its
     #: shared memory.
     STEPS = (
+        Step("download", "download_snapshot", "prepare", "refusal"),  # s3://: run/download.py
         Step("manifest", "read_manifest_checked", "prepare", "refusal"),
         Step("verify", "verify_images", "prepare", "refusal"),
         Step("driver", "load_driver", "prepare", "refusal"),
@@ -82,8 +83,10 @@ class Restore(StepRunner):
         shim_path=None,
         placement: "Placement | int | None" = None,
         device_map: Optional[str] = None,
+        remote=None,
     ):
         self.images_dir = pathlib.Path(paths.canonical(images_dir))
+        self.remote = remote  # run/remote.py Remote: an s3:// images dir (images_dir its copy)
         #: ``--device-map OLD=NEW[,...]`` as given (None: automatic); resolved in "driver" into
         #: ``gpu_map`` {old UUID: new UUID} ({}: every process goes back onto its own GPUs)
         self.device_map = device_map
@@ -157,6 +160,8 @@ class Restore(StepRunner):
             self.m = m
 
     verify_images = durable.verify_snapshot  # each image's SHA-256, in parallel, own phase
+    download_snapshot = download.download_step
+    release_store = download.end  # the run is over: a downloaded copy goes
 
     def check_copies(self, m: dict):
         """Every copy of a checksum agrees, and the control dir is the one the images' shim

@@ -91,13 +91,17 @@ class _WholePush:
     def commit(self, snapshot_dir) -> PushResult:
         return self.row.push(snapshot_dir, self.location, self.opts)
 
+    def cancel(self) -> None:
+        pass
+
     def abort(self) -> list:
         return []
 
 
 def begin_push(location: str, opts: StorageOptions):
     """A push session to ``location`` (:class:`~.api.Backend` ``begin_push``): ``check_free()``,
-    ``begin(snapshot_dir, streams)``, ``commit(snapshot_dir) -> PushResult``, ``abort()``."""
+    ``begin(snapshot_dir, streams)``, ``commit(snapshot_dir) -> PushResult``, ``cancel()``,
+    ``abort()``."""
     row = backend(location)
     if row.begin_push is not None:
         return row.begin_push(location, opts)

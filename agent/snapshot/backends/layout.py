@@ -520,4 +520,11 @@ def snapshot_info(location: str, data: bytes, m: dict) -> SnapshotInfo:
         chunk_bytes=sum(int(s.get("bytes", 0)) for s in streams if isinstance(s, dict)),
         signed_key_id=mac.get("key_id"),
         manifest_bytes=len(data),
+        carrier_bytes=int(_dict(m.get("totals")).get("carrier_bytes", 0)),
+        driver=str(_dict(m.get("driver")).get("kind", "")),
+        native=str(_dict(m.get("native")).get("backend", "")),
     )
+
+
+def _dict(v) -> dict:
+    return v if isinstance(v, dict) else {}

@@ -326,7 +326,7 @@ def remove_prefix(client: Client, bucket: str, prefix: str, phase: str) -> int:
 def client_for(opts: StorageOptions, phase: str) -> Client:
     if opts.s3 is None:
         raise StorageError(phase, "no S3 settings (StorageOptions.s3; awsconf.resolve())")
-    return Client(opts.s3, opts.transfer)
+    return Client(opts.s3, opts.transfer, cancel=opts.cancel)
 
 
 def delete(location: str, opts: StorageOptions) -> DeleteResult:

@@ -12,6 +12,7 @@ still syncs its images (agent/run/upload.py):
   checks, the MAC with a node key), pin and send the chunks the first half did not cover, the
   CRIU images, and the manifest last (the commit point); returns the ``PushResult`` of both
   halves together;
+- :meth:`Push.cancel`: stop its requests from another thread (a signal);
 - :meth:`Push.abort`: stop a push that will not commit and undo what it wrote (its images
   and pins; the chunks it sent wait for a collection).
 
@@ -342,6 +343,10 @@ class Push:
         if self.up is None:
             return [k for k in self.pins if s3gc.unpin(self.c, self.loc.bucket, k) is not None]
         return self.up.undo(self.pins)
+
+    def cancel(self) -> None:
+        """Stop the push's requests (from any thread): the running half fails with "cancelled"."""
+        self.c.cancel.set()
 
     def abort(self) -> list[str]:
         """Stop a push that will not commit (cancel its requests, wait for its first half)
