@@ -63,6 +63,19 @@ def _absolute_or_empty(v):
     return None if v == "" else _absolute(v)
 
 
+def _absolute_or_location(v):
+    """An absolute path, or an object-store location ``s3://BUCKET[/PREFIX]``."""
+    if "://" not in v:
+        return _absolute(v)
+    from cuinterpose.agent.snapshot.backends.api import StorageError, parse_location
+
+    try:
+        parse_location(v, root=True)
+    except StorageError as e:
+        return e.reason
+    return None
+
+
 def _listen(v):
     if v == "" or re.fullmatch(r"unix:/\S+", v):
         return None
@@ -140,7 +153,10 @@ class AgentConfig:
     insecure_tcp: bool = _field("insecureTcp", False)
     control_dir: str = _field("controlDir", "", check=_absolute_or_empty)
     manifest_key_file: str = _field("manifestKeyFile", "", check=_absolute_or_empty)
-    snapshot_dir: str = _field("snapshotDir", "/var/lib/cuinterpose/snapshots", check=_absolute)
+    snapshot_dir: str = _field(
+        "snapshotDir", "/var/lib/cuinterpose/snapshots", check=_absolute_or_location
+    )
+    staging_dir: str = _field("stagingDir", "", check=_absolute_or_empty)
     metrics_port: Optional[int] = _field("metricsPort", None, check=_port_or_zero)
     metrics_address: str = _field("metricsAddress", "")
     driver: str = _field("driver", "", check=_one_of("", "real", "fake"))

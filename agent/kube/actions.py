@@ -34,9 +34,24 @@ class AgentActions:
     the daemon's metrics. Without it (``python -m cuinterpose.agent.kube``) they run as they
     are, one at a time in the watcher's thread."""
 
-    def __init__(self, config: AgentConfig, service=None):
+    def __init__(self, config: AgentConfig, service=None, storage=None):
         self.config = config
         self.service = service
+        #: how an ``s3://`` snapshotDir is reached (the daemon's, else ``storage``)
+        self.storage = storage if service is None else service.opts.storage
+
+    def _remote(self, images_dir: str, kind: str):
+        """The agent/run/remote.py ``Remote`` of ``images_dir`` (None for a local one)."""
+        from cuinterpose.agent.run import remote
+
+        if self.service is not None:
+            return self.service.remote_for(images_dir, kind)
+        return remote.make(
+            images_dir,
+            self.storage,
+            kind=kind,
+            staging_root=self.config.staging_dir or None,
+        )
 
     def _run(self, kind: str, pod: dict, name: str, work):
         if self.service is None:
@@ -52,13 +67,15 @@ class AgentActions:
         from cuinterpose.agent.run import checkpoint as checkpoint_mod
 
         c = self.config
+        where = self._remote(images_dir, "checkpoint")
         return self._run(
             "checkpoint",
             pod,
             snapshot_name,
             lambda rep: checkpoint_mod.checkpoint(
                 roots,
-                images_dir,
+                where.local_dir if where is not None else images_dir,
+                remote=where,
                 control_dir=c.control_dir or None,
                 driver=c.driver or None,
                 quiesce_timeout_ms=c.quiesce_timeout_ms,
@@ -90,13 +107,19 @@ class AgentActions:
                         f"{into_start_time}): its pid was reused; nothing was done",
                         pid=into_pid,
                     )
-            return restore_mod.restore(
-                images_dir,
+            where = self._remote(images_dir, "restore")
+            rs = restore_mod.Restore(
+                where.local_dir if where is not None else images_dir,
+                remote=where,
                 driver=c.driver or None,
                 phase_timeout_s=c.phase_timeout_s,
                 carrier_timeout_s=c.carrier_timeout_s,
                 reporter=rep,
                 placement=placement,
             )
+            try:
+                return rs.run()
+            finally:
+                rs.release_store()  # a downloaded copy goes
 
         return self._run("restore", pod, snapshot, work)
