@@ -138,7 +138,6 @@ def upload_step(cp) -> None:
         with cp.r.phase(UPLOAD_PHASE) as ph:
             with up.lock:
                 up.row, up.base = ph, (up.last.done_bytes if up.last else 0)
-            early = up.last.transferred_bytes if up.last else 0
             threading.Thread(target=_watch_guard, args=(cp, up, done), daemon=True).start()
             try:
                 if not up.started:
@@ -148,12 +147,12 @@ def upload_step(cp) -> None:
             finally:
                 done.set()
             up.committed = res
-            moved = res.chunk_bytes_uploaded + res.image_bytes
             ph.detail = (
                 f"{res.location}: {res.chunks_uploaded} chunks ({fmt_bytes(res.chunk_bytes_uploaded)}) "
                 f"uploaded, {res.chunks_present} ({fmt_bytes(res.chunk_bytes_present)}) already "
                 f"there, {res.images} images ({fmt_bytes(res.image_bytes)}); "
-                f"{fmt_bytes(min(early, moved))} sent while the sync ran; manifest last"
+                f"{fmt_bytes(up.base)} of the chunks sent or found while the sync ran; "
+                "manifest last"
             )
             for n in res.notes:
                 cp.r.note(f"upload: {n}")
@@ -232,5 +231,6 @@ def result(cp) -> dict:
         "images_dir": up.remote.location,
         "local_dir": up.remote.local_dir,
         "local_kept": not up.dropped,
-        "upload": dataclasses.asdict(up.committed) | {"notes": list(up.committed.notes)},
+        "upload": dataclasses.asdict(up.committed)
+        | {"notes": list(up.committed.notes), "chunk_bytes_during_sync": up.base},
     }
