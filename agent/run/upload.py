@@ -62,6 +62,8 @@ class Upload:
         self.started = False
         self.committed: Optional[PushResult] = None
         self.dropped = False
+        #: the signal that cancelled the upload (None: none)
+        self.interrupted: Optional[str] = None
         self.lock = threading.Lock()
 
     def _progress(self, p: Progress) -> None:
@@ -116,13 +118,19 @@ def sync_step(cp) -> None:
     durable.sync_step(cp)
 
 
-def _watch_guard(cp, up: Upload, done: threading.Event) -> None:
+def _interrupted(cp, up: Upload) -> bool:
     """A signal the checkpoint's guard holds cancels the push (the step fails, rolled back)."""
+    sig = cp.guard.pending()
+    if sig and up.interrupted is None:
+        up.interrupted = sig
+        cp.r.note(f"upload: {sig} received: the upload is cancelled and rolled back")
+        up.push.cancel()
+    return bool(sig)
+
+
+def _watch_guard(cp, up: Upload, done: threading.Event) -> None:
     while not done.wait(GUARD_POLL_S):
-        sig = cp.guard.pending()
-        if sig:
-            cp.r.note(f"upload: {sig} received: the upload is cancelled and rolled back")
-            up.push.cancel()
+        if _interrupted(cp, up):
             return
 
 
@@ -138,7 +146,8 @@ def upload_step(cp) -> None:
         with cp.r.phase(UPLOAD_PHASE) as ph:
             with up.lock:
                 up.row, up.base = ph, (up.last.done_bytes if up.last else 0)
-            threading.Thread(target=_watch_guard, args=(cp, up, done), daemon=True).start()
+            if not _interrupted(cp, up):  # (a signal before the step: at once)
+                threading.Thread(target=_watch_guard, args=(cp, up, done), daemon=True).start()
             try:
                 if not up.started:
                     up.started = True
@@ -157,8 +166,10 @@ def upload_step(cp) -> None:
             for n in res.notes:
                 cp.r.note(f"upload: {n}")
     except StorageError as e:
+        if up.interrupted:
+            e = e.again(UPLOAD_PHASE, f" (interrupted by {up.interrupted})")
         if cp.group is not None:
-            raise
+            raise e from None
         raise _roll_back(cp, e) from e
 
 

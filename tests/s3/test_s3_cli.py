@@ -242,11 +242,15 @@ def test_wrong_keys_refuse_the_checkpoint_before_anything_changed(afdwin, tmp_pa
     assert not [e for e in evs if demo.kind(e) == "quiesce_requested"]
 
 
-def test_a_server_stopped_in_the_middle_of_the_upload_rolls_the_checkpoint_back(afdwin, tmp_path):
+@pytest.mark.parametrize("mode", ["stopped", "leave-running"])
+def test_a_server_stopped_in_the_middle_of_the_upload_rolls_the_checkpoint_back(
+    afdwin, tmp_path, mode
+):
     """The chunks go while the sync runs; at the first PUT of a CRIU image (the upload step,
     the trees still stopped) the server is stopped: every later request is refused. The
-    checkpoint fails after the retries, rolled back: the job is resumed with its memory intact
-    and runs to its end; the local snapshot, complete, is kept; the bucket holds no manifest."""
+    checkpoint fails after the retries, rolled back, whether the job was to be killed or left
+    running: it is resumed with its memory intact and runs to its end; the local snapshot,
+    complete, is kept; the bucket holds no manifest."""
     srv = Rclone(tmp_path / "srv", tmp_path / "srv.log").start()
     proxy = FaultProxy(srv.endpoint)
     try:
@@ -256,7 +260,10 @@ def test_a_server_stopped_in_the_middle_of_the_upload_rolls_the_checkpoint_back(
         a = afdwin(steps=STEPS, step_delay_ms=5, hold_at=(HOLD,))
         a.wait_hold()
         local = tmp_path / "rootA" / "s1"
-        rc, out = _agent(env, *a.checkpoint_args("s3://bkt/nodeA/s1"), "--local-dir", str(local))
+        extra = ["--leave-running"] if mode == "leave-running" else []
+        rc, out = _agent(
+            env, *a.checkpoint_args("s3://bkt/nodeA/s1"), "--local-dir", str(local), *extra
+        )
         assert rule["hits"] == 1
         assert rc == 4 and not out["ok"], out
         err = out["error"]
@@ -267,7 +274,7 @@ def test_a_server_stopped_in_the_middle_of_the_upload_rolls_the_checkpoint_back(
         assert "the workload continues with its memory intact" in err["reason"]
         names = [p["name"] for p in out["phases"]]
         assert names.index("manifest") < names.index("upload") < names.index("rollback native")
-        assert "kill dumped" not in names
+        assert "kill dumped" not in names and "resume" not in names
         # the local snapshot is complete: its manifest and every image it lists
         m = json.loads((local / "manifest.json").read_text())
         for rel, meta in m["criu"]["files"].items():
@@ -323,3 +330,33 @@ def test_a_damaged_chunk_object_refuses_the_restore_and_leaves_the_bucket_as_it_
     assert rc == 0 and rs["ok"], rs
     assert a.wait_restored_exit(300) in (0, None)
     assert demo.check_run(a.events(), STEPS, attention=1, ffn=1) == []
+
+
+def test_a_signal_during_the_upload_cancels_it_and_rolls_the_checkpoint_back(
+    afdwin, tmp_path, bucket, rclone
+):
+    """SIGTERM arriving at the upload step (the test trigger, agent/mech/signal_at.py): the
+    upload is cancelled at once and the checkpoint rolled back, naming the signal; of it the
+    bucket keeps only chunks sent during the sync (no manifest, no image, no pin), and the
+    kept local copy is deleted like any snapshot."""
+    env = aws_env(rclone.endpoint, tmp_path)
+    a = afdwin(steps=STEPS, step_delay_ms=5, hold_at=(HOLD,))
+    a.wait_hold()
+    local = tmp_path / "rootA" / "s1"
+    rc, out = _agent(
+        env | {"CUINTERPOSE_TEST_SIGNAL_AT": "before:upload=SIGTERM"},
+        *a.checkpoint_args(f"s3://{bucket}/nodeA/s1"),
+        "--local-dir",
+        str(local),
+    )
+    assert rc == 4 and not out["ok"], out
+    err = out["error"]
+    assert (err["phase"], err["outcome"]) == ("upload", "rolled_back")
+    assert "cancelled" in err["reason"] and "(interrupted by SIGTERM)" in err["reason"]
+    assert a.proc.wait(timeout=300) == 0
+    assert demo.check_run(a.events(), STEPS, attention=1, ffn=1, expect_restore=False) == []
+    m = json.loads((local / "manifest.json").read_text())
+    objs = bucket_files(rclone.root, bucket)
+    assert set(objs) <= {s3gc.chunk_key(alg, h) for alg, h in _distinct(m)}
+    rc, got = _agent(env, "delete", str(local))
+    assert rc == 0 and got["deleted"] == str(local)
