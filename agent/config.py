@@ -64,15 +64,12 @@ def _absolute_or_empty(v):
 
 
 def _absolute_or_location(v):
-    """An absolute path, or an object-store location ``s3://BUCKET[/PREFIX]``."""
+    """An absolute path, or an object-store location ``s3://BUCKET[/PREFIX]`` (its parts are
+    checked where it is used: ``serve`` parses it at start)."""
     if "://" not in v:
         return _absolute(v)
-    from cuinterpose.agent.snapshot.backends.api import StorageError, parse_location
-
-    try:
-        parse_location(v, root=True)
-    except StorageError as e:
-        return e.reason
+    if not re.fullmatch(r"s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/\S*)?", v):
+        return f"must be an absolute path or s3://BUCKET[/PREFIX], got {v!r}"
     return None
 
 

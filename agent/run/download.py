@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import threading
 
+from cuinterpose.agent.errors import AgentError
 from cuinterpose.agent.run import images
 from cuinterpose.agent.run.report import fmt_bytes
-from cuinterpose.agent.snapshot import backends
+from cuinterpose.agent.snapshot import backends, store
 
 DOWNLOAD_PHASE = "download"
 #: how often the download looks at the signal guard while it runs (seconds)
@@ -85,9 +85,9 @@ def end(rs, keep_pin: bool = False) -> None:
     rs.dropped = True
     try:
         if getattr(rs, "pulled", None) is not None and os.path.lexists(rs.images_dir):
-            shutil.rmtree(rs.images_dir)
+            store.delete(rs.images_dir)  # a plain snapshot: its manifest first, then the rest
         images.remove_empty(getattr(rs, "download_dirs", []))
-    except OSError as e:
+    except AgentError as e:
         rs.r.note(f"warning: the downloaded copy {rs.images_dir} could not be removed: {e}")
 
 
