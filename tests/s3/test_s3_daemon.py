@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import signal
 import tempfile
 import time
@@ -96,20 +97,11 @@ def test_a_group_cut_goes_into_the_bucket_and_comes_back_from_it(
     env = aws_env(rclone.endpoint, tmp_path)
     apb, _, _ = pb.modules()
     jobs = [afdwin(steps=STEPS, step_delay_ms=5, hold_at=(HOLD,)) for _ in range(2)]
+    stages = [pathlib.Path(tempfile.mkdtemp(prefix=f"cui-stage-{n}-", dir=tmp_path)) for n in "ab"]
+    opts = ("--driver", "fake", "--snapshot-dir", f"s3://{bucket}/cluster")
     agents = [
-        daemon(
-            f"node-{n}",
-            "--driver",
-            "fake",
-            "--control-dir",
-            str(j.ctl),
-            "--snapshot-dir",
-            f"s3://{bucket}/cluster",
-            "--staging-dir",
-            tempfile.mkdtemp(prefix=f"cui-stage-{n}-", dir=tmp_path),
-            env=env,
-        )  # fmt: skip
-        for n, j in zip("ab", jobs)
+        daemon(f"node-{n}", *opts, "--control-dir", str(j.ctl), "--staging-dir", str(st), env=env)
+        for n, j, st in zip("ab", jobs, stages)
     ]
     for j in jobs:
         j.wait_hold()
@@ -134,6 +126,8 @@ def test_a_group_cut_goes_into_the_bucket_and_comes_back_from_it(
     assert len(ups) == len(kills) == 2 and max(ups) < min(kills)
     assert {rows[i]["node"] for i in ups} == set(locs)
     assert [j.proc.wait(timeout=300) for j in jobs] == [-signal.SIGKILL] * 2
+    # each member wrote its snapshot under its own staging dir and removed it after the cut
+    assert [[p for p in st.rglob("*") if p.is_file()] for st in stages] == [[], []]
     objs = bucket_files(rclone.root, bucket)
     for n, j in zip(locs, jobs):
         m = json.loads(objs[f"cluster/cut/{n}/manifest.json"])
@@ -147,6 +141,8 @@ def test_a_group_cut_goes_into_the_bucket_and_comes_back_from_it(
 
     res = client.call(agents[0]["listen"], "Restore", apb.RestoreRequest(members=members))
     assert res.ok, res.error
+    assert [[p for p in st.rglob("*") if p.is_file()] for st in stages] == [[], []]
+    assert bucket_files(rclone.root, bucket) == objs
     for j in jobs:
         assert j.wait_restored_exit(300) in (0, None)
         assert demo.check_run(j.events(), STEPS) == []
