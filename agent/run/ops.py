@@ -1,6 +1,7 @@
-"""The bodies of the agent's commands, shared by the one-shot CLI (in-process) and the gRPC
-service (``serve``): both call these, so ``--agent ADDR`` runs exactly the code a local
-command runs.
+"""The bodies of the agent's commands, shared by the one-shot CLI (in-process), the gRPC
+service (``serve``) and the pod watcher (agent/kube): each calls these with the options object
+it built once (agent/options.py), so ``--agent ADDR`` and a pod's annotations run exactly the
+code a local command runs.
 
 Each function takes a :class:`~cuinterpose.agent.run.report.Reporter` (progress rows go to its
 sinks) and returns the JSON object the CLI prints with ``--json`` on success, or raises
@@ -18,6 +19,7 @@ from typing import Optional
 
 from cuinterpose.agent import paths
 from cuinterpose.agent.errors import AgentError
+from cuinterpose.agent.options import CheckpointOptions, InspectOptions, RestoreOptions
 from cuinterpose.agent.run.report import Reporter
 from cuinterpose.agent.run.steps import unexpected
 from cuinterpose.agent.snapshot import manifest as manifest_mod
@@ -31,17 +33,25 @@ def _failed_total(rep: Reporter) -> None:
         rep.total(rep.covered_ns(), "stopped: see the error")
 
 
-def checkpoint(rep: Reporter, roots, images_dir, remote=None, **kw) -> tuple[dict, dict]:
-    """Checkpoint ``roots`` into ``images_dir`` (``kw``: ``Checkpoint``'s options; ``remote``:
-    agent/run/remote.py ``Remote`` of an ``s3://`` images dir, whose local copy is then where
-    the checkpoint writes before its upload). Returns (the CLI's JSON object, the manifest
-    dict); with ``remote`` the object's ``images_dir`` is the location and it has
-    ``local_dir``, ``local_kept`` and ``upload`` (agent/run/upload.py ``result``)."""
+def checkpoint(
+    rep: Reporter,
+    roots,
+    images_dir,
+    options: Optional[CheckpointOptions] = None,
+    remote=None,
+    **changes,
+) -> tuple[dict, dict]:
+    """Checkpoint ``roots`` into ``images_dir`` with ``options`` (``changes``: option names
+    set on them, as ``Checkpoint`` takes them; ``remote``: agent/run/remote.py ``Remote`` of an
+    ``s3://`` images dir, whose local copy is then where the checkpoint writes before its
+    upload). Returns (the CLI's JSON object, the manifest dict); with ``remote`` the object's
+    ``images_dir`` is the location and it has ``local_dir``, ``local_kept`` and ``upload``
+    (agent/run/upload.py ``result``)."""
     from cuinterpose.agent.run import upload
     from cuinterpose.agent.run.checkpoint import Checkpoint
 
     local = remote.local_dir if remote is not None else images_dir
-    cp = Checkpoint(roots, local, reporter=rep, remote=remote, **kw)
+    cp = Checkpoint(roots, local, options, reporter=rep, remote=remote, **changes)
     try:
         m = cp.run()
     except AgentError:
@@ -73,8 +83,11 @@ def checkpoint(rep: Reporter, roots, images_dir, remote=None, **kw) -> tuple[dic
     )
 
 
-def restore(rep: Reporter, images_dir, remote=None, **kw) -> dict:
-    """Restore the snapshot in ``images_dir`` (``kw``: ``Restore``'s options; ``remote``:
+def restore(
+    rep: Reporter, images_dir, options: Optional[RestoreOptions] = None, remote=None, **kw
+) -> dict:
+    """Restore the snapshot in ``images_dir`` with ``options`` (``kw``: ``Restore``'s
+    ``placement`` and ``device_map``, or option names set on ``options``; ``remote``:
     agent/run/remote.py ``Remote`` of an ``s3://`` images dir, downloaded into its local copy
     first, which goes again afterwards unless kept). With ``remote`` the object has
     ``images_dir`` (the location), ``local_dir``, ``local_kept`` and ``download``
@@ -83,7 +96,7 @@ def restore(rep: Reporter, images_dir, remote=None, **kw) -> dict:
     from cuinterpose.agent.run.restore import Restore
 
     local = remote.local_dir if remote is not None else images_dir
-    rs = Restore(local, reporter=rep, remote=remote, **kw)
+    rs = Restore(local, options, reporter=rep, remote=remote, **kw)
     try:
         res = rs.run()
     except AgentError:
@@ -96,11 +109,14 @@ def restore(rep: Reporter, images_dir, remote=None, **kw) -> dict:
     return {"ok": True, **res, **download.result(rs)}
 
 
-def inspect(pid: int, *, control_dir=None, timeout_s: float = 10.0) -> dict:
-    """INSPECT one process (read-only): {"ok": true, "pid", "socket_path", "phase", "records"}."""
-    from cuinterpose.agent.inspect import inspect_pid
+def inspect(pid: int, options: Optional[InspectOptions] = None) -> dict:
+    """INSPECT one process (read-only) and ask the driver for its checkpoint state: {"ok":
+    true, "pid", "socket_path", "phase", "records", ..., "native"} (agent/inspect.py)."""
+    from cuinterpose.agent.inspect import inspect_pid, native_state
 
-    return {"ok": True, **inspect_pid(pid, control_dir=control_dir, timeout_s=timeout_s)}
+    o = options or InspectOptions()
+    res = inspect_pid(pid, control_dir=o.control_dir, timeout_s=o.phase_timeout_s)
+    return {"ok": True, **res, "native": native_state(pid, o)}
 
 
 def list_snapshots(directory, storage=None) -> dict:

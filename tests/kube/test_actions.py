@@ -48,7 +48,10 @@ def test_an_object_store_location_gets_its_local_copy_under_the_staging_dir(tmp_
     )
     storage = StorageOptions(s3=S3Settings(endpoint="http://127.0.0.1:9"))
     loc = "s3://gpu-snapshots/cluster-a/default/snap1"
-    r = AgentActions(cfg, storage=storage)._remote(loc, "checkpoint")
+    from cuinterpose.agent.options import CheckpointOptions, RestoreOptions
+
+    cp, rs = CheckpointOptions(), RestoreOptions(keep_local=True)
+    r = AgentActions(cfg, storage=storage).remote_for(loc, "checkpoint", cp)
     assert (r.location, r.local_dir, r.keep_local) == (
         loc,
         str(
@@ -57,10 +60,11 @@ def test_an_object_store_location_gets_its_local_copy_under_the_staging_dir(tmp_
         False,
     )
     assert r.storage is storage
-    r = AgentActions(cfg, storage=storage)._remote(loc, "restore")
+    r = AgentActions(cfg, storage=storage).remote_for(loc, "restore", rs)
     base = str(tmp_path / "stage" / "restore" / "gpu-snapshots" / "cluster-a" / "default" / "snap1")
     assert r.local_dir.startswith(base + ".") and len(r.local_dir) == len(base) + 9
-    assert AgentActions(cfg)._remote(str(tmp_path / "local"), "checkpoint") is None
+    assert r.keep_local
+    assert AgentActions(cfg).remote_for(str(tmp_path / "local"), "checkpoint", cp) is None
     with pytest.raises(AgentError) as e:
-        AgentActions(cfg)._remote(loc, "checkpoint")  # no settings to reach the store
+        AgentActions(cfg).remote_for(loc, "checkpoint", cp)  # no settings to reach the store
     assert e.value.reason == f"{loc}: no storage settings to reach it"

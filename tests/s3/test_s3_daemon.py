@@ -50,6 +50,14 @@ def test_checkpoint_list_restore_delete_through_a_daemon_whose_root_is_a_bucket(
     )  # fmt: skip
     assert rc == 3 and out["error"]["outcome"] == "refused", out
     assert f"outside the agent's snapshot prefix(es) {root}" in out["error"]["reason"]
+    # a local copy outside the daemon's staging dir: refused too
+    rc, out = demo.run_agent(
+        "checkpoint", "--agent", d["listen"], "--pid", str(a.pid), "--control-dir", str(a.ctl),
+        "--images-dir", f"{root}/ns/s0", "--driver", "fake", "--local-dir", str(tmp_path / "x"),
+    )  # fmt: skip
+    assert rc == 3 and out["error"]["outcome"] == "refused", out
+    assert f"local dir {tmp_path / 'x'} resolves to" in out["error"]["reason"]
+    assert not (tmp_path / "x").exists()
     loc = f"{root}/ns/s1"
     rc, cp = demo.run_agent(
         "checkpoint", "--agent", d["listen"], "--pid", str(a.pid), "--control-dir", str(a.ctl),
