@@ -510,9 +510,13 @@ def check(census: Census) -> None:
                 pid=p.pid,
             )
         if p.is_cuda and p.cuda_state != "RUNNING":
+            from cuinterpose.agent.mech import quiesce
+
+            busy = quiesce.job_busy(census.control_dir, [p.pid, *ancestors(p.pid)])
             raise CensusError(
                 "census",
-                f"{what} is {p.cuda_state}, not RUNNING (another checkpoint in progress?)",
+                f"{what} is {p.cuda_state}, not RUNNING: "
+                + (busy or "another checkpoint in progress?"),
                 pid=p.pid,
             )
     if not census.participants:
