@@ -20,6 +20,7 @@ from .carrierfiles import CarrierFiles
 from .client import ShimClient, ShimClientError
 from .protocol import (
     CARRIER_OPS,
+    DEFAULT_CARRIER_TIMEOUT_S,
     MUTATING_OPS,
     Op,
     Phase,
@@ -132,7 +133,7 @@ class Barrier:
         participants: Iterable[Participant],
         *,
         timeout_s: float = 10.0,
-        carrier_timeout_s: float = 3600.0,
+        carrier_timeout_s: float = DEFAULT_CARRIER_TIMEOUT_S,
         on_event: Callable[[PhaseEvent], None] | None = None,
         carriers: CarrierFiles | None = None,
         claim=None,

@@ -129,6 +129,12 @@ def parse_drop_reply(spec: str) -> set[tuple[str, int | None, int]]:
     return wanted
 
 
+def drop_reply_spec() -> set[tuple[str, int | None, int]]:
+    """The entries of this process's ``CUINTERPOSE_TEST_DROP_REPLY`` (:func:`parse_drop_reply`;
+    empty when unset). A malformed value raises ValueError naming it."""
+    return parse_drop_reply(os.environ.get(DROP_REPLY_ENV, ""))
+
+
 def _drop_reply(op_name: str, pid: int | None) -> bool:
     """Count one sent request of ``op_name`` to ``pid``; True when ``CUINTERPOSE_TEST_DROP_REPLY``
     names this one (its op, pid and count). A malformed value raises ValueError naming it."""

@@ -13,17 +13,17 @@ from cuinterpose.agent import paths
 from cuinterpose.agent.cli.common import (
     POSITIVE,
     client_tls,
-    control_opt,
-    driver_opt,
     fail,
+    flag_of,
     json_opt,
-    set_env,
+    option_flags,
     tls_ca_opt,
     tls_cert_opt,
     tls_key_opt,
     use_manifest_key,
 )
 from cuinterpose.agent.errors import AgentError
+from cuinterpose.agent.options import CheckpointOptions, for_kinds, given_of
 
 
 @click.command("health")
@@ -69,12 +69,10 @@ def _config_values(path) -> dict:
     return {
         "listen": cfg.listen_address or None,
         "node": k.node_name or os.environ.get("NODE_NAME"),
-        "control_dir": cfg.control_dir or None,
         "snapshot_dir": cfg.snapshot_dir or None,
+        "staging_dir": cfg.staging_dir or None,
         "metrics_port": cfg.metrics_port,
         "metrics_addr": cfg.metrics_address or None,
-        "driver": cfg.driver,
-        "native_backend": cfg.native_backend or None,
         "tls_cert": cfg.tls.cert_file or None,
         "tls_key": cfg.tls.key_file or None,
         "manifest_key": cfg.manifest_key_file or None,
@@ -99,14 +97,44 @@ def _start_watcher(srv, cfg, stop):
 def _make_snapshot_dir(d: str) -> bool:
     """Create the snapshot root ``d`` (mode 0700; missing parents with the default mode) when it
     does not exist; True when it was created. An existing directory is left as it is; one that
-    is not a directory raises ``NotADirectoryError``."""
-    if os.path.isdir(d):
+    is not a directory raises ``NotADirectoryError``. An object-store root (``s3://``) is
+    left to the store (False)."""
+    if "://" in d or os.path.isdir(d):
         return False
     if os.path.lexists(d):
         raise NotADirectoryError(20, "exists and is not a directory")
     os.makedirs(d, mode=0o700, exist_ok=True)
     os.chmod(d, 0o700)  # the umask may have narrowed it, never widened; be exact
     return True
+
+
+def _root(d: str) -> str:
+    """A snapshot root as the daemon keeps it: a local path canonical, an ``s3://`` location
+    normalized (a malformed one is a usage error)."""
+    if "://" not in d:
+        return paths.canonical(d)
+    from cuinterpose.agent.snapshot.backends.api import StorageError, parse_location
+
+    try:
+        return str(parse_location(d, root=True)).rstrip("/")
+    except StorageError as e:
+        raise click.UsageError(f"--snapshot-dir: {e.reason}") from None
+
+
+def _storage(roots: list, as_json: bool):
+    """The ``StorageOptions`` of the daemon's ``s3://`` roots (None without one): the S3
+    settings resolved once, at start, from the AWS variables and files
+    (agent/snapshot/backends/awsconf.py), and the node key; bad settings stop the start."""
+    if not any("://" in r for r in roots):
+        return None
+    from cuinterpose.agent.snapshot import trust
+    from cuinterpose.agent.snapshot.backends import awsconf
+    from cuinterpose.agent.snapshot.backends.api import StorageOptions
+
+    try:
+        return StorageOptions(s3=awsconf.resolve(), node_key=trust.node_key())
+    except AgentError as e:
+        fail(AgentError("serve", str(e), outcome="usage"), as_json, command="serve")
 
 
 @click.command()
@@ -140,8 +168,18 @@ def _make_snapshot_dir(d: str) -> bool:
     "(a relative one is taken from the CLI's working directory); a relative path "
     "in a request (a --group file's images_dir, another gRPC client) is taken "
     "relative to the first root. Repeat for more roots (the first is the "
-    "default). Created at start (mode 0700) when missing. Default: the "
-    "config's snapshotDir, else /var/lib/cuinterpose/snapshots.",
+    "default). Created at start (mode 0700) when missing. A root may be "
+    "s3://BUCKET[/PREFIX]: snapshots in that object store (endpoint and keys from the "
+    "standard AWS variables and files, read at start; local copies under --staging-dir). "
+    "Default: the config's snapshotDir, else /var/lib/cuinterpose/snapshots.",
+)
+@click.option(
+    "--staging-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="where the local copies of s3:// snapshots go while a checkpoint writes or a "
+    "restore reads them (STAGING/checkpoint/BUCKET/PREFIX, STAGING/restore/...). Default: "
+    "the config's stagingDir, else /var/lib/cuinterpose/staging.",
 )
 @click.option(
     "--metrics-port",
@@ -194,21 +232,15 @@ def _make_snapshot_dir(d: str) -> bool:
     "RunPhase or Renew; then it undoes the job itself (default: the config's "
     "groupLeaseS, else 30).",
 )
-@driver_opt
-@click.option(
-    "--native-backend",
-    type=click.Choice(["auto", "driver-api", "cuda-checkpoint"]),
-    default=None,
-    help="how native checkpoint is driven: the driver API, the cuda-checkpoint CLI, or auto "
-    "(default: the config's nativeBackend, else $CUINTERPOSE_NATIVE_BACKEND, else auto).",
-)
-@control_opt
+# every option of a checkpoint as the node's default, but one local copy for all requests
+@option_flags(CheckpointOptions, only=[n for n in CheckpointOptions.names() if n != "local_dir"])
 @json_opt
 def serve(
     listen,
     config_file,
     node,
     snapshot_dir,
+    staging_dir,
     metrics_port,
     metrics_addr,
     tls_cert,
@@ -217,16 +249,18 @@ def serve(
     tls_client_ca,
     insecure_tcp,
     group_lease_s,
-    driver,
-    native_backend,
-    control_dir,
     as_json,
+    **flags,
 ):
     """Run the agent daemon: the gRPC Agent service (checkpoint, restore, inspect, snapshots,
     group phases), gRPC health checking and Prometheus metrics. Prints one line when ready
     (with --json: {"ok": true, "listen", "metrics_port", "node", "pid", "kubernetes",
     "insecure", "snapshot_dirs", "group_lease_s"}) and serves until SIGTERM, SIGINT or SIGHUP
     (then it finishes the requests already running and exits 0).
+
+    The option flags (docs/agent.md "Options") are the daemon's own options: a request that
+    leaves one unset takes it from these, else from the config, the environment, the
+    default.
 
     Refuses (exit 2) a non-loopback TCP listener without mutual TLS unless --insecure-tcp;
     confines every request's paths to the snapshot dir(s) (docs/service.md "Security"),
@@ -244,6 +278,7 @@ def serve(
         listen=listen,
         node=node,
         snapshot_dir=list(snapshot_dir) or None,
+        staging_dir=staging_dir,
         metrics_port=metrics_port,
         metrics_addr=metrics_addr,
         tls_cert=tls_cert,
@@ -252,9 +287,6 @@ def serve(
         tls_client_ca=tls_client_ca,
         insecure_tcp=insecure_tcp or None,
         group_lease_s=group_lease_s,
-        driver=driver,
-        native_backend=native_backend,
-        control_dir=control_dir,
     )
     conf = _config_values(config_file) if config_file else {}
     v = {k: (given[k] if given[k] is not None else conf.get(k)) for k in given}
@@ -266,16 +298,23 @@ def serve(
             "--tls-client-ca needs --tls-cert and --tls-key (client "
             "certificates are verified only on a TLS listener)"
         )
-    set_env(v["driver"], v["control_dir"])
-    if v["native_backend"]:  # read by agent/mech/native.py when it picks the backend
-        os.environ["CUINTERPOSE_NATIVE_BACKEND"] = v["native_backend"]
+    cfg = conf.get("_config")
+    # the daemon's own options, once: the environment, the config over it, the flags over that
+    try:
+        values = (cfg.option_values() if cfg is not None else {}) | given_of(
+            CheckpointOptions, flags
+        )
+        node_options = for_kinds(values, os.environ, label=flag_of)
+    except AgentError as e:
+        fail(AgentError("serve", e.reason, outcome="usage"), as_json, command="serve")
     use_manifest_key(v["manifest_key"], remote=False)
     tls = TLS(cert=v["tls_cert"], key=v["tls_key"], ca=v["tls_client_ca"])
     sd = v["snapshot_dir"]
     roots = [
-        paths.canonical(str(d))
+        _root(str(d))
         for d in (sd if isinstance(sd, list) else [sd] if sd else [DEFAULT_SNAPSHOT_DIR])
     ]
+    storage = _storage(roots, as_json)
     addr = v["listen"] or default_address()
     try:
         security = listener_security(addr, tls if tls.enabled else None, bool(v["insecure_tcp"]))
@@ -283,21 +322,16 @@ def serve(
         fail(AgentError("serve", str(e), outcome="usage"), as_json, command="serve")
     opts = ServeOptions(
         node=v["node"] or socket.gethostname(),
-        control_dir=str(v["control_dir"]) if v["control_dir"] else None,
-        driver=v["driver"],
+        options=node_options,
         snapshot_dir=roots[0],
         snapshot_roots=tuple(roots),
+        staging_dir=paths.canonical(v["staging_dir"]) if v["staging_dir"] else None,
+        storage=storage,
         tls=tls if tls.enabled else None,
         insecure_tcp=bool(v["insecure_tcp"]),
     )
     if v["group_lease_s"] is not None:
         opts.group_lease_s = float(v["group_lease_s"])
-    cfg = conf.get("_config")
-    if cfg is not None:
-        opts.quiesce_timeout_ms = cfg.quiesce_timeout_ms
-        opts.lock_timeout_ms = cfg.lock_timeout_ms
-        opts.phase_timeout_s = cfg.phase_timeout_s
-        opts.carrier_timeout_s = cfg.carrier_timeout_s
     # last check before binding: nothing is created for a start refused above
     for d in roots:
         try:

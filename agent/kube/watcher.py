@@ -14,8 +14,9 @@ is listed or changes is passed to :meth:`PodWatcher.handle`, which decides
    container (``resolver.placeholder``): the restored trees join its cgroups, namespaces and
    stdio (``into_pid``);
 3. ``-status: Running`` with the root pids, then ``actions.checkpoint(...)`` /
-   ``actions.restore(..., into_pid=PID)`` (``actions.AgentActions`` by default: the agent's own
-   entry points);
+   ``actions.restore(..., into_pid=PID)`` with the options the pod's annotations set
+   (``annotations.option_values``; ``actions.AgentActions`` by default: the agent's own entry
+   points, agent/run/ops.py);
 4. ``-status: Succeeded`` (checkpoint: ``cuinterpose.io/snapshot`` = the snapshot directory) or
    ``Failed`` with the error (phase, pid, reason, outcome).
 
@@ -187,9 +188,13 @@ class PodWatcher:
             if patched is not None:
                 pod = patched
 
-    def snapshot_dir(self, pod: dict, name: str) -> pathlib.Path:
-        """``<snapshotDir>/<namespace>/<name>`` (``name`` is validated by ``decide``)."""
-        return pathlib.Path(self.config.snapshot_dir) / pod["metadata"]["namespace"] / name
+    def snapshot_dir(self, pod: dict, name: str) -> str:
+        """``<snapshotDir>/<namespace>/<name>`` (``name`` is validated by ``decide``); under an
+        ``s3://BUCKET/PREFIX`` snapshotDir a location in that object store."""
+        root, ns = self.config.snapshot_dir, pod["metadata"]["namespace"]
+        if "://" in root:
+            return f"{root.rstrip('/')}/{ns}/{name}"
+        return str(pathlib.Path(root) / ns / name)
 
     def run_request(self, pod: dict, d: A.Decision) -> Optional[dict]:
         with self._request_lock:
@@ -220,7 +225,7 @@ class PodWatcher:
         finally:
             self.in_flight.discard(d.token)
 
-    def _run_claimed(self, pod: dict, d: A.Decision, images_dir: pathlib.Path) -> dict:
+    def _run_claimed(self, pod: dict, d: A.Decision, images_dir: str) -> dict:
         kind = d.kind
         st, msg = A.status_key(kind), A.message_key(kind)
         try:
@@ -234,9 +239,11 @@ class PodWatcher:
                     pod,
                     {st: A.RUNNING, msg: _one_line(f"checkpoint {d.name}: {desc} -> {images_dir}")},
                 )
-                leave = _leave_running(pod, self.config.kubernetes.leave_running)
+                values = A.option_values(pod, kind)
+                values.setdefault("leave_running", self.config.kubernetes.leave_running)
+                leave = values["leave_running"]
                 result = self.actions.checkpoint(
-                    pod, d.name, roots=roots, images_dir=str(images_dir), leave_running=leave
+                    pod, d.name, roots=roots, images_dir=str(images_dir), options=values
                 )
                 done = {
                     st: A.SUCCEEDED,
@@ -256,7 +263,9 @@ class PodWatcher:
                     ),
                 }
             else:
-                if not (images_dir / "manifest.json").is_file():
+                # (in an object store the restore's download refuses a missing snapshot)
+                local = "://" not in images_dir
+                if local and not (pathlib.Path(images_dir) / "manifest.json").is_file():
                     raise ResolveError(
                         f"restore: no snapshot {d.name!r} on node {self.node_name} "
                         f"(no {images_dir}/manifest.json); nothing was done"
@@ -279,7 +288,12 @@ class PodWatcher:
                     },
                 )
                 result = self.actions.restore(
-                    pod, d.name, images_dir=str(images_dir), into_pid=into, into_start_time=started
+                    pod,
+                    d.name,
+                    images_dir=str(images_dir),
+                    into_pid=into,
+                    into_start_time=started,
+                    options=A.option_values(pod, kind),
                 )
                 done = {
                     st: A.SUCCEEDED,
@@ -463,11 +477,6 @@ def _ref(pod: dict) -> str:
     return f"{m.get('namespace')}/{m.get('name')}"
 
 
-def _leave_running(pod: dict, default: bool) -> bool:
-    v = A.annotations_of(pod).get(A.LEAVE_RUNNING)
-    return default if v is None else v.strip().lower() == "true"
-
-
 def build_watcher(
     config: AgentConfig, actions=None, *, api_client=None, resolver=None
 ) -> PodWatcher:
@@ -481,7 +490,14 @@ def build_watcher(
     if actions is None:
         from cuinterpose.agent.kube.actions import AgentActions
 
-        actions = AgentActions(config)
+        storage = None
+        if "://" in config.snapshot_dir:  # an object store: its settings, read once here
+            from cuinterpose.agent.snapshot import trust
+            from cuinterpose.agent.snapshot.backends import awsconf
+            from cuinterpose.agent.snapshot.backends.api import StorageOptions
+
+            storage = StorageOptions(s3=awsconf.resolve(), node_key=trust.node_key())
+        actions = AgentActions(config, storage=storage)
     return PodWatcher(
         config, node, api_client or make_api_client(config), actions, resolver=resolver
     )

@@ -31,11 +31,8 @@ import threading
 from typing import Callable, Optional, Protocol
 
 from cuinterpose.agent.errors import AgentError
-from cuinterpose.agent.units import parse_bytes
 from cuinterpose.coordinator.protocol import DEFAULT_CHUNK_CHECKSUM, chunk_digest
 
-CHUNK_BYTES_ENV = "CUINTERPOSE_CHUNK_BYTES"
-STAGING_BYTES_ENV = "CUINTERPOSE_STAGING_BYTES"
 DEFAULT_CHUNK_BYTES = 8 << 20
 DEFAULT_STAGING_BYTES = 256 << 20
 DEFAULT_THREADS = 4
@@ -77,28 +74,18 @@ def nchunks(nbytes: int, chunk_bytes: int) -> int:
     return -(-int(nbytes) // int(chunk_bytes))
 
 
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        return parse_bytes(raw)
-    except ValueError as e:
-        raise AgentError("gpu storage", f"${name}={e}") from None
-
-
 def chunk_bytes(value: Optional[int] = None) -> int:
-    """``value``, else ``$CUINTERPOSE_CHUNK_BYTES``, else 8 MiB; must be a power of two ≥ 64 KiB
+    """``value`` (the ``chunk_bytes`` option), else 8 MiB; must be a power of two ≥ 64 KiB
     (``AgentError`` phase "gpu storage" otherwise)."""
-    n = int(value) if value else _env_int(CHUNK_BYTES_ENV, DEFAULT_CHUNK_BYTES)
+    n = int(value) if value else DEFAULT_CHUNK_BYTES
     if n < (64 << 10) or n & (n - 1):
         raise AgentError("gpu storage", f"chunk size {n} bytes: must be a power of two >= 65536")
     return n
 
 
 def staging_bytes(value: Optional[int] = None) -> int:
-    """``value``, else ``$CUINTERPOSE_STAGING_BYTES``, else 256 MiB (≥ 1 byte)."""
-    n = int(value) if value else _env_int(STAGING_BYTES_ENV, DEFAULT_STAGING_BYTES)
+    """``value`` (the ``staging_bytes`` option), else 256 MiB (≥ 1 byte)."""
+    n = int(value) if value else DEFAULT_STAGING_BYTES
     if n <= 0:
         raise AgentError("gpu storage", f"staging size {n} bytes: must be positive")
     return n

@@ -228,7 +228,13 @@ def _distinct_images_dirs(members) -> None:
     seen: dict = {}
     for m in members:
         d = m.images_dir
-        key = paths.canonical(d) if os.path.isabs(d) else os.path.normpath(d)
+        key = (
+            d.rstrip("/")  # an object-store location (s3://BUCKET/PREFIX)
+            if "://" in d
+            else paths.canonical(d)
+            if os.path.isabs(d)
+            else os.path.normpath(d)
+        )
         if key in seen:
             o = seen[key]
             raise AgentError(
@@ -329,16 +335,11 @@ def lead(
                 g.node = m.node
                 req.group.CopyFrom(g)
             else:
-                req.restore.CopyFrom(
-                    apb.RestoreRequest(
-                        images_dir=m.images_dir,
-                        driver=request.driver,
-                        into_pid=m.into_pid,
-                        device_map=m.device_map,
-                        phase_timeout_s=request.phase_timeout_s,
-                        carrier_timeout_s=request.carrier_timeout_s,
-                    )
+                sub = apb.RestoreRequest(
+                    images_dir=m.images_dir, into_pid=m.into_pid, device_map=m.device_map
                 )
+                sub.options.CopyFrom(request.options)
+                req.restore.CopyFrom(sub)
 
         def fwd(row):
             row = dict(row)

@@ -28,14 +28,15 @@ import contextlib
 import dataclasses
 import json
 import logging
-import os
 import queue
 import threading
 from concurrent import futures
 from typing import Callable, Iterator, Optional
 
+from cuinterpose.agent import options as options_mod
 from cuinterpose.agent import paths, validate
 from cuinterpose.agent.errors import AgentError
+from cuinterpose.agent.mech import native_call
 from cuinterpose.agent.rpc import group, unixsock
 from cuinterpose.agent.rpc.client import (
     SERVER_KEEPALIVE_OPTIONS,
@@ -44,7 +45,12 @@ from cuinterpose.agent.rpc.client import (
     normalize_address,
     unix_path,
 )
-from cuinterpose.agent.rpc.member import DEFAULT_GROUP_LEASE_S, GroupMember
+from cuinterpose.agent.rpc.member import (
+    DEFAULT_GROUP_LEASE_S,
+    GroupMember,
+    options_of,
+    restore_targets,
+)
 from cuinterpose.agent.rpc.security import confine_path, listener_security
 from cuinterpose.agent.run import ops
 from cuinterpose.agent.run.report import Phase, Reporter
@@ -53,7 +59,7 @@ from cuinterpose.agent.snapshot import pb
 log = logging.getLogger("cuinterpose.service")
 
 #: the daemon's snapshot root when neither ``--snapshot-dir`` nor the config names one
-DEFAULT_SNAPSHOT_DIR = "/var/lib/cuinterpose/snapshots"
+DEFAULT_SNAPSHOT_DIR = paths.DEFAULT_SNAPSHOT_DIR
 
 
 # -- events ------------------------------------------------------------------------------------
@@ -222,16 +228,18 @@ class Stream:
 @dataclasses.dataclass
 class ServeOptions:
     """What ``serve`` was started with. ``node``: name in events and errors (default the
-    host name); ``control_dir``/``driver``: defaults for requests that name none;
-    ``snapshot_dir``: what ``ListSnapshots`` lists by default and the root relative images
-    dirs are taken from (``snapshot_roots``: all the roots requests are confined to);
-    ``tls``: credentials for the listener (TCP) and for the channels a leader opens to
-    members; ``group_lease_s``: the lease of a group request's job on this member, seconds
-    (> 0)."""
+    host name); ``options``: the daemon's own options by request kind ("checkpoint",
+    "restore", "inspect": agent/options.py objects, from its environment, config and flags):
+    what a request leaves unset takes from these; ``snapshot_dir``: what ``ListSnapshots``
+    lists by default and the root relative images dirs are taken from (``snapshot_roots``: all
+    the roots requests are confined to); ``tls``: credentials for the listener (TCP) and for
+    the channels a leader opens to members; ``group_lease_s``: the lease of a group request's
+    job on this member, seconds (> 0). A root may be
+    ``s3://BUCKET/PREFIX``: requests under it go through ``storage``, their local copies under
+    ``staging_dir`` (agent/run/remote.py)."""
 
     node: str = ""
-    control_dir: Optional[str] = None
-    driver: Optional[str] = None
+    options: dict = dataclasses.field(default_factory=options_mod.for_kinds)
     snapshot_dir: Optional[str] = None
     #: every directory requests may name (images dirs, ListSnapshots); default
     #: [snapshot_dir] or [DEFAULT_SNAPSHOT_DIR]. The first is where relative paths point.
@@ -239,13 +247,14 @@ class ServeOptions:
     tls: Optional[TLS] = None
     #: allow a non-loopback TCP listener without mutual TLS (``serve --insecure-tcp``)
     insecure_tcp: bool = False
-    #: defaults for a CheckpointRequest/RestoreRequest that leaves them unset (0)
-    quiesce_timeout_ms: int = 10_000
-    lock_timeout_ms: int = 10_000
-    phase_timeout_s: float = 60.0
-    carrier_timeout_s: float = 3600.0
     #: a group request's job lives this many seconds past its last RunPhase or Renew
     group_lease_s: float = DEFAULT_GROUP_LEASE_S
+    #: where the local copies of ``s3://`` snapshots go (agent/run/remote.py; None: its default)
+    staging_dir: Optional[str] = None
+    #: how ``s3://`` roots are reached (agent/snapshot/backends/api.py ``StorageOptions``: the
+    #: S3 settings ``serve`` resolved once from the AWS variables and files, the node key);
+    #: None when every root is a local directory
+    storage: Optional[object] = None
 
 
 def _servicer_base():
@@ -274,7 +283,30 @@ class AgentService(GroupMember, _servicer_base()):
         roots = list(o.snapshot_roots) or [o.snapshot_dir or DEFAULT_SNAPSHOT_DIR]
         if o.snapshot_dir and o.snapshot_dir not in roots:
             roots.insert(0, o.snapshot_dir)
-        return [paths.canonical(r) for r in roots]
+        return [r if "://" in str(r) else paths.canonical(r) for r in roots]
+
+    def remote_for(self, images_dir: str, kind: str, opts):
+        """The agent/run/remote.py ``Remote`` of a confined images dir for a ``kind`` run
+        ("checkpoint", "restore") with the request's options ``opts`` (its ``local_dir``
+        confined to the staging dir, its ``keep_local``); None for a local one."""
+        from cuinterpose.agent.run import remote
+
+        staging = self.opts.staging_dir or remote.DEFAULT_STAGING_ROOT
+        local = opts.local_dir
+        if local and "://" not in images_dir:
+            raise AgentError(
+                "request", f"local_dir {local}: is for an s3:// images dir", outcome="refused"
+            )
+        if local:
+            local = confine_path(local, [staging], what="local dir", phase="images dir")
+        return remote.make(
+            images_dir,
+            self.opts.storage,
+            kind=kind,
+            local_dir=local,
+            staging_root=staging,
+            keep_local=opts.keep_local,
+        )
 
     def confine(self, path: str, *, what: str = "images dir", phase: str = "images dir") -> str:
         """:func:`confine_path` against :meth:`roots`; logs a refusal."""
@@ -352,51 +384,12 @@ class AgentService(GroupMember, _servicer_base()):
             active=self.active,
         )
 
-    def checkpoint_kwargs(self, req) -> dict:
-        o = req.options
-        driver = o.driver or self.opts.driver
-        d = self.opts
-        return {
-            "control_dir": o.control_dir or d.control_dir,
-            "quiesce_timeout_ms": o.quiesce_timeout_ms or d.quiesce_timeout_ms,
-            "lock_timeout_ms": (
-                o.lock_timeout_ms if o.HasField("lock_timeout_ms") else d.lock_timeout_ms
-            ),
-            "phase_timeout_s": o.phase_timeout_s or d.phase_timeout_s,
-            "carrier_timeout_s": o.carrier_timeout_s or d.carrier_timeout_s,
-            "driver": driver or None,
-            "leave_running": o.leave_running,
-            # the data path per request (run/carriers.py, run/gpustore_step.py); unset: the
-            # daemon's environment, else the defaults
-            "chunks": {
-                k: int(v)
-                for k, v in (
-                    ("chunk_bytes", o.chunk_bytes),
-                    ("staging_bytes", o.staging_bytes),
-                    ("writers", o.writers),
-                )
-                if v
-            }
-            | ({"incremental": True} if o.incremental else {}),
-            "gpu_storage": o.gpu_storage or None,
-        }
-
-    def restore_kwargs(self, req) -> dict:
-        return {
-            "driver": req.driver or self.opts.driver or None,
-            "phase_timeout_s": req.phase_timeout_s or self.opts.phase_timeout_s,
-            "carrier_timeout_s": req.carrier_timeout_s or self.opts.carrier_timeout_s,
-            # a pid: read and checked in the restore's "placement" phase
-            "placement": req.into_pid or None,
-            # "OLD=NEW[,...]": parsed and checked against the snapshot in "placement"
-            # (agent/mech/devicemap.py), before anything is restored
-            "device_map": req.device_map or None,
-        }
-
-    def _env(self, driver: Optional[str]):
-        # native.load reads $CUINTERPOSE_DRIVER when no kind is given (as the CLI sets it)
-        if driver:
-            os.environ["CUINTERPOSE_DRIVER"] = driver
+    def request_options(self, kind: str, msg):
+        """The options of a ``kind`` request ("checkpoint", "restore", "inspect"): the
+        daemon's own (:attr:`ServeOptions.options`) with every field the request's options
+        message ``msg`` sets (None: none); built once per request. Raises ``OptionError``
+        (refused) naming ``options.FIELD``."""
+        return options_mod.BY_KIND[kind].from_proto(msg, self.opts.options[kind])
 
     def _lead(self, kind: str, request):
         """A request with ``members``: this agent leads the group (rpc/group.py)."""
@@ -419,42 +412,39 @@ class AgentService(GroupMember, _servicer_base()):
     def Checkpoint(self, request, context):
         if request.members:
             return self._lead("checkpoint", request)
-        kw = self.checkpoint_kwargs(request)
-        self._env(kw["driver"])
 
         def work(rep, emit):
-            validate.checkpoint_request(
-                roots=list(request.roots), images_dir=request.images_dir, **kw
-            )
+            opts = self.request_options("checkpoint", options_of(request))
+            validate.checkpoint_request(roots=list(request.roots), images_dir=request.images_dir)
             images_dir = self.confine(request.images_dir)
             with self.exclusive(
                 rep, f"a gRPC checkpoint of root(s) {', '.join(map(str, request.roots)) or '-'}"
             ):
-                return ops.checkpoint(rep, list(request.roots), images_dir, **kw)
+                where = self.remote_for(images_dir, "checkpoint", opts)
+                return ops.checkpoint(rep, list(request.roots), images_dir, opts, where)
 
         return iter(self._stream("checkpoint", work))
 
     def Restore(self, request, context):
         if request.members:
             return self._lead("restore", request)
-        kw = self.restore_kwargs(request)
-        self._env(kw["driver"])
 
         def work(rep, emit):
+            opts = self.request_options("restore", options_of(request))
+            kw = restore_targets(request)
             validate.restore_request(images_dir=request.images_dir, **kw)
             images_dir = self.confine(request.images_dir)
             with self.exclusive(rep, f"a gRPC restore of {images_dir}"):
-                return ops.restore(rep, images_dir, **kw), None
+                where = self.remote_for(images_dir, "restore", opts)
+                return ops.restore(rep, images_dir, opts, where, **kw), None
 
         return iter(self._stream("restore", work))
 
     def Inspect(self, request, context):
-        cd = request.control_dir or self.opts.control_dir
-        timeout_s = request.timeout_s or 10.0
-
         def work(rep, emit):
-            validate.inspect_request(pid=int(request.pid), timeout_s=timeout_s, control_dir=cd)
-            return ops.inspect(int(request.pid), control_dir=cd, timeout_s=timeout_s), None
+            opts = self.request_options("inspect", options_of(request))
+            validate.inspect_request(pid=int(request.pid))
+            return ops.inspect(int(request.pid), opts), None
 
         return iter(self._stream("inspect", work))
 
@@ -468,7 +458,8 @@ class AgentService(GroupMember, _servicer_base()):
                     "no directory given and the agent has no --snapshot-dir",
                     outcome="usage",
                 )
-            return ops.list_snapshots(self.confine(d, what="snapshot dir", phase="snapshots")), None
+            d2 = self.confine(d, what="snapshot dir", phase="snapshots")
+            return ops.list_snapshots(d2, self.opts.storage), None
 
         return iter(self._stream("list", work))
 
@@ -477,9 +468,7 @@ class AgentService(GroupMember, _servicer_base()):
             if not request.images_dir:
                 raise AgentError("chunk store", "no images_dir given", outcome="usage")
             d = self.confine(request.images_dir, what="images dir", phase="chunk store")
-            from cuinterpose.agent.snapshot import store
-
-            return {"ok": True, **store.delete(d)}, None
+            return ops.delete_snapshot(d, self.opts.storage), None
 
         return iter(self._stream("delete", work))
 
@@ -567,7 +556,9 @@ class Server:
         from cuinterpose.agent.run import recover
 
         # case 009: a dead agent's checkpoint in the control dir is rolled back first
-        self.recovered = recover.recover_dead(self.opts.control_dir)
+        o = self.opts.options["checkpoint"]
+        with native_call.using(o):
+            self.recovered = recover.recover_dead(o.control_dir)
         self.server.start()
         if self.gate is not None:
             self.gate.start()  # 0600 since its bind, in place now (decisions.md D2)

@@ -4,13 +4,12 @@ allocation, written by the shims at SAVE_ALLOCATIONS and read back at LOAD_ALLOC
 and rollback) through descriptors the agent opens and passes (SCM_RIGHTS), so the shim needs no
 access to the agent's mount namespace.
 
-Settings: ``chunk_bytes`` (default 8 MiB, a power of two from 64 KiB to 1 GiB; environment
-``CUINTERPOSE_CHUNK_BYTES``), ``staging_bytes`` (the staging ring per process, default 64 MiB;
-``CUINTERPOSE_STAGING_BYTES``), ``writers`` (threads per process, default 4;
-``CUINTERPOSE_WRITERS``), ``checksum`` (the chunk checksum of a checkpoint, decisions D36:
-"sha256" where the shim can use the CPU's SHA extensions, x86-64 with ``sha_ni``, else
-"blake2b-256"; ``CUINTERPOSE_CHUNK_CHECKSUM``; a restore or release uses the one its snapshot
-was written with). Errors: :class:`~cuinterpose.agent.errors.AgentError` naming the
+Settings (a checkpoint's options, agent/options.py): ``chunk_bytes`` (default 8 MiB, a power
+of two from 64 KiB to 1 GiB), ``staging_bytes`` (the staging ring per process, default 64 MiB),
+``writers`` (threads per process, default 4), ``checksum`` (the chunk checksum of a
+checkpoint, decisions D36: "sha256" where the shim can use the CPU's SHA extensions, x86-64
+with ``sha_ni``, else "blake2b-256"; a restore or release uses the one its snapshot was written
+with). Errors: :class:`~cuinterpose.agent.errors.AgentError` naming the
 value and its source. Durability (fsync of the files and of ``chunks/``) is the sync phase's
 job, not this module's. ``--incremental``: the streams are packs of the snapshot root's chunk
 store instead (agent/snapshot/store.py; decisions D34), and only chunks it lacks are written.
@@ -37,14 +36,6 @@ from cuinterpose.coordinator.protocol import (
 )
 
 CHUNKS_DIR = "chunks"
-#: "1": every checkpoint of this agent is incremental (a daemon's default; --incremental)
-INCREMENTAL_ENV = "CUINTERPOSE_INCREMENTAL"
-ENV = {
-    "chunk_bytes": "CUINTERPOSE_CHUNK_BYTES",
-    "staging_bytes": "CUINTERPOSE_STAGING_BYTES",
-    "writers": "CUINTERPOSE_WRITERS",
-    "checksum": "CUINTERPOSE_CHUNK_CHECKSUM",
-}
 DEFAULTS = {
     "chunk_bytes": DEFAULT_CHUNK_BYTES,
     "staging_bytes": DEFAULT_STAGING_BYTES,
@@ -72,18 +63,16 @@ SETTINGS_PHASE = "carrier settings"
 
 
 def settings(chunk_bytes=None, staging_bytes=None, writers=None, checksum=None) -> dict:
-    """{"chunk_bytes", "staging_bytes", "writers", "checksum"}: each the argument, else its
-    environment variable, else the default (``checksum``: :func:`node_checksum`). Raises
-    AgentError (phase :data:`SETTINGS_PHASE`) naming each bad value and where it came from
-    (``--staging-bytes``, ``CUINTERPOSE_STAGING_BYTES``, or the default), against protocol.h's
+    """{"chunk_bytes", "staging_bytes", "writers", "checksum"}: each the argument, else the
+    default (``checksum``: :func:`node_checksum`). Raises AgentError (phase
+    :data:`SETTINGS_PHASE`) naming each bad value (``--staging-bytes``, or the default, a
+    snapshot's ``chunks.checksum``), against protocol.h's
     limits: chunk_bytes a power of two from 64 KiB to 1 GiB, chunk_bytes <= staging_bytes <=
     64 GiB (the ring holds whole chunks), 1..64 writers."""
     given = {"chunk_bytes": chunk_bytes, "staging_bytes": staging_bytes, "writers": writers}
     out, names = {}, {}
     for k, v in given.items():
         where = f"--{k.replace('_', '-')}"
-        if v is None and os.environ.get(ENV[k]):
-            v, where = os.environ[ENV[k]], ENV[k]
         names[k] = where if v is not None else f"{where} (the default)"
         try:
             out[k] = DEFAULTS[k] if v is None else (int(v) if k == "writers" else parse_bytes(v))
@@ -95,8 +84,6 @@ def settings(chunk_bytes=None, staging_bytes=None, writers=None, checksum=None) 
     except ValueError as e:
         raise AgentError(SETTINGS_PHASE, str(e)) from None
     where = "the snapshot's chunks.checksum"
-    if checksum is None and os.environ.get(ENV["checksum"]):
-        checksum, where = os.environ[ENV["checksum"]], ENV["checksum"]
     out["checksum"] = node_checksum() if checksum is None else checksum
     try:
         chunk_checksum_flag(out["checksum"])
@@ -107,11 +94,11 @@ def settings(chunk_bytes=None, staging_bytes=None, writers=None, checksum=None) 
 
 def checkpoint_files(images_dir, incremental: bool = False, **kw) -> CarrierFiles:
     """The chunk files a checkpoint into ``images_dir`` writes (``kw``: :func:`settings`).
-    ``incremental`` (or ``$CUINTERPOSE_INCREMENTAL=1``): packs of the chunk store of the
+    ``incremental``: packs of the chunk store of the
     snapshot root (agent/snapshot/store.py), with the chunks it already holds as ``known``;
     the store's shared lock and a pin (``store.Hold``; AgentError when the lock is not free in
     time) are kept in ``holder`` until :func:`release`."""
-    if not (incremental or os.environ.get(INCREMENTAL_ENV) == "1"):
+    if not incremental:
         return CarrierFiles(pathlib.Path(images_dir) / CHUNKS_DIR, **settings(**kw))
     s = settings(**kw)
     root = store.root_of(images_dir)

@@ -1,8 +1,8 @@
 """The native checkpoint/restore steps' GPU storage: custom storage where the driver has it.
 
 ``native_checkpoint(ck)`` is :class:`~cuinterpose.agent.run.checkpoint.Checkpoint`'s native
-checkpoint step. The mode comes from ``ck.gpu_storage_mode`` / ``--gpu-storage`` /
-``$CUINTERPOSE_GPU_STORAGE`` (auto | custom | host, default auto): ``auto`` streams each
+checkpoint step. The mode is the checkpoint's ``gpu_storage`` option (``--gpu-storage``:
+auto | custom | host, default auto; agent/options.py): ``auto`` streams each
 process's GPU memory to ``chunks/gpu-<pid>-<ordinal>.bin`` when the driver has custom storage
 (agent/mech/native_storage.py ``probe``), else stages it in host memory as before (CRIU then
 dumps it) and says why; ``custom`` on a driver without it fails the step (rolled back). The
@@ -65,8 +65,8 @@ def options(ck) -> gpustore.Options:
     return gpustore.Options(
         # the same settings as the shim carriers' chunk files (--chunk-bytes, --staging-bytes,
         # the node's chunk checksum)
-        chunk_bytes=gpustore.chunk_bytes(getattr(ck, "chunks", {}).get("chunk_bytes")),
-        staging_bytes=gpustore.staging_bytes(getattr(ck, "chunks", {}).get("staging_bytes")),
+        chunk_bytes=gpustore.chunk_bytes(ck.options.chunk_bytes),
+        staging_bytes=gpustore.staging_bytes(ck.options.staging_bytes),
         alloc=_pinned_alloc if real else None,
         checksum=checksum_of(ck),
     )
@@ -78,10 +78,7 @@ def checksum_of(ck) -> str:
     files = getattr(getattr(ck, "coordinator", None), "carriers", None)
     if getattr(files, "checksum", None):
         return str(files.checksum)
-    given = getattr(ck, "chunks", None) or {}
-    return carriers.settings(
-        **{k: given[k] for k in ("chunk_bytes", "staging_bytes", "writers") if k in given}
-    )["checksum"]
+    return carriers.settings(**ck.options.chunk_settings())["checksum"]
 
 
 def _remove(base: pathlib.Path, streams: list[dict]) -> None:
@@ -97,7 +94,7 @@ def native_checkpoint(ck) -> None:
     """LOCKED -> CHECKPOINTED for every CUDA pid, GPU memory to custom storage or host staging;
     sets ``ck.gpu_storage`` (the manifest record)."""
     pids = ck.census.cuda_pids
-    requested = native_storage.mode(getattr(ck, "gpu_storage_mode", None))
+    requested = native_storage.mode(ck.options.gpu_storage)
     with ck.r.phase("native checkpoint") as ph:
         use, why = choose(requested)
         opts = options(ck) if use else gpustore.Options()
@@ -163,7 +160,7 @@ def prepare_restore(rs) -> None:
         )
     opts = gpustore.Options(
         chunk_bytes=int(rec["chunk_bytes"]),
-        staging_bytes=gpustore.staging_bytes(None),
+        staging_bytes=gpustore.staging_bytes(rs.options.staging_bytes),
         alloc=_pinned_alloc if native.info().kind == "real" else None,
         checksum=str(rec.get("checksum", gpustore.CHECKSUM)),
     )

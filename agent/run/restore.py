@@ -2,9 +2,8 @@
 reasons of a CRIU restore refused for a file whose size changed (:func:`~cuinterpose.agent.mech.criu_bad_size.reason`).
 
 The one-shot :meth:`Restore.run` and the group phases (:meth:`Restore.run_phase`, a named
-slice of the table) both run :data:`Restore.STEPS` through the step runner
-(agent/run/steps.py). The ordering, placements and what each failure leaves behind:
-docs/agent.md "Restore ordering" and "Restoring into a placement".
+slice of the table) both run :data:`Restore.STEPS` through the step runner (agent/run/steps.py).
+Ordering, placements, failures: docs/agent.md "Restore ordering", "Restoring into a placement".
 """
 
 from __future__ import annotations
@@ -22,8 +21,10 @@ from cuinterpose.agent.mech import census as census_mod
 from cuinterpose.agent.mech import criu_bad_size, ctldir, devicemap, inherit, native, quiesce
 from cuinterpose.agent.mech.census import pid_alive
 from cuinterpose.agent.mech.placement import Placement
+from cuinterpose.agent.options import RestoreOptions
 from cuinterpose.agent.run import (
     carriers,
+    download,
     durable,
     gpustore_step,
     interrupt,
@@ -53,6 +54,7 @@ class Restore(StepRunner):
     #: to (docs/service.md): no member resumes its workload before every member restored its
     #: shared memory.
     STEPS = (
+        Step("download", "download_snapshot", "prepare", "refusal"),  # s3://: run/download.py
         Step("manifest", "read_manifest_checked", "prepare", "refusal"),
         Step("verify", "verify_images", "prepare", "refusal"),
         Step("driver", "load_driver", "prepare", "refusal"),
@@ -74,16 +76,20 @@ class Restore(StepRunner):
     def __init__(
         self,
         images_dir,
+        options: Optional[RestoreOptions] = None,
         *,
-        driver: Optional[str] = None,
-        phase_timeout_s: float = 60.0,
-        carrier_timeout_s: float = 3600.0,
         reporter: Optional[Reporter] = None,
         shim_path=None,
         placement: "Placement | int | None" = None,
         device_map: Optional[str] = None,
+        remote=None,
+        **changes,
     ):
+        #: every option of this run (agent/options.py); ``changes`` (option names) are set on
+        #: ``options`` (default: the defaults), checked
+        self.options = (options or RestoreOptions()).replace(**changes)
         self.images_dir = pathlib.Path(paths.canonical(images_dir))
+        self.remote = remote  # run/remote.py Remote: an s3:// images dir (images_dir its copy)
         #: ``--device-map OLD=NEW[,...]`` as given (None: automatic); resolved in "driver" into
         #: ``gpu_map`` {old UUID: new UUID} ({}: every process goes back onto its own GPUs)
         self.device_map = device_map
@@ -99,9 +105,9 @@ class Restore(StepRunner):
         self.files: list[dict] = []
         #: restored fds set O_APPEND after CRIU (inherit.RestoreOptions.after_restore)
         self.fixed: list[dict] = []
-        self.driver_kind = driver
-        self.phase_timeout_s = float(phase_timeout_s)
-        self.carrier_timeout_s = float(carrier_timeout_s)
+        #: the driver kind restored with: the manifest's (``options.driver``, when given, must
+        #: be the same), resolved by "manifest"
+        self.driver_kind: Optional[str] = None
         self.r = reporter or Reporter()
         self.shim_path = shim_path
         self.m: Optional[dict] = None
@@ -130,7 +136,7 @@ class Restore(StepRunner):
                         "CRIU reopens mapped files by path",
                     )
             want = m["driver"]["kind"]
-            kind = native.driver_kind(self.driver_kind or os.environ.get(native.DRIVER_ENV) or want)
+            kind = native.driver_kind(self.options.driver or want)
             if kind != want:
                 raise SnapshotError(
                     "manifest", f"snapshot was taken on the {want} driver, restore asked for {kind}"
@@ -157,6 +163,8 @@ class Restore(StepRunner):
             self.m = m
 
     verify_images = durable.verify_snapshot  # each image's SHA-256, in parallel, own phase
+    # an s3:// images dir: downloaded first, and its local copy gone once the run is over
+    download_snapshot, release_store = download.download_step, download.end
 
     def check_copies(self, m: dict):
         """Every copy of a checksum agrees, and the control dir is the one the images' shim
@@ -343,7 +351,7 @@ class Restore(StepRunner):
                 )
                 try:
                     with interrupt.shielded():
-                        pid = criu.restore(d, **kw)
+                        pid = criu.restore(d, timeout_s=self.options.criu_timeout_s, **kw)
                 except Exception as e:
                     gone = self.placement_gone()
                     if gone:
@@ -454,8 +462,8 @@ class Restore(StepRunner):
         ]
         coord = phases.Coordinator(
             parts,
-            timeout_s=self.phase_timeout_s,
-            carrier_timeout_s=self.carrier_timeout_s,
+            timeout_s=self.options.phase_timeout_s,
+            carrier_timeout_s=self.options.carrier_timeout_s,
             on_event=coordinator_events(self.r.coordinator_event),
         )
         coord.carriers = carriers.restore_files(self.images_dir, self.m)
@@ -572,7 +580,7 @@ class Restore(StepRunner):
         before CRIU restore the restore is cancelled (refused); after it the restored trees
         are killed (``RestoreFailed``); the snapshot is never touched."""
         self.t0_ns = self.r.begin()
-        with self.guard:
+        with self.guard, native.using(self.options):
             return self._run()
 
     def _run(self) -> dict:
@@ -637,8 +645,3 @@ def _missing_dirs(path: str) -> list[str]:
 def _first_line(e: BaseException) -> str:
     lines = str(e).splitlines()
     return lines[0] if lines else type(e).__name__
-
-
-def restore(images_dir, **kw) -> dict:
-    """Convenience: ``Restore(images_dir, **kw).run()``."""
-    return Restore(images_dir, **kw).run()

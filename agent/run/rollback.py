@@ -15,7 +15,7 @@ import time
 
 from cuinterpose.agent.errors import AgentError, CheckpointFailed, LeftLocked
 from cuinterpose.agent.mech import native, quiesce
-from cuinterpose.agent.run import carriers, images, recover
+from cuinterpose.agent.run import carriers, images, recover, upload
 from cuinterpose.agent.run.steps import Step, as_agent_error
 from cuinterpose.agent.snapshot import manifest as manifest_mod
 from cuinterpose.coordinator.contract import quiesce_path, read_json
@@ -114,7 +114,7 @@ class Rollback:
         (a job whose rank died usually ends itself), then remove the quiesce files this request
         left for a root that is gone (``.request``, ``.ready``, ``.lock``, and its ``.resume``),
         so no later process with that pid takes them for its own."""
-        deadline = time.monotonic() + self.quiesce_timeout_ms / 1000.0
+        deadline = time.monotonic() + self.options.quiesce_timeout_ms / 1000.0
         for r in self.roots:
             while self.alive(r) and quiesce_path(self.control_dir, r, "request").exists():
                 if time.monotonic() >= deadline:
@@ -287,6 +287,7 @@ class Rollback:
                 raise LeftLocked("rollback", first, failed, self.roots[0]) from first
             self.left_locked = []
         if self.torn_down:
+            upload.withdraw(self)  # a snapshot this member committed to the store goes again
             own = self.owns_images_dir()
             if self.manifest is not None and own:
                 (pathlib.Path(self.images_dir) / manifest_mod.MANIFEST_NAME).unlink(missing_ok=True)

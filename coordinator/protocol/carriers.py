@@ -44,6 +44,7 @@ __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "DEFAULT_STAGING_BYTES",
     "DEFAULT_WRITERS",
+    "DEFAULT_CARRIER_TIMEOUT_S",
     "CUI_KNOWN_MAX",
     "CUI_REFS_MAX",
     "CarryFlag",
@@ -116,6 +117,9 @@ def chunk_digest(name: str, data) -> bytes:
 DEFAULT_CHUNK_BYTES = 8 << 20
 DEFAULT_STAGING_BYTES = 64 << 20  # 8 slots of 8 MiB: 2 per writer (bench/datapath.py)
 DEFAULT_WRITERS = 4
+#: the deadline of SAVE/LOAD_ALLOCATIONS, seconds: they move every shared byte (the agent's
+#: ``carrier_timeout_s``, agent/options.py)
+DEFAULT_CARRIER_TIMEOUT_S = 3600.0
 
 STREAM_ENTRY_SIZE = SIZES["cui_stream_entry"]  # 32
 STREAM_HEAD_SIZE = SIZES["cui_stream_head"]  # 32

@@ -13,6 +13,7 @@ import pytest
 
 from cuinterpose.agent.errors import AgentError, SnapshotError
 from cuinterpose.agent.mech import gpustore
+from cuinterpose.agent.options import CheckpointOptions
 from cuinterpose.agent.snapshot import trust
 
 CB = 64 << 10
@@ -171,21 +172,25 @@ def test_a_failed_write_names_the_stream_and_errno():
 
 
 def test_chunk_and_staging_sizes(monkeypatch):
+    """The sizes are the checkpoint's options (their variables are read by the front ends,
+    agent/options.py): None takes the stream writer's defaults."""
     assert gpustore.chunk_bytes() == 8 << 20
-    monkeypatch.setenv(gpustore.CHUNK_BYTES_ENV, str(1 << 20))
-    assert gpustore.chunk_bytes() == 1 << 20
+    assert gpustore.chunk_bytes(1 << 20) == 1 << 20
     with pytest.raises(AgentError) as ei:
         gpustore.chunk_bytes(3 << 20)
     assert ei.value.reason == f"chunk size {3 << 20} bytes: must be a power of two >= 65536"
-    monkeypatch.setenv(gpustore.STAGING_BYTES_ENV, "lots")
+    assert gpustore.staging_bytes() == 256 << 20
+    assert gpustore.staging_bytes(128 << 20) == 128 << 20
+    monkeypatch.setenv("CUINTERPOSE_STAGING_BYTES", "lots")  # read by the front ends only
+    assert gpustore.staging_bytes() == 256 << 20
     with pytest.raises(AgentError) as ei:
-        gpustore.staging_bytes()
+        CheckpointOptions.from_environ()
     assert ei.value.reason == (
-        "$CUINTERPOSE_STAGING_BYTES='lots' is not a byte count: write a number of bytes, or one "
-        "with KiB, MiB, GiB or TiB (e.g. 256MiB)"
+        "$CUINTERPOSE_STAGING_BYTES='lots': 'lots' is not a byte count: write a number of "
+        "bytes, or one with KiB, MiB, GiB or TiB (e.g. 256MiB)"
     )
-    monkeypatch.setenv(gpustore.STAGING_BYTES_ENV, "128MiB")
-    assert gpustore.staging_bytes() == 128 << 20
+    monkeypatch.setenv("CUINTERPOSE_STAGING_BYTES", "128MiB")
+    assert CheckpointOptions.from_environ().staging_bytes == 128 << 20
 
 
 def manifest_with(rec, **over):
@@ -226,18 +231,18 @@ def test_trust_checks_the_record(tmp_path):
 @pytest.mark.parametrize("checksum", ["sha256", "blake2b-256"])
 def test_gpu_storage_takes_the_checkpoints_chunk_checksum(monkeypatch, checksum):
     """The GPU streams hash with the shim carriers' checksum (the coordinator's CarrierFiles),
-    else with the node's setting; an incremental checkpoint's ``chunks`` (it holds
-    "incremental", which carriers.settings does not take) works as any other."""
+    else with the checkpoint's ``chunk_checksum`` option; an incremental checkpoint's
+    options work as any other."""
     import types
 
     from cuinterpose.agent.run import carriers, gpustore_step
 
     monkeypatch.setattr(gpustore_step.native, "info", lambda: types.SimpleNamespace(kind="fake"))
-    monkeypatch.setenv("CUINTERPOSE_CHUNK_CHECKSUM", checksum)
-    ck = types.SimpleNamespace(chunks={"chunk_bytes": 1 << 20, "incremental": True})
+    o = CheckpointOptions(chunk_bytes=1 << 20, incremental=True, chunk_checksum=checksum)
+    ck = types.SimpleNamespace(options=o)
     opts = gpustore_step.options(ck)
     assert (opts.checksum, opts.chunk_bytes) == (checksum, 1 << 20)
-    assert opts.checksum == carriers.settings(chunk_bytes=1 << 20)["checksum"]
+    assert opts.checksum == carriers.settings(**o.chunk_settings())["checksum"]
     other = "blake2b-256" if checksum == "sha256" else "sha256"
     ck.coordinator = types.SimpleNamespace(carriers=types.SimpleNamespace(checksum=other))
     assert gpustore_step.options(ck).checksum == other  # what the shims of this capture used
