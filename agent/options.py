@@ -467,7 +467,18 @@ class CheckpointOptions(RunOptions):
 
     @classmethod
     def _check_together(cls, values: dict, labels: dict) -> None:
-        """The shims' chunk settings against protocol.h's limits (defaults filled in)."""
+        """The shims' chunk settings against protocol.h's limits (defaults filled in), and
+        ``gpu_storage`` custom against a ``native_backend`` without custom storage (the
+        cuda-checkpoint utility stages in host memory): refused here, before any step."""
+        if values["gpu_storage"] == "custom" and values["native_backend"] == "cuda-checkpoint":
+            raise OptionError(
+                "gpu_storage",
+                "custom",
+                f"the cuda-checkpoint backend ({labels.get('native_backend', 'native_backend')}"
+                "='cuda-checkpoint') has no custom storage (host staging); use host (or auto), "
+                "or the driver-api (or auto) native backend",
+                labels.get("gpu_storage"),
+            )
         given = {
             "chunk_bytes": values["chunk_bytes"] or DEFAULT_CHUNK_BYTES,
             "staging_bytes": values["staging_bytes"] or DEFAULT_STAGING_BYTES,

@@ -423,3 +423,38 @@ def test_store_delete_of_an_empty_path_is_refused(tmp_path, monkeypatch):
     else:
         raise AssertionError("store.delete('') deleted the current directory")
     assert (tmp_path / "manifest.json").read_text() == "{}"
+
+
+def test_custom_gpu_storage_with_the_cuda_checkpoint_backend_is_refused_before_any_step(tmp_path):
+    """The two options contradict each other: refused in `request` (exit 3) from the options
+    alone, whichever source gives each, before the census: no phase ran, nothing was created
+    and the process keeps running (it used to be found after the teardown, exit 4)."""
+    job = subprocess.Popen(["sleep", "600"], stdin=subprocess.DEVNULL)
+    try:
+        snap = tmp_path / "snap"
+        why = (
+            "the cuda-checkpoint backend ({nb}='cuda-checkpoint') has no custom storage (host "
+            "staging); use host (or auto), or the driver-api (or auto) native backend"
+        )
+        for args, env, label, nb in [
+            (["--gpu-storage", "custom", "--native-backend", "cuda-checkpoint"], {},
+             "--gpu-storage", "--native-backend"),
+            (["--native-backend", "cuda-checkpoint"], {"CUINTERPOSE_GPU_STORAGE": "custom"},
+             "$CUINTERPOSE_GPU_STORAGE", "--native-backend"),
+            (["--gpu-storage", "custom"], {"CUINTERPOSE_NATIVE_BACKEND": "cuda-checkpoint"},
+             "--gpu-storage", "$CUINTERPOSE_NATIVE_BACKEND"),
+        ]:  # fmt: skip
+            rc, out = demo.run_agent(
+                "checkpoint", "--pid", str(job.pid), "--images-dir", str(snap), "--driver",
+                "fake", "--control-dir", str(tmp_path), *args, env=env,
+            )  # fmt: skip
+            assert rc == 3, out
+            e = out["error"]
+            assert (e["phase"], e["outcome"], e["pid"]) == ("request", "refused", None)
+            assert e["reason"] == f"{label}='custom': " + why.format(nb=nb)
+            assert out["phases"] == []
+            assert not snap.exists()
+            assert job.poll() is None
+    finally:
+        job.kill()
+        job.wait()
