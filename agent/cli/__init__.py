@@ -2,7 +2,9 @@
 
 Exit codes: 0 success; 2 usage error; 3 refused (nothing was changed); 4 checkpoint failed and
 was rolled back (the workload keeps running); 5 failed and could not be rolled back / the
-restored tree was killed / the manifest could not be written (read the message).
+restored tree was killed / the manifest could not be written (read the message); 6 the
+``--agent`` daemon could not be reached; 1 ``doctor``/``health`` found a check failing, or
+click's ``Aborted!`` (docs/agent.md "Exit codes").
 
 ``--json`` prints exactly one JSON object on stdout and nothing else (no rich output):
 ``{"ok": true, ...}`` or ``{"ok": false, "error": {"phase", "pid", "reason", "outcome",

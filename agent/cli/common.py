@@ -52,8 +52,12 @@ def fail(e: AgentError, as_json: bool, extra: dict | None = None, command: str =
             "rollback_failed": "the workload could NOT be rebuilt; it needs an operator",
             "snapshot_incomplete": "the tree was dumped but the directory is not a snapshot",
             "restore_failed": "the restored tree was killed; the snapshot is untouched",
+            "usage": refused,
+            "unreachable": "no answer from the agent at that address (a request it had "
+            "started may still run there)",
         }
-        click.echo(f"outcome: {e.outcome}: {hint.get(e.outcome, '')}", err=True)
+        text = hint.get(e.outcome, "")
+        click.echo(f"outcome: {e.outcome}" + (f": {text}" if text else ""), err=True)
     sys.exit(EXIT.get(e.outcome, 5))
 
 
@@ -139,7 +143,8 @@ def refuse_empty(cmd: click.Command) -> click.Command:
     def check(inner):
         def cb(ctx, param, value):
             vals = value if isinstance(value, (tuple, list)) else (value,)
-            if any(isinstance(v, str) and v == "" for v in vals):
+            given = ctx.get_parameter_source(param.name) != click.core.ParameterSource.DEFAULT
+            if given and any(isinstance(v, str) and v == "" for v in vals):
                 out = "" if isinstance(param, click.Argument) else ", or leave the option out"
                 raise click.BadParameter(
                     f"an empty value is not accepted (an unset variable?): give one{out}",
