@@ -464,6 +464,9 @@ def release_cmd(pid, force, control_dir, as_json):
 
     cdir = paths.canonical(control_dir or default_control_dir())
     try:
+        from cuinterpose.agent import validate
+
+        validate.pids("pid", [pid])
         ctldir.check(cdir, phase="release", pid=pid)
         # the driver the dead agent's lock records; the backend and the call deadline: ours
         with native_call.using(DriverOptions.from_environ()):

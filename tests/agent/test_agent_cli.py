@@ -458,3 +458,13 @@ def test_custom_gpu_storage_with_the_cuda_checkpoint_backend_is_refused_before_a
     finally:
         job.kill()
         job.wait()
+
+
+def test_release_of_a_pid_that_is_no_process_id_is_refused(tmp_path):
+    for bad in ("0", "-1", "4194305"):
+        rc, out = demo.run_agent("release", "--pid", bad, "--control-dir", str(tmp_path))
+        assert rc == 3, out
+        e = out["error"]
+        assert (e["phase"], e["outcome"]) == ("request", "refused")
+        assert e["reason"] == f"pid {bad} is not a process id (an integer from 1 to 4194304)"
+    assert list(tmp_path.iterdir()) == []
