@@ -56,10 +56,11 @@ def check_process_id(pid: int, phase: str) -> None:
     )
 
 
-def check_not_stopped(pid: int, phase: str) -> None:
+def check_not_stopped(pid: int, phase: str, control_dir=None) -> None:
     """Refuse (``CensusError``) a process in state T (stopped) or t (tracing stop) in
     ``/proc/PID/stat``, before any driver call about it: the driver would wait for it forever.
-    Nothing when it is gone."""
+    Nothing when it is gone. With ``control_dir``, a job a dead agent's checkpoint left stopped
+    is named with its root and the ``release`` to run (``quiesce.job_busy``)."""
     try:
         comm, fields = procfs.stat_fields(pid)
     except (OSError, ValueError):
@@ -67,10 +68,15 @@ def check_not_stopped(pid: int, phase: str) -> None:
     state = fields[procfs.STAT_STATE] if fields else ""
     if state in ("T", "t"):
         what = "stopped" if state == "T" else "stopped by a tracer"
+        busy = None
+        if control_dir is not None:
+            from cuinterpose.agent.mech import census, quiesce
+
+            busy = quiesce.job_busy(control_dir, [pid, *census.ancestors(pid)])
         raise CensusError(
             phase,
             f"({comm}) is {what} (state {state} in /proc/{pid}/stat): "
-            + STOPPED_HINT.format(pid=pid),
+            + (busy or STOPPED_HINT.format(pid=pid)),
             pid=pid,
         )
 

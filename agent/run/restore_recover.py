@@ -52,20 +52,15 @@ __all__ = [
 
 # -- what a restore records (agent/run/restore.py calls these) ---------------------------------
 def claim_dir(rs) -> None:
-    """The restore ``rs`` claims its snapshot dir (agent/snapshot/dirclaim.py, kind "restore")
-    until :func:`release_dir`: a ``delete`` or another restore of it is refused meanwhile,
-    naming this one (decisions D72). Raises ``SnapshotError`` (phase "manifest", nothing
-    changed) naming the live run that holds it. A directory that is missing (refused by the
-    manifest read) or that this agent cannot write (a read-only mount: nobody deletes it from
-    here either) is not claimed; the latter gets a note."""
+    """The restore ``rs`` locks its snapshot dir (agent/snapshot/dirclaim.py
+    ``SnapshotLock``: a flock of the directory, nothing written) until :func:`release_dir`: a
+    ``delete`` or another restore of it is refused meanwhile, naming this agent's pid
+    (decisions D72). Raises ``SnapshotError`` (phase "manifest", nothing changed) naming the
+    pid that holds it. A missing directory is not locked (the manifest read refuses it)."""
     from cuinterpose.agent.snapshot import dirclaim
 
-    if getattr(rs, "dir_claim", None) is not None or not os.path.isdir(rs.images_dir):
-        return
-    if not os.access(rs.images_dir, os.W_OK):
-        rs.r.note(f"{rs.images_dir} is not writable here: restored without claiming it")
-        return
-    rs.dir_claim = dirclaim.DirClaim(rs.images_dir, phase="manifest", kind="restore")
+    if getattr(rs, "dir_claim", None) is None and os.path.isdir(rs.images_dir):
+        rs.dir_claim = dirclaim.SnapshotLock(rs.images_dir, phase="manifest", kind="restore")
 
 
 def release_dir(rs, keep_pin: bool = False) -> None:

@@ -1,20 +1,21 @@
-"""One run at a time writes, restores or deletes a snapshot directory (case 015; decisions
-D56, D72).
+"""One run at a time writes a snapshot directory (case 015; decisions D56).
 
 A checkpoint claims its images directory before it writes anything there and holds the claim
-for its whole life; a restore claims the snapshot it restores from its first step to its end
-(so a ``delete`` or a second restore of it is refused naming it, decisions D72), and a
-``delete`` claims it while it removes it: ``DIR/.cuinterpose-claim``, a 0600 file holding
-{"pid", "host", "run_id", "group", "started_at", "kind"} of the run (``kind``: "checkpoint",
-"restore" or "delete"), on which the run holds ``flock(LOCK_EX)``
+for its whole life: ``DIR/.cuinterpose-claim``, a 0600 file holding {"pid", "host",
+"run_id", "group", "started_at"} of the run, on which the run holds ``flock(LOCK_EX)``
 (flock(2): the lock dies with the process, so a claim whose holder died is known as stale).
 The file is built under a temporary name, locked, then ``link``\\ ed into place (link(2) fails
 when the name exists), so any claim another run can see is already locked and two runs
 cannot both win. :meth:`Claim.check`, called again before each step that writes into the
 directory, proves the claim is still this run's file (same device and inode as the locked
 descriptor). A second run is refused naming the holder; a stale claim is taken over only when
-it is all the directory holds (its run wrote nothing else), or, by a restore or a delete, when
-the directory holds a complete snapshot (manifest.json).
+it is all the directory holds (its run wrote nothing else).
+
+A restore, and a ``delete`` while it removes the directory, hold :class:`SnapshotLock`
+instead (decisions D72): ``flock(LOCK_EX)`` on a descriptor of the snapshot directory itself,
+so nothing is written into a snapshot a restore only reads (its files and the directory's
+mtime stay as they are, and a read-only one can be locked too); a second restore or a delete
+of it is refused naming the holder's pid, read from /proc/locks (proc(5)).
 
 Errors: :class:`~cuinterpose.agent.errors.SnapshotError` of phase ``images dir`` (or the
 phase given), naming the directory and the other run.
@@ -35,16 +36,6 @@ from cuinterpose.agent.errors import SnapshotError
 
 CLAIM_NAME = ".cuinterpose-claim"
 PHASE = "images dir"
-#: what a claim's run does to the directory, in words ("being written by a checkpoint")
-DOING = {"checkpoint": "written by", "restore": "restored by", "delete": "deleted by"}
-#: what a run refused by another's claim says it did not do
-REFUSED = {
-    "checkpoint": "one run at a time writes a snapshot directory: checkpoint refused, nothing "
-    "was changed; choose another --images-dir",
-    "restore": "restore refused, nothing was changed, the snapshot is untouched; restore it "
-    "once that run has finished",
-    "delete": "nothing removed",
-}
 
 
 def _read(fd: int) -> dict:
@@ -67,14 +58,6 @@ def describe(rec: dict) -> str:
     if rec.get("started_at"):
         extra.append(f"started at {rec['started_at']}")
     return who + (f" ({', '.join(extra)})" if extra else "")
-
-
-def busy(images_dir, rec: dict, *, other: bool = False) -> str:
-    """``DIR is being restored by a restore: agent pid P …`` for the live claim ``rec``
-    (``other``: "another", for a run of the same kind as the claim's)."""
-    kind = rec.get("kind") or "checkpoint"
-    art = "another" if other else "a"
-    return f"{images_dir} is being {DOING.get(kind, 'used by')} {art} {kind}: {describe(rec)}"
 
 
 def foreign(names) -> list[str]:
@@ -125,20 +108,11 @@ class DirClaim:
     Raises ``SnapshotError`` (phase :data:`PHASE`) when another live run holds the directory,
     or a stale claim lies beside other files (the dead run's partial snapshot)."""
 
-    def __init__(
-        self,
-        images_dir,
-        run_id: str = "",
-        group: str = "",
-        phase: str = PHASE,
-        kind: str = "checkpoint",
-    ):
+    def __init__(self, images_dir, run_id: str = "", group: str = "", phase: str = PHASE):
         self.dir = pathlib.Path(images_dir)
         self.path = self.dir / CLAIM_NAME
         self.phase = phase
-        self.kind = kind
         self.record = {
-            "kind": kind,
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "run_id": run_id,
@@ -196,17 +170,16 @@ class DirClaim:
             ) from None
         try:
             if not free:
-                rec = _read(fd)
-                same = (rec.get("kind") or "checkpoint") == self.kind
                 raise SnapshotError(
                     self.phase,
-                    f"{busy(self.dir, rec, other=same)}; {REFUSED[self.kind]}",
+                    f"{self.dir} is being written by another checkpoint: "
+                    f"{describe(_read(fd))}; one run at a time writes a snapshot directory: "
+                    "checkpoint refused, nothing was changed; choose another --images-dir",
                 )
             if not _same_file(fd, self.path):
                 return  # removed or replaced meanwhile: look again
             others = foreign(os.listdir(self.dir))
-            snapshot = self.kind != "checkpoint" and "manifest.json" in others
-            if others and not snapshot:
+            if others:
                 raise SnapshotError(
                     self.phase,
                     f"{self.dir} holds what a checkpoint left when its agent died "
@@ -261,3 +234,63 @@ def remove_stale(images_dir, run_id: str) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def lock_holders(path) -> list[int]:
+    """The pids holding a ``flock`` on the file or directory ``path`` (/proc/locks lines
+    ``N: FLOCK ADVISORY WRITE PID MAJ:MIN:INODE 0 EOF``, device numbers in hex; waiters,
+    ``->`` lines, left out), sorted; [] when none or unreadable."""
+    try:
+        st = os.stat(path)
+        with open("/proc/locks") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    want = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
+    out = set()
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 6 or "->" in parts or parts[1] != "FLOCK":
+            continue
+        try:
+            maj, mnr, ino = parts[5].split(":")
+            if (int(maj, 16), int(mnr, 16), int(ino)) == want:
+                out.add(int(parts[4]))
+        except ValueError:
+            continue
+    return sorted(out)
+
+
+class SnapshotLock:
+    """``flock(LOCK_EX)`` on the snapshot directory ``images_dir`` (an existing directory),
+    held by a restore (``kind`` "restore") for its whole run and by a delete ("delete") while
+    it removes it; nothing is written. Raises ``SnapshotError`` (``phase``) naming the pid(s)
+    that hold it when another run does (a restore, or a delete, of that snapshot)."""
+
+    def __init__(self, images_dir, *, phase: str, kind: str):
+        self.dir = pathlib.Path(images_dir)
+        try:
+            fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as e:
+            raise SnapshotError(phase, f"{self.dir} cannot be opened: {e.strerror or e}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            who = ", ".join(map(str, lock_holders(self.dir))) or "?"
+            os.close(fd)
+            then = (
+                "restore refused, nothing was changed, the snapshot is untouched; restore it "
+                "once that run has finished"
+                if kind == "restore"
+                else "nothing removed"
+            )
+            raise SnapshotError(
+                phase, f"{self.dir} is in use by a restore or delete of it: agent pid {who}; {then}"
+            ) from None
+        self.fd = fd
+
+    def release(self) -> None:
+        """Drop the lock; idempotent."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1

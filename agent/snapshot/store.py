@@ -449,13 +449,17 @@ def delete(images_dir) -> dict:
         raise AgentError("delete", f"{d} does not exist; nothing removed")
     busy = dirclaim.holder(d)
     if busy is not None:
-        raise AgentError("delete", f"{dirclaim.busy(d, busy)}; nothing removed")
+        raise AgentError(
+            "delete",
+            f"{d} is being written by a checkpoint: {dirclaim.describe(busy)}; nothing removed",
+        )
     if not d.is_dir() or d.is_symlink():
         raise AgentError("delete", f"{d} is not a snapshot directory; nothing removed")
     if not (d / MANIFEST_NAME).is_file() or (d / MANIFEST_NAME).is_symlink():
         raise AgentError("delete", f"{d} holds no manifest.json: not a snapshot; nothing removed")
-    # held while the directory goes: a restore starting now is refused naming this delete
-    claim = dirclaim.DirClaim(d, phase="delete", kind="delete")
+    # refused while a restore reads it; held while the directory goes: a restore starting now
+    # is refused naming this delete
+    claim = dirclaim.SnapshotLock(d, phase="delete", kind="delete")
     try:
         return _delete(d)
     finally:

@@ -1,7 +1,8 @@
-"""A restore claims the snapshot it restores (agent/snapshot/dirclaim.py, kind "restore";
-decisions D72): while it runs, a ``delete`` of that snapshot and a second restore of it are
-refused (exit 3) naming the restore's agent pid, before either changes anything; the snapshot
-stays byte for byte, the restore finishes (exit 0) and the job ends exactly."""
+"""A restore locks the snapshot it restores (agent/snapshot/dirclaim.py ``SnapshotLock``: a
+flock of the directory, nothing written; decisions D72): while it runs, a ``delete`` of that
+snapshot and a second restore of it are refused (exit 3) naming the restore's agent pid, before
+either changes anything; the snapshot stays byte for byte (its directory's mtime too), the
+restore finishes (exit 0) and the job ends exactly."""
 
 from __future__ import annotations
 
@@ -20,11 +21,11 @@ HOLD = 20
 
 
 def _digest(snap) -> dict:
-    return {
-        str(p.relative_to(snap)): sha256_file(p)
-        for p in sorted(snap.rglob("*"))
-        if p.is_file() and p.name != dirclaim.CLAIM_NAME
-    }
+    """Every file's SHA-256 and every directory's mtime (ns), by path under ``snap``."""
+    out = {".": snap.stat().st_mtime_ns}
+    for p in sorted(snap.rglob("*")):
+        out[str(p.relative_to(snap))] = sha256_file(p) if p.is_file() else p.stat().st_mtime_ns
+    return out
 
 
 def test_delete_and_a_second_restore_are_refused_while_a_restore_runs(afdwin, tmp_path):
@@ -49,27 +50,26 @@ def test_delete_and_a_second_restore_are_refused_while_a_restore_runs(afdwin, tm
     )
     try:
         demo.wait_stopped(first.pid, lambda: first.poll() is None)
-        held = dirclaim.holder(snap)
-        assert (held["pid"], held["kind"]) == (first.pid, "restore")
+        assert dirclaim.lock_holders(snap) == [first.pid]
 
         rc, out = demo.run_agent("delete", str(snap))
         assert rc == 3, out
         e = out["error"]
         assert (e["phase"], e["outcome"]) == ("delete", "refused")
-        assert e["reason"].startswith(
-            f"{snap} is being restored by a restore: agent pid {first.pid} on "
+        assert e["reason"] == (
+            f"{snap} is in use by a restore or delete of it: agent pid {first.pid}; nothing removed"
         ), e
-        assert e["reason"].endswith("; nothing removed"), e
         assert _digest(snap) == digest
 
         rc, out = demo.run_agent("restore", "--images-dir", str(snap), "--driver", "fake")
         assert rc == 3, out
         e = out["error"]
         assert (e["phase"], e["outcome"]) == ("manifest", "refused")
-        assert e["reason"].startswith(
-            f"{snap} is being restored by another restore: agent pid {first.pid} on "
+        assert e["reason"] == (
+            f"{snap} is in use by a restore or delete of it: agent pid {first.pid}; restore "
+            "refused, nothing was changed, the snapshot is untouched; restore it once that run "
+            "has finished"
         ), e
-        assert e["reason"].endswith(dirclaim.REFUSED["restore"]), e
         assert out["phases"] == [], out["phases"]
         assert _digest(snap) == digest
     finally:
@@ -81,8 +81,8 @@ def test_delete_and_a_second_restore_are_refused_while_a_restore_runs(afdwin, tm
     s = [e for e in a.events(offset) if demo.kind(e) == "summary"]
     assert [(x["ok"], x["lost"], x["duplicated"], x["torn"]) for x in s] == [(True, 0, 0, 0)]
     demo.reap_zombies()
-    # the claim went with the restore: the snapshot is exactly what the checkpoint wrote
-    assert not (snap / dirclaim.CLAIM_NAME).exists()
+    # the lock went with the restore; the snapshot is exactly what the checkpoint wrote
+    assert dirclaim.lock_holders(snap) == []
     assert _digest(snap) == digest
     rc, out = demo.run_agent("delete", str(snap))
     assert rc == 0 and out["deleted"] == str(snap), out
