@@ -288,7 +288,7 @@ def take_census(
         if pid == os.getpid():
             continue
         p = Process(pid=pid, ppid=ppid, comm=comm)
-        check_not_stopped(pid, "census", control_dir)
+        check_not_stopped(pid, "census", control_dir, ancestors)
         p.shim, path = shim_mapping(pid, shim)
         if p.shim == "foreign":
             p.foreign_shim = path
