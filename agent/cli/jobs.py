@@ -162,7 +162,7 @@ def before_run(what: str, effect: str) -> None:
     signal_at.register_steps(s.name for s in (*checkpoint.Checkpoint.STEPS, *restore.Restore.STEPS))
 
     signal_at.signal_point("before", "request")
-    interrupt.refuse_if_held(what, effect)
+    interrupt.refuse_if_stopped(what, effect)
 
 
 def remote_of(images_dir, opts, kind: str):

@@ -18,7 +18,7 @@ import contextlib
 import signal
 import sys
 import threading
-from typing import Optional
+from typing import Callable, Optional
 
 from cuinterpose.agent.errors import AgentError
 
@@ -75,6 +75,8 @@ class Guard:
         self.signame: Optional[str] = None
         #: the run is over and its result stands: a signal is only noted (:func:`hold`)
         self.ended = False
+        #: called with the first signal's name (:func:`on_signal`: ``--agent`` cancels its call)
+        self.on_first: Optional[Callable[[str], None]] = None
         self._old: dict = {}
 
     def _handler(self, signum, frame):
@@ -85,6 +87,13 @@ class Guard:
                 f"cuinterpose-agent: {name} ignored: the {self.what} has ended; its result "
                 "(above) stands"
             )
+        elif self.signame is None and self.on_first is not None:
+            self.signame = name
+            msg = (
+                f"cuinterpose-agent: {name} received: cancelling the request; the agent "
+                "daemon stops it at the end of its current phase"
+            )
+            self.on_first(name)
         elif self.signame is None:
             self.signame = name
             msg = (
@@ -152,17 +161,29 @@ def hold(what: str) -> Guard:
     return _held
 
 
-def refuse_if_held(what: str, effect: str) -> None:
+def refuse_if_stopped(what: str, effect: str, cancel: Optional[Cancel] = None) -> None:
     """Raise ``AgentError`` (phase "request", refused) when :func:`hold`'s guard recorded a
-    signal: the run has not started, nothing was changed (``effect`` says so in the
-    command's words)."""
-    if _held is not None and _held.signame is not None:
+    signal, or ``cancel`` is set: the ``what`` run has not started, nothing was changed
+    (``effect`` says so in the command's words)."""
+    sig = _held.signame if _held is not None else None
+    sig = sig or (cancel.why if cancel is not None else None)
+    if sig is not None:
         raise AgentError(
             "request",
-            f"interrupted by {_held.signame} before the {what} started; {what} cancelled, "
-            + effect,
+            f"interrupted by {sig} before the {what} started; {what} cancelled, " + effect,
             outcome="refused",
         )
+
+
+def on_signal(fn: Optional[Callable[[str], None]]) -> None:
+    """Call ``fn(signal name)`` on the first signal :func:`hold`'s guard records (at once when
+    one came already); None: no longer. ``fn`` runs in the signal handler: it must not block
+    or take a lock (``--agent``: it starts a thread that cancels the gRPC call)."""
+    if _held is None:
+        return
+    _held.on_first = fn
+    if fn is not None and _held.signame is not None and not _held.ended:
+        fn(_held.signame)
 
 
 def settle() -> None:
