@@ -275,6 +275,11 @@ def serve(
     from cuinterpose.agent.rpc.security import listener_security
     from cuinterpose.agent.rpc.service import DEFAULT_SNAPSHOT_DIR, ServeOptions, Server
 
+    # the daemon's log (stderr): one line per request's start and outcome, with the time
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s"
+    )
+
     given = dict(
         listen=listen,
         node=node,

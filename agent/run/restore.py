@@ -83,6 +83,7 @@ class Restore(StepRunner):
         placement: "Placement | int | None" = None,
         device_map: Optional[str] = None,
         remote=None,
+        cancel: Optional[interrupt.Cancel] = None,
         **changes,
     ):
         #: every option of this run (agent/options.py); ``changes`` (option names) are set on
@@ -114,7 +115,8 @@ class Restore(StepRunner):
         self.restored_roots: list[int] = []
         #: directories "stale sockets" created (the control dir and missing parents, top first)
         self.created_dirs: list[str] = []
-        self.guard = interrupt.Guard("restore")
+        #: signals (one-shot) or ``cancel`` (the daemon: a cancelled gRPC call) stop the run
+        self.guard = interrupt.Guard("restore", cancel)
         self.t0_ns = time.monotonic_ns()
 
     def read_manifest(self):
