@@ -38,11 +38,12 @@ def tmsh(tmp_path, criu_ok, subreaper):
         r.kill()  # also removes what a killed tree left in /dev/shm
 
 
-@pytest.mark.parametrize(
-    "variant,procs,max_events",
-    [("ipc", 4, 8), ("expandable", 2, 1000), ("event", 2, 1000)],
-    ids=["ipc-4", "expandable-2", "event-2"],
-)
+#: every variant cut at 2 and at 4 processes (issue 24); the ipc runs with a low event limit,
+#: so that the producer's synchronize-instead-of-event fallback is in the cut too
+CUTS = [(v, n, 8 if v == "ipc" else 1000) for v in ("ipc", "expandable", "event") for n in (2, 4)]
+
+
+@pytest.mark.parametrize("variant,procs,max_events", CUTS, ids=[f"{v}-{n}" for v, n, _ in CUTS])
 def test_tmsh_checkpoint_kill_restore_finish(tmsh, tmp_path, variant, procs, max_events):
     run = tmsh(
         procs=procs,
