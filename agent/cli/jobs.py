@@ -33,6 +33,7 @@ from cuinterpose.agent.cli.common import (
     use_manifest_key,
 )
 from cuinterpose.agent.errors import AgentError
+from cuinterpose.agent.snapshot.snapdir import SnapshotDir
 from cuinterpose.coordinator.protocol import default_control_dir
 
 NATIVE_BACKEND_OPT = click.option(
@@ -401,7 +402,7 @@ def restore(
 
                 res = live(sink, lambda: lead("restore", req, rep, RemoteRows(rep), tls=tls)[0])
         else:
-            if not os.path.exists(paths.canonical(images_dir)):
+            if not SnapshotDir.canonical(images_dir).exists():
                 from cuinterpose.agent.errors import SnapshotError
 
                 raise SnapshotError("manifest", f"{paths.canonical(images_dir)} does not exist")

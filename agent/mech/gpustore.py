@@ -1,7 +1,8 @@
 """Chunk files for GPU memory moved outside CRIU (issue 12's chunk format, native custom storage).
 
 A *stream* is one GPU's custom-storage region of one process: one file
-``DIR/chunks/gpu-<pid>-<ordinal>.bin`` whose size is the region's (``ftruncate`` first); chunk
+``DIR/chunks/gpu-<pid>-<ordinal>.bin`` (named and opened by agent/snapshot/snapdir.py; this
+module writes and reads the descriptor it is given) whose size is the region's (``ftruncate`` first); chunk
 ``i`` lies at ``i * chunk_bytes``, the last one may be short; an all-zero chunk is not written
 (the file stays sparse there) and has no checksum. Checksums: 32-byte digests, the
 checkpoint's chunk checksum (``Options.checksum``, decisions D36: "sha256", FIPS 180-4, where
@@ -40,7 +41,6 @@ DEFAULT_CHUNK_BYTES = 8 << 20
 DEFAULT_STAGING_BYTES = 256 << 20
 DEFAULT_THREADS = 4
 CHECKSUM = DEFAULT_CHUNK_CHECKSUM  # a record without one (before decisions D36)
-CHUNKS_DIR = "chunks"
 
 
 class GpuStoreError(AgentError):
@@ -66,11 +66,6 @@ def checksum(data, name: str = CHECKSUM) -> str:
     """The chunk checksum ``name`` (coordinator/protocol ``CHUNK_CHECKSUMS``: "blake2b-256",
     RFC 7693 with no key, or "sha256", FIPS 180-4) of ``data`` as 64 hex digits."""
     return chunk_digest(name, data).hex()
-
-
-def stream_file(pid: int, ordinal: int) -> str:
-    """The stream's path relative to the snapshot directory: ``chunks/gpu-<pid>-<ordinal>.bin``."""
-    return f"{CHUNKS_DIR}/gpu-{int(pid)}-{int(ordinal)}.bin"
 
 
 def nchunks(nbytes: int, chunk_bytes: int) -> int:

@@ -1,5 +1,6 @@
 """The shim carriers' chunk files of a snapshot (issue 12 item 1; docs/snapshot-format.md
-"chunks"; decisions D31): ``DIR/chunks/shared-<pid>-<alloc_id>.bin``, one per shared creator
+"chunks"; decisions D31): ``DIR/chunks/shared-<pid>-<alloc_id>.bin`` (named and opened by
+agent/snapshot/snapdir.py's ``SnapshotDir.carrier_files``), one per shared creator
 allocation, written by the shims at SAVE_ALLOCATIONS and read back at LOAD_ALLOCATIONS (restore
 and rollback) through descriptors the agent opens and passes (SCM_RIGHTS), so the shim needs no
 access to the agent's mount namespace.
@@ -21,10 +22,10 @@ from __future__ import annotations
 import os
 import pathlib
 import re
-import shutil
 
 from cuinterpose.agent.errors import AgentError
 from cuinterpose.agent.snapshot import store, trust
+from cuinterpose.agent.snapshot.snapdir import SnapshotDir
 from cuinterpose.agent.units import parse_bytes
 from cuinterpose.coordinator.carrierfiles import CarrierFiles
 from cuinterpose.coordinator.protocol import (
@@ -36,7 +37,6 @@ from cuinterpose.coordinator.protocol import (
     chunk_checksum_flag,
 )
 
-CHUNKS_DIR = "chunks"
 #: "1": every checkpoint of this agent is incremental (a daemon's default; --incremental)
 INCREMENTAL_ENV = "CUINTERPOSE_INCREMENTAL"
 ENV = {
@@ -111,18 +111,17 @@ def checkpoint_files(images_dir, incremental: bool = False, **kw) -> CarrierFile
     snapshot root (agent/snapshot/store.py), with the chunks it already holds as ``known``;
     the store's shared lock and a pin (``store.Hold``; AgentError when the lock is not free in
     time) are kept in ``holder`` until :func:`release`."""
+    snap = SnapshotDir(images_dir)
     if not (incremental or os.environ.get(INCREMENTAL_ENV) == "1"):
-        return CarrierFiles(pathlib.Path(images_dir) / CHUNKS_DIR, **settings(**kw))
+        return snap.carrier_files(**settings(**kw))
     s = settings(**kw)
-    root = store.root_of(images_dir)
+    root = snap.root
     prefix = store.new_prefix()
     # the lock, the chunks of trusted manifests (with a node key: MAC-valid), the pin
     hold = store.Hold(
         root, prefix, lambda: store.known_chunks(root, trust.check_mac, s["checksum"]), images_dir
     )
-    files = CarrierFiles(
-        store.packs_dir(root), store=store.STORE_REL, prefix=prefix, known=hold.known, **s
-    )
+    files = snap.pack_files(prefix=prefix, known=hold.known, **s)
     files.holder = hold
     return files
 
@@ -148,7 +147,7 @@ def release_files(images_dir, lock_fields: dict) -> CarrierFiles:
     ch.setdefault("checksum", DEFAULT_CHUNK_CHECKSUM)  # a .lock from before D36
     s = settings(**ch)
     if not rec:
-        return CarrierFiles(pathlib.Path(images_dir) / CHUNKS_DIR, **s)
+        return SnapshotDir(images_dir).carrier_files(**s)
     files = CarrierFiles(rec["dir"], store=store.STORE_REL, prefix=rec["prefix"], **s)
     for key, rows in (rec.get("refs") or {}).items():
         pid, aid = key.split(":")
@@ -167,12 +166,12 @@ def restore_files(images_dir, manifest: dict, **kw) -> CarrierFiles:
         checksum=chunks.get("checksum", DEFAULT_CHUNK_CHECKSUM),
         **kw,
     )
+    snap = SnapshotDir(images_dir)
     if chunks.get("store") != store.STORE_REL:
-        return CarrierFiles(pathlib.Path(images_dir) / CHUNKS_DIR, **s)
-    root = store.root_of(images_dir)
-    files = CarrierFiles(store.packs_dir(root), store=store.STORE_REL, **s)
+        return snap.carrier_files(**s)
+    files = snap.pack_files(**s)
     # no delete may collect a pack while the shims read it (released by the caller)
-    files.holder = store.Lock(root, exclusive=False)
+    files.holder = store.Lock(snap.root, exclusive=False)
     for st in chunks.get("streams") or []:
         key = (int(st["pid"]), str(st["alloc_id"]))
         files.names[key] = str(st["pack"])
@@ -251,13 +250,9 @@ def unpin(lock_fields: dict) -> None:
 
 def remove_chunks(images_dir, files=None) -> None:
     """Remove ``DIR/chunks/`` (a rolled-back checkpoint's partial or complete chunk files;
-    the workload's memory is back on the device by then) and, for a checkpoint into the chunk
-    store (``files``), the packs it wrote (those of its prefix; older packs stay). A symlink
-    there is unlinked, never followed."""
-    d = pathlib.Path(images_dir) / CHUNKS_DIR
-    if d.is_symlink():
-        d.unlink()
-    else:
-        shutil.rmtree(d, ignore_errors=True)
+    the workload's memory is back on the device by then: ``SnapshotDir.remove_chunks``) and,
+    for a checkpoint into the chunk store (``files``), the packs it wrote (those of its
+    prefix; older packs stay)."""
+    SnapshotDir(images_dir).remove_chunks()
     if files is not None and getattr(files, "store", None) is not None and files.prefix:
         files.remove()

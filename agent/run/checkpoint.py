@@ -50,6 +50,7 @@ from cuinterpose.agent.run.steps import (
     unexpected,
 )
 from cuinterpose.agent.snapshot import manifest as manifest_mod
+from cuinterpose.agent.snapshot import snapdir
 from cuinterpose.coordinator.contract import remove_if_id
 from cuinterpose.coordinator.protocol import default_control_dir
 
@@ -121,7 +122,7 @@ class Checkpoint(Rollback, StepRunner):
         self.chunks = dict(chunks or {})
         self.gpu_storage_mode = gpu_storage  # auto|custom|host (run/gpustore_step.py), None: env
         self.roots = list(dict.fromkeys(int(r) for r in roots))
-        self.images_dir = images_dir
+        self.images_dir, self.snap = images_dir, snapdir.SnapshotDir(images_dir)
         self.control_dir = paths.canonical(control_dir or default_control_dir())
         self.quiesce_timeout_ms = int(quiesce_timeout_ms)
         self.lock_timeout_ms = int(lock_timeout_ms)
@@ -181,10 +182,9 @@ class Checkpoint(Rollback, StepRunner):
     def prepare_images_dir(self):
         options.check_checkpoint(self)  # every option and variable, before anything changes
         group = (self.group or {}).get("request_id", "")
-        self.images_dir, self.created_dirs, self.dir_claim, notes = images.prepare_dir(
-            self.images_dir, run_id=self.run_id, group=group
-        )
-        for n in notes:  # also in the manifest's and the --json output's warnings
+        snap = self.snap = snapdir.prepare(self.images_dir, run_id=self.run_id, group=group)
+        self.images_dir, self.created_dirs, self.dir_claim = snap.path, snap.created, snap.claim
+        for n in snap.notes:  # also in the manifest's and the --json output's warnings
             self.r.note(n)
             self.warnings.append({"path": str(self.images_dir), "message": n})
 
@@ -366,9 +366,7 @@ class Checkpoint(Rollback, StepRunner):
                 self.guard.check("criu dump")  # between trees, never inside CRIU
             with self.r.phase("criu dump") as ph:
                 self.check_dir_claim("criu dump")
-                d = manifest_mod.criu_dir(self.images_dir, root)
-                for p in (d.parent, d):  # private, as the whole snapshot (case 016)
-                    p.mkdir(mode=images.DIR_MODE, exist_ok=True)
+                d = self.snap.make_criu_dir(root)  # private, as the whole snapshot (case 016)
                 self.tree_pids[root] = _tree_pids(root)
                 self.mark(
                     f"criu dump {root}", tree_pids={str(k): v for k, v in self.tree_pids.items()}
@@ -402,7 +400,7 @@ class Checkpoint(Rollback, StepRunner):
                     self.tree_ns[root] = ns
                 self.stopped_roots.append(root)
                 self.check_dumped(root, d)
-                ph.bytes = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+                ph.bytes = self.snap.tree_bytes(root)
                 ph.detail = f"tree {root} (left stopped)"
 
     def check_dumped(self, root: int, d) -> None:
@@ -510,7 +508,7 @@ class Checkpoint(Rollback, StepRunner):
                 self.release_store(keep_pin=e.outcome == "rollback_failed")
                 if self.manifest is None:
                     gpustore_step.discard(self)
-                    images.remove_empty(self.created_dirs)
+                    self.snap.remove_created()
                 if self.qid is not None:
                     if e.lost:  # a process of the job died: wait for the rest to end or resume
                         self.settle_lost()
@@ -534,7 +532,7 @@ class Checkpoint(Rollback, StepRunner):
                 self.release_store()
                 if self.manifest is None:
                     gpustore_step.discard(self)
-                    images.remove_empty(self.created_dirs)
+                    self.snap.remove_created()
                 if self.qid is not None and not isinstance(e, LeftLocked):  # its .lock stays
                     quiesce.unlock(self.control_dir, self.roots, self.qid)
                 raise

@@ -18,12 +18,12 @@ every file under ``chunks/`` this checkpoint wrote is removed.
 from __future__ import annotations
 
 import os
-import pathlib
 
 from cuinterpose.agent.errors import AgentError
 from cuinterpose.agent.mech import gpustore, native, native_storage
 from cuinterpose.agent.run import carriers
 from cuinterpose.agent.snapshot import trust
+from cuinterpose.agent.snapshot.snapdir import CHUNKS, SnapshotDir
 
 
 def choose(requested: str) -> tuple[bool, str]:
@@ -84,15 +84,6 @@ def checksum_of(ck) -> str:
     )["checksum"]
 
 
-def _remove(base: pathlib.Path, streams: list[dict]) -> None:
-    for rec in streams:
-        (base / rec["file"]).unlink(missing_ok=True)
-    try:
-        (base / gpustore.CHUNKS_DIR).rmdir()
-    except OSError:
-        pass
-
-
 def native_checkpoint(ck) -> None:
     """LOCKED -> CHECKPOINTED for every CUDA pid, GPU memory to custom storage or host staging;
     sets ``ck.gpu_storage`` (the manifest record)."""
@@ -101,23 +92,20 @@ def native_checkpoint(ck) -> None:
     with ck.r.phase("native checkpoint") as ph:
         use, why = choose(requested)
         opts = options(ck) if use else gpustore.Options()
-        base = pathlib.Path(ck.images_dir)
+        snap = SnapshotDir(ck.images_dir)
         if use:
-            native_storage.begin_checkpoint(base, opts)
+            native_storage.begin_checkpoint(snap, opts)
         streams: list[dict] = []
         try:
             native.checkpoint_all(pids)
         except BaseException:
             streams = native_storage.end_checkpoint() if use else []
-            _remove(base, streams)  # still readable by the rollback through the held fds
+            # still readable by the rollback through the held fds
+            snap.remove_streams(s["file"] for s in streams)
             raise
         streams = native_storage.end_checkpoint() if use else []
         ph.detail = f"pids {', '.join(map(str, pids))}; GPU storage {why}"
-        ph.bytes = sum(
-            (base / s["file"]).stat().st_blocks * 512
-            for s in streams
-            if (base / s["file"]).exists()
-        )
+        ph.bytes = sum(snap.allocated(s["file"]) for s in streams)
     ck.gpu_storage = {
         "mode": "custom" if use else "host",
         "why": why,
@@ -132,7 +120,7 @@ def discard(ck) -> None:
     agent still holds them open, so a rollback that has yet to read them back still can)."""
     files = native_storage.held_files()
     if files:
-        _remove(pathlib.Path(ck.images_dir), [{"file": f} for f in files])
+        SnapshotDir(ck.images_dir).remove_streams(files)
 
 
 def annotate(ck, manifest: dict) -> None:
@@ -158,7 +146,7 @@ def prepare_restore(rs) -> None:
         raise AgentError(
             "native restore",
             f"the snapshot's GPU memory is in custom storage ({len(rec['streams'])} stream(s) "
-            f"under {gpustore.CHUNKS_DIR}/), and {why}; restore it on a driver with custom "
+            f"under {CHUNKS}/), and {why}; restore it on a driver with custom "
             "storage (the driver API restores it, whatever --native-backend)",
         )
     opts = gpustore.Options(
@@ -167,7 +155,9 @@ def prepare_restore(rs) -> None:
         alloc=_pinned_alloc if native.info().kind == "real" else None,
         checksum=str(rec.get("checksum", gpustore.CHECKSUM)),
     )
-    native_storage.register_sources(rs.images_dir, rs.m["cuda_pids"], rec["streams"], opts)
+    native_storage.register_sources(
+        SnapshotDir(rs.images_dir), rs.m["cuda_pids"], rec["streams"], opts
+    )
 
 
 def gpu_bytes(directory: os.PathLike | str, rec: dict) -> int:

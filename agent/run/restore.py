@@ -41,6 +41,7 @@ from cuinterpose.agent.run.steps import (
 )
 from cuinterpose.agent.snapshot import manifest as manifest_mod
 from cuinterpose.agent.snapshot import trust
+from cuinterpose.agent.snapshot.snapdir import SnapshotDir
 
 
 class Restore(StepRunner):
@@ -333,14 +334,10 @@ class Restore(StepRunner):
         strip_preload_env()
         for root in self.m["roots"]:
             with self.r.phase("criu restore") as ph:
-                d = manifest_mod.criu_dir(self.images_dir, root)
+                d = SnapshotDir(self.images_dir).criu_dir(root)
                 opts = self.opts.get(root)
                 kw = opts.kwargs() if opts else {}
-                into = (
-                    f" into placement pid {self.placement.pid}"
-                    if self.placement is not None
-                    else ""
-                )
+                into = f" into placement pid {self.placement.pid}" if self.placement else ""
                 try:
                     with interrupt.shielded():
                         pid = criu.restore(d, **kw)

@@ -9,15 +9,14 @@ docs/agent.md "What each failure leaves behind".
 from __future__ import annotations
 
 import dataclasses
-import pathlib
 import signal
 import time
 
 from cuinterpose.agent.errors import AgentError, CheckpointFailed, LeftLocked
 from cuinterpose.agent.mech import native, quiesce
-from cuinterpose.agent.run import carriers, images, recover
+from cuinterpose.agent.run import carriers, recover
 from cuinterpose.agent.run.steps import Step, as_agent_error
-from cuinterpose.agent.snapshot import manifest as manifest_mod
+from cuinterpose.agent.snapshot.snapdir import SnapshotDir
 from cuinterpose.coordinator.contract import quiesce_path, read_json
 
 
@@ -215,7 +214,7 @@ class Rollback:
             )
 
     def cleanup_images(self):
-        images.cleanup(self.images_dir)
+        SnapshotDir(self.images_dir).remove_dump()
 
     def check_dir_claim(self, phase: str) -> None:
         """Before a step writes into the images dir: it is still this run's (case 015)."""
@@ -289,7 +288,7 @@ class Rollback:
         if self.torn_down:
             own = self.owns_images_dir()
             if self.manifest is not None and own:
-                (pathlib.Path(self.images_dir) / manifest_mod.MANIFEST_NAME).unlink(missing_ok=True)
+                SnapshotDir(self.images_dir).remove_manifest()
                 self.manifest = None
             if own:
                 self.cleanup_images()
@@ -309,4 +308,4 @@ class Rollback:
         elif self.qid is not None and not self.quiesce_cancelled:
             quiesce.cancel(self.control_dir, self.roots, self.qid)
         self.release_dir_claim()
-        images.remove_empty(self.created_dirs)
+        self.snap.remove_created()

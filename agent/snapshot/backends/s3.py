@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
-import pathlib
 import threading
 import time
 
@@ -53,6 +52,7 @@ from cuinterpose.agent.snapshot.backends.api import (
 )
 from cuinterpose.agent.snapshot.backends.s3io import Client, NotFound, Retry
 from cuinterpose.agent.snapshot.backends.transfer import PIECE, Meter, run_jobs
+from cuinterpose.agent.snapshot.snapdir import MANIFEST, SnapshotDir
 
 MAX_PARTS = 10_000  # S3 multipart limit
 
@@ -64,11 +64,12 @@ def _part_bytes(size: int, part: int) -> int:
     return max(part, -(-need // (1 << 20)) << 20)
 
 
-def _pread(path: pathlib.Path, off: int, n: int) -> bytes:
-    """``n`` bytes of the local file ``path`` from ``off``; ``StorageError`` (phase "upload")
-    naming the file when it cannot be read or is shorter."""
+def _pread(snap: SnapshotDir, rel: str, off: int, n: int) -> bytes:
+    """``n`` bytes of ``rel`` (a file of the local snapshot ``snap``, or a pack) from ``off``;
+    ``StorageError`` (phase "upload") naming the file when it cannot be read or is shorter."""
+    path = snap.file(rel)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = snap.open(rel, os.O_RDONLY | os.O_NOFOLLOW)
         try:
             out = bytearray()
             while len(out) < n:
@@ -83,13 +84,13 @@ def _pread(path: pathlib.Path, off: int, n: int) -> bytes:
         raise StorageError("upload", f"{path} cannot be read: {e.strerror}") from None
 
 
-def _digest(h, data, path: pathlib.Path, off: int, n: int) -> str:
-    """Hex digest of ``data``, or (``data`` None) of ``n`` bytes of ``path`` from ``off``."""
+def _digest(h, data, snap: SnapshotDir, rel: str, off: int, n: int) -> str:
+    """Hex digest of ``data``, or (``data`` None) of ``n`` bytes of ``rel`` from ``off``."""
     if data is not None:
         h.update(data)
         return h.hexdigest()
     for pos in range(0, n, PIECE):
-        h.update(_pread(path, off + pos, min(PIECE, n - pos)))
+        h.update(_pread(snap, rel, off + pos, min(PIECE, n - pos)))
     return h.hexdigest()
 
 
@@ -105,7 +106,7 @@ class _Counts:
 class _Upload:
     """One push: the client, the local snapshot, what was put under the prefix."""
 
-    def __init__(self, client: Client, bucket: str, prefix: str, d: pathlib.Path, meter: Meter):
+    def __init__(self, client: Client, bucket: str, prefix: str, d: SnapshotDir, meter: Meter):
         self.c, self.bucket, self.prefix, self.d, self.meter = client, bucket, prefix, d, meter
         self.counts = _Counts()
         self.put_keys: list[str] = []
@@ -113,12 +114,13 @@ class _Upload:
         self.lock = threading.Lock()
         self.part = client.transfer.part_bytes
 
-    def _put_object(self, key: str, path: pathlib.Path, off: int, n: int, check) -> None:
-        """``n`` bytes of ``path`` from ``off`` as object ``key``: one PUT up to a part, else
-        a multipart upload whose parts are read one at a time. ``check(data)`` verifies the
-        bytes first and raises when they are wrong (``data`` None: it reads the file itself)."""
+    def _put_object(self, key: str, rel: str, off: int, n: int, check) -> None:
+        """``n`` bytes of ``rel`` (in the local snapshot) from ``off`` as object ``key``: one
+        PUT up to a part, else a multipart upload whose parts are read one at a time.
+        ``check(data)`` verifies the bytes first and raises when they are wrong (``data``
+        None: it reads the file itself)."""
         if n <= self.part:
-            data = _pread(path, off, n)
+            data = _pread(self.d, rel, off, n)
             check(data)
             self.c.put("upload", self.bucket, key, data)
             return
@@ -129,7 +131,12 @@ class _Upload:
             self.uploads[key] = uid
         etags = [
             self.c.multipart_part(
-                "upload", self.bucket, key, uid, k + 1, _pread(path, off + pos, min(part, n - pos))
+                "upload",
+                self.bucket,
+                key,
+                uid,
+                k + 1,
+                _pread(self.d, rel, off + pos, min(part, n - pos)),
             )
             for k, pos in enumerate(range(0, n, part))
         ]
@@ -147,10 +154,11 @@ class _Upload:
                     self.counts.present_bytes += n
                 self.meter.add(present=n)
                 return
-            path, off = layout.chunk_file(self.d, s, i)
+            rel, off = layout.chunk_file(s, i)
+            path = self.d.file(rel)
 
             def check(data):
-                got = _digest(layout.hasher(alg), data, path, off, n)
+                got = _digest(layout.hasher(alg), data, self.d, rel, off, n)
                 if got != hexd:
                     raise StorageError(
                         "upload",
@@ -159,7 +167,7 @@ class _Upload:
                         "nothing that refers to it was committed",
                     )
 
-            self._put_object(key, path, off, n, check)
+            self._put_object(key, rel, off, n, check)
             with self.counts.lock:
                 self.counts.uploaded += 1
                 self.counts.uploaded_bytes += n
@@ -170,10 +178,10 @@ class _Upload:
     def image_job(self, img: layout.Image):
         def job():
             key = f"{self.prefix}/{img.rel}"
-            path = self.d / img.rel
+            path = self.d.file(img.rel)
 
             def check(data):
-                got = _digest(hashlib.sha256(), data, path, 0, img.bytes)
+                got = _digest(hashlib.sha256(), data, self.d, img.rel, 0, img.bytes)
                 if got != img.sha256:
                     raise StorageError(
                         "upload",
@@ -183,7 +191,7 @@ class _Upload:
 
             with self.lock:
                 self.put_keys.append(key)
-            self._put_object(key, path, 0, img.bytes, check)
+            self._put_object(key, img.rel, 0, img.bytes, check)
             self.meter.add(transferred=img.bytes)
 
         return job
@@ -212,10 +220,11 @@ def push(snapshot_dir, location: str, opts: StorageOptions) -> PushResult:
     location that already holds a manifest."""
     t0 = time.monotonic_ns()
     loc = parse_location(location)
-    d = pathlib.Path(os.path.abspath(snapshot_dir))
+    snap = SnapshotDir(os.path.abspath(snapshot_dir))
+    d = snap.path
     try:
-        data, m = layout.local_manifest(d, "upload")
-        layout.check_mac(m, opts.node_key, str(d / layout.MANIFEST_NAME), "upload")
+        data, m = layout.local_manifest(snap, "upload")
+        layout.check_mac(m, opts.node_key, str(snap.manifest_path), "upload")
         p = layout.plan(m, phase="upload", allow_store=True)
         layout.check_local(d, m, "upload")
     except StorageError as e:
@@ -223,7 +232,7 @@ def push(snapshot_dir, location: str, opts: StorageOptions) -> PushResult:
     out, rewritten = layout.plain(m)
     body = layout.dumps(layout.signed(out, opts.node_key)) if rewritten else data
     c = s3gc.client_for(opts, "upload")
-    mkey = f"{loc.key}/{layout.MANIFEST_NAME}"
+    mkey = f"{loc.key}/{MANIFEST}"
     if c.head("upload", loc.bucket, mkey) is not None:
         raise StorageError(
             "upload",
@@ -237,7 +246,7 @@ def push(snapshot_dir, location: str, opts: StorageOptions) -> PushResult:
             c.remove("upload", loc.bucket, name)
     uses = p.chunk_uses()
     total = p.image_bytes() + p.chunk_bytes()
-    up = _Upload(c, loc.bucket, loc.key, d, Meter("upload", str(loc), total, opts.progress))
+    up = _Upload(c, loc.bucket, loc.key, snap, Meter("upload", str(loc), total, opts.progress))
     pin_key = None
     try:
         pin_key = s3gc.pin(c, loc.bucket, str(loc), uses.keys())
@@ -424,7 +433,7 @@ def pull(location: str, target_dir, opts: StorageOptions) -> PullResult:
     t0 = time.monotonic_ns()
     loc = parse_location(location)
     c = s3gc.client_for(opts, "download")
-    mkey = f"{loc.key}/{layout.MANIFEST_NAME}"
+    mkey = f"{loc.key}/{MANIFEST}"
     data = _get_manifest(c, loc.bucket, mkey, "download")
     try:
         m = layout.loads(data, "the manifest", "download")
@@ -459,7 +468,7 @@ def stat(location: str, opts: StorageOptions) -> SnapshotInfo:
     """The snapshot at ``location``; ``StorageError`` (phase "stat") when it has no manifest."""
     loc = parse_location(location)
     c = s3gc.client_for(opts, "stat")
-    mkey = f"{loc.key}/{layout.MANIFEST_NAME}"
+    mkey = f"{loc.key}/{MANIFEST}"
     data = _get_manifest(c, loc.bucket, mkey, "stat")
     return layout.snapshot_info(
         str(loc), data, layout.loads(data, f"s3://{loc.bucket}/{mkey}", "stat")
@@ -477,7 +486,7 @@ def list_snapshots(root: str, opts: StorageOptions) -> list[SnapshotInfo]:
     for name, _, is_dir in c.list("list", loc.bucket, base, recursive=False):
         if not is_dir or name == f"{RESERVED}/":
             continue
-        mkey = f"{name}{layout.MANIFEST_NAME}"
+        mkey = f"{name}{MANIFEST}"
         try:
             data = c.get_bytes("list", loc.bucket, mkey, layout.MANIFEST_MAX_BYTES)
         except NotFound:
