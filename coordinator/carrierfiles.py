@@ -37,6 +37,7 @@ from .protocol import (
     DEFAULT_STAGING_BYTES,
     DEFAULT_WRITERS,
     ChunkRef,
+    ChunkSettings,
     Op,
     Record,
     RecordFlag,
@@ -119,6 +120,11 @@ class CarrierFiles:
         #: (pid, alloc_id hex) -> {chunk index: (file name in ``directory``, offset in bytes)}
         self.refs: dict[tuple[int, str], dict[int, tuple[str, int]]] = {}
         self._lock = threading.Lock()
+
+    @property
+    def settings(self) -> ChunkSettings:
+        """The chunk settings every request of these files carries."""
+        return ChunkSettings(self.chunk_bytes, self.staging_bytes, self.writers, self.checksum)
 
     @classmethod
     def private(cls, **kw) -> "CarrierFiles":

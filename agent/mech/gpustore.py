@@ -11,9 +11,10 @@ once while the chunk sits in its staging slot.
 
 The device side is a :class:`Region` (``to_host``/``from_host``/``zero`` on a byte range): the
 driver's mapped ``devPtr`` and stream (agent/mech/native_storage.py), or plain memory in tests.
-Several writer threads (default 4) each take whole chunks: copy into their own staging slot
-(at most ``staging_bytes`` in all, default 256 MiB per stream: pinned host memory on a real
-GPU when the caller allocates it so, plain buffers on fakecuda), hash, ``os.pwrite``
+Several writer threads (``writers`` of the checkpoint's ``ChunkSettings``, the value its shim
+carriers use too: default 4) each take whole chunks: copy into their own staging slot (at most
+``staging_bytes`` in all, default 64 MiB per stream: pinned host memory on a real GPU when
+the caller allocates it so, plain buffers on fakecuda), hash, ``os.pwrite``
 (hashlib and ``os.pwrite`` release the GIL). Readers read each chunk into a slot, verify its
 checksum before the bytes reach the device, and zero zero-chunks on the device (a fresh
 region is not guaranteed zeroed).
@@ -32,14 +33,8 @@ import threading
 from typing import Callable, Optional, Protocol
 
 from cuinterpose.agent.errors import AgentError
-from cuinterpose.agent.units import parse_bytes
-from cuinterpose.coordinator.protocol import DEFAULT_CHUNK_CHECKSUM, chunk_digest
+from cuinterpose.coordinator.protocol import DEFAULT_CHUNK_CHECKSUM, ChunkSettings, chunk_digest
 
-CHUNK_BYTES_ENV = "CUINTERPOSE_CHUNK_BYTES"
-STAGING_BYTES_ENV = "CUINTERPOSE_STAGING_BYTES"
-DEFAULT_CHUNK_BYTES = 8 << 20
-DEFAULT_STAGING_BYTES = 256 << 20
-DEFAULT_THREADS = 4
 CHECKSUM = DEFAULT_CHUNK_CHECKSUM  # a record without one (before decisions D36)
 
 
@@ -72,47 +67,30 @@ def nchunks(nbytes: int, chunk_bytes: int) -> int:
     return -(-int(nbytes) // int(chunk_bytes))
 
 
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        return parse_bytes(raw)
-    except ValueError as e:
-        raise AgentError("gpu storage", f"${name}={e}") from None
-
-
-def chunk_bytes(value: Optional[int] = None) -> int:
-    """``value``, else ``$CUINTERPOSE_CHUNK_BYTES``, else 8 MiB; must be a power of two ≥ 64 KiB
-    (``AgentError`` phase "gpu storage" otherwise)."""
-    n = int(value) if value else _env_int(CHUNK_BYTES_ENV, DEFAULT_CHUNK_BYTES)
-    if n < (64 << 10) or n & (n - 1):
-        raise AgentError("gpu storage", f"chunk size {n} bytes: must be a power of two >= 65536")
-    return n
-
-
-def staging_bytes(value: Optional[int] = None) -> int:
-    """``value``, else ``$CUINTERPOSE_STAGING_BYTES``, else 256 MiB (≥ 1 byte)."""
-    n = int(value) if value else _env_int(STAGING_BYTES_ENV, DEFAULT_STAGING_BYTES)
-    if n <= 0:
-        raise AgentError("gpu storage", f"staging size {n} bytes: must be positive")
-    return n
-
-
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Options:
-    """``chunk_bytes`` (bytes), ``staging_bytes`` (bytes in all per stream), ``threads``,
-    ``alloc(n) -> (addr, free)``: a staging slot of n bytes (default: a ctypes buffer), and
-    ``checksum``: the chunk checksum written, or verified (the snapshot's)."""
+    """How streams are written and read: ``settings`` (the checkpoint's
+    :class:`~cuinterpose.coordinator.protocol.ChunkSettings`, the same value its shim
+    carriers are written with: ``chunk_bytes``, ``staging_bytes`` in all per stream,
+    ``writers`` threads, ``checksum`` written or verified) and ``alloc(n) -> (addr, free)``: a
+    staging slot of n bytes (default: a ctypes buffer)."""
 
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    staging_bytes: int = DEFAULT_STAGING_BYTES
-    threads: int = DEFAULT_THREADS
+    settings: ChunkSettings = ChunkSettings()
     alloc: Optional[Callable[[int], tuple[int, Callable[[], None]]]] = None
-    checksum: str = CHECKSUM
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.settings.chunk_bytes
+
+    @property
+    def checksum(self) -> str:
+        return self.settings.checksum
 
     def slots(self) -> int:
-        return max(1, min(self.threads, self.staging_bytes // self.chunk_bytes or 1))
+        """Writer threads, each with its own staging slot of one chunk: ``writers``, at most
+        ``staging_bytes // chunk_bytes`` (``ChunkSettings`` makes that at least 1)."""
+        s = self.settings
+        return max(1, min(s.writers, s.staging_bytes // s.chunk_bytes))
 
 
 def _plain_alloc(n: int) -> tuple[int, Callable[[], None]]:

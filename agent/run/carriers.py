@@ -5,20 +5,23 @@ allocation, written by the shims at SAVE_ALLOCATIONS and read back at LOAD_ALLOC
 and rollback) through descriptors the agent opens and passes (SCM_RIGHTS), so the shim needs no
 access to the agent's mount namespace.
 
-Settings: ``chunk_bytes`` (default 8 MiB, a power of two from 64 KiB to 1 GiB; environment
-``CUINTERPOSE_CHUNK_BYTES``), ``staging_bytes`` (the staging ring per process, default 64 MiB;
-``CUINTERPOSE_STAGING_BYTES``), ``writers`` (threads per process, default 4;
-``CUINTERPOSE_WRITERS``), ``checksum`` (the chunk checksum of a checkpoint, decisions D36:
-"sha256" where the shim can use the CPU's SHA extensions, x86-64 with ``sha_ni``, else
-"blake2b-256"; ``CUINTERPOSE_CHUNK_CHECKSUM``; a restore or release uses the one its snapshot
-was written with). Errors: :class:`~cuinterpose.agent.errors.AgentError` naming the
-value and its source. Durability (fsync of the files and of ``chunks/``) is the sync phase's
-job, not this module's. ``--incremental``: the streams are packs of the snapshot root's chunk
-store instead (agent/snapshot/store.py; decisions D34), and only chunks it lacks are written.
+Settings (:func:`settings`: one ``ChunkSettings`` of coordinator/protocol/carriers.py, the same
+value the GPU streams of agent/mech/gpustore.py are written with): ``chunk_bytes`` (default 8
+MiB, a power of two from 64 KiB to 1 GiB; environment ``CUINTERPOSE_CHUNK_BYTES``),
+``staging_bytes`` (the staging ring per process, default 64 MiB; ``CUINTERPOSE_STAGING_BYTES``),
+``writers`` (threads per process, default 4; ``CUINTERPOSE_WRITERS``), ``checksum`` (the chunk
+checksum of a checkpoint, decisions D36: "sha256" where the shim can use the CPU's SHA
+extensions, x86-64 with ``sha_ni``, else "blake2b-256"; ``CUINTERPOSE_CHUNK_CHECKSUM``; a
+restore or release uses the one its snapshot was written with). Errors:
+:class:`~cuinterpose.agent.errors.AgentError` naming the value and its source. Durability (fsync
+of the files and of ``chunks/``) is the sync phase's job, not this module's. ``--incremental``:
+the streams are packs of the snapshot root's chunk store instead (agent/snapshot/store.py;
+decisions D34), and only chunks it lacks are written.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 import re
@@ -28,14 +31,7 @@ from cuinterpose.agent.snapshot import store, trust
 from cuinterpose.agent.snapshot.snapdir import SnapshotDir
 from cuinterpose.agent.units import parse_bytes
 from cuinterpose.coordinator.carrierfiles import CarrierFiles
-from cuinterpose.coordinator.protocol import (
-    DEFAULT_CHUNK_BYTES,
-    DEFAULT_CHUNK_CHECKSUM,
-    DEFAULT_STAGING_BYTES,
-    DEFAULT_WRITERS,
-    check_carrier_params,
-    chunk_checksum_flag,
-)
+from cuinterpose.coordinator.protocol import DEFAULT_CHUNK_CHECKSUM, ChunkSettings
 
 #: "1": every checkpoint of this agent is incremental (a daemon's default; --incremental)
 INCREMENTAL_ENV = "CUINTERPOSE_INCREMENTAL"
@@ -44,11 +40,6 @@ ENV = {
     "staging_bytes": "CUINTERPOSE_STAGING_BYTES",
     "writers": "CUINTERPOSE_WRITERS",
     "checksum": "CUINTERPOSE_CHUNK_CHECKSUM",
-}
-DEFAULTS = {
-    "chunk_bytes": DEFAULT_CHUNK_BYTES,
-    "staging_bytes": DEFAULT_STAGING_BYTES,
-    "writers": DEFAULT_WRITERS,
 }
 
 
@@ -71,13 +62,17 @@ def node_checksum(cpuinfo: str = "/proc/cpuinfo", machine: str | None = None) ->
 SETTINGS_PHASE = "carrier settings"
 
 
-def settings(chunk_bytes=None, staging_bytes=None, writers=None, checksum=None) -> dict:
-    """{"chunk_bytes", "staging_bytes", "writers", "checksum"}: each the argument, else its
-    environment variable, else the default (``checksum``: :func:`node_checksum`). Raises
-    AgentError (phase :data:`SETTINGS_PHASE`) naming each bad value and where it came from
-    (``--staging-bytes``, ``CUINTERPOSE_STAGING_BYTES``, or the default), against protocol.h's
-    limits: chunk_bytes a power of two from 64 KiB to 1 GiB, chunk_bytes <= staging_bytes <=
-    64 GiB (the ring holds whole chunks), 1..64 writers."""
+def settings(
+    chunk_bytes=None, staging_bytes=None, writers=None, checksum=None, *, fit_staging=False
+) -> ChunkSettings:
+    """The run's :class:`~cuinterpose.coordinator.protocol.ChunkSettings` (shared by the shim
+    carriers and the GPU streams): each field the argument, else its environment variable,
+    else the default (``checksum``: :func:`node_checksum`; ``fit_staging``, a restore of
+    ``chunk_bytes`` chunks: a default staging of at least one chunk). Raises AgentError (phase
+    :data:`SETTINGS_PHASE`) naming each bad value and where it came from
+    (``--staging-bytes``, ``CUINTERPOSE_STAGING_BYTES``, or the default); the limits are
+    ``ChunkSettings``' (protocol.h's): chunk_bytes a power of two from 64 KiB to 1 GiB,
+    chunk_bytes <= staging_bytes <= 64 GiB (the ring holds whole chunks), 1..64 writers."""
     given = {"chunk_bytes": chunk_bytes, "staging_bytes": staging_bytes, "writers": writers}
     out, names = {}, {}
     for k, v in given.items():
@@ -86,23 +81,24 @@ def settings(chunk_bytes=None, staging_bytes=None, writers=None, checksum=None) 
             v, where = os.environ[ENV[k]], ENV[k]
         names[k] = where if v is not None else f"{where} (the default)"
         try:
-            out[k] = DEFAULTS[k] if v is None else (int(v) if k == "writers" else parse_bytes(v))
+            if v is not None:
+                out[k] = int(v) if k == "writers" else parse_bytes(v)
         except ValueError as e:  # parse_bytes names the text: "'8MB' is not a byte count: ..."
             why = f"{where}={v!r} is not an integer" if k == "writers" else f"{where}={e}"
             raise AgentError(SETTINGS_PHASE, why) from None
-    try:
-        check_carrier_params(out["chunk_bytes"], out["staging_bytes"], out["writers"], names)
-    except ValueError as e:
-        raise AgentError(SETTINGS_PHASE, str(e)) from None
+    if fit_staging and "staging_bytes" not in out and "chunk_bytes" in out:
+        out["staging_bytes"] = max(ChunkSettings().staging_bytes, out["chunk_bytes"])
     where = "the snapshot's chunks.checksum"
     if checksum is None and os.environ.get(ENV["checksum"]):
         checksum, where = os.environ[ENV["checksum"]], ENV["checksum"]
-    out["checksum"] = node_checksum() if checksum is None else checksum
     try:
-        chunk_checksum_flag(out["checksum"])
+        s = ChunkSettings.of(names, **out)
+    except ValueError as e:
+        raise AgentError(SETTINGS_PHASE, str(e)) from None
+    try:
+        return dataclasses.replace(s, checksum=node_checksum() if checksum is None else checksum)
     except ValueError as e:
         raise AgentError(SETTINGS_PHASE, f"{where}: {e}") from None
-    return out
 
 
 def checkpoint_files(images_dir, incremental: bool = False, **kw) -> CarrierFiles:
@@ -113,15 +109,15 @@ def checkpoint_files(images_dir, incremental: bool = False, **kw) -> CarrierFile
     time) are kept in ``holder`` until :func:`release`."""
     snap = SnapshotDir(images_dir)
     if not (incremental or os.environ.get(INCREMENTAL_ENV) == "1"):
-        return snap.carrier_files(**settings(**kw))
+        return snap.carrier_files(settings(**kw))
     s = settings(**kw)
     root = snap.root
     prefix = store.new_prefix()
     # the lock, the chunks of trusted manifests (with a node key: MAC-valid), the pin
     hold = store.Hold(
-        root, prefix, lambda: store.known_chunks(root, trust.check_mac, s["checksum"]), images_dir
+        root, prefix, lambda: store.known_chunks(root, trust.check_mac, s.checksum), images_dir
     )
-    files = snap.pack_files(prefix=prefix, known=hold.known, **s)
+    files = snap.pack_files(s, prefix=prefix, known=hold.known)
     files.holder = hold
     return files
 
@@ -147,8 +143,8 @@ def release_files(images_dir, lock_fields: dict) -> CarrierFiles:
     ch.setdefault("checksum", DEFAULT_CHUNK_CHECKSUM)  # a .lock from before D36
     s = settings(**ch)
     if not rec:
-        return SnapshotDir(images_dir).carrier_files(**s)
-    files = CarrierFiles(rec["dir"], store=store.STORE_REL, prefix=rec["prefix"], **s)
+        return SnapshotDir(images_dir).carrier_files(s)
+    files = CarrierFiles(rec["dir"], store=store.STORE_REL, prefix=rec["prefix"], **s.as_dict())
     for key, rows in (rec.get("refs") or {}).items():
         pid, aid = key.split(":")
         files.refs[(int(pid), aid)] = {int(i): (str(n), int(o)) for i, n, o in rows}
@@ -162,14 +158,15 @@ def restore_files(images_dir, manifest: dict, **kw) -> CarrierFiles:
     it once the shims have loaded)."""
     chunks = manifest.get("chunks") or {}
     s = settings(
-        chunk_bytes=chunks.get("chunk_bytes", DEFAULT_CHUNK_BYTES),
+        chunk_bytes=chunks.get("chunk_bytes", ChunkSettings().chunk_bytes),
         checksum=chunks.get("checksum", DEFAULT_CHUNK_CHECKSUM),
+        fit_staging=True,
         **kw,
     )
     snap = SnapshotDir(images_dir)
     if chunks.get("store") != store.STORE_REL:
-        return snap.carrier_files(**s)
-    files = snap.pack_files(**s)
+        return snap.carrier_files(s)
+    files = snap.pack_files(s)
     # no delete may collect a pack while the shims read it (released by the caller)
     files.holder = store.Lock(snap.root, exclusive=False)
     for st in chunks.get("streams") or []:

@@ -61,27 +61,23 @@ def _pinned_alloc(n: int):
 
 
 def options(ck) -> gpustore.Options:
+    """The GPU streams' writer options of the checkpoint ``ck``: its :func:`settings` and, on
+    the real driver, page-locked staging slots."""
     real = native.info().kind == "real"
-    return gpustore.Options(
-        # the same settings as the shim carriers' chunk files (--chunk-bytes, --staging-bytes,
-        # the node's chunk checksum)
-        chunk_bytes=gpustore.chunk_bytes(getattr(ck, "chunks", {}).get("chunk_bytes")),
-        staging_bytes=gpustore.staging_bytes(getattr(ck, "chunks", {}).get("staging_bytes")),
-        alloc=_pinned_alloc if real else None,
-        checksum=checksum_of(ck),
-    )
+    return gpustore.Options(settings(ck), alloc=_pinned_alloc if real else None)
 
 
-def checksum_of(ck) -> str:
-    """The chunk checksum of the checkpoint ``ck``: its shim carriers' (the coordinator's
-    CarrierFiles), else what :func:`carriers.settings` picks for this node."""
+def settings(ck):
+    """The checkpoint's ``ChunkSettings``: its shim carriers' (the coordinator's CarrierFiles:
+    --chunk-bytes, --staging-bytes, --writers and the chunk checksum reach the GPU streams as
+    they reach the shims), else what :func:`carriers.settings` makes of its options."""
     files = getattr(getattr(ck, "coordinator", None), "carriers", None)
-    if getattr(files, "checksum", None):
-        return str(files.checksum)
+    if files is not None:
+        return files.settings
     given = getattr(ck, "chunks", None) or {}
     return carriers.settings(
         **{k: given[k] for k in ("chunk_bytes", "staging_bytes", "writers") if k in given}
-    )["checksum"]
+    )
 
 
 def native_checkpoint(ck) -> None:
@@ -150,10 +146,12 @@ def prepare_restore(rs) -> None:
             "storage (the driver API restores it, whatever --native-backend)",
         )
     opts = gpustore.Options(
-        chunk_bytes=int(rec["chunk_bytes"]),
-        staging_bytes=gpustore.staging_bytes(None),
+        carriers.settings(
+            chunk_bytes=int(rec["chunk_bytes"]),
+            checksum=str(rec.get("checksum", gpustore.CHECKSUM)),
+            fit_staging=True,
+        ),
         alloc=_pinned_alloc if native.info().kind == "real" else None,
-        checksum=str(rec.get("checksum", gpustore.CHECKSUM)),
     )
     native_storage.register_sources(
         SnapshotDir(rs.images_dir), rs.m["cuda_pids"], rec["streams"], opts

@@ -14,7 +14,7 @@ import math
 import os
 
 from cuinterpose.agent.errors import AgentError
-from cuinterpose.agent.mech import gpustore, native, native_storage
+from cuinterpose.agent.mech import native, native_storage
 from cuinterpose.agent.run import carriers
 
 __all__ = ["check_checkpoint"]
@@ -74,8 +74,6 @@ def check_checkpoint(cp) -> None:
         _criu_timeout,
         lambda: carriers.settings(**given),
         _incremental,
-        lambda: gpustore.chunk_bytes(given["chunk_bytes"]),
-        lambda: gpustore.staging_bytes(given["staging_bytes"]),
         _node_key,
         _drop_reply,
     )

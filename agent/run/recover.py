@@ -83,11 +83,7 @@ def chunk_settings(files) -> dict:
     files (coordinator/carrierfiles.py ``CarrierFiles``; {} without): a release loads the shims
     back from the files with the chunk size and checksum they were written with (the shim
     refuses another size; another checksum would fail every chunk)."""
-    if files is None:
-        return {}
-    out = {k: int(getattr(files, k)) for k in ("chunk_bytes", "staging_bytes", "writers")}
-    out["checksum"] = str(files.checksum)
-    return out
+    return {} if files is None else files.settings.as_dict()
 
 
 def encode_records(records) -> dict:

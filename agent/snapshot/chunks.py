@@ -28,7 +28,7 @@ import stat
 from cuinterpose.agent.errors import SnapshotError
 from cuinterpose.agent.snapshot import store
 from cuinterpose.agent.snapshot.snapdir import CHUNKS, GPU_PREFIX, SnapshotDir, pack_rel, shared_rel
-from cuinterpose.coordinator.protocol import CHUNK_CHECKSUMS
+from cuinterpose.coordinator.protocol import CHUNK_CHECKSUMS, chunk_bytes_ok
 
 LOCAL_KEYS = ("directory", "private")
 _HEX32 = re.compile(r"^[0-9a-f]{32}$")
@@ -138,7 +138,7 @@ def _shape(snapshot, ch) -> list[dict]:
             + ", ...}",
         )
     cb = ch.get("chunk_bytes")
-    if type(cb) is not int or cb < 1 << 16 or cb > 1 << 30 or cb & (cb - 1):
+    if not chunk_bytes_ok(cb):
         raise _refuse(
             snapshot, f"field chunks.chunk_bytes {cb!r} is not a power of two from 64 KiB to 1 GiB"
         )

@@ -307,16 +307,17 @@ class SnapshotDir:
         else:
             shutil.rmtree(self.chunks_dir, ignore_errors=True)
 
-    def carrier_files(self, **kw):
+    def carrier_files(self, settings):
         """The shim carriers' chunk files of this snapshot: a ``CarrierFiles``
         (coordinator/carrierfiles.py: it opens ``chunks/shared-*.bin`` for each SAVE and LOAD
-        request, 0600, and names them ``chunks/...`` in the manifest); ``kw``: its settings."""
-        return CarrierFiles(self.chunks_dir, rel_dir=CHUNKS, **kw)
+        request, 0600, and names them ``chunks/...`` in the manifest) with ``settings`` (a
+        ``ChunkSettings``)."""
+        return CarrierFiles(self.chunks_dir, rel_dir=CHUNKS, **settings.as_dict())
 
-    def pack_files(self, **kw):
+    def pack_files(self, settings, **kw):
         """The carriers' streams as packs of the snapshot root's chunk store (``chunks.store``
-        is :data:`STORE_REL`); ``kw``: prefix, known and the settings."""
-        return CarrierFiles(self.packs_dir, store=STORE_REL, **kw)
+        is :data:`STORE_REL`); ``kw``: prefix, known."""
+        return CarrierFiles(self.packs_dir, store=STORE_REL, **settings.as_dict(), **kw)
 
     @staticmethod
     def packs_in(packs_dir, prefix: str) -> list[pathlib.Path]:

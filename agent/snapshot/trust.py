@@ -31,7 +31,7 @@ from typing import Optional
 
 from cuinterpose.agent.errors import SnapshotError
 from cuinterpose.agent.snapshot.snapdir import CRIU, SnapshotDir, criu_rel, gpu_rel
-from cuinterpose.coordinator.protocol import CHUNK_CHECKSUMS
+from cuinterpose.coordinator.protocol import CHUNK_CHECKSUMS, chunk_bytes_ok
 
 MAC_ALG = "hmac-sha256"
 #: the environment variable naming the node key file (set by ``--manifest-key`` and
@@ -268,7 +268,8 @@ def check_chunks(snapshot, m: dict, from_records: list[dict]) -> None:
 
 def check_gpu_storage(base: os.PathLike | str, m: dict) -> None:
     """The manifest's ``gpu_storage`` record is well formed and its files are there: mode
-    "custom" or "host"; ``chunk_bytes`` a power of two ≥ 64 KiB; ``checksum`` "blake2b-256" or "sha256";
+    "custom" or "host"; ``chunk_bytes`` a power of two from 64 KiB to 1 GiB (the limits of
+    every chunk stream, ``ChunkSettings``); ``checksum`` "blake2b-256" or "sha256";
     each stream ``{"file", "kind": "gpu", "pid", "ordinal", "bytes", "zero", "checksums"}`` with
     ``file`` derived (``chunks/gpu-<pid>-<ordinal>.bin``), ``pid`` one of ``cuda_pids``, one
     stream per (pid, ordinal), ``ceil(bytes / chunk_bytes)`` checksums (64 hex digits, null
@@ -284,8 +285,8 @@ def check_gpu_storage(base: os.PathLike | str, m: dict) -> None:
     if not isinstance(rec, dict) or rec.get("mode") not in ("custom", "host"):
         raise bad("is not a record with mode custom or host")
     cb = rec.get("chunk_bytes")
-    if not isinstance(cb, int) or cb < (64 << 10) or cb & (cb - 1):
-        raise bad(f"chunk_bytes {cb!r} is not a power of two >= 65536")
+    if not chunk_bytes_ok(cb):
+        raise bad(f"chunk_bytes {cb!r} is not a power of two from 64 KiB to 1 GiB")
     if rec.get("checksum") not in CHUNK_CHECKSUMS:
         raise bad(f"checksum {rec.get('checksum')!r} is not one of {sorted(CHUNK_CHECKSUMS)}")
     streams = rec.get("streams")

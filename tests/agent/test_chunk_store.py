@@ -261,7 +261,7 @@ def test_the_chunk_checksum_comes_from_the_cpu_the_environment_or_the_snapshot(
     assert carriers.node_checksum(str(tmp_path / "absent"), "x86_64") == "blake2b-256"
     monkeypatch.delenv("CUINTERPOSE_CHUNK_CHECKSUM", raising=False)
     monkeypatch.delenv("CUINTERPOSE_INCREMENTAL", raising=False)
-    assert carriers.settings()["checksum"] == carriers.node_checksum()
+    assert carriers.settings().checksum == carriers.node_checksum()
     for name in ("sha256", "blake2b-256"):
         monkeypatch.setenv("CUINTERPOSE_CHUNK_CHECKSUM", name)
         assert carriers.checkpoint_files(tmp_path / "s1").checksum == name

@@ -6,14 +6,18 @@ checksum), and the manifest checks."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 
 import pytest
 
-from cuinterpose.agent.errors import AgentError, SnapshotError
+from cuinterpose.agent.errors import SnapshotError
 from cuinterpose.agent.mech import gpustore
+from cuinterpose.agent.run import carriers
 from cuinterpose.agent.snapshot import trust
+from cuinterpose.coordinator.carrierfiles import CarrierFiles
+from cuinterpose.coordinator.protocol import ChunkSettings
 
 CB = 64 << 10
 
@@ -32,10 +36,12 @@ def write(tmp_path, data: bytearray, **kw):
     path.parent.mkdir(exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     opts = gpustore.Options(
-        chunk_bytes=CB,
-        staging_bytes=kw.pop("staging", 2 * CB),
-        threads=4,
-        checksum=kw.pop("checksum", "blake2b-256"),
+        ChunkSettings(
+            chunk_bytes=CB,
+            staging_bytes=kw.pop("staging", 2 * CB),
+            writers=4,
+            checksum=kw.pop("checksum", "blake2b-256"),
+        )
     )
     try:
         rec = gpustore.write_stream(
@@ -100,9 +106,7 @@ def test_a_sha256_stream_round_trips_and_the_other_checksum_refuses(tmp_path):
             gpustore.MemoryRegion(back), fd, rec, opts=opts, phase="native restore"
         )
         assert back == data
-        other = gpustore.Options(
-            chunk_bytes=CB, staging_bytes=CB, threads=1, checksum="blake2b-256"
-        )
+        other = gpustore.Options(ChunkSettings(CB, CB, 1, "blake2b-256"))
         fresh = bytearray(b"\xee" * len(data))
         with pytest.raises(gpustore.GpuStoreError) as ei:
             gpustore.read_stream(
@@ -127,7 +131,7 @@ def test_a_bad_chunk_is_refused_before_use(tmp_path):
     have = hashlib.blake2b(bytes(raw[2 * CB : 3 * CB]), digest_size=32).hexdigest()
     back = bytearray(len(data))
     fd = os.open(path, os.O_RDONLY)
-    opts.threads = 1
+    opts = gpustore.Options(dataclasses.replace(opts.settings, writers=1))
     try:
         with pytest.raises(gpustore.GpuStoreError) as ei:
             gpustore.read_stream(
@@ -149,7 +153,7 @@ def test_a_failed_write_names_the_stream_and_errno():
     """/dev/full cannot be sized (EINVAL); a chunk write there fails ENOSPC
     (test_gpu_storage_e2e.py has the full disk end to end)."""
     fd = os.open("/dev/full", os.O_WRONLY)
-    opts = gpustore.Options(chunk_bytes=CB, staging_bytes=CB, threads=1)
+    opts = gpustore.Options(ChunkSettings(CB, CB, 1))
     try:
         with pytest.raises(gpustore.GpuStoreError) as ei:
             gpustore.write_stream(
@@ -170,22 +174,28 @@ def test_a_failed_write_names_the_stream_and_errno():
     )
 
 
-def test_chunk_and_staging_sizes(monkeypatch):
-    assert gpustore.chunk_bytes() == 8 << 20
-    monkeypatch.setenv(gpustore.CHUNK_BYTES_ENV, str(1 << 20))
-    assert gpustore.chunk_bytes() == 1 << 20
-    with pytest.raises(AgentError) as ei:
-        gpustore.chunk_bytes(3 << 20)
-    assert ei.value.reason == f"chunk size {3 << 20} bytes: must be a power of two >= 65536"
-    monkeypatch.setenv(gpustore.STAGING_BYTES_ENV, "lots")
-    with pytest.raises(AgentError) as ei:
-        gpustore.staging_bytes()
-    assert ei.value.reason == (
-        "$CUINTERPOSE_STAGING_BYTES='lots' is not a byte count: write a number of bytes, or one "
-        "with KiB, MiB, GiB or TiB (e.g. 256MiB)"
+def test_the_gpu_writer_takes_the_one_chunk_settings_value(monkeypatch):
+    """One ChunkSettings for the shim's carriers and the GPU streams (issue 27): the same
+    defaults, the one validation, and --writers sets the GPU writer's threads."""
+    for k in carriers.ENV.values():
+        monkeypatch.delenv(k, raising=False)
+    assert (
+        gpustore.Options().settings == ChunkSettings() == carriers.settings(checksum="blake2b-256")
     )
-    monkeypatch.setenv(gpustore.STAGING_BYTES_ENV, "128MiB")
-    assert gpustore.staging_bytes() == 128 << 20
+    assert (ChunkSettings().chunk_bytes, ChunkSettings().staging_bytes) == (8 << 20, 64 << 20)
+    assert gpustore.Options().slots() == 4  # 4 writers, 8 slots of staging
+    assert gpustore.Options(ChunkSettings(writers=8)).slots() == 8
+    assert gpustore.Options(ChunkSettings(chunk_bytes=32 << 20)).slots() == 2  # 64 MiB staging
+    assert gpustore.Options(ChunkSettings(staging_bytes=8 << 20, writers=16)).slots() == 1
+    with pytest.raises(ValueError) as ei:
+        ChunkSettings(chunk_bytes=3 << 20)
+    assert str(ei.value) == (
+        "chunk_bytes 3145728 must be a power of two from 65536 to 1073741824 bytes "
+        "(64 KiB to 1 GiB)"
+    )
+    with pytest.raises(ValueError) as ei:
+        ChunkSettings(chunk_bytes=128 << 20)  # more than the default staging
+    assert str(ei.value).startswith("staging_bytes 67108864 must be at least chunk_bytes")
 
 
 def manifest_with(rec, **over):
@@ -230,14 +240,16 @@ def test_gpu_storage_takes_the_checkpoints_chunk_checksum(monkeypatch, checksum)
     "incremental", which carriers.settings does not take) works as any other."""
     import types
 
-    from cuinterpose.agent.run import carriers, gpustore_step
+    from cuinterpose.agent.run import gpustore_step
 
     monkeypatch.setattr(gpustore_step.native, "info", lambda: types.SimpleNamespace(kind="fake"))
     monkeypatch.setenv("CUINTERPOSE_CHUNK_CHECKSUM", checksum)
-    ck = types.SimpleNamespace(chunks={"chunk_bytes": 1 << 20, "incremental": True})
+    ck = types.SimpleNamespace(chunks={"chunk_bytes": 1 << 20, "writers": 6, "incremental": True})
     opts = gpustore_step.options(ck)
-    assert (opts.checksum, opts.chunk_bytes) == (checksum, 1 << 20)
-    assert opts.checksum == carriers.settings(chunk_bytes=1 << 20)["checksum"]
+    assert (opts.checksum, opts.chunk_bytes, opts.slots()) == (checksum, 1 << 20, 6)
+    assert opts.settings == carriers.settings(chunk_bytes=1 << 20, writers=6)
     other = "blake2b-256" if checksum == "sha256" else "sha256"
-    ck.coordinator = types.SimpleNamespace(carriers=types.SimpleNamespace(checksum=other))
-    assert gpustore_step.options(ck).checksum == other  # what the shims of this capture used
+    files = CarrierFiles("/nonexistent", chunk_bytes=1 << 20, writers=3, checksum=other)
+    ck.coordinator = types.SimpleNamespace(carriers=files)
+    # what the shims of this capture used: their checksum, and --writers for the GPU streams
+    assert gpustore_step.options(ck).settings == ChunkSettings(1 << 20, 64 << 20, 3, other)

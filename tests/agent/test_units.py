@@ -93,8 +93,8 @@ def test_the_carrier_settings_read_units_from_the_environment(monkeypatch):
     monkeypatch.setenv("CUINTERPOSE_STAGING_BYTES", "128MiB")
     monkeypatch.setenv("CUINTERPOSE_CHUNK_BYTES", "4 MiB")
     got = carriers.settings(checksum="sha256")
-    assert (got["chunk_bytes"], got["staging_bytes"]) == (4 << 20, 128 << 20)
-    assert carriers.settings(staging_bytes=1 << 30, checksum="sha256")["staging_bytes"] == 1 << 30
+    assert (got.chunk_bytes, got.staging_bytes) == (4 << 20, 128 << 20)
+    assert carriers.settings(staging_bytes=1 << 30, checksum="sha256").staging_bytes == 1 << 30
     monkeypatch.setenv("CUINTERPOSE_STAGING_BYTES", "8MB")
     with pytest.raises(AgentError) as e:
         carriers.settings(checksum="sha256")

@@ -52,6 +52,7 @@ static void layout(void) {
   F(cui_stream_head, zero_count);
   K(CUI_STREAM_FDS_PER_MSG); K(CUI_CHUNK_MIN); K(CUI_CHUNK_MAX); K(CUI_STAGING_MAX);
   K(CUI_WRITERS_MAX); K(CUI_DIGEST_BYTES);
+  K(CUI_DEFAULT_CHUNK_BYTES); K(CUI_DEFAULT_STAGING_BYTES); K(CUI_DEFAULT_WRITERS);
   printf("sizeof cui_table_head %zu\n", sizeof(struct cui_table_head));
   F(cui_table_head, count); F(cui_table_head, sources); F(cui_table_head, reserved);
   printf("sizeof cui_source_entry %zu\n", sizeof(struct cui_source_entry));

@@ -47,7 +47,7 @@ from cuinterpose.agent.snapshot.snapdir import (
     pack_rel,
     shared_rel,
 )
-from cuinterpose.coordinator.protocol import CHUNK_CHECKSUMS
+from cuinterpose.coordinator.protocol import CHUNK_CHECKSUMS, chunk_bytes_ok
 
 FORMAT = "cuinterpose-snapshot"
 #: a manifest larger than this is refused before it is read (bytes)
@@ -176,7 +176,7 @@ def _sums(where: str, v, size: int, cb: int, zero, phase: str) -> tuple:
 
 def _chunk_params(where: str, rec: dict, phase: str) -> tuple[int, str]:
     cb, alg = rec.get("chunk_bytes"), rec.get("checksum")
-    if type(cb) is not int or cb < 1 << 16 or cb > 1 << 30 or cb & (cb - 1):
+    if not chunk_bytes_ok(cb):
         raise StorageError(
             phase, f"{where}.chunk_bytes {cb!r} is not a power of two, 64 KiB..1 GiB"
         )
