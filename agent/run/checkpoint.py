@@ -40,6 +40,7 @@ from cuinterpose.agent.run import (
 from cuinterpose.agent.run.report import Reporter
 from cuinterpose.agent.run.rollback import Rollback
 from cuinterpose.agent.run.steps import (
+    CHECKPOINT_STEPS,
     Step,
     StepRunner,
     as_agent_error,
@@ -68,38 +69,13 @@ class Checkpoint(Rollback, StepRunner):
     way: ``census``, ``qid``, ``ready``, ``capture``, ``manifest``."""
 
     KIND = "checkpoint"
-    #: The checkpoint, once. ``stage`` says how the one-shot run handles a failure:
-    #: ``images`` (before the signal guard), ``refusal`` (nothing torn down: refused, the
-    #: quiesce request cancelled), ``teardown`` (rolled back), ``finish`` (the snapshot is
-    #: complete). ``group`` names the group phase each step belongs to (docs/service.md): a
-    #: leader runs each on every member and waits for all before the next, so no member locks
-    #: before every member is quiesced and none is killed or resumed before every manifest is
-    #: written.
-    STEPS = (
-        Step("images dir", "prepare_images_dir", "prepare", "images", check=False),
-        Step("driver", "load_driver", "prepare", "refusal"),
-        Step("census", "take_census", "prepare", "refusal"),
-        Step("coordinator", "make_coordinator", "prepare", "refusal", check=False),
-        Step("quiesce", "quiesce", "quiesce", "refusal"),
-        Step("quiescence check", "quiescence_check", "quiesce", "refusal"),
-        Step("capture", "capture_shared", "capture", "teardown"),
-        Step("native lock", "native_lock", "native lock", "teardown"),
-        Step("native checkpoint", "native_checkpoint", "native checkpoint", "teardown"),
-        Step("criu dump", "criu_dump", "criu dump", "teardown"),
-        # every file under DIR and every directory on stable storage, images hashed (once)
-        Step("sync", "sync_snapshot", "manifest", "teardown"),
-        # the point of no return: once the manifest is on disk a signal no longer stops it
-        Step("manifest", "write_manifest", "manifest", "teardown", check=False),
-        Step("finish", "finish", "finish", "finish", check=False),
-        Step("resume", "resume", "resume", "finish", check=False),
-    )
+    #: The checkpoint, once: the table and every step property are agent/run/steps.py's.
+    STEPS = CHECKPOINT_STEPS
     GROUP_PHASES = group_phases(STEPS)
     #: Run on every member after a failed phase: first ``rollback`` (rebuild what was torn
     #: down, no ``.resume`` yet), then ``release`` on the members whose rollback succeeded.
     UNDO = {"rollback": "group_rollback", "release": "group_release"}
     GROUP_UNDO = tuple(UNDO)
-    #: the first group phase that cannot be undone (it kills or resumes the dumped trees)
-    POINT_OF_NO_RETURN = "finish"
 
     def __init__(
         self,

@@ -196,25 +196,16 @@ def _rchar(pid: int) -> int:
     return -1
 
 
-#: (sequence KIND, step name) -> (row name, mode, the name prefix of the step's own stream
-#: files under chunks/: the shim carriers' "shared-", GPU storage's "gpu-") of the steps that
-#: move chunk bytes
-POLLED = {
-    ("checkpoint", "capture"): ("SAVE_ALLOCATIONS", "write", "shared-"),
-    ("checkpoint", "native checkpoint"): ("native checkpoint", "write", "gpu-"),
-    ("restore", "restore shared"): ("LOAD_ALLOCATIONS", "read", "shared-"),
-    ("restore", "native restore"): ("native restore", "read", "gpu-"),
-}
 #: seconds between two polls
 POLL_EVERY_S = 0.2
 
 
 @contextlib.contextmanager
-def polled(run, step_name: str):
+def polled(run, what):
     """Around one step of ``run`` (a Checkpoint or Restore): a :class:`ChunkProgress` thread
-    when the step is in :data:`POLLED`, polling every :data:`POLL_EVERY_S` until the step
-    returns or raises; nothing otherwise."""
-    what = POLLED.get((getattr(run, "KIND", ""), step_name))
+    when the step's row has ``poll`` (``what``: agent/run/steps.py ``ChunkPoll``, row name,
+    mode, stream prefix), polling every :data:`POLL_EVERY_S` until the step returns or raises;
+    nothing otherwise."""
     if what is None or getattr(run, "images_dir", None) is None:
         yield
         return

@@ -32,6 +32,7 @@ from cuinterpose.agent.run import (
 )
 from cuinterpose.agent.run.report import Reporter
 from cuinterpose.agent.run.steps import (
+    RESTORE_STEPS,
     Step,
     StepRunner,
     as_agent_error,
@@ -48,29 +49,13 @@ class Restore(StepRunner):
     """State of one restore run; :meth:`run` drives the steps and returns a result dict."""
 
     KIND = "restore"
-    #: The restore, once. ``stage``: ``refusal`` (only reads: a refused snapshot is left
-    #: untouched, nothing changed) or ``restore`` (from CRIU restore on: a failure kills the
-    #: restored trees, ``RestoreFailed``). ``group`` names the group phase each step belongs
-    #: to (docs/service.md): no member resumes its workload before every member restored its
-    #: shared memory.
-    STEPS = (
-        Step("manifest", "read_manifest_checked", "prepare", "refusal"),
-        Step("verify", "verify_images", "prepare", "refusal"),
-        Step("driver", "load_driver", "prepare", "refusal"),
-        Step("placement", "place", "prepare", "refusal"),
-        Step("stale sockets", "remove_stale", "stale sockets", "refusal", check=False),
-        Step("criu restore", "criu_restore", "criu restore", "restore"),
-        Step("native restore", "native_restore", "native restore", "restore"),
-        Step("restore shared", "restore_shared", "restore shared", "restore"),
-        Step("resume", "resume", "resume", "restore", check=False),
-    )
+    #: The restore, once: the table and every step property are agent/run/steps.py's.
+    STEPS = RESTORE_STEPS
     GROUP_PHASES = group_phases(STEPS)
     #: after a failure from ``criu restore`` on, the leader runs ``abort`` on every member
     #: (restored trees killed, snapshots untouched)
     UNDO = {"abort": "kill_restored"}
     GROUP_UNDO = tuple(UNDO)
-    #: the first group phase that cannot be undone (the restored trees run)
-    POINT_OF_NO_RETURN = "resume"
 
     def __init__(
         self,

@@ -25,8 +25,6 @@ class Rollback:
     works on the checkpoint's state)."""
 
     # -- the .lock record (case 009) --------------------------------------------------------
-    #: steps before the capture that the lock records (the others change nothing outside)
-    LOCKED_BEFORE_CAPTURE = ("quiescence check",)
 
     def mark(self, step: str, **extra) -> None:
         """Append ``step`` to the ``.lock``'s ``steps`` (and merge ``extra``): what a dead
@@ -56,7 +54,7 @@ class Rollback:
                 record=recover.lock_record(self),
             )
             recover.watch_first_inspect(self)
-        elif step.name in self.LOCKED_BEFORE_CAPTURE:
+        elif step.locks:
             # the check locks and unlocks every CUDA process: a release of an agent killed in
             # between must unlock them, with the same driver
             self.mark(
@@ -67,9 +65,7 @@ class Rollback:
 
     def step_done(self, step: Step) -> None:
         """``STEP done`` in the lock (``manifest done``: the snapshot is complete on disk)."""
-        if self.qid is not None and (
-            step.stage == "teardown" or step.name in self.LOCKED_BEFORE_CAPTURE
-        ):
+        if self.qid is not None and (step.stage == "teardown" or step.locks):
             self.mark(
                 f"{step.name} done",
                 last_txn_id=recover.last_txn_id(getattr(self, "coordinator", None)),

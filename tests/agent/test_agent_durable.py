@@ -350,7 +350,7 @@ def test_the_poller_counts_only_its_steps_streams_and_gives_way_to_the_real_row(
     """Helper review, stop 21: a step shorter than one poll showed its row twice (the
     coordinator's SAVE_ALLOCATIONS row, then the poller's transient one from its last poll),
     and "native checkpoint" got the shim carriers' bytes. Each poller counts its own prefix
-    (POLLED) and reports into the real row once the reporter has one."""
+    (its step row's ``poll``) and reports into the real row once the reporter has one."""
     d = tmp_path / "chunks"
     d.mkdir()
     (d / f"shared-1-{ALLOC}.bin").write_bytes(b"\x07" * CHUNK)
@@ -366,8 +366,16 @@ def test_the_poller_counts_only_its_steps_streams_and_gives_way_to_the_real_row(
     assert save.row is real and (real.bytes, real.total_bytes) == (CHUNK, CHUNK)
     assert [p.name for p in rep.phases] == ["INSPECT", "SAVE_ALLOCATIONS"]
     assert {i for ev, n, i in events if n == "SAVE_ALLOCATIONS"} == {id(real)}
-    assert durable.POLLED[("checkpoint", "capture")][2] == "shared-"
-    assert durable.POLLED[("checkpoint", "native checkpoint")][2] == "gpu-"
+    polls = {s.name: s.poll for s in cp_mod.Checkpoint.STEPS if s.poll}
+    assert polls == {
+        "capture": ("SAVE_ALLOCATIONS", "write", "shared-"),
+        "native checkpoint": ("native checkpoint", "write", "gpu-"),
+    }
+    polls = {s.name: s.poll for s in rs_mod.Restore.STEPS if s.poll}
+    assert polls == {
+        "native restore": ("native restore", "read", "gpu-"),
+        "restore shared": ("LOAD_ALLOCATIONS", "read", "shared-"),
+    }
 
 
 def test_restore_verify_is_its_own_phase_with_progress(tmp_path):
