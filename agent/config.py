@@ -22,6 +22,8 @@ from typing import Any, Optional, Union
 
 import yaml
 
+from cuinterpose.agent.paths import DEFAULT_SNAPSHOT_DIR
+
 
 class ConfigError(ValueError):
     """An invalid configuration: ``key`` is the dotted key path ("" for the whole document),
@@ -43,10 +45,6 @@ def _field(key: str, default=dataclasses.MISSING, *, factory=None, check=None):
 
 def _positive(v):
     return None if v > 0 else f"must be > 0, got {v}"
-
-
-def _non_negative(v):
-    return None if v >= 0 else f"must be >= 0, got {v}"
 
 
 def _port_or_zero(v):
@@ -72,10 +70,19 @@ def _listen(v):
     return None
 
 
-def _one_of(*allowed):
+def _option(name: str):
+    """The check of the agent option ``name`` (agent/options.py); "" and null: not set."""
+
     def check(v):
-        shown = ", ".join(a if a else '""' for a in allowed)
-        return None if v in allowed else f"must be one of {shown}, got {v!r}"
+        from cuinterpose.agent.options import CheckpointOptions, OptionError
+
+        if v is None or v == "":
+            return None
+        try:
+            CheckpointOptions.check_one(name, v)
+        except OptionError as e:
+            return e.why + f", got {v!r}"
+        return None
 
     return check
 
@@ -140,19 +147,39 @@ class AgentConfig:
     insecure_tcp: bool = _field("insecureTcp", False)
     control_dir: str = _field("controlDir", "", check=_absolute_or_empty)
     manifest_key_file: str = _field("manifestKeyFile", "", check=_absolute_or_empty)
-    snapshot_dir: str = _field("snapshotDir", "/var/lib/cuinterpose/snapshots", check=_absolute)
+    snapshot_dir: str = _field("snapshotDir", DEFAULT_SNAPSHOT_DIR, check=_absolute)
     metrics_port: Optional[int] = _field("metricsPort", None, check=_port_or_zero)
     metrics_address: str = _field("metricsAddress", "")
-    driver: str = _field("driver", "", check=_one_of("", "real", "fake"))
-    native_backend: str = _field(
-        "nativeBackend", "", check=_one_of("", "auto", "driver-api", "cuda-checkpoint")
+    # the agent's options (agent/options.py): "" / null = not set here (the environment's, else
+    # the option's default); each checked as the option is
+    driver: str = _field("driver", "", check=_option("driver"))
+    native_backend: str = _field("nativeBackend", "", check=_option("native_backend"))
+    quiesce_timeout_ms: Optional[int] = _field(
+        "quiesceTimeoutMs", None, check=_option("quiesce_timeout_ms")
     )
-    quiesce_timeout_ms: int = _field("quiesceTimeoutMs", 10_000, check=_positive)
-    lock_timeout_ms: int = _field("lockTimeoutMs", 10_000, check=_non_negative)
-    phase_timeout_s: float = _field("phaseTimeoutS", 60.0, check=_positive)
-    carrier_timeout_s: float = _field("carrierTimeoutS", 3600.0, check=_positive)
+    lock_timeout_ms: Optional[int] = _field("lockTimeoutMs", None, check=_option("lock_timeout_ms"))
+    phase_timeout_s: Optional[float] = _field(
+        "phaseTimeoutS", None, check=_option("phase_timeout_s")
+    )
+    carrier_timeout_s: Optional[float] = _field(
+        "carrierTimeoutS", None, check=_option("carrier_timeout_s")
+    )
     group_lease_s: float = _field("groupLeaseS", 30.0, check=_positive)
     kubernetes: KubernetesConfig = _field("kubernetes", factory=KubernetesConfig)
+
+    def option_values(self) -> dict:
+        """The options this configuration sets (agent/options.py names; not set: absent):
+        ``controlDir``, ``driver``, ``nativeBackend`` and the timeouts."""
+        out = {
+            "control_dir": self.control_dir,
+            "driver": self.driver,
+            "native_backend": self.native_backend,
+            "quiesce_timeout_ms": self.quiesce_timeout_ms,
+            "lock_timeout_ms": self.lock_timeout_ms,
+            "phase_timeout_s": self.phase_timeout_s,
+            "carrier_timeout_s": self.carrier_timeout_s,
+        }
+        return {k: v for k, v in out.items() if v not in (None, "")}
 
     # -- the names ``cuinterpose-agent serve`` reads (None when not set here) ----------------
     @property

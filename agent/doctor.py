@@ -17,7 +17,6 @@ import pathlib
 import tempfile
 
 from cuinterpose.agent.mech import ctldir
-from cuinterpose.coordinator.protocol import default_control_dir
 
 #: what a failing real driver check adds (also in native.load's "could not load" error)
 NO_DRIVER_HINT = "no NVIDIA driver on this machine? --driver fake uses fakecuda"
@@ -32,10 +31,20 @@ def _check(name, fn) -> dict:
         return {"name": name, "ok": False, "detail": why.removeprefix(f"{name}: ")}
 
 
-def run_checks(*, driver=None, control_dir=None, native_backend=None) -> list[dict]:
-    """Run every check; never raises. ``native_backend``: the kind to report (default
-    ``$CUINTERPOSE_NATIVE_BACKEND``, else auto)."""
-    native_kind = native_backend
+def run_checks(opts=None) -> list[dict]:
+    """Run every check with the options ``opts`` (agent/options.py ``CheckpointOptions``: the
+    driver, native backend, GPU storage and control directory a checkpoint would use; default
+    the defaults); never raises."""
+    from cuinterpose.agent.mech import native_call
+    from cuinterpose.agent.options import CheckpointOptions
+
+    opts = opts or CheckpointOptions()
+    with native_call.using(opts):
+        return _run_checks(opts)
+
+
+def _run_checks(opts) -> list[dict]:
+    driver, control_dir, native_kind = opts.driver or None, opts.control_dir, opts.native_backend
     from cuinterpose.agent import paths
     from cuinterpose.agent.mech import native
     from cuinterpose.agent.mech.census import ShimFile
@@ -90,7 +99,7 @@ def run_checks(*, driver=None, control_dir=None, native_backend=None) -> list[di
     def gpu_storage():
         from cuinterpose.agent.mech import native_storage
 
-        requested = native_storage.mode()
+        requested = native_storage.mode(opts.gpu_storage)
         b = native.choose(native_kind)
         if b.name == "driver-api":
             inf = native.load(driver)
@@ -112,7 +121,7 @@ def run_checks(*, driver=None, control_dir=None, native_backend=None) -> list[di
     def ctl():
         from cuinterpose.agent.mech.census_checks import socket_dir_problem
 
-        d = pathlib.Path(control_dir or default_control_dir())
+        d = pathlib.Path(control_dir)
         why = socket_dir_problem(d)
         if why:
             raise RuntimeError(why)

@@ -78,6 +78,23 @@ def inspect_pid(pid: int, *, control_dir=None, timeout_s: float = 10.0) -> dict:
     }
 
 
+def native_state(pid: int, options) -> dict:
+    """What the driver says of ``pid``: {"state": "RUNNING" | "LOCKED" | "CHECKPOINTED" |
+    "FAILED", "backend": the native backend that asked ("driver-api", "cuda-checkpoint"),
+    "driver": "real" | "fake"}, or {"state": None, "error": why} when the driver of
+    ``options`` (agent/options.py ``DriverOptions``: ``--driver``, ``--native-backend``)
+    cannot be loaded or does not answer (read-only: ``cuCheckpointProcessGetState``)."""
+    from cuinterpose.agent.mech import native
+
+    try:
+        with native.using(options):
+            drv = native.load(options.driver)
+            b = native.backend()
+            return {"state": b.get_state(pid), "backend": b.name, "driver": drv.kind}
+    except AgentError as e:
+        return {"state": None, "error": str(e)}
+
+
 def device_table(records) -> list[dict]:
     """The GPUs one INSPECT says the process uses, from its DEVICE records (``Record``;
     protocol.h ``CUI_RECORD_DEVICE``), ordinal order: ``[{"ordinal" (the process's),
@@ -193,6 +210,11 @@ def render_table(res: dict) -> None:
         f"allocations: {roles['private']} private, {roles['creator']} creator, "
         f"{roles['importer']} importer"
     )
+    nat = res.get("native") or {}
+    if nat.get("state"):
+        c.print(f"native: {nat['state']} ({nat['driver']} driver, {nat['backend']})")
+    elif nat:
+        c.print(f"native: unknown ({nat.get('error')})")
     ad = res.get("adapter") or {}
     if ad.get("allocations") or ad.get("ipc_imports"):
         c.print(

@@ -15,6 +15,9 @@ from collections.abc import Mapping
 import cuinterpose
 
 SHIM_NAME = "libcuinterpose.so"
+#: the snapshot root of an agent that names none (``serve --snapshot-dir``, the config's
+#: ``snapshotDir``, ``snapshots`` without ``--dir``)
+DEFAULT_SNAPSHOT_DIR = "/var/lib/cuinterpose/snapshots"
 FAKECUDA_NAME = "libcuda.so.1"
 
 

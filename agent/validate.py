@@ -1,5 +1,6 @@
-"""Validation of a request's fields before anything happens (case 013), shared by the CLI
-and the gRPC service: each refusal is an ``AgentError`` (phase "request", outcome "refused",
+"""Validation of what a request works on (its pids and paths) before anything happens (case
+013), shared by the CLI and the gRPC service (a request's options are checked by
+agent/options.py): each refusal is an ``AgentError`` (phase "request", outcome "refused",
 exit 3) naming the field and the allowed range, never a Python error text from deep inside a
 phase (``Invalid value NaN``, ``timestamp out of range``, ``[Errno 36] File name too long``).
 """
@@ -73,50 +74,24 @@ def pids(field: str, values) -> None:
             raise refuse(field, f"{v!r} is not a process id (an integer from 1 to 4194304)")
 
 
-def checkpoint_request(
-    *,
-    roots=(),
-    images_dir: Optional[str] = None,
-    control_dir: Optional[str] = None,
-    quiesce_timeout_ms=None,
-    lock_timeout_ms=None,
-    phase_timeout_s=None,
-    carrier_timeout_s=None,
-    **_,
-) -> None:
-    """Validate a checkpoint's fields (those given: None is skipped); raises ``AgentError``."""
+def checkpoint_request(*, roots=(), images_dir: Optional[str] = None) -> None:
+    """Validate what a checkpoint works on (its options are checked when they are built,
+    agent/options.py); raises ``AgentError``."""
     pids("pid", list(roots))
     path("images_dir", images_dir)
-    path("control_dir", control_dir)
-    if quiesce_timeout_ms is not None:
-        milliseconds("quiesce_timeout_ms", quiesce_timeout_ms)
-    if lock_timeout_ms is not None:
-        milliseconds("lock_timeout_ms", lock_timeout_ms, allow_zero=True)
-    if phase_timeout_s is not None:
-        seconds("phase_timeout_s", phase_timeout_s)
-    if carrier_timeout_s is not None:
-        seconds("carrier_timeout_s", carrier_timeout_s)
 
 
-def restore_request(
-    *, images_dir=None, phase_timeout_s=None, carrier_timeout_s=None, placement=None, **_
-) -> None:
-    """Validate a restore's fields (those given); raises ``AgentError``."""
+def restore_request(*, images_dir=None, placement=None, device_map=None) -> None:
+    """Validate what a restore works on and into (its options are checked when they are
+    built, agent/options.py); raises ``AgentError``."""
     path("images_dir", images_dir)
     if placement:
         pids("into_pid", [placement])
         from cuinterpose.agent.mech.census_checks import check_process_id
 
         check_process_id(int(placement), "placement")
-    if phase_timeout_s is not None:
-        seconds("phase_timeout_s", phase_timeout_s)
-    if carrier_timeout_s is not None:
-        seconds("carrier_timeout_s", carrier_timeout_s)
 
 
-def inspect_request(*, pid, timeout_s=None, control_dir=None) -> None:
-    """Validate an inspect's fields; raises ``AgentError``."""
+def inspect_request(*, pid) -> None:
+    """Validate the process an inspect asks about; raises ``AgentError``."""
     pids("pid", [pid])
-    path("control_dir", control_dir)
-    if timeout_s is not None:
-        seconds("timeout_s", timeout_s)

@@ -348,8 +348,8 @@ def main(argv=None) -> int:
         "--dir",
         default=None,
         help="where the control sockets and chunk files go (default: $TMPDIR); the coordinator "
-        "creates one chunk file per allocation inside SAVE_ALLOCATIONS, at the speed of this "
-        "file system's creates",
+        "creates one chunk file per allocation while SAVE_ALLOCATIONS runs (decisions D70): "
+        "the row is the longer of the shim's work and this file system's creates",
     )
     args = ap.parse_args(argv)
     if args.size is None:

@@ -20,6 +20,7 @@ from .carrierfiles import CarrierFiles
 from .client import ShimClient, ShimClientError
 from .protocol import (
     CARRIER_OPS,
+    DEFAULT_CARRIER_TIMEOUT_S,
     MUTATING_OPS,
     Op,
     Phase,
@@ -132,7 +133,7 @@ class Barrier:
         participants: Iterable[Participant],
         *,
         timeout_s: float = 10.0,
-        carrier_timeout_s: float = 3600.0,
+        carrier_timeout_s: float = DEFAULT_CARRIER_TIMEOUT_S,
         on_event: Callable[[PhaseEvent], None] | None = None,
         carriers: CarrierFiles | None = None,
         claim=None,
@@ -150,6 +151,9 @@ class Barrier:
         self.on_event = on_event
         self.carriers = carriers
         self.carried: dict[int, list[tuple[bytes, int]]] = {}
+        #: pids whose shim does not take a streamed SAVE (no ShimFlag.CARRY_STREAMED in the
+        #: capture's INSPECT: loaded before D70); their chunk files are opened before the request
+        self.unstreamed: set[int] = set()
         self.txn_floor = 0
         self.last_txn_id = 0
         self.phases: list[PhaseResult] = []
@@ -229,7 +233,9 @@ class Barrier:
         files = None
         try:
             if op in CARRIER_OPS:
-                files = self.carrier_files().request(op, pid, self.carried.get(pid, []))
+                files = self.carrier_files().request(
+                    op, pid, self.carried.get(pid, []), streamed=pid not in self.unstreamed
+                )
             # an INSPECT reply is parsed into a record per object (see gc_paused)
             with gc_paused() if op == Op.INSPECT else contextlib.nullcontext():
                 resp = self._clients[pid].request(

@@ -4,9 +4,12 @@ issue 12 chunk format; docs/coordinator.md "Chunk files").
 :class:`CarrierFiles` names, opens and removes the files of one capture in one directory:
 ``<dir>/shared-<pid>-<alloc_id as 32 hex>.bin``, one per carried allocation (a live creator
 allocation that is not a raw import). SAVE opens each ``O_WRONLY | O_CREAT | O_EXCL |
-O_NOFOLLOW``, mode 0600 (a file already there is refused, never overwritten); LOAD opens them
-``O_RDONLY | O_NOFOLLOW``. The shim receives duplicates of the descriptors and closes them
-before it replies; this class closes its own right after the request. The chunk tables of the
+O_NOFOLLOW``, mode 0600 (a file already there is refused, never overwritten), while the request
+is sent (``CUI_CARRY_STREAMED``, decisions D70: the shim copies and writes the first streams
+while the next files are created, which costs a file system without a journal up to a
+millisecond each); LOAD opens them ``O_RDONLY | O_NOFOLLOW`` before. The shim receives
+duplicates of the descriptors and closes them before it replies; this class closes its own
+right after the request. The chunk tables of the
 SAVE replies are kept per (pid, alloc_id) in :attr:`CarrierFiles.tables` for the manifest.
 
 Chunk store (protocol.h "Chunk store"; decisions D34): with ``store`` set, the files are
@@ -159,35 +162,59 @@ class CarrierFiles:
                     req.sources.append((os.fstat(fd).st_size, fd))
                 req.refs.append(ChunkRef(j, int(chunk), opened[name], int(off)))
 
-    def request(self, op: Op, pid: int, streams: list[tuple[bytes, int]]) -> CarrierRequest:
-        """Open the files of ``pid``'s ``streams`` for ``op`` (SAVE_ALLOCATIONS: create,
-        LOAD_ALLOCATIONS: read) and return the request's carriers; close them with
-        :meth:`close`. Raises OSError naming the file (what was opened is closed)."""
-        if op == Op.SAVE_ALLOCATIONS:
-            if streams:  # a snapshot without carriers gets no chunks/ directory
-                os.makedirs(self.directory, mode=0o700, exist_ok=True)
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-        else:
-            flags = os.O_RDONLY
-        flags |= os.O_NOFOLLOW | os.O_CLOEXEC
+    def _open_dir(self, op: Op, pid: int) -> int:
+        """The directory, opened for the request's files (one path walk for all of them, and
+        all of them in the same directory); OSError naming it."""
+        try:
+            return os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as e:
+            raise OSError(
+                e.errno,
+                f"{op.name}: pid {pid}: cannot open the chunk directory {self.directory}: "
+                f"{e.strerror}",
+            ) from None
+
+    def _open(self, op: Op, pid: int, aid: bytes, flags: int, dir_fd: int) -> int:
+        """Open ``pid``'s chunk file of ``aid`` for ``op`` in ``dir_fd``; OSError naming op,
+        pid, allocation and file."""
+        path = self.path(pid, aid)
+        try:
+            return os.open(self.name(pid, aid), flags, 0o600, dir_fd=dir_fd)
+        except OSError as e:
+            raise OSError(
+                e.errno,
+                f"{op.name}: pid {pid} allocation {alloc_id_hex(aid)}: cannot open "
+                f"chunk file {path}: {e.strerror}",
+            ) from None
+
+    def request(
+        self, op: Op, pid: int, streams: list[tuple[bytes, int]], *, streamed: bool = True
+    ) -> CarrierRequest:
+        """The carriers of ``pid``'s ``streams`` for ``op``; close them with :meth:`close`.
+        SAVE_ALLOCATIONS, ``streamed``: the files are created while the request is sent (its
+        ``opener``; the client raises an OSError naming the file after the shim failed the op
+        for it). LOAD_ALLOCATIONS, or a SAVE not ``streamed`` (a shim from before D70): opened
+        now, OSError naming the file (what was opened is closed)."""
         req = CarrierRequest(
             self.chunk_bytes, self.staging_bytes, self.writers, checksum=self.checksum
         )
-        if op == Op.SAVE_ALLOCATIONS and self.known is not None:
-            req.known = list(self.known)
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+        if op == Op.SAVE_ALLOCATIONS:
+            if streams:  # a snapshot without carriers gets no chunks/ directory
+                os.makedirs(self.directory, mode=0o700, exist_ok=True)
+            if self.known is not None:
+                req.known = list(self.known)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        req.dir_fd = self._open_dir(op, pid) if streams else -1
+        if op == Op.SAVE_ALLOCATIONS and streamed:
+            req.streams = [(StreamEntry(aid, size), -1) for aid, size in streams]
+            req.opener = lambda i: self._open(op, pid, streams[i][0], flags, req.dir_fd)
+            return req
         try:
             if op == Op.LOAD_ALLOCATIONS:
                 self._open_sources(req, op, pid, streams)
             for aid, size in streams:
-                path = self.path(pid, aid)
-                try:
-                    fd = os.open(path, flags, 0o600)
-                except OSError as e:
-                    raise OSError(
-                        e.errno,
-                        f"{op.name}: pid {pid} allocation {alloc_id_hex(aid)}: cannot open "
-                        f"chunk file {path}: {e.strerror}",
-                    ) from None
+                fd = self._open(op, pid, aid, flags, req.dir_fd)
                 req.streams.append((StreamEntry(aid, size), fd))
         except BaseException:
             self.close(req)
@@ -196,15 +223,16 @@ class CarrierFiles:
 
     @staticmethod
     def close(req: CarrierRequest | None) -> None:
-        """Close the descriptors of ``req`` (idempotent)."""
+        """Close the descriptors of ``req`` and its directory's (idempotent)."""
         if req is None:
             return
-        for _, fd in req.streams + req.sources:
+        for fd in [fd for _, fd in req.streams + req.sources] + [req.dir_fd]:
             try:
-                os.close(fd)
+                if fd >= 0:  # -1: a SAVE file not opened, no directory
+                    os.close(fd)
             except OSError:
                 pass
-        req.streams, req.sources = [], []
+        req.streams, req.sources, req.dir_fd = [], [], -1
 
     def saved(self, pid: int, tables: list[StreamTable]) -> None:
         """Keep the chunk tables of ``pid``'s SAVE_ALLOCATIONS reply."""

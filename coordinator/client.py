@@ -17,9 +17,13 @@ phase timeout).
 SAVE_ALLOCATIONS and LOAD_ALLOCATIONS take ``carriers`` (:class:`CarrierRequest`: chunk_bytes,
 staging_bytes, writers and one (:class:`StreamEntry`, fd) per carried allocation; protocol.h
 "Carriers"): the entries follow the request in groups, each group's descriptors as SCM_RIGHTS.
-The caller keeps owning those descriptors (the shim receives duplicates). A SAVE_ALLOCATIONS
-reply's chunk table comes back in ``Response.chunk_table`` (raw bytes, parse it with
-:func:`~cuinterpose.coordinator.protocol.parse_chunk_table`).
+The caller keeps owning those descriptors (the shim receives duplicates). A request with an
+``opener`` (SAVE_ALLOCATIONS; ``CUI_CARRY_STREAMED``, decisions D70) sends the entries first and
+each descriptor group as soon as ``opener`` opened its files (protocol.h "Carriers"), so that
+the shim copies and writes while the next files are created; an OSError of ``opener`` is sent
+to the shim as the last group (it fails the op) and raised, with the shim's answer, once its
+reply is read. A SAVE_ALLOCATIONS reply's chunk table comes back in ``Response.chunk_table``
+(raw bytes, parse it with :func:`~cuinterpose.coordinator.protocol.parse_chunk_table`).
 
 The client never retries: a mutating op whose reply is lost cannot tell whether the
 mutation happened (protocol.h, "Request rules"). A shim may answer a SAVE/LOAD request before
@@ -46,12 +50,14 @@ Without ``PID`` the count is in send order, which parallel sends make racy. The 
 from __future__ import annotations
 
 import array
+import errno
 import os
 import socket
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from .protocol import (
     CUI_INSPECT_DEVICES,
@@ -74,7 +80,9 @@ from .protocol import (
     carrier_reserved,
     chunk_checksum_flag,
     entry_groups,
+    fd_group,
     known_table,
+    open_groups,
     pid_from_socket_path,
     source_table,
 )
@@ -119,6 +127,12 @@ def parse_drop_reply(spec: str) -> set[tuple[str, int | None, int]]:
             )
         wanted.add((want, int(at) if at else None, int(count)))
     return wanted
+
+
+def drop_reply_spec() -> set[tuple[str, int | None, int]]:
+    """The entries of this process's ``CUINTERPOSE_TEST_DROP_REPLY`` (:func:`parse_drop_reply`;
+    empty when unset). A malformed value raises ValueError naming it."""
+    return parse_drop_reply(os.environ.get(DROP_REPLY_ENV, ""))
 
 
 def _drop_reply(op_name: str, pid: int | None) -> bool:
@@ -177,7 +191,8 @@ class ShimProtocolError(ShimClientError):
 class CarrierRequest:
     """The chunk files of one SAVE_ALLOCATIONS / LOAD_ALLOCATIONS request (protocol.h
     "Carriers"): ``chunk_bytes``, ``staging_bytes`` (bytes), ``writers`` (threads) and
-    ``streams``, one (StreamEntry, open fd) per carried allocation."""
+    ``streams``, one (StreamEntry, open fd) per carried allocation; with ``opener`` (SAVE), fd
+    is -1 until ``opener(i)`` opened entry i's file while the request is sent."""
 
     chunk_bytes: int
     staging_bytes: int
@@ -190,6 +205,10 @@ class CarrierRequest:
     refs: list[ChunkRef] = field(default_factory=list)
     #: the chunk checksum (a key of CHUNK_CHECKSUMS): SAVE computes it, LOAD verifies it
     checksum: str = DEFAULT_CHUNK_CHECKSUM
+    #: SAVE: opens entry i's file and returns its fd (OSError naming it): CUI_CARRY_STREAMED
+    opener: Callable[[int], int] | None = None
+    #: the directory the files are opened in (CarrierFiles; never sent), or -1
+    dir_fd: int = -1
 
     @property
     def flags(self) -> int:
@@ -199,6 +218,8 @@ class CarrierRequest:
             f |= CarryFlag.KNOWN
         if self.sources or self.refs:
             f |= CarryFlag.SOURCES
+        if self.opener is not None:
+            f |= CarryFlag.STREAMED
         return int(f)
 
 
@@ -318,8 +339,10 @@ class ShimClient:
             time.sleep(pause)  # back off: the running request finishes on its own
             pause = min(pause * 2, 0.1)
 
-    def _send_carriers(self, sock, carriers: CarrierRequest, deadline: float) -> None:
-        """The entries with their descriptors, then the chunk store's table, if any."""
+    def _send_carriers(self, sock, carriers: CarrierRequest, deadline: float) -> OSError | None:
+        """The entries with their descriptors, then the chunk store's table, if any; streamed:
+        the entries, the table, then the descriptor groups as their files are opened. Returns
+        the opener's OSError that ended them (sent as the last group), else None."""
 
         def groups(groups, fdlist):
             for data, first, count in groups:
@@ -329,8 +352,14 @@ class ShimClient:
                 if sent < len(data):
                     sock.sendall(data[sent:])
 
-        groups(entry_groups([e for e, _ in carriers.streams]), [fd for _, fd in carriers.streams])
         flags = carriers.flags
+        if flags & CarryFlag.STREAMED:
+            self._set_deadline(sock, deadline)
+            sock.sendall(b"".join(e.pack() for e, _ in carriers.streams))
+        else:
+            groups(
+                entry_groups([e for e, _ in carriers.streams]), [fd for _, fd in carriers.streams]
+            )
         if flags & CarryFlag.KNOWN:
             self._set_deadline(sock, deadline)
             sock.sendall(known_table(carriers.known or []))
@@ -341,6 +370,15 @@ class ShimClient:
             groups(src_groups, [fd for _, fd in carriers.sources])
             self._set_deadline(sock, deadline)
             sock.sendall(refs)
+        if not flags & CarryFlag.STREAMED:
+            return None
+        for _, fds, exc in open_groups(carriers.streams, carriers.opener):
+            self._set_deadline(sock, deadline)
+            if exc is not None:
+                sock.sendall(fd_group(0, exc.errno or errno.EIO))
+                return exc
+            groups([(fd_group(len(fds)), 0, len(fds))], fds)
+        return None
 
     def _request_once(
         self,
@@ -399,10 +437,10 @@ class ShimClient:
             try:
                 self._set_deadline(sock, deadline)
                 sock.sendall(req.pack())
-                cut = None
+                cut = unopened = None
                 if carriers is not None:
                     try:
-                        self._send_carriers(sock, carriers, deadline)
+                        unopened = self._send_carriers(sock, carriers, deadline)
                     except (BrokenPipeError, ConnectionResetError) as exc:
                         # the shim answered the 64-byte request before it read the rest (BUSY
                         # while another op runs, a refusal) and closed: that answer is readable
@@ -469,6 +507,12 @@ class ShimClient:
                     f"{_status_name(reply.status)} reply",
                 )
             fd = fds.pop() if fds else None
+            if unopened is not None:  # the file's own error, with what the shim made of it
+                text = msg.decode("utf-8", errors="replace")
+                raise OSError(
+                    unopened.errno,
+                    f"{unopened.strerror}; the shim answered {_status_name(reply.status)}: {text}",
+                ) from None
             return Response(
                 reply=reply,
                 records=records,

@@ -256,8 +256,15 @@ class Coordinator(Barrier):
     def _fit_checksum(self, inspect: PhaseResult) -> None:
         """A capture asked for SHA-256 chunks (decisions D36) whose INSPECT replies show a shim
         without ``ShimFlag.CARRY_SHA256`` (loaded before D36: it would refuse the flag) uses
-        BLAKE2b-256 instead, and no chunk store digests (they are SHA-256 ones)."""
+        BLAKE2b-256 instead, and no chunk store digests (they are SHA-256 ones). A shim without
+        ``ShimFlag.CARRY_STREAMED`` (before D70) gets its SAVE's files opened before the request
+        (:attr:`unstreamed`)."""
         files = self.carrier_files()
+        self.unstreamed = {  # their SAVE opens its files first (decisions D70)
+            p.pid
+            for p in inspect.participants.values()
+            if not p.shim_flags & ShimFlag.CARRY_STREAMED
+        }
         old = sorted(
             p.pid for p in inspect.participants.values() if not p.shim_flags & ShimFlag.CARRY_SHA256
         )

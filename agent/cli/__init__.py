@@ -19,7 +19,9 @@ import click
 
 from cuinterpose.agent import paths
 from cuinterpose.agent.cli import daemon, jobs
-from cuinterpose.agent.cli.common import control_opt, driver_opt, emit_json, json_opt, set_env
+from cuinterpose.agent.cli.common import build_options, emit_json, fail, json_opt, option_flags
+from cuinterpose.agent.errors import AgentError
+from cuinterpose.agent.options import CheckpointOptions
 
 
 def _drop_shim_from_self() -> None:
@@ -95,15 +97,18 @@ def shim_path_cmd():
 
 
 @main.command()
-@driver_opt
-@control_opt
+@option_flags(CheckpointOptions, only=("driver", "native_backend", "gpu_storage", "control_dir"))
 @json_opt
-def doctor(driver, control_dir, as_json):
-    """Check CRIU, the driver's checkpoint API, the shim and the control directory."""
+def doctor(as_json, **flags):
+    """Check CRIU, the driver's checkpoint API, the native backend and GPU storage a
+    checkpoint would use, the shim and the control directory."""
     from cuinterpose.agent.doctor import render, run_checks
 
-    set_env(driver, control_dir)
-    checks = run_checks(driver=driver, control_dir=control_dir)
+    try:
+        opts = build_options(CheckpointOptions, flags)
+    except AgentError as e:
+        fail(e, as_json, command="doctor")
+    checks = run_checks(opts)
     ok = all(c["ok"] for c in checks)
     if as_json:
         emit_json({"ok": ok, "checks": checks})

@@ -42,6 +42,7 @@ def fail(e: AgentError, as_json: bool, extra: dict | None = None, command: str =
             "inspect": "nothing was changed (INSPECT is read-only)",
             "snapshots": "nothing was changed (read-only)",
             "delete": "nothing was removed",
+            "doctor": "nothing was changed",
             "serve": "the agent did not start",
         }.get(command, "")
         hint = {
@@ -64,11 +65,65 @@ def reporter(title: str, as_json: bool):
     return Reporter([sink]), sink
 
 
-def set_env(driver, control_dir):
-    if driver:
-        os.environ["CUINTERPOSE_DRIVER"] = driver
-    if control_dir:
-        os.environ["CUINTERPOSE_CONTROL_DIR"] = str(control_dir)
+def flag_of(name: str) -> str:
+    """The command-line flag of option ``name`` (agent/options.py): ``--carrier-timeout-s``."""
+    return "--" + name.replace("_", "-")
+
+
+def option_flags(cls, *, only=None):
+    """click options for the options of ``cls`` (an agent/options.py class; ``only``: those
+    names), one per field: its flag (:func:`flag_of`; a flag option is ``--X/--no-X``), its
+    type, its help; every one defaults to None (not given: the environment's value, else the
+    default, applies: ``cls.from_environ``; with ``--agent``, the daemon's own). The command
+    receives each under the field's name."""
+    import dataclasses
+
+    fields = [f for f in dataclasses.fields(cls) if only is None or f.name in only]
+
+    def one(f):
+        sp = f.metadata["spec"]
+        flag = flag_of(f.name)
+        if sp.kind == "flag":
+            return click.option(f"{flag}/--no-{flag[2:]}", f.name, default=None, help=sp.help)
+        kind = {
+            "seconds": click.FLOAT,
+            "ms": click.INT,
+            "count": click.INT,
+            "bytes": BytesType(),
+            "path": click.Path(file_okay=False),
+            "choice": click.Choice([c for c in sp.choices if c]),
+        }[sp.kind]
+        return click.option(flag, f.name, type=kind, default=None, help=sp.help)
+
+    def deco(fn):
+        for f in reversed(fields):
+            fn = one(f)(fn)
+        return fn
+
+    return deco
+
+
+def build_options(cls, flags: dict):
+    """The options of an in-process run: ``cls.from_environ`` with the options ``flags`` (a
+    command's parameters) gives, their errors naming the flag. Raises ``OptionError``."""
+    from cuinterpose.agent.options import given_of
+
+    return cls.from_environ(os.environ, given_of(cls, flags), label=flag_of)
+
+
+def remote_options(cls, flags: dict, msg):
+    """The ``msg`` (agent.proto's options message) of a request to a daemon: only the options
+    ``flags`` gives, each checked on its own here (the daemon completes and checks the rest
+    with its own); a path is sent absolute. Raises ``OptionError`` naming the flag."""
+    from cuinterpose.agent import paths
+    from cuinterpose.agent.options import given_of
+
+    given = given_of(cls, flags)
+    for k, v in given.items():
+        cls.check_one(k, v, flag_of(k))
+        if cls.spec(k).kind == "path":
+            given[k] = paths.absolute(v)
+    return cls.to_proto(given, msg)
 
 
 POSITIVE = click.FloatRange(min=0, min_open=True)
@@ -130,12 +185,6 @@ def use_manifest_key(path, *, remote: bool) -> None:
         raise click.UsageError(f"--manifest-key: {e.reason}") from None
 
 
-driver_opt = click.option(
-    "--driver",
-    type=click.Choice(["real", "fake"]),
-    default=None,
-    help="libcuda.so.1 to use: real (default) or fakecuda (also $CUINTERPOSE_DRIVER).",
-)
 control_opt = click.option(
     "--control-dir",
     type=click.Path(file_okay=False),

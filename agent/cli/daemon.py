@@ -13,17 +13,17 @@ from cuinterpose.agent import paths
 from cuinterpose.agent.cli.common import (
     POSITIVE,
     client_tls,
-    control_opt,
-    driver_opt,
     fail,
+    flag_of,
     json_opt,
-    set_env,
+    option_flags,
     tls_ca_opt,
     tls_cert_opt,
     tls_key_opt,
     use_manifest_key,
 )
 from cuinterpose.agent.errors import AgentError
+from cuinterpose.agent.options import CheckpointOptions, for_kinds, given_of
 
 
 @click.command("health")
@@ -69,12 +69,9 @@ def _config_values(path) -> dict:
     return {
         "listen": cfg.listen_address or None,
         "node": k.node_name or os.environ.get("NODE_NAME"),
-        "control_dir": cfg.control_dir or None,
         "snapshot_dir": cfg.snapshot_dir or None,
         "metrics_port": cfg.metrics_port,
         "metrics_addr": cfg.metrics_address or None,
-        "driver": cfg.driver,
-        "native_backend": cfg.native_backend or None,
         "tls_cert": cfg.tls.cert_file or None,
         "tls_key": cfg.tls.key_file or None,
         "manifest_key": cfg.manifest_key_file or None,
@@ -194,15 +191,7 @@ def _make_snapshot_dir(d: str) -> bool:
     "RunPhase or Renew; then it undoes the job itself (default: the config's "
     "groupLeaseS, else 30).",
 )
-@driver_opt
-@click.option(
-    "--native-backend",
-    type=click.Choice(["auto", "driver-api", "cuda-checkpoint"]),
-    default=None,
-    help="how native checkpoint is driven: the driver API, the cuda-checkpoint CLI, or auto "
-    "(default: the config's nativeBackend, else $CUINTERPOSE_NATIVE_BACKEND, else auto).",
-)
-@control_opt
+@option_flags(CheckpointOptions)
 @json_opt
 def serve(
     listen,
@@ -217,16 +206,18 @@ def serve(
     tls_client_ca,
     insecure_tcp,
     group_lease_s,
-    driver,
-    native_backend,
-    control_dir,
     as_json,
+    **flags,
 ):
     """Run the agent daemon: the gRPC Agent service (checkpoint, restore, inspect, snapshots,
     group phases), gRPC health checking and Prometheus metrics. Prints one line when ready
     (with --json: {"ok": true, "listen", "metrics_port", "node", "pid", "kubernetes",
     "insecure", "snapshot_dirs", "group_lease_s"}) and serves until SIGTERM, SIGINT or SIGHUP
     (then it finishes the requests already running and exits 0).
+
+    The option flags (docs/agent.md "Options") are the daemon's own options: a request that
+    leaves one unset takes it from these, else from the config, the environment, the
+    default.
 
     Refuses (exit 2) a non-loopback TCP listener without mutual TLS unless --insecure-tcp;
     confines every request's paths to the snapshot dir(s) (docs/service.md "Security"),
@@ -252,9 +243,6 @@ def serve(
         tls_client_ca=tls_client_ca,
         insecure_tcp=insecure_tcp or None,
         group_lease_s=group_lease_s,
-        driver=driver,
-        native_backend=native_backend,
-        control_dir=control_dir,
     )
     conf = _config_values(config_file) if config_file else {}
     v = {k: (given[k] if given[k] is not None else conf.get(k)) for k in given}
@@ -266,9 +254,15 @@ def serve(
             "--tls-client-ca needs --tls-cert and --tls-key (client "
             "certificates are verified only on a TLS listener)"
         )
-    set_env(v["driver"], v["control_dir"])
-    if v["native_backend"]:  # read by agent/mech/native.py when it picks the backend
-        os.environ["CUINTERPOSE_NATIVE_BACKEND"] = v["native_backend"]
+    cfg = conf.get("_config")
+    # the daemon's own options, once: the environment, the config over it, the flags over that
+    try:
+        values = (cfg.option_values() if cfg is not None else {}) | given_of(
+            CheckpointOptions, flags
+        )
+        node_options = for_kinds(values, os.environ, label=flag_of)
+    except AgentError as e:
+        fail(AgentError("serve", e.reason, outcome="usage"), as_json, command="serve")
     use_manifest_key(v["manifest_key"], remote=False)
     tls = TLS(cert=v["tls_cert"], key=v["tls_key"], ca=v["tls_client_ca"])
     sd = v["snapshot_dir"]
@@ -283,8 +277,7 @@ def serve(
         fail(AgentError("serve", str(e), outcome="usage"), as_json, command="serve")
     opts = ServeOptions(
         node=v["node"] or socket.gethostname(),
-        control_dir=str(v["control_dir"]) if v["control_dir"] else None,
-        driver=v["driver"],
+        options=node_options,
         snapshot_dir=roots[0],
         snapshot_roots=tuple(roots),
         tls=tls if tls.enabled else None,
@@ -292,12 +285,6 @@ def serve(
     )
     if v["group_lease_s"] is not None:
         opts.group_lease_s = float(v["group_lease_s"])
-    cfg = conf.get("_config")
-    if cfg is not None:
-        opts.quiesce_timeout_ms = cfg.quiesce_timeout_ms
-        opts.lock_timeout_ms = cfg.lock_timeout_ms
-        opts.phase_timeout_s = cfg.phase_timeout_s
-        opts.carrier_timeout_s = cfg.carrier_timeout_s
     # last check before binding: nothing is created for a start refused above
     for d in roots:
         try:

@@ -4,19 +4,15 @@ group (``--group``) (docs/agent.md, docs/service.md)."""
 
 from __future__ import annotations
 
-import os
-
 import click
 
 from cuinterpose.agent import paths
 from cuinterpose.agent.cli.common import (
-    POSITIVE,
-    BytesType,
     RemoteRows,
     agent_opt,
+    build_options,
     client_tls,
     control_opt,
-    driver_opt,
     emit_json,
     fail,
     group_opt,
@@ -24,46 +20,24 @@ from cuinterpose.agent.cli.common import (
     live,
     load_members,
     manifest_key_opt,
+    option_flags,
     remote,
+    remote_options,
     reporter,
-    set_env,
     tls_ca_opt,
     tls_cert_opt,
     tls_key_opt,
     use_manifest_key,
 )
 from cuinterpose.agent.errors import AgentError
+from cuinterpose.agent.options import (
+    CheckpointOptions,
+    DriverOptions,
+    InspectOptions,
+    RestoreOptions,
+)
 from cuinterpose.agent.snapshot.snapdir import SnapshotDir
 from cuinterpose.coordinator.protocol import default_control_dir
-
-NATIVE_BACKEND_OPT = click.option(
-    "--native-backend",
-    type=click.Choice(["auto", "driver-api", "cuda-checkpoint"]),
-    default=None,
-    help="how native checkpoint is driven: the driver API (cuCheckpointProcess*), the "
-    "cuda-checkpoint CLI, or auto (the API when libcuda.so.1 has it, else a cuda-checkpoint "
-    "on $PATH; default: $CUINTERPOSE_NATIVE_BACKEND, else auto). In-process only: a daemon "
-    "(--agent) uses its own.",
-)
-
-
-GPU_STORAGE_OPT = click.option(
-    "--gpu-storage",
-    type=click.Choice(["auto", "custom", "host"]),
-    default=None,
-    help="where native checkpoint puts each process's GPU memory: custom (the driver's custom "
-    "storage, CUDA 13.4+: streamed by the agent to chunks/gpu-<pid>-<ordinal>.bin, outside "
-    "CRIU's images), host (the driver stages it in the process's host memory, which CRIU "
-    "dumps), or auto (custom where the driver has it) [default: $CUINTERPOSE_GPU_STORAGE, "
-    "else auto].",
-)
-
-
-def _use_native_backend(kind) -> None:
-    """Put ``--native-backend`` into ``$CUINTERPOSE_NATIVE_BACKEND`` (agent/mech/native.py
-    reads it when it picks the backend)."""
-    if kind:
-        os.environ["CUINTERPOSE_NATIVE_BACKEND"] = kind
 
 
 @click.command()
@@ -81,65 +55,8 @@ def _use_native_backend(kind) -> None:
     help="new snapshot directory (not with --group; with --agent: sent as an "
     "absolute path, which must lie under the daemon's --snapshot-dir).",
 )
-@click.option("--quiesce-timeout-ms", type=click.IntRange(1), default=10_000, show_default=True)
-@click.option(
-    "--lock-timeout-ms",
-    type=click.IntRange(0),
-    default=10_000,
-    show_default=True,
-    help="cuCheckpointProcessLock timeout per process "
-    "(0 = the driver-call deadline, $CUINTERPOSE_DRIVER_CALL_TIMEOUT_S).",
-)
-@click.option(
-    "--phase-timeout-s",
-    type=POSITIVE,
-    default=60.0,
-    show_default=True,
-    help="deadline of each coordinator request (INSPECT, PREPARE_UNICAST, ...).",
-)
-@click.option(
-    "--carrier-timeout-s",
-    type=POSITIVE,
-    default=3600.0,
-    show_default=True,
-    help="deadline of SAVE_ALLOCATIONS (writing shared bytes to the chunk files); a stopped "
-    "participant fails it after --phase-timeout-s.",
-)
-@click.option(
-    "--chunk-bytes",
-    type=BytesType(64 << 10, 1 << 30),
-    default=None,
-    help="chunk size of the shared carriers' chunk files, a power of two from 64 KiB to 1 GiB, "
-    "in bytes or with KiB/MiB/GiB (8MiB) [default: 8 MiB, "
-    "or $CUINTERPOSE_CHUNK_BYTES].",
-)
-@click.option(
-    "--staging-bytes",
-    type=BytesType(64 << 10),
-    default=None,
-    help="staging ring per process for the chunk writers, at least the chunk size and at most "
-    "64 GiB, in bytes or with KiB/MiB/GiB [default: 64 MiB, or "
-    "$CUINTERPOSE_STAGING_BYTES].",
-)
-@click.option(
-    "--writers",
-    type=click.IntRange(1, 64),
-    default=None,
-    help="chunk writer threads per process [default: 4, or $CUINTERPOSE_WRITERS].",
-)
-@click.option(
-    "--incremental",
-    is_flag=True,
-    help="write the shared carriers into the chunk store of the snapshot root (the images "
-    "dir's parent): only chunks no snapshot there holds yet are written; delete snapshots "
-    "with `cuinterpose-agent delete`.",
-)
-@click.option("--leave-running", is_flag=True, help="keep the workload running after the dump.")
+@option_flags(CheckpointOptions)
 @manifest_key_opt("node key file: the manifest gets an HMAC-SHA256 (mac) with it")
-@driver_opt
-@NATIVE_BACKEND_OPT
-@GPU_STORAGE_OPT
-@control_opt
 @agent_opt
 @group_opt
 @tls_ca_opt
@@ -149,45 +66,19 @@ def _use_native_backend(kind) -> None:
 def checkpoint(
     pids,
     images_dir,
-    quiesce_timeout_ms,
-    lock_timeout_ms,
-    phase_timeout_s,
-    carrier_timeout_s,
-    chunk_bytes,
-    staging_bytes,
-    writers,
-    incremental,
-    leave_running,
     manifest_key,
-    driver,
-    native_backend,
-    gpu_storage,
-    control_dir,
     agent_addr,
     group_file,
     tls_ca,
     tls_cert,
     tls_key,
     as_json,
+    **flags,
 ):
-    """Checkpoint the process tree(s) rooted at --pid into --images-dir."""
-    from cuinterpose.agent.run import carriers, ops
-
-    chunks = {
-        k: v
-        for k, v in (
-            ("chunk_bytes", chunk_bytes),
-            ("staging_bytes", staging_bytes),
-            ("writers", writers),
-        )
-        if v is not None
-    }
-    try:
-        carriers.settings(**chunks)
-    except Exception as e:
-        raise click.UsageError(str(e)) from None
-    if incremental:
-        chunks["incremental"] = True
+    """Checkpoint the process tree(s) rooted at --pid into --images-dir. Every option
+    (docs/agent.md "Options") not given takes its environment variable, else its default; with
+    --agent or --group, the daemon's own."""
+    from cuinterpose.agent.run import ops
 
     if group_file:
         if pids or images_dir:
@@ -207,19 +98,10 @@ def checkpoint(
         else f"checkpoint {' '.join(map(str, pids))} -> {images_dir}"
     )
     rep, sink = reporter(title, as_json)
-    kw = dict(
-        control_dir=control_dir,
-        quiesce_timeout_ms=quiesce_timeout_ms,
-        lock_timeout_ms=lock_timeout_ms,
-        phase_timeout_s=phase_timeout_s,
-        carrier_timeout_s=carrier_timeout_s,
-        driver=driver,
-        leave_running=leave_running,
-    )
     try:
         from cuinterpose.agent import validate
 
-        validate.checkpoint_request(roots=pids, images_dir=images_dir, **kw)
+        validate.checkpoint_request(roots=pids, images_dir=images_dir)
         if agent_addr or group_file:
             from cuinterpose.agent.snapshot import pb
 
@@ -227,20 +109,7 @@ def checkpoint(
             req = apb.CheckpointRequest(
                 roots=list(pids),
                 images_dir=paths.absolute(images_dir) if images_dir else "",
-                options=apb.CheckpointOptions(
-                    quiesce_timeout_ms=quiesce_timeout_ms,
-                    lock_timeout_ms=lock_timeout_ms,
-                    phase_timeout_s=phase_timeout_s,
-                    carrier_timeout_s=carrier_timeout_s,
-                    leave_running=leave_running,
-                    driver=driver or "",
-                    control_dir=paths.absolute(control_dir) if control_dir else "",
-                    chunk_bytes=chunks.get("chunk_bytes", 0),
-                    staging_bytes=chunks.get("staging_bytes", 0),
-                    writers=chunks.get("writers", 0),
-                    gpu_storage=gpu_storage or "",
-                    incremental=incremental,
-                ),
+                options=remote_options(CheckpointOptions, flags, apb.CheckpointOptions()),
                 members=load_members(group_file, "checkpoint") if group_file else [],
             )
             if agent_addr:
@@ -250,14 +119,8 @@ def checkpoint(
 
                 out = live(sink, lambda: lead("checkpoint", req, rep, RemoteRows(rep), tls=tls)[0])
         else:
-            set_env(driver, control_dir)
-            _use_native_backend(native_backend)
-            out = live(
-                sink,
-                lambda: ops.checkpoint(
-                    rep, pids, images_dir, chunks=chunks, gpu_storage=gpu_storage, **kw
-                )[0],
-            )
+            opts = build_options(CheckpointOptions, flags)
+            out = live(sink, lambda: ops.checkpoint(rep, pids, images_dir, opts)[0])
     except AgentError as e:
         fail(e, as_json, {"phases": getattr(e, "remote_phases", None) or rep.to_list()})
     if as_json:
@@ -278,21 +141,6 @@ def checkpoint(
     default=None,
     help="the snapshot directory (with --agent: sent as an absolute path, which must "
     "lie under the daemon's --snapshot-dir).",
-)
-@click.option(
-    "--phase-timeout-s",
-    type=POSITIVE,
-    default=60.0,
-    show_default=True,
-    help="deadline of each coordinator request (INSPECT, RESTORE_UNICAST, ...).",
-)
-@click.option(
-    "--carrier-timeout-s",
-    type=POSITIVE,
-    default=3600.0,
-    show_default=True,
-    help="deadline of LOAD_ALLOCATIONS (copying the carried bytes back); a stopped "
-    "participant fails it after --phase-timeout-s.",
 )
 @click.option(
     "--into-pid",
@@ -317,14 +165,7 @@ def checkpoint(
     '(docs/agent.md "Restore onto other GPUs"). With --agent the daemon\'s GPUs; with '
     '--group each member names its own "device_map" instead.',
 )
-@click.option(
-    "--driver",
-    type=click.Choice(["real", "fake"]),
-    default=None,
-    help="libcuda.so.1 to use: real or fakecuda (default: $CUINTERPOSE_DRIVER, else "
-    "the driver the manifest records).",
-)
-@NATIVE_BACKEND_OPT
+@option_flags(RestoreOptions)
 @manifest_key_opt(
     "node key file: a snapshot whose manifest has no valid HMAC-SHA256 (mac) with it is refused"
 )
@@ -336,12 +177,8 @@ def checkpoint(
 @json_opt
 def restore(
     images_dir,
-    phase_timeout_s,
-    carrier_timeout_s,
     into_pid,
     device_map,
-    driver,
-    native_backend,
     manifest_key,
     agent_addr,
     group_file,
@@ -349,6 +186,7 @@ def restore(
     tls_cert,
     tls_key,
     as_json,
+    **flags,
 ):
     """Restore the snapshot in --images-dir and let the workload continue. There is no
     --control-dir: the restore uses the control dir recorded in the snapshot's manifest."""
@@ -376,21 +214,14 @@ def restore(
     try:
         from cuinterpose.agent import validate
 
-        validate.restore_request(
-            images_dir=images_dir,
-            phase_timeout_s=phase_timeout_s,
-            carrier_timeout_s=carrier_timeout_s,
-            placement=into_pid,
-        )
+        validate.restore_request(images_dir=images_dir, placement=into_pid)
         if agent_addr or group_file:
             from cuinterpose.agent.snapshot import pb
 
             apb, _, _ = pb.modules()
             req = apb.RestoreRequest(
                 images_dir=paths.absolute(images_dir) if images_dir else "",
-                driver=driver or "",
-                phase_timeout_s=phase_timeout_s,
-                carrier_timeout_s=carrier_timeout_s,
+                options=remote_options(RestoreOptions, flags, apb.RestoreOptions()),
                 members=load_members(group_file, "restore") if group_file else [],
                 into_pid=into_pid or 0,
                 device_map=device_map or "",
@@ -402,22 +233,15 @@ def restore(
 
                 res = live(sink, lambda: lead("restore", req, rep, RemoteRows(rep), tls=tls)[0])
         else:
+            opts = build_options(RestoreOptions, flags)
             if not SnapshotDir.canonical(images_dir).exists():
                 from cuinterpose.agent.errors import SnapshotError
 
                 raise SnapshotError("manifest", f"{paths.canonical(images_dir)} does not exist")
-            set_env(driver, None)
-            _use_native_backend(native_backend)
             res = live(
                 sink,
                 lambda: ops.restore(
-                    rep,
-                    images_dir,
-                    driver=driver,
-                    phase_timeout_s=phase_timeout_s,
-                    carrier_timeout_s=carrier_timeout_s,
-                    placement=into_pid,
-                    device_map=device_map,
+                    rep, images_dir, opts, placement=into_pid, device_map=device_map
                 ),
             )
     except AgentError as e:
@@ -439,15 +263,15 @@ def restore(
 
 @click.command()
 @click.option("--pid", type=int, required=True)
-@click.option("--phase-timeout-s", type=POSITIVE, default=10.0, show_default=True)
-@control_opt
+@option_flags(InspectOptions)
 @agent_opt
 @tls_ca_opt
 @tls_cert_opt
 @tls_key_opt
 @json_opt
-def inspect(pid, phase_timeout_s, control_dir, agent_addr, tls_ca, tls_cert, tls_key, as_json):
-    """INSPECT one process through its control socket (read-only)."""
+def inspect(pid, agent_addr, tls_ca, tls_cert, tls_key, as_json, **flags):
+    """INSPECT one process through its control socket (read-only), and ask the driver
+    (--driver) for its checkpoint state."""
     from cuinterpose.agent.inspect import render_table
     from cuinterpose.agent.run import ops
 
@@ -458,16 +282,13 @@ def inspect(pid, phase_timeout_s, control_dir, agent_addr, tls_ca, tls_cert, tls
 
             apb, _, _ = pb.modules()
             req = apb.InspectRequest(
-                pid=pid,
-                timeout_s=phase_timeout_s,
-                control_dir=paths.absolute(control_dir) if control_dir else "",
+                pid=pid, options=remote_options(InspectOptions, flags, apb.InspectOptions())
             )
             res = remote(
                 agent_addr, "Inspect", req, Reporter(), None, client_tls(tls_ca, tls_cert, tls_key)
             )
         else:
-            set_env(None, control_dir)
-            res = ops.inspect(pid, control_dir=control_dir, timeout_s=phase_timeout_s)
+            res = ops.inspect(pid, build_options(InspectOptions, flags))
     except AgentError as e:
         fail(e, as_json, command="inspect")
     res.pop("ok", None)
@@ -484,8 +305,9 @@ def inspect(pid, phase_timeout_s, control_dir, agent_addr, tls_ca, tls_cert, tls
     "directory",
     type=click.Path(file_okay=False),
     default=None,
-    help="directory whose sub-directories are snapshots (with --agent: default the "
-    "agent's --snapshot-dir); also accepted as the argument PATH.",
+    help="directory whose sub-directories are snapshots, also accepted as the argument PATH "
+    f"[default: the agent's --snapshot-dir: with --agent the daemon's, else "
+    f"{paths.DEFAULT_SNAPSHOT_DIR}, serve's default].",
 )
 @agent_opt
 @tls_ca_opt
@@ -494,7 +316,7 @@ def inspect(pid, phase_timeout_s, control_dir, agent_addr, tls_ca, tls_cert, tls
 @json_opt
 def snapshots_cmd(path, directory, agent_addr, tls_ca, tls_cert, tls_key, as_json):
     """List the snapshots (directories holding manifest.json) under PATH / --dir, or PATH
-    itself when it is a snapshot."""
+    itself when it is a snapshot; the same with and without --agent."""
     from cuinterpose.agent.run import ops
 
     if path and directory and paths.canonical(path) != paths.canonical(directory):
@@ -516,9 +338,7 @@ def snapshots_cmd(path, directory, agent_addr, tls_ca, tls_cert, tls_key, as_jso
                 client_tls(tls_ca, tls_cert, tls_key),
             )
         else:
-            if not directory:
-                raise click.UsageError("--dir is required without --agent")
-            res = ops.list_snapshots(directory)
+            res = ops.list_snapshots(directory or paths.DEFAULT_SNAPSHOT_DIR)
     except AgentError as e:
         fail(e, as_json, command="snapshots")
     if as_json:
@@ -588,13 +408,15 @@ def release_cmd(pid, force, control_dir, as_json):
     leftover CRIU, SIGCONT, native restore + unlock, the shims back to ACTIVE) and remove the
     partial images (a complete snapshot is kept); then write .resume {"id": <the request's
     id>, "restored": false, ...}. Refused while a live agent owns the request."""
-    from cuinterpose.agent.mech import ctldir
+    from cuinterpose.agent.mech import ctldir, native_call
     from cuinterpose.agent.run import recover
 
     cdir = paths.canonical(control_dir or default_control_dir())
     try:
         ctldir.check(cdir, phase="release", pid=pid)
-        res = recover.release(cdir, pid, force=force)
+        # the driver the dead agent's lock records; the backend and the call deadline: ours
+        with native_call.using(DriverOptions.from_environ()):
+            res = recover.release(cdir, pid, force=force)
     except AgentError as e:
         e.hint = getattr(e, "hint", None) or (
             "the workload stays parked" if e.outcome == "rollback_failed" else "nothing was changed"

@@ -54,11 +54,12 @@ def main(argv=None) -> int:
     stop = threading.Event()
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, lambda *_: stop.set())
+    from cuinterpose.agent.errors import AgentError
     from cuinterpose.agent.kube.watcher import build_watcher
 
     try:
-        w = build_watcher(cfg)
-    except ValueError as e:
+        w = build_watcher(cfg)  # the node's options: the config's over the environment
+    except (ValueError, AgentError) as e:
         print(f"cuinterpose.agent.kube: {e}", file=sys.stderr)
         return 2
     # the watch blocks in a socket read: run it in a daemon thread, and on a signal close the

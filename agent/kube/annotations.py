@@ -4,10 +4,17 @@ Requests (written by a user or a controller):
 
 - ``cuinterpose.io/checkpoint: NAME`` — checkpoint the pod's process trees into
   ``<snapshotDir>/<namespace>/NAME``.
-- ``cuinterpose.io/checkpoint-leave-running: "true"|"false"`` — optional; keep the workload
-  running after the snapshot (default: the config's ``kubernetes.leaveRunning``).
 - ``cuinterpose.io/restore-from: NAME`` — on a placeholder pod: restore the snapshot
   ``<snapshotDir>/<namespace>/NAME`` (same namespace only).
+
+Options (:func:`option_values`): ``cuinterpose.io/KIND-OPTION: VALUE`` sets the option
+``OPTION`` (its command-line flag without the dashes: ``leave-running``, ``gpu-storage``,
+``carrier-timeout-s``, ...; agent/options.py) of the pod's ``KIND`` request, as the same flag
+of ``cuinterpose-agent KIND`` does (a flag option: ``"true"``/``"false"``).
+``cuinterpose.io/checkpoint-leave-running`` defaults to the config's
+``kubernetes.leaveRunning``. Options of the node (``driver``, ``native-backend``,
+``control-dir``) are the agent's config's, not a pod's. An unknown option or a bad value fails
+the request, naming the annotation and the pod, before anything is done.
 
 Results (written by the agent; ``KIND`` is ``checkpoint`` or ``restore``):
 
@@ -33,7 +40,6 @@ from typing import Optional
 
 PREFIX = "cuinterpose.io/"
 CHECKPOINT = PREFIX + "checkpoint"
-LEAVE_RUNNING = PREFIX + "checkpoint-leave-running"
 RESTORE_FROM = PREFIX + "restore-from"
 SNAPSHOT = PREFIX + "snapshot"
 SNAPSHOT_NODE = PREFIX + "snapshot-node"
@@ -57,6 +63,46 @@ def handled_key(kind: str) -> str:
 
 
 REQUEST_KEY = {"checkpoint": CHECKPOINT, "restore": RESTORE_FROM}
+#: the ``cuinterpose.io/KIND-*`` keys that are no option: the request and its result
+NOT_OPTIONS = ("from", "status", "message", "handled")
+
+
+def option_key(kind: str, name: str) -> str:
+    """The annotation of option ``name`` of a ``kind`` request:
+    ``cuinterpose.io/checkpoint-carrier-timeout-s``."""
+    return f"{PREFIX}{kind}-{name.replace('_', '-')}"
+
+
+LEAVE_RUNNING = option_key("checkpoint", "leave_running")
+
+
+def option_values(pod: dict, kind: str) -> dict:
+    """The options the annotations of ``pod`` set for its ``kind`` request: {option name:
+    typed value} (each checked on its own; agent/options.py). Raises ``OptionError`` (phase
+    "request", refused) naming the pod, the annotation and its value: an option that is not
+    one of ``kind`` or not one a pod may set (a node's), or a bad value."""
+    from cuinterpose.agent.options import BY_KIND, OptionError, annotated_fields
+
+    cls = BY_KIND[kind]
+    allowed = annotated_fields(cls)
+    meta = pod.get("metadata") or {}
+    where = f"pod {meta.get('namespace')}/{meta.get('name')}: annotation"
+    head = f"{PREFIX}{kind}-"
+    out = {}
+    for key, text in sorted(annotations_of(pod).items()):
+        if not key.startswith(head) or key[len(head) :] in NOT_OPTIONS:
+            continue
+        name = key[len(head) :].replace("-", "_")
+        if name not in allowed:
+            known = ", ".join(option_key(kind, n) for n in allowed)
+            why = (
+                "is set by the agent's config, not by a pod"
+                if name in cls.names()
+                else f"is not an option of a {kind} (known: {known})"
+            )
+            raise OptionError(name, text, why, f"{where} {key}")
+        out[name] = cls.parse_text(name, str(text), f"{where} {key}")
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +132,8 @@ def decide(pod: dict, kind: str, in_flight: frozenset = frozenset()) -> Optional
       claimed it is gone (restarted mid-run) → Failed, not retried.
     - handled == NAME@OTHER_UID: the annotations were carried over from another pod (a copied
       manifest) → stale → Failed "stale request", not run.
-    - a name that is not a valid snapshot name → Failed.
+    - a name that is not a valid snapshot name, or an option annotation of the request that
+      is unknown or bad (:func:`option_values`) → Failed.
     - the pod is being deleted or still Pending → skip (a later event brings it Running);
       Succeeded/Failed/Unknown → Failed, not run.
     - the pod does not set ``spec.hostPID: true`` → Failed, not run: the agent, CRIU and the
@@ -138,6 +185,12 @@ def decide(pod: dict, kind: str, in_flight: frozenset = frozenset()) -> Optional
             f"request: {name!r} is not a snapshot name (lower-case letters, digits, "
             f"'.', '_', '-'; one path component)",
         )
+    from cuinterpose.agent.options import OptionError
+
+    try:
+        option_values(pod, kind)
+    except OptionError as e:
+        return Decision(kind, "fail", name, token, f"{e}; nothing was done")
     phase = (pod.get("status") or {}).get("phase")
     if phase in (None, "Pending"):
         return Decision(kind, "skip", name, token)  # wait: a later event brings it Running

@@ -14,8 +14,9 @@ is listed or changes is passed to :meth:`PodWatcher.handle`, which decides
    container (``resolver.placeholder``): the restored trees join its cgroups, namespaces and
    stdio (``into_pid``);
 3. ``-status: Running`` with the root pids, then ``actions.checkpoint(...)`` /
-   ``actions.restore(..., into_pid=PID)`` (``actions.AgentActions`` by default: the agent's own
-   entry points);
+   ``actions.restore(..., into_pid=PID)`` with the options the pod's annotations set
+   (``annotations.option_values``; ``actions.AgentActions`` by default: the agent's own entry
+   points, agent/run/ops.py);
 4. ``-status: Succeeded`` (checkpoint: ``cuinterpose.io/snapshot`` = the snapshot directory) or
    ``Failed`` with the error (phase, pid, reason, outcome).
 
@@ -235,9 +236,11 @@ class PodWatcher:
                     pod,
                     {st: A.RUNNING, msg: _one_line(f"checkpoint {d.name}: {desc} -> {images_dir}")},
                 )
-                leave = _leave_running(pod, self.config.kubernetes.leave_running)
+                values = A.option_values(pod, kind)
+                values.setdefault("leave_running", self.config.kubernetes.leave_running)
+                leave = values["leave_running"]
                 result = self.actions.checkpoint(
-                    pod, d.name, roots=roots, images_dir=str(images_dir), leave_running=leave
+                    pod, d.name, roots=roots, images_dir=str(images_dir), options=values
                 )
                 done = {
                     st: A.SUCCEEDED,
@@ -281,7 +284,12 @@ class PodWatcher:
                     },
                 )
                 result = self.actions.restore(
-                    pod, d.name, images_dir=str(images_dir), into_pid=into, into_start_time=started
+                    pod,
+                    d.name,
+                    images_dir=str(images_dir),
+                    into_pid=into,
+                    into_start_time=started,
+                    options=A.option_values(pod, kind),
                 )
                 done = {
                     st: A.SUCCEEDED,
@@ -463,11 +471,6 @@ def _notes(items) -> str:
 def _ref(pod: dict) -> str:
     m = pod.get("metadata") or {}
     return f"{m.get('namespace')}/{m.get('name')}"
-
-
-def _leave_running(pod: dict, default: bool) -> bool:
-    v = A.annotations_of(pod).get(A.LEAVE_RUNNING)
-    return default if v is None else v.strip().lower() == "true"
 
 
 def build_watcher(

@@ -31,6 +31,10 @@ from cuinterpose.agent.mech.criu_child import ChildSetup, run_setup_probe
 from cuinterpose.agent.mech.criu_images import describe_pid, image_pids, wait_exit, wait_pids_free
 from cuinterpose.agent.mech.criu_run import bad_size_files, common_args, log_tail, run
 from cuinterpose.agent.mech.procfs import ns_inode
+from cuinterpose.agent.options import RunOptions
+
+#: a CRIU run's deadline when the caller gives none: the ``criu_timeout_s`` option's default
+TIMEOUT_S = RunOptions().criu_timeout_s
 
 __all__ = [
     "CriuError",
@@ -105,6 +109,7 @@ def dump(
     extra_args: Iterable[str] = (),
     external_files: Iterable[str] = (),
     deleted_files: Sequence[dict] = (),
+    timeout_s: float = TIMEOUT_S,
 ) -> dict:
     """Dump the process tree rooted at ``root_pid`` into ``images_dir`` (created if missing).
 
@@ -132,9 +137,11 @@ def dump(
     MiB) and ``--link-remap`` for one with a link left (a ``multiprocessing`` semaphore), whose
     links are then kept with the images (agent/mech/criu_remap.py).
 
+    ``timeout_s``: CRIU is killed past it (the run's ``criu_timeout_s``).
+
     Raises ``CriuError`` when ``root_pid`` does not exist, ``images_dir`` already holds
-    images (``*.img``; images of two dumps must not mix), or CRIU fails (message: command,
-    exit code, log tail).
+    images (``*.img``; images of two dumps must not mix), or CRIU fails or runs past
+    ``timeout_s`` (message: command, exit code, log tail).
     """
     images_dir = Path(images_dir).absolute()
     if root_pid <= 1 or not os.path.exists(f"/proc/{root_pid}"):
@@ -157,7 +164,14 @@ def dump(
     deleted = list(deleted_files)
     args += [*fds.ghost_limit_args(deleted), *extra_args]
     setup = ChildSetup(namespaces=tuple((k, f"/proc/{root_pid}/ns/{k}") for k in ns["enter"]))
-    run("dump", args, images_dir=images_dir, log_path=images_dir / log_name, setup=setup)
+    run(
+        "dump",
+        args,
+        images_dir=images_dir,
+        log_path=images_dir / log_name,
+        setup=setup,
+        timeout_s=timeout_s,
+    )
     if "--link-remap" in args:
         try:
             criu_remap.collect(images_dir, deleted)
@@ -179,6 +193,7 @@ def restore(
     inherit_fds: Sequence[tuple[int, str]] = (),
     setup: ChildSetup | None = None,
     leave_stopped: bool = False,
+    timeout_s: float = TIMEOUT_S,
 ) -> int:
     """Restore the tree dumped in ``images_dir``, detached; returns the restored root's PID.
 
@@ -201,7 +216,7 @@ def restore(
     (its cgroups are the restored tasks' under ``--manage-cgroups=ignore``). The caller keeps
     (and closes) its fds. ``leave_stopped``: ``--leave-stopped``, the restored tasks stay
     stopped (SIGSTOP) until the caller SIGCONTs each (``image_pids``), to change something of
-    theirs first.
+    theirs first. ``timeout_s``: CRIU is killed past it (the run's ``criu_timeout_s``).
 
     Raises ``CriuError`` naming ``images_dir`` when it is missing, holds no images, its
     ``pstree.img`` is unreadable, a PID it needs is taken, ``setup`` cannot be applied (CRIU
@@ -264,6 +279,7 @@ def restore(
             log_path=work_dir / log_name,
             setup=setup,
             pass_fds=[int(fd) for fd, _ in inherit_fds],
+            timeout_s=timeout_s,
         )
     except CriuError:
         if own_work_dir and not (work_dir / log_name).exists():

@@ -133,27 +133,6 @@ def bad_size_files(log_path: Path) -> list[dict]:
 #: prctl(2) option (include/uapi/linux/prctl.h): the signal sent when the parent thread dies
 PR_SET_PDEATHSIG = 1
 
-#: the deadline of one CRIU run, in seconds (``$CUINTERPOSE_CRIU_TIMEOUT_S``, default 3600: a
-#: dump writes every page of the trees); past it CRIU is killed and the step fails (a dump is
-#: rolled back: the tree CRIU had seized is detached by the kill and resumed by the rollback)
-CRIU_TIMEOUT_ENV = "CUINTERPOSE_CRIU_TIMEOUT_S"
-CRIU_TIMEOUT_S = 3600.0
-
-
-def criu_timeout_s() -> float:
-    """``$CUINTERPOSE_CRIU_TIMEOUT_S`` as seconds (> 0, finite), else :data:`CRIU_TIMEOUT_S`.
-    Raises ``CriuError`` naming the variable for a value that is not such a number."""
-    raw = os.environ.get(CRIU_TIMEOUT_ENV)
-    if raw is None or raw == "":
-        return CRIU_TIMEOUT_S
-    try:
-        v = float(raw)
-    except ValueError:
-        v = float("nan")
-    if not (v > 0 and v < float("inf")):
-        raise CriuError(f"{CRIU_TIMEOUT_ENV}={raw!r}: must be a finite number of seconds above 0")
-    return v
-
 
 def _child_preexec(opened, umask=None):
     """The ``preexec_fn`` of CRIU's child: first PR_SET_PDEATHSIG(SIGKILL), so CRIU dies with
@@ -184,13 +163,17 @@ def run(
     log_path: Path,
     setup: ChildSetup | None = None,
     pass_fds: Sequence[int] = (),
+    timeout_s: float,
 ) -> None:
-    """Run ``criu ACTION ARGS`` (with ``env()``, stdin from /dev/null) from a child that
+    """Run ``criu ACTION ARGS`` (with ``env()``, stdin from /dev/null), killed past
+    ``timeout_s`` seconds (the run's ``criu_timeout_s`` option: a dump writes every page of the
+    trees; a killed dump is rolled back: the tree CRIU had seized is detached by the kill and
+    resumed by the rollback), from a child that
     applies ``setup`` first (entering another mount namespace through a descriptor of this
     process's root, agent/mech/mntns.py), passing it ``pass_fds``. Raises ``CriuError``: not
     started (naming what the child could not do), or failed (exit code, the tail of
     ``log_path``, which :func:`keep_log` copies out of ``images_dir``, and ``bad_size``)."""
-    deadline_s = criu_timeout_s()
+    deadline_s = float(timeout_s)
     cmd = [*criu_command(), action, *args]
     root_fd = -1
     if setup and any(kind == "mnt" for kind, _ in setup.namespaces):
@@ -227,7 +210,7 @@ def run(
         except subprocess.TimeoutExpired:  # subprocess.run killed and reaped CRIU
             log_path = keep_log(action, log_path, images_dir)
             raise CriuError(
-                f"criu {action} did not finish within {deadline_s:g} s ({CRIU_TIMEOUT_ENV}) "
+                f"criu {action} did not finish within {deadline_s:g} s (criu_timeout_s) "
                 f"for images dir {images_dir}: it was killed",
                 cmd=cmd,
                 images_dir=images_dir,

@@ -27,13 +27,10 @@ plugin has one), chosen once per process by :func:`backend` from ``--native-back
 ``cuCheckpointProcess*`` entry point, else a ``cuda-checkpoint`` found by
 :func:`native_cli.find`, else ``AgentError`` phase "native backend").
 
-Network namespaces: a driver call about a process in another network namespace than the agent
-(a container, or a tree restored into a placement, agent/mech/placement.py) is made from a
-short-lived thread that first joins that process's network namespace (``setns(2)`` on
-``/proc/PID/ns/net``; a thread's network namespace is its own, namespaces(7)), see
-:func:`in_netns`. fakecuda's controller reaches the target through the abstract Unix socket
-``\0fakecuda-<pid>``, and abstract socket names belong to a network namespace (unix(7)); the
-real driver's calls are made the same way.
+A driver call about another process is made in that process's network namespace and within
+the run's driver-call deadline (agent/mech/native_call.py). Which driver, backend and deadline:
+the run's options (agent/options.py ``DriverOptions``), set around its steps by
+:func:`~cuinterpose.agent.mech.native_call.using`; this module never reads the environment.
 """
 
 from __future__ import annotations
@@ -42,16 +39,21 @@ import ctypes
 import dataclasses
 import os
 import pathlib
-import threading
 import time
-from typing import Callable, Iterable, Optional, Sequence, TypeVar
+from typing import Callable, Iterable, Optional, Sequence
 
 from cuinterpose.agent import paths
 from cuinterpose.agent.errors import AgentError, NativeError
-from cuinterpose.agent.mech import libc, native_cli, native_storage, procfs, signal_at
-
-DRIVER_ENV = "CUINTERPOSE_DRIVER"
-DRIVER_KINDS = ("real", "fake")
+from cuinterpose.agent.mech import native_cli, native_storage, procfs, signal_at
+from cuinterpose.agent.mech.native_call import (  # noqa: F401 (the native API's own names)
+    call_deadline_s,
+    current,
+    in_netns,
+    using,
+    with_deadline,
+)
+from cuinterpose.agent.options import DRIVERS as DRIVER_KINDS
+from cuinterpose.agent.options import NATIVE_BACKENDS as BACKEND_KINDS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,9 +82,9 @@ _driver = None
 
 
 def driver_kind(kind: Optional[str] = None) -> str:
-    """Resolve the driver kind: ``kind`` if given, else ``$CUINTERPOSE_DRIVER``, else "real".
-    Raises ``AgentError`` for an unknown kind."""
-    k = (kind or os.environ.get(DRIVER_ENV) or "real").strip().lower()
+    """Resolve the driver kind: ``kind`` if given, else the run's ``driver`` option
+    (:func:`current`), else "real". Raises ``AgentError`` for an unknown kind."""
+    k = (kind or current().driver or "real").strip().lower()
     if k not in DRIVER_KINDS:
         raise AgentError("driver", f"unknown driver kind {k!r} (expected one of {DRIVER_KINDS})")
     return k
@@ -192,121 +194,6 @@ def info() -> DriverInfo:
     return _info if _info is not None else load()
 
 
-_T = TypeVar("_T")
-_setns = None
-
-
-def _netns_of(pid: int) -> Optional[tuple[int, int]]:
-    try:
-        st = os.stat(f"/proc/{pid}/ns/net")
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
-
-
-def _setns_error(pid: int, reason: str) -> NativeError:
-    e = NativeError("setns", pid, reason)
-    e.reason = reason
-    e.args = (f"{e.phase}: pid {pid} {reason}",)
-    return e
-
-
-def in_netns(pid: int, fn: Callable[[], _T]) -> _T:
-    """``fn()`` run in the network namespace of process ``pid``: directly when it is this
-    thread's (or ``pid``'s cannot be read: the call then fails on its own, e.g. a process that
-    is gone), else in a new thread that ``setns(2)``s into ``/proc/PID/ns/net`` first and
-    exits afterwards (so no thread of the agent stays in it). ``fn``'s exception is re-raised
-    here; a namespace that cannot be joined raises ``NativeError`` (action "setns")."""
-    global _setns
-    target = _netns_of(pid)
-    if target is None or target == _netns_of("thread-self"):
-        return fn()
-    if _setns is None:
-        _setns = libc.fn("setns")
-    box: dict = {}
-
-    def run():
-        try:
-            fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as e:
-            box["exc"] = _setns_error(pid, f"cannot open /proc/{pid}/ns/net: {e.strerror or e}")
-            return
-        try:
-            if _setns(fd, libc.CLONE_NEWNET) != 0:
-                err = ctypes.get_errno()
-                box["exc"] = _setns_error(
-                    pid, f"cannot join its network namespace (setns): {os.strerror(err)}"
-                )
-                return
-        finally:
-            os.close(fd)
-        try:
-            box["ret"] = fn()
-        except BaseException as e:  # handed to the caller
-            box["exc"] = e
-
-    t = threading.Thread(target=run, name=f"cuinterpose-netns-{pid}", daemon=True)
-    t.start()
-    t.join()
-    if "exc" in box:
-        raise box["exc"]
-    return box["ret"]
-
-
-#: seconds a driver call about another process may take before the agent gives up on it
-#: (``$CUINTERPOSE_DRIVER_CALL_TIMEOUT_S``); a lock's own timeout is added to it
-CALL_DEADLINE_ENV = "CUINTERPOSE_DRIVER_CALL_TIMEOUT_S"
-CALL_DEADLINE_S = 60.0
-
-
-def call_deadline_s() -> float:
-    """The deadline of one driver call (:data:`CALL_DEADLINE_ENV`, else 60 s)."""
-    try:
-        v = float(os.environ.get(CALL_DEADLINE_ENV, CALL_DEADLINE_S))
-    except ValueError:
-        return CALL_DEADLINE_S
-    return v if 0 < v < 86400 else CALL_DEADLINE_S
-
-
-def with_deadline(action: str, pid: int, fn: Callable[[], _T], deadline_s: Optional[float]) -> _T:
-    """``fn()`` run in a worker thread that the caller waits for at most ``deadline_s``
-    seconds (None: no deadline); past it, ``NativeError`` CUDA_ERROR_TIMEOUT naming the pid
-    (the thread is left to finish on its own: a daemon thread). The wait is interruptible:
-    SIGINT/SIGTERM handlers run in the caller meanwhile."""
-    if deadline_s is None:
-        return fn()
-    box: dict = {}
-
-    def run():
-        try:
-            box["ret"] = fn()
-        except BaseException as e:  # handed to the caller
-            box["exc"] = e
-
-    t = threading.Thread(target=run, name=f"cuinterpose-driver-{pid}", daemon=True)
-    t.start()
-    t.join(deadline_s)
-    if t.is_alive():
-        st = _proc_state(pid)
-        raise NativeError(
-            action,
-            pid,
-            f"CUDA_ERROR_TIMEOUT (no answer from the driver within {deadline_s:g} s"
-            + (f"; the process is in state {st}" if st else "")
-            + "; a stopped process: `kill -CONT` it, or `cuinterpose-agent release`)",
-        )
-    if "exc" in box:
-        raise box["exc"]
-    return box["ret"]
-
-
-def _proc_state(pid: int) -> Optional[str]:
-    try:
-        return procfs.stat_fields(pid)[1][procfs.STAT_STATE]
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def _call(action: str, pid: int, *args, deadline_s: Optional[float] = -1.0):
     drv = _driver if _driver is not None else (load() and _driver)
     fn = getattr(
@@ -381,8 +268,6 @@ API_SYMBOLS = (
     "cuCheckpointProcessRestore",
     "cuCheckpointProcessUnlock",
 )
-BACKEND_ENV = "CUINTERPOSE_NATIVE_BACKEND"
-BACKEND_KINDS = ("auto", "driver-api", "cuda-checkpoint")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -419,9 +304,9 @@ def _api_backend(why: str, detail: str) -> Backend:
 
 
 def backend_kind(kind: Optional[str] = None) -> str:
-    """``kind`` if given, else ``$CUINTERPOSE_NATIVE_BACKEND``, else "auto". Raises
+    """``kind`` if given, else the run's ``native_backend`` option (:func:`current`). Raises
     ``AgentError`` (phase "native backend") for an unknown kind."""
-    k = (kind or os.environ.get(BACKEND_ENV) or "auto").strip().lower()
+    k = (kind or current().native_backend).strip().lower()
     if k not in BACKEND_KINDS:
         raise AgentError(
             "native backend", f"unknown native backend {k!r} (expected one of {BACKEND_KINDS})"
@@ -507,7 +392,7 @@ def _cli_backend(path: str, why: str) -> Backend:
 
 
 def backend(kind: Optional[str] = None) -> Backend:
-    """The backend of this process for ``kind`` (or ``$CUINTERPOSE_NATIVE_BACKEND``): chosen
+    """The backend of this process for ``kind`` (else the run's ``native_backend``): chosen
     once by :func:`choose` once the driver is loaded, then kept (one choice per kind)."""
     k = backend_kind(kind)
     b = _backends.get(k)

@@ -32,12 +32,12 @@ from typing import Callable, Optional, Sequence
 
 from cuinterpose.agent.errors import AgentError, NativeError
 from cuinterpose.agent.mech import gpustore
+from cuinterpose.agent.options import GPU_STORAGE_MODES
 from cuinterpose.agent.snapshot.snapdir import SnapshotDir, gpu_rel
 
 COMPLETE_SYMBOL = "cuCheckpointOperationComplete"
 MIN_DRIVER_VERSION = 13040  # cuda.h 13.4: customStorageInfo_out
-MODES = ("auto", "custom", "host")
-MODE_ENV = "CUINTERPOSE_GPU_STORAGE"
+MODES = GPU_STORAGE_MODES
 
 
 class _Info(ctypes.Structure):  # CUcheckpointCustomStorageInfo (cuda.h 13.5)
@@ -52,10 +52,10 @@ class _PerDevice(ctypes.Structure):  # CUcheckpointCustomStoragePerDeviceData
     _fields_ = [("devPtr", ctypes.c_uint64), ("size", ctypes.c_size_t), ("stream", ctypes.c_void_p)]
 
 
-def mode(value: Optional[str] = None) -> str:
-    """``value``, else ``$CUINTERPOSE_GPU_STORAGE``, else "auto"; ``AgentError`` phase "gpu
-    storage" for another word."""
-    m = (value or os.environ.get(MODE_ENV) or "auto").strip().lower()
+def mode(value: str) -> str:
+    """``value`` (the ``gpu_storage`` option: auto | custom | host), checked; ``AgentError``
+    phase "gpu storage" for another word."""
+    m = value.strip().lower()
     if m not in MODES:
         raise AgentError("gpu storage", f"--gpu-storage {m!r}: expected one of {MODES}")
     return m

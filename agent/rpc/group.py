@@ -329,16 +329,11 @@ def lead(
                 g.node = m.node
                 req.group.CopyFrom(g)
             else:
-                req.restore.CopyFrom(
-                    apb.RestoreRequest(
-                        images_dir=m.images_dir,
-                        driver=request.driver,
-                        into_pid=m.into_pid,
-                        device_map=m.device_map,
-                        phase_timeout_s=request.phase_timeout_s,
-                        carrier_timeout_s=request.carrier_timeout_s,
-                    )
+                sub = apb.RestoreRequest(
+                    images_dir=m.images_dir, into_pid=m.into_pid, device_map=m.device_map
                 )
+                sub.options.CopyFrom(request.options)
+                req.restore.CopyFrom(sub)
 
         def fwd(row):
             row = dict(row)

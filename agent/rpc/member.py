@@ -96,8 +96,7 @@ class GroupMember:
     """The member side of :class:`~cuinterpose.agent.rpc.service.AgentService`: its group
     jobs and their leases. The service calls :meth:`init_member` in its ``__init__`` and
     provides ``opts`` (``ServeOptions``), ``metrics``, ``active`` (the running work threads),
-    ``exclusive()`` (the node lock), ``confine()``, ``checkpoint_kwargs()``,
-    ``restore_kwargs()`` and ``_env()``."""
+    ``exclusive()`` (the node lock), ``confine()`` and ``request_options()``."""
 
     def init_member(self) -> None:
         self.jobs: dict[str, Job] = {}
@@ -443,16 +442,15 @@ class GroupMember:
         if kind == "checkpoint":
             c = req.checkpoint
             images_dir = self.confine(c.images_dir)
-            kw = self.checkpoint_kwargs(c)
-            self._env(kw["driver"])
-            obj = Checkpoint(list(c.roots), images_dir, reporter=Reporter(), **kw)
+            opts = self.request_options("checkpoint", options_of(c))
+            obj = Checkpoint(list(c.roots), images_dir, opts, reporter=Reporter())
             if req.HasField("group"):
                 obj.group = pb.message_to_dict(req.group)
             return obj
-        images_dir = self.confine(req.restore.images_dir)
-        kw = self.restore_kwargs(req.restore)
-        self._env(kw["driver"])
-        return Restore(images_dir, reporter=Reporter(), **kw)
+        r = req.restore
+        images_dir = self.confine(r.images_dir)
+        opts = self.request_options("restore", options_of(r))
+        return Restore(images_dir, opts, reporter=Reporter(), **restore_targets(r))
 
 
 class _Refused:
@@ -482,6 +480,18 @@ class _Refused:
                 "manifest_written": False,
             }
         return {}
+
+
+def options_of(request):
+    """The options message of a request (None when it carries none)."""
+    return request.options if request.HasField("options") else None
+
+
+def restore_targets(request) -> dict:
+    """What a RestoreRequest restores into, as ``Restore`` takes it: ``placement`` (a pid,
+    read and checked in the restore's "placement" phase) and ``device_map`` ("OLD=NEW[,...]",
+    checked against the snapshot in "driver", agent/mech/devicemap.py)."""
+    return {"placement": request.into_pid or None, "device_map": request.device_map or None}
 
 
 def _release_store(obj, keep_pin: bool) -> None:

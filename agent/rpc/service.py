@@ -28,14 +28,15 @@ import contextlib
 import dataclasses
 import json
 import logging
-import os
 import queue
 import threading
 from concurrent import futures
 from typing import Callable, Iterator, Optional
 
+from cuinterpose.agent import options as options_mod
 from cuinterpose.agent import paths, validate
 from cuinterpose.agent.errors import AgentError
+from cuinterpose.agent.mech import native_call
 from cuinterpose.agent.rpc import group, unixsock
 from cuinterpose.agent.rpc.client import (
     SERVER_KEEPALIVE_OPTIONS,
@@ -44,7 +45,12 @@ from cuinterpose.agent.rpc.client import (
     normalize_address,
     unix_path,
 )
-from cuinterpose.agent.rpc.member import DEFAULT_GROUP_LEASE_S, GroupMember
+from cuinterpose.agent.rpc.member import (
+    DEFAULT_GROUP_LEASE_S,
+    GroupMember,
+    options_of,
+    restore_targets,
+)
 from cuinterpose.agent.rpc.security import confine_path, listener_security
 from cuinterpose.agent.run import ops
 from cuinterpose.agent.run.report import Phase, Reporter
@@ -53,7 +59,7 @@ from cuinterpose.agent.snapshot import pb
 log = logging.getLogger("cuinterpose.service")
 
 #: the daemon's snapshot root when neither ``--snapshot-dir`` nor the config names one
-DEFAULT_SNAPSHOT_DIR = "/var/lib/cuinterpose/snapshots"
+DEFAULT_SNAPSHOT_DIR = paths.DEFAULT_SNAPSHOT_DIR
 
 
 # -- events ------------------------------------------------------------------------------------
@@ -222,16 +228,16 @@ class Stream:
 @dataclasses.dataclass
 class ServeOptions:
     """What ``serve`` was started with. ``node``: name in events and errors (default the
-    host name); ``control_dir``/``driver``: defaults for requests that name none;
-    ``snapshot_dir``: what ``ListSnapshots`` lists by default and the root relative images
-    dirs are taken from (``snapshot_roots``: all the roots requests are confined to);
-    ``tls``: credentials for the listener (TCP) and for the channels a leader opens to
-    members; ``group_lease_s``: the lease of a group request's job on this member, seconds
-    (> 0)."""
+    host name); ``options``: the daemon's own options by request kind ("checkpoint",
+    "restore", "inspect": agent/options.py objects, from its environment, config and flags):
+    what a request leaves unset takes from these; ``snapshot_dir``: what ``ListSnapshots``
+    lists by default and the root relative images dirs are taken from (``snapshot_roots``: all
+    the roots requests are confined to); ``tls``: credentials for the listener (TCP) and for
+    the channels a leader opens to members; ``group_lease_s``: the lease of a group request's
+    job on this member, seconds (> 0)."""
 
     node: str = ""
-    control_dir: Optional[str] = None
-    driver: Optional[str] = None
+    options: dict = dataclasses.field(default_factory=options_mod.for_kinds)
     snapshot_dir: Optional[str] = None
     #: every directory requests may name (images dirs, ListSnapshots); default
     #: [snapshot_dir] or [DEFAULT_SNAPSHOT_DIR]. The first is where relative paths point.
@@ -239,11 +245,6 @@ class ServeOptions:
     tls: Optional[TLS] = None
     #: allow a non-loopback TCP listener without mutual TLS (``serve --insecure-tcp``)
     insecure_tcp: bool = False
-    #: defaults for a CheckpointRequest/RestoreRequest that leaves them unset (0)
-    quiesce_timeout_ms: int = 10_000
-    lock_timeout_ms: int = 10_000
-    phase_timeout_s: float = 60.0
-    carrier_timeout_s: float = 3600.0
     #: a group request's job lives this many seconds past its last RunPhase or Renew
     group_lease_s: float = DEFAULT_GROUP_LEASE_S
 
@@ -352,51 +353,12 @@ class AgentService(GroupMember, _servicer_base()):
             active=self.active,
         )
 
-    def checkpoint_kwargs(self, req) -> dict:
-        o = req.options
-        driver = o.driver or self.opts.driver
-        d = self.opts
-        return {
-            "control_dir": o.control_dir or d.control_dir,
-            "quiesce_timeout_ms": o.quiesce_timeout_ms or d.quiesce_timeout_ms,
-            "lock_timeout_ms": (
-                o.lock_timeout_ms if o.HasField("lock_timeout_ms") else d.lock_timeout_ms
-            ),
-            "phase_timeout_s": o.phase_timeout_s or d.phase_timeout_s,
-            "carrier_timeout_s": o.carrier_timeout_s or d.carrier_timeout_s,
-            "driver": driver or None,
-            "leave_running": o.leave_running,
-            # the data path per request (run/carriers.py, run/gpustore_step.py); unset: the
-            # daemon's environment, else the defaults
-            "chunks": {
-                k: int(v)
-                for k, v in (
-                    ("chunk_bytes", o.chunk_bytes),
-                    ("staging_bytes", o.staging_bytes),
-                    ("writers", o.writers),
-                )
-                if v
-            }
-            | ({"incremental": True} if o.incremental else {}),
-            "gpu_storage": o.gpu_storage or None,
-        }
-
-    def restore_kwargs(self, req) -> dict:
-        return {
-            "driver": req.driver or self.opts.driver or None,
-            "phase_timeout_s": req.phase_timeout_s or self.opts.phase_timeout_s,
-            "carrier_timeout_s": req.carrier_timeout_s or self.opts.carrier_timeout_s,
-            # a pid: read and checked in the restore's "placement" phase
-            "placement": req.into_pid or None,
-            # "OLD=NEW[,...]": parsed and checked against the snapshot in "placement"
-            # (agent/mech/devicemap.py), before anything is restored
-            "device_map": req.device_map or None,
-        }
-
-    def _env(self, driver: Optional[str]):
-        # native.load reads $CUINTERPOSE_DRIVER when no kind is given (as the CLI sets it)
-        if driver:
-            os.environ["CUINTERPOSE_DRIVER"] = driver
+    def request_options(self, kind: str, msg):
+        """The options of a ``kind`` request ("checkpoint", "restore", "inspect"): the
+        daemon's own (:attr:`ServeOptions.options`) with every field the request's options
+        message ``msg`` sets (None: none); built once per request. Raises ``OptionError``
+        (refused) naming ``options.FIELD``."""
+        return options_mod.BY_KIND[kind].from_proto(msg, self.opts.options[kind])
 
     def _lead(self, kind: str, request):
         """A request with ``members``: this agent leads the group (rpc/group.py)."""
@@ -419,42 +381,37 @@ class AgentService(GroupMember, _servicer_base()):
     def Checkpoint(self, request, context):
         if request.members:
             return self._lead("checkpoint", request)
-        kw = self.checkpoint_kwargs(request)
-        self._env(kw["driver"])
 
         def work(rep, emit):
-            validate.checkpoint_request(
-                roots=list(request.roots), images_dir=request.images_dir, **kw
-            )
+            opts = self.request_options("checkpoint", options_of(request))
+            validate.checkpoint_request(roots=list(request.roots), images_dir=request.images_dir)
             images_dir = self.confine(request.images_dir)
             with self.exclusive(
                 rep, f"a gRPC checkpoint of root(s) {', '.join(map(str, request.roots)) or '-'}"
             ):
-                return ops.checkpoint(rep, list(request.roots), images_dir, **kw)
+                return ops.checkpoint(rep, list(request.roots), images_dir, opts)
 
         return iter(self._stream("checkpoint", work))
 
     def Restore(self, request, context):
         if request.members:
             return self._lead("restore", request)
-        kw = self.restore_kwargs(request)
-        self._env(kw["driver"])
 
         def work(rep, emit):
+            opts = self.request_options("restore", options_of(request))
+            kw = restore_targets(request)
             validate.restore_request(images_dir=request.images_dir, **kw)
             images_dir = self.confine(request.images_dir)
             with self.exclusive(rep, f"a gRPC restore of {images_dir}"):
-                return ops.restore(rep, images_dir, **kw), None
+                return ops.restore(rep, images_dir, opts, **kw), None
 
         return iter(self._stream("restore", work))
 
     def Inspect(self, request, context):
-        cd = request.control_dir or self.opts.control_dir
-        timeout_s = request.timeout_s or 10.0
-
         def work(rep, emit):
-            validate.inspect_request(pid=int(request.pid), timeout_s=timeout_s, control_dir=cd)
-            return ops.inspect(int(request.pid), control_dir=cd, timeout_s=timeout_s), None
+            opts = self.request_options("inspect", options_of(request))
+            validate.inspect_request(pid=int(request.pid))
+            return ops.inspect(int(request.pid), opts), None
 
         return iter(self._stream("inspect", work))
 
@@ -567,7 +524,9 @@ class Server:
         from cuinterpose.agent.run import recover
 
         # case 009: a dead agent's checkpoint in the control dir is rolled back first
-        self.recovered = recover.recover_dead(self.opts.control_dir)
+        o = self.opts.options["checkpoint"]
+        with native_call.using(o):
+            self.recovered = recover.recover_dead(o.control_dir)
         self.server.start()
         if self.gate is not None:
             self.gate.start()  # 0600 since its bind, in place now (decisions.md D2)

@@ -5,14 +5,13 @@ allocation, written by the shims at SAVE_ALLOCATIONS and read back at LOAD_ALLOC
 and rollback) through descriptors the agent opens and passes (SCM_RIGHTS), so the shim needs no
 access to the agent's mount namespace.
 
-Settings (:func:`settings`: one ``ChunkSettings`` of coordinator/protocol/carriers.py, the same
-value the GPU streams of agent/mech/gpustore.py are written with): ``chunk_bytes`` (default 8
-MiB, a power of two from 64 KiB to 1 GiB; environment ``CUINTERPOSE_CHUNK_BYTES``),
-``staging_bytes`` (the staging ring per process, default 64 MiB; ``CUINTERPOSE_STAGING_BYTES``),
-``writers`` (threads per process, default 4; ``CUINTERPOSE_WRITERS``), ``checksum`` (the chunk
-checksum of a checkpoint, decisions D36: "sha256" where the shim can use the CPU's SHA
-extensions, x86-64 with ``sha_ni``, else "blake2b-256"; ``CUINTERPOSE_CHUNK_CHECKSUM``; a
-restore or release uses the one its snapshot was written with). Errors:
+Settings (:func:`settings`: one ``ChunkSettings`` of coordinator/protocol/carriers.py, built
+from a checkpoint's options, agent/options.py, and the same value the GPU streams of
+agent/mech/gpustore.py are written with): ``chunk_bytes`` (default 8 MiB, a power of two from
+64 KiB to 1 GiB), ``staging_bytes`` (the staging ring per process, default 64 MiB), ``writers``
+(threads per process, default 4), ``checksum`` (the chunk checksum of a checkpoint, decisions
+D36: "sha256" where the shim can use the CPU's SHA extensions, x86-64 with ``sha_ni``, else
+"blake2b-256"; a restore or release uses the one its snapshot was written with). Errors:
 :class:`~cuinterpose.agent.errors.AgentError` naming the value and its source. Durability (fsync
 of the files and of ``chunks/``) is the sync phase's job, not this module's. ``--incremental``:
 the streams are packs of the snapshot root's chunk store instead (agent/snapshot/store.py;
@@ -32,15 +31,6 @@ from cuinterpose.agent.snapshot.snapdir import SnapshotDir
 from cuinterpose.agent.units import parse_bytes
 from cuinterpose.coordinator.carrierfiles import CarrierFiles
 from cuinterpose.coordinator.protocol import DEFAULT_CHUNK_CHECKSUM, ChunkSettings
-
-#: "1": every checkpoint of this agent is incremental (a daemon's default; --incremental)
-INCREMENTAL_ENV = "CUINTERPOSE_INCREMENTAL"
-ENV = {
-    "chunk_bytes": "CUINTERPOSE_CHUNK_BYTES",
-    "staging_bytes": "CUINTERPOSE_STAGING_BYTES",
-    "writers": "CUINTERPOSE_WRITERS",
-    "checksum": "CUINTERPOSE_CHUNK_CHECKSUM",
-}
 
 
 def node_checksum(cpuinfo: str = "/proc/cpuinfo", machine: str | None = None) -> str:
@@ -66,19 +56,17 @@ def settings(
     chunk_bytes=None, staging_bytes=None, writers=None, checksum=None, *, fit_staging=False
 ) -> ChunkSettings:
     """The run's :class:`~cuinterpose.coordinator.protocol.ChunkSettings` (shared by the shim
-    carriers and the GPU streams): each field the argument, else its environment variable,
-    else the default (``checksum``: :func:`node_checksum`; ``fit_staging``, a restore of
-    ``chunk_bytes`` chunks: a default staging of at least one chunk). Raises AgentError (phase
-    :data:`SETTINGS_PHASE`) naming each bad value and where it came from
-    (``--staging-bytes``, ``CUINTERPOSE_STAGING_BYTES``, or the default); the limits are
+    carriers and the GPU streams): each field the argument (an option), else the default
+    (``checksum``: :func:`node_checksum`; ``fit_staging``, a restore of ``chunk_bytes``
+    chunks: a default staging of at least one chunk). Raises AgentError (phase
+    :data:`SETTINGS_PHASE`) naming each bad value (``--staging-bytes``, or the default, a
+    snapshot's ``chunks.checksum``); the limits are
     ``ChunkSettings``' (protocol.h's): chunk_bytes a power of two from 64 KiB to 1 GiB,
     chunk_bytes <= staging_bytes <= 64 GiB (the ring holds whole chunks), 1..64 writers."""
     given = {"chunk_bytes": chunk_bytes, "staging_bytes": staging_bytes, "writers": writers}
     out, names = {}, {}
     for k, v in given.items():
         where = f"--{k.replace('_', '-')}"
-        if v is None and os.environ.get(ENV[k]):
-            v, where = os.environ[ENV[k]], ENV[k]
         names[k] = where if v is not None else f"{where} (the default)"
         try:
             if v is not None:
@@ -89,8 +77,6 @@ def settings(
     if fit_staging and "staging_bytes" not in out and "chunk_bytes" in out:
         out["staging_bytes"] = max(ChunkSettings().staging_bytes, out["chunk_bytes"])
     where = "the snapshot's chunks.checksum"
-    if checksum is None and os.environ.get(ENV["checksum"]):
-        checksum, where = os.environ[ENV["checksum"]], ENV["checksum"]
     try:
         s = ChunkSettings.of(names, **out)
     except ValueError as e:
@@ -103,12 +89,12 @@ def settings(
 
 def checkpoint_files(images_dir, incremental: bool = False, **kw) -> CarrierFiles:
     """The chunk files a checkpoint into ``images_dir`` writes (``kw``: :func:`settings`).
-    ``incremental`` (or ``$CUINTERPOSE_INCREMENTAL=1``): packs of the chunk store of the
+    ``incremental``: packs of the chunk store of the
     snapshot root (agent/snapshot/store.py), with the chunks it already holds as ``known``;
     the store's shared lock and a pin (``store.Hold``; AgentError when the lock is not free in
     time) are kept in ``holder`` until :func:`release`."""
     snap = SnapshotDir(images_dir)
-    if not (incremental or os.environ.get(INCREMENTAL_ENV) == "1"):
+    if not incremental:
         return snap.carrier_files(settings(**kw))
     s = settings(**kw)
     root = snap.root

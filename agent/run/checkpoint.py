@@ -27,13 +27,13 @@ from cuinterpose.agent.errors import (
 from cuinterpose.agent.mech import census as census_mod
 from cuinterpose.agent.mech import census_checks, fds, native, quiesce
 from cuinterpose.agent.mech.inherit import external_file_key
+from cuinterpose.agent.options import CheckpointOptions
 from cuinterpose.agent.run import (
     carriers,
     durable,
     gpustore_step,
     images,
     interrupt,
-    options,
     placing,
     recover,
 )
@@ -53,7 +53,6 @@ from cuinterpose.agent.run.steps import (
 from cuinterpose.agent.snapshot import manifest as manifest_mod
 from cuinterpose.agent.snapshot import snapdir
 from cuinterpose.coordinator.contract import remove_if_id
-from cuinterpose.coordinator.protocol import default_control_dir
 
 __all__ = ["Checkpoint", "checkpoint", "as_agent_error", "strip_preload_env", "helper_env"]
 
@@ -81,31 +80,18 @@ class Checkpoint(Rollback, StepRunner):
         self,
         roots: Iterable[int],
         images_dir,
+        options: Optional[CheckpointOptions] = None,
         *,
-        control_dir=None,
-        quiesce_timeout_ms: int = 10_000,
-        lock_timeout_ms: int = 10_000,
-        phase_timeout_s: float = 60.0,
-        carrier_timeout_s: float = 3600.0,
-        driver: Optional[str] = None,
-        leave_running: bool = False,
         reporter: Optional[Reporter] = None,
         shim_path=None,
-        chunks: Optional[dict] = None,
-        gpu_storage: Optional[str] = None,
+        **changes,
     ):
-        # chunk_bytes, staging_bytes, writers, incremental (run/carriers.py)
-        self.chunks = dict(chunks or {})
-        self.gpu_storage_mode = gpu_storage  # auto|custom|host (run/gpustore_step.py), None: env
+        #: every option of this run (agent/options.py); ``changes`` (option names) are set on
+        #: ``options`` (default: the defaults), checked
+        self.options = (options or CheckpointOptions()).replace(**changes)
         self.roots = list(dict.fromkeys(int(r) for r in roots))
         self.images_dir, self.snap = images_dir, snapdir.SnapshotDir(images_dir)
-        self.control_dir = paths.canonical(control_dir or default_control_dir())
-        self.quiesce_timeout_ms = int(quiesce_timeout_ms)
-        self.lock_timeout_ms = int(lock_timeout_ms)
-        self.phase_timeout_s = float(phase_timeout_s)
-        self.carrier_timeout_s = float(carrier_timeout_s)
-        self.driver_kind = driver
-        self.leave_running = leave_running
+        self.control_dir = paths.canonical(self.options.control_dir)
         self.r = reporter or Reporter()
         self.shim_path = shim_path
         self.census = None
@@ -156,7 +142,7 @@ class Checkpoint(Rollback, StepRunner):
 
     # -- steps ---------------------------------------------------------------------------
     def prepare_images_dir(self):
-        options.check_checkpoint(self)  # every option and variable, before anything changes
+        images.preflight()  # the node's key and test hooks, before anything changes
         group = (self.group or {}).get("request_id", "")
         snap = self.snap = snapdir.prepare(self.images_dir, run_id=self.run_id, group=group)
         self.images_dir, self.created_dirs, self.dir_claim = snap.path, snap.created, snap.claim
@@ -166,7 +152,7 @@ class Checkpoint(Rollback, StepRunner):
 
     def load_driver(self):
         with self.r.phase("driver") as ph:
-            self.driver = native.load(self.driver_kind)
+            self.driver = native.load(self.options.driver)
             ph.detail = f"{self.driver.kind} {self.driver.version} {self.driver.library}"
 
     def take_census(self):
@@ -195,15 +181,16 @@ class Checkpoint(Rollback, StepRunner):
         parts = [ph.Participant(p.pid, p.socket_path) for p in self.census.participants]
         self.coordinator = ph.Coordinator(
             parts,
-            timeout_s=self.phase_timeout_s,
-            carrier_timeout_s=self.carrier_timeout_s,
+            timeout_s=self.options.phase_timeout_s,
+            carrier_timeout_s=self.options.carrier_timeout_s,
             on_event=coordinator_events(self.r.coordinator_event),
         )
         # the token of this checkpoint's claim on the shims (protocol.h "Claims"): in the .lock
         # record before the claim files are written (capture), so a release finds it again
         self.claim_token = secrets.token_bytes(16)
+        o = self.options
         files = self.coordinator.carriers = carriers.checkpoint_files(
-            self.images_dir, **self.chunks
+            self.images_dir, incremental=o.incremental, **o.chunk_settings()
         )
         if files.store is not None:  # each SAVE reply's refs go to the .lock at once
             lock = threading.Lock()
@@ -226,13 +213,13 @@ class Checkpoint(Rollback, StepRunner):
     def request_quiesce(self):
         with self.r.phase("quiesce") as ph:
             self.qid = self.run_id
-            quiesce.request(self.control_dir, self.roots, self.qid, self.quiesce_timeout_ms)
+            quiesce.request(self.control_dir, self.roots, self.qid, self.options.quiesce_timeout_ms)
             try:
                 self.ready = quiesce.wait_ready(
                     self.control_dir,
                     self.roots,
                     self.qid,
-                    self.quiesce_timeout_ms,
+                    self.options.quiesce_timeout_ms,
                     stop=self.guard.pending,
                 )
             except QuiesceRefused as e:
@@ -260,7 +247,7 @@ class Checkpoint(Rollback, StepRunner):
         process it locked could not be unlocked again (it stopped meanwhile)."""
         with self.r.phase("quiescence check") as ph:
             try:
-                native.lock_all(self.census.cuda_pids, self.lock_timeout_ms)
+                native.lock_all(self.census.cuda_pids, self.options.lock_timeout_ms)
             except native.NativeError as e:
                 left = [p for p in e.left_locked or () if _alive(p)]
                 if left:  # (a process that died meanwhile holds no lock)
@@ -322,7 +309,7 @@ class Checkpoint(Rollback, StepRunner):
 
     def native_lock(self):
         with self.r.phase("native lock") as ph:
-            native.lock_all(self.census.cuda_pids, self.lock_timeout_ms)
+            native.lock_all(self.census.cuda_pids, self.options.lock_timeout_ms)
             ph.detail = f"pids {', '.join(map(str, self.census.cuda_pids))}"
 
     def native_checkpoint(self):
@@ -360,6 +347,7 @@ class Checkpoint(Rollback, StepRunner):
                             d,
                             extra_args=("--leave-stopped",),
                             deleted_files=fds.unlinked_files(self.tree_pids[root]),
+                            timeout_s=self.options.criu_timeout_s,
                             **(
                                 {
                                     "external_files": list(
@@ -439,7 +427,7 @@ class Checkpoint(Rollback, StepRunner):
         remove their requests, or with ``--leave-running`` rebuild the workload (its
         ``.resume`` is the next step). From here on a group cannot be rolled back."""
         self.finishing = True
-        if self.leave_running:
+        if self.options.leave_running:
             self.rebuild_state("native restore", after_dump=True)
         else:
             self.kill_dumped()
@@ -448,7 +436,7 @@ class Checkpoint(Rollback, StepRunner):
     def resume(self):
         """``--leave-running``: ``.resume`` with ``restored=false`` (after a group's every
         member is rebuilt)."""
-        if self.leave_running:
+        if self.options.leave_running:
             with self.r.phase("resume"):
                 quiesce.resume(self.control_dir, self.roots, self.qid, restored=False)
 
@@ -472,7 +460,7 @@ class Checkpoint(Rollback, StepRunner):
         and then handled like a failure there: cancelled before teardown, rolled back after;
         once the manifest is written the checkpoint simply finishes."""
         self.t0_ns = self.r.begin()
-        with self.guard:
+        with self.guard, native.using(self.options):
             try:
                 self.run_steps(self.stage("images"))
                 out = self._run()
@@ -541,7 +529,7 @@ class Checkpoint(Rollback, StepRunner):
         try:
             self.run_steps(self.stage("finish"))
         except BaseException as rb:
-            if not self.leave_running:
+            if not self.options.leave_running:
                 raise
             raise CheckpointFailed(rb, "rollback_failed", rollback_error=str(rb)) from rb
         self.t_end_ns = self.r.cursor_ns  # the rows tile the run: its wall is their sum
@@ -550,7 +538,7 @@ class Checkpoint(Rollback, StepRunner):
         self.r.total(
             self.t_end_ns - self.t0_ns,
             f"workload paused {t['paused_ms']:.1f} ms (ready -> "
-            + ("resumed)" if self.leave_running else "killed)"),
+            + ("resumed)" if self.options.leave_running else "killed)"),
         )
         return self.manifest
 

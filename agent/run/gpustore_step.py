@@ -1,8 +1,8 @@
 """The native checkpoint/restore steps' GPU storage: custom storage where the driver has it.
 
 ``native_checkpoint(ck)`` is :class:`~cuinterpose.agent.run.checkpoint.Checkpoint`'s native
-checkpoint step. The mode comes from ``ck.gpu_storage_mode`` / ``--gpu-storage`` /
-``$CUINTERPOSE_GPU_STORAGE`` (auto | custom | host, default auto): ``auto`` streams each
+checkpoint step. The mode is the checkpoint's ``gpu_storage`` option (``--gpu-storage``:
+auto | custom | host, default auto; agent/options.py): ``auto`` streams each
 process's GPU memory to ``chunks/gpu-<pid>-<ordinal>.bin`` when the driver has custom storage
 (agent/mech/native_storage.py ``probe``), else stages it in host memory as before (CRIU then
 dumps it) and says why; ``custom`` on a driver without it fails the step (rolled back). The
@@ -70,21 +70,19 @@ def options(ck) -> gpustore.Options:
 def settings(ck):
     """The checkpoint's ``ChunkSettings``: its shim carriers' (the coordinator's CarrierFiles:
     --chunk-bytes, --staging-bytes, --writers and the chunk checksum reach the GPU streams as
-    they reach the shims), else what :func:`carriers.settings` makes of its options."""
+    they reach the shims), else what :func:`carriers.settings` makes of its options
+    (agent/options.py ``CheckpointOptions.chunk_settings``)."""
     files = getattr(getattr(ck, "coordinator", None), "carriers", None)
     if files is not None:
         return files.settings
-    given = getattr(ck, "chunks", None) or {}
-    return carriers.settings(
-        **{k: given[k] for k in ("chunk_bytes", "staging_bytes", "writers") if k in given}
-    )
+    return carriers.settings(**ck.options.chunk_settings())
 
 
 def native_checkpoint(ck) -> None:
     """LOCKED -> CHECKPOINTED for every CUDA pid, GPU memory to custom storage or host staging;
     sets ``ck.gpu_storage`` (the manifest record)."""
     pids = ck.census.cuda_pids
-    requested = native_storage.mode(getattr(ck, "gpu_storage_mode", None))
+    requested = native_storage.mode(ck.options.gpu_storage)
     with ck.r.phase("native checkpoint") as ph:
         use, why = choose(requested)
         opts = options(ck) if use else gpustore.Options()
@@ -148,6 +146,7 @@ def prepare_restore(rs) -> None:
     opts = gpustore.Options(
         carriers.settings(
             chunk_bytes=int(rec["chunk_bytes"]),
+            staging_bytes=rs.options.staging_bytes,
             checksum=str(rec.get("checksum", gpustore.CHECKSUM)),
             fit_staging=True,
         ),

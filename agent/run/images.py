@@ -60,7 +60,7 @@ def build_manifest(cp) -> dict:
         "driver": cp.driver.to_dict(),
         "criu": {
             "version": criu_version,
-            "leave_running": cp.leave_running,
+            "leave_running": cp.options.leave_running,
             "trees": {str(r): criu_rel(r) for r in cp.roots},
             "files": files,
         },
@@ -81,7 +81,7 @@ def build_manifest(cp) -> dict:
         "processes": [{"pid": p.pid, "ppid": p.ppid, "comm": p.comm} for p in cp.census.processes],
         "quiesce": {
             "id": cp.qid,
-            "timeout_ms": cp.quiesce_timeout_ms,
+            "timeout_ms": cp.options.quiesce_timeout_ms,
             "ready": {str(k): v for k, v in cp.ready.items()},
         },
         "capture": cap,
@@ -168,3 +168,22 @@ def check_dumped(census, tree_pids: dict, root: int, d, alive) -> None:
                 "checkpoint failed, rolling back what is left of the workload",
                 pid=p.pid,
             )
+
+
+def preflight() -> None:
+    """What a checkpoint reads later that is no option of it, checked before anything changes
+    (issue 23): the node key (``trust.node_key``: a key file that cannot be read) and the
+    coordinator's test hook ``$CUINTERPOSE_TEST_DROP_REPLY``. Raises ``AgentError`` (phase
+    "request", refused) naming it. The options were checked when they were built
+    (agent/options.py)."""
+    from cuinterpose.agent.snapshot import trust
+    from cuinterpose.coordinator import client
+
+    for check in (trust.node_key, client.drop_reply_spec):
+        try:
+            check()
+        except (AgentError, ValueError) as e:
+            reason = getattr(e, "reason", None) or str(e)
+            raise AgentError(
+                "request", f"{reason}; checkpoint refused before anything was changed"
+            ) from e

@@ -1,6 +1,7 @@
-"""The bodies of the agent's commands, shared by the one-shot CLI (in-process) and the gRPC
-service (``serve``): both call these, so ``--agent ADDR`` runs exactly the code a local
-command runs.
+"""The bodies of the agent's commands, shared by the one-shot CLI (in-process), the gRPC
+service (``serve``) and the pod watcher (agent/kube): each calls these with the options object
+it built once (agent/options.py), so ``--agent ADDR`` and a pod's annotations run exactly the
+code a local command runs.
 
 Each function takes a :class:`~cuinterpose.agent.run.report.Reporter` (progress rows go to its
 sinks) and returns the JSON object the CLI prints with ``--json`` on success, or raises
@@ -16,6 +17,7 @@ import json
 from typing import Optional
 
 from cuinterpose.agent.errors import AgentError
+from cuinterpose.agent.options import CheckpointOptions, InspectOptions, RestoreOptions
 from cuinterpose.agent.run.report import Reporter
 from cuinterpose.agent.run.steps import unexpected
 from cuinterpose.agent.snapshot import snapdir
@@ -30,12 +32,15 @@ def _failed_total(rep: Reporter) -> None:
         rep.total(rep.covered_ns(), "stopped: see the error")
 
 
-def checkpoint(rep: Reporter, roots, images_dir, **kw) -> tuple[dict, dict]:
-    """Checkpoint ``roots`` into ``images_dir`` (``kw``: ``Checkpoint``'s options). Returns
-    (the CLI's JSON object, the manifest dict)."""
+def checkpoint(
+    rep: Reporter, roots, images_dir, options: Optional[CheckpointOptions] = None, **changes
+) -> tuple[dict, dict]:
+    """Checkpoint ``roots`` into ``images_dir`` with ``options`` (``changes``: option names
+    set on them, as ``Checkpoint`` takes them). Returns (the CLI's JSON object, the manifest
+    dict)."""
     from cuinterpose.agent.run.checkpoint import Checkpoint
 
-    cp = Checkpoint(roots, images_dir, reporter=rep, **kw)
+    cp = Checkpoint(roots, images_dir, options, reporter=rep, **changes)
     try:
         m = cp.run()
     except AgentError:
@@ -66,11 +71,12 @@ def checkpoint(rep: Reporter, roots, images_dir, **kw) -> tuple[dict, dict]:
     )
 
 
-def restore(rep: Reporter, images_dir, **kw) -> dict:
-    """Restore the snapshot in ``images_dir`` (``kw``: ``Restore``'s options)."""
+def restore(rep: Reporter, images_dir, options: Optional[RestoreOptions] = None, **kw) -> dict:
+    """Restore the snapshot in ``images_dir`` with ``options`` (``kw``: ``Restore``'s
+    ``placement`` and ``device_map``, or option names set on ``options``)."""
     from cuinterpose.agent.run.restore import Restore
 
-    rs = Restore(images_dir, reporter=rep, **kw)
+    rs = Restore(images_dir, options, reporter=rep, **kw)
     try:
         res = rs.run()
     except AgentError:
@@ -81,11 +87,14 @@ def restore(rep: Reporter, images_dir, **kw) -> dict:
     return {"ok": True, **res}
 
 
-def inspect(pid: int, *, control_dir=None, timeout_s: float = 10.0) -> dict:
-    """INSPECT one process (read-only): {"ok": true, "pid", "socket_path", "phase", "records"}."""
-    from cuinterpose.agent.inspect import inspect_pid
+def inspect(pid: int, options: Optional[InspectOptions] = None) -> dict:
+    """INSPECT one process (read-only) and ask the driver for its checkpoint state: {"ok":
+    true, "pid", "socket_path", "phase", "records", ..., "native"} (agent/inspect.py)."""
+    from cuinterpose.agent.inspect import inspect_pid, native_state
 
-    return {"ok": True, **inspect_pid(pid, control_dir=control_dir, timeout_s=timeout_s)}
+    o = options or InspectOptions()
+    res = inspect_pid(pid, control_dir=o.control_dir, timeout_s=o.phase_timeout_s)
+    return {"ok": True, **res, "native": native_state(pid, o)}
 
 
 def list_snapshots(directory) -> dict:

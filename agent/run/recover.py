@@ -21,6 +21,7 @@ from typing import Callable, Optional
 from cuinterpose.agent.errors import AgentError
 from cuinterpose.agent.mech import census as census_mod
 from cuinterpose.agent.mech import native, procfs, quiesce
+from cuinterpose.agent.options import RunOptions
 from cuinterpose.agent.run import carriers
 from cuinterpose.agent.snapshot import manifest as manifest_mod
 from cuinterpose.agent.snapshot.snapdir import SnapshotDir
@@ -51,9 +52,9 @@ def last_txn_id(coordinator) -> int:
 
 
 def driver_of(cp) -> Optional[str]:
-    """The driver kind ``cp`` loaded ("fake", "real"), else the one it was asked for (None: the
-    release resolves ``$CUINTERPOSE_DRIVER``)."""
-    return getattr(getattr(cp, "driver", None), "kind", None) or cp.driver_kind
+    """The driver kind ``cp`` loaded ("fake", "real"), else the one it was asked for (None:
+    the release's own ``driver`` option)."""
+    return getattr(getattr(cp, "driver", None), "kind", None) or cp.options.driver or None
 
 
 def lock_record(cp) -> dict:
@@ -66,8 +67,8 @@ def lock_record(cp) -> dict:
         "driver": driver_of(cp),
         "images_dir": str(cp.images_dir),
         "created_dirs": [str(d) for d in cp.created_dirs],
-        "phase_timeout_s": cp.phase_timeout_s,
-        "carrier_timeout_s": cp.carrier_timeout_s,
+        "phase_timeout_s": cp.options.phase_timeout_s,
+        "carrier_timeout_s": cp.options.carrier_timeout_s,
         "last_txn_id": last_txn_id(cp.coordinator),
         # the token of the checkpoint's claim on the shims (protocol.h "Claims"): a release
         # takes the claim over with it
@@ -314,8 +315,11 @@ class Recovery:
             return {}
         coord = self.coord = phases.Coordinator(
             parts,
-            timeout_s=float(self.lk.get("phase_timeout_s") or 60.0),
-            carrier_timeout_s=float(self.lk.get("carrier_timeout_s") or 3600.0),
+            # the dead agent's options, else (an older agent's record) the defaults
+            timeout_s=float(self.lk.get("phase_timeout_s") or RunOptions().phase_timeout_s),
+            carrier_timeout_s=float(
+                self.lk.get("carrier_timeout_s") or RunOptions().carrier_timeout_s
+            ),
         )
         if self.lk.get("images_dir"):  # the carried bytes live in the snapshot's chunk files
             coord.carriers = carriers.release_files(self.lk["images_dir"], self.lk)

@@ -22,6 +22,7 @@ from cuinterpose.agent.mech import census as census_mod
 from cuinterpose.agent.mech import criu_bad_size, ctldir, devicemap, inherit, native, quiesce
 from cuinterpose.agent.mech.census import pid_alive
 from cuinterpose.agent.mech.placement import Placement
+from cuinterpose.agent.options import RestoreOptions
 from cuinterpose.agent.run import (
     carriers,
     durable,
@@ -60,15 +61,17 @@ class Restore(StepRunner):
     def __init__(
         self,
         images_dir,
+        options: Optional[RestoreOptions] = None,
         *,
-        driver: Optional[str] = None,
-        phase_timeout_s: float = 60.0,
-        carrier_timeout_s: float = 3600.0,
         reporter: Optional[Reporter] = None,
         shim_path=None,
         placement: "Placement | int | None" = None,
         device_map: Optional[str] = None,
+        **changes,
     ):
+        #: every option of this run (agent/options.py); ``changes`` (option names) are set on
+        #: ``options`` (default: the defaults), checked
+        self.options = (options or RestoreOptions()).replace(**changes)
         self.images_dir = pathlib.Path(paths.canonical(images_dir))
         #: ``--device-map OLD=NEW[,...]`` as given (None: automatic); resolved in "driver" into
         #: ``gpu_map`` {old UUID: new UUID} ({}: every process goes back onto its own GPUs)
@@ -85,9 +88,9 @@ class Restore(StepRunner):
         self.files: list[dict] = []
         #: restored fds set O_APPEND after CRIU (inherit.RestoreOptions.after_restore)
         self.fixed: list[dict] = []
-        self.driver_kind = driver
-        self.phase_timeout_s = float(phase_timeout_s)
-        self.carrier_timeout_s = float(carrier_timeout_s)
+        #: the driver kind restored with: the manifest's (``options.driver``, when given, must
+        #: be the same), resolved by "manifest"
+        self.driver_kind: Optional[str] = None
         self.r = reporter or Reporter()
         self.shim_path = shim_path
         self.m: Optional[dict] = None
@@ -116,7 +119,7 @@ class Restore(StepRunner):
                         "CRIU reopens mapped files by path",
                     )
             want = m["driver"]["kind"]
-            kind = native.driver_kind(self.driver_kind or os.environ.get(native.DRIVER_ENV) or want)
+            kind = native.driver_kind(self.options.driver or want)
             if kind != want:
                 raise SnapshotError(
                     "manifest", f"snapshot was taken on the {want} driver, restore asked for {kind}"
@@ -325,7 +328,7 @@ class Restore(StepRunner):
                 into = f" into placement pid {self.placement.pid}" if self.placement else ""
                 try:
                     with interrupt.shielded():
-                        pid = criu.restore(d, **kw)
+                        pid = criu.restore(d, timeout_s=self.options.criu_timeout_s, **kw)
                 except Exception as e:
                     gone = self.placement_gone()
                     if gone:
@@ -436,8 +439,8 @@ class Restore(StepRunner):
         ]
         coord = phases.Coordinator(
             parts,
-            timeout_s=self.phase_timeout_s,
-            carrier_timeout_s=self.carrier_timeout_s,
+            timeout_s=self.options.phase_timeout_s,
+            carrier_timeout_s=self.options.carrier_timeout_s,
             on_event=coordinator_events(self.r.coordinator_event),
         )
         coord.carriers = carriers.restore_files(self.images_dir, self.m)
@@ -554,7 +557,7 @@ class Restore(StepRunner):
         before CRIU restore the restore is cancelled (refused); after it the restored trees
         are killed (``RestoreFailed``); the snapshot is never touched."""
         self.t0_ns = self.r.begin()
-        with self.guard:
+        with self.guard, native.using(self.options):
             return self._run()
 
     def _run(self) -> dict:

@@ -30,6 +30,7 @@ from typing import Optional
 from cuinterpose.agent.errors import AgentError, QuiesceRefused, SnapshotError
 from cuinterpose.agent.mech import census as census_mod
 from cuinterpose.agent.mech import devicemap, native, quiesce
+from cuinterpose.agent.options import RunOptions
 from cuinterpose.agent.run import carriers, gpustore_step
 from cuinterpose.agent.snapshot import manifest as manifest_mod
 from cuinterpose.coordinator.contract import quiesce_path, read_json
@@ -68,8 +69,8 @@ def record(rs) -> None:
                     "claim": rs.claim_token.hex(),
                     "device_map": dict(rs.gpu_map),
                     "driver": rs.driver_kind,
-                    "phase_timeout_s": rs.phase_timeout_s,
-                    "carrier_timeout_s": rs.carrier_timeout_s,
+                    "phase_timeout_s": rs.options.phase_timeout_s,
+                    "carrier_timeout_s": rs.options.carrier_timeout_s,
                 },
                 "steps": [],
             },
@@ -280,8 +281,11 @@ class RestoreRecovery:
         ]
         coord = phases.Coordinator(
             parts,
-            timeout_s=float(self.rec.get("phase_timeout_s") or 60.0),
-            carrier_timeout_s=float(self.rec.get("carrier_timeout_s") or 3600.0),
+            # the dead agent's options, else (an older agent's record) the defaults
+            timeout_s=float(self.rec.get("phase_timeout_s") or RunOptions().phase_timeout_s),
+            carrier_timeout_s=float(
+                self.rec.get("carrier_timeout_s") or RunOptions().carrier_timeout_s
+            ),
         )
         coord.carriers = carriers.restore_files(self.rec["images_dir"], m)
         try:

@@ -109,7 +109,7 @@ class Rollback:
         (a job whose rank died usually ends itself), then remove the quiesce files this request
         left for a root that is gone (``.request``, ``.ready``, ``.lock``, and its ``.resume``),
         so no later process with that pid takes them for its own."""
-        deadline = time.monotonic() + self.quiesce_timeout_ms / 1000.0
+        deadline = time.monotonic() + self.options.quiesce_timeout_ms / 1000.0
         for r in self.roots:
             while self.alive(r) and quiesce_path(self.control_dir, r, "request").exists():
                 if time.monotonic() >= deadline:

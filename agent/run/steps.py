@@ -17,7 +17,7 @@ import os
 from typing import NamedTuple, Optional
 
 from cuinterpose.agent.errors import AgentError
-from cuinterpose.agent.mech import signal_at
+from cuinterpose.agent.mech import native_call, signal_at
 from cuinterpose.agent.run import durable
 
 
@@ -264,7 +264,8 @@ class StepRunner:
     """Base of a checkpoint or restore run. A subclass sets ``KIND``, ``STEPS`` (its
     :class:`Step` table), ``GROUP_PHASES = group_phases(STEPS)``, ``UNDO`` (undo phase ->
     method) and ``GROUP_UNDO = tuple(UNDO)``, and provides ``r`` (its Reporter), ``guard``
-    (its ``interrupt.Guard``), :meth:`interrupted` and :meth:`phase_state`."""
+    (its ``interrupt.Guard``), ``options`` (its options, agent/options.py), :meth:`interrupted`
+    and :meth:`phase_state`."""
 
     KIND = ""
     STEPS: tuple[Step, ...] = ()
@@ -329,10 +330,11 @@ class StepRunner:
             raise AgentError("group", f"unknown {self.KIND} phase {name!r}")
         self.r.begin()  # the wait since the last group phase is the leader's, not a row's
         try:
-            if steps:
-                self.run_steps(steps)
-            else:
-                getattr(self, self.UNDO[name])()
+            with native_call.using(self.options):  # the run's driver options (agent/options.py)
+                if steps:
+                    self.run_steps(steps)
+                else:
+                    getattr(self, self.UNDO[name])()
         except AgentError:
             raise
         except Exception as e:

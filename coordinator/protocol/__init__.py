@@ -6,9 +6,10 @@ protocol.h is the single definition; this package mirrors it field for field (an
 ``tests/coordinator/test_protocol.py`` pins every offset, size and constant against the C
 header (compiled), and round-trips bytes in both directions. Change both together.
 
-The definitions live in six modules (``carriers``: the chunk file table of SAVE/LOAD_ALLOCATIONS;
+The definitions live in seven modules (``carriers``: the chunk file table of SAVE/LOAD_ALLOCATIONS;
 ``codes``: #defines, enums, the ops table;
-``structs``: the struct layouts and the dataclasses that pack them; ``checksum``;
+``structs``: the struct layouts and the dataclasses that pack them (``ticket``: the export
+ticket's); ``checksum``;
 ``sockets``: socket names and the default control dir; ``ipc``: the virtual IPC handle
 and the FETCH_FD secret fields); every name is importable from here.
 
@@ -23,7 +24,7 @@ field that does not fit (``struct.error`` is converted).
 
 from __future__ import annotations
 
-from . import carriers, checksum, codes, ipc, sockets, structs
+from . import carriers, checksum, codes, ipc, sockets, structs, ticket
 from .carriers import *  # noqa: F403
 from .checksum import *  # noqa: F403
 from .codes import *  # noqa: F403
@@ -31,6 +32,7 @@ from .ipc import *  # noqa: F403
 from .sockets import *  # noqa: F403
 from .structs import *  # noqa: F403
 from .structs import _LAYOUTS  # noqa: F401 (test_protocol.py compares it with the C layout)
+from .ticket import *  # noqa: F403
 
 #: every name of the mirror: each module's ``__all__``
 __all__ = [
@@ -40,4 +42,5 @@ __all__ = [
     *ipc.__all__,
     *sockets.__all__,
     *structs.__all__,
+    *ticket.__all__,
 ]

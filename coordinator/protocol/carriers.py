@@ -10,6 +10,11 @@ then ``chunk_count`` digests of 32 bytes (BLAKE2b-256, or SHA-256 with
 :attr:`CarryFlag.SHA256`; 32 zero bytes: an all-zero chunk, not written). Sizes are bytes.
 Part of :mod:`cuinterpose.coordinator.protocol`.
 
+With :attr:`CarryFlag.STREAMED` (SAVE_ALLOCATIONS; decisions D70) the entries go first without
+descriptors, then the chunk store's table, then the descriptors in groups as the sender opens
+the files (:func:`open_groups`, each group one ``cui_fd_group``: :func:`fd_group`), so that
+creating the files overlaps the shim's copies and writes.
+
 Chunk store (protocol.h "Chunk store"; decisions D34): the request's :class:`CarryFlag` bits
 add one table after the entries. SAVE with ``KNOWN``: :func:`known_table` (a
 ``cui_table_head`` and the ascending digests of chunks the store holds; those chunks are not
@@ -22,6 +27,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import struct
+import time
 from dataclasses import dataclass, field
 
 from .checksum import cui_checksum64
@@ -38,6 +44,7 @@ __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "DEFAULT_STAGING_BYTES",
     "DEFAULT_WRITERS",
+    "DEFAULT_CARRIER_TIMEOUT_S",
     "CUI_KNOWN_MAX",
     "CUI_REFS_MAX",
     "CarryFlag",
@@ -54,6 +61,9 @@ __all__ = [
     "StreamTable",
     "carrier_reserved",
     "entry_groups",
+    "fd_group",
+    "open_groups",
+    "FD_GROUP_FLUSH_S",
     "parse_chunk_table",
     "check_carrier_params",
     "chunk_bytes_ok",
@@ -76,6 +86,7 @@ class CarryFlag(enum.IntFlag):
     KNOWN = 0x1  # SAVE_ALLOCATIONS: a known-digest table follows the entries
     SOURCES = 0x2  # LOAD_ALLOCATIONS: source files and chunk refs follow the entries
     SHA256 = 0x4  # SAVE and LOAD: the chunk checksum is SHA-256, not BLAKE2b-256
+    STREAMED = 0x8  # SAVE: the descriptors follow the table in groups, as the files are opened
 
 
 #: the chunk checksums (the manifest's ``chunks.checksum``; protocol.h "Carriers", decisions
@@ -109,6 +120,9 @@ def chunk_digest(name: str, data) -> bytes:
 DEFAULT_CHUNK_BYTES = 8 << 20
 DEFAULT_STAGING_BYTES = 64 << 20  # 8 slots of 8 MiB: 2 per writer (bench/datapath.py)
 DEFAULT_WRITERS = 4
+#: the deadline of SAVE/LOAD_ALLOCATIONS, seconds: they move every shared byte (the agent's
+#: ``carrier_timeout_s``, agent/options.py)
+DEFAULT_CARRIER_TIMEOUT_S = 3600.0
 
 STREAM_ENTRY_SIZE = SIZES["cui_stream_entry"]  # 32
 STREAM_HEAD_SIZE = SIZES["cui_stream_head"]  # 32
@@ -116,6 +130,7 @@ _ENTRY = struct.Struct(FORMATS["cui_stream_entry"])
 _HEAD = struct.Struct(FORMATS["cui_stream_head"])
 _ZERO = bytes(CUI_DIGEST_BYTES)
 _TABLE_HEAD = struct.Struct(FORMATS["cui_table_head"])
+_FD_GROUP = struct.Struct(FORMATS["cui_fd_group"])
 _SOURCE = struct.Struct(FORMATS["cui_source_entry"])
 _REF = struct.Struct(FORMATS["cui_chunk_ref"])
 
@@ -268,6 +283,46 @@ def entry_groups(entries: list[StreamEntry]) -> list[tuple[bytes, int, int]]:
         part = entries[i : i + CUI_STREAM_FDS_PER_MSG]
         out.append((b"".join(e.pack() for e in part), i, len(part)))
     return out
+
+
+#: CUI_CARRY_STREAMED: a group is sent once opening its files took this long (seconds), full or
+#: not; the shim waits at most 10 s for each (protocol.h "Carriers")
+FD_GROUP_FLUSH_S = 0.25
+
+
+def fd_group(count: int, error: int = 0) -> bytes:
+    """``struct cui_fd_group``: ``count`` descriptors follow as SCM_RIGHTS, or (count 0) the
+    sender could not open the next entry's file, ``error`` its errno."""
+    return _FD_GROUP.pack(int(count), int(error))
+
+
+def open_groups(streams: list, opener, flush_s: float = FD_GROUP_FLUSH_S):
+    """CUI_CARRY_STREAMED: yield the descriptors of ``streams`` (a list of (StreamEntry, fd)
+    pairs, fd -1 until opened) in entry order, as (first index, [fds], None) groups of 1, 2, 4,
+    ... up to CUI_STREAM_FDS_PER_MSG, a group cut short once opening its files took ``flush_s``
+    seconds: the shim starts on the first stream as soon as its file is open and is never kept
+    waiting long. ``opener(i)`` opens entry i's file and returns its descriptor, which is stored
+    in ``streams[i]`` (the caller closes it; an entry opened before is not opened again). An
+    OSError from ``opener`` ends the groups with (i, [], that OSError)."""
+    i, size, n = 0, 1, len(streams)
+    while i < n:
+        t0, fds = time.monotonic(), []
+        while len(fds) < size and i + len(fds) < n and (time.monotonic() - t0 < flush_s or not fds):
+            k = i + len(fds)
+            entry, fd = streams[k]
+            if fd < 0:
+                try:
+                    fd = opener(k)
+                except OSError as exc:
+                    if fds:
+                        yield i, fds, None
+                    yield k, [], exc
+                    return
+                streams[k] = (entry, fd)
+            fds.append(fd)
+        yield i, fds, None
+        i += len(fds)
+        size = min(2 * size, CUI_STREAM_FDS_PER_MSG)
 
 
 @dataclass

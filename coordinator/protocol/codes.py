@@ -208,6 +208,7 @@ class ShimFlag(enum.IntFlag):
     FOREIGN_DLSYM = 1  # another dlsym interposer preloaded before the shim: lookups untracked
     CARRY_SHA256 = 2  # the shim takes CarryFlag.SHA256 (a shim from before D36 does not)
     OP_RUNNING = 4  # a mutating op is queued or running: a lost reply is still being worked on
+    CARRY_STREAMED = 8  # the shim takes CarryFlag.STREAMED (a shim from before D70 does not)
 
 
 class RecordKind(enum.IntEnum):

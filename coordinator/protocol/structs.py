@@ -1,6 +1,7 @@
 """protocol.h's structs: their little-endian ``struct`` layouts (:data:`SIZES`, :data:`OFFSETS`,
 :data:`FORMATS`) and the dataclasses that pack and unpack them (``Request``, ``Reply``,
-``Access``, ``Record``, ``Ticket``). Part of :mod:`cuinterpose.coordinator.protocol`."""
+``Access``, ``Record``; ``Ticket`` is in :mod:`.ticket`). Part of
+:mod:`cuinterpose.coordinator.protocol`."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from .codes import (
     CUI_MAX_ACCESS,
     CUI_PROTO_MAGIC,
     CUI_PROTO_VERSION,
-    CUI_TICKET_MAGIC,
     DeviceUse,
     Op,
     Phase,
@@ -21,7 +21,6 @@ from .codes import (
     RecordKind,
     Role,
     Status,
-    TicketKind,
 )
 
 __all__ = [
@@ -29,7 +28,6 @@ __all__ = [
     "Reply",
     "Access",
     "Record",
-    "Ticket",
     "SIZES",
     "OFFSETS",
     "FORMATS",
@@ -125,6 +123,7 @@ _STREAM_HEAD_FIELDS = [
     ("zero_count", "I"),
 ]
 
+_FD_GROUP_FIELDS = [("count", "I"), ("error", "i")]
 _TABLE_HEAD_FIELDS = [("count", "I"), ("sources", "I"), ("reserved", "Q")]
 _SOURCE_ENTRY_FIELDS = [("bytes", "Q"), ("reserved", "Q")]
 _CHUNK_REF_FIELDS = [
@@ -143,6 +142,7 @@ _LAYOUTS = {
     "cui_ticket": _TICKET_FIELDS,
     "cui_stream_entry": _STREAM_ENTRY_FIELDS,  # carriers.py packs these two
     "cui_stream_head": _STREAM_HEAD_FIELDS,
+    "cui_fd_group": _FD_GROUP_FIELDS,  # carriers.py: CUI_CARRY_STREAMED's descriptor groups
     "cui_table_head": _TABLE_HEAD_FIELDS,  # carriers.py: the chunk store's tables
     "cui_source_entry": _SOURCE_ENTRY_FIELDS,
     "cui_chunk_ref": _CHUNK_REF_FIELDS,
@@ -598,55 +598,3 @@ def _from_name(cls, value):
         except KeyError:
             raise ValueError(f"unknown {cls.__name__} {value!r}") from None
     return _enum(cls, int(value))
-
-
-@dataclass
-class Ticket:
-    """``struct cui_ticket`` (64 bytes): the sealed-memfd export ticket."""
-
-    creator_pid: int
-    alloc_id: bytes
-    size: int
-    kind: int = TicketKind.ALLOCATION
-    magic: bytes = CUI_TICKET_MAGIC
-    version: int = CUI_PROTO_VERSION
-    reserved0: int = 0
-    reserved: tuple = (0, 0)
-
-    SIZE: ClassVar[int] = TICKET_SIZE
-
-    def __post_init__(self):
-        self.alloc_id = alloc_id_bytes(self.alloc_id)
-
-    def pack(self) -> bytes:
-        return _pack(
-            "cui_ticket",
-            bytes(self.magic),
-            self.version,
-            int(self.kind),
-            self.creator_pid,
-            self.reserved0,
-            alloc_id_bytes(self.alloc_id),
-            self.size,
-            *self.reserved,
-        )
-
-    @classmethod
-    def unpack(cls, data: bytes, *, check: bool = True) -> "Ticket":
-        """Decode 64 bytes; with ``check`` raise ProtocolError on bad magic or version."""
-        v = _unpack("cui_ticket", data)
-        t = cls(
-            magic=v[0],
-            version=v[1],
-            kind=_enum(TicketKind, v[2]),
-            creator_pid=v[3],
-            reserved0=v[4],
-            alloc_id=v[5],
-            size=v[6],
-            reserved=tuple(v[7:9]),
-        )
-        if check and t.magic != CUI_TICKET_MAGIC:
-            raise ProtocolError(f"ticket magic {t.magic!r} != {CUI_TICKET_MAGIC!r}")
-        if check and t.version != CUI_PROTO_VERSION:
-            raise ProtocolError(f"ticket version {t.version} != {CUI_PROTO_VERSION}")
-        return t

@@ -2,8 +2,10 @@
  * carry_in.c: receives what follows a SAVE_ALLOCATIONS / LOAD_ALLOCATIONS request (control
  * layer; protocol.h "Carriers" and "Chunk store"): the stream entries with their descriptors,
  * then, when the request's flags say so, the known-digest table (SAVE, CUI_CARRY_KNOWN) or the
- * source files and chunk refs (LOAD, CUI_CARRY_SOURCES). Checks what needs no allocation table
- * (counts, order, source indices); ops_carriers.c and ops_load.c check the rest against the allocations.
+ * source files and chunk refs (LOAD, CUI_CARRY_SOURCES). With CUI_CARRY_STREAMED (SAVE) the entries
+ * come without descriptors and the op takes each descriptor group when it needs it (recv_fd).
+ * Checks what needs no allocation table (counts, order, source indices); ops_carriers.c and
+ * ops_load.c check the rest against the allocations.
  * Every descriptor received is CLOEXEC and is closed by cui_carry_free.
  */
 #define _GNU_SOURCE
@@ -93,6 +95,27 @@ static const char *recv_store_tables(int conn, struct cui_carry_in *in, int load
   return NULL;
 }
 
+/* cui_carry_in.recv_fd of a CUI_CARRY_STREAMED request (phase_ops.h). */
+static int recv_fd(struct cui_carry_in *in, uint32_t j, int *err, const char **why) {
+  *err = 0;
+  *why = NULL;
+  while (j >= in->nfd && !*err && !*why) {
+    struct cui_fd_group g;
+    uint32_t had = in->nfd;
+    if (in->conn < 0) {
+      *why = "no descriptor came for this entry";
+      break;
+    }
+    *why = recv_group(in->conn, &g, sizeof g, in->fds, in->count, &in->nfd);
+    uint32_t got = in->nfd - had;
+    if (!*why && g.count == 0 && g.error > 0 && !got) *err = g.error;   /* the sender's own failure */
+    else if (!*why && (g.error || g.count == 0 || g.count > CUI_STREAM_FDS_PER_MSG || got != g.count))
+      *why = "a descriptor group whose count is not the descriptors it carries (1..CUI_STREAM_FDS_PER_MSG)";
+    if (*err || *why || in->nfd == in->count) in->conn = -1;   /* nothing more is read */
+  }
+  return j < in->nfd && !*err && !*why ? in->fds[j] : -1;   /* a bad group gives none of its descriptors */
+}
+
 int cui_carry_recv(int conn, const struct cui_request *req, struct cui_carry_in *in, struct cui_op_result *res) {
   memset(in, 0, sizeof *in);
   in->chunk_bytes = req->reserved[0];
@@ -104,11 +127,12 @@ int cui_carry_recv(int conn, const struct cui_request *req, struct cui_carry_in 
   const char *op = cui_op_name(req->op);
   unsigned pid = (unsigned)getpid();
   const char *why = NULL;
-  uint32_t allowed = (load ? CUI_CARRY_SOURCES : CUI_CARRY_KNOWN) | CUI_CARRY_SHA256;
+  uint32_t allowed = (load ? CUI_CARRY_SOURCES : CUI_CARRY_KNOWN | CUI_CARRY_STREAMED) | CUI_CARRY_SHA256;
+  in->conn = -1;
   if (count > (1u << 20)) why = "more than 1048576 chunk files announced";
   else if (in->flags & ~allowed)
     why = load ? "flags other than CUI_CARRY_SOURCES and CUI_CARRY_SHA256"
-               : "flags other than CUI_CARRY_KNOWN and CUI_CARRY_SHA256";
+               : "flags other than CUI_CARRY_KNOWN, CUI_CARRY_STREAMED and CUI_CARRY_SHA256";
   if (!why) {
     in->entries = calloc(count ? count : 1, sizeof *in->entries);
     in->fds = calloc(count ? count : 1, sizeof *in->fds);
@@ -116,11 +140,11 @@ int cui_carry_recv(int conn, const struct cui_request *req, struct cui_carry_in 
   }
   if (!why) {
     in->count = count;
-    uint32_t nfd = 0;
-    why = recv_group(conn, in->entries, (size_t)count * sizeof *in->entries, in->fds, count, &nfd);
-    if (!why && nfd != count) why = "fewer descriptors than entries";
-    in->count = nfd;
+    int streamed = (in->flags & CUI_CARRY_STREAMED) != 0;   /* the table alone; the descriptors later */
+    why = recv_group(conn, in->entries, (size_t)count * sizeof *in->entries, in->fds, streamed ? 0 : count, &in->nfd);
+    if (!why && !streamed && in->nfd != count) why = "fewer descriptors than entries";
     if (!why && (in->flags & (CUI_CARRY_KNOWN | CUI_CARRY_SOURCES))) why = recv_store_tables(conn, in, load);
+    if (!why && streamed && count) in->conn = conn, in->recv_fd = recv_fd;
   }
   if (!why) return 0;
   res->status = CUI_BAD_REQUEST;
@@ -132,7 +156,7 @@ int cui_carry_recv(int conn, const struct cui_request *req, struct cui_carry_in 
 }
 
 void cui_carry_free(struct cui_carry_in *in) {
-  for (uint32_t i = 0; i < in->count; i++) close(in->fds[i]);
+  for (uint32_t i = 0; i < in->nfd; i++) close(in->fds[i]);
   for (uint32_t i = 0; i < in->nsources; i++) close(in->src_fds[i]);
   free(in->entries);
   free(in->fds);

@@ -70,7 +70,8 @@ static int send_reply(int conn, const struct cui_request *req, const struct cui_
   rep.copy_ns = res->copy_ns;
   rep.cuda_result = res->cuda_result;
   rep.records_changed = res->records_changed;
-  rep.shim_flags = __atomic_load_n(&cui_st.shim_flags, __ATOMIC_RELAXED) | CUI_SHIM_CARRY_SHA256;
+  rep.shim_flags = __atomic_load_n(&cui_st.shim_flags, __ATOMIC_RELAXED) | CUI_SHIM_CARRY_SHA256 |
+                   CUI_SHIM_CARRY_STREAMED;
   pthread_mutex_lock(&g_job_lock);
   if (g_job.pending || g_job.busy) rep.shim_flags |= CUI_SHIM_OP_RUNNING; /* (the worker clears busy first) */
   pthread_mutex_unlock(&g_job_lock);

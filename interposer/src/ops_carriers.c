@@ -220,9 +220,44 @@ static CUresult save_one(struct cui_alloc *a, struct cui_cio_stream *s, struct c
   return r;
 }
 
+/* Stream j's chunk file, before its first copy: its descriptor (with CUI_CARRY_STREAMED received
+ * now, as the sender opens the files), a regular file sized to the allocation (its zero chunks stay
+ * holes) and switched to O_DIRECT for the op. 0, or -1 with CUI_FAILED in res naming the
+ * allocation. */
+static int open_stream(struct cui_op_result *res, struct cui_carry_in *in, struct cui_cio *io,
+                       const struct cui_alloc *a, struct cui_cio_stream *s, uint32_t j) {
+  const char *why = NULL;
+  int e = 0;
+  struct stat sb;
+  char hex[33];
+  s->fd = j < in->nfd ? in->fds[j] : in->recv_fd ? in->recv_fd(in, j, &e, &why) : -1;
+  if (s->fd < 0 && !e && !why) why = "no descriptor came for this entry";
+  if (s->fd >= 0) {
+    e = fstat(s->fd, &sb) != 0 ? errno : S_ISREG(sb.st_mode) && ftruncate(s->fd, (off_t)s->bytes) != 0 ? errno : 0;
+    if (!e) (void)cui_cio_direct(io, s->fd);
+  }
+  if (s->fd >= 0 && !e) return 0;
+  cui_hex_id(a->id, hex);
+  unsigned pid = (unsigned)getpid();
+  res->status = CUI_FAILED;
+  if (s->fd >= 0)
+    snprintf(res->message, sizeof res->message,
+             "SAVE_ALLOCATIONS: pid %u allocation %s: cannot size its chunk file to %llu bytes: %s (errno %d)", pid,
+             hex, (unsigned long long)s->bytes, strerror(e), e);
+  else if (e)
+    snprintf(res->message, sizeof res->message,
+             "SAVE_ALLOCATIONS: pid %u allocation %s: the sender could not open its chunk file: %s (errno %d)", pid,
+             hex, strerror(e), e);
+  else
+    snprintf(res->message, sizeof res->message,
+             "SAVE_ALLOCATIONS: pid %u allocation %s: no descriptor for its chunk file (stream %u of %u): %s", pid, hex,
+             j, in->count, why);
+  return -1;
+}
+
 int cui_op_save_allocations(struct cui_op_result *res) {
-  const struct cui_carry_in *in = res->carry;
-  static const struct cui_carry_in none;
+  struct cui_carry_in *in = res->carry;
+  static struct cui_carry_in none = {.conn = -1};
   if (!in) in = &none;
   unsigned pid = (unsigned)getpid();
   uint32_t n = in->count;
@@ -237,23 +272,14 @@ int cui_op_save_allocations(struct cui_op_result *res) {
   }
   if (cui_carry_match("SAVE_ALLOCATIONS", in, 0, which, res) != 0) goto out;
   uint64_t cb = in->chunk_bytes;
-  for (uint32_t j = 0; j < n; j++) {
-    st[j].fd = in->fds[j];
+  for (uint32_t j = 0; j < n; j++) {   /* each file is opened and sized when its stream comes (open_stream) */
+    st[j].fd = -1;
     st[j].bytes = which[j]->size;
     st[j].nchunks = chunks_of(st[j].bytes, cb);
     st[j].digests = calloc(st[j].nchunks ? st[j].nchunks : 1, CUI_DIGEST_BYTES);
-    struct stat sb;   /* a regular file is sized first (its zero chunks stay holes) */
-    int e = !st[j].digests                                 ? ENOMEM
-            : fstat(st[j].fd, &sb) != 0                    ? errno
-            : !S_ISREG(sb.st_mode)                         ? 0
-            : ftruncate(st[j].fd, (off_t)st[j].bytes) != 0 ? errno
-                                                           : 0;
-    if (e) {
-      cui_hex_id(which[j]->id, hex);
+    if (!st[j].digests) {
       res->status = CUI_FAILED;
-      snprintf(res->message, sizeof res->message,
-               "SAVE_ALLOCATIONS: pid %u allocation %s: cannot size its chunk file to %llu bytes: %s (errno %d)", pid,
-               hex, (unsigned long long)st[j].bytes, strerror(e), e);
+      snprintf(res->message, sizeof res->message, "SAVE_ALLOCATIONS: pid %u: out of memory for the digest tables", pid);
       goto out;
     }
   }
@@ -267,18 +293,23 @@ int cui_op_save_allocations(struct cui_op_result *res) {
   }
   void *ring = cui_carry_pin_ring(res, io, which[0]);
   if (io && in->nknown) cui_cio_set_known(io, (const uint8_t (*)[CUI_DIGEST_BYTES])in->known, in->nknown);
-  for (uint32_t j = 0; io && j < n; j++) (void)cui_cio_direct(io, st[j].fd);
   size_t ring_bytes = 0;
   struct save_copies sc = {io, NULL};
   struct cui_copies *cp = io ? cui_copies_start(cui_copy_lanes(cui_cio_ring(io, &ring_bytes) ? ring_bytes / cb : 1),
                                                 saved_copy, &sc)
                              : NULL;
-  int failed = 0, stopped = 0;
+  int failed = 0, stopped = 0, unopened = 0;   /* unopened: a chunk file could not be had (res says why) */
   uint32_t at = 0;   /* the allocation being copied when something failed */
   const char *what = "copy pipeline (out of memory)";
   CUresult r = io && !cp ? CUDA_ERROR_OUT_OF_MEMORY : CUDA_SUCCESS;
-  for (; cp && at < n && r == CUDA_SUCCESS && !stopped; at++)
+  for (; cp && at < n && r == CUDA_SUCCESS && !stopped; at++) {
+    if (open_stream(res, in, io, which[at], &st[at], at) != 0) {
+      unopened = 1;
+      cui_cio_abort(io);
+      break;
+    }
     r = save_one(which[at], &st[at], io, cp, cb, &what, &stopped);
+  }
   const char *w2 = NULL;
   CUresult r2 = cui_copies_finish(cp, &res->copy_ns, &w2);   /* every copy done before the ring goes */
   if (r == CUDA_SUCCESS && r2 != CUDA_SUCCESS) r = r2, what = w2;
@@ -287,7 +318,7 @@ int cui_op_save_allocations(struct cui_op_result *res) {
     uint32_t j = sc.failed ? (uint32_t)(sc.failed - st) : (at ? at - 1 : 0);
     cui_fail_driver(res, CUI_OP_SAVE_ALLOCATIONS, which[j], what, r);
   }
-  failed = r != CUDA_SUCCESS || stopped;
+  failed = r != CUDA_SUCCESS || stopped || unopened;
   if (ring) REAL(cuMemHostUnregister)(ring);
   struct cui_cio_error e;
   struct cui_cio_counts counts = {0};

@@ -18,7 +18,15 @@ struct cui_carry_in {
   uint64_t chunk_bytes, staging_bytes;
   uint32_t writers, count, flags;     /* flags: CUI_CARRY_* */
   struct cui_stream_entry *entries;   /* count entries */
-  int *fds;                           /* one per entry */
+  int *fds;                           /* one per entry: fds[0..nfd) received so far */
+  uint32_t nfd;
+  int conn;                           /* CUI_CARRY_STREAMED: where the rest comes from, -1 once every
+                                         descriptor came or the stream broke */
+  /* CUI_CARRY_STREAMED (set by carry_in.c; the op calls it, control layer -> ops by pointer):
+   * receives groups until descriptor j (>= nfd, < count) came and returns it; -1 when it cannot
+   * be had: *err = the errno the sender could not open the file with, or *why = what broke on
+   * the wire (nothing more is read). NULL: every descriptor came with the entries. */
+  int (*recv_fd)(struct cui_carry_in *in, uint32_t j, int *err, const char **why);
   uint32_t nknown;                    /* CUI_CARRY_KNOWN: ascending digests of stored chunks */
   uint8_t (*known)[CUI_DIGEST_BYTES];
   uint32_t nsources, nrefs;           /* CUI_CARRY_SOURCES (protocol.h "Chunk store") */
@@ -35,7 +43,7 @@ CUI_HIDDEN int cui_carry_recv(int conn, const struct cui_request *req, struct cu
 CUI_HIDDEN void cui_carry_free(struct cui_carry_in *in);
 
 struct cui_op_result {
-  const struct cui_carry_in *carry;   /* in: SAVE/LOAD_ALLOCATIONS only */
+  struct cui_carry_in *carry;         /* in: SAVE/LOAD_ALLOCATIONS only */
   uint64_t reply_reserved[6];         /* out: cui_reply.reserved[0..5] */
   unsigned char *payload;             /* out: malloc'd bytes sent after the message (SAVE: the
                                          chunk table), payload_len = reply_reserved[0] */

@@ -152,8 +152,9 @@ def world(tmp_path, monkeypatch):
     )
     monkeypatch.setattr(cp_mod, "_coordinator_module", lambda: fake_phases)
 
-    def dump(root, d, leave_running=False, extra_args=(), deleted_files=()):
+    def dump(root, d, leave_running=False, extra_args=(), deleted_files=(), timeout_s=None):
         assert (leave_running, tuple(extra_args)) == (False, ("--leave-stopped",))
+        assert timeout_s == 3600.0  # the run's criu_timeout_s
         w.log.append(("criu", "dump", root))
         if w.fail.get("dump") == root:
             raise RuntimeError("criu dump failed: (00.1) Error (criu/sk-unix.c): external socket")

@@ -158,11 +158,21 @@ def test_doctor_lines_are_not_wrapped_when_stdout_is_not_a_tty(tmp_path):
     assert lines[0] == "FAIL criu version: no working CRIU:"
 
 
-def test_non_positive_timeouts_are_usage_errors(tmp_path):
+def test_non_positive_timeouts_are_refused_naming_the_flag(tmp_path):
+    """An option out of its range is refused as every source of it is (agent/options.py):
+    exit 3, phase "request", naming the flag and the value; a value that is no number at all
+    is a usage error of the command line (exit 2)."""
     rc, out = demo.run_agent("restore", "--images-dir", str(tmp_path), "--carrier-timeout-s", "0")
-    assert rc == 2
-    assert out["error"]["reason"] == (
-        "Invalid value for '--carrier-timeout-s': 0.0 is not in the range x>0."
+    assert rc == 3
+    assert (out["error"]["phase"], out["error"]["outcome"], out["error"]["reason"]) == (
+        "request",
+        "refused",
+        "--carrier-timeout-s=0.0: must be a finite number of seconds above 0 and at most 86400",
+    )
+    rc, out = demo.run_agent("restore", "--images-dir", str(tmp_path), "--carrier-timeout-s", "x")
+    assert (rc, out["error"]["reason"]) == (
+        2,
+        "Invalid value for '--carrier-timeout-s': 'x' is not a valid float.",
     )
 
 

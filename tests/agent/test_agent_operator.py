@@ -200,7 +200,8 @@ def test_a_restore_refused_for_a_bad_size_names_the_file_and_the_fix(tmp_path, m
     e = criu.CriuError("criu restore failed", log_path=tmp_path / "restore.log")
     e.bad_size = [{"path": "/run/app.log", "size": 2048, "expected": 1024}]
 
-    def boom(d):
+    def boom(d, timeout_s):
+        assert timeout_s == 3600.0  # the restore's criu_timeout_s
         raise e
 
     monkeypatch.setattr(criu, "restore", boom)

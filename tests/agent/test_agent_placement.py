@@ -45,6 +45,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "criu"))
 from criu_helpers import kill_tree, wait_until  # noqa: E402
 
 STEPS = 400
+#: the job holds at this step until its checkpoint's quiesce (or a release) lets it pass, so a
+#: checkpoint always finds it running however loaded the machine is (case 014)
+HOLD = 30
 MOUNTINFO = """\
 31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
 32 31 0:29 / /sys/fs/cgroup/cpu,cpuacct rw,relatime - cgroup cgroup rw,cpu,cpuacct
@@ -287,6 +290,7 @@ class Job:
     opened by the test."""
 
     def __init__(self, run_dir: pathlib.Path, ns_pid=None, prefix=(), **kw):
+        kw.setdefault("hold_at", (HOLD,))
         self.a = demo.Afdwin(run_dir, steps=STEPS, step_delay_ms=5, **kw)
         a = self.a
         a.run_dir.mkdir(parents=True, exist_ok=True)
@@ -355,7 +359,7 @@ def job(tmp_path, criu_ok, subreaper):
 
 def _checkpoint(j, snap):
     a = j.a
-    a.wait_for(lambda ev: demo.received(ev) >= 30, 120, "30 messages")
+    a.wait_hold()
     rc, cp = a.checkpoint(snap)
     assert rc == 0 and cp["ok"], cp
     assert a.wait_dumped() == -signal.SIGKILL
@@ -809,7 +813,7 @@ def test_checkpoint_of_a_job_whose_cwd_is_outside_its_mount_namespace_is_refused
     )
     assert j.a.run_dir == run_dir
     a = j.a
-    a.wait_for(lambda ev: demo.received(ev) >= 30, 120, "30 messages")
+    a.wait_hold()
     assert os.stat(f"/proc/{a.pid}/ns/mnt").st_ino != os.stat("/proc/self/ns/mnt").st_ino
     snap = tmp_path / "snap"
     rc, out = a.checkpoint(snap)
@@ -834,6 +838,7 @@ def test_checkpoint_of_a_job_whose_cwd_is_outside_its_mount_namespace_is_refused
     ]
     assert not snap.exists()
     # untouched: it was never asked to quiesce, and finishes with nothing lost
+    a.release_hold()
     a.wait_ok(300)
     evs = a.events()
     assert demo.check_run(evs, STEPS, expect_restore=False) == []

@@ -18,6 +18,7 @@ import os
 import pytest
 
 from cuinterpose.agent.errors import AgentError, SnapshotError
+from cuinterpose.agent.options import CheckpointOptions
 from cuinterpose.agent.run import carriers
 from cuinterpose.agent.snapshot import chunks, store
 from cuinterpose.coordinator.carrierfiles import CarrierFiles
@@ -259,18 +260,14 @@ def test_the_chunk_checksum_comes_from_the_cpu_the_environment_or_the_snapshot(
     info.write_text("flags\t\t: fpu sse2 ssse3 sse4_1 avx2\n")
     assert carriers.node_checksum(str(info), "x86_64") == "blake2b-256"
     assert carriers.node_checksum(str(tmp_path / "absent"), "x86_64") == "blake2b-256"
-    monkeypatch.delenv("CUINTERPOSE_CHUNK_CHECKSUM", raising=False)
-    monkeypatch.delenv("CUINTERPOSE_INCREMENTAL", raising=False)
     assert carriers.settings().checksum == carriers.node_checksum()
-    for name in ("sha256", "blake2b-256"):
-        monkeypatch.setenv("CUINTERPOSE_CHUNK_CHECKSUM", name)
-        assert carriers.checkpoint_files(tmp_path / "s1").checksum == name
-    monkeypatch.setenv("CUINTERPOSE_CHUNK_CHECKSUM", "md5")
+    for name in ("sha256", "blake2b-256"):  # the option, from its variable
+        o = CheckpointOptions.from_environ({"CUINTERPOSE_CHUNK_CHECKSUM": name})
+        assert carriers.checkpoint_files(tmp_path / "s1", **o.chunk_settings()).checksum == name
     with pytest.raises(AgentError) as e:
-        carriers.settings()
+        CheckpointOptions.from_environ({"CUINTERPOSE_CHUNK_CHECKSUM": "md5"})
     assert str(e.value) == (
-        "carrier settings: CUINTERPOSE_CHUNK_CHECKSUM: chunk checksum 'md5' is not one of "
-        "['blake2b-256', 'sha256']"
+        "request: $CUINTERPOSE_CHUNK_CHECKSUM='md5': must be one of blake2b-256, sha256"
     )
     # a restore reads with the snapshot's checksum, whatever the node or the environment says
     m = {"chunks": {"chunk_bytes": CB, "checksum": "blake2b-256"}}

@@ -14,6 +14,7 @@ import pytest
 
 from cuinterpose.agent.errors import SnapshotError
 from cuinterpose.agent.mech import gpustore
+from cuinterpose.agent.options import CheckpointOptions
 from cuinterpose.agent.run import carriers
 from cuinterpose.agent.snapshot import trust
 from cuinterpose.coordinator.carrierfiles import CarrierFiles
@@ -174,11 +175,9 @@ def test_a_failed_write_names_the_stream_and_errno():
     )
 
 
-def test_the_gpu_writer_takes_the_one_chunk_settings_value(monkeypatch):
+def test_the_gpu_writer_takes_the_one_chunk_settings_value():
     """One ChunkSettings for the shim's carriers and the GPU streams (issue 27): the same
     defaults, the one validation, and --writers sets the GPU writer's threads."""
-    for k in carriers.ENV.values():
-        monkeypatch.delenv(k, raising=False)
     assert (
         gpustore.Options().settings == ChunkSettings() == carriers.settings(checksum="blake2b-256")
     )
@@ -236,18 +235,18 @@ def test_trust_checks_the_record(tmp_path):
 @pytest.mark.parametrize("checksum", ["sha256", "blake2b-256"])
 def test_gpu_storage_takes_the_checkpoints_chunk_checksum(monkeypatch, checksum):
     """The GPU streams hash with the shim carriers' checksum (the coordinator's CarrierFiles),
-    else with the node's setting; an incremental checkpoint's ``chunks`` (it holds
-    "incremental", which carriers.settings does not take) works as any other."""
+    else with the checkpoint's ``chunk_checksum`` option; an incremental checkpoint's
+    options work as any other."""
     import types
 
     from cuinterpose.agent.run import gpustore_step
 
     monkeypatch.setattr(gpustore_step.native, "info", lambda: types.SimpleNamespace(kind="fake"))
-    monkeypatch.setenv("CUINTERPOSE_CHUNK_CHECKSUM", checksum)
-    ck = types.SimpleNamespace(chunks={"chunk_bytes": 1 << 20, "writers": 6, "incremental": True})
+    o = CheckpointOptions(chunk_bytes=1 << 20, writers=6, incremental=True, chunk_checksum=checksum)
+    ck = types.SimpleNamespace(options=o)
     opts = gpustore_step.options(ck)
     assert (opts.checksum, opts.chunk_bytes, opts.slots()) == (checksum, 1 << 20, 6)
-    assert opts.settings == carriers.settings(chunk_bytes=1 << 20, writers=6)
+    assert opts.settings == carriers.settings(**o.chunk_settings())
     other = "blake2b-256" if checksum == "sha256" else "sha256"
     files = CarrierFiles("/nonexistent", chunk_bytes=1 << 20, writers=3, checksum=other)
     ck.coordinator = types.SimpleNamespace(carriers=files)

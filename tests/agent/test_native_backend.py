@@ -17,6 +17,7 @@ from cuinterpose.agent import paths
 from cuinterpose.agent.config import ConfigError, load_config
 from cuinterpose.agent.errors import AgentError, NativeError
 from cuinterpose.agent.mech import native, native_cli
+from cuinterpose.agent.options import DriverOptions
 
 G0 = "GPU-66616b65-6375-6461-4750-552d75750000"
 G2 = "GPU-66616b65-6375-6461-4750-552d75750002"
@@ -55,7 +56,6 @@ def recorder(tmp_path, monkeypatch):
 
 def test_the_cli_backend_runs_the_documented_command_lines(recorder, monkeypatch):
     exe, seen, reply = recorder
-    monkeypatch.delenv(native.CALL_DEADLINE_ENV, raising=False)
     b = native.choose("cuda-checkpoint")
     assert (b.name, b.detail) == ("cuda-checkpoint", str(exe))
     assert b.why == f"--native-backend cuda-checkpoint (${native_cli.CLI_ENV}={exe})"
@@ -138,8 +138,7 @@ def test_a_utility_past_its_deadline_is_killed_and_named(tmp_path, monkeypatch):
     exe.write_text(f"#!/bin/sh\nexec cat {fifo}\n")  # blocks: nobody writes the fifo
     exe.chmod(0o755)
     monkeypatch.setenv(native_cli.CLI_ENV, str(exe))
-    monkeypatch.setenv(native.CALL_DEADLINE_ENV, "0.3")
-    with pytest.raises(NativeError) as ei:
+    with pytest.raises(NativeError) as ei, native.using(DriverOptions(driver_call_timeout_s=0.3)):
         native.choose("cuda-checkpoint").checkpoint(12)
     assert ei.value.reason == (
         "cuda-checkpoint --action checkpoint: CUDA_ERROR_TIMEOUT (cuda-checkpoint gave no "
@@ -200,8 +199,10 @@ def test_unknown_kind_and_config_key(monkeypatch):
         "native backend: unknown native backend 'criu' (expected one of "
         "('auto', 'driver-api', 'cuda-checkpoint'))"
     )
-    monkeypatch.setenv(native.BACKEND_ENV, "cuda-checkpoint")
-    assert native.backend_kind() == "cuda-checkpoint"
+    assert native.backend_kind() == "auto"  # outside a run: the option's default
+    opts = DriverOptions.from_environ({"CUINTERPOSE_NATIVE_BACKEND": "cuda-checkpoint"})
+    with native.using(opts):
+        assert native.backend_kind() == "cuda-checkpoint"
     assert load_config("nativeBackend: cuda-checkpoint\n").native_backend == "cuda-checkpoint"
     assert load_config("{}\n").native_backend == ""
     with pytest.raises(ConfigError) as ei:
@@ -256,9 +257,10 @@ def test_serve_reads_native_backend_from_the_config(tmp_path):
 
     f = tmp_path / "config.yaml"
     f.write_text("nativeBackend: cuda-checkpoint\n")
-    assert _config_values(str(f))["native_backend"] == "cuda-checkpoint"
+    cfg = _config_values(str(f))["_config"]
+    assert cfg.option_values() == {"native_backend": "cuda-checkpoint"}
     f.write_text("driver: fake\n")
-    assert _config_values(str(f))["native_backend"] is None
+    assert _config_values(str(f))["_config"].option_values() == {"driver": "fake"}
 
 
 GPU_TARGET = """
@@ -281,9 +283,11 @@ GPU_CONTROLLER = """
 import json, os, sys
 from cuinterpose.agent.mech import native
 from cuinterpose.agent.errors import NativeError
+from cuinterpose.agent.options import DriverOptions
 native.load("fake")
 pid, kind, old, new, bogus = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5]
-os.environ[native.BACKEND_ENV] = kind
+run = native.using(DriverOptions(driver="fake", native_backend=kind))
+run.__enter__()  # the rest of the script is one run with these options
 out = {"backend": native.backend().name}
 native.lock_all([pid], 5000)
 native.checkpoint_all([pid])

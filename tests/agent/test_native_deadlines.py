@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import pytest
 
+from cuinterpose.agent.errors import AgentError
 from cuinterpose.agent.mech import native
+from cuinterpose.agent.options import DriverOptions
 
 
 class _LockArgs:
@@ -33,21 +35,30 @@ def calls(monkeypatch):
 
 
 def test_a_lock_with_a_timeout_waits_that_plus_the_call_deadline(calls, monkeypatch):
-    monkeypatch.delenv(native.CALL_DEADLINE_ENV, raising=False)
-    native.lock(4121, 10_000)
+    native.lock(4121, 10_000)  # outside a run: the option's default, 60 s
     assert calls == [("lock", 4121, [10_000], 10.0 + 60.0)]
 
 
 def test_a_lock_without_timeout_gets_the_call_deadline_as_the_drivers(calls, monkeypatch):
-    monkeypatch.setenv(native.CALL_DEADLINE_ENV, "2.5")
-    native.lock(4121, 0)
+    with native.using(DriverOptions(driver_call_timeout_s=2.5)):
+        native.lock(4121, 0)
     assert calls == [("lock", 4121, [2500], 2.5 + 2.5)]
 
 
-@pytest.mark.parametrize("value,want", [("7", 7.0), ("0", 60.0), ("nan", 60.0), ("x", 60.0)])
-def test_the_call_deadline_comes_from_the_environment(monkeypatch, value, want):
-    monkeypatch.setenv(native.CALL_DEADLINE_ENV, value)
-    assert native.call_deadline_s() == want
+def test_the_call_deadline_is_the_runs_option_and_its_environment_variable_sets_it():
+    assert native.call_deadline_s() == 60.0
+    opts = DriverOptions.from_environ({"CUINTERPOSE_DRIVER_CALL_TIMEOUT_S": "7"})
+    with native.using(opts):
+        assert native.call_deadline_s() == 7.0
+    assert native.call_deadline_s() == 60.0  # only within the run
+
+
+@pytest.mark.parametrize("value", ["0", "nan", "x", "90000"])
+def test_a_bad_call_deadline_is_refused_naming_the_variable(value):
+    with pytest.raises(AgentError) as e:
+        DriverOptions.from_environ({"CUINTERPOSE_DRIVER_CALL_TIMEOUT_S": value})
+    assert (e.value.phase, e.value.outcome) == ("request", "refused")
+    assert e.value.reason.startswith(f"$CUINTERPOSE_DRIVER_CALL_TIMEOUT_S={value!r}: must be")
 
 
 def test_checkpoint_restore_unlock_and_get_state_use_the_call_deadline(calls):

@@ -2,7 +2,9 @@
 its first step that changes anything. A bad one is refused (exit 3, phase "request", naming the
 variable and the value) before the images dir is created, the workload is asked anything or a
 shim is touched: ``CUINTERPOSE_GPU_STORAGE=bogus checkpoint --leave-running`` used to quiesce,
-tear the shared memory down and only then fail (exit 4)."""
+tear the shared memory down and only then fail (exit 4). The options are read once, by the
+command's options object (agent/options.py ``from_environ``); the node key and the test hook
+by the checkpoint's first step (agent/run/images.py ``preflight``)."""
 
 from __future__ import annotations
 
@@ -15,16 +17,48 @@ import pytest
 
 from cuinterpose.workloads.afdwin import demo
 
+SECONDS = "must be a finite number of seconds above 0 and at most 86400"
 BAD = [
-    ("CUINTERPOSE_GPU_STORAGE", "bogus", "gpu storage: --gpu-storage 'bogus': expected one of"),
-    ("CUINTERPOSE_NATIVE_BACKEND", "nope", "unknown native backend 'nope'"),
-    ("CUINTERPOSE_DRIVER_CALL_TIMEOUT_S", "soon", "$CUINTERPOSE_DRIVER_CALL_TIMEOUT_S='soon'"),
-    ("CUINTERPOSE_CRIU_TIMEOUT_S", "-1", "CUINTERPOSE_CRIU_TIMEOUT_S='-1'"),
-    # the CLI reads these for its own usage check (exit 2) already; the daemon's requests too
-    ("CUINTERPOSE_CHUNK_BYTES", "8MB", "CUINTERPOSE_CHUNK_BYTES='8MB'"),
-    ("CUINTERPOSE_STAGING_BYTES", "1KiB", "CUINTERPOSE_STAGING_BYTES"),
-    ("CUINTERPOSE_CHUNK_CHECKSUM", "md5", "CUINTERPOSE_CHUNK_CHECKSUM"),
-    ("CUINTERPOSE_INCREMENTAL", "yes", "$CUINTERPOSE_INCREMENTAL='yes': must be 1, 0 or unset"),
+    (
+        "CUINTERPOSE_GPU_STORAGE",
+        "bogus",
+        "request: $CUINTERPOSE_GPU_STORAGE='bogus': must be one of auto, custom, host",
+    ),
+    (
+        "CUINTERPOSE_NATIVE_BACKEND",
+        "nope",
+        "request: $CUINTERPOSE_NATIVE_BACKEND='nope': must be one of auto, driver-api, "
+        "cuda-checkpoint",
+    ),
+    (
+        "CUINTERPOSE_DRIVER_CALL_TIMEOUT_S",
+        "soon",
+        "request: $CUINTERPOSE_DRIVER_CALL_TIMEOUT_S='soon': must be a number of seconds",
+    ),
+    ("CUINTERPOSE_CRIU_TIMEOUT_S", "-1", f"request: $CUINTERPOSE_CRIU_TIMEOUT_S='-1': {SECONDS}"),
+    (
+        "CUINTERPOSE_CHUNK_BYTES",
+        "8MB",
+        "request: $CUINTERPOSE_CHUNK_BYTES='8MB': '8MB' is not a byte count: MB is ambiguous",
+    ),
+    (
+        "CUINTERPOSE_STAGING_BYTES",
+        "1KiB",
+        "request: $CUINTERPOSE_STAGING_BYTES 1024 must be at least --chunk-bytes (the default)",
+    ),
+    (
+        "CUINTERPOSE_CHUNK_CHECKSUM",
+        "md5",
+        "request: $CUINTERPOSE_CHUNK_CHECKSUM='md5': must be one of blake2b-256, sha256",
+    ),
+    (
+        "CUINTERPOSE_INCREMENTAL",
+        "yes",
+        "request: $CUINTERPOSE_INCREMENTAL='yes': must be 1 or true, 0 or false",
+    ),
+    ("CUINTERPOSE_DRIVER", "cuda", "request: $CUINTERPOSE_DRIVER='cuda': must be one of"),
+    ("CUINTERPOSE_CONTROL_DIR", "x" * 300, "request: $CUINTERPOSE_CONTROL_DIR="),
+    # not options: read by the checkpoint's first step, before anything changes
     ("CUINTERPOSE_MANIFEST_KEY_FILE", "/nonexistent/key", "node key file /nonexistent/key"),
     ("CUINTERPOSE_TEST_DROP_REPLY", "NO_SUCH_OP", "'NO_SUCH_OP' is not OP[@PID][:N]"),
 ]
@@ -59,15 +93,29 @@ def test_a_bad_variable_is_refused_before_anything_changes(tmp_path, name, value
         finally:
             job.kill()
     err = out["error"]
-    if rc == 2:  # a usage error of the CLI: read before anything too
-        assert err["phase"] == "usage" and says in err["message"], out
-    else:
-        assert (rc, err["phase"], err["outcome"]) == (3, "request", "refused"), out
-        assert (
-            says in err["message"]
-            and "checkpoint refused before anything was changed" in (err["message"])
-        ), err["message"]
+    assert (rc, err["phase"], err["outcome"]) == (3, "request", "refused"), out
+    if name.startswith("CUINTERPOSE_TEST") or name.endswith("KEY_FILE"):  # the first step's
+        assert says in err["message"], err["message"]
+        assert err["message"].endswith("checkpoint refused before anything was changed")
+    else:  # the options': before the command did anything
+        assert err["message"].startswith(says), err["message"]
     assert not snap.exists() and list(ctl.iterdir()) == []  # no images dir, no request
+
+
+@pytest.mark.parametrize("name,value,says", BAD[:-2], ids=[b[0] for b in BAD[:-2]])
+def test_a_bad_variable_keeps_the_daemon_from_starting(tmp_path, name, value, says):
+    """The daemon reads its options once, at its start: a bad variable is refused there
+    (exit 2, naming it), not at each request."""
+    rc, out = _agent(
+        "serve",
+        "--listen",
+        f"unix:{tmp_path}/a.sock",
+        "--snapshot-dir",
+        str(tmp_path / "s"),
+        env={name: value},
+    )
+    assert (rc, out["error"]["phase"], out["error"]["outcome"]) == (2, "serve", "usage"), out
+    assert out["error"]["message"].startswith("serve: " + says.removeprefix("request: ")), out
 
 
 def test_bogus_gpu_storage_leaves_a_running_job_untouched(afdwin, tmp_path):

@@ -86,28 +86,29 @@ def test_argparse_type_shows_the_refusal(capsys):
     )
 
 
-def test_the_carrier_settings_read_units_from_the_environment(monkeypatch):
+def test_the_carrier_settings_read_units_from_the_environment():
+    """The variables are read by the options' constructor (agent/options.py), with units; the
+    carriers take the values from the options."""
     from cuinterpose.agent.errors import AgentError
+    from cuinterpose.agent.options import CheckpointOptions
     from cuinterpose.agent.run import carriers
 
-    monkeypatch.setenv("CUINTERPOSE_STAGING_BYTES", "128MiB")
-    monkeypatch.setenv("CUINTERPOSE_CHUNK_BYTES", "4 MiB")
-    got = carriers.settings(checksum="sha256")
+    env = {"CUINTERPOSE_STAGING_BYTES": "128MiB", "CUINTERPOSE_CHUNK_BYTES": "4 MiB"}
+    o = CheckpointOptions.from_environ(env)
+    got = carriers.settings(**o.chunk_settings(), checksum="sha256")
     assert (got.chunk_bytes, got.staging_bytes) == (4 << 20, 128 << 20)
-    assert carriers.settings(staging_bytes=1 << 30, checksum="sha256").staging_bytes == 1 << 30
-    monkeypatch.setenv("CUINTERPOSE_STAGING_BYTES", "8MB")
+    o = CheckpointOptions.from_environ(env, {"staging_bytes": 1 << 30})
+    assert carriers.settings(**o.chunk_settings()).staging_bytes == 1 << 30
     with pytest.raises(AgentError) as e:
-        carriers.settings(checksum="sha256")
+        CheckpointOptions.from_environ({"CUINTERPOSE_STAGING_BYTES": "8MB"})
     assert (e.value.phase, e.value.reason) == (
-        "carrier settings",
-        "CUINTERPOSE_STAGING_BYTES='8MB' is not a byte count: MB is ambiguous (10^3 or 2^10?): "
-        "write MiB or bytes",
+        "request",
+        "$CUINTERPOSE_STAGING_BYTES='8MB': '8MB' is not a byte count: MB is ambiguous (10^3 or "
+        "2^10?): write MiB or bytes",
     )
-    monkeypatch.delenv("CUINTERPOSE_STAGING_BYTES")
-    monkeypatch.setenv("CUINTERPOSE_WRITERS", "many")
     with pytest.raises(AgentError) as e:
-        carriers.settings(checksum="sha256")
-    assert e.value.reason == "CUINTERPOSE_WRITERS='many' is not an integer"
+        CheckpointOptions.from_environ({"CUINTERPOSE_WRITERS": "many"})
+    assert e.value.reason == "$CUINTERPOSE_WRITERS='many': must be an integer"
 
 
 def test_checkpoint_takes_a_unit_on_the_command_line():
@@ -121,22 +122,27 @@ def test_checkpoint_takes_a_unit_on_the_command_line():
 def test_conflicting_sizes_name_each_value_and_where_it_came_from(monkeypatch):
     """Helper review, stop 21: --chunk-bytes 1GiB alone failed as "images dir: staging_bytes
     67108864 must be at least chunk_bytes", naming neither option."""
+    from cuinterpose.agent.cli.common import flag_of
     from cuinterpose.agent.errors import AgentError
+    from cuinterpose.agent.options import CheckpointOptions
     from cuinterpose.agent.run import carriers
 
-    for k in ("CUINTERPOSE_CHUNK_BYTES", "CUINTERPOSE_STAGING_BYTES", "CUINTERPOSE_WRITERS"):
-        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(AgentError) as e:  # the command line's --chunk-bytes 1GiB
+        CheckpointOptions.from_environ({}, {"chunk_bytes": 1 << 30}, label=flag_of)
+    assert str(e.value) == (
+        "request: --staging-bytes (the default) 67108864 must be at least --chunk-bytes "
+        "(1073741824: the staging ring holds whole chunks) and at most 68719476736 bytes (64 GiB)"
+    )
     with pytest.raises(AgentError) as e:
+        CheckpointOptions.from_environ({"CUINTERPOSE_STAGING_BYTES": "1MiB"}, label=flag_of)
+    assert e.value.reason.startswith(
+        "$CUINTERPOSE_STAGING_BYTES 1048576 must be at least --chunk-bytes (the default) (8388608:"
+    )
+    with pytest.raises(AgentError) as e:  # the carriers check what they are given, too
         carriers.settings(chunk_bytes=1 << 30, checksum="sha256")
     assert str(e.value) == (
         "carrier settings: --staging-bytes (the default) 67108864 must be at least --chunk-bytes "
         "(1073741824: the staging ring holds whole chunks) and at most 68719476736 bytes (64 GiB)"
-    )
-    monkeypatch.setenv("CUINTERPOSE_STAGING_BYTES", "1MiB")
-    with pytest.raises(AgentError) as e:
-        carriers.settings(checksum="sha256")
-    assert e.value.reason.startswith(
-        "CUINTERPOSE_STAGING_BYTES 1048576 must be at least --chunk-bytes (the default) (8388608:"
     )
     with pytest.raises(AgentError) as e:
         carriers.settings(chunk_bytes="3MiB", staging_bytes="64MiB", checksum="sha256")

@@ -33,11 +33,14 @@ CONTROLLER = textwrap.dedent("""
     import json, sys
     from cuinterpose.agent.mech import native
     from cuinterpose.agent.errors import NativeError
+    from cuinterpose.agent.options import DriverOptions
     native.load("fake")
-    try:
-        print(json.dumps({"state": native.get_state(int(sys.argv[1]))}))
-    except NativeError as e:
-        print(json.dumps({"pid": e.pid, "action": e.action, "result": e.result}))
+    # a front end: its options from the environment (the call deadline)
+    with native.using(DriverOptions.from_environ()):
+        try:
+            print(json.dumps({"state": native.get_state(int(sys.argv[1]))}))
+        except NativeError as e:
+            print(json.dumps({"pid": e.pid, "action": e.action, "result": e.result}))
 """)
 
 

@@ -39,6 +39,7 @@ from agent_world import (  # noqa: E402
 
 from cuinterpose.agent.errors import AgentError, QuiesceRefused  # noqa: E402
 from cuinterpose.agent.mech import quiesce  # noqa: E402
+from cuinterpose.agent.options import for_kinds  # noqa: E402
 from cuinterpose.agent.run import recover  # noqa: E402
 from cuinterpose.coordinator.contract import quiesce_path  # noqa: E402
 from cuinterpose.coordinator.protocol import Op, Phase  # noqa: E402
@@ -510,7 +511,8 @@ def test_serve_rolls_back_a_dead_lock_before_it_serves(world, shims, capfd):
     dead_agent_lock(world.ctl, root, "q13", torn_down=True, steps=BEFORE, **rec)
     d = tempfile.mkdtemp(prefix="cui-serve-")
     srv = service.Server(
-        f"unix:{d}/a.sock", service.ServeOptions(node="n1", control_dir=str(world.ctl))
+        f"unix:{d}/a.sock",
+        service.ServeOptions(node="n1", options=for_kinds({"control_dir": str(world.ctl)})),
     ).start()
     try:
         assert [(r["pid"], r["outcome"], r["found"]["shims"]) for r in srv.recovered] == [

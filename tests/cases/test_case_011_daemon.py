@@ -19,6 +19,7 @@ import threading
 import pytest
 
 from cuinterpose.agent.errors import AgentError
+from cuinterpose.agent.options import for_kinds
 from cuinterpose.agent.rpc import client, service, unixsock
 from cuinterpose.agent.snapshot import pb
 
@@ -44,7 +45,11 @@ def daemon(shared_dir, tmp_path):
     try:
         srv = service.Server(
             "unix:" + os.path.join(shared_dir, "agent.sock"),
-            service.ServeOptions(node="n011", driver="fake", snapshot_dir=str(tmp_path / "s")),
+            service.ServeOptions(
+                node="n011",
+                options=for_kinds({"driver": "fake"}),
+                snapshot_dir=str(tmp_path / "s"),
+            ),
         )
     finally:
         os.umask(old)

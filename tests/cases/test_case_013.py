@@ -2,9 +2,10 @@
 came back as internal errors (exit 5 "rollback_failed", raw Python text) and left a created
 parent directory behind.
 
-Kind: a request's fields used before they are checked. Fixed (agent/validate.py, called by the
-CLI and the gRPC service before anything happens): each field is checked and a refusal is
-exit 3 "refused", phase "request", naming the field and the allowed range; nothing is created.
+Kind: a request's fields used before they are checked. Fixed (agent/validate.py for the pids
+and paths, agent/options.py for the options, both before anything happens): each field is
+checked and a refusal is exit 3 "refused", phase "request", naming the field (the flag on the
+command line) and the allowed range; nothing is created.
 The manifest's part: when its final rewrite (the totals, after the trees are killed) hits
 ENOSPC, no ``manifest.json.tmp`` is left, the first manifest stays complete, and ``--json``
 carries the warning (agent/snapshot/manifest.py ``write``); asserted on a real checkpoint
@@ -23,11 +24,12 @@ import sys
 
 import pytest
 
-from cuinterpose.agent import validate
 from cuinterpose.agent.errors import AgentError
+from cuinterpose.agent.options import CheckpointOptions
 from cuinterpose.workloads.afdwin import demo
 
-SECONDS = "must be a finite number of seconds, more than 0 and at most 86400"
+SECONDS = "must be a finite number of seconds above 0 and at most 86400"
+MS = "must be an integer from 0 to 86400000 (milliseconds); 0 = the driver-call deadline"
 
 
 def checkpoint(tmp_path, images_dir, *extra):
@@ -59,39 +61,25 @@ def test_an_images_dir_over_path_max_is_refused_and_nothing_is_created(tmp_path)
 @pytest.mark.parametrize(
     "field,value,reason",
     [
-        ("phase_timeout_s", float("nan"), f"phase_timeout_s nan is out of range: {SECONDS}"),
-        ("phase_timeout_s", float("inf"), f"phase_timeout_s inf is out of range: {SECONDS}"),
-        ("carrier_timeout_s", 1e300, f"carrier_timeout_s 1e+300 is out of range: {SECONDS}"),
-        (
-            "lock_timeout_ms",
-            -1,
-            "lock_timeout_ms -1 is out of range: must be an integer from 0 to 86400000 "
-            "(milliseconds; 0 = the driver-call deadline)",
-        ),
-        (
-            "lock_timeout_ms",
-            2**62,
-            f"lock_timeout_ms {2**62} is out of range: must be an integer from 0 to 86400000 "
-            "(milliseconds; 0 = the driver-call deadline)",
-        ),
+        ("phase_timeout_s", float("nan"), f"phase_timeout_s=nan: {SECONDS}"),
+        ("phase_timeout_s", float("inf"), f"phase_timeout_s=inf: {SECONDS}"),
+        ("carrier_timeout_s", 1e300, f"carrier_timeout_s=1e+300: {SECONDS}"),
+        ("lock_timeout_ms", -1, f"lock_timeout_ms=-1: {MS}"),
+        ("lock_timeout_ms", 2**62, f"lock_timeout_ms={2**62}: {MS}"),
     ],
 )
 def test_out_of_range_numbers_name_the_field_and_range(field, value, reason):
     with pytest.raises(AgentError) as ei:
-        validate.checkpoint_request(roots=[1], images_dir="/tmp/x", **{field: value})
+        CheckpointOptions(**{field: value})
     assert (ei.value.phase, ei.value.reason, ei.value.outcome) == ("request", reason, "refused")
 
 
 def test_cli_nan_and_huge_numbers_are_refused_exit_3(tmp_path):
     snap = str(tmp_path / "snap")
     for extra, reason in (
-        (("--phase-timeout-s", "nan"), f"phase_timeout_s nan is out of range: {SECONDS}"),
-        (("--carrier-timeout-s", "inf"), f"carrier_timeout_s inf is out of range: {SECONDS}"),
-        (
-            ("--lock-timeout-ms", str(2**62)),
-            f"lock_timeout_ms {2**62} is out of range: must be an integer from 0 to 86400000 "
-            "(milliseconds; 0 = the driver-call deadline)",
-        ),
+        (("--phase-timeout-s", "nan"), f"--phase-timeout-s=nan: {SECONDS}"),
+        (("--carrier-timeout-s", "inf"), f"--carrier-timeout-s=inf: {SECONDS}"),
+        (("--lock-timeout-ms", str(2**62)), f"--lock-timeout-ms={2**62}: {MS}"),
     ):
         rc, out = checkpoint(tmp_path, snap, *extra)
         assert rc == 3, out

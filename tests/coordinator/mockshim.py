@@ -26,6 +26,7 @@ from cuinterpose.coordinator.protocol import (
     MUTATING_OPS,
     REQUEST_SIZE,
     STREAM_ENTRY_SIZE,
+    CarryFlag,
     Op,
     Phase,
     ProtocolError,
@@ -238,24 +239,45 @@ class MockShim:
         finally:
             conn.close()
 
-    def _recv_carriers(self, conn: socket.socket, req: Request) -> None:
-        count = req.reserved[2] >> 32
-        want, got, ids = count * STREAM_ENTRY_SIZE, b"", []
+    @staticmethod
+    def _recv_table(conn: socket.socket, want: int) -> tuple[bytes, int]:
+        """``want`` bytes of a carrier table and how many descriptors came with them (closed)."""
+        got, nfd = b"", 0
         while len(got) < want:
             data, anc, _, _ = conn.recvmsg(want - len(got), socket.CMSG_SPACE(4 * 64))
             for level, ctype, cdata in anc:
                 if level == socket.SOL_SOCKET and ctype == socket.SCM_RIGHTS:
                     fds = array.array("i")
                     fds.frombytes(cdata[: len(cdata) - len(cdata) % fds.itemsize])
+                    nfd += len(fds)
                     for fd in fds:
                         os.close(fd)
             if not data:
                 raise OSError("connection closed in the chunk file table")
             got += data
-        for i in range(count):
-            ids.append(alloc_id_hex(got[i * STREAM_ENTRY_SIZE : i * STREAM_ENTRY_SIZE + 16]))
+        return got, nfd
+
+    def _recv_carriers(self, conn: socket.socket, req: Request) -> None:
+        """The entries (with their descriptors, or with CarryFlag.STREAMED without them, then
+        the known-digest table if any and the descriptor groups, protocol.h "Carriers")."""
+        count, flags = req.reserved[2] >> 32, (req.reserved[2] >> 16) & 0xFFFF
+        got, _ = self._recv_table(conn, count * STREAM_ENTRY_SIZE)
+        ids = [
+            alloc_id_hex(got[i * STREAM_ENTRY_SIZE : i * STREAM_ENTRY_SIZE + 16])
+            for i in range(count)
+        ]
         self.carrier_requests.append((Op(req.op), req.reserved[0], ids))
-        self.carrier_flags.append((req.reserved[2] >> 16) & 0xFFFF)
+        self.carrier_flags.append(flags)
+        if flags & CarryFlag.STREAMED:
+            if flags & CarryFlag.KNOWN:
+                head, _ = self._recv_table(conn, 16)
+                self._recv_table(conn, struct.unpack_from("<I", head)[0] * 32)
+            nfd = 0
+            while nfd < count:
+                head, n = self._recv_table(conn, 8)
+                nfd += n
+                if struct.unpack("<Ii", head)[1]:
+                    break  # the sender could not open the next file
 
     def _streams(self, chunk_bytes: int) -> list[tuple[Record, StreamTable]]:
         out = []

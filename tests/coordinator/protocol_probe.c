@@ -53,6 +53,8 @@ static void layout(void) {
   K(CUI_STREAM_FDS_PER_MSG); K(CUI_CHUNK_MIN); K(CUI_CHUNK_MAX); K(CUI_STAGING_MAX);
   K(CUI_WRITERS_MAX); K(CUI_DIGEST_BYTES);
   K(CUI_DEFAULT_CHUNK_BYTES); K(CUI_DEFAULT_STAGING_BYTES); K(CUI_DEFAULT_WRITERS);
+  printf("sizeof cui_fd_group %zu\n", sizeof(struct cui_fd_group));
+  F(cui_fd_group, count); F(cui_fd_group, error);
   printf("sizeof cui_table_head %zu\n", sizeof(struct cui_table_head));
   F(cui_table_head, count); F(cui_table_head, sources); F(cui_table_head, reserved);
   printf("sizeof cui_source_entry %zu\n", sizeof(struct cui_source_entry));
@@ -60,7 +62,7 @@ static void layout(void) {
   printf("sizeof cui_chunk_ref %zu\n", sizeof(struct cui_chunk_ref));
   F(cui_chunk_ref, stream); F(cui_chunk_ref, chunk); F(cui_chunk_ref, source);
   F(cui_chunk_ref, reserved); F(cui_chunk_ref, offset);
-  K(CUI_CARRY_KNOWN); K(CUI_CARRY_SOURCES); K(CUI_CARRY_SHA256); K(CUI_KNOWN_MAX); K(CUI_REFS_MAX);
+  K(CUI_CARRY_KNOWN); K(CUI_CARRY_SOURCES); K(CUI_CARRY_SHA256); K(CUI_CARRY_STREAMED); K(CUI_KNOWN_MAX); K(CUI_REFS_MAX);
 
   K(CUI_PROTO_MAGIC); K(CUI_PROTO_VERSION); K(CUI_MAX_ACCESS); K(CUI_TXN_ROOM);
   STR(CUI_DEFAULT_CONTROL_DIR); STR(CUI_SOCKET_PREFIX); STR(CUI_CLAIM_SUFFIX); STR(CUI_TICKET_MAGIC);
@@ -77,7 +79,7 @@ static void layout(void) {
   K(CUI_PHASE_RULE_ANY); K(CUI_PHASE_RULE_SAME); K(CUI_PHASE_RULE_MULTICAST_RELEASED_OR_ACTIVE);
   K(CUI_PHASE_RULE_UNCHECKED);
   K(CUI_OK); K(CUI_REFUSED_PHASE); K(CUI_REFUSED_DUPLICATE); K(CUI_REFUSED_STATE);
-  K(CUI_FAILED); K(CUI_BAD_REQUEST); K(CUI_NOT_FOUND); K(CUI_BUSY); K(CUI_REFUSED_PEER); K(CUI_SHIM_FOREIGN_DLSYM); K(CUI_SHIM_CARRY_SHA256); K(CUI_SHIM_OP_RUNNING);
+  K(CUI_FAILED); K(CUI_BAD_REQUEST); K(CUI_NOT_FOUND); K(CUI_BUSY); K(CUI_REFUSED_PEER); K(CUI_SHIM_FOREIGN_DLSYM); K(CUI_SHIM_CARRY_SHA256); K(CUI_SHIM_OP_RUNNING); K(CUI_SHIM_CARRY_STREAMED);
   K(CUI_RECORD_ALLOCATION); K(CUI_RECORD_MAPPING); K(CUI_RECORD_RESERVATION);
   K(CUI_RECORD_MULTICAST); K(CUI_RECORD_MULTICAST_DEVICE); K(CUI_RECORD_MULTICAST_BINDING);
   K(CUI_RECORD_MULTICAST_MAPPING); K(CUI_RECORD_DEVICE);

@@ -95,12 +95,13 @@ def test_capture_uses_sha256_only_where_every_shim_takes_it(ctl, old):
     """A capture asked for SHA-256 chunks (decisions D36) sends CarryFlag.SHA256 with every
     SAVE when every INSPECT reply has ShimFlag.CARRY_SHA256; one shim without it (loaded
     before D36: it would refuse the flag) makes the whole capture BLAKE2b-256, named in its
-    chunks, and drops a chunk store's (SHA-256) known digests."""
+    chunks, and drops a chunk store's (SHA-256) known digests. A SAVE is streamed
+    (CarryFlag.STREAMED, D70) to each shim with ShimFlag.CARRY_STREAMED, not to one without."""
     from cuinterpose.coordinator.carrierfiles import CarrierFiles
     from cuinterpose.coordinator.protocol import CarryFlag, ShimFlag
     from cuinterpose.coordinator.results import PhaseResult
 
-    with group(ctl, shim_flags=ShimFlag.CARRY_SHA256) as g:
+    with group(ctl, shim_flags=ShimFlag.CARRY_SHA256 | ShimFlag.CARRY_STREAMED) as g:
         if old is not None:
             g.mocks[old].shim_flags = 0
         coord = Coordinator(g.participants)
@@ -108,11 +109,14 @@ def test_capture_uses_sha256_only_where_every_shim_takes_it(ctl, old):
         cap = coord.capture()
     want = "sha256" if old is None else "blake2b-256"
     assert cap.chunks["checksum"] == coord.carriers.checksum == want
+    # a SAVE streams its descriptors as the files are created (decisions D70) where the shim
+    # takes it: not to the old one
     sha = CarryFlag.SHA256 if old is None else 0
+    streamed = CarryFlag.STREAMED
     assert {pid: m.carrier_flags for pid, m in g.mocks.items()} == {
-        4119: [sha],
-        4121: [sha],
-        4123: [sha],
+        4119: [sha | streamed],
+        4121: [sha | (streamed if old is None else 0)],
+        4123: [sha | streamed],
     }
     # the chunk store's digests of the other checksum name nothing this capture can refer to
     files = CarrierFiles(ctl.parent / "store", checksum="sha256", known={b"\x01" * 32: ("p", 0)})

@@ -79,6 +79,7 @@ def test_sizes_match_header(layout):
         "cui_ticket": 64,
         "cui_stream_entry": 32,
         "cui_stream_head": 32,
+        "cui_fd_group": 8,
         "cui_table_head": 16,
         "cui_source_entry": 16,
         "cui_chunk_ref": 24,

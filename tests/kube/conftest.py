@@ -20,12 +20,15 @@ class RecordingActions:
 
     def __init__(self):
         self.calls = []
+        #: the options (the pod's annotations) of each call, in call order
+        self.options: list[dict] = []
         self.fail = None
         #: the result's restore ``notes`` / checkpoint ``warnings``
         self.notes: list = []
 
-    def checkpoint(self, pod, snapshot_name, *, roots, images_dir, leave_running=False):
+    def checkpoint(self, pod, snapshot_name, *, roots, images_dir, options):
         m = pod["metadata"]
+        self.options.append(dict(options))
         self.calls.append(
             (
                 "checkpoint",
@@ -33,7 +36,7 @@ class RecordingActions:
                 snapshot_name,
                 list(roots),
                 images_dir,
-                leave_running,
+                options["leave_running"],
             )
         )
         if self.fail:
@@ -45,8 +48,11 @@ class RecordingActions:
             "warnings": [{"pid": 4242, "message": n} for n in self.notes],
         }
 
-    def restore(self, pod, snapshot, *, images_dir, into_pid=None, into_start_time=None):
+    def restore(
+        self, pod, snapshot, *, images_dir, into_pid=None, into_start_time=None, options=None
+    ):
         m = pod["metadata"]
+        self.options.append(dict(options or {}))
         self.calls.append(
             (
                 "restore",

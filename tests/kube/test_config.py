@@ -49,6 +49,8 @@ def test_empty_document_gives_defaults():
         cfg.snapshot_dir,
         cfg.kubernetes.enabled,
     ) == ("", "", "", None, "/var/lib/cuinterpose/snapshots", False)
+    # the agent's options it sets: none (the environment's, else the defaults apply)
+    assert (cfg.quiesce_timeout_ms, cfg.carrier_timeout_s, cfg.option_values()) == (None, None, {})
     # what `cuinterpose-agent serve --config` reads: None = not set, its own defaults apply
     assert (cfg.listen, cfg.node_name, cfg.tls_cert, cfg.tls_key, cfg.tls_ca, cfg.metrics_addr) == (
         None,
@@ -96,6 +98,14 @@ def test_full_document():
     assert cfg.listen_address == "[::]:7443"
     assert cfg.tls.cert_file == "/etc/cuinterpose/tls/tls.crt" and cfg.tls.enabled
     assert (cfg.lock_timeout_ms, cfg.phase_timeout_s, cfg.carrier_timeout_s) == (0, 30.0, 1800.5)
+    assert cfg.option_values() == {
+        "control_dir": "/run/cuinterpose",
+        "driver": "fake",
+        "quiesce_timeout_ms": 5000,
+        "lock_timeout_ms": 0,
+        "phase_timeout_s": 30.0,
+        "carrier_timeout_s": 1800.5,
+    }
     k = cfg.kubernetes
     assert (
         k.enabled,
@@ -171,8 +181,20 @@ def test_from_file_and_node_name_from_env(tmp_path):
         ("controlDir: run/x", "controlDir: must be an absolute path, got 'run/x'"),
         ("metricsPort: 70000", "metricsPort: must be a port number 0..65535, got 70000"),
         ("metricsPort: true", "metricsPort: expected an integer, got True (boolean)"),
-        ("quiesceTimeoutMs: 0", "quiesceTimeoutMs: must be > 0, got 0"),
-        ("lockTimeoutMs: -1", "lockTimeoutMs: must be >= 0, got -1"),
+        (
+            "quiesceTimeoutMs: 0",
+            "quiesceTimeoutMs: must be an integer from 1 to 86400000 (milliseconds), got 0",
+        ),
+        (
+            "lockTimeoutMs: -1",
+            "lockTimeoutMs: must be an integer from 0 to 86400000 (milliseconds); 0 = the "
+            "driver-call deadline, got -1",
+        ),
+        (
+            "carrierTimeoutS: 100000",
+            "carrierTimeoutS: must be a finite number of seconds above 0 "
+            "and at most 86400, got 100000.0",
+        ),
         ("phaseTimeoutS: '60'", "phaseTimeoutS: expected a number, got '60' (string)"),
         ("listenAddress: 7443", "listenAddress: expected a string, got 7443 (integer)"),
         (

@@ -15,6 +15,7 @@ import pytest
 from cuinterpose.agent.config import parse_config
 from cuinterpose.agent.errors import AgentError
 from cuinterpose.agent.kube.actions import AgentActions
+from cuinterpose.agent.options import for_kinds
 from cuinterpose.agent.rpc import client, service
 from cuinterpose.agent.snapshot import pb
 
@@ -27,7 +28,7 @@ def server(monkeypatch, tmp_path_factory):
     snaps = str(tmp_path_factory.getbasetemp())
     srv = service.Server(
         f"unix:{d}/a.sock",
-        service.ServeOptions(node="n1", driver="fake", snapshot_dir=snaps),
+        service.ServeOptions(node="n1", options=for_kinds({"driver": "fake"}), snapshot_dir=snaps),
         metrics_port=None,
     ).start()
     yield srv

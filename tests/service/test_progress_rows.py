@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from cuinterpose.agent.cli.common import RemoteRows
+from cuinterpose.agent.errors import AgentError
 from cuinterpose.agent.rpc import service
 from cuinterpose.agent.rpc.metrics import Metrics
 from cuinterpose.agent.run.report import Reporter
@@ -140,21 +143,43 @@ def test_progress_dict_has_only_the_schemas_fields():
 
 
 def test_checkpoint_options_carry_the_data_path_to_the_daemons_checkpoint(tmp_path):
-    """CheckpointOptions.chunk_bytes/staging_bytes/writers/gpu_storage become the daemon's
-    Checkpoint arguments (unset: {} and None, the daemon's environment decides)."""
+    """CheckpointOptions.chunk_bytes/staging_bytes/writers/gpu_storage become the options of
+    the daemon's Checkpoint; the fields a request leaves unset take the daemon's own (here
+    its config's ``incremental`` and ``writers``), else the defaults."""
+    from cuinterpose.agent.options import for_kinds
+
     apb, _, _ = pb.modules()
-    svc = service.AgentService(service.ServeOptions(node="n", snapshot_dir=str(tmp_path)))
-    req = apb.CheckpointRequest(
-        roots=[1],
-        images_dir=str(tmp_path / "s"),
-        options=apb.CheckpointOptions(
-            chunk_bytes=1 << 20, staging_bytes=4 << 20, writers=2, gpu_storage="host"
-        ),
+    own = for_kinds({"incremental": True, "writers": 8})
+    svc = service.AgentService(
+        service.ServeOptions(node="n", options=own, snapshot_dir=str(tmp_path))
     )
-    kw = svc.checkpoint_kwargs(req)
-    assert (kw["chunks"], kw["gpu_storage"]) == (
-        {"chunk_bytes": 1 << 20, "staging_bytes": 4 << 20, "writers": 2},
+    msg = apb.CheckpointOptions(
+        chunk_bytes=1 << 20, staging_bytes=4 << 20, writers=2, gpu_storage="host"
+    )
+    o = svc.request_options("checkpoint", msg)
+    assert (o.chunk_bytes, o.staging_bytes, o.writers, o.gpu_storage, o.incremental) == (
+        1 << 20,
+        4 << 20,
+        2,
         "host",
+        True,
     )
-    kw = svc.checkpoint_kwargs(apb.CheckpointRequest(roots=[1], images_dir=str(tmp_path)))
-    assert (kw["chunks"], kw["gpu_storage"]) == ({}, None)
+    o = svc.request_options("checkpoint", None)
+    assert (o.chunk_bytes, o.staging_bytes, o.writers, o.gpu_storage, o.incremental) == (
+        None,
+        None,
+        8,
+        "auto",
+        True,
+    )
+    # a request may turn the daemon's incremental off, and a bad field names itself
+    assert not svc.request_options(
+        "checkpoint", apb.CheckpointOptions(incremental=False)
+    ).incremental
+    with pytest.raises(AgentError) as e:
+        svc.request_options("checkpoint", apb.CheckpointOptions(writers=65))
+    assert (e.value.phase, e.value.reason, e.value.outcome) == (
+        "request",
+        "options.writers=65: must be an integer from 1 to 64",
+        "refused",
+    )

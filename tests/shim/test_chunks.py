@@ -136,6 +136,9 @@ def test_save_keeps_no_host_copy(apps, ctl, chunk_files):
     c = apps()
     c.ok("init")
     va = _alloc(c, size, 12)
+    # fakecuda's copy engine filled the memory through its memfd (decisions D71): a read maps
+    # it into the process, so that its RSS holds the 64 MiB as a CRIU dump would find them
+    c.ok(f"check {va} {size} 12")
     before = _rss(c.pid)
     r = ctl(c).request(Op.SAVE_ALLOCATIONS, txn_id=1, expected_phase=Phase.ACTIVE)
     assert (r.reply.status, r.reply.bytes) == (Status.OK, size), r.message

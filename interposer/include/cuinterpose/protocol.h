@@ -174,6 +174,11 @@ enum cui_status {
   2u /* this shim takes CUI_CARRY_SHA256 ("Carriers"; decisions    \
         D36): a sender that does not see it in the INSPECT replies \
         of a capture (a shim loaded before D36) uses BLAKE2b-256 */
+#define CUI_SHIM_CARRY_STREAMED                                    \
+  8u /* this shim takes CUI_CARRY_STREAMED ("Carriers"; decisions  \
+        D70): a sender streams a SAVE's descriptors only to a shim \
+        whose INSPECT reply has it (one loaded before D70 refuses  \
+        the flag) */
 #define CUI_SHIM_OP_RUNNING                                         \
   4u /* a mutating op of this process is queued or running (its     \
         reply is not sent yet): another one gets CUI_BUSY. A sender \
@@ -361,7 +366,19 @@ struct cui_record {           /* 640 bytes */
  * cuMemsetD8). A read error, short file or digest mismatch refuses (CUI_REFUSED_STATE): every
  * allocation created so far is released and the shim stays PREPARED. A SAVE_ALLOCATIONS write
  * error (ENOSPC, EIO, short write) fails (CUI_FAILED) naming pid, allocation, chunk, errno;
- * the shim stays where it was, as any failed SAVE_ALLOCATIONS. CANCEL_CAPTURE drops the table. */
+ * the shim stays where it was, as any failed SAVE_ALLOCATIONS. CANCEL_CAPTURE drops the table.
+ * CUI_CARRY_STREAMED (SAVE_ALLOCATIONS; decisions D70): the descriptors come after the table, as
+ * the sender opens the files, so that their creation overlaps the copies and writes. Then the
+ * request is followed by count * struct cui_stream_entry without descriptors, then the known-digest
+ * table when CUI_CARRY_KNOWN says so (Chunk store below), then the descriptors in entry order in
+ * groups: each group one struct cui_fd_group on one sendmsg() whose SCM_RIGHTS carry its count
+ * descriptors (1..CUI_STREAM_FDS_PER_MSG). The shim checks the whole table first (CUI_BAD_REQUEST,
+ * nothing changed), then reads each group when it reaches its first stream, within its socket
+ * timeout (10 s per receive): a sender sends a group at least that often. A group with count 0
+ * and error E (an errno) says the sender could not open the next entry's file and ends the
+ * request: the op fails (CUI_FAILED, naming that allocation and E) as after a write error; so do
+ * a group that breaks these rules and a connection that ends or stays silent before the last
+ * descriptor. The descriptors received are closed before the reply, as without the flag. */
 /* Chunk store (decisions D34, incremental snapshots; docs/protocol.md "Chunk store"): two flags
  * of cui_request.reserved[2] (bits 16-31) add a table after the stream groups.
  * CUI_CARRY_KNOWN (SAVE_ALLOCATIONS): one struct cui_table_head (count = digests, sources 0),
@@ -381,6 +398,7 @@ struct cui_record {           /* 640 bytes */
 #define CUI_CARRY_KNOWN        0x1u
 #define CUI_CARRY_SOURCES      0x2u
 #define CUI_CARRY_SHA256       0x4u   /* SAVE and LOAD: the chunk checksum is SHA-256 ("Carriers") */
+#define CUI_CARRY_STREAMED     0x8u   /* SAVE: the descriptors follow the table in groups ("Carriers") */
 #define CUI_KNOWN_MAX          (1u << 22)
 #define CUI_REFS_MAX           (1u << 22)
 #define CUI_STREAM_FDS_PER_MSG 64
@@ -408,6 +426,11 @@ struct cui_stream_head {      /* 32 bytes */
   uint64_t bytes;             /* 16 the stream's size, bytes */
   uint32_t chunk_count;       /* 24 ceil(bytes / chunk_bytes) */
   uint32_t zero_count;        /* 28 chunks not written (all zero) */
+};
+
+struct cui_fd_group {          /* 8 bytes: CUI_CARRY_STREAMED ("Carriers") */
+  uint32_t count;             /*  0 descriptors this group carries, for the next entries in order */
+  int32_t error;              /*  4 0, or (count 0) the errno of the next entry's file: the last group */
 };
 
 struct cui_table_head {        /* 16 bytes */
@@ -531,6 +554,7 @@ CUI_STATIC_ASSERT(sizeof(struct cui_ipc_handle) == 64, "cui_ipc_handle is 64 byt
 CUI_STATIC_ASSERT(sizeof(struct cui_ipc_event_handle) == 64, "cui_ipc_event_handle is 64 bytes");
 CUI_STATIC_ASSERT(sizeof(struct cui_stream_entry) == 32, "cui_stream_entry is 32 bytes");
 CUI_STATIC_ASSERT(sizeof(struct cui_stream_head) == 32, "cui_stream_head is 32 bytes");
+CUI_STATIC_ASSERT(sizeof(struct cui_fd_group) == 8, "cui_fd_group is 8 bytes");
 CUI_STATIC_ASSERT(sizeof(struct cui_table_head) == 16, "cui_table_head is 16 bytes");
 CUI_STATIC_ASSERT(sizeof(struct cui_source_entry) == 16, "cui_source_entry is 16 bytes");
 CUI_STATIC_ASSERT(sizeof(struct cui_chunk_ref) == 24, "cui_chunk_ref is 24 bytes");

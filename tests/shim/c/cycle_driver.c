@@ -275,24 +275,32 @@ static void send_carriers(int s, struct cui_request *q) {
     fds[n] = g_carry_fd[n];
     n++;
   }
+  /* SAVE streams its descriptors (CUI_CARRY_STREAMED: the entries, then one group per file);
+   * LOAD sends them with the entries */
+  int streamed = q->op == CUI_OP_SAVE_ALLOCATIONS;
   q->reserved[0] = 64 << 10; /* chunk_bytes */
   q->reserved[1] = 128 << 10; /* staging_bytes: two slots */
-  q->reserved[2] = 3u | (uint64_t)n << 32; /* three writers */
+  q->reserved[2] = 3u | (uint64_t)(streamed ? CUI_CARRY_STREAMED : 0) << 16 | (uint64_t)n << 32; /* three writers */
   CHECK(write(s, q, sizeof *q) == sizeof *q, "send");
   if (!n) return;
-  union {
-    char buf[CMSG_SPACE(sizeof fds)];
-    struct cmsghdr align;
-  } cm;
-  struct iovec iov = {e, n * sizeof e[0]};
-  struct msghdr mh = {
-    .msg_iov = &iov, .msg_iovlen = 1, .msg_control = cm.buf, .msg_controllen = CMSG_SPACE(n * sizeof(int))};
-  struct cmsghdr *c = CMSG_FIRSTHDR(&mh);
-  c->cmsg_level = SOL_SOCKET;
-  c->cmsg_type = SCM_RIGHTS;
-  c->cmsg_len = CMSG_LEN(n * sizeof(int));
-  memcpy(CMSG_DATA(c), fds, n * sizeof(int));
-  CHECK(sendmsg(s, &mh, 0) == (ssize_t)(n * sizeof e[0]), "send carriers");
+  if (streamed) CHECK(write(s, e, n * sizeof e[0]) == (ssize_t)(n * sizeof e[0]), "send entries");
+  for (uint32_t k = 0; k < (streamed ? n : 1); k++) {
+    struct cui_fd_group g = {1, 0};
+    union {
+      char buf[CMSG_SPACE(sizeof fds)];
+      struct cmsghdr align;
+    } cm;
+    uint32_t nfd = streamed ? 1 : n;
+    struct iovec iov = streamed ? (struct iovec){&g, sizeof g} : (struct iovec){e, n * sizeof e[0]};
+    struct msghdr mh = {
+      .msg_iov = &iov, .msg_iovlen = 1, .msg_control = cm.buf, .msg_controllen = CMSG_SPACE(nfd * sizeof(int))};
+    struct cmsghdr *c = CMSG_FIRSTHDR(&mh);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(nfd * sizeof(int));
+    memcpy(CMSG_DATA(c), fds + k, nfd * sizeof(int));
+    CHECK(sendmsg(s, &mh, 0) == (ssize_t)iov.iov_len, "send carriers");
+  }
 }
 
 static int request(pid_t pid, uint16_t op, uint64_t txn, uint32_t phase, struct cui_reply *rep,
