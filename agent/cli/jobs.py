@@ -16,6 +16,7 @@ from cuinterpose.agent.cli.common import (
     emit_json,
     fail,
     group_opt,
+    images_dir_arg,
     json_opt,
     live,
     load_members,
@@ -24,6 +25,7 @@ from cuinterpose.agent.cli.common import (
     remote,
     remote_options,
     reporter,
+    storage_options,
     tls_ca_opt,
     tls_cert_opt,
     tls_key_opt,
@@ -52,8 +54,10 @@ from cuinterpose.coordinator.protocol import default_control_dir
     "--images-dir",
     type=click.Path(file_okay=False),
     default=None,
-    help="new snapshot directory (not with --group; with --agent: sent as an "
-    "absolute path, which must lie under the daemon's --snapshot-dir).",
+    help="new snapshot directory, or s3://BUCKET/PREFIX: the snapshot goes into that object "
+    "store (written locally first, see --local-dir; endpoint and keys from the standard AWS "
+    "variables and files). Not with --group; with --agent: sent as an absolute path (an "
+    "s3:// location as written), which must lie under the daemon's --snapshot-dir.",
 )
 @option_flags(CheckpointOptions)
 @manifest_key_opt("node key file: the manifest gets an HMAC-SHA256 (mac) with it")
@@ -108,7 +112,7 @@ def checkpoint(
             apb, _, _ = pb.modules()
             req = apb.CheckpointRequest(
                 roots=list(pids),
-                images_dir=paths.absolute(images_dir) if images_dir else "",
+                images_dir=images_dir_arg(images_dir),
                 options=remote_options(CheckpointOptions, flags, apb.CheckpointOptions()),
                 members=load_members(group_file, "checkpoint") if group_file else [],
             )
@@ -120,7 +124,8 @@ def checkpoint(
                 out = live(sink, lambda: lead("checkpoint", req, rep, RemoteRows(rep), tls=tls)[0])
         else:
             opts = build_options(CheckpointOptions, flags)
-            out = live(sink, lambda: ops.checkpoint(rep, pids, images_dir, opts)[0])
+            where = remote_of(images_dir, opts, "checkpoint")
+            out = live(sink, lambda: ops.checkpoint(rep, pids, images_dir, opts, where)[0])
     except AgentError as e:
         fail(e, as_json, {"phases": getattr(e, "remote_phases", None) or rep.to_list()})
     if as_json:
@@ -130,8 +135,31 @@ def checkpoint(
             f"group checkpoint {out['request_id']}: "
             + ", ".join(f"{m['node']} -> {m['images_dir']}" for m in out["members"])
         )
+    elif "upload" in out:
+        u = out["upload"]
+        click.echo(
+            f"snapshot {out['snapshot_id']} uploaded to {out['images_dir']}: "
+            f"{u['chunks_uploaded']} chunks ({u['chunk_bytes_uploaded']} bytes) sent, "
+            f"{u['chunks_present']} already there, {u['images']} images ({u['image_bytes']} "
+            f"bytes); local copy {out['local_dir']} " + ("kept" if out["local_kept"] else "removed")
+        )
     else:
         click.echo(f"snapshot {out['snapshot_id']} written to {out['images_dir']}")
+
+
+def remote_of(images_dir, opts, kind: str):
+    """The agent/run/remote.py ``Remote`` of an in-process run into or from ``images_dir``
+    (None for a local path): the options' ``local_dir`` and ``keep_local``, the S3 settings
+    read here, once (common.py ``storage_options``)."""
+    from cuinterpose.agent.run import remote as remote_mod
+
+    return remote_mod.make(
+        images_dir,
+        storage_options(images_dir),
+        kind=kind,
+        local_dir=opts.local_dir,
+        keep_local=opts.keep_local,
+    )
 
 
 @click.command()
@@ -139,8 +167,10 @@ def checkpoint(
     "--images-dir",
     type=click.Path(file_okay=False),
     default=None,
-    help="the snapshot directory (with --agent: sent as an absolute path, which must "
-    "lie under the daemon's --snapshot-dir).",
+    help="the snapshot directory, or s3://BUCKET/PREFIX: a snapshot in that object store, "
+    "downloaded first (see --local-dir; endpoint and keys from the standard AWS variables and "
+    "files). With --agent: sent as an absolute path (an s3:// location as written), which "
+    "must lie under the daemon's --snapshot-dir.",
 )
 @click.option(
     "--into-pid",
@@ -220,7 +250,7 @@ def restore(
 
             apb, _, _ = pb.modules()
             req = apb.RestoreRequest(
-                images_dir=paths.absolute(images_dir) if images_dir else "",
+                images_dir=images_dir_arg(images_dir),
                 options=remote_options(RestoreOptions, flags, apb.RestoreOptions()),
                 members=load_members(group_file, "restore") if group_file else [],
                 into_pid=into_pid or 0,
@@ -234,14 +264,15 @@ def restore(
                 res = live(sink, lambda: lead("restore", req, rep, RemoteRows(rep), tls=tls)[0])
         else:
             opts = build_options(RestoreOptions, flags)
-            if not SnapshotDir.canonical(images_dir).exists():
+            where = remote_of(images_dir, opts, "restore")
+            if where is None and not SnapshotDir.canonical(images_dir).exists():
                 from cuinterpose.agent.errors import SnapshotError
 
                 raise SnapshotError("manifest", f"{paths.canonical(images_dir)} does not exist")
             res = live(
                 sink,
                 lambda: ops.restore(
-                    rep, images_dir, opts, placement=into_pid, device_map=device_map
+                    rep, images_dir, opts, where, placement=into_pid, device_map=device_map
                 ),
             )
     except AgentError as e:
@@ -298,6 +329,13 @@ def inspect(pid, agent_addr, tls_ca, tls_cert, tls_key, as_json, **flags):
         render_table(res)
 
 
+def _same(path: str) -> str:
+    """What two spellings of one snapshot dir (or location) compare as."""
+    from cuinterpose.agent.snapshot import backends
+
+    return path.rstrip("/") if backends.is_remote(path) else paths.canonical(path)
+
+
 @click.command("snapshots")
 @click.argument("path", required=False, type=click.Path(file_okay=False))
 @click.option(
@@ -305,9 +343,11 @@ def inspect(pid, agent_addr, tls_ca, tls_cert, tls_key, as_json, **flags):
     "directory",
     type=click.Path(file_okay=False),
     default=None,
-    help="directory whose sub-directories are snapshots, also accepted as the argument PATH "
-    f"[default: the agent's --snapshot-dir: with --agent the daemon's, else "
-    f"{paths.DEFAULT_SNAPSHOT_DIR}, serve's default].",
+    help="directory whose sub-directories are snapshots, or s3://BUCKET[/PREFIX] (the "
+    "snapshots under that prefix of an object store; endpoint and keys from the standard AWS "
+    "variables and files), also accepted as the argument PATH [default: the agent's "
+    f"--snapshot-dir: with --agent the daemon's, else {paths.DEFAULT_SNAPSHOT_DIR}, serve's "
+    "default].",
 )
 @agent_opt
 @tls_ca_opt
@@ -319,7 +359,7 @@ def snapshots_cmd(path, directory, agent_addr, tls_ca, tls_cert, tls_key, as_jso
     itself when it is a snapshot; the same with and without --agent."""
     from cuinterpose.agent.run import ops
 
-    if path and directory and paths.canonical(path) != paths.canonical(directory):
+    if path and directory and _same(path) != _same(directory):
         raise click.UsageError("give the directory either as PATH or as --dir, not both")
     directory = directory or path
     try:
@@ -328,7 +368,7 @@ def snapshots_cmd(path, directory, agent_addr, tls_ca, tls_cert, tls_key, as_jso
             from cuinterpose.agent.snapshot import pb
 
             apb, _, _ = pb.modules()
-            req = apb.ListSnapshotsRequest(dir=paths.absolute(directory) if directory else "")
+            req = apb.ListSnapshotsRequest(dir=images_dir_arg(directory))
             res = remote(
                 agent_addr,
                 "ListSnapshots",
@@ -338,7 +378,8 @@ def snapshots_cmd(path, directory, agent_addr, tls_ca, tls_cert, tls_key, as_jso
                 client_tls(tls_ca, tls_cert, tls_key),
             )
         else:
-            res = ops.list_snapshots(directory or paths.DEFAULT_SNAPSHOT_DIR)
+            directory = directory or paths.DEFAULT_SNAPSHOT_DIR
+            res = ops.list_snapshots(directory, storage_options(directory))
     except AgentError as e:
         fail(e, as_json, command="snapshots")
     if as_json:
@@ -359,8 +400,10 @@ def snapshots_cmd(path, directory, agent_addr, tls_ca, tls_cert, tls_key, as_jso
 def delete_cmd(images_dir, agent_addr, tls_ca, tls_cert, tls_key, as_json):
     """Delete the snapshot IMAGES_DIR and free the chunk store packs of its root that no
     other snapshot there uses (incremental snapshots; a plain snapshot is just removed).
-    With --agent, the daemon deletes it (IMAGES_DIR must lie under its --snapshot-dir)."""
-    from cuinterpose.agent.snapshot import store
+    IMAGES_DIR may be s3://BUCKET/PREFIX: its objects go, then the bucket's chunks that no
+    other snapshot (and no upload in progress) refers to. With --agent, the daemon deletes it
+    (IMAGES_DIR must lie under its --snapshot-dir)."""
+    from cuinterpose.agent.run import ops
 
     try:
         if agent_addr:
@@ -368,7 +411,7 @@ def delete_cmd(images_dir, agent_addr, tls_ca, tls_cert, tls_key, as_json):
             from cuinterpose.agent.snapshot import pb
 
             apb, _, _ = pb.modules()
-            req = apb.DeleteSnapshotRequest(images_dir=paths.absolute(images_dir))
+            req = apb.DeleteSnapshotRequest(images_dir=images_dir_arg(images_dir))
             res = remote(
                 agent_addr,
                 "DeleteSnapshot",
@@ -379,11 +422,18 @@ def delete_cmd(images_dir, agent_addr, tls_ca, tls_cert, tls_key, as_json):
             )
             res.pop("ok", None)
         else:
-            res = store.delete(images_dir)
+            res = ops.delete_snapshot(images_dir, storage_options(images_dir))
+            res.pop("ok", None)
     except AgentError as e:
         fail(e, as_json, command="delete")
     if as_json:
         emit_json({"ok": True, **res})
+    elif "chunks_removed" in res:
+        click.echo(
+            f"deleted {res['deleted']} ({res['objects_removed']} objects); chunks: "
+            f"{res['chunks_removed']} removed, {res['chunks_kept']} kept, "
+            f"{res['chunk_bytes_freed']} bytes freed"
+        )
     else:
         click.echo(
             f"deleted {res['deleted']}; chunk store: {res['packs_removed']} packs removed, "

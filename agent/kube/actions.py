@@ -44,7 +44,13 @@ class AgentActions:
     the daemon's metrics. Without it (``python -m cuinterpose.agent.kube``) they run as they
     are, one at a time in the watcher's thread."""
 
-    def __init__(self, config: AgentConfig, service=None, options: Optional[dict] = None):
+    def __init__(
+        self,
+        config: AgentConfig,
+        service=None,
+        options: Optional[dict] = None,
+        storage=None,
+    ):
         self.config = config
         self.service = service
         if options is None:
@@ -55,6 +61,8 @@ class AgentActions:
             )
         #: the node's options by request kind (agent/options.py ``for_kinds``)
         self.options = options
+        #: how an ``s3://`` snapshotDir is reached (the daemon's, else ``storage``)
+        self.storage = storage if service is None else service.opts.storage
 
     def request_options(self, kind: str, values: Optional[dict]):
         """The options of one pod request: the node's with the pod's ``values`` (option name
@@ -62,6 +70,21 @@ class AgentActions:
         values = dict(values or {})
         labels = {n: A.option_key(kind, n) for n in values}
         return options_mod.BY_KIND[kind].build(self.options[kind], values, labels)
+
+    def remote_for(self, images_dir: str, kind: str, opts):
+        """The agent/run/remote.py ``Remote`` of ``images_dir`` (None for a local one)."""
+        from cuinterpose.agent.run import remote
+
+        if self.service is not None:
+            return self.service.remote_for(images_dir, kind, opts)
+        return remote.make(
+            images_dir,
+            self.storage,
+            kind=kind,
+            local_dir=opts.local_dir,
+            staging_root=self.config.staging_dir or None,
+            keep_local=opts.keep_local,
+        )
 
     def _run(self, kind: str, pod: dict, name: str, work):
         from cuinterpose.agent.run.report import Reporter
@@ -79,11 +102,12 @@ class AgentActions:
         from cuinterpose.agent.run import ops
 
         opts = self.request_options("checkpoint", options)
+        where = self.remote_for(images_dir, "checkpoint", opts)
         return self._run(
             "checkpoint",
             pod,
             snapshot_name,
-            lambda rep: ops.checkpoint(rep, roots, images_dir, opts)[0],
+            lambda rep: ops.checkpoint(rep, roots, images_dir, opts, where)[0],
         )
 
     def restore(
@@ -113,6 +137,7 @@ class AgentActions:
                         f"{into_start_time}): its pid was reused; nothing was done",
                         pid=into_pid,
                     )
-            return ops.restore(rep, images_dir, opts, placement=placement)
+            where = self.remote_for(images_dir, "restore", opts)
+            return ops.restore(rep, images_dir, opts, where, placement=placement)
 
         return self._run("restore", pod, snapshot, work)

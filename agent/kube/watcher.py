@@ -189,9 +189,13 @@ class PodWatcher:
             if patched is not None:
                 pod = patched
 
-    def snapshot_dir(self, pod: dict, name: str) -> pathlib.Path:
-        """``<snapshotDir>/<namespace>/<name>`` (``name`` is validated by ``decide``)."""
-        return pathlib.Path(self.config.snapshot_dir) / pod["metadata"]["namespace"] / name
+    def snapshot_dir(self, pod: dict, name: str) -> str:
+        """``<snapshotDir>/<namespace>/<name>`` (``name`` is validated by ``decide``); under an
+        ``s3://BUCKET/PREFIX`` snapshotDir a location in that object store."""
+        root, ns = self.config.snapshot_dir, pod["metadata"]["namespace"]
+        if "://" in root:
+            return f"{root.rstrip('/')}/{ns}/{name}"
+        return str(pathlib.Path(root) / ns / name)
 
     def run_request(self, pod: dict, d: A.Decision) -> Optional[dict]:
         with self._request_lock:
@@ -222,7 +226,7 @@ class PodWatcher:
         finally:
             self.in_flight.discard(d.token)
 
-    def _run_claimed(self, pod: dict, d: A.Decision, images_dir: pathlib.Path) -> dict:
+    def _run_claimed(self, pod: dict, d: A.Decision, images_dir: str) -> dict:
         kind = d.kind
         st, msg = A.status_key(kind), A.message_key(kind)
         try:
@@ -260,8 +264,10 @@ class PodWatcher:
                     ),
                 }
             else:
+                # (in an object store the restore's download refuses a missing snapshot)
+                local = "://" not in images_dir
                 snap = SnapshotDir(images_dir)
-                if not snap.has_manifest():
+                if local and not snap.has_manifest():
                     raise ResolveError(
                         f"restore: no snapshot {d.name!r} on node {self.node_name} "
                         f"(no {snap.manifest_path}); nothing was done"
@@ -486,7 +492,14 @@ def build_watcher(
     if actions is None:
         from cuinterpose.agent.kube.actions import AgentActions
 
-        actions = AgentActions(config)
+        storage = None
+        if "://" in config.snapshot_dir:  # an object store: its settings, read once here
+            from cuinterpose.agent.snapshot import trust
+            from cuinterpose.agent.snapshot.backends import awsconf
+            from cuinterpose.agent.snapshot.backends.api import StorageOptions
+
+            storage = StorageOptions(s3=awsconf.resolve(), node_key=trust.node_key())
+        actions = AgentActions(config, storage=storage)
     return PodWatcher(
         config, node, api_client or make_api_client(config), actions, resolver=resolver
     )

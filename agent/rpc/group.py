@@ -228,7 +228,13 @@ def _distinct_images_dirs(members) -> None:
     seen: dict = {}
     for m in members:
         d = m.images_dir
-        key = paths.canonical(d) if os.path.isabs(d) else os.path.normpath(d)
+        key = (
+            d.rstrip("/")  # an object-store location (s3://BUCKET/PREFIX)
+            if "://" in d
+            else paths.canonical(d)
+            if os.path.isabs(d)
+            else os.path.normpath(d)
+        )
         if key in seen:
             o = seen[key]
             raise AgentError(

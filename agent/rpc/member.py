@@ -96,7 +96,7 @@ class GroupMember:
     """The member side of :class:`~cuinterpose.agent.rpc.service.AgentService`: its group
     jobs and their leases. The service calls :meth:`init_member` in its ``__init__`` and
     provides ``opts`` (``ServeOptions``), ``metrics``, ``active`` (the running work threads),
-    ``exclusive()`` (the node lock), ``confine()`` and ``request_options()``."""
+    ``exclusive()`` (the node lock), ``confine()``, ``remote_for()`` and ``request_options()``."""
 
     def init_member(self) -> None:
         self.jobs: dict[str, Job] = {}
@@ -443,14 +443,18 @@ class GroupMember:
             c = req.checkpoint
             images_dir = self.confine(c.images_dir)
             opts = self.request_options("checkpoint", options_of(c))
-            obj = Checkpoint(list(c.roots), images_dir, opts, reporter=Reporter())
+            where = self.remote_for(images_dir, "checkpoint", opts)
+            local = where.local_dir if where is not None else images_dir
+            obj = Checkpoint(list(c.roots), local, opts, reporter=Reporter(), remote=where)
             if req.HasField("group"):
                 obj.group = pb.message_to_dict(req.group)
             return obj
         r = req.restore
         images_dir = self.confine(r.images_dir)
         opts = self.request_options("restore", options_of(r))
-        return Restore(images_dir, opts, reporter=Reporter(), **restore_targets(r))
+        where = self.remote_for(images_dir, "restore", opts)
+        local = where.local_dir if where is not None else images_dir
+        return Restore(local, opts, reporter=Reporter(), remote=where, **restore_targets(r))
 
 
 class _Refused:

@@ -7,7 +7,9 @@ every images dir of a ``Checkpoint``/``Restore`` request (and of a group member'
 ``RunPhase``) and every ``ListSnapshots`` dir is resolved against the daemon's snapshot roots
 (:func:`confine_path`, ``AgentService.confine``): a relative path is taken relative to the
 first root; a path that resolves (symlinks, ``..``) outside every root is refused before
-anything happens.
+anything happens. A root may be an object-store prefix ``s3://BUCKET/PREFIX`` (the daemon's
+``--snapshot-dir``): a request's ``s3://`` location must then be one of those prefixes or lie
+under one, part by part (``..`` and empty parts are refused by the location's parser).
 """
 
 from __future__ import annotations
@@ -82,21 +84,56 @@ def confine_path(
         raise AgentError(
             phase, f"{what} {path!r}: the agent has no snapshot directory", outcome="refused"
         )
-    real_roots = [paths.canonical(r) for r in roots]
     if not path:
         raise AgentError(phase, f"no {what} given", outcome="usage")
     if "\0" in path:
         raise AgentError(phase, f"{what} {path!r}: contains a NUL byte", outcome="refused")
+    if _remote(path) or (not os.path.isabs(path) and _remote(roots[0])):
+        return _confine_location(path, roots, what, phase)
+    real_roots = [paths.canonical(r) for r in roots if not _remote(r)]
     joined = path if os.path.isabs(path) else os.path.join(roots[0], path)
     real = paths.canonical(joined)
     for r in real_roots:
         if real == r or real.startswith(r.rstrip("/") + "/"):
             return real
-    allowed = " or ".join(real_roots)
+    allowed = " or ".join(real_roots) or "(none: its roots are object-store prefixes)"
     raise AgentError(
         phase,
         f"{what} {path} resolves to {real}, outside the agent's snapshot "
         f"directory {allowed}; refused, nothing was done (the agent only reads "
         "and writes under its --snapshot-dir)",
+        outcome="refused",
+    )
+
+
+def _remote(p: str) -> bool:
+    return "://" in str(p)
+
+
+def _confine_location(path: str, roots: list, what: str, phase: str) -> str:
+    """:func:`confine_path` of an ``s3://`` location (or a relative path under a first root
+    that is one): the normalized location, refused unless it is a root or under one."""
+    from cuinterpose.agent.snapshot.backends.api import StorageError, parse_location
+
+    joined = path if _remote(path) else f"{str(roots[0]).rstrip('/')}/{path}"
+    try:
+        loc = parse_location(joined, root=True)
+    except StorageError as e:
+        raise AgentError(phase, f"{what} {path}: {e.reason}", outcome="refused") from None
+    want = f"{loc.bucket}/{loc.key}".rstrip("/").split("/")
+    ok = []
+    for r in roots:
+        if not _remote(r):
+            continue
+        rl = parse_location(str(r), root=True)
+        ok.append(str(rl).rstrip("/"))
+        have = f"{rl.bucket}/{rl.key}".rstrip("/").split("/")
+        if want[: len(have)] == have:
+            return str(loc).rstrip("/")
+    raise AgentError(
+        phase,
+        f"{what} {path} lies outside the agent's snapshot prefix(es) "
+        f"{' or '.join(ok) or '(none: its roots are local directories)'}; refused, nothing was "
+        "done (the agent only reads and writes under its --snapshot-dir)",
         outcome="refused",
     )

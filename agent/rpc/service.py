@@ -234,7 +234,9 @@ class ServeOptions:
     lists by default and the root relative images dirs are taken from (``snapshot_roots``: all
     the roots requests are confined to); ``tls``: credentials for the listener (TCP) and for
     the channels a leader opens to members; ``group_lease_s``: the lease of a group request's
-    job on this member, seconds (> 0)."""
+    job on this member, seconds (> 0). A root may be
+    ``s3://BUCKET/PREFIX``: requests under it go through ``storage``, their local copies under
+    ``staging_dir`` (agent/run/remote.py)."""
 
     node: str = ""
     options: dict = dataclasses.field(default_factory=options_mod.for_kinds)
@@ -247,6 +249,12 @@ class ServeOptions:
     insecure_tcp: bool = False
     #: a group request's job lives this many seconds past its last RunPhase or Renew
     group_lease_s: float = DEFAULT_GROUP_LEASE_S
+    #: where the local copies of ``s3://`` snapshots go (agent/run/remote.py; None: its default)
+    staging_dir: Optional[str] = None
+    #: how ``s3://`` roots are reached (agent/snapshot/backends/api.py ``StorageOptions``: the
+    #: S3 settings ``serve`` resolved once from the AWS variables and files, the node key);
+    #: None when every root is a local directory
+    storage: Optional[object] = None
 
 
 def _servicer_base():
@@ -275,7 +283,30 @@ class AgentService(GroupMember, _servicer_base()):
         roots = list(o.snapshot_roots) or [o.snapshot_dir or DEFAULT_SNAPSHOT_DIR]
         if o.snapshot_dir and o.snapshot_dir not in roots:
             roots.insert(0, o.snapshot_dir)
-        return [paths.canonical(r) for r in roots]
+        return [r if "://" in str(r) else paths.canonical(r) for r in roots]
+
+    def remote_for(self, images_dir: str, kind: str, opts):
+        """The agent/run/remote.py ``Remote`` of a confined images dir for a ``kind`` run
+        ("checkpoint", "restore") with the request's options ``opts`` (its ``local_dir``
+        confined to the staging dir, its ``keep_local``); None for a local one."""
+        from cuinterpose.agent.run import remote
+
+        staging = self.opts.staging_dir or remote.DEFAULT_STAGING_ROOT
+        local = opts.local_dir
+        if local and "://" not in images_dir:
+            raise AgentError(
+                "request", f"local_dir {local}: is for an s3:// images dir", outcome="refused"
+            )
+        if local:
+            local = confine_path(local, [staging], what="local dir", phase="images dir")
+        return remote.make(
+            images_dir,
+            self.opts.storage,
+            kind=kind,
+            local_dir=local,
+            staging_root=staging,
+            keep_local=opts.keep_local,
+        )
 
     def confine(self, path: str, *, what: str = "images dir", phase: str = "images dir") -> str:
         """:func:`confine_path` against :meth:`roots`; logs a refusal."""
@@ -389,7 +420,8 @@ class AgentService(GroupMember, _servicer_base()):
             with self.exclusive(
                 rep, f"a gRPC checkpoint of root(s) {', '.join(map(str, request.roots)) or '-'}"
             ):
-                return ops.checkpoint(rep, list(request.roots), images_dir, opts)
+                where = self.remote_for(images_dir, "checkpoint", opts)
+                return ops.checkpoint(rep, list(request.roots), images_dir, opts, where)
 
         return iter(self._stream("checkpoint", work))
 
@@ -403,7 +435,8 @@ class AgentService(GroupMember, _servicer_base()):
             validate.restore_request(images_dir=request.images_dir, **kw)
             images_dir = self.confine(request.images_dir)
             with self.exclusive(rep, f"a gRPC restore of {images_dir}"):
-                return ops.restore(rep, images_dir, opts, **kw), None
+                where = self.remote_for(images_dir, "restore", opts)
+                return ops.restore(rep, images_dir, opts, where, **kw), None
 
         return iter(self._stream("restore", work))
 
@@ -425,7 +458,8 @@ class AgentService(GroupMember, _servicer_base()):
                     "no directory given and the agent has no --snapshot-dir",
                     outcome="usage",
                 )
-            return ops.list_snapshots(self.confine(d, what="snapshot dir", phase="snapshots")), None
+            d2 = self.confine(d, what="snapshot dir", phase="snapshots")
+            return ops.list_snapshots(d2, self.opts.storage), None
 
         return iter(self._stream("list", work))
 
@@ -434,9 +468,7 @@ class AgentService(GroupMember, _servicer_base()):
             if not request.images_dir:
                 raise AgentError("chunk store", "no images_dir given", outcome="usage")
             d = self.confine(request.images_dir, what="images dir", phase="chunk store")
-            from cuinterpose.agent.snapshot import store
-
-            return {"ok": True, **store.delete(d)}, None
+            return ops.delete_snapshot(d, self.opts.storage), None
 
         return iter(self._stream("delete", work))
 

@@ -18,24 +18,19 @@ import time
 from typing import Iterable, Optional
 
 from cuinterpose.agent import paths
-from cuinterpose.agent.errors import (
-    AgentError,
-    CheckpointFailed,
-    LeftLocked,
-    QuiesceRefused,
-)
+from cuinterpose.agent.errors import AgentError, CheckpointFailed, LeftLocked, QuiesceRefused
 from cuinterpose.agent.mech import census as census_mod
 from cuinterpose.agent.mech import census_checks, fds, native, quiesce
 from cuinterpose.agent.mech.inherit import external_file_key
 from cuinterpose.agent.options import CheckpointOptions
 from cuinterpose.agent.run import (
     carriers,
-    durable,
     gpustore_step,
     images,
     interrupt,
     placing,
     recover,
+    upload,
 )
 from cuinterpose.agent.run.report import Reporter
 from cuinterpose.agent.run.rollback import Rollback
@@ -84,6 +79,7 @@ class Checkpoint(Rollback, StepRunner):
         *,
         reporter: Optional[Reporter] = None,
         shim_path=None,
+        remote=None,
         **changes,
     ):
         #: every option of this run (agent/options.py); ``changes`` (option names) are set on
@@ -91,6 +87,7 @@ class Checkpoint(Rollback, StepRunner):
         self.options = (options or CheckpointOptions()).replace(**changes)
         self.roots = list(dict.fromkeys(int(r) for r in roots))
         self.images_dir, self.snap = images_dir, snapdir.SnapshotDir(images_dir)
+        self.remote = remote  # run/remote.py Remote: an s3:// images dir (images_dir its copy)
         self.control_dir = paths.canonical(self.options.control_dir)
         self.r = reporter or Reporter()
         self.shim_path = shim_path
@@ -143,6 +140,7 @@ class Checkpoint(Rollback, StepRunner):
     # -- steps ---------------------------------------------------------------------------
     def prepare_images_dir(self):
         images.preflight()  # the node's key and test hooks, before anything changes
+        upload.prepare(self)  # an s3:// images dir: the store answers, no snapshot there yet
         group = (self.group or {}).get("request_id", "")
         snap = self.snap = snapdir.prepare(self.images_dir, run_id=self.run_id, group=group)
         self.images_dir, self.created_dirs, self.dir_claim = snap.path, snap.created, snap.claim
@@ -404,7 +402,8 @@ class Checkpoint(Rollback, StepRunner):
         self.signal_trees(self.stopped_roots, signal.SIGKILL, "kill dumped")
         self.stopped_roots = []
 
-    sync_snapshot = durable.sync_step  # every file and directory fsynced, images hashed once
+    sync_snapshot = upload.sync_step  # run/durable.py's; an upload's chunks go meanwhile
+    upload_snapshot = upload.upload_step
 
     def write_manifest(self):
         """``DIR/manifest.json``, written last and atomically; any failure is the
@@ -450,6 +449,7 @@ class Checkpoint(Rollback, StepRunner):
         carriers.release(getattr(self.coordinator, "carriers", None), keep_pin=keep_pin)
         if not keep_pin:
             self.drop_claim()
+        upload.end(self, keep_pin)  # an upload that did not commit undone; the local copy
 
     # -- the one-shot run -----------------------------------------------------------------
     def run(self) -> dict:
@@ -529,7 +529,7 @@ class Checkpoint(Rollback, StepRunner):
         try:
             self.run_steps(self.stage("finish"))
         except BaseException as rb:
-            if not self.options.leave_running:
+            if not self.options.leave_running or isinstance(rb, CheckpointFailed):  # (upload)
                 raise
             raise CheckpointFailed(rb, "rollback_failed", rollback_error=str(rb)) from rb
         self.t_end_ns = self.r.cursor_ns  # the rows tile the run: its wall is their sum

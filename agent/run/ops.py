@@ -33,14 +33,24 @@ def _failed_total(rep: Reporter) -> None:
 
 
 def checkpoint(
-    rep: Reporter, roots, images_dir, options: Optional[CheckpointOptions] = None, **changes
+    rep: Reporter,
+    roots,
+    images_dir,
+    options: Optional[CheckpointOptions] = None,
+    remote=None,
+    **changes,
 ) -> tuple[dict, dict]:
     """Checkpoint ``roots`` into ``images_dir`` with ``options`` (``changes``: option names
-    set on them, as ``Checkpoint`` takes them). Returns (the CLI's JSON object, the manifest
-    dict)."""
+    set on them, as ``Checkpoint`` takes them; ``remote``: agent/run/remote.py ``Remote`` of an
+    ``s3://`` images dir, whose local copy is then where the checkpoint writes before its
+    upload). Returns (the CLI's JSON object, the manifest dict); with ``remote`` the object's
+    ``images_dir`` is the location and it has ``local_dir``, ``local_kept`` and ``upload``
+    (agent/run/upload.py ``result``)."""
+    from cuinterpose.agent.run import upload
     from cuinterpose.agent.run.checkpoint import Checkpoint
 
-    cp = Checkpoint(roots, images_dir, options, reporter=rep, **changes)
+    local = remote.local_dir if remote is not None else images_dir
+    cp = Checkpoint(roots, local, options, reporter=rep, remote=remote, **changes)
     try:
         m = cp.run()
     except AgentError:
@@ -66,17 +76,26 @@ def checkpoint(
             "totals": m["totals"],
             "shim_sha256": m["shim"]["sha256"],
             "warnings": m.get("warnings", []),
+            **upload.result(cp),
         },
         m,
     )
 
 
-def restore(rep: Reporter, images_dir, options: Optional[RestoreOptions] = None, **kw) -> dict:
+def restore(
+    rep: Reporter, images_dir, options: Optional[RestoreOptions] = None, remote=None, **kw
+) -> dict:
     """Restore the snapshot in ``images_dir`` with ``options`` (``kw``: ``Restore``'s
-    ``placement`` and ``device_map``, or option names set on ``options``)."""
+    ``placement`` and ``device_map``, or option names set on ``options``; ``remote``:
+    agent/run/remote.py ``Remote`` of an ``s3://`` images dir, downloaded into its local copy
+    first, which goes again afterwards unless kept). With ``remote`` the object has
+    ``images_dir`` (the location), ``local_dir``, ``local_kept`` and ``download``
+    (agent/run/download.py ``result``)."""
+    from cuinterpose.agent.run import download
     from cuinterpose.agent.run.restore import Restore
 
-    rs = Restore(images_dir, options, reporter=rep, **kw)
+    local = remote.local_dir if remote is not None else images_dir
+    rs = Restore(local, options, reporter=rep, remote=remote, **kw)
     try:
         res = rs.run()
     except AgentError:
@@ -84,7 +103,9 @@ def restore(rep: Reporter, images_dir, options: Optional[RestoreOptions] = None,
         raise
     except Exception as e:
         raise unexpected(rep, e, "restore", prefix="unexpected ", outcome="restore_failed") from e
-    return {"ok": True, **res}
+    finally:
+        rs.release_store()
+    return {"ok": True, **res, **download.result(rs)}
 
 
 def inspect(pid: int, options: Optional[InspectOptions] = None) -> dict:
@@ -97,14 +118,19 @@ def inspect(pid: int, options: Optional[InspectOptions] = None) -> dict:
     return {"ok": True, **res, "native": native_state(pid, o)}
 
 
-def list_snapshots(directory) -> dict:
+def list_snapshots(directory, storage=None) -> dict:
     """Snapshots directly under ``directory`` (sub-directories holding ``manifest.json``,
     sorted by name; ``directory`` itself when it holds one): {"ok": true, "dir",
     "snapshots": [{"images_dir", "snapshot_id", "created_at", "roots", "image_bytes",
     "carrier_bytes", "driver", "native", "error"}]}; ``native``: the native backend that took
     it ("driver-api", "cuda-checkpoint"; "" for a manifest from before the record). A manifest
     that cannot be read is listed with ``error`` set. Raises ``AgentError`` (phase "snapshots")
-    when ``directory`` cannot be read."""
+    when ``directory`` cannot be read. ``s3://BUCKET/PREFIX``: the snapshots of the bucket under
+    that prefix (:func:`_list_remote`; ``storage``: the ``StorageOptions`` reaching it)."""
+    from cuinterpose.agent.snapshot import backends
+
+    if backends.is_remote(str(directory)):
+        return _list_remote(str(directory), storage)
     top = SnapshotDir.canonical(directory)
     d = top.path
     try:
@@ -142,6 +168,64 @@ def list_snapshots(directory) -> dict:
             row["error"] = f"{type(e).__name__}: {e}"
         out.append(row)
     return {"ok": True, "dir": str(d), "snapshots": out}
+
+
+def _list_remote(root: str, storage) -> dict:
+    """:func:`list_snapshots` of ``s3://BUCKET[/PREFIX]``: the prefix itself when it is a
+    snapshot, else the snapshots directly under it (agent/snapshot/backends ``list_snapshots``);
+    a manifest that is not JSON refuses the listing (``StorageError`` phase "list")."""
+    from cuinterpose.agent.snapshot import backends
+    from cuinterpose.agent.snapshot.backends.api import StorageError, parse_location
+
+    loc = parse_location(root, root=True)
+    found = []
+    if loc.key:
+        try:
+            found = [backends.stat(str(loc), storage)]
+        except StorageError as e:
+            if "no manifest" not in e.reason:
+                raise
+    if not found:
+        found = backends.list_snapshots(str(loc), storage)
+    rows = [
+        {
+            "images_dir": i.location,
+            "snapshot_id": i.snapshot_id,
+            "created_at": i.created_at,
+            "roots": [int(r) for r in i.roots],
+            "image_bytes": i.image_bytes,
+            "carrier_bytes": i.carrier_bytes,
+            "driver": i.driver,
+            "native": i.native,
+            "error": "",
+        }
+        for i in found
+    ]
+    return {"ok": True, "dir": str(loc), "snapshots": rows}
+
+
+def delete_snapshot(images_dir, storage=None) -> dict:
+    """Delete one snapshot and free the chunks nothing else refers to. A local directory:
+    agent/snapshot/store.py ``delete`` ({"ok", "deleted", "packs_removed", "packs_kept",
+    "pack_bytes_freed", "pinned"}); ``s3://BUCKET/PREFIX``: its manifest first, then its other
+    objects, then the bucket's chunks no manifest or pin names ({"ok", "deleted",
+    "objects_removed", "chunks_removed", "chunks_kept", "chunk_bytes_freed", "pins"};
+    agent/snapshot/backends/s3gc.py). Raises ``AgentError`` (nothing removed) when it is no
+    snapshot or the chunks' references cannot all be read."""
+    from cuinterpose.agent.snapshot import backends, store
+
+    if not backends.is_remote(str(images_dir)):
+        return {"ok": True, **store.delete(images_dir)}
+    r = backends.delete(str(images_dir), storage)
+    return {
+        "ok": True,
+        "deleted": r.location,
+        "objects_removed": r.objects_removed,
+        "chunks_removed": r.chunks_removed,
+        "chunks_kept": r.chunks_kept,
+        "chunk_bytes_freed": r.chunk_bytes_freed,
+        "pins": list(r.pins),
+    }
 
 
 def error_from_dict(d: dict, default_outcome: Optional[str] = None) -> AgentError:

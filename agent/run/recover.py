@@ -24,6 +24,7 @@ from cuinterpose.agent.mech import native, procfs, quiesce
 from cuinterpose.agent.options import RunOptions
 from cuinterpose.agent.run import carriers
 from cuinterpose.agent.snapshot import manifest as manifest_mod
+from cuinterpose.agent.snapshot import snapdir
 from cuinterpose.agent.snapshot.snapdir import SnapshotDir
 from cuinterpose.coordinator.contract import quiesce_path, remove_if_id
 
@@ -408,8 +409,7 @@ class Recovery:
             if files is None and self.lk.get("store"):  # this checkpoint's packs go too
                 files = carriers.release_files(snap["images_dir"], self.lk)
             carriers.remove_chunks(snap["images_dir"], files)
-            sd.created = [pathlib.Path(d) for d in self.lk.get("created_dirs") or []]
-            sd.remove_created()
+            snapdir.remove_empty(self.lk.get("created_dirs") or [])
         carriers.unpin(self.lk)  # the packs are back on the device, gone, or in a manifest
         self.drop_claim()
         return {

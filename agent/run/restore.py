@@ -2,9 +2,8 @@
 reasons of a CRIU restore refused for a file whose size changed (:func:`~cuinterpose.agent.mech.criu_bad_size.reason`).
 
 The one-shot :meth:`Restore.run` and the group phases (:meth:`Restore.run_phase`, a named
-slice of the table) both run :data:`Restore.STEPS` through the step runner
-(agent/run/steps.py). The ordering, placements and what each failure leaves behind:
-docs/agent.md "Restore ordering" and "Restoring into a placement".
+slice of the table) both run :data:`Restore.STEPS` through the step runner (agent/run/steps.py).
+Ordering, placements, failures: docs/agent.md "Restore ordering", "Restoring into a placement".
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ from cuinterpose.agent.mech.placement import Placement
 from cuinterpose.agent.options import RestoreOptions
 from cuinterpose.agent.run import (
     carriers,
+    download,
     durable,
     gpustore_step,
     interrupt,
@@ -67,12 +67,14 @@ class Restore(StepRunner):
         shim_path=None,
         placement: "Placement | int | None" = None,
         device_map: Optional[str] = None,
+        remote=None,
         **changes,
     ):
         #: every option of this run (agent/options.py); ``changes`` (option names) are set on
         #: ``options`` (default: the defaults), checked
         self.options = (options or RestoreOptions()).replace(**changes)
         self.images_dir = pathlib.Path(paths.canonical(images_dir))
+        self.remote = remote  # run/remote.py Remote: an s3:// images dir (images_dir its copy)
         #: ``--device-map OLD=NEW[,...]`` as given (None: automatic); resolved in "driver" into
         #: ``gpu_map`` {old UUID: new UUID} ({}: every process goes back onto its own GPUs)
         self.device_map = device_map
@@ -146,6 +148,8 @@ class Restore(StepRunner):
             self.m = m
 
     verify_images = durable.verify_snapshot  # each image's SHA-256, in parallel, own phase
+    # an s3:// images dir: downloaded first, and its local copy gone once the run is over
+    download_snapshot, release_store = download.download_step, download.end
 
     def check_copies(self, m: dict):
         """Every copy of a checksum agrees, and the control dir is the one the images' shim
@@ -622,8 +626,3 @@ def _missing_dirs(path: str) -> list[str]:
 def _first_line(e: BaseException) -> str:
     lines = str(e).splitlines()
     return lines[0] if lines else type(e).__name__
-
-
-def restore(images_dir, **kw) -> dict:
-    """Convenience: ``Restore(images_dir, **kw).run()``."""
-    return Restore(images_dir, **kw).run()

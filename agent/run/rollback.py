@@ -14,7 +14,7 @@ import time
 
 from cuinterpose.agent.errors import AgentError, CheckpointFailed, LeftLocked
 from cuinterpose.agent.mech import native, quiesce
-from cuinterpose.agent.run import carriers, recover
+from cuinterpose.agent.run import carriers, recover, upload
 from cuinterpose.agent.run.steps import Step, as_agent_error
 from cuinterpose.agent.snapshot.snapdir import SnapshotDir
 from cuinterpose.coordinator.contract import quiesce_path, read_json
@@ -282,6 +282,7 @@ class Rollback:
                 raise LeftLocked("rollback", first, failed, self.roots[0]) from first
             self.left_locked = []
         if self.torn_down:
+            upload.withdraw(self)  # a snapshot this member committed to the store goes again
             own = self.owns_images_dir()
             if self.manifest is not None and own:
                 SnapshotDir(self.images_dir).remove_manifest()

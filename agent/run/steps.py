@@ -131,6 +131,8 @@ CHECKPOINT_STEPS = (
     Step("sync", "sync_snapshot", "manifest", "teardown"),
     # the point of no return: once the manifest is on disk a signal no longer stops it
     Step("manifest", "write_manifest", "manifest", "teardown", check=False),
+    # s3://: the local snapshot to the object store (run/upload.py), before anything is killed
+    Step("upload", "upload_snapshot", "upload", "finish", check=False),
     # the group phase that kills or resumes the dumped trees: no undo after it
     Step("finish", "finish", "finish", "finish", check=False, no_return=True),
     Step("resume", "resume", "resume", "finish", check=False),
@@ -142,6 +144,7 @@ CHECKPOINT_STEPS = (
 #: (docs/service.md): no member resumes its workload before every member restored its shared
 #: memory.
 RESTORE_STEPS = (
+    Step("download", "download_snapshot", "prepare", "refusal"),  # s3://: run/download.py
     Step("manifest", "read_manifest_checked", "prepare", "refusal"),
     Step("verify", "verify_images", "prepare", "refusal"),
     Step("driver", "load_driver", "prepare", "refusal"),

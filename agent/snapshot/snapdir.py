@@ -381,11 +381,7 @@ class SnapshotDir:
     def remove_created(self) -> None:
         """rmdir the directories :func:`prepare` created, innermost first, stopping at the
         first that is not empty."""
-        for p in reversed(self.created):
-            try:
-                p.rmdir()
-            except OSError:
-                return
+        remove_empty(self.created)
 
     def delete(self) -> None:
         """Remove the snapshot: the manifest first (fsynced: a crash part-way leaves a
@@ -477,7 +473,7 @@ def prepare(images_dir: os.PathLike | str, *, run_id: str = "", group: str = "")
         raise SnapshotError(
             "images dir", f"{d} already holds a snapshot ({MANIFEST}); choose a new --images-dir"
         )
-    snap.created = _make_dirs(d)
+    snap.created = make_dirs(d)
     try:
         claim = snap.take_claim(run_id, group)
         try:
@@ -512,10 +508,12 @@ def prepare(images_dir: os.PathLike | str, *, run_id: str = "", group: str = "")
     return snap
 
 
-def _make_dirs(d: pathlib.Path) -> list[pathlib.Path]:
+def make_dirs(d: os.PathLike | str) -> list[pathlib.Path]:
     """Create ``d`` and its missing parents, each 0700 (``mkdir`` one at a time, so only those
-    this call made are returned, outermost first); ``SnapshotError`` when one cannot be
-    created (those made are removed again)."""
+    this call made are returned, outermost first: :func:`remove_empty` takes them back);
+    ``SnapshotError`` (phase "images dir") when one cannot be created (those made are removed
+    again). Used for a snapshot directory and for the parents of a download's target."""
+    d = pathlib.Path(d)
     todo = []
     p = d
     while not os.path.lexists(p) and p != p.parent:
@@ -529,10 +527,16 @@ def _make_dirs(d: pathlib.Path) -> list[pathlib.Path]:
         except FileExistsError:
             continue  # another run made it meanwhile: not ours to remove
         except OSError as e:
-            for q in reversed(created):
-                try:
-                    q.rmdir()
-                except OSError:
-                    break
+            remove_empty(created)
             raise SnapshotError("images dir", f"{d} cannot be created: {e.strerror or e}") from None
     return created
+
+
+def remove_empty(dirs) -> None:
+    """rmdir ``dirs`` (as :func:`make_dirs` returns them) innermost first, stopping at the
+    first that is not empty."""
+    for p in reversed(list(dirs)):
+        try:
+            pathlib.Path(p).rmdir()
+        except OSError:
+            return

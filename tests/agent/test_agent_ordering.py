@@ -626,6 +626,7 @@ def test_group_phases_are_named_slices_of_the_step_table():
         "native checkpoint",
         "criu dump",
         "manifest",
+        "upload",
         "finish",
         "resume",
     )
@@ -667,7 +668,7 @@ def test_group_phases_run_the_steps_of_the_one_shot_run(world, tmp_path, monkeyp
         "manifest",
         "kill dumped",
     ]
-    assert [s["torn_down"] for s in states] == [False, False] + [True] * 7
+    assert [s["torn_down"] for s in states] == [False, False] + [True] * 8
     assert states[-1]["manifest_written"] is True
     assert (tmp_path / "snap" / "manifest.json").is_file()
     assert not (world.ctl / f"quiesce-{ROOT}.resume").exists()

@@ -37,6 +37,7 @@ def template_error(message: str, file: str = "daemonset.yaml") -> str:
 def test_examples_exist():
     assert [p.name for p in EXAMPLES] == [
         "fake-driver.yaml",
+        "object-store.yaml",
         "pvc-snapshots.yaml",
         "tls-selected-namespaces.yaml",
     ]
@@ -228,12 +229,13 @@ def test_probes_present_the_tls_secret_on_tcp():
 
 def test_schema_config_keys_match_the_loader():
     """The chart's `config` section plus what the chart writes itself (controlDir,
-    snapshotDir, tls, manifestKeyFile) and insecureTcp (never set by the chart) is exactly the loader's set of
-    keys, section by section."""
+    snapshotDir, stagingDir, tls, manifestKeyFile) and insecureTcp (never set by the chart) is
+    exactly the loader's set of keys, section by section."""
     schema = json.loads((CHART / "values.schema.json").read_text())
     cfg = schema["properties"]["config"]["properties"]
     top = {f.metadata["key"] for f in dataclasses.fields(AgentConfig)}
-    assert set(cfg) | {"controlDir", "snapshotDir", "tls", "manifestKeyFile", "insecureTcp"} == top
+    chart = {"controlDir", "snapshotDir", "stagingDir", "tls", "manifestKeyFile", "insecureTcp"}
+    assert set(cfg) | chart == top
     from cuinterpose.agent.config import KubernetesConfig
 
     assert set(cfg["kubernetes"]["properties"]) == {

@@ -60,6 +60,7 @@ def test_group_checkpoint_and_restore_one_consistent_cut(afdwin, daemon, tmp_pat
             "native checkpoint",
             "criu dump",
             "manifest",
+            "upload",
             "confirm leases",
             "finish",
             "resume",

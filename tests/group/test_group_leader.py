@@ -22,6 +22,7 @@ CP = [
     "native checkpoint",
     "criu dump",
     "manifest",
+    "upload",
     "finish",
     "resume",
 ]
@@ -144,7 +145,7 @@ def test_checkpoint_success_runs_every_phase_on_every_member_with_barriers():
     assert [r["group_phase"] for r in rows] == [p for _, p in m.log]
     assert [x["node"] for x in out["members"]] == ["a", "b"]
     assert [p["name"] for p in out["phases"]] == [
-        f"group {p}" for p in CP[:7] + ["confirm leases"] + CP[7:]
+        f"group {p}" for p in CP[:8] + ["confirm leases"] + CP[8:]
     ]
 
 
@@ -254,8 +255,8 @@ def test_every_lease_is_confirmed_before_the_point_of_no_return():
 
     m = Members(expired={"b"}, fail={("b", "rollback"): ("group", None, "lease_expired")})
     _, err, _ = run("checkpoint", m)
-    assert phases_of(m.log, "a") == CP[:7] + ["rollback", "release"]
-    assert phases_of(m.log, "b") == CP[:7] + ["rollback"]
+    assert phases_of(m.log, "a") == CP[:8] + ["rollback", "release"]
+    assert phases_of(m.log, "b") == CP[:8] + ["rollback"]
     assert (err.node, err.phase, err.outcome) == ("b", "finish", "rolled_back")
     assert err.reason.startswith("its lease is gone before finish: request ")
 

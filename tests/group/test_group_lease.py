@@ -28,6 +28,7 @@ CP = [
     "native checkpoint",
     "criu dump",
     "manifest",
+    "upload",
     "finish",
     "resume",
 ]

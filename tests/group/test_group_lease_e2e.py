@@ -197,6 +197,7 @@ def test_a_long_dump_on_one_member_does_not_expire_the_other(afdwin, daemon, tmp
             "native checkpoint",
             "criu dump",
             "manifest",
+            "upload",
             "confirm leases",
             "finish",
             "resume",

@@ -36,3 +36,35 @@ def test_restore_into_a_reused_placeholder_pid_is_refused(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_an_object_store_location_gets_its_local_copy_under_the_staging_dir(tmp_path):
+    from cuinterpose.agent.errors import AgentError
+    from cuinterpose.agent.snapshot.backends.api import StorageOptions
+    from cuinterpose.agent.snapshot.backends.awsconf import S3Settings
+
+    cfg = parse_config(
+        {"snapshotDir": "s3://gpu-snapshots/cluster-a", "stagingDir": str(tmp_path / "stage")}
+    )
+    storage = StorageOptions(s3=S3Settings(endpoint="http://127.0.0.1:9"))
+    loc = "s3://gpu-snapshots/cluster-a/default/snap1"
+    from cuinterpose.agent.options import CheckpointOptions, RestoreOptions
+
+    cp, rs = CheckpointOptions(), RestoreOptions(keep_local=True)
+    r = AgentActions(cfg, storage=storage).remote_for(loc, "checkpoint", cp)
+    assert (r.location, r.local_dir, r.keep_local) == (
+        loc,
+        str(
+            tmp_path / "stage" / "checkpoint" / "gpu-snapshots" / "cluster-a" / "default" / "snap1"
+        ),
+        False,
+    )
+    assert r.storage is storage
+    r = AgentActions(cfg, storage=storage).remote_for(loc, "restore", rs)
+    base = str(tmp_path / "stage" / "restore" / "gpu-snapshots" / "cluster-a" / "default" / "snap1")
+    assert r.local_dir.startswith(base + ".") and len(r.local_dir) == len(base) + 9
+    assert r.keep_local
+    assert AgentActions(cfg).remote_for(str(tmp_path / "local"), "checkpoint", cp) is None
+    with pytest.raises(AgentError) as e:
+        AgentActions(cfg).remote_for(loc, "checkpoint", cp)  # no settings to reach the store
+    assert e.value.reason == f"{loc}: no storage settings to reach it"

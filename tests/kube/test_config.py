@@ -174,7 +174,8 @@ def test_from_file_and_node_name_from_env(tmp_path):
             "snapshotDirs: /x",
             "snapshotDirs: unknown key (known: carrierTimeoutS, controlDir, driver, groupLeaseS, "
             "insecureTcp, kubernetes, listenAddress, lockTimeoutMs, manifestKeyFile, metricsAddress, "
-            "metricsPort, nativeBackend, phaseTimeoutS, quiesceTimeoutMs, snapshotDir, tls)",
+            "metricsPort, nativeBackend, phaseTimeoutS, quiesceTimeoutMs, snapshotDir, stagingDir, "
+            "tls)",
         ),
         ("snapshotDir: var/snap", "snapshotDir: must be an absolute path, got 'var/snap'"),
         ("driver: cuda", "driver: must be one of \"\", real, fake, got 'cuda'"),

@@ -483,3 +483,21 @@ def test_close_waits_for_the_running_request(api, actions, make_watcher):
     c.join(30)
     assert closed.is_set()
     assert [a[ST] for a in ann_patches(api)] == ["Pending", "Running", "Succeeded"]
+
+
+def test_an_object_store_snapshot_dir_names_locations_and_leaves_a_missing_one_to_the_restore(
+    api, actions, make_watcher
+):
+    """snapshotDir s3://BUCKET/PREFIX: a pod's snapshot is the location
+    s3://BUCKET/PREFIX/<namespace>/<name>; the watcher cannot look for its manifest on the
+    node, so a restore goes to the action (whose download refuses a missing one)."""
+    api.add_pod(make_pod("p1", annotations={CK: "snap1"}))
+    api.add_pod(make_pod("p2", annotations={"cuinterpose.io/restore-from": "snap1"}))
+    make_watcher({"snapshotDir": "s3://gpu-snapshots/cluster-a"}).relist()
+    loc = "s3://gpu-snapshots/cluster-a/default/snap1"
+    assert [(c[0], c[1], c[4] if c[0] == "checkpoint" else c[3]) for c in actions.calls] == [
+        ("checkpoint", "default/p1", loc),
+        ("restore", "default/p2", loc),
+    ]
+    assert api.annotations("default", "p1")[SNAP] == loc
+    assert api.annotations("default", "p2")[SNAP] == loc

@@ -1,15 +1,30 @@
 """Fixtures of the S3 backend tests: one ``rclone serve s3`` for the session (its own temp
 directory; each test gets its own bucket in it), the ``StorageOptions`` that reach it, and
-the fault proxy (tests/s3/s3_kit.py)."""
+the fault proxy (tests/s3/s3_kit.py); the agent daemon fixture of tests/service (loaded from
+its conftest file by path, as tests/group does)."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import uuid
 
 import pytest
 from s3_kit import TRANSFER, FaultProxy, Rclone, raw_client, settings_for
 
 from cuinterpose.agent.snapshot.backends.api import StorageOptions
+
+
+def _load(name, rel):
+    spec = importlib.util.spec_from_file_location(
+        name, os.path.join(os.path.dirname(os.path.abspath(__file__)), rel)
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+daemon = _load("_cui_service_conftest_s3", "../service/conftest.py").daemon
 
 
 @pytest.fixture(scope="session")

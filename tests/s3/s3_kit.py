@@ -6,8 +6,10 @@ proxy in front of it, and synthetic snapshot directories that pass restore's fil
   on [http://127.0.0.1:PORT/]"), so no port is assumed free (case 014).
 - :class:`FaultProxy`: an HTTP proxy on a port it bound itself, forwarding every request to
   the server unchanged (the SigV4 signature covers the Host header, which is kept) except
-  those a rule matches: answer 503 SlowDown, or send the headers and only half the body then
-  close (a truncated object). Each rule counts its hits.
+  those a rule matches: answer 503 SlowDown, send the headers and only half the body then
+  close (a truncated object), or stop: call the rule's ``fn`` (the test stops the server) and
+  stop listening, so that from then on every connection is refused as by a stopped server
+  (one already open is closed at its next request). Each rule counts its hits.
 - :func:`make_snapshot`: a snapshot directory with CRIU-image-like files, shim carrier
   streams (chunk files, zero chunks as holes) and native GPU streams, whose manifest's
   capture records agree with its streams.
@@ -118,6 +120,13 @@ class FaultProxy:
                 n = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(n) if n else b""
                 rule = proxy._match(self.command, self.path)
+                if rule is not None and rule["action"] == "stop":
+                    rule["fn"]()
+                    proxy.stopped.set()
+                    threading.Thread(target=proxy.close, daemon=True).start()
+                if proxy.stopped.is_set():
+                    self.close_connection = True
+                    return  # no answer: the client sees the connection closed
                 if rule is not None and rule["action"] == "503":
                     err = (
                         b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
@@ -135,6 +144,9 @@ class FaultProxy:
                     conn.request(self.command, self.path, body=body, headers=dict(self.headers))
                     resp = conn.getresponse()
                     data = resp.read()
+                except OSError:  # the server is gone: so is this connection
+                    self.close_connection = True
+                    return
                 finally:
                     conn.close()
                 self.send_response(resp.status)
@@ -156,19 +168,22 @@ class FaultProxy:
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
 
+        self.stopped = threading.Event()
+        self.closed = False
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
 
-    def add(self, method: str, key: str, action: str, times: int) -> dict:
+    def add(self, method: str, key: str, action: str, times: int, fn=None) -> dict:
         rule = {
             "method": method,
             "key": re.compile(key),
             "action": action,
             "times": times,
             "hits": 0,
+            "fn": fn,
         }
         with self.lock:
             self.rules.append(rule)
@@ -184,12 +199,32 @@ class FaultProxy:
         return None
 
     def close(self) -> None:
+        """Stop listening (idempotent)."""
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+        self.stopped.set()
         self.server.shutdown()
         self.server.server_close()
 
 
 def settings_for(endpoint: str, key: str = KEY, secret: str = SECRET) -> S3Settings:
     return S3Settings(endpoint=endpoint, access_key=key, secret_key=secret)
+
+
+def aws_env(endpoint: str, tmp: pathlib.Path, key: str = KEY, secret: str = SECRET) -> dict:
+    """The standard AWS variables that point a ``cuinterpose-agent`` process at ``endpoint``
+    with these keys (agent/snapshot/backends/awsconf.py); the shared files are paths under
+    ``tmp`` that do not exist, so the user's ``~/.aws`` never leaks in."""
+    return {
+        "AWS_ENDPOINT_URL_S3": endpoint,
+        "AWS_ACCESS_KEY_ID": key,
+        "AWS_SECRET_ACCESS_KEY": secret,
+        "AWS_REGION": "us-east-1",
+        "AWS_CONFIG_FILE": str(tmp / "no-aws-config"),
+        "AWS_SHARED_CREDENTIALS_FILE": str(tmp / "no-aws-credentials"),
+    }
 
 
 def raw_client(endpoint: str):

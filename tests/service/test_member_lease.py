@@ -27,6 +27,7 @@ CP = [
     "native checkpoint",
     "criu dump",
     "manifest",
+    "upload",
     "finish",
     "resume",
 ]
@@ -192,7 +193,7 @@ def test_a_failed_phase_or_a_rollback_the_leader_sent_is_finished_by_the_member(
 
 def test_past_finish_the_member_runs_resume(member):
     svc, log = member()
-    for p in CP[:8]:
+    for p in CP[:9]:
         run(svc, "r6", p)
     rec = wait_expired(svc, "r6")
     assert log == CP

@@ -206,6 +206,29 @@ def test_confine_path(tmp_path):
         assert e.value.reason == outside(path, real, r)
 
 
+def test_confine_path_of_object_store_roots(tmp_path):
+    roots = [str(tmp_path), "s3://bkt/cluster-a", "s3://whole"]
+    assert confine_path("s3://bkt/cluster-a/ns/s1/", roots) == "s3://bkt/cluster-a/ns/s1"
+    assert confine_path("s3://bkt/cluster-a", roots) == "s3://bkt/cluster-a"
+    assert confine_path("s3://whole/any/where", roots) == "s3://whole/any/where"
+    assert confine_path("ns/s1", roots[1:]) == "s3://bkt/cluster-a/ns/s1"  # the first root's
+    assert confine_path(str(tmp_path / "x"), roots) == str(tmp_path / "x")
+    for path, why in (
+        ("s3://bkt/cluster-ab/s1", "lies outside the agent's snapshot prefix(es) "),
+        ("s3://bkt/other/s1", "lies outside the agent's snapshot prefix(es) "),
+        ("s3://bkt/cluster-a/../b", "has an empty, '.' or '..' part"),
+        ("s3://bkt/cluster-a//b", "has an empty, '.' or '..' part"),
+        ("gs://bkt/cluster-a/s1", "no storage backend for gs://"),
+    ):
+        with pytest.raises(AgentError) as e:
+            confine_path(path, roots)
+        assert (e.value.phase, e.value.outcome) == ("images dir", "refused"), path
+        assert why in e.value.reason and path in e.value.reason
+    with pytest.raises(AgentError) as e:
+        confine_path("s3://bkt/cluster-a/s1", [str(tmp_path)])
+    assert "(none: its roots are local directories)" in e.value.reason
+
+
 def test_checkpoint_restore_and_snapshots_outside_the_snapshot_dir_are_refused(daemon, tmp_path):
     root = tmp_path / "snaps"
     root.mkdir()

@@ -8,21 +8,24 @@ is the one place its files are created, opened, synced, listed or removed. This 
 1. **a layout name as a literal** (docstrings are prose and not read): a string (or the static
    text of an f-string) that holds ``manifest.json``, ``.cuinterpose-claim`` or
    ``.cuinterpose-store``, or starts with ``chunks/`` or ``criu/`` (a path inside a snapshot),
-   or the bare ``"chunks"``/``"criu"`` used as a path component (an operand of ``/``, an
-   argument of ``os.path.join``, ``Path(...)`` or ``.joinpath``) or bound to a name
-   (``CHUNKS_DIR = "chunks"``). ``m["chunks"]``, the manifest's field, is not a path and
-   passes.
+   or the bare ``"chunks"``/``"criu"`` bound to a name (``CHUNKS_DIR = "chunks"``) or joined
+   to a snapshot path (below: an operand of ``/`` or an argument of ``os.path.join`` beside
+   one). ``m["chunks"]``, the manifest's field, and ``REPO / "criu"``, CRIU's own folder, are
+   no snapshot paths and pass.
 2. **a file operation on a snapshot path**: ``open``; ``os.open/unlink/remove/rename/replace/
    makedirs/mkdir/rmdir/listdir/scandir/walk/link/symlink/chmod/truncate/stat/lstat``;
    ``os.path.exists/lexists/isfile/isdir/getsize``; any ``shutil`` call; or a ``Path`` method
-   (``open``, ``read_*``, ``write_*``, ``unlink``, ``mkdir``, ``rmdir``, ``iterdir``,
-   ``glob``, ``rglob``, ``touch``, ``rename``, ``replace``, ``exists``, ``is_file``,
-   ``is_dir``, ``stat``, ``lstat``, ``chmod``) whose receiver or argument is derived from a
-   snapshot path. Snapshot paths are: a name or attribute called ``images_dir`` /
-   ``snapshot_dir`` / ``snap_dir``, a subscript ``[...]["images_dir"]``, the attributes
-   ``path``/``chunks_dir``/``packs_dir``/``manifest_path`` of a name holding ``snap`` and
-   the calls ``.criu_dir()``/``.make_criu_dir()``/``.file()``; a variable assigned from an
-   expression that holds one (within the same function, to a fixpoint) is one too.
+   (``open``, ``read_*``, ``write_*``, ``unlink``, ``mkdir``, ``rmdir``, ``iterdir``, ``glob``,
+   ``rglob``, ``touch``, ``rename``, ``replace``, ``exists``, ``is_file``, ``is_dir``, ``stat``,
+   ``lstat``, ``chmod``) whose receiver or argument is derived from a snapshot path. Snapshot
+   paths are: a name or attribute called ``images_dir`` / ``snapshot_dir`` / ``snap_dir`` /
+   ``local_dir`` (an ``s3://`` run's local copy), a subscript ``[...]["images_dir"]``, the
+   attributes ``path``/``chunks_dir``/``packs_dir``/``manifest_path`` and the calls
+   ``.criu_dir()``/``.make_criu_dir()``/``.file()`` of a SnapshotDir object; a variable
+   assigned from an expression that holds one (within the same function, to a fixpoint) is
+   one too. A SnapshotDir object (``SnapshotDir(...)``, ``SnapshotDir.canonical(...)``,
+   ``snapdir.prepare(...)``, a name or attribute ``snap``, a variable assigned one) is the
+   channel itself: its other methods pass.
 
 :data:`ALLOWED` lists the modules exempt from rule 2, each with its reason; a test checks
 that every one of them still needs it. A negative test feeds the checker offending samples
@@ -59,7 +62,7 @@ ALLOWED = {
     ),
 }
 
-SEED_NAMES = {"images_dir", "snapshot_dir", "snap_dir"}
+SEED_NAMES = {"images_dir", "snapshot_dir", "snap_dir", "local_dir"}
 SEED_ATTRS = {"path", "chunks_dir", "packs_dir", "manifest_path"}
 SEED_CALLS = {"criu_dir", "make_criu_dir", "file"}
 OS_OPS = {
@@ -167,7 +170,7 @@ def _literal_findings(tree: ast.AST) -> list[tuple[int, str]]:
 
 #: what makes a SnapshotDir object (the channel itself: its methods are fine, its path
 #: attributes are snapshot paths)
-OBJ_MAKERS = ("SnapshotDir", "SnapshotDir.canonical", "snapdir.prepare", "prepare")
+OBJ_MAKERS = ("SnapshotDir", "SnapshotDir.canonical", "snapdir.prepare")
 OBJ_NAMES = {"snap"}
 STR_ATTRS = {"name", "stem", "suffix"}
 
@@ -228,7 +231,8 @@ class _Taint:
         if isinstance(e, ast.Attribute):
             return e.attr == "snap"
         if isinstance(e, ast.Call):
-            return _dotted(e.func) in OBJ_MAKERS
+            f = _dotted(e.func)
+            return any(f == m or f.endswith("." + m) for m in OBJ_MAKERS)
         return False
 
     def holds(self, e: ast.AST) -> bool:

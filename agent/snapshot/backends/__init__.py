@@ -11,10 +11,12 @@ hooks and one line in the table.
 - ``s3`` (agent/snapshot/backends/s3.py, s3gc.py, s3io.py): ``s3://BUCKET/PREFIX`` on any
   S3-compatible object store; settings from agent/snapshot/backends/awsconf.py ``resolve``.
 
-The functions below dispatch on the location: :func:`push`, :func:`pull`,
-:func:`list_snapshots`, :func:`delete`, :func:`stat`, :func:`collect`; each takes one
-:class:`~.api.StorageOptions` and returns one result value (agent/snapshot/backends/api.py)
-or raises :class:`~.api.StorageError` naming phase, bucket and key.
+The functions below dispatch on the location: :func:`push`, :func:`begin_push`,
+:func:`pull`, :func:`list_snapshots`, :func:`delete`, :func:`stat`, :func:`collect`; each
+takes one :class:`~.api.StorageOptions` and returns one result value
+(agent/snapshot/backends/api.py) or raises :class:`~.api.StorageError` naming phase, bucket
+and key. :func:`is_remote` says whether a location is anything but a local path (what a
+checkpoint or restore must move through a local directory first: agent/run/remote.py).
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ __all__ = [
     "StorageError",
     "StorageOptions",
     "backend",
+    "begin_push",
+    "is_remote",
     "collect",
     "delete",
     "list_snapshots",
@@ -59,6 +63,49 @@ def backend(location: str, *, root: bool = False) -> Backend:
     """The table row for ``location`` (``StorageError`` phase "stat" for an unknown scheme or
     a malformed location)."""
     return BACKENDS[parse_location(location, root=root).scheme]
+
+
+def is_remote(location: str) -> bool:
+    """Whether ``location`` names anything but a local directory (``s3://...``); raises
+    ``StorageError`` (phase "stat") for a malformed location or an unknown scheme."""
+    return parse_location(location, root=True).scheme != local.BACKEND.scheme
+
+
+class _WholePush:
+    """The push session of a row without ``begin_push``: nothing before the commit, which
+    is the row's ``push``."""
+
+    def __init__(self, row: Backend, location: str, opts: StorageOptions):
+        self.row, self.location, self.opts = row, location, opts
+
+    def check_free(self) -> None:
+        try:
+            self.row.stat(self.location, self.opts)
+        except StorageError:
+            return
+        raise StorageError("upload", f"{self.location} holds a snapshot already; nothing written")
+
+    def begin(self, snapshot_dir, streams: dict) -> None:
+        pass
+
+    def commit(self, snapshot_dir) -> PushResult:
+        return self.row.push(snapshot_dir, self.location, self.opts)
+
+    def cancel(self) -> None:
+        pass
+
+    def abort(self) -> list:
+        return []
+
+
+def begin_push(location: str, opts: StorageOptions):
+    """A push session to ``location`` (:class:`~.api.Backend` ``begin_push``): ``check_free()``,
+    ``begin(snapshot_dir, streams)``, ``commit(snapshot_dir) -> PushResult``, ``cancel()``,
+    ``abort()``."""
+    row = backend(location)
+    if row.begin_push is not None:
+        return row.begin_push(location, opts)
+    return _WholePush(row, location, opts)
 
 
 def push(snapshot_dir, location: str, opts: StorageOptions) -> PushResult:

@@ -105,12 +105,14 @@ class StorageOptions:
     node key's bytes, agent/snapshot/trust.py ``node_key()``: with one, a push or pull refuses
     a manifest without a valid MAC and a manifest a push rewrites is signed with it),
     ``progress`` (called from worker threads with a :class:`Progress`, at most every 100 ms
-    and once at the end)."""
+    and once at the end), ``cancel`` (a ``threading.Event`` another thread may set to stop the
+    operation at its next request: it then fails with "cancelled" and undoes what it wrote)."""
 
     s3: Optional[object] = None
     transfer: TransferOptions = TransferOptions()
     node_key: Optional[bytes] = dataclasses.field(default=None, repr=False)
     progress: Optional[Callable[[Progress], None]] = None
+    cancel: Optional[object] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +160,10 @@ class PullResult:
 class SnapshotInfo:
     """One snapshot: ``location``, ``snapshot_id``, ``created_at`` (ISO 8601 UTC), ``roots``,
     ``image_bytes`` (CRIU images), ``chunk_bytes`` (the carried streams' bytes, zero chunks
-    included), ``signed_key_id`` (the MAC's key id, None when unsigned), ``manifest_bytes``."""
+    included), ``signed_key_id`` (the MAC's key id, None when unsigned), ``manifest_bytes``,
+    and what ``cuinterpose-agent snapshots`` shows besides: ``carrier_bytes`` (the manifest's
+    ``totals.carrier_bytes``), ``driver`` (its ``driver.kind``), ``native`` (its
+    ``native.backend``; "" when absent)."""
 
     location: str
     snapshot_id: str
@@ -168,6 +173,9 @@ class SnapshotInfo:
     chunk_bytes: int
     signed_key_id: Optional[str]
     manifest_bytes: int
+    carrier_bytes: int = 0
+    driver: str = ""
+    native: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,7 +207,12 @@ class Backend(NamedTuple):
     - ``stat(location, opts) -> SnapshotInfo``;
     - ``collect(root, opts) -> DeleteResult``: free the chunks no snapshot (or running
       upload) refers to, deleting no snapshot (after an interrupted upload, or a snapshot
-      removed by other means)."""
+      removed by other means);
+    - ``begin_push(location, opts) -> session`` (optional): a push in two halves, the session's
+      ``check_free()``, ``begin(snapshot_dir, streams)`` (send the chunk streams before the
+      manifest exists), ``commit(snapshot_dir) -> PushResult``, ``cancel()`` and ``abort()``
+      (agent/snapshot/backends/s3push.py ``Push``); a row without it is pushed whole at
+      commit (agent/snapshot/backends/__init__.py ``begin_push``)."""
 
     scheme: str
     push: Callable
@@ -208,6 +221,7 @@ class Backend(NamedTuple):
     delete: Callable
     stat: Callable
     collect: Callable
+    begin_push: Optional[Callable] = None
 
 
 class Location(NamedTuple):

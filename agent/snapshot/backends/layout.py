@@ -1,7 +1,8 @@
 """What a snapshot is made of, for moving it between storages (docs/snapshot-format.md
 "Object store"): its CRIU images, its chunk streams, its manifest.
 
-:func:`plan` reads a manifest (untrusted: it may come from a bucket) into a :class:`Plan`:
+:func:`plan` reads a manifest (untrusted: it may come from a bucket) into a :class:`Plan`
+(:func:`streams`: only its chunk streams, what a push sends before the manifest exists):
 the :class:`Image` files (``criu/<root>/...``, with SHA-256 and size) and the
 :class:`Stream` files (shim carriers ``chunks/shared-<pid>-<alloc_id>.bin`` of ``chunks``;
 native storage ``chunks/gpu-<pid>-<ordinal>.bin`` of ``gpu_storage``), each file name derived
@@ -205,6 +206,14 @@ def plan(m: dict, *, phase: str, allow_store: bool = False) -> Plan:
                 phase, f"field criu.files names {rel!r}: not criu/<root>/... with sha256 and bytes"
             )
         images.append(Image(rel, meta["bytes"], meta["sha256"]))
+    p = streams(m, phase=phase, allow_store=allow_store)
+    return Plan(tuple(images), p.streams, p.store)
+
+
+def streams(m: dict, *, phase: str, allow_store: bool = False) -> Plan:
+    """The chunk streams of ``m`` (its ``chunks`` and ``gpu_storage`` records; nothing else of
+    it is read) as a :class:`Plan` without images, with :func:`plan`'s refusals. What a push
+    may send before the manifest exists: the streams as the manifest will record them."""
     streams, is_store = [], False
     ch = m.get("chunks")
     if ch is not None:
@@ -246,7 +255,7 @@ def plan(m: dict, *, phase: str, allow_store: bool = False) -> Plan:
     rels = [s.rel for s in streams]
     if len(set(rels)) != len(rels):
         raise StorageError(phase, "two streams have the same pid and alloc_id (or ordinal)")
-    return Plan(tuple(images), tuple(streams), is_store)
+    return Plan((), tuple(streams), is_store)
 
 
 def _store_where(rel: str, s: dict, cb: int, sums: tuple, phase: str) -> tuple:
@@ -492,4 +501,11 @@ def snapshot_info(location: str, data: bytes, m: dict) -> SnapshotInfo:
         chunk_bytes=sum(int(s.get("bytes", 0)) for s in streams if isinstance(s, dict)),
         signed_key_id=mac.get("key_id"),
         manifest_bytes=len(data),
+        carrier_bytes=int(_dict(m.get("totals")).get("carrier_bytes", 0)),
+        driver=str(_dict(m.get("driver")).get("kind", "")),
+        native=str(_dict(m.get("native")).get("backend", "")),
     )
+
+
+def _dict(v) -> dict:
+    return v if isinstance(v, dict) else {}

@@ -12,14 +12,16 @@ A snapshot at ``s3://BUCKET/PREFIX`` is::
                                   content-addressed by the digest the manifest records, shared
                                   by every snapshot of the bucket (agent/snapshot/backends/s3gc.py)
 
-:func:`push` uploads a complete local snapshot (after restore's file checks, and with a node
-key only one whose MAC is valid): a pin first, then in a bounded pool every chunk the bucket
-lacks (a HEAD per distinct chunk; each chunk's digest is verified before it is sent, so a
-damaged local chunk never poisons the shared store) and every image (each image's SHA-256
-verified), then the manifest. A chunk-store (``--incremental``) snapshot's manifest is stored
-in the file-stream form (agent/snapshot/backends/layout.py ``plain``), signed again with the
-node key. A failed push changes nothing local, writes no manifest, removes the objects it put
-under the prefix and its pin (best effort; the chunks it sent are collected later).
+:func:`~.s3push.push` (agent/snapshot/backends/s3push.py) uploads a complete local snapshot
+(after restore's file checks, and with a node key only one whose MAC is valid): a pin first,
+then in a bounded pool every chunk the bucket lacks (a HEAD per distinct chunk; each chunk's
+digest is verified before it is sent, so a damaged local chunk never poisons the shared store)
+and every image (each image's SHA-256 verified), then the manifest; its :class:`~.s3push.Push`
+does it in two halves, the chunks before the manifest exists. A chunk-store (``--incremental``)
+snapshot's manifest is stored in the file-stream form (agent/snapshot/backends/layout.py
+``plain``), signed again with the node key. A failed push changes nothing local, writes no
+manifest, removes the objects it put under the prefix and its pins (best effort; the chunks
+it sent are collected later).
 
 :func:`pull` builds a plain snapshot directory in a missing or empty local directory: the
 manifest first read (with a node key, its MAC checked) and planned, then chunks by whole-object
@@ -33,253 +35,25 @@ phase, bucket and key.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import os
 import threading
 import time
 
-from cuinterpose.agent.snapshot.backends import layout, s3gc
+from cuinterpose.agent.snapshot.backends import layout, s3gc, s3push
 from cuinterpose.agent.snapshot.backends.api import (
     RESERVED,
     Backend,
     PullResult,
-    PushResult,
     SnapshotInfo,
     StorageError,
     StorageOptions,
     parse_location,
 )
 from cuinterpose.agent.snapshot.backends.s3io import Client, NotFound, Retry
+from cuinterpose.agent.snapshot.backends.s3push import part_bytes as _part_bytes
 from cuinterpose.agent.snapshot.backends.transfer import PIECE, Meter, run_jobs
-from cuinterpose.agent.snapshot.snapdir import MANIFEST, SnapshotDir
-
-MAX_PARTS = 10_000  # S3 multipart limit
-
-
-def _part_bytes(size: int, part: int) -> int:
-    """The part size for an object of ``size`` bytes: ``part``, larger (whole MiB) when it
-    would need more than 10,000 parts."""
-    need = -(-size // MAX_PARTS)
-    return max(part, -(-need // (1 << 20)) << 20)
-
-
-def _pread(snap: SnapshotDir, rel: str, off: int, n: int) -> bytes:
-    """``n`` bytes of ``rel`` (a file of the local snapshot ``snap``, or a pack) from ``off``;
-    ``StorageError`` (phase "upload") naming the file when it cannot be read or is shorter."""
-    path = snap.file(rel)
-    try:
-        fd = snap.open(rel, os.O_RDONLY | os.O_NOFOLLOW)
-        try:
-            out = bytearray()
-            while len(out) < n:
-                piece = os.pread(fd, n - len(out), off + len(out))
-                if not piece:
-                    raise StorageError("upload", f"{path} ends before byte {off + n}")
-                out += piece
-            return bytes(out)
-        finally:
-            os.close(fd)
-    except OSError as e:
-        raise StorageError("upload", f"{path} cannot be read: {e.strerror}") from None
-
-
-def _digest(h, data, snap: SnapshotDir, rel: str, off: int, n: int) -> str:
-    """Hex digest of ``data``, or (``data`` None) of ``n`` bytes of ``rel`` from ``off``."""
-    if data is not None:
-        h.update(data)
-        return h.hexdigest()
-    for pos in range(0, n, PIECE):
-        h.update(_pread(snap, rel, off + pos, min(PIECE, n - pos)))
-    return h.hexdigest()
-
-
-@dataclasses.dataclass
-class _Counts:
-    uploaded: int = 0
-    uploaded_bytes: int = 0
-    present: int = 0
-    present_bytes: int = 0
-    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
-
-
-class _Upload:
-    """One push: the client, the local snapshot, what was put under the prefix."""
-
-    def __init__(self, client: Client, bucket: str, prefix: str, d: SnapshotDir, meter: Meter):
-        self.c, self.bucket, self.prefix, self.d, self.meter = client, bucket, prefix, d, meter
-        self.counts = _Counts()
-        self.put_keys: list[str] = []
-        self.uploads: dict[str, str] = {}  # key -> open multipart upload id
-        self.lock = threading.Lock()
-        self.part = client.transfer.part_bytes
-
-    def _put_object(self, key: str, rel: str, off: int, n: int, check) -> None:
-        """``n`` bytes of ``rel`` (in the local snapshot) from ``off`` as object ``key``: one
-        PUT up to a part, else a multipart upload whose parts are read one at a time.
-        ``check(data)`` verifies the bytes first and raises when they are wrong (``data``
-        None: it reads the file itself)."""
-        if n <= self.part:
-            data = _pread(self.d, rel, off, n)
-            check(data)
-            self.c.put("upload", self.bucket, key, data)
-            return
-        check(None)
-        part = _part_bytes(n, self.part)
-        uid = self.c.multipart_begin("upload", self.bucket, key)
-        with self.lock:
-            self.uploads[key] = uid
-        etags = [
-            self.c.multipart_part(
-                "upload",
-                self.bucket,
-                key,
-                uid,
-                k + 1,
-                _pread(self.d, rel, off + pos, min(part, n - pos)),
-            )
-            for k, pos in enumerate(range(0, n, part))
-        ]
-        self.c.multipart_complete("upload", self.bucket, key, uid, etags)
-        with self.lock:
-            del self.uploads[key]
-
-    def chunk_job(self, alg: str, hexd: str, s: layout.Stream, i: int):
-        def job():
-            key = s3gc.chunk_key(alg, hexd)
-            n = s.length(i)
-            if self.c.head("upload", self.bucket, key) == n:
-                with self.counts.lock:
-                    self.counts.present += 1
-                    self.counts.present_bytes += n
-                self.meter.add(present=n)
-                return
-            rel, off = layout.chunk_file(s, i)
-            path = self.d.file(rel)
-
-            def check(data):
-                got = _digest(layout.hasher(alg), data, self.d, rel, off, n)
-                if got != hexd:
-                    raise StorageError(
-                        "upload",
-                        f"chunk {i} of {s.rel} ({path}, {n} bytes at offset {off}) has {alg} "
-                        f"{got}, the manifest says {hexd}: the local snapshot is damaged; "
-                        "nothing that refers to it was committed",
-                    )
-
-            self._put_object(key, rel, off, n, check)
-            with self.counts.lock:
-                self.counts.uploaded += 1
-                self.counts.uploaded_bytes += n
-            self.meter.add(transferred=n)
-
-        return job
-
-    def image_job(self, img: layout.Image):
-        def job():
-            key = f"{self.prefix}/{img.rel}"
-            path = self.d.file(img.rel)
-
-            def check(data):
-                got = _digest(hashlib.sha256(), data, self.d, img.rel, 0, img.bytes)
-                if got != img.sha256:
-                    raise StorageError(
-                        "upload",
-                        f"CRIU image {path} has sha256 {got}, the manifest says {img.sha256}: "
-                        "the local snapshot is damaged; nothing was committed",
-                    )
-
-            with self.lock:
-                self.put_keys.append(key)
-            self._put_object(key, img.rel, 0, img.bytes, check)
-            self.meter.add(transferred=img.bytes)
-
-        return job
-
-    def undo(self, pin_key) -> list[str]:
-        """After a failure: abort open multipart uploads, remove what was put under the prefix
-        and the pin (best effort); returns what could not be removed."""
-        left = []
-        with self.c.cleanup():
-            for key, uid in list(self.uploads.items()):
-                self.c.multipart_abort(self.bucket, key, uid)
-            for key in self.put_keys:
-                try:
-                    self.c.remove("upload", self.bucket, key)
-                except StorageError:
-                    left.append(key)
-        if pin_key is not None and s3gc.unpin(self.c, self.bucket, pin_key) is not None:
-            left.append(pin_key)
-        return left
-
-
-def push(snapshot_dir, location: str, opts: StorageOptions) -> PushResult:
-    """Upload the complete local snapshot ``snapshot_dir`` to ``location`` (module docstring).
-    Refuses (``StorageError``, phase "upload") a directory that is no snapshot or fails
-    restore's file checks, a manifest without a valid MAC when ``opts.node_key`` is set, and a
-    location that already holds a manifest."""
-    t0 = time.monotonic_ns()
-    loc = parse_location(location)
-    snap = SnapshotDir(os.path.abspath(snapshot_dir))
-    d = snap.path
-    try:
-        data, m = layout.local_manifest(snap, "upload")
-        layout.check_mac(m, opts.node_key, str(snap.manifest_path), "upload")
-        p = layout.plan(m, phase="upload", allow_store=True)
-        layout.check_local(d, m, "upload")
-    except StorageError as e:
-        raise e.again("upload", f"; {d} is not pushed, nothing was uploaded") from None
-    out, rewritten = layout.plain(m)
-    body = layout.dumps(layout.signed(out, opts.node_key)) if rewritten else data
-    c = s3gc.client_for(opts, "upload")
-    mkey = f"{loc.key}/{MANIFEST}"
-    if c.head("upload", loc.bucket, mkey) is not None:
-        raise StorageError(
-            "upload",
-            "a snapshot is already there; delete it first (nothing was uploaded)",
-            bucket=loc.bucket,
-            key=mkey,
-        )
-    # objects of an earlier push that never committed: this push claims the prefix
-    for name, _, is_dir in c.list("upload", loc.bucket, loc.key + "/", recursive=True):
-        if not is_dir:
-            c.remove("upload", loc.bucket, name)
-    uses = p.chunk_uses()
-    total = p.image_bytes() + p.chunk_bytes()
-    up = _Upload(c, loc.bucket, loc.key, snap, Meter("upload", str(loc), total, opts.progress))
-    pin_key = None
-    try:
-        pin_key = s3gc.pin(c, loc.bucket, str(loc), uses.keys())
-        s3gc.hook("upload pinned")
-        jobs = [up.chunk_job(alg, h, *u[0]) for (alg, h), u in sorted(uses.items())]
-        jobs += [up.image_job(i) for i in sorted(p.images, key=lambda i: -i.bytes)]
-        run_jobs(jobs, opts.transfer.threads, c.cancel)
-        s3gc.hook("upload sent")
-        c.put("upload", loc.bucket, mkey, body)  # the commit point
-    except BaseException as e:
-        left = up.undo(pin_key)
-        if isinstance(e, StorageError):
-            note = (
-                f"; left in the bucket: {', '.join(left)}" if left else "; its objects were removed"
-            )
-            raise e.again(
-                "upload",
-                f". No manifest was written (no snapshot at {loc}); the local snapshot {d} is "
-                f"unchanged{note}",
-            ) from None
-        raise
-    why = s3gc.unpin(c, loc.bucket, pin_key)
-    up.meter.finish()
-    k = up.counts
-    counts = (k.uploaded, k.uploaded_bytes, k.present, k.present_bytes)
-    res = p.pushed(str(loc), mkey, counts, rewritten, time.monotonic_ns() - t0)
-    if why is None:
-        return res
-    note = (
-        f"the snapshot is committed, but its pin s3://{loc.bucket}/{pin_key} could not be "
-        f"removed ({why}): collections keep its chunks until it is removed"
-    )
-    return dataclasses.replace(res, notes=(note,))
+from cuinterpose.agent.snapshot.snapdir import MANIFEST
 
 
 def _get_manifest(c: Client, bucket: str, key: str, phase: str) -> bytes:
@@ -498,7 +272,8 @@ def list_snapshots(root: str, opts: StorageOptions) -> list[SnapshotInfo]:
 
 BACKEND = Backend(
     scheme="s3",
-    push=push,
+    push=s3push.push,
+    begin_push=s3push.Push,
     pull=pull,
     list=list_snapshots,
     delete=s3gc.delete,

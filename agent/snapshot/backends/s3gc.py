@@ -138,20 +138,32 @@ def _live_locks(client: Client, bucket: str, phase: str) -> list[tuple[str, dict
 def wait_for_collections(client: Client, bucket: str, phase: str) -> None:
     """Return once no live collection lock exists; ``StorageError`` naming the lock when the
     operation's deadline comes first (or on cancel)."""
+    seen = None
+
+    def waited(name, rec) -> StorageError:
+        return StorageError(
+            phase,
+            f"a chunk collection is running (lock {name}, node {rec.get('node')}, since "
+            f"{rec.get('started_at')}, lease {rec.get('lease_s')} s); the upload waited for "
+            "it until its deadline; nothing was uploaded",
+            bucket=bucket,
+        )
+
     while True:
-        live = _live_locks(client, bucket, phase)
+        try:
+            live = _live_locks(client, bucket, phase)
+        except StorageError:
+            # the deadline passed during a look at the lock: still the collection's doing
+            over = client.deadline is not None and time.monotonic() > client.deadline
+            if seen is not None and over:
+                raise waited(*seen) from None
+            raise
         if not live:
             return
-        name, rec = live[0]
+        seen = live[0]
         late = client.deadline is not None and time.monotonic() + WAIT_POLL_S > client.deadline
         if late or client.cancel.wait(WAIT_POLL_S):
-            raise StorageError(
-                phase,
-                f"a chunk collection is running (lock {name}, node {rec.get('node')}, since "
-                f"{rec.get('started_at')}, lease {rec.get('lease_s')} s); the upload waited for "
-                "it until its deadline; nothing was uploaded",
-                bucket=bucket,
-            )
+            raise waited(*seen)
 
 
 def manifest_keys(client: Client, bucket: str, phase: str) -> list[str]:
@@ -327,7 +339,7 @@ def remove_prefix(client: Client, bucket: str, prefix: str, phase: str) -> int:
 def client_for(opts: StorageOptions, phase: str) -> Client:
     if opts.s3 is None:
         raise StorageError(phase, "no S3 settings (StorageOptions.s3; awsconf.resolve())")
-    return Client(opts.s3, opts.transfer)
+    return Client(opts.s3, opts.transfer, cancel=opts.cancel)
 
 
 def delete(location: str, opts: StorageOptions) -> DeleteResult:

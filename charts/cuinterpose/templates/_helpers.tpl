@@ -47,3 +47,13 @@ TCP host becomes localhost; TCP presents the TLS Secret's certificate), as a flo
 ["cuinterpose-agent", "health", "--agent", {{ $addr | quote }}, "--tls-ca", "/etc/cuinterpose/tls/ca.crt", "--tls-cert", "/etc/cuinterpose/tls/tls.crt", "--tls-key", "/etc/cuinterpose/tls/tls.key"]
 {{- end -}}
 {{- end -}}
+
+{{- /* The agent's snapshotDir in an object store: s3://BUCKET or s3://BUCKET/PREFIX. */ -}}
+{{- define "cuinterpose.objectStoreRoot" -}}
+{{- $o := .Values.objectStore -}}
+{{- if $o.prefix -}}
+{{- printf "s3://%s/%s" $o.bucket $o.prefix -}}
+{{- else -}}
+{{- printf "s3://%s" $o.bucket -}}
+{{- end -}}
+{{- end -}}
