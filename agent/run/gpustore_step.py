@@ -11,7 +11,8 @@ record goes to the manifest (:func:`annotate`): ``"gpu_storage": {"mode", "why",
 stream record). A failed write (ENOSPC, EIO) rolls back: the workload keeps its memory and
 every file under ``chunks/`` this checkpoint wrote is removed.
 
-``prepare_restore(rs)`` (restore, before the native restore) checks the record
+``prepare_restore(m, images_dir, staging_bytes)`` (restore and a release of one, before the
+native restore) checks the record
 (``trust.check_gpu_storage``) and opens the streams the driver-API restore reads back.
 """
 
@@ -125,15 +126,17 @@ def annotate(ck, manifest: dict) -> None:
         manifest["gpu_storage"] = rec
 
 
-def prepare_restore(rs) -> None:
-    """Before the native restore: a snapshot with ``gpu_storage.mode == "custom"`` is checked
-    (``trust.check_gpu_storage``) and its streams opened for the driver-API restore. Raises
-    ``SnapshotError`` (a bad record; nothing changed yet by this step) or ``AgentError`` phase
-    "native restore" (a backend without custom storage)."""
-    rec = rs.m.get("gpu_storage")
+def prepare_restore(m: dict, images_dir, staging_bytes=None) -> None:
+    """Before the native restore of the snapshot ``images_dir`` (manifest ``m``): a snapshot
+    with ``gpu_storage.mode == "custom"`` is checked (``trust.check_gpu_storage``) and its
+    streams opened for the driver-API restore, read with the snapshot's chunk size and checksum
+    and ``staging_bytes`` (the restore's option; None, as for a release: the default, at least
+    one chunk). Raises ``SnapshotError`` (a bad record; nothing changed yet by this step) or
+    ``AgentError`` phase "native restore" (a backend without custom storage)."""
+    rec = m.get("gpu_storage")
     if not rec or rec.get("mode") != "custom":
         return
-    trust.check_gpu_storage(rs.images_dir, rs.m)
+    trust.check_gpu_storage(images_dir, m)
     inf = native.info()
     avail, why = native_storage.probe("driver-api", inf.library, inf.version)
     if not avail:
@@ -146,15 +149,13 @@ def prepare_restore(rs) -> None:
     opts = gpustore.Options(
         carriers.settings(
             chunk_bytes=int(rec["chunk_bytes"]),
-            staging_bytes=rs.options.staging_bytes,
+            staging_bytes=staging_bytes,
             checksum=str(rec.get("checksum", gpustore.CHECKSUM)),
             fit_staging=True,
         ),
         alloc=_pinned_alloc if native.info().kind == "real" else None,
     )
-    native_storage.register_sources(
-        SnapshotDir(rs.images_dir), rs.m["cuda_pids"], rec["streams"], opts
-    )
+    native_storage.register_sources(SnapshotDir(images_dir), m["cuda_pids"], rec["streams"], opts)
 
 
 def gpu_bytes(directory: os.PathLike | str, rec: dict) -> int:

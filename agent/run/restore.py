@@ -424,7 +424,8 @@ class Restore(StepRunner):
                 p: devicemap.pairs_for(by_pid.get(p, {}), self.gpu_map, self.node_gpus)
                 for p in pids
             }
-            gpustore_step.prepare_restore(self)  # streams in custom storage (issue 12)
+            # streams in custom storage (issue 12)
+            gpustore_step.prepare_restore(self.m, self.images_dir, self.options.staging_bytes)
             devicemap.native_restore(pids, pairs)
             ph.detail = f"pids {', '.join(map(str, pids))} by {native.backend().name}"
             if self.gpu_map:

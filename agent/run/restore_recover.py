@@ -24,7 +24,6 @@ from __future__ import annotations
 import os
 import secrets
 import signal
-import types
 from typing import Optional
 
 from cuinterpose.agent.errors import AgentError, QuiesceRefused, SnapshotError
@@ -249,9 +248,7 @@ class RestoreRecovery:
             found = {pid: native.get_state(pid) for pid in pids}
             todo = [p for p in pids if found[p] == "CHECKPOINTED"]
             if todo:
-                gpustore_step.prepare_restore(
-                    types.SimpleNamespace(m=m, images_dir=self.rec["images_dir"])
-                )
+                gpustore_step.prepare_restore(m, self.rec["images_dir"])
                 by_pid = {p["pid"]: p for p in m["participants"]}
                 devicemap.native_restore(
                     todo, {p: devicemap.pairs_for(by_pid.get(p, {}), gpu_map) for p in todo}
