@@ -1,6 +1,9 @@
 """``cuinterpose-agent inspect --pid PID``: INSPECT one process through its control socket.
 
-Read-only: INSPECT is accepted in every shim phase except FAILED and changes nothing.
+Read-only: INSPECT is accepted in every shim phase except FAILED and changes nothing. It is
+refused while a checkpoint or restore of the process's job runs (``quiesce.job_busy``), and
+it holds the control directory's lock while connected, so a checkpoint's quiesce request (and
+with it CRIU) waits until its connection is closed.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ import pathlib
 
 from cuinterpose.agent.errors import AgentError
 from cuinterpose.agent.mech import census as census_mod
-from cuinterpose.agent.mech import ctldir
+from cuinterpose.agent.mech import ctldir, quiesce
 from cuinterpose.coordinator.protocol import default_control_dir
 
 
@@ -28,6 +31,8 @@ def inspect_pid(pid: int, *, control_dir=None, timeout_s: float = 10.0) -> dict:
     ctldir.check(cdir, phase="INSPECT", pid=pid)
     sock = census_mod.socket_path(cdir, pid)
     census_mod.check_process_id(pid, "INSPECT")
+    if cdir.is_dir():
+        _refuse_busy(cdir, pid)  # before the stop check: a dead agent's stopped tree says so
     census_mod.check_not_stopped(pid, "INSPECT")
     if not os.path.exists(sock):
         if not census_mod.pid_alive(pid):
@@ -52,12 +57,21 @@ def inspect_pid(pid: int, *, control_dir=None, timeout_s: float = 10.0) -> dict:
     census_mod.check_socket_owner(sock, pid, "INSPECT")
     client = ShimClient(sock, timeout_s, pid=pid, inspect_devices=True)
     try:
-        resp = client.request(Op.INSPECT, txn_id=0, expected_phase=Phase.ACTIVE)
-        if resp.reply.status == Status.REFUSED_PHASE:
-            # INSPECT must name the shim's current phase; the refusal told us which it is
-            resp = client.request(Op.INSPECT, txn_id=0, expected_phase=resp.reply.phase)
+        # under the control dir's lock (quiesce.serial), which a checkpoint's quiesce request
+        # and a restore's record take too: this connection is closed before either starts, and
+        # none is opened while one runs (CRIU would find it in the tree: "External socket")
+        with quiesce.serial(cdir):
+            _refuse_busy(cdir, pid)
+            resp = client.request(Op.INSPECT, txn_id=0, expected_phase=Phase.ACTIVE)
+            if resp.reply.status == Status.REFUSED_PHASE:
+                # INSPECT must name the shim's current phase; the refusal told us which it is
+                resp = client.request(Op.INSPECT, txn_id=0, expected_phase=resp.reply.phase)
+    except TimeoutError as e:
+        raise AgentError("INSPECT", f"{e}; INSPECT refused", pid=pid) from None
     except ShimClientError as e:
-        raise AgentError("INSPECT", str(e), pid=pid) from None
+        # the client's text already starts "INSPECT: pid P "
+        text = str(e).removeprefix(f"INSPECT: pid {pid} ").removeprefix("INSPECT: ")
+        raise AgentError("INSPECT", text, pid=pid) from None
     if resp.reply.status != Status.OK:
         raise AgentError(
             "INSPECT", f"shim answered {Status(resp.reply.status).name}: {resp.message}", pid=pid
@@ -76,6 +90,19 @@ def inspect_pid(pid: int, *, control_dir=None, timeout_s: float = 10.0) -> dict:
         "devices": device_table(resp.records),
         "message": resp.message,
     }
+
+
+def _refuse_busy(cdir, pid: int) -> None:
+    """``AgentError`` (phase INSPECT, refused) naming what holds ``pid``'s job, if anything
+    (``quiesce.job_busy``: a live checkpoint or restore, or a dead agent's, naming release)."""
+    busy = quiesce.job_busy(cdir, [pid, *census_mod.ancestors(pid)])
+    if busy:
+        raise AgentError(
+            "INSPECT",
+            f"{busy}; INSPECT refused while it runs (its connection would be in the tree when "
+            "CRIU dumps or restores it): retry once it has ended",
+            pid=pid,
+        )
 
 
 def native_state(pid: int, options) -> dict:

@@ -468,7 +468,18 @@ class CheckpointOptions(RunOptions):
     @classmethod
     def _check_together(cls, values: dict, labels: dict) -> None:
         """The chunk settings (the shims' and the GPU streams' one ``ChunkSettings``) against
-        protocol.h's limits (defaults filled in)."""
+        protocol.h's limits (defaults filled in), and ``gpu_storage`` custom against a
+        ``native_backend`` without custom storage (the cuda-checkpoint utility stages in host
+        memory): refused here, before any step."""
+        if values["gpu_storage"] == "custom" and values["native_backend"] == "cuda-checkpoint":
+            raise OptionError(
+                "gpu_storage",
+                "custom",
+                f"the cuda-checkpoint backend ({labels.get('native_backend', 'native_backend')}"
+                "='cuda-checkpoint') has no custom storage (host staging); use host (or auto), "
+                "or the driver-api (or auto) native backend",
+                labels.get("gpu_storage"),
+            )
         given = {k: values[k] for k in ("chunk_bytes", "staging_bytes", "writers") if values[k]}
         names = {
             k: labels.get(k, k) + ("" if values[k] else " (the default)")

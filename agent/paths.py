@@ -86,3 +86,16 @@ def real_driver_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
     if keep:
         env["LD_LIBRARY_PATH"] = ":".join(keep)
     return env
+
+
+def missing_dirs(path: str) -> list[str]:
+    """The components of absolute ``path`` that do not exist yet, outermost first."""
+    out = []
+    p = os.path.abspath(path)
+    while not os.path.lexists(p):
+        out.append(p)
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    return out[::-1]

@@ -2,7 +2,12 @@
 
 Exit codes: 0 success; 2 usage error; 3 refused (nothing was changed); 4 checkpoint failed and
 was rolled back (the workload keeps running); 5 failed and could not be rolled back / the
-restored tree was killed / the manifest could not be written (read the message).
+restored tree was killed / the manifest could not be written (read the message); 6 the
+``--agent`` daemon could not be reached; 7 ``--agent``: this client was interrupted and cancelled
+its request; 1 ``doctor``/``health`` found a check failing, or click's ``Aborted!`` of a command
+other than ``checkpoint``/``restore`` (docs/agent.md "Exit codes"). ``checkpoint`` and
+``restore`` record SIGINT/SIGTERM/SIGHUP from their start until they exit (D73,
+agent/run/interrupt.py ``hold``).
 
 ``--json`` prints exactly one JSON object on stdout and nothing else (no rich output):
 ``{"ok": true, ...}`` or ``{"ok": false, "error": {"phase", "pid", "reason", "outcome",
@@ -19,7 +24,14 @@ import click
 
 from cuinterpose.agent import paths
 from cuinterpose.agent.cli import daemon, jobs
-from cuinterpose.agent.cli.common import build_options, emit_json, fail, json_opt, option_flags
+from cuinterpose.agent.cli.common import (
+    build_options,
+    emit_json,
+    fail,
+    json_opt,
+    option_flags,
+    refuse_empty,
+)
 from cuinterpose.agent.errors import AgentError
 from cuinterpose.agent.options import CheckpointOptions
 
@@ -44,8 +56,25 @@ class _Group(click.Group):
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         argv = list(sys.argv[1:] if args is None else args)
+        if not (standalone_mode and argv and argv[0] in RUNS and "--group" not in argv):
+            return self._main(argv, prog_name, complete_var, standalone_mode, **extra)
+        from cuinterpose.agent.mech import signal_at
+        from cuinterpose.agent.run import interrupt
+
+        interrupt.hold(argv[0])
+        try:
+            return self._main(argv, prog_name, complete_var, standalone_mode, **extra)
+        finally:
+            interrupt.settle()
+            try:
+                signal_at.signal_point("after", "result")  # test trigger: the result is out
+            except AgentError:
+                pass  # a malformed trigger: the run itself refused it and said so
+            interrupt.release_at_exit()
+
+    def _main(self, argv, prog_name, complete_var, standalone_mode, **extra):
         if "--json" not in argv or not standalone_mode:
-            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+            return super().main(argv, prog_name, complete_var, standalone_mode, **extra)
         try:
             rv = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
         except click.ClickException as e:
@@ -63,21 +92,25 @@ class _Group(click.Group):
                 }
             )
             sys.exit(e.exit_code)
-        except click.exceptions.Abort:
+        except click.exceptions.Abort:  # a Ctrl-C of a command other than checkpoint/restore
             emit_json(
                 {
                     "ok": False,
                     "error": {
-                        "phase": "usage",
+                        "phase": "request",
                         "pid": None,
-                        "reason": "aborted",
-                        "outcome": "usage",
-                        "message": "usage: aborted",
+                        "reason": "aborted (Ctrl-C)",
+                        "outcome": "aborted",
+                        "message": "request: aborted (Ctrl-C)",
                     },
                 }
             )
             sys.exit(1)
         sys.exit(rv if isinstance(rv, int) else 0)
+
+
+#: the commands whose signals interrupt.hold records from their start (not a --group lead)
+RUNS = ("checkpoint", "restore")
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -164,3 +197,5 @@ for _cmd in (
     daemon.health_cmd,
 ):
     main.add_command(_cmd)
+for _cmd in main.commands.values():
+    refuse_empty(_cmd)

@@ -22,6 +22,7 @@ EXIT = {
     "restore_failed": 5,
     "usage": 2,
     "unreachable": 6,
+    "cancelled": 7,
 }
 
 
@@ -52,8 +53,14 @@ def fail(e: AgentError, as_json: bool, extra: dict | None = None, command: str =
             "rollback_failed": "the workload could NOT be rebuilt; it needs an operator",
             "snapshot_incomplete": "the tree was dumped but the directory is not a snapshot",
             "restore_failed": "the restored tree was killed; the snapshot is untouched",
+            "usage": refused,
+            "unreachable": "no answer from the agent at that address (a request it had "
+            "started may still run there)",
+            "cancelled": "this client stopped waiting; the daemon's log has the request's "
+            "outcome, `snapshots` lists a snapshot that completed",
         }
-        click.echo(f"outcome: {e.outcome}: {hint.get(e.outcome, '')}", err=True)
+        text = hint.get(e.outcome, "")
+        click.echo(f"outcome: {e.outcome}" + (f": {text}" if text else ""), err=True)
     sys.exit(EXIT.get(e.outcome, 5))
 
 
@@ -128,6 +135,33 @@ def remote_options(cls, flags: dict, msg):
 
 
 POSITIVE = click.FloatRange(min=0, min_open=True)
+
+
+def refuse_empty(cmd: click.Command) -> click.Command:
+    """Make an empty value (``""``, e.g. an unset shell variable in ``--agent "$ADDR"`` or
+    ``delete "$SNAP"``) a usage error (exit 2) for every option and argument of ``cmd`` that
+    takes a value, naming it: an empty path, address or pid never means "the default" or "the
+    current directory". Returns ``cmd``."""
+
+    def check(inner):
+        def cb(ctx, param, value):
+            vals = value if isinstance(value, (tuple, list)) else (value,)
+            given = ctx.get_parameter_source(param.name) != click.core.ParameterSource.DEFAULT
+            if given and any(isinstance(v, str) and v == "" for v in vals):
+                out = "" if isinstance(param, click.Argument) else ", or leave the option out"
+                raise click.BadParameter(
+                    f"an empty value is not accepted (an unset variable?): give one{out}",
+                    ctx=ctx,
+                    param=param,
+                )
+            return inner(ctx, param, value) if inner else value
+
+        return cb
+
+    for p in cmd.params:
+        if not getattr(p, "is_flag", False) and not getattr(p, "count", False):
+            p.callback = check(p.callback)
+    return cmd
 
 
 class BytesType(click.ParamType):
@@ -353,13 +387,55 @@ class RemoteRows:
         self.rep._emit("end", ph)
 
 
+#: what a daemon does with a request its client cancelled (docs/agent.md "Interrupting")
+CANCELLED_ENDS = {
+    "Checkpoint": "before the capture it is refused and nothing changes; from the capture "
+    "until the manifest it rolls back and the workload continues; after the manifest the "
+    "snapshot completes",
+    "Restore": "before CRIU restore it is refused and nothing changes; after it the restored "
+    "tree is killed; at its last step it completes; the snapshot is untouched",
+}
+
+
 def remote(addr, method, request, rep, sink, tls):
     """Run ``method`` at the agent ``addr``; returns the CLI JSON object of a success, raises
     ``AgentError`` (what the agent reported, or outcome "unreachable") otherwise."""
+    import threading
+
     from cuinterpose.agent.rpc.client import call
+    from cuinterpose.agent.run import interrupt
     from cuinterpose.agent.run.ops import error_from_dict
 
-    res = live(sink, lambda: call(addr, method, request, tls=tls, on_progress=RemoteRows(rep)))
+    got: dict = {}
+
+    def on_call(rpc):
+        def stop(sig: str) -> None:  # in the signal handler: cancel from a thread
+            got["sig"] = sig
+            threading.Thread(target=rpc.cancel, daemon=True).start()
+
+        interrupt.on_signal(stop)
+
+    try:
+        res = live(
+            sink,
+            lambda: call(
+                addr, method, request, tls=tls, on_progress=RemoteRows(rep), on_call=on_call
+            ),
+        )
+    except AgentError as e:
+        if "sig" not in got:
+            raise
+        running = rep.phases[-1].name if rep.phases else "its start"
+        err = AgentError(
+            "agent",
+            f"{addr}: {method}: cancelled by {got['sig']} during {running}: the daemon stops "
+            f"the request at the end of that phase ({CANCELLED_ENDS.get(method, 'as a signal')})",
+            outcome="cancelled",
+        )
+        err.remote_phases = rep.to_list()
+        raise err from e
+    finally:
+        interrupt.on_signal(None)
     obj = json.loads(res.json) if res.json else {}
     if res.ok:
         return obj

@@ -262,7 +262,8 @@ def serve(
     leaves one unset takes it from these, else from the config, the environment, the
     default.
 
-    Refuses (exit 2) a non-loopback TCP listener without mutual TLS unless --insecure-tcp;
+    Refuses (exit 2) a non-loopback TCP listener without mutual TLS unless --insecure-tcp,
+    and a Unix socket another live process (a running daemon) listens on, naming its pid;
     confines every request's paths to the snapshot dir(s) (docs/service.md "Security"),
     creating a missing one (mode 0700; exit 2 when it cannot)."""
     import logging
@@ -273,6 +274,11 @@ def serve(
     from cuinterpose.agent.rpc.client import TLS, default_address
     from cuinterpose.agent.rpc.security import listener_security
     from cuinterpose.agent.rpc.service import DEFAULT_SNAPSHOT_DIR, ServeOptions, Server
+
+    # the daemon's log (stderr): one line per request's start and outcome, with the time
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s"
+    )
 
     given = dict(
         listen=listen,

@@ -38,6 +38,7 @@ from cuinterpose.agent.options import (
     InspectOptions,
     RestoreOptions,
 )
+from cuinterpose.agent.run import interrupt
 from cuinterpose.agent.snapshot.snapdir import SnapshotDir
 from cuinterpose.coordinator.protocol import default_control_dir
 
@@ -106,6 +107,7 @@ def checkpoint(
         from cuinterpose.agent import validate
 
         validate.checkpoint_request(roots=pids, images_dir=images_dir)
+        before_run("checkpoint", "nothing was torn down, the workload keeps running")
         if agent_addr or group_file:
             from cuinterpose.agent.snapshot import pb
 
@@ -127,7 +129,9 @@ def checkpoint(
             where = remote_of(images_dir, opts, "checkpoint")
             out = live(sink, lambda: ops.checkpoint(rep, pids, images_dir, opts, where)[0])
     except AgentError as e:
+        interrupt.settle()
         fail(e, as_json, {"phases": getattr(e, "remote_phases", None) or rep.to_list()})
+    interrupt.settle()
     if as_json:
         emit_json(out)
     elif group_file:
@@ -145,6 +149,19 @@ def checkpoint(
         )
     else:
         click.echo(f"snapshot {out['snapshot_id']} written to {out['images_dir']}")
+
+
+def before_run(what: str, effect: str) -> None:
+    """Right before a one-shot run starts: a signal that came since the command started
+    (agent/run/interrupt.py ``hold``) refuses it (phase "request", exit 3; ``effect``: what
+    was left, in the command's words). ``before:request`` is the test trigger's point here."""
+    from cuinterpose.agent.mech import signal_at
+    from cuinterpose.agent.run import checkpoint, restore
+
+    signal_at.register_steps(s.name for s in (*checkpoint.Checkpoint.STEPS, *restore.Restore.STEPS))
+
+    signal_at.signal_point("before", "request")
+    interrupt.refuse_if_stopped(what, effect)
 
 
 def remote_of(images_dir, opts, kind: str):
@@ -245,6 +262,7 @@ def restore(
         from cuinterpose.agent import validate
 
         validate.restore_request(images_dir=images_dir, placement=into_pid)
+        before_run("restore", "nothing was changed, the snapshot is untouched")
         if agent_addr or group_file:
             from cuinterpose.agent.snapshot import pb
 
@@ -276,12 +294,14 @@ def restore(
                 ),
             )
     except AgentError as e:
+        interrupt.settle()
         fail(
             e,
             as_json,
             {"phases": getattr(e, "remote_phases", None) or rep.to_list()},
             command="restore",
         )
+    interrupt.settle()
     if as_json:
         emit_json(res)
     elif group_file:
@@ -463,6 +483,9 @@ def release_cmd(pid, force, control_dir, as_json):
 
     cdir = paths.canonical(control_dir or default_control_dir())
     try:
+        from cuinterpose.agent import validate
+
+        validate.pids("pid", [pid])
         ctldir.check(cdir, phase="release", pid=pid)
         # the driver the dead agent's lock records; the backend and the call deadline: ours
         with native_call.using(DriverOptions.from_environ()):

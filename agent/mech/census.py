@@ -288,7 +288,7 @@ def take_census(
         if pid == os.getpid():
             continue
         p = Process(pid=pid, ppid=ppid, comm=comm)
-        check_not_stopped(pid, "census")
+        check_not_stopped(pid, "census", control_dir, ancestors)
         p.shim, path = shim_mapping(pid, shim)
         if p.shim == "foreign":
             p.foreign_shim = path
@@ -510,9 +510,13 @@ def check(census: Census) -> None:
                 pid=p.pid,
             )
         if p.is_cuda and p.cuda_state != "RUNNING":
+            from cuinterpose.agent.mech import quiesce
+
+            busy = quiesce.job_busy(census.control_dir, [p.pid, *ancestors(p.pid)])
             raise CensusError(
                 "census",
-                f"{what} is {p.cuda_state}, not RUNNING (another checkpoint in progress?)",
+                f"{what} is {p.cuda_state}, not RUNNING: "
+                + (busy or "another checkpoint in progress?"),
                 pid=p.pid,
             )
     if not census.participants:

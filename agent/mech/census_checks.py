@@ -56,10 +56,12 @@ def check_process_id(pid: int, phase: str) -> None:
     )
 
 
-def check_not_stopped(pid: int, phase: str) -> None:
+def check_not_stopped(pid: int, phase: str, control_dir=None, ancestors=None) -> None:
     """Refuse (``CensusError``) a process in state T (stopped) or t (tracing stop) in
     ``/proc/PID/stat``, before any driver call about it: the driver would wait for it forever.
-    Nothing when it is gone."""
+    Nothing when it is gone. With ``control_dir``, a job a dead agent's checkpoint left stopped
+    is named with its root and the ``release`` to run (``quiesce.job_busy`` over ``pid`` and
+    ``ancestors(pid)``, its parent chain: census.ancestors, passed in by the census)."""
     try:
         comm, fields = procfs.stat_fields(pid)
     except (OSError, ValueError):
@@ -67,10 +69,16 @@ def check_not_stopped(pid: int, phase: str) -> None:
     state = fields[procfs.STAT_STATE] if fields else ""
     if state in ("T", "t"):
         what = "stopped" if state == "T" else "stopped by a tracer"
+        busy = None
+        if control_dir is not None:
+            from cuinterpose.agent.mech import quiesce
+
+            up = ancestors(pid) if ancestors is not None else []
+            busy = quiesce.job_busy(control_dir, [pid, *up])
         raise CensusError(
             phase,
             f"({comm}) is {what} (state {state} in /proc/{pid}/stat): "
-            + STOPPED_HINT.format(pid=pid),
+            + (busy or STOPPED_HINT.format(pid=pid)),
             pid=pid,
         )
 

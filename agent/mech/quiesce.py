@@ -363,6 +363,37 @@ def lock_owner(control_dir, root: int) -> Optional[dict]:
     return lk
 
 
+def job_busy(control_dir, pids: Iterable[int]) -> Optional[str]:
+    """What holds the job of a process now, in words, else None. ``pids``: the process and its
+    ancestors (the job's root is one of them); the first with a ``.lock`` or a pending
+    ``.request`` in ``control_dir`` is the root. Its live agent (another process than this one)
+    checkpointing or restoring it: ``a checkpoint of root R is in progress in agent pid A
+    (request id I)``; its agent dead with the request pending or a restore recorded: ``the agent
+    (pid A) that ran a checkpoint of root R died (request id I): run `cuinterpose-agent release
+    --pid R --control-dir D``` (docs/agent.md "What each failure leaves behind")."""
+    for root in pids:
+        lk = read_json(quiesce_path(control_dir, root, "lock"))
+        lk = lk if isinstance(lk, dict) else None
+        rid = pending_request(control_dir, root)
+        if lk is None and rid is None:
+            continue
+        kind = "restore" if lk is not None and isinstance(lk.get("restore"), dict) else "checkpoint"
+        owner = lock_owner(control_dir, root)
+        rid = (lk or {}).get("id") or rid
+        if owner is not None:
+            if int(owner["pid"]) == os.getpid():
+                return None
+            return f"a {kind} of root {root} is in progress in agent pid {owner['pid']} (request id {rid})"
+        if rid is None and kind != "restore":
+            return None  # a stale lock of an answered request: nothing holds the job
+        who = f"the agent (pid {lk['pid']})" if lk is not None and lk.get("pid") else "the agent"
+        return (
+            f"{who} that ran a {kind} of root {root} died (request id {rid}), leaving it parked: "
+            f"run `cuinterpose-agent release --pid {root} --control-dir {control_dir}`"
+        )
+    return None
+
+
 def release_check(control_dir, root: int) -> tuple[str, Optional[dict]]:
     """What ``release`` of ``root`` finds: (the pending request's id, the ``.lock`` payload of
     that request or None). Refused (``QuiesceRefused``, phase "release", naming the pid) when

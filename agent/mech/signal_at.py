@@ -40,8 +40,12 @@ SIGNALS = ("SIGKILL", "SIGINT", "SIGTERM", "SIGHUP", "SIGSTOP")
 #: registered with :func:`register_steps`)
 DURING: dict[str, str] = {}
 
-#: every step name a step table registered (agent/run/steps.py: each StepRunner subclass)
-_known: dict[str, None] = {}
+#: the one-shot ``checkpoint``/``restore`` command's own points around its run (agent/cli):
+#: ``before:request`` (the run has not started), ``after:result`` (the result is printed)
+CLI_POINTS = ("request", "result")
+#: every step name a step table registered (agent/run/steps.py: each StepRunner subclass),
+#: and :data:`CLI_POINTS`
+_known: dict[str, None] = dict.fromkeys(CLI_POINTS)
 #: the step the step runner is running now (None between steps and during an undo)
 _current: Optional[str] = None
 #: (the variable's value, its parsed entries); entries that fired are removed

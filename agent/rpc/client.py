@@ -183,13 +183,15 @@ def call(
     tls: Optional[TLS] = None,
     on_progress: Optional[Callable[[dict], None]] = None,
     timeout_s: Optional[float] = None,
+    on_call: Optional[Callable[[object], None]] = None,
 ):
     """Call streaming RPC ``method`` of the agent at ``addr``; ``on_progress(row_dict)`` for
     each Progress. Returns the final ``Result`` message. Raises ``AgentError`` (phase "agent",
     outcome "unreachable") when the agent cannot be reached or the stream ends without a
     result; the workload state is then unknown only if the request had started.
     ``timeout_s``: the call's deadline in seconds, default :func:`rpc_timeout_s` (past it:
-    DEADLINE_EXCEEDED, outcome "unreachable")."""
+    DEADLINE_EXCEEDED, outcome "unreachable"). ``on_call(call)``: the ``grpc.Call`` once it
+    started (whose ``cancel()`` ends it with CANCELLED here and cancels it at the daemon)."""
     import grpc
 
     if timeout_s is None:
@@ -200,7 +202,10 @@ def call(
         stub = agrpc.AgentStub(ch)
         result = None
         try:
-            for ev in getattr(stub, method)(request, timeout=timeout_s):
+            rpc = getattr(stub, method)(request, timeout=timeout_s)
+            if on_call is not None:
+                on_call(rpc)
+            for ev in rpc:
                 which = ev.WhichOneof("kind")
                 if which == "progress" and on_progress is not None:
                     on_progress(pb.message_to_dict(ev.progress))

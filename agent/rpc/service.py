@@ -26,12 +26,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
-import queue
 import threading
 from concurrent import futures
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 from cuinterpose.agent import options as options_mod
 from cuinterpose.agent import paths, validate
@@ -52,175 +50,20 @@ from cuinterpose.agent.rpc.member import (
     restore_targets,
 )
 from cuinterpose.agent.rpc.security import confine_path, listener_security
-from cuinterpose.agent.run import ops
-from cuinterpose.agent.run.report import Phase, Reporter
+from cuinterpose.agent.rpc.stream import (  # noqa: F401 (error_dict, progress_dict: re-exported)
+    CHECKPOINT_LEFT,
+    RESTORE_LEFT,
+    Stream,
+    error_dict,
+    progress_dict,
+)
+from cuinterpose.agent.run import interrupt, ops
+from cuinterpose.agent.run.report import Reporter
 from cuinterpose.agent.snapshot import pb
 
 log = logging.getLogger("cuinterpose.service")
-
 #: the daemon's snapshot root when neither ``--snapshot-dir`` nor the config names one
 DEFAULT_SNAPSHOT_DIR = paths.DEFAULT_SNAPSHOT_DIR
-
-
-# -- events ------------------------------------------------------------------------------------
-
-
-def progress_dict(event: str, ph: Optional[Phase] = None, text: str = "", **extra) -> dict:
-    """A Progress row as a dict (the fields of ``cuinterpose.v1.Progress``). ``event``:
-    start, progress, end, note. A ``progress`` row (a phase moving bytes, while it runs):
-    ``bytes`` done so far, ``elapsed_ns`` since the phase started, ``detail`` "D of T (P%),
-    R/s, ETA E" (``Phase.progress_text``), and total/rate/ETA in their own fields where the
-    schema has them (:func:`_progress_fields`)."""
-    d = {
-        "event": event,
-        "phase": "",
-        "status": "",
-        "node": "",
-        "pid": 0,
-        "bytes": 0,
-        "elapsed_ns": 0,
-        "detail": "",
-        "group_phase": "",
-        "text": text,
-    }
-    if ph is not None:
-        d.update(
-            phase=ph.name,
-            status=ph.status,
-            bytes=int(ph.bytes),
-            elapsed_ns=int(ph.elapsed_ns),
-            detail=ph.detail,
-        )
-        if event == "progress":
-            import time
-
-            d.update(
-                elapsed_ns=max(0, time.monotonic_ns() - ph.start_ns) if ph.start_ns else 0,
-                detail=ph.progress_text(),
-            )
-            d.update(
-                total_bytes=int(ph.total_bytes),
-                rate_bytes_per_s=float(ph.rate_bps),
-                eta_ns=int(ph.eta_ns),
-            )
-    d.update({k: v for k, v in extra.items() if v is not None})
-    return d
-
-
-def error_dict(e: AgentError) -> dict:
-    d = e.to_dict()
-    d["node"] = getattr(e, "node", "") or ""
-    return d
-
-
-class Stream:
-    """Runs ``work(reporter, emit)`` in a thread and turns what it reports into ``Event``s.
-
-    ``work`` returns ``(json_object, manifest_or_None)``; an ``AgentError`` becomes a failed
-    Result. ``emit(progress_dict)`` lets group code forward rows from other agents. Rows also
-    feed ``on_row`` (metrics). Iterating yields ``agent_pb2.Event`` messages."""
-
-    def __init__(
-        self,
-        work: Callable,
-        on_row: Optional[Callable[[dict], None]] = None,
-        on_done: Optional[Callable[[bool], None]] = None,
-        active: Optional[set] = None,
-    ):
-        self.active = active  # the service's set of running work threads
-        self.q: queue.Queue = queue.Queue()
-        self.work = work
-        self.on_row = on_row
-        self.on_done = on_done
-        self.rep = Reporter([self._sink])
-
-    def _sink(self, event, obj):
-        if event == "note":
-            self.emit(progress_dict("note", text=str(obj)))
-        else:
-            self.emit(progress_dict(event, obj))
-
-    def emit(self, row: dict) -> None:
-        # rows forwarded from group members (node set) are counted by those members' agents
-        if self.on_row is not None and row.get("event") == "end" and not row.get("node"):
-            try:
-                self.on_row(row)
-            except Exception:
-                pass
-        self.q.put(("progress", row))
-
-    def _run(self):
-        try:
-            self._work()
-        finally:
-            if self.active is not None:
-                self.active.discard(threading.current_thread())
-
-    def _work(self):
-        try:
-            obj, manifest = self.work(self.rep, self.emit)
-            self.q.put(("result", {"ok": True, "json": obj, "manifest": manifest}))
-        except AgentError as e:
-            self.q.put(("result", {"ok": False, "error": error_dict(e)}))
-        except BaseException as e:  # a bug in the service: still end the stream with a result
-            phase = self.rep.phases[-1].name if self.rep.phases else "agent"
-            err = AgentError(phase, f"unexpected {type(e).__name__}: {e}", outcome="failed")
-            self.q.put(("result", {"ok": False, "error": error_dict(err)}))
-
-    def __iter__(self) -> Iterator:
-        apb, _, _ = pb.modules()
-        # the work runs to its end even if the client goes away (a phase never stops
-        # half-way); the daemon waits for it before exiting
-        t = threading.Thread(target=self._run, name="cuinterpose-request", daemon=True)
-        if self.active is not None:
-            self.active.add(t)
-        t.start()
-        seq = 0
-        while True:
-            kind, obj = self.q.get()
-            seq += 1
-            if kind == "progress":
-                yield apb.Event(seq=seq, progress=apb.Progress(**obj))
-                continue
-            yield apb.Event(seq=seq, result=self._result(obj))
-            if self.on_done is not None:
-                try:
-                    self.on_done(obj["ok"])
-                except Exception:
-                    pass
-            t.join()
-            return
-
-    def _result(self, obj: dict):
-        apb, _, mpb = pb.modules()
-        res = apb.Result(ok=obj["ok"])
-        res.phases.extend(mpb.PhaseTiming(**p) for p in self.rep.to_list())
-        if obj["ok"]:
-            out = dict(obj["json"])
-            res.json = json.dumps(out, sort_keys=True, default=str)
-            if obj.get("manifest"):
-                try:
-                    res.manifest.CopyFrom(pb.manifest_to_proto(obj["manifest"]))
-                except Exception as e:  # the snapshot is on disk; say why the copy is absent
-                    self.rep.note(f"manifest not carried in the result: {e}")
-        else:
-            e = obj["error"]
-            res.error.CopyFrom(
-                apb.Error(
-                    phase=e["phase"] or "",
-                    pid=int(e["pid"] or 0),
-                    has_pid=e["pid"] is not None,
-                    reason=e["reason"] or "",
-                    outcome=e["outcome"] or "",
-                    message=e["message"] or "",
-                    node=e.get("node") or "",
-                )
-            )
-            res.json = json.dumps(
-                {"ok": False, "error": e, "phases": self.rep.to_list()}, sort_keys=True, default=str
-            )
-        return res
-
 
 # -- the servicer ------------------------------------------------------------------------------
 
@@ -361,13 +204,14 @@ class AgentService(GroupMember, _servicer_base()):
                 m.finished(kind, ok)
 
     # helpers
-    def _stream(self, kind: str, work: Callable, count: bool = True) -> Stream:
+    def _stream(self, kind: str, work: Callable, count: bool = True, **log) -> Stream:
         """A Stream whose rows feed the metrics under ``kind``; ``count``: the request is
         counted in ``cuinterpose_snapshots_total``/in-flight (not a member's RunPhase: the
-        leader counts the group request once)."""
+        leader counts the group request once); ``log``: Stream's ``what``, ``context`` and
+        ``cancel``."""
         m = self.metrics
         if m is None:
-            return Stream(work, active=self.active)
+            return Stream(work, active=self.active, kind=kind, **log)
         count = count and kind in ("checkpoint", "restore")
         if count:
             m.in_flight.labels(kind).inc()
@@ -382,6 +226,8 @@ class AgentService(GroupMember, _servicer_base()):
             on_row=lambda r: m.phase_done(kind, r["phase"], r["elapsed_ns"], r["bytes"]),
             on_done=on_done,
             active=self.active,
+            kind=kind,
+            **log,
         )
 
     def request_options(self, kind: str, msg):
@@ -413,21 +259,28 @@ class AgentService(GroupMember, _servicer_base()):
         if request.members:
             return self._lead("checkpoint", request)
 
+        cancel = interrupt.Cancel()
+        roots = ", ".join(map(str, request.roots)) or "-"
+
         def work(rep, emit):
             opts = self.request_options("checkpoint", options_of(request))
             validate.checkpoint_request(roots=list(request.roots), images_dir=request.images_dir)
             images_dir = self.confine(request.images_dir)
-            with self.exclusive(
-                rep, f"a gRPC checkpoint of root(s) {', '.join(map(str, request.roots)) or '-'}"
-            ):
+            with self.exclusive(rep, f"a gRPC checkpoint of root(s) {roots}"):
+                interrupt.refuse_if_stopped("checkpoint", CHECKPOINT_LEFT, cancel)
                 where = self.remote_for(images_dir, "checkpoint", opts)
-                return ops.checkpoint(rep, list(request.roots), images_dir, opts, where)
+                return ops.checkpoint(
+                    rep, list(request.roots), images_dir, opts, where, cancel=cancel
+                )
 
-        return iter(self._stream("checkpoint", work))
+        what = f"of root(s) {roots} -> {request.images_dir}"
+        return iter(self._stream("checkpoint", work, what=what, context=context, cancel=cancel))
 
     def Restore(self, request, context):
         if request.members:
             return self._lead("restore", request)
+
+        cancel = interrupt.Cancel()
 
         def work(rep, emit):
             opts = self.request_options("restore", options_of(request))
@@ -435,10 +288,12 @@ class AgentService(GroupMember, _servicer_base()):
             validate.restore_request(images_dir=request.images_dir, **kw)
             images_dir = self.confine(request.images_dir)
             with self.exclusive(rep, f"a gRPC restore of {images_dir}"):
+                interrupt.refuse_if_stopped("restore", RESTORE_LEFT, cancel)
                 where = self.remote_for(images_dir, "restore", opts)
-                return ops.restore(rep, images_dir, opts, where, **kw), None
+                return ops.restore(rep, images_dir, opts, where, cancel=cancel, **kw), None
 
-        return iter(self._stream("restore", work))
+        what = f"of {request.images_dir}"
+        return iter(self._stream("restore", work, what=what, context=context, cancel=cancel))
 
     def Inspect(self, request, context):
         def work(rep, emit):

@@ -8,7 +8,8 @@ not let gRPC listen on the public path. :class:`Gate` does:
   holds gRPC's backend socket and, while it is bound and ``chmod``-ed 0600, the public one;
   the public socket is then ``rename``-d to its path, so no other uid can connect between
   bind and chmod (whatever the umask), and a symlink or stale socket at the path is replaced,
-  never followed;
+  never followed; a socket a live process listens on (another daemon) is refused naming its
+  pid (:func:`live_listener`);
 - every accepted connection's ``SO_PEERCRED`` uid must be root or the daemon's own uid: such a
   connection is relayed to the backend; any other gets its calls answered
   ``PERMISSION_DENIED`` naming its uid and pid and who may call (by a small gRPC server of its
@@ -82,6 +83,13 @@ class Gate:
         os.makedirs(parent, exist_ok=True)
         if os.path.lexists(self.path) and not (os.path.islink(self.path) or _is_socket(self.path)):
             raise OSError(17, "exists and is neither a socket nor a symlink", self.path)
+        other = live_listener(self.path)
+        if other is not None:
+            raise RuntimeError(
+                f"{self.path} is already served by pid {other} (it answered a connection); "
+                "stop that daemon first, or --listen elsewhere; a stale socket (nobody "
+                "listening) is replaced"
+            )
         base = parent if len(parent) + 24 <= SUN_PATH_MAX else tempfile.gettempdir()
         self.private = tempfile.mkdtemp(prefix=".cui-agent-", dir=base)  # 0700
         self.backend_path = os.path.join(self.private, "g.sock")
@@ -169,6 +177,26 @@ class Gate:
         except OSError:
             pass
         shutil.rmtree(self.private, ignore_errors=True)
+
+
+def live_listener(path: str, timeout_s: float = 5.0):
+    """The pid of the process listening on the Unix socket ``path`` (``SO_PEERCRED`` of a
+    connection to it: the process that bound it), "?" when a connection is not accepted within
+    ``timeout_s`` seconds (its backlog is full: alive), or None when nothing listens there (no
+    socket, or a stale one: ``ECONNREFUSED``)."""
+    if not _is_socket(path):
+        return None
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        s.settimeout(timeout_s)
+        s.connect(path)
+        return peer_cred(s)[0]
+    except socket.timeout:
+        return "?"
+    except OSError:
+        return None
+    finally:
+        s.close()
 
 
 def _is_socket(p: str) -> bool:

@@ -80,6 +80,7 @@ class Checkpoint(Rollback, StepRunner):
         reporter: Optional[Reporter] = None,
         shim_path=None,
         remote=None,
+        cancel: Optional[interrupt.Cancel] = None,
         **changes,
     ):
         #: every option of this run (agent/options.py); ``changes`` (option names) are set on
@@ -110,7 +111,8 @@ class Checkpoint(Rollback, StepRunner):
         self.tree_pids: dict[int, list[int]] = {}
         #: directories prepare_dir created (removed again when the checkpoint does not succeed)
         self.created_dirs: list[pathlib.Path] = []
-        self.guard = interrupt.Guard("checkpoint")
+        #: signals (one-shot) or ``cancel`` (the daemon: a cancelled gRPC call) stop the run
+        self.guard = interrupt.Guard("checkpoint", cancel)
         #: {"request_id", "node", "members": [{"node", "address", "images_dir"}]} when this
         #: checkpoint is one member of a group cut (recorded in the manifest), else None
         self.group: Optional[dict] = None

@@ -38,19 +38,21 @@ def checkpoint(
     images_dir,
     options: Optional[CheckpointOptions] = None,
     remote=None,
+    cancel=None,
     **changes,
 ) -> tuple[dict, dict]:
     """Checkpoint ``roots`` into ``images_dir`` with ``options`` (``changes``: option names
     set on them, as ``Checkpoint`` takes them; ``remote``: agent/run/remote.py ``Remote`` of an
     ``s3://`` images dir, whose local copy is then where the checkpoint writes before its
-    upload). Returns (the CLI's JSON object, the manifest dict); with ``remote`` the object's
+    upload; ``cancel``: agent/run/interrupt.py ``Cancel`` that stops it like a signal).
+    Returns (the CLI's JSON object, the manifest dict); with ``remote`` the object's
     ``images_dir`` is the location and it has ``local_dir``, ``local_kept`` and ``upload``
     (agent/run/upload.py ``result``)."""
     from cuinterpose.agent.run import upload
     from cuinterpose.agent.run.checkpoint import Checkpoint
 
     local = remote.local_dir if remote is not None else images_dir
-    cp = Checkpoint(roots, local, options, reporter=rep, remote=remote, **changes)
+    cp = Checkpoint(roots, local, options, reporter=rep, remote=remote, cancel=cancel, **changes)
     try:
         m = cp.run()
     except AgentError:
@@ -86,7 +88,7 @@ def restore(
     rep: Reporter, images_dir, options: Optional[RestoreOptions] = None, remote=None, **kw
 ) -> dict:
     """Restore the snapshot in ``images_dir`` with ``options`` (``kw``: ``Restore``'s
-    ``placement`` and ``device_map``, or option names set on ``options``; ``remote``:
+    ``placement``, ``device_map`` and ``cancel``, or option names set on ``options``; ``remote``:
     agent/run/remote.py ``Remote`` of an ``s3://`` images dir, downloaded into its local copy
     first, which goes again afterwards unless kept). With ``remote`` the object has
     ``images_dir`` (the location), ``local_dir``, ``local_kept`` and ``download``

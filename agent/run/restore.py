@@ -68,6 +68,7 @@ class Restore(StepRunner):
         placement: "Placement | int | None" = None,
         device_map: Optional[str] = None,
         remote=None,
+        cancel: Optional[interrupt.Cancel] = None,
         **changes,
     ):
         #: every option of this run (agent/options.py); ``changes`` (option names) are set on
@@ -99,7 +100,8 @@ class Restore(StepRunner):
         self.restored_roots: list[int] = []
         #: directories "stale sockets" created (the control dir and missing parents, top first)
         self.created_dirs: list[str] = []
-        self.guard = interrupt.Guard("restore")
+        #: signals (one-shot) or ``cancel`` (the daemon: a cancelled gRPC call) stop the run
+        self.guard = interrupt.Guard("restore", cancel)
         self.t0_ns = time.monotonic_ns()
 
     def read_manifest(self):
@@ -149,7 +151,7 @@ class Restore(StepRunner):
 
     verify_images = durable.verify_snapshot  # each image's SHA-256, in parallel, own phase
     # an s3:// images dir: downloaded first, and its local copy gone once the run is over
-    download_snapshot, release_store = download.download_step, download.end
+    download_snapshot = download.download_step
 
     def check_copies(self, m: dict):
         """Every copy of a checksum agrees, and the control dir is the one the images' shim
@@ -271,7 +273,7 @@ class Restore(StepRunner):
         was checked against the CRIU images (``trust.check_control_dir``, phase manifest)."""
         with self.r.phase("stale sockets") as ph:
             cd = self.m["control_dir"]
-            missing = _missing_dirs(cd)
+            missing = paths.missing_dirs(cd)
             try:
                 ctldir.ensure(
                     cd,
@@ -563,7 +565,17 @@ class Restore(StepRunner):
         are killed (``RestoreFailed``); the snapshot is never touched."""
         self.t0_ns = self.r.begin()
         with self.guard, native.using(self.options):
-            return self._run()
+            try:
+                return self._run()
+            finally:
+                self.release_store()
+
+    def release_store(self, keep_pin: bool = False) -> None:
+        """The run is over (the one-shot run's end, a group job's last phase): the lock on the
+        snapshot dir goes, then an ``s3://`` run's downloaded copy (whose delete takes that
+        lock itself). Idempotent."""
+        restore_recover.release_dir(self, keep_pin)
+        download.end(self, keep_pin)
 
     def _run(self) -> dict:
         try:
@@ -597,7 +609,9 @@ class Restore(StepRunner):
         return interrupt.Interrupted(step.name, sig)
 
     def read_manifest_checked(self):
-        """:meth:`read_manifest`, a malformed manifest refused as ``SnapshotError``."""
+        """:meth:`read_manifest` once this run claimed the snapshot dir (a ``delete`` or another
+        restore of it is refused meanwhile), a malformed manifest refused as ``SnapshotError``."""
+        restore_recover.claim_dir(self)
         try:
             self.read_manifest()
         except AgentError:
@@ -609,19 +623,6 @@ class Restore(StepRunner):
                 f"snapshot ({type(e).__name__}: {e}); restore refused, "
                 "snapshot untouched",
             ) from e
-
-
-def _missing_dirs(path: str) -> list[str]:
-    """The components of absolute ``path`` that do not exist yet, outermost first."""
-    out = []
-    p = os.path.abspath(path)
-    while not os.path.lexists(p):
-        out.append(p)
-        parent = os.path.dirname(p)
-        if parent == p:
-            break
-        p = parent
-    return out[::-1]
 
 
 def _first_line(e: BaseException) -> str:

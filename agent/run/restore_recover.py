@@ -32,9 +32,12 @@ from cuinterpose.agent.mech import devicemap, native, quiesce
 from cuinterpose.agent.options import RunOptions
 from cuinterpose.agent.run import carriers, gpustore_step
 from cuinterpose.agent.snapshot import manifest as manifest_mod
+from cuinterpose.agent.snapshot.snapdir import SnapshotDir
 from cuinterpose.coordinator.contract import quiesce_path, read_json
 
 __all__ = [
+    "claim_dir",
+    "release_dir",
     "record",
     "mark",
     "take_claim",
@@ -48,6 +51,25 @@ __all__ = [
 
 
 # -- what a restore records (agent/run/restore.py calls these) ---------------------------------
+def claim_dir(rs) -> None:
+    """The restore ``rs`` locks its snapshot dir (``SnapshotDir.lock``, agent/snapshot/dirclaim.py
+    ``SnapshotLock``: a flock of the directory, nothing written) until :func:`release_dir`: a
+    ``delete`` or another restore of it is refused meanwhile, naming this agent's pid
+    (decisions D72). Raises ``SnapshotError`` (phase "manifest", nothing changed) naming the
+    pid that holds it. A missing directory is not locked (the manifest read refuses it)."""
+    snap = SnapshotDir(rs.images_dir)
+    if getattr(rs, "dir_claim", None) is None and snap.is_dir():
+        rs.dir_claim = snap.lock(phase="manifest", kind="restore")
+
+
+def release_dir(rs, keep_pin: bool = False) -> None:
+    """The restore ``rs`` ended: its claim on the snapshot dir goes. Idempotent."""
+    claim = getattr(rs, "dir_claim", None)
+    if claim is not None:
+        claim.release()
+        rs.dir_claim = None
+
+
 def record(rs) -> None:
     """Before CRIU restore (the end of ``stale sockets``): ``quiesce-ROOT.lock`` of every root of
     the restore ``rs`` says a restore of this snapshot is in progress in this agent (its pid and

@@ -11,6 +11,12 @@ directory, proves the claim is still this run's file (same device and inode as t
 descriptor). A second run is refused naming the holder; a stale claim is taken over only when
 it is all the directory holds (its run wrote nothing else).
 
+A restore, and a ``delete`` while it removes the directory, hold :class:`SnapshotLock`
+instead (decisions D72): ``flock(LOCK_EX)`` on a descriptor of the snapshot directory itself,
+so nothing is written into a snapshot a restore only reads (its files and the directory's
+mtime stay as they are, and a read-only one can be locked too); a second restore or a delete
+of it is refused naming the holder's pid, read from /proc/locks (proc(5)).
+
 The names (``.cuinterpose-claim``, the temporary ``..cuinterpose-claim.<hex>.tmp``) are the
 snapshot directory's (agent/snapshot/snapdir.py): every function here takes its
 :class:`~cuinterpose.agent.snapshot.snapdir.SnapshotDir` (``snap.take_claim``,
@@ -26,6 +32,7 @@ import datetime
 import fcntl
 import json
 import os
+import pathlib
 import secrets
 import socket
 from typing import Optional
@@ -225,3 +232,63 @@ def remove_stale(snap, run_id: str) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def lock_holders(path) -> list[int]:
+    """The pids holding a ``flock`` on the file or directory ``path`` (/proc/locks lines
+    ``N: FLOCK ADVISORY WRITE PID MAJ:MIN:INODE 0 EOF``, device numbers in hex; waiters,
+    ``->`` lines, left out), sorted; [] when none or unreadable."""
+    try:
+        st = os.stat(path)
+        with open("/proc/locks") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    want = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
+    out = set()
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 6 or "->" in parts or parts[1] != "FLOCK":
+            continue
+        try:
+            maj, mnr, ino = parts[5].split(":")
+            if (int(maj, 16), int(mnr, 16), int(ino)) == want:
+                out.add(int(parts[4]))
+        except ValueError:
+            continue
+    return sorted(out)
+
+
+class SnapshotLock:
+    """``flock(LOCK_EX)`` on the snapshot directory ``images_dir`` (an existing directory),
+    held by a restore (``kind`` "restore") for its whole run and by a delete ("delete") while
+    it removes it; nothing is written. Raises ``SnapshotError`` (``phase``) naming the pid(s)
+    that hold it when another run does (a restore, or a delete, of that snapshot)."""
+
+    def __init__(self, images_dir, *, phase: str, kind: str):
+        self.dir = pathlib.Path(images_dir)
+        try:
+            fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as e:
+            raise SnapshotError(phase, f"{self.dir} cannot be opened: {e.strerror or e}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            who = ", ".join(map(str, lock_holders(self.dir))) or "?"
+            os.close(fd)
+            then = (
+                "restore refused, nothing was changed, the snapshot is untouched; restore it "
+                "once that run has finished"
+                if kind == "restore"
+                else "nothing removed"
+            )
+            raise SnapshotError(
+                phase, f"{self.dir} is in use by a restore or delete of it: agent pid {who}; {then}"
+            ) from None
+        self.fd = fd
+
+    def release(self) -> None:
+        """Drop the lock; idempotent."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1

@@ -175,6 +175,10 @@ class SnapshotDir:
         """``rel`` (default: DIR itself) is there (a dangling symlink counts)."""
         return os.path.lexists(self.file(rel) if rel else self.path)
 
+    def is_dir(self) -> bool:
+        """DIR is a directory (through a symlink too)."""
+        return self.path.is_dir()
+
     def names(self, rel: str) -> list[str]:
         """The entries of the directory ``rel``, sorted (``OSError`` when it cannot be read)."""
         return sorted(os.listdir(self.file(rel)))
@@ -370,6 +374,14 @@ class SnapshotDir:
         from cuinterpose.agent.snapshot import dirclaim
 
         return dirclaim.holder(self)
+
+    def lock(self, *, phase: str, kind: str):
+        """A restore's (``kind`` "restore") or a delete's ("delete") lock of DIR: a
+        :class:`~cuinterpose.agent.snapshot.dirclaim.SnapshotLock` (flock of the directory,
+        nothing written; decisions D72). ``SnapshotError`` (``phase``) naming the holder."""
+        from cuinterpose.agent.snapshot import dirclaim
+
+        return dirclaim.SnapshotLock(self.path, phase=phase, kind=kind)
 
     def remove_stale_claim(self, run_id: str) -> bool:
         """Remove the claim a dead run ``run_id`` left (dirclaim.remove_stale)."""

@@ -442,8 +442,10 @@ def delete(images_dir) -> dict:
     root's store: {"deleted": path, **collect()}. Checks first that the store can be
     collected (every manifest and pin readable), then removes the manifest (fsynced, so a
     crash part-way leaves a directory that is no longer a snapshot) and the directory. Raises
-    AgentError (nothing removed) when ``images_dir`` is not a snapshot, the lock is not free
-    or the store cannot be collected."""
+    AgentError (nothing removed) when ``images_dir`` is empty or not a snapshot, the lock is
+    not free or the store cannot be collected."""
+    if not str(images_dir or ""):
+        raise AgentError("delete", "no snapshot directory given (an empty path); nothing removed")
     snap = SnapshotDir.canonical(images_dir)
     d = snap.path
     if not os.path.lexists(d):
@@ -458,6 +460,17 @@ def delete(images_dir) -> dict:
         raise AgentError("delete", f"{d} is not a snapshot directory; nothing removed")
     if not snap.has_manifest(follow=False):
         raise AgentError("delete", f"{d} holds no {MANIFEST}: not a snapshot; nothing removed")
+    # refused while a restore reads it; held while the directory goes: a restore starting now
+    # is refused naming this delete
+    claim = snap.lock(phase="delete", kind="delete")
+    try:
+        return _delete(snap)
+    finally:
+        claim.release()
+
+
+def _delete(snap: SnapshotDir) -> dict:
+    d = snap.path
     root = d.parent
     if not os.path.lexists(root / STORE_DIR):  # no chunk store: nothing refers to its bytes
         _remove(snap)

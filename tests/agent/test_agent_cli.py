@@ -344,3 +344,127 @@ def test_a_checkpoint_of_a_job_that_exited_says_so(tmp_path):
             assert "keeps running" not in res.stderr
     finally:
         zombie.wait()
+
+
+def _tree(d):
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def test_an_empty_path_address_or_value_is_a_usage_error_and_removes_nothing(tmp_path):
+    """`delete "$SNAP"` with SNAP unset, run inside a snapshot dir, must not delete it; an empty
+    --agent must not run in-process; an empty --listen must not serve on the default socket:
+    every empty value is a usage error (exit 2) naming the option, and nothing changes."""
+    snap = tmp_path / "victim"
+    snap.mkdir()
+    (snap / "manifest.json").write_text('{"snapshot_id": "x"}')
+    (snap / "criu").mkdir()
+    (snap / "criu" / "core-1.img").write_bytes(b"\x00\x01\x02core")
+    before = _tree(snap)
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    res = subprocess.run(
+        [sys.executable, "-m", "cuinterpose.agent.cli", "delete", ""],
+        cwd=snap,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert res.returncode == 2
+    assert res.stderr.splitlines()[-1] == (
+        "Error: Invalid value for 'IMAGES_DIR': an empty value is not accepted (an unset "
+        "variable?): give one"
+    )
+    assert _tree(snap) == before
+    opt_err = (
+        "an empty value is not accepted (an unset variable?): give one, or leave the option out"
+    )
+    cases = [
+        (
+            "--agent",
+            ["checkpoint", "--pid", "1", "--images-dir", str(tmp_path / "n"), "--agent", ""],
+        ),
+        ("--images-dir", ["checkpoint", "--pid", "1", "--images-dir", ""]),
+        ("--images-dir", ["restore", "--images-dir", ""]),
+        ("--control-dir", ["release", "--pid", "1", "--control-dir", ""]),
+        ("--dir", ["snapshots", "--dir", ""]),
+        ("[PATH]", ["snapshots", ""]),
+        ("--listen", ["serve", "--listen", ""]),
+        ("--agent", ["inspect", "--pid", "1", "--agent", ""]),
+        ("--device-map", ["restore", "--images-dir", str(snap), "--device-map", ""]),
+    ]
+    for name, argv in cases:
+        rc, out = demo.run_agent(*argv)
+        assert rc == 2, (argv, out)
+        tail = opt_err if name.startswith("--") else opt_err.split(", or")[0]
+        assert out["error"]["reason"] == f"Invalid value for '{name}': {tail}", argv
+        assert out["error"]["outcome"] == "usage"
+    res = subprocess.run(
+        [sys.executable, "-m", "cuinterpose.agent.cli", "health", "--agent", ""],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert res.returncode == 2
+    assert res.stderr.splitlines()[-1] == f"Error: Invalid value for '--agent': {opt_err}"
+    assert _tree(snap) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["victim"]
+
+
+def test_store_delete_of_an_empty_path_is_refused(tmp_path, monkeypatch):
+    from cuinterpose.agent.errors import AgentError
+    from cuinterpose.agent.snapshot import store
+
+    (tmp_path / "manifest.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    try:
+        store.delete("")
+    except AgentError as e:
+        assert (e.phase, e.outcome) == ("delete", "refused")
+        assert e.reason == "no snapshot directory given (an empty path); nothing removed"
+    else:
+        raise AssertionError("store.delete('') deleted the current directory")
+    assert (tmp_path / "manifest.json").read_text() == "{}"
+
+
+def test_custom_gpu_storage_with_the_cuda_checkpoint_backend_is_refused_before_any_step(tmp_path):
+    """The two options contradict each other: refused in `request` (exit 3) from the options
+    alone, whichever source gives each, before the census: no phase ran, nothing was created
+    and the process keeps running (it used to be found after the teardown, exit 4)."""
+    job = subprocess.Popen(["sleep", "600"], stdin=subprocess.DEVNULL)
+    try:
+        snap = tmp_path / "snap"
+        why = (
+            "the cuda-checkpoint backend ({nb}='cuda-checkpoint') has no custom storage (host "
+            "staging); use host (or auto), or the driver-api (or auto) native backend"
+        )
+        for args, env, label, nb in [
+            (["--gpu-storage", "custom", "--native-backend", "cuda-checkpoint"], {},
+             "--gpu-storage", "--native-backend"),
+            (["--native-backend", "cuda-checkpoint"], {"CUINTERPOSE_GPU_STORAGE": "custom"},
+             "$CUINTERPOSE_GPU_STORAGE", "--native-backend"),
+            (["--gpu-storage", "custom"], {"CUINTERPOSE_NATIVE_BACKEND": "cuda-checkpoint"},
+             "--gpu-storage", "$CUINTERPOSE_NATIVE_BACKEND"),
+        ]:  # fmt: skip
+            rc, out = demo.run_agent(
+                "checkpoint", "--pid", str(job.pid), "--images-dir", str(snap), "--driver",
+                "fake", "--control-dir", str(tmp_path), *args, env=env,
+            )  # fmt: skip
+            assert rc == 3, out
+            e = out["error"]
+            assert (e["phase"], e["outcome"], e["pid"]) == ("request", "refused", None)
+            assert e["reason"] == f"{label}='custom': " + why.format(nb=nb)
+            assert out["phases"] == []
+            assert not snap.exists()
+            assert job.poll() is None
+    finally:
+        job.kill()
+        job.wait()
+
+
+def test_release_of_a_pid_that_is_no_process_id_is_refused(tmp_path):
+    for bad in ("0", "-1", "4194305"):
+        rc, out = demo.run_agent("release", "--pid", bad, "--control-dir", str(tmp_path))
+        assert rc == 3, out
+        e = out["error"]
+        assert (e["phase"], e["outcome"]) == ("request", "refused")
+        assert e["reason"] == f"pid {bad} is not a process id (an integer from 1 to 4194304)"
+    assert list(tmp_path.iterdir()) == []

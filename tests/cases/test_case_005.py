@@ -50,13 +50,14 @@ def test_foreign_dlsym_first_is_reported(apps, shim_env, ctl):  # noqa: F811
     )
     assert want in err, err
     assert err.count("dlsym resolves to") == 1
-    # with the flag every shim of D36 on carries (it takes CUI_CARRY_SHA256); the capture is refused
+    # with the flags every shim of D36 and D70 on carries (it takes CUI_CARRY_SHA256 and
+    # CUI_CARRY_STREAMED); the capture is refused
     assert _inspect(ctl, a) == (
         Status.REFUSED_STATE,
         f"INSPECT: pid {a.pid}: dlsym resolves to {other}, not to libcuinterpose: lookups through it (dlsym, "
         "cuGetProcAddress, ctypes) bypass the shim, so this process may hold CUDA memory the checkpoint would "
         "miss; nothing was changed: put libcuinterpose.so first in LD_PRELOAD",
-        ShimFlag.FOREIGN_DLSYM | ShimFlag.CARRY_SHA256,
+        ShimFlag.FOREIGN_DLSYM | ShimFlag.CARRY_SHA256 | ShimFlag.CARRY_STREAMED,
     )
 
 
@@ -67,7 +68,11 @@ def test_shim_first_is_quiet(apps, shim_env, ctl):  # noqa: F811
     a = apps(env=env)
     a.ok("init")
     assert "dlsym resolves to" not in a.stderr()
-    assert _inspect(ctl, a) == (Status.OK, "", ShimFlag.CARRY_SHA256)  # no FOREIGN_DLSYM
+    assert _inspect(ctl, a) == (
+        Status.OK,
+        "",
+        ShimFlag.CARRY_SHA256 | ShimFlag.CARRY_STREAMED,
+    )  # no FOREIGN_DLSYM
 
 
 PY_CTYPES_APP = """

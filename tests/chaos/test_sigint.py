@@ -96,6 +96,21 @@ CHECKPOINT[:0] = [
     (f"before:images dir={s}", "refused", "driver", REFUSED_AFTER) for s in ("SIGINT", "SIGTERM")
 ]
 
+# a signal before the run started (the command records it from its start: interrupt.hold)
+REFUSED_REQUEST = (
+    "interrupted by {sig} before the checkpoint started; checkpoint cancelled, nothing was "
+    "torn down, the workload keeps running"
+)
+# a signal after the result was printed is ignored: the exit code stays the result's
+LATE_NOTE = "cuinterpose-agent: {sig} ignored: the {what} has ended; its result (above) stands"
+CHECKPOINT += [
+    ("before:request=SIGINT", "refused", "request", REFUSED_REQUEST),
+    ("before:request=SIGTERM", "refused", "request", REFUSED_REQUEST),
+    ("before:capture=SIGINT,after:result=SIGINT", "rolled_back", "capture", ROLLED_BACK),
+    ("before:manifest=SIGINT,after:result=SIGINT", "snapshot", None, None),
+    ("before:census=SIGINT,after:result=SIGINT", "refused", "census", REFUSED_AFTER),
+]
+
 RESTORE_REFUSED = (
     "interrupted by {sig} after {phase}; restore cancelled, nothing was changed, the snapshot "
     "is untouched"
@@ -106,6 +121,13 @@ RESTORE_FAILED = (
 # "stale sockets" is not asked (its group phase ends there): a signal before it stops after
 # CRIU restore. "resume" is the last step and not asked: the restore completes.
 RESTORE = [
+    (
+        "before:request=SIGINT,after:result=SIGINT",
+        3,
+        "request",
+        "interrupted by {sig} before the restore started; restore cancelled, nothing was "
+        "changed, the snapshot is untouched",
+    ),
     ("before:manifest=SIGINT", 3, "manifest", RESTORE_REFUSED),
     ("before:driver=SIGINT", 3, "driver", RESTORE_REFUSED),
     ("before:placement=SIGINT", 3, "placement", RESTORE_REFUSED),
@@ -129,7 +151,13 @@ def _private_tmp(private_tmp):
 
 
 def sig_of(trigger: str) -> str:
-    return trigger.partition("=")[2]
+    """The signal of the trigger's first entry."""
+    return trigger.split(",")[0].partition("=")[2]
+
+
+def late_noted(trigger: str, err: str, what: str) -> bool:
+    """A trigger with ``after:result``: the late signal's note is on stderr (it was ignored)."""
+    return "after:result" not in trigger or LATE_NOTE.format(sig="SIGINT", what=what) in err
 
 
 def run_agent(trigger: str, *args: str) -> tuple[int, dict, str]:
@@ -223,7 +251,8 @@ def test_checkpoint_interrupted(afdwin, tmp_path, trigger, outcome, phase, reaso
     a = start(afdwin)
     snap = tmp_path / "snap"
     rc, out, err = checkpoint(a, snap, trigger)
-    assert NOTE.format(sig=sig, what="checkpoint") in err, err
+    assert NOTE.format(sig=sig, what="checkpoint") in err, (rc, out, err)
+    assert late_noted(trigger, err, "checkpoint"), err
     if out.get("ok") and not (snap / "manifest.json").is_file():
         tally.record(kind, "false_success")
     if rc != EXIT[outcome] and trigger in LATE:
@@ -265,6 +294,7 @@ def test_restore_interrupted_at_every_step_keeps_the_snapshot(afdwin, tmp_path):
         sig = sig_of(trigger)
         rc, out, err = run_agent(trigger, "restore", "--images-dir", str(snap), "--driver", "fake")
         assert NOTE.format(sig=sig, what="restore") in err, (trigger, err)
+        assert late_noted(trigger, err, "restore"), (trigger, err)
         assert rc == code, (trigger, out)
         e = out["error"]
         assert (e["phase"], e["reason"]) == (phase, reason.format(sig=sig, phase=phase)), trigger

@@ -68,7 +68,7 @@ def events(path: pathlib.Path) -> list[dict]:
 
 
 def test_the_readme_fakecuda_and_daemon_examples_run_as_written(criu_ok):
-    fake = block("$A checkpoint --driver fake")
+    fake = block("export CUINTERPOSE_CONTROL_DIR=$(mktemp -d)")
     daemon = block("serve --listen $SOCK --snapshot-dir $W/snapshots --driver fake")
     gpu = block("A=.venv/bin/cuinterpose-agent")
     a_line = next(ln for ln in gpu.splitlines() if ln.startswith("A="))

@@ -77,6 +77,24 @@ def test_release_rolls_back_a_dead_agents_checkpoint(
     # killed mid-dump: CRIU had seized the tree and written its log (release removes it all)
     assert (snap / "criu" / str(a.pid) / "dump.log").is_file() is dumped
 
+    # the next checkpoint and an inspect are refused naming the release (docs/agent.md)
+    rc, again = a.checkpoint(tmp_path / "again")
+    assert rc == 3 and again["error"]["outcome"] == "refused", again
+    assert (
+        f"`cuinterpose-agent release --pid {a.pid} --control-dir {a.ctl}`"
+        in (again["error"]["reason"])
+    ), again
+    assert not (tmp_path / "again").exists()
+    rc, ins = demo.run_agent(
+        "inspect", "--pid", str(ranks[0]), "--control-dir", str(a.ctl), "--driver", "fake"
+    )
+    assert rc == 3 and ins["error"]["phase"] == "INSPECT", ins
+    assert ins["error"]["reason"].startswith(
+        f"the agent (pid {lock['pid']}) that ran a checkpoint of root {a.pid} died (request id "
+        f"{lock['id']}), leaving it parked: run `cuinterpose-agent release --pid {a.pid} "
+        f"--control-dir {a.ctl}`; INSPECT refused"
+    ), ins
+
     rc, rel = demo.run_agent("release", "--pid", str(a.pid), "--control-dir", str(a.ctl))
     assert rc == 0 and rel["ok"], rel
     found = rel["found"]
@@ -149,6 +167,24 @@ def test_release_after_the_manifest_keeps_the_snapshot_and_resumes_the_workload(
         "manifest",
         "manifest done",
     ]
+    # the next checkpoint and an inspect are refused naming the release (docs/agent.md)
+    rc, again = a.checkpoint(tmp_path / "again")
+    assert rc == 3 and again["error"]["outcome"] == "refused", again
+    assert (
+        f"`cuinterpose-agent release --pid {a.pid} --control-dir {a.ctl}`"
+        in (again["error"]["reason"])
+    ), again
+    assert not (tmp_path / "again").exists()
+    rc, ins = demo.run_agent(
+        "inspect", "--pid", str(ranks[0]), "--control-dir", str(a.ctl), "--driver", "fake"
+    )
+    assert rc == 3 and ins["error"]["phase"] == "INSPECT", ins
+    assert ins["error"]["reason"].startswith(
+        f"the agent (pid {lock['pid']}) that ran a checkpoint of root {a.pid} died (request id "
+        f"{lock['id']}), leaving it parked: run `cuinterpose-agent release --pid {a.pid} "
+        f"--control-dir {a.ctl}`; INSPECT refused"
+    ), ins
+
     rc, rel = demo.run_agent("release", "--pid", str(a.pid), "--control-dir", str(a.ctl))
     assert rc == 0 and rel["ok"], rel
     found = rel["found"]

@@ -143,3 +143,35 @@ def test_cli_sends_relative_paths_as_absolute_ones_of_its_working_directory(daem
     assert rc == 3 and e["phase"] == "images dir"
     assert e["reason"].startswith(f"images dir {elsewhere / 'job1'} resolves to")
     assert not (root / "job1").exists() and not (elsewhere / "job1").exists()
+
+
+def test_a_second_serve_on_a_live_socket_is_refused_naming_the_daemon(daemon, tmp_path):
+    """A second ``serve`` on the socket a running daemon listens on does not take it over: exit
+    2 naming that daemon's pid; the first keeps its socket (same inode) and answers. A stale
+    socket (bound, nobody listening) is replaced."""
+    import socket
+
+    a = daemon("n1")
+    path = a["listen"][len("unix:") :]
+    ino = os.stat(path).st_ino
+    rc, out, err = cli("serve", "--listen", a["listen"], "--snapshot-dir", str(tmp_path), "--json")
+    assert rc == 2, err
+    e = json.loads(out)["error"]
+    assert (e["phase"], e["outcome"]) == ("serve", "usage")
+    assert e["reason"] == (
+        f"cannot listen on {a['listen']}: {path} is already served by pid {a['pid']} (it "
+        "answered a connection); stop that daemon first, or --listen elsewhere; a stale socket "
+        "(nobody listening) is replaced"
+    )
+    assert os.stat(path).st_ino == ino
+    rc, out, err = cli("health", "--agent", a["listen"])
+    assert (rc, out.strip()) == (0, "SERVING"), err
+
+    stale = os.path.join(os.path.dirname(path), "stale.sock")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(stale)
+    s.close()  # bound, never listened on: a connection is refused
+    b = daemon("n2", listen=f"unix:{stale}")
+    assert b["listen"] == f"unix:{stale}"
+    rc, out, err = cli("health", "--agent", b["listen"])
+    assert (rc, out.strip()) == (0, "SERVING"), err
