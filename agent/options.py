@@ -36,7 +36,7 @@ from cuinterpose.coordinator.protocol import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_STAGING_BYTES,
     DEFAULT_WRITERS,
-    check_carrier_params,
+    ChunkSettings,
 )
 
 __all__ = [
@@ -399,7 +399,7 @@ class RunOptions(DriverOptions):
         "bytes",
         "staging memory per process (the shims' chunk writers) and per GPU stream (custom "
         "storage), at least the chunk size, in bytes or with KiB/MiB/GiB "
-        f"[default: {DEFAULT_STAGING_BYTES >> 20} MiB for the shims, 256 MiB per stream, or "
+        f"[default: {DEFAULT_STAGING_BYTES >> 20} MiB, for the shims and per stream alike, or "
         "$CUINTERPOSE_STAGING_BYTES].",
         env="CUINTERPOSE_STAGING_BYTES",
     )
@@ -467,9 +467,10 @@ class CheckpointOptions(RunOptions):
 
     @classmethod
     def _check_together(cls, values: dict, labels: dict) -> None:
-        """The shims' chunk settings against protocol.h's limits (defaults filled in), and
-        ``gpu_storage`` custom against a ``native_backend`` without custom storage (the
-        cuda-checkpoint utility stages in host memory): refused here, before any step."""
+        """The chunk settings (the shims' and the GPU streams' one ``ChunkSettings``) against
+        protocol.h's limits (defaults filled in), and ``gpu_storage`` custom against a
+        ``native_backend`` without custom storage (the cuda-checkpoint utility stages in host
+        memory): refused here, before any step."""
         if values["gpu_storage"] == "custom" and values["native_backend"] == "cuda-checkpoint":
             raise OptionError(
                 "gpu_storage",
@@ -479,16 +480,13 @@ class CheckpointOptions(RunOptions):
                 "or the driver-api (or auto) native backend",
                 labels.get("gpu_storage"),
             )
-        given = {
-            "chunk_bytes": values["chunk_bytes"] or DEFAULT_CHUNK_BYTES,
-            "staging_bytes": values["staging_bytes"] or DEFAULT_STAGING_BYTES,
-            "writers": values["writers"] or DEFAULT_WRITERS,
+        given = {k: values[k] for k in ("chunk_bytes", "staging_bytes", "writers") if values[k]}
+        names = {
+            k: labels.get(k, k) + ("" if values[k] else " (the default)")
+            for k in ("chunk_bytes", "staging_bytes", "writers")
         }
-        names = {k: labels.get(k, k) + ("" if values[k] else " (the default)") for k in given}
         try:
-            check_carrier_params(
-                given["chunk_bytes"], given["staging_bytes"], given["writers"], names
-            )
+            ChunkSettings.of(names, **given)
         except ValueError as e:
             raise AgentError("request", str(e)) from None
 

@@ -40,6 +40,7 @@ from .protocol import (
     DEFAULT_STAGING_BYTES,
     DEFAULT_WRITERS,
     ChunkRef,
+    ChunkSettings,
     Op,
     Record,
     RecordFlag,
@@ -77,7 +78,9 @@ class CarrierFiles:
 
     ``chunk_bytes``, ``staging_bytes`` (bytes), ``writers`` and ``checksum`` (a key of
     CHUNK_CHECKSUMS) go to every SAVE/LOAD request (ValueError outside protocol.h's limits).
-    ``owned``: :meth:`remove` also deletes the directory.
+    ``owned``: :meth:`remove` also deletes the directory. ``rel_dir``: the directory as the
+    stream records name it (the agent's snapshot layout, agent/snapshot/snapdir.py, gives
+    ``chunks``; default the directory's own name).
     """
 
     def __init__(
@@ -92,12 +95,14 @@ class CarrierFiles:
         prefix: str = "",
         known: Mapping[bytes, tuple[str, int]] | None = None,
         checksum: str = DEFAULT_CHUNK_CHECKSUM,
+        rel_dir: str | None = None,
     ):
         check_carrier_params(chunk_bytes, staging_bytes, writers)
         chunk_checksum_flag(checksum)
         #: the chunk checksum of every request (the manifest's ``chunks.checksum``)
         self.checksum = checksum
         self.directory = os.fspath(directory)
+        self.rel_dir = os.path.basename(self.directory) if rel_dir is None else rel_dir
         self.chunk_bytes = int(chunk_bytes)
         self.staging_bytes = int(staging_bytes)
         self.writers = int(writers)
@@ -118,6 +123,11 @@ class CarrierFiles:
         #: (pid, alloc_id hex) -> {chunk index: (file name in ``directory``, offset in bytes)}
         self.refs: dict[tuple[int, str], dict[int, tuple[str, int]]] = {}
         self._lock = threading.Lock()
+
+    @property
+    def settings(self) -> ChunkSettings:
+        """The chunk settings every request of these files carries."""
+        return ChunkSettings(self.chunk_bytes, self.staging_bytes, self.writers, self.checksum)
 
     @classmethod
     def private(cls, **kw) -> "CarrierFiles":
@@ -248,13 +258,13 @@ class CarrierFiles:
 
     def streams_json(self) -> list[dict]:
         """The manifest's stream records (issue 12 chunk format), sorted by pid, alloc_id:
-        ``{"file": "chunks/<name>", "kind": "shared", "pid", "alloc_id", "bytes", "zero":
+        ``{"file": "<rel_dir>/<name>", "kind": "shared", "pid", "alloc_id", "bytes", "zero":
         [indices], "checksums": [64 hex or None]}``; with a chunk store ``"pack": <file name>``
         and ``"refs": [[chunk, pack, offset]]`` instead of ``file``."""
         out = []
         for (pid, aid), t in sorted(self.tables.items()):
             rec = {
-                "file": f"chunks/{stream_file_name(pid, aid)}",
+                "file": f"{self.rel_dir}/{stream_file_name(pid, aid)}",
                 "kind": "shared",
                 "pid": pid,
                 "alloc_id": aid,

@@ -4,8 +4,6 @@ group (``--group``) (docs/agent.md, docs/service.md)."""
 
 from __future__ import annotations
 
-import os
-
 import click
 
 from cuinterpose.agent import paths
@@ -41,6 +39,7 @@ from cuinterpose.agent.options import (
     RestoreOptions,
 )
 from cuinterpose.agent.run import interrupt
+from cuinterpose.agent.snapshot.snapdir import SnapshotDir
 from cuinterpose.coordinator.protocol import default_control_dir
 
 
@@ -284,7 +283,7 @@ def restore(
         else:
             opts = build_options(RestoreOptions, flags)
             where = remote_of(images_dir, opts, "restore")
-            if where is None and not os.path.exists(paths.canonical(images_dir)):
+            if where is None and not SnapshotDir.canonical(images_dir).exists():
                 from cuinterpose.agent.errors import SnapshotError
 
                 raise SnapshotError("manifest", f"{paths.canonical(images_dir)} does not exist")

@@ -39,6 +39,7 @@ from typing import Optional
 import cuinterpose.agent.kube.annotations as A
 from cuinterpose.agent.config import AgentConfig
 from cuinterpose.agent.kube.resolver import CgroupResolver, ResolveError
+from cuinterpose.agent.snapshot.snapdir import SnapshotDir
 
 log = logging.getLogger("cuinterpose.kube")
 
@@ -265,10 +266,11 @@ class PodWatcher:
             else:
                 # (in an object store the restore's download refuses a missing snapshot)
                 local = "://" not in images_dir
-                if local and not (pathlib.Path(images_dir) / "manifest.json").is_file():
+                snap = SnapshotDir(images_dir)
+                if local and not snap.has_manifest():
                     raise ResolveError(
                         f"restore: no snapshot {d.name!r} on node {self.node_name} "
-                        f"(no {images_dir}/manifest.json); nothing was done"
+                        f"(no {snap.manifest_path}); nothing was done"
                     )
                 try:
                     tree, into, started = self.resolver.placeholder(pod)

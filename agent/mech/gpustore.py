@@ -1,7 +1,8 @@
 """Chunk files for GPU memory moved outside CRIU (issue 12's chunk format, native custom storage).
 
 A *stream* is one GPU's custom-storage region of one process: one file
-``DIR/chunks/gpu-<pid>-<ordinal>.bin`` whose size is the region's (``ftruncate`` first); chunk
+``DIR/chunks/gpu-<pid>-<ordinal>.bin`` (named and opened by agent/snapshot/snapdir.py; this
+module writes and reads the descriptor it is given) whose size is the region's (``ftruncate`` first); chunk
 ``i`` lies at ``i * chunk_bytes``, the last one may be short; an all-zero chunk is not written
 (the file stays sparse there) and has no checksum. Checksums: 32-byte digests, the
 checkpoint's chunk checksum (``Options.checksum``, decisions D36: "sha256", FIPS 180-4, where
@@ -10,9 +11,10 @@ once while the chunk sits in its staging slot.
 
 The device side is a :class:`Region` (``to_host``/``from_host``/``zero`` on a byte range): the
 driver's mapped ``devPtr`` and stream (agent/mech/native_storage.py), or plain memory in tests.
-Several writer threads (default 4) each take whole chunks: copy into their own staging slot
-(at most ``staging_bytes`` in all, default 256 MiB per stream: pinned host memory on a real
-GPU when the caller allocates it so, plain buffers on fakecuda), hash, ``os.pwrite``
+Several writer threads (``writers`` of the checkpoint's ``ChunkSettings``, the value its shim
+carriers use too: default 4) each take whole chunks: copy into their own staging slot (at most
+``staging_bytes`` in all, default 64 MiB per stream: pinned host memory on a real GPU when
+the caller allocates it so, plain buffers on fakecuda), hash, ``os.pwrite``
 (hashlib and ``os.pwrite`` release the GIL). Readers read each chunk into a slot, verify its
 checksum before the bytes reach the device, and zero zero-chunks on the device (a fresh
 region is not guaranteed zeroed).
@@ -31,13 +33,9 @@ import threading
 from typing import Callable, Optional, Protocol
 
 from cuinterpose.agent.errors import AgentError
-from cuinterpose.coordinator.protocol import DEFAULT_CHUNK_CHECKSUM, chunk_digest
+from cuinterpose.coordinator.protocol import DEFAULT_CHUNK_CHECKSUM, ChunkSettings, chunk_digest
 
-DEFAULT_CHUNK_BYTES = 8 << 20
-DEFAULT_STAGING_BYTES = 256 << 20
-DEFAULT_THREADS = 4
 CHECKSUM = DEFAULT_CHUNK_CHECKSUM  # a record without one (before decisions D36)
-CHUNKS_DIR = "chunks"
 
 
 class GpuStoreError(AgentError):
@@ -65,46 +63,34 @@ def checksum(data, name: str = CHECKSUM) -> str:
     return chunk_digest(name, data).hex()
 
 
-def stream_file(pid: int, ordinal: int) -> str:
-    """The stream's path relative to the snapshot directory: ``chunks/gpu-<pid>-<ordinal>.bin``."""
-    return f"{CHUNKS_DIR}/gpu-{int(pid)}-{int(ordinal)}.bin"
-
-
 def nchunks(nbytes: int, chunk_bytes: int) -> int:
     return -(-int(nbytes) // int(chunk_bytes))
 
 
-def chunk_bytes(value: Optional[int] = None) -> int:
-    """``value`` (the ``chunk_bytes`` option), else 8 MiB; must be a power of two ≥ 64 KiB
-    (``AgentError`` phase "gpu storage" otherwise)."""
-    n = int(value) if value else DEFAULT_CHUNK_BYTES
-    if n < (64 << 10) or n & (n - 1):
-        raise AgentError("gpu storage", f"chunk size {n} bytes: must be a power of two >= 65536")
-    return n
-
-
-def staging_bytes(value: Optional[int] = None) -> int:
-    """``value`` (the ``staging_bytes`` option), else 256 MiB (≥ 1 byte)."""
-    n = int(value) if value else DEFAULT_STAGING_BYTES
-    if n <= 0:
-        raise AgentError("gpu storage", f"staging size {n} bytes: must be positive")
-    return n
-
-
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Options:
-    """``chunk_bytes`` (bytes), ``staging_bytes`` (bytes in all per stream), ``threads``,
-    ``alloc(n) -> (addr, free)``: a staging slot of n bytes (default: a ctypes buffer), and
-    ``checksum``: the chunk checksum written, or verified (the snapshot's)."""
+    """How streams are written and read: ``settings`` (the checkpoint's
+    :class:`~cuinterpose.coordinator.protocol.ChunkSettings`, the same value its shim
+    carriers are written with: ``chunk_bytes``, ``staging_bytes`` in all per stream,
+    ``writers`` threads, ``checksum`` written or verified) and ``alloc(n) -> (addr, free)``: a
+    staging slot of n bytes (default: a ctypes buffer)."""
 
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    staging_bytes: int = DEFAULT_STAGING_BYTES
-    threads: int = DEFAULT_THREADS
+    settings: ChunkSettings = ChunkSettings()
     alloc: Optional[Callable[[int], tuple[int, Callable[[], None]]]] = None
-    checksum: str = CHECKSUM
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.settings.chunk_bytes
+
+    @property
+    def checksum(self) -> str:
+        return self.settings.checksum
 
     def slots(self) -> int:
-        return max(1, min(self.threads, self.staging_bytes // self.chunk_bytes or 1))
+        """Writer threads, each with its own staging slot of one chunk: ``writers``, at most
+        ``staging_bytes // chunk_bytes`` (``ChunkSettings`` makes that at least 1)."""
+        s = self.settings
+        return max(1, min(s.writers, s.staging_bytes // s.chunk_bytes))
 
 
 def _plain_alloc(n: int) -> tuple[int, Callable[[], None]]:

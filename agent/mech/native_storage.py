@@ -4,7 +4,8 @@
 process CHECKPOINTING and hands the caller a driver-allocated ``CUcheckpointCustomStorageInfo``:
 per GPU holding data, a zero-copy mapped ``devPtr``, its ``size`` and a ``stream`` of the
 caller's primary context of that GPU. The agent copies each region to the chunk file
-``chunks/gpu-<pid>-<ordinal>.bin`` (agent/mech/gpustore.py), then calls
+``chunks/gpu-<pid>-<ordinal>.bin`` (agent/mech/gpustore.py; created and opened by the
+snapshot's SnapshotDir, agent/snapshot/snapdir.py), then calls
 ``cuCheckpointOperationComplete(handle)`` (the driver synchronizes the streams, unmaps, and the
 process is CHECKPOINTED: its GPU memory is in the files only, and CRIU dumps CPU state). A
 restore is the mirror image (CHECKPOINTED -> RESTORING -> complete -> LOCKED). The caller
@@ -27,12 +28,12 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import os
-import pathlib
 from typing import Callable, Optional, Sequence
 
 from cuinterpose.agent.errors import AgentError, NativeError
 from cuinterpose.agent.mech import gpustore
 from cuinterpose.agent.options import GPU_STORAGE_MODES
+from cuinterpose.agent.snapshot.snapdir import SnapshotDir, gpu_rel
 
 COMPLETE_SYMBOL = "cuCheckpointOperationComplete"
 MIN_DRIVER_VERSION = 13040  # cuda.h 13.4: customStorageInfo_out
@@ -80,7 +81,7 @@ def probe(backend_name: str, library: str, version: int) -> tuple[bool, str]:
 class Sink:
     """Where a checkpoint's streams go: the snapshot directory and the writer options."""
 
-    directory: pathlib.Path
+    snap: SnapshotDir
     opts: gpustore.Options
 
 
@@ -94,12 +95,12 @@ _held_opts: Optional[gpustore.Options] = None
 _contexts: dict[int, object] = {}
 
 
-def begin_checkpoint(directory, opts: gpustore.Options) -> None:
-    """Checkpoints from now on go to custom storage under ``directory/chunks``; the files of the
-    previous checkpoint are closed."""
+def begin_checkpoint(snap: SnapshotDir, opts: gpustore.Options) -> None:
+    """Checkpoints from now on go to custom storage under ``chunks/`` of the snapshot ``snap``;
+    the files of the previous checkpoint are closed."""
     global _sink
     forget()
-    _sink = Sink(pathlib.Path(directory), opts)  # chunks/ is made by the first stream
+    _sink = Sink(snap, opts)  # chunks/ is made by the first stream
 
 
 def end_checkpoint() -> list[dict]:
@@ -127,18 +128,17 @@ def forget() -> None:
 
 
 def register_sources(
-    directory, pids: Sequence[int], streams: Sequence[dict], opts: gpustore.Options
+    snap: SnapshotDir, pids: Sequence[int], streams: Sequence[dict], opts: gpustore.Options
 ) -> None:
     """A restore of ``pids`` (checkpointed to custom storage, with or without GPU memory) reads
-    these stream records (validated by trust.check_gpu_storage) from ``directory``: the files
-    are opened now (read-only: the snapshot is never modified)."""
+    these stream records (validated by trust.check_gpu_storage) from the snapshot ``snap``:
+    the files are opened now (read-only: the snapshot is never modified)."""
     global _source_opts
     forget()
-    base = pathlib.Path(directory)
     for pid in pids:
         _sources[int(pid)] = []
     for rec in streams:
-        fd = os.open(base / rec["file"], os.O_RDONLY | os.O_CLOEXEC)
+        fd = snap.open_stream(rec["file"])
         _sources.setdefault(int(rec["pid"]), []).append((rec, fd))
     for streams in _sources.values():
         streams.sort(key=lambda s: int(s[0]["ordinal"]))
@@ -258,15 +258,12 @@ def checkpoint(drv, pid: int, call: Call, restore_args: Callable[[], object]) ->
     assert _sink is not None
     handle, regions = _begin(drv, pid, call, drv.CUcheckpointCheckpointArgs(), "checkpoint")
     written: list[tuple[dict, int]] = []
-    paths: list[pathlib.Path] = []
+    paths: list[str] = []
     try:
-        if regions:
-            (_sink.directory / gpustore.CHUNKS_DIR).mkdir(mode=0o700, exist_ok=True)
         for r in regions:
-            rel = gpustore.stream_file(pid, r.ordinal)
-            path = _sink.directory / rel
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-            paths.append(path)
+            rel = gpu_rel(pid, r.ordinal)
+            fd = _sink.snap.create_stream(rel)
+            paths.append(rel)
             written.append(({}, fd))
             rec = gpustore.write_stream(
                 r,
@@ -284,8 +281,8 @@ def checkpoint(drv, pid: int, call: Call, restore_args: Callable[[], object]) ->
         finally:
             for _rec, fd in written:
                 os.close(fd)
-            for p in paths:
-                p.unlink(missing_ok=True)
+            for rel in paths:
+                _sink.snap.unlink(rel)
         raise
     _complete(drv, pid, handle, "checkpoint")
     global _held_opts

@@ -10,12 +10,13 @@ The variable is a comma-separated list of ``WHEN:STEP[=SIGNAL]``:
   restore / unlock once it returned, CRIU once its child has exec'd, the coordinator's first
   reply of a phase other than INSPECT);
 - ``STEP``: a step name of ``Checkpoint.STEPS`` or ``Restore.STEPS`` ("capture", "native lock",
-  "criu dump", ...): the step runner registers its tables with :func:`register_steps`;
+  "criu dump", ...): agent/run/steps.py registers its tables with :func:`register_steps`;
 - ``SIGNAL``: ``SIGKILL`` (the default), ``SIGINT``, ``SIGTERM``, ``SIGHUP`` or ``SIGSTOP``
   (the agent stops there until the test has changed what it wants and sends ``SIGCONT``).
 
-``during`` is accepted only for the steps of :data:`DURING` (the ones with such a call), so an
-entry that could never fire is refused instead of passing vacuously.
+``during`` is accepted only for the steps of :data:`DURING` (the ones with such a call: their
+step table's ``during`` column), so an entry that could never fire is refused instead of
+passing vacuously.
 
 Each entry fires at most once per process: ``os.kill(os.getpid(), SIGNAL)``. An entry naming
 an unknown step, an unknown ``WHEN`` or signal raises ``AgentError`` naming the variable and the
@@ -35,18 +36,9 @@ ENV = "CUINTERPOSE_TEST_SIGNAL_AT"
 WHENS = ("before", "after", "during")
 SIGNALS = ("SIGKILL", "SIGINT", "SIGTERM", "SIGHUP", "SIGSTOP")
 
-#: the steps with a ``during`` point, and where it is
-DURING = {
-    "quiesce": "quiesce.wait_ready, once the .request is written",
-    "quiescence check": "native lock_all/unlock_all, after the first pid's call",
-    "capture": "the coordinator's first reply of a phase other than INSPECT",
-    "native lock": "native lock_all, after the first pid's call",
-    "native checkpoint": "native checkpoint_all, after the first pid's call",
-    "criu dump": "criu_run.run, once CRIU's child has exec'd",
-    "criu restore": "criu_run.run, once CRIU's child has exec'd",
-    "native restore": "native restore_all/unlock_all, after the first pid's call",
-    "restore shared": "the coordinator's first reply of a phase other than INSPECT",
-}
+#: the steps with a ``during`` point, and where it is (their step table's ``during`` column,
+#: registered with :func:`register_steps`)
+DURING: dict[str, str] = {}
 
 #: the one-shot ``checkpoint``/``restore`` command's own points around its run (agent/cli):
 #: ``before:request`` (the run has not started), ``after:result`` (the result is printed)
@@ -61,10 +53,12 @@ _parsed: tuple[Optional[str], list[tuple[str, str, int]]] = (None, [])
 _lock = threading.Lock()
 
 
-def register_steps(names: Iterable[str]) -> None:
-    """Add step names (a step table's) to the names the variable may use."""
+def register_steps(names: Iterable[str], during: Optional[dict] = None) -> None:
+    """Add step names (a step table's) to the names the variable may use, and ``during``
+    {step: where its during point is} to :data:`DURING`."""
     for n in names:
         _known[str(n)] = None
+    DURING.update(during or {})
 
 
 def known_steps() -> list[str]:

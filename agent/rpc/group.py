@@ -31,10 +31,10 @@ from cuinterpose.agent.snapshot import pb
 
 #: a leader renews every member's lease after this fraction of the shortest lease
 RENEW_FRACTION = 1 / 3
-#: the first group phase that cannot be undone: the leader confirms every member's lease
-#: (a synchronous Renew) right before it (checkpoint: ``finish`` kills the dumped trees;
-#: restore: ``resume`` lets the restored trees run)
-POINT_OF_NO_RETURN = {"checkpoint": "finish", "restore": "resume"}
+# the first group phase that cannot be undone (the step table's ``no_return`` row,
+# ``StepRunner.point_of_no_return``): the leader confirms every member's lease (a synchronous
+# Renew) right before it (checkpoint: ``finish`` kills the dumped trees; restore: ``resume``
+# lets the restored trees run)
 
 
 class Renewer:
@@ -404,7 +404,7 @@ def lead(
     try:
         for i, phase in enumerate(cls.GROUP_PHASES):
             failed = []
-            if phase == POINT_OF_NO_RETURN[kind]:
+            if phase == cls.point_of_no_return():
                 # a member whose lease expired has undone its part on its own: every member
                 # must still hold the job before any of them passes the point of no return
                 try:

@@ -1,46 +1,36 @@
 """The shim carriers' chunk files of a snapshot (issue 12 item 1; docs/snapshot-format.md
-"chunks"; decisions D31): ``DIR/chunks/shared-<pid>-<alloc_id>.bin``, one per shared creator
+"chunks"; decisions D31): ``DIR/chunks/shared-<pid>-<alloc_id>.bin`` (named and opened by
+agent/snapshot/snapdir.py's ``SnapshotDir.carrier_files``), one per shared creator
 allocation, written by the shims at SAVE_ALLOCATIONS and read back at LOAD_ALLOCATIONS (restore
 and rollback) through descriptors the agent opens and passes (SCM_RIGHTS), so the shim needs no
 access to the agent's mount namespace.
 
-Settings (a checkpoint's options, agent/options.py): ``chunk_bytes`` (default 8 MiB, a power
-of two from 64 KiB to 1 GiB), ``staging_bytes`` (the staging ring per process, default 64 MiB),
-``writers`` (threads per process, default 4), ``checksum`` (the chunk checksum of a
-checkpoint, decisions D36: "sha256" where the shim can use the CPU's SHA extensions, x86-64
-with ``sha_ni``, else "blake2b-256"; a restore or release uses the one its snapshot was written
-with). Errors: :class:`~cuinterpose.agent.errors.AgentError` naming the
-value and its source. Durability (fsync of the files and of ``chunks/``) is the sync phase's
-job, not this module's. ``--incremental``: the streams are packs of the snapshot root's chunk
-store instead (agent/snapshot/store.py; decisions D34), and only chunks it lacks are written.
+Settings (:func:`settings`: one ``ChunkSettings`` of coordinator/protocol/carriers.py, built
+from a checkpoint's options, agent/options.py, and the same value the GPU streams of
+agent/mech/gpustore.py are written with): ``chunk_bytes`` (default 8 MiB, a power of two from
+64 KiB to 1 GiB), ``staging_bytes`` (the staging ring per process, default 64 MiB), ``writers``
+(threads per process, default 4), ``checksum`` (the chunk checksum of a checkpoint, decisions
+D36: "sha256" where the shim can use the CPU's SHA extensions, x86-64 with ``sha_ni``, else
+"blake2b-256"; a restore or release uses the one its snapshot was written with). Errors:
+:class:`~cuinterpose.agent.errors.AgentError` naming the value and its source. Durability (fsync
+of the files and of ``chunks/``) is the sync phase's job, not this module's. ``--incremental``:
+the streams are packs of the snapshot root's chunk store instead (agent/snapshot/store.py;
+decisions D34), and only chunks it lacks are written.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 import re
-import shutil
 
 from cuinterpose.agent.errors import AgentError
 from cuinterpose.agent.snapshot import store, trust
+from cuinterpose.agent.snapshot.snapdir import SnapshotDir
 from cuinterpose.agent.units import parse_bytes
 from cuinterpose.coordinator.carrierfiles import CarrierFiles
-from cuinterpose.coordinator.protocol import (
-    DEFAULT_CHUNK_BYTES,
-    DEFAULT_CHUNK_CHECKSUM,
-    DEFAULT_STAGING_BYTES,
-    DEFAULT_WRITERS,
-    check_carrier_params,
-    chunk_checksum_flag,
-)
-
-CHUNKS_DIR = "chunks"
-DEFAULTS = {
-    "chunk_bytes": DEFAULT_CHUNK_BYTES,
-    "staging_bytes": DEFAULT_STAGING_BYTES,
-    "writers": DEFAULT_WRITERS,
-}
+from cuinterpose.coordinator.protocol import DEFAULT_CHUNK_CHECKSUM, ChunkSettings
 
 
 def node_checksum(cpuinfo: str = "/proc/cpuinfo", machine: str | None = None) -> str:
@@ -62,34 +52,39 @@ def node_checksum(cpuinfo: str = "/proc/cpuinfo", machine: str | None = None) ->
 SETTINGS_PHASE = "carrier settings"
 
 
-def settings(chunk_bytes=None, staging_bytes=None, writers=None, checksum=None) -> dict:
-    """{"chunk_bytes", "staging_bytes", "writers", "checksum"}: each the argument, else the
-    default (``checksum``: :func:`node_checksum`). Raises AgentError (phase
+def settings(
+    chunk_bytes=None, staging_bytes=None, writers=None, checksum=None, *, fit_staging=False
+) -> ChunkSettings:
+    """The run's :class:`~cuinterpose.coordinator.protocol.ChunkSettings` (shared by the shim
+    carriers and the GPU streams): each field the argument (an option), else the default
+    (``checksum``: :func:`node_checksum`; ``fit_staging``, a restore of ``chunk_bytes``
+    chunks: a default staging of at least one chunk). Raises AgentError (phase
     :data:`SETTINGS_PHASE`) naming each bad value (``--staging-bytes``, or the default, a
-    snapshot's ``chunks.checksum``), against protocol.h's
-    limits: chunk_bytes a power of two from 64 KiB to 1 GiB, chunk_bytes <= staging_bytes <=
-    64 GiB (the ring holds whole chunks), 1..64 writers."""
+    snapshot's ``chunks.checksum``); the limits are
+    ``ChunkSettings``' (protocol.h's): chunk_bytes a power of two from 64 KiB to 1 GiB,
+    chunk_bytes <= staging_bytes <= 64 GiB (the ring holds whole chunks), 1..64 writers."""
     given = {"chunk_bytes": chunk_bytes, "staging_bytes": staging_bytes, "writers": writers}
     out, names = {}, {}
     for k, v in given.items():
         where = f"--{k.replace('_', '-')}"
         names[k] = where if v is not None else f"{where} (the default)"
         try:
-            out[k] = DEFAULTS[k] if v is None else (int(v) if k == "writers" else parse_bytes(v))
+            if v is not None:
+                out[k] = int(v) if k == "writers" else parse_bytes(v)
         except ValueError as e:  # parse_bytes names the text: "'8MB' is not a byte count: ..."
             why = f"{where}={v!r} is not an integer" if k == "writers" else f"{where}={e}"
             raise AgentError(SETTINGS_PHASE, why) from None
+    if fit_staging and "staging_bytes" not in out and "chunk_bytes" in out:
+        out["staging_bytes"] = max(ChunkSettings().staging_bytes, out["chunk_bytes"])
+    where = "the snapshot's chunks.checksum"
     try:
-        check_carrier_params(out["chunk_bytes"], out["staging_bytes"], out["writers"], names)
+        s = ChunkSettings.of(names, **out)
     except ValueError as e:
         raise AgentError(SETTINGS_PHASE, str(e)) from None
-    where = "the snapshot's chunks.checksum"
-    out["checksum"] = node_checksum() if checksum is None else checksum
     try:
-        chunk_checksum_flag(out["checksum"])
+        return dataclasses.replace(s, checksum=node_checksum() if checksum is None else checksum)
     except ValueError as e:
         raise AgentError(SETTINGS_PHASE, f"{where}: {e}") from None
-    return out
 
 
 def checkpoint_files(images_dir, incremental: bool = False, **kw) -> CarrierFiles:
@@ -98,18 +93,17 @@ def checkpoint_files(images_dir, incremental: bool = False, **kw) -> CarrierFile
     snapshot root (agent/snapshot/store.py), with the chunks it already holds as ``known``;
     the store's shared lock and a pin (``store.Hold``; AgentError when the lock is not free in
     time) are kept in ``holder`` until :func:`release`."""
+    snap = SnapshotDir(images_dir)
     if not incremental:
-        return CarrierFiles(pathlib.Path(images_dir) / CHUNKS_DIR, **settings(**kw))
+        return snap.carrier_files(settings(**kw))
     s = settings(**kw)
-    root = store.root_of(images_dir)
+    root = snap.root
     prefix = store.new_prefix()
     # the lock, the chunks of trusted manifests (with a node key: MAC-valid), the pin
     hold = store.Hold(
-        root, prefix, lambda: store.known_chunks(root, trust.check_mac, s["checksum"]), images_dir
+        root, prefix, lambda: store.known_chunks(root, trust.check_mac, s.checksum), images_dir
     )
-    files = CarrierFiles(
-        store.packs_dir(root), store=store.STORE_REL, prefix=prefix, known=hold.known, **s
-    )
+    files = snap.pack_files(s, prefix=prefix, known=hold.known)
     files.holder = hold
     return files
 
@@ -135,8 +129,8 @@ def release_files(images_dir, lock_fields: dict) -> CarrierFiles:
     ch.setdefault("checksum", DEFAULT_CHUNK_CHECKSUM)  # a .lock from before D36
     s = settings(**ch)
     if not rec:
-        return CarrierFiles(pathlib.Path(images_dir) / CHUNKS_DIR, **s)
-    files = CarrierFiles(rec["dir"], store=store.STORE_REL, prefix=rec["prefix"], **s)
+        return SnapshotDir(images_dir).carrier_files(s)
+    files = CarrierFiles(rec["dir"], store=store.STORE_REL, prefix=rec["prefix"], **s.as_dict())
     for key, rows in (rec.get("refs") or {}).items():
         pid, aid = key.split(":")
         files.refs[(int(pid), aid)] = {int(i): (str(n), int(o)) for i, n, o in rows}
@@ -150,16 +144,17 @@ def restore_files(images_dir, manifest: dict, **kw) -> CarrierFiles:
     it once the shims have loaded)."""
     chunks = manifest.get("chunks") or {}
     s = settings(
-        chunk_bytes=chunks.get("chunk_bytes", DEFAULT_CHUNK_BYTES),
+        chunk_bytes=chunks.get("chunk_bytes", ChunkSettings().chunk_bytes),
         checksum=chunks.get("checksum", DEFAULT_CHUNK_CHECKSUM),
+        fit_staging=True,
         **kw,
     )
+    snap = SnapshotDir(images_dir)
     if chunks.get("store") != store.STORE_REL:
-        return CarrierFiles(pathlib.Path(images_dir) / CHUNKS_DIR, **s)
-    root = store.root_of(images_dir)
-    files = CarrierFiles(store.packs_dir(root), store=store.STORE_REL, **s)
+        return snap.carrier_files(s)
+    files = snap.pack_files(s)
     # no delete may collect a pack while the shims read it (released by the caller)
-    files.holder = store.Lock(root, exclusive=False)
+    files.holder = store.Lock(snap.root, exclusive=False)
     for st in chunks.get("streams") or []:
         key = (int(st["pid"]), str(st["alloc_id"]))
         files.names[key] = str(st["pack"])
@@ -238,13 +233,9 @@ def unpin(lock_fields: dict) -> None:
 
 def remove_chunks(images_dir, files=None) -> None:
     """Remove ``DIR/chunks/`` (a rolled-back checkpoint's partial or complete chunk files;
-    the workload's memory is back on the device by then) and, for a checkpoint into the chunk
-    store (``files``), the packs it wrote (those of its prefix; older packs stay). A symlink
-    there is unlinked, never followed."""
-    d = pathlib.Path(images_dir) / CHUNKS_DIR
-    if d.is_symlink():
-        d.unlink()
-    else:
-        shutil.rmtree(d, ignore_errors=True)
+    the workload's memory is back on the device by then: ``SnapshotDir.remove_chunks``) and,
+    for a checkpoint into the chunk store (``files``), the packs it wrote (those of its
+    prefix; older packs stay)."""
+    SnapshotDir(images_dir).remove_chunks()
     if files is not None and getattr(files, "store", None) is not None and files.prefix:
         files.remove()

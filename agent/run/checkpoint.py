@@ -35,6 +35,7 @@ from cuinterpose.agent.run import (
 from cuinterpose.agent.run.report import Reporter
 from cuinterpose.agent.run.rollback import Rollback
 from cuinterpose.agent.run.steps import (
+    CHECKPOINT_STEPS,
     Step,
     StepRunner,
     as_agent_error,
@@ -45,6 +46,7 @@ from cuinterpose.agent.run.steps import (
     unexpected,
 )
 from cuinterpose.agent.snapshot import manifest as manifest_mod
+from cuinterpose.agent.snapshot import snapdir
 from cuinterpose.coordinator.contract import remove_if_id
 
 __all__ = ["Checkpoint", "checkpoint", "as_agent_error", "strip_preload_env", "helper_env"]
@@ -61,39 +63,13 @@ class Checkpoint(Rollback, StepRunner):
     way: ``census``, ``qid``, ``ready``, ``capture``, ``manifest``."""
 
     KIND = "checkpoint"
-    #: The checkpoint, once. ``stage`` says how the one-shot run handles a failure:
-    #: ``images`` (before the signal guard), ``refusal`` (nothing torn down: refused, the
-    #: quiesce request cancelled), ``teardown`` (rolled back), ``finish`` (the snapshot is
-    #: complete). ``group`` names the group phase each step belongs to (docs/service.md): a
-    #: leader runs each on every member and waits for all before the next, so no member locks
-    #: before every member is quiesced and none is killed or resumed before every manifest is
-    #: written.
-    STEPS = (
-        Step("images dir", "prepare_images_dir", "prepare", "images", check=False),
-        Step("driver", "load_driver", "prepare", "refusal"),
-        Step("census", "take_census", "prepare", "refusal"),
-        Step("coordinator", "make_coordinator", "prepare", "refusal", check=False),
-        Step("quiesce", "quiesce", "quiesce", "refusal"),
-        Step("quiescence check", "quiescence_check", "quiesce", "refusal"),
-        Step("capture", "capture_shared", "capture", "teardown"),
-        Step("native lock", "native_lock", "native lock", "teardown"),
-        Step("native checkpoint", "native_checkpoint", "native checkpoint", "teardown"),
-        Step("criu dump", "criu_dump", "criu dump", "teardown"),
-        # every file under DIR and every directory on stable storage, images hashed (once)
-        Step("sync", "sync_snapshot", "manifest", "teardown"),
-        # the point of no return: once the manifest is on disk a signal no longer stops it
-        Step("manifest", "write_manifest", "manifest", "teardown", check=False),
-        Step("upload", "upload_snapshot", "upload", "finish", check=False),  # s3://: run/upload.py
-        Step("finish", "finish", "finish", "finish", check=False),
-        Step("resume", "resume", "resume", "finish", check=False),
-    )
+    #: The checkpoint, once: the table and every step property are agent/run/steps.py's.
+    STEPS = CHECKPOINT_STEPS
     GROUP_PHASES = group_phases(STEPS)
     #: Run on every member after a failed phase: first ``rollback`` (rebuild what was torn
     #: down, no ``.resume`` yet), then ``release`` on the members whose rollback succeeded.
     UNDO = {"rollback": "group_rollback", "release": "group_release"}
     GROUP_UNDO = tuple(UNDO)
-    #: the first group phase that cannot be undone (it kills or resumes the dumped trees)
-    POINT_OF_NO_RETURN = "finish"
 
     def __init__(
         self,
@@ -111,7 +87,7 @@ class Checkpoint(Rollback, StepRunner):
         #: ``options`` (default: the defaults), checked
         self.options = (options or CheckpointOptions()).replace(**changes)
         self.roots = list(dict.fromkeys(int(r) for r in roots))
-        self.images_dir = images_dir
+        self.images_dir, self.snap = images_dir, snapdir.SnapshotDir(images_dir)
         self.remote = remote  # run/remote.py Remote: an s3:// images dir (images_dir its copy)
         self.control_dir = paths.canonical(self.options.control_dir)
         self.r = reporter or Reporter()
@@ -168,10 +144,9 @@ class Checkpoint(Rollback, StepRunner):
         images.preflight()  # the node's key and test hooks, before anything changes
         upload.prepare(self)  # an s3:// images dir: the store answers, no snapshot there yet
         group = (self.group or {}).get("request_id", "")
-        self.images_dir, self.created_dirs, self.dir_claim, notes = images.prepare_dir(
-            self.images_dir, run_id=self.run_id, group=group
-        )
-        for n in notes:  # also in the manifest's and the --json output's warnings
+        snap = self.snap = snapdir.prepare(self.images_dir, run_id=self.run_id, group=group)
+        self.images_dir, self.created_dirs, self.dir_claim = snap.path, snap.created, snap.claim
+        for n in snap.notes:  # also in the manifest's and the --json output's warnings
             self.r.note(n)
             self.warnings.append({"path": str(self.images_dir), "message": n})
 
@@ -354,9 +329,7 @@ class Checkpoint(Rollback, StepRunner):
                 self.guard.check("criu dump")  # between trees, never inside CRIU
             with self.r.phase("criu dump") as ph:
                 self.check_dir_claim("criu dump")
-                d = manifest_mod.criu_dir(self.images_dir, root)
-                for p in (d.parent, d):  # private, as the whole snapshot (case 016)
-                    p.mkdir(mode=images.DIR_MODE, exist_ok=True)
+                d = self.snap.make_criu_dir(root)  # private, as the whole snapshot (case 016)
                 self.tree_pids[root] = _tree_pids(root)
                 self.mark(
                     f"criu dump {root}", tree_pids={str(k): v for k, v in self.tree_pids.items()}
@@ -391,7 +364,7 @@ class Checkpoint(Rollback, StepRunner):
                     self.tree_ns[root] = ns
                 self.stopped_roots.append(root)
                 self.check_dumped(root, d)
-                ph.bytes = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+                ph.bytes = self.snap.tree_bytes(root)
                 ph.detail = f"tree {root} (left stopped)"
 
     def check_dumped(self, root: int, d) -> None:
@@ -501,7 +474,7 @@ class Checkpoint(Rollback, StepRunner):
                 self.release_store(keep_pin=e.outcome == "rollback_failed")
                 if self.manifest is None:
                     gpustore_step.discard(self)
-                    images.remove_empty(self.created_dirs)
+                    self.snap.remove_created()
                 if self.qid is not None:
                     if e.lost:  # a process of the job died: wait for the rest to end or resume
                         self.settle_lost()
@@ -525,7 +498,7 @@ class Checkpoint(Rollback, StepRunner):
                 self.release_store()
                 if self.manifest is None:
                     gpustore_step.discard(self)
-                    images.remove_empty(self.created_dirs)
+                    self.snap.remove_created()
                 if self.qid is not None and not isinstance(e, LeftLocked):  # its .lock stays
                     quiesce.unlock(self.control_dir, self.roots, self.qid)
                 raise

@@ -25,13 +25,11 @@ a per-chunk ready signal the protocol does not have (decisions D67).
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 
 from cuinterpose.agent.errors import AgentError
-from cuinterpose.agent.run import images
 from cuinterpose.agent.run.report import fmt_bytes
-from cuinterpose.agent.snapshot import backends, store
+from cuinterpose.agent.snapshot import backends, snapdir, store
 
 DOWNLOAD_PHASE = "download"
 #: how often the download looks at the signal guard while it runs (seconds)
@@ -54,7 +52,7 @@ def download_step(rs) -> None:
     remote = getattr(rs, "remote", None)
     if remote is None:
         return
-    rs.download_dirs = images._make_dirs(rs.images_dir.parent)
+    rs.download_dirs = snapdir.make_dirs(rs.images_dir.parent)
     cancel, done = threading.Event(), threading.Event()
     with rs.r.phase(DOWNLOAD_PHASE) as ph:
         opts = dataclasses.replace(
@@ -84,9 +82,9 @@ def end(rs, keep_pin: bool = False) -> None:
         return
     rs.dropped = True
     try:
-        if getattr(rs, "pulled", None) is not None and os.path.lexists(rs.images_dir):
+        if getattr(rs, "pulled", None) is not None and snapdir.SnapshotDir(rs.images_dir).exists():
             store.delete(rs.images_dir)  # a plain snapshot: its manifest first, then the rest
-        images.remove_empty(getattr(rs, "download_dirs", []))
+        snapdir.remove_empty(getattr(rs, "download_dirs", []))
     except AgentError as e:
         rs.r.note(f"warning: the downloaded copy {rs.images_dir} could not be removed: {e}")
 

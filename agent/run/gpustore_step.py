@@ -11,19 +11,20 @@ record goes to the manifest (:func:`annotate`): ``"gpu_storage": {"mode", "why",
 stream record). A failed write (ENOSPC, EIO) rolls back: the workload keeps its memory and
 every file under ``chunks/`` this checkpoint wrote is removed.
 
-``prepare_restore(rs)`` (restore, before the native restore) checks the record
+``prepare_restore(m, images_dir, staging_bytes)`` (restore and a release of one, before the
+native restore) checks the record
 (``trust.check_gpu_storage``) and opens the streams the driver-API restore reads back.
 """
 
 from __future__ import annotations
 
 import os
-import pathlib
 
 from cuinterpose.agent.errors import AgentError
 from cuinterpose.agent.mech import gpustore, native, native_storage
 from cuinterpose.agent.run import carriers
 from cuinterpose.agent.snapshot import trust
+from cuinterpose.agent.snapshot.snapdir import CHUNKS, SnapshotDir
 
 
 def choose(requested: str) -> tuple[bool, str]:
@@ -61,33 +62,21 @@ def _pinned_alloc(n: int):
 
 
 def options(ck) -> gpustore.Options:
+    """The GPU streams' writer options of the checkpoint ``ck``: its :func:`settings` and, on
+    the real driver, page-locked staging slots."""
     real = native.info().kind == "real"
-    return gpustore.Options(
-        # the same settings as the shim carriers' chunk files (--chunk-bytes, --staging-bytes,
-        # the node's chunk checksum)
-        chunk_bytes=gpustore.chunk_bytes(ck.options.chunk_bytes),
-        staging_bytes=gpustore.staging_bytes(ck.options.staging_bytes),
-        alloc=_pinned_alloc if real else None,
-        checksum=checksum_of(ck),
-    )
+    return gpustore.Options(settings(ck), alloc=_pinned_alloc if real else None)
 
 
-def checksum_of(ck) -> str:
-    """The chunk checksum of the checkpoint ``ck``: its shim carriers' (the coordinator's
-    CarrierFiles), else what :func:`carriers.settings` picks for this node."""
+def settings(ck):
+    """The checkpoint's ``ChunkSettings``: its shim carriers' (the coordinator's CarrierFiles:
+    --chunk-bytes, --staging-bytes, --writers and the chunk checksum reach the GPU streams as
+    they reach the shims), else what :func:`carriers.settings` makes of its options
+    (agent/options.py ``CheckpointOptions.chunk_settings``)."""
     files = getattr(getattr(ck, "coordinator", None), "carriers", None)
-    if getattr(files, "checksum", None):
-        return str(files.checksum)
-    return carriers.settings(**ck.options.chunk_settings())["checksum"]
-
-
-def _remove(base: pathlib.Path, streams: list[dict]) -> None:
-    for rec in streams:
-        (base / rec["file"]).unlink(missing_ok=True)
-    try:
-        (base / gpustore.CHUNKS_DIR).rmdir()
-    except OSError:
-        pass
+    if files is not None:
+        return files.settings
+    return carriers.settings(**ck.options.chunk_settings())
 
 
 def native_checkpoint(ck) -> None:
@@ -98,23 +87,20 @@ def native_checkpoint(ck) -> None:
     with ck.r.phase("native checkpoint") as ph:
         use, why = choose(requested)
         opts = options(ck) if use else gpustore.Options()
-        base = pathlib.Path(ck.images_dir)
+        snap = SnapshotDir(ck.images_dir)
         if use:
-            native_storage.begin_checkpoint(base, opts)
+            native_storage.begin_checkpoint(snap, opts)
         streams: list[dict] = []
         try:
             native.checkpoint_all(pids)
         except BaseException:
             streams = native_storage.end_checkpoint() if use else []
-            _remove(base, streams)  # still readable by the rollback through the held fds
+            # still readable by the rollback through the held fds
+            snap.remove_streams(s["file"] for s in streams)
             raise
         streams = native_storage.end_checkpoint() if use else []
         ph.detail = f"pids {', '.join(map(str, pids))}; GPU storage {why}"
-        ph.bytes = sum(
-            (base / s["file"]).stat().st_blocks * 512
-            for s in streams
-            if (base / s["file"]).exists()
-        )
+        ph.bytes = sum(snap.allocated(s["file"]) for s in streams)
     ck.gpu_storage = {
         "mode": "custom" if use else "host",
         "why": why,
@@ -129,7 +115,7 @@ def discard(ck) -> None:
     agent still holds them open, so a rollback that has yet to read them back still can)."""
     files = native_storage.held_files()
     if files:
-        _remove(pathlib.Path(ck.images_dir), [{"file": f} for f in files])
+        SnapshotDir(ck.images_dir).remove_streams(files)
 
 
 def annotate(ck, manifest: dict) -> None:
@@ -140,31 +126,36 @@ def annotate(ck, manifest: dict) -> None:
         manifest["gpu_storage"] = rec
 
 
-def prepare_restore(rs) -> None:
-    """Before the native restore: a snapshot with ``gpu_storage.mode == "custom"`` is checked
-    (``trust.check_gpu_storage``) and its streams opened for the driver-API restore. Raises
-    ``SnapshotError`` (a bad record; nothing changed yet by this step) or ``AgentError`` phase
-    "native restore" (a backend without custom storage)."""
-    rec = rs.m.get("gpu_storage")
+def prepare_restore(m: dict, images_dir, staging_bytes=None) -> None:
+    """Before the native restore of the snapshot ``images_dir`` (manifest ``m``): a snapshot
+    with ``gpu_storage.mode == "custom"`` is checked (``trust.check_gpu_storage``) and its
+    streams opened for the driver-API restore, read with the snapshot's chunk size and checksum
+    and ``staging_bytes`` (the restore's option; None, as for a release: the default, at least
+    one chunk). Raises ``SnapshotError`` (a bad record; nothing changed yet by this step) or
+    ``AgentError`` phase "native restore" (a backend without custom storage)."""
+    rec = m.get("gpu_storage")
     if not rec or rec.get("mode") != "custom":
         return
-    trust.check_gpu_storage(rs.images_dir, rs.m)
+    trust.check_gpu_storage(images_dir, m)
     inf = native.info()
     avail, why = native_storage.probe("driver-api", inf.library, inf.version)
     if not avail:
         raise AgentError(
             "native restore",
             f"the snapshot's GPU memory is in custom storage ({len(rec['streams'])} stream(s) "
-            f"under {gpustore.CHUNKS_DIR}/), and {why}; restore it on a driver with custom "
+            f"under {CHUNKS}/), and {why}; restore it on a driver with custom "
             "storage (the driver API restores it, whatever --native-backend)",
         )
     opts = gpustore.Options(
-        chunk_bytes=int(rec["chunk_bytes"]),
-        staging_bytes=gpustore.staging_bytes(rs.options.staging_bytes),
+        carriers.settings(
+            chunk_bytes=int(rec["chunk_bytes"]),
+            staging_bytes=staging_bytes,
+            checksum=str(rec.get("checksum", gpustore.CHECKSUM)),
+            fit_staging=True,
+        ),
         alloc=_pinned_alloc if native.info().kind == "real" else None,
-        checksum=str(rec.get("checksum", gpustore.CHECKSUM)),
     )
-    native_storage.register_sources(rs.images_dir, rs.m["cuda_pids"], rec["streams"], opts)
+    native_storage.register_sources(SnapshotDir(images_dir), m["cuda_pids"], rec["streams"], opts)
 
 
 def gpu_bytes(directory: os.PathLike | str, rec: dict) -> int:

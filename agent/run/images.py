@@ -1,20 +1,14 @@
-"""What a checkpoint writes into its images directory: the directory's acceptance and claim
-(:func:`prepare_dir`), the manifest's contents (:func:`build_manifest`, written last by the
-``manifest`` step) and the removal of a rolled-back dump (:func:`cleanup`). The format is in
-docs/snapshot-format.md.
+"""What a checkpoint's manifest says: :func:`build_manifest` (written last by the ``manifest``
+step) and the dump's check (:func:`check_dumped`). The snapshot directory itself (its
+creation and claim, every file in it, the removal of a rolled-back dump) is
+agent/snapshot/snapdir.py's; the format is in docs/snapshot-format.md.
 """
 
 from __future__ import annotations
 
-import os
-import pathlib
-import shutil
-import stat
-
-from cuinterpose.agent import paths
-from cuinterpose.agent.errors import AgentError, SnapshotError
-from cuinterpose.agent.snapshot import dirclaim
+from cuinterpose.agent.errors import AgentError
 from cuinterpose.agent.snapshot import manifest as manifest_mod
+from cuinterpose.agent.snapshot.snapdir import criu_rel
 
 
 def shim_version() -> dict:
@@ -32,115 +26,6 @@ def shim_version() -> dict:
     except Exception:
         proto = None
     return {"package": pkg, "protocol": proto}
-
-
-#: directories of a snapshot: private to the agent's user (case 016)
-DIR_MODE = 0o700
-
-
-def prepare_dir(
-    images_dir: os.PathLike | str, *, run_id: str = "", group: str = ""
-) -> tuple[pathlib.Path, list[pathlib.Path], dirclaim.DirClaim, list[str]]:
-    """Create and claim the snapshot directory; returns (its canonical path
-    (``paths.canonical``), the directories this call created, outermost first, so that a
-    refused checkpoint can remove them again, this run's
-    :class:`~cuinterpose.agent.snapshot.dirclaim.DirClaim` (``run_id``, ``group``: the run it
-    names), notes for the operator).
-
-    Missing directories are created 0700. Only a new or empty directory is accepted, and it is
-    claimed before it is judged empty (agent/snapshot/dirclaim.py), so two runs racing for one
-    directory cannot both pass. An existing directory open to group or other is made 0700
-    (a note says so). Refused (``SnapshotError``, phase "images dir", before anything is asked
-    of the workload, what this call created removed again): a directory that already holds a
-    snapshot (``manifest.json``) or anything else (a checkpoint never writes among other
-    files, and a rollback removes ``criu/``), one another live run has claimed (naming it), a
-    path that is not a directory, one that cannot be created or written."""
-    d = pathlib.Path(paths.canonical(images_dir))
-    if os.path.lexists(d) and not d.is_dir():
-        raise SnapshotError("images dir", f"{d} is not a directory")
-    if (d / manifest_mod.MANIFEST_NAME).exists():
-        raise SnapshotError(
-            "images dir",
-            f"{d} already holds a snapshot "
-            f"({manifest_mod.MANIFEST_NAME}); choose a new --images-dir",
-        )
-    created = _make_dirs(d)
-    notes = []
-    try:
-        claim = dirclaim.DirClaim(d, run_id=run_id, group=group)
-        try:
-            names = dirclaim.foreign(os.listdir(d))
-            if names:
-                shown = ", ".join(names[:5]) + (
-                    f", … ({len(names)} entries)" if len(names) > 5 else ""
-                )
-                raise SnapshotError(
-                    "images dir",
-                    f"{d} is not empty ({shown}); a checkpoint writes "
-                    "only into a new or empty directory: choose a new --images-dir",
-                )
-            st = os.stat(d)
-            if st.st_mode & 0o077:
-                os.chmod(d, DIR_MODE)
-                notes.append(
-                    f"images dir {d} had mode {stat.S_IMODE(st.st_mode):04o}: made "
-                    f"{DIR_MODE:04o} (a snapshot holds the memory of the processes: it is "
-                    "private to the agent's user)"
-                )
-        except BaseException:
-            claim.release()
-            raise
-    except OSError as e:
-        remove_empty(created)
-        raise SnapshotError("images dir", f"{d} cannot be read: {e.strerror or e}") from None
-    except BaseException:
-        remove_empty(created)
-        raise
-    return d, created, claim, notes
-
-
-def _make_dirs(d: pathlib.Path) -> list[pathlib.Path]:
-    """Create ``d`` and its missing parents, each ``DIR_MODE`` (``mkdir`` one at a time, so
-    only those this call made are returned, outermost first); ``SnapshotError`` when one
-    cannot be created (those made are removed again)."""
-    todo = []
-    p = d
-    while not os.path.lexists(p) and p != p.parent:
-        todo.insert(0, p)
-        p = p.parent
-    created = []
-    for p in todo:
-        try:
-            os.mkdir(p, DIR_MODE)
-            created.append(p)
-        except FileExistsError:
-            continue  # another run made it meanwhile: not ours to remove
-        except OSError as e:
-            remove_empty(created)
-            raise SnapshotError("images dir", f"{d} cannot be created: {e.strerror or e}") from None
-    return created
-
-
-def remove_empty(dirs: list[pathlib.Path]) -> None:
-    """rmdir ``dirs`` innermost first, stopping at the first that is not empty."""
-    for p in reversed(dirs):
-        try:
-            p.rmdir()
-        except OSError:
-            return
-
-
-def cleanup(images_dir) -> None:
-    """Remove what a rolled-back dump left in ``images_dir``: the CRIU images and a manifest
-    temporary file."""
-    d = pathlib.Path(images_dir) / manifest_mod.CRIU_DIR
-    shutil.rmtree(d, ignore_errors=True)
-    tmp = pathlib.Path(images_dir) / (manifest_mod.MANIFEST_NAME + ".tmp")
-    try:
-        if tmp.is_file():
-            tmp.unlink()
-    except OSError:
-        pass
 
 
 def build_manifest(cp) -> dict:
@@ -176,7 +61,7 @@ def build_manifest(cp) -> dict:
         "criu": {
             "version": criu_version,
             "leave_running": cp.options.leave_running,
-            "trees": {str(r): str(manifest_mod.criu_dir("", r)) for r in cp.roots},
+            "trees": {str(r): criu_rel(r) for r in cp.roots},
             "files": files,
         },
         "roots": cp.roots,

@@ -14,15 +14,14 @@ naming the phase that was running, with outcome ``rollback_failed`` (checkpoint)
 from __future__ import annotations
 
 import json
-import pathlib
 from typing import Optional
 
-from cuinterpose.agent import paths
 from cuinterpose.agent.errors import AgentError
 from cuinterpose.agent.options import CheckpointOptions, InspectOptions, RestoreOptions
 from cuinterpose.agent.run.report import Reporter
 from cuinterpose.agent.run.steps import unexpected
-from cuinterpose.agent.snapshot import manifest as manifest_mod
+from cuinterpose.agent.snapshot import snapdir
+from cuinterpose.agent.snapshot.snapdir import SnapshotDir
 
 
 def _failed_total(rep: Reporter) -> None:
@@ -134,21 +133,19 @@ def list_snapshots(directory, storage=None) -> dict:
 
     if backends.is_remote(str(directory)):
         return _list_remote(str(directory), storage)
-    d = pathlib.Path(paths.canonical(directory))
+    top = SnapshotDir.canonical(directory)
+    d = top.path
     try:
-        if (d / manifest_mod.MANIFEST_NAME).is_file():
-            subs = [d]  # the path is itself a snapshot: list that one
-        else:
-            subs = sorted(p for p in d.iterdir() if p.is_dir())
+        # the path is itself a snapshot: list that one
+        subs = [top] if top.has_manifest() else snapdir.children(d)
     except OSError as e:
         raise AgentError("snapshots", f"{d} cannot be read: {e.strerror or e}") from None
     out = []
-    for p in subs:
-        f = p / manifest_mod.MANIFEST_NAME
-        if not f.is_file():
+    for snap in subs:
+        if not snap.has_manifest():
             continue
         row = {
-            "images_dir": str(p),
+            "images_dir": str(snap.path),
             "snapshot_id": "",
             "created_at": "",
             "roots": [],
@@ -159,7 +156,7 @@ def list_snapshots(directory, storage=None) -> dict:
             "error": "",
         }
         try:
-            m = json.loads(f.read_text())
+            m = json.loads(snap.read_manifest())
             row.update(
                 snapshot_id=str(m["snapshot_id"]),
                 created_at=str(m["created_at"]),

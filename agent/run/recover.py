@@ -22,9 +22,10 @@ from cuinterpose.agent.errors import AgentError
 from cuinterpose.agent.mech import census as census_mod
 from cuinterpose.agent.mech import native, procfs, quiesce
 from cuinterpose.agent.options import RunOptions
-from cuinterpose.agent.run import carriers, images
-from cuinterpose.agent.snapshot import dirclaim
+from cuinterpose.agent.run import carriers
 from cuinterpose.agent.snapshot import manifest as manifest_mod
+from cuinterpose.agent.snapshot import snapdir
+from cuinterpose.agent.snapshot.snapdir import SnapshotDir
 from cuinterpose.coordinator.contract import quiesce_path, remove_if_id
 
 __all__ = [
@@ -84,11 +85,7 @@ def chunk_settings(files) -> dict:
     files (coordinator/carrierfiles.py ``CarrierFiles``; {} without): a release loads the shims
     back from the files with the chunk size and checksum they were written with (the shim
     refuses another size; another checksum would fail every chunk)."""
-    if files is None:
-        return {}
-    out = {k: int(getattr(files, k)) for k in ("chunk_bytes", "staging_bytes", "writers")}
-    out["checksum"] = str(files.checksum)
-    return out
+    return {} if files is None else files.settings.as_dict()
 
 
 def encode_records(records) -> dict:
@@ -273,7 +270,7 @@ class Recovery:
         it is written last, so the dump had completed."""
         d = self.lk.get("images_dir")
         out = {"images_dir": d, "complete": False, "why": NO_MANIFEST}
-        if d and (pathlib.Path(d) / manifest_mod.MANIFEST_NAME).is_file():
+        if d and SnapshotDir(d).has_manifest():
             try:
                 m = manifest_mod.load(d)
                 manifest_mod.verify_images(d, m)
@@ -403,15 +400,16 @@ class Recovery:
                 remove_if_id(quiesce_path(self.cdir, r, "request"), self.rid)
             resume = str(quiesce_path(self.cdir, self.root, "resume"))
         partial = snap["images_dir"] and not snap["complete"]
+        sd = SnapshotDir(snap["images_dir"] or ".")
         if snap["images_dir"]:  # the dead run's claim (its flock died with it)
-            dirclaim.remove_stale(snap["images_dir"], self.rid)
-        if partial and not (pathlib.Path(snap["images_dir"]) / manifest_mod.MANIFEST_NAME).exists():
-            images.cleanup(snap["images_dir"])
+            sd.remove_stale_claim(self.rid)
+        if partial and not sd.exists(sd.MANIFEST):
+            sd.remove_dump()
             files = getattr(getattr(self, "coord", None), "carriers", None)
             if files is None and self.lk.get("store"):  # this checkpoint's packs go too
                 files = carriers.release_files(snap["images_dir"], self.lk)
             carriers.remove_chunks(snap["images_dir"], files)
-            images.remove_empty([pathlib.Path(d) for d in self.lk.get("created_dirs") or []])
+            snapdir.remove_empty(self.lk.get("created_dirs") or [])
         carriers.unpin(self.lk)  # the packs are back on the device, gone, or in a manifest
         self.drop_claim()
         return {

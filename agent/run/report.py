@@ -327,11 +327,13 @@ def snapshot_rows(res: dict) -> list[tuple[str, ...]]:
     import json
     import pathlib
 
+    from cuinterpose.agent.snapshot.snapdir import SnapshotDir
+
     rows = []
     for s in res["snapshots"]:
         procs, leave = "-", "-"
         try:
-            m = json.loads((pathlib.Path(s["images_dir"]) / "manifest.json").read_text())
+            m = json.loads(SnapshotDir(s["images_dir"]).read_manifest())
             procs = str(len(m["processes"]))
             leave = "yes" if m["criu"]["leave_running"] else "no"
         except (OSError, ValueError, KeyError, TypeError):

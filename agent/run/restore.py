@@ -33,6 +33,7 @@ from cuinterpose.agent.run import (
 )
 from cuinterpose.agent.run.report import Reporter
 from cuinterpose.agent.run.steps import (
+    RESTORE_STEPS,
     Step,
     StepRunner,
     as_agent_error,
@@ -42,36 +43,20 @@ from cuinterpose.agent.run.steps import (
 )
 from cuinterpose.agent.snapshot import manifest as manifest_mod
 from cuinterpose.agent.snapshot import trust
+from cuinterpose.agent.snapshot.snapdir import SnapshotDir
 
 
 class Restore(StepRunner):
     """State of one restore run; :meth:`run` drives the steps and returns a result dict."""
 
     KIND = "restore"
-    #: The restore, once. ``stage``: ``refusal`` (only reads: a refused snapshot is left
-    #: untouched, nothing changed) or ``restore`` (from CRIU restore on: a failure kills the
-    #: restored trees, ``RestoreFailed``). ``group`` names the group phase each step belongs
-    #: to (docs/service.md): no member resumes its workload before every member restored its
-    #: shared memory.
-    STEPS = (
-        Step("download", "download_snapshot", "prepare", "refusal"),  # s3://: run/download.py
-        Step("manifest", "read_manifest_checked", "prepare", "refusal"),
-        Step("verify", "verify_images", "prepare", "refusal"),
-        Step("driver", "load_driver", "prepare", "refusal"),
-        Step("placement", "place", "prepare", "refusal"),
-        Step("stale sockets", "remove_stale", "stale sockets", "refusal", check=False),
-        Step("criu restore", "criu_restore", "criu restore", "restore"),
-        Step("native restore", "native_restore", "native restore", "restore"),
-        Step("restore shared", "restore_shared", "restore shared", "restore"),
-        Step("resume", "resume", "resume", "restore", check=False),
-    )
+    #: The restore, once: the table and every step property are agent/run/steps.py's.
+    STEPS = RESTORE_STEPS
     GROUP_PHASES = group_phases(STEPS)
     #: after a failure from ``criu restore`` on, the leader runs ``abort`` on every member
     #: (restored trees killed, snapshots untouched)
     UNDO = {"abort": "kill_restored"}
     GROUP_UNDO = tuple(UNDO)
-    #: the first group phase that cannot be undone (the restored trees run)
-    POINT_OF_NO_RETURN = "resume"
 
     def __init__(
         self,
@@ -166,7 +151,7 @@ class Restore(StepRunner):
 
     verify_images = durable.verify_snapshot  # each image's SHA-256, in parallel, own phase
     # an s3:// images dir: downloaded first, and its local copy gone once the run is over
-    download_snapshot, release_store = download.download_step, download.end
+    download_snapshot = download.download_step
 
     def check_copies(self, m: dict):
         """Every copy of a checksum agrees, and the control dir is the one the images' shim
@@ -343,14 +328,10 @@ class Restore(StepRunner):
         strip_preload_env()
         for root in self.m["roots"]:
             with self.r.phase("criu restore") as ph:
-                d = manifest_mod.criu_dir(self.images_dir, root)
+                d = SnapshotDir(self.images_dir).criu_dir(root)
                 opts = self.opts.get(root)
                 kw = opts.kwargs() if opts else {}
-                into = (
-                    f" into placement pid {self.placement.pid}"
-                    if self.placement is not None
-                    else ""
-                )
+                into = f" into placement pid {self.placement.pid}" if self.placement else ""
                 try:
                     with interrupt.shielded():
                         pid = criu.restore(d, timeout_s=self.options.criu_timeout_s, **kw)
@@ -445,7 +426,8 @@ class Restore(StepRunner):
                 p: devicemap.pairs_for(by_pid.get(p, {}), self.gpu_map, self.node_gpus)
                 for p in pids
             }
-            gpustore_step.prepare_restore(self)  # streams in custom storage (issue 12)
+            # streams in custom storage (issue 12)
+            gpustore_step.prepare_restore(self.m, self.images_dir, self.options.staging_bytes)
             devicemap.native_restore(pids, pairs)
             ph.detail = f"pids {', '.join(map(str, pids))} by {native.backend().name}"
             if self.gpu_map:
@@ -588,8 +570,12 @@ class Restore(StepRunner):
             finally:
                 self.release_store()
 
-    #: the claim on the snapshot dir goes (the one-shot run's end, a group job's last phase)
-    release_store = restore_recover.release_dir
+    def release_store(self, keep_pin: bool = False) -> None:
+        """The run is over (the one-shot run's end, a group job's last phase): the lock on the
+        snapshot dir goes, then an ``s3://`` run's downloaded copy (whose delete takes that
+        lock itself). Idempotent."""
+        restore_recover.release_dir(self, keep_pin)
+        download.end(self, keep_pin)
 
     def _run(self) -> dict:
         try:

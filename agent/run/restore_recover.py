@@ -24,7 +24,6 @@ from __future__ import annotations
 import os
 import secrets
 import signal
-import types
 from typing import Optional
 
 from cuinterpose.agent.errors import AgentError, QuiesceRefused, SnapshotError
@@ -33,6 +32,7 @@ from cuinterpose.agent.mech import devicemap, native, quiesce
 from cuinterpose.agent.options import RunOptions
 from cuinterpose.agent.run import carriers, gpustore_step
 from cuinterpose.agent.snapshot import manifest as manifest_mod
+from cuinterpose.agent.snapshot.snapdir import SnapshotDir
 from cuinterpose.coordinator.contract import quiesce_path, read_json
 
 __all__ = [
@@ -52,15 +52,14 @@ __all__ = [
 
 # -- what a restore records (agent/run/restore.py calls these) ---------------------------------
 def claim_dir(rs) -> None:
-    """The restore ``rs`` locks its snapshot dir (agent/snapshot/dirclaim.py
+    """The restore ``rs`` locks its snapshot dir (``SnapshotDir.lock``, agent/snapshot/dirclaim.py
     ``SnapshotLock``: a flock of the directory, nothing written) until :func:`release_dir`: a
     ``delete`` or another restore of it is refused meanwhile, naming this agent's pid
     (decisions D72). Raises ``SnapshotError`` (phase "manifest", nothing changed) naming the
     pid that holds it. A missing directory is not locked (the manifest read refuses it)."""
-    from cuinterpose.agent.snapshot import dirclaim
-
-    if getattr(rs, "dir_claim", None) is None and os.path.isdir(rs.images_dir):
-        rs.dir_claim = dirclaim.SnapshotLock(rs.images_dir, phase="manifest", kind="restore")
+    snap = SnapshotDir(rs.images_dir)
+    if getattr(rs, "dir_claim", None) is None and snap.is_dir():
+        rs.dir_claim = snap.lock(phase="manifest", kind="restore")
 
 
 def release_dir(rs, keep_pin: bool = False) -> None:
@@ -271,9 +270,7 @@ class RestoreRecovery:
             found = {pid: native.get_state(pid) for pid in pids}
             todo = [p for p in pids if found[p] == "CHECKPOINTED"]
             if todo:
-                gpustore_step.prepare_restore(
-                    types.SimpleNamespace(m=m, images_dir=self.rec["images_dir"])
-                )
+                gpustore_step.prepare_restore(m, self.rec["images_dir"])
                 by_pid = {p["pid"]: p for p in m["participants"]}
                 devicemap.native_restore(
                     todo, {p: devicemap.pairs_for(by_pid.get(p, {}), gpu_map) for p in todo}

@@ -9,15 +9,14 @@ docs/agent.md "What each failure leaves behind".
 from __future__ import annotations
 
 import dataclasses
-import pathlib
 import signal
 import time
 
 from cuinterpose.agent.errors import AgentError, CheckpointFailed, LeftLocked
 from cuinterpose.agent.mech import native, quiesce
-from cuinterpose.agent.run import carriers, images, recover, upload
+from cuinterpose.agent.run import carriers, recover, upload
 from cuinterpose.agent.run.steps import Step, as_agent_error
-from cuinterpose.agent.snapshot import manifest as manifest_mod
+from cuinterpose.agent.snapshot.snapdir import SnapshotDir
 from cuinterpose.coordinator.contract import quiesce_path, read_json
 
 
@@ -26,8 +25,6 @@ class Rollback:
     works on the checkpoint's state)."""
 
     # -- the .lock record (case 009) --------------------------------------------------------
-    #: steps before the capture that the lock records (the others change nothing outside)
-    LOCKED_BEFORE_CAPTURE = ("quiescence check",)
 
     def mark(self, step: str, **extra) -> None:
         """Append ``step`` to the ``.lock``'s ``steps`` (and merge ``extra``): what a dead
@@ -57,7 +54,7 @@ class Rollback:
                 record=recover.lock_record(self),
             )
             recover.watch_first_inspect(self)
-        elif step.name in self.LOCKED_BEFORE_CAPTURE:
+        elif step.locks:
             # the check locks and unlocks every CUDA process: a release of an agent killed in
             # between must unlock them, with the same driver
             self.mark(
@@ -68,9 +65,7 @@ class Rollback:
 
     def step_done(self, step: Step) -> None:
         """``STEP done`` in the lock (``manifest done``: the snapshot is complete on disk)."""
-        if self.qid is not None and (
-            step.stage == "teardown" or step.name in self.LOCKED_BEFORE_CAPTURE
-        ):
+        if self.qid is not None and (step.stage == "teardown" or step.locks):
             self.mark(
                 f"{step.name} done",
                 last_txn_id=recover.last_txn_id(getattr(self, "coordinator", None)),
@@ -215,7 +210,7 @@ class Rollback:
             )
 
     def cleanup_images(self):
-        images.cleanup(self.images_dir)
+        SnapshotDir(self.images_dir).remove_dump()
 
     def check_dir_claim(self, phase: str) -> None:
         """Before a step writes into the images dir: it is still this run's (case 015)."""
@@ -290,7 +285,7 @@ class Rollback:
             upload.withdraw(self)  # a snapshot this member committed to the store goes again
             own = self.owns_images_dir()
             if self.manifest is not None and own:
-                (pathlib.Path(self.images_dir) / manifest_mod.MANIFEST_NAME).unlink(missing_ok=True)
+                SnapshotDir(self.images_dir).remove_manifest()
                 self.manifest = None
             if own:
                 self.cleanup_images()
@@ -310,4 +305,4 @@ class Rollback:
         elif self.qid is not None and not self.quiesce_cancelled:
             quiesce.cancel(self.control_dir, self.roots, self.qid)
         self.release_dir_claim()
-        images.remove_empty(self.created_dirs)
+        self.snap.remove_created()

@@ -1,39 +1,44 @@
-"""The step runner shared by :class:`~cuinterpose.agent.run.checkpoint.Checkpoint` and
-:class:`~cuinterpose.agent.run.restore.Restore`: a :class:`Step` table declared once per
-sequence, iterated by the one-shot run (a *stage* at a time) and by the group phases (a named
-slice at a time); the interrupt check between steps and the wrapping of unexpected exceptions
-live here (docs/agent.md "Steps"), and so does the test trigger around each step
-(:func:`signal_point`, ``CUINTERPOSE_TEST_SIGNAL_AT``: agent/mech/signal_at.py).
+"""The step tables and the step runner shared by
+:class:`~cuinterpose.agent.run.checkpoint.Checkpoint` and
+:class:`~cuinterpose.agent.run.restore.Restore`: one :class:`Step` table per sequence
+(:data:`CHECKPOINT_STEPS`, :data:`RESTORE_STEPS`), each row holding every property of its step
+(its group phase and stage, the interrupt check, the chunk-file progress it reports, whether
+it locks the workload before the capture, whether its group phase is the point of no return,
+its ``during`` test point), iterated by the one-shot run (a *stage* at a time) and by the group
+phases (a named slice at a time); the interrupt check between steps and the wrapping of
+unexpected exceptions live here (docs/agent.md "Steps"), and so does the test trigger around
+each step (:func:`signal_point`, ``CUINTERPOSE_TEST_SIGNAL_AT``: agent/mech/signal_at.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from cuinterpose.agent.errors import AgentError
 from cuinterpose.agent.mech import native_call, signal_at
 from cuinterpose.agent.run import durable
-
-#: the modules whose step tables CUINTERPOSE_TEST_SIGNAL_AT may name (each registers its table
-#: when its class is defined; :func:`signal_point` loads them by name, at run time, so that a
-#: checkpoint process also knows the restore's names: a typo is never mistaken for a step the
-#: process merely has not loaded)
-SEQUENCE_MODULES = ("cuinterpose.agent.run.checkpoint", "cuinterpose.agent.run.restore")
 
 
 def signal_point(when: str, step: Optional[str] = None) -> None:
     """The test trigger (agent/mech/signal_at.py, docs/agent.md "Test trigger"): when
     ``CUINTERPOSE_TEST_SIGNAL_AT`` has an unfired entry ``when:step`` (``step``: the running
     step when None), the agent sends its signal to itself. Raises ``AgentError`` (phase
-    ``CUINTERPOSE_TEST_SIGNAL_AT``) naming the known steps for an entry naming none of them."""
-    if os.environ.get(signal_at.ENV):
-        import importlib
-
-        for m in SEQUENCE_MODULES:
-            importlib.import_module(m)
+    ``CUINTERPOSE_TEST_SIGNAL_AT``) naming the known steps (both tables of this module, and
+    any other :class:`StepRunner`'s) for an entry naming none of them."""
     signal_at.signal_point(when, step)
+
+
+class ChunkPoll(NamedTuple):
+    """A step that moves chunk bytes (the chunk format of issue 12): ``row``, the progress row
+    its bytes go to; ``mode``, "write" or "read"; ``prefix``, the name prefix of its own
+    stream files under ``chunks/`` (the shim carriers' "shared-", GPU storage's "gpu-"),
+    agent/run/durable.py ``polled``."""
+
+    row: str
+    mode: str
+    prefix: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,18 +52,151 @@ class Step:
     ``group``: the group phase (a named slice of the table) it belongs to.
     ``stage``: the part of the one-shot run it belongs to; each stage has its own failure
     handling (refused, rolled back, ...: the sequence's ``run``).
-    ``check``: the interrupt guard is asked right after it."""
+    ``check``: the interrupt guard is asked right after it.
+    ``poll``: the chunk-file progress it reports while it runs (:class:`ChunkPoll`), None.
+    ``locks``: it locks the CUDA processes before the capture (a checkpoint's ``.lock``
+    records it and its end, so a release of a dead agent unlocks them).
+    ``no_return``: its group phase is the first that cannot be undone (a group leader confirms
+    every member's lease before it).
+    ``during``: where its ``during`` test point is ("": it has none; agent/mech/signal_at.py)."""
 
     name: str
     method: str
     group: str
     stage: str
     check: bool = True
+    poll: Optional[ChunkPoll] = None
+    locks: bool = False
+    no_return: bool = False
+    during: str = ""
+
+
+#: The checkpoint, once. ``stage`` says how the one-shot run handles a failure: ``images``
+#: (before the signal guard), ``refusal`` (nothing torn down: refused, the quiesce request
+#: cancelled), ``teardown`` (rolled back), ``finish`` (the snapshot is complete). ``group``
+#: names the group phase each step belongs to (docs/service.md): a leader runs each on every
+#: member and waits for all before the next, so no member locks before every member is
+#: quiesced and none is killed or resumed before every manifest is written.
+CHECKPOINT_STEPS = (
+    Step("images dir", "prepare_images_dir", "prepare", "images", check=False),
+    Step("driver", "load_driver", "prepare", "refusal"),
+    Step("census", "take_census", "prepare", "refusal"),
+    Step("coordinator", "make_coordinator", "prepare", "refusal", check=False),
+    Step(
+        "quiesce",
+        "quiesce",
+        "quiesce",
+        "refusal",
+        during="quiesce.wait_ready, once the .request is written",
+    ),
+    Step(
+        "quiescence check",
+        "quiescence_check",
+        "quiesce",
+        "refusal",
+        locks=True,
+        during="native lock_all/unlock_all, after the first pid's call",
+    ),
+    Step(
+        "capture",
+        "capture_shared",
+        "capture",
+        "teardown",
+        poll=ChunkPoll("SAVE_ALLOCATIONS", "write", "shared-"),
+        during="the coordinator's first reply of a phase other than INSPECT",
+    ),
+    Step(
+        "native lock",
+        "native_lock",
+        "native lock",
+        "teardown",
+        during="native lock_all, after the first pid's call",
+    ),
+    Step(
+        "native checkpoint",
+        "native_checkpoint",
+        "native checkpoint",
+        "teardown",
+        poll=ChunkPoll("native checkpoint", "write", "gpu-"),
+        during="native checkpoint_all, after the first pid's call",
+    ),
+    Step(
+        "criu dump",
+        "criu_dump",
+        "criu dump",
+        "teardown",
+        during="criu_run.run, once CRIU's child has exec'd",
+    ),
+    # every file under DIR and every directory on stable storage, images hashed (once)
+    Step("sync", "sync_snapshot", "manifest", "teardown"),
+    # the point of no return: once the manifest is on disk a signal no longer stops it
+    Step("manifest", "write_manifest", "manifest", "teardown", check=False),
+    # s3://: the local snapshot to the object store (run/upload.py), before anything is killed
+    Step("upload", "upload_snapshot", "upload", "finish", check=False),
+    # the group phase that kills or resumes the dumped trees: no undo after it
+    Step("finish", "finish", "finish", "finish", check=False, no_return=True),
+    Step("resume", "resume", "resume", "finish", check=False),
+)
+
+#: The restore, once. ``stage``: ``refusal`` (only reads: a refused snapshot is left untouched,
+#: nothing changed) or ``restore`` (from CRIU restore on: a failure kills the restored trees,
+#: ``RestoreFailed``). ``group`` names the group phase each step belongs to
+#: (docs/service.md): no member resumes its workload before every member restored its shared
+#: memory.
+RESTORE_STEPS = (
+    Step("download", "download_snapshot", "prepare", "refusal"),  # s3://: run/download.py
+    Step("manifest", "read_manifest_checked", "prepare", "refusal"),
+    Step("verify", "verify_images", "prepare", "refusal"),
+    Step("driver", "load_driver", "prepare", "refusal"),
+    Step("placement", "place", "prepare", "refusal"),
+    Step("stale sockets", "remove_stale", "stale sockets", "refusal", check=False),
+    Step(
+        "criu restore",
+        "criu_restore",
+        "criu restore",
+        "restore",
+        during="criu_run.run, once CRIU's child has exec'd",
+    ),
+    Step(
+        "native restore",
+        "native_restore",
+        "native restore",
+        "restore",
+        poll=ChunkPoll("native restore", "read", "gpu-"),
+        during="native restore_all/unlock_all, after the first pid's call",
+    ),
+    Step(
+        "restore shared",
+        "restore_shared",
+        "restore shared",
+        "restore",
+        poll=ChunkPoll("LOAD_ALLOCATIONS", "read", "shared-"),
+        during="the coordinator's first reply of a phase other than INSPECT",
+    ),
+    # the restored trees run: no undo after it
+    Step("resume", "resume", "resume", "restore", check=False, no_return=True),
+)
+
+
+def _register(steps) -> None:
+    """The names (and ``during`` points) CUINTERPOSE_TEST_SIGNAL_AT may use."""
+    signal_at.register_steps((s.name for s in steps), {s.name: s.during for s in steps if s.during})
+
+
+# both tables from the start: a checkpoint process knows the restore's names too, so a typo
+# is never mistaken for a step the process has not loaded
+_register(CHECKPOINT_STEPS)
+_register(RESTORE_STEPS)
 
 
 def group_phases(steps: tuple[Step, ...]) -> tuple[str, ...]:
     """The group phases of a step table: its slices' names, in table order."""
     return tuple(dict.fromkeys(s.group for s in steps))
+
+
+def point_of_no_return(steps: tuple[Step, ...]) -> Optional[str]:
+    """The first group phase of a step table that cannot be undone (its ``no_return`` row)."""
+    return next((s.group for s in steps if s.no_return), None)
 
 
 def last_phase(rep, default: str) -> str:
@@ -140,8 +278,12 @@ class StepRunner:
 
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)
-        # the names CUINTERPOSE_TEST_SIGNAL_AT may use
-        signal_at.register_steps(s.name for s in cls.STEPS)
+        _register(cls.STEPS)  # a table of its own (the two above are registered already)
+
+    @classmethod
+    def point_of_no_return(cls) -> Optional[str]:
+        """The first group phase of :attr:`STEPS` that cannot be undone."""
+        return point_of_no_return(cls.STEPS)
 
     def stage(self, stage: str) -> list[Step]:
         """The steps of one stage of the one-shot run, in order."""
@@ -157,7 +299,7 @@ class StepRunner:
             self.step_started(s)
             signal_at.set_current(s.name)
             try:
-                with durable.polled(self, s.name):  # chunk-file progress, where it applies
+                with durable.polled(self, s.poll):  # chunk-file progress, where it applies
                     getattr(self, s.method)()
             finally:
                 signal_at.set_current(None)

@@ -29,16 +29,13 @@ run is over (:func:`end`), a committed snapshot's local copy is removed unless `
 from __future__ import annotations
 
 import dataclasses
-import os
-import pathlib
 import threading
 from typing import Optional
 
 from cuinterpose.agent.errors import AgentError, CheckpointFailed
-from cuinterpose.agent.run import durable, images
+from cuinterpose.agent.run import durable
 from cuinterpose.agent.run.report import fmt_bytes
-from cuinterpose.agent.snapshot import backends, chunks, store
-from cuinterpose.agent.snapshot import manifest as manifest_mod
+from cuinterpose.agent.snapshot import backends, chunks, snapdir, store
 from cuinterpose.agent.snapshot.backends.api import Progress, PushResult, StorageError
 
 UPLOAD_PHASE = "upload"
@@ -80,7 +77,7 @@ def prepare(cp) -> None:
     remote = getattr(cp, "remote", None)
     if remote is None:
         return
-    if (pathlib.Path(remote.local_dir) / manifest_mod.MANIFEST_NAME).exists():
+    if snapdir.SnapshotDir(remote.local_dir).exists(snapdir.MANIFEST):
         raise AgentError(
             UPLOAD_PHASE,
             f"the local copy {remote.local_dir} of a checkpoint to {remote.location} holds a "
@@ -223,9 +220,9 @@ def end(cp, keep_pin: bool = False) -> None:
         return
     up.dropped = True
     try:
-        if os.path.lexists(cp.images_dir):
+        if snapdir.SnapshotDir(cp.images_dir).exists():
             store.delete(cp.images_dir)
-        images.remove_empty(getattr(cp, "created_dirs", []) or [])
+        snapdir.remove_empty(getattr(cp, "created_dirs", []) or [])
     except AgentError as e:
         cp.r.note(f"warning: the local copy {cp.images_dir} could not be removed: {e.reason}")
 

@@ -22,16 +22,14 @@ long enough for each ref); ``chunks/`` then holds no shared file. Nothing is mod
 
 from __future__ import annotations
 
-import os
-import pathlib
 import re
 import stat
 
 from cuinterpose.agent.errors import SnapshotError
 from cuinterpose.agent.snapshot import store
-from cuinterpose.coordinator.protocol import CHUNK_CHECKSUMS
+from cuinterpose.agent.snapshot.snapdir import CHUNKS, GPU_PREFIX, SnapshotDir, pack_rel, shared_rel
+from cuinterpose.coordinator.protocol import CHUNK_CHECKSUMS, chunk_bytes_ok
 
-CHUNKS_DIR = "chunks"
 LOCAL_KEYS = ("directory", "private")
 _HEX32 = re.compile(r"^[0-9a-f]{32}$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -103,7 +101,7 @@ def _store_shape(snapshot, s: dict, cb: int) -> None:
 def _check_packs(snapshot, ch: dict, streams: list[dict]) -> None:
     """Every pack a store snapshot reads is a regular file in the store: its own packs of
     the stream's size, the others long enough for each ref."""
-    pd = store.packs_dir(store.root_of(snapshot))
+    snap = SnapshotDir(snapshot)
     cb = ch["chunk_bytes"]
     own = {s["pack"]: s["bytes"] for s in streams}
     ends: dict[str, int] = {}
@@ -111,9 +109,9 @@ def _check_packs(snapshot, ch: dict, streams: list[dict]) -> None:
         for i, name, off in s["refs"]:
             ends[name] = max(ends.get(name, 0), off + min(cb, s["bytes"] - i * cb))
     for name in sorted(set(own) | set(ends)):
-        p = pd / name
+        p = snap.file(pack_rel(name))
         try:
-            st = os.lstat(p)
+            st = snap.lstat(pack_rel(name))
         except FileNotFoundError:
             raise _refuse(snapshot, f"chunk store pack {p} is missing") from None
         if not stat.S_ISREG(st.st_mode):
@@ -140,7 +138,7 @@ def _shape(snapshot, ch) -> list[dict]:
             + ", ...}",
         )
     cb = ch.get("chunk_bytes")
-    if type(cb) is not int or cb < 1 << 16 or cb > 1 << 30 or cb & (cb - 1):
+    if not chunk_bytes_ok(cb):
         raise _refuse(
             snapshot, f"field chunks.chunk_bytes {cb!r} is not a power of two from 64 KiB to 1 GiB"
         )
@@ -160,10 +158,10 @@ def _shape(snapshot, ch) -> list[dict]:
             raise _refuse(snapshot, f"stream {s.get('file')!r}: bad kind, pid, alloc_id or bytes")
         if store_mode:
             _store_shape(snapshot, s, cb)
-        elif s.get("file") != f"{CHUNKS_DIR}/shared-{pid}-{aid}.bin":
+        elif s.get("file") != shared_rel(pid, aid):
             raise _refuse(
                 snapshot,
-                f"stream file {s.get('file')!r} is not {CHUNKS_DIR}/shared-{pid}-{aid}.bin "
+                f"stream file {s.get('file')!r} is not {shared_rel(pid, aid)} "
                 "(derived from its pid and alloc_id)",
             )
         sums, zero = s.get("checksums"), s.get("zero")
@@ -188,7 +186,8 @@ def _shape(snapshot, ch) -> list[dict]:
 def check(snapshot, m: dict, carriers: list[dict]) -> None:
     """Refuse unless ``m["chunks"]`` and ``DIR/chunks/`` are what the capture's ``carriers``
     (``topology.carriers`` of its records) say (module docstring)."""
-    base = pathlib.Path(snapshot)
+    snap = SnapshotDir(snapshot)
+    base = snap.path
     ch = m.get("chunks")
     if ch is None and not carriers:
         return
@@ -214,9 +213,9 @@ def check(snapshot, m: dict, carriers: list[dict]) -> None:
     if "store" in ch:
         _check_packs(snapshot, ch, streams)
     listed = {s["file"]: s["bytes"] for s in streams if "file" in s}
-    top = base / CHUNKS_DIR
+    top = base / CHUNKS
     try:
-        st = os.lstat(top)
+        st = snap.lstat(CHUNKS)
     except FileNotFoundError:
         if listed:
             raise _refuse(snapshot, f"{top} is missing") from None
@@ -224,15 +223,15 @@ def check(snapshot, m: dict, carriers: list[dict]) -> None:
     if not stat.S_ISDIR(st.st_mode):
         raise _refuse(snapshot, f"{top} is not a directory (a symlink?)")
     found = set()
-    for name in sorted(os.listdir(top)):
-        p, rel = top / name, f"{CHUNKS_DIR}/{name}"
-        mode = os.lstat(p)
+    for name in snap.names(CHUNKS):
+        p, rel = top / name, f"{CHUNKS}/{name}"
+        mode = snap.lstat(rel)
         if not stat.S_ISREG(mode.st_mode):
             raise _refuse(
                 snapshot, f"{p} is not a regular file (a symlink, directory or special file)"
             )
         if rel not in listed:
-            if name.startswith("gpu-"):
+            if name.startswith(GPU_PREFIX):
                 continue  # the native backend's streams (their own check)
             raise _refuse(snapshot, f"{p} is not listed in the manifest's chunks.streams")
         if mode.st_size != listed[rel]:

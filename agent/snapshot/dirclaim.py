@@ -17,6 +17,11 @@ so nothing is written into a snapshot a restore only reads (its files and the di
 mtime stay as they are, and a read-only one can be locked too); a second restore or a delete
 of it is refused naming the holder's pid, read from /proc/locks (proc(5)).
 
+The names (``.cuinterpose-claim``, the temporary ``..cuinterpose-claim.<hex>.tmp``) are the
+snapshot directory's (agent/snapshot/snapdir.py): every function here takes its
+:class:`~cuinterpose.agent.snapshot.snapdir.SnapshotDir` (``snap.take_claim``,
+``snap.claim_holder``, ``snap.remove_stale_claim`` call them).
+
 Errors: :class:`~cuinterpose.agent.errors.SnapshotError` of phase ``images dir`` (or the
 phase given), naming the directory and the other run.
 """
@@ -34,7 +39,6 @@ from typing import Optional
 
 from cuinterpose.agent.errors import SnapshotError
 
-CLAIM_NAME = ".cuinterpose-claim"
 PHASE = "images dir"
 
 
@@ -60,19 +64,11 @@ def describe(rec: dict) -> str:
     return who + (f" ({', '.join(extra)})" if extra else "")
 
 
-def foreign(names) -> list[str]:
-    """``names`` (of a directory's entries) without the claim file and the temporary files
-    runs build their claims in, sorted."""
-    return sorted(
-        n for n in names if not n.startswith(CLAIM_NAME) and not n.startswith(f".{CLAIM_NAME}.")
-    )
-
-
-def _try_lock(path, how: int) -> tuple[int, bool]:
-    """Open the claim ``path`` (never through a symlink) and try its flock ``how``
+def _try_lock(snap, how: int) -> tuple[int, bool]:
+    """Open the claim of ``snap`` (never through a symlink) and try its flock ``how``
     (``LOCK_SH``/``LOCK_EX``) without waiting: (fd, True) when taken (its run is gone), (fd,
     False) when a live run holds it. OSError when it cannot be opened; the caller closes fd."""
-    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    fd = snap.open(snap.CLAIM, os.O_RDWR | os.O_NOFOLLOW)
     try:
         fcntl.flock(fd, how | fcntl.LOCK_NB)
         return fd, True
@@ -89,11 +85,11 @@ def _same_file(fd: int, path) -> bool:
     return (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino)
 
 
-def holder(images_dir) -> Optional[dict]:
-    """The record of the live run that holds a claim on ``images_dir`` (its flock is taken),
-    else None (no claim, or a stale one). Takes nothing."""
+def holder(snap) -> Optional[dict]:
+    """The record of the live run that holds a claim on the snapshot directory ``snap`` (its
+    flock is taken), else None (no claim, or a stale one). Takes nothing."""
     try:
-        fd, free = _try_lock(pathlib.Path(images_dir) / CLAIM_NAME, fcntl.LOCK_SH)
+        fd, free = _try_lock(snap, fcntl.LOCK_SH)
     except OSError:
         return None
     try:
@@ -103,14 +99,16 @@ def holder(images_dir) -> Optional[dict]:
 
 
 class DirClaim:
-    """This run's claim on ``images_dir`` (an existing directory). ``run_id``: the run's
+    """This run's claim on the snapshot directory ``snap`` (a SnapshotDir of an existing
+    directory). ``run_id``: the run's
     request id (the quiesce request and snapshot id); ``group``: its group request id, if any.
     Raises ``SnapshotError`` (phase :data:`PHASE`) when another live run holds the directory,
     or a stale claim lies beside other files (the dead run's partial snapshot)."""
 
-    def __init__(self, images_dir, run_id: str = "", group: str = "", phase: str = PHASE):
-        self.dir = pathlib.Path(images_dir)
-        self.path = self.dir / CLAIM_NAME
+    def __init__(self, snap, run_id: str = "", group: str = "", phase: str = PHASE):
+        self.snap = snap
+        self.dir = snap.path
+        self.path = snap.claim_path
         self.phase = phase
         self.record = {
             "pid": os.getpid(),
@@ -129,10 +127,10 @@ class DirClaim:
         raise SnapshotError(phase, f"{self.dir}: could not claim it after 16 tries (contended)")
 
     def _try_link(self) -> bool:
-        tmp = self.dir / f".{CLAIM_NAME}.{secrets.token_hex(8)}.tmp"
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        tmp = self.snap.claim_tmp(secrets.token_hex(8))
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
         try:
-            fd = os.open(tmp, flags, 0o600)
+            fd = self.snap.open(tmp, flags, 0o600)
         except OSError as e:
             raise SnapshotError(
                 self.phase, f"{self.dir} is not writable: {e.strerror or e}"
@@ -141,14 +139,14 @@ class DirClaim:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: nobody else has it
             os.write(fd, json.dumps(self.record).encode())
-            os.link(tmp, self.path)
+            os.link(self.snap.file(tmp), self.path)
             linked = True
         except FileExistsError:
             pass
         except OSError as e:
             raise SnapshotError(self.phase, f"cannot claim {self.dir}: {e.strerror or e}") from None
         finally:
-            os.unlink(tmp)
+            os.unlink(self.snap.file(tmp))
             if not linked:
                 os.close(fd)
         if not linked:
@@ -161,7 +159,7 @@ class DirClaim:
         remove it when it is stale and alone (under its own lock, checked to still be the
         file at the name, so a racing run never removes a fresh claim)."""
         try:
-            fd, free = _try_lock(self.path, fcntl.LOCK_EX)
+            fd, free = _try_lock(self.snap, fcntl.LOCK_EX)
         except FileNotFoundError:
             return  # released meanwhile: try again
         except OSError as e:
@@ -178,7 +176,7 @@ class DirClaim:
                 )
             if not _same_file(fd, self.path):
                 return  # removed or replaced meanwhile: look again
-            others = foreign(os.listdir(self.dir))
+            others = self.snap.foreign()
             if others:
                 raise SnapshotError(
                     self.phase,
@@ -216,13 +214,13 @@ class DirClaim:
         self.fd = -1
 
 
-def remove_stale(images_dir, run_id: str) -> bool:
-    """Remove the claim of ``images_dir`` left by run ``run_id`` whose agent died (a
-    ``release`` finishing its rollback); a live run's claim or another run's is left. True
-    when one was removed."""
-    path = pathlib.Path(images_dir) / CLAIM_NAME
+def remove_stale(snap, run_id: str) -> bool:
+    """Remove the claim of the snapshot directory ``snap`` left by run ``run_id`` whose agent
+    died (a ``release`` finishing its rollback); a live run's claim or another run's is left.
+    True when one was removed."""
+    path = snap.claim_path
     try:
-        fd, free = _try_lock(path, fcntl.LOCK_EX)
+        fd, free = _try_lock(snap, fcntl.LOCK_EX)
     except OSError:
         return False
     try:

@@ -1,14 +1,10 @@
-"""Snapshot directory and manifest (docs/snapshot-format.md).
+"""The manifest of a snapshot (docs/snapshot-format.md).
 
-A snapshot is one directory::
-
-    DIR/
-      criu/<root-pid>/...      CRIU images, one directory per process tree
-      manifest.json            written last: a directory without it is not a snapshot
-
-The manifest is JSON; its protobuf schema, ``cuinterpose.v1.Manifest`` (proto/, mapped by
-agent/snapshot/pb.py), has the same field names. It is written atomically:
-``manifest.json.tmp``, fsync, rename, fsync of the directory.
+A snapshot is one directory (its layout, and every file operation on it:
+agent/snapshot/snapdir.py); ``manifest.json`` is written last: a directory without it is not
+a snapshot. The manifest is JSON; its protobuf schema, ``cuinterpose.v1.Manifest`` (proto/,
+mapped by agent/snapshot/pb.py), has the same field names. It is written atomically
+(``SnapshotDir.write_manifest``: ``manifest.json.tmp``, fsync, rename, fsync of the directory).
 
 :func:`load` refuses (``SnapshotError``) a missing manifest, bad JSON, an unknown format or
 version, and missing fields; :func:`check_shim` refuses a shim whose SHA-256 differs;
@@ -19,7 +15,6 @@ anything: a refused snapshot is left exactly as it was.
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import os
 import pathlib
@@ -27,11 +22,11 @@ from typing import Any
 
 from cuinterpose.agent.errors import AgentError, SnapshotError
 from cuinterpose.agent.snapshot import trust
+from cuinterpose.agent.snapshot.durability import hash_threads, sha256_fd
+from cuinterpose.agent.snapshot.snapdir import MANIFEST, SnapshotDir, criu_rel
 
 FORMAT = "cuinterpose-snapshot"
 FORMAT_VERSION = 1
-MANIFEST_NAME = "manifest.json"
-CRIU_DIR = "criu"
 
 REQUIRED = (
     "format",
@@ -56,14 +51,9 @@ def utc_now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-def criu_dir(snapshot: os.PathLike | str, root: int) -> pathlib.Path:
-    """Where the CRIU images of the tree rooted at ``root`` go: ``DIR/criu/<root>``."""
-    return pathlib.Path(snapshot) / CRIU_DIR / str(root)
-
-
 def sha256_file(path: os.PathLike | str) -> str:
-    """SHA-256 (hex) of a file's bytes: the digest a snapshot records of the shim and of each
-    CRIU image."""
+    """SHA-256 (hex) of a file's bytes (the shim's, which a snapshot records; a snapshot's own
+    files are hashed through its SnapshotDir)."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         return sha256_fd(fd)
@@ -71,41 +61,19 @@ def sha256_file(path: os.PathLike | str) -> str:
         os.close(fd)
 
 
-#: bytes read per ``readv`` while hashing (hashlib releases the GIL on buffers this large, so
-#: the threads of :func:`verify_images` and agent/run/durable.py hash in parallel)
-HASH_BLOCK = 1 << 20
-
-
-def sha256_fd(fd: int, on_bytes=None) -> str:
-    """SHA-256 (hex) of what is left to read on ``fd``, read in :data:`HASH_BLOCK` pieces;
-    ``on_bytes(n)`` after each piece of ``n`` bytes. Raises ``OSError`` from the reads."""
-    h = hashlib.sha256()
-    buf = bytearray(HASH_BLOCK)
-    view = memoryview(buf)
-    while True:
-        n = os.readv(fd, [buf])
-        if not n:
-            return h.hexdigest()
-        h.update(view[:n])
-        if on_bytes is not None:
-            on_bytes(n)
-
-
 def image_files(snapshot: os.PathLike | str) -> dict[str, dict]:
     """{relative path under DIR: {"sha256": hex, "bytes": size}} for every file under ``criu/``
     (one serial pass; a checkpoint gets these from its ``sync`` phase instead, where each image
-    is hashed once, in parallel, as it is fsynced: agent/run/durable.py)."""
-    base = pathlib.Path(snapshot)
+    is hashed once, in parallel, as it is fsynced: ``SnapshotDir.sync``)."""
+    snap = SnapshotDir(snapshot)
     out = {}
-    for p in image_paths(base):
-        out[str(p.relative_to(base))] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+    for rel in snap.image_files():
+        fd = snap.open(rel, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            out[rel] = {"sha256": sha256_fd(fd), "bytes": os.fstat(fd).st_size}
+        finally:
+            os.close(fd)
     return out
-
-
-def image_paths(snapshot: os.PathLike | str) -> list[pathlib.Path]:
-    """Every regular file (no symlink) under ``DIR/criu/``, sorted."""
-    base = pathlib.Path(snapshot) / CRIU_DIR
-    return [p for p in sorted(base.rglob("*")) if p.is_file() and not p.is_symlink()]
 
 
 def write(snapshot: os.PathLike | str, manifest: dict) -> pathlib.Path:
@@ -132,20 +100,19 @@ def write(snapshot: os.PathLike | str, manifest: dict) -> pathlib.Path:
     from cuinterpose.agent.snapshot import chunks
 
     chunks.normalize(manifest)  # the top-level "chunks" object from the capture
-    base = pathlib.Path(snapshot)
-    final = base / MANIFEST_NAME
-    tmp = base / (MANIFEST_NAME + ".tmp")
-    rewrite = final.is_file()
+    snap = SnapshotDir(snapshot)
+    final = snap.manifest_path
+    rewrite = snap.has_manifest()
     data = json.dumps(trust.sign(manifest), indent=2, sort_keys=True).encode() + b"\n"
     try:
-        _write_atomically(base, tmp, final, data)
+        snap.write_manifest(data)
     except OSError as e:
         if not rewrite:
             # the rename may have happened and only the directory's fsync failed: a first
             # manifest that is not known to be durable is no manifest (the checkpoint fails and
             # rolls back, so no manifest.json may say the snapshot is complete)
             try:
-                os.unlink(final)
+                snap.remove_manifest()
             except OSError:
                 pass
         if rewrite:
@@ -204,51 +171,19 @@ def native_problem(m: dict) -> str | None:
     return None
 
 
-def _write_atomically(base: pathlib.Path, tmp: pathlib.Path, final: pathlib.Path, data: bytes):
-    """``data`` into ``tmp``, fsync, rename onto ``final``, fsync of ``base``. On a failure
-    before the rename ``tmp`` is removed (``O_EXCL`` after removing a stale one: no other
-    file is written through a planted ``tmp``) and the ``OSError`` raised."""
-    try:
-        os.unlink(tmp)
-    except FileNotFoundError:
-        pass
-    # 0600: a snapshot is private to the agent's user (case 016)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(tmp, final)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    dfd = os.open(base, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
-
-
 def load(snapshot: os.PathLike | str) -> dict:
     """Read and validate ``DIR/manifest.json``; returns the manifest dict. Raises
     ``SnapshotError`` (phase "manifest") naming the path and what is wrong."""
-    base = pathlib.Path(snapshot)
-    path = base / MANIFEST_NAME
+    snap = SnapshotDir(snapshot)
+    base, path = snap.path, snap.manifest_path
     if not base.is_dir():
         raise SnapshotError("manifest", f"{base} is not a directory")
     try:
-        raw = path.read_bytes()
+        raw = snap.read_manifest()
     except FileNotFoundError:
         raise SnapshotError(
             "manifest",
-            f"{base} is not a snapshot: no {MANIFEST_NAME} "
+            f"{base} is not a snapshot: no {MANIFEST} "
             "(an interrupted checkpoint leaves the directory without it)",
         ) from None
     try:
@@ -375,7 +310,7 @@ def _shape_problem(m: dict):
     ):
         return "field criu.files must map each image path to {sha256 (string), bytes (int)}"
     for r in m["roots"]:
-        if not any(k.startswith(f"{CRIU_DIR}/{r}/") for k in files):
+        if not any(k.startswith(criu_rel(r) + "/") for k in files):
             return f"field criu.files lists no CRIU image of tree {r}"
     # optional (absent in manifests written before restores into a placement existed)
     if "external_pipes" in m and not (
@@ -470,23 +405,28 @@ def verify_images(
     default :func:`hash_threads`), each once; ``on_bytes(n)`` (from the hashing threads) after
     every ``n`` bytes read. Raises ``SnapshotError`` (``phase``: restore's ``verify``) naming
     the file (the first in path order that is wrong); reads only."""
+    import stat
     from concurrent.futures import ThreadPoolExecutor
 
-    base = pathlib.Path(snapshot)
+    snap = SnapshotDir(snapshot)
+    base = snap.path
     try:
-        trust.check_image_set(base, m)
+        trust.check_image_set(snap, m)
     except SnapshotError as e:
         raise SnapshotError(phase, e.reason, pid=e.pid) from None
     listed = sorted(m["criu"].get("files", {}).items())
     for rel, meta in listed:
-        p = base / rel
-        if not p.is_file() or p.is_symlink():
-            raise SnapshotError(phase, f"CRIU image {p} listed in the manifest is missing")
-        if p.stat().st_size != meta["bytes"]:
-            raise _bad_image(p, phase)
+        try:
+            st = snap.lstat(rel)
+        except OSError:
+            st = None
+        if st is None or not stat.S_ISREG(st.st_mode):
+            raise SnapshotError(phase, f"CRIU image {base / rel} listed in the manifest is missing")
+        if st.st_size != meta["bytes"]:
+            raise _bad_image(base / rel, phase)
 
     def digest(rel: str) -> str:
-        fd = os.open(base / rel, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = snap.open(rel, os.O_RDONLY | os.O_NOFOLLOW)
         try:
             return sha256_fd(fd, on_bytes)
         finally:
@@ -500,16 +440,7 @@ def verify_images(
     return sum(meta["bytes"] for _, meta in listed)
 
 
-def hash_threads() -> int:
-    """Threads that hash (and fsync) snapshot files: the CPUs this process may run on, 2..8."""
-    try:
-        n = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        n = os.cpu_count() or 2
-    return max(2, min(8, n))
-
-
-def _bad_image(p: pathlib.Path, phase: str) -> SnapshotError:
+def _bad_image(p, phase: str) -> SnapshotError:
     return SnapshotError(
         phase,
         f"CRIU image {p} has a bad checksum (sha256/size differ "

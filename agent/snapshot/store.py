@@ -40,26 +40,27 @@ import os
 import pathlib
 import re
 import secrets
-import shutil
 import stat
 import time
 from typing import Iterator
 
-from cuinterpose.agent import paths
 from cuinterpose.agent.errors import AgentError
-from cuinterpose.agent.snapshot import dirclaim
+from cuinterpose.agent.snapshot import dirclaim, snapdir
+from cuinterpose.agent.snapshot.snapdir import MANIFEST, SnapshotDir
 from cuinterpose.coordinator.protocol import DEFAULT_CHUNK_CHECKSUM
 
 PHASE = "chunk store"
-STORE_DIR = ".cuinterpose-store"
-PACKS_DIR = "packs"
-LOCK_NAME = "lock"
-PINS_DIR = "pins"
+#: the names (agent/snapshot/snapdir.py owns them)
+STORE_DIR, PACKS_DIR, LOCK_NAME, PINS_DIR = (
+    snapdir.STORE,
+    snapdir.PACKS,
+    snapdir.STORE_LOCK,
+    snapdir.PINS,
+)
 #: ``chunks.store`` of a manifest whose streams are packs: the packs directory, relative to
 #: the snapshot directory
-STORE_REL = f"../{STORE_DIR}/{PACKS_DIR}"
+STORE_REL = snapdir.STORE_REL
 PACK_RE = re.compile(r"^[0-9a-f]{16}-shared-[0-9]+-[0-9a-f]{32}\.bin$")
-MANIFEST_NAME = "manifest.json"
 FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02  # linux/falloc.h
 LOCK_TIMEOUT_S = 60.0
 
@@ -67,7 +68,7 @@ LOCK_TIMEOUT_S = 60.0
 def root_of(images_dir) -> pathlib.Path:
     """The snapshot root of ``images_dir``: the parent of its canonical path
     (``paths.canonical``)."""
-    return pathlib.Path(paths.canonical(images_dir)).parent
+    return SnapshotDir(images_dir).root
 
 
 def packs_dir(root) -> pathlib.Path:
@@ -155,15 +156,15 @@ def manifests(root, skip=None) -> Iterator[tuple[pathlib.Path, dict | None]]:
     """(snapshot directory, its manifest, or None when it cannot be read) for every
     sub-directory of ``root`` holding ``manifest.json`` but ``skip``, by name."""
     try:
-        subs = sorted(p for p in pathlib.Path(root).iterdir() if p.is_dir() and p.name != STORE_DIR)
+        subs = snapdir.children(root)
     except OSError as e:
         raise AgentError(PHASE, f"{root} cannot be read: {e.strerror or e}") from None
-    for d in subs:
-        f = d / MANIFEST_NAME
-        if not f.is_file() or (skip is not None and d == skip):
+    for snap in subs:
+        d = snap.path
+        if not snap.has_manifest() or (skip is not None and d == skip):
             continue
         try:
-            yield d, json.loads(f.read_text())
+            yield d, json.loads(snap.read_manifest())
         except (OSError, ValueError):
             yield d, None
 
@@ -201,7 +202,7 @@ def live(root, skip=None) -> dict[str, list[tuple[int, int]]]:
         if m is None:
             raise AgentError(
                 PHASE,
-                f"{d / MANIFEST_NAME} cannot be read: the chunks it refers to are unknown, so "
+                f"{d / MANIFEST} cannot be read: the chunks it refers to are unknown, so "
                 "no pack is collected; repair or remove that snapshot first",
             )
         if not uses_store(m):
@@ -214,7 +215,7 @@ def live(root, skip=None) -> dict[str, list[tuple[int, int]]]:
         except BAD_SHAPE as e:
             raise AgentError(
                 PHASE,
-                f"{d / MANIFEST_NAME}: bad chunks object ({type(e).__name__}: {e}); no pack is "
+                f"{d / MANIFEST}: bad chunks object ({type(e).__name__}: {e}); no pack is "
                 "collected",
             ) from None
     return out
@@ -259,7 +260,8 @@ def _trusted(d: pathlib.Path, m: dict, check_mac) -> bool:
     this uid and writable by nobody else, and ``check_mac(d, m)`` (agent/snapshot/trust.py
     ``check_mac``: with a node key, a valid MAC) does not raise. Another is simply not used
     (its chunks are written again)."""
-    for p in (d, d / MANIFEST_NAME):
+    snap = SnapshotDir(d)
+    for p in (snap.path, snap.manifest_path):
         try:
             st = os.lstat(p)
         except OSError:
@@ -444,10 +446,11 @@ def delete(images_dir) -> dict:
     not free or the store cannot be collected."""
     if not str(images_dir or ""):
         raise AgentError("delete", "no snapshot directory given (an empty path); nothing removed")
-    d = pathlib.Path(paths.canonical(images_dir))
+    snap = SnapshotDir.canonical(images_dir)
+    d = snap.path
     if not os.path.lexists(d):
         raise AgentError("delete", f"{d} does not exist; nothing removed")
-    busy = dirclaim.holder(d)
+    busy = snap.claim_holder()
     if busy is not None:
         raise AgentError(
             "delete",
@@ -455,21 +458,22 @@ def delete(images_dir) -> dict:
         )
     if not d.is_dir() or d.is_symlink():
         raise AgentError("delete", f"{d} is not a snapshot directory; nothing removed")
-    if not (d / MANIFEST_NAME).is_file() or (d / MANIFEST_NAME).is_symlink():
-        raise AgentError("delete", f"{d} holds no manifest.json: not a snapshot; nothing removed")
+    if not snap.has_manifest(follow=False):
+        raise AgentError("delete", f"{d} holds no {MANIFEST}: not a snapshot; nothing removed")
     # refused while a restore reads it; held while the directory goes: a restore starting now
     # is refused naming this delete
-    claim = dirclaim.SnapshotLock(d, phase="delete", kind="delete")
+    claim = snap.lock(phase="delete", kind="delete")
     try:
-        return _delete(d)
+        return _delete(snap)
     finally:
         claim.release()
 
 
-def _delete(d: pathlib.Path) -> dict:
+def _delete(snap: SnapshotDir) -> dict:
+    d = snap.path
     root = d.parent
     if not os.path.lexists(root / STORE_DIR):  # no chunk store: nothing refers to its bytes
-        _remove(d)
+        _remove(snap)
         return {
             "deleted": str(d),
             "packs_removed": 0,
@@ -480,23 +484,17 @@ def _delete(d: pathlib.Path) -> dict:
     with Lock(root, exclusive=True) as lk:
         live(root, skip=d)  # refuses before anything is removed
         pinned_packs(root)
-        _remove(d)
+        _remove(snap)
         return {"deleted": str(d), **collect(root, lock=lk)}
 
 
-def _remove(d: pathlib.Path) -> None:
+def _remove(snap: SnapshotDir) -> None:
     try:
-        (d / MANIFEST_NAME).unlink()
-        _fsync_dir(d)
-        shutil.rmtree(d)
-        _fsync_dir(d.parent)
+        snap.delete()
     except OSError as e:
-        raise AgentError(PHASE, f"removing {d} failed: {e.strerror} (errno {e.errno})") from None
+        raise AgentError(
+            PHASE, f"removing {snap.path} failed: {e.strerror} (errno {e.errno})"
+        ) from None
 
 
-def _fsync_dir(d) -> None:
-    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+_fsync_dir = snapdir.fsync_dir

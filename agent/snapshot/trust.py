@@ -30,9 +30,9 @@ import stat
 from typing import Optional
 
 from cuinterpose.agent.errors import SnapshotError
-from cuinterpose.coordinator.protocol import CHUNK_CHECKSUMS
+from cuinterpose.agent.snapshot.snapdir import CRIU, SnapshotDir, criu_rel, gpu_rel
+from cuinterpose.coordinator.protocol import CHUNK_CHECKSUMS, chunk_bytes_ok
 
-CRIU_DIR = "criu"
 MAC_ALG = "hmac-sha256"
 #: the environment variable naming the node key file (set by ``--manifest-key`` and
 #: ``manifestKeyFile``; read by every manifest write and load of this process)
@@ -144,14 +144,14 @@ def path_problem(m: dict) -> Optional[str]:
     roots = {str(r) for r in m["roots"]}
     trees = m["criu"].get("trees", {})
     if not isinstance(trees, dict) or any(
-        k not in roots or v != f"{CRIU_DIR}/{k}" for k, v in trees.items()
+        k not in roots or v != criu_rel(k) for k, v in trees.items()
     ):
-        return f"field criu.trees must map each root to {CRIU_DIR}/<root>"
+        return f"field criu.trees must map each root to {CRIU}/<root>"
     for rel in m["criu"]["files"]:
         parts = rel.split("/") if isinstance(rel, str) else []
-        if _bad_rel(rel) or len(parts) < 3 or parts[0] != CRIU_DIR or parts[1] not in roots:
+        if _bad_rel(rel) or len(parts) < 3 or parts[0] != CRIU or parts[1] not in roots:
             return (
-                f"field criu.files names {rel!r}, not a file under {CRIU_DIR}/<root>/ "
+                f"field criu.files names {rel!r}, not a file under {CRIU}/<root>/ "
                 "(no '..', no absolute path)"
             )
     return None
@@ -161,39 +161,36 @@ def check_image_set(snapshot, m: dict) -> None:
     """The entries under ``criu/`` (walked without following links) must be exactly the
     directories of ``criu.files`` and its regular files; refuses naming the first extra or
     missing entry, a symlink, or a ``criu`` that is not a directory."""
-    base = pathlib.Path(snapshot)
+    snap = SnapshotDir(snapshot)
+    base = snap.path
     listed = set(m["criu"]["files"])
     dirs = {"/".join(r.split("/")[:i]) for r in listed for i in range(1, r.count("/") + 1)}
-    top = base / CRIU_DIR
+    top = base / CRIU
     try:
-        st = os.lstat(top)
+        st = snap.lstat(CRIU)
     except FileNotFoundError:
         raise SnapshotError("manifest", f"{top} is missing") from None
     if not stat.S_ISDIR(st.st_mode):
         raise SnapshotError("manifest", f"{top} is not a directory (a symlink?); restore refused")
-    found_files, found_dirs = set(), {CRIU_DIR}
-    for d, subdirs, files in os.walk(top, followlinks=False):
-        for name in subdirs + files:
-            p = os.path.join(d, name)
-            rel = os.path.relpath(p, base)
-            mode = os.lstat(p).st_mode
-            if stat.S_ISDIR(mode):
-                found_dirs.add(rel)
-            elif stat.S_ISREG(mode):
-                found_files.add(rel)
-            else:
-                raise SnapshotError(
-                    "manifest",
-                    f"{p} is not a regular file or directory (a symlink or special file "
-                    "in the CRIU images); restore refused, snapshot untouched",
-                )
+    found_files, found_dirs = set(), {CRIU}
+    for rel, mode in snap.walk(CRIU):
+        if stat.S_ISDIR(mode):
+            found_dirs.add(rel)
+        elif stat.S_ISREG(mode):
+            found_files.add(rel)
+        else:
+            raise SnapshotError(
+                "manifest",
+                f"{base / rel} is not a regular file or directory (a symlink or special file "
+                "in the CRIU images); restore refused, snapshot untouched",
+            )
     extra = sorted((found_files - listed) | (found_dirs - dirs))
     if extra:
         raise SnapshotError(
             "manifest",
             f"{base / extra[0]} is not listed in the manifest's criu.files "
             f"({len(extra)} unlisted entr{'y' if len(extra) == 1 else 'ies'} under "
-            f"{CRIU_DIR}/); restore refused, snapshot untouched",
+            f"{CRIU}/); restore refused, snapshot untouched",
         )
     missing = sorted(listed - found_files)
     if missing:
@@ -239,9 +236,9 @@ def check_control_dir(snapshot, m: dict) -> None:
     checkpointed in a foreign mount namespace (the images hold that namespace's paths)."""
     if not m["participants"] or any(n.get("foreign_mnt") for n in m.get("namespaces", [])):
         return
-    base = pathlib.Path(snapshot)
+    snap = SnapshotDir(snapshot)
     blobs = [
-        (base / rel).read_bytes()
+        snap.read_bytes(rel)
         for rel in sorted(m["criu"]["files"])
         if not rel.rsplit("/", 1)[-1].startswith("pages-")
     ]
@@ -271,7 +268,8 @@ def check_chunks(snapshot, m: dict, from_records: list[dict]) -> None:
 
 def check_gpu_storage(base: os.PathLike | str, m: dict) -> None:
     """The manifest's ``gpu_storage`` record is well formed and its files are there: mode
-    "custom" or "host"; ``chunk_bytes`` a power of two ≥ 64 KiB; ``checksum`` "blake2b-256" or "sha256";
+    "custom" or "host"; ``chunk_bytes`` a power of two from 64 KiB to 1 GiB (the limits of
+    every chunk stream, ``ChunkSettings``); ``checksum`` "blake2b-256" or "sha256";
     each stream ``{"file", "kind": "gpu", "pid", "ordinal", "bytes", "zero", "checksums"}`` with
     ``file`` derived (``chunks/gpu-<pid>-<ordinal>.bin``), ``pid`` one of ``cuda_pids``, one
     stream per (pid, ordinal), ``ceil(bytes / chunk_bytes)`` checksums (64 hex digits, null
@@ -287,8 +285,8 @@ def check_gpu_storage(base: os.PathLike | str, m: dict) -> None:
     if not isinstance(rec, dict) or rec.get("mode") not in ("custom", "host"):
         raise bad("is not a record with mode custom or host")
     cb = rec.get("chunk_bytes")
-    if not isinstance(cb, int) or cb < (64 << 10) or cb & (cb - 1):
-        raise bad(f"chunk_bytes {cb!r} is not a power of two >= 65536")
+    if not chunk_bytes_ok(cb):
+        raise bad(f"chunk_bytes {cb!r} is not a power of two from 64 KiB to 1 GiB")
     if rec.get("checksum") not in CHUNK_CHECKSUMS:
         raise bad(f"checksum {rec.get('checksum')!r} is not one of {sorted(CHUNK_CHECKSUMS)}")
     streams = rec.get("streams")
@@ -307,7 +305,7 @@ def check_gpu_storage(base: os.PathLike | str, m: dict) -> None:
         if (pid, ordinal) in seen:
             raise bad(f"streams[{i}] repeats pid {pid} ordinal {ordinal}")
         seen.add((pid, ordinal))
-        want = f"chunks/gpu-{pid}-{ordinal}.bin"
+        want = gpu_rel(pid, ordinal)
         if s.get("file") != want:
             raise bad(f"streams[{i}] file {s.get('file')!r} is not {want!r}")
         sums, zero = s.get("checksums"), s.get("zero")
@@ -321,9 +319,10 @@ def check_gpu_storage(base: os.PathLike | str, m: dict) -> None:
                 not isinstance(c, str) or len(c) != 64 or c.strip("0123456789abcdef")
             ):
                 raise bad(f"streams[{i}] ({want}) checksum {j} is not 64 hex digits")
-        p = pathlib.Path(base) / want
+        snap = SnapshotDir(base)
+        p = snap.file(want)
         try:
-            st = os.lstat(p)
+            st = snap.lstat(want)
         except OSError:
             raise bad(f"stream file {p} is missing") from None
         if not stat.S_ISREG(st.st_mode) or st.st_size != nbytes:

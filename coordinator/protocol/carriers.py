@@ -66,6 +66,8 @@ __all__ = [
     "FD_GROUP_FLUSH_S",
     "parse_chunk_table",
     "check_carrier_params",
+    "chunk_bytes_ok",
+    "ChunkSettings",
 ]
 
 CUI_STREAM_FDS_PER_MSG = 64
@@ -113,7 +115,8 @@ def chunk_digest(name: str, data) -> bytes:
     return hashlib.blake2b(data, digest_size=32).digest()
 
 
-#: the agent's defaults (docs/snapshot-format.md "chunks"; issue 12 chunk format)
+#: the defaults of :class:`ChunkSettings` (docs/snapshot-format.md "chunks"; issue 12 chunk
+#: format), pinned to protocol.h's CUI_DEFAULT_* by tests/coordinator/test_protocol.py
 DEFAULT_CHUNK_BYTES = 8 << 20
 DEFAULT_STAGING_BYTES = 64 << 20  # 8 slots of 8 MiB: 2 per writer (bench/datapath.py)
 DEFAULT_WRITERS = 4
@@ -132,6 +135,11 @@ _SOURCE = struct.Struct(FORMATS["cui_source_entry"])
 _REF = struct.Struct(FORMATS["cui_chunk_ref"])
 
 
+def chunk_bytes_ok(cb) -> bool:
+    """``cb`` is a chunk size protocol.h allows: an int, a power of two in [64 KiB, 1 GiB]."""
+    return type(cb) is int and CUI_CHUNK_MIN <= cb <= CUI_CHUNK_MAX and not cb & (cb - 1)
+
+
 def check_carrier_params(
     chunk_bytes: int, staging_bytes: int, writers: int, names: dict | None = None
 ) -> None:
@@ -141,7 +149,7 @@ def check_carrier_params(
     keys (e.g. ``{"staging_bytes": "--staging-bytes (the default)"}``); default the keys."""
     n = {k: k for k in ("chunk_bytes", "staging_bytes", "writers")} | (names or {})
     cb, sb = int(chunk_bytes), int(staging_bytes)
-    if cb < CUI_CHUNK_MIN or cb > CUI_CHUNK_MAX or cb & (cb - 1):
+    if not chunk_bytes_ok(cb):
         raise ValueError(
             f"{n['chunk_bytes']} {cb} must be a power of two from {CUI_CHUNK_MIN} to "
             f"{CUI_CHUNK_MAX} bytes (64 KiB to 1 GiB)"
@@ -153,6 +161,53 @@ def check_carrier_params(
         )
     if not 1 <= int(writers) <= CUI_WRITERS_MAX:
         raise ValueError(f"{n['writers']} {writers} must be 1..{CUI_WRITERS_MAX}")
+
+
+@dataclass(frozen=True)
+class ChunkSettings:
+    """How chunk streams are written and read: one value for both writers of the chunk
+    format, the shim's (SAVE/LOAD_ALLOCATIONS carry ``chunk_bytes``, ``staging_bytes``,
+    ``writers`` and the checksum flag: :func:`carrier_reserved`, coordinator/carrierfiles.py)
+    and the agent's GPU custom storage (agent/mech/gpustore.py ``Options``).
+
+    ``chunk_bytes``: bytes per chunk, a power of two from 64 KiB to 1 GiB; ``staging_bytes``:
+    the staging memory per process (the shim's ring) or per stream (the GPU writer's slots),
+    bytes, from ``chunk_bytes`` to 64 GiB; ``writers``: threads that hash and write (read and
+    verify) chunks, 1..64; ``checksum``: the chunk checksum, a key of :data:`CHUNK_CHECKSUMS`.
+    The defaults are protocol.h's ``CUI_DEFAULT_*``. An instance is valid: construction raises
+    ``ValueError`` naming the value (:func:`check_carrier_params`, the one validation;
+    :meth:`of` names each value as the caller's user wrote it)."""
+
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    staging_bytes: int = DEFAULT_STAGING_BYTES
+    writers: int = DEFAULT_WRITERS
+    checksum: str = DEFAULT_CHUNK_CHECKSUM
+
+    def __post_init__(self):
+        for k in ("chunk_bytes", "staging_bytes", "writers"):
+            if type(getattr(self, k)) is not int:
+                raise ValueError(f"{k} {getattr(self, k)!r} is not an integer")
+        check_carrier_params(self.chunk_bytes, self.staging_bytes, self.writers)
+        chunk_checksum_flag(self.checksum)
+
+    @classmethod
+    def of(cls, names: dict | None = None, **values) -> "ChunkSettings":
+        """The settings ``values`` (the fields; a missing one takes its default), refused
+        (ValueError) with each field named as ``names`` spells it (:func:`check_carrier_params`)."""
+        d = cls()
+        v = {k: values.get(k, getattr(d, k)) for k in ("chunk_bytes", "staging_bytes", "writers")}
+        check_carrier_params(v["chunk_bytes"], v["staging_bytes"], v["writers"], names)
+        return cls(**v, checksum=values.get("checksum", d.checksum))
+
+    def as_dict(self) -> dict:
+        """{"chunk_bytes", "staging_bytes", "writers", "checksum"} (the ``.lock`` record,
+        ``CarrierFiles`` keyword arguments)."""
+        return {
+            "chunk_bytes": self.chunk_bytes,
+            "staging_bytes": self.staging_bytes,
+            "writers": self.writers,
+            "checksum": self.checksum,
+        }
 
 
 @dataclass(frozen=True)

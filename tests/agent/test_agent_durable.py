@@ -22,6 +22,7 @@ from cuinterpose.agent.run import checkpoint as cp_mod
 from cuinterpose.agent.run import durable
 from cuinterpose.agent.run import restore as rs_mod
 from cuinterpose.agent.run.report import Phase, Reporter
+from cuinterpose.agent.snapshot import durability, snapdir
 from cuinterpose.agent.snapshot import manifest as manifest_mod
 
 CHUNK = 65536
@@ -40,11 +41,11 @@ def _files_written_by_the_dump(world, monkeypatch):
     capture = coord.capture
     fake_criu = sys.modules["cuinterpose.agent.mech.criu"]
     dump = fake_criu.dump
-    pages = bytes(range(256)) * (3 * manifest_mod.HASH_BLOCK // 256 + 17)
+    pages = bytes(range(256)) * (3 * durability.HASH_BLOCK // 256 + 17)
 
     def capture_writing_chunks(self):
         cap = capture(self)
-        d = world.images_dir / durable.CHUNKS_DIR
+        d = world.images_dir / snapdir.CHUNKS
         d.mkdir()
         with open(d / f"shared-{PIDS[0]}-{ALLOC}.bin", "wb") as f:
             f.truncate(3 * CHUNK)
@@ -64,7 +65,7 @@ def _files_written_by_the_dump(world, monkeypatch):
 
 
 def _record_fsyncs(world, monkeypatch, fail_on=None):
-    real = durable._fsync
+    real = durability._fsync
 
     def fsync(fd):
         path = _fd_path(fd)
@@ -73,7 +74,7 @@ def _record_fsyncs(world, monkeypatch, fail_on=None):
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         real(fd)
 
-    monkeypatch.setattr(durable, "_fsync", fsync)
+    monkeypatch.setattr(durability, "_fsync", fsync)
 
 
 def test_every_file_and_directory_is_synced_before_the_manifest_and_the_first_kill(
@@ -85,13 +86,13 @@ def test_every_file_and_directory_is_synced_before_the_manifest_and_the_first_ki
     _record_fsyncs(world, monkeypatch)
     hashed = collections.Counter()
     rep = Reporter()
-    sha256_fd = manifest_mod.sha256_fd
+    sha256_fd = durability.sha256_fd
 
     def counting(fd, on_bytes=None):
         hashed[(_fd_path(fd), rep.phases[-1].name)] += 1
         return sha256_fd(fd, on_bytes)
 
-    monkeypatch.setattr(manifest_mod, "sha256_fd", counting)
+    monkeypatch.setattr(durability, "sha256_fd", counting)
     written = []
     write = manifest_mod.write
     monkeypatch.setattr(
@@ -245,11 +246,11 @@ def test_sync_progress_is_monotone_and_ends_at_the_total(tmp_path):
     snap = tmp_path / "snap"
     img = snap / "criu" / "7"
     img.mkdir(parents=True)
-    sizes = {"a.img": 3 * manifest_mod.HASH_BLOCK + 5, "b.img": 10, "c.img": 0}
+    sizes = {"a.img": 3 * durability.HASH_BLOCK + 5, "b.img": 10, "c.img": 0}
     for n, size in sizes.items():
         (img / n).write_bytes(os.urandom(size))
     seen = []
-    res = durable.sync_snapshot(snap, progress=lambda d, t: seen.append((d, t)), threads=3)
+    res = snapdir.SnapshotDir(snap).sync(progress=lambda d, t: seen.append((d, t)), threads=3)
     total = sum(sizes.values())
     assert res.bytes == total and {t for _, t in seen} == {total}
     assert [d for d, _ in seen] == sorted(d for d, _ in seen)  # counted under one lock
@@ -294,27 +295,26 @@ def test_the_chunk_poller_reports_written_bytes_of_the_streams(tmp_path):
 def test_the_chunk_poller_of_a_store_checkpoint_counts_only_its_own_packs(tmp_path):
     """Incremental (chunk store): the streams are the packs of this checkpoint's prefix; an
     older snapshot's pack in the same directory and DIR/chunks/ are not counted."""
-    packs = tmp_path / "packs"
-    packs.mkdir()
+    packs = tmp_path / ".cuinterpose-store" / "packs"
+    packs.mkdir(parents=True)
+    snap = tmp_path / "s"
     mine, older = "a" * 16 + "-", "b" * 16 + "-"
     with open(packs / f"{mine}shared-1-{ALLOC}.bin", "wb") as f:
         f.truncate(4 * CHUNK)
         os.pwrite(f.fileno(), b"\x07" * CHUNK, 0)
     (packs / f"{older}shared-1-{ALLOC}.bin").write_bytes(b"\x05" * 3 * CHUNK)
-    (tmp_path / "chunks").mkdir()
-    (tmp_path / "chunks" / f"shared-1-{ALLOC}.bin").write_bytes(b"\x01" * CHUNK)
-    poller = durable.ChunkProgress(
-        Reporter(), "SAVE_ALLOCATIONS", tmp_path, packs=(str(packs), mine)
-    )
+    (snap / "chunks").mkdir(parents=True)
+    (snap / "chunks" / f"shared-1-{ALLOC}.bin").write_bytes(b"\x01" * CHUNK)
+    poller = durable.ChunkProgress(Reporter(), "SAVE_ALLOCATIONS", snap, packs=mine)
     done, total = poller.measure()
     assert total == 4 * CHUNK and CHUNK <= done < 2 * CHUNK
     # restore: the named packs (its own, the others it refers to are read but not listed)
     poller = durable.ChunkProgress(
         Reporter(),
         "LOAD_ALLOCATIONS",
-        tmp_path,
+        snap,
         mode="read",
-        packs=(str(packs), {f"{older}shared-1-{ALLOC}.bin"}),
+        packs={f"{older}shared-1-{ALLOC}.bin"},
     )
     assert poller.measure() == (0, 3 * CHUNK)
 
@@ -350,7 +350,7 @@ def test_the_poller_counts_only_its_steps_streams_and_gives_way_to_the_real_row(
     """Helper review, stop 21: a step shorter than one poll showed its row twice (the
     coordinator's SAVE_ALLOCATIONS row, then the poller's transient one from its last poll),
     and "native checkpoint" got the shim carriers' bytes. Each poller counts its own prefix
-    (POLLED) and reports into the real row once the reporter has one."""
+    (its step row's ``poll``) and reports into the real row once the reporter has one."""
     d = tmp_path / "chunks"
     d.mkdir()
     (d / f"shared-1-{ALLOC}.bin").write_bytes(b"\x07" * CHUNK)
@@ -366,15 +366,23 @@ def test_the_poller_counts_only_its_steps_streams_and_gives_way_to_the_real_row(
     assert save.row is real and (real.bytes, real.total_bytes) == (CHUNK, CHUNK)
     assert [p.name for p in rep.phases] == ["INSPECT", "SAVE_ALLOCATIONS"]
     assert {i for ev, n, i in events if n == "SAVE_ALLOCATIONS"} == {id(real)}
-    assert durable.POLLED[("checkpoint", "capture")][2] == "shared-"
-    assert durable.POLLED[("checkpoint", "native checkpoint")][2] == "gpu-"
+    polls = {s.name: s.poll for s in cp_mod.Checkpoint.STEPS if s.poll}
+    assert polls == {
+        "capture": ("SAVE_ALLOCATIONS", "write", "shared-"),
+        "native checkpoint": ("native checkpoint", "write", "gpu-"),
+    }
+    polls = {s.name: s.poll for s in rs_mod.Restore.STEPS if s.poll}
+    assert polls == {
+        "native restore": ("native restore", "read", "gpu-"),
+        "restore shared": ("LOAD_ALLOCATIONS", "read", "shared-"),
+    }
 
 
 def test_restore_verify_is_its_own_phase_with_progress(tmp_path):
     snap = tmp_path / "snap"
-    d = manifest_mod.criu_dir(snap, 5)
+    d = snapdir.SnapshotDir(snap).criu_dir(5)
     d.mkdir(parents=True)
-    (d / "pages-1.img").write_bytes(os.urandom(2 * manifest_mod.HASH_BLOCK + 1))
+    (d / "pages-1.img").write_bytes(os.urandom(2 * durability.HASH_BLOCK + 1))
     (d / "core.img").write_bytes(b"c")
     rep = Reporter()
     rep.PROGRESS_EVERY_NS = 0
@@ -383,7 +391,7 @@ def test_restore_verify_is_its_own_phase_with_progress(tmp_path):
     got = []
     rep.sinks.append(lambda ev, ph: ev == "progress" and got.append((ph.bytes, ph.total_bytes)))
     rs.verify_images()
-    total = 2 * manifest_mod.HASH_BLOCK + 2
+    total = 2 * durability.HASH_BLOCK + 2
     assert [(p.name, p.status, p.bytes) for p in rep.phases] == [("verify", "ok", total)]
     assert got[-1] == (total, total) and [b for b, _ in got] == sorted(b for b, _ in got)
     assert rep.phases[0].detail == "2 CRIU images, sha256 as in the manifest"
@@ -397,9 +405,9 @@ def test_an_unreadable_file_fails_the_sync_naming_it(tmp_path, monkeypatch):
     def enospc(fd):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(durable, "_fsync", enospc)
+    monkeypatch.setattr(durability, "_fsync", enospc)
     with pytest.raises(AgentError) as ei:
-        durable.sync_snapshot(snap)
+        snapdir.SnapshotDir(snap).sync()
     assert ei.value.phase == "sync"
     assert ei.value.reason.startswith(
         f"fsync of {snap / 'criu' / '1' / 'core.img'} failed: No space left on device (errno 28)"
@@ -449,9 +457,9 @@ def test_a_snapshot_that_cannot_be_listed_fails_the_sync_naming_it(tmp_path, mon
             raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(p))
         return real(p, *a, **kw)
 
-    monkeypatch.setattr(durable.os, "lstat", lstat)
+    monkeypatch.setattr(snapdir.os, "lstat", lstat)
     with pytest.raises(AgentError) as ei:
-        durable.sync_snapshot(snap)
+        snapdir.SnapshotDir(snap).sync()
     assert (ei.value.phase, ei.value.reason.split(";")[0]) == (
         "sync",
         f"listing of {img} failed: No such file or directory (errno 2)",

@@ -14,6 +14,7 @@ import pytest
 from cuinterpose.agent.errors import SnapshotError
 from cuinterpose.agent.run.restore import Restore
 from cuinterpose.agent.snapshot import manifest
+from cuinterpose.agent.snapshot.snapdir import SnapshotDir
 
 
 def tree_digest(d: pathlib.Path) -> dict:
@@ -36,7 +37,7 @@ def sample(
     default: two pids shown free (case 018: a restore refuses a pid in use, and pid 100 may be
     a live thread on the machine that runs the suite)."""
     root, rank = pids or free_kit.free_pids(2)
-    img = manifest.criu_dir(snapshot, root)
+    img = SnapshotDir(snapshot).criu_dir(root)
     img.mkdir(parents=True)
     (img / f"core-{root}.img").write_bytes(b"core" * 100)
     # the file table binds participant rank's shim socket in the control dir (trust.py)
@@ -164,7 +165,7 @@ def test_restore_refuses_bad_image_checksum_and_leaves_snapshot_untouched(tmp_pa
     sha = hashlib.sha256(b"shim v2").hexdigest()
     m = sample(snap, shim_sha=sha, shim_path=str(installed_shim))
     manifest.write(snap, m)
-    img = manifest.criu_dir(snap, m["roots"][0]) / "pages-1.img"
+    img = SnapshotDir(snap).criu_dir(m["roots"][0]) / "pages-1.img"
     data = bytearray(img.read_bytes())
     data[7] ^= 0xFF
     img.write_bytes(bytes(data))

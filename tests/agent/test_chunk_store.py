@@ -260,7 +260,7 @@ def test_the_chunk_checksum_comes_from_the_cpu_the_environment_or_the_snapshot(
     info.write_text("flags\t\t: fpu sse2 ssse3 sse4_1 avx2\n")
     assert carriers.node_checksum(str(info), "x86_64") == "blake2b-256"
     assert carriers.node_checksum(str(tmp_path / "absent"), "x86_64") == "blake2b-256"
-    assert carriers.settings()["checksum"] == carriers.node_checksum()
+    assert carriers.settings().checksum == carriers.node_checksum()
     for name in ("sha256", "blake2b-256"):  # the option, from its variable
         o = CheckpointOptions.from_environ({"CUINTERPOSE_CHUNK_CHECKSUM": name})
         assert carriers.checkpoint_files(tmp_path / "s1", **o.chunk_settings()).checksum == name

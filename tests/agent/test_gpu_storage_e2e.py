@@ -28,6 +28,7 @@ import pytest
 from cuinterpose.agent.mech import gpustore
 from cuinterpose.agent.run import carriers
 from cuinterpose.coordinator import contract
+from cuinterpose.coordinator.protocol import ChunkSettings
 from cuinterpose.workloads.afdwin import demo
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "criu"))
@@ -36,7 +37,7 @@ from criu_helpers import wait_until  # noqa: E402
 HERE = pathlib.Path(__file__).resolve().parent
 MIB = 64
 N = MIB << 20
-CB = gpustore.DEFAULT_CHUNK_BYTES
+CB = ChunkSettings().chunk_bytes
 
 
 def pages_bytes(snap: pathlib.Path) -> int:

@@ -6,15 +6,19 @@ checksum), and the manifest checks."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 
 import pytest
 
-from cuinterpose.agent.errors import AgentError, SnapshotError
+from cuinterpose.agent.errors import SnapshotError
 from cuinterpose.agent.mech import gpustore
 from cuinterpose.agent.options import CheckpointOptions
+from cuinterpose.agent.run import carriers
 from cuinterpose.agent.snapshot import trust
+from cuinterpose.coordinator.carrierfiles import CarrierFiles
+from cuinterpose.coordinator.protocol import ChunkSettings
 
 CB = 64 << 10
 
@@ -33,10 +37,12 @@ def write(tmp_path, data: bytearray, **kw):
     path.parent.mkdir(exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     opts = gpustore.Options(
-        chunk_bytes=CB,
-        staging_bytes=kw.pop("staging", 2 * CB),
-        threads=4,
-        checksum=kw.pop("checksum", "blake2b-256"),
+        ChunkSettings(
+            chunk_bytes=CB,
+            staging_bytes=kw.pop("staging", 2 * CB),
+            writers=4,
+            checksum=kw.pop("checksum", "blake2b-256"),
+        )
     )
     try:
         rec = gpustore.write_stream(
@@ -101,9 +107,7 @@ def test_a_sha256_stream_round_trips_and_the_other_checksum_refuses(tmp_path):
             gpustore.MemoryRegion(back), fd, rec, opts=opts, phase="native restore"
         )
         assert back == data
-        other = gpustore.Options(
-            chunk_bytes=CB, staging_bytes=CB, threads=1, checksum="blake2b-256"
-        )
+        other = gpustore.Options(ChunkSettings(CB, CB, 1, "blake2b-256"))
         fresh = bytearray(b"\xee" * len(data))
         with pytest.raises(gpustore.GpuStoreError) as ei:
             gpustore.read_stream(
@@ -128,7 +132,7 @@ def test_a_bad_chunk_is_refused_before_use(tmp_path):
     have = hashlib.blake2b(bytes(raw[2 * CB : 3 * CB]), digest_size=32).hexdigest()
     back = bytearray(len(data))
     fd = os.open(path, os.O_RDONLY)
-    opts.threads = 1
+    opts = gpustore.Options(dataclasses.replace(opts.settings, writers=1))
     try:
         with pytest.raises(gpustore.GpuStoreError) as ei:
             gpustore.read_stream(
@@ -150,7 +154,7 @@ def test_a_failed_write_names_the_stream_and_errno():
     """/dev/full cannot be sized (EINVAL); a chunk write there fails ENOSPC
     (test_gpu_storage_e2e.py has the full disk end to end)."""
     fd = os.open("/dev/full", os.O_WRONLY)
-    opts = gpustore.Options(chunk_bytes=CB, staging_bytes=CB, threads=1)
+    opts = gpustore.Options(ChunkSettings(CB, CB, 1))
     try:
         with pytest.raises(gpustore.GpuStoreError) as ei:
             gpustore.write_stream(
@@ -171,26 +175,26 @@ def test_a_failed_write_names_the_stream_and_errno():
     )
 
 
-def test_chunk_and_staging_sizes(monkeypatch):
-    """The sizes are the checkpoint's options (their variables are read by the front ends,
-    agent/options.py): None takes the stream writer's defaults."""
-    assert gpustore.chunk_bytes() == 8 << 20
-    assert gpustore.chunk_bytes(1 << 20) == 1 << 20
-    with pytest.raises(AgentError) as ei:
-        gpustore.chunk_bytes(3 << 20)
-    assert ei.value.reason == f"chunk size {3 << 20} bytes: must be a power of two >= 65536"
-    assert gpustore.staging_bytes() == 256 << 20
-    assert gpustore.staging_bytes(128 << 20) == 128 << 20
-    monkeypatch.setenv("CUINTERPOSE_STAGING_BYTES", "lots")  # read by the front ends only
-    assert gpustore.staging_bytes() == 256 << 20
-    with pytest.raises(AgentError) as ei:
-        CheckpointOptions.from_environ()
-    assert ei.value.reason == (
-        "$CUINTERPOSE_STAGING_BYTES='lots': 'lots' is not a byte count: write a number of "
-        "bytes, or one with KiB, MiB, GiB or TiB (e.g. 256MiB)"
+def test_the_gpu_writer_takes_the_one_chunk_settings_value():
+    """One ChunkSettings for the shim's carriers and the GPU streams (issue 27): the same
+    defaults, the one validation, and --writers sets the GPU writer's threads."""
+    assert (
+        gpustore.Options().settings == ChunkSettings() == carriers.settings(checksum="blake2b-256")
     )
-    monkeypatch.setenv("CUINTERPOSE_STAGING_BYTES", "128MiB")
-    assert CheckpointOptions.from_environ().staging_bytes == 128 << 20
+    assert (ChunkSettings().chunk_bytes, ChunkSettings().staging_bytes) == (8 << 20, 64 << 20)
+    assert gpustore.Options().slots() == 4  # 4 writers, 8 slots of staging
+    assert gpustore.Options(ChunkSettings(writers=8)).slots() == 8
+    assert gpustore.Options(ChunkSettings(chunk_bytes=32 << 20)).slots() == 2  # 64 MiB staging
+    assert gpustore.Options(ChunkSettings(staging_bytes=8 << 20, writers=16)).slots() == 1
+    with pytest.raises(ValueError) as ei:
+        ChunkSettings(chunk_bytes=3 << 20)
+    assert str(ei.value) == (
+        "chunk_bytes 3145728 must be a power of two from 65536 to 1073741824 bytes "
+        "(64 KiB to 1 GiB)"
+    )
+    with pytest.raises(ValueError) as ei:
+        ChunkSettings(chunk_bytes=128 << 20)  # more than the default staging
+    assert str(ei.value).startswith("staging_bytes 67108864 must be at least chunk_bytes")
 
 
 def manifest_with(rec, **over):
@@ -235,14 +239,16 @@ def test_gpu_storage_takes_the_checkpoints_chunk_checksum(monkeypatch, checksum)
     options work as any other."""
     import types
 
-    from cuinterpose.agent.run import carriers, gpustore_step
+    from cuinterpose.agent.run import gpustore_step
 
     monkeypatch.setattr(gpustore_step.native, "info", lambda: types.SimpleNamespace(kind="fake"))
-    o = CheckpointOptions(chunk_bytes=1 << 20, incremental=True, chunk_checksum=checksum)
+    o = CheckpointOptions(chunk_bytes=1 << 20, writers=6, incremental=True, chunk_checksum=checksum)
     ck = types.SimpleNamespace(options=o)
     opts = gpustore_step.options(ck)
-    assert (opts.checksum, opts.chunk_bytes) == (checksum, 1 << 20)
-    assert opts.checksum == carriers.settings(**o.chunk_settings())["checksum"]
+    assert (opts.checksum, opts.chunk_bytes, opts.slots()) == (checksum, 1 << 20, 6)
+    assert opts.settings == carriers.settings(**o.chunk_settings())
     other = "blake2b-256" if checksum == "sha256" else "sha256"
-    ck.coordinator = types.SimpleNamespace(carriers=types.SimpleNamespace(checksum=other))
-    assert gpustore_step.options(ck).checksum == other  # what the shims of this capture used
+    files = CarrierFiles("/nonexistent", chunk_bytes=1 << 20, writers=3, checksum=other)
+    ck.coordinator = types.SimpleNamespace(carriers=files)
+    # what the shims of this capture used: their checksum, and --writers for the GPU streams
+    assert gpustore_step.options(ck).settings == ChunkSettings(1 << 20, 64 << 20, 3, other)

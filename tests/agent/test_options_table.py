@@ -137,7 +137,6 @@ def test_the_source_check_finds_a_second_copy(tmp_path, monkeypatch):
 #: every read of the process environment in agent/run, agent/mech and agent/snapshot, by
 #: (module, function), with why it is not an option of a run
 ENVIRON_ALLOWED = {
-    ("agent/run/steps.py", "signal_point"): "the test trigger CUINTERPOSE_TEST_SIGNAL_AT",
     ("agent/run/steps.py", "strip_preload_env"): "removes LD_PRELOAD: the agent never runs "
     "under the shim, nor do its helpers",
     ("agent/run/steps.py", "helper_env"): "builds a helper's environment (ours less LD_PRELOAD)",

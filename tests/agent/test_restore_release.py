@@ -17,6 +17,7 @@ from cuinterpose.agent.errors import QuiesceRefused
 from cuinterpose.agent.mech import procfs
 from cuinterpose.agent.run import recover, restore_recover
 from cuinterpose.agent.snapshot import manifest
+from cuinterpose.agent.snapshot.snapdir import SnapshotDir
 from cuinterpose.coordinator.claim import Claim
 from cuinterpose.coordinator.contract import quiesce_path, write_atomic
 from cuinterpose.coordinator.protocol import claim_path
@@ -26,7 +27,7 @@ def snapshot(tmp_path, ctl) -> dict:
     """A written snapshot of one tree (root and rank: pids of processes that exited)."""
     root, rank = dead_pid(), dead_pid()
     snap = tmp_path / "snap"
-    img = manifest.criu_dir(snap, root)
+    img = SnapshotDir(snap).criu_dir(root)
     img.mkdir(parents=True)
     (img / f"core-{root}.img").write_bytes(b"core" * 100)
     (img / "files.img").write_bytes(f"\x00unixsk{ctl}/cuinterpose-{rank}.sock\x00".encode())

@@ -241,3 +241,41 @@ def test_coordinator_events_fire_at_the_first_reply_of_a_mutating_phase(recorded
         ("reply", "SAVE_ALLOCATIONS", ["SIGTERM"]),
         ("reply", "SAVE_ALLOCATIONS", ["SIGTERM"]),
     ]
+
+
+def test_the_step_tables_hold_every_step_property():
+    """Issue 27: the properties that lived in lists beside the tables (durable.POLLED,
+    rollback.LOCKED_BEFORE_CAPTURE, the classes' and group.py's POINT_OF_NO_RETURN,
+    signal_at.DURING) are columns of the rows, and the runner learns both tables' step names
+    without importing the sequences (steps.py is imported alone in a fresh interpreter)."""
+    assert [s.name for s in Checkpoint.STEPS if s.locks] == ["quiescence check"]
+    assert (Checkpoint.point_of_no_return(), Restore.point_of_no_return()) == ("finish", "resume")
+    assert signal_at.DURING == {
+        s.name: s.during for t in (Checkpoint.STEPS, Restore.STEPS) for s in t if s.during
+    }
+    assert set(signal_at.DURING) == {
+        "quiesce",
+        "quiescence check",
+        "capture",
+        "native lock",
+        "native checkpoint",
+        "criu dump",
+        "criu restore",
+        "native restore",
+        "restore shared",
+    }
+    code = textwrap.dedent(
+        """
+        import sys
+        from cuinterpose.agent.mech import signal_at
+        from cuinterpose.agent.run import steps
+        names = signal_at.known_steps()
+        assert "criu restore" in names and "native checkpoint" in names, names
+        loaded = {"cuinterpose.agent.run.checkpoint", "cuinterpose.agent.run.restore"}
+        assert not loaded & set(sys.modules), loaded & set(sys.modules)
+        print(len(names))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    tables = {s.name for s in Checkpoint.STEPS} | {s.name for s in Restore.STEPS}
+    assert int(out.stdout) == len(tables) + len(signal_at.CLI_POINTS)

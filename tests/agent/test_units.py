@@ -96,9 +96,9 @@ def test_the_carrier_settings_read_units_from_the_environment():
     env = {"CUINTERPOSE_STAGING_BYTES": "128MiB", "CUINTERPOSE_CHUNK_BYTES": "4 MiB"}
     o = CheckpointOptions.from_environ(env)
     got = carriers.settings(**o.chunk_settings(), checksum="sha256")
-    assert (got["chunk_bytes"], got["staging_bytes"]) == (4 << 20, 128 << 20)
+    assert (got.chunk_bytes, got.staging_bytes) == (4 << 20, 128 << 20)
     o = CheckpointOptions.from_environ(env, {"staging_bytes": 1 << 30})
-    assert carriers.settings(**o.chunk_settings())["staging_bytes"] == 1 << 30
+    assert carriers.settings(**o.chunk_settings()).staging_bytes == 1 << 30
     with pytest.raises(AgentError) as e:
         CheckpointOptions.from_environ({"CUINTERPOSE_STAGING_BYTES": "8MB"})
     assert (e.value.phase, e.value.reason) == (

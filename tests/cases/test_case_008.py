@@ -22,6 +22,7 @@ import pytest
 from cuinterpose.agent.errors import RestoreFailed, SnapshotError
 from cuinterpose.agent.run.restore import Restore
 from cuinterpose.agent.snapshot import manifest, trust
+from cuinterpose.agent.snapshot.snapdir import SnapshotDir
 
 ROOT, RANK = 4190001, 4190002  # pids nothing runs with (a restore refuses pids in use)
 
@@ -46,7 +47,7 @@ def world(tmp_path, monkeypatch):
     ctl = tmp_path / "ctl"
     ctl.mkdir(mode=0o700)
     snap = tmp_path / "snap"
-    img = manifest.criu_dir(snap, ROOT)
+    img = SnapshotDir(snap).criu_dir(ROOT)
     img.mkdir(parents=True)
     sock = trust.socket_path(str(ctl), RANK)
     (img / "files.img").write_bytes(b"\x00unixsk" + sock.encode() + b"\x00")
@@ -183,7 +184,7 @@ def test_top_level_carriers_must_agree_with_the_capture(world, tmp_path):
 def test_unlisted_image_is_refused(world, tmp_path):
     snap, m, shim, _ = world
     manifest.write(snap, m)
-    extra = manifest.criu_dir(snap, ROOT) / "inventory.img"
+    extra = SnapshotDir(snap).criu_dir(ROOT) / "inventory.img"
     extra.write_bytes(b"planted")
     e = refused(snap, shim, tmp_path)
     assert e.reason == (
@@ -196,7 +197,7 @@ def test_symlinked_image_is_refused(world, tmp_path):
     snap, m, shim, _ = world
     outside = tmp_path / "outside.img"
     outside.write_bytes(bytes(range(256)) * 4)
-    pages = manifest.criu_dir(snap, ROOT) / "pages-1.img"
+    pages = SnapshotDir(snap).criu_dir(ROOT) / "pages-1.img"
     pages.unlink()
     pages.symlink_to(outside)
     manifest.write(snap, m)

@@ -31,9 +31,8 @@ from cuinterpose.agent.errors import AgentError, CheckpointFailed, SnapshotError
 from cuinterpose.agent.mech import quiesce  # noqa: E402
 from cuinterpose.agent.rpc import group  # noqa: E402
 from cuinterpose.agent.run import checkpoint as cp_mod  # noqa: E402
-from cuinterpose.agent.run import images  # noqa: E402
 from cuinterpose.agent.run.report import Reporter  # noqa: E402
-from cuinterpose.agent.snapshot import dirclaim, pb  # noqa: E402
+from cuinterpose.agent.snapshot import pb, snapdir  # noqa: E402
 from cuinterpose.workloads.afdwin import demo  # noqa: E402
 
 ROUNDS = 10
@@ -140,22 +139,23 @@ def test_a_claimed_dir_is_refused_by_any_path_to_it_naming_the_run(tmp_path):
     d = tmp_path / "x"
     (tmp_path / "y").mkdir()
     os.symlink(d, tmp_path / "link")
-    got, created, c1, notes = images.prepare_dir(d, run_id="r1", group="g1")
-    assert (got, created, notes) == (d, [d], [])
+    s1 = snapdir.prepare(d, run_id="r1", group="g1")
+    c1 = s1.claim
+    assert (s1.path, s1.created, s1.notes) == (d, [d], [])
     for other in (tmp_path / "link", tmp_path / "y" / ".." / "x"):
         with pytest.raises(SnapshotError) as ei:
-            images.prepare_dir(other, run_id="r2")
+            snapdir.prepare(other, run_id="r2")
         assert ei.value.phase == "images dir"
         assert ei.value.reason.startswith(
             f"{d} is being written by another checkpoint: agent pid {os.getpid()} on "
         )
         assert "(request id r1, group request g1, started at " in ei.value.reason
-    assert os.listdir(d) == [dirclaim.CLAIM_NAME]
+    assert os.listdir(d) == [snapdir.CLAIM]
     c1.release()
     assert os.listdir(d) == []
-    got, created, c2, _ = images.prepare_dir(tmp_path / "y" / ".." / "link", run_id="r3")
-    assert (got, created) == (d, [])  # the canonical path, and nothing created this time
-    c2.release()
+    s2 = snapdir.prepare(tmp_path / "y" / ".." / "link", run_id="r3")
+    assert (s2.path, s2.created) == (d, [])  # the canonical path, and nothing created this time
+    s2.claim.release()
 
 
 def test_a_stale_claim_is_taken_over_alone_and_refused_beside_a_dead_runs_files(tmp_path):
@@ -163,19 +163,19 @@ def test_a_stale_claim_is_taken_over_alone_and_refused_beside_a_dead_runs_files(
     d.mkdir()
     pid = os.fork()
     if pid == 0:  # a run that claims and dies without releasing (SIGKILL-like: no cleanup)
-        dirclaim.DirClaim(d, run_id="dead")
+        snapdir.SnapshotDir(d).take_claim("dead")
         os._exit(0)
     os.waitpid(pid, 0)
-    assert dirclaim.holder(d) is None  # its flock died with it
+    assert snapdir.SnapshotDir(d).claim_holder() is None  # its flock died with it
     (d / "criu").mkdir()
     with pytest.raises(SnapshotError) as ei:
-        images.prepare_dir(d, run_id="new")
+        snapdir.prepare(d, run_id="new")
     assert ei.value.reason.startswith(f"{d} holds what a checkpoint left when its agent died")
-    assert sorted(os.listdir(d)) == [dirclaim.CLAIM_NAME, "criu"]
+    assert sorted(os.listdir(d)) == [snapdir.CLAIM, "criu"]
     (d / "criu").rmdir()
-    _, _, c, _ = images.prepare_dir(d, run_id="new")
-    assert json.loads((d / dirclaim.CLAIM_NAME).read_text())["run_id"] == "new"
-    assert dirclaim.holder(d)["run_id"] == "new"
+    c = snapdir.prepare(d, run_id="new").claim
+    assert json.loads((d / snapdir.CLAIM).read_text())["run_id"] == "new"
+    assert snapdir.SnapshotDir(d).claim_holder()["run_id"] == "new"
     c.release()
 
 
@@ -183,8 +183,9 @@ def test_an_open_dir_is_made_private_and_said_so(tmp_path):
     d = tmp_path / "open"
     d.mkdir()
     os.chmod(d, 0o755)
-    _, _, c, notes = images.prepare_dir(d)
-    c.release()
+    s = snapdir.prepare(d)
+    s.claim.release()
+    notes = s.notes
     assert os.stat(d).st_mode & 0o777 == 0o700
     assert notes == [
         f"images dir {d} had mode 0755: made 0700 (a snapshot holds the memory of the "
@@ -200,8 +201,8 @@ def test_a_rollback_whose_claim_was_taken_removes_nothing(world, tmp_path, monke
     fake = sys.modules["cuinterpose.agent.mech.criu"]
 
     def dump(root, d, **kw):
-        (snap / dirclaim.CLAIM_NAME).unlink()  # another run's claim and its images now
-        (snap / dirclaim.CLAIM_NAME).write_text('{"run_id": "other"}')
+        (snap / snapdir.CLAIM).unlink()  # another run's claim and its images now
+        (snap / snapdir.CLAIM).write_text('{"run_id": "other"}')
         (d / "core-other.img").write_bytes(b"other run")
         raise RuntimeError("criu dump failed")
 
@@ -211,7 +212,7 @@ def test_a_rollback_whose_claim_was_taken_removes_nothing(world, tmp_path, monke
         c.run()
     assert ei.value.outcome == "rolled_back"
     assert (snap / "criu" / str(ROOT) / "core-other.img").read_bytes() == b"other run"
-    assert json.loads((snap / dirclaim.CLAIM_NAME).read_text()) == {"run_id": "other"}
+    assert json.loads((snap / snapdir.CLAIM).read_text()) == {"run_id": "other"}
     assert any("nothing in" in n and "is removed" in n for n in c.r.notes), c.r.notes
 
 

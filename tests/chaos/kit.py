@@ -32,6 +32,7 @@ import pytest
 import tally
 
 from cuinterpose.agent.snapshot import manifest as manifest_mod
+from cuinterpose.agent.snapshot.snapdir import SnapshotDir
 from cuinterpose.workloads.afdwin import demo
 
 STEPS, HOLD = 60, 20
@@ -200,7 +201,7 @@ def judge(
         tally.record(kind, "snapshot")
         return "snapshot"
     assert "error" in out and out["error"].get("phase"), f"{kind}: exit {rc}, no error: {out}"
-    if (snap / manifest_mod.MANIFEST_NAME).exists() and not snapshot_problem(snap):
+    if SnapshotDir(snap).manifest_path.exists() and not snapshot_problem(snap):
         # a complete snapshot, the agent died or failed after it: the tree may be gone
         if not demo.pid_alive(a.pid):
             tally.record(kind, "snapshot")

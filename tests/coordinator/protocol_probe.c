@@ -52,6 +52,7 @@ static void layout(void) {
   F(cui_stream_head, zero_count);
   K(CUI_STREAM_FDS_PER_MSG); K(CUI_CHUNK_MIN); K(CUI_CHUNK_MAX); K(CUI_STAGING_MAX);
   K(CUI_WRITERS_MAX); K(CUI_DIGEST_BYTES);
+  K(CUI_DEFAULT_CHUNK_BYTES); K(CUI_DEFAULT_STAGING_BYTES); K(CUI_DEFAULT_WRITERS);
   printf("sizeof cui_fd_group %zu\n", sizeof(struct cui_fd_group));
   F(cui_fd_group, count); F(cui_fd_group, error);
   printf("sizeof cui_table_head %zu\n", sizeof(struct cui_table_head));

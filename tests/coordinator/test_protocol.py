@@ -142,6 +142,10 @@ PY_CONSTANTS = {
     "CUI_STAGING_MAX": P.CUI_STAGING_MAX,
     "CUI_WRITERS_MAX": P.CUI_WRITERS_MAX,
     "CUI_DIGEST_BYTES": P.CUI_DIGEST_BYTES,
+    # the one set of chunk settings (ChunkSettings' defaults, both writers' of the chunk format)
+    "CUI_DEFAULT_CHUNK_BYTES": P.ChunkSettings().chunk_bytes,
+    "CUI_DEFAULT_STAGING_BYTES": P.ChunkSettings().staging_bytes,
+    "CUI_DEFAULT_WRITERS": P.ChunkSettings().writers,
     "CUI_KNOWN_MAX": P.CUI_KNOWN_MAX,
     "CUI_REFS_MAX": P.CUI_REFS_MAX,
     **{f"CUI_CARRY_{m.name}": m.value for m in P.CarryFlag},

@@ -39,12 +39,13 @@ print(hashlib.blake2b(buf, digest_size=32).hexdigest(), flush=True)
 CONTROLLER = r"""
 import json, sys
 from cuinterpose.agent.mech import gpustore, native, native_storage
+from cuinterpose.agent.snapshot.snapdir import SnapshotDir
 info = native.load("real")
 pid, d = int(sys.argv[1]), sys.argv[2]
 out = {"version": info.version}
 out["probe"] = native_storage.probe(native.backend().name, info.library, info.version)
 native.lock_all([pid], 10000)
-native_storage.begin_checkpoint(d, gpustore.Options(chunk_bytes=8 << 20))
+native_storage.begin_checkpoint(SnapshotDir(d), gpustore.Options())
 native.checkpoint_all([pid])
 out["streams"] = native_storage.end_checkpoint()
 out["checkpointed"] = native.get_state(pid)

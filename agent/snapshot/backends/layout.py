@@ -39,14 +39,18 @@ from cuinterpose.agent.snapshot.backends.api import (
     SnapshotInfo,
     StorageError,
 )
-from cuinterpose.coordinator.protocol import CHUNK_CHECKSUMS
+from cuinterpose.agent.snapshot.snapdir import (
+    CRIU,
+    DIR_MODE,
+    MANIFEST,
+    SnapshotDir,
+    gpu_rel,
+    pack_rel,
+    shared_rel,
+)
+from cuinterpose.coordinator.protocol import CHUNK_CHECKSUMS, chunk_bytes_ok
 
-MANIFEST_NAME = "manifest.json"
-CHUNKS_DIR = chunks.CHUNKS_DIR
-CRIU_DIR = trust.CRIU_DIR
 FORMAT = "cuinterpose-snapshot"
-#: a snapshot is private to the agent's user (case 016): directories 0700, files 0600
-DIR_MODE, FILE_MODE = 0o700, 0o600
 #: a manifest larger than this is refused before it is read (bytes)
 MANIFEST_MAX_BYTES = 256 << 20
 _HEX32 = re.compile(r"^[0-9a-f]{32}$")
@@ -157,7 +161,7 @@ def _safe_image(rel) -> bool:
     if not isinstance(rel, str) or "\\" in rel or "\0" in rel or rel.startswith("/"):
         return False
     parts = rel.split("/")
-    return len(parts) >= 3 and parts[0] == CRIU_DIR and all(p not in ("", ".", "..") for p in parts)
+    return len(parts) >= 3 and parts[0] == CRIU and all(p not in ("", ".", "..") for p in parts)
 
 
 def _sums(where: str, v, size: int, cb: int, zero, phase: str) -> tuple:
@@ -173,7 +177,7 @@ def _sums(where: str, v, size: int, cb: int, zero, phase: str) -> tuple:
 
 def _chunk_params(where: str, rec: dict, phase: str) -> tuple[int, str]:
     cb, alg = rec.get("chunk_bytes"), rec.get("checksum")
-    if type(cb) is not int or cb < 1 << 16 or cb > 1 << 30 or cb & (cb - 1):
+    if not chunk_bytes_ok(cb):
         raise StorageError(
             phase, f"{where}.chunk_bytes {cb!r} is not a power of two, 64 KiB..1 GiB"
         )
@@ -231,7 +235,7 @@ def streams(m: dict, *, phase: str, allow_store: bool = False) -> Plan:
                 raise StorageError(phase, f"chunks.streams[{k}]: bad pid or alloc_id")
             if not _uint(size):
                 raise StorageError(phase, f"chunks.streams[{k}]: bad bytes {size!r}")
-            rel = f"{CHUNKS_DIR}/shared-{pid}-{aid}.bin"
+            rel = shared_rel(pid, aid)
             sums = _sums(rel, s.get("checksums"), size, cb, s.get("zero"), phase)
             where = _store_where(rel, s, cb, sums, phase) if is_store else None
             streams.append(Stream(rel, size, cb, alg, sums, where))
@@ -245,7 +249,7 @@ def streams(m: dict, *, phase: str, allow_store: bool = False) -> Plan:
             ok = ok and type(s.get("pid")) is int and s["pid"] > 0 and _uint(s.get("ordinal"))
             if not (ok and _uint(s.get("bytes"))):
                 raise StorageError(phase, f"gpu_storage.streams[{k}] is not a gpu stream record")
-            rel = f"{CHUNKS_DIR}/gpu-{s['pid']}-{s['ordinal']}.bin"
+            rel = gpu_rel(s["pid"], s["ordinal"])
             sums = _sums(rel, s.get("checksums"), s["bytes"], cb, s.get("zero"), phase)
             streams.append(Stream(rel, s["bytes"], cb, alg, sums))
     rels = [s.rel for s in streams]
@@ -277,7 +281,7 @@ def _plain_chunks(ch):
     out["streams"] = [
         {
             **{k: v for k, v in s.items() if k not in ("pack", "refs")},
-            "file": f"{CHUNKS_DIR}/shared-{s['pid']}-{s['alloc_id']}.bin",
+            "file": shared_rel(s["pid"], s["alloc_id"]),
         }
         for s in ch["streams"]
     ]
@@ -361,32 +365,34 @@ def check_local(d: pathlib.Path, m: dict, phase: str) -> None:
         raise StorageError(phase, e.reason) from None
 
 
-def local_manifest(d: pathlib.Path, phase: str) -> tuple[bytes, dict]:
-    """(bytes, dict) of ``d/manifest.json``; ``StorageError`` when ``d`` is no snapshot."""
-    p = d / MANIFEST_NAME
+def local_manifest(d, phase: str) -> tuple[bytes, dict]:
+    """(bytes, dict) of the manifest of the snapshot directory ``d`` (a path or a
+    SnapshotDir; never through a symlink); ``StorageError`` when ``d`` is no snapshot."""
+    snap = SnapshotDir(d)
+    p = snap.manifest_path
     try:
-        fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        data = snap.read_manifest(follow=False, limit=MANIFEST_MAX_BYTES)
     except FileNotFoundError:
-        raise StorageError(phase, f"{d} is not a snapshot: no {MANIFEST_NAME}") from None
+        raise StorageError(phase, f"{snap.path} is not a snapshot: no {MANIFEST}") from None
     except OSError as e:
         raise StorageError(phase, f"{p} cannot be opened: {e.strerror}") from None
-    with os.fdopen(fd, "rb") as f:
-        data = f.read(MANIFEST_MAX_BYTES + 1)
     if len(data) > MANIFEST_MAX_BYTES:
         raise StorageError(phase, f"{p} is over {MANIFEST_MAX_BYTES} bytes")
     return data, loads(data, str(p), phase)
 
 
 class Target:
-    """A plain snapshot directory being built at ``path`` (missing, or an empty directory):
-    :meth:`open_files` creates every image and stream file at its final size (streams
-    sparse), :meth:`pwrite` writes into one, :meth:`commit` fsyncs everything and writes
-    the manifest last (atomically), :meth:`discard` removes what was written (the
-    directory too when this created it). Files are created ``O_EXCL|O_NOFOLLOW``, 0600, in
-    directories 0700 (the target itself too)."""
+    """A plain snapshot directory being built at ``path`` (missing, or an empty directory),
+    through its :class:`~cuinterpose.agent.snapshot.snapdir.SnapshotDir`: :meth:`open_files`
+    creates every image and stream file at its final size (streams sparse), :meth:`pwrite`
+    writes into one, :meth:`commit` fsyncs everything and writes the manifest last
+    (atomically), :meth:`discard` removes what was written (the directory too when this
+    created it). Files are created ``O_EXCL|O_NOFOLLOW``, 0600, in directories 0700 (the
+    target itself too)."""
 
     def __init__(self, path, phase: str):
-        self.path = pathlib.Path(os.path.abspath(path))
+        self.snap = SnapshotDir(os.path.abspath(path))
+        self.path = self.snap.path
         self.phase = phase
         self.created = False
         self.fds: dict[str, int] = {}
@@ -404,16 +410,14 @@ class Target:
             raise StorageError(phase, f"{self.path} cannot be created: {e.strerror}") from None
 
     def open_files(self, p: Plan) -> None:
+        rel = ""
         try:
             for rel, size in [(i.rel, i.bytes) for i in p.images] + [
                 (s.rel, s.bytes) for s in p.streams
             ]:
-                f = self.path / rel
-                for d in reversed(f.relative_to(self.path).parents[:-1]):
-                    (self.path / d).mkdir(mode=DIR_MODE, exist_ok=True)
-                fd = os.open(
-                    f, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE
-                )
+                if "/" in rel:
+                    self.snap.make_dirs(rel.rsplit("/", 1)[0])
+                fd = self.snap.open(rel, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW)
                 self.fds[rel] = fd
                 os.ftruncate(fd, size)
         except OSError as e:
@@ -443,31 +447,15 @@ class Target:
         try:
             for fd in self.fds.values():
                 os.fsync(fd)
-            for d in sorted(
-                {(self.path / r).parent for r in self.fds}, key=lambda p: -len(p.parts)
-            ):
-                _fsync_dir(d)
-            tmp = self.path / (MANIFEST_NAME + ".tmp")
-            fd = os.open(
-                tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE
-            )
-            try:
-                self.pwrite_fd(fd, manifest_bytes)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.rename(tmp, self.path / MANIFEST_NAME)
-            _fsync_dir(self.path)
+            dirs = {r.rsplit("/", 1)[0] if "/" in r else "" for r in self.fds}
+            ups = {"/".join(d.split("/")[:i]) for d in dirs for i in range(1, d.count("/") + 1)}
+            for d in sorted((dirs | ups) - {""}, key=lambda d: -d.count("/")):
+                self.snap.fsync_dir(d)
+            self.snap.write_manifest(manifest_bytes)
         except OSError as e:
             raise StorageError(self.phase, f"writing {self.path} failed: {e.strerror}") from None
         finally:
             self.close()
-
-    @staticmethod
-    def pwrite_fd(fd: int, data: bytes) -> None:
-        view, off = memoryview(data), 0
-        while off < len(view):
-            off += os.pwrite(fd, view[off:], off)
 
     def close(self) -> None:
         for fd in self.fds.values():
@@ -487,21 +475,14 @@ class Target:
             pass
 
 
-def _fsync_dir(d) -> None:
-    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def chunk_file(snapshot_dir: pathlib.Path, s: Stream, i: int) -> tuple[pathlib.Path, int]:
-    """Where chunk ``i`` of local stream ``s`` lies: (file, offset) — its chunk file at
-    ``i * chunk_bytes``, or the chunk store's pack (``where``)."""
+def chunk_file(s: Stream, i: int) -> tuple[str, int]:
+    """Where chunk ``i`` of local stream ``s`` lies: (name relative to the snapshot directory,
+    offset) — its chunk file at ``i * chunk_bytes``, or a chunk store pack
+    (``../.cuinterpose-store/packs/NAME``, ``where``); open it with ``SnapshotDir.open``."""
     if s.where is None:
-        return snapshot_dir / s.rel, i * s.chunk_bytes
+        return s.rel, i * s.chunk_bytes
     pack, off = s.where[i]
-    return store.packs_dir(store.root_of(snapshot_dir)) / pack, off
+    return pack_rel(pack), off
 
 
 def snapshot_info(location: str, data: bytes, m: dict) -> SnapshotInfo:

@@ -19,7 +19,7 @@ import pathlib
 import threading
 import time
 
-from cuinterpose.agent.snapshot import store
+from cuinterpose.agent.snapshot import snapdir, store
 from cuinterpose.agent.snapshot.backends import layout
 from cuinterpose.agent.snapshot.backends.api import (
     Backend,
@@ -34,11 +34,12 @@ from cuinterpose.agent.snapshot.backends.api import (
 from cuinterpose.agent.snapshot.backends.transfer import PIECE, Meter, run_jobs
 
 
-def _read(path: pathlib.Path, off: int, n: int, h, sink, phase: str) -> str:
-    """Read ``n`` bytes of ``path`` from ``off`` in pieces into ``h`` and ``sink(pos, piece)``;
-    returns the hex digest."""
+def _read(snap: snapdir.SnapshotDir, rel: str, off: int, n: int, h, sink, phase: str) -> str:
+    """Read ``n`` bytes of ``rel`` (a name in the snapshot ``snap``, or a pack) from ``off`` in
+    pieces into ``h`` and ``sink(pos, piece)``; returns the hex digest."""
+    path = snap.file(rel)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = snap.open(rel, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError as e:
         raise StorageError(phase, f"{path} cannot be opened: {e.strerror}") from None
     try:
@@ -58,9 +59,10 @@ def _read(path: pathlib.Path, off: int, n: int, h, sink, phase: str) -> str:
 def _copy(src, dst, opts: StorageOptions, phase: str):
     """Copy snapshot directory ``src`` into ``dst`` (missing or empty) in the plain form;
     returns (plan, manifest rewritten?, meter)."""
-    src = pathlib.Path(os.path.abspath(src))
-    data, m = layout.local_manifest(src, phase)
-    layout.check_mac(m, opts.node_key, str(src / layout.MANIFEST_NAME), phase)
+    snap = snapdir.SnapshotDir(os.path.abspath(src))
+    src = snap.path
+    data, m = layout.local_manifest(snap, phase)
+    layout.check_mac(m, opts.node_key, str(snap.manifest_path), phase)
     p = layout.plan(m, phase=phase, allow_store=True)
     layout.check_local(src, m, phase)
     out, rewritten = layout.plain(m)
@@ -72,13 +74,14 @@ def _copy(src, dst, opts: StorageOptions, phase: str):
     def chunk_job(alg, hexd, where):
         def job():
             s, i = where[0]
-            path, off = layout.chunk_file(src, s, i)
+            rel, off = layout.chunk_file(s, i)
+            path = snap.file(rel)
 
             def sink(pos, piece):
                 for s2, i2 in where:
                     t.pwrite(s2.rel, piece, i2 * s2.chunk_bytes + pos)
 
-            got = _read(path, off, s.length(i), layout.hasher(alg), sink, phase)
+            got = _read(snap, rel, off, s.length(i), layout.hasher(alg), sink, phase)
             if got != hexd:
                 raise StorageError(
                     phase,
@@ -92,7 +95,8 @@ def _copy(src, dst, opts: StorageOptions, phase: str):
     def image_job(img):
         def job():
             got = _read(
-                src / img.rel,
+                snap,
+                img.rel,
                 0,
                 img.bytes,
                 hashlib.sha256(),
@@ -132,7 +136,7 @@ def push(snapshot_dir, location: str, opts: StorageOptions) -> PushResult:
     n = len(p.chunk_uses())
     return p.pushed(
         str(path),
-        str(path / layout.MANIFEST_NAME),
+        str(snapdir.SnapshotDir(path).manifest_path),
         (n, p.chunk_bytes(), 0, 0),
         rewritten,
         time.monotonic_ns() - t0,
@@ -158,15 +162,14 @@ def list_snapshots(root: str, opts: StorageOptions) -> list[SnapshotInfo]:
     ``manifest.json``), by name; the chunk store's directory is skipped."""
     base = pathlib.Path(parse_location(root, root=True).key)
     try:
-        subs = sorted(p for p in base.iterdir() if p.is_dir() and p.name != store.STORE_DIR)
+        subs = snapdir.children(base)
     except OSError as e:
         raise StorageError("list", f"{base} cannot be read: {e.strerror}") from None
     out = []
-    for d in subs:
-        f = d / layout.MANIFEST_NAME
-        if f.is_file() and not f.is_symlink():
-            data, m = layout.local_manifest(d, "list")
-            out.append(layout.snapshot_info(str(d), data, m))
+    for snap in subs:
+        if snap.has_manifest(follow=False):
+            data, m = layout.local_manifest(snap, "list")
+            out.append(layout.snapshot_info(str(snap.path), data, m))
     return out
 
 

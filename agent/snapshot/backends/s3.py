@@ -53,6 +53,7 @@ from cuinterpose.agent.snapshot.backends.api import (
 from cuinterpose.agent.snapshot.backends.s3io import Client, NotFound, Retry
 from cuinterpose.agent.snapshot.backends.s3push import part_bytes as _part_bytes
 from cuinterpose.agent.snapshot.backends.transfer import PIECE, Meter, run_jobs
+from cuinterpose.agent.snapshot.snapdir import MANIFEST
 
 
 def _get_manifest(c: Client, bucket: str, key: str, phase: str) -> bytes:
@@ -206,7 +207,7 @@ def pull(location: str, target_dir, opts: StorageOptions) -> PullResult:
     t0 = time.monotonic_ns()
     loc = parse_location(location)
     c = s3gc.client_for(opts, "download")
-    mkey = f"{loc.key}/{layout.MANIFEST_NAME}"
+    mkey = f"{loc.key}/{MANIFEST}"
     data = _get_manifest(c, loc.bucket, mkey, "download")
     try:
         m = layout.loads(data, "the manifest", "download")
@@ -241,7 +242,7 @@ def stat(location: str, opts: StorageOptions) -> SnapshotInfo:
     """The snapshot at ``location``; ``StorageError`` (phase "stat") when it has no manifest."""
     loc = parse_location(location)
     c = s3gc.client_for(opts, "stat")
-    mkey = f"{loc.key}/{layout.MANIFEST_NAME}"
+    mkey = f"{loc.key}/{MANIFEST}"
     data = _get_manifest(c, loc.bucket, mkey, "stat")
     return layout.snapshot_info(
         str(loc), data, layout.loads(data, f"s3://{loc.bucket}/{mkey}", "stat")
@@ -259,7 +260,7 @@ def list_snapshots(root: str, opts: StorageOptions) -> list[SnapshotInfo]:
     for name, _, is_dir in c.list("list", loc.bucket, base, recursive=False):
         if not is_dir or name == f"{RESERVED}/":
             continue
-        mkey = f"{name}{layout.MANIFEST_NAME}"
+        mkey = f"{name}{MANIFEST}"
         try:
             data = c.get_bytes("list", loc.bucket, mkey, layout.MANIFEST_MAX_BYTES)
         except NotFound:

@@ -40,6 +40,7 @@ import time
 import uuid
 from typing import Callable, Optional
 
+from cuinterpose.agent.snapshot import snapdir
 from cuinterpose.agent.snapshot.backends import layout
 from cuinterpose.agent.snapshot.backends.api import (
     RESERVED,
@@ -51,10 +52,10 @@ from cuinterpose.agent.snapshot.backends.api import (
 from cuinterpose.agent.snapshot.backends.s3io import Client, NotFound
 from cuinterpose.agent.snapshot.backends.transfer import run_jobs
 
-CHUNKS = f"{RESERVED}/chunks/"
+CHUNKS = f"{RESERVED}/{snapdir.CHUNKS}/"
 PINS = f"{RESERVED}/pins/"
 LOCKS = f"{RESERVED}/collect/"
-MANIFEST_SUFFIX = "/" + layout.MANIFEST_NAME
+MANIFEST_SUFFIX = "/" + snapdir.MANIFEST
 #: how often an upload looks again at a live collection lock (seconds)
 WAIT_POLL_S = 0.5
 #: tests only: called with a point name ("collect locked", "upload pinned", "upload sent")

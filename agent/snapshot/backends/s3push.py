@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
-import pathlib
 import threading
 import time
 from typing import Optional
@@ -41,6 +40,7 @@ from cuinterpose.agent.snapshot.backends.api import (
 )
 from cuinterpose.agent.snapshot.backends.s3io import Client
 from cuinterpose.agent.snapshot.backends.transfer import PIECE, Meter, run_jobs
+from cuinterpose.agent.snapshot.snapdir import MANIFEST, SnapshotDir
 
 MAX_PARTS = 10_000  # S3 multipart limit
 
@@ -52,11 +52,12 @@ def part_bytes(size: int, part: int) -> int:
     return max(part, -(-need // (1 << 20)) << 20)
 
 
-def _pread(path: pathlib.Path, off: int, n: int) -> bytes:
-    """``n`` bytes of the local file ``path`` from ``off``; ``StorageError`` (phase "upload")
-    naming the file when it cannot be read or is shorter."""
+def _pread(snap: SnapshotDir, rel: str, off: int, n: int) -> bytes:
+    """``n`` bytes of ``rel`` (a file of the local snapshot ``snap``, or a pack) from ``off``;
+    ``StorageError`` (phase "upload") naming the file when it cannot be read or is shorter."""
+    path = snap.file(rel)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = snap.open(rel, os.O_RDONLY | os.O_NOFOLLOW)
         try:
             out = bytearray()
             while len(out) < n:
@@ -71,13 +72,13 @@ def _pread(path: pathlib.Path, off: int, n: int) -> bytes:
         raise StorageError("upload", f"{path} cannot be read: {e.strerror}") from None
 
 
-def _digest(h, data, path: pathlib.Path, off: int, n: int) -> str:
-    """Hex digest of ``data``, or (``data`` None) of ``n`` bytes of ``path`` from ``off``."""
+def _digest(h, data, snap: SnapshotDir, rel: str, off: int, n: int) -> str:
+    """Hex digest of ``data``, or (``data`` None) of ``n`` bytes of ``rel`` from ``off``."""
     if data is not None:
         h.update(data)
         return h.hexdigest()
     for pos in range(0, n, PIECE):
-        h.update(_pread(path, off + pos, min(PIECE, n - pos)))
+        h.update(_pread(snap, rel, off + pos, min(PIECE, n - pos)))
     return h.hexdigest()
 
 
@@ -93,7 +94,7 @@ class _Counts:
 class _Upload:
     """One push: the client, the local snapshot, what was put under the prefix."""
 
-    def __init__(self, client: Client, bucket: str, prefix: str, d: pathlib.Path, meter: Meter):
+    def __init__(self, client: Client, bucket: str, prefix: str, d: SnapshotDir, meter: Meter):
         self.c, self.bucket, self.prefix, self.d, self.meter = client, bucket, prefix, d, meter
         self.counts = _Counts()
         #: (checksum, hex digest) of the chunks known to be in the bucket (sent or present)
@@ -103,12 +104,13 @@ class _Upload:
         self.lock = threading.Lock()
         self.part = client.transfer.part_bytes
 
-    def _put_object(self, key: str, path: pathlib.Path, off: int, n: int, check) -> None:
-        """``n`` bytes of ``path`` from ``off`` as object ``key``: one PUT up to a part, else
-        a multipart upload whose parts are read one at a time. ``check(data)`` verifies the
-        bytes first and raises when they are wrong (``data`` None: it reads the file itself)."""
+    def _put_object(self, key: str, rel: str, off: int, n: int, check) -> None:
+        """``n`` bytes of ``rel`` (in the local snapshot) from ``off`` as object ``key``: one
+        PUT up to a part, else a multipart upload whose parts are read one at a time.
+        ``check(data)`` verifies the bytes first and raises when they are wrong (``data``
+        None: it reads the file itself)."""
         if n <= self.part:
-            data = _pread(path, off, n)
+            data = _pread(self.d, rel, off, n)
             check(data)
             self.c.put("upload", self.bucket, key, data)
             return
@@ -119,7 +121,12 @@ class _Upload:
             self.uploads[key] = uid
         etags = [
             self.c.multipart_part(
-                "upload", self.bucket, key, uid, k + 1, _pread(path, off + pos, min(part, n - pos))
+                "upload",
+                self.bucket,
+                key,
+                uid,
+                k + 1,
+                _pread(self.d, rel, off + pos, min(part, n - pos)),
             )
             for k, pos in enumerate(range(0, n, part))
         ]
@@ -138,10 +145,11 @@ class _Upload:
                     self.sent.add((alg, hexd))
                 self.meter.add(present=n)
                 return
-            path, off = layout.chunk_file(self.d, s, i)
+            rel, off = layout.chunk_file(s, i)
+            path = self.d.file(rel)
 
             def check(data):
-                got = _digest(layout.hasher(alg), data, path, off, n)
+                got = _digest(layout.hasher(alg), data, self.d, rel, off, n)
                 if got != hexd:
                     raise StorageError(
                         "upload",
@@ -150,7 +158,7 @@ class _Upload:
                         "nothing that refers to it was committed",
                     )
 
-            self._put_object(key, path, off, n, check)
+            self._put_object(key, rel, off, n, check)
             with self.counts.lock:
                 self.counts.uploaded += 1
                 self.counts.uploaded_bytes += n
@@ -162,10 +170,10 @@ class _Upload:
     def image_job(self, img: layout.Image):
         def job():
             key = f"{self.prefix}/{img.rel}"
-            path = self.d / img.rel
+            path = self.d.file(img.rel)
 
             def check(data):
-                got = _digest(hashlib.sha256(), data, path, 0, img.bytes)
+                got = _digest(hashlib.sha256(), data, self.d, img.rel, 0, img.bytes)
                 if got != img.sha256:
                     raise StorageError(
                         "upload",
@@ -175,7 +183,7 @@ class _Upload:
 
             with self.lock:
                 self.put_keys.append(key)
-            self._put_object(key, path, 0, img.bytes, check)
+            self._put_object(key, img.rel, 0, img.bytes, check)
             self.meter.add(transferred=img.bytes)
 
         return job
@@ -206,7 +214,7 @@ class Push:
         self.loc = parse_location(location)
         self.opts = opts
         self.c = s3gc.client_for(opts, "upload")
-        self.mkey = f"{self.loc.key}/{layout.MANIFEST_NAME}"
+        self.mkey = f"{self.loc.key}/{MANIFEST}"
         self.meter = Meter("upload", str(self.loc), 0, opts.progress)
         self.pins: list[str] = []
         self.up: Optional[_Upload] = None
@@ -227,7 +235,7 @@ class Push:
                 key=self.mkey,
             )
 
-    def _claim(self, d: pathlib.Path) -> None:
+    def _claim(self, d: SnapshotDir) -> None:
         if self.claimed:
             return
         self.check_free()
@@ -257,7 +265,7 @@ class Push:
         """Start the first half in a background thread: the chunks of ``streams`` (a dict with
         the manifest's ``chunks`` and ``gpu_storage`` records) from the local snapshot
         ``snapshot_dir``. Its failure is raised by :meth:`commit`."""
-        d = pathlib.Path(os.path.abspath(snapshot_dir))
+        d = SnapshotDir(os.path.abspath(snapshot_dir))
 
         def run():
             try:
@@ -285,24 +293,25 @@ class Push:
         a directory that is no snapshot or fails restore's file checks, a manifest without a
         valid MAC when ``opts.node_key`` is set, and a location that already holds a manifest;
         any failure undoes the push (:meth:`abort`)."""
-        d = pathlib.Path(os.path.abspath(snapshot_dir))
+        snap = SnapshotDir(os.path.abspath(snapshot_dir))
+        d = snap.path
         self.wait()
         try:
             if self.error is not None:
                 raise self.error
             try:
-                data, m = layout.local_manifest(d, "upload")
-                layout.check_mac(m, self.opts.node_key, str(d / layout.MANIFEST_NAME), "upload")
+                data, m = layout.local_manifest(snap, "upload")
+                layout.check_mac(m, self.opts.node_key, str(snap.manifest_path), "upload")
                 p = layout.plan(m, phase="upload", allow_store=True)
                 layout.check_local(d, m, "upload")
             except StorageError as e:
                 raise e.again("upload", f"; {d} is not pushed, nothing was committed") from None
             out, rewritten = layout.plain(m)
             body = layout.dumps(layout.signed(out, self.opts.node_key)) if rewritten else data
-            self._claim(d)
-            if self.up.d != d:
+            self._claim(snap)
+            if self.up.d.path != d:
                 raise StorageError(
-                    "upload", f"{d} is not the snapshot the push began with ({self.up.d})"
+                    "upload", f"{d} is not the snapshot the push began with ({self.up.d.path})"
                 )
             self._send_chunks(p.chunk_uses())
             with self.meter._lock:

@@ -407,6 +407,13 @@ struct cui_record {           /* 640 bytes */
 #define CUI_STAGING_MAX        (64ull << 30)
 #define CUI_WRITERS_MAX        64u
 #define CUI_DIGEST_BYTES       32u
+/* The defaults of the values above (a sender's choice; the shim takes each request's own):
+ * the one set of chunk settings the agent's two writers share, the shim's carriers and the
+ * agent's GPU custom storage (coordinator/protocol/carriers.py ChunkSettings, pinned to these
+ * by tests/coordinator/test_protocol.py). A request without CUI_CARRY_SHA256 is BLAKE2b-256. */
+#define CUI_DEFAULT_CHUNK_BYTES   (8ull << 20)
+#define CUI_DEFAULT_STAGING_BYTES (64ull << 20)
+#define CUI_DEFAULT_WRITERS       4u
 
 struct cui_stream_entry {     /* 32 bytes */
   uint8_t alloc_id[16];       /*  0 the carried allocation */
