@@ -93,11 +93,11 @@ def test_an_unknown_step_is_refused_naming_the_variable_and_every_known_step(rec
         seq.run_steps(seq.STEPS)
     assert recorded == []  # refused before the first step
     names = [s.name for s in Checkpoint.STEPS] + [s.name for s in Restore.STEPS]
-    for n in names + ["alpha", "beta", "gamma"]:
+    for n in [*signal_at.CLI_POINTS, *names, "alpha", "beta", "gamma"]:
         assert repr(n) in str(ei.value)
     assert str(ei.value).startswith(
         "CUINTERPOSE_TEST_SIGNAL_AT: entry 'after:native chekpoint' names unknown step "
-        "'native chekpoint'; the known steps are 'images dir', 'driver', "
+        "'native chekpoint'; the known steps are 'request', 'result', 'images dir', 'driver', "
     )
 
 

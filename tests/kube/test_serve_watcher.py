@@ -404,10 +404,19 @@ def _grpc_waits_then_sigterm(api, a, d, errlog, addr, snaps, w, sleeper):
         else f"cannot work in the node's cgroup namespace ({ns}); pods whose cgroups lie outside "
         "this agent's cgroup namespace cannot be resolved or restored into\n"
     )
-    assert errlog.read_text() == (
-        f"cuinterpose-agent: created the snapshot dir {snaps} (mode "
-        f"0700)\n{warn}checkpoint snap2 on default/stuck failed: "
-        f"{reason}\n"
-    )
+    # the log's records carry a timestamp (asctime), left out here; the gRPC request logs its
+    # start when it arrives (it then waits for the node) and its outcome after the pod request's
+    stamp = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ")
+    lines = [stamp.sub("", ln, count=1) for ln in errlog.read_text().splitlines()]
+    grpc = f"request 1: checkpoint of root(s) {sleeper.pid} -> {snaps / 'grpc'}"
+    expect = [f"cuinterpose-agent: created the snapshot dir {snaps} (mode 0700)"]
+    if warn:
+        expect.append("cuinterpose.kube WARNING: " + warn.rstrip("\n"))
+    expect.append(f"cuinterpose.service INFO: {grpc}: started (client unix:)")
+    assert lines[: len(expect)] == expect, lines
+    refused = f"cuinterpose.service WARNING: {grpc}: refused: census: no cuinterpose participant "
+    tail = lines[len(expect) :]
+    assert len(tail) == 2 and sum(ln.startswith(refused) for ln in tail) == 1, tail
+    assert f"cuinterpose.kube WARNING: checkpoint snap2 on default/stuck failed: {reason}" in tail
     assert not pathlib.Path(addr[len("unix:") :]).exists()
     assert sleeper.poll() is None and not (snaps / "grpc").exists()
