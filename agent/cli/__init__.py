@@ -70,7 +70,8 @@ class _Group(click.Group):
                 signal_at.signal_point("after", "result")  # test trigger: the result is out
             except AgentError:
                 pass  # a malformed trigger: the run itself refused it and said so
-            interrupt.release_at_exit()
+            # args given: called in-process (CliRunner, a library), not the process's own exit
+            interrupt.release_at_exit(exiting=args is None)
 
     def _main(self, argv, prog_name, complete_var, standalone_mode, **extra):
         if "--json" not in argv or not standalone_mode:

@@ -193,12 +193,20 @@ def settle() -> None:
         _held.ended = True
 
 
-def release_at_exit() -> None:
-    """Right before the process exits: ignore the signals :func:`hold` recorded (SIG_IGN
-    survives the interpreter's shutdown, where a Python handler would be reset to the default
-    and a late Ctrl-C would kill the process after its result was printed)."""
+def release_at_exit(exiting: bool = True) -> None:
+    """The command is over. ``exiting`` (the process exits next: the console script or
+    ``python -m``): ignore the signals :func:`hold` recorded (SIG_IGN survives the
+    interpreter's shutdown, where a Python handler would be reset to the default and a late
+    Ctrl-C would kill the process after its result was printed). Not ``exiting`` (the command
+    was called in-process, e.g. by click's CliRunner or a library caller): give back the
+    handlers :func:`hold` found, so the caller, and every child it starts later, is not left
+    ignoring Ctrl-C (a SIG_IGN is inherited across exec)."""
     global _held
     if _held is None:
+        return
+    if not exiting:
+        _held.__exit__(None, None, None)
+        _held = None
         return
     for s in list(_held._old):
         try:

@@ -468,3 +468,28 @@ def test_release_of_a_pid_that_is_no_process_id_is_refused(tmp_path):
         assert (e["phase"], e["outcome"]) == ("request", "refused")
         assert e["reason"] == f"pid {bad} is not a process id (an integer from 1 to 4194304)"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_in_process_checkpoint_gives_back_the_callers_signal_handlers(tmp_path):
+    """A one-shot run records SIGINT/SIGTERM/SIGHUP from its start and ignores them as the
+    process exits; called in-process (click's CliRunner, a library) it must give the caller's
+    handlers back instead: a caller left ignoring SIGINT passes SIG_IGN on to every child it
+    starts (the suite's later Ctrl-C tests saw their agents ignore the signal)."""
+    import signal
+
+    from click.testing import CliRunner
+    from free_kit import free_pids
+
+    from cuinterpose.agent.cli import main
+
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    before = [signal.getsignal(s) for s in sigs]
+    (pid,) = free_pids(1)
+    res = CliRunner().invoke(
+        main,
+        ["checkpoint", "--pid", str(pid), "--images-dir", str(tmp_path / "s"), "--driver",
+         "fake", "--control-dir", str(tmp_path), "--json"],
+    )  # fmt: skip
+    out = json.loads(res.output)
+    assert (res.exit_code, out["ok"], out["error"]["outcome"]) == (3, False, "refused"), out
+    assert [signal.getsignal(s) for s in sigs] == before
