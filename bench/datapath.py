@@ -207,10 +207,10 @@ def run_job(
     copies kept under ``work``; the result then has ``upload`` and ``download``."""
     run, snap = work / "run", work / "snap"
     env_s3 = store["env"] if store else None
-    to = (store["location"], "--local-dir", str(snap), "--keep-local") if store else (str(snap),)
     if change is not None:
         snap = work / "root" / "s2"
         snap.parent.mkdir()
+    to = (store["location"], "--local-dir", str(snap), "--keep-local") if store else (str(snap),)
     run.mkdir()
     ctl = pathlib.Path(tempfile.mkdtemp(prefix="cui-dp-"))  # short: socket paths
     deadline = time.monotonic() + timeout_s

@@ -24,6 +24,7 @@ from criu_helpers import alive, stop_job, wait_until
 from cuinterpose.agent.mech import criu, criu_run, mntns
 from cuinterpose.agent.mech.inherit import restore_options
 from cuinterpose.agent.mech.placement import Placement
+from cuinterpose.agent.options import CheckpointOptions
 
 # appends 1, 2, 3 ... to DATA/log every 20 ms through fd 4, opened inside the namespace; its
 # /dev/shm is a tmpfs of its own, as a container's is: a dump that images the namespace's tmpfs
@@ -139,6 +140,7 @@ def test_tree_in_its_own_mount_namespace_dumps_and_restores_into_the_placeholder
             ],
             images_dir=plain,
             log_path=plain / "d.log",
+            timeout_s=CheckpointOptions().criu_timeout_s,  # the run's default
         )
         assert [p.name for p in plain.glob("mountpoints-*.img")]
         assert alive(job.pid)
