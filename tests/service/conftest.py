@@ -121,3 +121,36 @@ def pki(tmp_path_factory):
         return pki_mod.make_pki(tmp_path_factory.mktemp("pki"), nodes, strangers)
 
     return _make
+
+
+@pytest.fixture
+def server(monkeypatch, tmp_path_factory):
+    """An in-process ``service.Server`` on a Unix socket in a short private dir, node "n1",
+    driver fake, snapshot root pytest's base temporary directory (every test's ``tmp_path``
+    lies under it: request paths are confined to the root); stopped at teardown."""
+    import shutil
+
+    from cuinterpose.agent.options import for_kinds
+    from cuinterpose.agent.rpc import service
+
+    monkeypatch.setenv("CUINTERPOSE_DRIVER", "fake")
+    d = tempfile.mkdtemp(prefix="cui-srv-")
+    snaps = str(tmp_path_factory.getbasetemp())
+    srv = service.Server(
+        f"unix:{d}/a.sock",
+        service.ServeOptions(node="n1", options=for_kinds({"driver": "fake"}), snapshot_dir=snaps),
+        metrics_port=None,
+    ).start()
+    yield srv
+    srv.stop(0)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def sleeper():
+    """A ``sleep 600`` in its own session (a process that is no cuinterpose job); killed at
+    teardown."""
+    p = subprocess.Popen(["sleep", "600"], stdin=subprocess.DEVNULL, start_new_session=True)
+    yield p
+    p.kill()
+    p.wait()

@@ -10,42 +10,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
-import pytest
-
-from cuinterpose.agent.options import for_kinds
-from cuinterpose.agent.rpc import service
-
 DEADLINE_S = 120.0  # catches a hang only
-
-
-@pytest.fixture
-def server(monkeypatch, tmp_path_factory):
-    monkeypatch.setenv("CUINTERPOSE_DRIVER", "fake")
-    d = tempfile.mkdtemp(prefix="cui-cancel-")
-    snaps = str(tmp_path_factory.getbasetemp())
-    srv = service.Server(
-        f"unix:{d}/a.sock",
-        service.ServeOptions(node="n1", options=for_kinds({"driver": "fake"}), snapshot_dir=snaps),
-        metrics_port=None,
-    ).start()
-    yield srv
-    srv.stop(0)
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-def sleeper():
-    p = subprocess.Popen(["sleep", "600"], stdin=subprocess.DEVNULL, start_new_session=True)
-    yield p
-    p.kill()
-    p.wait()
 
 
 def wait_log(caplog, text: str) -> str:

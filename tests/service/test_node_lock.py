@@ -5,9 +5,6 @@ in-process ``Server`` on a Unix socket; no CRIU (census refuses a process withou
 from __future__ import annotations
 
 import queue
-import shutil
-import subprocess
-import tempfile
 import threading
 
 import pytest
@@ -15,33 +12,8 @@ import pytest
 from cuinterpose.agent.config import parse_config
 from cuinterpose.agent.errors import AgentError
 from cuinterpose.agent.kube.actions import AgentActions
-from cuinterpose.agent.options import for_kinds
-from cuinterpose.agent.rpc import client, service
+from cuinterpose.agent.rpc import client
 from cuinterpose.agent.snapshot import pb
-
-
-@pytest.fixture
-def server(monkeypatch, tmp_path_factory):
-    monkeypatch.setenv("CUINTERPOSE_DRIVER", "fake")  # the service sets it; restored after
-    d = tempfile.mkdtemp(prefix="cui-lock-")
-    # request paths are confined to the snapshot dir: every test's tmp_path lies under it
-    snaps = str(tmp_path_factory.getbasetemp())
-    srv = service.Server(
-        f"unix:{d}/a.sock",
-        service.ServeOptions(node="n1", options=for_kinds({"driver": "fake"}), snapshot_dir=snaps),
-        metrics_port=None,
-    ).start()
-    yield srv
-    srv.stop(0)
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-def sleeper():
-    p = subprocess.Popen(["sleep", "600"], stdin=subprocess.DEVNULL, start_new_session=True)
-    yield p
-    p.kill()
-    p.wait()
 
 
 def samples(srv) -> dict:
