@@ -28,6 +28,7 @@ import fcntl
 import functools
 import json
 import os
+import pathlib
 import threading
 import time
 import uuid
@@ -352,7 +353,11 @@ def unlock(control_dir, roots: Iterable[int], qid: Optional[str] = None) -> None
 def lock_owner(control_dir, root: int) -> Optional[dict]:
     """The ``.lock`` payload of ``root`` when the agent process it names is still alive (same
     pid and start time), else None."""
-    lk = read_json(quiesce_path(control_dir, root, "lock"))
+    return _live(read_json(quiesce_path(control_dir, root, "lock")))
+
+
+def _live(lk) -> Optional[dict]:
+    """``lk`` (a ``.lock`` payload, or None) when the agent it names is alive, else None."""
     try:
         pid = int(lk["pid"])
     except (ValueError, KeyError, TypeError):  # no lock (None), or no pid in it
@@ -370,21 +375,31 @@ def job_busy(control_dir, pids: Iterable[int]) -> Optional[str]:
     checkpointing or restoring it: ``a checkpoint of root R is in progress in agent pid A
     (request id I)``; its agent dead with the request pending or a restore recorded: ``the agent
     (pid A) that ran a checkpoint of root R died (request id I): run `cuinterpose-agent release
-    --pid R --control-dir D``` (docs/agent.md "What each failure leaves behind")."""
+    --pid R --control-dir D``` (docs/agent.md "What each failure leaves behind").
+
+    Decided under :func:`serial` from one read of each file: an agent that answers its request
+    and removes its ``.lock`` (:func:`resume`) between two reads would otherwise look dead."""
+    if not pathlib.Path(control_dir).is_dir():
+        return None  # no control directory: no agent ever held a job there
+    with serial(control_dir):
+        return _job_busy(control_dir, pids)
+
+
+def _job_busy(control_dir, pids: Iterable[int]) -> Optional[str]:
     for root in pids:
         lk = read_json(quiesce_path(control_dir, root, "lock"))
         lk = lk if isinstance(lk, dict) else None
-        rid = pending_request(control_dir, root)
-        if lk is None and rid is None:
+        pending = pending_request(control_dir, root)
+        if lk is None and pending is None:
             continue
         kind = "restore" if lk is not None and isinstance(lk.get("restore"), dict) else "checkpoint"
-        owner = lock_owner(control_dir, root)
-        rid = (lk or {}).get("id") or rid
+        owner = _live(lk)
+        rid = (lk or {}).get("id") or pending
         if owner is not None:
             if int(owner["pid"]) == os.getpid():
                 return None
             return f"a {kind} of root {root} is in progress in agent pid {owner['pid']} (request id {rid})"
-        if rid is None and kind != "restore":
+        if pending is None and kind != "restore":
             return None  # a stale lock of an answered request: nothing holds the job
         who = f"the agent (pid {lk['pid']})" if lk is not None and lk.get("pid") else "the agent"
         return (

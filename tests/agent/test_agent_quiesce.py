@@ -196,3 +196,70 @@ def _race_one(ctl, qid, start, done, out):
         done.wait(120)
     except QuiesceRefused as e:
         out.put((qid, "refused", os.getpid(), e.reason))
+
+
+def test_job_busy_never_calls_an_agent_that_answers_meanwhile_dead(tmp_path, monkeypatch):
+    """CI stop 31: an inspect read a live agent's ``.lock``, the agent then answered its request
+    and removed the lock (``resume``), and the inspect's second read found no owner and said
+    "the agent ... died". job_busy decides from one read under the control directory's lock:
+    the agent's ``resume`` waits for it, and the answer is "in progress" (then, once resumed,
+    nothing holds the job)."""
+    import subprocess
+
+    from cuinterpose.agent.mech import procfs
+
+    agent = subprocess.Popen(["sleep", "120"])
+    try:
+        root, qid = 31, "q-finishing"
+        write_atomic(contract.quiesce_path(tmp_path, root, "request"), {"id": qid})
+        write_atomic(
+            contract.quiesce_path(tmp_path, root, "lock"),
+            {"id": qid, "pid": agent.pid, "starttime": procfs.starttime(agent.pid)},
+        )
+        real = quiesce.pending_request
+        finisher: list[threading.Thread] = []
+
+        def pending_then_the_agent_finishes(cdir, r):
+            got = real(cdir, r)
+            if not finisher:  # the agent answers and unlocks between job_busy's reads
+                t = threading.Thread(
+                    target=quiesce.resume,
+                    args=(str(tmp_path), [root], qid),
+                    kwargs={"restored": False},
+                )
+                finisher.append(t)
+                t.start()
+                t.join(0.5)
+            return got
+
+        monkeypatch.setattr(quiesce, "pending_request", pending_then_the_agent_finishes)
+        busy = quiesce.job_busy(tmp_path, [root])
+        assert (
+            busy
+            == f"a checkpoint of root {root} is in progress in agent pid {agent.pid} (request id {qid})"
+        )
+        finisher[0].join(30)
+        assert not finisher[0].is_alive()
+        assert not contract.quiesce_path(tmp_path, root, "lock").exists()
+        assert quiesce.job_busy(tmp_path, [root]) is None  # answered: nothing holds the job
+    finally:
+        agent.kill()
+        agent.wait()
+
+
+def test_job_busy_names_a_dead_agents_pending_request_and_ignores_an_answered_one(tmp_path):
+    """A ``.lock`` whose agent is dead: with its request still pending the job is parked
+    (``release`` named); with the request answered nothing holds the job."""
+    root, qid = 32, "q-dead"
+    write_atomic(contract.quiesce_path(tmp_path, root, "request"), {"id": qid})
+    write_atomic(
+        contract.quiesce_path(tmp_path, root, "lock"), {"id": qid, "pid": 2**22 + 7, "starttime": 1}
+    )
+    busy = quiesce.job_busy(tmp_path, [root])
+    assert busy == (
+        f"the agent (pid {2**22 + 7}) that ran a checkpoint of root {root} died (request id {qid}), "
+        f"leaving it parked: run `cuinterpose-agent release --pid {root} --control-dir {tmp_path}`"
+    )
+    write_atomic(contract.quiesce_path(tmp_path, root, "resume"), {"id": qid})
+    assert quiesce.job_busy(tmp_path, [root]) is None
+    assert quiesce.job_busy(tmp_path / "absent", [root]) is None
