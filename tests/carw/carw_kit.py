@@ -16,9 +16,14 @@ import tempfile
 import time
 from typing import Callable, Optional
 
+from cuinterpose.agent.mech import procfs
+from cuinterpose.workloads import stacks
 from cuinterpose.workloads.afdwin import demo
 
 HANG_S = 600.0
+#: seconds a wait for one event of a live run may take before it counts as a hang: below the
+#: suite's per-test timeout (600 s, pyproject.toml), so the failure carries the run's own log
+EVENT_HANG_S = 300.0
 
 
 class Carw:
@@ -119,19 +124,46 @@ class Carw:
             return ""
 
     def wait_for(self, pred: Callable[[list[dict]], bool], what: str) -> list[dict]:
-        deadline = time.monotonic() + HANG_S
+        """The run's events once ``pred`` holds. Raises ``RuntimeError`` with the run's last
+        events and stderr when the run exits first, a process of it reports ``failed`` (a rank
+        that gave up leaves the others waiting for it), or after :data:`EVENT_HANG_S`."""
+        deadline = time.monotonic() + EVENT_HANG_S
         while True:
             ev = self.events()
             if pred(ev):
                 return ev
+            why = None
             if not demo.pid_alive(self.pid):
                 ev = self.events()
                 if pred(ev):
                     return ev
-                raise RuntimeError(f"carw exited before {what}; stderr:\n{self.stderr_tail()}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"no {what} after {HANG_S:g} s; stderr:\n{self.stderr_tail()}")
+                why = "exited"
+            elif any(e.get("event") == "failed" for e in ev):
+                why = "reported a failure"
+            elif time.monotonic() > deadline:
+                why = f"did not get there within {EVENT_HANG_S:g} s"
+                self.dump_stacks()
+            if why:
+                raise RuntimeError(f"{self.module} {why} before {what}; {self.story(ev)}")
             time.sleep(0.05)
+
+    def story(self, ev: list[dict], n: int = 12) -> str:
+        """The last ``n`` events and stderr lines of the run, for a failure message."""
+        last = "\n".join(json.dumps(e)[:300] for e in ev[-n:])
+        return f"last events:\n{last}\nstderr:\n{self.stderr_tail(120)}"
+
+    def dump_stacks(self) -> None:
+        """Make every workload process of the run print its threads' Python stacks to the run's
+        stderr (``SIGUSR2``: workloads/stacks.py), for a hang's failure message; multiprocessing's
+        resource tracker, which has no such handler, is left alone."""
+        for pid in _session(self.pid):
+            try:
+                cmd = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
+                if b"resource_tracker" not in cmd:
+                    os.kill(pid, stacks.SIGNAL)
+            except (FileNotFoundError, ProcessLookupError, PermissionError):
+                pass
+        time.sleep(1.0)  # faulthandler writes from the signal handler: let it finish
 
     def wait_hold(self, step: int) -> None:
         """Until every rank holds after ``step`` (a checkpoint now cuts exactly there)."""
@@ -210,6 +242,18 @@ class Carw:
         except Exception:
             pass
         demo.reap_zombies()
+
+
+def _session(sid: int) -> list[int]:
+    """The pids of session ``sid`` (proc(5) stat field 6), ``sid`` itself included."""
+    out = []
+    for pid in procfs.pids():
+        try:
+            if int(procfs.stat_fields(pid)[1][procfs.STAT_SESSION]) == sid:
+                out.append(pid)
+        except (OSError, IndexError, ValueError):
+            pass
+    return out
 
 
 def check_finished(run: Carw, *, restores: int) -> dict:

@@ -16,6 +16,7 @@ import pytest
 from carw_kit import check_finished
 
 from cuinterpose.coordinator.contract import quiesce_path, read_json, write_atomic
+from cuinterpose.workloads.afdwin import demo
 from cuinterpose.workloads.carw import layout as L
 
 
@@ -331,3 +332,18 @@ REFUSAL = re.compile(
     r"cuIpcCloseMemHandle every import first \(nothing was changed; unlock resumes\) -> "
     r"CUDA_ERROR_NOT_SUPPORTED"
 )
+
+
+def test_a_hang_report_carries_every_process_stack_and_leaves_the_run_going(carw):
+    """What a harness does before it calls a run hung (CI stop 31: a wait ran into pytest's
+    timeout and said nothing): SIGUSR2 makes the launcher and each rank print every thread's
+    Python stack to the run's stderr (workloads/stacks.py), once each; nobody dies of it."""
+    run = carw(ranks=3, steps=20, hold_at=(5,), shim=False)
+    run.wait_hold(5)
+    run.dump_stacks()
+    err = run.err.read_text(errors="replace")
+    assert err.count("Current thread 0x") == 3 + 1, err[-3000:]
+    assert err.count('workloads/carw/rank.py", line') >= 3, err[-3000:]
+    assert err.count('workloads/carw/launcher.py", line') >= 1, err[-3000:]
+    for pid in [run.pid, *run.rank_pids()]:
+        assert demo.pid_alive(pid), pid

@@ -12,6 +12,7 @@ from tmsh_kit import check_finished
 
 from cuinterpose.agent import paths
 from cuinterpose.coordinator import contract
+from cuinterpose.workloads.afdwin import demo
 
 
 def test_runs_exact_past_the_event_limit(tmsh):
@@ -94,3 +95,16 @@ def test_native_checkpoint_without_the_shim_is_refused(tmsh, tmp_path, variant):
     assert [(x["restored"], x["cancelled"], x["vas_identical"]) for x in s["quiesces"]] == [
         (False, True, True)
     ]
+
+
+def test_a_hang_report_carries_the_stack_of_the_launcher_and_every_rank(tmsh):
+    """SIGUSR2 (what the harness sends before it calls a run hung) prints the launcher's and each
+    multiprocessing rank's stacks to the run's stderr, once each; the resource tracker is not
+    signalled, and every process lives on."""
+    run = tmsh(procs=3, steps=20, hold_at=6, consumer_hold_at=2)
+    run.wait_hold()
+    run.dump_stacks()
+    err = run.err.read_text(errors="replace")
+    assert err.count("Current thread 0x") == 1 + 3, err[-3000:]
+    assert err.count('workloads/tmsh/rank.py", line') >= 3, err[-3000:]
+    assert all(demo.pid_alive(p) for p in [run.pid, *run.roles().values()])

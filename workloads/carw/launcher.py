@@ -32,6 +32,7 @@ import time
 
 from cuinterpose.coordinator.contract import quiesce_path, read_json, remove_if_id, write_atomic
 
+from .. import stacks
 from ..afdwin.wire import Channel, ChannelClosed
 from .evidence import summarize
 from .layout import SHARES
@@ -331,6 +332,7 @@ def parse(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse(argv)
+    stacks.on_signal()
     la = Launcher(args)
     try:
         summary = la.run()

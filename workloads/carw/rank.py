@@ -29,6 +29,7 @@ import traceback
 
 from cuda.bindings import driver as cu
 
+from .. import stacks
 from ..afdwin.cudrv import call
 from ..afdwin.wire import Channel, ChannelClosed
 from . import layout as L
@@ -403,6 +404,7 @@ def main(argv=None) -> int:
     ap.add_argument("--fd", type=int, required=True, help="this rank's socketpair end")
     ap.add_argument("--rank", type=int, required=True)
     args = ap.parse_args(argv)
+    stacks.on_signal()
     chan = Channel(socket.socket(fileno=args.fd))
     try:
         msg, _ = chan.recv()

@@ -13,6 +13,7 @@ import os
 import time
 
 from ...coordinator import contract
+from .. import stacks
 from . import consumer, producer
 from .segments import VARIANTS
 
@@ -223,6 +224,7 @@ def summary(cfg: dict, ranks: Ranks, quiesces: list[dict]) -> dict:
 
 def main(argv=None) -> int:
     cfg = parse(argv)
+    stacks.on_signal()
     root = os.getpid()
     ctl = os.environ.get("CUINTERPOSE_CONTROL_DIR") or contract.default_control_dir()
     ranks = Ranks(cfg, mp.get_context("spawn"))

@@ -16,6 +16,7 @@ import time
 
 from cuda.bindings import driver as cu
 
+from .. import stacks
 from ..afdwin.cudrv import call
 
 POLL_S = 0.002
@@ -35,6 +36,7 @@ class Rank:
         print(json.dumps({"event": event, "role": self.role, "pid": self.pid, **kw}), flush=True)
 
     def main(self, body) -> None:
+        stacks.on_signal()
         try:
             call(cu.cuInit, 0)
             self.device = self.cfg["device"]
