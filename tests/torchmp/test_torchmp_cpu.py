@@ -1,0 +1,22 @@
+"""The torchmp jobs on a CPU build of PyTorch (the rehearsal of tests/gpu/test_gpu_torch.py,
+docs/torchmp.md): the same flows, with ``--device cpu``, under the shim on fakecuda, with the
+agent and real CRIU. torch.multiprocessing shares CPU tensors through shared memory instead of
+CUDA IPC, so this proves the harness, the contract of the ranks, the checks of the summary and
+the report rows, not the CUDA paths. Skipped, with the reason printed, where torch and
+transformers cannot be imported (``CUI_TORCH_SITE``)."""
+
+from __future__ import annotations
+
+from torchmp_kit import decode_cut, report, stream_cut, torch_env
+
+
+def test_stream_cut_mid_way_on_cpu(tmp_path, criu_ok, subreaper):
+    row = stream_cut(tmp_path, device="cpu", driver="fake", shim=True, env=torch_env("cpu"))
+    assert row["quiesces"] == 1
+    report("cpu-stream", row)
+
+
+def test_decode_cut_at_token_100_equals_a_straight_run_on_cpu(tmp_path, criu_ok, subreaper):
+    row = decode_cut(tmp_path, device="cpu", driver="fake", shim=True, env=torch_env("cpu"))
+    assert row["distinct_tokens"] > 1 and row["snapshot_bytes"] > 0
+    report("cpu-decode", row)
