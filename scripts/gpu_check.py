@@ -68,6 +68,7 @@ CHECKS = (
     Check("criu", "steps.criu", 60),
     Check("doctor", "steps.doctor", 60),
     Check("gpu-tests", "steps.gpu_tests", 240),
+    Check("real-stacks", "steps.real_stacks", 420),
     Check("conformance", "steps.conformance", 180),
     Check("bench-intercept", "steps.bench_intercept", 90),
     Check("bench-phases", "steps.bench_phases", 90),

@@ -70,6 +70,7 @@ def test_every_check_runs_in_order_with_one_line_each(fake_run):
         "criu",
         "doctor",
         "gpu-tests",
+        "real-stacks",
         "conformance",
         "bench-intercept",
         "bench-phases",
@@ -91,6 +92,30 @@ def test_every_check_runs_in_order_with_one_line_each(fake_run):
     }, {n: c[n].get("reason") for n in names}
     assert res.returncode == 0
     assert "===== afdwin-live PASS =====" in (out / "gpu-check.log").read_text()
+
+
+def test_real_stacks_rehearsed_on_cpu_torch_reports_cold_start_against_restore(fake_run):
+    """``real-stacks`` with --driver fake: the decode flow on CPU torch under the shim, cut by the
+    agent with CRIU; its row becomes the check's keys (seconds, bytes, the ratio of the two)."""
+    _, report, _ = fake_run
+    c = by_name(report)["real-stacks"]
+    assert (c["status"], c["keys"]["passed"], c["keys"]["failed"]) == ("PASS", 1, 0), c
+    row = c["detail"]["rows"]["cpu-decode"]
+    k = c["keys"]
+    assert k["cpu-decode.cold_start_s"] == row["cold_start_s"] > 0
+    assert k["cpu-decode.restore_s"] == row["restore_to_next_token_s"] > 0
+    assert k["cpu-decode.cold_over_restore"] == round(
+        row["cold_start_s"] / row["restore_to_next_token_s"], 2
+    )
+    assert k["cpu-decode.snapshot_bytes"] == row["snapshot_bytes"] > 0
+    assert set(row["cold_parts_s"]) == {
+        "spawn",
+        "import",
+        "context",
+        "build",
+        "warm_up",
+        "first_token",
+    }
 
 
 def test_driver_facts_and_semantics(fake_run):

@@ -7,7 +7,7 @@ transformers cannot be imported (``CUI_TORCH_SITE``)."""
 
 from __future__ import annotations
 
-from torchmp_kit import decode_cut, report, stream_cut, torch_env
+from torchmp_kit import decode_cut, native_alone, report, stream_cut, torch_env
 
 
 def test_stream_cut_mid_way_on_cpu(tmp_path, criu_ok, subreaper):
@@ -20,3 +20,16 @@ def test_decode_cut_at_token_100_equals_a_straight_run_on_cpu(tmp_path, criu_ok,
     row = decode_cut(tmp_path, device="cpu", driver="fake", shim=True, env=torch_env("cpu"))
     assert row["distinct_tokens"] > 1 and row["snapshot_bytes"] > 0
     report("cpu-decode", row)
+
+
+def test_native_checkpoint_alone_of_each_rank_is_tried_and_the_run_finishes_on_cpu(
+    tmp_path, subreaper
+):
+    """The experiment of tests/gpu/test_gpu_torch.py rehearsed: no shim, each rank locked,
+    checkpointed, restored and unlocked in place by fakecuda's native checkpoint (CPU tensors:
+    nothing is refused), then resumed: every step ok and the run exact."""
+    got = native_alone(tmp_path, device="cpu", driver="fake", env=torch_env("cpu"))
+    steps = ("lock", "checkpoint", "restore", "unlock")
+    assert got["steps"] == {r: dict.fromkeys(steps, "ok") for r in ("producer", "consumer0")}, got
+    assert got["finished_exact"] and got["problems"] == [], got
+    report("cpu-native-alone", got)

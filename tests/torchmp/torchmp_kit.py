@@ -70,14 +70,9 @@ class TorchMp(Carw):
         super().__init__(run_dir, shim=shim, env=env, driver=driver)
         self.log = self.run_dir / "torchmp.log"
         self.err = self.run_dir / "torchmp.err"
+        cuinit = opts.pop("cuinit", shim) and device == "cpu"  # a CPU rehearsal's participant
         self.job, self.opts = job, opts
-        self.args = [
-            "--job",
-            job,
-            "--device",
-            device,
-            *(["--cuinit"] if device == "cpu" and shim else []),
-        ]
+        self.args = ["--job", job, "--device", device, *(["--cuinit"] if cuinit else [])]
         for k, v in opts.items():
             self.args += [f"--{k.replace('_', '-')}", str(v)]
 
@@ -203,3 +198,54 @@ def decode_cut(run_dir: pathlib.Path, *, device: str, driver: str, shim: bool, e
         "restore_command_s": round(c["restore_s"], 3),
         "snapshot_bytes": snap_bytes,
     }
+
+
+def native_alone(run_dir: pathlib.Path, *, device: str, driver: str, env: dict) -> dict:
+    """What native checkpoint alone does with what torch.multiprocessing leaves live (IPC
+    memory, IPC events; no shim): a stream held after 12 tensors, parked by hand through the
+    contract, then ``lock``, ``checkpoint``, ``restore``, ``unlock`` of each rank in place (no
+    CRIU), each step's outcome recorded ("ok" or the driver's error), then resumed. Returns
+    {"steps": {role: {step: outcome}}, "finished_exact": bool, "problems": [...]} (an
+    experiment: recorded, the caller asserts only that every rank was tried)."""
+    from cuinterpose.agent.mech import native
+    from cuinterpose.coordinator import contract
+
+    run = TorchMp(
+        run_dir / "native", job="stream", device=device, shim=False, driver=driver, env=env,
+        steps=40, hold_at=12, consumer_hold_at=3, consumers=1, cuinit=True,
+    )  # fmt: skip
+    native.load(driver)
+    out: dict = {"steps": {}}
+    try:
+        run.start()
+        run.wait_hold()
+        contract.write_atomic(
+            contract.quiesce_path(run.ctl, run.pid, "request"), {"id": "n1", "timeout_ms": 60000}
+        )
+        run.wait_for(lambda ev: any(e.get("event") == "quiesced" for e in ev), "quiesced")
+        roles = {r["role"]: r["pid"] for r in run.of("setup")[0]["ranks"]}
+        for role, pid in roles.items():
+            done = out["steps"][role] = {}
+            for step, fn in (
+                ("lock", lambda p: native.lock(p, 10000)),
+                ("checkpoint", native.checkpoint),
+                ("restore", native.restore),
+                ("unlock", native.unlock),
+            ):
+                try:
+                    fn(pid)
+                    done[step] = "ok"
+                except Exception as e:  # the answer is the finding
+                    done[step] = f"{type(e).__name__}: {e}"[:300]
+                    if step == "lock":
+                        break
+        contract.write_atomic(
+            contract.quiesce_path(run.ctl, run.pid, "resume"), {"id": "n1", "restored": False}
+        )
+        run.wait_exit()
+        s = run.of("summary")
+        out["finished_exact"] = bool(s and s[0]["ok"])
+        out["problems"] = s[0]["problems"] if s else ["no summary: " + run.stderr_tail()]
+        return out
+    finally:
+        run.kill()
