@@ -58,7 +58,7 @@ def test_real_gpu_torch_decode_cut_equals_a_straight_run(gpu_torch, criu_ok, sub
     info, env = gpu_torch
     _needs_checkpoint(info)
     row = decode_cut(tmp_path, device="cuda", driver="real", shim=True, env=env)
-    assert row["distinct_tokens"] > 1 and row["snapshot_bytes"] > 0
+    assert row["distinct_tokens"] > 100 and row["snapshot_bytes"] > 0
     report("gpu-decode", row)
 
 

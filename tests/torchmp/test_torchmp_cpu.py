@@ -18,7 +18,7 @@ def test_stream_cut_mid_way_on_cpu(tmp_path, criu_ok, subreaper):
 
 def test_decode_cut_at_token_100_equals_a_straight_run_on_cpu(tmp_path, criu_ok, subreaper):
     row = decode_cut(tmp_path, device="cpu", driver="fake", shim=True, env=torch_env("cpu"))
-    assert row["distinct_tokens"] > 1 and row["snapshot_bytes"] > 0
+    assert row["distinct_tokens"] > 100 and row["snapshot_bytes"] > 0
     report("cpu-decode", row)
 
 
