@@ -488,7 +488,9 @@ def real_stacks(ctx: Ctx) -> Result:
                 row["cold_start_s"] / max(row["restore_to_next_token_s"], 1e-3), 2
             )
             res.keys[f"{name}.snapshot_bytes"] = row["snapshot_bytes"]
-        elif "steps" in row:  # the experiment: the first refused step of each rank
+        elif "stage" in row:  # the collective experiment: where its cut stopped ("done": none)
+            res.keys[f"{name}.stage"] = row["stage"]
+        elif "steps" in row:  # the native experiment: the first refused step of each rank
             for role, steps in row["steps"].items():
                 bad = [f"{k}:{v.split(':')[0]}" for k, v in steps.items() if v != "ok"]
                 res.keys[f"{name}.{role}"] = bad[0] if bad else "all-ok"

@@ -6,8 +6,9 @@ cut by the agent with native checkpoint and CRIU, killed, restored and finished 
   the default caching allocator and with ``expandable_segments:True`` (cuMem + pidfd_getfd);
 - ``decode``: a seeded Llama decoding 300 tokens, cut after token 100: the tokens equal a
   straight run's; the cold-start-versus-restore row is reported;
-- an experiment (recorded, not asserted): native checkpoint alone (no shim) of each rank of a
-  parked stream.
+- experiments (recorded, not asserted): native checkpoint alone (no shim) of each rank of a
+  parked stream; one rank of torch.distributed on NCCL cut by the agent (its bootstrap keeps
+  TCP sockets, which the agent's CRIU dump does not take: where does it stop?).
 
 Rows go to ``$CUI_TORCHMP_REPORT_DIR`` (scripts/gpu_check.py's ``real-stacks`` reads them).
 Without a usable GPU, torch with CUDA, CRIU or the checkpoint API, each test is skipped and the
@@ -22,7 +23,14 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "torchmp"))  # torchmp_kit
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tests/: gpu
-from torchmp_kit import decode_cut, native_alone, report, stream_cut, torch_env  # noqa: E402
+from torchmp_kit import (  # noqa: E402
+    collective_cut,
+    decode_cut,
+    native_alone,
+    report,
+    stream_cut,
+    torch_env,
+)
 
 from gpu.conftest import _probe  # noqa: E402
 
@@ -70,3 +78,11 @@ def test_real_gpu_native_checkpoint_alone_experiment(gpu_torch, subreaper, tmp_p
         "lock" in s for s in got["steps"].values()
     ), got
     report("gpu-native-alone", got)
+
+
+def test_real_gpu_nccl_one_rank_cut_experiment(gpu_torch, criu_ok, subreaper, tmp_path):
+    info, env = gpu_torch
+    _needs_checkpoint(info)
+    row = collective_cut(tmp_path, device="cuda", driver="real", shim=True, env=env)
+    assert row["stage"] in ("start", "checkpoint", "restore", "finish", "done"), row
+    report("gpu-nccl-one-rank", row)

@@ -7,7 +7,7 @@ transformers cannot be imported (``CUI_TORCH_SITE``)."""
 
 from __future__ import annotations
 
-from torchmp_kit import decode_cut, native_alone, report, stream_cut, torch_env
+from torchmp_kit import TorchMp, decode_cut, native_alone, report, stream_cut, torch_env
 
 
 def test_stream_cut_mid_way_on_cpu(tmp_path, criu_ok, subreaper):
@@ -33,3 +33,19 @@ def test_native_checkpoint_alone_of_each_rank_is_tried_and_the_run_finishes_on_c
     assert got["steps"] == {r: dict.fromkeys(steps, "ok") for r in ("producer", "consumer0")}, got
     assert got["finished_exact"] and got["problems"] == [], got
     report("cpu-native-alone", got)
+
+
+def test_one_rank_of_torch_distributed_all_reduces_exact_on_cpu(tmp_path):
+    """The collective job straight, with gloo: 40 all-reduces, every result exact. (Its cut is
+    an experiment on the GPU only: torch.distributed keeps TCP sockets, gloo's listener or
+    NCCL's bootstrap, which the agent's CRIU dump does not take, docs/criu.md; on this VM's
+    kernel CRIU cannot dump even a listening TCP socket: SO_PASSCRED is not supported on it.)"""
+    run = TorchMp(tmp_path / "coll", job="collective", device="cpu", shim=False, driver="fake",
+                  env=torch_env("cpu"), steps=40, elems=1 << 14)  # fmt: skip
+    try:
+        run.start()
+        assert run.wait_exit() == 0, run.stderr_tail()
+        s = run.summary()
+        assert (s["steps"], s["wrong"], s["rank_exit"]) == (40, 0, {"rank0": 0})
+    finally:
+        run.kill()

@@ -249,3 +249,46 @@ def native_alone(run_dir: pathlib.Path, *, device: str, driver: str, env: dict) 
         return out
     finally:
         run.kill()
+
+
+def collective_cut(
+    run_dir: pathlib.Path, *, device: str, driver: str, shim: bool, env: dict
+) -> dict:
+    """One rank of ``torch.distributed`` (NCCL on a GPU, gloo on the CPU) all-reducing 40
+    steps, cut after step 12 by the agent, killed, restored, finished. An experiment on a GPU
+    (issue 29: what NCCL's communicator does across a cut): returns {"ok", "stage" (the first
+    that failed: start, checkpoint, restore, finish, or "done"), "error", "steps", "wrong"}
+    instead of raising."""
+    run = TorchMp(run_dir / "coll", job="collective", device=device, shim=shim, driver=driver,
+                  env=env, steps=40, hold_at=12, elems=1 << 14)  # fmt: skip
+    row: dict = {"ok": False, "stage": "start", "error": ""}
+    try:
+        run.start()
+        run.wait_hold()
+        row["stage"] = "checkpoint"
+        rc, cp = run.checkpoint(run_dir / "snap")
+        if rc != 0:
+            row["error"] = json.dumps(cp.get("error", cp))[:600]
+            return row
+        run.wait_dumped()
+        row["stage"] = "restore"
+        rc, rs = demo.run_agent(
+            "restore", "--images-dir", str(run_dir / "snap"), "--driver", driver
+        )
+        if rc != 0:
+            row["error"] = json.dumps(rs.get("error", rs))[:600]
+            return row
+        row["stage"] = "finish"
+        run.wait_exit()
+        s = run.of("summary")
+        if not s or not s[0]["ok"]:
+            row["error"] = (json.dumps(s[0]["problems"]) if s else run.stderr_tail())[:600]
+            return row
+        row.update(ok=True, stage="done", steps=s[0]["steps"], wrong=s[0]["wrong"],
+                   restores_seen=s[0]["restores_seen"])  # fmt: skip
+        return row
+    except Exception as e:  # the experiment's answer, not the test's failure
+        row["error"] = f"{type(e).__name__}: {e}"[:600]
+        return row
+    finally:
+        run.kill()

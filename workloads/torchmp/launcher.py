@@ -10,12 +10,12 @@ import argparse
 import os
 
 from .. import mpcontract, stacks
-from . import decode, stream
+from . import collective, decode, stream
 
 
 def parse(argv=None) -> dict:
     p = argparse.ArgumentParser(prog="python -m cuinterpose.workloads.torchmp", description=__doc__)
-    p.add_argument("--job", choices=("stream", "decode"), default="stream")
+    p.add_argument("--job", choices=("stream", "decode", "collective"), default="stream")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument(
         "--cuinit",
@@ -29,7 +29,7 @@ def parse(argv=None) -> dict:
         help="stream: the producer stops after "
         "sending H; decode: the decoder stops after token H; until a quiesce",
     )
-    g = p.add_argument_group("stream")
+    g = p.add_argument_group("stream (--steps and --elems: collective too)")
     g.add_argument("--consumers", type=int, default=1)
     g.add_argument("--steps", type=int, default=60, help="tensors sent, numbered 1..S")
     g.add_argument("--elems", type=int, default=1 << 14, help="int64 elements per tensor")
@@ -71,6 +71,9 @@ def start(cfg: dict, launch_t: float):
             )
             for i in range(cfg["consumers"])
         ]
+    elif cfg["job"] == "collective":
+        store = os.path.join(os.getcwd(), f"torchmp-store-{os.getpid()}")
+        specs = [("rank0", lambda c: ctx.Process(target=collective.run, args=(cfg, store, c)))]
     else:
         specs = [
             (
@@ -106,6 +109,13 @@ def summary(cfg: dict, ranks: mpcontract.Ranks, quiesces: list[dict]) -> dict:
                 + "; ".join(f for d in ranks.done.values() for f in d.get("failures", []))
             )
         out.update(sent=sent, received_once=got == want, failed_payloads=failed)
+    elif cfg["job"] == "collective":
+        r0 = ranks.done.get("rank0", {})
+        if r0.get("steps") != cfg["steps"] or r0.get("wrong"):
+            problems.append(
+                f"all-reduce: {r0.get('steps')} of {cfg['steps']} steps, wrong at {r0.get('wrong_steps')}"
+            )
+        out.update(steps=r0.get("steps"), wrong=r0.get("wrong"))
     else:
         dec, snk = ranks.done.get("decoder", {}), ranks.done.get("sink", {})
         tokens = dec.get("tokens", [])

@@ -1,0 +1,50 @@
+"""The ``collective`` job: one rank (world size 1) initializes ``torch.distributed`` (NCCL on a
+GPU, gloo on the CPU; rendezvous through a ``FileStore`` in the working directory, no port)
+and all-reduces one tensor per step, checking each result exactly: the communicator (NCCL's
+proxy thread and its buffers) must survive a cut. Step ``s`` reduces the stream job's payload of
+``s``; with one rank the sum is the payload itself."""
+
+from __future__ import annotations
+
+import os
+
+from .rank import Rank
+from .stream import payload
+
+
+def run(cfg: dict, store_path: str, conn) -> None:
+    Rank(cfg, "rank0", conn).main(lambda rank: _run(rank, cfg, store_path))
+
+
+def _run(rank: Rank, cfg: dict, store_path: str) -> dict:
+    import torch.distributed as dist
+
+    torch = rank.torch
+    cuda = rank.dev.type == "cuda"
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        store=dist.FileStore(store_path, 1),
+        rank=0,
+        world_size=1,
+        **({"device_id": rank.dev} if cuda else {}),
+    )
+    wrong, step = [], 0
+    while step < cfg["steps"]:
+        rank.serve()
+        if cfg["hold_at"] and step == cfg["hold_at"] and rank.quiesces == 0:
+            rank.hold(step)
+            continue
+        step += 1
+        t = payload(torch, step, cfg["elems"], rank.dev)
+        dist.all_reduce(t)
+        if not torch.equal(t, payload(torch, step, cfg["elems"], rank.dev)):
+            wrong.append(step)
+        rank.sent = step
+        rank.progressed()
+    rank.synchronize()
+    dist.destroy_process_group()
+    try:
+        os.unlink(store_path)
+    except FileNotFoundError:
+        pass
+    return {"steps": step, "wrong_steps": wrong[:8], "wrong": len(wrong)}
