@@ -16,7 +16,7 @@ import struct
 from typing import Optional
 
 from cuinterpose.agent.errors import AgentError, CensusError
-from cuinterpose.agent.mech import fds, procfs
+from cuinterpose.agent.mech import fds, procfs, tcp
 from cuinterpose.coordinator import protocol
 
 
@@ -189,6 +189,36 @@ def check_mounts(census, roots, tree_pids) -> None:
                 "running"
             ),
             pid=f0["pid"],
+        )
+
+
+def check_tcp(census, roots, tree_pids) -> None:
+    """Refuse (``CensusError``, phase "census", nothing torn down) a tree holding a TCP socket
+    in any state but LISTEN (:func:`~cuinterpose.agent.mech.tcp.tree_sockets`): the agent runs
+    CRIU without ``--tcp-established``, so the dump would fail after the teardown. A listening
+    socket is left to CRIU. ``tree_pids(root)``: the pids of a tree."""
+    comms = {p.pid: p.comm for p in census.processes}
+    for root in roots:
+        found = [s for s in tcp.tree_sockets(tree_pids(root)) if s["state"] != "LISTEN"]
+        if not found:
+            continue
+        desc = [
+            f"pid {s['pid']} ({comms.get(s['pid'], '?')}) fd {s['fd']} {s['local']} -> "
+            f"{s['remote']} ({s['state']})"
+            for s in found
+        ]
+        more = f" and {len(desc) - 4} more" if len(desc) > 4 else ""
+        raise CensusError(
+            "census",
+            (
+                f"({comms.get(found[0]['pid'], '?')}) of tree {root} holds "
+                f"{len(found)} TCP connection(s): {'; '.join(desc[:4])}{more}. The agent runs "
+                "CRIU without --tcp-established (docs/criu.md), so the dump would fail; a "
+                "workload must close its TCP connections before it parks (torch.distributed: "
+                "NCCL's bootstrap and gloo keep theirs for the process group's life); "
+                "checkpoint refused, nothing was torn down, the workload keeps running"
+            ),
+            pid=found[0]["pid"],
         )
 
 

@@ -175,6 +175,7 @@ class Checkpoint(Rollback, StepRunner):
         """Case: a tree reaching a mount outside its namespace is refused at the census
         (:func:`~cuinterpose.agent.mech.census_checks.check_mounts`)."""
         census_checks.check_mounts(self.census, self.roots, _tree_pids)
+        census_checks.check_tcp(self.census, self.roots, _tree_pids)
 
     def make_coordinator(self):
         ph = _coordinator_module()

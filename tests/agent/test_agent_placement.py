@@ -846,6 +846,56 @@ def test_checkpoint_of_a_job_whose_cwd_is_outside_its_mount_namespace_is_refused
     assert (s["lost"], s["duplicated"], s["torn"], s["restores_seen"]) == (0, 0, 0, 0)
 
 
+#: a prefix that opens a TCP connection to itself, records its two ends, and execs the job with
+#: both ends inherited (the listening socket closes at exec)
+TCP_PREFIX = """
+import json, os, socket, sys
+s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen(1)
+c = socket.create_connection(s.getsockname()); a, _ = s.accept()
+for x in (c, a):
+    os.set_inheritable(x.fileno(), True)
+with open("tcp.json", "w") as f:
+    json.dump({"port": s.getsockname()[1], "client_port": c.getsockname()[1],
+               "client_fd": c.fileno(), "accepted_fd": a.fileno()}, f)
+os.execvp(sys.argv[1], sys.argv[1:])
+"""
+
+
+def test_checkpoint_of_a_job_holding_a_tcp_connection_is_refused_at_the_census(job, tmp_path):
+    """The agent runs CRIU without --tcp-established, so a tree holding a TCP connection (as
+    torch.distributed's NCCL bootstrap and gloo do) cannot be dumped: the census refuses it
+    before the quiesce, naming each end (pid, fd, addresses, state); the job runs on."""
+    j = job(prefix=[sys.executable, "-c", TCP_PREFIX])
+    a = j.a
+    a.wait_hold()
+    t = json.loads((a.run_dir / "tcp.json").read_text())
+    snap = tmp_path / "snap"
+    rc, out = a.checkpoint(snap)
+    assert rc == 3 and not out["ok"], out
+    err = out["error"]
+    c = comm_of(a.pid)
+    lo, cl = f"127.0.0.1:{t['port']}", f"127.0.0.1:{t['client_port']}"
+    ends = sorted([(t["client_fd"], f"{cl} -> {lo}"), (t["accepted_fd"], f"{lo} -> {cl}")])  # by fd
+    assert (err["phase"], err["pid"], err["outcome"]) == ("census", a.pid, "refused"), err
+    assert err["reason"] == (
+        f"({c}) of tree {a.pid} holds 2 TCP connection(s): "
+        + "; ".join(f"pid {a.pid} ({c}) fd {fd} {e} (ESTABLISHED)" for fd, e in ends)
+        + ". The agent runs CRIU without --tcp-established (docs/criu.md), so the dump would "
+        "fail; a workload must close its TCP connections before it parks (torch.distributed: "
+        "NCCL's bootstrap and gloo keep theirs for the process group's life); checkpoint "
+        "refused, nothing was torn down, the workload keeps running"
+    )
+    assert [(p["name"], p["status"]) for p in out["phases"]] == [
+        ("driver", "ok"),
+        ("census", "failed"),
+    ]
+    assert not snap.exists()
+    a.release_hold()
+    a.wait_ok(300)
+    s = [e for e in a.events() if demo.kind(e) == "summary"][-1]
+    assert (s["lost"], s["duplicated"], s["torn"], s["restores_seen"]) == (0, 0, 0, 0)
+
+
 def test_a_bad_size_of_an_external_file_names_what_was_handed(tmp_path, monkeypatch):
     """CRIU names an external file reopened from a handed fd "fd/N" (a copy of that fd, tied
     to its key by the log line before): the restore's reason names the file, the tree's fds
