@@ -2,7 +2,8 @@
 ``multiprocessing``: a root process (the launcher) that answers the agent's quiesce request for
 the whole tree, and ranks that park between two units of work. No CUDA here: tmsh's ranks
 (cuda-python, workloads/tmsh/rank.py) and torchmp's (PyTorch, workloads/torchmp/rank.py) bring
-their own set-up and synchronize.
+their own set-up and synchronize, and may release before a park what a dump cannot take (a
+process group's TCP connections) and take it back after the resume.
 
 Launcher side: :class:`Ranks` (the processes and the launcher's ends of their pipes),
 :func:`quiesce` (one request: park every rank, write ``.ready``, wait for ``.resume``, resume),
@@ -208,6 +209,12 @@ class Rank:
     def synchronize(self) -> None:
         """Wait until no work of this process is left on the device."""
 
+    def before_park(self) -> None:
+        """Release what a dump cannot take (after :meth:`synchronize`), e.g. TCP connections."""
+
+    def after_resume(self) -> None:
+        """Take back what :meth:`before_park` released (``self.restored`` is set)."""
+
     def main(self, body) -> None:
         stacks.on_signal()
         try:
@@ -236,6 +243,7 @@ class Rank:
 
     def park(self) -> None:
         self.synchronize()  # nothing left on a stream: every recorded event is complete
+        self.before_park()
         self.conn.send(
             {"parked": True, "sent": self.sent, "received": self.received, "vas": self.vas_fn()}
         )
@@ -245,6 +253,7 @@ class Rank:
                 break
         self.quiesces += 1
         self.restored = bool(msg.get("restored"))
+        self.after_resume()
         vas = self.vas_fn()
         self.conn.send({"resumed": True, "vas": vas})
         self.emit("vas", after_restore=self.restored, vas=vas)

@@ -7,8 +7,9 @@ cut by the agent with native checkpoint and CRIU, killed, restored and finished 
 - ``decode``: a seeded Llama decoding 300 tokens, cut after token 100: the tokens equal a
   straight run's; the cold-start-versus-restore row is reported;
 - experiments (recorded, not asserted): native checkpoint alone (no shim) of each rank of a
-  parked stream; one rank of torch.distributed on NCCL cut by the agent (its bootstrap keeps
-  TCP sockets, which the agent's CRIU dump does not take: where does it stop?).
+  parked stream; one rank of torch.distributed on NCCL cut by the agent, its process group
+  kept (its bootstrap's TCP connections: the census refuses them) or destroyed before the park
+  and made anew after (does NCCL come back under the shim?).
 
 Rows go to ``$CUI_TORCHMP_REPORT_DIR`` (scripts/gpu_check.py's ``real-stacks`` reads them).
 Without a usable GPU, torch with CUDA, CRIU or the checkpoint API, each test is skipped and the
@@ -80,9 +81,12 @@ def test_real_gpu_native_checkpoint_alone_experiment(gpu_torch, subreaper, tmp_p
     report("gpu-native-alone", got)
 
 
-def test_real_gpu_nccl_one_rank_cut_experiment(gpu_torch, criu_ok, subreaper, tmp_path):
+@pytest.mark.parametrize("group", ["kept", "reinit"])
+def test_real_gpu_nccl_one_rank_cut_experiment(gpu_torch, criu_ok, subreaper, tmp_path, group):
     info, env = gpu_torch
     _needs_checkpoint(info)
-    row = collective_cut(tmp_path, device="cuda", driver="real", shim=True, env=env)
+    row = collective_cut(
+        tmp_path, device="cuda", driver="real", shim=True, env=env, reinit=group == "reinit"
+    )
     assert row["stage"] in ("start", "checkpoint", "restore", "finish", "done"), row
-    report("gpu-nccl-one-rank", row)
+    report(f"gpu-nccl-one-rank-{group}", row)

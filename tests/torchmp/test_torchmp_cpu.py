@@ -7,7 +7,15 @@ transformers cannot be imported (``CUI_TORCH_SITE``)."""
 
 from __future__ import annotations
 
-from torchmp_kit import TorchMp, decode_cut, native_alone, report, stream_cut, torch_env
+from torchmp_kit import (
+    TorchMp,
+    collective_cut,
+    decode_cut,
+    native_alone,
+    report,
+    stream_cut,
+    torch_env,
+)
 
 
 def test_stream_cut_mid_way_on_cpu(tmp_path, criu_ok, subreaper):
@@ -49,3 +57,18 @@ def test_one_rank_of_torch_distributed_all_reduces_exact_on_cpu(tmp_path):
         assert (s["steps"], s["wrong"], s["rank_exit"]) == (40, 0, {"rank0": 0})
     finally:
         run.kill()
+
+
+def test_one_rank_of_torch_distributed_cut_with_its_group_made_anew_on_cpu(
+    tmp_path, criu_ok, subreaper
+):
+    """The workload contract's way for a process group: destroyed before the park (its TCP
+    sockets closed), made anew after the resume. Cut after 12 of 40 all-reduces with gloo,
+    killed, restored: all exact, two groups, one restore."""
+    row = collective_cut(
+        tmp_path, device="cpu", driver="fake", shim=True, env=torch_env("cpu"), reinit=True
+    )
+    assert row == {
+        "ok": True, "stage": "done", "error": "", "steps": 40, "wrong": 0, "groups": 2, "restores_seen": 1,
+    }  # fmt: skip
+    report("cpu-collective-reinit", row)

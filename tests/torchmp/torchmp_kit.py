@@ -73,8 +73,9 @@ class TorchMp(Carw):
         cuinit = opts.pop("cuinit", shim) and device == "cpu"  # a CPU rehearsal's participant
         self.job, self.opts = job, opts
         self.args = ["--job", job, "--device", device, *(["--cuinit"] if cuinit else [])]
-        for k, v in opts.items():
-            self.args += [f"--{k.replace('_', '-')}", str(v)]
+        for k, v in opts.items():  # a bool is a flag: given when True
+            flag = f"--{k.replace('_', '-')}"
+            self.args += [flag] if v is True else [] if v is False else [flag, str(v)]
 
     def holders(self) -> int:
         """How many ranks hold at the cut: the producer (or decoder), and each consumer when
@@ -252,15 +253,16 @@ def native_alone(run_dir: pathlib.Path, *, device: str, driver: str, env: dict) 
 
 
 def collective_cut(
-    run_dir: pathlib.Path, *, device: str, driver: str, shim: bool, env: dict
+    run_dir: pathlib.Path, *, device: str, driver: str, shim: bool, env: dict, reinit: bool
 ) -> dict:
     """One rank of ``torch.distributed`` (NCCL on a GPU, gloo on the CPU) all-reducing 40
-    steps, cut after step 12 by the agent, killed, restored, finished. An experiment on a GPU
-    (issue 29: what NCCL's communicator does across a cut): returns {"ok", "stage" (the first
-    that failed: start, checkpoint, restore, finish, or "done"), "error", "steps", "wrong"}
-    instead of raising."""
+    steps, cut after step 12 by the agent, killed, restored, finished; with ``reinit`` the rank
+    destroys its process group before it parks and makes a new one after (no TCP socket at the
+    dump). An experiment on a GPU (issue 29: what NCCL does across a cut): returns {"ok",
+    "stage" (the first that failed: start, checkpoint, restore, finish, or "done"), "error",
+    "steps", "wrong", "groups", "restores_seen"} instead of raising."""
     run = TorchMp(run_dir / "coll", job="collective", device=device, shim=shim, driver=driver,
-                  env=env, steps=40, hold_at=12, elems=1 << 14)  # fmt: skip
+                  env=env, steps=40, hold_at=12, elems=1 << 14, reinit=reinit)  # fmt: skip
     row: dict = {"ok": False, "stage": "start", "error": ""}
     try:
         run.start()
@@ -285,7 +287,7 @@ def collective_cut(
             row["error"] = (json.dumps(s[0]["problems"]) if s else run.stderr_tail())[:600]
             return row
         row.update(ok=True, stage="done", steps=s[0]["steps"], wrong=s[0]["wrong"],
-                   restores_seen=s[0]["restores_seen"])  # fmt: skip
+                   groups=s[0]["groups"], restores_seen=s[0]["restores_seen"])  # fmt: skip
         return row
     except Exception as e:  # the experiment's answer, not the test's failure
         row["error"] = f"{type(e).__name__}: {e}"[:600]

@@ -36,6 +36,11 @@ def parse(argv=None) -> dict:
     g.add_argument("--hold", type=int, default=2, help="tensors a consumer keeps referenced")
     g.add_argument("--consumer-hold-at", type=int, default=0, help="each consumer stops after C")
     g.add_argument("--step-delay-ms", type=float, default=1.0)
+    p.add_argument(
+        "--reinit",
+        action="store_true",
+        help="collective: destroy the process group before each park, make a new one after",
+    )
     g = p.add_argument_group("decode")
     g.add_argument("--tokens", type=int, default=300)
     g.add_argument("--seed", type=int, default=1234)
@@ -115,7 +120,7 @@ def summary(cfg: dict, ranks: mpcontract.Ranks, quiesces: list[dict]) -> dict:
             problems.append(
                 f"all-reduce: {r0.get('steps')} of {cfg['steps']} steps, wrong at {r0.get('wrong_steps')}"
             )
-        out.update(steps=r0.get("steps"), wrong=r0.get("wrong"))
+        out.update(steps=r0.get("steps"), wrong=r0.get("wrong"), groups=r0.get("groups"))
     else:
         dec, snk = ranks.done.get("decoder", {}), ranks.done.get("sink", {})
         tokens = dec.get("tokens", [])
