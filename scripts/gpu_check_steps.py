@@ -442,21 +442,17 @@ def pytest_check(
 def gpu_tests(ctx: Ctx) -> Result:
     from cuinterpose.agent import paths
 
-    return pytest_check(
-        ctx,
-        "tests/gpu",
-        paths.real_driver_env(),
-        "gpu-tests.xml",
-        extra=(f"--ignore={TORCH_TESTS}",),
-    )
+    ignore = tuple(f"--ignore={t}" for t in STACK_TESTS)
+    return pytest_check(ctx, "tests/gpu", paths.real_driver_env(), "gpu-tests.xml", extra=ignore)
 
 
-TORCH_TESTS = "tests/gpu/test_gpu_torch.py"
+#: the GPU tests of real software (PyTorch, CuPy) that ``real-stacks`` runs, not ``gpu-tests``
+STACK_TESTS = ("tests/gpu/test_gpu_torch.py", "tests/gpu/test_gpu_cupy.py")
 TORCH_TEST_TIMEOUT_S = 240  # one test: a decode run straight and one cut (two torch start-ups)
 
 
 def real_stacks(ctx: Ctx) -> Result:
-    """Real PyTorch under the shim (issue 29): tests/gpu/test_gpu_torch.py on the real driver,
+    """Real PyTorch and CuPy under the shim (issue 29): :data:`STACK_TESTS` on the real driver,
     or, rehearsed with ``--driver fake``, the decode flow on a CPU build of torch (tests/torchmp).
     Keys: the tests' counts and each report row the flows wrote (docs/torchmp.md): the decode's
     ``cold_start_s``, ``restore_to_next_token_s`` and their ratio, ``snapshot_bytes``; the
@@ -467,9 +463,10 @@ def real_stacks(ctx: Ctx) -> Result:
     shutil.rmtree(rows_dir, ignore_errors=True)
     env = dict(paths.real_driver_env(), CUI_TORCHMP_REPORT_DIR=str(rows_dir))
     # rehearsed: the decode flow only (the row the report is judged by; tests/torchmp has all)
-    tests, extra = (
-        (TORCH_TESTS, ()) if ctx.driver == "real" else ("tests/torchmp", ("-k", "decode"))
-    )
+    if ctx.driver == "real":
+        tests, extra = STACK_TESTS[0], STACK_TESTS[1:]
+    else:
+        tests, extra = "tests/torchmp", ("-k", "decode")
     res = pytest_check(
         ctx,
         tests,
@@ -488,6 +485,8 @@ def real_stacks(ctx: Ctx) -> Result:
                 row["cold_start_s"] / max(row["restore_to_next_token_s"], 1e-3), 2
             )
             res.keys[f"{name}.snapshot_bytes"] = row["snapshot_bytes"]
+        elif "equal" in row:  # the CuPy IPC experiment: the bytes read back equal
+            res.keys[f"{name}.equal"] = row["equal"]
         elif "stage" in row:  # the collective experiment: where its cut stopped ("done": none)
             res.keys[f"{name}.stage"] = row["stage"]
         elif "steps" in row:  # the native experiment: the first refused step of each rank

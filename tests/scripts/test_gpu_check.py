@@ -363,3 +363,47 @@ def test_gpu_check_sh_runs_from_a_kit(tmp_path, criu_ok):
     )
     assert refused.returncode == 2 and "holds files of something else" in refused.stderr
     assert (other / "keep.txt").read_text() == "mine"
+
+
+def test_real_stacks_keys_name_each_rows_answer(tmp_path, monkeypatch):
+    """What a real run's rows become on the check's line: the decode's seconds and their ratio,
+    each CuPy run's comparison, where each NCCL cut stopped, each rank's first refused native
+    step (every row whole in the detail)."""
+    sys.path.insert(0, str(SCRIPTS))
+    import gpu_check_steps as steps
+
+    rows = {
+        "gpu-decode": {"cold_start_s": 9.0, "restore_to_next_token_s": 1.5, "snapshot_bytes": 7},
+        "gpu-cupy-ipc-shim": {"shim": True, "rc": 1, "equal": False},
+        "gpu-nccl-one-rank-kept": {"ok": False, "stage": "checkpoint", "error": "census: ..."},
+        "gpu-native-alone": {
+            "steps": {
+                "producer": {"lock": "ok", "checkpoint": "NativeError: CUDA_ERROR_X: y"},
+                "consumer0": dict.fromkeys(("lock", "checkpoint", "restore", "unlock"), "ok"),
+            },
+        },  # fmt: skip
+    }
+
+    def fake_pytest(ctx, tests, env, xml_name, **kw):
+        assert (tests, kw["extra"]) == (steps.STACK_TESTS[0], ("-s", *steps.STACK_TESTS[1:]))
+        d = pathlib.Path(env["CUI_TORCHMP_REPORT_DIR"])
+        d.mkdir(parents=True)
+        for name, row in rows.items():
+            (d / f"{name}.json").write_text(json.dumps(row))
+        return steps.Result("PASS", "", {"passed": 6}, {})
+
+    monkeypatch.setattr(steps, "pytest_check", fake_pytest)
+    ctx = steps.Ctx("real", tmp_path, tmp_path, {}, time.monotonic() + 60)
+    res = steps.real_stacks(ctx)
+    assert res.keys == {
+        "passed": 6,
+        "gpu-cupy-ipc-shim.equal": False,
+        "gpu-decode.cold_start_s": 9.0,
+        "gpu-decode.restore_s": 1.5,
+        "gpu-decode.cold_over_restore": 6.0,
+        "gpu-decode.snapshot_bytes": 7,
+        "gpu-native-alone.producer": "checkpoint:NativeError",
+        "gpu-native-alone.consumer0": "all-ok",
+        "gpu-nccl-one-rank-kept.stage": "checkpoint",
+    }
+    assert res.detail["rows"] == rows
