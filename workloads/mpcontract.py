@@ -30,8 +30,15 @@ POLL_S = 0.002  # a holding rank's sleep between two looks at its pipe
 
 
 def emit(role: str, event: str, **kw) -> None:
-    """One JSON line on stdout: {"event", "role", "pid", **kw}."""
-    print(json.dumps({"event": event, "role": role, "pid": os.getpid(), **kw}), flush=True)
+    """One JSON line on stdout: {"event", "role", "pid", **kw}, in one ``write(2)``: every
+    process of the tree shares the one log file (O_APPEND), and ``print`` writes the text and
+    its newline separately, so two ranks' lines could interleave into one unparsable line (CI
+    stop 31: a tmsh run lost two ``hold`` events that way and its harness waited forever)."""
+    line = json.dumps({"event": event, "role": role, "pid": os.getpid(), **kw}) + "\n"
+    sys.stdout.flush()  # anything print() left in the buffer goes first
+    data = line.encode()
+    while data:
+        data = data[os.write(sys.stdout.fileno(), data) :]
 
 
 class Ranks:
