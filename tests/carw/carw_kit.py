@@ -74,6 +74,8 @@ class Carw:
             *extra,
         ]
         self.proc: Optional[subprocess.Popen] = None
+        self.stacks_dir = str(self.run_dir / "stacks")
+        self.stacks: dict[int, str] = {}  # by pid, once dump_stacks ran
 
     @property
     def pid(self) -> int:
@@ -83,6 +85,7 @@ class Carw:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.ctl.mkdir(mode=0o700, exist_ok=True)
         env = demo.workload_env(self.ctl, shim=self.shim, driver=self.driver)
+        env[stacks.DIR_VAR] = self.stacks_dir
         env.update(self.extra_env)
         with open(self.log, "ab") as out, open(self.err, "ab") as err:
             self.proc = subprocess.Popen(
@@ -148,22 +151,53 @@ class Carw:
             time.sleep(0.05)
 
     def story(self, ev: list[dict], n: int = 12) -> str:
-        """The last ``n`` events and stderr lines of the run, for a failure message."""
+        """The last ``n`` events and stderr lines of the run and the stacks :meth:`dump_stacks`
+        collected, for a failure message."""
         last = "\n".join(json.dumps(e)[:300] for e in ev[-n:])
-        return f"last events:\n{last}\nstderr:\n{self.stderr_tail(120)}"
+        st = "".join(f"\nstacks of pid {p}:\n{t}" for p, t in sorted(self.stacks.items()))
+        return f"last events:\n{last}\nstderr:\n{self.stderr_tail(120)}{st}"
 
-    def dump_stacks(self) -> None:
-        """Make every workload process of the run print its threads' Python stacks to the run's
-        stderr (``SIGUSR2``: workloads/stacks.py), for a hang's failure message; multiprocessing's
+    def dump_stacks(self) -> dict[int, str]:
+        """Make every workload process of the run write its threads' Python stacks, each to its
+        own file (``SIGUSR2``, ``CUI_STACKS_DIR``: workloads/stacks.py), and return what the
+        files hold by pid once each has its "Current thread" and stopped growing (at most 10 s:
+        for a failure message; :meth:`stacks_of` waits for a given frame). multiprocessing's
         resource tracker, which has no such handler, is left alone."""
+        sent = []
         for pid in _session(self.pid):
             try:
                 cmd = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
                 if b"resource_tracker" not in cmd:
                     os.kill(pid, stacks.SIGNAL)
+                    sent.append(pid)
             except (FileNotFoundError, ProcessLookupError, PermissionError):
                 pass
-        time.sleep(1.0)  # faulthandler writes from the signal handler: let it finish
+        got: dict[int, str] = {}
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline:
+            now = {p: self._stack_file(p) for p in sent}
+            if all("Current thread" in t for t in now.values()) and now == got:
+                break
+            got = now
+            time.sleep(0.1)
+        self.stacks = {p: t for p, t in got.items() if t}
+        return self.stacks
+
+    def _stack_file(self, pid: int) -> str:
+        try:
+            return pathlib.Path(stacks.path_of(self.stacks_dir, pid)).read_text()
+        except FileNotFoundError:
+            return ""
+
+    def stacks_of(self, pid: int, needle: str) -> str:
+        """The stacks file of ``pid`` once it holds ``needle`` (a hang after
+        :data:`EVENT_HANG_S` raises)."""
+        deadline = time.monotonic() + EVENT_HANG_S
+        while needle not in (text := self._stack_file(pid)):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no {needle!r} in the stacks of pid {pid}:\n{text}")
+            time.sleep(0.05)
+        return text
 
     def wait_hold(self, step: int) -> None:
         """Until every rank holds after ``step`` (a checkpoint now cuts exactly there)."""
