@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import sys
 import time
 from typing import Callable, Optional
@@ -264,6 +265,41 @@ class Rank:
         vas = self.vas_fn()
         self.conn.send({"resumed": True, "vas": vas})
         self.emit("vas", after_restore=self.restored, vas=vas)
+
+    def ready(self, count: int, hold_at: int) -> bool:
+        """One turn of a rank's loop: serve a quiesce request if one came, then True to go on,
+        or False (after a short sleep) while holding at ``count == hold_at`` until the first
+        quiesce (``hold_at`` 0: never)."""
+        self.serve()
+        if hold_at and count == hold_at and self.quiesces == 0:
+            self.hold(count)
+            return False
+        return True
+
+    def next_item(self, q, count: int = 0, hold_at: int = 0):
+        """The next item of the queue ``q`` (None is a producer's end-of-stream), taken between
+        turns of :meth:`ready` (serving quiesces, holding at ``count == hold_at``)."""
+        while True:
+            if not self.ready(count, hold_at):
+                continue
+            try:
+                return q.get(timeout=0.05)
+            except queue.Empty:
+                continue
+
+    def await_ends(self, acks, n: int, what: str) -> None:
+        """Until ``n`` ranks put their end on the queue ``acks`` (serving quiesces meanwhile;
+        past the peer timeout, counted as in :meth:`wait_a_little`, the rank fails naming
+        ``what``): a producer of CUDA tensors must outlive its consumers' use of them."""
+        ended = 0
+        while ended < n:
+            self.serve()
+            try:
+                acks.get(timeout=0.05)
+                ended += 1
+                self.progressed()
+            except queue.Empty:
+                self.wait_a_little(what)
 
     def hold(self, at: int) -> None:
         if self.held_at is None:

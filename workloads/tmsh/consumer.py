@@ -5,7 +5,6 @@ RL weight receiver holding CUDA tensors from ``torch.multiprocessing`` does. See
 
 from __future__ import annotations
 
-import queue as queue_mod
 import time
 from collections import deque
 from multiprocessing.reduction import ForkingPickler
@@ -29,14 +28,7 @@ def _consume(rank: Rank, cfg: dict, q, event_conn) -> dict:
     held: deque = deque()
     got, failures = [], []
     while True:
-        rank.serve()
-        if cfg["consumer_hold_at"] and len(got) == cfg["consumer_hold_at"] and rank.quiesces == 0:
-            rank.hold(len(got))
-            continue
-        try:
-            raw = q.get(timeout=0.05)
-        except queue_mod.Empty:
-            continue
+        raw = rank.next_item(q, len(got), cfg["consumer_hold_at"])
         if raw is None:
             break
         st = ForkingPickler.loads(

@@ -48,9 +48,7 @@ def _produce(rank: Rank, cfg: dict, q, event_conns) -> dict:
 
     seq = 0
     while seq < cfg["steps"]:
-        rank.serve()
-        if cfg["hold_at"] and seq == cfg["hold_at"] and rank.quiesces == 0:
-            rank.hold(seq)
+        if not rank.ready(seq, cfg["hold_at"]):
             continue
         collect()
         if not free:

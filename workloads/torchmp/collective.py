@@ -51,9 +51,7 @@ def _run(rank: Rank, cfg: dict, store_path: str) -> dict:
         rank.before_park, rank.after_resume = down, init
     wrong, step = [], 0
     while step < cfg["steps"]:
-        rank.serve()
-        if cfg["hold_at"] and step == cfg["hold_at"] and rank.quiesces == 0:
-            rank.hold(step)
+        if not rank.ready(step, cfg["hold_at"]):
             continue
         step += 1
         t = payload(torch, step, cfg["elems"], rank.dev)

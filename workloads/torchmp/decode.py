@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import inspect
 import os
-import queue as queue_mod
 import time
 
 from .rank import Rank
@@ -85,9 +84,7 @@ def _decode(rank: Rank, cfg: dict, q, acks, launch_t: float) -> dict:
         rank.emit("cold", **cold)
         out = model(input_ids=ids, use_cache=True)
         while len(tokens) < cfg["tokens"]:
-            rank.serve()
-            if cfg["hold_at"] and len(tokens) == cfg["hold_at"] and rank.quiesces == 0:
-                rank.hold(len(tokens))
+            if not rank.ready(len(tokens), cfg["hold_at"]):
                 continue
             logits = out.logits[0, -1].detach().clone()
             tok = int(torch.argmax(logits))
@@ -99,13 +96,7 @@ def _decode(rank: Rank, cfg: dict, q, acks, launch_t: float) -> dict:
             out = model(input_ids=nxt, use_cache=True, **{key: out[key]})
             rank.progressed()
     q.put(None)
-    while True:  # the logits' producer outlives the sink's use of them
-        rank.serve()
-        try:
-            acks.get(timeout=0.05)
-            break
-        except queue_mod.Empty:
-            rank.wait_a_little("the sink to end")
+    rank.await_ends(acks, 1, "the sink to end")  # the logits' producer outlives their use
     rank.synchronize()
     return {"tokens": tokens, "digest": tokens_digest(tokens)}
 
@@ -119,11 +110,7 @@ def _sink(rank: Rank, q, acks) -> dict:
     tokens: list[int] = []
     gaps = []
     while True:
-        rank.serve()
-        try:
-            item = q.get(timeout=0.05)
-        except queue_mod.Empty:
-            continue
+        item = rank.next_item(q)
         if item is None:
             break
         i, logits = item

@@ -12,7 +12,6 @@ alive until every consumer did (a CUDA tensor's producer must outlive its consum
 
 from __future__ import annotations
 
-import queue as queue_mod
 import time
 from collections import deque
 
@@ -34,9 +33,7 @@ def produce(cfg: dict, q, acks, conn) -> None:
 def _produce(rank: Rank, cfg: dict, q, acks) -> dict:
     torch, seq = rank.torch, 0
     while seq < cfg["steps"]:
-        rank.serve()
-        if cfg["hold_at"] and seq == cfg["hold_at"] and rank.quiesces == 0:
-            rank.hold(seq)
+        if not rank.ready(seq, cfg["hold_at"]):
             continue
         seq += 1
         q.put((seq, payload(torch, seq, cfg["elems"], rank.dev)))
@@ -45,15 +42,7 @@ def _produce(rank: Rank, cfg: dict, q, acks) -> dict:
         time.sleep(cfg["step_delay_ms"] / 1000)
     for _ in range(cfg["consumers"]):
         q.put(None)  # one end-of-stream per consumer
-    ended = 0
-    while ended < cfg["consumers"]:
-        rank.serve()
-        try:
-            acks.get(timeout=0.05)
-            ended += 1
-            rank.progressed()
-        except queue_mod.Empty:
-            rank.wait_a_little("the consumers to end")
+    rank.await_ends(acks, cfg["consumers"], "the consumers to end")
     rank.synchronize()
     return {"sent": seq}
 
@@ -68,14 +57,7 @@ def _consume(rank: Rank, cfg: dict, q, acks) -> dict:
     rank.vas_fn = lambda: {f"storage {s}": t.data_ptr() for s, t in held}
     got, failures = [], []
     while True:
-        rank.serve()
-        if cfg["consumer_hold_at"] and len(got) == cfg["consumer_hold_at"] and rank.quiesces == 0:
-            rank.hold(len(got))
-            continue
-        try:
-            item = q.get(timeout=0.05)
-        except queue_mod.Empty:
-            continue
+        item = rank.next_item(q, len(got), cfg["consumer_hold_at"])
         if item is None:
             break
         seq, t = item
