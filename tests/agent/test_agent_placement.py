@@ -793,6 +793,22 @@ def test_cgroup_paths_outside_the_agents_cgroup_namespace_are_refused(tmp_path):
     )
 
 
+def _refused_at_census_and_untouched(a, out: dict, snap: pathlib.Path) -> None:
+    """A checkpoint refused at the census changed nothing: no phase after it ran, no snapshot
+    dir, and the job (never asked to quiesce) finishes with nothing lost."""
+    assert [(p["name"], p["status"]) for p in out["phases"]] == [
+        ("driver", "ok"),
+        ("census", "failed"),
+    ]
+    assert not snap.exists()
+    a.release_hold()
+    a.wait_ok(300)
+    evs = a.events()
+    assert demo.check_run(evs, STEPS, expect_restore=False) == []
+    s = [e for e in evs if demo.kind(e) == "summary"][-1]
+    assert (s["lost"], s["duplicated"], s["torn"], s["restores_seen"]) == (0, 0, 0, 0)
+
+
 def test_checkpoint_of_a_job_whose_cwd_is_outside_its_mount_namespace_is_refused(job, tmp_path):
     """CRIU cannot dump a cwd (or root, or a file only mapped) on a mount outside the tree's
     mount namespace ("Can't lookup mount=N for fd=-3"): the census refuses it before the
@@ -832,18 +848,7 @@ def test_checkpoint_of_a_job_whose_cwd_is_outside_its_mount_namespace_is_refused
         + "".join(f"; also pid {p} ({comm[p]}) {what}" for p in tree[1:6])
         + "; checkpoint refused, nothing was torn down, the workload keeps running"
     )
-    assert [(p["name"], p["status"]) for p in out["phases"]] == [
-        ("driver", "ok"),
-        ("census", "failed"),
-    ]
-    assert not snap.exists()
-    # untouched: it was never asked to quiesce, and finishes with nothing lost
-    a.release_hold()
-    a.wait_ok(300)
-    evs = a.events()
-    assert demo.check_run(evs, STEPS, expect_restore=False) == []
-    s = [e for e in evs if demo.kind(e) == "summary"][-1]
-    assert (s["lost"], s["duplicated"], s["torn"], s["restores_seen"]) == (0, 0, 0, 0)
+    _refused_at_census_and_untouched(a, out, snap)
 
 
 #: a prefix that opens a TCP connection to itself, records its two ends, and execs the job with
@@ -885,15 +890,7 @@ def test_checkpoint_of_a_job_holding_a_tcp_connection_is_refused_at_the_census(j
         "NCCL's bootstrap and gloo keep theirs for the process group's life); checkpoint "
         "refused, nothing was torn down, the workload keeps running"
     )
-    assert [(p["name"], p["status"]) for p in out["phases"]] == [
-        ("driver", "ok"),
-        ("census", "failed"),
-    ]
-    assert not snap.exists()
-    a.release_hold()
-    a.wait_ok(300)
-    s = [e for e in a.events() if demo.kind(e) == "summary"][-1]
-    assert (s["lost"], s["duplicated"], s["torn"], s["restores_seen"]) == (0, 0, 0, 0)
+    _refused_at_census_and_untouched(a, out, snap)
 
 
 def test_a_bad_size_of_an_external_file_names_what_was_handed(tmp_path, monkeypatch):
