@@ -28,6 +28,7 @@ from ..coordinator import contract
 from . import stacks
 
 POLL_S = 0.002  # a holding rank's sleep between two looks at its pipe
+GET_S = 0.05  # a rank's wait on a queue between two looks at its pipe (counted as waited)
 
 
 def emit(role: str, event: str, **kw) -> None:
@@ -78,8 +79,12 @@ class Ranks:
 
     def poll(self) -> None:
         for role, conn, proc in self.active():
-            while role not in self.done and conn.poll():
-                self.take(role, conn.recv())
+            try:
+                while role not in self.done and conn.poll():
+                    self.take(role, conn.recv())
+            except (EOFError, OSError):  # its end of the pipe closed: the rank is gone
+                proc.join(5)
+                self.done[role] = {}
             if role not in self.done and not proc.is_alive() and not conn.poll():
                 self.done[role] = {}  # died without a word (killed): the summary names its exit
 
@@ -87,11 +92,20 @@ class Ranks:
         """Send ``msg``, wait (answer timeout) for the answer carrying ``want``; None when the
         rank ended instead. Raises RuntimeError when it exited without answering, TimeoutError
         past the answer timeout."""
-        conn.send(msg)
+        try:
+            conn.send(msg)
+        except OSError:
+            raise RuntimeError(f"{role} pid {proc.pid} is gone (its pipe is closed)") from None
         deadline = time.monotonic() + self.cfg["answer_timeout_s"]
         while time.monotonic() < deadline:
             if conn.poll(0.05):
-                got = self.take(role, conn.recv())
+                try:
+                    got = self.take(role, conn.recv())
+                except (EOFError, OSError):
+                    proc.join(5)
+                    raise RuntimeError(
+                        f"{role} pid {proc.pid} exited (status {proc.exitcode}) before answering {want}"
+                    ) from None
                 if got is None:
                     return None
                 if want in got:
@@ -170,14 +184,19 @@ def quiesce(ranks: Ranks, ctl: str, root: int, req: dict) -> dict:
 def serve(ranks: Ranks) -> list[dict]:
     """The launcher's loop: take the ranks' messages and answer every new quiesce request of
     this tree (root: this process; control directory: ``CUINTERPOSE_CONTROL_DIR`` or the
-    default) until every rank ended. A timeout or a rank gone while parked kills the rest and
-    is recorded in ``ranks.failed``. Returns the quiesces' results."""
+    default) until every rank ended. A timeout, a rank gone while parked, a rank that reported
+    ``failed`` or one that died with a nonzero status kills the rest (the others would wait for
+    it until their peer timeout) and is recorded in ``ranks.failed``. Returns the quiesces'
+    results."""
     root = os.getpid()
     ctl = os.environ.get("CUINTERPOSE_CONTROL_DIR") or contract.default_control_dir()
     quiesces, last_id = [], None
     try:
         while ranks.active():
             ranks.poll()
+            dead = [f"{r} exited {c}" for r, c in ranks.exits().items() if c not in (None, 0)]
+            if ranks.failed or dead:
+                raise RuntimeError(f"{'; '.join(ranks.failed + dead)}: the other ranks are stopped")
             req = contract.read_json(contract.quiesce_path(ctl, root, "request"))
             if req and req.get("id") and req["id"] != last_id and ranks.active():
                 last_id = req["id"]
@@ -186,8 +205,10 @@ def serve(ranks: Ranks) -> list[dict]:
     except (TimeoutError, RuntimeError) as e:
         emit("launcher", "failed", message=str(e))
         for p in ranks.procs:
-            p.kill()
-        ranks.failed.append(str(e))
+            if p.exitcode is None:
+                p.kill()
+        if str(e) not in ranks.failed:
+            ranks.failed.append(str(e))
     for p in ranks.procs:
         p.join()
     return quiesces
@@ -276,16 +297,22 @@ class Rank:
             return False
         return True
 
-    def next_item(self, q, count: int = 0, hold_at: int = 0):
+    def next_item(self, q, count: int = 0, hold_at: int = 0, what: str = "the next item"):
         """The next item of the queue ``q`` (None is a producer's end-of-stream), taken between
-        turns of :meth:`ready` (serving quiesces, holding at ``count == hold_at``)."""
+        turns of :meth:`ready` (serving quiesces, holding at ``count == hold_at``); past the
+        peer timeout without one (:meth:`wait_a_little`; a hold does not count) the rank fails
+        naming ``what``."""
         while True:
             if not self.ready(count, hold_at):
                 continue
             try:
-                return q.get(timeout=0.05)
+                item = q.get(timeout=GET_S)
             except queue.Empty:
+                self.waited_s += GET_S
+                self.wait_a_little(what)
                 continue
+            self.progressed()
+            return item
 
     def await_ends(self, acks, n: int, what: str) -> None:
         """Until ``n`` ranks put their end on the queue ``acks`` (serving quiesces meanwhile;
@@ -295,10 +322,11 @@ class Rank:
         while ended < n:
             self.serve()
             try:
-                acks.get(timeout=0.05)
+                acks.get(timeout=GET_S)
                 ended += 1
                 self.progressed()
             except queue.Empty:
+                self.waited_s += GET_S
                 self.wait_a_little(what)
 
     def hold(self, at: int) -> None:

@@ -34,6 +34,7 @@ class Carw:
     with the same harness."""
 
     module = "cuinterpose.workloads.carw"
+    event_hang_s = EVENT_HANG_S
 
     def __init__(
         self,
@@ -126,11 +127,14 @@ class Carw:
         except FileNotFoundError:
             return ""
 
-    def wait_for(self, pred: Callable[[list[dict]], bool], what: str) -> list[dict]:
+    def wait_for(
+        self, pred: Callable[[list[dict]], bool], what: str, *, stop_on_failed: bool = True
+    ) -> list[dict]:
         """The run's events once ``pred`` holds. Raises ``RuntimeError`` with the run's last
         events and stderr when the run exits first, a process of it reports ``failed`` (a rank
-        that gave up leaves the others waiting for it), or after :data:`EVENT_HANG_S`."""
-        deadline = time.monotonic() + EVENT_HANG_S
+        that gave up leaves the others waiting for it), or after ``event_hang_s``
+        (:data:`EVENT_HANG_S` unless a subclass says less)."""
+        deadline = time.monotonic() + self.event_hang_s
         while True:
             ev = self.events()
             if pred(ev):
@@ -141,10 +145,10 @@ class Carw:
                 if pred(ev):
                     return ev
                 why = "exited"
-            elif any(e.get("event") == "failed" for e in ev):
+            elif stop_on_failed and any(e.get("event") == "failed" for e in ev):
                 why = "reported a failure"
             elif time.monotonic() > deadline:
-                why = f"did not get there within {EVENT_HANG_S:g} s"
+                why = f"did not get there within {self.event_hang_s:g} s"
                 self.dump_stacks()
             if why:
                 raise RuntimeError(f"{self.module} {why} before {what}; {self.story(ev)}")
@@ -191,13 +195,24 @@ class Carw:
 
     def stacks_of(self, pid: int, needle: str) -> str:
         """The stacks file of ``pid`` once it holds ``needle`` (a hang after
-        :data:`EVENT_HANG_S` raises)."""
-        deadline = time.monotonic() + EVENT_HANG_S
+        ``event_hang_s`` raises)."""
+        deadline = time.monotonic() + self.event_hang_s
         while needle not in (text := self._stack_file(pid)):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"no {needle!r} in the stacks of pid {pid}:\n{text}")
             time.sleep(0.05)
         return text
+
+    def finish(self) -> Optional[int]:
+        """Until the run printed its summary (a failed rank ends the run with one too: the
+        launcher stops the others), then its exit code (:meth:`wait_exit`). Raises with the
+        run's story (:meth:`wait_for`) when it exits without one or hangs."""
+        self.wait_for(
+            lambda ev: any(e.get("event") == "summary" for e in ev),
+            "its summary",
+            stop_on_failed=False,
+        )
+        return self.wait_exit()
 
     def wait_hold(self, step: int) -> None:
         """Until every rank holds after ``step`` (a checkpoint now cuts exactly there)."""

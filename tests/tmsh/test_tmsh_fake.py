@@ -114,3 +114,21 @@ def test_a_hang_report_carries_the_stack_of_the_launcher_and_every_rank(tmsh):
         text = run.stacks_of(pid, f'{where}", line')
         assert text.count("Current thread 0x") == 1, text
     assert all(demo.pid_alive(p) for p in got)
+
+
+def test_a_rank_killed_stops_the_others_and_the_summary_names_it(tmsh):
+    """A rank that dies (SIGKILL) while the others hold: the launcher stops the rest at once
+    (they would wait for it until their peer timeout, or hold forever) and the summary names it;
+    the run ends 1."""
+    import os
+    import signal
+
+    run = tmsh(procs=3, steps=20, hold_at=6, consumer_hold_at=2)
+    run.wait_hold()
+    roles = run.roles()
+    os.kill(roles["consumer1"], signal.SIGKILL)
+    assert run.finish() == 1
+    (s,) = run.of("summary")
+    assert f"consumer1 exited {-signal.SIGKILL}: the other ranks are stopped" in s["problems"], s
+    assert s["rank_exit"]["consumer1"] == -signal.SIGKILL
+    assert all(not demo.pid_alive(p) for p in roles.values())

@@ -52,7 +52,7 @@ def test_one_rank_of_torch_distributed_all_reduces_exact_on_cpu(tmp_path):
                   env=torch_env("cpu"), steps=40, elems=1 << 14)  # fmt: skip
     try:
         run.start()
-        assert run.wait_exit() == 0, run.stderr_tail()
+        assert run.finish() == 0, run.stderr_tail()
         s = run.summary()
         assert (s["steps"], s["wrong"], s["rank_exit"]) == (40, 0, {"rank0": 0})
     finally:

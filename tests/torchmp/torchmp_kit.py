@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -63,6 +64,9 @@ class TorchMp(Carw):
     ``run_dir/torchmp.log``."""
 
     module = "cuinterpose.workloads.torchmp"
+    #: a GPU check runs each test within 240 s (scripts/gpu_check_steps.py): a wait gives up
+    #: (with the processes' stacks) well before that
+    event_hang_s = 100.0
 
     def __init__(
         self, run_dir, *, job="stream", device="cuda", shim=True, driver="real", env=None, **opts
@@ -71,6 +75,7 @@ class TorchMp(Carw):
         self.log = self.run_dir / "torchmp.log"
         self.err = self.run_dir / "torchmp.err"
         cuinit = opts.pop("cuinit", shim) and device == "cpu"  # a CPU rehearsal's participant
+        opts.setdefault("peer_timeout_s", 90)  # a rank waiting for a dead peer gives up
         self.job, self.opts = job, opts
         self.args = ["--job", job, "--device", device, *(["--cuinit"] if cuinit else [])]
         for k, v in opts.items():  # a bool is a flag: given when True
@@ -121,7 +126,7 @@ def cut(run: TorchMp, snap: pathlib.Path) -> dict:
     rc, rs = demo.run_agent("restore", "--images-dir", str(snap), "--driver", run.driver)
     restore_s = time.time() - t0
     assert rc == 0 and rs["ok"], rs
-    assert run.wait_exit() in (0, None), run.stderr_tail()
+    assert run.finish() in (0, None), run.stderr_tail()
     return {"checkpoint": cp, "restore": rs, "restore_s": restore_s, "restore_t": t0}
 
 
@@ -135,6 +140,7 @@ def stream_cut(run_dir: pathlib.Path, *, device: str, driver: str, shim: bool, e
     try:
         run.start()
         c = cut(run, run_dir / "snap")
+        shutil.rmtree(run_dir / "snap")
         s = run.summary()
         assert (s["sent"], s["received_once"], s["failed_payloads"], s["restores_seen"]) == (
             40,
@@ -160,7 +166,7 @@ def decode_cut(run_dir: pathlib.Path, *, device: str, driver: str, shim: bool, e
                   tokens=DECODE["tokens"])  # fmt: skip
     try:
         ref.start()
-        assert ref.wait_exit() == 0, ref.stderr_tail()
+        assert ref.finish() == 0, ref.stderr_tail()
         want = ref.summary()
         (cold,) = ref.of("cold")
         first = ref.of("token", i=1)[0]
@@ -180,6 +186,7 @@ def decode_cut(run_dir: pathlib.Path, *, device: str, driver: str, shim: bool, e
     assert got["sink_agrees"] and got["restores_seen"] == 1
     assert [e["restored"] for e in after] == [True]
     snap_bytes = sum(f.stat().st_size for f in (run_dir / "snap").rglob("*") if f.is_file())
+    shutil.rmtree(run_dir / "snap")  # GBs on a GPU: the next flow needs the disk
     return {
         "digest": want["digest"],
         "distinct_tokens": len(set(want["tokens"])),
@@ -243,7 +250,11 @@ def native_alone(run_dir: pathlib.Path, *, device: str, driver: str, env: dict) 
         contract.write_atomic(
             contract.quiesce_path(run.ctl, run.pid, "resume"), {"id": "n1", "restored": False}
         )
-        run.wait_exit()
+        try:
+            run.finish()
+        except RuntimeError as e:  # a rank the native steps broke: the run's story is the answer
+            out.update(finished_exact=False, problems=[str(e)[:1500]])
+            return out
         s = run.of("summary")
         out["finished_exact"] = bool(s and s[0]["ok"])
         out["problems"] = s[0]["problems"] if s else ["no summary: " + run.stderr_tail()]
@@ -277,11 +288,12 @@ def collective_cut(
         rc, rs = demo.run_agent(
             "restore", "--images-dir", str(run_dir / "snap"), "--driver", driver
         )
+        shutil.rmtree(run_dir / "snap", ignore_errors=True)
         if rc != 0:
             row["error"] = json.dumps(rs.get("error", rs))[:600]
             return row
         row["stage"] = "finish"
-        run.wait_exit()
+        run.finish()
         s = run.of("summary")
         if not s or not s[0]["ok"]:
             row["error"] = (json.dumps(s[0]["problems"]) if s else run.stderr_tail())[:600]

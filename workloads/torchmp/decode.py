@@ -37,6 +37,17 @@ def tokens_digest(tokens: list[int]) -> str:
     return hashlib.sha256(",".join(map(str, tokens)).encode()).hexdigest()[:16]
 
 
+def kv_cache(out):
+    """The KV cache a forward returned, by either name (``cache``, formerly ``past_key_values``:
+    the output's field and the forward's argument were renamed in one release, but a version
+    that renamed only one must not fail here)."""
+    for name in ("cache", "past_key_values"):
+        got = getattr(out, name, None)
+        if got is not None:
+            return got
+    raise KeyError(f"no KV cache in the model's output (fields: {list(out.keys())})")
+
+
 def build(torch, cfg: dict, dev):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -93,7 +104,7 @@ def _decode(rank: Rank, cfg: dict, q, acks, launch_t: float) -> dict:
             rank.sent = len(tokens)
             rank.emit("token", i=len(tokens), token=tok, t=time.time(), restored=rank.restored)
             nxt = torch.tensor([[tok]], device=rank.dev)
-            out = model(input_ids=nxt, use_cache=True, **{key: out[key]})
+            out = model(input_ids=nxt, use_cache=True, **{key: kv_cache(out)})
             rank.progressed()
     q.put(None)
     rank.await_ends(acks, 1, "the sink to end")  # the logits' producer outlives their use
@@ -110,15 +121,15 @@ def _sink(rank: Rank, q, acks) -> dict:
     tokens: list[int] = []
     gaps = []
     while True:
-        item = rank.next_item(q)
+        item = rank.next_item(q, what="the decoder's next logits")
         if item is None:
             break
         i, logits = item
         if i != len(tokens) + 1:
             gaps.append(f"logits {i} after {len(tokens)}")
         tokens.append(int(torch.argmax(logits)))
+        del logits, item  # the decoder's memory: released before the next one comes
         rank.received = len(tokens)
-        rank.progressed()
     rank.synchronize()
     acks.put(rank.role)
     return {"tokens": tokens, "digest": tokens_digest(tokens), "gaps": gaps[:8]}

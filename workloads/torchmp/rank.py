@@ -18,6 +18,10 @@ class Rank(ContractRank):
         self.dev = torch.device("cuda", 0) if self.cfg["device"] == "cuda" else torch.device("cpu")
         if self.dev.type == "cuda":
             torch.cuda.set_device(self.dev)
+            # the context and the allocator's first segment now, before anything is received:
+            # PyTorch picks the expandable segments' handle type at a process's first
+            # allocation (pytorch/pytorch#179220: a consumer that rebuilds first fails)
+            torch.zeros(1, device=self.dev)
         elif self.cfg["cuinit"]:  # a CPU rehearsal under the shim: a participant all the same
             import ctypes
 

@@ -57,7 +57,7 @@ def _consume(rank: Rank, cfg: dict, q, acks) -> dict:
     rank.vas_fn = lambda: {f"storage {s}": t.data_ptr() for s, t in held}
     got, failures = [], []
     while True:
-        item = rank.next_item(q, len(got), cfg["consumer_hold_at"])
+        item = rank.next_item(q, len(got), cfg["consumer_hold_at"], "the producer's next tensor")
         if item is None:
             break
         seq, t = item
@@ -74,6 +74,7 @@ def _consume(rank: Rank, cfg: dict, q, acks) -> dict:
         held.append((seq, t))
         while len(held) > cfg["hold"]:
             held.popleft()
+        del t, item  # only ``held`` keeps a tensor of the producer's
     held.clear()
     rank.synchronize()
     acks.put(rank.role)
