@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import signal
 
 import pytest
@@ -38,6 +39,28 @@ CASES = [
     # (it saved; on a loaded machine its request may not have gone out yet: ACTIVE)
     ("during:capture", S2, "RUNNING", False),
 ]
+
+
+def _refused_naming_release(a, ranks: list[int], lock: dict, tmp_path: pathlib.Path) -> None:
+    """A job parked by a dead agent: the next checkpoint (exit 3, nothing created) and an
+    inspect of a rank (phase INSPECT) are refused, naming the dead agent, its request and the
+    ``release`` to run."""
+    rc, again = a.checkpoint(tmp_path / "again")
+    assert rc == 3 and again["error"]["outcome"] == "refused", again
+    assert (
+        f"`cuinterpose-agent release --pid {a.pid} --control-dir {a.ctl}`"
+        in (again["error"]["reason"])
+    ), again
+    assert not (tmp_path / "again").exists()
+    rc, ins = demo.run_agent(
+        "inspect", "--pid", str(ranks[0]), "--control-dir", str(a.ctl), "--driver", "fake"
+    )
+    assert rc == 3 and ins["error"]["phase"] == "INSPECT", ins
+    assert ins["error"]["reason"].startswith(
+        f"the agent (pid {lock['pid']}) that ran a checkpoint of root {a.pid} died (request id "
+        f"{lock['id']}), leaving it parked: run `cuinterpose-agent release --pid {a.pid} "
+        f"--control-dir {a.ctl}`; INSPECT refused"
+    ), ins
 
 
 @pytest.mark.parametrize(
@@ -78,22 +101,7 @@ def test_release_rolls_back_a_dead_agents_checkpoint(
     assert (snap / "criu" / str(a.pid) / "dump.log").is_file() is dumped
 
     # the next checkpoint and an inspect are refused naming the release (docs/agent.md)
-    rc, again = a.checkpoint(tmp_path / "again")
-    assert rc == 3 and again["error"]["outcome"] == "refused", again
-    assert (
-        f"`cuinterpose-agent release --pid {a.pid} --control-dir {a.ctl}`"
-        in (again["error"]["reason"])
-    ), again
-    assert not (tmp_path / "again").exists()
-    rc, ins = demo.run_agent(
-        "inspect", "--pid", str(ranks[0]), "--control-dir", str(a.ctl), "--driver", "fake"
-    )
-    assert rc == 3 and ins["error"]["phase"] == "INSPECT", ins
-    assert ins["error"]["reason"].startswith(
-        f"the agent (pid {lock['pid']}) that ran a checkpoint of root {a.pid} died (request id "
-        f"{lock['id']}), leaving it parked: run `cuinterpose-agent release --pid {a.pid} "
-        f"--control-dir {a.ctl}`; INSPECT refused"
-    ), ins
+    _refused_naming_release(a, ranks, lock, tmp_path)
 
     rc, rel = demo.run_agent("release", "--pid", str(a.pid), "--control-dir", str(a.ctl))
     assert rc == 0 and rel["ok"], rel
@@ -168,22 +176,7 @@ def test_release_after_the_manifest_keeps_the_snapshot_and_resumes_the_workload(
         "manifest done",
     ]
     # the next checkpoint and an inspect are refused naming the release (docs/agent.md)
-    rc, again = a.checkpoint(tmp_path / "again")
-    assert rc == 3 and again["error"]["outcome"] == "refused", again
-    assert (
-        f"`cuinterpose-agent release --pid {a.pid} --control-dir {a.ctl}`"
-        in (again["error"]["reason"])
-    ), again
-    assert not (tmp_path / "again").exists()
-    rc, ins = demo.run_agent(
-        "inspect", "--pid", str(ranks[0]), "--control-dir", str(a.ctl), "--driver", "fake"
-    )
-    assert rc == 3 and ins["error"]["phase"] == "INSPECT", ins
-    assert ins["error"]["reason"].startswith(
-        f"the agent (pid {lock['pid']}) that ran a checkpoint of root {a.pid} died (request id "
-        f"{lock['id']}), leaving it parked: run `cuinterpose-agent release --pid {a.pid} "
-        f"--control-dir {a.ctl}`; INSPECT refused"
-    ), ins
+    _refused_naming_release(a, ranks, lock, tmp_path)
 
     rc, rel = demo.run_agent("release", "--pid", str(a.pid), "--control-dir", str(a.ctl))
     assert rc == 0 and rel["ok"], rel

@@ -34,6 +34,7 @@ import time
 
 from cuinterpose.agent.snapshot.backends.api import TransferOptions
 from cuinterpose.agent.snapshot.backends.awsconf import S3Settings
+from cuinterpose.coordinator.contract import read_json
 from cuinterpose.coordinator.protocol import chunk_digest, cui_checksum64
 
 RCLONE = pathlib.Path(sysconfig.get_path("scripts")) / "rclone"
@@ -415,3 +416,14 @@ def sample_snapshot(d, *, seed=1, changed=(), big=1 << 20) -> dict:
         streams=[(PID, AID, b"".join(a)), (PID + 1, AID2, bytes(3 * CB))],
         gpu=[(PID, 0, gpu)],
     )
+
+
+def wait_json(path, what: str, proc, timeout_s: float = 120.0):
+    """The JSON object a job writes atomically at ``path``, once it is there. Fails naming
+    ``what`` when ``proc`` (a Popen, or None) exits first, or after ``timeout_s`` (a hang)."""
+    deadline = time.monotonic() + timeout_s
+    while (obj := read_json(path)) is None:
+        assert proc is None or proc.poll() is None, f"the job exited before {what}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
+        time.sleep(0.01)
+    return obj

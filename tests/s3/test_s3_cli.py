@@ -23,13 +23,11 @@ import pathlib
 import subprocess
 import sys
 import tempfile
-import time
 
 import pytest
-from s3_kit import FaultProxy, Rclone, aws_env, bucket_files, put_object, raw_client
+from s3_kit import FaultProxy, Rclone, aws_env, bucket_files, put_object, raw_client, wait_json
 
 from cuinterpose.agent.snapshot.backends import s3gc
-from cuinterpose.coordinator.contract import read_json
 from cuinterpose.workloads.afdwin import demo
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="CRIU needs root")
@@ -114,15 +112,6 @@ def test_afdwin_checkpointed_into_the_bucket_on_root_a_restores_on_an_empty_root
     assert bucket_files(rclone.root, bucket) == objs  # the restore wrote nothing there
 
 
-def _wait(path, what, proc, timeout_s=120.0):
-    deadline = time.monotonic() + timeout_s
-    while (obj := read_json(path)) is None:
-        assert proc is None or proc.poll() is None, f"the job exited before {what}"
-        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
-        time.sleep(0.01)
-    return obj
-
-
 def test_a_second_checkpoint_uploads_only_the_changed_chunks_and_delete_frees_the_first_ones(
     tmp_path, bucket, rclone
 ):
@@ -142,14 +131,14 @@ def test_a_second_checkpoint_uploads_only_the_changed_chunks_and_delete_frees_th
     opt += ["--chunk-bytes", str(CB)]
     locs = [f"s3://{bucket}/nodeA/s1", f"s3://{bucket}/nodeA/s2"]
     try:
-        _wait(run / "ready.json", "ready.json", job)
+        wait_json(run / "ready.json", "ready.json", job)
         rc, cp1 = _agent(
             env, "checkpoint", "--images-dir", locs[0], *opt, "--leave-running",
             "--local-dir", str(root_a / "s1"), "--keep-local",
         )  # fmt: skip
         assert rc == 0 and cp1["ok"], cp1
         after1 = bucket_files(rclone.root, bucket)
-        changed = _wait(run / "changed-1.json", "the change after the first cut", job)
+        changed = wait_json(run / "changed-1.json", "the change after the first cut", job)
         rc, cp2 = _agent(
             env, "checkpoint", "--images-dir", locs[1], *opt, "--local-dir", str(root_a / "s2")
         )
@@ -197,7 +186,7 @@ def test_a_second_checkpoint_uploads_only_the_changed_chunks_and_delete_frees_th
     )
     assert rc == 0 and rs["ok"], json.dumps(rs.get("error"), indent=1)
     assert rs["local_dir"] == str(local_b) and not rs["local_kept"] and not local_b.exists()
-    res = _wait(run / "result.json", "the restored job's result", None)
+    res = wait_json(run / "result.json", "the restored job's result", None)
     assert (res["restored"], res["verified"], res["bytes_compared"]) == (True, True, 2 * SIZE)
     assert res["creator_sha256"] == res["importer_sha256"] == changed["sha256"]
 

@@ -23,14 +23,12 @@ import pathlib
 import subprocess
 import sys
 import tempfile
-import time
 
 import pytest
-from s3_kit import bucket_files, tree_digest
+from s3_kit import bucket_files, tree_digest, wait_json
 
 from cuinterpose.agent.snapshot import backends, store
 from cuinterpose.agent.snapshot.backends import layout, s3gc
-from cuinterpose.coordinator.contract import read_json
 from cuinterpose.workloads.afdwin import demo
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="CRIU needs root")
@@ -81,15 +79,6 @@ def test_afdwin_checkpointed_on_root_a_restores_from_the_bucket_on_root_b(
     assert (summary["restores_seen"], summary["lost"], summary["duplicated"]) == (1, 0, 0)
 
 
-def _wait(path, what, proc, timeout_s=120.0):
-    deadline = time.monotonic() + timeout_s
-    while (obj := read_json(path)) is None:
-        assert proc is None or proc.poll() is None, f"the job exited before {what}"
-        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
-        time.sleep(0.01)
-    return obj
-
-
 def test_incremental_checkpoints_share_chunks_in_the_bucket_and_restore_signed_on_root_b(
     tmp_path, bucket, opts, rclone
 ):
@@ -112,12 +101,12 @@ def test_incremental_checkpoints_share_chunks_in_the_bucket_and_restore_signed_o
     opt = ["--pid", str(job.pid), "--driver", "fake", "--control-dir", str(ctl), "--incremental"]
     opt += ["--chunk-bytes", str(CB)]
     try:
-        _wait(run / "ready.json", "ready.json", job)
+        wait_json(run / "ready.json", "ready.json", job)
         rc, cp1 = demo.run_agent(
             "checkpoint", "--images-dir", str(root / "s1"), *opt, "--leave-running", env=env
         )
         assert rc == 0 and cp1["ok"], cp1
-        changed = _wait(run / "changed-1.json", "the change after the first cut", job)
+        changed = wait_json(run / "changed-1.json", "the change after the first cut", job)
         rc, cp2 = demo.run_agent("checkpoint", "--images-dir", str(root / "s2"), *opt, env=env)
         assert rc == 0 and cp2["ok"], cp2
         job.wait(timeout=120)
@@ -167,6 +156,6 @@ def test_incremental_checkpoints_share_chunks_in_the_bucket_and_restore_signed_o
     assert (len(data), hashlib.sha256(data).hexdigest()) == (SIZE, changed["sha256"])
     rc, rs = demo.run_agent("restore", "--images-dir", str(dst), "--driver", "fake", env=env)
     assert rc == 0 and rs["ok"], json.dumps(rs["error"], indent=1)
-    res = _wait(run / "result.json", "the restored job's result", None)
+    res = wait_json(run / "result.json", "the restored job's result", None)
     assert (res["restored"], res["verified"], res["bytes_compared"]) == (True, True, 2 * SIZE)
     assert res["creator_sha256"] == res["importer_sha256"] == changed["sha256"]
