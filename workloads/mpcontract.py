@@ -194,7 +194,11 @@ def serve(ranks: Ranks) -> list[dict]:
     try:
         while ranks.active():
             ranks.poll()
-            dead = [f"{r} exited {c}" for r, c in ranks.exits().items() if c not in (None, 0)]
+            dead = [
+                f"{r} pid {p.pid} exited {p.exitcode}"
+                for r, p in zip(ranks.roles, ranks.procs)
+                if p.exitcode not in (None, 0)
+            ]
             if ranks.failed or dead:
                 raise RuntimeError(f"{'; '.join(ranks.failed + dead)}: the other ranks are stopped")
             req = contract.read_json(contract.quiesce_path(ctl, root, "request"))

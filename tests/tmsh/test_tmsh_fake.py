@@ -129,6 +129,10 @@ def test_a_rank_killed_stops_the_others_and_the_summary_names_it(tmsh):
     os.kill(roles["consumer1"], signal.SIGKILL)
     assert run.finish() == 1
     (s,) = run.of("summary")
-    assert f"consumer1 exited {-signal.SIGKILL}: the other ranks are stopped" in s["problems"], s
+    pid = roles["consumer1"]
+    assert (
+        f"consumer1 pid {pid} exited {-signal.SIGKILL}: the other ranks are stopped"
+        in s["problems"]
+    ), s
     assert s["rank_exit"]["consumer1"] == -signal.SIGKILL
     assert all(not demo.pid_alive(p) for p in roles.values())
